@@ -1,0 +1,32 @@
+# The two commands README.md promises: `make demo` (the main job) and `make test`.
+# Both create .venv on first use. torch is pinned to the CPU wheel on disk: an unpinned torch
+# would pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: install demo test test-fast lint bench
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/meshtrain demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow and not nat"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check meshtrain tests scripts
+
+bench: $(STAMP)
+	$(PY) scripts/bench_transport.py
+	$(PY) scripts/bench_allreduce.py

@@ -1,0 +1,41 @@
+"""meshtrain: many machines train one PyTorch model together, peer to peer.
+
+The public API is small (README.md, "Python API"):
+
+- `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python.
+- `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
+  `NoLoCo` are built on it.
+- `Collective`, `ReduceResult` — what an outer optimizer talks to.
+
+Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `optim`, `pipeline` and
+`node` (shared/ARCHITECTURE.md). Names are imported on first use, so `import meshtrain` (and
+`meshtrain --version`) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Node": "meshtrain.node.daemon",
+    "NodeConfig": "meshtrain.node.config",
+    "SwarmSpec": "meshtrain.node.config",
+    "SignedSpec": "meshtrain.node.swarm_spec",
+    "OuterOptimizer": "meshtrain.optim.outer",
+    "DiLoCo": "meshtrain.optim.diloco",
+    "StreamingDiLoCo": "meshtrain.optim.streaming",
+    "NoLoCo": "meshtrain.optim.noloco",
+    "Collective": "meshtrain.optim.collective",
+    "ReduceResult": "meshtrain.optim.collective",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")

@@ -1,0 +1,560 @@
+"""`SwarmView`: the swarm's membership, progress, metrics and run config, as one typed object.
+
+Every peer holds the same view without a leader because all four are CRDTs kept by a `Replica`:
+
+- **membership** — one signed record per peer (an `LWWRegister` read per owner: each owner's
+  latest entry is its record, and only its key can sign it): heartbeat time, a lease (how long
+  the heartbeat vouches for the peer), addresses, role, capabilities, connection type, and a
+  `left` flag. A peer is *live* while `heartbeat + lease` has not passed (and the heartbeat is
+  not more than `max_clock_skew` in the future) and it has not left. A clean `leave()` writes the
+  record with `left=True` and hands it to peers before the process exits, so others drop the peer
+  at once instead of when its lease runs out.
+- **progress** — per-peer record {step, samples, outer_round} (same per-owner register).
+- **metrics** — per-peer record of a few latest numbers (loss, throughput, ...).
+- **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
+  rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
+  `NotSwarmOwner` locally.
+
+Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
+so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
+that owner. Record bodies are checked (`_check_*`, the same rules on every peer) before merging,
+so a malformed record is rejected everywhere, never half-read.
+
+Liveness is a pure function of the replicated state and a reference time (`now_ms`), so
+`membership_snapshot(now_ms)` gives the same sorted peer list on every peer that holds the same
+state — pass the same reference time (e.g. a round's scheduled start) when peers must agree.
+Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
+
+Heartbeat rate. Every heartbeat is flooded to every peer, so at a fixed interval each peer would
+forward O(N) messages per second — about 25 gossipsub frames/s per peer at 32 peers and a 3 s
+interval, ~1.5 ms of py-libp2p CPU each. So the interval stretches with the swarm: it is
+`max(heartbeat_interval, live peers / swarm_heartbeat_rate)`, at most `max_heartbeat_interval`,
+and the lease scales with it (`ttl` is the lease at the shortest interval). The lease is in the
+signed record, so every reader judges a peer by the same numbers and liveness stays a pure
+function of the state and the reference time.
+
+Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
+they go out with the next heartbeat, except an outer-round change, which is written at once.
+
+Not here: gossip, anti-entropy and merging (`replica.py`), choosing whom to connect to
+(transport, dht), and what the config keys mean (node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+import trio
+
+from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
+from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
+from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.framing import packb
+from meshtrain.transport.host import Host
+
+log = get_logger(__name__)
+
+MEMBERSHIP = "membership"
+PROGRESS = "progress"
+METRICS = "metrics"
+CONFIG = "config"
+
+DEFAULT_HEARTBEAT_INTERVAL = 3.0
+DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
+DEFAULT_MAX_HEARTBEAT_INTERVAL = 15.0
+DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm
+MIN_LEASE_MS, MAX_LEASE_MS = 100, 3_600_000
+DEFAULT_MAX_CLOCK_SKEW = 30.0
+DEFAULT_LEAVE_TIMEOUT = 2.0
+
+MAX_ADDRS = 16
+MAX_ADDR_CHARS = 512
+MAX_LABEL_CHARS = 64  # role, connection type, metric names
+MAX_CAPABILITIES_BYTES = 4096
+MAX_METRICS = 32
+INT64_MAX = (1 << 63) - 1
+
+
+class NotSwarmOwner(NotAWriter):
+    """Only the swarm owner's key may change the run config."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer's latest membership record."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    role: str
+    capabilities: dict[str, Any]
+    connection: str
+    last_heartbeat_ms: int
+    lease_ms: int
+    left: bool
+    seq: int  # the record's entry seq: grows across the peer's restarts
+
+    def is_live(self, now: int, max_skew_ms: int) -> bool:
+        beat = self.last_heartbeat_ms
+        return not self.left and beat <= now + max_skew_ms and now <= beat + self.lease_ms
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer_id: str
+    step: int
+    samples: int
+    outer_round: int
+    updated_ms: int
+
+
+@dataclass(frozen=True)
+class PeerMetrics:
+    peer_id: str
+    values: dict[str, float]
+    updated_ms: int
+
+
+# --- record rules (the same on every peer: a malformed record is rejected everywhere) ------------
+
+
+def _record(entry: SignedEntry) -> Any:
+    body = entry.body
+    if not isinstance(body, list) or len(body) != 2:
+        raise CrdtError("a record entry's body is [timestamp, record]")
+    if not isinstance(body[1], dict):
+        raise CrdtError("a record must be a map")
+    return body[1]
+
+
+def _label(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_LABEL_CHARS:
+        raise CrdtError(f"{what} must be a str of at most {MAX_LABEL_CHARS} characters")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise CrdtError(f"{what} must be an int in 0..2**63-1")
+    return value
+
+
+def check_membership(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if set(rec) != {"addrs", "role", "caps", "conn", "lease", "left"}:
+        raise CrdtError("a membership record has exactly addrs, role, caps, conn, lease, left")
+    lease = rec["lease"]
+    if isinstance(lease, bool) or not isinstance(lease, int):
+        raise CrdtError("lease must be an int (milliseconds)")
+    if not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
+        raise CrdtError(f"lease must be in {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
+    addrs = rec["addrs"]
+    if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS:
+        raise CrdtError(f"addrs must be a list of at most {MAX_ADDRS}")
+    for a in addrs:
+        if not isinstance(a, str) or len(a) > MAX_ADDR_CHARS:
+            raise CrdtError(f"an address must be a str of at most {MAX_ADDR_CHARS} characters")
+    _label(rec["role"], "role")
+    _label(rec["conn"], "connection type")
+    if not isinstance(rec["caps"], dict) or len(packb(rec["caps"])) > MAX_CAPABILITIES_BYTES:
+        raise CrdtError(f"caps must be a map of at most {MAX_CAPABILITIES_BYTES} encoded bytes")
+    if not isinstance(rec["left"], bool):
+        raise CrdtError("left must be a bool")
+
+
+def check_progress(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if set(rec) != {"step", "samples", "round"}:
+        raise CrdtError("a progress record has exactly step, samples, round")
+    for key in ("step", "samples", "round"):
+        _count(rec[key], key)
+
+
+def check_metrics(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if len(rec) > MAX_METRICS:
+        raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
+    for key, value in rec.items():
+        _label(key, "a metric name")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CrdtError(f"metric {key!r} must be a number")
+
+
+def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
+    """The CRDTs a `SwarmView` needs; pass them (plus any of your own) to its `Replica`."""
+    return [
+        CrdtSpec(MEMBERSHIP, LWWRegister.type_tag, check=check_membership),
+        CrdtSpec(PROGRESS, LWWRegister.type_tag, check=check_progress),
+        CrdtSpec(METRICS, LWWRegister.type_tag, check=check_metrics),
+        CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
+    ]
+
+
+class SwarmView:
+    """The swarm as this peer sees it: who is live, how far everyone is, and the run config.
+
+    Parameters:
+    - `replica`: a `Replica` built with `swarm_specs(swarm_owner)` (checked on entry).
+    - `swarm_owner`: the peer id whose key alone may write the config.
+    - `role`, `capabilities`, `connection`: what this peer announces in its membership record
+      (`capabilities` is a small msgpack map, e.g. {"gpu": "A100", "vram_gib": 80}).
+    - `addrs`: addresses to announce (default: the host's).
+    - `heartbeat_interval`, `ttl`: the shortest heartbeat interval and the lease at that
+      interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
+      keep the swarm at about `swarm_heartbeat_rate` heartbeats per second (module docstring).
+    - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
+    - `recover_timeout`: how long `__aenter__` waits to pull the swarm's state (and our own
+      earlier records, after a restart) before the first heartbeat.
+
+    Use as `async with SwarmView(replica, owner) as view:`; leaving the block leaves the swarm
+    cleanly (`leave()`) unless the peer already left. If the process dies instead, others drop it
+    once its lease runs out.
+    """
+
+    def __init__(
+        self,
+        replica: Replica,
+        swarm_owner: str,
+        *,
+        role: str = "trainer",
+        capabilities: Mapping[str, Any] | None = None,
+        connection: str = "direct",
+        addrs: Iterable[str] | None = None,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        ttl: float = DEFAULT_TTL,
+        max_heartbeat_interval: float = DEFAULT_MAX_HEARTBEAT_INTERVAL,
+        swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
+        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
+        recover_timeout: float = 5.0,
+    ) -> None:
+        if not 0 < heartbeat_interval < ttl or max_heartbeat_interval < heartbeat_interval:
+            raise CrdtError(
+                "need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval"
+            )
+        if swarm_heartbeat_rate <= 0:
+            raise CrdtError("swarm_heartbeat_rate must be positive")
+        longest_lease_ms = ttl * max_heartbeat_interval / heartbeat_interval * 1000
+        if ttl * 1000 < MIN_LEASE_MS or longest_lease_ms > MAX_LEASE_MS:
+            raise CrdtError(f"leases must stay within {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
+        self.replica = replica
+        self.swarm_owner = swarm_owner
+        self.me = replica.me
+        self.role = _label(role, "role")
+        self.capabilities = dict(capabilities or {})
+        check_value(self.capabilities, what="capabilities")
+        if len(packb(self.capabilities)) > MAX_CAPABILITIES_BYTES:
+            raise CrdtError(f"capabilities must encode to at most {MAX_CAPABILITIES_BYTES} bytes")
+        self.connection = _label(connection, "connection type")
+        self._addrs = list(addrs) if addrs is not None else None
+        self.heartbeat_interval = heartbeat_interval
+        self.max_heartbeat_interval = max_heartbeat_interval
+        self.swarm_heartbeat_rate = swarm_heartbeat_rate
+        self.ttl = ttl
+        self.max_skew_ms = int(max_clock_skew * 1000)
+        self.recover_timeout = recover_timeout
+        self._left = False
+        self._progress = {"step": 0, "samples": 0, "round": 0}
+        self._progress_dirty = False
+        self._progress_written = False
+        self._metrics: dict[str, float] = {}
+        self._metrics_dirty = False
+        self._rewrite = trio.Event()  # set when our records must be written again at once
+        self._nursery: trio.Nursery | None = None
+        self._nursery_cm: Any = None
+        self._check_replica()
+        replica.on_change(self._on_change)
+
+    @property
+    def swarm_id(self) -> str:
+        return self.replica.namespace
+
+    @property
+    def is_owner(self) -> bool:
+        return self.me == self.swarm_owner
+
+    def _check_replica(self) -> None:
+        for spec in swarm_specs(self.swarm_owner):
+            try:
+                have = self.replica.spec(spec.name)
+            except CrdtError:
+                raise CrdtError(
+                    f"the replica lacks CRDT {spec.name!r}: build it with swarm_specs(owner)"
+                ) from None
+            if have.type_tag != spec.type_tag or have.writers != spec.writers:
+                raise CrdtError(
+                    f"the replica's CRDT {spec.name!r} is not the one swarm_specs("
+                    f"{self.swarm_owner!r}) describes (type or writers differ)"
+                )
+
+    # --- membership -----------------------------------------------------------------------------
+
+    def heartbeat(self) -> SignedEntry | None:
+        """Write our membership record now (and pending progress/metrics). None after `leave`."""
+        if self._left:
+            return None
+        entry = self._write_membership(left=False)
+        self._flush_reports()
+        return entry
+
+    def current_interval(self) -> float:
+        """Seconds between our heartbeats now: longer in a bigger swarm (module docstring)."""
+        live = sum(1 for p in self.peers() if p.is_live(now_ms(), self.max_skew_ms))
+        return min(
+            self.max_heartbeat_interval,
+            max(self.heartbeat_interval, live / self.swarm_heartbeat_rate),
+        )
+
+    def _write_membership(self, *, left: bool) -> SignedEntry | None:
+        lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
+        record = {
+            "addrs": list(self._addrs if self._addrs is not None else self.replica.host.addrs)[
+                :MAX_ADDRS
+            ],
+            "role": self.role,
+            "caps": self.capabilities,
+            "conn": self.connection,
+            "lease": lease_ms,
+            "left": left,
+        }
+        ts = now_ms()
+        return self.replica.write(MEMBERSHIP, lambda c, me: c.set(me, record, timestamp=ts))
+
+    def set_connection(self, connection: str, addrs: Iterable[str] | None = None) -> None:
+        """Change what we announce about how we are reached — the connection type (e.g. "public",
+        "relayed" once a private peer holds relay reservations) and, if given, the addresses
+        (e.g. our circuit addresses) — and write our record at once (not at the next heartbeat)."""
+        self.connection = _label(connection, "connection type")
+        if addrs is not None:
+            self._addrs = list(addrs)
+        self._rewrite.set()
+
+    async def leave(self, timeout: float = DEFAULT_LEAVE_TIMEOUT) -> None:
+        """Leave the swarm cleanly: write `left`, stop heartbeating, hand the record to peers."""
+        if self._left:
+            return
+        self._left = True
+        self._write_membership(left=True)
+        with trio.CancelScope(shield=True):
+            await self.replica.flush(timeout)
+        log.info(kv("left swarm", swarm=self.swarm_id, peer=self.me))
+
+    @property
+    def has_left(self) -> bool:
+        return self._left
+
+    def peers(self) -> list[PeerInfo]:
+        """Every peer with a membership record, live or not, sorted by peer id."""
+        crdt = self.replica.crdt(MEMBERSHIP)
+        out = []
+        for entry in crdt.entries():
+            ts, rec = entry.body
+            out.append(
+                PeerInfo(
+                    peer_id=entry.owner,
+                    addrs=tuple(rec["addrs"]),
+                    role=rec["role"],
+                    capabilities=dict(rec["caps"]),
+                    connection=rec["conn"],
+                    last_heartbeat_ms=ts,
+                    lease_ms=rec["lease"],
+                    left=rec["left"],
+                    seq=entry.seq,
+                )
+            )
+        return out
+
+    def live_peers(self, now: int | None = None) -> list[PeerInfo]:
+        """Peers whose lease covers `now` (ms since the epoch; default: now) and that have not
+        left, sorted by peer id."""
+        at = now_ms() if now is None else now
+        return [p for p in self.peers() if p.is_live(at, self.max_skew_ms)]
+
+    def is_live(self, peer_id: str, now: int | None = None) -> bool:
+        return any(p.peer_id == peer_id for p in self.live_peers(now))
+
+    def membership_snapshot(self, now: int | None = None) -> list[str]:
+        """Sorted ids of the live peers at `now`: identical on peers with identical state and
+        the same `now` (the all-reduce's `membership(round_id)` callback)."""
+        return [p.peer_id for p in self.live_peers(now)]
+
+    # --- progress and metrics -------------------------------------------------------------------
+
+    def report_progress(
+        self,
+        *,
+        step: int | None = None,
+        samples: int | None = None,
+        outer_round: int | None = None,
+    ) -> None:
+        """Record our progress; it goes out with the next heartbeat, at once if the outer round
+        changed."""
+        new = dict(self._progress)
+        for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
+            if value is not None:
+                new[key] = _count(value, key)
+        round_changed = new["round"] != self._progress["round"]
+        self._progress = new
+        self._progress_dirty = True
+        if round_changed and not self._left:
+            self._write_progress()
+
+    def report_metrics(self, values: Mapping[str, float]) -> None:
+        """Record our latest metrics (merged into the previous ones); sent with the next heartbeat."""
+        merged = {**self._metrics, **values}
+        if len(merged) > MAX_METRICS:
+            raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
+        for key, value in merged.items():
+            _label(key, "a metric name")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CrdtError(f"metric {key!r} must be a number")
+        self._metrics = merged
+        self._metrics_dirty = True
+
+    def _write_progress(self) -> None:
+        rec = dict(self._progress)
+        ts = now_ms()
+        self.replica.write(PROGRESS, lambda c, me: c.set(me, rec, timestamp=ts))
+        self._progress_dirty = False
+        self._progress_written = True
+
+    def _write_metrics(self) -> None:
+        rec = dict(self._metrics)
+        ts = now_ms()
+        self.replica.write(METRICS, lambda c, me: c.set(me, rec, timestamp=ts))
+        self._metrics_dirty = False
+
+    def _flush_reports(self) -> None:
+        if self._progress_dirty:
+            self._write_progress()
+        if self._metrics_dirty:
+            self._write_metrics()
+
+    def progress(self) -> dict[str, PeerProgress]:
+        """peer id -> its latest progress record."""
+        return {
+            e.owner: PeerProgress(e.owner, e.body[1]["step"], e.body[1]["samples"],
+                                  e.body[1]["round"], e.body[0])
+            for e in self.replica.crdt(PROGRESS).entries()
+        }
+
+    def outer_round(self) -> int | None:
+        """The highest outer round any peer has reported (None before any report)."""
+        rounds = [p.outer_round for p in self.progress().values()]
+        return max(rounds) if rounds else None
+
+    def total_samples(self) -> int:
+        return sum(p.samples for p in self.progress().values())
+
+    def metrics(self) -> dict[str, PeerMetrics]:
+        """peer id -> its latest metrics."""
+        return {
+            e.owner: PeerMetrics(e.owner, dict(e.body[1]), e.body[0])
+            for e in self.replica.crdt(METRICS).entries()
+        }
+
+    # --- config ---------------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        """The run config as the swarm owner last wrote it."""
+        return cast(LWWMap, self.replica.crdt(CONFIG)).value()
+
+    def set_config(self, values: Mapping[str, Any] | None = None, **more: Any) -> SignedEntry:
+        """Set config keys (owner only): `view.set_config(lr=0.7)` or `set_config({"lr": 0.7})`."""
+        updates = {**(values or {}), **more}
+        if not updates:
+            raise CrdtError("set_config needs at least one key")
+        self._require_owner()
+
+        def mutate(crdt: Any, me: Any) -> SignedEntry | None:
+            entry = None
+            for key in sorted(updates):
+                entry = crdt.set(me, key, updates[key])
+            return entry
+
+        return _written(self.replica.write(CONFIG, mutate))
+
+    def delete_config(self, key: str) -> SignedEntry:
+        self._require_owner()
+        return _written(self.replica.write(CONFIG, lambda c, me: c.delete(me, key)))
+
+    def _require_owner(self) -> None:
+        if not self.is_owner:
+            raise NotSwarmOwner(
+                f"peer {self.me} is not the owner of swarm {self.swarm_id!r} ({self.swarm_owner}); "
+                "only the owner's key can change the run config"
+            )
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def _on_change(self, event: ChangeEvent) -> None:
+        # An entry of ours from a previous incarnation beat what we wrote since restarting (or
+        # arrived before we wrote): write our records again on top of it.
+        if event.own_superseded and event.crdt in (MEMBERSHIP, PROGRESS, METRICS):
+            if event.crdt == PROGRESS and not self._progress_written:
+                return  # nothing reported in this process yet: the old record stands
+            if event.crdt == METRICS and not self._metrics:
+                return
+            if event.crdt == PROGRESS:
+                self._progress_dirty = True
+            if event.crdt == METRICS:
+                self._metrics_dirty = True
+            self._rewrite.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._left:
+            with trio.move_on_after(self.current_interval()):
+                await self._rewrite.wait()
+            self._rewrite = trio.Event()
+            self.heartbeat()
+
+    async def __aenter__(self) -> SwarmView:
+        await self.replica.recover(self.recover_timeout)
+        self.heartbeat()
+        cm = trio.open_nursery()
+        self._nursery = await cm.__aenter__()
+        self._nursery_cm = cm
+        self._nursery.start_soon(self._heartbeat_loop)
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        """Leave cleanly on a normal exit; on an exception (a crash, a cancellation) just stop,
+        and peers drop us when our lease runs out. A daemon shutting down on a signal calls `leave()`
+        itself first."""
+        cm, self._nursery_cm = self._nursery_cm, None
+        try:
+            if not self._left and exc[0] is None:
+                await self.leave()
+        finally:
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
+            self._nursery = None
+        return None if cm is None else await cm.__aexit__(*exc)
+
+
+def _written(entry: SignedEntry | None) -> SignedEntry:
+    if entry is None:  # LWWMap set/delete always write; a None here is a bug, not peer input
+        raise CrdtError("config write produced no entry")
+    return entry
+
+
+@asynccontextmanager
+async def open_swarm_view(
+    host: Host,
+    swarm_id: str,
+    swarm_owner: str,
+    *,
+    replica_config: ReplicaConfig | None = None,
+    extra_specs: Iterable[CrdtSpec] = (),
+    **view_options: Any,
+) -> AsyncIterator[SwarmView]:
+    """A `Replica` with the swarm's CRDTs (plus `extra_specs`) and a `SwarmView` over it."""
+    specs = [*swarm_specs(swarm_owner), *extra_specs]
+    async with (
+        Replica(host, swarm_id, specs, config=replica_config) as replica,
+        SwarmView(replica, swarm_owner, **view_options) as view,
+    ):
+        yield view
+

@@ -1,0 +1,188 @@
+"""Swarm discovery: every node announces itself under `/meshtrain/<swarm>/peers`.
+
+Each node stores one record under that key with subkey = its own peer id (so only it can write
+it, and the storing nodes merge everyone's announcements into one dictionary) and value =
+`{"addrs", "role", "caps", "version"}`. The record expires after `ttl` seconds and the node
+re-announces every `refresh_interval` seconds, so a crashed node disappears within `ttl`
+without anyone deleting it, and a node restarted with the same identity overwrites its old
+announcement (same subkey, later expiry) instead of appearing twice.
+
+`peers()` reads the key and returns the live announcements that validate twice: as records
+(signature, expiry, owner — `records.py`) and as announcements (shape, sizes, addresses that
+name their owner). A malformed one is skipped and logged, never raised.
+
+Not here: dialling the peers found (callers decide whom to connect to), mDNS (off; py-libp2p has
+it, but the DHT already works on every network we run on), leaving gracefully (an announcement
+cannot be withdrawn before it expires; a shorter `ttl` makes departures visible sooner).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+import meshtrain
+from meshtrain.dht.kademlia import Dht
+from meshtrain.dht.records import DhtError, Record
+from meshtrain.errors import ConfigError
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import parse_multiaddr, peer_id_of
+
+log = get_logger(__name__)
+
+DEFAULT_TTL = 60.0
+DEFAULT_REFRESH_INTERVAL = 20.0
+DEFAULT_RETRY_INTERVAL = 2.0
+MAX_ANNOUNCED_ADDRS = 16
+MAX_ROLE_CHARS = 64
+MAX_VERSION_CHARS = 64
+
+
+def peers_key(swarm_id: str) -> str:
+    return f"/meshtrain/{swarm_id}/peers"
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """What a node announces and how often.
+
+    role: what the node does in the swarm (e.g. "trainer", "relay", "observer").
+    capabilities: small msgpack-able map (device, memory, stages it can host, ...).
+    ttl: seconds an announcement lives; a dead node vanishes from `peers()` within it.
+    refresh_interval: seconds between re-announcements; must be well below `ttl`.
+    retry_interval: seconds before retrying a failed announcement.
+    """
+
+    role: str = "peer"
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    ttl: float = DEFAULT_TTL
+    refresh_interval: float = DEFAULT_REFRESH_INTERVAL
+    retry_interval: float = DEFAULT_RETRY_INTERVAL
+
+    def __post_init__(self) -> None:
+        if not 0 < self.refresh_interval < self.ttl:
+            raise ConfigError("discovery refresh_interval must be positive and below ttl")
+        if self.retry_interval <= 0:
+            raise ConfigError("discovery retry_interval must be positive")
+        if len(self.role) > MAX_ROLE_CHARS:
+            raise ConfigError(f"role must be at most {MAX_ROLE_CHARS} characters")
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One live peer as it announced itself."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    role: str
+    capabilities: dict[str, Any]
+    version: str
+    expiry: float
+
+    @classmethod
+    def from_record(cls, record: Record) -> Announcement | None:
+        """The announcement in a validated record, or None if it is not a well-formed one."""
+        if record.subkey != record.owner:
+            return None
+        value = record.decoded
+        if not isinstance(value, dict):
+            return None
+        addrs, role, caps, version = (value.get(k) for k in ("addrs", "role", "caps", "version"))
+        if not isinstance(addrs, list) or len(addrs) > MAX_ANNOUNCED_ADDRS:
+            return None
+        if not isinstance(role, str) or len(role) > MAX_ROLE_CHARS:
+            return None
+        if not isinstance(caps, dict) or not isinstance(version, str) or len(version) > MAX_VERSION_CHARS:
+            return None
+        good = []
+        for a in addrs:
+            try:
+                if isinstance(a, str) and peer_id_of(parse_multiaddr(a)) == record.owner:
+                    good.append(a)
+            except Exception:  # not a multiaddr of this owner: drop that address only
+                continue
+        return cls(record.owner, tuple(good), role, caps, version, record.expiry)
+
+
+class Discovery:
+    """Announces this node and lists the swarm's live peers. `async with Discovery(dht) as d:`.
+
+    dht: a running `Dht`.
+    config: `DiscoveryConfig`.
+
+    Entering announces once (a failure is logged and retried every `retry_interval`) and starts
+    the refresh task; leaving stops it. Bootstrap the DHT first: a node that is still alone
+    announces only to itself until its next refresh.
+    """
+
+    def __init__(self, dht: Dht, config: DiscoveryConfig | None = None) -> None:
+        self.dht = dht
+        self.config = config or DiscoveryConfig()
+        self.key = peers_key(dht.swarm_id)
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> Discovery:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            ok = await self._announce_logged()
+            self._nursery.start_soon(self._refresh_loop, ok)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        stack, self._stack = self._stack, None
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        if stack is None:
+            return None
+        return await stack.__aexit__(*exc)
+
+    def announcement_value(self) -> dict[str, Any]:
+        return {
+            "addrs": self.dht.host.addrs[:MAX_ANNOUNCED_ADDRS],
+            "role": self.config.role,
+            "caps": dict(self.config.capabilities),
+            "version": meshtrain.__version__,
+        }
+
+    async def announce(self) -> int:
+        """Store our announcement now; returns the number of replicas. Raises `DhtError`."""
+        expiry = time.time() + self.config.ttl
+        return await self.dht.store(
+            self.key, self.announcement_value(), expiry, subkey=self.dht.peer_id
+        )
+
+    async def peers(self) -> list[Announcement]:
+        """The swarm's live, validated announcements (ours included), sorted by peer id."""
+        out = []
+        for record in (await self.dht.get_records(self.key)).values():
+            ann = Announcement.from_record(record)
+            if ann is None:
+                log.warning(kv("malformed peer announcement", owner=record.owner))
+                continue
+            out.append(ann)
+        return sorted(out, key=lambda a: a.peer_id)
+
+    async def _announce_logged(self) -> bool:
+        try:
+            n = await self.announce()
+        except DhtError as e:
+            log.info(kv("announcement failed, will retry", error=e))
+            return False
+        log.debug(kv("announced", key=self.key, replicas=n))
+        return True
+
+    async def _refresh_loop(self, ok: bool) -> None:
+        while True:
+            await trio.sleep(self.config.refresh_interval if ok else self.config.retry_interval)
+            ok = await self._announce_logged()

@@ -1,0 +1,870 @@
+"""`Dht`: Kademlia routing from py-libp2p, our own signed-record STORE/GET over meshtrain RPC.
+
+The problem. The swarm needs a key-value store with no owner: a key's records live on the
+`replication` peers whose ids are closest (XOR of SHA-256 hashes) to the key, any peer can find
+them in a few round trips, and peers join, crash and lie.
+
+What py-libp2p 0.8.1's kad-dht can and cannot do (read from `libp2p/kad_dht/`, `records/`):
+- Validators *can* be plugged in: `NamespacedValidator({"ns": Validator})`, a `Validator` has
+  `validate(key, value)` and `select(key, [values]) -> index`, with `strict_validation` to
+  refuse unnamespaced keys. But a storing node *cannot merge*: on PUT_VALUE it keeps either the
+  existing record or the new one (`select` over the two), so two owners storing subkeys of one
+  key would overwrite each other. `get_value` answers from the local store without asking the
+  network if it holds the key, keeps one "best" value across replicas (`select`), and pushes it
+  back to the others ("entry correction"), again replacing rather than merging. Expiry is the
+  storing node's (24 h from receipt, served up to 48 h), not the writer's. Its value store
+  accepts up to 50,000 records of up to 1 MiB from anyone unless a strict validator is set.
+- So we use kad-dht for what it does well: the routing table (k-buckets with splitting,
+  eviction of dead peers by ping), answering other peers' FIND_NODE, its periodic refresh, and
+  `find_peer`. Its value store is closed: a strict validator that refuses every PUT_VALUE.
+- STORE and GET are meshtrain RPCs (`dht/find`, `dht/store`), one protocol file: this one.
+
+Design.
+- **Lookup** (`_lookup`): iterative, like Kademlia's FIND_VALUE. Seeds are the routing table's
+  closest peers (plus connected peers while the table is small). Up to `alpha` `dht/find`
+  queries are in flight; each reply carries the queried peer's closest known peers (with
+  addresses) and, for a get, its live records for the key. The lookup ends when the
+  `replication` closest peers not known to be dead have all answered, or at `lookup_timeout`
+  with what it has. In a swarm whose routing tables are complete (small swarms) that is one
+  round trip. A query outstanding for more than 4x the lookup's median answer time (within
+  `straggler_min..straggler_max`) makes its peer a *straggler*: the next closest peer is asked
+  instead, and the straggler's query finishes in the background, so a crashed peer (py-libp2p
+  needs ~0.7 s to fail a dial to a closed port, `rpc_timeout` for a peer that vanished without
+  closing its connection) costs a lookup ~0.1 s, not its timeout. Until that query settles the
+  peer is *suspect* and other lookups skip it. A call that fails fast (refused, reset) marks
+  the peer dead: dropped from the routing table and skipped for `dead_peer_ttl` (or until it
+  connects to us again). A timeout is only a strike (our own event loop may be the one that
+  is starved); the second in a row marks it dead.
+- **Store**: sign, validate locally, look the key up, send the record to the `replication`
+  closest peers that answered (ourselves included when we are among them). Each storing node
+  validates and merges (`RecordStore`). Returns how many replicas accepted it.
+- **Get**: the union (merge) of our local entries and every valid record the lookup saw;
+  records that fail validation are dropped and logged with the peer that sent them. Replicas
+  among the closest that lacked an entry are repaired in the background (read repair), which
+  heals replicas lost to churn without any client read-modify-write.
+- **Routing table feeding**: `host.connect` does not fill kad's table, so a network notifee
+  queues every new connection; a task waits for identify (so only peers that serve kad are
+  admitted) and adds them. Peers that answer our queries are added too.
+
+Wire (msgpack, through `meshtrain.transport.rpc`):
+  dht/find   {"swarm", "target": bytes, "key": str|nil} -> {"peers": [[id, [addr]]], "records": [rec]}
+  dht/store  {"swarm", "key", "records": [rec]}          -> {"results": [nil | reason]}
+where `rec` is `Record.to_wire()`. A request for another swarm gets the error `wrong_swarm`.
+
+Not here: what records mean (`records.py` validates, `discovery.py` announces peers). mDNS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import INotifee
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import NamespacedValidator
+from libp2p.tools.anyio_service import background_trio_service
+
+from meshtrain.dht.records import (
+    DhtError,
+    InvalidRecord,
+    Record,
+    RecordLimits,
+    RecordStore,
+    Subkey,
+    as_state,
+    live,
+    merge,
+    plain_or_dict,
+    validate,
+)
+from meshtrain.errors import ConfigError
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.framing import MalformedMessage, expect_map
+from meshtrain.transport.host import ConnectError, Host, parse_multiaddr, peer_id_of
+from meshtrain.transport.rpc import RemoteError, RpcError
+
+log = get_logger(__name__)
+
+FIND_RPC = "dht/find"
+STORE_RPC = "dht/store"
+KAD_PROTOCOL = "/ipfs/kad/1.0.0"
+
+DEFAULT_REPLICATION = 5
+DEFAULT_ALPHA = 5
+DEFAULT_RPC_TIMEOUT = 2.0
+DEFAULT_LOOKUP_TIMEOUT = 5.0
+DEFAULT_BOOTSTRAP_TIMEOUT = 5.0
+DEFAULT_STRAGGLER_MIN = 0.1
+DEFAULT_STRAGGLER_MAX = 1.0
+DEFAULT_DEAD_PEER_TTL = 30.0
+DEFAULT_PURGE_INTERVAL = 30.0
+TIMEOUT_STRIKES = 2  # timeouts in a row before a peer is taken for dead
+IDENTIFY_WAIT = 5.0  # how long a new connection may take to finish identify
+MAX_REPLY_PEERS = 10
+MAX_ADDRS_PER_PEER = 8
+MAX_TARGET_BYTES = 512
+LEARNED_ADDR_TTL = 600  # seconds a peer address learned from a find reply stays in the peerstore
+RPC_OVERHEAD = 64 << 10  # room beside the records in a request or reply
+
+
+class BootstrapError(DhtError):
+    """None of the bootstrap addresses could be reached."""
+
+
+@dataclass(frozen=True)
+class DhtConfig:
+    """How a node stores, looks up and serves records.
+
+    replication: peers that hold each key (Kademlia's k for storage).
+    alpha: queries in flight during one lookup.
+    rpc_timeout: deadline of one query or store to one peer.
+    lookup_timeout: deadline of a whole lookup; it returns what it found by then.
+    bootstrap_timeout: deadline of dialling one bootstrap address.
+    straggler_min, straggler_max: bounds of the patience with one query before the lookup also
+        asks the next closest peer (4x the lookup's median answer time, within the bounds).
+    dead_peer_ttl: how long a peer that failed a query is skipped.
+    purge_interval: how often expired records are dropped from the local store.
+    read_repair: after a get, push missing entries to the closest replicas that lacked them.
+    refresh_after_bootstrap: run kad's routing-table refresh (random lookups per bucket) in
+        the background after bootstrapping.
+    limits: record validation and storage bounds (`RecordLimits`), the same on every node.
+    """
+
+    replication: int = DEFAULT_REPLICATION
+    alpha: int = DEFAULT_ALPHA
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT
+    straggler_min: float = DEFAULT_STRAGGLER_MIN
+    straggler_max: float = DEFAULT_STRAGGLER_MAX
+    dead_peer_ttl: float = DEFAULT_DEAD_PEER_TTL
+    purge_interval: float = DEFAULT_PURGE_INTERVAL
+    read_repair: bool = True
+    refresh_after_bootstrap: bool = True
+    limits: RecordLimits = field(default_factory=RecordLimits)
+
+    def __post_init__(self) -> None:
+        if self.replication < 1 or self.alpha < 1:
+            raise ConfigError("replication and alpha must be at least 1")
+        if min(self.rpc_timeout, self.lookup_timeout, self.bootstrap_timeout) <= 0:
+            raise ConfigError("DHT timeouts must be positive")
+
+
+def routing_key(key: str) -> bytes:
+    """The bytes whose SHA-256 places `key` in the Kademlia key space."""
+    return key.encode()
+
+
+@functools.lru_cache(maxsize=8192)
+def _peer_id(peer: str) -> ID:
+    """`ID.from_base58`, cached: base58 in pure Python costs ~40 us and a lookup parses every
+    peer id of every reply (ValueError for a string that is not a peer id)."""
+    return ID.from_base58(peer)
+
+
+@functools.lru_cache(maxsize=8192)
+def _addr_str(addr: multiaddr.Multiaddr) -> str:
+    """`str(multiaddr)`, cached (~90 us each, and a find reply lists up to 80); keyed by the
+    address's bytes, which is what a Multiaddr hashes and compares by."""
+    return str(addr)
+
+
+def _distance(target_hash: bytes, peer: str) -> int:
+    """XOR distance as kad-dht computes it: sha256(key) ^ sha256(peer id bytes)."""
+    return int.from_bytes(target_hash, "big") ^ _peer_id(peer).xor_id
+
+
+@dataclass
+class _FindReply:
+    peers: list[tuple[str, list[str]]]
+    records: list[Record]
+
+
+@dataclass
+class _LookupResult:
+    closest: list[str]  # peers that answered, closest first
+    records: dict[Subkey, Record]  # merged valid records (get lookups only)
+    seen: dict[str, set[tuple[Subkey, bytes]]]  # per answering peer: (subkey, signature) it held
+
+
+class _Lookup:
+    """Bookkeeping of one iterative lookup: who is a candidate, asked, answered, failed, slow.
+
+    A *straggler* is a peer whose query has been outstanding for longer than a few times the
+    lookup's typical answer time: it is ranked out (so the next closest peer is asked) but not
+    failed, and counts again if it answers before the lookup ends."""
+
+    def __init__(self, target: bytes, own_id: str, width: int) -> None:
+        self.target_hash = hashlib.sha256(target).digest()
+        self.own_id = own_id
+        self.width = width
+        self.distance: dict[str, int] = {}
+        self.queried: set[str] = set()
+        self.answered: set[str] = set()
+        self.failed: set[str] = set()
+        self.stragglers: set[str] = set()
+        self.in_flight: dict[str, float] = {}  # peer -> when its query started
+        self.answer_times: list[float] = []
+
+    def add(self, peer: str) -> None:
+        if peer != self.own_id and peer not in self.distance:
+            with contextlib.suppress(Exception):  # not a peer id: ignore it
+                self.distance[peer] = _distance(self.target_hash, peer)
+
+    def _ranked(self) -> list[str]:
+        usable = [p for p in self.distance if p not in self.failed and p not in self.stragglers]
+        return sorted(usable, key=self.distance.__getitem__)
+
+    def next_peer(self) -> str | None:
+        for p in self._ranked()[: self.width]:
+            if p not in self.queried:
+                return p
+        return None
+
+    def started(self, peer: str, now: float) -> None:
+        self.queried.add(peer)
+        self.in_flight[peer] = now
+
+    def finished(self, peer: str, answered: bool, now: float) -> None:
+        started = self.in_flight.pop(peer, now)
+        self.stragglers.discard(peer)
+        if answered:
+            self.answered.add(peer)
+            self.answer_times.append(now - started)
+        else:
+            self.failed.add(peer)
+
+    def active(self) -> int:
+        """Queries in flight that are not stragglers (the ones that count toward alpha)."""
+        return sum(p not in self.stragglers for p in self.in_flight)
+
+    def patience(self, low: float, high: float) -> float:
+        """How long a query may take before it is a straggler: 4x the median answer time so
+        far, within [low, high]; `high` until the first answer."""
+        if not self.answer_times:
+            return high
+        typical = sorted(self.answer_times)[len(self.answer_times) // 2]
+        return min(high, max(low, 4 * typical))
+
+    def next_straggler_at(self, patience: float) -> float:
+        """When the oldest non-straggling query becomes a straggler (inf if none is pending)."""
+        pending = [t for p, t in self.in_flight.items() if p not in self.stragglers]
+        return min(pending) + patience if pending else math.inf
+
+    def mark_stragglers(self, now: float, patience: float) -> None:
+        for p, t in self.in_flight.items():
+            if now - t >= patience:
+                self.stragglers.add(p)
+
+    def give_up_at(self, patience: float) -> float:
+        """When waiting for the stragglers stops being worth it (2x patience after the last
+        one started): they are then treated as failed (inf if none is in flight)."""
+        starts = [t for p, t in self.in_flight.items() if p in self.stragglers]
+        return max(starts) + 2 * patience if starts else math.inf
+
+    def top_answered(self) -> bool:
+        return all(p in self.answered for p in self._ranked()[: self.width])
+
+    def done(self, now: float, patience: float) -> bool:
+        if not self.top_answered():
+            return False
+        # Fewer usable candidates than wanted (a small swarm, or many dead peers): a straggler
+        # may still be one of the closest, so wait for it a little, not for its whole timeout.
+        return len(self._ranked()) >= self.width or now >= self.give_up_at(patience)
+
+    def closest_answered(self) -> list[str]:
+        return [p for p in self._ranked() if p in self.answered]
+
+
+class _ConnectionFeed(INotifee):
+    """Forwards new connections to the DHT without blocking libp2p's notify path."""
+
+    def __init__(self, dht: Dht) -> None:
+        self.dht = dht
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is not None:
+            self.dht._on_connected(peer.to_base58())
+
+    async def disconnected(self, network: Any, conn: Any) -> None:
+        pass
+
+    async def opened_stream(self, network: Any, stream: Any) -> None:
+        pass
+
+    async def closed_stream(self, network: Any, stream: Any) -> None:
+        pass
+
+    async def listen(self, network: Any, multiaddr: Any) -> None:
+        pass
+
+    async def listen_close(self, network: Any, multiaddr: Any) -> None:
+        pass
+
+
+class Dht:
+    """A node's part of the swarm's DHT. `async with Dht(host, swarm_id) as dht:`.
+
+    host: the running `Host`; the DHT registers `dht/find` and `dht/store` on it and runs
+        py-libp2p's KadDHT (server mode) for routing.
+    swarm_id: records are signed for, and only accepted in, this swarm.
+    config: `DhtConfig`.
+
+    Contract: `store` returns the number of replicas that accepted the record and raises
+    `DhtError` if none did; `get` never raises because peers failed or lied — it returns what
+    the reachable, honest replicas hold (possibly nothing). Every call is bounded by
+    `lookup_timeout` + `rpc_timeout`. Records come back validated and unexpired.
+    """
+
+    def __init__(self, host: Host, swarm_id: str, config: DhtConfig | None = None) -> None:
+        if not swarm_id or not isinstance(swarm_id, str):
+            raise ConfigError("swarm_id must be a non-empty string")
+        self.host = host
+        self.swarm_id = swarm_id
+        self.config = config or DhtConfig()
+        self.local = RecordStore(swarm_id, self.config.limits)
+        self.kad = KadDHT(
+            host.libp2p,
+            DHTMode.SERVER,
+            # strict and empty: every PUT_VALUE is refused, kad's own value store stays empty
+            validator=NamespacedValidator({}, strict_validation=True),
+            validator_changed=True,
+            strict_validation=True,
+        )
+        self._dead: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
+        self._suspect: dict[str, float] = {}  # peer -> until when lookups do not wait for it
+        self._strikes: dict[str, int] = {}  # peer -> timeouts in a row
+        self._feed_send, self._feed_recv = trio.open_memory_channel[str](1024)
+        self._notifee = _ConnectionFeed(self)
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._repair_limit = trio.CapacityLimiter(8)
+        self.stats = {"rejected_from_peers": 0, "repairs": 0}
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Dht:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await stack.enter_async_context(background_trio_service(self.kad))
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            limits = self.config.limits
+            self.host.rpc.serve(FIND_RPC, self._serve_find, max_request=MAX_TARGET_BYTES + 1024)
+            self.host.rpc.serve(
+                STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD
+            )
+            network = self.host.libp2p.get_network()
+            network.register_notifee(self._notifee)
+            stack.callback(network.remove_notifee, self._notifee)
+            self._nursery.start_soon(self._admit_connected_peers)
+            self._nursery.start_soon(self._purge_loop)
+            for peer in self.host.connected_peers():
+                self._on_connected(peer)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        stack, self._stack = self._stack, None
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        if stack is None:
+            return None
+        return await stack.__aexit__(*exc)
+
+    def _require_open(self) -> trio.Nursery:
+        if self._stack is None or self._nursery is None:
+            raise DhtError("the DHT is not running (use `async with Dht(...)`)")
+        return self._nursery
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def bootstrap(self, addrs: Iterable[str]) -> int:
+        """Dial the bootstrap addresses (in parallel; dead ones are skipped and logged), add
+        the reachable ones to the routing table and look ourselves up to learn our neighbours.
+        Returns how many were reachable; raises `BootstrapError` if addresses were given and
+        none was, `ConfigError` for an address without `/p2p/<peer id>`. Our own address in
+        the list is ignored, so every node of a swarm can be given the same list."""
+        nursery = self._require_open()
+        addrs = [a for a in addrs if peer_id_of(a) != self.peer_id]
+        reached: list[str] = []
+
+        async def dial(addr: str) -> None:
+            try:
+                peer = await self.host.connect(addr, timeout=self.config.bootstrap_timeout)
+            except ConnectError as e:
+                log.warning(kv("bootstrap peer unreachable, skipped", addr=addr, error=e))
+                return
+            reached.append(peer)
+            await self._admit(peer, [parse_multiaddr(addr)], wait_identify=False)
+
+        async with trio.open_nursery() as dials:
+            for addr in addrs:
+                dials.start_soon(dial, addr)
+        if addrs and not reached:
+            raise BootstrapError(
+                f"none of the {len(addrs)} bootstrap addresses answered; check them, or start "
+                "this node without bootstrap peers to found a new swarm"
+            )
+        await self._lookup(_peer_id(self.peer_id).to_bytes(), key=None)
+        if self.config.refresh_after_bootstrap:
+            nursery.start_soon(self._refresh_routing_table)
+        log.info(kv("dht bootstrapped", reached=len(reached), of=len(addrs),
+                    table=self.kad.routing_table.size()))
+        return len(reached)
+
+    async def store(self, key: str, value: Any, expiry: float, subkey: Subkey = None) -> int:
+        """Sign `value` as ours and store it under `key` (and `subkey`) until `expiry` (unix
+        seconds). Returns the number of replicas that accepted it. Raises `InvalidRecord` if the
+        record is invalid here, `DhtError` if no replica accepted it."""
+        record = Record.create(self.host.identity, self.swarm_id, key, value, expiry, subkey)
+        return await self.store_record(record)
+
+    async def store_record(self, record: Record) -> int:
+        """Store an already signed record (ours or relayed) on the closest replicas."""
+        self._require_open()
+        validate(record, self.swarm_id, now=time.time(), limits=self.config.limits)
+        found = await self._lookup(routing_key(record.key), key=None)
+        holders = self._closest_with_self(routing_key(record.key), found.closest)
+        accepted = 0
+        reasons: list[str] = []
+
+        async def store_at(peer: str) -> None:
+            nonlocal accepted
+            if peer == self.peer_id:
+                try:
+                    self.local.put(record, time.time())
+                    accepted += 1
+                except InvalidRecord as e:
+                    reasons.append(e.reason)
+                return
+            results = await self._send_store(peer, record.key, [record])
+            if results is None:
+                return
+            if results[0] is None:
+                accepted += 1
+            else:
+                reasons.append(results[0])
+
+        async with trio.open_nursery() as nursery:
+            for peer in holders:
+                nursery.start_soon(store_at, peer)
+        if accepted == 0:
+            if reasons:
+                raise InvalidRecord(reasons[0], f"every replica refused the record ({reasons})")
+            raise DhtError(f"no replica of {record.key!r} could be reached")
+        return accepted
+
+    async def get(self, key: str) -> Any:
+        """The key's live, validated value: None if nothing is stored, the value for a plain
+        key, `{subkey: value}` for a key with subkeys."""
+        return plain_or_dict(await self.get_records(key))
+
+    async def get_records(self, key: str) -> dict[Subkey, Record]:
+        """The key's live, validated records by subkey (merged over every replica reached)."""
+        nursery = self._require_open()
+        found = await self._lookup(routing_key(key), key=key)
+        now = time.time()
+        state = live(merge(self.local.get(key, now), found.records), now)
+        if self.config.read_repair and state:
+            holders = self._closest_with_self(routing_key(key), found.closest)
+            have_all = {(sk, r.signature) for sk, r in state.items()}
+            for peer in holders:
+                if peer == self.peer_id:
+                    for rec in state.values():
+                        self._put_quietly(rec, now)
+                    continue
+                held = found.seen.get(peer, set())
+                missing = [state[sk] for sk, sig in have_all - held]
+                if missing:
+                    nursery.start_soon(self._repair, peer, key, missing)
+        return state
+
+    async def find_peer(self, peer_id: str) -> list[str]:
+        """Addresses of `peer_id` from the peerstore or a kad lookup; [] if unknown."""
+        self._require_open()
+        with trio.move_on_after(self.config.lookup_timeout):
+            info = await self.kad.find_peer(_peer_id(peer_id))
+            if info is not None:
+                return [str(a) for a in info.addrs]
+        return []
+
+    def routing_table_peers(self) -> list[str]:
+        return sorted(p.to_base58() for p in self.kad.routing_table.get_peer_ids())
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def _seeds(self, target: bytes) -> list[str]:
+        width = max(2 * self.config.replication, 20)
+        peers = [p.to_base58() for p in self.kad.routing_table.find_local_closest_peers(target, width)]
+        if len(peers) < self.config.replication:
+            peers += self.host.connected_peers()
+        return [p for p in dict.fromkeys(peers) if self._usable(p)]
+
+    def _closest_with_self(self, target: bytes, answered: Sequence[str]) -> list[str]:
+        target_hash = hashlib.sha256(target).digest()
+        peers = sorted({*answered, self.peer_id}, key=lambda p: _distance(target_hash, p))
+        return peers[: self.config.replication]
+
+    async def _lookup(self, target: bytes, key: str | None) -> _LookupResult:
+        cfg = self.config
+        nursery = self._require_open()
+        lookup = _Lookup(target, self.peer_id, cfg.replication)
+        for peer in self._seeds(target):
+            lookup.add(peer)
+        records: dict[Subkey, Record] = {}
+        seen: dict[str, set[tuple[Subkey, bytes]]] = {}
+        send, recv = trio.open_memory_channel[tuple[str, _FindReply | None]](math.inf)
+        # Queries run in the DHT's nursery, not the lookup's: one still in flight when the
+        # lookup ends (a straggler) finishes in the background, so a dead peer is still marked
+        # dead after `rpc_timeout` and the next lookup does not wait for it again.
+        with recv, trio.move_on_after(cfg.lookup_timeout):
+            while True:
+                while (
+                    lookup.active() < cfg.alpha
+                    and len(lookup.in_flight) < 3 * cfg.alpha
+                    and (peer := lookup.next_peer()) is not None
+                ):
+                    lookup.started(peer, trio.current_time())
+                    nursery.start_soon(self._query_find, peer, target, key, send)
+                patience = lookup.patience(cfg.straggler_min, cfg.straggler_max)
+                if not lookup.in_flight or lookup.done(trio.current_time(), patience):
+                    break
+                wake = lookup.next_straggler_at(patience)
+                if lookup.top_answered():  # only the stragglers are left to wait for
+                    wake = min(wake, lookup.give_up_at(patience))
+                with trio.move_on_at(wake) as wait:
+                    peer, reply = await recv.receive()
+                if wait.cancelled_caught:
+                    lookup.mark_stragglers(trio.current_time(), patience)
+                    for p in lookup.stragglers:
+                        self._suspect[p] = time.monotonic() + cfg.rpc_timeout
+                    continue
+                lookup.finished(peer, reply is not None, trio.current_time())
+                if reply is None:
+                    continue
+                for other, addrs in reply.peers:
+                    if other != self.peer_id and self._usable(other):
+                        self._learn_addrs(other, addrs)
+                        lookup.add(other)
+                if key is not None:
+                    seen[peer] = {(r.subkey, r.signature) for r in reply.records}
+                    records = merge(records, as_state(reply.records))
+        return _LookupResult(lookup.closest_answered(), records, seen)
+
+    async def _query_find(
+        self, peer: str, target: bytes, key: str | None, send: trio.MemorySendChannel
+    ) -> None:
+        limits = self.config.limits
+        reply: _FindReply | None = None
+        started = time.monotonic()
+        try:
+            raw = await self.host.rpc.call(
+                peer,
+                FIND_RPC,
+                {"swarm": self.swarm_id, "target": target, "key": key},
+                timeout=self.config.rpc_timeout,
+                max_response=limits.max_key_bytes + RPC_OVERHEAD,
+            )
+            reply = self._parse_find_reply(peer, key, raw)
+        except RemoteError as e:
+            log.info(kv("dht find refused", peer=peer, error=e))
+        except (RpcError, MalformedMessage) as e:
+            log.debug(kv("dht find failed", peer=peer, error=e))
+            self._failed(peer, started)
+        if reply is not None:
+            self._answered(peer)
+            self._admit_soon(peer)
+        with contextlib.suppress(trio.BrokenResourceError):  # the lookup already ended
+            send.send_nowait((peer, reply))
+
+    def _parse_find_reply(self, peer: str, key: str | None, raw: Any) -> _FindReply:
+        msg = expect_map(raw, "peers")
+        peers_raw, recs_raw = msg["peers"], msg.get("records") or []
+        if not isinstance(peers_raw, list) or not isinstance(recs_raw, list):
+            raise MalformedMessage("peers and records must be lists")
+        peers: list[tuple[str, list[str]]] = []
+        for item in peers_raw[:MAX_REPLY_PEERS]:
+            parsed = _parse_peer(item)
+            if parsed is not None:
+                peers.append(parsed)
+        records: list[Record] = []
+        if key is not None:
+            now = time.time()
+            for obj in recs_raw[: self.config.limits.max_subkeys]:
+                try:
+                    rec = Record.from_wire(key, obj)
+                    validate(rec, self.swarm_id, now=now, limits=self.config.limits)
+                except InvalidRecord as e:
+                    self.stats["rejected_from_peers"] += 1
+                    log.warning(kv("dht peer sent an invalid record", peer=peer, key=key,
+                                   reason=e.reason))
+                    continue
+                records.append(rec)
+        return _FindReply(peers, records)
+
+    # -- store / repair ---------------------------------------------------------------------
+
+    async def _send_store(self, peer: str, key: str, records: list[Record]) -> list[str | None] | None:
+        """`dht/store` to one peer: per-record results (None = accepted), or None if it failed."""
+        started = time.monotonic()
+        try:
+            raw = await self.host.rpc.call(
+                peer,
+                STORE_RPC,
+                {"swarm": self.swarm_id, "key": key, "records": [r.to_wire() for r in records]},
+                timeout=self.config.rpc_timeout,
+            )
+            results = expect_map(raw, "results")["results"]
+            if not isinstance(results, list) or len(results) != len(records):
+                raise MalformedMessage("results must list one entry per record")
+        except RemoteError as e:
+            log.info(kv("dht store refused", peer=peer, key=key, error=e))
+        except (RpcError, MalformedMessage) as e:
+            log.debug(kv("dht store failed", peer=peer, key=key, error=e))
+            self._failed(peer, started)
+        else:
+            self._answered(peer)
+            return [r if isinstance(r, str) else None for r in results]
+        return None
+
+    async def _repair(self, peer: str, key: str, records: list[Record]) -> None:
+        async with self._repair_limit:
+            results = await self._send_store(peer, key, records)
+        if results is not None:
+            self.stats["repairs"] += sum(r is None for r in results)
+
+    def _put_quietly(self, record: Record, now: float) -> None:
+        try:
+            self.local.put(record, now)
+        except InvalidRecord as e:
+            log.debug(kv("dht local repair refused", key=record.key, reason=e.reason))
+
+    # -- RPC handlers -----------------------------------------------------------------------
+
+    def _check_swarm(self, req: Any, *fields: str) -> dict[str, Any]:
+        try:
+            msg = expect_map(req, "swarm", *fields)
+        except MalformedMessage as e:
+            raise RemoteError("malformed", str(e)) from None
+        if msg["swarm"] != self.swarm_id:
+            raise RemoteError("wrong_swarm", "this node serves another swarm")
+        return msg
+
+    async def _serve_find(self, peer: str, req: Any) -> dict[str, Any]:
+        msg = self._check_swarm(req, "target", "key")
+        target, key = msg["target"], msg["key"]
+        if not isinstance(target, bytes) or not 0 < len(target) <= MAX_TARGET_BYTES:
+            raise RemoteError("malformed", "target must be 1..512 bytes")
+        if key is not None and not isinstance(key, str):
+            raise RemoteError("malformed", "key must be a string or nil")
+        self._admit_soon(peer)
+        peerstore = self.host.libp2p.get_peerstore()
+        closest = []
+        for pid in self.kad.routing_table.find_local_closest_peers(target, MAX_REPLY_PEERS + 2):
+            p = pid.to_base58()
+            if p in (peer, self.peer_id) or self._is_dead(p):
+                continue
+            try:
+                addrs = [_addr_str(a) for a in peerstore.addrs(pid)[:MAX_ADDRS_PER_PEER]]
+            except Exception:  # no addresses known: not worth sending
+                continue
+            if addrs:
+                closest.append([p, addrs])
+            if len(closest) >= MAX_REPLY_PEERS:
+                break
+        records = []
+        if key is not None:
+            records = [r.to_wire() for r in self.local.get(key, time.time()).values()]
+        return {"peers": closest, "records": records}
+
+    async def _serve_store(self, peer: str, req: Any) -> dict[str, Any]:
+        msg = self._check_swarm(req, "key", "records")
+        key, recs = msg["key"], msg["records"]
+        if not isinstance(key, str) or not isinstance(recs, list):
+            raise RemoteError("malformed", "key must be a string and records a list")
+        if len(recs) > self.config.limits.max_subkeys:
+            raise RemoteError("too_many", f"at most {self.config.limits.max_subkeys} records")
+        self._admit_soon(peer)
+        now = time.time()
+        results: list[str | None] = []
+        for obj in recs:
+            try:
+                self.local.put(Record.from_wire(key, obj), now)
+                results.append(None)
+            except InvalidRecord as e:
+                log.info(kv("dht refused a record", peer=peer, key=key[:80], reason=e.reason))
+                results.append(e.reason)
+        return {"results": results}
+
+    # -- routing table ----------------------------------------------------------------------
+
+    def _on_connected(self, peer: str) -> None:
+        self._dead.pop(peer, None)
+        # in a burst of connections some are dropped: they arrive through lookups and refresh
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+            self._feed_send.send_nowait(peer)
+
+    def _admit_soon(self, peer: str) -> None:
+        """A peer spoke our DHT protocol: add it to the routing table (in the background)."""
+        if self._nursery is not None and not self.kad.routing_table.peer_in_table(_peer_id(peer)):
+            self._nursery.start_soon(self._admit, peer, None, False)
+
+    async def _admit_connected_peers(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for peer in self._feed_recv:
+                nursery.start_soon(self._admit, peer, None, True)
+
+    async def _admit(
+        self, peer: str, addrs: list[multiaddr.Multiaddr] | None, wait_identify: bool
+    ) -> None:
+        """Add `peer` to kad's routing table. With `wait_identify`, first wait for identify and
+        admit it only if it serves kad (server mode), as the Kademlia spec requires."""
+        pid = _peer_id(peer)
+        peerstore = self.host.libp2p.get_peerstore()
+        if wait_identify:
+            with trio.move_on_after(IDENTIFY_WAIT):
+                while True:
+                    try:
+                        protocols = peerstore.get_protocols(pid)
+                    except Exception:
+                        protocols = []
+                    if protocols:
+                        break
+                    await trio.sleep(0.05)
+            try:
+                if KAD_PROTOCOL not in peerstore.get_protocols(pid):
+                    return
+            except Exception:
+                return
+        if addrs is None:
+            try:
+                addrs = peerstore.addrs(pid)
+            except Exception:
+                return
+        if addrs:
+            await self.kad.routing_table.add_peer(PeerInfo(pid, addrs), skip_server_mode_check=not wait_identify)
+
+    def _learn_addrs(self, peer: str, addrs: list[str]) -> None:
+        """Addresses from a find reply, for peers we know no address of (so a lying peer can
+        not redirect our traffic to peers we already know). Parsed only then: multiaddr
+        parsing is slow and most peers in a reply are known."""
+        peerstore = self.host.libp2p.get_peerstore()
+        pid = _peer_id(peer)
+        with contextlib.suppress(Exception):  # PeerStoreError: an unknown peer
+            if peerstore.addrs(pid):
+                return
+        parsed = []
+        for a in addrs:
+            with contextlib.suppress(Exception):  # not a multiaddr: skip that one
+                parsed.append(multiaddr.Multiaddr(a))
+        if parsed:
+            peerstore.add_addrs(pid, parsed, LEARNED_ADDR_TTL)
+
+    def _answered(self, peer: str) -> None:
+        self._strikes.pop(peer, None)
+        self._suspect.pop(peer, None)
+
+    def _failed(self, peer: str, started: float) -> None:
+        """A call to `peer` failed. Failing fast (refused, reset, garbage) means the peer is gone
+        or broken: dead at once. A timeout may be our own overload (a starved event loop blames
+        everyone), so it is a strike: suspect for a while, dead at the second in a row."""
+        if time.monotonic() - started < 0.9 * self.config.rpc_timeout:
+            self._mark_dead(peer)
+            return
+        strikes = self._strikes.get(peer, 0) + 1
+        if strikes >= TIMEOUT_STRIKES:
+            self._mark_dead(peer)
+        else:
+            self._strikes[peer] = strikes
+            self._suspect[peer] = time.monotonic() + self.config.rpc_timeout
+
+    def _mark_dead(self, peer: str) -> None:
+        self._strikes.pop(peer, None)
+        self._dead[peer] = time.monotonic() + self.config.dead_peer_ttl
+        try:
+            self.kad.routing_table.remove_peer(_peer_id(peer))
+        except Exception as e:
+            log.debug(kv("routing table removal failed", peer=peer, error=repr(e)))
+
+    def _is_dead(self, peer: str) -> bool:
+        until = self._dead.get(peer)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._dead[peer]
+            return False
+        return True
+
+    def _usable(self, peer: str) -> bool:
+        """Worth asking: neither dead nor still owing an answer to an earlier lookup (a
+        straggler's query goes on in the background and settles which it is)."""
+        return not self._is_dead(peer) and not self._is_suspect(peer)
+
+    def _is_suspect(self, peer: str) -> bool:
+        until = self._suspect.get(peer)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._suspect[peer]
+            return False
+        return True
+
+    async def _refresh_routing_table(self) -> None:
+        try:
+            with trio.move_on_after(60):
+                await self.kad.refresh_routing_table()
+        except Exception as e:  # kad's refresh is best effort
+            log.debug(kv("kad refresh failed", error=repr(e)))
+
+    async def _purge_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.purge_interval)
+            dropped = self.local.purge(time.time())
+            now = time.monotonic()
+            for table in (self._dead, self._suspect):
+                for peer in [p for p, t in table.items() if t < now]:
+                    del table[peer]
+            if dropped:
+                log.debug(kv("dht purged expired records", count=dropped))
+
+
+def _parse_peer(item: Any) -> tuple[str, list[str]] | None:
+    """`[peer id, [addr, ...]]` from a find reply; None if the peer id is not one. Addresses
+    that are not strings or name another peer are dropped (they would make us dial someone
+    else); the rest are parsed only if we need them (`_learn_addrs`)."""
+    if not isinstance(item, list) or len(item) != 2:
+        return None
+    peer, addrs = item
+    if not isinstance(peer, str) or not isinstance(addrs, list):
+        return None
+    try:
+        _peer_id(peer)
+    except Exception:
+        return None
+    suffix = "/p2p/" + peer
+    out = [
+        a
+        for a in addrs[:MAX_ADDRS_PER_PEER]
+        if isinstance(a, str) and a.startswith("/") and ("/p2p/" not in a or a.endswith(suffix))
+    ]
+    return peer, out

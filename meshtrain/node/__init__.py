@@ -1,0 +1,1 @@
+"""node layer of meshtrain (see shared/ARCHITECTURE.md)."""

@@ -1,0 +1,215 @@
+"""Checkpoints that survive `kill -9` at any instant: never a half-written file, resume bit-exact.
+
+Layout under the node's checkpoint directory:
+
+    ckpt-000001200/                one checkpoint, complete or absent
+        tensors.safetensors        every tensor (model, outer and inner optimizer state)
+        state.msgpack              the rest of the state: nested dicts/lists with tensor refs
+        manifest.json              step, round, blake3 digest of both files, format version
+    LATEST                         the name of the newest complete checkpoint
+
+Why this shape: a checkpoint is written into `.tmp-<name>` and fsynced (files, then directory),
+then renamed to its final name (atomic on POSIX), then `LATEST` is replaced by the same
+temp-file + fsync + rename dance. A crash at any point leaves either the old `LATEST` pointing
+at an intact checkpoint, or the new one; leftovers named `.tmp-*` are deleted at the next start.
+Loading re-checks both digests, so even disk corruption is caught, and falls back to the
+previous checkpoint rather than starting from scratch.
+
+State is any nest of dicts/lists/scalars/tensors (e.g. `{"model": model.state_dict(),
+"outer": outer.state_dict(), "inner": inner.state_dict(), ...}`); tensors go to safetensors
+(no pickle: loading a checkpoint cannot run code), the skeleton to msgpack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+from safetensors.torch import load_file, save_file
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.framing import packb, unpackb
+
+log = get_logger(__name__)
+
+FORMAT = 1
+LATEST = "LATEST"
+_TENSOR_REF = "__tensor__"
+
+
+class CheckpointError(MeshtrainError):
+    """No usable checkpoint, or a checkpoint failed verification."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    round: int
+    state: dict[str, Any]
+    digest: str  # blake3 of the tensor file: what peers compare
+
+
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace tensors by references, collecting them under unique dotted names."""
+    if isinstance(obj, torch.Tensor):
+        name = prefix or "tensor"
+        tensors[name] = obj.detach().to("cpu").contiguous()
+        return {_TENSOR_REF: name}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, _flatten(v, f"{prefix}.{k}" if prefix else str(k), tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str | bytes):
+        return obj
+    raise CheckpointError(f"cannot checkpoint a value of type {type(obj).__name__} at {prefix!r}")
+
+
+def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if _TENSOR_REF in obj:
+            return tensors[obj[_TENSOR_REF]]
+        return {k: _unflatten(v, tensors) for k, v in obj["__dict__"]}
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    return obj
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_digest(path: Path) -> str:
+    h = blake3.blake3()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class CheckpointStore:
+    """Saves and loads checkpoints in one directory, keeping the newest `keep`."""
+
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 3) -> None:
+        self.dir = Path(directory)
+        self.keep = max(1, keep)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.dir.glob(".tmp-*"):  # a crash mid-save left these; they are garbage
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+    def save(self, state: dict[str, Any], *, step: int, round: int) -> Checkpoint:
+        """Write a checkpoint of `state` (a consistent snapshot the caller will not mutate)."""
+        name = f"ckpt-{step:09d}"
+        final = self.dir / name
+        tmp = self.dir / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = _flatten(state, "", tensors)
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        (tmp / "state.msgpack").write_bytes(packb(skeleton))
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "round": round,
+            "tensors_blake3": _file_digest(tmp / "tensors.safetensors"),
+            "state_blake3": _file_digest(tmp / "state.msgpack"),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        write_atomic(self.dir / LATEST, name.encode())
+        self._prune()
+        log.info(kv("checkpoint saved", step=step, round=round, path=str(final)))
+        return Checkpoint(final, step, round, state, manifest["tensors_blake3"])
+
+    def _prune(self) -> None:
+        for old in self.list()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def list(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        return sorted(p for p in self.dir.glob("ckpt-*") if p.is_dir())
+
+    def load(self, path: str | os.PathLike[str]) -> Checkpoint:
+        path = Path(path)
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+            if manifest.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')}")
+            if _file_digest(path / "tensors.safetensors") != manifest["tensors_blake3"]:
+                raise CheckpointError(f"{path}: tensor file digest mismatch (corrupt)")
+            if _file_digest(path / "state.msgpack") != manifest["state_blake3"]:
+                raise CheckpointError(f"{path}: state file digest mismatch (corrupt)")
+            tensors = load_file(str(path / "tensors.safetensors"))
+            state = _unflatten(unpackb((path / "state.msgpack").read_bytes(), max_size=1 << 30), tensors)
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, MeshtrainError) as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+        return Checkpoint(path, int(manifest["step"]), int(manifest["round"]), state, manifest["tensors_blake3"])
+
+    def load_latest(self) -> Checkpoint | None:
+        """The newest checkpoint that verifies; None if there is none at all."""
+        candidates = self.list()
+        try:
+            named = (self.dir / LATEST).read_text().strip()
+            if (self.dir / named).is_dir():
+                candidates.remove(self.dir / named)
+                candidates.append(self.dir / named)
+        except OSError:
+            pass
+        for path in reversed(candidates):
+            try:
+                return self.load(path)
+            except CheckpointError as e:
+                log.warning(kv("skipping bad checkpoint", path=str(path), error=str(e)))
+        return None
+
+
+def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a nest of dicts/lists/scalars/tensors into a msgpack-able skeleton (tensors replaced
+    by references) and the flat dict of tensors: the one way state is put on disk or the wire."""
+    tensors: dict[str, torch.Tensor] = {}
+    return _flatten(state, "", tensors), tensors
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten_state`."""
+    return _unflatten(skeleton, tensors)
+

@@ -1,0 +1,252 @@
+"""The `meshtrain` command line.
+
+    meshtrain node start   [--config node.toml] [flags]    run a node in the foreground
+    meshtrain node status  [--data-dir D] [--json]          ask the running node how it is doing
+    meshtrain node stop    [--data-dir D]                   stop it cleanly (checkpoint, leave)
+    meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec
+    meshtrain swarm join   <multiaddr | id@multiaddr>       fetch the spec from a peer, sync, train
+    meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
+
+User mistakes end in one line on stderr and exit code 2, never a traceback: every error we raise
+on purpose is a `MeshtrainError`, and `main` turns those into messages (config errors: 2,
+runtime failures: 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshtrain import __version__
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.log import configure
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is our one-line ConfigError (exit 2) like every other."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with node settings (see README, Configuration)")
+    p.add_argument("--data-dir", help="identity, swarm spec, checkpoints (default ~/.local/share/meshtrain)")
+    p.add_argument("--name", help="a label shown on the status page")
+    p.add_argument("--listen", action="append", help="multiaddr to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001)")
+    p.add_argument("--announce", action="append", help="multiaddr to advertise instead (repeatable)")
+    p.add_argument("--bootstrap", action="append", help="peer multiaddr to dial at start (repeatable)")
+    p.add_argument("--status-port", type=int, help="local status page port (default 7070; 0 = any)")
+    p.add_argument("--status-host", help="status page address (default 127.0.0.1)")
+    p.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 60)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--max-steps", type=int, help="stop at this step even if the swarm trains longer")
+    p.add_argument("--join-timeout", type=float, help="seconds an outer round waits for its peers")
+    p.add_argument("--wait-peers", type=int, help="start training once this many peers are in the swarm")
+    p.add_argument("--max-donors", type=int, help="late join: download state from at most this many peers")
+    p.add_argument("--donor-upload-mib", type=float, help="cap on serving state to joiners, MiB/s")
+
+
+def _spec_flags(p: argparse.ArgumentParser) -> None:
+    from meshtrain.node.config import SwarmSpec
+
+    for name, info in SwarmSpec.model_fields.items():
+        kind = {int: int, float: float}.get(info.annotation, str)  # type: ignore[arg-type]
+        p.add_argument(f"--{name.replace('_', '-')}", dest=f"spec_{name}", type=kind, default=None,
+                       help=f"{info.description or name} (default {info.default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshtrain",
+                description="Train one PyTorch model together with strangers' machines, peer to peer.")
+    p.add_argument("--version", action="version", version=f"meshtrain {__version__}")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default; or MESHTRAIN_LOG)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    node = sub.add_parser("node", help="run and control a node")
+    nsub = node.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    start = nsub.add_parser("start", help="run a node in the foreground (Ctrl-C stops it cleanly)")
+    _node_flags(start)
+    start.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
+    start.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
+    for name, help_ in (("status", "show the running node's status"), ("stop", "stop the running node cleanly")):
+        q = nsub.add_parser(name, help=help_)
+        q.add_argument("--data-dir", help="the node's data dir (default ~/.local/share/meshtrain)")
+        q.add_argument("--url", help="the node's status URL instead of looking it up in the data dir")
+        if name == "status":
+            q.add_argument("--json", action="store_true", help="print the raw status document")
+
+    swarm = sub.add_parser("swarm", help="create or join a swarm")
+    ssub = swarm.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    create = ssub.add_parser("create", help="write a swarm spec signed by this node's key")
+    create.add_argument("--data-dir", help="whose key signs (default ~/.local/share/meshtrain)")
+    create.add_argument("--out", help="where to write the spec (default: <data dir>/swarm.json)")
+    _spec_flags(create)
+    join = ssub.add_parser("join", help="join a swarm through one of its peers and train")
+    join.add_argument("address", help="a peer's multiaddr, or <swarm id>@<multiaddr>")
+    _node_flags(join)
+
+    demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
+    demo.add_argument("--nodes", type=int, default=4, help="number of node processes (default 4)")
+    demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco"], default="diloco")
+    demo.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
+    demo.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
+    demo.add_argument("--quick", action="store_true", help="a short run (CI)")
+    demo.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
+    demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    return p
+
+
+def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
+            "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
+            "donor_upload_mib")
+    return {k: getattr(args, k, None) for k in keys}
+
+
+def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | None) -> int:
+    import trio
+
+    from meshtrain.node.config import load_node_config
+    from meshtrain.node.daemon import Node
+    from meshtrain.node.swarm_spec import SignedSpec
+
+    config = load_node_config(args.config, overrides=_node_overrides(args))
+    if args.log_level is None:
+        configure(config.log_level)
+    spec = SignedSpec.load(spec_path) if spec_path else None
+    node = Node(config, spec=spec, join=join)
+    result = trio.run(node.run)
+    print(json.dumps({"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
+                      "eval_loss": result.eval_loss, "checkpoint": result.checkpoint}), flush=True)
+    return 0
+
+
+def _status_url(args: argparse.Namespace) -> tuple[str, str | None]:
+    from meshtrain.node.config import load_node_config
+    from meshtrain.node.daemon import read_daemon_file
+
+    if args.url:
+        return args.url.rstrip("/"), None
+    config = load_node_config(None, overrides={"data_dir": args.data_dir})
+    info = read_daemon_file(config.data_dir)
+    if not info.get("status_url"):
+        raise MeshtrainError("the running node has no status endpoint")
+    return info["status_url"].rstrip("/"), info.get("token_file")
+
+
+def _node_status(args: argparse.Namespace) -> int:
+    url, _ = _status_url(args)
+    from meshtrain.node.status import fetch_status
+
+    st = fetch_status(url, timeout=5)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    n, t = st["node"], st["training"]
+    loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
+    print(f"node {n['peer_id']}  swarm {n['swarm']}  {n['state']}  up {n['uptime_s']:.0f}s")
+    print(f"step {t['step']}  round {t['round']}  loss {loss}  {t['optimizer']}  "
+          f"sent {t['bytes_sent'] / 2**20:.1f} MiB  received {t['bytes_received'] / 2**20:.1f} MiB")
+    print(f"{len(st['peers'])} live peers:")
+    for p in st["peers"]:
+        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}")
+    return 0
+
+
+def _node_stop(args: argparse.Namespace) -> int:
+    url, token_file = _status_url(args)
+    from meshtrain.node.status import request_stop
+
+    if token_file is None:
+        raise ConfigError("node stop needs --data-dir (the token that proves you own the node is there)")
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as e:
+        raise MeshtrainError(f"cannot read the node's control token {token_file}: {e}") from None
+    request_stop(url, token, timeout=5)
+    print("stop requested; the node is leaving the swarm and saving a checkpoint")
+    return 0
+
+
+def _swarm_create(args: argparse.Namespace) -> int:
+    from meshtrain.node.config import load_node_config, parse_spec
+    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.transport.identity import Identity
+
+    config = load_node_config(None, overrides={"data_dir": args.data_dir})
+    values = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
+    spec = parse_spec(values)
+    identity = Identity.load_or_create(config.data_dir)
+    signed = SignedSpec.create(spec, identity)
+    out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
+    print(json.dumps({"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out)}))
+    print(f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}). Start it with:\n"
+          f"  meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else ""),
+          file=sys.stderr)
+    return 0
+
+
+def _meshtrain_error_in(eg: BaseExceptionGroup) -> MeshtrainError | None:
+    """trio nurseries wrap errors in exception groups: find ours inside, if that is what ended us."""
+    for e in eg.exceptions:
+        found = _meshtrain_error_in(e) if isinstance(e, BaseExceptionGroup) else e
+        if isinstance(found, MeshtrainError):
+            return found
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BaseExceptionGroup as eg:
+        err = _meshtrain_error_in(eg)
+        if err is None:
+            raise
+        print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
+        return 2 if isinstance(err, ConfigError) else 1
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        configure(args.log_level)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        if args.command == "node":
+            if args.action == "start":
+                return _run_node(args, join=args.join, spec_path=args.swarm)
+            if args.action == "status":
+                return _node_status(args)
+            if args.action == "stop":
+                return _node_stop(args)
+            raise ConfigError("meshtrain node: say start, status or stop")
+        if args.command == "swarm":
+            if args.action == "create":
+                return _swarm_create(args)
+            if args.action == "join":
+                return _run_node(args, join=args.address, spec_path=None)
+            raise ConfigError("meshtrain swarm: say create or join")
+        if args.command == "demo":
+            from meshtrain.node.demo import run_demo
+
+            return run_demo(args)
+        raise ConfigError(f"unknown command {args.command}")
+    except ConfigError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    except MeshtrainError as e:
+        print(f"meshtrain: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meshtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""`Node`: one meshtrain peer — host, data plane, swarm state, collective, trainer, checkpoints,
+late-joiner state service and the local status endpoint — and its lifecycle.
+
+    start ─► resolve the swarm spec (file, or fetched from the peer we join, verified)
+          ─► connect to bootstrap peers; replicate swarm state (membership as "syncing")
+          ─► enter: resume our checkpoint, or — if the swarm is past it — download the current
+             state from several peers in parallel and enter at the swarm's step
+          ─► "trainer": train in a worker thread; after each outer round publish the state for
+             joiners; checkpoint every `checkpoint_every` seconds in the background
+          ─► stop (spec's steps reached, `stop()`, SIGINT/SIGTERM): leave the swarm (tombstone),
+             let the current step finish (a round in flight gets a short grace, then is cancelled:
+             the collective tells the others at once), save a checkpoint, exit 0. A second signal
+             exits at once.
+
+Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
+daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
+control.token (0600: the bearer token `node stop` must present).
+
+Membership for a round is the live peers whose role is "trainer": a peer still downloading
+state is not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import threading
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+import meshtrain
+from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
+from meshtrain.dht.discovery import Discovery, DiscoveryConfig
+from meshtrain.dht.kademlia import Dht
+from meshtrain.dht.records import DhtError
+from meshtrain.errors import MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
+from meshtrain.node.config import NodeConfig
+from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
+from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
+from meshtrain.node.trainer import OuterFactory, Trainer
+from meshtrain.optim import AllReduceConfig, SwarmCollective
+from meshtrain.optim.outer import OuterStateError
+from meshtrain.transport.host import Host, HostConfig
+from meshtrain.transport.identity import Identity
+from meshtrain.transport.rpc import RpcError
+from meshtrain.transport.tensor_streams import TensorStreams
+
+log = get_logger(__name__)
+
+DAEMON_FILE = "daemon.json"
+TOKEN_FILE = "control.token"
+SPEC_FILE = "swarm.json"
+STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
+CONNECT_INTERVAL = 2.0
+DISCOVERY_INTERVAL = 15.0
+JOIN_ATTEMPTS = 4
+
+
+class NodeError(MeshtrainError):
+    """The node cannot start or continue (no spec, swarm unreachable, state download failed)."""
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    peer_id: str
+    step: int
+    rounds: int
+    eval_loss: float | None
+    checkpoint: str | None
+    stopped_early: bool
+
+
+class Node:
+    """One peer. `await Node(config, spec=...).run()`; `stop()` from anywhere ends it cleanly.
+
+    spec: the swarm to create/run (`SignedSpec`); else `join` (a peer multiaddr, optionally
+        `<swarm id>@<multiaddr>`) to fetch it from; else `data_dir/swarm.json` from an earlier run.
+    model, outer_factory: the Python API's hooks — your own `torch.nn.Module` (forward(x, y) →
+        loss) and `outer_factory(model, inner, collective) -> OuterOptimizer` (e.g. a custom
+        outer optimizer); every peer of the swarm must use the same.
+    """
+
+    def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
+                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None) -> None:
+        self.config = config
+        self.data_dir = Path(config.data_dir).expanduser()
+        self._spec_arg = spec
+        self._join = parse_join_address(join) if join else None
+        self._model = model
+        self._outer_factory = outer_factory
+        self._stop_flag = threading.Event()
+        self._stop_requested = trio.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.state = "starting"
+        self.started = time.time()
+        self.host: Host | None = None
+        self.view: SwarmView | None = None
+        self.trainer: Trainer | None = None
+        self.signed: SignedSpec | None = None
+        self.status_url: str | None = None
+        self._last_ckpt: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
+        self._ckpt_busy = False
+        self._last_ckpt_time = time.monotonic()
+        self._published_round = -1
+        self.donor: Any = None
+        self.discovery: Discovery | None = None
+        self._nursery: trio.Nursery | None = None
+        self.joined_from: dict[str, Any] | None = None
+
+    # -- control -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the node to stop cleanly (thread-safe; idempotent)."""
+        self._stop_flag.set()
+        if self._token is not None:
+            try:
+                trio.from_thread.run_sync(self._stop_requested.set, trio_token=self._token)
+            except (RuntimeError, trio.RunFinishedError):  # already on the trio thread, or gone
+                self._stop_requested.set()
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    async def run(self) -> NodeResult:
+        self._token = trio.lowlevel.current_trio_token()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        identity = Identity.load_or_create(self.data_dir)
+        host_cfg = HostConfig(listen=self.config.listen, swarm_key=self.config.swarm_key,
+                              announce=self.config.announce)
+        async with AsyncExitStack() as stack:
+            host = self.host = await stack.enter_async_context(Host(identity, host_cfg))
+            signed = self.signed = await self._resolve_spec(host)
+            host.rpc.serve(SPEC_RPC, self._serve_spec)
+            streams = await stack.enter_async_context(TensorStreams(host))
+            # Discovery: the swarm's DHT (bootstrapped from the configured peers and the one we
+            # join through) lists every live peer under /meshtrain/<swarm>/peers; the replicated
+            # membership then carries everyone's addresses too.
+            dht = await stack.enter_async_context(Dht(host, signed.swarm_id))
+            await self._bootstrap(dht)
+            self.discovery = await stack.enter_async_context(Discovery(dht, DiscoveryConfig(role="trainer")))
+            # Alone (first node of a swarm), there is nothing to recover: do not wait for it.
+            view = self.view = await stack.enter_async_context(open_swarm_view(
+                host, signed.swarm_id, signed.owner, role="syncing",
+                recover_timeout=5.0 if host.connected_peers() else 0.2))
+            if view.is_owner and view.config().get("spec") != signed.to_wire():
+                view.set_config(spec=signed.to_wire())
+            collective = SwarmCollective(host, streams, self._membership, AllReduceConfig(
+                join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout))
+            if self.config.threads:
+                torch.set_num_threads(self.config.threads)
+            self.trainer = Trainer(signed.spec, collective, host.peer_id, model=self._model,
+                                   outer_factory=self._outer_factory)
+            self.donor = StateDonor(host, streams, upload_limit=self.config.donor_upload_mib * 2**20 or None)
+            store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
+            nursery = self._nursery = await stack.enter_async_context(trio.open_nursery())
+            nursery.start_soon(self._keep_connected)
+            nursery.start_soon(self._watch_signals)
+            await self._start_status(stack)
+            self._write_daemon_file()
+            log.warning(kv("node started", peer=host.peer_id, swarm=signed.swarm_id, addrs=",".join(host.addrs),
+                           status=self.status_url))
+            try:
+                result = await self._train(store, streams)
+            finally:
+                nursery.cancel_scope.cancel()
+                (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _resolve_spec(self, host: Host) -> SignedSpec:
+        if self._spec_arg is not None:
+            signed = self._spec_arg
+        elif self._join is not None:
+            want, addr = self._join
+            try:
+                peer = await host.connect(addr, timeout=15)
+            except MeshtrainError as e:
+                raise NodeError(f"cannot reach {addr}: {e}") from None
+            try:
+                signed = SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
+            except RpcError as e:
+                raise NodeError(f"{addr} did not send a swarm spec ({e}); is it a meshtrain node?") from None
+            except SpecError as e:
+                raise NodeError(f"{addr}: {e}") from None
+        else:
+            path = self.data_dir / SPEC_FILE
+            if not path.exists():
+                raise NodeError(f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
+                                f"create`) or join one (`meshtrain swarm join <multiaddr>`)")
+            signed = SignedSpec.load(path)
+        existing = self.data_dir / SPEC_FILE
+        if existing.exists():
+            old = SignedSpec.load(existing)
+            if old.swarm_id != signed.swarm_id and (self.data_dir / "checkpoints").exists():
+                raise NodeError(f"{self.data_dir} holds swarm {old.swarm_id}, not {signed.swarm_id}; "
+                                f"use another --data-dir for another swarm")
+        signed.save(existing)
+        return signed
+
+    async def _serve_spec(self, peer: str, req: Any) -> dict:
+        assert self.signed is not None
+        return self.signed.to_wire()
+
+    async def _bootstrap(self, dht: Dht) -> None:
+        addrs = list(self.config.bootstrap) + ([self._join[1]] if self._join else [])
+        if not addrs:
+            return
+        try:
+            await dht.bootstrap(addrs)
+        except DhtError as e:
+            log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
+
+    def _membership(self, _round: int) -> list[str]:
+        assert self.view is not None
+        return [p.peer_id for p in self.view.live_peers() if p.role == "trainer"]
+
+    async def _keep_connected(self) -> None:
+        """Dial every live swarm member we are not connected to (the swarm is a full mesh up to a
+        few dozen peers; the membership CRDT carries their addresses)."""
+        assert self.host is not None and self.view is not None
+        last_lookup = -math.inf
+        while True:
+            known = {p.peer_id: p.addrs for p in self.view.live_peers()}
+            if time.monotonic() - last_lookup > DISCOVERY_INTERVAL and self.discovery is not None:
+                last_lookup = time.monotonic()
+                try:
+                    for a in await self.discovery.peers():
+                        known.setdefault(a.peer_id, a.addrs)
+                except MeshtrainError as e:
+                    log.info(kv("discovery lookup failed", error=str(e)))
+            for peer, addrs in known.items():
+                if peer == self.host.peer_id or self.host.is_connected(peer) or not addrs:
+                    continue
+                addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
+                with trio.move_on_after(5):
+                    try:
+                        await self.host.connect(addr, timeout=5)
+                    except MeshtrainError as e:
+                        log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+            await trio.sleep(CONNECT_INTERVAL)
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for sig in signals:
+                if self._stop_flag.is_set():
+                    log.warning("second signal: exiting at once")
+                    os._exit(130)
+                log.warning(kv("stopping", signal=signal.Signals(sig).name))
+                self.stop()
+
+    async def _start_status(self, stack: AsyncExitStack) -> None:
+        try:
+            from meshtrain.node.status import StatusServer
+        except ImportError:  # pragma: no cover - the status module ships with the package
+            return
+        token = secrets.token_hex(16)
+        write_atomic(self.data_dir / TOKEN_FILE, token.encode())
+        os.chmod(self.data_dir / TOKEN_FILE, 0o600)
+        try:
+            srv = await stack.enter_async_context(StatusServer(
+                self.snapshot, host=self.config.status_host, port=self.config.status_port, on_stop=self.stop,
+                token=token))
+        except OSError as e:
+            raise NodeError(f"cannot serve the status page on {self.config.status_host}:{self.config.status_port}"
+                            f" ({e.strerror or e}); pick another --status-port (0 = any)") from None
+        self.status_url = srv.url
+
+    def _write_daemon_file(self) -> None:
+        assert self.host is not None and self.signed is not None
+        info = {"pid": os.getpid(), "peer_id": self.host.peer_id, "addrs": self.host.addrs,
+                "swarm_id": self.signed.swarm_id, "status_url": self.status_url,
+                "token_file": str(self.data_dir / TOKEN_FILE)}
+        write_atomic(self.data_dir / DAEMON_FILE, json.dumps(info).encode())
+
+    # -- entering the swarm and training -----------------------------------------------------
+
+    def _swarm_step(self) -> int | None:
+        """The furthest step a live trainer other than us reports, or None if nobody trains."""
+        assert self.view is not None and self.host is not None
+        trainers = {p for p in self._membership(0) if p != self.host.peer_id}
+        steps = [pr.step for p, pr in self.view.progress().items() if p in trainers]
+        return max(steps) if steps else None
+
+    async def _enter(self, store: CheckpointStore, streams: TensorStreams) -> None:
+        """Resume our checkpoint, or fetch the swarm's state if the swarm is past it."""
+        assert self.trainer is not None and self.host is not None
+        trainer = self.trainer
+        ckpt = await trio.to_thread.run_sync(store.load_latest)
+        if ckpt is not None:
+            trainer.load_checkpoint(ckpt.state)
+            self._last_ckpt = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}
+            log.warning(kv("resumed from checkpoint", step=ckpt.step, digest=ckpt.digest[:16]))
+        with trio.move_on_after(3):  # let membership and progress from the others arrive
+            while self._swarm_step() is None and self.view is not None and len(self.view.live_peers()) > 1:
+                await trio.sleep(0.2)
+        swarm_step = self._swarm_step()
+        if swarm_step is None or swarm_step < trainer.outer.next_send_step(trainer.step):
+            return  # nobody is past our next exchange: our state is the swarm's; train on from it
+        await self._download_state(streams)
+
+    async def _download_state(self, streams: TensorStreams) -> None:
+        """Fetch the swarm's outer state from several peers in parallel and enter at its step."""
+        assert self.trainer is not None and self.host is not None
+        trainer = self.trainer
+        self.state = "syncing"
+        # Count as a trainer from now on: peers then expect us at the next round, and every peer
+        # (us included) picks that round's coordinator from the same set. Announcing only after
+        # the download made a joiner with the lowest peer id wait as the "coordinator" of a
+        # round the others had already formed without it.
+        assert self.view is not None
+        self.view.role = "trainer"
+        self.view.heartbeat()
+        for attempt in range(JOIN_ATTEMPTS):
+            donors = [p for p in self._membership(0) if p != self.host.peer_id and self.host.is_connected(p)]
+            if self.trainer.spec.optimizer == "noloco":
+                donors = donors[:1]  # NoLoCo replicas differ: take one peer's state whole
+            elif self.config.max_donors:
+                donors = donors[: self.config.max_donors]
+            t0 = time.monotonic()
+            last_log = [0.0]
+
+            def progress(done: int, total: int, last_log: list[float] = last_log, donors: list[str] = donors) -> None:
+                if time.monotonic() - last_log[0] > 2 or done == total:
+                    last_log[0] = time.monotonic()
+                    log.warning(kv("downloading swarm state", done_mib=round(done / 2**20, 1),
+                                   total_mib=round(total / 2**20, 1), donors=len(donors)))
+
+            try:
+                meta, tensors = await fetch_state(self.host, streams, donors, timeout=600.0, progress=progress)
+            except StateSyncError as e:
+                log.warning(kv("state download failed", attempt=attempt + 1, error=str(e)))
+                await trio.sleep(2)
+                continue
+            state = unflatten_state(meta["skeleton"], tensors)
+            now = self._swarm_step() or state["inner_steps"]
+            try:
+                trainer.join(state, at_step=max(now, state["inner_steps"]))
+            except OuterStateError as e:
+                log.warning(kv("downloaded state is a round old; fetching again", error=str(e)))
+                continue
+            self._published_round = trainer.outer.rounds  # the donors already offer this round
+            self.joined_from = {"donors": len(donors), "seconds": time.monotonic() - t0,
+                                "step": trainer.step, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+            log.warning(kv("joined the swarm", step=trainer.step, donors=len(donors),
+                           seconds=round(self.joined_from["seconds"], 2)))
+            return
+        raise NodeError("could not download the swarm's state; see the log above")
+
+    async def _train(self, store: CheckpointStore, streams: TensorStreams) -> NodeResult:
+        assert self.trainer is not None and self.view is not None and self.host is not None
+        trainer, view = self.trainer, self.view
+        await self._enter(store, streams)
+        view.role = "trainer"
+        view.heartbeat()
+        await self._wait_for_peers()
+        self.state = "training"
+        until = self.trainer.spec.steps
+        if self.config.max_steps is not None:
+            until = min(until, self.config.max_steps) if until else self.config.max_steps
+        finished_cleanly = True
+        async with trainer.outer:
+            async with trio.open_nursery() as nursery:
+                async def train() -> None:
+                    while True:
+                        await trio.to_thread.run_sync(trainer.run, self._stop_flag, until, self._after_step)
+                        if self._stop_flag.is_set() or not trainer.outer.needs_resync:
+                            break
+                        # We missed a round (cut off, or late for its group): our outer state
+                        # differs from the swarm's. Download it again rather than drift apart.
+                        log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
+                        view.role = "syncing"
+                        view.heartbeat()
+                        await self._download_state(streams)
+                        view.role = "trainer"
+                        view.heartbeat()
+                        self.state = "training"
+                    self._stop_requested.set()
+
+                nursery.start_soon(train)
+                await self._stop_requested.wait()
+                self.state = "stopping"
+                self._stop_flag.set()
+                stopped_early = until == 0 or trainer.step < until
+                if stopped_early:
+                    await view.leave()  # others stop expecting us before we finish the step
+                with trio.move_on_after(STOP_GRACE):
+                    await _wait_done(nursery)
+                if nursery.child_tasks:
+                    log.warning("a round was in flight; cancelling it")
+                    finished_cleanly = False
+                    nursery.cancel_scope.cancel()
+            if finished_cleanly and trainer.outer.in_flight:
+                with trio.move_on_after(STOP_GRACE):
+                    await trainer.outer.afinish()
+                finished_cleanly = not trainer.outer.in_flight
+        path = None
+        if finished_cleanly:
+            state = trainer.checkpoint_state()
+            ck = await trio.to_thread.run_sync(lambda: store.save(state, step=trainer.step, round=trainer.outer.rounds))
+            path = str(ck.path)
+        else:
+            log.warning(kv("stopped mid-round; the last periodic checkpoint stands",
+                           checkpoint=self._last_ckpt.get("path")))
+        if not view.has_left:
+            await view.leave()
+        with trainer.lock:
+            history = list(trainer.info.history)
+        write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
+        return NodeResult(self.host.peer_id, trainer.step, trainer.outer.rounds, trainer.info.eval_loss,
+                          path or self._last_ckpt.get("path"), stopped_early)
+
+    async def _wait_for_peers(self) -> None:
+        """With `wait_peers`, start training only once that many trainers (us included) are in
+        the swarm, so a swarm started together begins its first round together."""
+        assert self.view is not None
+        want = self.config.wait_peers
+        if want <= 1:
+            return
+        with trio.move_on_after(self.config.wait_peers_timeout):
+            while len(self._membership(0)) < want and not self._stop_flag.is_set():
+                await trio.sleep(0.1)
+        have = len(self._membership(0))
+        if have < want:
+            log.warning(kv("starting without every awaited peer", have=have, want=want))
+
+    def _after_step(self, trainer: Trainer) -> None:
+        """Between two steps, in the trainer's thread: report, publish, checkpoint."""
+        assert self._token is not None
+        info = trainer.info
+        outer = trainer.outer
+        publish = checkpoint = None
+        if outer.rounds != self._published_round and not outer.in_flight:
+            self._published_round = outer.rounds
+            skeleton, tensors = flatten_state(trainer.donor_state())
+            publish = ({"skeleton": skeleton, "step": trainer.step, "round": outer.rounds}, tensors)
+        if (time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every and not self._ckpt_busy
+                and not outer.in_flight):
+            self._last_ckpt_time = time.monotonic()
+            checkpoint = (trainer.checkpoint_state(), trainer.step, outer.rounds)
+
+        def on_trio() -> None:
+            assert self.view is not None
+            self.view.report_progress(step=trainer.step, samples=trainer.step * trainer.spec.batch_size,
+                                      outer_round=outer.rounds)
+            metrics = {k: v for k, v in (("loss", info.loss), ("eval_loss", info.eval_loss),
+                                         ("samples_per_s", info.samples_per_s)) if v is not None and math.isfinite(v)}
+            self.view.report_metrics(metrics)
+            if publish is not None and self.donor is not None:
+                self.donor.publish(*publish)
+            if checkpoint is not None and self._nursery is not None:
+                self._ckpt_busy = True
+                self._nursery.start_soon(self._write_checkpoint, *checkpoint)
+
+        trio.from_thread.run_sync(on_trio, trio_token=self._token)
+
+    async def _write_checkpoint(self, state: dict[str, Any], step: int, rnd: int) -> None:
+        store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
+        try:
+            ck = await trio.to_thread.run_sync(lambda: store.save(state, step=step, round=rnd))
+            self._last_ckpt = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
+        except OSError as e:
+            log.warning(kv("checkpoint failed", step=step, error=str(e)))
+        finally:
+            self._ckpt_busy = False
+
+    # -- status -------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The status document (schema in `meshtrain.node.status`)."""
+        host, view, trainer = self.host, self.view, self.trainer
+        now = time.time()
+        node = {"peer_id": host.peer_id if host else "", "name": self.config.name, "version": meshtrain.__version__,
+                "started": self.started, "uptime_s": now - self.started,
+                "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
+                "listen": host.addrs if host else [], "reachability": "unknown"}
+        training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
+                                    "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
+        if trainer is not None:
+            with trainer.lock:
+                info = trainer.info
+                st = trainer.outer.stats()
+                training.update(step=info.step, round=info.rounds, loss=info.loss, eval_loss=info.eval_loss,
+                                optimizer=trainer.spec.optimizer, samples_per_s=info.samples_per_s,
+                                bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"],
+                                history=list(info.history))
+        peers = []
+        if view is not None and host is not None:
+            progress, metrics = view.progress(), view.metrics()
+            for p in view.live_peers():
+                pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
+                connected = p.peer_id == host.peer_id or host.is_connected(p.peer_id)
+                peers.append({"peer_id": p.peer_id, "addr": p.addrs[0] if p.addrs else "",
+                              "connection": (p.connection if connected else "none"), "role": p.role,
+                              "step": pr.step if pr else 0, "loss": me.values.get("loss") if me else None,
+                              "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
+                              "reachability": p.capabilities.get("reachability", "unknown")})
+        return {"node": node, "training": training, "peers": peers, "checkpoint": dict(self._last_ckpt),
+                "joined_from": self.joined_from}
+
+
+async def _wait_done(nursery: trio.Nursery) -> None:
+    while nursery.child_tasks:
+        await trio.sleep(0.05)
+
+
+def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a running node wrote about itself; `NodeError` if no node runs with this data dir."""
+    path = Path(data_dir).expanduser() / DAEMON_FILE
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NodeError(f"no node is running with data dir {Path(data_dir).expanduser()} "
+                        f"(start one with `meshtrain node start`)") from None
+    except (OSError, ValueError) as e:
+        raise NodeError(f"cannot read {path}: {e}") from None
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        raise NodeError(f"the node that wrote {path} (pid {info.get('pid')}) is not running any more") from None
+    except (PermissionError, KeyError, ValueError, TypeError):
+        pass
+    return info

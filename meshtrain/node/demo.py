@@ -1,0 +1,230 @@
+"""`meshtrain demo`: a real local swarm — N node processes on loopback — training the small GPT on
+the built-in corpus, with a live table, a loss plot and a summary.
+
+Nothing is simulated: the demo does what a user would do by hand. It writes a swarm spec
+(`meshtrain swarm create`), starts the first node with it (`meshtrain node start`), starts the
+others with `meshtrain swarm join <first node's address>` (each fetches and verifies the spec),
+and watches every node through its status endpoint (`/status`, as `meshtrain node status`
+does). The nodes' data dirs, logs, the plot (`loss.png`) and `summary.json` land in `--out`.
+Ctrl-C stops every node cleanly (they leave the swarm and checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.node.daemon import DAEMON_FILE
+
+STARTUP_TIMEOUT = 60.0
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshtrain.node.cli", *args]
+
+
+class _Swarm:
+    """The demo's node processes and what they said."""
+
+    def __init__(self, out: Path, n: int) -> None:
+        self.out, self.n = out, n
+        self.procs: list[subprocess.Popen] = []
+        self.dirs = [out / "nodes" / f"node{i}" for i in range(n)]
+        self.logs: list[Path] = []
+        self.urls: list[str | None] = [None] * n
+
+    def start(self, i: int, extra: list[str]) -> None:
+        log = self.out / f"node{i}.log"
+        self.logs.append(log)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(log, "w") as err:
+            self.procs.append(subprocess.Popen(
+                _cli("node", "start", "--data-dir", str(self.dirs[i]), "--listen", "/ip4/127.0.0.1/tcp/0",
+                     "--status-port", "0", "--threads", "1", "--checkpoint-every", "30", "--name", f"node{i}",
+                     "--wait-peers", str(self.n),
+                     *extra),
+                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True))
+
+    def wait_daemon(self, i: int) -> dict[str, Any]:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        path = self.dirs[i] / DAEMON_FILE
+        while time.monotonic() < deadline:
+            if self.procs[i].poll() is not None:
+                raise MeshtrainError(f"node{i} exited at start-up; its log ({self.logs[i]}) ends:\n"
+                                     + _tail(self.logs[i]))
+            try:
+                info = json.loads(path.read_text())
+                self.urls[i] = info.get("status_url")
+                return info
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        raise MeshtrainError(f"node{i} did not start within {STARTUP_TIMEOUT:.0f} s; see {self.logs[i]}")
+
+    def statuses(self) -> list[dict | None]:
+        from meshtrain.node.status import fetch_status
+
+        out: list[dict | None] = []
+        for url, p in zip(self.urls, self.procs, strict=False):
+            if url is None or p.poll() is not None:
+                out.append(None)
+                continue
+            try:
+                out.append(fetch_status(url, timeout=2))
+            except MeshtrainError:
+                out.append(None)
+        return out
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def results(self) -> list[dict | None]:
+        res = []
+        for p in self.procs:
+            last = None
+            if p.stdout is not None:
+                for line in p.stdout.read().splitlines():
+                    with contextlib.suppress(ValueError):
+                        last = json.loads(line)
+            res.append(last)
+        return res
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _table(statuses: list[dict | None], started: float, steps: int) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"meshtrain demo — {len(statuses)} nodes, {time.monotonic() - started:.0f} s", expand=False)
+    for col in ("node", "peer", "state", "step", "round", "loss", "eval loss", "sent MiB", "recv MiB", "peers"):
+        t.add_column(col, justify="right" if col not in ("peer", "state", "node") else "left")
+    for i, st in enumerate(statuses):
+        if st is None:
+            t.add_row(f"node{i}", "", "[dim]down/finished[/dim]", *[""] * 7)
+            continue
+        n, tr = st["node"], st["training"]
+        t.add_row(f"node{i}", n["peer_id"][-8:], n["state"], f"{tr['step']}/{steps}", str(tr["round"]),
+                  "-" if tr["loss"] is None else f"{tr['loss']:.3f}",
+                  "-" if tr["eval_loss"] is None else f"{tr['eval_loss']:.3f}",
+                  f"{tr['bytes_sent'] / 2**20:.2f}", f"{tr['bytes_received'] / 2**20:.2f}", str(len(st["peers"])))
+    return t
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if not 1 <= args.nodes <= 16:
+        raise ConfigError("--nodes must be between 1 and 16 on one machine")
+    steps = args.steps if args.steps is not None else (60 if args.quick else 600)
+    H = args.H if args.H is not None else (20 if args.quick else 50)
+    if steps < 1 or H < 1:
+        raise ConfigError("--steps and --H must be at least 1")
+    out = Path(args.out)
+    if (out / "nodes").exists():
+        shutil.rmtree(out / "nodes")
+    out.mkdir(parents=True, exist_ok=True)
+    swarm = _Swarm(out, args.nodes)
+    created = subprocess.run(
+        _cli("swarm", "create", "--data-dir", str(swarm.dirs[0]), "--model", "gpt-small", "--optimizer",
+             args.optimizer, "--H", str(H), "--steps", str(steps), "--eval-every", str(max(H // 2, 10)),
+             "--name", "meshtrain-demo", *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else [])),
+        capture_output=True, text=True)
+    if created.returncode:
+        raise MeshtrainError(f"swarm create failed: {created.stderr.strip()}")
+    swarm_id = json.loads(created.stdout.splitlines()[0])["swarm_id"]
+    say = print if args.plain else (lambda *a: print(*a, file=sys.stderr))
+    say(f"swarm {swarm_id}: {args.nodes} nodes, gpt-small, {args.optimizer}, H={H}, {steps} steps; files in {out}")
+    started = time.monotonic()
+    interrupted = False
+    try:
+        swarm.start(0, ["--swarm", str(swarm.dirs[0] / "swarm.json")])
+        first = swarm.wait_daemon(0)
+        for i in range(1, args.nodes):
+            swarm.start(i, ["--join", first["addrs"][0]])
+        for i in range(1, args.nodes):
+            swarm.wait_daemon(i)
+        last_line = 0.0
+        if args.plain or not sys.stdout.isatty():
+            while swarm.running():
+                if time.monotonic() - last_line >= 5:
+                    last_line = time.monotonic()
+                    for i, st in enumerate(swarm.statuses()):
+                        if st is not None:
+                            tr = st["training"]
+                            print(json.dumps({"node": i, "state": st["node"]["state"], "step": tr["step"],
+                                              "round": tr["round"], "loss": tr["loss"], "eval_loss": tr["eval_loss"],
+                                              "bytes_sent": tr["bytes_sent"]}), flush=True)
+                time.sleep(0.5)
+        else:
+            from rich.live import Live
+
+            with Live(_table(swarm.statuses(), started, steps), refresh_per_second=2) as live:
+                histories: list[dict | None] = []
+                while swarm.running():
+                    histories = swarm.statuses()
+                    live.update(_table(histories, started, steps))
+                    time.sleep(1.0)
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: stopping the nodes cleanly")
+    finally:
+        swarm.stop()
+    results = swarm.results()
+    return _summarise(out, swarm, results, steps, H, args, started, interrupted, swarm_id)
+
+
+def _summarise(out: Path, swarm: _Swarm, results: list[dict | None], steps: int, H: int,
+               args: argparse.Namespace, started: float, interrupted: bool, swarm_id: str) -> int:
+    from meshtrain.node.plot import plot_curves
+
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for i, d in enumerate(swarm.dirs):
+        hist = d / "history.json"
+        if hist.exists():
+            rows = json.loads(hist.read_text())
+            curves[f"node{i}"] = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    png = plot_curves(curves, out / "loss.png", title=f"meshtrain demo: {args.optimizer}, {args.nodes} nodes, H={H}",
+                      ylabel="held-out loss (outer parameters)")
+    finals = [r for r in results if r]
+    first = [c[0][1] for c in curves.values() if c]
+    summary = {
+        "swarm_id": swarm_id, "nodes": args.nodes, "optimizer": args.optimizer, "H": H, "steps": steps,
+        "wall_s": round(time.monotonic() - started, 1), "interrupted": interrupted,
+        "nodes_finished": sum(1 for r in finals if r.get("step") == steps),
+        "eval_loss_first": round(sum(first) / len(first), 4) if first else None,
+        "eval_loss_final": [None if r is None or r.get("eval_loss") is None else round(r["eval_loss"], 4) for r in results],
+        "rounds": [None if r is None else r.get("rounds") for r in results],
+        "plot": str(png), "logs": [str(p) for p in swarm.logs],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ok = not interrupted and summary["nodes_finished"] == args.nodes
+    print(json.dumps(summary), flush=True)
+    if not ok and not interrupted:
+        for i, r in enumerate(results):
+            if r is None or r.get("step") != steps:
+                print(f"node{i} did not finish; its log ends:\n{_tail(swarm.logs[i])}", file=sys.stderr)
+    return 0 if ok or interrupted else 1

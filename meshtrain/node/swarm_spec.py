@@ -1,0 +1,122 @@
+"""A swarm's identity: its spec, signed by its creator, and the swarm id derived from both.
+
+    swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
+
+so the id names one spec *and* one owner: a peer cannot hand a joiner a different spec under the
+same id (the id would not match), nor re-sign someone else's spec as its own (the id would
+change). The owner's key also is the only key that may write the swarm's CRDT config
+(`SwarmView.set_config`), where the node publishes the spec for everyone already in the swarm.
+
+Joining needs one address: `swarm join <multiaddr>` (or `<swarm id>@<multiaddr>`, which also
+pins the id) dials the peer and asks for the spec over the `swarm/spec` RPC; the answer is
+verified (signature, id, schema) before anything else happens. A spec file (`swarm.json`,
+written by `swarm create`) holds the same signed document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.node.config import SwarmSpec, parse_spec
+from meshtrain.transport.framing import packb_canonical
+from meshtrain.transport.identity import Identity, verify
+
+SPEC_RPC = "swarm/spec"
+FORMAT = "meshtrain.swarm/1"
+
+
+class SpecError(MeshtrainError):
+    """A signed spec is malformed, forged, or not the swarm we asked for."""
+
+
+def swarm_id_of(spec: SwarmSpec, owner: str) -> str:
+    body = packb_canonical({"spec": spec.model_dump(), "owner": owner})
+    return "ms" + blake3.blake3(body).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class SignedSpec:
+    spec: SwarmSpec
+    owner: str  # peer id of the creator
+    signature: bytes
+
+    @property
+    def swarm_id(self) -> str:
+        return swarm_id_of(self.spec, self.owner)
+
+    @staticmethod
+    def _message(spec: SwarmSpec, owner: str) -> bytes:
+        return b"meshtrain-swarm-spec\n" + packb_canonical({"spec": spec.model_dump(), "owner": owner})
+
+    @classmethod
+    def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
+        owner = identity.peer_id_str
+        return cls(spec, owner, identity.sign(cls._message(spec, owner)))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"format": FORMAT, "spec": self.spec.model_dump(), "owner": self.owner,
+                "signature": self.signature.hex(), "swarm_id": self.swarm_id}
+
+    @classmethod
+    def from_wire(cls, data: Any, *, expect_id: str | None = None) -> SignedSpec:
+        """Parse and verify; `SpecError` (one line) for anything wrong."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise SpecError(f"not a {FORMAT} document")
+        owner, sig = data.get("owner"), data.get("signature")
+        if not isinstance(owner, str) or not isinstance(sig, str) or not isinstance(data.get("spec"), dict):
+            raise SpecError("spec document lacks spec, owner or signature")
+        try:
+            spec = parse_spec(data["spec"])
+            signature = bytes.fromhex(sig)
+        except (ConfigError, ValueError) as e:
+            raise SpecError(f"invalid swarm spec: {e}") from None
+        signed = cls(spec, owner, signature)
+        if not verify(owner, cls._message(spec, owner), signature):
+            raise SpecError("the swarm spec's signature does not verify: forged or corrupted")
+        if expect_id is not None and signed.swarm_id != expect_id:
+            raise SpecError(f"this peer serves swarm {signed.swarm_id}, not {expect_id}")
+        return signed
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        from meshtrain.node.checkpoint import write_atomic
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(p, (json.dumps(self.to_wire(), indent=2) + "\n").encode())
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SignedSpec:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"swarm spec {p} does not exist (create one with `meshtrain swarm create`)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read swarm spec {p}: {e}") from None
+        try:
+            return cls.from_wire(data)
+        except SpecError as e:
+            raise ConfigError(f"swarm spec {p}: {e}") from None
+
+
+def parse_join_address(address: str) -> tuple[str | None, str]:
+    """`<swarm id>@<multiaddr>` or a bare multiaddr → (swarm id or None, multiaddr)."""
+    from meshtrain.transport.host import parse_multiaddr, peer_id_of
+
+    swarm_id, _, addr = address.rpartition("@") if "@" in address else (None, "", address)
+    try:
+        parse_multiaddr(addr)
+        peer_id_of(addr)
+    except Exception:  # noqa: BLE001 — py-multiaddr raises many types
+        raise ConfigError(f"{addr!r} is not a peer multiaddr (like /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo...)") from None
+    if swarm_id is not None and not (swarm_id.startswith("ms") and len(swarm_id) == 22):
+        raise ConfigError(f"{swarm_id!r} is not a swarm id (ms + 20 hex characters)")
+    return swarm_id or None, addr

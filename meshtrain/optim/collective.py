@@ -1,0 +1,77 @@
+"""The interface between outer optimizers and the network: `Collective`.
+
+Outer optimizers never touch transport directly. They ask a `Collective` to average a dict of
+tensors, either among a group (all-reduce: DiLoCo, Streaming DiLoCo) or with one partner (NoLoCo),
+and get back the result together with *who actually contributed*, because on a public swarm any
+peer may vanish mid-round and the optimizer must know the denominator it averaged over.
+
+Contract every implementation keeps (the fault-tolerant network one in `allreduce.py`, and
+`LocalCollective` for simulated workers in one process):
+- the returned tensors are the mean over `contributors` (in float32 accumulation, then cast to
+  the input dtype), bit-identical on every contributor (`digest` lets callers check);
+- a peer that fails or misses the deadline is dropped from `contributors`; the call returns the
+  survivors' result rather than raising, unless this peer itself could not take part;
+- calls are identified by `round_id` (plus an optional `tag`, e.g. a fragment index), so stale
+  messages from an earlier round are never mixed into a later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from meshtrain.errors import MeshtrainError
+
+
+class CollectiveError(MeshtrainError):
+    """This peer could not take part in the collective at all (not: a partner failed)."""
+
+
+@dataclass(frozen=True)
+class ReduceResult:
+    """What a collective call produced."""
+
+    tensors: dict[str, torch.Tensor]
+    contributors: tuple[str, ...]  # peer ids whose input is in the mean, sorted
+    digest: bytes  # blake3 of the result, equal on all contributors
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it was dropped
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Averaging among peers. Implementations are trio-async."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    async def all_reduce(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+        weight: float = 1.0,
+    ) -> ReduceResult:
+        """Weighted mean of `tensors` over the round's group; `weight` 0 contributes nothing."""
+        ...
+
+    async def average_with(
+        self,
+        partner: str | None,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+    ) -> ReduceResult:
+        """Mean with one partner; if the partner is None or gone, the result is our own input."""
+        ...
+
+    def group(self, round_id: int) -> tuple[str, ...]:
+        """The peers (sorted ids, us included) expected in this round, from the membership snapshot."""
+        ...

@@ -1,0 +1,612 @@
+"""`OuterOptimizer`: the public base class for low-communication outer optimizers.
+
+What it is for. DiLoCo-style training runs an ordinary *inner* optimizer on every peer and, every
+`H` inner steps, an *outer* step that brings the peers' parameters together: each peer sends what
+it learned since the last round (the pseudo-gradient Δ = φ − θ, outer parameters minus local
+ones), a `Collective` averages it, and an outer optimizer moves φ. This class owns everything
+those algorithms share, so an algorithm is a few hooks:
+
+    build_outer_optimizer(params)    a torch optimizer over φ (the default `apply` steps it)
+    pseudo_gradient(names)           what a peer sends          default: Δ = φ − θ
+    communicate(tensors, ...)        with whom, through the Collective   default: all-reduce
+    apply(result, names)             the outer update of φ      default: grad = mean Δ, step
+    merge(names)                     θ from the new φ           default: θ ← α·θ + (1−α)·φ (α=0: θ ← φ)
+
+and inherits the outer-parameter snapshot φ (fp32), the schedule (fragments and overlap, below),
+the codec, state (de)serialisation (bit-exact, for checkpoints and late joiners), byte accounting
+and the threading bridge.
+
+How the training loop calls it. The outer optimizer *wraps* the inner one: it is what the loop
+steps, so the loop reads like ordinary torch.
+
+    outer = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4), collective, H=500)
+
+    def train():                                   # runs in a worker thread
+        for x, y in batches:
+            loss = model(x, y).loss
+            outer.zero_grad(); loss.backward()
+            outer.step()                           # inner step; every H steps also an outer round
+
+    async with outer:                              # owns the tasks that overlap communication
+        await trio.to_thread.run_sync(train)       # torch off the trio thread: networking flows
+        await outer.afinish()                      # merge exchanges still in flight
+
+Threading. `step()` is called from a worker thread (`trio.to_thread.run_sync`, or any thread if
+the optimizer was entered with `async with`, which records the trio token). The inner step and
+every tensor operation of a round (Δ, the outer update, the merge) run in that thread; only the
+collective call hops onto the trio side (`trio.from_thread.run`), so the trio loop never runs a
+forward pass and keeps serving the network during compute. Steps with nothing due never touch
+trio at all. Code already running in trio (simulations with `LocalSwarm`, tests) calls
+`await astep()` instead — same logic, tensor work inline.
+
+Schedule (Streaming DiLoCo, Douillard et al. 2025 §2; torchft `local_sgd.py`). The trainable
+parameters are split into P `fragments` (default: one, i.e. DiLoCo). Fragment p sends at inner
+steps s >= 1 with s ≡ p·H/P (mod H), so at most one fragment is in flight and the peak traffic
+is ~1/P of a full sync. With `delay` τ = 0 the round blocks: send, average, apply, merge. With
+τ >= 1 the exchange runs in the background (in the nursery `async with outer` opens) while τ
+more inner steps run, and the result is applied and merged at step s + τ — the only point where
+an inner step may wait on the network, and only if the exchange has not finished. Requires
+H % P == 0 and τ < H/P (ValueError otherwise).
+
+Round ids. Every exchange is identified by the inner step s at which it is sent (`round_id=s`)
+and the fragment (`tag="f<p>"`): equal on every peer that follows the swarm's step counter, and
+never reused.
+
+Failures. The collective already averages over the survivors when a peer dies mid-round. If
+*this* peer could not take part at all (`CollectiveError`: cut off, or late for the group), it
+proceeds alone — its own Δ is applied as a group of one — so training never stops, and
+`needs_resync` is set: its φ and outer state now differ from the swarm's, and the node should
+download the swarm's state (`join`).
+
+Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
+sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
+ALGORITHMS.md). Until it has done a full H steps of its own it contributes weight 0 to every
+all-reduce (prime's live recovery: ALGORITHMS.md, DiLoCo) but still receives the average, so its
+φ and outer state stay identical to everyone else's.
+
+Not here: which peers are in a round (the collective's membership), data, checkpoint files.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.optim.collective import Collective, CollectiveError, ReduceResult
+
+log = get_logger(__name__)
+
+STATE_FORMAT = "meshtrain.outer/1"
+HISTORY_LENGTH = 4096  # round reports kept in memory
+
+
+class OuterStateError(MeshtrainError):
+    """A state dict cannot be produced or loaded (wrong algorithm, shapes, or an exchange in flight)."""
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One exchange, as this peer saw it."""
+
+    step: int  # inner step at which the fragment was sent (= round_id)
+    fragment: int
+    contributors: int  # peers whose input is in the mean (1 = alone)
+    bytes_sent: int
+    bytes_received: int
+    seconds: float  # send to result
+    waited: float  # how long the inner loop blocked on it
+    error: str = ""  # why we proceeded alone, if we did
+
+
+@dataclass
+class _Exchange:
+    fragment: int
+    step: int
+    names: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+    weight: float
+    merge_step: int
+    started: float = field(default_factory=time.monotonic)
+    done: trio.Event = field(default_factory=trio.Event)
+    result: ReduceResult | None = None
+    error: str = ""
+    finished: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A request from the round logic to run an async function on the trio side."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+    spawn: bool = False  # start in the optimizer's nursery instead of awaiting
+
+
+class OuterOptimizer:
+    """Base class of outer optimizers. Subclasses override hooks (module docstring).
+
+    model: the module trained in place; its trainable parameters (`requires_grad`) are θ.
+    inner: the inner torch optimizer over `model`'s parameters, stepped by `step()`; None if the
+        caller steps it itself (then call `step()` right after the inner step).
+    collective: averages among peers (`SwarmCollective` on a swarm, `LocalSwarm` in-process).
+    H: inner steps between two syncs of a fragment.
+    codec: compression of what is exchanged (`compression.CODECS`): "none", "fp16", "fp4", ...
+    fragments: a partition of the parameter names into P lists (None: one fragment).
+    delay: τ, inner steps the exchange of a fragment overlaps with (0 = blocking).
+    alpha: merge weight of the local parameters at s + τ (θ ← α·θ + (1−α)·φ).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
+                 *, H: int, codec: str = "none", fragments: Sequence[Sequence[str]] | None = None,
+                 delay: int = 0, alpha: float = 0.0) -> None:
+        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+            raise ValueError(f"H (inner steps per outer round) must be an integer >= 1, got {H!r}")
+        self.model = model
+        self.inner = inner
+        self.collective = collective
+        self.H = H
+        self.codec = codec
+        self.params: dict[str, torch.nn.Parameter] = {
+            n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        self.fragments = self._check_fragments(fragments)
+        P = len(self.fragments)
+        if H % P:
+            raise ValueError(f"H ({H}) must be a multiple of the number of fragments ({P}), so that "
+                             f"fragment p syncs at offset p·H/P")
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < H // P:
+            raise ValueError(f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
+                             f"a fragment's result must be merged before the next fragment is sent")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        self.delay = delay
+        self.alpha = float(alpha)
+        self._offsets = [p * (H // P) for p in range(P)]
+        # φ: the outer parameters, fp32 whatever the model's dtype ("accumulate in fp32").
+        self.outer_params: dict[str, torch.Tensor] = {
+            n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        self._outer_optimizer: torch.optim.Optimizer | None = None
+        self._outer_optimizer_built = False
+        self._buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.inner_steps = 0  # the swarm's step counter (a joiner loads it)
+        self.rounds = 0  # exchanges completed (all fragments)
+        self.needs_resync = False
+        self._joined_at: int | None = None
+        self._pending: dict[int, _Exchange] = {}
+        self._nursery: trio.Nursery | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.peak_bytes_per_sync = 0
+        self.comm_wait_seconds = 0.0
+        self.history: deque[RoundReport] = deque(maxlen=HISTORY_LENGTH)
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer over φ from `build_outer_optimizer`, built on first use (so a
+        subclass may set its hyper-parameters after `super().__init__`)."""
+        if not self._outer_optimizer_built:
+            self._outer_optimizer = self.build_outer_optimizer(list(self.outer_params.values()))
+            self._outer_optimizer_built = True
+        return self._outer_optimizer
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        """A torch optimizer over φ (`params`, in `outer_params` order), or None if `apply` is
+        written by hand. Its state is part of `state_dict`."""
+        return None
+
+    def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Δ = φ − θ for `names` (DiLoCo's sign: it points from where we went back to where we
+        started, so descending on it moves φ toward θ). Runs in the trainer's thread."""
+        return {n: self.outer_params[n] - self.params[n].detach().to(torch.float32) for n in names}
+
+    async def communicate(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str,
+                          weight: float) -> ReduceResult:
+        """Average `tensors` with the other peers: by default an all-reduce over the round's group.
+        Runs on the trio side; must not touch the model (training may be running)."""
+        return await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec,
+                                                weight=weight)
+
+    def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
+        """Update φ[names] from the averaged `result`. Default: the outer optimizer's step with
+        grad = mean Δ (torch semantics, so SGD(nesterov) is ALGORITHMS.md's DiLoCo rule)."""
+        opt = self.outer_optimizer
+        if opt is None:
+            raise NotImplementedError(f"{type(self).__name__} must override apply() or "
+                                      f"build_outer_optimizer()")
+        for n in names:
+            self.outer_params[n].grad = result.tensors[n].to(torch.float32)
+        opt.step()
+        for n in names:
+            self.outer_params[n].grad = None
+
+    def merge(self, names: Sequence[str]) -> None:
+        """θ[names] from the new φ: θ ← φ, or with α > 0 the Streaming DiLoCo merge
+        θ ← α·θ + (1−α)·φ (paper §2.2; torchft's `lerp`)."""
+        for n in names:
+            p, phi = self.params[n], self.outer_params[n]
+            if self.alpha == 0.0:
+                p.copy_(phi)
+            else:
+                p.lerp_(phi.to(p.dtype), 1.0 - self.alpha)
+
+    # -- state a subclass keeps (serialised with the rest) ------------------------------------
+
+    def register_buffers(self, name: str, init: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
+                         ) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors (e.g. a momentum) that `state_dict` saves and `load_state_dict`
+        restores bit-exactly. Returns the dict, keyed like `outer_params`."""
+        buf = {n: init(phi) for n, phi in self.outer_params.items()}
+        self._buffers[name] = buf
+        return buf
+
+    # -- the training loop --------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=set_to_none)
+        else:
+            self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> list[RoundReport]:
+        """The inner step, then whatever the schedule says is due. Call from a worker thread
+        (not from the trio thread: use `astep` there). Returns the exchanges completed."""
+        if self.inner is not None:
+            self.inner.step()
+        return self._drive_from_thread(self._advance())
+
+    async def astep(self) -> list[RoundReport]:
+        """`step()` for code running in trio (tensor work runs inline in the trio thread)."""
+        if self.inner is not None:
+            self.inner.step()
+        return await self._drive_async(self._advance())
+
+    def finish(self) -> list[RoundReport]:
+        """Wait for exchanges still in flight and merge them (end of training; from a thread)."""
+        return self._drive_from_thread(self._flush())
+
+    async def afinish(self) -> list[RoundReport]:
+        return await self._drive_async(self._flush())
+
+    async def __aenter__(self) -> OuterOptimizer:
+        self._token = trio.lowlevel.current_trio_token()
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them).
+        assert self._nursery is not None  # entered
+        self._nursery.cancel_scope.cancel()
+        try:
+            return await self._nursery_cm.__aexit__(*exc)
+        finally:
+            self._nursery = None
+            self._pending.clear()
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._pending)
+
+    def next_send_step(self, step: int) -> int:
+        """The first inner step after `step` at which some fragment is sent."""
+        return min(step + ((off - step) % self.H or self.H) for off in self._offsets)
+
+    def due(self, step: int) -> tuple[list[int], list[int]]:
+        """(fragments to merge, fragments to send) at inner step `step`."""
+        merges = [p for p, ex in self._pending.items() if ex.merge_step <= step]
+        sends = [p for p, off in enumerate(self._offsets) if step >= 1 and step % self.H == off]
+        return sorted(merges), sends
+
+    def _advance(self) -> Generator[_Call, Any, list[RoundReport]]:
+        """The round logic for one inner step, as a generator that yields the async calls it
+        needs: the drivers run them on the trio side (from a thread or inline)."""
+        self.inner_steps += 1
+        step = self.inner_steps
+        merges, sends = self.due(step)
+        reports = []
+        for p in merges:
+            reports.append((yield from self._complete(self._pending.pop(p))))
+        for p in sends:
+            names = self.fragments[p]
+            with torch.no_grad():
+                tensors = self.pseudo_gradient(names)
+            ready = self._joined_at is None or step - self._joined_at >= self.H
+            ex = _Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, step + self.delay)
+            if self.delay == 0:
+                yield _Call(self._exchange, (ex,))
+                reports.append((yield from self._complete(ex)))
+            else:
+                self._pending[p] = ex
+                yield _Call(self._exchange, (ex,), spawn=True)
+        return reports
+
+    def _flush(self) -> Generator[_Call, Any, list[RoundReport]]:
+        reports = []
+        for p in sorted(self._pending):
+            reports.append((yield from self._complete(self._pending.pop(p))))
+        return reports
+
+    def _complete(self, ex: _Exchange) -> Generator[_Call, Any, RoundReport]:
+        t0 = time.monotonic()
+        if not ex.done.is_set():
+            yield _Call(ex.done.wait)
+        waited = time.monotonic() - t0
+        result = ex.result
+        assert result is not None  # set before done
+        with torch.no_grad():
+            self.apply(result, ex.names)
+            self.merge(ex.names)
+        self.rounds += 1
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
+        self.comm_wait_seconds += waited + (ex.finished - ex.started if self.delay == 0 else 0.0)
+        report = RoundReport(ex.step, ex.fragment, len(result.contributors), result.bytes_sent,
+                             result.bytes_received, ex.finished - ex.started, waited, ex.error)
+        self.history.append(report)
+        return report
+
+    async def _exchange(self, ex: _Exchange) -> None:
+        """Run `communicate` for one exchange (trio side); on CollectiveError proceed alone."""
+        try:
+            ex.result = await self.communicate(ex.tensors, round_id=ex.step, tag=f"f{ex.fragment}",
+                                               weight=ex.weight)
+        except CollectiveError as e:
+            log.warning(kv("outer round without the swarm; proceeding alone", step=ex.step,
+                           fragment=ex.fragment, error=str(e)[:200]))
+            self.needs_resync = True
+            ex.error = str(e) or type(e).__name__
+            me = self.collective.peer_id
+            ex.result = ReduceResult(ex.tensors, (me,), b"", 0, 0, {})
+        ex.finished = time.monotonic()
+        ex.done.set()
+
+    # -- drivers: run the round logic's async calls on the trio side --------------------------
+
+    def _drive_from_thread(self, gen: Generator[_Call, Any, list[RoundReport]]) -> list[RoundReport]:
+        value: Any = None
+        # In a `trio.to_thread` worker, call back without the token: the call then runs in the
+        # caller's task, so cancelling that task (a node shutting down) cancels the exchange too.
+        kw = {"trio_token": self._token} if self._token is not None and not _in_trio_worker() else {}
+        while True:
+            try:
+                call = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            _check_not_in_trio_thread()
+            if call.spawn:
+                value = trio.from_thread.run_sync(self._spawn, call, **kw)
+            else:
+                value = trio.from_thread.run(call.fn, *call.args, **kw)
+
+    async def _drive_async(self, gen: Generator[_Call, Any, list[RoundReport]]) -> list[RoundReport]:
+        value: Any = None
+        while True:
+            try:
+                call = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = self._spawn(call) if call.spawn else await call.fn(*call.args)
+
+    def _spawn(self, call: _Call) -> None:
+        if self._nursery is None:
+            raise RuntimeError(f"{type(self).__name__} overlaps communication with training (delay="
+                               f"{self.delay}): enter `async with outer:` before training")
+        self._nursery.start_soon(call.fn, *call.args)
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    @contextmanager
+    def outer_weights(self) -> Iterator[None]:
+        """Temporarily put φ into the model (evaluate the outer parameters, not a replica —
+        Streaming DiLoCo §3); θ is restored on exit. Do not train inside."""
+        saved = {n: p.detach().clone() for n, p in self.params.items()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.outer_params[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(saved[n])
+
+    def stats(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps, "rounds": self.rounds, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
+                "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": self.needs_resync}
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_dict(self, *, inner: bool = True) -> dict[str, Any]:
+        """Everything needed to continue: φ, the outer optimizer, registered buffers, counters,
+        and (with `inner`) the inner optimizer's state. Tensors are copies; bit-exact."""
+        if self._pending:
+            raise OuterStateError("an outer exchange is in flight; take state between rounds or "
+                                  "after finish()")
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "algorithm": type(self).__name__,
+            "H": self.H,
+            "fragments": [list(f) for f in self.fragments],
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "outer_params": {n: t.clone() for n, t in self.outer_params.items()},
+            "buffers": {k: {n: t.clone() for n, t in b.items()} for k, b in self._buffers.items()},
+            "outer_optimizer": (copy.deepcopy(self.outer_optimizer.state_dict())
+                                if self.outer_optimizer is not None else None),
+        }
+        if inner and self.inner is not None:
+            state["inner"] = copy.deepcopy(self.inner.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
+        """Restore `state_dict()` output (a checkpoint of this or another peer). Does not touch the
+        model's parameters θ — restore those from the model checkpoint, or use `join`."""
+        if self._pending:
+            raise OuterStateError("cannot load state while an outer exchange is in flight")
+        self._check_state(state)
+        with torch.no_grad():
+            for n, t in state["outer_params"].items():
+                self.outer_params[n].copy_(t)
+            for k, b in state["buffers"].items():
+                for n, t in b.items():
+                    self._buffers[k][n].copy_(t)
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        if inner and self.inner is not None and "inner" in state:
+            self.inner.load_state_dict(copy.deepcopy(state["inner"]))
+        self.inner_steps = int(state["inner_steps"])
+        self.rounds = int(state["rounds"])
+
+    def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:
+        """Late joiner: take the swarm's outer state from a peer's `state_dict`, set θ ← φ, keep a
+        fresh inner optimizer, and contribute weight 0 until H steps of our own are done.
+
+        `at_step`: the swarm's inner step now, if it is already past the state's (the state is
+        the last completed round, the swarm is inside the next one). We jump our step counter
+        there, train the rest of the round and enter the swarm's next exchange with it — that
+        exchange's outer update is the same on φ we hold, so our outer state stays identical.
+        It must lie in [state's step, state's step + H): beyond, the state is a round old."""
+        self.load_state_dict(state, inner=False)
+        if at_step is not None:
+            if not self.inner_steps <= at_step < self.next_send_step(self.inner_steps):
+                raise OuterStateError(f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
+                                      f"(an exchange happened in between): fetch a newer state")
+            self.inner_steps = at_step
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.outer_params[n])
+        self._joined_at = self.inner_steps
+        self.needs_resync = False
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise OuterStateError(f"not a {STATE_FORMAT} state dict")
+        if state.get("algorithm") != type(self).__name__:
+            raise OuterStateError(f"state is from {state.get('algorithm')!r}, this is {type(self).__name__}")
+        if state.get("H") != self.H or [list(f) for f in self.fragments] != state.get("fragments"):
+            raise OuterStateError("state was made with a different H or fragmentation; every peer of "
+                                  "a swarm must use the same schedule")
+        phi = state.get("outer_params")
+        if not isinstance(phi, dict) or set(phi) != set(self.outer_params):
+            raise OuterStateError("state's parameter names differ from this model's")
+        for n, t in phi.items():
+            if not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape:
+                raise OuterStateError(f"state's {n} has the wrong shape")
+        buffers = state.get("buffers")
+        if not isinstance(buffers, dict) or set(buffers) != set(self._buffers):
+            raise OuterStateError("state's buffers differ from this optimizer's")
+        for k, b in buffers.items():
+            if not isinstance(b, dict) or set(b) != set(self.outer_params) or any(
+                    not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape for n, t in b.items()):
+                raise OuterStateError(f"state's buffer {k!r} does not match the parameters")
+        if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
+            raise OuterStateError("state's outer optimizer does not match this optimizer's")
+        for key in ("inner_steps", "rounds"):
+            if isinstance(state.get(key), bool) or not isinstance(state.get(key), int) or state[key] < 0:
+                raise OuterStateError(f"state's {key} must be a non-negative integer")
+
+    def _check_fragments(self, fragments: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:
+        names = list(self.params)
+        if fragments is None:
+            return [tuple(names)]
+        out = [tuple(f) for f in fragments]
+        seen = [n for f in out for n in f]
+        if not out or any(not f for f in out):
+            raise ValueError("fragments must be non-empty lists of parameter names")
+        if len(seen) != len(set(seen)) or set(seen) != set(names):
+            missing, extra = set(names) - set(seen), set(seen) - set(names)
+            raise ValueError(f"fragments must partition the trainable parameters exactly once "
+                             f"(missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]})")
+        return out
+
+
+class DataParallel:
+    """Synchronous data parallelism, the upper baseline: gradients are all-reduced every step
+    before the inner step (so every peer applies the same averaged gradient).
+
+    `step()` from a worker thread, `await astep()` in trio, like `OuterOptimizer`. Byte counters
+    match `OuterOptimizer.stats()`.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, collective: Collective,
+                 *, codec: str = "none", clip: float | None = None) -> None:
+        self.model, self.inner, self.collective, self.codec, self.clip = model, inner, collective, codec, clip
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.inner_steps = 0
+        self.bytes_sent = self.bytes_received = self.peak_bytes_per_sync = 0
+        self.comm_wait_seconds = 0.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in self.params.items()}
+
+    def _apply(self, result: ReduceResult) -> None:
+        for n, p in self.params.items():
+            p.grad = result.tensors[n].to(p.dtype)
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
+        self.inner.step()
+        self.inner_steps += 1
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
+
+    async def _reduce(self, grads: dict[str, torch.Tensor]) -> ReduceResult:
+        t0 = time.monotonic()
+        try:
+            return await self.collective.all_reduce(grads, round_id=self.inner_steps + 1, tag="dp",
+                                                    codec=self.codec)
+        except CollectiveError as e:
+            log.warning(kv("data-parallel step without the swarm", step=self.inner_steps + 1, error=str(e)[:200]))
+            return ReduceResult(grads, (self.collective.peer_id,), b"")
+        finally:
+            self.comm_wait_seconds += time.monotonic() - t0
+
+    def step(self) -> None:
+        _check_not_in_trio_thread()
+        self._apply(trio.from_thread.run(self._reduce, self._grads()))
+
+    async def astep(self) -> None:
+        self._apply(await self._reduce(self._grads()))
+
+    def stats(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps, "rounds": self.inner_steps, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
+                "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": False}
+
+
+def _in_trio_worker() -> bool:
+    try:
+        trio.from_thread.check_cancelled()
+    except RuntimeError:
+        return False
+    except trio.Cancelled:
+        pass
+    return True
+
+
+def _check_not_in_trio_thread() -> None:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return  # a worker thread: good
+    raise RuntimeError("step()/finish() block; call them from a worker thread (trio.to_thread.run_sync), "
+                       "or use `await astep()` / `await afinish()` in the trio thread")

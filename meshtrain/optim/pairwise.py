@@ -1,0 +1,88 @@
+"""Averaging with one partner (NoLoCo's gossip step): `average_pair`.
+
+Both peers send each other their tensors (optionally codec-encoded) over the tensor streams and
+each computes the mean of the *decoded* pair in peer-id order, so both hold bit-identical results
+without a third message carrying the result; a 32-byte digest exchange then confirms it. If the
+partner does not show up, or fails mid-way, the caller proceeds alone with its own input
+(`contributors == (self,)`) — NoLoCo has no global barrier, and one missing partner must not stall
+anyone for longer than the deadline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import trio
+
+from meshtrain.log import get_logger, kv
+from meshtrain.optim.collective import CollectiveError, ReduceResult
+from meshtrain.optim.compression import CodecError, get_codec
+from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+
+log = get_logger(__name__)
+
+
+async def average_pair(
+    streams: TensorStreams,
+    me: str,
+    partner: str | None,
+    tensors: dict[str, torch.Tensor],
+    *,
+    round_id: int,
+    tag: str = "",
+    codec: str = "none",
+    timeout: float = 30.0,
+    min_bandwidth: float = 10e6,
+) -> ReduceResult:
+    """The mean of our `tensors` and `partner`'s, or our own if the partner is absent."""
+    from meshtrain.optim.allreduce import _digest as digest_fn  # one digest for all collectives
+
+    if partner is None or partner == me:
+        return ReduceResult(tensors, (me,), digest_fn(tensors), 0, 0, {})
+    try:
+        c = get_codec(codec)
+        mine = {k: c.decode(c.encode(v), v.shape, torch.float32) for k, v in tensors.items()}
+        enc = {f"{k}|{part}": t for k, v in tensors.items() for part, t in c.encode(v).items()}
+    except CodecError as e:
+        raise CollectiveError(f"cannot encode our input: {e}") from None
+    numel = sum(v.numel() for v in tensors.values())
+    deadline = timeout + 4 * numel / min_bandwidth
+    base = f"pair/{round_id}/{tag}"
+    out: dict = {}
+    try:
+        with trio.fail_after(deadline):
+            async with trio.open_nursery() as nursery:
+                async def send() -> None:
+                    out["sent"] = (await streams.send(partner, base, enc)).nbytes
+
+                async def receive() -> None:
+                    out["got"] = await streams.receive(partner, base, max_bytes=8 * numel + (1 << 20))
+
+                nursery.start_soon(send)
+                nursery.start_soon(receive)
+            theirs = {}
+            for k, v in tensors.items():
+                parts = {key.split("|", 1)[1]: t for key, t in out["got"].tensors.items() if key.split("|", 1)[0] == k}
+                theirs[k] = c.decode(parts, v.shape, torch.float32)
+            if not all(bool(torch.isfinite(t).all()) for t in theirs.values()):
+                raise CodecError("partner sent non-finite values")
+            lo, hi = (mine, theirs) if me < partner else (theirs, mine)
+            result = {k: ((lo[k] + hi[k]) / 2).to(tensors[k].dtype) for k in tensors}
+            digest = digest_fn(result)
+            async with trio.open_nursery() as nursery:
+                dig = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+                nursery.start_soon(streams.send, partner, base + "/digest", {"d": dig})
+                got = await streams.receive(partner, base + "/digest", max_bytes=64)
+            if bytes(got.tensors["d"].numpy()) != digest:
+                raise CodecError("partner computed a different result")
+    except (TransferError, trio.TooSlowError, CodecError, KeyError, BaseExceptionGroup) as e:
+        if isinstance(e, BaseExceptionGroup) and not all(
+                isinstance(x, TransferError | trio.TooSlowError) for x in e.exceptions):
+            raise
+        log.info(kv("pairwise average failed; proceeding alone", round=round_id, partner=partner[-8:],
+                    error=repr(e)[:200]))
+        return ReduceResult(tensors, (me,), digest_fn(tensors), 0, 0, {partner: str(e)[:200]})
+    if not math.isfinite(float(sum(v.float().sum() for v in result.values()))):
+        raise CollectiveError("non-finite pairwise result")
+    return ReduceResult(result, tuple(sorted((me, partner))), digest, out["sent"], out["got"].nbytes, {})

@@ -1,0 +1,95 @@
+"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication").
+
+DiLoCo syncs the whole model every H steps, so its peak bandwidth is a full model at once and
+training stalls for the exchange. Streaming DiLoCo changes three things (ALGORITHMS.md; torchft
+`local_sgd.py` implements the same schedule):
+
+1. **Fragments** (§2.1). The parameters are split into P fragments; fragment p syncs every H
+   steps at offset p·H/P, so one fragment is in flight at a time and the peak traffic per sync is
+   ~1/P of the model. The assignment is *strided* (fragment p = transformer blocks p, p+P, p+2P…),
+   which the paper found better than contiguous; parameters outside the blocks (embeddings, final
+   norm, head) join the fragment that is smallest so far, keeping the fragments balanced.
+2. **Overlap** (§2.2). Fragment p's pseudo-gradient Δ[p] = φ[p] − θ[p] is sent at step s; inner
+   training continues for τ steps; at s + τ the outer step on the averaged Δ[p] gives the new
+   φ[p], which is merged: θ[p] ← α·θ[p] + (1−α)·φ[p] (α = 0.5 in the paper; α = 0 replaces the
+   local fragment and loses the τ steps of local progress made meanwhile).
+3. **Quantised exchange** (§2.3). Outer gradients travel as 4-bit values (FP4 E3M0 in the paper,
+   `codec="fp4"`; `"int4"` also works) while every peer accumulates in fp32; FP4 matched FP32.
+
+The outer optimizer is DiLoCo's (Nesterov SGD, lr 0.7, momentum 0.9) applied per fragment; its
+state stays identical on every peer. Evaluate φ (`outer_weights()`), not a replica's θ.
+Requirements, checked with a clear ValueError: H % P == 0 and 0 <= τ < H/P.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from meshtrain.optim.collective import Collective
+from meshtrain.optim.diloco import DiLoCo
+
+_BLOCK = re.compile(r"^(?P<prefix>.*?\.)?(?P<index>\d+)\.")
+
+
+def strided_fragments(model: torch.nn.Module, P: int) -> list[list[str]]:
+    """Split `model`'s trainable parameters into P fragments: fragment p holds blocks p, p+P, …
+    Blocks come from `model.block_groups()` if the model has it (meshtrain's GPT), else from the
+    first numbered container in the parameter names (`blocks.3.attn.w`, `layers.3.…`, `h.3.…`).
+    Every other parameter goes to the fragment with the fewest elements so far (ties: lowest p),
+    so peak bytes per sync stay near total/P."""
+    if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+        raise ValueError(f"the number of fragments P must be an integer >= 1, got {P!r}")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if hasattr(model, "block_groups"):
+        blocks = [[n for n in group if n in params] for group in model.block_groups()]
+    else:
+        by_index: dict[int, list[str]] = {}
+        prefix = None
+        for n in params:
+            m = _BLOCK.match(n)
+            if m and (prefix is None or m.group("prefix") == prefix):
+                prefix = m.group("prefix")
+                by_index.setdefault(int(m.group("index")), []).append(n)
+        blocks = [by_index[i] for i in sorted(by_index)]
+    blocks = [b for b in blocks if b]
+    if len(blocks) < P:
+        raise ValueError(f"cannot make {P} strided fragments from {len(blocks)} blocks; use P <= {len(blocks)}")
+    fragments: list[list[str]] = [[] for _ in range(P)]
+    for i, block in enumerate(blocks):
+        fragments[i % P].extend(block)
+    in_blocks = {n for f in fragments for n in f}
+    size = [sum(params[n].numel() for n in f) for f in fragments]
+    for n, p in params.items():
+        if n not in in_blocks:
+            p_min = min(range(P), key=lambda j: (size[j], j))
+            fragments[p_min].append(n)
+            size[p_min] += p.numel()
+    order = {n: i for i, n in enumerate(params)}
+    return [sorted(f, key=order.__getitem__) for f in fragments]
+
+
+class StreamingDiLoCo(DiLoCo):
+    """model, inner, collective: see `OuterOptimizer`.
+    H: inner steps between two syncs of the same fragment (paper: 100).
+    fragments: P (strided fragments from `strided_fragments`) or an explicit partition of the
+        parameter names.
+    delay: τ, inner steps each exchange overlaps with (default 1; 0 blocks like DiLoCo).
+    alpha: merge weight of the local fragment (default 0.5).
+    codec: "fp4" by default (4-bit outer gradients); "int4", "none", … also accepted.
+    lr, momentum, nesterov: the outer SGD, as DiLoCo.
+
+    Training must run inside `async with outer:` when delay > 0 (the exchanges run in its nursery).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
+                 *, H: int = 100, fragments: int | list[list[str]] = 2, delay: int = 1, alpha: float = 0.5,
+                 codec: str = "fp4", lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+        if isinstance(fragments, int):
+            if not isinstance(H, int) or isinstance(fragments, bool) or fragments < 1 or H % fragments:
+                raise ValueError(f"Streaming DiLoCo needs H % P == 0 (fragment p syncs at offset p·H/P); "
+                                 f"got H={H}, P={fragments}")
+            fragments = strided_fragments(model, fragments)
+        super().__init__(model, inner, collective, H=H, lr=lr, momentum=momentum, nesterov=nesterov,
+                         codec=codec, fragments=fragments, delay=delay, alpha=alpha)

@@ -1,0 +1,1 @@
+"""pipeline layer of meshtrain (see shared/ARCHITECTURE.md)."""

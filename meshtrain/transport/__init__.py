@@ -1,0 +1,1 @@
+"""transport layer of meshtrain (see shared/ARCHITECTURE.md)."""

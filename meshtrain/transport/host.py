@@ -1,0 +1,270 @@
+"""The libp2p host: identity, TCP listener, Noise, yamux, optional private-swarm key.
+
+This is the only module that builds py-libp2p objects; everything above talks to `Host`.
+Choices (measured, see shared/LIBP2P-NOTES.md):
+- **TCP only.** py-libp2p 0.8.1's QUIC moved ~2 MB/s and failed 32/32 concurrent 2 MiB streams;
+  bulk data goes over our own data plane anyway, so QUIC would buy nothing but flakiness.
+- **Noise only.** py-libp2p's default security options also offer *plaintext* and secio; a peer
+  that negotiated those would talk to us unauthenticated, so we pass exactly one: Noise.
+- **yamux**, the default muxer (mplex measured ~9 MB/s).
+- **`max_connections_per_peer=1`**: otherwise every dial sleeps a 250 ms happy-eyeballs delay.
+- **No auto-dialling**: py-libp2p keeps dialling known peers toward 50 connections; we set the
+  minimum to 0 so that only our own layers (DHT, membership, collectives) decide whom to dial.
+- **Private swarms** use libp2p pnet (`swarm_key`, 32 bytes as 64 hex chars): a peer without the
+  key cannot complete even the Noise handshake. py-libp2p implements pnet with Salsa20 and an
+  8-byte nonce, which is *not* go-libp2p's XSalsa20 format, so closed swarms are py-only.
+
+`Host` is an async context manager with a visible lifetime: entering starts the listener and a
+nursery that higher layers use for their background tasks; leaving cancels them and closes every
+connection.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.identity import Identity
+
+log = get_logger(__name__)
+
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_STREAM_OPEN_TIMEOUT = 10.0
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+class ConnectError(MeshtrainError):
+    """A peer could not be reached (unreachable, wrong peer id, or a different swarm key)."""
+
+
+class StreamOpenError(MeshtrainError):
+    """A stream to a connected peer could not be opened (peer gone, protocol not supported)."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How a host listens and who may connect."""
+
+    listen: Sequence[str] = DEFAULT_LISTEN
+    swarm_key: str | None = None  # 64 hex chars: a private swarm; None: open
+    announce: Sequence[str] = ()  # addresses to advertise instead of the listen addresses
+    max_connections: int = 300
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.swarm_key is not None and not _HEX64.match(self.swarm_key):
+            raise ConfigError("swarm_key must be 64 hexadecimal characters (32 random bytes)")
+        for a in (*self.listen, *self.announce):
+            parse_multiaddr(a)
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
+
+
+def parse_multiaddr(addr: str | multiaddr.Multiaddr) -> multiaddr.Multiaddr:
+    if isinstance(addr, multiaddr.Multiaddr):
+        return addr
+    try:
+        return multiaddr.Multiaddr(addr)
+    except Exception as e:
+        raise ConfigError(f"not a multiaddr: {addr!r} ({e})") from None
+
+
+def peer_id_of(addr: str | multiaddr.Multiaddr) -> str:
+    """The peer id in a `/p2p/<id>` multiaddr."""
+    try:
+        return info_from_p2p_addr(parse_multiaddr(addr)).peer_id.to_base58()
+    except ConfigError:
+        raise
+    except Exception:
+        raise ConfigError(f"{addr!s} has no /p2p/<peer id> part") from None
+
+
+StreamHandler = Callable[[Any], Awaitable[None]]
+
+
+class Host:
+    """A running libp2p host with our identity. Use as `async with Host(identity, config) as h:`."""
+
+    def __init__(self, identity: Identity, config: HostConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or HostConfig()
+        kp = identity.libp2p_key_pair
+        self.libp2p = new_host(
+            key_pair=kp,
+            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(kp, noise_privkey=create_x25519_key_pair().private_key)},
+            connection_config=ConnectionConfig(
+                max_connections_per_peer=1,
+                max_connections=self.config.max_connections,
+                high_watermark=self.config.max_connections,
+                min_connections=0,  # see the auto-connector note in __aenter__
+                low_watermark=0,
+            ),
+            psk=self.config.swarm_key.lower() if self.config.swarm_key else None,
+            announce_addrs=[parse_multiaddr(a) for a in self.config.announce] or None,
+        )
+        self._stack: AsyncExitStack | None = None
+        self.nursery: trio.Nursery | None = None
+        # NAT traversal hook (meshtrain.transport.relay): py-libp2p's swarm never dials
+        # `/p2p-circuit` addresses itself, so `connect` hands them to this dialer when one is set.
+        self.circuit_dialer: Callable[[str, float], Awaitable[str]] | None = None
+        from meshtrain.transport.rpc import Rpc  # rpc depends on Host; built here, used everywhere
+
+        self.rpc = Rpc(self)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id_str
+
+    @property
+    def addrs(self) -> list[str]:
+        """Our dialable multiaddrs, each ending in `/p2p/<peer id>`."""
+        out = []
+        for a in self.libp2p.get_addrs():
+            s = str(a)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
+        return out
+
+    async def __aenter__(self) -> Host:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await stack.enter_async_context(
+                self.libp2p.run([parse_multiaddr(a) for a in self.config.listen])
+            )
+            self.nursery = await stack.enter_async_context(trio.open_nursery())
+            # py-libp2p's auto-connector dials known peers toward the midpoint of its connection
+            # watermarks (150 by default) every 30 s; the watermarks must stay for pruning, so
+            # stop the connector itself: our membership layer decides whom to connect to.
+            await self.libp2p.get_network().auto_connector.stop()
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        log.info(kv("host started", peer=self.peer_id, addrs=",".join(self.addrs)))
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        assert self._stack is not None  # our own lifecycle, not peer input
+        if self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+        stack, self._stack = self._stack, None
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            try:
+                await self.libp2p.get_network().close()
+            except Exception as e:  # closing is best effort; the exit stack still runs
+                log.debug(kv("network close failed", error=repr(e)))
+        return await stack.__aexit__(*exc)
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def connect(self, addr: str | multiaddr.Multiaddr, timeout: float | None = None) -> str:
+        """Dial a `/p2p/`-terminated multiaddr; returns the peer id. Raises `ConnectError`."""
+        maddr = parse_multiaddr(addr)
+        try:
+            info = info_from_p2p_addr(maddr)
+        except Exception:
+            raise ConfigError(f"{addr!s} has no /p2p/<peer id> part") from None
+        if info.peer_id == self.identity.peer_id:
+            return self.peer_id
+        if "/p2p-circuit" in str(maddr):
+            if self.circuit_dialer is None:
+                raise ConnectError(f"{addr!s} is a relay (circuit) address and this host has no "
+                                   "relay client: start a RelayService on it")
+            return await self.circuit_dialer(str(maddr), timeout or self.config.connect_timeout)
+        try:
+            with trio.fail_after(timeout or self.config.connect_timeout):
+                await self.libp2p.connect(info)
+        except trio.TooSlowError:
+            raise ConnectError(
+                f"could not connect to {addr!s} within {timeout or self.config.connect_timeout:g} s "
+                "(unreachable, or it uses a different swarm key)"
+            ) from None
+        except MeshtrainError:
+            raise
+        except Exception as e:
+            raise ConnectError(f"could not connect to {addr!s}: {e}") from None
+        return info.peer_id.to_base58()
+
+    def is_connected(self, peer: str) -> bool:
+        return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))
+
+    def connected_peers(self) -> list[str]:
+        return sorted(p.to_base58() for p, c in self.libp2p.get_network().connections.items() if c)
+
+    async def disconnect(self, peer: str) -> None:
+        try:
+            await self.libp2p.disconnect(ID.from_base58(peer))
+        except Exception as e:
+            log.debug(kv("disconnect failed", peer=peer, error=repr(e)))
+
+    def connection_type(self, peer: str) -> str | None:
+        """"direct" if a live connection to `peer` runs over its own socket, "relayed" if we only
+        reach it through a circuit relay, None if not connected."""
+        conns = self.libp2p.get_network().connections.get(ID.from_base58(peer), [])
+        kinds = {"relayed" if is_relayed_connection(c) else "direct" for c in conns}
+        return "direct" if "direct" in kinds else ("relayed" if kinds else None)
+
+    def remote_ip(self, peer: str) -> str | None:
+        """The IP address our live connection to `peer` goes to, if any (for the data plane).
+
+        Relayed connections are skipped: their socket goes to the relay, not to the peer."""
+        for conn in self.libp2p.get_network().connections.get(ID.from_base58(peer), []):
+            if is_relayed_connection(conn):
+                continue
+            try:
+                addr = conn.muxed_conn.get_remote_address()
+            except Exception:
+                addr = None
+            if addr:
+                return addr[0]
+        return None
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        self.libp2p.set_stream_handler(protocol, handler)
+
+    async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any:
+        """Open a stream for `protocol` to an already-known peer; raises `StreamOpenError`."""
+        try:
+            pid = ID.from_base58(peer)
+        except Exception:
+            raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
+        try:
+            with trio.fail_after(timeout or DEFAULT_STREAM_OPEN_TIMEOUT):
+                return await self.libp2p.new_stream(pid, [protocol])
+        except trio.TooSlowError:
+            raise StreamOpenError(f"opening {protocol} to {peer} timed out") from None
+        except Exception as e:
+            raise StreamOpenError(f"cannot open {protocol} to {peer}: {e}") from None
+
+
+def is_relayed_connection(conn: Any) -> bool:
+    """Whether a py-libp2p swarm connection runs through a circuit relay (`/p2p-circuit`)."""
+    try:
+        addrs = conn.get_transport_addresses() or []
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+def stream_peer(stream: Any) -> str:
+    """The authenticated peer id at the other end of an incoming libp2p stream."""
+    return stream.muxed_conn.peer_id.to_base58()

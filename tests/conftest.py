@@ -1,0 +1,76 @@
+"""Shared fixtures: real hosts on loopback, each with its data plane."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+
+from meshtrain.log import configure
+from meshtrain.transport.host import Host, HostConfig
+from meshtrain.transport.identity import Identity
+from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
+
+ROOT = Path(__file__).resolve().parent.parent
+configure("WARNING")
+
+
+class Peer:
+    def __init__(self, host: Host, streams: TensorStreams | None) -> None:
+        self.host = host
+        self.ts = streams
+
+    @property
+    def id(self) -> str:
+        return self.host.peer_id
+
+
+async def start_peers(stack: AsyncExitStack, n: int, *, host_config: HostConfig | None = None,
+                      dp: DataPlaneConfig | None = None, streams: bool = True) -> list[Peer]:
+    peers = []
+    for _ in range(n):
+        host = await stack.enter_async_context(Host(Identity.generate(), host_config))
+        ts = await stack.enter_async_context(TensorStreams(host, dp)) if streams else None
+        peers.append(Peer(host, ts))
+    for p in peers[1:]:
+        await p.host.connect(peers[0].host.addrs[0])
+    return peers
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[list[Peer]]:
+    async with AsyncExitStack() as stack:
+        yield await start_peers(stack, 2)
+
+
+def spawn(*args: str, stderr_path: str | None = None) -> subprocess.Popen:
+    """Start `python <args>` from the project root with unbuffered text pipes; stderr goes to
+    `stderr_path` (for diagnosing a failed test) or nowhere."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MESHTRAIN_LOG="INFO" if stderr_path else "WARNING")
+    with open(stderr_path or os.devnull, "a") as err:
+        return subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+        )
+
+
+def tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path) as f:
+            keep = [x for x in f.read().splitlines() if "meshtrain" in x or "Error" in x or "Traceback" in x]
+        return "\n".join(keep[-lines:])
+    except OSError:
+        return ""
+
+
+def read_json(proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"process exited with {proc.wait()} before printing")
+    return json.loads(line)

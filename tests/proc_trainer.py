@@ -1,0 +1,242 @@
+"""A real training peer in its own process: host, data plane, `SwarmCollective`, the char GPT, an
+inner AdamW and one outer optimizer, with torch in a worker thread (the threading bridge).
+
+    python tests/proc_trainer.py --method diloco --index I --steps S [--H 25] [...]
+
+Methods: single (plain AdamW, no exchange), dp (gradients all-reduced every step), diloco,
+heavyball (DiLoCo without Nesterov), streaming, noloco, custom (the README's `OuterSGD`, below).
+
+Protocol on stdio (one JSON object per line), as tests/proc_allreduce.py:
+  out {"peer": id, "addr": multiaddr, "index": I}
+  in  a JSON list of every peer's multiaddr; we connect to all
+  out {"ready": true}
+  in  "go"
+  out {"eval": step, "loss": x}          every --eval-every steps, on the outer parameters φ
+  out {"done": true, "final_eval_loss": x, "stats": {...}, "wall_s": s, "phi_digest": hex,
+       "contributors": [per exchange], "errors": [...]}
+
+Fault: the process whose rank among the sorted peer ids is --victim-rank SIGKILLs itself 30 ms
+into its first data-plane send of the exchange sent at inner step --kill-at-step (mid-round).
+Membership is "the peers we are still connected to", so survivors stop expecting a dead peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import blake3
+import torch
+import trio
+
+from meshtrain.models import GPT, Corpus, GPTConfig
+from meshtrain.optim import (
+    AllReduceConfig,
+    DataParallel,
+    DiLoCo,
+    NoLoCo,
+    OuterOptimizer,
+    StreamingDiLoCo,
+    SwarmCollective,
+)
+from meshtrain.transport.host import Host
+from meshtrain.transport.identity import Identity
+from meshtrain.transport.tensor_streams import TensorStreams
+
+
+# --- the README's custom outer optimizer (≤ 30 lines) -------------------------------------------
+class OuterSGD(OuterOptimizer):
+    """Outer SGD without momentum: φ ← φ − lr·mean(Δ), then θ ← φ (lr 1 is FedAvg)."""
+
+    def __init__(self, model, inner, collective, *, H, lr=1.0, codec="none"):
+        super().__init__(model, inner, collective, H=H, codec=codec)
+        self.lr = lr
+
+    def apply(self, result, names):  # result.tensors[n]: the peers' mean of Δ = φ − θ
+        for n in names:
+            self.outer_params[n].sub_(result.tensors[n], alpha=self.lr)
+
+
+class OuterAdam(OuterOptimizer):
+    """Adam on the averaged pseudo-gradient; the base class saves its state in state_dict()."""
+
+    def __init__(self, model, inner, collective, *, H, lr=1e-2, codec="none"):
+        super().__init__(model, inner, collective, H=H, codec=codec)
+        self.lr = lr
+
+    def build_outer_optimizer(self, params):
+        return torch.optim.Adam(params, lr=self.lr, betas=(0.9, 0.95))
+# -------------------------------------------------------------------------------------------------
+
+
+def say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = blake3.blake3()
+    for n in sorted(tensors):
+        h.update(n.encode())
+        h.update(tensors[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.Optimizer, col):
+    m, H = args.method, args.H
+    if m == "dp":
+        return DataParallel(model, inner, col, clip=args.clip)
+    if m == "diloco":
+        return DiLoCo(model, inner, col, H=H, lr=args.outer_lr, momentum=args.outer_momentum, codec=args.codec)
+    if m == "heavyball":
+        return DiLoCo(model, inner, col, H=H, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=False,
+                      codec=args.codec)
+    if m == "streaming":
+        return StreamingDiLoCo(model, inner, col, H=H, fragments=args.P, delay=args.delay, alpha=args.alpha,
+                               codec=args.codec if args.codec != "none" else "fp4", lr=args.outer_lr,
+                               momentum=args.outer_momentum)
+    if m == "noloco":
+        return NoLoCo(model, inner, col, H=H, lr=args.noloco_lr, gamma=args.noloco_lr,
+                      momentum=args.noloco_momentum, codec=args.codec)
+    if m == "custom":
+        return OuterSGD(model, inner, col, H=H, lr=args.custom_lr, codec=args.codec)
+    if m == "custom_adam":
+        return OuterAdam(model, inner, col, H=H, lr=args.custom_lr, codec=args.codec)
+    raise SystemExit(f"unknown method {m}")
+
+
+def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
+    """SIGKILL ourselves 30 ms into the first send of the exchange sent at inner step `step`."""
+    armed = {"on": False}
+    real_send, real_ar, real_pair = ts.send, col.all_reduce, col.average_with
+
+    async def send(peer, tag, tensors, **kw):
+        if armed["on"]:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: real_send(peer, tag, tensors, **kw))
+                await trio.sleep(0.03)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return await real_send(peer, tag, tensors, **kw)
+
+    async def all_reduce(tensors, *, round_id, **kw):
+        armed["on"] = round_id == step
+        return await real_ar(tensors, round_id=round_id, **kw)
+
+    async def average_with(partner, tensors, *, round_id, **kw):
+        armed["on"] = round_id == step
+        return await real_pair(partner, tensors, round_id=round_id, **kw)
+
+    ts.send, col.all_reduce, col.average_with = send, all_reduce, average_with
+
+
+async def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    corpus = Corpus.default()
+    config = GPTConfig.small(corpus.vocab_size) if args.model == "small" else GPTConfig.tiny(corpus.vocab_size)
+    evals = corpus.eval_batches(args.eval_batches, 32, config.context)
+    cfg = AllReduceConfig(join_timeout=args.join_timeout, part_timeout=args.part_timeout,
+                          report_timeout=args.part_timeout)
+    async with Host(Identity.generate()) as host, TensorStreams(host) as ts:
+        say({"peer": host.peer_id, "addr": host.addrs[0], "index": args.index})
+        addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        ids = sorted(a.rsplit("/", 1)[1] for a in addrs)
+        for a in addrs:
+            if not a.endswith(host.peer_id) and not host.is_connected(a.rsplit("/", 1)[1]):
+                await host.connect(a)
+        me = host.peer_id
+
+        def membership(_round: int) -> list[str]:
+            return [p for p in ids if p == me or host.is_connected(p)]
+
+        col = SwarmCollective(host, ts, membership, cfg)
+        if args.victim_rank >= 0 and ids.index(me) == args.victim_rank:
+            install_fault(ts, col, args.kill_at_step)
+        model = GPT(config, seed=args.seed)
+        inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd)
+        outer = None if args.method == "single" else build(args, model, inner, col)
+        say({"ready": True})
+        await trio.to_thread.run_sync(sys.stdin.readline)
+
+        def evaluate() -> float:
+            if isinstance(outer, OuterOptimizer):
+                with outer.outer_weights():
+                    return model.evaluate(evals)
+            return model.evaluate(evals)
+
+        def train() -> None:
+            for step in range(args.steps):
+                x, y = corpus.batch(args.batch, config.context, seed=args.data_seed, peer=args.index, step=step)
+                loss = model(x, y).loss
+                inner.zero_grad(set_to_none=True)
+                loss.backward()
+                if outer is None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    inner.step()
+                elif isinstance(outer, DataParallel):
+                    outer.step()  # averages, then clips, then the inner step
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    outer.step()
+                if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+                    say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0})
+
+        t0 = time.monotonic()
+        if isinstance(outer, OuterOptimizer):
+            async with outer:
+                await trio.to_thread.run_sync(train)
+                await outer.afinish()
+        else:
+            await trio.to_thread.run_sync(train)
+        wall = time.monotonic() - t0
+        final = await trio.to_thread.run_sync(evaluate)
+        stats = outer.stats() if outer is not None else {"inner_steps": args.steps, "rounds": 0, "bytes_sent": 0,
+                                                         "peak_bytes_per_sync": 0, "comm_wait_seconds": 0.0}
+        phi = outer.outer_params if isinstance(outer, OuterOptimizer) else dict(model.named_parameters())
+        if args.save_phi:
+            torch.save({n: t.detach().clone() for n, t in phi.items()}, args.save_phi)
+        history = list(outer.history) if isinstance(outer, OuterOptimizer) else []
+        say({"done": True, "final_eval_loss": final, "stats": stats, "wall_s": wall, "phi_digest": digest(phi),
+             "contributors": [r.contributors for r in history], "steps_of_rounds": [r.step for r in history],
+             "errors": [r.error for r in history if r.error], "peer": me})
+        await trio.sleep(args.linger)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--H", type=int, default=25)
+    p.add_argument("--model", default="small", choices=["small", "tiny"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--wd", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--noloco-lr", type=float, default=0.7)
+    p.add_argument("--noloco-momentum", type=float, default=0.5)
+    p.add_argument("--custom-lr", type=float, default=1.0)
+    p.add_argument("--codec", default="none")
+    p.add_argument("--P", type=int, default=2)
+    p.add_argument("--delay", type=int, default=1)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--victim-rank", type=int, default=-1)
+    p.add_argument("--kill-at-step", type=int, default=-1)
+    p.add_argument("--join-timeout", type=float, default=10)
+    p.add_argument("--part-timeout", type=float, default=5)
+    p.add_argument("--save-phi", default="")
+    p.add_argument("--linger", type=float, default=1.0)
+    return p
+
+
+if __name__ == "__main__":
+    trio.run(main, parser().parse_args())

@@ -1,0 +1,235 @@
+"""The fault-tolerant all-reduce: exact results among real hosts, and survival of injected faults."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+import trio
+
+from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective, _digest
+from meshtrain.optim.collective import CollectiveError
+
+from .conftest import read_json, spawn, start_peers, tail
+from .proc_allreduce import inputs
+
+
+async def mesh(stack: AsyncExitStack, n: int, config: AllReduceConfig | None = None):
+    peers = await start_peers(stack, n)
+    for p in peers:
+        for q in peers:
+            if p is not q and not p.host.is_connected(q.id):
+                await p.host.connect(q.host.addrs[0])
+    ids = sorted(p.id for p in peers)
+    cols = [SwarmCollective(p.host, p.ts, lambda r: ids, config or AllReduceConfig(join_timeout=5)) for p in peers]
+    return peers, cols
+
+
+async def run_all(cols, tensors, **kw):
+    results = [None] * len(cols)
+    async with trio.open_nursery() as nursery:
+        for i, col in enumerate(cols):
+            async def one(i=i, col=col):
+                results[i] = await col.all_reduce(tensors[i], **kw)
+            nursery.start_soon(one)
+    return results
+
+
+def exact_mean(contributions: list[dict[str, torch.Tensor]], weights=None) -> dict[str, torch.Tensor]:
+    """The collective's arithmetic, written independently: fp32, contributors in sorted-id order."""
+    weights = weights or [1.0] * len(contributions)
+    out = {}
+    for name, like in contributions[0].items():
+        acc = torch.zeros(like.numel())
+        for c, w in zip(contributions, weights, strict=True):
+            acc.add_(c[name].reshape(-1).float(), alpha=w)
+        out[name] = acc.div_(sum(weights)).view(like.shape).to(like.dtype)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+async def test_allreduce_equals_exact_mean_with_uneven_tensors(n):
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, n)
+        tensors = [{"w": torch.randn(1001, 3) * (i + 1), "b": torch.randn(7), "s": torch.randn(()),
+                    "h": torch.randn(129).half()} for i in range(n)]
+        results = await run_all(cols, tensors, round_id=1)
+        assert len({r.digest for r in results}) == 1
+        order = sorted(range(n), key=lambda i: peers[i].id)
+        expected = exact_mean([tensors[i] for i in order])
+        for r in results:
+            assert r.contributors == tuple(sorted(p.id for p in peers))
+            for k in expected:
+                assert r.tensors[k].dtype == tensors[0][k].dtype and r.tensors[k].shape == tensors[0][k].shape
+                assert torch.equal(r.tensors[k], expected[k]), k
+        assert results[0].bytes_sent > 0 or n == 1
+
+
+async def test_weighted_mean_and_zero_weight_peer():
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3)
+        tensors = [{"w": torch.full((10,), float(i + 1))} for i in range(3)]
+        results = [None] * 3
+        weights = [1.0, 3.0, 0.0]
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                async def one(i=i):
+                    results[i] = await cols[i].all_reduce(tensors[i], round_id=1, weight=weights[i])
+                nursery.start_soon(one)
+        assert torch.allclose(results[0].tensors["w"], torch.full((10,), (1 * 1 + 2 * 3) / 4))
+        assert peers[2].id not in results[0].contributors
+        assert len({r.digest for r in results}) == 1
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "fp4"])
+async def test_allreduce_with_codec_is_bit_identical_and_within_bound(codec):
+    from meshtrain.optim.compression import get_codec
+
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 4)
+        tensors = [{"w": torch.randn(5000)} for _ in range(4)]
+        results = await run_all(cols, tensors, round_id=1, codec=codec)
+        assert len({r.digest for r in results}) == 1
+        exact = torch.stack([t["w"] for t in tensors]).mean(0)
+        c = get_codec(codec)
+        # each contribution and the reduced part are quantised once: twice the codec's bound
+        bound = max(c.error_bound(t["w"]).max().item() for t in tensors) + c.error_bound(exact).max().item()
+        assert (results[0].tensors["w"] - exact).abs().max().item() <= 2 * bound + 1e-6
+
+
+async def test_non_finite_input_takes_part_with_weight_zero():
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3)
+        tensors = [{"w": torch.ones(10) * (i + 1)} for i in range(3)]
+        tensors[1]["w"][3] = float("nan")
+        results = await run_all(cols, tensors, round_id=1)
+        assert len({r.digest for r in results}) == 1
+        assert torch.equal(results[0].tensors["w"], torch.full((10,), 2.0))  # mean of 1 and 3
+        assert peers[1].id not in results[0].contributors
+
+
+async def test_peer_joining_after_group_formed_waits_for_next_round():
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3, AllReduceConfig(join_timeout=1.0))
+        tensors = [{"w": torch.ones(10) * i} for i in range(3)]
+        results = {}
+        async with trio.open_nursery() as nursery:
+            for i in (0, 1, 2):
+                async def one(i=i):
+                    if i == 2:
+                        await trio.sleep(3)  # arrives after the join deadline
+                    try:
+                        results[i] = await cols[i].all_reduce(tensors[i], round_id=7)
+                    except CollectiveError as e:
+                        results[i] = e
+                nursery.start_soon(one)
+        late = results.pop(2)
+        assert isinstance(late, CollectiveError) and "next round" in str(late)
+        assert len({r.digest for r in results.values()}) == 1
+        assert len(results[0].contributors) == 2
+
+
+# -- fault injection, separate processes -------------------------------------------------------
+
+N_PEERS = 4
+NUMEL = 2 << 20  # 8 MiB of fp32 per peer
+
+
+def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
+    logs = [tempfile.mktemp(prefix=f"allreduce-peer{i}-", suffix=".log") for i in range(N_PEERS)]
+    procs = [spawn("tests/proc_allreduce.py", "--index", str(i), "--numel", str(NUMEL), "--rounds", "3",
+                   "--fault", fault, "--victim-rank", str(victim_rank), *extra, stderr_path=logs[i])
+             for i in range(N_PEERS)]
+    try:
+        infos = [read_json(p) for p in procs]
+        addrs = json.dumps([i["addr"] for i in infos])
+        for p in procs:
+            p.stdin.write(addrs + "\n")
+            p.stdin.flush()
+        for p in procs:
+            assert read_json(p) == {"ready": True}
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outputs = []
+        for p in procs:
+            lines = []
+            for line in p.stdout:
+                lines.append(json.loads(line))
+            outputs.append(lines)
+        index_of = {i["peer"]: i["index"] for i in infos}
+        for info, out, log in zip(infos, outputs, logs, strict=True):
+            info["log"] = log
+            if len(out) < 3 and info["index"] >= 0:
+                info["stderr_tail"] = tail(log)
+        return infos, index_of, outputs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def expected_digest(contributors: list[str], index_of: dict[str, int], round_id: int) -> str:
+    contribs = [inputs(index_of[p], round_id, NUMEL) for p in sorted(contributors)]
+    return _digest(exact_mean(contribs)).hex()
+
+
+FAULTS = ["before_start", "while_sending", "while_reducing", "slow_sender", "cancel", "nan"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim_rank", [0, 2], ids=["coordinator", "member"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_survivors_agree_after_fault(fault, victim_rank):
+    infos, index_of, outputs = run_swarm(fault, victim_rank)
+    ids = sorted(index_of)
+    victim = ids[victim_rank]
+    survivors = [out for info, out in zip(infos, outputs, strict=True) if info["peer"] != victim]
+    victim_alive = fault in ("slow_sender", "cancel", "nan")
+    for info, out in zip(infos, outputs, strict=True):
+        if info["peer"] != victim:
+            assert len(out) == 3, f"peer {info['index']} printed {out}; its log ends:\n{info.get('stderr_tail')}"
+    for r in range(3):
+        rows = [next(x for x in out if x.get("round") == r) for out in survivors]
+        assert all("digest" in x for x in rows), (fault, r, rows)
+        assert len({x["digest"] for x in rows}) == 1, (fault, r, rows)
+        contributors = rows[0]["contributors"]
+        if r == 1 or (r == 2 and not victim_alive):
+            assert victim not in contributors, (fault, r, rows[0])
+            assert len(contributors) == N_PEERS - 1
+            # a survivor never waits much beyond one deadline after the failure
+            # (join 5 s, part 5 s + size at 10 MB/s; before_start waits out the join deadline)
+            assert max(x["seconds"] for x in rows) < 16, (fault, r, rows)
+        else:
+            # Normally everyone; but a coordinator killed right after committing round 0 (before
+            # its outcome reached the others) makes the survivors redo round 0 among themselves.
+            survivor_ids = {i["peer"] for i in infos if i["peer"] != victim}
+            assert survivor_ids <= set(contributors)
+            assert len(contributors) == N_PEERS or (r == 0 and victim_rank == 0 and not victim_alive)
+        assert rows[0]["digest"] == expected_digest(contributors, index_of, r)
+    if fault == "nan":
+        assert victim in next(x for x in survivors[0] if x.get("round") == 1)["excluded"]
+
+
+@pytest.mark.slow
+def test_hostile_huge_values_are_excluded_under_robust_aggregation():
+    """A peer sending finite garbage (1e30) both as its contribution and, as owner, as its
+    reduced part: trimmed mean drops the contribution, the owner check rejects the part, and the
+    round is redone without it."""
+    infos, index_of, outputs = run_swarm("huge", 1, "--robust", "trimmed_mean")
+    ids = sorted(index_of)
+    hostile = ids[1]
+    rows = [next(x for x in out if x.get("round") == 1)
+            for info, out in zip(infos, outputs, strict=True) if info["peer"] != hostile]
+    assert all("digest" in x for x in rows) and len({x["digest"] for x in rows}) == 1, rows
+    assert hostile not in rows[0]["contributors"] and hostile in rows[0]["excluded"]
+    # The same robust rule over the honest contributors, computed independently: with 3 peers
+    # and trim 1 that is the coordinate-wise median.
+    honest = [inputs(index_of[p], 1, NUMEL) for p in sorted(rows[0]["contributors"])]
+    expected = {k: torch.stack([h[k] for h in honest]).sort(0).values[1:2].mean(0) for k in honest[0]}
+    assert all(v.abs().max() < 10 for v in expected.values())
+    assert rows[0]["digest"] == _digest(expected).hex()

@@ -1,0 +1,26 @@
+"""The benchmarks' --quick modes run in CI: they exercise the whole machinery (real peer
+processes, the JSON summary, the plot) at a size that checks nothing but that it works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.mark.slow
+def test_convergence_benchmark_quick(tmp_path):
+    png = tmp_path / "conv.png"
+    r = subprocess.run([sys.executable, "scripts/bench_convergence.py", "--quick", "--steps", "60", "--eval-every", "30",
+                        "--methods", "single,diloco_h25,streaming", "--png", str(png)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["methods"]) == {"single", "diloco_h25", "streaming"}
+    assert out["methods"]["streaming"]["peak_bytes_per_sync"] < out["methods"]["diloco_h25"]["peak_bytes_per_sync"]
+    assert all(m["final_eval_loss"] < 4.0 for m in out["methods"].values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

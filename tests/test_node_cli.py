@@ -1,0 +1,199 @@
+"""The node, end to end through its command line: real `meshtrain` processes on loopback.
+
+Config errors are one line and exit code 2; a node trains a swarm alone, checkpoints, and resumes
+bit-exactly; a second node joins through one address and both end on identical outer
+parameters; `node status` / `node stop` talk to the running daemon; SIGTERM leaves the swarm and
+checkpoints within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtrain.node.checkpoint import CheckpointStore
+
+from .conftest import ROOT
+
+LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1"]
+
+
+def cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def start(*args: str, log: Path) -> subprocess.Popen:
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
+                                 *LOOPBACK, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+
+
+def wait_daemon(data_dir: Path, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return json.loads((data_dir / "daemon.json").read_text())
+        except (OSError, ValueError):
+            time.sleep(0.1)
+    raise AssertionError(f"node did not start:\n{log.read_text()[-3000:]}")
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def create(data_dir: Path, *spec: str) -> str:
+    r = cli("swarm", "create", "--data-dir", str(data_dir), *spec)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[0])["swarm_id"]
+
+
+def phi(data_dir: Path) -> dict[str, torch.Tensor]:
+    ck = CheckpointStore(data_dir / "checkpoints").load_latest()
+    assert ck is not None
+    return ck.state["outer"]["outer_params"]
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["node", "start", "--status-port", "99999"], {}, "status_port"),
+    (["node", "start", "--listen", "not-an-addr"], {}, "listen"),
+    (["node", "start"], {"MESHTRAIN_CHECKPOINT_EVERY": "soon"}, "checkpoint_every"),
+    (["swarm", "create", "--optimizer", "adamw"], {}, "optimizer"),
+    (["swarm", "create", "--optimizer", "streaming", "--H", "30", "--fragments", "4"], {}, "multiple"),
+    (["swarm", "join", "not-a-multiaddr"], {}, "multiaddr"),
+    (["node", "frobnicate"], {}, "invalid choice"),
+])
+def test_config_errors_are_one_line_with_exit_code_2(tmp_path, args, env, needle):
+    r = cli(*args, "--data-dir", str(tmp_path), env=env) if args[-1] != "frobnicate" else cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "node.toml"
+    bad.write_text("listen = [\n")
+    r = cli("node", "start", "--config", str(bad), "--data-dir", str(tmp_path))
+    assert r.returncode == 2 and "not valid TOML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    bad.write_text("[node]\nstatus_port = 'x'\n")
+    r = cli("node", "start", "--config", str(bad), "--data-dir", str(tmp_path))
+    assert r.returncode == 2 and "status_port" in r.stderr
+
+
+def test_no_swarm_and_no_node_running_are_clear(tmp_path):
+    r = cli("node", "start", "--data-dir", str(tmp_path), *LOOPBACK)
+    assert r.returncode == 1 and "swarm create" in r.stderr and "Traceback" not in r.stderr
+    for action in ("status", "stop"):
+        r = cli("node", action, "--data-dir", str(tmp_path))
+        assert r.returncode == 1 and "no node is running" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_alone_then_resume_from_checkpoint_bit_exactly(tmp_path):
+    d = tmp_path / "a"
+    create(d, "--model", "gpt-tiny", "--steps", "80", "--H", "10", "--eval-every", "0")
+    log = tmp_path / "a.log"
+    first = finish(start("--data-dir", str(d), "--max-steps", "40", log=log), log)
+    assert first["step"] == 40 and first["rounds"] == 4
+    saved = CheckpointStore(d / "checkpoints").load_latest()
+    assert saved is not None and saved.step == 40
+    second = finish(start("--data-dir", str(d), log=log), log)
+    assert "resumed from checkpoint" in log.read_text() and second["step"] == 80 and second["rounds"] == 8
+    # Bit-exact resume: the same 80 steps in one go give the same parameters.
+    d2 = tmp_path / "b"
+    d2.mkdir()
+    (d2 / "identity.key").write_bytes((d / "identity.key").read_bytes())
+    os.chmod(d2 / "identity.key", 0o600)
+    (d2 / "swarm.json").write_bytes((d / "swarm.json").read_bytes())
+    log2 = tmp_path / "b.log"
+    straight = finish(start("--data-dir", str(d2), log=log2), log2)
+    assert straight["step"] == 80
+    a, b = phi(d), phi(d2)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.slow
+def test_second_node_joins_by_address_and_both_agree(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    create(a, "--model", "gpt-tiny", "--steps", "60", "--H", "10", "--eval-every", "0")
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    pa = start("--data-dir", str(a), "--wait-peers", "2", log=la)
+    info = wait_daemon(a, pa, la)
+    pb = start("--data-dir", str(b), "--join", info["addrs"][0], "--wait-peers", "2", log=lb)
+    ra, rb = finish(pa, la), finish(pb, lb)
+    assert ra["step"] == rb["step"] == 60 and ra["rounds"] == rb["rounds"] == 6
+    assert (b / "swarm.json").read_text() == (a / "swarm.json").read_text()
+    pa_, pb_ = phi(a), phi(b)
+    assert all(torch.equal(pa_[n], pb_[n]) for n in pa_), "DiLoCo peers must hold identical outer parameters"
+
+
+@pytest.mark.slow
+def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    pa = start("--data-dir", str(a), log=la)
+    info = wait_daemon(a, pa, la)
+    pb = start("--data-dir", str(b), "--join", info["addrs"][0], log=lb)
+    wait_daemon(b, pb, lb)
+    deadline = time.monotonic() + 60
+    while True:
+        r = cli("node", "status", "--data-dir", str(a), "--json")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        if len(st["peers"]) == 2 and st["training"]["step"] > 20:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.5)
+    human = cli("node", "status", "--data-dir", str(a))
+    assert human.returncode == 0 and "2 live peers" in human.stdout
+    # SIGTERM on b: it leaves (a sees it gone at once, not after a lease), checkpoints, exits 0.
+    t0 = time.monotonic()
+    pb.send_signal(signal.SIGTERM)
+    rb = finish(pb, lb, timeout=30)
+    assert time.monotonic() - t0 < 15 and rb["checkpoint"]
+    assert CheckpointStore(b / "checkpoints").load_latest().step == rb["step"]
+    deadline = time.monotonic() + 5
+    while len(json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["peers"]) != 1:
+        assert time.monotonic() < deadline, "a still lists b after it left"
+        time.sleep(0.2)
+    # `node stop` on a.
+    r = cli("node", "stop", "--data-dir", str(a))
+    assert r.returncode == 0, r.stderr
+    ra = finish(pa, la, timeout=30)
+    assert ra["checkpoint"] and not (a / "daemon.json").exists()
+
+
+@pytest.mark.slow
+def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
+    dirs = [tmp_path / n for n in "abc"]
+    logs = [tmp_path / f"{n}.log" for n in "abc"]
+    create(dirs[0], "--model", "gpt-tiny", "--steps", "1500", "--H", "10", "--eval-every", "0")
+    pa = start("--data-dir", str(dirs[0]), "--wait-peers", "2", log=logs[0])
+    info = wait_daemon(dirs[0], pa, logs[0])
+    pb = start("--data-dir", str(dirs[1]), "--join", info["addrs"][0], "--wait-peers", "2", log=logs[1])
+    deadline = time.monotonic() + 60
+    while "state published round=3 " not in logs[0].read_text():  # the swarm is a few rounds in
+        assert time.monotonic() < deadline and pa.poll() is None, logs[0].read_text()[-2000:]
+        time.sleep(0.1)
+    pc = start("--data-dir", str(dirs[2]), "--join", info["addrs"][0], log=logs[2])
+    results = [finish(p, log) for p, log in zip((pa, pb, pc), logs, strict=True)]
+    assert all(r["step"] == 1500 for r in results)
+    text = logs[2].read_text()
+    assert "joined the swarm" in text and "donors=2" in text, text[-3000:]
+    phis = [phi(d) for d in dirs]
+    assert all(torch.equal(phis[0][n], p[n]) for p in phis[1:] for n in p), "the joiner's outer state differs"

@@ -1,0 +1,179 @@
+"""Streaming DiLoCo: strided fragments, the offset schedule, the overlapped exchange and its
+α-merge against a hand computation, 4-bit outer gradients, peak bytes ≈ total/P, and training."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import trio
+
+from meshtrain.models import GPT, GPTConfig
+from meshtrain.optim import DiLoCo, LocalSwarm, OuterStateError, StreamingDiLoCo, strided_fragments
+
+from .test_outer_diloco import CORPUS, backward, eval_loss, simulate, tiny
+
+
+class TwoBlocks(torch.nn.Module):
+    """Two one-weight "transformer blocks": fragment p holds exactly blocks.p.weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(1, 1, bias=False) for _ in range(2))
+        for b in self.blocks:
+            torch.nn.init.constant_(b.weight, 1.0)
+
+    def set(self, w0: float, w1: float) -> None:
+        with torch.no_grad():
+            self.blocks[0].weight.fill_(w0)
+            self.blocks[1].weight.fill_(w1)
+
+    def get(self) -> tuple[float, float]:
+        return self.blocks[0].weight.item(), self.blocks[1].weight.item()
+
+
+def test_fragments_are_strided_blocks_and_partition_the_model():
+    model = GPT(GPTConfig.small(CORPUS.vocab_size))
+    frags = strided_fragments(model, 2)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(n for f in frags for n in f) == sorted(names)
+    blocks = [{int(n.split(".")[1]) for n in f if n.startswith("blocks.")} for f in frags]
+    assert blocks == [{0, 2}, {1, 3}]
+    sizes = [sum(dict(model.named_parameters())[n].numel() for n in f) for f in frags]
+    assert max(sizes) / min(sizes) < 1.15  # embeddings and the final norm balance the two
+    # Without `block_groups`, numbered containers are found from the names.
+    assert strided_fragments(TwoBlocks(), 2) == [["blocks.0.weight"], ["blocks.1.weight"]]
+
+
+def test_schedule_requirements_are_checked_with_clear_errors():
+    c = LocalSwarm(1).member(0)
+    with pytest.raises(ValueError, match="H % P"):
+        StreamingDiLoCo(tiny(), None, c, H=9, fragments=2)
+    with pytest.raises(ValueError, match="τ < H/P"):
+        StreamingDiLoCo(tiny(), None, c, H=8, fragments=2, delay=4)
+    with pytest.raises(ValueError, match="alpha"):
+        StreamingDiLoCo(tiny(), None, c, H=8, fragments=2, alpha=1.5)
+    with pytest.raises(ValueError, match="blocks"):
+        StreamingDiLoCo(tiny(), None, c, H=9, fragments=3)  # the tiny GPT has 2 blocks
+    with pytest.raises(ValueError, match="partition"):
+        DiLoCo(TwoBlocks(), None, c, H=2, fragments=[["blocks.0.weight"]])
+
+
+async def test_overlapped_merge_matches_hand_computation():
+    """H=4, P=2, τ=1, α=0.5, one peer, Nesterov (lr 0.5, μ 0.5), lossless. Fragment p is sent at
+    steps s ≡ p·H/P (mod H) — fragment 1 at 2, 6; fragment 0 at 4 — and merged at s + 1:
+    b ← μb + Δ; φ ← φ − lr(Δ + μb); θ ← αθ + (1−α)φ. Worked by hand from φ = (1, 1):
+      step 2  θ=(.7,.6)    send f1: Δ1 = 1 − .6 = .4
+      step 3  θ=(.5,.45)   merge f1: b1 = .4, φ1 = 1 − .5(.4+.2) = .7, θ1 = .5·.45 + .5·.7 = .575
+      step 4  θ=(.4,.3)    send f0: Δ0 = 1 − .4 = .6
+      step 5  θ=(.35,.25)  merge f0: b0 = .6, φ0 = 1 − .5(.6+.3) = .55, θ0 = .5·.35 + .5·.55 = .45
+      step 6  θ=(.3,.2)    send f1: Δ1 = .7 − .2 = .5
+      step 7  θ=(.25,.15)  merge f1: b1 = .2+.5 = .7, φ1 = .7 − .5(.5+.35) = .275, θ1 = .075+.1375 = .2125
+    """
+    model = TwoBlocks()
+    outer = StreamingDiLoCo(model, None, LocalSwarm(1).member(0), H=4, fragments=2, delay=1, alpha=0.5,
+                            codec="none", lr=0.5, momentum=0.5)
+    inner = {1: (.9, .8), 2: (.7, .6), 3: (.5, .45), 4: (.4, .3), 5: (.35, .25), 6: (.3, .2), 7: (.25, .15)}
+    expect_theta = {1: (.9, .8), 2: (.7, .6), 3: (.5, .575), 4: (.4, .3), 5: (.45, .25), 6: (.3, .2),
+                    7: (.25, .2125)}
+    expect_phi = {1: (1, 1), 2: (1, 1), 3: (1, .7), 4: (1, .7), 5: (.55, .7), 6: (.55, .7), 7: (.55, .275)}
+    async with outer:
+        for step in range(1, 8):
+            model.set(*inner[step])  # what the inner optimizer did
+            await outer.astep()
+            assert model.get() == pytest.approx(expect_theta[step], abs=1e-6), step
+            phi = tuple(outer.outer_params[f"blocks.{p}.weight"].item() for p in (0, 1))
+            assert phi == pytest.approx(expect_phi[step], abs=1e-6), step
+            assert outer.in_flight == (step in (2, 4, 6))
+    assert [(r.step, r.fragment) for r in outer.history] == [(2, 1), (4, 0), (6, 1)]
+
+
+async def test_exchange_overlaps_inner_steps_and_only_the_merge_step_waits():
+    class SlowCollective:
+        """A LocalCollective whose all-reduce takes 0.3 s, like a slow link."""
+
+        def __init__(self, inner):
+            self.inner, self.peer_id = inner, inner.peer_id
+
+        def group(self, r):
+            return self.inner.group(r)
+
+        async def all_reduce(self, tensors, **kw):
+            await trio.sleep(0.3)
+            return await self.inner.all_reduce(tensors, **kw)
+
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = StreamingDiLoCo(model, opt, SlowCollective(LocalSwarm(1).member(0)), H=4, fragments=2, delay=1)
+
+    def train(log: list) -> None:
+        for step in range(4):
+            backward(model, 0, step)
+            t = time.monotonic()
+            reports = outer.step()
+            log.append((step + 1, time.monotonic() - t, [r.fragment for r in reports], outer.in_flight))
+
+    log: list = []
+    async with outer:
+        await trio.to_thread.run_sync(train, log)
+        with pytest.raises(OuterStateError, match="in flight"):
+            outer.state_dict()  # fragment 0 is still being exchanged
+    # Step 2 sends fragment 1 and returns at once (exchange in flight); step 3 merges it, having
+    # waited for the rest of the 0.3 s; step 4 sends fragment 0.
+    step2, step3, step4 = log[1], log[2], log[3]
+    assert step2[1] < 0.15 and step2[3] and step2[2] == []
+    assert step3[2] == [1] and step3[1] > 0.1
+    assert step4[1] < 0.15 and step4[3]
+
+
+async def test_overlap_needs_the_async_context():
+    model = TwoBlocks()
+    outer = StreamingDiLoCo(model, None, LocalSwarm(1).member(0), H=4, fragments=2, delay=1)
+    await outer.astep()
+    with pytest.raises(RuntimeError, match="async with"):
+        await outer.astep()  # step 2 sends fragment 1 in the background
+
+
+async def test_fp4_outer_gradients_cut_peak_bytes_by_p_and_keep_peers_identical():
+    k = 2
+    swarm = LocalSwarm(k)
+    models = [GPT(GPTConfig.small(CORPUS.vocab_size)) for _ in range(k)]
+    outers = [StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm.member(i), H=4, fragments=2,
+                              delay=1) for i, m in enumerate(models)]
+    swarm2 = LocalSwarm(k)
+    models2 = [GPT(GPTConfig.small(CORPUS.vocab_size)) for _ in range(k)]
+    dilocos = [DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm2.member(i), H=4)
+               for i, m in enumerate(models2)]
+    async with outers[0], outers[1]:
+        await simulate(outers, models, 9)
+        await simulate(dilocos, models2, 8)
+        await trio.sleep(0)
+        async with trio.open_nursery() as nursery:
+            for o in outers:
+                nursery.start_soon(o.afinish)
+    ratio = dilocos[0].peak_bytes_per_sync / outers[0].peak_bytes_per_sync
+    # 1/P of the model (±7% balance) at 4.5 bits instead of 32: 2 × 7.1 ≈ 14.
+    assert ratio > 12
+    for n in outers[0].outer_params:
+        assert torch.equal(outers[0].outer_params[n], outers[1].outer_params[n])
+    for a, b in zip(outers[0].outer_optimizer.state_dict()["state"].values(),
+                    outers[1].outer_optimizer.state_dict()["state"].values(), strict=True):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+async def test_streaming_diloco_learns():
+    k = 2
+    swarm = LocalSwarm(k)
+    models = [tiny() for _ in range(k)]
+    outers = [StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), swarm.member(i), H=10, fragments=2,
+                              delay=1) for i, m in enumerate(models)]
+    before = eval_loss(models[0])
+    async with outers[0], outers[1]:
+        await simulate(outers, models, 60)
+        async with trio.open_nursery() as nursery:
+            for o in outers:
+                nursery.start_soon(o.afinish)
+    with outers[0].outer_weights():
+        after = eval_loss(models[0])
+    assert after < before - 0.3

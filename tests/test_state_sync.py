@@ -1,0 +1,348 @@
+"""Late-joiner state sync between real hosts on loopback: several donors, verified chunks, liars."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import AsyncExitStack
+
+import blake3
+import pytest
+import torch
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.node.state_sync import (
+    CHUNK_RPC,
+    MANIFEST_RPC,
+    FetchReport,
+    FlatState,
+    NoAgreement,
+    NoDonors,
+    StateDonor,
+    StateSyncError,
+    chunk_ranges,
+    fetch_state,
+)
+from meshtrain.transport.rpc import RemoteError
+from meshtrain.transport.tensor_layout import byte_views
+from meshtrain.transport.tensor_streams import payload_digest
+
+from .conftest import read_json, spawn, start_peers
+from .proc_donor import make_state
+
+KIB = 1024
+MIB = 1 << 20
+
+
+def assert_same_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert sorted(expected) == list(got)  # returned in the canonical (name) order
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+    assert payload_digest({k: got[k] for k in sorted(got)}) == payload_digest({k: expected[k] for k in sorted(expected)})
+
+
+async def start_swarm(stack: AsyncExitStack, n_donors: int, *, donor_cls=StateDonor, **donor_kw):
+    """A joiner and `n_donors` donors (real hosts, each with its data plane), all connected."""
+    peers = await start_peers(stack, n_donors + 1)
+    joiner, rest = peers[0], peers[1:]
+    donors = [(donor_cls[i] if isinstance(donor_cls, list) else donor_cls)(p.host, p.ts, **donor_kw)
+              for i, p in enumerate(rest)]
+    return joiner, donors
+
+
+def ids(donors: list[StateDonor]) -> list[str]:
+    return [d.host.peer_id for d in donors]
+
+
+class CorruptingDonor(StateDonor):
+    """Publishes the honest manifest but flips a byte in every chunk it serves. With
+    `announce_true_digest` it announces the honest chunk digest (the data plane catches the
+    mismatch); without, it lets the data plane announce the digest of what it really sent
+    (only the joiner's check against the agreed manifest catches it)."""
+
+    announce_true_digest = False
+
+    async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+        pieces = {k: v.clone() for k, v in snap.flat.slices(start, end).items()}
+        next(iter(pieces.values()))[0] ^= 0xFF
+        await self.streams.send(peer, tag, pieces, digest=chunk_digest if self.announce_true_digest else None,
+                                timeout=10)
+
+
+class AnnouncingCorruptingDonor(CorruptingDonor):
+    announce_true_digest = True
+
+
+# -- the happy path ----------------------------------------------------------------------------
+
+
+async def test_joiner_gets_bit_identical_state_and_uses_every_donor():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, upload_limit=16 * MIB)
+        meta, tensors = make_state(6 << 10)
+        for d in donors:
+            d.publish(meta, tensors)
+        report = FetchReport()
+        seen = []
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB,
+                                          progress=lambda done, total: seen.append((done, total)),
+                                          report=report, timeout=60)
+        assert got_meta == meta
+        assert_same_state(tensors, got)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert report.total_bytes == total and report.chunks == len(chunk_ranges(total, 256 * KIB))
+        # Every donor served a fair share (each is throttled to 16 MiB/s, so one alone is slow),
+        # and what the joiner counted matches what the donors say they sent.
+        assert set(report.bytes_per_donor) == set(ids(donors))
+        assert sum(report.bytes_per_donor.values()) == total
+        for d in donors:
+            assert report.chunks_per_donor[d.host.peer_id] >= report.chunks // 6, report.chunks_per_donor
+            assert d.bytes_served_to[joiner.id] >= report.bytes_per_donor[d.host.peer_id]
+        assert not report.banned
+        assert [t for _, t in seen] == [total] * len(seen)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+
+async def test_three_donors_beat_one_when_uplinks_are_the_limit():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, upload_limit=16 * MIB)
+        meta, tensors = make_state(8 << 10)
+        for d in donors:
+            d.publish(meta, tensors)
+        t0 = time.monotonic()
+        await fetch_state(joiner.host, joiner.ts, ids(donors)[:1], chunk_bytes=512 * KIB)
+        single = time.monotonic() - t0
+        t0 = time.monotonic()
+        await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=512 * KIB)
+        multi = time.monotonic() - t0
+        assert multi <= 0.7 * single, (multi, single)
+
+
+async def test_download_straddling_a_round_boundary_finishes_the_older_round():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, upload_limit=32 * MIB)
+        meta3, state3 = make_state(2 << 10, seed=1, round=3)
+        meta4, state4 = make_state(2 << 10, seed=2, round=4)
+        for d in donors:
+            d.publish(meta3, state3)
+
+        def next_round_lands(done: int, total: int) -> None:
+            if donors[0].rounds == [3]:
+                for d in donors:
+                    d.publish(meta4, state4)
+
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB,
+                                          progress=next_round_lands)
+        assert got_meta["round"] == 3
+        assert_same_state(state3, got)
+        assert donors[0].rounds == [4, 3]
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB)
+        assert got_meta["round"] == 4  # the next join takes the newer round
+        assert_same_state(state4, got)
+
+
+async def test_provider_is_polled_for_a_fresh_snapshot():
+    async with AsyncExitStack() as stack:
+        current = {"snap": make_state(256, round=1)}
+        peers = await start_peers(stack, 2)
+        StateDonor(peers[1].host, peers[1].ts, provider=lambda: current["snap"])
+        meta, _ = await fetch_state(peers[0].host, peers[0].ts, [peers[1].id], chunk_bytes=64 * KIB)
+        assert meta["round"] == 1
+        current["snap"] = make_state(256, seed=5, round=2)
+        meta, got = await fetch_state(peers[0].host, peers[0].ts, [peers[1].id], chunk_bytes=64 * KIB)
+        assert meta["round"] == 2
+        assert_same_state(current["snap"][1], got)
+
+
+class StallingDonor(StateDonor):
+    """Stalls (as if SIGSTOPped) on the first chunk it is asked for, then serves normally."""
+
+    stalled = False
+
+    async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+        if not self.stalled:
+            self.stalled = True
+            await trio.sleep(20)
+        await super()._send_chunk(peer, tag, snap, start, end, chunk_digest)
+
+
+async def test_a_stalled_chunk_is_fetched_again_from_an_idle_donor_at_the_end():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, donor_cls=[StallingDonor, StateDonor, StateDonor],
+                                           upload_limit=32 * MIB)
+        meta, tensors = make_state(4 << 10)
+        for d in donors:
+            d.publish(meta, tensors)
+        report = FetchReport()
+        t0 = time.monotonic()
+        _, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB, report=report)
+        assert time.monotonic() - t0 < 5  # not the 20 s stall, nor the 60 s chunk timeout
+        assert_same_state(tensors, got)
+        assert report.duplicated >= 1 and not report.banned
+
+
+# -- liars and failures --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("liar", [CorruptingDonor, AnnouncingCorruptingDonor],
+                         ids=["silent-digest", "announced-digest"])
+async def test_late_joiner_digest_check_rejects_a_tampered_donor(liar):
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 4, donor_cls=[liar, StateDonor, StateDonor, StateDonor])
+        meta, tensors = make_state(4 << 10)
+        for d in donors:
+            d.publish(meta, tensors)
+        report = FetchReport()
+        _, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB, report=report)
+        assert_same_state(tensors, got)
+        bad = donors[0].host.peer_id
+        assert bad in report.agreeing  # its manifest was honest: it was asked for chunks ...
+        assert bad in report.banned and "digest" in report.banned[bad].lower()  # ... and caught
+        assert bad not in report.bytes_per_donor
+        assert report.requeued >= 1
+
+
+@pytest.mark.parametrize("claim", ["same-round", "newer-round"])
+async def test_a_donor_lying_in_its_manifest_is_outvoted(claim):
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 4)
+        meta, tensors = make_state(1 << 10)
+        fake_meta, fake = make_state(1 << 10, seed=66, round=3 if claim == "same-round" else 99)
+        donors[0].publish(fake_meta, fake)
+        for d in donors[1:]:
+            d.publish(meta, tensors)
+        report = FetchReport()
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB,
+                                          report=report)
+        assert got_meta == meta
+        assert_same_state(tensors, got)
+        assert donors[0].host.peer_id not in report.agreeing
+        assert donors[0].stats["chunks_served"] == 0
+
+
+async def test_no_majority_is_a_clear_error():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2)
+        donors[0].publish(*make_state(256, seed=1))
+        donors[1].publish(*make_state(256, seed=2))
+        with pytest.raises(NoAgreement, match="majority|identically") as e:
+            await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB)
+        assert isinstance(e.value, StateSyncError) and isinstance(e.value, MeshtrainError)
+
+
+async def test_no_donors_and_donors_without_state_are_clear_errors():
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2)
+        with pytest.raises(NoDonors, match="no donors"):
+            await fetch_state(joiner.host, joiner.ts, [])
+        with pytest.raises(NoDonors, match="no_state"):
+            await fetch_state(joiner.host, joiner.ts, ids(donors))
+
+
+async def test_malformed_requests_get_typed_errors_and_the_donor_keeps_serving():
+    async with AsyncExitStack() as stack:
+        joiner, (donor,) = await start_swarm(stack, 1)
+        meta, tensors = make_state(512)
+        donor.publish(meta, tensors)
+        call = joiner.host.rpc.call
+        for bad in (5, None, [], {"chunk_bytes": "8"}, {"chunk_bytes": True}, {"chunk_bytes": 1},
+                    {"chunk_bytes": 1 << 40}):
+            with pytest.raises(RemoteError) as e:
+                await call(donor.host.peer_id, MANIFEST_RPC, bad)
+            assert e.value.code == "bad_request", bad
+        manifest = (await call(donor.host.peer_id, MANIFEST_RPC, {"chunk_bytes": 64 * KIB}))["snapshots"][0]
+        good = {"digest": manifest["digest"], "chunk_bytes": 64 * KIB, "index": 0, "fetch": "ab12"}
+        cases = [
+            ("bad_request", "not a map"),
+            ("bad_request", {}),
+            ("bad_request", {**good, "digest": b"short"}),
+            ("bad_request", {**good, "index": "0"}),
+            ("bad_request", {**good, "index": True}),
+            ("bad_request", {**good, "index": -1}),
+            ("bad_request", {**good, "index": len(manifest["chunks"])}),
+            ("bad_request", {**good, "fetch": "../../etc"}),
+            ("bad_request", {**good, "fetch": "x" * 5000}),
+            ("unknown_state", {**good, "digest": os.urandom(32)}),
+            ("unknown_state", {**good, "chunk_bytes": 128 * KIB}),  # no manifest for that size
+        ]
+        for code, req in cases:
+            with pytest.raises(RemoteError) as e:
+                await call(donor.host.peer_id, CHUNK_RPC, req)
+            assert e.value.code in (code, "malformed"), (req, e.value)
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, [donor.host.peer_id], chunk_bytes=64 * KIB)
+        assert got_meta == meta
+        assert_same_state(tensors, got)
+        assert donor.stats["requests_refused"] >= 16
+
+
+@pytest.mark.slow
+async def test_donor_killed_mid_transfer_the_others_finish():
+    """A real donor process is SIGKILLed once it has delivered a couple of chunks; its chunks go
+    to the two donors left and the state still arrives bit-exact."""
+    kib, limit = 24 << 10, 8
+    victim = spawn("tests/proc_donor.py", "--kib", str(kib), "--upload-mib", str(limit),
+                   "--chunk-bytes", str(512 * KIB))
+    try:
+        async with AsyncExitStack() as stack:
+            joiner, donors = await start_swarm(stack, 2, upload_limit=limit * MIB)
+            meta, tensors = make_state(kib)
+            for d in donors:
+                d.publish(meta, tensors)
+            info = await trio.to_thread.run_sync(read_json, victim)
+            await joiner.host.connect(info["addr"])
+            report = FetchReport()
+
+            def kill_victim_mid_transfer(done: int, total: int) -> None:
+                if victim.poll() is None and report.chunks_per_donor.get(info["peer"], 0) >= 2:
+                    os.kill(victim.pid, signal.SIGKILL)
+
+            t0 = time.monotonic()
+            got_meta, got = await fetch_state(joiner.host, joiner.ts, [info["peer"], *ids(donors)],
+                                              chunk_bytes=512 * KIB, progress=kill_victim_mid_transfer,
+                                              report=report, timeout=60)
+            assert victim.wait(5) == -signal.SIGKILL
+            assert got_meta == meta
+            assert_same_state(tensors, got)
+            assert info["peer"] in report.agreeing and info["peer"] in report.banned
+            assert 0 < report.bytes_per_donor[info["peer"]] < report.total_bytes // 2
+            assert time.monotonic() - t0 < 30
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+
+
+# -- chunking ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), max_size=12), chunk=st.integers(1, 4000),
+       order=st.randoms(use_true_random=False))
+def test_chunks_cover_the_flattened_state_exactly_once(sizes, chunk, order):
+    g = torch.Generator().manual_seed(len(sizes) * 7919 + chunk)
+    src = FlatState({f"t{i}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+                     for i, n in enumerate(sizes)})
+    ranges = chunk_ranges(src.total, chunk)
+    assert [s for s, _ in ranges] == list(range(0, src.total, chunk))
+    assert all(e - s == min(chunk, src.total - s) > 0 for s, e in ranges)
+    covered = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+    for s, e in ranges:
+        pieces = src.pieces(s, e)
+        assert sum(n for _, _, n in pieces) == e - s and all(n > 0 for _, _, n in pieces)
+        for i, off, n in pieces:
+            covered[i][off : off + n] += 1
+    assert all(bool((c == 1).all()) for c in covered)
+    # Reassembly in any order is the identity, and the digests agree with the whole-state one.
+    dst = FlatState({f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)})
+    shuffled = list(ranges)
+    order.shuffle(shuffled)
+    for s, e in shuffled:
+        dst.write(s, byte_views(src.slices(s, e)))
+    whole, chunk_digests = src.digests(chunk)
+    assert dst.digest() == whole == src.digest() == payload_digest(src.tensors)
+    flat = b"".join(bytes(v) for v in src.views)
+    assert chunk_digests == [blake3.blake3(flat[s:e]).digest() for s, e in ranges]

@@ -1,0 +1,323 @@
+"""The tensor data plane between real hosts: direct AES-GCM TCP and the libp2p fallback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import time
+from contextlib import AsyncExitStack
+from functools import partial
+
+import pytest
+import torch
+import trio
+
+from meshtrain.transport.framing import StreamClosed
+from meshtrain.transport.tensor_streams import (
+    MAGIC,
+    DataPlaneConfig,
+    DigestMismatch,
+    TransferError,
+    TransferRefused,
+    payload_digest,
+)
+
+from .conftest import read_json, spawn, start_peers
+
+
+def sample_dict() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "fp32": torch.randn(300, 301, generator=g),
+        "fp16": torch.randn(1001, generator=g).half(),
+        "bf16": torch.randn(17, 3, generator=g).bfloat16(),
+        "int8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
+        "zero_dim": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "big": torch.randn(3 << 20, generator=g),  # spans several chunks
+    }
+
+
+async def exchange(sender, receiver, tag, tensors, **recv_kwargs):
+    out = {}
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            out["received"] = await receiver.ts.receive(sender.id, tag, **recv_kwargs)
+        nursery.start_soon(rx)
+        out["report"] = await sender.ts.send(receiver.id, tag, tensors)
+    return out["report"], out["received"]
+
+
+def assert_bit_exact(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k],
+                           b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k]), k
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
+async def test_tensor_dict_round_trip_is_bit_exact(direct):
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, dp=DataPlaneConfig(direct=direct))
+        src = sample_dict()
+        report, got = await exchange(a, b, "t", src)
+        assert report.path == got.path == ("direct" if direct else "libp2p")
+        assert_bit_exact(src, got.tensors)
+        assert got.digest == report.digest == payload_digest(src)
+
+
+async def test_receive_into_preallocated_buffers(pair):
+    a, b = pair
+    src = sample_dict()
+    into = {k: torch.zeros_like(v) for k, v in src.items()}
+    _, got = await exchange(a, b, "into", src, into=into)
+    assert all(got.tensors[k] is into[k] for k in src)
+    assert_bit_exact(src, into)
+
+
+async def test_mismatched_receive_buffers_refuse_the_transfer(pair):
+    a, b = pair
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with pytest.raises(TransferRefused):
+                await b.ts.receive(a.id, "bad", into={"w": torch.zeros(11)})
+        nursery.start_soon(rx)
+        with pytest.raises(TransferRefused, match="do not match"):
+            await a.ts.send(b.id, "bad", {"w": torch.randn(10)})
+
+
+async def test_sender_waits_for_late_receiver_then_delivers(pair):
+    a, b = pair
+    src = {"w": torch.randn(1000)}
+    async with trio.open_nursery() as nursery:
+        got = {}
+        async def late_rx():
+            await trio.sleep(1.0)
+            got["r"] = await b.ts.receive(a.id, "late")
+        nursery.start_soon(late_rx)
+        await a.ts.send(b.id, "late", src)
+    assert torch.equal(got["r"].tensors["w"], src["w"])
+
+
+async def test_announced_digest_mismatch_is_detected_on_both_sides(pair):
+    a, b = pair
+    src = {"w": torch.randn(5000)}
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with pytest.raises(DigestMismatch):
+                await b.ts.receive(a.id, "dig")
+        nursery.start_soon(rx)
+        with pytest.raises(DigestMismatch):
+            await a.ts.send(b.id, "dig", src, digest=b"\0" * 32)
+
+
+async def test_many_transfers_reuse_pooled_connections(pair):
+    a, b = pair
+    for i in range(5):
+        _, got = await exchange(a, b, f"r{i}", {"x": torch.full((10,), float(i))})
+        assert got.tensors["x"][0] == i
+    assert sum(len(v) for v in a.ts._idle.values()) == 1  # one connection, reused
+
+
+async def test_resume_after_connection_cut_mid_transfer(pair):
+    a, b = pair
+    src = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
+    async with trio.open_nursery() as nursery:
+        got = {}
+        async def rx():
+            got["r"] = await b.ts.receive(a.id, "cut")
+        nursery.start_soon(rx)
+
+        async def cut_once_started():
+            while b.ts.stats["bytes_received"] == 0 and not any(
+                    p.done > (8 << 20) for p in b.ts._partials.values()):
+                await trio.sleep(0.001)
+            for ch in list(b.ts.active):
+                ch.framed.stream.socket.shutdown(socket.SHUT_RDWR)
+        nursery.start_soon(cut_once_started)
+        report = await a.ts.send(b.id, "cut", src)
+    assert report.resumes >= 1
+    assert torch.equal(got["r"].tensors["w"], src["w"])
+    assert got["r"].digest == payload_digest(src)
+
+
+async def test_receive_times_out_cleanly_without_sender(pair):
+    a, b = pair
+    with pytest.raises(TransferError, match="within"):
+        await b.ts.receive(a.id, "never", timeout=0.5)
+
+
+async def test_wrong_session_key_is_refused(pair):
+    a, b = pair
+    reply = await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", reply["port"])
+        await stream.send_all(MAGIC + reply["sid"] + os.urandom(16))
+        snonce = await stream.receive_some(16)
+        assert len(snonce) == 16
+        # A frame sealed with the wrong key: the server must drop the connection.
+        await stream.send_all(struct.pack(">IB", 1 + 100, 1) + os.urandom(100))
+        assert await _closed_by_peer(stream)
+    assert b.ts.stats["handshake_failures"] >= 1
+
+
+async def test_unknown_session_and_garbage_are_refused(pair):
+    a, b = pair
+    for opening in (MAGIC + os.urandom(32), b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40):
+        stream = await trio.open_tcp_stream("127.0.0.1", b.ts.port)
+        await stream.send_all(opening)
+        assert await _closed_by_peer(stream)
+    _, got = await exchange(a, b, "after", {"x": torch.ones(3)})  # still serving
+    assert got.tensors["x"].sum() == 3
+
+
+async def test_replayed_connection_is_refused(pair):
+    """Record the client's bytes of a real connection, then replay them on a new one."""
+    a, b = pair
+    port = b.ts.port
+    recorded = bytearray()
+    proxy_ready = trio.Event()
+
+    async def recording_proxy(client: trio.SocketStream):
+        upstream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with trio.open_nursery() as n:
+            async def up():
+                while data := await client.receive_some(1 << 16):
+                    recorded.extend(data)
+                    await upstream.send_all(data)
+            async def down():
+                while data := await upstream.receive_some(1 << 16):
+                    await client.send_all(data)
+            n.start_soon(up)
+            n.start_soon(down)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, recording_proxy, 0, host="127.0.0.1"))
+        proxy_port = listeners[0].socket.getsockname()[1]
+        proxy_ready.set()
+        # Point a's session for b at the proxy (same ip, proxy port), then transfer for real.
+        reply = await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
+        a.ts._client_sessions[b.id] = (reply["sid"], reply["key"], "127.0.0.1", proxy_port)
+        _, got = await exchange(a, b, "rec", {"x": torch.arange(100.0)})
+        assert got.path == "direct"
+        failures = b.ts.stats["handshake_failures"]
+        replay = await trio.open_tcp_stream("127.0.0.1", port)
+        await replay.send_all(bytes(recorded))
+        assert await _closed_by_peer(replay)
+        assert b.ts.stats["handshake_failures"] > failures
+        nursery.cancel_scope.cancel()
+
+
+async def _closed_by_peer(stream: trio.SocketStream) -> bool:
+    with trio.fail_after(10):
+        try:
+            while await stream.receive_some(1 << 16):
+                pass
+        except trio.BrokenResourceError:
+            pass
+    return True
+
+
+async def test_oversized_data_frame_is_refused(pair):
+    """A sender announcing a 1 GiB data frame is cut off before anything is allocated."""
+    a, b = pair
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with pytest.raises(TransferError):
+                await b.ts.receive(a.id, "huge", timeout=10)
+        nursery.start_soon(rx)
+        ch = await a.ts._channel(b.id)
+        await ch.send_msg(1, {"tag": "huge", "xfer": os.urandom(16), "specs": [["w", "float32", [1 << 28]]],
+                              "meta": {}, "digest": None})
+        kind, _ = await ch.recv_msg(2, 6)
+        assert kind == 2  # accepted the header (1 GiB is under the default limit)
+        await ch.framed.write(struct.pack(">IB", (1 << 30) + 17, 3))
+        # The receiver drops the connection at the frame header: our writes start failing.
+        with pytest.raises(StreamClosed):
+            for _ in range(1000):
+                await ch.framed.write(b"\0" * 65536)
+                await trio.sleep(0.001)
+
+
+async def test_header_over_receive_limit_is_refused(pair):
+    a, b = pair
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with pytest.raises(TransferRefused):
+                await b.ts.receive(a.id, "limited", max_bytes=1000)
+        nursery.start_soon(rx)
+        with pytest.raises(TransferRefused, match="exceeds"):
+            await a.ts.send(b.id, "limited", {"w": torch.zeros(1000)})
+
+
+# -- separate processes: stall, kill ---------------------------------------------------------
+
+
+def _start_pair(mib: int, *extra: str):
+    rx = spawn("tests/proc_peer.py", "receiver", "--mib", str(mib), *extra)
+    info = read_json(rx)
+    tx = spawn("tests/proc_peer.py", "sender", "--to", info["addr"], "--mib", str(mib), *extra)
+    tx_info = read_json(tx)
+    rx.stdin.write(tx_info["peer"] + "\n")
+    rx.stdin.flush()
+    tx.stdin.write("go\n")
+    tx.stdin.flush()
+    assert read_json(tx) == {"sending": True}
+    return rx, tx
+
+
+def _cleanup(*procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "libp2p"])
+def test_receiver_stalled_10s_then_resumes(direct):
+    """SIGSTOP the receiving process for 10 s mid-transfer; the transfer must still complete.
+    (A py-libp2p yamux stream would have been reset after 5 s.)"""
+    rx, tx = _start_pair(256, "--direct", direct)
+    try:
+        time.sleep(0.2)
+        os.kill(rx.pid, signal.SIGSTOP)
+        time.sleep(10)
+        os.kill(rx.pid, signal.SIGCONT)
+        got, sent = read_json(rx), read_json(tx)
+        assert "ok" in got and "ok" in sent, (got, sent)
+        assert got["ok"] == sent["ok"]
+    finally:
+        _cleanup(rx, tx)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["receiver", "sender"])
+def test_peer_killed_mid_transfer_gives_peer_gone_to_the_other(victim):
+    rx, tx = _start_pair(512, "--resume-window", "2")
+    try:
+        time.sleep(0.3)
+        (rx if victim == "receiver" else tx).kill()
+        t0 = time.monotonic()
+        result = read_json(tx if victim == "receiver" else rx)
+        assert result.get("error") == "PeerGone", result
+        assert time.monotonic() - t0 < 10
+    finally:
+        _cleanup(rx, tx)
+
+
+async def test_receiver_cancelled_mid_transfer_refuses_sender_and_host_survives(pair):
+    a, b = pair
+    src = {"w": torch.randn(64 << 20 >> 2)}
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with trio.move_on_after(0.05):
+                await b.ts.receive(a.id, "gave-up")
+        nursery.start_soon(rx)
+        with pytest.raises(TransferError):
+            await a.ts.send(b.id, "gave-up", src, timeout=30)
+    _, got = await exchange(a, b, "after-cancel", {"x": torch.ones(4)})  # both still serve
+    assert got.tensors["x"].sum() == 4

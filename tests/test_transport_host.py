@@ -1,0 +1,192 @@
+"""Identity, host and RPC on real py-libp2p hosts over loopback."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from meshtrain.errors import ConfigError
+from meshtrain.transport.framing import packb
+from meshtrain.transport.host import ConnectError, Host, HostConfig
+from meshtrain.transport.identity import Identity, IdentityError, public_key_of, verify
+from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcTimeout, RpcUnavailable
+
+from .conftest import start_peers
+
+# -- identity ------------------------------------------------------------------------------------
+
+
+def test_identity_persists_across_restarts(tmp_path):
+    first = Identity.load_or_create(tmp_path / "node")
+    again = Identity.load_or_create(tmp_path / "node")
+    assert first.peer_id_str == again.peer_id_str
+    key = tmp_path / "node" / "identity.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert public_key_of(first.peer_id_str) == first.public_key
+
+
+def test_identity_refuses_group_readable_key(tmp_path):
+    Identity.load_or_create(tmp_path)
+    os.chmod(tmp_path / "identity.key", 0o644)
+    with pytest.raises(IdentityError, match="chmod 600"):
+        Identity.load_or_create(tmp_path)
+
+
+def test_identity_refuses_corrupt_key(tmp_path):
+    Identity.load_or_create(tmp_path)
+    (tmp_path / "identity.key").write_bytes(b"garbage")
+    with pytest.raises(IdentityError, match="corrupt"):
+        Identity.load_or_create(tmp_path)
+
+
+def test_signatures_verify_only_for_their_signer():
+    a, b = Identity.generate(), Identity.generate()
+    sig = a.sign(b"round 3")
+    assert verify(a.peer_id_str, b"round 3", sig)
+    assert not verify(b.peer_id_str, b"round 3", sig)
+    assert not verify(a.peer_id_str, b"round 4", sig)
+    assert not verify("not-a-peer-id", b"round 3", sig)
+
+
+# -- host ----------------------------------------------------------------------------------------
+
+
+def test_bad_host_config_is_a_config_error():
+    with pytest.raises(ConfigError):
+        HostConfig(swarm_key="short")
+    with pytest.raises(ConfigError):
+        HostConfig(listen=("not a multiaddr",))
+
+
+async def test_hosts_connect_and_know_each_other():
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, streams=False)
+        assert b.host.is_connected(a.id) and a.host.is_connected(b.id)
+        assert b.host.remote_ip(a.id) == "127.0.0.1"
+        assert a.host.addrs[0].endswith(f"/p2p/{a.id}")
+
+
+async def test_private_swarm_key_mismatch_refuses_connection():
+    key_a, key_b = os.urandom(32).hex(), os.urandom(32).hex()
+    async with Host(Identity.generate(), HostConfig(swarm_key=key_a)) as a, \
+            Host(Identity.generate(), HostConfig(swarm_key=key_b)) as b, \
+            Host(Identity.generate(), HostConfig(swarm_key=key_a)) as c:
+        with pytest.raises(ConnectError):
+            await b.connect(a.addrs[0], timeout=3)
+        assert not b.is_connected(a.peer_id)
+        assert await c.connect(a.addrs[0]) == a.peer_id  # the same key connects
+
+
+async def test_open_host_cannot_join_private_swarm():
+    async with Host(Identity.generate(), HostConfig(swarm_key=os.urandom(32).hex())) as a, \
+            Host(Identity.generate()) as b:
+        with pytest.raises(ConnectError):
+            await b.connect(a.addrs[0], timeout=3)
+
+
+async def test_host_closes_cleanly_with_live_connections():
+    with trio.fail_after(15):
+        async with AsyncExitStack() as stack:
+            peers = await start_peers(stack, 3, streams=False)
+            assert len(peers[0].host.connected_peers()) == 2
+
+
+# -- rpc -----------------------------------------------------------------------------------------
+
+
+async def _serve_echo(host: Host) -> None:
+    async def echo(peer, req):
+        if req == "fail":
+            raise RemoteError("nope", "asked to fail")
+        if req == "bug":
+            raise ZeroDivisionError
+        if req == "slow":
+            await trio.sleep(5)
+        return {"from": peer, "echo": req}
+
+    host.rpc.serve("echo", echo)
+
+
+async def test_rpc_round_trip_and_typed_errors(pair):
+    a, b = pair
+    await _serve_echo(a.host)
+    assert await b.host.rpc.call(a.id, "echo", [1, "x", b"\0"]) == {"from": b.id, "echo": [1, "x", b"\0"]}
+    with pytest.raises(RemoteError) as err:
+        await b.host.rpc.call(a.id, "echo", "fail")
+    assert err.value.code == "nope"
+    with pytest.raises(RemoteError) as err:
+        await b.host.rpc.call(a.id, "echo", "bug")
+    assert err.value.code == "internal"
+    with pytest.raises(RpcTimeout):
+        await b.host.rpc.call(a.id, "echo", "slow", timeout=0.5)
+    with pytest.raises(RpcUnavailable):
+        await b.host.rpc.call(a.id, "no-such-protocol", 1)
+    assert (await b.host.rpc.call(a.id, "echo", 7))["echo"] == 7  # host unaffected
+
+
+async def test_concurrent_rpcs_on_one_connection(pair):
+    a, b = pair
+    await _serve_echo(a.host)
+    results = []
+    async with trio.open_nursery() as nursery:
+        for i in range(40):
+            async def one(i=i):
+                results.append((await b.host.rpc.call(a.id, "echo", i))["echo"])
+            nursery.start_soon(one)
+    assert sorted(results) == list(range(40))
+
+
+async def test_rpc_oversized_and_garbage_frames_do_not_hurt_the_host(pair):
+    a, b = pair
+    await _serve_echo(a.host)
+    proto = "/meshtrain/echo/1"
+    # A frame announcing 100 MB: refused before reading it.
+    s = await b.host.open_stream(a.id, proto)
+    await s.write(struct.pack(">I", 100 << 20))
+    reply = await s.read(4096)
+    assert b"malformed" in reply
+    # msgpack garbage of a legal length.
+    s = await b.host.open_stream(a.id, proto)
+    body = b"\xc1\xc1\xc1"
+    await s.write(struct.pack(">I", len(body)) + body)
+    assert b"malformed" in await s.read(4096)
+    # A well-formed value of the wrong shape.
+    s = await b.host.open_stream(a.id, proto)
+    body = packb([1, 2, 3])
+    await s.write(struct.pack(">I", len(body)) + body)
+    assert b"malformed" in await s.read(4096)
+    # A truncated frame, then the stream is closed.
+    s = await b.host.open_stream(a.id, proto)
+    await s.write(struct.pack(">I", 50) + b"abc")
+    await s.close()
+    # The host still serves well-formed calls.
+    assert (await b.host.rpc.call(a.id, "echo", "ok"))["echo"] == "ok"
+
+
+async def test_rpc_reply_larger_than_client_limit_is_a_protocol_error(pair):
+    a, b = pair
+
+    async def big(peer, req):
+        return b"x" * 200_000
+
+    a.host.rpc.serve("big", big)
+    with pytest.raises(RpcProtocolError):
+        await b.host.rpc.call(a.id, "big", None, max_response=100_000)
+    assert len(await b.host.rpc.call(a.id, "big", None)) == 200_000
+
+
+async def test_host_does_not_auto_dial_known_peers():
+    """py-libp2p's auto-connector would dial every peer in the address book; ours is off."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, streams=False)
+        await b.host.disconnect(a.id)
+        await trio.sleep(0.2)
+        assert not b.host.is_connected(a.id)
+        await b.host.libp2p.get_network().auto_connector.maybe_connect()  # what its timer runs
+        await trio.sleep(0.5)
+        assert not b.host.is_connected(a.id)
