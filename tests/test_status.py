@@ -1,0 +1,132 @@
+"""The status endpoint over real HTTP on loopback: JSON, Prometheus, the dashboard, stop.
+
+The snapshot here is a fixed document (the endpoint is what is under test; `test_node_cli.py`
+and `test_dashboard_browser.py` serve a real node's). Hostile clients — garbage request lines,
+huge headers, a connection that says nothing, a wrong token — get an error and leave the
+server serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshtrain.node.status import StatusError, StatusServer, fetch_status, request_stop
+
+
+def snapshot() -> dict:
+    peers = [{"peer_id": f"12D3KooWpeer{i}", "addr": f"/ip4/127.0.0.1/tcp/{4000 + i}", "connection": c,
+              "role": "trainer", "step": 10 + i, "loss": 2.0 + i, "last_seen_s": 0.5, "reachability": r}
+             for i, (c, r) in enumerate([("direct", "public"), ("relay", "private")])]
+    return {"node": {"peer_id": "12D3KooWpeer0", "name": "n0", "version": "0.1.0", "started": 0.0, "uptime_s": 3.5,
+                     "swarm": "ms0123", "state": "training", "listen": [], "reachability": "public"},
+            "training": {"step": 10, "round": 2, "loss": 2.25, "eval_loss": None, "optimizer": "diloco",
+                         "samples_per_s": 7.5, "bytes_sent": 4096, "bytes_received": 8192,
+                         "history": [{"step": s, "t": 0.0, "loss": 3 - s / 10, "eval_loss": None} for s in range(10)]},
+            "peers": peers, "checkpoint": {}, "joined_from": None}
+
+
+def get(url: str) -> tuple[int, str, bytes]:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+async def test_status_metrics_and_dashboard_are_served():
+    async with StatusServer(snapshot, port=0) as srv:
+        st = await trio.to_thread.run_sync(fetch_status, srv.url)
+        assert st == snapshot()
+        code, ctype, body = await trio.to_thread.run_sync(get, srv.url + "/metrics")
+        assert code == 200 and ctype.startswith("text/plain")
+        fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        assert fams["meshtrain_step"].samples[0].value == 10
+        assert fams["meshtrain_loss"].samples[0].value == 2.25
+        assert "meshtrain_eval_loss" not in fams  # unknown yet: absent, not a made-up 0
+        assert fams["meshtrain_bytes_sent"].samples[0].value == 4096
+        assert fams["meshtrain_live_peers"].samples[0].value == 2
+        by_peer = {s.labels["peer"]: s for s in fams["meshtrain_peer_step"].samples}
+        assert by_peer["12D3KooWpeer1"].value == 11 and by_peer["12D3KooWpeer1"].labels["connection"] == "relay"
+        code, ctype, page = await trio.to_thread.run_sync(get, srv.url + "/")
+        assert code == 200 and ctype.startswith("text/html") and b'id="peers"' in page
+        # No CDN, no remote fonts: every src/href is relative or inline.
+        assert not re.search(rb'(src|href)\s*=\s*"(https?:)?//', page)
+        code, _, body = await trio.to_thread.run_sync(get, srv.url + "/nope")
+        assert code == 404 and "error" in json.loads(body)
+
+
+async def test_stop_needs_the_control_token():
+    stopped = []
+    async with StatusServer(snapshot, port=0, token="s3cret", on_stop=lambda: stopped.append(1)) as srv:
+        for bad in ("", "wrong", "s3cret-and-more"):
+            with pytest.raises(StatusError, match="401"):
+                await trio.to_thread.run_sync(request_stop, srv.url, bad)
+        assert not stopped
+        await trio.to_thread.run_sync(request_stop, srv.url, "s3cret")
+        assert stopped == [1]
+    async with StatusServer(snapshot, port=0, token=None, on_stop=lambda: stopped.append(2)) as srv:
+        with pytest.raises(StatusError, match="401"):  # no token configured: nobody may stop it
+            await trio.to_thread.run_sync(request_stop, srv.url, "")
+    assert stopped == [1]
+
+
+def _raw(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        out = b""
+        try:  # the server may answer and hang up before it has read everything we send
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            while chunk := s.recv(65536):
+                out += chunk
+        except OSError:
+            pass
+        return out
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x00\xff garbage \r\n\r\n",
+    b"GET /status HTTP/1.1\r\n" + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+    b"GET " + b"/" * 70_000 + b" HTTP/1.1\r\n\r\n",
+    b"POST /stop HTTP/1.1\r\nAuthorization: Bearer \xff\xfe\r\nContent-Length: 5\r\n\r\nhello",
+    b"BREW /pot HTTP/1.1\r\n\r\n",
+    b"",
+])
+async def test_hostile_requests_leave_the_server_serving(payload):
+    stopped = []
+    async with StatusServer(snapshot, port=0, token="t", on_stop=lambda: stopped.append(1)) as srv:
+        reply = await trio.to_thread.run_sync(_raw, srv.port, payload)
+        # An error status (or, for an unparseable request line, the stdlib's HTTP/0.9-style error
+        # page), or a reset when the server hangs up on an oversized request: never a 200.
+        assert not reply.startswith(b"HTTP/1.1 2"), reply[:200]
+        if payload and reply:
+            assert re.match(rb"HTTP/1\.[01] (4\d\d|501)", reply) or b"Error code: 400" in reply, reply[:200]
+        # A client that connects and says nothing does not block others.
+        idle = socket.create_connection(("127.0.0.1", srv.port))
+        try:
+            assert (await trio.to_thread.run_sync(fetch_status, srv.url))["training"]["step"] == 10
+        finally:
+            idle.close()
+    assert not stopped
+
+
+async def test_unreachable_endpoint_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StatusError, match="cannot reach"):
+        await trio.to_thread.run_sync(fetch_status, f"http://127.0.0.1:{port}", 2)
+
+
+async def test_port_in_use_is_an_oserror():
+    async with StatusServer(snapshot, port=0) as a:
+        with pytest.raises(OSError):
+            async with StatusServer(snapshot, port=a.port):
+                pass
