@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from .test_node_cli import create, finish, start, wait_daemon
+from .test_node_cli import finish, two_nodes
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -61,13 +61,7 @@ def render(url: str, user_dir: str) -> _Peers:
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (installed by .ci/run)")
 def test_dashboard_shows_the_live_peers_of_a_running_swarm(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "20")
-    la, lb = tmp_path / "a.log", tmp_path / "b.log"
-    pa = start("--data-dir", str(a), log=la)
-    info = wait_daemon(a, pa, la)
-    pb = start("--data-dir", str(b), "--join", info["addrs"][0], log=lb)
-    info_b = wait_daemon(b, pb, lb)
+    (_, pa, la, info), (_, pb, lb, info_b) = two_nodes(tmp_path, "--eval-every", "20")
     try:
         deadline = time.monotonic() + 90
         while True:

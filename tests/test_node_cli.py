@@ -61,6 +61,18 @@ def create(data_dir: Path, *spec: str) -> str:
     return json.loads(r.stdout.splitlines()[0])["swarm_id"]
 
 
+def two_nodes(tmp_path: Path, *spec: str) -> list[tuple[Path, subprocess.Popen, Path, dict]]:
+    """A gpt-tiny swarm (H 10, no step limit) created by node a and joined by node b through a's
+    address: [(data dir, process, log, daemon.json)] for a and b."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", *spec)
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    pa = start("--data-dir", str(a), log=la)
+    info = wait_daemon(a, pa, la)
+    pb = start("--data-dir", str(b), "--join", info["addrs"][0], log=lb)
+    return [(a, pa, la, info), (b, pb, lb, wait_daemon(b, pb, lb))]
+
+
 def phi(data_dir: Path) -> dict[str, torch.Tensor]:
     ck = CheckpointStore(data_dir / "checkpoints").load_latest()
     assert ck is not None
@@ -143,13 +155,7 @@ def test_second_node_joins_by_address_and_both_agree(tmp_path):
 
 @pytest.mark.slow
 def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
-    la, lb = tmp_path / "a.log", tmp_path / "b.log"
-    pa = start("--data-dir", str(a), log=la)
-    info = wait_daemon(a, pa, la)
-    pb = start("--data-dir", str(b), "--join", info["addrs"][0], log=lb)
-    wait_daemon(b, pb, lb)
+    (a, pa, la, _), (b, pb, lb, _) = two_nodes(tmp_path, "--eval-every", "0")
     deadline = time.monotonic() + 60
     while True:
         r = cli("node", "status", "--data-dir", str(a), "--json")
