@@ -35,6 +35,7 @@ import torch
 import trio
 
 import meshtrain.optim.allreduce as allreduce_module
+from meshtrain.log import configure
 from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
@@ -137,6 +138,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    configure()  # MESHTRAIN_LOG (the test sets INFO and keeps the log for a failed run)
     p = argparse.ArgumentParser()
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--numel", type=int, default=1 << 20)

@@ -132,6 +132,74 @@ async def test_peer_joining_after_group_formed_waits_for_next_round():
         assert len(results[0].contributors) == 2
 
 
+async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_over():
+    """Membership is eventually consistent: the newcomer (lowest id) is the coordinator for the
+    peers that know it, while one peer, not yet aware of it, believes it coordinates. It must hand
+    over once it learns of the newcomer, so all three end in one group — not a pair that waits out
+    the join deadline for it and a lone peer that times out (seen in CI: 30 s and 90 s stalls)."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 3)
+        for p in peers:
+            for q in peers:
+                if p is not q and not p.host.is_connected(q.id):
+                    await p.host.connect(q.host.addrs[0])
+        by_id = sorted(peers, key=lambda p: p.id)
+        newcomer, unaware, other = by_id
+        ids = [p.id for p in by_id]
+        heard = trio.Event()
+        config = AllReduceConfig(join_timeout=20.0)
+        cols = {p.id: SwarmCollective(p.host, p.ts, (lambda r: ids if heard.is_set() else ids[1:]) if p is unaware
+                                      else (lambda r: ids), config) for p in peers}
+        tensors = {p.id: {"w": torch.full((100,), float(i))} for i, p in enumerate(by_id)}
+        results = {}
+        with trio.fail_after(15):  # well inside the 20 s join deadline a split would wait out
+            async with trio.open_nursery() as nursery:
+                for pid, col in cols.items():
+                    async def one(pid=pid, col=col):
+                        results[pid] = await col.all_reduce(tensors[pid], round_id=3, tag="f0")
+                    nursery.start_soon(one)
+                await trio.sleep(1.0)  # the news of the newcomer reaches the unaware peer
+                heard.set()
+        assert len({r.digest for r in results.values()}) == 1
+        assert all(r.contributors == tuple(ids) for r in results.values())
+        assert torch.equal(results[other.id].tensors["w"], torch.full((100,), 1.0))
+
+
+async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
+    """A late joiner (lowest id, so it coordinates) enters one round behind — its downloaded
+    state raced the swarm's last exchange. The others, already past that round, join the next one
+    at it; it must give up the stale round at once (and re-sync), not wait out the deadlines."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 3)
+        for p in peers:
+            for q in peers:
+                if p is not q and not p.host.is_connected(q.id):
+                    await p.host.connect(q.host.addrs[0])
+        by_id = sorted(peers, key=lambda p: p.id)
+        ids = [p.id for p in by_id]
+        config = AllReduceConfig(join_timeout=20.0)
+        cols = [SwarmCollective(p.host, p.ts, lambda r: ids, config) for p in by_id]
+        tensors = [{"w": torch.full((64,), float(i))} for i in range(3)]
+        results: dict[int, object] = {}
+        with trio.fail_after(15):  # far inside the 20 s join deadline (and its 60 s hard one)
+            async with trio.open_nursery() as nursery:
+                async def stale():
+                    try:
+                        await cols[0].all_reduce(tensors[0], round_id=10, tag="f0")
+                    except CollectiveError as e:
+                        results["stale"] = e
+                    results[0] = await cols[0].all_reduce(tensors[0], round_id=20, tag="f0")
+                nursery.start_soon(stale)
+                await trio.sleep(0.5)  # the others arrive at round 20 while it waits in round 10
+                for i in (1, 2):
+                    async def one(i=i):
+                        results[i] = await cols[i].all_reduce(tensors[i], round_id=20, tag="f0")
+                    nursery.start_soon(one)
+        assert "moved past" in str(results["stale"])
+        assert len({results[i].digest for i in range(3)}) == 1
+        assert all(results[i].contributors == tuple(ids) for i in range(3))
+
+
 # -- fault injection, separate processes -------------------------------------------------------
 
 N_PEERS = 4

@@ -296,14 +296,16 @@ def test_simultaneous_open_connects_two_hosts_behind_different_cone_nats(lab: Na
     print(f"cone punch: attempts {ra['attempts']}/{rb['attempts']}, {elapsed:.2f} s")
 
 
-@pytest.mark.parametrize(("a", "b", "error"), [
-    (SYM_A, SYM_B, "TimeoutError"),  # each SYN goes to a port the other NAT never mapped
-    (CONE_A, SYM_A, "TimeoutError"),  # one unpredictable side is enough
-    (PLAIN, PLAIN_B, "ConnectionRefusedError"),  # the first SYN in meets the router's RST
+@pytest.mark.parametrize(("a", "b", "error", "attempts"), [
+    (SYM_A, SYM_B, "TimeoutError", 2),  # each SYN goes to a port the other NAT never mapped
+    (CONE_A, SYM_A, "TimeoutError", 2),  # one unpredictable side is enough
+    # The first SYN in meets the router's RST. Only one attempt: the first exchange can leave a
+    # mapping behind on one router, after which a retry sometimes connects (seen once in CI).
+    (PLAIN, PLAIN_B, "ConnectionRefusedError", 1),
 ])
 def test_simultaneous_open_fails_unless_both_nats_are_cone(
-        lab: NatLab, a: str, b: str, error: str) -> None:
-    _, ra, rb = _punch(lab, a, b, attempts=2, connect_timeout=1.5)
+        lab: NatLab, a: str, b: str, error: str, attempts: int) -> None:
+    _, ra, rb = _punch(lab, a, b, attempts=attempts, connect_timeout=1.5)
     assert not ra["ok"] and not rb["ok"], (ra, rb)
     assert all(e.startswith(error) for e in ra["errors"] + rb["errors"]), (ra, rb)
 

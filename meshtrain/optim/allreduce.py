@@ -9,7 +9,15 @@ than one deadline after a failure.
 fixed leader: if it dies, peers fall back to the next lowest id and start over there. The
 coordinator collects joins (until all candidates joined, or `join_timeout`), fixes the group of
 attempt 0, and later decides each attempt's outcome. A peer that joins after the group was fixed
-is told it is late and waits for the next round (`CollectiveError`). hivemind forms groups through
+is told it is late and waits for the next round (`CollectiveError`). Membership is eventually
+consistent, so a peer that has not yet heard of a newcomer with a lower id may think it is the
+coordinator while the others follow the newcomer: while collecting joins, a coordinator re-reads
+the membership and, once a lower-id candidate it is connected to appears, hands the round over —
+everyone who joined it is told to start again there (`{"moved": ...}`) — instead of waiting out
+its join deadline alone. Likewise a peer that entered a round late (a joiner whose downloaded state
+was one round old) may wait as coordinator for peers that already finished that round: once every
+missing peer has joined a later round of the same series here, the round is declared passed and
+its members get a `CollectiveError` at once (the node then re-syncs) instead of after the deadline. hivemind forms groups through
 DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
 clean attempt semantics without a node the swarm cannot lose.
 
@@ -102,6 +110,10 @@ class _Restart(Exception):
     """The coordinator is gone: start the round again with the next one."""
 
 
+class _Moved(Exception):
+    """The coordinator handed the round to a lower-id candidate: re-read the membership, go there."""
+
+
 # --------------------------------------------------------------------------------------------
 # Coordinator side
 
@@ -120,6 +132,10 @@ class _Attempt:
 class _Round:
     expected: frozenset[str]
     created: float
+    round_id: int | None = None
+    moved: str | None = None  # handed over to this lower-id candidate before the group was fixed
+    skipped: set[str] = field(default_factory=set)  # lower ids joiners gave up on (never hand over to them)
+    passed: bool = False  # the missing peers already joined a later round: nobody else will come
     joins: dict[str, float] = field(default_factory=dict)
     group_fixed: trio.Event = field(default_factory=trio.Event)
     attempts: list[_Attempt] = field(default_factory=list)
@@ -131,11 +147,15 @@ class _Coordinator:
     def __init__(self, collective: SwarmCollective) -> None:
         self.c = collective
         self.rounds: dict[str, _Round] = {}
+        # (peer, series) -> the highest round id that peer joined here; a series is a key without
+        # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
+        self.latest: dict[tuple[str, str], int] = {}
 
     def _round(self, key: str, expected: Sequence[str]) -> _Round:
         r = self.rounds.get(key)
         if r is None:
-            r = _Round(frozenset(expected), time.monotonic())
+            head = key.split("/", 1)[0]
+            r = _Round(frozenset(expected), time.monotonic(), int(head) if head.isdigit() else None)
             self.rounds[key] = r
             assert self.c.host.nursery is not None  # the host is running
             self.c.host.nursery.start_soon(self._fix_group_later, key, r)
@@ -150,10 +170,14 @@ class _Coordinator:
         leave the majority, arriving a little later, "late" for the round."""
         cfg = self.c.config
         with trio.move_on_after(cfg.join_timeout):
-            await r.group_fixed.wait()
+            while not r.group_fixed.is_set():
+                with trio.move_on_after(cfg.liveness_interval):
+                    await r.group_fixed.wait()
+                self._review(key, r)
         with trio.move_on_after(cfg.join_timeout * (cfg.hard_join_factor - 1)):
             while not r.group_fixed.is_set() and 2 * len(r.joins) <= len(r.expected):
                 await trio.sleep(0.05)
+                self._review(key, r)
             # Peers finishing the previous round arrive in a wave: once the majority is in, keep
             # the door open while joins are still arriving, so the tail of the wave is not "late".
             seen = -1
@@ -162,19 +186,51 @@ class _Coordinator:
                 await trio.sleep(JOIN_QUIET)
         self._fix_group(r)
 
+    def _review(self, key: str, r: _Round) -> None:
+        """While collecting joins: end a round nobody else will come to, or hand it over."""
+        if r.group_fixed.is_set() or r.round_id is None:
+            return
+        series = key.split("/", 1)[1]
+        missing = r.expected - set(r.joins)
+        if missing and all(self.latest.get((p, series), -1) > r.round_id for p in missing):
+            r.passed = True
+            r.group_fixed.set()
+            log.info(kv("allreduce round passed by the swarm", key=key, missing=len(missing)))
+            return
+        me = self.c.peer_id
+        lower = [p for p in self.c.group(r.round_id)
+                 if p < me and p not in r.skipped and self.c.host.is_connected(p)]
+        if lower:
+            r.moved = lower[0]
+            r.group_fixed.set()
+            if self.rounds.get(key) is r:
+                del self.rounds[key]
+            log.info(kv("allreduce coordinator handing over", key=key, to=lower[0][-8:]))
+
     def _fix_group(self, r: _Round) -> None:
         if not r.group_fixed.is_set():
             r.attempts.append(_Attempt(tuple(sorted(r.joins))))
             r.group_fixed.set()
 
-    async def join(self, peer: str, key: str, expected: Sequence[str]) -> dict:
+    async def join(self, peer: str, key: str, expected: Sequence[str], skipped: Sequence[str] = ()) -> dict:
         r = self._round(key, expected)
+        r.skipped.update(skipped)
+        if r.round_id is not None:
+            series = (peer, key.split("/", 1)[1])
+            self.latest[series] = max(self.latest.get(series, -1), r.round_id)
+            if len(self.latest) > 4096:  # bounded: forget the oldest entries
+                for old in list(self.latest)[:1024]:
+                    del self.latest[old]
         if r.group_fixed.is_set():
-            return {"late": True}
+            return {"moved": r.moved} if r.moved else {"late": True, "passed": r.passed}
         r.joins[peer] = time.monotonic()
         if r.expected <= set(r.joins):
             self._fix_group(r)
         await r.group_fixed.wait()
+        if r.moved:
+            return {"moved": r.moved}
+        if r.passed:
+            return {"late": True, "passed": True}
         if peer not in r.attempts[0].group:
             return {"late": True}
         return {"attempt": 0, "group": list(r.attempts[0].group)}
@@ -225,9 +281,10 @@ class _Coordinator:
 
         A peer goes when it accused itself (it is leaving), when a majority of the peers holding
         proof blame it (garbage data: one liar cannot evict an honest peer), when it was blamed
-        and never reported (it is gone), or when a majority of all reporters blame it (it stalls
-        everyone). If none of that singles anyone out, everyone blamed goes, so a retry always
-        makes progress."""
+        and never reported (it is gone; one that is still connected and blamed by a minority gets
+        until the report deadline), or when a majority of all reporters blame it (it stalls
+        everyone) and it holds no proof itself. If none of that singles anyone out, everyone
+        blamed goes, so a retry always makes progress."""
         if a.decided.is_set():
             return
         fails = {p: rep for p, rep in a.reports.items() if rep[0] == "fail"}
@@ -239,9 +296,24 @@ class _Coordinator:
                 if evidence:
                     proof.setdefault(s, set()).add(p)
         provers = {p for p, rep in fails.items() if rep[4]}
+        silent = {s for s in blamed if s not in a.reports}
+        # A peer that a minority blames and that has not reported yet but is still connected is
+        # probably just slow to report (a busy CPU): hear it before dropping it, up to the report
+        # deadline. A killed peer is disconnected, and a staller is blamed by the majority.
+        slow = {s for s in silent if 2 * len(blamed[s]) <= len(a.reports) and s not in proof
+                and (s == self.c.peer_id or self.c.host.is_connected(s))}
+        if slow and a.first_fail is not None and time.monotonic() - a.first_fail < self.c.config.report_timeout:
+            assert self.c.host.nursery is not None  # the host is running
+            self.c.host.nursery.start_soon(self._decide_later, key, a, 0.25, self._decide_failure)
+            return
         drop = {s for s, who in proof.items() if s in who or 2 * len(who) > len(provers)}
-        drop |= {s for s in blamed if s not in a.reports}
-        drop |= {s for s, who in blamed.items() if 2 * len(who) > len(a.reports)}
+        drop |= silent
+        # Majority blame, except against a peer that holds proof: abandoning the attempt on
+        # evidence breaks everyone's transfers to it, so the others' blame is only the echo.
+        drop |= {s for s, who in blamed.items() if 2 * len(who) > len(a.reports) and s not in provers}
+        log.info(kv("allreduce attempt failed", key=key, drop=",".join(sorted(x[-8:] for x in (drop or set(blamed)))),
+                    reports=";".join(f"{p[-8:]}>{','.join(x[-8:] for x in rep[2])}{'!' if rep[4] else ''}"
+                                     for p, rep in sorted(fails.items()))))
         self._retry(key, a, drop or set(blamed))
 
     def _retry(self, key: str, a: _Attempt, suspects: set[str]) -> None:
@@ -315,7 +387,11 @@ class SwarmCollective:
         req = expect_map(req, "key", "expected")
         if not isinstance(req["key"], str) or not isinstance(req["expected"], list):
             raise RemoteError("malformed", "bad join")
-        return await self._coord.join(peer, req["key"], [str(p) for p in req["expected"][:4096]])
+        skipped = req.get("skipped", [])
+        if not isinstance(skipped, list):
+            raise RemoteError("malformed", "bad join")
+        return await self._coord.join(peer, req["key"], [str(p) for p in req["expected"][:4096]],
+                                      [str(p) for p in skipped[:4096]])
 
     async def _rpc_report(self, peer: str, req: Any) -> dict:
         req = expect_map(req, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence")
@@ -337,7 +413,7 @@ class SwarmCollective:
     async def _to_coordinator(self, coordinator: str, method: str, **req: Any) -> dict:
         if coordinator == self.peer_id:
             if method == JOIN_RPC:
-                return await self._coord.join(self.peer_id, req["key"], req["expected"])
+                return await self._coord.join(self.peer_id, req["key"], req["expected"], req["skipped"])
             if method == REPORT_RPC:
                 return await self._coord.report(self.peer_id, req["key"], req["attempt"], req["status"],
                                                 req["digest"], req["suspects"], req["rejected"], req["evidence"])
@@ -374,16 +450,22 @@ class SwarmCollective:
         dead: set[str] = set()
         while True:
             live = [p for p in candidates if p not in dead]
+            if not live:  # every candidate we tried is gone or handed over in a loop
+                raise CollectiveError(f"round {round_id}: no coordinator left to join")
             coordinator = live[0]
             key = f"{round_id}/{tag}/{coordinator}"
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
                 with trio.fail_after(self._round_deadline(tensors)):
-                    return await self._run_round(key, coordinator, live, tensors, codec, weight)
+                    return await self._run_round(key, coordinator, live, tensors, codec, weight, sorted(dead))
             except trio.TooSlowError:
                 raise CollectiveError(f"round {round_id}: no outcome within {self._round_deadline(tensors):.0f} s"
                                       ) from None
+            except _Moved as e:
+                # Our view was behind: take the fresh membership (it now has the newcomer).
+                candidates = sorted(set(self.group(round_id)) | {str(e)})
+                log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
             except _Restart as e:
                 log.info(kv("allreduce coordinator lost, restarting round", round=round_id,
                             coordinator=coordinator[-8:], reason=str(e)))
@@ -398,8 +480,13 @@ class SwarmCollective:
                 + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE) + 30)
 
     async def _run_round(self, key: str, coordinator: str, expected: list[str],
-                         tensors: dict[str, torch.Tensor], codec: str, weight: float) -> ReduceResult:
-        joined = await self._to_coordinator(coordinator, JOIN_RPC, key=key, expected=expected)
+                         tensors: dict[str, torch.Tensor], codec: str, weight: float,
+                         skipped: list[str]) -> ReduceResult:
+        joined = await self._to_coordinator(coordinator, JOIN_RPC, key=key, expected=expected, skipped=skipped)
+        if isinstance(joined.get("moved"), str) and joined["moved"] < coordinator:
+            raise _Moved(joined["moved"])
+        if joined.get("passed"):
+            raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
         if joined.get("late"):
             raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
         attempt, group = int(joined["attempt"]), tuple(joined["group"])

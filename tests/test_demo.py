@@ -1,0 +1,29 @@
+"""`meshtrain demo --quick`: the README's main job, CI-sized — four real node processes on
+loopback form a swarm, train with DiLoCo, and the demo writes its plot and summary and exits 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.mark.slow
+def test_demo_quick_trains_a_four_node_swarm(tmp_path):
+    out = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]
+    assert all(n >= 1 for n in summary["rounds"]), summary  # every node took part in outer rounds
+    finals = summary["eval_loss_final"]
+    assert all(f is not None and f < summary["eval_loss_first"] for f in finals), summary  # it learned
+    assert (out / "loss.png").stat().st_size > 1000
+    # progress was shown while it ran (one JSON line per node every few seconds in --plain mode)
+    progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
+    assert {p["node"] for p in progress} == {0, 1, 2, 3}
