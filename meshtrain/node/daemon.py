@@ -391,8 +391,11 @@ class Node:
                 self.state = "stopping"
                 self._stop_flag.set()
                 stopped_early = until == 0 or trainer.step < until
-                if stopped_early:
-                    await view.leave()  # others stop expecting us before we finish the step
+                if stopped_early and not trainer.outer.in_flight:
+                    # Others stop expecting us before we finish the step. With an exchange in
+                    # flight we stay a member until it ends: a peer reaching that round after our
+                    # tombstone would leave us out and we would wait for it in vain (seen in CI).
+                    await view.leave()
                 with trio.move_on_after(STOP_GRACE):
                     await _wait_done(nursery)
                 if nursery.child_tasks:
