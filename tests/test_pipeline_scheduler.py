@@ -75,7 +75,7 @@ def test_random_problems_get_valid_deterministic_schedules(problem):
     try:
         sched = skippipe_schedule(problem, search_budget=3000)
     except UnsatisfiableScheduleError as e:
-        assert "raise" in str(e) or "place" in str(e)  # says what to relax
+        assert any(w in str(e) for w in ("raise", "lower", "place"))  # says what to relax
         return
     assert validate(sched, problem) == []
     independent_check(sched, problem)

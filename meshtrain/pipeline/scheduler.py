@@ -323,7 +323,8 @@ def _compile(problem: PipelineProblem) -> _Compiled:
     L = (S - 1) - skipped_stages_per_path(problem)
     if L < 1:
         raise UnsatisfiableScheduleError(
-            f"skip_ratio {problem.skip_ratio} skips all {S - 1} non-zero stages; lower it")
+            f"skip_ratio {problem.skip_ratio} skips all {S - 1} non-zero stages; lower skip_ratio "
+            "or place the model on more stages")
     for name in ("max_in_flight", "max_jump"):
         v = getattr(problem, name)
         if not isinstance(v, int) or v < 1:
