@@ -48,6 +48,10 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-peers", type=int, help="start training once this many peers are in the swarm")
     p.add_argument("--max-donors", type=int, help="late join: download state from at most this many peers")
     p.add_argument("--donor-upload-mib", type=float, help="cap on serving state to joiners, MiB/s")
+    p.add_argument("--no-nat", dest="nat", action="store_false", default=None,
+                   help="no NAT traversal (reachability probe, relay reservations, hole punching)")
+    p.add_argument("--no-relay", dest="relay", action="store_false", default=None,
+                   help="do not relay for private peers even when we are public")
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -103,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
             "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib")
+            "donor_upload_mib", "nat", "relay")
     return {k: getattr(args, k, None) for k in keys}
 
 

@@ -107,6 +107,9 @@ class NodeConfig(BaseModel):
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
     max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
+    nat: bool = Field(True, description="NAT traversal: dial-back reachability probe, relay reservations "
+                                        "when private, hole punching of relayed peers")
+    relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
 
     @field_validator("listen", "announce", "bootstrap")

@@ -53,6 +53,8 @@ from meshtrain.optim import AllReduceConfig, SwarmCollective
 from meshtrain.optim.outer import OuterStateError
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
+from meshtrain.transport.nat import NatConfig, NatTraversal
+from meshtrain.transport.reachability import ReachabilityError
 from meshtrain.transport.rpc import RpcError
 from meshtrain.transport.tensor_streams import TensorStreams
 
@@ -115,6 +117,7 @@ class Node:
         self._published_round = -1
         self.donor: Any = None
         self.discovery: Discovery | None = None
+        self.nat: NatTraversal | None = None
         self._nursery: trio.Nursery | None = None
         self.joined_from: dict[str, Any] | None = None
 
@@ -142,6 +145,10 @@ class Node:
             signed = self.signed = await self._resolve_spec(host)
             host.rpc.serve(SPEC_RPC, self._serve_spec)
             streams = await stack.enter_async_context(TensorStreams(host))
+            if self.config.nat:  # before any peer connects, so every relayed peer can be punched
+                self.nat = await stack.enter_async_context(NatTraversal(
+                    host, streams, relays=self._relay_candidates,
+                    config=NatConfig(serve_relay_when_public=self.config.relay)))
             # Discovery: the swarm's DHT (bootstrapped from the configured peers and the one we
             # join through) lists every live peer under /meshtrain/<swarm>/peers; the replicated
             # membership then carries everyone's addresses too.
@@ -151,6 +158,7 @@ class Node:
             # Alone (first node of a swarm), there is nothing to recover: do not wait for it.
             view = self.view = await stack.enter_async_context(open_swarm_view(
                 host, signed.swarm_id, signed.owner, role="syncing",
+                connection="unknown" if self.nat is not None else "direct",
                 recover_timeout=5.0 if host.connected_peers() else 0.2))
             if view.is_owner and view.config().get("spec") != signed.to_wire():
                 view.set_config(spec=signed.to_wire())
@@ -165,6 +173,11 @@ class Node:
             nursery = self._nursery = await stack.enter_async_context(trio.open_nursery())
             nursery.start_soon(self._keep_connected)
             nursery.start_soon(self._watch_signals)
+            if self.nat is not None:
+                # announce how we are reached (public / relayed / private) and our circuit
+                # addresses while private, in our membership record
+                self.nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))
+                nursery.start_soon(self._first_probe)
             await self._start_status(stack)
             self._write_daemon_file()
             log.warning(kv("node started", peer=host.peer_id, swarm=signed.swarm_id, addrs=",".join(host.addrs),
@@ -220,6 +233,30 @@ class Node:
         except DhtError as e:
             log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
 
+    def _relay_candidates(self) -> list[str]:
+        """Relays a private node reserves on: bootstrap peers, then members announced public."""
+        out = [a for a in self.config.bootstrap if "/p2p/" in a]
+        if self._join is not None and "/p2p/" in self._join[1]:
+            out.append(self._join[1])
+        if self.view is not None and self.host is not None:
+            for p in self.view.live_peers():
+                if p.connection == "public" and p.peer_id != self.host.peer_id and p.addrs:
+                    a = p.addrs[0]
+                    out.append(a if "/p2p/" in a else f"{a}/p2p/{p.peer_id}")
+        return list(dict.fromkeys(out))
+
+    async def _first_probe(self) -> None:
+        """Probe reachability as soon as a peer can dial us back (NatTraversal re-probes later)."""
+        assert self.nat is not None and self.host is not None
+        for _ in range(30):
+            if self.host.connected_peers():
+                try:
+                    if (await self.nat.probe()).status != "unknown":
+                        return
+                except ReachabilityError:
+                    pass
+            await trio.sleep(2.0)
+
     def _membership(self, _round: int) -> list[str]:
         assert self.view is not None
         return [p.peer_id for p in self.view.live_peers() if p.role == "trainer"]
@@ -247,6 +284,9 @@ class Node:
                         await self.host.connect(addr, timeout=5)
                     except MeshtrainError as e:
                         log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+                if self.nat is not None and self.host.connection_type(peer) == "relayed":
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self.nat.upgrade, peer)  # DCUtR, in the background
             await trio.sleep(CONNECT_INTERVAL)
 
     async def _watch_signals(self) -> None:
@@ -485,7 +525,8 @@ class Node:
         node = {"peer_id": host.peer_id if host else "", "name": self.config.name, "version": meshtrain.__version__,
                 "started": self.started, "uptime_s": now - self.started,
                 "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
-                "listen": host.addrs if host else [], "reachability": "unknown"}
+                "listen": host.addrs if host else [],
+                "reachability": self.nat.connection_type if self.nat is not None else "unknown"}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
         if trainer is not None:
@@ -501,12 +542,13 @@ class Node:
             progress, metrics = view.progress(), view.metrics()
             for p in view.live_peers():
                 pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
-                connected = p.peer_id == host.peer_id or host.is_connected(p.peer_id)
                 peers.append({"peer_id": p.peer_id, "addr": p.addrs[0] if p.addrs else "",
-                              "connection": (p.connection if connected else "none"), "role": p.role,
+                              "connection": ("self" if p.peer_id == host.peer_id
+                                             else host.connection_type(p.peer_id) or "none"),
+                              "role": p.role,
                               "step": pr.step if pr else 0, "loss": me.values.get("loss") if me else None,
                               "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
-                              "reachability": p.capabilities.get("reachability", "unknown")})
+                              "reachability": p.connection})
         return {"node": node, "training": training, "peers": peers, "checkpoint": dict(self._last_ckpt),
                 "joined_from": self.joined_from}
 

@@ -22,6 +22,10 @@ The status document (`Node.snapshot()`):
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points)
     peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}]
+                connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
+                reachability: what the peer announces ("public", "relayed": private behind a
+                relay reservation, "private", "unknown"; "direct" from a node without NAT
+                traversal). node.reachability is ours, in the same terms.
     checkpoint: {last_step, path, saved_at} once one was saved
     joined_from: how a late joiner got its state (donors, bytes, seconds) or null
 """

@@ -222,7 +222,12 @@ class Host:
         return "direct" if "direct" in kinds else ("relayed" if kinds else None)
 
     def remote_ip(self, peer: str) -> str | None:
-        """The IP address our live connection to `peer` goes to, if any (for the data plane).
+        """The IP address our live connection to `peer` goes to, if any (for the data plane)."""
+        addr = self.remote_addr(peer)
+        return addr[0] if addr else None
+
+    def remote_addr(self, peer: str) -> tuple[str, int] | None:
+        """(ip, port) of `peer`'s end of our direct connection to it, if any.
 
         Relayed connections are skipped: their socket goes to the relay, not to the peer."""
         for conn in self.libp2p.get_network().connections.get(ID.from_base58(peer), []):
@@ -233,7 +238,7 @@ class Host:
             except Exception:
                 addr = None
             if addr:
-                return addr[0]
+                return str(addr[0]), int(addr[1])
         return None
 
     # -- streams ---------------------------------------------------------------------------

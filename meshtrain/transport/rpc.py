@@ -124,7 +124,7 @@ class Rpc:
                 raise
             except Exception as e:  # the client went away: nothing left to do for this call
                 log.debug(kv("rpc reply not delivered", proto=proto, peer=peer, error=repr(e)))
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
 
         self.host.set_stream_handler(proto, on_stream)
 
@@ -153,23 +153,23 @@ class Rpc:
                 reply = await framed.read_frame(max_response)
         except trio.TooSlowError:
             if stream is not None:
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             raise RpcTimeout(f"{proto} to {peer} took longer than {timeout:g} s") from None
         except WireError as e:
             if stream is not None:
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             raise RpcProtocolError(f"{proto} to {peer}: {e}") from None
         except RpcError:
             raise
         except trio.Cancelled:
             if stream is not None:
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             raise
         except Exception as e:  # libp2p write errors on a dead connection
             if stream is not None:
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             raise RpcUnavailable(f"{proto} to {peer}: {type(e).__name__}: {e}") from None
-        await _close_quietly(stream)
+        await close_quietly(stream)
         if isinstance(reply, dict) and "ok" in reply:
             return reply["ok"]
         if (
@@ -182,11 +182,11 @@ class Rpc:
         raise RpcProtocolError(f"{proto} to {peer}: malformed reply")
 
 
-async def _reset_quietly(stream: Any) -> None:
+async def reset_quietly(stream: Any) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(1), contextlib.suppress(Exception):
         await stream.reset()
 
 
-async def _close_quietly(stream: Any) -> None:
+async def close_quietly(stream: Any) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(1), contextlib.suppress(Exception):
         await stream.close()

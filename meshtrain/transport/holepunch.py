@@ -1,0 +1,354 @@
+"""Hole punching: relayed libp2p connections become direct (DCUtR), and so does the data plane.
+
+Two mechanisms, one job — a direct path between two peers behind NATs:
+
+1. **libp2p connections: DCUtR.** py-libp2p >= 0.8.1 implements the spec (framed CONNECT/SYNC
+   messages, RTT/2 timing, 3 rounds, dials bound to the listen port so a port-preserving NAT maps
+   them to the address it advertised, responder-side upgrade of a merged simultaneous open). We
+   run its `DCUtRProtocol` service (whose loop also retries relayed peers every 2 s) and call it
+   at once after a relayed connect (`upgrade`), so the upgrade does not wait for that loop.
+
+2. **The tensor data plane: a coordinated TCP simultaneous open.** The data plane is a separate
+   TCP connection per peer pair (tensor_streams.py); a NAT that drops unsolicited SYNs blocks it
+   even after DCUtR punched the libp2p connection, because it is a different port. So
+   `DataPlanePunch` installs itself as `TensorStreams.direct_opener` and, over the libp2p
+   channel, runs RPC `/meshtrain/dataplane-punch/1`:
+   - `prepare`: the client binds a fresh socket and names its predicted public address (its
+     observed public IP, see reachability.py, and the socket's port — port-preserving NATs keep
+     it). The server answers `listen` (it is not known to be behind a NAT — public, or not
+     probed yet: dial its data-plane port as usual) or, once its probe said private,
+     `punch`: it binds its own socket and names its address, with a data-plane session (id, key)
+     and a one-time token. The session key travels inside Noise, as for ordinary sessions.
+   - `go`: the client measures the `prepare` round trip, sends `go`, waits RTT/2 and calls
+     `connect()`; the server calls `connect()` when `go` arrives. Both SYNs cross; each NAT sees
+     its own outgoing SYN first, so the other's SYN is an answer, not an unsolicited packet. A
+     SYN that arrives too early is silently dropped by a cone NAT and the kernel re-sends it 1 s
+     later. The exception is a public (un-NATed) end: its kernel would answer an early SYN with
+     RST, which closes the other NAT's mapping, so the NATed end waits `public_first_margin`
+     longer and the public end's SYN always leaves first.
+   The connection that results is handed to the data plane (`adopt_connection` on the server,
+   the usual session handshake on the client) and is as authenticated as any other.
+
+   On a symmetric NAT the predicted port is wrong, `connect()` times out after
+   `connect_timeout`, and the data plane falls back to libp2p streams (through the relay if the
+   libp2p connection is relayed) — tensor_streams then retries the direct path after a minute.
+
+Not here: deciding reachability (reachability.py), reservations and circuits (relay.py), and
+UPnP (off: the lab has no gateway that offers it; py-libp2p's miniupnpc path is untested here).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.tools.anyio_service import background_trio_service
+
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.framing import expect_map
+from meshtrain.transport.host import Host
+from meshtrain.transport.reachability import PRIVATE, PUBLIC, ReachabilityService
+from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
+from meshtrain.transport.tensor_streams import HandshakeError, TensorStreams
+
+log = get_logger(__name__)
+
+PUNCH_RPC = "dataplane-punch"
+DEFAULT_CONNECT_TIMEOUT = 4.0  # covers the kernel's SYN retransmit at 1 s and 3 s
+DEFAULT_PUBLIC_FIRST_MARGIN = 0.25  # the NATed end's extra wait when the other end is public
+DEFAULT_UPGRADE_TIMEOUT = 30.0  # DCUtR: 3 rounds of up to 5 s + 2 s pauses, plus the exchange
+PENDING_TTL = 15.0  # a prepared punch not followed by `go` within this is dropped
+MAX_PENDING_PER_PEER = 4
+
+
+class PunchFailed(HandshakeError):
+    """The simultaneous open did not produce a connection (symmetric NAT, timing, firewall)."""
+
+
+@dataclass(frozen=True)
+class HolePunchConfig:
+    """connect_timeout: deadline of one simultaneous `connect()`.
+    public_first_margin: extra seconds a NATed end waits when the other end is public.
+    upgrade_timeout: deadline of one DCUtR upgrade attempt."""
+
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    public_first_margin: float = DEFAULT_PUBLIC_FIRST_MARGIN
+    upgrade_timeout: float = DEFAULT_UPGRADE_TIMEOUT
+
+
+@dataclass
+class _Pending:
+    peer: str
+    sock: trio.socket.SocketType
+    remote: tuple[str, int]
+    delay: float
+    created: float
+
+
+def _check_addr(value: Any) -> tuple[str, int]:
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], int) and 0 < value[1] < 65536):
+        raise RemoteError("malformed", "addr must be [ip, port]")
+    try:
+        ip = ipaddress.ip_address(value[0])
+    except ValueError:
+        raise RemoteError("malformed", "addr ip is not an IP address") from None
+    if ip.version != 4 or ip.is_unspecified or ip.is_multicast:
+        raise RemoteError("malformed", "addr must be a unicast IPv4 address")
+    return str(ip), value[1]
+
+
+async def _bound_socket(ip: str) -> trio.socket.SocketType:
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    await sock.bind((ip, 0))
+    return sock
+
+
+async def _simultaneous_connect(sock: trio.socket.SocketType, remote: tuple[str, int],
+                                timeout: float) -> trio.SocketStream:
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect(remote)
+    except trio.TooSlowError:
+        sock.close()
+        raise PunchFailed(f"simultaneous open to {remote[0]}:{remote[1]} timed out after "
+                          f"{timeout:g} s (symmetric NAT or a firewall in the way)") from None
+    except OSError as e:
+        sock.close()
+        raise PunchFailed(f"simultaneous open to {remote[0]}:{remote[1]} failed: {e}") from None
+    return trio.SocketStream(sock)
+
+
+class DataPlanePunch:
+    """The data plane's simultaneous open (module docstring, part 2). Built by `HolePunchService`.
+
+    Installs itself as `streams.direct_opener`; serves `PUNCH_RPC`.
+    """
+
+    def __init__(self, host: Host, streams: TensorStreams, reachability: ReachabilityService,
+                 config: HolePunchConfig) -> None:
+        self.host = host
+        self.streams = streams
+        self.reachability = reachability
+        self.config = config
+        self._pending: dict[bytes, _Pending] = {}
+        self.stats = {"punched": 0, "punch_failed": 0, "listen": 0}
+        host.rpc.serve(PUNCH_RPC, self._serve, handler_timeout=config.connect_timeout + 10)
+        streams.direct_opener = self.open
+
+    def _local_ip(self) -> str:
+        return self.streams.config.listen_ip or _first_ip(self.host)
+
+    def _public(self) -> bool:
+        return self.reachability.status == PUBLIC
+
+    def _my_ip(self) -> str:
+        return self.reachability.observed_ip or self._local_ip()
+
+    # -- client ---------------------------------------------------------------------------
+
+    async def open(self, peer: str) -> tuple[trio.SocketStream, bytes, bytes] | None:
+        """Open a data-plane TCP connection to `peer`; None means "dial its port as usual"
+        (the peer does not speak this RPC). Raises `PunchFailed` when no direct path exists."""
+        sock = await _bound_socket(self._local_ip())
+        port = sock.getsockname()[1]
+        try:
+            t0 = time.monotonic()
+            try:
+                reply = await self.host.rpc.call(peer, PUNCH_RPC, {
+                    "op": "prepare", "addr": [self._my_ip(), port], "public": self._public()})
+            except RpcUnavailable:  # an older peer without this RPC (or gone: the plain path says)
+                return None
+            except RemoteError as e:
+                raise PunchFailed(f"{peer} refused to punch: {e}") from None
+            rtt = time.monotonic() - t0
+            reply = expect_map(reply, "mode", "sid", "key", "addr")
+            sid, key = reply["sid"], reply["key"]
+            if not (isinstance(sid, bytes) and isinstance(key, bytes) and len(key) == 32):
+                raise PunchFailed("malformed punch reply")
+            try:
+                remote = _check_addr(reply["addr"])
+            except RemoteError as e:
+                raise PunchFailed(f"malformed punch reply: {e}") from None
+            if reply["mode"] == "listen":  # a public peer: dial its data-plane port
+                self.stats["listen"] += 1
+                sock.close()
+                ip = self.host.remote_ip(peer) or remote[0]
+                try:
+                    with trio.fail_after(self.config.connect_timeout):
+                        stream = await trio.open_tcp_stream(ip, remote[1])
+                except (OSError, trio.TooSlowError) as e:
+                    raise PunchFailed(f"{peer}'s data plane at {ip}:{remote[1]} is unreachable: "
+                                      f"{e!r}") from None
+                return stream, sid, key
+            token = reply.get("token")
+            if reply["mode"] != "punch" or not isinstance(token, bytes):
+                raise PunchFailed("malformed punch reply")
+            delay = rtt / 2
+            if reply.get("public") is True and not self._public():
+                delay += self.config.public_first_margin
+            stream = await self._go(peer, token, sock, remote, delay)
+            sock = None
+            self.stats["punched"] += 1
+            log.info(kv("data plane punched", peer=peer, remote=f"{remote[0]}:{remote[1]}",
+                        rtt_ms=round(rtt * 1000, 1)))
+            return stream, sid, key
+        except PunchFailed:
+            self.stats["punch_failed"] += 1
+            raise
+        except RpcError as e:
+            self.stats["punch_failed"] += 1
+            raise PunchFailed(f"punch coordination with {peer} failed: {e}") from None
+        finally:
+            if sock is not None:
+                sock.close()
+
+    async def _go(self, peer: str, token: bytes, sock: Any, remote: tuple[str, int],
+                  delay: float) -> trio.SocketStream:
+        server_result: dict[str, Any] = {}
+
+        async def tell_server() -> None:
+            try:
+                server_result["reply"] = await self.host.rpc.call(
+                    peer, PUNCH_RPC, {"op": "go", "token": token},
+                    timeout=self.config.connect_timeout + 10)
+            except RpcError as e:
+                server_result["error"] = str(e)
+
+        stream: trio.SocketStream | None = None
+        failure: PunchFailed | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tell_server)
+            await trio.sleep(delay)
+            try:
+                stream = await _simultaneous_connect(sock, remote, self.config.connect_timeout)
+            except PunchFailed as e:  # raised below, outside the nursery (no ExceptionGroup)
+                failure = e
+            # Do not wait for the server's verdict: our connect succeeding means its did too.
+            nursery.cancel_scope.cancel()
+        if stream is None:
+            raise PunchFailed(f"{failure} [server: {server_result or 'no answer yet'}]")
+        return stream
+
+    # -- server ---------------------------------------------------------------------------
+
+    async def _serve(self, peer: str, request: Any) -> dict:
+        req = expect_map(request, "op")
+        if req["op"] == "prepare":
+            return await self._prepare(peer, expect_map(req, "addr", "public"))
+        if req["op"] == "go":
+            return await self._run_go(peer, expect_map(req, "token"))
+        raise RemoteError("malformed", "unknown op")
+
+    async def _prepare(self, peer: str, req: dict) -> dict:
+        remote = _check_addr(req["addr"])
+        sid, key = self.streams.new_session(peer)
+        if self.reachability.status != PRIVATE:  # public, or not known to be behind a NAT
+            self.stats["listen"] += 1
+            return {"mode": "listen", "sid": sid, "key": key, "public": True,
+                    "addr": [self._my_ip(), int(self.streams.port or 0)]}
+        now = time.monotonic()
+        for t, p in list(self._pending.items()):
+            if now - p.created > PENDING_TTL:
+                p.sock.close()
+                del self._pending[t]
+        if sum(1 for p in self._pending.values() if p.peer == peer) >= MAX_PENDING_PER_PEER:
+            raise RemoteError("busy", "too many punches in flight")
+        sock = await _bound_socket(self._local_ip())
+        token = os.urandom(16)
+        delay = self.config.public_first_margin if req["public"] is True else 0.0
+        self._pending[token] = _Pending(peer, sock, remote, delay, now)
+        return {"mode": "punch", "sid": sid, "key": key, "token": token, "public": False,
+                "addr": [self._my_ip(), sock.getsockname()[1]]}
+
+    async def _run_go(self, peer: str, req: dict) -> dict:
+        token = req["token"]
+        pending = self._pending.pop(token, None) if isinstance(token, bytes) else None
+        if pending is None or pending.peer != peer:
+            if pending is not None:
+                pending.sock.close()
+            raise RemoteError("unknown_token", "no such punch (expired?)")
+        await trio.sleep(pending.delay)
+        try:
+            stream = await _simultaneous_connect(pending.sock, pending.remote,
+                                                 self.config.connect_timeout)
+        except PunchFailed as e:
+            self.stats["punch_failed"] += 1
+            return {"ok": False, "error": str(e)}
+        self.stats["punched"] += 1
+        self.streams.adopt_connection(stream)
+        return {"ok": True}
+
+
+def _first_ip(host: Host) -> str:
+    for a in host.config.listen:
+        parts = str(a).split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "0.0.0.0"
+
+
+class HolePunchService:
+    """DCUtR for libp2p connections, plus `DataPlanePunch` when given the data plane.
+
+    Use as `async with HolePunchService(host, reachability, streams) as punch:`; then
+    `await punch.upgrade(peer)` right after a relayed connect (True once a direct connection
+    exists), `punch.connection_type(peer)` for membership.
+    """
+
+    def __init__(self, host: Host, reachability: ReachabilityService,
+                 streams: TensorStreams | None = None, config: HolePunchConfig | None = None) -> None:
+        self.host = host
+        self.config = config or HolePunchConfig()
+        self.dcutr = DCUtRProtocol(host.libp2p)
+        self.data_plane = (DataPlanePunch(host, streams, reachability, self.config)
+                           if streams is not None else None)
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> HolePunchService:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await stack.enter_async_context(background_trio_service(self.dcutr))
+            await self.dcutr.event_started.wait()
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        assert self._stack is not None  # lifecycle misuse, not peer input
+        stack, self._stack = self._stack, None
+        return await stack.__aexit__(*exc)
+
+    def connection_type(self, peer: str) -> str | None:
+        return self.host.connection_type(peer)
+
+    async def upgrade(self, peer: str, timeout: float | None = None) -> bool:
+        """Try to turn our relayed connection to `peer` into a direct one (DCUtR). True if a
+        direct connection exists afterwards; never raises for a failed punch."""
+        if self.host.connection_type(peer) == "direct":
+            return True
+        try:
+            with trio.move_on_after(timeout or self.config.upgrade_timeout):
+                await self.dcutr.initiate_hole_punch(ID.from_base58(peer))
+        except Exception as e:  # the library logs and returns False for most failures
+            log.info(kv("hole punch failed", peer=peer, error=repr(e)))
+        return self.host.connection_type(peer) == "direct"
+
+    async def wait_direct(self, peer: str, timeout: float) -> bool:
+        """Wait until a direct connection to `peer` exists (e.g. the other side's DCUtR)."""
+        with trio.move_on_after(timeout):
+            while self.host.connection_type(peer) != "direct":
+                await trio.sleep(0.1)
+        return self.host.connection_type(peer) == "direct"

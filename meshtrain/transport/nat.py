@@ -1,0 +1,156 @@
+"""NAT traversal for one node: reachability, relays and hole punching wired together.
+
+`reachability.py`, `relay.py` and `holepunch.py` each do one job; this module only decides, from
+the reachability verdict, what the node does about it — the policy the node layer would
+otherwise re-implement:
+
+- **public** (a fresh dial-back reached us): relay for others (`RelayService.enable_hop`), hold
+  no reservations, announce our own addresses; connection type "public".
+- **private** (every dial-back failed): keep reservations on relays from `relays()` (bootstrap
+  or DHT-found public peers), announce our circuit addresses; connection type "relayed" while a
+  reservation is held ("private" while none is).
+- **unknown** (nobody answered yet): announce our addresses, retry soon.
+
+`on_announce(callback)` hands every change to the membership layer, e.g.
+`nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))` with a `SwarmView`.
+Connecting to a peer at a circuit address (`host.connect`) and upgrading it (`upgrade`) are the
+caller's call, because only the caller knows whom it needs.
+
+UPnP is not attempted (off in tests; py-libp2p's miniupnpc path is untested here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+
+import trio
+
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.holepunch import HolePunchConfig, HolePunchService
+from meshtrain.transport.host import Host
+from meshtrain.transport.reachability import (
+    PRIVATE,
+    PUBLIC,
+    ReachabilityConfig,
+    ReachabilityError,
+    ReachabilityReport,
+    ReachabilityService,
+)
+from meshtrain.transport.relay import RelayConfig, RelayService
+from meshtrain.transport.tensor_streams import TensorStreams
+
+log = get_logger(__name__)
+
+UNKNOWN_RETRY = 10.0  # seconds between probes while nobody has answered
+
+
+@dataclass(frozen=True)
+class NatConfig:
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    holepunch: HolePunchConfig = field(default_factory=HolePunchConfig)
+    serve_relay_when_public: bool = True  # issue #7: public nodes relay by default
+
+
+class NatTraversal:
+    """Reachability + relay + hole punching for one host; use as `async with`.
+
+    host:    the running `Host`. streams: its `TensorStreams`, to punch the data plane too.
+    relays:  returns relay addresses (ending in /p2p/<id>) to reserve on when private.
+    servers: returns peer ids to ask for dial-backs (default: directly connected peers).
+    """
+
+    def __init__(self, host: Host, streams: TensorStreams | None = None, *,
+                 relays: Callable[[], Sequence[str]] = lambda: (),
+                 servers: Callable[[], Sequence[str]] | None = None,
+                 config: NatConfig | None = None) -> None:
+        self.host = host
+        self.config = config or NatConfig()
+        self.reachability = ReachabilityService(host, servers=servers,
+                                                config=self.config.reachability)
+        self.relay = RelayService(host, self.config.relay)
+        self.punch = HolePunchService(host, self.reachability, streams, self.config.holepunch)
+        self._relays = relays
+        self._announce: list[Callable[[str, list[str]], None]] = []
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> NatTraversal:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await stack.enter_async_context(self.reachability)
+            await stack.enter_async_context(self.relay)
+            await stack.enter_async_context(self.punch)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack, self._nursery = stack, nursery
+        self.reachability.on_change(self._on_reachability)
+        self.relay.on_change(lambda _addrs: self._publish())
+        nursery.start_soon(self._unknown_retry_loop)
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        assert self._stack is not None  # lifecycle misuse, not peer input
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()  # the retry loop runs forever
+        stack, self._stack = self._stack, None
+        return await stack.__aexit__(*exc)
+
+    # -- what we announce -----------------------------------------------------------------
+
+    def on_announce(self, callback: Callable[[str, list[str]], None]) -> None:
+        """Call `callback(connection_type, addrs)` whenever either changes."""
+        self._announce.append(callback)
+
+    @property
+    def connection_type(self) -> str:
+        status = self.reachability.status
+        if status == PUBLIC:
+            return "public"
+        if status == PRIVATE:
+            return "relayed" if self.relay.reservations else "private"
+        return "unknown"
+
+    @property
+    def addrs(self) -> list[str]:
+        if self.reachability.status == PRIVATE and self.relay.circuit_addrs:
+            return self.relay.circuit_addrs
+        return self.host.addrs
+
+    def _publish(self) -> None:
+        conn, addrs = self.connection_type, self.addrs
+        for cb in list(self._announce):
+            try:
+                cb(conn, addrs)
+            except Exception as e:  # a listener's bug must not stop NAT traversal
+                log.warning(kv("nat announce listener failed", error=repr(e)))
+
+    # -- policy ---------------------------------------------------------------------------
+
+    def _on_reachability(self, report: ReachabilityReport) -> None:
+        if report.status == PUBLIC and self.config.serve_relay_when_public:
+            self.relay.enable_hop()
+        if report.status == PRIVATE and not self.relay.keeping:
+            self.relay.keep_reserved(self._relays)
+        log.info(kv("nat status", status=report.status, observed_ip=report.observed_ip))
+        self._publish()
+
+    async def probe(self) -> ReachabilityReport:
+        """Probe now (e.g. right after connecting to bootstrap peers) and apply the policy."""
+        return await self.reachability.probe()
+
+    async def _unknown_retry_loop(self) -> None:
+        while True:
+            await trio.sleep(UNKNOWN_RETRY)
+            if self.reachability.status == "unknown":
+                with suppress(ReachabilityError):  # still nobody to ask: try again later
+                    await self.reachability.probe()
+
+    async def upgrade(self, peer: str, timeout: float | None = None) -> bool:
+        """Try to make our connection to `peer` direct (DCUtR); see `HolePunchService.upgrade`."""
+        return await self.punch.upgrade(peer, timeout)

@@ -1,0 +1,178 @@
+"""A meshtrain peer with the whole NAT traversal stack, run inside a NAT-lab namespace.
+
+    ip netns exec <ns> python tests/proc_nat_peer.py --listen 10.1.0.10 [--serve-relay]
+        [--relay-json '{"circuit_bytes": 1048576}'] [--no-data-plane]
+
+It prints {"ready": true, "peer": id, "addrs": [...]} and then reads one JSON command per line on
+stdin; each runs in its own task (so a `recv` can wait while a `send` runs) and answers with one
+JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": false, "error":
+"...", "type": "ExceptionName"}. Commands (fields besides "cmd" and "id"):
+
+    info                                   peer id, addrs, circuit addrs, reachability
+    connect      addr                      connect (direct or circuit address); "type" of the result
+    probe        [servers]                 reachability probe
+    reserve      relay                     one reservation; keep: relays -> keep_reserved
+    reservations                           held reservations (with refresh counts)
+    upgrade      peer [timeout]            DCUtR; "direct" and "seconds"
+    conn_type    peer                      "direct" | "relayed" | null
+    send         peer tag mib [timeout]    tensors over the data plane; "path", "digest"
+    recv         peer tag [timeout]        the matching receive
+    allreduce    peers round mib           one SwarmCollective.all_reduce of seeded tensors
+    relay_stats                            the relay's counters (bytes relayed, limit resets)
+    quit
+
+Used by tests/test_nat_*.py and scripts/bench_nat.py; it exists because a namespace holds a
+process, not a trio task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+import torch
+import trio
+
+from meshtrain.log import configure
+from meshtrain.transport.holepunch import HolePunchService
+from meshtrain.transport.host import Host, HostConfig
+from meshtrain.transport.identity import Identity
+from meshtrain.transport.reachability import ReachabilityConfig, ReachabilityService
+from meshtrain.transport.relay import RelayConfig, RelayService
+from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
+
+
+def payload(mib: float, seed: int = 1234) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, int(mib * (1 << 20)) // 4)
+    return {"w": torch.randn(n, generator=g)}
+
+
+def say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+class Peer:
+    def __init__(self, host: Host, ts: TensorStreams | None, reach: ReachabilityService,
+                 relay: RelayService, punch: HolePunchService) -> None:
+        self.host, self.ts, self.reach, self.relay, self.punch = host, ts, reach, relay, punch
+        self.collective: Any = None
+
+    async def run(self, cmd: dict) -> dict:
+        op = cmd["cmd"]
+        h = self.host
+        if op == "info":
+            return {"peer": h.peer_id, "addrs": h.addrs, "circuits": self.relay.circuit_addrs,
+                    "reachability": self.reach.status, "observed_ip": self.reach.observed_ip}
+        if op == "connect":
+            t0 = time.monotonic()
+            peer = await h.connect(cmd["addr"], timeout=cmd.get("timeout", 20))
+            return {"peer": peer, "type": h.connection_type(peer), "seconds": time.monotonic() - t0}
+        if op == "probe":
+            r = await self.reach.probe(cmd.get("servers"))
+            return {"status": r.status, "observed_ip": r.observed_ip,
+                    "public_addrs": list(r.public_addrs), "errors": list(r.errors),
+                    "answers": len(r.answers)}
+        if op == "reserve":
+            r = await self.relay.reserve(cmd["relay"])
+            return {"circuits": list(r.circuit_addrs), "expires_in": r.expires_at - time.time(),
+                    "circuit_duration": r.circuit_duration, "circuit_bytes": r.circuit_bytes,
+                    "refreshes": r.refreshes}
+        if op == "keep":
+            relays = list(cmd["relays"])
+            self.relay.keep_reserved(lambda: relays)
+            return {}
+        if op == "reservations":
+            return {"reservations": [
+                {"relay": r.relay, "refreshes": r.refreshes, "expires_in": r.expires_at - time.time(),
+                 "circuits": list(r.circuit_addrs)} for r in self.relay.reservations.values()]}
+        if op == "upgrade":
+            t0 = time.monotonic()
+            ok = await self.punch.upgrade(cmd["peer"], cmd.get("timeout"))
+            return {"direct": ok, "seconds": time.monotonic() - t0}
+        if op == "conn_type":
+            return {"type": h.connection_type(cmd["peer"])}
+        if op == "send":
+            assert self.ts is not None  # test harness misuse
+            t0 = time.monotonic()
+            rep = await self.ts.send(cmd["peer"], cmd["tag"], payload(cmd["mib"], cmd.get("seed", 1)),
+                                     timeout=cmd.get("timeout", 60))
+            return {"path": rep.path, "digest": rep.digest.hex(), "nbytes": rep.nbytes,
+                    "seconds": time.monotonic() - t0}
+        if op == "recv":
+            assert self.ts is not None
+            r = await self.ts.receive(cmd["peer"], cmd["tag"], timeout=cmd.get("timeout", 60))
+            return {"path": r.path, "digest": r.digest.hex(), "nbytes": r.nbytes}
+        if op == "allreduce":
+            return await self._allreduce(cmd)
+        if op == "relay_stats":
+            return {"stats": dict(self.relay.protocol.stats)}
+        raise ValueError(f"unknown command {op!r}")
+
+    async def _allreduce(self, cmd: dict) -> dict:
+        from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
+
+        assert self.ts is not None
+        peers = list(cmd["peers"])
+        if self.collective is None:
+            self.collective = SwarmCollective(self.host, self.ts, lambda _r: peers,
+                                              AllReduceConfig(join_timeout=60, part_timeout=60,
+                                                              min_bandwidth=1e6))
+        mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
+        t0 = time.monotonic()
+        res = await self.collective.all_reduce(mine, round_id=cmd["round"], tag="nat")
+        return {"seconds": time.monotonic() - t0, "digest": res.digest.hex(),
+                "contributors": list(res.contributors), "excluded": dict(res.excluded),
+                "paths": {p: self.host.connection_type(p) for p in peers if p != self.host.peer_id}}
+
+
+async def main(args: argparse.Namespace) -> None:
+    configure(args.log)
+    relay_cfg = RelayConfig(serve=args.serve_relay, **json.loads(args.relay_json or "{}"))
+    async with AsyncExitStack() as stack:
+        host = await stack.enter_async_context(Host(Identity.generate(), HostConfig(
+            listen=[f"/ip4/{args.listen}/tcp/{args.port}"])))
+        ts = None
+        if args.data_plane:
+            ts = await stack.enter_async_context(TensorStreams(host, DataPlaneConfig()))
+        reach = await stack.enter_async_context(
+            ReachabilityService(host, config=ReachabilityConfig(probe_interval=0)))
+        relay = await stack.enter_async_context(RelayService(host, relay_cfg))
+        punch = await stack.enter_async_context(HolePunchService(host, reach, ts))
+        peer = Peer(host, ts, reach, relay, punch)
+        say({"ready": True, "peer": host.peer_id, "addrs": host.addrs})
+
+        async def handle(cmd: dict) -> None:
+            try:
+                out = await peer.run(cmd)
+                say({"id": cmd.get("id"), "ok": True, **out})
+            except Exception as e:
+                say({"id": cmd.get("id"), "ok": False, "type": type(e).__name__, "error": str(e)})
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                if not line or line.strip() == "":
+                    if not line:
+                        break
+                    continue
+                cmd = json.loads(line)
+                if cmd.get("cmd") == "quit":
+                    break
+                nursery.start_soon(handle, cmd)
+            nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--listen", required=True)
+    p.add_argument("--port", type=int, default=4001)
+    p.add_argument("--serve-relay", action="store_true")
+    p.add_argument("--relay-json", default="")
+    p.add_argument("--no-data-plane", dest="data_plane", action="store_false")
+    p.add_argument("--log", default="WARNING")
+    trio.run(main, p.parse_args())
