@@ -19,6 +19,7 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     recv         peer tag [timeout]        the matching receive
     allreduce    peers round mib           one SwarmCollective.all_reduce of seeded tensors
     relay_stats                            the relay's counters (bytes relayed, limit resets)
+    upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
     quit
 
 Used by tests/test_nat_*.py and scripts/bench_nat.py; it exists because a namespace holds a
@@ -44,6 +45,7 @@ from meshtrain.transport.identity import Identity
 from meshtrain.transport.reachability import ReachabilityConfig, ReachabilityService
 from meshtrain.transport.relay import RelayConfig, RelayService
 from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
+from meshtrain.transport.upnp import PortMapper
 
 
 def payload(mib: float, seed: int = 1234) -> dict[str, torch.Tensor]:
@@ -109,6 +111,15 @@ class Peer:
             return {"path": r.path, "digest": r.digest.hex(), "nbytes": r.nbytes}
         if op == "allreduce":
             return await self._allreduce(cmd)
+        if op == "upnp":
+            ports = [int(h.addrs[0].split("/tcp/")[1].split("/")[0])]
+            if self.ts is not None and self.ts.port:
+                ports.append(self.ts.port)
+            t0 = time.monotonic()
+            async with PortMapper(ports, discover_timeout=cmd.get("deadline", 5.0)) as m:
+                r = m.result
+            return {"gateway": r.gateway, "mapped": list(r.mapped_ports), "error": r.error,
+                    "external_ip": r.external_ip, "seconds": time.monotonic() - t0}
         if op == "relay_stats":
             return {"stats": dict(self.relay.protocol.stats)}
         raise ValueError(f"unknown command {op!r}")

@@ -139,3 +139,14 @@ def test_relay_reservation_refresh_and_circuit_duration(lab_peers: dict[str, Lab
     # Circuits through this relay live 3 s: the relayed connection is then cut.
     time.sleep(4.0)
     assert h3.call("conn_type", peer=h1.peer_id)["type"] is None
+
+
+def test_upnp_on_a_lan_without_a_gateway_maps_nothing_within_its_deadline(
+        lab_peers: dict[str, LabPeer]) -> None:
+    # The home LAN has a router but no UPnP IGD (as most do): SSDP goes unanswered on the LAN
+    # bridge, the mapper gives up within its deadline and the peer carries on, still private.
+    h0 = lab_peers["h0"]
+    out = h0.call("upnp", deadline=3.0, timeout=20)
+    assert out["gateway"] is False and out["mapped"] == [], out
+    assert out["seconds"] < 3.0 + 2.0, out
+    assert h0.call("probe")["status"] == "private"

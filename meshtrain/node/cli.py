@@ -52,6 +52,8 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
                    help="no NAT traversal (reachability probe, relay reservations, hole punching)")
     p.add_argument("--no-relay", dest="relay", action="store_false", default=None,
                    help="do not relay for private peers even when we are public")
+    p.add_argument("--no-upnp", dest="upnp", action="store_false", default=None,
+                   help="do not ask the LAN's UPnP gateway to forward our ports")
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
             "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib", "nat", "relay")
+            "donor_upload_mib", "nat", "relay", "upnp")
     return {k: getattr(args, k, None) for k in keys}
 
 

@@ -22,6 +22,7 @@ state is not waited for.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -148,7 +149,8 @@ class Node:
             if self.config.nat:  # before any peer connects, so every relayed peer can be punched
                 self.nat = await stack.enter_async_context(NatTraversal(
                     host, streams, relays=self._relay_candidates,
-                    config=NatConfig(serve_relay_when_public=self.config.relay)))
+                    config=NatConfig(serve_relay_when_public=self.config.relay,
+                                     upnp=self.config.upnp and _beyond_loopback(self.config.listen))))
             # Discovery: the swarm's DHT (bootstrapped from the configured peers and the one we
             # join through) lists every live peer under /meshtrain/<swarm>/peers; the replicated
             # membership then carries everyone's addresses too.
@@ -575,3 +577,16 @@ def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except (PermissionError, KeyError, ValueError, TypeError):
         pass
     return info
+
+
+def _beyond_loopback(listen: list[str]) -> bool:
+    """Whether any listen address can be reached from the LAN (UPnP is pointless otherwise, and
+    a loopback-only node — tests, the demo — must not multicast on the LAN)."""
+    for addr in listen:
+        ip = addr.split("/")[2] if addr.startswith(("/ip4/", "/ip6/")) else ""
+        try:
+            if not ipaddress.ip_address(ip).is_loopback:
+                return True
+        except ValueError:
+            return True  # a DNS name: assume it is reachable
+    return False

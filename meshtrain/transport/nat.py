@@ -16,7 +16,9 @@ otherwise re-implement:
 Connecting to a peer at a circuit address (`host.connect`) and upgrading it (`upgrade`) are the
 caller's call, because only the caller knows whom it needs.
 
-UPnP is not attempted (off in tests; py-libp2p's miniupnpc path is untested here).
+UPnP (upnp.py, `NatConfig.upnp`): when on, our TCP ports — libp2p's and the data plane's — are
+mapped on the LAN's gateway before the first probe; the probe then finds us public if the mapping
+works. Off by default here; the node turns it on when it listens beyond loopback.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from meshtrain.transport.reachability import (
     ReachabilityError,
     ReachabilityReport,
     ReachabilityService,
+    tcp_listen_ports,
 )
 from meshtrain.transport.relay import RelayConfig, RelayService
 from meshtrain.transport.tensor_streams import TensorStreams
+from meshtrain.transport.upnp import DEFAULT_DISCOVER_TIMEOUT, PortMapper
 
 log = get_logger(__name__)
 
@@ -52,6 +56,8 @@ class NatConfig:
     relay: RelayConfig = field(default_factory=RelayConfig)
     holepunch: HolePunchConfig = field(default_factory=HolePunchConfig)
     serve_relay_when_public: bool = True  # issue #7: public nodes relay by default
+    upnp: bool = False  # map our ports on the LAN's UPnP gateway (SSDP multicast on the LAN)
+    upnp_discover_timeout: float = DEFAULT_DISCOVER_TIMEOUT
 
 
 class NatTraversal:
@@ -72,6 +78,8 @@ class NatTraversal:
                                                 config=self.config.reachability)
         self.relay = RelayService(host, self.config.relay)
         self.punch = HolePunchService(host, self.reachability, streams, self.config.holepunch)
+        self.streams = streams
+        self.upnp: PortMapper | None = None
         self._relays = relays
         self._announce: list[Callable[[str, list[str]], None]] = []
         self._stack: AsyncExitStack | None = None
@@ -81,6 +89,12 @@ class NatTraversal:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
+            if self.config.upnp:  # first, so the first probe already sees the mapped ports
+                ports = tcp_listen_ports(self.host)
+                if self.streams is not None and self.streams.port:
+                    ports.append(self.streams.port)
+                self.upnp = await stack.enter_async_context(
+                    PortMapper(ports, discover_timeout=self.config.upnp_discover_timeout))
             await stack.enter_async_context(self.reachability)
             await stack.enter_async_context(self.relay)
             await stack.enter_async_context(self.punch)
@@ -118,8 +132,17 @@ class NatTraversal:
 
     @property
     def addrs(self) -> list[str]:
+        """What we announce: circuit addresses while private; while public, first our listen
+        ports at the IP the dial-backs saw (behind a port forward or a UPnP mapping that is the
+        router's address, which no listen address names), then our own addresses. The IP is
+        the servers' vote, never one server's word, and the ports are ours."""
         if self.reachability.status == PRIVATE and self.relay.circuit_addrs:
             return self.relay.circuit_addrs
+        if self.reachability.status == PUBLIC and self.reachability.report.observed_ip:
+            ip = self.reachability.report.observed_ip
+            seen = [f"/ip4/{ip}/tcp/{port}/p2p/{self.host.peer_id}"
+                    for port in tcp_listen_ports(self.host)]
+            return list(dict.fromkeys([*seen, *self.host.addrs]))
         return self.host.addrs
 
     def _publish(self) -> None:
