@@ -19,6 +19,7 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     recv         peer tag [timeout]        the matching receive
     allreduce    peers round mib           one SwarmCollective.all_reduce of seeded tensors
     relay_stats                            the relay's counters (bytes relayed, limit resets)
+    lan                                    peers heard over mDNS (--mdns SWARM) and our link to each
     upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
     quit
 
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import trio
 
+from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.log import configure
 from meshtrain.transport.holepunch import HolePunchService
 from meshtrain.transport.host import Host, HostConfig
@@ -63,6 +65,7 @@ class Peer:
                  relay: RelayService, punch: HolePunchService) -> None:
         self.host, self.ts, self.reach, self.relay, self.punch = host, ts, reach, relay, punch
         self.collective: Any = None
+        self.lan: Any = None
 
     async def run(self, cmd: dict) -> dict:
         op = cmd["cmd"]
@@ -111,6 +114,9 @@ class Peer:
             return {"path": r.path, "digest": r.digest.hex(), "nbytes": r.nbytes}
         if op == "allreduce":
             return await self._allreduce(cmd)
+        if op == "lan":
+            found = self.lan.found if self.lan is not None else {}
+            return {"peers": {p: {"addrs": a, "type": h.connection_type(p)} for p, a in found.items()}}
         if op == "upnp":
             ports = [int(h.addrs[0].split("/tcp/")[1].split("/")[0])]
             if self.ts is not None and self.ts.port:
@@ -155,6 +161,11 @@ async def main(args: argparse.Namespace) -> None:
         relay = await stack.enter_async_context(RelayService(host, relay_cfg))
         punch = await stack.enter_async_context(HolePunchService(host, reach, ts))
         peer = Peer(host, ts, reach, relay, punch)
+        if args.mdns:
+            async def dial(pid: str, addrs: list[str]) -> None:
+                await host.connect(f"{addrs[0]}/p2p/{pid}", timeout=5)
+
+            peer.lan = await stack.enter_async_context(LanDiscovery(host, args.mdns, dial))
         say({"ready": True, "peer": host.peer_id, "addrs": host.addrs})
 
         async def handle(cmd: dict) -> None:
@@ -185,5 +196,6 @@ if __name__ == "__main__":
     p.add_argument("--serve-relay", action="store_true")
     p.add_argument("--relay-json", default="")
     p.add_argument("--no-data-plane", dest="data_plane", action="store_false")
+    p.add_argument("--mdns", default="", help="LAN discovery (mDNS) for this swarm id")
     p.add_argument("--log", default="WARNING")
     trio.run(main, p.parse_args())

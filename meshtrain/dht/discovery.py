@@ -11,8 +11,8 @@ announcement (same subkey, later expiry) instead of appearing twice.
 (signature, expiry, owner — `records.py`) and as announcements (shape, sizes, addresses that
 name their owner). A malformed one is skipped and logged, never raised.
 
-Not here: dialling the peers found (callers decide whom to connect to), mDNS (off; py-libp2p has
-it, but the DHT already works on every network we run on), leaving gracefully (an announcement
+Not here: dialling the peers found (callers decide whom to connect to), LAN discovery over mDNS
+(mdns.py, optional and off by default), leaving gracefully (an announcement
 cannot be withdrawn before it expires; a shorter `ttl` makes departures visible sooner).
 """
 

@@ -52,6 +52,8 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
                    help="no NAT traversal (reachability probe, relay reservations, hole punching)")
     p.add_argument("--no-relay", dest="relay", action="store_false", default=None,
                    help="do not relay for private peers even when we are public")
+    p.add_argument("--mdns", action="store_true", default=None,
+                   help="find peers of this swarm on the LAN over mDNS (no bootstrap address needed)")
     p.add_argument("--no-upnp", dest="upnp", action="store_false", default=None,
                    help="do not ask the LAN's UPnP gateway to forward our ports")
 
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
             "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib", "nat", "relay", "upnp")
+            "donor_upload_mib", "nat", "relay", "upnp", "mdns")
     return {k: getattr(args, k, None) for k in keys}
 
 

@@ -110,6 +110,7 @@ class NodeConfig(BaseModel):
     nat: bool = Field(True, description="NAT traversal: dial-back reachability probe, relay reservations "
                                         "when private, hole punching of relayed peers")
     relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
+    mdns: bool = Field(False, description="find peers of this swarm on the LAN over mDNS (multicast)")
     upnp: bool = Field(True, description="map our ports on the LAN's UPnP gateway (only when listening "
                                          "beyond loopback)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"

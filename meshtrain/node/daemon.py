@@ -42,6 +42,7 @@ import meshtrain
 from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
+from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.dht.records import DhtError
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
@@ -155,6 +156,11 @@ class Node:
             # join through) lists every live peer under /meshtrain/<swarm>/peers; the replicated
             # membership then carries everyone's addresses too.
             dht = await stack.enter_async_context(Dht(host, signed.swarm_id))
+            if self.config.mdns:  # LAN peers of this swarm bootstrap us as they are heard
+                async def lan_peer(peer: str, addrs: list[str]) -> None:
+                    if not host.is_connected(peer):
+                        await dht.bootstrap([f"{addrs[0]}/p2p/{peer}"])
+                await stack.enter_async_context(LanDiscovery(host, signed.swarm_id, lan_peer))
             await self._bootstrap(dht)
             self.discovery = await stack.enter_async_context(Discovery(dht, DiscoveryConfig(role="trainer")))
             # Alone (first node of a swarm), there is nothing to recover: do not wait for it.

@@ -34,12 +34,13 @@ class LabPeer:
 
     serve_relay: relay for others (public hosts). relay: RelayConfig fields as a dict.
     log_path:    where the peer's stderr goes (read it when a test fails).
+    mdns:        a swarm id: discover peers of that swarm on the LAN over mDNS.
     """
 
     def __init__(self, lab: NatLab, host: str, *, serve_relay: bool = False,
                  relay: dict[str, Any] | None = None, data_plane: bool = True,
                  log_path: str | None = None, log_level: str = "INFO", port: int = 4001,
-                 wait: bool = True) -> None:
+                 mdns: str = "", wait: bool = True) -> None:
         self.lab, self.name = lab, host
         self.first_probe: dict[str, Any] | None = None  # a test's record of an early probe
         self.log_path = log_path or os.devnull
@@ -51,6 +52,8 @@ class LabPeer:
             argv += ["--relay-json", json.dumps(relay)]
         if not data_plane:
             argv.append("--no-data-plane")
+        if mdns:
+            argv += ["--mdns", mdns]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
         with open(self.log_path, "a") as err:
             self.proc = lab.run(host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
