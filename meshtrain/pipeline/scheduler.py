@@ -234,13 +234,13 @@ def skippipe_schedule(problem: PipelineProblem, *, target_ratio: float = DEFAULT
     ≤ target_ratio × the collision-unaware makespan (0 = never stop early), when a pass improves
     nothing, or after `search_budget` A* expansions. Raises ScheduleError /
     UnsatisfiableScheduleError on bad or unsatisfiable input."""
-    return _solve(_compile(problem), "skippipe", target_ratio, search_budget)
+    return _solve(compile_problem(problem), "skippipe", target_ratio, search_budget)
 
 
 def full_pipeline_schedule(problem: PipelineProblem, *, target_ratio: float = DEFAULT_TARGET_RATIO,
                            search_budget: int = DEFAULT_SEARCH_BUDGET) -> Schedule:
     """The full-pipeline baseline on the same placement, cost model and rules (module docstring)."""
-    return _solve(_compile(full_pipeline_problem(problem)), "full", target_ratio, search_budget)
+    return _solve(compile_problem(full_pipeline_problem(problem)), "full", target_ratio, search_budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +283,9 @@ def _bad_number(x: float, *, positive: bool) -> bool:
     return not isinstance(x, int | float) or not math.isfinite(x) or (x <= 0 if positive else x < 0)
 
 
-def _compile(problem: PipelineProblem) -> _Compiled:
+def compile_problem(problem: PipelineProblem) -> _Compiled:
+    """Validate `problem` and precompute its path-shape rules (which stage may follow which,
+    swaps, jumps). The scheduler searches with it; the runtime re-routes with the same rules."""
     S = problem.num_stages
     if not isinstance(S, int) or S < 2:
         raise ScheduleError(f"num_stages must be an integer ≥ 2, got {S!r}")
@@ -774,7 +776,7 @@ def validate(schedule: Schedule, problem: PipelineProblem) -> list[str]:
     if schedule.mode == "full":
         problem = full_pipeline_problem(problem)
     try:
-        c = _compile(problem)
+        c = compile_problem(problem)
     except ScheduleError as e:
         return [f"problem: {e}"]
     out: list[str] = []

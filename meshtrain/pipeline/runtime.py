@@ -1,0 +1,920 @@
+"""The SkipPipe runtime: microbatches through peers, forward and back, following the scheduler.
+
+What it does. Every peer of a pipeline run holds one stage (`stages.StageReplica`) and runs the
+same iterations. At the start of an iteration each peer computes the same `Schedule` (the
+scheduler is a pure function of the shared `PipelineProblem` and of the peers agreed dead), and
+executes *its* visits in the order `Schedule.peer_order()` gives it — the 1F1B-like per-peer order
+of the timetable. A microbatch starts at its origin (a stage-0 peer: embedding), visits the path's
+block stages, returns to the origin (head + loss + backward through the head) and its gradient
+retraces the path back to the origin (backward through the embedding). Compute runs in a worker
+thread, one visit at a time per peer; sends run as their own tasks, so many microbatches are in
+flight at once and a peer computes the next visit while its last output is still on the wire.
+
+Wire protocol (this file is its whole story). Control travels over RPC, tensors over the data
+plane (`TensorStreams`: encrypted, digest-checked, back-pressured):
+- `pipeline/hop` {run, it, mb, att, kind, pos, route, shape}: "I am about to send you the
+  activations (kind "fwd") or gradients ("bwd") of microbatch `mb`, attempt `att`, at position
+  `pos` of `route`". The receiver checks everything (below), starts a `receive` of exactly that
+  shape under the tag `pp/<run>/<it>/<mb>/<att>/<kind>/<pos>`, and answers; the sender then sends.
+  `route` = [origin, hop 1, ..., hop L]: position p ≤ L is route[p]; L + 1 (forward) and 0
+  (backward) are the origin. A source route, so a re-planned attempt needs no state elsewhere.
+- `pipeline/abandon` {run, it, mb, floor}: from the origin: attempts of `mb` below `floor` are void
+  (drop their tapes, gradients and pending visits).
+- `pipeline/failed` {run, it, mb, att, suspect}: to the origin: "I could not deliver `mb`".
+- `pipeline/done` {run, it, final, dead, loss, count, stop}: from each origin to every peer once
+  all its microbatches finished: which attempt of each microbatch counts, who it saw die, its
+  loss, and whether the run should stop after this iteration.
+Every field is validated with explicit checks; a bad request is answered with a `RemoteError`
+whose code says why (`malformed`, `unknown-run`, `stale-iteration`, `unknown-microbatch`,
+`stale-attempt`, `bad-route`, `bad-shape`, `too-large`, `duplicate`, `not-origin`) and never
+reaches the compute. Tensors land in buffers of the announced shape (`receive(into=...)`), so a
+sender that announces one shape and sends another is refused by the data plane; NaN/inf inputs
+are refused by the stage. Nothing from the network can raise out of a handler or the worker.
+
+Failures. The origin owns its microbatches. It restarts a microbatch — attempt + 1, recomputed
+from its data, on a route where every dead peer is replaced by a live replica of the same stage
+(the least used one), or, in a SkipPipe run where no replica is left and the path rules allow, with
+that stage skipped — when a peer on its route drops its connection (every peer watches the
+liveness of the others), or when a hop reports it could not deliver. A microbatch that cannot be
+re-routed, or failed `MAX_ATTEMPTS` times, is dropped from the iteration; the iteration completes
+with the rest. Why restart from the origin rather than patch the path where it broke: the dead
+peer may hold the only copy of an activation the backward needs; recomputing the few stages
+before it is cheap, and the rule is the same wherever the failure hit. Per-microbatch gradients
+are kept apart (`stages.py`) and only the attempts the origins list in `done` are summed, so work
+done by a voided attempt is never counted. A dead origin takes its own microbatches with it.
+The next iteration is scheduled without the peers the origins reported dead.
+
+Replica sync: at the end of an iteration the replicas of each stage all-reduce their gradient
+sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
+replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
+SkipPipe reference, chosen over a DiLoCo-style outer step because replicas then stay bit-identical
+every iteration (a microbatch may be re-routed to any replica, so replicas must be interchangeable),
+and a stage's gradients (one stage of a model) are small enough to all-reduce every iteration.
+The mean is per stage over the microbatches that visited it: with skips each stage sees a
+different number of microbatches, and each should take an average, not a share, of their signal.
+
+Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
+bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
+scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
+
+What it does not do: place stages on peers, join a swarm, checkpoint, or take over a dead
+origin's data (its microbatches are lost for that iteration).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+import trio
+
+from meshtrain.errors import MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.models.gpt import ModelInputError
+from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.optim.collective import CollectiveError
+from meshtrain.pipeline.scheduler import (
+    BACKWARD_FACTOR,
+    HEAD_FACTOR,
+    Link,
+    PipelineProblem,
+    Schedule,
+    ScheduleError,
+    compile_problem,
+    full_pipeline_schedule,
+    skippipe_schedule,
+)
+from meshtrain.pipeline.stages import StageError, StageReplica, Tape
+from meshtrain.transport.host import Host
+from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+
+log = get_logger(__name__)
+
+HOP_RPC, ABANDON_RPC, FAILED_RPC, DONE_RPC = "pipeline/hop", "pipeline/abandon", "pipeline/failed", "pipeline/done"
+MAX_ATTEMPTS = 4  # a microbatch re-routed this many times is dropped from its iteration
+LOOKAHEAD = 2  # accept messages for iterations up to this far ahead of ours (buffered)
+MAX_RUN_CHARS = 64
+CALL_TIMEOUT = 10.0  # control RPCs
+SEND_TIMEOUT = 60.0  # one activation/gradient transfer, beyond the simulated link delay
+RECEIVE_TIMEOUT = 60.0  # an announced transfer must arrive within this
+LIVENESS_INTERVAL = 0.2
+CONNECT_WAIT = 20.0  # at start, how long to wait for connections to every peer of the run
+
+Mode = Literal["skippipe", "full"]
+WireKind = Literal["fwd", "bwd"]
+
+
+class PipelineError(MeshtrainError):
+    """The pipeline cannot run: a stage with no live peer, peers that never connected."""
+
+
+class HopRejected(PipelineError):
+    """A pipeline message from a peer was refused; `code` is what the sender is told."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+# ---------------------------------------------------------------------------------------------
+# What the peers of a run agree on
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """Everything the peers of one pipeline run must agree on (they compute the same schedule).
+
+    run: a name for the run, part of every message and tag (≤ 64 chars), so runs never mix.
+    problem: the scheduling problem (placement, compute times, links, microbatches, skip ratio).
+    mode: "skippipe" (skips and swaps) or "full" (every stage in order: the baseline).
+    microbatch_size, context: the shape of a microbatch's token ids, [microbatch_size, context].
+    """
+
+    run: str
+    problem: PipelineProblem
+    mode: Mode
+    microbatch_size: int
+    context: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run, str) or not 0 < len(self.run) <= MAX_RUN_CHARS:
+            raise PipelineError(f"run name must be 1..{MAX_RUN_CHARS} characters")
+        if self.mode not in ("skippipe", "full"):
+            raise PipelineError(f"mode must be 'skippipe' or 'full', got {self.mode!r}")
+
+    def schedule(self, dead: frozenset[str] = frozenset()) -> Schedule:
+        """The schedule of an iteration, without the peers in `dead`."""
+        problem = self.problem
+        if dead:
+            placement = {p: s for p, s in problem.placement.items() if p not in dead}
+            problem = replace(problem, placement=placement, origins=None,
+                              forward_time={p: t for p, t in problem.forward_time.items() if p in placement})
+        try:
+            if self.mode == "full":
+                return full_pipeline_schedule(problem)
+            return skippipe_schedule(problem)
+        except ScheduleError as e:
+            raise PipelineError(f"cannot schedule run {self.run} without {sorted(dead)}: {e}") from None
+
+
+@dataclass(frozen=True)
+class SimulatedLinks:
+    """User-space link throttling: a send from a to b of n bytes first waits latency + n /
+    bandwidth (the scheduler's edge cost), as if the link were that slow."""
+
+    links: Mapping[tuple[str, str], Link]
+
+    def delay(self, a: str, b: str, nbytes: int) -> float:
+        link = self.links.get((a, b)) or self.links.get((b, a))
+        return 0.0 if link is None else link.latency + nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """One iteration as this peer saw it.
+
+    loss: mean training loss over the committed microbatches (all origins'), NaN if none;
+    committed / dropped: microbatches that counted / were given up; restarts: attempts this peer
+    (as an origin) re-routed; seconds: wall time of the iteration including the replica sync and
+    the optimizer step; dead: peers reported dead so far; stop: an origin asked to stop the run.
+    """
+
+    iteration: int
+    loss: float
+    committed: int
+    dropped: int
+    restarts: int
+    seconds: float
+    dead: tuple[str, ...]
+    stop: bool
+    grads: dict[str, torch.Tensor] | None = None  # the stage's averaged gradient (keep_grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Message validation (pure functions: unit-testable without a network)
+
+
+@dataclass(frozen=True)
+class Hop:
+    it: int
+    mb: int
+    att: int
+    kind: WireKind
+    pos: int
+    route: tuple[str, ...]
+    shape: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
+
+    def tag(self, run: str) -> str:
+        return f"pp/{run}/{self.it}/{self.mb}/{self.att}/{self.kind}/{self.pos}"
+
+
+def at(route: tuple[str, ...], pos: int) -> str:
+    """The peer at position `pos` of a route: route[pos], or the origin past the last hop."""
+    return route[pos] if pos < len(route) else route[0]
+
+
+def sender_of(hop: Hop) -> str:
+    return at(hop.route, hop.pos - 1) if hop.kind == "fwd" else at(hop.route, hop.pos + 1)
+
+
+def _int(v: Any, name: str, lo: int, hi: int, code: str = "malformed") -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HopRejected("malformed", f"{name} must be an integer")
+    if not lo <= v <= hi:
+        raise HopRejected(code, f"{name} {v} is outside {lo}..{hi}")
+    return v
+
+
+def _map(req: Any, *keys: str) -> dict[str, Any]:
+    if not isinstance(req, dict):
+        raise HopRejected("malformed", "expected a map")
+    missing = [k for k in keys if k not in req]
+    if missing:
+        raise HopRejected("malformed", f"missing fields {missing}")
+    return req
+
+
+def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int, current: int) -> Hop:
+    """Validate a `pipeline/hop` request from `caller` to us; raise `HopRejected` with a code."""
+    req = _map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape")
+    if req["run"] != run.run:
+        raise HopRejected("unknown-run", "not a run this peer is in")
+    it = _int(req["it"], "iteration", 0, 1 << 40)
+    if not current <= it <= current + LOOKAHEAD:
+        raise HopRejected("stale-iteration", f"iteration {it}, this peer is at {current}")
+    mb = _int(req["mb"], "microbatch", 0, run.problem.microbatches - 1, "unknown-microbatch")
+    att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
+    kind = req["kind"]
+    if kind not in ("fwd", "bwd"):
+        raise HopRejected("malformed", "kind must be 'fwd' or 'bwd'")
+    route = req["route"]
+    S = run.problem.num_stages
+    if not isinstance(route, list) or not 2 <= len(route) <= S or not all(isinstance(p, str) for p in route):
+        raise HopRejected("bad-route", f"a route is 2..{S} peer ids")
+    route = tuple(route)
+    placement = run.problem.placement
+    if len(set(route)) != len(route) or any(p not in placement for p in route):
+        raise HopRejected("bad-route", "route has repeated or unknown peers")
+    stages = [placement[p] for p in route]
+    if stages[0] != 0 or 0 in stages[1:] or len(set(stages)) != len(stages):
+        raise HopRejected("bad-route", "route must start at a stage-0 peer and visit distinct block stages")
+    L = len(route) - 1
+    pos = _int(req["pos"], "position", 1 if kind == "fwd" else 0, L + 1 if kind == "fwd" else L, "bad-route")
+    hop = Hop(it, mb, att, kind, pos, route, (0, 0, 0))
+    if at(route, pos) != me:
+        raise HopRejected("bad-route", "this peer is not at that position of the route")
+    if sender_of(hop) != caller:
+        raise HopRejected("bad-route", "the caller is not the previous hop of the route")
+    shape = req["shape"]
+    if not isinstance(shape, list) or len(shape) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in shape):
+        raise HopRejected("bad-shape", "shape must be [batch, time, d_model]")
+    b, t, d = shape
+    if b < 1 or t < 1 or d != d_model:
+        raise HopRejected("bad-shape", f"shape {shape} is not [batch ≥ 1, time ≥ 1, {d_model}]")
+    if b > run.microbatch_size or t > run.context:
+        raise HopRejected("too-large", f"{shape} exceeds [{run.microbatch_size}, {run.context}, {d_model}]")
+    return replace(hop, shape=(b, t, d))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-iteration state
+
+
+@dataclass
+class _Mine:
+    """An origin's view of one of its microbatches."""
+
+    att: int
+    route: tuple[str, ...]
+    status: Literal["running", "done", "dropped"] = "running"
+    loss: float = math.nan
+
+
+@dataclass
+class _Iteration:
+    it: int
+    schedule: Schedule | None = None
+    order: list[tuple[int, str]] = field(default_factory=list)
+    pos: int = 0
+    remaining: set[tuple[int, str]] = field(default_factory=set)
+    inputs: dict[tuple[int, int, str], tuple[torch.Tensor, Hop]] = field(default_factory=dict)
+    restarts: list[tuple[int, int]] = field(default_factory=list)  # origin: (mb, att) to re-embed
+    floor: dict[int, int] = field(default_factory=dict)  # mb -> lowest attempt still valid
+    announced: set[tuple[int, int, str, int]] = field(default_factory=set)
+    tapes: dict[tuple[int, int], tuple[Tape, Hop | None, torch.Tensor | None]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    mine: dict[int, _Mine] = field(default_factory=dict)
+    origins: tuple[str, ...] = ()
+    origin_of: dict[int, str] = field(default_factory=dict)
+    done_from: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dead_origins: set[str] = field(default_factory=set)
+    restart_count: int = 0
+    changed: trio.Event = field(default_factory=trio.Event)
+    done_delivered: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        ev, self.changed = self.changed, trio.Event()
+        ev.set()
+
+    def void(self, mb: int, floor: int) -> None:
+        """Attempts of `mb` below `floor` no longer count: forget everything about them."""
+        if floor <= self.floor.get(mb, 0):
+            return
+        self.floor[mb] = floor
+        for key in [k for k in self.inputs if k[0] == mb and k[1] < floor]:
+            del self.inputs[key]
+        for key in [k for k in self.tapes if k[0] == mb and k[1] < floor]:
+            del self.tapes[key]
+        for key in [k for k in self.grads if k[0] == mb and k[1] < floor]:
+            del self.grads[key]
+        self.notify()
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule is not None and all(
+            o in self.done_from or o in self.dead_origins for o in self.origins)
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime
+
+
+class PipelineRuntime:
+    """One peer's part of a pipeline run. Use as `async with PipelineRuntime(...) as rt:` inside
+    a running host and data plane, then `await rt.run_iteration(i)` for i = 0, 1, ... on every
+    peer of the run.
+
+    host, streams: this peer's libp2p host and data plane; every peer of the run must be
+        connected to every other (liveness is read from those connections).
+    replica: the stage this peer holds (`run.problem.placement[host.peer_id]` must match).
+    run: the shared `PipelineRun`.
+    data: (iteration, microbatch) -> (token ids, targets), each [microbatch_size, context];
+        called on origins only. Must be a pure function so a re-run attempt sees the same data.
+    links: optional `SimulatedLinks` delay before every send (benchmarks on one machine).
+    compute_floor: optional seconds a forward visit takes at least on this peer (benchmarks).
+    should_stop: optional (iteration, seconds of the run so far) -> bool, asked by origins at the
+        end of an iteration; the run stops after an iteration any origin asked to stop at.
+    keep_grads: put each iteration's averaged stage gradient in its report (tests).
+    allreduce: the replica sync's `AllReduceConfig`.
+
+    Contract on failure: a peer that dies mid-iteration costs the others at most about one
+    liveness interval plus the re-run of the microbatches it held; `run_iteration` returns on
+    every surviving peer. It raises `PipelineError` only when the run cannot continue at all (a
+    stage with no live peer in a full-pipeline run).
+    """
+
+    def __init__(self, host: Host, streams: TensorStreams, replica: StageReplica, run: PipelineRun,
+                 data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], *,
+                 links: SimulatedLinks | None = None, compute_floor: float | None = None,
+                 should_stop: Callable[[int, float], bool] | None = None, keep_grads: bool = False,
+                 allreduce: AllReduceConfig | None = None) -> None:
+        me = host.peer_id
+        if run.problem.placement.get(me) != replica.index:
+            raise PipelineError(f"peer {me} is placed on stage {run.problem.placement.get(me)}, "
+                                f"but holds stage {replica.index}")
+        if replica.n_stages != run.problem.num_stages:
+            raise PipelineError("the replica's stage count differs from the run's")
+        self.host = host
+        self.streams = streams
+        self.replica = replica
+        self.run = run
+        self.data = data
+        self.links = links
+        self.compute_floor = compute_floor
+        self.should_stop = should_stop
+        self.keep_grads = keep_grads
+        self.me = me
+        self.stage = replica.index
+        self.dead: set[str] = set()  # peers this peer saw die (routing, liveness)
+        self.agreed_dead: set[str] = set()  # peers the origins' `done` reported dead (scheduling)
+        self._schedules: dict[frozenset[str], Schedule] = {}
+        self._compiled = compile_problem(run.problem)  # the path-shape rules, for re-routing
+        self.current = 0
+        self._iters: dict[int, _Iteration] = {}
+        self._nursery: trio.Nursery | None = None
+        self._started = time.monotonic()
+        self._group: tuple[str, ...] = (me,)
+        self.collective = SwarmCollective(host, streams, lambda _round: self._group,
+                                          allreduce or AllReduceConfig(join_timeout=15, part_timeout=15))
+        self.stats = {"hops_sent": 0, "hops_received": 0, "rejected": 0, "send_failures": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> PipelineRuntime:
+        self._exit = trio.open_nursery()
+        self._nursery = await self._exit.__aenter__()
+        self.host.rpc.serve(HOP_RPC, self._rpc_hop)
+        self.host.rpc.serve(ABANDON_RPC, self._rpc_abandon)
+        self.host.rpc.serve(FAILED_RPC, self._rpc_failed)
+        self.host.rpc.serve(DONE_RPC, self._rpc_done)
+        others = [p for p in self.run.problem.placement if p != self.me]
+        with trio.move_on_after(CONNECT_WAIT):
+            while not all(self.host.is_connected(p) for p in others):
+                await trio.sleep(0.05)
+        missing = [p for p in others if not self.host.is_connected(p)]
+        if missing:
+            await self.__aexit__(None, None, None)
+            raise PipelineError(f"not connected to {len(missing)} peers of run {self.run.run}; "
+                                "connect every peer of the run to every other first")
+        self._started = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        return await self._exit.__aexit__(*exc)
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    async def run_iteration(self, it: int) -> IterationReport:
+        """Run iteration `it` (0, 1, 2, ... in turn) to completion on this peer; see the class
+        docstring for what happens when peers fail."""
+        if it != self.current:
+            raise PipelineError(f"iterations run in turn: expected {self.current}, got {it}")
+        t0 = time.monotonic()
+        if it == 0:
+            self._started = t0  # `should_stop` budgets count from the first iteration
+        st = self._state(it)
+        schedule = await self._schedule(frozenset(self.agreed_dead))
+        st.origins = tuple(sorted({p.origin for p in schedule.plans}))
+        st.origin_of = {p.microbatch: p.origin for p in schedule.plans}
+        st.order = list(schedule.peer_order().get(self.me, ()))
+        st.remaining = set(st.order)
+        for plan in schedule.plans:
+            if plan.origin == self.me:
+                st.mine[plan.microbatch] = _Mine(0, (plan.origin,) + tuple(q for _, q in plan.path[1:-1]))
+        st.schedule = schedule  # from here on the worker may start
+        st.notify()
+        if self.stage == 0 and self.me in st.origins:
+            self._maybe_done(st)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_liveness, st)
+            await self._work(st)
+            if self.me in st.done_from:
+                # the others need our `done` to finish: never leave (e.g. end the run) before it
+                # was delivered or failed
+                await st.done_delivered.wait()
+            nursery.cancel_scope.cancel()
+        report = await self._finish(st, t0)
+        del self._iters[it]
+        self.current = it + 1
+        return report
+
+    async def _schedule(self, dead: frozenset[str]) -> Schedule:
+        """Every peer computes the same schedule from the same inputs; cached per dead set, and
+        computed in a thread because a search takes ~0.1 s and the network must keep flowing."""
+        if dead not in self._schedules:
+            self._schedules[dead] = await trio.to_thread.run_sync(self.run.schedule, dead)
+        return self._schedules[dead]
+
+    def _state(self, it: int) -> _Iteration:
+        st = self._iters.get(it)
+        if st is None:
+            st = self._iters[it] = _Iteration(it)
+        return st
+
+    # -- the worker: this peer's visits, in schedule order ---------------------------------------
+
+    def _role_kind(self, wire: str) -> str:
+        if self.stage == 0:
+            return "head" if wire == "fwd" else "backward"
+        return "forward" if wire == "fwd" else "backward"
+
+    def _next(self, st: _Iteration) -> tuple[str, int, int, tuple[torch.Tensor, Hop] | None] | None:
+        """The next visit to run: re-routed work first (it is late already), then the schedule's
+        order; None if the next visit in order is still waiting for its input."""
+        for key in list(st.inputs):
+            mb, att, wire = key
+            if att < st.floor.get(mb, 0):
+                del st.inputs[key]
+                continue
+            if att == 0 and (mb, self._role_kind(wire)) in st.remaining:
+                continue  # the schedule's order will take it
+            return self._role_kind(wire), mb, att, st.inputs.pop(key)
+        while st.restarts:
+            mb, att = st.restarts.pop(0)
+            mine = st.mine.get(mb)
+            if mine is not None and mine.status == "running" and mine.att == att:
+                return "forward", mb, att, None
+        while st.pos < len(st.order):
+            mb, kind = st.order[st.pos]
+            if st.floor.get(mb, 0) > 0 or st.origin_of.get(mb) in st.dead_origins:
+                st.pos += 1  # re-routed or lost: the pending visit of attempt 0 will not come
+                st.remaining.discard((mb, kind))
+                continue
+            if kind == "forward" and self.stage == 0:
+                st.pos += 1
+                st.remaining.discard((mb, kind))
+                return "forward", mb, 0, None
+            key = (mb, 0, "fwd" if kind in ("forward", "head") else "bwd")
+            if key not in st.inputs:
+                return None
+            st.pos += 1
+            st.remaining.discard((mb, kind))
+            return kind, mb, 0, st.inputs.pop(key)
+        return None
+
+    async def _work(self, st: _Iteration) -> None:
+        while True:
+            item = self._next(st)
+            if item is None:
+                if st.finished:
+                    return
+                await st.changed.wait()
+                continue
+            kind, mb, att, got = item
+            try:
+                await self._visit(st, kind, mb, att, got)
+            except (StageError, ModelInputError) as e:
+                # Input that passed the wire checks but not the stage's (NaN, a mismatched
+                # gradient): this attempt of the microbatch is lost; its origin re-runs it.
+                sender = sender_of(got[1]) if got is not None else self.me
+                log.warning(kv("pipeline visit refused", it=st.it, mb=mb, att=att, kind=kind, error=str(e)))
+                await self._report_failure(st, mb, att, sender, got[1].route if got else None)
+
+    async def _visit(self, st: _Iteration, kind: str, mb: int, att: int,
+                     got: tuple[torch.Tensor, Hop] | None) -> None:
+        t0 = time.monotonic()
+        r = self.replica
+        if kind == "forward" and self.stage == 0:
+            mine = st.mine[mb]
+            x, y = self.data(st.it, mb)
+            tape = await trio.to_thread.run_sync(r.embed, x)
+            st.tapes[(mb, att)] = (tape, None, y)
+            await self._pad(t0, 1.0)
+            self._send(st, Hop(st.it, mb, att, "fwd", 1, mine.route, _shape(tape.output)), tape.output)
+        elif kind == "forward":
+            h, hop = got
+            tape = await trio.to_thread.run_sync(r.forward, h)
+            st.tapes[(mb, att)] = (tape, hop, None)
+            await self._pad(t0, 1.0)
+            self._send(st, replace(hop, pos=hop.pos + 1, shape=_shape(tape.output)), tape.output)
+        elif kind == "head":
+            h, hop = got
+            entry = st.tapes.get((mb, att))
+            mine = st.mine.get(mb)
+            if entry is None or mine is None or mine.att != att:
+                return  # voided while it waited
+            loss, grad_h, grads = await trio.to_thread.run_sync(r.head, h, entry[2])
+            self._add_grads(st, mb, att, grads)
+            mine.loss = loss
+            await self._pad(t0, HEAD_FACTOR)
+            self._send(st, replace(hop, kind="bwd", pos=len(hop.route) - 1), grad_h)
+        else:  # backward
+            g, hop = got
+            entry = st.tapes.pop((mb, att), None)
+            if entry is None:
+                return  # voided while it waited
+            grad_in, grads = await trio.to_thread.run_sync(r.backward, entry[0], g)
+            self._add_grads(st, mb, att, grads)
+            await self._pad(t0, BACKWARD_FACTOR)
+            if self.stage == 0:
+                mine = st.mine.get(mb)
+                if mine is not None and mine.att == att and mine.status == "running":
+                    mine.status = "done"
+                    self._maybe_done(st)
+            else:
+                self._send(st, replace(hop, pos=hop.pos - 1), grad_in)
+
+    async def _pad(self, t0: float, factor: float) -> None:
+        """Simulated compute: make the visit last at least `compute_floor × factor` seconds."""
+        if self.compute_floor:
+            left = self.compute_floor * factor - (time.monotonic() - t0)
+            if left > 0:
+                await trio.sleep(left)
+
+    def _add_grads(self, st: _Iteration, mb: int, att: int, grads: list[torch.Tensor]) -> None:
+        if att < st.floor.get(mb, 0):
+            return
+        acc = st.grads.get((mb, att))
+        if acc is None:
+            st.grads[(mb, att)] = grads
+        else:
+            for a, g in zip(acc, grads, strict=True):
+                a.add_(g)
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def _send(self, st: _Iteration, hop: Hop, tensor: torch.Tensor) -> None:
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(self._send_hop, st, hop, tensor.detach().contiguous())
+
+    async def _send_hop(self, st: _Iteration, hop: Hop, tensor: torch.Tensor) -> None:
+        to = at(hop.route, hop.pos)
+        if self.links is not None:
+            await trio.sleep(self.links.delay(self.me, to, hop.nbytes))
+        req = {"run": self.run.run, "it": hop.it, "mb": hop.mb, "att": hop.att, "kind": hop.kind,
+               "pos": hop.pos, "route": list(hop.route), "shape": list(hop.shape)}
+        try:
+            await self.host.rpc.call(to, HOP_RPC, req, timeout=CALL_TIMEOUT)
+            await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
+            self.stats["hops_sent"] += 1
+        except (RpcError, TransferError) as e:
+            self.stats["send_failures"] += 1
+            if isinstance(e, RemoteError) and e.code == "stale-attempt":
+                return  # the origin already re-routed this microbatch
+            log.info(kv("pipeline hop failed", it=hop.it, mb=hop.mb, att=hop.att, to=to[-8:], error=str(e)))
+            await self._report_failure(st, hop.mb, hop.att, to, hop.route)
+
+    async def _report_failure(self, st: _Iteration, mb: int, att: int, suspect: str,
+                              route: tuple[str, ...] | None) -> None:
+        origin = route[0] if route else st.origin_of.get(mb)
+        if origin is None:
+            return
+        if origin == self.me:
+            self._restart(st, mb, att, {suspect})
+            return
+        req = {"run": self.run.run, "it": st.it, "mb": mb, "att": att, "suspect": suspect}
+        try:
+            await self.host.rpc.call(origin, FAILED_RPC, req, timeout=CALL_TIMEOUT)
+        except RpcError as e:
+            log.info(kv("pipeline failure report not delivered", origin=origin[-8:], error=str(e)))
+
+    async def _broadcast(self, name: str, req: dict[str, Any], peers: list[str]) -> None:
+        async def one(peer: str) -> None:
+            try:
+                await self.host.rpc.call(peer, name, req, timeout=CALL_TIMEOUT)
+            except RpcError as e:
+                log.info(kv("pipeline broadcast not delivered", rpc=name, peer=peer[-8:], error=str(e)))
+
+        async with trio.open_nursery() as nursery:
+            for p in peers:
+                nursery.start_soon(one, p)
+
+    def _live_others(self) -> list[str]:
+        return [p for p in self.run.problem.placement if p != self.me and p not in self.dead]
+
+    # -- failures: the origin re-routes ----------------------------------------------------------
+
+    def _restart(self, st: _Iteration, mb: int, att: int, suspects: set[str]) -> None:
+        mine = st.mine.get(mb)
+        if mine is None or mine.status != "running" or mine.att != att:
+            return  # stale news: that attempt was already replaced
+        for p in suspects:
+            if p != self.me and not self.host.is_connected(p):
+                self.dead.add(p)
+        route = self._reroute(mine.route)
+        new_att = att + 1
+        st.void(mb, new_att)
+        st.restart_count += 1
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(self._broadcast, ABANDON_RPC,
+                                 {"run": self.run.run, "it": st.it, "mb": mb, "floor": new_att}, self._live_others())
+        if route is None or new_att >= MAX_ATTEMPTS:
+            mine.status = "dropped"
+            log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
+            self._maybe_done(st)
+            return
+        log.info(kv("pipeline microbatch re-routed", it=st.it, mb=mb, att=new_att,
+                    route=",".join(p[-6:] for p in route)))
+        mine.att, mine.route = new_att, route
+        st.restarts.append((mb, new_att))
+        st.notify()
+
+    def _reroute(self, route: tuple[str, ...]) -> tuple[str, ...] | None:
+        """`route` with every dead peer replaced by the live replica of its stage that the
+        schedule uses least, or (SkipPipe only, no replica left) its stage skipped if the path
+        rules allow; None if neither works."""
+        placement = self.run.problem.placement
+        load: dict[str, int] = {}
+        base = self._schedules[frozenset(self.agreed_dead)]
+        for plan in base.plans:
+            for _, q in plan.path[1:-1]:
+                load[q] = load.get(q, 0) + 1
+        out = [route[0]]
+        for q in route[1:]:
+            if q not in self.dead and self.host.is_connected(q):
+                out.append(q)
+                continue
+            s = placement[q]
+            spares = sorted((load.get(p, 0), p) for p, t in placement.items()
+                            if t == s and p not in self.dead and p not in out and self.host.is_connected(p))
+            if spares:
+                out.append(spares[0][1])
+            elif self.run.mode != "skippipe":
+                return None
+        if len(out) < 2 or not self._path_ok(tuple(placement[p] for p in out[1:])):
+            return None
+        return tuple(out)
+
+    def _path_ok(self, stages: tuple[int, ...]) -> bool:
+        """The scheduler's path-shape rules (jump and swap limits) hold for this stage sequence."""
+        c = self._compiled
+        frontier, swaps = 0, 0
+        for s in stages:
+            nxt = c.step(frontier, swaps, s)
+            if nxt is None:
+                return False
+            frontier, swaps = nxt
+        return True
+
+    async def _watch_liveness(self, st: _Iteration) -> None:
+        """Notice dead peers: an origin re-routes its microbatches that used them; everyone stops
+        waiting for a dead origin's microbatches and its `done`."""
+        others = [p for p in self.run.problem.placement if p != self.me]
+        while True:
+            gone = {p for p in others if p not in self.dead and not self.host.is_connected(p)}
+            if gone:
+                self.dead |= gone
+                log.warning(kv("pipeline peers lost", it=st.it, peers=",".join(p[-8:] for p in sorted(gone))))
+                for later in list(self._iters.values()):
+                    later.dead_origins |= gone & set(later.origins or st.origins)
+                    later.notify()
+                for mb, mine in st.mine.items():
+                    hit = gone & set(mine.route)
+                    if mine.status == "running" and hit:
+                        self._restart(st, mb, mine.att, hit)
+            await trio.sleep(LIVENESS_INTERVAL)
+
+    # -- end of an iteration ---------------------------------------------------------------------
+
+    def _maybe_done(self, st: _Iteration) -> None:
+        if self.me in st.done_from or any(m.status == "running" for m in st.mine.values()):
+            return
+        final = [[mb, m.att] for mb, m in sorted(st.mine.items()) if m.status == "done"]
+        losses = [m.loss for m in st.mine.values() if m.status == "done"]
+        stop = bool(self.should_stop(st.it, time.monotonic() - self._started)) if self.should_stop else False
+        msg = {"run": self.run.run, "it": st.it, "final": final, "dead": sorted(self.dead),
+               "loss": float(sum(losses)), "count": len(losses),
+               "dropped": sum(m.status == "dropped" for m in st.mine.values()), "stop": stop}
+        st.done_from[self.me] = msg
+        st.notify()
+
+        async def announce() -> None:
+            await self._broadcast(DONE_RPC, msg, self._live_others())
+            st.done_delivered.set()
+
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(announce)
+
+    async def _finish(self, st: _Iteration, t0: float) -> IterationReport:
+        """Sum the committed attempts' gradients, average them with the stage's replicas, step."""
+        final: set[tuple[int, int]] = set()
+        loss_sum, count, dropped, stop = 0.0, 0, 0, False
+        for msg in st.done_from.values():
+            final |= {(mb, att) for mb, att in msg["final"]}
+            loss_sum += msg["loss"]
+            count += msg["count"]
+            dropped += msg["dropped"]
+            stop |= msg["stop"]
+            self.agreed_dead |= set(msg["dead"]) - {self.me}
+        self.agreed_dead |= st.dead_origins
+        self.dead |= self.agreed_dead
+        mine = [g for key, g in st.grads.items() if key in final]
+        total = self.replica.zeros()
+        for g in mine:
+            for a, b in zip(total, g, strict=True):
+                a.add_(b)
+        n = torch.tensor([float(len(mine))])
+        placement = self.run.problem.placement
+        self._group = tuple(sorted(p for p, s in placement.items()
+                                   if s == self.stage and (p == self.me or p not in self.dead)))
+        if len(self._group) > 1:
+            tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
+            try:
+                res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
+                total = [res.tensors[f"g{i}"] for i in range(len(total))]
+                n = res.tensors["count"]
+            except CollectiveError as e:
+                # Cut off from our replicas: step alone rather than not at all; our replicas
+                # will see a different model only if we are the one that is cut off.
+                log.warning(kv("pipeline replica sync failed, stepping alone", it=st.it, error=str(e)))
+        grads = None
+        if float(n) > 0:
+            mean = [t / float(n) for t in total]
+            grads = self.replica.grads_by_name(mean) if self.keep_grads else None
+            await trio.to_thread.run_sync(self.replica.apply_update, mean)
+        return IterationReport(st.it, loss_sum / count if count else math.nan, count, dropped,
+                               st.restart_count, time.monotonic() - t0, tuple(sorted(self.dead)), stop, grads)
+
+    # -- RPC handlers ----------------------------------------------------------------------------
+
+    def _refuse(self, e: HopRejected) -> RemoteError:
+        self.stats["rejected"] += 1
+        log.info(kv("pipeline message refused", code=e.code, text=e.text))
+        return RemoteError(e.code, e.text)
+
+    async def _rpc_hop(self, peer: str, req: Any) -> dict:
+        try:
+            hop = parse_hop(req, run=self.run, me=self.me, caller=peer,
+                            d_model=self.replica.d_model, current=self.current)
+            st = self._state(hop.it)
+            if hop.att < st.floor.get(hop.mb, 0):
+                raise HopRejected("stale-attempt", f"attempt {hop.att} of microbatch {hop.mb} was re-routed")
+            key = (hop.mb, hop.att, hop.kind, hop.pos)
+            if key in st.announced:
+                raise HopRejected("duplicate", "this hop was already announced")
+            if self.stage == 0 and hop.route[0] != self.me:
+                raise HopRejected("not-origin", "microbatches return only to their own origin")
+            if hop.kind == "bwd" or self.stage == 0:
+                # a gradient (or a path returning home) needs the forward it belongs to, here
+                entry = st.tapes.get((hop.mb, hop.att))
+                if entry is None:
+                    raise HopRejected("unknown-microbatch", f"no forward of microbatch {hop.mb} "
+                                      f"attempt {hop.att} on this peer")
+                if _shape(entry[0].output) != hop.shape:
+                    raise HopRejected("bad-shape", f"gradient {list(hop.shape)} for activations "
+                                      f"{list(_shape(entry[0].output))}")
+            st.announced.add(key)
+        except HopRejected as e:
+            raise self._refuse(e) from None
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(self._receive_hop, st, peer, hop)
+        return {"accepted": True}
+
+    async def _receive_hop(self, st: _Iteration, peer: str, hop: Hop) -> None:
+        buf = {"h": torch.empty(hop.shape, dtype=torch.float32)}
+        try:
+            got = await self.streams.receive(peer, hop.tag(self.run.run), into=buf, max_bytes=hop.nbytes,
+                                             timeout=RECEIVE_TIMEOUT)
+        except TransferError as e:
+            log.info(kv("pipeline transfer failed", it=hop.it, mb=hop.mb, frm=peer[-8:], error=str(e)))
+            return  # the sender sees its send fail and tells the origin
+        if hop.att < st.floor.get(hop.mb, 0) or st.it < self.current:
+            return
+        self.stats["hops_received"] += 1
+        st.inputs[(hop.mb, hop.att, hop.kind)] = (got.tensors["h"], hop)
+        st.notify()
+
+    def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], _Iteration]:
+        req = _map(req, "run", "it", *keys)
+        if req["run"] != self.run.run:
+            raise HopRejected("unknown-run", "not a run this peer is in")
+        it = _int(req["it"], "iteration", 0, 1 << 40)
+        if not self.current <= it <= self.current + LOOKAHEAD:
+            raise HopRejected("stale-iteration", f"iteration {it}, this peer is at {self.current}")
+        return req, self._state(it)
+
+    async def _rpc_abandon(self, peer: str, req: Any) -> dict:
+        try:
+            req, st = self._control_state(req, "mb", "floor")
+            mb = _int(req["mb"], "microbatch", 0, self.run.problem.microbatches - 1, "unknown-microbatch")
+            floor = _int(req["floor"], "floor", 1, MAX_ATTEMPTS, "stale-attempt")
+            if self.run.problem.placement.get(peer) != 0:
+                raise HopRejected("not-origin", "only an origin voids its microbatches")
+            if st.origin_of and st.origin_of.get(mb) != peer:
+                raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
+        except HopRejected as e:
+            raise self._refuse(e) from None
+        st.void(mb, floor)
+        return {}
+
+    async def _rpc_failed(self, peer: str, req: Any) -> dict:
+        try:
+            req, st = self._control_state(req, "mb", "att", "suspect")
+            mb = _int(req["mb"], "microbatch", 0, self.run.problem.microbatches - 1, "unknown-microbatch")
+            att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
+            suspect = req["suspect"]
+            if not isinstance(suspect, str) or suspect not in self.run.problem.placement:
+                raise HopRejected("malformed", "suspect must be a peer of the run")
+            if mb not in st.mine:
+                raise HopRejected("not-origin", f"microbatch {mb} does not start here")
+        except HopRejected as e:
+            raise self._refuse(e) from None
+        if peer in st.mine[mb].route:  # only a peer on the path can know it broke
+            self._restart(st, mb, att, {suspect})
+        return {}
+
+    async def _rpc_done(self, peer: str, req: Any) -> dict:
+        try:
+            req, st = self._control_state(req, "final", "dead", "loss", "count", "dropped", "stop")
+            if self.run.problem.placement.get(peer) != 0:
+                raise HopRejected("not-origin", "only origins report an iteration done")
+            M = self.run.problem.microbatches
+            final, dead = req["final"], req["dead"]
+            if not isinstance(final, list) or len(final) > M or not all(
+                    isinstance(x, list) and len(x) == 2 for x in final):
+                raise HopRejected("malformed", "final must be a list of [microbatch, attempt]")
+            final = [[_int(mb, "microbatch", 0, M - 1, "unknown-microbatch"),
+                      _int(att, "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")] for mb, att in final]
+            if not isinstance(dead, list) or not all(isinstance(p, str) and p in self.run.problem.placement
+                                                     for p in dead):
+                raise HopRejected("malformed", "dead must list peers of the run")
+            loss, count = req["loss"], _int(req["count"], "count", 0, M)
+            dropped = _int(req["dropped"], "dropped", 0, M)
+            if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
+                raise HopRejected("malformed", "loss must be a finite number")
+            if not isinstance(req["stop"], bool):
+                raise HopRejected("malformed", "stop must be a bool")
+        except HopRejected as e:
+            raise self._refuse(e) from None
+        st.done_from[peer] = {"final": final, "dead": dead, "loss": float(loss), "count": count,
+                              "dropped": dropped, "stop": req["stop"]}
+        st.notify()
+        return {}
+
+
+def _shape(t: torch.Tensor) -> tuple[int, int, int]:
+    b, n, d = t.shape
+    return (int(b), int(n), int(d))

@@ -1,0 +1,392 @@
+"""The SkipPipe runtime: stages compute what the single-process model computes, microbatches move
+between real peers over the data plane, a killed peer's microbatches are re-routed, and hostile
+pipeline messages are refused with typed errors without hurting the peer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from contextlib import AsyncExitStack, suppress
+
+import pytest
+import torch
+import trio
+
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.pipeline.omission import block_order_for, omission_report
+from meshtrain.pipeline.runtime import (
+    HOP_RPC,
+    HopRejected,
+    PipelineRun,
+    PipelineRuntime,
+    parse_hop,
+)
+from meshtrain.pipeline.scheduler import Link, PipelineProblem
+from meshtrain.pipeline.stages import (
+    StageError,
+    StageReplica,
+    cut_blocks,
+    load_stage_states,
+    reference_gradients,
+)
+from meshtrain.transport.rpc import RemoteError
+from meshtrain.transport.tensor_streams import TransferError
+
+from .conftest import read_json, spawn, start_peers, tail
+from .proc_pipeline_peer import pipeline_run
+
+torch.set_num_threads(1)
+
+CONFIG = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=32, context=16)
+MB_SIZE = 4
+
+
+def batch(it: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * it + mb)
+    rows = torch.randint(0, CONFIG.vocab_size, (MB_SIZE, CONFIG.context + 1), generator=g)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def make_run(ids: list[str], stages: list[int], *, microbatches: int, mode: str = "full",
+             skip_ratio: float = 0.0, name: str = "t") -> PipelineRun:
+    placement = dict(zip(ids, stages, strict=True))
+    links = {(a, b): Link(0.001, 1e9) for a in ids for b in ids if a < b}
+    problem = PipelineProblem(num_stages=max(stages) + 1, placement=placement,
+                              forward_time={p: 1.0 for p in ids}, links=links,
+                              activation_bytes=4 * MB_SIZE * CONFIG.context * CONFIG.d_model,
+                              microbatches=microbatches, skip_ratio=skip_ratio)
+    return PipelineRun(name, problem, mode, MB_SIZE, CONFIG.context)
+
+
+async def mesh(stack: AsyncExitStack, n: int):
+    peers = await start_peers(stack, n)
+    for p in peers:
+        for q in peers:
+            if p is not q and not p.host.is_connected(q.id):
+                await p.host.connect(q.host.addrs[0])
+    return peers
+
+
+async def runtimes(stack: AsyncExitStack, peers, run: PipelineRun, **kw) -> list[PipelineRuntime]:
+    out = []
+    for p in peers:
+        replica = StageReplica(GPT(CONFIG, seed=0), run.problem.num_stages, run.problem.placement[p.id])
+        out.append(await stack.enter_async_context(PipelineRuntime(p.host, p.ts, replica, run, batch, **kw)))
+    return out
+
+
+async def iterate(rts: list[PipelineRuntime], it: int):
+    reports = [None] * len(rts)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for i, rt in enumerate(rts):
+                async def one(i=i, rt=rt):
+                    reports[i] = await rt.run_iteration(it)
+                nursery.start_soon(one)
+    return reports
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages in one process
+
+
+def test_stages_in_sequence_equal_the_whole_model_forward_and_gradients():
+    torch.manual_seed(0)
+    model = GPT(CONFIG, seed=3)
+    replicas = [StageReplica(GPT(CONFIG, seed=3), 3, s) for s in range(3)]
+    batches = [batch(0, mb) for mb in range(2)]
+    want = reference_gradients(model, batches)
+    total: dict[str, torch.Tensor] = {}
+    for x, y in batches:
+        t0 = replicas[0].embed(x)
+        t1 = replicas[1].forward(t0.output.detach())
+        t2 = replicas[2].forward(t1.output.detach())
+        loss, g2, head_grads = replicas[0].head(t2.output.detach(), y)
+        assert math.isclose(loss, model(x, y).loss.item(), rel_tol=1e-6)
+        g1, grads2 = replicas[2].backward(t2, g2)
+        g0, grads1 = replicas[1].backward(t1, g1)
+        none, embed_grads = replicas[0].backward(t0, g0)
+        assert none is None
+        for r, grads in ((replicas[0], head_grads), (replicas[0], embed_grads), (replicas[1], grads1),
+                         (replicas[2], grads2)):
+            for name, g in r.grads_by_name(grads).items():
+                total[name] = total.get(name, 0) + g / len(batches)
+    assert set(total) == set(want)
+    for name in want:
+        assert torch.allclose(total[name], want[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_cut_blocks_balances_runs_and_shares_modules():
+    blocks = [torch.nn.Linear(4, 4) for _ in range(7)]
+    runs = cut_blocks(blocks, 3)
+    assert [len(r) for r in runs] == [3, 2, 2]
+    assert runs[1][0] is blocks[3]
+
+
+def test_stage_refuses_wrong_role_shape_and_non_finite_input():
+    r0 = StageReplica(GPT(CONFIG, seed=0), 3, 0)
+    r1 = StageReplica(GPT(CONFIG, seed=0), 3, 1)
+    with pytest.raises(StageError):
+        r1.embed(torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(StageError):
+        r0.forward(torch.zeros(2, 4, CONFIG.d_model))
+    with pytest.raises(StageError):
+        r1.forward(torch.zeros(2, 4, CONFIG.d_model + 1))
+    with pytest.raises(StageError):
+        r1.forward(torch.full((2, 4, CONFIG.d_model), float("nan")))
+    tape = r1.forward(torch.zeros(2, 4, CONFIG.d_model))
+    with pytest.raises(StageError):
+        r1.backward(tape, torch.zeros(2, 5, CONFIG.d_model))
+
+
+def test_omission_report_compares_every_half_subset_with_the_full_model():
+    model = GPT(CONFIG, seed=0)
+    batches = [batch(9, 0)]
+    rep = omission_report(model, 5, batches)
+    assert rep.kept == 2 and len(rep.per_subset) == 6
+    assert block_order_for(CONFIG.n_layer, 5, (1, 3)) == [0, 2]
+    assert math.isclose(rep.full_ppl, math.exp(model.evaluate(batches)), rel_tol=1e-9)
+    assert math.isclose(rep.ratio, rep.subset_ppl / rep.full_ppl)
+
+
+def test_load_stage_states_rebuilds_the_model_from_its_stages():
+    src = GPT(CONFIG, seed=5)
+    states = [StageReplica(src, 3, s).stage_state() for s in range(3)]
+    dst = GPT(CONFIG, seed=6)
+    load_stage_states(dst, states)
+    for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    with pytest.raises(StageError):
+        load_stage_states(dst, states[:2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Real peers: hosts on loopback, activations and gradients over the data plane
+
+
+async def test_three_peers_full_path_gradients_equal_the_single_process_model():
+    async with AsyncExitStack() as stack:
+        peers = await mesh(stack, 3)
+        run = make_run([p.id for p in peers], [0, 1, 2], microbatches=3)
+        rts = await runtimes(stack, peers, run, keep_grads=True)
+        reports = await iterate(rts, 0)
+        want = reference_gradients(GPT(CONFIG, seed=0), [batch(0, mb) for mb in range(3)])
+        got = {}
+        for rep in reports:
+            assert rep.committed == 3 and rep.dropped == 0 and rep.restarts == 0
+            got |= rep.grads
+        assert set(got) == set(want)
+        for name, g in want.items():
+            assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), name
+        ref = GPT(CONFIG, seed=0)
+        expect_loss = sum(ref(*batch(0, mb)).loss.item() for mb in range(3)) / 3
+        assert math.isclose(reports[0].loss, expect_loss, rel_tol=1e-6)
+        # the step applied those gradients; a second iteration runs on the updated weights
+        reports = await iterate(rts, 1)
+        assert all(r.committed == 3 for r in reports)
+
+
+async def test_skippipe_paths_match_the_model_run_on_each_microbatchs_blocks():
+    async with AsyncExitStack() as stack:
+        peers = await mesh(stack, 5)
+        run = make_run([p.id for p in peers], [0, 1, 2, 3, 4], microbatches=4, mode="skippipe",
+                       skip_ratio=0.5, name="skip")
+        rts = await runtimes(stack, peers, run, keep_grads=True)
+        reports = await iterate(rts, 0)
+        schedule = run.schedule()
+        # per stage: the mean over the microbatches that visited it of each one's gradient
+        want: dict[str, torch.Tensor] = {}
+        for s in range(run.problem.num_stages):
+            visiting = [p for p in schedule.plans if s == 0 or any(t == s for t, _ in p.path)]
+            for plan in visiting:
+                order = block_order_for(CONFIG.n_layer, 5, [t for t, _ in plan.path[1:-1]])
+                grads = reference_gradients(GPT(CONFIG, seed=0), [batch(0, plan.microbatch)], order)
+                for name in StageReplica(GPT(CONFIG, seed=0), 5, s).names:
+                    want[name] = want.get(name, 0) + grads[name] / len(visiting)
+        got = {}
+        for rep in reports:
+            assert rep.committed == 4
+            got |= rep.grads or {}
+        for name, g in got.items():
+            assert torch.allclose(g, want[name], rtol=1e-5, atol=1e-7), name
+        assert len(got) == len(want)
+
+
+async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_working():
+    async with AsyncExitStack() as stack:
+        peers = await mesh(stack, 3)
+        hostile = (await start_peers(stack, 1))[0]
+        for p in peers:
+            await hostile.host.connect(p.host.addrs[0])
+        run = make_run([p.id for p in peers], [0, 1, 2], microbatches=2)
+        rts = await runtimes(stack, peers, run)
+        victim = peers[1]
+        good = {"run": "t", "it": 0, "mb": 0, "att": 0, "kind": "fwd", "pos": 1,
+                "route": [peers[0].id, peers[1].id, peers[2].id], "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model]}
+        cases = {
+            "malformed": "garbage",
+            "unknown-run": good | {"run": "other"},
+            "unknown-microbatch": good | {"mb": 99},
+            "stale-iteration": good | {"it": 50},
+            "bad-route": good,  # the hostile peer is not the previous hop of that route
+        }
+        for code, req in cases.items():
+            with pytest.raises(RemoteError) as e:
+                await hostile.host.rpc.call(victim.id, HOP_RPC, req)
+            assert e.value.code == code, (code, e.value)
+        # The real previous hop turned hostile: wrong and oversized shapes.
+        origin = peers[0]
+        for code, shape in (("bad-shape", [MB_SIZE, CONFIG.context, CONFIG.d_model + 1]),
+                            ("too-large", [MB_SIZE, 1 << 40, CONFIG.d_model]),
+                            ("too-large", [MB_SIZE + 1, 2, CONFIG.d_model])):
+            with pytest.raises(RemoteError) as e:
+                await origin.host.rpc.call(victim.id, HOP_RPC, good | {"shape": shape})
+            assert e.value.code == code, (code, e.value)
+        # It announces one shape and sends another: the data plane refuses the tensors.
+        small = good | {"shape": [1, 2, CONFIG.d_model]}
+        await origin.host.rpc.call(victim.id, HOP_RPC, small)
+        with pytest.raises(TransferError):
+            await origin.ts.send(victim.id, "pp/t/0/0/0/fwd/1", {"h": torch.zeros(MB_SIZE, CONFIG.context,
+                                                                                 CONFIG.d_model)}, timeout=10)
+        with pytest.raises(RemoteError) as e:
+            await origin.host.rpc.call(victim.id, HOP_RPC, small)
+        assert e.value.code == "duplicate"
+        # A gradient for a microbatch the victim never ran forward.
+        with pytest.raises(RemoteError) as e:
+            await peers[2].host.rpc.call(victim.id, HOP_RPC, good | {"kind": "bwd", "mb": 1})
+        assert e.value.code == "unknown-microbatch"
+        for name, req in (("pipeline/done", {"run": "t", "it": 0, "final": [[7, 0]]}),
+                          ("pipeline/abandon", {"run": "t", "it": 0, "mb": 0, "floor": 1}),
+                          ("pipeline/failed", {"run": "t", "it": 0, "mb": 0, "att": 0, "suspect": "x"})):
+            with pytest.raises(RemoteError) as e:
+                await hostile.host.rpc.call(victim.id, name, req)
+            assert e.value.code in ("malformed", "not-origin", "unknown-microbatch"), (name, e.value)
+        assert rts[1].stats["rejected"] >= len(cases) + 7
+        # The victim still trains: a full iteration completes on all three peers. Microbatch 0's
+        # forward hop was already announced by the test above, so that microbatch is re-run as
+        # attempt 1 — the rejection path is exercised as well.
+        reports = await iterate(rts, 0)
+        assert all(r.committed == 2 for r in reports), reports
+        assert reports[0].restarts >= 1
+
+
+def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
+    run = make_run(["a", "b", "c"], [0, 1, 2], microbatches=2)
+    req = {"run": "t", "it": 0, "mb": 1, "att": 0, "kind": "fwd", "pos": 1, "route": ["a", "b", "c"],
+           "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model]}
+    hop = parse_hop(req, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
+    assert hop.tag("t") == "pp/t/0/1/0/fwd/1" and hop.nbytes == 4 * MB_SIZE * CONFIG.context * CONFIG.d_model
+    for bad, code in ((req | {"route": ["a", "c", "b"]}, "bad-route"), (req | {"route": ["b", "a"]}, "bad-route"),
+                      (req | {"route": ["a", "b", "b"]}, "bad-route"), (req | {"pos": 5}, "bad-route"),
+                      (req | {"att": 9}, "stale-attempt"), (req | {"kind": "sideways"}, "malformed"),
+                      (req | {"shape": [1, 2]}, "bad-shape"), (req | {"mb": True}, "malformed")):
+        with pytest.raises(HopRejected) as e:
+            parse_hop(bad, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
+        assert e.value.code == code, (bad, e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Separate processes: a peer SIGKILLed mid-iteration
+
+
+class ProcSwarm:
+    """Pipeline peers in their own processes (tests/proc_pipeline_peer.py), driven over stdio."""
+
+    def __init__(self, n: int, logdir: str) -> None:
+        self.logs = [os.path.join(logdir, f"peer{i}.log") for i in range(n)]
+        self.procs = [spawn("tests/proc_pipeline_peer.py", stderr_path=log) for log in self.logs]
+        hello = [read_json(p) for p in self.procs]
+        self.ids = [h["peer"] for h in hello]
+        for p in self.procs:
+            self.send(p, {"addrs": [h["addr"] for h in hello]})
+
+    @staticmethod
+    def send(proc, obj) -> None:
+        proc.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+        proc.stdin.flush()
+
+    def run(self, spec: dict) -> list[list[dict] | None]:
+        """Run one spec on every peer; each peer's output lines, or None for a peer that died."""
+        for p in self.procs:
+            self.send(p, spec)
+        for p in self.procs:
+            assert read_json(p) == {"ready": spec["run"]}
+        for p in self.procs:
+            self.send(p, "go")
+        out = []
+        for p in self.procs:
+            lines = []
+            while True:
+                line = p.stdout.readline()
+                if not line:
+                    out.append(None)
+                    break
+                lines.append(json.loads(line))
+                if "finished" in lines[-1]:
+                    out.append(lines)
+                    break
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with suppress(OSError):
+                    self.send(p, "quit")
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except Exception:
+                p.kill()
+
+
+def proc_spec(ids: list[str], stages: list[int], **over) -> dict:
+    placement = dict(zip(ids, stages, strict=True))
+    spec = {
+        "run": "kill", "mode": "full", "skip_ratio": 0.0, "n_stages": max(stages) + 1,
+        "placement": placement, "forward_time": {p: 0.15 for p in ids},
+        "links": [[a, b, 0.01, 50e6] for a in ids for b in ids if a < b],
+        "microbatches": 4, "microbatch_size": MB_SIZE, "model": CONFIG.to_dict(), "seed": 0,
+        "data": "random", "data_seed": 1, "lr": 1e-3, "steps": 3, "budget_s": None, "simulate": True,
+        "snapshot_dir": None, "snapshot_steps": [], "kill": None,
+    }
+    return spec | over
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["full", "skippipe"])
+def test_killed_peers_microbatches_are_rerouted_and_the_iteration_completes(mode):
+    with tempfile.TemporaryDirectory() as logdir:
+        swarm = ProcSwarm(5, logdir)
+        try:
+            ids = swarm.ids
+            # an origin and two replicas of stage 1 (full: two of stage 2; SkipPipe: stages 2 and
+            # 3, each path skipping 2 of the 3 block stages); 0.5 s into iteration 1, kill the
+            # stage-1 replica the schedule sends the most microbatches to, while they are on it
+            stages = [0, 1, 1, 2, 2] if mode == "full" else [0, 1, 1, 2, 3]
+            spec = proc_spec(ids, stages, mode=mode, run=f"kill-{mode}",
+                             skip_ratio=0.5 if mode == "skippipe" else 0.0)
+            plans = pipeline_run(spec).schedule().plans
+            use = {p: sum(p in [q for _, q in plan.path] for plan in plans) for p in ids[1:3]}
+            victim = max(sorted(use), key=lambda p: use[p])
+            assert use[victim] > 0
+            spec["kill"] = {"peer": victim, "iteration": 1, "after_s": 0.5}
+            out = dict(zip(ids, swarm.run(spec), strict=True))
+            diag = "\n".join(tail(log) for log in swarm.logs)
+            assert out.pop(victim) is None, "the victim should have died"
+            assert all(o is not None for o in out.values()), diag
+            for lines in out.values():
+                its = [x for x in lines if "it" in x]
+                assert [x["it"] for x in its] == [0, 1, 2], diag
+                assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
+                assert its[1]["dead"] == 1 and its[2]["dead"] == 1
+                assert all(math.isfinite(x["loss"]) for x in its)
+            origin = [x for x in out[ids[0]] if "it" in x]
+            assert origin[1]["restarts"] >= 1, origin  # the victim's microbatches were re-run
+            assert origin[2]["restarts"] == 0  # the next iteration is scheduled without it
+            if mode == "full":  # replicas of stage 2 stayed bit-identical through the failure
+                assert out[ids[3]][-1]["digest"] == out[ids[4]][-1]["digest"]
+        finally:
+            swarm.close()
