@@ -390,3 +390,33 @@ def test_killed_peers_microbatches_are_rerouted_and_the_iteration_completes(mode
                 assert out[ids[3]][-1]["digest"] == out[ids[4]][-1]["digest"]
         finally:
             swarm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_skippipe_skips_a_stage_whose_only_peer_died_and_the_iteration_completes():
+    with tempfile.TemporaryDirectory() as logdir:
+        swarm = ProcSwarm(4, logdir)
+        try:
+            ids = swarm.ids
+            # one peer per stage: stage 0 (origin) and block stages 1, 2, 3; every path skips one
+            # of the three, so a path through the dead stage can skip it instead — no replica
+            # is left to take its microbatches over. Kill the busiest block peer mid-iteration 1,
+            # the last one (a stage without peers cannot be scheduled again).
+            spec = proc_spec(ids, [0, 1, 2, 3], mode="skippipe", run="skip-dead", skip_ratio=0.34,
+                             steps=2)
+            plans = pipeline_run(spec).schedule().plans
+            use = {p: sum(p in [q for _, q in plan.path] for plan in plans) for p in ids[1:]}
+            victim = max(sorted(use), key=lambda p: use[p])
+            spec["kill"] = {"peer": victim, "iteration": 1, "after_s": 0.5}
+            out = dict(zip(ids, swarm.run(spec), strict=True))
+            diag = "\n".join(tail(log) for log in swarm.logs)
+            assert out.pop(victim) is None, "the victim should have died"
+            assert all(o is not None for o in out.values()), diag
+            origin = [x for x in out[ids[0]] if "it" in x]
+            assert [x["it"] for x in origin] == [0, 1], diag
+            assert origin[1]["committed"] == 4 and origin[1]["dropped"] == 0, (origin, diag)
+            assert origin[1]["restarts"] >= 1 and origin[1]["dead"] == 1, origin
+            assert all(math.isfinite(x["loss"]) for x in origin)
+        finally:
+            swarm.close()
