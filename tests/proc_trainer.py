@@ -33,6 +33,7 @@ import blake3
 import torch
 import trio
 
+from meshtrain.log import configure
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.optim import (
     AllReduceConfig,
@@ -133,6 +134,7 @@ def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    configure()  # MESHTRAIN_LOG=INFO shows the rounds in each peer's log
     torch.set_num_threads(args.threads)
     corpus = Corpus.default()
     config = GPTConfig.small(corpus.vocab_size) if args.model == "small" else GPTConfig.tiny(corpus.vocab_size)

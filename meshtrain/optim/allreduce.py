@@ -211,6 +211,8 @@ class _Coordinator:
         if not r.group_fixed.is_set():
             r.attempts.append(_Attempt(tuple(sorted(r.joins))))
             r.group_fixed.set()
+            log.debug(kv("allreduce group fixed", round=r.round_id, size=len(r.joins),
+                         expected=len(r.expected)))
 
     async def join(self, peer: str, key: str, expected: Sequence[str], skipped: Sequence[str] = ()) -> dict:
         r = self._round(key, expected)
@@ -482,7 +484,9 @@ class SwarmCollective:
     async def _run_round(self, key: str, coordinator: str, expected: list[str],
                          tensors: dict[str, torch.Tensor], codec: str, weight: float,
                          skipped: list[str]) -> ReduceResult:
+        log.debug(kv("allreduce join", key=key, expected=len(expected)))
         joined = await self._to_coordinator(coordinator, JOIN_RPC, key=key, expected=expected, skipped=skipped)
+        log.debug(kv("allreduce joined", key=key, reply=",".join(sorted(joined))))
         if isinstance(joined.get("moved"), str) and joined["moved"] < coordinator:
             raise _Moved(joined["moved"])
         if joined.get("passed"):
@@ -556,12 +560,15 @@ class SwarmCollective:
                     log.info(kv("allreduce attempt failed", key=key, attempt=attempt,
                                 suspects=",".join(s[-8:] for s in e.suspects), why=str(e)))
                     status, digest, suspects, evidence = "fail", None, sorted(e.suspects), e.evidence
+                log.debug(kv("allreduce report", key=key, attempt=attempt, status=status))
                 await self._to_coordinator(coordinator, REPORT_RPC, key=key, attempt=attempt, status=status,
                                            digest=digest, suspects=suspects, rejected=sorted(stats["rejected"]),
                                            evidence=evidence)
 
             nursery.start_soon(watch)
             nursery.start_soon(work)
+        log.debug(kv("allreduce attempt decided", key=key, attempt=attempt,
+                     outcome=",".join(sorted(state["outcome"] or {}))))
         stats["digest"] = state.get("digest")
         return state["outcome"], state["result"], stats
 
