@@ -23,6 +23,7 @@ Membership is "the peers we are still connected to", so survivors stop expecting
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ import blake3
 import torch
 import trio
 
-from meshtrain.log import configure
+from meshtrain.log import configure, get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.optim import (
     AllReduceConfig,
@@ -73,6 +74,8 @@ class OuterAdam(OuterOptimizer):
         return torch.optim.Adam(params, lr=self.lr, betas=(0.9, 0.95))
 # -------------------------------------------------------------------------------------------------
 
+
+log = get_logger("proc_trainer")
 
 def say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
@@ -185,13 +188,29 @@ async def main(args: argparse.Namespace) -> None:
                 if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                     say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0})
 
+        async def keep_connected() -> None:
+            # As the node's daemon does: re-dial a peer whose libp2p connection dropped. The
+            # membership above is "who is connected", so a drop nobody repairs would leave this
+            # peer coordinating rounds of its own while the others wait out join deadlines.
+            while True:
+                await trio.sleep(1.0)
+                for a in addrs:
+                    pid = a.rsplit("/", 1)[1]
+                    if pid != me and not host.is_connected(pid):
+                        log.info(kv("peer connection dropped; re-dialling", peer=pid[-8:]))
+                        with contextlib.suppress(Exception):
+                            await host.connect(a, timeout=5)
+
         t0 = time.monotonic()
-        if isinstance(outer, OuterOptimizer):
-            async with outer:
+        async with trio.open_nursery() as keeper:
+            keeper.start_soon(keep_connected)
+            if isinstance(outer, OuterOptimizer):
+                async with outer:
+                    await trio.to_thread.run_sync(train)
+                    await outer.afinish()
+            else:
                 await trio.to_thread.run_sync(train)
-                await outer.afinish()
-        else:
-            await trio.to_thread.run_sync(train)
+            keeper.cancel_scope.cancel()
         wall = time.monotonic() - t0
         final = await trio.to_thread.run_sync(evaluate)
         stats = outer.stats() if outer is not None else {"inner_steps": args.steps, "rounds": 0, "bytes_sent": 0,
