@@ -74,3 +74,15 @@ def read_json(proc: subprocess.Popen) -> dict:
     if not line:
         raise RuntimeError(f"process exited with {proc.wait()} before printing")
     return json.loads(line)
+
+
+def require_natlab() -> None:
+    """Skip the calling test or fixture unless the NAT lab can run here (root, ip, nft, tc, a
+    namespace that really holds a veth pair); then clear the labs of runs that were killed."""
+    from scripts.natlab.lab import LabUnavailable, check_support, cleanup_stale
+
+    try:
+        check_support()
+    except LabUnavailable as e:
+        pytest.skip(f"NAT lab unavailable: {e}")
+    cleanup_stale()

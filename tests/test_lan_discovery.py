@@ -19,19 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from scripts.natlab.lab import HomeSpec, LabUnavailable, NatLab, check_support, cleanup_stale
+from scripts.natlab.lab import HomeSpec, NatLab
 from scripts.natlab.peers import ROOT, LabPeer, start_peers
+
+from .conftest import require_natlab
 
 pytestmark = pytest.mark.nat
 
 
 @pytest.fixture(scope="module")
 def lab_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatLab, dict[str, LabPeer]]]:
-    try:
-        check_support()
-    except LabUnavailable as e:
-        pytest.skip(f"NAT lab unavailable: {e}")
-    cleanup_stale()
+    require_natlab()
     logs = tmp_path_factory.mktemp("lan_peers")
     with NatLab([HomeSpec("cone", ("m0", "m1", "m2"))], public_hosts=1) as lab:
         peers = start_peers(lab, {"m0": {"mdns": "swarm-a"}, "m1": {"mdns": "swarm-a"},

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.natlab.lab import LabUnavailable, NatLab, check_support, cleanup_stale
+from scripts.natlab.lab import NatLab
 from scripts.natlab.peers import LabPeer, LabPeerError, start_peers
+
+from .conftest import require_natlab
 
 pytestmark = pytest.mark.nat
 
@@ -31,11 +33,7 @@ SHORT_RELAY = {"reservation_ttl": 3, "circuit_duration": 3}
 
 @pytest.fixture(scope="module")
 def lab_peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LabPeer]]:
-    try:
-        check_support()
-    except LabUnavailable as e:
-        pytest.skip(f"NAT lab unavailable: {e}")
-    cleanup_stale()
+    require_natlab()
     logs = tmp_path_factory.mktemp("nat_peers")
     with NatLab(["cone", "cone", "symmetric", "symmetric"], public_hosts=3) as lab:
         peers = start_peers(lab, {

@@ -17,14 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.natlab.lab import (
-    LabUnavailable,
-    NatLab,
-    check_support,
-    cleanup_stale,
-    list_labs,
-    run_command,
-)
+from scripts.natlab.lab import NatLab, list_labs, run_command
+
+from .conftest import require_natlab
 
 pytestmark = pytest.mark.nat
 
@@ -178,11 +173,7 @@ def _root_state() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def root_untouched() -> Iterator[None]:
-    try:
-        check_support()
-    except LabUnavailable as e:
-        pytest.skip(f"NAT lab unavailable: {e}")
-    cleanup_stale()  # labs of test runs that were killed outright
+    require_natlab()
     before = _root_state()
     yield
     assert _root_state() == before, "the NAT lab changed the root namespace"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -63,6 +64,7 @@ class PortMapper:
     ports: Sequence[int]
     discover_timeout: float = DEFAULT_DISCOVER_TIMEOUT
     result: UpnpResult = field(default_factory=lambda: UpnpResult(gateway=False))
+    _manager: Any = field(default=None, init=False, repr=False)  # set once a gateway answered
 
     async def __aenter__(self) -> PortMapper:
         self.result = await self._map()
@@ -72,7 +74,7 @@ class PortMapper:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        manager, self._manager = getattr(self, "_manager", None), None
+        manager, self._manager = self._manager, None
         if manager is None:
             return
         with trio.CancelScope(shield=True):
