@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import struct
@@ -127,6 +128,47 @@ async def test_rpc_round_trip_and_typed_errors(pair):
     with pytest.raises(RpcUnavailable):
         await b.host.rpc.call(a.id, "no-such-protocol", 1)
     assert (await b.host.rpc.call(a.id, "echo", 7))["echo"] == 7  # host unaffected
+
+
+@pytest.mark.parametrize("side", ["write", "read"])
+async def test_cancelled_stream_io_does_not_kill_the_connection(pair, side):
+    """py-libp2p's yamux encrypts a frame (using a Noise nonce) before it awaits the socket, so a
+    task cancelled in between desynchronised the connection and the peer closed it: a few
+    randomly cancelled writes (or reads, which send window updates) dropped it within a second
+    (meshtrain/transport/libp2p_patches.py). Our deadlines cancel stream I/O routinely."""
+    import random
+
+    a, b = pair
+    proto = "/meshtrain/test/cancel-io/1"
+    chunk = b"x" * 2000
+
+    async def handler(stream):
+        with contextlib.suppress(Exception):
+            if side == "write":
+                while await stream.read(1 << 16):
+                    pass
+            else:
+                while True:
+                    await stream.write(chunk)
+
+    b.host.set_stream_handler(proto, handler)
+    stream = await a.host.open_stream(b.id, proto)
+    rng = random.Random(7)
+    cancelled = 0
+    with trio.move_on_after(3):
+        while cancelled < 400:
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    async def one():
+                        nonlocal cancelled
+                        with trio.move_on_after(rng.uniform(0, 0.0005)) as cs:
+                            await (stream.write(chunk) if side == "write" else stream.read(4096))
+                        cancelled += cs.cancelled_caught
+                    nursery.start_soon(one)
+            assert a.host.is_connected(b.id) and b.host.is_connected(a.id), f"dropped after {cancelled} cancellations"
+    assert cancelled >= 20  # the test exercised what it is about
+    await _serve_echo(b.host)
+    assert (await a.host.rpc.call(b.id, "echo", 1, timeout=5))["echo"] == 1
 
 
 async def test_concurrent_rpcs_on_one_connection(pair):

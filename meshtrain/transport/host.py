@@ -10,6 +10,8 @@ Choices (measured, see shared/LIBP2P-NOTES.md):
 - **`max_connections_per_peer=1`**: otherwise every dial sleeps a 250 ms happy-eyeballs delay.
 - **No auto-dialling**: py-libp2p keeps dialling known peers toward 50 connections; we set the
   minimum to 0 so that only our own layers (DHT, membership, collectives) decide whom to dial.
+- **Frame writes are made whole** (`libp2p_patches.py`): py-libp2p's yamux loses the connection
+  when a task is cancelled while writing a frame, which our deadlines do routinely.
 - **Private swarms** use libp2p pnet (`swarm_key`, 32 bytes as 64 hex chars): a peer without the
   key cannot complete even the Noise handshake. py-libp2p implements pnet with Salsa20 and an
   8-byte nonce, which is *not* go-libp2p's XSalsa20 format, so closed swarms are py-only.
@@ -39,9 +41,11 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
+from meshtrain.transport import libp2p_patches
 from meshtrain.transport.identity import Identity
 
 log = get_logger(__name__)
+libp2p_patches.apply()
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 DEFAULT_CONNECT_TIMEOUT = 10.0
