@@ -200,6 +200,63 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
         assert all(results[i].contributors == tuple(ids) for i in range(3))
 
 
+async def test_peer_that_lost_its_connection_to_the_coordinator_does_not_wait_alone():
+    """Membership as "the peers I am connected to" (tests/proc_trainer.py): a dropped connection
+    between the lowest id and the next hides the coordinator from that one peer, which then
+    coordinates a round of its own that nobody else joins. Seen in the convergence benchmark as a
+    peer ~400 steps behind: each round it waited out the hard join deadline (3 × join_timeout)
+    alone. It must ask the others where they are and end its round within seconds; once the
+    connection is re-dialled (as the node and proc_trainer do), rounds are whole again."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 3)
+        for p in peers:
+            for q in peers:
+                if p is not q and not p.host.is_connected(q.id):
+                    await p.host.connect(q.host.addrs[0])
+        by_id = sorted(peers, key=lambda p: p.id)
+        ids = [p.id for p in by_id]
+        config = AllReduceConfig(join_timeout=20.0)
+
+        def connected(p):
+            return lambda r: [q for q in ids if q == p.id or p.host.is_connected(q)]
+
+        cols = [SwarmCollective(p.host, p.ts, connected(p), config) for p in by_id]
+        tensors = [{"w": torch.full((256,), float(i))} for i in range(3)]
+
+        async def round_(round_id):
+            out: dict[int, object] = {}
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    async def one(i=i):
+                        try:
+                            out[i] = await cols[i].all_reduce(tensors[i], round_id=round_id, tag="f0")
+                        except CollectiveError as e:
+                            out[i] = e
+                    nursery.start_soon(one)
+            return out
+
+        whole = await round_(1)
+        assert all(whole[i].contributors == tuple(ids) for i in range(3))
+        coordinator, stranded = by_id[0], by_id[1]
+        await stranded.host.disconnect(coordinator.id)
+        with trio.fail_after(10):
+            while stranded.host.is_connected(coordinator.id) or coordinator.host.is_connected(stranded.id):
+                await trio.sleep(0.05)
+        t0 = trio.current_time()
+        with trio.fail_after(12):  # the old behaviour: 20 s, then up to 60 s alone
+            split = await round_(2)
+        took = trio.current_time() - t0
+        assert isinstance(split[1], CollectiveError), split[1]
+        assert split[0].digest == split[2].digest and split[0].contributors == (ids[0], ids[2])
+        assert took < 8, took
+        await stranded.host.connect(coordinator.host.addrs[0])  # the harness's re-dial
+        with trio.fail_after(10):
+            healed = await round_(3)
+        assert len({healed[i].digest for i in range(3)}) == 1
+        assert all(healed[i].contributors == tuple(ids) for i in range(3))
+        assert torch.equal(healed[0].tensors["w"], torch.full((256,), 1.0))
+
+
 # -- fault injection, separate processes -------------------------------------------------------
 
 N_PEERS = 4

@@ -16,8 +16,14 @@ the membership and, once a lower-id candidate it is connected to appears, hands 
 everyone who joined it is told to start again there (`{"moved": ...}`) — instead of waiting out
 its join deadline alone. Likewise a peer that entered a round late (a joiner whose downloaded state
 was one round old) may wait as coordinator for peers that already finished that round: once every
-missing peer has joined a later round of the same series here, the round is declared passed and
-its members get a `CollectiveError` at once (the node then re-syncs) instead of after the deadline. hivemind forms groups through
+missing peer has joined a later round of the same series here, nobody else will come — a majority
+that joined completes the round at once; a minority (the stale peer alone) is told the round has
+passed (`CollectiveError`; the node then re-syncs) instead of waiting out the deadline.
+A coordinator still missing peers after `PROBE_AFTER` asks them where they are (`WHERE_RPC`): a
+dropped connection can hide the lowest id from its membership while the others still follow it,
+and without asking it would wait out the hard join deadline alone. Peers already past the round
+count as passed; peers in it at a lower-id coordinator make it hand over there, or, if that
+coordinator cannot be reached, end the round at once (`CollectiveError`). hivemind forms groups through
 DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
 clean attempt semantics without a node the swarm cannot lose.
 
@@ -70,7 +76,10 @@ from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 log = get_logger(__name__)
 
 JOIN_RPC, REPORT_RPC, WATCH_RPC = "allreduce/join", "allreduce/report", "allreduce/watch"
+WHERE_RPC = "allreduce/where"
 JOIN_QUIET = 0.5  # after the join deadline, fix the group once no one joined for this long
+PROBE_AFTER = 2.0  # a coordinator still missing peers this long asks them where they are ...
+PROBE_EVERY = 2.0  # ... and again this often
 FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
 
 
@@ -134,6 +143,7 @@ class _Round:
     created: float
     round_id: int | None = None
     moved: str | None = None  # handed over to this lower-id candidate before the group was fixed
+    elsewhere: str | None = None  # the missing peers are in this round at a coordinator we cannot reach
     skipped: set[str] = field(default_factory=set)  # lower ids joiners gave up on (never hand over to them)
     passed: bool = False  # the missing peers already joined a later round: nobody else will come
     joins: dict[str, float] = field(default_factory=dict)
@@ -169,15 +179,23 @@ class _Coordinator:
         keep waiting up to the hard deadline: a lone early peer must not form a group of one and
         leave the majority, arriving a little later, "late" for the round."""
         cfg = self.c.config
+        next_probe = r.created + PROBE_AFTER
+
+        async def tick(dt: float) -> None:
+            nonlocal next_probe
+            with trio.move_on_after(dt):
+                await r.group_fixed.wait()
+            self._review(key, r)
+            if not r.group_fixed.is_set() and time.monotonic() >= next_probe:
+                await self._probe(key, r)
+                next_probe = time.monotonic() + PROBE_EVERY
+
         with trio.move_on_after(cfg.join_timeout):
             while not r.group_fixed.is_set():
-                with trio.move_on_after(cfg.liveness_interval):
-                    await r.group_fixed.wait()
-                self._review(key, r)
+                await tick(cfg.liveness_interval)
         with trio.move_on_after(cfg.join_timeout * (cfg.hard_join_factor - 1)):
             while not r.group_fixed.is_set() and 2 * len(r.joins) <= len(r.expected):
-                await trio.sleep(0.05)
-                self._review(key, r)
+                await tick(0.05)
             # Peers finishing the previous round arrive in a wave: once the majority is in, keep
             # the door open while joins are still arriving, so the tail of the wave is not "late".
             seen = -1
@@ -186,6 +204,72 @@ class _Coordinator:
                 await trio.sleep(JOIN_QUIET)
         self._fix_group(r)
 
+    async def _probe(self, key: str, r: _Round) -> None:
+        """Ask the missing candidates we are connected to where they are in this round's series.
+
+        Our view of who coordinates can differ from theirs without a newcomer: a dropped
+        connection to the lowest id hides it from our membership while the others still follow
+        it, and we would wait out the hard join deadline (3 × join_timeout) alone. A missing peer
+        already past this round counts as passed; one in this round at a lower-id coordinator
+        makes us hand the round over there — or, if our joiners already failed to reach that
+        coordinator (`skipped`), end the round at once: the swarm's round is one we cannot join."""
+        if r.round_id is None:
+            return
+        me, tag = self.c.peer_id, _tag_of(key)
+        missing = sorted(p for p in r.expected - set(r.joins) if p != me and self.c.host.is_connected(p))
+        answers: dict[str, dict] = {}
+
+        async def ask(peer: str) -> None:
+            with contextlib.suppress(RpcError):
+                reply = await self.c.host.rpc.call(peer, WHERE_RPC, {"tag": tag, "round": r.round_id},
+                                                   timeout=PROBE_EVERY)
+                if isinstance(reply, dict):
+                    answers[peer] = reply
+
+        async with trio.open_nursery() as nursery:
+            for p in missing:
+                nursery.start_soon(ask, p)
+        if r.group_fixed.is_set():
+            return
+        elsewhere: dict[str, str] = {}
+        passed: set[str] = set()
+        for p, a in answers.items():
+            at, coordinator, finished = a.get("round"), a.get("coordinator"), a.get("finished")
+            if (isinstance(finished, int) and finished >= r.round_id) or (
+                    isinstance(at, int) and at > r.round_id):
+                passed.add(p)
+            elif at == r.round_id and isinstance(coordinator, str) and coordinator < me:
+                elsewhere[p] = coordinator
+        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped)
+        accounted = set(elsewhere) | passed >= r.expected - set(r.joins) - {me}
+        if accounted and not elsewhere:
+            self._nobody_else_coming(key, r, "the missing peers are past this round")
+        elif reachable:
+            r.moved = reachable[0]
+            r.group_fixed.set()
+            if self.rounds.get(key) is r:
+                del self.rounds[key]
+            log.info(kv("allreduce coordinator handing over", key=key, to=reachable[0][-8:], why="probe"))
+        elif accounted:
+            self._nobody_else_coming(key, r, "the missing peers are in this round at a coordinator we cannot reach",
+                                     elsewhere=min(elsewhere.values()))
+
+    def _nobody_else_coming(self, key: str, r: _Round, why: str, elsewhere: str | None = None) -> None:
+        """The missing peers will not join: a majority that did completes the round now (a peer
+        that cancelled and moved on must not void the round for the rest); a minority — a stale
+        or cut-off coordinator, usually alone — ends it, and its members re-sync."""
+        if 2 * len(r.joins) > len(r.expected):
+            log.info(kv("allreduce fixing the group without the missing peers", key=key, why=why,
+                        joined=len(r.joins), expected=len(r.expected)))
+            self._fix_group(r)
+            return
+        if elsewhere is None:
+            r.passed = True
+        else:
+            r.elsewhere = elsewhere
+        r.group_fixed.set()
+        log.info(kv("allreduce round ends: nobody else will come", key=key, why=why, joined=len(r.joins)))
+
     def _review(self, key: str, r: _Round) -> None:
         """While collecting joins: end a round nobody else will come to, or hand it over."""
         if r.group_fixed.is_set() or r.round_id is None:
@@ -193,9 +277,7 @@ class _Coordinator:
         series = key.split("/", 1)[1]
         missing = r.expected - set(r.joins)
         if missing and all(self.latest.get((p, series), -1) > r.round_id for p in missing):
-            r.passed = True
-            r.group_fixed.set()
-            log.info(kv("allreduce round passed by the swarm", key=key, missing=len(missing)))
+            self._nobody_else_coming(key, r, "the missing peers joined a later round here")
             return
         me = self.c.peer_id
         lower = [p for p in self.c.group(r.round_id)
@@ -224,15 +306,17 @@ class _Coordinator:
                 for old in list(self.latest)[:1024]:
                     del self.latest[old]
         if r.group_fixed.is_set():
-            return {"moved": r.moved} if r.moved else {"late": True, "passed": r.passed}
+            if r.moved:
+                return {"moved": r.moved}
+            return {"late": True, "passed": r.passed, "elsewhere": r.elsewhere}
         r.joins[peer] = time.monotonic()
         if r.expected <= set(r.joins):
             self._fix_group(r)
         await r.group_fixed.wait()
         if r.moved:
             return {"moved": r.moved}
-        if r.passed:
-            return {"late": True, "passed": True}
+        if r.passed or r.elsewhere:
+            return {"late": True, "passed": r.passed, "elsewhere": r.elsewhere}
         if peer not in r.attempts[0].group:
             return {"late": True}
         return {"attempt": 0, "group": list(r.attempts[0].group)}
@@ -353,6 +437,11 @@ class _Coordinator:
         a.decided.set()
 
 
+def _tag_of(key: str) -> str:
+    """The tag inside a round key `"{round_id}/{tag}/{coordinator}"` (peer ids have no "/")."""
+    return key.split("/", 1)[1].rsplit("/", 1)[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Participant side
 
@@ -371,10 +460,15 @@ class SwarmCollective:
         self.membership = membership
         self.config = config or AllReduceConfig()
         self._coord = _Coordinator(self)
+        # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
+        # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
+        self._position: dict[str, tuple[int, str]] = {}
+        self._finished: dict[str, int] = {}
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
         host.rpc.serve(WATCH_RPC, self._rpc_watch, handler_timeout=long)
+        host.rpc.serve(WHERE_RPC, self._rpc_where, handler_timeout=5.0)
 
     @property
     def peer_id(self) -> str:
@@ -412,6 +506,13 @@ class SwarmCollective:
             raise RemoteError("malformed", "bad watch")
         return await self._coord.watch(str(req["key"]), req["attempt"])
 
+    async def _rpc_where(self, peer: str, req: Any) -> dict:
+        req = expect_map(req, "tag", "round")
+        if not isinstance(req["tag"], str):
+            raise RemoteError("malformed", "bad where")
+        at, coordinator = self._position.get(req["tag"], (-1, None))
+        return {"round": at, "coordinator": coordinator, "finished": self._finished.get(req["tag"], -1)}
+
     async def _to_coordinator(self, coordinator: str, method: str, **req: Any) -> dict:
         if coordinator == self.peer_id:
             if method == JOIN_RPC:
@@ -448,6 +549,16 @@ class SwarmCollective:
             log.warning(kv("allreduce input is not finite; contributing weight 0", round=round_id))
             tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
             weight = 0.0
+        try:
+            return await self._all_reduce(tensors, round_id, tag, codec, weight)
+        finally:
+            self._position.pop(tag, None)
+            self._finished[tag] = max(self._finished.get(tag, -1), round_id)
+            for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
+                del self._finished[old]
+
+    async def _all_reduce(self, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str,
+                          weight: float) -> ReduceResult:
         candidates = list(self.group(round_id))
         dead: set[str] = set()
         while True:
@@ -456,6 +567,7 @@ class SwarmCollective:
                 raise CollectiveError(f"round {round_id}: no coordinator left to join")
             coordinator = live[0]
             key = f"{round_id}/{tag}/{coordinator}"
+            self._position[tag] = (round_id, coordinator)
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
@@ -489,6 +601,9 @@ class SwarmCollective:
         log.debug(kv("allreduce joined", key=key, reply=",".join(sorted(joined))))
         if isinstance(joined.get("moved"), str) and joined["moved"] < coordinator:
             raise _Moved(joined["moved"])
+        if isinstance(joined.get("elsewhere"), str):
+            raise CollectiveError(f"{key}: the others are in this round at {joined['elsewhere'][-8:]}, "
+                                  "which we cannot reach; proceed alone and re-sync")
         if joined.get("passed"):
             raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
         if joined.get("late"):
