@@ -1,7 +1,7 @@
 """Convergence benchmark: the outer optimizers against single-peer and data-parallel training,
 with 4 real peers on loopback.
 
-    python scripts/bench_convergence.py [--quick] [--steps 1000] [--png runs/bench_convergence.png]
+    python scripts/bench_convergence.py [--quick] [--steps 2000] [--png runs/bench_convergence.png]
 
 Every method trains ALGORITHMS.md's testbed — the small character GPT (4 blocks, d 64, ctx 32) on
 the offline corpus (CPython's `pydoc_data.topics`), inner AdamW lr 2e-3, batch 16 per peer, grad
@@ -16,6 +16,8 @@ share 2 cores). Methods:
   diloco_h50   DiLoCo, H=50
   streaming    Streaming DiLoCo, H=50, P=2 strided fragments, τ=1, α=0.5, fp4 outer gradients
   noloco       NoLoCo, H=50, one random partner per round, μ 0.5, β = γ = 0.7
+  diloco_hb    NoLoCo's outer rule with the whole swarm: heavy-ball DiLoCo, H=50, lr 0.7, μ 0.5 (the
+               identity in ALGORITHMS.md; the baseline the NoLoCo paper and the reference run use)
   custom       the README's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
 
 Held-out loss is measured on the outer parameters φ of every peer (mean over peers; NoLoCo's
@@ -23,10 +25,14 @@ replicas differ, so this is the mean replica) every `--eval-every` steps on fixe
 windows. Writes a PNG of held-out loss vs step and prints one JSON object last:
   per method: final_eval_loss, bytes_sent_per_peer, peak_bytes_per_sync, wall_s, samples;
   diloco_recovery      (single − diloco_h25) / (single − dp)                          target >= 0.6
-  noloco_vs_diloco     noloco / diloco_h50 − 1   (same H)                             target <= 0.01
+  noloco_vs_diloco     noloco / diloco_h50 − 1   (same H, Nesterov μ 0.9)             target <= 0.01
+  noloco_vs_heavyball  noloco / diloco_hb − 1    (same H, same outer rule: pairs vs all-reduce)
   streaming_vs_diloco  streaming / diloco_h50 − 1 (same H)                            target <= 0.005
   diloco_bytes_ratio   dp bytes / diloco_h25 bytes                                    target >= 20
   streaming_peak_ratio diloco_h50 peak bytes per sync / streaming's                   target >= P
+The default is 2000 steps (the issue asks for >= 1000): at 1000 steps DP's lead over DiLoCo has
+not closed yet on this testbed (ALGORITHMS.md: 13% of DP's gain kept at 500 steps, 64% at 1000),
+and the whole run takes ~20 minutes on 2 cores.
 `--quick` (CI): 150 steps, fewer eval batches — checks the machinery, not the targets.
 """
 
@@ -57,6 +63,7 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
         "streaming": (4, ["--method", "streaming", "--H", "50", "--P", "2", "--delay", "1", "--alpha", "0.5",
                           "--codec", "fp4"]),
         "noloco": (4, ["--method", "noloco", "--H", "50"]),
+        "diloco_hb": (4, ["--method", "heavyball", "--H", "50", "--outer-momentum", "0.5"]),
         "custom": (4, ["--method", "custom", "--H", "25", "--custom-lr", "1.0"]),
     }
 
@@ -154,8 +161,8 @@ def main() -> None:
     ap.add_argument("--png", default=str(ROOT / "runs" / "bench_convergence.png"))
     ap.add_argument("--timeout", type=float, default=900.0, help="per method")
     args = ap.parse_args()
-    steps = args.steps or (150 if args.quick else 1000)
-    eval_every = args.eval_every or (50 if args.quick else 50)
+    steps = args.steps or (150 if args.quick else 2000)
+    eval_every = args.eval_every or max(50, steps // 20)
     common = ["--steps", str(steps), "--model", "small", "--batch", "16", "--lr", "2e-3", "--clip", "1.0",
               "--eval-every", str(eval_every), "--eval-batches", "8" if args.quick else "24", "--threads", "1",
               "--join-timeout", "60", "--part-timeout", "30", "--linger", "2"]
@@ -192,6 +199,8 @@ def main() -> None:
         summary["diloco_recovery"] = round((s - d25) / (s - dp), 4)
     if None not in (loss("noloco"), d50):
         summary["noloco_vs_diloco"] = round(loss("noloco") / d50 - 1, 4)
+    if None not in (loss("noloco"), loss("diloco_hb")):
+        summary["noloco_vs_heavyball"] = round(loss("noloco") / loss("diloco_hb") - 1, 4)
     if None not in (loss("streaming"), d50):
         summary["streaming_vs_diloco"] = round(loss("streaming") / d50 - 1, 4)
     if "dp" in results and "diloco_h25" in results and results["diloco_h25"]["bytes_sent_per_peer"]:
