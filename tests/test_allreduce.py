@@ -17,13 +17,19 @@ from .conftest import read_json, spawn, start_peers, tail
 from .proc_allreduce import inputs
 
 
-async def mesh(stack: AsyncExitStack, n: int, config: AllReduceConfig | None = None):
+async def connected_peers(stack: AsyncExitStack, n: int):
+    """`n` running peers, each connected to every other, sorted by id (rank 0 coordinates)."""
     peers = await start_peers(stack, n)
     for p in peers:
         for q in peers:
             if p is not q and not p.host.is_connected(q.id):
                 await p.host.connect(q.host.addrs[0])
-    ids = sorted(p.id for p in peers)
+    return sorted(peers, key=lambda p: p.id)
+
+
+async def mesh(stack: AsyncExitStack, n: int, config: AllReduceConfig | None = None):
+    peers = await connected_peers(stack, n)
+    ids = [p.id for p in peers]
     cols = [SwarmCollective(p.host, p.ts, lambda r: ids, config or AllReduceConfig(join_timeout=5)) for p in peers]
     return peers, cols
 
@@ -138,12 +144,7 @@ async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_ov
     over once it learns of the newcomer, so all three end in one group — not a pair that waits out
     the join deadline for it and a lone peer that times out (seen in CI: 30 s and 90 s stalls)."""
     async with AsyncExitStack() as stack:
-        peers = await start_peers(stack, 3)
-        for p in peers:
-            for q in peers:
-                if p is not q and not p.host.is_connected(q.id):
-                    await p.host.connect(q.host.addrs[0])
-        by_id = sorted(peers, key=lambda p: p.id)
+        by_id = peers = await connected_peers(stack, 3)
         newcomer, unaware, other = by_id
         ids = [p.id for p in by_id]
         heard = trio.Event()
@@ -170,12 +171,7 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
     state raced the swarm's last exchange. The others, already past that round, join the next one
     at it; it must give up the stale round at once (and re-sync), not wait out the deadlines."""
     async with AsyncExitStack() as stack:
-        peers = await start_peers(stack, 3)
-        for p in peers:
-            for q in peers:
-                if p is not q and not p.host.is_connected(q.id):
-                    await p.host.connect(q.host.addrs[0])
-        by_id = sorted(peers, key=lambda p: p.id)
+        by_id = await connected_peers(stack, 3)
         ids = [p.id for p in by_id]
         config = AllReduceConfig(join_timeout=20.0)
         cols = [SwarmCollective(p.host, p.ts, lambda r: ids, config) for p in by_id]
@@ -208,12 +204,7 @@ async def test_peer_that_lost_its_connection_to_the_coordinator_does_not_wait_al
     alone. It must ask the others where they are and end its round within seconds; once the
     connection is re-dialled (as the node and proc_trainer do), rounds are whole again."""
     async with AsyncExitStack() as stack:
-        peers = await start_peers(stack, 3)
-        for p in peers:
-            for q in peers:
-                if p is not q and not p.host.is_connected(q.id):
-                    await p.host.connect(q.host.addrs[0])
-        by_id = sorted(peers, key=lambda p: p.id)
+        by_id = await connected_peers(stack, 3)
         ids = [p.id for p in by_id]
         config = AllReduceConfig(join_timeout=20.0)
 

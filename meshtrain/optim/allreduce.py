@@ -71,7 +71,7 @@ from meshtrain.optim.compression import CodecError, get_codec
 from meshtrain.transport.framing import expect_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
-from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.tensor_streams import TensorStreams, TransferError, payload_digest
 
 log = get_logger(__name__)
 
@@ -721,9 +721,9 @@ class SwarmCollective:
             except CodecError as e:  # our own input is not finite: we cannot take part
                 raise CollectiveError(f"cannot encode our input: {e}") from None
 
-        async def send(peer: str, subtag: str, parts: dict, meta: dict) -> None:
+        async def send(peer: str, subtag: str, parts: dict, meta: dict, digest: bytes | None = None) -> None:
             try:
-                rep = await self.streams.send(peer, subtag, parts, meta=meta, timeout=deadline)
+                rep = await self.streams.send(peer, subtag, parts, meta=meta, digest=digest, timeout=deadline)
                 stats["sent"] += rep.nbytes
             except TransferError as e:
                 failed.add(peer)
@@ -773,10 +773,12 @@ class SwarmCollective:
                 reduced = await trio.to_thread.run_sync(self._reduce, contributions, weights, stats)
                 mine_enc = encode(reduced)
                 out[my_lo:my_hi] = reduced if lossless else codec.decode(mine_enc, (my_hi - my_lo,), torch.float32)
-                # All-gather: every owner's reduced part, exactly as encoded once by its owner.
+                # All-gather: every owner's reduced part, exactly as encoded once by its owner —
+                # and hashed once, off the event loop, rather than once per receiver while sending.
+                mine_digest = await trio.to_thread.run_sync(payload_digest, mine_enc) if others else None
                 async with trio.open_nursery() as ag:
                     for peer in others:
-                        ag.start_soon(send, peer, f"{tag}/ag/{me}", mine_enc, {})
+                        ag.start_soon(send, peer, f"{tag}/ag/{me}", mine_enc, {}, mine_digest)
 
                     async def fetch(j: int, peer: str) -> None:
                         slot = out[bounds[j]:bounds[j + 1]]
