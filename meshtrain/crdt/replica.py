@@ -90,6 +90,7 @@ from meshtrain.crdt.entries import (
     digest_to_wire,
 )
 from meshtrain.crdt.types import CRDT_TYPES
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import WireError, packb, packb_canonical, unpackb
 from meshtrain.transport.host import Host
@@ -262,7 +263,7 @@ def _beats(theirs: tuple[int, bytes], mine: SignedEntry | None) -> bool:
     return mine is None or (seq, prefix) > (mine.seq, mine.signature[: len(prefix)])
 
 
-class Replica:
+class Replica(Service):
     """The swarm's CRDTs on this peer, kept in sync with its connected peers.
 
     Parameters:
@@ -318,7 +319,6 @@ class Replica:
         self._pubsub_failed: dict[str, float] = {}
         self._ae_unavailable: dict[str, float] = {}  # peers that do not serve crdt RPCs
         self._connected_since: dict[str, float] = {}  # peers that connected while we ran
-        self._stack: AsyncExitStack | None = None
         self._started = False
         self._nursery: trio.Nursery | None = None
         self._running = False
@@ -839,47 +839,31 @@ class Replica:
         if not ok:
             self._pubsub_failed[peer] = time.monotonic()
 
-    async def __aenter__(self) -> Replica:
+    async def _start(self, stack: AsyncExitStack) -> None:
         if self._started:
             raise CrdtError("a Replica runs once; make a new one (its state can be merged in)")
         self._started = True
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            if self._pubsub is None:
-                self._pubsub = await _start_gossipsub(stack, self.host, self.config)
-            pubsub = self._pubsub
-            pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
-            stack.callback(pubsub.remove_topic_validator, self.topic)
-            subscription = await pubsub.subscribe(self.topic)
-            if not self._owns_pubsub:
-                stack.push_async_callback(self._unsubscribe)
-            self.host.rpc.serve(RPC_DIGEST, self._serve_digest, max_request=MAX_RPC_REQUEST)
-            self.host.rpc.serve(RPC_PULL, self._serve_pull, max_request=MAX_RPC_REQUEST)
-            self._nursery = await stack.enter_async_context(trio.open_nursery())
-            self._running = True
-            self._nursery.start_soon(self._drain_subscription, subscription)
-            self._nursery.start_soon(self._publish_loop)
-            self._nursery.start_soon(self._anti_entropy_loop)
-            self._nursery.start_soon(self._watch_connections)
-            self._ensure_pubsub_peers()
-        except BaseException:
-            self._running = False
-            await stack.aclose()
-            raise
-        self._stack = stack
+        if self._pubsub is None:
+            self._pubsub = await _start_gossipsub(stack, self.host, self.config)
+        pubsub = self._pubsub
+        pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
+        stack.callback(pubsub.remove_topic_validator, self.topic)
+        subscription = await pubsub.subscribe(self.topic)
+        if not self._owns_pubsub:
+            stack.push_async_callback(self._unsubscribe)
+        self.host.rpc.serve(RPC_DIGEST, self._serve_digest, max_request=MAX_RPC_REQUEST)
+        self.host.rpc.serve(RPC_PULL, self._serve_pull, max_request=MAX_RPC_REQUEST)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._drain_subscription, subscription)
+        self._nursery.start_soon(self._publish_loop)
+        self._nursery.start_soon(self._anti_entropy_loop)
+        self._nursery.start_soon(self._watch_connections)
+        self._ensure_pubsub_peers()
+        self._running = True
         log.info(kv("crdt replica started", swarm=self.namespace, peer=self.me, crdts=self.names))
-        return self
 
-    async def __aexit__(self, *exc: object) -> bool | None:
-        stack, self._stack = self._stack, None
+    async def _stop(self) -> None:
         self._running = False
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        self._nursery = None
-        if stack is None:
-            return None
-        return await stack.__aexit__(*exc)
 
     async def _unsubscribe(self) -> None:
         if self._pubsub is not None:

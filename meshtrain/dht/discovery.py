@@ -29,6 +29,7 @@ import meshtrain
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.records import DhtError, Record
 from meshtrain.errors import ConfigError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import parse_multiaddr, peer_id_of
 
@@ -108,7 +109,7 @@ class Announcement:
         return cls(record.owner, tuple(good), role, caps, version, record.expiry)
 
 
-class Discovery:
+class Discovery(Service):
     """Announces this node and lists the swarm's live peers. `async with Discovery(dht) as d:`.
 
     dht: a running `Dht`.
@@ -123,29 +124,11 @@ class Discovery:
         self.dht = dht
         self.config = config or DiscoveryConfig()
         self.key = peers_key(dht.swarm_id)
-        self._stack: AsyncExitStack | None = None
-        self._nursery: trio.Nursery | None = None
 
-    async def __aenter__(self) -> Discovery:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            self._nursery = await stack.enter_async_context(trio.open_nursery())
-            ok = await self._announce_logged()
-            self._nursery.start_soon(self._refresh_loop, ok)
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
-        return self
-
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        stack, self._stack = self._stack, None
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        if stack is None:
-            return None
-        return await stack.__aexit__(*exc)
+    async def _start(self, stack: AsyncExitStack) -> None:
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        ok = await self._announce_logged()
+        self._nursery.start_soon(self._refresh_loop, ok)
 
     def announcement_value(self) -> dict[str, Any]:
         return {

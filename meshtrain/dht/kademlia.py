@@ -89,6 +89,7 @@ from meshtrain.dht.records import (
     validate,
 )
 from meshtrain.errors import ConfigError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage, expect_map
 from meshtrain.transport.host import ConnectError, Host, parse_multiaddr, peer_id_of
@@ -314,7 +315,7 @@ class _ConnectionFeed(INotifee):
         pass
 
 
-class Dht:
+class Dht(Service):
     """A node's part of the swarm's DHT. `async with Dht(host, swarm_id) as dht:`.
 
     host: the running `Host`; the DHT registers `dht/find` and `dht/store` on it and runs
@@ -348,7 +349,6 @@ class Dht:
         self._strikes: dict[str, int] = {}  # peer -> timeouts in a row
         self._feed_send, self._feed_recv = trio.open_memory_channel[str](1024)
         self._notifee = _ConnectionFeed(self)
-        self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._repair_limit = trio.CapacityLimiter(8)
         self.stats = {"rejected_from_peers": 0, "repairs": 0}
@@ -359,37 +359,21 @@ class Dht:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Dht:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(background_trio_service(self.kad))
-            self._nursery = await stack.enter_async_context(trio.open_nursery())
-            limits = self.config.limits
-            self.host.rpc.serve(FIND_RPC, self._serve_find, max_request=MAX_TARGET_BYTES + 1024)
-            self.host.rpc.serve(
-                STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD
-            )
-            network = self.host.libp2p.get_network()
-            network.register_notifee(self._notifee)
-            stack.callback(network.remove_notifee, self._notifee)
-            self._nursery.start_soon(self._admit_connected_peers)
-            self._nursery.start_soon(self._purge_loop)
-            for peer in self.host.connected_peers():
-                self._on_connected(peer)
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        stack, self._stack = self._stack, None
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        if stack is None:
-            return None
-        return await stack.__aexit__(*exc)
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(background_trio_service(self.kad))
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        limits = self.config.limits
+        self.host.rpc.serve(FIND_RPC, self._serve_find, max_request=MAX_TARGET_BYTES + 1024)
+        self.host.rpc.serve(
+            STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD
+        )
+        network = self.host.libp2p.get_network()
+        network.register_notifee(self._notifee)
+        stack.callback(network.remove_notifee, self._notifee)
+        self._nursery.start_soon(self._admit_connected_peers)
+        self._nursery.start_soon(self._purge_loop)
+        for peer in self.host.connected_peers():
+            self._on_connected(peer)
 
     def _require_open(self) -> trio.Nursery:
         if self._stack is None or self._nursery is None:

@@ -52,6 +52,7 @@ from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import expect_map
 from meshtrain.transport.host import Host
@@ -297,7 +298,7 @@ def _first_ip(host: Host) -> str:
     return "0.0.0.0"
 
 
-class HolePunchService:
+class HolePunchService(Service):
     """DCUtR for libp2p connections, plus `DataPlanePunch` when given the data plane.
 
     Use as `async with HolePunchService(host, reachability, streams) as punch:`; then
@@ -312,24 +313,10 @@ class HolePunchService:
         self.dcutr = DCUtRProtocol(host.libp2p)
         self.data_plane = (DataPlanePunch(host, streams, reachability, self.config)
                            if streams is not None else None)
-        self._stack: AsyncExitStack | None = None
 
-    async def __aenter__(self) -> HolePunchService:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(background_trio_service(self.dcutr))
-            await self.dcutr.event_started.wait()
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._stack is not None  # lifecycle misuse, not peer input
-        stack, self._stack = self._stack, None
-        return await stack.__aexit__(*exc)
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(background_trio_service(self.dcutr))
+        await self.dcutr.event_started.wait()
 
     def connection_type(self, peer: str) -> str | None:
         return self.host.connection_type(peer)

@@ -40,6 +40,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport import libp2p_patches
 from meshtrain.transport.identity import Identity
@@ -103,7 +104,7 @@ def peer_id_of(addr: str | multiaddr.Multiaddr) -> str:
 StreamHandler = Callable[[Any], Awaitable[None]]
 
 
-class Host:
+class Host(Service):
     """A running libp2p host with our identity. Use as `async with Host(identity, config) as h:`."""
 
     def __init__(self, identity: Identity, config: HostConfig | None = None) -> None:
@@ -123,8 +124,6 @@ class Host:
             psk=self.config.swarm_key.lower() if self.config.swarm_key else None,
             announce_addrs=[parse_multiaddr(a) for a in self.config.announce] or None,
         )
-        self._stack: AsyncExitStack | None = None
-        self.nursery: trio.Nursery | None = None
         # NAT traversal hook (meshtrain.transport.relay): py-libp2p's swarm never dials
         # `/p2p-circuit` addresses itself, so `connect` hands them to this dialer when one is set.
         self.circuit_dialer: Callable[[str, float], Awaitable[str]] | None = None
@@ -145,36 +144,29 @@ class Host:
             out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
         return out
 
-    async def __aenter__(self) -> Host:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(
-                self.libp2p.run([parse_multiaddr(a) for a in self.config.listen])
-            )
-            self.nursery = await stack.enter_async_context(trio.open_nursery())
-            # py-libp2p's auto-connector dials known peers toward the midpoint of its connection
-            # watermarks (150 by default) every 30 s; the watermarks must stay for pruning, so
-            # stop the connector itself: our membership layer decides whom to connect to.
-            await self.libp2p.get_network().auto_connector.stop()
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
-        log.info(kv("host started", peer=self.peer_id, addrs=",".join(self.addrs)))
-        return self
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """The host's nursery, for higher layers' background tasks (None unless running)."""
+        return self._nursery
 
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._stack is not None  # our own lifecycle, not peer input
-        if self.nursery is not None:
-            self.nursery.cancel_scope.cancel()
-        stack, self._stack = self._stack, None
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(self.libp2p.run([parse_multiaddr(a) for a in self.config.listen]))
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        # On the way out the nursery is cancelled first, then this closes every connection,
+        # then the nursery and the listener unwind.
+        stack.push_async_callback(self._close_network)
+        # py-libp2p's auto-connector dials known peers toward the midpoint of its connection
+        # watermarks (150 by default) every 30 s; the watermarks must stay for pruning, so
+        # stop the connector itself: our membership layer decides whom to connect to.
+        await self.libp2p.get_network().auto_connector.stop()
+        log.info(kv("host started", peer=self.peer_id, addrs=",".join(self.addrs)))
+
+    async def _close_network(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
                 await self.libp2p.get_network().close()
             except Exception as e:  # closing is best effort; the exit stack still runs
                 log.debug(kv("network close failed", error=repr(e)))
-        return await stack.__aexit__(*exc)
 
     # -- connections -----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.holepunch import HolePunchConfig, HolePunchService
 from meshtrain.transport.host import Host
@@ -60,7 +61,7 @@ class NatConfig:
     upnp_discover_timeout: float = DEFAULT_DISCOVER_TIMEOUT
 
 
-class NatTraversal:
+class NatTraversal(Service):
     """Reachability + relay + hole punching for one host; use as `async with`.
 
     host:    the running `Host`. streams: its `TensorStreams`, to punch the data plane too.
@@ -82,38 +83,22 @@ class NatTraversal:
         self.upnp: PortMapper | None = None
         self._relays = relays
         self._announce: list[Callable[[str, list[str]], None]] = []
-        self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
 
-    async def __aenter__(self) -> NatTraversal:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            if self.config.upnp:  # first, so the first probe already sees the mapped ports
-                ports = tcp_listen_ports(self.host)
-                if self.streams is not None and self.streams.port:
-                    ports.append(self.streams.port)
-                self.upnp = await stack.enter_async_context(
-                    PortMapper(ports, discover_timeout=self.config.upnp_discover_timeout))
-            await stack.enter_async_context(self.reachability)
-            await stack.enter_async_context(self.relay)
-            await stack.enter_async_context(self.punch)
-            nursery = await stack.enter_async_context(trio.open_nursery())
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack, self._nursery = stack, nursery
+    async def _start(self, stack: AsyncExitStack) -> None:
+        if self.config.upnp:  # first, so the first probe already sees the mapped ports
+            ports = tcp_listen_ports(self.host)
+            if self.streams is not None and self.streams.port:
+                ports.append(self.streams.port)
+            self.upnp = await stack.enter_async_context(
+                PortMapper(ports, discover_timeout=self.config.upnp_discover_timeout))
+        await stack.enter_async_context(self.reachability)
+        await stack.enter_async_context(self.relay)
+        await stack.enter_async_context(self.punch)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self.reachability.on_change(self._on_reachability)
         self.relay.on_change(lambda _addrs: self._publish())
-        nursery.start_soon(self._unknown_retry_loop)
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._stack is not None  # lifecycle misuse, not peer input
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()  # the retry loop runs forever
-        stack, self._stack = self._stack, None
-        return await stack.__aexit__(*exc)
+        self._nursery.start_soon(self._unknown_retry_loop)
 
     # -- what we announce -----------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.tools.constants import MAX_READ_LEN
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import ConnectError, Host, StreamOpenError, peer_id_of
 from meshtrain.transport.rpc import close_quietly, reset_quietly
@@ -224,7 +225,7 @@ class MeshtrainRelayProtocol(CircuitV2Protocol):
                         await (leg.reset() if reset else leg.close())
 
 
-class RelayService:
+class RelayService(Service):
     """Circuit relay v2 for one host: relay for others, reserve slots, dial circuits.
 
     Use as `async with RelayService(host, RelayConfig(...)) as relay:`. Every host that enters it
@@ -244,34 +245,20 @@ class RelayService:
         self.reservations: dict[str, Reservation] = {}
         self._callbacks: list[Callable[[list[str]], None]] = []
         self._connect_locks: dict[str, trio.Lock] = {}
-        self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._keeping = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def __aenter__(self) -> RelayService:
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(background_trio_service(self.protocol))
-            await self.protocol.event_started.wait()
-            self._nursery = await stack.enter_async_context(trio.open_nursery())
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(background_trio_service(self.protocol))
+        await self.protocol.event_started.wait()
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self.host.circuit_dialer = self.connect
-        return self
 
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._stack is not None  # lifecycle misuse, not peer input
+    async def _stop(self) -> None:
         if self.host.circuit_dialer == self.connect:
             self.host.circuit_dialer = None
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        stack, self._stack = self._stack, None
-        return await stack.__aexit__(*exc)
 
     @property
     def keeping(self) -> bool:
