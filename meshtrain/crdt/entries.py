@@ -349,6 +349,21 @@ def encode_entries(type_tag: str, entries: Iterable[SignedEntry]) -> bytes:
     return packb_canonical([WIRE_VERSION, type_tag, entries_to_wire(entries)])
 
 
+def unpack_envelope(data: bytes, *, max_size: int, version: int, what: str, layout: str) -> tuple[Any, Any]:
+    """The two fields of an untrusted msgpack `[version, a, b]` envelope of the expected version;
+    `MalformedCrdtData` (naming `what`) for anything else. Shared by CRDT batches and gossip."""
+    try:
+        obj = unpackb(data, max_size=max_size)
+    except WireError as e:
+        raise MalformedCrdtData(f"undecodable {what}: {e}") from None
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise MalformedCrdtData(f"a {what} is {layout}")
+    got, a, b = obj
+    if type(got) is not int or got != version:
+        raise MalformedCrdtData(f"unsupported {what} version {got!r:.20}")
+    return a, b
+
+
 def decode_entries(
     data: bytes | memoryview,
     *,
@@ -358,15 +373,8 @@ def decode_entries(
     """Decode an untrusted batch into (type_tag, entries). Raises only `MalformedCrdtData`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedCrdtData(f"expected bytes, got {type(data).__name__}")
-    try:
-        obj = unpackb(data, max_size=max_size)
-    except WireError as e:
-        raise MalformedCrdtData(f"undecodable CRDT batch: {e}") from None
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise MalformedCrdtData("a CRDT batch is a 3-element array [version, type, entries]")
-    version, type_tag, raw_entries = obj
-    if type(version) is not int or version != WIRE_VERSION:
-        raise MalformedCrdtData(f"unsupported CRDT batch version {version!r:.20}")
+    type_tag, raw_entries = unpack_envelope(data, max_size=max_size, version=WIRE_VERSION, what="CRDT batch",
+                                            layout="[version, type, entries]")
     if not isinstance(type_tag, str) or not 0 < len(type_tag) <= MAX_NAME_CHARS:
         raise MalformedCrdtData("a CRDT batch's type tag must be a short str")
     if expected_type is not None and type_tag != expected_type:

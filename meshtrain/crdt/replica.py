@@ -88,11 +88,12 @@ from meshtrain.crdt.entries import (
     SignedEntry,
     digest_from_wire,
     digest_to_wire,
+    unpack_envelope,
 )
 from meshtrain.crdt.types import CRDT_TYPES
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import WireError, packb, packb_canonical, unpackb
+from meshtrain.transport.framing import packb, packb_canonical
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
 
@@ -1008,15 +1009,8 @@ def decode_gossip(
 ) -> list[tuple[str, list[SignedEntry]]]:
     """Decode an untrusted gossip message into [(crdt name, entries)]; `MalformedCrdtData` if it
     is oversized, malformed, for another swarm, or names a CRDT we do not keep."""
-    try:
-        obj = unpackb(data, max_size=max_size)
-    except WireError as e:
-        raise MalformedCrdtData(f"undecodable gossip message: {e}") from None
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise MalformedCrdtData("a gossip message is [version, namespace, batches]")
-    version, ns, batches = obj
-    if type(version) is not int or version != GOSSIP_VERSION:
-        raise MalformedCrdtData(f"unsupported gossip version {version!r:.20}")
+    ns, batches = unpack_envelope(data, max_size=max_size, version=GOSSIP_VERSION, what="gossip message",
+                                  layout="[version, namespace, batches]")
     if ns != namespace:
         raise MalformedCrdtData(f"gossip for swarm {ns!r:.80}, not {namespace!r}")
     if not isinstance(batches, list) or len(batches) > len(crdts):
