@@ -160,12 +160,14 @@ def main() -> None:
     ap.add_argument("--methods", default="", help="comma-separated subset")
     ap.add_argument("--png", default=str(ROOT / "runs" / "bench_convergence.png"))
     ap.add_argument("--timeout", type=float, default=900.0, help="per method")
+    ap.add_argument("--cosine", action="store_true",
+                    help="inner lr decays to a tenth along a cosine (a testbed variant; the default is constant)")
     args = ap.parse_args()
     steps = args.steps or (150 if args.quick else 2000)
     eval_every = args.eval_every or max(50, steps // 20)
     common = ["--steps", str(steps), "--model", "small", "--batch", "16", "--lr", "2e-3", "--clip", "1.0",
               "--eval-every", str(eval_every), "--eval-batches", "8" if args.quick else "24", "--threads", "1",
-              "--join-timeout", "60", "--part-timeout", "30", "--linger", "2"]
+              "--join-timeout", "60", "--part-timeout", "30", "--linger", "2", *(["--cosine"] if args.cosine else [])]
     table = methods(steps)
     chosen = [m for m in args.methods.split(",") if m] or list(table)
     results: dict[str, dict] = {}
@@ -188,7 +190,7 @@ def main() -> None:
     def loss(m: str) -> float | None:
         return results[m]["final_eval_loss"] if m in results else None
 
-    summary: dict = {"steps": steps, "quick": args.quick, "png": str(png),
+    summary: dict = {"steps": steps, "quick": args.quick, "png": str(png), "inner_lr": "cosine" if args.cosine else "constant",
                      "corpus": "pydoc_data.topics, Python " + sys.version.split()[0],
                      "total_wall_s": round(time.monotonic() - t_start, 1), "methods": {}}
     for name, r in results.items():

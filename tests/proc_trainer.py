@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -161,6 +162,10 @@ async def main(args: argparse.Namespace) -> None:
             install_fault(ts, col, args.kill_at_step)
         model = GPT(config, seed=args.seed)
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd)
+        # --cosine: inner lr decays from lr to lr/10 over the run (the reference codes use a schedule).
+        sched = (torch.optim.lr_scheduler.LambdaLR(
+            inner, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+            if args.cosine else None)
         outer = None if args.method == "single" else build(args, model, inner, col)
         say({"ready": True})
         await trio.to_thread.run_sync(sys.stdin.readline)
@@ -185,6 +190,8 @@ async def main(args: argparse.Namespace) -> None:
                 else:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                     outer.step()
+                if sched is not None:
+                    sched.step()
                 if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                     say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0})
 
@@ -234,6 +241,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="small", choices=["small", "tiny"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--cosine", action="store_true")
     p.add_argument("--wd", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--outer-lr", type=float, default=0.7)
