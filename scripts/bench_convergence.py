@@ -33,6 +33,9 @@ windows. Writes a PNG of held-out loss vs step and prints one JSON object last:
 The default is 2000 steps (the issue asks for >= 1000): at 1000 steps DP's lead over DiLoCo has
 not closed yet on this testbed (ALGORITHMS.md: 13% of DP's gain kept at 500 steps, 64% at 1000),
 and the whole run takes ~20 minutes on 2 cores.
+`--cosine` decays every method's inner lr to a tenth along a cosine (the NoLoCo reference trains
+with a schedule): with it NoLoCo matches heavy-ball DiLoCo, while at a constant lr it drifts ~2.5%
+behind late in the run — see the closing note of issue 5.
 `--quick` (CI): 150 steps, fewer eval batches — checks the machinery, not the targets.
 """
 
