@@ -32,14 +32,18 @@ class Peer:
 
 
 async def start_peers(stack: AsyncExitStack, n: int, *, host_config: HostConfig | None = None,
-                      dp: DataPlaneConfig | None = None, streams: bool = True) -> list[Peer]:
+                      dp: DataPlaneConfig | None = None, streams: bool = True,
+                      full_mesh: bool = False) -> list[Peer]:
+    """`n` running peers, each connected to the first — or, with `full_mesh`, to every other."""
     peers = []
     for _ in range(n):
         host = await stack.enter_async_context(Host(Identity.generate(), host_config))
         ts = await stack.enter_async_context(TensorStreams(host, dp)) if streams else None
         peers.append(Peer(host, ts))
-    for p in peers[1:]:
-        await p.host.connect(peers[0].host.addrs[0])
+    for i, p in enumerate(peers):
+        for q in (peers[:i] if full_mesh else peers[:min(i, 1)]):
+            if not p.host.is_connected(q.id):
+                await p.host.connect(q.host.addrs[0])
     return peers
 
 

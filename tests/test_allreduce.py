@@ -19,12 +19,7 @@ from .proc_allreduce import inputs
 
 async def connected_peers(stack: AsyncExitStack, n: int):
     """`n` running peers, each connected to every other, sorted by id (rank 0 coordinates)."""
-    peers = await start_peers(stack, n)
-    for p in peers:
-        for q in peers:
-            if p is not q and not p.host.is_connected(q.id):
-                await p.host.connect(q.host.addrs[0])
-    return sorted(peers, key=lambda p: p.id)
+    return sorted(await start_peers(stack, n, full_mesh=True), key=lambda p: p.id)
 
 
 async def mesh(stack: AsyncExitStack, n: int, config: AllReduceConfig | None = None):

@@ -60,15 +60,6 @@ def make_run(ids: list[str], stages: list[int], *, microbatches: int, mode: str 
     return PipelineRun(name, problem, mode, MB_SIZE, CONFIG.context)
 
 
-async def mesh(stack: AsyncExitStack, n: int):
-    peers = await start_peers(stack, n)
-    for p in peers:
-        for q in peers:
-            if p is not q and not p.host.is_connected(q.id):
-                await p.host.connect(q.host.addrs[0])
-    return peers
-
-
 async def runtimes(stack: AsyncExitStack, peers, run: PipelineRun, **kw) -> list[PipelineRuntime]:
     out = []
     for p in peers:
@@ -168,7 +159,7 @@ def test_load_stage_states_rebuilds_the_model_from_its_stages():
 
 async def test_three_peers_full_path_gradients_equal_the_single_process_model():
     async with AsyncExitStack() as stack:
-        peers = await mesh(stack, 3)
+        peers = await start_peers(stack, 3, full_mesh=True)
         run = make_run([p.id for p in peers], [0, 1, 2], microbatches=3)
         rts = await runtimes(stack, peers, run, keep_grads=True)
         reports = await iterate(rts, 0)
@@ -190,7 +181,7 @@ async def test_three_peers_full_path_gradients_equal_the_single_process_model():
 
 async def test_skippipe_paths_match_the_model_run_on_each_microbatchs_blocks():
     async with AsyncExitStack() as stack:
-        peers = await mesh(stack, 5)
+        peers = await start_peers(stack, 5, full_mesh=True)
         run = make_run([p.id for p in peers], [0, 1, 2, 3, 4], microbatches=4, mode="skippipe",
                        skip_ratio=0.5, name="skip")
         rts = await runtimes(stack, peers, run, keep_grads=True)
@@ -216,7 +207,7 @@ async def test_skippipe_paths_match_the_model_run_on_each_microbatchs_blocks():
 
 async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_working():
     async with AsyncExitStack() as stack:
-        peers = await mesh(stack, 3)
+        peers = await start_peers(stack, 3, full_mesh=True)
         hostile = (await start_peers(stack, 1))[0]
         for p in peers:
             await hostile.host.connect(p.host.addrs[0])
