@@ -245,11 +245,7 @@ class _Coordinator:
         if accounted and not elsewhere:
             self._nobody_else_coming(key, r, "the missing peers are past this round")
         elif reachable:
-            r.moved = reachable[0]
-            r.group_fixed.set()
-            if self.rounds.get(key) is r:
-                del self.rounds[key]
-            log.info(kv("allreduce coordinator handing over", key=key, to=reachable[0][-8:], why="probe"))
+            self._hand_over(key, r, reachable[0], "the missing peers are in this round there")
         elif accounted:
             self._nobody_else_coming(key, r, "the missing peers are in this round at a coordinator we cannot reach",
                                      elsewhere=min(elsewhere.values()))
@@ -283,11 +279,15 @@ class _Coordinator:
         lower = [p for p in self.c.group(r.round_id)
                  if p < me and p not in r.skipped and self.c.host.is_connected(p)]
         if lower:
-            r.moved = lower[0]
-            r.group_fixed.set()
-            if self.rounds.get(key) is r:
-                del self.rounds[key]
-            log.info(kv("allreduce coordinator handing over", key=key, to=lower[0][-8:]))
+            self._hand_over(key, r, lower[0], "a lower id is connected")
+
+    def _hand_over(self, key: str, r: _Round, to: str, why: str) -> None:
+        """Everyone who joined here is told to start the round again at `to`."""
+        r.moved = to
+        r.group_fixed.set()
+        if self.rounds.get(key) is r:
+            del self.rounds[key]
+        log.info(kv("allreduce coordinator handing over", key=key, to=to[-8:], why=why))
 
     def _fix_group(self, r: _Round) -> None:
         if not r.group_fixed.is_set():
