@@ -24,10 +24,6 @@ class Service:
     _stack: AsyncExitStack | None = None
     _nursery: trio.Nursery | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._stack is not None
-
     async def _start(self, stack: AsyncExitStack) -> None:
         raise NotImplementedError
 
