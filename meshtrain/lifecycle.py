@@ -36,6 +36,9 @@ class Service:
         try:
             await self._start(stack)
         except BaseException:
+            # Tasks already started must not keep the half-started service's nursery open.
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
             self._nursery = None
             await stack.aclose()
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import stat
 import struct
 from contextlib import AsyncExitStack
@@ -136,8 +137,6 @@ async def test_cancelled_stream_io_does_not_kill_the_connection(pair, side):
     task cancelled in between desynchronised the connection and the peer closed it: a few
     randomly cancelled writes (or reads, which send window updates) dropped it within a second
     (meshtrain/transport/libp2p_patches.py). Our deadlines cancel stream I/O routinely."""
-    import random
-
     a, b = pair
     proto = "/meshtrain/test/cancel-io/1"
     chunk = b"x" * 2000
