@@ -526,6 +526,12 @@ class Node:
 
     # -- status -------------------------------------------------------------------------------
 
+    def round_status(self) -> dict[str, Any]:
+        """The outer rounds as the status page shows them: `phi_round`, `phi_digest` (hex),
+        `phi_history` ([[round, digest hex], ...], newest last), `parity` (this peer's standing
+        against the swarm's φ digests) and `waiting` (what a round waits for now, or None)."""
+        return {"phi_round": None, "phi_digest": None, "phi_history": [], "parity": None, "waiting": None}
+
     def snapshot(self) -> dict[str, Any]:
         """The status document (schema in `meshtrain.node.status`)."""
         host, view, trainer = self.host, self.view, self.trainer
@@ -545,6 +551,7 @@ class Node:
                                 optimizer=trainer.spec.optimizer, samples_per_s=info.samples_per_s,
                                 bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"],
                                 history=list(info.history))
+        training.update(self.round_status())
         peers = []
         if view is not None and host is not None:
             progress, metrics = view.progress(), view.metrics()
