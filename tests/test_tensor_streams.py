@@ -14,11 +14,14 @@ import pytest
 import torch
 import trio
 
-from meshtrain.transport.framing import StreamClosed
+from meshtrain.transport.framing import FramedStream, StreamClosed, packb, unpackb
+from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import (
+    FALLBACK_PROTOCOL,
     MAGIC,
     DataPlaneConfig,
     DigestMismatch,
+    TensorStreams,
     TransferError,
     TransferRefused,
     payload_digest,
@@ -321,3 +324,193 @@ async def test_receiver_cancelled_mid_transfer_refuses_sender_and_host_survives(
             await a.ts.send(b.id, "gave-up", src, timeout=30)
     _, got = await exchange(a, b, "after-cancel", {"x": torch.ones(4)})  # both still serve
     assert got.tensors["x"].sum() == 4
+
+
+# -- who may use the data plane; how many early senders may wait ------------------------------
+
+
+def members(*peers):
+    """An `authorize` hook admitting exactly `peers`, recording whom it was asked about."""
+    allowed = {p.id for p in peers}
+    asked = []
+
+    async def authorize(peer: str) -> bool:
+        asked.append(peer)
+        return peer in allowed
+    authorize.asked = asked
+    return authorize
+
+
+def header(tag: str) -> dict:
+    return {"tag": tag, "xfer": os.urandom(16), "specs": [["w", "float32", [4]]], "meta": {},
+            "digest": None}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
+async def test_non_member_cannot_send_but_member_can(direct):
+    async with AsyncExitStack() as stack:
+        b, member, stranger = await start_peers(stack, 3, dp=DataPlaneConfig(direct=direct))
+        b.ts.authorize = members(member)  # set after construction, as the node does
+        async with trio.open_nursery() as nursery:
+            async def rx_never():  # a receive is waiting: only the refusal keeps the data out
+                with pytest.raises(TransferError, match="within"):
+                    await b.ts.receive(stranger.id, "t", timeout=2)
+            nursery.start_soon(rx_never)
+            with pytest.raises(TransferRefused, match="not-a-member"):
+                await stranger.ts.send(b.id, "t", {"x": torch.ones(3)}, timeout=10)
+        assert b.ts.refused["not-a-member"] >= 1
+        assert not any(s.peer == stranger.id for s in b.ts._sessions.values())
+        report, got = await exchange(member, b, "t", {"x": torch.arange(5.0)})
+        assert got.path == report.path == ("direct" if direct else "libp2p")
+        assert torch.equal(got.tensors["x"], torch.arange(5.0))
+
+
+async def test_session_rpc_answers_not_a_member_and_hands_no_key(pair):
+    a, b = pair
+    b.ts.authorize = members()
+    with pytest.raises(RemoteError) as refused:
+        await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
+    assert refused.value.code == "not-a-member"
+    assert b.ts._sessions == {}
+    assert b.ts.authorize.asked == [a.id]
+    assert b.ts.refused["not-a-member"] == 1
+
+
+async def test_fallback_stream_of_non_member_gets_one_error_frame_and_is_closed(pair):
+    a, b = pair
+    b.ts.authorize = members()
+    served = []
+    async with trio.open_nursery() as nursery:
+        async def rx():
+            with trio.move_on_after(2):
+                served.append(await b.ts.receive(a.id, "fb"))
+        nursery.start_soon(rx)
+        stream = await a.host.open_stream(b.id, FALLBACK_PROTOCOL)
+        framed = FramedStream(stream)
+        body = packb(header("fb"))
+        await framed.write(struct.pack(">IB", len(body) + 1, 1) + body)
+        with trio.fail_after(10):
+            length, kind = struct.unpack(">IB", await framed.read_exactly(5))
+            assert kind == 6  # ERROR
+            assert unpackb(await framed.read_exactly(length - 1))["code"] == "not-a-member"
+            assert await framed.at_eof()  # and nothing more: the stream was closed
+    assert served == []  # the header never reached the waiting receive
+    assert b.ts.refused["not-a-member"] == 1
+
+
+async def test_session_key_handed_to_a_stranger_opens_no_connection(pair):
+    """A session made outside the RPC (hole punching's `new_session`), or kept by a peer that has
+    since left: the connection is closed before the server's nonce, so no keys are derived."""
+    a, b = pair
+    b.ts.authorize = members()
+    sid, _key = b.ts.new_session(a.id)
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", b.ts.port)
+        await stream.send_all(MAGIC + sid + os.urandom(16))
+        assert await stream.receive_some(16) == b""
+    assert b.ts.refused["not-a-member"] == 1
+    assert sid not in b.ts._sessions  # a refusal forgets the peer's sessions
+
+
+async def test_member_that_leaves_is_refused_new_connections(pair):
+    a, b = pair
+    admitted = {a.id}
+
+    async def authorize(peer: str) -> bool:
+        return peer in admitted
+    b.ts.authorize = authorize
+    await exchange(a, b, "in", {"x": torch.ones(2)})
+    admitted.clear()
+    for ch in a.ts._idle.pop(b.id, []):  # pooled connections outlive membership (documented)
+        await ch.aclose()
+    with pytest.raises(TransferRefused, match="not-a-member"):
+        await a.ts.send(b.id, "out", {"x": torch.ones(2)}, timeout=10)
+    assert b.ts.refused["not-a-member"] >= 1
+
+
+async def test_slow_or_broken_authorize_refuses_within_its_deadline():
+    async def never(peer: str) -> bool:
+        await trio.sleep_forever()
+
+    async def broken(peer: str) -> bool:
+        raise RuntimeError("membership not loaded")
+
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, streams=False)
+        ts = await stack.enter_async_context(
+            TensorStreams(b.host, DataPlaneConfig(authorize_timeout=0.3), authorize=never))
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as refused:
+            await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
+        assert refused.value.code == "not-a-member"
+        assert 0.3 <= time.monotonic() - t0 < 3
+        assert ts.refused["authorize-timeout"] == 1
+        ts.authorize = broken
+        with pytest.raises(RemoteError, match="not-a-member"):
+            await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
+        assert ts.refused["authorize-error"] == 1
+        assert ts._sessions == {}
+
+
+async def _wait_until(predicate, seconds: float = 10) -> None:
+    with trio.fail_after(seconds):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer():
+    async with AsyncExitStack() as stack:
+        b, flooder, other = await start_peers(
+            stack, 3, dp=DataPlaneConfig(max_pending_per_peer=4, max_pending=16))
+        flood = []
+        for i in range(4):  # each early header holds a connection: open four
+            ch = await flooder.ts._channel(b.id)
+            await ch.send_msg(1, header(f"nobody/{i}"))
+            flood.append(ch)
+        await _wait_until(lambda: b.ts._waiting.get(flooder.id) == 4)
+        t0 = time.monotonic()
+        with pytest.raises(TransferRefused, match="too-many-pending"):
+            await flooder.ts.send(b.id, "nobody/4", {"w": torch.ones(4)}, timeout=10)
+        assert time.monotonic() - t0 < 5  # refused at once, not after claim_timeout
+        assert b.ts.refused["too-many-pending"] == 1
+
+        # Another peer's early sender still waits and delivers; and the flooder's transfer to a
+        # receive that is already waiting never counts against its bound.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(other.ts.send, b.id, "early", {"x": torch.ones(3)}, timeout=10))
+            await _wait_until(lambda: b.ts._waiting.get(other.id) == 1)
+            got = await b.ts.receive(other.id, "early", timeout=10)
+        assert got.tensors["x"].sum() == 3
+        _, got = await exchange(flooder, b, "claimed", {"x": torch.ones(2)})
+        assert got.tensors["x"].sum() == 2
+
+        # The flooder hangs up: its places are freed at once, not after claim_timeout.
+        for ch in flood:
+            await ch.aclose()
+        await _wait_until(lambda: b.ts._waiting == {}, seconds=5)
+        assert not any(peer == flooder.id for peer, _ in b.ts._slots)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(flooder.ts.send, b.id, "later", {"x": torch.ones(1)}, timeout=10))
+            await _wait_until(lambda: b.ts._waiting.get(flooder.id) == 1)
+            got = await b.ts.receive(flooder.id, "later", timeout=10)
+        assert got.tensors["x"].sum() == 1
+
+
+async def test_early_headers_are_bounded_across_peers():
+    async with AsyncExitStack() as stack:
+        b, p, q = await start_peers(stack, 3, dp=DataPlaneConfig(max_pending_per_peer=3, max_pending=4))
+        held = []
+        for sender, n in ((p, 3), (q, 1)):
+            for i in range(n):
+                ch = await sender.ts._channel(b.id)
+                await ch.send_msg(1, header(f"nobody/{i}"))
+                held.append(ch)
+        await _wait_until(lambda: sum(b.ts._waiting.values()) == 4)
+        with pytest.raises(TransferRefused, match="too-many-pending"):
+            await q.ts.send(b.id, "one-too-many", {"w": torch.ones(4)}, timeout=10)
+        _, got = await exchange(q, b, "claimed", {"x": torch.ones(2)})  # a waiting receive: fine
+        assert got.tensors["x"].sum() == 2
+        assert b.ts.refused["too-many-pending"] == 1
+        for ch in held:
+            await ch.aclose()
+        await _wait_until(lambda: b.ts._waiting == {}, seconds=5)

@@ -34,7 +34,33 @@ receiver whose sender did not come back within the window raises `PeerGone` from
 
 **Rendezvous**: `send(peer, tag, tensors)` pairs with `receive(peer, tag)` on the other side. A
 sender that arrives first waits (without sending data) until the receiver asks for that tag, up to
-`claim_timeout`. Tags are the caller's namespace, e.g. `allreduce/17/part3`.
+`claim_timeout`, or until it hangs up. Tags are the caller's namespace, e.g. `allreduce/17/part3`.
+
+**Who may use it**: `authorize(peer) -> bool` (constructor keyword, or set `streams.authorize`
+later: the node learns membership after it built the data plane) is asked, bounded by
+`authorize_timeout`, before a session key is handed out (the RPC answers `RemoteError` code
+`not-a-member`), before a direct connection is served (so a session handed out elsewhere, e.g. by
+hole punching, or held by a peer that since left, is worthless) and before a fallback stream is
+served (it gets one ERROR frame `not-a-member` and is closed; no header is read). A timeout or an
+exception in `authorize` refuses too. The sender sees `TransferRefused`, not `PeerGone`: it must
+not retry blindly. Unset, everyone is admitted, as before.
+
+**Limits** on senders that arrive first: each waits holding a server task, a connection and its
+parsed header. At most `max_pending_per_peer` (64) such headers per peer and `max_pending` (256)
+in all wait at once; one more is refused at once with ERROR `too-many-pending` (the sender sees
+`TransferRefused`). A header whose receive is already waiting never counts. An all-reduce round
+has at most two tags per peer pair waiting at once (the reduce-scatter part and the all-gather
+part), so 64 per peer leaves room for tens of concurrent collectives and pipeline hops, and 256
+for a round of ~128 peers all early at once. Every refusal is counted by reason in
+`streams.refused` (for /metrics): `not-a-member`, `authorize-timeout`, `authorize-error`,
+`too-many-pending`, and the transfer refusals `unclaimed`, `busy`, `cancelled`, `layout`, `digest`.
+
+Not here: who is a member (the node's `authorize`); revoking a peer's connections that are already
+open (a member that leaves keeps its pooled connections until they close; new ones and new session
+keys are refused); a byte budget for waiting headers (the count bounds it: at most `max_pending`
+headers of at most 4 MiB each); a bound on concurrent `authorize` calls (each lasts at most
+`authorize_timeout`; how many streams a peer may open at once is libp2p's limit, and direct
+connections are only checked once they name a session we handed out).
 """
 
 from __future__ import annotations
@@ -61,6 +87,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import (
     FramedStream,
     MalformedMessage,
+    StreamClosed,
     WireError,
     expect_map,
     packb,
@@ -91,6 +118,19 @@ TAG_BYTES = 16  # AES-GCM tag
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 4 << 20
 MAX_CONTROL = 4 << 20  # header frames carry specs: 100k tensors fit
 MAX_TAG_CHARS = 256
+# How long `authorize(peer)` may take. The node's answer waits for the peer's membership record to
+# replicate (a few seconds for a peer that just joined); this must stay well under the session
+# RPC's client timeout (10 s) so that a slow verdict is a refusal, not an RPC timeout.
+AUTHORIZE_TIMEOUT = 5.0
+
+# Refusal reasons (also the ERROR / RemoteError codes, except the two authorize-* ones, which
+# tell the peer `not-a-member`): the keys of `TensorStreams.refused`.
+NOT_A_MEMBER = "not-a-member"
+AUTHORIZE_TIMED_OUT = "authorize-timeout"
+AUTHORIZE_FAILED = "authorize-error"
+TOO_MANY_PENDING = "too-many-pending"
+REFUSAL_REASONS = (NOT_A_MEMBER, AUTHORIZE_TIMED_OUT, AUTHORIZE_FAILED, TOO_MANY_PENDING,
+                   "unclaimed", "busy", "cancelled", "layout", "digest")
 
 HEADER, ACCEPT, DATA, TRAILER, ACK, ERROR = 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct(">IB")  # frame length (kind byte + body), kind
@@ -120,6 +160,15 @@ class HandshakeError(TransferError):
     """A data-plane connection failed authentication (wrong or replayed key)."""
 
 
+class _Refusal(Exception):
+    """Internal: turn this transfer down with an ERROR frame carrying `code`."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
 @dataclass(frozen=True)
 class DataPlaneConfig:
     chunk_bytes: int = 4 << 20  # measured: 4 MiB frames ~1.5x faster than 1 MiB in Python
@@ -131,10 +180,18 @@ class DataPlaneConfig:
     direct: bool = True  # False: always use the libp2p fallback
     listen_ip: str | None = None  # default: the host's first listen IP
     port: int = 0
+    # Early senders waiting for their receive (see "Limits" above for why these numbers).
+    max_pending_per_peer: int = 64
+    max_pending: int = 256
+    authorize_timeout: float = AUTHORIZE_TIMEOUT
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK <= self.chunk_bytes <= MAX_CHUNK:
             raise ValueError("chunk_bytes must be between 1 and 4 MiB")
+        if not 1 <= self.max_pending_per_peer <= self.max_pending:
+            raise ValueError("need 1 <= max_pending_per_peer <= max_pending")
+        if not self.authorize_timeout > 0:
+            raise ValueError("authorize_timeout must be positive")
 
 
 @dataclass(frozen=True)
@@ -356,11 +413,21 @@ class _Session:
 
 
 class TensorStreams:
-    """The data plane of one host. Use inside the host: `async with TensorStreams(host) as ts:`."""
+    """The data plane of one host. Use inside the host: `async with TensorStreams(host) as ts:`.
 
-    def __init__(self, host: Host, config: DataPlaneConfig | None = None) -> None:
+    host: the libp2p host whose identity authenticates sessions and whose streams carry the
+      session RPC and the fallback.
+    config: limits and timeouts (`DataPlaneConfig`).
+    authorize: `async (peer id) -> bool`, whether that peer may open sessions and send us tensors;
+      None admits everyone. May be set (or replaced) later as `streams.authorize`. It is called
+      under `config.authorize_timeout`; a timeout or an exception counts as "no".
+    """
+
+    def __init__(self, host: Host, config: DataPlaneConfig | None = None, *,
+                 authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.host = host
         self.config = config or DataPlaneConfig()
+        self.authorize = authorize
         self._sessions: dict[bytes, _Session] = {}  # server side: sid -> session
         self._client_sessions: dict[str, tuple[bytes, bytes, str, int]] = {}  # peer -> sid, key, ip, port
         self._no_direct_until: dict[str, float] = {}
@@ -379,6 +446,10 @@ class TensorStreams:
         # return None to dial the port as usual. Unset: the plain dial below, as before.
         self.direct_opener: Callable[[str], Awaitable[tuple[trio.SocketStream, bytes, bytes] | None]] | None = None
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "handshake_failures": 0, "resumes": 0}
+        # reason -> how many sessions, connections or transfers we turned down for it
+        self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
+        # peer -> headers of early senders now waiting in `_claim` for their receive
+        self._waiting: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -567,7 +638,10 @@ class TensorStreams:
         if self.config.direct and self._no_direct_until.get(peer, 0) < time.monotonic():
             try:
                 return await self._dial_direct(peer)
-            except RpcError as e:  # the control plane itself fails: the peer is in trouble
+            except RpcError as e:
+                if isinstance(e, RemoteError) and e.code == NOT_A_MEMBER:
+                    raise TransferRefused(f"{peer} does not admit us to its data plane: {e}") from None
+                # otherwise the control plane itself fails: the peer is in trouble
                 raise PeerGone(f"{peer}: data-plane session setup failed: {e}") from None
             except (HandshakeError, OSError, trio.TooSlowError) as e:  # no direct path to it
                 log.info(kv("no direct data path, using libp2p", peer=peer, error=repr(e)))
@@ -632,17 +706,48 @@ class TensorStreams:
 
     # -- serve side ----------------------------------------------------------------------------
 
+    async def admits(self, peer: str) -> bool:
+        """Whether `peer` may use our data plane: `authorize(peer)`, bounded by
+        `config.authorize_timeout`. A "no", a timeout or an exception is counted in `refused` and
+        forgets the sessions we handed `peer`. True for everyone while `authorize` is None.
+
+        Public for protocols that hand out sessions over their own RPC (`new_session`)."""
+        authorize = self.authorize
+        if authorize is None:
+            return True
+        verdict: object = False
+        reason = NOT_A_MEMBER
+        try:
+            with trio.move_on_after(self.config.authorize_timeout) as scope:
+                verdict = await authorize(peer)
+            if scope.cancelled_caught:
+                reason = AUTHORIZE_TIMED_OUT
+        except Exception as e:  # a bug in the hook must fail closed, not take the handler down
+            log.warning(kv("data-plane authorize failed", peer=peer, error=repr(e)))
+            verdict, reason = False, AUTHORIZE_FAILED
+        if verdict is True:
+            return True
+        self.refused[reason] += 1
+        for sid in [sid for sid, s in self._sessions.items() if s.peer == peer]:
+            del self._sessions[sid]
+        log.info(kv("data plane refused a peer", peer=peer, reason=reason))
+        return False
+
     async def _open_session(self, peer: str, request: Any) -> dict:
         expect_map(request, "op")
         if request["op"] != "open":
             raise RemoteError("bad_request", "unknown op")
+        if not await self.admits(peer):
+            raise RemoteError(NOT_A_MEMBER, "this peer does not serve its data plane to you")
         sid, key = self.new_session(peer)
         return {"sid": sid, "key": key, "port": self.port}
 
     def new_session(self, peer: str) -> tuple[bytes, bytes]:
         """A fresh (session id, key) that `peer` may open data-plane connections with.
 
-        Public for NAT traversal, which hands the session over its own RPC."""
+        Public for NAT traversal, which hands the session over its own RPC. It does not ask
+        `authorize` (it cannot wait): such a caller should check `await admits(peer)` first.
+        Connections on the session are checked anyway, so a stranger's key opens nothing."""
         # Bound the sessions one peer can hold: old ones are dropped first.
         mine = sorted((s.created, sid) for sid, s in self._sessions.items() if s.peer == peer)
         for _, sid in mine[:-7]:
@@ -670,6 +775,12 @@ class TensorStreams:
                 session = self._sessions.get(sid)
                 if session is None:
                     raise HandshakeError("unknown session")
+            # Before our nonce: a refused client sees the connection end and asks for a fresh
+            # session, which the RPC then refuses with `not-a-member`.
+            if not await self.admits(session.peer):
+                await stream.aclose()
+                return
+            with trio.fail_after(self.config.handshake_timeout):
                 snonce = os.urandom(NONCE_BYTES)
                 await stream.send_all(snonce)
         except (HandshakeError, WireError, trio.TooSlowError, OSError, trio.BrokenResourceError) as e:
@@ -686,7 +797,24 @@ class TensorStreams:
             peer = stream_peer(stream)
         except Exception:
             return
-        await self._serve_channel(_Channel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None), peer)
+        ch = _Channel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
+        if not await self.admits(peer):
+            await self._turn_away(ch, NOT_A_MEMBER, "this peer does not serve its data plane to you")
+            return
+        await self._serve_channel(ch, peer)
+
+    async def _turn_away(self, ch: _Channel, code: str, text: str) -> None:
+        """Answer a stream we will not serve with one ERROR frame (without reading anything from
+        it), then close it: gracefully, so the frame arrives before the end of the stream."""
+        with trio.move_on_after(1):
+            try:
+                await ch.send_msg(ERROR, {"code": code, "text": text})
+                await ch.framed.stream.close()
+                ch.broken = True
+                return
+            except Exception:  # the stream is already gone: reset whatever is left
+                pass
+        await ch.aclose()
 
     async def _serve_channel(self, ch: _Channel, peer: str) -> None:
         """Receive transfers from `peer` on one connection until it closes."""
@@ -699,7 +827,7 @@ class TensorStreams:
             log.info(kv("data-plane frame rejected", peer=peer, reason=str(e)))
         except _Abandoned:
             with trio.move_on_after(1):  # tell the sender now rather than let it retry
-                await ch.send_msg(ERROR, {"code": "cancelled", "text": "the receiver gave up"})
+                await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
         except (WireError, LayoutError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             log.info(kv("data-plane connection ended", peer=peer, reason=repr(e)))
         except Exception as e:  # a connection handler must never take the node down
@@ -717,15 +845,19 @@ class TensorStreams:
         part = self._partials.get((peer, xfer))
         if part is not None and part.slot.cancelled:
             del self._partials[(peer, xfer)]
-            await ch.send_msg(ERROR, {"code": "cancelled", "text": "the receiver gave up"})
+            await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
             return
         if part is not None and (part.active or part.slot.done.is_set()):
-            await ch.send_msg(ERROR, {"code": "busy", "text": "transfer already in progress"})
+            await self._refuse_transfer(ch, "busy", "transfer already in progress")
             return
         if part is None:
-            slot = await self._claim(peer, tag)
+            try:
+                slot = await self._claim(ch, peer, tag)
+            except _Refusal as e:
+                await self._refuse_transfer(ch, e.code, e.text)
+                return
             if slot is None:
-                await ch.send_msg(ERROR, {"code": "unclaimed", "text": f"nobody is receiving {tag!r}"})
+                await self._refuse_transfer(ch, "unclaimed", f"nobody is receiving {tag!r}")
                 return
             limit = min(self.config.max_transfer_bytes, slot.max_bytes or self.config.max_transfer_bytes)
             try:
@@ -738,7 +870,7 @@ class TensorStreams:
                 views = byte_views(tensors)
             except LayoutError as e:
                 slot.finish(error=TransferRefused(f"{tag!r} from {peer}: {e}"))
-                await ch.send_msg(ERROR, {"code": "layout", "text": str(e)})
+                await self._refuse_transfer(ch, "layout", str(e))
                 return
             part = _Partial(slot, specs, tensors, views, total_bytes(specs), hdigest, meta)
             self._partials[(peer, xfer)] = part
@@ -765,11 +897,15 @@ class TensorStreams:
         expected = part.header_digest or tdigest
         if mine != expected:
             part.slot.finish(error=DigestMismatch(f"{tag!r} from {peer}: payload digest mismatch"))
-            await ch.send_msg(ERROR, {"code": "digest", "text": "digest mismatch"})
+            await self._refuse_transfer(ch, "digest", "digest mismatch")
             return
         await ch.send_msg(ACK, {})
         self.stats["bytes_received"] += part.total
         part.slot.finish(Received(peer, tag, part.tensors, mine, meta, part.total, ch.path))
+
+    async def _refuse_transfer(self, ch: _Channel, code: str, text: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        await ch.send_msg(ERROR, {"code": code, "text": text})
 
     async def _receive_data(self, ch: _Channel, part: _Partial) -> None:
         seg_ends = []
@@ -813,24 +949,63 @@ class TensorStreams:
         self._abandoned = {k: t for k, t in self._abandoned.items() if t > now}
         self._abandoned[(slot.peer, slot.tag)] = now + self.config.claim_timeout
 
-    async def _claim(self, peer: str, tag: str) -> _Slot | None:
+    async def _claim(self, ch: _Channel, peer: str, tag: str) -> _Slot | None:
+        """The receive this header feeds: at once if it is waiting, else after waiting for it
+        (bounded by `claim_timeout`, the pending limits, and the sender hanging up). None if
+        there is none to feed; `_Refusal` if the sender may not wait."""
         key = (peer, tag)
         if self._abandoned.get(key, 0) > time.monotonic():
             return None
         slot = self._slots.get(key)
-        if slot is None:
+        if slot is not None and slot.claimed:
+            return None
+        if slot is None:  # an early sender: it must wait, if there is room
+            waiting = self._waiting.get(peer, 0)
+            if waiting >= self.config.max_pending_per_peer:
+                raise _Refusal(TOO_MANY_PENDING, f"{waiting} of your transfers already wait for "
+                                                 "their receive here")
+            if sum(self._waiting.values()) >= self.config.max_pending:
+                raise _Refusal(TOO_MANY_PENDING, "too many transfers already wait for their receive here")
             slot = _Slot(peer, tag)
             self._slots[key] = slot
-        if slot.claimed:
-            return None
         slot.claimed = True
-        with trio.move_on_after(self.config.claim_timeout):
-            await slot.registered.wait()
-        if not slot.registered.is_set() or slot.cancelled:
-            if self._slots.get(key) is slot and not slot.registered.is_set():
+        if not slot.registered.is_set():
+            hung_up = await self._wait_for_receive(ch, peer, slot)
+            if not slot.registered.is_set() and self._slots.get(key) is slot:
                 del self._slots[key]
+            if hung_up:
+                raise StreamClosed("the sender hung up while waiting for its receive")
+        if not slot.registered.is_set() or slot.cancelled:
             return None
         return slot
+
+    async def _wait_for_receive(self, ch: _Channel, peer: str, slot: _Slot) -> bool:
+        """Wait up to `claim_timeout` for `slot` to be registered, counted in `_waiting`.
+        Returns whether the sender hung up first: then its place is freed at once, not after
+        `claim_timeout` (a sender whose own deadline passed closes its connection)."""
+        hung_up = False
+
+        async def watch_sender(done: trio.CancelScope) -> None:
+            nonlocal hung_up
+            try:  # an honest sender sends nothing until ACCEPT, so this reads only the end
+                hung_up = await ch.framed.at_eof()
+            except Exception:
+                hung_up = True
+            if hung_up:
+                done.cancel()
+
+        self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        try:
+            with trio.move_on_after(self.config.claim_timeout):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_sender, nursery.cancel_scope)
+                    await slot.registered.wait()
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._waiting[peer] -= 1
+            if not self._waiting[peer]:
+                del self._waiting[peer]
+        return hung_up and not slot.registered.is_set()
 
     async def _expire_partial(self, peer: str, xfer: bytes, part: _Partial) -> None:
         resumed = part.resumed
