@@ -9,7 +9,10 @@ Every peer holds the same view without a leader because all four are CRDTs kept 
   not more than `max_clock_skew` in the future) and it has not left. A clean `leave()` writes the
   record with `left=True` and hands it to peers before the process exits, so others drop the peer
   at once instead of when its lease runs out.
-- **progress** — per-peer record {step, samples, outer_round} (same per-owner register).
+- **progress** — per-peer record {step, samples, outer_round, and `phi`: the digests of the
+  outer parameters φ after the peer's last few rounds, `[[round, digest], ...]`} (same per-owner
+  register). Every peer of a DiLoCo-family swarm must hold the same φ after the same round; the
+  digests let each peer check that continuously (`node/parity.py`).
 - **metrics** — per-peer record of a few latest numbers (loss, throughput, ...).
 - **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
   rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
@@ -76,6 +79,8 @@ MAX_ADDR_CHARS = 512
 MAX_LABEL_CHARS = 64  # role, connection type, metric names
 MAX_CAPABILITIES_BYTES = 4096
 MAX_METRICS = 32
+MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
+MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
 
 
@@ -109,6 +114,11 @@ class PeerProgress:
     samples: int
     outer_round: int
     updated_ms: int
+    phi: tuple[tuple[int, bytes], ...] = ()  # (outer round, φ digest) after the last rounds
+
+    def phi_at(self, outer_round: int) -> bytes | None:
+        """The φ digest this peer published for `outer_round`, if it still carries it."""
+        return next((d for r, d in self.phi if r == outer_round), None)
 
 
 @dataclass(frozen=True)
@@ -167,10 +177,29 @@ def check_membership(entry: SignedEntry) -> None:
 
 def check_progress(entry: SignedEntry) -> None:
     rec = _record(entry)
-    if set(rec) != {"step", "samples", "round"}:
-        raise CrdtError("a progress record has exactly step, samples, round")
+    if not {"step", "samples", "round"} <= set(rec) <= {"step", "samples", "round", "phi"}:
+        raise CrdtError("a progress record has step, samples, round and optionally phi")
     for key in ("step", "samples", "round"):
         _count(rec[key], key)
+    _phi_digests(rec.get("phi", []))
+
+
+def _phi_digests(value: Any) -> tuple[tuple[int, bytes], ...]:
+    """`[[round, digest], ...]`, at most MAX_PHI_DIGESTS, rounds strictly increasing."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_PHI_DIGESTS:
+        raise CrdtError(f"phi must be a list of at most {MAX_PHI_DIGESTS} [round, digest] pairs")
+    out: list[tuple[int, bytes]] = []
+    for pair in value:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise CrdtError("a phi entry is [round, digest]")
+        rnd = _count(pair[0], "phi round")
+        digest = pair[1]
+        if not isinstance(digest, bytes) or not 0 < len(digest) <= MAX_DIGEST_BYTES:
+            raise CrdtError(f"a phi digest is 1..{MAX_DIGEST_BYTES} bytes")
+        if out and rnd <= out[-1][0]:
+            raise CrdtError("phi rounds must be strictly increasing")
+        out.append((rnd, digest))
+    return tuple(out)
 
 
 def check_metrics(entry: SignedEntry) -> None:
@@ -388,14 +417,18 @@ class SwarmView:
         step: int | None = None,
         samples: int | None = None,
         outer_round: int | None = None,
+        phi: list[tuple[int, bytes]] | None = None,
     ) -> None:
         """Record our progress; it goes out with the next heartbeat, at once if the outer round
-        changed."""
+        or the φ digests changed. `phi`: (round, digest) of our last rounds, oldest first."""
         new = dict(self._progress)
         for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
             if value is not None:
                 new[key] = _count(value, key)
-        round_changed = new["round"] != self._progress["round"]
+        if phi is not None:
+            new["phi"] = [list(p) for p in _phi_digests(list(phi)[-MAX_PHI_DIGESTS:])]
+        round_changed = (new["round"] != self._progress["round"]
+                         or new.get("phi") != self._progress.get("phi"))
         self._progress = new
         self._progress_dirty = True
         if round_changed and not self._left:
@@ -436,7 +469,7 @@ class SwarmView:
         """peer id -> its latest progress record."""
         return {
             e.owner: PeerProgress(e.owner, e.body[1]["step"], e.body[1]["samples"],
-                                  e.body[1]["round"], e.body[0])
+                                  e.body[1]["round"], e.body[0], _phi_digests(e.body[1].get("phi", [])))
             for e in self.replica.crdt(PROGRESS).entries()
         }
 
@@ -520,12 +553,14 @@ class SwarmView:
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
-        """Leave cleanly on a normal exit; on an exception (a crash, a cancellation) just stop,
-        and peers drop us when our lease runs out. A daemon shutting down on a signal calls `leave()`
-        itself first."""
+        """Leave on a clean exit and on an error (`leave` is shielded and bounded by its
+        timeout): the others stop waiting for us at once instead of when our lease runs out. A
+        cancelled view just stops (its owner is being torn down, or wants a silent peer); a killed
+        process leaves no tombstone either — its closed connections tell the others. A daemon
+        shutting down on a signal calls `leave()` itself first."""
         cm, self._nursery_cm = self._nursery_cm, None
         try:
-            if not self._left and exc[0] is None:
+            if not self._left and not isinstance(exc[1], trio.Cancelled):
                 await self.leave()
         finally:
             if self._nursery is not None:

@@ -78,6 +78,8 @@ log = get_logger(__name__)
 JOIN_RPC, REPORT_RPC, WATCH_RPC = "allreduce/join", "allreduce/report", "allreduce/watch"
 WHERE_RPC = "allreduce/where"
 JOIN_QUIET = 0.5  # after the join deadline, fix the group once no one joined for this long
+WAIT_LOG_EVERY = 5.0  # a round still waiting after this long says (again) what it waits for
+NOT_A_MEMBER, OUT_OF_WINDOW = "not-a-member", "round-out-of-window"  # typed refusals (RPC codes)
 PROBE_AFTER = 2.0  # a coordinator still missing peers this long asks them where they are ...
 PROBE_EVERY = 2.0  # ... and again this often
 FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
@@ -96,6 +98,8 @@ class AllReduceConfig:
     trim: int = 1
     clip: float = 2.0
     owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
+    round_window: int | None = None  # refuse joins for rounds further than this from ours (None: any)
+    member_wait: float = 3.0  # how long a request from a peer not (yet) in membership waits for it
 
     def __post_init__(self) -> None:
         if self.robust not in ("none", "trimmed_mean", "clipped_mean"):
@@ -146,6 +150,7 @@ class _Round:
     elsewhere: str | None = None  # the missing peers are in this round at a coordinator we cannot reach
     skipped: set[str] = field(default_factory=set)  # lower ids joiners gave up on (never hand over to them)
     passed: bool = False  # the missing peers already joined a later round: nobody else will come
+    last_wait_log: float = 0.0
     joins: dict[str, float] = field(default_factory=dict)
     group_fixed: trio.Event = field(default_factory=trio.Event)
     attempts: list[_Attempt] = field(default_factory=list)
@@ -161,11 +166,14 @@ class _Coordinator:
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, str], int] = {}
 
-    def _round(self, key: str, expected: Sequence[str]) -> _Round:
+    def _round(self, key: str) -> _Round:
         r = self.rounds.get(key)
         if r is None:
             head = key.split("/", 1)[0]
-            r = _Round(frozenset(expected), time.monotonic(), int(head) if head.isdigit() else None)
+            round_id = int(head) if head.isdigit() else None
+            # The candidates come from our own view of membership, never from a joiner's message.
+            expected = self.c.group(round_id) if round_id is not None else (self.c.peer_id,)
+            r = _Round(frozenset(expected), time.monotonic(), round_id)
             self.rounds[key] = r
             assert self.c.host.nursery is not None  # the host is running
             self.c.host.nursery.start_soon(self._fix_group_later, key, r)
@@ -267,9 +275,22 @@ class _Coordinator:
         log.info(kv("allreduce round ends: nobody else will come", key=key, why=why, joined=len(r.joins)))
 
     def _review(self, key: str, r: _Round) -> None:
-        """While collecting joins: end a round nobody else will come to, or hand it over."""
+        """While collecting joins: follow membership (a peer that left — its connection closed, or
+        its lease ran out — is no longer waited for), end a round nobody else will come to, or
+        hand it over."""
         if r.group_fixed.is_set() or r.round_id is None:
             return
+        r.expected = frozenset(self.c.group(r.round_id)) | frozenset(r.joins)
+        if r.expected <= set(r.joins):
+            self._fix_group(r)
+            return
+        now = time.monotonic()
+        if now - r.created >= WAIT_LOG_EVERY and now - r.last_wait_log >= WAIT_LOG_EVERY:
+            r.last_wait_log = now
+            log.warning(kv("outer round waiting for peers to join", round=r.round_id, tag=_tag_of(key),
+                           joined=len(r.joins), expected=len(r.expected),
+                           missing=",".join(p[-8:] for p in sorted(r.expected - set(r.joins))),
+                           waited_s=round(now - r.created, 1)))
         series = key.split("/", 1)[1]
         missing = r.expected - set(r.joins)
         if missing and all(self.latest.get((p, series), -1) > r.round_id for p in missing):
@@ -296,8 +317,8 @@ class _Coordinator:
             log.debug(kv("allreduce group fixed", round=r.round_id, size=len(r.joins),
                          expected=len(r.expected)))
 
-    async def join(self, peer: str, key: str, expected: Sequence[str], skipped: Sequence[str] = ()) -> dict:
-        r = self._round(key, expected)
+    async def join(self, peer: str, key: str, skipped: Sequence[str] = ()) -> dict:
+        r = self._round(key)
         r.skipped.update(skipped)
         if r.round_id is not None:
             series = (peer, key.split("/", 1)[1])
@@ -310,6 +331,7 @@ class _Coordinator:
                 return {"moved": r.moved}
             return {"late": True, "passed": r.passed, "elsewhere": r.elsewhere}
         r.joins[peer] = time.monotonic()
+        r.expected |= {peer}
         if r.expected <= set(r.joins):
             self._fix_group(r)
         await r.group_fixed.wait()
@@ -327,8 +349,10 @@ class _Coordinator:
             raise RemoteError("unknown_attempt", f"{key} attempt {attempt}")
         return r.attempts[attempt]
 
-    async def watch(self, key: str, attempt: int) -> dict:
+    async def watch(self, peer: str, key: str, attempt: int) -> dict:
         a = self._attempt(key, attempt)
+        if peer not in a.group:
+            raise RemoteError(NOT_A_MEMBER, f"{peer[-8:]} is not in the group of {key} attempt {attempt}")
         await a.decided.wait()
         assert a.outcome is not None  # set before decided
         return a.outcome
@@ -336,7 +360,9 @@ class _Coordinator:
     async def report(self, peer: str, key: str, attempt: int, status: str, digest: bytes | None,
                      suspects: Sequence[str], rejected: Sequence[str] = (), evidence: bool = False) -> dict:
         a = self._attempt(key, attempt)
-        if not a.decided.is_set() and peer in a.group:
+        if peer not in a.group:
+            raise RemoteError(NOT_A_MEMBER, f"{peer[-8:]} is not in the group of {key} attempt {attempt}")
+        if not a.decided.is_set():
             a.reports[peer] = (status, digest, tuple(s for s in suspects if s in a.group), tuple(rejected),
                                bool(evidence))
             failed = any(rep[0] == "fail" for rep in a.reports.values())
@@ -454,11 +480,16 @@ class SwarmCollective:
     """
 
     def __init__(self, host: Host, streams: TensorStreams,
-                 membership: Callable[[int], Sequence[str]], config: AllReduceConfig | None = None) -> None:
+                 membership: Callable[[int], Sequence[str]], config: AllReduceConfig | None = None, *,
+                 current_round: Callable[[], int] | None = None) -> None:
         self.host = host
         self.streams = streams
         self.membership = membership
         self.config = config or AllReduceConfig()
+        self.current_round = current_round
+        self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
+        self._latest_round: int | None = None  # the newest round we took part in
+        self._waiting: str | None = None  # what our round waits for now (participant side)
         self._coord = _Coordinator(self)
         # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
         # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
@@ -478,55 +509,110 @@ class SwarmCollective:
         return tuple(sorted(set(self.membership(round_id)) | {self.peer_id}))
 
     # -- RPC handlers (coordinator role) -------------------------------------------------------
+    #
+    # Every request is authenticated against our own view of membership: only a candidate of the
+    # round (a member per `membership`, us included) may join, report, watch or ask where we are,
+    # and only for a round near the one we are at. A fresh identity that is not a member gets a
+    # typed `not-a-member` error and changes nothing — before this, a stranger could join a future
+    # round with itself as the expected group and void the real members' round.
+
+    def _refuse(self, code: str, text: str) -> RemoteError:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        return RemoteError(code, text)
+
+    async def _require_member(self, peer: str, round_id: int, *, wait: bool = True) -> None:
+        """`peer` must be a candidate of `round_id`. A peer that just became a trainer may not be
+        in our replica of membership yet: wait up to `member_wait` for it to arrive."""
+        if peer == self.peer_id or peer in self.membership(round_id):
+            return
+        if wait:
+            with trio.move_on_after(self.config.member_wait):
+                while peer not in self.membership(round_id):
+                    await trio.sleep(0.1)
+                return
+        raise self._refuse(NOT_A_MEMBER, f"{peer[-8:]} is not a member of this swarm's round {round_id}")
+
+    def _check_window(self, round_id: int) -> None:
+        window = self.config.round_window
+        ref = self.current_round() if self.current_round is not None else self._latest_round
+        if window is not None and ref is not None and abs(round_id - ref) > window:
+            raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
+
+    def _parse_key(self, key: Any) -> tuple[int, str]:
+        """A round key `"{round_id}/{tag}/{coordinator}"` addressed to us: (round id, tag)."""
+        if not isinstance(key, str) or len(key) > 1024:
+            raise RemoteError("malformed", "a round key is a str")
+        head, _, rest = key.partition("/")
+        tag, _, coordinator = rest.rpartition("/")
+        if not head.isdigit() or len(head) > 18 or coordinator != self.peer_id:
+            raise RemoteError("malformed", "a round key is round/tag/coordinator, addressed to us")
+        return int(head), tag
 
     async def _rpc_join(self, peer: str, req: Any) -> dict:
-        req = expect_map(req, "key", "expected")
-        if not isinstance(req["key"], str) or not isinstance(req["expected"], list):
-            raise RemoteError("malformed", "bad join")
+        req = expect_map(req, "key")
+        round_id, _ = self._parse_key(req["key"])
+        self._check_window(round_id)
+        await self._require_member(peer, round_id)
         skipped = req.get("skipped", [])
-        if not isinstance(skipped, list):
+        if not isinstance(skipped, list) or not all(isinstance(p, str) for p in skipped):
             raise RemoteError("malformed", "bad join")
-        return await self._coord.join(peer, req["key"], [str(p) for p in req["expected"][:4096]],
-                                      [str(p) for p in skipped[:4096]])
+        return await self._coord.join(peer, req["key"], skipped[:4096])
 
     async def _rpc_report(self, peer: str, req: Any) -> dict:
         req = expect_map(req, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence")
-        if (req["status"] not in ("done", "fail") or not isinstance(req["attempt"], int)
+        if (req["status"] not in ("done", "fail") or not _is_int(req["attempt"])
                 or not isinstance(req["suspects"], list) or not isinstance(req["rejected"], list)
                 or not isinstance(req["evidence"], bool)
                 or not (req["digest"] is None or isinstance(req["digest"], bytes))):
             raise RemoteError("malformed", "bad report")
-        return await self._coord.report(peer, str(req["key"]), req["attempt"], req["status"], req["digest"],
+        self._parse_key(req["key"])
+        return await self._coord.report(peer, req["key"], req["attempt"], req["status"], req["digest"],
                                         [str(s) for s in req["suspects"][:4096]],
                                         [str(s) for s in req["rejected"][:4096]], req["evidence"])
 
     async def _rpc_watch(self, peer: str, req: Any) -> dict:
         req = expect_map(req, "key", "attempt")
-        if not isinstance(req["attempt"], int):
+        if not _is_int(req["attempt"]):
             raise RemoteError("malformed", "bad watch")
-        return await self._coord.watch(str(req["key"]), req["attempt"])
+        self._parse_key(req["key"])
+        return await self._coord.watch(peer, req["key"], req["attempt"])
 
     async def _rpc_where(self, peer: str, req: Any) -> dict:
         req = expect_map(req, "tag", "round")
-        if not isinstance(req["tag"], str):
+        if not isinstance(req["tag"], str) or not _is_int(req["round"]):
             raise RemoteError("malformed", "bad where")
+        await self._require_member(peer, req["round"], wait=False)
         at, coordinator = self._position.get(req["tag"], (-1, None))
         return {"round": at, "coordinator": coordinator, "finished": self._finished.get(req["tag"], -1)}
+
+    def waiting_for(self) -> str | None:
+        """What a round of ours waits for right now, in words (for `/status`), or None."""
+        for key, r in list(self._coord.rounds.items()):
+            if not r.group_fixed.is_set() and self.peer_id in r.joins:
+                missing = sorted(r.expected - set(r.joins))
+                return (f"round {r.round_id} ({_tag_of(key)}): waiting for {len(missing)} of "
+                        f"{len(r.expected)} peers to join ({', '.join(p[-8:] for p in missing[:8])}), "
+                        f"{time.monotonic() - r.created:.0f} s")
+        return self._waiting
 
     async def _to_coordinator(self, coordinator: str, method: str, **req: Any) -> dict:
         if coordinator == self.peer_id:
             if method == JOIN_RPC:
-                return await self._coord.join(self.peer_id, req["key"], req["expected"], req["skipped"])
+                return await self._coord.join(self.peer_id, req["key"], req["skipped"])
             if method == REPORT_RPC:
                 return await self._coord.report(self.peer_id, req["key"], req["attempt"], req["status"],
                                                 req["digest"], req["suspects"], req["rejected"], req["evidence"])
-            return await self._coord.watch(req["key"], req["attempt"])
+            return await self._coord.watch(self.peer_id, req["key"], req["attempt"])
         give_up = time.monotonic() + self.config.join_timeout
         while True:
             try:
                 reply = await self.host.rpc.call(coordinator, method, req, timeout=self.config.join_timeout + 120)
                 break
             except RemoteError as e:
+                if e.code in (NOT_A_MEMBER, OUT_OF_WINDOW):
+                    # Its view of the swarm does not hold us (yet), or it is far from our round:
+                    # another coordinator would split the round. Proceed alone; parity re-syncs us.
+                    raise CollectiveError(f"coordinator {coordinator[-8:]} refused us: {e}") from None
                 raise _Restart(f"coordinator {coordinator[-8:]} refused: {e}") from None
             except RpcError as e:
                 # A live connection means the coordinator is there but not ready (still starting
@@ -549,9 +635,11 @@ class SwarmCollective:
             log.warning(kv("allreduce input is not finite; contributing weight 0", round=round_id))
             tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
             weight = 0.0
+        self._latest_round = max(self._latest_round or round_id, round_id)
         try:
             return await self._all_reduce(tensors, round_id, tag, codec, weight)
         finally:
+            self._waiting = None
             self._position.pop(tag, None)
             self._finished[tag] = max(self._finished.get(tag, -1), round_id)
             for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
@@ -597,7 +685,10 @@ class SwarmCollective:
                          tensors: dict[str, torch.Tensor], codec: str, weight: float,
                          skipped: list[str]) -> ReduceResult:
         log.debug(kv("allreduce join", key=key, expected=len(expected)))
+        if coordinator != self.peer_id:
+            self._waiting = f"round {key.split('/', 1)[0]}: waiting for coordinator {coordinator[-8:]} to form the group"
         joined = await self._to_coordinator(coordinator, JOIN_RPC, key=key, expected=expected, skipped=skipped)
+        self._waiting = None
         log.debug(kv("allreduce joined", key=key, reply=",".join(sorted(joined))))
         if isinstance(joined.get("moved"), str) and joined["moved"] < coordinator:
             raise _Moved(joined["moved"])
@@ -902,6 +993,10 @@ class SwarmCollective:
         return await average_pair(self.streams, self.peer_id, partner, tensors, round_id=round_id, tag=tag,
                                   codec=codec, timeout=self.config.part_timeout,
                                   min_bandwidth=self.config.min_bandwidth)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _raise_typed(leaves: list[BaseException]) -> None:

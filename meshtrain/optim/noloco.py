@@ -75,6 +75,8 @@ class NoLoCo(OuterOptimizer):
     codec: compression of what is exchanged (module docstring: keep "none" or "fp16").
     """
 
+    replicas_identical = False  # each pair averages with its own partner: φ differs by design
+
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
                  *, H: int = 50, lr: float = 0.7, gamma: float = 0.7, momentum: float = 0.5,
                  group: str = "pair", codec: str = "none") -> None:
@@ -84,6 +86,7 @@ class NoLoCo(OuterOptimizer):
             raise ValueError(f"need lr > 0, gamma >= 0, 0 <= momentum < 1; got {lr}, {gamma}, {momentum}")
         super().__init__(model, inner, collective, H=H, codec=codec)
         self.lr, self.gamma, self.momentum, self.group = lr, gamma, momentum, group
+        self.replicas_identical = group == "all"  # with the whole group it is heavy-ball DiLoCo
         self.velocity = self.register_buffers("velocity")  # δ
 
     def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

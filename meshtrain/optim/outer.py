@@ -94,6 +94,11 @@ class OuterStateError(MeshtrainError):
     """A state dict cannot be produced or loaded (wrong algorithm, shapes, or an exchange in flight)."""
 
 
+class StaleStateError(OuterStateError):
+    """The state is fine but its moment has passed (a round old, or an exchange is in flight):
+    a transient — fetch a newer state, or try again after the exchange."""
+
+
 @dataclass(frozen=True)
 class RoundReport:
     """One exchange, as this peer saw it."""
@@ -135,6 +140,10 @@ class _Call:
 class OuterOptimizer:
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
+    `replicas_identical` (class attribute, default True): every peer holds the same φ after the
+    same round, which the node checks continuously (node/parity.py). An optimizer whose replicas
+    differ by design (NoLoCo's pairwise gossip) sets it False.
+
     model: the module trained in place; its trainable parameters (`requires_grad`) are θ.
     inner: the inner torch optimizer over `model`'s parameters, stepped by `step()`; None if the
         caller steps it itself (then call `step()` right after the inner step).
@@ -145,6 +154,8 @@ class OuterOptimizer:
     delay: τ, inner steps the exchange of a fragment overlaps with (0 = blocking).
     alpha: merge weight of the local parameters at s + τ (θ ← α·θ + (1−α)·φ).
     """
+
+    replicas_identical = True
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
                  *, H: int, codec: str = "none", fragments: Sequence[Sequence[str]] | None = None,
@@ -458,7 +469,7 @@ class OuterOptimizer:
         """Restore `state_dict()` output (a checkpoint of this or another peer). Does not touch the
         model's parameters θ — restore those from the model checkpoint, or use `join`."""
         if self._pending:
-            raise OuterStateError("cannot load state while an outer exchange is in flight")
+            raise StaleStateError("cannot load state while an outer exchange is in flight")
         self._check_state(state)
         with torch.no_grad():
             for n, t in state["outer_params"].items():
@@ -485,7 +496,7 @@ class OuterOptimizer:
         self.load_state_dict(state, inner=False)
         if at_step is not None:
             if not self.inner_steps <= at_step < self.next_send_step(self.inner_steps):
-                raise OuterStateError(f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
+                raise StaleStateError(f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
                                       f"(an exchange happened in between): fetch a newer state")
             self.inner_steps = at_step
         with torch.no_grad():

@@ -58,7 +58,7 @@ from meshtrain.transport.framing import expect_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.reachability import PRIVATE, PUBLIC, ReachabilityService
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
-from meshtrain.transport.tensor_streams import HandshakeError, TensorStreams
+from meshtrain.transport.tensor_streams import NOT_A_MEMBER, HandshakeError, TensorStreams
 
 log = get_logger(__name__)
 
@@ -252,6 +252,8 @@ class DataPlanePunch:
 
     async def _prepare(self, peer: str, req: dict) -> dict:
         remote = _check_addr(req["addr"])
+        if not await self.streams.admits(peer):  # data-plane sessions are for members only
+            raise RemoteError(NOT_A_MEMBER, "only members of this swarm may open a data-plane session")
         sid, key = self.streams.new_session(peer)
         if self.reachability.status != PRIVATE:  # public, or not known to be behind a NAT
             self.stats["listen"] += 1

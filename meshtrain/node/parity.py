@@ -1,0 +1,163 @@
+"""Parity: every peer of a swarm holds the same outer parameters φ after the same round — checked
+continuously, and repaired within a round when it does not hold.
+
+The problem. The all-reduce makes every member of *one group* end a round with bit-identical
+results (digests agree, or the minority re-syncs). Across groups nothing does: membership is
+eventually consistent, so under churn two coordinators can each form a group for the same round
+(a soak saw round 3860 complete twice, as two groups of two), and a peer that proceeded alone
+holds its own φ. Without a check such a peer trains on, silently diverged, for as long as it
+lives — in the soak, one peer's eval loss climbed from 1.57 to 2.10 over 26 rounds while nothing
+logged it.
+
+The design. After every outer round a peer hashes φ (`phi_digest`, blake3 over the outer
+parameters in name order, a few ms for 100 MB) and publishes `(round, digest)` for its last
+few rounds in its signed CRDT progress record (`SwarmView.report_progress(phi=...)`). Any peer
+can then compare, for round r, the digests of every live trainer that reports one:
+
+- **The rule.** The digest held by the most peers at round r wins. A tie goes to the digest
+  whose holders include the lowest peer id (the peer every group would have chosen as its
+  coordinator: a deterministic choice every peer computes alike from the same records). With no
+  majority at all — every peer alone — the same rule still picks exactly one state.
+- **Minority.** A peer whose digest at r is not the winner is *out of step*: it logs it at
+  WARNING, `/status` shows it (`training.parity`), and it re-syncs from the winner's holders —
+  the node downloads their state (multi-donor, verified), which they publish after every round,
+  so the repair lands within about one round.
+- **When to judge.** The round judged is our newest one that every live trainer has reached
+  (published a digest at or past it; each record carries the last 8 rounds, so peers a round or
+  two apart still compare the same round). A peer that has not reached it holds the verdict
+  open for at most `settle_s` after our round completed (a stopped or cut-off peer must not keep
+  it open forever). A peer that joined after the round (its digests start later) is not counted.
+
+What it does not cover: optimizers whose replicas differ by design (NoLoCo gossips with one
+partner; `OuterOptimizer.replicas_identical = False` turns the check off), and a majority that
+is wrong together (every peer trusts the largest group; a colluding majority is the public-swarms
+issue's problem, not this one's).
+
+`judge` is a pure function of the records and a clock value, tested without a network
+(`tests/test_parity.py`); `ParityMonitor` keeps a node's own digests and its last verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import blake3
+import torch
+
+from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
+
+DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
+DEFAULT_SETTLE_S = 10.0
+
+
+def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:
+    """blake3 over the outer parameters' fp32 bytes, in name order (names included)."""
+    h = blake3.blake3()
+    for name in sorted(outer_params):
+        t = outer_params[name].detach()
+        h.update(name.encode())
+        if t.numel():
+            h.update(t.to("cpu", torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.digest(length=DIGEST_BYTES)
+
+
+@dataclass(frozen=True)
+class ParityVerdict:
+    """How this peer's φ at `outer_round` compares with the swarm's."""
+
+    status: str  # "ok" | "minority" | "pending" | "unchecked"
+    outer_round: int | None = None
+    mine: bytes | None = None
+    majority: bytes | None = None
+    holders: tuple[str, ...] = ()  # peers holding the winning digest (sorted)
+    agreeing: int = 0  # peers holding our digest, us included
+    compared: int = 0  # peers with a digest at this round, us included
+    reason: str = ""
+
+    def as_status(self) -> dict:
+        return {"status": self.status, "round": self.outer_round,
+                "mine": self.mine.hex() if self.mine else None,
+                "majority": self.majority.hex() if self.majority else None,
+                "holders": [p[-8:] for p in self.holders], "agreeing": self.agreeing,
+                "compared": self.compared, "reason": self.reason}
+
+
+def winning_digest(holders: Mapping[bytes, set[str]]) -> bytes:
+    """The digest held by the most peers; a tie goes to the one whose holders include the lowest
+    peer id. `holders` must not be empty."""
+    return min(holders, key=lambda d: (-len(holders[d]), min(holders[d]), d))
+
+
+def judge(me: str, mine: Sequence[tuple[int, bytes]], others: Mapping[str, Sequence[tuple[int, bytes]]],
+          *, completed_at: float | None, now: float, settle_s: float = DEFAULT_SETTLE_S) -> ParityVerdict:
+    """Judge our φ against the digests `others` (live trainers other than us, each with its
+    published `(round, digest)` list, oldest first) published.
+
+    The round judged is the newest of ours that every other peer has reached (it holds a digest
+    there, or its digests are already past it); if someone has not reached even our oldest kept
+    round, our newest round is judged with the peers that have, once `settle_s` has passed since
+    it completed (`completed_at`, monotonic) — before that the verdict is "pending"."""
+    if not mine:
+        return ParityVerdict("pending", reason="no round completed yet")
+    reached = [phi[-1][0] if phi else -1 for phi in others.values()]
+    settled_rounds = [r for r, _ in mine if all(top >= r for top in reached)]
+    if settled_rounds:
+        rnd = settled_rounds[-1]
+    else:
+        rnd = mine[-1][0]
+        if completed_at is None or now - completed_at < settle_s:
+            behind = sum(1 for top in reached if top < rnd)
+            return ParityVerdict("pending", outer_round=rnd, mine=mine[-1][1],
+                                 reason=f"{behind} peers have not reached round {rnd}")
+    my_digest = dict(mine)[rnd]
+    holders: dict[bytes, set[str]] = {my_digest: {me}}
+    for peer, phi in others.items():
+        digest = dict(phi).get(rnd)
+        if digest is not None:  # else: it joined after rnd, or rnd fell out of its window
+            holders.setdefault(digest, set()).add(peer)
+    win = winning_digest(holders)
+    compared = sum(len(h) for h in holders.values())
+    verdict = dict(outer_round=rnd, mine=my_digest, majority=win, holders=tuple(sorted(holders[win])),
+                   agreeing=len(holders[my_digest]), compared=compared)
+    if win == my_digest:
+        return ParityVerdict("ok", **verdict)
+    return ParityVerdict("minority", reason=f"φ at round {rnd} is held by {len(holders[my_digest])} of "
+                         f"{compared} peers; {len(holders[win])} hold another", **verdict)
+
+
+class ParityMonitor:
+    """A node's own φ digests and its latest verdict. `record` from the thread that owns φ (the
+    trainer's), `check` from the trio side with the swarm's progress records."""
+
+    def __init__(self, me: str, *, enabled: bool = True, settle_s: float = DEFAULT_SETTLE_S) -> None:
+        self.me = me
+        self.enabled = enabled
+        self.settle_s = settle_s
+        self.history: list[tuple[int, bytes]] = []
+        self.completed_at: float | None = None
+        self.verdict = ParityVerdict("unchecked" if not enabled else "pending",
+                                     reason="" if enabled else "replicas differ by design (NoLoCo)")
+        self.resyncs = 0
+
+    def record(self, outer_round: int, digest: bytes) -> None:
+        """Our φ after `outer_round` rounds. A re-sync may move the round backwards or repeat it:
+        the history is then restarted, so rounds stay strictly increasing."""
+        if self.history and outer_round <= self.history[-1][0]:
+            self.history = [(r, d) for r, d in self.history if r < outer_round]
+        self.history.append((outer_round, digest))
+        del self.history[:-MAX_PHI_DIGESTS]
+        self.completed_at = time.monotonic()
+
+    def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:
+        if not self.enabled:
+            return self.verdict
+        self.verdict = judge(self.me, self.history, others, completed_at=self.completed_at,
+                             now=time.monotonic(), settle_s=self.settle_s)
+        return self.verdict
+
+    def status(self) -> dict:
+        out = self.verdict.as_status()
+        out["resyncs"] = self.resyncs
+        return out

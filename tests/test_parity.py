@@ -1,0 +1,113 @@
+"""The parity rule (`node/parity.py`) as a pure function: which φ wins a round, when a round is
+judged, and that every peer holding the same records picks the same winner."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtrain.backoff import Backoff
+from meshtrain.crdt.entries import CrdtError
+from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS, PeerProgress
+from meshtrain.node.parity import ParityMonitor, judge, phi_digest, winning_digest
+
+A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
+
+
+def test_majority_wins_and_the_minority_is_told():
+    others = {"p2": [(5, A)], "p3": [(5, B)], "p4": [(5, B)], "p5": [(5, B)]}
+    v = judge("p1", [(5, A)], others, completed_at=0.0, now=0.0)
+    assert v.status == "minority" and v.majority == B and v.holders == ("p3", "p4", "p5")
+    assert (v.agreeing, v.compared) == (2, 5)
+    assert judge("p3", [(5, B)], {"p1": [(5, A)], "p2": [(5, A)], "p4": [(5, B)], "p5": [(5, B)]},
+                 completed_at=0.0, now=0.0).status == "ok"
+
+
+def test_a_tie_goes_to_the_side_of_the_lowest_peer_id():
+    # Two groups of two (the soak's split round): the group holding the lowest id wins.
+    assert judge("p1", [(3, A)], {"p2": [(3, A)], "p3": [(3, B)], "p4": [(3, B)]},
+                 completed_at=0.0, now=0.0).status == "ok"
+    v = judge("p3", [(3, B)], {"p1": [(3, A)], "p2": [(3, A)], "p4": [(3, B)]}, completed_at=0.0, now=0.0)
+    assert v.status == "minority" and v.holders == ("p1", "p2")
+    # No majority at all (everyone alone): still exactly one winner, the lowest id's.
+    v = judge("p2", [(3, B)], {"p1": [(3, A)], "p3": [(3, C)]}, completed_at=0.0, now=0.0)
+    assert v.status == "minority" and v.majority == A
+
+
+def test_judges_the_newest_round_everyone_reached_and_waits_for_stragglers():
+    # p2 is a round behind: round 4 is compared, not 5.
+    v = judge("p1", [(4, A), (5, B)], {"p2": [(3, C), (4, A)]}, completed_at=0.0, now=0.0)
+    assert (v.status, v.outer_round) == ("ok", 4)
+    # p2 has not reached any round we keep: pending until settle_s, then judged without it.
+    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)]}, completed_at=0.0, now=1.0, settle_s=10)
+    assert v.status == "pending"
+    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)], "p0": [(5, B)]}, completed_at=0.0, now=11.0,
+              settle_s=10)
+    assert v.status == "minority" and v.compared == 3
+    # A peer that joined after the round (its digests start later) is not counted.
+    v = judge("p1", [(5, A)], {"p2": [(6, B)]}, completed_at=0.0, now=0.0)
+    assert (v.status, v.compared) == ("ok", 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"p{i}" for i in range(8)]), st.sampled_from([A, B, C, D]),
+                       min_size=1))
+def test_every_peer_holding_the_same_records_picks_the_same_winner(held):
+    """Whoever judges, the winning digest is the same, and it is held by a plurality."""
+    winners = set()
+    for me, mine in held.items():
+        others = {p: [(7, d)] for p, d in held.items() if p != me}
+        v = judge(me, [(7, mine)], others, completed_at=0.0, now=0.0)
+        winners.add(v.majority)
+        assert (v.status == "ok") == (mine == v.majority)
+    assert len(winners) == 1
+    counts = {d: sum(1 for x in held.values() if x == d) for d in held.values()}
+    assert counts[winners.pop()] == max(counts.values())
+
+
+def test_winning_digest_is_deterministic():
+    assert winning_digest({A: {"p5"}, B: {"p2"}}) == B
+    assert winning_digest({A: {"p5", "p6"}, B: {"p2"}}) == A
+
+
+def test_monitor_keeps_rounds_increasing_across_a_resync():
+    m = ParityMonitor("me")
+    for r in range(12):
+        m.record(r, bytes([r]) * 16)
+    assert [r for r, _ in m.history] == list(range(12 - MAX_PHI_DIGESTS, 12))
+    m.record(9, b"x" * 16)  # a re-sync to the swarm's round 9
+    assert [r for r, _ in m.history] == [4, 5, 6, 7, 8, 9] and m.history[-1][1] == b"x" * 16
+    off = ParityMonitor("me", enabled=False)
+    assert off.check({"p": [(1, A)]}).status == "unchecked"
+
+
+def test_phi_digest_sees_every_bit_and_ignores_order():
+    phi = {"b": torch.zeros(3), "a": torch.ones(2)}
+    d = phi_digest(phi)
+    assert d == phi_digest(dict(reversed(list(phi.items()))))
+    phi["b"][1] = 1e-30
+    assert phi_digest(phi) != d and len(d) == 16
+
+
+def test_progress_records_check_their_phi_digests():
+    from meshtrain.crdt.swarm_view import _phi_digests
+
+    assert _phi_digests([[1, A], [2, B]]) == ((1, A), (2, B))
+    for bad in ([[2, A], [1, B]], [[1, "not bytes"]], [[1, A, 3]], [[1, A]] * (MAX_PHI_DIGESTS + 1), "x",
+                [[-1, A]], [[1, b""]]):
+        with pytest.raises(CrdtError):
+            _phi_digests(bad)
+    assert PeerProgress("p", 1, 2, 3, 4, ((1, A),)).phi_at(1) == A
+
+
+def test_backoff_grows_jittered_and_never_spins():
+    b = Backoff(initial=1.0, cap=8.0, rng=random.Random(1))
+    waits = [b.next() for _ in range(8)]
+    assert all(0.5 <= w for w in waits) and max(waits) <= 8.0
+    assert waits[4] >= 4.0 and len({round(w, 6) for w in waits}) == len(waits)
+    with pytest.raises(ValueError):
+        Backoff(initial=0)
