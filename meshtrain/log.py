@@ -9,11 +9,17 @@ Use `get_logger(__name__)` and pass context as keyword arguments to `kv`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 _NOISY = ("libp2p", "multiaddr", "async_service", "trio", "asyncio", "urllib3")
+
+# Entered around every log line written (see `set_emit_guard`); None: nothing to guard.
+_emit_guard: Callable[[], AbstractContextManager[None]] | None = None
 
 
 def kv(event: str, **fields: object) -> str:
@@ -27,6 +33,21 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+def set_emit_guard(guard: Callable[[], AbstractContextManager[None]] | None) -> None:
+    """Have every log line written inside `guard()` (None: unguarded). A live status line on the
+    terminal (`meshtrain.node.console`) uses it to clear itself before a log line and redraw
+    itself after, so the two never print over each other."""
+    global _emit_guard
+    _emit_guard = guard
+
+
+class _Handler(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        guard = _emit_guard
+        with guard() if guard is not None else contextlib.nullcontext():
+            super().emit(record)
+
+
 def configure(level: str | int | None = None) -> None:
     """Configure logging once for a process. Level from the argument, else MESHTRAIN_LOG, else WARNING."""
     level = level or os.environ.get("MESHTRAIN_LOG", "WARNING")
@@ -37,7 +58,7 @@ def configure(level: str | int | None = None) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.WARNING)

@@ -3,7 +3,10 @@
 Config errors are one line and exit code 2; a node trains a swarm alone, checkpoints, and resumes
 bit-exactly; a second node joins through one address and both end on identical outer
 parameters; `node status` / `node stop` talk to the running daemon; SIGTERM leaves the swarm and
-checkpoints within seconds.
+checkpoints within seconds. `node stop` returns once the node accepted the request and the
+node then exits cleanly; `node status/stop` import neither torch nor libp2p (they must answer
+in well under a second on a machine busy training: scripts/bench_stop.py measures it); off a
+TTY, a foreground node prints one line per outer round on stdout before its JSON result.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.status import StatusServer
 
 from .conftest import ROOT
 
@@ -177,9 +182,10 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
     while len(json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["peers"]) != 1:
         assert time.monotonic() < deadline, "a still lists b after it left"
         time.sleep(0.2)
-    # `node stop` on a.
-    r = cli("node", "stop", "--data-dir", str(a))
-    assert r.returncode == 0, r.stderr
+    # `node stop --wait` on a: returns once a has exited.
+    r = cli("node", "stop", "--data-dir", str(a), "--wait")
+    assert r.returncode == 0 and "the node has exited" in r.stdout, r.stderr
+    assert pa.poll() is not None or pa.wait(timeout=5) is not None
     ra = finish(pa, la, timeout=30)
     assert ra["checkpoint"] and not (a / "daemon.json").exists()
 
@@ -203,3 +209,102 @@ def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
     assert "joined the swarm" in text and "donors=2" in text, text[-3000:]
     phis = [phi(d) for d in dirs]
     assert all(torch.equal(phis[0][n], p[n]) for p in phis[1:] for n in p), "the joiner's outer state differs"
+
+
+# Modules the stop/status path must not import: each costs from 0.1 s to seconds on a busy machine.
+HEAVY = ("torch", "libp2p", "transformers", "numpy", "pydantic", "trio", "prometheus_client",
+         "meshtrain.node.daemon", "meshtrain.node.config", "meshtrain.optim")
+
+PROBE = """
+import json, sys
+from meshtrain.node.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m in HEAVY)
+print(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def cli_probe(*args: str) -> dict:
+    """Run a CLI command in a fresh interpreter; its exit code and which heavy modules it loaded."""
+    r = subprocess.run([sys.executable, "-c", f"HEAVY = {HEAVY!r}\n" + PROBE, *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+async def test_status_and_stop_commands_import_neither_torch_nor_libp2p(tmp_path):
+    stopped = []
+    token = "0123abcd"
+    (tmp_path / "control.token").write_text(token)
+
+    def snapshot() -> dict:
+        return {"node": {"peer_id": "12D3KooWx", "swarm": "ms01", "state": "training", "started": 0.0,
+                         "uptime_s": 1e12},
+                "training": {"step": 5, "round": 1, "loss": 2.0, "optimizer": "diloco", "bytes_sent": 0,
+                             "bytes_received": 0, "phi_digest": "ab" * 16, "phi_round": 1,
+                             "parity": {"status": "ok"}, "waiting": "round 2: waiting for 1 peer to join (ab12cd34)"},
+                "peers": []}
+
+    async with StatusServer(snapshot, port=0, token=token, on_stop=lambda: stopped.append(1)) as srv:
+        (tmp_path / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "status_url": srv.url,
+                                                          "token_file": str(tmp_path / "control.token")}))
+        for args in (["node", "status", "--data-dir", str(tmp_path)],
+                     ["node", "status", "--data-dir", str(tmp_path), "--json"],
+                     ["node", "stop", "--data-dir", str(tmp_path)]):
+            out = await trio.to_thread.run_sync(lambda args=args: cli_probe(*args))
+            assert out == {"code": 0, "heavy": []}, (args, out)
+        human = await trio.to_thread.run_sync(lambda: cli("node", "status", "--data-dir", str(tmp_path)))
+    assert stopped == [1]
+    assert "waiting: round 2: waiting for 1 peer" in human.stdout and "parity ok" in human.stdout
+
+
+def test_status_and_stop_find_the_data_dir_as_node_start_does(tmp_path, monkeypatch):
+    from meshtrain.node.cli import build_parser, data_dir_of
+    from meshtrain.node.config import load_node_config
+
+    for env in ({}, {"MESHTRAIN_DATA_DIR": str(tmp_path / "env")}, {"XDG_DATA_HOME": str(tmp_path / "xdg")}):
+        for name in ("MESHTRAIN_DATA_DIR", "XDG_DATA_HOME"):
+            monkeypatch.delenv(name, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = build_parser().parse_args(["node", "stop"])
+        assert data_dir_of(args) == load_node_config(None).data_dir, env
+        args = build_parser().parse_args(["node", "status", "--data-dir", str(tmp_path / "flag")])
+        assert data_dir_of(args) == load_node_config(None, overrides={"data_dir": str(tmp_path / "flag")}).data_dir
+
+
+@pytest.mark.slow
+def test_stop_returns_once_accepted_and_the_node_exits_cleanly_after_printing_its_rounds(tmp_path):
+    d = tmp_path / "a"
+    create(d, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
+    log = tmp_path / "a.log"
+    proc = start("--data-dir", str(d), log=log)
+    wait_daemon(d, proc, log)
+    deadline = time.monotonic() + 60
+    while json.loads(cli("node", "status", "--data-dir", str(d), "--json").stdout)["training"]["round"] < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    r = cli("node", "stop", "--data-dir", str(d))
+    assert r.returncode == 0 and "stop accepted" in r.stdout, r.stderr
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    lines = out.strip().splitlines()
+    result = json.loads(lines[-1])  # the JSON result stays the last line
+    assert result["stopped"] and result["checkpoint"] and not (d / "daemon.json").exists()
+    assert CheckpointStore(d / "checkpoints").load_latest().step == result["step"]
+    said = [line.split(" ", 1)[1] for line in lines[:-1]]  # after the HH:MM:SS stamp
+    assert said[0] == "state: starting" and "state: starting -> training" in said, out
+    rounds = [int(x.split()[1]) for x in said if x.startswith("round ")]
+    assert rounds and rounds == sorted(rounds) and rounds[-1] <= result["rounds"], out
+    assert all("step " in x and "loss " in x and "peers " in x for x in said if x.startswith("round ")), out
+
+
+@pytest.mark.slow
+def test_quiet_node_prints_only_its_result(tmp_path):
+    d = tmp_path / "a"
+    create(d, "--model", "gpt-tiny", "--steps", "30", "--H", "10", "--eval-every", "0")
+    log = tmp_path / "a.log"
+    proc = start("--data-dir", str(d), "--quiet", log=log)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert len(out.strip().splitlines()) == 1 and json.loads(out)["step"] == 30

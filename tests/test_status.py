@@ -1,5 +1,8 @@
 """The status endpoint over real HTTP on loopback: JSON, Prometheus, the dashboard, stop.
 
+It is never blocked behind the node: with the trio thread stuck, `/status` answers with the last
+document and `POST /stop` is accepted.
+
 The snapshot here is a fixed document (the endpoint is what is under test; `test_node_cli.py`
 and `test_dashboard_browser.py` serve a real node's). Hostile clients — garbage request lines,
 huge headers, a connection that says nothing, a wrong token — get an error and leave the
@@ -9,14 +12,23 @@ server serving.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import threading
 
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshtrain.node.status import StatusError, StatusServer, fetch_status, request_stop
+from meshtrain.node.status import (
+    StatusError,
+    StatusServer,
+    fetch_status,
+    read_daemon_file,
+    request_stop,
+    wait_for_exit,
+)
 
 
 def snapshot() -> dict:
@@ -130,3 +142,59 @@ async def test_port_in_use_is_an_oserror():
         with pytest.raises(OSError):
             async with StatusServer(snapshot, port=a.port):
                 pass
+
+
+async def test_status_and_stop_answer_while_the_trio_thread_is_blocked():
+    """A training step holding the GIL or a busy event loop must not hold up `node status/stop`:
+    the request for a fresh document gives up after FRESH_SNAPSHOT_WAIT and gets the last one;
+    the stop is accepted on the server's thread."""
+    calls, stopped = [], threading.Event()
+
+    def counting_snapshot() -> dict:
+        calls.append(1)
+        st = snapshot()
+        st["training"]["step"] = len(calls)
+        return st
+
+    async with StatusServer(counting_snapshot, port=0, token="t", on_stop=stopped.set) as srv:
+        fresh = await trio.to_thread.run_sync(fetch_status, srv.url)
+        answers: list = []
+        answered = threading.Event()
+
+        def client() -> None:
+            answers.append(fetch_status(srv.url, 5))
+            request_stop(srv.url, "t", 5)
+            answered.set()
+
+        threading.Thread(target=client, daemon=True).start()
+        # Block the trio thread (as a stuck event loop would) until the client has its answers.
+        answered.wait(20)
+        assert answered.is_set() and stopped.is_set(), "status/stop waited for the blocked trio thread"
+        assert answers[0] == fresh  # the last document computed, not a fresh one
+        await trio.sleep(0.1)  # the queued fresh request now runs; the next answer is fresh again
+        assert (await trio.to_thread.run_sync(fetch_status, srv.url))["training"]["step"] > fresh["training"]["step"]
+
+
+def test_daemon_file_of_a_dead_or_absent_node_is_a_clear_error(tmp_path):
+    with pytest.raises(StatusError, match="no node is running"):
+        read_daemon_file(tmp_path)
+    (tmp_path / "daemon.json").write_text("{not json")
+    with pytest.raises(StatusError, match="cannot read"):
+        read_daemon_file(tmp_path)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    (tmp_path / "daemon.json").write_text(json.dumps({"pid": dead, "status_url": "http://127.0.0.1:1"}))
+    with pytest.raises(StatusError, match="not running any more"):
+        read_daemon_file(tmp_path)
+    (tmp_path / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "status_url": "http://x"}))
+    assert read_daemon_file(tmp_path)["status_url"] == "http://x"
+
+
+async def test_wait_for_exit_returns_once_the_endpoint_is_gone():
+    async with StatusServer(snapshot, port=0) as srv:
+        url = srv.url
+        with pytest.raises(StatusError, match="still running"):
+            await trio.to_thread.run_sync(lambda: wait_for_exit(None, url, timeout=0.3))
+    assert await trio.to_thread.run_sync(lambda: wait_for_exit(None, url, timeout=5)) < 5

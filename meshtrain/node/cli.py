@@ -2,7 +2,7 @@
 
     meshtrain node start   [--config node.toml] [flags]    run a node in the foreground
     meshtrain node status  [--data-dir D] [--json]          ask the running node how it is doing
-    meshtrain node stop    [--data-dir D]                   stop it cleanly (checkpoint, leave)
+    meshtrain node stop    [--data-dir D] [--wait]          stop it cleanly (checkpoint, leave)
     meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec
     meshtrain swarm join   <multiaddr | id@multiaddr>       fetch the spec from a peer, sync, train
     meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
@@ -10,13 +10,21 @@
 User mistakes end in one line on stderr and exit code 2, never a traceback: every error we raise
 on purpose is a `MeshtrainError`, and `main` turns those into messages (config errors: 2,
 runtime failures: 1).
+
+`node status` and `node stop` must answer in well under a second on a machine whose cores are
+busy training, so their path imports only the standard library and the small `meshtrain.errors`,
+`meshtrain.log` and `meshtrain.node.status` modules: everything else (the config model, torch,
+libp2p, trio) is imported inside the command that needs it (`tests/test_node_cli.py` checks).
+A foreground `node start` shows what the node does (`meshtrain.node.console`) unless `--quiet`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +32,26 @@ from meshtrain import __version__
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import configure
 
+STOP_WAIT_TIMEOUT = 120.0  # seconds `node stop --wait` waits for the node to exit
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is our one-line ConfigError (exit 2) like every other."""
+    """argparse, but a usage error is our one-line ConfigError (exit 2) like every other.
+
+    `more_args(parser)` adds arguments the first time this parser parses: `swarm create` takes
+    its flags from the pydantic spec model, which other commands must not pay to import.
+    """
+
+    def __init__(self, *args: Any, more_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._more_args = more_args
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if self._more_args is not None:
+            more, self._more_args = self._more_args, None
+            more(self)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{self.prog}: {message}")
@@ -56,6 +81,8 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
                    help="find peers of this swarm on the LAN over mDNS (no bootstrap address needed)")
     p.add_argument("--no-upnp", dest="upnp", action="store_false", default=None,
                    help="do not ask the LAN's UPnP gateway to forward our ports")
+    p.add_argument("--quiet", action="store_true",
+                   help="no live status line (on a terminal) or per-round lines (elsewhere) on stdout")
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -80,19 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     _node_flags(start)
     start.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
     start.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
-    for name, help_ in (("status", "show the running node's status"), ("stop", "stop the running node cleanly")):
+    for name, help_ in (("status", "show the running node's status"),
+                        ("stop", "ask the running node to stop cleanly (returns once it accepted)")):
         q = nsub.add_parser(name, help=help_)
-        q.add_argument("--data-dir", help="the node's data dir (default ~/.local/share/meshtrain)")
+        q.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or "
+                                          "~/.local/share/meshtrain)")
         q.add_argument("--url", help="the node's status URL instead of looking it up in the data dir")
         if name == "status":
             q.add_argument("--json", action="store_true", help="print the raw status document")
+        else:
+            q.add_argument("--wait", action="store_true",
+                           help=f"wait until the node has left the swarm, checkpointed and exited "
+                                f"(at most {STOP_WAIT_TIMEOUT:.0f} s)")
 
     swarm = sub.add_parser("swarm", help="create or join a swarm")
     ssub = swarm.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
-    create = ssub.add_parser("create", help="write a swarm spec signed by this node's key")
+    create = ssub.add_parser("create", help="write a swarm spec signed by this node's key", more_args=_spec_flags)
     create.add_argument("--data-dir", help="whose key signs (default ~/.local/share/meshtrain)")
     create.add_argument("--out", help="where to write the spec (default: <data dir>/swarm.json)")
-    _spec_flags(create)
     join = ssub.add_parser("join", help="join a swarm through one of its peers and train")
     join.add_argument("address", help="a peer's multiaddr, or <swarm id>@<multiaddr>")
     _node_flags(join)
@@ -127,38 +159,78 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
         configure(config.log_level)
     spec = SignedSpec.load(spec_path) if spec_path else None
     node = Node(config, spec=spec, join=join)
-    result = trio.run(node.run)
+
+    async def run() -> Any:
+        if args.quiet:
+            return await node.run()
+        from meshtrain.node.console import LiveStatus
+
+        async with LiveStatus(node.snapshot):
+            return await node.run()
+
+    result = trio.run(run)
     print(json.dumps({"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
                       "eval_loss": result.eval_loss, "checkpoint": result.checkpoint}), flush=True)
+    if args.exit_at_once:
+        # Everything the node owes its data dir is on disk (checkpoint fsynced, daemon.json gone):
+        # skip the interpreter's teardown of torch and libp2p, which took 1-5 s on a busy machine
+        # and kept `node stop --wait`, systemd and scripts waiting for nothing.
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
-def _status_url(args: argparse.Namespace) -> tuple[str, str | None]:
-    from meshtrain.node.config import load_node_config
-    from meshtrain.node.daemon import read_daemon_file
+def data_dir_of(args: argparse.Namespace) -> Path:
+    """The data dir `node status/stop` look in: --data-dir, else $MESHTRAIN_DATA_DIR, else the
+    default. The same precedence as `NodeConfig` (config.py), whose pydantic model — and the
+    optimizer package its validators import — would cost seconds to load on a busy machine."""
+    if args.data_dir:
+        return Path(args.data_dir).expanduser()
+    if os.environ.get("MESHTRAIN_DATA_DIR"):
+        return Path(os.environ["MESHTRAIN_DATA_DIR"]).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "meshtrain"
+
+
+def _running_node(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The status URL of the node to talk to and what its daemon.json says ({} with --url)."""
+    from meshtrain.node.status import read_daemon_file
 
     if args.url:
-        return args.url.rstrip("/"), None
-    config = load_node_config(None, overrides={"data_dir": args.data_dir})
-    info = read_daemon_file(config.data_dir)
+        return args.url.rstrip("/"), {}
+    info = read_daemon_file(data_dir_of(args))
     if not info.get("status_url"):
         raise MeshtrainError("the running node has no status endpoint")
-    return info["status_url"].rstrip("/"), info.get("token_file")
+    return info["status_url"].rstrip("/"), info
 
 
 def _node_status(args: argparse.Namespace) -> int:
-    url, _ = _status_url(args)
+    import time
+
     from meshtrain.node.status import fetch_status
 
+    url, _ = _running_node(args)
     st = fetch_status(url, timeout=5)
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
     n, t = st["node"], st["training"]
     loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
-    print(f"node {n['peer_id']}  swarm {n['swarm']}  {n['state']}  up {n['uptime_s']:.0f}s")
+    age = time.time() - (n["started"] + n["uptime_s"])
+    stale = f"  (as of {age:.0f} s ago: the node is busy)" if age > 2 else ""
+    print(f"node {n['peer_id']}  swarm {n['swarm']}  {n['state']}  up {n['uptime_s']:.0f}s{stale}")
     print(f"step {t['step']}  round {t['round']}  loss {loss}  {t['optimizer']}  "
           f"sent {t['bytes_sent'] / 2**20:.1f} MiB  received {t['bytes_received'] / 2**20:.1f} MiB")
+    if t.get("phi_digest"):
+        parity = t.get("parity") or {}
+        print(f"phi round {t.get('phi_round')}  digest {str(t['phi_digest'])[:16]}  "
+              f"parity {parity.get('status', 'unchecked')}")
+    if t.get("waiting"):
+        print(f"waiting: {t['waiting']}")
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}")
@@ -166,9 +238,10 @@ def _node_status(args: argparse.Namespace) -> int:
 
 
 def _node_stop(args: argparse.Namespace) -> int:
-    url, token_file = _status_url(args)
-    from meshtrain.node.status import request_stop
+    from meshtrain.node.status import request_stop, wait_for_exit
 
+    url, info = _running_node(args)
+    token_file = info.get("token_file")
     if token_file is None:
         raise ConfigError("node stop needs --data-dir (the token that proves you own the node is there)")
     try:
@@ -176,7 +249,14 @@ def _node_stop(args: argparse.Namespace) -> int:
     except OSError as e:
         raise MeshtrainError(f"cannot read the node's control token {token_file}: {e}") from None
     request_stop(url, token, timeout=5)
-    print("stop requested; the node is leaving the swarm and saving a checkpoint")
+    if not args.wait:
+        print("stop accepted; the node is leaving the swarm and saving a checkpoint in the background "
+              "(`node stop --wait` waits for it)")
+        return 0
+    pid = info.get("pid")
+    print(f"stop accepted; waiting for the node (pid {pid}) to leave the swarm, checkpoint and exit ...", flush=True)
+    waited = wait_for_exit(int(pid) if isinstance(pid, int) else None, url, timeout=STOP_WAIT_TIMEOUT)
+    print(f"the node has exited ({waited:.1f} s after the stop was accepted)")
     return 0
 
 
@@ -208,20 +288,26 @@ def _meshtrain_error_in(eg: BaseExceptionGroup) -> MeshtrainError | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The program (`argv` None: `sys.argv`, and a node that stopped cleanly ends the process at
+    once, skipping the interpreter's teardown), or a call from Python with `argv` (returns)."""
     try:
-        return _main(argv)
+        return _main(argv, exit_at_once=argv is None)
     except BaseExceptionGroup as eg:
         err = _meshtrain_error_in(eg)
         if err is None:
+            if eg.subgroup(KeyboardInterrupt) is not None:
+                print("meshtrain: interrupted", file=sys.stderr)
+                return 130
             raise
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.exit_at_once = exit_at_once
         configure(args.log_level)
         if args.command is None:
             parser.print_help()

@@ -49,6 +49,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
+from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, StatusServer, read_daemon_file  # noqa: F401
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, Trainer
 from meshtrain.optim import AllReduceConfig, SwarmCollective
@@ -62,8 +63,6 @@ from meshtrain.transport.tensor_streams import TensorStreams
 
 log = get_logger(__name__)
 
-DAEMON_FILE = "daemon.json"
-TOKEN_FILE = "control.token"
 SPEC_FILE = "swarm.json"
 STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
 CONNECT_INTERVAL = 2.0
@@ -307,23 +306,32 @@ class Node:
                 self.stop()
 
     async def _start_status(self, stack: AsyncExitStack) -> None:
-        try:
-            from meshtrain.node.status import StatusServer
-        except ImportError:  # pragma: no cover - the status module ships with the package
-            return
         token = secrets.token_hex(16)
         write_atomic(self.data_dir / TOKEN_FILE, token.encode())
         os.chmod(self.data_dir / TOKEN_FILE, 0o600)
+        trio_token = trio.lowlevel.current_trio_token()
+
+        def accept_stop() -> None:
+            """On the status server's thread: the trainer sees the flag at its next step even if
+            the trio loop is busy; the rest of `stop()` runs on the trio thread when it can."""
+            self._stop_flag.set()
+            try:
+                trio_token.run_sync_soon(self.stop)
+            except trio.RunFinishedError:
+                return  # the run is over: stopped already
+
         try:
             srv = await stack.enter_async_context(StatusServer(
-                self.snapshot, host=self.config.status_host, port=self.config.status_port, on_stop=self.stop,
-                token=token))
+                self.snapshot, host=self.config.status_host, port=self.config.status_port,
+                on_stop=accept_stop, token=token))
         except OSError as e:
             raise NodeError(f"cannot serve the status page on {self.config.status_host}:{self.config.status_port}"
                             f" ({e.strerror or e}); pick another --status-port (0 = any)") from None
         self.status_url = srv.url
 
     def _write_daemon_file(self) -> None:
+        """daemon.json: how `meshtrain node status/stop` find us. They read it with
+        `status.read_daemon_file` (re-exported here), as that path must not import this module."""
         assert self.host is not None and self.signed is not None
         info = {"pid": os.getpid(), "peer_id": self.host.peer_id, "addrs": self.host.addrs,
                 "swarm_id": self.signed.swarm_id, "status_url": self.status_url,
@@ -533,7 +541,9 @@ class Node:
         return {"phi_round": None, "phi_digest": None, "phi_history": [], "parity": None, "waiting": None}
 
     def snapshot(self) -> dict[str, Any]:
-        """The status document (schema in `meshtrain.node.status`)."""
+        """The status document (schema in `meshtrain.node.status`). Call it on the trio thread; it
+        never waits for a training step (the trainer thread holds `trainer.lock` only while it
+        publishes a step's numbers), so the status page and the console stay live under load."""
         host, view, trainer = self.host, self.view, self.trainer
         now = time.time()
         node = {"peer_id": host.peer_id if host else "", "name": self.config.name, "version": meshtrain.__version__,
@@ -544,14 +554,25 @@ class Node:
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
         if trainer is not None:
-            with trainer.lock:
+            with trainer.lock:  # copies only: the critical section is microseconds
                 info = trainer.info
                 st = trainer.outer.stats()
                 training.update(step=info.step, round=info.rounds, loss=info.loss, eval_loss=info.eval_loss,
-                                optimizer=trainer.spec.optimizer, samples_per_s=info.samples_per_s,
-                                bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"],
-                                history=list(info.history))
+                                samples_per_s=info.samples_per_s, bytes_sent=st["bytes_sent"],
+                                bytes_received=st["bytes_received"], history=list(info.history))
+            training["optimizer"] = trainer.spec.optimizer
         training.update(self.round_status())
+        if training.get("waiting") is None and self.state == "starting":
+            # What start-up waits for (rounds say it themselves through round_status).
+            if self.signed is None and self._join is not None:
+                training["waiting"] = f"fetching the swarm spec from {self._join[1]}"
+            elif view is None:
+                training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
+            elif self.config.wait_peers > 1 and trainer is not None:
+                have = len(self._membership(0))
+                if have < self.config.wait_peers:
+                    training["waiting"] = (f"waiting for {self.config.wait_peers - have} more peer(s) before "
+                                           f"training starts ({have} of {self.config.wait_peers} here)")
         peers = []
         if view is not None and host is not None:
             progress, metrics = view.progress(), view.metrics()
@@ -571,25 +592,6 @@ class Node:
 async def _wait_done(nursery: trio.Nursery) -> None:
     while nursery.child_tasks:
         await trio.sleep(0.05)
-
-
-def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a running node wrote about itself; `NodeError` if no node runs with this data dir."""
-    path = Path(data_dir).expanduser() / DAEMON_FILE
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise NodeError(f"no node is running with data dir {Path(data_dir).expanduser()} "
-                        f"(start one with `meshtrain node start`)") from None
-    except (OSError, ValueError) as e:
-        raise NodeError(f"cannot read {path}: {e}") from None
-    try:
-        os.kill(int(info["pid"]), 0)
-    except ProcessLookupError:
-        raise NodeError(f"the node that wrote {path} (pid {info.get('pid')}) is not running any more") from None
-    except (PermissionError, KeyError, ValueError, TypeError):
-        pass
-    return info
 
 
 def _beyond_loopback(listen: list[str]) -> bool:

@@ -7,20 +7,29 @@ to `<data dir>/control.token` (mode 0600), so another local user cannot stop the
 
 The server is the standard library's `ThreadingHTTPServer` on a background thread (a few requests
 a second, no dependency to add). Handlers never touch node state from that thread: every request
-computes the status document on the trio thread through `trio.from_thread`, so the swarm view and
-trainer are read where they are written.
+asks the trio thread for the status document (`trio_token.run_sync_soon`), so the swarm view and
+trainer are read where they are written. It is never blocked behind training: a request waits
+`FRESH_SNAPSHOT_WAIT` for that answer and otherwise gets the last document computed (its
+`node.uptime_s` tells its age), and `POST /stop` calls `on_stop` on the server's own thread, so a
+stop is accepted at once however busy the node is.
+
+The client half — `read_daemon_file`, `fetch_status`, `request_stop` — imports only the standard
+library: it is what `meshtrain node status/stop` run, and it must not pay for torch or libp2p.
 
 Routes:
     GET  /            the dashboard (static HTML + inline JS, no external CDN): peers with their
                       reachability and connection type, rounds, loss curve, bandwidth
     GET  /status      the status document (below) as JSON
     GET  /metrics     Prometheus text format (prometheus-client)
-    POST /stop        `Authorization: Bearer <token>`; the node leaves the swarm and checkpoints
+    POST /stop        `Authorization: Bearer <token>`; 202 once the node has accepted the request,
+                      then it leaves the swarm and checkpoints in the background
 
 The status document (`Node.snapshot()`):
     node:       peer_id, name, version, started, uptime_s, swarm, state, listen, reachability
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
-                history: [{step, t, loss, eval_loss, ...}] (the last 500 points)
+                history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
+                phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
+                null), waiting (what the node waits for now, in words, or null)
     peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}]
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
                 reachability: what the peer announces ("public", "relayed": private behind a
@@ -32,30 +41,44 @@ The status document (`Node.snapshot()`):
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
+import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
-
-import trio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import MeshtrainError
 
+if TYPE_CHECKING:
+    import trio
+
+# The server side imports trio and prometheus-client where it needs them: this module is also the
+# client of `meshtrain node status/stop`, which must start in tens of milliseconds on a machine
+# whose cores are busy training (importing torch or libp2p there took 6-15 s under load).
+
 Snapshot = Callable[[], dict[str, Any]]
+
+DAEMON_FILE = "daemon.json"
+TOKEN_FILE = "control.token"
+# How long a request waits for the trio thread to compute a fresh document before it is answered
+# with the last one computed (a status page must not hang while the node's event loop is busy).
+FRESH_SNAPSHOT_WAIT = 1.0
 
 
 class StatusError(MeshtrainError):
     """The status endpoint could not be reached or refused the request."""
+
+
+class StatusUnreachable(StatusError):
+    """Nothing answers at the status URL (no node there, or it has exited)."""
 
 
 class _Collector:
@@ -65,6 +88,8 @@ class _Collector:
         self._snapshot = snapshot
 
     def collect(self):  # noqa: ANN201 - prometheus-client's collector protocol
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         st = self._snapshot()
         t, n = st["training"], st["node"]
         yield _gauge("meshtrain_step", "inner steps this node has trained", t["step"])
@@ -86,7 +111,9 @@ class _Collector:
         yield steps
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+def _gauge(name: str, doc: str, value: float) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
     return GaugeMetricFamily(name, doc, value=value)
 
 
@@ -103,6 +130,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/status":
             self._reply_snapshot(lambda st: ("application/json", json.dumps(st).encode()))
         elif path == "/metrics":
+            from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
             self._reply_snapshot(lambda st: (CONTENT_TYPE_LATEST, _metrics(st)))
         elif path in ("/", "/index.html"):
             self._send(HTTPStatus.OK, "text/html; charset=utf-8", self.server.dashboard)
@@ -118,8 +147,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.server.token or not hmac.compare_digest(given.encode(), want.encode()):
             self._error(HTTPStatus.UNAUTHORIZED, "POST /stop needs the node's control token")
             return
-        with contextlib.suppress(trio.RunFinishedError):  # already stopping: what the caller asked for
-            trio.from_thread.run_sync(self.server.on_stop, trio_token=self.server.trio_token)
+        # On this thread, not the trio thread: accepting a stop must not wait for a busy event loop.
+        self.server.on_stop()
         self._send(HTTPStatus.ACCEPTED, "application/json", b'{"stopping": true}')
 
     def do_PUT(self) -> None:  # noqa: N802
@@ -129,9 +158,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply_snapshot(self, render: Callable[[dict[str, Any]], tuple[str, bytes]]) -> None:
         try:
-            st = trio.from_thread.run_sync(self.server.snapshot, trio_token=self.server.trio_token)
-        except trio.RunFinishedError:
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the node is shutting down")
+            st = self.server.current_snapshot()
+        except _Unavailable as e:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
             return
         ctype, body = render(st)
         self._send(HTTPStatus.OK, ctype, body)
@@ -150,6 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _metrics(st: dict[str, Any]) -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(lambda: st))
     return generate_latest(registry)
@@ -161,21 +192,61 @@ class _Server(ThreadingHTTPServer):
     timeout = 10
 
     def __init__(self, addr: tuple[str, int], *, snapshot: Snapshot, on_stop: Callable[[], None],
-                 token: str | None, trio_token: trio.lowlevel.TrioToken, dashboard: bytes) -> None:
+                 token: str | None, trio_token: trio.lowlevel.TrioToken, dashboard: bytes,
+                 first: dict[str, Any]) -> None:
         self.snapshot, self.on_stop, self.token = snapshot, on_stop, token
         self.trio_token, self.dashboard = trio_token, dashboard
+        self._last = first
+        self._last_lock = threading.Lock()
         super().__init__(addr, _Handler)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(self.timeout)
         super().finish_request(request, client_address)
 
+    def current_snapshot(self) -> dict[str, Any]:
+        """A fresh document from the trio thread if it answers within `FRESH_SNAPSHOT_WAIT`, else
+        the last one computed (the first was computed when the server started)."""
+        import trio
+
+        done = threading.Event()
+        answer: list[tuple[dict[str, Any] | None, str | None]] = []
+
+        def on_trio() -> None:  # must not raise: an error in a run_sync_soon callback ends the run
+            try:
+                answer.append((self.snapshot(), None))
+            except Exception as e:  # noqa: BLE001 - reported to the client, the node goes on
+                answer.append((None, f"the status document failed: {type(e).__name__}: {e}"))
+            finally:
+                done.set()
+
+        try:
+            self.trio_token.run_sync_soon(on_trio)
+        except trio.RunFinishedError:
+            raise _Unavailable("the node is shutting down") from None
+        if not done.wait(FRESH_SNAPSHOT_WAIT):
+            with self._last_lock:
+                return self._last
+        st, error = answer[0]
+        if st is None:
+            raise _Unavailable(error or "no status document")
+        with self._last_lock:
+            self._last = st
+        return st
+
+
+class _Unavailable(Exception):
+    """No status document can be served now (503)."""
+
 
 class StatusServer:
     """`async with StatusServer(node.snapshot, port=0) as srv: srv.url` — serves until the block ends.
 
-    `snapshot` and `on_stop` are called on the trio thread that entered the context. `port=0`
-    picks a free port (`srv.port`). Raises `OSError` if the address cannot be bound.
+    `snapshot` is called on the trio thread that entered the context; it must be quick (the
+    document is served from a cache when the trio thread is busy). `on_stop` is called on the
+    server's thread after the token was checked: it must be thread-safe and return at once (the
+    reply, 202, says the stop was accepted, not that the node has stopped). `port=0` picks a
+    free port (`srv.port`). Raises `OSError` if the address cannot be bound.
     """
 
     def __init__(self, snapshot: Snapshot, *, host: str = "127.0.0.1", port: int = 7070,
@@ -198,20 +269,24 @@ class StatusServer:
         return f"http://{host}:{self.port}"
 
     async def __aenter__(self) -> StatusServer:
+        import trio
+
         dashboard = resources.files("meshtrain.node").joinpath("dashboard.html").read_bytes()
         self._server = _Server((self._host, self._port), snapshot=self._snapshot, on_stop=self._on_stop,
                                token=self._token, trio_token=trio.lowlevel.current_trio_token(),
-                               dashboard=dashboard)
+                               dashboard=dashboard, first=self._snapshot())
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="meshtrain-status", daemon=True)
         self._thread.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        import trio
+
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
-        # shutdown() blocks until serve_forever returns; a handler blocked in from_thread would wait
+        # shutdown() blocks until serve_forever returns; a handler waiting for a snapshot waits
         # for this very trio thread, so run it off-thread and keep the loop turning meanwhile.
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(server.shutdown)
@@ -235,7 +310,8 @@ def _request(url: str, *, method: str = "GET", token: str | None = None, timeout
         raise StatusError(f"{url}: {e.code} {detail}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise StatusError(f"cannot reach the node's status endpoint {url} ({reason}); is the node running?") from None
+        raise StatusUnreachable(f"cannot reach the node's status endpoint {url} ({reason}); "
+                                f"is the node running?") from None
 
 
 def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -253,3 +329,56 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
 def request_stop(url: str, token: str, timeout: float = 5.0) -> None:
     """Ask the node serving `url` to stop cleanly (blocking; `StatusError` on failure)."""
     _request(url.rstrip("/") + "/stop", method="POST", token=token, timeout=timeout)
+
+
+def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the node running with `data_dir` wrote about itself (`daemon.json`: pid, peer id,
+    addresses, status url, token file); `StatusError` if no node runs with this data dir."""
+    path = Path(data_dir).expanduser() / DAEMON_FILE
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StatusError(f"no node is running with data dir {Path(data_dir).expanduser()} "
+                          f"(start one with `meshtrain node start`)") from None
+    except (OSError, ValueError) as e:
+        raise StatusError(f"cannot read {path}: {e}") from None
+    if not isinstance(info, dict):
+        raise StatusError(f"cannot read {path}: not a JSON object")
+    if not pid_alive(info.get("pid")):
+        raise StatusError(f"the node that wrote {path} (pid {info.get('pid')}) is not running any more")
+    return info
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether process `pid` runs (True when it cannot be told: another user's, or no pid). A
+    zombie — exited, not yet reaped by its parent (a test, a supervisor) — does not run."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    try:  # Linux: the state is the field after the command name, which may contain spaces
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def wait_for_exit(pid: int | None, url: str, timeout: float, poll: float = 0.1) -> float:
+    """Block until the node (process `pid`, or — without one — its status endpoint) is gone;
+    the seconds waited. `StatusError` after `timeout` seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pid is not None:
+            if not pid_alive(pid):
+                return time.monotonic() - t0
+        else:
+            try:
+                _request(url.rstrip("/") + "/status", timeout=min(2.0, timeout))
+            except StatusUnreachable:
+                return time.monotonic() - t0
+            except StatusError:
+                pass  # 503 while it shuts down: still there
+        time.sleep(poll)
+    raise StatusError(f"the node is still running {timeout:.0f} s after the stop request; its log says why "
+                      f"(a round in flight is cancelled after a short grace)")
