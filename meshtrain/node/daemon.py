@@ -16,8 +16,24 @@ Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoi
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
 control.token (0600: the bearer token `node stop` must present).
 
-Membership for a round is the live peers whose role is "trainer": a peer still downloading
-state is not waited for.
+Membership for a round is the live peers whose role is "trainer" and whom we are connected to: a
+peer still downloading state is not waited for, and a peer whose connection closed (killed,
+partitioned) stops being waited for at once rather than when its lease runs out.
+
+Chaos-proofing (issue 14):
+- **Who may take part.** Only members get data-plane sessions (`TensorStreams.authorize`); only
+  a round's candidates may join, report or watch it, and only near our own step (the
+  collective's `round_window`). Refusals are counted and shown on `/metrics`.
+- **Parity.** After every round we hash φ and publish the digest with our progress; a watcher
+  compares it with every live trainer's (`node/parity.py`). In the minority — a split round, a
+  round we spent alone — we log it, show it on `/status`, and re-sync from the majority's holders.
+- **Joins never give up on a transient.** A state download retries with a jittered backoff for
+  as long as the node runs, choosing donors by the same parity rule, so a split round's two
+  states never face each other in the vote. Only a state that cannot fit this node (another
+  model or optimizer) ends the node, as a configuration error.
+- **What it waits for.** `round_status()["waiting"]` (on `/status` and the console) names the
+  peers a round waits for, or the download in progress; the collective logs a round that still
+  waits every few seconds.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ import torch
 import trio
 
 import meshtrain
+from meshtrain.backoff import Backoff
 from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -48,12 +65,13 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.parity import ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, StatusServer, read_daemon_file  # noqa: F401
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, Trainer
 from meshtrain.optim import AllReduceConfig, SwarmCollective
-from meshtrain.optim.outer import OuterStateError
+from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
@@ -67,7 +85,8 @@ SPEC_FILE = "swarm.json"
 STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
 CONNECT_INTERVAL = 2.0
 DISCOVERY_INTERVAL = 15.0
-JOIN_ATTEMPTS = 4
+PARITY_INTERVAL = 1.0  # seconds between two parity checks against the swarm's φ digests
+MEMBER_WAIT = 3.0  # a data-plane request from a peer not yet in our membership waits this long for it
 
 
 class NodeError(MeshtrainError):
@@ -121,6 +140,11 @@ class Node:
         self.nat: NatTraversal | None = None
         self._nursery: trio.Nursery | None = None
         self.joined_from: dict[str, Any] | None = None
+        self.collective: SwarmCollective | None = None
+        self.streams: TensorStreams | None = None
+        self.parity: ParityMonitor | None = None
+        self._resync_from: tuple[str, ...] = ()  # the majority's holders, when parity says we diverged
+        self._waiting: str | None = None  # what the node itself waits for (a download, peers)
 
     # -- control -------------------------------------------------------------------------------
 
@@ -169,17 +193,26 @@ class Node:
                 recover_timeout=5.0 if host.connected_peers() else 0.2))
             if view.is_owner and view.config().get("spec") != signed.to_wire():
                 view.set_config(spec=signed.to_wire())
-            collective = SwarmCollective(host, streams, self._membership, AllReduceConfig(
-                join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout))
+            # Only members get data-plane sessions; only round candidates may join a round, and
+            # only near our step (a stranger's join for a far-future round voided real rounds).
+            streams.authorize = self._is_member
+            self.streams = streams
+            collective = self.collective = SwarmCollective(
+                host, streams, self._membership,
+                AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout,
+                                round_window=max(4 * signed.spec.H, 64)),
+                current_round=lambda: self.trainer.step if self.trainer is not None else 0)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             self.trainer = Trainer(signed.spec, collective, host.peer_id, model=self._model,
                                    outer_factory=self._outer_factory)
+            self.parity = ParityMonitor(host.peer_id, enabled=self.trainer.outer.replicas_identical)
             self.donor = StateDonor(host, streams, upload_limit=self.config.donor_upload_mib * 2**20 or None)
             store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
             nursery = self._nursery = await stack.enter_async_context(trio.open_nursery())
             nursery.start_soon(self._keep_connected)
             nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._watch_parity)
             if self.nat is not None:
                 # announce how we are reached (public / relayed / private) and our circuit
                 # addresses while private, in our membership record
@@ -202,10 +235,21 @@ class Node:
             signed = self._spec_arg
         elif self._join is not None:
             want, addr = self._join
-            try:
-                peer = await host.connect(addr, timeout=15)
-            except MeshtrainError as e:
-                raise NodeError(f"cannot reach {addr}: {e}") from None
+            backoff = Backoff(initial=2.0, cap=30.0)
+            while True:  # an unreachable peer is a transient (restarting, partitioned): keep asking
+                try:
+                    peer = await host.connect(addr, timeout=15)
+                    break
+                except MeshtrainError as e:
+                    delay = backoff.next()
+                    log.warning(kv("cannot reach the peer to join through; retrying (Ctrl-C to give up)",
+                                   addr=addr, error=str(e)[:200], retry_in_s=round(delay, 1)))
+                    self._waiting = f"joining: waiting for {addr} to answer"
+                    with trio.move_on_after(delay):
+                        await self._stop_requested.wait()
+                    if self._stop_flag.is_set():
+                        raise NodeError(f"stopped before {addr} answered") from None
+            self._waiting = None
             try:
                 signed = SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
             except RpcError as e:
@@ -264,9 +308,29 @@ class Node:
                     pass
             await trio.sleep(2.0)
 
-    def _membership(self, _round: int) -> list[str]:
+    def _trainers(self) -> list[str]:
+        """Live trainers per the replicated membership, us included (connected or not)."""
         assert self.view is not None
         return [p.peer_id for p in self.view.live_peers() if p.role == "trainer"]
+
+    def _membership(self, _round: int) -> list[str]:
+        """A round's candidates: live trainers we are connected to, and us. A peer whose connection
+        closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
+        `_keep_connected` re-dials it, and it is a candidate again as soon as it is back."""
+        assert self.view is not None and self.host is not None
+        me = self.host.peer_id
+        return [p.peer_id for p in self.view.live_peers()
+                if p.role == "trainer" and (p.peer_id == me or self.host.is_connected(p.peer_id))]
+
+    async def _is_member(self, peer: str) -> bool:
+        """Data-plane sessions only for peers with a live membership record (any role: a joiner
+        downloading state is "syncing"). Its record may still be on its way: wait a little."""
+        assert self.view is not None
+        with trio.move_on_after(MEMBER_WAIT):
+            while not self.view.is_live(peer):
+                await trio.sleep(0.1)
+            return True
+        return False
 
     async def _keep_connected(self) -> None:
         """Dial every live swarm member we are not connected to (the swarm is a full mesh up to a
@@ -343,7 +407,7 @@ class Node:
     def _swarm_step(self) -> int | None:
         """The furthest step a live trainer other than us reports, or None if nobody trains."""
         assert self.view is not None and self.host is not None
-        trainers = {p for p in self._membership(0) if p != self.host.peer_id}
+        trainers = {p for p in self._trainers() if p != self.host.peer_id}
         steps = [pr.step for p, pr in self.view.progress().items() if p in trainers]
         return max(steps) if steps else None
 
@@ -364,53 +428,138 @@ class Node:
             return  # nobody is past our next exchange: our state is the swarm's; train on from it
         await self._download_state(streams)
 
-    async def _download_state(self, streams: TensorStreams) -> None:
-        """Fetch the swarm's outer state from several peers in parallel and enter at its step."""
-        assert self.trainer is not None and self.host is not None
+    def _donors(self) -> list[str]:
+        """Whom to download the swarm's state from: the holders of the winning φ digest (the
+        parity rule, `node/parity.py`) among the connected trainers — so a split round's two
+        states never face each other in the download's vote — or, when parity has just told us
+        we diverged, the majority it named."""
+        assert self.host is not None and self.view is not None and self.trainer is not None
+        me = self.host.peer_id
+        connected = [p for p in self._membership(0) if p != me and self.host.is_connected(p)]
+        donors = [p for p in self._resync_from if p in connected] or connected
+        progress = self.view.progress()
+        newest: dict[int, dict[bytes, set[str]]] = {}
+        for p in donors:
+            pr = progress.get(p)
+            if pr is not None and pr.phi:
+                rnd, digest = pr.phi[-1]
+                newest.setdefault(rnd, {}).setdefault(digest, set()).add(p)
+        if newest:
+            # At the newest round someone published, the parity winner's holders; peers still at
+            # an older round would offer the same state once they catch up, but not yet.
+            holders = newest[max(newest)]
+            donors = sorted(holders[winning_digest(holders)])
+        if not self.trainer.outer.replicas_identical:
+            donors = donors[:1]  # NoLoCo replicas differ: take one peer's state whole
+        elif self.config.max_donors:
+            donors = donors[: self.config.max_donors]
+        return donors
+
+    async def _download_state(self, streams: TensorStreams) -> bool:
+        """Fetch the swarm's outer state from several peers in parallel and enter at its step.
+
+        Never gives up on a transient — no donor yet, donors that disagree (a split round: wait for
+        parity to settle it), a state a round old, a donor that vanished — but retries with a
+        jittered backoff, saying what it waits for, until it joins or the node is stopped (False).
+        A state that cannot fit this node (another model or optimizer) is a configuration error:
+        `NodeError`."""
+        assert self.trainer is not None and self.host is not None and self.view is not None
         trainer = self.trainer
         self.state = "syncing"
         # Count as a trainer from now on: peers then expect us at the next round, and every peer
         # (us included) picks that round's coordinator from the same set. Announcing only after
         # the download made a joiner with the lowest peer id wait as the "coordinator" of a
         # round the others had already formed without it.
-        assert self.view is not None
         self.view.role = "trainer"
         self.view.heartbeat()
-        for attempt in range(JOIN_ATTEMPTS):
-            donors = [p for p in self._membership(0) if p != self.host.peer_id and self.host.is_connected(p)]
-            if self.trainer.spec.optimizer == "noloco":
-                donors = donors[:1]  # NoLoCo replicas differ: take one peer's state whole
-            elif self.config.max_donors:
-                donors = donors[: self.config.max_donors]
-            t0 = time.monotonic()
-            last_log = [0.0]
+        if trainer.outer.in_flight:  # an exchange of ours still runs: end it before replacing the state
+            with trio.move_on_after(self.config.join_timeout):
+                await trainer.outer.afinish()
+        backoff = Backoff(initial=1.0, cap=30.0)
+        attempt = 0
+        try:
+            while not self._stop_flag.is_set():
+                attempt += 1
+                donors = self._donors()
+                if not donors:
+                    self._waiting = "state download: waiting for a connected trainer to download from"
+                    await self._retry_later(backoff, "no donor connected yet")
+                    continue
+                t0 = time.monotonic()
+                last_log = [0.0]
 
-            def progress(done: int, total: int, last_log: list[float] = last_log, donors: list[str] = donors) -> None:
-                if time.monotonic() - last_log[0] > 2 or done == total:
-                    last_log[0] = time.monotonic()
-                    log.warning(kv("downloading swarm state", done_mib=round(done / 2**20, 1),
-                                   total_mib=round(total / 2**20, 1), donors=len(donors)))
+                def progress(done: int, total: int, last_log: list[float] = last_log, donors: list[str] = donors) -> None:
+                    if time.monotonic() - last_log[0] > 2 or done == total:
+                        last_log[0] = time.monotonic()
+                        log.warning(kv("downloading swarm state", done_mib=round(done / 2**20, 1),
+                                       total_mib=round(total / 2**20, 1), donors=len(donors)))
 
-            try:
-                meta, tensors = await fetch_state(self.host, streams, donors, timeout=600.0, progress=progress)
-            except StateSyncError as e:
-                log.warning(kv("state download failed", attempt=attempt + 1, error=str(e)))
-                await trio.sleep(2)
-                continue
-            state = unflatten_state(meta["skeleton"], tensors)
-            now = self._swarm_step() or state["inner_steps"]
-            try:
-                trainer.join(state, at_step=max(now, state["inner_steps"]))
-            except OuterStateError as e:
-                log.warning(kv("downloaded state is a round old; fetching again", error=str(e)))
-                continue
-            self._published_round = trainer.outer.rounds  # the donors already offer this round
-            self.joined_from = {"donors": len(donors), "seconds": time.monotonic() - t0,
-                                "step": trainer.step, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-            log.warning(kv("joined the swarm", step=trainer.step, donors=len(donors),
-                           seconds=round(self.joined_from["seconds"], 2)))
+                self._waiting = f"state download from {len(donors)} peers (attempt {attempt})"
+                try:
+                    meta, tensors = await fetch_state(self.host, streams, donors, timeout=600.0, progress=progress)
+                except StateSyncError as e:
+                    await self._retry_later(backoff, f"state download failed: {e}", attempt=attempt)
+                    continue
+                state = unflatten_state(meta["skeleton"], tensors)
+                now = self._swarm_step() or state["inner_steps"]
+                try:
+                    trainer.join(state, at_step=max(now, state["inner_steps"]))
+                except StaleStateError as e:
+                    await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
+                    continue
+                except OuterStateError as e:
+                    raise NodeError(f"the swarm's state does not fit this node ({e}): every peer must run the "
+                                    f"same model and optimizer as the swarm spec says") from None
+                self._published_round = trainer.outer.rounds  # the donors already offer this round
+                self._record_phi()
+                self._resync_from = ()
+                self.joined_from = {"donors": len(donors), "seconds": time.monotonic() - t0, "step": trainer.step,
+                                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+                log.warning(kv("joined the swarm", step=trainer.step, donors=len(donors),
+                               seconds=round(self.joined_from["seconds"], 2)))
+                return True
+            return False
+        finally:
+            self._waiting = None
+
+    async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
+        delay = backoff.next()
+        log.warning(kv("cannot join the swarm yet; retrying", why=why[:300], attempt=attempt,
+                       retry_in_s=round(delay, 1)))
+        with trio.move_on_after(delay):
+            await self._stop_requested.wait()
+
+    def _record_phi(self) -> None:
+        """Hash φ after a round (or a download) and publish it with our progress (trainer thread
+        or trio thread: the caller owns φ at that moment)."""
+        trainer, parity = self.trainer, self.parity
+        if trainer is None or parity is None or not parity.enabled:
             return
-        raise NodeError("could not download the swarm's state; see the log above")
+        parity.record(trainer.outer.rounds, phi_digest(trainer.outer.outer_params))
+
+    async def _watch_parity(self) -> None:
+        """Compare our φ digests with every live trainer's, continuously; in the minority, re-sync
+        from the majority (the training loop downloads their state) and say so."""
+        assert self.parity is not None and self.view is not None and self.host is not None
+        acted_on: int | None = None
+        while True:
+            await trio.sleep(PARITY_INTERVAL)
+            if self.trainer is None or self.state != "training" or not self.parity.enabled:
+                continue
+            me = self.host.peer_id
+            progress = self.view.progress()
+            others = {p: progress[p].phi for p in self._trainers() if p != me and p in progress}
+            verdict = self.parity.check(others)
+            if verdict.status == "minority" and verdict.outer_round != acted_on:
+                acted_on = verdict.outer_round
+                self.parity.resyncs += 1
+                log.warning(kv("out of step with the swarm: φ differs from the majority's; re-syncing",
+                               round=verdict.outer_round, mine=verdict.mine.hex()[:16] if verdict.mine else None,
+                               majority=verdict.majority.hex()[:16] if verdict.majority else None,
+                               agreeing=verdict.agreeing, compared=verdict.compared,
+                               holders=",".join(p[-8:] for p in verdict.holders)))
+                self._resync_from = verdict.holders
+                self.trainer.outer.needs_resync = True
 
     async def _train(self, store: CheckpointStore, streams: TensorStreams) -> NodeResult:
         assert self.trainer is not None and self.view is not None and self.host is not None
@@ -486,9 +635,9 @@ class Node:
         if want <= 1:
             return
         with trio.move_on_after(self.config.wait_peers_timeout):
-            while len(self._membership(0)) < want and not self._stop_flag.is_set():
+            while len(self._trainers()) < want and not self._stop_flag.is_set():
                 await trio.sleep(0.1)
-        have = len(self._membership(0))
+        have = len(self._trainers())
         if have < want:
             log.warning(kv("starting without every awaited peer", have=have, want=want))
 
@@ -498,6 +647,10 @@ class Node:
         info = trainer.info
         outer = trainer.outer
         publish = checkpoint = None
+        parity = self.parity
+        if parity is not None and parity.enabled and (not parity.history or parity.history[-1][0] != outer.rounds):
+            self._record_phi()  # φ is ours between steps, even with a fragment in flight
+        phi = list(parity.history) if parity is not None and parity.enabled else None
         if outer.rounds != self._published_round and not outer.in_flight:
             self._published_round = outer.rounds
             skeleton, tensors = flatten_state(trainer.donor_state())
@@ -510,7 +663,7 @@ class Node:
         def on_trio() -> None:
             assert self.view is not None
             self.view.report_progress(step=trainer.step, samples=trainer.step * trainer.spec.batch_size,
-                                      outer_round=outer.rounds)
+                                      outer_round=outer.rounds, phi=phi)
             metrics = {k: v for k, v in (("loss", info.loss), ("eval_loss", info.eval_loss),
                                          ("samples_per_s", info.samples_per_s)) if v is not None and math.isfinite(v)}
             self.view.report_metrics(metrics)
@@ -537,8 +690,26 @@ class Node:
     def round_status(self) -> dict[str, Any]:
         """The outer rounds as the status page shows them: `phi_round`, `phi_digest` (hex),
         `phi_history` ([[round, digest hex], ...], newest last), `parity` (this peer's standing
-        against the swarm's φ digests) and `waiting` (what a round waits for now, or None)."""
-        return {"phi_round": None, "phi_digest": None, "phi_history": [], "parity": None, "waiting": None}
+        against the swarm's φ digests), `waiting` (what a round waits for now, or None) and
+        `refused` (requests refused to non-members and the like, by reason)."""
+        parity = self.parity
+        history = list(parity.history) if parity is not None else []
+        waiting = self._waiting or (self.collective.waiting_for() if self.collective is not None else None)
+        return {"phi_round": history[-1][0] if history else None,
+                "phi_digest": history[-1][1].hex() if history else None,
+                "phi_history": [[r, d.hex()] for r, d in history],
+                "parity": parity.status() if parity is not None else None,
+                "waiting": waiting, "refused": self.refused()}
+
+    def refused(self) -> dict[str, int]:
+        """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
+        the collective's and the data plane's, for `/metrics`."""
+        out: dict[str, int] = {}
+        for counts in (self.collective.refused if self.collective else {}, self.streams.refused if self.streams else {}):
+            for reason, n in counts.items():
+                if n:
+                    out[reason] = out.get(reason, 0) + n
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """The status document (schema in `meshtrain.node.status`). Call it on the trio thread; it
