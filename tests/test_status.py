@@ -39,7 +39,8 @@ def snapshot() -> dict:
                      "swarm": "ms0123", "state": "training", "listen": [], "reachability": "public"},
             "training": {"step": 10, "round": 2, "loss": 2.25, "eval_loss": None, "optimizer": "diloco",
                          "samples_per_s": 7.5, "bytes_sent": 4096, "bytes_received": 8192,
-                         "history": [{"step": s, "t": 0.0, "loss": 3 - s / 10, "eval_loss": None} for s in range(10)]},
+                         "history": [{"step": s, "t": 0.0, "loss": 3 - s / 10, "eval_loss": None} for s in range(10)],
+                         "refused": {"not-a-member": 3}, "parity": {"status": "minority", "resyncs": 1}},
             "peers": peers, "checkpoint": {}, "joined_from": None}
 
 
@@ -67,6 +68,10 @@ async def test_status_metrics_and_dashboard_are_served():
         assert fams["meshtrain_live_peers"].samples[0].value == 2
         by_peer = {s.labels["peer"]: s for s in fams["meshtrain_peer_step"].samples}
         assert by_peer["12D3KooWpeer1"].value == 11 and by_peer["12D3KooWpeer1"].labels["connection"] == "relay"
+        refused = {s.labels["reason"]: s.value for s in fams["meshtrain_refused_requests"].samples
+                   if s.name.endswith("_total")}
+        assert refused == {"not-a-member": 3}
+        assert fams["meshtrain_parity_minority"].samples[0].value == 1
         code, ctype, page = await trio.to_thread.run_sync(get, srv.url + "/")
         assert code == 200 and ctype.startswith("text/html") and b'id="peers"' in page
         # No CDN, no remote fonts: every src/href is relative or inline.

@@ -109,6 +109,15 @@ class _Collector:
         for p in st["peers"]:
             steps.add_metric([p["peer_id"], p["connection"], p["reachability"]], p["step"])
         yield steps
+        refused = CounterMetricFamily("meshtrain_refused_requests", "requests refused to peers (not-a-member, "
+                                      "round-out-of-window, too-many-pending, ...)", labels=["reason"])
+        for reason, count in sorted((t.get("refused") or {}).items()):
+            refused.add_metric([reason], count)
+        yield refused
+        parity = t.get("parity") or {}
+        yield _gauge("meshtrain_parity_minority", "1 while this peer's φ differs from the swarm majority's",
+                     1.0 if parity.get("status") == "minority" else 0.0)
+        yield _gauge("meshtrain_parity_resyncs", "re-syncs parity has triggered", parity.get("resyncs", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> Any:
