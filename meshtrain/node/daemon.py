@@ -740,7 +740,7 @@ class Node:
             elif view is None:
                 training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
             elif self.config.wait_peers > 1 and trainer is not None:
-                have = len(self._membership(0))
+                have = len(self._trainers())
                 if have < self.config.wait_peers:
                     training["waiting"] = (f"waiting for {self.config.wait_peers - have} more peer(s) before "
                                            f"training starts ({have} of {self.config.wait_peers} here)")
