@@ -85,6 +85,8 @@ SPEC_FILE = "swarm.json"
 STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
 CONNECT_INTERVAL = 2.0
 DISCOVERY_INTERVAL = 15.0
+ENTER_WAIT = 10.0  # at start, how long to wait for the others' progress before training on our own state
+BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we were left behind
 PARITY_INTERVAL = 1.0  # seconds between two parity checks against the swarm's φ digests
 MEMBER_WAIT = 3.0  # a data-plane request from a peer not yet in our membership waits this long for it
 
@@ -143,7 +145,6 @@ class Node:
         self.collective: SwarmCollective | None = None
         self.streams: TensorStreams | None = None
         self.parity: ParityMonitor | None = None
-        self._resync_from: tuple[str, ...] = ()  # the majority's holders, when parity says we diverged
         self._waiting: str | None = None  # what the node itself waits for (a download, peers)
 
     # -- control -------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class Node:
                 host, streams, self._membership,
                 AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout,
                                 round_window=max(4 * signed.spec.H, 64)),
-                current_round=lambda: self.trainer.step if self.trainer is not None else 0)
+                current_round=self._current_round)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             self.trainer = Trainer(signed.spec, collective, host.peer_id, model=self._model,
@@ -307,6 +308,20 @@ class Node:
                 except ReachabilityError:
                     pass
             await trio.sleep(2.0)
+
+    def _current_round(self) -> int | None:
+        """Our step, against which the collective refuses far-away rounds; None while we are not
+        in step ourselves (starting, downloading), when a far-away round may well be the swarm's."""
+        if self.trainer is None or self.state != "training":
+            return None
+        return self.trainer.step
+
+    def _front_step(self) -> int | None:
+        """The furthest step a connected trainer other than us reports (None: nobody)."""
+        assert self.view is not None and self.host is not None
+        me, progress = self.host.peer_id, self.view.progress()
+        steps = [progress[p].step for p in self._membership(0) if p != me and p in progress]
+        return max(steps) if steps else None
 
     def _trainers(self) -> list[str]:
         """Live trainers per the replicated membership, us included (connected or not)."""
@@ -420,7 +435,7 @@ class Node:
             trainer.load_checkpoint(ckpt.state)
             self._last_ckpt = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}
             log.warning(kv("resumed from checkpoint", step=ckpt.step, digest=ckpt.digest[:16]))
-        with trio.move_on_after(3):  # let membership and progress from the others arrive
+        with trio.move_on_after(ENTER_WAIT):  # let membership and progress from the others arrive
             while self._swarm_step() is None and self.view is not None and len(self.view.live_peers()) > 1:
                 await trio.sleep(0.2)
         swarm_step = self._swarm_step()
@@ -429,14 +444,13 @@ class Node:
         await self._download_state(streams)
 
     def _donors(self) -> list[str]:
-        """Whom to download the swarm's state from: the holders of the winning φ digest (the
-        parity rule, `node/parity.py`) among the connected trainers — so a split round's two
-        states never face each other in the download's vote — or, when parity has just told us
-        we diverged, the majority it named."""
+        """Whom to download the swarm's state from: among the connected trainers, the holders of
+        the winning φ digest (the parity rule, `node/parity.py`) at the newest round any of them
+        published — so a split round's two states never face each other in the download's vote,
+        and a group left behind (restarted from an old checkpoint) is not mistaken for the swarm."""
         assert self.host is not None and self.view is not None and self.trainer is not None
         me = self.host.peer_id
-        connected = [p for p in self._membership(0) if p != me and self.host.is_connected(p)]
-        donors = [p for p in self._resync_from if p in connected] or connected
+        donors = [p for p in self._membership(0) if p != me and self.host.is_connected(p)]
         progress = self.view.progress()
         newest: dict[int, dict[bytes, set[str]]] = {}
         for p in donors:
@@ -501,7 +515,9 @@ class Node:
                     await self._retry_later(backoff, f"state download failed: {e}", attempt=attempt)
                     continue
                 state = unflatten_state(meta["skeleton"], tensors)
-                now = self._swarm_step() or state["inner_steps"]
+                # Enter at the step the donors — the swarm we join — are at now.
+                progress = self.view.progress()
+                now = max([progress[d].step for d in donors if d in progress] or [state["inner_steps"]])
                 try:
                     trainer.join(state, at_step=max(now, state["inner_steps"]))
                 except StaleStateError as e:
@@ -512,7 +528,6 @@ class Node:
                                     f"same model and optimizer as the swarm spec says") from None
                 self._published_round = trainer.outer.rounds  # the donors already offer this round
                 self._record_phi()
-                self._resync_from = ()
                 self.joined_from = {"donors": len(donors), "seconds": time.monotonic() - t0, "step": trainer.step,
                                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
                 log.warning(kv("joined the swarm", step=trainer.step, donors=len(donors),
@@ -544,7 +559,8 @@ class Node:
         acted_on: int | None = None
         while True:
             await trio.sleep(PARITY_INTERVAL)
-            if self.trainer is None or self.state != "training" or not self.parity.enabled:
+            if (self.trainer is None or self.state != "training" or not self.parity.enabled
+                    or self.trainer.outer.needs_resync):
                 continue
             me = self.host.peer_id
             progress = self.view.progress()
@@ -558,7 +574,15 @@ class Node:
                                majority=verdict.majority.hex()[:16] if verdict.majority else None,
                                agreeing=verdict.agreeing, compared=verdict.compared,
                                holders=",".join(p[-8:] for p in verdict.holders)))
-                self._resync_from = verdict.holders
+                self.trainer.outer.needs_resync = True
+                continue
+            front = self._front_step()
+            if front is not None and front >= self.trainer.step + BEHIND_ROUNDS * self.trainer.spec.H:
+                # A group left behind (its members restarted from old checkpoints and found each
+                # other) completes rounds among itself that the swarm passed long ago; parity never
+                # compares them. Catch up with the front instead.
+                log.warning(kv("behind the swarm; re-syncing", step=self.trainer.step, swarm_step=front))
+                self.parity.resyncs += 1
                 self.trainer.outer.needs_resync = True
 
     async def _train(self, store: CheckpointStore, streams: TensorStreams) -> NodeResult:

@@ -481,7 +481,7 @@ class SwarmCollective:
 
     def __init__(self, host: Host, streams: TensorStreams,
                  membership: Callable[[int], Sequence[str]], config: AllReduceConfig | None = None, *,
-                 current_round: Callable[[], int] | None = None) -> None:
+                 current_round: Callable[[], int | None] | None = None) -> None:
         self.host = host
         self.streams = streams
         self.membership = membership
@@ -534,6 +534,9 @@ class SwarmCollective:
 
     def _check_window(self, round_id: int) -> None:
         window = self.config.round_window
+        # Our own position: the caller's step counter (None while we are not in step ourselves —
+        # starting, or downloading the swarm's state — when we cannot judge), else the newest
+        # round we took part in.
         ref = self.current_round() if self.current_round is not None else self._latest_round
         if window is not None and ref is not None and abs(round_id - ref) > window:
             raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
