@@ -27,6 +27,7 @@ NAT and reports no gateway. The tests cover the path every node without a gatewa
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,24 @@ import trio
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
+
+
+class _OneLineDiscoveryErrors(logging.Filter):
+    """py-libp2p's `UpnpManager.discover` logs a failed SSDP search (no route, no gateway: the
+    normal case off a home LAN) with `logger.exception`, a full traceback at ERROR in every node's
+    log. The failure is already reported by us in one line (`upnp gateway=False ...`), so its
+    record is cut to one line at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]!r}"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+logging.getLogger("libp2p.discovery.upnp.upnp").addFilter(_OneLineDiscoveryErrors())
 
 DEFAULT_DISCOVER_TIMEOUT = 5.0  # SSDP search (miniupnpc waits ~2 s) + reading the IGD description
 REMOVE_TIMEOUT = 3.0  # per mapping, on exit
