@@ -213,7 +213,8 @@ def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
 
 # Modules the stop/status path must not import: each costs from 0.1 s to seconds on a busy machine.
 HEAVY = ("torch", "libp2p", "transformers", "numpy", "pydantic", "trio", "prometheus_client",
-         "meshtrain.node.daemon", "meshtrain.node.config", "meshtrain.optim")
+         "meshtrain.node.daemon", "meshtrain.node.config", "meshtrain.optim",
+         "http.server", "http.client", "urllib.request", "ssl")
 
 PROBE = """
 import json, sys

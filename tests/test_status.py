@@ -142,6 +142,26 @@ async def test_unreachable_endpoint_is_a_clear_error():
         await trio.to_thread.run_sync(fetch_status, f"http://127.0.0.1:{port}", 2)
 
 
+@pytest.mark.parametrize("reply", [b"garbage\r\n\r\n", b"", b"HTTP/1.1 abc\r\n\r\n{}",
+                                   b"SSH-2.0-OpenSSH_9.6\r\n"])
+async def test_a_server_that_is_not_ours_is_a_clear_error(reply):
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+
+        def answer_once() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+        t = threading.Thread(target=answer_once, daemon=True)
+        t.start()
+        with pytest.raises(StatusError, match="did not answer in HTTP"):
+            await trio.to_thread.run_sync(fetch_status, f"http://127.0.0.1:{srv.getsockname()[1]}", 5)
+        t.join(5)
+
+
 async def test_port_in_use_is_an_oserror():
     async with StatusServer(snapshot, port=0) as a:
         with pytest.raises(OSError):

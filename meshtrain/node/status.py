@@ -41,28 +41,29 @@ The status document (`Node.snapshot()`):
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import os
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from meshtrain.errors import MeshtrainError
 
 if TYPE_CHECKING:
     import trio
 
-# The server side imports trio and prometheus-client where it needs them: this module is also the
-# client of `meshtrain node status/stop`, which must start in tens of milliseconds on a machine
-# whose cores are busy training (importing torch or libp2p there took 6-15 s under load).
+# This module is also the client of `meshtrain node status/stop`, which must start in tens of
+# milliseconds on a machine whose cores are busy training (importing torch and libp2p on that
+# path took 6-50 s under load). So the server half imports trio, prometheus-client and the
+# standard library's http.server (~30 ms of CPU by itself) only when a server starts, and the
+# client speaks its few lines of HTTP over a socket instead of importing urllib.
 
 Snapshot = Callable[[], dict[str, Any]]
 
@@ -126,7 +127,9 @@ def _gauge(name: str, doc: str, value: float) -> Any:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler:
+    """The request handler (mixed into `http.server.BaseHTTPRequestHandler` by `_server_class`)."""
+
     server: _Server
     server_version = "meshtrain"
     protocol_version = "HTTP/1.1"
@@ -195,10 +198,13 @@ def _metrics(st: dict[str, Any]) -> bytes:
     return generate_latest(registry)
 
 
-class _Server(ThreadingHTTPServer):
+class _Server:
+    """The server (mixed into `http.server.ThreadingHTTPServer` by `_server_class`)."""
+
     daemon_threads = True
     # Bounded so a client that connects and says nothing cannot pin a thread for ever.
     timeout = 10
+    handler_class: type
 
     def __init__(self, addr: tuple[str, int], *, snapshot: Snapshot, on_stop: Callable[[], None],
                  token: str | None, trio_token: trio.lowlevel.TrioToken, dashboard: bytes,
@@ -207,11 +213,11 @@ class _Server(ThreadingHTTPServer):
         self.trio_token, self.dashboard = trio_token, dashboard
         self._last = first
         self._last_lock = threading.Lock()
-        super().__init__(addr, _Handler)
+        super().__init__(addr, self.handler_class)  # type: ignore[call-arg]
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(self.timeout)
-        super().finish_request(request, client_address)
+        super().finish_request(request, client_address)  # type: ignore[misc]
 
     def current_snapshot(self) -> dict[str, Any]:
         """A fresh document from the trio thread if it answers within `FRESH_SNAPSHOT_WAIT`, else
@@ -248,6 +254,20 @@ class _Unavailable(Exception):
     """No status document can be served now (503)."""
 
 
+@functools.cache
+def _server_class() -> type[_Server]:
+    """`_Server` and `_Handler` on the standard library's threading HTTP server, built on first use."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(_Handler, BaseHTTPRequestHandler):
+        pass
+
+    class Server(_Server, ThreadingHTTPServer):
+        handler_class = Handler
+
+    return Server
+
+
 class StatusServer:
     """`async with StatusServer(node.snapshot, port=0) as srv: srv.url` — serves until the block ends.
 
@@ -278,12 +298,14 @@ class StatusServer:
         return f"http://{host}:{self.port}"
 
     async def __aenter__(self) -> StatusServer:
+        from importlib import resources
+
         import trio
 
         dashboard = resources.files("meshtrain.node").joinpath("dashboard.html").read_bytes()
-        self._server = _Server((self._host, self._port), snapshot=self._snapshot, on_stop=self._on_stop,
-                               token=self._token, trio_token=trio.lowlevel.current_trio_token(),
-                               dashboard=dashboard, first=self._snapshot())
+        self._server = _server_class()(
+            (self._host, self._port), snapshot=self._snapshot, on_stop=self._on_stop, token=self._token,
+            trio_token=trio.lowlevel.current_trio_token(), dashboard=dashboard, first=self._snapshot())
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="meshtrain-status", daemon=True)
         self._thread.start()
@@ -304,23 +326,55 @@ class StatusServer:
         self._server = self._thread = None
 
 
+MAX_REPLY = 64 * 2**20  # bytes a client reads at most (a status document is ~100 KiB)
+
+
 def _request(url: str, *, method: str = "GET", token: str | None = None, timeout: float) -> bytes:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    """One request to a node's status server; the body of its 2xx reply, else `StatusError`.
+
+    It speaks only the HTTP/1.1 our server does — one request per connection, which the server
+    closes after a reply with a Content-Length — so that `node status/stop` need not import
+    urllib and http.client (more CPU than the whole request on a busy machine)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise StatusError(f"{url} is not a status URL (http://host:port)")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    head = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close", "Content-Length: 0"]
     if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
+        head.append(f"Authorization: Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own local URL
-            return resp.read()
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read()).get("error", e.reason)
-        except (ValueError, AttributeError, OSError):
-            detail = e.reason
-        raise StatusError(f"{url}: {e.code} {detail}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise StatusUnreachable(f"cannot reach the node's status endpoint {url} ({reason}); "
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout) as sock:
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+            raw = bytearray()
+            while chunk := sock.recv(1 << 16):
+                raw += chunk
+                if len(raw) > MAX_REPLY:
+                    raise StatusError(f"{url} answered with more than {MAX_REPLY >> 20} MiB")
+    except OSError as e:
+        raise StatusUnreachable(f"cannot reach the node's status endpoint {url} ({e}); "
                                 f"is the node running?") from None
+    code, reason, body = _parse_reply(bytes(raw), url)
+    if not 200 <= code < 300:
+        try:
+            detail = json.loads(body).get("error") or reason
+        except (ValueError, AttributeError):
+            detail = reason
+        raise StatusError(f"{url}: {code} {detail}")
+    return body
+
+
+def _parse_reply(raw: bytes, url: str) -> tuple[int, str, bytes]:
+    """(status code, reason, body) of one HTTP/1.x reply read to the end of the connection."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = lines[0].split(None, 2)
+    if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/1.") or not status[1].isdigit():
+        raise StatusError(f"{url} did not answer in HTTP; is it a meshtrain status URL?")
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            body = body[: int(value)]
+    return int(status[1]), status[2].decode("latin-1") if len(status) > 2 else "", body
 
 
 def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
