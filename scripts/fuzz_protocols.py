@@ -35,8 +35,11 @@ Design.
 - **Oracles**, checked after every case (cheap ones) and every `CHECK_EVERY` seconds:
   *crash* — a member's `Node.run()` raised or returned while fuzzing, or the trio run raised;
   *hang* — a case got no answer (reply, error or close) within its protocol's deadline; the
-  event loop stalled > `LOOP_STALL` s; a member's step counter stood still > `--stall` s; or its
-  HTTP status request took > `STATUS_TIMEOUT` s;
+  event loop stalled > `LOOP_STALL` s; a member's step counter stood still > `--stall` s; its
+  HTTP status request took > `STATUS_TIMEOUT` s; or it did not stop within `STOP_TIMEOUT` s.
+  Two waits are the attacker's own and not hangs: a well-formed transfer header waiting for a
+  receive that will never come ("parked", the data plane's documented rendezvous), and a chunk
+  request whose chunk the attacker never receives ("held"; reported as a `resource` finding);
   *non-member effect* — (1) the attacker got a join reply that placed it in a group; (2) a
   member's all-reduce ended with a group or contributors other than the members, or without the
   swarm (`CollectiveError`: "proceeding alone"), or a member started re-syncing; (3) a member's
@@ -1384,7 +1387,12 @@ async def positive_control(swarm: Swarm, results: Results, oracles: Oracles, sta
     soak's join from it, and report what the oracles flagged."""
     before, listed = results.nonmember_effects, len(results.findings)
     oracles.fuzzing = True  # the oracles judge the control exactly as they judged the fuzzing
-    insider = await stack.enter_async_context(Host(Identity.generate(), HostConfig(listen=[f"/ip4/{LOOPBACK}/tcp/0"])))
+    # An id above the members': a lower one would become the round's coordinator and the
+    # coordinator would hand the round over to it ({"moved": insider}), as it should.
+    identity = Identity.generate()
+    while identity.peer_id_str < swarm.members[-1]:
+        identity = Identity.generate()
+    insider = await stack.enter_async_context(Host(identity, HostConfig(listen=[f"/ip4/{LOOPBACK}/tcp/0"])))
     for node in swarm.nodes:
         await insider.connect(node.host.addrs[0], timeout=10)
     owner = swarm.nodes[0].signed.owner
