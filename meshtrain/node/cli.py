@@ -165,8 +165,14 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
             return await node.run()
         from meshtrain.node.console import LiveStatus
 
-        async with LiveStatus(node.snapshot):
-            return await node.run()
+        try:
+            async with LiveStatus(node.snapshot):
+                return await node.run()
+        except BaseExceptionGroup as eg:
+            # The status line's nursery wraps whatever ended the node: hand that on as it came.
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
 
     result = trio.run(run)
     print(json.dumps({"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
@@ -298,7 +304,13 @@ def main(argv: list[str] | None = None) -> int:
             if eg.subgroup(KeyboardInterrupt) is not None:
                 print("meshtrain: interrupted", file=sys.stderr)
                 return 130
-            raise
+            import traceback
+
+            # A failure inside libp2p arrives a dozen nurseries deep, past the depth (10) Python
+            # prints by default, which would hide the one line that says what went wrong.
+            print("".join(traceback.TracebackException.from_exception(eg, max_group_depth=1000).format()),
+                  end="", file=sys.stderr)
+            return 1
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1
 
