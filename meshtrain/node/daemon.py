@@ -33,7 +33,7 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -48,6 +48,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.devices import device_label, resolve_device
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, Trainer
@@ -59,6 +60,9 @@ from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
 from meshtrain.transport.rpc import RpcError
 from meshtrain.transport.tensor_streams import TensorStreams
+
+if TYPE_CHECKING:
+    from meshtrain.node.local_ranks import LocalRanks
 
 log = get_logger(__name__)
 
@@ -93,11 +97,15 @@ class Node:
     model, outer_factory: the Python API's hooks — your own `torch.nn.Module` (forward(x, y) →
         loss) and `outer_factory(model, inner, collective) -> OuterOptimizer` (e.g. a custom
         outer optimizer); every peer of the swarm must use the same.
+    local: the local-rank group when this process is rank 0 (the gateway) of a multi-GPU peer
+        (node/local_ranks.py builds it); None for a single-process peer.
     """
 
     def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
-                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None) -> None:
+                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
+                 local: LocalRanks | None = None) -> None:
         self.config = config
+        self._local = local
         self.data_dir = Path(config.data_dir).expanduser()
         self._spec_arg = spec
         self._join = parse_join_address(join) if join else None
@@ -174,8 +182,10 @@ class Node:
                 join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout))
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
-            self.trainer = Trainer(signed.spec, collective, host.peer_id, model=self._model,
-                                   outer_factory=self._outer_factory)
+            local = self._local
+            self.trainer = Trainer(signed.spec, local.collective(collective) if local else collective, host.peer_id,
+                                   model=self._model, outer_factory=self._outer_factory, local=local,
+                                   device=None if local else resolve_device(self.config.device))
             self.donor = StateDonor(host, streams, upload_limit=self.config.donor_upload_mib * 2**20 or None)
             store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
             nursery = self._nursery = await stack.enter_async_context(trio.open_nursery())
@@ -298,11 +308,13 @@ class Node:
             await trio.sleep(CONNECT_INTERVAL)
 
     async def _watch_signals(self) -> None:
+        signalled = False  # a stop for another reason (a failed local rank) is not a first signal
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for sig in signals:
-                if self._stop_flag.is_set():
+                if signalled:
                     log.warning("second signal: exiting at once")
                     os._exit(130)
+                signalled = True
                 log.warning(kv("stopping", signal=signal.Signals(sig).name))
                 self.stop()
 
@@ -534,7 +546,9 @@ class Node:
                 "started": self.started, "uptime_s": now - self.started,
                 "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
                 "listen": host.addrs if host else [],
-                "reachability": self.nat.connection_type if self.nat is not None else "unknown"}
+                "reachability": self.nat.connection_type if self.nat is not None else "unknown",
+                "device": device_label(trainer.device) if trainer is not None else self.config.device,
+                "local_ranks": self.config.nproc_per_node}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
         if trainer is not None:
