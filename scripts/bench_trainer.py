@@ -1,0 +1,263 @@
+"""Trainer benchmark: what meshtrain's trainer costs over a bare PyTorch loop, what a round costs,
+what bf16 costs in loss, and whether a multi-rank peer trains the same model.
+
+    python scripts/bench_trainer.py [--quick] [--skip-multi-rank]
+
+One JSON object on the last line:
+
+- `trainer_overhead`: samples/s of a bare PyTorch loop (same model, batch, data, clipping, inner
+  optimizer and torch thread count) over samples/s of meshtrain's trainer inside a real `Node` — a
+  1-peer swarm on loopback, with its host, swarm state, status server and checkpoints — with no
+  round due (H beyond the run). Target <= 1.03. Trials alternate bare / node; each side's best
+  trial counts (the machine is shared: the best run is the one least disturbed by others).
+- `round_overhead`: wall time of H steps that include one DiLoCo round (1-peer swarm on loopback:
+  Δ, the collective's round of one, the outer step, the merge, publishing the state for joiners)
+  over the same H steps of the no-round run. Reported; no target.
+- `bf16_vs_fp32_loss`: |eval loss (bf16) − eval loss (fp32)| / eval loss (fp32) after 300 steps of
+  the same run (trainer, 1-peer swarm, H 50). Target <= 0.02.
+- `multi_rank_matches`: φ after 3 rounds of a swarm of two node processes, one of them a 2-rank
+  torch.distributed group (gloo), equals φ of the same swarm with both peers single-rank, at the
+  same global batch (the spec's batch_size, split by the 2-rank peer's ranks), within 1e-5 max abs
+  difference (`multi_rank_max_abs_diff`). Target: true.
+- `peak_rss_mib`: peak resident memory of this process (bare loop and in-process node) and of each
+  rank of the 2-rank peer.
+
+On a machine with CUDA the trainer phase also runs on `cuda` and reports `gpu_samples_per_s` and
+`gpu_trainer_overhead`. It has only been run on CPU (README, "Running on GPUs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshtrain import Node, NodeConfig, SignedSpec, SwarmSpec  # noqa: E402
+from meshtrain.models import GPT, Corpus, GPTConfig  # noqa: E402
+from meshtrain.node.checkpoint import CheckpointStore  # noqa: E402
+from meshtrain.node.trainer import Trainer  # noqa: E402
+from meshtrain.optim import LocalSwarm  # noqa: E402
+from meshtrain.transport.identity import Identity  # noqa: E402
+
+MODEL, BATCH, CLIP, LR, WD = "gpt-small", 16, 1.0, 2e-3, 0.01
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- bare loop ------------------------------------------------------------------------------------
+
+def bare_loop(steps: int, warmup: int, device: str) -> float:
+    """Samples/s of the loop a user would write without meshtrain."""
+    corpus = Corpus.default()
+    model = GPT(GPTConfig.small(corpus.vocab_size), seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    t0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            _sync(device)
+            t0 = time.perf_counter()
+        x, y = corpus.batch(BATCH, 32, seed=0, peer="bare", step=step)
+        x, y = x.to(device), y.to(device)
+        loss = model(x, y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    _sync(device)
+    return BATCH * steps / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- meshtrain: a real node ----------------------------------------------------------------------
+
+def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int) -> dict[int, float]:
+    """Run a 1-peer swarm node for warmup + steps; return {step: monotonic time} as the trainer
+    reached each step (polled from the trio thread every 2 ms)."""
+    shutil.rmtree(work, ignore_errors=True)
+    total = warmup + steps
+    spec = SwarmSpec(model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR,
+                     weight_decay=WD)
+    signed = SignedSpec.create(spec, Identity.load_or_create(work))
+    config = NodeConfig(data_dir=work, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, nat=False, upnp=False,
+                        checkpoint_every=3600, threads=threads, device=device)
+    node = Node(config, spec=signed)
+    seen: dict[int, float] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async def run() -> None:
+                await node.run()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run)
+            while True:
+                t = node.trainer
+                if t is not None:
+                    seen.setdefault(t.step, time.monotonic())
+                await trio.sleep(0.002)
+
+    trio.run(main)
+    return seen
+
+
+def at(seen: dict[int, float], step: int) -> float:
+    """When the trainer reached `step` (the first poll at or after it)."""
+    return min(t for s, t in seen.items() if s >= step)
+
+
+def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
+    steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 20, args.trials)
+    H_plain = steps + warmup + 10  # no round due in the run
+    bare, node, plain_windows, round_windows = [], [], [], []
+    H = 50 if not args.quick else 20
+    for _ in range(trials):
+        bare.append(bare_loop(steps, warmup, device))
+        seen = node_run(work / "plain", steps, warmup, H_plain, device, args.threads)
+        node.append(BATCH * steps / (at(seen, warmup + steps) - at(seen, warmup)))
+        # round overhead: the counter reads s + 1 once step s and any round sent at s are done, so
+        # the window from H + 1 to 2H + 1 holds H steps and the round sent at step 2H; the same
+        # window of the no-round run holds none
+        plain_windows.append(at(seen, 2 * H + 1) - at(seen, H + 1))
+        seen_r = node_run(work / "rounds", 2 * H + 5 - warmup, warmup, H, device, args.threads)
+        round_windows.append(at(seen_r, 2 * H + 1) - at(seen_r, H + 1))
+    best_bare, best_node = max(bare), max(node)
+    return {"bare_samples_per_s": round(best_bare, 1), "node_samples_per_s": round(best_node, 1),
+            "trainer_overhead": round(best_bare / best_node, 4),
+            "round_overhead": round(min(round_windows) / min(plain_windows), 4),
+            "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]}}
+
+
+# -- precision ------------------------------------------------------------------------------------
+
+def final_eval_loss(precision: str, steps: int, model: str) -> float:
+    spec = SwarmSpec(model=model, batch_size=BATCH, H=50, steps=steps, eval_every=0, precision=precision)
+    t = Trainer(spec, LocalSwarm(1).member(0), "bench", device="cpu")
+
+    async def main() -> None:
+        async with t.outer:
+            await trio.to_thread.run_sync(t.run, threading.Event(), steps, lambda _t: None)
+
+    trio.run(main)
+    return t.evaluate()
+
+
+def phase_precision(args: argparse.Namespace) -> dict:
+    steps, model = (100, "gpt-tiny") if args.quick else (300, MODEL)
+    fp32 = final_eval_loss("fp32", steps, model)
+    bf16 = final_eval_loss("bf16", steps, model)
+    return {"eval_loss_fp32": round(fp32, 4), "eval_loss_bf16": round(bf16, 4),
+            "bf16_vs_fp32_loss": round(abs(bf16 - fp32) / fp32, 4)}
+
+
+# -- multi-rank equivalence -----------------------------------------------------------------------
+
+def cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int
+              ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Run two node processes (peer 0 with nprocs[0] local ranks, peer 1 with nprocs[1]) to
+    `rounds` rounds; return peer 0's φ from its final checkpoint and each process's result."""
+    shutil.rmtree(work, ignore_errors=True)
+    dirs = [work / f"p{i}" for i in range(2)]
+    for d, key in zip(dirs, keys, strict=True):
+        d.mkdir(parents=True)
+        shutil.copy(key, d / "identity.key")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1", "--no-nat",
+              "--wait-peers", "2", "--device", "cpu"]
+    logs = [open(work / f"p{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
+    p0 = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
+                           "--data-dir", str(dirs[0]), "--swarm", str(spec_file),
+                           "--nproc-per-node", str(nprocs[0]), *common],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=logs[0], text=True)
+    deadline = time.monotonic() + 120
+    while not (dirs[0] / "daemon.json").exists():
+        if time.monotonic() > deadline or p0.poll() is not None:
+            raise RuntimeError(f"peer 0 did not start; see {work / 'p0.log'}")
+        time.sleep(0.1)
+    addr = json.loads((dirs[0] / "daemon.json").read_text())["addrs"][0]
+    p1 = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
+                           "--data-dir", str(dirs[1]), "--join", addr, "--nproc-per-node", str(nprocs[1]), *common],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=logs[1], text=True)
+    results = []
+    for p in (p0, p1):
+        out, _ = p.communicate(timeout=600)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        results.append(json.loads(lines[-1]) if lines else {"error": p.returncode})
+    for f in logs:
+        f.close()
+    ck = CheckpointStore(dirs[0] / "checkpoints").load_latest()
+    if ck is None:
+        raise RuntimeError(f"no checkpoint; see {work}")
+    return ck.state["outer"]["outer_params"], results
+
+
+def phase_multi_rank(args: argparse.Namespace, work: Path) -> dict:
+    H, rounds = 5, 3
+    keys = []
+    for i in range(2):
+        Identity.load_or_create(work / f"key{i}")
+        keys.append(work / f"key{i}" / "identity.key")
+    spec = SwarmSpec(model="gpt-tiny", batch_size=8, H=H, steps=H * rounds, eval_every=0)
+    signed = SignedSpec.create(spec, Identity.load_or_create(work / "key0"))
+    spec_file = signed.save(work / "swarm.json")
+    mixed, res_mixed = swarm_phi(work / "mixed", (2, 1), spec_file, keys, H, rounds)
+    single, res_single = swarm_phi(work / "single", (1, 1), spec_file, keys, H, rounds)
+    diff = max(float((mixed[n] - single[n]).abs().max()) for n in mixed)
+    ranks_rss = res_mixed[0].get("local_ranks_peak_rss_mib", [])
+    ok = (diff <= 1e-5 and all(r.get("rounds") == rounds for r in res_mixed + res_single))
+    return {"multi_rank_matches": ok, "multi_rank_max_abs_diff": diff, "ranks_peak_rss_mib": ranks_rss,
+            "multi_rank_rounds": [r.get("rounds") for r in res_mixed]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="short runs (CI smoke test)")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per trial")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads, both loops")
+    p.add_argument("--skip-multi-rank", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    out: dict = {"model": MODEL, "batch": BATCH, "threads": args.threads, "device": "cpu"}
+    work = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
+    try:
+        out.update(phase_trainer(args, work, "cpu"))
+        if torch.cuda.is_available():
+            gpu = phase_trainer(args, work, "cuda")
+            out.update(gpu_samples_per_s=gpu["node_samples_per_s"], gpu_trainer_overhead=gpu["trainer_overhead"])
+        out.update(phase_precision(args))
+        if not args.skip_multi_rank:
+            out.update(phase_multi_rank(args, work))
+        out["peak_rss_mib"] = {"bench": round(rss_mib(), 1),
+                               **{f"rank{i}": r for i, r in enumerate(out.pop("ranks_peak_rss_mib", []))}}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
