@@ -88,7 +88,7 @@ class LocalRanks:
     each rank, from the launcher's environment).
 
     rank, world_size: local rank and number of ranks. device: this rank's device.
-    control: gloo group for rank 0's messages (state, go on / stop, done).
+    control: gloo group for rank 0's messages (state, go on / stop, done), and the pids at start.
     outer: gloo group for the in-machine reduction of Δ and the broadcast of the outcome.
     """
 
@@ -97,6 +97,7 @@ class LocalRanks:
         self.control, self.outer = control, outer
         self.peer_id = ""  # followers learn it from rank 0's first message
         self.pending: dict[str, Any] | None = None  # a follower's next run message
+        self.pids: list[int] = [os.getpid()]  # every rank's process id, by rank (the status page shows them)
 
     @classmethod
     def start(cls, config: NodeConfig) -> LocalRanks:
@@ -108,7 +109,11 @@ class LocalRanks:
         dist.init_process_group(backend, timeout=LOCAL_GROUP_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
         outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
-        return cls(rank, world, device, control, outer)
+        local = cls(rank, world, device, control, outer)
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=control)
+        local.pids = [int(p) for p in pids]
+        return local
 
     @property
     def is_gateway(self) -> bool:
@@ -263,13 +268,18 @@ def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, t
 def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, log_level: str | None) -> dict:
     """Run this peer as `config.nproc_per_node` local ranks through torch's elastic launcher;
     returns rank 0's result (with every rank's peak RSS). A failed rank is a `LocalRankError`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = config.nproc_per_node
+    # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
+    # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
+    # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
+                          start_method="spawn", signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results = elastic_launch(launch, run_local_rank)(config.model_dump(mode="json"), spec_path, join, log_level)
     except ChildFailedError as e:
@@ -277,6 +287,10 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
         how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
         raise LocalRankError(f"local rank {rank} of this peer ended ({how}); the peer stopped and left the "
                              f"swarm. Start it again to resume from its checkpoint") from None
+    except SignalException as e:  # SIGTERM: the agent passed it on; rank 0 stopped cleanly
+        return {"stopped": True, "signal": signal.Signals(e.sigval).name}
+    finally:
+        signal.signal(signal.SIGINT, previous)
     gateway = results[0]
     if "error" in gateway:
         raise (ConfigError if gateway["config_error"] else MeshtrainError)(gateway["error"])

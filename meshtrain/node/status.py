@@ -19,7 +19,8 @@ Routes:
 
 The status document (`Node.snapshot()`):
     node:       peer_id, name, version, started, uptime_s, swarm, state, listen, reachability,
-                device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer)
+                device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
+                local_rank_pids (their process ids, by local rank)
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points)
     peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}]
