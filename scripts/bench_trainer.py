@@ -217,12 +217,14 @@ def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[P
 
 def phase_multi_rank(args: argparse.Namespace, work: Path) -> dict:
     H, rounds = 5, 3
-    keys = []
-    for i in range(2):
-        Identity.load_or_create(work / f"key{i}")
-        keys.append(work / f"key{i}" / "identity.key")
+    # The 2-rank peer gets the higher peer id, so the other peer coordinates the rounds: a
+    # coordinator whose own trainer reaches the first round seconds late (a multi-rank peer
+    # starting its ranks) is taken for "past this round" by the all-reduce (tests/test_multi_rank.py).
+    ids = [Identity.load_or_create(work / f"key{i}") for i in range(2)]
+    order = sorted(range(2), key=lambda i: ids[i].peer_id_str, reverse=True)
+    keys = [work / f"key{i}" / "identity.key" for i in order]
     spec = SwarmSpec(model="gpt-tiny", batch_size=8, H=H, steps=H * rounds, eval_every=0)
-    signed = SignedSpec.create(spec, Identity.load_or_create(work / "key0"))
+    signed = SignedSpec.create(spec, ids[order[0]])
     spec_file = signed.save(work / "swarm.json")
     mixed, res_mixed = swarm_phi(work / "mixed", (2, 1), spec_file, keys, H, rounds)
     single, res_single = swarm_phi(work / "single", (1, 1), spec_file, keys, H, rounds)

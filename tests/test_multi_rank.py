@@ -79,12 +79,14 @@ def wait_for(cond, timeout: float, what: str, poll: float = 0.2):
 
 
 def setup_swarm(tmp: Path, **spec: object) -> tuple[Path, list[Path]]:
-    """Two identities (peer 0 owns the swarm) and the signed spec file."""
-    keys = []
-    for i in range(2):
-        Identity.load_or_create(tmp / f"key{i}")
-        keys.append(tmp / f"key{i}" / "identity.key")
-    signed = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, **spec), Identity.load_or_create(tmp / "key0"))
+    """Two identities and the signed spec file. Peer 0 (the multi-rank one) owns the swarm and has
+    the higher peer id: the lower id coordinates the rounds, and a coordinator whose own trainer
+    reaches a round seconds after the other peer (a multi-rank peer's first round) is taken for
+    "past this round" by the all-reduce, which then re-syncs both — a collective issue of its own."""
+    ids = [Identity.load_or_create(tmp / f"key{i}") for i in range(2)]
+    order = sorted(range(2), key=lambda i: ids[i].peer_id_str, reverse=True)
+    keys = [tmp / f"key{i}" / "identity.key" for i in order]
+    signed = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, **spec), ids[order[0]])
     return signed.save(tmp / "swarm.json"), keys
 
 

@@ -548,7 +548,7 @@ class Node:
                 "listen": host.addrs if host else [],
                 "reachability": self.nat.connection_type if self.nat is not None else "unknown",
                 "device": device_label(trainer.device) if trainer is not None else self.config.device,
-                "local_ranks": self.config.nproc_per_node,
+                "local_ranks": self._local.world_size if self._local is not None else 1,
                 "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()]}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}

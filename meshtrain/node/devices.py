@@ -119,14 +119,15 @@ def host_copy(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return host_like(t, dtype).copy_(t.detach())
 
 
-def to_host(tree: Any) -> Any:
-    """A copy of a nested dict/list of tensors with every tensor on the CPU (checkpoints)."""
+def to_host(tree: Any, *, copy: bool = True) -> Any:
+    """A nested dict/list of tensors with every tensor on the CPU (checkpoints): copies, or with
+    `copy=False` host tensors are passed through as they are (for trees that are copies already)."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        return tree.detach().to("cpu", copy=copy)
     if isinstance(tree, dict):
-        return {k: to_host(v) for k, v in tree.items()}
+        return {k: to_host(v, copy=copy) for k, v in tree.items()}
     if isinstance(tree, list | tuple):
-        return type(tree)(to_host(v) for v in tree)
+        return type(tree)(to_host(v, copy=copy) for v in tree)
     return tree
 
 

@@ -29,9 +29,11 @@ Design: a *gateway-reduced peer*.
   different GPU count cannot pair its shards with anyone. Ours puts one NAT-traversing identity
   per machine and lets peers of any size meet; the cost is that rank 0 moves the whole Δ
   (fine while the swarm's links, not the machine's, are the bottleneck).
-- Control: at every `Trainer.run`, rank 0 sends the others the spec, its peer id, the step to
-  stop at and its full state (model, inner and outer state) — at start, after a resume, after a
-  late joiner's download. Every `REPORT_EVERY` steps the ranks agree whether to go on (rank 0's
+- Control: when rank 0 builds its trainer it sends the others the spec and its peer id, so they
+  build theirs (model, data, DDP) while rank 0 enters the swarm — a peer slow to reach its first
+  round makes the others wait. At every `Trainer.run`, rank 0 sends the step to stop at and its
+  full state (model, inner and outer state) — at start, after a resume, after a late joiner's
+  download. Every `REPORT_EVERY` steps the ranks agree whether to go on (rank 0's
   stop flag decides), one small broadcast on a third process group. When the node ends, rank 0
   sends "done".
 
@@ -144,18 +146,21 @@ class LocalRanks:
         return box[0]
 
     def receive(self) -> dict[str, Any] | str:
-        """Followers: rank 0's next message (a run to start, or "done")."""
+        """Followers: rank 0's next message (what to build, a run to start, or "done")."""
         msg = self._broadcast(None, self.control)
-        if isinstance(msg, dict):
+        if isinstance(msg, dict) and "peer_id" in msg:
             self.peer_id = msg["peer_id"]
         return msg
+
+    def prepare(self, trainer: Trainer) -> None:
+        """Rank 0, as its trainer is built: the others build theirs (spec, peer id)."""
+        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id}, self.control)
 
     def start_run(self, trainer: Trainer, until: int) -> int:
         """At the start of every `Trainer.run`: rank 0 sends its state and where to stop; a
         follower loads what it received. Returns the step to stop at."""
         if self.is_gateway:
-            self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id, "until": until,
-                             "state": trainer.checkpoint_state()}, self.control)
+            self._broadcast({"until": until, "state": trainer.checkpoint_state()}, self.control)
             return until
         msg = self.pending
         if msg is None:
@@ -273,6 +278,8 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n = config.nproc_per_node
+    for rank in range(n):  # a device the machine lacks: one line now, not a hang in the rendezvous
+        resolve_device(config.device, rank)
     # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
     # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
     # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
@@ -304,10 +311,7 @@ def run_local_rank(config_data: dict[str, Any], spec_path: str | None, join: str
     follow it. Errors meant for the user come back as values, so the launcher prints one line."""
     configure(log_level)
     config = NodeConfig.model_validate(config_data)
-    try:
-        local = LocalRanks.start(config)
-    except MeshtrainError as e:
-        return {"error": str(e), "config_error": isinstance(e, ConfigError), "peak_rss_mib": _rss_mib()}
+    local = LocalRanks.start(config)  # failing here fails the rank: the agent stops the others
     try:
         if local.is_gateway:
             return _gateway(local, config, spec_path, join)
@@ -348,7 +352,7 @@ def _tell_followers_done(local: LocalRanks) -> None:
 
 
 def _follow(local: LocalRanks, config: NodeConfig) -> None:
-    """Ranks 1..N-1: build the trainer from rank 0's first message, run every run it starts."""
+    """Ranks 1..N-1: build the trainer from rank 0's first message, then run every run it starts."""
     import threading
 
     from meshtrain.node.trainer import Trainer
@@ -360,6 +364,7 @@ def _follow(local: LocalRanks, config: NodeConfig) -> None:
         return
     trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local)
     never = threading.Event()
+    msg = local.receive()
 
     async def runs() -> None:
         nonlocal msg

@@ -180,6 +180,8 @@ class Trainer:
         self._rows = slice(None)
         if local is not None:
             self._rows = local.batch_rows(spec.batch_size)
+            if local.is_gateway:
+                local.prepare(self)
         self.info = StepInfo()
         self.lock = threading.Lock()  # guards `info` (written by the trainer thread)
         self.local_failure: str | None = None
@@ -288,7 +290,8 @@ class Trainer:
             rate = spec.batch_size * (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
             eval_loss = None
-            if spec.eval_every and step % spec.eval_every == 0 and not outer.in_flight:
+            if spec.eval_every and step % spec.eval_every == 0 and not outer.in_flight and (
+                    local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
             self._publish(step, value, rate, eval_loss)
@@ -313,7 +316,7 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything to resume bit-exactly (host copies; call between steps)."""
         return {"model": to_host(self.model.state_dict()),
-                "outer": to_host(self.outer.state_dict(inner=True)),
+                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
                 "eval_loss": self.info.eval_loss}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
