@@ -10,6 +10,10 @@ One JSON object on the last line:
   1-peer swarm on loopback, with its host, swarm state, status server and checkpoints — with no
   round due (H beyond the run). Target <= 1.03. Trials alternate bare / node; each side's best
   trial counts (the machine is shared: the best run is the one least disturbed by others).
+  `trainer_overhead_cpu` is the same ratio in process CPU time (all threads: the node's network,
+  status server and CRDT included) per sample, median over paired trials: far steadier than wall
+  time on a loaded machine, and an upper bound on the wall-time overhead where cores are spare.
+  `load_avg` is the 1-minute load average before and after, to read the numbers by.
 - `round_overhead`: wall time of H steps that include one DiLoCo round (1-peer swarm on loopback:
   Δ, the collective's round of one, the outer step, the merge, publishing the state for joiners)
   over the same H steps of the no-round run. Reported; no target.
@@ -62,16 +66,16 @@ def rss_mib() -> float:
 
 # -- bare loop ------------------------------------------------------------------------------------
 
-def bare_loop(steps: int, warmup: int, device: str) -> float:
-    """Samples/s of the loop a user would write without meshtrain."""
+def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float]:
+    """Samples per wall second and per CPU second of the loop a user would write without meshtrain."""
     corpus = Corpus.default()
     model = GPT(GPTConfig.small(corpus.vocab_size), seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    t0 = 0.0
+    t0 = c0 = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         x, y = corpus.batch(BATCH, 32, seed=0, peer="bare", step=step)
         x, y = x.to(device), y.to(device)
         loss = model(x, y).loss
@@ -80,7 +84,7 @@ def bare_loop(steps: int, warmup: int, device: str) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
     _sync(device)
-    return BATCH * steps / (time.perf_counter() - t0)
+    return BATCH * steps / (time.perf_counter() - t0), BATCH * steps / (time.process_time() - c0)
 
 
 def _sync(device: str) -> None:
@@ -90,9 +94,9 @@ def _sync(device: str) -> None:
 
 # -- meshtrain: a real node ----------------------------------------------------------------------
 
-def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int) -> dict[int, float]:
-    """Run a 1-peer swarm node for warmup + steps; return {step: monotonic time} as the trainer
-    reached each step (polled from the trio thread every 2 ms)."""
+def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int) -> list[tuple[int, float, float]]:
+    """Run a 1-peer swarm node for warmup + steps; return (step, wall time, process CPU time)
+    samples, polled from the trio thread every 20 ms (`at` interpolates between them)."""
     shutil.rmtree(work, ignore_errors=True)
     total = warmup + steps
     spec = SwarmSpec(model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR,
@@ -101,7 +105,7 @@ def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: 
     config = NodeConfig(data_dir=work, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, nat=False, upnp=False,
                         checkpoint_every=3600, threads=threads, device=device)
     node = Node(config, spec=signed)
-    seen: dict[int, float] = {}
+    seen: list[tuple[int, float, float]] = []
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -112,28 +116,35 @@ def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: 
             nursery.start_soon(run)
             while True:
                 t = node.trainer
-                if t is not None:
-                    seen.setdefault(t.step, time.monotonic())
-                await trio.sleep(0.002)
+                if t is not None and (not seen or t.step != seen[-1][0]):
+                    seen.append((t.step, time.monotonic(), time.process_time()))
+                await trio.sleep(0.02)
 
     trio.run(main)
     return seen
 
 
-def at(seen: dict[int, float], step: int) -> float:
-    """When the trainer reached `step` (the first poll at or after it)."""
-    return min(t for s, t in seen.items() if s >= step)
+def at(seen: list[tuple[int, float, float]], step: int, cpu: bool = False) -> float:
+    """When (wall, or process CPU time) the trainer reached `step`, interpolated between polls."""
+    k = 2 if cpu else 1
+    after = next(i for i, s in enumerate(seen) if s[0] >= step)
+    if after == 0 or seen[after][0] == step:
+        return seen[after][k]
+    (s0, *v0), (s1, *v1) = seen[after - 1], seen[after]
+    return v0[k - 1] + (v1[k - 1] - v0[k - 1]) * (step - s0) / (s1 - s0)
 
 
 def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
     steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 20, args.trials)
     H_plain = steps + warmup + 10  # no round due in the run
-    bare, node, plain_windows, round_windows = [], [], [], []
+    bare, node, cpu_ratios, plain_windows, round_windows = [], [], [], [], []
     H = 50 if not args.quick else 20
     for _ in range(trials):
-        bare.append(bare_loop(steps, warmup, device))
+        wall, cpu = bare_loop(steps, warmup, device)
+        bare.append(wall)
         seen = node_run(work / "plain", steps, warmup, H_plain, device, args.threads)
         node.append(BATCH * steps / (at(seen, warmup + steps) - at(seen, warmup)))
+        cpu_ratios.append(cpu / (BATCH * steps / (at(seen, warmup + steps, cpu=True) - at(seen, warmup, cpu=True))))
         # round overhead: the counter reads s + 1 once step s and any round sent at s are done, so
         # the window from H + 1 to 2H + 1 holds H steps and the round sent at step 2H; the same
         # window of the no-round run holds none
@@ -143,6 +154,7 @@ def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
     best_bare, best_node = max(bare), max(node)
     return {"bare_samples_per_s": round(best_bare, 1), "node_samples_per_s": round(best_node, 1),
             "trainer_overhead": round(best_bare / best_node, 4),
+            "trainer_overhead_cpu": round(sorted(cpu_ratios)[len(cpu_ratios) // 2], 4),
             "round_overhead": round(min(round_windows) / min(plain_windows), 4),
             "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]}}
 
@@ -245,6 +257,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out: dict = {"model": MODEL, "batch": BATCH, "threads": args.threads, "device": "cpu"}
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     try:
         out.update(phase_trainer(args, work, "cpu"))
@@ -254,6 +267,7 @@ def main() -> None:
         out.update(phase_precision(args))
         if not args.skip_multi_rank:
             out.update(phase_multi_rank(args, work))
+        out["load_avg"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
         out["peak_rss_mib"] = {"bench": round(rss_mib(), 1),
                                **{f"rank{i}": r for i, r in enumerate(out.pop("ranks_peak_rss_mib", []))}}
     finally:
