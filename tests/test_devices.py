@@ -4,6 +4,8 @@ bf16 autocast trains; a bad device or precision is a one-line error."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -92,6 +94,21 @@ async def test_fp16_scales_the_loss_and_checkpoints_the_scale():
     state = t.checkpoint_state()
     assert "scaler" in state["outer"]["inner"] and state["outer"]["inner"]["scaler"]["scale"] > 0
     assert t.info.loss is not None and torch.isfinite(torch.tensor(t.info.loss))
+
+
+def test_device_mistakes_on_the_command_line_are_one_line(tmp_path):
+    def start(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--data-dir", str(tmp_path),
+                               *flags], capture_output=True, text=True, timeout=120)
+
+    r = start("--device", "gpu0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "meshtrain: error: node config: device: must be auto, cpu, mps, cuda or cuda:<index> (got 'gpu0')"]
+    if not torch.cuda.is_available():
+        r = start("--nproc-per-node", "2", "--device", "cuda")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no CUDA device" in r.stderr
+    with pytest.raises(ConfigError, match="nproc-per-node"):
+        meshtrain.Node(meshtrain.NodeConfig(data_dir=tmp_path, nproc_per_node=2))
 
 
 def test_precision_names():

@@ -44,7 +44,7 @@ from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.dht.records import DhtError
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
@@ -104,6 +104,10 @@ class Node:
     def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
                  model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
                  local: LocalRanks | None = None) -> None:
+        if config.nproc_per_node > 1 and local is None:
+            raise ConfigError(f"nproc_per_node = {config.nproc_per_node}: a multi-rank peer is started by "
+                              f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
+                              f"a Node built in Python is one process")
         self.config = config
         self._local = local
         self.data_dir = Path(config.data_dir).expanduser()

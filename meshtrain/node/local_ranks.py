@@ -279,7 +279,9 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
 
     n = config.nproc_per_node
     for rank in range(n):  # a device the machine lacks: one line now, not a hang in the rendezvous
-        resolve_device(config.device, rank)
+        if resolve_device(config.device, rank).type == "mps":
+            raise ConfigError("device mps runs one rank (nproc_per_node = 1): there is no process-group "
+                              "backend for several ranks on MPS")
     # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
     # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
     # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
