@@ -14,7 +14,10 @@ One JSON object on the last line:
   same ratio in process CPU time per sample (all threads: the node's network, status server and
   CRDT included): far steadier than wall time on a loaded machine, and an upper bound on the
   wall-time overhead where cores are spare.
-  `load_avg` is the 1-minute load average before and after, to read the numbers by.
+  `node_background_cpu_share`: in the node run, CPU time of every thread but the trainer's (trio:
+  libp2p, CRDT gossip, heartbeats; the status server; this script's 20 ms poll) over the trainer
+  thread's, during the timed steps (Linux /proc; median over trials): what the node costs beside
+  the loop. `load_avg` is the 1-minute load average before and after, to read the numbers by.
 - `round_overhead`: wall time of H steps that include one DiLoCo round (1-peer swarm on loopback:
   Δ, the collective's round of one, the outer step, the merge, publishing the state for joiners)
   over the same H steps of the no-round run. Reported; no target.
@@ -34,6 +37,7 @@ On a machine with CUDA the trainer phase also runs on `cuda` and reports `gpu_sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -95,9 +99,23 @@ def _sync(device: str) -> None:
 
 # -- meshtrain: a real node ----------------------------------------------------------------------
 
-def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int) -> list[tuple[int, float, float]]:
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process (Linux), by thread id."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int,
+             background: list[float] | None = None) -> list[tuple[int, float, float]]:
     """Run a 1-peer swarm node for warmup + steps; return (step, wall time, process CPU time)
-    samples, polled from the trio thread every 20 ms (`at` interpolates between them)."""
+    samples, polled from the trio thread every 20 ms (`at` interpolates between them). With
+    `background`, append the node's non-trainer threads' CPU share over the timed steps."""
     shutil.rmtree(work, ignore_errors=True)
     total = warmup + steps
     spec = SwarmSpec(model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR,
@@ -107,6 +125,7 @@ def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: 
                         checkpoint_every=3600, threads=threads, device=device)
     node = Node(config, spec=signed)
     seen: list[tuple[int, float, float]] = []
+    cpu_at: dict[str, dict[int, float]] = {}
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -119,9 +138,18 @@ def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: 
                 t = node.trainer
                 if t is not None and (not seen or t.step != seen[-1][0]):
                     seen.append((t.step, time.monotonic(), time.process_time()))
+                    if background is not None and t.step >= warmup and "start" not in cpu_at:
+                        cpu_at["start"] = thread_cpu()
+                    if background is not None and t.step >= warmup + steps and "end" not in cpu_at:
+                        cpu_at["end"] = thread_cpu()
                 await trio.sleep(0.02)
 
     trio.run(main)
+    if background is not None and {"start", "end"} <= set(cpu_at):
+        delta = {t: c - cpu_at["start"].get(t, 0.0) for t, c in cpu_at["end"].items()}
+        trainer = max(delta.values())
+        if trainer > 0:
+            background.append((sum(delta.values()) - trainer) / trainer)
     return seen
 
 
@@ -136,14 +164,14 @@ def at(seen: list[tuple[int, float, float]], step: int, cpu: bool = False) -> fl
 
 
 def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
-    steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 30, args.trials)
+    steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 50, args.trials)
     H_plain = steps + warmup + 10  # no round due in the run
-    bare, node, cpu_ratios, plain_windows, round_windows = [], [], [], [], []
+    bare, node, cpu_ratios, plain_windows, round_windows, background = [], [], [], [], [], []
     H = 50 if not args.quick else 20
     for _ in range(trials):
         wall, cpu = bare_loop(steps, warmup, device)
         bare.append(wall)
-        seen = node_run(work / "plain", steps, warmup, H_plain, device, args.threads)
+        seen = node_run(work / "plain", steps, warmup, H_plain, device, args.threads, background)
         node.append(BATCH * steps / (at(seen, warmup + steps) - at(seen, warmup)))
         cpu_ratios.append(cpu / (BATCH * steps / (at(seen, warmup + steps, cpu=True) - at(seen, warmup, cpu=True))))
         # round overhead: the counter reads s + 1 once step s and any round sent at s are done, so
@@ -157,6 +185,8 @@ def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
             "trainer_overhead": round(sorted(b / n for b, n in zip(bare, node, strict=True))[trials // 2], 4),
             "trainer_overhead_best_of": round(best_bare / best_node, 4),
             "trainer_overhead_cpu": round(sorted(cpu_ratios)[len(cpu_ratios) // 2], 4),
+            "node_background_cpu_share": (round(sorted(background)[len(background) // 2], 4)
+                                          if background else None),
             "round_overhead": round(min(round_windows) / min(plain_windows), 4),
             "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]}}
 

@@ -20,8 +20,9 @@ Design.
 - `Precision`: the spec's `precision` key. "fp32" runs as before; "bf16" and "fp16" wrap the
   forward pass in `torch.autocast` (master weights stay fp32: autocast only lowers the
   compute); "fp16" also scales the loss (`torch.amp.GradScaler`, whose state the trainer
-  checkpoints with the inner optimizer). CPU autocast supports bf16, so that path is tested here;
-  fp16 is meant for CUDA.
+  checkpoints with the inner optimizer; its step reads an overflow flag from the device, the one
+  per-step sync that torch's own fp16 recipe has too — bf16 has none). CPU autocast supports
+  bf16, so that path is tested here; fp16 is meant for CUDA.
 
 Failures: an unknown device name or a device this machine lacks is a one-line `ConfigError`.
 
