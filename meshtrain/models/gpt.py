@@ -24,7 +24,14 @@ Initial weights are a pure function of (config, seed): every parameter is filled
 bit-identical weights without talking — given the same torch version, whose CPU normal sampler
 defines the bits.
 
-What it does not do: tokenisation (see `meshtrain.models.corpus`), KV caching, mixed precision.
+Devices and precision: the model runs wherever it is moved (`model.to(device)`), and under
+`torch.autocast` in bf16 or fp16 (node/devices.py): every op it uses has an autocast rule
+(linear and attention run in the low precision; layer norm, softmax and the loss in fp32).
+Parameters stay fp32 — the trainer's master weights. Input checks that need a value from the
+tensor (token ids in range) run only on CPU inputs: on a GPU they would cost a host-device sync
+per forward pass (the corpus' batches are in range by construction).
+
+What it does not do: tokenisation (see `meshtrain.models.corpus`), KV caching.
 """
 
 from __future__ import annotations
@@ -389,7 +396,8 @@ class GPT(nn.Module):
         if idx.shape[1] > self.config.context:
             raise ModelInputError(
                 f"sequence length {idx.shape[1]} exceeds the model's context {self.config.context}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+        if idx.numel() and idx.device.type == "cpu" and (
+                int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
             raise ModelInputError(f"token ids must be in [0, {self.config.vocab_size})")
 
     def _check_order(self, block_order: Sequence[int]) -> list[int]:

@@ -83,6 +83,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
                    help="do not ask the LAN's UPnP gateway to forward our ports")
     p.add_argument("--quiet", action="store_true",
                    help="no live status line (on a terminal) or per-round lines (elsewhere) on stdout")
+    p.add_argument("--device", help="auto (default: CUDA, then MPS, then CPU), cpu, mps, cuda, cuda:<index>")
+    p.add_argument("--nproc-per-node", type=int,
+                   help="train as one peer on this many local ranks (GPUs), launched by torch.distributed")
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -143,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
             "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib", "nat", "relay", "upnp", "mdns")
+            "donor_upload_mib", "nat", "relay", "upnp", "mdns", "device", "nproc_per_node")
     return {k: getattr(args, k, None) for k in keys}
 
 
@@ -157,6 +160,12 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
     config = load_node_config(args.config, overrides=_node_overrides(args))
     if args.log_level is None:
         configure(config.log_level)
+    if config.nproc_per_node > 1:  # one peer, N local ranks: torch's elastic launcher runs them
+        from meshtrain.node.local_ranks import launch_peer
+
+        print(json.dumps(launch_peer(config, spec_path=spec_path, join=join, log_level=args.log_level or
+                                     config.log_level)), flush=True)
+        return 0
     spec = SignedSpec.load(spec_path) if spec_path else None
     node = Node(config, spec=spec, join=join)
 

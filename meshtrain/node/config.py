@@ -3,7 +3,10 @@
 Two models because they have different owners. The `SwarmSpec` is the swarm's contract — model,
 data, optimizer, hyper-parameters — written once by the swarm's creator, signed, and identical on
 every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
-business: where to keep data, where to listen, whom to dial first, the status port.
+business: where to keep data, where to listen, whom to dial first, the status port, the device
+it trains on (`device`, node/devices.py) and how many local ranks make up the peer
+(`nproc_per_node`, node/local_ranks.py). The spec's `precision` is the swarm's: peers that train in
+different precisions are different experiments.
 
 Precedence for `NodeConfig`, lowest first: defaults, the TOML file (`--config node.toml`, a
 `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
@@ -53,6 +56,9 @@ class SwarmSpec(BaseModel):
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
     eval_batches: int = Field(8, ge=1, le=1024)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
+                            "master weights, φ and pseudo-gradients stay fp32")
 
     @field_validator("model")
     @classmethod
@@ -114,6 +120,16 @@ class NodeConfig(BaseModel):
     upnp: bool = Field(True, description="map our ports on the LAN's UPnP gateway (only when listening "
                                          "beyond loopback)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, mps, cuda or cuda:<index>")
+    nproc_per_node: int = Field(1, ge=1, le=64, description="local ranks (GPUs) that train as one peer "
+                                                            "(torch.distributed; the spec's batch_size is split among them)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        from meshtrain.node.devices import check_device_name
+
+        return check_device_name(v)
 
     @field_validator("listen", "announce", "bootstrap")
     @classmethod

@@ -49,7 +49,7 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -61,10 +61,11 @@ from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.dht.records import DhtError
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.devices import device_label, resolve_device
 from meshtrain.node.parity import ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, StatusServer, read_daemon_file  # noqa: F401
@@ -78,6 +79,9 @@ from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
 from meshtrain.transport.rpc import RpcError
 from meshtrain.transport.tensor_streams import TensorStreams
+
+if TYPE_CHECKING:
+    from meshtrain.node.local_ranks import LocalRanks
 
 log = get_logger(__name__)
 
@@ -113,11 +117,19 @@ class Node:
     model, outer_factory: the Python API's hooks — your own `torch.nn.Module` (forward(x, y) →
         loss) and `outer_factory(model, inner, collective) -> OuterOptimizer` (e.g. a custom
         outer optimizer); every peer of the swarm must use the same.
+    local: the local-rank group when this process is rank 0 (the gateway) of a multi-GPU peer
+        (node/local_ranks.py builds it); None for a single-process peer.
     """
 
     def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
-                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None) -> None:
+                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
+                 local: LocalRanks | None = None) -> None:
+        if config.nproc_per_node > 1 and local is None:
+            raise ConfigError(f"nproc_per_node = {config.nproc_per_node}: a multi-rank peer is started by "
+                              f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
+                              f"a Node built in Python is one process")
         self.config = config
+        self._local = local
         self.data_dir = Path(config.data_dir).expanduser()
         self._spec_arg = spec
         self._join = parse_join_address(join) if join else None
@@ -205,8 +217,10 @@ class Node:
                 current_round=self._current_round)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
-            self.trainer = Trainer(signed.spec, collective, host.peer_id, model=self._model,
-                                   outer_factory=self._outer_factory)
+            local = self._local
+            self.trainer = Trainer(signed.spec, local.collective(collective) if local else collective, host.peer_id,
+                                   model=self._model, outer_factory=self._outer_factory, local=local,
+                                   device=None if local else resolve_device(self.config.device))
             self.parity = ParityMonitor(host.peer_id, enabled=self.trainer.outer.replicas_identical)
             self.donor = StateDonor(host, streams, upload_limit=self.config.donor_upload_mib * 2**20 or None)
             store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
@@ -376,11 +390,13 @@ class Node:
             await trio.sleep(CONNECT_INTERVAL)
 
     async def _watch_signals(self) -> None:
+        signalled = False  # a stop for another reason (a failed local rank) is not a first signal
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for sig in signals:
-                if self._stop_flag.is_set():
+                if signalled:
                     log.warning("second signal: exiting at once")
                     os._exit(130)
+                signalled = True
                 log.warning(kv("stopping", signal=signal.Signals(sig).name))
                 self.stop()
 
@@ -745,7 +761,10 @@ class Node:
                 "started": self.started, "uptime_s": now - self.started,
                 "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
                 "listen": host.addrs if host else [],
-                "reachability": self.nat.connection_type if self.nat is not None else "unknown"}
+                "reachability": self.nat.connection_type if self.nat is not None else "unknown",
+                "device": device_label(trainer.device) if trainer is not None else self.config.device,
+                "local_ranks": self._local.world_size if self._local is not None else 1,
+                "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()]}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
         if trainer is not None:

@@ -25,7 +25,9 @@ Routes:
                       then it leaves the swarm and checkpoints in the background
 
 The status document (`Node.snapshot()`):
-    node:       peer_id, name, version, started, uptime_s, swarm, state, listen, reachability
+    node:       peer_id, name, version, started, uptime_s, swarm, state, listen, reachability,
+                device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
+                local_rank_pids (their process ids, by local rank)
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
@@ -97,6 +99,10 @@ class _Collector:
         yield _gauge("meshtrain_round", "outer rounds this node has completed", t["round"])
         yield _gauge("meshtrain_samples_per_second", "training throughput", t["samples_per_s"])
         yield _gauge("meshtrain_uptime_seconds", "seconds since the node started", n["uptime_s"])
+        device = GaugeMetricFamily("meshtrain_device_info", "the device this node trains on (value 1)",
+                                   labels=["device", "local_ranks"])
+        device.add_metric([str(n.get("device", "")), str(n.get("local_ranks", 1))], 1)
+        yield device
         for key in ("loss", "eval_loss"):
             if t[key] is not None:
                 yield _gauge(f"meshtrain_{key}", f"latest {key.replace('_', ' ')}", t[key])

@@ -13,6 +13,27 @@ Models: the built-in GPT presets, any `torch.nn.Module` handed in through the Py
 causal-LM configs (`hf:<config.json>`, built from the config, never downloaded) when
 transformers is installed.
 
+Devices and precision (node/devices.py). The model θ, the batches and the inner optimizer live
+on `device`; the outer optimizer keeps φ and its own state fp32 on the host (optim/outer.py).
+The spec's `precision` wraps the forward pass in autocast ("bf16", "fp16"; fp16 also scales the
+loss through a `GradScaler` the outer optimizer steps as "the inner optimizer", `ScaledInner`).
+Evaluation runs in the same precision as training.
+
+The hot path. An inner step is the user's own loop — batch, forward, backward, clip, optimizer
+step — plus a step counter: `outer.step()` returns at once when no round is due. Everything else
+runs every `REPORT_EVERY` steps, when a round completed, or at the last step: reading the loss
+(`float(loss)` is a host-device sync on a GPU), the throughput window, the history, and
+`after_step` (the node's progress report, donor publishing and checkpoint scheduling, each a hop
+onto the trio thread). `scripts/bench_trainer.py` measures what is left against a bare loop.
+
+Local ranks (node/local_ranks.py). With `local` (a multi-GPU peer), the same loop runs on every
+local rank of the peer: the model is wrapped in DistributedDataParallel, rank r trains rows
+[r·b/N, (r+1)·b/N) of the peer's batch of b = `spec.batch_size` (so an N-rank peer trains the
+same samples per step as a single-rank one, and the swarm's progress counts its ranks' samples
+together), rank 0 sends the others the state to start from at every `run`, and the ranks agree
+every `REPORT_EVERY` steps whether to go on (rank 0's stop decides). A failed local rank surfaces
+as `local_failure` and a stop, not a hang.
+
 State: `checkpoint_state()` (model θ, outer state with the inner optimizer) is what the node
 saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
 counters) is what late joiners download — θ is φ after a round, and inner state is never shared
@@ -28,7 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,9 +57,15 @@ from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.node.config import SwarmSpec
+from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.optim import Collective, DiLoCo, NoLoCo, OuterOptimizer, StreamingDiLoCo
 
+if TYPE_CHECKING:
+    from meshtrain.node.local_ranks import LocalRanks
+
 log = get_logger(__name__)
+
+REPORT_EVERY = 10  # steps between loss reads, throughput updates, history points and after_step
 
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
 
@@ -120,21 +147,44 @@ class StepInfo:
 
 
 class Trainer:
-    """One peer's training. Build it on the trio thread; call `run` in a worker thread."""
+    """One peer's training (or one local rank's share of it). Build it on the trio thread; call
+    `run` in a worker thread.
+
+    spec: the swarm's spec. collective: what the outer optimizer averages through.
+    peer_id: this peer's id (data assignment). model, outer_factory, corpus: the Python API's hooks.
+    device: where θ, batches and the inner optimizer live (default: `resolve_device("auto")`).
+    local: the peer's local-rank group when it runs several (node/local_ranks.py), else None.
+    """
 
     def __init__(self, spec: SwarmSpec, collective: Collective, peer_id: str, *,
                  model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 corpus: Corpus | None = None) -> None:
+                 corpus: Corpus | None = None, device: torch.device | str | None = None,
+                 local: LocalRanks | None = None) -> None:
         self.spec = spec
         self.peer_id = peer_id
+        self.local = local
+        self.device = (local.device if local is not None else
+                       torch.device(device) if device is not None else resolve_device("auto"))
+        self.precision = Precision(spec.precision, self.device)
         self.corpus = corpus or load_corpus(spec)
-        self.model = model if model is not None else build_model(spec, self.corpus.vocab_size)
+        model = model if model is not None else build_model(spec, self.corpus.vocab_size)
+        self.model = model.to(self.device)
         self.context = context_of(self.model)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
-        self.outer = (outer_factory or self._default_outer)(self.model, self.inner, collective)
-        self._evals = self.corpus.eval_batches(spec.eval_batches, 32, self.context)
+        scaler = self.precision.scaler
+        stepped = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
+        self.outer = (outer_factory or self._default_outer)(self.model, stepped, collective)  # type: ignore[arg-type]
+        self._evals = [(x.to(self.device), y.to(self.device))
+                       for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)]
+        self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
+        self._rows = slice(None)
+        if local is not None:
+            self._rows = local.batch_rows(spec.batch_size)
+            if local.is_gateway:
+                local.prepare(self)
         self.info = StepInfo()
         self.lock = threading.Lock()  # guards `info` (written by the trainer thread)
+        self.local_failure: str | None = None
 
     def _default_outer(self, model: torch.nn.Module, inner: torch.optim.Optimizer,
                        collective: Collective) -> OuterOptimizer:
@@ -159,60 +209,118 @@ class Trainer:
         """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica."""
         self.model.eval()
         try:
-            with self.outer.outer_weights(), torch.no_grad():
-                losses = [float(_loss_of(self.model(x, y))) for x, y in self._evals]
+            with self.outer.outer_weights(), torch.no_grad(), self.precision.autocast():
+                losses = [_loss_of(self.model(x, y)).float() for x, y in self._evals]
         finally:
             self.model.train()
-        return sum(losses) / len(losses)
+        return float(torch.stack(losses).mean())
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This peer's (this rank's rows of its) batch at `step`, on the device."""
+        x, y = self.corpus.batch(self.spec.batch_size, self.context, seed=self.spec.seed, peer=self.peer_id,
+                                 step=step)
+        x, y = x[self._rows], y[self._rows]
+        if self.device.type == "cuda":
+            return (x.pin_memory().to(self.device, non_blocking=True),
+                    y.pin_memory().to(self.device, non_blocking=True))
+        return x.to(self.device), y.to(self.device)
 
     def run(self, stop: threading.Event, until: int, after_step: Callable[[Trainer], None]) -> None:
         """Train until `stop` is set, step `until` (0: forever) is reached, or the outer optimizer
         lost step with the swarm (`needs_resync`: the node downloads the state). Runs in a worker
-        thread; `after_step(self)` is called from this thread after every step, between steps,
-        where the state is consistent (checkpoints and donor snapshots are taken there)."""
-        spec = self.spec
-        window: list[float] = []
-        t_last = time.monotonic()
-        while not stop.is_set() and (until == 0 or self.step < until) and not self.outer.needs_resync:
-            x, y = self.corpus.batch(spec.batch_size, self.context, seed=spec.seed, peer=self.peer_id,
-                                     step=self.step)
-            loss = _loss_of(self.model(x, y))
-            self.outer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
-            self.outer.step()
+        thread; `after_step(self)` is called from this thread every `REPORT_EVERY` steps, after a
+        round and at the last step, between steps, where the state is consistent (checkpoints and
+        donor snapshots are taken there). With local ranks, rank 0 first sends the others its
+        state; a local rank that fails ends the run with `local_failure` set and `stop` set."""
+        if self.local is not None:
+            try:
+                until = self.local.start_run(self, until)
+                self._train_model = self.local.wrap(self.model, self._train_model)
+            except RuntimeError as e:  # torch.distributed: a local rank is gone
+                self._fail(stop, e)
+                return
+        try:
+            self._loop(stop, until, after_step)
+        except RuntimeError as e:
+            if self.local is None or not self.local.is_failure(e):
+                raise
+            self._fail(stop, e)
+
+    def _fail(self, stop: threading.Event, e: BaseException) -> None:
+        self.local_failure = f"a local rank of this peer failed ({str(e).splitlines()[0][:200]})"
+        log.warning(kv("local rank group failed; stopping the peer", error=self.local_failure))
+        stop.set()
+
+    def _loop(self, stop: threading.Event, until: int, after_step: Callable[[Trainer], None]) -> None:
+        spec, outer, model, scaler, local = self.spec, self.outer, self._train_model, self.precision.scaler, self.local
+        autocast = self.precision.autocast
+        params = list(self.model.parameters())
+        t_last, step_last, rounds_last = time.monotonic(), self.step, outer.rounds
+        loss = None
+        first = True
+        while (until == 0 or self.step < until) and not outer.needs_resync:
+            step = self.step
+            if local is None:
+                if stop.is_set():
+                    break
+            elif (first or step % REPORT_EVERY == 0) and not local.keep_going(stop.is_set()):
+                break
+            first = False
+            # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
+            # a round is due) ------------------------------------------------------------------
+            x, y = self.batch(step)
+            with autocast():
+                loss = _loss_of(model(x, y))
+            outer.zero_grad()
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(self.inner)
+            torch.nn.utils.clip_grad_norm_(params, spec.clip)
+            outer.step()
+            # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
+            step = self.step
+            if step % REPORT_EVERY and outer.rounds == rounds_last and step != until and not (
+                    spec.eval_every and step % spec.eval_every == 0):
+                continue
+            rounds_last = outer.rounds
             value = float(loss.detach())
             now = time.monotonic()
-            window.append(now - t_last)
-            t_last = now
-            window = window[-20:]
+            rate = spec.batch_size * (step - step_last) / max(now - t_last, 1e-9)
+            t_last, step_last = now, step
             eval_loss = None
-            if spec.eval_every and self.step % spec.eval_every == 0 and not self.outer.in_flight:
+            if spec.eval_every and step % spec.eval_every == 0 and not outer.in_flight and (
+                    local is None or local.is_gateway):
                 eval_loss = self.evaluate()
-            with self.lock:
-                info = self.info
-                info.step, info.loss, info.rounds = self.step, value, self.outer.rounds
-                info.samples_per_s = spec.batch_size * len(window) / max(sum(window), 1e-9)
-                if eval_loss is not None:
-                    info.eval_loss = eval_loss
-                if eval_loss is not None or self.step % 10 == 0:
-                    st = self.outer.stats()
-                    info.history.append({"step": self.step, "t": time.time(), "loss": value, "eval_loss": eval_loss,
-                                         "bytes_sent": st["bytes_sent"], "bytes_received": st["bytes_received"]})
-                    del info.history[:-500]
+                t_last = time.monotonic()  # evaluation is not training throughput
+            self._publish(step, value, rate, eval_loss)
             if not math.isfinite(value):
-                log.warning(kv("training loss is not finite", step=self.step))
+                log.warning(kv("training loss is not finite", step=step))
             after_step(self)
+
+    def _publish(self, step: int, value: float, rate: float, eval_loss: float | None) -> None:
+        with self.lock:
+            info = self.info
+            info.step, info.loss, info.rounds = step, value, self.outer.rounds
+            info.samples_per_s = rate
+            if eval_loss is not None:
+                info.eval_loss = eval_loss
+            st = self.outer.stats()
+            info.history.append({"step": step, "t": time.time(), "loss": value, "eval_loss": eval_loss,
+                                 "bytes_sent": st["bytes_sent"], "bytes_received": st["bytes_received"]})
+            del info.history[:-500]
 
     # -- state ----------------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (copies; call between steps)."""
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "outer": self.outer.state_dict(inner=True),
+        """Everything to resume bit-exactly (host copies; call between steps)."""
+        return {"model": to_host(self.model.state_dict()),
+                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
                 "eval_loss": self.info.eval_loss}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
         self.model.load_state_dict(state["model"])
         self.outer.load_state_dict(state["outer"], inner=True)
         with self.lock:

@@ -58,6 +58,14 @@ proceeds alone — its own Δ is applied as a group of one — so training never
 `needs_resync` is set: its φ and outer state now differ from the swarm's, and the node should
 download the swarm's state (`join`).
 
+Devices. θ, its gradients and the inner optimizer live wherever the model is (a GPU); φ, the
+outer optimizer's state and every registered buffer live on the host in fp32 — pinned memory when
+CUDA is present — so the collective, checkpoints and state sync only ever see host tensors, and
+GPU memory holds one copy of the model, not three. Δ = φ − θ is computed on the device (φ is
+copied up without blocking) and copied back to the host once per round, all tensors queued
+before one wait; with τ >= 1 that round's exchange then overlaps with the next inner steps
+(Streaming DiLoCo). The merge copies φ back into θ (host to device).
+
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
 ALGORITHMS.md). Until it has done a full H steps of its own it contributes weight 0 to every
@@ -184,9 +192,9 @@ class OuterOptimizer:
         self.delay = delay
         self.alpha = float(alpha)
         self._offsets = [p * (H // P) for p in range(P)]
-        # φ: the outer parameters, fp32 whatever the model's dtype ("accumulate in fp32").
-        self.outer_params: dict[str, torch.Tensor] = {
-            n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        # φ: the outer parameters, fp32 whatever the model's dtype ("accumulate in fp32"), on the
+        # host whatever the model's device (module docstring, "Devices").
+        self.outer_params: dict[str, torch.Tensor] = {n: _host_copy(p) for n, p in self.params.items()}
         self._outer_optimizer: torch.optim.Optimizer | None = None
         self._outer_optimizer_built = False
         self._buffers: dict[str, dict[str, torch.Tensor]] = {}
@@ -222,7 +230,20 @@ class OuterOptimizer:
     def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Δ = φ − θ for `names` (DiLoCo's sign: it points from where we went back to where we
         started, so descending on it moves φ toward θ). Runs in the trainer's thread."""
-        return {n: self.outer_params[n] - self.params[n].detach().to(torch.float32) for n in names}
+        out, device = {}, None
+        for n in names:
+            theta, phi = self.params[n].detach(), self.outer_params[n]
+            if theta.device == phi.device:
+                out[n] = phi - theta.to(torch.float32)
+                continue
+            # On the device, then one copy to the (pinned) host per tensor, all queued before the
+            # single wait below: the copies overlap with each other and with queued compute.
+            delta = phi.to(theta.device, non_blocking=True) - theta.to(torch.float32)
+            out[n] = _host_empty(delta).copy_(delta, non_blocking=True)
+            device = theta.device
+        if device is not None:
+            _synchronize(device)
+        return out
 
     async def communicate(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str,
                           weight: float) -> ReduceResult:
@@ -252,7 +273,7 @@ class OuterOptimizer:
             if self.alpha == 0.0:
                 p.copy_(phi)
             else:
-                p.lerp_(phi.to(p.dtype), 1.0 - self.alpha)
+                p.lerp_(phi.to(p.device, p.dtype), 1.0 - self.alpha)
 
     # -- state a subclass keeps (serialised with the rest) ------------------------------------
 
@@ -602,6 +623,23 @@ class DataParallel:
         return {"inner_steps": self.inner_steps, "rounds": self.inner_steps, "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
                 "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": False}
+
+
+def _host_empty(t: torch.Tensor) -> torch.Tensor:
+    """A host fp32 tensor shaped like `t`: pinned when CUDA is present, so device copies into it
+    (and from it) can be non_blocking."""
+    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return _host_empty(t).copy_(t.detach())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _in_trio_worker() -> bool:

@@ -1,0 +1,387 @@
+"""A multi-GPU machine as one peer: N local ranks on torch.distributed, one swarm identity.
+
+The problem. A volunteer with 8 GPUs should be one peer of the swarm, not 8: one identity, one
+member of every round, one state download when it joins. Inside the machine the GPUs share fast
+links and should train as ordinary data parallelism.
+
+Design: a *gateway-reduced peer*.
+- `meshtrain node start --nproc-per-node N` (or `nproc_per_node` in the node config) starts N
+  local ranks with torch's own elastic launcher (`torch.distributed.launcher.api.elastic_launch`,
+  what `torchrun` runs: rendezvous on a local c10d store, `max_restarts=0`, worker monitoring).
+  meshtrain does no process management of its own.
+- Inner data parallelism is DistributedDataParallel over the default process group: NCCL on
+  GPUs, gloo on CPUs. The spec's `batch_size` is what the peer trains per step; rank r trains rows
+  [r·b/N, (r+1)·b/N) of it (b must divide by N), so an N-rank peer trains exactly the samples a
+  single-rank peer would, and the swarm's progress (`samples = step × batch_size`) counts the
+  samples of all N ranks as this peer's.
+- Local rank 0 is the gateway: it alone runs the `Node` — libp2p host, CRDT replica, collective,
+  checkpoints, status page. Ranks 1..N-1 run the same `Trainer` loop without a network.
+- A round: every rank computes Δ (identical under DDP, but computed where the data is), the
+  ranks reduce it to rank 0 inside the machine (gloo over host tensors, a process group of its
+  own so it never interleaves with DDP's), rank 0 exchanges that mean with the swarm through
+  its real collective, then broadcasts the outcome — the swarm's mean, or "you are alone" — to
+  the other ranks; every rank applies the same outer step, so φ and the outer state stay
+  identical on all ranks (`LocalRanksCollective`, which wraps the swarm's `Collective`, so the
+  outer optimizers need no change).
+- Why not prime's design (PCCL/prime: every rank exchanges its own shard of the pseudo-gradient
+  with the same-numbered rank of the other peers, one peer group per shard): that needs every
+  rank reachable from the internet and N swarm identities per machine, and a peer with a
+  different GPU count cannot pair its shards with anyone. Ours puts one NAT-traversing identity
+  per machine and lets peers of any size meet; the cost is that rank 0 moves the whole Δ
+  (fine while the swarm's links, not the machine's, are the bottleneck).
+- Control: when rank 0 builds its trainer it sends the others the spec and its peer id, so they
+  build theirs (model, data, DDP) while rank 0 enters the swarm — a peer slow to reach its first
+  round makes the others wait. At every `Trainer.run`, rank 0 sends the step to stop at and its
+  full state (model, inner and outer state) — at start, after a resume, after a late joiner's
+  download. Every `REPORT_EVERY` steps the ranks agree whether to go on (rank 0's
+  stop flag decides), one small broadcast on a third process group. When the node ends, rank 0
+  sends "done".
+
+Failures.
+- A local rank that dies (kill -9, OOM) closes its gloo/NCCL connections: the blocked
+  collective in every other rank fails at once — no rank waits on a dead one (the FSDP footgun
+  PCCL warns about). The gateway's trainer then records `local_failure` and stops the node
+  cleanly: it leaves the swarm (the swarm sees one peer leave), saves a checkpoint, exits non-zero.
+  The elastic agent stops the other ranks, and `launch_peer` ends in one line. Restarted, the
+  peer resumes from that checkpoint (or downloads the swarm's state if it fell behind).
+- Non-gateway ranks ignore SIGINT/SIGTERM (Ctrl-C reaches every process of the terminal): they
+  stop when rank 0 says so, or when rank 0 is gone.
+- Process-group timeouts are long (`LOCAL_GROUP_TIMEOUT`: rank 0 may be downloading the swarm's
+  state while the others wait); a dead rank is found by its closed connections, not by a timeout.
+
+Not here: FSDP2 `fully_shard` for models that do not fit on one device (the Trainer wraps in DDP
+only); models handed in through the Python API (ranks 1..N-1 build the spec's model); several
+machines as one peer.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import trio
+
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.log import configure, get_logger, kv
+from meshtrain.node.config import NodeConfig, parse_spec
+from meshtrain.node.devices import resolve_device
+from meshtrain.optim.collective import Collective, CollectiveError, ReduceResult
+
+if TYPE_CHECKING:
+    from meshtrain.node.trainer import Trainer
+
+log = get_logger(__name__)
+
+LOCAL_GROUP_TIMEOUT = timedelta(minutes=30)
+_DONE = "done"
+
+
+class LocalRankError(MeshtrainError):
+    """A local rank of this peer failed; the peer stopped."""
+
+
+class LocalRanks:
+    """This process's place in its peer's group of local ranks (built by `LocalRanks.start` in
+    each rank, from the launcher's environment).
+
+    rank, world_size: local rank and number of ranks. device: this rank's device.
+    control: gloo group for rank 0's messages (state, go on / stop, done), and the pids at start.
+    outer: gloo group for the in-machine reduction of Δ and the broadcast of the outcome.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.control, self.outer = control, outer
+        self.peer_id = ""  # followers learn it from rank 0's first message
+        self.pending: dict[str, Any] | None = None  # a follower's next run message
+        self.pids: list[int] = [os.getpid()]  # every rank's process id, by rank (the status page shows them)
+
+    @classmethod
+    def start(cls, config: NodeConfig) -> LocalRanks:
+        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        device = resolve_device(config.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=LOCAL_GROUP_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        local = cls(rank, world, device, control, outer)
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=control)
+        local.pids = [int(p) for p in pids]
+        return local
+
+    @property
+    def is_gateway(self) -> bool:
+        return self.rank == 0
+
+    def batch_rows(self, batch_size: int) -> slice:
+        if batch_size % self.world_size:
+            raise ConfigError(f"the spec's batch_size ({batch_size}) must divide by the peer's "
+                              f"{self.world_size} local ranks (each trains batch_size / nproc_per_node rows)")
+        share = batch_size // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def collective(self, swarm: Collective | None) -> LocalRanksCollective:
+        return LocalRanksCollective(self, swarm)
+
+    def wrap(self, model: torch.nn.Module, current: torch.nn.Module) -> torch.nn.Module:
+        """`model` in DistributedDataParallel (once; `current` is what the trainer holds)."""
+        if isinstance(current, torch.nn.parallel.DistributedDataParallel):
+            return current
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    # -- control messages (the trainer thread) --------------------------------------------------
+
+    def _broadcast(self, obj: Any, group: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def receive(self) -> dict[str, Any] | str:
+        """Followers: rank 0's next message (what to build, a run to start, or "done")."""
+        msg = self._broadcast(None, self.control)
+        if isinstance(msg, dict) and "peer_id" in msg:
+            self.peer_id = msg["peer_id"]
+        return msg
+
+    def prepare(self, trainer: Trainer) -> None:
+        """Rank 0, as its trainer is built: the others build theirs (spec, peer id)."""
+        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id}, self.control)
+
+    def start_run(self, trainer: Trainer, until: int) -> int:
+        """At the start of every `Trainer.run`: rank 0 sends its state and where to stop; a
+        follower loads what it received. Returns the step to stop at."""
+        if self.is_gateway:
+            self._broadcast({"until": until, "state": trainer.checkpoint_state()}, self.control)
+            return until
+        msg = self.pending
+        if msg is None:
+            raise RuntimeError("a follower rank started a run without rank 0's message")
+        self.pending = None
+        trainer.load_checkpoint(msg["state"])
+        trainer.outer.needs_resync = False
+        return int(msg["until"])
+
+    def keep_going(self, stop: bool) -> bool:
+        """Every REPORT_EVERY steps, on every rank: go on unless rank 0 stops."""
+        flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.control)
+        return not bool(flag[0])
+
+    def finish(self) -> None:
+        """Rank 0, once the node is done: the followers exit."""
+        self._broadcast(_DONE, self.control)
+
+    @staticmethod
+    def is_failure(e: BaseException) -> bool:
+        """Whether an error from the training loop means a local rank is gone."""
+        text = str(e).lower()
+        return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer"))
+
+    # -- the round's in-machine steps (worker threads of the trio side) ----------------------------
+
+    def reduce_mean(self, flat: torch.Tensor) -> None:
+        dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.outer)
+        if self.is_gateway:
+            flat.div_(self.world_size)
+
+    def share_outcome(self, outcome: dict[str, Any] | None, flat: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+        outcome = self._broadcast(outcome, self.outer)
+        if "error" in outcome:
+            return outcome, None
+        if flat is None:
+            flat = torch.empty(int(outcome["numel"]), dtype=torch.float32)
+        dist.broadcast(flat, src=0, group=self.outer)
+        return outcome, flat
+
+
+class LocalRanksCollective:
+    """The `Collective` every local rank's outer optimizer sees: reduce inside the machine, rank 0
+    exchanges with the swarm (`swarm`, None on the other ranks), everyone gets the outcome.
+
+    local: this rank's `LocalRanks`. swarm: the swarm's collective (rank 0 only).
+    """
+
+    def __init__(self, local: LocalRanks, swarm: Collective | None) -> None:
+        self.local, self.swarm = local, swarm
+
+    @property
+    def peer_id(self) -> str:
+        return self.swarm.peer_id if self.swarm is not None else self.local.peer_id
+
+    def group(self, round_id: int) -> tuple[str, ...]:
+        return self.swarm.group(round_id) if self.swarm is not None else (self.local.peer_id,)
+
+    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
+                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+        swarm = self.swarm
+        return await self._round(tensors, None if swarm is None else lambda t: swarm.all_reduce(
+            t, round_id=round_id, tag=tag, codec=codec, weight=weight))
+
+    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
+                           tag: str = "", codec: str = "none") -> ReduceResult:
+        swarm = self.swarm
+        return await self._round(tensors, None if swarm is None else lambda t: swarm.average_with(
+            partner, t, round_id=round_id, tag=tag, codec=codec))
+
+    async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
+        local = self.local
+        flat = _flatten(tensors)
+        await trio.to_thread.run_sync(local.reduce_mean, flat)
+        if not local.is_gateway:
+            outcome, mean = await trio.to_thread.run_sync(local.share_outcome, None, None)
+            if mean is None:
+                raise CollectiveError(outcome["error"])
+            return ReduceResult(_unflatten(mean, tensors), tuple(outcome["contributors"]), outcome["digest"],
+                                0, 0, dict(outcome["excluded"]))
+        try:
+            result = await exchange(_unflatten(flat, tensors))
+        except BaseException as e:  # CollectiveError, or cancelled: the other ranks must not wait
+            why = str(e) if isinstance(e, CollectiveError) else "rank 0 left the round"
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(local.share_outcome, {"error": why}, None)
+            raise
+        mean = _flatten(result.tensors)
+        await trio.to_thread.run_sync(local.share_outcome, {
+            "numel": mean.numel(), "contributors": list(result.contributors), "digest": result.digest,
+            "excluded": dict(result.excluded)}, mean)
+        return result
+
+
+def _flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
+
+
+def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, pos = {}, 0
+    for n, t in like.items():
+        out[n] = flat[pos:pos + t.numel()].view(t.shape).to(t.dtype)
+        pos += t.numel()
+    return out
+
+
+# -- the launcher and the ranks' entry points ----------------------------------------------------
+
+def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, log_level: str | None) -> dict:
+    """Run this peer as `config.nproc_per_node` local ranks through torch's elastic launcher;
+    returns rank 0's result (with every rank's peak RSS). A failed rank is a `LocalRankError`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    n = config.nproc_per_node
+    for rank in range(n):  # a device the machine lacks: one line now, not a hang in the rendezvous
+        if resolve_device(config.device, rank).type == "mps":
+            raise ConfigError("device mps runs one rank (nproc_per_node = 1): there is no process-group "
+                              "backend for several ranks on MPS")
+    # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
+    # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
+    # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn", signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        results = elastic_launch(launch, run_local_rank)(config.model_dump(mode="json"), spec_path, join, log_level)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
+        raise LocalRankError(f"local rank {rank} of this peer ended ({how}); the peer stopped and left the "
+                             f"swarm. Start it again to resume from its checkpoint") from None
+    except SignalException as e:  # SIGTERM: the agent passed it on; rank 0 stopped cleanly
+        return {"stopped": True, "signal": signal.Signals(e.sigval).name}
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    gateway = results[0]
+    if "error" in gateway:
+        raise (ConfigError if gateway["config_error"] else MeshtrainError)(gateway["error"])
+    gateway["local_ranks_peak_rss_mib"] = [results[r]["peak_rss_mib"] for r in sorted(results)]
+    return gateway
+
+
+def run_local_rank(config_data: dict[str, Any], spec_path: str | None, join: str | None,
+                   log_level: str | None) -> dict[str, Any]:
+    """One local rank (a process the elastic launcher spawned). Rank 0 runs the node; the others
+    follow it. Errors meant for the user come back as values, so the launcher prints one line."""
+    configure(log_level)
+    config = NodeConfig.model_validate(config_data)
+    local = LocalRanks.start(config)  # failing here fails the rank: the agent stops the others
+    try:
+        if local.is_gateway:
+            return _gateway(local, config, spec_path, join)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _follow(local, config)
+        return {"rank": local.rank, "peak_rss_mib": _rss_mib()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join: str | None) -> dict[str, Any]:
+    from meshtrain.node.daemon import Node
+    from meshtrain.node.swarm_spec import SignedSpec
+
+    node = None
+    try:
+        spec = SignedSpec.load(spec_path) if spec_path else None
+        node = Node(config, spec=spec, join=join, local=local)
+        result = trio.run(node.run)
+    except MeshtrainError as e:
+        _tell_followers_done(local)
+        return {"error": str(e), "config_error": isinstance(e, ConfigError), "peak_rss_mib": _rss_mib()}
+    failure = node.trainer.local_failure if node.trainer is not None else None
+    if failure is not None:
+        raise LocalRankError(failure)  # the elastic agent reports the rank that died first
+    _tell_followers_done(local)
+    return {"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
+            "eval_loss": result.eval_loss, "checkpoint": result.checkpoint, "local_ranks": local.world_size,
+            "peak_rss_mib": _rss_mib()}
+
+
+def _tell_followers_done(local: LocalRanks) -> None:
+    try:
+        local.finish()
+    except RuntimeError as e:  # they are gone already
+        log.info(kv("could not tell the other local ranks to stop", error=str(e)[:200]))
+
+
+def _follow(local: LocalRanks, config: NodeConfig) -> None:
+    """Ranks 1..N-1: build the trainer from rank 0's first message, then run every run it starts."""
+    import threading
+
+    from meshtrain.node.trainer import Trainer
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    msg = local.receive()
+    if not isinstance(msg, dict):
+        return
+    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local)
+    never = threading.Event()
+    msg = local.receive()
+
+    async def runs() -> None:
+        nonlocal msg
+        async with trainer.outer:
+            while isinstance(msg, dict):
+                local.pending = msg
+                await trio.to_thread.run_sync(trainer.run, never, 0, lambda _t: None)
+                if trainer.local_failure is not None:
+                    raise LocalRankError(trainer.local_failure)
+                if trainer.outer.in_flight:
+                    await trainer.outer.afinish()
+                msg = await trio.to_thread.run_sync(local.receive)
+
+    trio.run(runs)
+
+
+def _rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
