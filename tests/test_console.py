@@ -145,8 +145,9 @@ async def test_live_line_is_redrawn_in_place_and_ends_with_a_newline():
     out = io.StringIO()
     snap = Script([doc(step=1), doc(step=2), doc(step=3)])
     async with LiveStatus(snap, out, tty=True, interval=0.01):
-        while snap.calls < 3:
-            await trio.sleep(0.01)
+        with trio.fail_after(10):  # wait for the third draw, not just the third snapshot
+            while "step 3" not in out.getvalue():
+                await trio.sleep(0.01)
     text = out.getvalue()
     assert text.startswith("\rtraining  step 1  ") and "\rtraining  step 3  " in text
     assert text.endswith("\n") and text.count("\n") == 1
