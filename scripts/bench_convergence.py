@@ -194,7 +194,14 @@ def main() -> None:
     for name in chosen:
         n, extra = table[name]
         t0 = time.monotonic()
-        r = run_method(name, n, extra, common, args.timeout)
+        for attempt in range(3):  # a start-up failure (a peer not ready on a loaded machine) is retried
+            try:
+                r = run_method(name, n, extra, common, args.timeout)
+                break
+            except (RuntimeError, ValueError) as e:
+                if attempt == 2 or "timed out" in str(e):
+                    raise
+                print(json.dumps({"method": name, "retry": str(e)[:200]}), file=sys.stderr, flush=True)
         r["samples"] = steps * 16 * n
         results[name] = r
         print(json.dumps({"method": name, "final_eval_loss": round(r["final_eval_loss"], 4),

@@ -107,7 +107,7 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
                                momentum=args.outer_momentum, eager=args.eager)
     if m == "sparseloco":
         return SparseLoCo(model, inner, col, H=H, lr=args.outer_lr, beta=args.error_decay, chunk=args.sparse_chunk,
-                          k=args.sparse_k, aggregation=args.aggregation)
+                          k=args.sparse_k, aggregation=args.aggregation, aggregate=args.aggregate)
     if m == "noloco":
         return NoLoCo(model, inner, col, H=H, lr=args.noloco_lr, gamma=args.noloco_lr,
                       momentum=args.noloco_momentum, codec=args.codec)
@@ -119,12 +119,13 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
 
 
 def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
-    """SIGKILL ourselves 30 ms into the first send of the exchange sent at inner step `step`."""
+    """SIGKILL ourselves 30 ms into the first send of the exchange sent at inner step `step` (for
+    SparseLoCo: into the first send of our sparse payload, before the agreement all-reduce)."""
     armed = {"on": False}
     real_send, real_ar, real_pair = ts.send, col.all_reduce, col.average_with
 
     async def send(peer, tag, tensors, **kw):
-        if armed["on"]:
+        if armed["on"] or tag.startswith(f"sg/{step}/"):  # sg/: a sparse all-gather's payload
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: real_send(peer, tag, tensors, **kw))
                 await trio.sleep(0.03)
@@ -156,7 +157,7 @@ async def main(args: argparse.Namespace) -> None:
         ids = sorted(a.rsplit("/", 1)[1] for a in addrs)
         for a in addrs:
             if not a.endswith(host.peer_id) and not host.is_connected(a.rsplit("/", 1)[1]):
-                await host.connect(a)
+                await host.connect(a, timeout=60)  # generous: 4 peers start at once on a loaded machine
         me = host.peer_id
 
         def membership(_round: int) -> list[str]:
@@ -264,6 +265,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-k", type=int, default=64)
     p.add_argument("--sparse-chunk", type=int, default=4096)
     p.add_argument("--aggregation", default="auto")
+    p.add_argument("--aggregate", default="mean")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0)

@@ -251,3 +251,78 @@ async def test_index_mean_aggregation_averages_each_index_over_its_senders():
             nursery.start_soon(o.astep)
     assert outers[0].outer_params["weight"].tolist() == [[-1.0, 0.0, -2.0, 0.0]]
     _ = backward  # (shared helpers imported for the simulated swarm above)
+
+
+# -- real peers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_four_real_peers_hold_bit_identical_phi():
+    from .test_outer_swarm import run_swarm
+    from .conftest import tail
+
+    finals, logs = run_swarm("sparseloco", 4, ["--steps", "20", "--H", "5", "--outer-lr", "1.0",
+                                               "--sparse-chunk", "1024", "--sparse-k", "16"])
+    assert all(f is not None for f in finals), "\n".join(tail(p) for p in logs)
+    assert len({f["phi_digest"] for f in finals}) == 1
+    for f in finals:
+        assert f["contributors"] == [4, 4, 4, 4] and not f["errors"]
+        assert f["final_eval_loss"] < 4.2  # learning (4.55 at init)
+    numel = sum(p.numel() for p in tiny().parameters())
+    dense = 4 * 2 * 3 / 4 * 4 * numel  # 4 rounds of a lossless all-reduce among 4 peers
+    assert finals[0]["stats"]["bytes_sent"] * 20 < dense
+
+
+@pytest.mark.slow
+def test_peer_killed_mid_gather_is_excluded_or_included_by_every_survivor_alike():
+    from .test_outer_swarm import run_swarm
+    from .conftest import tail
+
+    steps, kill_at = 30, 10
+    finals, logs = run_swarm("sparseloco", 4, ["--steps", str(steps), "--H", "5", "--outer-lr", "1.0",
+                                               "--sparse-chunk", "1024", "--sparse-k", "16",
+                                               "--victim-rank", "1", "--kill-at-step", str(kill_at)])
+    survivors = [f for f in finals if f is not None]
+    assert len(survivors) == 3, "\n".join(tail(p) for p in logs)
+    assert len({f["phi_digest"] for f in survivors}) == 1
+    for f in survivors:
+        assert f["stats"]["inner_steps"] == steps
+        rounds = dict(zip(f["steps_of_rounds"], f["contributors"], strict=True))
+        assert all(c == 4 for s, c in rounds.items() if s < kill_at)
+        assert rounds[kill_at] in (3, 4)
+        assert all(c == 3 for s, c in rounds.items() if s > kill_at)
+    assert len({tuple(f["contributors"]) for f in survivors}) == 1
+
+
+# -- selectable from the swarm spec, the CLI and the demo --------------------------------------
+
+
+def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from meshtrain.node.cli import build_parser
+    from meshtrain.node.config import parse_spec
+    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.trainer import Trainer
+
+    from .conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "swarm", "create", "--data-dir", str(tmp_path),
+                        "--model", "gpt-tiny", "--optimizer", "sparseloco", "--H", "30", "--outer-lr", "1.0",
+                        "--error-decay", "0.9", "--sparse-k", "32"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    spec = SignedSpec.load(json.loads(r.stdout.splitlines()[0])["spec"]).spec
+    assert (spec.optimizer, spec.error_decay, spec.sparse_k, spec.sparse_chunk) == ("sparseloco", 0.9, 32, 4096)
+    outer = Trainer(spec, LocalSwarm(1).member(0), "peer-a").outer
+    assert isinstance(outer, SparseLoCo)
+    assert (outer.H, outer.lr, outer.error_feedback, outer.sparse.k) == (30, 1.0, 0.9, 32)
+    eager = Trainer(parse_spec({"model": "gpt-tiny", "optimizer": "streaming", "H": 20, "eager": True}),
+                    LocalSwarm(1).member(0), "peer-a").outer
+    assert eager.eager
+    with pytest.raises(ConfigError):
+        parse_spec({"optimizer": "sparseloco", "sparse_k": 5000})
+    demo = build_parser().parse_args(["demo", "--optimizer", "sparseloco", "--quick"])
+    assert demo.optimizer == "sparseloco"
