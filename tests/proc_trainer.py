@@ -265,7 +265,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-k", type=int, default=64)
     p.add_argument("--sparse-chunk", type=int, default=4096)
     p.add_argument("--aggregation", default="auto")
-    p.add_argument("--aggregate", default="mean")
+    p.add_argument("--aggregate", default="index_mean")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0)

@@ -136,11 +136,13 @@ def test_sparseloco_residual_is_zero_where_sent_and_the_accumulator_elsewhere():
 # -- the identity and the swarm (simulated) --------------------------------------------------------
 
 
-@pytest.mark.parametrize("aggregation", ["gather", "allreduce"])
-async def test_density_1_no_quantisation_beta_0_is_diloco_momentum_0_bit_for_bit(aggregation):
+@pytest.mark.parametrize("aggregation,aggregate", [("gather", "index_mean"), ("gather", "mean"),
+                                                   ("allreduce", "mean")])
+async def test_density_1_no_quantisation_beta_0_is_diloco_momentum_0_bit_for_bit(aggregation, aggregate):
     k, steps = 4, 12
     _, models, outers = workers(k, lambda m, o, c: SparseLoCo(
-        m, o, c, H=3, lr=0.7, beta=0.0, chunk=64, k=64, bits=None, aggregation=aggregation))
+        m, o, c, H=3, lr=0.7, beta=0.0, chunk=64, k=64, bits=None, aggregation=aggregation,
+        aggregate=aggregate))
     await simulate(outers, models, steps)
     _, ref_models, refs = workers(k, lambda m, o, c: DiLoCo(m, o, c, H=3, lr=0.7, momentum=0.0))
     await simulate(refs, ref_models, steps)
@@ -172,13 +174,29 @@ async def test_sparse_swarm_keeps_phi_identical_and_learns_with_a_fraction_of_th
 
 def test_aggregation_follows_the_bytes_at_n_peers():
     model = torch.nn.Linear(256, 256, bias=False)  # 65536 values
-    o = SparseLoCo(model, None, LocalSwarm(1).member(0), H=1)
+    o = SparseLoCo(model, None, LocalSwarm(1).member(0), H=1, aggregate="mean")
     payload = o.sparse.encoded_nbytes(65536)
     assert o.choose_aggregation(4, ["weight"]) == "gather"
     n_even = 8 * 65536 // payload
     assert o.choose_aggregation(n_even, ["weight"]) == "gather"
     assert o.choose_aggregation(n_even + 1, ["weight"]) == "allreduce"
     assert 250 < n_even < 300  # ~292 peers at 1.56 % (sparse_gather.py)
+    both = SparseLoCo(model, None, LocalSwarm(1).member(0), H=1)  # index_mean: values and mask
+    assert both.choose_aggregation(2 * n_even, ["weight"]) == "gather"
+    assert both.choose_aggregation(2 * n_even + 2, ["weight"]) == "allreduce"
+
+
+async def test_dense_index_mean_matches_the_gather():
+    """Above the break-even N the index mean travels densely (values and a mask): same update."""
+    runs = []
+    for aggregation in ("gather", "allreduce"):
+        _, models, outers = workers(4, lambda m, o, c, a=aggregation: SparseLoCo(
+            m, o, c, H=3, chunk=256, k=8, aggregation=a))
+        await simulate(outers, models, 6)
+        runs.append(outers[0])
+    assert runs[1].last_aggregation == "allreduce"
+    for n, phi in runs[0].outer_params.items():
+        torch.testing.assert_close(runs[1].outer_params[n], phi, atol=1e-6, rtol=1e-5)
 
 
 async def test_a_peer_that_leaves_mid_gather_is_out_for_every_survivor():
@@ -231,7 +249,7 @@ def test_bad_options_are_rejected():
     with pytest.raises(ValueError):
         SparseLoCo(m, None, c, H=1, aggregation="ring")
     with pytest.raises(ValueError):
-        SparseLoCo(m, None, c, H=1, aggregate="index_mean", aggregation="allreduce")
+        SparseLoCo(m, None, c, H=1, aggregate="sum")
 
 
 async def test_index_mean_aggregation_averages_each_index_over_its_senders():
