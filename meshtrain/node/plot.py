@@ -39,7 +39,7 @@ def plot_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: str |
                 ax.set_xscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel(ylabel)
-            ax.set_title(title)
+            ax.set_title(title + (" — against bytes sent" if log_x else ""))
             ax.legend()
             ax.grid(alpha=0.3)
         fig.tight_layout()
