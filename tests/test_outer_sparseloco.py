@@ -276,8 +276,8 @@ async def test_index_mean_aggregation_averages_each_index_over_its_senders():
 
 @pytest.mark.slow
 def test_four_real_peers_hold_bit_identical_phi():
-    from .test_outer_swarm import run_swarm
     from .conftest import tail
+    from .test_outer_swarm import run_swarm
 
     finals, logs = run_swarm("sparseloco", 4, ["--steps", "20", "--H", "5", "--outer-lr", "1.0",
                                                "--sparse-chunk", "1024", "--sparse-k", "16"])
@@ -293,8 +293,8 @@ def test_four_real_peers_hold_bit_identical_phi():
 
 @pytest.mark.slow
 def test_peer_killed_mid_gather_is_excluded_or_included_by_every_survivor_alike():
-    from .test_outer_swarm import run_swarm
     from .conftest import tail
+    from .test_outer_swarm import run_swarm
 
     steps, kill_at = 30, 10
     finals, logs = run_swarm("sparseloco", 4, ["--steps", str(steps), "--H", "5", "--outer-lr", "1.0",
