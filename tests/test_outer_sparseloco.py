@@ -16,7 +16,7 @@ from meshtrain.optim import DiLoCo, LocalSwarm, OuterOptimizer, SparseLoCo
 from meshtrain.optim.compression import get_codec
 from meshtrain.optim.sparse_codec import ChunkedTopK, SparseCodecError, _pack12, _unpack12
 
-from .test_outer_diloco import backward, eval_loss, simulate, tiny, workers
+from .test_outer_diloco import eval_loss, simulate, tiny, workers
 
 # -- the wire format ------------------------------------------------------------------------------
 
@@ -268,7 +268,6 @@ async def test_index_mean_aggregation_averages_each_index_over_its_senders():
         for o in outers:
             nursery.start_soon(o.astep)
     assert outers[0].outer_params["weight"].tolist() == [[-1.0, 0.0, -2.0, 0.0]]
-    _ = backward  # (shared helpers imported for the simulated swarm above)
 
 
 # -- real peers ----------------------------------------------------------------------------------
