@@ -4,7 +4,7 @@ The public API is small (README.md, "Python API"):
 
 - `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python.
 - `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
-  `NoLoCo` are built on it.
+  `NoLoCo`, `SparseLoCo` are built on it.
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
 
 Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `optim`, `pipeline` and
@@ -28,6 +28,7 @@ _EXPORTS = {
     "DiLoCo": "meshtrain.optim.diloco",
     "StreamingDiLoCo": "meshtrain.optim.streaming",
     "NoLoCo": "meshtrain.optim.noloco",
+    "SparseLoCo": "meshtrain.optim.sparseloco",
     "Collective": "meshtrain.optim.collective",
     "ReduceResult": "meshtrain.optim.collective",
 }

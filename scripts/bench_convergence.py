@@ -19,6 +19,9 @@ share 2 cores). Methods:
   diloco_hb    NoLoCo's outer rule with the whole swarm: heavy-ball DiLoCo, H=50, lr 0.7, μ 0.5 (the
                identity in ALGORITHMS.md; the baseline the NoLoCo paper and the reference run use)
   custom       the README's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
+  sparseloco   SparseLoCo, H=25: chunked top-k (64 of every 4096) of the error-feedback accumulator
+               (β 0.95), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
+  streaming_eager  `streaming` with eager updates (arXiv 2502.12996)
 
 Held-out loss is measured on the outer parameters φ of every peer (mean over peers; NoLoCo's
 replicas differ, so this is the mean replica) every `--eval-every` steps on fixed held-out
@@ -30,6 +33,10 @@ windows. Writes a PNG of held-out loss vs step and prints one JSON object last:
   streaming_vs_diloco  streaming / diloco_h50 − 1 (same H)                            target <= 0.005
   diloco_bytes_ratio   dp bytes / diloco_h25 bytes                                    target >= 20
   streaming_peak_ratio diloco_h50 peak bytes per sync / streaming's                   target >= P
+  sparseloco_vs_diloco sparseloco / diloco_h25 − 1 (same H)                           target <= 0.01
+  sparseloco_bytes_ratio diloco_h25 bytes sent per peer / sparseloco's                target >= 50
+  streaming_eager_vs_streaming streaming_eager / streaming − 1                        (reported)
+The PNG has two panels: held-out loss against inner steps, and against bytes sent per peer.
 The default is 2000 steps (the issue asks for >= 1000): at 1000 steps DP's lead over DiLoCo has
 not closed yet on this testbed (ALGORITHMS.md: 13% of DP's gain kept at 500 steps, 64% at 1000),
 and the whole run takes ~20 minutes on 2 cores.
@@ -68,6 +75,10 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
         "noloco": (4, ["--method", "noloco", "--H", "50"]),
         "diloco_hb": (4, ["--method", "heavyball", "--H", "50", "--outer-momentum", "0.5"]),
         "custom": (4, ["--method", "custom", "--H", "25", "--custom-lr", "1.0"]),
+        "sparseloco": (4, ["--method", "sparseloco", "--H", "25", "--outer-lr", "1.0", "--error-decay", "0.95",
+                           "--sparse-chunk", "4096", "--sparse-k", "64"]),
+        "streaming_eager": (4, ["--method", "streaming", "--H", "50", "--P", "2", "--delay", "1", "--alpha", "0.5",
+                                "--codec", "fp4", "--eager"]),
     }
 
 
@@ -101,6 +112,7 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
             p.stdin.write("go\n")
             p.stdin.flush()
         curves: list[dict[int, float]] = [{} for _ in procs]
+        sent: list[dict[int, float]] = [{} for _ in procs]
         finals: list[dict] = []
         for i, p in enumerate(procs):
             while True:
@@ -110,6 +122,7 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
                 msg = json.loads(line)
                 if "eval" in msg:
                     curves[i][msg["eval"]] = msg["loss"]
+                    sent[i][msg["eval"]] = msg.get("bytes", 0)
                 if msg.get("done"):
                     finals.append(msg)
                     break
@@ -120,6 +133,8 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
         total_steps = finals[0]["stats"]["inner_steps"]
         final = sum(f["final_eval_loss"] for f in finals) / n
         curve.append((total_steps, final))
+        bytes_curve = [(sum(b[st] for b in sent) / n, loss) for st, loss in curve[:-1]]
+        bytes_curve.append((sum(f["stats"]["bytes_sent"] for f in finals) / n, final))
         out = {
             "peers": n,
             "final_eval_loss": final,
@@ -130,6 +145,7 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
             "comm_wait_s": max(f["stats"].get("comm_wait_seconds", 0.0) for f in finals),
             "rounds": finals[0]["stats"].get("rounds", 0),
             "curve": curve,
+            "bytes_curve": bytes_curve,
         }
         if n > 1:
             out["cross_replica_std"] = cross_replica_std(phi_files)
@@ -178,7 +194,14 @@ def main() -> None:
     for name in chosen:
         n, extra = table[name]
         t0 = time.monotonic()
-        r = run_method(name, n, extra, common, args.timeout)
+        for attempt in range(3):  # a start-up failure (a peer not ready on a loaded machine) is retried
+            try:
+                r = run_method(name, n, extra, common, args.timeout)
+                break
+            except (RuntimeError, ValueError) as e:
+                if attempt == 2 or "timed out" in str(e):
+                    raise
+                print(json.dumps({"method": name, "retry": str(e)[:200]}), file=sys.stderr, flush=True)
         r["samples"] = steps * 16 * n
         results[name] = r
         print(json.dumps({"method": name, "final_eval_loss": round(r["final_eval_loss"], 4),
@@ -188,7 +211,8 @@ def main() -> None:
     png = Path(args.png)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_curves({name: r["curve"] for name, r in results.items()}, png,
-                title=f"held-out loss (outer params), 4 peers, {steps} steps")
+                title=f"held-out loss (outer params), 4 peers, {steps} steps",
+                beside={name: r["bytes_curve"] for name, r in results.items()})
 
     def loss(m: str) -> float | None:
         return results[m]["final_eval_loss"] if m in results else None
@@ -198,7 +222,7 @@ def main() -> None:
                      "total_wall_s": round(time.monotonic() - t_start, 1), "methods": {}}
     for name, r in results.items():
         summary["methods"][name] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                                    if k != "curve" and k != "final_eval_loss_per_peer"}
+                                    if k not in ("curve", "bytes_curve", "final_eval_loss_per_peer")}
     s, d25, d50, dp = loss("single"), loss("diloco_h25"), loss("diloco_h50"), loss("dp")
     if None not in (s, d25, dp) and s != dp:
         summary["diloco_recovery"] = round((s - d25) / (s - dp), 4)
@@ -214,9 +238,17 @@ def main() -> None:
     if "streaming" in results and "diloco_h50" in results and results["streaming"]["peak_bytes_per_sync"]:
         summary["streaming_peak_ratio"] = round(results["diloco_h50"]["peak_bytes_per_sync"]
                                                 / results["streaming"]["peak_bytes_per_sync"], 2)
+    if None not in (loss("sparseloco"), d25):
+        summary["sparseloco_vs_diloco"] = round(loss("sparseloco") / d25 - 1, 4)
+    if "sparseloco" in results and "diloco_h25" in results and results["sparseloco"]["bytes_sent_per_peer"]:
+        summary["sparseloco_bytes_ratio"] = round(results["diloco_h25"]["bytes_sent_per_peer"]
+                                                  / results["sparseloco"]["bytes_sent_per_peer"], 2)
+    if None not in (loss("streaming_eager"), loss("streaming")):
+        summary["streaming_eager_vs_streaming"] = round(loss("streaming_eager") / loss("streaming") - 1, 4)
     targets = {"diloco_recovery": (">=", 0.6), "noloco_vs_diloco": ("<=", 0.01),
                "streaming_vs_diloco": ("<=", 0.005), "diloco_bytes_ratio": (">=", 20),
-               "streaming_peak_ratio": (">=", 2)}
+               "streaming_peak_ratio": (">=", 2), "sparseloco_vs_diloco": ("<=", 0.01),
+               "sparseloco_bytes_ratio": (">=", 50)}
     summary["targets_met"] = {k: (summary[k] >= v if op == ">=" else summary[k] <= v)
                               for k, (op, v) in targets.items() if k in summary}
     print(json.dumps(summary))

@@ -4,7 +4,8 @@ inner AdamW and one outer optimizer, with torch in a worker thread (the threadin
     python tests/proc_trainer.py --method diloco --index I --steps S [--H 25] [...]
 
 Methods: single (plain AdamW, no exchange), dp (gradients all-reduced every step), diloco,
-heavyball (DiLoCo without Nesterov), streaming, noloco, custom (the README's `OuterSGD`, below).
+heavyball (DiLoCo without Nesterov), streaming (--eager: eager updates), noloco, sparseloco,
+custom (the README's `OuterSGD`, below).
 
 Protocol on stdio (one JSON object per line), as tests/proc_allreduce.py:
   out {"peer": id, "addr": multiaddr, "index": I}
@@ -43,6 +44,7 @@ from meshtrain.optim import (
     DiLoCo,
     NoLoCo,
     OuterOptimizer,
+    SparseLoCo,
     StreamingDiLoCo,
     SwarmCollective,
 )
@@ -102,7 +104,10 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
     if m == "streaming":
         return StreamingDiLoCo(model, inner, col, H=H, fragments=args.P, delay=args.delay, alpha=args.alpha,
                                codec=args.codec if args.codec != "none" else "fp4", lr=args.outer_lr,
-                               momentum=args.outer_momentum)
+                               momentum=args.outer_momentum, eager=args.eager)
+    if m == "sparseloco":
+        return SparseLoCo(model, inner, col, H=H, lr=args.outer_lr, beta=args.error_decay, chunk=args.sparse_chunk,
+                          k=args.sparse_k, aggregation=args.aggregation, aggregate=args.aggregate)
     if m == "noloco":
         return NoLoCo(model, inner, col, H=H, lr=args.noloco_lr, gamma=args.noloco_lr,
                       momentum=args.noloco_momentum, codec=args.codec)
@@ -114,12 +119,13 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
 
 
 def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
-    """SIGKILL ourselves 30 ms into the first send of the exchange sent at inner step `step`."""
+    """SIGKILL ourselves 30 ms into the first send of the exchange sent at inner step `step` (for
+    SparseLoCo: into the first send of our sparse payload, before the agreement all-reduce)."""
     armed = {"on": False}
     real_send, real_ar, real_pair = ts.send, col.all_reduce, col.average_with
 
     async def send(peer, tag, tensors, **kw):
-        if armed["on"]:
+        if armed["on"] or tag.startswith(f"sg/{step}/"):  # sg/: a sparse all-gather's payload
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: real_send(peer, tag, tensors, **kw))
                 await trio.sleep(0.03)
@@ -151,7 +157,7 @@ async def main(args: argparse.Namespace) -> None:
         ids = sorted(a.rsplit("/", 1)[1] for a in addrs)
         for a in addrs:
             if not a.endswith(host.peer_id) and not host.is_connected(a.rsplit("/", 1)[1]):
-                await host.connect(a)
+                await host.connect(a, timeout=60)  # generous: 4 peers start at once on a loaded machine
         me = host.peer_id
 
         def membership(_round: int) -> list[str]:
@@ -193,7 +199,8 @@ async def main(args: argparse.Namespace) -> None:
                 if sched is not None:
                     sched.step()
                 if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-                    say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0})
+                    say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0,
+                         "bytes": outer.bytes_sent if outer is not None else 0})
 
         async def keep_connected() -> None:
             # As the node's daemon does: re-dial a peer whose libp2p connection dropped. The
@@ -253,6 +260,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--P", type=int, default=2)
     p.add_argument("--delay", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--error-decay", type=float, default=0.95)
+    p.add_argument("--sparse-k", type=int, default=64)
+    p.add_argument("--sparse-chunk", type=int, default=4096)
+    p.add_argument("--aggregation", default="auto")
+    p.add_argument("--aggregate", default="index_mean")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0)

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
     demo.add_argument("--nodes", type=int, default=4, help="number of node processes (default 4)")
-    demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco"], default="diloco")
+    demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco", "sparseloco"], default="diloco")
     demo.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
     demo.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
     demo.add_argument("--quick", action="store_true", help="a short run (CI)")

@@ -40,7 +40,7 @@ class SwarmSpec(BaseModel):
     name: str = Field("meshtrain-demo", min_length=1, max_length=64)
     model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<config.json>")
     dataset: str = Field("builtin", description="builtin (offline English text) or a UTF-8 text file")
-    optimizer: Literal["diloco", "streaming", "noloco"] = "diloco"
+    optimizer: Literal["diloco", "streaming", "noloco", "sparseloco"] = "diloco"
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
     batch_size: int = Field(16, ge=1, le=4096)
@@ -53,6 +53,10 @@ class SwarmSpec(BaseModel):
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
     alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
+    eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
+    error_decay: float = Field(0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay")
+    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk (outer lr: pass 1.0)")
+    sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
     eval_batches: int = Field(8, ge=1, le=1024)
@@ -82,6 +86,11 @@ class SwarmSpec(BaseModel):
             if self.delay >= self.H // self.fragments:
                 raise ConfigError(f"swarm spec: delay ({self.delay}) must be below H/fragments "
                                   f"({self.H // self.fragments})")
+            if self.eager and self.delay < 1:
+                raise ConfigError("swarm spec: eager updates need delay >= 1")
+        if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
+            raise ConfigError(f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk "
+                              f"({self.sparse_chunk})")
         return self
 
 

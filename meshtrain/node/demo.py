@@ -151,7 +151,8 @@ def run_demo(args: argparse.Namespace) -> int:
     created = subprocess.run(
         _cli("swarm", "create", "--data-dir", str(swarm.dirs[0]), "--model", "gpt-small", "--optimizer",
              args.optimizer, "--H", str(H), "--steps", str(steps), "--eval-every", str(max(H // 2, 10)),
-             "--name", "meshtrain-demo", *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else [])),
+             "--name", "meshtrain-demo", *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else []),
+             *(["--outer-lr", "1.0"] if args.optimizer == "sparseloco" else [])),
         capture_output=True, text=True)
     if created.returncode:
         raise MeshtrainError(f"swarm create failed: {created.stderr.strip()}")

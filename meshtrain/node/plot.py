@@ -10,9 +10,12 @@ from pathlib import Path
 
 
 def plot_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str,
-                xlabel: str = "inner step", ylabel: str = "held-out loss") -> Path:
+                xlabel: str = "inner step", ylabel: str = "held-out loss",
+                beside: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+                beside_xlabel: str = "bytes sent per peer (log scale)") -> Path:
     """Write one line per named curve of (x, y) points to `path` (PNG); the legend carries each
-    curve's last value. Returns the path."""
+    curve's last value. With `beside`, a second panel to the right plots those curves against a
+    logarithmic x axis (the benchmark: loss against bytes sent). Returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,18 +23,26 @@ def plot_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: str |
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(9, 5.6))
+    fig, axes = plt.subplots(1, 2 if beside else 1, figsize=(16, 5.6) if beside else (9, 5.6), squeeze=False)
     try:
-        for name, points in curves.items():
-            if not points:
-                continue
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, label=f"{name} ({ys[-1]:.3f})")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.legend()
-        ax.grid(alpha=0.3)
+        panels = [(axes[0][0], curves, xlabel, False)]
+        if beside:
+            panels.append((axes[0][1], beside, beside_xlabel, True))
+        for ax, lines, label, log_x in panels:
+            for name, points in lines.items():
+                points = [(x, y) for x, y in points if not log_x or x > 0]
+                if not points:
+                    continue
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, label=f"{name} ({ys[-1]:.3f})")
+            if log_x:
+                ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.set_ylabel(ylabel)
+            ax.set_title(title + (" — against bytes sent" if log_x else ""))
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)

@@ -59,6 +59,7 @@ from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.optim import Collective, DiLoCo, NoLoCo, OuterOptimizer, StreamingDiLoCo
+from meshtrain.optim.sparseloco import SparseLoCo
 
 if TYPE_CHECKING:
     from meshtrain.node.local_ranks import LocalRanks
@@ -194,7 +195,10 @@ class Trainer:
         if s.optimizer == "streaming":
             return StreamingDiLoCo(model, inner, collective, H=s.H, fragments=s.fragments, delay=s.delay,
                                    alpha=s.alpha, codec=s.codec if s.codec != "none" else "fp4", lr=s.outer_lr,
-                                   momentum=s.outer_momentum)
+                                   momentum=s.outer_momentum, eager=s.eager)
+        if s.optimizer == "sparseloco":
+            return SparseLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, beta=s.error_decay, chunk=s.sparse_chunk,
+                              k=s.sparse_k)
         return NoLoCo(model, inner, collective, H=s.H, codec=s.codec)
 
     @property

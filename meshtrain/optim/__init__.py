@@ -2,7 +2,7 @@
 
 Public API:
 - `OuterOptimizer` — base class of low-communication outer optimizers (hooks, schedule, state,
-  threading bridge); `DiLoCo`, `StreamingDiLoCo`, `NoLoCo` are subclasses; `DataParallel` is the
+  threading bridge); `DiLoCo`, `StreamingDiLoCo`, `NoLoCo`, `SparseLoCo` are subclasses; `DataParallel` is the
   synchronous baseline.
 - `Collective` / `ReduceResult` — the interface to the network; `SwarmCollective` over a running
   host, `LocalSwarm` / `LocalCollective` for simulated peers in one process.
@@ -16,6 +16,7 @@ from meshtrain.optim.diloco import DiLoCo
 from meshtrain.optim.local import LocalCollective, LocalSwarm
 from meshtrain.optim.noloco import NoLoCo, noloco_groups, noloco_partner
 from meshtrain.optim.outer import DataParallel, OuterOptimizer, OuterStateError, RoundReport
+from meshtrain.optim.sparseloco import SparseLoCo
 from meshtrain.optim.streaming import StreamingDiLoCo, strided_fragments
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "OuterStateError",
     "ReduceResult",
     "RoundReport",
+    "SparseLoCo",
     "StreamingDiLoCo",
     "SwarmCollective",
     "get_codec",

@@ -33,6 +33,7 @@ import trio
 from meshtrain.optim.allreduce import _digest, _part_bounds
 from meshtrain.optim.collective import CollectiveError, ReduceResult
 from meshtrain.optim.compression import Codec, get_codec
+from meshtrain.optim.sparse_gather import GatherResult
 
 
 @dataclass
@@ -140,6 +141,35 @@ class LocalSwarm:
         return ReduceResult({k: v.clone() for k, v in r.result.tensors.items()}, r.result.contributors,
                             r.result.digest, sent, sent, dict(r.result.excluded))
 
+    # -- sparse all-gather (issue 19; the network version is sparse_gather.py) -------------------
+
+    async def _all_gather(self, me: str, payload: dict[str, torch.Tensor], round_id: int, tag: str,
+                          weight: float) -> GatherResult:
+        """Every live member's payload, exactly; the round completes as an all-reduce's does."""
+        key = (round_id, "gather/" + tag)
+        r = self._rounds.get(key)
+        if r is None:
+            r = self._rounds[key] = _Round(frozenset(self.alive), get_codec("none"))
+            for old in list(self._rounds)[:-64]:
+                del self._rounds[old]
+        if r.done.is_set() or me not in r.expected:
+            raise CollectiveError(f"round {key}: joined after the group was formed; wait for the next round")
+        r.arrivals[me] = ({k: v.clone() for k, v in payload.items()}, weight)
+        waiting = lambda: (r.expected & self.alive) - set(r.arrivals)  # noqa: E731
+        if not waiting():
+            r.done.set()
+        with trio.move_on_after(self.timeout if self.timeout is not None else float("inf")):
+            await r.done.wait()
+        r.done.set()
+        if me not in self.alive:
+            raise CollectiveError(f"{me} left the swarm")
+        order = sorted(p for p in r.arrivals if p in self.alive)
+        excluded = {p: "gone" if p not in self.alive else "missed the deadline" for p in r.expected - set(order)}
+        nbytes = {p: sum(t.numel() * t.element_size() for t in r.arrivals[p][0].values()) for p in order}
+        return GatherResult({p: {k: v.clone() for k, v in r.arrivals[p][0].items()} for p in order},
+                            {p: r.arrivals[p][1] for p in order}, tuple(p for p in order if r.arrivals[p][1] > 0),
+                            (len(order) - 1) * nbytes[me], sum(b for p, b in nbytes.items() if p != me), excluded)
+
     # -- pairwise -------------------------------------------------------------------------------
 
     async def _average_with(self, me: str, partner: str | None, tensors: dict[str, torch.Tensor],
@@ -191,6 +221,11 @@ class LocalCollective:
         if not weight >= 0:
             raise CollectiveError("weight must be finite and >= 0")
         return await self.swarm._all_reduce(self._id, tensors, round_id, tag, codec, weight)
+
+    async def all_gather(self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
+                         weight: float = 1.0) -> GatherResult:
+        """Every member's `payload` as sent (`sparse_gather.all_gather`'s contract)."""
+        return await self.swarm._all_gather(self._id, payload, round_id, tag, weight)
 
     async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
                            tag: str = "", codec: str = "none") -> ReduceResult:

@@ -210,6 +210,9 @@ class OuterOptimizer:
         self.peak_bytes_per_sync = 0
         self.comm_wait_seconds = 0.0
         self.history: deque[RoundReport] = deque(maxlen=HISTORY_LENGTH)
+        # Error feedback (issue 19): β, or None for none; e per parameter, this peer's alone.
+        self.error_feedback: float | None = None
+        self.residual: dict[str, torch.Tensor] = {}
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
@@ -274,6 +277,42 @@ class OuterOptimizer:
                 p.copy_(phi)
             else:
                 p.lerp_(phi.to(p.device, p.dtype), 1.0 - self.alpha)
+
+    # -- error feedback (issue 19) -------------------------------------------------------------
+    #
+    # With `error_feedback = β` (a float in [0, 1]) each peer keeps an accumulator e per parameter
+    # and, at every send, does e ← β·e + Δ; ŝ = encode(e); e ← e − decode(ŝ), sending ŝ instead
+    # of Δ (β = 1: classic error feedback, Seide et al. 2014 / Karimireddy et al. 2019; β < 1:
+    # SparseLoCo's decayed accumulator, which replaces the outer momentum — ALGORITHMS.md). e is
+    # this peer's own: saved by `state_dict(inner=True)` (checkpoints), never averaged, never in
+    # `state_dict(inner=False)` (what joiners download). A joiner's weight-0 exchanges skip it.
+
+    def compress(self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(what `communicate` sends, what it decodes to) for the accumulator e[names]. Default:
+        `self.codec` applied to each tensor whole; the decoded values are sent (the collective
+        encodes them again — exact for "none"/"fp16"/"bf16" after a cast codec; SparseLoCo
+        overrides this to send its sparse payload itself)."""
+        from meshtrain.optim.compression import get_codec
+
+        codec = get_codec(self.codec)
+        decoded = {n: codec.decode(codec.encode(t), t.shape, torch.float32) for n, t in accumulated.items()}
+        return decoded, decoded
+
+    def feed_back(self, delta: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """e ← β·e + Δ; (send, ŝ) = compress(e); e ← e − ŝ; returns `send`. Runs in the trainer's thread."""
+        beta = float(self.error_feedback)  # type: ignore[arg-type]
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"error_feedback β must be in [0, 1], got {beta!r}")
+        for n in names:
+            e = self.residual.get(n)
+            if e is None:
+                e = self.residual[n] = torch.zeros_like(self.outer_params[n])
+            e.mul_(beta).add_(delta[n].to(torch.float32))
+        send, decoded = self.compress({n: self.residual[n] for n in names}, names)
+        for n in names:
+            self.residual[n].sub_(decoded[n])
+        return send
 
     # -- state a subclass keeps (serialised with the rest) ------------------------------------
 
@@ -354,9 +393,11 @@ class OuterOptimizer:
             reports.append((yield from self._complete(self._pending.pop(p))))
         for p in sends:
             names = self.fragments[p]
+            ready = self._joined_at is None or step - self._joined_at >= self.H
             with torch.no_grad():
                 tensors = self.pseudo_gradient(names)
-            ready = self._joined_at is None or step - self._joined_at >= self.H
+                if self.error_feedback is not None and ready:
+                    tensors = self.feed_back(tensors, names)
             ex = _Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, step + self.delay)
             if self.delay == 0:
                 yield _Call(self._exchange, (ex,))
@@ -484,6 +525,8 @@ class OuterOptimizer:
         }
         if inner and self.inner is not None:
             state["inner"] = copy.deepcopy(self.inner.state_dict())
+        if inner and self.residual:  # this peer's error feedback: checkpoints only, never joiners
+            state["residual"] = {n: t.clone() for n, t in self.residual.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
@@ -502,6 +545,10 @@ class OuterOptimizer:
             self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
         if inner and self.inner is not None and "inner" in state:
             self.inner.load_state_dict(copy.deepcopy(state["inner"]))
+        if inner and isinstance(state.get("residual"), dict):
+            self.residual = {n: t.to(torch.float32).clone() for n, t in state["residual"].items()
+                             if n in self.outer_params and isinstance(t, torch.Tensor)
+                             and t.shape == self.outer_params[n].shape}
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
 
@@ -525,6 +572,7 @@ class OuterOptimizer:
                 p.copy_(self.outer_params[n])
         self._joined_at = self.inner_steps
         self.needs_resync = False
+        self.residual = {}  # error feedback starts afresh: no one's residual travels with a state
 
     def _check_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:

@@ -19,11 +19,28 @@ training stalls for the exchange. Streaming DiLoCo changes three things (ALGORIT
 The outer optimizer is DiLoCo's (Nesterov SGD, lr 0.7, momentum 0.9) applied per fragment; its
 state stays identical on every peer. Evaluate φ (`outer_weights()`), not a replica's θ.
 Requirements, checked with a clear ValueError: H % P == 0 and 0 <= τ < H/P.
+
+4. **Eager updates** (`eager=True`; Kale, Douillard et al. 2025, "Eager updates for overlapped
+   communication and computation in DiLoCo", arXiv 2502.12996). Without them, the τ steps that run
+   while fragment p's average is in flight start from the old θ[p], and the merge at s + τ
+   blends in the new φ[p] late. With them, at the send step the peer applies a *tentative* outer
+   step using its own pseudo-gradient as a stand-in for the average it does not have yet:
+   φ̃[p] = OuterOpt(φ[p], Δ_local[p]) (the same arithmetic as the real step, state not committed),
+   and trains on from θ[p] ← φ̃[p]. When the average arrives, the real step gives φ[p] and the
+   stand-in is corrected exactly: θ[p] ← θ[p] + (φ[p] − φ̃[p]) — the local progress of the τ
+   steps is kept and the local update is swapped for the swarm's (α is not used). The paper's
+   eager rule, for an overlap of a whole round, mixes the local Δ_t with the *previous* round's
+   average of the others, (1/M)·Δ_local,t + (1/M)·Σ_{j≠i} Δ_j,t−1; here the average arrives τ < H/P
+   steps later within the same round, so no stale average is involved and the local Δ alone
+   stands in. The paper's identities hold and are tested: with one peer, or with peers whose
+   pseudo-gradients are equal, eager overlap is bit for bit the blocking round (τ = 0); in
+   general, after the correction θ − φ equals exactly the local progress made during the τ steps.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -80,12 +97,15 @@ class StreamingDiLoCo(DiLoCo):
     codec: "fp4" by default (4-bit outer gradients); "int4", "none", … also accepted.
     lr, momentum, nesterov: the outer SGD, as DiLoCo.
 
+    eager: eager updates (point 4 of the module docstring; needs delay >= 1).
+
     Training must run inside `async with outer:` when delay > 0 (the exchanges run in its nursery).
     """
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
                  *, H: int = 100, fragments: int | list[list[str]] = 2, delay: int = 1, alpha: float = 0.5,
-                 codec: str = "fp4", lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+                 codec: str = "fp4", lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 eager: bool = False) -> None:
         if isinstance(fragments, int):
             if not isinstance(H, int) or isinstance(fragments, bool) or fragments < 1 or H % fragments:
                 raise ValueError(f"Streaming DiLoCo needs H % P == 0 (fragment p syncs at offset p·H/P); "
@@ -93,3 +113,41 @@ class StreamingDiLoCo(DiLoCo):
             fragments = strided_fragments(model, fragments)
         super().__init__(model, inner, collective, H=H, lr=lr, momentum=momentum, nesterov=nesterov,
                          codec=codec, fragments=fragments, delay=delay, alpha=alpha)
+        if eager and delay < 1:
+            raise ValueError("eager updates hide the delay of an overlapped exchange: they need delay >= 1")
+        self.eager = bool(eager)
+        self._tentative: dict[str, torch.Tensor] = {}  # φ̃ of the fragments in flight (eager)
+
+    # -- eager updates (arXiv 2502.12996; module docstring, point 4) -----------------------------
+
+    def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        delta = super().pseudo_gradient(names)
+        if self.eager:
+            for n in names:
+                phi_tilde = self.tentative_outer_step(n, delta[n])
+                self._tentative[n] = phi_tilde
+                self.params[n].copy_(phi_tilde)
+        return delta
+
+    def merge(self, names: Sequence[str]) -> None:
+        if not self.eager:
+            return super().merge(names)
+        for n in names:
+            phi_tilde = self._tentative.pop(n, None)
+            p = self.params[n]
+            if phi_tilde is None:  # not sent by us with eager (cannot happen in a run); plain merge
+                p.copy_(self.outer_params[n])
+            else:
+                p.add_((self.outer_params[n] - phi_tilde).to(p.dtype))
+
+    def tentative_outer_step(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """φ̃ = the outer SGD step on φ[name] with `grad`, computed as torch's single-tensor SGD
+        does (same operations, so the same bits), leaving φ and the momentum untouched."""
+        phi = self.outer_params[name]
+        grad = grad.to(torch.float32)
+        if self.momentum != 0:
+            state = self.outer_optimizer.state.get(phi, {}) if self.outer_optimizer is not None else {}
+            buf = state.get("momentum_buffer")
+            buf = torch.clone(grad).detach() if buf is None else buf.clone().mul_(self.momentum).add_(grad)
+            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+        return phi.clone().add_(grad, alpha=-self.lr)
