@@ -134,7 +134,9 @@ DEFAULT_STALL = 90.0  # a member's step counter standing still this long while f
 CONCURRENCY = 24  # cases in flight at once (joins wait seconds for their group by design)
 RPC_DEADLINE = 15.0  # an RPC must be answered within this (the server's read timeout is 10 s)
 RAW_DEADLINE = 15.0  # a raw stream or TCP connection must be answered or closed within this
-PARK_WAIT = 1.0  # how long a well-formed transfer header may wait for its receiver before we leave
+# How long a transfer header waits for an answer before we leave it "parked": the fallback stream
+# refuses a non-member after ~3 s; a header for a receive that never comes is never answered.
+PARK_WAIT = 5.0
 LOOP_STALL = 10.0  # the event loop not running a 0.1 s sleep for this long is a hang
 STATUS_TIMEOUT = 10.0
 CHECK_EVERY = 2.0  # seconds between the slower oracle checks
