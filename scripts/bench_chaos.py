@@ -46,7 +46,10 @@ Also: action counts, rounds, `longest_wait` (the longest a node reported the sam
 `training.waiting`), `max_behind_swarm_s` (the longest a training node stayed more than
 `BEHIND_ROUNDS` rounds behind the other training nodes: stalled, or training a lineage of its own),
 `parity_split_rounds` (rounds for which two φ digests were ever reported: one φ per round is the
-swarm's promise, even where the re-sync rule forgives it), `round_regressions`, `unclean_shutdowns`
+swarm's promise, even where the re-sync rule forgives it), `rounds_redone` (node lives that reported
+a round more than `REDO_GRACE_S` after the swarm's front had passed it by `BEHIND_ROUNDS`, with
+nobody further on: the front died and the swarm went back, re-training rounds with a second φ;
+their reports are kept out of the parity rule, which judges the swarm's front), `round_regressions`, `unclean_shutdowns`
 (a final SIGINT that did not exit 0), `log_findings` (counts and first occurrences, file:line, of
 worrying lines; `log_tracebacks`: what each top-level traceback raised) and the commit the nodes
 ran (`code`: the working tree is shared, and a restarted node imports what is on disk then).
@@ -98,6 +101,7 @@ RSS_AT_S = 60.0  # the "minute 1" sample of a process
 RSS_MIN_LIFE_S = 180.0
 ROUND_WINDOW_S = 5.0
 BEHIND_ROUNDS = 2  # a training node this many rounds behind the others is "behind the swarm"
+REDO_GRACE_S = 5.0  # a round reported this long after the front passed it is a redone round
 LAB_PORT = 4001
 CLONE_NEWNET = 0x40000000
 LOG_PATTERNS = {
@@ -431,6 +435,10 @@ class Monitor:
         self.seen_rounds: dict[str, list[tuple[float, int]]] = defaultdict(list)  # peer -> (t, φ round)
         self.all_digests: dict[int, dict[str, set[str]]] = defaultdict(dict)  # every report, behind or not
         self.reports_behind = 0
+        self.peer_rounds: dict[str, set[int]] = defaultdict(set)  # peer -> rounds judged for parity
+        self.high_water = 0  # the highest φ round any node at the swarm's front reported
+        self.pass_time: dict[int, float] = {}  # round -> when the swarm's front passed it by BEHIND_ROUNDS
+        self.redone: dict[tuple[int, int], dict[str, Any]] = {}  # (node, life) -> first redone report
         # A node training rounds behind the rest of the swarm (stalled, or on a lineage of its own:
         # e.g. restarted without a checkpoint and unable to reach anyone, so it began at round 0).
         self.latest: dict[int, tuple[float, int, str]] = {}  # node -> (t, round, state)
@@ -480,9 +488,26 @@ class Monitor:
                 self.seen_rounds[peer].append((t, r))
                 ever = self.all_digests[r].setdefault(peer, set())
                 ever.add(digest)
+                if node.get("state") != "training":  # a syncing node's history is its old lineage
+                    continue
                 if behind:
                     self.reports_behind += 1
                     continue
+                # Or the whole swarm went back: every node at the front is gone and the rest
+                # re-train rounds the swarm had passed long before (older checkpoints, or from
+                # scratch): a second φ for those rounds, reported as rounds_redone, not as parity.
+                passed = self.pass_time.get(r)
+                if passed is not None and t > passed + REDO_GRACE_S:
+                    if (slot.i, life.gen) not in self.redone:
+                        self.redone[(slot.i, life.gen)] = {"node": f"node{slot.i}", "life": life.gen,
+                                                           "t": round(t, 1), "round": r,
+                                                           "high_water": self.high_water}
+                    continue
+                if r > self.high_water:
+                    for r0 in range(max(0, self.high_water - BEHIND_ROUNDS), r - BEHIND_ROUNDS):
+                        self.pass_time.setdefault(r0, t)
+                    self.high_water = r
+                self.peer_rounds[peer].add(r)
                 seen = self.digests[r][peer]
                 if not seen or seen[-1][1] != digest:
                     seen.append((t, digest))
@@ -546,10 +571,13 @@ class Monitor:
             for peer, reports in peers.items():
                 if reports[0][1] == plurality[r]:
                     continue
+                # Matched the majority by r + 2, or at the first round it reported after r (a
+                # re-sync can jump a peer several rounds ahead, to the swarm's front).
+                later = [r2 for r2 in self.peer_rounds[peer] if r2 > r]
                 healed = any(d == plurality[r] for _, d in reports[1:]) or any(
                     plurality.get(r2) is not None
                     and any(d == plurality[r2] for _, d in self.digests.get(r2, {}).get(peer, []))
-                    for r2 in (r + 1, r + 2))
+                    for r2 in {r + 1, r + 2, min(later, default=r + 1)})
                 if healed:
                     continue
                 rec = {"round": r, "peer": peer[-8:], "digest": reports[0][1][:12],
@@ -561,6 +589,7 @@ class Monitor:
                 "parity_unresolved": len(unresolved), "parity_unresolved_list": unresolved[:20],
                 "parity_split_rounds": len(splits), "parity_split_list": splits[:20],
                 "parity_rounds_checked": len(self.digests), "parity_reports_behind_swarm": self.reports_behind,
+                "rounds_redone": len(self.redone), "rounds_redone_list": list(self.redone.values())[:20],
                 "parity_status_reports": dict(self.parity_status)}
 
 
@@ -705,7 +734,9 @@ class Soak:
         return sum(1 for s in self.slots if s.active())
 
     def act(self) -> None:
-        dead = [s for s in self.slots if not s.running()]
+        # A node that died before it had the spec can only join again through a live peer.
+        anyone = any(o.running() and o.addr() for o in self.slots)
+        dead = [s for s in self.slots if not s.running() and (anyone or (s.dir / "swarm.json").exists())]
         active = [s for s in self.slots if s.active()]
         choices = dict(ACTION_WEIGHTS)
         if not dead:

@@ -123,3 +123,15 @@ def test_live_peers_agree_on_phi_within_a_round_under_chaos(soak):
     if soak["parity_violations"] is None:
         pytest.skip(f"parity not checked: {soak.get('parity_reason')}")
     assert soak["parity_violations"] == 0, json.dumps(soak.get("parity_violation_list"), indent=1)
+
+
+def test_swarm_that_lost_its_front_and_retrains_old_rounds_is_reported_as_redone_not_parity():
+    m = Monitor()
+    _observe(m, 0, 1.0, "peer-a", [[49, "a49"], [50, "a50"]])
+    _observe(m, 1, 1.0, "peer-b", [[49, "a49"], [50, "a50"]])
+    # peers a and b are killed; c and d come back from older checkpoints and redo rounds 41-45
+    _observe(m, 2, 60.0, "peer-c", [[44, "c44"], [45, "c45"]])
+    _observe(m, 3, 60.0, "peer-d", [[44, "c44"], [45, "c45"]])
+    out = m.parity()
+    assert out["parity_violations"] == 0
+    assert out["rounds_redone"] == 2
