@@ -436,6 +436,7 @@ class Monitor:
         self.all_digests: dict[int, dict[str, set[str]]] = defaultdict(dict)  # every report, behind or not
         self.reports_behind = 0
         self.peer_rounds: dict[str, set[int]] = defaultdict(set)  # peer -> rounds judged for parity
+        self.judged: set[tuple[str, int, str]] = set()  # (peer, round, digest) already classified
         self.high_water = 0  # the highest φ round any node at the swarm's front reported
         self.pass_time: dict[int, float] = {}  # round -> when the swarm's front passed it by BEHIND_ROUNDS
         self.redone: dict[tuple[int, int], dict[str, Any]] = {}  # (node, life) -> first redone report
@@ -490,6 +491,9 @@ class Monitor:
                 ever.add(digest)
                 if node.get("state") != "training":  # a syncing node's history is its old lineage
                     continue
+                if (peer, r, digest) in self.judged:  # phi_history repeats its last rounds: judge once
+                    continue
+                self.judged.add((peer, r, digest))
                 if behind:
                     self.reports_behind += 1
                     continue
