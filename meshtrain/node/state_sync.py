@@ -43,6 +43,11 @@ after SIGSTOP) may still write one more frame into the buffers it was given. Int
 nobody reads any more that is harmless; into the destination it would silently corrupt a chunk
 that another donor already delivered and we verified. The copy costs one memcpy per byte.
 
+Who is served: the swarm's members only, by the data plane's own rule (`TensorStreams.admits`,
+which the node ties to membership). A stranger asking for chunks it never receives would
+otherwise hold a donor's send slots (8, 4 per identity) for the send timeout (found by
+`scripts/fuzz_protocols.py`); it gets `not-a-member` instead.
+
 Throttling: `StateDonor(upload_limit=bytes/s)` paces a donor's chunk sends (per chunk, across all
 joiners), so a volunteer can cap what it donates, and benchmarks can model residential uplinks.
 
@@ -84,7 +89,7 @@ from meshtrain.transport.tensor_layout import (
     total_bytes,
     validate_specs,
 )
-from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.tensor_streams import NOT_A_MEMBER, TensorStreams, TransferError
 
 log = get_logger(__name__)
 
@@ -382,7 +387,15 @@ class StateDonor:
             return
         self._publish(meta, tensors, source=tensors)
 
+    async def _require_member(self, peer: str) -> None:
+        """State is served to the swarm's members only — the data plane's own rule
+        (`TensorStreams.admits`): a stranger must not hold a donor's send slots for the send
+        timeout with chunks it never receives."""
+        if not await self.streams.admits(peer):
+            raise self._refuse(NOT_A_MEMBER, "state is served to members of this swarm only")
+
     async def _serve_manifest(self, peer: str, request: Any) -> dict[str, Any]:
+        await self._require_member(peer)
         if not isinstance(request, dict):
             raise self._refuse("bad_request", "expected a map {chunk_bytes}")
         cb = request.get("chunk_bytes")
@@ -406,6 +419,7 @@ class StateDonor:
         return reply
 
     async def _serve_chunk(self, peer: str, request: Any) -> dict[str, Any]:
+        await self._require_member(peer)
         if not isinstance(request, dict):
             raise self._refuse("bad_request", "expected a map {digest, chunk_bytes, index, fetch}")
         digest, cb, index, fetch = (request.get(k) for k in ("digest", "chunk_bytes", "index", "fetch"))
