@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+_SAVE_LOCK = threading.Lock()
+
+
 class CheckpointStore:
     """Saves and loads checkpoints in one directory, keeping the newest `keep`."""
 
@@ -128,10 +132,17 @@ class CheckpointStore:
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
     def save(self, state: dict[str, Any], *, step: int, round: int) -> Checkpoint:
-        """Write a checkpoint of `state` (a consistent snapshot the caller will not mutate)."""
+        """Write a checkpoint of `state` (a consistent snapshot the caller will not mutate).
+
+        Saves are serialised within the process: a node's final checkpoint may coincide with a
+        periodic one of the same step (both wrote one temp folder and the node crashed)."""
+        with _SAVE_LOCK:
+            return self._save(state, step=step, round=round)
+
+    def _save(self, state: dict[str, Any], *, step: int, round: int) -> Checkpoint:
         name = f"ckpt-{step:09d}"
         final = self.dir / name
-        tmp = self.dir / f".tmp-{name}"
+        tmp = self.dir / f".tmp-{name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         tensors: dict[str, torch.Tensor] = {}
