@@ -15,9 +15,11 @@ One JSON object on the last line:
   CRDT included): far steadier than wall time on a loaded machine, and an upper bound on the
   wall-time overhead where cores are spare.
   `node_background_cpu_share`: in the node run, CPU time of every thread but the trainer's (trio:
-  libp2p, CRDT gossip, heartbeats; the status server; this script's 20 ms poll) over the trainer
+  libp2p, CRDT gossip, heartbeats; the status server; this script's 100 ms poll) over the trainer
   thread's, during the timed steps (Linux /proc; median over trials): what the node costs beside
-  the loop. `load_avg` is the 1-minute load average before and after, to read the numbers by.
+  the loop. `trainer_thread_overhead_cpu`: the trainer thread's CPU time per sample over the bare
+  loop's (its thread's): what meshtrain adds to the step itself (median over trials).
+  `load_avg` is the 1-minute load average before and after, to read the numbers by.
 - `round_overhead`: wall time of H steps that include one DiLoCo round (1-peer swarm on loopback:
   Δ, the collective's round of one, the outer step, the merge, publishing the state for joiners)
   over the same H steps of the no-round run. Reported; no target.
@@ -71,16 +73,17 @@ def rss_mib() -> float:
 
 # -- bare loop ------------------------------------------------------------------------------------
 
-def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float]:
-    """Samples per wall second and per CPU second of the loop a user would write without meshtrain."""
+def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float, float]:
+    """Samples per wall second, per process CPU second and per thread CPU second of the loop a
+    user would write without meshtrain."""
     corpus = Corpus.default()
     model = GPT(GPTConfig.small(corpus.vocab_size), seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    t0 = c0 = 0.0
+    t0 = c0 = h0 = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             _sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         x, y = corpus.batch(BATCH, 32, seed=0, peer="bare", step=step)
         x, y = x.to(device), y.to(device)
         loss = model(x, y).loss
@@ -89,7 +92,9 @@ def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
     _sync(device)
-    return BATCH * steps / (time.perf_counter() - t0), BATCH * steps / (time.process_time() - c0)
+    samples = BATCH * steps
+    return (samples / (time.perf_counter() - t0), samples / (time.process_time() - c0),
+            samples / (time.thread_time() - h0))
 
 
 def _sync(device: str) -> None:
@@ -112,10 +117,11 @@ def thread_cpu() -> dict[int, float]:
 
 
 def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int,
-             background: list[float] | None = None) -> list[tuple[int, float, float]]:
+             background: list[tuple[float, float]] | None = None) -> list[tuple[int, float, float]]:
     """Run a 1-peer swarm node for warmup + steps; return (step, wall time, process CPU time)
-    samples, polled from the trio thread every 20 ms (`at` interpolates between them). With
-    `background`, append the node's non-trainer threads' CPU share over the timed steps."""
+    samples, polled from the trio thread every 100 ms (`at` interpolates between them). With
+    `background`, append (the non-trainer threads' CPU over the trainer thread's, the trainer
+    thread's CPU seconds) over the timed steps."""
     shutil.rmtree(work, ignore_errors=True)
     total = warmup + steps
     spec = SwarmSpec(model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR,
@@ -142,14 +148,14 @@ def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: 
                         cpu_at["start"] = thread_cpu()
                     if background is not None and t.step >= warmup + steps and "end" not in cpu_at:
                         cpu_at["end"] = thread_cpu()
-                await trio.sleep(0.02)
+                await trio.sleep(0.1)
 
     trio.run(main)
     if background is not None and {"start", "end"} <= set(cpu_at):
         delta = {t: c - cpu_at["start"].get(t, 0.0) for t, c in cpu_at["end"].items()}
         trainer = max(delta.values())
         if trainer > 0:
-            background.append((sum(delta.values()) - trainer) / trainer)
+            background.append(((sum(delta.values()) - trainer) / trainer, trainer))
     return seen
 
 
@@ -164,14 +170,16 @@ def at(seen: list[tuple[int, float, float]], step: int, cpu: bool = False) -> fl
 
 
 def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
-    steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 50, args.trials)
+    steps, warmup, trials = (60, 10, 2) if args.quick else (args.steps, 100, args.trials)
     H_plain = steps + warmup + 10  # no round due in the run
-    bare, node, cpu_ratios, plain_windows, round_windows, background = [], [], [], [], [], []
+    bare, node, cpu_ratios, plain_windows, round_windows, background, thread_ratios = [], [], [], [], [], [], []
     H = 50 if not args.quick else 20
     for _ in range(trials):
-        wall, cpu = bare_loop(steps, warmup, device)
+        wall, cpu, bare_thread = bare_loop(steps, warmup, device)
         bare.append(wall)
         seen = node_run(work / "plain", steps, warmup, H_plain, device, args.threads, background)
+        if len(background) > len(thread_ratios):
+            thread_ratios.append(bare_thread * background[-1][1] / (BATCH * steps))
         node.append(BATCH * steps / (at(seen, warmup + steps) - at(seen, warmup)))
         cpu_ratios.append(cpu / (BATCH * steps / (at(seen, warmup + steps, cpu=True) - at(seen, warmup, cpu=True))))
         # round overhead: the counter reads s + 1 once step s and any round sent at s are done, so
@@ -185,8 +193,10 @@ def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
             "trainer_overhead": round(sorted(b / n for b, n in zip(bare, node, strict=True))[trials // 2], 4),
             "trainer_overhead_best_of": round(best_bare / best_node, 4),
             "trainer_overhead_cpu": round(sorted(cpu_ratios)[len(cpu_ratios) // 2], 4),
-            "node_background_cpu_share": (round(sorted(background)[len(background) // 2], 4)
+            "node_background_cpu_share": (round(sorted(b for b, _ in background)[len(background) // 2], 4)
                                           if background else None),
+            "trainer_thread_overhead_cpu": (round(sorted(thread_ratios)[len(thread_ratios) // 2], 4)
+                                            if thread_ratios else None),
             "round_overhead": round(min(round_windows) / min(plain_windows), 4),
             "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]}}
 

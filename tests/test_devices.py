@@ -96,6 +96,7 @@ async def test_fp16_scales_the_loss_and_checkpoints_the_scale():
     assert t.info.loss is not None and torch.isfinite(torch.tensor(t.info.loss))
 
 
+@pytest.mark.slow
 def test_device_mistakes_on_the_command_line_are_one_line(tmp_path):
     def start(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--data-dir", str(tmp_path),
