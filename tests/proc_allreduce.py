@@ -34,9 +34,9 @@ import time
 import torch
 import trio
 
-import meshtrain.optim.allreduce as allreduce_module
+import meshtrain.collective.allreduce as allreduce_module
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.log import configure
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams
@@ -83,13 +83,13 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
         # Hostile at the protocol level: what we contribute and, as the owner of a part, what we
         # hand back as its reduced value are garbage (our own input passed the honest checks).
         value = float("nan") if fault == "nan" else 1e30
-        real_flatten = allreduce_module._flatten
+        real_flatten = allreduce_module.flatten_fp32
 
         def hostile_flatten(tensors):
             flat = real_flatten(tensors)
             return torch.full_like(flat, value) if armed["on"] else flat
 
-        allreduce_module._flatten = hostile_flatten
+        allreduce_module.flatten_fp32 = hostile_flatten
 
         def hostile_reduce(*a, **kw):
             out = real_reduce(*a, **kw)

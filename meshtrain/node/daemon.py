@@ -39,6 +39,7 @@ import torch
 import trio
 
 import meshtrain
+from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -51,7 +52,6 @@ from meshtrain.node.config import NodeConfig
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, Trainer
-from meshtrain.optim import AllReduceConfig, SwarmCollective
 from meshtrain.optim.outer import OuterStateError
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity

@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
+from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.node.config import SwarmSpec
-from meshtrain.optim import Collective, DiLoCo, NoLoCo, OuterOptimizer, StreamingDiLoCo
+from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, StreamingDiLoCo
 
 log = get_logger(__name__)
 

@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from meshtrain.optim.collective import Collective
+from meshtrain.collective.contract import Collective
 from meshtrain.optim.diloco import DiLoCo
 
 _BLOCK = re.compile(r"^(?P<prefix>.*?\.)?(?P<index>\d+)\.")

@@ -72,11 +72,11 @@ from typing import Any, Literal
 import torch
 import trio
 
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
-from meshtrain.optim.collective import CollectiveError
 from meshtrain.pipeline.scheduler import (
     BACKWARD_FACTOR,
     HEAD_FACTOR,

@@ -61,13 +61,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import torch
 import trio
 
+from meshtrain.collective.compression import CodecError, get_codec
+from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest, unflatten
+from meshtrain.collective.pairwise import average_pair
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.collective import CollectiveError, ReduceResult
-from meshtrain.optim.compression import CodecError, get_codec
 from meshtrain.transport.framing import expect_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
@@ -727,7 +728,7 @@ class SwarmCollective:
             digest = stats["digest"]
             if self.peer_id in outcome["resync"] or result is None:
                 result = await self._resync(resync_tag, holders[0], tensors)
-                digest = _digest(result)
+                digest = result_digest(result)
             elif holders and holders[0] == self.peer_id and needy:
                 assert self.host.nursery is not None  # the host is running
                 for p in needy:
@@ -759,7 +760,7 @@ class SwarmCollective:
             async def work() -> None:
                 try:
                     result = await self._data_phase(key, attempt, group, tensors, codec, weight, stats)
-                    digest = await trio.to_thread.run_sync(_digest, result)
+                    digest = await trio.to_thread.run_sync(result_digest, result)
                     state["result"], state["digest"] = result, digest
                     status, suspects, evidence = "done", [], False
                 except _AttemptFailed as e:
@@ -782,8 +783,8 @@ class SwarmCollective:
         n = len(group)
         me = group.index(self.peer_id)
         names = list(tensors)
-        flat = _flatten(tensors)
-        bounds = _part_bounds(flat.numel(), n)
+        flat = flatten_fp32(tensors)
+        bounds = part_bounds(flat.numel(), n)
         try:
             codec = get_codec(codec_name)
         except CodecError as e:
@@ -910,7 +911,7 @@ class SwarmCollective:
             raise
         if failed:
             raise _AttemptFailed(set(failed), "peers disconnected during the attempt")
-        return _unflatten(out, tensors, names)
+        return unflatten(out, tensors, names)
 
     def _reduce(self, contributions: dict[str, torch.Tensor], weights: dict[str, float], stats: dict) -> torch.Tensor:
         """Combine the contributions to our part (runs in a worker thread)."""
@@ -988,8 +989,6 @@ class SwarmCollective:
 
     async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
                            tag: str = "", codec: str = "none") -> ReduceResult:
-        from meshtrain.optim.pairwise import average_pair
-
         return await average_pair(self.streams, self.peer_id, partner, tensors, round_id=round_id, tag=tag,
                                   codec=codec, timeout=self.config.part_timeout,
                                   min_bandwidth=self.config.min_bandwidth)
@@ -1013,31 +1012,3 @@ def _leaves(eg: BaseException):
             yield from _leaves(e)
     else:
         yield eg
-
-
-def _flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0)
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
-
-
-def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    out, pos = {}, 0
-    for name in names:
-        t = like[name]
-        piece = flat[pos : pos + t.numel()].view(t.shape)
-        out[name] = piece if t.dtype == torch.float32 else piece.to(t.dtype)  # views of a fresh buffer
-        pos += t.numel()
-    return out
-
-
-def _part_bounds(numel: int, n: int) -> list[int]:
-    return [numel * j // n for j in range(n + 1)]
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> bytes:
-    h = blake3.blake3()
-    for name, t in tensors.items():
-        h.update(name.encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
-    return h.digest()
