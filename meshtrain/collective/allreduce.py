@@ -69,10 +69,10 @@ from meshtrain.collective.contract import CollectiveError, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest, unflatten
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import expect_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError, payload_digest
+from meshtrain.transport.validate import MALFORMED, is_int, require_map
 
 log = get_logger(__name__)
 
@@ -542,46 +542,46 @@ class SwarmCollective:
     def _parse_key(self, key: Any) -> tuple[int, str]:
         """A round key `"{round_id}/{tag}/{coordinator}"` addressed to us: (round id, tag)."""
         if not isinstance(key, str) or len(key) > 1024:
-            raise RemoteError("malformed", "a round key is a str")
+            raise RemoteError(MALFORMED, "a round key is a str")
         head, _, rest = key.partition("/")
         tag, _, coordinator = rest.rpartition("/")
         if not head.isdigit() or len(head) > 18 or coordinator != self.peer_id:
-            raise RemoteError("malformed", "a round key is round/tag/coordinator, addressed to us")
+            raise RemoteError(MALFORMED, "a round key is round/tag/coordinator, addressed to us")
         return int(head), tag
 
     async def _rpc_join(self, peer: str, req: Any) -> dict:
-        req = expect_map(req, "key")
+        req = require_map(req, "key")
         round_id, _ = self._parse_key(req["key"])
         self._check_window(round_id)
         await self._require_member(peer, round_id)
         skipped = req.get("skipped", [])
         if not isinstance(skipped, list) or not all(isinstance(p, str) for p in skipped):
-            raise RemoteError("malformed", "bad join")
+            raise RemoteError(MALFORMED, "bad join")
         return await self._coord.join(peer, req["key"], skipped[:4096])
 
     async def _rpc_report(self, peer: str, req: Any) -> dict:
-        req = expect_map(req, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence")
-        if (req["status"] not in ("done", "fail") or not _is_int(req["attempt"])
+        req = require_map(req, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence")
+        if (req["status"] not in ("done", "fail") or not is_int(req["attempt"])
                 or not isinstance(req["suspects"], list) or not isinstance(req["rejected"], list)
                 or not isinstance(req["evidence"], bool)
                 or not (req["digest"] is None or isinstance(req["digest"], bytes))):
-            raise RemoteError("malformed", "bad report")
+            raise RemoteError(MALFORMED, "bad report")
         self._parse_key(req["key"])
         return await self._coord.report(peer, req["key"], req["attempt"], req["status"], req["digest"],
                                         [str(s) for s in req["suspects"][:4096]],
                                         [str(s) for s in req["rejected"][:4096]], req["evidence"])
 
     async def _rpc_watch(self, peer: str, req: Any) -> dict:
-        req = expect_map(req, "key", "attempt")
-        if not _is_int(req["attempt"]):
-            raise RemoteError("malformed", "bad watch")
+        req = require_map(req, "key", "attempt")
+        if not is_int(req["attempt"]):
+            raise RemoteError(MALFORMED, "bad watch")
         self._parse_key(req["key"])
         return await self._coord.watch(peer, req["key"], req["attempt"])
 
     async def _rpc_where(self, peer: str, req: Any) -> dict:
-        req = expect_map(req, "tag", "round")
-        if not isinstance(req["tag"], str) or not _is_int(req["round"]):
-            raise RemoteError("malformed", "bad where")
+        req = require_map(req, "tag", "round")
+        if not isinstance(req["tag"], str) or not is_int(req["round"]):
+            raise RemoteError(MALFORMED, "bad where")
         await self._require_member(peer, req["round"], wait=False)
         at, coordinator = self._position.get(req["tag"], (-1, None))
         return {"round": at, "coordinator": coordinator, "finished": self._finished.get(req["tag"], -1)}
@@ -993,9 +993,6 @@ class SwarmCollective:
                                   codec=codec, timeout=self.config.part_timeout,
                                   min_bandwidth=self.config.min_bandwidth)
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _raise_typed(leaves: list[BaseException]) -> None:

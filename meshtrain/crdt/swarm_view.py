@@ -58,6 +58,7 @@ from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
+from meshtrain.transport.validate import is_int, is_number
 
 log = get_logger(__name__)
 
@@ -147,7 +148,7 @@ def _label(value: Any, what: str) -> str:
 
 
 def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+    if not is_int(value) or not 0 <= value <= INT64_MAX:
         raise CrdtError(f"{what} must be an int in 0..2**63-1")
     return value
 
@@ -157,7 +158,7 @@ def check_membership(entry: SignedEntry) -> None:
     if set(rec) != {"addrs", "role", "caps", "conn", "lease", "left"}:
         raise CrdtError("a membership record has exactly addrs, role, caps, conn, lease, left")
     lease = rec["lease"]
-    if isinstance(lease, bool) or not isinstance(lease, int):
+    if not is_int(lease):
         raise CrdtError("lease must be an int (milliseconds)")
     if not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
         raise CrdtError(f"lease must be in {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
@@ -208,7 +209,7 @@ def check_metrics(entry: SignedEntry) -> None:
         raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
     for key, value in rec.items():
         _label(key, "a metric name")
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not is_number(value):
             raise CrdtError(f"metric {key!r} must be a number")
 
 
@@ -441,7 +442,7 @@ class SwarmView:
             raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
         for key, value in merged.items():
             _label(key, "a metric name")
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not is_number(value):
                 raise CrdtError(f"metric {key!r} must be a number")
         self._metrics = merged
         self._metrics_dirty = True

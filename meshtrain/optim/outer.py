@@ -83,6 +83,7 @@ import trio
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
+from meshtrain.transport.validate import is_int
 
 log = get_logger(__name__)
 
@@ -160,7 +161,7 @@ class OuterOptimizer:
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
                  *, H: int, codec: str = "none", fragments: Sequence[Sequence[str]] | None = None,
                  delay: int = 0, alpha: float = 0.0) -> None:
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+        if not is_int(H) or H < 1:
             raise ValueError(f"H (inner steps per outer round) must be an integer >= 1, got {H!r}")
         self.model = model
         self.inner = inner
@@ -176,7 +177,7 @@ class OuterOptimizer:
         if H % P:
             raise ValueError(f"H ({H}) must be a multiple of the number of fragments ({P}), so that "
                              f"fragment p syncs at offset p·H/P")
-        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < H // P:
+        if not is_int(delay) or not 0 <= delay < H // P:
             raise ValueError(f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
                              f"a fragment's result must be merged before the next fragment is sent")
         if not 0.0 <= alpha <= 1.0:
@@ -529,7 +530,7 @@ class OuterOptimizer:
         if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
             raise OuterStateError("state's outer optimizer does not match this optimizer's")
         for key in ("inner_steps", "rounds"):
-            if isinstance(state.get(key), bool) or not isinstance(state.get(key), int) or state[key] < 0:
+            if not is_int(state.get(key)) or state[key] < 0:
                 raise OuterStateError(f"state's {key} must be a non-negative integer")
 
     def _check_fragments(self, fragments: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:

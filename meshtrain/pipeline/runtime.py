@@ -92,6 +92,14 @@ from meshtrain.pipeline.stages import StageError, StageReplica, Tape
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.validate import (
+    MALFORMED,
+    is_int,
+    require_bool,
+    require_int,
+    require_map,
+    require_number,
+)
 
 log = get_logger(__name__)
 
@@ -227,26 +235,19 @@ def sender_of(hop: Hop) -> str:
     return at(hop.route, hop.pos - 1) if hop.kind == "fwd" else at(hop.route, hop.pos + 1)
 
 
-def _int(v: Any, name: str, lo: int, hi: int, code: str = "malformed") -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise HopRejected("malformed", f"{name} must be an integer")
-    if not lo <= v <= hi:
-        raise HopRejected(code, f"{name} {v} is outside {lo}..{hi}")
-    return v
+def _malformed(text: str) -> HopRejected:
+    return HopRejected(MALFORMED, text)
 
 
-def _map(req: Any, *keys: str) -> dict[str, Any]:
-    if not isinstance(req, dict):
-        raise HopRejected("malformed", "expected a map")
-    missing = [k for k in keys if k not in req]
-    if missing:
-        raise HopRejected("malformed", f"missing fields {missing}")
-    return req
+def _int(v: Any, name: str, lo: int, hi: int, code: str = MALFORMED) -> int:
+    """An integer field: not an integer is `malformed`; outside lo..hi is `code`."""
+    require_int(v, name, error=_malformed)
+    return require_int(v, name, lo, hi, error=lambda text: HopRejected(code, text))
 
 
 def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int, current: int) -> Hop:
     """Validate a `pipeline/hop` request from `caller` to us; raise `HopRejected` with a code."""
-    req = _map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape")
+    req = require_map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape", error=_malformed)
     if req["run"] != run.run:
         raise HopRejected("unknown-run", "not a run this peer is in")
     it = _int(req["it"], "iteration", 0, 1 << 40)
@@ -256,7 +257,7 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
     att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
     kind = req["kind"]
     if kind not in ("fwd", "bwd"):
-        raise HopRejected("malformed", "kind must be 'fwd' or 'bwd'")
+        raise HopRejected(MALFORMED, "kind must be 'fwd' or 'bwd'")
     route = req["route"]
     S = run.problem.num_stages
     if not isinstance(route, list) or not 2 <= len(route) <= S or not all(isinstance(p, str) for p in route):
@@ -276,8 +277,7 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
     if sender_of(hop) != caller:
         raise HopRejected("bad-route", "the caller is not the previous hop of the route")
     shape = req["shape"]
-    if not isinstance(shape, list) or len(shape) != 3 or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in shape):
+    if not isinstance(shape, list) or len(shape) != 3 or not all(is_int(x) for x in shape):
         raise HopRejected("bad-shape", "shape must be [batch, time, d_model]")
     b, t, d = shape
     if b < 1 or t < 1 or d != d_model:
@@ -848,7 +848,7 @@ class PipelineRuntime:
         st.notify()
 
     def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], _Iteration]:
-        req = _map(req, "run", "it", *keys)
+        req = require_map(req, "run", "it", *keys, error=_malformed)
         if req["run"] != self.run.run:
             raise HopRejected("unknown-run", "not a run this peer is in")
         it = _int(req["it"], "iteration", 0, 1 << 40)
@@ -877,7 +877,7 @@ class PipelineRuntime:
             att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
             suspect = req["suspect"]
             if not isinstance(suspect, str) or suspect not in self.run.problem.placement:
-                raise HopRejected("malformed", "suspect must be a peer of the run")
+                raise HopRejected(MALFORMED, "suspect must be a peer of the run")
             if mb not in st.mine:
                 raise HopRejected("not-origin", f"microbatch {mb} does not start here")
         except HopRejected as e:
@@ -895,18 +895,16 @@ class PipelineRuntime:
             final, dead = req["final"], req["dead"]
             if not isinstance(final, list) or len(final) > M or not all(
                     isinstance(x, list) and len(x) == 2 for x in final):
-                raise HopRejected("malformed", "final must be a list of [microbatch, attempt]")
+                raise HopRejected(MALFORMED, "final must be a list of [microbatch, attempt]")
             final = [[_int(mb, "microbatch", 0, M - 1, "unknown-microbatch"),
                       _int(att, "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")] for mb, att in final]
             if not isinstance(dead, list) or not all(isinstance(p, str) and p in self.run.problem.placement
                                                      for p in dead):
-                raise HopRejected("malformed", "dead must list peers of the run")
+                raise HopRejected(MALFORMED, "dead must list peers of the run")
             loss, count = req["loss"], _int(req["count"], "count", 0, M)
             dropped = _int(req["dropped"], "dropped", 0, M)
-            if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
-                raise HopRejected("malformed", "loss must be a finite number")
-            if not isinstance(req["stop"], bool):
-                raise HopRejected("malformed", "stop must be a bool")
+            require_number(loss, "loss", error=_malformed)
+            require_bool(req["stop"], "stop", error=_malformed)
         except HopRejected as e:
             raise self._refuse(e) from None
         st.done_from[peer] = {"final": final, "dead": dead, "loss": float(loss), "count": count,

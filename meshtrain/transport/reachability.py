@@ -41,9 +41,10 @@ from libp2p.security.pnet.protector import new_protected_conn
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import expect_map
+from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.validate import MALFORMED, require_map
 
 log = get_logger(__name__)
 
@@ -239,7 +240,7 @@ class ReachabilityService:
                 reply = await self.host.rpc.call(
                     server, DIALBACK_RPC, {"ports": ports},
                     timeout=self.config.dialback_timeout * MAX_PORTS + 10)
-                reply = expect_map(reply, "observed", "reached", "failed")
+                reply = require_map(reply, "observed", "reached", "failed", error=MalformedMessage)
                 answers.append(DialbackAnswer(
                     server, str(reply["observed"])[:64],
                     tuple(str(a)[:128] for a in reply["reached"][:MAX_PORTS]),
@@ -271,11 +272,11 @@ class ReachabilityService:
     # -- server ---------------------------------------------------------------------------
 
     async def _serve_dialback(self, peer: str, request: Any) -> dict:
-        req = expect_map(request, "ports")
+        req = require_map(request, "ports", error=MalformedMessage)
         ports = req["ports"]
         if (not isinstance(ports, list) or not ports or len(ports) > MAX_PORTS
                 or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
-            raise RemoteError("malformed", f"ports must be 1..{MAX_PORTS} TCP ports")
+            raise RemoteError(MALFORMED, f"ports must be 1..{MAX_PORTS} TCP ports")
         now = time.monotonic()
         if now - self._last_request.get(peer, -1e9) < MIN_REQUEST_INTERVAL:
             raise RemoteError("rate_limited", f"at most one dial-back per {MIN_REQUEST_INTERVAL:g} s")

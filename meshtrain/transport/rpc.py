@@ -15,7 +15,8 @@ on the side that received it; it never raises out of a libp2p handler task (whic
 host down) and never affects other streams.
 
 Handlers are `async def handler(peer_id: str, request) -> response`. To answer with a typed error
-raise `RemoteError(code, text)`; any other exception is answered as code `internal` (logged here,
+raise `RemoteError(code, text)`; a `Malformed` from validate.py's checks is answered as code
+`malformed`; any other exception is answered as code `internal` (logged here,
 with no traceback sent to the peer).
 """
 
@@ -30,6 +31,7 @@ import trio
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import DEFAULT_MAX_FRAME, FramedStream, WireError
+from meshtrain.transport.validate import MALFORMED, Malformed
 
 if TYPE_CHECKING:
     from meshtrain.transport.host import Host
@@ -101,14 +103,14 @@ class Rpc:
                 with trio.fail_after(read_timeout):
                     msg = await framed.read_frame(max_request)
                 if not isinstance(msg, dict) or "q" not in msg:
-                    raise RemoteError("malformed", "expected {'q': request}")
+                    raise RemoteError(MALFORMED, "expected {'q': request}")
                 with trio.fail_after(handler_timeout):
                     result = await handler(peer, msg["q"])
                 reply: dict[str, Any] = {"ok": result}
             except RemoteError as e:
                 reply = {"err": [e.code, e.text]}
-            except WireError as e:
-                reply = {"err": ["malformed", str(e)]}
+            except (WireError, Malformed) as e:  # a request that failed validate.py's checks
+                reply = {"err": [MALFORMED, str(e)]}
             except trio.TooSlowError:
                 reply = {"err": ["timeout", "request or handler exceeded its deadline"]}
             except trio.Cancelled:

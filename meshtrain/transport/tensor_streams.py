@@ -89,7 +89,6 @@ from meshtrain.transport.framing import (
     MalformedMessage,
     StreamClosed,
     WireError,
-    expect_map,
     packb,
     unpackb,
 )
@@ -106,6 +105,7 @@ from meshtrain.transport.tensor_layout import (
     total_bytes,
     validate_specs,
 )
+from meshtrain.transport.validate import require_map
 
 log = get_logger(__name__)
 
@@ -606,7 +606,7 @@ class TensorStreams:
         kind, msg = await ch.recv_msg(ACCEPT, ERROR)
         if kind == ERROR:
             raise TransferRefused(f"{header['tag']!r} refused: {_error_text(msg)}")
-        offset = expect_map(msg, "offset")["offset"]
+        offset = require_map(msg, "offset", error=MalformedMessage)["offset"]
         if not isinstance(offset, int) or not 0 <= offset <= total:
             raise MalformedMessage("bad resume offset")
         hasher = blake3.blake3() if header["digest"] is None else None
@@ -668,7 +668,7 @@ class TensorStreams:
             sess = None if fresh else self._client_sessions.get(peer)
             if sess is None:
                 reply = await self.host.rpc.call(peer, SESSION_RPC, {"op": "open"}, timeout=10)
-                reply = expect_map(reply, "sid", "key", "port")
+                reply = require_map(reply, "sid", "key", "port", error=MalformedMessage)
                 ip = self.host.remote_ip(peer)
                 if ip is None:
                     raise OSError("no live libp2p connection to learn the peer's address from")
@@ -734,7 +734,7 @@ class TensorStreams:
         return False
 
     async def _open_session(self, peer: str, request: Any) -> dict:
-        expect_map(request, "op")
+        require_map(request, "op", error=MalformedMessage)
         if request["op"] != "open":
             raise RemoteError("bad_request", "unknown op")
         if not await self.admits(peer):
@@ -836,7 +836,7 @@ class TensorStreams:
             await ch.aclose()
 
     async def _receive_one(self, ch: _Channel, peer: str, header: Any) -> None:
-        header = expect_map(header, "tag", "xfer", "specs", "meta", "digest")
+        header = require_map(header, "tag", "xfer", "specs", "meta", "digest", error=MalformedMessage)
         tag, xfer, meta, hdigest = header["tag"], header["xfer"], header["meta"], header["digest"]
         if not (isinstance(tag, str) and len(tag) <= MAX_TAG_CHARS and isinstance(xfer, bytes)
                 and len(xfer) == 16 and isinstance(meta, dict)
@@ -892,7 +892,7 @@ class TensorStreams:
             raise
         self.active.discard(ch)
         del self._partials[(peer, xfer)]
-        tdigest = expect_map(trailer, "digest")["digest"]
+        tdigest = require_map(trailer, "digest", error=MalformedMessage)["digest"]
         mine = part.hasher.digest()
         expected = part.header_digest or tdigest
         if mine != expected:
