@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -32,9 +32,6 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import DEFAULT_MAX_FRAME, FramedStream, WireError
 from meshtrain.transport.validate import MALFORMED, Malformed
-
-if TYPE_CHECKING:
-    from meshtrain.transport.host import Host
 
 log = get_logger(__name__)
 
@@ -44,6 +41,14 @@ DEFAULT_HANDLER_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE = 1 << 20  # 1 MiB: RPCs are for control messages, not tensors
 
 Handler = Callable[[str, Any], Awaitable[Any]]
+
+
+class StreamHost(Protocol):
+    """What the RPC layer needs of the host (host.py's `Host`, which builds its `Rpc`)."""
+
+    def set_stream_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None: ...
+
+    async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any: ...
 
 
 class RpcError(MeshtrainError):
@@ -78,7 +83,7 @@ def protocol_id(name: str, version: int = 1) -> str:
 class Rpc:
     """The RPC layer of one host: `serve` handlers, `call` peers."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: StreamHost) -> None:
         self.host = host
 
     def serve(
@@ -94,8 +99,6 @@ class Rpc:
         proto = protocol_id(name, version)
 
         async def on_stream(stream: Any) -> None:
-            from meshtrain.transport.host import stream_peer
-
             framed = FramedStream(stream, max_frame=max(max_request, DEFAULT_MAX_FRAME))
             peer = "?"
             try:
@@ -140,15 +143,13 @@ class Rpc:
         timeout: float = DEFAULT_CALL_TIMEOUT,
         max_response: int = DEFAULT_MAX_MESSAGE,
     ) -> Any:
-        from meshtrain.transport.host import StreamOpenError
-
         proto = protocol_id(name, version)
         stream = None
         try:
             with trio.fail_after(timeout):
                 try:
                     stream = await self.host.open_stream(peer, proto, timeout=timeout)
-                except StreamOpenError as e:
+                except MeshtrainError as e:  # the host's StreamOpenError: gone, or not serving this
                     raise RpcUnavailable(str(e)) from None
                 framed = FramedStream(stream, max_frame=max(max_response, DEFAULT_MAX_FRAME))
                 await framed.write_frame({"q": request})
@@ -182,6 +183,11 @@ class Rpc:
         ):
             raise RemoteError(reply["err"][0], reply["err"][1])
         raise RpcProtocolError(f"{proto} to {peer}: malformed reply")
+
+
+def stream_peer(stream: Any) -> str:
+    """The authenticated peer id at the other end of an incoming libp2p stream."""
+    return stream.muxed_conn.peer_id.to_base58()
 
 
 async def reset_quietly(stream: Any) -> None:
