@@ -120,7 +120,6 @@ DEFAULT_PUBLISH_DELAY = 0.01  # writes within 10 ms share one gossip message
 DEFAULT_RECOVER_TIMEOUT = 5.0
 DEFAULT_FLUSH_TIMEOUT = 2.0
 _RETRY_AFTER = 10.0  # seconds before retrying a peer that would not speak gossipsub or crdt RPCs
-_WATCH_INTERVAL = 0.25  # how often the replica looks for newly connected peers
 _PUBSUB_GRACE = 3.0  # seconds py-libp2p gets to open a gossip stream to a new peer by itself
 _LOG_EVERY = 10.0  # seconds between repeated warnings about the same peer
 
@@ -690,7 +689,7 @@ class Replica(Service):
         """
         known: set[str] = set(self.host.connected_peers())
         while True:
-            await trio.sleep(_WATCH_INTERVAL)
+            await self.host.wait_until(lambda known=known: set(self.host.connected_peers()) != known)
             current = set(self.host.connected_peers())
             new = current - known
             known = current

@@ -73,7 +73,7 @@ import copy
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ import trio
 
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.validate import is_int
 
@@ -138,7 +139,7 @@ class _Call:
     spawn: bool = False  # start in the optimizer's nursery instead of awaiting
 
 
-class OuterOptimizer:
+class OuterOptimizer(Service):
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
     `replicas_identical` (class attribute, default True): every peer holds the same φ after the
@@ -293,21 +294,12 @@ class OuterOptimizer:
     async def afinish(self) -> list[RoundReport]:
         return await self._drive_async(self._flush())
 
-    async def __aenter__(self) -> OuterOptimizer:
+    async def _start(self, stack: AsyncExitStack) -> None:
+        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them), then
+        # forgets them.
         self._token = trio.lowlevel.current_trio_token()
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them).
-        assert self._nursery is not None  # entered
-        self._nursery.cancel_scope.cancel()
-        try:
-            return await self._nursery_cm.__aexit__(*exc)
-        finally:
-            self._nursery = None
-            self._pending.clear()
+        stack.callback(self._pending.clear)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
 
     @property
     def in_flight(self) -> bool:

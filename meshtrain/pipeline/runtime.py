@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -75,6 +76,7 @@ import trio
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
 from meshtrain.pipeline.scheduler import (
@@ -110,7 +112,6 @@ MAX_RUN_CHARS = 64
 CALL_TIMEOUT = 10.0  # control RPCs
 SEND_TIMEOUT = 60.0  # one activation/gradient transfer, beyond the simulated link delay
 RECEIVE_TIMEOUT = 60.0  # an announced transfer must arrive within this
-LIVENESS_INTERVAL = 0.2
 CONNECT_WAIT = 20.0  # at start, how long to wait for connections to every peer of the run
 
 Mode = Literal["skippipe", "full"]
@@ -350,7 +351,7 @@ class _Iteration:
 # The runtime
 
 
-class PipelineRuntime:
+class PipelineRuntime(Service):
     """One peer's part of a pipeline run. Use as `async with PipelineRuntime(...) as rt:` inside
     a running host and data plane, then `await rt.run_iteration(i)` for i = 0, 1, ... on every
     peer of the run.
@@ -411,29 +412,21 @@ class PipelineRuntime:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> PipelineRuntime:
-        self._exit = trio.open_nursery()
-        self._nursery = await self._exit.__aenter__()
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(self.collective)  # the replica sync's rounds end with us
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self.host.rpc.serve(HOP_RPC, self._rpc_hop)
         self.host.rpc.serve(ABANDON_RPC, self._rpc_abandon)
         self.host.rpc.serve(FAILED_RPC, self._rpc_failed)
         self.host.rpc.serve(DONE_RPC, self._rpc_done)
         others = [p for p in self.run.problem.placement if p != self.me]
         with trio.move_on_after(CONNECT_WAIT):
-            while not all(self.host.is_connected(p) for p in others):
-                await trio.sleep(0.05)
+            await self.host.wait_until(lambda: all(self.host.is_connected(p) for p in others))
         missing = [p for p in others if not self.host.is_connected(p)]
         if missing:
-            await self.__aexit__(None, None, None)
             raise PipelineError(f"not connected to {len(missing)} peers of run {self.run.run}; "
                                 "connect every peer of the run to every other first")
         self._started = time.monotonic()
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        return await self._exit.__aexit__(*exc)
 
     # -- one iteration ---------------------------------------------------------------------------
 
@@ -735,7 +728,8 @@ class PipelineRuntime:
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
                         self._restart(st, mb, mine.att, hit)
-            await trio.sleep(LIVENESS_INTERVAL)
+            await self.host.wait_until(lambda: any(p not in self.dead and not self.host.is_connected(p)
+                                                   for p in others))
 
     # -- end of an iteration ---------------------------------------------------------------------
 

@@ -335,10 +335,3 @@ class HolePunchService(Service):
         except Exception as e:  # the library logs and returns False for most failures
             log.info(kv("hole punch failed", peer=peer, error=repr(e)))
         return self.host.connection_type(peer) == "direct"
-
-    async def wait_direct(self, peer: str, timeout: float) -> bool:
-        """Wait until a direct connection to `peer` exists (e.g. the other side's DCUtR)."""
-        with trio.move_on_after(timeout):
-            while self.host.connection_type(peer) != "direct":
-                await trio.sleep(0.1)
-        return self.host.connection_type(peer) == "direct"

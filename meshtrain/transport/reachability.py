@@ -31,6 +31,7 @@ import ipaddress
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from libp2p.peer.id import ID
 from libp2p.security.pnet.protector import new_protected_conn
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host
@@ -137,7 +139,7 @@ async def _fresh_handshake(host: Host, maddr: multiaddr.Multiaddr, peer: ID) -> 
             await raw.close()
 
 
-class ReachabilityService:
+class ReachabilityService(Service):
     """Serves dial-backs and probes our own reachability; use as `async with`.
 
     host:    the running `Host`.
@@ -159,9 +161,7 @@ class ReachabilityService:
         self._callbacks: list[Callable[[ReachabilityReport], None]] = []
         self._dialbacks = trio.Semaphore(MAX_CONCURRENT_DIALBACKS)
         self._last_request: dict[str, float] = {}
-        self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None
-        self._changed = trio.Event()
 
     @property
     def status(self) -> str:
@@ -186,26 +186,15 @@ class ReachabilityService:
     def on_change(self, callback: Callable[[ReachabilityReport], None]) -> None:
         self._callbacks.append(callback)
 
-    async def wait_for_change(self) -> ReachabilityReport:
-        await self._changed.wait()
-        return self.report
-
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def __aenter__(self) -> ReachabilityService:
+    async def _start(self, stack: AsyncExitStack) -> None:
         if self.config.serve:
             self.host.rpc.serve(DIALBACK_RPC, self._serve_dialback,
                                 handler_timeout=self.config.dialback_timeout * MAX_PORTS + 5)
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         if self.config.probe_interval > 0:
             self._nursery.start_soon(self._probe_loop)
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._nursery is not None  # lifecycle misuse, not peer input
-        self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(*exc)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -261,8 +250,6 @@ class ReachabilityService:
         old = self.report
         self.report = report
         if (old.status, old.observed_ip) != (report.status, report.observed_ip):
-            self._changed.set()
-            self._changed = trio.Event()
             for cb in list(self._callbacks):
                 try:
                     cb(report)
