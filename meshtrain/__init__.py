@@ -7,9 +7,9 @@ The public API is small (README.md, "Python API"):
   `NoLoCo`, `SparseLoCo` are built on it.
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
 
-Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `optim`, `pipeline` and
-`node` (shared/ARCHITECTURE.md). Names are imported on first use, so `import meshtrain` (and
-`meshtrain --version`) stays fast.
+Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `collective`, `optim`,
+`pipeline` and `node` (shared/ARCHITECTURE.md). Names are imported on first use, so `import
+meshtrain` (and `meshtrain --version`) stays fast.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ _EXPORTS = {
     "StreamingDiLoCo": "meshtrain.optim.streaming",
     "NoLoCo": "meshtrain.optim.noloco",
     "SparseLoCo": "meshtrain.optim.sparseloco",
-    "Collective": "meshtrain.optim.collective",
-    "ReduceResult": "meshtrain.optim.collective",
+    "Collective": "meshtrain.collective.contract",
+    "ReduceResult": "meshtrain.collective.contract",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,6 +1,7 @@
 """`Service`: the one lifecycle of our long-lived async context managers.
 
-The host, the DHT, discovery, the CRDT replica and the NAT-traversal services each enter several
+The host, the data plane, the DHT, discovery, the CRDT replica and swarm view, the NAT-traversal
+services, the collective, the pipeline runtime and the outer optimizer each enter several
 resources in order — py-libp2p services, a nursery for background tasks, RPC handlers, notifees —
 which must unwind in reverse when the service is left *and* when starting fails half-way. One
 `AsyncExitStack` per service carries both; this base class owns it, so a subclass only says what
@@ -49,10 +50,13 @@ class Service:
         stack, self._stack = self._stack, None
         if stack is None:  # never entered, or already left
             return None
-        await self._stop()
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
         try:
-            return await stack.__aexit__(*exc)
-        finally:
-            self._nursery = None
+            await self._stop()
+        finally:  # even if stopping failed: cancel the tasks and unwind
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
+            try:
+                suppress = await stack.__aexit__(*exc)
+            finally:
+                self._nursery = None
+        return suppress

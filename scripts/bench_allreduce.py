@@ -42,8 +42,8 @@ async def _worker(args) -> None:
     import torch
     import trio
 
+    from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
     from meshtrain.log import configure
-    from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
     from meshtrain.transport.tensor_streams import TensorStreams

@@ -40,10 +40,10 @@ def build_state(seed: int = 0) -> tuple[dict[str, Any], dict, int]:
     import torch
     import trio
 
+    from meshtrain.collective.local import LocalSwarm
     from meshtrain.models import GPT, GPTConfig
     from meshtrain.node.checkpoint import flatten_state
     from meshtrain.optim.diloco import DiLoCo
-    from meshtrain.optim.local import LocalSwarm
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig.large())

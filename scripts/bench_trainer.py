@@ -58,10 +58,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshtrain import Node, NodeConfig, SignedSpec, SwarmSpec  # noqa: E402
+from meshtrain.collective import LocalSwarm  # noqa: E402
 from meshtrain.models import GPT, Corpus, GPTConfig  # noqa: E402
 from meshtrain.node.checkpoint import CheckpointStore  # noqa: E402
 from meshtrain.node.trainer import Trainer  # noqa: E402
-from meshtrain.optim import LocalSwarm  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
 
 MODEL, BATCH, CLIP, LR, WD = "gpt-small", 16, 1.0, 2e-3, 0.01

@@ -93,6 +93,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import meshtrain  # noqa: E402
+from meshtrain.collective.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC  # noqa: E402
+from meshtrain.collective.contract import CollectiveError  # noqa: E402
 from meshtrain.crdt.entries import EntryScope, SignedEntry, encode_entries, sign_entry  # noqa: E402
 from meshtrain.crdt.replica import GOSSIP_VERSION, RPC_DIGEST, RPC_PULL, gossip_topic  # noqa: E402
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, METRICS, PROGRESS, open_swarm_view  # noqa: E402
@@ -102,8 +104,6 @@ from meshtrain.dht.kademlia import FIND_RPC, KAD_PROTOCOL, STORE_RPC  # noqa: E4
 from meshtrain.dht.records import Record  # noqa: E402
 from meshtrain.node.state_sync import CHUNK_RPC, MANIFEST_RPC, MIN_CHUNK_BYTES  # noqa: E402
 from meshtrain.node.swarm_spec import SPEC_RPC  # noqa: E402
-from meshtrain.optim.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC  # noqa: E402
-from meshtrain.optim.collective import CollectiveError  # noqa: E402
 from meshtrain.transport.framing import LENGTH, FramedStream, WireError, packb  # noqa: E402
 from meshtrain.transport.holepunch import PUNCH_RPC  # noqa: E402
 from meshtrain.transport.host import Host, HostConfig, StreamOpenError  # noqa: E402

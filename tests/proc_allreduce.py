@@ -34,9 +34,9 @@ import time
 import torch
 import trio
 
-import meshtrain.optim.allreduce as allreduce_module
+import meshtrain.collective.data_phase as data_phase
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.log import configure
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams
@@ -71,31 +71,31 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
         return await real_send(peer, tag, tensors, **kw)
 
     ts.send = send
-    real_reduce = col._reduce
+    real_reduce = data_phase.reduce_contributions
 
     def reduce(*a, **kw):
         if armed["on"] and fault == "while_reducing":
             os.kill(os.getpid(), signal.SIGKILL)
         return real_reduce(*a, **kw)
 
-    col._reduce = reduce
+    data_phase.reduce_contributions = reduce
     if fault in ("nan", "huge"):
         # Hostile at the protocol level: what we contribute and, as the owner of a part, what we
         # hand back as its reduced value are garbage (our own input passed the honest checks).
         value = float("nan") if fault == "nan" else 1e30
-        real_flatten = allreduce_module._flatten
+        real_flatten = data_phase.flatten_fp32
 
         def hostile_flatten(tensors):
             flat = real_flatten(tensors)
             return torch.full_like(flat, value) if armed["on"] else flat
 
-        allreduce_module._flatten = hostile_flatten
+        data_phase.flatten_fp32 = hostile_flatten
 
         def hostile_reduce(*a, **kw):
             out = real_reduce(*a, **kw)
             return torch.full_like(out, value) if armed["on"] else out
 
-        col._reduce = hostile_reduce
+        data_phase.reduce_contributions = hostile_reduce
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -131,7 +131,7 @@ class Peer:
         raise ValueError(f"unknown command {op!r}")
 
     async def _allreduce(self, cmd: dict) -> dict:
-        from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
+        from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 
         assert self.ts is not None
         peers = list(cmd["peers"])

@@ -36,17 +36,16 @@ import blake3
 import torch
 import trio
 
+from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.log import configure, get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.optim import (
-    AllReduceConfig,
     DataParallel,
     DiLoCo,
     NoLoCo,
     OuterOptimizer,
     SparseLoCo,
     StreamingDiLoCo,
-    SwarmCollective,
 )
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity

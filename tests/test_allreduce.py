@@ -10,8 +10,9 @@ import pytest
 import torch
 import trio
 
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective, _digest
-from meshtrain.optim.collective import CollectiveError
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import CollectiveError
+from meshtrain.collective.flat import result_digest
 
 from .conftest import read_json, spawn, start_peers, tail
 from .proc_allreduce import inputs
@@ -87,7 +88,7 @@ async def test_weighted_mean_and_zero_weight_peer():
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "fp4"])
 async def test_allreduce_with_codec_is_bit_identical_and_within_bound(codec):
-    from meshtrain.optim.compression import get_codec
+    from meshtrain.collective.compression import get_codec
 
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, 4)
@@ -286,7 +287,7 @@ def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], di
 
 def expected_digest(contributors: list[str], index_of: dict[str, int], round_id: int) -> str:
     contribs = [inputs(index_of[p], round_id, NUMEL) for p in sorted(contributors)]
-    return _digest(exact_mean(contribs)).hex()
+    return result_digest(exact_mean(contribs)).hex()
 
 
 FAULTS = ["before_start", "while_sending", "while_reducing", "slow_sender", "cancel", "nan"]
@@ -343,4 +344,4 @@ def test_hostile_huge_values_are_excluded_under_robust_aggregation():
     honest = [inputs(index_of[p], 1, NUMEL) for p in sorted(rows[0]["contributors"])]
     expected = {k: torch.stack([h[k] for h in honest]).sort(0).values[1:2].mean(0) for k in honest[0]}
     assert all(v.abs().max() < 10 for v in expected.values())
-    assert rows[0]["digest"] == _digest(expected).hex()
+    assert rows[0]["digest"] == result_digest(expected).hex()

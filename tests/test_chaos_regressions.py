@@ -27,9 +27,7 @@ import torch
 import trio
 
 import meshtrain
-from meshtrain.errors import MeshtrainError
-from meshtrain.node.parity import phi_digest
-from meshtrain.optim.allreduce import (
+from meshtrain.collective.allreduce import (
     JOIN_RPC,
     REPORT_RPC,
     WATCH_RPC,
@@ -37,6 +35,8 @@ from meshtrain.optim.allreduce import (
     AllReduceConfig,
     SwarmCollective,
 )
+from meshtrain.errors import MeshtrainError
+from meshtrain.node.parity import phi_digest
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import RemoteError
 

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from meshtrain.collective import compression
+from meshtrain.collective.compression import CODECS, CodecError, get_codec
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.optim import compression
-from meshtrain.optim.compression import CODECS, CodecError, get_codec
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 CONFIGS = [

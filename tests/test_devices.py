@@ -14,12 +14,12 @@ import torch
 import trio
 
 import meshtrain
+from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
 from meshtrain.node.config import SwarmSpec, load_node_config, parse_spec
 from meshtrain.node.devices import Precision, resolve_device
 from meshtrain.node.status import fetch_status
 from meshtrain.node.trainer import REPORT_EVERY, Trainer
-from meshtrain.optim import LocalSwarm
 from meshtrain.transport.identity import Identity
 
 NO_CUDA = "needs a CUDA device; torch sees none here (CPU-only CI): run on a GPU machine with -m cuda"

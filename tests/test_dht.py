@@ -211,7 +211,7 @@ async def test_the_storing_node_refuses_invalid_records_sent_over_rpc() -> None:
 
         with pytest.raises(RemoteError) as e:
             await attacker.host.rpc.call(storer.peer_id, STORE_RPC, request | {"swarm": "other"})
-        assert e.value.code == "wrong_swarm"
+        assert e.value.code == "wrong-swarm"
         with pytest.raises(RemoteError) as e:
             await attacker.host.rpc.call(storer.peer_id, STORE_RPC, {"swarm": SWARM, "key": KEY})
         assert e.value.code == "malformed"

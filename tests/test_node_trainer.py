@@ -10,10 +10,10 @@ import pytest
 import torch
 import trio
 
+from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
 from meshtrain.node.config import SwarmSpec, parse_spec
 from meshtrain.node.trainer import Trainer
-from meshtrain.optim import LocalSwarm
 
 
 async def train(t: Trainer, steps: int) -> None:

@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 import torch
 import trio
 
-from meshtrain.optim import AllReduceConfig, LocalSwarm
+from meshtrain.collective import AllReduceConfig, LocalSwarm
 
 from .proc_trainer import OuterAdam, OuterSGD
 from .test_allreduce import mesh

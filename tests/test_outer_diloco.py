@@ -11,12 +11,11 @@ import pytest
 import torch
 import trio
 
+from meshtrain.collective import AllReduceConfig, LocalSwarm
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.optim import (
-    AllReduceConfig,
     DataParallel,
     DiLoCo,
-    LocalSwarm,
     OuterStateError,
 )
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import trio
 
-from meshtrain.optim import DiLoCo, LocalSwarm, NoLoCo, noloco_groups, noloco_partner
+from meshtrain.collective import LocalSwarm
+from meshtrain.optim import DiLoCo, NoLoCo, noloco_groups, noloco_partner
 
 from .test_outer_diloco import eval_loss, sgd, simulate, tiny
 

@@ -11,10 +11,11 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.collective import LocalSwarm
+from meshtrain.collective.compression import get_codec
+from meshtrain.collective.sparse_codec import ChunkedTopK, SparseCodecError, _pack12, _unpack12
 from meshtrain.errors import ConfigError
-from meshtrain.optim import DiLoCo, LocalSwarm, OuterOptimizer, SparseLoCo
-from meshtrain.optim.compression import get_codec
-from meshtrain.optim.sparse_codec import ChunkedTopK, SparseCodecError, _pack12, _unpack12
+from meshtrain.optim import DiLoCo, OuterOptimizer, SparseLoCo
 
 from .test_outer_diloco import eval_loss, simulate, tiny, workers
 

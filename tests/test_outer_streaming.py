@@ -9,8 +9,9 @@ import pytest
 import torch
 import trio
 
+from meshtrain.collective import LocalSwarm
 from meshtrain.models import GPT, GPTConfig
-from meshtrain.optim import DiLoCo, LocalSwarm, OuterStateError, StreamingDiLoCo, strided_fragments
+from meshtrain.optim import DiLoCo, OuterStateError, StreamingDiLoCo, strided_fragments
 
 from .test_outer_diloco import CORPUS, backward, eval_loss, simulate, tiny
 

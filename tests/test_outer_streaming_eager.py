@@ -9,7 +9,8 @@ import pytest
 import torch
 import trio
 
-from meshtrain.optim import LocalSwarm, StreamingDiLoCo
+from meshtrain.collective import LocalSwarm
+from meshtrain.optim import StreamingDiLoCo
 
 from .test_outer_diloco import CORPUS, eval_loss, tiny
 from .test_outer_streaming import TwoBlocks

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import torch
 import trio
 
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 
 from .conftest import start_peers
 

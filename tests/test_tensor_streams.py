@@ -514,3 +514,24 @@ async def test_early_headers_are_bounded_across_peers():
         for ch in held:
             await ch.aclose()
         await _wait_until(lambda: b.ts._waiting == {}, seconds=5)
+
+
+async def test_a_data_plane_whose_port_is_taken_fails_to_start_and_leaves_nothing_running():
+    """The listener opens before the nursery (lifecycle.Service): a busy port is an OSError out
+    of `async with`, and the host around it still closes at once (nothing leaked)."""
+    from meshtrain.transport.host import Host
+    from meshtrain.transport.identity import Identity
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        with trio.fail_after(15):
+            async with Host(Identity.generate()) as host:
+                streams = TensorStreams(host, DataPlaneConfig(listen_ip="127.0.0.1", port=busy.getsockname()[1]))
+                with pytest.raises(OSError):
+                    async with streams:
+                        pass
+                assert streams._nursery is None
+    finally:
+        busy.close()

@@ -73,6 +73,22 @@ async def test_hosts_connect_and_know_each_other():
         assert a.host.addrs[0].endswith(f"/p2p/{a.id}")
 
 
+async def test_connection_events_wake_waiters_before_the_recheck():
+    """Liveness has one source: a waiter on connection state wakes on the host's notifee, well
+    before the `recheck` fallback would have looked again."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, streams=False)
+        c = await stack.enter_async_context(Host(Identity.generate()))
+        recheck = 30.0
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(c.connect, a.host.addrs[0])
+                await a.host.wait_until(lambda: a.host.is_connected(c.peer_id), recheck=recheck)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b.host.disconnect, a.id)
+                assert await a.host.wait_disconnected([b.id, c.peer_id]) == [b.id]
+
+
 async def test_private_swarm_key_mismatch_refuses_connection():
     key_a, key_b = os.urandom(32).hex(), os.urandom(32).hex()
     async with Host(Identity.generate(), HostConfig(swarm_key=key_a)) as a, \

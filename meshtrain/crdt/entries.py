@@ -45,6 +45,7 @@ from meshtrain.transport.framing import (
     unpackb,
 )
 from meshtrain.transport.identity import Identity, IdentityError, public_key_of
+from meshtrain.transport.validate import is_int
 
 SIGNING_DOMAIN = "meshtrain/crdt-entry/v1"
 WIRE_VERSION = 1
@@ -100,7 +101,7 @@ def check_value(value: Any, *, what: str = "value") -> None:
             stack.extend((x, depth + 1) for x in v)
         elif isinstance(v, dict):
             for k, x in v.items():
-                if isinstance(k, bool) or not isinstance(k, str | int):
+                if not (is_int(k) or isinstance(k, str)):
                     raise MalformedCrdtData(f"{what}: map key {k!r:.40} is not a str or int")
                 if isinstance(k, int) and not INT_MIN <= k <= INT_MAX:
                     raise MalformedCrdtData(f"{what}: integer key {k} is outside msgpack's range")
@@ -201,7 +202,7 @@ def check_entry_fields(owner: Any, seq: Any, body: Any, signature: Any) -> None:
     """Raise `MalformedCrdtData` unless the four fields have an entry's types and limits."""
     if not isinstance(owner, str) or not 0 < len(owner) <= MAX_OWNER_CHARS:
         raise MalformedCrdtData(f"entry owner must be a str of 1..{MAX_OWNER_CHARS} characters")
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= MAX_SEQ:
+    if not is_int(seq) or not 1 <= seq <= MAX_SEQ:
         raise MalformedCrdtData(f"entry seq must be an int in 1..{MAX_SEQ}")
     if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         raise MalformedCrdtData(f"entry signature must be {SIGNATURE_BYTES} bytes")
@@ -278,7 +279,7 @@ def sign_entry(
     cache: SignatureCache | None = None,
 ) -> SignedEntry:
     """Sign `body` as entry `seq` of `identity` in `scope`. `CrdtError` if `body` is not encodable."""
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= MAX_SEQ:
+    if not is_int(seq) or not 1 <= seq <= MAX_SEQ:
         raise CrdtError(f"seq must be an int in 1..{MAX_SEQ}, got {seq!r:.40}")
     check_value(body, what="entry body")
     body = canonical(body)
@@ -403,13 +404,13 @@ def digest_from_wire(obj: Any) -> Digest:
     for owner, value in obj.items():
         if not isinstance(owner, str) or not 0 < len(owner) <= MAX_OWNER_CHARS:
             raise MalformedCrdtData("digest owner must be a short str")
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             seq, prefix = value, b""
         elif isinstance(value, list | tuple) and len(value) == 2:
             seq, prefix = value
         else:
             raise MalformedCrdtData("digest value must be [seq, signature prefix] or seq")
-        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
+        if not is_int(seq) or not 0 <= seq <= MAX_SEQ:
             raise MalformedCrdtData(f"digest seq must be an int in 0..{MAX_SEQ}")
         if not isinstance(prefix, bytes) or len(prefix) > SIGNATURE_BYTES:
             raise MalformedCrdtData(

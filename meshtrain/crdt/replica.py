@@ -96,6 +96,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb, packb_canonical
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
+from meshtrain.transport.validate import MALFORMED, UNAVAILABLE, WRONG_SWARM, require_map
 
 log = get_logger(__name__)
 
@@ -119,7 +120,6 @@ DEFAULT_PUBLISH_DELAY = 0.01  # writes within 10 ms share one gossip message
 DEFAULT_RECOVER_TIMEOUT = 5.0
 DEFAULT_FLUSH_TIMEOUT = 2.0
 _RETRY_AFTER = 10.0  # seconds before retrying a peer that would not speak gossipsub or crdt RPCs
-_WATCH_INTERVAL = 0.25  # how often the replica looks for newly connected peers
 _PUBSUB_GRACE = 3.0  # seconds py-libp2p gets to open a gossip stream to a new peer by itself
 _LOG_EVERY = 10.0  # seconds between repeated warnings about the same peer
 
@@ -655,7 +655,7 @@ class Replica(Service):
     def _ae_failed(self, peer: str, error: Exception, mark_unavailable: bool = True) -> bool:
         self.stats.ae_failed += 1
         not_serving = (isinstance(error, RpcUnavailable) and self.host.is_connected(peer)) or (
-            isinstance(error, RemoteError) and error.code in ("wrong-swarm", "unavailable")
+            isinstance(error, RemoteError) and error.code in (WRONG_SWARM, UNAVAILABLE)
         )
         if mark_unavailable and not_serving:  # prefer other peers for a while
             self._ae_unavailable[peer] = time.monotonic()
@@ -689,7 +689,7 @@ class Replica(Service):
         """
         known: set[str] = set(self.host.connected_peers())
         while True:
-            await trio.sleep(_WATCH_INTERVAL)
+            await self.host.wait_until(lambda known=known: set(self.host.connected_peers()) != known)
             current = set(self.host.connected_peers())
             new = current - known
             known = current
@@ -746,18 +746,17 @@ class Replica(Service):
 
     def _check_request(self, request: Any, *fields: str) -> dict[str, Any]:
         if not self._running:
-            raise RemoteError("unavailable", "replica is not running")
-        if not isinstance(request, dict) or any(f not in request for f in ("ns", *fields)):
-            raise RemoteError("malformed", f"expected a map with ns, {', '.join(fields)}")
+            raise RemoteError(UNAVAILABLE, "replica is not running")
+        request = require_map(request, "ns", *fields, what="anti-entropy request")
         if request["ns"] != self.namespace:
-            raise RemoteError("wrong-swarm", f"this peer replicates swarm {self.namespace!r}")
+            raise RemoteError(WRONG_SWARM, f"this peer replicates swarm {self.namespace!r}")
         return request
 
     async def _serve_digest(self, peer: str, request: Any) -> Any:
         self.stats.ae_rpcs_served += 1
         fps = self._check_request(request, "fp")["fp"]
         if not isinstance(fps, dict) or len(fps) > 4 * len(self._crdts) + 16:
-            raise RemoteError("malformed", "fp must be a small map of CRDT name -> fingerprint")
+            raise RemoteError(MALFORMED, "fp must be a small map of CRDT name -> fingerprint")
         return {
             "d": {
                 name: digest_to_wire(crdt.digest())
@@ -771,18 +770,18 @@ class Replica(Service):
         request = self._check_request(request, "d", "p")
         digests, pushed = request["d"], request["p"]
         if not isinstance(digests, dict) or not isinstance(pushed, dict):
-            raise RemoteError("malformed", "d and p must be maps keyed by CRDT name")
+            raise RemoteError(MALFORMED, "d and p must be maps keyed by CRDT name")
         rejected = 0
         limit = self.config.max_rpc_entries_bytes + (64 << 10)
         for name, data in pushed.items():
             crdt = self._crdts.get(name) if isinstance(name, str) else None
             if crdt is None or not isinstance(data, bytes):
-                raise RemoteError("malformed", f"p: unknown CRDT {name!r:.60} or not bytes")
+                raise RemoteError(MALFORMED, f"p: unknown CRDT {name!r:.60} or not bytes")
             try:
                 entries = crdt.decode_entries(data, max_size=limit)
             except MalformedCrdtData as e:
                 self._warn.warning(f"ae:{peer}", kv("undecodable pushed entries", peer=peer, error=e))
-                raise RemoteError("malformed", str(e)) from None
+                raise RemoteError(MALFORMED, str(e)) from None
             rejected += len(self.merge_entries(name, entries, "anti-entropy", peer).rejected)
         wanted: dict[str, list[SignedEntry]] = {}
         for name, wire in digests.items():
@@ -792,7 +791,7 @@ class Replica(Service):
             try:
                 delta = crdt.delta_since(digest_from_wire(wire))
             except MalformedCrdtData as e:
-                raise RemoteError("malformed", f"d[{name!r}]: {e}") from None
+                raise RemoteError(MALFORMED, f"d[{name!r}]: {e}") from None
             if delta:
                 wanted[name] = delta
         chunk, rest = _take(wanted, self.config.max_rpc_entries_bytes - _SPLIT_MARGIN)

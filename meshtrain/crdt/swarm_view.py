@@ -46,7 +46,7 @@ Not here: gossip, anti-entropy and merging (`replica.py`), choosing whom to conn
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -55,9 +55,11 @@ import trio
 from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
+from meshtrain.transport.validate import is_int, is_number
 
 log = get_logger(__name__)
 
@@ -147,7 +149,7 @@ def _label(value: Any, what: str) -> str:
 
 
 def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+    if not is_int(value) or not 0 <= value <= INT64_MAX:
         raise CrdtError(f"{what} must be an int in 0..2**63-1")
     return value
 
@@ -157,7 +159,7 @@ def check_membership(entry: SignedEntry) -> None:
     if set(rec) != {"addrs", "role", "caps", "conn", "lease", "left"}:
         raise CrdtError("a membership record has exactly addrs, role, caps, conn, lease, left")
     lease = rec["lease"]
-    if isinstance(lease, bool) or not isinstance(lease, int):
+    if not is_int(lease):
         raise CrdtError("lease must be an int (milliseconds)")
     if not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
         raise CrdtError(f"lease must be in {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
@@ -208,7 +210,7 @@ def check_metrics(entry: SignedEntry) -> None:
         raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
     for key, value in rec.items():
         _label(key, "a metric name")
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not is_number(value):
             raise CrdtError(f"metric {key!r} must be a number")
 
 
@@ -222,7 +224,7 @@ def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
     ]
 
 
-class SwarmView:
+class SwarmView(Service):
     """The swarm as this peer sees it: who is live, how far everyone is, and the run config.
 
     Parameters:
@@ -235,7 +237,7 @@ class SwarmView:
       interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
       keep the swarm at about `swarm_heartbeat_rate` heartbeats per second (module docstring).
     - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
-    - `recover_timeout`: how long `__aenter__` waits to pull the swarm's state (and our own
+    - `recover_timeout`: how long entering the view waits to pull the swarm's state (and our own
       earlier records, after a restart) before the first heartbeat.
 
     Use as `async with SwarmView(replica, owner) as view:`; leaving the block leaves the swarm
@@ -291,8 +293,6 @@ class SwarmView:
         self._metrics: dict[str, float] = {}
         self._metrics_dirty = False
         self._rewrite = trio.Event()  # set when our records must be written again at once
-        self._nursery: trio.Nursery | None = None
-        self._nursery_cm: Any = None
         self._check_replica()
         replica.on_change(self._on_change)
 
@@ -441,7 +441,7 @@ class SwarmView:
             raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
         for key, value in merged.items():
             _label(key, "a metric name")
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not is_number(value):
                 raise CrdtError(f"metric {key!r} must be a number")
         self._metrics = merged
         self._metrics_dirty = True
@@ -509,10 +509,6 @@ class SwarmView:
 
         return _written(self.replica.write(CONFIG, mutate))
 
-    def delete_config(self, key: str) -> SignedEntry:
-        self._require_owner()
-        return _written(self.replica.write(CONFIG, lambda c, me: c.delete(me, key)))
-
     def _require_owner(self) -> None:
         if not self.is_owner:
             raise NotSwarmOwner(
@@ -543,14 +539,11 @@ class SwarmView:
             self._rewrite = trio.Event()
             self.heartbeat()
 
-    async def __aenter__(self) -> SwarmView:
+    async def _start(self, stack: AsyncExitStack) -> None:
         await self.replica.recover(self.recover_timeout)
         self.heartbeat()
-        cm = trio.open_nursery()
-        self._nursery = await cm.__aenter__()
-        self._nursery_cm = cm
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._heartbeat_loop)
-        return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
         """Leave on a clean exit and on an error (`leave` is shielded and bounded by its
@@ -558,15 +551,13 @@ class SwarmView:
         cancelled view just stops (its owner is being torn down, or wants a silent peer); a killed
         process leaves no tombstone either — its closed connections tell the others. A daemon
         shutting down on a signal calls `leave()` itself first."""
-        cm, self._nursery_cm = self._nursery_cm, None
         try:
-            if not self._left and not isinstance(exc[1], trio.Cancelled):
+            if self._stack is not None and not self._left and not isinstance(exc[1], trio.Cancelled):
                 await self.leave()
-        finally:
-            if self._nursery is not None:
-                self._nursery.cancel_scope.cancel()
-            self._nursery = None
-        return None if cm is None else await cm.__aexit__(*exc)
+        except BaseException:
+            await super().__aexit__(*exc)
+            raise
+        return await super().__aexit__(*exc)
 
 
 def _written(entry: SignedEntry | None) -> SignedEntry:

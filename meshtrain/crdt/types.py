@@ -38,6 +38,7 @@ from meshtrain.crdt.entries import (
     check_value,
 )
 from meshtrain.transport.identity import Identity
+from meshtrain.transport.validate import is_int, require_int, require_list, require_map
 
 UINT64_MAX = INT_MAX
 INT64_MIN, INT64_MAX = INT_MIN, (1 << 63) - 1
@@ -50,27 +51,9 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _require_int(value: Any, lo: int, hi: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise CrdtError(f"{what} must be an int in {lo}..{hi}, got {value!r:.40}")
-    return value
-
-
-def _require_list(value: Any, length: int, what: str) -> list[Any]:
-    if not isinstance(value, list) or len(value) != length:
-        raise CrdtError(f"{what} must be a {length}-element array")
-    return value
-
-
-def _require_map(value: Any, what: str) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise CrdtError(f"{what} must be a map")
-    return value
-
-
 def _lww_timestamp(requested: int | None, to_beat: int | None) -> int:
     if requested is not None:
-        return _require_int(requested, 0, MAX_TIMESTAMP, "timestamp")
+        return require_int(requested, "timestamp", 0, MAX_TIMESTAMP, error=CrdtError)
     floor = 0 if to_beat is None else to_beat + 1
     return min(max(now_ms(), floor), MAX_TIMESTAMP)
 
@@ -85,10 +68,10 @@ class GCounter(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        _require_int(entry.body, 0, UINT64_MAX, "a GCounter total")
+        require_int(entry.body, "a GCounter total", 0, UINT64_MAX, error=CrdtError)
 
     def increment(self, identity: Identity, amount: int = 1) -> SignedEntry:
-        _require_int(amount, 0, UINT64_MAX, "increment amount")
+        require_int(amount, "increment amount", 0, UINT64_MAX, error=CrdtError)
         total = self.count_of(identity.peer_id_str) + amount
         if total > UINT64_MAX:
             raise CrdtError(f"GCounter total of {identity.peer_id_str} would exceed 2**64-1")
@@ -119,23 +102,23 @@ class PNCounter(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        up, down = _require_list(entry.body, 2, "a PNCounter body")
-        _require_int(up, 0, UINT64_MAX, "PNCounter increments")
-        _require_int(down, 0, UINT64_MAX, "PNCounter decrements")
+        up, down = require_list(entry.body, "a PNCounter body", length=2, error=CrdtError)
+        require_int(up, "PNCounter increments", 0, UINT64_MAX, error=CrdtError)
+        require_int(down, "PNCounter decrements", 0, UINT64_MAX, error=CrdtError)
 
     def _totals(self, owner: str) -> tuple[int, int]:
         entry = self._entries.get(owner)
         return (0, 0) if entry is None else (entry.body[0], entry.body[1])
 
     def increment(self, identity: Identity, amount: int = 1) -> SignedEntry:
-        _require_int(amount, 0, UINT64_MAX, "increment amount")
+        require_int(amount, "increment amount", 0, UINT64_MAX, error=CrdtError)
         up, down = self._totals(identity.peer_id_str)
         if up + amount > UINT64_MAX:
             raise CrdtError("PNCounter increments would exceed 2**64-1")
         return self._write(identity, [up + amount, down])
 
     def decrement(self, identity: Identity, amount: int = 1) -> SignedEntry:
-        _require_int(amount, 0, UINT64_MAX, "decrement amount")
+        require_int(amount, "decrement amount", 0, UINT64_MAX, error=CrdtError)
         up, down = self._totals(identity.peer_id_str)
         if down + amount > UINT64_MAX:
             raise CrdtError("PNCounter decrements would exceed 2**64-1")
@@ -164,10 +147,10 @@ class MaxRegister(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        _require_int(entry.body, INT64_MIN, INT64_MAX, "a MaxRegister value")
+        require_int(entry.body, "a MaxRegister value", INT64_MIN, INT64_MAX, error=CrdtError)
 
     def publish(self, identity: Identity, value: int) -> SignedEntry:
-        _require_int(value, INT64_MIN, INT64_MAX, "MaxRegister value")
+        require_int(value, "MaxRegister value", INT64_MIN, INT64_MAX, error=CrdtError)
         current = self.get(identity.peer_id_str)
         if current is not None and value < current:
             raise CrdtError(f"MaxRegister values only grow: {value} < current {current}")
@@ -196,8 +179,8 @@ class LWWRegister(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        timestamp, _ = _require_list(entry.body, 2, "an LWWRegister body")
-        _require_int(timestamp, 0, MAX_TIMESTAMP, "LWWRegister timestamp")
+        timestamp, _ = require_list(entry.body, "an LWWRegister body", length=2, error=CrdtError)
+        require_int(timestamp, "LWWRegister timestamp", 0, MAX_TIMESTAMP, error=CrdtError)
 
     def set(self, identity: Identity, value: Any, *, timestamp: int | None = None) -> SignedEntry:
         check_value(value, what="LWWRegister value")
@@ -239,11 +222,11 @@ class LWWMap(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        for key, write in _require_map(entry.body, "an LWWMap body").items():
+        for key, write in require_map(entry.body, what="an LWWMap body", error=CrdtError).items():
             _check_key(key)
             if not isinstance(write, list) or len(write) not in (1, 2):
                 raise CrdtError("an LWWMap write is [timestamp, value] or [timestamp]")
-            _require_int(write[0], 0, MAX_TIMESTAMP, "LWWMap timestamp")
+            require_int(write[0], "LWWMap timestamp", 0, MAX_TIMESTAMP, error=CrdtError)
 
     def set(
         self, identity: Identity, key: str, value: Any, *, timestamp: int | None = None
@@ -301,7 +284,7 @@ def _check_key(key: Any) -> None:
 def _check_element(element: Any) -> None:
     # Hashable scalars only, so the value is a frozenset; no bool (True == 1 in a set, but they
     # encode differently) and no float (NaN != NaN).
-    if isinstance(element, bool) or not isinstance(element, str | bytes | int):
+    if not (is_int(element) or isinstance(element, str | bytes)):
         raise CrdtError(f"an ORSet element must be a str, bytes or int, got {element!r:.40}")
     if isinstance(element, int) and not INT_MIN <= element <= INT_MAX:
         raise CrdtError("an ORSet integer element must be in msgpack's range")
@@ -334,18 +317,18 @@ class ORSet(SignedCrdt):
 
     @classmethod
     def check_body(cls, entry: SignedEntry) -> None:
-        adds, removes = _require_list(entry.body, 2, "an ORSet body")
-        for tag, element in _require_map(adds, "ORSet adds").items():
+        adds, removes = require_list(entry.body, "an ORSet body", length=2, error=CrdtError)
+        for tag, element in require_map(adds, what="ORSet adds", error=CrdtError).items():
             # A tag is the seq of the owner's entry that made the add: never later than this one.
-            _require_int(tag, 1, entry.seq, "ORSet add tag")
+            require_int(tag, "ORSet add tag", 1, entry.seq, error=CrdtError)
             _check_element(element)
-        for owner, tags in _require_map(removes, "ORSet removes").items():
+        for owner, tags in require_map(removes, what="ORSet removes", error=CrdtError).items():
             if not isinstance(owner, str) or not 0 < len(owner) <= MAX_OWNER_CHARS:
                 raise CrdtError("ORSet removes are keyed by owner peer id")
             if not isinstance(tags, list):
                 raise CrdtError("ORSet removed tags must be an array")
             for tag in tags:
-                _require_int(tag, 1, MAX_SEQ, "ORSet removed tag")
+                require_int(tag, "ORSet removed tag", 1, MAX_SEQ, error=CrdtError)
 
     def add(self, identity: Identity, element: str | bytes | int) -> SignedEntry:
         _check_element(element)
@@ -386,7 +369,7 @@ class ORSet(SignedCrdt):
         return [adds, {o: sorted(tags) for o, tags in removes.items() if tags}]
 
     def __contains__(self, element: object) -> bool:
-        if isinstance(element, bool) or not isinstance(element, str | bytes | int):
+        if not (is_int(element) or isinstance(element, str | bytes)):
             return False
         return element in self._current_view()[0]
 

@@ -49,7 +49,7 @@ Design.
 Wire (msgpack, through `meshtrain.transport.rpc`):
   dht/find   {"swarm", "target": bytes, "key": str|nil} -> {"peers": [[id, [addr]]], "records": [rec]}
   dht/store  {"swarm", "key", "records": [rec]}          -> {"results": [nil | reason]}
-where `rec` is `Record.to_wire()`. A request for another swarm gets the error `wrong_swarm`.
+where `rec` is `Record.to_wire()`. A request for another swarm gets the error `wrong-swarm`.
 
 Not here: what records mean (`records.py` validates, `discovery.py` announces peers). mDNS.
 """
@@ -91,9 +91,10 @@ from meshtrain.dht.records import (
 from meshtrain.errors import ConfigError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import MalformedMessage, expect_map
+from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import ConnectError, Host, parse_multiaddr, peer_id_of
 from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.validate import MALFORMED, WRONG_SWARM, require_map
 
 log = get_logger(__name__)
 
@@ -582,7 +583,7 @@ class Dht(Service):
             send.send_nowait((peer, reply))
 
     def _parse_find_reply(self, peer: str, key: str | None, raw: Any) -> _FindReply:
-        msg = expect_map(raw, "peers")
+        msg = require_map(raw, "peers", error=MalformedMessage)
         peers_raw, recs_raw = msg["peers"], msg.get("records") or []
         if not isinstance(peers_raw, list) or not isinstance(recs_raw, list):
             raise MalformedMessage("peers and records must be lists")
@@ -618,7 +619,7 @@ class Dht(Service):
                 {"swarm": self.swarm_id, "key": key, "records": [r.to_wire() for r in records]},
                 timeout=self.config.rpc_timeout,
             )
-            results = expect_map(raw, "results")["results"]
+            results = require_map(raw, "results", error=MalformedMessage)["results"]
             if not isinstance(results, list) or len(results) != len(records):
                 raise MalformedMessage("results must list one entry per record")
         except RemoteError as e:
@@ -646,21 +647,18 @@ class Dht(Service):
     # -- RPC handlers -----------------------------------------------------------------------
 
     def _check_swarm(self, req: Any, *fields: str) -> dict[str, Any]:
-        try:
-            msg = expect_map(req, "swarm", *fields)
-        except MalformedMessage as e:
-            raise RemoteError("malformed", str(e)) from None
+        msg = require_map(req, "swarm", *fields)
         if msg["swarm"] != self.swarm_id:
-            raise RemoteError("wrong_swarm", "this node serves another swarm")
+            raise RemoteError(WRONG_SWARM, "this node serves another swarm")
         return msg
 
     async def _serve_find(self, peer: str, req: Any) -> dict[str, Any]:
         msg = self._check_swarm(req, "target", "key")
         target, key = msg["target"], msg["key"]
         if not isinstance(target, bytes) or not 0 < len(target) <= MAX_TARGET_BYTES:
-            raise RemoteError("malformed", "target must be 1..512 bytes")
+            raise RemoteError(MALFORMED, "target must be 1..512 bytes")
         if key is not None and not isinstance(key, str):
-            raise RemoteError("malformed", "key must be a string or nil")
+            raise RemoteError(MALFORMED, "key must be a string or nil")
         self._admit_soon(peer)
         peerstore = self.host.libp2p.get_peerstore()
         closest = []
@@ -685,7 +683,7 @@ class Dht(Service):
         msg = self._check_swarm(req, "key", "records")
         key, recs = msg["key"], msg["records"]
         if not isinstance(key, str) or not isinstance(recs, list):
-            raise RemoteError("malformed", "key must be a string and records a list")
+            raise RemoteError(MALFORMED, "key must be a string and records a list")
         if len(recs) > self.config.limits.max_subkeys:
             raise RemoteError("too_many", f"at most {self.config.limits.max_subkeys} records")
         self._admit_soon(peer)

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from contextlib import AsyncExitStack, suppress
 from typing import Any
 
 import trio
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.discovery.mdns.mdns import create_mdns_discovery
 
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
 
@@ -46,7 +47,7 @@ def swarm_fingerprint(swarm_id: str) -> str:
     return hashlib.sha256(swarm_id.encode()).hexdigest()[:FINGERPRINT_HEX]
 
 
-class LanDiscovery:
+class LanDiscovery(Service):
     """Announce ourselves on the LAN and hand peers of our swarm to `on_peer`; `async with`.
 
     host:     the running `Host` (its TCP listen addresses are announced).
@@ -62,10 +63,9 @@ class LanDiscovery:
         self.found: dict[str, list[str]] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, list[str]]](QUEUE_SIZE)
         self._mdns: Any = None
-        self._nursery_cm: Any = None
         self._token: trio.lowlevel.TrioToken | None = None
 
-    async def __aenter__(self) -> LanDiscovery:
+    async def _start(self, stack: AsyncExitStack) -> None:
         self._token = trio.lowlevel.current_trio_token()
         addrs = [a.split("/p2p/")[0] for a in self.host.addrs if "/tcp/" in a]
         port = int(addrs[0].split("/tcp/")[1].split("/")[0]) if addrs else 0
@@ -73,28 +73,26 @@ class LanDiscovery:
             self.host.libp2p.get_network(), port=port, listen_addrs=addrs,
             private_network_fingerprint=swarm_fingerprint(self.swarm_id), host=self.host.libp2p)
         peerDiscovery.register_peer_discovered_handler(self._heard)
-        try:
-            # on the trio thread: it spawns a trio system task (zeroconf's registration blocks
-            # the loop for a moment, once, at start-up)
-            self._mdns.start()
-            self._nursery_cm = trio.open_nursery()
-            nursery = await self._nursery_cm.__aenter__()
-        except BaseException:
-            peerDiscovery.unregister_peer_discovered_handler(self._heard)
-            raise
-        nursery.start_soon(self._deliver)
+        stack.callback(self._unregister)
+        # on the trio thread: it spawns a trio system task (zeroconf's registration blocks
+        # the loop for a moment, once, at start-up)
+        self._mdns.start()
+        stack.callback(self._stop_mdns)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._deliver)
         log.info(kv("lan discovery on", service=self._mdns.service_type, port=port))
-        return self
 
-    async def __aexit__(self, *exc: object) -> bool | None:
-        peerDiscovery.unregister_peer_discovered_handler(self._heard)
-        try:
-            assert self._nursery_cm is not None  # lifecycle misuse, not peer input
-            self._recv.close()
-            return await self._nursery_cm.__aexit__(*exc)
-        finally:
-            with suppress(Exception):
-                self._mdns.stop()  # unregisters (a goodbye packet) and cancels its system task
+    async def _stop(self) -> None:
+        self._unregister()  # no more announcements queued ...
+        self._recv.close()  # ... and none delivered
+
+    def _unregister(self) -> None:
+        with suppress(Exception):  # already unregistered
+            peerDiscovery.unregister_peer_discovered_handler(self._heard)
+
+    def _stop_mdns(self) -> None:
+        with suppress(Exception):
+            self._mdns.stop()  # unregisters (a goodbye packet) and cancels its system task
 
     def _heard(self, info: Any) -> None:
         """Runs on zeroconf's thread (or ours): validate, then queue for the trio side."""

@@ -39,6 +39,7 @@ from typing import Any
 from meshtrain.errors import MeshtrainError
 from meshtrain.transport.framing import WireError, packb, packb_canonical, unpackb
 from meshtrain.transport.identity import Identity, verify
+from meshtrain.transport.validate import is_number
 
 RECORD_DOMAIN = b"meshtrain/dht-record/v1\x00"
 
@@ -162,7 +163,7 @@ class Record:
             raise InvalidRecord("malformed", "subkey must be a string or nil")
         if not isinstance(value, bytes):
             raise InvalidRecord("malformed", "value must be bytes")
-        if isinstance(expiry, bool) or not isinstance(expiry, int | float):
+        if not is_number(expiry):
             raise InvalidRecord("malformed", "expiry must be a number")
         if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER_CHARS:
             raise InvalidRecord("malformed", "owner must be a peer id")

@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.transport.validate import is_int, is_number
 
 DEFAULT_HELD_OUT = 0.1
 # The context a corpus is checked against at load when the caller names none: GPTConfig's default.
@@ -175,7 +176,7 @@ class Corpus:
     @classmethod
     def _build(cls, ids: torch.Tensor, vocab: Vocab, source: str, held_out_fraction: float,
                context: int) -> Corpus:
-        if isinstance(held_out_fraction, bool) or not isinstance(held_out_fraction, int | float) \
+        if not is_number(held_out_fraction) \
                 or not 0.0 < held_out_fraction < 1.0:
             raise ConfigError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
         _check_positive("context", context)
@@ -222,11 +223,11 @@ class Corpus:
         _check_positive("batch_size", batch_size)
         _check_positive("context", context)
         for name, value in (("seed", seed), ("step", step), ("microbatch", microbatch)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
         if step < 0 or microbatch < 0:
             raise ConfigError(f"step and microbatch must be >= 0, got {step}, {microbatch}")
-        if isinstance(peer, bool) or not isinstance(peer, str | int):
+        if not (is_int(peer) or isinstance(peer, str)):
             raise ConfigError(f"peer must be a string or an integer, got {peer!r}")
         train = self.train
         self._check_long_enough(len(train), context, "training")
@@ -270,5 +271,5 @@ def _bytes_to_tensor(data: bytes) -> torch.Tensor:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.transport.validate import is_int, is_number
 
 # GPT-2's init: N(0, 0.02) for every weight matrix; the two projections that write into the
 # residual stream are further scaled by 1/sqrt(2 * n_layer) (Radford et al. 2019, §2.3) so the
@@ -87,12 +88,12 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "context"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) \
+        if not is_number(self.dropout) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.tie_embeddings, bool):
@@ -120,7 +121,7 @@ class GPTConfig:
     def for_params(cls, n: int, *, vocab_size: int = 256, context: int = 128) -> GPTConfig:
         """The smallest model of the family (n_layer = L, d_model = 64 L, heads of width 64) with at
         least `n` parameters. For benchmarks that need a model of a given size, not quality."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise ConfigError(f"for_params needs a positive parameter count, got {n!r}")
         for n_layer in range(1, MAX_FAMILY_LAYERS + 1):
             config = cls(vocab_size, n_layer=n_layer, n_head=n_layer, d_model=64 * n_layer,
@@ -404,7 +405,7 @@ class GPT(nn.Module):
         order = list(block_order)
         n = len(self.blocks)
         for i in order:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            if not is_int(i) or not 0 <= i < n:
                 raise ModelInputError(f"block_order entries must be block indices in [0, {n}), "
                                       f"got {i!r} in {order}")
         return order

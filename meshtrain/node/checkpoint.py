@@ -58,28 +58,28 @@ class Checkpoint:
     digest: str  # blake3 of the tensor file: what peers compare
 
 
-def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _split_tensors(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors by references, collecting them under unique dotted names."""
     if isinstance(obj, torch.Tensor):
         name = prefix or "tensor"
         tensors[name] = obj.detach().to("cpu").contiguous()
         return {_TENSOR_REF: name}
     if isinstance(obj, dict):
-        return {"__dict__": [[k, _flatten(v, f"{prefix}.{k}" if prefix else str(k), tensors)] for k, v in obj.items()]}
+        return {"__dict__": [[k, _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), tensors)] for k, v in obj.items()]}
     if isinstance(obj, list | tuple):
-        return [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+        return [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, bool | int | float | str | bytes):
         return obj
     raise CheckpointError(f"cannot checkpoint a value of type {type(obj).__name__} at {prefix!r}")
 
 
-def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if _TENSOR_REF in obj:
             return tensors[obj[_TENSOR_REF]]
-        return {k: _unflatten(v, tensors) for k, v in obj["__dict__"]}
+        return {k: _join_tensors(v, tensors) for k, v in obj["__dict__"]}
     if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
+        return [_join_tensors(v, tensors) for v in obj]
     return obj
 
 
@@ -146,7 +146,7 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = _flatten(state, "", tensors)
+        skeleton = _split_tensors(state, "", tensors)
         save_file(tensors, str(tmp / "tensors.safetensors"))
         (tmp / "state.msgpack").write_bytes(packb(skeleton))
         manifest = {
@@ -188,7 +188,7 @@ class CheckpointStore:
             if _file_digest(path / "state.msgpack") != manifest["state_blake3"]:
                 raise CheckpointError(f"{path}: state file digest mismatch (corrupt)")
             tensors = load_file(str(path / "tensors.safetensors"))
-            state = _unflatten(unpackb((path / "state.msgpack").read_bytes(), max_size=1 << 30), tensors)
+            state = _join_tensors(unpackb((path / "state.msgpack").read_bytes(), max_size=1 << 30), tensors)
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, MeshtrainError) as e:
@@ -217,10 +217,10 @@ def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split a nest of dicts/lists/scalars/tensors into a msgpack-able skeleton (tensors replaced
     by references) and the flat dict of tensors: the one way state is put on disk or the wire."""
     tensors: dict[str, torch.Tensor] = {}
-    return _flatten(state, "", tensors), tensors
+    return _split_tensors(state, "", tensors), tensors
 
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of `flatten_state`."""
-    return _unflatten(skeleton, tensors)
+    return _join_tensors(skeleton, tensors)
 

@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
-from meshtrain.optim.compression import CODECS
 
 ENV_PREFIX = "MESHTRAIN_"
 MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-large")

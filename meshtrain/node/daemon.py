@@ -56,6 +56,7 @@ import trio
 
 import meshtrain
 from meshtrain.backoff import Backoff
+from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -71,7 +72,6 @@ from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, StatusServer, read_daemon_file  # noqa: F401
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, Trainer
-from meshtrain.optim import AllReduceConfig, SwarmCollective
 from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
@@ -81,7 +81,7 @@ from meshtrain.transport.rpc import RpcError
 from meshtrain.transport.tensor_streams import TensorStreams
 
 if TYPE_CHECKING:
-    from meshtrain.node.local_ranks import LocalRanks
+    from meshtrain.node.rank_group import LocalRanks
 
 log = get_logger(__name__)
 

@@ -90,6 +90,7 @@ from meshtrain.transport.tensor_layout import (
     validate_specs,
 )
 from meshtrain.transport.tensor_streams import NOT_A_MEMBER, TensorStreams, TransferError
+from meshtrain.transport.validate import is_int
 
 log = get_logger(__name__)
 
@@ -358,8 +359,8 @@ class StateDonor:
             raise ValueError(f"meta packs to {len(packed)} bytes; the limit is {MAX_META_BYTES}")
         self._published += 1
         rnd, step = meta.get("round"), meta.get("step", 0)
-        rnd = rnd if _is_int(rnd) and rnd >= 0 else self._published
-        step = step if _is_int(step) and step >= 0 else 0
+        rnd = rnd if is_int(rnd) and rnd >= 0 else self._published
+        step = step if is_int(step) and step >= 0 else 0
         ordered = contiguous_cpu({k: tensors[k] for k in sorted(tensors)})
         snap = _Snapshot(rnd, step, meta, FlatState(ordered), source)
         keep = [s for s in self._snapshots if s.round != rnd][: self.keep - 1]
@@ -399,7 +400,7 @@ class StateDonor:
         if not isinstance(request, dict):
             raise self._refuse("bad_request", "expected a map {chunk_bytes}")
         cb = request.get("chunk_bytes")
-        if not (_is_int(cb) and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES):
+        if not (is_int(cb) and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES):
             raise self._refuse("bad_request", f"chunk_bytes must be an integer in "
                                               f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
         self._poll_provider()
@@ -423,8 +424,8 @@ class StateDonor:
         if not isinstance(request, dict):
             raise self._refuse("bad_request", "expected a map {digest, chunk_bytes, index, fetch}")
         digest, cb, index, fetch = (request.get(k) for k in ("digest", "chunk_bytes", "index", "fetch"))
-        if not (isinstance(digest, bytes) and len(digest) == 32 and _is_int(cb)
-                and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES and _is_int(index)
+        if not (isinstance(digest, bytes) and len(digest) == 32 and is_int(cb)
+                and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES and is_int(index)
                 and isinstance(fetch, str) and _FETCH_ID.match(fetch)):
             raise self._refuse("bad_request", "chunk request needs digest (32 bytes), chunk_bytes, "
                                               "index (ints) and fetch (hex id)")
@@ -823,7 +824,7 @@ def _parse_manifest(reply: Any, chunk_bytes: int, max_bytes: int) -> list[Offer]
             raise StateSyncError("snapshot entry is not a map")
         rnd, step, total, cb = raw.get("round"), raw.get("step"), raw.get("total"), raw.get("chunk_bytes")
         digest, chunks, meta = raw.get("digest"), raw.get("chunks"), raw.get("meta")
-        if not all(_is_int(v) and v >= 0 for v in (rnd, step, total)):
+        if not all(is_int(v) and v >= 0 for v in (rnd, step, total)):
             raise StateSyncError("round, step and total must be non-negative integers")
         if cb != chunk_bytes:
             raise StateSyncError(f"chunk_bytes {cb!r:.20} is not the {chunk_bytes} asked for")
@@ -844,9 +845,6 @@ def _parse_manifest(reply: Any, chunk_bytes: int, max_bytes: int) -> list[Offer]
         offers.append(Offer(rnd, step, total, cb, digest, tuple(chunks), tuple(specs), meta, key))
     return offers
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _in_trio_thread() -> bool:

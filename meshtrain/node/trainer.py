@@ -53,16 +53,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
-from meshtrain.optim import Collective, DiLoCo, NoLoCo, OuterOptimizer, StreamingDiLoCo
-from meshtrain.optim.sparseloco import SparseLoCo
+from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
 
 if TYPE_CHECKING:
-    from meshtrain.node.local_ranks import LocalRanks
+    from meshtrain.node.rank_group import LocalRanks
 
 log = get_logger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from meshtrain.optim.collective import Collective
+from meshtrain.collective.contract import Collective
 from meshtrain.optim.outer import OuterOptimizer
 
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from meshtrain.optim.collective import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, ReduceResult
 from meshtrain.optim.outer import OuterOptimizer
 
 _PHI = "phi/"  # key prefix of φ in the exchanged dict (parameter names never contain "/")

@@ -81,16 +81,18 @@ import copy
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import trio
 
+from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.collective import Collective, CollectiveError, ReduceResult
+from meshtrain.transport.validate import is_int
 
 log = get_logger(__name__)
 
@@ -145,7 +147,7 @@ class _Call:
     spawn: bool = False  # start in the optimizer's nursery instead of awaiting
 
 
-class OuterOptimizer:
+class OuterOptimizer(Service):
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
     `replicas_identical` (class attribute, default True): every peer holds the same φ after the
@@ -168,7 +170,7 @@ class OuterOptimizer:
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
                  *, H: int, codec: str = "none", fragments: Sequence[Sequence[str]] | None = None,
                  delay: int = 0, alpha: float = 0.0) -> None:
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+        if not is_int(H) or H < 1:
             raise ValueError(f"H (inner steps per outer round) must be an integer >= 1, got {H!r}")
         self.model = model
         self.inner = inner
@@ -184,7 +186,7 @@ class OuterOptimizer:
         if H % P:
             raise ValueError(f"H ({H}) must be a multiple of the number of fragments ({P}), so that "
                              f"fragment p syncs at offset p·H/P")
-        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < H // P:
+        if not is_int(delay) or not 0 <= delay < H // P:
             raise ValueError(f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
                              f"a fragment's result must be merged before the next fragment is sent")
         if not 0.0 <= alpha <= 1.0:
@@ -293,7 +295,7 @@ class OuterOptimizer:
         `self.codec` applied to each tensor whole; the decoded values are sent (the collective
         encodes them again — exact for "none"/"fp16"/"bf16" after a cast codec; SparseLoCo
         overrides this to send its sparse payload itself)."""
-        from meshtrain.optim.compression import get_codec
+        from meshtrain.collective.compression import get_codec
 
         codec = get_codec(self.codec)
         decoded = {n: codec.decode(codec.encode(t), t.shape, torch.float32) for n, t in accumulated.items()}
@@ -352,21 +354,12 @@ class OuterOptimizer:
     async def afinish(self) -> list[RoundReport]:
         return await self._drive_async(self._flush())
 
-    async def __aenter__(self) -> OuterOptimizer:
+    async def _start(self, stack: AsyncExitStack) -> None:
+        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them), then
+        # forgets them.
         self._token = trio.lowlevel.current_trio_token()
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them).
-        assert self._nursery is not None  # entered
-        self._nursery.cancel_scope.cancel()
-        try:
-            return await self._nursery_cm.__aexit__(*exc)
-        finally:
-            self._nursery = None
-            self._pending.clear()
+        stack.callback(self._pending.clear)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
 
     @property
     def in_flight(self) -> bool:
@@ -460,7 +453,7 @@ class OuterOptimizer:
                 call = gen.send(value)
             except StopIteration as stop:
                 return stop.value
-            _check_not_in_trio_thread()
+            check_not_in_trio_thread()
             if call.spawn:
                 value = trio.from_thread.run_sync(self._spawn, call, **kw)
             else:
@@ -598,7 +591,7 @@ class OuterOptimizer:
         if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
             raise OuterStateError("state's outer optimizer does not match this optimizer's")
         for key in ("inner_steps", "rounds"):
-            if isinstance(state.get(key), bool) or not isinstance(state.get(key), int) or state[key] < 0:
+            if not is_int(state.get(key)) or state[key] < 0:
                 raise OuterStateError(f"state's {key} must be a non-negative integer")
 
     def _check_fragments(self, fragments: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:
@@ -614,63 +607,6 @@ class OuterOptimizer:
             raise ValueError(f"fragments must partition the trainable parameters exactly once "
                              f"(missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]})")
         return out
-
-
-class DataParallel:
-    """Synchronous data parallelism, the upper baseline: gradients are all-reduced every step
-    before the inner step (so every peer applies the same averaged gradient).
-
-    `step()` from a worker thread, `await astep()` in trio, like `OuterOptimizer`. Byte counters
-    match `OuterOptimizer.stats()`.
-    """
-
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, collective: Collective,
-                 *, codec: str = "none", clip: float | None = None) -> None:
-        self.model, self.inner, self.collective, self.codec, self.clip = model, inner, collective, codec, clip
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.inner_steps = 0
-        self.bytes_sent = self.bytes_received = self.peak_bytes_per_sync = 0
-        self.comm_wait_seconds = 0.0
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def _grads(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in self.params.items()}
-
-    def _apply(self, result: ReduceResult) -> None:
-        for n, p in self.params.items():
-            p.grad = result.tensors[n].to(p.dtype)
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
-        self.inner.step()
-        self.inner_steps += 1
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
-
-    async def _reduce(self, grads: dict[str, torch.Tensor]) -> ReduceResult:
-        t0 = time.monotonic()
-        try:
-            return await self.collective.all_reduce(grads, round_id=self.inner_steps + 1, tag="dp",
-                                                    codec=self.codec)
-        except CollectiveError as e:
-            log.warning(kv("data-parallel step without the swarm", step=self.inner_steps + 1, error=str(e)[:200]))
-            return ReduceResult(grads, (self.collective.peer_id,), b"")
-        finally:
-            self.comm_wait_seconds += time.monotonic() - t0
-
-    def step(self) -> None:
-        _check_not_in_trio_thread()
-        self._apply(trio.from_thread.run(self._reduce, self._grads()))
-
-    async def astep(self) -> None:
-        self._apply(await self._reduce(self._grads()))
-
-    def stats(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps, "rounds": self.inner_steps, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
-                "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": False}
 
 
 def _host_empty(t: torch.Tensor) -> torch.Tensor:
@@ -700,7 +636,7 @@ def _in_trio_worker() -> bool:
     return True
 
 
-def _check_not_in_trio_thread() -> None:
+def check_not_in_trio_thread() -> None:
     try:
         trio.lowlevel.current_trio_token()
     except RuntimeError:

@@ -47,11 +47,11 @@ from collections.abc import Sequence
 import torch
 import trio
 
+from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.sparse_codec import ChunkedTopK
+from meshtrain.collective.sparse_gather import GatherResult, all_gather
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.collective import Collective, ReduceResult
 from meshtrain.optim.outer import OuterOptimizer
-from meshtrain.optim.sparse_codec import ChunkedTopK
-from meshtrain.optim.sparse_gather import GatherResult, all_gather
 
 log = get_logger(__name__)
 

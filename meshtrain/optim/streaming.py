@@ -44,8 +44,9 @@ from collections.abc import Sequence
 
 import torch
 
-from meshtrain.optim.collective import Collective
+from meshtrain.collective.contract import Collective
 from meshtrain.optim.diloco import DiLoCo
+from meshtrain.transport.validate import is_int
 
 _BLOCK = re.compile(r"^(?P<prefix>.*?\.)?(?P<index>\d+)\.")
 
@@ -56,7 +57,7 @@ def strided_fragments(model: torch.nn.Module, P: int) -> list[list[str]]:
     first numbered container in the parameter names (`blocks.3.attn.w`, `layers.3.…`, `h.3.…`).
     Every other parameter goes to the fragment with the fewest elements so far (ties: lowest p),
     so peak bytes per sync stay near total/P."""
-    if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+    if not is_int(P) or P < 1:
         raise ValueError(f"the number of fragments P must be an integer >= 1, got {P!r}")
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if hasattr(model, "block_groups"):

@@ -66,17 +66,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import trio
 
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
-from meshtrain.optim.allreduce import AllReduceConfig, SwarmCollective
-from meshtrain.optim.collective import CollectiveError
 from meshtrain.pipeline.scheduler import (
     BACKWARD_FACTOR,
     HEAD_FACTOR,
@@ -92,6 +94,14 @@ from meshtrain.pipeline.stages import StageError, StageReplica, Tape
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.validate import (
+    MALFORMED,
+    is_int,
+    require_bool,
+    require_int,
+    require_map,
+    require_number,
+)
 
 log = get_logger(__name__)
 
@@ -102,7 +112,6 @@ MAX_RUN_CHARS = 64
 CALL_TIMEOUT = 10.0  # control RPCs
 SEND_TIMEOUT = 60.0  # one activation/gradient transfer, beyond the simulated link delay
 RECEIVE_TIMEOUT = 60.0  # an announced transfer must arrive within this
-LIVENESS_INTERVAL = 0.2
 CONNECT_WAIT = 20.0  # at start, how long to wait for connections to every peer of the run
 
 Mode = Literal["skippipe", "full"]
@@ -227,26 +236,19 @@ def sender_of(hop: Hop) -> str:
     return at(hop.route, hop.pos - 1) if hop.kind == "fwd" else at(hop.route, hop.pos + 1)
 
 
-def _int(v: Any, name: str, lo: int, hi: int, code: str = "malformed") -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise HopRejected("malformed", f"{name} must be an integer")
-    if not lo <= v <= hi:
-        raise HopRejected(code, f"{name} {v} is outside {lo}..{hi}")
-    return v
+def _malformed(text: str) -> HopRejected:
+    return HopRejected(MALFORMED, text)
 
 
-def _map(req: Any, *keys: str) -> dict[str, Any]:
-    if not isinstance(req, dict):
-        raise HopRejected("malformed", "expected a map")
-    missing = [k for k in keys if k not in req]
-    if missing:
-        raise HopRejected("malformed", f"missing fields {missing}")
-    return req
+def _int(v: Any, name: str, lo: int, hi: int, code: str = MALFORMED) -> int:
+    """An integer field: not an integer is `malformed`; outside lo..hi is `code`."""
+    require_int(v, name, error=_malformed)
+    return require_int(v, name, lo, hi, error=lambda text: HopRejected(code, text))
 
 
 def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int, current: int) -> Hop:
     """Validate a `pipeline/hop` request from `caller` to us; raise `HopRejected` with a code."""
-    req = _map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape")
+    req = require_map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape", error=_malformed)
     if req["run"] != run.run:
         raise HopRejected("unknown-run", "not a run this peer is in")
     it = _int(req["it"], "iteration", 0, 1 << 40)
@@ -256,7 +258,7 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
     att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
     kind = req["kind"]
     if kind not in ("fwd", "bwd"):
-        raise HopRejected("malformed", "kind must be 'fwd' or 'bwd'")
+        raise HopRejected(MALFORMED, "kind must be 'fwd' or 'bwd'")
     route = req["route"]
     S = run.problem.num_stages
     if not isinstance(route, list) or not 2 <= len(route) <= S or not all(isinstance(p, str) for p in route):
@@ -276,8 +278,7 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
     if sender_of(hop) != caller:
         raise HopRejected("bad-route", "the caller is not the previous hop of the route")
     shape = req["shape"]
-    if not isinstance(shape, list) or len(shape) != 3 or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in shape):
+    if not isinstance(shape, list) or len(shape) != 3 or not all(is_int(x) for x in shape):
         raise HopRejected("bad-shape", "shape must be [batch, time, d_model]")
     b, t, d = shape
     if b < 1 or t < 1 or d != d_model:
@@ -350,7 +351,7 @@ class _Iteration:
 # The runtime
 
 
-class PipelineRuntime:
+class PipelineRuntime(Service):
     """One peer's part of a pipeline run. Use as `async with PipelineRuntime(...) as rt:` inside
     a running host and data plane, then `await rt.run_iteration(i)` for i = 0, 1, ... on every
     peer of the run.
@@ -411,29 +412,21 @@ class PipelineRuntime:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> PipelineRuntime:
-        self._exit = trio.open_nursery()
-        self._nursery = await self._exit.__aenter__()
+    async def _start(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(self.collective)  # the replica sync's rounds end with us
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self.host.rpc.serve(HOP_RPC, self._rpc_hop)
         self.host.rpc.serve(ABANDON_RPC, self._rpc_abandon)
         self.host.rpc.serve(FAILED_RPC, self._rpc_failed)
         self.host.rpc.serve(DONE_RPC, self._rpc_done)
         others = [p for p in self.run.problem.placement if p != self.me]
         with trio.move_on_after(CONNECT_WAIT):
-            while not all(self.host.is_connected(p) for p in others):
-                await trio.sleep(0.05)
+            await self.host.wait_until(lambda: all(self.host.is_connected(p) for p in others))
         missing = [p for p in others if not self.host.is_connected(p)]
         if missing:
-            await self.__aexit__(None, None, None)
             raise PipelineError(f"not connected to {len(missing)} peers of run {self.run.run}; "
                                 "connect every peer of the run to every other first")
         self._started = time.monotonic()
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        return await self._exit.__aexit__(*exc)
 
     # -- one iteration ---------------------------------------------------------------------------
 
@@ -735,7 +728,8 @@ class PipelineRuntime:
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
                         self._restart(st, mb, mine.att, hit)
-            await trio.sleep(LIVENESS_INTERVAL)
+            await self.host.wait_until(lambda: any(p not in self.dead and not self.host.is_connected(p)
+                                                   for p in others))
 
     # -- end of an iteration ---------------------------------------------------------------------
 
@@ -848,7 +842,7 @@ class PipelineRuntime:
         st.notify()
 
     def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], _Iteration]:
-        req = _map(req, "run", "it", *keys)
+        req = require_map(req, "run", "it", *keys, error=_malformed)
         if req["run"] != self.run.run:
             raise HopRejected("unknown-run", "not a run this peer is in")
         it = _int(req["it"], "iteration", 0, 1 << 40)
@@ -877,7 +871,7 @@ class PipelineRuntime:
             att = _int(req["att"], "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")
             suspect = req["suspect"]
             if not isinstance(suspect, str) or suspect not in self.run.problem.placement:
-                raise HopRejected("malformed", "suspect must be a peer of the run")
+                raise HopRejected(MALFORMED, "suspect must be a peer of the run")
             if mb not in st.mine:
                 raise HopRejected("not-origin", f"microbatch {mb} does not start here")
         except HopRejected as e:
@@ -895,18 +889,16 @@ class PipelineRuntime:
             final, dead = req["final"], req["dead"]
             if not isinstance(final, list) or len(final) > M or not all(
                     isinstance(x, list) and len(x) == 2 for x in final):
-                raise HopRejected("malformed", "final must be a list of [microbatch, attempt]")
+                raise HopRejected(MALFORMED, "final must be a list of [microbatch, attempt]")
             final = [[_int(mb, "microbatch", 0, M - 1, "unknown-microbatch"),
                       _int(att, "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")] for mb, att in final]
             if not isinstance(dead, list) or not all(isinstance(p, str) and p in self.run.problem.placement
                                                      for p in dead):
-                raise HopRejected("malformed", "dead must list peers of the run")
+                raise HopRejected(MALFORMED, "dead must list peers of the run")
             loss, count = req["loss"], _int(req["count"], "count", 0, M)
             dropped = _int(req["dropped"], "dropped", 0, M)
-            if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
-                raise HopRejected("malformed", "loss must be a finite number")
-            if not isinstance(req["stop"], bool):
-                raise HopRejected("malformed", "stop must be a bool")
+            require_number(loss, "loss", error=_malformed)
+            require_bool(req["stop"], "stop", error=_malformed)
         except HopRejected as e:
             raise self._refuse(e) from None
         st.done_from[peer] = {"final": final, "dead": dead, "loss": float(loss), "count": count,

@@ -215,14 +215,6 @@ def skipped_stages_per_path(problem: PipelineProblem) -> int:
     return math.floor(problem.skip_ratio * (problem.num_stages - 1) + 0.5)
 
 
-def edge_cost(problem: PipelineProblem, a: str, b: str) -> float:
-    """Seconds to move one microbatch's activations (or gradients) between peers a and b."""
-    link = problem.links.get((a, b)) or problem.links.get((b, a))
-    if link is None:
-        raise ScheduleError(f"no link between {a!r} and {b!r}; give latency and bandwidth for it")
-    return link.latency + problem.activation_bytes / link.bandwidth
-
-
 def full_pipeline_problem(problem: PipelineProblem) -> PipelineProblem:
     """The GPipe-style baseline of `problem`: no skips, no swaps, every stage visited in order."""
     return replace(problem, skip_ratio=0.0, allow_swaps=False, max_stage_load=None)

@@ -6,6 +6,8 @@ length followed by that many bytes. The reader refuses a declared length above i
 reading the body, so a hostile peer cannot make us allocate more than the limit, and a stream that
 ends mid-frame is a `TruncatedFrame`, never a hang or a partial value.
 
+Checking the decoded value's shape is validate.py's job (`require_map`, `require_int`, ...).
+
 `FramedStream` wraps either a py-libp2p stream or a trio stream (anything with `read`/`write` or
 `receive_some`/`send_all`) and buffers reads, because a libp2p `read(n)` may return fewer bytes.
 """
@@ -20,6 +22,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.transport.validate import Malformed
 
 LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 4 << 20  # 4 MiB: the largest control message we ever accept
@@ -41,7 +44,7 @@ class TruncatedFrame(WireError):
     """The stream ended (or was reset) in the middle of a frame."""
 
 
-class MalformedMessage(WireError):
+class MalformedMessage(WireError, Malformed):
     """The frame's body is not the msgpack value the protocol expects."""
 
 
@@ -87,16 +90,6 @@ def unpackb(data: bytes | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> A
         raise
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise MalformedMessage(f"undecodable message: {type(e).__name__}: {e}") from None
-
-
-def expect_map(value: Any, *required: str) -> dict[str, Any]:
-    """Check that a decoded message is a map with the required keys; raise `MalformedMessage`."""
-    if not isinstance(value, dict):
-        raise MalformedMessage(f"expected a map, got {type(value).__name__}")
-    missing = [k for k in required if k not in value]
-    if missing:
-        raise MalformedMessage(f"message lacks fields {missing}")
-    return value
 
 
 class FramedStream:

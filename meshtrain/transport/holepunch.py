@@ -54,11 +54,12 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import expect_map
+from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host
 from meshtrain.transport.reachability import PRIVATE, PUBLIC, ReachabilityService
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
 from meshtrain.transport.tensor_streams import NOT_A_MEMBER, HandshakeError, TensorStreams
+from meshtrain.transport.validate import MALFORMED, require_map
 
 log = get_logger(__name__)
 
@@ -97,13 +98,13 @@ class _Pending:
 def _check_addr(value: Any) -> tuple[str, int]:
     if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
             and isinstance(value[1], int) and 0 < value[1] < 65536):
-        raise RemoteError("malformed", "addr must be [ip, port]")
+        raise RemoteError(MALFORMED, "addr must be [ip, port]")
     try:
         ip = ipaddress.ip_address(value[0])
     except ValueError:
-        raise RemoteError("malformed", "addr ip is not an IP address") from None
+        raise RemoteError(MALFORMED, "addr ip is not an IP address") from None
     if ip.version != 4 or ip.is_unspecified or ip.is_multicast:
-        raise RemoteError("malformed", "addr must be a unicast IPv4 address")
+        raise RemoteError(MALFORMED, "addr must be a unicast IPv4 address")
     return str(ip), value[1]
 
 
@@ -172,7 +173,7 @@ class DataPlanePunch:
             except RemoteError as e:
                 raise PunchFailed(f"{peer} refused to punch: {e}") from None
             rtt = time.monotonic() - t0
-            reply = expect_map(reply, "mode", "sid", "key", "addr")
+            reply = require_map(reply, "mode", "sid", "key", "addr", error=MalformedMessage)
             sid, key = reply["sid"], reply["key"]
             if not (isinstance(sid, bytes) and isinstance(key, bytes) and len(key) == 32):
                 raise PunchFailed("malformed punch reply")
@@ -243,12 +244,12 @@ class DataPlanePunch:
     # -- server ---------------------------------------------------------------------------
 
     async def _serve(self, peer: str, request: Any) -> dict:
-        req = expect_map(request, "op")
+        req = require_map(request, "op", error=MalformedMessage)
         if req["op"] == "prepare":
-            return await self._prepare(peer, expect_map(req, "addr", "public"))
+            return await self._prepare(peer, require_map(req, "addr", "public", error=MalformedMessage))
         if req["op"] == "go":
-            return await self._run_go(peer, expect_map(req, "token"))
-        raise RemoteError("malformed", "unknown op")
+            return await self._run_go(peer, require_map(req, "token", error=MalformedMessage))
+        raise RemoteError(MALFORMED, "unknown op")
 
     async def _prepare(self, peer: str, req: dict) -> dict:
         remote = _check_addr(req["addr"])
@@ -333,11 +334,4 @@ class HolePunchService(Service):
                 await self.dcutr.initiate_hole_punch(ID.from_base58(peer))
         except Exception as e:  # the library logs and returns False for most failures
             log.info(kv("hole punch failed", peer=peer, error=repr(e)))
-        return self.host.connection_type(peer) == "direct"
-
-    async def wait_direct(self, peer: str, timeout: float) -> bool:
-        """Wait until a direct connection to `peer` exists (e.g. the other side's DCUtR)."""
-        with trio.move_on_after(timeout):
-            while self.host.connection_type(peer) != "direct":
-                await trio.sleep(0.1)
         return self.host.connection_type(peer) == "direct"

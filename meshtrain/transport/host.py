@@ -19,12 +19,18 @@ Choices (measured, see shared/LIBP2P-NOTES.md):
 `Host` is an async context manager with a visible lifetime: entering starts the listener and a
 nursery that higher layers use for their background tasks; leaving cancels them and closes every
 connection.
+
+**Connection events.** Liveness has one source: a libp2p notifee wakes `wait_until` /
+`wait_disconnected` whenever a connection opens or closes, so the layers that must notice a dead
+peer at once (the all-reduce's data phase, the pipeline runtime) wait on it instead of polling
+`is_connected` in sleep loops. py-libp2p removes a closed connection before it notifies (and a
+cancelled cleanup may never notify), so waiters also re-check every `CONNECTION_RECHECK` s.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +38,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import INotifee
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
@@ -44,6 +51,8 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport import libp2p_patches
 from meshtrain.transport.identity import Identity
+from meshtrain.transport.rpc import Rpc
+from meshtrain.transport.rpc import stream_peer as stream_peer  # re-exported: it lived here
 
 log = get_logger(__name__)
 libp2p_patches.apply()
@@ -102,6 +111,32 @@ def peer_id_of(addr: str | multiaddr.Multiaddr) -> str:
 
 
 StreamHandler = Callable[[Any], Awaitable[None]]
+CONNECTION_RECHECK = 1.0  # waiters on connection state re-check this often even without an event
+
+
+class _ConnectionEvents(INotifee):
+    """Wakes the host's waiters when a connection opens or closes (never blocks libp2p)."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        self.host._connections_changed()
+
+    async def disconnected(self, network: Any, conn: Any) -> None:
+        self.host._connections_changed()
+
+    async def opened_stream(self, network: Any, stream: Any) -> None:
+        pass
+
+    async def closed_stream(self, network: Any, stream: Any) -> None:
+        pass
+
+    async def listen(self, network: Any, multiaddr: Any) -> None:
+        pass
+
+    async def listen_close(self, network: Any, multiaddr: Any) -> None:
+        pass
 
 
 class Host(Service):
@@ -118,7 +153,7 @@ class Host(Service):
                 max_connections_per_peer=1,
                 max_connections=self.config.max_connections,
                 high_watermark=self.config.max_connections,
-                min_connections=0,  # see the auto-connector note in __aenter__
+                min_connections=0,  # see the auto-connector note in _start
                 low_watermark=0,
             ),
             psk=self.config.swarm_key.lower() if self.config.swarm_key else None,
@@ -127,9 +162,9 @@ class Host(Service):
         # NAT traversal hook (meshtrain.transport.relay): py-libp2p's swarm never dials
         # `/p2p-circuit` addresses itself, so `connect` hands them to this dialer when one is set.
         self.circuit_dialer: Callable[[str, float], Awaitable[str]] | None = None
-        from meshtrain.transport.rpc import Rpc  # rpc depends on Host; built here, used everywhere
-
-        self.rpc = Rpc(self)
+        self.rpc = Rpc(self)  # built here, used everywhere
+        self._changed = trio.Event()  # set (and replaced) whenever a connection opens or closes
+        self._events = _ConnectionEvents(self)
 
     @property
     def peer_id(self) -> str:
@@ -159,6 +194,9 @@ class Host(Service):
         # watermarks (150 by default) every 30 s; the watermarks must stay for pruning, so
         # stop the connector itself: our membership layer decides whom to connect to.
         await self.libp2p.get_network().auto_connector.stop()
+        network = self.libp2p.get_network()
+        network.register_notifee(self._events)
+        stack.callback(network.remove_notifee, self._events)
         log.info(kv("host started", peer=self.peer_id, addrs=",".join(self.addrs)))
 
     async def _close_network(self) -> None:
@@ -200,6 +238,24 @@ class Host(Service):
 
     def is_connected(self, peer: str) -> bool:
         return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))
+
+    def _connections_changed(self) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], *, recheck: float = CONNECTION_RECHECK) -> None:
+        """Return once `predicate()` (about connection state) holds; it is evaluated now, after
+        every connection event, and at least every `recheck` seconds."""
+        while not predicate():
+            changed = self._changed
+            with trio.move_on_after(recheck):
+                await changed.wait()
+
+    async def wait_disconnected(self, peers: Iterable[str]) -> list[str]:
+        """Wait until at least one of `peers` has no connection; return those that have none."""
+        peers = list(peers)
+        await self.wait_until(lambda: any(not self.is_connected(p) for p in peers))
+        return [p for p in peers if not self.is_connected(p)]
 
     def connected_peers(self) -> list[str]:
         return sorted(p.to_base58() for p, c in self.libp2p.get_network().connections.items() if c)
@@ -264,8 +320,3 @@ def is_relayed_connection(conn: Any) -> bool:
     except Exception:
         return False
     return any("/p2p-circuit" in str(a) for a in addrs)
-
-
-def stream_peer(stream: Any) -> str:
-    """The authenticated peer id at the other end of an incoming libp2p stream."""
-    return stream.muxed_conn.peer_id.to_base58()

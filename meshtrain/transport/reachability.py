@@ -31,6 +31,7 @@ import ipaddress
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +41,12 @@ from libp2p.peer.id import ID
 from libp2p.security.pnet.protector import new_protected_conn
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import expect_map
+from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.validate import MALFORMED, require_map
 
 log = get_logger(__name__)
 
@@ -136,7 +139,7 @@ async def _fresh_handshake(host: Host, maddr: multiaddr.Multiaddr, peer: ID) -> 
             await raw.close()
 
 
-class ReachabilityService:
+class ReachabilityService(Service):
     """Serves dial-backs and probes our own reachability; use as `async with`.
 
     host:    the running `Host`.
@@ -158,9 +161,7 @@ class ReachabilityService:
         self._callbacks: list[Callable[[ReachabilityReport], None]] = []
         self._dialbacks = trio.Semaphore(MAX_CONCURRENT_DIALBACKS)
         self._last_request: dict[str, float] = {}
-        self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None
-        self._changed = trio.Event()
 
     @property
     def status(self) -> str:
@@ -185,26 +186,15 @@ class ReachabilityService:
     def on_change(self, callback: Callable[[ReachabilityReport], None]) -> None:
         self._callbacks.append(callback)
 
-    async def wait_for_change(self) -> ReachabilityReport:
-        await self._changed.wait()
-        return self.report
-
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def __aenter__(self) -> ReachabilityService:
+    async def _start(self, stack: AsyncExitStack) -> None:
         if self.config.serve:
             self.host.rpc.serve(DIALBACK_RPC, self._serve_dialback,
                                 handler_timeout=self.config.dialback_timeout * MAX_PORTS + 5)
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         if self.config.probe_interval > 0:
             self._nursery.start_soon(self._probe_loop)
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._nursery is not None  # lifecycle misuse, not peer input
-        self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(*exc)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -239,7 +229,7 @@ class ReachabilityService:
                 reply = await self.host.rpc.call(
                     server, DIALBACK_RPC, {"ports": ports},
                     timeout=self.config.dialback_timeout * MAX_PORTS + 10)
-                reply = expect_map(reply, "observed", "reached", "failed")
+                reply = require_map(reply, "observed", "reached", "failed", error=MalformedMessage)
                 answers.append(DialbackAnswer(
                     server, str(reply["observed"])[:64],
                     tuple(str(a)[:128] for a in reply["reached"][:MAX_PORTS]),
@@ -260,8 +250,6 @@ class ReachabilityService:
         old = self.report
         self.report = report
         if (old.status, old.observed_ip) != (report.status, report.observed_ip):
-            self._changed.set()
-            self._changed = trio.Event()
             for cb in list(self._callbacks):
                 try:
                     cb(report)
@@ -271,11 +259,11 @@ class ReachabilityService:
     # -- server ---------------------------------------------------------------------------
 
     async def _serve_dialback(self, peer: str, request: Any) -> dict:
-        req = expect_map(request, "ports")
+        req = require_map(request, "ports", error=MalformedMessage)
         ports = req["ports"]
         if (not isinstance(ports, list) or not ports or len(ports) > MAX_PORTS
                 or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
-            raise RemoteError("malformed", f"ports must be 1..{MAX_PORTS} TCP ports")
+            raise RemoteError(MALFORMED, f"ports must be 1..{MAX_PORTS} TCP ports")
         now = time.monotonic()
         if now - self._last_request.get(peer, -1e9) < MIN_REQUEST_INTERVAL:
             raise RemoteError("rate_limited", f"at most one dial-back per {MIN_REQUEST_INTERVAL:g} s")

@@ -15,7 +15,8 @@ on the side that received it; it never raises out of a libp2p handler task (whic
 host down) and never affects other streams.
 
 Handlers are `async def handler(peer_id: str, request) -> response`. To answer with a typed error
-raise `RemoteError(code, text)`; any other exception is answered as code `internal` (logged here,
+raise `RemoteError(code, text)`; a `Malformed` from validate.py's checks is answered as code
+`malformed`; any other exception is answered as code `internal` (logged here,
 with no traceback sent to the peer).
 """
 
@@ -23,16 +24,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import DEFAULT_MAX_FRAME, FramedStream, WireError
-
-if TYPE_CHECKING:
-    from meshtrain.transport.host import Host
+from meshtrain.transport.validate import MALFORMED, Malformed
 
 log = get_logger(__name__)
 
@@ -42,6 +41,14 @@ DEFAULT_HANDLER_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE = 1 << 20  # 1 MiB: RPCs are for control messages, not tensors
 
 Handler = Callable[[str, Any], Awaitable[Any]]
+
+
+class StreamHost(Protocol):
+    """What the RPC layer needs of the host (host.py's `Host`, which builds its `Rpc`)."""
+
+    def set_stream_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None: ...
+
+    async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any: ...
 
 
 class RpcError(MeshtrainError):
@@ -76,7 +83,7 @@ def protocol_id(name: str, version: int = 1) -> str:
 class Rpc:
     """The RPC layer of one host: `serve` handlers, `call` peers."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: StreamHost) -> None:
         self.host = host
 
     def serve(
@@ -92,8 +99,6 @@ class Rpc:
         proto = protocol_id(name, version)
 
         async def on_stream(stream: Any) -> None:
-            from meshtrain.transport.host import stream_peer
-
             framed = FramedStream(stream, max_frame=max(max_request, DEFAULT_MAX_FRAME))
             peer = "?"
             try:
@@ -101,14 +106,14 @@ class Rpc:
                 with trio.fail_after(read_timeout):
                     msg = await framed.read_frame(max_request)
                 if not isinstance(msg, dict) or "q" not in msg:
-                    raise RemoteError("malformed", "expected {'q': request}")
+                    raise RemoteError(MALFORMED, "expected {'q': request}")
                 with trio.fail_after(handler_timeout):
                     result = await handler(peer, msg["q"])
                 reply: dict[str, Any] = {"ok": result}
             except RemoteError as e:
                 reply = {"err": [e.code, e.text]}
-            except WireError as e:
-                reply = {"err": ["malformed", str(e)]}
+            except (WireError, Malformed) as e:  # a request that failed validate.py's checks
+                reply = {"err": [MALFORMED, str(e)]}
             except trio.TooSlowError:
                 reply = {"err": ["timeout", "request or handler exceeded its deadline"]}
             except trio.Cancelled:
@@ -138,15 +143,13 @@ class Rpc:
         timeout: float = DEFAULT_CALL_TIMEOUT,
         max_response: int = DEFAULT_MAX_MESSAGE,
     ) -> Any:
-        from meshtrain.transport.host import StreamOpenError
-
         proto = protocol_id(name, version)
         stream = None
         try:
             with trio.fail_after(timeout):
                 try:
                     stream = await self.host.open_stream(peer, proto, timeout=timeout)
-                except StreamOpenError as e:
+                except MeshtrainError as e:  # the host's StreamOpenError: gone, or not serving this
                     raise RpcUnavailable(str(e)) from None
                 framed = FramedStream(stream, max_frame=max(max_response, DEFAULT_MAX_FRAME))
                 await framed.write_frame({"q": request})
@@ -180,6 +183,11 @@ class Rpc:
         ):
             raise RemoteError(reply["err"][0], reply["err"][1])
         raise RpcProtocolError(f"{proto} to {peer}: malformed reply")
+
+
+def stream_peer(stream: Any) -> str:
+    """The authenticated peer id at the other end of an incoming libp2p stream."""
+    return stream.muxed_conn.peer_id.to_base58()
 
 
 async def reset_quietly(stream: Any) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.transport.validate import is_int
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -67,7 +68,7 @@ class TensorSpec:
         if not (
             isinstance(shape, list)
             and len(shape) <= MAX_NDIM
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
+            and all(is_int(d) and 0 <= d < 2**40 for d in shape)
         ):
             raise LayoutError(f"bad shape for {name!r}")
         return cls(name, dtype, tuple(shape))

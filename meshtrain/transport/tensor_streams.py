@@ -66,11 +66,12 @@ connections are only checked once they name a session we handed out).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AsyncExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,18 +84,18 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import (
     FramedStream,
     MalformedMessage,
     StreamClosed,
     WireError,
-    expect_map,
     packb,
     unpackb,
 )
-from meshtrain.transport.host import Host, StreamOpenError, stream_peer
-from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.host import Host, StreamOpenError
+from meshtrain.transport.rpc import RemoteError, RpcError, stream_peer
 from meshtrain.transport.tensor_layout import (
     LayoutError,
     TensorSpec,
@@ -106,6 +107,7 @@ from meshtrain.transport.tensor_layout import (
     total_bytes,
     validate_specs,
 )
+from meshtrain.transport.validate import require_map
 
 log = get_logger(__name__)
 
@@ -412,7 +414,7 @@ class _Session:
     created: float
 
 
-class TensorStreams:
+class TensorStreams(Service):
     """The data plane of one host. Use inside the host: `async with TensorStreams(host) as ts:`.
 
     host: the libp2p host whose identity authenticates sessions and whose streams carry the
@@ -453,28 +455,32 @@ class TensorStreams:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def __aenter__(self) -> TensorStreams:
-        self._exit = trio.open_nursery()
-        self._nursery = await self._exit.__aenter__()
+    async def _start(self, stack: AsyncExitStack) -> None:
+        # The listener first: if it cannot open, nothing else has started.
         ip = self.config.listen_ip or _first_ip(self.host.config.listen)
         self._listeners = await trio.open_tcp_listeners(self.config.port, host=ip)
+        stack.push_async_callback(self._close_listeners)
         self.port = self._listeners[0].socket.getsockname()[1]
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(trio.serve_listeners, self._serve_tcp, self._listeners)
         self.host.rpc.serve(SESSION_RPC, self._open_session)
         self.host.set_stream_handler(FALLBACK_PROTOCOL, self._serve_fallback)
         log.info(kv("data plane listening", ip=ip, port=self.port))
-        return self
 
-    async def __aexit__(self, *exc: object) -> bool | None:
+    async def _stop(self) -> None:
         assert self._nursery is not None  # lifecycle misuse, not peer input
-        self._nursery.cancel_scope.cancel()
+        self._nursery.cancel_scope.cancel()  # transfers stop before their connections close
         for chans in self._idle.values():
             for ch in chans:
                 await ch.aclose()
         self._idle.clear()
         for slot in self._slots.values():
             slot.finish(error=TransferError("data plane closed"))
-        return await self._exit.__aexit__(*exc)
+
+    async def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            with contextlib.suppress(Exception):
+                await listener.aclose()
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -606,7 +612,7 @@ class TensorStreams:
         kind, msg = await ch.recv_msg(ACCEPT, ERROR)
         if kind == ERROR:
             raise TransferRefused(f"{header['tag']!r} refused: {_error_text(msg)}")
-        offset = expect_map(msg, "offset")["offset"]
+        offset = require_map(msg, "offset", error=MalformedMessage)["offset"]
         if not isinstance(offset, int) or not 0 <= offset <= total:
             raise MalformedMessage("bad resume offset")
         hasher = blake3.blake3() if header["digest"] is None else None
@@ -668,7 +674,7 @@ class TensorStreams:
             sess = None if fresh else self._client_sessions.get(peer)
             if sess is None:
                 reply = await self.host.rpc.call(peer, SESSION_RPC, {"op": "open"}, timeout=10)
-                reply = expect_map(reply, "sid", "key", "port")
+                reply = require_map(reply, "sid", "key", "port", error=MalformedMessage)
                 ip = self.host.remote_ip(peer)
                 if ip is None:
                     raise OSError("no live libp2p connection to learn the peer's address from")
@@ -734,7 +740,7 @@ class TensorStreams:
         return False
 
     async def _open_session(self, peer: str, request: Any) -> dict:
-        expect_map(request, "op")
+        require_map(request, "op", error=MalformedMessage)
         if request["op"] != "open":
             raise RemoteError("bad_request", "unknown op")
         if not await self.admits(peer):
@@ -836,7 +842,7 @@ class TensorStreams:
             await ch.aclose()
 
     async def _receive_one(self, ch: _Channel, peer: str, header: Any) -> None:
-        header = expect_map(header, "tag", "xfer", "specs", "meta", "digest")
+        header = require_map(header, "tag", "xfer", "specs", "meta", "digest", error=MalformedMessage)
         tag, xfer, meta, hdigest = header["tag"], header["xfer"], header["meta"], header["digest"]
         if not (isinstance(tag, str) and len(tag) <= MAX_TAG_CHARS and isinstance(xfer, bytes)
                 and len(xfer) == 16 and isinstance(meta, dict)
@@ -887,12 +893,12 @@ class TensorStreams:
             self.active.discard(ch)
             part.active = False
             if not part.slot.done.is_set():
-                assert self._nursery is not None  # set in __aenter__
+                assert self._nursery is not None  # set in _start
                 self._nursery.start_soon(self._expire_partial, peer, xfer, part)
             raise
         self.active.discard(ch)
         del self._partials[(peer, xfer)]
-        tdigest = expect_map(trailer, "digest")["digest"]
+        tdigest = require_map(trailer, "digest", error=MalformedMessage)["digest"]
         mine = part.hasher.digest()
         expected = part.header_digest or tdigest
         if mine != expected:

@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
@@ -72,7 +74,7 @@ class UpnpResult:
 
 
 @dataclass
-class PortMapper:
+class PortMapper(Service):
     """Maps `ports` on the LAN's UPnP gateway for as long as it is entered; use as `async with`.
 
     ports:            TCP ports to forward (external = internal).
@@ -85,14 +87,14 @@ class PortMapper:
     result: UpnpResult = field(default_factory=lambda: UpnpResult(gateway=False))
     _manager: Any = field(default=None, init=False, repr=False)  # set once a gateway answered
 
-    async def __aenter__(self) -> PortMapper:
+    async def _start(self, stack: AsyncExitStack) -> None:
+        stack.push_async_callback(self._unmap)
         self.result = await self._map()
         log.info(kv("upnp", gateway=self.result.gateway, external_ip=self.result.external_ip,
                     mapped=list(self.result.mapped_ports), failed=list(self.result.failed_ports),
                     error=self.result.error))
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def _unmap(self) -> None:
         manager, self._manager = self._manager, None
         if manager is None:
             return

@@ -1,5 +1,5 @@
 """`LocalSwarm`: k simulated peers in one trio run, each with a `LocalCollective` that keeps the
-network collective's contract (collective.py).
+network collective's contract (contract.py).
 
 Why: the update rules of outer optimizers are tested, and algorithms are compared quickly, without
 sockets — while exercising the same code paths the swarm runs (weights, codecs, contributors,
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from meshtrain.optim.allreduce import _digest, _part_bounds
-from meshtrain.optim.collective import CollectiveError, ReduceResult
-from meshtrain.optim.compression import Codec, get_codec
-from meshtrain.optim.sparse_gather import GatherResult
+from meshtrain.collective.compression import Codec, get_codec
+from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest
+from meshtrain.collective.sparse_gather import GatherResult
 
 
 @dataclass
@@ -104,7 +104,7 @@ class LocalSwarm:
         for p in order:
             flat, w = r.arrivals[p]
             if w:
-                acc.add_(_flatten(flat), alpha=w)
+                acc.add_(flatten_fp32(flat), alpha=w)
         if total:
             acc.div_(total)
         codec = r.codec
@@ -114,7 +114,7 @@ class LocalSwarm:
             out[name] = mean[pos:pos + like.numel()].view(like.shape).to(like.dtype)
             pos += like.numel()
         contributors = tuple(p for p in order if r.arrivals[p][1] > 0)
-        r.result = ReduceResult(out, contributors, _digest(out), 0, 0, dict(r.excluded))
+        r.result = ReduceResult(out, contributors, result_digest(out), 0, 0, dict(r.excluded))
         r.done.set()
 
     async def _all_reduce(self, me: str, tensors: dict[str, torch.Tensor], round_id: int, tag: str,
@@ -176,7 +176,7 @@ class LocalSwarm:
                             round_id: int, tag: str, codec: str) -> ReduceResult:
         if me not in self.alive:
             raise CollectiveError(f"{me} left the swarm")
-        alone = ReduceResult(tensors, (me,), _digest(tensors), 0, 0, {})
+        alone = ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {})
         if partner is None or partner == me:
             return alone
         key = (round_id, tag, frozenset((me, partner)))
@@ -199,7 +199,7 @@ class LocalSwarm:
         a, b = pair.arrivals[lo], pair.arrivals[hi]
         out = {k: ((a[k] + b[k]) / 2).to(tensors[k].dtype) for k in tensors}
         sent = sum(c.encoded_nbytes(v.numel()) for v in tensors.values())
-        return ReduceResult(out, (lo, hi), _digest(out), sent, sent, {})
+        return ReduceResult(out, (lo, hi), result_digest(out), sent, sent, {})
 
 
 class LocalCollective:
@@ -232,14 +232,10 @@ class LocalCollective:
         return await self.swarm._average_with(self._id, partner, tensors, round_id, tag, codec)
 
 
-def _flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors.values()]) if tensors else torch.zeros(0)
-
-
 def _allreduce_bytes(codec: Codec, numel: int, n: int, me: int) -> int:
     """Bytes one member sends in a reduce-scatter + all-gather over n members (the network's)."""
     if n <= 1:
         return 0
-    bounds = _part_bounds(numel, n)
+    bounds = part_bounds(numel, n)
     sizes = [codec.encoded_nbytes(bounds[j + 1] - bounds[j]) for j in range(n)]
     return sum(s for j, s in enumerate(sizes) if j != me) + (n - 1) * sizes[me]

@@ -66,6 +66,7 @@ from typing import ClassVar
 import torch
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.transport.validate import is_int
 
 __all__ = [
     "CODECS",
@@ -280,7 +281,7 @@ class _BlockwiseCodec(Codec):
 
     def __post_init__(self) -> None:
         b = self.block_size
-        if not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= _CHUNK_ELEMENTS):
+        if not (is_int(b) and 1 <= b <= _CHUNK_ELEMENTS):
             raise ConfigError(
                 f"{self.name} block_size must be an int in [1, {_CHUNK_ELEMENTS}], got {b!r}"
             )
@@ -612,7 +613,7 @@ def _check_fits(codec: str, max_abs: float, dtype: torch.dtype, *, what: str) ->
 
 def _check_shape(shape: object) -> tuple[int, ...]:
     if not isinstance(shape, tuple | list | torch.Size) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        is_int(d) and d >= 0 for d in shape
     ):
         raise CodecError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     return tuple(shape)

@@ -48,8 +48,8 @@ import blake3
 import torch
 import trio
 
+from meshtrain.collective.contract import Collective, CollectiveError
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.collective import Collective, CollectiveError
 
 log = get_logger(__name__)
 

@@ -15,9 +15,10 @@ import math
 import torch
 import trio
 
+from meshtrain.collective.compression import CodecError, get_codec
+from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.flat import result_digest
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.collective import CollectiveError, ReduceResult
-from meshtrain.optim.compression import CodecError, get_codec
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 
 log = get_logger(__name__)
@@ -36,10 +37,8 @@ async def average_pair(
     min_bandwidth: float = 10e6,
 ) -> ReduceResult:
     """The mean of our `tensors` and `partner`'s, or our own if the partner is absent."""
-    from meshtrain.optim.allreduce import _digest as digest_fn  # one digest for all collectives
-
     if partner is None or partner == me:
-        return ReduceResult(tensors, (me,), digest_fn(tensors), 0, 0, {})
+        return ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {})
     try:
         c = get_codec(codec)
         mine = {k: c.decode(c.encode(v), v.shape, torch.float32) for k, v in tensors.items()}
@@ -69,7 +68,7 @@ async def average_pair(
                 raise CodecError("partner sent non-finite values")
             lo, hi = (mine, theirs) if me < partner else (theirs, mine)
             result = {k: ((lo[k] + hi[k]) / 2).to(tensors[k].dtype) for k in tensors}
-            digest = digest_fn(result)
+            digest = result_digest(result)
             async with trio.open_nursery() as nursery:
                 dig = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
                 nursery.start_soon(streams.send, partner, base + "/digest", {"d": dig})
@@ -82,7 +81,7 @@ async def average_pair(
             raise
         log.info(kv("pairwise average failed; proceeding alone", round=round_id, partner=partner[-8:],
                     error=repr(e)[:200]))
-        return ReduceResult(tensors, (me,), digest_fn(tensors), 0, 0, {partner: str(e)[:200]})
+        return ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {partner: str(e)[:200]})
     if not math.isfinite(float(sum(v.float().sum() for v in result.values()))):
         raise CollectiveError("non-finite pairwise result")
     return ReduceResult(result, tuple(sorted((me, partner))), digest, out["sent"], out["got"].nbytes, {})

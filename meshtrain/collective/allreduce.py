@@ -1,0 +1,498 @@
+"""Fault-tolerant all-reduce among a swarm's peers: `SwarmCollective`.
+
+The problem: average a dict of tensors among peers that may be SIGKILLed, stall or lie at any
+moment, with every survivor ending on bit-identical results, and no survivor waiting much longer
+than one deadline after a failure.
+
+**Group and attempts.** A round's candidate group comes from the membership snapshot
+(`membership(round_id)`). Its *coordinator* is the lowest peer id among them that answers — no
+fixed leader: if it dies, peers fall back to the next lowest id and start over there. The
+coordinator collects joins (until all candidates joined, or `join_timeout`), fixes the group of
+attempt 0, and later decides each attempt's outcome. A peer that joins after the group was fixed
+is told it is late and waits for the next round (`CollectiveError`). Membership is eventually
+consistent, so a peer that has not yet heard of a newcomer with a lower id may think it is the
+coordinator while the others follow the newcomer: while collecting joins, a coordinator re-reads
+the membership and, once a lower-id candidate it is connected to appears, hands the round over —
+everyone who joined it is told to start again there (`Moved`) — instead of waiting out
+its join deadline alone. Likewise a peer that entered a round late (a joiner whose downloaded state
+was one round old) may wait as coordinator for peers that already finished that round: once every
+missing peer has joined a later round of the same series here, nobody else will come — a majority
+that joined completes the round at once; a minority (the stale peer alone) is told the round has
+passed (`CollectiveError`; the node then re-syncs) instead of waiting out the deadline.
+A coordinator still missing peers after `PROBE_AFTER` asks them where they are (`WHERE_RPC`): a
+dropped connection can hide the lowest id from its membership while the others still follow it,
+and without asking it would wait out the hard join deadline alone. Peers already past the round
+count as passed; peers in it at a lower-id coordinator make it hand over there, or, if that
+coordinator cannot be reached, end the round at once (`CollectiveError`). hivemind forms groups through
+DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
+clean attempt semantics without a node the swarm cannot lose.
+
+**Data phase** (one attempt, group of n, flattened input of M elements cut into n parts; part j
+belongs to the j-th peer): reduce-scatter — every peer sends part j (optionally codec-encoded,
+with its weight) to its owner, which accumulates contributions in fp32 as they arrive; then
+all-gather — each owner encodes its reduced part once, decodes it back for itself, and sends the
+same bytes to all. Every peer thus holds the owner's exact bits for every part, so results are
+bit-identical by construction; a blake3 digest of the result, reported to the coordinator,
+checks it. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
+butterfly and PCCL's ring); all transfers of a phase run concurrently over `TensorStreams`.
+
+**Failures.** Every transfer has a deadline scaled to its size, and peers we are waiting on are
+watched for disconnection (the host's connection events), so a killed peer is noticed within a
+second and a stalled one within a deadline. A peer that sees a failure reports it to the coordinator, which at once declares the
+next attempt with the suspects removed; every peer watches for that decision while it transfers
+and abandons the attempt immediately. When all members report success, the coordinator commits
+if their digests agree; a minority digest is told to re-sync from a majority peer. If the
+coordinator itself dies, its watchers see the RPC fail and restart the round with the next lowest
+id. A peer that is itself cut off raises `CollectiveError`.
+
+**Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`): owners keep every
+contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
+values dropped, or after clipping each contribution to the median norm × `clip`. A contribution
+with NaN/inf or of the wrong size is rejected outright and its sender excluded and named in
+`ReduceResult.excluded`.
+
+**Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
+(which authenticate every request against our own view of membership and refuse with typed
+codes) and the round loop above. The coordinator's state machine is coordinator.py, one
+attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), and every control
+message, with its wire form, limits and `parse`, is protocol.py. The public names
+(`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import torch
+import trio
+
+from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
+from meshtrain.collective.flat import result_digest
+from meshtrain.collective.pairwise import average_pair
+from meshtrain.collective.protocol import (
+    DONE,
+    FAIL,
+    FAIL_GRACE,
+    JOIN_RPC,
+    NOT_A_MEMBER,
+    OUT_OF_WINDOW,
+    REPORT_RPC,
+    WATCH_RPC,
+    WHERE_RPC,
+    Abort,
+    AllReduceConfig,
+    Commit,
+    JoinRequest,
+    Late,
+    Moved,
+    Outcome,
+    Report,
+    Retry,
+    RoundKey,
+    WatchRequest,
+    WhereReply,
+    WhereRequest,
+    parse_join_reply,
+    parse_outcome,
+)
+from meshtrain.lifecycle import Service
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import Host
+from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.validate import Malformed
+
+log = get_logger(__name__)
+
+# Public names of the all-reduce, importable from here (they live in protocol.py).
+__all__ = ["JOIN_RPC", "NOT_A_MEMBER", "OUT_OF_WINDOW", "REPORT_RPC", "WATCH_RPC", "WHERE_RPC", "AllReduceConfig",
+           "CollectiveError", "ReduceResult", "SwarmCollective"]
+
+
+class _Restart(Exception):
+    """The coordinator is gone: start the round again with the next one."""
+
+
+class _Moved(Exception):
+    """The coordinator handed the round to a lower-id candidate: re-read the membership, go there."""
+
+
+class SwarmCollective(Service):
+    """The `Collective` over a running host and its tensor streams.
+
+    `membership(round_id)` returns the candidate peers for a round (our id may or may not be in
+    it). Call `all_reduce` with the same `round_id` and `tag` on every peer of the round.
+    `current_round()`, if given, is the round this peer is at (for `round_window`; None: unknown).
+
+    Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
+    background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
+    `async with`, the collective enters itself on first use, for the lifetime of the host.
+    """
+
+    def __init__(self, host: Host, streams: TensorStreams,
+                 membership: Callable[[int], Sequence[str]], config: AllReduceConfig | None = None, *,
+                 current_round: Callable[[], int | None] | None = None) -> None:
+        self.host = host
+        self.streams = streams
+        self.membership = membership
+        self.config = config or AllReduceConfig()
+        self.current_round = current_round
+        self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
+        self._latest_round: int | None = None  # the newest round we took part in
+        self._waiting: str | None = None  # what our round waits for now (participant side)
+        self._coord = Coordinator(host, self.config, self.group)
+        self._entering = trio.Lock()  # one start, whether entered or started on first use
+        self._nested = 0  # entries while already running (they leave the lifetime as it is)
+        # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
+        # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
+        self._position: dict[str, tuple[int, str]] = {}
+        self._finished: dict[str, int] = {}
+        long = self.config.join_timeout + 120
+        host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
+        host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
+        host.rpc.serve(WATCH_RPC, self._rpc_watch, handler_timeout=long)
+        host.rpc.serve(WHERE_RPC, self._rpc_where, handler_timeout=5.0)
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    def group(self, round_id: int) -> tuple[str, ...]:
+        return tuple(sorted(set(self.membership(round_id)) | {self.peer_id}))
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        await self._nursery.start(self._coord.run)
+
+    async def __aenter__(self) -> SwarmCollective:
+        async with self._entering:
+            if self._stack is not None:  # already running: a peer's join started us first
+                self._nested += 1
+                return self
+            return await super().__aenter__()
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        if self._nested:
+            self._nested -= 1
+            return None
+        return await super().__aexit__(*exc)
+
+    async def _running(self) -> trio.Nursery:
+        """The collective's nursery; if nobody entered us, we enter for the host's lifetime."""
+        async with self._entering:
+            if self._stack is None:
+                if self.host.nursery is None:
+                    raise CollectiveError("the host is not running")
+                await self.host.nursery.start(self._live_with_host)
+        assert self._nursery is not None  # started above
+        return self._nursery
+
+    async def _live_with_host(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await Service.__aenter__(self)
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            await Service.__aexit__(self, None, None, None)
+
+    # -- RPC handlers (coordinator role) -------------------------------------------------------
+    #
+    # Every request is authenticated against our own view of membership: only a candidate of the
+    # round (a member per `membership`, us included) may join, report, watch or ask where we are,
+    # and only for a round near the one we are at. A fresh identity that is not a member gets a
+    # typed `not-a-member` error and changes nothing — before this, a stranger could join a future
+    # round with itself as the expected group and void the real members' round.
+
+    def _refuse(self, code: str, text: str) -> RemoteError:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        return RemoteError(code, text)
+
+    async def _require_member(self, peer: str, round_id: int, *, wait: bool = True) -> None:
+        """`peer` must be a candidate of `round_id`. A peer that just became a trainer may not be
+        in our replica of membership yet: wait up to `member_wait` for it to arrive."""
+        if peer == self.peer_id or peer in self.membership(round_id):
+            return
+        if wait:
+            with trio.move_on_after(self.config.member_wait):
+                while peer not in self.membership(round_id):
+                    await trio.sleep(0.1)
+                return
+        raise self._refuse(NOT_A_MEMBER, f"{peer[-8:]} is not a member of this swarm's round {round_id}")
+
+    def _check_window(self, round_id: int) -> None:
+        window = self.config.round_window
+        # Our own position: the caller's step counter (None while we are not in step ourselves —
+        # starting, or downloading the swarm's state — when we cannot judge), else the newest
+        # round we took part in.
+        ref = self.current_round() if self.current_round is not None else self._latest_round
+        if window is not None and ref is not None and abs(round_id - ref) > window:
+            raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
+
+    async def _rpc_join(self, peer: str, req: Any) -> dict:
+        join = JoinRequest.parse(req, to=self.peer_id)
+        self._check_window(join.key.round_id)
+        await self._require_member(peer, join.key.round_id)
+        await self._running()
+        return (await self._coord.join(peer, join.key, join.skipped)).to_wire()
+
+    async def _rpc_report(self, peer: str, req: Any) -> dict:
+        report = Report.parse(req, to=self.peer_id)
+        return (await self._coord.report(peer, report)).to_wire()
+
+    async def _rpc_watch(self, peer: str, req: Any) -> dict:
+        watch = WatchRequest.parse(req, to=self.peer_id)
+        return (await self._coord.watch(peer, watch.key, watch.attempt)).to_wire()
+
+    async def _rpc_where(self, peer: str, req: Any) -> dict:
+        where = WhereRequest.parse(req)
+        await self._require_member(peer, where.round_id, wait=False)
+        at, coordinator = self._position.get(where.tag, (-1, None))
+        return WhereReply(at, coordinator, self._finished.get(where.tag, -1)).to_wire()
+
+    def waiting_for(self) -> str | None:
+        """What a round of ours waits for right now, in words (for `/status`), or None."""
+        return self._coord.waiting_for() or self._waiting
+
+    # -- talking to the coordinator ------------------------------------------------------------
+
+    async def _call_coordinator(self, coordinator: str, method: str, request: Any) -> Any:
+        """The raw reply of one control RPC to a remote coordinator; `_Restart` if it is gone."""
+        give_up = trio.current_time() + self.config.join_timeout
+        while True:
+            try:
+                return await self.host.rpc.call(coordinator, method, request.to_wire(),
+                                                timeout=self.config.join_timeout + 120)
+            except RemoteError as e:
+                if e.code in (NOT_A_MEMBER, OUT_OF_WINDOW):
+                    # Its view of the swarm does not hold us (yet), or it is far from our round:
+                    # another coordinator would split the round. Proceed alone; parity re-syncs us.
+                    raise CollectiveError(f"coordinator {coordinator[-8:]} refused us: {e}") from None
+                raise _Restart(f"coordinator {coordinator[-8:]} refused: {e}") from None
+            except RpcError as e:
+                # A live connection means the coordinator is there but not ready (still starting
+                # its collective): try again until the join deadline. No connection: it is gone.
+                if not self.host.is_connected(coordinator) or trio.current_time() > give_up:
+                    raise _Restart(f"coordinator {coordinator[-8:]} unreachable: {e}") from None
+                await trio.sleep(0.2)
+
+    async def _join(self, join: JoinRequest):
+        if join.key.coordinator == self.peer_id:
+            await self._running()
+            return await self._coord.join(self.peer_id, join.key, join.skipped)
+        reply = await self._call_coordinator(join.key.coordinator, JOIN_RPC, join)
+        try:
+            return parse_join_reply(reply)
+        except Malformed:
+            raise _Restart("malformed reply from coordinator") from None
+
+    async def _report(self, report: Report) -> Outcome:
+        if report.key.coordinator == self.peer_id:
+            return await self._coord.report(self.peer_id, report)
+        return self._outcome(await self._call_coordinator(report.key.coordinator, REPORT_RPC, report))
+
+    async def _watch(self, key: RoundKey, attempt: int) -> Outcome:
+        if key.coordinator == self.peer_id:
+            return await self._coord.watch(self.peer_id, key, attempt)
+        return self._outcome(await self._call_coordinator(key.coordinator, WATCH_RPC, WatchRequest(key, attempt)))
+
+    @staticmethod
+    def _outcome(reply: Any) -> Outcome:
+        try:
+            return parse_outcome(reply)
+        except Malformed:
+            raise _Restart("malformed reply from coordinator") from None
+
+    # -- the collective ------------------------------------------------------------------------
+
+    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
+                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+        if not math.isfinite(weight) or weight < 0:
+            raise CollectiveError("weight must be finite and >= 0")
+        if not all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point()):
+            # Still take part (others must not wait for us), but contribute nothing.
+            log.warning(kv("allreduce input is not finite; contributing weight 0", round=round_id))
+            tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
+            weight = 0.0
+        self._latest_round = max(self._latest_round or round_id, round_id)
+        try:
+            return await self._all_reduce(tensors, round_id, tag, codec, weight)
+        finally:
+            self._waiting = None
+            self._position.pop(tag, None)
+            self._finished[tag] = max(self._finished.get(tag, -1), round_id)
+            for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
+                del self._finished[old]
+
+    async def _all_reduce(self, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str,
+                          weight: float) -> ReduceResult:
+        candidates = list(self.group(round_id))
+        dead: set[str] = set()
+        while True:
+            live = [p for p in candidates if p not in dead]
+            if not live:  # every candidate we tried is gone or handed over in a loop
+                raise CollectiveError(f"round {round_id}: no coordinator left to join")
+            coordinator = live[0]
+            key = RoundKey(round_id, tag, coordinator)
+            self._position[tag] = (round_id, coordinator)
+            try:
+                # A safety net over the per-step deadlines: however the round misbehaves, the
+                # caller gets an error and proceeds (alone) instead of waiting forever.
+                with trio.fail_after(self._round_deadline(tensors)):
+                    return await self._run_round(JoinRequest(key, tuple(live), tuple(sorted(dead))),
+                                                 tensors, codec, weight)
+            except trio.TooSlowError:
+                raise CollectiveError(f"round {round_id}: no outcome within {self._round_deadline(tensors):.0f} s"
+                                      ) from None
+            except _Moved as e:
+                # Our view was behind: take the fresh membership (it now has the newcomer).
+                candidates = sorted(set(self.group(round_id)) | {str(e)})
+                log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
+            except _Restart as e:
+                log.info(kv("allreduce coordinator lost, restarting round", round=round_id,
+                            coordinator=coordinator[-8:], reason=str(e)))
+                if coordinator == self.peer_id:
+                    raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
+                dead.add(coordinator)
+
+    def _round_deadline(self, tensors: dict[str, torch.Tensor]) -> float:
+        cfg = self.config
+        transfer = cfg.transfer_deadline(sum(t.numel() for t in tensors.values()))
+        return (cfg.join_timeout * cfg.hard_join_factor
+                + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE) + 30)
+
+    async def _run_round(self, join: JoinRequest, tensors: dict[str, torch.Tensor], codec: str,
+                         weight: float) -> ReduceResult:
+        key, coordinator = join.key, join.key.coordinator
+        log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
+        if coordinator != self.peer_id:
+            self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
+        joined = await self._join(join)
+        self._waiting = None
+        log.debug(kv("allreduce joined", key=key, reply=type(joined).__name__))
+        if isinstance(joined, Moved):
+            if joined.to < coordinator:
+                raise _Moved(joined.to)
+            raise CollectiveError(f"{key}: coordinator handed the round to a higher id; proceed alone")
+        if isinstance(joined, Late):
+            if joined.elsewhere is not None:
+                raise CollectiveError(f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "
+                                      "which we cannot reach; proceed alone and re-sync")
+            if joined.passed:
+                raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
+            raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
+        attempt, group = joined.attempt, joined.group
+        excluded: dict[str, str] = {}
+        while True:
+            if self.peer_id not in group:
+                raise CollectiveError(f"{key}: this peer was excluded from the round")
+            try:
+                outcome, result, stats = await self._attempt(key, attempt, group, tensors, codec, weight)
+            except trio.Cancelled:
+                # We are leaving mid-round: say so, so the others retry at once instead of
+                # waiting out a deadline for our data.
+                with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(_Restart, RpcError):
+                    await self._report(Report(key, attempt, FAIL, None, (self.peer_id,), (), True))
+                raise
+            if isinstance(outcome, Retry):
+                for p in outcome.excluded:
+                    excluded.setdefault(p, "failed during the round")
+                attempt, group = outcome.attempt, outcome.group
+                log.info(kv("allreduce retry", key=key, attempt=attempt, group=len(group)))
+                continue
+            if isinstance(outcome, Abort):
+                raise CollectiveError(f"{key}: {outcome.why}")
+            return await self._commit(key, attempt, group, outcome, result, stats, tensors, excluded)
+
+    async def _commit(self, key: RoundKey, attempt: int, group: tuple[str, ...], outcome: Commit,
+                      result: dict[str, torch.Tensor] | None, stats: AttemptStats,
+                      tensors: dict[str, torch.Tensor], excluded: dict[str, str]) -> ReduceResult:
+        """Our result once the coordinator committed `outcome.digest`: fetched from a holder if
+        ours is missing or differs; sent to the peers that need it if we are the first holder."""
+        needy = [p for p in (*outcome.resync, *outcome.unconfirmed) if p != self.peer_id]
+        resync_tag = f"ar/{key.wire}/{attempt}/resync"
+        digest = stats.digest
+        if self.peer_id in outcome.resync or result is None:
+            if not outcome.holders:
+                raise CollectiveError(f"{key}: nobody holds the committed result")
+            result = await self._resync(resync_tag, outcome.holders[0], tensors)
+            digest = result_digest(result)
+        elif outcome.holders and outcome.holders[0] == self.peer_id and needy:
+            nursery = await self._running()
+            for p in needy:
+                nursery.start_soon(self._send_quietly, p, resync_tag, result)
+        if digest != outcome.digest:
+            raise CollectiveError(f"{key}: result does not match the committed digest")
+        for p in outcome.rejected:
+            excluded.setdefault(p, stats.rejected.get(p, "sent an invalid contribution"))
+        contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
+        return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded)
+
+    async def _attempt(self, key: RoundKey, attempt: int, group: tuple[str, ...], tensors: dict[str, torch.Tensor],
+                       codec: str, weight: float) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
+        """Run one attempt's data phase while watching for the coordinator's decision."""
+        phase = DataPhase(self.streams, self.host, self.config, key=key, attempt=attempt, group=group,
+                          me=self.peer_id, tensors=tensors, codec=codec, weight=weight)
+        decided: list[Outcome] = []
+        result: list[dict[str, torch.Tensor]] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                async def watch() -> None:
+                    decided.append(await self._watch(key, attempt))
+                    nursery.cancel_scope.cancel()
+
+                async def work() -> None:
+                    try:
+                        out = await phase.run()
+                        phase.stats.digest = await trio.to_thread.run_sync(result_digest, out)
+                        result.append(out)
+                        report = Report(key, attempt, DONE, phase.stats.digest, (), tuple(sorted(phase.stats.rejected)))
+                    except AttemptFailed as e:
+                        log.info(kv("allreduce attempt failed", key=key, attempt=attempt,
+                                    suspects=",".join(s[-8:] for s in e.suspects), why=str(e)))
+                        report = Report(key, attempt, FAIL, None, tuple(sorted(e.suspects)),
+                                        tuple(sorted(phase.stats.rejected)), e.evidence)
+                    log.debug(kv("allreduce report", key=key, attempt=attempt, status=report.status))
+                    await self._report(report)
+
+                nursery.start_soon(watch)
+                nursery.start_soon(work)
+        except BaseExceptionGroup as eg:
+            leaves = list(exception_leaves(eg))
+            for kind in (CollectiveError, _Restart):
+                for e in leaves:
+                    if isinstance(e, kind):
+                        raise e from None
+            raise
+        log.debug(kv("allreduce attempt decided", key=key, attempt=attempt, outcome=type(decided[0]).__name__))
+        return decided[0], (result[0] if result else None), phase.stats
+
+    async def _resync(self, tag: str, holder: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fetch the committed result from a peer that holds it (our copy is missing or wrong)."""
+        into = {k: torch.empty_like(v) for k, v in like.items()}
+        deadline = self.config.transfer_deadline(sum(v.numel() for v in like.values()))
+        try:
+            got = await self.streams.receive(holder, tag, into=into, timeout=deadline)
+        except TransferError as e:
+            raise CollectiveError(f"re-sync from {holder[-8:]} failed: {e}") from None
+        return got.tensors
+
+    async def _send_quietly(self, peer: str, tag: str, tensors: dict[str, torch.Tensor]) -> None:
+        deadline = self.config.transfer_deadline(sum(v.numel() for v in tensors.values()))
+        try:
+            await self.streams.send(peer, tag, tensors, timeout=deadline)
+        except TransferError as e:  # the peer may simply be gone
+            log.info(kv("re-sync send failed", peer=peer[-8:], error=str(e)))
+
+    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
+                           tag: str = "", codec: str = "none") -> ReduceResult:
+        return await average_pair(self.streams, self.peer_id, partner, tensors, round_id=round_id, tag=tag,
+                                  codec=codec, timeout=self.config.part_timeout,
+                                  min_bandwidth=self.config.min_bandwidth)

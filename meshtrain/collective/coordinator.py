@@ -1,0 +1,435 @@
+"""The all-reduce coordinator's state machine: group formation and each attempt's outcome.
+
+One peer coordinates each round (the lowest id of the round's candidates that answers; see
+allreduce.py for how peers find it). Its job, per round key:
+
+- **collect joins** until every expected candidate joined, or the join deadline passed with a
+  majority in (up to `hard_join_factor` × the deadline while only a minority joined), then fix
+  the group of attempt 0. The expected set is always our own `group(round_id)` view, refreshed
+  while waiting — never a joiner's claim — so a peer that left is no longer waited for;
+- **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
+  membership was behind), or **end it** when nobody else will come: the missing peers joined a
+  later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this
+  round or in it at a coordinator we cannot reach. A majority that joined then completes the
+  round at once; a minority is told it is `Late` (passed, or elsewhere) and re-syncs;
+- **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
+  majority digest wins; a minority digest is told to re-sync), `Retry` among the survivors after
+  a failure (who goes is `_decide_failure`'s rule), `Abort` after `max_attempts`.
+
+The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
+its own participation) and by timers; the timers run in a nursery that the owner hands in with
+`run` (the collective's, so their lifetime is the collective's). Time is only read through
+`trio.current_time()`, so the state machine is tested with trio's `MockClock` without sleeping.
+
+Not here: the RPC handlers and their authentication (allreduce.py), the message formats
+(protocol.py), moving data (data_phase.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from meshtrain.collective.protocol import (
+    FAIL_GRACE,
+    JOIN_QUIET,
+    NOT_A_MEMBER,
+    PROBE_AFTER,
+    PROBE_EVERY,
+    UNKNOWN_ATTEMPT,
+    WAIT_LOG_EVERY,
+    WHERE_RPC,
+    Abort,
+    AllReduceConfig,
+    Commit,
+    Joined,
+    JoinReply,
+    Late,
+    Moved,
+    Outcome,
+    Report,
+    Retry,
+    RoundKey,
+    WhereReply,
+    WhereRequest,
+)
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import Host
+from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.validate import Malformed
+
+log = get_logger(__name__)
+
+ROUNDS_KEPT = 16  # rounds remembered (older ones are forgotten)
+LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
+
+
+@dataclass
+class _Attempt:
+    group: tuple[str, ...]
+    reports: dict[str, Report] = field(default_factory=dict)
+    outcome: Outcome | None = None
+    decided: trio.Event = field(default_factory=trio.Event)
+    first_report: float | None = None
+    first_fail: float | None = None
+
+
+@dataclass
+class _Round:
+    key: RoundKey
+    expected: frozenset[str]
+    created: float
+    moved: str | None = None  # handed over to this lower-id candidate before the group was fixed
+    elsewhere: str | None = None  # the missing peers are in this round at a coordinator we cannot reach
+    skipped: set[str] = field(default_factory=set)  # lower ids joiners gave up on (never hand over to them)
+    passed: bool = False  # the missing peers already joined a later round: nobody else will come
+    last_wait_log: float = 0.0
+    joins: dict[str, float] = field(default_factory=dict)
+    group_fixed: trio.Event = field(default_factory=trio.Event)
+    attempts: list[_Attempt] = field(default_factory=list)
+
+    @property
+    def missing(self) -> frozenset[str]:
+        return self.expected - set(self.joins)
+
+    def ended_without_us(self) -> Late:
+        return Late(self.passed, self.elsewhere)
+
+
+class Coordinator:
+    """State a coordinator keeps per round key.
+
+    host: for connection state (`is_connected`) and the `WHERE_RPC` probe.
+    config: deadlines and limits (`AllReduceConfig`).
+    group: our own view of a round's candidates, `group(round_id)` → sorted ids, us included.
+    Call `await nursery.start(coordinator.run)` before `join` (timers run in that nursery)."""
+
+    def __init__(self, host: Host, config: AllReduceConfig, group: Callable[[int], Sequence[str]]) -> None:
+        self.host = host
+        self.config = config
+        self.group = group
+        self.rounds: dict[RoundKey, _Round] = {}
+        # (peer, series) -> the highest round id that peer joined here; a series is a key without
+        # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
+        self.latest: dict[tuple[str, tuple[str, str]], int] = {}
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the timers' nursery until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def _start_soon(self, fn: Callable, *args: object) -> None:
+        if self._nursery is None:
+            raise RuntimeError("the coordinator is not running: start `run` in a nursery first")
+        self._nursery.start_soon(fn, *args)
+
+    # -- group formation ---------------------------------------------------------------------
+
+    def _round(self, key: RoundKey) -> _Round:
+        r = self.rounds.get(key)
+        if r is None:
+            # The candidates come from our own view of membership, never from a joiner's message.
+            r = _Round(key, frozenset(self.group(key.round_id)), trio.current_time())
+            self.rounds[key] = r
+            self._start_soon(self._fix_group_later, r)
+            for old in list(self.rounds)[:-ROUNDS_KEPT]:
+                del self.rounds[old]
+        return r
+
+    async def _fix_group_later(self, r: _Round) -> None:
+        """Fix the group at the join deadline if a majority of the expected peers joined, else
+        keep waiting up to the hard deadline: a lone early peer must not form a group of one and
+        leave the majority, arriving a little later, "late" for the round."""
+        cfg = self.config
+        next_probe = r.created + PROBE_AFTER
+
+        async def tick(dt: float) -> None:
+            nonlocal next_probe
+            with trio.move_on_after(dt):
+                await r.group_fixed.wait()
+            self._review(r)
+            if not r.group_fixed.is_set() and trio.current_time() >= next_probe:
+                await self._probe(r)
+                next_probe = trio.current_time() + PROBE_EVERY
+
+        with trio.move_on_after(cfg.join_timeout):
+            while not r.group_fixed.is_set():
+                await tick(cfg.liveness_interval)
+        with trio.move_on_after(cfg.join_timeout * (cfg.hard_join_factor - 1)):
+            while not r.group_fixed.is_set() and 2 * len(r.joins) <= len(r.expected):
+                await tick(0.05)
+            # Peers finishing the previous round arrive in a wave: once the majority is in, keep
+            # the door open while joins are still arriving, so the tail of the wave is not "late".
+            seen = -1
+            while not r.group_fixed.is_set() and len(r.joins) != seen:
+                seen = len(r.joins)
+                await trio.sleep(JOIN_QUIET)
+        self._fix_group(r)
+
+    async def _probe(self, r: _Round) -> None:
+        """Ask the missing candidates we are connected to where they are in this round's series.
+
+        Our view of who coordinates can differ from theirs without a newcomer: a dropped
+        connection to the lowest id hides it from our membership while the others still follow
+        it, and we would wait out the hard join deadline (3 × join_timeout) alone. A missing peer
+        already past this round counts as passed; one in this round at a lower-id coordinator
+        makes us hand the round over there — or, if our joiners already failed to reach that
+        coordinator (`skipped`), end the round at once: the swarm's round is one we cannot join."""
+        me, round_id = self.peer_id, r.key.round_id
+        if not r.missing - {me}:
+            return  # only we have not joined yet (a slow start): our own join completes the group
+        missing = sorted(p for p in r.missing if p != me and self.host.is_connected(p))
+        answers: dict[str, WhereReply] = {}
+
+        async def ask(peer: str) -> None:
+            with contextlib.suppress(RpcError, Malformed):
+                reply = await self.host.rpc.call(peer, WHERE_RPC, WhereRequest(r.key.tag, round_id).to_wire(),
+                                                 timeout=PROBE_EVERY)
+                answers[peer] = WhereReply.parse(reply)
+
+        async with trio.open_nursery() as nursery:
+            for p in missing:
+                nursery.start_soon(ask, p)
+        if r.group_fixed.is_set():
+            return
+        elsewhere: dict[str, str] = {}
+        passed: set[str] = set()
+        for p, a in answers.items():
+            if a.finished >= round_id or a.round_id > round_id:
+                passed.add(p)
+            elif a.round_id == round_id and a.coordinator is not None and a.coordinator < me:
+                elsewhere[p] = a.coordinator
+        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped)
+        accounted = set(elsewhere) | passed >= r.missing - {me}
+        if accounted and not elsewhere:
+            self._nobody_else_coming(r, "the missing peers are past this round")
+        elif reachable:
+            self._hand_over(r, reachable[0], "the missing peers are in this round there")
+        elif accounted:
+            self._nobody_else_coming(r, "the missing peers are in this round at a coordinator we cannot reach",
+                                     elsewhere=min(elsewhere.values()))
+
+    def _nobody_else_coming(self, r: _Round, why: str, elsewhere: str | None = None) -> None:
+        """The missing peers will not join: a majority that did completes the round now (a peer
+        that cancelled and moved on must not void the round for the rest); a minority — a stale
+        or cut-off coordinator, usually alone — ends it, and its members re-sync."""
+        if 2 * len(r.joins) > len(r.expected):
+            log.info(kv("allreduce fixing the group without the missing peers", key=r.key, why=why,
+                        joined=len(r.joins), expected=len(r.expected)))
+            self._fix_group(r)
+            return
+        if elsewhere is None:
+            r.passed = True
+        else:
+            r.elsewhere = elsewhere
+        r.group_fixed.set()
+        log.info(kv("allreduce round ends: nobody else will come", key=r.key, why=why, joined=len(r.joins)))
+
+    def _review(self, r: _Round) -> None:
+        """While collecting joins: follow membership (a peer that left — its connection closed, or
+        its lease ran out — is no longer waited for), end a round nobody else will come to, or
+        hand it over."""
+        if r.group_fixed.is_set():
+            return
+        round_id = r.key.round_id
+        r.expected = frozenset(self.group(round_id)) | frozenset(r.joins)
+        if r.expected <= set(r.joins):
+            self._fix_group(r)
+            return
+        now = trio.current_time()
+        if now - r.created >= WAIT_LOG_EVERY and now - r.last_wait_log >= WAIT_LOG_EVERY:
+            r.last_wait_log = now
+            log.warning(kv("outer round waiting for peers to join", round=round_id, tag=r.key.tag,
+                           joined=len(r.joins), expected=len(r.expected),
+                           missing=",".join(p[-8:] for p in sorted(r.missing)),
+                           waited_s=round(now - r.created, 1)))
+        missing = r.missing
+        if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
+            self._nobody_else_coming(r, "the missing peers joined a later round here")
+            return
+        me = self.peer_id
+        lower = [p for p in self.group(round_id) if p < me and p not in r.skipped and self.host.is_connected(p)]
+        if lower:
+            self._hand_over(r, lower[0], "a lower id is connected")
+
+    def _hand_over(self, r: _Round, to: str, why: str) -> None:
+        """Everyone who joined here is told to start the round again at `to`."""
+        r.moved = to
+        r.group_fixed.set()
+        if self.rounds.get(r.key) is r:
+            del self.rounds[r.key]
+        log.info(kv("allreduce coordinator handing over", key=r.key, to=to[-8:], why=why))
+
+    def _fix_group(self, r: _Round) -> None:
+        if not r.group_fixed.is_set():
+            r.attempts.append(_Attempt(tuple(sorted(r.joins))))
+            r.group_fixed.set()
+            log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins),
+                         expected=len(r.expected)))
+
+    async def join(self, peer: str, key: RoundKey, skipped: Sequence[str] = ()) -> JoinReply:
+        r = self._round(key)
+        r.skipped.update(skipped)
+        series = (peer, key.series)
+        self.latest[series] = max(self.latest.get(series, -1), key.round_id)
+        if len(self.latest) > LATEST_KEPT:  # bounded: forget the oldest entries
+            for old in list(self.latest)[:1024]:
+                del self.latest[old]
+        if r.group_fixed.is_set():
+            return Moved(r.moved) if r.moved else r.ended_without_us()
+        r.joins[peer] = trio.current_time()
+        r.expected |= {peer}
+        if r.expected <= set(r.joins):
+            self._fix_group(r)
+        await r.group_fixed.wait()
+        if r.moved:
+            return Moved(r.moved)
+        if r.passed or r.elsewhere:
+            return r.ended_without_us()
+        if peer not in r.attempts[0].group:
+            return Late(detailed=False)
+        return Joined(0, r.attempts[0].group)
+
+    def waiting_for(self) -> str | None:
+        """What a round we joined as a participant waits for, in words, or None."""
+        for r in list(self.rounds.values()):
+            if not r.group_fixed.is_set() and self.peer_id in r.joins:
+                missing = sorted(r.missing)
+                try:
+                    waited = f", {trio.current_time() - r.created:.0f} s"
+                except RuntimeError:  # asked from outside trio (a status thread)
+                    waited = ""
+                return (f"round {r.key.round_id} ({r.key.tag}): waiting for {len(missing)} of "
+                        f"{len(r.expected)} peers to join ({', '.join(p[-8:] for p in missing[:8])}){waited}")
+        return None
+
+    # -- attempts ----------------------------------------------------------------------------
+
+    def _attempt(self, key: RoundKey, attempt: int) -> _Attempt:
+        r = self.rounds.get(key)
+        if r is None or not r.group_fixed.is_set() or not 0 <= attempt < len(r.attempts):
+            raise RemoteError(UNKNOWN_ATTEMPT, f"{key} attempt {attempt}")
+        return r.attempts[attempt]
+
+    def _member_attempt(self, peer: str, key: RoundKey, attempt: int) -> _Attempt:
+        a = self._attempt(key, attempt)
+        if peer not in a.group:
+            raise RemoteError(NOT_A_MEMBER, f"{peer[-8:]} is not in the group of {key} attempt {attempt}")
+        return a
+
+    async def watch(self, peer: str, key: RoundKey, attempt: int) -> Outcome:
+        a = self._member_attempt(peer, key, attempt)
+        await a.decided.wait()
+        assert a.outcome is not None  # set before decided (our own invariant, not peer input)
+        return a.outcome
+
+    async def report(self, peer: str, rep: Report) -> Outcome:
+        a = self._member_attempt(peer, rep.key, rep.attempt)
+        if not a.decided.is_set():
+            a.reports[peer] = Report(rep.key, rep.attempt, rep.status, rep.digest,
+                                     tuple(s for s in rep.suspects if s in a.group), tuple(rep.rejected),
+                                     bool(rep.evidence))
+            failed = any(r.failed for r in a.reports.values())
+            if set(a.reports) >= set(a.group):
+                self._decide_failure(rep.key, a) if failed else self._conclude(rep.key, a)
+            elif rep.failed and a.first_fail is None:
+                # One failure cancels everyone's attempt, and the transfers it breaks make
+                # innocent peers look guilty: hear the others before choosing whom to drop.
+                a.first_fail = trio.current_time()
+                self._start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
+            elif a.first_report is None and not failed:
+                a.first_report = trio.current_time()
+                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude)
+        await a.decided.wait()
+        assert a.outcome is not None  # set before decided
+        return a.outcome
+
+    async def _decide_later(self, key: RoundKey, a: _Attempt, delay: float, decide: Callable) -> None:
+        await trio.sleep(delay)
+        if not a.decided.is_set() and not (decide == self._conclude and a.first_fail is not None):
+            decide(key, a)
+
+    def _decide_failure(self, key: RoundKey, a: _Attempt) -> None:
+        """Choose whom to drop from the failure reports heard so far.
+
+        A peer goes when it accused itself (it is leaving), when a majority of the peers holding
+        proof blame it (garbage data: one liar cannot evict an honest peer), when it was blamed
+        and never reported (it is gone; one that is still connected and blamed by a minority gets
+        until the report deadline), or when a majority of all reporters blame it (it stalls
+        everyone) and it holds no proof itself. If none of that singles anyone out, everyone
+        blamed goes, so a retry always makes progress."""
+        if a.decided.is_set():
+            return
+        fails = {p: rep for p, rep in a.reports.items() if rep.failed}
+        blamed: dict[str, set[str]] = {}
+        proof: dict[str, set[str]] = {}
+        for p, rep in fails.items():
+            for s in rep.suspects:
+                blamed.setdefault(s, set()).add(p)
+                if rep.evidence:
+                    proof.setdefault(s, set()).add(p)
+        provers = {p for p, rep in fails.items() if rep.evidence}
+        silent = {s for s in blamed if s not in a.reports}
+        # A peer that a minority blames and that has not reported yet but is still connected is
+        # probably just slow to report (a busy CPU): hear it before dropping it, up to the report
+        # deadline. A killed peer is disconnected, and a staller is blamed by the majority.
+        slow = {s for s in silent if 2 * len(blamed[s]) <= len(a.reports) and s not in proof
+                and (s == self.peer_id or self.host.is_connected(s))}
+        if slow and a.first_fail is not None and trio.current_time() - a.first_fail < self.config.report_timeout:
+            self._start_soon(self._decide_later, key, a, 0.25, self._decide_failure)
+            return
+        drop = {s for s, who in proof.items() if s in who or 2 * len(who) > len(provers)}
+        drop |= silent
+        # Majority blame, except against a peer that holds proof: abandoning the attempt on
+        # evidence breaks everyone's transfers to it, so the others' blame is only the echo.
+        drop |= {s for s, who in blamed.items() if 2 * len(who) > len(a.reports) and s not in provers}
+        log.info(kv("allreduce attempt failed", key=key, drop=",".join(sorted(x[-8:] for x in (drop or set(blamed)))),
+                    reports=";".join(f"{p[-8:]}>{','.join(x[-8:] for x in rep.suspects)}{'!' if rep.evidence else ''}"
+                                     for p, rep in sorted(fails.items()))))
+        self._retry(key, a, drop or set(blamed))
+
+    def _retry(self, key: RoundKey, a: _Attempt, suspects: set[str]) -> None:
+        if a.decided.is_set():
+            return
+        r = self.rounds[key]
+        survivors = tuple(p for p in a.group if p not in suspects)
+        if len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
+            a.outcome = Abort("too many failed attempts" if suspects else "no progress")
+        else:
+            r.attempts.append(_Attempt(survivors))
+            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)))
+        a.decided.set()
+
+    def _conclude(self, key: RoundKey, a: _Attempt) -> None:
+        if a.decided.is_set():
+            return
+        done = {p: rep for p, rep in a.reports.items() if not rep.failed}
+        missing = set(a.group) - set(a.reports)
+        counts: dict[bytes, int] = {}
+        for rep in done.values():
+            counts[rep.digest] = counts.get(rep.digest, 0) + 1
+        if not counts:
+            return self._retry(key, a, missing)
+        best = max(counts.items(), key=lambda kv_: (kv_[1], kv_[0]))[0]
+        a.outcome = Commit(
+            digest=best,
+            group=a.group,
+            holders=tuple(sorted(p for p, rep in done.items() if rep.digest == best)),
+            resync=tuple(sorted(p for p, rep in done.items() if rep.digest != best)),
+            unconfirmed=tuple(sorted(missing)),
+            rejected=tuple(sorted({x for rep in done.values() for x in rep.rejected if x in a.group})),
+        )
+        a.decided.set()

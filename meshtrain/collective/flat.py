@@ -1,0 +1,53 @@
+"""The flat vector every collective reduces over, and the digest every collective agrees on.
+
+A collective sees a dict of named tensors of mixed shapes and dtypes; it averages one flat fp32
+vector. `flatten_fp32` concatenates the dict (in its order) into that vector, `unflatten` puts a
+result back into the caller's names, shapes and dtypes, and `part_bounds` cuts the vector into the
+n contiguous parts of a reduce-scatter (part j belongs to the j-th peer of the group). They are
+shared by the network all-reduce, the local simulation (whose byte counts must match the
+network's) and pairwise averaging, so all three agree on the layout.
+
+`result_digest` is the blake3 of a result dict (names and raw bytes, in order): the `digest` of
+every `ReduceResult`, equal on every contributor.
+
+Not here: the codecs (compression.py), which encode parts of this vector.
+"""
+
+from __future__ import annotations
+
+import blake3
+import torch
+
+
+def flatten_fp32(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All of `tensors`, in dict order, as one detached fp32 vector (empty dict: an empty vector)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
+
+
+def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """`flat` cut back into `names`, each with the shape and dtype of `like[name]`.
+
+    fp32 entries are views of `flat` (callers pass a fresh buffer); others are converted copies."""
+    out, pos = {}, 0
+    for name in names:
+        t = like[name]
+        piece = flat[pos : pos + t.numel()].view(t.shape)
+        out[name] = piece if t.dtype == torch.float32 else piece.to(t.dtype)
+        pos += t.numel()
+    return out
+
+
+def part_bounds(numel: int, n: int) -> list[int]:
+    """The n + 1 boundaries of n near-equal contiguous parts of a vector of `numel` elements."""
+    return [numel * j // n for j in range(n + 1)]
+
+
+def result_digest(tensors: dict[str, torch.Tensor]) -> bytes:
+    """blake3 over every name and its tensor's raw bytes, in dict order."""
+    h = blake3.blake3()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    return h.digest()

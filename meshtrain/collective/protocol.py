@@ -1,0 +1,344 @@
+"""The all-reduce's control protocol: its RPCs, refusal codes, deadlines and typed messages.
+
+The participant (allreduce.py) and the coordinator (coordinator.py) talk over four RPCs; bulk
+data never goes through them (data_phase.py moves it over tensor streams). Every message is a
+frozen dataclass here, with `to_wire()` giving the msgpack map that travels and one `parse` per
+message that checks untrusted input and raises `Malformed` (which the RPC layer answers with
+the code `malformed`). Nothing outside this file reads a wire map.
+
+Wire (unchanged from the first version, so mixed versions of this code interoperate):
+
+    JOIN_RPC   {"key", "expected", "skipped"}                   -> a JoinReply:
+               {"attempt": 0, "group": [...]}                     Joined: you are in attempt 0
+               {"moved": peer}                                    Moved: start again at `peer`
+               {"late": true, "passed": bool, "elsewhere": peer}  Late: not in this round
+    REPORT_RPC {"key", "attempt", "status", "digest", "suspects", "rejected", "evidence"}
+                                                                -> the attempt's Outcome
+    WATCH_RPC  {"key", "attempt"}                               -> the attempt's Outcome:
+               {"commit": digest, "group", "holders", "resync", "unconfirmed", "rejected"}
+               {"retry": attempt, "group", "excluded"}
+               {"abort": why}
+    WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished"}
+
+A round key travels as the string `"{round_id}/{tag}/{coordinator}"` (peer ids hold no "/");
+`RoundKey` is its parsed form. Refusals are typed RPC errors: `not-a-member` (the sender is not
+a candidate of the round in our view of membership) and `round-out-of-window` (the round is too
+far from ours), besides `malformed` and `unknown_attempt`.
+
+Not here: what the coordinator decides (coordinator.py), how a peer takes part (allreduce.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.transport.validate import (
+    Malformed,
+    is_int,
+    require_bytes,
+    require_int,
+    require_list,
+    require_map,
+    require_str,
+)
+
+JOIN_RPC, REPORT_RPC, WATCH_RPC = "allreduce/join", "allreduce/report", "allreduce/watch"
+WHERE_RPC = "allreduce/where"
+NOT_A_MEMBER, OUT_OF_WINDOW = "not-a-member", "round-out-of-window"  # typed refusals (RPC codes)
+UNKNOWN_ATTEMPT = "unknown_attempt"
+JOIN_QUIET = 0.5  # after the join deadline, fix the group once no one joined for this long
+WAIT_LOG_EVERY = 5.0  # a round still waiting after this long says (again) what it waits for
+PROBE_AFTER = 2.0  # a coordinator still missing peers this long asks them where they are ...
+PROBE_EVERY = 2.0  # ... and again this often
+FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
+MAX_KEY_CHARS = 1024  # a round key longer than this is refused
+MAX_PEER_LIST = 4096  # lists of peer ids from a peer are cut to this many
+
+DONE, FAIL = "done", "fail"
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    join_timeout: float = 30.0  # coordinator waits this long for the expected group to join ...
+    hard_join_factor: float = 3.0  # ... or up to this many times longer while only a minority joined
+    part_timeout: float = 20.0  # base deadline of each transfer ...
+    min_bandwidth: float = 10e6  # ... plus its size at this many bytes/s
+    report_timeout: float = 10.0  # after the first success report, wait this long for the rest
+    max_attempts: int = 5
+    liveness_interval: float = 0.25  # while collecting joins, the coordinator reviews membership this often
+    robust: str = "none"  # "none" | "trimmed_mean" | "clipped_mean"
+    trim: int = 1
+    clip: float = 2.0
+    owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
+    round_window: int | None = None  # refuse joins for rounds further than this from ours (None: any)
+    member_wait: float = 3.0  # how long a request from a peer not (yet) in membership waits for it
+
+    def __post_init__(self) -> None:
+        if self.robust not in ("none", "trimmed_mean", "clipped_mean"):
+            raise ValueError("robust must be none, trimmed_mean or clipped_mean")
+
+    def transfer_deadline(self, numel: int) -> float:
+        """The deadline of one transfer of up to `numel` fp32 elements."""
+        return self.part_timeout + 4 * numel / self.min_bandwidth
+
+
+# -- the round key ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class RoundKey:
+    """One round at one coordinator. `series` (tag, coordinator) without the round id tells a
+    stale round from the swarm's current one."""
+
+    round_id: int
+    tag: str
+    coordinator: str
+
+    @property
+    def wire(self) -> str:
+        return f"{self.round_id}/{self.tag}/{self.coordinator}"
+
+    @property
+    def series(self) -> tuple[str, str]:
+        return (self.tag, self.coordinator)
+
+    def __str__(self) -> str:
+        return self.wire
+
+    @classmethod
+    def parse(cls, value: Any, *, to: str) -> RoundKey:
+        """A round key addressed to the coordinator `to` (us, on the serving side)."""
+        if not isinstance(value, str) or len(value) > MAX_KEY_CHARS:
+            raise Malformed("a round key is a str")
+        head, _, rest = value.partition("/")
+        tag, _, coordinator = rest.rpartition("/")
+        if not head.isdigit() or len(head) > 18 or coordinator != to:
+            raise Malformed("a round key is round/tag/coordinator, addressed to us")
+        return cls(int(head), tag, coordinator)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    key: RoundKey
+    expected: tuple[str, ...] = ()  # our candidates (informational: the coordinator uses its own view)
+    skipped: tuple[str, ...] = ()  # lower ids we gave up on: never hand the round over to them
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
+
+    @classmethod
+    def parse(cls, value: Any, *, to: str) -> JoinRequest:
+        req = require_map(value, "key", what="join")
+        key = RoundKey.parse(req["key"], to=to)
+        skipped = req.get("skipped", [])
+        if not isinstance(skipped, list) or not all(isinstance(p, str) for p in skipped):
+            raise Malformed("bad join")
+        return cls(key, (), tuple(skipped[:MAX_PEER_LIST]))
+
+
+@dataclass(frozen=True)
+class Report:
+    """A member's account of one attempt: `done` with its result's digest, or `fail` with the
+    peers it suspects. `evidence`: it holds proof against them (garbage data, or it accuses
+    itself because it is leaving); `rejected`: senders of contributions it threw away."""
+
+    key: RoundKey
+    attempt: int
+    status: str  # DONE | FAIL
+    digest: bytes | None
+    suspects: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = ()
+    evidence: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key.wire, "attempt": self.attempt, "status": self.status, "digest": self.digest,
+                "suspects": list(self.suspects), "rejected": list(self.rejected), "evidence": self.evidence}
+
+    @classmethod
+    def parse(cls, value: Any, *, to: str) -> Report:
+        req = require_map(value, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence",
+                          what="report")
+        if (req["status"] not in (DONE, FAIL) or not is_int(req["attempt"])
+                or not isinstance(req["suspects"], list) or not isinstance(req["rejected"], list)
+                or not isinstance(req["evidence"], bool)
+                or not (req["digest"] is None or isinstance(req["digest"], bytes))):
+            raise Malformed("bad report")
+        return cls(RoundKey.parse(req["key"], to=to), req["attempt"], req["status"], req["digest"],
+                   tuple(str(s) for s in req["suspects"][:MAX_PEER_LIST]),
+                   tuple(str(s) for s in req["rejected"][:MAX_PEER_LIST]), req["evidence"])
+
+
+@dataclass(frozen=True)
+class WatchRequest:
+    key: RoundKey
+    attempt: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key.wire, "attempt": self.attempt}
+
+    @classmethod
+    def parse(cls, value: Any, *, to: str) -> WatchRequest:
+        req = require_map(value, "key", "attempt", what="watch")
+        if not is_int(req["attempt"]):
+            raise Malformed("bad watch")
+        return cls(RoundKey.parse(req["key"], to=to), req["attempt"])
+
+
+@dataclass(frozen=True)
+class WhereRequest:
+    tag: str
+    round_id: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"tag": self.tag, "round": self.round_id}
+
+    @classmethod
+    def parse(cls, value: Any) -> WhereRequest:
+        req = require_map(value, "tag", "round", what="where")
+        if not isinstance(req["tag"], str) or not is_int(req["round"]):
+            raise Malformed("bad where")
+        return cls(req["tag"], req["round"])
+
+
+@dataclass(frozen=True)
+class WhereReply:
+    """Where a peer is in a tag's series of rounds: the round under way (-1: none) and its
+    coordinator, and the last round it finished (-1: none)."""
+
+    round_id: int
+    coordinator: str | None
+    finished: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round_id, "coordinator": self.coordinator, "finished": self.finished}
+
+    @classmethod
+    def parse(cls, value: Any) -> WhereReply:
+        """Lenient, as the prober always was: a field of the wrong type reads as "unknown"."""
+        rep = require_map(value, what="where reply")
+        at, coordinator, finished = rep.get("round"), rep.get("coordinator"), rep.get("finished")
+        return cls(at if is_int(at) else -1, coordinator if isinstance(coordinator, str) else None,
+                   finished if is_int(finished) else -1)
+
+
+# -- replies to a join --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Joined:
+    """We are in the round: its attempt `attempt` runs among `group`."""
+
+    attempt: int
+    group: tuple[str, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "group": list(self.group)}
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The coordinator handed the round over to the lower-id candidate `to`."""
+
+    to: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"moved": self.to}
+
+
+@dataclass(frozen=True)
+class Late:
+    """We are not in this round: the group was fixed without us; `passed`: the others are past
+    it; `elsewhere`: they are in it at a coordinator this one cannot reach."""
+
+    passed: bool = False
+    elsewhere: str | None = None
+    detailed: bool = True  # the first version's plain `{"late": true}` had no detail
+
+    def to_wire(self) -> dict[str, Any]:
+        if not self.detailed:
+            return {"late": True}
+        return {"late": True, "passed": self.passed, "elsewhere": self.elsewhere}
+
+
+JoinReply = Joined | Moved | Late
+
+
+def parse_join_reply(value: Any) -> JoinReply:
+    rep = require_map(value, what="join reply")
+    if "moved" in rep:
+        return Moved(require_str(rep["moved"], "moved"))
+    if rep.get("late"):
+        elsewhere = rep.get("elsewhere")
+        return Late(bool(rep.get("passed")), elsewhere if isinstance(elsewhere, str) else None)
+    attempt = require_int(rep.get("attempt"), "attempt", 0)
+    group = require_list(rep.get("group"), "group", max_len=MAX_PEER_LIST)
+    return Joined(attempt, tuple(str(p) for p in group))
+
+
+# -- an attempt's outcome -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The attempt succeeded: `digest` is the result; `holders` have it, `resync` must fetch it
+    from a holder (their digest differed), `unconfirmed` never reported (they fetch it too);
+    `rejected`: members whose contributions someone threw away."""
+
+    digest: bytes
+    group: tuple[str, ...]
+    holders: tuple[str, ...]
+    resync: tuple[str, ...] = ()
+    unconfirmed: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"commit": self.digest, "group": list(self.group), "holders": list(self.holders),
+                "resync": list(self.resync), "unconfirmed": list(self.unconfirmed),
+                "rejected": list(self.rejected)}
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Run attempt `attempt` among `group`; `excluded` were dropped from this one."""
+
+    attempt: int
+    group: tuple[str, ...]
+    excluded: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"retry": self.attempt, "group": list(self.group), "excluded": list(self.excluded)}
+
+
+@dataclass(frozen=True)
+class Abort:
+    why: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"abort": self.why}
+
+
+Outcome = Commit | Retry | Abort
+
+
+def _peers(value: Any, what: str) -> tuple[str, ...]:
+    return tuple(str(p) for p in require_list(value, what, max_len=MAX_PEER_LIST))
+
+
+def parse_outcome(value: Any) -> Outcome:
+    rep = require_map(value, what="outcome")
+    if "retry" in rep:
+        return Retry(require_int(rep["retry"], "retry", 0), _peers(rep.get("group"), "group"),
+                     _peers(rep.get("excluded", []), "excluded"))
+    if "commit" in rep:
+        return Commit(require_bytes(rep["commit"], "commit", max_len=64), _peers(rep.get("group"), "group"),
+                      _peers(rep.get("holders"), "holders"), _peers(rep.get("resync"), "resync"),
+                      _peers(rep.get("unconfirmed"), "unconfirmed"), _peers(rep.get("rejected"), "rejected"))
+    return Abort(str(rep.get("abort", "aborted"))[:200])

@@ -1,0 +1,216 @@
+"""The local-rank group of a multi-GPU peer: `LocalRanks` (the process groups and the control
+messages rank 0 sends the others) and `LocalRanksCollective` (the in-machine reduce, then the
+swarm's collective on rank 0, then the broadcast back). The design and its failures are told in
+`node/local_ranks.py`, which launches the ranks; this module is what the `Trainer` and the `Node`
+of one rank hold, so it imports neither (their types appear here as `Any`).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import trio
+
+from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.log import get_logger
+from meshtrain.node.config import NodeConfig
+from meshtrain.node.devices import resolve_device
+
+log = get_logger(__name__)
+
+LOCAL_GROUP_TIMEOUT = timedelta(minutes=30)
+_DONE = "done"
+
+
+class LocalRankError(MeshtrainError):
+    """A local rank of this peer failed; the peer stopped."""
+
+
+class LocalRanks:
+    """This process's place in its peer's group of local ranks (built by `LocalRanks.start` in
+    each rank, from the launcher's environment).
+
+    rank, world_size: local rank and number of ranks. device: this rank's device.
+    control: gloo group for rank 0's messages (state, go on / stop, done), and the pids at start.
+    outer: gloo group for the in-machine reduction of Δ and the broadcast of the outcome.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.control, self.outer = control, outer
+        self.peer_id = ""  # followers learn it from rank 0's first message
+        self.pending: dict[str, Any] | None = None  # a follower's next run message
+        self.pids: list[int] = [os.getpid()]  # every rank's process id, by rank (the status page shows them)
+
+    @classmethod
+    def start(cls, config: NodeConfig) -> LocalRanks:
+        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        device = resolve_device(config.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=LOCAL_GROUP_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        local = cls(rank, world, device, control, outer)
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=control)
+        local.pids = [int(p) for p in pids]
+        return local
+
+    @property
+    def is_gateway(self) -> bool:
+        return self.rank == 0
+
+    def batch_rows(self, batch_size: int) -> slice:
+        if batch_size % self.world_size:
+            raise ConfigError(f"the spec's batch_size ({batch_size}) must divide by the peer's "
+                              f"{self.world_size} local ranks (each trains batch_size / nproc_per_node rows)")
+        share = batch_size // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def collective(self, swarm: Collective | None) -> LocalRanksCollective:
+        return LocalRanksCollective(self, swarm)
+
+    def wrap(self, model: torch.nn.Module, current: torch.nn.Module) -> torch.nn.Module:
+        """`model` in DistributedDataParallel (once; `current` is what the trainer holds)."""
+        if isinstance(current, torch.nn.parallel.DistributedDataParallel):
+            return current
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    # -- control messages (the trainer thread) --------------------------------------------------
+
+    def _broadcast(self, obj: Any, group: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def receive(self) -> dict[str, Any] | str:
+        """Followers: rank 0's next message (what to build, a run to start, or "done")."""
+        msg = self._broadcast(None, self.control)
+        if isinstance(msg, dict) and "peer_id" in msg:
+            self.peer_id = msg["peer_id"]
+        return msg
+
+    def prepare(self, trainer: Any) -> None:
+        """Rank 0, as its trainer is built: the others build theirs (spec, peer id)."""
+        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id}, self.control)
+
+    def start_run(self, trainer: Any, until: int) -> int:
+        """At the start of every `Trainer.run`: rank 0 sends its state and where to stop; a
+        follower loads what it received. Returns the step to stop at."""
+        if self.is_gateway:
+            self._broadcast({"until": until, "state": trainer.checkpoint_state()}, self.control)
+            return until
+        msg = self.pending
+        if msg is None:
+            raise RuntimeError("a follower rank started a run without rank 0's message")
+        self.pending = None
+        trainer.load_checkpoint(msg["state"])
+        trainer.outer.needs_resync = False
+        return int(msg["until"])
+
+    def keep_going(self, stop: bool) -> bool:
+        """Every REPORT_EVERY steps, on every rank: go on unless rank 0 stops."""
+        flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.control)
+        return not bool(flag[0])
+
+    def finish(self) -> None:
+        """Rank 0, once the node is done: the followers exit."""
+        self._broadcast(_DONE, self.control)
+
+    @staticmethod
+    def is_failure(e: BaseException) -> bool:
+        """Whether an error from the training loop means a local rank is gone."""
+        text = str(e).lower()
+        return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer"))
+
+    # -- the round's in-machine steps (worker threads of the trio side) ----------------------------
+
+    def reduce_mean(self, flat: torch.Tensor) -> None:
+        dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.outer)
+        if self.is_gateway:
+            flat.div_(self.world_size)
+
+    def share_outcome(self, outcome: dict[str, Any] | None, flat: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+        outcome = self._broadcast(outcome, self.outer)
+        if "error" in outcome:
+            return outcome, None
+        if flat is None:
+            flat = torch.empty(int(outcome["numel"]), dtype=torch.float32)
+        dist.broadcast(flat, src=0, group=self.outer)
+        return outcome, flat
+
+
+class LocalRanksCollective:
+    """The `Collective` every local rank's outer optimizer sees: reduce inside the machine, rank 0
+    exchanges with the swarm (`swarm`, None on the other ranks), everyone gets the outcome.
+
+    local: this rank's `LocalRanks`. swarm: the swarm's collective (rank 0 only).
+    """
+
+    def __init__(self, local: LocalRanks, swarm: Collective | None) -> None:
+        self.local, self.swarm = local, swarm
+
+    @property
+    def peer_id(self) -> str:
+        return self.swarm.peer_id if self.swarm is not None else self.local.peer_id
+
+    def group(self, round_id: int) -> tuple[str, ...]:
+        return self.swarm.group(round_id) if self.swarm is not None else (self.local.peer_id,)
+
+    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
+                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+        swarm = self.swarm
+        return await self._round(tensors, None if swarm is None else lambda t: swarm.all_reduce(
+            t, round_id=round_id, tag=tag, codec=codec, weight=weight))
+
+    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
+                           tag: str = "", codec: str = "none") -> ReduceResult:
+        swarm = self.swarm
+        return await self._round(tensors, None if swarm is None else lambda t: swarm.average_with(
+            partner, t, round_id=round_id, tag=tag, codec=codec))
+
+    async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
+        local = self.local
+        flat = _flatten(tensors)
+        await trio.to_thread.run_sync(local.reduce_mean, flat)
+        if not local.is_gateway:
+            outcome, mean = await trio.to_thread.run_sync(local.share_outcome, None, None)
+            if mean is None:
+                raise CollectiveError(outcome["error"])
+            return ReduceResult(_unflatten(mean, tensors), tuple(outcome["contributors"]), outcome["digest"],
+                                0, 0, dict(outcome["excluded"]))
+        try:
+            result = await exchange(_unflatten(flat, tensors))
+        except BaseException as e:  # CollectiveError, or cancelled: the other ranks must not wait
+            why = str(e) if isinstance(e, CollectiveError) else "rank 0 left the round"
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(local.share_outcome, {"error": why}, None)
+            raise
+        mean = _flatten(result.tensors)
+        await trio.to_thread.run_sync(local.share_outcome, {
+            "numel": mean.numel(), "contributors": list(result.contributors), "digest": result.digest,
+            "excluded": dict(result.excluded)}, mean)
+        return result
+
+
+def _flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
+
+
+def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, pos = {}, 0
+    for n, t in like.items():
+        out[n] = flat[pos:pos + t.numel()].view(t.shape).to(t.dtype)
+        pos += t.numel()
+    return out
+
+

@@ -1,0 +1,245 @@
+"""The all-reduce coordinator's state machine, on trio's MockClock: no network, no sleeping.
+
+`autojump_clock` (pytest-trio: `MockClock(autojump_threshold=0)`) jumps virtual time forward
+whenever every task is blocked, so join deadlines, the failure grace and the report deadline are
+asserted exactly, as trio's own `test_highlevel_open_tcp_stream.py` does with a fake network.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.protocol import (
+    DONE,
+    FAIL,
+    FAIL_GRACE,
+    JOIN_QUIET,
+    NOT_A_MEMBER,
+    PROBE_AFTER,
+    Abort,
+    AllReduceConfig,
+    Commit,
+    Joined,
+    Late,
+    Moved,
+    Report,
+    Retry,
+    RoundKey,
+    parse_join_reply,
+    parse_outcome,
+)
+from meshtrain.transport.rpc import RemoteError, RpcUnavailable
+
+CONFIG = AllReduceConfig(join_timeout=30.0, hard_join_factor=3.0, report_timeout=10.0, max_attempts=3)
+
+
+class FakeRpc:
+    """Nobody answers a probe (the missing peers are not connected in these tests)."""
+
+    async def call(self, peer, name, request, *, timeout):
+        raise RpcUnavailable(f"{peer} is not there")
+
+
+class FakeHost:
+    def __init__(self, peer_id: str, connected: set[str]) -> None:
+        self.peer_id = peer_id
+        self.connected = connected
+        self.rpc = FakeRpc()
+
+    def is_connected(self, peer: str) -> bool:
+        return peer in self.connected
+
+
+async def coordinator(nursery: trio.Nursery, me: str, members: list[str], connected: set[str] | None = None):
+    c = Coordinator(FakeHost(me, set(members) - {me} if connected is None else connected), CONFIG,
+                    lambda _round: tuple(sorted(members)))
+    await nursery.start(c.run)
+    return c
+
+
+async def join_all(c: Coordinator, key: RoundKey, peers: list[str]) -> dict:
+    replies: dict = {}
+
+    async def one(p: str) -> None:
+        replies[p] = (await c.join(p, key), trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        for p in peers:
+            nursery.start_soon(one, p)
+    return replies
+
+
+def report(key: RoundKey, status: str, digest: bytes | None = None, suspects=(), evidence=False) -> Report:
+    return Report(key, 0, status, digest, tuple(suspects), (), evidence)
+
+
+async def test_group_is_fixed_at_once_when_every_candidate_joined(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        replies = await join_all(c, RoundKey(7, "", "a"), ["a", "b", "c"])
+        assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("a", "b", "c")) for p in "abc"}
+        assert all(t == 0 for _, t in replies.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_majority_group_is_fixed_at_the_join_deadline_once_joins_are_quiet(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"], connected=set())
+        key = RoundKey(7, "", "a")
+        replies = await join_all(c, key, ["a", "b"])
+        for r, t in replies.values():
+            assert r == Joined(0, ("a", "b"))
+            assert t == pytest.approx(CONFIG.join_timeout + JOIN_QUIET)
+        # The missing peer arrives after the group was fixed: it is late for this round.
+        assert await c.join("c", key) == Late(False, None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lone_peer_waits_for_the_hard_deadline_before_forming_a_group_of_one(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"], connected=set())
+        reply = await c.join("a", RoundKey(7, "", "a"))
+        assert reply == Joined(0, ("a",))
+        assert trio.current_time() == pytest.approx(CONFIG.join_timeout * CONFIG.hard_join_factor)
+        nursery.cancel_scope.cancel()
+
+
+async def test_round_is_handed_over_once_a_lower_id_candidate_is_connected(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "b", ["a", "b", "c"], connected={"c"})
+        key = RoundKey(7, "", "b")
+
+        async def lower_id_appears() -> None:
+            await trio.sleep(3.0)
+            c.host.connected.add("a")
+
+        nursery.start_soon(lower_id_appears)
+        replies = await join_all(c, key, ["b", "c"])
+        for r, t in replies.values():
+            assert r == Moved("a")
+            assert 3.0 <= t <= 3.0 + CONFIG.liveness_interval
+        assert key not in c.rounds  # a new join there starts a fresh round
+        nursery.cancel_scope.cancel()
+
+
+async def test_unanimous_reports_commit_and_a_minority_digest_must_resync(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        key = RoundKey(7, "f0", "a")
+        await join_all(c, key, ["a", "b", "c"])
+        outcomes = {}
+
+        async def send(p: str, digest: bytes) -> None:
+            outcomes[p] = await c.report(p, report(key, DONE, digest))
+
+        async with trio.open_nursery() as inner:
+            for p, d in (("a", b"x"), ("b", b"x"), ("c", b"y")):
+                inner.start_soon(send, p, d)
+        assert trio.current_time() == 0
+        expected = Commit(b"x", ("a", "b", "c"), holders=("a", "b"), resync=("c",))
+        assert all(o == expected for o in outcomes.values())
+        assert parse_outcome(expected.to_wire()) == expected  # the wire form round-trips
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_disconnected_suspect_is_dropped_after_the_failure_grace(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b", "c"])
+        c.host.connected.discard("c")  # c was killed mid-attempt and never reports
+        outcomes = {}
+
+        async def send(p: str) -> None:
+            outcomes[p] = (await c.report(p, report(key, FAIL, suspects=["c"])), trio.current_time())
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(send, "a")
+            inner.start_soon(send, "b")
+        for outcome, t in outcomes.values():
+            assert outcome == Retry(1, ("a", "b"), ("c",))
+            assert t == pytest.approx(FAIL_GRACE)
+        nursery.cancel_scope.cancel()
+
+
+async def test_success_without_every_report_commits_at_the_report_deadline(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        outcome = await c.report("a", report(key, DONE, b"x"))
+        assert outcome == Commit(b"x", ("a", "b"), holders=("a",), unconfirmed=("b",))
+        assert trio.current_time() == pytest.approx(CONFIG.report_timeout)
+        nursery.cancel_scope.cancel()
+
+
+async def test_repeated_failures_abort_after_max_attempts(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c", "d"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b", "c", "d"])
+        group, attempt = ("a", "b", "c", "d"), 0
+        while True:
+            victim = group[-1]
+            outcomes = []
+
+            async def send(p: str, attempt=attempt, victim=victim, outcomes=outcomes) -> None:
+                outcomes.append(await c.report(p, Report(key, attempt, FAIL, None, (victim,), (), False)))
+
+            async with trio.open_nursery() as inner:
+                for p in group[:-1]:
+                    inner.start_soon(send, p)
+            if isinstance(outcomes[0], Abort):
+                break
+            group, attempt = outcomes[0].group, outcomes[0].attempt
+        assert attempt == CONFIG.max_attempts - 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        with pytest.raises(RemoteError) as e:
+            await c.report("mallory", report(key, DONE, b"x"))
+        assert e.value.code == NOT_A_MEMBER
+        with pytest.raises(RemoteError) as e:
+            await c.watch("mallory", key, 0)
+        assert e.value.code == NOT_A_MEMBER
+        nursery.cancel_scope.cancel()
+
+
+def test_join_replies_and_round_keys_round_trip_and_refuse_garbage():
+    for reply in (Joined(0, ("a", "b")), Moved("a"), Late(True, None), Late(False, "z")):
+        assert parse_join_reply(reply.to_wire()) == reply
+    key = RoundKey(12, "f/1", "peer")
+    assert RoundKey.parse(key.wire, to="peer") == key
+    from meshtrain.transport.validate import Malformed
+
+    for bad in (None, 7, "x/y/peer", "12/f/other", "1" * 19 + "/t/peer", "9" * 2000):
+        with pytest.raises(Malformed):
+            RoundKey.parse(bad, to="peer")
+
+
+async def test_a_coordinator_that_joins_its_own_round_late_still_forms_it(autojump_clock):
+    """A slow-starting lowest id (a multi-rank peer building its ranks): the other peer joined
+    seconds earlier, and the coordinator's probe found nobody but itself missing. It must not
+    call the round passed — that sent both peers to re-sync."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        replies: dict = {}
+
+        async def b_joins() -> None:
+            replies["b"] = await c.join("b", key)
+
+        nursery.start_soon(b_joins)
+        await trio.sleep(3 * PROBE_AFTER)  # probes run meanwhile
+        replies["a"] = await c.join("a", key)
+        await trio.testing.wait_all_tasks_blocked()  # b's join returns in its own task
+        assert replies == {"a": Joined(0, ("a", "b")), "b": Joined(0, ("a", "b"))}
+        nursery.cancel_scope.cancel()
