@@ -30,7 +30,10 @@ Chaos-proofing (issue 14):
 - **Joins never give up on a transient.** A state download retries with a jittered backoff for
   as long as the node runs, choosing donors by the same parity rule, so a split round's two
   states never face each other in the vote. Only a state that cannot fit this node (another
-  model or optimizer) ends the node, as a configuration error.
+  model or optimizer) ends the node, as a configuration error. Donors, the swarm's step and
+  parity count only peers that train *now* (a fresh progress record): a restarted peer's record
+  from its last life is not the swarm. With nobody training for `ORPHAN_WAIT`, a node trains
+  on its own state (its checkpoint) instead of waiting for peers that wait for it.
 - **What it waits for.** `round_status()["waiting"]` (on `/status` and the console) names the
   peers a round waits for, or the download in progress; the collective logs a round that still
   waits every few seconds.
@@ -57,7 +60,8 @@ import trio
 import meshtrain
 from meshtrain.backoff import Backoff
 from meshtrain.collective import AllReduceConfig, SwarmCollective
-from meshtrain.crdt.swarm_view import SwarmView, open_swarm_view
+from meshtrain.crdt.swarm_view import PeerProgress, SwarmView, open_swarm_view
+from meshtrain.crdt.types import now_ms
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.mdns import LanDiscovery
@@ -91,6 +95,8 @@ CONNECT_INTERVAL = 2.0
 DISCOVERY_INTERVAL = 15.0
 ENTER_WAIT = 10.0  # at start, how long to wait for the others' progress before training on our own state
 BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we were left behind
+PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
+ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on our own state
 PARITY_INTERVAL = 1.0  # seconds between two parity checks against the swarm's φ digests
 MEMBER_WAIT = 3.0  # a data-plane request from a peer not yet in our membership waits this long for it
 
@@ -179,6 +185,11 @@ class Node:
         host_cfg = HostConfig(listen=self.config.listen, swarm_key=self.config.swarm_key,
                               announce=self.config.announce)
         async with AsyncExitStack() as stack:
+            # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
+            # reach the node, which then stops as soon as it can (before its first step).
+            signals = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(signals.cancel_scope.cancel)
+            signals.start_soon(self._watch_signals)
             host = self.host = await stack.enter_async_context(Host(identity, host_cfg))
             signed = self.signed = await self._resolve_spec(host)
             host.rpc.serve(SPEC_RPC, self._serve_spec)
@@ -226,7 +237,6 @@ class Node:
             store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)
             nursery = self._nursery = await stack.enter_async_context(trio.open_nursery())
             nursery.start_soon(self._keep_connected)
-            nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._watch_parity)
             if self.nat is not None:
                 # announce how we are reached (public / relayed / private) and our circuit
@@ -331,10 +341,8 @@ class Node:
         return self.trainer.step
 
     def _front_step(self) -> int | None:
-        """The furthest step a connected trainer other than us reports (None: nobody)."""
-        assert self.view is not None and self.host is not None
-        me, progress = self.host.peer_id, self.view.progress()
-        steps = [progress[p].step for p in self._membership(0) if p != me and p in progress]
+        """The furthest step a connected peer training now reports (None: nobody)."""
+        steps = [pr.step for pr in self._training_peers(connected=True).values()]
         return max(steps) if steps else None
 
     def _trainers(self) -> list[str]:
@@ -435,11 +443,19 @@ class Node:
 
     # -- entering the swarm and training -----------------------------------------------------
 
-    def _swarm_step(self) -> int | None:
-        """The furthest step a live trainer other than us reports, or None if nobody trains."""
+    def _training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
+        """Trainers other than us that train *now*: their progress record is fresh (a training
+        node refreshes it every heartbeat). A trainer that is starting or downloading — perhaps
+        restarted, its record left over from its last life — does not count: after the last
+        training peer died, restarted nodes waited on each other's stale records for minutes."""
         assert self.view is not None and self.host is not None
-        trainers = {p for p in self._trainers() if p != self.host.peer_id}
-        steps = [pr.step for p, pr in self.view.progress().items() if p in trainers]
+        horizon = now_ms() - int((PROGRESS_FRESH_BEATS * self.view.current_interval() + 5.0) * 1000)
+        candidates = set(self._membership(0) if connected else self._trainers()) - {self.host.peer_id}
+        return {p: pr for p, pr in self.view.progress().items() if p in candidates and pr.updated_ms >= horizon}
+
+    def _swarm_step(self) -> int | None:
+        """The furthest step a peer training now reports, or None if nobody trains."""
+        steps = [pr.step for pr in self._training_peers(connected=False).values()]
         return max(steps) if steps else None
 
     async def _enter(self, store: CheckpointStore, streams: TensorStreams) -> None:
@@ -465,9 +481,8 @@ class Node:
         published — so a split round's two states never face each other in the download's vote,
         and a group left behind (restarted from an old checkpoint) is not mistaken for the swarm."""
         assert self.host is not None and self.view is not None and self.trainer is not None
-        me = self.host.peer_id
-        donors = [p for p in self._membership(0) if p != me and self.host.is_connected(p)]
-        progress = self.view.progress()
+        progress = self._training_peers(connected=True)
+        donors = sorted(progress)
         newest: dict[int, dict[bytes, set[str]]] = {}
         for p in donors:
             pr = progress.get(p)
@@ -507,14 +522,25 @@ class Node:
                 await trainer.outer.afinish()
         backoff = Backoff(initial=1.0, cap=30.0)
         attempt = 0
+        orphaned_at = time.monotonic()
         try:
             while not self._stop_flag.is_set():
                 attempt += 1
                 donors = self._donors()
                 if not donors:
-                    self._waiting = "state download: waiting for a connected trainer to download from"
-                    await self._retry_later(backoff, "no donor connected yet")
+                    if time.monotonic() - orphaned_at >= ORPHAN_WAIT:
+                        # Nobody trains (the last training peer died; everyone else is starting or
+                        # syncing too): waiting for each other would stall the swarm for good.
+                        # Train on our own state; parity and the front rule merge the lineages
+                        # once peers train again (the furthest step wins).
+                        log.warning(kv("nobody is training to download from; training on our own state",
+                                       step=trainer.step, round=trainer.outer.rounds))
+                        trainer.outer.needs_resync = False
+                        return True
+                    self._waiting = "state download: waiting for a connected peer that trains"
+                    await self._retry_later(backoff, "no connected peer is training yet")
                     continue
+                orphaned_at = time.monotonic()
                 t0 = time.monotonic()
                 last_log = [0.0]
 
@@ -578,9 +604,7 @@ class Node:
             if (self.trainer is None or self.state != "training" or not self.parity.enabled
                     or self.trainer.outer.needs_resync):
                 continue
-            me = self.host.peer_id
-            progress = self.view.progress()
-            others = {p: progress[p].phi for p in self._trainers() if p != me and p in progress}
+            others = {p: pr.phi for p, pr in self._training_peers(connected=False).items()}
             verdict = self.parity.check(others)
             if verdict.status == "minority" and verdict.outer_round != acted_on:
                 acted_on = verdict.outer_round
