@@ -16,8 +16,8 @@ peer's own state — checkpointed, never averaged, never sent to a joiner. The w
 `sparse_codec.ChunkedTopK`; aggregation is `sparse_gather.all_gather` (every peer receives every
 payload exactly, all agree on whose count, each sums them in sorted peer order, so φ is
 bit-identical everywhere), or, when the gather would cost more bytes than a dense all-reduce at the
-round's N peers (N·payload > 8·M, i.e. N > ~290 at 1.56% — sparse_gather.py's docstring), a dense
-all-reduce of the decoded ŝ.
+round's N peers (N·payload > 8·M, i.e. N > ~290 at 1.56%, twice that for the per-index mean —
+sparse_gather.py's docstring), a dense all-reduce of the decoded ŝ.
 
 Defaults, and where they come from (the SparseLoCo repository itself, tplr-ai/SparseLoCo, was not
 reachable from here; its public precursor by the same authors, tplr-y/CCLoco, and Templar's
