@@ -42,8 +42,8 @@ Design.
   records that fail validation are dropped and logged with the peer that sent them. Replicas
   among the closest that lacked an entry are repaired in the background (read repair), which
   heals replicas lost to churn without any client read-modify-write.
-- **Routing table feeding**: `host.connect` does not fill kad's table, so a network notifee
-  queues every new connection; a task waits for identify (so only peers that serve kad are
+- **Routing table feeding**: `host.connect` does not fill kad's table, so the host's
+  connection events (`Host.on_connected`) queue every new connection; a task waits for identify (so only peers that serve kad are
   admitted) and adds them. Peers that answer our queries are added too.
 
 Wire (msgpack, through `meshtrain.transport.rpc`):
@@ -68,7 +68,6 @@ from typing import Any
 
 import multiaddr
 import trio
-from libp2p.abc import INotifee
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -289,33 +288,6 @@ class _Lookup:
         return [p for p in self._ranked() if p in self.answered]
 
 
-class _ConnectionFeed(INotifee):
-    """Forwards new connections to the DHT without blocking libp2p's notify path."""
-
-    def __init__(self, dht: Dht) -> None:
-        self.dht = dht
-
-    async def connected(self, network: Any, conn: Any) -> None:
-        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
-        if peer is not None:
-            self.dht._on_connected(peer.to_base58())
-
-    async def disconnected(self, network: Any, conn: Any) -> None:
-        pass
-
-    async def opened_stream(self, network: Any, stream: Any) -> None:
-        pass
-
-    async def closed_stream(self, network: Any, stream: Any) -> None:
-        pass
-
-    async def listen(self, network: Any, multiaddr: Any) -> None:
-        pass
-
-    async def listen_close(self, network: Any, multiaddr: Any) -> None:
-        pass
-
-
 class Dht(Service):
     """A node's part of the swarm's DHT. `async with Dht(host, swarm_id) as dht:`.
 
@@ -349,7 +321,6 @@ class Dht(Service):
         self._suspect: dict[str, float] = {}  # peer -> until when lookups do not wait for it
         self._strikes: dict[str, int] = {}  # peer -> timeouts in a row
         self._feed_send, self._feed_recv = trio.open_memory_channel[str](1024)
-        self._notifee = _ConnectionFeed(self)
         self._nursery: trio.Nursery | None = None
         self._repair_limit = trio.CapacityLimiter(8)
         self.stats = {"rejected_from_peers": 0, "repairs": 0}
@@ -368,9 +339,7 @@ class Dht(Service):
         self.host.rpc.serve(
             STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD
         )
-        network = self.host.libp2p.get_network()
-        network.register_notifee(self._notifee)
-        stack.callback(network.remove_notifee, self._notifee)
+        stack.callback(self.host.on_connected(self._on_connected))
         self._nursery.start_soon(self._admit_connected_peers)
         self._nursery.start_soon(self._purge_loop)
         for peer in self.host.connected_peers():

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import trio
 
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
+from meshtrain.collective.flat import flatten_fp32, unflatten
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
 from meshtrain.node.config import NodeConfig
@@ -180,37 +181,26 @@ class LocalRanksCollective:
 
     async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
         local = self.local
-        flat = _flatten(tensors)
+        flat = flatten_fp32(tensors)
         await trio.to_thread.run_sync(local.reduce_mean, flat)
         if not local.is_gateway:
             outcome, mean = await trio.to_thread.run_sync(local.share_outcome, None, None)
             if mean is None:
                 raise CollectiveError(outcome["error"])
-            return ReduceResult(_unflatten(mean, tensors), tuple(outcome["contributors"]), outcome["digest"],
+            return ReduceResult(unflatten(mean, tensors, list(tensors)), tuple(outcome["contributors"]), outcome["digest"],
                                 0, 0, dict(outcome["excluded"]))
         try:
-            result = await exchange(_unflatten(flat, tensors))
+            result = await exchange(unflatten(flat, tensors, list(tensors)))
         except BaseException as e:  # CollectiveError, or cancelled: the other ranks must not wait
             why = str(e) if isinstance(e, CollectiveError) else "rank 0 left the round"
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(local.share_outcome, {"error": why}, None)
             raise
-        mean = _flatten(result.tensors)
+        mean = flatten_fp32(result.tensors)
         await trio.to_thread.run_sync(local.share_outcome, {
             "numel": mean.numel(), "contributors": list(result.contributors), "digest": result.digest,
             "excluded": dict(result.excluded)}, mean)
         return result
 
-
-def _flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
-
-
-def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out, pos = {}, 0
-    for n, t in like.items():
-        out[n] = flat[pos:pos + t.numel()].view(t.shape).to(t.dtype)
-        pos += t.numel()
-    return out
 
 

@@ -25,6 +25,8 @@ connection.
 peer at once (the all-reduce's data phase, the pipeline runtime) wait on it instead of polling
 `is_connected` in sleep loops. py-libp2p removes a closed connection before it notifies (and a
 cancelled cleanup may never notify), so waiters also re-check every `CONNECTION_RECHECK` s.
+`on_connected(listener)` hands each new connection's peer id to the layers that want it (the
+DHT feeds its routing table from it), from the same notifee.
 """
 
 from __future__ import annotations
@@ -115,12 +117,17 @@ CONNECTION_RECHECK = 1.0  # waiters on connection state re-check this often even
 
 
 class _ConnectionEvents(INotifee):
-    """Wakes the host's waiters when a connection opens or closes (never blocks libp2p)."""
+    """Wakes the host's waiters when a connection opens or closes, and tells the listeners of
+    `Host.on_connected` (never blocks libp2p)."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
 
     async def connected(self, network: Any, conn: Any) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is not None:
+            for listener in list(self.host._on_connected):
+                listener(peer.to_base58())
         self.host._connections_changed()
 
     async def disconnected(self, network: Any, conn: Any) -> None:
@@ -165,6 +172,7 @@ class Host(Service):
         self.rpc = Rpc(self)  # built here, used everywhere
         self._changed = trio.Event()  # set (and replaced) whenever a connection opens or closes
         self._events = _ConnectionEvents(self)
+        self._on_connected: list[Callable[[str], None]] = []
 
     @property
     def peer_id(self) -> str:
@@ -238,6 +246,12 @@ class Host(Service):
 
     def is_connected(self, peer: str) -> bool:
         return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))
+
+    def on_connected(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call `listener(peer_id)` on every new connection (on the trio thread; it must not
+        block). Returns the function that stops it."""
+        self._on_connected.append(listener)
+        return lambda: self._on_connected.remove(listener)
 
     def _connections_changed(self) -> None:
         changed, self._changed = self._changed, trio.Event()
