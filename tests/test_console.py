@@ -75,6 +75,25 @@ def test_rate_averages_a_bursty_counter_over_its_window():
     assert Rate().add(5.0, 10) == 0.0  # one sample: no rate yet
 
 
+def test_plain_reporter_says_states_that_came_and_went_between_two_polls():
+    """A node that trains 7 rounds and stops between two polls still reads starting -> training
+    -> stopping: the status document lists its recent states (found by a CI run under load)."""
+    def node_doc(states: list[str], changes: int) -> dict:
+        d = doc(state=states[-1], rnd=0)
+        d["node"].update(state_changes=changes, recent_states=states)
+        return d
+
+    rep = RoundReporter()
+    assert rep.lines(node_doc(["starting"], 0), 0.0) == ["state: starting"]
+    assert rep.lines(node_doc(["starting", "training", "stopping"], 2), 0.5) == [
+        "state: starting -> training", "state: training -> stopping"]
+    assert rep.lines(node_doc(["starting", "training", "stopping"], 2), 1.0) == []
+    # More changes than the node remembers: the ones it still lists, in order.
+    rep2 = RoundReporter()
+    rep2.lines(node_doc(["starting"], 0), 0.0)
+    assert rep2.lines(node_doc(["training", "syncing", "training"], 6), 0.5) == [
+        "state: starting -> syncing", "state: syncing -> training"]
+
 def test_plain_reporter_says_state_changes_and_one_line_per_round_while_training():
     rep = RoundReporter()
     assert rep.lines(doc(state="starting", rnd=0, step=0), 0.0) == ["state: starting"]

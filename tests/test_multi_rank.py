@@ -121,7 +121,11 @@ def test_two_rank_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path):
     assert r_mixed[0]["local_ranks"] == 2 and len(r_mixed[0]["local_ranks_peak_rss_mib"]) == 2
     assert [r["rounds"] for r in r_mixed + r_single] == [3] * 4
     diff = max(float((mixed[n] - single[n]).abs().max()) for n in mixed)
-    assert diff <= 1e-5, diff
+    # Not bit-identical: two ranks sum half-batch gradients in another order, and AdamW's 1/sqrt(v)
+    # grows those last-bit differences over 15 steps (3e-6 to 3e-5 seen, depending on the thread
+    # count torch picks under load). A wrong split (a half batch lost, a rank not averaged) moves
+    # φ by about the learning rate per step, 1e-3 or more.
+    assert diff <= 1e-4, diff
 
 
 @pytest.mark.cuda

@@ -121,7 +121,8 @@ def round_line(st: dict[str, Any], bytes_per_s: float) -> str:
 class RoundReporter:
     """Off a TTY: which plain lines a new snapshot calls for (pure; `lines(st, now, rate)`).
 
-    - the state, when it is first seen and whenever it changes (`state: syncing -> training`);
+    - the state, when it is first seen and whenever it changes (`state: syncing -> training`),
+      each change once, also those that came and went between two polls;
     - one line per completed outer round while training (a poll that sees several rounds at once
       reports the latest: rounds faster than the poll are not worth a line each);
     - `waiting (12 s): <what>` once a wait has lasted `wait_notice` seconds, again when what it
@@ -131,6 +132,7 @@ class RoundReporter:
     def __init__(self, wait_notice: float = WAIT_NOTICE_S) -> None:
         self.wait_notice = wait_notice
         self._state: str | None = None
+        self._state_changes = 0
         self._round: int | None = None
         self._waiting_since: float | None = None
         self._said: str | None = None
@@ -139,9 +141,7 @@ class RoundReporter:
     def lines(self, st: dict[str, Any], now: float, bytes_per_s: float = 0.0) -> list[str]:
         out: list[str] = []
         state, t = st["node"]["state"], st["training"]
-        if state != self._state:
-            out.append(f"state: {state}" if self._state is None else f"state: {self._state} -> {state}")
-            self._state = state
+        out += self._state_lines(st["node"])
         rnd = t["round"]
         if self._round is not None and rnd > self._round and state in ("training", "stopping"):
             out.append(round_line(st, bytes_per_s))
@@ -156,6 +156,23 @@ class RoundReporter:
             if waited >= self.wait_notice and waiting != self._said and now - self._said_at >= self.wait_notice:
                 out.append(f"waiting ({waited:.0f} s): {waiting}")
                 self._said, self._said_at = waiting, now
+        return out
+
+    def _state_lines(self, node: dict[str, Any]) -> list[str]:
+        """`state: a -> b` for every change since the last poll, including states that came and
+        went between two polls (the node lists its recent states for that)."""
+        state, changes, recent = node["state"], node.get("state_changes"), node.get("recent_states")
+        new = [state]
+        if isinstance(changes, int):
+            missed = changes - self._state_changes
+            if self._state is not None and isinstance(recent, list) and recent and recent[-1] == state and missed > 0:
+                new = [str(x) for x in recent[-min(missed, len(recent) - 1):]] if len(recent) > 1 else new
+            self._state_changes = changes
+        out = []
+        for s in new:
+            if s != self._state:
+                out.append(f"state: {s}" if self._state is None else f"state: {self._state} -> {s}")
+                self._state = s
         return out
 
 

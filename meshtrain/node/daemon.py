@@ -49,6 +49,7 @@ import secrets
 import signal
 import threading
 import time
+from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we w
 PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
 ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on our own state
 PARITY_INTERVAL = 1.0  # seconds between two parity checks against the swarm's φ digests
+STATE_LOG = 8  # the status document keeps this many recent states (a console polling slower sees them all)
 MEMBER_WAIT = 3.0  # a data-plane request from a peer not yet in our membership waits this long for it
 
 
@@ -144,7 +146,8 @@ class Node:
         self._stop_flag = threading.Event()
         self._stop_requested = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self.state = "starting"
+        self._states: deque[str] = deque(["starting"], maxlen=STATE_LOG)
+        self._state_changes = 0  # how many times the state changed since start
         self.started = time.time()
         self.host: Host | None = None
         self.view: SwarmView | None = None
@@ -166,6 +169,17 @@ class Node:
         self._waiting: str | None = None  # what the node itself waits for (a download, peers)
 
     # -- control -------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """starting, syncing, training, stopping."""
+        return self._states[-1]
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if value != self._states[-1]:
+            self._states.append(value)
+            self._state_changes += 1
 
     def stop(self) -> None:
         """Ask the node to stop cleanly (thread-safe; idempotent)."""
@@ -784,6 +798,7 @@ class Node:
         node = {"peer_id": host.peer_id if host else "", "name": self.config.name, "version": meshtrain.__version__,
                 "started": self.started, "uptime_s": now - self.started,
                 "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
+                "state_changes": self._state_changes, "recent_states": list(self._states),
                 "listen": host.addrs if host else [],
                 "reachability": self.nat.connection_type if self.nat is not None else "unknown",
                 "device": device_label(trainer.device) if trainer is not None else self.config.device,

@@ -25,7 +25,9 @@ Routes:
                       then it leaves the swarm and checkpoints in the background
 
 The status document (`Node.snapshot()`):
-    node:       peer_id, name, version, started, uptime_s, swarm, state, listen, reachability,
+    node:       peer_id, name, version, started, uptime_s, swarm, state (starting, syncing,
+                training, stopping), state_changes (how many so far), recent_states (the last 8,
+                oldest first, ending with state), listen, reachability,
                 device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
                 local_rank_pids (their process ids, by local rank)
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
