@@ -24,7 +24,7 @@ import torch
 import trio
 
 from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.status import StatusServer
+from meshtrain.node.status_server import StatusServer
 
 from .conftest import ROOT
 

@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain.node.status import (
     StatusError,
-    StatusServer,
     fetch_status,
     read_daemon_file,
     request_stop,
     wait_for_exit,
 )
+from meshtrain.node.status_server import StatusServer
 
 
 def snapshot() -> dict:

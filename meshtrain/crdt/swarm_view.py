@@ -64,6 +64,7 @@ from meshtrain.transport.validate import is_int, is_number
 log = get_logger(__name__)
 
 MEMBERSHIP = "membership"
+LIVE_RECHECK = 0.5  # seconds: wait_live looks again this often without a membership change
 PROGRESS = "progress"
 METRICS = "metrics"
 CONFIG = "config"
@@ -293,6 +294,7 @@ class SwarmView(Service):
         self._metrics: dict[str, float] = {}
         self._metrics_dirty = False
         self._rewrite = trio.Event()  # set when our records must be written again at once
+        self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
         replica.on_change(self._on_change)
 
@@ -403,6 +405,18 @@ class SwarmView(Service):
 
     def is_live(self, peer_id: str, now: int | None = None) -> bool:
         return any(p.peer_id == peer_id for p in self.live_peers(now))
+
+    async def wait_live(self, peer_id: str, timeout: float) -> bool:
+        """Whether `peer_id` has (or within `timeout` seconds gets) a live membership record: a
+        peer that just joined may reach us before its record does. Woken by membership changes,
+        rechecked every `LIVE_RECHECK` seconds (a lease can start covering "now" on its own)."""
+        with trio.move_on_after(timeout):
+            while not self.is_live(peer_id):
+                changed = self._members_changed
+                with trio.move_on_after(LIVE_RECHECK):
+                    await changed.wait()
+            return True
+        return False
 
     def membership_snapshot(self, now: int | None = None) -> list[str]:
         """Sorted ids of the live peers at `now`: identical on peers with identical state and
@@ -519,6 +533,9 @@ class SwarmView(Service):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _on_change(self, event: ChangeEvent) -> None:
+        if event.crdt == MEMBERSHIP:
+            changed, self._members_changed = self._members_changed, trio.Event()
+            changed.set()
         # An entry of ours from a previous incarnation beat what we wrote since restarting (or
         # arrived before we wrote): write our records again on top of it.
         if event.own_superseded and event.crdt in (MEMBERSHIP, PROGRESS, METRICS):

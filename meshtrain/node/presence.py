@@ -1,0 +1,190 @@
+"""Peer presence: who is in the swarm, who trains now, and staying connected to them.
+
+Problem. Three sources tell a node about its swarm's peers, each incomplete: the swarm's DHT
+(`/meshtrain/<swarm>/peers` records, found through bootstrap peers and the peer we join
+through), mDNS on the LAN, and the replicated CRDT membership (every member's signed record with
+its role, addresses and lease; progress records with step, round and φ digests). Before this
+module, the node met them in one loop of its own and asked the view for the same sets in five
+places.
+
+Design. `PeerPresence` is a `Service` that enters, in order: the DHT (bootstrapped from the
+configured peers and the join address), LAN discovery (a LAN peer of this swarm bootstraps us as
+it is heard), DHT discovery (our own record under the swarm's key), and the swarm view (the CRDT
+replica; the owner publishes the signed spec in its config). One background task re-dials every
+live member and every DHT-discovered peer we are not connected to, every `CONNECT_INTERVAL`
+seconds (a full mesh up to a few dozen peers), and asks NAT traversal to upgrade a relayed
+connection (DCUtR). Then it answers, from the view and the host:
+    trainers()                 live members whose role is "trainer", us included
+    candidates(round)          a round's candidates: those trainers we are connected to, and us
+                               (a peer whose connection closed stops being waited for at once)
+    training_peers(connected)  trainers other than us whose progress record is fresh: they train
+                               *now*, not a restarted peer's record from its last life
+    swarm_step(), front_step() the furthest step a peer training now reports (any / connected)
+    is_member(peer)            a live membership record (any role), waiting `MEMBER_WAIT` for one
+                               on its way: the data plane's and the state donor's admission rule
+    relay_candidates()         whom a private node reserves a relay slot on
+
+Failures. No bootstrap peer reachable: logged, the node runs alone until peers dial it. A DHT
+lookup or a dial failing is logged at INFO and tried again next interval.
+
+Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`),
+admission of strangers to a public swarm (issue 21).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AsyncExitStack
+
+import trio
+
+from meshtrain.crdt.swarm_view import PeerProgress, SwarmView, open_swarm_view
+from meshtrain.crdt.types import now_ms
+from meshtrain.dht.discovery import Discovery, DiscoveryConfig
+from meshtrain.dht.kademlia import Dht
+from meshtrain.dht.mdns import LanDiscovery
+from meshtrain.dht.records import DhtError
+from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
+from meshtrain.log import get_logger, kv
+from meshtrain.node.swarm_spec import SignedSpec
+from meshtrain.transport.host import Host
+from meshtrain.transport.nat import NatTraversal
+
+log = get_logger(__name__)
+
+CONNECT_INTERVAL = 2.0  # seconds between two passes of re-dialling
+DISCOVERY_INTERVAL = 15.0  # seconds between two DHT lookups of the swarm's peers
+PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
+MEMBER_WAIT = 3.0  # a request from a peer not yet in our membership waits this long for its record
+
+
+class PeerPresence(Service):
+    """`async with PeerPresence(host, signed, bootstrap=[...]) as presence:` — the swarm's peers.
+
+    bootstrap: peer multiaddrs to bootstrap the DHT from (the configured peers, then the one we
+        join through). mdns: also find peers on the LAN. nat: NAT traversal, if running (relayed
+        connections are upgraded in the background). connection: how we are reached, announced
+        in our membership record until NAT traversal knows better.
+    """
+
+    def __init__(self, host: Host, signed: SignedSpec, *, bootstrap: list[str], mdns: bool = False,
+                 nat: NatTraversal | None = None, connection: str = "direct") -> None:
+        self.host = host
+        self.signed = signed
+        self.bootstrap = list(bootstrap)
+        self.mdns = mdns
+        self.nat = nat
+        self.connection = connection
+        self.view: SwarmView | None = None  # set once entered
+        self.discovery: Discovery | None = None
+
+    @property
+    def me(self) -> str:
+        return self.host.peer_id
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        host, swarm_id = self.host, self.signed.swarm_id
+        dht = await stack.enter_async_context(Dht(host, swarm_id))
+        if self.mdns:
+            async def lan_peer(peer: str, addrs: list[str]) -> None:
+                if not host.is_connected(peer):
+                    await dht.bootstrap([f"{addrs[0]}/p2p/{peer}"])
+            await stack.enter_async_context(LanDiscovery(host, swarm_id, lan_peer))
+        if self.bootstrap:
+            try:
+                await dht.bootstrap(self.bootstrap)
+            except DhtError as e:
+                log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
+        self.discovery = await stack.enter_async_context(Discovery(dht, DiscoveryConfig(role="trainer")))
+        # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
+        view = self.view = await stack.enter_async_context(open_swarm_view(
+            host, swarm_id, self.signed.owner, role="syncing", connection=self.connection,
+            recover_timeout=5.0 if host.connected_peers() else 0.2))
+        if view.is_owner and view.config().get("spec") != self.signed.to_wire():
+            view.set_config(spec=self.signed.to_wire())
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._keep_connected, view, self.discovery)
+
+    # -- who is there ----------------------------------------------------------------------------
+
+    def _view(self) -> SwarmView:
+        if self.view is None:
+            raise RuntimeError("PeerPresence is used before it was entered")
+        return self.view
+
+    def trainers(self) -> list[str]:
+        """Live trainers per the replicated membership, us included (connected or not)."""
+        return [p.peer_id for p in self._view().live_peers() if p.role == "trainer"]
+
+    def candidates(self, _round: int = 0) -> list[str]:
+        """A round's candidates: live trainers we are connected to, and us. A peer whose connection
+        closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
+        the re-dial loop brings it back, and it is a candidate again as soon as it is."""
+        return [p.peer_id for p in self._view().live_peers()
+                if p.role == "trainer" and (p.peer_id == self.me or self.host.is_connected(p.peer_id))]
+
+    def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
+        """Trainers other than us that train *now*: their progress record is fresh (a training
+        node refreshes it every heartbeat). A trainer that is starting or downloading — perhaps
+        restarted, its record left over from its last life — does not count: after the last
+        training peer died, restarted nodes waited on each other's stale records for minutes."""
+        view = self._view()
+        horizon = now_ms() - int((PROGRESS_FRESH_BEATS * view.current_interval() + 5.0) * 1000)
+        peers = set(self.candidates() if connected else self.trainers()) - {self.me}
+        return {p: pr for p, pr in view.progress().items() if p in peers and pr.updated_ms >= horizon}
+
+    def swarm_step(self) -> int | None:
+        """The furthest step a peer training now reports, or None if nobody trains."""
+        steps = [pr.step for pr in self.training_peers(connected=False).values()]
+        return max(steps) if steps else None
+
+    def front_step(self) -> int | None:
+        """The furthest step a connected peer training now reports (None: nobody)."""
+        steps = [pr.step for pr in self.training_peers(connected=True).values()]
+        return max(steps) if steps else None
+
+    async def is_member(self, peer: str) -> bool:
+        """A live membership record, any role (a joiner downloading state is "syncing"); its
+        record may still be on its way, so wait up to `MEMBER_WAIT` seconds for it."""
+        return await self._view().wait_live(peer, MEMBER_WAIT)
+
+    def relay_candidates(self) -> list[str]:
+        """Relays a private node reserves on: bootstrap peers, then members announced public."""
+        out = [a for a in self.bootstrap if "/p2p/" in a]
+        if self.view is not None:
+            for p in self.view.live_peers():
+                if p.connection == "public" and p.peer_id != self.me and p.addrs:
+                    a = p.addrs[0]
+                    out.append(a if "/p2p/" in a else f"{a}/p2p/{p.peer_id}")
+        return list(dict.fromkeys(out))
+
+    # -- staying connected -----------------------------------------------------------------------
+
+    async def _keep_connected(self, view: SwarmView, discovery: Discovery) -> None:
+        """Dial every live member and discovered peer we are not connected to."""
+        host = self.host
+        last_lookup = -math.inf
+        while True:
+            known = {p.peer_id: p.addrs for p in view.live_peers()}
+            if time.monotonic() - last_lookup > DISCOVERY_INTERVAL:
+                last_lookup = time.monotonic()
+                try:
+                    for a in await discovery.peers():
+                        known.setdefault(a.peer_id, a.addrs)
+                except MeshtrainError as e:
+                    log.info(kv("discovery lookup failed", error=str(e)))
+            for peer, addrs in known.items():
+                if peer == self.me or host.is_connected(peer) or not addrs:
+                    continue
+                addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
+                with trio.move_on_after(5):
+                    try:
+                        await host.connect(addr, timeout=5)
+                    except MeshtrainError as e:
+                        log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+                if self.nat is not None and host.connection_type(peer) == "relayed":
+                    assert self._nursery is not None  # we run in it
+                    self._nursery.start_soon(self.nat.upgrade, peer)  # DCUtR, in the background
+            await trio.sleep(CONNECT_INTERVAL)
