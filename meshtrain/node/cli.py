@@ -92,6 +92,8 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
     from meshtrain.node.config import SwarmSpec
 
     for name, info in SwarmSpec.model_fields.items():
+        if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
+            continue
         kind = {int: int, float: float}.get(info.annotation, str)  # type: ignore[arg-type]
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"spec_{name}", type=kind, default=None,
                        help=f"{info.description or name} (default {info.default})")

@@ -69,6 +69,7 @@ from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.dht.records import DhtError
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
+from meshtrain.models.sources import check_local_copy
 from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_state, write_atomic
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import device_label, resolve_device
@@ -301,6 +302,8 @@ class Node:
                 raise NodeError(f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
                                 f"create`) or join one (`meshtrain swarm join <multiaddr>`)")
             signed = SignedSpec.load(path)
+        spec = signed.spec  # our copy of the model and tokenizer files must be the swarm's
+        check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
         existing = self.data_dir / SPEC_FILE
         if existing.exists():
             old = SignedSpec.load(existing)
