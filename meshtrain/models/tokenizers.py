@@ -158,9 +158,12 @@ class HFTokenizer:
         return not _is_bare(self.backend)
 
     def encode(self, text: str) -> list[int]:
-        if _is_bare(self.backend):
-            return list(self.backend.encode(text, add_special_tokens=False).ids)
-        return list(self.backend.encode(text, add_special_tokens=False))
+        backend = self.backend
+        if getattr(backend, "is_fast", False):  # the same Rust tokenizer, without transformers' length warning
+            backend = backend.backend_tokenizer
+        if _is_bare(backend):
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        return list(backend.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.backend.decode([int(i) for i in ids], skip_special_tokens=False))
