@@ -28,36 +28,11 @@ from meshtrain.models.sources import (
 from meshtrain.models.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_digest
 from meshtrain.node.config import SwarmSpec, parse_spec
 
-from .tiny_hf import BPE_VOCAB, corpus_text, save_tiny_llama, train_bpe
+from .tiny_hf import BPE_VOCAB, FACTORY, corpus_text, save_tiny_llama, train_bpe
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-FACTORY = '''
-import torch
-
-
-class Bigram(torch.nn.Module):
-    context = 16
-
-    def __init__(self, vocab_size):
-        super().__init__()
-        self.table = torch.nn.Embedding(vocab_size, vocab_size)
-
-    def forward(self, x, y=None):
-        logits = self.table(x)
-        if y is None:
-            return logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-def make(vocab_size):
-    return Bigram(vocab_size)
-
-
-def not_a_model(vocab_size):
-    return 3
-'''
 
 
 @pytest.fixture(scope="module")

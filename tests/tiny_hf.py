@@ -1,12 +1,39 @@
-"""Tiny Hugging Face artefacts built offline for tests: a LLaMA-family causal LM saved with
-`save_pretrained`, and a byte-level BPE tokenizer trained with `tokenizers` on the built-in
-corpus text (CPython's pydoc topics). Nothing is downloaded."""
+"""Tiny model artefacts built offline for tests: a LLaMA-family causal LM saved with
+`save_pretrained`, a byte-level BPE tokenizer trained with `tokenizers` on the built-in corpus
+text (CPython's pydoc topics), and the source of a py: model factory. Nothing is downloaded."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 BPE_VOCAB = 300
+
+# A py: model factory module (a bigram table; forward(x) gives logits, forward(x, y) the loss).
+FACTORY = '''
+import torch
+
+
+class Bigram(torch.nn.Module):
+    context = 16
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, x, y=None):
+        logits = self.table(x)
+        if y is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def make(vocab_size):
+    return Bigram(vocab_size)
+
+
+def not_a_model(vocab_size):
+    return 3
+'''
 
 
 def corpus_text() -> str:
