@@ -35,6 +35,7 @@ from meshtrain.node.trainer import Trainer
 from meshtrain.transport.identity import Identity
 
 from .conftest import ROOT
+from .test_node_cli import finish, wait_daemon
 from .tiny_hf import FACTORY, save_tiny_llama, train_bpe
 
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1", "--no-nat"]
@@ -142,25 +143,6 @@ def start(home: Path, *args: str, log: Path) -> subprocess.Popen:
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
 
 
-def wait_addr(home: Path, proc: subprocess.Popen, log: Path, timeout: float = 90) -> str:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            return json.loads((home / "data" / "daemon.json").read_text())["addrs"][0]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.2)
-    raise AssertionError(f"node did not start:\n{log.read_text()[-3000:]}")
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> dict:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, log.read_text()[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -182,7 +164,7 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     assert spec["model_digest"].startswith("config=") and ",weights=" in spec["model_digest"]
     logs = {n: tmp_path / f"{n}.log" for n in homes}
     pa = start(homes["a"], "--wait-peers", "2", log=logs["a"])
-    addr = wait_addr(homes["a"], pa, logs["a"])
+    addr = wait_daemon(homes["a"] / "data", pa, logs["a"])["addrs"][0]
     pb = start(homes["b"], "--join", addr, "--wait-peers", "2", log=logs["b"])
     # Peers whose local files differ from the swarm's pins are refused, naming which differs.
     for name, needle in (("other_tokenizer", "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest"),
