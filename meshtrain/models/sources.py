@@ -218,7 +218,6 @@ def _from_config(src: ModelSource, vocab_size: int, seed: int) -> torch.nn.Modul
 
 
 def _load_factory(src: ModelSource) -> Callable[..., Any]:
-    assert src.factory is not None
     if src.is_path:
         path = Path(src.location).expanduser().resolve()
         if not path.is_file():
@@ -241,7 +240,7 @@ def _load_factory(src: ModelSource) -> Callable[..., Any]:
             module = importlib.import_module(src.location)
         except ImportError as e:
             raise ConfigError(f"model {src.value}: cannot import {src.location} ({e})") from None
-    factory = getattr(module, src.factory, None)
+    factory = getattr(module, str(src.factory), None)
     if not callable(factory):
         raise ConfigError(f"model {src.value}: {src.location} has no function {src.factory}")
     return factory

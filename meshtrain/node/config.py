@@ -1,8 +1,9 @@
 """The one config model: what a swarm trains (`SwarmSpec`) and how this node runs (`NodeConfig`).
 
 Two models because they have different owners. The `SwarmSpec` is the swarm's contract — model,
-data, optimizer, hyper-parameters — written once by the swarm's creator, signed, and identical on
-every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
+tokenizer, data, optimizer, hyper-parameters, and the digests of the model's and tokenizer's files
+(pinned when it is signed, models/sources.py) — written once by the swarm's creator, signed, and
+identical on every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
 business: where to keep data, where to listen, whom to dial first, the status port, the device
 it trains on (`device`, node/devices.py) and how many local ranks make up the peer
 (`nproc_per_node`, node/local_ranks.py). The spec's `precision` is the swarm's: peers that train in
