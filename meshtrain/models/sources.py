@@ -176,8 +176,8 @@ def _pretrained(src: ModelSource, vocab_size: int) -> torch.nn.Module:
     transformers = _transformers(src.value)
     path = _hf_dir(src)
     try:
-        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                                  dtype=torch.float32)
+        # fp32 master weights whatever the files' dtype (bf16 -> fp32 is exact)
+        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).float()
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model {src.value}: cannot load it: {str(e).splitlines()[0][:300]}") from None
     rows = inner.get_input_embeddings().num_embeddings
