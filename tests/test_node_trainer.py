@@ -61,7 +61,7 @@ def test_hugging_face_config_builds_and_trains(tmp_path):
     pytest.importorskip("transformers")
     cfg = tmp_path / "gpt2.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 32}))
-    spec = SwarmSpec(model=f"hf:{cfg}", steps=10, H=5, eval_every=10, inner_lr=1e-2)
+    spec = SwarmSpec(model=f"hf-config:{cfg}", steps=10, H=5, eval_every=10, inner_lr=1e-2)
     t = Trainer(spec, LocalSwarm(1).member(0), "p")
     before = t.evaluate()
     trio.run(train, t, 10)
@@ -79,4 +79,4 @@ def test_spec_and_model_errors_are_clear(tmp_path):
     bad.write_text("{}")
     pytest.importorskip("transformers")
     with pytest.raises(ConfigError, match="model_type"):
-        Trainer(SwarmSpec(model=f"hf:{bad}"), LocalSwarm(1).member(0), "p")
+        Trainer(SwarmSpec(model=f"hf-config:{bad}"), LocalSwarm(1).member(0), "p")

@@ -21,7 +21,11 @@ never see the same window, only that their streams are independent.
 The last 10% of the tokens (by default) is held out; `eval_batches` reads fixed, evenly spaced
 windows of it, so every peer evaluates on the same batches.
 
-What it does not do: subword tokenisation, streaming corpora larger than memory.
+Any `Tokenizer` (models/tokenizers.py: a Hugging Face BPE, say) may stand in for the vocabulary:
+`Corpus.default(tokenizer)`, `from_text(text, vocab=tokenizer)`, `from_file(path, tokenizer)`
+tokenise the whole text with it; the digest then covers the tokenizer's digest.
+
+What it does not do: streaming corpora larger than memory (meshtrain/data/).
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ import hashlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from meshtrain.errors import ConfigError
 from meshtrain.transport.validate import is_int, is_number
+
+if TYPE_CHECKING:
+    from meshtrain.models.tokenizers import Tokenizer
 
 DEFAULT_HELD_OUT = 0.1
 # The context a corpus is checked against at load when the caller names none: GPTConfig's default.
@@ -74,6 +81,11 @@ class Vocab:
         return 256 if self.chars is None else len(self.chars)
 
     @property
+    def vocab_size(self) -> int:
+        """`size`, under the `Tokenizer` protocol's name."""
+        return self.size
+
+    @property
     def digest(self) -> str:
         """Fingerprint of the id <-> symbol mapping."""
         h = hashlib.blake2b(digest_size=16)
@@ -105,7 +117,7 @@ class Corpus:
     """A token stream split into a training part and a held-out tail.
 
     source: where the text came from (for the default corpus, including `sys.version`).
-    vocab: the `Vocab` that produced `tokens`.
+    vocab: the `Vocab` (or `Tokenizer`) that produced `tokens`.
     tokens: every token id, 1-D (uint8 when the vocabulary fits a byte, else int32; batches are
         int64).
     held_out_start: tokens[:held_out_start] is `train`, the rest `held_out`.
@@ -113,7 +125,7 @@ class Corpus:
     """
 
     source: str
-    vocab: Vocab
+    vocab: Vocab | Tokenizer
     tokens: torch.Tensor = field(repr=False)
     held_out_start: int
     digest: str = field(repr=False)
@@ -121,7 +133,7 @@ class Corpus:
     # -- constructors --------------------------------------------------------------------------
 
     @classmethod
-    def default(cls, vocab: VocabKind = "chars", *, held_out_fraction: float = DEFAULT_HELD_OUT
+    def default(cls, vocab: VocabKind | Tokenizer = "chars", *, held_out_fraction: float = DEFAULT_HELD_OUT
                 ) -> Corpus:
         """CPython's `pydoc_data.topics`, topics joined in sorted key order."""
         from pydoc_data.topics import topics
@@ -131,10 +143,13 @@ class Corpus:
                              held_out_fraction=held_out_fraction)
 
     @classmethod
-    def from_text(cls, text: str, source: str = "<text>", vocab: VocabKind = "chars", *,
+    def from_text(cls, text: str, source: str = "<text>", vocab: VocabKind | Tokenizer = "chars", *,
                   held_out_fraction: float = DEFAULT_HELD_OUT,
                   context: int = DEFAULT_CONTEXT) -> Corpus:
         """Tokenise `text`; both splits must hold at least context + 1 tokens."""
+        if not isinstance(vocab, str):  # a Tokenizer
+            return cls._build(torch.tensor(vocab.encode(text), dtype=torch.int64), vocab, source,
+                              held_out_fraction, context)
         if vocab == "chars":
             table = Vocab.from_text(text)
             return cls._build(table.encode(text), table, source, held_out_fraction, context)
@@ -144,14 +159,14 @@ class Corpus:
         raise ConfigError(f"vocab must be 'chars' or 'bytes', got {vocab!r}")
 
     @classmethod
-    def from_file(cls, path: str | Path, vocab: VocabKind = "chars", *,
+    def from_file(cls, path: str | Path, vocab: VocabKind | Tokenizer = "chars", *,
                   held_out_fraction: float = DEFAULT_HELD_OUT,
                   context: int = DEFAULT_CONTEXT) -> Corpus:
-        """A user's text file: UTF-8 for vocab="chars"; any bytes for vocab="bytes". A missing,
+        """A user's text file: UTF-8 for vocab="chars" or a Tokenizer; any bytes for vocab="bytes". A missing,
         unreadable, empty or too short file (fewer than context + 1 tokens in either split) is a
         ConfigError that says which."""
         path = Path(path)
-        if vocab not in ("chars", "bytes"):
+        if isinstance(vocab, str) and vocab not in ("chars", "bytes"):
             raise ConfigError(f"vocab must be 'chars' or 'bytes', got {vocab!r}")
         try:
             raw = path.read_bytes()
@@ -170,11 +185,11 @@ class Corpus:
         except UnicodeDecodeError as e:
             raise ConfigError(f"corpus file {path} is not UTF-8 text ({e.reason} at byte "
                               f"{e.start}); use vocab='bytes' to train on raw bytes") from None
-        return cls.from_text(text, source, "chars", held_out_fraction=held_out_fraction,
+        return cls.from_text(text, source, vocab, held_out_fraction=held_out_fraction,
                              context=context)
 
     @classmethod
-    def _build(cls, ids: torch.Tensor, vocab: Vocab, source: str, held_out_fraction: float,
+    def _build(cls, ids: torch.Tensor, vocab: Vocab | Tokenizer, source: str, held_out_fraction: float,
                context: int) -> Corpus:
         if not is_number(held_out_fraction) \
                 or not 0.0 < held_out_fraction < 1.0:
@@ -190,7 +205,7 @@ class Corpus:
                 f"corpus {source} is too short: {n} tokens split {held_out_start} train / "
                 f"{n - held_out_start} held out, and each part needs at least context + 1 = "
                 f"{context + 1} tokens")
-        tokens = ids.to(torch.uint8 if vocab.size <= 256 else torch.int32).contiguous()
+        tokens = ids.to(torch.uint8 if vocab.vocab_size <= 256 else torch.int32).contiguous()
         h = hashlib.blake2b(digest_size=16)
         h.update(vocab.digest.encode())
         h.update(held_out_start.to_bytes(8, "little"))
@@ -202,7 +217,7 @@ class Corpus:
 
     @property
     def vocab_size(self) -> int:
-        return self.vocab.size
+        return self.vocab.vocab_size
 
     @property
     def train(self) -> torch.Tensor:

@@ -122,11 +122,15 @@ _SAVE_LOCK = threading.Lock()
 
 
 class CheckpointStore:
-    """Saves and loads checkpoints in one directory, keeping the newest `keep`."""
+    """Saves and loads checkpoints in one directory, keeping the newest `keep`. `readonly`: only
+    load (export, sample: a running node may be saving into the directory, so nothing is created
+    or cleaned up)."""
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 3) -> None:
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 3, *, readonly: bool = False) -> None:
         self.dir = Path(directory)
         self.keep = max(1, keep)
+        if readonly:
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.dir.glob(".tmp-*"):  # a crash mid-save left these; they are garbage
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)

@@ -6,6 +6,8 @@
     meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec
     meshtrain swarm join   <multiaddr | id@multiaddr>       fetch the spec from a peer, sync, train
     meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
+    meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
+    meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with
 
 User mistakes end in one line on stderr and exit code 2, never a traceback: every error we raise
 on purpose is a `MeshtrainError`, and `main` turns those into messages (config errors: 2,
@@ -92,6 +94,8 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
     from meshtrain.node.config import SwarmSpec
 
     for name, info in SwarmSpec.model_fields.items():
+        if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
+            continue
         kind = {int: int, float: float}.get(info.annotation, str)  # type: ignore[arg-type]
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"spec_{name}", type=kind, default=None,
                        help=f"{info.description or name} (default {info.default})")
@@ -140,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a short run (CI)")
     demo.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
     demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+
+    export = sub.add_parser("export", help="write the swarm's outer parameters φ (latest checkpoint) as a model")
+    export.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)")
+    export.add_argument("--out", required=True, help="a new directory (HF save_pretrained layout for hf: models)")
+    sample = sub.add_parser("sample", help="continue a prompt with the swarm's outer parameters φ")
+    sample.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)")
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add (default 100)")
+    sample.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: greedy)")
+    sample.add_argument("--seed", type=int, default=0, help="seed of the top-k sampler (default 0)")
     return p
 
 
@@ -293,6 +307,18 @@ def _swarm_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_or_sample(args: argparse.Namespace) -> int:
+    from meshtrain.node.export import export_model, generate, load_trained
+
+    if args.command == "export":
+        print(json.dumps(export_model(data_dir_of(args), args.out)))
+        return 0
+    trained = load_trained(data_dir_of(args))
+    text = generate(trained, args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k, seed=args.seed)
+    print(args.prompt + text)
+    return 0
+
+
 def _meshtrain_error_in(eg: BaseExceptionGroup) -> MeshtrainError | None:
     """trio nurseries wrap errors in exception groups: find ours inside, if that is what ended us."""
     for e in eg.exceptions:
@@ -347,6 +373,8 @@ def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
             if args.action == "join":
                 return _run_node(args, join=args.address, spec_path=None)
             raise ConfigError("meshtrain swarm: say create or join")
+        if args.command in ("export", "sample"):
+            return _export_or_sample(args)
         if args.command == "demo":
             from meshtrain.node.demo import run_demo
 

@@ -1,8 +1,9 @@
 """The one config model: what a swarm trains (`SwarmSpec`) and how this node runs (`NodeConfig`).
 
 Two models because they have different owners. The `SwarmSpec` is the swarm's contract — model,
-data, optimizer, hyper-parameters — written once by the swarm's creator, signed, and identical on
-every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
+tokenizer, data, optimizer, hyper-parameters, and the digests of the model's and tokenizer's files
+(pinned when it is signed, models/sources.py) — written once by the swarm's creator, signed, and
+identical on every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
 business: where to keep data, where to listen, whom to dial first, the status port, the device
 it trains on (`device`, node/devices.py) and how many local ranks make up the peer
 (`nproc_per_node`, node/local_ranks.py). The spec's `precision` is the swarm's: peers that train in
@@ -26,9 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
+from meshtrain.models.sources import parse_model_source
+from meshtrain.models.tokenizers import check_tokenizer_name
 
 ENV_PREFIX = "MESHTRAIN_"
-MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-large")
 
 
 class SwarmSpec(BaseModel):
@@ -38,7 +40,12 @@ class SwarmSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("meshtrain-demo", min_length=1, max_length=64)
-    model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<config.json>")
+    model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
+                                                "hf-config:<config.json> | py:<module or file.py>:<factory>")
+    tokenizer: str = Field("chars", description="chars | bytes | hf:<dir or tokenizer.json>")
+    context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
+    model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
+    tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
     dataset: str = Field("builtin", description="builtin (offline English text) or a UTF-8 text file")
     optimizer: Literal["diloco", "streaming", "noloco", "sparseloco"] = "diloco"
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
@@ -67,9 +74,13 @@ class SwarmSpec(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
-        if v in MODEL_PRESETS or (v.startswith("hf:") and len(v) > 3):
-            return v
-        raise ValueError(f"must be one of {', '.join(MODEL_PRESETS)} or hf:<path to a config.json>")
+        parse_model_source(v)
+        return v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        return check_tokenizer_name(v)
 
     @field_validator("codec")
     @classmethod
@@ -88,6 +99,9 @@ class SwarmSpec(BaseModel):
                                   f"({self.H // self.fragments})")
             if self.eager and self.delay < 1:
                 raise ConfigError("swarm spec: eager updates need delay >= 1")
+        if self.model.startswith("hf:") and not self.tokenizer.startswith("hf:"):
+            raise ConfigError(f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
+                              f"with (--tokenizer {self.model}), not {self.tokenizer}")
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk "
                               f"({self.sparse_chunk})")

@@ -63,6 +63,7 @@ from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
+from meshtrain.models.sources import check_local_copy
 from meshtrain.node.checkpoint import write_atomic
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import device_label, resolve_device
@@ -272,6 +273,8 @@ class Node:
                 raise NodeError(f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
                                 f"create`) or join one (`meshtrain swarm join <multiaddr>`)")
             signed = SignedSpec.load(path)
+        spec = signed.spec  # our copy of the model and tokenizer files must be the swarm's
+        check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
         existing = self.data_dir / SPEC_FILE
         if existing.exists():
             old = SignedSpec.load(existing)

@@ -11,6 +11,11 @@ Joining needs one address: `swarm join <multiaddr>` (or `<swarm id>@<multiaddr>`
 pins the id) dials the peer and asks for the spec over the `swarm/spec` RPC; the answer is
 verified (signature, id, schema) before anything else happens. A spec file (`swarm.json`,
 written by `swarm create`) holds the same signed document.
+
+Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_digest` (computed from
+the creator's files, models/sources.py) when the spec has none, so the signature covers what the
+model and tokenizer *are*; every node checks its own copy against them before it trains
+(`check_local_copy`, called by the daemon).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any
 import blake3
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.models.sources import model_digest
+from meshtrain.models.tokenizers import tokenizer_digest
 from meshtrain.node.config import SwarmSpec, parse_spec
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.identity import Identity, verify
@@ -57,6 +64,11 @@ class SignedSpec:
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
+        """Sign `spec`, first pinning the model and tokenizer digests if it has none."""
+        if not spec.model_digest or not spec.tokenizer_digest:
+            spec = spec.model_copy(update={"model_digest": spec.model_digest or model_digest(spec.model),
+                                           "tokenizer_digest": spec.tokenizer_digest or
+                                           tokenizer_digest(spec.tokenizer)})
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))
 

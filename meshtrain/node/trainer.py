@@ -8,10 +8,11 @@ Data assignment is a pure function of (swarm seed, peer id, step) — `Corpus.ba
 Psyche: peers train on different samples without coordinating, and a peer restarted from a
 checkpoint at step s draws exactly the batches it would have drawn, so no work is repeated.
 
-Models: the built-in GPT presets, any `torch.nn.Module` handed in through the Python API (its
-`forward(x, y)` returns the loss, or an object with `.loss`), and Hugging Face `transformers`
-causal-LM configs (`hf:<config.json>`, built from the config, never downloaded) when
-transformers is installed.
+Models and tokenizers: the spec's `model` (built-in GPT presets, hf:<pretrained dir>,
+hf-config:<config.json>, py:<module>:<factory>; models/sources.py) or any `torch.nn.Module` handed
+in through the Python API (its `forward(x, y)` returns the loss, or an object with `.loss`); the
+spec's `tokenizer` (chars, bytes, hf:<dir>; models/tokenizers.py) tokenises the corpus. The
+sequence length is the spec's `context` or the model's own (`resolve_context`), never capped.
 
 Devices and precision (node/devices.py). The model θ, the batches and the inner optimizer live
 on `device`; the outer optimizer keeps φ and its own state fp32 on the host (optim/outer.py).
@@ -42,7 +43,6 @@ counters) is what late joiners download — θ is φ after a round, and inner st
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -56,7 +56,10 @@ import torch
 from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.models import GPT, Corpus, GPTConfig
+from meshtrain.models import Corpus
+from meshtrain.models.sources import build_model as build_source_model
+from meshtrain.models.sources import resolve_context
+from meshtrain.models.tokenizers import load_tokenizer
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
@@ -72,63 +75,19 @@ OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], Ou
 
 
 def load_corpus(spec: SwarmSpec) -> Corpus:
+    """The spec's dataset, tokenised with the spec's tokenizer."""
+    tokenizer = spec.tokenizer if spec.tokenizer in ("chars", "bytes") else load_tokenizer(spec.tokenizer)
     if spec.dataset == "builtin":
-        return Corpus.default()
+        return Corpus.default(tokenizer)  # type: ignore[arg-type]
     path = Path(spec.dataset).expanduser()
     if not path.is_file():
         raise ConfigError(f"dataset {path} does not exist on this machine (every peer needs the same file)")
-    return Corpus.from_file(path)
+    return Corpus.from_file(path, tokenizer)  # type: ignore[arg-type]
 
 
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
     """The spec's model, initialised from the swarm seed: identical on every peer."""
-    if spec.model.startswith("hf:"):
-        return _hf_model(spec.model[3:], vocab_size, spec.seed)
-    preset = {"gpt-tiny": GPTConfig.tiny, "gpt-small": GPTConfig.small, "gpt-large": GPTConfig.large}[spec.model]
-    return GPT(preset(vocab_size), seed=spec.seed)
-
-
-def _hf_model(config_path: str, vocab_size: int, seed: int) -> torch.nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model hf:... needs the `transformers` package: pip install transformers") from None
-    try:
-        data = json.loads(Path(config_path).expanduser().read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read Hugging Face config {config_path}: {e}") from None
-    model_type = data.pop("model_type", None)
-    if not model_type:
-        raise ConfigError(f"{config_path}: a Hugging Face config needs a model_type (e.g. gpt2, llama)")
-    data["vocab_size"] = vocab_size
-    for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the config's ids are for another vocab
-        if not isinstance(data.get(special), int) or not 0 <= data[special] < vocab_size:
-            data[special] = None
-    config = transformers.AutoConfig.for_model(model_type, **data)
-    torch.manual_seed(seed)
-    return _HFCausalLM(transformers.AutoModelForCausalLM.from_config(config))
-
-
-class _HFCausalLM(torch.nn.Module):
-    """Adapts a transformers causal LM to `model(x, y) -> loss` (HF shifts labels itself, so it
-    gets the inputs as labels: the same next-token objective)."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner(input_ids=x, labels=x).loss
-
-
-def context_of(model: torch.nn.Module, default: int = 32) -> int:
-    cfg = getattr(model, "config", None)
-    if isinstance(cfg, GPTConfig):
-        return cfg.context
-    inner = getattr(model, "inner", None)
-    n = getattr(getattr(inner, "config", None), "n_positions", None) or getattr(
-        getattr(inner, "config", None), "max_position_embeddings", None)
-    return min(int(n), 128) if n else default
+    return build_source_model(spec.model, vocab_size=vocab_size, seed=spec.seed, context=spec.context)
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -170,7 +129,7 @@ class Trainer:
         self.corpus = corpus or load_corpus(spec)
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.model = model.to(self.device)
-        self.context = context_of(self.model)
+        self.context = resolve_context(self.model, spec.context, spec.model if model is None else "the model")
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
         scaler = self.precision.scaler
         stepped = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
