@@ -3,6 +3,7 @@
 The public API is small (README.md, "Python API"):
 
 - `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python.
+- `Swarm` — the network for a training loop you write yourself (`DiLoCo(model, inner, swarm)`).
 - `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
   `NoLoCo`, `SparseLoCo` are built on it.
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Node": "meshtrain.node.daemon",
+    "Swarm": "meshtrain.node.user_loop",
     "NodeConfig": "meshtrain.node.config",
     "SwarmSpec": "meshtrain.node.config",
     "SignedSpec": "meshtrain.node.swarm_spec",

@@ -12,3 +12,12 @@ class MeshtrainError(Exception):
 
 class ConfigError(MeshtrainError):
     """Bad user input: a config value, a flag, a file that cannot be used."""
+
+
+def meshtrain_error_in(eg: BaseExceptionGroup) -> MeshtrainError | None:
+    """trio nurseries wrap errors in exception groups: find ours inside, if that is what ended us."""
+    for e in eg.exceptions:
+        found = meshtrain_error_in(e) if isinstance(e, BaseExceptionGroup) else e
+        if isinstance(found, MeshtrainError):
+            return found
+    return None

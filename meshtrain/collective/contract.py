@@ -18,7 +18,7 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -75,3 +75,13 @@ class Collective(Protocol):
     def group(self, round_id: int) -> tuple[str, ...]:
         """The peers (sorted ids, us included) expected in this round, from the membership snapshot."""
         ...
+
+
+@runtime_checkable
+class WatchesOptimizer(Protocol):
+    """A collective that wants to know the outer optimizer built over it (`meshtrain.Swarm`: it
+    checks the optimizer against the swarm's spec, and runs the swarm's side of your own loop
+    from the optimizer's step hook). `OuterOptimizer.__init__` calls `watch(self)` last."""
+
+    def watch(self, optimizer: Any) -> None: ...
+

@@ -16,7 +16,10 @@ Sources (`parse_model_source`):
                                        called under the spec's seed. <module> is a dotted module
                                        name importable on every peer (`py:mypkg.models:make`), or the
                                        path of a .py file (`py:models/mine.py:make`: any <module>
-                                       ending in .py or holding a "/" is a path)
+                                       ending in .py or holding a "/" is a path; meshtrain/pyref.py)
+    user                               no model in the spec: each member builds its own in its
+                                       own training loop (`meshtrain.Swarm`, node/user_loop.py);
+                                       the daemon refuses to train it
 
 The trainer's contract for a model is `model(x, y)` returning the loss (or an object with
 `.loss`). Built-in GPTs and py: models meet it themselves; a Hugging Face model is wrapped in
@@ -36,7 +39,8 @@ the spec itself. `config=<hex>` over the preset's shape (built-ins), or the cano
 (hf-config:, hf: — the keys `transformers_version` and `_name_or_path`, which say who saved it,
 not what it is, are left out); `weights=<hex>` over the weight files of an hf: directory
 (safetensors, bin and their index, by name); `source=<hex>` over a py: factory's source file
-and the factory's name (its own imports are not followed). `check_local_copy` recomputes both
+and the factory's name (`PyRef.source_digest`; its own imports are not followed); nothing for
+`user` (the members' φ parity is what binds them). `check_local_copy` recomputes both
 digests from this peer's files and raises a one-line ConfigError naming what differs.
 
 Failures: a missing path, a config with no model_type, a factory that is not callable or does
@@ -49,11 +53,7 @@ Not here: tokenizers (models/tokenizers.py), data (meshtrain/data/), export (nod
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +65,8 @@ import torch
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.tokenizers import tokenizer_digest
+from meshtrain.pyref import PREFIX as PY_PREFIX
+from meshtrain.pyref import PyRef
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt-tiny": GPTConfig.tiny, "gpt-small": GPTConfig.small, "gpt-large": GPTConfig.large}
@@ -75,7 +77,8 @@ UNPINNED_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 _DOMAIN = b"meshtrain/model/v1\n"
 
-SourceKind = Literal["builtin", "hf", "hf-config", "py"]
+SourceKind = Literal["builtin", "hf", "hf-config", "py", "user"]
+USER_LOOP = "user"  # the spec names no model: each member trains its own in its own loop
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,10 @@ class ModelSource:
     @property
     def is_path(self) -> bool:
         """A py: source given as a file path (not a dotted module name)."""
-        return self.kind == "py" and (self.location.endswith(".py") or "/" in self.location)
+        return self.kind == "py" and self.pyref().is_path
+
+    def pyref(self) -> PyRef:
+        return PyRef(self.value, self.location, str(self.factory))
 
 
 def parse_model_source(value: str) -> ModelSource:
@@ -105,13 +111,16 @@ def parse_model_source(value: str) -> ModelSource:
     for prefix, kind in (("hf:", "hf"), ("hf-config:", "hf-config")):
         if value.startswith(prefix) and len(value) > len(prefix):
             return ModelSource(kind, value, value[len(prefix):])  # type: ignore[arg-type]
-    if value.startswith("py:"):
-        module, _, factory = value[3:].rpartition(":")
-        if module and factory.isidentifier():
-            return ModelSource("py", value, module, factory)
-        raise ValueError("py: models are py:<module or file.py>:<factory function>")
-    raise ValueError(f"must be one of {', '.join(PRESETS)}, hf:<pretrained dir>, hf-config:<config.json> "
-                     f"or py:<module or file.py>:<factory>")
+    if value.startswith(PY_PREFIX):
+        try:
+            ref = PyRef.parse(value)
+        except ValueError:
+            raise ValueError("py: models are py:<module or file.py>:<factory function>") from None
+        return ModelSource("py", value, ref.module, ref.name)
+    if value == USER_LOOP:
+        return ModelSource("user", value, value)
+    raise ValueError(f"must be one of {', '.join(PRESETS)}, hf:<pretrained dir>, hf-config:<config.json>, "
+                     f"py:<module or file.py>:<factory> or {USER_LOOP} (your own loop, meshtrain.Swarm)")
 
 
 def _source(value: str) -> ModelSource:
@@ -150,6 +159,9 @@ def build_model(value: str, *, vocab_size: int, seed: int, context: int = 0) -> 
         return _pretrained(src, vocab_size)
     if src.kind == "hf-config":
         return _from_config(src, vocab_size, seed)
+    if src.kind == "user":
+        raise ConfigError(f"model {USER_LOOP}: this swarm trains a model its members build in their own "
+                          f"loops (meshtrain.Swarm); `meshtrain node start` has none to train")
     return _from_factory(src, vocab_size, seed)
 
 
@@ -218,31 +230,9 @@ def _from_config(src: ModelSource, vocab_size: int, seed: int) -> torch.nn.Modul
 
 
 def _load_factory(src: ModelSource) -> Callable[..., Any]:
-    if src.is_path:
-        path = Path(src.location).expanduser().resolve()
-        if not path.is_file():
-            raise ConfigError(f"model {src.value}: {path} does not exist on this machine")
-        name = "meshtrain_user_model_" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None:
-                raise ConfigError(f"model {src.value}: {path} is not a Python source file")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception as e:
-                del sys.modules[name]
-                raise ConfigError(f"model {src.value}: importing {path} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(src.location)
-        except ImportError as e:
-            raise ConfigError(f"model {src.value}: cannot import {src.location} ({e})") from None
-    factory = getattr(module, str(src.factory), None)
+    factory = src.pyref().load()
     if not callable(factory):
-        raise ConfigError(f"model {src.value}: {src.location} has no function {src.factory}")
+        raise ConfigError(f"model {src.value}: {src.location}.{src.factory} is not a function")
     return factory
 
 
@@ -342,21 +332,9 @@ def model_digest(value: str) -> str:
         path = _hf_dir(src)
         data = _read_config(src, path / "config.json")
         return f"config={_hex(_canonical_config(data))},weights={_weights_digest(src, path)}"
-    if src.is_path:
-        path = Path(src.location).expanduser()
-    else:
-        try:
-            spec = importlib.util.find_spec(src.location)
-        except (ImportError, ValueError) as e:
-            raise ConfigError(f"model {value}: cannot find module {src.location} ({e})") from None
-        if spec is None or not spec.origin or not Path(spec.origin).is_file():
-            raise ConfigError(f"model {value}: module {src.location} is not importable here (or has no source file)")
-        path = Path(spec.origin)
-    try:
-        source = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"model {value}: cannot read {path}: {e.strerror or e}") from None
-    return f"source={_hex(str(src.factory).encode(), source)}"
+    if src.kind == "user":
+        return ""  # trained in the members' own loops: parity over φ is what binds them
+    return f"source={src.pyref().source_digest()}"
 
 
 def check_local_copy(model: str, tokenizer: str, *, model_pin: str, tokenizer_pin: str) -> None:

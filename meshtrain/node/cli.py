@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain import __version__
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import configure
 
 STOP_WAIT_TIMEOUT = 120.0  # seconds `node stop --wait` waits for the node to exit
@@ -319,22 +319,13 @@ def _export_or_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meshtrain_error_in(eg: BaseExceptionGroup) -> MeshtrainError | None:
-    """trio nurseries wrap errors in exception groups: find ours inside, if that is what ended us."""
-    for e in eg.exceptions:
-        found = _meshtrain_error_in(e) if isinstance(e, BaseExceptionGroup) else e
-        if isinstance(found, MeshtrainError):
-            return found
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """The program (`argv` None: `sys.argv`, and a node that stopped cleanly ends the process at
     once, skipping the interpreter's teardown), or a call from Python with `argv` (returns)."""
     try:
         return _main(argv, exit_at_once=argv is None)
     except BaseExceptionGroup as eg:
-        err = _meshtrain_error_in(eg)
+        err = meshtrain_error_in(eg)
         if err is None:
             if eg.subgroup(KeyboardInterrupt) is not None:
                 print("meshtrain: interrupted", file=sys.stderr)

@@ -29,8 +29,10 @@ from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
 from meshtrain.models.sources import parse_model_source
 from meshtrain.models.tokenizers import check_tokenizer_name
+from meshtrain.pyref import PyRef
 
 ENV_PREFIX = "MESHTRAIN_"
+OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
 
 
 class SwarmSpec(BaseModel):
@@ -47,7 +49,9 @@ class SwarmSpec(BaseModel):
     model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
     dataset: str = Field("builtin", description="builtin (offline English text) or a UTF-8 text file")
-    optimizer: Literal["diloco", "streaming", "noloco", "sparseloco"] = "diloco"
+    optimizer: str = Field("diloco", description="diloco | streaming | noloco | sparseloco | "
+                                                 "py:<module or file.py>:<OuterOptimizer subclass>")
+    optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
     batch_size: int = Field(16, ge=1, le=4096)
@@ -75,6 +79,17 @@ class SwarmSpec(BaseModel):
     @classmethod
     def _model(cls, v: str) -> str:
         parse_model_source(v)
+        return v
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, v: str) -> str:
+        if v not in OPTIMIZERS:
+            try:
+                PyRef.parse(v)
+            except ValueError:
+                raise ValueError(f"must be one of {', '.join(OPTIMIZERS)} or py:<module or file.py>:<Class>, "
+                                 f"a meshtrain.OuterOptimizer subclass") from None
         return v
 
     @field_validator("tokenizer")

@@ -61,19 +61,20 @@ from meshtrain.backoff import Backoff
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
 from meshtrain.node.checkpoint import write_atomic
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import device_label, resolve_device
+from meshtrain.node.outer_spec import check_copy as check_outer_copy
 from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
 from meshtrain.node.status_server import StatusServer
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
-from meshtrain.node.trainer import OuterFactory, Trainer
+from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
@@ -112,6 +113,9 @@ class Node:
         outer optimizer); every peer of the swarm must use the same.
     local: the local-rank group when this process is rank 0 (the gateway) of a multi-GPU peer
         (node/local_ranks.py builds it); None for a single-process peer.
+    user_loop: loop mode, for `meshtrain.Swarm` (node/user_loop.py): no trainer of its own; it
+        serves the optimizer of the user's loop (`adopt`, `begin`, `resync`) and watches no
+        signals (the user's program owns them).
 
     While it runs, its parts are attributes (None until started): `host`, `streams`, `nat`,
     `presence` (with `view` and `discovery`), `collective`, `trainer`, `run_state` (with `parity`).
@@ -119,7 +123,7 @@ class Node:
 
     def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
                  model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 local: LocalRanks | None = None) -> None:
+                 local: LocalRanks | None = None, user_loop: bool = False) -> None:
         if config.nproc_per_node > 1 and local is None:
             raise ConfigError(f"nproc_per_node = {config.nproc_per_node}: a multi-rank peer is started by "
                               f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
@@ -145,6 +149,12 @@ class Node:
         self.run_state: RunState | None = None
         self.status_url: str | None = None
         self._waiting: str | None = None  # what start-up waits for (the peer we join through)
+        # Loop mode (`meshtrain.Swarm`): the user's loop trains; the node serves it.
+        self._user_loop = user_loop
+        self.network_ready = trio.Event()  # host, data plane, presence and collective are up
+        self._adopted: TrainedState | None = None
+        self._adopt = trio.Event()
+        self._outer_entered = trio.Event()
 
     @property
     def state(self) -> str:
@@ -181,6 +191,17 @@ class Node:
     # -- the run ---------------------------------------------------------------------------------
 
     async def run(self) -> NodeResult:
+        """Run until stopped or done. A `MeshtrainError` (a configuration mistake, a swarm that
+        cannot be joined) is raised as itself, not inside the nurseries' exception groups."""
+        try:
+            return await self._run()
+        except BaseExceptionGroup as eg:
+            err = meshtrain_error_in(eg)
+            if err is None:
+                raise
+            raise err from None
+
+    async def _run(self) -> NodeResult:
         self._token = trio.lowlevel.current_trio_token()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         identity = Identity.load_or_create(self.data_dir)
@@ -188,9 +209,10 @@ class Node:
         async with AsyncExitStack() as stack:
             # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
             # reach the node, which then stops as soon as it can (before its first step).
-            signals = await stack.enter_async_context(trio.open_nursery())
-            stack.callback(signals.cancel_scope.cancel)
-            signals.start_soon(self._watch_signals)
+            if not self._user_loop:
+                signals = await stack.enter_async_context(trio.open_nursery())
+                stack.callback(signals.cancel_scope.cancel)
+                signals.start_soon(self._watch_signals)
             host = self.host = await stack.enter_async_context(Host(identity, HostConfig(
                 listen=config.listen, swarm_key=config.swarm_key, announce=config.announce)))
             signed = self.signed = await self._resolve_spec(host)
@@ -214,13 +236,20 @@ class Node:
                 AllReduceConfig(join_timeout=config.join_timeout, part_timeout=config.part_timeout,
                                 round_window=max(4 * signed.spec.H, 64)),
                 current_round=self._current_round))
+            self.network_ready.set()
             if config.threads:
                 torch.set_num_threads(config.threads)
             local = self._local
-            trainer = self.trainer = Trainer(
-                signed.spec, local.collective(collective) if local else collective, host.peer_id,
-                model=self._model, outer_factory=self._outer_factory, local=local,
-                device=None if local else resolve_device(config.device))
+            trainer: TrainedState
+            if self._user_loop:
+                await self._adopt.wait()
+                assert self._adopted is not None  # set with the event
+                trainer = self.trainer = self._adopted
+            else:
+                trainer = self.trainer = Trainer(
+                    signed.spec, local.collective(collective) if local else collective, host.peer_id,
+                    model=self._model, outer_factory=self._outer_factory, local=local,
+                    device=None if local else resolve_device(config.device))
             run_state = self.run_state = await stack.enter_async_context(RunState(
                 trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop))
             if self.nat is not None:
@@ -237,6 +266,9 @@ class Node:
             log.warning(kv("node started", peer=host.peer_id, swarm=signed.swarm_id, addrs=",".join(host.addrs),
                            status=self.status_url))
             try:
+                if self._user_loop:
+                    return await self._serve_loop(trainer, presence, run_state)
+                assert isinstance(trainer, Trainer)
                 return await self._train(trainer, presence, run_state)
             finally:
                 (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
@@ -275,6 +307,7 @@ class Node:
             signed = SignedSpec.load(path)
         spec = signed.spec  # our copy of the model and tokenizer files must be the swarm's
         check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
+        check_outer_copy(spec)
         existing = self.data_dir / SPEC_FILE
         if existing.exists():
             old = SignedSpec.load(existing)
@@ -356,11 +389,7 @@ class Node:
         view = presence.view
         assert view is not None and self.host is not None  # entered
         stop = self._stop
-        await run_state.enter()
-        view.role = "trainer"
-        view.heartbeat()
-        await self._wait_for_peers(presence)
-        self.phase.set("training")
+        await self._enter_swarm(run_state, presence)
         until = trainer.spec.steps
         if self.config.max_steps is not None:
             until = min(until, self.config.max_steps) if until else self.config.max_steps
@@ -374,13 +403,7 @@ class Node:
                             break
                         # We missed a round (cut off, or late for its group): our outer state
                         # differs from the swarm's. Download it again rather than drift apart.
-                        log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
-                        view.role = "syncing"
-                        view.heartbeat()
-                        await run_state.download()
-                        view.role = "trainer"
-                        view.heartbeat()
-                        self.phase.set("training")
+                        await self._resync(run_state, presence)
                     stop.requested.set()
 
                 nursery.start_soon(train)
@@ -403,8 +426,37 @@ class Node:
                 with trio.move_on_after(STOP_GRACE):
                     await trainer.outer.afinish()
                 finished_cleanly = not trainer.outer.in_flight
+        return await self._finish(trainer, view, run_state, save=finished_cleanly, stopped_early=stopped_early)
+
+    async def _enter_swarm(self, run_state: RunState, presence: PeerPresence) -> None:
+        """Resume or download the swarm's state, count as a trainer, wait for `wait_peers`."""
+        view = presence.view
+        assert view is not None  # entered
+        await run_state.enter()
+        view.role = "trainer"
+        view.heartbeat()
+        await self._wait_for_peers(presence)
+        self.phase.set("training")
+
+    async def _resync(self, run_state: RunState, presence: PeerPresence) -> None:
+        """We missed a round (cut off, late for its group) or parity says we are in the minority:
+        our outer state differs from the swarm's. Download it again rather than drift apart."""
+        view, trainer = presence.view, run_state.trainer
+        assert view is not None  # entered
+        log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
+        view.role = "syncing"
+        view.heartbeat()
+        await run_state.download()
+        view.role = "trainer"
+        view.heartbeat()
+        self.phase.set("training")
+
+    async def _finish(self, trainer: TrainedState, view: SwarmView, run_state: RunState, *, save: bool,
+                      stopped_early: bool) -> NodeResult:
+        """Checkpoint (unless stopped mid-round), leave the swarm, write the loss history."""
+        assert self.host is not None  # running
         path = None
-        if finished_cleanly:
+        if save:
             path = await run_state.save_final()
         else:
             log.warning(kv("stopped mid-round; the last periodic checkpoint stands",
@@ -416,6 +468,46 @@ class Node:
         write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
         return NodeResult(self.host.peer_id, trainer.step, trainer.outer.rounds, trainer.info.eval_loss,
                           path or run_state.last_checkpoint.get("path"), stopped_early)
+
+    # -- loop mode (meshtrain.Swarm: the user's loop trains) -------------------------------------
+
+    async def adopt(self, trainer: TrainedState) -> None:
+        """Serve the user's loop's optimizer (`trainer.outer`); returns once it is entered on our
+        trio loop (its collective calls from the user's thread land here)."""
+        if not self._user_loop or self._adopted is not None:
+            raise NodeError("this node does not take a user loop's optimizer (one per Swarm)")
+        self._adopted = trainer
+        self._adopt.set()
+        await self._outer_entered.wait()
+
+    async def begin(self) -> None:
+        """The user's first step: join the swarm's state (resume or download), then train."""
+        run_state, presence = self.run_state, self.presence
+        assert run_state is not None and presence is not None  # adopt() waited for them
+        run_state.parity.enabled = run_state.trainer.outer.replicas_identical  # now fully built
+        await self._enter_swarm(run_state, presence)
+
+    async def resync(self) -> None:
+        """The user's loop lost step with the swarm: download its state (between two steps)."""
+        run_state, presence = self.run_state, self.presence
+        assert run_state is not None and presence is not None
+        await self._resync(run_state, presence)
+
+    async def _serve_loop(self, trainer: TrainedState, presence: PeerPresence, run_state: RunState) -> NodeResult:
+        """Loop mode: hold the user's optimizer entered until `stop()`, then finish its exchange in
+        flight, checkpoint and leave."""
+        view = presence.view
+        assert view is not None  # entered
+        async with trainer.outer:
+            self._outer_entered.set()
+            await self._stop.requested.wait()
+            self.phase.set("stopping")
+            if trainer.outer.in_flight:
+                with trio.move_on_after(self.config.join_timeout):
+                    await trainer.outer.afinish()
+        began = self.phase.changes > 1  # starting -> training happened
+        return await self._finish(trainer, view, run_state, save=began and not trainer.outer.in_flight,
+                                  stopped_early=False)
 
     async def _wait_for_peers(self, presence: PeerPresence) -> None:
         """With `wait_peers`, start training only once that many trainers (us included) are in

@@ -56,7 +56,7 @@ from meshtrain.node.config import NodeConfig
 from meshtrain.node.parity import ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
-from meshtrain.node.trainer import Trainer
+from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.transport.tensor_streams import TensorStreams
 
@@ -119,7 +119,7 @@ class RunState(Service):
     """`async with RunState(trainer, presence, streams, config, ...) as run:` — see the module
     docstring. `waiting` says what the run waits for now (a download, a donor), or None."""
 
-    def __init__(self, trainer: Trainer, presence: PeerPresence, streams: TensorStreams, config: NodeConfig,
+    def __init__(self, trainer: TrainedState, presence: PeerPresence, streams: TensorStreams, config: NodeConfig,
                  data_dir: Path, *, phase: Phase, stop: StopRequest) -> None:
         self.trainer = trainer
         self.presence = presence
@@ -314,7 +314,7 @@ class RunState(Service):
 
     # -- between steps, and checkpoints ----------------------------------------------------------
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainedState) -> None:
         """Between two steps, in the trainer's thread: report, publish, checkpoint."""
         assert self._token is not None  # entered
         info, outer, parity = trainer.info, trainer.outer, self.parity

@@ -15,7 +15,8 @@ written by `swarm create`) holds the same signed document.
 Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_digest` (computed from
 the creator's files, models/sources.py) when the spec has none, so the signature covers what the
 model and tokenizer *are*; every node checks its own copy against them before it trains
-(`check_local_copy`, called by the daemon).
+(`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
+way (`optimizer_digest`, meshtrain/pyref.py; checked by `trainer.check_optimizer_copy`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.sources import model_digest
 from meshtrain.models.tokenizers import tokenizer_digest
 from meshtrain.node.config import SwarmSpec, parse_spec
+from meshtrain.pyref import PREFIX as PY_PREFIX
+from meshtrain.pyref import PyRef
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.identity import Identity, verify
 
@@ -64,11 +67,12 @@ class SignedSpec:
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
-        """Sign `spec`, first pinning the model and tokenizer digests if it has none."""
-        if not spec.model_digest or not spec.tokenizer_digest:
-            spec = spec.model_copy(update={"model_digest": spec.model_digest or model_digest(spec.model),
-                                           "tokenizer_digest": spec.tokenizer_digest or
-                                           tokenizer_digest(spec.tokenizer)})
+        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none."""
+        pins = {"model_digest": spec.model_digest or model_digest(spec.model),
+                "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer)}
+        if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
+            pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
+        spec = spec.model_copy(update=pins)
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))
 

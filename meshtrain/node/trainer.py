@@ -62,7 +62,8 @@ from meshtrain.models.sources import resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
-from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
+from meshtrain.node.outer_spec import build_outer, check_matches
+from meshtrain.optim import OuterOptimizer
 
 if TYPE_CHECKING:
     from meshtrain.node.rank_group import LocalRanks
@@ -106,7 +107,63 @@ class StepInfo:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-class Trainer:
+class TrainedState:
+    """What `RunState` keeps in step with the swarm: a model θ, its outer optimizer, the step
+    counter, and the numbers the status page shows. The daemon's `Trainer` is one; the user's
+    own loop (`user_loop.LoopTrainer`) is the other. Subclasses set `spec`, `model`, `outer`,
+    `device`, `info` and `lock` in their constructor."""
+
+    spec: SwarmSpec
+    model: torch.nn.Module
+    outer: OuterOptimizer
+    device: torch.device
+    info: StepInfo
+    lock: threading.Lock  # guards `info` (written by the training thread)
+
+    @property
+    def step(self) -> int:
+        return self.outer.inner_steps
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def publish(self, step: int, value: float | None, rate: float, eval_loss: float | None) -> None:
+        """Record a step's numbers for the status page (the training thread, every few steps)."""
+        with self.lock:
+            info = self.info
+            info.step, info.loss, info.rounds = step, value, self.outer.rounds
+            info.samples_per_s = rate
+            if eval_loss is not None:
+                info.eval_loss = eval_loss
+            st = self.outer.stats()
+            info.history.append({"step": step, "t": time.time(), "loss": value, "eval_loss": eval_loss,
+                                 "bytes_sent": st["bytes_sent"], "bytes_received": st["bytes_received"]})
+            del info.history[:-500]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything to resume bit-exactly (host copies; call between steps)."""
+        return {"model": to_host(self.model.state_dict()),
+                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
+                "eval_loss": self.info.eval_loss}
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
+        self.model.load_state_dict(state["model"])
+        self.outer.load_state_dict(state["outer"], inner=True)
+        with self.lock:
+            self.info.step, self.info.rounds = self.step, self.outer.rounds
+            self.info.eval_loss = state.get("eval_loss")
+
+    def donor_state(self) -> dict[str, Any]:
+        """What a late joiner needs: the outer state without the inner optimizer."""
+        return self.outer.state_dict(inner=False)
+
+    def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
+        self.outer.join(state, at_step=at_step)
+        with self.lock:
+            self.info.step, self.info.rounds = self.step, self.outer.rounds
+
+
+class Trainer(TrainedState):
     """One peer's training (or one local rank's share of it). Build it on the trio thread; call
     `run` in a worker thread.
 
@@ -133,7 +190,11 @@ class Trainer:
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
         scaler = self.precision.scaler
         stepped = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
-        self.outer = (outer_factory or self._default_outer)(self.model, stepped, collective)  # type: ignore[arg-type]
+        if outer_factory is not None:
+            self.outer = outer_factory(self.model, stepped, collective)  # type: ignore[arg-type]
+            check_matches(self.outer, spec)  # a hook may instrument the spec's optimizer, not swap it
+        else:
+            self.outer = build_outer(spec, self.model, stepped, collective)  # type: ignore[arg-type]
         self._evals = [(x.to(self.device), y.to(self.device))
                        for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
@@ -145,24 +206,6 @@ class Trainer:
         self.info = StepInfo()
         self.lock = threading.Lock()  # guards `info` (written by the trainer thread)
         self.local_failure: str | None = None
-
-    def _default_outer(self, model: torch.nn.Module, inner: torch.optim.Optimizer,
-                       collective: Collective) -> OuterOptimizer:
-        s = self.spec
-        if s.optimizer == "diloco":
-            return DiLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, momentum=s.outer_momentum, codec=s.codec)
-        if s.optimizer == "streaming":
-            return StreamingDiLoCo(model, inner, collective, H=s.H, fragments=s.fragments, delay=s.delay,
-                                   alpha=s.alpha, codec=s.codec if s.codec != "none" else "fp4", lr=s.outer_lr,
-                                   momentum=s.outer_momentum, eager=s.eager)
-        if s.optimizer == "sparseloco":
-            return SparseLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, beta=s.error_decay, chunk=s.sparse_chunk,
-                              k=s.sparse_k)
-        return NoLoCo(model, inner, collective, H=s.H, codec=s.codec)
-
-    @property
-    def step(self) -> int:
-        return self.outer.inner_steps
 
     @property
     def num_parameters(self) -> int:
@@ -257,44 +300,7 @@ class Trainer:
                     local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
-            self._publish(step, value, rate, eval_loss)
+            self.publish(step, value, rate, eval_loss)
             if not math.isfinite(value):
                 log.warning(kv("training loss is not finite", step=step))
             after_step(self)
-
-    def _publish(self, step: int, value: float, rate: float, eval_loss: float | None) -> None:
-        with self.lock:
-            info = self.info
-            info.step, info.loss, info.rounds = step, value, self.outer.rounds
-            info.samples_per_s = rate
-            if eval_loss is not None:
-                info.eval_loss = eval_loss
-            st = self.outer.stats()
-            info.history.append({"step": step, "t": time.time(), "loss": value, "eval_loss": eval_loss,
-                                 "bytes_sent": st["bytes_sent"], "bytes_received": st["bytes_received"]})
-            del info.history[:-500]
-
-    # -- state ----------------------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (host copies; call between steps)."""
-        return {"model": to_host(self.model.state_dict()),
-                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
-                "eval_loss": self.info.eval_loss}
-
-    def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
-        self.model.load_state_dict(state["model"])
-        self.outer.load_state_dict(state["outer"], inner=True)
-        with self.lock:
-            self.info.step, self.info.rounds = self.step, self.outer.rounds
-            self.info.eval_loss = state.get("eval_loss")
-
-    def donor_state(self) -> dict[str, Any]:
-        """What a late joiner needs: the outer state without the inner optimizer."""
-        return self.outer.state_dict(inner=False)
-
-    def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
-        self.outer.join(state, at_step=at_step)
-        with self.lock:
-            self.info.step, self.info.rounds = self.step, self.outer.rounds

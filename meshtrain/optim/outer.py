@@ -39,6 +39,11 @@ forward pass and keeps serving the network during compute. Steps with nothing du
 trio at all. Code already running in trio (simulations with `LocalSwarm`, tests) calls
 `await astep()` instead — same logic, tensor work inline.
 
+Hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
+caller's thread; a collective that `WatchesOptimizer` (`meshtrain.Swarm`, for a loop you write
+yourself) is told of the optimizer at the end of `__init__` and installs its hook there. With no
+hook the list costs one empty loop per step.
+
 Schedule (Streaming DiLoCo, Douillard et al. 2025 §2; torchft `local_sgd.py`). The trainable
 parameters are split into P `fragments` (default: one, i.e. DiLoCo). Fragment p sends at inner
 steps s >= 1 with s ≡ p·H/P (mod H), so at most one fragment is in flight and the peak traffic
@@ -88,7 +93,12 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
+from meshtrain.collective.contract import (
+    Collective,
+    CollectiveError,
+    ReduceResult,
+    WatchesOptimizer,
+)
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
@@ -215,6 +225,11 @@ class OuterOptimizer(Service):
         # Error feedback (issue 19): β, or None for none; e per parameter, this peer's alone.
         self.error_feedback: float | None = None
         self.residual: dict[str, torch.Tensor] = {}
+        # Called with this optimizer at the start of every `step()`, in the caller's thread
+        # (`meshtrain.Swarm` runs the swarm's side of a user's own loop there).
+        self.step_hooks: list[Callable[[OuterOptimizer], None]] = []
+        if isinstance(collective, WatchesOptimizer):
+            collective.watch(self)
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
@@ -337,6 +352,8 @@ class OuterOptimizer(Service):
     def step(self) -> list[RoundReport]:
         """The inner step, then whatever the schedule says is due. Call from a worker thread
         (not from the trio thread: use `astep` there). Returns the exchanges completed."""
+        for hook in self.step_hooks:
+            hook(self)
         if self.inner is not None:
             self.inner.step()
         return self._drive_from_thread(self._advance())

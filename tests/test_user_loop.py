@@ -1,0 +1,103 @@
+"""`meshtrain.Swarm`: your own training loop on a swarm (node/user_loop.py).
+
+Two peers in separate processes run examples/own_training_loop.py (a tiny transformers LLaMA and
+a plain torch loop): the second joins through the first's address, both train with DiLoCo over
+the swarm, every round has both contributors, both end with the same φ, and each leaves a
+checkpoint that `Swarm.open` resumes. In process: an optimizer that does not match the swarm's
+spec is refused at once, with a message that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshtrain
+from meshtrain.errors import ConfigError
+from meshtrain.node.checkpoint import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "own_training_loop.py"
+
+
+def _start(*args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(EXAMPLE), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True)
+
+
+def _first_json(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("{"):
+            return json.loads(line)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no address printed; log:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_two_processes_train_a_tiny_llama_in_their_own_loops(tmp_path):
+    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
+    a = _start("--data-dir", str(tmp_path / "a"), "--create", "--steps", "60", "--H", "20", "--wait-peers", "2",
+               log=a_log)
+    try:
+        addr = _first_json(a, a_log)["addr"]
+        b = _start("--data-dir", str(tmp_path / "b"), "--join", addr, "--steps", "60", "--wait-peers", "2", log=b_log)
+        try:
+            outs = []
+            for p, log in ((a, a_log), (b, b_log)):
+                out, _ = p.communicate(timeout=300)
+                assert p.returncode == 0, log.read_text()[-4000:]
+                outs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]))
+        finally:
+            b.kill()
+    finally:
+        a.kill()
+    ra, rb = outs
+    assert ra["step"] == rb["step"] == 60 and ra["rounds"] == rb["rounds"] == 3
+    assert ra["contributors"] == rb["contributors"] == [2, 2, 2]
+    assert ra["phi_digest"] == rb["phi_digest"]  # one φ: the all-reduce's promise, through your loop
+    for name in ("a", "b"):
+        ck = CheckpointStore(tmp_path / name / "checkpoints").load_latest()
+        assert ck is not None and ck.step == 60 and "model" in ck.state and "outer" in ck.state
+
+
+def _tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def test_an_optimizer_other_than_the_spec_says_is_refused_and_a_resume_continues(tmp_path):
+    spec = meshtrain.SwarmSpec(name="own", model="user", optimizer="diloco", H=5, batch_size=4)
+    opts = {"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "nat": False, "checkpoint_every": 3600}
+    model = _tiny()
+    with meshtrain.Swarm.create(spec, data_dir=tmp_path / "d", **opts) as swarm:
+        with pytest.raises(ConfigError, match="spec says diloco"):
+            meshtrain.NoLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm, H=5)
+        with pytest.raises(ConfigError, match="H = 5"):
+            meshtrain.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm, H=7)
+        opt = meshtrain.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm, H=5)
+        x, y = torch.randn(64, 8), torch.randn(64, 1)
+        for _ in range(10):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        swarm.report(loss=1.0)
+        assert swarm.step == 10 and opt.rounds == 2
+        phi = {n: t.clone() for n, t in opt.outer_params.items()}
+    # A new process would do the same: open the data dir, build the optimizer, step on.
+    model2 = _tiny(seed=1)
+    with meshtrain.Swarm.open(tmp_path / "d", **opts) as swarm2:
+        opt2 = meshtrain.DiLoCo(model2, torch.optim.SGD(model2.parameters(), lr=0.1), swarm2, H=5)
+        torch.nn.functional.mse_loss(model2(x), y).backward()
+        opt2.step()  # the first step joins the state: this data dir's checkpoint
+        assert swarm2.step == 11 and opt2.rounds == 2
+        assert all(torch.equal(opt2.outer_params[n], phi[n]) for n in phi)
