@@ -692,7 +692,8 @@ class Node:
         path = None
         if finished_cleanly:
             state = trainer.checkpoint_state()
-            ck = await trio.to_thread.run_sync(lambda: store.save(state, step=trainer.step, round=trainer.outer.rounds))
+            ck = await trio.to_thread.run_sync(lambda: store.save(state, step=state["outer"]["inner_steps"],
+                                                                  round=state["outer"]["rounds"]))
             path = str(ck.path)
         else:
             log.warning(kv("stopped mid-round; the last periodic checkpoint stands",
@@ -736,7 +737,8 @@ class Node:
         if (time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every and not self._ckpt_busy
                 and not outer.in_flight):
             self._last_ckpt_time = time.monotonic()
-            checkpoint = (trainer.checkpoint_state(), trainer.step, outer.rounds)
+            state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/sharding.py)
+            checkpoint = (state, state["outer"]["inner_steps"], state["outer"]["rounds"])
 
         def on_trio() -> None:
             assert self.view is not None
@@ -803,6 +805,7 @@ class Node:
                 "reachability": self.nat.connection_type if self.nat is not None else "unknown",
                 "device": device_label(trainer.device) if trainer is not None else self.config.device,
                 "local_ranks": self._local.world_size if self._local is not None else 1,
+                "sharding": self._local.sharding if self._local is not None else "none",
                 "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()]}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}

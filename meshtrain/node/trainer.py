@@ -42,6 +42,7 @@ counters) is what late joiners download — θ is φ after a round, and inner st
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -59,6 +60,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
+from meshtrain.node.sharding import RoundClock, ShardedModel
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
 
 if TYPE_CHECKING:
@@ -169,13 +171,25 @@ class Trainer:
         self.precision = Precision(spec.precision, self.device)
         self.corpus = corpus or load_corpus(spec)
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
-        self.model = model.to(self.device)
-        self.context = context_of(self.model)
+        self.context = context_of(model)
+        # FSDP (node/sharding.py): the model is sharded over the local ranks; rank 0's outer
+        # optimizer works on a host replica, the other ranks keep a RoundClock.
+        self.sharded = ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
+        self.model = self.sharded.model if self.sharded is not None else model.to(self.device)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
         scaler = self.precision.scaler
-        stepped = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
-        self.outer = (outer_factory or self._default_outer)(self.model, stepped, collective)  # type: ignore[arg-type]
-        self._evals = [(x.to(self.device), y.to(self.device))
+        self.stepped: Any = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
+        factory = outer_factory or self._default_outer
+        self.outer: Any
+        if self.sharded is None:
+            self.outer = factory(self.model, self.stepped, collective)
+        elif self.sharded.replica is not None:  # the trainer steps the sharded inner optimizer itself
+            self.outer = factory(self.sharded.replica, None, collective)  # type: ignore[arg-type]
+        else:
+            self.outer = RoundClock(**local.schedule)  # type: ignore[union-attr]
+        self._eval_model = self.sharded.replica if self.sharded is not None else self.model
+        eval_device = next(self._eval_model.parameters()).device if self._eval_model is not None else self.device
+        self._evals = [(x.to(eval_device), y.to(eval_device))
                        for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
         self._rows = slice(None)
@@ -210,13 +224,15 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def evaluate(self) -> float:
-        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica."""
-        self.model.eval()
+        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica
+        (under FSDP: on rank 0's host replica)."""
+        model = self._eval_model
+        model.eval()
         try:
             with self.outer.outer_weights(), torch.no_grad(), self.precision.autocast():
-                losses = [_loss_of(self.model(x, y)).float() for x, y in self._evals]
+                losses = [_loss_of(model(x, y)).float() for x, y in self._evals]
         finally:
-            self.model.train()
+            model.train()
         return float(torch.stack(losses).mean())
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,12 +255,15 @@ class Trainer:
         if self.local is not None:
             try:
                 until = self.local.start_run(self, until)
-                self._train_model = self.local.wrap(self.model, self._train_model)
+                if self.sharded is None:
+                    self._train_model = self.local.wrap(self.model, self._train_model)
             except RuntimeError as e:  # torch.distributed: a local rank is gone
                 self._fail(stop, e)
                 return
         try:
             self._loop(stop, until, after_step)
+            if self.sharded is not None:
+                self.sharded.finish(self.outer, self.stepped)
         except RuntimeError as e:
             if self.local is None or not self.local.is_failure(e):
                 raise
@@ -257,32 +276,42 @@ class Trainer:
 
     def _loop(self, stop: threading.Event, until: int, after_step: Callable[[Trainer], None]) -> None:
         spec, outer, model, scaler, local = self.spec, self.outer, self._train_model, self.precision.scaler, self.local
+        sharded = self.sharded
         autocast = self.precision.autocast
         params = list(self.model.parameters())
         t_last, step_last, rounds_last = time.monotonic(), self.step, outer.rounds
         loss = None
-        first = True
-        while (until == 0 or self.step < until) and not outer.needs_resync:
+        agree = True  # local ranks agree whether to go on: first, every REPORT_EVERY steps, after an FSDP round
+        # Under FSDP only rank 0 knows it must re-sync: it says so as a stop, so all ranks end together.
+        while (until == 0 or self.step < until) and (sharded is not None or not outer.needs_resync):
             step = self.step
             if local is None:
                 if stop.is_set():
                     break
-            elif (first or step % REPORT_EVERY == 0) and not local.keep_going(stop.is_set()):
+            elif (agree or step % REPORT_EVERY == 0) and not local.keep_going(
+                    stop.is_set() or (sharded is not None and outer.needs_resync)):
                 break
-            first = False
+            agree = False
             # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
             # a round is due) ------------------------------------------------------------------
             x, y = self.batch(step)
             with autocast():
                 loss = _loss_of(model(x, y))
-            outer.zero_grad()
+            if sharded is None:
+                outer.zero_grad()
+            else:
+                self.inner.zero_grad()
             if scaler is None:
                 loss.backward()
             else:
                 scaler.scale(loss).backward()
                 scaler.unscale_(self.inner)
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
-            outer.step()
+            if sharded is None:
+                outer.step()
+            else:
+                self.stepped.step()
+                agree = sharded.advance(outer, self.stepped)
             # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
             step = self.step
             if step % REPORT_EVERY and outer.rounds == rounds_last and step != until and not (
@@ -318,15 +347,33 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (host copies; call between steps)."""
-        return {"model": to_host(self.model.state_dict()),
-                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
-                "eval_loss": self.info.eval_loss}
+        """Everything to resume bit-exactly (host copies; call between steps). Under FSDP (rank 0):
+        the replica's θ, the outer state and the whole inner state as of the last round or run
+        end (node/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
+        sharded = self.sharded
+        if sharded is None:
+            return {"model": to_host(self.model.state_dict()),
+                    "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
+                    "eval_loss": self.info.eval_loss}
+        if sharded.replica is None:
+            raise RuntimeError("under FSDP only local rank 0 holds the peer's full state")
+        outer = self.outer.state_dict(inner=True)
+        outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
+        if sharded.inner_state is not None:
+            outer["inner"] = copy.deepcopy(sharded.inner_state)
+        return {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
-        self.model.load_state_dict(state["model"])
+        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device; under
+        FSDP in rank 0's replica, and in the shards at the next `run`)."""
+        sharded = self.sharded
+        (sharded.replica if sharded is not None and sharded.replica is not None else self.model).load_state_dict(
+            state["model"])
         self.outer.load_state_dict(state["outer"], inner=True)
+        if sharded is not None:
+            sharded.inner_state = state["outer"].get("inner")
+            sharded.inner_to_load = sharded.inner_state is not None
+            sharded.snapshot_step = self.outer.inner_steps
         with self.lock:
             self.info.step, self.info.rounds = self.step, self.outer.rounds
             self.info.eval_loss = state.get("eval_loss")
@@ -337,5 +384,7 @@ class Trainer:
 
     def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
         self.outer.join(state, at_step=at_step)
+        if self.sharded is not None:
+            self.sharded.snapshot_step = self.outer.inner_steps  # the inner state is kept
         with self.lock:
             self.info.step, self.info.rounds = self.step, self.outer.rounds
