@@ -10,7 +10,8 @@ Design: a *gateway-reduced peer*.
   what `torchrun` runs: rendezvous on a local c10d store, `max_restarts=0`, worker monitoring).
   meshtrain does no process management of its own.
 - Inner data parallelism is DistributedDataParallel over the default process group: NCCL on
-  GPUs, gloo on CPUs. The spec's `batch_size` is what the peer trains per step; rank r trains rows
+  GPUs, gloo on CPUs — or, for a model that does not fit one device, FSDP2 `fully_shard`
+  (node config `sharding`, `--sharding ddp|fsdp|auto`; node/sharding.py tells that variant). The spec's `batch_size` is what the peer trains per step; rank r trains rows
   [r·b/N, (r+1)·b/N) of it (b must divide by N), so an N-rank peer trains exactly the samples a
   single-rank peer would, and the swarm's progress (`samples = step × batch_size`) counts the
   samples of all N ranks as this peer's.
@@ -49,8 +50,15 @@ Failures.
 - Process-group timeouts are long (`LOCAL_GROUP_TIMEOUT`: rank 0 may be downloading the swarm's
   state while the others wait); a dead rank is found by its closed connections, not by a timeout.
 
-Not here: FSDP2 `fully_shard` for models that do not fit on one device (the Trainer wraps in DDP
-only); models handed in through the Python API (ranks 1..N-1 build the spec's model); several
+The FSDP variant (node/sharding.py) keeps this design with one change: the ranks hold shards of
+one θ rather than N replicas, so the in-machine reduce of Δ becomes a gather of θ to rank 0,
+which alone holds φ and the outer optimizer (over a host replica of the model) and runs the
+round; the broadcast of the outcome becomes a scatter of the new θ's shards. The other ranks keep
+a clock of the round schedule instead of an outer optimizer, so every rank reaches each gather
+and scatter at the same step without a message, and rank 0's re-sync reaches them as a stop.
+Its checkpoints hold full state, so a peer resumes with another rank count or sharding.
+
+Not here: models handed in through the Python API (ranks 1..N-1 build the spec's model); several
 machines as one peer.
 """
 
@@ -149,6 +157,7 @@ def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join:
     _tell_followers_done(local)
     return {"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
             "eval_loss": result.eval_loss, "checkpoint": result.checkpoint, "local_ranks": local.world_size,
+            "sharding": local.sharding,
             "peak_rss_mib": _rss_mib()}
 
 

@@ -32,10 +32,14 @@ local rank of the peer: the model is wrapped in DistributedDataParallel, rank r 
 same samples per step as a single-rank one, and the swarm's progress counts its ranks' samples
 together), rank 0 sends the others the state to start from at every `run`, and the ranks agree
 every `REPORT_EVERY` steps whether to go on (rank 0's stop decides). A failed local rank surfaces
-as `local_failure` and a stop, not a hang.
+as `local_failure` and a stop, not a hang. Under FSDP (`sharded`, node/sharding.py) the model is
+sharded instead of wrapped, the trainer steps the sharded inner optimizer itself, and the outer
+step (rank 0's optimizer on its host replica, a `RoundClock` elsewhere) is framed by a gather of θ
+to rank 0 and a scatter of the new θ whenever a round is due; the ranks also agree after each
+such round, so rank 0's re-sync ends every rank's run at once.
 
-State: `checkpoint_state()` (model θ, outer state with the inner optimizer) is what the node
-saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
+State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP the full
+state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
 counters) is what late joiners download — θ is φ after a round, and inner state is never shared
 (ALGORITHMS.md).
 """
