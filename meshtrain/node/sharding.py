@@ -64,18 +64,19 @@ sharded (rather than full) checkpoints: a full state on rank 0 must fit its host
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from meshtrain.node.rank_group import LocalRanks
 
 SHARDINGS = ("ddp", "fsdp", "auto")
 AUTO_FSDP_FRACTION = 0.5  # of one device's memory; the rest is for activations
@@ -190,10 +191,11 @@ class ShardedModel:
     inner-state snapshot (module docstring). `pull`, `push`, `gather_inner` and `load_inner`
     are collectives: every rank calls them at the same step.
 
-    model: the freshly built, unsharded model (sharded in place). local: this rank's group.
+    model: the freshly built, unsharded model (sharded in place). local: this rank's group
+        (`rank_group.LocalRanks`, which imports this module).
     """
 
-    def __init__(self, model: torch.nn.Module, local: LocalRanks) -> None:
+    def __init__(self, model: torch.nn.Module, local: Any) -> None:
         self.local = local
         self.replica = copy.deepcopy(model).float().cpu() if local.is_gateway else None
         self.model = shard_model(model, local.device, local.world_size)
