@@ -231,6 +231,29 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
                 proc.kill()
 
 
+STOP_DEADLINE = 10.0  # seconds from SIGTERM to the launcher to the whole peer's exit
+
+
+def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
+    """The node has started and waits for a peer that never comes: SIGTERM to the launcher ends
+    every rank within seconds (the elastic agent would otherwise wait 30 s for ranks that wait
+    for it to read their results)."""
+    spec_file, keys = setup_swarm(tmp_path, H=5, steps=0, batch_size=8)
+    peer = Proc(data_dirs(tmp_path / "run", keys[:1])[0], "--swarm", str(spec_file), "--wait-peers", "2",
+                "--nproc-per-node", "2")
+    try:
+        pids = wait_for(lambda: (s := peer.status()) and s["node"]["local_rank_pids"], 120, "the peer's status page")
+        peer.p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, _ = peer.p.communicate(timeout=60)
+        assert time.monotonic() - t0 < STOP_DEADLINE, f"took {time.monotonic() - t0:.1f} s"
+        assert peer.p.returncode == 0 and json.loads(out.splitlines()[-1]) == {"stopped": True, "signal": "SIGTERM"}
+        for pid in pids:
+            wait_for(lambda pid=pid: not _alive(pid), 5, f"rank process {pid} to exit")
+    finally:
+        peer.kill()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -148,6 +148,7 @@ class Node:
         self._token: trio.lowlevel.TrioToken | None = None
         self._states: deque[str] = deque(["starting"], maxlen=STATE_LOG)
         self._state_changes = 0  # how many times the state changed since start
+        self.stop_signal: str | None = None  # the signal that stopped us, if one did
         self.started = time.time()
         self.host: Host | None = None
         self.view: SwarmView | None = None
@@ -419,6 +420,7 @@ class Node:
                     log.warning("second signal: exiting at once")
                     os._exit(130)
                 signalled = True
+                self.stop_signal = signal.Signals(sig).name
                 log.warning(kv("stopping", signal=signal.Signals(sig).name))
                 self.stop()
 

@@ -28,7 +28,8 @@ from meshtrain.node.sharding import choose_sharding, schedule_of
 log = get_logger(__name__)
 
 LOCAL_GROUP_TIMEOUT = timedelta(minutes=30)
-_DONE = "done"
+DONE = "done"
+DONE_EXIT = "done; exit at once"  # the launcher is closing (SIGTERM): no one will read our result
 
 
 class LocalRankError(MeshtrainError):
@@ -148,9 +149,9 @@ class LocalRanks:
         dist.broadcast(flag, src=0, group=self.control)
         return not bool(flag[0])
 
-    def finish(self) -> None:
-        """Rank 0, once the node is done: the followers exit."""
-        self._broadcast(_DONE, self.control)
+    def finish(self, exit_now: bool = False) -> None:
+        """Rank 0, once the node is done: the followers exit (`exit_now`: without a result)."""
+        self._broadcast(DONE_EXIT if exit_now else DONE, self.control)
 
     @staticmethod
     def is_failure(e: BaseException) -> bool:
