@@ -29,6 +29,9 @@ One JSON object on the last line:
   torch.distributed group (gloo), equals φ of the same swarm with both peers single-rank, at the
   same global batch (the spec's batch_size, split by the 2-rank peer's ranks), within 1e-5 max abs
   difference (`multi_rank_max_abs_diff`). Target: true.
+- `fsdp_matches`: the same with the 2-rank peer under FSDP2 (`--sharding fsdp`, node/sharding.py):
+  `fsdp_max_abs_diff` = max |φ_fsdp − φ_single|, true within 1e-4 (the tests' bound: AdamW grows
+  the last-bit differences of another gradient reduction order).
 - `peak_rss_mib`: peak resident memory of this process (bare loop and in-process node) and of each
   rank of the 2-rank peer.
 
@@ -230,10 +233,10 @@ def cli(*args: str, **kw) -> subprocess.CompletedProcess:
                           text=True, timeout=300, **kw)
 
 
-def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int
-              ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Run two node processes (peer 0 with nprocs[0] local ranks, peer 1 with nprocs[1]) to
-    `rounds` rounds; return peer 0's φ from its final checkpoint and each process's result."""
+def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int,
+              sharding: str = "ddp") -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Run two node processes (peer 0 with nprocs[0] local ranks under `sharding`, peer 1 with
+    nprocs[1]) to `rounds` rounds; return peer 0's φ from its final checkpoint and each process's result."""
     shutil.rmtree(work, ignore_errors=True)
     dirs = [work / f"p{i}" for i in range(2)]
     for d, key in zip(dirs, keys, strict=True):
@@ -245,7 +248,7 @@ def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[P
     logs = [open(work / f"p{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
     p0 = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
                            "--data-dir", str(dirs[0]), "--swarm", str(spec_file),
-                           "--nproc-per-node", str(nprocs[0]), *common],
+                           "--nproc-per-node", str(nprocs[0]), "--sharding", sharding, *common],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=logs[0], text=True)
     deadline = time.monotonic() + 120
     while not (dirs[0] / "daemon.json").exists():
@@ -282,10 +285,15 @@ def phase_multi_rank(args: argparse.Namespace, work: Path) -> dict:
     spec_file = signed.save(work / "swarm.json")
     mixed, res_mixed = swarm_phi(work / "mixed", (2, 1), spec_file, keys, H, rounds)
     single, res_single = swarm_phi(work / "single", (1, 1), spec_file, keys, H, rounds)
+    sharded, res_sharded = swarm_phi(work / "fsdp", (2, 1), spec_file, keys, H, rounds, sharding="fsdp")
     diff = max(float((mixed[n] - single[n]).abs().max()) for n in mixed)
+    fsdp_diff = max(float((sharded[n] - single[n]).abs().max()) for n in sharded)
     ranks_rss = res_mixed[0].get("local_ranks_peak_rss_mib", [])
-    ok = (diff <= 1e-5 and all(r.get("rounds") == rounds for r in res_mixed + res_single))
-    return {"multi_rank_matches": ok, "multi_rank_max_abs_diff": diff, "ranks_peak_rss_mib": ranks_rss,
+    all_rounds = all(r.get("rounds") == rounds for r in res_mixed + res_single + res_sharded)
+    return {"multi_rank_matches": diff <= 1e-5 and all_rounds, "multi_rank_max_abs_diff": diff,
+            "fsdp_matches": fsdp_diff <= 1e-4 and all_rounds and res_sharded[0].get("sharding") == "fsdp",
+            "fsdp_max_abs_diff": fsdp_diff, "ranks_peak_rss_mib": ranks_rss,
+            "fsdp_ranks_peak_rss_mib": res_sharded[0].get("local_ranks_peak_rss_mib", []),
             "multi_rank_rounds": [r.get("rounds") for r in res_mixed]}
 
 
@@ -296,17 +304,19 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads, both loops")
     p.add_argument("--skip-multi-rank", action="store_true")
+    p.add_argument("--only-multi-rank", action="store_true", help="only the multi-rank (DDP and FSDP) phase")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out: dict = {"model": MODEL, "batch": BATCH, "threads": args.threads, "device": "cpu"}
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     try:
-        out.update(phase_trainer(args, work, "cpu"))
-        if torch.cuda.is_available():
-            gpu = phase_trainer(args, work, "cuda")
-            out.update(gpu_samples_per_s=gpu["node_samples_per_s"], gpu_trainer_overhead=gpu["trainer_overhead"])
-        out.update(phase_precision(args))
+        if not args.only_multi_rank:
+            out.update(phase_trainer(args, work, "cpu"))
+            if torch.cuda.is_available():
+                gpu = phase_trainer(args, work, "cuda")
+                out.update(gpu_samples_per_s=gpu["node_samples_per_s"], gpu_trainer_overhead=gpu["trainer_overhead"])
+            out.update(phase_precision(args))
         if not args.skip_multi_rank:
             out.update(phase_multi_rank(args, work))
         out["load_avg"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]

@@ -161,7 +161,7 @@ def test_py_factory_from_a_file_and_from_a_module(tmp_path, monkeypatch):
         check_local_copy("py:mymodels:make", "chars", model_pin=pinned, tokenizer_pin="")
     with pytest.raises(ConfigError, match="returned a int, not a torch.nn.Module"):
         build_model(f"py:{source}:not_a_model", vocab_size=40, seed=0)
-    with pytest.raises(ConfigError, match="has no function"):
+    with pytest.raises(ConfigError, match="has no attribute missing"):
         build_model(f"py:{source}:missing", vocab_size=40, seed=0)
     with pytest.raises(ConfigError, match="cannot import"):
         build_model("py:no_such_module_here:make", vocab_size=40, seed=0)

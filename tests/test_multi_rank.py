@@ -1,7 +1,8 @@
 """A multi-GPU machine as one peer, on CPU ranks over gloo (node/local_ranks.py), as real node
 processes started through the CLI: a 2-rank peer trains the same φ as a single-rank one at the
-same global batch; killing a non-gateway rank ends the whole peer within one deadline, the swarm
-trains on without it, and the restarted peer resumes from its checkpoint."""
+same global batch, under DDP and under FSDP2 (node/sharding.py); an FSDP peer's checkpoint
+resumes with another rank count; killing a non-gateway rank ends the whole peer within one
+deadline, the swarm trains on without it, and the restarted peer resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -101,11 +102,11 @@ def data_dirs(base: Path, keys: list[Path]) -> list[Path]:
     return dirs
 
 
-def run_pair(base: Path, spec_file: Path, keys: list[Path], nprocs: tuple[int, int], device: str = "cpu"
-             ) -> tuple[dict, list[dict]]:
+def run_pair(base: Path, spec_file: Path, keys: list[Path], nprocs: tuple[int, int], device: str = "cpu",
+             sharding: str = "ddp") -> tuple[dict, list[dict]]:
     dirs = data_dirs(base, keys)
     first = Proc(dirs[0], "--swarm", str(spec_file), "--wait-peers", "2", "--nproc-per-node", str(nprocs[0]),
-                 device=device)
+                 "--sharding", sharding, device=device)
     addr = first.daemon()["addrs"][0]
     second = Proc(dirs[1], "--join", addr, "--wait-peers", "2", "--nproc-per-node", str(nprocs[1]),
                   device=device)
@@ -137,6 +138,55 @@ def test_two_gpu_peer_over_nccl_trains_close_to_a_single_gpu_peer(tmp_path):
     single, _ = run_pair(tmp_path / "single", spec_file, keys, (1, 1), device="cuda")
     # GPU kernels are not bit-reproducible across batch splits; the match is looser than on CPU
     assert max(float((mixed[n] - single[n]).abs().max()) for n in mixed) <= 1e-3
+
+
+def max_phi_difference(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def test_two_rank_fsdp_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path):
+    spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
+    sharded, r_sharded = run_pair(tmp_path / "fsdp", spec_file, keys, (2, 1), sharding="fsdp")
+    single, r_single = run_pair(tmp_path / "single", spec_file, keys, (1, 1))
+    assert r_sharded[0]["local_ranks"] == 2 and r_sharded[0]["sharding"] == "fsdp"
+    assert [r["rounds"] for r in r_sharded + r_single] == [3] * 4
+    # The same bound as under DDP (above): FSDP reduce-scatters the half-batch gradients in
+    # another order; a lost half batch or a shard not pushed back moves φ by 1e-3 or more.
+    assert max_phi_difference(sharded, single) <= 1e-4
+
+
+def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
+    """Two peers, each alone, train 20 steps in two runs of 10: one as 2 FSDP ranks then as one
+    rank, the other as one rank then as 2 FSDP ranks. Each resumes the other kind's checkpoint
+    (full state: θ, φ, outer and inner optimizer), so both end on the same φ — which they would
+    not if the inner optimizer's sharded moments were not gathered whole into the checkpoint,
+    or not cut into shards again on resume (a fresh AdamW moves φ by ~1e-3)."""
+    ident = Identity.load_or_create(tmp_path / "key")
+    spec_file = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, H=5, steps=20, batch_size=8),
+                                  ident).save(tmp_path / "swarm.json")
+    fsdp = ("--nproc-per-node", "2", "--sharding", "fsdp")
+    single = ("--nproc-per-node", "1")
+    phi = []
+    for name, legs in (("fsdp-first", (fsdp, single)), ("single-first", (single, fsdp))):
+        data_dir = data_dirs(tmp_path / name, [tmp_path / "key" / "identity.key"])[0]
+        assert Proc(data_dir, "--swarm", str(spec_file), "--max-steps", "10", *legs[0]).result(120)["step"] == 10
+        saved = CheckpointStore(data_dir / "checkpoints").load_latest()
+        assert saved.step == 10 and saved.state["outer"]["inner"]["state"], "the inner state is in the checkpoint"
+        again = Proc(data_dir, *legs[1])
+        assert again.result(120)["step"] == 20
+        assert "resumed from checkpoint step=10" in again.log.read_text()
+        phi.append(CheckpointStore(data_dir / "checkpoints").load_latest().state["outer"]["outer_params"])
+    assert max_phi_difference(*phi) <= 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices; torch sees fewer here (CPU-only CI): run on a GPU machine with -m cuda")
+def test_two_gpu_fsdp_peer_over_nccl_trains_close_to_a_single_gpu_peer(tmp_path):
+    spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
+    sharded, _ = run_pair(tmp_path / "fsdp", spec_file, keys, (2, 1), device="cuda", sharding="fsdp")
+    single, _ = run_pair(tmp_path / "single", spec_file, keys, (1, 1), device="cuda")
+    assert max_phi_difference(sharded, single) <= 1e-3
 
 
 def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path):
@@ -179,6 +229,29 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
         for proc in (peer, other, locals().get("restarted")):
             if proc is not None:
                 proc.kill()
+
+
+STOP_DEADLINE = 10.0  # seconds from SIGTERM to the launcher to the whole peer's exit
+
+
+def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
+    """The node has started and waits for a peer that never comes: SIGTERM to the launcher ends
+    every rank within seconds (the elastic agent would otherwise wait 30 s for ranks that wait
+    for it to read their results)."""
+    spec_file, keys = setup_swarm(tmp_path, H=5, steps=0, batch_size=8)
+    peer = Proc(data_dirs(tmp_path / "run", keys[:1])[0], "--swarm", str(spec_file), "--wait-peers", "2",
+                "--nproc-per-node", "2")
+    try:
+        pids = wait_for(lambda: (s := peer.status()) and s["node"]["local_rank_pids"], 120, "the peer's status page")
+        peer.p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, _ = peer.p.communicate(timeout=60)
+        assert time.monotonic() - t0 < STOP_DEADLINE, f"took {time.monotonic() - t0:.1f} s"
+        assert peer.p.returncode == 0 and json.loads(out.splitlines()[-1]) == {"stopped": True, "signal": "SIGTERM"}
+        for pid in pids:
+            wait_for(lambda pid=pid: not _alive(pid), 5, f"rank process {pid} to exit")
+    finally:
+        peer.kill()
 
 
 def _alive(pid: int) -> bool:

@@ -88,6 +88,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default: CUDA, then MPS, then CPU), cpu, mps, cuda, cuda:<index>")
     p.add_argument("--nproc-per-node", type=int,
                    help="train as one peer on this many local ranks (GPUs), launched by torch.distributed")
+    p.add_argument("--sharding", choices=["ddp", "fsdp", "auto"],
+                   help="local ranks hold a replica each (ddp) or shards of one model (fsdp: FSDP2, for a model "
+                        "that does not fit one GPU); auto (default) picks fsdp when it does not fit")
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
             "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib", "nat", "relay", "upnp", "mdns", "device", "nproc_per_node")
+            "donor_upload_mib", "nat", "relay", "upnp", "mdns", "device", "nproc_per_node", "sharding")
     return {k: getattr(args, k, None) for k in keys}
 
 

@@ -5,8 +5,9 @@ tokenizer, data, optimizer, hyper-parameters, and the digests of the model's and
 (pinned when it is signed, models/sources.py) — written once by the swarm's creator, signed, and
 identical on every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
 business: where to keep data, where to listen, whom to dial first, the status port, the device
-it trains on (`device`, node/devices.py) and how many local ranks make up the peer
-(`nproc_per_node`, node/local_ranks.py). The spec's `precision` is the swarm's: peers that train in
+it trains on (`device`, node/devices.py), how many local ranks make up the peer
+(`nproc_per_node`, node/local_ranks.py) and how they split the model (`sharding`: DDP or FSDP2,
+node/sharding.py). The spec's `precision` is the swarm's: peers that train in
 different precisions are different experiments.
 
 Precedence for `NodeConfig`, lowest first: defaults, the TOML file (`--config node.toml`, a
@@ -161,6 +162,9 @@ class NodeConfig(BaseModel):
     device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, mps, cuda or cuda:<index>")
     nproc_per_node: int = Field(1, ge=1, le=64, description="local ranks (GPUs) that train as one peer "
                                                             "(torch.distributed; the spec's batch_size is split among them)")
+    sharding: Literal["ddp", "fsdp", "auto"] = Field(
+        "auto", description="how local ranks split the model: ddp (a replica per rank), fsdp (FSDP2 shards), "
+                            "auto (fsdp when the model's training state exceeds half a GPU; ddp on CPU)")
 
     @field_validator("device")
     @classmethod

@@ -138,6 +138,7 @@ class Node:
         self._stop = StopRequest()
         self._token: trio.lowlevel.TrioToken | None = None
         self.phase = Phase()
+        self.stop_signal: str | None = None  # the signal that stopped us, if one did
         self.started = time.time()
         self.signed: SignedSpec | None = None
         self.host: Host | None = None
@@ -348,6 +349,7 @@ class Node:
                     log.warning("second signal: exiting at once")
                     os._exit(130)
                 signalled = True
+                self.stop_signal = signal.Signals(sig).name
                 log.warning(kv("stopping", signal=signal.Signals(sig).name))
                 self.stop()
 
@@ -563,6 +565,7 @@ class Node:
                 "reachability": self.nat.connection_type if self.nat is not None else "unknown",
                 "device": device_label(trainer.device) if trainer is not None else self.config.device,
                 "local_ranks": self._local.world_size if self._local is not None else 1,
+                "sharding": self._local.sharding if self._local is not None else "none",
                 "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()]}
         training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
                                     "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}

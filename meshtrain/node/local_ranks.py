@@ -10,7 +10,8 @@ Design: a *gateway-reduced peer*.
   what `torchrun` runs: rendezvous on a local c10d store, `max_restarts=0`, worker monitoring).
   meshtrain does no process management of its own.
 - Inner data parallelism is DistributedDataParallel over the default process group: NCCL on
-  GPUs, gloo on CPUs. The spec's `batch_size` is what the peer trains per step; rank r trains rows
+  GPUs, gloo on CPUs — or, for a model that does not fit one device, FSDP2 `fully_shard`
+  (node config `sharding`, `--sharding ddp|fsdp|auto`; node/sharding.py tells that variant). The spec's `batch_size` is what the peer trains per step; rank r trains rows
   [r·b/N, (r+1)·b/N) of it (b must divide by N), so an N-rank peer trains exactly the samples a
   single-rank peer would, and the swarm's progress (`samples = step × batch_size`) counts the
   samples of all N ranks as this peer's.
@@ -46,11 +47,23 @@ Failures.
   peer resumes from that checkpoint (or downloads the swarm's state if it fell behind).
 - Non-gateway ranks ignore SIGINT/SIGTERM (Ctrl-C reaches every process of the terminal): they
   stop when rank 0 says so, or when rank 0 is gone.
+- SIGTERM to the launcher: the elastic agent passes it on to the ranks and waits for them to
+  exit, reading no results (and kills them after 30 s) — while a rank that returns a result
+  waits for it to be read. So rank 0, stopped cleanly by a SIGTERM (it leaves the swarm and
+  saves a checkpoint), tells the others "done; exit at once", and every rank exits as soon as
+  its work is done: the peer ends within seconds, during start-up as during training.
 - Process-group timeouts are long (`LOCAL_GROUP_TIMEOUT`: rank 0 may be downloading the swarm's
   state while the others wait); a dead rank is found by its closed connections, not by a timeout.
 
-Not here: FSDP2 `fully_shard` for models that do not fit on one device (the Trainer wraps in DDP
-only); models handed in through the Python API (ranks 1..N-1 build the spec's model); several
+The FSDP variant (node/sharding.py) keeps this design with one change: the ranks hold shards of
+one θ rather than N replicas, so the in-machine reduce of Δ becomes a gather of θ to rank 0,
+which alone holds φ and the outer optimizer (over a host replica of the model) and runs the
+round; the broadcast of the outcome becomes a scatter of the new θ's shards. The other ranks keep
+a clock of the round schedule instead of an outer optimizer, so every rank reaches each gather
+and scatter at the same step without a message, and rank 0's re-sync reaches them as a stop.
+Its checkpoints hold full state, so a peer resumes with another rank count or sharding.
+
+Not here: models handed in through the Python API (ranks 1..N-1 build the spec's model); several
 machines as one peer.
 """
 
@@ -59,6 +72,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -69,7 +83,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import configure, get_logger, kv
 from meshtrain.node.config import NodeConfig, parse_spec
 from meshtrain.node.devices import resolve_device
-from meshtrain.node.rank_group import LocalRankError, LocalRanks
+from meshtrain.node.rank_group import DONE_EXIT, LocalRankError, LocalRanks
 
 log = get_logger(__name__)
 
@@ -106,7 +120,9 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
         return {"stopped": True, "signal": signal.Signals(e.sigval).name}
     finally:
         signal.signal(signal.SIGINT, previous)
-    gateway = results[0]
+    gateway = results.get(0)
+    if gateway is None:  # a SIGTERM sent to rank 0 itself: it stopped cleanly and exited without a result
+        return {"stopped": True, "signal": "SIGTERM"}
     if "error" in gateway:
         raise (ConfigError if gateway["config_error"] else MeshtrainError)(gateway["error"])
     gateway["local_ranks_peak_rss_mib"] = [results[r]["peak_rss_mib"] for r in sorted(results)]
@@ -122,13 +138,21 @@ def run_local_rank(config_data: dict[str, Any], spec_path: str | None, join: str
     local = LocalRanks.start(config)  # failing here fails the rank: the agent stops the others
     try:
         if local.is_gateway:
-            return _gateway(local, config, spec_path, join)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _follow(local, config)
-        return {"rank": local.rank, "peak_rss_mib": _rss_mib()}
+            result = _gateway(local, config, spec_path, join)
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            result = {"rank": local.rank, "peak_rss_mib": _rss_mib(), "exit_now": _follow(local, config) == DONE_EXIT}
     finally:
         dist.destroy_process_group()
+    if result.pop("exit_now", False):
+        # The agent got SIGTERM and passed it on: it waits for the ranks to exit (then kills them,
+        # 30 s later) and reads no result, while a rank that returns waits for its result to be
+        # read. So a rank stopped this way exits as soon as its work is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return result
 
 
 def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join: str | None) -> dict[str, Any]:
@@ -146,21 +170,24 @@ def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join:
     failure = node.trainer.local_failure if node.trainer is not None else None
     if failure is not None:
         raise LocalRankError(failure)  # the elastic agent reports the rank that died first
-    _tell_followers_done(local)
-    return {"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
+    exit_now = node.stop_signal == "SIGTERM"
+    _tell_followers_done(local, exit_now)
+    return {"stopped": True, "exit_now": exit_now, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
             "eval_loss": result.eval_loss, "checkpoint": result.checkpoint, "local_ranks": local.world_size,
+            "sharding": local.sharding,
             "peak_rss_mib": _rss_mib()}
 
 
-def _tell_followers_done(local: LocalRanks) -> None:
+def _tell_followers_done(local: LocalRanks, exit_now: bool = False) -> None:
     try:
-        local.finish()
+        local.finish(exit_now)
     except RuntimeError as e:  # they are gone already
         log.info(kv("could not tell the other local ranks to stop", error=str(e)[:200]))
 
 
-def _follow(local: LocalRanks, config: NodeConfig) -> None:
-    """Ranks 1..N-1: build the trainer from rank 0's first message, then run every run it starts."""
+def _follow(local: LocalRanks, config: NodeConfig) -> str:
+    """Ranks 1..N-1: build the trainer from rank 0's first message, then run every run it starts.
+    Returns rank 0's last message (`DONE` or `DONE_EXIT`)."""
     import threading
 
     from meshtrain.node.trainer import Trainer
@@ -169,7 +196,7 @@ def _follow(local: LocalRanks, config: NodeConfig) -> None:
         torch.set_num_threads(config.threads)
     msg = local.receive()
     if not isinstance(msg, dict):
-        return
+        return str(msg)
     trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local)
     never = threading.Event()
     msg = local.receive()
@@ -187,6 +214,7 @@ def _follow(local: LocalRanks, config: NodeConfig) -> None:
                 msg = await trio.to_thread.run_sync(local.receive)
 
     trio.run(runs)
+    return str(msg)
 
 
 def _rss_mib() -> float:

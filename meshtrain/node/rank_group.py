@@ -1,8 +1,10 @@
-"""The local-rank group of a multi-GPU peer: `LocalRanks` (the process groups and the control
-messages rank 0 sends the others) and `LocalRanksCollective` (the in-machine reduce, then the
-swarm's collective on rank 0, then the broadcast back). The design and its failures are told in
-`node/local_ranks.py`, which launches the ranks; this module is what the `Trainer` and the `Node`
-of one rank hold, so it imports neither (their types appear here as `Any`).
+"""The local-rank group of a multi-GPU peer: `LocalRanks` (the process groups, the sharding
+choice and the control messages rank 0 sends the others) and `LocalRanksCollective` (under DDP:
+the in-machine reduce, then the swarm's collective on rank 0, then the broadcast back; under
+FSDP: rank 0's exchange alone, as only rank 0 holds an outer optimizer). The design and its
+failures are told in `node/local_ranks.py`, which launches the ranks, and the FSDP variant in
+`node/sharding.py`; this module is what the `Trainer` and the `Node` of one rank hold, so it
+imports neither (their types appear here as `Any`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import resolve_device
+from meshtrain.node.sharding import choose_sharding, schedule_of
 
 log = get_logger(__name__)
 
 LOCAL_GROUP_TIMEOUT = timedelta(minutes=30)
-_DONE = "done"
+DONE = "done"
+DONE_EXIT = "done; exit at once"  # the launcher is closing (SIGTERM): no one will read our result
 
 
 class LocalRankError(MeshtrainError):
@@ -39,11 +43,16 @@ class LocalRanks:
     rank, world_size: local rank and number of ranks. device: this rank's device.
     control: gloo group for rank 0's messages (state, go on / stop, done), and the pids at start.
     outer: gloo group for the in-machine reduction of Δ and the broadcast of the outcome.
+    sharding: the node config's "ddp", "fsdp" or "auto"; rank 0 settles it (`choose_sharding`)
+        and the others take its choice with the spec.
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any,
+                 sharding: str = "ddp") -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.control, self.outer = control, outer
+        self.sharding = sharding
+        self.schedule: dict[str, int] = {}  # FSDP followers: rank 0's round schedule (sharding.RoundClock)
         self.peer_id = ""  # followers learn it from rank 0's first message
         self.pending: dict[str, Any] | None = None  # a follower's next run message
         self.pids: list[int] = [os.getpid()]  # every rank's process id, by rank (the status page shows them)
@@ -58,7 +67,7 @@ class LocalRanks:
         dist.init_process_group(backend, timeout=LOCAL_GROUP_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
         outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
-        local = cls(rank, world, device, control, outer)
+        local = cls(rank, world, device, control, outer, config.sharding)
         pids: list[Any] = [None] * world
         dist.all_gather_object(pids, os.getpid(), group=control)
         local.pids = [int(p) for p in pids]
@@ -78,6 +87,13 @@ class LocalRanks:
     def collective(self, swarm: Collective | None) -> LocalRanksCollective:
         return LocalRanksCollective(self, swarm)
 
+    def choose_sharding(self, model: torch.nn.Module) -> str:
+        """"ddp" or "fsdp" for this model: rank 0 decides ("auto": node/sharding.py); the others
+        learnt its choice from its first message."""
+        if self.is_gateway:
+            self.sharding = choose_sharding(self.sharding, model, self.device)
+        return self.sharding
+
     def wrap(self, model: torch.nn.Module, current: torch.nn.Module) -> torch.nn.Module:
         """`model` in DistributedDataParallel (once; `current` is what the trainer holds)."""
         if isinstance(current, torch.nn.parallel.DistributedDataParallel):
@@ -96,25 +112,35 @@ class LocalRanks:
         """Followers: rank 0's next message (what to build, a run to start, or "done")."""
         msg = self._broadcast(None, self.control)
         if isinstance(msg, dict) and "peer_id" in msg:
-            self.peer_id = msg["peer_id"]
+            self.peer_id, self.sharding, self.schedule = msg["peer_id"], msg["sharding"], msg["schedule"]
         return msg
 
     def prepare(self, trainer: Any) -> None:
-        """Rank 0, as its trainer is built: the others build theirs (spec, peer id)."""
-        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id}, self.control)
+        """Rank 0, as its trainer is built: the others build theirs (spec, peer id, sharding and,
+        under FSDP, the round schedule their clocks keep)."""
+        schedule = schedule_of(trainer.outer) if trainer.sharded is not None else {}
+        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id, "sharding": self.sharding,
+                         "schedule": schedule}, self.control)
 
     def start_run(self, trainer: Any, until: int) -> int:
         """At the start of every `Trainer.run`: rank 0 sends its state and where to stop; a
-        follower loads what it received. Returns the step to stop at."""
+        follower loads what it received (under DDP); under FSDP rank 0 sends its clock (and a
+        resumed inner state) and every rank takes its shard of θ (`ShardedModel.begin`).
+        Returns the step to stop at."""
+        sharded = trainer.sharded
         if self.is_gateway:
-            self._broadcast({"until": until, "state": trainer.checkpoint_state()}, self.control)
-            return until
-        msg = self.pending
-        if msg is None:
-            raise RuntimeError("a follower rank started a run without rank 0's message")
-        self.pending = None
-        trainer.load_checkpoint(msg["state"])
-        trainer.outer.needs_resync = False
+            state = trainer.checkpoint_state() if sharded is None else sharded.start_state(trainer.outer)
+            msg: dict[str, Any] | None = {"until": until, "state": state}
+            self._broadcast(msg, self.control)
+        else:
+            msg, self.pending = self.pending, None
+            if msg is None:
+                raise RuntimeError("a follower rank started a run without rank 0's message")
+            if sharded is None:
+                trainer.load_checkpoint(msg["state"])
+                trainer.outer.needs_resync = False
+        if sharded is not None:
+            sharded.begin(trainer.outer, trainer.stepped, msg["state"])
         return int(msg["until"])
 
     def keep_going(self, stop: bool) -> bool:
@@ -123,9 +149,9 @@ class LocalRanks:
         dist.broadcast(flag, src=0, group=self.control)
         return not bool(flag[0])
 
-    def finish(self) -> None:
-        """Rank 0, once the node is done: the followers exit."""
-        self._broadcast(_DONE, self.control)
+    def finish(self, exit_now: bool = False) -> None:
+        """Rank 0, once the node is done: the followers exit (`exit_now`: without a result)."""
+        self._broadcast(DONE_EXIT if exit_now else DONE, self.control)
 
     @staticmethod
     def is_failure(e: BaseException) -> bool:
@@ -181,6 +207,8 @@ class LocalRanksCollective:
 
     async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
         local = self.local
+        if local.sharding == "fsdp":  # only rank 0 has an outer optimizer; its Δ is the machine's
+            return await exchange(tensors)
         flat = flatten_fp32(tensors)
         await trio.to_thread.run_sync(local.reduce_mean, flat)
         if not local.is_gateway:

@@ -329,7 +329,8 @@ class RunState(Service):
         if (time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every and not self._ckpt_busy
                 and not outer.in_flight):
             self._last_ckpt_time = time.monotonic()
-            checkpoint = (trainer.checkpoint_state(), trainer.step, outer.rounds)
+            state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/sharding.py)
+            checkpoint = (state, state["outer"]["inner_steps"], state["outer"]["rounds"])
 
         def on_trio() -> None:
             view = self.presence.view
@@ -358,8 +359,8 @@ class RunState(Service):
 
     async def save_final(self) -> str:
         """The checkpoint of a clean stop; its path."""
-        trainer = self.trainer
-        state = trainer.checkpoint_state()
-        ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=trainer.step, round=trainer.outer.rounds))
-        self.last_checkpoint = {"last_step": trainer.step, "path": str(ck.path), "saved_at": time.time()}
+        state = self.trainer.checkpoint_state()
+        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]  # the state's own (FSDP: its last round)
+        ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
+        self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
         return str(ck.path)

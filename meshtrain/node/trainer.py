@@ -33,16 +33,21 @@ local rank of the peer: the model is wrapped in DistributedDataParallel, rank r 
 same samples per step as a single-rank one, and the swarm's progress counts its ranks' samples
 together), rank 0 sends the others the state to start from at every `run`, and the ranks agree
 every `REPORT_EVERY` steps whether to go on (rank 0's stop decides). A failed local rank surfaces
-as `local_failure` and a stop, not a hang.
+as `local_failure` and a stop, not a hang. Under FSDP (`sharded`, node/sharding.py) the model is
+sharded instead of wrapped, the trainer steps the sharded inner optimizer itself, and the outer
+step (rank 0's optimizer on its host replica, a `RoundClock` elsewhere) is framed by a gather of θ
+to rank 0 and a scatter of the new θ whenever a round is due; the ranks also agree after each
+such round, so rank 0's re-sync ends every rank's run at once.
 
-State: `checkpoint_state()` (model θ, outer state with the inner optimizer) is what the node
-saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
+State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP the full
+state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
 counters) is what late joiners download — θ is φ after a round, and inner state is never shared
 (ALGORITHMS.md).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -63,6 +68,7 @@ from meshtrain.models.tokenizers import load_tokenizer
 from meshtrain.node.config import SwarmSpec
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.node.outer_spec import build_outer, check_matches
+from meshtrain.node.sharding import RoundClock, ShardedModel
 from meshtrain.optim import OuterOptimizer
 
 if TYPE_CHECKING:
@@ -184,18 +190,34 @@ class Trainer(TrainedState):
                        torch.device(device) if device is not None else resolve_device("auto"))
         self.precision = Precision(spec.precision, self.device)
         self.corpus = corpus or load_corpus(spec)
+        user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
-        self.model = model.to(self.device)
-        self.context = resolve_context(self.model, spec.context, spec.model if model is None else "the model")
+        self.context = resolve_context(model, spec.context, "the model" if user_model else spec.model)
+        # FSDP (node/sharding.py): the model is sharded over the local ranks; rank 0's outer
+        # optimizer works on a host replica, the other ranks keep a RoundClock.
+        self.sharded = ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
+        self.model = self.sharded.model if self.sharded is not None else model.to(self.device)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
         scaler = self.precision.scaler
-        stepped = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
-        if outer_factory is not None:
-            self.outer = outer_factory(self.model, stepped, collective)  # type: ignore[arg-type]
-            check_matches(self.outer, spec)  # a hook may instrument the spec's optimizer, not swap it
+        self.stepped: Any = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
+
+        def make_outer(m: torch.nn.Module, inner: Any) -> OuterOptimizer:
+            if outer_factory is None:
+                return build_outer(spec, m, inner, collective)
+            outer = outer_factory(m, inner, collective)
+            check_matches(outer, spec)  # a hook may instrument the spec's optimizer, not swap it
+            return outer
+
+        self.outer: Any
+        if self.sharded is None:
+            self.outer = make_outer(self.model, self.stepped)
+        elif self.sharded.replica is not None:  # the trainer steps the sharded inner optimizer itself
+            self.outer = make_outer(self.sharded.replica, None)
         else:
-            self.outer = build_outer(spec, self.model, stepped, collective)  # type: ignore[arg-type]
-        self._evals = [(x.to(self.device), y.to(self.device))
+            self.outer = RoundClock(**local.schedule)  # type: ignore[union-attr]
+        self._eval_model = self.sharded.replica if self.sharded is not None else self.model
+        eval_device = next(self._eval_model.parameters()).device if self._eval_model is not None else self.device
+        self._evals = [(x.to(eval_device), y.to(eval_device))
                        for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
         self._rows = slice(None)
@@ -212,13 +234,15 @@ class Trainer(TrainedState):
         return sum(p.numel() for p in self.model.parameters())
 
     def evaluate(self) -> float:
-        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica."""
-        self.model.eval()
+        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica
+        (under FSDP: on rank 0's host replica)."""
+        model = self._eval_model
+        model.eval()
         try:
             with self.outer.outer_weights(), torch.no_grad(), self.precision.autocast():
-                losses = [_loss_of(self.model(x, y)).float() for x, y in self._evals]
+                losses = [_loss_of(model(x, y)).float() for x, y in self._evals]
         finally:
-            self.model.train()
+            model.train()
         return float(torch.stack(losses).mean())
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,12 +265,15 @@ class Trainer(TrainedState):
         if self.local is not None:
             try:
                 until = self.local.start_run(self, until)
-                self._train_model = self.local.wrap(self.model, self._train_model)
+                if self.sharded is None:
+                    self._train_model = self.local.wrap(self.model, self._train_model)
             except RuntimeError as e:  # torch.distributed: a local rank is gone
                 self._fail(stop, e)
                 return
         try:
             self._loop(stop, until, after_step)
+            if self.sharded is not None:
+                self.sharded.finish(self.outer, self.stepped)
         except RuntimeError as e:
             if self.local is None or not self.local.is_failure(e):
                 raise
@@ -259,32 +286,42 @@ class Trainer(TrainedState):
 
     def _loop(self, stop: threading.Event, until: int, after_step: Callable[[Trainer], None]) -> None:
         spec, outer, model, scaler, local = self.spec, self.outer, self._train_model, self.precision.scaler, self.local
+        sharded = self.sharded
         autocast = self.precision.autocast
         params = list(self.model.parameters())
         t_last, step_last, rounds_last = time.monotonic(), self.step, outer.rounds
         loss = None
-        first = True
-        while (until == 0 or self.step < until) and not outer.needs_resync:
+        agree = True  # local ranks agree whether to go on: first, every REPORT_EVERY steps, after an FSDP round
+        # Under FSDP only rank 0 knows it must re-sync: it says so as a stop, so all ranks end together.
+        while (until == 0 or self.step < until) and (sharded is not None or not outer.needs_resync):
             step = self.step
             if local is None:
                 if stop.is_set():
                     break
-            elif (first or step % REPORT_EVERY == 0) and not local.keep_going(stop.is_set()):
+            elif (agree or step % REPORT_EVERY == 0) and not local.keep_going(
+                    stop.is_set() or (sharded is not None and outer.needs_resync)):
                 break
-            first = False
+            agree = False
             # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
             # a round is due) ------------------------------------------------------------------
             x, y = self.batch(step)
             with autocast():
                 loss = _loss_of(model(x, y))
-            outer.zero_grad()
+            if sharded is None:
+                outer.zero_grad()
+            else:
+                self.inner.zero_grad()
             if scaler is None:
                 loss.backward()
             else:
                 scaler.scale(loss).backward()
                 scaler.unscale_(self.inner)
             torch.nn.utils.clip_grad_norm_(params, spec.clip)
-            outer.step()
+            if sharded is None:
+                outer.step()
+            else:
+                self.stepped.step()
+                agree = sharded.advance(outer, self.stepped)
             # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
             step = self.step
             if step % REPORT_EVERY and outer.rounds == rounds_last and step != until and not (
@@ -304,3 +341,41 @@ class Trainer(TrainedState):
             if not math.isfinite(value):
                 log.warning(kv("training loss is not finite", step=step))
             after_step(self)
+
+    # -- state (FSDP: node/sharding.py) ----------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything to resume bit-exactly (host copies; call between steps). Under FSDP (rank 0):
+        the replica's θ, the outer state and the whole inner state as of the last round or run
+        end (node/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
+        sharded = self.sharded
+        if sharded is None:
+            return super().checkpoint_state()
+        if sharded.replica is None:
+            raise RuntimeError("under FSDP only local rank 0 holds the peer's full state")
+        outer = self.outer.state_dict(inner=True)
+        outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
+        if sharded.inner_state is not None:
+            outer["inner"] = copy.deepcopy(sharded.inner_state)
+        return {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device; under
+        FSDP in rank 0's replica, and in the shards at the next `run`)."""
+        sharded = self.sharded
+        if sharded is None:
+            super().load_checkpoint(state)
+            return
+        (sharded.replica if sharded.replica is not None else self.model).load_state_dict(state["model"])
+        self.outer.load_state_dict(state["outer"], inner=True)
+        sharded.inner_state = state["outer"].get("inner")
+        sharded.inner_to_load = sharded.inner_state is not None
+        sharded.snapshot_step = self.outer.inner_steps
+        with self.lock:
+            self.info.step, self.info.rounds = self.step, self.outer.rounds
+            self.info.eval_loss = state.get("eval_loss")
+
+    def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
+        super().join(state, at_step)
+        if self.sharded is not None:
+            self.sharded.snapshot_step = self.outer.inner_steps  # the inner state is kept

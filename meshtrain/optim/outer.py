@@ -382,6 +382,10 @@ class OuterOptimizer(Service):
     def in_flight(self) -> bool:
         return bool(self._pending)
 
+    def pending_merges(self) -> dict[int, int]:
+        """fragment -> the inner step at which its exchange in flight is merged."""
+        return {p: ex.merge_step for p, ex in self._pending.items()}
+
     def next_send_step(self, step: int) -> int:
         """The first inner step after `step` at which some fragment is sent."""
         return min(step + ((off - step) % self.H or self.H) for off in self._offsets)
