@@ -39,7 +39,17 @@ class SwarmSpec(BaseModel):
 
     name: str = Field("meshtrain-demo", min_length=1, max_length=64)
     model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<config.json>")
-    dataset: str = Field("builtin", description="builtin (offline English text) or a UTF-8 text file")
+    dataset: str = Field("builtin", description="builtin (offline English text), or a text, JSONL or "
+                                                 "Parquet file or directory (meshtrain.data)")
+    dataset_field: str = Field("text", min_length=1, max_length=256,
+                               description="JSONL/Parquet: the field that holds a document's text")
+    held_out: float = Field(0.05, gt=0, lt=1, description="fraction of a file dataset's documents held "
+                                                          "out for evaluation (chosen by hash)")
+    eval_dataset: str = Field("", description="held-out data as its own file or directory "
+                                              "(instead of held_out)")
+    dataset_digest: str = Field("", pattern=r"^([0-9a-f]{64})?$",
+                                description="content digest of the dataset's files (swarm create "
+                                            "computes it; peers whose files differ are refused)")
     optimizer: Literal["diloco", "streaming", "noloco", "sparseloco"] = "diloco"
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")

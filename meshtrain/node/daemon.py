@@ -245,7 +245,8 @@ class Node:
             local = self._local
             self.trainer = Trainer(signed.spec, local.collective(collective) if local else collective, host.peer_id,
                                    model=self._model, outer_factory=self._outer_factory, local=local,
-                                   device=None if local else resolve_device(self.config.device))
+                                   device=None if local else resolve_device(self.config.device),
+                                   data_dir=self.data_dir)
             self.parity = ParityMonitor(host.peer_id, enabled=self.trainer.outer.replicas_identical)
             self.donor = StateDonor(host, streams, upload_limit=self.config.donor_upload_mib * 2**20 or None)
             store = CheckpointStore(self.data_dir / "checkpoints", keep=self.config.keep_checkpoints)

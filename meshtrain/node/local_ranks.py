@@ -59,6 +59,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -170,7 +171,8 @@ def _follow(local: LocalRanks, config: NodeConfig) -> None:
     msg = local.receive()
     if not isinstance(msg, dict):
         return
-    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local)
+    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local,
+                      data_dir=Path(config.data_dir).expanduser())
     never = threading.Event()
     msg = local.receive()
 

@@ -4,9 +4,14 @@ Torch runs in a worker thread (`run` is called through `trio.to_thread.run_sync`
 optimizer's collective calls hop back onto the trio thread, so the network keeps flowing during
 compute (`OuterOptimizer`'s threading bridge).
 
-Data assignment is a pure function of (swarm seed, peer id, step) — `Corpus.batch` — as in
-Psyche: peers train on different samples without coordinating, and a peer restarted from a
-checkpoint at step s draws exactly the batches it would have drawn, so no work is repeated.
+Data (`load_data`): the built-in corpus (`Corpus`), or a file dataset (`meshtrain.data`: text,
+JSONL or Parquet, streamed through Hugging Face `datasets`, tokenised once into a token cache in
+the data dir, checked against the spec's `dataset_digest`). Assignment is a pure function of
+(swarm seed, peer id, step) — `batch` — as in Psyche: peers train on different samples without
+coordinating, and a peer restarted from a checkpoint at step s draws exactly the batches it
+would have drawn, so no sample is trained twice or skipped. The step is the data position; the
+checkpoint records it with the data's digest and the peer id (`checkpoint_state()["data"]`), and
+`load_checkpoint` refuses a checkpoint made on other data.
 
 Models: the built-in GPT presets, any `torch.nn.Module` handed in through the Python API (its
 `forward(x, y)` returns the loss, or an object with `.loss`), and Hugging Face `transformers`
@@ -56,8 +61,9 @@ import torch
 from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.models import GPT, Corpus, GPTConfig
-from meshtrain.node.config import SwarmSpec
+from meshtrain.data import PackedDataset, open_dataset
+from meshtrain.models import GPT, Corpus, GPTConfig, Vocab
+from meshtrain.node.config import SwarmSpec, default_data_dir
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
 
@@ -67,17 +73,21 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 REPORT_EVERY = 10  # steps between loss reads, throughput updates, history points and after_step
+DATA_CACHE = "datacache"  # the token cache's folder in the node's data dir (meshtrain/data/cache.py)
 
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
 
 
-def load_corpus(spec: SwarmSpec) -> Corpus:
+def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedDataset:
+    """The spec's data: the built-in corpus, or a file dataset tokenised into the token cache
+    under `data_dir` (default: the default data dir), its content checked against the spec's
+    `dataset_digest` (a peer whose files differ is refused: ConfigError)."""
     if spec.dataset == "builtin":
         return Corpus.default()
-    path = Path(spec.dataset).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"dataset {path} does not exist on this machine (every peer needs the same file)")
-    return Corpus.from_file(path)
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    return open_dataset(spec.dataset, Vocab.of_bytes(), root / DATA_CACHE, field=spec.dataset_field,
+                        held_out=spec.held_out, eval_path=spec.eval_dataset,
+                        expected_digest=spec.dataset_digest)
 
 
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
@@ -153,21 +163,22 @@ class Trainer:
 
     spec: the swarm's spec. collective: what the outer optimizer averages through.
     peer_id: this peer's id (data assignment). model, outer_factory, corpus: the Python API's hooks.
+    data_dir: the node's data dir (the token cache of a file dataset lives in it).
     device: where θ, batches and the inner optimizer live (default: `resolve_device("auto")`).
     local: the peer's local-rank group when it runs several (node/local_ranks.py), else None.
     """
 
     def __init__(self, spec: SwarmSpec, collective: Collective, peer_id: str, *,
                  model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 corpus: Corpus | None = None, device: torch.device | str | None = None,
-                 local: LocalRanks | None = None) -> None:
+                 corpus: Corpus | PackedDataset | None = None, device: torch.device | str | None = None,
+                 local: LocalRanks | None = None, data_dir: Path | None = None) -> None:
         self.spec = spec
         self.peer_id = peer_id
         self.local = local
         self.device = (local.device if local is not None else
                        torch.device(device) if device is not None else resolve_device("auto"))
         self.precision = Precision(spec.precision, self.device)
-        self.corpus = corpus or load_corpus(spec)
+        self.corpus = corpus or load_data(spec, data_dir)
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.model = model.to(self.device)
         self.context = context_of(self.model)
@@ -210,7 +221,13 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def evaluate(self) -> float:
-        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica."""
+        """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica.
+
+        Runs under every optimizer, also while a fragment's exchange is in flight (Streaming
+        DiLoCo always has one at the default eval steps): φ only changes when a round completes,
+        which happens on this thread, between steps; the exchange in flight reads only its own
+        pseudo-gradient, computed when it was sent. So φ is swapped into the model here and θ
+        swapped back before the next step (`outer_weights`), touching nothing the exchange uses."""
         self.model.eval()
         try:
             with self.outer.outer_weights(), torch.no_grad(), self.precision.autocast():
@@ -294,8 +311,7 @@ class Trainer:
             rate = spec.batch_size * (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
             eval_loss = None
-            if spec.eval_every and step % spec.eval_every == 0 and not outer.in_flight and (
-                    local is None or local.is_gateway):
+            if spec.eval_every and step % spec.eval_every == 0 and (local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
             self._publish(step, value, rate, eval_loss)
@@ -318,13 +334,31 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (host copies; call between steps)."""
+        """Everything to resume bit-exactly (host copies; call between steps), with the data
+        position: the next step's batch is `batch(step)`, a pure function of it."""
         return {"model": to_host(self.model.state_dict()),
                 "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
-                "eval_loss": self.info.eval_loss}
+                "eval_loss": self.info.eval_loss,
+                "data": {"digest": self.corpus.digest, "source": self.corpus.source, "peer": self.peer_id,
+                         "seed": self.spec.seed, "step": self.step}}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
+        """Restore `checkpoint_state()` (host tensors; they land on this trainer's device).
+        A checkpoint made on other data is refused (ConfigError): resuming it would not continue
+        the same sample stream. One made under another peer id resumes with a warning (the
+        samples of the steps to come are this id's)."""
+        data = state.get("data")
+        if data is not None:
+            if data["digest"] != self.corpus.digest:
+                raise ConfigError(f"the checkpoint was trained on other data ({data['source']}, digest "
+                                  f"{str(data['digest'])[:16]}…) than this peer's ({self.corpus.source}, "
+                                  f"{self.corpus.digest[:16]}…); it cannot resume exactly")
+            if data["step"] != state["outer"]["inner_steps"]:
+                raise ConfigError(f"the checkpoint's data position (step {data['step']}) is not its "
+                                  f"optimizer's step ({state['outer']['inner_steps']}): a corrupt checkpoint")
+            if data["peer"] != self.peer_id or data["seed"] != self.spec.seed:
+                log.warning(kv("resuming a checkpoint of another peer id or seed: the data from here on "
+                               "is this peer's", checkpoint_peer=data["peer"], peer=self.peer_id))
         self.model.load_state_dict(state["model"])
         self.outer.load_state_dict(state["outer"], inner=True)
         with self.lock:
