@@ -37,7 +37,8 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 
 
 def stream(ds, part: str = "train") -> list[int]:
-    return np.asarray(ds.train if part == "train" else ds.held_out).tolist()
+    data = ds.train if part == "train" else ds.held_out
+    return data.read(0, len(data)).tolist()
 
 
 def expected(docs: list[str], tokenizer, fraction: float, part: str = "train", record_newline: bool = True

@@ -148,7 +148,7 @@ class TokenWriter:
         self.documents = 0
 
     def add(self, ids: np.ndarray) -> None:
-        self.buffer.append(ids)
+        self.buffer.append(ids.astype(self.dtype))
         self.buffered += len(ids)
         self.documents += 1
         if self.buffered >= FLUSH_TOKENS:
@@ -156,7 +156,7 @@ class TokenWriter:
 
     def flush(self) -> None:
         if self.buffer:
-            np.concatenate(self.buffer).astype(self.dtype, copy=False).tofile(self.file)
+            np.concatenate(self.buffer).tofile(self.file)
             self.tokens += self.buffered
             self.buffer, self.buffered = [], 0
 

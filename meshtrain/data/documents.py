@@ -11,7 +11,8 @@ What a document is:
     text           a paragraph: lines up to and including the blank lines that follow them, line
                    breaks kept — so concatenating the documents gives back the file exactly (a
                    tokenizer without an end-of-text token then sees the text as it is). A
-                   paragraph longer than `MAX_DOCUMENT_CHARS` is cut there.
+                   paragraph is cut at the line break before it would pass `MAX_DOCUMENT_CHARS` (one
+                   line is never cut: `datasets` reads a whole line).
 
 Not here: which files, digests (files.py); tokens, packing, the split (cache.py).
 """

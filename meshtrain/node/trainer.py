@@ -59,9 +59,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshtrain.collective import Collective
+from meshtrain.data import PackedDataset, open_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.data import PackedDataset, open_dataset
 from meshtrain.models import GPT, Corpus, GPTConfig, Vocab
 from meshtrain.node.config import SwarmSpec, default_data_dir
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
