@@ -11,9 +11,9 @@ symbols for the topics — but it depends on the text); "bytes" is the 256 byte 
 UTF-8 encoding, the same for every text, so a model's shape never depends on the data.
 
 Data assignment is a pure function, as in Psyche (which assigns each client its data from the
-round and the client's identity): `batch(..., seed, peer, step)` hashes (seed, peer, step,
-microbatch) into the seed of a private `torch.Generator` and draws random windows of the training
-split from it. Peers therefore draw different samples without coordinating, and a peer restarted
+round and the client's identity): `batch(..., seed, peer, step)` draws random windows of the
+training split from the private generator `meshtrain.data.assignment` derives from (seed, peer,
+step, microbatch). Peers therefore draw different samples without coordinating, and a peer restarted
 at step s draws exactly what it would have drawn — it neither repeats nor skips work. The
 global RNG is never touched. Windows are sampled with replacement; nothing guarantees two peers
 never see the same window, only that their streams are independent.
@@ -25,7 +25,7 @@ Any `Tokenizer` (models/tokenizers.py: a Hugging Face BPE, say) may stand in for
 `Corpus.default(tokenizer)`, `from_text(text, vocab=tokenizer)`, `from_file(path, tokenizer)`
 tokenise the whole text with it; the digest then covers the tokenizer's digest.
 
-What it does not do: streaming corpora larger than memory (meshtrain/data/).
+What it does not do: streaming corpora larger than memory (file datasets: `meshtrain.data`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from meshtrain.data.assignment import assignment_generator, check_positive
 from meshtrain.errors import ConfigError
-from meshtrain.transport.validate import is_int, is_number
+from meshtrain.transport.validate import is_number
 
 if TYPE_CHECKING:
     from meshtrain.models.tokenizers import Tokenizer
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 DEFAULT_HELD_OUT = 0.1
 # The context a corpus is checked against at load when the caller names none: GPTConfig's default.
 DEFAULT_CONTEXT = 32
-# Domain tag of the batch hash; bump the version if the sampling scheme ever changes, so peers on
-# different schemes cannot believe they share a data assignment.
-BATCH_HASH_DOMAIN = b"meshtrain/corpus/batch/v1"
 
 VocabKind = Literal["chars", "bytes"]
 
@@ -84,6 +82,11 @@ class Vocab:
     def vocab_size(self) -> int:
         """`size`, under the `Tokenizer` protocol's name."""
         return self.size
+
+    @property
+    def eos_id(self) -> int | None:
+        """No end-of-text token: every id is a symbol of the text."""
+        return None
 
     @property
     def digest(self) -> str:
@@ -194,7 +197,7 @@ class Corpus:
         if not is_number(held_out_fraction) \
                 or not 0.0 < held_out_fraction < 1.0:
             raise ConfigError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
-        _check_positive("context", context)
+        check_positive("context", context)
         n = len(ids)
         if n == 0:
             raise ConfigError(f"corpus {source} is empty")
@@ -235,21 +238,10 @@ class Corpus:
         targets shifted by one token. A pure function of the arguments (and the corpus): peer 3
         and peer "3" are the same peer. `microbatch` tells apart several batches of one step
         (e.g. a pipeline's microbatches)."""
-        _check_positive("batch_size", batch_size)
-        _check_positive("context", context)
-        for name, value in (("seed", seed), ("step", step), ("microbatch", microbatch)):
-            if not is_int(value):
-                raise ConfigError(f"{name} must be an integer, got {value!r}")
-        if step < 0 or microbatch < 0:
-            raise ConfigError(f"step and microbatch must be >= 0, got {step}, {microbatch}")
-        if not (is_int(peer) or isinstance(peer, str)):
-            raise ConfigError(f"peer must be a string or an integer, got {peer!r}")
+        generator = assignment_generator(batch_size, context, seed=seed, peer=peer, step=step,
+                                         microbatch=microbatch)
         train = self.train
         self._check_long_enough(len(train), context, "training")
-        key = b"\0".join([BATCH_HASH_DOMAIN, str(seed).encode(), str(peer).encode(),
-                          str(step).encode(), str(microbatch).encode()])
-        digest = hashlib.blake2b(key, digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         starts = torch.randint(0, len(train) - context, (batch_size,), generator=generator)
         return _windows(train, starts, context)
 
@@ -257,9 +249,9 @@ class Corpus:
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`n` fixed (inputs, targets) batches of held-out windows, evenly spaced over the
         held-out tokens: the same on every peer and every call, no randomness involved."""
-        _check_positive("n", n)
-        _check_positive("batch_size", batch_size)
-        _check_positive("context", context)
+        check_positive("n", n)
+        check_positive("batch_size", batch_size)
+        check_positive("context", context)
         held_out = self.held_out
         self._check_long_enough(len(held_out), context, "held-out")
         total = n * batch_size
@@ -285,6 +277,3 @@ def _bytes_to_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _check_positive(name: str, value: int) -> None:
-    if not is_int(value) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

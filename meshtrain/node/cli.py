@@ -300,6 +300,10 @@ def _swarm_create(args: argparse.Namespace) -> int:
     config = load_node_config(None, overrides={"data_dir": args.data_dir})
     values = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
     spec = parse_spec(values)
+    if spec.dataset != "builtin" and not spec.dataset_digest:  # pin the files' content, not their path
+        from meshtrain.data import dataset_digest
+
+        spec = parse_spec({**values, "dataset_digest": dataset_digest(spec.dataset, spec.eval_dataset)})
     identity = Identity.load_or_create(config.data_dir)
     signed = SignedSpec.create(spec, identity)
     out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
@@ -44,12 +44,23 @@ class SwarmSpec(BaseModel):
 
     name: str = Field("meshtrain-demo", min_length=1, max_length=64)
     model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
-                                                "hf-config:<config.json> | py:<module or file.py>:<factory>")
-    tokenizer: str = Field("chars", description="chars | bytes | hf:<dir or tokenizer.json>")
+                                                "hf-config:<config.json> | py:<module or file.py>:<factory> | user")
+    tokenizer: str = Field("chars", description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
+                                                 "the builtin text, bytes for a file dataset)")
     context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
     model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
-    dataset: str = Field("builtin", description="builtin (offline English text) or a UTF-8 text file")
+    dataset: str = Field("builtin", description="builtin (offline English text), or a text, JSONL or "
+                                                 "Parquet file or directory (meshtrain.data)")
+    dataset_field: str = Field("text", min_length=1, max_length=256,
+                               description="JSONL/Parquet: the field that holds a document's text")
+    held_out: float = Field(0.05, gt=0, lt=1, description="fraction of a file dataset's documents held "
+                                                          "out for evaluation (chosen by hash)")
+    eval_dataset: str = Field("", description="held-out data as its own file or directory "
+                                              "(instead of held_out)")
+    dataset_digest: str = Field("", pattern=r"^([0-9a-f]{64})?$",
+                                description="content digest of the dataset's files (swarm create "
+                                            "computes it; peers whose files differ are refused)")
     optimizer: str = Field("diloco", description="diloco | streaming | noloco | sparseloco | "
                                                  "py:<module or file.py>:<OuterOptimizer subclass>")
     optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
@@ -75,6 +86,19 @@ class SwarmSpec(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
                             "master weights, φ and pseudo-gradients stay fp32")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_for_the_data(cls, data: Any) -> Any:
+        """A file dataset is streamed, and chars needs the whole text for its alphabet: unless a
+        tokenizer is named, a file dataset is tokenised as bytes; chars for one is an error."""
+        if isinstance(data, dict) and data.get("dataset", "builtin") != "builtin":
+            if data.get("tokenizer") is None:
+                data = {**data, "tokenizer": "bytes"}
+            elif data["tokenizer"] == "chars":
+                raise ValueError("tokenizer chars needs the whole text for its alphabet; a file dataset is "
+                                 "streamed: use bytes or hf:<dir>")
+        return data
 
     @field_validator("model")
     @classmethod

@@ -250,7 +250,7 @@ class Node:
                 trainer = self.trainer = Trainer(
                     signed.spec, local.collective(collective) if local else collective, host.peer_id,
                     model=self._model, outer_factory=self._outer_factory, local=local,
-                    device=None if local else resolve_device(config.device))
+                    device=None if local else resolve_device(config.device), data_dir=self.data_dir)
             run_state = self.run_state = await stack.enter_async_context(RunState(
                 trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop))
             if self.nat is not None:

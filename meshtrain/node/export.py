@@ -65,7 +65,7 @@ from meshtrain.models.tokenizers import (
 )
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.swarm_spec import SignedSpec
-from meshtrain.node.trainer import build_model, load_corpus
+from meshtrain.node.trainer import build_model, load_data
 
 SPEC_FILE = "swarm.json"  # as the daemon writes it
 EXPORT_INFO = "meshtrain_export.json"
@@ -94,7 +94,7 @@ def spec_tokenizer(signed: SignedSpec) -> Tokenizer:
     if spec.tokenizer == "bytes":
         return ByteTokenizer()
     if spec.tokenizer == "chars":
-        vocab = load_corpus(spec).vocab
+        vocab = getattr(load_data(spec), "vocab", None)  # chars: the built-in corpus only
         return CharTokenizer(str(getattr(vocab, "chars", "")))
     return load_tokenizer(spec.tokenizer)
 

@@ -73,6 +73,7 @@ import os
 import resource
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -197,7 +198,8 @@ def _follow(local: LocalRanks, config: NodeConfig) -> str:
     msg = local.receive()
     if not isinstance(msg, dict):
         return str(msg)
-    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local)
+    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local,
+                      data_dir=Path(config.data_dir).expanduser())
     never = threading.Event()
     msg = local.receive()
 

@@ -4,9 +4,14 @@ Torch runs in a worker thread (`run` is called through `trio.to_thread.run_sync`
 optimizer's collective calls hop back onto the trio thread, so the network keeps flowing during
 compute (`OuterOptimizer`'s threading bridge).
 
-Data assignment is a pure function of (swarm seed, peer id, step) — `Corpus.batch` — as in
-Psyche: peers train on different samples without coordinating, and a peer restarted from a
-checkpoint at step s draws exactly the batches it would have drawn, so no work is repeated.
+Data (`load_data`): the built-in corpus (`Corpus`), or a file dataset (`meshtrain.data`: text,
+JSONL or Parquet, streamed through Hugging Face `datasets`, tokenised once with the spec's
+tokenizer into a token cache in the data dir, checked against the spec's `dataset_digest`).
+Assignment is a pure function of (swarm seed, peer id, step) — `batch` — as in Psyche: peers
+train on different samples without coordinating, and a peer restarted from a checkpoint at step
+s draws exactly the batches it would have drawn, so no sample is trained twice or skipped. The
+step is the data position; the checkpoint records it with the data's digest and the peer id
+(`checkpoint_state()["data"]`), and `load_checkpoint` refuses a checkpoint made on other data.
 
 Models and tokenizers: the spec's `model` (built-in GPT presets, hf:<pretrained dir>,
 hf-config:<config.json>, py:<module>:<factory>; models/sources.py) or any `torch.nn.Module` handed
@@ -59,13 +64,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshtrain.collective import Collective
+from meshtrain.data import PackedDataset, open_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model as build_source_model
 from meshtrain.models.sources import resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
-from meshtrain.node.config import SwarmSpec
+from meshtrain.node.config import SwarmSpec, default_data_dir
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.node.outer_spec import build_outer, check_matches
 from meshtrain.node.sharding import RoundClock, ShardedModel
@@ -76,20 +82,22 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+DATA_CACHE = "datacache"  # the token caches of file datasets, under the data dir
 REPORT_EVERY = 10  # steps between loss reads, throughput updates, history points and after_step
 
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
 
 
-def load_corpus(spec: SwarmSpec) -> Corpus:
-    """The spec's dataset, tokenised with the spec's tokenizer."""
-    tokenizer = spec.tokenizer if spec.tokenizer in ("chars", "bytes") else load_tokenizer(spec.tokenizer)
+def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedDataset:
+    """The spec's data tokenised with the spec's tokenizer: the built-in corpus, or a file dataset
+    tokenised into the token cache under `data_dir` (default: the default data dir), its content
+    checked against the spec's `dataset_digest` (a peer whose files differ is refused)."""
     if spec.dataset == "builtin":
+        tokenizer = spec.tokenizer if spec.tokenizer in ("chars", "bytes") else load_tokenizer(spec.tokenizer)
         return Corpus.default(tokenizer)  # type: ignore[arg-type]
-    path = Path(spec.dataset).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"dataset {path} does not exist on this machine (every peer needs the same file)")
-    return Corpus.from_file(path, tokenizer)  # type: ignore[arg-type]
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    return open_dataset(spec.dataset, load_tokenizer(spec.tokenizer), root / DATA_CACHE, field=spec.dataset_field,
+                        held_out=spec.held_out, eval_path=spec.eval_dataset, expected_digest=spec.dataset_digest)
 
 
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
@@ -175,21 +183,22 @@ class Trainer(TrainedState):
 
     spec: the swarm's spec. collective: what the outer optimizer averages through.
     peer_id: this peer's id (data assignment). model, outer_factory, corpus: the Python API's hooks.
+    data_dir: the node's data dir (the token cache of a file dataset lives in it).
     device: where θ, batches and the inner optimizer live (default: `resolve_device("auto")`).
     local: the peer's local-rank group when it runs several (node/local_ranks.py), else None.
     """
 
     def __init__(self, spec: SwarmSpec, collective: Collective, peer_id: str, *,
                  model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 corpus: Corpus | None = None, device: torch.device | str | None = None,
-                 local: LocalRanks | None = None) -> None:
+                 corpus: Corpus | PackedDataset | None = None, device: torch.device | str | None = None,
+                 local: LocalRanks | None = None, data_dir: Path | None = None) -> None:
         self.spec = spec
         self.peer_id = peer_id
         self.local = local
         self.device = (local.device if local is not None else
                        torch.device(device) if device is not None else resolve_device("auto"))
         self.precision = Precision(spec.precision, self.device)
-        self.corpus = corpus or load_corpus(spec)
+        self.corpus = corpus or load_data(spec, data_dir)
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.context = resolve_context(model, spec.context, "the model" if user_model else spec.model)
@@ -235,7 +244,13 @@ class Trainer(TrainedState):
 
     def evaluate(self) -> float:
         """Held-out loss of the outer parameters φ (what the swarm agrees on), not our replica
-        (under FSDP: on rank 0's host replica)."""
+        (under FSDP: on rank 0's host replica).
+
+        Runs under every optimizer, also while a fragment's exchange is in flight (Streaming
+        DiLoCo always has one at the default eval steps): φ only changes when a round completes,
+        which happens on this thread, between steps; the exchange in flight reads only its own
+        pseudo-gradient, computed when it was sent. So φ is swapped into the model here and θ
+        swapped back before the next step (`outer_weights`), touching nothing the exchange uses."""
         model = self._eval_model
         model.eval()
         try:
@@ -333,8 +348,7 @@ class Trainer(TrainedState):
             rate = spec.batch_size * (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
             eval_loss = None
-            if spec.eval_every and step % spec.eval_every == 0 and not outer.in_flight and (
-                    local is None or local.is_gateway):
+            if spec.eval_every and step % spec.eval_every == 0 and (local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
             self.publish(step, value, rate, eval_loss)
@@ -350,18 +364,37 @@ class Trainer(TrainedState):
         end (node/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
         sharded = self.sharded
         if sharded is None:
-            return super().checkpoint_state()
-        if sharded.replica is None:
+            state = super().checkpoint_state()
+        elif sharded.replica is None:
             raise RuntimeError("under FSDP only local rank 0 holds the peer's full state")
-        outer = self.outer.state_dict(inner=True)
-        outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
-        if sharded.inner_state is not None:
-            outer["inner"] = copy.deepcopy(sharded.inner_state)
-        return {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
+        else:
+            outer = self.outer.state_dict(inner=True)
+            outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
+            if sharded.inner_state is not None:
+                outer["inner"] = copy.deepcopy(sharded.inner_state)
+            state = {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
+        # The data position: the next step's batch is `batch(step)`, a pure function of it.
+        state["data"] = {"digest": self.corpus.digest, "source": self.corpus.source, "peer": self.peer_id,
+                         "seed": self.spec.seed, "step": state["outer"]["inner_steps"]}
+        return state
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Restore `checkpoint_state()` (host tensors; they land on this trainer's device; under
-        FSDP in rank 0's replica, and in the shards at the next `run`)."""
+        FSDP in rank 0's replica, and in the shards at the next `run`). A checkpoint made on other
+        data is refused (ConfigError): resuming it would not continue the same sample stream. One
+        made under another peer id resumes with a warning (the samples to come are this id's)."""
+        data = state.get("data")
+        if data is not None:
+            if data["digest"] != self.corpus.digest:
+                raise ConfigError(f"the checkpoint was trained on other data ({data['source']}, digest "
+                                  f"{str(data['digest'])[:16]}…) than this peer's ({self.corpus.source}, "
+                                  f"{self.corpus.digest[:16]}…); it cannot resume exactly")
+            if data["step"] != state["outer"]["inner_steps"]:
+                raise ConfigError(f"the checkpoint's data position (step {data['step']}) is not its "
+                                  f"optimizer's step ({state['outer']['inner_steps']}): a corrupt checkpoint")
+            if data["peer"] != self.peer_id or data["seed"] != self.spec.seed:
+                log.warning(kv("resuming a checkpoint of another peer id or seed: the data from here on "
+                               "is this peer's", checkpoint_peer=data["peer"], peer=self.peer_id))
         sharded = self.sharded
         if sharded is None:
             super().load_checkpoint(state)
