@@ -25,7 +25,8 @@ test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not nat"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check meshtrain tests scripts
+	$(VENV)/bin/ruff check meshtrain tests scripts examples
+	$(VENV)/bin/ruff format --check meshtrain tests scripts examples
 
 bench: $(STAMP)
 	$(PY) scripts/bench_transport.py

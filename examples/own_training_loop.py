@@ -26,8 +26,15 @@ from meshtrain.models import Corpus
 
 def tiny_llama(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # every peer starts from the same weights (a joiner downloads φ anyway)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -54,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.default("bytes")
     model = tiny_llama(swarm.spec.seed)
     with swarm:
-        opt = meshtrain.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=swarm.spec.inner_lr), swarm,
-                               H=swarm.spec.H, lr=swarm.spec.outer_lr, momentum=swarm.spec.outer_momentum)
+        opt = meshtrain.DiLoCo(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=swarm.spec.inner_lr),
+            swarm,
+            H=swarm.spec.H,
+            lr=swarm.spec.outer_lr,
+            momentum=swarm.spec.outer_momentum,
+        )
         while swarm.step < args.steps:
-            x, y = corpus.batch(swarm.spec.batch_size, 64, seed=swarm.spec.seed, peer=swarm.peer_id,
-                                step=swarm.step)
+            x, y = corpus.batch(swarm.spec.batch_size, 64, seed=swarm.spec.seed, peer=swarm.peer_id, step=swarm.step)
             loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
             loss.backward()
             opt.step()
@@ -67,9 +79,18 @@ def main(argv: list[str] | None = None) -> int:
                 swarm.report(loss=loss.item())
         result = swarm.leave()
     assert result is not None
-    print(json.dumps({"step": result.step, "rounds": result.rounds, "checkpoint": result.checkpoint,
-                      "contributors": [r.contributors for r in opt.history],
-                      "phi_digest": meshtrain_phi_digest(opt)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "step": result.step,
+                "rounds": result.rounds,
+                "checkpoint": result.checkpoint,
+                "contributors": [r.contributors for r in opt.history],
+                "phi_digest": meshtrain_phi_digest(opt),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

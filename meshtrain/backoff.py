@@ -27,7 +27,7 @@ class Backoff:
 
     def next(self) -> float:
         """Seconds to wait before the next try."""
-        delay = min(self.cap, self.initial * self.factor ** self.attempts)
+        delay = min(self.cap, self.initial * self.factor**self.attempts)
         self.attempts += 1
         return self.rng.uniform(delay / 2, delay)
 

@@ -53,7 +53,7 @@ class PyRef:
     def parse(cls, value: str) -> PyRef:
         """ValueError (for pydantic validators) when `value` is not `py:<module>:<identifier>`."""
         if value.startswith(PREFIX):
-            module, _, name = value[len(PREFIX):].rpartition(":")
+            module, _, name = value[len(PREFIX) :].rpartition(":")
             if module and name.isidentifier():
                 return cls(value, module, name)
         raise ValueError("must be py:<module or file.py>:<name>")

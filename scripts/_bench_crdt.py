@@ -87,7 +87,7 @@ class _Worker:
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
                 if line.startswith(REPLY.encode()):
-                    reply = json.loads(line[len(REPLY):])
+                    reply = json.loads(line[len(REPLY) :])
                     if isinstance(reply, dict) and "error" in reply:
                         raise RuntimeError(f"worker failed: {reply['error']}")
                     return reply
@@ -156,21 +156,25 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
     t_start = time.monotonic()
     seeds = [os.urandom(32) for _ in range(n)]
     owner = Identity.from_seed(seeds[0]).peer_id_str
-    groups = [list(range(n))[k * n // procs:(k + 1) * n // procs] for k in range(procs)]
+    groups = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
     where = {i: k for k, g in enumerate(groups) for i in g}
     out: dict[str, Any] = {
-        "nodes": n, "processes": procs, "mode": f"{procs} processes, trio tasks in each",
+        "nodes": n,
+        "processes": procs,
+        "mode": f"{procs} processes, trio tasks in each",
         "topology": f"ring + chords (i, i+{CHORD})",
     }
     # SwarmView stretches the heartbeat with the swarm (see its module docstring)
-    interval = min(DEFAULT_MAX_HEARTBEAT_INTERVAL,
-                   max(DEFAULT_HEARTBEAT_INTERVAL, n / DEFAULT_SWARM_HEARTBEAT_RATE))
+    interval = min(DEFAULT_MAX_HEARTBEAT_INTERVAL, max(DEFAULT_HEARTBEAT_INTERVAL, n / DEFAULT_SWARM_HEARTBEAT_RATE))
     out["heartbeat_s"] = interval
     out["lease_s"] = interval * DEFAULT_TTL / DEFAULT_HEARTBEAT_INTERVAL
     workers = [_Worker() for _ in groups]
     try:
-        replies = _ask(workers, [{"cmd": "init", "owner": owner, "nodes": g,
-                                  "seeds": [seeds[i].hex() for i in g]} for g in groups], 60)
+        replies = _ask(
+            workers,
+            [{"cmd": "init", "owner": owner, "nodes": g, "seeds": [seeds[i].hex() for i in g]} for g in groups],
+            60,
+        )
         addrs, ids = {}, {}
         for reply in replies:
             for i, addr, pid in reply["nodes"]:
@@ -245,8 +249,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         dt = time.monotonic() - t0
         delta = {k: sum(b[k] - a[k] for a, b in zip(c0, c1, strict=True)) for k in c0[0]}
         per = n * dt
-        out["msgs_per_node_s"] = round(
-            (delta["frames"] + delta["rpc_sent"] + delta["rpc_served"]) / per, 2)
+        out["msgs_per_node_s"] = round((delta["frames"] + delta["rpc_sent"] + delta["rpc_served"]) / per, 2)
         out["msgs_breakdown_per_node_s"] = {
             "gossipsub_frames": round(delta["frames"] / per, 2),
             "of_which_own_publishes": round(delta["published"] / per, 2),
@@ -282,8 +285,7 @@ def _reply(value: Any) -> None:
 
 
 def _digest_json(replica: Any) -> dict[str, dict[str, list[Any]]]:
-    return {name: {o: [s, p.hex()] for o, (s, p) in d.items()}
-            for name, d in replica.digests().items()}
+    return {name: {o: [s, p.hex()] for o, (s, p) in d.items()} for name, d in replica.digests().items()}
 
 
 def _covers(replica: Any, target: dict[str, dict[str, list[Any]]]) -> bool:
@@ -345,10 +347,8 @@ async def _worker() -> None:
                     if cmd == "init":
                         owner = command["owner"]
                         for i, seed in zip(command["nodes"], command["seeds"], strict=True):
-                            host = await stack.enter_async_context(
-                                Host(Identity.from_seed(bytes.fromhex(seed))))
-                            replica = await stack.enter_async_context(
-                                Replica(host, SWARM, swarm_specs(owner)))
+                            host = await stack.enter_async_context(Host(Identity.from_seed(bytes.fromhex(seed))))
+                            replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner)))
                             original = replica.pubsub.write_msg
 
                             async def counted(stream, rpc, original=original):
@@ -358,16 +358,14 @@ async def _worker() -> None:
 
                             replica.pubsub.write_msg = counted
                             nodes[i] = {"host": host, "replica": replica, "owner": owner}
-                        _reply({"nodes": [[i, n["host"].addrs[0], n["host"].peer_id]
-                                          for i, n in nodes.items()]})
+                        _reply({"nodes": [[i, n["host"].addrs[0], n["host"].peer_id] for i, n in nodes.items()]})
                     elif cmd == "connect":
                         for i, addr in command["links"]:
                             await nodes[i]["host"].connect(addr)
                         _reply({"ok": True})
                     elif cmd == "views":
                         for n in nodes.values():
-                            n["view"] = await stack.enter_async_context(
-                                SwarmView(n["replica"], n["owner"]))
+                            n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
                         _reply({"ok": True})
                     elif cmd == "live":
                         _reply([len(n["view"].membership_snapshot()) for n in nodes.values()])
@@ -381,8 +379,7 @@ async def _worker() -> None:
                         _reply([nodes[i]["host"].is_connected(p) for i, p in command["peers"]])
                     elif cmd == "write":
                         for i, n in nodes.items():
-                            n["view"].report_progress(step=1000 + i, samples=64_000 * (i + 1),
-                                                      outer_round=1)
+                            n["view"].report_progress(step=1000 + i, samples=64_000 * (i + 1), outer_round=1)
                             n["view"].report_metrics({"loss": 3.0 - i / 100, "tok_s": 1e3 + i})
                             if i == 0:
                                 n["view"].set_config(lr=0.7, outer_steps=500, note="partition")
@@ -390,8 +387,7 @@ async def _worker() -> None:
                     elif cmd == "digests":
                         _reply([[i, _digest_json(n["replica"])] for i, n in nodes.items()])
                     elif cmd == "await":
-                        _reply({"at": await await_targets(command["targets"],
-                                                          command["timeout"])})
+                        _reply({"at": await await_targets(command["targets"], command["timeout"])})
                     elif cmd == "heal":
                         async with trio.open_nursery() as nursery:
                             for i, addr in command["links"]:
@@ -401,21 +397,25 @@ async def _worker() -> None:
                         _reply([n["replica"].fingerprint().hex() for n in nodes.values()])
                     elif cmd == "counters":
                         stats = [n["replica"].stats for n in nodes.values()]
-                        _reply({**counters,
+                        _reply(
+                            {
+                                **counters,
                                 "published": sum(s.gossip_published for s in stats),
                                 "rpc_sent": sum(s.ae_rpcs_sent for s in stats),
                                 "rpc_served": sum(s.ae_rpcs_served for s in stats),
-                                "cpu": time.process_time()})
+                                "cpu": time.process_time(),
+                            }
+                        )
                     elif cmd == "summary":
                         views = [n["view"] for n in nodes.values()]
-                        _reply({
-                            "rejected": sum(n["replica"].stats.entries_rejected
-                                            for n in nodes.values()),
-                            "config_ok": all(v.config().get("lr") == 0.7 for v in views),
-                            "live_min": min(len(v.membership_snapshot()) for v in views),
-                            "rss_mib": round(
-                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                        })
+                        _reply(
+                            {
+                                "rejected": sum(n["replica"].stats.entries_rejected for n in nodes.values()),
+                                "config_ok": all(v.config().get("lr") == 0.7 for v in views),
+                                "live_min": min(len(v.membership_snapshot()) for v in views),
+                                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                            }
+                        )
                     else:
                         _reply({"error": f"unknown command {cmd!r}"})
                 except Exception as e:

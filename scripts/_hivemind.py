@@ -156,8 +156,19 @@ def _install(venv: Path, python: Path) -> Path | None:
             _say(_last_error)
             return None
     _say(f"pip install torch=={TORCH_VERSION} hivemind=={HIVEMIND_VERSION} into {venv} (~2 min, 1.2 GB) ...")
-    why = _run_logged([str(python), "-m", "pip", "install", "--progress-bar", "off",
-                       f"torch=={TORCH_VERSION}", f"hivemind=={HIVEMIND_VERSION}"], timeout=1800)
+    why = _run_logged(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--progress-bar",
+            "off",
+            f"torch=={TORCH_VERSION}",
+            f"hivemind=={HIVEMIND_VERSION}",
+        ],
+        timeout=1800,
+    )
     why = why or _installed(python)
     if why:
         _last_error = f"could not install hivemind: {why}"
@@ -210,8 +221,15 @@ def run_probe(script_name: str, args: list[str], timeout: float) -> dict:
         if venv is None:
             return {"error": _one_line(hivemind_venv_error() or "hivemind venv unavailable")}
         cmd = [str(venv / "bin" / "python"), str(SCRIPTS / script_name), *map(str, args)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                env=_clean_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=_clean_env(),
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -219,8 +237,9 @@ def run_probe(script_name: str, args: list[str], timeout: float) -> dict:
         lines = [x for x in out.splitlines() if x.strip()]
         if not lines:
             errs = [x for x in err.splitlines() if x.strip()]
-            return {"error": _one_line(f"{script_name} exited {proc.returncode} with no output: "
-                                       f"{errs[-1] if errs else ''}")}
+            return {
+                "error": _one_line(f"{script_name} exited {proc.returncode} with no output: {errs[-1] if errs else ''}")
+            }
         try:
             result = json.loads(lines[-1])
         except json.JSONDecodeError:

@@ -87,21 +87,35 @@ async def _worker(args) -> None:
             t0 = time.perf_counter()
             try:
                 res = await col.all_reduce(tensors, round_id=r)
-                _say({"round": r, "s": time.perf_counter() - t0, "digest": res.digest.hex(),
-                      "contributors": len(res.contributors)})
+                _say(
+                    {
+                        "round": r,
+                        "s": time.perf_counter() - t0,
+                        "digest": res.digest.hex(),
+                        "contributors": len(res.contributors),
+                    }
+                )
             except Exception as e:
                 _say({"round": r, "error": repr(e)[:300]})
         await trio.sleep(1)
 
 
 def _spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, __file__, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=ROOT,
+    )
 
 
 def run_swarm(peers: int, mb: int, rounds: int) -> dict:
-    procs = [_spawn("--worker", "--index", str(i), "--mb", str(mb), "--rounds", str(rounds),
-                    "--victim-rank", str(peers - 1)) for i in range(peers)]
+    procs = [
+        _spawn("--worker", "--index", str(i), "--mb", str(mb), "--rounds", str(rounds), "--victim-rank", str(peers - 1))
+        for i in range(peers)
+    ]
     try:
         infos = [json.loads(p.stdout.readline()) for p in procs]
         addrs = json.dumps([i["addr"] for i in infos])
@@ -160,7 +174,9 @@ def main() -> None:
     b = stream["mib_s"] * 2**20  # bytes/s
     m = args.mb * 1_000_000
     n = args.peers
-    print(f"[bench_allreduce] B = {stream['mib_s']:.0f} MiB/s; {n} peers x {args.mb} MB ...", file=sys.stderr, flush=True)
+    print(
+        f"[bench_allreduce] B = {stream['mib_s']:.0f} MiB/s; {n} peers x {args.mb} MB ...", file=sys.stderr, flush=True
+    )
     t = time.perf_counter()
     swarm = run_swarm(n, args.mb, args.rounds)
     print(f"[bench_allreduce] swarm done in {time.perf_counter() - t:.0f} s: {swarm}", file=sys.stderr, flush=True)

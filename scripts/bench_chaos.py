@@ -329,20 +329,30 @@ class NodeSlot:
     def spawn(self, kind: str, t: float, extra: list[str]) -> None:
         lines = _count_lines(self.log)
         with open(self.log, "a") as f:
-            f.write(f"=== chaos: node{self.i} life {len(self.lives)} ({kind}) at t={t:.1f}s: "
-                    f"{' '.join(extra)}\n")
+            f.write(f"=== chaos: node{self.i} life {len(self.lives)} ({kind}) at t={t:.1f}s: {' '.join(extra)}\n")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         argv = [sys.executable, "-m", "meshtrain.node.cli", "--log-level", self.cfg.log_level, *extra]
         with open(self.log, "a") as f:
-            self.proc = self.net.spawn(self.i, argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            self.proc = self.net.spawn(
+                self.i, argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.ours = False
         self.info = {}
         self.lives.append(Life(gen=len(self.lives), kind=kind, pid=self.proc.pid, started=t, log_line=lines + 2))
 
     def node_flags(self) -> list[str]:
-        return ["--data-dir", str(self.dir), "--listen", self.net.listen(self.i), "--status-port", "0",
-                "--threads", "1", "--name", f"node{self.i}"]
+        return [
+            "--data-dir",
+            str(self.dir),
+            "--listen",
+            self.net.listen(self.i),
+            "--status-port",
+            "0",
+            "--threads",
+            "1",
+            "--name",
+            f"node{self.i}",
+        ]
 
     def daemon_info(self) -> dict[str, Any]:
         """daemon.json of the current process (a SIGKILLed one leaves a stale file behind)."""
@@ -392,11 +402,14 @@ def _raised(lines: list[str], start: int) -> str:
     """What a traceback starting at line index `start` raised: its innermost exception line that
     is not a nursery's ExceptionGroup wrapper (else that wrapper)."""
     found = []
-    for line in lines[start:start + 600]:
+    for line in lines[start : start + 600]:
         if re.match(r"^\d{4}-\d\d-\d\d ", line):  # the next log record
             break
-        if (m := _EXC_LINE.match(line)) and "Traceback (most recent" not in line \
-                and not line.lstrip(" |+-").startswith("File "):
+        if (
+            (m := _EXC_LINE.match(line))
+            and "Traceback (most recent" not in line
+            and not line.lstrip(" |+-").startswith("File ")
+        ):
             found.append(m.group(1)[:200])
     inner = [x for x in found if not x.startswith(("ExceptionGroup", "BaseExceptionGroup"))]
     return (inner or found or ["?"])[-1 if inner else 0]
@@ -462,8 +475,15 @@ class Monitor:
             rnd = tr.get("round")
             if isinstance(rnd, int):
                 if life.last_round is not None and rnd < life.last_round:
-                    self.round_regressions.append({"node": f"node{slot.i}", "life": life.gen, "t": round(t, 1),
-                                                   "from": life.last_round, "to": rnd})
+                    self.round_regressions.append(
+                        {
+                            "node": f"node{slot.i}",
+                            "life": life.gen,
+                            "t": round(t, 1),
+                            "from": life.last_round,
+                            "to": rnd,
+                        }
+                    )
                 if life.last_round is None or rnd > life.last_round:
                     if life.last_round is not None:
                         self.round_events.append(t)
@@ -503,9 +523,13 @@ class Monitor:
                 passed = self.pass_time.get(r)
                 if passed is not None and t > passed + REDO_GRACE_S:
                     if (slot.i, life.gen) not in self.redone:
-                        self.redone[(slot.i, life.gen)] = {"node": f"node{slot.i}", "life": life.gen,
-                                                           "t": round(t, 1), "round": r,
-                                                           "high_water": self.high_water}
+                        self.redone[(slot.i, life.gen)] = {
+                            "node": f"node{slot.i}",
+                            "life": life.gen,
+                            "t": round(t, 1),
+                            "round": r,
+                            "high_water": self.high_water,
+                        }
                     continue
                 if r > self.high_water:
                     for r0 in range(max(0, self.high_water - BEHIND_ROUNDS), r - BEHIND_ROUNDS):
@@ -526,8 +550,13 @@ class Monitor:
                     life.wait = (str(waiting), t)
                 span = t - life.wait[1]
                 if span > self.longest_wait["seconds"]:
-                    self.longest_wait = {"seconds": round(span, 1), "node": f"node{slot.i}", "life": life.gen,
-                                         "waiting": waiting, "since_t": round(life.wait[1], 1)}
+                    self.longest_wait = {
+                        "seconds": round(span, 1),
+                        "node": f"node{slot.i}",
+                        "life": life.gen,
+                        "waiting": waiting,
+                        "since_t": round(life.wait[1], 1),
+                    }
             else:
                 life.wait = None
 
@@ -543,8 +572,14 @@ class Monitor:
         ep = self.behind.get(key)
         if state == "training" and frontier is not None and rnd < frontier - BEHIND_ROUNDS:
             if ep is None:
-                self.behind[key] = {"node": f"node{i}", "life": life.gen, "from_t": round(t, 1), "seconds": 0.0,
-                                    "round": rnd, "swarm_round": frontier}
+                self.behind[key] = {
+                    "node": f"node{i}",
+                    "life": life.gen,
+                    "from_t": round(t, 1),
+                    "seconds": 0.0,
+                    "round": rnd,
+                    "swarm_round": frontier,
+                }
             else:
                 ep.update(seconds=round(t - ep["from_t"], 1), round=rnd, swarm_round=frontier)
         elif ep is not None:
@@ -554,22 +589,29 @@ class Monitor:
         """Episodes in which a training node stayed more than BEHIND_ROUNDS rounds behind the
         other training nodes (open ones included: the run ended, or the node was killed)."""
         eps = sorted([*self.behind_episodes, *self.behind.values()], key=lambda e: -e["seconds"])
-        return {"max_behind_swarm_s": eps[0]["seconds"] if eps else 0.0,
-                "behind_swarm_episodes": [e for e in eps if e["seconds"] >= 5.0][:20]}
+        return {
+            "max_behind_swarm_s": eps[0]["seconds"] if eps else 0.0,
+            "behind_swarm_episodes": [e for e in eps if e["seconds"] >= 5.0][:20],
+        }
 
     def parity(self) -> dict[str, Any]:
         if not self.has_phi:
-            return {"parity_violations": None,
-                    "parity_reason": "no node reported training.phi_history / phi_digest (the node does not "
-                                     "publish φ digests yet)"}
+            return {
+                "parity_violations": None,
+                "parity_reason": "no node reported training.phi_history / phi_digest (the node does not "
+                "publish φ digests yet)",
+            }
         plurality: dict[int, str | None] = {}
         for r, peers in self.digests.items():
             counts = Counter(reports[0][1] for reports in peers.values())
             top = counts.most_common(2)
             plurality[r] = top[0][0] if len(top) == 1 or top[0][1] > top[1][1] else None
         violations, unresolved = [], []
-        splits = [{"round": r, "digests": {p[-8:]: sorted(d)[0][:12] for p, d in peers.items()}}
-                  for r, peers in sorted(self.all_digests.items()) if len(set().union(*peers.values())) > 1]
+        splits = [
+            {"round": r, "digests": {p[-8:]: sorted(d)[0][:12] for p, d in peers.items()}}
+            for r, peers in sorted(self.all_digests.items())
+            if len(set().union(*peers.values())) > 1
+        ]
         for r in sorted(self.digests):
             peers = self.digests[r]
             for peer, reports in peers.items():
@@ -581,20 +623,33 @@ class Monitor:
                 healed = any(d == plurality[r] for _, d in reports[1:]) or any(
                     plurality.get(r2) is not None
                     and any(d == plurality[r2] for _, d in self.digests.get(r2, {}).get(peer, []))
-                    for r2 in {r + 1, r + 2, min(later, default=r + 1)})
+                    for r2 in {r + 1, r + 2, min(later, default=r + 1)}
+                )
                 if healed:
                     continue
-                rec = {"round": r, "peer": peer[-8:], "digest": reports[0][1][:12],
-                       "plurality": (plurality[r] or "tie")[:12], "reported_at_t": round(reports[0][0], 1)}
+                rec = {
+                    "round": r,
+                    "peer": peer[-8:],
+                    "digest": reports[0][1][:12],
+                    "plurality": (plurality[r] or "tie")[:12],
+                    "reported_at_t": round(reports[0][0], 1),
+                }
                 # judged only if the peer went on past r + 2 after it reported the odd digest
                 went_on = any(t2 >= reports[0][0] and r2 > r + 2 for t2, r2 in self.seen_rounds[peer])
                 (violations if went_on else unresolved).append(rec)
-        return {"parity_violations": len(violations), "parity_violation_list": violations[:20],
-                "parity_unresolved": len(unresolved), "parity_unresolved_list": unresolved[:20],
-                "parity_split_rounds": len(splits), "parity_split_list": splits[:20],
-                "parity_rounds_checked": len(self.digests), "parity_reports_behind_swarm": self.reports_behind,
-                "rounds_redone": len(self.redone), "rounds_redone_list": list(self.redone.values())[:20],
-                "parity_status_reports": dict(self.parity_status)}
+        return {
+            "parity_violations": len(violations),
+            "parity_violation_list": violations[:20],
+            "parity_unresolved": len(unresolved),
+            "parity_unresolved_list": unresolved[:20],
+            "parity_split_rounds": len(splits),
+            "parity_split_list": splits[:20],
+            "parity_rounds_checked": len(self.digests),
+            "parity_reports_behind_swarm": self.reports_behind,
+            "rounds_redone": len(self.redone),
+            "rounds_redone_list": list(self.redone.values())[:20],
+            "parity_status_reports": dict(self.parity_status),
+        }
 
 
 # --------------------------------------------------------------------------- the soak
@@ -634,9 +689,29 @@ class Soak:
 
     def create_swarm(self) -> str:
         creator = self.slots[0]
-        r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "swarm", "create", "--data-dir",
-                            str(creator.dir), "--model", self.cfg.model, "--H", str(self.cfg.H), "--steps", "0",
-                            "--name", "chaos"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.node.cli",
+                "swarm",
+                "create",
+                "--data-dir",
+                str(creator.dir),
+                "--model",
+                self.cfg.model,
+                "--H",
+                str(self.cfg.H),
+                "--steps",
+                "0",
+                "--name",
+                "chaos",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if r.returncode:
             raise RuntimeError(f"swarm create failed: {r.stderr.strip()}")
         return json.loads(r.stdout.splitlines()[0])["swarm_id"]
@@ -654,12 +729,16 @@ class Soak:
     def code_version(self) -> dict[str, Any]:
         """The commit the nodes run, and uncommitted node files (a shared working tree: a node
         started later imports whatever is on disk then)."""
+
         def git(*a: str) -> str:
             r = subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=30)
             return r.stdout.strip()
+
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return {"commit": git("rev-parse", "--short", "HEAD"),
-                    "dirty": git("status", "--porcelain", "--", "meshtrain").splitlines()[:20]}
+            return {
+                "commit": git("rev-parse", "--short", "HEAD"),
+                "dirty": git("status", "--porcelain", "--", "meshtrain").splitlines()[:20],
+            }
         return {}
 
     def start(self) -> None:
@@ -683,8 +762,9 @@ class Soak:
                 began = time.monotonic()
                 with self.slots_lock:
                     targets = [(s, s.life) for s in self.slots if s.active() and s.daemon_info().get("status_url")]
-                futures = [(s, life, pool.submit(http_get_json, s.net.netns(s.i), s.info["status_url"]))
-                           for s, life in targets]
+                futures = [
+                    (s, life, pool.submit(http_get_json, s.net.netns(s.i), s.info["status_url"])) for s, life in targets
+                ]
                 t = self.now()
                 for s, life, fut in futures:
                     st = fut.result()
@@ -705,10 +785,14 @@ class Soak:
     def _record_status(self, s: NodeSlot, life: Life, t: float, st: dict[str, Any]) -> None:
         """One line of status.jsonl: what this poll saw of one node (for reading after the run)."""
         tr = st.get("training") or {}
-        rec = {"t": round(t, 2), "node": s.i, "life": life.gen, "state": (st.get("node") or {}).get("state"),
-               **{k: tr.get(k) for k in ("step", "round", "phi_round", "phi_digest", "phi_history", "parity",
-                                    "waiting")},
-               "peers": len(st.get("peers") or [])}
+        rec = {
+            "t": round(t, 2),
+            "node": s.i,
+            "life": life.gen,
+            "state": (st.get("node") or {}).get("state"),
+            **{k: tr.get(k) for k in ("step", "round", "phi_round", "phi_digest", "phi_history", "parity", "waiting")},
+            "peers": len(st.get("peers") or []),
+        }
         self.status_log.write(json.dumps(rec) + "\n")
 
     # -- chaos ---------------------------------------------------------------------------------
@@ -729,10 +813,19 @@ class Soak:
                 continue
             life.end = f"exit {rc}"
             tail = _tail_lines(s.log, life.log_line)
-            self.join_failures.append({"node": f"node{s.i}", "life": life.gen, "kind": life.kind, "rc": rc,
-                                       "t": round(life.ended, 1), "log_tail": tail[-12:]})
-            self.event("exited_on_its_own", node=s.i, life=life.gen, kind=life.kind, rc=rc,
-                       last=tail[-1] if tail else "")
+            self.join_failures.append(
+                {
+                    "node": f"node{s.i}",
+                    "life": life.gen,
+                    "kind": life.kind,
+                    "rc": rc,
+                    "t": round(life.ended, 1),
+                    "log_tail": tail[-12:],
+                }
+            )
+            self.event(
+                "exited_on_its_own", node=s.i, life=life.gen, kind=life.kind, rc=rc, last=tail[-1] if tail else ""
+            )
 
     def active_count(self) -> int:
         return sum(1 for s in self.slots if s.active())
@@ -810,12 +903,20 @@ class Soak:
             group_b = sorted(idx[:k])
             dur = self.rng.uniform(*PARTITION_DURATION_S)
             net.split(group_b)
-            self.partition = {"start_t": round(t, 1), "seconds": round(dur, 1), "group_a": sorted(idx[k:]),
-                              "group_b": group_b, "healed_t": None}
+            self.partition = {
+                "start_t": round(t, 1),
+                "seconds": round(dur, 1),
+                "group_a": sorted(idx[k:]),
+                "group_b": group_b,
+                "healed_t": None,
+            }
             self.actions["partition"] += 1
             self.event("partition", **self.partition)
-        elif self.partition is not None and self.partition["healed_t"] is None \
-                and t >= self.partition["start_t"] + self.partition["seconds"]:
+        elif (
+            self.partition is not None
+            and self.partition["healed_t"] is None
+            and t >= self.partition["start_t"] + self.partition["seconds"]
+        ):
             net.heal()
             self.partition["healed_t"] = round(t, 1)
             self.event("heal")
@@ -869,8 +970,7 @@ class Soak:
             s.life.end = f"sigint -> {rc}"  # type: ignore[union-attr]
             s.life.ended = self.now()  # type: ignore[union-attr]
             if rc != 0:
-                unclean.append({"node": f"node{s.i}", "rc": rc,
-                                "log_tail": _tail_lines(s.log, s.life.log_line)[-8:]})  # type: ignore[union-attr]
+                unclean.append({"node": f"node{s.i}", "rc": rc, "log_tail": _tail_lines(s.log, s.life.log_line)[-8:]})  # type: ignore[union-attr]
         self.event("stopped", nodes=len(running), unclean=len(unclean))
         return {"stopped_at_end": len(running), "unclean_shutdowns": unclean}
 
@@ -893,8 +993,12 @@ class Soak:
                     store.load(p)
                 except CheckpointError as e:
                     corrupt.append(str(e))
-        return {"corrupt_checkpoints": len(corrupt), "corrupt_checkpoint_list": corrupt[:20],
-                "checkpoints_checked": total, "nodes_without_checkpoint": nodes_without}
+        return {
+            "corrupt_checkpoints": len(corrupt),
+            "corrupt_checkpoint_list": corrupt[:20],
+            "checkpoints_checked": total,
+            "nodes_without_checkpoint": nodes_without,
+        }
 
     def log_findings(self) -> dict[str, Any]:
         counts: Counter = Counter()
@@ -914,8 +1018,11 @@ class Soak:
                     counts[name] += 1
                     if len(first[name]) < 3:
                         first[name].append(f"{s.log.name}:{k}: {line[:300]}")
-        return {"log_findings": {name: counts.get(name, 0) for name in LOG_PATTERNS},
-                "log_tracebacks": dict(exceptions), "log_examples": dict(first)}
+        return {
+            "log_findings": {name: counts.get(name, 0) for name in LOG_PATTERNS},
+            "log_tracebacks": dict(exceptions),
+            "log_examples": dict(first),
+        }
 
     def gaps(self) -> dict[str, Any]:
         assert self.chaos_start is not None and self.chaos_end is not None
@@ -941,19 +1048,25 @@ class Soak:
             gap, window = self.chaos_end - self.chaos_start, (self.chaos_start, self.chaos_end)
         else:
             points = [*events, self.chaos_end]
-            gap, window = max(((b - a), (a, b)) for a, b in zip(points, points[1:], strict=False)) \
-                if len(points) > 1 else (0.0, (events[0], events[0]))
+            gap, window = (
+                max(((b - a), (a, b)) for a, b in zip(points, points[1:], strict=False))
+                if len(points) > 1
+                else (0.0, (events[0], events[0]))
+            )
         in_window = []
         with contextlib.suppress(OSError):
             for line in (self.run / "events.jsonl").read_text().splitlines():
                 rec = json.loads(line)
                 if window[0] - 10 <= rec["t"] <= window[1]:
                     in_window.append(rec)
-        return {"rounds_completed_swarm": len(events), "median_round_s": round(median, 2) if median else None,
-                "max_roundless_gap_s": round(gap, 1),
-                "max_roundless_gap_rounds": round(gap / median, 1) if median else None,
-                "max_roundless_gap_window_t": [round(window[0], 1), round(window[1], 1)],
-                "events_around_max_gap": in_window[:30]}
+        return {
+            "rounds_completed_swarm": len(events),
+            "median_round_s": round(median, 2) if median else None,
+            "max_roundless_gap_s": round(gap, 1),
+            "max_roundless_gap_rounds": round(gap / median, 1) if median else None,
+            "max_roundless_gap_window_t": [round(window[0], 1), round(window[1], 1)],
+            "events_around_max_gap": in_window[:30],
+        }
 
     def restarts(self) -> dict[str, Any]:
         times, never = [], 0
@@ -964,10 +1077,13 @@ class Soak:
                     (times if life.kind == "restart" else join_times).append(life.training_at - life.started)
                 elif life.kind == "restart":
                     never += 1
-        return {"restart_to_training_s_p50": round(statistics.median(times), 1) if times else None,
-                "restart_to_training_s_max": round(max(times), 1) if times else None,
-                "restarts_timed": len(times), "restarts_never_training": never,
-                "start_to_training_s": [round(x, 1) for x in join_times]}
+        return {
+            "restart_to_training_s_p50": round(statistics.median(times), 1) if times else None,
+            "restart_to_training_s_max": round(max(times), 1) if times else None,
+            "restarts_timed": len(times),
+            "restarts_never_training": never,
+            "start_to_training_s": [round(x, 1) for x in join_times],
+        }
 
     def rss(self) -> dict[str, Any]:
         growth = []
@@ -978,16 +1094,26 @@ class Soak:
                 base = next(((t, r) for t, r in life.rss if t - life.started >= RSS_AT_S), None)
                 if base is None:
                     continue
-                growth.append({"node": f"node{s.i}", "life": life.gen, "from_t": round(base[0], 1),
-                               "to_t": round(life.rss[-1][0], 1), "rss_mib_at_1min": round(base[1], 1),
-                               "growth_mib": round(life.rss[-1][1] - base[1], 1)})
-        longest = max((life.rss[-1][0] - life.started for s in self.slots for life in s.lives if life.rss),
-                      default=0.0)
-        out: dict[str, Any] = {"rss_growth_mib": max((g["growth_mib"] for g in growth), default=None),
-                               "rss_growth_list": growth, "longest_life_s": round(longest, 1)}
+                growth.append(
+                    {
+                        "node": f"node{s.i}",
+                        "life": life.gen,
+                        "from_t": round(base[0], 1),
+                        "to_t": round(life.rss[-1][0], 1),
+                        "rss_mib_at_1min": round(base[1], 1),
+                        "growth_mib": round(life.rss[-1][1] - base[1], 1),
+                    }
+                )
+        longest = max((life.rss[-1][0] - life.started for s in self.slots for life in s.lives if life.rss), default=0.0)
+        out: dict[str, Any] = {
+            "rss_growth_mib": max((g["growth_mib"] for g in growth), default=None),
+            "rss_growth_list": growth,
+            "longest_life_s": round(longest, 1),
+        }
         if not growth:
-            out["rss_reason"] = (f"no node process lived {RSS_MIN_LIFE_S:.0f} s (longest {longest:.0f} s): "
-                                 f"the chaos kills them first")
+            out["rss_reason"] = (
+                f"no node process lived {RSS_MIN_LIFE_S:.0f} s (longest {longest:.0f} s): the chaos kills them first"
+            )
         return out
 
     def summary(self, shutdown: dict[str, Any]) -> dict[str, Any]:
@@ -995,22 +1121,34 @@ class Soak:
         out: dict[str, Any] = {}
         out["join_failures"] = len(self.join_failures)
         out["join_failure_list"] = self.join_failures
-        for section in (m.parity, m.behind_swarm, self.gaps, self.checkpoints, self.restarts, self.rss, self.log_findings):
+        for section in (
+            m.parity,
+            m.behind_swarm,
+            self.gaps,
+            self.checkpoints,
+            self.restarts,
+            self.rss,
+            self.log_findings,
+        ):
             try:  # one broken measurement must not cost the others after a long soak
                 out.update(section())
             except Exception as e:  # noqa: BLE001
                 out[f"{section.__name__}_error"] = f"{type(e).__name__}: {e}"
         out["round_regressions"] = m.round_regressions[:20]
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
-        out["partition"] = self.partition if self.partition else (
-            self.net.partition_note if self.net else "skipped: no network")
+        out["partition"] = (
+            self.partition if self.partition else (self.net.partition_note if self.net else "skipped: no network")
+        )
         out["longest_wait"] = m.longest_wait
         out["max_round"] = max((life.last_round or 0 for s in self.slots for life in s.lives), default=0)
         out["polls"], out["polls_failed"] = m.polls, m.polls_failed
         out.update(shutdown)
         out["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.cfg).items()}
-        out["load_avg_1m"] = {"mean": round(statistics.mean(self.load), 1), "max": round(max(self.load), 1),
-                              "cpus": os.cpu_count()} if self.load else None
+        out["load_avg_1m"] = (
+            {"mean": round(statistics.mean(self.load), 1), "max": round(max(self.load), 1), "cpus": os.cpu_count()}
+            if self.load
+            else None
+        )
         out["code"] = {"at_start": getattr(self, "code_at_start", {}), "at_end": self.code_version()}
         out["chaos_s"] = round((self.chaos_end or 0) - (self.chaos_start or 0), 1)
         out["wall_s"] = round(self.now(), 1)
@@ -1065,8 +1203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="length of the chaos phase (default 10)")
     ap.add_argument("--nodes", type=int, default=5, help="node processes, the creator included (default 5)")
     ap.add_argument("--seed", type=int, default=0, help="chaos RNG seed (default 0)")
-    ap.add_argument("--partition", choices=["auto", "off"], default="auto",
-                    help="auto: a netns partition when root (default); off: loopback only")
+    ap.add_argument(
+        "--partition",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: a netns partition when root (default); off: loopback only",
+    )
     ap.add_argument("--H", type=int, default=20, help="inner steps per outer round (default 20)")
     ap.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
     ap.add_argument("--log-level", default="INFO", help="the nodes' log level (default INFO)")
@@ -1076,8 +1218,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nodes must be at least 3 (chaos keeps 2 running)")
     out = Path(args.out) if args.out else ROOT / "runs" / time.strftime("chaos-%Y%m%d-%H%M%S", time.gmtime())
     print(f"chaos soak: run dir {out}", file=sys.stderr, flush=True)
-    cfg = ChaosConfig(minutes=args.minutes, nodes=args.nodes, seed=args.seed, partition=args.partition, out=out,
-                      H=args.H, model=args.model, log_level=args.log_level)
+    cfg = ChaosConfig(
+        minutes=args.minutes,
+        nodes=args.nodes,
+        seed=args.seed,
+        partition=args.partition,
+        out=out,
+        H=args.H,
+        model=args.model,
+        log_level=args.log_level,
+    )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind: the nodes and the lab are cleaned up
     result = run_soak(cfg)
     print(json.dumps(result), flush=True)

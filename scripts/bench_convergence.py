@@ -70,15 +70,48 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
         "dp": (4, ["--method", "dp"]),
         "diloco_h25": (4, ["--method", "diloco", "--H", "25"]),
         "diloco_h50": (4, ["--method", "diloco", "--H", "50"]),
-        "streaming": (4, ["--method", "streaming", "--H", "50", "--P", "2", "--delay", "1", "--alpha", "0.5",
-                          "--codec", "fp4"]),
+        "streaming": (
+            4,
+            ["--method", "streaming", "--H", "50", "--P", "2", "--delay", "1", "--alpha", "0.5", "--codec", "fp4"],
+        ),
         "noloco": (4, ["--method", "noloco", "--H", "50"]),
         "diloco_hb": (4, ["--method", "heavyball", "--H", "50", "--outer-momentum", "0.5"]),
         "custom": (4, ["--method", "custom", "--H", "25", "--custom-lr", "1.0"]),
-        "sparseloco": (4, ["--method", "sparseloco", "--H", "25", "--outer-lr", "1.0", "--error-decay", "0.95",
-                           "--sparse-chunk", "4096", "--sparse-k", "64"]),
-        "streaming_eager": (4, ["--method", "streaming", "--H", "50", "--P", "2", "--delay", "1", "--alpha", "0.5",
-                                "--codec", "fp4", "--eager"]),
+        "sparseloco": (
+            4,
+            [
+                "--method",
+                "sparseloco",
+                "--H",
+                "25",
+                "--outer-lr",
+                "1.0",
+                "--error-decay",
+                "0.95",
+                "--sparse-chunk",
+                "4096",
+                "--sparse-k",
+                "64",
+            ],
+        ),
+        "streaming_eager": (
+            4,
+            [
+                "--method",
+                "streaming",
+                "--H",
+                "50",
+                "--P",
+                "2",
+                "--delay",
+                "1",
+                "--alpha",
+                "0.5",
+                "--codec",
+                "fp4",
+                "--eager",
+            ],
+        ),
     }
 
 
@@ -95,9 +128,17 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
         logs.append(log)
         phi_files.append(phi)
         with open(log, "w") as err:  # the child keeps its own copy of the descriptor
-            procs.append(subprocess.Popen(
-                [sys.executable, TRAINER, "--index", str(i), *common, *extra, "--save-phi", phi],
-                cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, TRAINER, "--index", str(i), *common, *extra, "--save-phi", phi],
+                    cwd=ROOT,
+                    env=env,
+                    text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                )
+            )
     try:
         hello = [json.loads(p.stdout.readline()) for p in procs]
         addrs = json.dumps([h["addr"] for h in hello])
@@ -179,14 +220,39 @@ def main() -> None:
     ap.add_argument("--methods", default="", help="comma-separated subset")
     ap.add_argument("--png", default=str(ROOT / "runs" / "bench_convergence.png"))
     ap.add_argument("--timeout", type=float, default=900.0, help="per method")
-    ap.add_argument("--cosine", action="store_true",
-                    help="inner lr decays to a tenth along a cosine (a testbed variant; the default is constant)")
+    ap.add_argument(
+        "--cosine",
+        action="store_true",
+        help="inner lr decays to a tenth along a cosine (a testbed variant; the default is constant)",
+    )
     args = ap.parse_args()
     steps = args.steps or (150 if args.quick else 2000)
     eval_every = args.eval_every or max(50, steps // 20)
-    common = ["--steps", str(steps), "--model", "small", "--batch", "16", "--lr", "2e-3", "--clip", "1.0",
-              "--eval-every", str(eval_every), "--eval-batches", "8" if args.quick else "24", "--threads", "1",
-              "--join-timeout", "60", "--part-timeout", "30", "--linger", "2", *(["--cosine"] if args.cosine else [])]
+    common = [
+        "--steps",
+        str(steps),
+        "--model",
+        "small",
+        "--batch",
+        "16",
+        "--lr",
+        "2e-3",
+        "--clip",
+        "1.0",
+        "--eval-every",
+        str(eval_every),
+        "--eval-batches",
+        "8" if args.quick else "24",
+        "--threads",
+        "1",
+        "--join-timeout",
+        "60",
+        "--part-timeout",
+        "30",
+        "--linger",
+        "2",
+        *(["--cosine"] if args.cosine else []),
+    ]
     table = methods(steps)
     chosen = [m for m in args.methods.split(",") if m] or list(table)
     results: dict[str, dict] = {}
@@ -204,25 +270,47 @@ def main() -> None:
                 print(json.dumps({"method": name, "retry": str(e)[:200]}), file=sys.stderr, flush=True)
         r["samples"] = steps * 16 * n
         results[name] = r
-        print(json.dumps({"method": name, "final_eval_loss": round(r["final_eval_loss"], 4),
-                          "bytes_sent_per_peer": r["bytes_sent_per_peer"], "peak_bytes_per_sync": r["peak_bytes_per_sync"],
-                          "wall_s": round(r["wall_s"], 1), "elapsed_s": round(time.monotonic() - t0, 1)}),
-              file=sys.stderr, flush=True)
+        print(
+            json.dumps(
+                {
+                    "method": name,
+                    "final_eval_loss": round(r["final_eval_loss"], 4),
+                    "bytes_sent_per_peer": r["bytes_sent_per_peer"],
+                    "peak_bytes_per_sync": r["peak_bytes_per_sync"],
+                    "wall_s": round(r["wall_s"], 1),
+                    "elapsed_s": round(time.monotonic() - t0, 1),
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     png = Path(args.png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    plot_curves({name: r["curve"] for name, r in results.items()}, png,
-                title=f"held-out loss (outer params), 4 peers, {steps} steps",
-                beside={name: r["bytes_curve"] for name, r in results.items()})
+    plot_curves(
+        {name: r["curve"] for name, r in results.items()},
+        png,
+        title=f"held-out loss (outer params), 4 peers, {steps} steps",
+        beside={name: r["bytes_curve"] for name, r in results.items()},
+    )
 
     def loss(m: str) -> float | None:
         return results[m]["final_eval_loss"] if m in results else None
 
-    summary: dict = {"steps": steps, "quick": args.quick, "png": str(png), "inner_lr": "cosine" if args.cosine else "constant",
-                     "corpus": "pydoc_data.topics, Python " + sys.version.split()[0],
-                     "total_wall_s": round(time.monotonic() - t_start, 1), "methods": {}}
+    summary: dict = {
+        "steps": steps,
+        "quick": args.quick,
+        "png": str(png),
+        "inner_lr": "cosine" if args.cosine else "constant",
+        "corpus": "pydoc_data.topics, Python " + sys.version.split()[0],
+        "total_wall_s": round(time.monotonic() - t_start, 1),
+        "methods": {},
+    }
     for name, r in results.items():
-        summary["methods"][name] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                                    if k not in ("curve", "bytes_curve", "final_eval_loss_per_peer")}
+        summary["methods"][name] = {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in r.items()
+            if k not in ("curve", "bytes_curve", "final_eval_loss_per_peer")
+        }
     s, d25, d50, dp = loss("single"), loss("diloco_h25"), loss("diloco_h50"), loss("dp")
     if None not in (s, d25, dp) and s != dp:
         summary["diloco_recovery"] = round((s - d25) / (s - dp), 4)
@@ -233,24 +321,33 @@ def main() -> None:
     if None not in (loss("streaming"), d50):
         summary["streaming_vs_diloco"] = round(loss("streaming") / d50 - 1, 4)
     if "dp" in results and "diloco_h25" in results and results["diloco_h25"]["bytes_sent_per_peer"]:
-        summary["diloco_bytes_ratio"] = round(results["dp"]["bytes_sent_per_peer"]
-                                              / results["diloco_h25"]["bytes_sent_per_peer"], 2)
+        summary["diloco_bytes_ratio"] = round(
+            results["dp"]["bytes_sent_per_peer"] / results["diloco_h25"]["bytes_sent_per_peer"], 2
+        )
     if "streaming" in results and "diloco_h50" in results and results["streaming"]["peak_bytes_per_sync"]:
-        summary["streaming_peak_ratio"] = round(results["diloco_h50"]["peak_bytes_per_sync"]
-                                                / results["streaming"]["peak_bytes_per_sync"], 2)
+        summary["streaming_peak_ratio"] = round(
+            results["diloco_h50"]["peak_bytes_per_sync"] / results["streaming"]["peak_bytes_per_sync"], 2
+        )
     if None not in (loss("sparseloco"), d25):
         summary["sparseloco_vs_diloco"] = round(loss("sparseloco") / d25 - 1, 4)
     if "sparseloco" in results and "diloco_h25" in results and results["sparseloco"]["bytes_sent_per_peer"]:
-        summary["sparseloco_bytes_ratio"] = round(results["diloco_h25"]["bytes_sent_per_peer"]
-                                                  / results["sparseloco"]["bytes_sent_per_peer"], 2)
+        summary["sparseloco_bytes_ratio"] = round(
+            results["diloco_h25"]["bytes_sent_per_peer"] / results["sparseloco"]["bytes_sent_per_peer"], 2
+        )
     if None not in (loss("streaming_eager"), loss("streaming")):
         summary["streaming_eager_vs_streaming"] = round(loss("streaming_eager") / loss("streaming") - 1, 4)
-    targets = {"diloco_recovery": (">=", 0.6), "noloco_vs_diloco": ("<=", 0.01),
-               "streaming_vs_diloco": ("<=", 0.005), "diloco_bytes_ratio": (">=", 20),
-               "streaming_peak_ratio": (">=", 2), "sparseloco_vs_diloco": ("<=", 0.01),
-               "sparseloco_bytes_ratio": (">=", 50)}
-    summary["targets_met"] = {k: (summary[k] >= v if op == ">=" else summary[k] <= v)
-                              for k, (op, v) in targets.items() if k in summary}
+    targets = {
+        "diloco_recovery": (">=", 0.6),
+        "noloco_vs_diloco": ("<=", 0.01),
+        "streaming_vs_diloco": ("<=", 0.005),
+        "diloco_bytes_ratio": (">=", 20),
+        "streaming_peak_ratio": (">=", 2),
+        "sparseloco_vs_diloco": ("<=", 0.01),
+        "sparseloco_bytes_ratio": (">=", 50),
+    }
+    summary["targets_met"] = {
+        k: (summary[k] >= v if op == ">=" else summary[k] <= v) for k, (op, v) in targets.items() if k in summary
+    }
     print(json.dumps(summary))
 
 

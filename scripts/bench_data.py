@@ -75,7 +75,7 @@ def write_jsonl(path: Path, mib: float, seed: int = 0) -> Path:
             for _ in range(256):
                 n = rng.randint(200, 3000)
                 start = rng.randrange(len(text) - n)
-                lines.append(json.dumps({"text": text[start:start + n]}) + "\n")
+                lines.append(json.dumps({"text": text[start : start + n]}) + "\n")
             chunk = "".join(lines)
             f.write(chunk)
             size += len(chunk.encode())
@@ -91,8 +91,12 @@ class BPE:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tok.train_from_iterator(builtin_text().split("\n\n"), trainer)
         self.tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -129,9 +133,18 @@ def child_pipeline(data: Path, cache: Path, tokenizer_name: str, batches: int) -
     for step in range(batches):
         ds.batch(16, 32, seed=0, peer="bench", step=step)
     sample_s = time.perf_counter() - t1
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                      "sample_tokens_per_s": batches * 16 * 32 / sample_s, "rss_mib": rss_mib(),
-                      "documents": ds.meta["train_documents"] + ds.meta["held_out_documents"]}))
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "sample_tokens_per_s": batches * 16 * 32 / sample_s,
+                "rss_mib": rss_mib(),
+                "documents": ds.meta["train_documents"] + ds.meta["held_out_documents"],
+            }
+        )
+    )
 
 
 def child_train(data: Path, work: Path, steps: int, log_path: Path) -> None:
@@ -156,8 +169,9 @@ def child_train(data: Path, work: Path, steps: int, log_path: Path) -> None:
     draw = trainer.batch
 
     def logged(step: int):
-        ids = trainer.corpus.sample_ids(spec.batch_size, trainer.context, seed=spec.seed, peer=trainer.peer_id,
-                                        step=step)
+        ids = trainer.corpus.sample_ids(
+            spec.batch_size, trainer.context, seed=spec.seed, peer=trainer.peer_id, step=step
+        )
         log.write(json.dumps({"pid": os.getpid(), "step": step, "ids": ids.tolist()}) + "\n")
         log.flush()
         return draw(step)
@@ -177,16 +191,23 @@ def child_train(data: Path, work: Path, steps: int, log_path: Path) -> None:
     for name, t in sorted(trainer.outer.outer_params.items()):
         h.update(name.encode())
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    print(json.dumps({"phi": h.hexdigest(), "resumed_from": ckpt.step if ckpt is not None else 0,
-                      "step": trainer.step}))
+    print(
+        json.dumps({"phi": h.hexdigest(), "resumed_from": ckpt.step if ckpt is not None else 0, "step": trainer.step})
+    )
 
 
 # -- measurements -------------------------------------------------------------------------------------
 
 
 def run_child(*args: str, timeout: float = 1800) -> dict:
-    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, __file__, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     if r.returncode != 0:
         raise SystemExit(f"child {args[:2]} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -220,12 +241,14 @@ def resume_exact(tmp: Path, data: Path) -> dict:
     straight_dir, killed_dir = tmp / "straight", tmp / "killed"
     straight_dir.mkdir()
     killed_dir.mkdir()
-    straight = run_child("--child-train", str(data), str(straight_dir), str(RESUME_STEPS),
-                         str(straight_dir / "trained.jsonl"))
+    straight = run_child(
+        "--child-train", str(data), str(straight_dir), str(RESUME_STEPS), str(straight_dir / "trained.jsonl")
+    )
     log = killed_dir / "trained.jsonl"
     cmd = [sys.executable, __file__, "--child-train", str(data), str(killed_dir), str(RESUME_STEPS), str(log)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     killed_after = -1
     while proc.poll() is None:
         rows = _rows(log)
@@ -242,11 +265,18 @@ def resume_exact(tmp: Path, data: Path) -> dict:
     lineage = [r for r in _rows(log) if r["pid"] != first_pid or r["step"] < resumed["resumed_from"]]
     want = [(r["step"], tuple(r["ids"])) for r in _rows(straight_dir / "trained.jsonl")]
     got = [(r["step"], tuple(r["ids"])) for r in lineage]
-    exact = (sorted(got) == sorted(want) and len({s for s, _ in got}) == len(got) == RESUME_STEPS
-             and straight["phi"] == resumed["phi"])
-    return {"resume_exact": exact, "resume_phi_equal": straight["phi"] == resumed["phi"],
-            "killed_after_step": killed_after, "resumed_from_step": resumed["resumed_from"],
-            "resume_steps": RESUME_STEPS}
+    exact = (
+        sorted(got) == sorted(want)
+        and len({s for s, _ in got}) == len(got) == RESUME_STEPS
+        and straight["phi"] == resumed["phi"]
+    )
+    return {
+        "resume_exact": exact,
+        "resume_phi_equal": straight["phi"] == resumed["phi"],
+        "killed_after_step": killed_after,
+        "resumed_from_step": resumed["resumed_from"],
+        "resume_steps": RESUME_STEPS,
+    }
 
 
 def _rows(path: Path) -> list[dict]:

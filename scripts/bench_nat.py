@@ -45,8 +45,7 @@ def log(*parts: Any) -> None:
 
 def trial(lab: NatLab, relay: LabPeer, variant: str, n: int, mib: float, logs: str) -> dict:
     a_host, b_host = HOMES[variant]
-    peers = start_peers(lab, {a_host: {"port": 4100 + n}, b_host: {"port": 4100 + n}},
-                        log_dir=f"{logs}/{variant}{n}")
+    peers = start_peers(lab, {a_host: {"port": 4100 + n}, b_host: {"port": 4100 + n}}, log_dir=f"{logs}/{variant}{n}")
     a, b = peers[a_host], peers[b_host]
     out: dict[str, Any] = {"variant": variant, "trial": n, "ok": False}
     try:
@@ -69,8 +68,7 @@ def trial(lab: NatLab, relay: LabPeer, variant: str, n: int, mib: float, logs: s
         if not out["data_ok"]:
             out["error"] = sent.get("error") or got.get("error")
         want_path = "direct" if variant == "cone" else "libp2p"
-        out["ok"] = out["data_ok"] and out["path"] == want_path and (
-            variant != "cone" or bool(out.get("direct")))
+        out["ok"] = out["data_ok"] and out["path"] == want_path and (variant != "cone" or bool(out.get("direct")))
     except LabPeerError as e:
         out["error"] = str(e)
     finally:
@@ -90,7 +88,7 @@ def nat_round(lab: NatLab, relay: LabPeer, mib: float, logs: str) -> dict:
             p.call("probe")  # private: its data plane punches instead of listening
         ps = [peers[h] for h in hosts]
         for i, a in enumerate(ps):
-            for b in ps[i + 1:]:
+            for b in ps[i + 1 :]:
                 a.call("connect", addr=b.circuit(relay))
         c0, c1 = peers["h0"], peers["h1"]
         out["cone_pair_direct"] = c0.call("upgrade", peer=c1.peer_id, timeout=30)["direct"]
@@ -99,11 +97,15 @@ def nat_round(lab: NatLab, relay: LabPeer, mib: float, logs: str) -> dict:
         cids = {p.name: p.submit("allreduce", peers=ids, round=1, mib=mib) for p in ps}
         res = {name: peers[name].result(cid, timeout=240, check=False) for name, cid in cids.items()}
         out["seconds"] = time.monotonic() - t0
-        out["results"] = {n: {k: r.get(k) for k in ("ok", "digest", "contributors", "error", "paths")}
-                          for n, r in res.items()}
+        out["results"] = {
+            n: {k: r.get(k) for k in ("ok", "digest", "contributors", "error", "paths")} for n, r in res.items()
+        }
         digests = {r.get("digest") for r in res.values()}
-        out["ok"] = (all(r.get("ok") for r in res.values()) and len(digests) == 1
-                     and all(len(r.get("contributors") or []) == 4 for r in res.values()))
+        out["ok"] = (
+            all(r.get("ok") for r in res.values())
+            and len(digests) == 1
+            and all(len(r.get("contributors") or []) == 4 for r in res.values())
+        )
     except LabPeerError as e:
         out["error"] = str(e)
     finally:

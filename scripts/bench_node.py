@@ -40,8 +40,9 @@ LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 class NodeProc:
@@ -49,9 +50,26 @@ class NodeProc:
         self.dir, self.log = data_dir, log
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(log, "a") as err:
-            self.p = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node",
-                                       "start", "--data-dir", str(data_dir), *LOOPBACK, *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=err, text=True)
+            self.p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "meshtrain.node.cli",
+                    "--log-level",
+                    "INFO",
+                    "node",
+                    "start",
+                    "--data-dir",
+                    str(data_dir),
+                    *LOOPBACK,
+                    *args,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
 
     def daemon(self, timeout: float = 90) -> dict:
         deadline = time.monotonic() + timeout
@@ -108,17 +126,25 @@ def phase_restart(work: Path, steps: int) -> dict:
     dirs = [work / f"r{i}" for i in range(4)]
     logs = [work / f"r{i}.log" for i in range(4)]
     create(dirs[0], "--model", "gpt-small", "--H", "25", "--steps", str(steps), "--eval-every", "25")
-    nodes = [NodeProc(dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "4",
-                      "--checkpoint-every", "2")]
+    nodes = [
+        NodeProc(
+            dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "4", "--checkpoint-every", "2"
+        )
+    ]
     first = nodes[0].daemon()
-    nodes += [NodeProc(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "4", "--checkpoint-every", "2")
-              for i in range(1, 4)]
+    nodes += [
+        NodeProc(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "4", "--checkpoint-every", "2")
+        for i in range(1, 4)
+    ]
     for n in nodes:
         n.daemon()
     t0 = time.monotonic()
     # Kill node 3 once it has a checkpoint and is past a third of the run.
-    wait_for(lambda: (s := nodes[3].status()) and s["training"]["step"] >= steps // 3
-             and s["checkpoint"]["last_step"], 300, "node 3 to checkpoint")
+    wait_for(
+        lambda: (s := nodes[3].status()) and s["training"]["step"] >= steps // 3 and s["checkpoint"]["last_step"],
+        300,
+        "node 3 to checkpoint",
+    )
     nodes[3].kill()
     saved = CheckpointStore(dirs[3] / "checkpoints").load_latest()
     killed_at = saved.step if saved else None
@@ -130,9 +156,11 @@ def phase_restart(work: Path, steps: int) -> dict:
     history = json.loads((dirs[0] / "history.json").read_text())
     evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
     return {
-        "restart_resume_ok": bool(resumed and results[3] and results[3]["step"] == steps
-                                  and all(r and r["step"] == steps for r in results)),
-        "restart_killed_at_step": killed_at, "restart_rejoined_by": "download" if "joined the swarm" in log3 else "resume",
+        "restart_resume_ok": bool(
+            resumed and results[3] and results[3]["step"] == steps and all(r and r["step"] == steps for r in results)
+        ),
+        "restart_killed_at_step": killed_at,
+        "restart_rejoined_by": "download" if "joined the swarm" in log3 else "resume",
         "loss_start": round(evals[0][1], 4) if evals else None,
         "loss_end": round(results[0]["eval_loss"], 4) if results[0] and results[0]["eval_loss"] else None,
         "swarm_wall_s": round(time.monotonic() - t0, 1),
@@ -186,8 +214,11 @@ def phase_crash(work: Path, kills: int, seed: int = 0) -> dict:
             except CheckpointError:
                 corrupt += 1
     latest = CheckpointStore(d / "checkpoints").load_latest()
-    return {"checkpoint_corrupt_count": corrupt, "checkpoint_kills": kills,
-            "checkpoint_latest_step": latest.step if latest else None}
+    return {
+        "checkpoint_corrupt_count": corrupt,
+        "checkpoint_kills": kills,
+        "checkpoint_latest_step": latest.step if latest else None,
+    }
 
 
 def main() -> None:
@@ -214,8 +245,10 @@ def main() -> None:
         result["wall_s"] = round(time.monotonic() - t0, 1)
         shutil.rmtree(work, ignore_errors=True)
     if "join_sync_s" in result:
-        result["targets_met"] = {"join_sync": result["join_vs_single"] <= 0.7,
-                                 "corrupt": result.get("checkpoint_corrupt_count") == 0}
+        result["targets_met"] = {
+            "join_sync": result["join_vs_single"] <= 0.7,
+            "corrupt": result.get("checkpoint_corrupt_count") == 0,
+        }
     print(json.dumps(result))
 
 

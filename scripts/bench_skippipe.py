@@ -59,9 +59,18 @@ class Peers:
     def __init__(self, n: int, logdir: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", MESHTRAIN_LOG=os.environ.get("MESHTRAIN_LOG", "WARNING"))
         self.logs = [open(os.path.join(logdir, f"peer{i}.log"), "w") for i in range(n)]  # noqa: SIM115
-        self.procs = [subprocess.Popen([sys.executable, "tests/proc_pipeline_peer.py"], cwd=ROOT, env=env,
-                                       text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-                      for log in self.logs]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "tests/proc_pipeline_peer.py"],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+            for log in self.logs
+        ]
         hello = [self._read(p) for p in self.procs]
         self.ids = [h["peer"] for h in hello]
         for p in self.procs:
@@ -99,8 +108,10 @@ class Peers:
                     out[pid] = lines
                     return
 
-        threads = [threading.Thread(target=collect, args=(pid, p), daemon=True)
-                   for pid, p in zip(self.ids, self.procs, strict=True)]
+        threads = [
+            threading.Thread(target=collect, args=(pid, p), daemon=True)
+            for pid, p in zip(self.ids, self.procs, strict=True)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -167,26 +178,51 @@ def main() -> None:
         peers = Peers(n_peers, tmp)
         try:
             placement, forward, links = layout(peers.ids, n_stages)
-            base = {"n_stages": n_stages, "placement": placement, "forward_time": forward, "links": links,
-                    "microbatches": args.microbatches, "microbatch_size": 8, "model": config.to_dict(),
-                    "seed": 0, "data": "corpus", "data_seed": 7, "lr": args.lr, "simulate": True,
-                    "snapshot_steps": [steps], "kill": None}
+            base = {
+                "n_stages": n_stages,
+                "placement": placement,
+                "forward_time": forward,
+                "links": links,
+                "microbatches": args.microbatches,
+                "microbatch_size": 8,
+                "model": config.to_dict(),
+                "seed": 0,
+                "data": "corpus",
+                "data_seed": 7,
+                "lr": args.lr,
+                "simulate": True,
+                "snapshot_steps": [steps],
+                "kill": None,
+            }
             results: dict[str, dict] = {}
 
             def run(name: str, mode: str, ratio: float, budget: float | None, max_steps: int) -> dict:
                 snap = Path(tmp) / name
                 snap.mkdir()
-                spec = base | {"run": name, "mode": mode, "skip_ratio": ratio, "steps": max_steps,
-                               "budget_s": budget, "snapshot_dir": str(snap)}
+                spec = base | {
+                    "run": name,
+                    "mode": mode,
+                    "skip_ratio": ratio,
+                    "steps": max_steps,
+                    "budget_s": budget,
+                    "snapshot_dir": str(snap),
+                }
                 progress(f"run {name}")
                 out = peers.run(spec)
                 origin_lines = [x for x in out[peers.ids[0]] if "it" in x]
                 iters = origin_lines
                 done = out[peers.ids[0]][-1]["iterations"]
-                secs = [max(x["seconds"] for pid in peers.ids[:2] for x in out[pid] if x.get("it") == i)
-                        for i in range(1, done)]
-                return {"iter_s": sum(secs) / len(secs), "wall_s": iters[-1]["t"], "steps": done,
-                        "train_loss": iters[-1]["loss"], "snap": snap}
+                secs = [
+                    max(x["seconds"] for pid in peers.ids[:2] for x in out[pid] if x.get("it") == i)
+                    for i in range(1, done)
+                ]
+                return {
+                    "iter_s": sum(secs) / len(secs),
+                    "wall_s": iters[-1]["t"],
+                    "steps": done,
+                    "train_loss": iters[-1]["loss"],
+                    "snap": snap,
+                }
 
             def model_at(snap: Path, step: int) -> GPT:
                 model = GPT(config, seed=0)
@@ -206,9 +242,13 @@ def main() -> None:
             full_model = model_at(full["snap"], steps)
             full_loss = full_model.evaluate(eval_batches)
             full_om = omission_report(full_model, n_stages, eval_batches)
-            out: dict[str, object] = {"full_iter_s": round(full["iter_s"], 4), "skippipe_iter_s": {},
-                                      "loss_gap": {}, "loss_gap_equal_time_per_ratio": {},
-                                      "half_model_ppl_ratio_skippipe_per_ratio": {}}
+            out: dict[str, object] = {
+                "full_iter_s": round(full["iter_s"], 4),
+                "skippipe_iter_s": {},
+                "loss_gap": {},
+                "loss_gap_equal_time_per_ratio": {},
+                "half_model_ppl_ratio_skippipe_per_ratio": {},
+            }
             best, best_time = None, float("inf")
             for ratio in ("0.25", "0.5"):
                 r = results[ratio]
@@ -229,8 +269,11 @@ def main() -> None:
                 "half_model_ppl_ratio_full": round(full_om.ratio, 4),
                 "full_eval_loss": round(full_loss, 4),
                 "steps": {"full": steps, **{k: results[k]["steps"] for k in ("0.25", "0.5")}},
-                "peers": n_peers, "stages": n_stages, "microbatches": args.microbatches,
-                "quick": args.quick, "wall_s": round(time.monotonic() - t_start, 1),
+                "peers": n_peers,
+                "stages": n_stages,
+                "microbatches": args.microbatches,
+                "quick": args.quick,
+                "wall_s": round(time.monotonic() - t_start, 1),
                 "python": sys.version.split()[0],
             }
         finally:

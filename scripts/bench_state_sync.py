@@ -103,9 +103,14 @@ def say(obj: dict) -> None:
 class Donor:
     def __init__(self, upload_mib: float, chunk_mib: int) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.p = subprocess.Popen([sys.executable, __file__, "donor", "--upload-mib", str(upload_mib),
-                                   "--chunk-mib", str(chunk_mib)], cwd=ROOT, env=env, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.p = subprocess.Popen(
+            [sys.executable, __file__, "donor", "--upload-mib", str(upload_mib), "--chunk-mib", str(chunk_mib)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self.info: dict = {}
 
     def read(self) -> dict:
@@ -149,8 +154,10 @@ def main(args: argparse.Namespace) -> None:
         for d in donors:
             d.info = d.read()
         state_digests = {d.info["digest"] for d in donors}
-        print(f"{len(donors)} donors ready in {time.monotonic() - t_start:.1f} s; GPT {params / 1e6:.1f}M params",
-              file=sys.stderr)
+        print(
+            f"{len(donors)} donors ready in {time.monotonic() - t_start:.1f} s; GPT {params / 1e6:.1f}M params",
+            file=sys.stderr,
+        )
 
         async def run() -> dict:
             async with Host(Identity.generate()) as host, TensorStreams(host) as ts:
@@ -163,18 +170,22 @@ def main(args: argparse.Namespace) -> None:
                     nonlocal digest_ok
                     report = FetchReport()
                     t0 = time.perf_counter()
-                    _, tensors = await fetch_state(host, ts, which, chunk_bytes=args.chunk_mib * MIB,
-                                                   report=report, timeout=240)
+                    _, tensors = await fetch_state(
+                        host, ts, which, chunk_bytes=args.chunk_mib * MIB, report=report, timeout=240
+                    )
                     seconds = time.perf_counter() - t0
                     digest_ok &= payload_digest(tensors) == expected_digest and not report.banned
                     del tensors
-                    print(f"  {len(which)} donor(s): {seconds:.2f} s, {report.total_bytes / MIB:.0f} MiB, "
-                          f"chunks per donor {sorted(report.chunks_per_donor.values())}", file=sys.stderr)
+                    print(
+                        f"  {len(which)} donor(s): {seconds:.2f} s, {report.total_bytes / MIB:.0f} MiB, "
+                        f"chunks per donor {sorted(report.chunks_per_donor.values())}",
+                        file=sys.stderr,
+                    )
                     return seconds, report
 
                 single, multi, last_multi = [], [], None
                 for rep in range(args.repeats):
-                    for kind in (("single", "multi") if rep % 2 == 0 else ("multi", "single")):
+                    for kind in ("single", "multi") if rep % 2 == 0 else ("multi", "single"):
                         if kind == "single":
                             single.append((await sync(peers[:1]))[0])
                         else:
@@ -186,11 +197,19 @@ def main(args: argparse.Namespace) -> None:
                         d.command("limit 0")
                     print("unthrottled (CPU-bound on this machine):", file=sys.stderr)
                     s1, m1 = (await sync(peers[:1]))[0], (await sync(peers))[0]
-                    unthrottled = {"single_donor_sync_s": round(s1, 3), "join_sync_s": round(m1, 3),
-                                   "ratio": round(m1 / s1, 3)}
+                    unthrottled = {
+                        "single_donor_sync_s": round(s1, 3),
+                        "join_sync_s": round(m1, 3),
+                        "ratio": round(m1 / s1, 3),
+                    }
                 assert last_multi is not None
-                return {"single": single, "multi": multi, "report": last_multi,
-                        "unthrottled": unthrottled, "digest_ok": digest_ok}
+                return {
+                    "single": single,
+                    "multi": multi,
+                    "report": last_multi,
+                    "unthrottled": unthrottled,
+                    "digest_ok": digest_ok,
+                }
 
         out = trio.run(run)
         report = out["report"]
@@ -203,9 +222,12 @@ def main(args: argparse.Namespace) -> None:
             "donors": args.donors,
             "chunk_mib": args.chunk_mib,
             "upload_limit_mib_s_per_donor": args.upload_mib or None,
-            "throttle": ("each donor paces its chunk sends in user space (StateDonor.upload_limit) to model a "
-                         "volunteer's uplink; loopback on 2 shared cores is otherwise CPU-bound"
-                         if args.upload_mib else "none"),
+            "throttle": (
+                "each donor paces its chunk sends in user space (StateDonor.upload_limit) to model a "
+                "volunteer's uplink; loopback on 2 shared cores is otherwise CPU-bound"
+                if args.upload_mib
+                else "none"
+            ),
             "single_donor_sync_s": round(single_s, 3),
             "join_sync_s": round(join_s, 3),
             "ratio": round(ratio, 3),
@@ -230,12 +252,12 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("role", nargs="?", default="joiner", choices=["joiner", "donor"])
     p.add_argument("--donors", type=int, default=3)
-    p.add_argument("--upload-mib", type=float, default=50.0,
-                   help="per-donor upload cap in MiB/s (0: unthrottled)")
+    p.add_argument("--upload-mib", type=float, default=50.0, help="per-donor upload cap in MiB/s (0: unthrottled)")
     p.add_argument("--chunk-mib", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--no-unthrottled", dest="unthrottled", action="store_false",
-                   help="skip the informational unthrottled runs")
+    p.add_argument(
+        "--no-unthrottled", dest="unthrottled", action="store_false", help="skip the informational unthrottled runs"
+    )
     a = p.parse_args()
     if a.role == "donor":
         donor_main(a)

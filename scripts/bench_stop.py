@@ -41,17 +41,35 @@ LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads
 
 def cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     return time.monotonic() - t0, r
 
 
 def start(data_dir: Path, log: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with open(log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
-                                 "--data-dir", str(data_dir), *LOOPBACK, *args], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.node.cli",
+                "--log-level",
+                "INFO",
+                "node",
+                "start",
+                "--data-dir",
+                str(data_dir),
+                *LOOPBACK,
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
 
 
 def daemon(data_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
@@ -73,8 +91,13 @@ def clean_exit(data_dir: Path, proc: subprocess.Popen) -> bool:
     except (ValueError, IndexError):
         return False
     ck = CheckpointStore(data_dir / "checkpoints").load_latest()
-    return (proc.returncode == 0 and bool(result.get("checkpoint")) and ck is not None
-            and ck.step == result["step"] and not (data_dir / "daemon.json").exists())
+    return (
+        proc.returncode == 0
+        and bool(result.get("checkpoint"))
+        and ck is not None
+        and ck.step == result["step"]
+        and not (data_dir / "daemon.json").exists()
+    )
 
 
 def main() -> None:
@@ -85,8 +108,20 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="meshtrain-bench-stop-"))
     a, b = tmp / "a", tmp / "b"
-    _, r = cli("swarm", "create", "--data-dir", str(a), "--model", args.model, "--steps", "0", "--H", "20",
-               "--eval-every", "50")
+    _, r = cli(
+        "swarm",
+        "create",
+        "--data-dir",
+        str(a),
+        "--model",
+        args.model,
+        "--steps",
+        "0",
+        "--H",
+        "20",
+        "--eval-every",
+        "50",
+    )
     if r.returncode:
         raise SystemExit(r.stderr)
     pa = start(a, tmp / "a.log", "--wait-peers", "2")
@@ -126,14 +161,24 @@ def main() -> None:
             p.kill()
             p.wait()
     clean = sum([ra.returncode == 0 and clean_exit(a, pa), rb.returncode == 0 and clean_exit(b, pb)])
-    print(json.dumps({
-        "busy_processes": args.busy, "cores": os.cpu_count(), "model": args.model,
-        "status_s_p50": round(statistics.median(status_s), 3), "status_s_max": round(max(status_s), 3),
-        "status_http_s_p50": round(statistics.median(http_s), 3),
-        "cli_startup_s_p50": round(statistics.median(startup_s), 3),
-        "stop_s": round(stop_s, 3), "stop_to_exit_s": round(stop_to_exit_s, 3),
-        "stop_wait_s": round(stop_wait_s, 3), "clean_exits": clean, "logs": str(tmp),
-    }))
+    print(
+        json.dumps(
+            {
+                "busy_processes": args.busy,
+                "cores": os.cpu_count(),
+                "model": args.model,
+                "status_s_p50": round(statistics.median(status_s), 3),
+                "status_s_max": round(max(status_s), 3),
+                "status_http_s_p50": round(statistics.median(http_s), 3),
+                "cli_startup_s_p50": round(statistics.median(startup_s), 3),
+                "stop_s": round(stop_s, 3),
+                "stop_to_exit_s": round(stop_to_exit_s, 3),
+                "stop_wait_s": round(stop_wait_s, 3),
+                "clean_exits": clean,
+                "logs": str(tmp),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ async def dht_phase(args: argparse.Namespace) -> dict[str, Any]:
 
 
 Phase = Callable[[argparse.Namespace], Awaitable[dict[str, Any]] | dict[str, Any]]
+
+
 def crdt_phase(args: argparse.Namespace) -> dict[str, Any]:
     """CRDT phase: partition N peers (4 worker processes) into halves, write on both, heal; see
     scripts/_bench_crdt.py for what `crdt_converge_s` and `msgs_per_node_s` measure."""
@@ -160,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gets", type=int, default=300)
     parser.add_argument("--kill", type=float, default=0.1, help="fraction of nodes killed")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--phases", default=",".join(name for name, _ in PHASES),
-                        help="comma-separated phases to run")
+    parser.add_argument("--phases", default=",".join(name for name, _ in PHASES), help="comma-separated phases to run")
     args = parser.parse_args(argv)
     configure()
     wanted = set(args.phases.split(","))

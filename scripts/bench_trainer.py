@@ -76,6 +76,7 @@ def rss_mib() -> float:
 
 # -- bare loop ------------------------------------------------------------------------------------
 
+
 def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float, float]:
     """Samples per wall second, per process CPU second and per thread CPU second of the loop a
     user would write without meshtrain."""
@@ -96,8 +97,11 @@ def bare_loop(steps: int, warmup: int, device: str) -> tuple[float, float, float
         opt.step()
     _sync(device)
     samples = BATCH * steps
-    return (samples / (time.perf_counter() - t0), samples / (time.process_time() - c0),
-            samples / (time.thread_time() - h0))
+    return (
+        samples / (time.perf_counter() - t0),
+        samples / (time.process_time() - c0),
+        samples / (time.thread_time() - h0),
+    )
 
 
 def _sync(device: str) -> None:
@@ -106,6 +110,7 @@ def _sync(device: str) -> None:
 
 
 # -- meshtrain: a real node ----------------------------------------------------------------------
+
 
 def thread_cpu() -> dict[int, float]:
     """CPU seconds of each thread of this process (Linux), by thread id."""
@@ -119,25 +124,42 @@ def thread_cpu() -> dict[int, float]:
     return out
 
 
-def node_run(work: Path, steps: int, warmup: int, H: int, device: str, threads: int,
-             background: list[tuple[float, float]] | None = None) -> list[tuple[int, float, float]]:
+def node_run(
+    work: Path,
+    steps: int,
+    warmup: int,
+    H: int,
+    device: str,
+    threads: int,
+    background: list[tuple[float, float]] | None = None,
+) -> list[tuple[int, float, float]]:
     """Run a 1-peer swarm node for warmup + steps; return (step, wall time, process CPU time)
     samples, polled from the trio thread every 100 ms (`at` interpolates between them). With
     `background`, append (the non-trainer threads' CPU over the trainer thread's, the trainer
     thread's CPU seconds) over the timed steps."""
     shutil.rmtree(work, ignore_errors=True)
     total = warmup + steps
-    spec = SwarmSpec(model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR,
-                     weight_decay=WD)
+    spec = SwarmSpec(
+        model=MODEL, batch_size=BATCH, H=H, steps=total, eval_every=0, clip=CLIP, inner_lr=LR, weight_decay=WD
+    )
     signed = SignedSpec.create(spec, Identity.load_or_create(work))
-    config = NodeConfig(data_dir=work, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, nat=False, upnp=False,
-                        checkpoint_every=3600, threads=threads, device=device)
+    config = NodeConfig(
+        data_dir=work,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        status_port=0,
+        nat=False,
+        upnp=False,
+        checkpoint_every=3600,
+        threads=threads,
+        device=device,
+    )
     node = Node(config, spec=signed)
     seen: list[tuple[int, float, float]] = []
     cpu_at: dict[str, dict[int, float]] = {}
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
+
             async def run() -> None:
                 await node.run()
                 nursery.cancel_scope.cancel()
@@ -192,19 +214,25 @@ def phase_trainer(args: argparse.Namespace, work: Path, device: str) -> dict:
         seen_r = node_run(work / "rounds", 2 * H + 5 - warmup, warmup, H, device, args.threads)
         round_windows.append(at(seen_r, 2 * H + 1) - at(seen_r, H + 1))
     best_bare, best_node = max(bare), max(node)
-    return {"bare_samples_per_s": round(best_bare, 1), "node_samples_per_s": round(best_node, 1),
-            "trainer_overhead": round(sorted(b / n for b, n in zip(bare, node, strict=True))[trials // 2], 4),
-            "trainer_overhead_best_of": round(best_bare / best_node, 4),
-            "trainer_overhead_cpu": round(sorted(cpu_ratios)[len(cpu_ratios) // 2], 4),
-            "node_background_cpu_share": (round(sorted(b for b, _ in background)[len(background) // 2], 4)
-                                          if background else None),
-            "trainer_thread_overhead_cpu": (round(sorted(thread_ratios)[len(thread_ratios) // 2], 4)
-                                            if thread_ratios else None),
-            "round_overhead": round(min(round_windows) / min(plain_windows), 4),
-            "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]}}
+    return {
+        "bare_samples_per_s": round(best_bare, 1),
+        "node_samples_per_s": round(best_node, 1),
+        "trainer_overhead": round(sorted(b / n for b, n in zip(bare, node, strict=True))[trials // 2], 4),
+        "trainer_overhead_best_of": round(best_bare / best_node, 4),
+        "trainer_overhead_cpu": round(sorted(cpu_ratios)[len(cpu_ratios) // 2], 4),
+        "node_background_cpu_share": (
+            round(sorted(b for b, _ in background)[len(background) // 2], 4) if background else None
+        ),
+        "trainer_thread_overhead_cpu": (
+            round(sorted(thread_ratios)[len(thread_ratios) // 2], 4) if thread_ratios else None
+        ),
+        "round_overhead": round(min(round_windows) / min(plain_windows), 4),
+        "trials": {"bare": [round(b, 1) for b in bare], "node": [round(n, 1) for n in node]},
+    }
 
 
 # -- precision ------------------------------------------------------------------------------------
+
 
 def final_eval_loss(precision: str, steps: int, model: str) -> float:
     spec = SwarmSpec(model=model, batch_size=BATCH, H=50, steps=steps, eval_every=0, precision=precision)
@@ -222,19 +250,25 @@ def phase_precision(args: argparse.Namespace) -> dict:
     steps, model = (100, "gpt-tiny") if args.quick else (300, MODEL)
     fp32 = final_eval_loss("fp32", steps, model)
     bf16 = final_eval_loss("bf16", steps, model)
-    return {"eval_loss_fp32": round(fp32, 4), "eval_loss_bf16": round(bf16, 4),
-            "bf16_vs_fp32_loss": round(abs(bf16 - fp32) / fp32, 4)}
+    return {
+        "eval_loss_fp32": round(fp32, 4),
+        "eval_loss_bf16": round(bf16, 4),
+        "bf16_vs_fp32_loss": round(abs(bf16 - fp32) / fp32, 4),
+    }
 
 
 # -- multi-rank equivalence -----------------------------------------------------------------------
 
+
 def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw
+    )
 
 
-def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int,
-              sharding: str = "ddp") -> tuple[dict[str, torch.Tensor], list[dict]]:
+def swarm_phi(
+    work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int, sharding: str = "ddp"
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Run two node processes (peer 0 with nprocs[0] local ranks under `sharding`, peer 1 with
     nprocs[1]) to `rounds` rounds; return peer 0's φ from its final checkpoint and each process's result."""
     shutil.rmtree(work, ignore_errors=True)
@@ -243,22 +277,74 @@ def swarm_phi(work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[P
         d.mkdir(parents=True)
         shutil.copy(key, d / "identity.key")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1", "--no-nat",
-              "--wait-peers", "2", "--device", "cpu"]
+    common = [
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--status-port",
+        "0",
+        "--threads",
+        "1",
+        "--no-nat",
+        "--wait-peers",
+        "2",
+        "--device",
+        "cpu",
+    ]
     logs = [open(work / f"p{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
-    p0 = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
-                           "--data-dir", str(dirs[0]), "--swarm", str(spec_file),
-                           "--nproc-per-node", str(nprocs[0]), "--sharding", sharding, *common],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=logs[0], text=True)
+    p0 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.node.cli",
+            "--log-level",
+            "INFO",
+            "node",
+            "start",
+            "--data-dir",
+            str(dirs[0]),
+            "--swarm",
+            str(spec_file),
+            "--nproc-per-node",
+            str(nprocs[0]),
+            "--sharding",
+            sharding,
+            *common,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=logs[0],
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (dirs[0] / "daemon.json").exists():
         if time.monotonic() > deadline or p0.poll() is not None:
             raise RuntimeError(f"peer 0 did not start; see {work / 'p0.log'}")
         time.sleep(0.1)
     addr = json.loads((dirs[0] / "daemon.json").read_text())["addrs"][0]
-    p1 = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
-                           "--data-dir", str(dirs[1]), "--join", addr, "--nproc-per-node", str(nprocs[1]), *common],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=logs[1], text=True)
+    p1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.node.cli",
+            "--log-level",
+            "INFO",
+            "node",
+            "start",
+            "--data-dir",
+            str(dirs[1]),
+            "--join",
+            addr,
+            "--nproc-per-node",
+            str(nprocs[1]),
+            *common,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=logs[1],
+        text=True,
+    )
     results = []
     for p in (p0, p1):
         out, _ = p.communicate(timeout=600)
@@ -290,11 +376,15 @@ def phase_multi_rank(args: argparse.Namespace, work: Path) -> dict:
     fsdp_diff = max(float((sharded[n] - single[n]).abs().max()) for n in sharded)
     ranks_rss = res_mixed[0].get("local_ranks_peak_rss_mib", [])
     all_rounds = all(r.get("rounds") == rounds for r in res_mixed + res_single + res_sharded)
-    return {"multi_rank_matches": diff <= 1e-5 and all_rounds, "multi_rank_max_abs_diff": diff,
-            "fsdp_matches": fsdp_diff <= 1e-4 and all_rounds and res_sharded[0].get("sharding") == "fsdp",
-            "fsdp_max_abs_diff": fsdp_diff, "ranks_peak_rss_mib": ranks_rss,
-            "fsdp_ranks_peak_rss_mib": res_sharded[0].get("local_ranks_peak_rss_mib", []),
-            "multi_rank_rounds": [r.get("rounds") for r in res_mixed]}
+    return {
+        "multi_rank_matches": diff <= 1e-5 and all_rounds,
+        "multi_rank_max_abs_diff": diff,
+        "fsdp_matches": fsdp_diff <= 1e-4 and all_rounds and res_sharded[0].get("sharding") == "fsdp",
+        "fsdp_max_abs_diff": fsdp_diff,
+        "ranks_peak_rss_mib": ranks_rss,
+        "fsdp_ranks_peak_rss_mib": res_sharded[0].get("local_ranks_peak_rss_mib", []),
+        "multi_rank_rounds": [r.get("rounds") for r in res_mixed],
+    }
 
 
 def main() -> None:
@@ -320,8 +410,10 @@ def main() -> None:
         if not args.skip_multi_rank:
             out.update(phase_multi_rank(args, work))
         out["load_avg"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
-        out["peak_rss_mib"] = {"bench": round(rss_mib(), 1),
-                               **{f"rank{i}": r for i, r in enumerate(out.pop("ranks_peak_rss_mib", []))}}
+        out["peak_rss_mib"] = {
+            "bench": round(rss_mib(), 1),
+            **{f"rank{i}": r for i, r in enumerate(out.pop("ranks_peak_rss_mib", []))},
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out), flush=True)

@@ -74,9 +74,11 @@ async def _tensor_receiver(args) -> None:
         _say({"addr": host.addrs[0]})
         peer = (await trio.to_thread.run_sync(sys.stdin.readline)).strip()
         async with trio.open_nursery() as nursery:
+
             async def receive_all() -> None:
                 for i in range(args.repeats):
                     await ts.receive(peer, f"bench{i}", into=into)
+
             nursery.start_soon(receive_all)
             await trio.sleep(0.2)
             _say({"ready": True})  # the sender's clock starts only once we are waiting
@@ -200,8 +202,12 @@ def _worker(args) -> None:
 
 def _spawn(*argv: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT,
+        [sys.executable, __file__, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=ROOT,
     )
 
 

@@ -181,8 +181,13 @@ class Finding:
     case_input: str = ""
 
     def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "protocol": self.protocol, "family": self.family,
-                "detail": self.detail[:400], "input": self.case_input[:300]}
+        return {
+            "kind": self.kind,
+            "protocol": self.protocol,
+            "family": self.family,
+            "detail": self.detail[:400],
+            "input": self.case_input[:300],
+        }
 
 
 @dataclass
@@ -265,9 +270,19 @@ class Swarm:
 
     def config(self, name: str) -> meshtrain.NodeConfig:
         return meshtrain.NodeConfig(
-            data_dir=self.data_dir / name, listen=[f"/ip4/{LOOPBACK}/tcp/0"], status_port=0,
-            wait_peers=self.n, join_timeout=self.join_timeout, part_timeout=10.0, threads=1,
-            checkpoint_every=3600.0, mdns=False, upnp=False, nat=True, relay=True)
+            data_dir=self.data_dir / name,
+            listen=[f"/ip4/{LOOPBACK}/tcp/0"],
+            status_port=0,
+            wait_peers=self.n,
+            join_timeout=self.join_timeout,
+            part_timeout=10.0,
+            threads=1,
+            checkpoint_every=3600.0,
+            mdns=False,
+            upnp=False,
+            nat=True,
+            relay=True,
+        )
 
     async def start(self, nursery: trio.Nursery) -> None:
         spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=self.H, eval_every=0, batch_size=4)
@@ -295,8 +310,9 @@ class Swarm:
                 await trio.sleep(0.2)
 
     def _healthy_round_seen(self) -> bool:
-        full = {r.member for r in self.rounds if r.contributors is not None
-                and set(r.contributors) == set(self.members)}
+        full = {
+            r.member for r in self.rounds if r.contributors is not None and set(r.contributors) == set(self.members)
+        }
         return full >= set(self.members)
 
     async def _run(self, node: meshtrain.Node) -> None:
@@ -365,9 +381,16 @@ class Swarm:
             while self._running:
                 await trio.sleep(0.1)
         for node in self._running:
-            results.report(Finding("hang", "node", "stop", f"member {node.host.peer_id[-8:]} did not stop within "
-                                   f"{timeout:g} s of stop() (state {node.state!r}, step {node.trainer.step}, "
-                                   f"last rounds {[(r.round_id, r.error[:80]) for r in self.rounds if r.member == node.host.peer_id][-3:]})"))
+            results.report(
+                Finding(
+                    "hang",
+                    "node",
+                    "stop",
+                    f"member {node.host.peer_id[-8:]} did not stop within "
+                    f"{timeout:g} s of stop() (state {node.state!r}, step {node.trainer.step}, "
+                    f"last rounds {[(r.round_id, r.error[:80]) for r in self.rounds if r.member == node.host.peer_id][-3:]})",
+                )
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +418,8 @@ class Attacker:
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.host = await stack.enter_async_context(
-            Host(Identity.generate(), HostConfig(listen=[f"/ip4/{LOOPBACK}/tcp/0"])))
+            Host(Identity.generate(), HostConfig(listen=[f"/ip4/{LOOPBACK}/tcp/0"]))
+        )
         self.streams = await stack.enter_async_context(TensorStreams(self.host))
         self.port = int(self.host.addrs[0].split("/tcp/")[1].split("/")[0])
         for node in self.swarm.nodes:
@@ -414,8 +438,9 @@ class Attacker:
         except RpcProtocolError:
             return "closed", None
 
-    async def raw(self, peer: str, protocol: str, data: bytes, *, reply_frames: bool = True,
-                  fire_and_forget: bool = False) -> str:
+    async def raw(
+        self, peer: str, protocol: str, data: bytes, *, reply_frames: bool = True, fire_and_forget: bool = False
+    ) -> str:
         """Open `protocol`, write `data`, close our side, and see how the stream ends: a reply
         ("reply": a frame, or for non-RPC protocols any bytes), the stream closed or reset
         ("closed"), or nothing (the caller's deadline: a hang).
@@ -477,9 +502,12 @@ class Attacker:
 
         assert self.host is not None
         self._gossip_seqno += 1
-        msg = rpc_pb2.Message(data=data, topicIDs=[topic],
-                              from_id=from_id or self.host.libp2p.get_id().to_bytes(),
-                              seqno=self._gossip_seqno.to_bytes(8, "big"))
+        msg = rpc_pb2.Message(
+            data=data,
+            topicIDs=[topic],
+            from_id=from_id or self.host.libp2p.get_id().to_bytes(),
+            seqno=self._gossip_seqno.to_bytes(8, "big"),
+        )
         key = self.host.libp2p.get_private_key()
         msg.signature = key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
         msg.key = self.host.libp2p.get_public_key().serialize()
@@ -494,22 +522,29 @@ class Attacker:
 
 def msgpack_values(max_leaves: int = 24) -> st.SearchStrategy:
     """Any msgpack value: every scalar type at its edges, nested lists and maps."""
-    scalars = (st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
-               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=80)
-               | st.binary(max_size=160))
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=80)
+        | st.binary(max_size=160)
+    )
     keys = st.text(max_size=12) | st.integers(min_value=-(1 << 31), max_value=1 << 31)
-    return st.recursive(scalars, lambda kids: st.lists(kids, max_size=6)
-                        | st.dictionaries(keys, kids, max_size=6), max_leaves=max_leaves)
+    return st.recursive(
+        scalars,
+        lambda kids: st.lists(kids, max_size=6) | st.dictionaries(keys, kids, max_size=6),
+        max_leaves=max_leaves,
+    )
 
 
 def shaped(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
     """Maps with a protocol's field names, each value the right kind or anything, some fields
     missing, some extra: the shape a handler checks, broken one way at a time or all at once."""
     anything = msgpack_values(8)
-    return st.fixed_dictionaries(
-        {}, optional={k: st.one_of(s, anything) for k, s in fields.items()}
-    ).flatmap(lambda d: st.dictionaries(st.text(max_size=8), anything, max_size=2).map(
-        lambda extra: {**extra, **d}))
+    return st.fixed_dictionaries({}, optional={k: st.one_of(s, anything) for k, s in fields.items()}).flatmap(
+        lambda d: st.dictionaries(st.text(max_size=8), anything, max_size=2).map(lambda extra: {**extra, **d})
+    )
 
 
 def sample(strategy: st.SearchStrategy, n: int, seed_value: int) -> list[Any]:
@@ -518,8 +553,9 @@ def sample(strategy: st.SearchStrategy, n: int, seed_value: int) -> list[Any]:
     if n <= 0:
         return out
 
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @seed(seed_value)
     @given(strategy)
     def collect(value: Any) -> None:
@@ -534,8 +570,18 @@ def sample(strategy: st.SearchStrategy, n: int, seed_value: int) -> list[Any]:
 ints = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
 small_ints = st.integers(min_value=-3, max_value=1 << 20)
 any_text = st.text(max_size=120)
-FRAME_DEFECTS = st.sampled_from(["truncated", "oversized_length", "not_msgpack", "no_q", "empty",
-                                 "ext_type", "two_frames", "huge_declared_small_body"])
+FRAME_DEFECTS = st.sampled_from(
+    [
+        "truncated",
+        "oversized_length",
+        "not_msgpack",
+        "no_q",
+        "empty",
+        "ext_type",
+        "two_frames",
+        "huge_declared_small_body",
+    ]
+)
 
 
 def frame_bytes(defect: str, body: Any, rng: random.Random) -> bytes:
@@ -572,8 +618,11 @@ def loopback_only(value: Any, port: int) -> Any:
         out = {}
         for k, v in value.items():
             if k in ("ports", "port", "addr", "addrs"):
-                v = [LOOPBACK, port] if k == "addr" else ([port] if k == "ports" else
-                                                          (port if k == "port" else [f"/ip4/{LOOPBACK}/tcp/{port}"]))
+                v = (
+                    [LOOPBACK, port]
+                    if k == "addr"
+                    else ([port] if k == "ports" else (port if k == "port" else [f"/ip4/{LOOPBACK}/tcp/{port}"]))
+                )
             out[k] = loopback_only(v, port)
         return out
     return value
@@ -643,8 +692,9 @@ def _join_reply_check(ctx: Ctx, family: str, request: Any, outcome: str, reply: 
     if outcome == "reply" and isinstance(reply, dict) and "attempt" in reply:
         group = reply.get("group")
         if isinstance(group, list) and me in group:
-            ctx.effect("allreduce/join", family,
-                       f"a non-member was accepted into a round's group: {reply!r:.200}", request)
+            ctx.effect(
+                "allreduce/join", family, f"a non-member was accepted into a round's group: {reply!r:.200}", request
+            )
 
 
 async def join_future_self(ctx: Ctx, params: Any) -> str:
@@ -661,7 +711,7 @@ async def join_future_self(ctx: Ctx, params: Any) -> str:
 async def join_with_members(ctx: Ctx, params: Any) -> str:
     """A join for a coming round that lists the real members and the attacker, as a member
     would list a newcomer it has heard of."""
-    offset, = params
+    (offset,) = params
     sw = ctx.swarm
     req = {"key": sw.key(sw.round_id(offset)), "expected": [*sw.members, ctx.attacker.peer_id], "skipped": []}
     outcome, reply = await ctx.attacker.rpc(sw.coordinator, JOIN_RPC, req, timeout=join_deadline(sw))
@@ -671,7 +721,7 @@ async def join_with_members(ctx: Ctx, params: Any) -> str:
 
 async def join_replay(ctx: Ctx, params: Any) -> str:
     """A member's join for a past round, replayed (the request it sent, byte for byte)."""
-    back, = params
+    (back,) = params
     sw = ctx.swarm
     req = {"key": sw.key(sw.round_id(-back)), "expected": list(sw.members), "skipped": []}
     outcome, reply = await ctx.attacker.rpc(sw.coordinator, JOIN_RPC, req, timeout=join_deadline(sw))
@@ -694,9 +744,15 @@ async def report_real(ctx: Ctx, params: Any) -> str:
     """A report for a real round key: failure blaming a member, or success with a bogus digest."""
     offset, attempt, status, blame_i = params
     sw = ctx.swarm
-    req = {"key": sw.key(sw.round_id(offset)), "attempt": attempt, "status": status,
-           "digest": None if status == "fail" else os.urandom(32),
-           "suspects": [ctx.target(blame_i)], "rejected": [ctx.target(blame_i + 1)], "evidence": True}
+    req = {
+        "key": sw.key(sw.round_id(offset)),
+        "attempt": attempt,
+        "status": status,
+        "digest": None if status == "fail" else os.urandom(32),
+        "suspects": [ctx.target(blame_i)],
+        "rejected": [ctx.target(blame_i + 1)],
+        "evidence": True,
+    }
     outcome, _ = await ctx.attacker.rpc(sw.coordinator, REPORT_RPC, req, timeout=join_deadline(sw))
     return outcome
 
@@ -725,7 +781,7 @@ def join_deadline(sw: Swarm) -> float:
 
 
 async def session_open(ctx: Ctx, params: Any) -> str:
-    i, = params
+    (i,) = params
     peer = ctx.target(i)
     outcome, reply = await ctx.attacker.rpc(peer, SESSION_RPC, {"op": "open"})
     if outcome == "reply" and isinstance(reply, dict):
@@ -779,8 +835,12 @@ def _session_keys(key: bytes, cnonce: bytes, snonce: bytes, client: str, server:
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=cnonce + snonce,
-               info=b"meshtrain/dataplane/1|" + client.encode() + b"|" + server.encode()).derive(key)
+    okm = HKDF(
+        algorithm=hashes.SHA256(),
+        length=64,
+        salt=cnonce + snonce,
+        info=b"meshtrain/dataplane/1|" + client.encode() + b"|" + server.encode(),
+    ).derive(key)
     return okm[:32]
 
 
@@ -824,8 +884,13 @@ def _hostile_header(sw: Swarm, kind: str, garbage: Any) -> Any:
         specs = [["values", "object", [4]]]
     elif kind == "negative_shape":
         specs = [["values", "float32", [-1]]]
-    return {"tag": tag if kind != "long_tag" else "x" * 10_000, "xfer": os.urandom(16), "specs": specs,
-            "meta": {"w": float("nan")}, "digest": None}
+    return {
+        "tag": tag if kind != "long_tag" else "x" * 10_000,
+        "xfer": os.urandom(16),
+        "specs": specs,
+        "meta": {"w": float("nan")},
+        "digest": None,
+    }
 
 
 async def fallback_stream(ctx: Ctx, params: Any) -> str:
@@ -864,8 +929,12 @@ async def fallback_stream(ctx: Ctx, params: Any) -> str:
 
 
 def _crdt_types() -> dict[str, str]:
-    return {MEMBERSHIP: LWWRegister.type_tag, PROGRESS: LWWRegister.type_tag,
-            METRICS: LWWRegister.type_tag, CONFIG: LWWMap.type_tag}
+    return {
+        MEMBERSHIP: LWWRegister.type_tag,
+        PROGRESS: LWWRegister.type_tag,
+        METRICS: LWWRegister.type_tag,
+        CONFIG: LWWMap.type_tag,
+    }
 
 
 def _forged_entries(ctx: Ctx, kind: str, n: int, value: Any) -> tuple[str, list[SignedEntry]]:
@@ -902,8 +971,17 @@ def _forged_entries(ctx: Ctx, kind: str, n: int, value: Any) -> tuple[str, list[
 
 def _record_body(name: str, ts: int, value: Any) -> Any:
     if name == MEMBERSHIP:  # a live trainer record (claimed for a member by the attacker)
-        return [ts, {"addrs": [f"/ip4/{LOOPBACK}/tcp/1"], "role": "trainer", "caps": {}, "conn": "direct",
-                     "lease": 3_600_000, "left": bool(value) if isinstance(value, bool) else True}]
+        return [
+            ts,
+            {
+                "addrs": [f"/ip4/{LOOPBACK}/tcp/1"],
+                "role": "trainer",
+                "caps": {},
+                "conn": "direct",
+                "lease": 3_600_000,
+                "left": bool(value) if isinstance(value, bool) else True,
+            },
+        ]
     if name == PROGRESS:
         big = (1 << 63) - 1
         return [ts, {"step": big, "samples": big, "round": big}]
@@ -953,12 +1031,15 @@ async def gossip_publish(ctx: Ctx, params: Any) -> str:
     elif kind == "forged_origin":  # claims a member published it; the signature is ours
         data = packb([GOSSIP_VERSION, sw.swarm_id, []])
         from libp2p.peer.id import ID
+
         from_id = ID.from_base58(ctx.target(i)).to_bytes()
     else:  # raw protobuf junk on the gossip stream
         junk = value if isinstance(value, bytes) else packb(value)
         from libp2p.utils.varint import encode_uvarint
-        return await a.raw(ctx.target(i), GOSSIP_PROTOCOLS[n % 2], encode_uvarint(len(junk)) + junk,
-                           fire_and_forget=True)
+
+        return await a.raw(
+            ctx.target(i), GOSSIP_PROTOCOLS[n % 2], encode_uvarint(len(junk)) + junk, fire_and_forget=True
+        )
     rpc = a.sign_gossip(data, topic, from_id=from_id)
     return await a.raw(ctx.target(i), GOSSIP_PROTOCOLS[0], rpc, fire_and_forget=True)
 
@@ -975,14 +1056,19 @@ async def dht_records(ctx: Ctx, params: Any) -> str:
     assert a.host is not None
     ident = a.host.identity
     if kind == "find":
-        outcome, reply = await a.rpc(ctx.target(i), FIND_RPC, {"swarm": sw.swarm_id, "target": os.urandom(32),
-                                                                 "key": key})
+        outcome, reply = await a.rpc(
+            ctx.target(i), FIND_RPC, {"swarm": sw.swarm_id, "target": os.urandom(32), "key": key}
+        )
         if outcome == "reply" and isinstance(reply, dict) and isinstance(reply.get("records"), list):
             a.captured_records = reply["records"][:16]
         return outcome
     expiry = time.time() + 60
-    ann = {"addrs": [f"/ip4/{LOOPBACK}/tcp/{a.port}/p2p/{a.peer_id}"], "role": "trainer", "caps": {},
-           "version": meshtrain.__version__}
+    ann = {
+        "addrs": [f"/ip4/{LOOPBACK}/tcp/{a.port}/p2p/{a.peer_id}"],
+        "role": "trainer",
+        "caps": {},
+        "version": meshtrain.__version__,
+    }
     if kind == "forged_subkey":
         rec = Record.create(ident, sw.swarm_id, key, ann, expiry, subkey=ctx.target(i)).to_wire()
     elif kind == "claim_owner":
@@ -1034,11 +1120,18 @@ async def state_chunk(ctx: Ctx, params: Any) -> str:
             return outcome
         # The donor is sending us the chunk and we never receive it: its answer waits on us
         # (a rendezvous we do not complete, like a parked header), not on the node.
-        ctx.results.report(Finding(
-            "resource", CHUNK_RPC, "real_manifest", "a chunk request whose sender never receives the chunk "
-            "is answered only when the donor's send times out (DONOR_SEND_TIMEOUT, 120 s), holding one of "
-            "the donor's MAX_CONCURRENT_SENDS (8) send slots and MAX_SENDS_PER_PEER (4) per identity meanwhile: "
-            "two identities, member or not, can stall every joiner's download", repr(req)))
+        ctx.results.report(
+            Finding(
+                "resource",
+                CHUNK_RPC,
+                "real_manifest",
+                "a chunk request whose sender never receives the chunk "
+                "is answered only when the donor's send times out (DONOR_SEND_TIMEOUT, 120 s), holding one of "
+                "the donor's MAX_CONCURRENT_SENDS (8) send slots and MAX_SENDS_PER_PEER (4) per identity meanwhile: "
+                "two identities, member or not, can stall every joiner's download",
+                repr(req),
+            )
+        )
         return "held"
     result = {"outcome": "hang"}
     assert a.streams is not None
@@ -1060,19 +1153,25 @@ async def state_chunk(ctx: Ctx, params: Any) -> str:
 async def punch_valid(ctx: Ctx, params: Any) -> str:
     i, op, token = params
     a = ctx.attacker
-    req = ({"op": "prepare", "addr": [LOOPBACK, a.port], "public": True} if op == "prepare"
-           else {"op": "go", "token": token})
+    req = (
+        {"op": "prepare", "addr": [LOOPBACK, a.port], "public": True}
+        if op == "prepare"
+        else {"op": "go", "token": token}
+    )
     outcome, reply = await a.rpc(ctx.target(i), PUNCH_RPC, req, timeout=RPC_DEADLINE + 10)
     if op == "prepare" and outcome == "reply" and isinstance(reply, dict) and "key" in reply:
-        ctx.results.note("dataplane-punch: `prepare` hands a non-member a data-plane session "
-                         "(sid, key, port) — a second door beside the dataplane RPC")
+        ctx.results.note(
+            "dataplane-punch: `prepare` hands a non-member a data-plane session "
+            "(sid, key, port) — a second door beside the dataplane RPC"
+        )
     return outcome
 
 
 async def dialback_valid(ctx: Ctx, params: Any) -> str:
-    i, = params
-    outcome, _ = await ctx.attacker.rpc(ctx.target(i), DIALBACK_RPC, {"ports": [ctx.attacker.port]},
-                                        timeout=RPC_DEADLINE + 10)
+    (i,) = params
+    outcome, _ = await ctx.attacker.rpc(
+        ctx.target(i), DIALBACK_RPC, {"ports": [ctx.attacker.port]}, timeout=RPC_DEADLINE + 10
+    )
     return outcome
 
 
@@ -1087,8 +1186,10 @@ async def protobuf_stream(ctx: Ctx, params: Any) -> str:
 
         target = ID.from_base58(ctx.target(i + 1)).to_bytes()
         if proto == HOP_PROTOCOL:
-            msg = pb.HopMessage(type=pb.HopMessage.RESERVE if kind == "reserve" else pb.HopMessage.CONNECT,
-                                peer=pb.Peer(id=target) if hasattr(pb, "Peer") else None)
+            msg = pb.HopMessage(
+                type=pb.HopMessage.RESERVE if kind == "reserve" else pb.HopMessage.CONNECT,
+                peer=pb.Peer(id=target) if hasattr(pb, "Peer") else None,
+            )
         else:
             msg = pb.StopMessage(type=pb.StopMessage.CONNECT)
         body = msg.SerializeToString()
@@ -1114,22 +1215,52 @@ def families() -> list[Family]:
         fam.append(Family(protocol, "frames", s, send, w_frames))
 
     key_text = st.one_of(any_text, st.builds(lambda r, t, c: f"{r}/{t}/{c}", ints, any_text, any_text))
-    rpc(JOIN_RPC, {"key": key_text, "expected": st.lists(any_text, max_size=5),
-                   "skipped": st.lists(any_text, max_size=3)}, 6, 2)
+    rpc(
+        JOIN_RPC,
+        {"key": key_text, "expected": st.lists(any_text, max_size=5), "skipped": st.lists(any_text, max_size=3)},
+        6,
+        2,
+    )
     long = 3 * DEFAULT_JOIN_TIMEOUT + 40
     fam += [
-        Family(JOIN_RPC, "join_future_self", st.tuples(st.integers(0, 3), st.integers(0, 2)), join_future_self, 3, long),
+        Family(
+            JOIN_RPC, "join_future_self", st.tuples(st.integers(0, 3), st.integers(0, 2)), join_future_self, 3, long
+        ),
         Family(JOIN_RPC, "join_with_members", st.tuples(st.integers(0, 2)), join_with_members, 1, long),
         Family(JOIN_RPC, "join_replay", st.tuples(st.integers(1, 6)), join_replay, 2, long),
-        Family(JOIN_RPC, "join_far", st.tuples(st.one_of(ints, st.just(0), st.just(1 << 62)), st.booleans()),
-               join_far, 2, long),
+        Family(
+            JOIN_RPC,
+            "join_far",
+            st.tuples(st.one_of(ints, st.just(0), st.just(1 << 62)), st.booleans()),
+            join_far,
+            2,
+            long,
+        ),
     ]
-    rpc(REPORT_RPC, {"key": key_text, "attempt": ints, "status": st.sampled_from(["done", "fail", ""]),
-                     "digest": st.one_of(st.none(), st.binary(max_size=40)), "suspects": st.lists(any_text),
-                     "rejected": st.lists(any_text), "evidence": st.booleans()}, 5, 1)
-    fam.append(Family(REPORT_RPC, "report_real", st.tuples(st.integers(-3, 1), st.integers(-1, 3),
-                                                           st.sampled_from(["done", "fail"]), st.integers(0, 5)),
-                      report_real, 3, long))
+    rpc(
+        REPORT_RPC,
+        {
+            "key": key_text,
+            "attempt": ints,
+            "status": st.sampled_from(["done", "fail", ""]),
+            "digest": st.one_of(st.none(), st.binary(max_size=40)),
+            "suspects": st.lists(any_text),
+            "rejected": st.lists(any_text),
+            "evidence": st.booleans(),
+        },
+        5,
+        1,
+    )
+    fam.append(
+        Family(
+            REPORT_RPC,
+            "report_real",
+            st.tuples(st.integers(-3, 1), st.integers(-1, 3), st.sampled_from(["done", "fail"]), st.integers(0, 5)),
+            report_real,
+            3,
+            long,
+        )
+    )
     rpc(WATCH_RPC, {"key": key_text, "attempt": ints}, 4, 1)
     fam.append(Family(WATCH_RPC, "watch_real", st.tuples(st.integers(-3, 0), st.integers(-1, 3)), watch_real, 2, long))
     rpc(WHERE_RPC, {"tag": any_text, "round": ints}, 3, 1)
@@ -1137,56 +1268,194 @@ def families() -> list[Family]:
 
     rpc(SESSION_RPC, {"op": st.sampled_from(["open", "close", ""])}, 3, 1)
     fam.append(Family(SESSION_RPC, "session_open", st.tuples(st.integers(0, 5)), session_open, 1))
-    fam.append(Family("dataplane-tcp", "raw", st.tuples(
-        st.integers(0, 5), st.sampled_from(["junk", "bad_magic", "unknown_session", "short_opening",
-                                            "replayed_opening", "session_then_junk"]),
-        st.binary(max_size=256)), tcp_garbage, 6, RAW_DEADLINE + 5))
-    fam.append(Family("dataplane-tcp", "sealed_header", st.tuples(
-        st.integers(0, 5), st.sampled_from(["real_tag", "huge_specs", "bad_dtype", "negative_shape", "long_tag",
-                                            "garbage"]), msgpack_values(10)), sealed_header, 4, RAW_DEADLINE + 5))
-    fam.append(Family(FALLBACK_PROTOCOL, "frames", st.tuples(
-        st.integers(0, 5), st.sampled_from(["junk", "real_tag", "huge_specs", "bad_dtype", "truncated", "garbage"]),
-        msgpack_values(10)), fallback_stream, 4, RAW_DEADLINE + 5))
+    fam.append(
+        Family(
+            "dataplane-tcp",
+            "raw",
+            st.tuples(
+                st.integers(0, 5),
+                st.sampled_from(
+                    ["junk", "bad_magic", "unknown_session", "short_opening", "replayed_opening", "session_then_junk"]
+                ),
+                st.binary(max_size=256),
+            ),
+            tcp_garbage,
+            6,
+            RAW_DEADLINE + 5,
+        )
+    )
+    fam.append(
+        Family(
+            "dataplane-tcp",
+            "sealed_header",
+            st.tuples(
+                st.integers(0, 5),
+                st.sampled_from(["real_tag", "huge_specs", "bad_dtype", "negative_shape", "long_tag", "garbage"]),
+                msgpack_values(10),
+            ),
+            sealed_header,
+            4,
+            RAW_DEADLINE + 5,
+        )
+    )
+    fam.append(
+        Family(
+            FALLBACK_PROTOCOL,
+            "frames",
+            st.tuples(
+                st.integers(0, 5),
+                st.sampled_from(["junk", "real_tag", "huge_specs", "bad_dtype", "truncated", "garbage"]),
+                msgpack_values(10),
+            ),
+            fallback_stream,
+            4,
+            RAW_DEADLINE + 5,
+        )
+    )
 
-    rpc(RPC_DIGEST, {"ns": st.one_of(any_text), "fp": st.dictionaries(any_text, st.binary(max_size=20), max_size=8)}, 3, 1)
-    rpc(RPC_PULL, {"ns": any_text, "d": st.dictionaries(any_text, msgpack_values(6), max_size=4),
-                   "p": st.dictionaries(any_text, st.binary(max_size=200), max_size=4)}, 4, 1)
+    rpc(
+        RPC_DIGEST,
+        {"ns": st.one_of(any_text), "fp": st.dictionaries(any_text, st.binary(max_size=20), max_size=8)},
+        3,
+        1,
+    )
+    rpc(
+        RPC_PULL,
+        {
+            "ns": any_text,
+            "d": st.dictionaries(any_text, msgpack_values(6), max_size=4),
+            "p": st.dictionaries(any_text, st.binary(max_size=200), max_size=4),
+        },
+        4,
+        1,
+    )
     crdt_kinds = st.sampled_from(["claim_member", "own_config", "own_progress", "own_metrics", "replay"])
-    fam.append(Family(RPC_PULL, "entries", st.tuples(st.integers(0, 5), crdt_kinds, st.integers(0, 100),
-                                                     msgpack_values(6)), crdt_pull_entries, 4))
-    fam.append(Family("gossipsub", "publish", st.tuples(
-        st.integers(0, 5), st.one_of(crdt_kinds, st.sampled_from(["envelope_garbage", "wrong_swarm", "forged_origin",
-                                                                  "protobuf_junk"])),
-        st.integers(0, 100), msgpack_values(8)), gossip_publish, 6, RAW_DEADLINE + 5))
+    fam.append(
+        Family(
+            RPC_PULL,
+            "entries",
+            st.tuples(st.integers(0, 5), crdt_kinds, st.integers(0, 100), msgpack_values(6)),
+            crdt_pull_entries,
+            4,
+        )
+    )
+    fam.append(
+        Family(
+            "gossipsub",
+            "publish",
+            st.tuples(
+                st.integers(0, 5),
+                st.one_of(
+                    crdt_kinds, st.sampled_from(["envelope_garbage", "wrong_swarm", "forged_origin", "protobuf_junk"])
+                ),
+                st.integers(0, 100),
+                msgpack_values(8),
+            ),
+            gossip_publish,
+            6,
+            RAW_DEADLINE + 5,
+        )
+    )
 
     rpc(FIND_RPC, {"swarm": any_text, "target": st.binary(max_size=600), "key": st.one_of(st.none(), any_text)}, 3, 1)
     rpc(STORE_RPC, {"swarm": any_text, "key": any_text, "records": st.lists(msgpack_values(6), max_size=4)}, 3, 1)
-    fam.append(Family(STORE_RPC, "records", st.tuples(st.integers(0, 5), st.sampled_from(
-        ["find", "forged_subkey", "claim_owner", "replay", "own", "garbage"]), msgpack_values(6)), dht_records, 3))
+    fam.append(
+        Family(
+            STORE_RPC,
+            "records",
+            st.tuples(
+                st.integers(0, 5),
+                st.sampled_from(["find", "forged_subkey", "claim_owner", "replay", "own", "garbage"]),
+                msgpack_values(6),
+            ),
+            dht_records,
+            3,
+        )
+    )
 
     rpc(MANIFEST_RPC, {"chunk_bytes": st.one_of(ints, st.just(MIN_CHUNK_BYTES))}, 2, 1)
-    fam.append(Family(MANIFEST_RPC, "valid", st.tuples(st.integers(0, 5), st.sampled_from(
-        [MIN_CHUNK_BYTES, 1 << 20, 64 << 20, MIN_CHUNK_BYTES - 1, 0])), state_manifest, 1))
-    rpc(CHUNK_RPC, {"digest": st.binary(max_size=40), "chunk_bytes": ints, "index": ints,
-                    "fetch": st.one_of(any_text, st.from_regex(r"^[0-9a-f]{1,32}$", fullmatch=True))}, 3, 1)
-    fam.append(Family(CHUNK_RPC, "real_manifest", st.tuples(
-        st.integers(0, 5), st.one_of(st.integers(0, 64), ints), st.from_regex(r"^[0-9a-f]{1,32}$", fullmatch=True),
-        st.booleans()), state_chunk, 2, RPC_DEADLINE + 15))
+    fam.append(
+        Family(
+            MANIFEST_RPC,
+            "valid",
+            st.tuples(st.integers(0, 5), st.sampled_from([MIN_CHUNK_BYTES, 1 << 20, 64 << 20, MIN_CHUNK_BYTES - 1, 0])),
+            state_manifest,
+            1,
+        )
+    )
+    rpc(
+        CHUNK_RPC,
+        {
+            "digest": st.binary(max_size=40),
+            "chunk_bytes": ints,
+            "index": ints,
+            "fetch": st.one_of(any_text, st.from_regex(r"^[0-9a-f]{1,32}$", fullmatch=True)),
+        },
+        3,
+        1,
+    )
+    fam.append(
+        Family(
+            CHUNK_RPC,
+            "real_manifest",
+            st.tuples(
+                st.integers(0, 5),
+                st.one_of(st.integers(0, 64), ints),
+                st.from_regex(r"^[0-9a-f]{1,32}$", fullmatch=True),
+                st.booleans(),
+            ),
+            state_chunk,
+            2,
+            RPC_DEADLINE + 15,
+        )
+    )
 
     rpc(SPEC_RPC, None, 1, 1)
-    rpc(PUNCH_RPC, {"op": st.sampled_from(["prepare", "go", "x"]), "addr": st.just([LOOPBACK, 1]),
-                    "public": st.booleans(), "token": st.binary(max_size=20)}, 2, 1)
-    fam.append(Family(PUNCH_RPC, "valid", st.tuples(st.integers(0, 5), st.sampled_from(["prepare", "go"]),
-                                                    st.binary(min_size=16, max_size=16)), punch_valid, 1, RPC_DEADLINE + 15))
+    rpc(
+        PUNCH_RPC,
+        {
+            "op": st.sampled_from(["prepare", "go", "x"]),
+            "addr": st.just([LOOPBACK, 1]),
+            "public": st.booleans(),
+            "token": st.binary(max_size=20),
+        },
+        2,
+        1,
+    )
+    fam.append(
+        Family(
+            PUNCH_RPC,
+            "valid",
+            st.tuples(st.integers(0, 5), st.sampled_from(["prepare", "go"]), st.binary(min_size=16, max_size=16)),
+            punch_valid,
+            1,
+            RPC_DEADLINE + 15,
+        )
+    )
     rpc(DIALBACK_RPC, {"ports": st.just([1])}, 1, 1)
     fam.append(Family(DIALBACK_RPC, "valid", st.tuples(st.integers(0, 5)), dialback_valid, 1, RPC_DEADLINE + 15))
 
     proto_kinds = st.sampled_from(["junk", "reserve", "connect"])
     for proto in (HOP_PROTOCOL, STOP_PROTOCOL, DCUTR_PROTOCOL, KAD_PROTOCOL):
-        fam.append(Family(proto, "protobuf", st.tuples(st.integers(0, 5), st.just(proto), proto_kinds,
-                                                       st.binary(max_size=300)), protobuf_stream, 2, RAW_DEADLINE + 5))
-    fam.append(Family("pipeline/*", "unserved", st.tuples(st.integers(0, 5), st.sampled_from(PIPELINE_RPCS),
-                                                          msgpack_values(6)), unserved, 1))
+        fam.append(
+            Family(
+                proto,
+                "protobuf",
+                st.tuples(st.integers(0, 5), st.just(proto), proto_kinds, st.binary(max_size=300)),
+                protobuf_stream,
+                2,
+                RAW_DEADLINE + 5,
+            )
+        )
+    fam.append(
+        Family(
+            "pipeline/*",
+            "unserved",
+            st.tuples(st.integers(0, 5), st.sampled_from(PIPELINE_RPCS), msgpack_values(6)),
+            unserved,
+            1,
+        )
+    )
     return fam
 
 
@@ -1245,8 +1514,9 @@ class Oracles:
         self._phi: dict[tuple[str, int], bytes] = {}
 
     def effect(self, protocol: str, detail: str) -> None:
-        self.results.report(Finding("nonmember_effect", protocol, "oracle",
-                                    detail, "recent cases: " + " | ".join(self.recent)))
+        self.results.report(
+            Finding("nonmember_effect", protocol, "oracle", detail, "recent cases: " + " | ".join(self.recent))
+        )
 
     async def watch_loop(self) -> None:
         """Measure the event loop's lag: a handler that blocks the loop stalls every node."""
@@ -1263,28 +1533,37 @@ class Oracles:
         for c in sw.crashed:
             self.results.report(Finding("crash", "node", "oracle", c))
         sw.crashed.clear()
-        rounds = list(sw.rounds)[self.rounds_checked:]
+        rounds = list(sw.rounds)[self.rounds_checked :]
         self.rounds_checked += len(rounds)
         for r in rounds:
             if not self.fuzzing:
                 continue
             if r.contributors is None:
-                self.effect("allreduce", f"member {r.member[-8:]} round {r.round_id}/{r.tag} ended without the "
-                                         f"swarm (proceeding alone): {r.error[:200]}")
+                self.effect(
+                    "allreduce",
+                    f"member {r.member[-8:]} round {r.round_id}/{r.tag} ended without the "
+                    f"swarm (proceeding alone): {r.error[:200]}",
+                )
             elif set(r.contributors) != set(sw.members):
-                self.effect("allreduce", f"member {r.member[-8:]} round {r.round_id}/{r.tag} contributors "
-                                         f"{sorted(c[-8:] for c in r.contributors)} != the members")
-        entries = sw.entries_from_nonmembers[self.entries_checked:]
+                self.effect(
+                    "allreduce",
+                    f"member {r.member[-8:]} round {r.round_id}/{r.tag} contributors "
+                    f"{sorted(c[-8:] for c in r.contributors)} != the members",
+                )
+        entries = sw.entries_from_nonmembers[self.entries_checked :]
         self.entries_checked += len(entries)
         for member, crdt, owner, seq in entries:
             if not self.fuzzing:
                 continue
             if crdt in (MEMBERSHIP, CONFIG):
-                self.effect("crdt", f"member {member[-8:]} accepted a {crdt} entry owned by non-member "
-                                    f"{owner[-8:]} (seq {seq})")
+                self.effect(
+                    "crdt", f"member {member[-8:]} accepted a {crdt} entry owned by non-member {owner[-8:]} (seq {seq})"
+                )
             else:
-                self.results.note(f"crdt: members accept {crdt} records owned by a non-member (no "
-                                  "effect on rounds, membership or state seen; not counted)")
+                self.results.note(
+                    f"crdt: members accept {crdt} records owned by a non-member (no "
+                    "effect on rounds, membership or state seen; not counted)"
+                )
 
     async def check_slow(self) -> None:
         sw = self.swarm
@@ -1296,15 +1575,21 @@ class Oracles:
             live = sorted((p.peer_id, p.role) for p in node.view.live_peers())
             want = sorted((p, "trainer") for p in sw.members)
             if live != want and self.fuzzing:
-                self.effect("membership", f"member {me[-8:]} sees live peers "
-                                          f"{[(p[-8:], r) for p, r in live]} instead of the {len(want)} members")
+                self.effect(
+                    "membership",
+                    f"member {me[-8:]} sees live peers "
+                    f"{[(p[-8:], r) for p, r in live]} instead of the {len(want)} members",
+                )
             step = node.trainer.step
             last, since = self.last_step.get(me, (step, now))
             if step != last:
                 self.last_step[me] = (step, now)
             elif now - since > self.stall and self.fuzzing:
-                self.results.report(Finding("hang", "node", "oracle",
-                                            f"member {me[-8:]} made no step for {now - since:.0f} s (step {step})"))
+                self.results.report(
+                    Finding(
+                        "hang", "node", "oracle", f"member {me[-8:]} made no step for {now - since:.0f} s (step {step})"
+                    )
+                )
                 self.last_step[me] = (step, now)
             _debug(f"check_slow status {me[-8:]}")
             await self._check_status(node)
@@ -1336,8 +1621,11 @@ class Oracles:
         with contextlib.suppress(Exception):
             for subkey, rec in dht.local.get(peers_key(self.swarm.swarm_id), time.time()).items():
                 if subkey in self.swarm.members and rec.owner != subkey:
-                    self.effect("dht", f"member {node.host.peer_id[-8:]} holds {subkey[-8:]}'s announcement "
-                                       f"signed by {rec.owner[-8:]}")
+                    self.effect(
+                        "dht",
+                        f"member {node.host.peer_id[-8:]} holds {subkey[-8:]}'s announcement "
+                        f"signed by {rec.owner[-8:]}",
+                    )
 
     async def _check_phi(self) -> None:
         """Every member asks the next for its published states; equal rounds, equal digests."""
@@ -1376,11 +1664,11 @@ async def run_case(ctx: Ctx, oracles: Oracles, case: Case) -> None:
         oracles.recent.append(f"{f.protocol}/{f.name}{case.params!r:.80}")
     ctx.results.count(f.protocol, outcome.split(":", 1)[0] if outcome.startswith("sender-error") else outcome)
     if outcome == "hang":
-        ctx.results.report(Finding("hang", f.protocol, f.name, f"no answer within {f.deadline:g} s",
-                                   repr(case.params)))
+        ctx.results.report(Finding("hang", f.protocol, f.name, f"no answer within {f.deadline:g} s", repr(case.params)))
     elif outcome == "error:internal":
-        ctx.results.report(Finding("internal_error", f.protocol, f.name, "the handler raised (answered "
-                                   "`internal`)", repr(case.params)))
+        ctx.results.report(
+            Finding("internal_error", f.protocol, f.name, "the handler raised (answered `internal`)", repr(case.params))
+        )
     oracles.check_fast()
 
 
@@ -1411,21 +1699,39 @@ async def positive_control(swarm: Swarm, results: Results, oracles: Oracles, sta
             reply = {"error": repr(e)}
         if isinstance(reply, dict) and "attempt" in reply and insider.peer_id in reply.get("group", []):
             join_flagged = True
-            results.report(Finding("nonmember_effect", "allreduce/join", "positive_control",
-                                   f"(control) an identity outside the starting members joined a group: {reply!r:.150}",
-                                   repr(req)))
+            results.report(
+                Finding(
+                    "nonmember_effect",
+                    "allreduce/join",
+                    "positive_control",
+                    f"(control) an identity outside the starting members joined a group: {reply!r:.150}",
+                    repr(req),
+                )
+            )
         await oracles.check_slow()
         oracles.check_fast()
     oracles.fuzzing = False  # what the control set off (members re-syncing) is not the fuzzing's
     flagged = results.findings[listed:]
     del results.findings[listed:]
-    return {"join_flagged": join_flagged, "effects_flagged": results.nonmember_effects - before,
-            "join_reply": repr(reply)[:200], "findings": [f.to_json() for f in flagged][:MAX_FINDINGS_SHOWN]}
+    return {
+        "join_flagged": join_flagged,
+        "effects_flagged": results.nonmember_effects - before,
+        "join_reply": repr(reply)[:200],
+        "findings": [f.to_json() for f in flagged][:MAX_FINDINGS_SHOWN],
+    }
 
 
-async def fuzz(cases: int = DEFAULT_CASES, seed_value: int = 0, nodes: int = DEFAULT_NODES, H: int = DEFAULT_H,
-               join_timeout: float = DEFAULT_JOIN_TIMEOUT, stall: float = DEFAULT_STALL,
-               control: bool = False, data_dir: Path | None = None, concurrency: int = CONCURRENCY) -> dict:
+async def fuzz(
+    cases: int = DEFAULT_CASES,
+    seed_value: int = 0,
+    nodes: int = DEFAULT_NODES,
+    H: int = DEFAULT_H,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    stall: float = DEFAULT_STALL,
+    control: bool = False,
+    data_dir: Path | None = None,
+    concurrency: int = CONCURRENCY,
+) -> dict:
     """Run the whole thing; returns the summary (the JSON the script prints)."""
     t_start = time.monotonic()
     results = Results()
@@ -1441,13 +1747,17 @@ async def fuzz(cases: int = DEFAULT_CASES, seed_value: int = 0, nodes: int = DEF
             nursery = await stack.enter_async_context(trio.open_nursery())
             first: list[list[Case] | None] = [None]
             async with trio.open_nursery() as startup:  # hypothesis plans the first batch meanwhile
+
                 async def plan_first() -> None:
                     first[0] = await trio.to_thread.run_sync(next, batches, None)
 
                 startup.start_soon(plan_first)
                 await swarm.start(nursery)
-            print(f"[fuzz] swarm {swarm.swarm_id} up ({time.monotonic() - t_start:.1f} s), members "
-                  f"{[m[-8:] for m in swarm.members]}", file=sys.stderr)
+            print(
+                f"[fuzz] swarm {swarm.swarm_id} up ({time.monotonic() - t_start:.1f} s), members "
+                f"{[m[-8:] for m in swarm.members]}",
+                file=sys.stderr,
+            )
             attacker = Attacker(swarm)
             await attacker.start(stack)
             oracles = Oracles(swarm, results, stall)
@@ -1473,9 +1783,12 @@ async def fuzz(cases: int = DEFAULT_CASES, seed_value: int = 0, nodes: int = DEF
                     oracles.check_fast()
                     if time.monotonic() - last_print > 5:
                         last_print = time.monotonic()
-                        print(f"[fuzz] {done[0]}/{cases} cases, {time.monotonic() - t_fuzz:.0f} s, "
-                              f"step {swarm.step()}, crashes {results.crashes} hangs {results.hangs} "
-                              f"effects {results.nonmember_effects}", file=sys.stderr)
+                        print(
+                            f"[fuzz] {done[0]}/{cases} cases, {time.monotonic() - t_fuzz:.0f} s, "
+                            f"step {swarm.step()}, crashes {results.crashes} hangs {results.hangs} "
+                            f"effects {results.nonmember_effects}",
+                            file=sys.stderr,
+                        )
 
             async with _reported(), trio.open_nursery() as cases_nursery:
                 cases_nursery.start_soon(checker)
@@ -1545,12 +1858,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("meshtrain").setLevel(logging.ERROR)
     t0 = time.monotonic()
     try:
-        out = trio.run(lambda: fuzz(args.cases, args.seed, args.nodes, args.H, args.join_timeout, args.stall,
-                                    args.control, concurrency=args.concurrency))
+        out = trio.run(
+            lambda: fuzz(
+                args.cases,
+                args.seed,
+                args.nodes,
+                args.H,
+                args.join_timeout,
+                args.stall,
+                args.control,
+                concurrency=args.concurrency,
+            )
+        )
     except Exception as e:  # the trio run itself raised: a crash, whatever the counters said
-        out = {"cases": None, "crashes": 1, "hangs": None, "nonmember_effects": None, "by_protocol": {},
-               "findings": [Finding("crash", "trio-run", "oracle", f"{type(e).__name__}: {e}").to_json()],
-               "seconds": round(time.monotonic() - t0, 1)}
+        out = {
+            "cases": None,
+            "crashes": 1,
+            "hangs": None,
+            "nonmember_effects": None,
+            "by_protocol": {},
+            "findings": [Finding("crash", "trio-run", "oracle", f"{type(e).__name__}: {e}").to_json()],
+            "seconds": round(time.monotonic() - t0, 1),
+        }
     print(json.dumps(out))
     return 0 if out["crashes"] == out["hangs"] == out["nonmember_effects"] == 0 else 1
 

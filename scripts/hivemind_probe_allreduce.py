@@ -46,8 +46,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _hivemind import kill_tree  # noqa: E402  (stdlib only)
 
-P2P_KWARGS = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False, auto_nat=False,
-                  nat_port_map=False, use_ipfs=False)
+P2P_KWARGS = dict(
+    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    use_relay=False,
+    use_auto_relay=False,
+    auto_nat=False,
+    nat_port_map=False,
+    use_ipfs=False,
+)
 
 
 def _emit(obj: dict) -> None:
@@ -80,9 +86,16 @@ def worker(index: int, peers: int, mb: int, initial: list[str], a: argparse.Name
         if not initial:
             _emit({"maddrs": [str(m) for m in dht.get_visible_maddrs()]})
         averager = DecentralizedAverager(
-            tensors, dht, start=True, prefix="meshtrain_bench", target_group_size=peers, min_group_size=peers,
-            min_matchmaking_time=a.matchmaking_time, request_timeout=a.request_timeout,
-            allreduce_timeout=a.allreduce_timeout)
+            tensors,
+            dht,
+            start=True,
+            prefix="meshtrain_bench",
+            target_group_size=peers,
+            min_group_size=peers,
+            min_matchmaking_time=a.matchmaking_time,
+            request_timeout=a.request_timeout,
+            allreduce_timeout=a.allreduce_timeout,
+        )
         del tensors  # the averager holds them (moved to shared memory)
         _emit({"ready": index, "sum": initial_sum})
         for line in sys.stdin:  # {"round": r, "at": common scheduled_time} or {"quit": true}
@@ -90,8 +103,9 @@ def worker(index: int, peers: int, mb: int, initial: list[str], a: argparse.Name
             if "round" not in cmd:
                 break
             t_step = time.time()
-            control = averager.step(scheduled_time=cmd["at"], require_trigger=True, wait=False,
-                                    timeout=cmd["at"] - t_step + a.group_timeout)
+            control = averager.step(
+                scheduled_time=cmd["at"], require_trigger=True, wait=False, timeout=cmd["at"] - t_step + a.group_timeout
+            )
             while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
                 time.sleep(0.002)
             t_trigger = time.time()
@@ -102,8 +116,17 @@ def worker(index: int, peers: int, mb: int, initial: list[str], a: argparse.Name
                 t_done = time.time()
                 with averager.get_tensors() as averaged:
                     total = sum(float(t.double().sum()) for t in averaged)
-                _emit({"round": cmd["round"], "index": index, "t_step": t_step, "t_trigger": t_trigger,
-                       "t_done": t_done, "group": len(group or {}), "sum": total})
+                _emit(
+                    {
+                        "round": cmd["round"],
+                        "index": index,
+                        "t_step": t_step,
+                        "t_trigger": t_trigger,
+                        "t_done": t_done,
+                        "group": len(group or {}),
+                        "sum": total,
+                    }
+                )
             except Exception as e:
                 _emit({"round": cmd["round"], "index": index, "error": f"{type(e).__name__}: {e}"[:300]})
     finally:
@@ -121,8 +144,13 @@ class Swarm:
 
     def spawn(self, index: int, initial: list[str]) -> None:
         err = tempfile.TemporaryFile("w+")  # noqa: SIM115  (an unread stderr pipe could stall a worker)
-        proc = subprocess.Popen([*self.base, "--worker", str(index), "--initial", json.dumps(initial)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [*self.base, "--worker", str(index), "--initial", json.dumps(initial)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
         self.procs.append(proc)
         self.errs.append(err)
 
@@ -180,9 +208,22 @@ class Swarm:
 def run(a: argparse.Namespace) -> dict:
     t_start = time.monotonic()
     limit = t_start + a.timeout
-    base = [sys.executable, os.path.abspath(__file__), "--peers", str(a.peers), "--mb", str(a.mb),
-            "--matchmaking-time", str(a.matchmaking_time), "--request-timeout", str(a.request_timeout),
-            "--allreduce-timeout", str(a.allreduce_timeout), "--group-timeout", str(a.group_timeout)]
+    base = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--peers",
+        str(a.peers),
+        "--mb",
+        str(a.mb),
+        "--matchmaking-time",
+        str(a.matchmaking_time),
+        "--request-timeout",
+        str(a.request_timeout),
+        "--allreduce-timeout",
+        str(a.allreduce_timeout),
+        "--group-timeout",
+        str(a.group_timeout),
+    ]
     swarm = Swarm(base)
     finished = False
     try:
@@ -191,8 +232,9 @@ def run(a: argparse.Namespace) -> dict:
         initial = first[0]["maddrs"]
         for i in range(1, a.peers):
             swarm.spawn(i, initial)
-        ready = swarm.collect("ready", a.peers, min(limit, time.monotonic() + 60 + 15 * a.peers),
-                              "starting DHT + averager")
+        ready = swarm.collect(
+            "ready", a.peers, min(limit, time.monotonic() + 60 + 15 * a.peers), "starting DHT + averager"
+        )
         expected = statistics.fmean(m["sum"] for m in ready.values())  # what every peer should end with
         deviation = 0.0
         startup_s = time.monotonic() - t_start
@@ -208,13 +250,15 @@ def run(a: argparse.Namespace) -> dict:
             rows = list(rows.values())
             deviation = max(deviation, max(abs(m["sum"] - expected) for m in rows))
             last_trigger = max(m["t_trigger"] for m in rows)
-            rounds.append({
-                "allreduce_s": max(m["t_done"] for m in rows) - last_trigger,
-                "per_peer_max_s": max(m["t_done"] - m["t_trigger"] for m in rows),
-                "step_s": max(m["t_done"] - m["t_step"] for m in rows),
-                "matchmaking_s": last_trigger - released,
-                "group": min(m["group"] for m in rows),
-            })
+            rounds.append(
+                {
+                    "allreduce_s": max(m["t_done"] for m in rows) - last_trigger,
+                    "per_peer_max_s": max(m["t_done"] - m["t_trigger"] for m in rows),
+                    "step_s": max(m["t_done"] - m["t_step"] for m in rows),
+                    "matchmaking_s": last_trigger - released,
+                    "group": min(m["group"] for m in rows),
+                }
+            )
         finished = True
         med = lambda k: round(statistics.median(x[k] for x in rounds), 3)  # noqa: E731
         return {
@@ -230,7 +274,7 @@ def run(a: argparse.Namespace) -> dict:
             "max_sum_deviation": deviation,
             "startup_s": round(startup_s, 1),
             "method": f"DecentralizedAverager.step(), target_group_size={a.peers}, last trigger -> last done, "
-                      f"median of {a.rounds} round(s)",
+            f"median of {a.rounds} round(s)",
         }
     finally:
         swarm.close(grace=15 if finished else 0)  # on failure or SIGTERM, kill at once

@@ -41,8 +41,15 @@ from _hivemind import kill_tree  # noqa: E402  (stdlib only)
 CHUNK = 1 << 20
 PROTOCOL = "meshtrain-bench"
 # everything that could make p2pd reach beyond loopback is off
-P2P_KWARGS = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False, auto_nat=False,
-                  nat_port_map=False, use_ipfs=False, idle_timeout=60)
+P2P_KWARGS = dict(
+    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    use_relay=False,
+    use_auto_relay=False,
+    auto_nat=False,
+    nat_port_map=False,
+    use_ipfs=False,
+    idle_timeout=60,
+)
 
 
 async def receiver(mib: int, repeats: int) -> None:
@@ -104,17 +111,22 @@ async def sender(peer_id: str, maddrs: list[str], mib: int, repeats: int) -> Non
         rates.append(mib / (time.perf_counter() - t))
     writer.close()
     await p2p.shutdown()
-    print(json.dumps({
-        "hivemind_mib_s": round(statistics.median(rates), 1),
-        "mean_mib_s": round(statistics.fmean(rates), 1),
-        "best_mib_s": round(max(rates), 1),
-        "runs_mib_s": [round(r, 1) for r in rates],
-        "mib": mib,
-        "method": f"P2P binary stream (call_binary_stream_handler), raw fp32 tensor bytes in 1 MiB writes, "
-                  f"one stream, median of {repeats}",
-        "setup_ms": round(setup_ms, 1),
-        "daemon_start_ms": round(daemon_ms, 1),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "hivemind_mib_s": round(statistics.median(rates), 1),
+                "mean_mib_s": round(statistics.fmean(rates), 1),
+                "best_mib_s": round(max(rates), 1),
+                "runs_mib_s": [round(r, 1) for r in rates],
+                "mib": mib,
+                "method": f"P2P binary stream (call_binary_stream_handler), raw fp32 tensor bytes in 1 MiB writes, "
+                f"one stream, median of {repeats}",
+                "setup_ms": round(setup_ms, 1),
+                "daemon_start_ms": round(daemon_ms, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _last_json(text: str) -> dict | None:
@@ -159,8 +171,12 @@ def main() -> None:
             rx_err.seek(0)
             err = [x for x in rx_err.read().splitlines() if x.strip()]
             raise RuntimeError(f"receiver did not start: {err[-1] if err else 'no output'}")
-        tx = subprocess.Popen([*base, "--role", "sender", "--peer", hello["peer_id"], "--maddrs",
-                               json.dumps(hello["maddrs"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        tx = subprocess.Popen(
+            [*base, "--role", "sender", "--peer", hello["peer_id"], "--maddrs", json.dumps(hello["maddrs"])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         procs.append(tx)
         left = a.timeout - (time.perf_counter() - t_start)
         try:

@@ -31,9 +31,15 @@ class Peer:
         return self.host.peer_id
 
 
-async def start_peers(stack: AsyncExitStack, n: int, *, host_config: HostConfig | None = None,
-                      dp: DataPlaneConfig | None = None, streams: bool = True,
-                      full_mesh: bool = False) -> list[Peer]:
+async def start_peers(
+    stack: AsyncExitStack,
+    n: int,
+    *,
+    host_config: HostConfig | None = None,
+    dp: DataPlaneConfig | None = None,
+    streams: bool = True,
+    full_mesh: bool = False,
+) -> list[Peer]:
     """`n` running peers, each connected to the first — or, with `full_mesh`, to every other."""
     peers = []
     for _ in range(n):
@@ -41,7 +47,7 @@ async def start_peers(stack: AsyncExitStack, n: int, *, host_config: HostConfig 
         ts = await stack.enter_async_context(TensorStreams(host, dp)) if streams else None
         peers.append(Peer(host, ts))
     for i, p in enumerate(peers):
-        for q in (peers[:i] if full_mesh else peers[:min(i, 1)]):
+        for q in peers[:i] if full_mesh else peers[: min(i, 1)]:
             if not p.host.is_connected(q.id):
                 await p.host.connect(q.host.addrs[0])
     return peers
@@ -59,8 +65,13 @@ def spawn(*args: str, stderr_path: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MESHTRAIN_LOG="INFO" if stderr_path else "WARNING")
     with open(stderr_path or os.devnull, "a") as err:
         return subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
         )
 
 

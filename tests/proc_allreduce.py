@@ -99,8 +99,12 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
 
 
 async def main(args: argparse.Namespace) -> None:
-    config = AllReduceConfig(join_timeout=args.join_timeout, part_timeout=args.part_timeout,
-                             report_timeout=args.part_timeout, robust=args.robust)
+    config = AllReduceConfig(
+        join_timeout=args.join_timeout,
+        part_timeout=args.part_timeout,
+        report_timeout=args.part_timeout,
+        robust=args.robust,
+    )
     async with Host(Identity.generate()) as host, TensorStreams(host) as ts:
         say({"peer": host.peer_id, "addr": host.addrs[0], "index": args.index})
         addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
@@ -126,14 +130,26 @@ async def main(args: argparse.Namespace) -> None:
                 if scope.cancelled_caught:
                     say({"round": r, "cancelled": True})
                     continue
-                say({"round": r, "digest": res.digest.hex(), "contributors": list(res.contributors),
-                     "excluded": sorted(res.excluded), "seconds": time.monotonic() - t0})
+                say(
+                    {
+                        "round": r,
+                        "digest": res.digest.hex(),
+                        "contributors": list(res.contributors),
+                        "excluded": sorted(res.excluded),
+                        "seconds": time.monotonic() - t0,
+                    }
+                )
             except Exception as e:
                 detail = e
                 while isinstance(detail, BaseExceptionGroup):
                     detail = detail.exceptions[0]
-                say({"round": r, "error": f"{type(e).__name__}: {type(detail).__name__}: {detail}",
-                     "seconds": time.monotonic() - t0})
+                say(
+                    {
+                        "round": r,
+                        "error": f"{type(e).__name__}: {type(detail).__name__}: {detail}",
+                        "seconds": time.monotonic() - t0,
+                    }
+                )
         await trio.sleep(args.linger)
 
 

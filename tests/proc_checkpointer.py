@@ -23,8 +23,12 @@ def state_at(step: int) -> dict:
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64, generator=g)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "inner": opt.state_dict(), "big": torch.randn(1 << 20, generator=g),
-            "meta": {"step": step, "note": "x" * 100}}
+    return {
+        "model": model.state_dict(),
+        "inner": opt.state_dict(),
+        "big": torch.randn(1 << 20, generator=g),
+        "meta": {"step": step, "note": "x" * 100},
+    }
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """A state donor in its own process, for late-joiner tests that kill a donor mid-transfer.
 
-    python tests/proc_donor.py --kib 49152 --seed 0 --round 3 [--upload-mib 16]
-        publishes `make_state(...)` (deterministic: every process with the same arguments serves
-        the same bytes), prints {"peer": id, "addr": multiaddr} once its manifest is ready, and
-        serves until stdin closes or the process is killed.
+python tests/proc_donor.py --kib 49152 --seed 0 --round 3 [--upload-mib 16]
+    publishes `make_state(...)` (deterministic: every process with the same arguments serves
+    the same bytes), prints {"peer": id, "addr": multiaddr} once its manifest is ready, and
+    serves until stdin closes or the process is killed.
 """
 
 from __future__ import annotations
@@ -31,14 +31,18 @@ def make_state(kib: int, *, seed: int = 0, round: int = 3) -> tuple[dict[str, An
         "outer_params.w": torch.randn(n * 6 // 10 + 3, generator=g),
         "buffers.momentum.w": torch.randn(n // 4 + 7, generator=g).bfloat16(),
         "outer_params.odd": torch.randn(12_345, generator=g),
-        "counters": torch.randint(-2**40, 2**40, (513,), generator=g, dtype=torch.int64),
+        "counters": torch.randint(-(2**40), 2**40, (513,), generator=g, dtype=torch.int64),
         "mask": torch.rand(1001, generator=g) > 0.5,
         "empty": torch.empty(0, 3),
         "scalar": torch.tensor(2.5 + seed),
         "a.first": torch.randn(17, 3, generator=g).half(),
     }
-    meta = {"round": round, "step": round * 10, "lr": 0.7,
-            "skeleton": {"__dict__": [[k, {"__tensor__": k}] for k in tensors]}}
+    meta = {
+        "round": round,
+        "step": round * 10,
+        "lr": 0.7,
+        "skeleton": {"__dict__": [[k, {"__tensor__": k}] for k in tensors]},
+    }
     return meta, tensors
 
 

@@ -61,8 +61,14 @@ def say(obj: dict) -> None:
 
 
 class Peer:
-    def __init__(self, host: Host, ts: TensorStreams | None, reach: ReachabilityService,
-                 relay: RelayService, punch: HolePunchService) -> None:
+    def __init__(
+        self,
+        host: Host,
+        ts: TensorStreams | None,
+        reach: ReachabilityService,
+        relay: RelayService,
+        punch: HolePunchService,
+    ) -> None:
         self.host, self.ts, self.reach, self.relay, self.punch = host, ts, reach, relay, punch
         self.collective: Any = None
         self.lan: Any = None
@@ -71,30 +77,51 @@ class Peer:
         op = cmd["cmd"]
         h = self.host
         if op == "info":
-            return {"peer": h.peer_id, "addrs": h.addrs, "circuits": self.relay.circuit_addrs,
-                    "reachability": self.reach.status, "observed_ip": self.reach.observed_ip}
+            return {
+                "peer": h.peer_id,
+                "addrs": h.addrs,
+                "circuits": self.relay.circuit_addrs,
+                "reachability": self.reach.status,
+                "observed_ip": self.reach.observed_ip,
+            }
         if op == "connect":
             t0 = time.monotonic()
             peer = await h.connect(cmd["addr"], timeout=cmd.get("timeout", 20))
             return {"peer": peer, "type": h.connection_type(peer), "seconds": time.monotonic() - t0}
         if op == "probe":
             r = await self.reach.probe(cmd.get("servers"))
-            return {"status": r.status, "observed_ip": r.observed_ip,
-                    "public_addrs": list(r.public_addrs), "errors": list(r.errors),
-                    "answers": len(r.answers)}
+            return {
+                "status": r.status,
+                "observed_ip": r.observed_ip,
+                "public_addrs": list(r.public_addrs),
+                "errors": list(r.errors),
+                "answers": len(r.answers),
+            }
         if op == "reserve":
             r = await self.relay.reserve(cmd["relay"])
-            return {"circuits": list(r.circuit_addrs), "expires_in": r.expires_at - time.time(),
-                    "circuit_duration": r.circuit_duration, "circuit_bytes": r.circuit_bytes,
-                    "refreshes": r.refreshes}
+            return {
+                "circuits": list(r.circuit_addrs),
+                "expires_in": r.expires_at - time.time(),
+                "circuit_duration": r.circuit_duration,
+                "circuit_bytes": r.circuit_bytes,
+                "refreshes": r.refreshes,
+            }
         if op == "keep":
             relays = list(cmd["relays"])
             self.relay.keep_reserved(lambda: relays)
             return {}
         if op == "reservations":
-            return {"reservations": [
-                {"relay": r.relay, "refreshes": r.refreshes, "expires_in": r.expires_at - time.time(),
-                 "circuits": list(r.circuit_addrs)} for r in self.relay.reservations.values()]}
+            return {
+                "reservations": [
+                    {
+                        "relay": r.relay,
+                        "refreshes": r.refreshes,
+                        "expires_in": r.expires_at - time.time(),
+                        "circuits": list(r.circuit_addrs),
+                    }
+                    for r in self.relay.reservations.values()
+                ]
+            }
         if op == "upgrade":
             t0 = time.monotonic()
             ok = await self.punch.upgrade(cmd["peer"], cmd.get("timeout"))
@@ -104,10 +131,15 @@ class Peer:
         if op == "send":
             assert self.ts is not None  # test harness misuse
             t0 = time.monotonic()
-            rep = await self.ts.send(cmd["peer"], cmd["tag"], payload(cmd["mib"], cmd.get("seed", 1)),
-                                     timeout=cmd.get("timeout", 60))
-            return {"path": rep.path, "digest": rep.digest.hex(), "nbytes": rep.nbytes,
-                    "seconds": time.monotonic() - t0}
+            rep = await self.ts.send(
+                cmd["peer"], cmd["tag"], payload(cmd["mib"], cmd.get("seed", 1)), timeout=cmd.get("timeout", 60)
+            )
+            return {
+                "path": rep.path,
+                "digest": rep.digest.hex(),
+                "nbytes": rep.nbytes,
+                "seconds": time.monotonic() - t0,
+            }
         if op == "recv":
             assert self.ts is not None
             r = await self.ts.receive(cmd["peer"], cmd["tag"], timeout=cmd.get("timeout", 60))
@@ -124,8 +156,13 @@ class Peer:
             t0 = time.monotonic()
             async with PortMapper(ports, discover_timeout=cmd.get("deadline", 5.0)) as m:
                 r = m.result
-            return {"gateway": r.gateway, "mapped": list(r.mapped_ports), "error": r.error,
-                    "external_ip": r.external_ip, "seconds": time.monotonic() - t0}
+            return {
+                "gateway": r.gateway,
+                "mapped": list(r.mapped_ports),
+                "error": r.error,
+                "external_ip": r.external_ip,
+                "seconds": time.monotonic() - t0,
+            }
         if op == "relay_stats":
             return {"stats": dict(self.relay.protocol.stats)}
         raise ValueError(f"unknown command {op!r}")
@@ -136,32 +173,40 @@ class Peer:
         assert self.ts is not None
         peers = list(cmd["peers"])
         if self.collective is None:
-            self.collective = SwarmCollective(self.host, self.ts, lambda _r: peers,
-                                              AllReduceConfig(join_timeout=60, part_timeout=60,
-                                                              min_bandwidth=1e6))
+            self.collective = SwarmCollective(
+                self.host,
+                self.ts,
+                lambda _r: peers,
+                AllReduceConfig(join_timeout=60, part_timeout=60, min_bandwidth=1e6),
+            )
         mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
         t0 = time.monotonic()
         res = await self.collective.all_reduce(mine, round_id=cmd["round"], tag="nat")
-        return {"seconds": time.monotonic() - t0, "digest": res.digest.hex(),
-                "contributors": list(res.contributors), "excluded": dict(res.excluded),
-                "paths": {p: self.host.connection_type(p) for p in peers if p != self.host.peer_id}}
+        return {
+            "seconds": time.monotonic() - t0,
+            "digest": res.digest.hex(),
+            "contributors": list(res.contributors),
+            "excluded": dict(res.excluded),
+            "paths": {p: self.host.connection_type(p) for p in peers if p != self.host.peer_id},
+        }
 
 
 async def main(args: argparse.Namespace) -> None:
     configure(args.log)
     relay_cfg = RelayConfig(serve=args.serve_relay, **json.loads(args.relay_json or "{}"))
     async with AsyncExitStack() as stack:
-        host = await stack.enter_async_context(Host(Identity.generate(), HostConfig(
-            listen=[f"/ip4/{args.listen}/tcp/{args.port}"])))
+        host = await stack.enter_async_context(
+            Host(Identity.generate(), HostConfig(listen=[f"/ip4/{args.listen}/tcp/{args.port}"]))
+        )
         ts = None
         if args.data_plane:
             ts = await stack.enter_async_context(TensorStreams(host, DataPlaneConfig()))
-        reach = await stack.enter_async_context(
-            ReachabilityService(host, config=ReachabilityConfig(probe_interval=0)))
+        reach = await stack.enter_async_context(ReachabilityService(host, config=ReachabilityConfig(probe_interval=0)))
         relay = await stack.enter_async_context(RelayService(host, relay_cfg))
         punch = await stack.enter_async_context(HolePunchService(host, reach, ts))
         peer = Peer(host, ts, reach, relay, punch)
         if args.mdns:
+
             async def dial(pid: str, addrs: list[str]) -> None:
                 await host.connect(f"{addrs[0]}/p2p/{pid}", timeout=5)
 

@@ -68,6 +68,7 @@ def make_data(spec: dict):
         g = torch.Generator().manual_seed(seed * 1_000_003 + it * 1009 + mb)
         rows = torch.randint(0, config.vocab_size, (B, T + 1), generator=g)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
     return random_batch
 
 
@@ -75,9 +76,14 @@ def pipeline_run(spec: dict) -> PipelineRun:
     config = GPTConfig.from_dict(spec["model"])
     links = {(a, b): Link(lat, bw) for a, b, lat, bw in spec["links"]}
     problem = PipelineProblem(
-        num_stages=spec["n_stages"], placement=spec["placement"], forward_time=spec["forward_time"],
-        links=links, activation_bytes=4 * spec["microbatch_size"] * config.context * config.d_model,
-        microbatches=spec["microbatches"], skip_ratio=spec["skip_ratio"])
+        num_stages=spec["n_stages"],
+        placement=spec["placement"],
+        forward_time=spec["forward_time"],
+        links=links,
+        activation_bytes=4 * spec["microbatch_size"] * config.context * config.d_model,
+        microbatches=spec["microbatches"],
+        skip_ratio=spec["skip_ratio"],
+    )
     return PipelineRun(spec["run"], problem, spec["mode"], spec["microbatch_size"], config.context)
 
 
@@ -104,8 +110,9 @@ async def one_run(host: Host, ts: TensorStreams, spec: dict) -> None:
 
     snap_dir = Path(spec["snapshot_dir"]) if spec.get("snapshot_dir") else None
     kill = spec.get("kill") or {}
-    async with PipelineRuntime(host, ts, replica, run, make_data(spec), links=links, compute_floor=floor,
-                               should_stop=should_stop) as rt:
+    async with PipelineRuntime(
+        host, ts, replica, run, make_data(spec), links=links, compute_floor=floor, should_stop=should_stop
+    ) as rt:
         say({"ready": run.run})
         if await readline() != "go":
             return
@@ -114,14 +121,25 @@ async def one_run(host: Host, ts: TensorStreams, spec: dict) -> None:
         async with trio.open_nursery() as nursery:
             while it < steps:
                 if kill.get("peer") == me and kill.get("iteration") == it:
+
                     async def die(after: float = kill["after_s"]) -> None:
                         await trio.sleep(after)
                         os.kill(os.getpid(), signal.SIGKILL)
+
                     nursery.start_soon(die)
                 rep = await rt.run_iteration(it)
-                say({"it": it, "loss": rep.loss, "seconds": rep.seconds, "committed": rep.committed,
-                     "dropped": rep.dropped, "restarts": rep.restarts, "dead": len(rep.dead),
-                     "t": time.monotonic() - t0})
+                say(
+                    {
+                        "it": it,
+                        "loss": rep.loss,
+                        "seconds": rep.seconds,
+                        "committed": rep.committed,
+                        "dropped": rep.dropped,
+                        "restarts": rep.restarts,
+                        "dead": len(rep.dead),
+                        "t": time.monotonic() - t0,
+                    }
+                )
                 it += 1
                 last = rep.stop or it >= steps
                 if snap_dir is not None and (it in spec.get("snapshot_steps", []) or last):

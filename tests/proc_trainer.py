@@ -74,10 +74,13 @@ class OuterAdam(OuterOptimizer):
 
     def build_outer_optimizer(self, params):
         return torch.optim.Adam(params, lr=self.lr, betas=(0.9, 0.95))
+
+
 # -------------------------------------------------------------------------------------------------
 
 
 log = get_logger("proc_trainer")
+
 
 def say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
@@ -98,18 +101,47 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
     if m == "diloco":
         return DiLoCo(model, inner, col, H=H, lr=args.outer_lr, momentum=args.outer_momentum, codec=args.codec)
     if m == "heavyball":
-        return DiLoCo(model, inner, col, H=H, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=False,
-                      codec=args.codec)
+        return DiLoCo(
+            model, inner, col, H=H, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=False, codec=args.codec
+        )
     if m == "streaming":
-        return StreamingDiLoCo(model, inner, col, H=H, fragments=args.P, delay=args.delay, alpha=args.alpha,
-                               codec=args.codec if args.codec != "none" else "fp4", lr=args.outer_lr,
-                               momentum=args.outer_momentum, eager=args.eager)
+        return StreamingDiLoCo(
+            model,
+            inner,
+            col,
+            H=H,
+            fragments=args.P,
+            delay=args.delay,
+            alpha=args.alpha,
+            codec=args.codec if args.codec != "none" else "fp4",
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            eager=args.eager,
+        )
     if m == "sparseloco":
-        return SparseLoCo(model, inner, col, H=H, lr=args.outer_lr, beta=args.error_decay, chunk=args.sparse_chunk,
-                          k=args.sparse_k, aggregation=args.aggregation, aggregate=args.aggregate)
+        return SparseLoCo(
+            model,
+            inner,
+            col,
+            H=H,
+            lr=args.outer_lr,
+            beta=args.error_decay,
+            chunk=args.sparse_chunk,
+            k=args.sparse_k,
+            aggregation=args.aggregation,
+            aggregate=args.aggregate,
+        )
     if m == "noloco":
-        return NoLoCo(model, inner, col, H=H, lr=args.noloco_lr, gamma=args.noloco_lr,
-                      momentum=args.noloco_momentum, codec=args.codec)
+        return NoLoCo(
+            model,
+            inner,
+            col,
+            H=H,
+            lr=args.noloco_lr,
+            gamma=args.noloco_lr,
+            momentum=args.noloco_momentum,
+            codec=args.codec,
+        )
     if m == "custom":
         return OuterSGD(model, inner, col, H=H, lr=args.custom_lr, codec=args.codec)
     if m == "custom_adam":
@@ -148,8 +180,9 @@ async def main(args: argparse.Namespace) -> None:
     corpus = Corpus.default()
     config = GPTConfig.small(corpus.vocab_size) if args.model == "small" else GPTConfig.tiny(corpus.vocab_size)
     evals = corpus.eval_batches(args.eval_batches, 32, config.context)
-    cfg = AllReduceConfig(join_timeout=args.join_timeout, part_timeout=args.part_timeout,
-                          report_timeout=args.part_timeout)
+    cfg = AllReduceConfig(
+        join_timeout=args.join_timeout, part_timeout=args.part_timeout, report_timeout=args.part_timeout
+    )
     async with Host(Identity.generate()) as host, TensorStreams(host) as ts:
         say({"peer": host.peer_id, "addr": host.addrs[0], "index": args.index})
         addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
@@ -168,9 +201,13 @@ async def main(args: argparse.Namespace) -> None:
         model = GPT(config, seed=args.seed)
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd)
         # --cosine: inner lr decays from lr to lr/10 over the run (the reference codes use a schedule).
-        sched = (torch.optim.lr_scheduler.LambdaLR(
-            inner, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-            if args.cosine else None)
+        sched = (
+            torch.optim.lr_scheduler.LambdaLR(
+                inner, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+            )
+            if args.cosine
+            else None
+        )
         outer = None if args.method == "single" else build(args, model, inner, col)
         say({"ready": True})
         await trio.to_thread.run_sync(sys.stdin.readline)
@@ -198,8 +235,14 @@ async def main(args: argparse.Namespace) -> None:
                 if sched is not None:
                     sched.step()
                 if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-                    say({"eval": step + 1, "loss": evaluate(), "t": time.monotonic() - t0,
-                         "bytes": outer.bytes_sent if outer is not None else 0})
+                    say(
+                        {
+                            "eval": step + 1,
+                            "loss": evaluate(),
+                            "t": time.monotonic() - t0,
+                            "bytes": outer.bytes_sent if outer is not None else 0,
+                        }
+                    )
 
         async def keep_connected() -> None:
             # As the node's daemon does: re-dial a peer whose libp2p connection dropped. The
@@ -226,15 +269,34 @@ async def main(args: argparse.Namespace) -> None:
             keeper.cancel_scope.cancel()
         wall = time.monotonic() - t0
         final = await trio.to_thread.run_sync(evaluate)
-        stats = outer.stats() if outer is not None else {"inner_steps": args.steps, "rounds": 0, "bytes_sent": 0,
-                                                         "peak_bytes_per_sync": 0, "comm_wait_seconds": 0.0}
+        stats = (
+            outer.stats()
+            if outer is not None
+            else {
+                "inner_steps": args.steps,
+                "rounds": 0,
+                "bytes_sent": 0,
+                "peak_bytes_per_sync": 0,
+                "comm_wait_seconds": 0.0,
+            }
+        )
         phi = outer.outer_params if isinstance(outer, OuterOptimizer) else dict(model.named_parameters())
         if args.save_phi:
             torch.save({n: t.detach().clone() for n, t in phi.items()}, args.save_phi)
         history = list(outer.history) if isinstance(outer, OuterOptimizer) else []
-        say({"done": True, "final_eval_loss": final, "stats": stats, "wall_s": wall, "phi_digest": digest(phi),
-             "contributors": [r.contributors for r in history], "steps_of_rounds": [r.step for r in history],
-             "errors": [r.error for r in history if r.error], "peer": me})
+        say(
+            {
+                "done": True,
+                "final_eval_loss": final,
+                "stats": stats,
+                "wall_s": wall,
+                "phi_digest": digest(phi),
+                "contributors": [r.contributors for r in history],
+                "steps_of_rounds": [r.step for r in history],
+                "errors": [r.error for r in history if r.error],
+                "peer": me,
+            }
+        )
         await trio.sleep(args.linger)
 
 

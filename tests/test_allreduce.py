@@ -34,8 +34,10 @@ async def run_all(cols, tensors, **kw):
     results = [None] * len(cols)
     async with trio.open_nursery() as nursery:
         for i, col in enumerate(cols):
+
             async def one(i=i, col=col):
                 results[i] = await col.all_reduce(tensors[i], **kw)
+
             nursery.start_soon(one)
     return results
 
@@ -56,8 +58,15 @@ def exact_mean(contributions: list[dict[str, torch.Tensor]], weights=None) -> di
 async def test_allreduce_equals_exact_mean_with_uneven_tensors(n):
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, n)
-        tensors = [{"w": torch.randn(1001, 3) * (i + 1), "b": torch.randn(7), "s": torch.randn(()),
-                    "h": torch.randn(129).half()} for i in range(n)]
+        tensors = [
+            {
+                "w": torch.randn(1001, 3) * (i + 1),
+                "b": torch.randn(7),
+                "s": torch.randn(()),
+                "h": torch.randn(129).half(),
+            }
+            for i in range(n)
+        ]
         results = await run_all(cols, tensors, round_id=1)
         assert len({r.digest for r in results}) == 1
         order = sorted(range(n), key=lambda i: peers[i].id)
@@ -78,8 +87,10 @@ async def test_weighted_mean_and_zero_weight_peer():
         weights = [1.0, 3.0, 0.0]
         async with trio.open_nursery() as nursery:
             for i in range(3):
+
                 async def one(i=i):
                     results[i] = await cols[i].all_reduce(tensors[i], round_id=1, weight=weights[i])
+
                 nursery.start_soon(one)
         assert torch.allclose(results[0].tensors["w"], torch.full((10,), (1 * 1 + 2 * 3) / 4))
         assert peers[2].id not in results[0].contributors
@@ -120,6 +131,7 @@ async def test_peer_joining_after_group_formed_waits_for_next_round():
         results = {}
         async with trio.open_nursery() as nursery:
             for i in (0, 1, 2):
+
                 async def one(i=i):
                     if i == 2:
                         await trio.sleep(3)  # arrives after the join deadline
@@ -127,6 +139,7 @@ async def test_peer_joining_after_group_formed_waits_for_next_round():
                         results[i] = await cols[i].all_reduce(tensors[i], round_id=7)
                     except CollectiveError as e:
                         results[i] = e
+
                 nursery.start_soon(one)
         late = results.pop(2)
         assert isinstance(late, CollectiveError) and "next round" in str(late)
@@ -145,15 +158,24 @@ async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_ov
         ids = [p.id for p in by_id]
         heard = trio.Event()
         config = AllReduceConfig(join_timeout=20.0)
-        cols = {p.id: SwarmCollective(p.host, p.ts, (lambda r: ids if heard.is_set() else ids[1:]) if p is unaware
-                                      else (lambda r: ids), config) for p in peers}
+        cols = {
+            p.id: SwarmCollective(
+                p.host,
+                p.ts,
+                (lambda r: ids if heard.is_set() else ids[1:]) if p is unaware else (lambda r: ids),
+                config,
+            )
+            for p in peers
+        }
         tensors = {p.id: {"w": torch.full((100,), float(i))} for i, p in enumerate(by_id)}
         results = {}
         with trio.fail_after(15):  # well inside the 20 s join deadline a split would wait out
             async with trio.open_nursery() as nursery:
                 for pid, col in cols.items():
+
                     async def one(pid=pid, col=col):
                         results[pid] = await col.all_reduce(tensors[pid], round_id=3, tag="f0")
+
                     nursery.start_soon(one)
                 await trio.sleep(1.0)  # the news of the newcomer reaches the unaware peer
                 heard.set()
@@ -175,17 +197,21 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
         results: dict[int, object] = {}
         with trio.fail_after(15):  # far inside the 20 s join deadline (and its 60 s hard one)
             async with trio.open_nursery() as nursery:
+
                 async def stale():
                     try:
                         await cols[0].all_reduce(tensors[0], round_id=10, tag="f0")
                     except CollectiveError as e:
                         results["stale"] = e
                     results[0] = await cols[0].all_reduce(tensors[0], round_id=20, tag="f0")
+
                 nursery.start_soon(stale)
                 await trio.sleep(0.5)  # the others arrive at round 20 while it waits in round 10
                 for i in (1, 2):
+
                     async def one(i=i):
                         results[i] = await cols[i].all_reduce(tensors[i], round_id=20, tag="f0")
+
                     nursery.start_soon(one)
         assert "moved past" in str(results["stale"])
         assert len({results[i].digest for i in range(3)}) == 1
@@ -214,11 +240,13 @@ async def test_peer_that_lost_its_connection_to_the_coordinator_does_not_wait_al
             out: dict[int, object] = {}
             async with trio.open_nursery() as nursery:
                 for i in range(3):
+
                     async def one(i=i):
                         try:
                             out[i] = await cols[i].all_reduce(tensors[i], round_id=round_id, tag="f0")
                         except CollectiveError as e:
                             out[i] = e
+
                     nursery.start_soon(one)
             return out
 
@@ -252,9 +280,24 @@ NUMEL = 2 << 20  # 8 MiB of fp32 per peer
 
 def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
     logs = [tempfile.mktemp(prefix=f"allreduce-peer{i}-", suffix=".log") for i in range(N_PEERS)]
-    procs = [spawn("tests/proc_allreduce.py", "--index", str(i), "--numel", str(NUMEL), "--rounds", "3",
-                   "--fault", fault, "--victim-rank", str(victim_rank), *extra, stderr_path=logs[i])
-             for i in range(N_PEERS)]
+    procs = [
+        spawn(
+            "tests/proc_allreduce.py",
+            "--index",
+            str(i),
+            "--numel",
+            str(NUMEL),
+            "--rounds",
+            "3",
+            "--fault",
+            fault,
+            "--victim-rank",
+            str(victim_rank),
+            *extra,
+            stderr_path=logs[i],
+        )
+        for i in range(N_PEERS)
+    ]
     try:
         infos = [read_json(p) for p in procs]
         addrs = json.dumps([i["addr"] for i in infos])
@@ -335,8 +378,11 @@ def test_hostile_huge_values_are_excluded_under_robust_aggregation():
     infos, index_of, outputs = run_swarm("huge", 1, "--robust", "trimmed_mean")
     ids = sorted(index_of)
     hostile = ids[1]
-    rows = [next(x for x in out if x.get("round") == 1)
-            for info, out in zip(infos, outputs, strict=True) if info["peer"] != hostile]
+    rows = [
+        next(x for x in out if x.get("round") == 1)
+        for info, out in zip(infos, outputs, strict=True)
+        if info["peer"] != hostile
+    ]
     assert all("digest" in x for x in rows) and len({x["digest"] for x in rows}) == 1, rows
     assert hostile not in rows[0]["contributors"] and hostile in rows[0]["excluded"]
     # The same robust rule over the honest contributors, computed independently: with 3 peers

@@ -15,9 +15,25 @@ from .conftest import ROOT
 @pytest.mark.slow
 def test_convergence_benchmark_quick(tmp_path):
     png = tmp_path / "conv.png"
-    r = subprocess.run([sys.executable, "scripts/bench_convergence.py", "--quick", "--steps", "60", "--eval-every", "30",
-                        "--methods", "single,diloco_h25,streaming", "--png", str(png)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_convergence.py",
+            "--quick",
+            "--steps",
+            "60",
+            "--eval-every",
+            "30",
+            "--methods",
+            "single,diloco_h25,streaming",
+            "--png",
+            str(png),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["methods"]) == {"single", "diloco_h25", "streaming"}

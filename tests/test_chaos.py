@@ -25,8 +25,10 @@ SOAK_NODES = 4
 
 def _observe(m: Monitor, node: int, t: float, peer: str, history: list[list]) -> None:
     life = Life(gen=0, kind="join", pid=0, started=0.0, log_line=1)
-    st = {"node": {"peer_id": peer, "state": "training"},
-          "training": {"round": history[-1][0] if history else 0, "phi_history": history}}
+    st = {
+        "node": {"peer_id": peer, "state": "training"},
+        "training": {"round": history[-1][0] if history else 0, "phi_history": history},
+    }
     m.observe(SimpleNamespace(i=node), life, t, st)  # type: ignore[arg-type]
 
 
@@ -89,16 +91,39 @@ def test_peer_training_far_behind_on_its_own_lineage_is_reported_as_behind_and_s
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("chaos")
-    r = subprocess.run([sys.executable, "scripts/bench_chaos.py", "--minutes", str(SOAK_MINUTES), "--nodes",
-                        str(SOAK_NODES), "--seed", "1", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=420)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_chaos.py",
+            "--minutes",
+            str(SOAK_MINUTES),
+            "--nodes",
+            str(SOAK_NODES),
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _brief(result: dict) -> str:
-    keys = ("join_failure_list", "corrupt_checkpoint_list", "actions", "rounds_completed_swarm",
-            "max_roundless_gap_s", "log_findings", "unclean_shutdowns", "run_dir")
+    keys = (
+        "join_failure_list",
+        "corrupt_checkpoint_list",
+        "actions",
+        "rounds_completed_swarm",
+        "max_roundless_gap_s",
+        "log_findings",
+        "unclean_shutdowns",
+        "run_dir",
+    )
     return json.dumps({k: result.get(k) for k in keys}, indent=1)[:6000]
 
 

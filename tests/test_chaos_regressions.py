@@ -55,15 +55,21 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
         members, stranger = peers[:2], peers[2]
         ids = [p.id for p in members]
         step = [100]
-        cols = [SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5, round_window=50,
-                                                                              member_wait=0.5),
-                                current_round=lambda: step[0]) for p in members]
+        cols = [
+            SwarmCollective(
+                p.host,
+                p.ts,
+                lambda r: ids,
+                AllReduceConfig(join_timeout=5, round_window=50, member_wait=0.5),
+                current_round=lambda: step[0],
+            )
+            for p in members
+        ]
         coordinator = ids[0]
         # The soak's attack: a join for a future round with the stranger as the expected group.
         for key in (f"120/f0/{coordinator}", f"100/f0/{coordinator}"):
             with pytest.raises(RemoteError) as e:
-                await stranger.host.rpc.call(coordinator, JOIN_RPC, {"key": key, "expected": [stranger.id]},
-                                             timeout=5)
+                await stranger.host.rpc.call(coordinator, JOIN_RPC, {"key": key, "expected": [stranger.id]}, timeout=5)
             assert e.value.code == "not-a-member"
         with pytest.raises(RemoteError) as e:
             await stranger.host.rpc.call(coordinator, WHERE_RPC, {"tag": "f0", "round": 100}, timeout=5)
@@ -83,9 +89,21 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
 
         async def meddle():
             await trio.sleep(0.3)
-            for method, req in ((REPORT_RPC, {"key": f"120/f0/{coordinator}", "attempt": 0, "status": "fail",
-                                              "digest": None, "suspects": ids, "rejected": [], "evidence": True}),
-                                (WATCH_RPC, {"key": f"120/f0/{coordinator}", "attempt": 0})):
+            for method, req in (
+                (
+                    REPORT_RPC,
+                    {
+                        "key": f"120/f0/{coordinator}",
+                        "attempt": 0,
+                        "status": "fail",
+                        "digest": None,
+                        "suspects": ids,
+                        "rejected": [],
+                        "evidence": True,
+                    },
+                ),
+                (WATCH_RPC, {"key": f"120/f0/{coordinator}", "attempt": 0}),
+            ):
                 with pytest.raises(RemoteError) as e:
                     await stranger.host.rpc.call(coordinator, method, req, timeout=5)
                 assert e.value.code in ("not-a-member", "unknown_attempt")
@@ -120,8 +138,9 @@ def _diverging_diloco(at_round: int):
 
 
 def _config(tmp_path, name: str, **kw) -> meshtrain.NodeConfig:
-    return meshtrain.NodeConfig(data_dir=tmp_path / name, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0,
-                                threads=1, checkpoint_every=3600, **kw)
+    return meshtrain.NodeConfig(
+        data_dir=tmp_path / name, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, threads=1, checkpoint_every=3600, **kw
+    )
 
 
 async def _until(pred, timeout: float, what: str) -> None:
@@ -145,8 +164,11 @@ async def test_diverged_peer_is_noticed_and_resyncs_from_the_majority(tmp_path, 
         await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
         b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
         diverging = _diverging_diloco(at_round=3)
-        c = meshtrain.Node(_config(tmp_path, "c", wait_peers=3), join=a.host.addrs[0],
-                           outer_factory=lambda m, i, col: diverging(m, i, col, spec))
+        c = meshtrain.Node(
+            _config(tmp_path, "c", wait_peers=3),
+            join=a.host.addrs[0],
+            outer_factory=lambda m, i, col: diverging(m, i, col, spec),
+        )
         nodes = [a, b, c]
         nursery.start_soon(b.run)
         nursery.start_soon(c.run)
@@ -158,8 +180,9 @@ async def test_diverged_peer_is_noticed_and_resyncs_from_the_majority(tmp_path, 
         noticed_at = c.parity.verdict.outer_round
         await _until(lambda: c.joined_from is not None and c.trainer.outer.rounds >= noticed_at + 1, 60, "c re-syncs")
         resynced_at = c.trainer.outer.rounds
-        await _until(lambda: all(n.trainer.outer.rounds >= resynced_at + 3 for n in nodes), 120,
-                     "rounds after the re-sync")
+        await _until(
+            lambda: all(n.trainer.outer.rounds >= resynced_at + 3 for n in nodes), 120, "rounds after the re-sync"
+        )
         for n in nodes:
             n.stop()
     assert any("out of step with the swarm" in r.getMessage() for r in caplog.records)
@@ -181,6 +204,7 @@ async def test_joiner_whose_donors_disagree_joins_anyway(tmp_path):
     diverging = _diverging_diloco(at_round=2)
     results: dict[str, object] = {}
     async with trio.open_nursery() as nursery:
+
         async def run(name, node):
             try:
                 results[name] = await node.run()
@@ -190,13 +214,17 @@ async def test_joiner_whose_donors_disagree_joins_anyway(tmp_path):
         a = meshtrain.Node(_config(tmp_path, "a", wait_peers=2), spec=signed)
         nursery.start_soon(run, "a", a)
         await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
-        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=2), join=a.host.addrs[0],
-                           outer_factory=lambda m, i, col: diverging(m, i, col, spec))
+        b = meshtrain.Node(
+            _config(tmp_path, "b", wait_peers=2),
+            join=a.host.addrs[0],
+            outer_factory=lambda m, i, col: diverging(m, i, col, spec),
+        )
         nursery.start_soon(run, "b", b)
         await _until(lambda: b.parity is not None, 60, "b up")
         b.parity.enabled = False  # b does not repair itself: the two states stand side by side
-        await _until(lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 2 for n in (a, b)), 120,
-                     "the split")
+        await _until(
+            lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 2 for n in (a, b)), 120, "the split"
+        )
         assert _phi_digest(a) != _phi_digest(b)
         c = meshtrain.Node(_config(tmp_path, "c"), join=a.host.addrs[0])
         nursery.start_soon(run, "c", c)

@@ -38,9 +38,7 @@ CONFIG_IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opt
 BLOCKWISE = ("int8", "int4", "fp4")
 OVERFLOWS_AT = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 * (1 - 2.0**-9)}
 
-property_settings = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+property_settings = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- strategies -------------------------------------------------------------------------------
@@ -74,9 +72,7 @@ def tensors(draw: st.DrawFn, dtype: torch.dtype | None = None) -> torch.Tensor:
             allow_nan=False,
             allow_infinity=False,
         )
-        array = draw(
-            hnp.arrays(np.float16 if width == 16 else np.float32, shape, elements=elements)
-        )
+        array = draw(hnp.arrays(np.float16 if width == 16 else np.float32, shape, elements=elements))
         return torch.from_numpy(array.copy()).to(dtype)
     seed = draw(st.integers(0, 2**32 - 1))
     low, high = (-30, 12) if dtype == torch.float16 else (-140, 122)
@@ -184,16 +180,12 @@ def test_decode_to_narrower_dtype_is_bounded_or_refused(
 @pytest.mark.parametrize("ratio", [0.01, 0.3, 1.0])
 @property_settings
 @given(t=tensors())
-def test_topk_keeps_the_largest_values_exactly_and_zeroes_the_rest(
-    ratio: float, t: torch.Tensor
-) -> None:
+def test_topk_keeps_the_largest_values_exactly_and_zeroes_the_rest(ratio: float, t: torch.Tensor) -> None:
     codec = get_codec("topk", ratio=ratio)
     out = codec.decode(codec.encode(t), t.shape, t.dtype).reshape(-1)
     x = t.reshape(-1)
     kept = codec.encode(t)["indices"].long()
-    assert kept.numel() == (
-        0 if x.numel() == 0 else min(x.numel(), max(1, round(ratio * x.numel())))
-    )
+    assert kept.numel() == (0 if x.numel() == 0 else min(x.numel(), max(1, round(ratio * x.numel()))))
     dropped = torch.ones(x.numel(), dtype=torch.bool)
     dropped[kept] = False
     assert torch.equal(out[kept], x[kept])
@@ -308,9 +300,7 @@ def test_parts_match_layout_and_encoded_nbytes(name: str, opts: dict, numel: int
         ("topk", {"ratio": 0.01}, 0.01 * 8),
     ],
 )
-def test_bytes_per_element_are_as_documented(
-    name: str, opts: dict, bytes_per_element: float
-) -> None:
+def test_bytes_per_element_are_as_documented(name: str, opts: dict, bytes_per_element: float) -> None:
     numel = 128 * 100
     parts = get_codec(name, **opts).encode(torch.randn(numel))
     assert nbytes(parts) / numel == pytest.approx(bytes_per_element)
@@ -337,9 +327,7 @@ def test_same_values_encode_to_same_bytes_whatever_dtype_layout_threads_or_chunk
     name: str, opts: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gen = torch.Generator().manual_seed(3)
-    values = (torch.randn(300, 700, generator=gen) * torch.rand(300, 1, generator=gen)).to(
-        torch.bfloat16
-    )
+    values = (torch.randn(300, 700, generator=gen) * torch.rand(300, 1, generator=gen)).to(torch.bfloat16)
     values[5, :] = 0  # ties and zero blocks
     codec = get_codec(name, **opts)
     reference = codec.encode(values.float())
@@ -485,9 +473,7 @@ def test_malformed_parts_raise_codec_error(name: str) -> None:
 def test_codes_never_sent_cannot_push_values_past_the_block_absmax() -> None:
     big = torch.finfo(torch.float32).max
     int8 = get_codec("int8", block_size=2)
-    out = int8.decode(
-        {"codes": torch.tensor([-128, 127], dtype=torch.int8), "absmax": torch.tensor([big])}, (2,)
-    )
+    out = int8.decode({"codes": torch.tensor([-128, 127], dtype=torch.int8), "absmax": torch.tensor([big])}, (2,))
     assert out.tolist() == [-big, big]
     int4 = get_codec("int4", block_size=2)
     out = int4.decode(
@@ -509,9 +495,7 @@ def test_decoding_to_float16_refuses_values_beyond_its_range() -> None:
 @pytest.mark.parametrize("name", CODECS)
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_random_part_contents_decode_to_finite_values_or_codec_error(
-    name: str, data: st.DataObject
-) -> None:
+def test_random_part_contents_decode_to_finite_values_or_codec_error(name: str, data: st.DataObject) -> None:
     codec = codec_for_parts_tests(name)
     shape = data.draw(shapes, label="shape")
     out_dtype = data.draw(st.sampled_from(FLOATS), label="dtype")

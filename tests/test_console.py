@@ -23,14 +23,34 @@ from meshtrain.node.console import (
 )
 
 
-def doc(state: str = "training", step: int = 120, rnd: int = 6, loss: float | None = 2.3456,
-        peers: int = 3, waiting: str | None = None, parity: dict | None = None, sent: int = 0,
-        phi_digest: str | None = None, eval_loss: float | None = None) -> dict:
-    return {"node": {"peer_id": "12D3KooWself", "state": state, "started": 0.0, "uptime_s": 1.0},
-            "training": {"step": step, "round": rnd, "loss": loss, "eval_loss": eval_loss, "bytes_sent": sent,
-                         "bytes_received": sent, "phi_round": rnd if phi_digest else None,
-                         "phi_digest": phi_digest, "parity": parity, "waiting": waiting},
-            "peers": [{"peer_id": f"p{i}"} for i in range(peers)]}
+def doc(
+    state: str = "training",
+    step: int = 120,
+    rnd: int = 6,
+    loss: float | None = 2.3456,
+    peers: int = 3,
+    waiting: str | None = None,
+    parity: dict | None = None,
+    sent: int = 0,
+    phi_digest: str | None = None,
+    eval_loss: float | None = None,
+) -> dict:
+    return {
+        "node": {"peer_id": "12D3KooWself", "state": state, "started": 0.0, "uptime_s": 1.0},
+        "training": {
+            "step": step,
+            "round": rnd,
+            "loss": loss,
+            "eval_loss": eval_loss,
+            "bytes_sent": sent,
+            "bytes_received": sent,
+            "phi_round": rnd if phi_digest else None,
+            "phi_digest": phi_digest,
+            "parity": parity,
+            "waiting": waiting,
+        },
+        "peers": [{"peer_id": f"p{i}"} for i in range(peers)],
+    }
 
 
 def test_live_line_shows_state_step_loss_peers_round_and_rate():
@@ -61,7 +81,13 @@ def test_round_line_has_the_round_its_numbers_and_the_phi_digest():
 
 def test_human_bytes():
     assert [human_bytes(x) for x in (0, 1023, 1024, 5 * 2**20, 3 * 2**30, 2**45)] == [
-        "0 B", "1023 B", "1.0 KiB", "5.0 MiB", "3.0 GiB", "32768.0 GiB"]
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "5.0 MiB",
+        "3.0 GiB",
+        "32768.0 GiB",
+    ]
 
 
 def test_rate_averages_a_bursty_counter_over_its_window():
@@ -78,6 +104,7 @@ def test_rate_averages_a_bursty_counter_over_its_window():
 def test_plain_reporter_says_states_that_came_and_went_between_two_polls():
     """A node that trains 7 rounds and stops between two polls still reads starting -> training
     -> stopping: the status document lists its recent states (found by a CI run under load)."""
+
     def node_doc(states: list[str], changes: int) -> dict:
         d = doc(state=states[-1], rnd=0)
         d["node"].update(state_changes=changes, recent_states=states)
@@ -86,13 +113,18 @@ def test_plain_reporter_says_states_that_came_and_went_between_two_polls():
     rep = RoundReporter()
     assert rep.lines(node_doc(["starting"], 0), 0.0) == ["state: starting"]
     assert rep.lines(node_doc(["starting", "training", "stopping"], 2), 0.5) == [
-        "state: starting -> training", "state: training -> stopping"]
+        "state: starting -> training",
+        "state: training -> stopping",
+    ]
     assert rep.lines(node_doc(["starting", "training", "stopping"], 2), 1.0) == []
     # More changes than the node remembers: the ones it still lists, in order.
     rep2 = RoundReporter()
     rep2.lines(node_doc(["starting"], 0), 0.0)
     assert rep2.lines(node_doc(["training", "syncing", "training"], 6), 0.5) == [
-        "state: starting -> syncing", "state: syncing -> training"]
+        "state: starting -> syncing",
+        "state: syncing -> training",
+    ]
+
 
 def test_plain_reporter_says_state_changes_and_one_line_per_round_while_training():
     rep = RoundReporter()
@@ -108,8 +140,10 @@ def test_plain_reporter_says_state_changes_and_one_line_per_round_while_training
     # Two rounds between two polls: one line, for the latest.
     assert [x.split("  ")[0] for x in rep.lines(doc(rnd=43), 3.5)] == ["round 43"]
     # The last round finished while stopping still gets its line.
-    assert rep.lines(doc(state="stopping", rnd=44), 4.0) == ["state: training -> stopping",
-                                                             round_line(doc(state="stopping", rnd=44), 0)]
+    assert rep.lines(doc(state="stopping", rnd=44), 4.0) == [
+        "state: training -> stopping",
+        round_line(doc(state="stopping", rnd=44), 0),
+    ]
 
 
 def test_plain_reporter_says_a_wait_once_it_lasted_five_seconds_and_again_when_it_changes():
@@ -156,7 +190,11 @@ async def test_plain_output_prints_round_lines_and_nothing_after_the_block():
     await trio.sleep(0.05)
     lines = out.getvalue().splitlines()
     assert [x.split(" ", 1)[1].split("  ")[0] for x in lines[:-1]] == [
-        "state: starting", "state: starting -> training", "round 1", "round 2"]
+        "state: starting",
+        "state: starting -> training",
+        "round 1",
+        "round 2",
+    ]
     assert lines[-1] == "{json}"
 
 

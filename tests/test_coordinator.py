@@ -54,8 +54,11 @@ class FakeHost:
 
 
 async def coordinator(nursery: trio.Nursery, me: str, members: list[str], connected: set[str] | None = None):
-    c = Coordinator(FakeHost(me, set(members) - {me} if connected is None else connected), CONFIG,
-                    lambda _round: tuple(sorted(members)))
+    c = Coordinator(
+        FakeHost(me, set(members) - {me} if connected is None else connected),
+        CONFIG,
+        lambda _round: tuple(sorted(members)),
+    )
     await nursery.start(c.run)
     return c
 

@@ -57,9 +57,7 @@ PROPERTY_SETTINGS = settings(
 timestamps = st.one_of(st.none(), st.integers(0, 3))  # small range: LWW ties are common
 elements = st.sampled_from(["a", "b", "c", b"a", 1])
 keys = st.sampled_from(["lr", "batch", "model"])
-small_values = st.one_of(
-    st.integers(-3, 3), st.text(max_size=3), st.lists(st.integers(0, 2), max_size=2)
-)
+small_values = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.lists(st.integers(0, 2), max_size=2))
 
 packable_scalars = st.one_of(
     st.none(),
@@ -181,9 +179,7 @@ def test_deltas_in_any_order_with_duplicates_equal_the_full_state_merge(cls, dat
     states, deltas = simulate(data, cls)
     full = merged(*states)
 
-    shuffled = deltas + data.draw(
-        st.lists(st.sampled_from(deltas), max_size=5) if deltas else st.just([])
-    )
+    shuffled = deltas + data.draw(st.lists(st.sampled_from(deltas), max_size=5) if deltas else st.just([]))
     random.Random(data.draw(st.integers(0, 2**32))).shuffle(shuffled)
     from_deltas = cls(NS, NAME)
     for i in range(0, len(shuffled), 3):  # delivered in small batches
@@ -223,9 +219,7 @@ TAMPERINGS = [
 ]
 
 
-def tampered(
-    data: st.DataObject, cls: type[SignedCrdt], entry: SignedEntry, pool: list[SignedEntry]
-):
+def tampered(data: st.DataObject, cls: type[SignedCrdt], entry: SignedEntry, pool: list[SignedEntry]):
     how = data.draw(st.sampled_from(TAMPERINGS))
     owner_identity = BY_PEER_ID[entry.owner]
     if how == "flip_signature":
@@ -236,9 +230,7 @@ def tampered(
     if how == "swap_body":
         others = [e.body for e in pool if e.body_bytes != entry.body_bytes]
         if others:
-            return SignedEntry(
-                entry.owner, entry.seq, data.draw(st.sampled_from(others)), entry.signature
-            )
+            return SignedEntry(entry.owner, entry.seq, data.draw(st.sampled_from(others)), entry.signature)
         how = "flip_body_byte"
     if how == "flip_body_byte":
         raw = bytearray(entry.body_bytes)
@@ -350,9 +342,7 @@ NEAR_VALID_BODIES = {
     "lwwregister": st.lists(st.one_of(st.integers(-1, 2**63), packable_values), max_size=3),
     "lwwmap": st.dictionaries(
         st.one_of(st.text(max_size=3), st.integers(0, 3)),
-        st.one_of(
-            st.lists(st.one_of(st.integers(-1, 5), packable_values), max_size=3), packable_values
-        ),
+        st.one_of(st.lists(st.one_of(st.integers(-1, 5), packable_values), max_size=3), packable_values),
         max_size=3,
     ),
     "orset": st.lists(
@@ -407,9 +397,7 @@ def test_decoding_random_bytes_raises_only_crdt_error(cls, garbage):
     cls=st.sampled_from(TYPES),
     value=st.one_of(
         packable_values,
-        st.tuples(
-            st.just(1), st.sampled_from(list(CRDT_TYPES)), st.lists(packable_values, max_size=3)
-        ).map(list),
+        st.tuples(st.just(1), st.sampled_from(list(CRDT_TYPES)), st.lists(packable_values, max_size=3)).map(list),
         st.tuples(
             st.just(1),
             st.sampled_from(list(CRDT_TYPES)),

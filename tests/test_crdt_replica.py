@@ -64,9 +64,7 @@ async def start_hosts(stack: AsyncExitStack, n: int) -> list[Host]:
 
 
 async def start_replicas(stack, hosts, specs=SPECS, config=FAST) -> list[Replica]:
-    return [
-        await stack.enter_async_context(Replica(h, SWARM, specs, config=config)) for h in hosts
-    ]
+    return [await stack.enter_async_context(Replica(h, SWARM, specs, config=config)) for h in hosts]
 
 
 async def connect_line(hosts: list[Host]) -> None:
@@ -104,9 +102,7 @@ async def disconnect(a: Host, b: Host) -> None:
     for x, y in ((a, b), (b, a)):
         x.libp2p.get_peerstore().clear_addrs(y.identity.peer_id)
         await x.disconnect(y.peer_id)
-    await wait_until(
-        lambda: not a.is_connected(b.peer_id) and not b.is_connected(a.peer_id), 5, "disconnect"
-    )
+    await wait_until(lambda: not a.is_connected(b.peer_id) and not b.is_connected(a.peer_id), 5, "disconnect")
 
 
 def write_everything(replica: Replica, i: int) -> None:
@@ -204,8 +200,15 @@ async def test_forged_and_tampered_deltas_from_a_hostile_peer_are_rejected():
 
         # The hostile peer speaks raw gossipsub and raw RPC, next to honest peer 1.
         evil = await stack.enter_async_context(Host(Identity.generate()))
-        router = GossipSub([PROTOCOL_ID_V11], 6, 4, 12, heartbeat_interval=1,
-                           spam_protection_enabled=False, adaptive_gossip_enabled=False)
+        router = GossipSub(
+            [PROTOCOL_ID_V11],
+            6,
+            4,
+            12,
+            heartbeat_interval=1,
+            spam_protection_enabled=False,
+            adaptive_gossip_enabled=False,
+        )
         pubsub = Pubsub(evil.libp2p, router)
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
@@ -216,8 +219,9 @@ async def test_forged_and_tampered_deltas_from_a_hostile_peer_are_rejected():
 
         victim = replicas[2].crdt("samples").entry(hosts[2].peer_id)
         tampered = SignedEntry(victim.owner, victim.seq + 1, victim.body + 10**6, victim.signature)
-        impostor = SignedEntry(victim.owner, victim.seq + 1, victim.body + 1,
-                               evil.identity.sign(b"not what the owner signed"))
+        impostor = SignedEntry(
+            victim.owner, victim.seq + 1, victim.body + 1, evil.identity.sign(b"not what the owner signed")
+        )
         rogue_cfg = LWWMap(SWARM, "config")  # no allow-list on the attacker's copy
         rogue_cfg.set(evil.identity, "lr", 1000.0)
         # above the 48 KiB entry limit, below the 56 KiB message limit
@@ -241,8 +245,10 @@ async def test_forged_and_tampered_deltas_from_a_hostile_peer_are_rejected():
 
         rpc = evil.rpc
         target = hosts[1].peer_id
-        forged_push = {"samples": encode_entries("gcounter", [tampered, impostor]),
-                       "config": encode_entries("lwwmap", rogue_cfg.entries())}
+        forged_push = {
+            "samples": encode_entries("gcounter", [tampered, impostor]),
+            "config": encode_entries("lwwmap", rogue_cfg.entries()),
+        }
         reply = await rpc.call(target, "crdt/pull", {"ns": SWARM, "d": {}, "p": forged_push})
         assert reply["rejected"] == 3
         for bad in ({"ns": SWARM}, ["not", "a", "map"], {"ns": SWARM, "fp": {f"x{i}": b"" for i in range(1000)}}):
@@ -259,8 +265,7 @@ async def test_forged_and_tampered_deltas_from_a_hostile_peer_are_rejected():
         assert all(r.fingerprint() == before for r in replicas)
         assert replicas[0].crdt("config").value() == {"lr": 0.7}
         assert neighbour.entries_rejected >= 4 + 3
-        assert "signature does not verify for its owner in this namespace and CRDT" in (
-            neighbour.rejections_by_reason)
+        assert "signature does not verify for its owner in this namespace and CRDT" in (neighbour.rejections_by_reason)
         # invalid messages were not relayed: peers beyond the neighbour never saw them
         assert all(r.stats.gossip_invalid == 0 for r in (replicas[0], replicas[2], replicas[3]))
 
@@ -299,17 +304,13 @@ async def test_change_events_reach_subscribers_with_their_source():
 # --- swarm view ---------------------------------------------------------------------------------
 
 # Short heartbeats and leases; a high swarm-wide heartbeat rate keeps the interval at 0.3 s.
-VIEW = {"heartbeat_interval": 0.3, "ttl": 1.5, "recover_timeout": 2.0,
-        "swarm_heartbeat_rate": 100.0}
+VIEW = {"heartbeat_interval": 0.3, "ttl": 1.5, "recover_timeout": 2.0, "swarm_heartbeat_rate": 100.0}
 
 
 async def start_views(stack, hosts, owner: str, **options) -> list[SwarmView]:
     replicas = await start_replicas(stack, hosts, specs=swarm_specs(owner))
     await connect_line(hosts)
-    return [
-        await stack.enter_async_context(SwarmView(r, owner, **{**VIEW, **options}))
-        for r in replicas
-    ]
+    return [await stack.enter_async_context(SwarmView(r, owner, **{**VIEW, **options})) for r in replicas]
 
 
 async def test_config_is_writable_by_the_swarm_owner_only_on_every_peer():
@@ -318,8 +319,9 @@ async def test_config_is_writable_by_the_swarm_owner_only_on_every_peer():
         owner = hosts[0].peer_id
         views = await start_views(stack, hosts, owner)
         views[0].set_config(lr=0.7, outer_steps=500)
-        await wait_until(lambda: all(v.config() == {"lr": 0.7, "outer_steps": 500} for v in views),
-                         10, "owner's config everywhere")
+        await wait_until(
+            lambda: all(v.config() == {"lr": 0.7, "outer_steps": 500} for v in views), 10, "owner's config everywhere"
+        )
 
         with pytest.raises(NotSwarmOwner, match="only the owner's key"):
             views[2].set_config(lr=99.0)
@@ -340,8 +342,7 @@ async def test_config_is_writable_by_the_swarm_owner_only_on_every_peer():
         for i, v in enumerate(views):
             assert v.config() == {"lr": 0.7, "outer_steps": 500}
             if i != 2:
-                assert v.replica.stats.rejections_by_reason.get(
-                    "owner is not an allowed writer of this CRDT", 0) >= 1
+                assert v.replica.stats.rejections_by_reason.get("owner is not an allowed writer of this CRDT", 0) >= 1
 
 
 async def test_membership_drops_a_silent_peer_when_its_lease_ends_and_a_leaving_peer_at_once():
@@ -354,28 +355,33 @@ async def test_membership_drops_a_silent_peer_when_its_lease_ends_and_a_leaving_
         async with trio.open_nursery() as nursery:
             scopes = []
             for v in views:
+
                 async def run(view=v, task_status=trio.TASK_STATUS_IGNORED):
                     with trio.CancelScope() as scope:
                         async with view:
                             task_status.started(scope)
                             await trio.sleep_forever()
+
                 scopes.append(await nursery.start(run))
             ids = sorted(h.peer_id for h in hosts)
-            await wait_until(lambda: all(v.membership_snapshot() == ids for v in views), 10,
-                             "all four live everywhere")
+            await wait_until(lambda: all(v.membership_snapshot() == ids for v in views), 10, "all four live everywhere")
             info = {p.peer_id: p for p in views[0].live_peers()}[hosts[3].peer_id]
             assert info.role == "trainer" and info.addrs == tuple(hosts[3].addrs)
 
             await views[3].leave()  # clean leave: gone at once, long before its 3 s lease
             await wait_until(
                 lambda: all(hosts[3].peer_id not in v.membership_snapshot() for v in views[:3]),
-                1.5, "a leaving peer disappears")
+                1.5,
+                "a leaving peer disappears",
+            )
             assert {p.peer_id: p for p in views[0].peers()}[hosts[3].peer_id].left
 
             scopes[2].cancel()  # peer 2 stops heartbeating without leaving (its host stays up)
             await wait_until(
                 lambda: all(hosts[2].peer_id not in v.membership_snapshot() for v in views[:2]),
-                6.0, "a silent peer expires when its lease ends")
+                6.0,
+                "a silent peer expires when its lease ends",
+            )
             silent = {p.peer_id: p for p in views[0].peers()}[hosts[2].peer_id]
             assert not silent.left  # dropped because its lease ran out, not because it left
             assert now_ms() > silent.last_heartbeat_ms + silent.lease_ms
@@ -399,8 +405,12 @@ async def test_progress_and_metrics_reach_every_peer():
 
         def done(v):
             prog, met = v.progress(), v.metrics()
-            return (len(prog) == 3 and sorted(p.step for p in prog.values()) == [0, 10, 20]
-                    and len(met) == 3 and v.total_samples() == 3000)
+            return (
+                len(prog) == 3
+                and sorted(p.step for p in prog.values()) == [0, 10, 20]
+                and len(met) == 3
+                and v.total_samples() == 3000
+            )
 
         await wait_until(lambda: all(done(v) for v in views), 5, "progress and metrics")
         assert views[0].metrics()[hosts[2].peer_id].values == {"loss": 0.5, "tokens_per_s": 100.0}
@@ -418,13 +428,19 @@ async def test_a_restarted_peer_keeps_its_identity_and_its_seq_continues(meets_s
 
         async with AsyncExitStack() as first_life:
             host = await first_life.enter_async_context(Host(identity))
-            replica = await first_life.enter_async_context(
-                Replica(host, SWARM, swarm_specs(owner), config=FAST))
+            replica = await first_life.enter_async_context(Replica(host, SWARM, swarm_specs(owner), config=FAST))
             await host.connect(hosts[1].addrs[0])
             view = await first_life.enter_async_context(SwarmView(replica, owner, **VIEW))
             view.report_progress(step=500, samples=64_000, outer_round=2)
-            await wait_until(lambda: view.membership_snapshot() == views[0].membership_snapshot()
-                             and len(views[0].membership_snapshot()) == 3, 10, "joined")
+            await wait_until(
+                lambda: (
+                    view.membership_snapshot() == views[0].membership_snapshot()
+                    and len(views[0].membership_snapshot()) == 3
+                ),
+                10,
+                "joined",
+            )
+
             def seen_seq() -> int:
                 rec = {p.peer_id: p for p in views[0].peers()}.get(identity.peer_id_str)
                 return 0 if rec is None else rec.seq
@@ -432,30 +448,31 @@ async def test_a_restarted_peer_keeps_its_identity_and_its_seq_continues(meets_s
             await wait_until(lambda: seen_seq() >= 3, 10, "a few heartbeats")
             old = {p.peer_id: p for p in views[0].peers()}[identity.peer_id_str]
         # left cleanly; now the same identity comes back on a new host with no state
-        await wait_until(lambda: identity.peer_id_str not in views[0].membership_snapshot(), 5,
-                         "first life left")
+        await wait_until(lambda: identity.peer_id_str not in views[0].membership_snapshot(), 5, "first life left")
 
         host = await stack.enter_async_context(Host(identity))
-        replica = await stack.enter_async_context(
-            Replica(host, SWARM, swarm_specs(owner), config=FAST))
+        replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner), config=FAST))
         if meets_swarm_first:
             await host.connect(hosts[1].addrs[0])
             view = await stack.enter_async_context(SwarmView(replica, owner, **VIEW))
         else:  # starts alone, writes seq 1, and only then meets the swarm
-            view = await stack.enter_async_context(
-                SwarmView(replica, owner, **{**VIEW, "recover_timeout": 0.1}))
+            view = await stack.enter_async_context(SwarmView(replica, owner, **{**VIEW, "recover_timeout": 0.1}))
             assert replica.crdt("membership").entry(identity.peer_id_str).seq == 1
             await host.connect(hosts[1].addrs[0])
 
         def recognised(v):
             peers = {p.peer_id: p for p in v.peers()}
             me = peers.get(identity.peer_id_str)
-            return (len(peers) == 3 and me is not None and me.seq > old.seq and not me.left
-                    and me.addrs == tuple(host.addrs))
+            return (
+                len(peers) == 3
+                and me is not None
+                and me.seq > old.seq
+                and not me.left
+                and me.addrs == tuple(host.addrs)
+            )
 
         await wait_until(lambda: all(recognised(v) for v in [*views, view]), 10, "recognised")
-        assert sorted(views[0].membership_snapshot()) == sorted([*(h.peer_id for h in hosts),
-                                                                 identity.peer_id_str])
+        assert sorted(views[0].membership_snapshot()) == sorted([*(h.peer_id for h in hosts), identity.peer_id_str])
         # the old incarnation's progress came back with the state
         assert view.progress()[identity.peer_id_str].step == 500
         if not meets_swarm_first:
@@ -466,20 +483,33 @@ async def test_heartbeats_stretch_and_leases_grow_with_the_swarm():
     host = Host(Identity.generate())  # never started: this test merges records by hand
     owner = host.peer_id
     replica = Replica(host, SWARM, swarm_specs(owner))
-    view = SwarmView(replica, owner, addrs=[], heartbeat_interval=3.0, ttl=12.0,
-                     swarm_heartbeat_rate=4.0, max_heartbeat_interval=15.0)
+    view = SwarmView(
+        replica,
+        owner,
+        addrs=[],
+        heartbeat_interval=3.0,
+        ttl=12.0,
+        swarm_heartbeat_rate=4.0,
+        max_heartbeat_interval=15.0,
+    )
     view.heartbeat()
     assert view.current_interval() == 3.0
     assert view.peers()[0].lease_ms == 12_000
 
     def record(identity, **changes):
-        value = {"addrs": [], "role": "trainer", "caps": {}, "conn": "direct",
-                 "lease": 12_000, "left": False, **changes}
+        value = {
+            "addrs": [],
+            "role": "trainer",
+            "caps": {},
+            "conn": "direct",
+            "lease": 12_000,
+            "left": False,
+            **changes,
+        }
         return LWWRegister(SWARM, "membership").set(identity, value, timestamp=now_ms())
 
     others = [Identity.generate() for _ in range(39)]
-    outcome = replica.merge_entries(
-        "membership", [record(i) for i in others], "gossip", others[0].peer_id_str)
+    outcome = replica.merge_entries("membership", [record(i) for i in others], "gossip", others[0].peer_id_str)
     assert len(outcome.accepted) == 39 and len(view.live_peers()) == 40
     view.heartbeat()  # 40 live peers at 4 heartbeats/s swarm-wide: every 10 s, lease 40 s
     assert view.current_interval() == 10.0
@@ -491,8 +521,12 @@ async def test_heartbeats_stretch_and_leases_grow_with_the_swarm():
 
     # records that break the membership rules are rejected, the same way on every peer
     strangers = [Identity.generate() for _ in range(4)]
-    bad = [record(strangers[0], lease=10**9), record(strangers[1], role="x" * 100),
-           record(strangers[2], left="no"), record(strangers[3], extra=1)]
+    bad = [
+        record(strangers[0], lease=10**9),
+        record(strangers[1], role="x" * 100),
+        record(strangers[2], left="no"),
+        record(strangers[3], extra=1),
+    ]
     before = replica.fingerprint()
     assert len(replica.merge_entries("membership", bad, "gossip", None).rejected) == 4
     assert replica.fingerprint() == before

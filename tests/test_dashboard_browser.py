@@ -48,10 +48,26 @@ class _Peers(html.parser.HTMLParser):
 
 
 def render(url: str, user_dir: str) -> _Peers:
-    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                          f"--user-data-dir={user_dir}", "--virtual-time-budget=4000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=90)
+    out = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={user_dir}",
+            "--virtual-time-budget=4000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     p = _Peers()
     p.feed(out.stdout)

@@ -41,8 +41,9 @@ def stream(ds, part: str = "train") -> list[int]:
     return data.read(0, len(data)).tolist()
 
 
-def expected(docs: list[str], tokenizer, fraction: float, part: str = "train", record_newline: bool = True
-             ) -> list[int]:
+def expected(
+    docs: list[str], tokenizer, fraction: float, part: str = "train", record_newline: bool = True
+) -> list[int]:
     out: list[int] = []
     for d in docs:
         if is_held_out(d, fraction) == (part == "held-out"):
@@ -143,8 +144,12 @@ def test_content_digest_follows_bytes_and_names_not_location(tmp_path):
     (tmp_path / "y").mkdir()
     a = write_jsonl(tmp_path / "x" / "d.jsonl", DOCS)
     b = write_jsonl(tmp_path / "y" / "d.jsonl", DOCS)
-    assert dataset_digest(a) == dataset_digest(b) == dataset_digest(tmp_path / "x") != dataset_digest(
-        tmp_path / "x", tmp_path / "y")
+    assert (
+        dataset_digest(a)
+        == dataset_digest(b)
+        == dataset_digest(tmp_path / "x")
+        != dataset_digest(tmp_path / "x", tmp_path / "y")
+    )
     b.rename(tmp_path / "y" / "e.jsonl")
     assert dataset_digest(tmp_path / "y") != dataset_digest(tmp_path / "x")
     raw = bytearray(a.read_bytes())
@@ -182,6 +187,6 @@ def test_packing_keeps_every_token_of_every_document_once_in_order(tmp_path_fact
         n = ds.sequences(context, part)
         packed = [ds.sequence(i, context, part).tolist() for i in range(n)]
         assert all(len(s) == context + 1 for s in packed)
-        tail = want[n * (context + 1):]
+        tail = want[n * (context + 1) :]
         assert len(tail) < context + 1  # only a tail shorter than one sequence is left out
         assert [t for s in packed for t in s] + tail == want

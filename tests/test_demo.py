@@ -15,8 +15,13 @@ from .conftest import ROOT
 @pytest.mark.slow
 def test_demo_quick_trains_a_four_node_swarm(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]

@@ -69,7 +69,8 @@ async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_t
     resumed = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device=device)
     resumed.load_checkpoint(state)
     assert resumed.step == 10 and all(
-        torch.equal(a, b) for a, b in zip(t.model.parameters(), resumed.model.parameters(), strict=True))
+        torch.equal(a, b) for a, b in zip(t.model.parameters(), resumed.model.parameters(), strict=True)
+    )
 
 
 async def test_bf16_autocast_trains_with_fp32_master_weights_and_loss_falls():
@@ -99,12 +100,17 @@ async def test_fp16_scales_the_loss_and_checkpoints_the_scale():
 @pytest.mark.slow
 def test_device_mistakes_on_the_command_line_are_one_line(tmp_path):
     def start(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--data-dir", str(tmp_path),
-                               *flags], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--data-dir", str(tmp_path), *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = start("--device", "gpu0")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "meshtrain: error: node config: device: must be auto, cpu, mps, cuda or cuda:<index> (got 'gpu0')"]
+        "meshtrain: error: node config: device: must be auto, cpu, mps, cuda or cuda:<index> (got 'gpu0')"
+    ]
     if not torch.cuda.is_available():
         r = start("--nproc-per-node", "2", "--device", "cuda")
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no CUDA device" in r.stderr
@@ -121,8 +127,9 @@ def test_precision_names():
 async def test_status_and_metrics_show_the_device(tmp_path):
     spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=30, H=10, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path))
-    config = meshtrain.NodeConfig(data_dir=tmp_path, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0,
-                                  device="cpu", nat=False)
+    config = meshtrain.NodeConfig(
+        data_dir=tmp_path, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, device="cpu", nat=False
+    )
     node = meshtrain.Node(config, spec=signed)
     seen = {}
     async with trio.open_nursery() as nursery:
@@ -132,7 +139,8 @@ async def test_status_and_metrics_show_the_device(tmp_path):
                 await trio.sleep(0.05)
         seen["status"] = await trio.to_thread.run_sync(fetch_status, node.status_url, 5)
         seen["metrics"] = await trio.to_thread.run_sync(
-            lambda: urllib.request.urlopen(node.status_url + "/metrics", timeout=5).read().decode())
+            lambda: urllib.request.urlopen(node.status_url + "/metrics", timeout=5).read().decode()
+        )
     assert seen["status"]["node"]["device"] == "cpu" and seen["status"]["node"]["local_ranks"] == 1
     assert 'meshtrain_device_info{device="cpu",local_ranks="1"} 1.0' in seen["metrics"]
 

@@ -54,9 +54,7 @@ async def dht_node(
         yield dht
 
 
-async def run_node(
-    bootstrap: Sequence[str], config: DhtConfig, task_status: Any = trio.TASK_STATUS_IGNORED
-) -> None:
+async def run_node(bootstrap: Sequence[str], config: DhtConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """A node in its own task; `task_status` gets `(dht, cancel_scope)`: cancelling the scope
     crashes the node (nothing tells the others it left)."""
     with trio.CancelScope() as scope:
@@ -170,7 +168,10 @@ def bad_records(liar: Identity, victim: Identity) -> dict[str, Record]:
 
     def signed(**kw: Any) -> Record:
         args: dict[str, Any] = {
-            "swarm_id": SWARM, "key": KEY, "value": "lie", "expiry": now + 60,
+            "swarm_id": SWARM,
+            "key": KEY,
+            "value": "lie",
+            "expiry": now + 60,
             "subkey": liar.peer_id_str,
         } | kw
         return Record.create(liar, **args)
@@ -188,8 +189,13 @@ def bad_records(liar: Identity, victim: Identity) -> dict[str, Record]:
 
 
 EXPECTED_REASON = {
-    "forged": "forged", "unsigned": "unsigned", "expired": "expired", "future": "future",
-    "oversized": "oversized", "other_swarm": "forged", "other_key": "forged",
+    "forged": "forged",
+    "unsigned": "unsigned",
+    "expired": "expired",
+    "future": "future",
+    "oversized": "oversized",
+    "other_swarm": "forged",
+    "other_key": "forged",
     "not_owner": "not_owner",
 }
 
@@ -216,9 +222,7 @@ async def test_the_storing_node_refuses_invalid_records_sent_over_rpc() -> None:
             await attacker.host.rpc.call(storer.peer_id, STORE_RPC, {"swarm": SWARM, "key": KEY})
         assert e.value.code == "malformed"
         with pytest.raises(RemoteError) as e:
-            await attacker.host.rpc.call(
-                storer.peer_id, FIND_RPC, {"swarm": SWARM, "target": b"", "key": None}
-            )
+            await attacker.host.rpc.call(storer.peer_id, FIND_RPC, {"swarm": SWARM, "target": b"", "key": None})
         assert e.value.code == "malformed"
 
 

@@ -42,8 +42,15 @@ PROPERTY_SETTINGS = settings(
 )
 
 
-def record(owner: Identity = ALICE, *, key: str = KEY, value: object = "v", expiry: float = NOW + 60,
-           subkey: str | None | type = ..., swarm: str = SWARM) -> Record:
+def record(
+    owner: Identity = ALICE,
+    *,
+    key: str = KEY,
+    value: object = "v",
+    expiry: float = NOW + 60,
+    subkey: str | None | type = ...,
+    swarm: str = SWARM,
+) -> Record:
     sk = owner.peer_id_str if subkey is ... else subkey
     return Record.create(owner, swarm, key, value, expiry, sk)
 

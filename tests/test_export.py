@@ -39,13 +39,23 @@ from .test_node_cli import finish, wait_daemon
 from .tiny_hf import FACTORY, save_tiny_llama, train_bpe
 
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1", "--no-nat"]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+ENV = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    PYTHONUNBUFFERED="1",
+    OMP_NUM_THREADS="1",
+)
 
 
 def cli(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
 
 
 def trained_node(data_dir: Path, spec: SwarmSpec, steps: int) -> Trainer:
@@ -59,15 +69,15 @@ def trained_node(data_dir: Path, spec: SwarmSpec, steps: int) -> Trainer:
             await trio.to_thread.run_sync(trainer.run, threading.Event(), steps, lambda _t: None)
 
     trio.run(train)
-    CheckpointStore(data_dir / "checkpoints").save(trainer.checkpoint_state(), step=trainer.step,
-                                                   round=trainer.outer.rounds)
+    CheckpointStore(data_dir / "checkpoints").save(
+        trainer.checkpoint_state(), step=trainer.step, round=trainer.outer.rounds
+    )
     return trainer
 
 
 def test_builtin_gpt_exports_phi_not_theta_and_samples(tmp_path):
     # 12 steps with H 5: θ is two inner steps past φ, so φ and θ differ at the checkpoint.
-    trainer = trained_node(tmp_path / "d", SwarmSpec(model="gpt-tiny", H=5, steps=12, eval_every=0,
-                                                     batch_size=4), 12)
+    trainer = trained_node(tmp_path / "d", SwarmSpec(model="gpt-tiny", H=5, steps=12, eval_every=0, batch_size=4), 12)
     phi = trainer.outer.outer_params
     assert any(not torch.equal(p.detach(), phi[n]) for n, p in trainer.model.named_parameters())
     info = export_model(tmp_path / "d", tmp_path / "out")
@@ -93,8 +103,9 @@ def test_builtin_gpt_exports_phi_not_theta_and_samples(tmp_path):
 def test_py_factory_round_trips_through_export(tmp_path):
     source = tmp_path / "mymodel.py"
     source.write_text(FACTORY)
-    spec = SwarmSpec(model=f"py:{source}:make", tokenizer="bytes", H=4, steps=8, eval_every=0, batch_size=4,
-                     inner_lr=0.05)
+    spec = SwarmSpec(
+        model=f"py:{source}:make", tokenizer="bytes", H=4, steps=8, eval_every=0, batch_size=4, inner_lr=0.05
+    )
     trainer = trained_node(tmp_path / "d", spec, 8)
     assert trainer.context == 16  # the model's own `context`
     info = export_model(tmp_path / "d", tmp_path / "out")
@@ -138,9 +149,27 @@ def test_export_and_sample_mistakes_are_one_line(tmp_path):
 
 def start(home: Path, *args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
-                                 "--data-dir", "data", *LOOPBACK, "--quiet", *args], cwd=home,
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.node.cli",
+                "--log-level",
+                "INFO",
+                "node",
+                "start",
+                "--data-dir",
+                "data",
+                *LOOPBACK,
+                "--quiet",
+                *args,
+            ],
+            cwd=home,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=ENV,
+        )
 
 
 @pytest.mark.slow
@@ -156,9 +185,27 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     shutil.rmtree(homes["other_config"] / "llama")
     save_tiny_llama(homes["other_config"] / "llama", rms_norm_eps=1e-5)
 
-    r = cli("swarm", "create", "--data-dir", "data", "--model", "hf:llama", "--tokenizer", "hf:bpe",
-            "--steps", "12", "--H", "6", "--batch-size", "4", "--context", "32", "--eval-every", "0",
-            cwd=homes["a"])
+    r = cli(
+        "swarm",
+        "create",
+        "--data-dir",
+        "data",
+        "--model",
+        "hf:llama",
+        "--tokenizer",
+        "hf:bpe",
+        "--steps",
+        "12",
+        "--H",
+        "6",
+        "--batch-size",
+        "4",
+        "--context",
+        "32",
+        "--eval-every",
+        "0",
+        cwd=homes["a"],
+    )
     assert r.returncode == 0, r.stderr
     spec = json.loads((homes["a"] / "data" / "swarm.json").read_text())["spec"]
     assert spec["model_digest"].startswith("config=") and ",weights=" in spec["model_digest"]
@@ -167,8 +214,10 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     addr = wait_daemon(homes["a"] / "data", pa, logs["a"])["addrs"][0]
     pb = start(homes["b"], "--join", addr, "--wait-peers", "2", log=logs["b"])
     # Peers whose local files differ from the swarm's pins are refused, naming which differs.
-    for name, needle in (("other_tokenizer", "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest"),
-                         ("other_config", "model: your hf:llama differs from the swarm's (config digest")):
+    for name, needle in (
+        ("other_tokenizer", "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest"),
+        ("other_config", "model: your hf:llama differs from the swarm's (config digest"),
+    ):
         proc = start(homes[name], "--join", addr, log=logs[name])
         proc.communicate(timeout=120)
         err = logs[name].read_text()

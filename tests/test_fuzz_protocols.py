@@ -19,8 +19,17 @@ async def test_a_non_member_cannot_crash_hang_or_steer_a_live_swarm(tmp_path):
     out = await fuzz(cases=CASES, seed_value=14, nodes=2, control=True, data_dir=tmp_path)
 
     assert out["cases"] == CASES
-    assert {"allreduce/join", "dataplane", "dataplane-tcp", "crdt/pull", "gossipsub", "dht/store",
-            "state/chunk", "swarm/spec", "/meshtrain/tensors/1"} <= set(out["by_protocol"])
+    assert {
+        "allreduce/join",
+        "dataplane",
+        "dataplane-tcp",
+        "crdt/pull",
+        "gossipsub",
+        "dht/store",
+        "state/chunk",
+        "swarm/spec",
+        "/meshtrain/tensors/1",
+    } <= set(out["by_protocol"])
     assert out["crashes"] == 0, out["findings"]
     assert out["hangs"] == 0, out["findings"]
     # positive control: a member's join for a future round with expected = [itself] is flagged

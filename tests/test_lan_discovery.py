@@ -32,8 +32,9 @@ def lab_lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatLab, 
     require_natlab()
     logs = tmp_path_factory.mktemp("lan_peers")
     with NatLab([HomeSpec("cone", ("m0", "m1", "m2"))], public_hosts=1) as lab:
-        peers = start_peers(lab, {"m0": {"mdns": "swarm-a"}, "m1": {"mdns": "swarm-a"},
-                                  "m2": {"mdns": "swarm-b"}}, log_dir=str(logs))
+        peers = start_peers(
+            lab, {"m0": {"mdns": "swarm-a"}, "m1": {"mdns": "swarm-a"}, "m2": {"mdns": "swarm-b"}}, log_dir=str(logs)
+        )
         try:
             yield lab, peers
         finally:
@@ -64,12 +65,17 @@ def test_peers_of_one_swarm_on_a_lan_find_and_dial_each_other(lan: dict[str, Lab
 
 
 def test_two_nodes_with_mdns_form_a_swarm_on_a_lan_without_any_address(
-        lab_lan: tuple[NatLab, dict[str, LabPeer]], tmp_path: Path) -> None:
+    lab_lan: tuple[NatLab, dict[str, LabPeer]], tmp_path: Path
+) -> None:
     lab = lab_lan[0]
     cli = [sys.executable, "-m", "meshtrain.node.cli"]
     a, b = tmp_path / "a", tmp_path / "b"
-    made = subprocess.run([*cli, "swarm", "create", "--data-dir", str(a), "--model", "gpt-tiny",
-                           "--steps", "0", "--H", "10"], cwd=ROOT, capture_output=True, text=True)
+    made = subprocess.run(
+        [*cli, "swarm", "create", "--data-dir", str(a), "--model", "gpt-tiny", "--steps", "0", "--H", "10"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert made.returncode == 0, made.stderr
     b.mkdir()
     shutil.copy(a / "swarm.json", b / "swarm.json")  # b holds the spec, but no one's address
@@ -77,27 +83,43 @@ def test_two_nodes_with_mdns_form_a_swarm_on_a_lan_without_any_address(
     for host, d in (("m0", a), ("m1", b)):
         logs[host] = tmp_path / f"{host}.log"
         with open(logs[host], "w") as err:
-            procs[host] = lab.run(host, [
-                *cli, "--log-level", "INFO", "node", "start", "--data-dir", str(d), "--mdns",
-                "--listen", f"/ip4/{lab.addr(host)}/tcp/4011", "--status-port", "0",
-                "--threads", "1", "--no-nat", "--no-upnp"],
-                cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err)
+            procs[host] = lab.run(
+                host,
+                [
+                    *cli,
+                    "--log-level",
+                    "INFO",
+                    "node",
+                    "start",
+                    "--data-dir",
+                    str(d),
+                    "--mdns",
+                    "--listen",
+                    f"/ip4/{lab.addr(host)}/tcp/4011",
+                    "--status-port",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--no-nat",
+                    "--no-upnp",
+                ],
+                cwd=str(ROOT),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
     try:
         deadline, peers = time.monotonic() + 60, {}
         while time.monotonic() < deadline:
             for host, d in (("m0", a), ("m1", b)):
                 assert procs[host].poll() is None, logs[host].read_text()[-3000:]
-                st = lab.call(host, [*cli, "node", "status", "--json", "--data-dir", str(d)],
-                              check=False, timeout=30)
+                st = lab.call(host, [*cli, "node", "status", "--json", "--data-dir", str(d)], check=False, timeout=30)
                 if st.returncode == 0:
-                    peers[host] = {p["peer_id"]: p["connection"]
-                                   for p in json.loads(st.stdout)["peers"]}
+                    peers[host] = {p["peer_id"]: p["connection"] for p in json.loads(st.stdout)["peers"]}
             if all(len(p) == 2 for p in peers.values()) and len(peers) == 2:
                 break
             time.sleep(1.0)
         else:
-            pytest.fail(f"the two nodes never saw each other: {peers}\n"
-                        f"{logs['m1'].read_text()[-3000:]}")
+            pytest.fail(f"the two nodes never saw each other: {peers}\n{logs['m1'].read_text()[-3000:]}")
         # each lists itself and the other, reached directly over the LAN
         assert sorted(peers["m0"].values()) == sorted(peers["m1"].values()) == ["direct", "self"]
         assert set(peers["m0"]) == set(peers["m1"])

@@ -42,9 +42,11 @@ def test_same_seed_builds_bit_identical_weights_other_seed_differs_global_rng_un
     assert torch.equal(torch.get_rng_state(), rng_before)
     for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
-    assert all(not torch.equal(p, r) for (n, p), (_, r)
-               in zip(a.named_parameters(), other.named_parameters(), strict=True)
-               if n.endswith("weight") and p.dim() > 1)
+    assert all(
+        not torch.equal(p, r)
+        for (n, p), (_, r) in zip(a.named_parameters(), other.named_parameters(), strict=True)
+        if n.endswith("weight") and p.dim() > 1
+    )
 
 
 def test_head_is_tied_to_token_embedding_unless_disabled():
@@ -55,9 +57,11 @@ def test_head_is_tied_to_token_embedding_unless_disabled():
 
 
 def test_parameter_count_formula_matches_built_models_and_large_preset_is_25m():
-    for config in (GPTConfig.tiny(103), GPTConfig.small(103),
-                   GPTConfig(77, n_layer=3, n_head=2, d_model=24, context=10,
-                             tie_embeddings=False)):
+    for config in (
+        GPTConfig.tiny(103),
+        GPTConfig.small(103),
+        GPTConfig(77, n_layer=3, n_head=2, d_model=24, context=10, tie_embeddings=False),
+    ):
         assert GPT(config).num_parameters() == config.num_parameters()
     assert GPTConfig.large().num_parameters() >= 25_000_000
     assert GPTConfig.for_params(1_000_000).num_parameters() >= 1_000_000
@@ -102,8 +106,7 @@ def test_bad_forward_inputs_raise_model_input_error():
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4, 5])
-def test_stage_split_covers_every_parameter_exactly_once_and_composes_to_forward(
-        corpus, n_stages):
+def test_stage_split_covers_every_parameter_exactly_once_and_composes_to_forward(corpus, n_stages):
     model = GPT(GPTConfig.small(corpus.vocab_size), seed=1)
     stages = model.stages(n_stages)
     assert [s.index for s in stages] == list(range(n_stages))
@@ -148,12 +151,10 @@ def test_batch_is_a_pure_function_of_seed_peer_step(corpus):
     a = corpus.batch(4, 16, seed=1, peer="A", step=10)
     assert _same_batch(a, corpus.batch(4, 16, seed=1, peer="A", step=10))
     assert _same_batch(a, Corpus.default().batch(4, 16, seed=1, peer="A", step=10))  # restart
-    for other in (dict(seed=1, peer="B", step=10), dict(seed=1, peer="A", step=11),
-                  dict(seed=2, peer="A", step=10)):
+    for other in (dict(seed=1, peer="B", step=10), dict(seed=1, peer="A", step=11), dict(seed=2, peer="A", step=10)):
         assert not torch.equal(a[0], corpus.batch(4, 16, **other)[0]), other
     assert not torch.equal(a[0], corpus.batch(4, 16, seed=1, peer="A", step=10, microbatch=1)[0])
-    assert _same_batch(corpus.batch(2, 8, seed=0, peer=3, step=0),
-                       corpus.batch(2, 8, seed=0, peer="3", step=0))
+    assert _same_batch(corpus.batch(2, 8, seed=0, peer=3, step=0), corpus.batch(2, 8, seed=0, peer="3", step=0))
     x, y = a
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -177,8 +178,7 @@ def test_held_out_is_a_disjoint_tail_and_batches_stay_on_their_side(corpus):
         assert corpus.vocab.decode(torch.cat([row, last[None]])) in train_text
     evals = corpus.eval_batches(3, 4, 32)
     assert len(evals) == 3 and all(ex.shape == (4, 32) for ex, _ in evals)
-    assert all(_same_batch(u, v) for u, v in zip(evals, corpus.eval_batches(3, 4, 32),
-                                                   strict=True))
+    assert all(_same_batch(u, v) for u, v in zip(evals, corpus.eval_batches(3, 4, 32), strict=True))
     for ex, ey in evals:
         for row, last in zip(ex, ey[:, -1], strict=True):
             assert corpus.vocab.decode(torch.cat([row, last[None]])) in held_out_text

@@ -34,7 +34,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hf")
@@ -78,8 +77,9 @@ def test_hf_tokenizers_from_a_directory_and_a_bare_json_agree(hf_dirs, tmp_path)
     copy = tmp_path / "copy"
     shutil.copytree(bpe, copy)
     assert tokenizer_digest(f"hf:{copy}") == tokenizer_digest(f"hf:{bpe}")
-    (copy / "tokenizer_config.json").write_text((copy / "tokenizer_config.json").read_text().replace(
-        "<|endoftext|>", "</s>"))
+    (copy / "tokenizer_config.json").write_text(
+        (copy / "tokenizer_config.json").read_text().replace("<|endoftext|>", "</s>")
+    )
     assert tokenizer_digest(f"hf:{copy}") != tokenizer_digest(f"hf:{bpe}")
 
 
@@ -94,8 +94,12 @@ def test_a_corpus_tokenised_with_a_bpe_pins_its_tokenizer(hf_dirs):
 
 def test_tokenizer_mistakes_are_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    for name, match in ((f"hf:{tmp_path / 'none'}", "does not exist"), (f"hf:{tmp_path / 'empty'}", "no tokenizer"),
-                        ("sentencepiece", "must be chars, bytes or hf:"), ("chars", "alphabet")):
+    for name, match in (
+        (f"hf:{tmp_path / 'none'}", "does not exist"),
+        (f"hf:{tmp_path / 'empty'}", "no tokenizer"),
+        ("sentencepiece", "must be chars, bytes or hf:"),
+        ("chars", "alphabet"),
+    ):
         with pytest.raises(ConfigError, match=match) as e:
             load_tokenizer(name)
         assert "\n" not in str(e.value)

@@ -34,19 +34,44 @@ pytestmark = pytest.mark.slow
 class Proc:
     def __init__(self, data_dir: Path, *args: str, device: str = "cpu") -> None:
         self.dir, self.log = data_dir, data_dir.with_suffix(".log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         with open(self.log, "a") as err:
-            self.p = subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node",
-                                       "start", "--data-dir", str(data_dir), *COMMON, "--device", device, *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=err, text=True)
+            self.p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "meshtrain.node.cli",
+                    "--log-level",
+                    "INFO",
+                    "node",
+                    "start",
+                    "--data-dir",
+                    str(data_dir),
+                    *COMMON,
+                    "--device",
+                    device,
+                    *args,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
 
     def daemon(self, timeout: float = 120) -> dict:
         return wait_for(lambda: self._daemon(), timeout, f"{self.dir.name} to start; log {self.log}")
 
     def _daemon(self) -> dict | None:
         if self.p.poll() is not None:
-            raise AssertionError(f"{self.dir.name} exited early ({self.p.returncode}); log:\n{self.log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"{self.dir.name} exited early ({self.p.returncode}); log:\n{self.log.read_text()[-3000:]}"
+            )
         try:
             return json.loads((self.dir / "daemon.json").read_text())
         except (OSError, ValueError):
@@ -61,7 +86,9 @@ class Proc:
     def result(self, timeout: float) -> dict:
         out, _ = self.p.communicate(timeout=timeout)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        assert self.p.returncode == 0 and lines, f"{self.dir.name}: rc {self.p.returncode}; log:\n{self.log.read_text()[-3000:]}"
+        assert self.p.returncode == 0 and lines, (
+            f"{self.dir.name}: rc {self.p.returncode}; log:\n{self.log.read_text()[-3000:]}"
+        )
         return json.loads(lines[-1])
 
     def kill(self) -> None:
@@ -102,14 +129,24 @@ def data_dirs(base: Path, keys: list[Path]) -> list[Path]:
     return dirs
 
 
-def run_pair(base: Path, spec_file: Path, keys: list[Path], nprocs: tuple[int, int], device: str = "cpu",
-             sharding: str = "ddp") -> tuple[dict, list[dict]]:
+def run_pair(
+    base: Path, spec_file: Path, keys: list[Path], nprocs: tuple[int, int], device: str = "cpu", sharding: str = "ddp"
+) -> tuple[dict, list[dict]]:
     dirs = data_dirs(base, keys)
-    first = Proc(dirs[0], "--swarm", str(spec_file), "--wait-peers", "2", "--nproc-per-node", str(nprocs[0]),
-                 "--sharding", sharding, device=device)
+    first = Proc(
+        dirs[0],
+        "--swarm",
+        str(spec_file),
+        "--wait-peers",
+        "2",
+        "--nproc-per-node",
+        str(nprocs[0]),
+        "--sharding",
+        sharding,
+        device=device,
+    )
     addr = first.daemon()["addrs"][0]
-    second = Proc(dirs[1], "--join", addr, "--wait-peers", "2", "--nproc-per-node", str(nprocs[1]),
-                  device=device)
+    second = Proc(dirs[1], "--join", addr, "--wait-peers", "2", "--nproc-per-node", str(nprocs[1]), device=device)
     results = [first.result(300), second.result(300)]
     phi = CheckpointStore(dirs[0] / "checkpoints").load_latest().state["outer"]["outer_params"]
     return phi, results
@@ -130,8 +167,10 @@ def test_two_rank_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA devices; torch sees fewer here (CPU-only CI): run on a GPU machine with -m cuda")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices; torch sees fewer here (CPU-only CI): run on a GPU machine with -m cuda",
+)
 def test_two_gpu_peer_over_nccl_trains_close_to_a_single_gpu_peer(tmp_path):
     spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
     mixed, _ = run_pair(tmp_path / "mixed", spec_file, keys, (2, 1), device="cuda")
@@ -162,8 +201,9 @@ def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
     not if the inner optimizer's sharded moments were not gathered whole into the checkpoint,
     or not cut into shards again on resume (a fresh AdamW moves φ by ~1e-3)."""
     ident = Identity.load_or_create(tmp_path / "key")
-    spec_file = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, H=5, steps=20, batch_size=8),
-                                  ident).save(tmp_path / "swarm.json")
+    spec_file = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, H=5, steps=20, batch_size=8), ident).save(
+        tmp_path / "swarm.json"
+    )
     fsdp = ("--nproc-per-node", "2", "--sharding", "fsdp")
     single = ("--nproc-per-node", "1")
     phi = []
@@ -180,8 +220,10 @@ def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA devices; torch sees fewer here (CPU-only CI): run on a GPU machine with -m cuda")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices; torch sees fewer here (CPU-only CI): run on a GPU machine with -m cuda",
+)
 def test_two_gpu_fsdp_peer_over_nccl_trains_close_to_a_single_gpu_peer(tmp_path):
     spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
     sharded, _ = run_pair(tmp_path / "fsdp", spec_file, keys, (2, 1), device="cuda", sharding="fsdp")
@@ -194,12 +236,26 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
     dirs = data_dirs(tmp_path / "run", keys)
     # A round that began while the peer was alive waits for it up to the hard join deadline
     # (3 × --join-timeout) before it completes without it: keep that short here.
-    peer = Proc(dirs[0], "--swarm", str(spec_file), "--wait-peers", "2", "--nproc-per-node", "2",
-                "--checkpoint-every", "0.5", "--join-timeout", "3")
+    peer = Proc(
+        dirs[0],
+        "--swarm",
+        str(spec_file),
+        "--wait-peers",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--checkpoint-every",
+        "0.5",
+        "--join-timeout",
+        "3",
+    )
     other = Proc(dirs[1], "--join", peer.daemon()["addrs"][0], "--wait-peers", "2", "--join-timeout", "3")
     try:
-        st = wait_for(lambda: (s := peer.status()) and s["checkpoint"]["last_step"] and s["training"]["round"] >= 2
-                      and s, 120, "the 2-rank peer to train rounds and checkpoint")
+        st = wait_for(
+            lambda: (s := peer.status()) and s["checkpoint"]["last_step"] and s["training"]["round"] >= 2 and s,
+            120,
+            "the 2-rank peer to train rounds and checkpoint",
+        )
         pids = st["node"]["local_rank_pids"]
         assert len(pids) == 2 and st["node"]["local_ranks"] == 2 and st["node"]["device"] == "cpu"
         os.kill(pids[1], signal.SIGKILL)
@@ -207,7 +263,9 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
         peer.p.wait(timeout=PEER_DOWN_DEADLINE)
         assert time.monotonic() - t0 < PEER_DOWN_DEADLINE
         err = peer.log.read_text().strip().splitlines()[-1]
-        assert peer.p.returncode == 1 and err.startswith("meshtrain: local rank 1 of this peer ended (signal SIGKILL)"), err
+        assert peer.p.returncode == 1 and err.startswith(
+            "meshtrain: local rank 1 of this peer ended (signal SIGKILL)"
+        ), err
         for pid in pids:  # no rank is left behind
             wait_for(lambda pid=pid: not _alive(pid), 10, f"rank process {pid} to exit")
         saved = CheckpointStore(dirs[0] / "checkpoints").load_latest()
@@ -219,8 +277,11 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
         (dirs[0] / "daemon.json").unlink(missing_ok=True)
         restarted = Proc(dirs[0], "--nproc-per-node", "2", "--join-timeout", "3")
         restarted.daemon()
-        wait_for(lambda: f"resumed from checkpoint step={saved.step}" in peer.log.read_text(), 60,
-                 "the restarted peer to resume from its checkpoint")
+        wait_for(
+            lambda: f"resumed from checkpoint step={saved.step}" in peer.log.read_text(),
+            60,
+            "the restarted peer to resume from its checkpoint",
+        )
         rr = wait_for(lambda: (s := restarted.status()) and s["training"]["round"] or None, 60, "a round after restart")
         wait_for(lambda: (s := restarted.status()) and s["training"]["round"] >= rr + 2, 60, "rounds after restart")
         request_stop(restarted.daemon()["status_url"], (dirs[0] / "control.token").read_text().strip(), timeout=5)
@@ -239,8 +300,15 @@ def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
     every rank within seconds (the elastic agent would otherwise wait 30 s for ranks that wait
     for it to read their results)."""
     spec_file, keys = setup_swarm(tmp_path, H=5, steps=0, batch_size=8)
-    peer = Proc(data_dirs(tmp_path / "run", keys[:1])[0], "--swarm", str(spec_file), "--wait-peers", "2",
-                "--nproc-per-node", "2")
+    peer = Proc(
+        data_dirs(tmp_path / "run", keys[:1])[0],
+        "--swarm",
+        str(spec_file),
+        "--wait-peers",
+        "2",
+        "--nproc-per-node",
+        "2",
+    )
     try:
         pids = wait_for(lambda: (s := peer.status()) and s["node"]["local_rank_pids"], 120, "the peer's status page")
         peer.p.send_signal(signal.SIGTERM)

@@ -51,8 +51,10 @@ async def test_loopback_peer_is_public_and_starts_relaying() -> None:
 
 
 async def test_probe_without_servers_says_to_connect_first() -> None:
-    async with Host(Identity.generate()) as h, ReachabilityService(
-            h, config=ReachabilityConfig(probe_interval=0)) as reach:
+    async with (
+        Host(Identity.generate()) as h,
+        ReachabilityService(h, config=ReachabilityConfig(probe_interval=0)) as reach,
+    ):
         with pytest.raises(ReachabilityError, match="connect to a bootstrap or relay"):
             await reach.probe()
         assert reach.status == "unknown"
@@ -116,7 +118,6 @@ def test_circuit_address_parsing_and_config_checks() -> None:
         RelayConfig(max_reservations=0)
     with pytest.raises(ValueError):
         RelayConfig(refresh_fraction=1.0)
-
 
 
 async def test_closing_one_circuit_leaves_the_peers_other_circuits_alive() -> None:

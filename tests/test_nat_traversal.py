@@ -36,15 +36,19 @@ def lab_peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, La
     require_natlab()
     logs = tmp_path_factory.mktemp("nat_peers")
     with NatLab(["cone", "cone", "symmetric", "symmetric"], public_hosts=3) as lab:
-        peers = start_peers(lab, {
-            "pub0": {"serve_relay": True},
-            "pub1": {"serve_relay": True, "relay": TIGHT_RELAY},
-            "pub2": {"serve_relay": True, "relay": SHORT_RELAY},
-            "h0": {},
-            "h1": {"relay": {"refresh_fraction": 0.5}},
-            "h2": {},
-            "h3": {},
-        }, log_dir=str(logs))
+        peers = start_peers(
+            lab,
+            {
+                "pub0": {"serve_relay": True},
+                "pub1": {"serve_relay": True, "relay": TIGHT_RELAY},
+                "pub2": {"serve_relay": True, "relay": SHORT_RELAY},
+                "h0": {},
+                "h1": {"relay": {"refresh_fraction": 0.5}},
+                "h2": {},
+                "h3": {},
+            },
+            log_dir=str(logs),
+        )
         relay = peers["pub0"]
         for name in ("pub1", "pub2", "h0", "h1", "h2", "h3"):
             peers[name].call("connect", addr=relay.addr)
@@ -66,8 +70,12 @@ def test_reachability_private_behind_nat_and_public_on_internet(lab_peers: dict[
     assert pub["observed_ip"] == "198.18.0.11"
     # Behind either NAT the dial-back is dropped, although the asker *is* connected to the
     # server (the case py-libp2p's AutoNAT v1 reports as public).
-    for name, router_wan in (("h0", "198.18.0.100"), ("h1", "198.18.0.101"),
-                             ("h2", "198.18.0.102"), ("h3", "198.18.0.103")):
+    for name, router_wan in (
+        ("h0", "198.18.0.100"),
+        ("h1", "198.18.0.101"),
+        ("h2", "198.18.0.102"),
+        ("h3", "198.18.0.103"),
+    ):
         rep = lab_peers[name].first_probe
         assert rep["status"] == "private", (name, rep)
         assert rep["observed_ip"] == router_wan, (name, rep)
@@ -139,8 +147,7 @@ def test_relay_reservation_refresh_and_circuit_duration(lab_peers: dict[str, Lab
     assert h3.call("conn_type", peer=h1.peer_id)["type"] is None
 
 
-def test_upnp_on_a_lan_without_a_gateway_maps_nothing_within_its_deadline(
-        lab_peers: dict[str, LabPeer]) -> None:
+def test_upnp_on_a_lan_without_a_gateway_maps_nothing_within_its_deadline(lab_peers: dict[str, LabPeer]) -> None:
     # The home LAN has a router but no UPnP IGD (as most do): SSDP goes unanswered on the LAN
     # bridge, the mapper gives up within its deadline and the peer carries on, still private.
     h0 = lab_peers["h0"]

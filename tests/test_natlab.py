@@ -193,8 +193,9 @@ def probe(lab: NatLab, host: str, *args: object, timeout: float = 30.0) -> dict:
 
 
 def start_probe(lab: NatLab, host: str, *args: object) -> subprocess.Popen[str]:
-    return lab.run(host, [sys.executable, "-c", PROBE, *map(str, args)],
-                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return lab.run(
+        host, [sys.executable, "-c", PROBE, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def read_json_line(proc: subprocess.Popen[str]) -> dict:
@@ -228,29 +229,28 @@ def test_hosts_reach_public_hosts_from_their_routers_public_address(lab: NatLab)
 def test_cone_nat_preserves_port_and_maps_independently_of_destination(lab: NatLab) -> None:
     start_server(lab, "pub0", "observer", OBSERVER_PORT)
     start_server(lab, "pub1", "observer", OBSERVER_PORT)
-    seen = probe(lab, CONE_A, "observe", 41000, f"{lab.addr('pub0')}:{OBSERVER_PORT}",
-                 f"{lab.addr('pub1')}:{OBSERVER_PORT}")["seen"]
+    seen = probe(
+        lab, CONE_A, "observe", 41000, f"{lab.addr('pub0')}:{OBSERVER_PORT}", f"{lab.addr('pub1')}:{OBSERVER_PORT}"
+    )["seen"]
     assert seen == [f"{lab.public_addr(CONE_A)}:41000"] * 2
 
 
 def test_symmetric_nat_maps_each_destination_to_a_different_port(lab: NatLab) -> None:
     start_server(lab, "pub0", "observer", OBSERVER_PORT)
     start_server(lab, "pub1", "observer", OBSERVER_PORT)
-    seen = probe(lab, SYM_A, "observe", 41000, f"{lab.addr('pub0')}:{OBSERVER_PORT}",
-                 f"{lab.addr('pub1')}:{OBSERVER_PORT}")["seen"]
+    seen = probe(
+        lab, SYM_A, "observe", 41000, f"{lab.addr('pub0')}:{OBSERVER_PORT}", f"{lab.addr('pub1')}:{OBSERVER_PORT}"
+    )["seen"]
     (ip0, port0), (ip1, port1) = (s.split(":") for s in seen)
     assert ip0 == ip1 == lab.public_addr(SYM_A)
     assert port0 != port1, "fully-random SNAT gave the same port to two destinations"
 
 
-@pytest.mark.parametrize(("host", "expected"), [(CONE_A, "timeout"), (SYM_A, "timeout"),
-                                                (PLAIN, "refused")])
-def test_unsolicited_inbound_to_a_mapped_port_does_not_reach_the_host(
-        lab: NatLab, host: str, expected: str) -> None:
+@pytest.mark.parametrize(("host", "expected"), [(CONE_A, "timeout"), (SYM_A, "timeout"), (PLAIN, "refused")])
+def test_unsolicited_inbound_to_a_mapped_port_does_not_reach_the_host(lab: NatLab, host: str, expected: str) -> None:
     """cone/symmetric drop the SYN silently; plain SNAT lets the router itself answer RST."""
     start_server(lab, "pub0", "observer", OBSERVER_PORT)
-    listener = start_probe(lab, host, "mapped_listener", 42000,
-                           f"{lab.addr('pub0')}:{OBSERVER_PORT}")
+    listener = start_probe(lab, host, "mapped_listener", 42000, f"{lab.addr('pub0')}:{OBSERVER_PORT}")
     mapped = read_json_line(listener)["seen"]
     assert mapped.split(":")[0] == lab.public_addr(host)
     # The host is listening on the very port its mapping came from, and a stranger (pub1) as
@@ -264,8 +264,7 @@ def test_unsolicited_inbound_to_a_mapped_port_does_not_reach_the_host(
     assert results == [expected, expected], f"{lab.hosts[host].nat}: {results}"
 
 
-def _punch(lab: NatLab, a: str, b: str, *, attempts: int, connect_timeout: float
-           ) -> tuple[dict, dict, dict]:
+def _punch(lab: NatLab, a: str, b: str, *, attempts: int, connect_timeout: float) -> tuple[dict, dict, dict]:
     rdv = start_server(lab, "pub0", "rendezvous", RENDEZVOUS_PORT)
     target = f"{lab.addr('pub0')}:{RENDEZVOUS_PORT}"
     pa = start_probe(lab, a, "punch", a, 43000, target, attempts, connect_timeout)
@@ -287,15 +286,19 @@ def test_simultaneous_open_connects_two_hosts_behind_different_cone_nats(lab: Na
     print(f"cone punch: attempts {ra['attempts']}/{rb['attempts']}, {elapsed:.2f} s")
 
 
-@pytest.mark.parametrize(("a", "b", "error", "attempts"), [
-    (SYM_A, SYM_B, "TimeoutError", 2),  # each SYN goes to a port the other NAT never mapped
-    (CONE_A, SYM_A, "TimeoutError", 2),  # one unpredictable side is enough
-    # The first SYN in meets the router's RST. Only one attempt: the first exchange can leave a
-    # mapping behind on one router, after which a retry sometimes connects (seen once in CI).
-    (PLAIN, PLAIN_B, "ConnectionRefusedError", 1),
-])
+@pytest.mark.parametrize(
+    ("a", "b", "error", "attempts"),
+    [
+        (SYM_A, SYM_B, "TimeoutError", 2),  # each SYN goes to a port the other NAT never mapped
+        (CONE_A, SYM_A, "TimeoutError", 2),  # one unpredictable side is enough
+        # The first SYN in meets the router's RST. Only one attempt: the first exchange can leave a
+        # mapping behind on one router, after which a retry sometimes connects (seen once in CI).
+        (PLAIN, PLAIN_B, "ConnectionRefusedError", 1),
+    ],
+)
 def test_simultaneous_open_fails_unless_both_nats_are_cone(
-        lab: NatLab, a: str, b: str, error: str, attempts: int) -> None:
+    lab: NatLab, a: str, b: str, error: str, attempts: int
+) -> None:
     _, ra, rb = _punch(lab, a, b, attempts=attempts, connect_timeout=1.5)
     assert not ra["ok"] and not rb["ok"], (ra, rb)
     assert all(e.startswith(error) for e in ra["errors"] + rb["errors"]), (ra, rb)
@@ -319,16 +322,14 @@ def test_throttle_limits_a_routers_upload_rate(lab: NatLab) -> None:
     lab.unthrottle("r0")
 
 
-def test_teardown_removes_every_namespace_even_after_an_error_with_processes_running(
-        root_untouched: None) -> None:
+def test_teardown_removes_every_namespace_even_after_an_error_with_processes_running(root_untouched: None) -> None:
     lab = NatLab(["cone", "symmetric"], public_hosts=1)
     with pytest.raises(RuntimeError, match="boom"), lab:
         namespaces = [h.netns for h in lab.hosts.values()] + [lab.internet_netns]
         assert set(namespaces) == set(list_labs()[lab.lab_id])
         # Left running on purpose, one of them not started through lab.run.
         lab.run("h0", ["sleep", "300"])
-        run_command(["ip", "netns", "exec", lab.netns("pub0"), "sh", "-c",
-             "sleep 300 </dev/null >/dev/null 2>&1 &"])
+        run_command(["ip", "netns", "exec", lab.netns("pub0"), "sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 &"])
         raise RuntimeError("boom")
     assert lab.lab_id not in list_labs()
     lab.down()  # idempotent

@@ -20,17 +20,20 @@ CUSTOM_OUTER = Path(__file__).with_name("custom_outer.py")
 
 
 async def test_two_nodes_with_a_custom_outer_optimizer(tmp_path):
-    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=40, H=10, eval_every=20, outer_lr=0.8,
-                               optimizer=f"py:{CUSTOM_OUTER}:OuterSGD")
+    spec = meshtrain.SwarmSpec(
+        model="gpt-tiny", steps=40, H=10, eval_every=20, outer_lr=0.8, optimizer=f"py:{CUSTOM_OUTER}:OuterSGD"
+    )
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
 
     def config(name: str) -> meshtrain.NodeConfig:
-        return meshtrain.NodeConfig(data_dir=tmp_path / name, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0,
-                                    wait_peers=2)
+        return meshtrain.NodeConfig(
+            data_dir=tmp_path / name, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, wait_peers=2
+        )
 
     a = meshtrain.Node(config("a"), spec=signed)
     results = {}
     async with trio.open_nursery() as nursery:
+
         async def run(name, node):
             results[name] = await node.run()
 

@@ -32,15 +32,26 @@ LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads
 
 
 def cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def start(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start",
-                                 *LOOPBACK, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start", *LOOPBACK, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        )
 
 
 def wait_daemon(data_dir: Path, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
@@ -84,15 +95,18 @@ def phi(data_dir: Path) -> dict[str, torch.Tensor]:
     return ck.state["outer"]["outer_params"]
 
 
-@pytest.mark.parametrize("args,env,needle", [
-    (["node", "start", "--status-port", "99999"], {}, "status_port"),
-    (["node", "start", "--listen", "not-an-addr"], {}, "listen"),
-    (["node", "start"], {"MESHTRAIN_CHECKPOINT_EVERY": "soon"}, "checkpoint_every"),
-    (["swarm", "create", "--optimizer", "adamw"], {}, "optimizer"),
-    (["swarm", "create", "--optimizer", "streaming", "--H", "30", "--fragments", "4"], {}, "multiple"),
-    (["swarm", "join", "not-a-multiaddr"], {}, "multiaddr"),
-    (["node", "frobnicate"], {}, "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args,env,needle",
+    [
+        (["node", "start", "--status-port", "99999"], {}, "status_port"),
+        (["node", "start", "--listen", "not-an-addr"], {}, "listen"),
+        (["node", "start"], {"MESHTRAIN_CHECKPOINT_EVERY": "soon"}, "checkpoint_every"),
+        (["swarm", "create", "--optimizer", "adamw"], {}, "optimizer"),
+        (["swarm", "create", "--optimizer", "streaming", "--H", "30", "--fragments", "4"], {}, "multiple"),
+        (["swarm", "join", "not-a-multiaddr"], {}, "multiaddr"),
+        (["node", "frobnicate"], {}, "invalid choice"),
+    ],
+)
 def test_config_errors_are_one_line_with_exit_code_2(tmp_path, args, env, needle):
     r = cli(*args, "--data-dir", str(tmp_path), env=env) if args[-1] != "frobnicate" else cli(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -212,9 +226,22 @@ def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
 
 
 # Modules the stop/status path must not import: each costs from 0.1 s to seconds on a busy machine.
-HEAVY = ("torch", "libp2p", "transformers", "numpy", "pydantic", "trio", "prometheus_client",
-         "meshtrain.node.daemon", "meshtrain.node.config", "meshtrain.optim",
-         "http.server", "http.client", "urllib.request", "ssl")
+HEAVY = (
+    "torch",
+    "libp2p",
+    "transformers",
+    "numpy",
+    "pydantic",
+    "trio",
+    "prometheus_client",
+    "meshtrain.node.daemon",
+    "meshtrain.node.config",
+    "meshtrain.optim",
+    "http.server",
+    "http.client",
+    "urllib.request",
+    "ssl",
+)
 
 PROBE = """
 import json, sys
@@ -227,8 +254,13 @@ print(json.dumps({"code": code, "heavy": heavy}))
 
 def cli_probe(*args: str) -> dict:
     """Run a CLI command in a fresh interpreter; its exit code and which heavy modules it loaded."""
-    r = subprocess.run([sys.executable, "-c", f"HEAVY = {HEAVY!r}\n" + PROBE, *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", f"HEAVY = {HEAVY!r}\n" + PROBE, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -239,19 +271,32 @@ async def test_status_and_stop_commands_import_neither_torch_nor_libp2p(tmp_path
     (tmp_path / "control.token").write_text(token)
 
     def snapshot() -> dict:
-        return {"node": {"peer_id": "12D3KooWx", "swarm": "ms01", "state": "training", "started": 0.0,
-                         "uptime_s": 1e12},
-                "training": {"step": 5, "round": 1, "loss": 2.0, "optimizer": "diloco", "bytes_sent": 0,
-                             "bytes_received": 0, "phi_digest": "ab" * 16, "phi_round": 1,
-                             "parity": {"status": "ok"}, "waiting": "round 2: waiting for 1 peer to join (ab12cd34)"},
-                "peers": []}
+        return {
+            "node": {"peer_id": "12D3KooWx", "swarm": "ms01", "state": "training", "started": 0.0, "uptime_s": 1e12},
+            "training": {
+                "step": 5,
+                "round": 1,
+                "loss": 2.0,
+                "optimizer": "diloco",
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "phi_digest": "ab" * 16,
+                "phi_round": 1,
+                "parity": {"status": "ok"},
+                "waiting": "round 2: waiting for 1 peer to join (ab12cd34)",
+            },
+            "peers": [],
+        }
 
     async with StatusServer(snapshot, port=0, token=token, on_stop=lambda: stopped.append(1)) as srv:
-        (tmp_path / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "status_url": srv.url,
-                                                          "token_file": str(tmp_path / "control.token")}))
-        for args in (["node", "status", "--data-dir", str(tmp_path)],
-                     ["node", "status", "--data-dir", str(tmp_path), "--json"],
-                     ["node", "stop", "--data-dir", str(tmp_path)]):
+        (tmp_path / "daemon.json").write_text(
+            json.dumps({"pid": os.getpid(), "status_url": srv.url, "token_file": str(tmp_path / "control.token")})
+        )
+        for args in (
+            ["node", "status", "--data-dir", str(tmp_path)],
+            ["node", "status", "--data-dir", str(tmp_path), "--json"],
+            ["node", "stop", "--data-dir", str(tmp_path)],
+        ):
             out = await trio.to_thread.run_sync(lambda args=args: cli_probe(*args))
             assert out == {"code": 0, "heavy": []}, (args, out)
         human = await trio.to_thread.run_sync(lambda: cli("node", "status", "--data-dir", str(tmp_path)))

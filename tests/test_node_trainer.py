@@ -35,8 +35,12 @@ async def test_resumed_trainer_continues_bit_exactly_and_draws_new_batches():
         assert torch.equal(a, b), n
     # Different peers train on different samples; a peer's batch at a step never changes.
     c = straight.corpus
-    assert not torch.equal(c.batch(4, 16, seed=0, peer="peer-a", step=3)[0], c.batch(4, 16, seed=0, peer="peer-b", step=3)[0])
-    assert torch.equal(c.batch(4, 16, seed=0, peer="peer-a", step=3)[0], c.batch(4, 16, seed=0, peer="peer-a", step=3)[0])
+    assert not torch.equal(
+        c.batch(4, 16, seed=0, peer="peer-a", step=3)[0], c.batch(4, 16, seed=0, peer="peer-b", step=3)[0]
+    )
+    assert torch.equal(
+        c.batch(4, 16, seed=0, peer="peer-a", step=3)[0], c.batch(4, 16, seed=0, peer="peer-a", step=3)[0]
+    )
 
 
 async def test_a_user_model_through_the_python_api():

@@ -42,9 +42,11 @@ async def train_on_hosts(make, steps: int, n: int = 3, lr: float = 0.1):
 
         async with trio.open_nursery() as nursery:
             for i, o in enumerate(outers):
+
                 async def run(i=i, o=o):
                     async with o:
                         await trio.to_thread.run_sync(train, i)
+
                 nursery.start_soon(run)
         return models, outers, snapshots
 

@@ -46,9 +46,11 @@ async def simulate(outers, models, steps: int, *, start: int = 0) -> None:
     for step in range(start, start + steps):
         async with trio.open_nursery() as nursery:
             for i, (o, m) in enumerate(zip(outers, models, strict=True)):
+
                 async def one(i=i, o=o, m=m, step=step):
                     backward(m, i, step)
                     await o.astep()
+
                 nursery.start_soon(one)
 
 
@@ -158,8 +160,10 @@ async def test_round_that_loses_a_peer_averages_over_survivors():
     reports = [None, None]
     async with trio.open_nursery() as nursery:
         for i in range(2):
+
             async def one(i=i):
                 reports[i] = await outers[i].astep()
+
             nursery.start_soon(one)
     assert reports[0][0].contributors == reports[1][0].contributors == 2
     for n, p in models[0].named_parameters():  # FedAvg of the two survivors
@@ -168,8 +172,9 @@ async def test_round_that_loses_a_peer_averages_over_survivors():
 
 
 async def test_joiner_contributes_weight_zero_and_gets_identical_outer_state():
-    swarm, models, outers = workers(2, lambda m, o, c: DiLoCo(m, o, c, H=3), inner=lambda m: torch.optim.AdamW(
-        m.parameters(), lr=1e-3))
+    swarm, models, outers = workers(
+        2, lambda m, o, c: DiLoCo(m, o, c, H=3), inner=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)
+    )
     await simulate(outers, models, 4)  # one round done, one step into the next
     state = outers[0].state_dict(inner=False)
     joiner_model = tiny(seed=5)
@@ -183,8 +188,11 @@ async def test_joiner_contributes_weight_zero_and_gets_identical_outer_state():
     assert [r.contributors for r in reports] == [2, 2, 2]  # the joiner had weight 0
     for n in outers[0].outer_params:
         assert torch.equal(outers[0].outer_params[n], joiner.outer_params[n])
-    for a, b in zip(outers[0].outer_optimizer.state_dict()["state"].values(),
-                    joiner.outer_optimizer.state_dict()["state"].values(), strict=True):
+    for a, b in zip(
+        outers[0].outer_optimizer.state_dict()["state"].values(),
+        joiner.outer_optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
     await simulate([*outers, joiner], [*models, joiner_model], 3, start=6)  # a full H of its own
     assert joiner.history[-1].contributors == 3
@@ -206,8 +214,9 @@ async def test_peer_cut_off_proceeds_alone_and_asks_for_resync():
 
 
 async def test_state_round_trips_bit_exactly():
-    _, models, outers = workers(2, lambda m, o, c: DiLoCo(m, o, c, H=4), inner=lambda m: torch.optim.AdamW(
-        m.parameters(), lr=1e-3))
+    _, models, outers = workers(
+        2, lambda m, o, c: DiLoCo(m, o, c, H=4), inner=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)
+    )
     await simulate(outers, models, 9)
     state = outers[0].state_dict()
     fresh_model = tiny(seed=9)
@@ -259,8 +268,9 @@ async def test_diloco_on_real_hosts_trains_in_worker_threads_with_identical_oute
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, 3, AllReduceConfig(join_timeout=10))
         models = [tiny() for _ in peers]
-        outers = [DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), c, H=10)
-                  for m, c in zip(models, cols, strict=True)]
+        outers = [
+            DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), c, H=10) for m, c in zip(models, cols, strict=True)
+        ]
         before = eval_loss(models[0])
 
         def train(i: int) -> None:
@@ -270,9 +280,11 @@ async def test_diloco_on_real_hosts_trains_in_worker_threads_with_identical_oute
 
         async with trio.open_nursery() as nursery:
             for i, o in enumerate(outers):
+
                 async def run(i=i, o=o):
                     async with o:
                         await trio.to_thread.run_sync(train, i)
+
                 nursery.start_soon(run)
         assert eval_loss(models[0]) < before - 0.3
         for n in outers[0].outer_params:

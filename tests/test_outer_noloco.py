@@ -78,10 +78,13 @@ async def test_group_of_everyone_equals_heavy_ball_diloco():
     swarm_a, swarm_b = LocalSwarm(k), LocalSwarm(k)
     models_a = [tiny() for _ in range(k)]
     models_b = [copy.deepcopy(m) for m in models_a]
-    noloco = [NoLoCo(m, sgd(m), swarm_a.member(i), H=3, lr=0.7, gamma=0.7, momentum=0.5, group="all")
-              for i, m in enumerate(models_a)]
-    diloco = [DiLoCo(m, sgd(m), swarm_b.member(i), H=3, lr=0.7, momentum=0.5, nesterov=False)
-              for i, m in enumerate(models_b)]
+    noloco = [
+        NoLoCo(m, sgd(m), swarm_a.member(i), H=3, lr=0.7, gamma=0.7, momentum=0.5, group="all")
+        for i, m in enumerate(models_a)
+    ]
+    diloco = [
+        DiLoCo(m, sgd(m), swarm_b.member(i), H=3, lr=0.7, momentum=0.5, nesterov=False) for i, m in enumerate(models_b)
+    ]
     await simulate(noloco, models_a, 12)
     await simulate(diloco, models_b, 12)
     for a, b in zip(models_a[0].parameters(), models_b[0].parameters(), strict=True):
@@ -143,8 +146,9 @@ async def test_noloco_learns():
     k = 4
     swarm = LocalSwarm(k)
     models = [tiny() for _ in range(k)]
-    outers = [NoLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), swarm.member(i), H=10)
-              for i, m in enumerate(models)]
+    outers = [
+        NoLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), swarm.member(i), H=10) for i, m in enumerate(models)
+    ]
     before = eval_loss(models[0])
     await simulate(outers, models, 60)
     assert eval_loss(models[0]) < before - 0.3

@@ -26,17 +26,16 @@ def test_chunked_topk_keeps_k_per_chunk_and_sends_14_bits_per_value():
     c = ChunkedTopK(chunk=4096, k=64, bits=2)
     x = torch.randn(3 * 4096 + 100)
     parts = c.encode(x)
-    assert {k: (v.dtype, v.numel()) for k, v in parts.items()} == {
-        k: spec for k, spec in c.layout(x.numel()).items()}
+    assert {k: (v.dtype, v.numel()) for k, v in parts.items()} == {k: spec for k, spec in c.layout(x.numel()).items()}
     K = 3 * 64 + 2  # the short last chunk keeps ceil(64·100/4096) = 2
     assert c.num_kept(x.numel()) == K
     assert c.encoded_nbytes(x.numel()) == -(-12 * K // 8) + -(-K // 4) + 16
     dense = c.decode(parts, x.shape)
     for j in range(3):
-        chunk = dense[j * 4096:(j + 1) * 4096]
+        chunk = dense[j * 4096 : (j + 1) * 4096]
         kept = chunk.nonzero().view(-1)
         assert kept.numel() <= 64
-        top = x[j * 4096:(j + 1) * 4096].abs().topk(64).indices
+        top = x[j * 4096 : (j + 1) * 4096].abs().topk(64).indices
         assert set(kept.tolist()) <= set(top.tolist())
     big = 4096 * 256
     assert big * 4 / c.encoded_nbytes(big) > 145  # ~146x fewer bytes than fp32
@@ -137,13 +136,15 @@ def test_sparseloco_residual_is_zero_where_sent_and_the_accumulator_elsewhere():
 # -- the identity and the swarm (simulated) --------------------------------------------------------
 
 
-@pytest.mark.parametrize("aggregation,aggregate", [("gather", "index_mean"), ("gather", "mean"),
-                                                   ("allreduce", "mean")])
+@pytest.mark.parametrize("aggregation,aggregate", [("gather", "index_mean"), ("gather", "mean"), ("allreduce", "mean")])
 async def test_density_1_no_quantisation_beta_0_is_diloco_momentum_0_bit_for_bit(aggregation, aggregate):
     k, steps = 4, 12
-    _, models, outers = workers(k, lambda m, o, c: SparseLoCo(
-        m, o, c, H=3, lr=0.7, beta=0.0, chunk=64, k=64, bits=None, aggregation=aggregation,
-        aggregate=aggregate))
+    _, models, outers = workers(
+        k,
+        lambda m, o, c: SparseLoCo(
+            m, o, c, H=3, lr=0.7, beta=0.0, chunk=64, k=64, bits=None, aggregation=aggregation, aggregate=aggregate
+        ),
+    )
     await simulate(outers, models, steps)
     _, ref_models, refs = workers(k, lambda m, o, c: DiLoCo(m, o, c, H=3, lr=0.7, momentum=0.0))
     await simulate(refs, ref_models, steps)
@@ -157,8 +158,11 @@ async def test_density_1_no_quantisation_beta_0_is_diloco_momentum_0_bit_for_bit
 
 async def test_sparse_swarm_keeps_phi_identical_and_learns_with_a_fraction_of_the_bytes():
     k = 4
-    _, models, outers = workers(k, lambda m, o, c: SparseLoCo(m, o, c, H=4, lr=1.0, chunk=256, k=8),
-                                inner=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3))
+    _, models, outers = workers(
+        k,
+        lambda m, o, c: SparseLoCo(m, o, c, H=4, lr=1.0, chunk=256, k=8),
+        inner=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),
+    )
     before = eval_loss(models[0])
     await simulate(outers, models, 40)
     for o in outers[1:]:
@@ -191,8 +195,9 @@ async def test_dense_index_mean_matches_the_gather():
     """Above the break-even N the index mean travels densely (values and a mask): same update."""
     runs = []
     for aggregation in ("gather", "allreduce"):
-        _, models, outers = workers(4, lambda m, o, c, a=aggregation: SparseLoCo(
-            m, o, c, H=3, chunk=256, k=8, aggregation=a))
+        _, models, outers = workers(
+            4, lambda m, o, c, a=aggregation: SparseLoCo(m, o, c, H=3, chunk=256, k=8, aggregation=a)
+        )
         await simulate(outers, models, 6)
         runs.append(outers[0])
     assert runs[1].last_aggregation == "allreduce"
@@ -222,8 +227,9 @@ async def test_late_joiner_gets_phi_and_outer_state_but_no_residual():
     shared = donor.state_dict(inner=False)
     assert "residual" not in shared
     joiner_model = tiny(seed=5)
-    joiner = SparseLoCo(joiner_model, torch.optim.SGD(joiner_model.parameters(), lr=0.05), swarm.add(),
-                        H=2, chunk=256, k=8)
+    joiner = SparseLoCo(
+        joiner_model, torch.optim.SGD(joiner_model.parameters(), lr=0.05), swarm.add(), H=2, chunk=256, k=8
+    )
     joiner.residual = {n: torch.ones_like(t) for n, t in joiner.outer_params.items()}  # stale, its own
     joiner.join(shared)
     assert joiner.residual == {}
@@ -260,8 +266,10 @@ async def test_index_mean_aggregation_averages_each_index_over_its_senders():
     for m in models:
         with torch.no_grad():
             m.weight.zero_()
-    outers = [SparseLoCo(m, None, swarm.member(i), H=1, lr=1.0, beta=0.0, chunk=4, k=1, bits=None,
-                         aggregate="index_mean") for i, m in enumerate(models)]
+    outers = [
+        SparseLoCo(m, None, swarm.member(i), H=1, lr=1.0, beta=0.0, chunk=4, k=1, bits=None, aggregate="index_mean")
+        for i, m in enumerate(models)
+    ]
     with torch.no_grad():
         models[0].weight.copy_(torch.tensor([[-1.0, 0.0, 0.0, 0.0]]))  # Δ_0 = e_0 at index 0: 1
         models[1].weight.copy_(torch.tensor([[0.0, 0.0, -2.0, 0.0]]))  # Δ_1 at index 2: 2
@@ -279,8 +287,11 @@ def test_four_real_peers_hold_bit_identical_phi():
     from .conftest import tail
     from .test_outer_swarm import run_swarm
 
-    finals, logs = run_swarm("sparseloco", 4, ["--steps", "20", "--H", "5", "--outer-lr", "1.0",
-                                               "--sparse-chunk", "1024", "--sparse-k", "16"])
+    finals, logs = run_swarm(
+        "sparseloco",
+        4,
+        ["--steps", "20", "--H", "5", "--outer-lr", "1.0", "--sparse-chunk", "1024", "--sparse-k", "16"],
+    )
     assert all(f is not None for f in finals), "\n".join(tail(p) for p in logs)
     assert len({f["phi_digest"] for f in finals}) == 1
     for f in finals:
@@ -297,9 +308,26 @@ def test_peer_killed_mid_gather_is_excluded_or_included_by_every_survivor_alike(
     from .test_outer_swarm import run_swarm
 
     steps, kill_at = 30, 10
-    finals, logs = run_swarm("sparseloco", 4, ["--steps", str(steps), "--H", "5", "--outer-lr", "1.0",
-                                               "--sparse-chunk", "1024", "--sparse-k", "16",
-                                               "--victim-rank", "1", "--kill-at-step", str(kill_at)])
+    finals, logs = run_swarm(
+        "sparseloco",
+        4,
+        [
+            "--steps",
+            str(steps),
+            "--H",
+            "5",
+            "--outer-lr",
+            "1.0",
+            "--sparse-chunk",
+            "1024",
+            "--sparse-k",
+            "16",
+            "--victim-rank",
+            "1",
+            "--kill-at-step",
+            str(kill_at),
+        ],
+    )
     survivors = [f for f in finals if f is not None]
     assert len(survivors) == 3, "\n".join(tail(p) for p in logs)
     assert len({f["phi_digest"] for f in survivors}) == 1
@@ -327,18 +355,44 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
 
     from .conftest import ROOT
 
-    r = subprocess.run([sys.executable, "-m", "meshtrain.node.cli", "swarm", "create", "--data-dir", str(tmp_path),
-                        "--model", "gpt-tiny", "--optimizer", "sparseloco", "--H", "30", "--outer-lr", "1.0",
-                        "--error-decay", "0.9", "--sparse-k", "32"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.node.cli",
+            "swarm",
+            "create",
+            "--data-dir",
+            str(tmp_path),
+            "--model",
+            "gpt-tiny",
+            "--optimizer",
+            "sparseloco",
+            "--H",
+            "30",
+            "--outer-lr",
+            "1.0",
+            "--error-decay",
+            "0.9",
+            "--sparse-k",
+            "32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     spec = SignedSpec.load(json.loads(r.stdout.splitlines()[0])["spec"]).spec
     assert (spec.optimizer, spec.error_decay, spec.sparse_k, spec.sparse_chunk) == ("sparseloco", 0.9, 32, 4096)
     outer = Trainer(spec, LocalSwarm(1).member(0), "peer-a").outer
     assert isinstance(outer, SparseLoCo)
     assert (outer.H, outer.lr, outer.error_feedback, outer.sparse.k) == (30, 1.0, 0.9, 32)
-    eager = Trainer(parse_spec({"model": "gpt-tiny", "optimizer": "streaming", "H": 20, "eager": True}),
-                    LocalSwarm(1).member(0), "peer-a").outer
+    eager = Trainer(
+        parse_spec({"model": "gpt-tiny", "optimizer": "streaming", "H": 20, "eager": True}),
+        LocalSwarm(1).member(0),
+        "peer-a",
+    ).outer
     assert eager.eager
     with pytest.raises(ConfigError):
         parse_spec({"optimizer": "sparseloco", "sparse_k": 5000})

@@ -73,12 +73,28 @@ async def test_overlapped_merge_matches_hand_computation():
       step 7  θ=(.25,.15)  merge f1: b1 = .2+.5 = .7, φ1 = .7 − .5(.5+.35) = .275, θ1 = .075+.1375 = .2125
     """
     model = TwoBlocks()
-    outer = StreamingDiLoCo(model, None, LocalSwarm(1).member(0), H=4, fragments=2, delay=1, alpha=0.5,
-                            codec="none", lr=0.5, momentum=0.5)
-    inner = {1: (.9, .8), 2: (.7, .6), 3: (.5, .45), 4: (.4, .3), 5: (.35, .25), 6: (.3, .2), 7: (.25, .15)}
-    expect_theta = {1: (.9, .8), 2: (.7, .6), 3: (.5, .575), 4: (.4, .3), 5: (.45, .25), 6: (.3, .2),
-                    7: (.25, .2125)}
-    expect_phi = {1: (1, 1), 2: (1, 1), 3: (1, .7), 4: (1, .7), 5: (.55, .7), 6: (.55, .7), 7: (.55, .275)}
+    outer = StreamingDiLoCo(
+        model, None, LocalSwarm(1).member(0), H=4, fragments=2, delay=1, alpha=0.5, codec="none", lr=0.5, momentum=0.5
+    )
+    inner = {
+        1: (0.9, 0.8),
+        2: (0.7, 0.6),
+        3: (0.5, 0.45),
+        4: (0.4, 0.3),
+        5: (0.35, 0.25),
+        6: (0.3, 0.2),
+        7: (0.25, 0.15),
+    }
+    expect_theta = {
+        1: (0.9, 0.8),
+        2: (0.7, 0.6),
+        3: (0.5, 0.575),
+        4: (0.4, 0.3),
+        5: (0.45, 0.25),
+        6: (0.3, 0.2),
+        7: (0.25, 0.2125),
+    }
+    expect_phi = {1: (1, 1), 2: (1, 1), 3: (1, 0.7), 4: (1, 0.7), 5: (0.55, 0.7), 6: (0.55, 0.7), 7: (0.55, 0.275)}
     async with outer:
         for step in range(1, 8):
             model.set(*inner[step])  # what the inner optimizer did
@@ -140,12 +156,15 @@ async def test_fp4_outer_gradients_cut_peak_bytes_by_p_and_keep_peers_identical(
     k = 2
     swarm = LocalSwarm(k)
     models = [GPT(GPTConfig.small(CORPUS.vocab_size)) for _ in range(k)]
-    outers = [StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm.member(i), H=4, fragments=2,
-                              delay=1) for i, m in enumerate(models)]
+    outers = [
+        StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm.member(i), H=4, fragments=2, delay=1)
+        for i, m in enumerate(models)
+    ]
     swarm2 = LocalSwarm(k)
     models2 = [GPT(GPTConfig.small(CORPUS.vocab_size)) for _ in range(k)]
-    dilocos = [DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm2.member(i), H=4)
-               for i, m in enumerate(models2)]
+    dilocos = [
+        DiLoCo(m, torch.optim.AdamW(m.parameters(), lr=2e-3), swarm2.member(i), H=4) for i, m in enumerate(models2)
+    ]
     async with outers[0], outers[1]:
         await simulate(outers, models, 9)
         await simulate(dilocos, models2, 8)
@@ -158,8 +177,11 @@ async def test_fp4_outer_gradients_cut_peak_bytes_by_p_and_keep_peers_identical(
     assert ratio > 12
     for n in outers[0].outer_params:
         assert torch.equal(outers[0].outer_params[n], outers[1].outer_params[n])
-    for a, b in zip(outers[0].outer_optimizer.state_dict()["state"].values(),
-                    outers[1].outer_optimizer.state_dict()["state"].values(), strict=True):
+    for a, b in zip(
+        outers[0].outer_optimizer.state_dict()["state"].values(),
+        outers[1].outer_optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
@@ -167,8 +189,10 @@ async def test_streaming_diloco_learns():
     k = 2
     swarm = LocalSwarm(k)
     models = [tiny() for _ in range(k)]
-    outers = [StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), swarm.member(i), H=10, fragments=2,
-                              delay=1) for i, m in enumerate(models)]
+    outers = [
+        StreamingDiLoCo(m, torch.optim.AdamW(m.parameters(), lr=3e-3), swarm.member(i), H=10, fragments=2, delay=1)
+        for i, m in enumerate(models)
+    ]
     before = eval_loss(models[0])
     async with outers[0], outers[1]:
         await simulate(outers, models, 60)

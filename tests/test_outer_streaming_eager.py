@@ -26,22 +26,45 @@ def step_grad(model: torch.nn.Module, worker: int, step: int) -> None:
     model(x, y).loss.backward()
 
 
-async def run(k: int, *, eager: bool, delay: int, steps: int = 24, same_data: bool = False,
-              momentum: float = 0.9, nesterov: bool = True):
+async def run(
+    k: int,
+    *,
+    eager: bool,
+    delay: int,
+    steps: int = 24,
+    same_data: bool = False,
+    momentum: float = 0.9,
+    nesterov: bool = True,
+):
     swarm = LocalSwarm(k)
     models = [tiny() for _ in range(k)]
-    outers = [StreamingDiLoCo(m, adamw(m), swarm.member(i), H=8, fragments=2, delay=delay,
-                              alpha=0.0, codec="none", eager=eager, momentum=momentum, nesterov=nesterov)
-              for i, m in enumerate(models)]
+    outers = [
+        StreamingDiLoCo(
+            m,
+            adamw(m),
+            swarm.member(i),
+            H=8,
+            fragments=2,
+            delay=delay,
+            alpha=0.0,
+            codec="none",
+            eager=eager,
+            momentum=momentum,
+            nesterov=nesterov,
+        )
+        for i, m in enumerate(models)
+    ]
     async with trio.open_nursery() as outer_scope:
         for o in outers:
             await outer_scope.start(_enter, o)
         for step in range(steps):
             async with trio.open_nursery() as nursery:
                 for i, (o, m) in enumerate(zip(outers, models, strict=True)):
+
                     async def one(i=i, o=o, m=m, step=step):
                         step_grad(m, 0 if same_data else i, step)
                         await o.astep()
+
                     nursery.start_soon(one)
         for o in outers:
             await o.afinish()
@@ -81,14 +104,28 @@ async def test_correction_keeps_exactly_the_local_progress_of_the_overlapped_ste
     steps' local progress), with φ̃ the tentative step on the local Δ."""
     swarm = LocalSwarm(2)
     models = [TwoBlocks(), TwoBlocks()]
-    outers = [StreamingDiLoCo(m, None, swarm.member(i), H=4, fragments=2, delay=1, alpha=0.0, codec="none",
-                              lr=0.5, momentum=0.5, eager=True) for i, m in enumerate(models)]
+    outers = [
+        StreamingDiLoCo(
+            m,
+            None,
+            swarm.member(i),
+            H=4,
+            fragments=2,
+            delay=1,
+            alpha=0.0,
+            codec="none",
+            lr=0.5,
+            momentum=0.5,
+            eager=True,
+        )
+        for i, m in enumerate(models)
+    ]
     async with outers[0], outers[1]:
-        for m, w in zip(models, ((.9, .8), (.8, .9)), strict=True):
+        for m, w in zip(models, ((0.9, 0.8), (0.8, 0.9)), strict=True):
             m.set(*w)
         for o in outers:  # step 1: nothing due
             await o.astep()
-        for m, w in zip(models, ((.7, .6), (.6, .4)), strict=True):
+        for m, w in zip(models, ((0.7, 0.6), (0.6, 0.4)), strict=True):
             m.set(*w)
         async with trio.open_nursery() as nursery:  # step 2: fragment 1 sent, θ1 ← φ̃1
             for o in outers:

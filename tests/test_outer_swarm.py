@@ -16,9 +16,28 @@ def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) ->
     """Start n trainers, connect them, run them; return each process's last JSON line (None if
     it died) and the stderr log paths."""
     logs = [tempfile.mkstemp(prefix=f"trainer{i}-", suffix=".log")[1] for i in range(n)]
-    procs = [spawn("tests/proc_trainer.py", "--method", method, "--index", str(i), "--model", "tiny",
-                   "--batch", "8", "--lr", "3e-3", "--part-timeout", "3", "--join-timeout", "5", *extra,
-                   stderr_path=logs[i]) for i in range(n)]
+    procs = [
+        spawn(
+            "tests/proc_trainer.py",
+            "--method",
+            method,
+            "--index",
+            str(i),
+            "--model",
+            "tiny",
+            "--batch",
+            "8",
+            "--lr",
+            "3e-3",
+            "--part-timeout",
+            "3",
+            "--join-timeout",
+            "5",
+            *extra,
+            stderr_path=logs[i],
+        )
+        for i in range(n)
+    ]
     try:
         hello = [read_json(p) for p in procs]
         addrs = json.dumps([h["addr"] for h in hello])
@@ -55,8 +74,9 @@ def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) ->
 def test_peer_killed_mid_round_does_not_stop_the_others(method, n, H, kill_at):
     steps = 30
     t0 = time.monotonic()
-    finals, logs = run_swarm(method, n, ["--steps", str(steps), "--H", str(H), "--victim-rank", "1",
-                                         "--kill-at-step", str(kill_at)])
+    finals, logs = run_swarm(
+        method, n, ["--steps", str(steps), "--H", str(H), "--victim-rank", "1", "--kill-at-step", str(kill_at)]
+    )
     survivors = [f for f in finals if f is not None]
     assert len(survivors) == n - 1, "\n".join(tail(p) for p in logs)
     assert time.monotonic() - t0 < 90

@@ -25,8 +25,10 @@ async def test_pair_average_is_exact_and_bit_identical():
         res = [None, None]
         async with trio.open_nursery() as nursery:
             for i in range(2):
+
                 async def one(i=i):
                     res[i] = await cols[i].average_with(peers[1 - i].id, x[i], round_id=3)
+
                 nursery.start_soon(one)
         assert res[0].digest == res[1].digest
         assert res[0].contributors == tuple(sorted(p.id for p in peers))
@@ -42,8 +44,10 @@ async def test_pair_average_with_codec_stays_identical():
         res = [None, None]
         async with trio.open_nursery() as nursery:
             for i in range(2):
+
                 async def one(i=i):
                     res[i] = await cols[i].average_with(peers[1 - i].id, x[i], round_id=1, codec="int4")
+
                 nursery.start_soon(one)
         assert res[0].digest == res[1].digest
         assert (res[0].tensors["w"] - (x[0]["w"] + x[1]["w"]) / 2).abs().max() < 0.5

@@ -23,14 +23,20 @@ def test_majority_wins_and_the_minority_is_told():
     v = judge("p1", [(5, A)], others, completed_at=0.0, now=0.0)
     assert v.status == "minority" and v.majority == B and v.holders == ("p3", "p4", "p5")
     assert (v.agreeing, v.compared) == (2, 5)
-    assert judge("p3", [(5, B)], {"p1": [(5, A)], "p2": [(5, A)], "p4": [(5, B)], "p5": [(5, B)]},
-                 completed_at=0.0, now=0.0).status == "ok"
+    assert (
+        judge(
+            "p3", [(5, B)], {"p1": [(5, A)], "p2": [(5, A)], "p4": [(5, B)], "p5": [(5, B)]}, completed_at=0.0, now=0.0
+        ).status
+        == "ok"
+    )
 
 
 def test_a_tie_goes_to_the_side_of_the_lowest_peer_id():
     # Two groups of two (the soak's split round): the group holding the lowest id wins.
-    assert judge("p1", [(3, A)], {"p2": [(3, A)], "p3": [(3, B)], "p4": [(3, B)]},
-                 completed_at=0.0, now=0.0).status == "ok"
+    assert (
+        judge("p1", [(3, A)], {"p2": [(3, A)], "p3": [(3, B)], "p4": [(3, B)]}, completed_at=0.0, now=0.0).status
+        == "ok"
+    )
     v = judge("p3", [(3, B)], {"p1": [(3, A)], "p2": [(3, A)], "p4": [(3, B)]}, completed_at=0.0, now=0.0)
     assert v.status == "minority" and v.holders == ("p1", "p2")
     # No majority at all (everyone alone): still exactly one winner, the lowest id's.
@@ -45,8 +51,7 @@ def test_judges_the_newest_round_everyone_reached_and_waits_for_stragglers():
     # p2 has not reached any round we keep: pending until settle_s, then judged without it.
     v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)]}, completed_at=0.0, now=1.0, settle_s=10)
     assert v.status == "pending"
-    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)], "p0": [(5, B)]}, completed_at=0.0, now=11.0,
-              settle_s=10)
+    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)], "p0": [(5, B)]}, completed_at=0.0, now=11.0, settle_s=10)
     assert v.status == "minority" and v.compared == 3
     # A peer that joined after the round (its digests start later) is not counted.
     v = judge("p1", [(5, A)], {"p2": [(6, B)]}, completed_at=0.0, now=0.0)
@@ -54,8 +59,7 @@ def test_judges_the_newest_round_everyone_reached_and_waits_for_stragglers():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from([f"p{i}" for i in range(8)]), st.sampled_from([A, B, C, D]),
-                       min_size=1))
+@given(st.dictionaries(st.sampled_from([f"p{i}" for i in range(8)]), st.sampled_from([A, B, C, D]), min_size=1))
 def test_every_peer_holding_the_same_records_picks_the_same_winner(held):
     """Whoever judges, the winning digest is the same, and it is held by a plurality."""
     winners = set()
@@ -97,8 +101,15 @@ def test_progress_records_check_their_phi_digests():
     from meshtrain.crdt.swarm_view import _phi_digests
 
     assert _phi_digests([[1, A], [2, B]]) == ((1, A), (2, B))
-    for bad in ([[2, A], [1, B]], [[1, "not bytes"]], [[1, A, 3]], [[1, A]] * (MAX_PHI_DIGESTS + 1), "x",
-                [[-1, A]], [[1, b""]]):
+    for bad in (
+        [[2, A], [1, B]],
+        [[1, "not bytes"]],
+        [[1, A, 3]],
+        [[1, A]] * (MAX_PHI_DIGESTS + 1),
+        "x",
+        [[-1, A]],
+        [[1, b""]],
+    ):
         with pytest.raises(CrdtError):
             _phi_digests(bad)
     assert PeerProgress("p", 1, 2, 3, 4, ((1, A),)).phi_at(1) == A

@@ -49,14 +49,26 @@ def batch(it: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def make_run(ids: list[str], stages: list[int], *, microbatches: int, mode: str = "full",
-             skip_ratio: float = 0.0, name: str = "t") -> PipelineRun:
+def make_run(
+    ids: list[str],
+    stages: list[int],
+    *,
+    microbatches: int,
+    mode: str = "full",
+    skip_ratio: float = 0.0,
+    name: str = "t",
+) -> PipelineRun:
     placement = dict(zip(ids, stages, strict=True))
     links = {(a, b): Link(0.001, 1e9) for a in ids for b in ids if a < b}
-    problem = PipelineProblem(num_stages=max(stages) + 1, placement=placement,
-                              forward_time={p: 1.0 for p in ids}, links=links,
-                              activation_bytes=4 * MB_SIZE * CONFIG.context * CONFIG.d_model,
-                              microbatches=microbatches, skip_ratio=skip_ratio)
+    problem = PipelineProblem(
+        num_stages=max(stages) + 1,
+        placement=placement,
+        forward_time={p: 1.0 for p in ids},
+        links=links,
+        activation_bytes=4 * MB_SIZE * CONFIG.context * CONFIG.d_model,
+        microbatches=microbatches,
+        skip_ratio=skip_ratio,
+    )
     return PipelineRun(name, problem, mode, MB_SIZE, CONFIG.context)
 
 
@@ -73,8 +85,10 @@ async def iterate(rts: list[PipelineRuntime], it: int):
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             for i, rt in enumerate(rts):
+
                 async def one(i=i, rt=rt):
                     reports[i] = await rt.run_iteration(it)
+
                 nursery.start_soon(one)
     return reports
 
@@ -100,8 +114,12 @@ def test_stages_in_sequence_equal_the_whole_model_forward_and_gradients():
         g0, grads1 = replicas[1].backward(t1, g1)
         none, embed_grads = replicas[0].backward(t0, g0)
         assert none is None
-        for r, grads in ((replicas[0], head_grads), (replicas[0], embed_grads), (replicas[1], grads1),
-                         (replicas[2], grads2)):
+        for r, grads in (
+            (replicas[0], head_grads),
+            (replicas[0], embed_grads),
+            (replicas[1], grads1),
+            (replicas[2], grads2),
+        ):
             for name, g in r.grads_by_name(grads).items():
                 total[name] = total.get(name, 0) + g / len(batches)
     assert set(total) == set(want)
@@ -182,8 +200,9 @@ async def test_three_peers_full_path_gradients_equal_the_single_process_model():
 async def test_skippipe_paths_match_the_model_run_on_each_microbatchs_blocks():
     async with AsyncExitStack() as stack:
         peers = await start_peers(stack, 5, full_mesh=True)
-        run = make_run([p.id for p in peers], [0, 1, 2, 3, 4], microbatches=4, mode="skippipe",
-                       skip_ratio=0.5, name="skip")
+        run = make_run(
+            [p.id for p in peers], [0, 1, 2, 3, 4], microbatches=4, mode="skippipe", skip_ratio=0.5, name="skip"
+        )
         rts = await runtimes(stack, peers, run, keep_grads=True)
         reports = await iterate(rts, 0)
         schedule = run.schedule()
@@ -214,8 +233,16 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
         run = make_run([p.id for p in peers], [0, 1, 2], microbatches=2)
         rts = await runtimes(stack, peers, run)
         victim = peers[1]
-        good = {"run": "t", "it": 0, "mb": 0, "att": 0, "kind": "fwd", "pos": 1,
-                "route": [peers[0].id, peers[1].id, peers[2].id], "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model]}
+        good = {
+            "run": "t",
+            "it": 0,
+            "mb": 0,
+            "att": 0,
+            "kind": "fwd",
+            "pos": 1,
+            "route": [peers[0].id, peers[1].id, peers[2].id],
+            "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+        }
         cases = {
             "malformed": "garbage",
             "unknown-run": good | {"run": "other"},
@@ -229,9 +256,11 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
             assert e.value.code == code, (code, e.value)
         # The real previous hop turned hostile: wrong and oversized shapes.
         origin = peers[0]
-        for code, shape in (("bad-shape", [MB_SIZE, CONFIG.context, CONFIG.d_model + 1]),
-                            ("too-large", [MB_SIZE, 1 << 40, CONFIG.d_model]),
-                            ("too-large", [MB_SIZE + 1, 2, CONFIG.d_model])):
+        for code, shape in (
+            ("bad-shape", [MB_SIZE, CONFIG.context, CONFIG.d_model + 1]),
+            ("too-large", [MB_SIZE, 1 << 40, CONFIG.d_model]),
+            ("too-large", [MB_SIZE + 1, 2, CONFIG.d_model]),
+        ):
             with pytest.raises(RemoteError) as e:
                 await origin.host.rpc.call(victim.id, HOP_RPC, good | {"shape": shape})
             assert e.value.code == code, (code, e.value)
@@ -239,8 +268,9 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
         small = good | {"shape": [1, 2, CONFIG.d_model]}
         await origin.host.rpc.call(victim.id, HOP_RPC, small)
         with pytest.raises(TransferError):
-            await origin.ts.send(victim.id, "pp/t/0/0/0/fwd/1", {"h": torch.zeros(MB_SIZE, CONFIG.context,
-                                                                                 CONFIG.d_model)}, timeout=10)
+            await origin.ts.send(
+                victim.id, "pp/t/0/0/0/fwd/1", {"h": torch.zeros(MB_SIZE, CONFIG.context, CONFIG.d_model)}, timeout=10
+            )
         with pytest.raises(RemoteError) as e:
             await origin.host.rpc.call(victim.id, HOP_RPC, small)
         assert e.value.code == "duplicate"
@@ -248,9 +278,11 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
         with pytest.raises(RemoteError) as e:
             await peers[2].host.rpc.call(victim.id, HOP_RPC, good | {"kind": "bwd", "mb": 1})
         assert e.value.code == "unknown-microbatch"
-        for name, req in (("pipeline/done", {"run": "t", "it": 0, "final": [[7, 0]]}),
-                          ("pipeline/abandon", {"run": "t", "it": 0, "mb": 0, "floor": 1}),
-                          ("pipeline/failed", {"run": "t", "it": 0, "mb": 0, "att": 0, "suspect": "x"})):
+        for name, req in (
+            ("pipeline/done", {"run": "t", "it": 0, "final": [[7, 0]]}),
+            ("pipeline/abandon", {"run": "t", "it": 0, "mb": 0, "floor": 1}),
+            ("pipeline/failed", {"run": "t", "it": 0, "mb": 0, "att": 0, "suspect": "x"}),
+        ):
             with pytest.raises(RemoteError) as e:
                 await hostile.host.rpc.call(victim.id, name, req)
             assert e.value.code in ("malformed", "not-origin", "unknown-microbatch"), (name, e.value)
@@ -265,14 +297,28 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
 
 def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
     run = make_run(["a", "b", "c"], [0, 1, 2], microbatches=2)
-    req = {"run": "t", "it": 0, "mb": 1, "att": 0, "kind": "fwd", "pos": 1, "route": ["a", "b", "c"],
-           "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model]}
+    req = {
+        "run": "t",
+        "it": 0,
+        "mb": 1,
+        "att": 0,
+        "kind": "fwd",
+        "pos": 1,
+        "route": ["a", "b", "c"],
+        "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+    }
     hop = parse_hop(req, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
     assert hop.tag("t") == "pp/t/0/1/0/fwd/1" and hop.nbytes == 4 * MB_SIZE * CONFIG.context * CONFIG.d_model
-    for bad, code in ((req | {"route": ["a", "c", "b"]}, "bad-route"), (req | {"route": ["b", "a"]}, "bad-route"),
-                      (req | {"route": ["a", "b", "b"]}, "bad-route"), (req | {"pos": 5}, "bad-route"),
-                      (req | {"att": 9}, "stale-attempt"), (req | {"kind": "sideways"}, "malformed"),
-                      (req | {"shape": [1, 2]}, "bad-shape"), (req | {"mb": True}, "malformed")):
+    for bad, code in (
+        (req | {"route": ["a", "c", "b"]}, "bad-route"),
+        (req | {"route": ["b", "a"]}, "bad-route"),
+        (req | {"route": ["a", "b", "b"]}, "bad-route"),
+        (req | {"pos": 5}, "bad-route"),
+        (req | {"att": 9}, "stale-attempt"),
+        (req | {"kind": "sideways"}, "malformed"),
+        (req | {"shape": [1, 2]}, "bad-shape"),
+        (req | {"mb": True}, "malformed"),
+    ):
         with pytest.raises(HopRejected) as e:
             parse_hop(bad, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
         assert e.value.code == code, (bad, e.value)
@@ -335,12 +381,26 @@ class ProcSwarm:
 def proc_spec(ids: list[str], stages: list[int], **over) -> dict:
     placement = dict(zip(ids, stages, strict=True))
     spec = {
-        "run": "kill", "mode": "full", "skip_ratio": 0.0, "n_stages": max(stages) + 1,
-        "placement": placement, "forward_time": {p: 0.15 for p in ids},
+        "run": "kill",
+        "mode": "full",
+        "skip_ratio": 0.0,
+        "n_stages": max(stages) + 1,
+        "placement": placement,
+        "forward_time": {p: 0.15 for p in ids},
         "links": [[a, b, 0.01, 50e6] for a in ids for b in ids if a < b],
-        "microbatches": 4, "microbatch_size": MB_SIZE, "model": CONFIG.to_dict(), "seed": 0,
-        "data": "random", "data_seed": 1, "lr": 1e-3, "steps": 3, "budget_s": None, "simulate": True,
-        "snapshot_dir": None, "snapshot_steps": [], "kill": None,
+        "microbatches": 4,
+        "microbatch_size": MB_SIZE,
+        "model": CONFIG.to_dict(),
+        "seed": 0,
+        "data": "random",
+        "data_seed": 1,
+        "lr": 1e-3,
+        "steps": 3,
+        "budget_s": None,
+        "simulate": True,
+        "snapshot_dir": None,
+        "snapshot_steps": [],
+        "kill": None,
     }
     return spec | over
 
@@ -357,8 +417,7 @@ def test_killed_peers_microbatches_are_rerouted_and_the_iteration_completes(mode
             # 3, each path skipping 2 of the 3 block stages); 0.5 s into iteration 1, kill the
             # stage-1 replica the schedule sends the most microbatches to, while they are on it
             stages = [0, 1, 1, 2, 2] if mode == "full" else [0, 1, 1, 2, 3]
-            spec = proc_spec(ids, stages, mode=mode, run=f"kill-{mode}",
-                             skip_ratio=0.5 if mode == "skippipe" else 0.0)
+            spec = proc_spec(ids, stages, mode=mode, run=f"kill-{mode}", skip_ratio=0.5 if mode == "skippipe" else 0.0)
             plans = pipeline_run(spec).schedule().plans
             use = {p: sum(p in [q for _, q in plan.path] for plan in plans) for p in ids[1:3]}
             victim = max(sorted(use), key=lambda p: use[p])
@@ -394,8 +453,7 @@ def test_skippipe_skips_a_stage_whose_only_peer_died_and_the_iteration_completes
             # of the three, so a path through the dead stage can skip it instead — no replica
             # is left to take its microbatches over. Kill the busiest block peer mid-iteration 1,
             # the last one (a stage without peers cannot be scheduled again).
-            spec = proc_spec(ids, [0, 1, 2, 3], mode="skippipe", run="skip-dead", skip_ratio=0.34,
-                             steps=2)
+            spec = proc_spec(ids, [0, 1, 2, 3], mode="skippipe", run="skip-dead", skip_ratio=0.34, steps=2)
             plans = pipeline_run(spec).schedule().plans
             use = {p: sum(p in [q for _, q in plan.path] for plan in plans) for p in ids[1:]}
             victim = max(sorted(use), key=lambda p: use[p])

@@ -33,12 +33,21 @@ def problems(draw) -> PipelineProblem:
             placement[f"p{s}.{r}"] = s
     peers = sorted(placement)
     fwd = {p: draw(st.floats(0.05, 2.0)) for p in peers}
-    links = {(a, b): Link(latency=draw(st.floats(0.0, 0.2)), bandwidth=draw(st.floats(1e6, 1e9)))
-             for i, a in enumerate(peers) for b in peers[i + 1:]}
-    return PipelineProblem(num_stages=S, placement=placement, forward_time=fwd, links=links,
-                           activation_bytes=draw(st.floats(0, 4e6)), microbatches=draw(st.integers(1, 8)),
-                           skip_ratio=draw(st.sampled_from([0.0, 0.25, 0.34, 0.5])),
-                           allow_swaps=draw(st.booleans()))
+    links = {
+        (a, b): Link(latency=draw(st.floats(0.0, 0.2)), bandwidth=draw(st.floats(1e6, 1e9)))
+        for i, a in enumerate(peers)
+        for b in peers[i + 1 :]
+    }
+    return PipelineProblem(
+        num_stages=S,
+        placement=placement,
+        forward_time=fwd,
+        links=links,
+        activation_bytes=draw(st.floats(0, 4e6)),
+        microbatches=draw(st.integers(1, 8)),
+        skip_ratio=draw(st.sampled_from([0.0, 0.25, 0.34, 0.5])),
+        allow_swaps=draw(st.booleans()),
+    )
 
 
 def independent_check(schedule, problem: PipelineProblem) -> None:
@@ -89,9 +98,16 @@ def _hetero() -> PipelineProblem:
     placement = {"d0": 0, "d1": 0, "a0": 1, "a1": 1, "b0": 2, "b1": 2, "c0": 3, "c1": 3, "e0": 4, "e1": 4}
     fwd = {p: (3.0 if p.endswith("1") and p[0] in "bc" else 1.0) for p in placement}  # two slow peers
     peers = sorted(placement)
-    links = {(a, b): Link(0.05, 1e8) for i, a in enumerate(peers) for b in peers[i + 1:]}
-    return PipelineProblem(num_stages=5, placement=placement, forward_time=fwd, links=links,
-                           activation_bytes=1e6, microbatches=8, skip_ratio=0.25)
+    links = {(a, b): Link(0.05, 1e8) for i, a in enumerate(peers) for b in peers[i + 1 :]}
+    return PipelineProblem(
+        num_stages=5,
+        placement=placement,
+        forward_time=fwd,
+        links=links,
+        activation_bytes=1e6,
+        microbatches=8,
+        skip_ratio=0.25,
+    )
 
 
 def test_skipping_beats_the_full_pipeline_on_a_heterogeneous_swarm():
@@ -119,14 +135,17 @@ def test_validate_catches_broken_schedules():
     assert validate(replace(sched, plans=sched.plans[1:]), problem)
 
 
-@pytest.mark.parametrize("change,error,needle", [
-    ({"placement": {"d0": 0, "a0": 1}, "num_stages": 3}, UnsatisfiableScheduleError, "stage 2 has no peer"),
-    ({"forward_time": {}}, ScheduleError, "forward_time"),
-    ({"links": {}}, ScheduleError, "no link"),
-    ({"skip_ratio": 1.0}, ScheduleError, "skip_ratio"),
-    ({"microbatches": 0}, ScheduleError, "microbatches"),
-    ({"origins": ("a0",) * 8}, ScheduleError, "stage-0"),
-])
+@pytest.mark.parametrize(
+    "change,error,needle",
+    [
+        ({"placement": {"d0": 0, "a0": 1}, "num_stages": 3}, UnsatisfiableScheduleError, "stage 2 has no peer"),
+        ({"forward_time": {}}, ScheduleError, "forward_time"),
+        ({"links": {}}, ScheduleError, "no link"),
+        ({"skip_ratio": 1.0}, ScheduleError, "skip_ratio"),
+        ({"microbatches": 0}, ScheduleError, "microbatches"),
+        ({"origins": ("a0",) * 8}, ScheduleError, "stage-0"),
+    ],
+)
 def test_bad_problems_are_clear_errors(change, error, needle):
     with pytest.raises(error, match=needle):
         skippipe_schedule(replace(_hetero(), **change))

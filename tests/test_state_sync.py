@@ -42,15 +42,19 @@ def assert_same_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Te
     assert sorted(expected) == list(got)  # returned in the canonical (name) order
     for k, v in expected.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-    assert payload_digest({k: got[k] for k in sorted(got)}) == payload_digest({k: expected[k] for k in sorted(expected)})
+    assert payload_digest({k: got[k] for k in sorted(got)}) == payload_digest(
+        {k: expected[k] for k in sorted(expected)}
+    )
 
 
 async def start_swarm(stack: AsyncExitStack, n_donors: int, *, donor_cls=StateDonor, **donor_kw):
     """A joiner and `n_donors` donors (real hosts, each with its data plane), all connected."""
     peers = await start_peers(stack, n_donors + 1)
     joiner, rest = peers[0], peers[1:]
-    donors = [(donor_cls[i] if isinstance(donor_cls, list) else donor_cls)(p.host, p.ts, **donor_kw)
-              for i, p in enumerate(rest)]
+    donors = [
+        (donor_cls[i] if isinstance(donor_cls, list) else donor_cls)(p.host, p.ts, **donor_kw)
+        for i, p in enumerate(rest)
+    ]
     return joiner, donors
 
 
@@ -69,8 +73,9 @@ class CorruptingDonor(StateDonor):
     async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
         pieces = {k: v.clone() for k, v in snap.flat.slices(start, end).items()}
         next(iter(pieces.values()))[0] ^= 0xFF
-        await self.streams.send(peer, tag, pieces, digest=chunk_digest if self.announce_true_digest else None,
-                                timeout=10)
+        await self.streams.send(
+            peer, tag, pieces, digest=chunk_digest if self.announce_true_digest else None, timeout=10
+        )
 
 
 class AnnouncingCorruptingDonor(CorruptingDonor):
@@ -88,9 +93,15 @@ async def test_joiner_gets_bit_identical_state_and_uses_every_donor():
             d.publish(meta, tensors)
         report = FetchReport()
         seen = []
-        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB,
-                                          progress=lambda done, total: seen.append((done, total)),
-                                          report=report, timeout=60)
+        got_meta, got = await fetch_state(
+            joiner.host,
+            joiner.ts,
+            ids(donors),
+            chunk_bytes=256 * KIB,
+            progress=lambda done, total: seen.append((done, total)),
+            report=report,
+            timeout=60,
+        )
         assert got_meta == meta
         assert_same_state(tensors, got)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -120,8 +131,9 @@ async def test_download_straddling_a_round_boundary_finishes_the_older_round():
                 for d in donors:
                     d.publish(meta4, state4)
 
-        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB,
-                                          progress=next_round_lands)
+        got_meta, got = await fetch_state(
+            joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB, progress=next_round_lands
+        )
         assert got_meta["round"] == 3
         assert_same_state(state3, got)
         assert donors[0].rounds == [4, 3]
@@ -157,8 +169,9 @@ class StallingDonor(StateDonor):
 
 async def test_a_stalled_chunk_is_fetched_again_from_an_idle_donor_at_the_end():
     async with AsyncExitStack() as stack:
-        joiner, donors = await start_swarm(stack, 3, donor_cls=[StallingDonor, StateDonor, StateDonor],
-                                           upload_limit=32 * MIB)
+        joiner, donors = await start_swarm(
+            stack, 3, donor_cls=[StallingDonor, StateDonor, StateDonor], upload_limit=32 * MIB
+        )
         meta, tensors = make_state(4 << 10)
         for d in donors:
             d.publish(meta, tensors)
@@ -173,8 +186,9 @@ async def test_a_stalled_chunk_is_fetched_again_from_an_idle_donor_at_the_end():
 # -- liars and failures --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("liar", [CorruptingDonor, AnnouncingCorruptingDonor],
-                         ids=["silent-digest", "announced-digest"])
+@pytest.mark.parametrize(
+    "liar", [CorruptingDonor, AnnouncingCorruptingDonor], ids=["silent-digest", "announced-digest"]
+)
 async def test_late_joiner_digest_check_rejects_a_tampered_donor(liar):
     async with AsyncExitStack() as stack:
         joiner, donors = await start_swarm(stack, 4, donor_cls=[liar, StateDonor, StateDonor, StateDonor])
@@ -201,8 +215,7 @@ async def test_a_donor_lying_in_its_manifest_is_outvoted(claim):
         for d in donors[1:]:
             d.publish(meta, tensors)
         report = FetchReport()
-        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB,
-                                          report=report)
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB, report=report)
         assert got_meta == meta
         assert_same_state(tensors, got)
         assert donors[0].host.peer_id not in report.agreeing
@@ -234,8 +247,15 @@ async def test_malformed_requests_get_typed_errors_and_the_donor_keeps_serving()
         meta, tensors = make_state(512)
         donor.publish(meta, tensors)
         call = joiner.host.rpc.call
-        for bad in (5, None, [], {"chunk_bytes": "8"}, {"chunk_bytes": True}, {"chunk_bytes": 1},
-                    {"chunk_bytes": 1 << 40}):
+        for bad in (
+            5,
+            None,
+            [],
+            {"chunk_bytes": "8"},
+            {"chunk_bytes": True},
+            {"chunk_bytes": 1},
+            {"chunk_bytes": 1 << 40},
+        ):
             with pytest.raises(RemoteError) as e:
                 await call(donor.host.peer_id, MANIFEST_RPC, bad)
             assert e.value.code == "bad_request", bad
@@ -269,8 +289,9 @@ async def test_donor_killed_mid_transfer_the_others_finish():
     """A real donor process is SIGKILLed once it has delivered a couple of chunks; its chunks go
     to the two donors left and the state still arrives bit-exact."""
     kib, limit = 24 << 10, 8
-    victim = spawn("tests/proc_donor.py", "--kib", str(kib), "--upload-mib", str(limit),
-                   "--chunk-bytes", str(512 * KIB))
+    victim = spawn(
+        "tests/proc_donor.py", "--kib", str(kib), "--upload-mib", str(limit), "--chunk-bytes", str(512 * KIB)
+    )
     try:
         async with AsyncExitStack() as stack:
             joiner, donors = await start_swarm(stack, 2, upload_limit=limit * MIB)
@@ -286,9 +307,15 @@ async def test_donor_killed_mid_transfer_the_others_finish():
                     os.kill(victim.pid, signal.SIGKILL)
 
             t0 = time.monotonic()
-            got_meta, got = await fetch_state(joiner.host, joiner.ts, [info["peer"], *ids(donors)],
-                                              chunk_bytes=512 * KIB, progress=kill_victim_mid_transfer,
-                                              report=report, timeout=60)
+            got_meta, got = await fetch_state(
+                joiner.host,
+                joiner.ts,
+                [info["peer"], *ids(donors)],
+                chunk_bytes=512 * KIB,
+                progress=kill_victim_mid_transfer,
+                report=report,
+                timeout=60,
+            )
             assert victim.wait(5) == -signal.SIGKILL
             assert got_meta == meta
             assert_same_state(tensors, got)
@@ -305,12 +332,14 @@ async def test_donor_killed_mid_transfer_the_others_finish():
 
 
 @settings(max_examples=150, deadline=None)
-@given(sizes=st.lists(st.integers(0, 3000), max_size=12), chunk=st.integers(1, 4000),
-       order=st.randoms(use_true_random=False))
+@given(
+    sizes=st.lists(st.integers(0, 3000), max_size=12),
+    chunk=st.integers(1, 4000),
+    order=st.randoms(use_true_random=False),
+)
 def test_chunks_cover_the_flattened_state_exactly_once(sizes, chunk, order):
     g = torch.Generator().manual_seed(len(sizes) * 7919 + chunk)
-    src = FlatState({f"t{i}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
-                     for i, n in enumerate(sizes)})
+    src = FlatState({f"t{i}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for i, n in enumerate(sizes)})
     ranges = chunk_ranges(src.total, chunk)
     assert [s for s, _ in ranges] == list(range(0, src.total, chunk))
     assert all(e - s == min(chunk, src.total - s) > 0 for s, e in ranges)

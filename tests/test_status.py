@@ -32,21 +32,54 @@ from meshtrain.node.status_server import StatusServer
 
 
 def snapshot() -> dict:
-    peers = [{"peer_id": f"12D3KooWpeer{i}", "addr": f"/ip4/127.0.0.1/tcp/{4000 + i}", "connection": c,
-              "role": "trainer", "step": 10 + i, "loss": 2.0 + i, "last_seen_s": 0.5, "reachability": r}
-             for i, (c, r) in enumerate([("direct", "public"), ("relay", "private")])]
-    return {"node": {"peer_id": "12D3KooWpeer0", "name": "n0", "version": "0.1.0", "started": 0.0, "uptime_s": 3.5,
-                     "swarm": "ms0123", "state": "training", "listen": [], "reachability": "public"},
-            "training": {"step": 10, "round": 2, "loss": 2.25, "eval_loss": None, "optimizer": "diloco",
-                         "samples_per_s": 7.5, "bytes_sent": 4096, "bytes_received": 8192,
-                         "history": [{"step": s, "t": 0.0, "loss": 3 - s / 10, "eval_loss": None} for s in range(10)],
-                         "refused": {"not-a-member": 3}, "parity": {"status": "minority", "resyncs": 1}},
-            "peers": peers, "checkpoint": {}, "joined_from": None}
+    peers = [
+        {
+            "peer_id": f"12D3KooWpeer{i}",
+            "addr": f"/ip4/127.0.0.1/tcp/{4000 + i}",
+            "connection": c,
+            "role": "trainer",
+            "step": 10 + i,
+            "loss": 2.0 + i,
+            "last_seen_s": 0.5,
+            "reachability": r,
+        }
+        for i, (c, r) in enumerate([("direct", "public"), ("relay", "private")])
+    ]
+    return {
+        "node": {
+            "peer_id": "12D3KooWpeer0",
+            "name": "n0",
+            "version": "0.1.0",
+            "started": 0.0,
+            "uptime_s": 3.5,
+            "swarm": "ms0123",
+            "state": "training",
+            "listen": [],
+            "reachability": "public",
+        },
+        "training": {
+            "step": 10,
+            "round": 2,
+            "loss": 2.25,
+            "eval_loss": None,
+            "optimizer": "diloco",
+            "samples_per_s": 7.5,
+            "bytes_sent": 4096,
+            "bytes_received": 8192,
+            "history": [{"step": s, "t": 0.0, "loss": 3 - s / 10, "eval_loss": None} for s in range(10)],
+            "refused": {"not-a-member": 3},
+            "parity": {"status": "minority", "resyncs": 1},
+        },
+        "peers": peers,
+        "checkpoint": {},
+        "joined_from": None,
+    }
 
 
 def get(url: str) -> tuple[int, str, bytes]:
     import urllib.error
     import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.status, r.headers["Content-Type"], r.read()
@@ -68,8 +101,9 @@ async def test_status_metrics_and_dashboard_are_served():
         assert fams["meshtrain_live_peers"].samples[0].value == 2
         by_peer = {s.labels["peer"]: s for s in fams["meshtrain_peer_step"].samples}
         assert by_peer["12D3KooWpeer1"].value == 11 and by_peer["12D3KooWpeer1"].labels["connection"] == "relay"
-        refused = {s.labels["reason"]: s.value for s in fams["meshtrain_refused_requests"].samples
-                   if s.name.endswith("_total")}
+        refused = {
+            s.labels["reason"]: s.value for s in fams["meshtrain_refused_requests"].samples if s.name.endswith("_total")
+        }
         assert refused == {"not-a-member": 3}
         assert fams["meshtrain_parity_minority"].samples[0].value == 1
         code, ctype, page = await trio.to_thread.run_sync(get, srv.url + "/")
@@ -108,14 +142,17 @@ def _raw(port: int, payload: bytes) -> bytes:
         return out
 
 
-@pytest.mark.parametrize("payload", [
-    b"\x00\xff garbage \r\n\r\n",
-    b"GET /status HTTP/1.1\r\n" + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n",
-    b"GET " + b"/" * 70_000 + b" HTTP/1.1\r\n\r\n",
-    b"POST /stop HTTP/1.1\r\nAuthorization: Bearer \xff\xfe\r\nContent-Length: 5\r\n\r\nhello",
-    b"BREW /pot HTTP/1.1\r\n\r\n",
-    b"",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x00\xff garbage \r\n\r\n",
+        b"GET /status HTTP/1.1\r\n" + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+        b"GET " + b"/" * 70_000 + b" HTTP/1.1\r\n\r\n",
+        b"POST /stop HTTP/1.1\r\nAuthorization: Bearer \xff\xfe\r\nContent-Length: 5\r\n\r\nhello",
+        b"BREW /pot HTTP/1.1\r\n\r\n",
+        b"",
+    ],
+)
 async def test_hostile_requests_leave_the_server_serving(payload):
     stopped = []
     async with StatusServer(snapshot, port=0, token="t", on_stop=lambda: stopped.append(1)) as srv:
@@ -142,8 +179,7 @@ async def test_unreachable_endpoint_is_a_clear_error():
         await trio.to_thread.run_sync(fetch_status, f"http://127.0.0.1:{port}", 2)
 
 
-@pytest.mark.parametrize("reply", [b"garbage\r\n\r\n", b"", b"HTTP/1.1 abc\r\n\r\n{}",
-                                   b"SSH-2.0-OpenSSH_9.6\r\n"])
+@pytest.mark.parametrize("reply", [b"garbage\r\n\r\n", b"", b"HTTP/1.1 abc\r\n\r\n{}", b"SSH-2.0-OpenSSH_9.6\r\n"])
 async def test_a_server_that_is_not_ours_is_a_clear_error(reply):
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))

@@ -46,8 +46,10 @@ def sample_dict() -> dict[str, torch.Tensor]:
 async def exchange(sender, receiver, tag, tensors, **recv_kwargs):
     out = {}
     async with trio.open_nursery() as nursery:
+
         async def rx():
             out["received"] = await receiver.ts.receive(sender.id, tag, **recv_kwargs)
+
         nursery.start_soon(rx)
         out["report"] = await sender.ts.send(receiver.id, tag, tensors)
     return out["report"], out["received"]
@@ -57,8 +59,10 @@ def assert_bit_exact(a: dict, b: dict) -> None:
     assert list(a) == list(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k],
-                           b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k]), k
+        assert torch.equal(
+            a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k],
+            b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k],
+        ), k
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
@@ -84,9 +88,11 @@ async def test_receive_into_preallocated_buffers(pair):
 async def test_mismatched_receive_buffers_refuse_the_transfer(pair):
     a, b = pair
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with pytest.raises(TransferRefused):
                 await b.ts.receive(a.id, "bad", into={"w": torch.zeros(11)})
+
         nursery.start_soon(rx)
         with pytest.raises(TransferRefused, match="do not match"):
             await a.ts.send(b.id, "bad", {"w": torch.randn(10)})
@@ -97,9 +103,11 @@ async def test_sender_waits_for_late_receiver_then_delivers(pair):
     src = {"w": torch.randn(1000)}
     async with trio.open_nursery() as nursery:
         got = {}
+
         async def late_rx():
             await trio.sleep(1.0)
             got["r"] = await b.ts.receive(a.id, "late")
+
         nursery.start_soon(late_rx)
         await a.ts.send(b.id, "late", src)
     assert torch.equal(got["r"].tensors["w"], src["w"])
@@ -109,9 +117,11 @@ async def test_announced_digest_mismatch_is_detected_on_both_sides(pair):
     a, b = pair
     src = {"w": torch.randn(5000)}
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with pytest.raises(DigestMismatch):
                 await b.ts.receive(a.id, "dig")
+
         nursery.start_soon(rx)
         with pytest.raises(DigestMismatch):
             await a.ts.send(b.id, "dig", src, digest=b"\0" * 32)
@@ -130,16 +140,18 @@ async def test_resume_after_connection_cut_mid_transfer(pair):
     src = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
     async with trio.open_nursery() as nursery:
         got = {}
+
         async def rx():
             got["r"] = await b.ts.receive(a.id, "cut")
+
         nursery.start_soon(rx)
 
         async def cut_once_started():
-            while b.ts.stats["bytes_received"] == 0 and not any(
-                    p.done > (8 << 20) for p in b.ts._partials.values()):
+            while b.ts.stats["bytes_received"] == 0 and not any(p.done > (8 << 20) for p in b.ts._partials.values()):
                 await trio.sleep(0.001)
             for ch in list(b.ts.active):
                 ch.framed.stream.socket.shutdown(socket.SHUT_RDWR)
+
         nursery.start_soon(cut_once_started)
         report = await a.ts.send(b.id, "cut", src)
     assert report.resumes >= 1
@@ -187,13 +199,16 @@ async def test_replayed_connection_is_refused(pair):
     async def recording_proxy(client: trio.SocketStream):
         upstream = await trio.open_tcp_stream("127.0.0.1", port)
         async with trio.open_nursery() as n:
+
             async def up():
                 while data := await client.receive_some(1 << 16):
                     recorded.extend(data)
                     await upstream.send_all(data)
+
             async def down():
                 while data := await upstream.receive_some(1 << 16):
                     await client.send_all(data)
+
             n.start_soon(up)
             n.start_soon(down)
 
@@ -228,13 +243,17 @@ async def test_oversized_data_frame_is_refused(pair):
     """A sender announcing a 1 GiB data frame is cut off before anything is allocated."""
     a, b = pair
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with pytest.raises(TransferError):
                 await b.ts.receive(a.id, "huge", timeout=10)
+
         nursery.start_soon(rx)
         ch = await a.ts._channel(b.id)
-        await ch.send_msg(1, {"tag": "huge", "xfer": os.urandom(16), "specs": [["w", "float32", [1 << 28]]],
-                              "meta": {}, "digest": None})
+        await ch.send_msg(
+            1,
+            {"tag": "huge", "xfer": os.urandom(16), "specs": [["w", "float32", [1 << 28]]], "meta": {}, "digest": None},
+        )
         kind, _ = await ch.recv_msg(2, 6)
         assert kind == 2  # accepted the header (1 GiB is under the default limit)
         await ch.framed.write(struct.pack(">IB", (1 << 30) + 17, 3))
@@ -248,9 +267,11 @@ async def test_oversized_data_frame_is_refused(pair):
 async def test_header_over_receive_limit_is_refused(pair):
     a, b = pair
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with pytest.raises(TransferRefused):
                 await b.ts.receive(a.id, "limited", max_bytes=1000)
+
         nursery.start_soon(rx)
         with pytest.raises(TransferRefused, match="exceeds"):
             await a.ts.send(b.id, "limited", {"w": torch.zeros(1000)})
@@ -316,9 +337,11 @@ async def test_receiver_cancelled_mid_transfer_refuses_sender_and_host_survives(
     a, b = pair
     src = {"w": torch.randn(64 << 20 >> 2)}
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with trio.move_on_after(0.05):
                 await b.ts.receive(a.id, "gave-up")
+
         nursery.start_soon(rx)
         with pytest.raises(TransferError):
             await a.ts.send(b.id, "gave-up", src, timeout=30)
@@ -337,13 +360,13 @@ def members(*peers):
     async def authorize(peer: str) -> bool:
         asked.append(peer)
         return peer in allowed
+
     authorize.asked = asked
     return authorize
 
 
 def header(tag: str) -> dict:
-    return {"tag": tag, "xfer": os.urandom(16), "specs": [["w", "float32", [4]]], "meta": {},
-            "digest": None}
+    return {"tag": tag, "xfer": os.urandom(16), "specs": [["w", "float32", [4]]], "meta": {}, "digest": None}
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
@@ -352,9 +375,11 @@ async def test_non_member_cannot_send_but_member_can(direct):
         b, member, stranger = await start_peers(stack, 3, dp=DataPlaneConfig(direct=direct))
         b.ts.authorize = members(member)  # set after construction, as the node does
         async with trio.open_nursery() as nursery:
+
             async def rx_never():  # a receive is waiting: only the refusal keeps the data out
                 with pytest.raises(TransferError, match="within"):
                     await b.ts.receive(stranger.id, "t", timeout=2)
+
             nursery.start_soon(rx_never)
             with pytest.raises(TransferRefused, match="not-a-member"):
                 await stranger.ts.send(b.id, "t", {"x": torch.ones(3)}, timeout=10)
@@ -381,9 +406,11 @@ async def test_fallback_stream_of_non_member_gets_one_error_frame_and_is_closed(
     b.ts.authorize = members()
     served = []
     async with trio.open_nursery() as nursery:
+
         async def rx():
             with trio.move_on_after(2):
                 served.append(await b.ts.receive(a.id, "fb"))
+
         nursery.start_soon(rx)
         stream = await a.host.open_stream(b.id, FALLBACK_PROTOCOL)
         framed = FramedStream(stream)
@@ -418,6 +445,7 @@ async def test_member_that_leaves_is_refused_new_connections(pair):
 
     async def authorize(peer: str) -> bool:
         return peer in admitted
+
     b.ts.authorize = authorize
     await exchange(a, b, "in", {"x": torch.ones(2)})
     admitted.clear()
@@ -438,7 +466,8 @@ async def test_slow_or_broken_authorize_refuses_within_its_deadline():
     async with AsyncExitStack() as stack:
         a, b = await start_peers(stack, 2, streams=False)
         ts = await stack.enter_async_context(
-            TensorStreams(b.host, DataPlaneConfig(authorize_timeout=0.3), authorize=never))
+            TensorStreams(b.host, DataPlaneConfig(authorize_timeout=0.3), authorize=never)
+        )
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as refused:
             await a.host.rpc.call(b.id, "dataplane", {"op": "open"})
@@ -460,8 +489,7 @@ async def _wait_until(predicate, seconds: float = 10) -> None:
 
 async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer():
     async with AsyncExitStack() as stack:
-        b, flooder, other = await start_peers(
-            stack, 3, dp=DataPlaneConfig(max_pending_per_peer=4, max_pending=16))
+        b, flooder, other = await start_peers(stack, 3, dp=DataPlaneConfig(max_pending_per_peer=4, max_pending=16))
         flood = []
         for i in range(4):  # each early header holds a connection: open four
             ch = await flooder.ts._channel(b.id)

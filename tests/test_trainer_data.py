@@ -37,8 +37,16 @@ async def train(t: Trainer, steps: int, after_step=lambda _t: None) -> None:
 async def test_every_optimizer_reports_a_held_out_loss_of_phi(optimizer):
     # H=10, 2 fragments, delay 1: Streaming DiLoCo sends a fragment at every eval step (10, 20),
     # so the exchange is in flight exactly when evaluation is due (the demo's schedule, smaller).
-    spec = SwarmSpec(model="gpt-tiny", optimizer=optimizer, steps=20, H=10, fragments=2, eval_every=10,
-                     eval_batches=2, outer_lr=1.0 if optimizer == "sparseloco" else 0.7)
+    spec = SwarmSpec(
+        model="gpt-tiny",
+        optimizer=optimizer,
+        steps=20,
+        H=10,
+        fragments=2,
+        eval_every=10,
+        eval_batches=2,
+        outer_lr=1.0 if optimizer == "sparseloco" else 0.7,
+    )
     t = Trainer(spec, LocalSwarm(1).member(0), "p")
     await train(t, 20)
     evals = [h["eval_loss"] for h in t.info.history if h["eval_loss"] is not None]
@@ -48,8 +56,15 @@ async def test_every_optimizer_reports_a_held_out_loss_of_phi(optimizer):
 
 async def test_resume_from_a_checkpoint_on_disk_trains_the_same_samples_bit_exactly(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl")
-    spec = SwarmSpec(model="gpt-tiny", dataset=str(data), dataset_digest=dataset_digest(data), steps=30, H=5,
-                     eval_every=0, batch_size=4)
+    spec = SwarmSpec(
+        model="gpt-tiny",
+        dataset=str(data),
+        dataset_digest=dataset_digest(data),
+        steps=30,
+        H=5,
+        eval_every=0,
+        batch_size=4,
+    )
     trained: dict[str, list[tuple[int, list[int]]]] = {"straight": [], "resumed": []}
 
     def recording(t: Trainer, log: list) -> Trainer:
@@ -59,27 +74,26 @@ async def test_resume_from_a_checkpoint_on_disk_trains_the_same_samples_bit_exac
             ids = t.corpus.sample_ids(spec.batch_size, t.context, seed=spec.seed, peer=t.peer_id, step=step)
             log.append((step, ids.tolist()))
             return batch(step)
+
         t.batch = recorded  # type: ignore[method-assign]
         return t
 
-    straight = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "a"),
-                         trained["straight"])
+    straight = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "a"), trained["straight"])
     await train(straight, 30)
 
     store = CheckpointStore(tmp_path / "ckpt")
-    first = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "b"),
-                      trained["resumed"])
+    first = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "b"), trained["resumed"])
 
     def save_at_10(t: Trainer) -> None:
         if t.step == 10:
             store.save(t.checkpoint_state(), step=t.step, round=t.outer.rounds)
+
     await train(first, 14, save_at_10)  # then "killed": steps 11..14 are not in the checkpoint
     ckpt = store.load_latest()
     assert ckpt is not None and ckpt.state["data"]["step"] == 10
     assert ckpt.state["data"]["digest"] == first.corpus.digest
     del trained["resumed"][10:]  # what the lost steps trained is lost with them
-    resumed = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "b"),
-                        trained["resumed"])
+    resumed = recording(Trainer(spec, LocalSwarm(1).member(0), "peer-a", data_dir=tmp_path / "b"), trained["resumed"])
     resumed.load_checkpoint(ckpt.state)
     await train(resumed, 30)
     assert trained["resumed"] == trained["straight"]  # the same (step, samples), none twice, none skipped
@@ -89,11 +103,13 @@ async def test_resume_from_a_checkpoint_on_disk_trains_the_same_samples_bit_exac
 
 async def test_a_checkpoint_of_other_data_is_refused(tmp_path):
     a, b = write_jsonl(tmp_path / "a.jsonl"), write_jsonl(tmp_path / "b.jsonl", 300)
-    t = Trainer(SwarmSpec(model="gpt-tiny", dataset=str(a), eval_every=0), LocalSwarm(1).member(0), "p",
-                data_dir=tmp_path)
+    t = Trainer(
+        SwarmSpec(model="gpt-tiny", dataset=str(a), eval_every=0), LocalSwarm(1).member(0), "p", data_dir=tmp_path
+    )
     await train(t, 5)
-    other = Trainer(SwarmSpec(model="gpt-tiny", dataset=str(b), eval_every=0), LocalSwarm(1).member(0), "p",
-                    data_dir=tmp_path)
+    other = Trainer(
+        SwarmSpec(model="gpt-tiny", dataset=str(b), eval_every=0), LocalSwarm(1).member(0), "p", data_dir=tmp_path
+    )
     with pytest.raises(ConfigError, match="other data"):
         other.load_checkpoint(t.checkpoint_state())
 
@@ -136,8 +152,21 @@ def test_kill_9_mid_run_then_resume_ends_bit_identical_to_an_uninterrupted_run(t
 
     data = write_jsonl(tmp_path / "corpus.jsonl")
     a, b = tmp_path / "a", tmp_path / "b"
-    create(a, "--model", "gpt-tiny", "--dataset", str(data), "--steps", "300", "--H", "10",
-           "--eval-every", "0", "--batch-size", "8")
+    create(
+        a,
+        "--model",
+        "gpt-tiny",
+        "--dataset",
+        str(data),
+        "--steps",
+        "300",
+        "--H",
+        "10",
+        "--eval-every",
+        "0",
+        "--batch-size",
+        "8",
+    )
     b.mkdir()
     for name in ("identity.key", "swarm.json"):
         (b / name).write_bytes((a / name).read_bytes())

@@ -91,9 +91,11 @@ async def test_connection_events_wake_waiters_before_the_recheck():
 
 async def test_private_swarm_key_mismatch_refuses_connection():
     key_a, key_b = os.urandom(32).hex(), os.urandom(32).hex()
-    async with Host(Identity.generate(), HostConfig(swarm_key=key_a)) as a, \
-            Host(Identity.generate(), HostConfig(swarm_key=key_b)) as b, \
-            Host(Identity.generate(), HostConfig(swarm_key=key_a)) as c:
+    async with (
+        Host(Identity.generate(), HostConfig(swarm_key=key_a)) as a,
+        Host(Identity.generate(), HostConfig(swarm_key=key_b)) as b,
+        Host(Identity.generate(), HostConfig(swarm_key=key_a)) as c,
+    ):
         with pytest.raises(ConnectError):
             await b.connect(a.addrs[0], timeout=3)
         assert not b.is_connected(a.peer_id)
@@ -101,8 +103,10 @@ async def test_private_swarm_key_mismatch_refuses_connection():
 
 
 async def test_open_host_cannot_join_private_swarm():
-    async with Host(Identity.generate(), HostConfig(swarm_key=os.urandom(32).hex())) as a, \
-            Host(Identity.generate()) as b:
+    async with (
+        Host(Identity.generate(), HostConfig(swarm_key=os.urandom(32).hex())) as a,
+        Host(Identity.generate()) as b,
+    ):
         with pytest.raises(ConnectError):
             await b.connect(a.addrs[0], timeout=3)
 
@@ -174,11 +178,13 @@ async def test_cancelled_stream_io_does_not_kill_the_connection(pair, side):
         while cancelled < 400:
             async with trio.open_nursery() as nursery:
                 for _ in range(3):
+
                     async def one():
                         nonlocal cancelled
                         with trio.move_on_after(rng.uniform(0, 0.0005)) as cs:
                             await (stream.write(chunk) if side == "write" else stream.read(4096))
                         cancelled += cs.cancelled_caught
+
                     nursery.start_soon(one)
             assert a.host.is_connected(b.id) and b.host.is_connected(a.id), f"dropped after {cancelled} cancellations"
     assert cancelled >= 20  # the test exercised what it is about
@@ -192,8 +198,10 @@ async def test_concurrent_rpcs_on_one_connection(pair):
     results = []
     async with trio.open_nursery() as nursery:
         for i in range(40):
+
             async def one(i=i):
                 results.append((await b.host.rpc.call(a.id, "echo", i))["echo"])
+
             nursery.start_soon(one)
     assert sorted(results) == list(range(40))
 

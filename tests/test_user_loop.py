@@ -27,8 +27,9 @@ EXAMPLE = ROOT / "examples" / "own_training_loop.py"
 
 
 def _start(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(EXAMPLE), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True)
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLE), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+    )
 
 
 def _first_json(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
@@ -46,8 +47,9 @@ def _first_json(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict
 @pytest.mark.slow
 def test_two_processes_train_a_tiny_llama_in_their_own_loops(tmp_path):
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
-    a = _start("--data-dir", str(tmp_path / "a"), "--create", "--steps", "60", "--H", "20", "--wait-peers", "2",
-               log=a_log)
+    a = _start(
+        "--data-dir", str(tmp_path / "a"), "--create", "--steps", "60", "--H", "20", "--wait-peers", "2", log=a_log
+    )
     try:
         addr = _first_json(a, a_log)["addr"]
         b = _start("--data-dir", str(tmp_path / "b"), "--join", addr, "--steps", "60", "--wait-peers", "2", log=b_log)

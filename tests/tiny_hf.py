@@ -9,7 +9,7 @@ from pathlib import Path
 BPE_VOCAB = 300
 
 # A py: model factory module (a bigram table; forward(x) gives logits, forward(x, y) the loss).
-FACTORY = '''
+FACTORY = """
 import torch
 
 
@@ -33,7 +33,7 @@ def make(vocab_size):
 
 def not_a_model(vocab_size):
     return 3
-'''
+"""
 
 
 def corpus_text() -> str:
@@ -50,9 +50,15 @@ def train_bpe(out: Path, *, vocab_size: int = BPE_VOCAB, transformers_dir: bool 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([corpus_text()], trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [corpus_text()],
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     out.mkdir(parents=True, exist_ok=True)
     if not transformers_dir:
         tok.save(str(out / "tokenizer.json"))
@@ -68,10 +74,21 @@ def save_tiny_llama(out: Path, *, vocab_size: int = BPE_VOCAB, seed: int = 0, **
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab_size,
-                            "max_position_embeddings": 64, "bos_token_id": None, "eos_token_id": 0,
-                            "pad_token_id": None, **overrides})
+    config = LlamaConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": vocab_size,
+            "max_position_embeddings": 64,
+            "bos_token_id": None,
+            "eos_token_id": 0,
+            "pad_token_id": None,
+            **overrides,
+        }
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(str(out))
     return out

@@ -111,8 +111,18 @@ from meshtrain.transport.validate import Malformed
 log = get_logger(__name__)
 
 # Public names of the all-reduce, importable from here (they live in protocol.py).
-__all__ = ["JOIN_RPC", "NOT_A_MEMBER", "OUT_OF_WINDOW", "REPORT_RPC", "WATCH_RPC", "WHERE_RPC", "AllReduceConfig",
-           "CollectiveError", "ReduceResult", "SwarmCollective"]
+__all__ = [
+    "JOIN_RPC",
+    "NOT_A_MEMBER",
+    "OUT_OF_WINDOW",
+    "REPORT_RPC",
+    "WATCH_RPC",
+    "WHERE_RPC",
+    "AllReduceConfig",
+    "CollectiveError",
+    "ReduceResult",
+    "SwarmCollective",
+]
 
 
 class _Restart(Exception):
@@ -135,9 +145,15 @@ class SwarmCollective(Service):
     `async with`, the collective enters itself on first use, for the lifetime of the host.
     """
 
-    def __init__(self, host: Host, streams: TensorStreams,
-                 membership: Callable[[int], Sequence[str]], config: AllReduceConfig | None = None, *,
-                 current_round: Callable[[], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        streams: TensorStreams,
+        membership: Callable[[int], Sequence[str]],
+        config: AllReduceConfig | None = None,
+        *,
+        current_round: Callable[[], int | None] | None = None,
+    ) -> None:
         self.host = host
         self.streams = streams
         self.membership = membership
@@ -268,8 +284,9 @@ class SwarmCollective(Service):
         give_up = trio.current_time() + self.config.join_timeout
         while True:
             try:
-                return await self.host.rpc.call(coordinator, method, request.to_wire(),
-                                                timeout=self.config.join_timeout + 120)
+                return await self.host.rpc.call(
+                    coordinator, method, request.to_wire(), timeout=self.config.join_timeout + 120
+                )
             except RemoteError as e:
                 if e.code in (NOT_A_MEMBER, OUT_OF_WINDOW):
                     # Its view of the swarm does not hold us (yet), or it is far from our round:
@@ -312,8 +329,15 @@ class SwarmCollective(Service):
 
     # -- the collective ------------------------------------------------------------------------
 
-    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+    async def all_reduce(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+        weight: float = 1.0,
+    ) -> ReduceResult:
         if not math.isfinite(weight) or weight < 0:
             raise CollectiveError("weight must be finite and >= 0")
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point()):
@@ -331,8 +355,9 @@ class SwarmCollective(Service):
             for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
                 del self._finished[old]
 
-    async def _all_reduce(self, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str,
-                          weight: float) -> ReduceResult:
+    async def _all_reduce(
+        self, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str, weight: float
+    ) -> ReduceResult:
         candidates = list(self.group(round_id))
         dead: set[str] = set()
         while True:
@@ -346,18 +371,26 @@ class SwarmCollective(Service):
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
                 with trio.fail_after(self._round_deadline(tensors)):
-                    return await self._run_round(JoinRequest(key, tuple(live), tuple(sorted(dead))),
-                                                 tensors, codec, weight)
+                    return await self._run_round(
+                        JoinRequest(key, tuple(live), tuple(sorted(dead))), tensors, codec, weight
+                    )
             except trio.TooSlowError:
-                raise CollectiveError(f"round {round_id}: no outcome within {self._round_deadline(tensors):.0f} s"
-                                      ) from None
+                raise CollectiveError(
+                    f"round {round_id}: no outcome within {self._round_deadline(tensors):.0f} s"
+                ) from None
             except _Moved as e:
                 # Our view was behind: take the fresh membership (it now has the newcomer).
                 candidates = sorted(set(self.group(round_id)) | {str(e)})
                 log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
             except _Restart as e:
-                log.info(kv("allreduce coordinator lost, restarting round", round=round_id,
-                            coordinator=coordinator[-8:], reason=str(e)))
+                log.info(
+                    kv(
+                        "allreduce coordinator lost, restarting round",
+                        round=round_id,
+                        coordinator=coordinator[-8:],
+                        reason=str(e),
+                    )
+                )
                 if coordinator == self.peer_id:
                     raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
                 dead.add(coordinator)
@@ -365,11 +398,15 @@ class SwarmCollective(Service):
     def _round_deadline(self, tensors: dict[str, torch.Tensor]) -> float:
         cfg = self.config
         transfer = cfg.transfer_deadline(sum(t.numel() for t in tensors.values()))
-        return (cfg.join_timeout * cfg.hard_join_factor
-                + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE) + 30)
+        return (
+            cfg.join_timeout * cfg.hard_join_factor
+            + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE)
+            + 30
+        )
 
-    async def _run_round(self, join: JoinRequest, tensors: dict[str, torch.Tensor], codec: str,
-                         weight: float) -> ReduceResult:
+    async def _run_round(
+        self, join: JoinRequest, tensors: dict[str, torch.Tensor], codec: str, weight: float
+    ) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
         if coordinator != self.peer_id:
@@ -383,8 +420,10 @@ class SwarmCollective(Service):
             raise CollectiveError(f"{key}: coordinator handed the round to a higher id; proceed alone")
         if isinstance(joined, Late):
             if joined.elsewhere is not None:
-                raise CollectiveError(f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "
-                                      "which we cannot reach; proceed alone and re-sync")
+                raise CollectiveError(
+                    f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "
+                    "which we cannot reach; proceed alone and re-sync"
+                )
             if joined.passed:
                 raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
             raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
@@ -411,9 +450,17 @@ class SwarmCollective(Service):
                 raise CollectiveError(f"{key}: {outcome.why}")
             return await self._commit(key, attempt, group, outcome, result, stats, tensors, excluded)
 
-    async def _commit(self, key: RoundKey, attempt: int, group: tuple[str, ...], outcome: Commit,
-                      result: dict[str, torch.Tensor] | None, stats: AttemptStats,
-                      tensors: dict[str, torch.Tensor], excluded: dict[str, str]) -> ReduceResult:
+    async def _commit(
+        self,
+        key: RoundKey,
+        attempt: int,
+        group: tuple[str, ...],
+        outcome: Commit,
+        result: dict[str, torch.Tensor] | None,
+        stats: AttemptStats,
+        tensors: dict[str, torch.Tensor],
+        excluded: dict[str, str],
+    ) -> ReduceResult:
         """Our result once the coordinator committed `outcome.digest`: fetched from a holder if
         ours is missing or differs; sent to the peers that need it if we are the first holder."""
         needy = [p for p in (*outcome.resync, *outcome.unconfirmed) if p != self.peer_id]
@@ -435,15 +482,33 @@ class SwarmCollective(Service):
         contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
         return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded)
 
-    async def _attempt(self, key: RoundKey, attempt: int, group: tuple[str, ...], tensors: dict[str, torch.Tensor],
-                       codec: str, weight: float) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
+    async def _attempt(
+        self,
+        key: RoundKey,
+        attempt: int,
+        group: tuple[str, ...],
+        tensors: dict[str, torch.Tensor],
+        codec: str,
+        weight: float,
+    ) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
         """Run one attempt's data phase while watching for the coordinator's decision."""
-        phase = DataPhase(self.streams, self.host, self.config, key=key, attempt=attempt, group=group,
-                          me=self.peer_id, tensors=tensors, codec=codec, weight=weight)
+        phase = DataPhase(
+            self.streams,
+            self.host,
+            self.config,
+            key=key,
+            attempt=attempt,
+            group=group,
+            me=self.peer_id,
+            tensors=tensors,
+            codec=codec,
+            weight=weight,
+        )
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []
         try:
             async with trio.open_nursery() as nursery:
+
                 async def watch() -> None:
                     decided.append(await self._watch(key, attempt))
                     nursery.cancel_scope.cancel()
@@ -455,10 +520,24 @@ class SwarmCollective(Service):
                         result.append(out)
                         report = Report(key, attempt, DONE, phase.stats.digest, (), tuple(sorted(phase.stats.rejected)))
                     except AttemptFailed as e:
-                        log.info(kv("allreduce attempt failed", key=key, attempt=attempt,
-                                    suspects=",".join(s[-8:] for s in e.suspects), why=str(e)))
-                        report = Report(key, attempt, FAIL, None, tuple(sorted(e.suspects)),
-                                        tuple(sorted(phase.stats.rejected)), e.evidence)
+                        log.info(
+                            kv(
+                                "allreduce attempt failed",
+                                key=key,
+                                attempt=attempt,
+                                suspects=",".join(s[-8:] for s in e.suspects),
+                                why=str(e),
+                            )
+                        )
+                        report = Report(
+                            key,
+                            attempt,
+                            FAIL,
+                            None,
+                            tuple(sorted(e.suspects)),
+                            tuple(sorted(phase.stats.rejected)),
+                            e.evidence,
+                        )
                     log.debug(kv("allreduce report", key=key, attempt=attempt, status=report.status))
                     await self._report(report)
 
@@ -491,8 +570,23 @@ class SwarmCollective(Service):
         except TransferError as e:  # the peer may simply be gone
             log.info(kv("re-sync send failed", peer=peer[-8:], error=str(e)))
 
-    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
-                           tag: str = "", codec: str = "none") -> ReduceResult:
-        return await average_pair(self.streams, self.peer_id, partner, tensors, round_id=round_id, tag=tag,
-                                  codec=codec, timeout=self.config.part_timeout,
-                                  min_bandwidth=self.config.min_bandwidth)
+    async def average_with(
+        self,
+        partner: str | None,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+    ) -> ReduceResult:
+        return await average_pair(
+            self.streams,
+            self.peer_id,
+            partner,
+            tensors,
+            round_id=round_id,
+            tag=tag,
+            codec=codec,
+            timeout=self.config.part_timeout,
+            min_bandwidth=self.config.min_bandwidth,
+        )

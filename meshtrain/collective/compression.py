@@ -191,9 +191,7 @@ class Codec(ABC):
         """Encode flat `x` (any float dtype, maybe a view of the caller's tensor)."""
 
     @abstractmethod
-    def _decode(
-        self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _decode(self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Decode parts whose dtypes and lengths are already checked into a new flat tensor."""
 
     @abstractmethod
@@ -222,9 +220,7 @@ class _CastCodec(Codec):
             )
         return {"values": x.to(self.wire_dtype, copy=True)}
 
-    def _decode(
-        self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _decode(self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         values = parts["values"]
         _check_fits(self.name, _max_abs(values), dtype, what="a value")
         return values.to(dtype, copy=True)
@@ -282,9 +278,7 @@ class _BlockwiseCodec(Codec):
     def __post_init__(self) -> None:
         b = self.block_size
         if not (is_int(b) and 1 <= b <= _CHUNK_ELEMENTS):
-            raise ConfigError(
-                f"{self.name} block_size must be an int in [1, {_CHUNK_ELEMENTS}], got {b!r}"
-            )
+            raise ConfigError(f"{self.name} block_size must be an int in [1, {_CHUNK_ELEMENTS}], got {b!r}")
         if b % self.codes_per_byte:
             raise ConfigError(f"{self.name} block_size must be even (two codes per byte), got {b}")
 
@@ -326,18 +320,12 @@ class _BlockwiseCodec(Codec):
             self._quantize(work, codes[lo // per_byte : -(-hi // per_byte)])
         return {"codes": codes, "absmax": absmax}
 
-    def _decode(
-        self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _decode(self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         codes, absmax = parts["codes"], parts["absmax"]
         # A negative, NaN or infinite scale can only come from a broken or hostile peer.
-        if absmax.numel() and not bool(
-            ((absmax >= 0) & (absmax <= torch.finfo(torch.float32).max)).all()
-        ):
+        if absmax.numel() and not bool(((absmax >= 0) & (absmax <= torch.finfo(torch.float32).max)).all()):
             raise CodecError(f"{self.name} parts hold a negative or non-finite block absmax")
-        _check_fits(
-            self.name, float(absmax.max()) if absmax.numel() else 0.0, dtype, what="a block absmax"
-        )
+        _check_fits(self.name, float(absmax.max()) if absmax.numel() else 0.0, dtype, what="a block absmax")
         block, per_byte = self.block_size, self.codes_per_byte
         out = torch.empty(numel, dtype=dtype)
         chunk_blocks = max(1, _CHUNK_ELEMENTS // block)
@@ -510,9 +498,7 @@ class TopKCodec(Codec):
         numel = x.numel()
         spec = self.layout(numel)
         if not _max_abs(x) < math.inf:
-            raise CodecError(
-                "cannot encode with 'topk': the tensor holds NaN or ±inf; skip or zero this update"
-            )
+            raise CodecError("cannot encode with 'topk': the tensor holds NaN or ±inf; skip or zero this update")
         k = spec["values"].numel
         if k == numel:
             kept = torch.arange(numel)
@@ -527,15 +513,11 @@ class TopKCodec(Codec):
             "indices": kept.to(spec["indices"].dtype),
         }
 
-    def _decode(
-        self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _decode(self, parts: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         values, indices = parts["values"], parts["indices"]
         _check_fits(self.name, _max_abs(values), dtype, what="a value")
         if indices.numel() and not (
-            int(indices[0]) >= 0
-            and int(indices[-1]) < numel
-            and bool((indices[1:] > indices[:-1]).all())
+            int(indices[0]) >= 0 and int(indices[-1]) < numel and bool((indices[1:] > indices[:-1]).all())
         ):
             raise CodecError("topk indices must be strictly increasing and within the tensor")
         out = torch.zeros(numel, dtype=dtype)
@@ -606,15 +588,11 @@ def _check_fits(codec: str, max_abs: float, dtype: torch.dtype, *, what: str) ->
     if not max_abs < math.inf:  # also catches NaN
         raise CodecError(f"{codec} parts hold NaN or ±inf")
     if not max_abs < _OVERFLOWS_AT[dtype]:
-        raise CodecError(
-            f"{codec} parts hold {what} of {max_abs:g}, too large for {dtype}; decode to float32"
-        )
+        raise CodecError(f"{codec} parts hold {what} of {max_abs:g}, too large for {dtype}; decode to float32")
 
 
 def _check_shape(shape: object) -> tuple[int, ...]:
-    if not isinstance(shape, tuple | list | torch.Size) or not all(
-        is_int(d) and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, tuple | list | torch.Size) or not all(is_int(d) and d >= 0 for d in shape):
         raise CodecError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     return tuple(shape)
 
@@ -623,9 +601,7 @@ def _check_parts(codec: str, parts: object, layout: dict[str, PartSpec]) -> None
     if not isinstance(parts, Mapping):
         raise CodecError(f"{codec} parts must be a dict of tensors, got {type(parts).__name__}")
     if set(parts) != set(layout):
-        raise CodecError(
-            f"{codec} parts must be exactly {sorted(layout)}, got {sorted(map(str, parts))}"
-        )
+        raise CodecError(f"{codec} parts must be exactly {sorted(layout)}, got {sorted(map(str, parts))}")
     for key, spec in layout.items():
         part = parts[key]
         if not isinstance(part, torch.Tensor):

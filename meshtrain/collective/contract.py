@@ -84,4 +84,3 @@ class WatchesOptimizer(Protocol):
     from the optimizer's step hook). `OuterOptimizer.__init__` calls `watch(self)` last."""
 
     def watch(self, optimizer: Any) -> None: ...
-

@@ -196,8 +196,9 @@ class Coordinator:
 
         async def ask(peer: str) -> None:
             with contextlib.suppress(RpcError, Malformed):
-                reply = await self.host.rpc.call(peer, WHERE_RPC, WhereRequest(r.key.tag, round_id).to_wire(),
-                                                 timeout=PROBE_EVERY)
+                reply = await self.host.rpc.call(
+                    peer, WHERE_RPC, WhereRequest(r.key.tag, round_id).to_wire(), timeout=PROBE_EVERY
+                )
                 answers[peer] = WhereReply.parse(reply)
 
         async with trio.open_nursery() as nursery:
@@ -219,16 +220,26 @@ class Coordinator:
         elif reachable:
             self._hand_over(r, reachable[0], "the missing peers are in this round there")
         elif accounted:
-            self._nobody_else_coming(r, "the missing peers are in this round at a coordinator we cannot reach",
-                                     elsewhere=min(elsewhere.values()))
+            self._nobody_else_coming(
+                r,
+                "the missing peers are in this round at a coordinator we cannot reach",
+                elsewhere=min(elsewhere.values()),
+            )
 
     def _nobody_else_coming(self, r: _Round, why: str, elsewhere: str | None = None) -> None:
         """The missing peers will not join: a majority that did completes the round now (a peer
         that cancelled and moved on must not void the round for the rest); a minority — a stale
         or cut-off coordinator, usually alone — ends it, and its members re-sync."""
         if 2 * len(r.joins) > len(r.expected):
-            log.info(kv("allreduce fixing the group without the missing peers", key=r.key, why=why,
-                        joined=len(r.joins), expected=len(r.expected)))
+            log.info(
+                kv(
+                    "allreduce fixing the group without the missing peers",
+                    key=r.key,
+                    why=why,
+                    joined=len(r.joins),
+                    expected=len(r.expected),
+                )
+            )
             self._fix_group(r)
             return
         if elsewhere is None:
@@ -252,10 +263,17 @@ class Coordinator:
         now = trio.current_time()
         if now - r.created >= WAIT_LOG_EVERY and now - r.last_wait_log >= WAIT_LOG_EVERY:
             r.last_wait_log = now
-            log.warning(kv("outer round waiting for peers to join", round=round_id, tag=r.key.tag,
-                           joined=len(r.joins), expected=len(r.expected),
-                           missing=",".join(p[-8:] for p in sorted(r.missing)),
-                           waited_s=round(now - r.created, 1)))
+            log.warning(
+                kv(
+                    "outer round waiting for peers to join",
+                    round=round_id,
+                    tag=r.key.tag,
+                    joined=len(r.joins),
+                    expected=len(r.expected),
+                    missing=",".join(p[-8:] for p in sorted(r.missing)),
+                    waited_s=round(now - r.created, 1),
+                )
+            )
         missing = r.missing
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
             self._nobody_else_coming(r, "the missing peers joined a later round here")
@@ -277,8 +295,7 @@ class Coordinator:
         if not r.group_fixed.is_set():
             r.attempts.append(_Attempt(tuple(sorted(r.joins))))
             r.group_fixed.set()
-            log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins),
-                         expected=len(r.expected)))
+            log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins), expected=len(r.expected)))
 
     async def join(self, peer: str, key: RoundKey, skipped: Sequence[str] = ()) -> JoinReply:
         r = self._round(key)
@@ -312,8 +329,10 @@ class Coordinator:
                     waited = f", {trio.current_time() - r.created:.0f} s"
                 except RuntimeError:  # asked from outside trio (a status thread)
                     waited = ""
-                return (f"round {r.key.round_id} ({r.key.tag}): waiting for {len(missing)} of "
-                        f"{len(r.expected)} peers to join ({', '.join(p[-8:] for p in missing[:8])}){waited}")
+                return (
+                    f"round {r.key.round_id} ({r.key.tag}): waiting for {len(missing)} of "
+                    f"{len(r.expected)} peers to join ({', '.join(p[-8:] for p in missing[:8])}){waited}"
+                )
         return None
 
     # -- attempts ----------------------------------------------------------------------------
@@ -339,9 +358,15 @@ class Coordinator:
     async def report(self, peer: str, rep: Report) -> Outcome:
         a = self._member_attempt(peer, rep.key, rep.attempt)
         if not a.decided.is_set():
-            a.reports[peer] = Report(rep.key, rep.attempt, rep.status, rep.digest,
-                                     tuple(s for s in rep.suspects if s in a.group), tuple(rep.rejected),
-                                     bool(rep.evidence))
+            a.reports[peer] = Report(
+                rep.key,
+                rep.attempt,
+                rep.status,
+                rep.digest,
+                tuple(s for s in rep.suspects if s in a.group),
+                tuple(rep.rejected),
+                bool(rep.evidence),
+            )
             failed = any(r.failed for r in a.reports.values())
             if set(a.reports) >= set(a.group):
                 self._decide_failure(rep.key, a) if failed else self._conclude(rep.key, a)
@@ -386,8 +411,13 @@ class Coordinator:
         # A peer that a minority blames and that has not reported yet but is still connected is
         # probably just slow to report (a busy CPU): hear it before dropping it, up to the report
         # deadline. A killed peer is disconnected, and a staller is blamed by the majority.
-        slow = {s for s in silent if 2 * len(blamed[s]) <= len(a.reports) and s not in proof
-                and (s == self.peer_id or self.host.is_connected(s))}
+        slow = {
+            s
+            for s in silent
+            if 2 * len(blamed[s]) <= len(a.reports)
+            and s not in proof
+            and (s == self.peer_id or self.host.is_connected(s))
+        }
         if slow and a.first_fail is not None and trio.current_time() - a.first_fail < self.config.report_timeout:
             self._start_soon(self._decide_later, key, a, 0.25, self._decide_failure)
             return
@@ -396,9 +426,17 @@ class Coordinator:
         # Majority blame, except against a peer that holds proof: abandoning the attempt on
         # evidence breaks everyone's transfers to it, so the others' blame is only the echo.
         drop |= {s for s, who in blamed.items() if 2 * len(who) > len(a.reports) and s not in provers}
-        log.info(kv("allreduce attempt failed", key=key, drop=",".join(sorted(x[-8:] for x in (drop or set(blamed)))),
-                    reports=";".join(f"{p[-8:]}>{','.join(x[-8:] for x in rep.suspects)}{'!' if rep.evidence else ''}"
-                                     for p, rep in sorted(fails.items()))))
+        log.info(
+            kv(
+                "allreduce attempt failed",
+                key=key,
+                drop=",".join(sorted(x[-8:] for x in (drop or set(blamed)))),
+                reports=";".join(
+                    f"{p[-8:]}>{','.join(x[-8:] for x in rep.suspects)}{'!' if rep.evidence else ''}"
+                    for p, rep in sorted(fails.items())
+                ),
+            )
+        )
         self._retry(key, a, drop or set(blamed))
 
     def _retry(self, key: RoundKey, a: _Attempt, suspects: set[str]) -> None:

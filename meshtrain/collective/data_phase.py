@@ -79,8 +79,9 @@ def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
         yield eg
 
 
-def reduce_contributions(contributions: dict[str, torch.Tensor], weights: dict[str, float],
-                         config: AllReduceConfig, rejected: dict[str, str]) -> torch.Tensor:
+def reduce_contributions(
+    contributions: dict[str, torch.Tensor], weights: dict[str, float], config: AllReduceConfig, rejected: dict[str, str]
+) -> torch.Tensor:
     """Combine the contributions to one part (runs in a worker thread).
 
     Weighted mean in fp32 over the finite contributions in sorted peer order (the owner's result
@@ -126,9 +127,20 @@ class DataPhase:
     in it. tensors / codec / weight: our input, how parts are encoded, our weight (0: we
     contribute nothing but still receive the result). `stats` fills in as the attempt runs."""
 
-    def __init__(self, streams: TensorStreams, host: Host, config: AllReduceConfig, *, key: RoundKey,
-                 attempt: int, group: tuple[str, ...], me: str, tensors: dict[str, torch.Tensor],
-                 codec: str, weight: float) -> None:
+    def __init__(
+        self,
+        streams: TensorStreams,
+        host: Host,
+        config: AllReduceConfig,
+        *,
+        key: RoundKey,
+        attempt: int,
+        group: tuple[str, ...],
+        me: str,
+        tensors: dict[str, torch.Tensor],
+        codec: str,
+        weight: float,
+    ) -> None:
         try:
             self.codec = get_codec(codec)
         except CodecError as e:
@@ -169,8 +181,9 @@ class DataPhase:
             if fails and len(fails) == len(leaves):
                 # Proof outweighs broken transfers, which may only echo others abandoning the attempt.
                 fails = [f for f in fails if f.evidence] or fails
-                raise AttemptFailed(set().union(*(f.suspects for f in fails)), str(fails[0]),
-                                    evidence=fails[0].evidence) from None
+                raise AttemptFailed(
+                    set().union(*(f.suspects for f in fails)), str(fails[0]), evidence=fails[0].evidence
+                ) from None
             raise
         if self.failed:
             raise AttemptFailed(set(self.failed), "peers disconnected during the attempt")
@@ -179,6 +192,7 @@ class DataPhase:
     async def connect_group(self) -> None:
         """Open data-plane connections to the whole group first: setup is off the critical path,
         and an unreachable member is a suspect before any data moves."""
+
         async def one(peer: str) -> None:
             try:
                 with trio.fail_after(self.config.part_timeout):
@@ -200,14 +214,15 @@ class DataPhase:
         async with trio.open_nursery() as rs:
             for j, peer in enumerate(self.group):
                 if peer != self.me:
-                    piece = self.flat[self.bounds[j]:self.bounds[j + 1]]
+                    piece = self.flat[self.bounds[j] : self.bounds[j + 1]]
                     rs.start_soon(self._send, peer, f"{self.tag}/rs/{j}", self._encode(piece), {"w": self.weight})
             for peer in self.others:
                 rs.start_soon(self._collect, peer, contributions, weights)
-        contributions[self.me] = self.flat[self.lo:self.hi]
+        contributions[self.me] = self.flat[self.lo : self.hi]
         weights[self.me] = self.weight
-        return await trio.to_thread.run_sync(reduce_contributions, contributions, weights, self.config,
-                                             self.stats.rejected)
+        return await trio.to_thread.run_sync(
+            reduce_contributions, contributions, weights, self.config, self.stats.rejected
+        )
 
     async def _collect(self, peer: str, contributions: dict[str, torch.Tensor], weights: dict[str, float]) -> None:
         got = await self._receive(peer, f"{self.tag}/rs/{self.index}")
@@ -227,8 +242,9 @@ class DataPhase:
     async def all_gather(self, reduced: torch.Tensor) -> None:
         """Send our reduced part, exactly as encoded once, to all; fetch every other part."""
         mine = self._encode(reduced)
-        self.out[self.lo:self.hi] = reduced if self.lossless else self.codec.decode(
-            mine, (self.hi - self.lo,), torch.float32)
+        self.out[self.lo : self.hi] = (
+            reduced if self.lossless else self.codec.decode(mine, (self.hi - self.lo,), torch.float32)
+        )
         # Hashed once, off the event loop, rather than once per receiver while sending.
         mine_digest = await trio.to_thread.run_sync(payload_digest, mine) if self.others else None
         async with trio.open_nursery() as ag:
@@ -239,7 +255,7 @@ class DataPhase:
                     ag.start_soon(self._fetch, j, peer)
 
     async def _fetch(self, j: int, peer: str) -> None:
-        slot = self.out[self.bounds[j]:self.bounds[j + 1]]
+        slot = self.out[self.bounds[j] : self.bounds[j + 1]]
         got = await self._receive(peer, f"{self.tag}/ag/{j}", {"values": slot} if self.lossless else None)
         try:
             if self.lossless:
@@ -254,7 +270,7 @@ class DataPhase:
             # Robust combination cannot exceed the contributions' range; we only know ours, so a
             # part vastly larger than our slice of it means its owner is lying (robust
             # aggregation alone protects contributions only).
-            ours = float(self.flat[self.bounds[j]:self.bounds[j + 1]].abs().max())
+            ours = float(self.flat[self.bounds[j] : self.bounds[j + 1]].abs().max())
             if float(part.abs().max()) > self.config.owner_check * max(ours, 1e-12):
                 self.stats.rejected[peer] = "reduced part out of range"
                 raise AttemptFailed({peer}, f"reduced part from {peer[-8:]} out of range", evidence=True)
@@ -279,8 +295,9 @@ class DataPhase:
 
     async def _receive(self, peer: str, subtag: str, into: dict | None = None) -> Any:
         try:
-            got = await self.streams.receive(peer, subtag, timeout=self.deadline, into=into,
-                                             max_bytes=2 * self.part_bytes + (1 << 20))
+            got = await self.streams.receive(
+                peer, subtag, timeout=self.deadline, into=into, max_bytes=2 * self.part_bytes + (1 << 20)
+            )
             self.stats.received += got.nbytes
             return got
         except TransferError as e:

@@ -111,14 +111,15 @@ class LocalSwarm:
         mean = codec.decode(codec.encode(acc), acc.shape, torch.float32)
         out, pos = {}, 0
         for name, like in first.items():
-            out[name] = mean[pos:pos + like.numel()].view(like.shape).to(like.dtype)
+            out[name] = mean[pos : pos + like.numel()].view(like.shape).to(like.dtype)
             pos += like.numel()
         contributors = tuple(p for p in order if r.arrivals[p][1] > 0)
         r.result = ReduceResult(out, contributors, result_digest(out), 0, 0, dict(r.excluded))
         r.done.set()
 
-    async def _all_reduce(self, me: str, tensors: dict[str, torch.Tensor], round_id: int, tag: str,
-                          codec: str, weight: float) -> ReduceResult:
+    async def _all_reduce(
+        self, me: str, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str, weight: float
+    ) -> ReduceResult:
         key = (round_id, tag)
         c = get_codec(codec)
         r = self._rounds.get(key)
@@ -138,13 +139,20 @@ class LocalSwarm:
         assert r.result is not None  # completed above
         members = sorted(p for p in r.arrivals if p in self.alive)
         sent = _allreduce_bytes(c, sum(t.numel() for t in tensors.values()), len(members), members.index(me))
-        return ReduceResult({k: v.clone() for k, v in r.result.tensors.items()}, r.result.contributors,
-                            r.result.digest, sent, sent, dict(r.result.excluded))
+        return ReduceResult(
+            {k: v.clone() for k, v in r.result.tensors.items()},
+            r.result.contributors,
+            r.result.digest,
+            sent,
+            sent,
+            dict(r.result.excluded),
+        )
 
     # -- sparse all-gather (issue 19; the network version is sparse_gather.py) -------------------
 
-    async def _all_gather(self, me: str, payload: dict[str, torch.Tensor], round_id: int, tag: str,
-                          weight: float) -> GatherResult:
+    async def _all_gather(
+        self, me: str, payload: dict[str, torch.Tensor], round_id: int, tag: str, weight: float
+    ) -> GatherResult:
         """Every live member's payload, exactly; the round completes as an all-reduce's does."""
         key = (round_id, "gather/" + tag)
         r = self._rounds.get(key)
@@ -166,14 +174,20 @@ class LocalSwarm:
         order = sorted(p for p in r.arrivals if p in self.alive)
         excluded = {p: "gone" if p not in self.alive else "missed the deadline" for p in r.expected - set(order)}
         nbytes = {p: sum(t.numel() * t.element_size() for t in r.arrivals[p][0].values()) for p in order}
-        return GatherResult({p: {k: v.clone() for k, v in r.arrivals[p][0].items()} for p in order},
-                            {p: r.arrivals[p][1] for p in order}, tuple(p for p in order if r.arrivals[p][1] > 0),
-                            (len(order) - 1) * nbytes[me], sum(b for p, b in nbytes.items() if p != me), excluded)
+        return GatherResult(
+            {p: {k: v.clone() for k, v in r.arrivals[p][0].items()} for p in order},
+            {p: r.arrivals[p][1] for p in order},
+            tuple(p for p in order if r.arrivals[p][1] > 0),
+            (len(order) - 1) * nbytes[me],
+            sum(b for p, b in nbytes.items() if p != me),
+            excluded,
+        )
 
     # -- pairwise -------------------------------------------------------------------------------
 
-    async def _average_with(self, me: str, partner: str | None, tensors: dict[str, torch.Tensor],
-                            round_id: int, tag: str, codec: str) -> ReduceResult:
+    async def _average_with(
+        self, me: str, partner: str | None, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str
+    ) -> ReduceResult:
         if me not in self.alive:
             raise CollectiveError(f"{me} left the swarm")
         alone = ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {})
@@ -216,19 +230,34 @@ class LocalCollective:
     def group(self, round_id: int) -> tuple[str, ...]:
         return tuple(sorted(self.swarm.alive | {self._id}))
 
-    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+    async def all_reduce(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+        weight: float = 1.0,
+    ) -> ReduceResult:
         if not weight >= 0:
             raise CollectiveError("weight must be finite and >= 0")
         return await self.swarm._all_reduce(self._id, tensors, round_id, tag, codec, weight)
 
-    async def all_gather(self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                         weight: float = 1.0) -> GatherResult:
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
         """Every member's `payload` as sent (`sparse_gather.all_gather`'s contract)."""
         return await self.swarm._all_gather(self._id, payload, round_id, tag, weight)
 
-    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
-                           tag: str = "", codec: str = "none") -> ReduceResult:
+    async def average_with(
+        self,
+        partner: str | None,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+    ) -> ReduceResult:
         return await self.swarm._average_with(self._id, partner, tensors, round_id, tag, codec)
 
 

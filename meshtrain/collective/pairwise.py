@@ -52,6 +52,7 @@ async def average_pair(
     try:
         with trio.fail_after(deadline):
             async with trio.open_nursery() as nursery:
+
                 async def send() -> None:
                     out["sent"] = (await streams.send(partner, base, enc)).nbytes
 
@@ -77,10 +78,12 @@ async def average_pair(
                 raise CodecError("partner computed a different result")
     except (TransferError, trio.TooSlowError, CodecError, KeyError, BaseExceptionGroup) as e:
         if isinstance(e, BaseExceptionGroup) and not all(
-                isinstance(x, TransferError | trio.TooSlowError) for x in e.exceptions):
+            isinstance(x, TransferError | trio.TooSlowError) for x in e.exceptions
+        ):
             raise
-        log.info(kv("pairwise average failed; proceeding alone", round=round_id, partner=partner[-8:],
-                    error=repr(e)[:200]))
+        log.info(
+            kv("pairwise average failed; proceeding alone", round=round_id, partner=partner[-8:], error=repr(e)[:200])
+        )
         return ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {partner: str(e)[:200]})
     if not math.isfinite(float(sum(v.float().sum() for v in result.values()))):
         raise CollectiveError("non-finite pairwise result")

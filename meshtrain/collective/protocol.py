@@ -159,21 +159,39 @@ class Report:
         return self.status == FAIL
 
     def to_wire(self) -> dict[str, Any]:
-        return {"key": self.key.wire, "attempt": self.attempt, "status": self.status, "digest": self.digest,
-                "suspects": list(self.suspects), "rejected": list(self.rejected), "evidence": self.evidence}
+        return {
+            "key": self.key.wire,
+            "attempt": self.attempt,
+            "status": self.status,
+            "digest": self.digest,
+            "suspects": list(self.suspects),
+            "rejected": list(self.rejected),
+            "evidence": self.evidence,
+        }
 
     @classmethod
     def parse(cls, value: Any, *, to: str) -> Report:
-        req = require_map(value, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence",
-                          what="report")
-        if (req["status"] not in (DONE, FAIL) or not is_int(req["attempt"])
-                or not isinstance(req["suspects"], list) or not isinstance(req["rejected"], list)
-                or not isinstance(req["evidence"], bool)
-                or not (req["digest"] is None or isinstance(req["digest"], bytes))):
+        req = require_map(
+            value, "key", "attempt", "status", "digest", "suspects", "rejected", "evidence", what="report"
+        )
+        if (
+            req["status"] not in (DONE, FAIL)
+            or not is_int(req["attempt"])
+            or not isinstance(req["suspects"], list)
+            or not isinstance(req["rejected"], list)
+            or not isinstance(req["evidence"], bool)
+            or not (req["digest"] is None or isinstance(req["digest"], bytes))
+        ):
             raise Malformed("bad report")
-        return cls(RoundKey.parse(req["key"], to=to), req["attempt"], req["status"], req["digest"],
-                   tuple(str(s) for s in req["suspects"][:MAX_PEER_LIST]),
-                   tuple(str(s) for s in req["rejected"][:MAX_PEER_LIST]), req["evidence"])
+        return cls(
+            RoundKey.parse(req["key"], to=to),
+            req["attempt"],
+            req["status"],
+            req["digest"],
+            tuple(str(s) for s in req["suspects"][:MAX_PEER_LIST]),
+            tuple(str(s) for s in req["rejected"][:MAX_PEER_LIST]),
+            req["evidence"],
+        )
 
 
 @dataclass(frozen=True)
@@ -225,8 +243,11 @@ class WhereReply:
         """Lenient, as the prober always was: a field of the wrong type reads as "unknown"."""
         rep = require_map(value, what="where reply")
         at, coordinator, finished = rep.get("round"), rep.get("coordinator"), rep.get("finished")
-        return cls(at if is_int(at) else -1, coordinator if isinstance(coordinator, str) else None,
-                   finished if is_int(finished) else -1)
+        return cls(
+            at if is_int(at) else -1,
+            coordinator if isinstance(coordinator, str) else None,
+            finished if is_int(finished) else -1,
+        )
 
 
 # -- replies to a join --------------------------------------------------------------------------
@@ -300,9 +321,14 @@ class Commit:
     rejected: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"commit": self.digest, "group": list(self.group), "holders": list(self.holders),
-                "resync": list(self.resync), "unconfirmed": list(self.unconfirmed),
-                "rejected": list(self.rejected)}
+        return {
+            "commit": self.digest,
+            "group": list(self.group),
+            "holders": list(self.holders),
+            "resync": list(self.resync),
+            "unconfirmed": list(self.unconfirmed),
+            "rejected": list(self.rejected),
+        }
 
 
 @dataclass(frozen=True)
@@ -335,10 +361,18 @@ def _peers(value: Any, what: str) -> tuple[str, ...]:
 def parse_outcome(value: Any) -> Outcome:
     rep = require_map(value, what="outcome")
     if "retry" in rep:
-        return Retry(require_int(rep["retry"], "retry", 0), _peers(rep.get("group"), "group"),
-                     _peers(rep.get("excluded", []), "excluded"))
+        return Retry(
+            require_int(rep["retry"], "retry", 0),
+            _peers(rep.get("group"), "group"),
+            _peers(rep.get("excluded", []), "excluded"),
+        )
     if "commit" in rep:
-        return Commit(require_bytes(rep["commit"], "commit", max_len=64), _peers(rep.get("group"), "group"),
-                      _peers(rep.get("holders"), "holders"), _peers(rep.get("resync"), "resync"),
-                      _peers(rep.get("unconfirmed"), "unconfirmed"), _peers(rep.get("rejected"), "rejected"))
+        return Commit(
+            require_bytes(rep["commit"], "commit", max_len=64),
+            _peers(rep.get("group"), "group"),
+            _peers(rep.get("holders"), "holders"),
+            _peers(rep.get("resync"), "resync"),
+            _peers(rep.get("unconfirmed"), "unconfirmed"),
+            _peers(rep.get("rejected"), "rejected"),
+        )
     return Abort(str(rep.get("abort", "aborted"))[:200])

@@ -139,7 +139,7 @@ class ChunkedTopK:
             idx = torch.topk(rows.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
             pos.append((idx + torch.arange(full).unsqueeze(1) * self.chunk).reshape(-1))
         if tail:
-            last = flat[full * self.chunk:]
+            last = flat[full * self.chunk :]
             idx = torch.topk(last.abs(), k_tail, sorted=False).indices.sort().values
             pos.append(idx + full * self.chunk)
         where = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
@@ -182,10 +182,18 @@ class ChunkedTopK:
         K = self.num_kept(numel)
         full, tail, k_tail = self.kept(numel)
         local = _unpack12(parts["idx"], K) if self.chunk <= PACKED_INDEX_MAX_CHUNK else parts["idx"].to(torch.int64)
-        base = torch.cat([torch.arange(full).repeat_interleave(self.k) * self.chunk,
-                          torch.full((k_tail,), full * self.chunk, dtype=torch.int64)])
-        lengths = torch.cat([torch.full((full * self.k,), self.chunk, dtype=torch.int64),
-                             torch.full((k_tail,), tail, dtype=torch.int64)])
+        base = torch.cat(
+            [
+                torch.arange(full).repeat_interleave(self.k) * self.chunk,
+                torch.full((k_tail,), full * self.chunk, dtype=torch.int64),
+            ]
+        )
+        lengths = torch.cat(
+            [
+                torch.full((full * self.k,), self.chunk, dtype=torch.int64),
+                torch.full((k_tail,), tail, dtype=torch.int64),
+            ]
+        )
         if K and not bool(((local >= 0) & (local < lengths)).all()):
             raise SparseCodecError("sparse indices out of their chunk")
         if K > 1:

@@ -72,8 +72,9 @@ class GatherResult:
     excluded: dict[str, str] = field(default_factory=dict)
 
 
-async def all_gather(collective: Collective, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                     weight: float = 1.0) -> GatherResult:
+async def all_gather(
+    collective: Collective, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+) -> GatherResult:
     """Every member's `payload` (a flat dict of 1-D tensors with the same layout on every peer).
 
     Uses `collective.all_gather` if it has one (`LocalCollective`), else the data plane of a
@@ -89,8 +90,9 @@ async def all_gather(collective: Collective, payload: dict[str, torch.Tensor], *
     return await _gather_over_streams(collective, streams, payload, round_id, tag, weight)
 
 
-async def _gather_over_streams(collective: Any, streams: Any, payload: dict[str, torch.Tensor], round_id: int,
-                               tag: str, weight: float) -> GatherResult:
+async def _gather_over_streams(
+    collective: Any, streams: Any, payload: dict[str, torch.Tensor], round_id: int, tag: str, weight: float
+) -> GatherResult:
     from meshtrain.transport.tensor_streams import TransferError
 
     me = collective.peer_id
@@ -98,8 +100,9 @@ async def _gather_over_streams(collective: Any, streams: Any, payload: dict[str,
     others = [p for p in group if p != me]
     config = getattr(collective, "config", None)
     nbytes = sum(t.numel() * t.element_size() for t in payload.values())
-    deadline = (getattr(config, "part_timeout", DEFAULT_TIMEOUT)
-                + len(group) * nbytes / getattr(config, "min_bandwidth", DEFAULT_BANDWIDTH))
+    deadline = getattr(config, "part_timeout", DEFAULT_TIMEOUT) + len(group) * nbytes / getattr(
+        config, "min_bandwidth", DEFAULT_BANDWIDTH
+    )
     wire_tag = f"sg/{round_id}/{tag}"
     got: dict[str, dict[str, torch.Tensor]] = {me: payload}
     weights: dict[str, float] = {me: weight}
@@ -121,8 +124,7 @@ async def _gather_over_streams(collective: Any, streams: Any, payload: dict[str,
             return
         stats["received"] += r.nbytes
         w = r.meta.get("w")
-        if not _same_layout(r.tensors, payload) or not isinstance(w, int | float) or not (
-                math.isfinite(w) and w >= 0):
+        if not _same_layout(r.tensors, payload) or not isinstance(w, int | float) or not (math.isfinite(w) and w >= 0):
             why[peer] = "malformed payload"
             return
         got[peer], weights[peer] = dict(r.tensors), float(w)
@@ -138,31 +140,47 @@ async def _gather_over_streams(collective: Any, streams: Any, payload: dict[str,
     for p in group:
         h = _hash10(_payload_bytes(got[p])) if p in got else 0
         vec += [1.0 if p in got else 0.0, float(h), float(h * h)]
-    agreed = await collective.all_reduce({"agree": torch.tensor(vec, dtype=torch.float32)}, round_id=round_id,
-                                         tag=f"{tag}/agree", codec="none", weight=1.0)
+    agreed = await collective.all_reduce(
+        {"agree": torch.tensor(vec, dtype=torch.float32)},
+        round_id=round_id,
+        tag=f"{tag}/agree",
+        codec="none",
+        weight=1.0,
+    )
     m = agreed.tensors["agree"].to(torch.float32)
     if float(m[1]) != float(m[0]) * float(m[0]):
         raise CollectiveError(f"sparse gather {wire_tag}: peers disagree on the round's group; proceed alone")
     included: list[str] = []
     excluded = dict(agreed.excluded)
     for j, p in enumerate(group):
-        have, h, h2 = (float(x) for x in m[2 + 3 * j: 5 + 3 * j])
+        have, h, h2 = (float(x) for x in m[2 + 3 * j : 5 + 3 * j])
         if have == 1.0 and h2 == h * h:
             included.append(p)
         else:
-            excluded.setdefault(p, why.get(p, "not every peer holds its payload" if have != 1.0
-                                            else "peers hold different payloads from it"))
+            excluded.setdefault(
+                p,
+                why.get(
+                    p, "not every peer holds its payload" if have != 1.0 else "peers hold different payloads from it"
+                ),
+            )
     payloads = {p: got[p] for p in included}
     contributors = tuple(p for p in included if weights[p] > 0)
-    return GatherResult(payloads, {p: weights[p] for p in included}, contributors,
-                        stats["sent"] + agreed.bytes_sent, stats["received"] + agreed.bytes_received, excluded)
+    return GatherResult(
+        payloads,
+        {p: weights[p] for p in included},
+        contributors,
+        stats["sent"] + agreed.bytes_sent,
+        stats["received"] + agreed.bytes_received,
+        excluded,
+    )
 
 
 def _same_layout(theirs: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor]) -> bool:
     if set(theirs) != set(ours):
         return False
-    return all(isinstance(t, torch.Tensor) and t.dtype == ours[k].dtype and t.shape == ours[k].shape
-               for k, t in theirs.items())
+    return all(
+        isinstance(t, torch.Tensor) and t.dtype == ours[k].dtype and t.shape == ours[k].shape for k, t in theirs.items()
+    )
 
 
 def _payload_bytes(payload: Mapping[str, torch.Tensor]) -> bytes:

@@ -164,11 +164,7 @@ class SignedCrdt:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SignedCrdt):
             return NotImplemented
-        return (
-            type(self) is type(other)
-            and self.scope == other.scope
-            and self._entries == other._entries
-        )
+        return type(self) is type(other) and self.scope == other.scope and self._entries == other._entries
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
@@ -185,10 +181,7 @@ class SignedCrdt:
         return True
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(namespace={self.namespace!r}, name={self.name!r}, "
-            f"owners={len(self._entries)})"
-        )
+        return f"{type(self).__name__}(namespace={self.namespace!r}, name={self.name!r}, owners={len(self._entries)})"
 
     # --- merging --------------------------------------------------------------------------------
 
@@ -206,9 +199,7 @@ class SignedCrdt:
             if not isinstance(entry, SignedEntry):
                 raise CrdtError(f"can only merge SignedEntry values, got {type(entry).__name__}")
             if not (
-                isinstance(entry.owner, str)
-                and type(entry.seq) is int
-                and isinstance(entry.signature, bytes)
+                isinstance(entry.owner, str) and type(entry.seq) is int and isinstance(entry.signature, bytes)
             ):  # only entries built in-process can get here (`from_wire` checks these)
                 rejected.append(Rejection(entry, "malformed entry: a field has the wrong type"))
                 continue
@@ -229,8 +220,7 @@ class SignedCrdt:
         """Merge another state of the same CRDT (same type, namespace and name) into this one."""
         if type(other) is not type(self) or other.scope != self.scope:
             raise CrdtError(
-                f"cannot merge {type(other).__name__} {other.scope} into "
-                f"{type(self).__name__} {self.scope}"
+                f"cannot merge {type(other).__name__} {other.scope} into {type(self).__name__} {self.scope}"
             )
         return self.apply(list(other._entries.values()))
 
@@ -281,9 +271,7 @@ class SignedCrdt:
         return encode_entries(self.type_tag, entries)
 
     @classmethod
-    def decode_entries(
-        cls, data: bytes | memoryview, *, max_size: int = DEFAULT_MAX_FRAME
-    ) -> list[SignedEntry]:
+    def decode_entries(cls, data: bytes | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> list[SignedEntry]:
         """Decode an untrusted batch of this type's entries (not yet verified: `apply` does that).
 
         Raises only `MalformedCrdtData`.

@@ -131,9 +131,7 @@ class EntryScope:
 
     def signing_payload(self, owner: str, seq: int, body: Any) -> bytes:
         """The exact bytes an owner signs for an entry in this scope."""
-        return packb_canonical(
-            [SIGNING_DOMAIN, self.namespace, self.crdt_name, self.type_tag, owner, seq, body]
-        )
+        return packb_canonical([SIGNING_DOMAIN, self.namespace, self.crdt_name, self.type_tag, owner, seq, body])
 
 
 @dataclass(frozen=True, eq=False)
@@ -374,8 +372,9 @@ def decode_entries(
     """Decode an untrusted batch into (type_tag, entries). Raises only `MalformedCrdtData`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedCrdtData(f"expected bytes, got {type(data).__name__}")
-    type_tag, raw_entries = unpack_envelope(data, max_size=max_size, version=WIRE_VERSION, what="CRDT batch",
-                                            layout="[version, type, entries]")
+    type_tag, raw_entries = unpack_envelope(
+        data, max_size=max_size, version=WIRE_VERSION, what="CRDT batch", layout="[version, type, entries]"
+    )
     if not isinstance(type_tag, str) or not 0 < len(type_tag) <= MAX_NAME_CHARS:
         raise MalformedCrdtData("a CRDT batch's type tag must be a short str")
     if expected_type is not None and type_tag != expected_type:
@@ -413,8 +412,6 @@ def digest_from_wire(obj: Any) -> Digest:
         if not is_int(seq) or not 0 <= seq <= MAX_SEQ:
             raise MalformedCrdtData(f"digest seq must be an int in 0..{MAX_SEQ}")
         if not isinstance(prefix, bytes) or len(prefix) > SIGNATURE_BYTES:
-            raise MalformedCrdtData(
-                f"digest signature prefix must be at most {SIGNATURE_BYTES} bytes"
-            )
+            raise MalformedCrdtData(f"digest signature prefix must be at most {SIGNATURE_BYTES} bytes")
         out[owner] = (seq, prefix)
     return out

@@ -254,9 +254,7 @@ def entry_wire_size(entry: SignedEntry) -> int:
 
 def fingerprint_of(digest: Digest) -> bytes:
     """A 16-byte hash of a digest: equal digests, equal fingerprints."""
-    return hashlib.blake2b(
-        packb_canonical(digest_to_wire(digest)), digest_size=FINGERPRINT_BYTES
-    ).digest()
+    return hashlib.blake2b(packb_canonical(digest_to_wire(digest)), digest_size=FINGERPRINT_BYTES).digest()
 
 
 def _beats(theirs: tuple[int, bytes], mine: SignedEntry | None) -> bool:
@@ -392,9 +390,7 @@ class Replica(Service):
 
     # --- writing --------------------------------------------------------------------------------
 
-    def write(
-        self, name: str, mutate: Callable[[SignedCrdt, Any], SignedEntry | None]
-    ) -> SignedEntry | None:
+    def write(self, name: str, mutate: Callable[[SignedCrdt, Any], SignedEntry | None]) -> SignedEntry | None:
         """Apply `mutate(crdt, identity)` — a mutator such as `lambda c, me: c.increment(me, 5)` —
         and queue the resulting entry for gossip. Returns the entry (None if nothing was written).
 
@@ -487,9 +483,7 @@ class Replica(Service):
             self._emit(ChangeEvent(name, outcome.accepted, source, peer, own_superseded))
         return MergeOutcome(outcome.accepted, tuple(rejected))
 
-    def _count_rejections(
-        self, name: str, rejected: list[Rejection], source: Source, peer: str | None
-    ) -> None:
+    def _count_rejections(self, name: str, rejected: list[Rejection], source: Source, peer: str | None) -> None:
         self.stats.entries_rejected += len(rejected)
         by_reason = self.stats.rejections_by_reason
         for r in rejected:
@@ -531,9 +525,7 @@ class Replica(Service):
             return True  # our own publish: its entries are merged already
         self.stats.gossip_received += 1
         try:
-            batches = decode_gossip(
-                message.data, self.namespace, self._crdts, self.config.max_gossip_payload
-            )
+            batches = decode_gossip(message.data, self.namespace, self._crdts, self.config.max_gossip_payload)
         except MalformedCrdtData as e:
             self.stats.gossip_invalid += 1
             self._warn.warning(
@@ -579,10 +571,7 @@ class Replica(Service):
     def _gossip_payloads(self, outbox: Mapping[str, Mapping[str, SignedEntry]]) -> list[bytes]:
         batches = {name: list(by_owner.values()) for name, by_owner in outbox.items()}
         budget = self.config.max_gossip_payload - _SPLIT_MARGIN  # the sizes are estimates
-        return [
-            encode_gossip(self.namespace, chunk, self._crdts)
-            for chunk in split_batches(batches, budget)
-        ]
+        return [encode_gossip(self.namespace, chunk, self._crdts) for chunk in split_batches(batches, budget)]
 
     # --- anti-entropy: client -------------------------------------------------------------------
 
@@ -592,10 +581,7 @@ class Replica(Service):
         whose gossip stream failed to come up is exactly one anti-entropy must still reach.)"""
         connected = self.host.connected_peers()
         now = time.monotonic()
-        serving = [
-            p for p in connected
-            if now - self._ae_unavailable.get(p, -math.inf) >= _RETRY_AFTER
-        ]
+        serving = [p for p in connected if now - self._ae_unavailable.get(p, -math.inf) >= _RETRY_AFTER]
         return serving or connected
 
     async def anti_entropy_with(self, peer: str, *, mark_unavailable: bool = True) -> bool:
@@ -630,9 +616,7 @@ class Replica(Service):
             }
             try:
                 reply = await self._call(peer, RPC_PULL, request)
-                pulled, more = _parse_pull_reply(
-                    reply, self._crdts, self.config.max_rpc_entries_bytes + (64 << 10)
-                )
+                pulled, more = _parse_pull_reply(reply, self._crdts, self.config.max_rpc_entries_bytes + (64 << 10))
             except (RpcError, MalformedCrdtData) as e:
                 return self._ae_failed(peer, e, mark_unavailable)
             self.stats.ae_entries_pushed += sum(len(es) for es in chunk.values())
@@ -661,9 +645,7 @@ class Replica(Service):
             self._ae_unavailable[peer] = time.monotonic()
             if len(self._ae_unavailable) > 4096:
                 self._ae_unavailable.clear()
-        if isinstance(error, MalformedCrdtData) or (
-            isinstance(error, RemoteError) and error.code == "malformed"
-        ):
+        if isinstance(error, MalformedCrdtData) or (isinstance(error, RemoteError) and error.code == "malformed"):
             self._warn.warning(f"ae:{peer}", kv("anti-entropy failed", peer=peer, error=error))
         else:
             log.debug(kv("anti-entropy failed", peer=peer, error=error))
@@ -828,9 +810,7 @@ class Replica(Service):
     async def _open_pubsub_stream(self, peer: str) -> None:
         pubsub = self._pubsub
         try:
-            ok = pubsub is not None and await pubsub.ensure_peer_stream(
-                ID.from_base58(peer), timeout=5.0
-            )
+            ok = pubsub is not None and await pubsub.ensure_peer_stream(ID.from_base58(peer), timeout=5.0)
         except Exception as e:
             log.debug(kv("gossip stream failed", peer=peer, error=repr(e)))
             ok = False
@@ -946,9 +926,7 @@ def _guard_gossip_streams(host: Host, pubsub: Pubsub, protocols: Iterable[str]) 
 # --- wire helpers ---------------------------------------------------------------------------------
 
 
-def split_batches(
-    batches: Mapping[str, list[SignedEntry]], budget: int
-) -> list[dict[str, list[SignedEntry]]]:
+def split_batches(batches: Mapping[str, list[SignedEntry]], budget: int) -> list[dict[str, list[SignedEntry]]]:
     """Cut {crdt name: entries} into chunks whose encoded size stays within `budget` bytes.
 
     Entries above the budget on their own are left out (they travel by anti-entropy, whose
@@ -995,9 +973,7 @@ def encode_gossip(
     batches: Mapping[str, list[SignedEntry]],
     crdts: Mapping[str, SignedCrdt],
 ) -> bytes:
-    return packb(
-        [GOSSIP_VERSION, namespace, [[n, crdts[n].encode_entries(es)] for n, es in batches.items()]]
-    )
+    return packb([GOSSIP_VERSION, namespace, [[n, crdts[n].encode_entries(es)] for n, es in batches.items()]])
 
 
 def decode_gossip(
@@ -1008,8 +984,9 @@ def decode_gossip(
 ) -> list[tuple[str, list[SignedEntry]]]:
     """Decode an untrusted gossip message into [(crdt name, entries)]; `MalformedCrdtData` if it
     is oversized, malformed, for another swarm, or names a CRDT we do not keep."""
-    ns, batches = unpack_envelope(data, max_size=max_size, version=GOSSIP_VERSION, what="gossip message",
-                                  layout="[version, namespace, batches]")
+    ns, batches = unpack_envelope(
+        data, max_size=max_size, version=GOSSIP_VERSION, what="gossip message", layout="[version, namespace, batches]"
+    )
     if ns != namespace:
         raise MalformedCrdtData(f"gossip for swarm {ns!r:.80}, not {namespace!r}")
     if not isinstance(batches, list) or len(batches) > len(crdts):
@@ -1033,9 +1010,7 @@ def _parse_digest_reply(reply: Any, crdts: Mapping[str, SignedCrdt]) -> dict[str
     if not isinstance(reply, dict) or not isinstance(reply.get("d"), dict):
         raise MalformedCrdtData("a digest reply is {'d': {crdt name: digest}}")
     return {
-        name: digest_from_wire(wire)
-        for name, wire in reply["d"].items()
-        if isinstance(name, str) and name in crdts
+        name: digest_from_wire(wire) for name, wire in reply["d"].items() if isinstance(name, str) and name in crdts
     }
 
 

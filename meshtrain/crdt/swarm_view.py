@@ -263,9 +263,7 @@ class SwarmView(Service):
         recover_timeout: float = 5.0,
     ) -> None:
         if not 0 < heartbeat_interval < ttl or max_heartbeat_interval < heartbeat_interval:
-            raise CrdtError(
-                "need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval"
-            )
+            raise CrdtError("need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval")
         if swarm_heartbeat_rate <= 0:
             raise CrdtError("swarm_heartbeat_rate must be positive")
         longest_lease_ms = ttl * max_heartbeat_interval / heartbeat_interval * 1000
@@ -311,9 +309,7 @@ class SwarmView(Service):
             try:
                 have = self.replica.spec(spec.name)
             except CrdtError:
-                raise CrdtError(
-                    f"the replica lacks CRDT {spec.name!r}: build it with swarm_specs(owner)"
-                ) from None
+                raise CrdtError(f"the replica lacks CRDT {spec.name!r}: build it with swarm_specs(owner)") from None
             if have.type_tag != spec.type_tag or have.writers != spec.writers:
                 raise CrdtError(
                     f"the replica's CRDT {spec.name!r} is not the one swarm_specs("
@@ -341,9 +337,7 @@ class SwarmView(Service):
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
         lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
         record = {
-            "addrs": list(self._addrs if self._addrs is not None else self.replica.host.addrs)[
-                :MAX_ADDRS
-            ],
+            "addrs": list(self._addrs if self._addrs is not None else self.replica.host.addrs)[:MAX_ADDRS],
             "role": self.role,
             "caps": self.capabilities,
             "conn": self.connection,
@@ -441,8 +435,7 @@ class SwarmView(Service):
                 new[key] = _count(value, key)
         if phi is not None:
             new["phi"] = [list(p) for p in _phi_digests(list(phi)[-MAX_PHI_DIGESTS:])]
-        round_changed = (new["round"] != self._progress["round"]
-                         or new.get("phi") != self._progress.get("phi"))
+        round_changed = new["round"] != self._progress["round"] or new.get("phi") != self._progress.get("phi")
         self._progress = new
         self._progress_dirty = True
         if round_changed and not self._left:
@@ -482,8 +475,14 @@ class SwarmView(Service):
     def progress(self) -> dict[str, PeerProgress]:
         """peer id -> its latest progress record."""
         return {
-            e.owner: PeerProgress(e.owner, e.body[1]["step"], e.body[1]["samples"],
-                                  e.body[1]["round"], e.body[0], _phi_digests(e.body[1].get("phi", [])))
+            e.owner: PeerProgress(
+                e.owner,
+                e.body[1]["step"],
+                e.body[1]["samples"],
+                e.body[1]["round"],
+                e.body[0],
+                _phi_digests(e.body[1].get("phi", [])),
+            )
             for e in self.replica.crdt(PROGRESS).entries()
         }
 
@@ -497,10 +496,7 @@ class SwarmView(Service):
 
     def metrics(self) -> dict[str, PeerMetrics]:
         """peer id -> its latest metrics."""
-        return {
-            e.owner: PeerMetrics(e.owner, dict(e.body[1]), e.body[0])
-            for e in self.replica.crdt(METRICS).entries()
-        }
+        return {e.owner: PeerMetrics(e.owner, dict(e.body[1]), e.body[0]) for e in self.replica.crdt(METRICS).entries()}
 
     # --- config ---------------------------------------------------------------------------------
 
@@ -600,4 +596,3 @@ async def open_swarm_view(
         SwarmView(replica, swarm_owner, **view_options) as view,
     ):
         yield view
-

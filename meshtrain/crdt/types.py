@@ -228,9 +228,7 @@ class LWWMap(SignedCrdt):
                 raise CrdtError("an LWWMap write is [timestamp, value] or [timestamp]")
             require_int(write[0], "LWWMap timestamp", 0, MAX_TIMESTAMP, error=CrdtError)
 
-    def set(
-        self, identity: Identity, key: str, value: Any, *, timestamp: int | None = None
-    ) -> SignedEntry:
+    def set(self, identity: Identity, key: str, value: Any, *, timestamp: int | None = None) -> SignedEntry:
         _check_key(key)
         check_value(value, what="LWWMap value")
         return self._write_key(identity, key, [value], timestamp)
@@ -240,9 +238,7 @@ class LWWMap(SignedCrdt):
         _check_key(key)
         return self._write_key(identity, key, [], timestamp)
 
-    def _write_key(
-        self, identity: Identity, key: str, value: list[Any], requested: int | None
-    ) -> SignedEntry:
+    def _write_key(self, identity: Identity, key: str, value: list[Any], requested: int | None) -> SignedEntry:
         winner = self._current_view().get(key)
         ts = _lww_timestamp(requested, None if winner is None else winner[0])
         own = self._own_entry(identity)
@@ -384,10 +380,7 @@ class ORSet(SignedCrdt):
         # (element -> its live (owner, tag) adds, every removed (owner, tag)). Elements are str,
         # bytes or int, which never compare equal across types, so they key a dict as they are.
         removed = {
-            (owner, tag)
-            for entry in self._entries.values()
-            for owner, tags in entry.body[1].items()
-            for tag in tags
+            (owner, tag) for entry in self._entries.values() for owner, tags in entry.body[1].items() for tag in tags
         }
         live: dict[Any, list[tuple[str, int]]] = {}
         for owner, entry in self._entries.items():

@@ -21,8 +21,15 @@ from meshtrain.data.cache import Split, TextTokenizer, build_token_cache, cache_
 from meshtrain.data.files import DatasetFiles, check_digest, resolve_dataset
 from meshtrain.data.packed import PackedDataset
 
-__all__ = ["DatasetFiles", "PackedDataset", "Split", "TextTokenizer", "dataset_digest", "open_dataset",
-           "resolve_dataset"]
+__all__ = [
+    "DatasetFiles",
+    "PackedDataset",
+    "Split",
+    "TextTokenizer",
+    "dataset_digest",
+    "open_dataset",
+    "resolve_dataset",
+]
 
 
 def dataset_digest(path: str | Path, eval_path: str | Path = "") -> str:
@@ -34,9 +41,16 @@ def dataset_digest(path: str | Path, eval_path: str | Path = "") -> str:
     return _combined(digest, resolve_dataset(eval_path).digest())
 
 
-def open_dataset(path: str | Path, tokenizer: TextTokenizer, cache_root: str | Path, *,
-                 field: str = "text", held_out: float = 0.05, eval_path: str | Path = "",
-                 expected_digest: str = "") -> PackedDataset:
+def open_dataset(
+    path: str | Path,
+    tokenizer: TextTokenizer,
+    cache_root: str | Path,
+    *,
+    field: str = "text",
+    held_out: float = 0.05,
+    eval_path: str | Path = "",
+    expected_digest: str = "",
+) -> PackedDataset:
     """The dataset at `path`, tokenised with `tokenizer` into a cache under `cache_root`.
     `expected_digest` (the spec's) must match the local files' content (ConfigError otherwise)."""
     files = resolve_dataset(path)
@@ -46,8 +60,7 @@ def open_dataset(path: str | Path, tokenizer: TextTokenizer, cache_root: str | P
     check_digest(str(path), expected_digest, _combined(digest, eval_digest) if eval_digest else digest)
     split = Split(held_out, eval_files)
     key = cache_key(digest, tokenizer, field, split, eval_digest)
-    return PackedDataset.open(build_token_cache(files, tokenizer, Path(cache_root), key=key, field=field,
-                                                split=split))
+    return PackedDataset.open(build_token_cache(files, tokenizer, Path(cache_root), key=key, field=field, split=split))
 
 
 def _combined(train: str, held_out: str) -> str:

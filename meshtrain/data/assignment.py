@@ -31,8 +31,9 @@ def check_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def assignment_generator(batch_size: int, context: int, *, seed: int, peer: str | int, step: int,
-                         microbatch: int = 0) -> torch.Generator:
+def assignment_generator(
+    batch_size: int, context: int, *, seed: int, peer: str | int, step: int, microbatch: int = 0
+) -> torch.Generator:
     """The private generator `peer` draws its batch at (`step`, `microbatch`) from, after
     checking every argument (ConfigError, one line, for a bad one)."""
     check_positive("batch_size", batch_size)
@@ -44,7 +45,8 @@ def assignment_generator(batch_size: int, context: int, *, seed: int, peer: str 
         raise ConfigError(f"step and microbatch must be >= 0, got {step}, {microbatch}")
     if not (is_int(peer) or isinstance(peer, str)):
         raise ConfigError(f"peer must be a string or an integer, got {peer!r}")
-    key = b"\0".join([BATCH_HASH_DOMAIN, str(seed).encode(), str(peer).encode(),
-                      str(step).encode(), str(microbatch).encode()])
+    key = b"\0".join(
+        [BATCH_HASH_DOMAIN, str(seed).encode(), str(peer).encode(), str(step).encode(), str(microbatch).encode()]
+    )
     digest = hashlib.blake2b(key, digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)

@@ -94,20 +94,19 @@ def dtype_for(vocab_size: int) -> np.dtype:
 def is_held_out(document: str, fraction: float) -> bool:
     """The hash split: the same answer for the same text, on every peer."""
     h = hashlib.blake2b(document.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(h, "little") < fraction * 2.0 ** 64
+    return int.from_bytes(h, "little") < fraction * 2.0**64
 
 
-def cache_key(dataset_digest: str, tokenizer: TextTokenizer, field: str, split: Split,
-              eval_digest: str = "") -> str:
+def cache_key(dataset_digest: str, tokenizer: TextTokenizer, field: str, split: Split, eval_digest: str = "") -> str:
     h = blake3.blake3()
-    for part in (str(CACHE_FORMAT), dataset_digest, tokenizer.digest, field, repr(float(split.held_out)),
-                 eval_digest):
+    for part in (str(CACHE_FORMAT), dataset_digest, tokenizer.digest, field, repr(float(split.held_out)), eval_digest):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
 
 
-def build_token_cache(files: DatasetFiles, tokenizer: TextTokenizer, root: Path, *, key: str,
-                      field: str = "text", split: Split = Split()) -> Path:
+def build_token_cache(
+    files: DatasetFiles, tokenizer: TextTokenizer, root: Path, *, key: str, field: str = "text", split: Split = Split()
+) -> Path:
     """The cache directory for `key` under `root`, tokenising `files` into it unless it exists."""
     final = root / key
     if (final / META).is_file():
@@ -122,8 +121,7 @@ def build_token_cache(files: DatasetFiles, tokenizer: TextTokenizer, root: Path,
         tmp = root / f".tmp-{key}-{os.getpid()}"
         tmp.mkdir()
         try:
-            meta = _tokenise(files, tokenizer, tmp, key=key, field=field, split=split,
-                             hf_cache=root / "hf")
+            meta = _tokenise(files, tokenizer, tmp, key=key, field=field, split=split, hf_cache=root / "hf")
             (tmp / META).write_text(json.dumps(meta, indent=1))
             for f in tmp.iterdir():
                 _fsync(f, os.O_RDONLY)
@@ -167,8 +165,9 @@ class TokenWriter:
         self.file.close()
 
 
-def _tokenise(files: DatasetFiles, tokenizer: TextTokenizer, out: Path, *, key: str, field: str,
-              split: Split, hf_cache: Path) -> dict:
+def _tokenise(
+    files: DatasetFiles, tokenizer: TextTokenizer, out: Path, *, key: str, field: str, split: Split, hf_cache: Path
+) -> dict:
     dtype = dtype_for(tokenizer.vocab_size)
     train, held = TokenWriter(out / "train.bin", dtype), TokenWriter(out / "held_out.bin", dtype)
     t0 = t_last = time.monotonic()
@@ -182,22 +181,46 @@ def _tokenise(files: DatasetFiles, tokenizer: TextTokenizer, out: Path, *, key: 
                 if time.monotonic() - t_last > PROGRESS_EVERY_S:
                     t_last = time.monotonic()
                     done = train.tokens + train.buffered + held.tokens + held.buffered
-                    log.warning(kv("tokenising the dataset", dataset=str(source.root),
-                                   documents=train.documents + held.documents, tokens=done,
-                                   tokens_per_s=round(done / (t_last - t0))))
+                    log.warning(
+                        kv(
+                            "tokenising the dataset",
+                            dataset=str(source.root),
+                            documents=train.documents + held.documents,
+                            tokens=done,
+                            tokens_per_s=round(done / (t_last - t0)),
+                        )
+                    )
     finally:
         train.close()
         held.close()
     seconds = time.monotonic() - t0
-    log.warning(kv("dataset tokenised", dataset=str(files.root), documents=train.documents + held.documents,
-                   train_tokens=train.tokens, held_out_tokens=held.tokens, seconds=round(seconds, 1)))
-    return {"format": CACHE_FORMAT, "key": key, "dataset": str(files.root), "tokenizer_digest": tokenizer.digest,
-            "field": field, "held_out": split.held_out,
-            "eval_dataset": str(split.eval_files.root) if split.eval_files is not None else "",
-            "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
-            "train_tokens": train.tokens, "held_out_tokens": held.tokens,
-            "train_documents": train.documents, "held_out_documents": held.documents,
-            "seconds": round(seconds, 3)}
+    log.warning(
+        kv(
+            "dataset tokenised",
+            dataset=str(files.root),
+            documents=train.documents + held.documents,
+            train_tokens=train.tokens,
+            held_out_tokens=held.tokens,
+            seconds=round(seconds, 1),
+        )
+    )
+    return {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "dataset": str(files.root),
+        "tokenizer_digest": tokenizer.digest,
+        "field": field,
+        "held_out": split.held_out,
+        "eval_dataset": str(split.eval_files.root) if split.eval_files is not None else "",
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "train_tokens": train.tokens,
+        "held_out_tokens": held.tokens,
+        "train_documents": train.documents,
+        "held_out_documents": held.documents,
+        "seconds": round(seconds, 3),
+    }
 
 
 def encode_documents(tokenizer: TextTokenizer, docs: list[str], fmt: str) -> Iterable[np.ndarray]:
@@ -212,8 +235,9 @@ def encode_documents(tokenizer: TextTokenizer, docs: list[str], fmt: str) -> Ite
     for ids in encoded:
         arr = np.asarray(ids, dtype=np.int64)
         if len(arr) and (arr.max() >= tokenizer.vocab_size or arr.min() < 0):
-            raise ConfigError(f"the tokenizer produced id {int(arr.max())} outside its vocabulary "
-                              f"of {tokenizer.vocab_size}")
+            raise ConfigError(
+                f"the tokenizer produced id {int(arr.max())} outside its vocabulary of {tokenizer.vocab_size}"
+            )
         yield np.concatenate([arr, tail]) if len(tail) else arr
 
 

@@ -29,8 +29,7 @@ BATCH_DOCUMENTS = 1024  # documents handed to the tokenizer at once
 MAX_DOCUMENT_CHARS = 1 << 20  # a text paragraph is cut here (bounded memory for one-line files)
 
 
-def document_batches(files: DatasetFiles, *, field: str = "text", cache_dir: Path | None = None
-                     ) -> Iterator[list[str]]:
+def document_batches(files: DatasetFiles, *, field: str = "text", cache_dir: Path | None = None) -> Iterator[list[str]]:
     """Every document of `files`, in order, in lists of up to `BATCH_DOCUMENTS`."""
     stream = _stream(files, field, cache_dir)
     if files.format == "text":
@@ -39,15 +38,18 @@ def document_batches(files: DatasetFiles, *, field: str = "text", cache_dir: Pat
     record = 0
     for batch in stream:
         if field not in batch:
-            raise ConfigError(f"dataset {files.root}: records have no field {field!r} (they have "
-                              f"{', '.join(sorted(batch)) or 'no fields'}); name it with dataset_field")
+            raise ConfigError(
+                f"dataset {files.root}: records have no field {field!r} (they have "
+                f"{', '.join(sorted(batch)) or 'no fields'}); name it with dataset_field"
+            )
         docs = []
         for value in batch[field]:
             if isinstance(value, str):
                 docs.append(value)
             elif value is not None:
-                raise ConfigError(f"dataset {files.root}: record {record} has a {type(value).__name__} "
-                                  f"in field {field!r}, not text")
+                raise ConfigError(
+                    f"dataset {files.root}: record {record} has a {type(value).__name__} in field {field!r}, not text"
+                )
             record += 1
         if docs:
             yield docs
@@ -64,8 +66,14 @@ def _stream(files: DatasetFiles, field: str, cache_dir: Path | None) -> Iterator
     if files.format == "parquet":
         options["columns"] = [field]
     try:
-        ds = datasets.load_dataset(files.format, data_files=[str(f) for f in files.files], split="train",
-                                   streaming=True, cache_dir=str(cache_dir) if cache_dir else None, **options)
+        ds = datasets.load_dataset(
+            files.format,
+            data_files=[str(f) for f in files.files],
+            split="train",
+            streaming=True,
+            cache_dir=str(cache_dir) if cache_dir else None,
+            **options,
+        )
         yield from ds.iter(batch_size=BATCH_DOCUMENTS)
     except ConfigError:
         raise

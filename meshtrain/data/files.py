@@ -40,8 +40,14 @@ from meshtrain.log import get_logger, kv
 log = get_logger(__name__)
 
 Format = Literal["text", "json", "parquet"]
-FORMATS: dict[str, Format] = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json",
-                              ".json": "json", ".parquet": "parquet"}
+FORMATS: dict[str, Format] = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 DIGEST_DOMAIN = b"meshtrain/dataset/v1"
 DIGEST_BLOCK = 8 << 20
 PROGRESS_EVERY_S = 10.0
@@ -75,8 +81,9 @@ class DatasetFiles:
                     done += len(block)
                     if time.monotonic() - t_last > PROGRESS_EVERY_S:
                         t_last = time.monotonic()
-                        log.warning(kv("hashing the dataset", path=str(self.root),
-                                       done_mib=done >> 20, total_mib=total >> 20))
+                        log.warning(
+                            kv("hashing the dataset", path=str(self.root), done_mib=done >> 20, total_mib=total >> 20)
+                        )
         return h.hexdigest()
 
 
@@ -87,26 +94,29 @@ def resolve_dataset(path: str | Path) -> DatasetFiles:
         return DatasetFiles(root, (root.resolve(),), (root.name,), _format_of(root))
     if not root.is_dir():
         raise ConfigError(f"dataset {root} does not exist on this machine (every peer needs the same files)")
-    found = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    found = sorted(
+        (p.relative_to(root).as_posix(), p)
+        for p in root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
     known = [(name, p) for name, p in found if p.suffix.lower() in FORMATS]
     if not known:
         raise ConfigError(f"dataset {root} holds no data files ({', '.join(sorted(FORMATS))})")
     formats = {FORMATS[p.suffix.lower()] for _, p in known}
     if len(formats) > 1:
-        raise ConfigError(f"dataset {root} mixes formats ({', '.join(sorted(formats))}); "
-                          f"keep one format per dataset")
-    return DatasetFiles(root, tuple(p.resolve() for _, p in known), tuple(n for n, _ in known),
-                        formats.pop())
+        raise ConfigError(f"dataset {root} mixes formats ({', '.join(sorted(formats))}); keep one format per dataset")
+    return DatasetFiles(root, tuple(p.resolve() for _, p in known), tuple(n for n, _ in known), formats.pop())
 
 
 def check_digest(name: str, expected: str, actual: str) -> None:
     """Refuse (ConfigError, one line naming the dataset) when the spec pins a digest that the
     local files do not have. An empty `expected` pins nothing."""
     if expected and expected != actual:
-        raise ConfigError(f"dataset {name}: the local files differ from the swarm's (content digest "
-                          f"{actual[:16]}…, the swarm spec pins {expected[:16]}…); every peer needs "
-                          f"the same files")
+        raise ConfigError(
+            f"dataset {name}: the local files differ from the swarm's (content digest "
+            f"{actual[:16]}…, the swarm spec pins {expected[:16]}…); every peer needs "
+            f"the same files"
+        )
 
 
 def _format_of(path: Path) -> Format:

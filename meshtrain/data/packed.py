@@ -60,11 +60,13 @@ class PackedDataset:
         except (OSError, ValueError) as e:
             raise ConfigError(f"token cache {directory} is unreadable ({e}); delete it to rebuild") from None
         if meta.get("format") != CACHE_FORMAT:
-            raise ConfigError(f"token cache {directory} has format {meta.get('format')}, not "
-                              f"{CACHE_FORMAT}; delete it to rebuild")
+            raise ConfigError(
+                f"token cache {directory} has format {meta.get('format')}, not {CACHE_FORMAT}; delete it to rebuild"
+            )
         dtype = np.dtype(meta["dtype"])
-        return cls(directory, meta, TokenFile(directory / "train.bin", dtype),
-                   TokenFile(directory / "held_out.bin", dtype))
+        return cls(
+            directory, meta, TokenFile(directory / "train.bin", dtype), TokenFile(directory / "held_out.bin", dtype)
+        )
 
     @property
     def digest(self) -> str:
@@ -88,16 +90,17 @@ class PackedDataset:
         data = self.train if part == "train" else self.held_out
         return data.read(index * (context + 1), context + 1)
 
-    def sample_ids(self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int,
-                   microbatch: int = 0) -> torch.Tensor:
+    def sample_ids(
+        self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int, microbatch: int = 0
+    ) -> torch.Tensor:
         """The ids of the packed sequences `peer` trains on at `step` (int64 [batch_size])."""
-        generator = assignment_generator(batch_size, context, seed=seed, peer=peer, step=step,
-                                         microbatch=microbatch)
+        generator = assignment_generator(batch_size, context, seed=seed, peer=peer, step=step, microbatch=microbatch)
         n = self._count(context, "train")
         return torch.randint(0, n, (batch_size,), generator=generator)
 
-    def batch(self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int,
-              microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int, microbatch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [batch_size, context] each: a pure function of the arguments."""
         ids = self.sample_ids(batch_size, context, seed=seed, peer=peer, step=step, microbatch=microbatch)
         return self._rows(self.train, ids, context)
@@ -107,18 +110,26 @@ class PackedDataset:
         check_positive("batch_size", batch_size)
         count = self._count(context, "held-out")
         total = n * batch_size
-        ids = torch.arange(total, dtype=torch.int64) * max(count - 1, 0) // max(total - 1, 1) \
-            if count >= total else torch.arange(total, dtype=torch.int64) % count
+        ids = (
+            torch.arange(total, dtype=torch.int64) * max(count - 1, 0) // max(total - 1, 1)
+            if count >= total
+            else torch.arange(total, dtype=torch.int64) % count
+        )
         return [self._rows(self.held_out, part, context) for part in ids.split(batch_size)]
 
     def _count(self, context: int, part: str) -> int:
         count = self.sequences(context, part)
         if count == 0:
             data = self.train if part == "train" else self.held_out
-            hint = ("hold out more documents (held_out) or name an eval_dataset" if part == "held-out"
-                    else "use more data or a shorter context")
-            raise ConfigError(f"dataset {self.source}: the {part} split has {len(data)} tokens, fewer "
-                              f"than one sequence of context + 1 = {context + 1}; {hint}")
+            hint = (
+                "hold out more documents (held_out) or name an eval_dataset"
+                if part == "held-out"
+                else "use more data or a shorter context"
+            )
+            raise ConfigError(
+                f"dataset {self.source}: the {part} split has {len(data)} tokens, fewer "
+                f"than one sequence of context + 1 = {context + 1}; {hint}"
+            )
         return count
 
     @staticmethod

@@ -141,9 +141,7 @@ class Discovery(Service):
     async def announce(self) -> int:
         """Store our announcement now; returns the number of replicas. Raises `DhtError`."""
         expiry = time.time() + self.config.ttl
-        return await self.dht.store(
-            self.key, self.announcement_value(), expiry, subkey=self.dht.peer_id
-        )
+        return await self.dht.store(self.key, self.announcement_value(), expiry, subkey=self.dht.peer_id)
 
     async def peers(self) -> list[Announcement]:
         """The swarm's live, validated announcements (ours included), sorted by peer id."""

@@ -336,9 +336,7 @@ class Dht(Service):
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         limits = self.config.limits
         self.host.rpc.serve(FIND_RPC, self._serve_find, max_request=MAX_TARGET_BYTES + 1024)
-        self.host.rpc.serve(
-            STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD
-        )
+        self.host.rpc.serve(STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD)
         stack.callback(self.host.on_connected(self._on_connected))
         self._nursery.start_soon(self._admit_connected_peers)
         self._nursery.start_soon(self._purge_loop)
@@ -382,8 +380,7 @@ class Dht(Service):
         await self._lookup(_peer_id(self.peer_id).to_bytes(), key=None)
         if self.config.refresh_after_bootstrap:
             nursery.start_soon(self._refresh_routing_table)
-        log.info(kv("dht bootstrapped", reached=len(reached), of=len(addrs),
-                    table=self.kad.routing_table.size()))
+        log.info(kv("dht bootstrapped", reached=len(reached), of=len(addrs), table=self.kad.routing_table.size()))
         return len(reached)
 
     async def store(self, key: str, value: Any, expiry: float, subkey: Subkey = None) -> int:
@@ -525,9 +522,7 @@ class Dht(Service):
                     records = merge(records, as_state(reply.records))
         return _LookupResult(lookup.closest_answered(), records, seen)
 
-    async def _query_find(
-        self, peer: str, target: bytes, key: str | None, send: trio.MemorySendChannel
-    ) -> None:
+    async def _query_find(self, peer: str, target: bytes, key: str | None, send: trio.MemorySendChannel) -> None:
         limits = self.config.limits
         reply: _FindReply | None = None
         started = time.monotonic()
@@ -570,8 +565,7 @@ class Dht(Service):
                     validate(rec, self.swarm_id, now=now, limits=self.config.limits)
                 except InvalidRecord as e:
                     self.stats["rejected_from_peers"] += 1
-                    log.warning(kv("dht peer sent an invalid record", peer=peer, key=key,
-                                   reason=e.reason))
+                    log.warning(kv("dht peer sent an invalid record", peer=peer, key=key, reason=e.reason))
                     continue
                 records.append(rec)
         return _FindReply(peers, records)
@@ -685,9 +679,7 @@ class Dht(Service):
             async for peer in self._feed_recv:
                 nursery.start_soon(self._admit, peer, None, True)
 
-    async def _admit(
-        self, peer: str, addrs: list[multiaddr.Multiaddr] | None, wait_identify: bool
-    ) -> None:
+    async def _admit(self, peer: str, addrs: list[multiaddr.Multiaddr] | None, wait_identify: bool) -> None:
         """Add `peer` to kad's routing table. With `wait_identify`, first wait for identify and
         admit it only if it serves kad (server mode), as the Kademlia spec requires."""
         pid = _peer_id(peer)

@@ -55,8 +55,7 @@ class LanDiscovery(Service):
     on_peer:  `await on_peer(peer_id, tcp_multiaddrs)` for each peer heard.
     """
 
-    def __init__(self, host: Host, swarm_id: str,
-                 on_peer: Callable[[str, list[str]], Awaitable[None]]) -> None:
+    def __init__(self, host: Host, swarm_id: str, on_peer: Callable[[str, list[str]], Awaitable[None]]) -> None:
         self.host = host
         self.swarm_id = swarm_id
         self.on_peer = on_peer
@@ -70,8 +69,12 @@ class LanDiscovery(Service):
         addrs = [a.split("/p2p/")[0] for a in self.host.addrs if "/tcp/" in a]
         port = int(addrs[0].split("/tcp/")[1].split("/")[0]) if addrs else 0
         self._mdns = create_mdns_discovery(
-            self.host.libp2p.get_network(), port=port, listen_addrs=addrs,
-            private_network_fingerprint=swarm_fingerprint(self.swarm_id), host=self.host.libp2p)
+            self.host.libp2p.get_network(),
+            port=port,
+            listen_addrs=addrs,
+            private_network_fingerprint=swarm_fingerprint(self.swarm_id),
+            host=self.host.libp2p,
+        )
         peerDiscovery.register_peer_discovered_handler(self._heard)
         stack.callback(self._unregister)
         # on the trio thread: it spawns a trio system task (zeroconf's registration blocks

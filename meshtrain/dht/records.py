@@ -93,9 +93,7 @@ class RecordLimits:
     clock_skew: float = DEFAULT_CLOCK_SKEW
 
 
-def signing_payload(
-    swarm_id: str, key: str, subkey: Subkey, value: bytes, expiry: float, owner: str
-) -> bytes:
+def signing_payload(swarm_id: str, key: str, subkey: Subkey, value: bytes, expiry: float, owner: str) -> bytes:
     """The exact bytes an owner signs. `expiry` is signed as a float, so 5 and 5.0 agree."""
     return RECORD_DOMAIN + packb([swarm_id, key, subkey, value, float(expiry), owner])
 
@@ -188,22 +186,16 @@ def validate(record: Record, swarm_id: str, *, now: float, limits: RecordLimits)
     if len(record.signature) != SIGNATURE_BYTES:
         raise InvalidRecord("forged", "an Ed25519 signature is 64 bytes")
     if len(record.value) > limits.max_value_bytes:
-        raise InvalidRecord(
-            "oversized", f"value of {len(record.value)} bytes exceeds {limits.max_value_bytes}"
-        )
+        raise InvalidRecord("oversized", f"value of {len(record.value)} bytes exceeds {limits.max_value_bytes}")
     if not math.isfinite(record.expiry):
         raise InvalidRecord("malformed", "expiry must be finite")
     if record.expiry <= now:
         raise InvalidRecord("expired", f"expired {now - record.expiry:.1f} s ago")
     if record.expiry > now + limits.max_ttl + limits.clock_skew:
-        raise InvalidRecord(
-            "future", f"expires in {record.expiry - now:.0f} s; the limit is {limits.max_ttl:.0f} s"
-        )
+        raise InvalidRecord("future", f"expires in {record.expiry - now:.0f} s; the limit is {limits.max_ttl:.0f} s")
     if not subkey_owned_by(record.subkey, record.owner):
         raise InvalidRecord("not_owner", "a subkey is its owner's peer id or '<peer id>/...'")
-    payload = signing_payload(
-        swarm_id, record.key, record.subkey, record.value, record.expiry, record.owner
-    )
+    payload = signing_payload(swarm_id, record.key, record.subkey, record.value, record.expiry, record.owner)
     if not verify(record.owner, payload, record.signature):
         raise InvalidRecord("forged", "the signature does not verify for this swarm, key and owner")
     try:

@@ -105,8 +105,9 @@ class Vocab:
         try:
             return torch.tensor([index[c] for c in text], dtype=torch.int64)
         except KeyError as e:
-            raise ConfigError(f"character {e.args[0]!r} is not in this corpus' vocabulary; "
-                              f"use vocab='bytes' to accept any text") from None
+            raise ConfigError(
+                f"character {e.args[0]!r} is not in this corpus' vocabulary; use vocab='bytes' to accept any text"
+            ) from None
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
@@ -136,35 +137,48 @@ class Corpus:
     # -- constructors --------------------------------------------------------------------------
 
     @classmethod
-    def default(cls, vocab: VocabKind | Tokenizer = "chars", *, held_out_fraction: float = DEFAULT_HELD_OUT
-                ) -> Corpus:
+    def default(cls, vocab: VocabKind | Tokenizer = "chars", *, held_out_fraction: float = DEFAULT_HELD_OUT) -> Corpus:
         """CPython's `pydoc_data.topics`, topics joined in sorted key order."""
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[key] for key in sorted(topics))
-        return cls.from_text(text, f"pydoc_data.topics, Python {sys.version}", vocab,
-                             held_out_fraction=held_out_fraction)
+        return cls.from_text(
+            text, f"pydoc_data.topics, Python {sys.version}", vocab, held_out_fraction=held_out_fraction
+        )
 
     @classmethod
-    def from_text(cls, text: str, source: str = "<text>", vocab: VocabKind | Tokenizer = "chars", *,
-                  held_out_fraction: float = DEFAULT_HELD_OUT,
-                  context: int = DEFAULT_CONTEXT) -> Corpus:
+    def from_text(
+        cls,
+        text: str,
+        source: str = "<text>",
+        vocab: VocabKind | Tokenizer = "chars",
+        *,
+        held_out_fraction: float = DEFAULT_HELD_OUT,
+        context: int = DEFAULT_CONTEXT,
+    ) -> Corpus:
         """Tokenise `text`; both splits must hold at least context + 1 tokens."""
         if not isinstance(vocab, str):  # a Tokenizer
-            return cls._build(torch.tensor(vocab.encode(text), dtype=torch.int64), vocab, source,
-                              held_out_fraction, context)
+            return cls._build(
+                torch.tensor(vocab.encode(text), dtype=torch.int64), vocab, source, held_out_fraction, context
+            )
         if vocab == "chars":
             table = Vocab.from_text(text)
             return cls._build(table.encode(text), table, source, held_out_fraction, context)
         if vocab == "bytes":
-            return cls._build(_bytes_to_tensor(text.encode("utf-8")), Vocab.of_bytes(), source,
-                              held_out_fraction, context)
+            return cls._build(
+                _bytes_to_tensor(text.encode("utf-8")), Vocab.of_bytes(), source, held_out_fraction, context
+            )
         raise ConfigError(f"vocab must be 'chars' or 'bytes', got {vocab!r}")
 
     @classmethod
-    def from_file(cls, path: str | Path, vocab: VocabKind | Tokenizer = "chars", *,
-                  held_out_fraction: float = DEFAULT_HELD_OUT,
-                  context: int = DEFAULT_CONTEXT) -> Corpus:
+    def from_file(
+        cls,
+        path: str | Path,
+        vocab: VocabKind | Tokenizer = "chars",
+        *,
+        held_out_fraction: float = DEFAULT_HELD_OUT,
+        context: int = DEFAULT_CONTEXT,
+    ) -> Corpus:
         """A user's text file: UTF-8 for vocab="chars" or a Tokenizer; any bytes for vocab="bytes". A missing,
         unreadable, empty or too short file (fewer than context + 1 tokens in either split) is a
         ConfigError that says which."""
@@ -181,21 +195,21 @@ class Corpus:
             raise ConfigError(f"corpus file {path} is empty")
         source = str(path)
         if vocab == "bytes":
-            return cls._build(_bytes_to_tensor(raw), Vocab.of_bytes(), source, held_out_fraction,
-                              context)
+            return cls._build(_bytes_to_tensor(raw), Vocab.of_bytes(), source, held_out_fraction, context)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"corpus file {path} is not UTF-8 text ({e.reason} at byte "
-                              f"{e.start}); use vocab='bytes' to train on raw bytes") from None
-        return cls.from_text(text, source, vocab, held_out_fraction=held_out_fraction,
-                             context=context)
+            raise ConfigError(
+                f"corpus file {path} is not UTF-8 text ({e.reason} at byte "
+                f"{e.start}); use vocab='bytes' to train on raw bytes"
+            ) from None
+        return cls.from_text(text, source, vocab, held_out_fraction=held_out_fraction, context=context)
 
     @classmethod
-    def _build(cls, ids: torch.Tensor, vocab: Vocab | Tokenizer, source: str, held_out_fraction: float,
-               context: int) -> Corpus:
-        if not is_number(held_out_fraction) \
-                or not 0.0 < held_out_fraction < 1.0:
+    def _build(
+        cls, ids: torch.Tensor, vocab: Vocab | Tokenizer, source: str, held_out_fraction: float, context: int
+    ) -> Corpus:
+        if not is_number(held_out_fraction) or not 0.0 < held_out_fraction < 1.0:
             raise ConfigError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
         check_positive("context", context)
         n = len(ids)
@@ -207,7 +221,8 @@ class Corpus:
             raise ConfigError(
                 f"corpus {source} is too short: {n} tokens split {held_out_start} train / "
                 f"{n - held_out_start} held out, and each part needs at least context + 1 = "
-                f"{context + 1} tokens")
+                f"{context + 1} tokens"
+            )
         tokens = ids.to(torch.uint8 if vocab.vocab_size <= 256 else torch.int32).contiguous()
         h = hashlib.blake2b(digest_size=16)
         h.update(vocab.digest.encode())
@@ -228,25 +243,24 @@ class Corpus:
 
     @property
     def held_out(self) -> torch.Tensor:
-        return self.tokens[self.held_out_start:]
+        return self.tokens[self.held_out_start :]
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def batch(self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int,
-              microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, context: int, *, seed: int, peer: str | int, step: int, microbatch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The (inputs, targets) `peer` trains on at `step`: int64 [batch_size, context] each,
         targets shifted by one token. A pure function of the arguments (and the corpus): peer 3
         and peer "3" are the same peer. `microbatch` tells apart several batches of one step
         (e.g. a pipeline's microbatches)."""
-        generator = assignment_generator(batch_size, context, seed=seed, peer=peer, step=step,
-                                         microbatch=microbatch)
+        generator = assignment_generator(batch_size, context, seed=seed, peer=peer, step=step, microbatch=microbatch)
         train = self.train
         self._check_long_enough(len(train), context, "training")
         starts = torch.randint(0, len(train) - context, (batch_size,), generator=generator)
         return _windows(train, starts, context)
 
-    def eval_batches(self, n: int, batch_size: int, context: int
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, n: int, batch_size: int, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`n` fixed (inputs, targets) batches of held-out windows, evenly spaced over the
         held-out tokens: the same on every peer and every call, no randomness involved."""
         check_positive("n", n)
@@ -261,12 +275,13 @@ class Corpus:
 
     def _check_long_enough(self, length: int, context: int, part: str) -> None:
         if length < context + 1:
-            raise ConfigError(f"corpus {self.source}: the {part} part has {length} tokens, too "
-                              f"few for a context of {context} (needs {context + 1})")
+            raise ConfigError(
+                f"corpus {self.source}: the {part} part has {length} tokens, too "
+                f"few for a context of {context} (needs {context + 1})"
+            )
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, context: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = data[starts[:, None] + torch.arange(context + 1)].long()
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
@@ -275,5 +290,3 @@ def _bytes_to_tensor(data: bytes) -> torch.Tensor:
     if not data:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-

@@ -91,14 +91,11 @@ class GPTConfig:
             if not is_int(value) or value < 1:
                 raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
-            raise ConfigError(
-                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if not is_number(self.dropout) \
-                or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(
-                f"GPTConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+            raise ConfigError(f"GPTConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
 
     # -- presets -------------------------------------------------------------------------------
 
@@ -124,12 +121,12 @@ class GPTConfig:
         if not is_int(n) or n < 1:
             raise ConfigError(f"for_params needs a positive parameter count, got {n!r}")
         for n_layer in range(1, MAX_FAMILY_LAYERS + 1):
-            config = cls(vocab_size, n_layer=n_layer, n_head=n_layer, d_model=64 * n_layer,
-                         context=context)
+            config = cls(vocab_size, n_layer=n_layer, n_head=n_layer, d_model=64 * n_layer, context=context)
             if config.num_parameters() >= n:
                 return config
-        raise ConfigError(f"for_params({n}): larger than the biggest model of the family "
-                          f"({config.num_parameters()} parameters)")
+        raise ConfigError(
+            f"for_params({n}): larger than the biggest model of the family ({config.num_parameters()} parameters)"
+        )
 
     # -- derived -------------------------------------------------------------------------------
 
@@ -195,8 +192,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         # [B, T, C] -> [B, heads, T, head_dim]
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -319,8 +315,9 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                block_order: Sequence[int] | None = None) -> GPTOutput:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, block_order: Sequence[int] | None = None
+    ) -> GPTOutput:
         """idx: [B, T] token ids, T <= context. targets: [B, T] next-token ids, or None.
         block_order: indices of the blocks to run, in order; repeats allowed; empty runs no block
         (embedding straight into the head). None runs every block in order."""
@@ -332,8 +329,9 @@ class GPT(nn.Module):
         return self.head(h, targets)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                 block_order: Sequence[int] | None = None) -> float:
+    def evaluate(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], block_order: Sequence[int] | None = None
+    ) -> float:
         """Mean loss over `batches` in eval mode (restoring the previous mode after); pass a
         `block_order` to measure the model with blocks omitted."""
         was_training = self.training
@@ -347,13 +345,19 @@ class GPT(nn.Module):
         return sum(losses) / len(losses)
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 generator: torch.Generator | None = None,
-                 block_order: Sequence[int] | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        block_order: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to idx [B, T] (the window slides once the
         context is full). temperature 0 means greedy."""
         for _ in range(max_new_tokens):
-            window = idx[:, -self.config.context:]
+            window = idx[:, -self.config.context :]
             logits = self(window, block_order=block_order).logits[:, -1, :]
             if temperature <= 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
@@ -367,8 +371,7 @@ class GPT(nn.Module):
         """Parameter names of each block, by block index — what Streaming DiLoCo's strided
         fragments (fragment p = blocks p, p+P, ...) are built from. Every other parameter
         (embedding, head) is in none of the groups."""
-        return [[f"blocks.{i}.{name}" for name, _ in block.named_parameters()]
-                for i, block in enumerate(self.blocks)]
+        return [[f"blocks.{i}.{name}" for name, _ in block.named_parameters()] for i, block in enumerate(self.blocks)]
 
     def stages(self, n_stages: int) -> list[PipelineStage]:
         """Cut the model for a pipeline of `n_stages` stages (2 <= n_stages <= n_layer + 1):
@@ -376,29 +379,41 @@ class GPT(nn.Module):
         compute the loss); stages 1..n_stages-1 hold contiguous runs of blocks, balanced by
         `block_ranges`. Every parameter belongs to exactly one stage."""
         if not 2 <= n_stages <= self.config.n_layer + 1:
-            raise ConfigError(f"a {self.config.n_layer}-block model splits into 2.."
-                              f"{self.config.n_layer + 1} stages, not {n_stages}")
+            raise ConfigError(
+                f"a {self.config.n_layer}-block model splits into 2..{self.config.n_layer + 1} stages, not {n_stages}"
+            )
         names = [name for name, _ in self.named_parameters()]
         ends = nn.ModuleDict({"embed": self.embed, "head": self.head})
-        result = [PipelineStage(
-            index=0, blocks=range(0), module=ends,
-            parameter_names=tuple(n for n in names if n.startswith(("embed.", "head."))))]
+        result = [
+            PipelineStage(
+                index=0,
+                blocks=range(0),
+                module=ends,
+                parameter_names=tuple(n for n in names if n.startswith(("embed.", "head."))),
+            )
+        ]
         for s, run in enumerate(block_ranges(self.config.n_layer, n_stages - 1), start=1):
             prefixes = tuple(f"blocks.{i}." for i in run)
-            result.append(PipelineStage(
-                index=s, blocks=run, module=nn.Sequential(*(self.blocks[i] for i in run)),
-                parameter_names=tuple(n for n in names if n.startswith(prefixes))))
+            result.append(
+                PipelineStage(
+                    index=s,
+                    blocks=run,
+                    module=nn.Sequential(*(self.blocks[i] for i in run)),
+                    parameter_names=tuple(n for n in names if n.startswith(prefixes)),
+                )
+            )
         return result
 
     def _check_input(self, idx: torch.Tensor) -> None:
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ModelInputError(
-                f"idx must be a [batch, time] integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+            raise ModelInputError(f"idx must be a [batch, time] integer tensor, got {idx.dtype} {tuple(idx.shape)}")
         if idx.shape[1] > self.config.context:
-            raise ModelInputError(
-                f"sequence length {idx.shape[1]} exceeds the model's context {self.config.context}")
-        if idx.numel() and idx.device.type == "cpu" and (
-                int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ModelInputError(f"sequence length {idx.shape[1]} exceeds the model's context {self.config.context}")
+        if (
+            idx.numel()
+            and idx.device.type == "cpu"
+            and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size)
+        ):
             raise ModelInputError(f"token ids must be in [0, {self.config.vocab_size})")
 
     def _check_order(self, block_order: Sequence[int]) -> list[int]:
@@ -406,6 +421,5 @@ class GPT(nn.Module):
         n = len(self.blocks)
         for i in order:
             if not is_int(i) or not 0 <= i < n:
-                raise ModelInputError(f"block_order entries must be block indices in [0, {n}), "
-                                      f"got {i!r} in {order}")
+                raise ModelInputError(f"block_order entries must be block indices in [0, {n}), got {i!r} in {order}")
         return order

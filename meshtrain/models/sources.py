@@ -69,7 +69,10 @@ from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
-    "gpt-tiny": GPTConfig.tiny, "gpt-small": GPTConfig.small, "gpt-large": GPTConfig.large}
+    "gpt-tiny": GPTConfig.tiny,
+    "gpt-small": GPTConfig.small,
+    "gpt-large": GPTConfig.large,
+}
 DEFAULT_CONTEXT = 32  # the sequence length of a model that names no limit, when the spec names none
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 # Config keys that record who saved a config, not what the model is.
@@ -110,7 +113,7 @@ def parse_model_source(value: str) -> ModelSource:
         return ModelSource("builtin", value, value)
     for prefix, kind in (("hf:", "hf"), ("hf-config:", "hf-config")):
         if value.startswith(prefix) and len(value) > len(prefix):
-            return ModelSource(kind, value, value[len(prefix):])  # type: ignore[arg-type]
+            return ModelSource(kind, value, value[len(prefix) :])  # type: ignore[arg-type]
     if value.startswith(PY_PREFIX):
         try:
             ref = PyRef.parse(value)
@@ -119,8 +122,10 @@ def parse_model_source(value: str) -> ModelSource:
         return ModelSource("py", value, ref.module, ref.name)
     if value == USER_LOOP:
         return ModelSource("user", value, value)
-    raise ValueError(f"must be one of {', '.join(PRESETS)}, hf:<pretrained dir>, hf-config:<config.json>, "
-                     f"py:<module or file.py>:<factory> or {USER_LOOP} (your own loop, meshtrain.Swarm)")
+    raise ValueError(
+        f"must be one of {', '.join(PRESETS)}, hf:<pretrained dir>, hf-config:<config.json>, "
+        f"py:<module or file.py>:<factory> or {USER_LOOP} (your own loop, meshtrain.Swarm)"
+    )
 
 
 def _source(value: str) -> ModelSource:
@@ -160,8 +165,10 @@ def build_model(value: str, *, vocab_size: int, seed: int, context: int = 0) -> 
     if src.kind == "hf-config":
         return _from_config(src, vocab_size, seed)
     if src.kind == "user":
-        raise ConfigError(f"model {USER_LOOP}: this swarm trains a model its members build in their own "
-                          f"loops (meshtrain.Swarm); `meshtrain node start` has none to train")
+        raise ConfigError(
+            f"model {USER_LOOP}: this swarm trains a model its members build in their own "
+            f"loops (meshtrain.Swarm); `meshtrain node start` has none to train"
+        )
     return _from_factory(src, vocab_size, seed)
 
 
@@ -176,11 +183,15 @@ def _transformers(value: str) -> Any:
 def _hf_dir(src: ModelSource) -> Path:
     path = Path(src.location).expanduser()
     if path.is_file() and path.suffix == ".json":
-        raise ConfigError(f"model {src.value}: hf: takes a pretrained model's directory; for fresh weights "
-                          f"from a config file say hf-config:{src.location}")
+        raise ConfigError(
+            f"model {src.value}: hf: takes a pretrained model's directory; for fresh weights "
+            f"from a config file say hf-config:{src.location}"
+        )
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model {src.value}: {path} is not a Hugging Face model directory (no config.json) "
-                          f"on this machine (every peer needs the same files at that path)")
+        raise ConfigError(
+            f"model {src.value}: {path} is not a Hugging Face model directory (no config.json) "
+            f"on this machine (every peer needs the same files at that path)"
+        )
     return path
 
 
@@ -194,8 +205,10 @@ def _pretrained(src: ModelSource, vocab_size: int) -> torch.nn.Module:
         raise ConfigError(f"model {src.value}: cannot load it: {str(e).splitlines()[0][:300]}") from None
     rows = inner.get_input_embeddings().num_embeddings
     if vocab_size > rows:
-        raise ConfigError(f"model {src.value} embeds {rows} token ids but the tokenizer has {vocab_size}: "
-                          f"use the tokenizer the model was trained with (--tokenizer hf:{src.location})")
+        raise ConfigError(
+            f"model {src.value} embeds {rows} token ids but the tokenizer has {vocab_size}: "
+            f"use the tokenizer the model was trained with (--tokenizer hf:{src.location})"
+        )
     return HFCausalLM(inner)
 
 
@@ -207,8 +220,9 @@ def _read_config(src: ModelSource, path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"model {src.value}: cannot read {path}: {e}") from None
     if not isinstance(data, dict) or not data.get("model_type"):
-        raise ConfigError(f"model {src.value}: {path} needs a model_type (e.g. gpt2, llama) to be a "
-                          f"Hugging Face config")
+        raise ConfigError(
+            f"model {src.value}: {path} needs a model_type (e.g. gpt2, llama) to be a Hugging Face config"
+        )
     return data
 
 
@@ -242,8 +256,9 @@ def _from_factory(src: ModelSource, vocab_size: int, seed: int) -> torch.nn.Modu
         torch.manual_seed(seed)
         model = factory(vocab_size)
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model {src.value}: {src.factory}(vocab_size) returned a {type(model).__name__}, "
-                          f"not a torch.nn.Module")
+        raise ConfigError(
+            f"model {src.value}: {src.factory}(vocab_size) returned a {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 
@@ -282,12 +297,14 @@ def next_token_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor
     try:
         out = model(ids)
     except TypeError as e:
-        raise ConfigError(f"this model cannot be sampled: its forward(x) failed ({e}); "
-                          f"sampling needs forward(x) to return logits") from None
+        raise ConfigError(
+            f"this model cannot be sampled: its forward(x) failed ({e}); sampling needs forward(x) to return logits"
+        ) from None
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise ConfigError("this model cannot be sampled: forward(x) must return logits [batch, time, vocab] "
-                          "or an object with .logits")
+        raise ConfigError(
+            "this model cannot be sampled: forward(x) must return logits [batch, time, vocab] or an object with .logits"
+        )
     return logits[:, -1]
 
 
@@ -346,12 +363,16 @@ def check_local_copy(model: str, tokenizer: str, *, model_pin: str, tokenizer_pi
         theirs = dict(p.split("=", 1) for p in model_pin.split(",") if "=" in p)
         for part in sorted(set(mine) | set(theirs)):
             if mine.get(part) != theirs.get(part):
-                raise ConfigError(f"model: your {model} differs from the swarm's ({part} digest "
-                                  f"{str(mine.get(part))[:12]} here, {str(theirs.get(part))[:12]} in the "
-                                  f"swarm's spec); get the swarm's files")
+                raise ConfigError(
+                    f"model: your {model} differs from the swarm's ({part} digest "
+                    f"{str(mine.get(part))[:12]} here, {str(theirs.get(part))[:12]} in the "
+                    f"swarm's spec); get the swarm's files"
+                )
     if tokenizer_pin:
         mine_t = tokenizer_digest(tokenizer)
         if mine_t != tokenizer_pin:
-            raise ConfigError(f"tokenizer: your {tokenizer} differs from the swarm's (tokenizer digest "
-                              f"{mine_t[:12]} here, {tokenizer_pin[:12]} in the swarm's spec); get the "
-                              f"swarm's tokenizer files")
+            raise ConfigError(
+                f"tokenizer: your {tokenizer} differs from the swarm's (tokenizer digest "
+                f"{mine_t[:12]} here, {tokenizer_pin[:12]} in the swarm's spec); get the "
+                f"swarm's tokenizer files"
+            )

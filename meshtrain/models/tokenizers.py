@@ -51,9 +51,18 @@ from meshtrain.errors import ConfigError
 
 # Files that define a Hugging Face tokenizer (what `save_pretrained` writes, for the fast,
 # sentencepiece and WordPiece/BPE-file flavours). Their bytes are the hf: digest.
-TOKENIZER_FILES = ("added_tokens.json", "merges.txt", "sentencepiece.bpe.model", "special_tokens_map.json",
-                   "spiece.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
-                   "vocab.txt")
+TOKENIZER_FILES = (
+    "added_tokens.json",
+    "merges.txt",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+    "spiece.model",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
 # End-of-text spellings looked up in a bare tokenizer.json (no config naming its eos token).
 EOS_SPELLINGS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _DOMAIN = b"meshtrain/tokenizer/v1\n"
@@ -131,8 +140,10 @@ class CharTokenizer:
         try:
             return [self._index[c] for c in text]
         except KeyError as e:
-            raise ConfigError(f"character {e.args[0]!r} is not in this chars tokenizer's alphabet "
-                              f"(the training text's characters); use tokenizer bytes or hf:<dir>") from None
+            raise ConfigError(
+                f"character {e.args[0]!r} is not in this chars tokenizer's alphabet "
+                f"(the training text's characters); use tokenizer bytes or hf:<dir>"
+            ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.chars[int(i)] for i in ids)
@@ -186,8 +197,10 @@ def check_tokenizer_name(value: str) -> str:
 def _hf_path(name: str) -> Path:
     path = Path(name[3:]).expanduser()
     if not path.exists():
-        raise ConfigError(f"tokenizer {name}: {path} does not exist on this machine (every peer needs "
-                          f"the same tokenizer files at that path)")
+        raise ConfigError(
+            f"tokenizer {name}: {path} does not exist on this machine (every peer needs "
+            f"the same tokenizer files at that path)"
+        )
     return path
 
 
@@ -197,8 +210,7 @@ def _tokenizer_files(name: str) -> list[Path]:
         return [path]
     found = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
     if not found:
-        raise ConfigError(f"tokenizer {name}: {path} holds no tokenizer files (one of "
-                          f"{', '.join(TOKENIZER_FILES)})")
+        raise ConfigError(f"tokenizer {name}: {path} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     return found
 
 
@@ -239,14 +251,17 @@ def load_tokenizer(name: str, *, text: str | None = None) -> Tokenizer:
         try:
             backend = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"tokenizer {name}: cannot load it with AutoTokenizer: "
-                              f"{str(e).splitlines()[0][:300]}") from None
+            raise ConfigError(
+                f"tokenizer {name}: cannot load it with AutoTokenizer: {str(e).splitlines()[0][:300]}"
+            ) from None
         eos = backend.eos_token_id
         return HFTokenizer(name, backend, digest, len(backend), eos if isinstance(eos, int) else None)
     json_file = path if path.is_file() else path / "tokenizer.json"
     if not json_file.is_file():
-        raise ConfigError(f"tokenizer {name}: {path} has neither a tokenizer_config.json (transformers) "
-                          f"nor a tokenizer.json (tokenizers)")
+        raise ConfigError(
+            f"tokenizer {name}: {path} has neither a tokenizer_config.json (transformers) "
+            f"nor a tokenizer.json (tokenizers)"
+        )
     try:
         import tokenizers
     except ImportError:
@@ -254,7 +269,8 @@ def load_tokenizer(name: str, *, text: str | None = None) -> Tokenizer:
     try:
         backend = tokenizers.Tokenizer.from_file(str(json_file))
     except Exception as e:  # noqa: BLE001 — the Rust binding raises plain Exception on a bad file
-        raise ConfigError(f"tokenizer {name}: {json_file} is not a tokenizers JSON file: "
-                          f"{str(e).splitlines()[0][:300]}") from None
+        raise ConfigError(
+            f"tokenizer {name}: {json_file} is not a tokenizers JSON file: {str(e).splitlines()[0][:300]}"
+        ) from None
     eos = next((i for s in EOS_SPELLINGS if (i := backend.token_to_id(s)) is not None), None)
     return HFTokenizer(name, backend, digest, backend.get_vocab_size(with_added_tokens=True), eos)

@@ -65,7 +65,9 @@ def _split_tensors(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> A
         tensors[name] = obj.detach().to("cpu").contiguous()
         return {_TENSOR_REF: name}
     if isinstance(obj, dict):
-        return {"__dict__": [[k, _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), tensors)] for k, v in obj.items()]}
+        return {
+            "__dict__": [[k, _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), tensors)] for k, v in obj.items()]
+        }
     if isinstance(obj, list | tuple):
         return [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, bool | int | float | str | bytes):
@@ -227,4 +229,3 @@ def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of `flatten_state`."""
     return _join_tensors(skeleton, tensors)
-

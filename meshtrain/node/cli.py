@@ -44,8 +44,9 @@ class _Parser(argparse.ArgumentParser):
     its flags from the pydantic spec model, which other commands must not pay to import.
     """
 
-    def __init__(self, *args: Any, more_args: Callable[[argparse.ArgumentParser], None] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, more_args: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._more_args = more_args
 
@@ -63,7 +64,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with node settings (see README, Configuration)")
     p.add_argument("--data-dir", help="identity, swarm spec, checkpoints (default ~/.local/share/meshtrain)")
     p.add_argument("--name", help="a label shown on the status page")
-    p.add_argument("--listen", action="append", help="multiaddr to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001)")
+    p.add_argument(
+        "--listen", action="append", help="multiaddr to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001)"
+    )
     p.add_argument("--announce", action="append", help="multiaddr to advertise instead (repeatable)")
     p.add_argument("--bootstrap", action="append", help="peer multiaddr to dial at start (repeatable)")
     p.add_argument("--status-port", type=int, help="local status page port (default 7070; 0 = any)")
@@ -75,22 +78,50 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-peers", type=int, help="start training once this many peers are in the swarm")
     p.add_argument("--max-donors", type=int, help="late join: download state from at most this many peers")
     p.add_argument("--donor-upload-mib", type=float, help="cap on serving state to joiners, MiB/s")
-    p.add_argument("--no-nat", dest="nat", action="store_false", default=None,
-                   help="no NAT traversal (reachability probe, relay reservations, hole punching)")
-    p.add_argument("--no-relay", dest="relay", action="store_false", default=None,
-                   help="do not relay for private peers even when we are public")
-    p.add_argument("--mdns", action="store_true", default=None,
-                   help="find peers of this swarm on the LAN over mDNS (no bootstrap address needed)")
-    p.add_argument("--no-upnp", dest="upnp", action="store_false", default=None,
-                   help="do not ask the LAN's UPnP gateway to forward our ports")
-    p.add_argument("--quiet", action="store_true",
-                   help="no live status line (on a terminal) or per-round lines (elsewhere) on stdout")
+    p.add_argument(
+        "--no-nat",
+        dest="nat",
+        action="store_false",
+        default=None,
+        help="no NAT traversal (reachability probe, relay reservations, hole punching)",
+    )
+    p.add_argument(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        default=None,
+        help="do not relay for private peers even when we are public",
+    )
+    p.add_argument(
+        "--mdns",
+        action="store_true",
+        default=None,
+        help="find peers of this swarm on the LAN over mDNS (no bootstrap address needed)",
+    )
+    p.add_argument(
+        "--no-upnp",
+        dest="upnp",
+        action="store_false",
+        default=None,
+        help="do not ask the LAN's UPnP gateway to forward our ports",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no live status line (on a terminal) or per-round lines (elsewhere) on stdout",
+    )
     p.add_argument("--device", help="auto (default: CUDA, then MPS, then CPU), cpu, mps, cuda, cuda:<index>")
-    p.add_argument("--nproc-per-node", type=int,
-                   help="train as one peer on this many local ranks (GPUs), launched by torch.distributed")
-    p.add_argument("--sharding", choices=["ddp", "fsdp", "auto"],
-                   help="local ranks hold a replica each (ddp) or shards of one model (fsdp: FSDP2, for a model "
-                        "that does not fit one GPU); auto (default) picks fsdp when it does not fit")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="train as one peer on this many local ranks (GPUs), launched by torch.distributed",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=["ddp", "fsdp", "auto"],
+        help="local ranks hold a replica each (ddp) or shards of one model (fsdp: FSDP2, for a model "
+        "that does not fit one GPU); auto (default) picks fsdp when it does not fit",
+    )
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
@@ -100,13 +131,19 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
         if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
             continue
         kind = {int: int, float: float}.get(info.annotation, str)  # type: ignore[arg-type]
-        p.add_argument(f"--{name.replace('_', '-')}", dest=f"spec_{name}", type=kind, default=None,
-                       help=f"{info.description or name} (default {info.default})")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=f"spec_{name}",
+            type=kind,
+            default=None,
+            help=f"{info.description or name} (default {info.default})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshtrain",
-                description="Train one PyTorch model together with strangers' machines, peer to peer.")
+    p = _Parser(
+        prog="meshtrain", description="Train one PyTorch model together with strangers' machines, peer to peer."
+    )
     p.add_argument("--version", action="version", version=f"meshtrain {__version__}")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default; or MESHTRAIN_LOG)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -117,18 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     _node_flags(start)
     start.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
     start.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
-    for name, help_ in (("status", "show the running node's status"),
-                        ("stop", "ask the running node to stop cleanly (returns once it accepted)")):
+    for name, help_ in (
+        ("status", "show the running node's status"),
+        ("stop", "ask the running node to stop cleanly (returns once it accepted)"),
+    ):
         q = nsub.add_parser(name, help=help_)
-        q.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or "
-                                          "~/.local/share/meshtrain)")
+        q.add_argument(
+            "--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)"
+        )
         q.add_argument("--url", help="the node's status URL instead of looking it up in the data dir")
         if name == "status":
             q.add_argument("--json", action="store_true", help="print the raw status document")
         else:
-            q.add_argument("--wait", action="store_true",
-                           help=f"wait until the node has left the swarm, checkpointed and exited "
-                                f"(at most {STOP_WAIT_TIMEOUT:.0f} s)")
+            q.add_argument(
+                "--wait",
+                action="store_true",
+                help=f"wait until the node has left the swarm, checkpointed and exited "
+                f"(at most {STOP_WAIT_TIMEOUT:.0f} s)",
+            )
 
     swarm = sub.add_parser("swarm", help="create or join a swarm")
     ssub = swarm.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
@@ -149,10 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
 
     export = sub.add_parser("export", help="write the swarm's outer parameters φ (latest checkpoint) as a model")
-    export.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)")
+    export.add_argument(
+        "--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)"
+    )
     export.add_argument("--out", required=True, help="a new directory (HF save_pretrained layout for hf: models)")
     sample = sub.add_parser("sample", help="continue a prompt with the swarm's outer parameters φ")
-    sample.add_argument("--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)")
+    sample.add_argument(
+        "--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)"
+    )
     sample.add_argument("--prompt", required=True, help="text to continue")
     sample.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add (default 100)")
     sample.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: greedy)")
@@ -161,9 +208,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("data_dir", "name", "listen", "announce", "bootstrap", "status_port", "status_host",
-            "checkpoint_every", "threads", "max_steps", "join_timeout", "wait_peers", "max_donors",
-            "donor_upload_mib", "nat", "relay", "upnp", "mdns", "device", "nproc_per_node", "sharding")
+    keys = (
+        "data_dir",
+        "name",
+        "listen",
+        "announce",
+        "bootstrap",
+        "status_port",
+        "status_host",
+        "checkpoint_every",
+        "threads",
+        "max_steps",
+        "join_timeout",
+        "wait_peers",
+        "max_donors",
+        "donor_upload_mib",
+        "nat",
+        "relay",
+        "upnp",
+        "mdns",
+        "device",
+        "nproc_per_node",
+        "sharding",
+    )
     return {k: getattr(args, k, None) for k in keys}
 
 
@@ -180,8 +247,12 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
     if config.nproc_per_node > 1:  # one peer, N local ranks: torch's elastic launcher runs them
         from meshtrain.node.local_ranks import launch_peer
 
-        print(json.dumps(launch_peer(config, spec_path=spec_path, join=join, log_level=args.log_level or
-                                     config.log_level)), flush=True)
+        print(
+            json.dumps(
+                launch_peer(config, spec_path=spec_path, join=join, log_level=args.log_level or config.log_level)
+            ),
+            flush=True,
+        )
         return 0
     spec = SignedSpec.load(spec_path) if spec_path else None
     node = Node(config, spec=spec, join=join)
@@ -201,8 +272,19 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
             raise
 
     result = trio.run(run)
-    print(json.dumps({"stopped": True, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
-                      "eval_loss": result.eval_loss, "checkpoint": result.checkpoint}), flush=True)
+    print(
+        json.dumps(
+            {
+                "stopped": True,
+                "peer_id": result.peer_id,
+                "step": result.step,
+                "rounds": result.rounds,
+                "eval_loss": result.eval_loss,
+                "checkpoint": result.checkpoint,
+            }
+        ),
+        flush=True,
+    )
     if args.exit_at_once:
         # Everything the node owes its data dir is on disk (checkpoint fsynced, daemon.json gone):
         # skip the interpreter's teardown of torch and libp2p, which took 1-5 s on a busy machine
@@ -255,12 +337,16 @@ def _node_status(args: argparse.Namespace) -> int:
     age = time.time() - (n["started"] + n["uptime_s"])
     stale = f"  (as of {age:.0f} s ago: the node is busy)" if age > 2 else ""
     print(f"node {n['peer_id']}  swarm {n['swarm']}  {n['state']}  up {n['uptime_s']:.0f}s{stale}")
-    print(f"step {t['step']}  round {t['round']}  loss {loss}  {t['optimizer']}  "
-          f"sent {t['bytes_sent'] / 2**20:.1f} MiB  received {t['bytes_received'] / 2**20:.1f} MiB")
+    print(
+        f"step {t['step']}  round {t['round']}  loss {loss}  {t['optimizer']}  "
+        f"sent {t['bytes_sent'] / 2**20:.1f} MiB  received {t['bytes_received'] / 2**20:.1f} MiB"
+    )
     if t.get("phi_digest"):
         parity = t.get("parity") or {}
-        print(f"phi round {t.get('phi_round')}  digest {str(t['phi_digest'])[:16]}  "
-              f"parity {parity.get('status', 'unchecked')}")
+        print(
+            f"phi round {t.get('phi_round')}  digest {str(t['phi_digest'])[:16]}  "
+            f"parity {parity.get('status', 'unchecked')}"
+        )
     if t.get("waiting"):
         print(f"waiting: {t['waiting']}")
     print(f"{len(st['peers'])} live peers:")
@@ -282,8 +368,10 @@ def _node_stop(args: argparse.Namespace) -> int:
         raise MeshtrainError(f"cannot read the node's control token {token_file}: {e}") from None
     request_stop(url, token, timeout=5)
     if not args.wait:
-        print("stop accepted; the node is leaving the swarm and saving a checkpoint in the background "
-              "(`node stop --wait` waits for it)")
+        print(
+            "stop accepted; the node is leaving the swarm and saving a checkpoint in the background "
+            "(`node stop --wait` waits for it)"
+        )
         return 0
     pid = info.get("pid")
     print(f"stop accepted; waiting for the node (pid {pid}) to leave the swarm, checkpoint and exit ...", flush=True)
@@ -308,9 +396,11 @@ def _swarm_create(args: argparse.Namespace) -> int:
     signed = SignedSpec.create(spec, identity)
     out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
     print(json.dumps({"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out)}))
-    print(f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}). Start it with:\n"
-          f"  meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else ""),
-          file=sys.stderr)
+    print(
+        f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}). Start it with:\n"
+        f"  meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else ""),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -341,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
 
             # A failure inside libp2p arrives a dozen nurseries deep, past the depth (10) Python
             # prints by default, which would hide the one line that says what went wrong.
-            print("".join(traceback.TracebackException.from_exception(eg, max_group_depth=1000).format()),
-                  end="", file=sys.stderr)
+            print(
+                "".join(traceback.TracebackException.from_exception(eg, max_group_depth=1000).format()),
+                end="",
+                file=sys.stderr,
+            )
             return 1
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1

@@ -43,26 +43,40 @@ class SwarmSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("meshtrain-demo", min_length=1, max_length=64)
-    model: str = Field("gpt-small", description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
-                                                "hf-config:<config.json> | py:<module or file.py>:<factory> | user")
-    tokenizer: str = Field("chars", description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
-                                                 "the builtin text, bytes for a file dataset)")
+    model: str = Field(
+        "gpt-small",
+        description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
+        "hf-config:<config.json> | py:<module or file.py>:<factory> | user",
+    )
+    tokenizer: str = Field(
+        "chars",
+        description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
+        "the builtin text, bytes for a file dataset)",
+    )
     context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
     model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
-    dataset: str = Field("builtin", description="builtin (offline English text), or a text, JSONL or "
-                                                 "Parquet file or directory (meshtrain.data)")
-    dataset_field: str = Field("text", min_length=1, max_length=256,
-                               description="JSONL/Parquet: the field that holds a document's text")
-    held_out: float = Field(0.05, gt=0, lt=1, description="fraction of a file dataset's documents held "
-                                                          "out for evaluation (chosen by hash)")
-    eval_dataset: str = Field("", description="held-out data as its own file or directory "
-                                              "(instead of held_out)")
-    dataset_digest: str = Field("", pattern=r"^([0-9a-f]{64})?$",
-                                description="content digest of the dataset's files (swarm create "
-                                            "computes it; peers whose files differ are refused)")
-    optimizer: str = Field("diloco", description="diloco | streaming | noloco | sparseloco | "
-                                                 "py:<module or file.py>:<OuterOptimizer subclass>")
+    dataset: str = Field(
+        "builtin",
+        description="builtin (offline English text), or a text, JSONL or Parquet file or directory (meshtrain.data)",
+    )
+    dataset_field: str = Field(
+        "text", min_length=1, max_length=256, description="JSONL/Parquet: the field that holds a document's text"
+    )
+    held_out: float = Field(
+        0.05, gt=0, lt=1, description="fraction of a file dataset's documents held out for evaluation (chosen by hash)"
+    )
+    eval_dataset: str = Field("", description="held-out data as its own file or directory (instead of held_out)")
+    dataset_digest: str = Field(
+        "",
+        pattern=r"^([0-9a-f]{64})?$",
+        description="content digest of the dataset's files (swarm create "
+        "computes it; peers whose files differ are refused)",
+    )
+    optimizer: str = Field(
+        "diloco",
+        description="diloco | streaming | noloco | sparseloco | py:<module or file.py>:<OuterOptimizer subclass>",
+    )
     optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
@@ -84,8 +98,10 @@ class SwarmSpec(BaseModel):
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
     eval_batches: int = Field(8, ge=1, le=1024)
     precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
-                            "master weights, φ and pseudo-gradients stay fp32")
+        "fp32",
+        description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
+        "master weights, φ and pseudo-gradients stay fp32",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -96,8 +112,10 @@ class SwarmSpec(BaseModel):
             if data.get("tokenizer") is None:
                 data = {**data, "tokenizer": "bytes"}
             elif data["tokenizer"] == "chars":
-                raise ValueError("tokenizer chars needs the whole text for its alphabet; a file dataset is "
-                                 "streamed: use bytes or hf:<dir>")
+                raise ValueError(
+                    "tokenizer chars needs the whole text for its alphabet; a file dataset is "
+                    "streamed: use bytes or hf:<dir>"
+                )
         return data
 
     @field_validator("model")
@@ -113,8 +131,10 @@ class SwarmSpec(BaseModel):
             try:
                 PyRef.parse(v)
             except ValueError:
-                raise ValueError(f"must be one of {', '.join(OPTIMIZERS)} or py:<module or file.py>:<Class>, "
-                                 f"a meshtrain.OuterOptimizer subclass") from None
+                raise ValueError(
+                    f"must be one of {', '.join(OPTIMIZERS)} or py:<module or file.py>:<Class>, "
+                    f"a meshtrain.OuterOptimizer subclass"
+                ) from None
         return v
 
     @field_validator("tokenizer")
@@ -135,16 +155,20 @@ class SwarmSpec(BaseModel):
             if self.H % self.fragments:
                 raise ConfigError(f"swarm spec: H ({self.H}) must be a multiple of fragments ({self.fragments})")
             if self.delay >= self.H // self.fragments:
-                raise ConfigError(f"swarm spec: delay ({self.delay}) must be below H/fragments "
-                                  f"({self.H // self.fragments})")
+                raise ConfigError(
+                    f"swarm spec: delay ({self.delay}) must be below H/fragments ({self.H // self.fragments})"
+                )
             if self.eager and self.delay < 1:
                 raise ConfigError("swarm spec: eager updates need delay >= 1")
         if self.model.startswith("hf:") and not self.tokenizer.startswith("hf:"):
-            raise ConfigError(f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
-                              f"with (--tokenizer {self.model}), not {self.tokenizer}")
+            raise ConfigError(
+                f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
+                f"with (--tokenizer {self.model}), not {self.tokenizer}"
+            )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
-            raise ConfigError(f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk "
-                              f"({self.sparse_chunk})")
+            raise ConfigError(
+                f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
+            )
         return self
 
 
@@ -176,19 +200,30 @@ class NodeConfig(BaseModel):
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
     max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
-    nat: bool = Field(True, description="NAT traversal: dial-back reachability probe, relay reservations "
-                                        "when private, hole punching of relayed peers")
+    nat: bool = Field(
+        True,
+        description="NAT traversal: dial-back reachability probe, relay reservations "
+        "when private, hole punching of relayed peers",
+    )
     relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
     mdns: bool = Field(False, description="find peers of this swarm on the LAN over mDNS (multicast)")
-    upnp: bool = Field(True, description="map our ports on the LAN's UPnP gateway (only when listening "
-                                         "beyond loopback)")
+    upnp: bool = Field(
+        True, description="map our ports on the LAN's UPnP gateway (only when listening beyond loopback)"
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, mps, cuda or cuda:<index>")
-    nproc_per_node: int = Field(1, ge=1, le=64, description="local ranks (GPUs) that train as one peer "
-                                                            "(torch.distributed; the spec's batch_size is split among them)")
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="local ranks (GPUs) that train as one peer "
+        "(torch.distributed; the spec's batch_size is split among them)",
+    )
     sharding: Literal["ddp", "fsdp", "auto"] = Field(
-        "auto", description="how local ranks split the model: ddp (a replica per rank), fsdp (FSDP2 shards), "
-                            "auto (fsdp when the model's training state exceeds half a GPU; ddp on CPU)")
+        "auto",
+        description="how local ranks split the model: ddp (a replica per rank), fsdp (FSDP2 shards), "
+        "auto (fsdp when the model's training state exceeds half a GPU; ddp on CPU)",
+    )
 
     @field_validator("device")
     @classmethod
@@ -250,8 +285,12 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def load_node_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None,
-                     overrides: Mapping[str, Any] | None = None) -> NodeConfig:
+def load_node_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> NodeConfig:
     """Defaults < TOML file < MESHTRAIN_* environment < `overrides` (flags; None values ignored)."""
     values: dict[str, Any] = {}
     if path is not None:

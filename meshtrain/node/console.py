@@ -92,8 +92,14 @@ def status_line(st: dict[str, Any], bytes_per_s: float, width: int | None = None
     """The live line for a terminal: `training  step 120  loss 2.345  peers 3  round 6  1.2 MiB/s`,
     then the parity when it is not ok and what the node waits for; cut to `width` characters."""
     n, t = st["node"], st["training"]
-    parts = [n["state"], f"step {t['step']}", f"loss {_loss(t['loss'])}", f"peers {len(st['peers'])}",
-             f"round {t['round']}", f"{human_bytes(bytes_per_s)}/s"]
+    parts = [
+        n["state"],
+        f"step {t['step']}",
+        f"loss {_loss(t['loss'])}",
+        f"peers {len(st['peers'])}",
+        f"round {t['round']}",
+        f"{human_bytes(bytes_per_s)}/s",
+    ]
     if (note := _parity_note(t)) is not None:
         parts.append(note)
     if t.get("waiting"):
@@ -166,7 +172,7 @@ class RoundReporter:
         if isinstance(changes, int):
             missed = changes - self._state_changes
             if self._state is not None and isinstance(recent, list) and recent and recent[-1] == state and missed > 0:
-                new = [str(x) for x in recent[-min(missed, len(recent) - 1):]] if len(recent) > 1 else new
+                new = [str(x) for x in recent[-min(missed, len(recent) - 1) :]] if len(recent) > 1 else new
             self._state_changes = changes
         out = []
         for s in new:
@@ -185,8 +191,9 @@ class LiveStatus(Service):
     Leaving the block ends the live line with a newline, so what is printed next starts clean.
     """
 
-    def __init__(self, snapshot: Snapshot, out: TextIO | None = None, *, tty: bool | None = None,
-                 interval: float = INTERVAL) -> None:
+    def __init__(
+        self, snapshot: Snapshot, out: TextIO | None = None, *, tty: bool | None = None, interval: float = INTERVAL
+    ) -> None:
         self._snapshot = snapshot
         self._out = out if out is not None else sys.stdout
         self._tty = _is_terminal(self._out) if tty is None else tty

@@ -121,13 +121,23 @@ class Node:
     `presence` (with `view` and `discovery`), `collective`, `trainer`, `run_state` (with `parity`).
     """
 
-    def __init__(self, config: NodeConfig, *, spec: SignedSpec | None = None, join: str | None = None,
-                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 local: LocalRanks | None = None, user_loop: bool = False) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        spec: SignedSpec | None = None,
+        join: str | None = None,
+        model: torch.nn.Module | None = None,
+        outer_factory: OuterFactory | None = None,
+        local: LocalRanks | None = None,
+        user_loop: bool = False,
+    ) -> None:
         if config.nproc_per_node > 1 and local is None:
-            raise ConfigError(f"nproc_per_node = {config.nproc_per_node}: a multi-rank peer is started by "
-                              f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
-                              f"a Node built in Python is one process")
+            raise ConfigError(
+                f"nproc_per_node = {config.nproc_per_node}: a multi-rank peer is started by "
+                f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
+                f"a Node built in Python is one process"
+            )
         self.config = config
         self._local = local
         self.data_dir = Path(config.data_dir).expanduser()
@@ -214,29 +224,45 @@ class Node:
                 signals = await stack.enter_async_context(trio.open_nursery())
                 stack.callback(signals.cancel_scope.cancel)
                 signals.start_soon(self._watch_signals)
-            host = self.host = await stack.enter_async_context(Host(identity, HostConfig(
-                listen=config.listen, swarm_key=config.swarm_key, announce=config.announce)))
+            host = self.host = await stack.enter_async_context(
+                Host(identity, HostConfig(listen=config.listen, swarm_key=config.swarm_key, announce=config.announce))
+            )
             signed = self.signed = await self._resolve_spec(host)
             host.rpc.serve(SPEC_RPC, self._serve_spec)
             streams = self.streams = await stack.enter_async_context(TensorStreams(host))
             bootstrap = list(config.bootstrap) + ([self._join[1]] if self._join else [])
-            presence = self.presence = PeerPresence(host, signed, bootstrap=bootstrap, mdns=config.mdns,
-                                                    connection="direct")
+            presence = self.presence = PeerPresence(
+                host, signed, bootstrap=bootstrap, mdns=config.mdns, connection="direct"
+            )
             if config.nat:  # before any peer connects, so every relayed peer can be punched
-                self.nat = presence.nat = await stack.enter_async_context(NatTraversal(
-                    host, streams, relays=presence.relay_candidates,
-                    config=NatConfig(serve_relay_when_public=config.relay,
-                                     upnp=config.upnp and _beyond_loopback(config.listen))))
+                self.nat = presence.nat = await stack.enter_async_context(
+                    NatTraversal(
+                        host,
+                        streams,
+                        relays=presence.relay_candidates,
+                        config=NatConfig(
+                            serve_relay_when_public=config.relay, upnp=config.upnp and _beyond_loopback(config.listen)
+                        ),
+                    )
+                )
                 presence.connection = "unknown"
             await stack.enter_async_context(presence)
             # Only members get data-plane sessions; only round candidates may join a round, and
             # only near our step (a stranger's join for a far-future round voided real rounds).
             streams.authorize = presence.is_member
-            collective = self.collective = await stack.enter_async_context(SwarmCollective(
-                host, streams, presence.candidates,
-                AllReduceConfig(join_timeout=config.join_timeout, part_timeout=config.part_timeout,
-                                round_window=max(4 * signed.spec.H, 64)),
-                current_round=self._current_round))
+            collective = self.collective = await stack.enter_async_context(
+                SwarmCollective(
+                    host,
+                    streams,
+                    presence.candidates,
+                    AllReduceConfig(
+                        join_timeout=config.join_timeout,
+                        part_timeout=config.part_timeout,
+                        round_window=max(4 * signed.spec.H, 64),
+                    ),
+                    current_round=self._current_round,
+                )
+            )
             self.network_ready.set()
             if config.threads:
                 torch.set_num_threads(config.threads)
@@ -248,11 +274,18 @@ class Node:
                 trainer = self.trainer = self._adopted
             else:
                 trainer = self.trainer = Trainer(
-                    signed.spec, local.collective(collective) if local else collective, host.peer_id,
-                    model=self._model, outer_factory=self._outer_factory, local=local,
-                    device=None if local else resolve_device(config.device), data_dir=self.data_dir)
-            run_state = self.run_state = await stack.enter_async_context(RunState(
-                trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop))
+                    signed.spec,
+                    local.collective(collective) if local else collective,
+                    host.peer_id,
+                    model=self._model,
+                    outer_factory=self._outer_factory,
+                    local=local,
+                    device=None if local else resolve_device(config.device),
+                    data_dir=self.data_dir,
+                )
+            run_state = self.run_state = await stack.enter_async_context(
+                RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
+            )
             if self.nat is not None:
                 # announce how we are reached (public / relayed / private) and our circuit
                 # addresses while private, in our membership record
@@ -264,8 +297,15 @@ class Node:
                 probes.start_soon(self._first_probe, self.nat)
             await self._start_status(stack)
             self._write_daemon_file(host, signed)
-            log.warning(kv("node started", peer=host.peer_id, swarm=signed.swarm_id, addrs=",".join(host.addrs),
-                           status=self.status_url))
+            log.warning(
+                kv(
+                    "node started",
+                    peer=host.peer_id,
+                    swarm=signed.swarm_id,
+                    addrs=",".join(host.addrs),
+                    status=self.status_url,
+                )
+            )
             try:
                 if self._user_loop:
                     return await self._serve_loop(trainer, presence, run_state)
@@ -287,8 +327,14 @@ class Node:
                     break
                 except MeshtrainError as e:
                     delay = backoff.next()
-                    log.warning(kv("cannot reach the peer to join through; retrying (Ctrl-C to give up)",
-                                   addr=addr, error=str(e)[:200], retry_in_s=round(delay, 1)))
+                    log.warning(
+                        kv(
+                            "cannot reach the peer to join through; retrying (Ctrl-C to give up)",
+                            addr=addr,
+                            error=str(e)[:200],
+                            retry_in_s=round(delay, 1),
+                        )
+                    )
                     self._waiting = f"joining: waiting for {addr} to answer"
                     await self._stop.sleep(delay)
                     if self._stop.is_set():
@@ -303,8 +349,10 @@ class Node:
         else:
             path = self.data_dir / SPEC_FILE
             if not path.exists():
-                raise NodeError(f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
-                                f"create`) or join one (`meshtrain swarm join <multiaddr>`)")
+                raise NodeError(
+                    f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
+                    f"create`) or join one (`meshtrain swarm join <multiaddr>`)"
+                )
             signed = SignedSpec.load(path)
         spec = signed.spec  # our copy of the model and tokenizer files must be the swarm's
         check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
@@ -313,8 +361,10 @@ class Node:
         if existing.exists():
             old = SignedSpec.load(existing)
             if old.swarm_id != signed.swarm_id and (self.data_dir / "checkpoints").exists():
-                raise NodeError(f"{self.data_dir} holds swarm {old.swarm_id}, not {signed.swarm_id}; "
-                                f"use another --data-dir for another swarm")
+                raise NodeError(
+                    f"{self.data_dir} holds swarm {old.swarm_id}, not {signed.swarm_id}; "
+                    f"use another --data-dir for another swarm"
+                )
         signed.save(existing)
         return signed
 
@@ -369,20 +419,33 @@ class Node:
                 return  # the run is over: stopped already
 
         try:
-            srv = await stack.enter_async_context(StatusServer(
-                self.snapshot, host=self.config.status_host, port=self.config.status_port,
-                on_stop=accept_stop, token=token))
+            srv = await stack.enter_async_context(
+                StatusServer(
+                    self.snapshot,
+                    host=self.config.status_host,
+                    port=self.config.status_port,
+                    on_stop=accept_stop,
+                    token=token,
+                )
+            )
         except OSError as e:
-            raise NodeError(f"cannot serve the status page on {self.config.status_host}:{self.config.status_port}"
-                            f" ({e.strerror or e}); pick another --status-port (0 = any)") from None
+            raise NodeError(
+                f"cannot serve the status page on {self.config.status_host}:{self.config.status_port}"
+                f" ({e.strerror or e}); pick another --status-port (0 = any)"
+            ) from None
         self.status_url = srv.url
 
     def _write_daemon_file(self, host: Host, signed: SignedSpec) -> None:
         """daemon.json: how `meshtrain node status/stop` find us. They read it with
         `status.read_daemon_file` (re-exported here), as that path must not import this module."""
-        info = {"pid": os.getpid(), "peer_id": host.peer_id, "addrs": host.addrs,
-                "swarm_id": signed.swarm_id, "status_url": self.status_url,
-                "token_file": str(self.data_dir / TOKEN_FILE)}
+        info = {
+            "pid": os.getpid(),
+            "peer_id": host.peer_id,
+            "addrs": host.addrs,
+            "swarm_id": signed.swarm_id,
+            "status_url": self.status_url,
+            "token_file": str(self.data_dir / TOKEN_FILE),
+        }
         write_atomic(self.data_dir / DAEMON_FILE, json.dumps(info).encode())
 
     # -- training ------------------------------------------------------------------------------
@@ -398,6 +461,7 @@ class Node:
         finished_cleanly = True
         async with trainer.outer:
             async with trio.open_nursery() as nursery:
+
                 async def train() -> None:
                     while True:
                         await trio.to_thread.run_sync(trainer.run, stop.flag, until, run_state.after_step)
@@ -453,23 +517,34 @@ class Node:
         view.heartbeat()
         self.phase.set("training")
 
-    async def _finish(self, trainer: TrainedState, view: SwarmView, run_state: RunState, *, save: bool,
-                      stopped_early: bool) -> NodeResult:
+    async def _finish(
+        self, trainer: TrainedState, view: SwarmView, run_state: RunState, *, save: bool, stopped_early: bool
+    ) -> NodeResult:
         """Checkpoint (unless stopped mid-round), leave the swarm, write the loss history."""
         assert self.host is not None  # running
         path = None
         if save:
             path = await run_state.save_final()
         else:
-            log.warning(kv("stopped mid-round; the last periodic checkpoint stands",
-                           checkpoint=run_state.last_checkpoint.get("path")))
+            log.warning(
+                kv(
+                    "stopped mid-round; the last periodic checkpoint stands",
+                    checkpoint=run_state.last_checkpoint.get("path"),
+                )
+            )
         if not view.has_left:
             await view.leave()
         with trainer.lock:
             history = list(trainer.info.history)
         write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
-        return NodeResult(self.host.peer_id, trainer.step, trainer.outer.rounds, trainer.info.eval_loss,
-                          path or run_state.last_checkpoint.get("path"), stopped_early)
+        return NodeResult(
+            self.host.peer_id,
+            trainer.step,
+            trainer.outer.rounds,
+            trainer.info.eval_loss,
+            path or run_state.last_checkpoint.get("path"),
+            stopped_early,
+        )
 
     # -- loop mode (meshtrain.Swarm: the user's loop trains) -------------------------------------
 
@@ -508,8 +583,9 @@ class Node:
                 with trio.move_on_after(self.config.join_timeout):
                     await trainer.outer.afinish()
         began = self.phase.changes > 1  # starting -> training happened
-        return await self._finish(trainer, view, run_state, save=began and not trainer.outer.in_flight,
-                                  stopped_early=False)
+        return await self._finish(
+            trainer, view, run_state, save=began and not trainer.outer.in_flight, stopped_early=False
+        )
 
     async def _wait_for_peers(self, presence: PeerPresence) -> None:
         """With `wait_peers`, start training only once that many trainers (us included) are in
@@ -533,19 +609,28 @@ class Node:
         `refused` (requests refused to non-members and the like, by reason)."""
         parity = self.parity
         history = list(parity.history) if parity is not None else []
-        waiting = (self._waiting or (self.run_state.waiting if self.run_state is not None else None)
-                   or (self.collective.waiting_for() if self.collective is not None else None))
-        return {"phi_round": history[-1][0] if history else None,
-                "phi_digest": history[-1][1].hex() if history else None,
-                "phi_history": [[r, d.hex()] for r, d in history],
-                "parity": parity.status() if parity is not None else None,
-                "waiting": waiting, "refused": self.refused()}
+        waiting = (
+            self._waiting
+            or (self.run_state.waiting if self.run_state is not None else None)
+            or (self.collective.waiting_for() if self.collective is not None else None)
+        )
+        return {
+            "phi_round": history[-1][0] if history else None,
+            "phi_digest": history[-1][1].hex() if history else None,
+            "phi_history": [[r, d.hex()] for r, d in history],
+            "parity": parity.status() if parity is not None else None,
+            "waiting": waiting,
+            "refused": self.refused(),
+        }
 
     def refused(self) -> dict[str, int]:
         """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
         the collective's and the data plane's, for `/metrics`."""
         out: dict[str, int] = {}
-        for counts in (self.collective.refused if self.collective else {}, self.streams.refused if self.streams else {}):
+        for counts in (
+            self.collective.refused if self.collective else {},
+            self.streams.refused if self.streams else {},
+        ):
             for reason, n in counts.items():
                 if n:
                     out[reason] = out.get(reason, 0) + n
@@ -557,25 +642,48 @@ class Node:
         publishes a step's numbers), so the status page and the console stay live under load."""
         host, view, trainer = self.host, self.view, self.trainer
         now = time.time()
-        node = {"peer_id": host.peer_id if host else "", "name": self.config.name, "version": meshtrain.__version__,
-                "started": self.started, "uptime_s": now - self.started,
-                "swarm": self.signed.swarm_id if self.signed else "", "state": self.state,
-                "state_changes": self.phase.changes, "recent_states": self.phase.recent(),
-                "listen": host.addrs if host else [],
-                "reachability": self.nat.connection_type if self.nat is not None else "unknown",
-                "device": device_label(trainer.device) if trainer is not None else self.config.device,
-                "local_ranks": self._local.world_size if self._local is not None else 1,
-                "sharding": self._local.sharding if self._local is not None else "none",
-                "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()]}
-        training: dict[str, Any] = {"step": 0, "round": 0, "loss": None, "eval_loss": None, "optimizer": "",
-                                    "samples_per_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "history": []}
+        node = {
+            "peer_id": host.peer_id if host else "",
+            "name": self.config.name,
+            "version": meshtrain.__version__,
+            "started": self.started,
+            "uptime_s": now - self.started,
+            "swarm": self.signed.swarm_id if self.signed else "",
+            "state": self.state,
+            "state_changes": self.phase.changes,
+            "recent_states": self.phase.recent(),
+            "listen": host.addrs if host else [],
+            "reachability": self.nat.connection_type if self.nat is not None else "unknown",
+            "device": device_label(trainer.device) if trainer is not None else self.config.device,
+            "local_ranks": self._local.world_size if self._local is not None else 1,
+            "sharding": self._local.sharding if self._local is not None else "none",
+            "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()],
+        }
+        training: dict[str, Any] = {
+            "step": 0,
+            "round": 0,
+            "loss": None,
+            "eval_loss": None,
+            "optimizer": "",
+            "samples_per_s": 0.0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "history": [],
+        }
         if trainer is not None:
             with trainer.lock:  # copies only: the critical section is microseconds
                 info = trainer.info
                 st = trainer.outer.stats()
-                training.update(step=info.step, round=info.rounds, loss=info.loss, eval_loss=info.eval_loss,
-                                samples_per_s=info.samples_per_s, bytes_sent=st["bytes_sent"],
-                                bytes_received=st["bytes_received"], history=list(info.history))
+                training.update(
+                    step=info.step,
+                    round=info.rounds,
+                    loss=info.loss,
+                    eval_loss=info.eval_loss,
+                    samples_per_s=info.samples_per_s,
+                    bytes_sent=st["bytes_sent"],
+                    bytes_received=st["bytes_received"],
+                    history=list(info.history),
+                )
             training["optimizer"] = trainer.spec.optimizer
         training.update(self.round_status())
         if training.get("waiting") is None and self.state == "starting":
@@ -587,23 +695,38 @@ class Node:
             elif self.config.wait_peers > 1 and trainer is not None and self.presence is not None:
                 have = len(self.presence.trainers())
                 if have < self.config.wait_peers:
-                    training["waiting"] = (f"waiting for {self.config.wait_peers - have} more peer(s) before "
-                                           f"training starts ({have} of {self.config.wait_peers} here)")
+                    training["waiting"] = (
+                        f"waiting for {self.config.wait_peers - have} more peer(s) before "
+                        f"training starts ({have} of {self.config.wait_peers} here)"
+                    )
         peers = []
         if view is not None and host is not None:
             progress, metrics = view.progress(), view.metrics()
             for p in view.live_peers():
                 pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
-                peers.append({"peer_id": p.peer_id, "addr": p.addrs[0] if p.addrs else "",
-                              "connection": ("self" if p.peer_id == host.peer_id
-                                             else host.connection_type(p.peer_id) or "none"),
-                              "role": p.role,
-                              "step": pr.step if pr else 0, "loss": me.values.get("loss") if me else None,
-                              "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
-                              "reachability": p.connection})
-        return {"node": node, "training": training, "peers": peers, "checkpoint": dict(self.run_state.last_checkpoint) if self.run_state else
-                {"last_step": None, "path": None, "saved_at": None},
-                "joined_from": self.joined_from}
+                peers.append(
+                    {
+                        "peer_id": p.peer_id,
+                        "addr": p.addrs[0] if p.addrs else "",
+                        "connection": (
+                            "self" if p.peer_id == host.peer_id else host.connection_type(p.peer_id) or "none"
+                        ),
+                        "role": p.role,
+                        "step": pr.step if pr else 0,
+                        "loss": me.values.get("loss") if me else None,
+                        "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
+                        "reachability": p.connection,
+                    }
+                )
+        return {
+            "node": node,
+            "training": training,
+            "peers": peers,
+            "checkpoint": dict(self.run_state.last_checkpoint)
+            if self.run_state
+            else {"last_step": None, "path": None, "saved_at": None},
+            "joined_from": self.joined_from,
+        }
 
 
 async def _wait_done(nursery: trio.Nursery) -> None:

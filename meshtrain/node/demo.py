@@ -48,20 +48,43 @@ class _Swarm:
         self.logs.append(log)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(log, "w") as err:
-            self.procs.append(subprocess.Popen(
-                _cli("node", "start", "--data-dir", str(self.dirs[i]), "--listen", "/ip4/127.0.0.1/tcp/0",
-                     "--status-port", "0", "--threads", "1", "--checkpoint-every", "30", "--name", f"node{i}",
-                     "--wait-peers", str(self.n),
-                     *extra),
-                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    _cli(
+                        "node",
+                        "start",
+                        "--data-dir",
+                        str(self.dirs[i]),
+                        "--listen",
+                        "/ip4/127.0.0.1/tcp/0",
+                        "--status-port",
+                        "0",
+                        "--threads",
+                        "1",
+                        "--checkpoint-every",
+                        "30",
+                        "--name",
+                        f"node{i}",
+                        "--wait-peers",
+                        str(self.n),
+                        *extra,
+                    ),
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
 
     def wait_daemon(self, i: int) -> dict[str, Any]:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         path = self.dirs[i] / DAEMON_FILE
         while time.monotonic() < deadline:
             if self.procs[i].poll() is not None:
-                raise MeshtrainError(f"node{i} exited at start-up; its log ({self.logs[i]}) ends:\n"
-                                     + _tail(self.logs[i]))
+                raise MeshtrainError(
+                    f"node{i} exited at start-up; its log ({self.logs[i]}) ends:\n" + _tail(self.logs[i])
+                )
             try:
                 info = json.loads(path.read_text())
                 self.urls[i] = info.get("status_url")
@@ -129,10 +152,18 @@ def _table(statuses: list[dict | None], started: float, steps: int) -> Any:
             t.add_row(f"node{i}", "", "[dim]down/finished[/dim]", *[""] * 7)
             continue
         n, tr = st["node"], st["training"]
-        t.add_row(f"node{i}", n["peer_id"][-8:], n["state"], f"{tr['step']}/{steps}", str(tr["round"]),
-                  "-" if tr["loss"] is None else f"{tr['loss']:.3f}",
-                  "-" if tr["eval_loss"] is None else f"{tr['eval_loss']:.3f}",
-                  f"{tr['bytes_sent'] / 2**20:.2f}", f"{tr['bytes_received'] / 2**20:.2f}", str(len(st["peers"])))
+        t.add_row(
+            f"node{i}",
+            n["peer_id"][-8:],
+            n["state"],
+            f"{tr['step']}/{steps}",
+            str(tr["round"]),
+            "-" if tr["loss"] is None else f"{tr['loss']:.3f}",
+            "-" if tr["eval_loss"] is None else f"{tr['eval_loss']:.3f}",
+            f"{tr['bytes_sent'] / 2**20:.2f}",
+            f"{tr['bytes_received'] / 2**20:.2f}",
+            str(len(st["peers"])),
+        )
     return t
 
 
@@ -149,11 +180,29 @@ def run_demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     swarm = _Swarm(out, args.nodes)
     created = subprocess.run(
-        _cli("swarm", "create", "--data-dir", str(swarm.dirs[0]), "--model", "gpt-small", "--optimizer",
-             args.optimizer, "--H", str(H), "--steps", str(steps), "--eval-every", str(max(H // 2, 10)),
-             "--name", "meshtrain-demo", *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else []),
-             *(["--outer-lr", "1.0"] if args.optimizer == "sparseloco" else [])),
-        capture_output=True, text=True)
+        _cli(
+            "swarm",
+            "create",
+            "--data-dir",
+            str(swarm.dirs[0]),
+            "--model",
+            "gpt-small",
+            "--optimizer",
+            args.optimizer,
+            "--H",
+            str(H),
+            "--steps",
+            str(steps),
+            "--eval-every",
+            str(max(H // 2, 10)),
+            "--name",
+            "meshtrain-demo",
+            *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else []),
+            *(["--outer-lr", "1.0"] if args.optimizer == "sparseloco" else []),
+        ),
+        capture_output=True,
+        text=True,
+    )
     if created.returncode:
         raise MeshtrainError(f"swarm create failed: {created.stderr.strip()}")
     swarm_id = json.loads(created.stdout.splitlines()[0])["swarm_id"]
@@ -176,9 +225,20 @@ def run_demo(args: argparse.Namespace) -> int:
                     for i, st in enumerate(swarm.statuses()):
                         if st is not None:
                             tr = st["training"]
-                            print(json.dumps({"node": i, "state": st["node"]["state"], "step": tr["step"],
-                                              "round": tr["round"], "loss": tr["loss"], "eval_loss": tr["eval_loss"],
-                                              "bytes_sent": tr["bytes_sent"]}), flush=True)
+                            print(
+                                json.dumps(
+                                    {
+                                        "node": i,
+                                        "state": st["node"]["state"],
+                                        "step": tr["step"],
+                                        "round": tr["round"],
+                                        "loss": tr["loss"],
+                                        "eval_loss": tr["eval_loss"],
+                                        "bytes_sent": tr["bytes_sent"],
+                                    }
+                                ),
+                                flush=True,
+                            )
                 time.sleep(0.5)
         else:
             from rich.live import Live
@@ -198,8 +258,17 @@ def run_demo(args: argparse.Namespace) -> int:
     return _summarise(out, swarm, results, steps, H, args, started, interrupted, swarm_id)
 
 
-def _summarise(out: Path, swarm: _Swarm, results: list[dict | None], steps: int, H: int,
-               args: argparse.Namespace, started: float, interrupted: bool, swarm_id: str) -> int:
+def _summarise(
+    out: Path,
+    swarm: _Swarm,
+    results: list[dict | None],
+    steps: int,
+    H: int,
+    args: argparse.Namespace,
+    started: float,
+    interrupted: bool,
+    swarm_id: str,
+) -> int:
     from meshtrain.node.plot import plot_curves
 
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -208,18 +277,30 @@ def _summarise(out: Path, swarm: _Swarm, results: list[dict | None], steps: int,
         if hist.exists():
             rows = json.loads(hist.read_text())
             curves[f"node{i}"] = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    png = plot_curves(curves, out / "loss.png", title=f"meshtrain demo: {args.optimizer}, {args.nodes} nodes, H={H}",
-                      ylabel="held-out loss (outer parameters)")
+    png = plot_curves(
+        curves,
+        out / "loss.png",
+        title=f"meshtrain demo: {args.optimizer}, {args.nodes} nodes, H={H}",
+        ylabel="held-out loss (outer parameters)",
+    )
     finals = [r for r in results if r]
     first = [c[0][1] for c in curves.values() if c]
     summary = {
-        "swarm_id": swarm_id, "nodes": args.nodes, "optimizer": args.optimizer, "H": H, "steps": steps,
-        "wall_s": round(time.monotonic() - started, 1), "interrupted": interrupted,
+        "swarm_id": swarm_id,
+        "nodes": args.nodes,
+        "optimizer": args.optimizer,
+        "H": H,
+        "steps": steps,
+        "wall_s": round(time.monotonic() - started, 1),
+        "interrupted": interrupted,
         "nodes_finished": sum(1 for r in finals if r.get("step") == steps),
         "eval_loss_first": round(sum(first) / len(first), 4) if first else None,
-        "eval_loss_final": [None if r is None or r.get("eval_loss") is None else round(r["eval_loss"], 4) for r in results],
+        "eval_loss_final": [
+            None if r is None or r.get("eval_loss") is None else round(r["eval_loss"], 4) for r in results
+        ],
         "rounds": [None if r is None else r.get("rounds") for r in results],
-        "plot": str(png), "logs": [str(p) for p in swarm.logs],
+        "plot": str(png),
+        "logs": [str(p) for p in swarm.logs],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     ok = not interrupted and summary["nodes_finished"] == args.nodes

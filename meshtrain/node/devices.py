@@ -75,8 +75,9 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     count = torch.cuda.device_count()
     index = int(name.split(":")[1]) if ":" in name else local_rank
     if ":" in name and local_rank:
-        raise ConfigError(f"device {name} names one GPU, but this peer runs several local ranks; "
-                          f"say `cuda` (rank r takes cuda:r)")
+        raise ConfigError(
+            f"device {name} names one GPU, but this peer runs several local ranks; say `cuda` (rank r takes cuda:r)"
+        )
     if not 0 <= index < count:
         raise ConfigError(f"device cuda:{index}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
     return torch.device("cuda", index)
@@ -104,6 +105,7 @@ def _available() -> str:
 
 
 # -- host copies ---------------------------------------------------------------------------------
+
 
 def pinned_host() -> bool:
     """Host tensors that meet a device are pinned when CUDA is present (non_blocking copies)."""
@@ -141,6 +143,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # -- precision -----------------------------------------------------------------------------------
+
 
 class Precision:
     """Autocast and loss scaling for one spec `precision` on one device.

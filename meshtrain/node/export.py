@@ -103,15 +103,17 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
     """φ from the newest checkpoint under a node's data dir (module docstring)."""
     root = Path(data_dir).expanduser()
     if not (root / SPEC_FILE).is_file():
-        raise ConfigError(f"{root} is not a meshtrain node's data dir (no {SPEC_FILE}); pass the --data-dir "
-                          f"the node ran with")
+        raise ConfigError(
+            f"{root} is not a meshtrain node's data dir (no {SPEC_FILE}); pass the --data-dir the node ran with"
+        )
     signed = SignedSpec.load(root / SPEC_FILE)
     spec = signed.spec
     ckpt_dir = root / "checkpoints"
     ckpt = CheckpointStore(ckpt_dir, readonly=True).load_latest() if ckpt_dir.is_dir() else None
     if ckpt is None:
-        raise ConfigError(f"no checkpoint in {ckpt_dir} yet: the node saves one every --checkpoint-every "
-                          f"seconds and when it stops")
+        raise ConfigError(
+            f"no checkpoint in {ckpt_dir} yet: the node saves one every --checkpoint-every seconds and when it stops"
+        )
     check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
     tokenizer = spec_tokenizer(signed)
     model = build_model(spec, tokenizer.vocab_size)
@@ -126,8 +128,9 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
             for name, value in phi.items():
                 params[name].copy_(value)
     except (KeyError, TypeError, RuntimeError) as e:
-        raise ConfigError(f"{ckpt.path}: not a checkpoint of this swarm's model "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise ConfigError(
+            f"{ckpt.path}: not a checkpoint of this swarm's model ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
     model.eval()
     return Trained(signed, ckpt.step, ckpt.round, model, tokenizer, resolve_context(model, spec.context, spec.model))
 
@@ -159,8 +162,12 @@ def _save_model(trained: Trained, out: Path) -> None:
     if isinstance(model, GPT):
         config = {"meshtrain_model": spec.model, "gpt_config": dataclasses.asdict(model.config)}
     else:
-        config = {"meshtrain_model": spec.model, "factory": spec.model, "model_digest": spec.model_digest,
-                  "vocab_size": trained.tokenizer.vocab_size}
+        config = {
+            "meshtrain_model": spec.model,
+            "factory": spec.model,
+            "model_digest": spec.model_digest,
+            "vocab_size": trained.tokenizer.vocab_size,
+        }
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
@@ -178,10 +185,17 @@ def export_model(data_dir: str | os.PathLike[str], out: str | os.PathLike[str]) 
     try:
         _save_model(trained, tmp)
         _save_tokenizer(trained.tokenizer, tmp)
-        info = {"swarm_id": trained.signed.swarm_id, "step": trained.step, "round": trained.round,
-                "model": spec.model, "model_digest": spec.model_digest, "tokenizer": spec.tokenizer,
-                "tokenizer_digest": spec.tokenizer_digest, "context": trained.context,
-                "parameters": sum(p.numel() for p in trained.model.parameters())}
+        info = {
+            "swarm_id": trained.signed.swarm_id,
+            "step": trained.step,
+            "round": trained.round,
+            "model": spec.model,
+            "model_digest": spec.model_digest,
+            "tokenizer": spec.tokenizer,
+            "tokenizer_digest": spec.tokenizer_digest,
+            "context": trained.context,
+            "parameters": sum(p.numel() for p in trained.model.parameters()),
+        }
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
         if target.exists():
             target.rmdir()  # empty (checked above)
@@ -192,8 +206,7 @@ def export_model(data_dir: str | os.PathLike[str], out: str | os.PathLike[str]) 
 
 
 @torch.no_grad()
-def generate(trained: Trained, prompt: str, *, max_new_tokens: int = 100, top_k: int = 0,
-             seed: int = 0) -> str:
+def generate(trained: Trained, prompt: str, *, max_new_tokens: int = 100, top_k: int = 0, seed: int = 0) -> str:
     """The continuation of `prompt` (module docstring, "Sample")."""
     if max_new_tokens < 0 or top_k < 0:
         raise ConfigError("max_new_tokens and top_k must be >= 0")
@@ -204,7 +217,7 @@ def generate(trained: Trained, prompt: str, *, max_new_tokens: int = 100, top_k:
     generator = torch.Generator().manual_seed(seed)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        window = torch.tensor([(ids + new)[-trained.context:]], dtype=torch.int64)
+        window = torch.tensor([(ids + new)[-trained.context :]], dtype=torch.int64)
         logits = next_token_logits(trained.model, window)[0, : tok.vocab_size].float()
         if top_k:
             values, indices = logits.topk(min(top_k, logits.numel()))

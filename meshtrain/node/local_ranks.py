@@ -91,6 +91,7 @@ log = get_logger(__name__)
 
 # -- the launcher and the ranks' entry points ----------------------------------------------------
 
+
 def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, log_level: str | None) -> dict:
     """Run this peer as `config.nproc_per_node` local ranks through torch's elastic launcher;
     returns rank 0's result (with every rank's peak RSS). A failed rank is a `LocalRankError`."""
@@ -101,22 +102,35 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
     n = config.nproc_per_node
     for rank in range(n):  # a device the machine lacks: one line now, not a hang in the rendezvous
         if resolve_device(config.device, rank).type == "mps":
-            raise ConfigError("device mps runs one rank (nproc_per_node = 1): there is no process-group "
-                              "backend for several ranks on MPS")
+            raise ConfigError(
+                "device mps runs one rank (nproc_per_node = 1): there is no process-group "
+                "backend for several ranks on MPS"
+            )
     # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
     # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
     # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn", signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=f"meshtrain-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
+    )
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results = elastic_launch(launch, run_local_rank)(config.model_dump(mode="json"), spec_path, join, log_level)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
-        raise LocalRankError(f"local rank {rank} of this peer ended ({how}); the peer stopped and left the "
-                             f"swarm. Start it again to resume from its checkpoint") from None
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        raise LocalRankError(
+            f"local rank {rank} of this peer ended ({how}); the peer stopped and left the "
+            f"swarm. Start it again to resume from its checkpoint"
+        ) from None
     except SignalException as e:  # SIGTERM: the agent passed it on; rank 0 stopped cleanly
         return {"stopped": True, "signal": signal.Signals(e.sigval).name}
     finally:
@@ -130,8 +144,9 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
     return gateway
 
 
-def run_local_rank(config_data: dict[str, Any], spec_path: str | None, join: str | None,
-                   log_level: str | None) -> dict[str, Any]:
+def run_local_rank(
+    config_data: dict[str, Any], spec_path: str | None, join: str | None, log_level: str | None
+) -> dict[str, Any]:
     """One local rank (a process the elastic launcher spawned). Rank 0 runs the node; the others
     follow it. Errors meant for the user come back as values, so the launcher prints one line."""
     configure(log_level)
@@ -173,10 +188,18 @@ def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join:
         raise LocalRankError(failure)  # the elastic agent reports the rank that died first
     exit_now = node.stop_signal == "SIGTERM"
     _tell_followers_done(local, exit_now)
-    return {"stopped": True, "exit_now": exit_now, "peer_id": result.peer_id, "step": result.step, "rounds": result.rounds,
-            "eval_loss": result.eval_loss, "checkpoint": result.checkpoint, "local_ranks": local.world_size,
-            "sharding": local.sharding,
-            "peak_rss_mib": _rss_mib()}
+    return {
+        "stopped": True,
+        "exit_now": exit_now,
+        "peer_id": result.peer_id,
+        "step": result.step,
+        "rounds": result.rounds,
+        "eval_loss": result.eval_loss,
+        "checkpoint": result.checkpoint,
+        "local_ranks": local.world_size,
+        "sharding": local.sharding,
+        "peak_rss_mib": _rss_mib(),
+    }
 
 
 def _tell_followers_done(local: LocalRanks, exit_now: bool = False) -> None:
@@ -198,8 +221,13 @@ def _follow(local: LocalRanks, config: NodeConfig) -> str:
     msg = local.receive()
     if not isinstance(msg, dict):
         return str(msg)
-    trainer = Trainer(parse_spec(msg["spec"]), local.collective(None), msg["peer_id"], local=local,
-                      data_dir=Path(config.data_dir).expanduser())
+    trainer = Trainer(
+        parse_spec(msg["spec"]),
+        local.collective(None),
+        msg["peer_id"],
+        local=local,
+        data_dir=Path(config.data_dir).expanduser(),
+    )
     never = threading.Event()
     msg = local.receive()
 

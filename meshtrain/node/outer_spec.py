@@ -29,7 +29,11 @@ from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, Streamin
 from meshtrain.pyref import PyRef
 
 BUILTIN: dict[str, type[OuterOptimizer]] = {
-    "diloco": DiLoCo, "streaming": StreamingDiLoCo, "noloco": NoLoCo, "sparseloco": SparseLoCo}
+    "diloco": DiLoCo,
+    "streaming": StreamingDiLoCo,
+    "noloco": NoLoCo,
+    "sparseloco": SparseLoCo,
+}
 
 
 def outer_class(spec: SwarmSpec) -> type[OuterOptimizer]:
@@ -42,29 +46,44 @@ def outer_class(spec: SwarmSpec) -> type[OuterOptimizer]:
     return cls
 
 
-def build_outer(spec: SwarmSpec, model: torch.nn.Module, inner: torch.optim.Optimizer,
-                collective: Collective) -> OuterOptimizer:
+def build_outer(
+    spec: SwarmSpec, model: torch.nn.Module, inner: torch.optim.Optimizer, collective: Collective
+) -> OuterOptimizer:
     """The spec's outer optimizer over `model`, stepping `inner`."""
     s = spec
     if s.optimizer == "diloco":
         return DiLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, momentum=s.outer_momentum, codec=s.codec)
     if s.optimizer == "streaming":
-        return StreamingDiLoCo(model, inner, collective, H=s.H, fragments=s.fragments, delay=s.delay,
-                               alpha=s.alpha, codec=s.codec if s.codec != "none" else "fp4", lr=s.outer_lr,
-                               momentum=s.outer_momentum, eager=s.eager)
+        return StreamingDiLoCo(
+            model,
+            inner,
+            collective,
+            H=s.H,
+            fragments=s.fragments,
+            delay=s.delay,
+            alpha=s.alpha,
+            codec=s.codec if s.codec != "none" else "fp4",
+            lr=s.outer_lr,
+            momentum=s.outer_momentum,
+            eager=s.eager,
+        )
     if s.optimizer == "sparseloco":
-        return SparseLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, beta=s.error_decay, chunk=s.sparse_chunk,
-                          k=s.sparse_k)
+        return SparseLoCo(
+            model, inner, collective, H=s.H, lr=s.outer_lr, beta=s.error_decay, chunk=s.sparse_chunk, k=s.sparse_k
+        )
     if s.optimizer == "noloco":
         return NoLoCo(model, inner, collective, H=s.H, codec=s.codec)
     cls = outer_class(spec)
     from_spec = getattr(cls, "from_spec", None)
     try:
-        outer = from_spec(model, inner, collective, spec) if callable(from_spec) else cls(model, inner, collective, H=s.H)
+        outer = (
+            from_spec(model, inner, collective, spec) if callable(from_spec) else cls(model, inner, collective, H=s.H)
+        )
     except TypeError as e:
-        raise ConfigError(f"optimizer {s.optimizer}: cannot build it ({e}); a py: optimizer takes "
-                          f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, spec)"
-                          ) from None
+        raise ConfigError(
+            f"optimizer {s.optimizer}: cannot build it ({e}); a py: optimizer takes "
+            f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, spec)"
+        ) from None
     check_matches(outer, spec)
     return outer
 
@@ -73,8 +92,10 @@ def check_matches(outer: OuterOptimizer, spec: SwarmSpec) -> None:
     """`outer` must be the spec's algorithm (or a subclass of it) with the spec's H."""
     cls = outer_class(spec)
     if not isinstance(outer, cls):
-        raise ConfigError(f"the swarm's spec says {spec.optimizer}, but this outer optimizer is a "
-                          f"{type(outer).__name__}: every peer must run the spec's outer optimizer")
+        raise ConfigError(
+            f"the swarm's spec says {spec.optimizer}, but this outer optimizer is a "
+            f"{type(outer).__name__}: every peer must run the spec's outer optimizer"
+        )
     if outer.H != spec.H:
         raise ConfigError(f"the swarm's spec says H = {spec.H}; this outer optimizer has H = {outer.H}")
 
@@ -85,6 +106,8 @@ def check_copy(spec: SwarmSpec) -> None:
         return
     mine = PyRef.parse(spec.optimizer).source_digest()
     if mine != spec.optimizer_digest:
-        raise ConfigError(f"optimizer: your {spec.optimizer} differs from the swarm's (source digest "
-                          f"{mine[:12]} here, {spec.optimizer_digest[:12]} in the swarm's spec); get the "
-                          f"swarm's optimizer code")
+        raise ConfigError(
+            f"optimizer: your {spec.optimizer} differs from the swarm's (source digest "
+            f"{mine[:12]} here, {spec.optimizer_digest[:12]} in the swarm's spec); get the "
+            f"swarm's optimizer code"
+        )

@@ -77,11 +77,16 @@ class ParityVerdict:
     reason: str = ""
 
     def as_status(self) -> dict:
-        return {"status": self.status, "round": self.outer_round,
-                "mine": self.mine.hex() if self.mine else None,
-                "majority": self.majority.hex() if self.majority else None,
-                "holders": [p[-8:] for p in self.holders], "agreeing": self.agreeing,
-                "compared": self.compared, "reason": self.reason}
+        return {
+            "status": self.status,
+            "round": self.outer_round,
+            "mine": self.mine.hex() if self.mine else None,
+            "majority": self.majority.hex() if self.majority else None,
+            "holders": [p[-8:] for p in self.holders],
+            "agreeing": self.agreeing,
+            "compared": self.compared,
+            "reason": self.reason,
+        }
 
 
 def winning_digest(holders: Mapping[bytes, set[str]]) -> bytes:
@@ -90,8 +95,15 @@ def winning_digest(holders: Mapping[bytes, set[str]]) -> bytes:
     return min(holders, key=lambda d: (-len(holders[d]), min(holders[d]), d))
 
 
-def judge(me: str, mine: Sequence[tuple[int, bytes]], others: Mapping[str, Sequence[tuple[int, bytes]]],
-          *, completed_at: float | None, now: float, settle_s: float = DEFAULT_SETTLE_S) -> ParityVerdict:
+def judge(
+    me: str,
+    mine: Sequence[tuple[int, bytes]],
+    others: Mapping[str, Sequence[tuple[int, bytes]]],
+    *,
+    completed_at: float | None,
+    now: float,
+    settle_s: float = DEFAULT_SETTLE_S,
+) -> ParityVerdict:
     """Judge our φ against the digests `others` (live trainers other than us, each with its
     published `(round, digest)` list, oldest first) published.
 
@@ -109,8 +121,9 @@ def judge(me: str, mine: Sequence[tuple[int, bytes]], others: Mapping[str, Seque
         rnd = mine[-1][0]
         if completed_at is None or now - completed_at < settle_s:
             behind = sum(1 for top in reached if top < rnd)
-            return ParityVerdict("pending", outer_round=rnd, mine=mine[-1][1],
-                                 reason=f"{behind} peers have not reached round {rnd}")
+            return ParityVerdict(
+                "pending", outer_round=rnd, mine=mine[-1][1], reason=f"{behind} peers have not reached round {rnd}"
+            )
     my_digest = dict(mine)[rnd]
     holders: dict[bytes, set[str]] = {my_digest: {me}}
     for peer, phi in others.items():
@@ -119,12 +132,22 @@ def judge(me: str, mine: Sequence[tuple[int, bytes]], others: Mapping[str, Seque
             holders.setdefault(digest, set()).add(peer)
     win = winning_digest(holders)
     compared = sum(len(h) for h in holders.values())
-    verdict = dict(outer_round=rnd, mine=my_digest, majority=win, holders=tuple(sorted(holders[win])),
-                   agreeing=len(holders[my_digest]), compared=compared)
+    verdict = dict(
+        outer_round=rnd,
+        mine=my_digest,
+        majority=win,
+        holders=tuple(sorted(holders[win])),
+        agreeing=len(holders[my_digest]),
+        compared=compared,
+    )
     if win == my_digest:
         return ParityVerdict("ok", **verdict)
-    return ParityVerdict("minority", reason=f"φ at round {rnd} is held by {len(holders[my_digest])} of "
-                         f"{compared} peers; {len(holders[win])} hold another", **verdict)
+    return ParityVerdict(
+        "minority",
+        reason=f"φ at round {rnd} is held by {len(holders[my_digest])} of "
+        f"{compared} peers; {len(holders[win])} hold another",
+        **verdict,
+    )
 
 
 class ParityMonitor:
@@ -137,8 +160,9 @@ class ParityMonitor:
         self.settle_s = settle_s
         self.history: list[tuple[int, bytes]] = []
         self.completed_at: float | None = None
-        self.verdict = ParityVerdict("unchecked" if not enabled else "pending",
-                                     reason="" if enabled else "replicas differ by design (NoLoCo)")
+        self.verdict = ParityVerdict(
+            "unchecked" if not enabled else "pending", reason="" if enabled else "replicas differ by design (NoLoCo)"
+        )
         self.resyncs = 0
 
     def record(self, outer_round: int, digest: bytes) -> None:
@@ -153,8 +177,9 @@ class ParityMonitor:
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:
         if not self.enabled:
             return self.verdict
-        self.verdict = judge(self.me, self.history, others, completed_at=self.completed_at,
-                             now=time.monotonic(), settle_s=self.settle_s)
+        self.verdict = judge(
+            self.me, self.history, others, completed_at=self.completed_at, now=time.monotonic(), settle_s=self.settle_s
+        )
         return self.verdict
 
     def status(self) -> dict:

@@ -9,10 +9,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def plot_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str,
-                xlabel: str = "inner step", ylabel: str = "held-out loss",
-                beside: Mapping[str, Sequence[tuple[float, float]]] | None = None,
-                beside_xlabel: str = "bytes sent per peer (log scale)") -> Path:
+def plot_curves(
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    path: str | Path,
+    *,
+    title: str,
+    xlabel: str = "inner step",
+    ylabel: str = "held-out loss",
+    beside: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    beside_xlabel: str = "bytes sent per peer (log scale)",
+) -> Path:
     """Write one line per named curve of (x, y) points to `path` (PNG); the legend carries each
     curve's last value. With `beside`, a second panel to the right plots those curves against a
     logarithmic x axis (the benchmark: loss against bytes sent). Returns the path."""

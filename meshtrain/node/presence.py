@@ -69,8 +69,16 @@ class PeerPresence(Service):
         in our membership record until NAT traversal knows better.
     """
 
-    def __init__(self, host: Host, signed: SignedSpec, *, bootstrap: list[str], mdns: bool = False,
-                 nat: NatTraversal | None = None, connection: str = "direct") -> None:
+    def __init__(
+        self,
+        host: Host,
+        signed: SignedSpec,
+        *,
+        bootstrap: list[str],
+        mdns: bool = False,
+        nat: NatTraversal | None = None,
+        connection: str = "direct",
+    ) -> None:
         self.host = host
         self.signed = signed
         self.bootstrap = list(bootstrap)
@@ -88,9 +96,11 @@ class PeerPresence(Service):
         host, swarm_id = self.host, self.signed.swarm_id
         dht = await stack.enter_async_context(Dht(host, swarm_id))
         if self.mdns:
+
             async def lan_peer(peer: str, addrs: list[str]) -> None:
                 if not host.is_connected(peer):
                     await dht.bootstrap([f"{addrs[0]}/p2p/{peer}"])
+
             await stack.enter_async_context(LanDiscovery(host, swarm_id, lan_peer))
         if self.bootstrap:
             try:
@@ -99,9 +109,16 @@ class PeerPresence(Service):
                 log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
         self.discovery = await stack.enter_async_context(Discovery(dht, DiscoveryConfig(role="trainer")))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
-        view = self.view = await stack.enter_async_context(open_swarm_view(
-            host, swarm_id, self.signed.owner, role="syncing", connection=self.connection,
-            recover_timeout=5.0 if host.connected_peers() else 0.2))
+        view = self.view = await stack.enter_async_context(
+            open_swarm_view(
+                host,
+                swarm_id,
+                self.signed.owner,
+                role="syncing",
+                connection=self.connection,
+                recover_timeout=5.0 if host.connected_peers() else 0.2,
+            )
+        )
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():
             view.set_config(spec=self.signed.to_wire())
         self._nursery = await stack.enter_async_context(trio.open_nursery())
@@ -122,8 +139,11 @@ class PeerPresence(Service):
         """A round's candidates: live trainers we are connected to, and us. A peer whose connection
         closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
         the re-dial loop brings it back, and it is a candidate again as soon as it is."""
-        return [p.peer_id for p in self._view().live_peers()
-                if p.role == "trainer" and (p.peer_id == self.me or self.host.is_connected(p.peer_id))]
+        return [
+            p.peer_id
+            for p in self._view().live_peers()
+            if p.role == "trainer" and (p.peer_id == self.me or self.host.is_connected(p.peer_id))
+        ]
 
     def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
         """Trainers other than us that train *now*: their progress record is fresh (a training

@@ -47,8 +47,9 @@ class LocalRanks:
         and the others take its choice with the spec.
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any,
-                 sharding: str = "ddp") -> None:
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, control: Any, outer: Any, sharding: str = "ddp"
+    ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.control, self.outer = control, outer
         self.sharding = sharding
@@ -79,8 +80,10 @@ class LocalRanks:
 
     def batch_rows(self, batch_size: int) -> slice:
         if batch_size % self.world_size:
-            raise ConfigError(f"the spec's batch_size ({batch_size}) must divide by the peer's "
-                              f"{self.world_size} local ranks (each trains batch_size / nproc_per_node rows)")
+            raise ConfigError(
+                f"the spec's batch_size ({batch_size}) must divide by the peer's "
+                f"{self.world_size} local ranks (each trains batch_size / nproc_per_node rows)"
+            )
         share = batch_size // self.world_size
         return slice(self.rank * share, (self.rank + 1) * share)
 
@@ -88,7 +91,7 @@ class LocalRanks:
         return LocalRanksCollective(self, swarm)
 
     def choose_sharding(self, model: torch.nn.Module) -> str:
-        """"ddp" or "fsdp" for this model: rank 0 decides ("auto": node/sharding.py); the others
+        """ "ddp" or "fsdp" for this model: rank 0 decides ("auto": node/sharding.py); the others
         learnt its choice from its first message."""
         if self.is_gateway:
             self.sharding = choose_sharding(self.sharding, model, self.device)
@@ -119,8 +122,15 @@ class LocalRanks:
         """Rank 0, as its trainer is built: the others build theirs (spec, peer id, sharding and,
         under FSDP, the round schedule their clocks keep)."""
         schedule = schedule_of(trainer.outer) if trainer.sharded is not None else {}
-        self._broadcast({"spec": trainer.spec.model_dump(), "peer_id": trainer.peer_id, "sharding": self.sharding,
-                         "schedule": schedule}, self.control)
+        self._broadcast(
+            {
+                "spec": trainer.spec.model_dump(),
+                "peer_id": trainer.peer_id,
+                "sharding": self.sharding,
+                "schedule": schedule,
+            },
+            self.control,
+        )
 
     def start_run(self, trainer: Any, until: int) -> int:
         """At the start of every `Trainer.run`: rank 0 sends its state and where to stop; a
@@ -166,7 +176,9 @@ class LocalRanks:
         if self.is_gateway:
             flat.div_(self.world_size)
 
-    def share_outcome(self, outcome: dict[str, Any] | None, flat: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+    def share_outcome(
+        self, outcome: dict[str, Any] | None, flat: torch.Tensor | None
+    ) -> tuple[dict, torch.Tensor | None]:
         outcome = self._broadcast(outcome, self.outer)
         if "error" in outcome:
             return outcome, None
@@ -193,17 +205,39 @@ class LocalRanksCollective:
     def group(self, round_id: int) -> tuple[str, ...]:
         return self.swarm.group(round_id) if self.swarm is not None else (self.local.peer_id,)
 
-    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+    async def all_reduce(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+        weight: float = 1.0,
+    ) -> ReduceResult:
         swarm = self.swarm
-        return await self._round(tensors, None if swarm is None else lambda t: swarm.all_reduce(
-            t, round_id=round_id, tag=tag, codec=codec, weight=weight))
+        return await self._round(
+            tensors,
+            None
+            if swarm is None
+            else lambda t: swarm.all_reduce(t, round_id=round_id, tag=tag, codec=codec, weight=weight),
+        )
 
-    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
-                           tag: str = "", codec: str = "none") -> ReduceResult:
+    async def average_with(
+        self,
+        partner: str | None,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+    ) -> ReduceResult:
         swarm = self.swarm
-        return await self._round(tensors, None if swarm is None else lambda t: swarm.average_with(
-            partner, t, round_id=round_id, tag=tag, codec=codec))
+        return await self._round(
+            tensors,
+            None
+            if swarm is None
+            else lambda t: swarm.average_with(partner, t, round_id=round_id, tag=tag, codec=codec),
+        )
 
     async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
         local = self.local
@@ -215,8 +249,14 @@ class LocalRanksCollective:
             outcome, mean = await trio.to_thread.run_sync(local.share_outcome, None, None)
             if mean is None:
                 raise CollectiveError(outcome["error"])
-            return ReduceResult(unflatten(mean, tensors, list(tensors)), tuple(outcome["contributors"]), outcome["digest"],
-                                0, 0, dict(outcome["excluded"]))
+            return ReduceResult(
+                unflatten(mean, tensors, list(tensors)),
+                tuple(outcome["contributors"]),
+                outcome["digest"],
+                0,
+                0,
+                dict(outcome["excluded"]),
+            )
         try:
             result = await exchange(unflatten(flat, tensors, list(tensors)))
         except BaseException as e:  # CollectiveError, or cancelled: the other ranks must not wait
@@ -225,10 +265,14 @@ class LocalRanksCollective:
                 await trio.to_thread.run_sync(local.share_outcome, {"error": why}, None)
             raise
         mean = flatten_fp32(result.tensors)
-        await trio.to_thread.run_sync(local.share_outcome, {
-            "numel": mean.numel(), "contributors": list(result.contributors), "digest": result.digest,
-            "excluded": dict(result.excluded)}, mean)
+        await trio.to_thread.run_sync(
+            local.share_outcome,
+            {
+                "numel": mean.numel(),
+                "contributors": list(result.contributors),
+                "digest": result.digest,
+                "excluded": dict(result.excluded),
+            },
+            mean,
+        )
         return result
-
-
-

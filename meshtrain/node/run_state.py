@@ -119,8 +119,17 @@ class RunState(Service):
     """`async with RunState(trainer, presence, streams, config, ...) as run:` — see the module
     docstring. `waiting` says what the run waits for now (a download, a donor), or None."""
 
-    def __init__(self, trainer: TrainedState, presence: PeerPresence, streams: TensorStreams, config: NodeConfig,
-                 data_dir: Path, *, phase: Phase, stop: StopRequest) -> None:
+    def __init__(
+        self,
+        trainer: TrainedState,
+        presence: PeerPresence,
+        streams: TensorStreams,
+        config: NodeConfig,
+        data_dir: Path,
+        *,
+        phase: Phase,
+        stop: StopRequest,
+    ) -> None:
         self.trainer = trainer
         self.presence = presence
         self.streams = streams
@@ -214,8 +223,13 @@ class RunState(Service):
                         # syncing too): waiting for each other would stall the swarm for good.
                         # Train on our own state; parity and the front rule merge the lineages
                         # once peers train again (the furthest step wins).
-                        log.warning(kv("nobody is training to download from; training on our own state",
-                                       step=trainer.step, round=trainer.outer.rounds))
+                        log.warning(
+                            kv(
+                                "nobody is training to download from; training on our own state",
+                                step=trainer.step,
+                                round=trainer.outer.rounds,
+                            )
+                        )
                         trainer.outer.needs_resync = False
                         return True
                     self.waiting = "state download: waiting for a connected peer that trains"
@@ -238,8 +252,14 @@ class RunState(Service):
             nonlocal last_log
             if time.monotonic() - last_log > 2 or done == total:
                 last_log = time.monotonic()
-                log.warning(kv("downloading swarm state", done_mib=round(done / 2**20, 1),
-                               total_mib=round(total / 2**20, 1), donors=len(donors)))
+                log.warning(
+                    kv(
+                        "downloading swarm state",
+                        done_mib=round(done / 2**20, 1),
+                        total_mib=round(total / 2**20, 1),
+                        donors=len(donors),
+                    )
+                )
 
         self.waiting = f"state download from {len(donors)} peers (attempt {attempt})"
         try:
@@ -258,20 +278,28 @@ class RunState(Service):
             await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False
         except OuterStateError as e:
-            raise NodeError(f"the swarm's state does not fit this node ({e}): every peer must run the "
-                            f"same model and optimizer as the swarm spec says") from None
+            raise NodeError(
+                f"the swarm's state does not fit this node ({e}): every peer must run the "
+                f"same model and optimizer as the swarm spec says"
+            ) from None
         self._published_round = trainer.outer.rounds  # the donors already offer this round
         self.record_phi()
-        self.joined_from = {"donors": len(donors), "seconds": time.monotonic() - t0, "step": trainer.step,
-                            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-        log.warning(kv("joined the swarm", step=trainer.step, donors=len(donors),
-                       seconds=round(self.joined_from["seconds"], 2)))
+        self.joined_from = {
+            "donors": len(donors),
+            "seconds": time.monotonic() - t0,
+            "step": trainer.step,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
+        log.warning(
+            kv("joined the swarm", step=trainer.step, donors=len(donors), seconds=round(self.joined_from["seconds"], 2))
+        )
         return True
 
     async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
         delay = backoff.next()
-        log.warning(kv("cannot join the swarm yet; retrying", why=why[:300], attempt=attempt,
-                       retry_in_s=round(delay, 1)))
+        log.warning(
+            kv("cannot join the swarm yet; retrying", why=why[:300], attempt=attempt, retry_in_s=round(delay, 1))
+        )
         await self.stop.sleep(delay)
 
     # -- parity ----------------------------------------------------------------------------------
@@ -296,11 +324,17 @@ class RunState(Service):
             if verdict.status == "minority" and verdict.outer_round != acted_on:
                 acted_on = verdict.outer_round
                 parity.resyncs += 1
-                log.warning(kv("out of step with the swarm: φ differs from the majority's; re-syncing",
-                               round=verdict.outer_round, mine=verdict.mine.hex()[:16] if verdict.mine else None,
-                               majority=verdict.majority.hex()[:16] if verdict.majority else None,
-                               agreeing=verdict.agreeing, compared=verdict.compared,
-                               holders=",".join(p[-8:] for p in verdict.holders)))
+                log.warning(
+                    kv(
+                        "out of step with the swarm: φ differs from the majority's; re-syncing",
+                        round=verdict.outer_round,
+                        mine=verdict.mine.hex()[:16] if verdict.mine else None,
+                        majority=verdict.majority.hex()[:16] if verdict.majority else None,
+                        agreeing=verdict.agreeing,
+                        compared=verdict.compared,
+                        holders=",".join(p[-8:] for p in verdict.holders),
+                    )
+                )
                 trainer.outer.needs_resync = True
                 continue
             front = presence.front_step()
@@ -326,8 +360,11 @@ class RunState(Service):
             self._published_round = outer.rounds
             skeleton, tensors = flatten_state(trainer.donor_state())
             publish = ({"skeleton": skeleton, "step": trainer.step, "round": outer.rounds}, tensors)
-        if (time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every and not self._ckpt_busy
-                and not outer.in_flight):
+        if (
+            time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
+            and not self._ckpt_busy
+            and not outer.in_flight
+        ):
             self._last_ckpt_time = time.monotonic()
             state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/sharding.py)
             checkpoint = (state, state["outer"]["inner_steps"], state["outer"]["rounds"])
@@ -335,11 +372,20 @@ class RunState(Service):
         def on_trio() -> None:
             view = self.presence.view
             assert view is not None
-            view.report_progress(step=trainer.step, samples=trainer.step * trainer.spec.batch_size,
-                                 outer_round=outer.rounds, phi=phi)
-            view.report_metrics({k: v for k, v in (("loss", info.loss), ("eval_loss", info.eval_loss),
-                                                   ("samples_per_s", info.samples_per_s))
-                                 if v is not None and math.isfinite(v)})
+            view.report_progress(
+                step=trainer.step, samples=trainer.step * trainer.spec.batch_size, outer_round=outer.rounds, phi=phi
+            )
+            view.report_metrics(
+                {
+                    k: v
+                    for k, v in (
+                        ("loss", info.loss),
+                        ("eval_loss", info.eval_loss),
+                        ("samples_per_s", info.samples_per_s),
+                    )
+                    if v is not None and math.isfinite(v)
+                }
+            )
             if publish is not None:
                 self.donor.publish(*publish)
             if checkpoint is not None and self._nursery is not None:

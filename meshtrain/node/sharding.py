@@ -84,7 +84,7 @@ TRAINING_BYTES_PER_PARAM = 16  # fp32 θ + its gradient + AdamW's exp_avg and ex
 
 
 def choose_sharding(mode: str, model: torch.nn.Module, device: torch.device) -> str:
-    """"ddp" or "fsdp" for `mode` ("ddp", "fsdp" or "auto") and this model on `device`."""
+    """ "ddp" or "fsdp" for `mode` ("ddp", "fsdp" or "auto") and this model on `device`."""
     if mode not in SHARDINGS:
         raise ConfigError(f"sharding must be one of {', '.join(SHARDINGS)}, got {mode!r}")
     if mode != "auto":
@@ -228,9 +228,12 @@ class ShardedModel:
         state = {}
         for i, entry in body["state"].items():
             p = params[int(i)]
-            state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                        if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.shape == p.shape else v
-                        for k, v in entry.items()}
+            state[i] = {
+                k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.shape == p.shape
+                else v
+                for k, v in entry.items()
+            }
         sharded = {**body, "state": state}
         optimizer.load_state_dict({**full, "optimizer": sharded} if "optimizer" in full else sharded)
 

@@ -191,8 +191,10 @@ class FlatState:
 
     def slices(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """`[start, end)` as uint8 tensors that share memory with the state (for `send`)."""
-        return {str(k): torch.frombuffer(self.views[i][off : off + n], dtype=torch.uint8)
-                for k, (i, off, n) in enumerate(self.pieces(start, end))}
+        return {
+            str(k): torch.frombuffer(self.views[i][off : off + n], dtype=torch.uint8)
+            for k, (i, off, n) in enumerate(self.pieces(start, end))
+        }
 
     def write(self, start: int, source: Sequence[memoryview]) -> None:
         """Copy the concatenation of `source` into the state at byte `start`."""
@@ -261,9 +263,16 @@ class _Snapshot:
 
     async def manifest(self, chunk_bytes: int) -> dict[str, Any]:
         digest, chunks = await self.digests(chunk_bytes)
-        return {"round": self.round, "step": self.step, "total": self.flat.total,
-                "chunk_bytes": chunk_bytes, "digest": digest, "chunks": chunks,
-                "layout": [s.to_wire() for s in self.flat.specs], "meta": self.meta}
+        return {
+            "round": self.round,
+            "step": self.step,
+            "total": self.flat.total,
+            "chunk_bytes": chunk_bytes,
+            "digest": digest,
+            "chunks": chunks,
+            "layout": [s.to_wire() for s in self.flat.specs],
+            "meta": self.meta,
+        }
 
 
 class _Pacer:
@@ -306,9 +315,16 @@ class StateDonor:
     raise out of a handler. `stats` and `bytes_served_to` count what was sent.
     """
 
-    def __init__(self, host: Host, streams: TensorStreams, provider: ProviderFn | None = None, *,
-                 upload_limit: float | None = None, keep: int = KEEP_SNAPSHOTS,
-                 send_timeout: float = DONOR_SEND_TIMEOUT) -> None:
+    def __init__(
+        self,
+        host: Host,
+        streams: TensorStreams,
+        provider: ProviderFn | None = None,
+        *,
+        upload_limit: float | None = None,
+        keep: int = KEEP_SNAPSHOTS,
+        send_timeout: float = DONOR_SEND_TIMEOUT,
+    ) -> None:
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.host = host
@@ -322,13 +338,18 @@ class StateDonor:
         self._limiter = trio.CapacityLimiter(MAX_CONCURRENT_SENDS)
         self._pacer: _Pacer | None = None
         self.upload_limit = upload_limit
-        self.stats = {"manifests_served": 0, "chunks_served": 0, "bytes_served": 0,
-                      "requests_refused": 0, "sends_failed": 0}
+        self.stats = {
+            "manifests_served": 0,
+            "chunks_served": 0,
+            "bytes_served": 0,
+            "requests_refused": 0,
+            "sends_failed": 0,
+        }
         self.bytes_served_to: dict[str, int] = {}
-        host.rpc.serve(MANIFEST_RPC, self._serve_manifest, max_request=MAX_REQUEST_BYTES,
-                       handler_timeout=MANIFEST_HANDLER_TIMEOUT)
-        host.rpc.serve(CHUNK_RPC, self._serve_chunk, max_request=MAX_REQUEST_BYTES,
-                       handler_timeout=send_timeout + 10)
+        host.rpc.serve(
+            MANIFEST_RPC, self._serve_manifest, max_request=MAX_REQUEST_BYTES, handler_timeout=MANIFEST_HANDLER_TIMEOUT
+        )
+        host.rpc.serve(CHUNK_RPC, self._serve_chunk, max_request=MAX_REQUEST_BYTES, handler_timeout=send_timeout + 10)
 
     @property
     def upload_limit(self) -> float | None:
@@ -401,8 +422,9 @@ class StateDonor:
             raise self._refuse("bad_request", "expected a map {chunk_bytes}")
         cb = request.get("chunk_bytes")
         if not (is_int(cb) and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES):
-            raise self._refuse("bad_request", f"chunk_bytes must be an integer in "
-                                              f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+            raise self._refuse(
+                "bad_request", f"chunk_bytes must be an integer in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"
+            )
         self._poll_provider()
         snaps = self._snapshots
         if not snaps:
@@ -410,8 +432,11 @@ class StateDonor:
         offers = []
         for snap in snaps:
             if chunk_count(snap.flat.total, cb) > MAX_CHUNKS:
-                raise self._refuse("bad_request", f"chunk_bytes {cb} makes more than {MAX_CHUNKS} "
-                                                  f"chunks of a {snap.flat.total}-byte state; use larger chunks")
+                raise self._refuse(
+                    "bad_request",
+                    f"chunk_bytes {cb} makes more than {MAX_CHUNKS} "
+                    f"chunks of a {snap.flat.total}-byte state; use larger chunks",
+                )
             offers.append(await snap.manifest(cb))
         reply = {"format": STATE_FORMAT, "snapshots": offers}
         if len(packb(reply)) > MAX_MANIFEST_BYTES:
@@ -424,16 +449,25 @@ class StateDonor:
         if not isinstance(request, dict):
             raise self._refuse("bad_request", "expected a map {digest, chunk_bytes, index, fetch}")
         digest, cb, index, fetch = (request.get(k) for k in ("digest", "chunk_bytes", "index", "fetch"))
-        if not (isinstance(digest, bytes) and len(digest) == 32 and is_int(cb)
-                and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES and is_int(index)
-                and isinstance(fetch, str) and _FETCH_ID.match(fetch)):
-            raise self._refuse("bad_request", "chunk request needs digest (32 bytes), chunk_bytes, "
-                                              "index (ints) and fetch (hex id)")
+        if not (
+            isinstance(digest, bytes)
+            and len(digest) == 32
+            and is_int(cb)
+            and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES
+            and is_int(index)
+            and isinstance(fetch, str)
+            and _FETCH_ID.match(fetch)
+        ):
+            raise self._refuse(
+                "bad_request", "chunk request needs digest (32 bytes), chunk_bytes, index (ints) and fetch (hex id)"
+            )
         snap = next((s for s in self._snapshots if (s.cached(cb) or (b"",))[0] == digest), None)
         digests = snap.cached(cb) if snap is not None else None
         if snap is None or digests is None:
-            raise self._refuse("unknown_state", "this peer no longer offers that state (or never "
-                                                "did for that chunk size); fetch the manifest again")
+            raise self._refuse(
+                "unknown_state",
+                "this peer no longer offers that state (or never did for that chunk size); fetch the manifest again",
+            )
         n_chunks = chunk_count(snap.flat.total, cb)
         if not 0 <= index < n_chunks:
             raise self._refuse("bad_request", f"chunk index must be in [0, {n_chunks})")
@@ -446,7 +480,9 @@ class StateDonor:
         try:
             async with self._limiter:
                 if self._pacer is not None:
-                    await self._pacer.pace(end - start, lambda: self._send_chunk(peer, tag, snap, start, end, chunk_digest))
+                    await self._pacer.pace(
+                        end - start, lambda: self._send_chunk(peer, tag, snap, start, end, chunk_digest)
+                    )
                 else:
                     await self._send_chunk(peer, tag, snap, start, end, chunk_digest)
         except TransferError as e:
@@ -461,12 +497,12 @@ class StateDonor:
         self.bytes_served_to[peer] = self.bytes_served_to.get(peer, 0) + end - start
         return {"sent": end - start}
 
-    async def _send_chunk(self, peer: str, tag: str, snap: _Snapshot, start: int, end: int,
-                          chunk_digest: bytes) -> None:
+    async def _send_chunk(
+        self, peer: str, tag: str, snap: _Snapshot, start: int, end: int, chunk_digest: bytes
+    ) -> None:
         """Send bytes `[start, end)` of `snap` to `peer` under `tag` (tests override this to
         inject a donor that corrupts what it serves)."""
-        await self.streams.send(peer, tag, snap.flat.slices(start, end), digest=chunk_digest,
-                                timeout=self.send_timeout)
+        await self.streams.send(peer, tag, snap.flat.slices(start, end), digest=chunk_digest, timeout=self.send_timeout)
 
     def _refuse(self, code: str, text: str) -> RemoteError:
         self.stats["requests_refused"] += 1
@@ -514,12 +550,21 @@ class FetchReport:
 Progress = Callable[[int, int], Any]
 
 
-async def fetch_state(host: Host, streams: TensorStreams, donors: Iterable[str], *,
-                      timeout: float = DEFAULT_FETCH_TIMEOUT, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                      progress: Progress | None = None, per_donor: int = DEFAULT_PER_DONOR,
-                      chunk_timeout: float = CHUNK_TIMEOUT, manifest_timeout: float = MANIFEST_TIMEOUT,
-                      min_agree: int | None = None, max_bytes: int = DEFAULT_MAX_STATE_BYTES,
-                      report: FetchReport | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+async def fetch_state(
+    host: Host,
+    streams: TensorStreams,
+    donors: Iterable[str],
+    *,
+    timeout: float = DEFAULT_FETCH_TIMEOUT,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: Progress | None = None,
+    per_donor: int = DEFAULT_PER_DONOR,
+    chunk_timeout: float = CHUNK_TIMEOUT,
+    manifest_timeout: float = MANIFEST_TIMEOUT,
+    min_agree: int | None = None,
+    max_bytes: int = DEFAULT_MAX_STATE_BYTES,
+    report: FetchReport | None = None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download the swarm's newest majority-agreed state from `donors` in parallel; returns
     `(meta, tensors)` exactly as published (tensors in name order), verified by digest.
 
@@ -538,19 +583,30 @@ async def fetch_state(host: Host, streams: TensorStreams, donors: Iterable[str],
         raise ValueError(f"per_donor must be in [1, {MAX_PER_DONOR}]")
     if min_agree is not None and min_agree < 1:
         raise ValueError("min_agree must be at least 1")
-    fetch = _Fetch(host, streams, [d for d in dict.fromkeys(donors) if d != host.peer_id],
-                   chunk_bytes=chunk_bytes, progress=progress, per_donor=per_donor,
-                   chunk_timeout=chunk_timeout, manifest_timeout=manifest_timeout,
-                   min_agree=min_agree, max_bytes=max_bytes, report=report or FetchReport())
+    fetch = _Fetch(
+        host,
+        streams,
+        [d for d in dict.fromkeys(donors) if d != host.peer_id],
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        per_donor=per_donor,
+        chunk_timeout=chunk_timeout,
+        manifest_timeout=manifest_timeout,
+        min_agree=min_agree,
+        max_bytes=max_bytes,
+        report=report or FetchReport(),
+    )
     t0 = time.monotonic()
     try:
         with trio.fail_after(timeout):
             return await fetch.run()
     except trio.TooSlowError:
         r = fetch.report
-        raise StateSyncError(f"state download did not finish within {timeout:g} s "
-                             f"({fetch.done_bytes} of {r.total_bytes} bytes from {len(r.agreeing)} "
-                             f"donors); the donors may be too slow — try again or raise the timeout") from None
+        raise StateSyncError(
+            f"state download did not finish within {timeout:g} s "
+            f"({fetch.done_bytes} of {r.total_bytes} bytes from {len(r.agreeing)} "
+            f"donors); the donors may be too slow — try again or raise the timeout"
+        ) from None
     finally:
         fetch.report.seconds = time.monotonic() - t0
 
@@ -572,10 +628,21 @@ class _ChunkFailed(Exception):
 class _Fetch:
     """One download: the vote, then the workers. Lives for one `fetch_state` call."""
 
-    def __init__(self, host: Host, streams: TensorStreams, donors: list[str], *, chunk_bytes: int,
-                 progress: Progress | None, per_donor: int, chunk_timeout: float,
-                 manifest_timeout: float, min_agree: int | None, max_bytes: int,
-                 report: FetchReport) -> None:
+    def __init__(
+        self,
+        host: Host,
+        streams: TensorStreams,
+        donors: list[str],
+        *,
+        chunk_bytes: int,
+        progress: Progress | None,
+        per_donor: int,
+        chunk_timeout: float,
+        manifest_timeout: float,
+        min_agree: int | None,
+        max_bytes: int,
+        report: FetchReport,
+    ) -> None:
         self.host, self.streams, self.donors = host, streams, donors
         self.chunk_bytes, self.progress, self.per_donor = chunk_bytes, progress, per_donor
         self.chunk_timeout, self.manifest_timeout = chunk_timeout, manifest_timeout
@@ -593,21 +660,35 @@ class _Fetch:
 
     async def run(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if not self.donors:
-            raise NoDonors("no donors to download the state from (pass the peer ids of live "
-                           "swarm members other than ourselves)")
+            raise NoDonors(
+                "no donors to download the state from (pass the peer ids of live swarm members other than ourselves)"
+            )
         offer, agreeing = await self._vote()
         r = self.report
         r.round, r.step, r.digest, r.total_bytes, r.agreeing = (
-            offer.round, offer.step, offer.digest, offer.total, list(agreeing))
+            offer.round,
+            offer.step,
+            offer.digest,
+            offer.total,
+            list(agreeing),
+        )
         self.offer = offer
         self.flat = FlatState(allocate(list(offer.specs)))
-        self.chunks = [_Chunk(i, s, e, offer.chunks[i])
-                       for i, (s, e) in enumerate(chunk_ranges(offer.total, offer.chunk_bytes))]
+        self.chunks = [
+            _Chunk(i, s, e, offer.chunks[i]) for i, (s, e) in enumerate(chunk_ranges(offer.total, offer.chunk_bytes))
+        ]
         r.chunks = len(self.chunks)
         self.pending.extend(self.chunks)
         self.remaining = len(self.chunks)
-        log.info(kv("state download started", round=offer.round, bytes=offer.total,
-                    chunks=len(self.chunks), donors=len(agreeing)))
+        log.info(
+            kv(
+                "state download started",
+                round=offer.round,
+                bytes=offer.total,
+                chunks=len(self.chunks),
+                donors=len(agreeing),
+            )
+        )
         if self.chunks:
             async with trio.open_nursery() as nursery:
                 for donor in agreeing:
@@ -615,16 +696,21 @@ class _Fetch:
                         nursery.start_soon(self._worker, donor)
         if self.remaining:
             reasons = "; ".join(f"{d[-8:]}: {why}" for d, why in r.banned.items())
-            raise DonorsExhausted(f"every donor of round {offer.round} failed before the download "
-                                  f"completed ({len(self.chunks) - self.remaining} of {len(self.chunks)} "
-                                  f"chunks): {reasons}")
+            raise DonorsExhausted(
+                f"every donor of round {offer.round} failed before the download "
+                f"completed ({len(self.chunks) - self.remaining} of {len(self.chunks)} "
+                f"chunks): {reasons}"
+            )
         digest = await trio.to_thread.run_sync(self.flat.digest)
         if digest != offer.digest:
-            raise StateCorrupt(f"the assembled state of round {offer.round} does not match the "
-                               f"agreed digest (every chunk verified, so the agreed manifest itself is "
-                               f"inconsistent); try again with other donors")
-        log.info(kv("state downloaded", round=offer.round, bytes=offer.total,
-                    donors=len(agreeing), banned=len(r.banned)))
+            raise StateCorrupt(
+                f"the assembled state of round {offer.round} does not match the "
+                f"agreed digest (every chunk verified, so the agreed manifest itself is "
+                f"inconsistent); try again with other donors"
+            )
+        log.info(
+            kv("state downloaded", round=offer.round, bytes=offer.total, donors=len(agreeing), banned=len(r.banned))
+        )
         return offer.meta, self.flat.tensors
 
     # -- the vote ------------------------------------------------------------------------------
@@ -643,9 +729,13 @@ class _Fetch:
 
         async def ask_one(donor: str) -> None:
             try:
-                reply = await self.host.rpc.call(donor, MANIFEST_RPC, {"chunk_bytes": self.chunk_bytes},
-                                                  timeout=self.manifest_timeout,
-                                                  max_response=MAX_MANIFEST_BYTES + 4096)
+                reply = await self.host.rpc.call(
+                    donor,
+                    MANIFEST_RPC,
+                    {"chunk_bytes": self.chunk_bytes},
+                    timeout=self.manifest_timeout,
+                    max_response=MAX_MANIFEST_BYTES + 4096,
+                )
             except RemoteError as e:
                 failures[donor] = str(e)
                 if e.code != "no_state":  # it answered, refusing: counts against a majority
@@ -691,11 +781,15 @@ class _Fetch:
         for d, why in failures.items():
             log.info(kv("donor gave no usable manifest", donor=d, reason=why[:200]))
         if not agreed:
-            seen = "; ".join(f"round {by_key[k].round} digest {by_key[k].digest.hex()[:12]} by {len(ds)}"
-                             for k, ds in sorted(backers.items(), key=lambda kv_: -len(kv_[1])))
-            raise NoAgreement(f"no state is offered identically by {quorum} of the {len(offers)} donors "
-                              f"that answered ({seen}); donors disagree — some may be lying, or a round "
-                              f"just ended: try again")
+            seen = "; ".join(
+                f"round {by_key[k].round} digest {by_key[k].digest.hex()[:12]} by {len(ds)}"
+                for k, ds in sorted(backers.items(), key=lambda kv_: -len(kv_[1]))
+            )
+            raise NoAgreement(
+                f"no state is offered identically by {quorum} of the {len(offers)} donors "
+                f"that answered ({seen}); donors disagree — some may be lying, or a round "
+                f"just ended: try again"
+            )
         best = max(agreed, key=lambda k: (by_key[k].round, len(backers[k])))
         outvoted = [d for d in offers if d not in backers[best]]
         if outvoted:
@@ -718,8 +812,15 @@ class _Fetch:
         # End game: the queue is empty; copy a chunk that has been in flight unusually long.
         limit = max(STEAL_MIN_SECONDS, STEAL_FACTOR * statistics.median(self.durations))
         now = trio.current_time()
-        stale = [c for c in self.chunks if not c.done and c.fetchers and len(c.fetchers) < 2
-                 and donor not in c.fetchers and now - min(t for _, t in c.fetchers.values()) > limit]
+        stale = [
+            c
+            for c in self.chunks
+            if not c.done
+            and c.fetchers
+            and len(c.fetchers) < 2
+            and donor not in c.fetchers
+            and now - min(t for _, t in c.fetchers.values()) > limit
+        ]
         if stale:
             self.report.duplicated += 1
             return stale[0]
@@ -783,11 +884,16 @@ class _Fetch:
         assert self.offer is not None
         tag_id = f"{self.fetch_id}.{next(self.attempts)}"
         tag = f"state/{self.offer.round}/{chunk.index}/{tag_id}"
-        request = {"digest": self.offer.digest, "chunk_bytes": self.offer.chunk_bytes,
-                   "index": chunk.index, "fetch": tag_id}
+        request = {
+            "digest": self.offer.digest,
+            "chunk_bytes": self.offer.chunk_bytes,
+            "index": chunk.index,
+            "fetch": tag_id,
+        }
         result: dict[str, Any] = {}
         with trio.move_on_after(self.chunk_timeout) as deadline:
             async with trio.open_nursery() as nursery:
+
                 async def receive() -> None:
                     try:
                         result["got"] = await self.streams.receive(donor, tag, max_bytes=chunk.end - chunk.start)
@@ -815,8 +921,12 @@ class _Fetch:
 
 def _parse_manifest(reply: Any, chunk_bytes: int, max_bytes: int) -> list[Offer]:
     """Validate a `state/manifest` reply from the network; `StateSyncError` on any defect."""
-    if not (isinstance(reply, dict) and reply.get("format") == STATE_FORMAT
-            and isinstance(reply.get("snapshots"), list) and 1 <= len(reply["snapshots"]) <= 8):
+    if not (
+        isinstance(reply, dict)
+        and reply.get("format") == STATE_FORMAT
+        and isinstance(reply.get("snapshots"), list)
+        and 1 <= len(reply["snapshots"]) <= 8
+    ):
         raise StateSyncError(f"not a {STATE_FORMAT} manifest")
     offers = []
     for raw in reply["snapshots"]:
@@ -838,13 +948,15 @@ def _parse_manifest(reply: Any, chunk_bytes: int, max_bytes: int) -> list[Offer]
             raise StateSyncError(f"bad layout: {e}") from None
         if total_bytes(specs) != total:
             raise StateSyncError(f"layout has {total_bytes(specs)} bytes, manifest says {total}")
-        if not (isinstance(chunks, list) and len(chunks) == chunk_count(total, chunk_bytes)
-                and all(isinstance(c, bytes) and len(c) == 32 for c in chunks)):
+        if not (
+            isinstance(chunks, list)
+            and len(chunks) == chunk_count(total, chunk_bytes)
+            and all(isinstance(c, bytes) and len(c) == 32 for c in chunks)
+        ):
             raise StateSyncError(f"expected {chunk_count(total, chunk_bytes)} chunk digests of 32 bytes")
         key = blake3.blake3(packb_canonical(raw)).digest()
         offers.append(Offer(rnd, step, total, cb, digest, tuple(chunks), tuple(specs), meta, key))
     return offers
-
 
 
 def _in_trio_thread() -> bool:
@@ -856,7 +968,19 @@ def _in_trio_thread() -> bool:
 
 
 __all__ = [
-    "CHUNK_RPC", "DEFAULT_CHUNK_BYTES", "MANIFEST_RPC", "DonorsExhausted", "FetchReport", "FlatState",
-    "NoAgreement", "NoDonors", "Offer", "StateCorrupt", "StateDonor", "StateSyncError", "chunk_count",
-    "chunk_ranges", "fetch_state",
+    "CHUNK_RPC",
+    "DEFAULT_CHUNK_BYTES",
+    "MANIFEST_RPC",
+    "DonorsExhausted",
+    "FetchReport",
+    "FlatState",
+    "NoAgreement",
+    "NoDonors",
+    "Offer",
+    "StateCorrupt",
+    "StateDonor",
+    "StateSyncError",
+    "chunk_count",
+    "chunk_ranges",
+    "fetch_state",
 ]

@@ -97,8 +97,7 @@ def _request(url: str, *, method: str = "GET", token: str | None = None, timeout
                 if len(raw) > MAX_REPLY:
                     raise StatusError(f"{url} answered with more than {MAX_REPLY >> 20} MiB")
     except OSError as e:
-        raise StatusUnreachable(f"cannot reach the node's status endpoint {url} ({e}); "
-                                f"is the node running?") from None
+        raise StatusUnreachable(f"cannot reach the node's status endpoint {url} ({e}); is the node running?") from None
     code, reason, body = _parse_reply(bytes(raw), url)
     if not 200 <= code < 300:
         try:
@@ -147,8 +146,9 @@ def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:
-        raise StatusError(f"no node is running with data dir {Path(data_dir).expanduser()} "
-                          f"(start one with `meshtrain node start`)") from None
+        raise StatusError(
+            f"no node is running with data dir {Path(data_dir).expanduser()} (start one with `meshtrain node start`)"
+        ) from None
     except (OSError, ValueError) as e:
         raise StatusError(f"cannot read {path}: {e}") from None
     if not isinstance(info, dict):
@@ -189,5 +189,7 @@ def wait_for_exit(pid: int | None, url: str, timeout: float, poll: float = 0.1) 
             except StatusError:
                 pass  # 503 while it shuts down: still there
         time.sleep(poll)
-    raise StatusError(f"the node is still running {timeout:.0f} s after the stop request; its log says why "
-                      f"(a round in flight is cancelled after a short grace)")
+    raise StatusError(
+        f"the node is still running {timeout:.0f} s after the stop request; its log says why "
+        f"(a round in flight is cancelled after a short grace)"
+    )

@@ -51,8 +51,9 @@ class _Collector:
         yield _gauge("meshtrain_round", "outer rounds this node has completed", t["round"])
         yield _gauge("meshtrain_samples_per_second", "training throughput", t["samples_per_s"])
         yield _gauge("meshtrain_uptime_seconds", "seconds since the node started", n["uptime_s"])
-        device = GaugeMetricFamily("meshtrain_device_info", "the device this node trains on (value 1)",
-                                   labels=["device", "local_ranks"])
+        device = GaugeMetricFamily(
+            "meshtrain_device_info", "the device this node trains on (value 1)", labels=["device", "local_ranks"]
+        )
         device.add_metric([str(n.get("device", "")), str(n.get("local_ranks", 1))], 1)
         yield device
         for key in ("loss", "eval_loss"):
@@ -63,19 +64,26 @@ class _Collector:
             c.add_metric([], t[key])
             yield c
         yield _gauge("meshtrain_live_peers", "live peers in the swarm view (this node included)", len(st["peers"]))
-        steps = GaugeMetricFamily("meshtrain_peer_step", "each live peer's reported step",
-                                  labels=["peer", "connection", "reachability"])
+        steps = GaugeMetricFamily(
+            "meshtrain_peer_step", "each live peer's reported step", labels=["peer", "connection", "reachability"]
+        )
         for p in st["peers"]:
             steps.add_metric([p["peer_id"], p["connection"], p["reachability"]], p["step"])
         yield steps
-        refused = CounterMetricFamily("meshtrain_refused_requests", "requests refused to peers (not-a-member, "
-                                      "round-out-of-window, too-many-pending, ...)", labels=["reason"])
+        refused = CounterMetricFamily(
+            "meshtrain_refused_requests",
+            "requests refused to peers (not-a-member, round-out-of-window, too-many-pending, ...)",
+            labels=["reason"],
+        )
         for reason, count in sorted((t.get("refused") or {}).items()):
             refused.add_metric([reason], count)
         yield refused
         parity = t.get("parity") or {}
-        yield _gauge("meshtrain_parity_minority", "1 while this peer's φ differs from the swarm majority's",
-                     1.0 if parity.get("status") == "minority" else 0.0)
+        yield _gauge(
+            "meshtrain_parity_minority",
+            "1 while this peer's φ differs from the swarm majority's",
+            1.0 if parity.get("status") == "minority" else 0.0,
+        )
         yield _gauge("meshtrain_parity_resyncs", "re-syncs parity has triggered", parity.get("resyncs", 0))
 
 
@@ -164,9 +172,17 @@ class _Server:
     timeout = 10
     handler_class: type
 
-    def __init__(self, addr: tuple[str, int], *, snapshot: Snapshot, on_stop: Callable[[], None],
-                 token: str | None, trio_token: trio.lowlevel.TrioToken, dashboard: bytes,
-                 first: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        *,
+        snapshot: Snapshot,
+        on_stop: Callable[[], None],
+        token: str | None,
+        trio_token: trio.lowlevel.TrioToken,
+        dashboard: bytes,
+        first: dict[str, Any],
+    ) -> None:
         self.snapshot, self.on_stop, self.token = snapshot, on_stop, token
         self.trio_token, self.dashboard = trio_token, dashboard
         self._last = first
@@ -234,8 +250,15 @@ class StatusServer(Service):
     free port (`srv.port`). Raises `OSError` if the address cannot be bound.
     """
 
-    def __init__(self, snapshot: Snapshot, *, host: str = "127.0.0.1", port: int = 7070,
-                 on_stop: Callable[[], None] | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 7070,
+        on_stop: Callable[[], None] | None = None,
+        token: str | None = None,
+    ) -> None:
         self._snapshot, self._host, self._port = snapshot, host, port
         self._on_stop = on_stop or (lambda: None)
         self._token = token
@@ -258,11 +281,18 @@ class StatusServer(Service):
 
         dashboard = resources.files("meshtrain.node").joinpath("dashboard.html").read_bytes()
         server = _server_class()(
-            (self._host, self._port), snapshot=self._snapshot, on_stop=self._on_stop, token=self._token,
-            trio_token=trio.lowlevel.current_trio_token(), dashboard=dashboard, first=self._snapshot())
+            (self._host, self._port),
+            snapshot=self._snapshot,
+            on_stop=self._on_stop,
+            token=self._token,
+            trio_token=trio.lowlevel.current_trio_token(),
+            dashboard=dashboard,
+            first=self._snapshot(),
+        )
         stack.callback(server.server_close)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                                  name="meshtrain-status", daemon=True)
+        thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="meshtrain-status", daemon=True
+        )
         thread.start()
         self._server, self._thread = server, thread
 

@@ -68,8 +68,10 @@ class SignedSpec:
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
         """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none."""
-        pins = {"model_digest": spec.model_digest or model_digest(spec.model),
-                "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer)}
+        pins = {
+            "model_digest": spec.model_digest or model_digest(spec.model),
+            "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer),
+        }
         if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
             pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
         spec = spec.model_copy(update=pins)
@@ -77,8 +79,13 @@ class SignedSpec:
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"format": FORMAT, "spec": self.spec.model_dump(), "owner": self.owner,
-                "signature": self.signature.hex(), "swarm_id": self.swarm_id}
+        return {
+            "format": FORMAT,
+            "spec": self.spec.model_dump(),
+            "owner": self.owner,
+            "signature": self.signature.hex(),
+            "swarm_id": self.swarm_id,
+        }
 
     @classmethod
     def from_wire(cls, data: Any, *, expect_id: str | None = None) -> SignedSpec:

@@ -96,8 +96,15 @@ def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedD
         tokenizer = spec.tokenizer if spec.tokenizer in ("chars", "bytes") else load_tokenizer(spec.tokenizer)
         return Corpus.default(tokenizer)  # type: ignore[arg-type]
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
-    return open_dataset(spec.dataset, load_tokenizer(spec.tokenizer), root / DATA_CACHE, field=spec.dataset_field,
-                        held_out=spec.held_out, eval_path=spec.eval_dataset, expected_digest=spec.dataset_digest)
+    return open_dataset(
+        spec.dataset,
+        load_tokenizer(spec.tokenizer),
+        root / DATA_CACHE,
+        field=spec.dataset_field,
+        held_out=spec.held_out,
+        eval_path=spec.eval_dataset,
+        expected_digest=spec.dataset_digest,
+    )
 
 
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
@@ -149,15 +156,25 @@ class TrainedState:
             if eval_loss is not None:
                 info.eval_loss = eval_loss
             st = self.outer.stats()
-            info.history.append({"step": step, "t": time.time(), "loss": value, "eval_loss": eval_loss,
-                                 "bytes_sent": st["bytes_sent"], "bytes_received": st["bytes_received"]})
+            info.history.append(
+                {
+                    "step": step,
+                    "t": time.time(),
+                    "loss": value,
+                    "eval_loss": eval_loss,
+                    "bytes_sent": st["bytes_sent"],
+                    "bytes_received": st["bytes_received"],
+                }
+            )
             del info.history[:-500]
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything to resume bit-exactly (host copies; call between steps)."""
-        return {"model": to_host(self.model.state_dict()),
-                "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
-                "eval_loss": self.info.eval_loss}
+        return {
+            "model": to_host(self.model.state_dict()),
+            "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
+            "eval_loss": self.info.eval_loss,
+        }
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         """Restore `checkpoint_state()` (host tensors; they land on this trainer's device)."""
@@ -188,15 +205,29 @@ class Trainer(TrainedState):
     local: the peer's local-rank group when it runs several (node/local_ranks.py), else None.
     """
 
-    def __init__(self, spec: SwarmSpec, collective: Collective, peer_id: str, *,
-                 model: torch.nn.Module | None = None, outer_factory: OuterFactory | None = None,
-                 corpus: Corpus | PackedDataset | None = None, device: torch.device | str | None = None,
-                 local: LocalRanks | None = None, data_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        spec: SwarmSpec,
+        collective: Collective,
+        peer_id: str,
+        *,
+        model: torch.nn.Module | None = None,
+        outer_factory: OuterFactory | None = None,
+        corpus: Corpus | PackedDataset | None = None,
+        device: torch.device | str | None = None,
+        local: LocalRanks | None = None,
+        data_dir: Path | None = None,
+    ) -> None:
         self.spec = spec
         self.peer_id = peer_id
         self.local = local
-        self.device = (local.device if local is not None else
-                       torch.device(device) if device is not None else resolve_device("auto"))
+        self.device = (
+            local.device
+            if local is not None
+            else torch.device(device)
+            if device is not None
+            else resolve_device("auto")
+        )
         self.precision = Precision(spec.precision, self.device)
         self.corpus = corpus or load_data(spec, data_dir)
         user_model = model is not None
@@ -204,7 +235,9 @@ class Trainer(TrainedState):
         self.context = resolve_context(model, spec.context, "the model" if user_model else spec.model)
         # FSDP (node/sharding.py): the model is sharded over the local ranks; rank 0's outer
         # optimizer works on a host replica, the other ranks keep a RoundClock.
-        self.sharded = ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
+        self.sharded = (
+            ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
+        )
         self.model = self.sharded.model if self.sharded is not None else model.to(self.device)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
         scaler = self.precision.scaler
@@ -226,8 +259,10 @@ class Trainer(TrainedState):
             self.outer = RoundClock(**local.schedule)  # type: ignore[union-attr]
         self._eval_model = self.sharded.replica if self.sharded is not None else self.model
         eval_device = next(self._eval_model.parameters()).device if self._eval_model is not None else self.device
-        self._evals = [(x.to(eval_device), y.to(eval_device))
-                       for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)]
+        self._evals = [
+            (x.to(eval_device), y.to(eval_device))
+            for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)
+        ]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
         self._rows = slice(None)
         if local is not None:
@@ -262,12 +297,13 @@ class Trainer(TrainedState):
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This peer's (this rank's rows of its) batch at `step`, on the device."""
-        x, y = self.corpus.batch(self.spec.batch_size, self.context, seed=self.spec.seed, peer=self.peer_id,
-                                 step=step)
+        x, y = self.corpus.batch(self.spec.batch_size, self.context, seed=self.spec.seed, peer=self.peer_id, step=step)
         x, y = x[self._rows], y[self._rows]
         if self.device.type == "cuda":
-            return (x.pin_memory().to(self.device, non_blocking=True),
-                    y.pin_memory().to(self.device, non_blocking=True))
+            return (
+                x.pin_memory().to(self.device, non_blocking=True),
+                y.pin_memory().to(self.device, non_blocking=True),
+            )
         return x.to(self.device), y.to(self.device)
 
     def run(self, stop: threading.Event, until: int, after_step: Callable[[Trainer], None]) -> None:
@@ -314,7 +350,8 @@ class Trainer(TrainedState):
                 if stop.is_set():
                     break
             elif (agree or step % REPORT_EVERY == 0) and not local.keep_going(
-                    stop.is_set() or (sharded is not None and outer.needs_resync)):
+                stop.is_set() or (sharded is not None and outer.needs_resync)
+            ):
                 break
             agree = False
             # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
@@ -339,8 +376,12 @@ class Trainer(TrainedState):
                 agree = sharded.advance(outer, self.stepped)
             # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
             step = self.step
-            if step % REPORT_EVERY and outer.rounds == rounds_last and step != until and not (
-                    spec.eval_every and step % spec.eval_every == 0):
+            if (
+                step % REPORT_EVERY
+                and outer.rounds == rounds_last
+                and step != until
+                and not (spec.eval_every and step % spec.eval_every == 0)
+            ):
                 continue
             rounds_last = outer.rounds
             value = float(loss.detach())
@@ -374,8 +415,13 @@ class Trainer(TrainedState):
                 outer["inner"] = copy.deepcopy(sharded.inner_state)
             state = {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
         # The data position: the next step's batch is `batch(step)`, a pure function of it.
-        state["data"] = {"digest": self.corpus.digest, "source": self.corpus.source, "peer": self.peer_id,
-                         "seed": self.spec.seed, "step": state["outer"]["inner_steps"]}
+        state["data"] = {
+            "digest": self.corpus.digest,
+            "source": self.corpus.source,
+            "peer": self.peer_id,
+            "seed": self.spec.seed,
+            "step": state["outer"]["inner_steps"],
+        }
         return state
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
@@ -386,15 +432,24 @@ class Trainer(TrainedState):
         data = state.get("data")
         if data is not None:
             if data["digest"] != self.corpus.digest:
-                raise ConfigError(f"the checkpoint was trained on other data ({data['source']}, digest "
-                                  f"{str(data['digest'])[:16]}…) than this peer's ({self.corpus.source}, "
-                                  f"{self.corpus.digest[:16]}…); it cannot resume exactly")
+                raise ConfigError(
+                    f"the checkpoint was trained on other data ({data['source']}, digest "
+                    f"{str(data['digest'])[:16]}…) than this peer's ({self.corpus.source}, "
+                    f"{self.corpus.digest[:16]}…); it cannot resume exactly"
+                )
             if data["step"] != state["outer"]["inner_steps"]:
-                raise ConfigError(f"the checkpoint's data position (step {data['step']}) is not its "
-                                  f"optimizer's step ({state['outer']['inner_steps']}): a corrupt checkpoint")
+                raise ConfigError(
+                    f"the checkpoint's data position (step {data['step']}) is not its "
+                    f"optimizer's step ({state['outer']['inner_steps']}): a corrupt checkpoint"
+                )
             if data["peer"] != self.peer_id or data["seed"] != self.spec.seed:
-                log.warning(kv("resuming a checkpoint of another peer id or seed: the data from here on "
-                               "is this peer's", checkpoint_peer=data["peer"], peer=self.peer_id))
+                log.warning(
+                    kv(
+                        "resuming a checkpoint of another peer id or seed: the data from here on is this peer's",
+                        checkpoint_peer=data["peer"],
+                        peer=self.peer_id,
+                    )
+                )
         sharded = self.sharded
         if sharded is None:
             super().load_checkpoint(state)

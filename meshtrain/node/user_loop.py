@@ -188,12 +188,26 @@ class Swarm(Collective, WatchesOptimizer):
     # The Collective the outer optimizer averages through: the node's, on the swarm's trio loop
     # (the optimizer's calls arrive there already: it was entered on that loop).
 
-    async def all_reduce(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str = "",
-                         codec: str = "none", weight: float = 1.0) -> ReduceResult:
+    async def all_reduce(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+        weight: float = 1.0,
+    ) -> ReduceResult:
         return await self._collective().all_reduce(tensors, round_id=round_id, tag=tag, codec=codec, weight=weight)
 
-    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], *, round_id: int,
-                           tag: str = "", codec: str = "none") -> ReduceResult:
+    async def average_with(
+        self,
+        partner: str | None,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_id: int,
+        tag: str = "",
+        codec: str = "none",
+    ) -> ReduceResult:
         return await self._collective().average_with(partner, tensors, round_id=round_id, tag=tag, codec=codec)
 
     def group(self, round_id: int) -> tuple[str, ...]:
@@ -214,9 +228,11 @@ class Swarm(Collective, WatchesOptimizer):
         async def main() -> None:
             self._token = trio.lowlevel.current_trio_token()
             async with trio.open_nursery() as nursery:
+
                 async def ready() -> None:
                     await self.node.network_ready.wait()
                     self._ready.set()
+
                 nursery.start_soon(ready)
                 self._result = await self.node.run()
                 nursery.cancel_scope.cancel()

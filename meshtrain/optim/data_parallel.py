@@ -32,8 +32,15 @@ class DataParallel:
     match `OuterOptimizer.stats()`.
     """
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, collective: Collective,
-                 *, codec: str = "none", clip: float | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer,
+        collective: Collective,
+        *,
+        codec: str = "none",
+        clip: float | None = None,
+    ) -> None:
         self.model, self.inner, self.collective, self.codec, self.clip = model, inner, collective, codec, clip
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.inner_steps = 0
@@ -60,8 +67,7 @@ class DataParallel:
     async def _reduce(self, grads: dict[str, torch.Tensor]) -> ReduceResult:
         t0 = time.monotonic()
         try:
-            return await self.collective.all_reduce(grads, round_id=self.inner_steps + 1, tag="dp",
-                                                    codec=self.codec)
+            return await self.collective.all_reduce(grads, round_id=self.inner_steps + 1, tag="dp", codec=self.codec)
         except CollectiveError as e:
             log.warning(kv("data-parallel step without the swarm", step=self.inner_steps + 1, error=str(e)[:200]))
             return ReduceResult(grads, (self.collective.peer_id,), b"")
@@ -76,6 +82,12 @@ class DataParallel:
         self._apply(await self._reduce(self._grads()))
 
     def stats(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps, "rounds": self.inner_steps, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
-                "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": False}
+        return {
+            "inner_steps": self.inner_steps,
+            "rounds": self.inner_steps,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "peak_bytes_per_sync": self.peak_bytes_per_sync,
+            "comm_wait_seconds": self.comm_wait_seconds,
+            "needs_resync": False,
+        }

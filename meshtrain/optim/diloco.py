@@ -38,18 +38,27 @@ class DiLoCo(OuterOptimizer):
     fragments, delay, alpha: Streaming DiLoCo's schedule (`StreamingDiLoCo` sets them).
     """
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
-                 *, H: int = 500, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 codec: str = "none", fragments: Sequence[Sequence[str]] | None = None, delay: int = 0,
-                 alpha: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer | None,
+        collective: Collective,
+        *,
+        H: int = 500,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: str = "none",
+        fragments: Sequence[Sequence[str]] | None = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+    ) -> None:
         if not lr > 0 or not 0 <= momentum < 1:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {lr}, {momentum}")
-        super().__init__(model, inner, collective, H=H, codec=codec, fragments=fragments, delay=delay,
-                         alpha=alpha)
+        super().__init__(model, inner, collective, H=H, codec=codec, fragments=fragments, delay=delay, alpha=alpha)
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov and momentum > 0
 
     def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         # foreach=False: one code path, so the outer step is the same bits on every peer whatever
         # torch picks for its fast path on a given machine.
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
-                               foreach=False)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, foreach=False)

@@ -77,9 +77,19 @@ class NoLoCo(OuterOptimizer):
 
     replicas_identical = False  # each pair averages with its own partner: φ differs by design
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
-                 *, H: int = 50, lr: float = 0.7, gamma: float = 0.7, momentum: float = 0.5,
-                 group: str = "pair", codec: str = "none") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer | None,
+        collective: Collective,
+        *,
+        H: int = 50,
+        lr: float = 0.7,
+        gamma: float = 0.7,
+        momentum: float = 0.5,
+        group: str = "pair",
+        codec: str = "none",
+    ) -> None:
         if group not in ("pair", "all"):
             raise ValueError(f"group must be 'pair' or 'all', got {group!r}")
         if not lr > 0 or gamma < 0 or not 0 <= momentum < 1:
@@ -95,14 +105,14 @@ class NoLoCo(OuterOptimizer):
         out.update({_PHI + n: self.outer_params[n].clone() for n in names})
         return out
 
-    async def communicate(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str,
-                          weight: float) -> ReduceResult:
+    async def communicate(
+        self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
+    ) -> ReduceResult:
         if self.group == "all":
             return await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec)
         me = self.collective.peer_id
         partner = noloco_partner(round_id, self.collective.group(round_id), me)
-        return await self.collective.average_with(partner, tensors, round_id=round_id, tag=tag,
-                                                  codec=self.codec)
+        return await self.collective.average_with(partner, tensors, round_id=round_id, tag=tag, codec=self.codec)
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         # result[n] = mean(φ − θ) = −Δ̄ exactly (negation commutes with the fp mean).

@@ -177,9 +177,18 @@ class OuterOptimizer(Service):
 
     replicas_identical = True
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
-                 *, H: int, codec: str = "none", fragments: Sequence[Sequence[str]] | None = None,
-                 delay: int = 0, alpha: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer | None,
+        collective: Collective,
+        *,
+        H: int,
+        codec: str = "none",
+        fragments: Sequence[Sequence[str]] | None = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+    ) -> None:
         if not is_int(H) or H < 1:
             raise ValueError(f"H (inner steps per outer round) must be an integer >= 1, got {H!r}")
         self.model = model
@@ -187,18 +196,20 @@ class OuterOptimizer(Service):
         self.collective = collective
         self.H = H
         self.codec = codec
-        self.params: dict[str, torch.nn.Parameter] = {
-            n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params: dict[str, torch.nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.fragments = self._check_fragments(fragments)
         P = len(self.fragments)
         if H % P:
-            raise ValueError(f"H ({H}) must be a multiple of the number of fragments ({P}), so that "
-                             f"fragment p syncs at offset p·H/P")
+            raise ValueError(
+                f"H ({H}) must be a multiple of the number of fragments ({P}), so that fragment p syncs at offset p·H/P"
+            )
         if not is_int(delay) or not 0 <= delay < H // P:
-            raise ValueError(f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
-                             f"a fragment's result must be merged before the next fragment is sent")
+            raise ValueError(
+                f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
+                f"a fragment's result must be merged before the next fragment is sent"
+            )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         self.delay = delay
@@ -265,20 +276,19 @@ class OuterOptimizer(Service):
             _synchronize(device)
         return out
 
-    async def communicate(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str,
-                          weight: float) -> ReduceResult:
+    async def communicate(
+        self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
+    ) -> ReduceResult:
         """Average `tensors` with the other peers: by default an all-reduce over the round's group.
         Runs on the trio side; must not touch the model (training may be running)."""
-        return await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec,
-                                                weight=weight)
+        return await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec, weight=weight)
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         """Update φ[names] from the averaged `result`. Default: the outer optimizer's step with
         grad = mean Δ (torch semantics, so SGD(nesterov) is ALGORITHMS.md's DiLoCo rule)."""
         opt = self.outer_optimizer
         if opt is None:
-            raise NotImplementedError(f"{type(self).__name__} must override apply() or "
-                                      f"build_outer_optimizer()")
+            raise NotImplementedError(f"{type(self).__name__} must override apply() or build_outer_optimizer()")
         for n in names:
             self.outer_params[n].grad = result.tensors[n].to(torch.float32)
         opt.step()
@@ -304,8 +314,9 @@ class OuterOptimizer(Service):
     # this peer's own: saved by `state_dict(inner=True)` (checkpoints), never averaged, never in
     # `state_dict(inner=False)` (what joiners download). A joiner's weight-0 exchanges skip it.
 
-    def compress(self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def compress(
+        self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(what `communicate` sends, what it decodes to) for the accumulator e[names]. Default:
         `self.codec` applied to each tensor whole; the decoded values are sent (the collective
         encodes them again — exact for "none"/"fp16"/"bf16" after a cast codec; SparseLoCo
@@ -333,8 +344,9 @@ class OuterOptimizer(Service):
 
     # -- state a subclass keeps (serialised with the rest) ------------------------------------
 
-    def register_buffers(self, name: str, init: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
-                         ) -> dict[str, torch.Tensor]:
+    def register_buffers(
+        self, name: str, init: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like
+    ) -> dict[str, torch.Tensor]:
         """Per-parameter tensors (e.g. a momentum) that `state_dict` saves and `load_state_dict`
         restores bit-exactly. Returns the dict, keyed like `outer_params`."""
         buf = {n: init(phi) for n, phi in self.outer_params.items()}
@@ -442,19 +454,32 @@ class OuterOptimizer(Service):
         self.bytes_received += result.bytes_received
         self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
         self.comm_wait_seconds += waited + (ex.finished - ex.started if self.delay == 0 else 0.0)
-        report = RoundReport(ex.step, ex.fragment, len(result.contributors), result.bytes_sent,
-                             result.bytes_received, ex.finished - ex.started, waited, ex.error)
+        report = RoundReport(
+            ex.step,
+            ex.fragment,
+            len(result.contributors),
+            result.bytes_sent,
+            result.bytes_received,
+            ex.finished - ex.started,
+            waited,
+            ex.error,
+        )
         self.history.append(report)
         return report
 
     async def _exchange(self, ex: _Exchange) -> None:
         """Run `communicate` for one exchange (trio side); on CollectiveError proceed alone."""
         try:
-            ex.result = await self.communicate(ex.tensors, round_id=ex.step, tag=f"f{ex.fragment}",
-                                               weight=ex.weight)
+            ex.result = await self.communicate(ex.tensors, round_id=ex.step, tag=f"f{ex.fragment}", weight=ex.weight)
         except CollectiveError as e:
-            log.warning(kv("outer round without the swarm; proceeding alone", step=ex.step,
-                           fragment=ex.fragment, error=str(e)[:200]))
+            log.warning(
+                kv(
+                    "outer round without the swarm; proceeding alone",
+                    step=ex.step,
+                    fragment=ex.fragment,
+                    error=str(e)[:200],
+                )
+            )
             self.needs_resync = True
             ex.error = str(e) or type(e).__name__
             me = self.collective.peer_id
@@ -491,8 +516,10 @@ class OuterOptimizer(Service):
 
     def _spawn(self, call: _Call) -> None:
         if self._nursery is None:
-            raise RuntimeError(f"{type(self).__name__} overlaps communication with training (delay="
-                               f"{self.delay}): enter `async with outer:` before training")
+            raise RuntimeError(
+                f"{type(self).__name__} overlaps communication with training (delay="
+                f"{self.delay}): enter `async with outer:` before training"
+            )
         self._nursery.start_soon(call.fn, *call.args)
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -513,9 +540,15 @@ class OuterOptimizer(Service):
                     p.copy_(saved[n])
 
     def stats(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps, "rounds": self.rounds, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "peak_bytes_per_sync": self.peak_bytes_per_sync,
-                "comm_wait_seconds": self.comm_wait_seconds, "needs_resync": self.needs_resync}
+        return {
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "peak_bytes_per_sync": self.peak_bytes_per_sync,
+            "comm_wait_seconds": self.comm_wait_seconds,
+            "needs_resync": self.needs_resync,
+        }
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -523,8 +556,7 @@ class OuterOptimizer(Service):
         """Everything needed to continue: φ, the outer optimizer, registered buffers, counters,
         and (with `inner`) the inner optimizer's state. Tensors are copies; bit-exact."""
         if self._pending:
-            raise OuterStateError("an outer exchange is in flight; take state between rounds or "
-                                  "after finish()")
+            raise OuterStateError("an outer exchange is in flight; take state between rounds or after finish()")
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "algorithm": type(self).__name__,
@@ -534,8 +566,9 @@ class OuterOptimizer(Service):
             "rounds": self.rounds,
             "outer_params": {n: t.clone() for n, t in self.outer_params.items()},
             "buffers": {k: {n: t.clone() for n, t in b.items()} for k, b in self._buffers.items()},
-            "outer_optimizer": (copy.deepcopy(self.outer_optimizer.state_dict())
-                                if self.outer_optimizer is not None else None),
+            "outer_optimizer": (
+                copy.deepcopy(self.outer_optimizer.state_dict()) if self.outer_optimizer is not None else None
+            ),
         }
         if inner and self.inner is not None:
             state["inner"] = copy.deepcopy(self.inner.state_dict())
@@ -560,9 +593,11 @@ class OuterOptimizer(Service):
         if inner and self.inner is not None and "inner" in state:
             self.inner.load_state_dict(copy.deepcopy(state["inner"]))
         if inner and isinstance(state.get("residual"), dict):
-            self.residual = {n: t.to(torch.float32).clone() for n, t in state["residual"].items()
-                             if n in self.outer_params and isinstance(t, torch.Tensor)
-                             and t.shape == self.outer_params[n].shape}
+            self.residual = {
+                n: t.to(torch.float32).clone()
+                for n, t in state["residual"].items()
+                if n in self.outer_params and isinstance(t, torch.Tensor) and t.shape == self.outer_params[n].shape
+            }
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
 
@@ -578,8 +613,10 @@ class OuterOptimizer(Service):
         self.load_state_dict(state, inner=False)
         if at_step is not None:
             if not self.inner_steps <= at_step < self.next_send_step(self.inner_steps):
-                raise StaleStateError(f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
-                                      f"(an exchange happened in between): fetch a newer state")
+                raise StaleStateError(
+                    f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
+                    f"(an exchange happened in between): fetch a newer state"
+                )
             self.inner_steps = at_step
         with torch.no_grad():
             for n, p in self.params.items():
@@ -594,8 +631,9 @@ class OuterOptimizer(Service):
         if state.get("algorithm") != type(self).__name__:
             raise OuterStateError(f"state is from {state.get('algorithm')!r}, this is {type(self).__name__}")
         if state.get("H") != self.H or [list(f) for f in self.fragments] != state.get("fragments"):
-            raise OuterStateError("state was made with a different H or fragmentation; every peer of "
-                                  "a swarm must use the same schedule")
+            raise OuterStateError(
+                "state was made with a different H or fragmentation; every peer of a swarm must use the same schedule"
+            )
         phi = state.get("outer_params")
         if not isinstance(phi, dict) or set(phi) != set(self.outer_params):
             raise OuterStateError("state's parameter names differ from this model's")
@@ -606,8 +644,11 @@ class OuterOptimizer(Service):
         if not isinstance(buffers, dict) or set(buffers) != set(self._buffers):
             raise OuterStateError("state's buffers differ from this optimizer's")
         for k, b in buffers.items():
-            if not isinstance(b, dict) or set(b) != set(self.outer_params) or any(
-                    not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape for n, t in b.items()):
+            if (
+                not isinstance(b, dict)
+                or set(b) != set(self.outer_params)
+                or any(not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape for n, t in b.items())
+            ):
                 raise OuterStateError(f"state's buffer {k!r} does not match the parameters")
         if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
             raise OuterStateError("state's outer optimizer does not match this optimizer's")
@@ -625,8 +666,10 @@ class OuterOptimizer(Service):
             raise ValueError("fragments must be non-empty lists of parameter names")
         if len(seen) != len(set(seen)) or set(seen) != set(names):
             missing, extra = set(names) - set(seen), set(seen) - set(names)
-            raise ValueError(f"fragments must partition the trainable parameters exactly once "
-                             f"(missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]})")
+            raise ValueError(
+                f"fragments must partition the trainable parameters exactly once "
+                f"(missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]})"
+            )
         return out
 
 
@@ -662,5 +705,7 @@ def check_not_in_trio_thread() -> None:
         trio.lowlevel.current_trio_token()
     except RuntimeError:
         return  # a worker thread: good
-    raise RuntimeError("step()/finish() block; call them from a worker thread (trio.to_thread.run_sync), "
-                       "or use `await astep()` / `await afinish()` in the trio thread")
+    raise RuntimeError(
+        "step()/finish() block; call them from a worker thread (trio.to_thread.run_sync), "
+        "or use `await astep()` / `await afinish()` in the trio thread"
+    )

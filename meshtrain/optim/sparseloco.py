@@ -73,10 +73,22 @@ class SparseLoCo(OuterOptimizer):
         default) or "mean" (the paper's equation, (1/R)·Σ).
     """
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
-                 *, H: int = 30, lr: float = 1.0, beta: float = 0.95, chunk: int = 4096, k: int = 64,
-                 bits: int | None = 2, range_sigmas: float = 4.0, aggregation: str = "auto",
-                 aggregate: str = "index_mean") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer | None,
+        collective: Collective,
+        *,
+        H: int = 30,
+        lr: float = 1.0,
+        beta: float = 0.95,
+        chunk: int = 4096,
+        k: int = 64,
+        bits: int | None = 2,
+        range_sigmas: float = 4.0,
+        aggregation: str = "auto",
+        aggregate: str = "index_mean",
+    ) -> None:
         if not lr > 0:
             raise ValueError(f"outer lr must be > 0, got {lr}")
         if not 0.0 <= beta <= 1.0:
@@ -99,14 +111,16 @@ class SparseLoCo(OuterOptimizer):
 
     # -- hooks -----------------------------------------------------------------------------------
 
-    def compress(self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def compress(
+        self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         payload, decoded = self._encode(accumulated)
         self._sent[tuple(names)] = decoded
         return payload, decoded
 
-    async def communicate(self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str,
-                          weight: float) -> ReduceResult:
+    async def communicate(
+        self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
+    ) -> ReduceResult:
         if not any(_SEP in key for key in tensors):  # a joiner's weight-0 Δ: dense, not fed back
             tensors = (await trio.to_thread.run_sync(self._encode, tensors))[0]
         names = list(dict.fromkeys(key.rsplit(_SEP, 1)[0] for key in tensors))
@@ -115,30 +129,39 @@ class SparseLoCo(OuterOptimizer):
         if mode == "allreduce":
             dense = await trio.to_thread.run_sync(self._decode_payload, tensors, names)
             if self.aggregate == "mean":
-                return await self.collective.all_reduce(dense, round_id=round_id, tag=tag, codec="none",
-                                                        weight=weight)
+                return await self.collective.all_reduce(dense, round_id=round_id, tag=tag, codec="none", weight=weight)
             # index_mean densely: the weighted means of the values and of "this peer sent index i";
             # their ratio is Σ w·v / Σ_{senders of i} w (bit-identical across peers, not to the gather).
             sent = {_MASK + n: (v != 0).to(torch.float32) for n, v in dense.items()}
-            r = await self.collective.all_reduce({**dense, **sent}, round_id=round_id, tag=tag, codec="none",
-                                                 weight=weight)
-            mean = {n: torch.where(r.tensors[_MASK + n] > 0, r.tensors[n] / r.tensors[_MASK + n].clamp_min(1e-30),
-                                   0.0) for n in names}
+            r = await self.collective.all_reduce(
+                {**dense, **sent}, round_id=round_id, tag=tag, codec="none", weight=weight
+            )
+            mean = {
+                n: torch.where(r.tensors[_MASK + n] > 0, r.tensors[n] / r.tensors[_MASK + n].clamp_min(1e-30), 0.0)
+                for n in names
+            }
             return ReduceResult(mean, r.contributors, r.digest, r.bytes_sent, r.bytes_received, dict(r.excluded))
         gathered = await all_gather(self.collective, tensors, round_id=round_id, tag=tag, weight=weight)
         mean = await trio.to_thread.run_sync(self._aggregate, gathered, names)
         if gathered.excluded:
-            log.info(kv("sparse round without some peers", round=round_id,
-                        excluded=",".join(p[-8:] for p in sorted(gathered.excluded))))
-        return ReduceResult(mean, gathered.contributors, b"", gathered.bytes_sent, gathered.bytes_received,
-                            dict(gathered.excluded))
+            log.info(
+                kv(
+                    "sparse round without some peers",
+                    round=round_id,
+                    excluded=",".join(p[-8:] for p in sorted(gathered.excluded)),
+                )
+            )
+        return ReduceResult(
+            mean, gathered.contributors, b"", gathered.bytes_sent, gathered.bytes_received, dict(gathered.excluded)
+        )
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         sent = self._sent.pop(tuple(names), None)
         if any(_SEP in key for key in result.tensors):
             # We proceeded alone (the collective failed): our own ŝ is the update.
-            result = ReduceResult(sent if sent is not None else self._decode_payload(result.tensors, names),
-                                  result.contributors, b"")
+            result = ReduceResult(
+                sent if sent is not None else self._decode_payload(result.tensors, names), result.contributors, b""
+            )
         elif sent is not None and self.collective.peer_id not in result.contributors:
             # The others could not count our ŝ (it did not reach them all): keep it for next time.
             for n in names:
@@ -148,7 +171,7 @@ class SparseLoCo(OuterOptimizer):
     # -- aggregation -------------------------------------------------------------------------------
 
     def choose_aggregation(self, n: int, names: Sequence[str]) -> str:
-        """"gather" or "allreduce" for a round of `n` peers (sparse_gather.py's byte count)."""
+        """ "gather" or "allreduce" for a round of `n` peers (sparse_gather.py's byte count)."""
         if self.aggregation != "auto":
             return self.aggregation
         numel = sum(self.outer_params[x].numel() for x in names)
@@ -168,7 +191,7 @@ class SparseLoCo(OuterOptimizer):
 
     def _parts(self, payload: dict[str, torch.Tensor], n: str) -> dict[str, torch.Tensor]:
         prefix = n + _SEP
-        return {k[len(prefix):]: v for k, v in payload.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in payload.items() if k.startswith(prefix)}
 
     def _decode_payload(self, payload: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
         return {n: self.sparse.decode(self._parts(payload, n), self._shapes[n]) for n in names}

@@ -103,17 +103,41 @@ class StreamingDiLoCo(DiLoCo):
     Training must run inside `async with outer:` when delay > 0 (the exchanges run in its nursery).
     """
 
-    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective,
-                 *, H: int = 100, fragments: int | list[list[str]] = 2, delay: int = 1, alpha: float = 0.5,
-                 codec: str = "fp4", lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 eager: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer | None,
+        collective: Collective,
+        *,
+        H: int = 100,
+        fragments: int | list[list[str]] = 2,
+        delay: int = 1,
+        alpha: float = 0.5,
+        codec: str = "fp4",
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        eager: bool = False,
+    ) -> None:
         if isinstance(fragments, int):
             if not isinstance(H, int) or isinstance(fragments, bool) or fragments < 1 or H % fragments:
-                raise ValueError(f"Streaming DiLoCo needs H % P == 0 (fragment p syncs at offset p·H/P); "
-                                 f"got H={H}, P={fragments}")
+                raise ValueError(
+                    f"Streaming DiLoCo needs H % P == 0 (fragment p syncs at offset p·H/P); got H={H}, P={fragments}"
+                )
             fragments = strided_fragments(model, fragments)
-        super().__init__(model, inner, collective, H=H, lr=lr, momentum=momentum, nesterov=nesterov,
-                         codec=codec, fragments=fragments, delay=delay, alpha=alpha)
+        super().__init__(
+            model,
+            inner,
+            collective,
+            H=H,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            codec=codec,
+            fragments=fragments,
+            delay=delay,
+            alpha=alpha,
+        )
         if eager and delay < 1:
             raise ValueError("eager updates hide the delay of an overlapped exchange: they need delay >= 1")
         self.eager = bool(eager)

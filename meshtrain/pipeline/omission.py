@@ -59,14 +59,16 @@ def block_order_for(n_layer: int, n_stages: int, stages: Sequence[int]) -> list[
     return order
 
 
-def perplexity(model: GPT, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               block_order: Sequence[int] | None = None) -> float:
+def perplexity(
+    model: GPT, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_order: Sequence[int] | None = None
+) -> float:
     """exp(mean held-out loss) of `model` running `block_order`."""
     return math.exp(model.evaluate(batches, block_order))
 
 
-def omission_report(model: GPT, n_stages: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    keep: int | None = None) -> OmissionReport:
+def omission_report(
+    model: GPT, n_stages: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: int | None = None
+) -> OmissionReport:
     """Perplexity with all stages vs the mean over every in-order subset of `keep` block stages
     (default: half of them, rounded up)."""
     n = n_stages - 1
@@ -74,7 +76,9 @@ def omission_report(model: GPT, n_stages: int, batches: Sequence[tuple[torch.Ten
     if not 1 <= keep <= n:
         raise ConfigError(f"keep must be between 1 and {n} block stages, got {keep}")
     full = perplexity(model, batches)
-    per = {subset: perplexity(model, batches, block_order_for(model.config.n_layer, n_stages, subset))
-           for subset in itertools.combinations(range(1, n_stages), keep)}
+    per = {
+        subset: perplexity(model, batches, block_order_for(model.config.n_layer, n_stages, subset))
+        for subset in itertools.combinations(range(1, n_stages), keep)
+    }
     mean = sum(per.values()) / len(per)
     return OmissionReport(full, mean, mean / full, keep, per)

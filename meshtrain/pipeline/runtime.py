@@ -162,8 +162,12 @@ class PipelineRun:
         problem = self.problem
         if dead:
             placement = {p: s for p, s in problem.placement.items() if p not in dead}
-            problem = replace(problem, placement=placement, origins=None,
-                              forward_time={p: t for p, t in problem.forward_time.items() if p in placement})
+            problem = replace(
+                problem,
+                placement=placement,
+                origins=None,
+                forward_time={p: t for p, t in problem.forward_time.items() if p in placement},
+            )
         try:
             if self.mode == "full":
                 return full_pipeline_schedule(problem)
@@ -343,8 +347,7 @@ class _Iteration:
 
     @property
     def finished(self) -> bool:
-        return self.schedule is not None and all(
-            o in self.done_from or o in self.dead_origins for o in self.origins)
+        return self.schedule is not None and all(o in self.done_from or o in self.dead_origins for o in self.origins)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,15 +378,25 @@ class PipelineRuntime(Service):
     stage with no live peer in a full-pipeline run).
     """
 
-    def __init__(self, host: Host, streams: TensorStreams, replica: StageReplica, run: PipelineRun,
-                 data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], *,
-                 links: SimulatedLinks | None = None, compute_floor: float | None = None,
-                 should_stop: Callable[[int, float], bool] | None = None, keep_grads: bool = False,
-                 allreduce: AllReduceConfig | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        streams: TensorStreams,
+        replica: StageReplica,
+        run: PipelineRun,
+        data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        links: SimulatedLinks | None = None,
+        compute_floor: float | None = None,
+        should_stop: Callable[[int, float], bool] | None = None,
+        keep_grads: bool = False,
+        allreduce: AllReduceConfig | None = None,
+    ) -> None:
         me = host.peer_id
         if run.problem.placement.get(me) != replica.index:
-            raise PipelineError(f"peer {me} is placed on stage {run.problem.placement.get(me)}, "
-                                f"but holds stage {replica.index}")
+            raise PipelineError(
+                f"peer {me} is placed on stage {run.problem.placement.get(me)}, but holds stage {replica.index}"
+            )
         if replica.n_stages != run.problem.num_stages:
             raise PipelineError("the replica's stage count differs from the run's")
         self.host = host
@@ -406,8 +419,9 @@ class PipelineRuntime(Service):
         self._nursery: trio.Nursery | None = None
         self._started = time.monotonic()
         self._group: tuple[str, ...] = (me,)
-        self.collective = SwarmCollective(host, streams, lambda _round: self._group,
-                                          allreduce or AllReduceConfig(join_timeout=15, part_timeout=15))
+        self.collective = SwarmCollective(
+            host, streams, lambda _round: self._group, allreduce or AllReduceConfig(join_timeout=15, part_timeout=15)
+        )
         self.stats = {"hops_sent": 0, "hops_received": 0, "rejected": 0, "send_failures": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -424,8 +438,10 @@ class PipelineRuntime(Service):
             await self.host.wait_until(lambda: all(self.host.is_connected(p) for p in others))
         missing = [p for p in others if not self.host.is_connected(p)]
         if missing:
-            raise PipelineError(f"not connected to {len(missing)} peers of run {self.run.run}; "
-                                "connect every peer of the run to every other first")
+            raise PipelineError(
+                f"not connected to {len(missing)} peers of run {self.run.run}; "
+                "connect every peer of the run to every other first"
+            )
         self._started = time.monotonic()
 
     # -- one iteration ---------------------------------------------------------------------------
@@ -536,8 +552,7 @@ class PipelineRuntime(Service):
                 log.warning(kv("pipeline visit refused", it=st.it, mb=mb, att=att, kind=kind, error=str(e)))
                 await self._report_failure(st, mb, att, sender, got[1].route if got else None)
 
-    async def _visit(self, st: _Iteration, kind: str, mb: int, att: int,
-                     got: tuple[torch.Tensor, Hop] | None) -> None:
+    async def _visit(self, st: _Iteration, kind: str, mb: int, att: int, got: tuple[torch.Tensor, Hop] | None) -> None:
         t0 = time.monotonic()
         r = self.replica
         if kind == "forward" and self.stage == 0:
@@ -607,8 +622,16 @@ class PipelineRuntime(Service):
         to = at(hop.route, hop.pos)
         if self.links is not None:
             await trio.sleep(self.links.delay(self.me, to, hop.nbytes))
-        req = {"run": self.run.run, "it": hop.it, "mb": hop.mb, "att": hop.att, "kind": hop.kind,
-               "pos": hop.pos, "route": list(hop.route), "shape": list(hop.shape)}
+        req = {
+            "run": self.run.run,
+            "it": hop.it,
+            "mb": hop.mb,
+            "att": hop.att,
+            "kind": hop.kind,
+            "pos": hop.pos,
+            "route": list(hop.route),
+            "shape": list(hop.shape),
+        }
         try:
             await self.host.rpc.call(to, HOP_RPC, req, timeout=CALL_TIMEOUT)
             await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
@@ -620,8 +643,9 @@ class PipelineRuntime(Service):
             log.info(kv("pipeline hop failed", it=hop.it, mb=hop.mb, att=hop.att, to=to[-8:], error=str(e)))
             await self._report_failure(st, hop.mb, hop.att, to, hop.route)
 
-    async def _report_failure(self, st: _Iteration, mb: int, att: int, suspect: str,
-                              route: tuple[str, ...] | None) -> None:
+    async def _report_failure(
+        self, st: _Iteration, mb: int, att: int, suspect: str, route: tuple[str, ...] | None
+    ) -> None:
         origin = route[0] if route else st.origin_of.get(mb)
         if origin is None:
             return
@@ -662,15 +686,20 @@ class PipelineRuntime(Service):
         st.void(mb, new_att)
         st.restart_count += 1
         assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(self._broadcast, ABANDON_RPC,
-                                 {"run": self.run.run, "it": st.it, "mb": mb, "floor": new_att}, self._live_others())
+        self._nursery.start_soon(
+            self._broadcast,
+            ABANDON_RPC,
+            {"run": self.run.run, "it": st.it, "mb": mb, "floor": new_att},
+            self._live_others(),
+        )
         if route is None or new_att >= MAX_ATTEMPTS:
             mine.status = "dropped"
             log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
             self._maybe_done(st)
             return
-        log.info(kv("pipeline microbatch re-routed", it=st.it, mb=mb, att=new_att,
-                    route=",".join(p[-6:] for p in route)))
+        log.info(
+            kv("pipeline microbatch re-routed", it=st.it, mb=mb, att=new_att, route=",".join(p[-6:] for p in route))
+        )
         mine.att, mine.route = new_att, route
         st.restarts.append((mb, new_att))
         st.notify()
@@ -691,8 +720,11 @@ class PipelineRuntime(Service):
                 out.append(q)
                 continue
             s = placement[q]
-            spares = sorted((load.get(p, 0), p) for p, t in placement.items()
-                            if t == s and p not in self.dead and p not in out and self.host.is_connected(p))
+            spares = sorted(
+                (load.get(p, 0), p)
+                for p, t in placement.items()
+                if t == s and p not in self.dead and p not in out and self.host.is_connected(p)
+            )
             if spares:
                 out.append(spares[0][1])
             elif self.run.mode != "skippipe":
@@ -728,8 +760,9 @@ class PipelineRuntime(Service):
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
                         self._restart(st, mb, mine.att, hit)
-            await self.host.wait_until(lambda: any(p not in self.dead and not self.host.is_connected(p)
-                                                   for p in others))
+            await self.host.wait_until(
+                lambda: any(p not in self.dead and not self.host.is_connected(p) for p in others)
+            )
 
     # -- end of an iteration ---------------------------------------------------------------------
 
@@ -739,9 +772,16 @@ class PipelineRuntime(Service):
         final = [[mb, m.att] for mb, m in sorted(st.mine.items()) if m.status == "done"]
         losses = [m.loss for m in st.mine.values() if m.status == "done"]
         stop = bool(self.should_stop(st.it, time.monotonic() - self._started)) if self.should_stop else False
-        msg = {"run": self.run.run, "it": st.it, "final": final, "dead": sorted(self.dead),
-               "loss": float(sum(losses)), "count": len(losses),
-               "dropped": sum(m.status == "dropped" for m in st.mine.values()), "stop": stop}
+        msg = {
+            "run": self.run.run,
+            "it": st.it,
+            "final": final,
+            "dead": sorted(self.dead),
+            "loss": float(sum(losses)),
+            "count": len(losses),
+            "dropped": sum(m.status == "dropped" for m in st.mine.values()),
+            "stop": stop,
+        }
         st.done_from[self.me] = msg
         st.notify()
 
@@ -772,8 +812,9 @@ class PipelineRuntime(Service):
                 a.add_(b)
         n = torch.tensor([float(len(mine))])
         placement = self.run.problem.placement
-        self._group = tuple(sorted(p for p, s in placement.items()
-                                   if s == self.stage and (p == self.me or p not in self.dead)))
+        self._group = tuple(
+            sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in self.dead))
+        )
         if len(self._group) > 1:
             tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
             try:
@@ -789,8 +830,17 @@ class PipelineRuntime(Service):
             mean = [t / float(n) for t in total]
             grads = self.replica.grads_by_name(mean) if self.keep_grads else None
             await trio.to_thread.run_sync(self.replica.apply_update, mean)
-        return IterationReport(st.it, loss_sum / count if count else math.nan, count, dropped,
-                               st.restart_count, time.monotonic() - t0, tuple(sorted(self.dead)), stop, grads)
+        return IterationReport(
+            st.it,
+            loss_sum / count if count else math.nan,
+            count,
+            dropped,
+            st.restart_count,
+            time.monotonic() - t0,
+            tuple(sorted(self.dead)),
+            stop,
+            grads,
+        )
 
     # -- RPC handlers ----------------------------------------------------------------------------
 
@@ -801,8 +851,9 @@ class PipelineRuntime(Service):
 
     async def _rpc_hop(self, peer: str, req: Any) -> dict:
         try:
-            hop = parse_hop(req, run=self.run, me=self.me, caller=peer,
-                            d_model=self.replica.d_model, current=self.current)
+            hop = parse_hop(
+                req, run=self.run, me=self.me, caller=peer, d_model=self.replica.d_model, current=self.current
+            )
             st = self._state(hop.it)
             if hop.att < st.floor.get(hop.mb, 0):
                 raise HopRejected("stale-attempt", f"attempt {hop.att} of microbatch {hop.mb} was re-routed")
@@ -815,11 +866,13 @@ class PipelineRuntime(Service):
                 # a gradient (or a path returning home) needs the forward it belongs to, here
                 entry = st.tapes.get((hop.mb, hop.att))
                 if entry is None:
-                    raise HopRejected("unknown-microbatch", f"no forward of microbatch {hop.mb} "
-                                      f"attempt {hop.att} on this peer")
+                    raise HopRejected(
+                        "unknown-microbatch", f"no forward of microbatch {hop.mb} attempt {hop.att} on this peer"
+                    )
                 if _shape(entry[0].output) != hop.shape:
-                    raise HopRejected("bad-shape", f"gradient {list(hop.shape)} for activations "
-                                      f"{list(_shape(entry[0].output))}")
+                    raise HopRejected(
+                        "bad-shape", f"gradient {list(hop.shape)} for activations {list(_shape(entry[0].output))}"
+                    )
             st.announced.add(key)
         except HopRejected as e:
             raise self._refuse(e) from None
@@ -830,8 +883,9 @@ class PipelineRuntime(Service):
     async def _receive_hop(self, st: _Iteration, peer: str, hop: Hop) -> None:
         buf = {"h": torch.empty(hop.shape, dtype=torch.float32)}
         try:
-            got = await self.streams.receive(peer, hop.tag(self.run.run), into=buf, max_bytes=hop.nbytes,
-                                             timeout=RECEIVE_TIMEOUT)
+            got = await self.streams.receive(
+                peer, hop.tag(self.run.run), into=buf, max_bytes=hop.nbytes, timeout=RECEIVE_TIMEOUT
+            )
         except TransferError as e:
             log.info(kv("pipeline transfer failed", it=hop.it, mb=hop.mb, frm=peer[-8:], error=str(e)))
             return  # the sender sees its send fail and tells the origin
@@ -887,13 +941,22 @@ class PipelineRuntime(Service):
                 raise HopRejected("not-origin", "only origins report an iteration done")
             M = self.run.problem.microbatches
             final, dead = req["final"], req["dead"]
-            if not isinstance(final, list) or len(final) > M or not all(
-                    isinstance(x, list) and len(x) == 2 for x in final):
+            if (
+                not isinstance(final, list)
+                or len(final) > M
+                or not all(isinstance(x, list) and len(x) == 2 for x in final)
+            ):
                 raise HopRejected(MALFORMED, "final must be a list of [microbatch, attempt]")
-            final = [[_int(mb, "microbatch", 0, M - 1, "unknown-microbatch"),
-                      _int(att, "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt")] for mb, att in final]
-            if not isinstance(dead, list) or not all(isinstance(p, str) and p in self.run.problem.placement
-                                                     for p in dead):
+            final = [
+                [
+                    _int(mb, "microbatch", 0, M - 1, "unknown-microbatch"),
+                    _int(att, "attempt", 0, MAX_ATTEMPTS - 1, "stale-attempt"),
+                ]
+                for mb, att in final
+            ]
+            if not isinstance(dead, list) or not all(
+                isinstance(p, str) and p in self.run.problem.placement for p in dead
+            ):
                 raise HopRejected(MALFORMED, "dead must list peers of the run")
             loss, count = req["loss"], _int(req["count"], "count", 0, M)
             dropped = _int(req["dropped"], "dropped", 0, M)
@@ -901,8 +964,14 @@ class PipelineRuntime(Service):
             require_bool(req["stop"], "stop", error=_malformed)
         except HopRejected as e:
             raise self._refuse(e) from None
-        st.done_from[peer] = {"final": final, "dead": dead, "loss": float(loss), "count": count,
-                              "dropped": dropped, "stop": req["stop"]}
+        st.done_from[peer] = {
+            "final": final,
+            "dead": dead,
+            "loss": float(loss),
+            "count": count,
+            "dropped": dropped,
+            "stop": req["stop"],
+        }
         st.notify()
         return {}
 

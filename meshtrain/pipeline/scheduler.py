@@ -220,8 +220,9 @@ def full_pipeline_problem(problem: PipelineProblem) -> PipelineProblem:
     return replace(problem, skip_ratio=0.0, allow_swaps=False, max_stage_load=None)
 
 
-def skippipe_schedule(problem: PipelineProblem, *, target_ratio: float = DEFAULT_TARGET_RATIO,
-                      search_budget: int = DEFAULT_SEARCH_BUDGET) -> Schedule:
+def skippipe_schedule(
+    problem: PipelineProblem, *, target_ratio: float = DEFAULT_TARGET_RATIO, search_budget: int = DEFAULT_SEARCH_BUDGET
+) -> Schedule:
     """Paths and timetable for `problem` (module docstring). Stops repairing once the makespan is
     ≤ target_ratio × the collision-unaware makespan (0 = never stop early), when a pass improves
     nothing, or after `search_budget` A* expansions. Raises ScheduleError /
@@ -229,8 +230,9 @@ def skippipe_schedule(problem: PipelineProblem, *, target_ratio: float = DEFAULT
     return _solve(compile_problem(problem), "skippipe", target_ratio, search_budget)
 
 
-def full_pipeline_schedule(problem: PipelineProblem, *, target_ratio: float = DEFAULT_TARGET_RATIO,
-                           search_budget: int = DEFAULT_SEARCH_BUDGET) -> Schedule:
+def full_pipeline_schedule(
+    problem: PipelineProblem, *, target_ratio: float = DEFAULT_TARGET_RATIO, search_budget: int = DEFAULT_SEARCH_BUDGET
+) -> Schedule:
     """The full-pipeline baseline on the same placement, cost model and rules (module docstring)."""
     return _solve(compile_problem(full_pipeline_problem(problem)), "full", target_ratio, search_budget)
 
@@ -318,7 +320,8 @@ def compile_problem(problem: PipelineProblem) -> _Compiled:
     if L < 1:
         raise UnsatisfiableScheduleError(
             f"skip_ratio {problem.skip_ratio} skips all {S - 1} non-zero stages; lower skip_ratio "
-            "or place the model on more stages")
+            "or place the model on more stages"
+        )
     for name in ("max_in_flight", "max_jump"):
         v = getattr(problem, name)
         if not isinstance(v, int) or v < 1:
@@ -339,19 +342,30 @@ def compile_problem(problem: PipelineProblem) -> _Compiled:
                 raise ScheduleError(f"origin {o!r} is not a stage-0 peer; only they hold data")
 
     shape = _Compiled(
-        S=S, L=L, stage_of=stage_of, peers_by_stage=tuple(tuple(p) for p in by_stage), fwd=fwd,
-        edge=edge, origins=origins, bound=M, limit=problem.max_in_flight,
-        allow_swaps=problem.allow_swaps, max_swaps=problem.max_swaps,
-        max_swap_back=problem.max_swap_back, max_jump=problem.max_jump,
+        S=S,
+        L=L,
+        stage_of=stage_of,
+        peers_by_stage=tuple(tuple(p) for p in by_stage),
+        fwd=fwd,
+        edge=edge,
+        origins=origins,
+        bound=M,
+        limit=problem.max_in_flight,
+        allow_swaps=problem.allow_swaps,
+        max_swaps=problem.max_swaps,
+        max_swap_back=problem.max_swap_back,
+        max_jump=problem.max_jump,
         e_min=min(edge.values()),
         stage_min_fwd=tuple(min(fwd[p] for p in by_stage[s]) for s in range(S)),
         stages_by_speed=tuple(sorted(range(1, S), key=lambda s: (min(fwd[p] for p in by_stage[s]), s))),
-        reachable=(), finishable=frozenset())
+        reachable=(),
+        finishable=frozenset(),
+    )
     finishable, reachable = _explore_shapes(shape)
     if (0, 0, 0) not in finishable:
         raise UnsatisfiableScheduleError(
-            f"no path visits {L} of {S - 1} stages with jumps ≤ {shape.max_jump}; "
-            "raise max_jump or skip fewer stages")
+            f"no path visits {L} of {S - 1} stages with jumps ≤ {shape.max_jump}; raise max_jump or skip fewer stages"
+        )
     n_reach = len(reachable)
     bound = problem.max_stage_load
     if bound is None:
@@ -361,7 +375,8 @@ def compile_problem(problem: PipelineProblem) -> _Compiled:
     if sum(min(bound, M) for _ in reachable) < M * L:
         raise UnsatisfiableScheduleError(
             f"{M} microbatches × {L} stages cannot fit max_stage_load {bound} on the {n_reach} "
-            f"reachable stages; raise max_stage_load to ≥ {-(-M * L // n_reach)}")
+            f"reachable stages; raise max_stage_load to ≥ {-(-M * L // n_reach)}"
+        )
     return replace(shape, bound=bound, reachable=reachable, finishable=finishable)
 
 
@@ -544,8 +559,14 @@ class _Planner:
             if need:
                 return None
         fo = c.fwd[origin]
-        return (n.t + 2 * unknown + n.edge_sum + (1 + BACKWARD_FACTOR) * rest_f
-                + BACKWARD_FACTOR * n.middle_fwd_sum + (HEAD_FACTOR + BACKWARD_FACTOR) * fo)
+        return (
+            n.t
+            + 2 * unknown
+            + n.edge_sum
+            + (1 + BACKWARD_FACTOR) * rest_f
+            + BACKWARD_FACTOR * n.middle_fwd_sum
+            + (HEAD_FACTOR + BACKWARD_FACTOR) * fo
+        )
 
     def _children(self, n: _Node, origin: str, tables: _Tables) -> list[tuple[float, _Node]]:
         c = self.c
@@ -560,8 +581,17 @@ class _Planner:
                 e = c.edge[n.cur, q]
                 f = c.fwd[q]
                 start = tables.peer[q].fit_with_memory(n.t + e, f, c.limit)
-                child = _Node(start + f, q, n.middle + (q,), n.fwd + ((start, start + f),),
-                              n.mask | 1 << s, nxt[0], nxt[1], n.edge_sum + e, n.middle_fwd_sum + f)
+                child = _Node(
+                    start + f,
+                    q,
+                    n.middle + (q,),
+                    n.fwd + ((start, start + f),),
+                    n.mask | 1 << s,
+                    nxt[0],
+                    nxt[1],
+                    n.edge_sum + e,
+                    n.middle_fwd_sum + f,
+                )
                 lb = self._lower_bound(child, origin, tables.load)
                 if lb is not None:
                     out.append((lb, child))
@@ -602,8 +632,9 @@ class _Planner:
                 return "memory"
         return _Route(n.middle, tuple(tl))
 
-    def plan(self, mb: int, tables: _Tables, later: int, not_before: float = 0.0,
-             fixed: tuple[str, ...] | None = None) -> _Route:
+    def plan(
+        self, mb: int, tables: _Tables, later: int, not_before: float = 0.0, fixed: tuple[str, ...] | None = None
+    ) -> _Route:
         """Best route for `mb` against `tables` (or the timing of the `fixed` middle peers),
         starting no earlier than `not_before`; delays the start when memory is full throughout."""
         while True:
@@ -614,11 +645,13 @@ class _Planner:
             if nxt is None:
                 raise UnsatisfiableScheduleError(
                     f"microbatch {mb} finds no path under the stage-load bound {self.c.bound}; "
-                    "raise max_stage_load or skip fewer stages")
+                    "raise max_stage_load or skip fewer stages"
+                )
             not_before = nxt
 
-    def _search(self, mb: int, tables: _Tables, later: int, not_before: float,
-                fixed: tuple[str, ...] | None) -> tuple[_Route | None, bool]:
+    def _search(
+        self, mb: int, tables: _Tables, later: int, not_before: float, fixed: tuple[str, ...] | None
+    ) -> tuple[_Route | None, bool]:
         c = self.c
         origin = c.origins[mb]
         fo = c.fwd[origin]
@@ -649,14 +682,15 @@ class _Planner:
             expanded += 1
             self.expansions += 1
             for lb, child in self._children(item, origin, tables):
-                if fixed is not None and child.middle != fixed[:len(child.middle)]:
+                if fixed is not None and child.middle != fixed[: len(child.middle)]:
                     continue
                 heapq.heappush(heap, (lb, -len(child.middle), seq, child))
                 seq += 1
         return None, memory_blocked
 
-    def _dive(self, heap: list, origin: str, tables: _Tables, later: int,
-              memory_blocked: bool) -> tuple[_Route | None, bool]:
+    def _dive(
+        self, heap: list, origin: str, tables: _Tables, later: int, memory_blocked: bool
+    ) -> tuple[_Route | None, bool]:
         """Past the node cap: depth-first, cheapest child first, from the open nodes in order —
         the first complete route wins. Keeps big problems bounded at some cost in quality."""
         best = min((it for it in heap if isinstance(it[3], _Route)), default=None)
@@ -804,8 +838,10 @@ def validate(schedule: Schedule, problem: PipelineProblem) -> list[str]:
         for s in stages:
             nxt = c.step(frontier, swaps, s)
             if nxt is None:
-                out.append(f"{where}: move to stage {s} from frontier {frontier} after {swaps} "
-                           "swaps breaks the swap/jump rules")
+                out.append(
+                    f"{where}: move to stage {s} from frontier {frontier} after {swaps} "
+                    "swaps breaks the swap/jump rules"
+                )
                 break
             frontier, swaps = nxt
         for s in set(stages) - {0}:
@@ -829,8 +865,10 @@ def validate(schedule: Schedule, problem: PipelineProblem) -> list[str]:
             if prev is not None:
                 hop = c.edge.get((prev.peer, v.peer), 0.0)
                 if v.start < prev.end + hop - tol:
-                    out.append(f"{where}: {v.kind} on {v.peer!r} starts at {v.start} before its input "
-                               f"arrives at {prev.end + hop}")
+                    out.append(
+                        f"{where}: {v.kind} on {v.peer!r} starts at {v.start} before its input "
+                        f"arrives at {prev.end + hop}"
+                    )
             prev = v
             per_peer.setdefault(v.peer, []).append(v)
     for s in range(1, c.S):
@@ -840,8 +878,10 @@ def validate(schedule: Schedule, problem: PipelineProblem) -> list[str]:
         visits.sort(key=lambda v: (v.start, v.end, v.microbatch))
         for a, b in zip(visits, visits[1:], strict=False):
             if b.start < a.end - tol:
-                out.append(f"peer {peer!r}: microbatch {a.microbatch} ({a.kind}) and {b.microbatch} "
-                           f"({b.kind}) overlap at {b.start}")
+                out.append(
+                    f"peer {peer!r}: microbatch {a.microbatch} ({a.kind}) and {b.microbatch} "
+                    f"({b.kind}) overlap at {b.start}"
+                )
         spans: dict[int, list[float]] = {}
         for v in visits:
             span = spans.setdefault(v.microbatch, [v.start, v.end])

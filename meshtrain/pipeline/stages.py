@@ -77,9 +77,17 @@ class StageReplica:
     Compute methods are synchronous torch code; call them from a worker thread.
     """
 
-    def __init__(self, model: GPT, n_stages: int, index: int, *, lr: float = DEFAULT_LR,
-                 weight_decay: float = DEFAULT_WEIGHT_DECAY,
-                 betas: tuple[float, float] = DEFAULT_BETAS, clip: float | None = DEFAULT_CLIP) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        n_stages: int,
+        index: int,
+        *,
+        lr: float = DEFAULT_LR,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
+        betas: tuple[float, float] = DEFAULT_BETAS,
+        clip: float | None = DEFAULT_CLIP,
+    ) -> None:
         stages = model.stages(n_stages)
         if not 0 <= index < n_stages:
             raise ConfigError(f"stage index {index} is outside 0..{n_stages - 1}")
@@ -137,8 +145,10 @@ class StageReplica:
         """Backward of one forward: (gradient for the previous hop — None at stage 0 — and this
         stage's parameter gradients for this microbatch alone)."""
         if tuple(grad_output.shape) != tuple(tape.output.shape):
-            raise StageError(f"gradient {tuple(grad_output.shape)} does not match the activations "
-                             f"{tuple(tape.output.shape)} it is for")
+            raise StageError(
+                f"gradient {tuple(grad_output.shape)} does not match the activations "
+                f"{tuple(tape.output.shape)} it is for"
+            )
         wrt = ([tape.inputs] if tape.inputs is not None else []) + self.params
         with torch.enable_grad():
             grads = torch.autograd.grad(tape.output, wrt, grad_output, allow_unused=True)
@@ -184,8 +194,9 @@ class StageReplica:
     def _check_activation(self, h: torch.Tensor) -> None:
         cfg = self.model.config
         if h.dim() != 3 or h.shape[2] != cfg.d_model or h.shape[1] > cfg.context or h.dtype != torch.float32:
-            raise StageError(f"activations must be float32 [batch, ≤{cfg.context}, {cfg.d_model}], "
-                             f"got {h.dtype} {tuple(h.shape)}")
+            raise StageError(
+                f"activations must be float32 [batch, ≤{cfg.context}, {cfg.d_model}], got {h.dtype} {tuple(h.shape)}"
+            )
         if not bool(torch.isfinite(h).all()):
             raise StageError("activations contain NaN or infinity")
 
@@ -214,14 +225,16 @@ def load_stage_states(model: GPT, states: Sequence[Mapping[str, torch.Tensor]]) 
         raise StageError(f"no weights for {sorted(missing)[:4]}{'...' if len(missing) > 4 else ''}")
 
 
-def reference_gradients(model: GPT, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                        block_order: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+def reference_gradients(
+    model: GPT, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_order: Sequence[int] | None = None
+) -> dict[str, torch.Tensor]:
     """Single-process gradients of the mean over `batches` of each batch's loss — what a pipeline
     iteration whose microbatches all took `block_order` must reproduce (for tests)."""
     model.zero_grad(set_to_none=True)
     loss = sum(model(x, y, block_order).loss for x, y in batches) / len(batches)
     loss.backward()
-    out = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-           for n, p in model.named_parameters()}
+    out = {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()
+    }
     model.zero_grad(set_to_none=True)
     return out

@@ -83,9 +83,7 @@ def unpackb(data: bytes | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> A
     if len(data) > max_size:
         raise FrameTooLarge(f"message of {len(data)} bytes exceeds the {max_size}-byte limit")
     try:
-        return msgpack.unpackb(
-            data, raw=False, use_list=True, strict_map_key=False, ext_hook=_no_ext
-        )
+        return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False, ext_hook=_no_ext)
     except MalformedMessage:
         raise
     except Exception as e:  # msgpack raises several unrelated types for bad input

@@ -96,8 +96,13 @@ class _Pending:
 
 
 def _check_addr(value: Any) -> tuple[str, int]:
-    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
-            and isinstance(value[1], int) and 0 < value[1] < 65536):
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], int)
+        and 0 < value[1] < 65536
+    ):
         raise RemoteError(MALFORMED, "addr must be [ip, port]")
     try:
         ip = ipaddress.ip_address(value[0])
@@ -115,15 +120,18 @@ async def _bound_socket(ip: str) -> trio.socket.SocketType:
     return sock
 
 
-async def _simultaneous_connect(sock: trio.socket.SocketType, remote: tuple[str, int],
-                                timeout: float) -> trio.SocketStream:
+async def _simultaneous_connect(
+    sock: trio.socket.SocketType, remote: tuple[str, int], timeout: float
+) -> trio.SocketStream:
     try:
         with trio.fail_after(timeout):
             await sock.connect(remote)
     except trio.TooSlowError:
         sock.close()
-        raise PunchFailed(f"simultaneous open to {remote[0]}:{remote[1]} timed out after "
-                          f"{timeout:g} s (symmetric NAT or a firewall in the way)") from None
+        raise PunchFailed(
+            f"simultaneous open to {remote[0]}:{remote[1]} timed out after "
+            f"{timeout:g} s (symmetric NAT or a firewall in the way)"
+        ) from None
     except OSError as e:
         sock.close()
         raise PunchFailed(f"simultaneous open to {remote[0]}:{remote[1]} failed: {e}") from None
@@ -136,8 +144,9 @@ class DataPlanePunch:
     Installs itself as `streams.direct_opener`; serves `PUNCH_RPC`.
     """
 
-    def __init__(self, host: Host, streams: TensorStreams, reachability: ReachabilityService,
-                 config: HolePunchConfig) -> None:
+    def __init__(
+        self, host: Host, streams: TensorStreams, reachability: ReachabilityService, config: HolePunchConfig
+    ) -> None:
         self.host = host
         self.streams = streams
         self.reachability = reachability
@@ -166,8 +175,9 @@ class DataPlanePunch:
         try:
             t0 = time.monotonic()
             try:
-                reply = await self.host.rpc.call(peer, PUNCH_RPC, {
-                    "op": "prepare", "addr": [self._my_ip(), port], "public": self._public()})
+                reply = await self.host.rpc.call(
+                    peer, PUNCH_RPC, {"op": "prepare", "addr": [self._my_ip(), port], "public": self._public()}
+                )
             except RpcUnavailable:  # an older peer without this RPC (or gone: the plain path says)
                 return None
             except RemoteError as e:
@@ -189,8 +199,7 @@ class DataPlanePunch:
                     with trio.fail_after(self.config.connect_timeout):
                         stream = await trio.open_tcp_stream(ip, remote[1])
                 except (OSError, trio.TooSlowError) as e:
-                    raise PunchFailed(f"{peer}'s data plane at {ip}:{remote[1]} is unreachable: "
-                                      f"{e!r}") from None
+                    raise PunchFailed(f"{peer}'s data plane at {ip}:{remote[1]} is unreachable: {e!r}") from None
                 return stream, sid, key
             token = reply.get("token")
             if reply["mode"] != "punch" or not isinstance(token, bytes):
@@ -201,8 +210,9 @@ class DataPlanePunch:
             stream = await self._go(peer, token, sock, remote, delay)
             sock = None
             self.stats["punched"] += 1
-            log.info(kv("data plane punched", peer=peer, remote=f"{remote[0]}:{remote[1]}",
-                        rtt_ms=round(rtt * 1000, 1)))
+            log.info(
+                kv("data plane punched", peer=peer, remote=f"{remote[0]}:{remote[1]}", rtt_ms=round(rtt * 1000, 1))
+            )
             return stream, sid, key
         except PunchFailed:
             self.stats["punch_failed"] += 1
@@ -214,15 +224,14 @@ class DataPlanePunch:
             if sock is not None:
                 sock.close()
 
-    async def _go(self, peer: str, token: bytes, sock: Any, remote: tuple[str, int],
-                  delay: float) -> trio.SocketStream:
+    async def _go(self, peer: str, token: bytes, sock: Any, remote: tuple[str, int], delay: float) -> trio.SocketStream:
         server_result: dict[str, Any] = {}
 
         async def tell_server() -> None:
             try:
                 server_result["reply"] = await self.host.rpc.call(
-                    peer, PUNCH_RPC, {"op": "go", "token": token},
-                    timeout=self.config.connect_timeout + 10)
+                    peer, PUNCH_RPC, {"op": "go", "token": token}, timeout=self.config.connect_timeout + 10
+                )
             except RpcError as e:
                 server_result["error"] = str(e)
 
@@ -258,8 +267,13 @@ class DataPlanePunch:
         sid, key = self.streams.new_session(peer)
         if self.reachability.status != PRIVATE:  # public, or not known to be behind a NAT
             self.stats["listen"] += 1
-            return {"mode": "listen", "sid": sid, "key": key, "public": True,
-                    "addr": [self._my_ip(), int(self.streams.port or 0)]}
+            return {
+                "mode": "listen",
+                "sid": sid,
+                "key": key,
+                "public": True,
+                "addr": [self._my_ip(), int(self.streams.port or 0)],
+            }
         now = time.monotonic()
         for t, p in list(self._pending.items()):
             if now - p.created > PENDING_TTL:
@@ -271,8 +285,14 @@ class DataPlanePunch:
         token = os.urandom(16)
         delay = self.config.public_first_margin if req["public"] is True else 0.0
         self._pending[token] = _Pending(peer, sock, remote, delay, now)
-        return {"mode": "punch", "sid": sid, "key": key, "token": token, "public": False,
-                "addr": [self._my_ip(), sock.getsockname()[1]]}
+        return {
+            "mode": "punch",
+            "sid": sid,
+            "key": key,
+            "token": token,
+            "public": False,
+            "addr": [self._my_ip(), sock.getsockname()[1]],
+        }
 
     async def _run_go(self, peer: str, req: dict) -> dict:
         token = req["token"]
@@ -283,8 +303,7 @@ class DataPlanePunch:
             raise RemoteError("unknown_token", "no such punch (expired?)")
         await trio.sleep(pending.delay)
         try:
-            stream = await _simultaneous_connect(pending.sock, pending.remote,
-                                                 self.config.connect_timeout)
+            stream = await _simultaneous_connect(pending.sock, pending.remote, self.config.connect_timeout)
         except PunchFailed as e:
             self.stats["punch_failed"] += 1
             return {"ok": False, "error": str(e)}
@@ -309,13 +328,17 @@ class HolePunchService(Service):
     exists), `punch.connection_type(peer)` for membership.
     """
 
-    def __init__(self, host: Host, reachability: ReachabilityService,
-                 streams: TensorStreams | None = None, config: HolePunchConfig | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        reachability: ReachabilityService,
+        streams: TensorStreams | None = None,
+        config: HolePunchConfig | None = None,
+    ) -> None:
         self.host = host
         self.config = config or HolePunchConfig()
         self.dcutr = DCUtRProtocol(host.libp2p)
-        self.data_plane = (DataPlanePunch(host, streams, reachability, self.config)
-                           if streams is not None else None)
+        self.data_plane = DataPlanePunch(host, streams, reachability, self.config) if streams is not None else None
 
     async def _start(self, stack: AsyncExitStack) -> None:
         await stack.enter_async_context(background_trio_service(self.dcutr))

@@ -227,8 +227,10 @@ class Host(Service):
             return self.peer_id
         if "/p2p-circuit" in str(maddr):
             if self.circuit_dialer is None:
-                raise ConnectError(f"{addr!s} is a relay (circuit) address and this host has no "
-                                   "relay client: start a RelayService on it")
+                raise ConnectError(
+                    f"{addr!s} is a relay (circuit) address and this host has no "
+                    "relay client: start a RelayService on it"
+                )
             return await self.circuit_dialer(str(maddr), timeout or self.config.connect_timeout)
         try:
             with trio.fail_after(timeout or self.config.connect_timeout):
@@ -281,7 +283,7 @@ class Host(Service):
             log.debug(kv("disconnect failed", peer=peer, error=repr(e)))
 
     def connection_type(self, peer: str) -> str | None:
-        """"direct" if a live connection to `peer` runs over its own socket, "relayed" if we only
+        """ "direct" if a live connection to `peer` runs over its own socket, "relayed" if we only
         reach it through a circuit relay, None if not connected."""
         conns = self.libp2p.get_network().connections.get(ID.from_base58(peer), [])
         kinds = {"relayed" if is_relayed_connection(c) else "direct" for c in conns}

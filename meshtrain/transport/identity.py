@@ -72,8 +72,7 @@ class Identity:
             raise IdentityError(f"cannot read identity key {path}: {e.strerror}") from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise IdentityError(
-                f"identity key {path} is accessible by other users (mode {stat.filemode(mode)}); "
-                f"run `chmod 600 {path}`"
+                f"identity key {path} is accessible by other users (mode {stat.filemode(mode)}); run `chmod 600 {path}`"
             )
         if not raw.startswith(_MAGIC) or len(raw) != len(_MAGIC) + _SEED_BYTES:
             raise IdentityError(

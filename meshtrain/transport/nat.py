@@ -69,14 +69,18 @@ class NatTraversal(Service):
     servers: returns peer ids to ask for dial-backs (default: directly connected peers).
     """
 
-    def __init__(self, host: Host, streams: TensorStreams | None = None, *,
-                 relays: Callable[[], Sequence[str]] = lambda: (),
-                 servers: Callable[[], Sequence[str]] | None = None,
-                 config: NatConfig | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        streams: TensorStreams | None = None,
+        *,
+        relays: Callable[[], Sequence[str]] = lambda: (),
+        servers: Callable[[], Sequence[str]] | None = None,
+        config: NatConfig | None = None,
+    ) -> None:
         self.host = host
         self.config = config or NatConfig()
-        self.reachability = ReachabilityService(host, servers=servers,
-                                                config=self.config.reachability)
+        self.reachability = ReachabilityService(host, servers=servers, config=self.config.reachability)
         self.relay = RelayService(host, self.config.relay)
         self.punch = HolePunchService(host, self.reachability, streams, self.config.holepunch)
         self.streams = streams
@@ -91,7 +95,8 @@ class NatTraversal(Service):
             if self.streams is not None and self.streams.port:
                 ports.append(self.streams.port)
             self.upnp = await stack.enter_async_context(
-                PortMapper(ports, discover_timeout=self.config.upnp_discover_timeout))
+                PortMapper(ports, discover_timeout=self.config.upnp_discover_timeout)
+            )
         await stack.enter_async_context(self.reachability)
         await stack.enter_async_context(self.relay)
         await stack.enter_async_context(self.punch)
@@ -125,8 +130,7 @@ class NatTraversal(Service):
             return self.relay.circuit_addrs
         if self.reachability.status == PUBLIC and self.reachability.report.observed_ip:
             ip = self.reachability.report.observed_ip
-            seen = [f"/ip4/{ip}/tcp/{port}/p2p/{self.host.peer_id}"
-                    for port in tcp_listen_ports(self.host)]
+            seen = [f"/ip4/{ip}/tcp/{port}/p2p/{self.host.peer_id}" for port in tcp_listen_ports(self.host)]
             return list(dict.fromkeys([*seen, *self.host.addrs]))
         return self.host.addrs
 

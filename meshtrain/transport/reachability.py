@@ -152,8 +152,13 @@ class ReachabilityService(Service):
     `probe()` never raises for a single failing server; it returns UNKNOWN when nobody answered.
     """
 
-    def __init__(self, host: Host, *, servers: Callable[[], Sequence[str]] | None = None,
-                 config: ReachabilityConfig | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        servers: Callable[[], Sequence[str]] | None = None,
+        config: ReachabilityConfig | None = None,
+    ) -> None:
         self.host = host
         self.config = config or ReachabilityConfig()
         self._servers = servers
@@ -190,8 +195,9 @@ class ReachabilityService(Service):
 
     async def _start(self, stack: AsyncExitStack) -> None:
         if self.config.serve:
-            self.host.rpc.serve(DIALBACK_RPC, self._serve_dialback,
-                                handler_timeout=self.config.dialback_timeout * MAX_PORTS + 5)
+            self.host.rpc.serve(
+                DIALBACK_RPC, self._serve_dialback, handler_timeout=self.config.dialback_timeout * MAX_PORTS + 5
+            )
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         if self.config.probe_interval > 0:
             self._nursery.start_soon(self._probe_loop)
@@ -210,16 +216,16 @@ class ReachabilityService(Service):
         if self._servers is not None:
             peers = list(self._servers())
         else:
-            peers = [p for p in self.host.connected_peers()
-                     if self.host.connection_type(p) == "direct"]
+            peers = [p for p in self.host.connected_peers() if self.host.connection_type(p) == "direct"]
         return [p for p in peers if p != self.host.peer_id]
 
     async def probe(self, servers: Sequence[str] | None = None) -> ReachabilityReport:
         """Ask up to `max_servers` servers to dial us back; update and return the report."""
         candidates = list(servers) if servers is not None else self._candidate_servers()
         if not candidates:
-            raise ReachabilityError("no directly connected peer to ask for a dial-back; "
-                                    "connect to a bootstrap or relay node first")
+            raise ReachabilityError(
+                "no directly connected peer to ask for a dial-back; connect to a bootstrap or relay node first"
+            )
         ports = tcp_listen_ports(self.host)[:MAX_PORTS]
         answers: list[DialbackAnswer] = []
         errors: list[str] = []
@@ -227,13 +233,17 @@ class ReachabilityService(Service):
         async def ask(server: str) -> None:
             try:
                 reply = await self.host.rpc.call(
-                    server, DIALBACK_RPC, {"ports": ports},
-                    timeout=self.config.dialback_timeout * MAX_PORTS + 10)
+                    server, DIALBACK_RPC, {"ports": ports}, timeout=self.config.dialback_timeout * MAX_PORTS + 10
+                )
                 reply = require_map(reply, "observed", "reached", "failed", error=MalformedMessage)
-                answers.append(DialbackAnswer(
-                    server, str(reply["observed"])[:64],
-                    tuple(str(a)[:128] for a in reply["reached"][:MAX_PORTS]),
-                    tuple(str(a)[:128] for a in reply["failed"][:MAX_PORTS])))
+                answers.append(
+                    DialbackAnswer(
+                        server,
+                        str(reply["observed"])[:64],
+                        tuple(str(a)[:128] for a in reply["reached"][:MAX_PORTS]),
+                        tuple(str(a)[:128] for a in reply["failed"][:MAX_PORTS]),
+                    )
+                )
             except (RpcError, Exception) as e:  # one server's failure is one missing vote
                 errors.append(f"{server[-8:]}: {type(e).__name__}: {e}")
 
@@ -242,8 +252,15 @@ class ReachabilityService(Service):
                 nursery.start_soon(ask, server)
         report = _decide(answers, errors)
         self._set(report)
-        log.info(kv("reachability probed", status=report.status, observed_ip=report.observed_ip,
-                    answers=len(answers), errors=len(errors)))
+        log.info(
+            kv(
+                "reachability probed",
+                status=report.status,
+                observed_ip=report.observed_ip,
+                answers=len(answers),
+                errors=len(errors),
+            )
+        )
         return report
 
     def _set(self, report: ReachabilityReport) -> None:
@@ -261,8 +278,12 @@ class ReachabilityService(Service):
     async def _serve_dialback(self, peer: str, request: Any) -> dict:
         req = require_map(request, "ports", error=MalformedMessage)
         ports = req["ports"]
-        if (not isinstance(ports, list) or not ports or len(ports) > MAX_PORTS
-                or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
+        if (
+            not isinstance(ports, list)
+            or not ports
+            or len(ports) > MAX_PORTS
+            or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)
+        ):
             raise RemoteError(MALFORMED, f"ports must be 1..{MAX_PORTS} TCP ports")
         now = time.monotonic()
         if now - self._last_request.get(peer, -1e9) < MIN_REQUEST_INTERVAL:

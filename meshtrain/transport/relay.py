@@ -58,8 +58,17 @@ from meshtrain.transport.rpc import close_quietly, reset_quietly
 
 log = get_logger(__name__)
 
-__all__ = ["HOP_PROTOCOL", "STOP_PROTOCOL", "RelayConfig", "RelayService", "Reservation",
-           "RelayError", "ReservationRefused", "CircuitRefused", "split_circuit_addr"]
+__all__ = [
+    "HOP_PROTOCOL",
+    "STOP_PROTOCOL",
+    "RelayConfig",
+    "RelayService",
+    "Reservation",
+    "RelayError",
+    "ReservationRefused",
+    "CircuitRefused",
+    "split_circuit_addr",
+]
 
 # Defaults sized for training through a relay (py-libp2p: 1 h, 1 GiB, 4 reservations, 8 circuits).
 DEFAULT_CIRCUIT_DURATION = 6 * 3600.0
@@ -130,10 +139,13 @@ class RelayConfig:
             raise ValueError("refresh_fraction must be in [0.1, 1)")
 
     def limits(self) -> RelayLimits:
-        return RelayLimits(duration=int(self.circuit_duration), data=int(self.circuit_bytes),
-                           max_circuit_conns=self.max_circuits_per_peer,
-                           max_reservations=self.max_reservations,
-                           reservation_ttl=int(self.reservation_ttl))
+        return RelayLimits(
+            duration=int(self.circuit_duration),
+            data=int(self.circuit_bytes),
+            max_circuit_conns=self.max_circuits_per_peer,
+            max_reservations=self.max_reservations,
+            reservation_ttl=int(self.reservation_ttl),
+        )
 
 
 @dataclass(frozen=True)
@@ -178,17 +190,21 @@ class MeshtrainRelayProtocol(CircuitV2Protocol):
         super().__init__(host, limits, allow_hop=allow_hop)
         self.stats = {"bytes": 0, "limit_resets": 0}
 
-    async def _relay_data(self, src_stream: Any, dst_stream: Any, peer_id: ID,
-                          deadline: float | None = None,
-                          circuit_data_limit: list[int] | None = None) -> None:
+    async def _relay_data(
+        self,
+        src_stream: Any,
+        dst_stream: Any,
+        peer_id: ID,
+        deadline: float | None = None,
+        circuit_data_limit: list[int] | None = None,
+    ) -> None:
         """Copy src -> dst until EOF, a reset, or a limit; a limit or error resets both legs.
 
         The two directions of one circuit share `circuit_data_limit` (a one-element list) and
         `deadline`; the parent starts one call per direction."""
         reset = False
         # The parent's deadline is on time.monotonic(); trio's clock has its own offset.
-        trio_deadline = (float("inf") if deadline is None
-                         else trio.current_time() + (deadline - time.monotonic()))
+        trio_deadline = float("inf") if deadline is None else trio.current_time() + (deadline - time.monotonic())
         try:
             while True:
                 with trio.move_on_at(trio_deadline) as scope:
@@ -240,8 +256,7 @@ class RelayService(Service):
     def __init__(self, host: Host, config: RelayConfig | None = None) -> None:
         self.host = host
         self.config = config or RelayConfig()
-        self.protocol = MeshtrainRelayProtocol(host.libp2p, self.config.limits(),
-                                               allow_hop=self.config.serve)
+        self.protocol = MeshtrainRelayProtocol(host.libp2p, self.config.limits(), allow_hop=self.config.serve)
         self.reservations: dict[str, Reservation] = {}
         self._callbacks: list[Callable[[list[str]], None]] = []
         self._connect_locks: dict[str, trio.Lock] = {}
@@ -320,14 +335,24 @@ class RelayService(Service):
         circuits = tuple(f"{b}/p2p-circuit/p2p/{me}" for b in dict.fromkeys(bases))
         old = self.reservations.get(relay)
         res = Reservation(
-            relay=relay, relay_addr=relay_addr, circuit_addrs=circuits,
-            expires_at=float(resp.reservation.expire), granted_at=time.time(),
+            relay=relay,
+            relay_addr=relay_addr,
+            circuit_addrs=circuits,
+            expires_at=float(resp.reservation.expire),
+            granted_at=time.time(),
             circuit_duration=int(resp.limit.duration) if resp.HasField("limit") else 0,
             circuit_bytes=int(resp.limit.data) if resp.HasField("limit") else 0,
-            refreshes=(old.refreshes + 1) if old else 0)
+            refreshes=(old.refreshes + 1) if old else 0,
+        )
         self.reservations[relay] = res
-        log.info(kv("relay reservation held", relay=relay, expires_in=round(res.expires_at - time.time()),
-                    refreshes=res.refreshes))
+        log.info(
+            kv(
+                "relay reservation held",
+                relay=relay,
+                expires_in=round(res.expires_at - time.time()),
+                refreshes=res.refreshes,
+            )
+        )
         if old is None or old.circuit_addrs != res.circuit_addrs:
             self._changed()
         return res
@@ -376,9 +401,10 @@ class RelayService(Service):
                 except (RelayError, ConnectError, StreamOpenError, trio.TooSlowError) as e:
                     log.info(kv("relay reservation failed", relay=relay, error=str(e)))
                     failed_until[relay] = time.time() + 30
-            wake = min([DEFAULT_KEEP_CHECK]
-                       + [r.refresh_due(self.config.refresh_fraction) - time.time()
-                          for r in self.reservations.values()])
+            wake = min(
+                [DEFAULT_KEEP_CHECK]
+                + [r.refresh_due(self.config.refresh_fraction) - time.time() for r in self.reservations.values()]
+            )
             await trio.sleep(max(0.2, wake))
 
     # -- client: circuits -----------------------------------------------------------------
@@ -425,24 +451,24 @@ class RelayService(Service):
                     if self.host.is_connected(target):
                         return target
                     relay = await self.host.connect(relay_addr)
-                    msg = HopMessage(type=HopMessage.CONNECT,
-                                     peer=CircuitPeerId(id=ID.from_base58(target).to_bytes()))
+                    msg = HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=ID.from_base58(target).to_bytes()))
                     try:
                         resp, stream = await self._hop_exchange(relay, msg)
                     except RelayError as e:
                         raise ConnectError(f"could not connect to {circuit_addr}: {e}") from None
                     if resp.status != StatusCode.OK:
                         raise CircuitRefused(target, _status_name(resp.status))
-                    raw = RawConnection(stream=stream, initiator=True,
-                                        connection_type=ConnectionType.RELAYED,
-                                        addresses=[multiaddr.Multiaddr(
-                                            f"/p2p/{relay}/p2p-circuit/p2p/{target}")])
+                    raw = RawConnection(
+                        stream=stream,
+                        initiator=True,
+                        connection_type=ConnectionType.RELAYED,
+                        addresses=[multiaddr.Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{target}")],
+                    )
                     try:
                         await self.host.libp2p.upgrade_outbound_connection(raw, ID.from_base58(target))
                     except Exception as e:
                         await reset_quietly(stream)
-                        raise ConnectError(f"relayed connection to {target} failed its "
-                                           f"handshake: {e}") from None
+                        raise ConnectError(f"relayed connection to {target} failed its handshake: {e}") from None
         except trio.TooSlowError:
             raise ConnectError(f"could not connect to {circuit_addr} within {deadline:g} s") from None
         finally:

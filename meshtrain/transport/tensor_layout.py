@@ -66,9 +66,7 @@ class TensorSpec:
         if dtype not in DTYPES:
             raise LayoutError(f"dtype {dtype!r:.40} is not allowed")
         if not (
-            isinstance(shape, list)
-            and len(shape) <= MAX_NDIM
-            and all(is_int(d) and 0 <= d < 2**40 for d in shape)
+            isinstance(shape, list) and len(shape) <= MAX_NDIM and all(is_int(d) and 0 <= d < 2**40 for d in shape)
         ):
             raise LayoutError(f"bad shape for {name!r}")
         return cls(name, dtype, tuple(shape))

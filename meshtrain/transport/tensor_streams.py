@@ -131,8 +131,17 @@ NOT_A_MEMBER = "not-a-member"
 AUTHORIZE_TIMED_OUT = "authorize-timeout"
 AUTHORIZE_FAILED = "authorize-error"
 TOO_MANY_PENDING = "too-many-pending"
-REFUSAL_REASONS = (NOT_A_MEMBER, AUTHORIZE_TIMED_OUT, AUTHORIZE_FAILED, TOO_MANY_PENDING,
-                   "unclaimed", "busy", "cancelled", "layout", "digest")
+REFUSAL_REASONS = (
+    NOT_A_MEMBER,
+    AUTHORIZE_TIMED_OUT,
+    AUTHORIZE_FAILED,
+    TOO_MANY_PENDING,
+    "unclaimed",
+    "busy",
+    "cancelled",
+    "layout",
+    "digest",
+)
 
 HEADER, ACCEPT, DATA, TRAILER, ACK, ERROR = 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct(">IB")  # frame length (kind byte + body), kind
@@ -257,9 +266,7 @@ class _Channel:
         out = memoryview(self._out)
         _HEAD.pack_into(out, 0, n + 1, kind)
         if self._send_aead is not None:
-            self._send_aead.encrypt_into(
-                self._nonce(self._send_ctr), body, bytes([kind]), out[_HEAD.size : need]
-            )
+            self._send_aead.encrypt_into(self._nonce(self._send_ctr), body, bytes([kind]), out[_HEAD.size : need])
             self._send_ctr += 1
             await self.framed.write(out[:need])
         elif len(body) < 65536:
@@ -425,8 +432,13 @@ class TensorStreams(Service):
       under `config.authorize_timeout`; a timeout or an exception counts as "no".
     """
 
-    def __init__(self, host: Host, config: DataPlaneConfig | None = None, *,
-                 authorize: Callable[[str], Awaitable[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        config: DataPlaneConfig | None = None,
+        *,
+        authorize: Callable[[str], Awaitable[bool]] | None = None,
+    ) -> None:
         self.host = host
         self.config = config or DataPlaneConfig()
         self.authorize = authorize
@@ -518,8 +530,9 @@ class TensorStreams(Service):
         except trio.TooSlowError:
             raise TransferError(f"sending {tag!r} to {peer} took longer than {timeout:g} s") from None
 
-    async def _send_with_retries(self, peer: str, tag: str, header: dict, views: list[memoryview],
-                                 total: int, timeout: float | None) -> SendReport:
+    async def _send_with_retries(
+        self, peer: str, tag: str, header: dict, views: list[memoryview], total: int, timeout: float | None
+    ) -> SendReport:
         t0 = time.perf_counter()
         resumes = 0
         with trio.fail_after(timeout) if timeout else nullcontext():
@@ -679,7 +692,12 @@ class TensorStreams(Service):
                 if ip is None:
                     raise OSError("no live libp2p connection to learn the peer's address from")
                 sess = (reply["sid"], reply["key"], ip, int(reply["port"]))
-                if not (isinstance(sess[0], bytes) and len(sess[0]) == SID_BYTES and isinstance(sess[1], bytes) and len(sess[1]) == 32):
+                if not (
+                    isinstance(sess[0], bytes)
+                    and len(sess[0]) == SID_BYTES
+                    and isinstance(sess[1], bytes)
+                    and len(sess[1]) == 32
+                ):
                     raise HandshakeError("malformed session reply")
                 self._client_sessions[peer] = sess
             sid, key, ip, port = sess
@@ -695,8 +713,7 @@ class TensorStreams(Service):
                     raise HandshakeError(f"data-plane handshake with {peer} failed: {e}") from None
         raise HandshakeError(f"data-plane handshake with {peer} failed")
 
-    async def _client_handshake(self, peer: str, stream: trio.SocketStream, sid: bytes,
-                                key: bytes) -> _Channel:
+    async def _client_handshake(self, peer: str, stream: trio.SocketStream, sid: bytes, key: bytes) -> _Channel:
         """Open a data-plane connection as the client on an already connected TCP stream."""
         cnonce = os.urandom(NONCE_BYTES)
         await stream.send_all(MAGIC + sid + cnonce)
@@ -844,9 +861,14 @@ class TensorStreams(Service):
     async def _receive_one(self, ch: _Channel, peer: str, header: Any) -> None:
         header = require_map(header, "tag", "xfer", "specs", "meta", "digest", error=MalformedMessage)
         tag, xfer, meta, hdigest = header["tag"], header["xfer"], header["meta"], header["digest"]
-        if not (isinstance(tag, str) and len(tag) <= MAX_TAG_CHARS and isinstance(xfer, bytes)
-                and len(xfer) == 16 and isinstance(meta, dict)
-                and (hdigest is None or isinstance(hdigest, bytes) and len(hdigest) == 32)):
+        if not (
+            isinstance(tag, str)
+            and len(tag) <= MAX_TAG_CHARS
+            and isinstance(xfer, bytes)
+            and len(xfer) == 16
+            and isinstance(meta, dict)
+            and (hdigest is None or isinstance(hdigest, bytes) and len(hdigest) == 32)
+        ):
             raise MalformedMessage("bad transfer header")
         part = self._partials.get((peer, xfer))
         if part is not None and part.slot.cancelled:
@@ -968,8 +990,7 @@ class TensorStreams(Service):
         if slot is None:  # an early sender: it must wait, if there is room
             waiting = self._waiting.get(peer, 0)
             if waiting >= self.config.max_pending_per_peer:
-                raise _Refusal(TOO_MANY_PENDING, f"{waiting} of your transfers already wait for "
-                                                 "their receive here")
+                raise _Refusal(TOO_MANY_PENDING, f"{waiting} of your transfers already wait for their receive here")
             if sum(self._waiting.values()) >= self.config.max_pending:
                 raise _Refusal(TOO_MANY_PENDING, "too many transfers already wait for their receive here")
             slot = _Slot(peer, tag)
@@ -1021,8 +1042,9 @@ class TensorStreams(Service):
         if self._partials.get((peer, xfer)) is part and not part.active:
             del self._partials[(peer, xfer)]
             part.slot.finish(
-                error=PeerGone(f"{part.slot.tag!r} from {peer}: sender vanished after "
-                               f"{part.done} of {part.total} bytes")
+                error=PeerGone(
+                    f"{part.slot.tag!r} from {peer}: sender vanished after {part.done} of {part.total} bytes"
+                )
             )
 
 

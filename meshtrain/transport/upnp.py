@@ -90,9 +90,16 @@ class PortMapper(Service):
     async def _start(self, stack: AsyncExitStack) -> None:
         stack.push_async_callback(self._unmap)
         self.result = await self._map()
-        log.info(kv("upnp", gateway=self.result.gateway, external_ip=self.result.external_ip,
-                    mapped=list(self.result.mapped_ports), failed=list(self.result.failed_ports),
-                    error=self.result.error))
+        log.info(
+            kv(
+                "upnp",
+                gateway=self.result.gateway,
+                external_ip=self.result.external_ip,
+                mapped=list(self.result.mapped_ports),
+                failed=list(self.result.failed_ports),
+                error=self.result.error,
+            )
+        )
 
     async def _unmap(self) -> None:
         manager, self._manager = self._manager, None
@@ -123,5 +130,6 @@ class PortMapper(Service):
         mapped, failed = [], []
         for port in dict.fromkeys(self.ports):
             (mapped if await manager.add_port_mapping(port, "TCP") else failed).append(port)
-        return UpnpResult(gateway=True, external_ip=manager.get_external_ip(),
-                          mapped_ports=tuple(mapped), failed_ports=tuple(failed))
+        return UpnpResult(
+            gateway=True, external_ip=manager.get_external_ip(), mapped_ports=tuple(mapped), failed_ports=tuple(failed)
+        )

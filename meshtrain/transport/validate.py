@@ -59,8 +59,9 @@ def require_map(value: Any, *keys: str, what: str = "message", error: ErrorFacto
     return value
 
 
-def require_int(value: Any, what: str, lo: int | None = None, hi: int | None = None, *,
-                error: ErrorFactory = Malformed) -> int:
+def require_int(
+    value: Any, what: str, lo: int | None = None, hi: int | None = None, *, error: ErrorFactory = Malformed
+) -> int:
     """An int (not a bool) in lo..hi (inclusive; None: unbounded on that side)."""
     if not is_int(value):
         raise error(f"{what} must be an integer, got {type(value).__name__}")
@@ -69,8 +70,15 @@ def require_int(value: Any, what: str, lo: int | None = None, hi: int | None = N
     return value
 
 
-def require_number(value: Any, what: str, lo: float | None = None, hi: float | None = None, *,
-                   finite: bool = True, error: ErrorFactory = Malformed) -> float:
+def require_number(
+    value: Any,
+    what: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    finite: bool = True,
+    error: ErrorFactory = Malformed,
+) -> float:
     """An int or float (not a bool), finite unless `finite=False`, in lo..hi (inclusive)."""
     if not is_number(value) or (finite and not math.isfinite(value)):
         raise error(f"{what} must be a {'finite ' if finite else ''}number, got {value!r:.40}")
@@ -91,20 +99,28 @@ def require_str(value: Any, what: str, max_len: int | None = None, *, error: Err
     return value
 
 
-def require_bytes(value: Any, what: str, *, length: int | None = None, max_len: int | None = None,
-                  error: ErrorFactory = Malformed) -> bytes:
-    if not isinstance(value, bytes) or (length is not None and len(value) != length) or (
-            max_len is not None and len(value) > max_len):
+def require_bytes(
+    value: Any, what: str, *, length: int | None = None, max_len: int | None = None, error: ErrorFactory = Malformed
+) -> bytes:
+    if (
+        not isinstance(value, bytes)
+        or (length is not None and len(value) != length)
+        or (max_len is not None and len(value) > max_len)
+    ):
         size = f" of {length} bytes" if length is not None else (f" of at most {max_len} bytes" if max_len else "")
         raise error(f"{what} must be bytes{size}")
     return value
 
 
-def require_list(value: Any, what: str, *, length: int | None = None, max_len: int | None = None,
-                 error: ErrorFactory = Malformed) -> list[Any]:
+def require_list(
+    value: Any, what: str, *, length: int | None = None, max_len: int | None = None, error: ErrorFactory = Malformed
+) -> list[Any]:
     """A list of exactly `length`, or at most `max_len`, items."""
-    if not isinstance(value, list) or (length is not None and len(value) != length) or (
-            max_len is not None and len(value) > max_len):
+    if (
+        not isinstance(value, list)
+        or (length is not None and len(value) != length)
+        or (max_len is not None and len(value) > max_len)
+    ):
         size = f" of {length} items" if length is not None else (f" of at most {max_len} items" if max_len else "")
         raise error(f"{what} must be a list{size}")
     return value

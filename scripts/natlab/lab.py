@@ -141,16 +141,16 @@ def _fmt_cmd(argv: Sequence[str]) -> str:
     return " ".join(argv)
 
 
-def run_command(argv: Sequence[str], *, input: str | None = None,
-                timeout: float = COMMAND_TIMEOUT_S,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_command(
+    argv: Sequence[str], *, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run one admin command, capturing output; raise LabError with its stderr on failure."""
     try:
-        proc = subprocess.run(list(argv), input=input, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError as e:
-        raise LabUnavailable(f"{argv[0]!r} not found: install iproute2 and nftables "
-                             f"(apt-get install -y iproute2 nftables)") from e
+        raise LabUnavailable(
+            f"{argv[0]!r} not found: install iproute2 and nftables (apt-get install -y iproute2 nftables)"
+        ) from e
     except subprocess.TimeoutExpired as e:
         raise LabError(f"`{_fmt_cmd(argv)}` did not finish within {timeout:.0f} s") from e
     if check and proc.returncode != 0:
@@ -179,14 +179,12 @@ def check_support() -> None:
         raise LabUnavailable("the NAT lab needs root (network namespaces, nft)")
     missing = [tool for tool in ("ip", "nft", "tc") if shutil.which(tool) is None]
     if missing:
-        raise LabUnavailable(f"missing {', '.join(missing)}: "
-                             "apt-get install -y iproute2 nftables")
+        raise LabUnavailable(f"missing {', '.join(missing)}: apt-get install -y iproute2 nftables")
     probe = f"{NETNS_PREFIX}probe{secrets.token_hex(3)}-{os.getpid()}-x"
     try:
         run_command(["ip", "netns", "add", probe])
         try:
-            run_command(["ip", "-n", probe, "link", "add", "name", "va", "type", "veth",
-                         "peer", "name", "vb"])
+            run_command(["ip", "-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb"])
             run_command(_ns(probe, "nft", "add", "table", "ip", "natlab_probe"))
         finally:
             run_command(["ip", "netns", "del", probe], check=False)
@@ -293,16 +291,18 @@ class _SigtermAsExit:
     @classmethod
     def acquire(cls) -> None:
         cls._users += 1
-        if (cls._users == 1 and threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        if (
+            cls._users == 1
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
             signal.signal(signal.SIGTERM, cls._handler)
             cls._installed = True
 
     @classmethod
     def release(cls) -> None:
         cls._users = max(0, cls._users - 1)
-        if (cls._users == 0 and cls._installed
-                and threading.current_thread() is threading.main_thread()):
+        if cls._users == 0 and cls._installed and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) is cls._handler:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             cls._installed = False
@@ -377,10 +377,16 @@ class NatLab:
     namespace share the caller's filesystem (same venv, same files), only the network differs.
     """
 
-    def __init__(self, variants: Sequence[str | HomeSpec] = ("cone",), *,
-                 public_hosts: int | Sequence[str] = 1, hosts_per_home: int = 1,
-                 same_lan_subnet: bool = False, lab_id: str | None = None,
-                 owner: str | None = None) -> None:
+    def __init__(
+        self,
+        variants: Sequence[str | HomeSpec] = ("cone",),
+        *,
+        public_hosts: int | Sequence[str] = 1,
+        hosts_per_home: int = 1,
+        same_lan_subnet: bool = False,
+        lab_id: str | None = None,
+        owner: str | None = None,
+    ) -> None:
         self.homes = [v if isinstance(v, HomeSpec) else HomeSpec(nat=v) for v in variants]
         if isinstance(public_hosts, int):
             self.public_names = [f"pub{k}" for k in range(public_hosts)]
@@ -451,8 +457,9 @@ class NatLab:
         leftovers = destroy_lab(self.lab_id, self._created)
         self._created.clear()
         if leftovers:
-            raise LabError(f"could not remove lab namespaces {leftovers}; "
-                           f"try `python -m scripts.natlab.lab down {self.lab_id}`")
+            raise LabError(
+                f"could not remove lab namespaces {leftovers}; try `python -m scripts.natlab.lab down {self.lab_id}`"
+            )
 
     # ----------------------------------------------------------------------------- queries
 
@@ -501,16 +508,24 @@ class NatLab:
         self._procs.append(proc)
         return proc
 
-    def call(self, host: str, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True,
-             input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def call(
+        self, host: str, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run `argv` in `host`'s namespace to completion, capturing text output."""
         self._require_up()
         return run_command(_ns(self.netns(host), *argv), input=input, timeout=timeout, check=check)
 
     # ----------------------------------------------------------------------------- shaping
 
-    def throttle(self, host: str, rate_mbit: float, *, direction: str = "both",
-                 latency_ms: float = 50.0, burst_bytes: int | None = None) -> None:
+    def throttle(
+        self,
+        host: str,
+        rate_mbit: float,
+        *,
+        direction: str = "both",
+        latency_ms: float = 50.0,
+        burst_bytes: int | None = None,
+    ) -> None:
         """Limit the rate of `host`'s link to the next hop with a token bucket (tc tbf).
 
         For a public host or a router this is its internet link; for a private host, its LAN
@@ -526,9 +541,24 @@ class NatLab:
         # packet; veth hands tbf GSO super-packets, which tbf re-segments when they exceed it.
         burst = burst_bytes or max(32 * 1024, int(rate_bytes / 50))
         for netns, ifname in self._link_ends(host, direction):
-            run_command(_ns(netns, "tc", "qdisc", "replace", "dev", ifname, "root", "tbf",
-                    "rate", f"{rate_mbit}mbit", "burst", str(burst),
-                    "latency", f"{latency_ms}ms"))
+            run_command(
+                _ns(
+                    netns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    ifname,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    f"{latency_ms}ms",
+                )
+            )
 
     def unthrottle(self, host: str, *, direction: str = "both") -> None:
         """Remove limits set by `throttle` on `host`'s link; a no-op where there is none."""
@@ -539,8 +569,7 @@ class NatLab:
         self._require_up()
         self.host(host)
         link = self._links[host]
-        ends = {"up": [link.host_end], "down": [link.upstream_end],
-                "both": [link.host_end, link.upstream_end]}
+        ends = {"up": [link.host_end], "down": [link.upstream_end], "both": [link.host_end, link.upstream_end]}
         if direction not in ends:
             raise ValueError(f"direction must be 'up', 'down' or 'both', not {direction!r}")
         return ends[direction]
@@ -577,8 +606,7 @@ class NatLab:
 
         def add(h: LabHost, link: _Link) -> None:
             if not _NAME_RE.match(h.name) or h.name == "inet":
-                raise ValueError(f"host name {h.name!r} must match {_NAME_RE.pattern} "
-                                 "and not be 'inet'")
+                raise ValueError(f"host name {h.name!r} must match {_NAME_RE.pattern} and not be 'inet'")
             if h.name in plan.hosts:
                 raise ValueError(f"host name {h.name!r} used twice")
             plan.hosts[h.name] = h
@@ -587,24 +615,46 @@ class NatLab:
         for k, name in enumerate(self.public_names):
             addr = f"{INTERNET_PREFIX}.{PUBLIC_HOST_BASE + k}"
             ns = self._netns_name(name)
-            add(LabHost(name=name, role="public", netns=ns, addr=addr, public_addr=addr),
-                _Link(host_end=(ns, "eth0"), upstream_end=(inet, f"p{k}")))
+            add(
+                LabHost(name=name, role="public", netns=ns, addr=addr, public_addr=addr),
+                _Link(host_end=(ns, "eth0"), upstream_end=(inet, f"p{k}")),
+            )
         for i, home in enumerate(self.homes):
             wan = f"{INTERNET_PREFIX}.{ROUTER_BASE + i}"
             lan_net = "10.1.0" if self.same_lan_subnet else f"10.{i + 1}.0"
             router = f"r{i}"
             rns = self._netns_name(router)
-            add(LabHost(name=router, role="router", netns=rns, addr=wan, public_addr=wan, home=i,
-                        nat=home.nat, lan_addr=f"{lan_net}.1"),
-                _Link(host_end=(rns, "wan"), upstream_end=(inet, f"w{i}")))
+            add(
+                LabHost(
+                    name=router,
+                    role="router",
+                    netns=rns,
+                    addr=wan,
+                    public_addr=wan,
+                    home=i,
+                    nat=home.nat,
+                    lan_addr=f"{lan_net}.1",
+                ),
+                _Link(host_end=(rns, "wan"), upstream_end=(inet, f"w{i}")),
+            )
             names = home.hosts or (
-                (f"h{i}",) if self.hosts_per_home == 1
-                else tuple(f"h{i}_{j}" for j in range(self.hosts_per_home)))
+                (f"h{i}",) if self.hosts_per_home == 1 else tuple(f"h{i}_{j}" for j in range(self.hosts_per_home))
+            )
             for j, name in enumerate(names):
                 ns = self._netns_name(name)
-                add(LabHost(name=name, role="private", netns=ns, addr=f"{lan_net}.{10 + j}",
-                            public_addr=wan, home=i, router=router, nat=home.nat),
-                    _Link(host_end=(ns, "eth0"), upstream_end=(rns, f"l{j}")))
+                add(
+                    LabHost(
+                        name=name,
+                        role="private",
+                        netns=ns,
+                        addr=f"{lan_net}.{10 + j}",
+                        public_addr=wan,
+                        home=i,
+                        router=router,
+                        nat=home.nat,
+                    ),
+                    _Link(host_end=(ns, "eth0"), upstream_end=(rns, f"l{j}")),
+                )
         return plan
 
     def _add_netns(self, name: str) -> None:
@@ -618,8 +668,7 @@ class NatLab:
         (hns, hif), (uns, uif) = link.host_end, link.upstream_end
         # Created inside the host namespace with its peer placed straight into the upstream
         # namespace: no interface ever appears in the caller's namespace.
-        run_command(["ip", "-n", hns, "link", "add", "name", hif, "type", "veth",
-                     "peer", "name", uif, "netns", uns])
+        run_command(["ip", "-n", hns, "link", "add", "name", hif, "type", "veth", "peer", "name", uif, "netns", uns])
         run_command(["ip", "-n", uns, "link", "set", uif, "master", upstream_bridge, "up"])
         run_command(["ip", "-n", hns, "addr", "add", addr_cidr, "dev", hif])
         run_command(["ip", "-n", hns, "link", "set", hif, "up"])
@@ -643,8 +692,7 @@ class NatLab:
             else:
                 self._veth(link, f"{h.addr}/24", "lan")
                 router = plan.hosts[h.router or ""]
-                run_command(["ip", "-n", h.netns, "route", "add", "default",
-                             "via", router.lan_addr or ""])
+                run_command(["ip", "-n", h.netns, "route", "add", "default", "via", router.lan_addr or ""])
         for h in plan.hosts.values():
             if h.role == "router":
                 ruleset = _nft_ruleset(h.nat or "", "wan", h.addr)
@@ -661,8 +709,11 @@ def _status() -> int:
         return 0
     for lab_id, names in sorted(labs.items()):
         owner = _owner_of(names)
-        state = "manual" if owner == MANUAL_OWNER else (
-            f"owner pid {owner} " + ("alive" if _owner_alive(owner) else "GONE (stale)"))
+        state = (
+            "manual"
+            if owner == MANUAL_OWNER
+            else (f"owner pid {owner} " + ("alive" if _owner_alive(owner) else "GONE (stale)"))
+        )
         print(f"lab {lab_id}: {len(names)} namespaces, {state}")
         for name in sorted(names):
             proc = run_command(["ip", "-j", "-n", name, "-4", "addr", "show"], check=False)
@@ -679,21 +730,22 @@ def _status() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.natlab.lab",
-        description="Build, list or remove network-namespace NAT labs (needs root).")
+        description="Build, list or remove network-namespace NAT labs (needs root).",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="build a lab and leave it running; prints its hosts")
-    p_up.add_argument("--variants", default="cone,symmetric",
-                      help="comma-separated NAT variants, one home each "
-                           f"({','.join(NAT_VARIANTS)})")
+    p_up.add_argument(
+        "--variants",
+        default="cone,symmetric",
+        help=f"comma-separated NAT variants, one home each ({','.join(NAT_VARIANTS)})",
+    )
     p_up.add_argument("--public", type=int, default=2, help="number of public hosts")
     p_up.add_argument("--hosts-per-home", type=int, default=1)
     p_up.add_argument("--same-lan-subnet", action="store_true")
     p_down = sub.add_parser("down", help="remove labs")
     p_down.add_argument("lab_ids", nargs="*", help="lab ids to remove")
-    p_down.add_argument("--all", action="store_true",
-                        help="remove every lab except those owned by a live process")
-    p_down.add_argument("--force", action="store_true",
-                        help="with --all: also remove labs owned by live processes")
+    p_down.add_argument("--all", action="store_true", help="remove every lab except those owned by a live process")
+    p_down.add_argument("--force", action="store_true", help="with --all: also remove labs owned by live processes")
     sub.add_parser("status", help="list labs and their addresses")
     args = parser.parse_args(argv)
 
@@ -703,8 +755,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "up":
             check_support()
             variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-            lab = NatLab(variants, public_hosts=args.public, hosts_per_home=args.hosts_per_home,
-                         same_lan_subnet=args.same_lan_subnet, owner=MANUAL_OWNER)
+            lab = NatLab(
+                variants,
+                public_hosts=args.public,
+                hosts_per_home=args.hosts_per_home,
+                same_lan_subnet=args.same_lan_subnet,
+                owner=MANUAL_OWNER,
+            )
             lab.up()
             atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
             print(lab.describe())
@@ -715,9 +772,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         labs = list_labs()
         targets = list(args.lab_ids)
         if args.all:
-            targets += [i for i, names in labs.items()
-                        if args.force or _owner_of(names) == MANUAL_OWNER
-                        or not _owner_alive(_owner_of(names))]
+            targets += [
+                i
+                for i, names in labs.items()
+                if args.force or _owner_of(names) == MANUAL_OWNER or not _owner_alive(_owner_of(names))
+            ]
         if not targets:
             parser.error("name lab ids to remove, or pass --all")
         failed = False

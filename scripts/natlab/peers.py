@@ -37,15 +37,24 @@ class LabPeer:
     mdns:        a swarm id: discover peers of that swarm on the LAN over mDNS.
     """
 
-    def __init__(self, lab: NatLab, host: str, *, serve_relay: bool = False,
-                 relay: dict[str, Any] | None = None, data_plane: bool = True,
-                 log_path: str | None = None, log_level: str = "INFO", port: int = 4001,
-                 mdns: str = "", wait: bool = True) -> None:
+    def __init__(
+        self,
+        lab: NatLab,
+        host: str,
+        *,
+        serve_relay: bool = False,
+        relay: dict[str, Any] | None = None,
+        data_plane: bool = True,
+        log_path: str | None = None,
+        log_level: str = "INFO",
+        port: int = 4001,
+        mdns: str = "",
+        wait: bool = True,
+    ) -> None:
         self.lab, self.name = lab, host
         self.first_probe: dict[str, Any] | None = None  # a test's record of an early probe
         self.log_path = log_path or os.devnull
-        argv = [sys.executable, PEER_SCRIPT, "--listen", lab.addr(host), "--port", str(port),
-                "--log", log_level]
+        argv = [sys.executable, PEER_SCRIPT, "--listen", lab.addr(host), "--port", str(port), "--log", log_level]
         if serve_relay:
             argv.append("--serve-relay")
         if relay:
@@ -56,8 +65,9 @@ class LabPeer:
             argv += ["--mdns", mdns]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
         with open(self.log_path, "a") as err:
-            self.proc = lab.run(host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err, text=True, cwd=str(ROOT), env=env)
+            self.proc = lab.run(
+                host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env
+            )
         self._answers: dict[Any, dict] = {}
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
@@ -100,11 +110,13 @@ class LabPeer:
             while key not in self._answers:
                 left = deadline - time.monotonic()
                 if self._eof:
-                    raise LabPeerError(f"peer {self.name} exited (code {self.proc.poll()}) "
-                                       f"before answering; its log: {self.log_path}")
+                    raise LabPeerError(
+                        f"peer {self.name} exited (code {self.proc.poll()}) before answering; its log: {self.log_path}"
+                    )
                 if left <= 0:
-                    raise LabPeerError(f"peer {self.name} did not answer {key!r} within "
-                                       f"{timeout:g} s; its log: {self.log_path}")
+                    raise LabPeerError(
+                        f"peer {self.name} did not answer {key!r} within {timeout:g} s; its log: {self.log_path}"
+                    )
                 self._cond.wait(left)
             return self._answers.pop(key)
 
@@ -138,8 +150,7 @@ class LabPeer:
                 self.proc.kill()
 
 
-def start_peers(lab: NatLab, specs: dict[str, dict[str, Any]], log_dir: str | None = None
-                ) -> dict[str, LabPeer]:
+def start_peers(lab: NatLab, specs: dict[str, dict[str, Any]], log_dir: str | None = None) -> dict[str, LabPeer]:
     """Start one peer per lab host (name -> LabPeer keyword options) in parallel, wait for all.
 
     On failure the peers already started are closed (the lab's teardown kills them anyway)."""
