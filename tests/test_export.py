@@ -147,6 +147,16 @@ def test_export_and_sample_mistakes_are_one_line(tmp_path):
 # -- the issue's end-to-end test ---------------------------------------------------------------
 
 
+def write_jsonl(path: Path, skip: int = 0) -> Path:
+    """A small JSONL dataset of the built-in corpus's paragraphs, one document a line."""
+    from meshtrain.models.corpus import Corpus
+
+    text = Corpus.default("bytes").vocab.decode(Corpus.default("bytes").train[:200_000])
+    docs = [d for d in text.split("\n\n") if d.strip()][skip:]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
 def start(home: Path, *args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as err:
         return subprocess.Popen(
@@ -175,11 +185,13 @@ def start(home: Path, *args: str, log: Path) -> subprocess.Popen:
 @pytest.mark.slow
 def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    homes = {n: tmp_path / n for n in ("a", "b", "other_tokenizer", "other_config")}
+    homes = {n: tmp_path / n for n in ("a", "b", "other_tokenizer", "other_config", "other_data")}
     save_tiny_llama(homes["a"] / "llama")
     train_bpe(homes["a"] / "bpe")
-    for name in ("b", "other_tokenizer", "other_config"):
+    write_jsonl(homes["a"] / "corpus.jsonl")
+    for name in ("b", "other_tokenizer", "other_config", "other_data"):
         shutil.copytree(homes["a"], homes[name])
+    write_jsonl(homes["other_data"] / "corpus.jsonl", skip=1)
     shutil.rmtree(homes["other_tokenizer"] / "bpe")
     train_bpe(homes["other_tokenizer"] / "bpe", vocab_size=280)
     shutil.rmtree(homes["other_config"] / "llama")
@@ -194,6 +206,8 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
         "hf:llama",
         "--tokenizer",
         "hf:bpe",
+        "--dataset",
+        "corpus.jsonl",
         "--steps",
         "12",
         "--H",
@@ -217,6 +231,7 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     for name, needle in (
         ("other_tokenizer", "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest"),
         ("other_config", "model: your hf:llama differs from the swarm's (config digest"),
+        ("other_data", "dataset corpus.jsonl: the local files differ from the swarm's"),
     ):
         proc = start(homes[name], "--join", addr, log=logs[name])
         proc.communicate(timeout=120)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -354,3 +355,39 @@ def test_quiet_node_prints_only_its_result(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert len(out.strip().splitlines()) == 1 and json.loads(out)["step"] == 30
+
+
+@pytest.mark.slow
+def test_a_py_outer_optimizer_from_the_spec_trains_and_a_changed_copy_is_refused(tmp_path):
+    """`swarm create --optimizer py:<file>:<Class>` pins the class's source; the node builds it
+    from the spec (`from_spec`) and trains; the same data dir with an edited copy is refused."""
+    code = tmp_path / "outer.py"
+    shutil.copy(Path(__file__).with_name("custom_outer.py"), code)
+    d = tmp_path / "a"
+    create(
+        d,
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "10",
+        "--H",
+        "5",
+        "--eval-every",
+        "0",
+        "--outer-lr",
+        "0.8",
+        "--optimizer",
+        f"py:{code}:OuterSGD",
+    )
+    spec = json.loads((d / "swarm.json").read_text())["spec"]
+    assert spec["optimizer"] == f"py:{code}:OuterSGD" and len(spec["optimizer_digest"]) == 32
+    log = tmp_path / "a.log"
+    result = finish(start("--data-dir", str(d), log=log), log)
+    assert result["step"] == 10 and result["rounds"] == 2
+    assert CheckpointStore(d / "checkpoints").load_latest().step == 10
+    code.write_text(code.read_text().replace("alpha=self.lr", "alpha=2 * self.lr"))
+    p = start("--data-dir", str(d), log=log)
+    p.communicate(timeout=120)
+    err = log.read_text()
+    assert p.returncode == 2 and f"optimizer: your py:{code}:OuterSGD differs from the swarm's" in err, err[-2000:]
+    assert "Traceback" not in err
