@@ -103,3 +103,40 @@ def test_an_optimizer_other_than_the_spec_says_is_refused_and_a_resume_continues
         opt2.step()  # the first step joins the state: this data dir's checkpoint
         assert swarm2.step == 11 and opt2.rounds == 2
         assert all(torch.equal(opt2.outer_params[n], phi[n]) for n in phi)
+
+
+def test_a_late_joiner_downloads_the_swarms_state_at_its_first_step(tmp_path):
+    """Swarm b joins a swarm whose only peer has trained past its first rounds: b's first step
+    downloads the state (φ, outer optimizer, step counter) from a, as a daemon would."""
+    import threading
+
+    spec = meshtrain.SwarmSpec(name="own", model="user", optimizer="diloco", H=5, batch_size=4)
+    opts = {"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "nat": False, "checkpoint_every": 3600}
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    joined = threading.Event()
+    with meshtrain.Swarm.create(spec, data_dir=tmp_path / "a", **opts) as a:
+        model_a = _tiny()
+        opt_a = meshtrain.DiLoCo(model_a, torch.optim.SGD(model_a.parameters(), lr=0.1), a, H=5)
+
+        def train_a() -> None:  # a trains on (a peer that trains now is a donor) until b is in
+            while not joined.is_set() or opt_a.rounds < 3:
+                torch.nn.functional.mse_loss(model_a(x), y).backward()
+                opt_a.step()
+                opt_a.zero_grad()
+
+        t = threading.Thread(target=train_a)
+        t.start()
+        try:
+            while opt_a.rounds < 2:
+                time.sleep(0.05)
+            with meshtrain.Swarm.join(a.addrs[0], data_dir=tmp_path / "b", **opts) as b:
+                model_b = _tiny(seed=7)  # another θ0: the download replaces it
+                opt_b = meshtrain.DiLoCo(model_b, torch.optim.SGD(model_b.parameters(), lr=0.1), b, H=5)
+                torch.nn.functional.mse_loss(model_b(x), y).backward()
+                opt_b.step()
+                assert b.node.joined_from is not None and b.node.joined_from["donors"] == 1
+                assert b.step >= 10 and opt_b.rounds >= 2 and b.spec == a.spec
+                joined.set()
+        finally:
+            joined.set()
+            t.join(60)
