@@ -24,7 +24,7 @@ _EXPORTS = {
     "Node": "meshtrain.node.daemon",
     "Swarm": "meshtrain.node.user_loop",
     "NodeConfig": "meshtrain.node.config",
-    "SwarmSpec": "meshtrain.node.config",
+    "SwarmSpec": "meshtrain.node.swarm_spec",
     "SignedSpec": "meshtrain.node.swarm_spec",
     "OuterOptimizer": "meshtrain.optim.outer",
     "DiLoCo": "meshtrain.optim.diloco",

@@ -155,7 +155,7 @@ def child_train(data: Path, work: Path, steps: int, log_path: Path) -> None:
 
     from meshtrain.collective import LocalSwarm
     from meshtrain.node.checkpoint import CheckpointStore
-    from meshtrain.node.config import SwarmSpec
+    from meshtrain.node.swarm_spec import SwarmSpec
     from meshtrain.node.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -218,7 +218,7 @@ def trainer_tokens_per_s(steps: int) -> float:
     import trio
 
     from meshtrain.collective import LocalSwarm
-    from meshtrain.node.config import SwarmSpec
+    from meshtrain.node.swarm_spec import SwarmSpec
     from meshtrain.node.trainer import Trainer
 
     spec = SwarmSpec(model="gpt-small", steps=steps + 10, H=100_000, eval_every=0, batch_size=16)

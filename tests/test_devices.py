@@ -16,9 +16,10 @@ import trio
 import meshtrain
 from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
-from meshtrain.node.config import SwarmSpec, load_node_config, parse_spec
+from meshtrain.node.config import load_node_config
 from meshtrain.node.devices import Precision, resolve_device
 from meshtrain.node.status import fetch_status
+from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 from meshtrain.node.trainer import REPORT_EVERY, Trainer
 from meshtrain.transport.identity import Identity
 

@@ -26,7 +26,7 @@ from meshtrain.models.sources import (
     resolve_context,
 )
 from meshtrain.models.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_digest
-from meshtrain.node.config import SwarmSpec, parse_spec
+from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 
 from .tiny_hf import BPE_VOCAB, FACTORY, corpus_text, save_tiny_llama, train_bpe
 

@@ -349,8 +349,7 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
     import sys
 
     from meshtrain.node.cli import build_parser
-    from meshtrain.node.config import parse_spec
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.swarm_spec import SignedSpec, parse_spec
     from meshtrain.node.trainer import Trainer
 
     from .conftest import ROOT

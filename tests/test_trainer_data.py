@@ -16,7 +16,7 @@ from meshtrain.collective import LocalSwarm
 from meshtrain.data import dataset_digest
 from meshtrain.errors import ConfigError
 from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.config import SwarmSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import Trainer
 
 

@@ -125,7 +125,7 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
-    from meshtrain.node.config import SwarmSpec
+    from meshtrain.node.swarm_spec import SwarmSpec
 
     for name, info in SwarmSpec.model_fields.items():
         if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
@@ -381,8 +381,8 @@ def _node_stop(args: argparse.Namespace) -> int:
 
 
 def _swarm_create(args: argparse.Namespace) -> int:
-    from meshtrain.node.config import load_node_config, parse_spec
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.config import load_node_config
+    from meshtrain.node.swarm_spec import SignedSpec, parse_spec
     from meshtrain.transport.identity import Identity
 
     config = load_node_config(None, overrides={"data_dir": args.data_dir})

@@ -1,14 +1,12 @@
-"""The one config model: what a swarm trains (`SwarmSpec`) and how this node runs (`NodeConfig`).
+"""How this node runs: `NodeConfig`, the one config model of a machine.
 
-Two models because they have different owners. The `SwarmSpec` is the swarm's contract — model,
-tokenizer, data, optimizer, hyper-parameters, and the digests of the model's and tokenizer's files
-(pinned when it is signed, models/sources.py) — written once by the swarm's creator, signed, and
-identical on every peer (`swarm_spec.py`); a node may not override it. The `NodeConfig` is this machine's
-business: where to keep data, where to listen, whom to dial first, the status port, the device
+What a swarm trains is the other model, `SwarmSpec`, with its signature in `swarm_spec.py`: two
+models because they have different owners. The spec is the swarm's contract, written once by its
+creator, signed, identical on every peer; a node may not override it. The `NodeConfig` is this
+machine's business: where to keep data, where to listen, whom to dial first, the status port, the device
 it trains on (`device`, node/devices.py), how many local ranks make up the peer
 (`nproc_per_node`, node/local_ranks.py) and how they split the model (`sharding`: DDP or FSDP2,
-node/sharding.py). The spec's `precision` is the swarm's: peers that train in
-different precisions are different experiments.
+node/sharding.py).
 
 Precedence for `NodeConfig`, lowest first: defaults, the TOML file (`--config node.toml`, a
 `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
@@ -24,152 +22,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
-from meshtrain.models.sources import parse_model_source
-from meshtrain.models.tokenizers import check_tokenizer_name
-from meshtrain.pyref import PyRef
 
 ENV_PREFIX = "MESHTRAIN_"
-OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
-
-
-class SwarmSpec(BaseModel):
-    """What the swarm trains. Every peer runs exactly this (the spec's digest is part of the
-    swarm id, so two different specs are two different swarms)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field("meshtrain-demo", min_length=1, max_length=64)
-    model: str = Field(
-        "gpt-small",
-        description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
-        "hf-config:<config.json> | py:<module or file.py>:<factory> | user",
-    )
-    tokenizer: str = Field(
-        "chars",
-        description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
-        "the builtin text, bytes for a file dataset)",
-    )
-    context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
-    model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
-    tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
-    dataset: str = Field(
-        "builtin",
-        description="builtin (offline English text), or a text, JSONL or Parquet file or directory (meshtrain.data)",
-    )
-    dataset_field: str = Field(
-        "text", min_length=1, max_length=256, description="JSONL/Parquet: the field that holds a document's text"
-    )
-    held_out: float = Field(
-        0.05, gt=0, lt=1, description="fraction of a file dataset's documents held out for evaluation (chosen by hash)"
-    )
-    eval_dataset: str = Field("", description="held-out data as its own file or directory (instead of held_out)")
-    dataset_digest: str = Field(
-        "",
-        pattern=r"^([0-9a-f]{64})?$",
-        description="content digest of the dataset's files (swarm create "
-        "computes it; peers whose files differ are refused)",
-    )
-    optimizer: str = Field(
-        "diloco",
-        description="diloco | streaming | noloco | sparseloco | py:<module or file.py>:<OuterOptimizer subclass>",
-    )
-    optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
-    H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
-    steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
-    batch_size: int = Field(16, ge=1, le=4096)
-    inner_lr: float = Field(2e-3, gt=0, le=1)
-    weight_decay: float = Field(0.01, ge=0, le=1)
-    clip: float = Field(1.0, gt=0)
-    outer_lr: float = Field(0.7, gt=0, le=10)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    codec: str = "none"
-    fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
-    delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
-    alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
-    eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
-    error_decay: float = Field(0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay")
-    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk (outer lr: pass 1.0)")
-    sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
-    seed: int = Field(0, ge=0, lt=2**31)
-    eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
-    eval_batches: int = Field(8, ge=1, le=1024)
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
-        description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
-        "master weights, φ and pseudo-gradients stay fp32",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tokenizer_for_the_data(cls, data: Any) -> Any:
-        """A file dataset is streamed, and chars needs the whole text for its alphabet: unless a
-        tokenizer is named, a file dataset is tokenised as bytes; chars for one is an error."""
-        if isinstance(data, dict) and data.get("dataset", "builtin") != "builtin":
-            if data.get("tokenizer") is None:
-                data = {**data, "tokenizer": "bytes"}
-            elif data["tokenizer"] == "chars":
-                raise ValueError(
-                    "tokenizer chars needs the whole text for its alphabet; a file dataset is "
-                    "streamed: use bytes or hf:<dir>"
-                )
-        return data
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: str) -> str:
-        parse_model_source(v)
-        return v
-
-    @field_validator("optimizer")
-    @classmethod
-    def _optimizer(cls, v: str) -> str:
-        if v not in OPTIMIZERS:
-            try:
-                PyRef.parse(v)
-            except ValueError:
-                raise ValueError(
-                    f"must be one of {', '.join(OPTIMIZERS)} or py:<module or file.py>:<Class>, "
-                    f"a meshtrain.OuterOptimizer subclass"
-                ) from None
-        return v
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer(cls, v: str) -> str:
-        return check_tokenizer_name(v)
-
-    @field_validator("codec")
-    @classmethod
-    def _codec(cls, v: str) -> str:
-        if v not in CODECS:
-            raise ValueError(f"must be one of {', '.join(sorted(CODECS))}")
-        return v
-
-    def check(self) -> SwarmSpec:
-        """Cross-field rules the optimizers would otherwise reject at start-up."""
-        if self.optimizer == "streaming":
-            if self.H % self.fragments:
-                raise ConfigError(f"swarm spec: H ({self.H}) must be a multiple of fragments ({self.fragments})")
-            if self.delay >= self.H // self.fragments:
-                raise ConfigError(
-                    f"swarm spec: delay ({self.delay}) must be below H/fragments ({self.H // self.fragments})"
-                )
-            if self.eager and self.delay < 1:
-                raise ConfigError("swarm spec: eager updates need delay >= 1")
-        if self.model.startswith("hf:") and not self.tokenizer.startswith("hf:"):
-            raise ConfigError(
-                f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
-                f"with (--tokenizer {self.model}), not {self.tokenizer}"
-            )
-        if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
-            raise ConfigError(
-                f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
-            )
-        return self
 
 
 def default_data_dir() -> Path:
@@ -257,7 +114,8 @@ class NodeConfig(BaseModel):
         return v.upper() if isinstance(v, str) else v
 
 
-def _one_line(e: ValidationError, what: str) -> ConfigError:
+def one_line_error(e: ValidationError, what: str) -> ConfigError:
+    """A pydantic validation error as the one-line ConfigError the CLI prints."""
     err = e.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or what
     msg = err["msg"].removeprefix("Value error, ")
@@ -265,13 +123,6 @@ def _one_line(e: ValidationError, what: str) -> ConfigError:
     shown = "" if isinstance(value, dict) else f" (got {value!r})"
     more = f"; and {len(e.errors()) - 1} more problem(s)" if len(e.errors()) > 1 else ""
     return ConfigError(f"{what}: {field}: {msg}{shown}{more}")
-
-
-def parse_spec(data: Mapping[str, Any]) -> SwarmSpec:
-    try:
-        return SwarmSpec.model_validate(dict(data)).check()
-    except ValidationError as e:
-        raise _one_line(e, "swarm spec") from None
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -309,4 +160,4 @@ def load_node_config(
     try:
         return NodeConfig.model_validate(values)
     except ValidationError as e:
-        raise _one_line(e, "node config") from None
+        raise one_line_error(e, "node config") from None

@@ -82,9 +82,10 @@ import trio
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import configure, get_logger, kv
-from meshtrain.node.config import NodeConfig, parse_spec
+from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import resolve_device
 from meshtrain.node.rank_group import DONE_EXIT, LocalRankError, LocalRanks
+from meshtrain.node.swarm_spec import parse_spec
 
 log = get_logger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 
 from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
-from meshtrain.node.config import SwarmSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
 from meshtrain.pyref import PyRef
 

@@ -1,4 +1,12 @@
-"""A swarm's identity: its spec, signed by its creator, and the swarm id derived from both.
+"""A swarm's identity: its spec (`SwarmSpec`), signed by its creator (`SignedSpec`), and the swarm
+id derived from both.
+
+`SwarmSpec` is the swarm's contract — model, tokenizer, data, optimizer, hyper-parameters, and
+the digests of the model's, tokenizer's, dataset's and (py:) optimizer's files, pinned when it is
+signed — written once by the swarm's creator and identical on every peer; a node may not override
+it (how a node runs is `config.NodeConfig`'s business). The spec's `precision` is the swarm's:
+peers that train in different precisions are different experiments. `parse_spec` validates an
+untrusted dict into one (a one-line `ConfigError`).
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
 
@@ -23,16 +31,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import blake3
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.models.sources import model_digest
-from meshtrain.models.tokenizers import tokenizer_digest
-from meshtrain.node.config import SwarmSpec, parse_spec
+from meshtrain.models.sources import model_digest, parse_model_source
+from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
+from meshtrain.node.config import one_line_error
 from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
 from meshtrain.transport.framing import packb_canonical
@@ -40,6 +51,152 @@ from meshtrain.transport.identity import Identity, verify
 
 SPEC_RPC = "swarm/spec"
 FORMAT = "meshtrain.swarm/1"
+
+
+OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
+
+
+class SwarmSpec(BaseModel):
+    """What the swarm trains. Every peer runs exactly this (the spec's digest is part of the
+    swarm id, so two different specs are two different swarms)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("meshtrain-demo", min_length=1, max_length=64)
+    model: str = Field(
+        "gpt-small",
+        description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
+        "hf-config:<config.json> | py:<module or file.py>:<factory> | user",
+    )
+    tokenizer: str = Field(
+        "chars",
+        description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
+        "the builtin text, bytes for a file dataset)",
+    )
+    context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
+    model_digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
+    tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
+    dataset: str = Field(
+        "builtin",
+        description="builtin (offline English text), or a text, JSONL or Parquet file or directory (meshtrain.data)",
+    )
+    dataset_field: str = Field(
+        "text", min_length=1, max_length=256, description="JSONL/Parquet: the field that holds a document's text"
+    )
+    held_out: float = Field(
+        0.05, gt=0, lt=1, description="fraction of a file dataset's documents held out for evaluation (chosen by hash)"
+    )
+    eval_dataset: str = Field("", description="held-out data as its own file or directory (instead of held_out)")
+    dataset_digest: str = Field(
+        "",
+        pattern=r"^([0-9a-f]{64})?$",
+        description="content digest of the dataset's files (swarm create "
+        "computes it; peers whose files differ are refused)",
+    )
+    optimizer: str = Field(
+        "diloco",
+        description="diloco | streaming | noloco | sparseloco | py:<module or file.py>:<OuterOptimizer subclass>",
+    )
+    optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
+    H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
+    steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
+    batch_size: int = Field(16, ge=1, le=4096)
+    inner_lr: float = Field(2e-3, gt=0, le=1)
+    weight_decay: float = Field(0.01, ge=0, le=1)
+    clip: float = Field(1.0, gt=0)
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    codec: str = "none"
+    fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
+    delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
+    alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
+    eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
+    error_decay: float = Field(0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay")
+    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk (outer lr: pass 1.0)")
+    sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
+    seed: int = Field(0, ge=0, lt=2**31)
+    eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
+    eval_batches: int = Field(8, ge=1, le=1024)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
+        "master weights, φ and pseudo-gradients stay fp32",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_for_the_data(cls, data: Any) -> Any:
+        """A file dataset is streamed, and chars needs the whole text for its alphabet: unless a
+        tokenizer is named, a file dataset is tokenised as bytes; chars for one is an error."""
+        if isinstance(data, dict) and data.get("dataset", "builtin") != "builtin":
+            if data.get("tokenizer") is None:
+                data = {**data, "tokenizer": "bytes"}
+            elif data["tokenizer"] == "chars":
+                raise ValueError(
+                    "tokenizer chars needs the whole text for its alphabet; a file dataset is "
+                    "streamed: use bytes or hf:<dir>"
+                )
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        parse_model_source(v)
+        return v
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, v: str) -> str:
+        if v not in OPTIMIZERS:
+            try:
+                PyRef.parse(v)
+            except ValueError:
+                raise ValueError(
+                    f"must be one of {', '.join(OPTIMIZERS)} or py:<module or file.py>:<Class>, "
+                    f"a meshtrain.OuterOptimizer subclass"
+                ) from None
+        return v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        return check_tokenizer_name(v)
+
+    @field_validator("codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if v not in CODECS:
+            raise ValueError(f"must be one of {', '.join(sorted(CODECS))}")
+        return v
+
+    def check(self) -> SwarmSpec:
+        """Cross-field rules the optimizers would otherwise reject at start-up."""
+        if self.optimizer == "streaming":
+            if self.H % self.fragments:
+                raise ConfigError(f"swarm spec: H ({self.H}) must be a multiple of fragments ({self.fragments})")
+            if self.delay >= self.H // self.fragments:
+                raise ConfigError(
+                    f"swarm spec: delay ({self.delay}) must be below H/fragments ({self.H // self.fragments})"
+                )
+            if self.eager and self.delay < 1:
+                raise ConfigError("swarm spec: eager updates need delay >= 1")
+        if self.model.startswith("hf:") and not self.tokenizer.startswith("hf:"):
+            raise ConfigError(
+                f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
+                f"with (--tokenizer {self.model}), not {self.tokenizer}"
+            )
+        if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
+            raise ConfigError(
+                f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
+            )
+        return self
+
+
+def parse_spec(data: Mapping[str, Any]) -> SwarmSpec:
+    try:
+        return SwarmSpec.model_validate(dict(data)).check()
+    except ValidationError as e:
+        raise one_line_error(e, "swarm spec") from None
 
 
 class SpecError(MeshtrainError):

@@ -71,10 +71,11 @@ from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model as build_source_model
 from meshtrain.models.sources import resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
-from meshtrain.node.config import SwarmSpec, default_data_dir
+from meshtrain.node.config import default_data_dir
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
 from meshtrain.node.outer_spec import build_outer, check_matches
 from meshtrain.node.sharding import RoundClock, ShardedModel
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.optim import OuterOptimizer
 
 if TYPE_CHECKING:

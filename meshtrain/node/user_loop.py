@@ -52,10 +52,10 @@ import trio
 from meshtrain.collective.contract import Collective, ReduceResult, WatchesOptimizer
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
-from meshtrain.node.config import NodeConfig, SwarmSpec, load_node_config
+from meshtrain.node.config import NodeConfig, load_node_config
 from meshtrain.node.daemon import Node, NodeResult
 from meshtrain.node.outer_spec import check_matches
-from meshtrain.node.swarm_spec import SignedSpec
+from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
 from meshtrain.node.trainer import REPORT_EVERY, StepInfo, TrainedState
 from meshtrain.optim.outer import OuterOptimizer
 from meshtrain.transport.identity import Identity
