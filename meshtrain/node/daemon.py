@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
-import meshtrain
 from meshtrain.backoff import Backoff
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
@@ -66,12 +65,13 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
 from meshtrain.node.checkpoint import write_atomic
 from meshtrain.node.config import NodeConfig
-from meshtrain.node.devices import device_label, resolve_device
+from meshtrain.node.devices import resolve_device
 from meshtrain.node.outer_spec import check_copy as check_outer_copy
 from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
+from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
 from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
@@ -79,7 +79,7 @@ from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
-from meshtrain.transport.rpc import RpcError
+from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcUnavailable
 from meshtrain.transport.tensor_streams import TensorStreams
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ log = get_logger(__name__)
 __all__ = ["Node", "NodeError", "NodeResult"]
 
 SPEC_FILE = "swarm.json"
+SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
 STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
 
 
@@ -139,10 +140,10 @@ class Node:
                 f"a Node built in Python is one process"
             )
         self.config = config
-        self._local = local
+        self.local = local
         self.data_dir = Path(config.data_dir).expanduser()
         self._spec_arg = spec
-        self._join = parse_join_address(join) if join else None
+        self.join_address = parse_join_address(join) if join else None
         self._model = model
         self._outer_factory = outer_factory
         self._stop = StopRequest()
@@ -156,10 +157,10 @@ class Node:
         self.nat: NatTraversal | None = None
         self.presence: PeerPresence | None = None
         self.collective: SwarmCollective | None = None
-        self.trainer: Trainer | None = None
+        self.trainer: TrainedState | None = None
         self.run_state: RunState | None = None
         self.status_url: str | None = None
-        self._waiting: str | None = None  # what start-up waits for (the peer we join through)
+        self.startup_waiting: str | None = None  # what start-up waits for (the peer we join through)
         # Loop mode (`meshtrain.Swarm`): the user's loop trains; the node serves it.
         self._user_loop = user_loop
         self.network_ready = trio.Event()  # host, data plane, presence and collective are up
@@ -230,7 +231,7 @@ class Node:
             signed = self.signed = await self._resolve_spec(host)
             host.rpc.serve(SPEC_RPC, self._serve_spec)
             streams = self.streams = await stack.enter_async_context(TensorStreams(host))
-            bootstrap = list(config.bootstrap) + ([self._join[1]] if self._join else [])
+            bootstrap = list(config.bootstrap) + ([self.join_address[1]] if self.join_address else [])
             presence = self.presence = PeerPresence(
                 host, signed, bootstrap=bootstrap, mdns=config.mdns, connection="direct"
             )
@@ -266,7 +267,7 @@ class Node:
             self.network_ready.set()
             if config.threads:
                 torch.set_num_threads(config.threads)
-            local = self._local
+            local = self.local
             trainer: TrainedState
             if self._user_loop:
                 await self._adopt.wait()
@@ -318,34 +319,8 @@ class Node:
     async def _resolve_spec(self, host: Host) -> SignedSpec:
         if self._spec_arg is not None:
             signed = self._spec_arg
-        elif self._join is not None:
-            want, addr = self._join
-            backoff = Backoff(initial=2.0, cap=30.0)
-            while True:  # an unreachable peer is a transient (restarting, partitioned): keep asking
-                try:
-                    peer = await host.connect(addr, timeout=15)
-                    break
-                except MeshtrainError as e:
-                    delay = backoff.next()
-                    log.warning(
-                        kv(
-                            "cannot reach the peer to join through; retrying (Ctrl-C to give up)",
-                            addr=addr,
-                            error=str(e)[:200],
-                            retry_in_s=round(delay, 1),
-                        )
-                    )
-                    self._waiting = f"joining: waiting for {addr} to answer"
-                    await self._stop.sleep(delay)
-                    if self._stop.is_set():
-                        raise NodeError(f"stopped before {addr} answered") from None
-            self._waiting = None
-            try:
-                signed = SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
-            except RpcError as e:
-                raise NodeError(f"{addr} did not send a swarm spec ({e}); is it a meshtrain node?") from None
-            except SpecError as e:
-                raise NodeError(f"{addr}: {e}") from None
+        elif self.join_address is not None:
+            signed = await self._fetch_spec(host, *self.join_address)
         else:
             path = self.data_dir / SPEC_FILE
             if not path.exists():
@@ -367,6 +342,46 @@ class Node:
                 )
         signed.save(existing)
         return signed
+
+    async def _fetch_spec(self, host: Host, want: str | None, addr: str) -> SignedSpec:
+        """The signed spec from the peer we join through. An unreachable peer, or one whose spec
+        RPC cannot be opened yet (starting, restarting, a loaded machine), is a transient: keep
+        asking, with a backoff. A peer that answers with anything but a valid spec — or that
+        still serves none after `SPEC_ATTEMPTS` tries once connected — is not a meshtrain node of
+        that swarm: `NodeError`."""
+        backoff = Backoff(initial=2.0, cap=30.0)
+        unavailable = 0
+        try:
+            while True:
+                try:
+                    peer = await host.connect(addr, timeout=15)
+                    return SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
+                except (RemoteError, RpcProtocolError) as e:
+                    raise NodeError(f"{addr} did not send a swarm spec ({e}); is it a meshtrain node?") from None
+                except SpecError as e:
+                    raise NodeError(f"{addr}: {e}") from None
+                except RpcUnavailable as e:
+                    unavailable += 1
+                    if unavailable >= SPEC_ATTEMPTS:
+                        raise NodeError(f"{addr} serves no swarm spec ({e}); is it a meshtrain node?") from None
+                    error = e
+                except MeshtrainError as e:  # cannot connect, a timeout: the peer may come back
+                    error = e
+                delay = backoff.next()
+                log.warning(
+                    kv(
+                        "cannot get the swarm spec from the peer to join through; retrying (Ctrl-C to give up)",
+                        addr=addr,
+                        error=str(error)[:200],
+                        retry_in_s=round(delay, 1),
+                    )
+                )
+                self.startup_waiting = f"joining: waiting for {addr} to answer"
+                await self._stop.sleep(delay)
+                if self._stop.is_set():
+                    raise NodeError(f"stopped before {addr} answered")
+        finally:
+            self.startup_waiting = None
 
     async def _serve_spec(self, peer: str, req: Any) -> dict:
         assert self.signed is not None  # served only once resolved
@@ -600,133 +615,15 @@ class Node:
         if have < want:
             log.warning(kv("starting without every awaited peer", have=have, want=want))
 
-    # -- status -------------------------------------------------------------------------------
-
-    def round_status(self) -> dict[str, Any]:
-        """The outer rounds as the status page shows them: `phi_round`, `phi_digest` (hex),
-        `phi_history` ([[round, digest hex], ...], newest last), `parity` (this peer's standing
-        against the swarm's φ digests), `waiting` (what a round waits for now, or None) and
-        `refused` (requests refused to non-members and the like, by reason)."""
-        parity = self.parity
-        history = list(parity.history) if parity is not None else []
-        waiting = (
-            self._waiting
-            or (self.run_state.waiting if self.run_state is not None else None)
-            or (self.collective.waiting_for() if self.collective is not None else None)
-        )
-        return {
-            "phi_round": history[-1][0] if history else None,
-            "phi_digest": history[-1][1].hex() if history else None,
-            "phi_history": [[r, d.hex()] for r, d in history],
-            "parity": parity.status() if parity is not None else None,
-            "waiting": waiting,
-            "refused": self.refused(),
-        }
-
-    def refused(self) -> dict[str, int]:
-        """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
-        the collective's and the data plane's, for `/metrics`."""
-        out: dict[str, int] = {}
-        for counts in (
-            self.collective.refused if self.collective else {},
-            self.streams.refused if self.streams else {},
-        ):
-            for reason, n in counts.items():
-                if n:
-                    out[reason] = out.get(reason, 0) + n
-        return out
+    # -- status (the document: node/status_document.py) -------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The status document (schema in `meshtrain.node.status`). Call it on the trio thread; it
-        never waits for a training step (the trainer thread holds `trainer.lock` only while it
-        publishes a step's numbers), so the status page and the console stay live under load."""
-        host, view, trainer = self.host, self.view, self.trainer
-        now = time.time()
-        node = {
-            "peer_id": host.peer_id if host else "",
-            "name": self.config.name,
-            "version": meshtrain.__version__,
-            "started": self.started,
-            "uptime_s": now - self.started,
-            "swarm": self.signed.swarm_id if self.signed else "",
-            "state": self.state,
-            "state_changes": self.phase.changes,
-            "recent_states": self.phase.recent(),
-            "listen": host.addrs if host else [],
-            "reachability": self.nat.connection_type if self.nat is not None else "unknown",
-            "device": device_label(trainer.device) if trainer is not None else self.config.device,
-            "local_ranks": self._local.world_size if self._local is not None else 1,
-            "sharding": self._local.sharding if self._local is not None else "none",
-            "local_rank_pids": self._local.pids if self._local is not None else [os.getpid()],
-        }
-        training: dict[str, Any] = {
-            "step": 0,
-            "round": 0,
-            "loss": None,
-            "eval_loss": None,
-            "optimizer": "",
-            "samples_per_s": 0.0,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-            "history": [],
-        }
-        if trainer is not None:
-            with trainer.lock:  # copies only: the critical section is microseconds
-                info = trainer.info
-                st = trainer.outer.stats()
-                training.update(
-                    step=info.step,
-                    round=info.rounds,
-                    loss=info.loss,
-                    eval_loss=info.eval_loss,
-                    samples_per_s=info.samples_per_s,
-                    bytes_sent=st["bytes_sent"],
-                    bytes_received=st["bytes_received"],
-                    history=list(info.history),
-                )
-            training["optimizer"] = trainer.spec.optimizer
-        training.update(self.round_status())
-        if training.get("waiting") is None and self.state == "starting":
-            # What start-up waits for (rounds say it themselves through round_status).
-            if self.signed is None and self._join is not None:
-                training["waiting"] = f"fetching the swarm spec from {self._join[1]}"
-            elif view is None:
-                training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
-            elif self.config.wait_peers > 1 and trainer is not None and self.presence is not None:
-                have = len(self.presence.trainers())
-                if have < self.config.wait_peers:
-                    training["waiting"] = (
-                        f"waiting for {self.config.wait_peers - have} more peer(s) before "
-                        f"training starts ({have} of {self.config.wait_peers} here)"
-                    )
-        peers = []
-        if view is not None and host is not None:
-            progress, metrics = view.progress(), view.metrics()
-            for p in view.live_peers():
-                pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
-                peers.append(
-                    {
-                        "peer_id": p.peer_id,
-                        "addr": p.addrs[0] if p.addrs else "",
-                        "connection": (
-                            "self" if p.peer_id == host.peer_id else host.connection_type(p.peer_id) or "none"
-                        ),
-                        "role": p.role,
-                        "step": pr.step if pr else 0,
-                        "loss": me.values.get("loss") if me else None,
-                        "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
-                        "reachability": p.connection,
-                    }
-                )
-        return {
-            "node": node,
-            "training": training,
-            "peers": peers,
-            "checkpoint": dict(self.run_state.last_checkpoint)
-            if self.run_state
-            else {"last_step": None, "path": None, "saved_at": None},
-            "joined_from": self.joined_from,
-        }
+        """The status document (schema in `meshtrain.node.status`); on the trio thread."""
+        return status_document(self)
+
+    def round_status(self) -> dict[str, Any]:
+        """The outer rounds as the status page shows them (`status_document.round_status`)."""
+        return round_status(self)
 
 
 async def _wait_done(nursery: trio.Nursery) -> None:

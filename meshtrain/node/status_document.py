@@ -1,0 +1,191 @@
+"""The status document: what a running node is doing, as `/status`, `/metrics`, the dashboard,
+the console and `meshtrain node status` show it (schema: `node/status.py`).
+
+Built from the node's parts on the trio thread, where they are written; it never waits for a
+training step (the trainer thread holds `trainer.lock` only while it publishes a step's numbers),
+so the status page and the console stay live under load. Parts that are not up yet (starting,
+a failed start) show as empty, and `training.waiting` says what start-up waits for.
+
+Not here: serving it (`status_server.py`), reading it (`status.py`, `console.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import meshtrain
+from meshtrain.collective import SwarmCollective
+from meshtrain.crdt.swarm_view import SwarmView
+from meshtrain.node.config import NodeConfig
+from meshtrain.node.devices import device_label
+from meshtrain.node.parity import ParityMonitor
+from meshtrain.node.presence import PeerPresence
+from meshtrain.node.run_state import Phase, RunState
+from meshtrain.node.swarm_spec import SignedSpec
+from meshtrain.node.trainer import TrainedState
+from meshtrain.transport.host import Host
+from meshtrain.transport.nat import NatTraversal
+from meshtrain.transport.tensor_streams import TensorStreams
+
+if TYPE_CHECKING:
+    from meshtrain.node.rank_group import LocalRanks
+
+
+class Node(Protocol):
+    """What the document reads of a `daemon.Node` (None: not started yet)."""
+
+    config: NodeConfig
+    started: float
+    phase: Phase
+    signed: SignedSpec | None
+    host: Host | None
+    streams: TensorStreams | None
+    nat: NatTraversal | None
+    presence: PeerPresence | None
+    collective: SwarmCollective | None
+    trainer: TrainedState | None
+    run_state: RunState | None
+    local: LocalRanks | None
+    join_address: tuple[str | None, str] | None
+    startup_waiting: str | None
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def view(self) -> SwarmView | None: ...
+
+    @property
+    def parity(self) -> ParityMonitor | None: ...
+
+    @property
+    def joined_from(self) -> dict[str, Any] | None: ...
+
+
+def round_status(node: Node) -> dict[str, Any]:
+    """The outer rounds as the status page shows them: `phi_round`, `phi_digest` (hex),
+    `phi_history` ([[round, digest hex], ...], newest last), `parity` (this peer's standing
+    against the swarm's φ digests), `waiting` (what a round waits for now, or None) and
+    `refused` (requests refused to non-members and the like, by reason)."""
+    parity = node.parity
+    history = list(parity.history) if parity is not None else []
+    waiting = (
+        node.startup_waiting
+        or (node.run_state.waiting if node.run_state is not None else None)
+        or (node.collective.waiting_for() if node.collective is not None else None)
+    )
+    return {
+        "phi_round": history[-1][0] if history else None,
+        "phi_digest": history[-1][1].hex() if history else None,
+        "phi_history": [[r, d.hex()] for r, d in history],
+        "parity": parity.status() if parity is not None else None,
+        "waiting": waiting,
+        "refused": refused(node),
+    }
+
+
+def refused(node: Node) -> dict[str, int]:
+    """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
+    the collective's and the data plane's, for `/metrics`."""
+    out: dict[str, int] = {}
+    for counts in (
+        node.collective.refused if node.collective else {},
+        node.streams.refused if node.streams else {},
+    ):
+        for reason, n in counts.items():
+            if n:
+                out[reason] = out.get(reason, 0) + n
+    return out
+
+
+def status_document(node: Node) -> dict[str, Any]:
+    """The status document (schema in `meshtrain.node.status`). Call it on the trio thread; it
+    never waits for a training step (the trainer thread holds `trainer.lock` only while it
+    publishes a step's numbers), so the status page and the console stay live under load."""
+    host, view, trainer = node.host, node.view, node.trainer
+    now = time.time()
+    about = {
+        "peer_id": host.peer_id if host else "",
+        "name": node.config.name,
+        "version": meshtrain.__version__,
+        "started": node.started,
+        "uptime_s": now - node.started,
+        "swarm": node.signed.swarm_id if node.signed else "",
+        "state": node.state,
+        "state_changes": node.phase.changes,
+        "recent_states": node.phase.recent(),
+        "listen": host.addrs if host else [],
+        "reachability": node.nat.connection_type if node.nat is not None else "unknown",
+        "device": device_label(trainer.device) if trainer is not None else node.config.device,
+        "local_ranks": node.local.world_size if node.local is not None else 1,
+        "sharding": node.local.sharding if node.local is not None else "none",
+        "local_rank_pids": node.local.pids if node.local is not None else [os.getpid()],
+    }
+    training: dict[str, Any] = {
+        "step": 0,
+        "round": 0,
+        "loss": None,
+        "eval_loss": None,
+        "optimizer": "",
+        "samples_per_s": 0.0,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "history": [],
+    }
+    if trainer is not None:
+        with trainer.lock:  # copies only: the critical section is microseconds
+            info = trainer.info
+            st = trainer.outer.stats()
+            training.update(
+                step=info.step,
+                round=info.rounds,
+                loss=info.loss,
+                eval_loss=info.eval_loss,
+                samples_per_s=info.samples_per_s,
+                bytes_sent=st["bytes_sent"],
+                bytes_received=st["bytes_received"],
+                history=list(info.history),
+            )
+        training["optimizer"] = trainer.spec.optimizer
+    training.update(round_status(node))
+    if training.get("waiting") is None and node.state == "starting":
+        # What start-up waits for (rounds say it themselves through round_status).
+        if node.signed is None and node.join_address is not None:
+            training["waiting"] = f"fetching the swarm spec from {node.join_address[1]}"
+        elif view is None:
+            training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
+        elif node.config.wait_peers > 1 and trainer is not None and node.presence is not None:
+            have = len(node.presence.trainers())
+            if have < node.config.wait_peers:
+                training["waiting"] = (
+                    f"waiting for {node.config.wait_peers - have} more peer(s) before "
+                    f"training starts ({have} of {node.config.wait_peers} here)"
+                )
+    peers = []
+    if view is not None and host is not None:
+        progress, metrics = view.progress(), view.metrics()
+        for p in view.live_peers():
+            pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
+            peers.append(
+                {
+                    "peer_id": p.peer_id,
+                    "addr": p.addrs[0] if p.addrs else "",
+                    "connection": ("self" if p.peer_id == host.peer_id else host.connection_type(p.peer_id) or "none"),
+                    "role": p.role,
+                    "step": pr.step if pr else 0,
+                    "loss": me.values.get("loss") if me else None,
+                    "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
+                    "reachability": p.connection,
+                }
+            )
+    return {
+        "node": about,
+        "training": training,
+        "peers": peers,
+        "checkpoint": dict(node.run_state.last_checkpoint)
+        if node.run_state
+        else {"last_step": None, "path": None, "saved_at": None},
+        "joined_from": node.joined_from,
+    }
