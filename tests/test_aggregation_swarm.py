@@ -70,7 +70,7 @@ async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, ke
                 config = meshtrain.NodeConfig(
                     data_dir=d,
                     listen=["/ip4/127.0.0.1/tcp/0"],
-                    bootstrap=[nodes[0].host.addrs[0]] if nodes else [],
+                    bootstrap=[n.host.addrs[0] for n in nodes],  # a full mesh before the first round
                     status_port=0,
                     threads=1,
                     nat=False,
@@ -82,6 +82,8 @@ async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, ke
                 nursery.start_soon(node.run)
                 while node.host is None:
                     await trio.sleep(0.05)
+    for n in nodes:  # every round had every peer (else the runs differ by more than the garbage)
+        assert [r.contributors for r in n.trainer.outer.history] == [PEERS] * (spec.steps // H)
     return [n.trainer.outer.phis for n in nodes]
 
 

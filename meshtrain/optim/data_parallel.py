@@ -88,7 +88,7 @@ class DataParallel(OuterOptimizer):
         """The inner step with the averaged gradient."""
         for n in names:
             p = self.params[n]
-            p.grad = result.tensors[n].to(p.device, p.dtype)
+            p.grad = result.tensors[n].to(p.device, p.dtype, copy=True)  # the result may be shared
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_([self.params[n] for n in names], self.clip)
         assert self.inner is not None  # checked in __init__
