@@ -126,7 +126,7 @@ async def test_trimmed_mean_keeps_the_honest_peers_on_course_with_a_garbage_peer
         assert all(torch.equal(a, b) for a, b in zip(phis[0], other, strict=True))
     for rnd in (1, 2):
         d = _distance(phis, reference, rnd)
-        assert d < 0.5, (rnd, d)
+        assert d < 0.75, (rnd, d)  # within the honest peers' spread; under "mean": ~10⁵
 
 
 async def test_mean_lets_one_garbage_peer_throw_the_swarm_off(honest, tmp_path, monkeypatch):
