@@ -5,6 +5,8 @@ prove every step applied the one averaged gradient."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 
 import pytest
@@ -95,21 +97,41 @@ def test_dp_trains_your_own_loop_through_the_python_api(tmp_path, monkeypatch):
     assert _identical(_latest(tmp_path / "a"), _latest(tmp_path / "b"))
 
 
+def _config(data_dir, **kw) -> meshtrain.NodeConfig:
+    return meshtrain.NodeConfig(
+        data_dir=data_dir,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        status_port=0,
+        threads=1,
+        nat=False,
+        checkpoint_every=3600,
+        **kw,
+    )
+
+
+async def test_a_dp_node_resumes_its_checkpoint_bit_exactly(tmp_path):
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", optimizer="dp", steps=20, batch_size=4, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    first = await meshtrain.Node(_config(tmp_path / "a", max_steps=10), spec=signed).run()
+    assert first.step == first.rounds == 10
+    second = await meshtrain.Node(_config(tmp_path / "a"), spec=signed).run()
+    assert second.step == 20
+    # The same 20 steps in one go, under the same identity (the same data): the same bits.
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "identity.key", tmp_path / "b" / "identity.key")
+    os.chmod(tmp_path / "b" / "identity.key", 0o600)
+    straight = await meshtrain.Node(_config(tmp_path / "b"), spec=signed).run()
+    assert straight.step == 20
+    assert _identical(_latest(tmp_path / "a"), _latest(tmp_path / "b"))
+
+
 async def test_a_late_dp_joiner_downloads_the_inner_state_and_stays_bit_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)
     spec = meshtrain.SwarmSpec(model="gpt-tiny", optimizer="dp", steps=60, batch_size=4, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
 
     def config(name: str, **kw) -> meshtrain.NodeConfig:
-        return meshtrain.NodeConfig(
-            data_dir=tmp_path / name,
-            listen=["/ip4/127.0.0.1/tcp/0"],
-            status_port=0,
-            threads=1,
-            nat=False,
-            checkpoint_every=3600,
-            **kw,
-        )
+        return _config(tmp_path / name, **kw)
 
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
@@ -127,5 +149,6 @@ async def test_a_late_dp_joiner_downloads_the_inner_state_and_stays_bit_identica
     assert a.trainer.step == b.trainer.step == c.trainer.step == 60
     # Once in, the joiner contributes to every round (a dp joiner holds the exact state).
     assert [r.contributors for r in list(c.trainer.outer.history)[-20:]] == [3] * 20
+    assert a.parity.resyncs == b.parity.resyncs == 0  # parity hashed φ every step and agreed
     states = [_latest(tmp_path / n) for n in "abc"]
     assert _identical(states[0], states[1]) and _identical(states[0], states[2])
