@@ -214,7 +214,9 @@ class SwarmSpec(BaseModel):
 
     def aggregation_options(self) -> dict[str, Any]:
         """The all-reduce's combination rule (`AllReduceConfig` fields) for this swarm: the one
-        place the spec's `aggregation` reaches the collective, for every all-reduce it runs."""
+        place the spec's `aggregation` reaches the collective, for every all-reduce it runs (the
+        daemon's, so `meshtrain.Swarm` loops too). A default that depends on other keys (a robust
+        rule for a swarm open to strangers) belongs here, not at the call site."""
         return {
             "robust": "none" if self.aggregation == "mean" else self.aggregation,
             "trim": self.aggregation_trim,
