@@ -61,10 +61,12 @@ def _tiny(seed: int = 0) -> torch.nn.Module:
 
 def test_dp_trains_your_own_loop_through_the_python_api(tmp_path, monkeypatch):
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
-    spec = meshtrain.SwarmSpec(name="dp-own", model="user", optimizer="dp", batch_size=4)
+    # A robust rule from the spec reaches a loop's collective too (with two peers it is the mean).
+    spec = meshtrain.SwarmSpec(name="dp-own", model="user", optimizer="dp", batch_size=4, aggregation="clipped_mean")
     opts = {"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "nat": False, "checkpoint_every": 3600}
     a = meshtrain.Swarm.create(spec, data_dir=tmp_path / "a", wait_peers=2, **opts)
     b = meshtrain.Swarm.join(a.addrs[0], data_dir=tmp_path / "b", wait_peers=2, **opts)
+    assert a.node.collective.config.robust == b.node.collective.config.robust == "clipped_mean"
     steps = 20
     out: dict[int, tuple] = {}
     errors: list[BaseException] = []
