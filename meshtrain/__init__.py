@@ -5,7 +5,7 @@ The public API is small (README.md, "Python API"):
 - `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python.
 - `Swarm` — the network for a training loop you write yourself (`DiLoCo(model, inner, swarm)`).
 - `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
-  `NoLoCo`, `SparseLoCo` are built on it.
+  `NoLoCo`, `SparseLoCo` are built on it, and so is `DataParallel` (the synchronous baseline).
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
 
 Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `collective`, `optim`,
@@ -31,6 +31,7 @@ _EXPORTS = {
     "StreamingDiLoCo": "meshtrain.optim.streaming",
     "NoLoCo": "meshtrain.optim.noloco",
     "SparseLoCo": "meshtrain.optim.sparseloco",
+    "DataParallel": "meshtrain.optim.data_parallel",
     "Collective": "meshtrain.collective.contract",
     "ReduceResult": "meshtrain.collective.contract",
 }

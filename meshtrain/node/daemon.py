@@ -22,6 +22,11 @@ Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoi
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
 control.token (0600: the bearer token `node stop` must present), history.json (loss history).
 
+Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
+contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the
+collective's `AllReduceConfig` from `SwarmSpec.aggregation_options()`; `meshtrain.Swarm` runs this
+same Node, so a loop of your own gets it too.
+
 Membership for a round is the live peers whose role is "trainer" and whom we are connected to: a
 peer still downloading state is not waited for, and a peer whose connection closed (killed,
 partitioned) stops being waited for at once rather than when its lease runs out.
@@ -260,6 +265,7 @@ class Node:
                         join_timeout=config.join_timeout,
                         part_timeout=config.part_timeout,
                         round_window=max(4 * signed.spec.H, 64),
+                        **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                     ),
                     current_round=self._current_round,
                 )

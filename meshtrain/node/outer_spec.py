@@ -1,7 +1,8 @@
 """Which outer optimizer a swarm spec names, built and checked the same way on every peer.
 
 The spec's `optimizer` is one of the built-in algorithms (`diloco`, `streaming`, `noloco`,
-`sparseloco`, with their hyper-parameters in the spec) or `py:<module or file.py>:<Class>`, a
+`sparseloco`, with their hyper-parameters in the spec; `dp`, synchronous data parallelism, the
+baseline: an `OuterOptimizer` whose round is every inner step, optim/data_parallel.py) or `py:<module or file.py>:<Class>`, a
 `meshtrain.OuterOptimizer` subclass of the swarm's own, whose source file's digest the signed
 spec pins (`optimizer_digest`, meshtrain/pyref.py).
 
@@ -25,7 +26,7 @@ import torch
 from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.node.swarm_spec import SwarmSpec
-from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
+from meshtrain.optim import DataParallel, DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
 from meshtrain.pyref import PyRef
 
 BUILTIN: dict[str, type[OuterOptimizer]] = {
@@ -33,6 +34,7 @@ BUILTIN: dict[str, type[OuterOptimizer]] = {
     "streaming": StreamingDiLoCo,
     "noloco": NoLoCo,
     "sparseloco": SparseLoCo,
+    "dp": DataParallel,
 }
 
 
@@ -47,7 +49,7 @@ def outer_class(spec: SwarmSpec) -> type[OuterOptimizer]:
 
 
 def build_outer(
-    spec: SwarmSpec, model: torch.nn.Module, inner: torch.optim.Optimizer, collective: Collective
+    spec: SwarmSpec, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective
 ) -> OuterOptimizer:
     """The spec's outer optimizer over `model`, stepping `inner`."""
     s = spec
@@ -73,6 +75,14 @@ def build_outer(
         )
     if s.optimizer == "noloco":
         return NoLoCo(model, inner, collective, H=s.H, codec=s.codec)
+    if s.optimizer == "dp":
+        if inner is None:  # FSDP: the trainer steps the sharded inner optimizer itself
+            raise ConfigError(
+                "optimizer dp steps the inner optimizer with the averaged gradient, which FSDP shards; "
+                "run this peer with --sharding ddp"
+            )
+        # The trainer clips each peer's gradient before the step; the mean is then within the clip.
+        return DataParallel(model, inner, collective, codec=s.codec)
     cls = outer_class(spec)
     from_spec = getattr(cls, "from_spec", None)
     try:

@@ -5,7 +5,9 @@ id derived from both.
 the digests of the model's, tokenizer's, dataset's and (py:) optimizer's files, pinned when it is
 signed — written once by the swarm's creator and identical on every peer; a node may not override
 it (how a node runs is `config.NodeConfig`'s business). The spec's `precision` is the swarm's:
-peers that train in different precisions are different experiments. `parse_spec` validates an
+peers that train in different precisions are different experiments. So is its `aggregation`: how
+every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
+the one place it reaches the collective's `AllReduceConfig`). `parse_spec` validates an
 untrusted dict into one (a one-line `ConfigError`).
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
@@ -34,7 +36,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -53,7 +55,10 @@ SPEC_RPC = "swarm/spec"
 FORMAT = "meshtrain.swarm/1"
 
 
-OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
+OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco", "dp")  # built in; or py:<module>:<Class>
+# How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
+Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
 class SwarmSpec(BaseModel):
@@ -95,10 +100,11 @@ class SwarmSpec(BaseModel):
     )
     optimizer: str = Field(
         "diloco",
-        description="diloco | streaming | noloco | sparseloco | py:<module or file.py>:<OuterOptimizer subclass>",
+        description="diloco | streaming | noloco | sparseloco | dp (synchronous data parallelism: gradients "
+        "all-reduced every step, H = 1) | py:<module or file.py>:<OuterOptimizer subclass>",
     )
     optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
-    H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round")
+    H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round (dp: 1, its default)")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
     batch_size: int = Field(16, ge=1, le=4096)
     inner_lr: float = Field(2e-3, gt=0, le=1)
@@ -107,6 +113,18 @@ class SwarmSpec(BaseModel):
     outer_lr: float = Field(0.7, gt=0, le=10)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     codec: str = "none"
+    aggregation: Aggregation = Field(
+        "mean",
+        description="how every all-reduce combines the peers' contributions: mean | trimmed_mean "
+        "(per coordinate, the aggregation_trim largest and smallest dropped) | clipped_mean (each "
+        "contribution clipped to aggregation_clip x the median norm); robust rules need 3+ peers",
+    )
+    aggregation_trim: int = Field(
+        1, ge=1, le=1024, description="trimmed_mean: values dropped at each end (at most (n-1)/2 of n peers)"
+    )
+    aggregation_clip: float = Field(
+        2.0, gt=0, le=1e6, description="clipped_mean: contributions clipped to this multiple of the median norm"
+    )
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
     alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
@@ -122,6 +140,14 @@ class SwarmSpec(BaseModel):
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
         "master weights, φ and pseudo-gradients stay fp32",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dp_syncs_every_step(cls, data: Any) -> Any:
+        """dp all-reduces gradients every step: its H is 1 unless the spec names one (check() refuses another)."""
+        if isinstance(data, dict) and data.get("optimizer") == "dp" and data.get("H") is None:
+            data = {**data, "H": 1}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -185,11 +211,37 @@ class SwarmSpec(BaseModel):
                 f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
                 f"with (--tokenizer {self.model}), not {self.tokenizer}"
             )
+        if self.optimizer == "dp":
+            if self.H != 1:
+                raise ConfigError(f"swarm spec: dp all-reduces gradients every step; H must be 1, not {self.H}")
+            if self.precision == "fp16":
+                raise ConfigError(
+                    "swarm spec: dp with fp16: loss scaling skips overflowing steps on one peer and not "
+                    "another, and the replicas part; use bf16"
+                )
+        if self.aggregation != "mean" and self.optimizer in ("noloco", "sparseloco"):
+            raise ConfigError(
+                f"swarm spec: aggregation {self.aggregation} needs an all-reduce of dense contributions; "
+                f"{self.optimizer} "
+                + ("averages with one partner" if self.optimizer == "noloco" else "gathers sparse payloads")
+                + ": use aggregation mean"
+            )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
                 f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
             )
         return self
+
+    def aggregation_options(self) -> dict[str, Any]:
+        """The all-reduce's combination rule (`AllReduceConfig` fields) for this swarm: the one
+        place the spec's `aggregation` reaches the collective, for every all-reduce it runs (the
+        daemon's, so `meshtrain.Swarm` loops too). A default that depends on other keys (a robust
+        rule for a swarm open to strangers) belongs here, not at the call site."""
+        return {
+            "robust": "none" if self.aggregation == "mean" else self.aggregation,
+            "trim": self.aggregation_trim,
+            "clip": self.aggregation_clip,
+        }
 
 
 def parse_spec(data: Mapping[str, Any]) -> SwarmSpec:

@@ -6,7 +6,8 @@ below); this package holds the update rules.
 Public API:
 - `OuterOptimizer` — base class of low-communication outer optimizers (hooks, schedule, state,
   threading bridge); `DiLoCo`, `StreamingDiLoCo`, `NoLoCo`, `SparseLoCo` are subclasses.
-- `DataParallel` — the synchronous baseline (data_parallel.py).
+- `DataParallel` — the synchronous baseline (data_parallel.py): an `OuterOptimizer` whose round is
+  every inner step (gradients all-reduced, then the inner step); the spec's `optimizer = "dp"`.
 """
 
 from meshtrain.optim.data_parallel import DataParallel

@@ -1,35 +1,61 @@
 """`DataParallel`: synchronous data parallelism over a `Collective`, the upper baseline.
 
 Every inner step all-reduces the gradients before the inner optimizer steps, so every peer applies
-the same averaged gradient — what the low-communication outer optimizers (outer.py) are measured
-against. It keeps `OuterOptimizer`'s calling convention (`step()` from a worker thread, `await
-astep()` in trio) and byte counters, so a training loop or a benchmark can swap one for the other.
-If this peer cannot take part in a step's all-reduce it steps on its own gradient and logs it.
+the same averaged gradient to the same parameters with the same optimizer state: the replicas
+stay bit-identical, as in DDP — what the low-communication outer optimizers (outer.py) are
+measured against, and the spec's `optimizer = "dp"`.
 
-Not here: outer rounds, state dicts, late joiners (a baseline needs none of them).
+Design. It is an `OuterOptimizer` with H = 1 whose round is the inner step, so the node, the
+trainer, `meshtrain.Swarm`, parity, checkpoints and late joiners treat it like any other:
+
+    pseudo_gradient   this peer's gradients (host fp32 copies), not φ − θ
+    communicate       the base all-reduce (the swarm's aggregation rule and codec apply)
+    apply             p.grad ← the mean, optional clip, then the inner optimizer's step
+    merge             φ ← θ (φ is the swarm's parameters after the step, what parity hashes)
+
+`step()` does *not* step the inner optimizer first (the base class does): the inner step is the
+round's update. The trainer's clipping of the local gradients before `step()` stays as it is;
+`clip` clips the averaged gradient as well (the library's baseline uses it).
+
+State. The inner optimizer's state (AdamW's moments) is the swarm's state here, identical on
+every peer, so `state_dict(inner=False)` — what a late joiner downloads — carries it, and
+`load_state_dict`/`join` always restore it: a joiner continues bit-identically and contributes
+from its first step. φ equals θ after every step; checkpoints, `export` and evaluation read φ.
+
+Failures. A peer that cannot take part in a step's all-reduce (`CollectiveError`) steps on its
+own gradient, logs it and sets `needs_resync` (the base class's rule): its replica now differs,
+and the node downloads the swarm's state. Replicas are bit-identical across peers whose inner
+step computes the same bits (the same device type and torch build): the update runs on the
+model's device, not on the host.
+
+Cost. Every step is a round: the gradients travel (2(n−1)/n of the model per peer, or its codec's
+share), the node hashes φ and publishes the state to joiners after it (parity), the price of a
+baseline that syncs every step.
+
+Not here: outer momentum, fragments, overlap (a baseline needs none of them); FSDP (the trainer
+steps a sharded inner optimizer itself: `inner` must be given).
 """
 
 from __future__ import annotations
 
-import time
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
-from meshtrain.log import get_logger, kv
-from meshtrain.optim.outer import check_not_in_trio_thread
-
-log = get_logger(__name__)
+from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.optim.outer import OuterOptimizer, OuterStateError, RoundReport
 
 
-class DataParallel:
-    """Synchronous data parallelism, the upper baseline: gradients are all-reduced every step
-    before the inner step (so every peer applies the same averaged gradient).
+class DataParallel(OuterOptimizer):
+    """Synchronous data parallelism: gradients are all-reduced every step before the inner step,
+    so every peer applies the same averaged gradient.
 
-    `step()` from a worker thread, `await astep()` in trio, like `OuterOptimizer`. Byte counters
-    match `OuterOptimizer.stats()`.
+    model, collective: see `OuterOptimizer`. inner: the optimizer that applies the averaged
+    gradient (required). codec: compression of the gradient all-reduce. clip: clip the averaged
+    gradient to this norm (None: no clipping here). H: 1 (accepted so that code building any
+    outer optimizer from a spec may pass it; a round is one step).
     """
 
     def __init__(
@@ -40,54 +66,58 @@ class DataParallel:
         *,
         codec: str = "none",
         clip: float | None = None,
+        H: int = 1,
     ) -> None:
-        self.model, self.inner, self.collective, self.codec, self.clip = model, inner, collective, codec, clip
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.inner_steps = 0
-        self.bytes_sent = self.bytes_received = self.peak_bytes_per_sync = 0
-        self.comm_wait_seconds = 0.0
+        if inner is None:
+            raise ValueError("DataParallel steps the inner optimizer with the averaged gradient: pass it")
+        if H != 1:
+            raise ValueError(f"DataParallel all-reduces every step: H is 1, got {H!r}")
+        super().__init__(model, inner, collective, H=1, codec=codec)
+        self.clip = clip
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
+    def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """This peer's gradients (zeros for a parameter without one), as host fp32 copies."""
+        out = {}
+        for n in names:
+            p = self.params[n]
+            g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            out[n] = g.to("cpu", torch.float32, copy=True)
+        return out
 
-    def _grads(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in self.params.items()}
-
-    def _apply(self, result: ReduceResult) -> None:
-        for n, p in self.params.items():
-            p.grad = result.tensors[n].to(p.dtype)
+    def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
+        """The inner step with the averaged gradient."""
+        for n in names:
+            p = self.params[n]
+            p.grad = result.tensors[n].to(p.device, p.dtype, copy=True)  # the result may be shared
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
+            torch.nn.utils.clip_grad_norm_([self.params[n] for n in names], self.clip)
+        assert self.inner is not None  # checked in __init__
         self.inner.step()
-        self.inner_steps += 1
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
 
-    async def _reduce(self, grads: dict[str, torch.Tensor]) -> ReduceResult:
-        t0 = time.monotonic()
-        try:
-            return await self.collective.all_reduce(grads, round_id=self.inner_steps + 1, tag="dp", codec=self.codec)
-        except CollectiveError as e:
-            log.warning(kv("data-parallel step without the swarm", step=self.inner_steps + 1, error=str(e)[:200]))
-            return ReduceResult(grads, (self.collective.peer_id,), b"")
-        finally:
-            self.comm_wait_seconds += time.monotonic() - t0
+    def merge(self, names: Sequence[str]) -> None:
+        """φ ← θ: the swarm's parameters after the step."""
+        for n in names:
+            self.outer_params[n].copy_(self.params[n].detach())
 
-    def step(self) -> None:
-        check_not_in_trio_thread()
-        self._apply(trio.from_thread.run(self._reduce, self._grads()))
+    # -- the training loop: the round is the inner step ----------------------------------------
 
-    async def astep(self) -> None:
-        self._apply(await self._reduce(self._grads()))
+    def step(self) -> list[RoundReport]:
+        for hook in self.step_hooks:
+            hook(self)
+        return self._drive_from_thread(self._advance())
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "inner_steps": self.inner_steps,
-            "rounds": self.inner_steps,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "peak_bytes_per_sync": self.peak_bytes_per_sync,
-            "comm_wait_seconds": self.comm_wait_seconds,
-            "needs_resync": False,
-        }
+    async def astep(self) -> list[RoundReport]:
+        return await self._drive_async(self._advance())
+
+    # -- state: the inner optimizer's is the swarm's ------------------------------------------
+
+    def state_dict(self, *, inner: bool = True) -> dict[str, Any]:
+        state = super().state_dict(inner=False)
+        assert self.inner is not None
+        state["inner"] = copy.deepcopy(self.inner.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
+        if not isinstance(state, dict) or "inner" not in state:
+            raise OuterStateError("a DataParallel state carries the inner optimizer's state; this one has none")
+        super().load_state_dict(state, inner=True)
