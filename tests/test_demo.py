@@ -32,3 +32,31 @@ def test_demo_quick_trains_a_four_node_swarm(tmp_path):
     # progress was shown while it ran (one JSON line per node every few seconds in --plain mode)
     progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
     assert {p["node"] for p in progress} == {0, 1, 2, 3}
+
+
+@pytest.mark.slow
+def test_demo_pipeline_quick_trains_six_nodes_on_three_stages(tmp_path):
+    """`meshtrain demo --pipeline --quick`: six daemons place themselves on three stages from the
+    membership, agree on the placement, train SkipPipe iterations to the spec's last step, and
+    checkpoint their own stage."""
+    out = tmp_path / "demo"
+    r = subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--pipeline", "--quick", "--plain", "--steps", "30"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nodes"] == 6 and summary["nodes_finished"] == 6 and not summary["interrupted"]
+    pipe = summary["pipeline"]
+    assert [len(s) for s in pipe["stage_map"]] == [2, 2, 2], pipe  # every stage has replicas
+    assert all(f is not None and f < pipe["loss_first"] for f in pipe["loss_final"]), pipe  # it learned
+    assert (out / "loss.png").stat().st_size > 1000
+    progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
+    assert {p["stage"] for p in progress if p["stage"] is not None} == {0, 1, 2}
+    # each node checkpointed its own stage
+    for i in range(6):
+        assert list((out / "nodes" / f"node{i}" / "checkpoints").glob("ckpt-*")), i

@@ -97,6 +97,24 @@ class SwarmSpec(BaseModel):
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
     eval_batches: int = Field(8, ge=1, le=1024)
+    pipeline: Literal["none", "skippipe"] = Field(
+        "none",
+        description="none (every peer trains the whole model) | skippipe (the model is cut into stages; "
+        "peers hold one stage each; microbatches take SkipPipe paths through them)",
+    )
+    stages: int = Field(0, ge=0, le=64, description="pipeline: S, the number of stages (stage 0: embedding + head)")
+    stage_cut: str = Field(
+        "",
+        max_length=512,
+        description="pipeline: the blocks of stages 1..S-1, e.g. 0-1,2-3 (pinned at swarm create: the balanced cut)",
+    )
+    skip_ratio: float = Field(0.0, ge=0, lt=1, description="pipeline: fraction of the block stages each path skips")
+    microbatches: int = Field(8, ge=1, le=4096, description="pipeline: microbatches per iteration (of batch_size rows)")
+    replica_sync: Literal["every-step", "diloco", "noloco"] = Field(
+        "every-step",
+        description="pipeline: how a stage's replicas agree: every-step (gradient all-reduce every "
+        "iteration) | diloco | noloco (an outer step every H iterations, per stage)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
@@ -165,11 +183,34 @@ class SwarmSpec(BaseModel):
                 f"swarm spec: the pretrained model {self.model} needs the tokenizer it was trained "
                 f"with (--tokenizer {self.model}), not {self.tokenizer}"
             )
+        if self.pipeline != "none":
+            self._check_pipeline()
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
                 f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
             )
         return self
+
+    def _check_pipeline(self) -> None:
+        """A pipeline swarm: S >= 2 stages of a built-in GPT, cut as `stage_cut` says (if pinned)."""
+        from meshtrain.models.sources import PRESETS
+        from meshtrain.pipeline.cut import parse_stage_cut
+
+        if self.stages < 2:
+            raise ConfigError(f"swarm spec: pipeline {self.pipeline} needs stages >= 2 (--stages S), got {self.stages}")
+        if self.model not in PRESETS:
+            raise ConfigError(
+                f"swarm spec: pipeline swarms cut a built-in GPT ({', '.join(PRESETS)}), not {self.model}"
+            )
+        if self.precision != "fp32":
+            raise ConfigError("swarm spec: pipeline swarms train in fp32 (precision fp32)")
+        n_layer = PRESETS[self.model]().n_layer
+        if not 2 <= self.stages <= n_layer + 1:
+            raise ConfigError(
+                f"swarm spec: {self.model} has {n_layer} blocks: 2..{n_layer + 1} stages, not {self.stages}"
+            )
+        if self.stage_cut:
+            parse_stage_cut(self.stage_cut, self.stages, n_layer)
 
 
 def default_data_dir() -> Path:

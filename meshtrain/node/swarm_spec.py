@@ -16,7 +16,8 @@ Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_diges
 the creator's files, models/sources.py) when the spec has none, so the signature covers what the
 model and tokenizer *are*; every node checks its own copy against them before it trains
 (`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
-way (`optimizer_digest`, meshtrain/pyref.py; checked by `trainer.check_optimizer_copy`).
+way (`optimizer_digest`, meshtrain/pyref.py; checked by `trainer.check_optimizer_copy`). A pipeline
+swarm's `stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the spec says.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from typing import Any
 import blake3
 
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.models.sources import model_digest
+from meshtrain.models.sources import PRESETS, model_digest
 from meshtrain.models.tokenizers import tokenizer_digest
 from meshtrain.node.config import SwarmSpec, parse_spec
+from meshtrain.pipeline.cut import balanced_cut, format_stage_cut
 from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
 from meshtrain.transport.framing import packb_canonical
@@ -67,13 +69,16 @@ class SignedSpec:
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
-        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none."""
+        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none,
+        and a pipeline swarm's stage cut (the balanced one) if it names none."""
         pins = {
             "model_digest": spec.model_digest or model_digest(spec.model),
             "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer),
         }
         if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
             pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
+        if spec.pipeline != "none" and not spec.stage_cut:
+            pins["stage_cut"] = format_stage_cut(balanced_cut(PRESETS[spec.model]().n_layer, spec.stages))
         spec = spec.model_copy(update=pins)
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))
