@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from meshtrain.node.checkpoint import CheckpointStore
+
 from .conftest import ROOT
 
 
@@ -37,12 +39,13 @@ def test_demo_quick_trains_a_four_node_swarm(tmp_path):
 @pytest.mark.slow
 def test_demo_pipeline_quick_trains_six_nodes_on_three_stages(tmp_path):
     """`meshtrain demo --pipeline --quick`: six daemons place themselves on three stages from the
-    membership, agree on the placement, train SkipPipe iterations to the spec's last step, and
-    checkpoint their own stage."""
+    membership, agree on the placement, train SkipPipe iterations to the spec's last step with
+    DiLoCo among each stage's replicas (H = 10), and checkpoint their own stage — the replicas of
+    a stage bit-identical after the last round."""
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--pipeline", "--quick", "--plain", "--steps", "30"]
-        + ["--out", str(out)],
+        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--pipeline", "--quick", "--plain", "--steps", "20"]
+        + ["--replica-sync", "diloco", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -57,6 +60,13 @@ def test_demo_pipeline_quick_trains_six_nodes_on_three_stages(tmp_path):
     assert (out / "loss.png").stat().st_size > 1000
     progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
     assert {p["stage"] for p in progress if p["stage"] is not None} == {0, 1, 2}
-    # each node checkpointed its own stage
+    assert summary["rounds"] == [2] * 6, summary  # two DiLoCo rounds per stage
+    # each node checkpointed its own stage; a stage's replicas hold the same bits after the round
+    weights: dict[int, set[bytes]] = {}
     for i in range(6):
-        assert list((out / "nodes" / f"node{i}" / "checkpoints").glob("ckpt-*")), i
+        ckpt = CheckpointStore(out / "nodes" / f"node{i}" / "checkpoints", readonly=True).load_latest()
+        assert ckpt is not None and ckpt.step == 20, i
+        state = ckpt.state
+        blob = b"".join(state["weights"][k].numpy().tobytes() for k in sorted(state["weights"]))
+        weights.setdefault(state["pipeline"]["stage"], set()).add(blob)
+    assert sorted(weights) == [0, 1, 2] and all(len(v) == 1 for v in weights.values())

@@ -155,7 +155,7 @@ def _stage_of(st: dict) -> str:
 def _stage_map(statuses: list[dict | None]) -> list[list[str]] | None:
     """The stage map (short peer ids per stage) as the first live pipeline node sees it."""
     for st in statuses:
-        if st is not None and st.get("pipeline"):
+        if st is not None and st.get("pipeline") and any(st["pipeline"]["stage_map"]):
             return [[p[-6:] for p in peers] for peers in st["pipeline"]["stage_map"]]
     return None
 
