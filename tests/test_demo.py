@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,17 +15,23 @@ from meshtrain.node.checkpoint import CheckpointStore
 from .conftest import ROOT
 
 
-@pytest.mark.slow
-def test_demo_quick_trains_a_four_node_swarm(tmp_path):
-    out = tmp_path / "demo"
+def run_demo(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`meshtrain demo --quick --plain --out <out> <args>`, which must exit 0."""
     r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out)],
+        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.mark.slow
+def test_demo_quick_trains_a_four_node_swarm(tmp_path):
+    out = tmp_path / "demo"
+    r = run_demo(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]
     assert all(n >= 1 for n in summary["rounds"]), summary  # every node took part in outer rounds
@@ -43,15 +50,7 @@ def test_demo_pipeline_quick_trains_six_nodes_on_three_stages(tmp_path):
     DiLoCo among each stage's replicas (H = 10), and checkpoint their own stage — the replicas of
     a stage bit-identical after the last round."""
     out = tmp_path / "demo"
-    r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--pipeline", "--quick", "--plain", "--steps", "20"]
-        + ["--replica-sync", "diloco", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    r = run_demo(out, "--pipeline", "--steps", "20", "--replica-sync", "diloco")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 6 and summary["nodes_finished"] == 6 and not summary["interrupted"]
     pipe = summary["pipeline"]

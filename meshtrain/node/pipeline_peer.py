@@ -23,8 +23,9 @@ Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
    epoch's (a peer joined, left or died). Any origin's "stop" ends the epoch for everyone after
    that same iteration (the runtime's `done` message), so all peers end an epoch at the same
    step and go back to 1. A peer that dies mid-iteration is re-routed around by the runtime; an
-   iteration that cannot be scheduled at all (`PipelineError`: a stage left without a replica)
-   ends the epoch too.
+   iteration that cannot be scheduled at all (`PipelineError`: a stage left without a replica),
+   or that has not finished after `ITERATION_DEADLINE_FACTOR` times the slowest recent one (at
+   least `ITERATION_DEADLINE_MIN`), ends the epoch too.
 
 Data. Origins draw microbatch m of step t as `corpus.batch(batch_size, context, seed, peer=
 "pipeline", step=t, microbatch=m)`: a pure function of seed, step and microbatch, the same
@@ -92,6 +93,8 @@ AGREE_POLL = 0.2  # seconds between two looks at the others' announcements while
 STOP_GRACE = 20.0  # seconds a stopping peer keeps serving its epoch before it leaves regardless
 FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 MAX_KEY_CHARS = 64
+ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
+ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 
 
 @dataclass(frozen=True)
@@ -486,8 +489,16 @@ class PipelinePeer:
     async def _iterate(self, rt: PipelineRuntime, trainer: PipelineTrainer) -> None:
         it = 0
         self.waiting = None
+        seconds: list[float] = []
         while True:
-            rep = await rt.run_iteration(it)
+            # A watchdog: an iteration the runtime cannot finish (seen once after a SIGKILL, not
+            # reproduced) ends the epoch, and the peers agree on the next, rather than hang.
+            deadline = max(ITERATION_DEADLINE_MIN, ITERATION_DEADLINE_FACTOR * max(seconds[-20:], default=0.0))
+            with trio.move_on_after(deadline):
+                rep = await rt.run_iteration(it)
+                seconds.append(rep.seconds)
+            if len(seconds) <= it:
+                raise PipelineError(f"iteration {trainer.step} did not complete within {deadline:.0f} s")
             it += 1
             trainer.step += 1
             if trainer.sync is not None:
