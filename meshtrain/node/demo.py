@@ -348,7 +348,7 @@ def _summarise(
     summary = {
         "swarm_id": swarm_id,
         "nodes": args.nodes,
-        "optimizer": args.optimizer,
+        "optimizer": None if args.pipeline else args.optimizer,
         "pipeline": (
             {
                 "stages": args.stages,
