@@ -6,23 +6,32 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from meshtrain.node.checkpoint import CheckpointStore
 
 from .conftest import ROOT
 
 
-@pytest.mark.slow
-def test_demo_quick_trains_a_four_node_swarm(tmp_path):
-    out = tmp_path / "demo"
+def run_demo(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`meshtrain demo --quick --plain --out <out> <args>`, which must exit 0."""
     r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out)],
+        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.mark.slow
+def test_demo_quick_trains_a_four_node_swarm(tmp_path):
+    out = tmp_path / "demo"
+    r = run_demo(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]
     assert all(n >= 1 for n in summary["rounds"]), summary  # every node took part in outer rounds
@@ -32,3 +41,31 @@ def test_demo_quick_trains_a_four_node_swarm(tmp_path):
     # progress was shown while it ran (one JSON line per node every few seconds in --plain mode)
     progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
     assert {p["node"] for p in progress} == {0, 1, 2, 3}
+
+
+@pytest.mark.slow
+def test_demo_pipeline_quick_trains_six_nodes_on_three_stages(tmp_path):
+    """`meshtrain demo --pipeline --quick`: six daemons place themselves on three stages from the
+    membership, agree on the placement, train SkipPipe iterations to the spec's last step with
+    DiLoCo among each stage's replicas (H = 10), and checkpoint their own stage — the replicas of
+    a stage bit-identical after the last round."""
+    out = tmp_path / "demo"
+    r = run_demo(out, "--pipeline", "--steps", "20", "--replica-sync", "diloco")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nodes"] == 6 and summary["nodes_finished"] == 6 and not summary["interrupted"]
+    pipe = summary["pipeline"]
+    assert [len(s) for s in pipe["stage_map"]] == [2, 2, 2], pipe  # every stage has replicas
+    assert all(f is not None and f < pipe["loss_first"] for f in pipe["loss_final"]), pipe  # it learned
+    assert (out / "loss.png").stat().st_size > 1000
+    progress = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"node"')]
+    assert {p["stage"] for p in progress if p["stage"] is not None} == {0, 1, 2}
+    assert summary["rounds"] == [2] * 6, summary  # two DiLoCo rounds per stage
+    # each node checkpointed its own stage; a stage's replicas hold the same bits after the round
+    weights: dict[int, set[bytes]] = {}
+    for i in range(6):
+        ckpt = CheckpointStore(out / "nodes" / f"node{i}" / "checkpoints", readonly=True).load_latest()
+        assert ckpt is not None and ckpt.step == 20, i
+        state = ckpt.state
+        blob = b"".join(state["weights"][k].numpy().tobytes() for k in sorted(state["weights"]))
+        weights.setdefault(state["pipeline"]["stage"], set()).add(blob)
+    assert sorted(weights) == [0, 1, 2] and all(len(v) == 1 for v in weights.values())

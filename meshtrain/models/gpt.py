@@ -373,14 +373,20 @@ class GPT(nn.Module):
         (embedding, head) is in none of the groups."""
         return [[f"blocks.{i}.{name}" for name, _ in block.named_parameters()] for i, block in enumerate(self.blocks)]
 
-    def stages(self, n_stages: int) -> list[PipelineStage]:
+    def stages(self, n_stages: int, cut: Sequence[range] | None = None) -> list[PipelineStage]:
         """Cut the model for a pipeline of `n_stages` stages (2 <= n_stages <= n_layer + 1):
         stage 0 holds the embedding and the head (SkipPipe: stage-0 nodes hold the data and
         compute the loss); stages 1..n_stages-1 hold contiguous runs of blocks, balanced by
-        `block_ranges`. Every parameter belongs to exactly one stage."""
+        `block_ranges` unless `cut` gives them (one non-empty range per block stage, covering
+        every block in order). Every parameter belongs to exactly one stage."""
         if not 2 <= n_stages <= self.config.n_layer + 1:
             raise ConfigError(
                 f"a {self.config.n_layer}-block model splits into 2..{self.config.n_layer + 1} stages, not {n_stages}"
+            )
+        runs = tuple(cut) if cut is not None else block_ranges(self.config.n_layer, n_stages - 1)
+        if len(runs) != n_stages - 1 or [b for r in runs for b in r] != list(range(self.config.n_layer)):
+            raise ConfigError(
+                f"a cut of {n_stages} stages needs {n_stages - 1} block runs covering every block in order"
             )
         names = [name for name, _ in self.named_parameters()]
         ends = nn.ModuleDict({"embed": self.embed, "head": self.head})
@@ -392,7 +398,7 @@ class GPT(nn.Module):
                 parameter_names=tuple(n for n in names if n.startswith(("embed.", "head."))),
             )
         ]
-        for s, run in enumerate(block_ranges(self.config.n_layer, n_stages - 1), start=1):
+        for s, run in enumerate(runs, start=1):
             prefixes = tuple(f"blocks.{i}." for i in run)
             result.append(
                 PipelineStage(

@@ -6,6 +6,7 @@
     meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec
     meshtrain swarm join   <multiaddr | id@multiaddr>       fetch the spec from a peer, sync, train
     meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
+                           [--pipeline [--stages 3]]        ... or a 6-node SkipPipe pipeline swarm
     meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
     meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with
 
@@ -183,13 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     _node_flags(join)
 
     demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
-    demo.add_argument("--nodes", type=int, default=4, help="number of node processes (default 4)")
+    demo.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
     demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco", "sparseloco"], default="diloco")
     demo.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
     demo.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
     demo.add_argument("--quick", action="store_true", help="a short run (CI)")
     demo.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
     demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    demo.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
+    demo.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
+    demo.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
+    demo.add_argument(
+        "--replica-sync",
+        choices=["every-step", "diloco", "noloco"],
+        default="every-step",
+        help="--pipeline: how a stage's replicas agree (default every-step)",
+    )
 
     export = sub.add_parser("export", help="write the swarm's outer parameters φ (latest checkpoint) as a model")
     export.add_argument(

@@ -73,6 +73,7 @@ from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import resolve_device
 from meshtrain.node.outer_spec import check_copy as check_outer_copy
 from meshtrain.node.parity import ParityMonitor
+from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
@@ -164,6 +165,7 @@ class Node:
         self.collective: SwarmCollective | None = None
         self.trainer: TrainedState | None = None
         self.run_state: RunState | None = None
+        self.pipeline: PipelinePeer | None = None  # a pipeline swarm's run path (instead of trainer, run_state)
         self.status_url: str | None = None
         self.startup_waiting: str | None = None  # what start-up waits for (the peer we join through)
         # Loop mode (`meshtrain.Swarm`): the user's loop trains; the node serves it.
@@ -256,6 +258,8 @@ class Node:
             # Only members get data-plane sessions; only round candidates may join a round, and
             # only near our step (a stranger's join for a far-future round voided real rounds).
             streams.authorize = presence.is_member
+            if signed.spec.pipeline != "none":
+                return await self._run_pipeline(stack, host, signed, presence, streams)
             collective = self.collective = await stack.enter_async_context(
                 SwarmCollective(
                     host,
@@ -293,26 +297,9 @@ class Node:
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )
-            if self.nat is not None:
-                # announce how we are reached (public / relayed / private) and our circuit
-                # addresses while private, in our membership record
-                view = presence.view
-                assert view is not None  # entered above
-                self.nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))
-                probes = await stack.enter_async_context(trio.open_nursery())
-                stack.callback(probes.cancel_scope.cancel)
-                probes.start_soon(self._first_probe, self.nat)
+            await self._announce_reachability(stack, presence)
             await self._start_status(stack)
             self._write_daemon_file(host, signed)
-            log.warning(
-                kv(
-                    "node started",
-                    peer=host.peer_id,
-                    swarm=signed.swarm_id,
-                    addrs=",".join(host.addrs),
-                    status=self.status_url,
-                )
-            )
             try:
                 if self._user_loop:
                     return await self._serve_loop(trainer, presence, run_state)
@@ -321,6 +308,77 @@ class Node:
             finally:
                 (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _announce_reachability(self, stack: AsyncExitStack, presence: PeerPresence) -> None:
+        """With NAT traversal: announce how we are reached (public / relayed / private) and our
+        circuit addresses while private, in our membership record; probe as soon as we can."""
+        if self.nat is None:
+            return
+        view = presence.view
+        assert view is not None  # entered
+        self.nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))
+        probes = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(probes.cancel_scope.cancel)
+        probes.start_soon(self._first_probe, self.nat)
+
+    async def _run_pipeline(
+        self, stack: AsyncExitStack, host: Host, signed: SignedSpec, presence: PeerPresence, streams: TensorStreams
+    ) -> NodeResult:
+        """A pipeline swarm (node/pipeline_peer.py): no swarm-wide collective, `Trainer` or
+        `RunState`: the peer holds one stage, runs it in epochs and checkpoints it."""
+        if self._user_loop or self._model is not None or self._outer_factory is not None or self.local is not None:
+            raise ConfigError(
+                "a pipeline swarm trains the spec's built-in GPT inside the node: no user loop, "
+                "model or optimizer hooks, or local ranks"
+            )
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        peer = self.pipeline = PipelinePeer(
+            signed.spec,
+            signed.swarm_id,
+            presence,
+            streams,
+            self.config,
+            self.data_dir,
+            phase=self.phase,
+            stop=self._stop,
+        )
+        self.network_ready.set()
+        await self._announce_reachability(stack, presence)
+        await self._start_status(stack)
+        self._write_daemon_file(host, signed)
+        until = self._until(signed.spec.steps)
+        try:
+            await peer.run(until)
+            self.phase.set("stopping")
+            path = await peer.save()
+            view = presence.view
+            assert view is not None  # entered
+            if not view.has_left:
+                await view.leave()
+            trainer = peer.trainer
+            step = trainer.step if trainer is not None else 0
+            history: list[dict[str, Any]] = []
+            if trainer is not None:
+                with trainer.lock:
+                    history = list(trainer.info.history)
+            write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
+            return NodeResult(
+                host.peer_id,
+                step,
+                trainer.rounds if trainer is not None else 0,
+                None,
+                path or peer.last_checkpoint.get("path"),
+                until == 0 or step < until,
+            )
+        finally:
+            (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
+
+    def _until(self, steps: int) -> int:
+        """The step to stop at: the spec's, or this node's `max_steps` if lower (0: never)."""
+        if self.config.max_steps is not None:
+            return min(steps, self.config.max_steps) if steps else self.config.max_steps
+        return steps
 
     async def _resolve_spec(self, host: Host) -> SignedSpec:
         if self._spec_arg is not None:
@@ -468,6 +526,15 @@ class Node:
             "token_file": str(self.data_dir / TOKEN_FILE),
         }
         write_atomic(self.data_dir / DAEMON_FILE, json.dumps(info).encode())
+        log.warning(
+            kv(
+                "node started",
+                peer=host.peer_id,
+                swarm=signed.swarm_id,
+                addrs=",".join(host.addrs),
+                status=self.status_url,
+            )
+        )
 
     # -- training ------------------------------------------------------------------------------
 
@@ -476,9 +543,7 @@ class Node:
         assert view is not None and self.host is not None  # entered
         stop = self._stop
         await self._enter_swarm(run_state, presence)
-        until = trainer.spec.steps
-        if self.config.max_steps is not None:
-            until = min(until, self.config.max_steps) if until else self.config.max_steps
+        until = self._until(trainer.spec.steps)
         finished_cleanly = True
         async with trainer.outer:
             async with trio.open_nursery() as nursery:

@@ -1,6 +1,9 @@
 """`meshtrain demo`: a real local swarm — N node processes on loopback — training the small GPT on
 the built-in corpus, with a live table, a loss plot and a summary.
 
+`--pipeline`: a pipeline swarm instead (6 nodes, 3 stages, SkipPipe; node/pipeline_peer.py): the
+table shows each node's stage and the stage map, the plot the training loss per iteration.
+
 Nothing is simulated: the demo does what a user would do by hand. It writes a swarm spec
 (`meshtrain swarm create`), starts the first node with it (`meshtrain node start`), starts the
 others with `meshtrain swarm join <first node's address>` (each fetches and verifies the spec),
@@ -42,6 +45,7 @@ class _Swarm:
         self.dirs = [out / "nodes" / f"node{i}" for i in range(n)]
         self.logs: list[Path] = []
         self.urls: list[str | None] = [None] * n
+        self.stage_map: list[list[str]] | None = None  # a pipeline swarm's, as last seen
 
     def start(self, i: int, extra: list[str]) -> None:
         log = self.out / f"node{i}.log"
@@ -105,6 +109,7 @@ class _Swarm:
                 out.append(fetch_status(url, timeout=2))
             except MeshtrainError:
                 out.append(None)
+        self.stage_map = _stage_map(out) or self.stage_map
         return out
 
     def running(self) -> bool:
@@ -141,18 +146,39 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
+def _stage_of(st: dict) -> str:
+    """A pipeline node's stage, for the table ("" outside pipeline swarms)."""
+    stage = (st.get("pipeline") or {}).get("stage")
+    return "" if stage is None else str(stage)
+
+
+def _stage_map(statuses: list[dict | None]) -> list[list[str]] | None:
+    """The stage map (short peer ids per stage) as the first live pipeline node sees it."""
+    for st in statuses:
+        if st is not None and st.get("pipeline") and any(st["pipeline"]["stage_map"]):
+            return [[p[-6:] for p in peers] for peers in st["pipeline"]["stage_map"]]
+    return None
+
+
 def _table(statuses: list[dict | None], started: float, steps: int) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"meshtrain demo — {len(statuses)} nodes, {time.monotonic() - started:.0f} s", expand=False)
-    for col in ("node", "peer", "state", "step", "round", "loss", "eval loss", "sent MiB", "recv MiB", "peers"):
+    stages = _stage_map(statuses)
+    title = f"meshtrain demo — {len(statuses)} nodes, {time.monotonic() - started:.0f} s"
+    if stages is not None:
+        title += " — stages " + "  ".join(f"{s}: {','.join(ps) or '(empty)'}" for s, ps in enumerate(stages))
+    t = Table(title=title, expand=False)
+    cols = ["node", "peer", "state", "step", "round", "loss", "eval loss", "sent MiB", "recv MiB", "peers"]
+    if stages is not None:
+        cols.insert(3, "stage")
+    for col in cols:
         t.add_column(col, justify="right" if col not in ("peer", "state", "node") else "left")
     for i, st in enumerate(statuses):
         if st is None:
-            t.add_row(f"node{i}", "", "[dim]down/finished[/dim]", *[""] * 7)
+            t.add_row(f"node{i}", "", "[dim]down/finished[/dim]", *[""] * (len(cols) - 3))
             continue
         n, tr = st["node"], st["training"]
-        t.add_row(
+        row = [
             f"node{i}",
             n["peer_id"][-8:],
             n["state"],
@@ -163,15 +189,42 @@ def _table(statuses: list[dict | None], started: float, steps: int) -> Any:
             f"{tr['bytes_sent'] / 2**20:.2f}",
             f"{tr['bytes_received'] / 2**20:.2f}",
             str(len(st["peers"])),
-        )
+        ]
+        if stages is not None:
+            row.insert(3, _stage_of(st))
+        t.add_row(*row)
     return t
 
 
+def _pipeline_flags(args: argparse.Namespace) -> list[str]:
+    """`swarm create` flags of `demo --pipeline`: SkipPipe on `--stages` stages."""
+    if not args.pipeline:
+        return []
+    return [
+        "--pipeline",
+        "skippipe",
+        "--stages",
+        str(args.stages),
+        "--skip-ratio",
+        str(args.skip_ratio),
+        "--microbatches",
+        str(args.nodes),
+        "--batch-size",
+        "8",
+        "--replica-sync",
+        args.replica_sync,
+    ]
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if args.nodes is None:
+        args.nodes = 6 if args.pipeline else 4
     if not 1 <= args.nodes <= 16:
         raise ConfigError("--nodes must be between 1 and 16 on one machine")
+    if args.pipeline and not 2 <= args.stages <= min(args.nodes, 5):
+        raise ConfigError(f"--stages must be between 2 and {min(args.nodes, 5)} (gpt-small has 4 blocks; a node each)")
     steps = args.steps if args.steps is not None else (60 if args.quick else 600)
-    H = args.H if args.H is not None else (20 if args.quick else 50)
+    H = args.H if args.H is not None else (10 if args.pipeline else 20 if args.quick else 50)
     if steps < 1 or H < 1:
         raise ConfigError("--steps and --H must be at least 1")
     out = Path(args.out)
@@ -199,6 +252,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "meshtrain-demo",
             *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else []),
             *(["--outer-lr", "1.0"] if args.optimizer == "sparseloco" else []),
+            *_pipeline_flags(args),
         ),
         capture_output=True,
         text=True,
@@ -207,7 +261,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise MeshtrainError(f"swarm create failed: {created.stderr.strip()}")
     swarm_id = json.loads(created.stdout.splitlines()[0])["swarm_id"]
     say = print if args.plain else (lambda *a: print(*a, file=sys.stderr))
-    say(f"swarm {swarm_id}: {args.nodes} nodes, gpt-small, {args.optimizer}, H={H}, {steps} steps; files in {out}")
+    what = f"skippipe on {args.stages} stages, replica sync {args.replica_sync}" if args.pipeline else args.optimizer
+    say(f"swarm {swarm_id}: {args.nodes} nodes, gpt-small, {what}, H={H}, {steps} steps; files in {out}")
     started = time.monotonic()
     interrupted = False
     try:
@@ -230,6 +285,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                     {
                                         "node": i,
                                         "state": st["node"]["state"],
+                                        "stage": (st.get("pipeline") or {}).get("stage"),
                                         "step": tr["step"],
                                         "round": tr["round"],
                                         "loss": tr["loss"],
@@ -271,24 +327,40 @@ def _summarise(
 ) -> int:
     from meshtrain.node.plot import plot_curves
 
+    # A pipeline swarm has no peer with the whole model to evaluate: its curve is the training
+    # loss of each iteration (the same number on every node of the swarm).
+    key = "loss" if args.pipeline else "eval_loss"
     curves: dict[str, list[tuple[float, float]]] = {}
     for i, d in enumerate(swarm.dirs):
         hist = d / "history.json"
         if hist.exists():
             rows = json.loads(hist.read_text())
-            curves[f"node{i}"] = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+            curves[f"node{i}"] = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    what = f"skippipe, {args.stages} stages, {args.replica_sync}" if args.pipeline else args.optimizer
     png = plot_curves(
         curves,
         out / "loss.png",
-        title=f"meshtrain demo: {args.optimizer}, {args.nodes} nodes, H={H}",
-        ylabel="held-out loss (outer parameters)",
+        title=f"meshtrain demo: {what}, {args.nodes} nodes, H={H}",
+        ylabel="training loss (all microbatches)" if args.pipeline else "held-out loss (outer parameters)",
     )
     finals = [r for r in results if r]
     first = [c[0][1] for c in curves.values() if c]
     summary = {
         "swarm_id": swarm_id,
         "nodes": args.nodes,
-        "optimizer": args.optimizer,
+        "optimizer": None if args.pipeline else args.optimizer,
+        "pipeline": (
+            {
+                "stages": args.stages,
+                "skip_ratio": args.skip_ratio,
+                "replica_sync": args.replica_sync,
+                "stage_map": swarm.stage_map,
+                "loss_first": round(sum(first) / len(first), 4) if first else None,
+                "loss_final": [round(c[-1][1], 4) if c else None for c in curves.values()],
+            }
+            if args.pipeline
+            else None
+        ),
         "H": H,
         "steps": steps,
         "wall_s": round(time.monotonic() - started, 1),

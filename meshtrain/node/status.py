@@ -30,13 +30,17 @@ The status document (`Node.snapshot()`):
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
                 null), waiting (what the node waits for now, in words, or null)
-    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}]
+    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}] (and
+                stage: the stage a pipeline swarm's peer announces, or null)
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
                 reachability: what the peer announces ("public", "relayed": private behind a
                 relay reservation, "private", "unknown"; "direct" from a node without NAT
                 traversal). node.reachability is ours, in the same terms.
     checkpoint: {last_step, path, saved_at} once one was saved
     joined_from: how a late joiner got its state (donors, bytes, seconds) or null
+    pipeline:   only in a pipeline swarm (node/pipeline_peer.py): mode, stages, stage (ours),
+                stage_map ([[peer ids] per stage]: the running epoch's, else as announced),
+                stage_cut, replica_sync, epoch (key or null), epochs, forward_s, waiting
 """
 
 from __future__ import annotations

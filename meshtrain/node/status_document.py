@@ -21,6 +21,7 @@ from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import device_label
 from meshtrain.node.parity import ParityMonitor
+from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, RunState
 from meshtrain.node.swarm_spec import SignedSpec
@@ -47,6 +48,7 @@ class Node(Protocol):
     collective: SwarmCollective | None
     trainer: TrainedState | None
     run_state: RunState | None
+    pipeline: PipelinePeer | None
     local: LocalRanks | None
     join_address: tuple[str | None, str] | None
     startup_waiting: str | None
@@ -74,6 +76,7 @@ def round_status(node: Node) -> dict[str, Any]:
     waiting = (
         node.startup_waiting
         or (node.run_state.waiting if node.run_state is not None else None)
+        or (node.pipeline.waiting if node.pipeline is not None else None)
         or (node.collective.waiting_for() if node.collective is not None else None)
     )
     return {
@@ -149,6 +152,9 @@ def status_document(node: Node) -> dict[str, Any]:
                 history=list(info.history),
             )
         training["optimizer"] = trainer.spec.optimizer
+    pipeline = node.pipeline
+    if pipeline is not None:
+        training.update(pipeline.training_status())
     training.update(round_status(node))
     if training.get("waiting") is None and node.state == "starting":
         # What start-up waits for (rounds say it themselves through round_status).
@@ -180,12 +186,18 @@ def status_document(node: Node) -> dict[str, Any]:
                     "reachability": p.connection,
                 }
             )
-    return {
+            if pipeline is not None:
+                peers[-1]["stage"] = pipeline.announced_stage(p)
+    keeper = node.run_state or node.pipeline
+    doc: dict[str, Any] = {
         "node": about,
         "training": training,
         "peers": peers,
-        "checkpoint": dict(node.run_state.last_checkpoint)
-        if node.run_state
+        "checkpoint": dict(keeper.last_checkpoint)
+        if keeper is not None
         else {"last_step": None, "path": None, "saved_at": None},
         "joined_from": node.joined_from,
     }
+    if pipeline is not None:
+        doc["pipeline"] = pipeline.status()
+    return doc

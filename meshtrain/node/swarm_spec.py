@@ -26,7 +26,8 @@ Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_diges
 the creator's files, models/sources.py) when the spec has none, so the signature covers what the
 model and tokenizer *are*; every node checks its own copy against them before it trains
 (`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
-way (`optimizer_digest`, meshtrain/pyref.py; checked by `trainer.check_optimizer_copy`).
+way (`optimizer_digest`, meshtrain/pyref.py; checked by `outer_spec.check_copy`). A pipeline
+swarm's `stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the spec says.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.models.sources import model_digest, parse_model_source
+from meshtrain.models.sources import PRESETS, model_digest, parse_model_source
 from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
 from meshtrain.node.config import one_line_error
+from meshtrain.pipeline.cut import balanced_cut, format_stage_cut, parse_stage_cut
 from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
 from meshtrain.transport.framing import packb_canonical
@@ -135,6 +137,24 @@ class SwarmSpec(BaseModel):
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
     eval_batches: int = Field(8, ge=1, le=1024)
+    pipeline: Literal["none", "skippipe"] = Field(
+        "none",
+        description="none (every peer trains the whole model) | skippipe (the model is cut into stages; "
+        "peers hold one stage each; microbatches take SkipPipe paths through them)",
+    )
+    stages: int = Field(0, ge=0, le=64, description="pipeline: S, the number of stages (stage 0: embedding + head)")
+    stage_cut: str = Field(
+        "",
+        max_length=512,
+        description="pipeline: the blocks of stages 1..S-1, e.g. 0-1,2-3 (pinned at swarm create: the balanced cut)",
+    )
+    skip_ratio: float = Field(0.0, ge=0, lt=1, description="pipeline: fraction of the block stages each path skips")
+    microbatches: int = Field(8, ge=1, le=4096, description="pipeline: microbatches per iteration (of batch_size rows)")
+    replica_sync: Literal["every-step", "diloco", "noloco"] = Field(
+        "every-step",
+        description="pipeline: how a stage's replicas agree: every-step (gradient all-reduce every "
+        "iteration) | diloco | noloco (an outer step every H iterations, per stage)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
@@ -226,11 +246,31 @@ class SwarmSpec(BaseModel):
                 + ("averages with one partner" if self.optimizer == "noloco" else "gathers sparse payloads")
                 + ": use aggregation mean"
             )
+        if self.pipeline != "none":
+            self._check_pipeline()
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
                 f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
             )
         return self
+
+    def _check_pipeline(self) -> None:
+        """A pipeline swarm: S >= 2 stages of a built-in GPT, cut as `stage_cut` says (if pinned)."""
+        if self.stages < 2:
+            raise ConfigError(f"swarm spec: pipeline {self.pipeline} needs stages >= 2 (--stages S), got {self.stages}")
+        if self.model not in PRESETS:
+            raise ConfigError(
+                f"swarm spec: pipeline swarms cut a built-in GPT ({', '.join(PRESETS)}), not {self.model}"
+            )
+        if self.precision != "fp32":
+            raise ConfigError("swarm spec: pipeline swarms train in fp32 (precision fp32)")
+        n_layer = PRESETS[self.model]().n_layer
+        if not 2 <= self.stages <= n_layer + 1:
+            raise ConfigError(
+                f"swarm spec: {self.model} has {n_layer} blocks: 2..{n_layer + 1} stages, not {self.stages}"
+            )
+        if self.stage_cut:
+            parse_stage_cut(self.stage_cut, self.stages, n_layer)
 
     def aggregation_options(self) -> dict[str, Any]:
         """The all-reduce's combination rule (`AllReduceConfig` fields) for this swarm: the one
@@ -276,13 +316,16 @@ class SignedSpec:
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
-        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none."""
+        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none,
+        and a pipeline swarm's stage cut (the balanced one) if it names none."""
         pins = {
             "model_digest": spec.model_digest or model_digest(spec.model),
             "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer),
         }
         if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
             pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
+        if spec.pipeline != "none" and not spec.stage_cut:
+            pins["stage_cut"] = format_stage_cut(balanced_cut(PRESETS[spec.model]().n_layer, spec.stages))
         spec = spec.model_copy(update=pins)
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))

@@ -6,6 +6,10 @@
 - `runtime`: the microbatch protocol over RPC + tensor streams, executing the schedule's per-peer
   order, re-routing around dead peers, and the replicas' per-iteration gradient all-reduce.
 - `omission`: evaluating a trained model with some of its stages left out.
+- `cut`: how a swarm spec writes the stage cut (`stage_cut`, e.g. "0-1,2-3").
+- `placement`: which stage each peer of a pipeline swarm holds (pure; over the membership).
+- `replica_sync`: DiLoCo / NoLoCo among one stage's replicas every H iterations, instead of the
+  runtime's per-iteration gradient all-reduce.
 
 Submodules are imported explicitly (`from meshtrain.pipeline.runtime import PipelineRuntime`) so
 that the pure scheduler does not pull in the network stack.

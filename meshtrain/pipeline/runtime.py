@@ -44,7 +44,7 @@ are kept apart (`stages.py`) and only the attempts the origins list in `done` ar
 done by a voided attempt is never counted. A dead origin takes its own microbatches with it.
 The next iteration is scheduled without the peers the origins reported dead.
 
-Replica sync: at the end of an iteration the replicas of each stage all-reduce their gradient
+Replica sync (`sync_gradients`, the default): at the end of an iteration the replicas of each stage all-reduce their gradient
 sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
 replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
 SkipPipe reference, chosen over a DiLoCo-style outer step because replicas then stay bit-identical
@@ -52,6 +52,10 @@ every iteration (a microbatch may be re-routed to any replica, so replicas must 
 and a stage's gradients (one stage of a model) are small enough to all-reduce every iteration.
 The mean is per stage over the microbatches that visited it: with skips each stage sees a
 different number of microbatches, and each should take an average, not a share, of their signal.
+Over slow links the caller may instead turn the per-iteration all-reduce off and synchronise the
+replicas with an outer optimizer every H iterations (`pipeline/replica_sync.py`, DiLoCo or NoLoCo
+per stage, over this runtime's collective): replicas then differ between two rounds, which the
+re-routing tolerates (any replica computes a valid forward, just not the same bits).
 
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
 bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
@@ -371,6 +375,10 @@ class PipelineRuntime(Service):
         end of an iteration; the run stops after an iteration any origin asked to stop at.
     keep_grads: put each iteration's averaged stage gradient in its report (tests).
     allreduce: the replica sync's `AllReduceConfig`.
+    sync_gradients: all-reduce each stage's gradients among its replicas every iteration (the
+        default); False: every replica steps on its own gradients, and the caller synchronises
+        the replicas some other way (an outer optimizer every H iterations over `collective`,
+        whose group is `replica_group`: pipeline/replica_sync.py).
 
     Contract on failure: a peer that dies mid-iteration costs the others at most about one
     liveness interval plus the re-run of the microbatches it held; `run_iteration` returns on
@@ -391,6 +399,7 @@ class PipelineRuntime(Service):
         should_stop: Callable[[int, float], bool] | None = None,
         keep_grads: bool = False,
         allreduce: AllReduceConfig | None = None,
+        sync_gradients: bool = True,
     ) -> None:
         me = host.peer_id
         if run.problem.placement.get(me) != replica.index:
@@ -408,6 +417,7 @@ class PipelineRuntime(Service):
         self.compute_floor = compute_floor
         self.should_stop = should_stop
         self.keep_grads = keep_grads
+        self.sync_gradients = sync_gradients
         self.me = me
         self.stage = replica.index
         self.dead: set[str] = set()  # peers this peer saw die (routing, liveness)
@@ -423,6 +433,12 @@ class PipelineRuntime(Service):
             host, streams, lambda _round: self._group, allreduce or AllReduceConfig(join_timeout=15, part_timeout=15)
         )
         self.stats = {"hops_sent": 0, "hops_received": 0, "rejected": 0, "send_failures": 0}
+
+    @property
+    def replica_group(self) -> tuple[str, ...]:
+        """This stage's replicas as of the last iteration's end (sorted; us included; the peers
+        seen dead left out): the group of the replica sync's rounds."""
+        return self._group
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -815,7 +831,7 @@ class PipelineRuntime(Service):
         self._group = tuple(
             sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in self.dead))
         )
-        if len(self._group) > 1:
+        if self.sync_gradients and len(self._group) > 1:
             tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
             try:
                 res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")

@@ -73,6 +73,7 @@ class StageReplica:
     index: which stage this replica runs.
     lr, weight_decay, betas: AdamW on this stage's parameters (SkipPipe trains with Adam).
     clip: max gradient norm of this stage per update (None = no clipping).
+    cut: the blocks of stages 1..S-1 (None: the balanced cut; pipeline/cut.py).
 
     Compute methods are synchronous torch code; call them from a worker thread.
     """
@@ -87,8 +88,9 @@ class StageReplica:
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         betas: tuple[float, float] = DEFAULT_BETAS,
         clip: float | None = DEFAULT_CLIP,
+        cut: Sequence[range] | None = None,
     ) -> None:
-        stages = model.stages(n_stages)
+        stages = model.stages(n_stages, cut)
         if not 0 <= index < n_stages:
             raise ConfigError(f"stage index {index} is outside 0..{n_stages - 1}")
         self.model = model

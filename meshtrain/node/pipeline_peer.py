@@ -1,0 +1,645 @@
+"""A pipeline swarm's peer: the daemon's run path when the spec says `pipeline = "skippipe"`.
+
+Problem. SkipPipe's runtime (pipeline/runtime.py) runs a fixed set of peers with a fixed stage
+each, started together. A swarm has strangers that join, leave and die, and no coordinator. This
+module turns the one into the other: it places this peer on a stage from the CRDT membership,
+agrees with the others on *when* a placement takes effect, runs the runtime for as long as the
+placement holds, synchronises its stage's replicas, and checkpoints its own stage.
+
+Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
+1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
+   forward time and step it announces in its membership record's capabilities
+   (`{"stage", "fwd", "step", "epoch", "ready"}`). `placement.place` gives every peer's stage; if
+   ours changed we take the new stage (a peer that has trained already should download it from
+   that stage's replicas: not here yet, see below) and announce it.
+2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
+   step any of them announces); its key is a digest of all three. We announce the key as
+   `epoch`; once every peer of the placement announces the same key we build the runtime
+   (`PipelineRun` named after the key, so two epochs' messages never mix), announce `ready`, and
+   start iteration 0 once every peer is ready (a hop that reached a peer still in the last epoch
+   would be refused, and its microbatch re-routed for nothing).
+3. Run. Iterations follow one another; at the end of each, every origin (stage 0) asks
+   `should_stop`: our stop request, the spec's steps, or a placement that is no longer the
+   epoch's (a peer joined, left or died). Any origin's "stop" ends the epoch for everyone after
+   that same iteration (the runtime's `done` message), so all peers end an epoch at the same
+   step and go back to 1. A peer that dies mid-iteration is re-routed around by the runtime; an
+   iteration that cannot be scheduled at all (`PipelineError`: a stage left without a replica),
+   or that has not finished after `ITERATION_DEADLINE_FACTOR` times the slowest recent one (at
+   least `ITERATION_DEADLINE_MIN`), ends the epoch too.
+
+Data. Origins draw microbatch m of step t as `corpus.batch(batch_size, context, seed, peer=
+"pipeline", step=t, microbatch=m)`: a pure function of seed, step and microbatch, the same
+whichever origin runs it. An iteration trains `microbatches` × `batch_size` sequences.
+
+Replica sync (the spec's `replica_sync`): "every-step" is the runtime's per-iteration gradient
+all-reduce among a stage's replicas; "diloco" and "noloco" run the runtime without it and an
+outer optimizer per stage every H iterations over the runtime's collective
+(`pipeline/replica_sync.py`: each stage's rounds have their own tag).
+
+Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
+and the step — every `checkpoint_every` seconds (in the background) and when it stops; a restart
+resumes it and announces that stage again, so the placement keeps it there.
+
+Status: `status()` is the status document's `pipeline` section (our stage, the stage map, the
+epoch, what we wait for); `training_status()` fills its `training` section.
+
+Not here yet (issue 18): a late joiner or a moved peer downloading its stage's state from that
+stage's replicas (today it starts from the swarm's initial weights, with a warning), an origin
+taking over a dead origin's microbatches within an iteration, paths that skip an empty stage
+while it is refilled, measured links for the scheduler (every link is `DEFAULT_LINK`), evaluation
+of the assembled model, and `meshtrain export` of a pipeline swarm.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+import trio
+
+from meshtrain.collective.allreduce import AllReduceConfig
+from meshtrain.crdt.swarm_view import PeerInfo
+from meshtrain.errors import ConfigError
+from meshtrain.log import get_logger, kv
+from meshtrain.models.gpt import GPT
+from meshtrain.models.sources import resolve_context
+from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.config import NodeConfig
+from meshtrain.node.presence import PeerPresence
+from meshtrain.node.run_state import Phase, StopRequest
+from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.trainer import StepInfo, build_model, load_data
+from meshtrain.pipeline.cut import parse_stage_cut
+from meshtrain.pipeline.placement import Member, place, stage_map
+from meshtrain.pipeline.replica_sync import StageOuterSync
+from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime
+from meshtrain.pipeline.scheduler import Link, PipelineProblem
+from meshtrain.pipeline.stages import StageReplica
+from meshtrain.transport.framing import packb_canonical
+from meshtrain.transport.tensor_streams import TensorStreams
+from meshtrain.transport.validate import is_int, is_number
+
+log = get_logger(__name__)
+
+DEFAULT_LINK = Link(0.005, 100e6)  # what the scheduler assumes of every link until links are measured
+AGREE_POLL = 0.2  # seconds between two looks at the others' announcements while forming an epoch
+STOP_GRACE = 20.0  # seconds a stopping peer keeps serving its epoch before it leaves regardless
+FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
+MAX_KEY_CHARS = 64
+ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
+ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One placement as every peer of it runs it: peer -> stage, peer -> forward seconds, and
+    the step its first iteration trains."""
+
+    placement: dict[str, int]
+    forward_s: dict[str, float]
+    base_step: int
+
+    @property
+    def key(self) -> str:
+        body = packb_canonical(
+            {"placement": sorted(self.placement.items()), "fwd": sorted(self.forward_s.items()), "step": self.base_step}
+        )
+        return blake3.blake3(body).hexdigest()[:32]
+
+
+class PipelineTrainer:
+    """This peer's stage: the (locally built, whole) model, its `StageReplica`, the optional
+    per-stage outer sync, the step counter and the numbers the status page shows."""
+
+    def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int) -> None:
+        model = build_model(spec, vocab_size)
+        if not isinstance(model, GPT):  # the spec's check allows built-in GPTs only
+            raise ConfigError(f"pipeline swarms cut a built-in GPT, not {spec.model}")
+        self.spec = spec
+        self.stage = stage
+        self.context = resolve_context(model, spec.context, spec.model)
+        cut = parse_stage_cut(spec.stage_cut, spec.stages, model.config.n_layer) if spec.stage_cut else None
+        self.replica = StageReplica(
+            model, spec.stages, stage, lr=spec.inner_lr, weight_decay=spec.weight_decay, clip=spec.clip, cut=cut
+        )
+        self.sync: StageOuterSync | None = None
+        self.step = 0
+        self.info = StepInfo()
+        self.lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def attach_sync(self, current_collective: Any) -> StageOuterSync | None:
+        """Build the spec's per-stage outer sync (None for "every-step") over the collective
+        `current_collective()` returns."""
+        spec = self.spec
+        if spec.replica_sync != "every-step" and self.sync is None:
+            self.sync = StageOuterSync(
+                self.replica,
+                current_collective,
+                spec.replica_sync,  # type: ignore[arg-type]
+                H=spec.H,
+                lr=spec.outer_lr,
+                momentum=spec.outer_momentum if spec.replica_sync == "diloco" else None,
+                codec=spec.codec,
+            )
+        return self.sync
+
+    @property
+    def rounds(self) -> int:
+        return self.sync.outer.rounds if self.sync is not None else 0
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This stage's weights, AdamW state, outer state and step (copies; between iterations)."""
+        r = self.replica
+        state: dict[str, Any] = {
+            "pipeline": {"stage": self.stage, "stages": self.spec.stages, "cut": self.spec.stage_cut},
+            "step": self.step,
+            "weights": r.stage_state(),
+            "adam": copy.deepcopy(r.optimizer.state_dict()),
+            "loss": self.info.loss,
+        }
+        if self.sync is not None:
+            state["outer"] = self.sync.outer.state_dict(inner=False)
+        return state
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        r = self.replica
+        with torch.no_grad():
+            for name, p in zip(r.names, r.params, strict=True):
+                p.copy_(state["weights"][name])
+        r.optimizer.load_state_dict(state["adam"])
+        self.step = int(state["step"])
+        if self.sync is not None and "outer" in state:
+            self.sync.outer.load_state_dict(state["outer"], inner=False)
+        with self.lock:
+            self.info.step = self.step
+            self.info.loss = state.get("loss")
+
+    def weights_digest(self) -> str:
+        """blake3 of this stage's weights (replicas of a stage compare it after a DiLoCo round)."""
+        h = blake3.blake3()
+        for t in self.replica.stage_state().values():
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+def checkpoint_stage(state: dict[str, Any], spec: SwarmSpec) -> int | None:
+    """The stage a checkpoint holds, if it was made under this spec's cut (else None)."""
+    meta = state.get("pipeline") if isinstance(state, dict) else None
+    if not isinstance(meta, dict) or meta.get("stages") != spec.stages or meta.get("cut") != spec.stage_cut:
+        return None
+    stage = meta.get("stage")
+    return stage if is_int(stage) and 0 <= stage < spec.stages else None
+
+
+class PipelinePeer:
+    """The run path of a pipeline swarm's node (module docstring). Built and run by `Node`.
+
+    spec, swarm_id: the swarm. host/presence/streams: the node's (entered). config, data_dir: the
+    node's. phase, stop: the node's state and stop request.
+    """
+
+    def __init__(
+        self,
+        spec: SwarmSpec,
+        swarm_id: str,
+        presence: PeerPresence,
+        streams: TensorStreams,
+        config: NodeConfig,
+        data_dir: Path,
+        *,
+        phase: Phase,
+        stop: StopRequest,
+    ) -> None:
+        self.spec = spec
+        self.swarm_id = swarm_id
+        self.presence = presence
+        self.host = presence.host
+        self.me = presence.me
+        self.streams = streams
+        self.config = config
+        self.phase = phase
+        self.stop = stop
+        self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.corpus = load_data(spec, data_dir)
+        self.trainer: PipelineTrainer | None = None
+        self.runtime: PipelineRuntime | None = None
+        self.epoch: Epoch | None = None
+        self.epochs = 0
+        self.forward_s = 0.0
+        self.waiting: str | None = None
+        self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
+        self._caps: dict[str, Any] = {}
+        self._background: trio.Nursery | None = None
+        self._ckpt_busy = False
+        self._last_ckpt = time.monotonic()
+        self._t_last, self._step_last = time.monotonic(), 0
+
+    # -- announcing --------------------------------------------------------------------------------
+
+    def _announce(self, **changes: Any) -> None:
+        caps = {**self._caps, **changes}
+        if caps == self._caps:
+            return
+        self._caps = caps
+        view = self.presence.view
+        assert view is not None  # entered before us
+        view.capabilities = {"pipeline": caps}
+        view.heartbeat()
+
+    def members(self) -> dict[str, Member]:
+        """Every live trainer we are connected to, and us, as placement sees them."""
+        view = self.presence.view
+        assert view is not None
+        live = set(self.presence.candidates())
+        out: dict[str, Member] = {}
+        for p in view.live_peers():
+            if p.peer_id not in live:
+                continue
+            caps = self._caps if p.peer_id == self.me else announced(p.capabilities, self.spec.stages)
+            out[p.peer_id] = Member(p.peer_id, caps.get("stage"), caps.get("fwd"))
+        return out
+
+    def announced_stage(self, peer: PeerInfo) -> int | None:
+        """The stage a member's record announces (the status page's peer list)."""
+        if peer.peer_id == self.me:
+            return self.trainer.stage if self.trainer is not None else None
+        return announced(peer.capabilities, self.spec.stages).get("stage")
+
+    def _announced(self, peer: str) -> dict[str, Any]:
+        if peer == self.me:
+            return self._caps
+        view = self.presence.view
+        assert view is not None
+        rec = next((p for p in view.live_peers() if p.peer_id == peer), None)
+        return announced(rec.capabilities, self.spec.stages) if rec is not None else {}
+
+    # -- the run -----------------------------------------------------------------------------------
+
+    async def run(self, until: int) -> None:
+        """Train until the spec's steps (`until`, 0: forever) or a stop; epochs in turn."""
+        spec = self.spec
+        ckpt = await trio.to_thread.run_sync(self.store.load_latest)
+        stage = checkpoint_stage(ckpt.state, spec) if ckpt is not None else None
+        if stage is not None:
+            await self._take_stage(stage)
+            assert self.trainer is not None
+            self.trainer.load_checkpoint(ckpt.state)  # type: ignore[union-attr]
+            self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}  # type: ignore[union-attr]
+            log.warning(kv("resumed this stage from its checkpoint", stage=stage, step=self.trainer.step))
+        elif ckpt is not None:
+            log.warning(kv("ignoring a checkpoint of another pipeline cut", path=str(ckpt.path)))
+        self.forward_s = await trio.to_thread.run_sync(self._measure_forward)
+        view = self.presence.view
+        assert view is not None
+        self._announce(fwd=self.forward_s, step=self.trainer.step if self.trainer else 0, stage=stage)
+        view.role = "trainer"
+        view.heartbeat()
+        first = True
+        async with trio.open_nursery() as self._background:  # background checkpoints end with the run
+            while not self.stop.is_set() and (until == 0 or self._step() < until):
+                epoch = await self._form(first)
+                if epoch is None:
+                    break
+                first = False
+                await self._run_epoch(epoch, until)
+        self._background = None
+
+    def _step(self) -> int:
+        return self.trainer.step if self.trainer is not None else 0
+
+    def _measure_forward(self) -> float:
+        """Median seconds of one microbatch's forward through the whole model (the announced
+        speed: placement puts fast peers first, the scheduler weighs paths with it)."""
+        model = build_model(self.spec, self.corpus.vocab_size)
+        T = resolve_context(model, self.spec.context, self.spec.model)
+        x, y = self.corpus.batch(self.spec.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
+        times = []
+        with torch.no_grad():
+            for _ in range(FORWARD_REPEATS):
+                t0 = time.perf_counter()
+                model(x, y)
+                times.append(time.perf_counter() - t0)
+        return float(f"{statistics.median(times):.3g}")
+
+    async def _take_stage(self, stage: int) -> None:
+        if self.trainer is not None and self.trainer.stage == stage:
+            return
+        old = self.trainer
+        if old is not None and old.step > 0:
+            log.warning(
+                kv(
+                    "moving to another stage; downloading its state from its replicas is not "
+                    "implemented yet: starting it from the initial weights",
+                    frm=old.stage,
+                    to=stage,
+                    step=old.step,
+                )
+            )
+        trainer = await trio.to_thread.run_sync(PipelineTrainer, self.spec, stage, self.corpus.vocab_size)
+        trainer.step = old.step if old is not None else 0
+        trainer.attach_sync(self._collective)
+        self.trainer = trainer
+        self._announce(stage=stage)
+
+    def _collective(self) -> Any:
+        if self.runtime is None:
+            raise PipelineError("no pipeline epoch is running")
+        return self.runtime.collective
+
+    async def _form(self, first: bool) -> Epoch | None:
+        """Place, announce, and wait until every peer of the placement announces the same epoch
+        (module docstring, 1-2); None if we were stopped first."""
+        self.phase.set("syncing")
+        S = self.spec.stages
+        want = max(S, self.config.wait_peers) if first else S
+        deadline = time.monotonic() + self.config.wait_peers_timeout
+        while not self.stop.is_set():
+            members = self.members()
+            need = want if time.monotonic() < deadline else S
+            if len(members) < need:
+                self.waiting = f"pipeline: {len(members)} of {need} peers are here (each of {S} stages needs one)"
+                await self.stop.sleep(AGREE_POLL)
+                continue
+            placement = place(members.values(), S)
+            await self._take_stage(placement[self.me])
+            steps = [self._announced(p).get("step", 0) for p in placement]
+            fwd = {p: members[p].forward_s or 1.0 for p in placement}
+            epoch = Epoch(placement, fwd, max([self._step(), *steps]))
+            self._announce(epoch=epoch.key, step=self._step())
+            late = [p for p in placement if p != self.me and self._announced(p).get("epoch") != epoch.key]
+            if not late:
+                self.waiting = None
+                return epoch
+            self.waiting = f"pipeline: agreeing on the stage placement with {len(late)} peer(s)"
+            await self.stop.sleep(AGREE_POLL)
+        return None
+
+    def _problem(self, epoch: Epoch) -> PipelineRun:
+        spec, trainer = self.spec, self.trainer
+        assert trainer is not None
+        cfg = trainer.replica.model.config
+        peers = sorted(epoch.placement)
+        problem = PipelineProblem(
+            num_stages=spec.stages,
+            placement=epoch.placement,
+            forward_time=epoch.forward_s,
+            links={(a, b): DEFAULT_LINK for i, a in enumerate(peers) for b in peers[i + 1 :]},
+            activation_bytes=4 * spec.batch_size * trainer.context * cfg.d_model,
+            microbatches=spec.microbatches,
+            skip_ratio=spec.skip_ratio,
+        )
+        return PipelineRun(
+            f"{self.swarm_id[-8:]}-{epoch.key[:16]}", problem, "skippipe", spec.batch_size, trainer.context
+        )
+
+    async def _run_epoch(self, epoch: Epoch, until: int) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        spec = self.spec
+        if trainer.step < epoch.base_step:
+            log.warning(
+                kv(
+                    "behind the swarm: entering at its step without its stage's state (per-stage "
+                    "download is not implemented yet)",
+                    step=trainer.step,
+                    swarm_step=epoch.base_step,
+                )
+            )
+            trainer.step = epoch.base_step
+        if trainer.sync is not None:
+            trainer.sync.outer.inner_steps = trainer.step  # round ids are the swarm's step
+        base = trainer.step
+
+        def data(it: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.corpus.batch(
+                spec.batch_size, trainer.context, seed=spec.seed, peer="pipeline", step=base + it, microbatch=mb
+            )
+
+        def should_stop(it: int, _elapsed: float) -> bool:
+            if self.stop.is_set() or (until and base + it + 1 >= until):
+                return True
+            return place(self.members().values(), spec.stages) != epoch.placement
+
+        run = self._problem(epoch)
+        allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
+        self.epoch = epoch
+        self.epochs += 1
+        log.warning(
+            kv(
+                "pipeline epoch",
+                epoch=epoch.key[:12],
+                stage=trainer.stage,
+                step=base,
+                peers=len(epoch.placement),
+                stages="/".join(str(len(x)) for x in stage_map(epoch.placement, spec.stages)),
+            )
+        )
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._leave_when_stopped, scope)
+                    async with PipelineRuntime(
+                        self.host,
+                        self.streams,
+                        trainer.replica,
+                        run,
+                        data,
+                        should_stop=should_stop,
+                        allreduce=allreduce,
+                        sync_gradients=spec.replica_sync == "every-step",
+                    ) as rt:
+                        self.runtime = rt
+                        await self._wait_ready(epoch)
+                        self.phase.set("training")
+                        await self._iterate(rt, trainer)
+                    nursery.cancel_scope.cancel()
+        except PipelineError as e:
+            log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=str(e)[:300]))
+        finally:
+            self.runtime = None
+            self.epoch = None
+
+    async def _wait_ready(self, epoch: Epoch) -> None:
+        """Every peer of the epoch serves its runtime: only then is iteration 0 started."""
+        self._announce(ready=epoch.key)
+        others = [p for p in epoch.placement if p != self.me]
+        with trio.move_on_after(self.config.join_timeout):
+            while True:
+                late = [p for p in others if self._announced(p).get("ready") != epoch.key]
+                if not late:
+                    return
+                members = self.members()
+                if any(p not in members or self._announced(p).get("epoch") != epoch.key for p in late):
+                    raise PipelineError("the placement changed before the epoch started")
+                self.waiting = f"pipeline: waiting for {len(late)} peer(s) to start the epoch"
+                await trio.sleep(AGREE_POLL / 2)
+        raise PipelineError(f"peers of the epoch did not start it within {self.config.join_timeout:.0f} s")
+
+    async def _iterate(self, rt: PipelineRuntime, trainer: PipelineTrainer) -> None:
+        it = 0
+        self.waiting = None
+        seconds: list[float] = []
+        while True:
+            # A watchdog: an iteration the runtime cannot finish (seen once after a SIGKILL, not
+            # reproduced) ends the epoch, and the peers agree on the next, rather than hang.
+            deadline = max(ITERATION_DEADLINE_MIN, ITERATION_DEADLINE_FACTOR * max(seconds[-20:], default=0.0))
+            with trio.move_on_after(deadline):
+                rep = await rt.run_iteration(it)
+                seconds.append(rep.seconds)
+            if len(seconds) <= it:
+                raise PipelineError(f"iteration {trainer.step} did not complete within {deadline:.0f} s")
+            it += 1
+            trainer.step += 1
+            if trainer.sync is not None:
+                for r in await trainer.sync.after_iteration():
+                    trainer.bytes_sent += r.bytes_sent
+                    trainer.bytes_received += r.bytes_received
+            self._after_iteration(trainer, rep.loss, rep.committed)
+            if rep.stop:
+                return
+
+    async def _leave_when_stopped(self, scope: trio.CancelScope) -> None:
+        """On a stop, leave the membership (the origins then end the epoch after this iteration)
+        and give the epoch `STOP_GRACE` seconds to end before leaving it regardless."""
+        await self.stop.requested.wait()
+        view = self.presence.view
+        assert view is not None
+        await view.leave()
+        await trio.sleep(STOP_GRACE)
+        log.warning("the epoch did not end in time after the stop; leaving it")
+        scope.cancel()
+
+    # -- after each iteration -----------------------------------------------------------------------
+
+    def _after_iteration(self, trainer: PipelineTrainer, loss: float, committed: int) -> None:
+        step = trainer.step
+        now = time.monotonic()
+        rate = self.spec.batch_size * committed / max(now - self._t_last, 1e-9)
+        self._t_last = now
+        value = loss if math.isfinite(loss) else None
+        with trainer.lock:
+            info = trainer.info
+            info.step, info.loss, info.rounds, info.samples_per_s = step, value, trainer.rounds, rate
+            info.history.append(
+                {
+                    "step": step,
+                    "t": time.time(),
+                    "loss": value,
+                    "eval_loss": None,
+                    "bytes_sent": trainer.bytes_sent,
+                    "bytes_received": trainer.bytes_received,
+                }
+            )
+            del info.history[:-500]
+        view = self.presence.view
+        assert view is not None
+        view.report_progress(step=step, samples=step * self.spec.batch_size * self.spec.microbatches)
+        if value is not None:
+            view.report_metrics({"loss": value, "samples_per_s": rate})
+        if not self._ckpt_busy and now - self._last_ckpt >= self.config.checkpoint_every:
+            self._last_ckpt = now
+            self._ckpt_busy = True
+            assert self._background is not None  # run() opened it
+            self._background.start_soon(self._write_checkpoint, trainer.checkpoint_state())
+
+    async def _write_checkpoint(self, state: dict[str, Any]) -> None:
+        try:
+            await self.save(state)
+        except OSError as e:
+            log.warning(kv("checkpoint failed", step=state["step"], error=str(e)))
+        finally:
+            self._ckpt_busy = False
+
+    async def save(self, state: dict[str, Any] | None = None) -> str | None:
+        """Checkpoint this stage (`state`: a snapshot taken between iterations; default: now).
+        None if we never held a stage."""
+        if state is None:
+            if self.trainer is None:
+                return None
+            state = self.trainer.checkpoint_state()
+        step, rounds = state["step"], self.trainer.rounds if self.trainer is not None else 0
+        ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rounds))
+        self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
+        return str(ck.path)
+
+    # -- status ------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The status document's `pipeline` section: our stage, the stage map (the running
+        epoch's, else what the members announce), the epoch and what we wait for."""
+        S = self.spec.stages
+        if self.epoch is not None:
+            placement = self.epoch.placement
+        else:
+            placement = {p: m.stage for p, m in self.members().items() if m.stage is not None}
+        return {
+            "mode": self.spec.pipeline,
+            "stages": S,
+            "stage": self.trainer.stage if self.trainer is not None else None,
+            "stage_map": stage_map(placement, S),
+            "stage_cut": self.spec.stage_cut,
+            "replica_sync": self.spec.replica_sync,
+            "epoch": self.epoch.key if self.epoch is not None else None,
+            "epochs": self.epochs,
+            "forward_s": self.forward_s,
+            "waiting": self.waiting,
+        }
+
+    def training_status(self) -> dict[str, Any]:
+        """The `training` section's numbers (the status document's schema)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {"optimizer": f"{self.spec.pipeline}/{self.spec.replica_sync}"}
+        with trainer.lock:
+            info = trainer.info
+            out = {
+                "step": info.step,
+                "round": info.rounds,
+                "loss": info.loss,
+                "samples_per_s": info.samples_per_s,
+                "history": list(info.history),
+            }
+        stats = self.runtime.stats if self.runtime is not None else {}
+        out.update(
+            optimizer=f"{self.spec.pipeline}/{self.spec.replica_sync}",
+            bytes_sent=trainer.bytes_sent,
+            bytes_received=trainer.bytes_received,
+            hops_sent=stats.get("hops_sent", 0),
+        )
+        return out
+
+
+def announced(caps: Any, num_stages: int) -> dict[str, Any]:
+    """What a peer's membership record announces about its pipeline role, checked: a stage in
+    range, a positive finite forward time, a step, epoch keys. Anything else is left out (a
+    hostile record cannot make placement raise)."""
+    raw = caps.get("pipeline") if isinstance(caps, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Any] = {}
+    stage = raw.get("stage")
+    if is_int(stage) and 0 <= stage < num_stages:
+        out["stage"] = stage
+    fwd = raw.get("fwd")
+    if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
+        out["fwd"] = float(fwd)
+    step = raw.get("step")
+    if is_int(step) and 0 <= step < 1 << 62:
+        out["step"] = step
+    for key in ("epoch", "ready"):
+        v = raw.get(key)
+        if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:
+            out[key] = v
+    return out
