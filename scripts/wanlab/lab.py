@@ -182,7 +182,8 @@ class WanLab(NamespaceLab):
         """Send small UDP probes a → b and report the one-way latency they saw (ms): every lab
         namespace shares the machine's monotonic clock, so one-way is measured directly, not
         halved from an RTT. Returns {"a->b": {"configured", "median", "min", "max"}}."""
-        pairs = pairs or [(self.names[0], self.names[-1])] if len(self.names) > 1 else []
+        if pairs is None:
+            pairs = [(self.names[0], self.names[-1])] if len(self.names) > 1 else []
         out = {}
         for a, b in pairs:
             srv = self.run(
