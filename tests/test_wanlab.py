@@ -32,8 +32,9 @@ def test_links_have_the_rate_and_latency_asked_and_the_lab_is_removed() -> None:
         fast = lab.measure_rate("p0", "p1", seconds=1.5)
         up = lab.measure_rate("p2", "p0", seconds=1.5)  # p2's upload
         down = lab.measure_rate("p1", "p2", seconds=1.5)  # p2's download
-        assert 0.75 * 40 <= fast <= 1.05 * 40
-        assert 0.75 * 10 <= up <= 1.05 * 10 and 0.75 * 10 <= down <= 1.05 * 10
+        # Goodput counts what the kernel accepted: a short run reads a little high (the send buffer).
+        assert 0.75 * 40 <= fast <= 1.15 * 40
+        assert 0.75 * 10 <= up <= 1.15 * 10 and 0.75 * 10 <= down <= 1.15 * 10
         assert lab.delay_stats()["packets"] > 0
     assert lab_id not in list_labs()
 
