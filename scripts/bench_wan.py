@@ -91,16 +91,37 @@ def connect_mesh(peers: list[LabPeer]) -> None:
             a.call("connect", addr=b.addr, timeout=60)
 
 
-def allreduce_round(peers: list[LabPeer], round_id: int, mib: float, timeout: float) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def allreduce_round(peers: list[LabPeer], round_id: int, mib: float, timeout: float, extra_pids: tuple = ()) -> dict:
+    """One round, all peers asked at once. `cpu_s`: CPU time our peers (and `extra_pids`, the
+    delay line) used during it; `cpu_share`: that ÷ (wall × cores) — near 1 means CPU-bound."""
     ids = [p.peer_id for p in peers]
+    pids = [p.proc.pid for p in peers] + list(extra_pids)
+    cpu0 = cpu_seconds(pids)
     t0 = time.monotonic()
     cids = {p.name: p.submit("allreduce", peers=ids, round=round_id, mib=mib) for p in peers}
     res = {name: p.result(cids[name], timeout=timeout, check=False) for name, p in zip(cids, peers, strict=True)}
     wall = time.monotonic() - t0
+    cpu = cpu_seconds(pids) - cpu0
     errors = {n: r.get("error") for n, r in res.items() if not r.get("ok")}
     digests = {r.get("digest") for r in res.values()}
     return {
         "wall_s": wall,
+        "cpu_s": round(cpu, 1),
+        "cpu_share": round(cpu / (wall * (os.cpu_count() or 1)), 2),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
         "peer_max_s": max((r.get("seconds") or 0) for r in res.values()),
         "digests_equal": not errors and len(digests) == 1,
         "contributors": min(len(r.get("contributors") or []) for r in res.values()),
@@ -123,11 +144,19 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         warm = allreduce_round(peers, 1, 4.0, timeout=300)
         rounds = []
         for r in range(args.rounds):
-            rounds.append(allreduce_round(peers, 10 + r, mib, timeout=600))
-            progress(f"round {r}: {rounds[-1]['wall_s']:.2f} s")
+            rounds.append(allreduce_round(peers, 10 + r, mib, timeout=600, extra_pids=(lab.delay_pid,)))
+            x = rounds[-1]
+            progress(
+                f"round {r}: {x['wall_s']:.2f} s, cpu {x['cpu_s']} s ({x['cpu_share']} of the machine), load {x['load_avg_1m']}"
+            )
         bound = link_bound(n, mb * 1e6, 100)
         wall = statistics.median(x["wall_s"] for x in rounds)
-        out["allreduce"] = {"rounds_s": [round(x["wall_s"], 2) for x in rounds], "bound_s": round(bound, 2)}
+        out["allreduce"] = {
+            "rounds_s": [round(x["wall_s"], 2) for x in rounds],
+            "bound_s": round(bound, 2),
+            "cpu_share": [x["cpu_share"] for x in rounds],
+            "load_avg_1m": [x["load_avg_1m"] for x in rounds],
+        }
         out["allreduce_ratio_to_link_bound"] = round(wall / bound, 3)
         ok = warm["digests_equal"] and all(x["digests_equal"] for x in rounds)
         if args.hetero:
@@ -136,12 +165,13 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
                 lab.shape(p, rate_mbit=20)
             rates = [20.0 if p in slow else 100.0 for p in lab.names]
             hb = best_schedule_bound(mb * 1e6, rates)
-            h = allreduce_round(peers, 100, mib, timeout=900)
+            h = allreduce_round(peers, 100, mib, timeout=900, extra_pids=(lab.delay_pid,))
             progress(f"hetero round: {h['wall_s']:.2f} s, best-schedule bound {hb:.2f} s")
             out["hetero"] = {
                 "slow_peers": len(slow),
                 "wall_s": round(h["wall_s"], 2),
                 "bound_s": round(hb, 2),
+                "cpu_share": h["cpu_share"],
                 "equal_parts_bound_s": round(mb * 1e6 * (1 + (n - 2) / n) / (20 * MBIT), 2),
             }
             out["hetero_ratio_to_bound"] = round(h["wall_s"] / hb, 3)

@@ -159,6 +159,11 @@ class WanLab(NamespaceLab):
             self._write_delay_config(reload=True)
         return new
 
+    @property
+    def delay_pid(self) -> int | None:
+        """The delay line's process id (to account its CPU), None while the lab is down."""
+        return self._delay_proc.pid if self._delay_proc is not None else None
+
     def one_way_ms(self, a: str, b: str) -> float:
         """The configured one-way delay from a to b (ms)."""
         return (self.shapes[a].delay_ms + self.shapes[b].delay_ms) / 2
