@@ -439,6 +439,10 @@ class NamespaceLab:
     def _build(self) -> None:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """A table of the lab's hosts, one per line."""
+        raise NotImplementedError
+
     def down(self) -> None:
         """Stop processes started in the lab and remove all its namespaces; idempotent."""
         if not self._up:
@@ -730,6 +734,15 @@ class NatLab(NamespaceLab):
 # --------------------------------------------------------------------------------- CLI
 
 
+def keep_up(lab: NamespaceLab) -> None:
+    """Build `lab` for a CLI user and leave it up after this process exits; say how to use it."""
+    lab.up()
+    atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
+    print(lab.describe())
+    print(f"run things with: ip netns exec {lab.netns(next(iter(lab.hosts)))} <cmd>")
+    print(f"remove with:     python -m scripts.natlab.lab down {lab.lab_id}")
+
+
 def _status() -> int:
     labs = list_labs()
     if not labs:
@@ -790,11 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 same_lan_subnet=args.same_lan_subnet,
                 owner=MANUAL_OWNER,
             )
-            lab.up()
-            atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
-            print(lab.describe())
-            print(f"run things with: ip netns exec {lab.netns(next(iter(lab.hosts)))} <cmd>")
-            print(f"remove with:     python -m scripts.natlab.lab down {lab.lab_id}")
+            keep_up(lab)
             return 0
         # down
         labs = list_labs()

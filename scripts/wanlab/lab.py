@@ -52,7 +52,6 @@ Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and /dev/net/tun. By hand:
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import os
@@ -72,6 +71,7 @@ from scripts.natlab.lab import (
     LabUnavailable,
     NamespaceLab,
     check_support,
+    keep_up,
     run_command,
     set_rate_limit,
     write_sysctl,
@@ -347,11 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_support()
         lab = WanLab(args.peers, rate_mbit=args.rate, delay_ms=args.delay, owner=MANUAL_OWNER)
-        lab.up()
-        atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
-        print(lab.describe())
-        print(f"run things with: ip netns exec {lab.netns('p0')} <cmd>")
-        print(f"remove with:     python -m scripts.natlab.lab down {lab.lab_id}")
+        keep_up(lab)
         return 0
     except (LabError, LabUnavailable) as e:
         print(f"wanlab: {e}", file=sys.stderr)
