@@ -47,7 +47,8 @@ def _say(msg: str) -> None:
     print(f"[hivemind] {msg}", file=sys.stderr, flush=True)
 
 
-def _venv_dir() -> Path:
+def venv_dir() -> Path:
+    """Where hivemind's venv is (or would be created): $MESHTRAIN_HIVEMIND_VENV, else <project>/.venv-hivemind."""
     return Path(os.environ.get(ENV_VAR) or ROOT / ".venv-hivemind").expanduser().resolve()
 
 
@@ -129,7 +130,7 @@ def ensure_hivemind_venv() -> Path | None:
     """
     global _last_error
     _last_error = None
-    venv = _venv_dir()
+    venv = venv_dir()
     python = venv / "bin" / "python"
     if _installed(python) is None:
         return venv

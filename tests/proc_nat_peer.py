@@ -17,7 +17,7 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     conn_type    peer                      "direct" | "relayed" | null
     send         peer tag mib [timeout]    tensors over the data plane; "path", "digest"
     recv         peer tag [timeout]        the matching receive
-    allreduce    peers round mib           one SwarmCollective.all_reduce of seeded tensors
+    allreduce    peers round mib [stripe_bytes]  one SwarmCollective.all_reduce of seeded tensors
     relay_stats                            the relay's counters (bytes relayed, limit resets)
     lan                                    peers heard over mDNS (--mdns SWARM) and our link to each
     upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
@@ -177,7 +177,9 @@ class Peer:
                 self.host,
                 self.ts,
                 lambda _r: peers,
-                AllReduceConfig(join_timeout=60, part_timeout=60, min_bandwidth=1e6),
+                AllReduceConfig(
+                    join_timeout=60, part_timeout=60, min_bandwidth=1e6, stripe_bytes=cmd.get("stripe_bytes", 2 << 20)
+                ),
             )
         mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
         t0 = time.monotonic()

@@ -47,7 +47,7 @@ from meshtrain.optim import (
     SparseLoCo,
     StreamingDiLoCo,
 )
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams
 
@@ -183,7 +183,8 @@ async def main(args: argparse.Namespace) -> None:
     cfg = AllReduceConfig(
         join_timeout=args.join_timeout, part_timeout=args.part_timeout, report_timeout=args.part_timeout
     )
-    async with Host(Identity.generate()) as host, TensorStreams(host) as ts:
+    host_config = HostConfig(listen=[f"/ip4/{args.listen}/tcp/0"]) if args.listen else None
+    async with Host(Identity.generate(), host_config) as host, TensorStreams(host) as ts:
         say({"peer": host.peer_id, "addr": host.addrs[0], "index": args.index})
         addrs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
         ids = sorted(a.rsplit("/", 1)[1] for a in addrs)
@@ -337,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=10)
     p.add_argument("--part-timeout", type=float, default=5)
     p.add_argument("--save-phi", default="")
+    p.add_argument("--listen", default="", help="IP to listen on (a lab namespace's address)")
     p.add_argument("--linger", type=float, default=1.0)
     return p
 

@@ -1,16 +1,29 @@
-"""One attempt's data phase of the all-reduce: reduce-scatter, then all-gather.
+"""One attempt's data phase of the all-reduce: reduce-scatter and all-gather, pipelined.
 
 Group of n, flattened input of M elements cut into n parts (flat.py `part_bounds`; part j belongs
-to the j-th peer of the sorted group). **Reduce-scatter**: every peer sends part j (optionally
-codec-encoded, with its weight) to its owner, which accumulates the contributions in fp32 in a
-fixed (sorted) order — or combines them robustly (`reduce_contributions`). **All-gather**: each
-owner encodes its reduced part once, decodes it back for itself, and sends the same bytes to
-all. Every peer thus holds the owner's exact bits for every part, so results are bit-identical
-by construction. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as
-hivemind's butterfly and PCCL's ring); all transfers of a phase run concurrently.
+to the j-th peer of the sorted group), each part cut into stripes of at most
+`config.stripe_bytes` (`stripe_bounds`; every peer computes the same cut). **Reduce-scatter**:
+every peer sends its slice of stripe s of part j (optionally codec-encoded, with its weight) to
+the owner j, which combines the contributions of a stripe in fp32 in a fixed (sorted) order — or
+robustly (`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
+encodes each reduced stripe once, decodes it back for itself, and sends the same bytes to all.
+Every peer thus holds the owner's exact bits for every stripe, so results are bit-identical by
+construction. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
+butterfly and PCCL's ring).
 
-With `codec="none"` parts travel as views of the flat input (no encode copy) and reduced parts
-are received straight into their slice of the output (no decode, no concatenation).
+**Pipelining, for links where bandwidth × latency is large (a WAN, scripts/wanlab).** There is
+no barrier between the phases: a stripe's all-gather starts the moment it is reduced, while
+later stripes are still being scattered, so each link carries both phases at once and is busy
+in both directions until the end; only the last stripe's all-gather is left when the scatter
+ends. Every transfer (tensor_streams: header → accept → data → trailer → ack) costs two round
+trips of its own, so to each peer, in each direction, `config.window` transfers are in flight
+(on as many pooled connections, opened up front by `connect_group`): the next stripe's header and
+acceptance cross while the previous stripe's data still flows, and no per-transfer round trip is
+on the critical path. Every receive is posted when the attempt starts, so no sender ever waits
+for a matching receive. Robust modes use one stripe per part (clipping looks at a part's norm).
+
+With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
+stripes are received straight into their slice of the output (no decode, no concatenation).
 
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
 size-scaled deadline, a peer whose connection dropped (the host's connection events wake us at
@@ -19,7 +32,7 @@ named in `stats.rejected`; a reduced part that does not decode, or (robust modes
 our own contribution's range, is proof against its owner (`evidence=True`).
 
 `DataPhase` is one object per attempt: what the attempt needs is fixed at construction, and
-`run` = connect, `reduce_scatter`, `all_gather`, under a liveness watch.
+`run` = connect, then `exchange` (both phases), under a liveness watch.
 
 Not here: who is in the group and what happens after a failure (coordinator.py), the round's
 control messages (protocol.py).
@@ -28,7 +41,7 @@ control messages (protocol.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +50,7 @@ import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError
-from meshtrain.collective.flat import flatten_fp32, part_bounds, unflatten
+from meshtrain.collective.flat import flatten_fp32, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -153,8 +166,9 @@ class DataPhase:
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
         self.bounds = part_bounds(self.flat.numel(), len(group))
-        self.lo, self.hi = self.bounds[self.index], self.bounds[self.index + 1]
-        self.part_bytes = 4 * (self.hi - self.lo) + 64
+        # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
+        stripe = self.flat.numel() if config.robust != "none" else max(1, config.stripe_bytes // 4)
+        self.stripes = [stripe_bounds(self.bounds[j], self.bounds[j + 1], stripe) for j in range(len(group))]
         self.deadline = config.transfer_deadline(self.flat.numel())
         # The result is assembled in place: every owner's part lands in its slice of `out`.
         self.out = torch.empty(self.flat.numel())
@@ -169,8 +183,7 @@ class DataPhase:
             await self.connect_group()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
-                reduced = await self.reduce_scatter()
-                await self.all_gather(reduced)
+                await self.exchange()
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             leaves = list(exception_leaves(eg))
@@ -190,14 +203,23 @@ class DataPhase:
         return unflatten(self.out, self.tensors, list(self.tensors))
 
     async def connect_group(self) -> None:
-        """Open data-plane connections to the whole group first: setup is off the critical path,
-        and an unreachable member is a suspect before any data moves."""
+        """Open data-plane connections to the whole group first (`config.window` to each peer, one
+        per transfer in flight): setup is off the critical path, and an unreachable member is a
+        suspect before any data moves."""
 
         async def one(peer: str) -> None:
             try:
                 with trio.fail_after(self.config.part_timeout):
-                    await self.streams.prepare(peer)
-            except (TransferError, trio.TooSlowError) as e:
+                    async with trio.open_nursery() as nursery:
+                        for _ in range(self.config.window):
+                            nursery.start_soon(self.streams.prepare, peer)
+            except BaseExceptionGroup as eg:
+                leaves = list(exception_leaves(eg))
+                if not all(isinstance(e, TransferError) for e in leaves):
+                    raise
+                self.failed.add(peer)
+                log.info(kv("allreduce peer unreachable", peer=peer[-8:], error=repr(leaves[0])))
+            except trio.TooSlowError as e:
                 self.failed.add(peer)
                 log.info(kv("allreduce peer unreachable", peer=peer[-8:], error=repr(e)))
 
@@ -207,70 +229,122 @@ class DataPhase:
         if self.failed:
             raise AttemptFailed(set(self.failed), "group members unreachable")
 
-    async def reduce_scatter(self) -> torch.Tensor:
-        """Send our slice of every part to its owner; collect and reduce our own part."""
-        contributions: dict[str, torch.Tensor] = {}
-        weights: dict[str, float] = {}
-        async with trio.open_nursery() as rs:
+    async def exchange(self) -> None:
+        """Reduce-scatter and all-gather, pipelined stripe by stripe (see the module docstring)."""
+        mine = self.stripes[self.index]
+        count = len(mine) - 1
+        self._contributions: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+        self._weights: list[dict[str, float]] = [{} for _ in range(count)]
+        self._missing = [len(self.others)] * count
+        self._reduced: list[tuple[dict[str, torch.Tensor], bytes | None] | None] = [None] * count
+        self._ready = [trio.Event() for _ in range(count)]
+        async with trio.open_nursery() as nursery:
             for j, peer in enumerate(self.group):
-                if peer != self.me:
-                    piece = self.flat[self.bounds[j] : self.bounds[j + 1]]
-                    rs.start_soon(self._send, peer, f"{self.tag}/rs/{j}", self._encode(piece), {"w": self.weight})
+                if peer == self.me:
+                    continue
+                bounds = self.stripes[j]
+                # Reduce-scatter: our slice of part j, stripe by stripe, to its owner ...
+                nursery.start_soon(self._pipeline, peer, [self._rs_job(j, s) for s in range(len(bounds) - 1)])
+                # ... and part j's reduced stripes from it, straight into `out`.
+                for s in range(len(bounds) - 1):
+                    nursery.start_soon(self._fetch, j, s, peer)
             for peer in self.others:
-                rs.start_soon(self._collect, peer, contributions, weights)
-        contributions[self.me] = self.flat[self.lo : self.hi]
-        weights[self.me] = self.weight
-        return await trio.to_thread.run_sync(
-            reduce_contributions, contributions, weights, self.config, self.stats.rejected
-        )
+                for s in range(count):
+                    nursery.start_soon(self._collect, peer, s)
+                # All-gather: each of our reduced stripes, as soon as it is ready.
+                nursery.start_soon(self._pipeline, peer, [self._ag_job(s) for s in range(count)])
+            for s in range(count):
+                if not self._missing[s]:  # alone in the group: nothing to wait for
+                    nursery.start_soon(self._reduce_stripe, s)
 
-    async def _collect(self, peer: str, contributions: dict[str, torch.Tensor], weights: dict[str, float]) -> None:
-        got = await self._receive(peer, f"{self.tag}/rs/{self.index}")
+    def _rs_job(self, j: int, s: int) -> Callable[[], Awaitable[tuple]]:
+        async def job() -> tuple:
+            a, b = self.stripes[j][s], self.stripes[j][s + 1]
+            return f"{self.tag}/rs/{j}/{s}", self._encode(self.flat[a:b]), {"w": self.weight}, None
+
+        return job
+
+    def _ag_job(self, s: int) -> Callable[[], Awaitable[tuple]]:
+        async def job() -> tuple:
+            await self._ready[s].wait()
+            parts, digest = self._reduced[s]  # type: ignore[misc]  # set before the event
+            return f"{self.tag}/ag/{self.index}/{s}", parts, {}, digest
+
+        return job
+
+    async def _pipeline(self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]]) -> None:
+        """Send `jobs` to `peer` in order, `config.window` transfers in flight: the next one's
+        header and acceptance cross the link while the previous one's data still flows."""
+        slots = trio.Semaphore(self.config.window)
+
+        async def one(item: tuple) -> None:
+            try:
+                await self._send(peer, *item)
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                await slots.acquire()
+                nursery.start_soon(one, await job())
+
+    async def _collect(self, peer: str, s: int) -> None:
+        """One contribution to stripe s of our part; the last one to arrive starts its reduction."""
+        a, b = self.stripes[self.index][s], self.stripes[self.index][s + 1]
+        got = await self._receive(peer, f"{self.tag}/rs/{self.index}/{s}", b - a)
         w = got.meta.get("w")
         try:
             if not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
                 raise CodecError("bad weight")
-            x = self.codec.decode(got.tensors, (self.hi - self.lo,), torch.float32)
+            x = self.codec.decode(got.tensors, (b - a,), torch.float32)
         except CodecError as e:
             self.stats.rejected[peer] = f"garbage contribution: {e}"
-            return
-        if w == 0:
-            self.stats.zero_weight.add(peer)
-        contributions[peer] = x
-        weights[peer] = float(w)
+        else:
+            if w == 0:
+                self.stats.zero_weight.add(peer)
+            self._contributions[s][peer] = x
+            self._weights[s][peer] = float(w)
+        self._missing[s] -= 1
+        if not self._missing[s]:
+            await self._reduce_stripe(s)
 
-    async def all_gather(self, reduced: torch.Tensor) -> None:
-        """Send our reduced part, exactly as encoded once, to all; fetch every other part."""
-        mine = self._encode(reduced)
-        self.out[self.lo : self.hi] = (
-            reduced if self.lossless else self.codec.decode(mine, (self.hi - self.lo,), torch.float32)
+    async def _reduce_stripe(self, s: int) -> None:
+        """Reduce stripe s of our part, keep the owner's exact bits in `out`, release its all-gather."""
+        a, b = self.stripes[self.index][s], self.stripes[self.index][s + 1]
+        contributions, weights = self._contributions[s], self._weights[s]
+        contributions[self.me] = self.flat[a:b]
+        weights[self.me] = self.weight
+        reduced = await trio.to_thread.run_sync(
+            reduce_contributions, contributions, weights, self.config, self.stats.rejected
         )
+        self._contributions[s] = {}  # the contributions are no longer needed
+        parts = self._encode(reduced)
+        self.out[a:b] = reduced if self.lossless else self.codec.decode(parts, (b - a,), torch.float32)
         # Hashed once, off the event loop, rather than once per receiver while sending.
-        mine_digest = await trio.to_thread.run_sync(payload_digest, mine) if self.others else None
-        async with trio.open_nursery() as ag:
-            for peer in self.others:
-                ag.start_soon(self._send, peer, f"{self.tag}/ag/{self.index}", mine, {}, mine_digest)
-            for j, peer in enumerate(self.group):
-                if peer != self.me:
-                    ag.start_soon(self._fetch, j, peer)
+        digest = await trio.to_thread.run_sync(payload_digest, parts) if self.others else None
+        self._reduced[s] = (parts, digest)
+        self._ready[s].set()
 
-    async def _fetch(self, j: int, peer: str) -> None:
-        slot = self.out[self.bounds[j] : self.bounds[j + 1]]
-        got = await self._receive(peer, f"{self.tag}/ag/{j}", {"values": slot} if self.lossless else None)
+    async def _fetch(self, j: int, s: int, peer: str) -> None:
+        a, b = self.stripes[j][s], self.stripes[j][s + 1]
+        slot = self.out[a:b]
+        got = await self._receive(
+            peer, f"{self.tag}/ag/{j}/{s}", b - a, {"values": slot} if self.lossless else None, phases=2
+        )
         try:
             if self.lossless:
                 if not bool(torch.isfinite(slot).all()):
                     raise CodecError("non-finite values")
                 part = slot
             else:
-                part = self.codec.decode(got.tensors, (self.bounds[j + 1] - self.bounds[j],), torch.float32)
+                part = self.codec.decode(got.tensors, (b - a,), torch.float32)
         except CodecError as e:
             raise AttemptFailed({peer}, f"garbage reduced part from {peer[-8:]}: {e}", evidence=True) from None
         if self.config.robust != "none" and part.numel():
             # Robust combination cannot exceed the contributions' range; we only know ours, so a
             # part vastly larger than our slice of it means its owner is lying (robust
             # aggregation alone protects contributions only).
-            ours = float(self.flat[self.bounds[j] : self.bounds[j + 1]].abs().max())
+            ours = float(self.flat[a:b].abs().max())
             if float(part.abs().max()) > self.config.owner_check * max(ours, 1e-12):
                 self.stats.rejected[peer] = "reduced part out of range"
                 raise AttemptFailed({peer}, f"reduced part from {peer[-8:]} out of range", evidence=True)
@@ -293,10 +367,12 @@ class DataPhase:
             self.failed.add(peer)
             raise AttemptFailed({peer}, f"send to {peer[-8:]}: {e}") from None
 
-    async def _receive(self, peer: str, subtag: str, into: dict | None = None) -> Any:
+    async def _receive(self, peer: str, subtag: str, numel: int, into: dict | None = None, phases: int = 1) -> Any:
+        """One stripe of `numel` elements. It was asked for when the attempt began, so an
+        all-gather stripe (`phases=2`) may wait for the whole reduce-scatter first."""
         try:
             got = await self.streams.receive(
-                peer, subtag, timeout=self.deadline, into=into, max_bytes=2 * self.part_bytes + (1 << 20)
+                peer, subtag, timeout=phases * self.deadline, into=into, max_bytes=2 * (4 * numel + 64) + (1 << 20)
             )
             self.stats.received += got.nbytes
             return got

@@ -3,7 +3,8 @@
 A collective sees a dict of named tensors of mixed shapes and dtypes; it averages one flat fp32
 vector. `flatten_fp32` concatenates the dict (in its order) into that vector, `unflatten` puts a
 result back into the caller's names, shapes and dtypes, and `part_bounds` cuts the vector into the
-n contiguous parts of a reduce-scatter (part j belongs to the j-th peer of the group). They are
+n contiguous parts of a reduce-scatter (part j belongs to the j-th peer of the group), and
+`stripe_bounds` cuts a part into the stripes a pipelined all-reduce moves one at a time. They are
 shared by the network all-reduce, the local simulation (whose byte counts must match the
 network's) and pairwise averaging, so all three agree on the layout.
 
@@ -42,6 +43,13 @@ def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str
 def part_bounds(numel: int, n: int) -> list[int]:
     """The n + 1 boundaries of n near-equal contiguous parts of a vector of `numel` elements."""
     return [numel * j // n for j in range(n + 1)]
+
+
+def stripe_bounds(lo: int, hi: int, max_numel: int) -> list[int]:
+    """Boundaries of the near-equal stripes of at most `max_numel` elements that cut [lo, hi)
+    (one stripe if it fits, or if it is empty): the units a pipelined all-reduce moves."""
+    count = max(1, -(-(hi - lo) // max(1, max_numel)))
+    return [lo + (hi - lo) * k // count for k in range(count + 1)]
 
 
 def result_digest(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -73,10 +73,17 @@ class AllReduceConfig:
     owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
     round_window: int | None = None  # refuse joins for rounds further than this from ours (None: any)
     member_wait: float = 3.0  # how long a request from a peer not (yet) in membership waits for it
+    # Pipelining (data_phase.py): parts move in stripes of at most this many input bytes, with
+    # this many transfers in flight per peer and direction, so that the all-gather of a stripe
+    # starts as soon as it is reduced and no transfer's handshake round trip idles a link.
+    stripe_bytes: int = 2 << 20
+    window: int = 2
 
     def __post_init__(self) -> None:
         if self.robust not in ("none", "trimmed_mean", "clipped_mean"):
             raise ValueError("robust must be none, trimmed_mean or clipped_mean")
+        if self.stripe_bytes < 4096 or self.window < 1:
+            raise ValueError("stripe_bytes must be >= 4096 and window >= 1")
 
     def transfer_deadline(self, numel: int) -> float:
         """The deadline of one transfer of up to `numel` fp32 elements."""

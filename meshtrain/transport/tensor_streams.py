@@ -49,8 +49,8 @@ not retry blindly. Unset, everyone is admitted, as before.
 parsed header. At most `max_pending_per_peer` (64) such headers per peer and `max_pending` (256)
 in all wait at once; one more is refused at once with ERROR `too-many-pending` (the sender sees
 `TransferRefused`). A header whose receive is already waiting never counts. An all-reduce round
-has at most two tags per peer pair waiting at once (the reduce-scatter part and the all-gather
-part), so 64 per peer leaves room for tens of concurrent collectives and pipeline hops, and 256
+has at most 2 × `window` (4) tags per peer pair in flight at once (its pipelined reduce-scatter
+and all-gather stripes), and posts its receives up front, so 64 per peer leaves room for tens of concurrent collectives and pipeline hops, and 256
 for a round of ~128 peers all early at once. Every refusal is counted by reason in
 `streams.refused` (for /metrics): `not-a-member`, `authorize-timeout`, `authorize-error`,
 `too-many-pending`, and the transfer refusals `unclaimed`, `busy`, `cancelled`, `layout`, `digest`.

@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 NAT_VARIANTS = ("cone", "symmetric", "plain_snat")
 
@@ -159,14 +159,15 @@ def run_command(
     return proc
 
 
-def _ns(netns: str, *argv: str) -> list[str]:
+def in_netns(netns: str, *argv: str) -> list[str]:
+    """argv run inside `netns` (`ip netns exec` execs it: the pid is the command's own)."""
     return ["ip", "netns", "exec", netns, *argv]
 
 
-def _write_sysctl(netns: str, key: str, value: int) -> None:
+def write_sysctl(netns: str, key: str, value: int) -> None:
     """Set a per-namespace sysctl from inside the namespace (no dependency on procps)."""
     path = "/proc/sys/" + key.replace(".", "/")
-    run_command(_ns(netns, "sh", "-c", f"echo {int(value)} > {path}"))
+    run_command(in_netns(netns, "sh", "-c", f"echo {int(value)} > {path}"))
 
 
 def check_support() -> None:
@@ -185,7 +186,7 @@ def check_support() -> None:
         run_command(["ip", "netns", "add", probe])
         try:
             run_command(["ip", "-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb"])
-            run_command(_ns(probe, "nft", "add", "table", "ip", "natlab_probe"))
+            run_command(in_netns(probe, "nft", "add", "table", "ip", "natlab_probe"))
         finally:
             run_command(["ip", "netns", "del", probe], check=False)
     except LabUnavailable:
@@ -277,7 +278,7 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-class _SigtermAsExit:
+class SigtermAsExit:
     """While any lab is up in this process, turn SIGTERM into SystemExit so `with` blocks unwind.
 
     Only when nobody else handles SIGTERM (the handler is SIG_DFL) and only from the main thread
@@ -355,83 +356,92 @@ class _Plan:
     links: dict[str, _Link] = field(default_factory=dict)  # host logical name → its uplink
 
 
-class NatLab:
-    """A lab of public hosts and NATed home networks in network namespaces.
+def set_rate_limit(
+    netns: str, ifname: str, rate_mbit: float, *, latency_ms: float = 50.0, burst_bytes: int | None = None
+) -> None:
+    """Limit what leaves `ifname` in `netns` to `rate_mbit` with a token bucket (tc tbf).
 
-    variants:        one entry per home network: a NAT variant name ("cone", "symmetric",
-                     "plain_snat") or a `HomeSpec` naming the hosts. Home i gets router "r{i}"
-                     and, by default, hosts "h{i}" (hosts_per_home == 1) or "h{i}_{j}".
-    public_hosts:    number of public hosts ("pub0", "pub1", ...) or their names.
-    hosts_per_home:  hosts behind each router when a variant is given as a plain string.
-    same_lan_subnet: give every home the same LAN (10.1.0.0/24), as real homes do — useful to
-                     check that peers do not dial a private address that exists on their own LAN.
-                     Default: home i uses 10.{i+1}.0.0/24.
-    lab_id:          six hex digits naming the lab; random by default.
-    owner:           pid whose death makes the lab "stale" for `cleanup_stale`; the CLI uses
-                     MANUAL_OWNER so its labs persist.
+    latency_ms bounds the queue (packets that would wait longer are dropped): it is the
+    bottleneck's buffer, it adds no delay. Replaces an earlier root qdisc on the interface.
+    """
+    if rate_mbit <= 0:
+        raise ValueError("rate_mbit must be > 0")
+    rate_bytes = rate_mbit * 1e6 / 8
+    # The bucket must hold at least one tick of tokens (HZ may be 100) and one full-size
+    # packet; veth hands tbf GSO super-packets, which tbf re-segments when they exceed it.
+    burst = burst_bytes or max(32 * 1024, int(rate_bytes / 50))
+    tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{latency_ms}ms"]
+    run_command(in_netns(netns, "tc", "qdisc", "replace", "dev", ifname, "root", *tbf))
+
+
+def clear_rate_limit(netns: str, ifname: str) -> None:
+    """Remove the root qdisc `set_rate_limit` put on `ifname`; a no-op where there is none."""
+    run_command(in_netns(netns, "tc", "qdisc", "del", "dev", ifname, "root"), check=False)
+
+
+class NamespaceLab:
+    """What every namespace lab shares: naming, lifecycle, running commands inside hosts.
+
+    lab_id: six hex digits naming the lab; random by default. owner: pid whose death makes the
+    lab "stale" for `cleanup_stale`; the CLI uses MANUAL_OWNER so its labs persist. Subclasses
+    (NatLab here, `scripts.wanlab.lab.WanLab`) implement `_build` (create their namespaces with
+    `_add_netns`, fill `self.hosts`); `_prepare` may check a plan before anything is built.
 
     Contract: nothing is built until `up()` / `__enter__`. If building fails half-way, everything
-    built so far is removed before the LabError propagates. `down()` is idempotent, kills what
+    built so far is removed before the error propagates. `down()` is idempotent, kills what
     `run()` started (and anything else left inside the lab's namespaces) and removes every
     namespace; it also runs at interpreter exit if the caller forgot. Commands run inside a
     namespace share the caller's filesystem (same venv, same files), only the network differs.
     """
 
-    def __init__(
-        self,
-        variants: Sequence[str | HomeSpec] = ("cone",),
-        *,
-        public_hosts: int | Sequence[str] = 1,
-        hosts_per_home: int = 1,
-        same_lan_subnet: bool = False,
-        lab_id: str | None = None,
-        owner: str | None = None,
-    ) -> None:
-        self.homes = [v if isinstance(v, HomeSpec) else HomeSpec(nat=v) for v in variants]
-        if isinstance(public_hosts, int):
-            self.public_names = [f"pub{k}" for k in range(public_hosts)]
-        else:
-            self.public_names = list(public_hosts)
-        self.hosts_per_home = hosts_per_home
-        self.same_lan_subnet = same_lan_subnet
+    def __init__(self, *, lab_id: str | None = None, owner: str | None = None) -> None:
         self.lab_id = lab_id or secrets.token_hex(3)
         self.owner = owner or str(os.getpid())
-        self.internet_netns = self._netns_name("inet")
+        if not re.fullmatch(r"[0-9a-f]{6}", self.lab_id):
+            raise ValueError(f"lab_id must be six hex digits, not {self.lab_id!r}")
+        if not (self.owner == MANUAL_OWNER or self.owner.isdigit()):
+            raise ValueError(f"owner must be a pid or {MANUAL_OWNER!r}")
         self.hosts: dict[str, LabHost] = {}
         self.build_seconds: float | None = None
-        self._links: dict[str, _Link] = {}
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._up = False
-        self._validate()
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def __enter__(self) -> NatLab:
+    def __enter__(self) -> Self:
         self.up()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.down()
 
-    def up(self) -> NatLab:
+    def up(self) -> Self:
         """Build the lab; on any failure remove what was built and raise LabError."""
         if self._up:
             return self
         started = time.monotonic()
-        plan = self._plan()
+        self._prepare()
         atexit.register(self.down)
-        _SigtermAsExit.acquire()
+        SigtermAsExit.acquire()
         self._up = True
         try:
-            self._build(plan)
+            self._build()
         except BaseException:
             self.down()
             raise
-        self.hosts = plan.hosts
-        self._links = plan.links
         self.build_seconds = time.monotonic() - started
         return self
+
+    def _prepare(self) -> None:
+        """Checks that must pass before anything is built; default: none."""
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A table of the lab's hosts, one per line."""
+        raise NotImplementedError
 
     def down(self) -> None:
         """Stop processes started in the lab and remove all its namespaces; idempotent."""
@@ -440,7 +450,7 @@ class NatLab:
         self._up = False
         with contextlib.suppress(Exception):
             atexit.unregister(self.down)
-        _SigtermAsExit.release()
+        SigtermAsExit.release()
         for proc in self._procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -476,13 +486,95 @@ class NatLab:
         """The address configured on the host itself (private for hosts behind a NAT)."""
         return self.host(host).addr
 
+    # ----------------------------------------------------------------------------- running
+
+    def run(self, host: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` inside `host`'s namespace; the Popen is stopped at `down()` if alive.
+
+        `ip netns exec` execs the command, so the Popen's pid is the command's own pid.
+        """
+        self._require_up()
+        proc = subprocess.Popen(in_netns(self.netns(host), *argv), **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def call(
+        self, host: str, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in `host`'s namespace to completion, capturing text output."""
+        self._require_up()
+        return run_command(in_netns(self.netns(host), *argv), input=input, timeout=timeout, check=check)
+
+    # ----------------------------------------------------------------------------- building
+
+    def _netns_name(self, logical: str) -> str:
+        return f"{NETNS_PREFIX}{self.lab_id}-{self.owner}-{logical}"
+
+    def _require_up(self) -> None:
+        if not self._up:
+            raise LabError(f"the lab is not up: use `with {type(self).__name__}(...) as lab:` or call up()")
+
+    def _add_netns(self, name: str) -> None:
+        run_command(["ip", "netns", "add", name])
+        self._created.append(name)
+        # IPv4 only: no IPv6 on lab links (lo keeps ::1), so no link-local path around a NAT.
+        write_sysctl(name, "net.ipv6.conf.default.disable_ipv6", 1)
+        run_command(["ip", "-n", name, "link", "set", "lo", "up"])
+
+
+class NatLab(NamespaceLab):
+    """A lab of public hosts and NATed home networks in network namespaces.
+
+    variants:        one entry per home network: a NAT variant name ("cone", "symmetric",
+                     "plain_snat") or a `HomeSpec` naming the hosts. Home i gets router "r{i}"
+                     and, by default, hosts "h{i}" (hosts_per_home == 1) or "h{i}_{j}".
+    public_hosts:    number of public hosts ("pub0", "pub1", ...) or their names.
+    hosts_per_home:  hosts behind each router when a variant is given as a plain string.
+    same_lan_subnet: give every home the same LAN (10.1.0.0/24), as real homes do — useful to
+                     check that peers do not dial a private address that exists on their own LAN.
+                     Default: home i uses 10.{i+1}.0.0/24.
+    lab_id, owner:   see `NamespaceLab`, whose lifecycle contract this lab follows.
+    """
+
+    def __init__(
+        self,
+        variants: Sequence[str | HomeSpec] = ("cone",),
+        *,
+        public_hosts: int | Sequence[str] = 1,
+        hosts_per_home: int = 1,
+        same_lan_subnet: bool = False,
+        lab_id: str | None = None,
+        owner: str | None = None,
+    ) -> None:
+        super().__init__(lab_id=lab_id, owner=owner)
+        self.homes = [v if isinstance(v, HomeSpec) else HomeSpec(nat=v) for v in variants]
+        if isinstance(public_hosts, int):
+            self.public_names = [f"pub{k}" for k in range(public_hosts)]
+        else:
+            self.public_names = list(public_hosts)
+        self.hosts_per_home = hosts_per_home
+        self.same_lan_subnet = same_lan_subnet
+        self.internet_netns = self._netns_name("inet")
+        self._links: dict[str, _Link] = {}
+        self._planned: _Plan | None = None
+        self._validate()
+
+    def _prepare(self) -> None:
+        self._planned = self._plan()  # a bad host name fails here, before anything is built
+
+    def _build(self) -> None:
+        plan = self._planned or self._plan()
+        self._build_plan(plan)
+        self.hosts = plan.hosts
+        self._links = plan.links
+
     def public_addr(self, host: str) -> str:
         """The address the internet sees for this host (its router's WAN address if NATed)."""
         return self.host(host).public_addr
 
     def nat_ruleset(self, router: str) -> str:
         """`nft list ruleset` inside a router, for debugging."""
-        return run_command(_ns(self.netns(router), "nft", "list", "ruleset")).stdout
+        return run_command(in_netns(self.netns(router), "nft", "list", "ruleset")).stdout
 
     def describe(self) -> str:
         """A table of the lab's hosts, one per line."""
@@ -495,25 +587,6 @@ class NatLab:
                 extra += f" lan {h.lan_addr}"
             lines.append(f"  {h.name:<10} {h.role:<8} {h.addr:<15} {h.netns}{extra}")
         return "\n".join(lines)
-
-    # ----------------------------------------------------------------------------- running
-
-    def run(self, host: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
-        """Start `argv` inside `host`'s namespace; the Popen is stopped at `down()` if alive.
-
-        `ip netns exec` execs the command, so the Popen's pid is the command's own pid.
-        """
-        self._require_up()
-        proc = subprocess.Popen(_ns(self.netns(host), *argv), **popen_kwargs)
-        self._procs.append(proc)
-        return proc
-
-    def call(
-        self, host: str, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True, input: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """Run `argv` in `host`'s namespace to completion, capturing text output."""
-        self._require_up()
-        return run_command(_ns(self.netns(host), *argv), input=input, timeout=timeout, check=check)
 
     # ----------------------------------------------------------------------------- shaping
 
@@ -534,36 +607,13 @@ class NatLab:
         longer are dropped), it adds no delay: this kernel has no netem. Replaces an earlier
         limit on the same link.
         """
-        if rate_mbit <= 0:
-            raise ValueError("rate_mbit must be > 0")
-        rate_bytes = rate_mbit * 1e6 / 8
-        # The bucket must hold at least one tick of tokens (HZ may be 100) and one full-size
-        # packet; veth hands tbf GSO super-packets, which tbf re-segments when they exceed it.
-        burst = burst_bytes or max(32 * 1024, int(rate_bytes / 50))
         for netns, ifname in self._link_ends(host, direction):
-            run_command(
-                _ns(
-                    netns,
-                    "tc",
-                    "qdisc",
-                    "replace",
-                    "dev",
-                    ifname,
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{rate_mbit}mbit",
-                    "burst",
-                    str(burst),
-                    "latency",
-                    f"{latency_ms}ms",
-                )
-            )
+            set_rate_limit(netns, ifname, rate_mbit, latency_ms=latency_ms, burst_bytes=burst_bytes)
 
     def unthrottle(self, host: str, *, direction: str = "both") -> None:
         """Remove limits set by `throttle` on `host`'s link; a no-op where there is none."""
         for netns, ifname in self._link_ends(host, direction):
-            run_command(_ns(netns, "tc", "qdisc", "del", "dev", ifname, "root"), check=False)
+            clear_rate_limit(netns, ifname)
 
     def _link_ends(self, host: str, direction: str) -> list[tuple[str, str]]:
         self._require_up()
@@ -576,18 +626,7 @@ class NatLab:
 
     # ----------------------------------------------------------------------------- building
 
-    def _netns_name(self, logical: str) -> str:
-        return f"{NETNS_PREFIX}{self.lab_id}-{self.owner}-{logical}"
-
-    def _require_up(self) -> None:
-        if not self._up:
-            raise LabError("the lab is not up: use `with NatLab(...) as lab:` or call up()")
-
     def _validate(self) -> None:
-        if not re.fullmatch(r"[0-9a-f]{6}", self.lab_id):
-            raise ValueError(f"lab_id must be six hex digits, not {self.lab_id!r}")
-        if not (self.owner == MANUAL_OWNER or self.owner.isdigit()):
-            raise ValueError(f"owner must be a pid or {MANUAL_OWNER!r}")
         if len(self.public_names) > MAX_PUBLIC_HOSTS:
             raise ValueError(f"at most {MAX_PUBLIC_HOSTS} public hosts")
         if len(self.homes) > MAX_HOMES:
@@ -657,13 +696,6 @@ class NatLab:
                 )
         return plan
 
-    def _add_netns(self, name: str) -> None:
-        run_command(["ip", "netns", "add", name])
-        self._created.append(name)
-        # IPv4 only: no IPv6 on lab links (lo keeps ::1), so no link-local path around a NAT.
-        _write_sysctl(name, "net.ipv6.conf.default.disable_ipv6", 1)
-        run_command(["ip", "-n", name, "link", "set", "lo", "up"])
-
     def _veth(self, link: _Link, addr_cidr: str, upstream_bridge: str) -> None:
         (hns, hif), (uns, uif) = link.host_end, link.upstream_end
         # Created inside the host namespace with its peer placed straight into the upstream
@@ -673,7 +705,7 @@ class NatLab:
         run_command(["ip", "-n", hns, "addr", "add", addr_cidr, "dev", hif])
         run_command(["ip", "-n", hns, "link", "set", hif, "up"])
 
-    def _build(self, plan: _Plan) -> None:
+    def _build_plan(self, plan: _Plan) -> None:
         inet = self.internet_netns
         self._add_netns(inet)
         run_command(["ip", "-n", inet, "link", "add", "name", "br0", "type", "bridge"])
@@ -684,7 +716,7 @@ class NatLab:
                 run_command(["ip", "-n", h.netns, "link", "add", "name", "lan", "type", "bridge"])
                 run_command(["ip", "-n", h.netns, "addr", "add", f"{h.lan_addr}/24", "dev", "lan"])
                 run_command(["ip", "-n", h.netns, "link", "set", "lan", "up"])
-                _write_sysctl(h.netns, "net.ipv4.ip_forward", 1)
+                write_sysctl(h.netns, "net.ipv4.ip_forward", 1)
         for h in plan.hosts.values():
             link = plan.links[h.name]
             if h.role in ("public", "router"):
@@ -696,10 +728,19 @@ class NatLab:
         for h in plan.hosts.values():
             if h.role == "router":
                 ruleset = _nft_ruleset(h.nat or "", "wan", h.addr)
-                run_command(_ns(h.netns, "nft", "-f", "-"), input=ruleset)
+                run_command(in_netns(h.netns, "nft", "-f", "-"), input=ruleset)
 
 
 # --------------------------------------------------------------------------------- CLI
+
+
+def keep_up(lab: NamespaceLab) -> None:
+    """Build `lab` for a CLI user and leave it up after this process exits; say how to use it."""
+    lab.up()
+    atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
+    print(lab.describe())
+    print(f"run things with: ip netns exec {lab.netns(next(iter(lab.hosts)))} <cmd>")
+    print(f"remove with:     python -m scripts.natlab.lab down {lab.lab_id}")
 
 
 def _status() -> int:
@@ -762,11 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 same_lan_subnet=args.same_lan_subnet,
                 owner=MANUAL_OWNER,
             )
-            lab.up()
-            atexit.unregister(lab.down)  # the CLI's lab outlives this process on purpose
-            print(lab.describe())
-            print(f"run things with: ip netns exec {lab.netns(next(iter(lab.hosts)))} <cmd>")
-            print(f"remove with:     python -m scripts.natlab.lab down {lab.lab_id}")
+            keep_up(lab)
             return 0
         # down
         labs = list_labs()

@@ -1,4 +1,4 @@
-"""Drive meshtrain peers (tests/proc_nat_peer.py) running inside NAT-lab namespaces.
+"""Drive meshtrain peers (tests/proc_nat_peer.py) running inside lab namespaces (NAT or WAN lab).
 
 A lab host holds processes, not trio tasks, so each peer is a process speaking JSON lines: we
 write a command with an id and a reader thread files every answer under its id. Tests and
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.natlab.lab import NatLab
+from scripts.natlab.lab import NamespaceLab
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = str(ROOT / "tests" / "proc_nat_peer.py")
@@ -39,7 +39,7 @@ class LabPeer:
 
     def __init__(
         self,
-        lab: NatLab,
+        lab: NamespaceLab,
         host: str,
         *,
         serve_relay: bool = False,
@@ -150,7 +150,7 @@ class LabPeer:
                 self.proc.kill()
 
 
-def start_peers(lab: NatLab, specs: dict[str, dict[str, Any]], log_dir: str | None = None) -> dict[str, LabPeer]:
+def start_peers(lab: NamespaceLab, specs: dict[str, dict[str, Any]], log_dir: str | None = None) -> dict[str, LabPeer]:
     """Start one peer per lab host (name -> LabPeer keyword options) in parallel, wait for all.
 
     On failure the peers already started are closed (the lab's teardown kills them anyway)."""

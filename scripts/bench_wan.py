@@ -1,0 +1,307 @@
+"""Collectives over WAN-shaped links: the WAN lab (scripts/wanlab), root only (issue 20).
+
+    sudo .venv/bin/python scripts/bench_wan.py [--peers 8] [--mb 100] [--rounds 2] [--quick]
+
+Every peer is a real meshtrain process (tests/proc_nat_peer.py, or tests/proc_trainer.py for the
+training part) in its own network namespace, behind its own link: tc tbf in both directions and
+a user-space packet delay line (this kernel has no netem; scripts/wanlab/lab.py says how and why).
+With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce time is
+2(N−1)/N·M/B. Measured, in one run:
+
+- `allreduce_ratio_to_link_bound`: N peers at 100 Mbit/s and 20 ms one-way, M = 100 MB fp32;
+  median over `--rounds` timed rounds (after an untimed warm-up round that opens connections) of
+  the round's wall time (all peers asked at once → the last one done) ÷ the bound. Target ≤ 1.15.
+- `hetero_ratio_to_bound`: the same with 2 of the N peers at 20 Mbit/s, ÷ the bound of the best
+  schedule for those rates (`best_schedule_bound`: reduce-scatter/all-gather with part sizes
+  chosen for the rates, every link busy both ways all the time; no schedule can beat M / B_min,
+  since the slowest peer must upload its whole input and download the whole result). Target ≤ 1.3.
+- `hivemind_ratio_to_link_bound`: hivemind's DecentralizedAverager in the same lab, or null with
+  the reason.
+- `single_stream_fill`: one tensor stream (M bytes, warm connection) between two peers at
+  100 Mbit/s and 100 ms RTT, goodput ÷ link rate. Target ≥ 0.9. `tcp_fill` beside it is a plain
+  Python TCP socket on the same path: what the link and the kernel's TCP give at all.
+- `streaming_overlap_ratio`: wall time of 200 inner steps of Streaming DiLoCo (P = 4, fp4, H =
+  40) between 2 peers on 10 Mbit/s links (20 ms one-way) ÷ the same 200 steps with no
+  communication at all (2 `single` peers run at the same time, so CPU contention is the same).
+  Target ≤ 1.10. `diloco_overlap_ratio`: DiLoCo (H = 40, fp32) on the same link.
+- `delay_measured_ms`: one-way latency UDP probes saw per configured delay (the lab checks
+  itself); `digests_equal`: every peer ended every round with the same result digest.
+
+Progress goes to stderr; the last stdout line is one JSON object. `--quick` shrinks everything
+(4 peers, 20 MB, 1 round, 60 steps) for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts._hivemind import venv_dir  # noqa: E402
+from scripts.natlab.lab import LabUnavailable, check_support, cleanup_stale  # noqa: E402
+from scripts.natlab.peers import LabPeer, start_peers  # noqa: E402
+from scripts.wanlab.lab import WanLab  # noqa: E402
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_wan] {msg}", file=sys.stderr, flush=True)
+
+
+def link_bound(n: int, m_bytes: float, rate_mbit: float) -> float:
+    """2(N−1)/N · M / B: every peer sends and receives 2(N−1)/N · M over its own link."""
+    return 2 * (n - 1) / n * m_bytes / (rate_mbit * MBIT)
+
+
+def best_schedule_bound(m_bytes: float, rates_mbit: list[float]) -> float:
+    """The best reduce-scatter/all-gather time for these per-peer link rates (symmetric links).
+
+    Peer i owning a fraction f_i of the vector sends (1 − f_i)·M in the reduce-scatter and
+    (N − 1)·f_i·M in the all-gather, and receives as much: T_i = M·(1 + (N − 2)·f_i) / B_i. The
+    best split equalises T_i over the peers that own anything (water-filling), and a peer that
+    owns nothing still needs M / B_i — a floor for every schedule, not just this family."""
+    n = len(rates_mbit)
+    rates = sorted((r * MBIT for r in rates_mbit), reverse=True)
+    if n == 1:
+        return 0.0
+    if n == 2:
+        return m_bytes / rates[-1]
+    best = None
+    for k in range(1, n + 1):  # the k fastest own parts
+        t = m_bytes * (n - 2 + k) / sum(rates[:k])
+        if all(t * b / m_bytes >= 1 for b in rates[:k]):
+            best = t if best is None else min(best, t)
+    assert best is not None  # k = 1 always qualifies once t·B_max ≥ M
+    return max(best, m_bytes / rates[-1])
+
+
+def connect_mesh(peers: list[LabPeer]) -> None:
+    for i, a in enumerate(peers):
+        for b in peers[:i]:
+            a.call("connect", addr=b.addr, timeout=60)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def allreduce_round(peers: list[LabPeer], round_id: int, mib: float, timeout: float, extra_pids: tuple = ()) -> dict:
+    """One round, all peers asked at once. `cpu_s`: CPU time our peers (and `extra_pids`, the
+    delay line) used during it; `cpu_share`: that ÷ (wall × cores) — near 1 means CPU-bound."""
+    ids = [p.peer_id for p in peers]
+    pids = [p.proc.pid for p in peers] + list(extra_pids)
+    cpu0 = cpu_seconds(pids)
+    t0 = time.monotonic()
+    cids = {p.name: p.submit("allreduce", peers=ids, round=round_id, mib=mib) for p in peers}
+    res = {name: p.result(cids[name], timeout=timeout, check=False) for name, p in zip(cids, peers, strict=True)}
+    wall = time.monotonic() - t0
+    cpu = cpu_seconds(pids) - cpu0
+    errors = {n: r.get("error") for n, r in res.items() if not r.get("ok")}
+    digests = {r.get("digest") for r in res.values()}
+    return {
+        "wall_s": wall,
+        "cpu_s": round(cpu, 1),
+        "cpu_share": round(cpu / (wall * (os.cpu_count() or 1)), 2),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+        "peer_max_s": max((r.get("seconds") or 0) for r in res.values()),
+        "digests_equal": not errors and len(digests) == 1,
+        "contributors": min(len(r.get("contributors") or []) for r in res.values()),
+        "errors": errors,
+    }
+
+
+def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
+    n, mb = args.peers, args.mb
+    mib = mb * 1e6 / (1 << 20)
+    with WanLab(n, rate_mbit=100, delay_ms=20) as lab:
+        progress(f"lab up: {n} peers, 100 Mbit/s, 20 ms one-way ({lab.build_seconds:.2f} s)")
+        out["delay_measured_ms"] = {
+            k: {"configured": v["configured"], "median": round(v["median"], 2)}
+            for k, v in lab.measure_delay([("p0", f"p{n - 1}")]).items()
+        }
+        peers = list(start_peers(lab, {name: {} for name in lab.names}, log_dir=log_dir).values())
+        connect_mesh(peers)
+        progress("peers connected; warm-up round")
+        warm = allreduce_round(peers, 1, 4.0, timeout=300)
+        rounds = []
+        for r in range(args.rounds):
+            rounds.append(allreduce_round(peers, 10 + r, mib, timeout=600, extra_pids=(lab.delay_pid,)))
+            x = rounds[-1]
+            progress(
+                f"round {r}: {x['wall_s']:.2f} s, cpu {x['cpu_s']} s ({x['cpu_share']} of the machine), load {x['load_avg_1m']}"
+            )
+        bound = link_bound(n, mb * 1e6, 100)
+        wall = statistics.median(x["wall_s"] for x in rounds)
+        out["allreduce"] = {
+            "rounds_s": [round(x["wall_s"], 2) for x in rounds],
+            "bound_s": round(bound, 2),
+            "cpu_share": [x["cpu_share"] for x in rounds],
+            "load_avg_1m": [x["load_avg_1m"] for x in rounds],
+        }
+        out["allreduce_ratio_to_link_bound"] = round(wall / bound, 3)
+        ok = warm["digests_equal"] and all(x["digests_equal"] for x in rounds)
+        if args.hetero:
+            slow = lab.names[-2:]
+            for p in slow:
+                lab.shape(p, rate_mbit=20)
+            rates = [20.0 if p in slow else 100.0 for p in lab.names]
+            hb = best_schedule_bound(mb * 1e6, rates)
+            h = allreduce_round(peers, 100, mib, timeout=900, extra_pids=(lab.delay_pid,))
+            progress(f"hetero round: {h['wall_s']:.2f} s, best-schedule bound {hb:.2f} s")
+            out["hetero"] = {
+                "slow_peers": len(slow),
+                "wall_s": round(h["wall_s"], 2),
+                "bound_s": round(hb, 2),
+                "cpu_share": h["cpu_share"],
+                "equal_parts_bound_s": round(mb * 1e6 * (1 + (n - 2) / n) / (20 * MBIT), 2),
+            }
+            out["hetero_ratio_to_bound"] = round(h["wall_s"] / hb, 3)
+            ok = ok and h["digests_equal"]
+            for p in slow:
+                lab.shape(p, rate_mbit=100)
+        out["digests_equal"] = ok
+        # One tensor stream at 100 Mbit/s and 100 ms RTT (50 ms each way), then a plain TCP socket.
+        a, b = peers[0], peers[1]
+        for p in ("p0", "p1"):
+            lab.shape(p, delay_ms=50)
+        fill_mib = min(mib, 100e6 / (1 << 20))
+        stream_once(a, b, 4.0, "warm")
+        s = stream_once(a, b, fill_mib, "timed")
+        rate = fill_mib * (1 << 20) / s / MBIT
+        out["single_stream"] = {"mbit_s": round(rate, 1), "mb": round(fill_mib * (1 << 20) / 1e6, 1), "rtt_ms": 100}
+        out["single_stream_fill"] = round(rate / 100, 3)
+        out["tcp_fill"] = round(lab.measure_rate("p0", "p1", seconds=8) / 100, 3)
+        for p in peers:
+            p.close()
+
+
+def stream_once(a: LabPeer, b: LabPeer, mib: float, tag: str) -> float:
+    rid = b.submit("recv", peer=a.peer_id, tag=tag, timeout=300)
+    sent = a.call("send", peer=b.peer_id, tag=tag, mib=mib, timeout=300)
+    b.result(rid, timeout=300)
+    return float(sent["seconds"])
+
+
+def run_trainers(lab: WanLab, method: list[str], steps: int, log_dir: str) -> list[dict]:
+    """Two proc_trainer peers (p0, p1) with `method`; their final JSON lines."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = []
+    for i, host in enumerate(("p0", "p1")):
+        log = open(os.path.join(log_dir, f"trainer-{method[1]}-{i}.log"), "w")  # noqa: SIM115
+        argv = [sys.executable, str(ROOT / "tests" / "proc_trainer.py"), "--index", str(i), "--steps", str(steps)]
+        argv += ["--listen", lab.addr(host), "--join-timeout", "60", "--part-timeout", "60", *method]
+        procs.append(
+            lab.run(
+                host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT), env=env
+            )
+        )
+    hello = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        p.stdin.write(json.dumps([h["addr"] for h in hello]) + "\n")
+        p.stdin.flush()
+    for p in procs:
+        assert json.loads(p.stdout.readline()).get("ready")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    done = []
+    for p in procs:
+        for line in p.stdout:
+            msg = json.loads(line)
+            if msg.get("done"):
+                done.append(msg)
+                break
+        p.stdin.close()
+        p.wait(timeout=60)
+    return done
+
+
+def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
+    steps = args.steps
+    with WanLab(2, rate_mbit=10, delay_ms=20) as lab:
+        runs = {
+            "none": ["--method", "single"],
+            "streaming": ["--method", "streaming", "--H", "40", "--P", "4", "--delay", "1", "--codec", "fp4"],
+            "diloco": ["--method", "diloco", "--H", "40"],
+        }
+        walls, stats = {}, {}
+        for name, method in runs.items():
+            done = run_trainers(lab, method, steps, log_dir)
+            walls[name] = max(d["wall_s"] for d in done)
+            stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
+            progress(f"{name}: {steps} steps in {walls[name]:.2f} s")
+        out["training"] = {
+            "steps": steps,
+            "link_mbit": 10,
+            "wall_s": {k: round(v, 2) for k, v in walls.items()},
+            "stats": stats,
+        }
+        out["streaming_overlap_ratio"] = round(walls["streaming"] / walls["none"], 3)
+        out["diloco_overlap_ratio"] = round(walls["diloco"] / walls["none"], 3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=8)
+    ap.add_argument("--mb", type=float, default=100.0, help="all-reduce payload per peer, MB of fp32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=200, help="inner steps of the training comparison")
+    ap.add_argument("--no-hetero", dest="hetero", action="store_false")
+    ap.add_argument("--no-training", dest="training", action="store_false")
+    ap.add_argument("--no-allreduce", dest="allreduce", action="store_false")
+    ap.add_argument("--quick", action="store_true", help="4 peers, 20 MB, 1 round, 60 steps")
+    ap.add_argument("--keep-logs", default=None, help="directory for peer logs (default: a temp dir)")
+    args = ap.parse_args()
+    if args.quick:
+        args.peers, args.mb, args.rounds, args.steps = 4, 20.0, 1, 60
+    if os.geteuid() != 0:
+        msg = "bench_wan.py must run as root: the WAN lab needs network namespaces and tc (sudo ...)"
+        print(msg, file=sys.stderr)
+        print(json.dumps({"error": msg}))
+        return 2
+    try:
+        check_support()
+    except LabUnavailable as e:
+        print(json.dumps({"error": f"WAN lab unavailable: {e}"}))
+        return 2
+    cleanup_stale()
+    log_dir = args.keep_logs or tempfile.mkdtemp(prefix="bench-wan-")
+    out: dict = {"peers": args.peers, "mb": args.mb, "link_mbit": 100, "one_way_ms": 20, "logs": log_dir}
+    t0 = time.monotonic()
+    if args.allreduce:
+        bench_allreduce(args, log_dir, out)
+    hv = venv_dir()
+    out["hivemind_ratio_to_link_bound"] = None
+    out["hivemind_reason"] = (
+        f"no hivemind venv at {hv} (creating it downloads ~1.2 GB; not done by this benchmark)"
+        if not (hv / "bin" / "python").exists()
+        else "hivemind in the WAN lab is not wired yet (its probe runs on loopback only)"
+    )
+    if args.training:
+        bench_streaming(args, log_dir, out)
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
