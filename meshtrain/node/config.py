@@ -10,8 +10,9 @@ it trains on (`device`, node/devices.py), how many local ranks make up the peer
 node/sharding.py). The spec's `precision` is the swarm's: peers that train in
 different precisions are different experiments.
 
-Precedence for `NodeConfig`, lowest first: defaults, the TOML file (`--config node.toml`, a
-`[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
+Precedence for `NodeConfig`, lowest first: defaults, the shipped defaults file (`node.toml`
+beside this module: the default bootstrap list, shipped empty), the TOML file (`--config
+node.toml`, a `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
 comma-separated), then command-line flags. Every value is validated by pydantic; a bad one is a
 `ConfigError` naming the field, the value and what is allowed — one line, never a traceback.
 """
@@ -34,6 +35,10 @@ from meshtrain.pyref import PyRef
 
 ENV_PREFIX = "MESHTRAIN_"
 OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
+DEFAULT_POW_BITS = 16  # ~65k hashes: ~0.1 s for one identity in Python, a thousand cost a thousand times that
+MAX_POW_BITS = 32
+MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; more at run time, in the config CRDT)
+DEFAULT_CONFIG_FILE = Path(__file__).with_name("node.toml")  # shipped defaults (the bootstrap list)
 
 
 class SwarmSpec(BaseModel):
@@ -102,6 +107,24 @@ class SwarmSpec(BaseModel):
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
         "master weights, φ and pseudo-gradients stay fp32",
     )
+    admission: Literal["open", "allowlist", "private"] = Field(
+        "open",
+        description="who may take part (node/admission.py): open (anyone with a proof of work on its "
+        "peer id), allowlist (the owner and the peer ids the owner signs), private (holders of the swarm key)",
+    )
+    pow_bits: int = Field(
+        DEFAULT_POW_BITS,
+        ge=0,
+        le=MAX_POW_BITS,
+        description="open admission: leading zero bits of the proof of work on each peer id "
+        "(an identity costs about 2**pow_bits hashes; 0 = none)",
+    )
+    allowlist: tuple[str, ...] = Field(
+        (),
+        max_length=MAX_ALLOWLIST,
+        description="allowlist admission: peer ids admitted from the start (more at run time: "
+        "`meshtrain swarm allow <peer id>` on the owner's node)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +146,18 @@ class SwarmSpec(BaseModel):
     def _model(cls, v: str) -> str:
         parse_model_source(v)
         return v
+
+    @field_validator("allowlist")
+    @classmethod
+    def _allowlist(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from meshtrain.transport.identity import IdentityError, public_key_of
+
+        for peer in v:
+            try:
+                public_key_of(peer)
+            except IdentityError:
+                raise ValueError(f"{peer!r:.70} is not a peer id (12D3KooW...)") from None
+        return tuple(dict.fromkeys(v))
 
     @field_validator("optimizer")
     @classmethod
@@ -285,25 +320,30 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _read_toml(p: Path) -> dict[str, Any]:
+    """A config file's settings: its `[node]` table, or its top-level keys."""
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    return data.get("node", data) if isinstance(data.get("node"), dict) else data
+
+
 def load_node_config(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
-    """Defaults < TOML file < MESHTRAIN_* environment < `overrides` (flags; None values ignored)."""
-    values: dict[str, Any] = {}
+    """Defaults < the shipped defaults file (`node.toml` beside this module: the default
+    bootstrap list) < TOML file < MESHTRAIN_* environment < `overrides` (flags; None ignored)."""
+    values: dict[str, Any] = _read_toml(DEFAULT_CONFIG_FILE) if DEFAULT_CONFIG_FILE.exists() else {}
     if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {p}: {e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-        values.update(data.get("node", data) if isinstance(data.get("node"), dict) else data)
+        values.update(_read_toml(Path(path)))
     values.update(_env_values(os.environ if environ is None else environ))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
