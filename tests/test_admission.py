@@ -133,6 +133,12 @@ def test_join_takes_a_multiaddr_a_pinned_multiaddr_an_id_or_a_name() -> None:
             parse_join_address(bad)
 
 
+def test_swarm_list_without_a_bootstrap_address_says_where_to_put_one(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MESHTRAIN_BOOTSTRAP", raising=False)
+    assert main(["swarm", "list"]) == 2
+    assert "pass --bootstrap" in capsys.readouterr().err
+
+
 def test_the_shipped_bootstrap_list_is_empty_and_says_how_to_fill_it() -> None:
     text = DEFAULT_CONFIG_FILE.read_text()
     assert "bootstrap = []" in text and "/p2p/12D3KooW..." in text  # an example, commented out

@@ -170,8 +170,10 @@ async def test_the_owner_admits_a_waiting_peer_at_run_time_and_a_forged_entry_do
         b_token = (b.data_dir / TOKEN_FILE).read_text().strip()
         with pytest.raises(StatusError, match="403"):
             await trio.to_thread.run_sync(lambda: request_allow(b.status_url, b_token, b_id))
-        a_token = (a.data_dir / TOKEN_FILE).read_text().strip()
-        await trio.to_thread.run_sync(lambda: request_allow(a.status_url, a_token, b_id))
+        # The owner runs `meshtrain swarm allow <b's peer id>`: the CLI finds its node's status
+        # endpoint and control token through the data dir.
+        allow = ["swarm", "allow", b_id, "--data-dir", str(a.data_dir)]
+        assert await trio.to_thread.run_sync(main, allow) == 0
         await until(lambda: b.state == "training", "b is admitted and trains", 60)
         assert b_id in a.presence.trainers() and b_id not in a.presence.ignored()
         rounds = a.trainer.outer.rounds

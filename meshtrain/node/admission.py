@@ -22,7 +22,9 @@ owner's config CRDT) are replicated.
   owner's key may write the config CRDT (`swarm_specs` sets its writers), so an entry that any
   other key signed is refused on every peer before it is merged. This is the config CRDT's first
   reader. `meshtrain swarm allow <peer id>` asks the owner's running node to write one
-  (`POST /allow` on its status endpoint, with its control token).
+  (`POST /allow` on its status endpoint, with its control token). The owner's config is one
+  CRDT entry of at most 48 KiB (`replica.MAX_ENTRY_BYTES`), so some 600 peers can be allowed at
+  run time; a larger run lists its peers in the spec.
 - **private**: the libp2p swarm key (pnet): a host without it cannot even connect, so every
   peer that reaches us holds the key and is admitted.
 The owner is always admitted.

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import trio
 
 from meshtrain.dht.kademlia import Dht
+from meshtrain.dht.records import DhtError
 from meshtrain.dht.swarm_index import SwarmAdvert, read_adverts
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
@@ -108,10 +109,10 @@ async def find_swarms(bootstrap: Sequence[str], *, timeout: float = LIST_TIMEOUT
     async with AsyncExitStack() as stack:
         host = await stack.enter_async_context(Host(Identity.generate(), HostConfig(listen=[LOOPBACK_LISTEN])))
         dht = await stack.enter_async_context(Dht(host))
-        with trio.fail_after(timeout):
+        with trio.move_on_after(timeout):
             await dht.bootstrap(bootstrap)
             return verify_adverts(await read_adverts(dht))
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise DhtError(f"the DHT did not answer within {timeout:.0f} s (bootstrap {', '.join(bootstrap)[:200]})")
 
 
 def pick_swarm(listed: Sequence[ListedSwarm], wanted: str) -> ListedSwarm:
