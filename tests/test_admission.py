@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.crdt.swarm_view import PeerInfo
-from meshtrain.dht.swarm_index import SwarmAdvert
+from meshtrain.dht.kademlia import NETWORK
+from meshtrain.dht.records import Record
+from meshtrain.dht.swarm_index import SWARMS_KEY, SwarmAdvert, advert_subkey
 from meshtrain.errors import ConfigError
 from meshtrain.node.admission import (
     NO_PROOF,
@@ -194,6 +196,34 @@ def test_without_the_owner_the_median_report_counts_and_names_must_be_unique() -
     with pytest.raises(ConfigError, match="no swarm 'nope'"):
         pick_swarm(both, "nope")
     assert format_table([]) == "no swarms found"
+
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=30) | st.binary(max_size=30),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+    max_leaves=12,
+)
+ADVERT_LIKE = st.fixed_dictionaries(
+    {},
+    optional={
+        "swarm": st.sampled_from(["ms0123456789abcdef0123", ""]) | JUNK,
+        "spec": st.just(signed(name="real").to_wire()) | st.dictionaries(st.text(max_size=12), JUNK, max_size=5),
+        "peers": JUNK,
+        "step": JUNK,
+        "addrs": st.lists(st.sampled_from([f"/ip4/127.0.0.1/tcp/1/p2p/{p}" for p in PEERS]) | JUNK, max_size=3),
+        "proof": JUNK,
+    },
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=ADVERT_LIKE | JUNK, subkey_swarm=st.sampled_from(["ms0123456789abcdef0123", "x"]))
+def test_any_advert_record_is_parsed_or_dropped_never_raised(value: object, subkey_swarm: str) -> None:
+    ident = Identity.from_seed(bytes([9]) * 32)
+    rec = Record.create(ident, NETWORK, SWARMS_KEY, value, 1e12, advert_subkey(ident.peer_id_str, subkey_swarm))
+    advert = SwarmAdvert.from_record(rec)
+    listed = verify_adverts([advert] if advert is not None else [])
+    assert all(s.swarm_id == advert.swarm_id for s in listed)  # only ever the swarm it names
 
 
 # --- swarm create --private ---------------------------------------------------------------------

@@ -138,7 +138,7 @@ async def test_an_outsider_without_proof_of_work_is_ignored_by_every_honest_peer
 
 
 @pytest.mark.slow
-async def test_the_owner_admits_a_waiting_peer_at_run_time_and_a_forged_entry_does_nothing(tmp_path) -> None:
+async def test_the_owner_admits_a_waiting_peer_at_run_time_and_a_forged_entry_does_nothing(tmp_path, capsys) -> None:
     spec = SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0, admission="allowlist")
     signed = SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     a = Node(config(tmp_path, "a"), spec=signed)
@@ -153,6 +153,8 @@ async def test_the_owner_admits_a_waiting_peer_at_run_time_and_a_forged_entry_do
         await until(lambda: b_id in a.presence.ignored(), "a ignores b")
         await until(lambda: "meshtrain swarm allow" in (b.snapshot()["training"]["waiting"] or ""), "b says why")
         assert b_id not in a.presence.trainers() and not await a.streams.admits(b_id)
+        assert await trio.to_thread.run_sync(main, ["node", "status", "--data-dir", str(b.data_dir)]) == 0
+        assert "admission allowlist: NOT ADMITTED (not-on-allowlist)" in capsys.readouterr().out
         # A forger writes allow/<itself> and allow/<b> into a config CRDT of its own making: every
         # honest replica refuses entries the owner did not sign.
         forger, _ = await stranger(stack, a, b)

@@ -398,6 +398,14 @@ def _node_status(args: argparse.Namespace) -> int:
         )
     if t.get("waiting"):
         print(f"waiting: {t['waiting']}")
+    admission = n.get("admission") or {}
+    if admission.get("rule"):
+        standing = f"NOT ADMITTED ({admission['not_admitted']})" if admission.get("not_admitted") else "admitted"
+        ignored = len(admission.get("ignored") or [])
+        print(
+            f"admission {admission['rule']}: {standing}"
+            + (f"; ignoring {ignored} peer(s) that fail it" if ignored else "")
+        )
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}")
