@@ -239,3 +239,14 @@ def test_swarm_create_private_writes_a_secret_key_and_a_private_spec(tmp_path, c
     assert SignedSpec.load(out["spec"]).spec.admission == "private"
     assert main(["swarm", "create", "--data-dir", str(data), "--private", "--admission", "open"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+async def test_a_private_swarm_needs_its_key_and_the_flag_is_checked(tmp_path, capsys) -> None:
+    from meshtrain import Node, NodeConfig
+
+    private = signed(admission="private")
+    config = NodeConfig(data_dir=tmp_path / "n", listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, nat=False)
+    with pytest.raises(ConfigError, match="is private: pass its key"):
+        await Node(config, spec=private).run()
+    assert main(["node", "start", "--data-dir", str(tmp_path / "n"), "--swarm-key", "not-hex"]) == 2
+    assert "swarm_key: must be 64 hexadecimal characters" in capsys.readouterr().err
