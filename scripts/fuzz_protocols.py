@@ -100,8 +100,9 @@ from meshtrain.crdt.replica import GOSSIP_VERSION, RPC_DIGEST, RPC_PULL, gossip_
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, METRICS, PROGRESS, open_swarm_view  # noqa: E402
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms  # noqa: E402
 from meshtrain.dht.discovery import peers_key  # noqa: E402
-from meshtrain.dht.kademlia import FIND_RPC, KAD_PROTOCOL, STORE_RPC  # noqa: E402
+from meshtrain.dht.kademlia import FIND_RPC, KAD_PROTOCOL, NETWORK, STORE_RPC  # noqa: E402
 from meshtrain.dht.records import Record  # noqa: E402
+from meshtrain.node.admission import POW_CAP, mint_pow  # noqa: E402
 from meshtrain.node.state_sync import CHUNK_RPC, MANIFEST_RPC, MIN_CHUNK_BYTES  # noqa: E402
 from meshtrain.node.swarm_spec import SPEC_RPC  # noqa: E402
 from meshtrain.transport.framing import LENGTH, FramedStream, WireError, packb  # noqa: E402
@@ -1056,9 +1057,7 @@ async def dht_records(ctx: Ctx, params: Any) -> str:
     assert a.host is not None
     ident = a.host.identity
     if kind == "find":
-        outcome, reply = await a.rpc(
-            ctx.target(i), FIND_RPC, {"swarm": sw.swarm_id, "target": os.urandom(32), "key": key}
-        )
+        outcome, reply = await a.rpc(ctx.target(i), FIND_RPC, {"swarm": NETWORK, "target": os.urandom(32), "key": key})
         if outcome == "reply" and isinstance(reply, dict) and isinstance(reply.get("records"), list):
             a.captured_records = reply["records"][:16]
         return outcome
@@ -1070,17 +1069,17 @@ async def dht_records(ctx: Ctx, params: Any) -> str:
         "version": meshtrain.__version__,
     }
     if kind == "forged_subkey":
-        rec = Record.create(ident, sw.swarm_id, key, ann, expiry, subkey=ctx.target(i)).to_wire()
+        rec = Record.create(ident, NETWORK, key, ann, expiry, subkey=ctx.target(i)).to_wire()
     elif kind == "claim_owner":
-        rec = Record.create(ident, sw.swarm_id, key, ann, expiry, subkey=ctx.target(i)).to_wire()
+        rec = Record.create(ident, NETWORK, key, ann, expiry, subkey=ctx.target(i)).to_wire()
         rec["o"] = ctx.target(i)
     elif kind == "replay" and a.captured_records:
         rec = dict(a.captured_records[i % len(a.captured_records)])
     elif kind == "own":
-        rec = Record.create(ident, sw.swarm_id, key, ann, expiry, subkey=a.peer_id).to_wire()
+        rec = Record.create(ident, NETWORK, key, ann, expiry, subkey=a.peer_id).to_wire()
     else:
         rec = loopback_only(value, a.port)
-    outcome, _ = await a.rpc(ctx.target(i), STORE_RPC, {"swarm": sw.swarm_id, "key": key, "records": [rec]})
+    outcome, _ = await a.rpc(ctx.target(i), STORE_RPC, {"swarm": NETWORK, "key": key, "records": [rec]})
     return outcome
 
 
@@ -1687,7 +1686,9 @@ async def positive_control(swarm: Swarm, results: Results, oracles: Oracles, sta
         await insider.connect(node.host.addrs[0], timeout=10)
     owner = swarm.nodes[0].signed.owner
     join_flagged = False
-    async with open_swarm_view(insider, swarm.swarm_id, owner, role="trainer", recover_timeout=2.0):
+    spec = swarm.nodes[0].signed.spec  # an open swarm admits an identity that shows its proof of work
+    proof = {POW_CAP: mint_pow(swarm.swarm_id, insider.peer_id, spec.pow_bits)} if spec.admission == "open" else {}
+    async with open_swarm_view(insider, swarm.swarm_id, owner, role="trainer", capabilities=proof, recover_timeout=2.0):
         with trio.move_on_after(15):
             while not all(n.view.is_live(insider.peer_id) for n in swarm.nodes):
                 await trio.sleep(0.1)

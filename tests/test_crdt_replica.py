@@ -418,6 +418,40 @@ async def test_progress_and_metrics_reach_every_peer():
             views[0].report_progress(step=-1)
 
 
+async def test_an_admission_filter_hides_a_refused_peer_until_the_owners_config_admits_it():
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 3)
+        owner, outsider = hosts[0].peer_id, hosts[2].peer_id
+        views = await start_views(stack, hosts, owner)
+
+        def rule(view):  # admitted: anyone but the outsider, unless the owner's config says so
+            return lambda p: p.peer_id != outsider or view.config_get("allow/" + outsider) is True
+
+        for v in views[:2]:
+            v.admit = rule(v)
+        for v in views:
+            v.report_progress(step=5)
+            v.report_metrics({"loss": 1.0})
+        await wait_until(
+            lambda: all(len(v.peers()) + len(v.ignored_peers()) == 3 for v in views[:2]), 5, "every record everywhere"
+        )
+        await wait_until(lambda: len(views[0].progress()) == 2 and len(views[2].progress()) == 3, 5, "progress")
+        for v in views[:2]:
+            assert [p.peer_id for p in v.ignored_peers()] == [outsider]
+            assert outsider not in v.membership_snapshot() and outsider not in v.progress()
+            assert outsider not in v.metrics() and not await v.wait_live(outsider, 0.2)
+        assert views[2].is_live(outsider) and views[2].ignored_peers() == []  # no filter, no one ignored
+
+        async def admitted_in_time() -> None:
+            assert await views[1].wait_live(outsider, 5.0)  # woken by the config change, not a timeout
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(admitted_in_time)
+            await trio.sleep(0.2)
+            views[0].set_config({"allow/" + outsider: True})
+        assert all(outsider in v.membership_snapshot() and outsider in v.progress() for v in views[:2])
+
+
 @pytest.mark.parametrize("meets_swarm_first", [True, False])
 async def test_a_restarted_peer_keeps_its_identity_and_its_seq_continues(meets_swarm_first):
     async with AsyncExitStack() as stack:

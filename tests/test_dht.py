@@ -249,7 +249,7 @@ async def test_a_reader_drops_invalid_records_returned_by_a_lying_node() -> None
             assert {sk: r.decoded for sk, r in held.items()} in ({}, {victim.peer_id: "truth"})
 
 
-async def test_a_node_of_another_swarm_is_not_used() -> None:
+async def test_a_node_of_another_network_is_not_used() -> None:
     async with AsyncExitStack() as stack:
         ours = await stack.enter_async_context(dht_node())
         theirs = await stack.enter_async_context(dht_node(swarm="their-swarm"))
@@ -300,8 +300,8 @@ FAST = DiscoveryConfig(role="trainer", capabilities={"gpu": False}, ttl=3.0, ref
 async def test_discovery_lists_live_peers_and_forgets_dead_ones() -> None:
     async with AsyncExitStack() as stack:
         nodes = (await stack.enter_async_context(swarm_of(4))).nodes
-        discos = [await stack.enter_async_context(Discovery(n, FAST)) for n in nodes[:3]]
-        async with Discovery(nodes[3], FAST):
+        discos = [await stack.enter_async_context(Discovery(n, SWARM, FAST)) for n in nodes[:3]]
+        async with Discovery(nodes[3], SWARM, FAST):
             peers = await discos[0].peers()
             assert [p.peer_id for p in peers] == sorted(n.peer_id for n in nodes)
             mine = next(p for p in peers if p.peer_id == nodes[3].peer_id)
@@ -317,13 +317,13 @@ async def test_discovery_lists_live_peers_and_forgets_dead_ones() -> None:
 async def test_a_restarted_node_reannounces_under_the_same_subkey() -> None:
     async with AsyncExitStack() as stack:
         nodes = (await stack.enter_async_context(swarm_of(3))).nodes
-        observer = await stack.enter_async_context(Discovery(nodes[0], FAST))
+        observer = await stack.enter_async_context(Discovery(nodes[0], SWARM, FAST))
         identity = Identity.generate()
         boot = [nodes[1].host.addrs[0]]
-        async with dht_node(boot, identity=identity) as first_life, Discovery(first_life, FAST):
+        async with dht_node(boot, identity=identity) as first_life, Discovery(first_life, SWARM, FAST):
             old_addrs = tuple(first_life.host.addrs)
             assert identity.peer_id_str in [p.peer_id for p in await observer.peers()]
-        async with dht_node(boot, identity=identity) as second_life, Discovery(second_life, FAST):
+        async with dht_node(boot, identity=identity) as second_life, Discovery(second_life, SWARM, FAST):
             new_addrs = tuple(second_life.host.addrs)
             assert new_addrs != old_addrs
             peers = await observer.peers()

@@ -18,6 +18,12 @@ Every peer holds the same view without a leader because all four are CRDTs kept 
   rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
   `NotSwarmOwner` locally.
 
+Admission. A swarm may refuse peers (a public swarm asks for a proof of work, or the owner's
+allowlist, node/admission.py): the view takes the rule as a filter (`admit`) and answers every
+question about peers — who is live, their progress and metrics — from admitted records only, so
+a refused peer's records are kept and replicated but never counted. A config change wakes
+`wait_live`, as it may admit a peer.
+
 Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
 so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
 that owner. Record bodies are checked (`_check_*`, the same rules on every peer) before merging,
@@ -45,7 +51,7 @@ Not here: gossip, anti-entropy and merging (`replica.py`), choosing whom to conn
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -240,6 +246,9 @@ class SwarmView(Service):
     - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
     - `recover_timeout`: how long entering the view waits to pull the swarm's state (and our own
       earlier records, after a restart) before the first heartbeat.
+    - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/admission.py); a peer it
+      refuses is left out of every answer — `peers`, `live_peers`, `wait_live`, `progress`,
+      `metrics` — and listed by `ignored_peers`. None admits everyone. May be set later.
 
     Use as `async with SwarmView(replica, owner) as view:`; leaving the block leaves the swarm
     cleanly (`leave()`) unless the peer already left. If the process dies instead, others drop it
@@ -261,6 +270,7 @@ class SwarmView(Service):
         swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         recover_timeout: float = 5.0,
+        admit: Callable[[PeerInfo], bool] | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < ttl or max_heartbeat_interval < heartbeat_interval:
             raise CrdtError("need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval")
@@ -285,6 +295,7 @@ class SwarmView(Service):
         self.ttl = ttl
         self.max_skew_ms = int(max_clock_skew * 1000)
         self.recover_timeout = recover_timeout
+        self.admit = admit
         self._left = False
         self._progress = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
@@ -371,7 +382,21 @@ class SwarmView(Service):
         return self._left
 
     def peers(self) -> list[PeerInfo]:
-        """Every peer with a membership record, live or not, sorted by peer id."""
+        """Every admitted peer with a membership record, live or not, sorted by peer id."""
+        admit = self.admit
+        records = self._records()
+        return records if admit is None else [p for p in records if admit(p)]
+
+    def ignored_peers(self) -> list[PeerInfo]:
+        """Peers with a membership record that the admission rule (`admit`) refuses."""
+        admit = self.admit
+        return [] if admit is None else [p for p in self._records() if not admit(p)]
+
+    def _admitted_ids(self) -> set[str] | None:
+        """Ids of the admitted peers, or None when everyone is (no admission rule)."""
+        return None if self.admit is None else {p.peer_id for p in self.peers()}
+
+    def _records(self) -> list[PeerInfo]:
         crdt = self.replica.crdt(MEMBERSHIP)
         out = []
         for entry in crdt.entries():
@@ -473,7 +498,8 @@ class SwarmView(Service):
             self._write_metrics()
 
     def progress(self) -> dict[str, PeerProgress]:
-        """peer id -> its latest progress record."""
+        """peer id -> its latest progress record (admitted peers only)."""
+        admitted = self._admitted_ids()
         return {
             e.owner: PeerProgress(
                 e.owner,
@@ -484,6 +510,7 @@ class SwarmView(Service):
                 _phi_digests(e.body[1].get("phi", [])),
             )
             for e in self.replica.crdt(PROGRESS).entries()
+            if admitted is None or e.owner in admitted
         }
 
     def outer_round(self) -> int | None:
@@ -495,14 +522,23 @@ class SwarmView(Service):
         return sum(p.samples for p in self.progress().values())
 
     def metrics(self) -> dict[str, PeerMetrics]:
-        """peer id -> its latest metrics."""
-        return {e.owner: PeerMetrics(e.owner, dict(e.body[1]), e.body[0]) for e in self.replica.crdt(METRICS).entries()}
+        """peer id -> its latest metrics (admitted peers only)."""
+        admitted = self._admitted_ids()
+        return {
+            e.owner: PeerMetrics(e.owner, dict(e.body[1]), e.body[0])
+            for e in self.replica.crdt(METRICS).entries()
+            if admitted is None or e.owner in admitted
+        }
 
     # --- config ---------------------------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
         """The run config as the swarm owner last wrote it."""
         return cast(LWWMap, self.replica.crdt(CONFIG)).value()
+
+    def config_get(self, key: str, default: Any = None) -> Any:
+        """One key of the run config (cheap: no copy of the whole map)."""
+        return cast(LWWMap, self.replica.crdt(CONFIG)).get(key, default)
 
     def set_config(self, values: Mapping[str, Any] | None = None, **more: Any) -> SignedEntry:
         """Set config keys (owner only): `view.set_config(lr=0.7)` or `set_config({"lr": 0.7})`."""
@@ -529,7 +565,7 @@ class SwarmView(Service):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _on_change(self, event: ChangeEvent) -> None:
-        if event.crdt == MEMBERSHIP:
+        if event.crdt in (MEMBERSHIP, CONFIG):  # the config may admit a peer (node/admission.py)
             changed, self._members_changed = self._members_changed, trio.Event()
             changed.set()
         # An entry of ours from a previous incarnation beat what we wrote since restarting (or

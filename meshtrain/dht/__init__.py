@@ -1,13 +1,18 @@
 """dht layer of meshtrain (see shared/ARCHITECTURE.md): signed, expiring records with subkeys,
 merged on the storing node (`records`), Kademlia lookups over py-libp2p's routing table with
-our own STORE/GET RPCs (`kademlia`), and swarm discovery under `/meshtrain/<swarm>/peers`
-(`discovery`)."""
+our own STORE/GET RPCs (`kademlia`; one DHT network serves every swarm), swarm discovery under
+`/meshtrain/<swarm>/peers` (`discovery`), and the swarm index under `/meshtrain/swarms`
+(`swarm_index`)."""
 
 from meshtrain.dht.discovery import Announcement, Discovery, DiscoveryConfig, peers_key
-from meshtrain.dht.kademlia import BootstrapError, Dht, DhtConfig
+from meshtrain.dht.kademlia import NETWORK, BootstrapError, Dht, DhtConfig
 from meshtrain.dht.records import DhtError, InvalidRecord, Record, RecordLimits, RecordStore
+from meshtrain.dht.swarm_index import SWARMS_KEY, SwarmAdvert, publish_advert, read_adverts
 
 __all__ = [
+    "NETWORK",
+    "SWARMS_KEY",
+    "SwarmAdvert",
     "Announcement",
     "BootstrapError",
     "Dht",
@@ -20,4 +25,6 @@ __all__ = [
     "RecordLimits",
     "RecordStore",
     "peers_key",
+    "publish_advert",
+    "read_adverts",
 ]

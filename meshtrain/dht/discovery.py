@@ -110,9 +110,10 @@ class Announcement:
 
 
 class Discovery(Service):
-    """Announces this node and lists the swarm's live peers. `async with Discovery(dht) as d:`.
+    """Announces this node and lists the swarm's live peers. `async with Discovery(dht, swarm) as d:`.
 
-    dht: a running `Dht`.
+    dht: a running `Dht` (one DHT serves every swarm).
+    swarm_id: the swarm whose peers' key (`peers_key`) we announce under and read.
     config: `DiscoveryConfig`.
 
     Entering announces once (a failure is logged and retried every `retry_interval`) and starts
@@ -120,10 +121,11 @@ class Discovery(Service):
     announces only to itself until its next refresh.
     """
 
-    def __init__(self, dht: Dht, config: DiscoveryConfig | None = None) -> None:
+    def __init__(self, dht: Dht, swarm_id: str, config: DiscoveryConfig | None = None) -> None:
         self.dht = dht
+        self.swarm_id = swarm_id
         self.config = config or DiscoveryConfig()
-        self.key = peers_key(dht.swarm_id)
+        self.key = peers_key(swarm_id)
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._nursery = await stack.enter_async_context(trio.open_nursery())

@@ -1,6 +1,6 @@
 """`Dht`: Kademlia routing from py-libp2p, our own signed-record STORE/GET over meshtrain RPC.
 
-The problem. The swarm needs a key-value store with no owner: a key's records live on the
+The problem. Swarms need a key-value store with no owner: a key's records live on the
 `replication` peers whose ids are closest (XOR of SHA-256 hashes) to the key, any peer can find
 them in a few round trips, and peers join, crash and lie.
 
@@ -46,10 +46,17 @@ Design.
   connection events (`Host.on_connected`) queue every new connection; a task waits for identify (so only peers that serve kad are
   admitted) and adds them. Peers that answer our queries are added too.
 
+One DHT serves many swarms. Every node joins one *network* (`NETWORK`, "meshtrain"), whatever
+swarm it trains in: a swarm's keys carry its id (`/meshtrain/<swarm>/peers`), and the swarm
+index (`/meshtrain/swarms`, `swarm_index.py`) lists the swarms, so any node of any swarm is an
+entry point to all of them. Records are signed for the network (`records.py`). A private swarm's
+hosts (libp2p swarm key) reach only each other, so their DHT holds only their own records.
+
 Wire (msgpack, through `meshtrain.transport.rpc`):
   dht/find   {"swarm", "target": bytes, "key": str|nil} -> {"peers": [[id, [addr]]], "records": [rec]}
   dht/store  {"swarm", "key", "records": [rec]}          -> {"results": [nil | reason]}
-where `rec` is `Record.to_wire()`. A request for another swarm gets the error `wrong-swarm`.
+where `rec` is `Record.to_wire()` and "swarm" names the network (the field kept its name from
+when each swarm had a DHT of its own). A request for another network gets `wrong-swarm`.
 
 Not here: what records mean (`records.py` validates, `discovery.py` announces peers). mDNS.
 """
@@ -117,6 +124,7 @@ MAX_ADDRS_PER_PEER = 8
 MAX_TARGET_BYTES = 512
 LEARNED_ADDR_TTL = 600  # seconds a peer address learned from a find reply stays in the peerstore
 RPC_OVERHEAD = 64 << 10  # room beside the records in a request or reply
+NETWORK = "meshtrain"  # the one DHT every swarm's nodes join
 
 
 class BootstrapError(DhtError):
@@ -289,11 +297,12 @@ class _Lookup:
 
 
 class Dht(Service):
-    """A node's part of the swarm's DHT. `async with Dht(host, swarm_id) as dht:`.
+    """A node's part of the DHT. `async with Dht(host) as dht:`.
 
     host: the running `Host`; the DHT registers `dht/find` and `dht/store` on it and runs
         py-libp2p's KadDHT (server mode) for routing.
-    swarm_id: records are signed for, and only accepted in, this swarm.
+    network: records are signed for, and only accepted in, this network (`NETWORK`: the one all
+        swarms share; tests give theirs a name of their own).
     config: `DhtConfig`.
 
     Contract: `store` returns the number of replicas that accepted the record and raises
@@ -302,13 +311,13 @@ class Dht(Service):
     `lookup_timeout` + `rpc_timeout`. Records come back validated and unexpired.
     """
 
-    def __init__(self, host: Host, swarm_id: str, config: DhtConfig | None = None) -> None:
-        if not swarm_id or not isinstance(swarm_id, str):
-            raise ConfigError("swarm_id must be a non-empty string")
+    def __init__(self, host: Host, network: str = NETWORK, config: DhtConfig | None = None) -> None:
+        if not network or not isinstance(network, str):
+            raise ConfigError("the DHT's network must be a non-empty string")
         self.host = host
-        self.swarm_id = swarm_id
+        self.network = network
         self.config = config or DhtConfig()
-        self.local = RecordStore(swarm_id, self.config.limits)
+        self.local = RecordStore(network, self.config.limits)
         self.kad = KadDHT(
             host.libp2p,
             DHTMode.SERVER,
@@ -387,13 +396,13 @@ class Dht(Service):
         """Sign `value` as ours and store it under `key` (and `subkey`) until `expiry` (unix
         seconds). Returns the number of replicas that accepted it. Raises `InvalidRecord` if the
         record is invalid here, `DhtError` if no replica accepted it."""
-        record = Record.create(self.host.identity, self.swarm_id, key, value, expiry, subkey)
+        record = Record.create(self.host.identity, self.network, key, value, expiry, subkey)
         return await self.store_record(record)
 
     async def store_record(self, record: Record) -> int:
         """Store an already signed record (ours or relayed) on the closest replicas."""
         self._require_open()
-        validate(record, self.swarm_id, now=time.time(), limits=self.config.limits)
+        validate(record, self.network, now=time.time(), limits=self.config.limits)
         found = await self._lookup(routing_key(record.key), key=None)
         holders = self._closest_with_self(routing_key(record.key), found.closest)
         accepted = 0
@@ -530,7 +539,7 @@ class Dht(Service):
             raw = await self.host.rpc.call(
                 peer,
                 FIND_RPC,
-                {"swarm": self.swarm_id, "target": target, "key": key},
+                {"swarm": self.network, "target": target, "key": key},
                 timeout=self.config.rpc_timeout,
                 max_response=limits.max_key_bytes + RPC_OVERHEAD,
             )
@@ -562,7 +571,7 @@ class Dht(Service):
             for obj in recs_raw[: self.config.limits.max_subkeys]:
                 try:
                     rec = Record.from_wire(key, obj)
-                    validate(rec, self.swarm_id, now=now, limits=self.config.limits)
+                    validate(rec, self.network, now=now, limits=self.config.limits)
                 except InvalidRecord as e:
                     self.stats["rejected_from_peers"] += 1
                     log.warning(kv("dht peer sent an invalid record", peer=peer, key=key, reason=e.reason))
@@ -579,7 +588,7 @@ class Dht(Service):
             raw = await self.host.rpc.call(
                 peer,
                 STORE_RPC,
-                {"swarm": self.swarm_id, "key": key, "records": [r.to_wire() for r in records]},
+                {"swarm": self.network, "key": key, "records": [r.to_wire() for r in records]},
                 timeout=self.config.rpc_timeout,
             )
             results = require_map(raw, "results", error=MalformedMessage)["results"]
@@ -611,8 +620,8 @@ class Dht(Service):
 
     def _check_swarm(self, req: Any, *fields: str) -> dict[str, Any]:
         msg = require_map(req, "swarm", *fields)
-        if msg["swarm"] != self.swarm_id:
-            raise RemoteError(WRONG_SWARM, "this node serves another swarm")
+        if msg["swarm"] != self.network:
+            raise RemoteError(WRONG_SWARM, "this node serves another DHT network")
         return msg
 
     async def _serve_find(self, peer: str, req: Any) -> dict[str, Any]:

@@ -3,8 +3,10 @@
     meshtrain node start   [--config node.toml] [flags]    run a node in the foreground
     meshtrain node status  [--data-dir D] [--json]          ask the running node how it is doing
     meshtrain node stop    [--data-dir D] [--wait]          stop it cleanly (checkpoint, leave)
-    meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec
-    meshtrain swarm join   <multiaddr | id@multiaddr>       fetch the spec from a peer, sync, train
+    meshtrain swarm create [--out swarm.json] [spec flags]  write a signed swarm spec (--private: with a new swarm key)
+    meshtrain swarm list   [--bootstrap ADDR] [--json]      the swarms the DHT's swarm index lists
+    meshtrain swarm join   <multiaddr | id@multiaddr | swarm id | name>   fetch the spec, sync, train
+    meshtrain swarm allow  <peer id> [--revoke]             the owner's node admits a peer (allowlist swarms)
     meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
                            [--pipeline [--stages 3]]        ... or a 6-node SkipPipe pipeline swarm
     meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
@@ -70,6 +72,10 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--announce", action="append", help="multiaddr to advertise instead (repeatable)")
     p.add_argument("--bootstrap", action="append", help="peer multiaddr to dial at start (repeatable)")
+    p.add_argument(
+        "--swarm-key",
+        help="a private swarm's key, 64 hex characters (better: MESHTRAIN_SWARM_KEY, which `ps` does not show)",
+    )
     p.add_argument("--status-port", type=int, help="local status page port (default 7070; 0 = any)")
     p.add_argument("--status-host", help="status page address (default 127.0.0.1)")
     p.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 60)")
@@ -131,6 +137,16 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
     for name, info in SwarmSpec.model_fields.items():
         if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
             continue
+        if name == "allowlist":
+            p.add_argument(
+                "--allow",
+                dest="spec_allowlist",
+                action="append",
+                default=None,
+                help="allowlist admission: a peer id admitted from the start (repeatable; more at run "
+                "time with `meshtrain swarm allow`)",
+            )
+            continue
         kind = {int: int, float: float}.get(info.annotation, str)  # type: ignore[arg-type]
         p.add_argument(
             f"--{name.replace('_', '-')}",
@@ -179,9 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     create = ssub.add_parser("create", help="write a swarm spec signed by this node's key", more_args=_spec_flags)
     create.add_argument("--data-dir", help="whose key signs (default ~/.local/share/meshtrain)")
     create.add_argument("--out", help="where to write the spec (default: <data dir>/swarm.json)")
-    join = ssub.add_parser("join", help="join a swarm through one of its peers and train")
-    join.add_argument("address", help="a peer's multiaddr, or <swarm id>@<multiaddr>")
+    create.add_argument(
+        "--private",
+        action="store_true",
+        help="a private swarm: admission private, and a new swarm key (written to <data dir>/swarm.key) "
+        "that every peer must pass",
+    )
+    listing = ssub.add_parser("list", help="list the swarms the DHT's swarm index knows, as a table")
+    listing.add_argument("--bootstrap", action="append", help="multiaddr of any meshtrain node (repeatable)")
+    listing.add_argument("--config", help="TOML node config whose bootstrap list to use")
+    listing.add_argument("--json", action="store_true", help="one JSON object per swarm instead of a table")
+    join = ssub.add_parser("join", help="join a swarm (by a peer's address, or by id or name via the DHT) and train")
+    join.add_argument(
+        "address",
+        help="a peer's multiaddr, <swarm id>@<multiaddr>, or a swarm id or name from `meshtrain swarm list` "
+        "(needs a bootstrap address)",
+    )
     _node_flags(join)
+    allow = ssub.add_parser("allow", help="on the owner's running node: admit a peer to an allowlist swarm")
+    allow.add_argument("peer", help="the peer id to admit (a waiting node prints its own)")
+    allow.add_argument("--revoke", action="store_true", help="take the peer's admission back")
+    allow.add_argument(
+        "--data-dir", help="the owner node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)"
+    )
+    allow.add_argument("--url", help="the owner node's status URL instead of looking it up in the data dir")
 
     demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
     demo.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
@@ -224,6 +261,7 @@ def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "listen",
         "announce",
         "bootstrap",
+        "swarm_key",
         "status_port",
         "status_host",
         "checkpoint_every",
@@ -332,6 +370,17 @@ def _running_node(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return info["status_url"].rstrip("/"), info
 
 
+def _control_token(info: dict[str, Any], command: str) -> str:
+    """The bearer token the running node wrote (its daemon.json names the file)."""
+    token_file = info.get("token_file")
+    if token_file is None:
+        raise ConfigError(f"{command} needs --data-dir (the token that proves you own the node is there)")
+    try:
+        return Path(token_file).read_text().strip()
+    except OSError as e:
+        raise MeshtrainError(f"cannot read the node's control token {token_file}: {e}") from None
+
+
 def _node_status(args: argparse.Namespace) -> int:
     import time
 
@@ -359,6 +408,14 @@ def _node_status(args: argparse.Namespace) -> int:
         )
     if t.get("waiting"):
         print(f"waiting: {t['waiting']}")
+    admission = n.get("admission") or {}
+    if admission.get("rule"):
+        standing = f"NOT ADMITTED ({admission['not_admitted']})" if admission.get("not_admitted") else "admitted"
+        ignored = len(admission.get("ignored") or [])
+        print(
+            f"admission {admission['rule']}: {standing}"
+            + (f"; ignoring {ignored} peer(s) that fail it" if ignored else "")
+        )
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}")
@@ -369,14 +426,7 @@ def _node_stop(args: argparse.Namespace) -> int:
     from meshtrain.node.status import request_stop, wait_for_exit
 
     url, info = _running_node(args)
-    token_file = info.get("token_file")
-    if token_file is None:
-        raise ConfigError("node stop needs --data-dir (the token that proves you own the node is there)")
-    try:
-        token = Path(token_file).read_text().strip()
-    except OSError as e:
-        raise MeshtrainError(f"cannot read the node's control token {token_file}: {e}") from None
-    request_stop(url, token, timeout=5)
+    request_stop(url, _control_token(info, "node stop"), timeout=5)
     if not args.wait:
         print(
             "stop accepted; the node is leaving the swarm and saving a checkpoint in the background "
@@ -397,6 +447,10 @@ def _swarm_create(args: argparse.Namespace) -> int:
 
     config = load_node_config(None, overrides={"data_dir": args.data_dir})
     values = {k[5:]: v for k, v in vars(args).items() if k.startswith("spec_") and v is not None}
+    if args.private:
+        if values.get("admission", "private") != "private":
+            raise ConfigError(f"--private and --admission {values['admission']} contradict each other")
+        values["admission"] = "private"
     spec = parse_spec(values)
     if spec.dataset != "builtin" and not spec.dataset_digest:  # pin the files' content, not their path
         from meshtrain.data import dataset_digest
@@ -405,11 +459,88 @@ def _swarm_create(args: argparse.Namespace) -> int:
     identity = Identity.load_or_create(config.data_dir)
     signed = SignedSpec.create(spec, identity)
     out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
-    print(json.dumps({"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out)}))
+    summary = {"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out), "admission": spec.admission}
+    start = f"meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else "")
+    if spec.admission == "private":
+        key_file = _write_swarm_key(Path(config.data_dir).expanduser())
+        summary["swarm_key_file"] = str(key_file)
+        print(json.dumps(summary))
+        print(
+            f"created private swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}).\n"
+            f"Its key is in {key_file} (mode 0600): every peer needs it, so hand it over as you would a "
+            f"password. Start the swarm with:\n"
+            f"  MESHTRAIN_SWARM_KEY=$(cat {key_file}) {start}\n"
+            f"and peers join with (or --swarm-key KEY):\n"
+            f"  MESHTRAIN_SWARM_KEY=<the key> meshtrain swarm join <multiaddr of a peer>",
+            file=sys.stderr,
+        )
+        return 0
+    print(json.dumps(summary))
+    how = {
+        "open": f"anyone with a proof of work of {spec.pow_bits} bits on its peer id (nodes mint it themselves)",
+        "allowlist": "the peers you allow (`meshtrain swarm allow <peer id>` on your running node)",
+    }[spec.admission]
     print(
-        f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}). Start it with:\n"
-        f"  meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else ""),
+        f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}); it admits {how}. "
+        f"Start it with:\n  {start}",
         file=sys.stderr,
+    )
+    return 0
+
+
+SWARM_KEY_FILE = "swarm.key"
+
+
+def _write_swarm_key(data_dir: Path) -> Path:
+    """A new random swarm key (libp2p pnet PSK, 32 bytes as hex) in `data_dir/swarm.key`, 0600."""
+    import secrets
+
+    from meshtrain.node.checkpoint import write_atomic
+
+    path = data_dir / SWARM_KEY_FILE
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, (secrets.token_hex(32) + "\n").encode())
+    os.chmod(path, 0o600)
+    return path
+
+
+def _swarm_list(args: argparse.Namespace) -> int:
+    import trio
+
+    from meshtrain.node.config import load_node_config
+    from meshtrain.node.swarm_list import find_swarms, format_table
+
+    config = load_node_config(args.config, overrides={"bootstrap": args.bootstrap})
+    listed = trio.run(find_swarms, config.bootstrap)
+    if args.json:
+        for s in listed:
+            spec = s.signed.spec
+            row = {
+                "swarm_id": s.swarm_id,
+                "name": s.name,
+                "owner": s.signed.owner,
+                "model": spec.model,
+                "optimizer": spec.optimizer,
+                "admission": spec.admission,
+                "pow_bits": spec.pow_bits,
+                "peers": s.peers,
+                "step": s.step,
+                "steps": spec.steps,
+                "addrs": list(s.addrs),
+            }
+            print(json.dumps(row))
+        return 0
+    print(format_table(listed))
+    return 0
+
+
+def _swarm_allow(args: argparse.Namespace) -> int:
+    from meshtrain.node.status import request_allow
+
+    url, info = _running_node(args)
+    request_allow(url, _control_token(info, "swarm allow"), args.peer, revoke=args.revoke)
+    print(
+        f"{'revoked' if args.revoke else 'allowed'} {args.peer}; every peer applies it as the owner's config reaches it"
     )
     return 0
 
@@ -473,7 +604,11 @@ def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
                 return _swarm_create(args)
             if args.action == "join":
                 return _run_node(args, join=args.address, spec_path=None)
-            raise ConfigError("meshtrain swarm: say create or join")
+            if args.action == "list":
+                return _swarm_list(args)
+            if args.action == "allow":
+                return _swarm_allow(args)
+            raise ConfigError("meshtrain swarm: say create, list, join or allow")
         if args.command in ("export", "sample"):
             return _export_or_sample(args)
         if args.command == "demo":

@@ -8,8 +8,9 @@ it trains on (`device`, node/devices.py), how many local ranks make up the peer
 (`nproc_per_node`, node/local_ranks.py) and how they split the model (`sharding`: DDP or FSDP2,
 node/sharding.py).
 
-Precedence for `NodeConfig`, lowest first: defaults, the TOML file (`--config node.toml`, a
-`[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
+Precedence for `NodeConfig`, lowest first: defaults, the shipped defaults file (`node.toml`
+beside this module: the default bootstrap list, shipped empty), the TOML file (`--config
+node.toml`, a `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
 comma-separated), then command-line flags. Every value is validated by pydantic; a bad one is a
 `ConfigError` naming the field, the value and what is allowed — one line, never a traceback.
 """
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from meshtrain.errors import ConfigError
 
 ENV_PREFIX = "MESHTRAIN_"
+DEFAULT_CONFIG_FILE = Path(__file__).with_name("node.toml")  # shipped defaults (the bootstrap list)
 
 
 def default_data_dir() -> Path:
@@ -136,25 +138,30 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _read_toml(p: Path) -> dict[str, Any]:
+    """A config file's settings: its `[node]` table, or its top-level keys."""
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    return data.get("node", data) if isinstance(data.get("node"), dict) else data
+
+
 def load_node_config(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
-    """Defaults < TOML file < MESHTRAIN_* environment < `overrides` (flags; None values ignored)."""
-    values: dict[str, Any] = {}
+    """Defaults < the shipped defaults file (`node.toml` beside this module: the default
+    bootstrap list) < TOML file < MESHTRAIN_* environment < `overrides` (flags; None ignored)."""
+    values: dict[str, Any] = _read_toml(DEFAULT_CONFIG_FILE) if DEFAULT_CONFIG_FILE.exists() else {}
     if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {p}: {e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-        values.update(data.get("node", data) if isinstance(data.get("node"), dict) else data)
+        values.update(_read_toml(Path(path)))
     values.update(_env_values(os.environ if environ is None else environ))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:

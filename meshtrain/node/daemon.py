@@ -34,7 +34,10 @@ partitioned) stops being waited for at once rather than when its lease runs out.
 Chaos-proofing (issue 14):
 - **Who may take part.** Only members get data-plane sessions (`TensorStreams.authorize`); only
   a round's candidates may join, report or watch it, and only near our own step (the
-  collective's `round_window`). Refusals are counted and shown on `/metrics`.
+  collective's `round_window`). Refusals are counted and shown on `/metrics`. Members are the
+  peers the spec's admission rule admits (issue 21, node/admission.py: a proof of work, the
+  owner's allowlist — `allow_peer`, reached through `POST /allow` — or the swarm key); a node
+  the others do not admit yet waits before it enters the swarm, and says why.
 - **Parity.** After every round we hash φ and publish the digest with our progress; a watcher
   compares it with every live trainer's. In the minority — a split round, a round we spent
   alone — we log it, show it on `/status`, and re-sync from the majority's holders (RunState).
@@ -65,9 +68,11 @@ from meshtrain.backoff import Backoff
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
+from meshtrain.dht.records import DhtError
 from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
+from meshtrain.node.admission import allow_key, load_or_mint_pow
 from meshtrain.node.checkpoint import write_atomic
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import resolve_device
@@ -79,7 +84,7 @@ from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
 from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
-from meshtrain.node.swarm_spec import SPEC_RPC, SignedSpec, SpecError, parse_join_address
+from meshtrain.node.swarm_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
@@ -98,6 +103,7 @@ __all__ = ["Node", "NodeError", "NodeResult"]
 SPEC_FILE = "swarm.json"
 SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
 STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
+ADMISSION_POLL = 1.0  # seconds between two looks at our own admission while we are not admitted
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,8 @@ class Node:
     """One peer. `await Node(config, spec=...).run()`; `stop()` from anywhere ends it cleanly.
 
     spec: the swarm to create/run (`SignedSpec`); else `join` (a peer multiaddr, optionally
-        `<swarm id>@<multiaddr>`) to fetch it from; else `data_dir/swarm.json` from an earlier run.
+        `<swarm id>@<multiaddr>`, to fetch it from; or a swarm id or name, looked up in the DHT's
+        swarm index through `config.bootstrap`); else `data_dir/swarm.json` from an earlier run.
     model, outer_factory: the Python API's hooks — your own `torch.nn.Module` (forward(x, y) →
         loss) and `outer_factory(model, inner, collective) -> OuterOptimizer` (e.g. a custom
         outer optimizer); every peer of the swarm must use the same.
@@ -149,7 +156,8 @@ class Node:
         self.local = local
         self.data_dir = Path(config.data_dir).expanduser()
         self._spec_arg = spec
-        self.join_address = parse_join_address(join) if join else None
+        self.join_address: JoinTarget | None = parse_join_address(join) if join else None
+        self._entry_addrs = [self.join_address.addr] if self.join_address and self.join_address.addr else []
         self._model = model
         self._outer_factory = outer_factory
         self._stop = StopRequest()
@@ -207,6 +215,22 @@ class Node:
             except (RuntimeError, trio.RunFinishedError):  # already on the trio thread, or gone
                 self._stop.set()
 
+    def allow_peer(self, peer_id: str, allowed: bool = True) -> None:
+        """Owner of an allowlist swarm: admit `peer_id` (or, `allowed=False`, revoke it) at run
+        time, by writing `allow/<peer id>` into the swarm's owner-only config CRDT; every peer
+        applies it as it arrives. Call on the trio thread (`meshtrain swarm allow` reaches it
+        through the status endpoint). `ConfigError` for a non-allowlist swarm or a bad peer id,
+        `NotSwarmOwner` if this node does not own the swarm, `NodeError` before it is up."""
+        view, signed = self.view, self.signed
+        if view is None or signed is None:
+            raise NodeError("the node is still starting; try again once it is up")
+        if signed.spec.admission != "allowlist":
+            raise ConfigError(
+                f"swarm {signed.swarm_id} admits by {signed.spec.admission}, not by allowlist; nothing to allow"
+            )
+        view.set_config({allow_key(peer_id): allowed})
+        log.warning(kv("allowlist changed", peer=peer_id, allowed=allowed))
+
     # -- the run ---------------------------------------------------------------------------------
 
     async def run(self) -> NodeResult:
@@ -238,9 +262,15 @@ class Node:
             signed = self.signed = await self._resolve_spec(host)
             host.rpc.serve(SPEC_RPC, self._serve_spec)
             streams = self.streams = await stack.enter_async_context(TensorStreams(host))
-            bootstrap = list(config.bootstrap) + ([self.join_address[1]] if self.join_address else [])
+            bootstrap = list(config.bootstrap) + self._entry_addrs[:1]
+            spec = signed.spec
+            pow_nonce = None
+            if spec.admission == "open" and spec.pow_bits:  # minted once, kept in the data dir
+                pow_nonce = await trio.to_thread.run_sync(
+                    load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.pow_bits
+                )
             presence = self.presence = PeerPresence(
-                host, signed, bootstrap=bootstrap, mdns=config.mdns, connection="direct"
+                host, signed, bootstrap=bootstrap, mdns=config.mdns, connection="direct", pow_nonce=pow_nonce
             )
             if config.nat:  # before any peer connects, so every relayed peer can be punched
                 self.nat = presence.nat = await stack.enter_async_context(
@@ -384,7 +414,9 @@ class Node:
         if self._spec_arg is not None:
             signed = self._spec_arg
         elif self.join_address is not None:
-            signed = await self._fetch_spec(host, *self.join_address)
+            if self.join_address.addr is None:
+                self.join_address = await self._find_swarm(self.join_address)
+            signed = await self._fetch_spec(host, self.join_address.swarm_id, self._entry_addrs)
         else:
             path = self.data_dir / SPEC_FILE
             if not path.exists():
@@ -393,7 +425,13 @@ class Node:
                     f"create`) or join one (`meshtrain swarm join <multiaddr>`)"
                 )
             signed = SignedSpec.load(path)
-        spec = signed.spec  # our copy of the model and tokenizer files must be the swarm's
+        spec = signed.spec
+        if spec.admission == "private" and self.config.swarm_key is None:
+            raise ConfigError(
+                f"swarm {signed.swarm_id} is private: pass its key (--swarm-key, or MESHTRAIN_SWARM_KEY; "
+                f"`swarm create --private` wrote it to the creator's data dir)"
+            )
+        # our copy of the model and tokenizer files must be the swarm's
         check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
         check_outer_copy(spec)
         existing = self.data_dir / SPEC_FILE
@@ -407,16 +445,19 @@ class Node:
         signed.save(existing)
         return signed
 
-    async def _fetch_spec(self, host: Host, want: str | None, addr: str) -> SignedSpec:
-        """The signed spec from the peer we join through. An unreachable peer, or one whose spec
+    async def _fetch_spec(self, host: Host, want: str | None, addrs: list[str]) -> SignedSpec:
+        """The signed spec from a peer we join through (`addrs`: the entry addresses, tried in
+        turn; one from `join`, or those the swarm index lists). An unreachable peer, or one whose spec
         RPC cannot be opened yet (starting, restarting, a loaded machine), is a transient: keep
         asking, with a backoff. A peer that answers with anything but a valid spec — or that
         still serves none after `SPEC_ATTEMPTS` tries once connected — is not a meshtrain node of
         that swarm: `NodeError`."""
         backoff = Backoff(initial=2.0, cap=30.0)
-        unavailable = 0
+        unavailable = attempt = 0
         try:
             while True:
+                addr = addrs[attempt % len(addrs)]
+                attempt += 1
                 try:
                     peer = await host.connect(addr, timeout=15)
                     return SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
@@ -446,6 +487,22 @@ class Node:
                     raise NodeError(f"stopped before {addr} answered")
         finally:
             self.startup_waiting = None
+
+    async def _find_swarm(self, target: JoinTarget) -> JoinTarget:
+        """Look a swarm id or name up in the DHT's swarm index (through `config.bootstrap`)."""
+        from meshtrain.node.swarm_list import find_swarms, pick_swarm
+
+        self.startup_waiting = f"looking up swarm {target.wanted!r} in the DHT's swarm index"
+        try:
+            found = pick_swarm(await find_swarms(self.config.bootstrap), target.wanted)
+        except DhtError as e:
+            raise NodeError(f"cannot look up swarm {target.wanted!r}: {e}") from None
+        if not found.addrs:
+            raise NodeError(f"swarm {found.swarm_id} is listed without an address to join through")
+        self.startup_waiting = None
+        log.warning(kv("found the swarm", swarm=found.swarm_id, name=found.name, entry=found.addrs[0]))
+        self._entry_addrs = list(found.addrs)
+        return JoinTarget(found.swarm_id, found.addrs[0])
 
     async def _serve_spec(self, peer: str, req: Any) -> dict:
         assert self.signed is not None  # served only once resolved
@@ -504,6 +561,9 @@ class Node:
                     host=self.config.status_host,
                     port=self.config.status_port,
                     on_stop=accept_stop,
+                    on_allow=lambda peer, allowed: trio.from_thread.run_sync(
+                        self.allow_peer, peer, allowed, trio_token=trio_token
+                    ),
                     token=token,
                 )
             )
@@ -581,14 +641,35 @@ class Node:
         return await self._finish(trainer, view, run_state, save=finished_cleanly, stopped_early=stopped_early)
 
     async def _enter_swarm(self, run_state: RunState, presence: PeerPresence) -> None:
-        """Resume or download the swarm's state, count as a trainer, wait for `wait_peers`."""
+        """Wait to be admitted, resume or download the swarm's state, count as a trainer, wait
+        for `wait_peers`."""
         view = presence.view
         assert view is not None  # entered
+        await self._wait_admitted(presence)
         await run_state.enter()
         view.role = "trainer"
         view.heartbeat()
         await self._wait_for_peers(presence)
         self.phase.set("training")
+
+    async def _wait_admitted(self, presence: PeerPresence) -> None:
+        """Until the swarm's peers admit us (an allowlist swarm whose owner has not allowed us
+        yet), say so and wait: they ignore our records, serve us no state and take us into no
+        round."""
+        assert self.host is not None  # entered
+        told = False
+        while (reason := presence.not_admitted()) is not None and not self._stop.is_set():
+            self.startup_waiting = (
+                f"not admitted to the swarm ({reason}): its owner admits this node with "
+                f"`meshtrain swarm allow {self.host.peer_id}`"
+            )
+            if not told:
+                log.warning(kv("waiting for admission", reason=reason, peer=self.host.peer_id))
+                told = True
+            await self._stop.sleep(ADMISSION_POLL)
+        if self._stop.is_set():
+            raise NodeError("stopped before the swarm admitted this node")
+        self.startup_waiting = None
 
     async def _resync(self, run_state: RunState, presence: PeerPresence) -> None:
         """We missed a round (cut off, late for its group) or parity says we are in the minority:

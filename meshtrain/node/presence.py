@@ -1,8 +1,8 @@
 """Peer presence: who is in the swarm, who trains now, and staying connected to them.
 
-Problem. Three sources tell a node about its swarm's peers, each incomplete: the swarm's DHT
-(`/meshtrain/<swarm>/peers` records, found through bootstrap peers and the peer we join
-through), mDNS on the LAN, and the replicated CRDT membership (every member's signed record with
+Problem. Three sources tell a node about its swarm's peers, each incomplete: the DHT (one for
+every swarm; this swarm's `/meshtrain/<swarm>/peers` records, found through bootstrap peers and
+the peer we join through), mDNS on the LAN, and the replicated CRDT membership (every member's signed record with
 its role, addresses and lease; progress records with step, round and φ digests). Before this
 module, the node met them in one loop of its own and asked the view for the same sets in five
 places.
@@ -10,7 +10,20 @@ places.
 Design. `PeerPresence` is a `Service` that enters, in order: the DHT (bootstrapped from the
 configured peers and the join address), LAN discovery (a LAN peer of this swarm bootstraps us as
 it is heard), DHT discovery (our own record under the swarm's key), and the swarm view (the CRDT
-replica; the owner publishes the signed spec in its config). One background task re-dials every
+replica; the owner publishes the signed spec in its config).
+
+Admission (node/admission.py). The view answers from admitted peers only: `PeerPresence` hands
+it the spec's rule (`Admission.admits`), so every question below — trainers, candidates, donors,
+`is_member` — ignores a peer that fails it, on every honest peer alike. Our own record always
+counts for us; `not_admitted()` says whether the others count it (a node that is not admitted
+waits, `Node`). In an open swarm our record carries our proof of work (capability "pow").
+
+Advertising (dht/swarm_index.py). Unless the swarm is private, the owner and the first
+`ADVERTISERS` other live peers by id (every peer computes the same list from the same view)
+store the swarm's advert in the DHT's swarm index every `ADVERT_INTERVAL` seconds: the signed
+spec, how many peers are live, the swarm's step, and their addresses as entry points.
+
+One background task re-dials every
 live member and every DHT-discovered peer we are not connected to, every `CONNECT_INTERVAL`
 seconds (a full mesh up to a few dozen peers), and asks NAT traversal to upgrade a relayed
 connection (DCUtR). Then it answers, from the view and the host:
@@ -27,8 +40,8 @@ connection (DCUtR). Then it answers, from the view and the host:
 Failures. No bootstrap peer reachable: logged, the node runs alone until peers dial it. A DHT
 lookup or a dial failing is logged at INFO and tried again next interval.
 
-Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`),
-admission of strangers to a public swarm (issue 21).
+Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`), the
+admission rules themselves (`node/admission.py`), reading the swarm index (`node/swarm_list.py`).
 """
 
 from __future__ import annotations
@@ -39,15 +52,17 @@ from contextlib import AsyncExitStack
 
 import trio
 
-from meshtrain.crdt.swarm_view import PeerProgress, SwarmView, open_swarm_view
+from meshtrain.crdt.swarm_view import PeerInfo, PeerProgress, SwarmView, open_swarm_view
 from meshtrain.crdt.types import now_ms
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.mdns import LanDiscovery
 from meshtrain.dht.records import DhtError
+from meshtrain.dht.swarm_index import DEFAULT_ADVERT_TTL, publish_advert
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.node.admission import POW_CAP, Admission, mint_pow
 from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
@@ -58,6 +73,8 @@ CONNECT_INTERVAL = 2.0  # seconds between two passes of re-dialling
 DISCOVERY_INTERVAL = 15.0  # seconds between two DHT lookups of the swarm's peers
 PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
 MEMBER_WAIT = 3.0  # a request from a peer not yet in our membership waits this long for its record
+ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the DHT's swarm index
+ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 
 
 class PeerPresence(Service):
@@ -66,7 +83,8 @@ class PeerPresence(Service):
     bootstrap: peer multiaddrs to bootstrap the DHT from (the configured peers, then the one we
         join through). mdns: also find peers on the LAN. nat: NAT traversal, if running (relayed
         connections are upgraded in the background). connection: how we are reached, announced
-        in our membership record until NAT traversal knows better.
+        in our membership record until NAT traversal knows better. pow_nonce: our proof of work
+        for an open swarm (`admission.load_or_mint_pow`; None: minted on entry, in a thread).
     """
 
     def __init__(
@@ -78,6 +96,7 @@ class PeerPresence(Service):
         mdns: bool = False,
         nat: NatTraversal | None = None,
         connection: str = "direct",
+        pow_nonce: int | None = None,
     ) -> None:
         self.host = host
         self.signed = signed
@@ -85,16 +104,24 @@ class PeerPresence(Service):
         self.mdns = mdns
         self.nat = nat
         self.connection = connection
+        self.pow_nonce = pow_nonce
+        self.admission = Admission(signed)
+        self.capabilities: dict[str, int] = {}
         self.view: SwarmView | None = None  # set once entered
         self.discovery: Discovery | None = None
+        self.dht: Dht | None = None
 
     @property
     def me(self) -> str:
         return self.host.peer_id
 
     async def _start(self, stack: AsyncExitStack) -> None:
-        host, swarm_id = self.host, self.signed.swarm_id
-        dht = await stack.enter_async_context(Dht(host, swarm_id))
+        host, swarm_id, spec = self.host, self.signed.swarm_id, self.signed.spec
+        if spec.admission == "open" and spec.pow_bits:
+            if self.pow_nonce is None:
+                self.pow_nonce = await trio.to_thread.run_sync(mint_pow, swarm_id, self.me, spec.pow_bits)
+            self.capabilities[POW_CAP] = self.pow_nonce
+        dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
 
             async def lan_peer(peer: str, addrs: list[str]) -> None:
@@ -107,7 +134,7 @@ class PeerPresence(Service):
                 await dht.bootstrap(self.bootstrap)
             except DhtError as e:
                 log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
-        self.discovery = await stack.enter_async_context(Discovery(dht, DiscoveryConfig(role="trainer")))
+        self.discovery = await stack.enter_async_context(Discovery(dht, swarm_id, DiscoveryConfig(role="trainer")))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
         view = self.view = await stack.enter_async_context(
             open_swarm_view(
@@ -115,16 +142,33 @@ class PeerPresence(Service):
                 swarm_id,
                 self.signed.owner,
                 role="syncing",
+                capabilities=self.capabilities,
                 connection=self.connection,
                 recover_timeout=5.0 if host.connected_peers() else 0.2,
+                admit=self._admits,
             )
         )
+        self.admission.view = view
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():
             view.set_config(spec=self.signed.to_wire())
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._keep_connected, view, self.discovery)
+        if spec.admission != "private":  # a private swarm's peers cannot be reached by strangers
+            self._nursery.start_soon(self._advertise, view, dht)
 
     # -- who is there ----------------------------------------------------------------------------
+
+    def _admits(self, peer: PeerInfo) -> bool:
+        """The view's filter: the swarm's admission rule; our own record always counts for us."""
+        return peer.peer_id == self.me or self.admission.admits(peer)
+
+    def not_admitted(self) -> str | None:
+        """Why the swarm's other peers ignore us (`admission` reasons), or None: they admit us."""
+        return self.admission.reason(self.me, self.capabilities)
+
+    def ignored(self) -> list[str]:
+        """Peers with a membership record that fails admission (for the status page)."""
+        return [p.peer_id for p in self._view().ignored_peers()]
 
     def _view(self) -> SwarmView:
         if self.view is None:
@@ -179,6 +223,33 @@ class PeerPresence(Service):
                     a = p.addrs[0]
                     out.append(a if "/p2p/" in a else f"{a}/p2p/{p.peer_id}")
         return list(dict.fromkeys(out))
+
+    # -- advertising -----------------------------------------------------------------------------
+
+    def advertisers(self) -> list[str]:
+        """Who advertises the swarm now: the owner if live, then the first other live peers."""
+        live = [p.peer_id for p in self._view().live_peers()]
+        owner = self.signed.owner
+        first = [owner] if owner in live else []
+        return first + [p for p in live if p != owner][: ADVERTISERS - len(first)]
+
+    async def _advertise(self, view: SwarmView, dht: Dht) -> None:
+        """Store the swarm's advert while we are one of its advertisers (and admitted)."""
+        while True:
+            if self.me in self.advertisers() and self.not_admitted() is None:
+                steps = [pr.step for pr in view.progress().values()]
+                try:
+                    await publish_advert(
+                        dht,
+                        swarm_id=self.signed.swarm_id,
+                        spec=self.signed.to_wire(),
+                        peers=len(view.live_peers()),
+                        step=max(steps, default=0),
+                        proof=self.capabilities.get(POW_CAP),
+                    )
+                except DhtError as e:  # InvalidRecord included: an oversized spec stays unlisted
+                    log.info(kv("swarm advert not stored", error=str(e)))
+            await trio.sleep(ADVERT_INTERVAL)
 
     # -- staying connected -----------------------------------------------------------------------
 

@@ -3,13 +3,13 @@
 
 Why an HTTP server at all: `meshtrain node status/stop`, the demo's live table, Prometheus and a
 person with a browser all want to ask a running daemon how it is doing without joining the swarm.
-It binds to 127.0.0.1 by default; `POST /stop` additionally needs the bearer token the daemon wrote
-to `<data dir>/control.token` (mode 0600), so another local user cannot stop the node.
+It binds to 127.0.0.1 by default; `POST /stop` and `POST /allow` additionally need the bearer token the daemon wrote
+to `<data dir>/control.token` (mode 0600), so another local user cannot stop the node or change its allowlist.
 
 The server (`status_server.StatusServer`) runs on a background thread and is never blocked
 behind training; see that module.
 
-The client half — `read_daemon_file`, `fetch_status`, `request_stop` — imports only the standard
+The client half — `read_daemon_file`, `fetch_status`, `request_stop`, `request_allow` — imports only the standard
 library: it is what `meshtrain node status/stop` run, and it must not pay for torch or libp2p.
 
 Routes:
@@ -19,13 +19,20 @@ Routes:
     GET  /metrics     Prometheus text format (prometheus-client)
     POST /stop        `Authorization: Bearer <token>`; 202 once the node has accepted the request,
                       then it leaves the swarm and checkpoints in the background
+    POST /allow?peer=<peer id>[&revoke=1]   the same token; the swarm owner's node admits (or
+                      revokes) a peer of an allowlist swarm at run time (node/admission.py): 200
+                      once written to the config CRDT; 400 for another admission rule or a bad
+                      peer id, 403 from a node that does not own the swarm
 
 The status document (`Node.snapshot()`):
     node:       peer_id, name, version, started, uptime_s, swarm, state (starting, syncing,
                 training, stopping), state_changes (how many so far), recent_states (the last 8,
                 oldest first, ending with state), listen, reachability,
                 device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
-                local_rank_pids (their process ids, by local rank)
+                local_rank_pids (their process ids, by local rank),
+                admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
+                ignore this node (no-proof-of-work, not-on-allowlist) or null, ignored: peer ids
+                whose membership records this node ignores (they fail admission)}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
@@ -141,6 +148,15 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
 def request_stop(url: str, token: str, timeout: float = 5.0) -> None:
     """Ask the node serving `url` to stop cleanly (blocking; `StatusError` on failure)."""
     _request(url.rstrip("/") + "/stop", method="POST", token=token, timeout=timeout)
+
+
+def request_allow(url: str, token: str, peer_id: str, *, revoke: bool = False, timeout: float = 10.0) -> None:
+    """Ask the swarm owner's node serving `url` to admit `peer_id` (or revoke it) in its
+    allowlist swarm (blocking; `StatusError` on failure, with the node's reason)."""
+    if not peer_id.isalnum():  # base58: goes into the query string as it is
+        raise StatusError(f"{peer_id!r:.70} is not a peer id")
+    query = f"peer={peer_id}" + ("&revoke=1" if revoke else "")
+    _request(url.rstrip("/") + "/allow?" + query, method="POST", token=token, timeout=timeout)
 
 
 def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, RunState
-from meshtrain.node.swarm_spec import SignedSpec
+from meshtrain.node.swarm_spec import JoinTarget, SignedSpec
 from meshtrain.node.trainer import TrainedState
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
@@ -50,7 +50,7 @@ class Node(Protocol):
     run_state: RunState | None
     pipeline: PipelinePeer | None
     local: LocalRanks | None
-    join_address: tuple[str | None, str] | None
+    join_address: JoinTarget | None
     startup_waiting: str | None
 
     @property
@@ -89,6 +89,14 @@ def round_status(node: Node) -> dict[str, Any]:
     }
 
 
+def admission_status(node: Node) -> dict[str, Any]:
+    """How this swarm admits peers, whether the others admit us, whom we ignore."""
+    spec, presence = node.signed.spec if node.signed else None, node.presence
+    if spec is None or presence is None or presence.view is None:
+        return {"rule": spec.admission if spec else None, "not_admitted": None, "ignored": []}
+    return {"rule": spec.admission, "not_admitted": presence.not_admitted(), "ignored": presence.ignored()}
+
+
 def refused(node: Node) -> dict[str, int]:
     """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
     the collective's and the data plane's, for `/metrics`."""
@@ -125,6 +133,7 @@ def status_document(node: Node) -> dict[str, Any]:
         "local_ranks": node.local.world_size if node.local is not None else 1,
         "sharding": node.local.sharding if node.local is not None else "none",
         "local_rank_pids": node.local.pids if node.local is not None else [os.getpid()],
+        "admission": admission_status(node),
     }
     training: dict[str, Any] = {
         "step": 0,
@@ -158,8 +167,8 @@ def status_document(node: Node) -> dict[str, Any]:
     training.update(round_status(node))
     if training.get("waiting") is None and node.state == "starting":
         # What start-up waits for (rounds say it themselves through round_status).
-        if node.signed is None and node.join_address is not None:
-            training["waiting"] = f"fetching the swarm spec from {node.join_address[1]}"
+        if node.signed is None and node.join_address is not None and node.join_address.addr:
+            training["waiting"] = f"fetching the swarm spec from {node.join_address.addr}"
         elif view is None:
             training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
         elif node.config.wait_peers > 1 and trainer is not None and node.presence is not None:

@@ -6,7 +6,8 @@ asks the trio thread for the status document (`trio_token.run_sync_soon`), so th
 trainer are read where they are written. It is never blocked behind training: a request waits
 `FRESH_SNAPSHOT_WAIT` for that answer and otherwise gets the last document computed (its
 `node.uptime_s` tells its age), and `POST /stop` calls `on_stop` on the server's own thread, so a
-stop is accepted at once however busy the node is. `/metrics` renders the document with
+stop is accepted at once however busy the node is. `POST /allow` (the owner's run-time allowlist)
+does wait for the trio thread, which writes the config CRDT. `/metrics` renders the document with
 prometheus-client, one collector per scrape (no state kept between scrapes).
 
 Lifetime: `StatusServer` is a `lifecycle.Service`; leaving it shuts the server down off the trio
@@ -117,20 +118,47 @@ class _Handler:
             self._error(HTTPStatus.NOT_FOUND, "no such page; try /, /status or /metrics")
 
     def do_POST(self) -> None:  # noqa: N802
-        if self.path.split("?", 1)[0] != "/stop":
-            self._error(HTTPStatus.NOT_FOUND, "the only POST is /stop")
+        path, _, query = self.path.partition("?")
+        if path not in ("/stop", "/allow"):
+            self._error(HTTPStatus.NOT_FOUND, "the POSTs are /stop and /allow")
             return
         given = self.headers.get("Authorization", "")
         want = f"Bearer {self.server.token}"
         if not self.server.token or not hmac.compare_digest(given.encode(), want.encode()):
-            self._error(HTTPStatus.UNAUTHORIZED, "POST /stop needs the node's control token")
+            self._error(HTTPStatus.UNAUTHORIZED, f"POST {path} needs the node's control token")
+            return
+        if path == "/allow":
+            self._allow(query)
             return
         # On this thread, not the trio thread: accepting a stop must not wait for a busy event loop.
         self.server.on_stop()
         self._send(HTTPStatus.ACCEPTED, "application/json", b'{"stopping": true}')
 
+    def _allow(self, query: str) -> None:
+        from urllib.parse import parse_qs
+
+        from meshtrain.crdt.swarm_view import NotSwarmOwner
+        from meshtrain.errors import MeshtrainError
+
+        args = parse_qs(query)
+        peer = (args.get("peer") or [""])[0]
+        revoke = (args.get("revoke") or ["0"])[0] not in ("", "0")
+        if not peer or self.server.on_allow is None:
+            self._error(HTTPStatus.BAD_REQUEST, "POST /allow?peer=<peer id>[&revoke=1]")
+            return
+        try:
+            self.server.on_allow(peer, not revoke)  # waits for the trio thread: it writes the config CRDT
+        except NotSwarmOwner as e:
+            self._error(HTTPStatus.FORBIDDEN, str(e))
+            return
+        except (MeshtrainError, trio.RunFinishedError) as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e) or "the node is shutting down")
+            return
+        body = json.dumps({"peer": peer, "allowed": not revoke}).encode()
+        self._send(HTTPStatus.OK, "application/json", body)
+
     def do_PUT(self) -> None:  # noqa: N802
-        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "GET /status, /metrics, /; POST /stop")
+        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "GET /status, /metrics, /; POST /stop, /allow")
 
     do_DELETE = do_PATCH = do_PUT  # noqa: N815
 
@@ -178,12 +206,13 @@ class _Server:
         *,
         snapshot: Snapshot,
         on_stop: Callable[[], None],
+        on_allow: Callable[[str, bool], None] | None,
         token: str | None,
         trio_token: trio.lowlevel.TrioToken,
         dashboard: bytes,
         first: dict[str, Any],
     ) -> None:
-        self.snapshot, self.on_stop, self.token = snapshot, on_stop, token
+        self.snapshot, self.on_stop, self.on_allow, self.token = snapshot, on_stop, on_allow, token
         self.trio_token, self.dashboard = trio_token, dashboard
         self._last = first
         self._last_lock = threading.Lock()
@@ -246,7 +275,10 @@ class StatusServer(Service):
     `snapshot` is called on the trio thread that entered the context; it must be quick (the
     document is served from a cache when the trio thread is busy). `on_stop` is called on the
     server's thread after the token was checked: it must be thread-safe and return at once (the
-    reply, 202, says the stop was accepted, not that the node has stopped). `port=0` picks a
+    reply, 202, says the stop was accepted, not that the node has stopped). `on_allow(peer id,
+    allowed)` (None: `POST /allow` is refused) is called on the server's thread after the token
+    was checked and may wait for the trio thread; it raises `MeshtrainError` to refuse (400;
+    `NotSwarmOwner`: 403). `port=0` picks a
     free port (`srv.port`). Raises `OSError` if the address cannot be bound.
     """
 
@@ -257,10 +289,12 @@ class StatusServer(Service):
         host: str = "127.0.0.1",
         port: int = 7070,
         on_stop: Callable[[], None] | None = None,
+        on_allow: Callable[[str, bool], None] | None = None,
         token: str | None = None,
     ) -> None:
         self._snapshot, self._host, self._port = snapshot, host, port
         self._on_stop = on_stop or (lambda: None)
+        self._on_allow = on_allow
         self._token = token
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -284,6 +318,7 @@ class StatusServer(Service):
             (self._host, self._port),
             snapshot=self._snapshot,
             on_stop=self._on_stop,
+            on_allow=self._on_allow,
             token=self._token,
             trio_token=trio.lowlevel.current_trio_token(),
             dashboard=dashboard,

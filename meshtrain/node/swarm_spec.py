@@ -19,7 +19,9 @@ change). The owner's key also is the only key that may write the swarm's CRDT co
 
 Joining needs one address: `swarm join <multiaddr>` (or `<swarm id>@<multiaddr>`, which also
 pins the id) dials the peer and asks for the spec over the `swarm/spec` RPC; the answer is
-verified (signature, id, schema) before anything else happens. A spec file (`swarm.json`,
+verified (signature, id, schema) before anything else happens. `swarm join <swarm id | name>`
+first finds the swarm's entry addresses in the DHT's swarm index (node/swarm_list.py), then
+does the same, pinning the id it found. A spec file (`swarm.json`,
 written by `swarm create`) holds the same signed document.
 
 Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_digest` (computed from
@@ -58,6 +60,9 @@ FORMAT = "meshtrain.swarm/1"
 
 
 OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco", "dp")  # built in; or py:<module>:<Class>
+DEFAULT_POW_BITS = 16  # ~65k hashes: ~0.1 s for one identity in Python, a thousand cost a thousand times that
+MAX_POW_BITS = 32
+MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; more at run time, in the config CRDT)
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
@@ -160,6 +165,24 @@ class SwarmSpec(BaseModel):
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "
         "master weights, φ and pseudo-gradients stay fp32",
     )
+    admission: Literal["open", "allowlist", "private"] = Field(
+        "open",
+        description="who may take part (node/admission.py): open (anyone with a proof of work on its "
+        "peer id), allowlist (the owner and the peer ids the owner signs), private (holders of the swarm key)",
+    )
+    pow_bits: int = Field(
+        DEFAULT_POW_BITS,
+        ge=0,
+        le=MAX_POW_BITS,
+        description="open admission: leading zero bits of the proof of work on each peer id "
+        "(an identity costs about 2**pow_bits hashes; 0 = none)",
+    )
+    allowlist: tuple[str, ...] = Field(
+        (),
+        max_length=MAX_ALLOWLIST,
+        description="allowlist admission: peer ids admitted from the start (more at run time: "
+        "`meshtrain swarm allow <peer id>` on the owner's node)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -189,6 +212,18 @@ class SwarmSpec(BaseModel):
     def _model(cls, v: str) -> str:
         parse_model_source(v)
         return v
+
+    @field_validator("allowlist")
+    @classmethod
+    def _allowlist(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from meshtrain.transport.identity import IdentityError, public_key_of
+
+        for peer in v:
+            try:
+                public_key_of(peer)
+            except IdentityError:
+                raise ValueError(f"{peer!r:.70} is not a peer id (12D3KooW...)") from None
+        return tuple(dict.fromkeys(v))
 
     @field_validator("optimizer")
     @classmethod
@@ -382,16 +417,44 @@ class SignedSpec:
             raise ConfigError(f"swarm spec {p}: {e}") from None
 
 
-def parse_join_address(address: str) -> tuple[str | None, str]:
-    """`<swarm id>@<multiaddr>` or a bare multiaddr → (swarm id or None, multiaddr)."""
+SWARM_ID_CHARS = 22  # "ms" + 20 hex
+
+
+def is_swarm_id(text: str) -> bool:
+    return len(text) == SWARM_ID_CHARS and text.startswith("ms") and all(c in "0123456789abcdef" for c in text[2:])
+
+
+@dataclass(frozen=True)
+class JoinTarget:
+    """What `swarm join` was given: a peer multiaddr to fetch the spec from (optionally pinning
+    the swarm id), or a swarm id or name to look up in the DHT's swarm index (`addr` None)."""
+
+    swarm_id: str | None
+    addr: str | None
+    name: str | None = None
+
+    @property
+    def wanted(self) -> str:
+        """The swarm id or name to look up (only when `addr` is None)."""
+        return self.swarm_id or self.name or ""
+
+
+def parse_join_address(address: str) -> JoinTarget:
+    """`<multiaddr>`, `<swarm id>@<multiaddr>`, `<swarm id>` or `<swarm name>`."""
     from meshtrain.transport.host import parse_multiaddr, peer_id_of
 
+    if "/" not in address:  # no multiaddr: a swarm id or a name, found through the DHT
+        if is_swarm_id(address):
+            return JoinTarget(address, None)
+        if not 0 < len(address) <= 64 or "@" in address:
+            raise ConfigError(f"{address!r} is neither a multiaddr, a swarm id nor a swarm name (1..64 characters)")
+        return JoinTarget(None, None, address)
     swarm_id, _, addr = address.rpartition("@") if "@" in address else (None, "", address)
     try:
         parse_multiaddr(addr)
         peer_id_of(addr)
     except Exception:  # noqa: BLE001 — py-multiaddr raises many types
         raise ConfigError(f"{addr!r} is not a peer multiaddr (like /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo...)") from None
-    if swarm_id is not None and not (swarm_id.startswith("ms") and len(swarm_id) == 22):
+    if swarm_id is not None and not is_swarm_id(swarm_id):
         raise ConfigError(f"{swarm_id!r} is not a swarm id (ms + 20 hex characters)")
-    return swarm_id or None, addr
+    return JoinTarget(swarm_id or None, addr)
