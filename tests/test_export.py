@@ -232,8 +232,14 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
         ("other_config", "model: your hf:llama differs from the swarm's (config digest"),
         ("other_data", "dataset corpus.jsonl: the local files differ from the swarm's"),
     ):
-        proc = start(homes[name], "--join", addr, log=logs[name])
-        proc.communicate(timeout=120)
+        # The swarm's signed spec, as `swarm join` would fetch it (a file: no race with the swarm's
+        # end, 12 steps away), checked against this peer's own files before anything else.
+        shutil.copy(homes["a"] / "data" / "swarm.json", homes[name] / "swarm.json")
+        proc = start(homes[name], "--swarm", "swarm.json", log=logs[name])
+        try:
+            proc.communicate(timeout=120)
+        finally:
+            proc.kill()
         err = logs[name].read_text()
         assert proc.returncode == 2 and needle in err, err[-3000:]
         assert "Traceback" not in err and not (homes[name] / "data" / "checkpoints").exists()
