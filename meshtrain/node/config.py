@@ -34,6 +34,9 @@ from meshtrain.pyref import PyRef
 
 ENV_PREFIX = "MESHTRAIN_"
 OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco")  # built in; or py:<module>:<Class>
+# An optimizer whose outer lr is not the spec's 0.7 when none is given (its class default; a spec
+# that names none gets this value written in, so other optimizers' specs, and swarm ids, are unchanged).
+OUTER_LR_DEFAULTS = {"sparseloco": 1.0}
 
 
 class SwarmSpec(BaseModel):
@@ -84,7 +87,7 @@ class SwarmSpec(BaseModel):
     inner_lr: float = Field(2e-3, gt=0, le=1)
     weight_decay: float = Field(0.01, ge=0, le=1)
     clip: float = Field(1.0, gt=0)
-    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate (sparseloco: 1.0 unless given)")
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     codec: str = "none"
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
@@ -92,7 +95,7 @@ class SwarmSpec(BaseModel):
     alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
     eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
     error_decay: float = Field(0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay")
-    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk (outer lr: pass 1.0)")
+    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk")
     sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
@@ -116,6 +119,14 @@ class SwarmSpec(BaseModel):
                     "tokenizer chars needs the whole text for its alphabet; a file dataset is "
                     "streamed: use bytes or hf:<dir>"
                 )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_lr_for_the_optimizer(cls, data: Any) -> Any:
+        """An optimizer with its own outer-lr default (OUTER_LR_DEFAULTS) gets it when none is given."""
+        if isinstance(data, dict) and data.get("outer_lr") is None and data.get("optimizer") in OUTER_LR_DEFAULTS:
+            data = {**data, "outer_lr": OUTER_LR_DEFAULTS[data["optimizer"]]}
         return data
 
     @field_validator("model")

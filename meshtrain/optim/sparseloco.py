@@ -71,6 +71,8 @@ class SparseLoCo(OuterOptimizer):
         "gather" or "allreduce".
     aggregate: "index_mean" (the reference code: each index averaged over the peers that sent it;
         default) or "mean" (the paper's equation, (1/R)·Σ).
+    vector_k, vector_chunk: 1-D tensors (biases, norm gains) keep `vector_k` of every
+        `vector_chunk` values (the reference code's "rate_1d"); None: as every other tensor.
     """
 
     def __init__(
@@ -88,6 +90,8 @@ class SparseLoCo(OuterOptimizer):
         range_sigmas: float = 4.0,
         aggregation: str = "auto",
         aggregate: str = "index_mean",
+        vector_k: int | None = None,
+        vector_chunk: int = 64,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"outer lr must be > 0, got {lr}")
@@ -100,8 +104,15 @@ class SparseLoCo(OuterOptimizer):
         super().__init__(model, inner, collective, H=H, codec="none")
         self.lr, self.aggregation, self.aggregate = lr, aggregation, aggregate
         self.sparse = ChunkedTopK(chunk=chunk, k=k, bits=bits, range_sigmas=range_sigmas)
+        vector = (
+            self.sparse
+            if vector_k is None
+            else ChunkedTopK(chunk=vector_chunk, k=vector_k, bits=bits, range_sigmas=range_sigmas)
+        )
         self.error_feedback = beta
         self._shapes = {n: phi.shape for n, phi in self.outer_params.items()}
+        # Every peer derives the same codec per tensor from the shapes alone, so layouts still agree.
+        self.codecs = {n: vector if len(shape) <= 1 else self.sparse for n, shape in self._shapes.items()}
         self._sent: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}  # ŝ decoded, until applied
         self.last_aggregation = ""
 
@@ -175,7 +186,7 @@ class SparseLoCo(OuterOptimizer):
         if self.aggregation != "auto":
             return self.aggregation
         numel = sum(self.outer_params[x].numel() for x in names)
-        payload = sum(self.sparse.encoded_nbytes(self.outer_params[x].numel()) for x in names)
+        payload = sum(self.codecs[x].encoded_nbytes(self.outer_params[x].numel()) for x in names)
         # gather: (n−1)·payload; all-reduce: 2·(n−1)/n·4·M, twice that for index_mean (values + mask)
         dense_factor = 8 if self.aggregate == "mean" else 16
         return "gather" if n * payload <= dense_factor * numel else "allreduce"
@@ -184,8 +195,8 @@ class SparseLoCo(OuterOptimizer):
         payload: dict[str, torch.Tensor] = {}
         decoded: dict[str, torch.Tensor] = {}
         for n, t in tensors.items():
-            parts = self.sparse.encode(t)
-            decoded[n] = self.sparse.decode(parts, self._shapes[n])
+            parts = self.codecs[n].encode(t)
+            decoded[n] = self.codecs[n].decode(parts, self._shapes[n])
             payload.update({f"{n}{_SEP}{k}": v for k, v in parts.items()})
         return payload, decoded
 
@@ -194,7 +205,7 @@ class SparseLoCo(OuterOptimizer):
         return {k[len(prefix) :]: v for k, v in payload.items() if k.startswith(prefix)}
 
     def _decode_payload(self, payload: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {n: self.sparse.decode(self._parts(payload, n), self._shapes[n]) for n in names}
+        return {n: self.codecs[n].decode(self._parts(payload, n), self._shapes[n]) for n in names}
 
     def _aggregate(self, gathered: GatherResult, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The same bits on every peer: fixed (sorted) peer order, elementwise fp32 arithmetic,
@@ -210,7 +221,7 @@ class SparseLoCo(OuterOptimizer):
                 w = gathered.weights[p]
                 if not w:
                     continue
-                where, values = self.sparse.decode_sparse(self._parts(gathered.payloads[p], n), numel)
+                where, values = self.codecs[n].decode_sparse(self._parts(gathered.payloads[p], n), numel)
                 dense = torch.zeros(numel)
                 dense[where] = values
                 acc.add_(dense, alpha=w)
