@@ -21,7 +21,7 @@ share 2 cores). Methods:
                identity in ALGORITHMS.md; the baseline the NoLoCo paper and the reference run use)
   custom       the README's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
   sparseloco   SparseLoCo, H=25: chunked top-k (64 of every 4096) of the error-feedback accumulator
-               (β 0.95), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
+               (β 0.9), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
   streaming_eager  `streaming` with eager updates (arXiv 2502.12996)
 
 Held-out loss is measured on the outer parameters φ of every peer (mean over peers; NoLoCo's
@@ -88,7 +88,7 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
                 "--outer-lr",
                 "1.0",
                 "--error-decay",
-                "0.95",
+                "0.9",
                 "--sparse-chunk",
                 "4096",
                 "--sparse-k",

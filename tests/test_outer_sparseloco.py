@@ -400,13 +400,18 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
     assert demo.optimizer == "sparseloco"
 
 
-def test_spec_outer_lr_defaults_to_the_optimizers_own():
+def test_spec_outer_lr_and_beta_default_to_sparselocos_own():
+    import inspect
+
     from meshtrain.node.config import parse_spec
 
-    assert parse_spec({"optimizer": "sparseloco"}).outer_lr == 1.0  # SparseLoCo's, not the spec's 0.7
-    assert parse_spec({"optimizer": "sparseloco", "outer_lr": 0.65}).outer_lr == 0.65
-    for other in ("diloco", "streaming", "noloco"):
-        assert parse_spec({"optimizer": other}).outer_lr == 0.7  # their specs (and swarm ids) unchanged
+    own = inspect.signature(SparseLoCo).parameters
+    spec = parse_spec({"optimizer": "sparseloco"})
+    assert (spec.outer_lr, spec.error_decay) == (own["lr"].default, own["beta"].default) == (1.0, 0.9)
+    given = parse_spec({"optimizer": "sparseloco", "outer_lr": 0.65, "error_decay": 0.95})
+    assert (given.outer_lr, given.error_decay) == (0.65, 0.95)
+    for other in ("diloco", "streaming", "noloco"):  # their specs (and swarm ids) unchanged
+        assert (parse_spec({"optimizer": other}).outer_lr, parse_spec({"optimizer": other}).error_decay) == (0.7, 0.95)
 
 
 def test_vectors_keep_vector_k_of_every_vector_chunk_and_matrices_k_of_every_chunk():
