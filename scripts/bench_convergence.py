@@ -1,7 +1,8 @@
 """Convergence benchmark: the outer optimizers against single-peer and data-parallel training,
 with 4 real peers on loopback.
 
-    python scripts/bench_convergence.py [--quick] [--steps 2000] [--png runs/bench_convergence.png]
+    python scripts/bench_convergence.py [--quick] [--steps 2000] [--methods a,b] [--seed 0]
+        [--png runs/bench_convergence.png]
 
 Every method trains ALGORITHMS.md's testbed — the small character GPT (4 blocks, d 64, ctx 32) on
 the offline corpus (CPython's `pydoc_data.topics`), inner AdamW lr 2e-3, batch 16 per peer, grad
@@ -20,7 +21,7 @@ share 2 cores). Methods:
                identity in ALGORITHMS.md; the baseline the NoLoCo paper and the reference run use)
   custom       the README's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
   sparseloco   SparseLoCo, H=25: chunked top-k (64 of every 4096) of the error-feedback accumulator
-               (β 0.95), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
+               (β 0.9), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
   streaming_eager  `streaming` with eager updates (arXiv 2502.12996)
 
 Held-out loss is measured on the outer parameters φ of every peer (mean over peers; NoLoCo's
@@ -87,7 +88,7 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
                 "--outer-lr",
                 "1.0",
                 "--error-decay",
-                "0.95",
+                "0.9",
                 "--sparse-chunk",
                 "4096",
                 "--sparse-k",
@@ -220,6 +221,7 @@ def main() -> None:
     ap.add_argument("--methods", default="", help="comma-separated subset")
     ap.add_argument("--png", default=str(ROOT / "runs" / "bench_convergence.png"))
     ap.add_argument("--timeout", type=float, default=900.0, help="per method")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and data order (repeat runs)")
     ap.add_argument(
         "--cosine",
         action="store_true",
@@ -251,6 +253,10 @@ def main() -> None:
         "30",
         "--linger",
         "2",
+        "--seed",
+        str(args.seed),
+        "--data-seed",
+        str(args.seed),
         *(["--cosine"] if args.cosine else []),
     ]
     table = methods(steps)
@@ -298,6 +304,7 @@ def main() -> None:
 
     summary: dict = {
         "steps": steps,
+        "seed": args.seed,
         "quick": args.quick,
         "png": str(png),
         "inner_lr": "cosine" if args.cosine else "constant",

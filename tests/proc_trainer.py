@@ -128,6 +128,7 @@ def build(args: argparse.Namespace, model: torch.nn.Module, inner: torch.optim.O
             beta=args.error_decay,
             chunk=args.sparse_chunk,
             k=args.sparse_k,
+            vector_k=None if args.vector_k < 0 else args.vector_k,
             aggregation=args.aggregation,
             aggregate=args.aggregate,
         )
@@ -323,9 +324,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--delay", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--eager", action="store_true")
-    p.add_argument("--error-decay", type=float, default=0.95)
+    p.add_argument("--error-decay", type=float, default=0.9)
     p.add_argument("--sparse-k", type=int, default=64)
     p.add_argument("--sparse-chunk", type=int, default=4096)
+    p.add_argument("--vector-k", type=int, default=-1, help="SparseLoCo: 1-D tensors' k per 64 (-1: as matrices)")
     p.add_argument("--aggregation", default="auto")
     p.add_argument("--aggregate", default="index_mean")
     p.add_argument("--seed", type=int, default=0)

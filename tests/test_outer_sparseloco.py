@@ -397,3 +397,30 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
         parse_spec({"optimizer": "sparseloco", "sparse_k": 5000})
     demo = build_parser().parse_args(["demo", "--optimizer", "sparseloco", "--quick"])
     assert demo.optimizer == "sparseloco"
+
+
+def test_spec_outer_lr_and_beta_default_to_sparselocos_own():
+    import inspect
+
+    from meshtrain.node.swarm_spec import parse_spec
+
+    own = inspect.signature(SparseLoCo).parameters
+    spec = parse_spec({"optimizer": "sparseloco"})
+    assert (spec.outer_lr, spec.error_decay) == (own["lr"].default, own["beta"].default) == (1.0, 0.9)
+    given = parse_spec({"optimizer": "sparseloco", "outer_lr": 0.65, "error_decay": 0.95})
+    assert (given.outer_lr, given.error_decay) == (0.65, 0.95)
+    for other in ("diloco", "streaming", "noloco"):  # their specs (and swarm ids) unchanged
+        assert (parse_spec({"optimizer": other}).outer_lr, parse_spec({"optimizer": other}).error_decay) == (0.7, 0.95)
+
+
+def test_vectors_keep_vector_k_of_every_vector_chunk_and_matrices_k_of_every_chunk():
+    model = torch.nn.Linear(256, 64)  # weight 16384 values, bias 64
+    outer = SparseLoCo(model, None, LocalSwarm(1).member(0), H=1, chunk=4096, k=64, bits=None, vector_k=16)
+    delta = {"weight": torch.randn(64, 256), "bias": torch.randn(64)}
+    outer.feed_back(delta, ["weight", "bias"])
+    sent = outer._sent[("weight", "bias")]
+    assert int((sent["weight"] != 0).sum()) == 4 * 64
+    assert int((sent["bias"] != 0).sum()) == 16  # 16 of its one chunk of 64 (vector_chunk)
+    plain = SparseLoCo(model, None, LocalSwarm(1).member(0), H=1, chunk=4096, k=64, bits=None, vector_k=None)
+    plain.feed_back(delta, ["weight", "bias"])
+    assert int((plain._sent[("weight", "bias")]["bias"] != 0).sum()) == 1  # ceil(64·64/4096): as a matrix's tail

@@ -251,7 +251,6 @@ def run_demo(args: argparse.Namespace) -> int:
             "--name",
             "meshtrain-demo",
             *(["--fragments", "2", "--codec", "fp4"] if args.optimizer == "streaming" else []),
-            *(["--outer-lr", "1.0"] if args.optimizer == "sparseloco" else []),
             *_pipeline_flags(args),
         ),
         capture_output=True,

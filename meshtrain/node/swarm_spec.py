@@ -63,6 +63,12 @@ OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco", "dp")  # built in; 
 DEFAULT_POW_BITS = 16  # ~65k hashes: ~0.1 s for one identity in Python, a thousand cost a thousand times that
 MAX_POW_BITS = 32
 MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; more at run time, in the config CRDT)
+# Defaults that differ for one optimizer (its class's defaults): a spec that names that optimizer and
+# not the key gets this value written in. The field defaults stay, so other optimizers' specs — and
+# their swarm ids — are unchanged. SparseLoCo: outer lr 1.0 (not 0.7), β 0.9 (the sweep in
+# optim/sparseloco.py's docstring; the field keeps 0.95, which no other optimizer reads). dp: H 1
+# (gradients are all-reduced every step; check() refuses another H).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sparseloco": {"outer_lr": 1.0, "error_decay": 0.9}, "dp": {"H": 1}}
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
@@ -117,7 +123,7 @@ class SwarmSpec(BaseModel):
     inner_lr: float = Field(2e-3, gt=0, le=1)
     weight_decay: float = Field(0.01, ge=0, le=1)
     clip: float = Field(1.0, gt=0)
-    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate (sparseloco: 1.0 unless given)")
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     codec: str = "none"
     aggregation: Aggregation = Field(
@@ -136,8 +142,10 @@ class SwarmSpec(BaseModel):
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
     alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
     eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
-    error_decay: float = Field(0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay")
-    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk (outer lr: pass 1.0)")
+    error_decay: float = Field(
+        0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay (sparseloco: 0.9 unless given)"
+    )
+    sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk")
     sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
     seed: int = Field(0, ge=0, lt=2**31)
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
@@ -186,10 +194,11 @@ class SwarmSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _dp_syncs_every_step(cls, data: Any) -> Any:
-        """dp all-reduces gradients every step: its H is 1 unless the spec names one (check() refuses another)."""
-        if isinstance(data, dict) and data.get("optimizer") == "dp" and data.get("H") is None:
-            data = {**data, "H": 1}
+    def _defaults_of_the_optimizer(cls, data: Any) -> Any:
+        """An optimizer's own defaults (OPTIMIZER_DEFAULTS) for the keys the spec does not give."""
+        if isinstance(data, dict) and data.get("optimizer") in OPTIMIZER_DEFAULTS:
+            own = OPTIMIZER_DEFAULTS[data["optimizer"]]
+            data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
         return data
 
     @model_validator(mode="before")

@@ -19,22 +19,39 @@ bit-identical everywhere), or, when the gather would cost more bytes than a dens
 round's N peers (N·payload > 8·M, i.e. N > ~290 at 1.56%, twice that for the per-index mean —
 sparse_gather.py's docstring), a dense all-reduce of the decoded ŝ.
 
-Defaults, and where they come from (the SparseLoCo repository itself, tplr-ai/SparseLoCo, was not
-reachable from here; its public precursor by the same authors, tplr-y/CCLoco, and Templar's
-production code, tplr-ai/templar `src/tplr/compress/topk.py`, were):
+Defaults, and where they come from. The paper's own repository (tplr-ai/SparseLoCo, now
+one-covenant/SparseLoCo) was not reachable from here; its public precursor by the same authors,
+tplr-y/CCLoco (`src/tplr/ccloco.py`, `hparams/*/sweeps/ccloco.yaml`), and Templar's production
+settings, tplr-ai/templar (`hparams/hparams.json`, `src/tplr/compress/topk.py`), were. Theirs, ours:
 - chunk C = 4096, k = 64 (density 1.5625%): Covenant-72B (ALGORITHMS.md; the paper's 1–3%).
-  CCLoco's sweeps chunk 2-D weights into 64×64 = 4096-value squares with k = 32 (0.78%); we chunk
-  each tensor's flattened values contiguously (a short last chunk keeps ceil(k·L/C)).
-- β = 0.95: CCLoco `hparams/*/sweeps/ccloco.yaml` (`error_decay: 0.95`; the class default 0.999).
-- α (outer lr) = 1.0: CCLoco sweeps (`outer_learning_rate: 1`) and Covenant (later 0.65).
-- 2-bit values: the paper. The quantiser is the reference's statistical one (sparse_codec.py).
-- H: the paper sweeps it; Covenant ran 30, CCLoco's sweeps 15. Our default 30.
+  CCLoco's sweeps and templar chunk 2-D weights into 64×64 = 4096-value squares with k = 32 (0.78%);
+  we chunk each tensor's flattened values contiguously (a short last chunk keeps ceil(k·L/C)).
+  CCLoco chunks 1-D tensors (biases, norm gains) by 64 and keeps k = 32 of each ("rate_1d": 50%);
+  ours keep ceil(k·L/C) — 1 of a 64-vector — unless `vector_k` is set (below).
+- β: CCLoco's sweeps 0.95 (`error_decay`; the class default 0.999), templar 0.999
+  (`momentum_decay`). **Ours 0.9**, from scripts/sweep_sparseloco.py (below).
+- α (outer lr) = 1.0: CCLoco's sweeps (`outer_learning_rate: 1`; its DiLoCo baseline 0.5 with
+  Nesterov); templar 0.9; Covenant 1, later 0.65.
+- 2-bit values: the paper. The quantiser is the reference's statistical one (sparse_codec.py);
+  the reference code's default is 8 bits at a 6σ range, ours 2 bits at 4σ.
+- H: the paper sweeps 15–250; Covenant and templar ran 30, CCLoco's sweeps 15. Our default 30.
 - Aggregation: the reference code averages each index over the peers that selected it
   (CCLoco and templar: `scatter_reduce(..., reduce="mean", include_self=False)`) — our default,
   `aggregate="index_mean"`. The paper's equation (and ALGORITHMS.md) write the plain mean over
   the R peers, (1/R)·Σ_r, which dilutes an index sent by one peer of R by R: `aggregate="mean"`.
   On our testbed (4 peers, small GPT, H 25, in-process, 400 steps) index_mean reached 2.073 and
   mean 2.220 held-out loss, DiLoCo 2.018 — the source (code) wins.
+
+The sweep (scripts/sweep_sparseloco.py: bench_convergence's testbed — 4 peers, small GPT, H 25,
+inner AdamW 2e-3 — in one process, 600 steps; gap = SparseLoCo / DiLoCo(H 25, Nesterov 0.7/0.9) − 1
+on the same seed). Seed 0 alone, one knob at a time from β 0.95, α 1, 4σ, C 4096, k 64: β 0.95
++2.7%, β 0.9 +0.4%, β 0.99 +6.2%; α 0.7 +3.8%, α 1.5 +5.7%; range 3σ +3.1%, 6σ +5.1%; C 256 / k 4
+(same density) +2.4%; vector_k 8 +2.1% (58× fewer bytes than DiLoCo instead of 63×), vector_k 16
++1.7% (52×). Then seeds 0 and 1: β 0.9 −0.5% ± 1.3, β 0.8 −1.1% ± 1.6, β 0.9 with vector_k 8
+−0.7% ± 0.5 (± the spread across seeds). β is the one knob whose effect exceeds the spread: a
+smaller β forgets stale, unsent mass sooner, so what top-k picks is this round's movement.
+β 0.8 and vector_k did not beat β 0.9 by more than the spread, so the default is β 0.9 alone,
+keeping the wire format's 1.56% and 63×. bench_convergence's 2000-step comparison: README.
 
 Identity (tests/test_outer_sparseloco.py): with k = C (density 1), no quantisation (bits None) and
 β = 0, SparseLoCo is DiLoCo with outer momentum 0 and the same lr, bit for bit.
@@ -63,7 +80,8 @@ class SparseLoCo(OuterOptimizer):
     """model, inner, collective: see `OuterOptimizer`.
     H: inner steps per round (30).
     lr: α, the outer SGD's step on the aggregated sparse update (1.0).
-    beta: β, the error-feedback decay (0.95); 1 is classic error feedback, 0 none.
+    beta: β, the error-feedback decay (0.9: the sweep in the module docstring; the reference 0.95);
+        1 is classic error feedback, 0 none.
     chunk, k: top-k of every chunk of `chunk` values (4096, 64).
     bits: 2 (2-bit values) or None (float32 values).
     range_sigmas: the 2-bit quantiser's range in σ (4).
@@ -71,6 +89,8 @@ class SparseLoCo(OuterOptimizer):
         "gather" or "allreduce".
     aggregate: "index_mean" (the reference code: each index averaged over the peers that sent it;
         default) or "mean" (the paper's equation, (1/R)·Σ).
+    vector_k, vector_chunk: 1-D tensors (biases, norm gains) keep `vector_k` of every
+        `vector_chunk` values (the reference code's "rate_1d"); None: as every other tensor.
     """
 
     def __init__(
@@ -81,13 +101,15 @@ class SparseLoCo(OuterOptimizer):
         *,
         H: int = 30,
         lr: float = 1.0,
-        beta: float = 0.95,
+        beta: float = 0.9,
         chunk: int = 4096,
         k: int = 64,
         bits: int | None = 2,
         range_sigmas: float = 4.0,
         aggregation: str = "auto",
         aggregate: str = "index_mean",
+        vector_k: int | None = None,
+        vector_chunk: int = 64,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"outer lr must be > 0, got {lr}")
@@ -100,8 +122,15 @@ class SparseLoCo(OuterOptimizer):
         super().__init__(model, inner, collective, H=H, codec="none")
         self.lr, self.aggregation, self.aggregate = lr, aggregation, aggregate
         self.sparse = ChunkedTopK(chunk=chunk, k=k, bits=bits, range_sigmas=range_sigmas)
+        vector = (
+            self.sparse
+            if vector_k is None
+            else ChunkedTopK(chunk=vector_chunk, k=vector_k, bits=bits, range_sigmas=range_sigmas)
+        )
         self.error_feedback = beta
         self._shapes = {n: phi.shape for n, phi in self.outer_params.items()}
+        # Every peer derives the same codec per tensor from the shapes alone, so layouts still agree.
+        self.codecs = {n: vector if len(shape) <= 1 else self.sparse for n, shape in self._shapes.items()}
         self._sent: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}  # ŝ decoded, until applied
         self.last_aggregation = ""
 
@@ -175,7 +204,7 @@ class SparseLoCo(OuterOptimizer):
         if self.aggregation != "auto":
             return self.aggregation
         numel = sum(self.outer_params[x].numel() for x in names)
-        payload = sum(self.sparse.encoded_nbytes(self.outer_params[x].numel()) for x in names)
+        payload = sum(self.codecs[x].encoded_nbytes(self.outer_params[x].numel()) for x in names)
         # gather: (n−1)·payload; all-reduce: 2·(n−1)/n·4·M, twice that for index_mean (values + mask)
         dense_factor = 8 if self.aggregate == "mean" else 16
         return "gather" if n * payload <= dense_factor * numel else "allreduce"
@@ -184,8 +213,8 @@ class SparseLoCo(OuterOptimizer):
         payload: dict[str, torch.Tensor] = {}
         decoded: dict[str, torch.Tensor] = {}
         for n, t in tensors.items():
-            parts = self.sparse.encode(t)
-            decoded[n] = self.sparse.decode(parts, self._shapes[n])
+            parts = self.codecs[n].encode(t)
+            decoded[n] = self.codecs[n].decode(parts, self._shapes[n])
             payload.update({f"{n}{_SEP}{k}": v for k, v in parts.items()})
         return payload, decoded
 
@@ -194,7 +223,7 @@ class SparseLoCo(OuterOptimizer):
         return {k[len(prefix) :]: v for k, v in payload.items() if k.startswith(prefix)}
 
     def _decode_payload(self, payload: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {n: self.sparse.decode(self._parts(payload, n), self._shapes[n]) for n in names}
+        return {n: self.codecs[n].decode(self._parts(payload, n), self._shapes[n]) for n in names}
 
     def _aggregate(self, gathered: GatherResult, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The same bits on every peer: fixed (sorted) peer order, elementwise fp32 arithmetic,
@@ -210,7 +239,7 @@ class SparseLoCo(OuterOptimizer):
                 w = gathered.weights[p]
                 if not w:
                     continue
-                where, values = self.sparse.decode_sparse(self._parts(gathered.payloads[p], n), numel)
+                where, values = self.codecs[n].decode_sparse(self._parts(gathered.payloads[p], n), numel)
                 dense = torch.zeros(numel)
                 dense[where] = values
                 acc.add_(dense, alpha=w)
