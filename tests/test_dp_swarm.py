@@ -71,9 +71,13 @@ def test_dp_trains_your_own_loop_through_the_python_api(tmp_path, monkeypatch):
     out: dict[int, tuple] = {}
     errors: list[BaseException] = []
 
+    # The same start on both peers (a fresh swarm has no state to download), built here: two
+    # threads seeding torch's global generator at once would interleave and start apart.
+    models = [_tiny(), _tiny()]
+
     def loop(i: int, swarm: meshtrain.Swarm) -> None:
         try:
-            model = _tiny()  # the same start on both peers (a fresh swarm has no state to download)
+            model = models[i]
             opt = meshtrain.DataParallel(model, torch.optim.AdamW(model.parameters(), lr=1e-2), swarm)
             g = torch.Generator().manual_seed(i)  # each peer its own data
             x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)

@@ -255,7 +255,7 @@ class PipelinePeer:
         self._caps = caps
         view = self.presence.view
         assert view is not None  # entered before us
-        view.capabilities = {"pipeline": caps}
+        view.capabilities = {**view.capabilities, "pipeline": caps}  # beside the others (the proof of work)
         view.heartbeat()
 
     def members(self) -> dict[str, Member]:
