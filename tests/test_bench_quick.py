@@ -40,3 +40,35 @@ def test_convergence_benchmark_quick(tmp_path):
     assert out["methods"]["streaming"]["peak_bytes_per_sync"] < out["methods"]["diloco_h25"]["peak_bytes_per_sync"]
     assert all(m["final_eval_loss"] < 4.0 for m in out["methods"].values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_sparseloco_sweep_prints_one_json_line_with_paired_gaps():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "scripts/sweep_sparseloco.py",
+            "--steps",
+            "8",
+            "--model",
+            "tiny",
+            "--seeds",
+            "0,1",
+            "--base",
+            "H=4",
+            "--configs",
+            "beta=0.9;vector_k=8,range=3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [c["config"] for c in out["configs"]] == ["beta=0.9", "vector_k=8,range=3"]
+    for c in out["configs"]:
+        assert len(c["gap_per_seed"]) == 2 and c["bytes_ratio"] > 1
+        pairs = zip(c["gap_per_seed"], c["per_seed"], out["diloco"]["per_seed"], strict=True)
+        assert all(abs(g - (s / d - 1)) < 1e-3 for g, s, d in pairs)  # paired: the same seed's DiLoCo
+    assert out["best"] in {"beta=0.9", "vector_k=8,range=3"}

@@ -54,7 +54,9 @@ smaller β forgets stale, unsent mass sooner, so what top-k picks is this round'
 keeping the wire format's 1.56% and 63×. bench_convergence (4 peer processes, 2000 steps, seeds
 0, 1, 2): sparseloco_vs_diloco +1.58%, −0.51%, −1.16%, mean −0.03% ± 1.4% (β 0.95 had given +1.4%
 and +3.1% on seed 0). The target (≤ 1%) holds on the mean; on this small testbed the seed-to-seed
-spread of the gap is as large as the target itself, so one seed in three still misses it.
+spread of the gap is as large as the target itself, so one seed in three still misses it. vector_k 8
+on seed 0 gave +1.29% (58× fewer bytes) against +1.58%: inside DiLoCo's own run-to-run spread
+(~0.3–0.5% on one seed: the multi-process runs are not bit-reproducible), so it stays off.
 
 Identity (tests/test_outer_sparseloco.py): with k = C (density 1), no quantisation (bits None) and
 β = 0, SparseLoCo is DiLoCo with outer momentum 0 and the same lr, bit for bit.
