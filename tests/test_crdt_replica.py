@@ -418,6 +418,25 @@ async def test_progress_and_metrics_reach_every_peer():
             views[0].report_progress(step=-1)
 
 
+async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_ages():
+    """A trainer held inside a round reports nothing new, yet trains: with `progress_live` its
+    record is rewritten every heartbeat (a joiner then sees a donor); without, it ages."""
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 3)
+        views = await start_views(stack, hosts, hosts[0].peer_id)
+        views[0].report_progress(step=7, outer_round=1)
+        views[1].report_progress(step=7, outer_round=1)
+        views[0].progress_live = True
+        ids = [h.peer_id for h in hosts[:2]]
+        await wait_until(lambda: all(p in views[2].progress() for p in ids), 5, "both records arrive")
+        first = {p: views[2].progress()[p].updated_ms for p in ids}
+        await trio.sleep(2.0)  # several heartbeats (0.3 s), no report
+        later = {p: views[2].progress()[p].updated_ms for p in ids}
+        assert later[ids[0]] - first[ids[0]] >= 1000  # rewritten beat after beat
+        assert later[ids[1]] == first[ids[1]]  # nothing new: the record ages
+        assert views[2].progress()[ids[0]].step == 7
+
+
 async def test_an_admission_filter_hides_a_refused_peer_until_the_owners_config_admits_it():
     async with AsyncExitStack() as stack:
         hosts = await start_hosts(stack, 3)

@@ -300,6 +300,10 @@ class SwarmView(Service):
         self._progress = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
         self._progress_written = False
+        # While True, our progress record is written at every heartbeat even without news: a
+        # trainer held in a round (waiting for a peer to join) trains all the same, and a joiner
+        # that reads a stale record as "not training" finds no donor while we wait for it.
+        self.progress_live = False
         self._metrics: dict[str, float] = {}
         self._metrics_dirty = False
         self._rewrite = trio.Event()  # set when our records must be written again at once
@@ -334,6 +338,8 @@ class SwarmView(Service):
         if self._left:
             return None
         entry = self._write_membership(left=False)
+        if self.progress_live and self._progress_written:
+            self._progress_dirty = True
         self._flush_reports()
         return entry
 

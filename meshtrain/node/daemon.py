@@ -285,6 +285,7 @@ class Node:
                 )
                 presence.connection = "unknown"
             await stack.enter_async_context(presence)
+            self.phase.on_change(presence.keep_progress_live)
             # Only members get data-plane sessions; only round candidates may join a round, and
             # only near our step (a stranger's join for a far-future round voided real rounds).
             streams.authorize = presence.is_member

@@ -31,7 +31,10 @@ connection (DCUtR). Then it answers, from the view and the host:
     candidates(round)          a round's candidates: those trainers we are connected to, and us
                                (a peer whose connection closed stops being waited for at once)
     training_peers(connected)  trainers other than us whose progress record is fresh: they train
-                               *now*, not a restarted peer's record from its last life
+                               *now*, not a restarted peer's record from its last life (a
+                               trainer's record is rewritten every heartbeat while its node's
+                               phase is "training", even while it waits inside a round:
+                               `keep_progress_live`, a `Phase` listener)
     swarm_step(), front_step() the furthest step a peer training now reports (any / connected)
     is_member(peer)            a live membership record (any role), waiting `MEMBER_WAIT` for one
                                on its way: the data plane's and the state donor's admission rule
@@ -174,6 +177,12 @@ class PeerPresence(Service):
         if self.view is None:
             raise RuntimeError("PeerPresence is used before it was entered")
         return self.view
+
+    def keep_progress_live(self, node_state: str) -> None:
+        """A `Phase` listener: while the node trains, our progress record stays fresh at every
+        heartbeat, also while the trainer waits inside a round (`training_peers` reads a record
+        older than `PROGRESS_FRESH_BEATS` as "not training")."""
+        self._view().progress_live = node_state == "training"
 
     def trainers(self) -> list[str]:
         """Live trainers per the replicated membership, us included (connected or not)."""

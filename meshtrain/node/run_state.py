@@ -41,6 +41,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ class Phase:
     def __init__(self) -> None:
         self._states: deque[str] = deque(["starting"], maxlen=STATE_LOG)
         self.changes = 0
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(new_state)` on every change from now on (on the caller's thread)."""
+        self._listeners.append(listener)
 
     @property
     def value(self) -> str:
@@ -89,6 +95,8 @@ class Phase:
         if value != self._states[-1]:
             self._states.append(value)
             self.changes += 1
+            for listener in self._listeners:
+                listener(value)
 
     def recent(self) -> list[str]:
         return list(self._states)
