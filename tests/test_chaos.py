@@ -9,8 +9,10 @@ The soak itself is `scripts/bench_chaos.py` (10 minutes by default); here it run
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -147,7 +149,23 @@ def test_swarm_keeps_completing_rounds_under_chaos(soak):
 def test_live_peers_agree_on_phi_within_a_round_under_chaos(soak):
     if soak["parity_violations"] is None:
         pytest.skip(f"parity not checked: {soak.get('parity_reason')}")
-    assert soak["parity_violations"] == 0, json.dumps(soak.get("parity_violation_list"), indent=1)
+    assert soak["parity_violations"] == 0, _parity_story(soak)
+
+
+STORY = re.compile(
+    r"proceeding alone|out of step|nobody is training|joined the swarm|fixing the group|behind the swarm|"
+    r"minority|re-sync|=== chaos"
+)
+
+
+def _parity_story(soak: dict) -> str:
+    """The violations, and what every node's log said about rounds and re-syncs around them
+    (CI keeps no run directory: this message is all there is to read afterwards)."""
+    lines = [json.dumps(soak.get("parity_violation_list"), indent=1)]
+    for log in sorted(Path(soak["run_dir"]).glob("node*.log")):
+        story = [line[:220] for line in log.read_text(errors="replace").splitlines() if STORY.search(line)]
+        lines += [f"--- {log.name}", *story[-40:]]
+    return "\n".join(lines)[-12000:]
 
 
 def test_swarm_that_lost_its_front_and_retrains_old_rounds_is_reported_as_redone_not_parity():

@@ -237,6 +237,28 @@ async def test_joiner_whose_donors_disagree_joins_anyway(tmp_path):
         assert not isinstance(results[name], Exception), (name, results[name])
 
 
+async def test_a_joiner_offers_the_state_it_downloaded_at_once(tmp_path):
+    """A peer that downloaded the swarm's state serves that state, not its snapshot from before
+    the download: a later joiner got the older one, joined a round behind, was refused as out of
+    window and downloaded the old state again, round after round (seen in CI)."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=40, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    async with trio.open_nursery() as nursery:
+        a = meshtrain.Node(_config(tmp_path, "a"), spec=signed)
+        nursery.start_soon(a.run)
+        await _until(lambda: a.trainer is not None and a.trainer.outer.rounds >= 2, 60, "a trains rounds")
+        b = meshtrain.Node(_config(tmp_path, "b"), join=a.host.addrs[0])
+        nursery.start_soon(b.run)
+        with trio.fail_after(60):
+            while b.joined_from is None:
+                await trio.sleep(0.01)
+        joined_round = b.trainer.outer.rounds  # b trains its first round of 40 steps from here
+        assert joined_round >= 2
+        assert joined_round in b.run_state.donor.rounds, (joined_round, b.run_state.donor.rounds)
+        a.stop()
+        b.stop()
+
+
 # --- 4. a killed peer does not stall the survivor --------------------------------------------------
 
 

@@ -15,7 +15,12 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   old, a donor that vanished): it retries with a jittered `Backoff`, saying what it waits for,
   until it joins or the node stops. With nobody training for `ORPHAN_WAIT`, it trains on its own
   state rather than wait for peers that wait for it. Only a state that cannot fit this node
-  (another model or optimizer) is fatal: `NodeError`.
+  (another model or optimizer) is fatal: `NodeError`. The joined state is offered to joiners at
+  once (a snapshot from before the download would hand them an older φ than ours).
+- `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
+  record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
+  we wait for reads us as "not training", finds no donor, and after `ORPHAN_WAIT` trains a
+  lineage of its own.
 - Parity (`node/parity.py`): after every round φ is hashed into our progress record; a watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
   rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
@@ -290,7 +295,11 @@ class RunState(Service):
                 f"the swarm's state does not fit this node ({e}): every peer must run the "
                 f"same model and optimizer as the swarm spec says"
             ) from None
-        self._published_round = trainer.outer.rounds  # the donors already offer this round
+        # Offer what we now hold at once: a donor that kept serving its snapshot from before
+        # the download handed joiners a state older than its own φ (they joined a round behind,
+        # were refused as out of window, downloaded the old state again, and so on).
+        self._published_round = trainer.outer.rounds
+        self.donor.publish(*self.donor_snapshot(trainer))
         self.record_phi()
         self.joined_from = {
             "donors": len(donors),
@@ -356,6 +365,14 @@ class RunState(Service):
 
     # -- between steps, and checkpoints ----------------------------------------------------------
 
+    @staticmethod
+    def donor_snapshot(trainer: TrainedState) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What our state donor offers joiners now: (meta, tensors) of the outer state (the
+        caller owns φ at that moment: the trainer's thread between steps, or the trio thread
+        while the trainer is stopped for a download)."""
+        skeleton, tensors = flatten_state(trainer.donor_state())
+        return {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}, tensors
+
     def after_step(self, trainer: TrainedState) -> None:
         """Between two steps, in the trainer's thread: report, publish, checkpoint."""
         assert self._token is not None  # entered
@@ -366,8 +383,7 @@ class RunState(Service):
         phi = list(parity.history) if parity.enabled else None
         if outer.rounds != self._published_round and not outer.in_flight:
             self._published_round = outer.rounds
-            skeleton, tensors = flatten_state(trainer.donor_state())
-            publish = ({"skeleton": skeleton, "step": trainer.step, "round": outer.rounds}, tensors)
+            publish = self.donor_snapshot(trainer)
         if (
             time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
             and not self._ckpt_busy
