@@ -9,12 +9,13 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready"}`). `placement.place` gives every peer's stage; if
-   ours changed we take the new stage (a peer that has trained already should download it from
-   that stage's replicas: not here yet, see below) and announce it.
+   (`{"stage", "fwd", "step", "epoch", "ready", "offer"}`). `placement.place` gives every peer's
+   stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
+   starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
    step any of them announces); its key is a digest of all three. We announce the key as
-   `epoch`; once every peer of the placement announces the same key we build the runtime
+   `epoch`; once every peer of the placement announces the same key, a peer that does not hold
+   its stage's state at the base step downloads it (below), then we build the runtime
    (`PipelineRun` named after the key, so two epochs' messages never mix), announce `ready`, and
    start iteration 0 once every peer is ready (a hop that reached a peer still in the last epoch
    would be refused, and its microbatch re-routed for nothing).
@@ -36,6 +37,17 @@ all-reduce among a stage's replicas; "diloco" and "noloco" run the runtime witho
 outer optimizer per stage every H iterations over the runtime's collective
 (`pipeline/replica_sync.py`: each stage's rounds have their own tag).
 
+Late joiners, moved peers, refills (node/stage_state.py). At the end of every epoch a peer
+publishes its stage's state under the stage's key in its `StateDonor` and announces the step as
+`offer`. A peer whose stage is fresh (it joined, or placement moved it) or whose state is behind
+the epoch's base step (a restart from an old checkpoint) downloads its stage's state before the
+epoch starts, from the epoch's peers on that stage that offer the base step (their majority's
+state; every-step: weights + AdamW; diloco / noloco: the outer state, entered with `join`). A
+stage that lost its last replica is refilled by placement (rule 3: a peer of the most
+replicated stage moves); the mover takes the newest snapshot of that stage any peer still holds,
+or, if none does (the last replica died and the swarm keeps no shared checkpoints), starts the
+stage from its initial weights and says so. At base step 0 everyone starts from θ0: no download.
+
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
 and the step — every `checkpoint_every` seconds (in the background) and when it stops; a restart
 resumes it and announces that stage again, so the placement keeps it there.
@@ -43,8 +55,7 @@ resumes it and announces that stage again, so the placement keeps it there.
 Status: `status()` is the status document's `pipeline` section (our stage, the stage map, the
 epoch, what we wait for); `training_status()` fills its `training` section.
 
-Not here yet (issue 18): a late joiner or a moved peer downloading its stage's state from that
-stage's replicas (today it starts from the swarm's initial weights, with a warning), an origin
+Not here yet (issue 18): an origin
 taking over a dead origin's microbatches within an iteration, paths that skip an empty stage
 while it is refilled, measured links for the scheduler (every link is `DEFAULT_LINK`), evaluation
 of the assembled model, and `meshtrain export` of a pipeline swarm.
@@ -75,8 +86,10 @@ from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
+from meshtrain.node.stage_state import StageStates
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import StepInfo, build_model, load_data
+from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.placement import Member, place, stage_map
 from meshtrain.pipeline.replica_sync import StageOuterSync
@@ -132,6 +145,7 @@ class PipelineTrainer:
         )
         self.sync: StageOuterSync | None = None
         self.step = 0
+        self.needs_state = True  # fresh: θ0 of this stage, right only at the swarm's step 0
         self.info = StepInfo()
         self.lock = threading.Lock()
         self.bytes_sent = 0
@@ -173,6 +187,53 @@ class PipelineTrainer:
             state["outer"] = self.sync.outer.state_dict(inner=False)
         return state
 
+    def donated_state(self) -> dict[str, Any]:
+        """What a peer taking this stage over downloads from us (node/stage_state.py): every-step,
+        the weights and AdamW state; diloco / noloco, the outer state (φ and momentum). Copies."""
+        if self.sync is None:
+            return {"weights": self.replica.stage_state(), "adam": copy.deepcopy(self.replica.optimizer.state_dict())}
+        return {"outer": self.sync.outer.state_dict(inner=False)}
+
+    def enter_donated(self, state: dict[str, Any], *, at_step: int) -> None:
+        """Take a downloaded `donated_state()` and train on from `at_step`, the epoch's base step.
+        Raises `ValueError` for a state that does not fit this stage (nothing is changed then,
+        except with an outer state the optimizer refuses half-way, which raises too)."""
+        r = self.replica
+        if self.sync is None:
+            weights, adam = state.get("weights"), state.get("adam")
+            if not (
+                isinstance(weights, dict)
+                and isinstance(adam, dict)
+                and set(weights) == set(r.names)
+                and all(
+                    isinstance(weights[n], torch.Tensor) and weights[n].shape == p.shape
+                    for n, p in zip(r.names, r.params, strict=True)
+                )
+            ):
+                raise ValueError("the donated weights are not this stage's")
+            saved = copy.deepcopy(r.optimizer.state_dict())
+            try:
+                r.optimizer.load_state_dict(adam)
+            except (KeyError, TypeError, ValueError) as e:
+                r.optimizer.load_state_dict(saved)
+                raise ValueError(f"the donated AdamW state does not fit this stage: {e}") from None
+            with torch.no_grad():
+                for name, p in zip(r.names, r.params, strict=True):
+                    p.copy_(weights[name])
+        else:
+            outer = state.get("outer")
+            if not isinstance(outer, dict):
+                raise ValueError("the donated state has no outer state")
+            try:
+                try:
+                    self.sync.outer.join(outer, at_step=at_step)
+                except StaleStateError:  # older than the round we enter: its φ is still the best we have
+                    self.sync.outer.join(outer)
+            except OuterStateError as e:
+                raise ValueError(f"the donated outer state does not fit this stage: {e}") from None
+        self.step = at_step
+        self.needs_state = False
+
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         r = self.replica
         with torch.no_grad():
@@ -180,6 +241,7 @@ class PipelineTrainer:
                 p.copy_(state["weights"][name])
         r.optimizer.load_state_dict(state["adam"])
         self.step = int(state["step"])
+        self.needs_state = False
         if self.sync is not None and "outer" in state:
             self.sync.outer.load_state_dict(state["outer"], inner=False)
         with self.lock:
@@ -232,6 +294,10 @@ class PipelinePeer:
         self.phase = phase
         self.stop = stop
         self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.states = StageStates(
+            self.host, streams, spec.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
+        )
+        self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
         self.corpus = load_data(spec, data_dir)
         self.trainer: PipelineTrainer | None = None
         self.runtime: PipelineRuntime | None = None
@@ -298,6 +364,7 @@ class PipelinePeer:
             self.trainer.load_checkpoint(ckpt.state)  # type: ignore[union-attr]
             self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}  # type: ignore[union-attr]
             log.warning(kv("resumed this stage from its checkpoint", stage=stage, step=self.trainer.step))
+            self._publish_stage()
         elif ckpt is not None:
             log.warning(kv("ignoring a checkpoint of another pipeline cut", path=str(ckpt.path)))
         self.forward_s = await trio.to_thread.run_sync(self._measure_forward)
@@ -337,21 +404,15 @@ class PipelinePeer:
         if self.trainer is not None and self.trainer.stage == stage:
             return
         old = self.trainer
-        if old is not None and old.step > 0:
+        if old is not None:
             log.warning(
-                kv(
-                    "moving to another stage; downloading its state from its replicas is not "
-                    "implemented yet: starting it from the initial weights",
-                    frm=old.stage,
-                    to=stage,
-                    step=old.step,
-                )
+                kv("moving to another stage (its state is downloaded as the epoch starts)", frm=old.stage, to=stage)
             )
         trainer = await trio.to_thread.run_sync(PipelineTrainer, self.spec, stage, self.corpus.vocab_size)
         trainer.step = old.step if old is not None else 0
         trainer.attach_sync(self._collective)
         self.trainer = trainer
-        self._announce(stage=stage)
+        self._announce(stage=stage, offer=None)
 
     def _collective(self) -> Any:
         if self.runtime is None:
@@ -408,16 +469,7 @@ class PipelinePeer:
         trainer = self.trainer
         assert trainer is not None
         spec = self.spec
-        if trainer.step < epoch.base_step:
-            log.warning(
-                kv(
-                    "behind the swarm: entering at its step without its stage's state (per-stage "
-                    "download is not implemented yet)",
-                    step=trainer.step,
-                    swarm_step=epoch.base_step,
-                )
-            )
-            trainer.step = epoch.base_step
+        await self._take_stage_state(epoch, trainer)
         if trainer.sync is not None:
             trainer.sync.outer.inner_steps = trainer.step  # round ids are the swarm's step
         base = trainer.step
@@ -470,6 +522,59 @@ class PipelinePeer:
         finally:
             self.runtime = None
             self.epoch = None
+            self._publish_stage()
+
+    def _publish_stage(self) -> None:
+        """Offer our stage's state to peers that take the stage over (between two iterations)."""
+        trainer = self.trainer
+        if trainer is None or trainer.needs_state:
+            return
+        self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
+        self._announce(offer=trainer.step)
+
+    async def _take_stage_state(self, epoch: Epoch, trainer: PipelineTrainer) -> None:
+        """Before the epoch starts: a fresh stage, or a state behind the epoch's base step, is
+        replaced by the stage's state downloaded from its replicas (module docstring)."""
+        base = epoch.base_step
+        if not trainer.needs_state and trainer.step >= base:
+            return
+        if base == 0:  # the swarm has not trained: θ0 is every replica's state
+            trainer.needs_state = False
+            return
+        stage = trainer.stage
+        peers = sorted(p for p in epoch.placement if p != self.me)
+        replicas = [p for p in peers if epoch.placement[p] == stage and self._announced(p).get("offer") == base]
+        self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
+        donated = await self.states.fetch(stage, replicas, peers)
+        why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
+        if donated is not None:
+            try:
+                trainer.enter_donated(donated.state, at_step=base)
+                why = ""
+            except ValueError as e:
+                why = str(e)
+        if why:
+            then = "starting the stage from its initial weights" if trainer.needs_state else "training on our own state"
+            log.warning(kv(f"cannot take stage {stage}'s state ({why}); {then}", stage=stage, step=base))
+            trainer.step, trainer.needs_state = base, False
+            return
+        assert donated is not None
+        self.joined_from = {
+            "stage": stage,
+            "step": donated.step,
+            "donors": len(donated.donors),
+            "from_replicas": donated.from_replicas,
+            "seconds": round(donated.seconds, 3),
+            "bytes": donated.bytes,
+        }
+        log.warning(
+            kv(
+                "took this stage's state from its replicas"
+                if donated.from_replicas
+                else "took this stage's state from a peer that held it before (its replicas are gone)",
+                **self.joined_from,
+            )
+        )
 
     async def _wait_ready(self, epoch: Epoch) -> None:
         """Every peer of the epoch serves its runtime: only then is iteration 0 started."""
@@ -594,6 +699,7 @@ class PipelinePeer:
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,
+            "joined_from": self.joined_from,
             "waiting": self.waiting,
         }
 
@@ -635,9 +741,10 @@ def announced(caps: Any, num_stages: int) -> dict[str, Any]:
     fwd = raw.get("fwd")
     if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
         out["fwd"] = float(fwd)
-    step = raw.get("step")
-    if is_int(step) and 0 <= step < 1 << 62:
-        out["step"] = step
+    for key in ("step", "offer"):
+        v = raw.get(key)
+        if is_int(v) and 0 <= v < 1 << 62:
+            out[key] = v
     for key in ("epoch", "ready"):
         v = raw.get(key)
         if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:
