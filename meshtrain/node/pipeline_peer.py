@@ -44,9 +44,11 @@ the epoch's base step (a restart from an old checkpoint) downloads its stage's s
 epoch starts, from the epoch's peers on that stage that offer the base step (their majority's
 state; every-step: weights + AdamW; diloco / noloco: the outer state, entered with `join`). A
 stage that lost its last replica is refilled by placement (rule 3: a peer of the most
-replicated stage moves); the mover takes the newest snapshot of that stage any peer still holds,
-or, if none does (the last replica died and the swarm keeps no shared checkpoints), starts the
-stage from its initial weights and says so. At base step 0 everyone starts from θ0: no download.
+replicated stage moves); the mover takes the newest snapshot of that stage any connected peer
+still holds — a last replica that *stops* keeps serving its stage for up to `HANDOVER_WAIT`
+seconds after it left, until someone downloaded it — or, if none does (the last replica died and
+the swarm keeps no shared checkpoints), starts the stage from its initial weights and says so.
+At base step 0 everyone starts from θ0: no download.
 
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
 and the step — every `checkpoint_every` seconds (in the background) and when it stops; a restart
@@ -109,6 +111,7 @@ FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 MAX_KEY_CHARS = 64
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
+HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,7 @@ class PipelinePeer:
         self.trainer: PipelineTrainer | None = None
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
+        self.last_placement: dict[str, int] = {}  # the last epoch's
         self.epochs = 0
         self.forward_s = 0.0
         self.waiting: str | None = None
@@ -381,7 +385,31 @@ class PipelinePeer:
                     break
                 first = False
                 await self._run_epoch(epoch, until)
+            await self._hand_over()
         self._background = None
+
+    async def _hand_over(self) -> None:
+        """Stopping as the last replica of our stage, with enough peers left to refill it: keep
+        serving the stage's state (published at the epoch's end) until a peer has downloaded it,
+        for at most `HANDOVER_WAIT` seconds — else the stage would restart from θ0."""
+        trainer, placement = self.trainer, self.last_placement
+        if not self.stop.is_set() or trainer is None or trainer.needs_state or HANDOVER_WAIT <= 0:
+            return
+        if [p for p, s in placement.items() if s == trainer.stage] != [self.me] or len(placement) <= self.spec.stages:
+            return
+        served = self.states.donor.stats["chunks_served"]
+        self.waiting = f"pipeline: handing stage {trainer.stage} over (up to {HANDOVER_WAIT:.0f} s)"
+        log.warning(
+            kv(
+                "stopping as the last replica of this stage: serving it to the peer that takes it over",
+                stage=trainer.stage,
+                wait_s=HANDOVER_WAIT,
+            )
+        )
+        with trio.move_on_after(HANDOVER_WAIT):
+            while self.states.donor.stats["chunks_served"] == served:
+                await trio.sleep(AGREE_POLL)
+        self.waiting = None
 
     def _step(self) -> int:
         return self.trainer.step if self.trainer is not None else 0
@@ -487,6 +515,7 @@ class PipelinePeer:
         run = self._problem(epoch)
         allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
         self.epoch = epoch
+        self.last_placement = epoch.placement
         self.epochs += 1
         log.warning(
             kv(
@@ -517,8 +546,9 @@ class PipelinePeer:
                         self.phase.set("training")
                         await self._iterate(rt, trainer)
                     nursery.cancel_scope.cancel()
-        except PipelineError as e:
-            log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=str(e)[:300]))
+        except* PipelineError as eg:  # raised inside the nursery: it arrives in an exception group
+            reason = "; ".join(str(e) for e in eg.exceptions)
+            log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=reason[:300]))
         finally:
             self.runtime = None
             self.epoch = None
@@ -542,8 +572,8 @@ class PipelinePeer:
             trainer.needs_state = False
             return
         stage = trainer.stage
-        peers = sorted(p for p in epoch.placement if p != self.me)
-        replicas = [p for p in peers if epoch.placement[p] == stage and self._announced(p).get("offer") == base]
+        peers = sorted(p for p in {*epoch.placement, *self.host.connected_peers()} if p != self.me)  # + peers that left
+        replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
         donated = await self.states.fetch(stage, replicas, peers)
         why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
@@ -571,7 +601,7 @@ class PipelinePeer:
             kv(
                 "took this stage's state from its replicas"
                 if donated.from_replicas
-                else "took this stage's state from a peer that held it before (its replicas are gone)",
+                else "took this stage's state from a peer no longer on it (the stage had no replica left)",
                 **self.joined_from,
             )
         )
