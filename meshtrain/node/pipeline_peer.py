@@ -86,6 +86,7 @@ from meshtrain.models.gpt import GPT
 from meshtrain.models.sources import resolve_context
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.pipeline_lab import PipelineLab
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
 from meshtrain.node.stage_state import StageStates
@@ -95,7 +96,7 @@ from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.placement import Member, place, stage_map
 from meshtrain.pipeline.replica_sync import StageOuterSync
-from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime
+from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.framing import packb_canonical
@@ -301,6 +302,8 @@ class PipelinePeer:
             self.host, streams, spec.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
         )
         self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
+        self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
+        self.traffic: dict[str, Any] = {"hop_bytes": 0, "sync_bytes": 0, "bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
         self.trainer: PipelineTrainer | None = None
         self.runtime: PipelineRuntime | None = None
@@ -416,7 +419,10 @@ class PipelinePeer:
 
     def _measure_forward(self) -> float:
         """Median seconds of one microbatch's forward through the whole model (the announced
-        speed: placement puts fast peers first, the scheduler weighs paths with it)."""
+        speed: placement puts fast peers first, the scheduler weighs paths with it). In a lab
+        (node/pipeline_lab.py), the lab's simulated time instead."""
+        if self.lab is not None and self.me in self.lab.forward_s:
+            return self.lab.forward_s[self.me]
         model = build_model(self.spec, self.corpus.vocab_size)
         T = resolve_context(model, self.spec.context, self.spec.model)
         x, y = self.corpus.batch(self.spec.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
@@ -484,7 +490,7 @@ class PipelinePeer:
             num_stages=spec.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
-            links={(a, b): DEFAULT_LINK for i, a in enumerate(peers) for b in peers[i + 1 :]},
+            links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
             activation_bytes=4 * spec.batch_size * trainer.context * cfg.d_model,
             microbatches=spec.microbatches,
             skip_ratio=spec.skip_ratio,
@@ -492,6 +498,9 @@ class PipelinePeer:
         return PipelineRun(
             f"{self.swarm_id[-8:]}-{epoch.key[:16]}", problem, "skippipe", spec.batch_size, trainer.context
         )
+
+    def _link(self, a: str, b: str) -> Link:
+        return self.lab.link(a, b) if self.lab is not None else DEFAULT_LINK
 
     async def _run_epoch(self, epoch: Epoch, until: int) -> None:
         trainer = self.trainer
@@ -540,6 +549,8 @@ class PipelinePeer:
                         should_stop=should_stop,
                         allreduce=allreduce,
                         sync_gradients=spec.replica_sync == "every-step",
+                        links=SimulatedLinks(run.problem.links) if self.lab is not None else None,
+                        compute_floor=epoch.forward_s[self.me] if self.lab is not None else None,
                     ) as rt:
                         self.runtime = rt
                         await self._wait_ready(epoch)
@@ -550,6 +561,8 @@ class PipelinePeer:
             reason = "; ".join(str(e) for e in eg.exceptions)
             log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=reason[:300]))
         finally:
+            if self.runtime is not None:
+                self.traffic = self._traffic()
             self.runtime = None
             self.epoch = None
             self._publish_stage()
@@ -641,6 +654,7 @@ class PipelinePeer:
                 for r in await trainer.sync.after_iteration():
                     trainer.bytes_sent += r.bytes_sent
                     trainer.bytes_received += r.bytes_received
+                    await rt.account_sync(r.bytes_sent)
             self._after_iteration(trainer, rep.loss, rep.committed)
             if rep.stop:
                 return
@@ -730,8 +744,21 @@ class PipelinePeer:
             "epochs": self.epochs,
             "forward_s": self.forward_s,
             "joined_from": self.joined_from,
+            "traffic": self._traffic(),
             "waiting": self.waiting,
         }
+
+    def _traffic(self) -> dict[str, Any]:
+        """Bytes we sent since start: pipeline hops, replica sync (gradient all-reduce or outer
+        rounds), and both by destination peer (the runtime's counters, over every epoch)."""
+        out = {**self.traffic, "bytes_to": dict(self.traffic["bytes_to"])}
+        rt = self.runtime
+        if rt is not None:
+            out["hop_bytes"] += rt.stats["hop_bytes"]
+            out["sync_bytes"] += rt.stats["sync_bytes"]
+            for p, n in rt.bytes_to.items():
+                out["bytes_to"][p] = out["bytes_to"].get(p, 0) + n
+        return out
 
     def training_status(self) -> dict[str, Any]:
         """The `training` section's numbers (the status document's schema)."""

@@ -60,6 +60,13 @@ re-routing tolerates (any replica computes a valid forward, just not the same bi
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
 bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
 scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
+The replica sync's all-reduce runs over the collective, which `links` does not reach: with links,
+`account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
+waits as long as sending those bytes over the slowest link to a replica would take.
+
+Traffic: `stats` counts hop and replica-sync bytes sent; `bytes_to` splits them by destination
+(a sync's bytes evenly over the other replicas), so a benchmark can tell the bytes that cross
+regions.
 
 What it does not do: place stages on peers, join a swarm, checkpoint, or take over a dead
 origin's data (its microbatches are lost for that iteration).
@@ -432,7 +439,15 @@ class PipelineRuntime(Service):
         self.collective = SwarmCollective(
             host, streams, lambda _round: self._group, allreduce or AllReduceConfig(join_timeout=15, part_timeout=15)
         )
-        self.stats = {"hops_sent": 0, "hops_received": 0, "rejected": 0, "send_failures": 0}
+        self.stats = {
+            "hops_sent": 0,
+            "hops_received": 0,
+            "rejected": 0,
+            "send_failures": 0,
+            "hop_bytes": 0,
+            "sync_bytes": 0,
+        }
+        self.bytes_to: dict[str, int] = {}  # bytes sent per destination peer (hops and replica sync)
 
     @property
     def replica_group(self) -> tuple[str, ...]:
@@ -652,6 +667,8 @@ class PipelineRuntime(Service):
             await self.host.rpc.call(to, HOP_RPC, req, timeout=CALL_TIMEOUT)
             await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
             self.stats["hops_sent"] += 1
+            self.stats["hop_bytes"] += hop.nbytes
+            self.bytes_to[to] = self.bytes_to.get(to, 0) + hop.nbytes
         except (RpcError, TransferError) as e:
             self.stats["send_failures"] += 1
             if isinstance(e, RemoteError) and e.code == "stale-attempt":
@@ -837,6 +854,7 @@ class PipelineRuntime(Service):
                 res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
                 total = [res.tensors[f"g{i}"] for i in range(len(total))]
                 n = res.tensors["count"]
+                await self.account_sync(res.bytes_sent)
             except CollectiveError as e:
                 # Cut off from our replicas: step alone rather than not at all; our replicas
                 # will see a different model only if we are the one that is cut off.
@@ -857,6 +875,19 @@ class PipelineRuntime(Service):
             stop,
             grads,
         )
+
+    async def account_sync(self, nbytes: int) -> None:
+        """Count `nbytes` of replica-sync traffic we sent (split evenly over the other replicas)
+        and, with simulated links, wait as long as sending them over the slowest link to a replica
+        would take (module docstring, Simulation hooks)."""
+        partners = [p for p in self._group if p != self.me]
+        if not partners or nbytes <= 0:
+            return
+        self.stats["sync_bytes"] += nbytes
+        for p in partners:
+            self.bytes_to[p] = self.bytes_to.get(p, 0) + nbytes // len(partners)
+        if self.links is not None:
+            await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
     # -- RPC handlers ----------------------------------------------------------------------------
 
