@@ -303,7 +303,7 @@ class PipelinePeer:
         )
         self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
         self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
-        self.traffic: dict[str, Any] = {"hop_bytes": 0, "sync_bytes": 0, "bytes_to": {}}  # ended epochs'
+        self.traffic: dict[str, dict[str, int]] = {"hop_bytes_to": {}, "sync_bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
         self.trainer: PipelineTrainer | None = None
         self.runtime: PipelineRuntime | None = None
@@ -748,16 +748,16 @@ class PipelinePeer:
             "waiting": self.waiting,
         }
 
-    def _traffic(self) -> dict[str, Any]:
-        """Bytes we sent since start: pipeline hops, replica sync (gradient all-reduce or outer
-        rounds), and both by destination peer (the runtime's counters, over every epoch)."""
-        out = {**self.traffic, "bytes_to": dict(self.traffic["bytes_to"])}
+    def _traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes we sent since start, by destination peer: pipeline hops (activations, gradients)
+        and replica sync (gradient all-reduce or outer rounds) — the runtime's counters, summed
+        over every epoch."""
+        out = {k: dict(v) for k, v in self.traffic.items()}
         rt = self.runtime
         if rt is not None:
-            out["hop_bytes"] += rt.stats["hop_bytes"]
-            out["sync_bytes"] += rt.stats["sync_bytes"]
-            for p, n in rt.bytes_to.items():
-                out["bytes_to"][p] = out["bytes_to"].get(p, 0) + n
+            for key, counts in (("hop_bytes_to", rt.hop_bytes_to), ("sync_bytes_to", rt.sync_bytes_to)):
+                for p, n in counts.items():
+                    out[key][p] = out[key].get(p, 0) + n
         return out
 
     def training_status(self) -> dict[str, Any]:

@@ -64,9 +64,9 @@ The replica sync's all-reduce runs over the collective, which `links` does not r
 `account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
 waits as long as sending those bytes over the slowest link to a replica would take.
 
-Traffic: `stats` counts hop and replica-sync bytes sent; `bytes_to` splits them by destination
-(a sync's bytes evenly over the other replicas), so a benchmark can tell the bytes that cross
-regions.
+Traffic: `stats` counts hop and replica-sync bytes sent; `hop_bytes_to` and `sync_bytes_to` split
+them by destination (a sync's bytes evenly over the other replicas), so a benchmark can tell the
+bytes that cross regions.
 
 What it does not do: place stages on peers, join a swarm, checkpoint, or take over a dead
 origin's data (its microbatches are lost for that iteration).
@@ -447,7 +447,8 @@ class PipelineRuntime(Service):
             "hop_bytes": 0,
             "sync_bytes": 0,
         }
-        self.bytes_to: dict[str, int] = {}  # bytes sent per destination peer (hops and replica sync)
+        self.hop_bytes_to: dict[str, int] = {}  # bytes sent per destination peer: activations, gradients
+        self.sync_bytes_to: dict[str, int] = {}  # ... and replica sync
 
     @property
     def replica_group(self) -> tuple[str, ...]:
@@ -668,7 +669,7 @@ class PipelineRuntime(Service):
             await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
             self.stats["hops_sent"] += 1
             self.stats["hop_bytes"] += hop.nbytes
-            self.bytes_to[to] = self.bytes_to.get(to, 0) + hop.nbytes
+            self.hop_bytes_to[to] = self.hop_bytes_to.get(to, 0) + hop.nbytes
         except (RpcError, TransferError) as e:
             self.stats["send_failures"] += 1
             if isinstance(e, RemoteError) and e.code == "stale-attempt":
@@ -885,7 +886,7 @@ class PipelineRuntime(Service):
             return
         self.stats["sync_bytes"] += nbytes
         for p in partners:
-            self.bytes_to[p] = self.bytes_to.get(p, 0) + nbytes // len(partners)
+            self.sync_bytes_to[p] = self.sync_bytes_to.get(p, 0) + nbytes // len(partners)
         if self.links is not None:
             await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
