@@ -87,11 +87,16 @@ def cli(*args: str) -> list[str]:
 class Daemons:
     """N `meshtrain node start` processes in `root`, on the lab's links (module docstring)."""
 
-    def __init__(self, root: Path, n: int) -> None:
-        from meshtrain.transport.identity import Identity
+    def __init__(self, root: Path, n: int, identities: Path) -> None:
+        from meshtrain.transport.identity import KEY_FILE_NAME, Identity
 
         self.root, self.n = root, n
         self.dirs = [root / f"node{i}" for i in range(n)]
+        for i, d in enumerate(self.dirs):  # every run the same peers: the same regions and speeds
+            key = identities / f"node{i}" / KEY_FILE_NAME
+            Identity.load_or_create(key.parent)
+            d.mkdir(parents=True)
+            shutil.copy2(key, d / KEY_FILE_NAME)
         self.ids = [Identity.load_or_create(d).peer_id_str for d in self.dirs]  # known before start
         self.region = {p: i % N_REGIONS for i, p in enumerate(self.ids)}
         self.lab = root / "lab.json"
@@ -310,7 +315,7 @@ def assembled_eval_loss(d: Daemons) -> float:
 
 def daemon_run(root: Path, replica_sync: str, steps: int) -> dict[str, Any]:
     root.mkdir(parents=True)
-    d = Daemons(root, N_DAEMONS)
+    d = Daemons(root, N_DAEMONS, root.parent / "identities")
     progress(f"run {replica_sync}: {N_DAEMONS} daemons, {steps} steps (logs in {root})")
     t0 = time.monotonic()
     try:
@@ -391,7 +396,7 @@ def library_run(root: Path, every: dict[str, Any], steps: int) -> float:
 def kill_run(root: Path, steps: int) -> dict[str, Any]:
     """Run 4 (module docstring): two SIGKILLs at step 8, the last stage-1 replica later."""
     root.mkdir(parents=True)
-    d = Daemons(root, N_DAEMONS)
+    d = Daemons(root, N_DAEMONS, root.parent / "identities")
     progress(f"run kill: {N_DAEMONS} daemons, {steps} steps")
     out: dict[str, Any] = {"kill_recovery_s": None, "kill_new_epoch_s": None, "refill_ok": False, "refill_s": None}
     try:
@@ -437,7 +442,7 @@ def kill_run(root: Path, steps: int) -> dict[str, Any]:
         out["refill_s"] = wait_until(refilled)
         d.wait()
         finished = [i for i in range(d.n) if d.procs[i].returncode == 0]
-        ends = [len(d.history(i)) for i in finished]
+        ends = [h[-1]["step"] for h in (d.history(i) for i in finished) if h]
         out["refill_ok"] = bool(movers) and out["refill_s"] is not None and bool(ends) and min(ends) >= steps
         out["kill_survivors"] = len(finished)
     finally:

@@ -443,7 +443,9 @@ class PipelinePeer:
                 kv("moving to another stage (its state is downloaded as the epoch starts)", frm=old.stage, to=stage)
             )
         trainer = await trio.to_thread.run_sync(PipelineTrainer, self.spec, stage, self.corpus.vocab_size)
-        trainer.step = old.step if old is not None else 0
+        if old is not None:  # the loss curve and byte counts go on across a move
+            trainer.step, trainer.info.history = old.step, old.info.history
+            trainer.bytes_sent, trainer.bytes_received = old.bytes_sent, old.bytes_received
         trainer.attach_sync(self._collective)
         self.trainer = trainer
         self._announce(stage=stage, offer=None)
