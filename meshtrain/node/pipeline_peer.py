@@ -51,24 +51,27 @@ the swarm keeps no shared checkpoints), starts the stage from its initial weight
 At base step 0 everyone starts from θ0: no download.
 
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
-and the step — every `checkpoint_every` seconds (in the background) and when it stops; a restart
-resumes it and announces that stage again, so the placement keeps it there.
+and the step (node/stage_trainer.py: the stage and its state's forms) — every `checkpoint_every`
+seconds (in the background) and when it stops; a restart resumes it and announces that stage
+again, so the placement keeps it there.
+
+Lab. With `NodeConfig.pipeline_lab` (node/pipeline_lab.py) the scheduler and the runtime use the
+lab's simulated links and forward times (user-space throttling, for benchmarks on one machine).
 
 Status: `status()` is the status document's `pipeline` section (our stage, the stage map, the
-epoch, what we wait for); `training_status()` fills its `training` section.
+epoch, how we took our stage's state, the bytes we sent to each peer, what we wait for);
+`training_status()` fills its `training` section.
 
-Not here yet (issue 18): an origin
-taking over a dead origin's microbatches within an iteration, paths that skip an empty stage
-while it is refilled, measured links for the scheduler (every link is `DEFAULT_LINK`), evaluation
-of the assembled model, and `meshtrain export` of a pipeline swarm.
+Not here yet (issue 18): an origin taking over a dead origin's microbatches within an iteration
+(they are dropped for that iteration), measured links for the scheduler (every link is
+`DEFAULT_LINK`, or the lab's), evaluation of the assembled model, and `meshtrain export` of a
+pipeline swarm.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,9 +83,7 @@ import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.crdt.swarm_view import PeerInfo
-from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.models.gpt import GPT
 from meshtrain.models.sources import resolve_context
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.config import NodeConfig
@@ -90,15 +91,12 @@ from meshtrain.node.pipeline_lab import PipelineLab
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
 from meshtrain.node.stage_state import StageStates
+from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
-from meshtrain.node.trainer import StepInfo, build_model, load_data
-from meshtrain.optim.outer import OuterStateError, StaleStateError
-from meshtrain.pipeline.cut import parse_stage_cut
+from meshtrain.node.trainer import build_model, load_data
 from meshtrain.pipeline.placement import Member, place, stage_map
-from meshtrain.pipeline.replica_sync import StageOuterSync
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
-from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.tensor_streams import TensorStreams
 from meshtrain.transport.validate import is_int, is_number
@@ -130,143 +128,6 @@ class Epoch:
             {"placement": sorted(self.placement.items()), "fwd": sorted(self.forward_s.items()), "step": self.base_step}
         )
         return blake3.blake3(body).hexdigest()[:32]
-
-
-class PipelineTrainer:
-    """This peer's stage: the (locally built, whole) model, its `StageReplica`, the optional
-    per-stage outer sync, the step counter and the numbers the status page shows."""
-
-    def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int) -> None:
-        model = build_model(spec, vocab_size)
-        if not isinstance(model, GPT):  # the spec's check allows built-in GPTs only
-            raise ConfigError(f"pipeline swarms cut a built-in GPT, not {spec.model}")
-        self.spec = spec
-        self.stage = stage
-        self.context = resolve_context(model, spec.context, spec.model)
-        cut = parse_stage_cut(spec.stage_cut, spec.stages, model.config.n_layer) if spec.stage_cut else None
-        self.replica = StageReplica(
-            model, spec.stages, stage, lr=spec.inner_lr, weight_decay=spec.weight_decay, clip=spec.clip, cut=cut
-        )
-        self.sync: StageOuterSync | None = None
-        self.step = 0
-        self.needs_state = True  # fresh: θ0 of this stage, right only at the swarm's step 0
-        self.info = StepInfo()
-        self.lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def attach_sync(self, current_collective: Any) -> StageOuterSync | None:
-        """Build the spec's per-stage outer sync (None for "every-step") over the collective
-        `current_collective()` returns."""
-        spec = self.spec
-        if spec.replica_sync != "every-step" and self.sync is None:
-            self.sync = StageOuterSync(
-                self.replica,
-                current_collective,
-                spec.replica_sync,  # type: ignore[arg-type]
-                H=spec.H,
-                lr=spec.outer_lr,
-                momentum=spec.outer_momentum if spec.replica_sync == "diloco" else None,
-                codec=spec.codec,
-            )
-        return self.sync
-
-    @property
-    def rounds(self) -> int:
-        return self.sync.outer.rounds if self.sync is not None else 0
-
-    # -- state -----------------------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """This stage's weights, AdamW state, outer state and step (copies; between iterations)."""
-        r = self.replica
-        state: dict[str, Any] = {
-            "pipeline": {"stage": self.stage, "stages": self.spec.stages, "cut": self.spec.stage_cut},
-            "step": self.step,
-            "weights": r.stage_state(),
-            "adam": copy.deepcopy(r.optimizer.state_dict()),
-            "loss": self.info.loss,
-        }
-        if self.sync is not None:
-            state["outer"] = self.sync.outer.state_dict(inner=False)
-        return state
-
-    def donated_state(self) -> dict[str, Any]:
-        """What a peer taking this stage over downloads from us (node/stage_state.py): every-step,
-        the weights and AdamW state; diloco / noloco, the outer state (φ and momentum). Copies."""
-        if self.sync is None:
-            return {"weights": self.replica.stage_state(), "adam": copy.deepcopy(self.replica.optimizer.state_dict())}
-        return {"outer": self.sync.outer.state_dict(inner=False)}
-
-    def enter_donated(self, state: dict[str, Any], *, at_step: int) -> None:
-        """Take a downloaded `donated_state()` and train on from `at_step`, the epoch's base step.
-        Raises `ValueError` for a state that does not fit this stage (nothing is changed then,
-        except with an outer state the optimizer refuses half-way, which raises too)."""
-        r = self.replica
-        if self.sync is None:
-            weights, adam = state.get("weights"), state.get("adam")
-            if not (
-                isinstance(weights, dict)
-                and isinstance(adam, dict)
-                and set(weights) == set(r.names)
-                and all(
-                    isinstance(weights[n], torch.Tensor) and weights[n].shape == p.shape
-                    for n, p in zip(r.names, r.params, strict=True)
-                )
-            ):
-                raise ValueError("the donated weights are not this stage's")
-            saved = copy.deepcopy(r.optimizer.state_dict())
-            try:
-                r.optimizer.load_state_dict(adam)
-            except (KeyError, TypeError, ValueError) as e:
-                r.optimizer.load_state_dict(saved)
-                raise ValueError(f"the donated AdamW state does not fit this stage: {e}") from None
-            with torch.no_grad():
-                for name, p in zip(r.names, r.params, strict=True):
-                    p.copy_(weights[name])
-        else:
-            outer = state.get("outer")
-            if not isinstance(outer, dict):
-                raise ValueError("the donated state has no outer state")
-            try:
-                try:
-                    self.sync.outer.join(outer, at_step=at_step)
-                except StaleStateError:  # older than the round we enter: its φ is still the best we have
-                    self.sync.outer.join(outer)
-            except OuterStateError as e:
-                raise ValueError(f"the donated outer state does not fit this stage: {e}") from None
-        self.step = at_step
-        self.needs_state = False
-
-    def load_checkpoint(self, state: dict[str, Any]) -> None:
-        r = self.replica
-        with torch.no_grad():
-            for name, p in zip(r.names, r.params, strict=True):
-                p.copy_(state["weights"][name])
-        r.optimizer.load_state_dict(state["adam"])
-        self.step = int(state["step"])
-        self.needs_state = False
-        if self.sync is not None and "outer" in state:
-            self.sync.outer.load_state_dict(state["outer"], inner=False)
-        with self.lock:
-            self.info.step = self.step
-            self.info.loss = state.get("loss")
-
-    def weights_digest(self) -> str:
-        """blake3 of this stage's weights (replicas of a stage compare it after a DiLoCo round)."""
-        h = blake3.blake3()
-        for t in self.replica.stage_state().values():
-            h.update(t.contiguous().numpy().tobytes())
-        return h.hexdigest()
-
-
-def checkpoint_stage(state: dict[str, Any], spec: SwarmSpec) -> int | None:
-    """The stage a checkpoint holds, if it was made under this spec's cut (else None)."""
-    meta = state.get("pipeline") if isinstance(state, dict) else None
-    if not isinstance(meta, dict) or meta.get("stages") != spec.stages or meta.get("cut") != spec.stage_cut:
-        return None
-    stage = meta.get("stage")
-    return stage if is_int(stage) and 0 <= stage < spec.stages else None
 
 
 class PipelinePeer:
@@ -305,7 +166,7 @@ class PipelinePeer:
         self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
         self.traffic: dict[str, dict[str, int]] = {"hop_bytes_to": {}, "sync_bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
-        self.trainer: PipelineTrainer | None = None
+        self.trainer: StageTrainer | None = None
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
         self.last_placement: dict[str, int] = {}  # the last epoch's
@@ -442,7 +303,7 @@ class PipelinePeer:
             log.warning(
                 kv("moving to another stage (its state is downloaded as the epoch starts)", frm=old.stage, to=stage)
             )
-        trainer = await trio.to_thread.run_sync(PipelineTrainer, self.spec, stage, self.corpus.vocab_size)
+        trainer = await trio.to_thread.run_sync(StageTrainer, self.spec, stage, self.corpus.vocab_size)
         if old is not None:  # the loss curve and byte counts go on across a move
             trainer.step, trainer.info.history = old.step, old.info.history
             trainer.bytes_sent, trainer.bytes_received = old.bytes_sent, old.bytes_received
@@ -577,7 +438,7 @@ class PipelinePeer:
         self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
         self._announce(offer=trainer.step)
 
-    async def _take_stage_state(self, epoch: Epoch, trainer: PipelineTrainer) -> None:
+    async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
         """Before the epoch starts: a fresh stage, or a state behind the epoch's base step, is
         replaced by the stage's state downloaded from its replicas (module docstring)."""
         base = epoch.base_step
@@ -637,7 +498,7 @@ class PipelinePeer:
                 await trio.sleep(AGREE_POLL / 2)
         raise PipelineError(f"peers of the epoch did not start it within {self.config.join_timeout:.0f} s")
 
-    async def _iterate(self, rt: PipelineRuntime, trainer: PipelineTrainer) -> None:
+    async def _iterate(self, rt: PipelineRuntime, trainer: StageTrainer) -> None:
         it = 0
         self.waiting = None
         seconds: list[float] = []
@@ -674,7 +535,7 @@ class PipelinePeer:
 
     # -- after each iteration -----------------------------------------------------------------------
 
-    def _after_iteration(self, trainer: PipelineTrainer, loss: float, committed: int) -> None:
+    def _after_iteration(self, trainer: StageTrainer, loss: float, committed: int) -> None:
         step = trainer.step
         now = time.monotonic()
         rate = self.spec.batch_size * committed / max(now - self._t_last, 1e-9)
