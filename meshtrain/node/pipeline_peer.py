@@ -62,10 +62,11 @@ Status: `status()` is the status document's `pipeline` section (our stage, the s
 epoch, how we took our stage's state, the bytes we sent to each peer, what we wait for);
 `training_status()` fills its `training` section.
 
-Not here yet (issue 18): an origin taking over a dead origin's microbatches within an iteration
-(they are dropped for that iteration), measured links for the scheduler (every link is
-`DEFAULT_LINK`, or the lab's), evaluation of the assembled model, and `meshtrain export` of a
-pipeline swarm.
+A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
+with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
+
+Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
+lab's), evaluation of the assembled model, and `meshtrain export` of a pipeline swarm.
 """
 
 from __future__ import annotations

@@ -41,8 +41,13 @@ with the rest. Why restart from the origin rather than patch the path where it b
 peer may hold the only copy of an activation the backward needs; recomputing the few stages
 before it is cheap, and the rule is the same wherever the failure hit. Per-microbatch gradients
 are kept apart (`stages.py`) and only the attempts the origins list in `done` are summed, so work
-done by a voided attempt is never counted. A dead origin takes its own microbatches with it.
-The next iteration is scheduled without the peers the origins reported dead.
+done by a voided attempt is never counted. A dead origin's microbatches are taken over (`_adopt`):
+the live origin with the lowest id, if it has not sent its own `done` yet, re-runs them from their
+data (a pure function of iteration and microbatch) as attempts above any the dead origin started,
+on the schedule's paths with the dead replaced, voids the older attempts everywhere (`abandon`,
+accepted from a live origin for a dead origin's microbatch) and lists them in its `done`. An heir
+that has already sent its `done` cannot; the dead origin's microbatches are then lost for that
+iteration. The next iteration is scheduled without the peers the origins reported dead.
 
 Replica sync (`sync_gradients`, the default): at the end of an iteration the replicas of each stage all-reduce their gradient
 sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
@@ -68,8 +73,7 @@ Traffic: `stats` counts hop and replica-sync bytes sent; `hop_bytes_to` and `syn
 them by destination (a sync's bytes evenly over the other replicas), so a benchmark can tell the
 bytes that cross regions.
 
-What it does not do: place stages on peers, join a swarm, checkpoint, or take over a dead
-origin's data (its microbatches are lost for that iteration).
+What it does not do: place stages on peers, join a swarm, checkpoint.
 """
 
 from __future__ import annotations
@@ -794,9 +798,45 @@ class PipelineRuntime(Service):
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
                         self._restart(st, mb, mine.att, hit)
+                self._adopt(st, gone)
             await self.host.wait_until(
                 lambda: any(p not in self.dead and not self.host.is_connected(p) for p in others)
             )
+
+    def _adopt(self, st: _Iteration, gone: set[str]) -> None:
+        """Origin takeover (module docstring, Failures): if we are the heir — the live origin of
+        this iteration with the lowest id — and have not sent our `done`, re-run the microbatches
+        of the origins in `gone` as our own."""
+        if self.stage != 0 or st.schedule is None or self.me in st.done_from:
+            return
+        heirs = sorted(o for o in st.origins if o not in self.dead)
+        if not heirs or heirs[0] != self.me:
+            return
+        taken = []
+        for plan in st.schedule.plans:
+            mb = plan.microbatch
+            if plan.origin not in gone or mb in st.mine:
+                continue
+            att = st.floor.get(mb, 0) + 1  # above any attempt the dead origin may have started
+            route = self._reroute((self.me, *(q for _, q in plan.path[1:-1])))
+            if route is None or att >= MAX_ATTEMPTS:
+                continue  # lost for this iteration, as without a takeover
+            st.origin_of[mb] = self.me
+            st.void(mb, att)
+            st.mine[mb] = _Mine(att, route)
+            st.restarts.append((mb, att))
+            taken.append(mb)
+            assert self._nursery is not None  # our own lifecycle, not peer input
+            self._nursery.start_soon(
+                self._broadcast,
+                ABANDON_RPC,
+                {"run": self.run.run, "it": st.it, "mb": mb, "floor": att},
+                self._live_others(),
+            )
+        if taken:
+            st.restart_count += len(taken)
+            log.warning(kv("pipeline origin takeover", it=st.it, microbatches=",".join(map(str, taken))))
+            st.notify()
 
     # -- end of an iteration ---------------------------------------------------------------------
 
@@ -959,8 +999,11 @@ class PipelineRuntime(Service):
             floor = _int(req["floor"], "floor", 1, MAX_ATTEMPTS, "stale-attempt")
             if self.run.problem.placement.get(peer) != 0:
                 raise HopRejected("not-origin", "only an origin voids its microbatches")
-            if st.origin_of and st.origin_of.get(mb) != peer:
-                raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
+            owner = st.origin_of.get(mb)
+            if owner is not None and owner != peer:
+                if owner not in self.dead and self.host.is_connected(owner):
+                    raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
+                st.origin_of[mb] = peer  # a live origin took a dead one's microbatch over
         except HopRejected as e:
             raise self._refuse(e) from None
         st.void(mb, floor)
