@@ -45,8 +45,9 @@ epoch starts, from the epoch's peers on that stage that offer the base step (the
 state; every-step: weights + AdamW; diloco / noloco: the outer state, entered with `join`). A
 stage that lost its last replica is refilled by placement (rule 3: a peer of the most
 replicated stage moves); the mover takes the newest snapshot of that stage any connected peer
-still holds — a last replica that *stops* keeps serving its stage for up to `HANDOVER_WAIT`
-seconds after it left, until someone downloaded it — or, if none does (the last replica died and
+still holds (the epoch's peers, and the last epoch's that are leaving but still connected) — a
+last replica that *stops* keeps serving its stage for up to `HANDOVER_WAIT` seconds after it left,
+until someone downloaded it — or, if none does (the last replica died and
 the swarm keeps no shared checkpoints), starts the stage from its initial weights and says so.
 At base step 0 everyone starts from θ0: no download.
 
@@ -449,7 +450,8 @@ class PipelinePeer:
             trainer.needs_state = False
             return
         stage = trainer.stage
-        peers = sorted(p for p in {*epoch.placement, *self.host.connected_peers()} if p != self.me)  # + peers that left
+        left = [p for p in self.last_placement if p not in epoch.placement and self.host.is_connected(p)]
+        peers = sorted(p for p in {*epoch.placement, *left} if p != self.me)  # + the last epoch's, leaving
         replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
         donated = await self.states.fetch(stage, replicas, peers)
