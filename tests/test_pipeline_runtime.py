@@ -405,6 +405,21 @@ def proc_spec(ids: list[str], stages: list[int], **over) -> dict:
     return spec | over
 
 
+def run_killing(swarm: ProcSwarm, spec: dict, victim: str) -> dict[str, list[dict]]:
+    """Run `spec` (which kills `victim`): every survivor must finish its three iterations with all
+    four microbatches committed, none dropped, finite losses. Returns the survivors' output."""
+    out = dict(zip(swarm.ids, swarm.run(spec), strict=True))
+    diag = "\n".join(tail(log) for log in swarm.logs)
+    assert out.pop(victim) is None, "the victim should have died"
+    assert all(o is not None for o in out.values()), diag
+    for lines in out.values():
+        its = [x for x in lines if "it" in x]
+        assert [x["it"] for x in its] == [0, 1, 2], diag
+        assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
+        assert all(math.isfinite(x["loss"]) for x in its)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["full", "skippipe"])
@@ -423,16 +438,10 @@ def test_killed_peers_microbatches_are_rerouted_and_the_iteration_completes(mode
             victim = max(sorted(use), key=lambda p: use[p])
             assert use[victim] > 0
             spec["kill"] = {"peer": victim, "iteration": 1, "after_s": 0.5}
-            out = dict(zip(ids, swarm.run(spec), strict=True))
-            diag = "\n".join(tail(log) for log in swarm.logs)
-            assert out.pop(victim) is None, "the victim should have died"
-            assert all(o is not None for o in out.values()), diag
+            out = run_killing(swarm, spec, victim)
             for lines in out.values():
                 its = [x for x in lines if "it" in x]
-                assert [x["it"] for x in its] == [0, 1, 2], diag
-                assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
                 assert its[1]["dead"] == 1 and its[2]["dead"] == 1
-                assert all(math.isfinite(x["loss"]) for x in its)
             origin = [x for x in out[ids[0]] if "it" in x]
             assert origin[1]["restarts"] >= 1, origin  # the victim's microbatches were re-run
             assert origin[2]["restarts"] == 0  # the next iteration is scheduled without it
@@ -486,15 +495,7 @@ def test_a_dead_origins_microbatches_are_taken_over_by_the_other_origin():
             spec = proc_spec(ids, [0, 0, 1, 2], run="takeover", kill={"peer": victim, "iteration": 1, "after_s": 0.5})
             plans = pipeline_run(spec).schedule().plans
             assert sorted(p.origin for p in plans) == sorted([heir, heir, victim, victim])
-            out = dict(zip(ids, swarm.run(spec), strict=True))
-            diag = "\n".join(tail(log) for log in swarm.logs)
-            assert out.pop(victim) is None, "the victim should have died"
-            assert all(o is not None for o in out.values()), diag
-            for lines in out.values():
-                its = [x for x in lines if "it" in x]
-                assert [x["it"] for x in its] == [0, 1, 2], diag
-                assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
-                assert all(math.isfinite(x["loss"]) for x in its)
+            out = run_killing(swarm, spec, victim)
             origin = [x for x in out[heir] if "it" in x]
             assert origin[1]["restarts"] >= 2, origin  # the victim's two microbatches, re-run here
             assert origin[2]["restarts"] == 0 and origin[2]["dead"] == 1, origin

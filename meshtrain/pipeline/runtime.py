@@ -721,15 +721,8 @@ class PipelineRuntime(Service):
                 self.dead.add(p)
         route = self._reroute(mine.route)
         new_att = att + 1
-        st.void(mb, new_att)
+        self._void_everywhere(st, mb, new_att)
         st.restart_count += 1
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(
-            self._broadcast,
-            ABANDON_RPC,
-            {"run": self.run.run, "it": st.it, "mb": mb, "floor": new_att},
-            self._live_others(),
-        )
         if route is None or new_att >= MAX_ATTEMPTS:
             mine.status = "dropped"
             log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
@@ -741,6 +734,17 @@ class PipelineRuntime(Service):
         mine.att, mine.route = new_att, route
         st.restarts.append((mb, new_att))
         st.notify()
+
+    def _void_everywhere(self, st: _Iteration, mb: int, floor: int) -> None:
+        """Attempts of `mb` below `floor` no longer count, here and (`abandon`) on every live peer."""
+        st.void(mb, floor)
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(
+            self._broadcast,
+            ABANDON_RPC,
+            {"run": self.run.run, "it": st.it, "mb": mb, "floor": floor},
+            self._live_others(),
+        )
 
     def _reroute(self, route: tuple[str, ...]) -> tuple[str, ...] | None:
         """`route` with every dead peer replaced by the live replica of its stage that the
@@ -822,17 +826,10 @@ class PipelineRuntime(Service):
             if route is None or att >= MAX_ATTEMPTS:
                 continue  # lost for this iteration, as without a takeover
             st.origin_of[mb] = self.me
-            st.void(mb, att)
+            self._void_everywhere(st, mb, att)
             st.mine[mb] = _Mine(att, route)
             st.restarts.append((mb, att))
             taken.append(mb)
-            assert self._nursery is not None  # our own lifecycle, not peer input
-            self._nursery.start_soon(
-                self._broadcast,
-                ABANDON_RPC,
-                {"run": self.run.run, "it": st.it, "mb": mb, "floor": att},
-                self._live_others(),
-            )
         if taken:
             st.restart_count += len(taken)
             log.warning(kv("pipeline origin takeover", it=st.it, microbatches=",".join(map(str, taken))))
