@@ -41,7 +41,7 @@ from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.pipeline.runtime import PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.pipeline.stages import StageReplica
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import ConnectError, Host
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams
 
@@ -160,7 +160,13 @@ async def main() -> None:
         for a in addrs:
             pid = a.rsplit("/", 1)[1]
             if pid < host.peer_id:
-                await host.connect(a)
+                for attempt in range(3):  # a loaded machine may take more than one dial's 10 s
+                    try:
+                        await host.connect(a)
+                        break
+                    except ConnectError:
+                        if attempt == 2:
+                            raise
         while True:
             line = await readline()
             if line == "quit":

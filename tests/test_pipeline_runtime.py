@@ -405,6 +405,21 @@ def proc_spec(ids: list[str], stages: list[int], **over) -> dict:
     return spec | over
 
 
+def run_killing(swarm: ProcSwarm, spec: dict, victim: str) -> dict[str, list[dict]]:
+    """Run `spec` (which kills `victim`): every survivor must finish its three iterations with all
+    four microbatches committed, none dropped, finite losses. Returns the survivors' output."""
+    out = dict(zip(swarm.ids, swarm.run(spec), strict=True))
+    diag = "\n".join(tail(log) for log in swarm.logs)
+    assert out.pop(victim) is None, "the victim should have died"
+    assert all(o is not None for o in out.values()), diag
+    for lines in out.values():
+        its = [x for x in lines if "it" in x]
+        assert [x["it"] for x in its] == [0, 1, 2], diag
+        assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
+        assert all(math.isfinite(x["loss"]) for x in its)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["full", "skippipe"])
@@ -423,16 +438,10 @@ def test_killed_peers_microbatches_are_rerouted_and_the_iteration_completes(mode
             victim = max(sorted(use), key=lambda p: use[p])
             assert use[victim] > 0
             spec["kill"] = {"peer": victim, "iteration": 1, "after_s": 0.5}
-            out = dict(zip(ids, swarm.run(spec), strict=True))
-            diag = "\n".join(tail(log) for log in swarm.logs)
-            assert out.pop(victim) is None, "the victim should have died"
-            assert all(o is not None for o in out.values()), diag
+            out = run_killing(swarm, spec, victim)
             for lines in out.values():
                 its = [x for x in lines if "it" in x]
-                assert [x["it"] for x in its] == [0, 1, 2], diag
-                assert all(x["committed"] == 4 and x["dropped"] == 0 for x in its), (its, diag)
                 assert its[1]["dead"] == 1 and its[2]["dead"] == 1
-                assert all(math.isfinite(x["loss"]) for x in its)
             origin = [x for x in out[ids[0]] if "it" in x]
             assert origin[1]["restarts"] >= 1, origin  # the victim's microbatches were re-run
             assert origin[2]["restarts"] == 0  # the next iteration is scheduled without it
@@ -467,5 +476,28 @@ def test_skippipe_skips_a_stage_whose_only_peer_died_and_the_iteration_completes
             assert origin[1]["committed"] == 4 and origin[1]["dropped"] == 0, (origin, diag)
             assert origin[1]["restarts"] >= 1 and origin[1]["dead"] == 1, origin
             assert all(math.isfinite(x["loss"]) for x in origin)
+        finally:
+            swarm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_dead_origins_microbatches_are_taken_over_by_the_other_origin():
+    """Two origins (stage 0) and one peer on each of stages 1 and 2; 0.5 s into iteration 1 one
+    origin is SIGKILLed while its microbatches are in flight. The other origin re-runs them from
+    their data (a pure function of iteration and microbatch): iteration 1 commits all four
+    microbatches on every survivor, none dropped, and the next one is scheduled without the dead."""
+    with tempfile.TemporaryDirectory() as logdir:
+        swarm = ProcSwarm(4, logdir)
+        try:
+            ids = swarm.ids
+            victim, heir = ids[1], ids[0]
+            spec = proc_spec(ids, [0, 0, 1, 2], run="takeover", kill={"peer": victim, "iteration": 1, "after_s": 0.5})
+            plans = pipeline_run(spec).schedule().plans
+            assert sorted(p.origin for p in plans) == sorted([heir, heir, victim, victim])
+            out = run_killing(swarm, spec, victim)
+            origin = [x for x in out[heir] if "it" in x]
+            assert origin[1]["restarts"] >= 2, origin  # the victim's two microbatches, re-run here
+            assert origin[2]["restarts"] == 0 and origin[2]["dead"] == 1, origin
         finally:
             swarm.close()

@@ -241,6 +241,25 @@ async def test_no_donors_and_donors_without_state_are_clear_errors():
             await fetch_state(joiner.host, joiner.ts, ids(donors))
 
 
+async def test_states_under_keys_are_served_apart():
+    """A donor offers several states side by side (a pipeline peer: one per stage it held); a
+    joiner gets the one under the key it asks for, and a key nobody published is `no_state`."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2)
+        stage1, stage2 = make_state(96, seed=1, round=7), make_state(128, seed=2, round=9)
+        for d in donors:
+            d.publish(*stage1, key="pipeline/stage1")
+            d.publish(*stage2, key="pipeline/stage2")
+        donors[0].publish(*make_state(64, seed=3))  # the default key: another state again
+        meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, key="pipeline/stage2")
+        assert meta["round"] == 9 and donors[0].keyed_rounds("pipeline/stage2") == [9]
+        assert_same_state(stage2[1], got)
+        meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, key="pipeline/stage1")
+        assert_same_state(stage1[1], got)
+        with pytest.raises(NoDonors, match="no_state"):
+            await fetch_state(joiner.host, joiner.ts, ids(donors), key="pipeline/stage3")
+
+
 async def test_malformed_requests_get_typed_errors_and_the_donor_keeps_serving():
     async with AsyncExitStack() as stack:
         joiner, (donor,) = await start_swarm(stack, 1)

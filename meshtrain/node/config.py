@@ -59,6 +59,11 @@ class NodeConfig(BaseModel):
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
     max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
+    pipeline_lab: Path | None = Field(
+        None,
+        description="lab only: a JSON file of simulated links and compute for a pipeline swarm on one "
+        "machine (node/pipeline_lab.py; scripts/bench_pipeline_swarm.py)",
+    )
     nat: bool = Field(
         True,
         description="NAT traversal: dial-back reachability probe, relay reservations "

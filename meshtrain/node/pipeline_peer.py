@@ -9,12 +9,13 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready"}`). `placement.place` gives every peer's stage; if
-   ours changed we take the new stage (a peer that has trained already should download it from
-   that stage's replicas: not here yet, see below) and announce it.
+   (`{"stage", "fwd", "step", "epoch", "ready", "offer"}`). `placement.place` gives every peer's
+   stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
+   starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
    step any of them announces); its key is a digest of all three. We announce the key as
-   `epoch`; once every peer of the placement announces the same key we build the runtime
+   `epoch`; once every peer of the placement announces the same key, a peer that does not hold
+   its stage's state at the base step downloads it (below), then we build the runtime
    (`PipelineRun` named after the key, so two epochs' messages never mix), announce `ready`, and
    start iteration 0 once every peer is ready (a hop that reached a peer still in the last epoch
    would be refused, and its microbatch re-routed for nothing).
@@ -36,26 +37,43 @@ all-reduce among a stage's replicas; "diloco" and "noloco" run the runtime witho
 outer optimizer per stage every H iterations over the runtime's collective
 (`pipeline/replica_sync.py`: each stage's rounds have their own tag).
 
+Late joiners, moved peers, refills (node/stage_state.py). At the end of every epoch a peer
+publishes its stage's state under the stage's key in its `StateDonor` and announces the step as
+`offer`. A peer whose stage is fresh (it joined, or placement moved it) or whose state is behind
+the epoch's base step (a restart from an old checkpoint) downloads its stage's state before the
+epoch starts, from the epoch's peers on that stage that offer the base step (their majority's
+state; every-step: weights + AdamW; diloco / noloco: the outer state, entered with `join`). A
+stage that lost its last replica is refilled by placement (rule 3: a peer of the most
+replicated stage moves); the mover takes the newest snapshot of that stage any connected peer
+still holds (the epoch's peers, and the last epoch's that are leaving but still connected) — a
+last replica that *stops* keeps serving its stage for up to `HANDOVER_WAIT` seconds after it left,
+until someone downloaded it — or, if none does (the last replica died and
+the swarm keeps no shared checkpoints), starts the stage from its initial weights and says so.
+At base step 0 everyone starts from θ0: no download.
+
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
-and the step — every `checkpoint_every` seconds (in the background) and when it stops; a restart
-resumes it and announces that stage again, so the placement keeps it there.
+and the step (node/stage_trainer.py: the stage and its state's forms) — every `checkpoint_every`
+seconds (in the background) and when it stops; a restart resumes it and announces that stage
+again, so the placement keeps it there.
+
+Lab. With `NodeConfig.pipeline_lab` (node/pipeline_lab.py) the scheduler and the runtime use the
+lab's simulated links and forward times (user-space throttling, for benchmarks on one machine).
 
 Status: `status()` is the status document's `pipeline` section (our stage, the stage map, the
-epoch, what we wait for); `training_status()` fills its `training` section.
+epoch, how we took our stage's state, the bytes we sent to each peer, what we wait for);
+`training_status()` fills its `training` section.
 
-Not here yet (issue 18): a late joiner or a moved peer downloading its stage's state from that
-stage's replicas (today it starts from the swarm's initial weights, with a warning), an origin
-taking over a dead origin's microbatches within an iteration, paths that skip an empty stage
-while it is refilled, measured links for the scheduler (every link is `DEFAULT_LINK`), evaluation
-of the assembled model, and `meshtrain export` of a pipeline swarm.
+A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
+with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
+
+Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
+lab's), evaluation of the assembled model, and `meshtrain export` of a pipeline swarm.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,22 +85,20 @@ import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.crdt.swarm_view import PeerInfo
-from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.models.gpt import GPT
 from meshtrain.models.sources import resolve_context
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.pipeline_lab import PipelineLab
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
+from meshtrain.node.stage_state import StageStates
+from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
-from meshtrain.node.trainer import StepInfo, build_model, load_data
-from meshtrain.pipeline.cut import parse_stage_cut
+from meshtrain.node.trainer import build_model, load_data
 from meshtrain.pipeline.placement import Member, place, stage_map
-from meshtrain.pipeline.replica_sync import StageOuterSync
-from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime
+from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
-from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.tensor_streams import TensorStreams
 from meshtrain.transport.validate import is_int, is_number
@@ -96,6 +112,7 @@ FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 MAX_KEY_CHARS = 64
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
+HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
 
 
 @dataclass(frozen=True)
@@ -113,94 +130,6 @@ class Epoch:
             {"placement": sorted(self.placement.items()), "fwd": sorted(self.forward_s.items()), "step": self.base_step}
         )
         return blake3.blake3(body).hexdigest()[:32]
-
-
-class PipelineTrainer:
-    """This peer's stage: the (locally built, whole) model, its `StageReplica`, the optional
-    per-stage outer sync, the step counter and the numbers the status page shows."""
-
-    def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int) -> None:
-        model = build_model(spec, vocab_size)
-        if not isinstance(model, GPT):  # the spec's check allows built-in GPTs only
-            raise ConfigError(f"pipeline swarms cut a built-in GPT, not {spec.model}")
-        self.spec = spec
-        self.stage = stage
-        self.context = resolve_context(model, spec.context, spec.model)
-        cut = parse_stage_cut(spec.stage_cut, spec.stages, model.config.n_layer) if spec.stage_cut else None
-        self.replica = StageReplica(
-            model, spec.stages, stage, lr=spec.inner_lr, weight_decay=spec.weight_decay, clip=spec.clip, cut=cut
-        )
-        self.sync: StageOuterSync | None = None
-        self.step = 0
-        self.info = StepInfo()
-        self.lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def attach_sync(self, current_collective: Any) -> StageOuterSync | None:
-        """Build the spec's per-stage outer sync (None for "every-step") over the collective
-        `current_collective()` returns."""
-        spec = self.spec
-        if spec.replica_sync != "every-step" and self.sync is None:
-            self.sync = StageOuterSync(
-                self.replica,
-                current_collective,
-                spec.replica_sync,  # type: ignore[arg-type]
-                H=spec.H,
-                lr=spec.outer_lr,
-                momentum=spec.outer_momentum if spec.replica_sync == "diloco" else None,
-                codec=spec.codec,
-            )
-        return self.sync
-
-    @property
-    def rounds(self) -> int:
-        return self.sync.outer.rounds if self.sync is not None else 0
-
-    # -- state -----------------------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """This stage's weights, AdamW state, outer state and step (copies; between iterations)."""
-        r = self.replica
-        state: dict[str, Any] = {
-            "pipeline": {"stage": self.stage, "stages": self.spec.stages, "cut": self.spec.stage_cut},
-            "step": self.step,
-            "weights": r.stage_state(),
-            "adam": copy.deepcopy(r.optimizer.state_dict()),
-            "loss": self.info.loss,
-        }
-        if self.sync is not None:
-            state["outer"] = self.sync.outer.state_dict(inner=False)
-        return state
-
-    def load_checkpoint(self, state: dict[str, Any]) -> None:
-        r = self.replica
-        with torch.no_grad():
-            for name, p in zip(r.names, r.params, strict=True):
-                p.copy_(state["weights"][name])
-        r.optimizer.load_state_dict(state["adam"])
-        self.step = int(state["step"])
-        if self.sync is not None and "outer" in state:
-            self.sync.outer.load_state_dict(state["outer"], inner=False)
-        with self.lock:
-            self.info.step = self.step
-            self.info.loss = state.get("loss")
-
-    def weights_digest(self) -> str:
-        """blake3 of this stage's weights (replicas of a stage compare it after a DiLoCo round)."""
-        h = blake3.blake3()
-        for t in self.replica.stage_state().values():
-            h.update(t.contiguous().numpy().tobytes())
-        return h.hexdigest()
-
-
-def checkpoint_stage(state: dict[str, Any], spec: SwarmSpec) -> int | None:
-    """The stage a checkpoint holds, if it was made under this spec's cut (else None)."""
-    meta = state.get("pipeline") if isinstance(state, dict) else None
-    if not isinstance(meta, dict) or meta.get("stages") != spec.stages or meta.get("cut") != spec.stage_cut:
-        return None
-    stage = meta.get("stage")
-    return stage if is_int(stage) and 0 <= stage < spec.stages else None
 
 
 class PipelinePeer:
@@ -232,10 +161,17 @@ class PipelinePeer:
         self.phase = phase
         self.stop = stop
         self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.states = StageStates(
+            self.host, streams, spec.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
+        )
+        self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
+        self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
+        self.traffic: dict[str, dict[str, int]] = {"hop_bytes_to": {}, "sync_bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
-        self.trainer: PipelineTrainer | None = None
+        self.trainer: StageTrainer | None = None
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
+        self.last_placement: dict[str, int] = {}  # the last epoch's
         self.epochs = 0
         self.forward_s = 0.0
         self.waiting: str | None = None
@@ -298,6 +234,7 @@ class PipelinePeer:
             self.trainer.load_checkpoint(ckpt.state)  # type: ignore[union-attr]
             self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}  # type: ignore[union-attr]
             log.warning(kv("resumed this stage from its checkpoint", stage=stage, step=self.trainer.step))
+            self._publish_stage()
         elif ckpt is not None:
             log.warning(kv("ignoring a checkpoint of another pipeline cut", path=str(ckpt.path)))
         self.forward_s = await trio.to_thread.run_sync(self._measure_forward)
@@ -314,14 +251,41 @@ class PipelinePeer:
                     break
                 first = False
                 await self._run_epoch(epoch, until)
+            await self._hand_over()
         self._background = None
+
+    async def _hand_over(self) -> None:
+        """Stopping as the last replica of our stage, with enough peers left to refill it: keep
+        serving the stage's state (published at the epoch's end) until a peer has downloaded it,
+        for at most `HANDOVER_WAIT` seconds — else the stage would restart from θ0."""
+        trainer, placement = self.trainer, self.last_placement
+        if not self.stop.is_set() or trainer is None or trainer.needs_state or HANDOVER_WAIT <= 0:
+            return
+        if [p for p, s in placement.items() if s == trainer.stage] != [self.me] or len(placement) <= self.spec.stages:
+            return
+        served = self.states.donor.stats["chunks_served"]
+        self.waiting = f"pipeline: handing stage {trainer.stage} over (up to {HANDOVER_WAIT:.0f} s)"
+        log.warning(
+            kv(
+                "stopping as the last replica of this stage: serving it to the peer that takes it over",
+                stage=trainer.stage,
+                wait_s=HANDOVER_WAIT,
+            )
+        )
+        with trio.move_on_after(HANDOVER_WAIT):
+            while self.states.donor.stats["chunks_served"] == served:
+                await trio.sleep(AGREE_POLL)
+        self.waiting = None
 
     def _step(self) -> int:
         return self.trainer.step if self.trainer is not None else 0
 
     def _measure_forward(self) -> float:
         """Median seconds of one microbatch's forward through the whole model (the announced
-        speed: placement puts fast peers first, the scheduler weighs paths with it)."""
+        speed: placement puts fast peers first, the scheduler weighs paths with it). In a lab
+        (node/pipeline_lab.py), the lab's simulated time instead."""
+        if self.lab is not None and self.me in self.lab.forward_s:
+            return self.lab.forward_s[self.me]
         model = build_model(self.spec, self.corpus.vocab_size)
         T = resolve_context(model, self.spec.context, self.spec.model)
         x, y = self.corpus.batch(self.spec.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
@@ -337,21 +301,17 @@ class PipelinePeer:
         if self.trainer is not None and self.trainer.stage == stage:
             return
         old = self.trainer
-        if old is not None and old.step > 0:
+        if old is not None:
             log.warning(
-                kv(
-                    "moving to another stage; downloading its state from its replicas is not "
-                    "implemented yet: starting it from the initial weights",
-                    frm=old.stage,
-                    to=stage,
-                    step=old.step,
-                )
+                kv("moving to another stage (its state is downloaded as the epoch starts)", frm=old.stage, to=stage)
             )
-        trainer = await trio.to_thread.run_sync(PipelineTrainer, self.spec, stage, self.corpus.vocab_size)
-        trainer.step = old.step if old is not None else 0
+        trainer = await trio.to_thread.run_sync(StageTrainer, self.spec, stage, self.corpus.vocab_size)
+        if old is not None:  # the loss curve and byte counts go on across a move
+            trainer.step, trainer.info.history = old.step, old.info.history
+            trainer.bytes_sent, trainer.bytes_received = old.bytes_sent, old.bytes_received
         trainer.attach_sync(self._collective)
         self.trainer = trainer
-        self._announce(stage=stage)
+        self._announce(stage=stage, offer=None)
 
     def _collective(self) -> Any:
         if self.runtime is None:
@@ -395,7 +355,7 @@ class PipelinePeer:
             num_stages=spec.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
-            links={(a, b): DEFAULT_LINK for i, a in enumerate(peers) for b in peers[i + 1 :]},
+            links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
             activation_bytes=4 * spec.batch_size * trainer.context * cfg.d_model,
             microbatches=spec.microbatches,
             skip_ratio=spec.skip_ratio,
@@ -404,20 +364,14 @@ class PipelinePeer:
             f"{self.swarm_id[-8:]}-{epoch.key[:16]}", problem, "skippipe", spec.batch_size, trainer.context
         )
 
+    def _link(self, a: str, b: str) -> Link:
+        return self.lab.link(a, b) if self.lab is not None else DEFAULT_LINK
+
     async def _run_epoch(self, epoch: Epoch, until: int) -> None:
         trainer = self.trainer
         assert trainer is not None
         spec = self.spec
-        if trainer.step < epoch.base_step:
-            log.warning(
-                kv(
-                    "behind the swarm: entering at its step without its stage's state (per-stage "
-                    "download is not implemented yet)",
-                    step=trainer.step,
-                    swarm_step=epoch.base_step,
-                )
-            )
-            trainer.step = epoch.base_step
+        await self._take_stage_state(epoch, trainer)
         if trainer.sync is not None:
             trainer.sync.outer.inner_steps = trainer.step  # round ids are the swarm's step
         base = trainer.step
@@ -435,6 +389,7 @@ class PipelinePeer:
         run = self._problem(epoch)
         allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
         self.epoch = epoch
+        self.last_placement = epoch.placement
         self.epochs += 1
         log.warning(
             kv(
@@ -459,17 +414,76 @@ class PipelinePeer:
                         should_stop=should_stop,
                         allreduce=allreduce,
                         sync_gradients=spec.replica_sync == "every-step",
+                        links=SimulatedLinks(run.problem.links) if self.lab is not None else None,
+                        compute_floor=epoch.forward_s[self.me] if self.lab is not None else None,
                     ) as rt:
                         self.runtime = rt
                         await self._wait_ready(epoch)
                         self.phase.set("training")
                         await self._iterate(rt, trainer)
                     nursery.cancel_scope.cancel()
-        except PipelineError as e:
-            log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=str(e)[:300]))
+        except* PipelineError as eg:  # raised inside the nursery: it arrives in an exception group
+            reason = "; ".join(str(e) for e in eg.exceptions)
+            log.warning(kv("pipeline epoch ended", epoch=epoch.key[:12], reason=reason[:300]))
         finally:
+            if self.runtime is not None:
+                self.traffic = self._traffic()
             self.runtime = None
             self.epoch = None
+            self._publish_stage()
+
+    def _publish_stage(self) -> None:
+        """Offer our stage's state to peers that take the stage over (between two iterations)."""
+        trainer = self.trainer
+        if trainer is None or trainer.needs_state:
+            return
+        self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
+        self._announce(offer=trainer.step)
+
+    async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
+        """Before the epoch starts: a fresh stage, or a state behind the epoch's base step, is
+        replaced by the stage's state downloaded from its replicas (module docstring)."""
+        base = epoch.base_step
+        if not trainer.needs_state and trainer.step >= base:
+            return
+        if base == 0:  # the swarm has not trained: θ0 is every replica's state
+            trainer.needs_state = False
+            return
+        stage = trainer.stage
+        left = [p for p in self.last_placement if p not in epoch.placement and self.host.is_connected(p)]
+        peers = sorted(p for p in {*epoch.placement, *left} if p != self.me)  # + the last epoch's, leaving
+        replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
+        self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
+        donated = await self.states.fetch(stage, replicas, peers)
+        why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
+        if donated is not None:
+            try:
+                trainer.enter_donated(donated.state, at_step=base)
+                why = ""
+            except ValueError as e:
+                why = str(e)
+        if why:
+            then = "starting the stage from its initial weights" if trainer.needs_state else "training on our own state"
+            log.warning(kv(f"cannot take stage {stage}'s state ({why}); {then}", stage=stage, step=base))
+            trainer.step, trainer.needs_state = base, False
+            return
+        assert donated is not None
+        self.joined_from = {
+            "stage": stage,
+            "step": donated.step,
+            "donors": len(donated.donors),
+            "from_replicas": donated.from_replicas,
+            "seconds": round(donated.seconds, 3),
+            "bytes": donated.bytes,
+        }
+        log.warning(
+            kv(
+                "took this stage's state from its replicas"
+                if donated.from_replicas
+                else "took this stage's state from a peer no longer on it (the stage had no replica left)",
+                **self.joined_from,
+            )
+        )
 
     async def _wait_ready(self, epoch: Epoch) -> None:
         """Every peer of the epoch serves its runtime: only then is iteration 0 started."""
@@ -487,7 +501,7 @@ class PipelinePeer:
                 await trio.sleep(AGREE_POLL / 2)
         raise PipelineError(f"peers of the epoch did not start it within {self.config.join_timeout:.0f} s")
 
-    async def _iterate(self, rt: PipelineRuntime, trainer: PipelineTrainer) -> None:
+    async def _iterate(self, rt: PipelineRuntime, trainer: StageTrainer) -> None:
         it = 0
         self.waiting = None
         seconds: list[float] = []
@@ -506,6 +520,7 @@ class PipelinePeer:
                 for r in await trainer.sync.after_iteration():
                     trainer.bytes_sent += r.bytes_sent
                     trainer.bytes_received += r.bytes_received
+                    await rt.account_sync(r.bytes_sent)
             self._after_iteration(trainer, rep.loss, rep.committed)
             if rep.stop:
                 return
@@ -523,7 +538,7 @@ class PipelinePeer:
 
     # -- after each iteration -----------------------------------------------------------------------
 
-    def _after_iteration(self, trainer: PipelineTrainer, loss: float, committed: int) -> None:
+    def _after_iteration(self, trainer: StageTrainer, loss: float, committed: int) -> None:
         step = trainer.step
         now = time.monotonic()
         rate = self.spec.batch_size * committed / max(now - self._t_last, 1e-9)
@@ -594,8 +609,22 @@ class PipelinePeer:
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,
+            "joined_from": self.joined_from,
+            "traffic": self._traffic(),
             "waiting": self.waiting,
         }
+
+    def _traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes we sent since start, by destination peer: pipeline hops (activations, gradients)
+        and replica sync (gradient all-reduce or outer rounds) — the runtime's counters, summed
+        over every epoch."""
+        out = {k: dict(v) for k, v in self.traffic.items()}
+        rt = self.runtime
+        if rt is not None:
+            for key, counts in (("hop_bytes_to", rt.hop_bytes_to), ("sync_bytes_to", rt.sync_bytes_to)):
+                for p, n in counts.items():
+                    out[key][p] = out[key].get(p, 0) + n
+        return out
 
     def training_status(self) -> dict[str, Any]:
         """The `training` section's numbers (the status document's schema)."""
@@ -635,9 +664,10 @@ def announced(caps: Any, num_stages: int) -> dict[str, Any]:
     fwd = raw.get("fwd")
     if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
         out["fwd"] = float(fwd)
-    step = raw.get("step")
-    if is_int(step) and 0 <= step < 1 << 62:
-        out["step"] = step
+    for key in ("step", "offer"):
+        v = raw.get(key)
+        if is_int(v) and 0 <= v < 1 << 62:
+            out[key] = v
     for key in ("epoch", "ready"):
         v = raw.get(key)
         if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:

@@ -51,6 +51,12 @@ otherwise hold a donor's send slots (8, 4 per identity) for the send timeout (fo
 Throttling: `StateDonor(upload_limit=bytes/s)` paces a donor's chunk sends (per chunk, across all
 joiners), so a volunteer can cap what it donates, and benchmarks can model residential uplinks.
 
+Keys: a donor may serve several states side by side, each under a key (`publish(..., key=)`,
+`fetch_state(..., key=)`; the manifest request names it, "" by default). A pipeline peer offers
+its stage's state under the stage's key (node/pipeline_peer.py): a joiner that asks the replicas
+of stage 2 for `"pipeline/stage2"` is never offered another stage's weights by a peer that has
+moved meanwhile — that peer answers `no_state`. Each key keeps its own newest `keep` snapshots.
+
 Not here: choosing donors (the node passes live trainers from membership), unflattening, join.
 Limits: a majority of *identities* is not a majority of people (a Sybil with many peer ids can
 outvote honest donors; membership admission is the defence); a manifest must fit in one RPC
@@ -105,6 +111,7 @@ MAX_CHUNKS = 1 << 16
 MAX_MANIFEST_BYTES = (4 << 20) - 4096  # must fit one RPC frame (framing.DEFAULT_MAX_FRAME)
 MAX_META_BYTES = 1 << 20
 MAX_REQUEST_BYTES = 4096
+MAX_KEY_CHARS = 128
 KEEP_SNAPSHOTS = 2
 DEFAULT_MAX_STATE_BYTES = 64 << 30
 
@@ -332,7 +339,8 @@ class StateDonor:
         self.provider = provider
         self.keep = keep
         self.send_timeout = send_timeout
-        self._snapshots: list[_Snapshot] = []  # newest first; replaced, never mutated in place
+        self._snapshots: list[_Snapshot] = []  # key "": newest first; replaced, never mutated in place
+        self._keyed: dict[str, list[_Snapshot]] = {}  # other keys, the same way
         self._published = 0
         self._sending: dict[str, int] = {}
         self._limiter = trio.CapacityLimiter(MAX_CONCURRENT_SENDS)
@@ -366,15 +374,25 @@ class StateDonor:
         """Rounds currently offered, newest first."""
         return [s.round for s in self._snapshots]
 
-    def publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *, key: str = "") -> None:
         """Offer a new snapshot. `meta` (msgpack-able, at most 1 MiB packed) may carry `round`
         and `step` (ints; otherwise a publish counter and 0). Tensors are taken as they are
-        (no copy when already contiguous CPU) and must not change afterwards."""
-        self._publish(meta, tensors, source=None)
+        (no copy when already contiguous CPU) and must not change afterwards. `key`: which of
+        this donor's states it is (module docstring, Keys)."""
+        self._publish(meta, tensors, source=None, key=key)
 
-    def _publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: Any) -> None:
+    def keyed_rounds(self, key: str) -> list[int]:
+        """Rounds offered under `key`, newest first."""
+        return [s.round for s in self._offered(key)]
+
+    def _offered(self, key: str) -> list[_Snapshot]:
+        return self._snapshots if not key else self._keyed.get(key, [])
+
+    def _publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: Any, key: str = "") -> None:
         if not isinstance(meta, dict):
             raise TypeError("meta must be a dict")
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise ValueError(f"key must be a string of at most {MAX_KEY_CHARS} characters")
         packed = packb(meta)
         if len(packed) > MAX_META_BYTES:
             raise ValueError(f"meta packs to {len(packed)} bytes; the limit is {MAX_META_BYTES}")
@@ -384,8 +402,11 @@ class StateDonor:
         step = step if is_int(step) and step >= 0 else 0
         ordered = contiguous_cpu({k: tensors[k] for k in sorted(tensors)})
         snap = _Snapshot(rnd, step, meta, FlatState(ordered), source)
-        keep = [s for s in self._snapshots if s.round != rnd][: self.keep - 1]
-        self._snapshots = [snap, *keep]
+        keep = [s for s in self._offered(key) if s.round != rnd][: self.keep - 1]
+        if key:
+            self._keyed[key] = [snap, *keep]
+        else:
+            self._snapshots = [snap, *keep]
         log.info(kv("state published", round=rnd, step=step, bytes=snap.flat.total))
         # Hash now, in a worker thread, so the first joiner does not wait for it.
         nursery = self.host.nursery
@@ -419,16 +440,19 @@ class StateDonor:
     async def _serve_manifest(self, peer: str, request: Any) -> dict[str, Any]:
         await self._require_member(peer)
         if not isinstance(request, dict):
-            raise self._refuse("bad_request", "expected a map {chunk_bytes}")
-        cb = request.get("chunk_bytes")
+            raise self._refuse("bad_request", "expected a map {chunk_bytes, key?}")
+        cb, key = request.get("chunk_bytes"), request.get("key", "")
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise self._refuse("bad_request", f"key must be a string of at most {MAX_KEY_CHARS} characters")
         if not (is_int(cb) and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES):
             raise self._refuse(
                 "bad_request", f"chunk_bytes must be an integer in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"
             )
-        self._poll_provider()
-        snaps = self._snapshots
+        if not key:
+            self._poll_provider()
+        snaps = self._offered(key)
         if not snaps:
-            raise self._refuse("no_state", "this peer has not published a state yet")
+            raise self._refuse("no_state", f"this peer has not published a state{f' under {key!r}' if key else ''} yet")
         offers = []
         for snap in snaps:
             if chunk_count(snap.flat.total, cb) > MAX_CHUNKS:
@@ -461,7 +485,8 @@ class StateDonor:
             raise self._refuse(
                 "bad_request", "chunk request needs digest (32 bytes), chunk_bytes, index (ints) and fetch (hex id)"
             )
-        snap = next((s for s in self._snapshots if (s.cached(cb) or (b"",))[0] == digest), None)
+        offered = itertools.chain(self._snapshots, *self._keyed.values())
+        snap = next((s for s in offered if (s.cached(cb) or (b"",))[0] == digest), None)
         digests = snap.cached(cb) if snap is not None else None
         if snap is None or digests is None:
             raise self._refuse(
@@ -564,6 +589,7 @@ async def fetch_state(
     min_agree: int | None = None,
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
     report: FetchReport | None = None,
+    key: str = "",
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download the swarm's newest majority-agreed state from `donors` in parallel; returns
     `(meta, tensors)` exactly as published (tensors in name order), verified by digest.
@@ -574,6 +600,7 @@ async def fetch_state(
     min_agree: donors that must offer the identical manifest (default: a majority of those
         that answered).
     report: a `FetchReport` to fill in (bytes per donor, banned donors, ...).
+    key: which of the donors' states (module docstring, Keys; "" the default one).
     Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `DonorsExhausted`,
     `StateCorrupt`, or a plain `StateSyncError` when `timeout` runs out.
     """
@@ -595,6 +622,7 @@ async def fetch_state(
         min_agree=min_agree,
         max_bytes=max_bytes,
         report=report or FetchReport(),
+        key=key,
     )
     t0 = time.monotonic()
     try:
@@ -642,8 +670,10 @@ class _Fetch:
         min_agree: int | None,
         max_bytes: int,
         report: FetchReport,
+        key: str = "",
     ) -> None:
         self.host, self.streams, self.donors = host, streams, donors
+        self.key = key
         self.chunk_bytes, self.progress, self.per_donor = chunk_bytes, progress, per_donor
         self.chunk_timeout, self.manifest_timeout = chunk_timeout, manifest_timeout
         self.min_agree, self.max_bytes, self.report = min_agree, max_bytes, report
@@ -732,7 +762,7 @@ class _Fetch:
                 reply = await self.host.rpc.call(
                     donor,
                     MANIFEST_RPC,
-                    {"chunk_bytes": self.chunk_bytes},
+                    {"chunk_bytes": self.chunk_bytes, **({"key": self.key} if self.key else {})},
                     timeout=self.manifest_timeout,
                     max_response=MAX_MANIFEST_BYTES + 4096,
                 )

@@ -41,8 +41,13 @@ with the rest. Why restart from the origin rather than patch the path where it b
 peer may hold the only copy of an activation the backward needs; recomputing the few stages
 before it is cheap, and the rule is the same wherever the failure hit. Per-microbatch gradients
 are kept apart (`stages.py`) and only the attempts the origins list in `done` are summed, so work
-done by a voided attempt is never counted. A dead origin takes its own microbatches with it.
-The next iteration is scheduled without the peers the origins reported dead.
+done by a voided attempt is never counted. A dead origin's microbatches are taken over (`_adopt`):
+the live origin with the lowest id, if it has not sent its own `done` yet, re-runs them from their
+data (a pure function of iteration and microbatch) as attempts above any the dead origin started,
+on the schedule's paths with the dead replaced, voids the older attempts everywhere (`abandon`,
+accepted from a live origin for a dead origin's microbatch) and lists them in its `done`. An heir
+that has already sent its `done` cannot; the dead origin's microbatches are then lost for that
+iteration. The next iteration is scheduled without the peers the origins reported dead.
 
 Replica sync (`sync_gradients`, the default): at the end of an iteration the replicas of each stage all-reduce their gradient
 sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
@@ -60,9 +65,15 @@ re-routing tolerates (any replica computes a valid forward, just not the same bi
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
 bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
 scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
+The replica sync's all-reduce runs over the collective, which `links` does not reach: with links,
+`account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
+waits as long as sending those bytes over the slowest link to a replica would take.
 
-What it does not do: place stages on peers, join a swarm, checkpoint, or take over a dead
-origin's data (its microbatches are lost for that iteration).
+Traffic: `stats` counts hop and replica-sync bytes sent; `hop_bytes_to` and `sync_bytes_to` split
+them by destination (a sync's bytes evenly over the other replicas), so a benchmark can tell the
+bytes that cross regions.
+
+What it does not do: place stages on peers, join a swarm, checkpoint.
 """
 
 from __future__ import annotations
@@ -432,7 +443,16 @@ class PipelineRuntime(Service):
         self.collective = SwarmCollective(
             host, streams, lambda _round: self._group, allreduce or AllReduceConfig(join_timeout=15, part_timeout=15)
         )
-        self.stats = {"hops_sent": 0, "hops_received": 0, "rejected": 0, "send_failures": 0}
+        self.stats = {
+            "hops_sent": 0,
+            "hops_received": 0,
+            "rejected": 0,
+            "send_failures": 0,
+            "hop_bytes": 0,
+            "sync_bytes": 0,
+        }
+        self.hop_bytes_to: dict[str, int] = {}  # bytes sent per destination peer: activations, gradients
+        self.sync_bytes_to: dict[str, int] = {}  # ... and replica sync
 
     @property
     def replica_group(self) -> tuple[str, ...]:
@@ -652,6 +672,8 @@ class PipelineRuntime(Service):
             await self.host.rpc.call(to, HOP_RPC, req, timeout=CALL_TIMEOUT)
             await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
             self.stats["hops_sent"] += 1
+            self.stats["hop_bytes"] += hop.nbytes
+            self.hop_bytes_to[to] = self.hop_bytes_to.get(to, 0) + hop.nbytes
         except (RpcError, TransferError) as e:
             self.stats["send_failures"] += 1
             if isinstance(e, RemoteError) and e.code == "stale-attempt":
@@ -699,15 +721,8 @@ class PipelineRuntime(Service):
                 self.dead.add(p)
         route = self._reroute(mine.route)
         new_att = att + 1
-        st.void(mb, new_att)
+        self._void_everywhere(st, mb, new_att)
         st.restart_count += 1
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(
-            self._broadcast,
-            ABANDON_RPC,
-            {"run": self.run.run, "it": st.it, "mb": mb, "floor": new_att},
-            self._live_others(),
-        )
         if route is None or new_att >= MAX_ATTEMPTS:
             mine.status = "dropped"
             log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
@@ -719,6 +734,17 @@ class PipelineRuntime(Service):
         mine.att, mine.route = new_att, route
         st.restarts.append((mb, new_att))
         st.notify()
+
+    def _void_everywhere(self, st: _Iteration, mb: int, floor: int) -> None:
+        """Attempts of `mb` below `floor` no longer count, here and (`abandon`) on every live peer."""
+        st.void(mb, floor)
+        assert self._nursery is not None  # our own lifecycle, not peer input
+        self._nursery.start_soon(
+            self._broadcast,
+            ABANDON_RPC,
+            {"run": self.run.run, "it": st.it, "mb": mb, "floor": floor},
+            self._live_others(),
+        )
 
     def _reroute(self, route: tuple[str, ...]) -> tuple[str, ...] | None:
         """`route` with every dead peer replaced by the live replica of its stage that the
@@ -776,9 +802,38 @@ class PipelineRuntime(Service):
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
                         self._restart(st, mb, mine.att, hit)
+                self._adopt(st, gone)
             await self.host.wait_until(
                 lambda: any(p not in self.dead and not self.host.is_connected(p) for p in others)
             )
+
+    def _adopt(self, st: _Iteration, gone: set[str]) -> None:
+        """Origin takeover (module docstring, Failures): if we are the heir — the live origin of
+        this iteration with the lowest id — and have not sent our `done`, re-run the microbatches
+        of the origins in `gone` as our own."""
+        if self.stage != 0 or st.schedule is None or self.me in st.done_from:
+            return
+        heirs = sorted(o for o in st.origins if o not in self.dead)
+        if not heirs or heirs[0] != self.me:
+            return
+        taken = []
+        for plan in st.schedule.plans:
+            mb = plan.microbatch
+            if plan.origin not in gone or mb in st.mine:
+                continue
+            att = st.floor.get(mb, 0) + 1  # above any attempt the dead origin may have started
+            route = self._reroute((self.me, *(q for _, q in plan.path[1:-1])))
+            if route is None or att >= MAX_ATTEMPTS:
+                continue  # lost for this iteration, as without a takeover
+            st.origin_of[mb] = self.me
+            self._void_everywhere(st, mb, att)
+            st.mine[mb] = _Mine(att, route)
+            st.restarts.append((mb, att))
+            taken.append(mb)
+        if taken:
+            st.restart_count += len(taken)
+            log.warning(kv("pipeline origin takeover", it=st.it, microbatches=",".join(map(str, taken))))
+            st.notify()
 
     # -- end of an iteration ---------------------------------------------------------------------
 
@@ -837,6 +892,7 @@ class PipelineRuntime(Service):
                 res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
                 total = [res.tensors[f"g{i}"] for i in range(len(total))]
                 n = res.tensors["count"]
+                await self.account_sync(res.bytes_sent)
             except CollectiveError as e:
                 # Cut off from our replicas: step alone rather than not at all; our replicas
                 # will see a different model only if we are the one that is cut off.
@@ -857,6 +913,19 @@ class PipelineRuntime(Service):
             stop,
             grads,
         )
+
+    async def account_sync(self, nbytes: int) -> None:
+        """Count `nbytes` of replica-sync traffic we sent (split evenly over the other replicas)
+        and, with simulated links, wait as long as sending them over the slowest link to a replica
+        would take (module docstring, Simulation hooks)."""
+        partners = [p for p in self._group if p != self.me]
+        if not partners or nbytes <= 0:
+            return
+        self.stats["sync_bytes"] += nbytes
+        for p in partners:
+            self.sync_bytes_to[p] = self.sync_bytes_to.get(p, 0) + nbytes // len(partners)
+        if self.links is not None:
+            await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
     # -- RPC handlers ----------------------------------------------------------------------------
 
@@ -927,8 +996,11 @@ class PipelineRuntime(Service):
             floor = _int(req["floor"], "floor", 1, MAX_ATTEMPTS, "stale-attempt")
             if self.run.problem.placement.get(peer) != 0:
                 raise HopRejected("not-origin", "only an origin voids its microbatches")
-            if st.origin_of and st.origin_of.get(mb) != peer:
-                raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
+            owner = st.origin_of.get(mb)
+            if owner is not None and owner != peer:
+                if owner not in self.dead and self.host.is_connected(owner):
+                    raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
+                st.origin_of[mb] = peer  # a live origin took a dead one's microbatch over
         except HopRejected as e:
             raise self._refuse(e) from None
         st.void(mb, floor)
