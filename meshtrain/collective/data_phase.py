@@ -384,9 +384,10 @@ class DataPhase:
         if self.config.robust != "none" and part.numel():
             # Robust combination cannot exceed the contributions' range; we only know ours, so a
             # part vastly larger than our slice of it means its owner is lying (robust
-            # aggregation alone protects contributions only).
+            # aggregation alone protects contributions only). Our slice all zeros (we contribute
+            # nothing, or a free rider's zeros) bounds nothing: no verdict then.
             ours = float(self.flat[a:b].abs().max())
-            if float(part.abs().max()) > self.config.owner_check * max(ours, 1e-12):
+            if ours > 0 and self.weight > 0 and float(part.abs().max()) > self.config.owner_check * ours:
                 self.stats.rejected[peer] = "reduced part out of range"
                 raise AttemptFailed({peer}, f"reduced part from {peer[-8:]} out of range", evidence=True)
         if not self.lossless:
