@@ -6,14 +6,16 @@ each all-reduce part sees every contribution to it and flags the ones far outsid
 check and count alike, with no central validator.
 
 Design. Each reporter writes one record (`SwarmView`'s `strikes` CRDT: a per-owner
-`LWWRegister`), `{"strikes": [strike, ...]}`, signed with its own key, so a strike always names
+`LWWRegister`), `{"strikes": [strike, ...], "caps": {...}}`, signed with its own key, so a strike always names
 its reporter truthfully. A strike is the evidence of one flag:
 
     {"round": int, "tag": str, "peer": flagged peer id, "group": [sorted peer ids of the round],
      "digest": the round's committed result digest, "part": the reporter's index in the group,
      "norm": norm / median norm, "cos": cosine with the robust aggregate}
 
-`check_strikes` holds the structural rules (the same on every replica, so a malformed record is
+The record also carries the reporter's membership capabilities (`caps`: its proof of work), so
+a peer can check the reporter's admission from the record alone. `check_strikes` holds the
+structural rules (the same on every replica, so a malformed record is
 rejected everywhere): at most `MAX_STRIKES` strikes (the reporter's latest), a group of 3..
 `MAX_STRIKE_GROUP` sorted distinct ids holding both the reporter and the flagged peer (not the
 same), the part the reporter's own, finite scores, one strike per (round, peer).
@@ -118,18 +120,32 @@ class Strike:
         )
 
 
-def strikes_of(entry: SignedEntry) -> list[Strike]:
+@dataclass(frozen=True)
+class StrikeRecord:
+    """One reporter's record: its strikes, and the capabilities of its membership record (its
+    proof of work: whoever counts the strikes can check the reporter's admission from the record
+    alone, after a restart that left no membership behind)."""
+
+    reporter: str
+    capabilities: dict[str, Any]
+    strikes: tuple[Strike, ...]
+
+
+def record_of(entry: SignedEntry) -> StrikeRecord:
+    """The reporter's record in a strikes entry, checked (`CrdtError` for anything malformed)."""
     rec = entry.body[1] if isinstance(entry.body, list) and len(entry.body) == 2 else None
-    if not isinstance(rec, dict):
-        raise CrdtError("a strikes entry's body is [timestamp, {strikes: [...]}]")
-    items = rec.get("strikes")
-    if set(rec) != {"strikes"} or not isinstance(items, list) or len(items) > MAX_STRIKES:
-        raise CrdtError(f"a strikes record is {{strikes: [at most {MAX_STRIKES} strikes]}}")
-    strikes = [Strike.from_record(entry.owner, item) for item in items]
+    if not isinstance(rec, dict) or set(rec) != {"strikes", "caps"}:
+        raise CrdtError("a strikes entry's body is [timestamp, {strikes: [...], caps: {...}}]")
+    items, caps = rec["strikes"], rec["caps"]
+    if not isinstance(items, list) or len(items) > MAX_STRIKES:
+        raise CrdtError(f"a strikes record holds at most {MAX_STRIKES} strikes")
+    if not isinstance(caps, dict):
+        raise CrdtError("a strikes record's caps is a map")
+    strikes = tuple(Strike.from_record(entry.owner, item) for item in items)
     if len({(s.round_key, s.peer) for s in strikes}) != len(strikes):
         raise CrdtError("a reporter strikes a peer at most once per round")
-    return strikes
+    return StrikeRecord(entry.owner, dict(caps), strikes)
 
 
 def check_strikes(entry: SignedEntry) -> None:
-    strikes_of(entry)
+    record_of(entry)

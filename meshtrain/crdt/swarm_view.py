@@ -69,7 +69,7 @@ import trio
 
 from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
-from meshtrain.crdt.strikes import MAX_STRIKES, Strike, check_strikes, strikes_of
+from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, check_strikes, record_of
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
@@ -578,7 +578,7 @@ class SwarmView(Service):
         """Our record: the strikes it holds (a previous incarnation's too) and ours from this
         process, the latest `MAX_STRIKES` by round, one per (round, peer)."""
         own = self.replica.crdt(STRIKES).entry(self.me)
-        merged = {(s.round_key, s.peer): s for s in (strikes_of(own) if own is not None else [])}
+        merged = {(s.round_key, s.peer): s for s in (record_of(own).strikes if own is not None else ())}
         merged.update({(s.round_key, s.peer): s for s in self._strikes})
         by_peer: dict[str, list[Strike]] = {}
         for strike in sorted(merged.values(), key=lambda s: (s.round_id, s.tag, s.peer)):
@@ -586,14 +586,14 @@ class SwarmView(Service):
         kept = [s for group in by_peer.values() for s in group[-self._per_peer :]]
         latest = sorted(kept, key=lambda s: (s.round_id, s.tag, s.peer))[-MAX_STRIKES:]
         self._strikes = [s for s in self._strikes if s in latest]
-        rec = {"strikes": [s.to_record() for s in latest]}
+        rec = {"strikes": [s.to_record() for s in latest], "caps": self.capabilities}
         ts = now_ms()
         self.replica.write(STRIKES, lambda c, me: c.set(me, rec, timestamp=ts))
         self._strikes_dirty = False
 
-    def strikes(self) -> list[Strike]:
-        """Every reporter's strikes, as replicated (unverified: node/strikes.py decides which count)."""
-        return [s for e in self.replica.crdt(STRIKES).entries() for s in strikes_of(e)]
+    def strike_records(self) -> list[StrikeRecord]:
+        """Every reporter's record, as replicated (unverified: node/strikes.py decides what counts)."""
+        return [record_of(e) for e in self.replica.crdt(STRIKES).entries()]
 
     # --- config ---------------------------------------------------------------------------------
 

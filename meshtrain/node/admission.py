@@ -159,9 +159,11 @@ class Admission:
             return EXCLUDED
         return self.base_reason(peer_id, capabilities)
 
-    def base_admits(self, peer_id: str) -> bool:
-        """Whether `peer_id` has a membership record that passes the rule, strikes aside (who may
-        report strikes: node/strikes.py)."""
+    def admits_reporter(self, peer_id: str, capabilities: dict[str, Any]) -> bool:
+        """Whether a strikes reporter passes the rule, strikes aside (node/strikes.py): by the
+        capabilities its strikes record carries, or by its membership record."""
+        if self.base_reason(peer_id, capabilities) is None:
+            return True
         records = self.view.records() if self.view is not None else []
         return any(p.peer_id == peer_id and self.base_reason(p.peer_id, p.capabilities) is None for p in records)
 

@@ -161,7 +161,7 @@ class PeerPresence(Service):
         )
         self.admission.view = view
         # The swarm's verdicts (node/strikes.py): kept strikes first, then they refuse like the rule.
-        strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.base_admits, data_dir=self.data_dir)
+        strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.admits_reporter, data_dir=self.data_dir)
         strikes.load()
         self.admission.strikes = strikes
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():

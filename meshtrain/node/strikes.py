@@ -14,8 +14,8 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   part, the scores).
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
-  by the swarm's rule (proof of work or allowlist, `Admission.base_reason`: a membership record
-  signed by a key that paid), its scores must break the spec's thresholds (a strike without
+  by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
+  `Admission.admits_reporter`), its scores must break the spec's thresholds (a strike without
   evidence counts for nothing), and if we were in that round ourselves its group and digest
   must be the ones we saw (a reporter cannot invent a group without the peers we saw).
 - **Counting.** A round counts against a peer when `REPORTERS_PER_ROUND` (2) distinct reporters
@@ -44,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -78,12 +79,18 @@ class StrikeBook:
     """The swarm's verdicts as this peer counts them.
 
     view: the swarm view (its `strikes` CRDT). spec: the thresholds (`screen_norm`,
-    `screen_cosine`, `strikes`). admitted: whether a peer id's membership record passes the
-    swarm's admission rule, strikes aside (`Admission.base_admits`). data_dir: where
+    `screen_cosine`, `strikes`). admitted: whether a reporter (peer id, the capabilities its
+    strikes record carries) passes the swarm's admission rule, strikes aside
+    (`Admission.admits_reporter`). data_dir: where
     `strikes.bin` lives (None: nothing kept on disk)."""
 
     def __init__(
-        self, view: SwarmView, spec: SwarmSpec, *, admitted: Callable[[str], bool], data_dir: Path | None = None
+        self,
+        view: SwarmView,
+        spec: SwarmSpec,
+        *,
+        admitted: Callable[[str, dict[str, Any]], bool],
+        data_dir: Path | None = None,
     ) -> None:
         self.view, self.spec, self.admitted = view, spec, admitted
         self.me = view.me
@@ -130,10 +137,9 @@ class StrikeBook:
 
     # -- re-checking and counting -------------------------------------------------------------
 
-    def why_not_counted(self, strike: Strike, reporter_admitted: bool | None = None) -> str | None:
-        """Why this peer does not count `strike` (None: it counts). `reporter_admitted`: known
-        already (else asked of `admitted`)."""
-        if not (self.admitted(strike.reporter) if reporter_admitted is None else reporter_admitted):
+    def why_not_counted(self, strike: Strike, reporter_admitted: bool) -> str | None:
+        """Why this peer does not count `strike` (None: it counts), its reporter admitted or not."""
+        if not reporter_admitted:
             return "reporter not admitted"
         k, min_cos = self.spec.screen_norm, self.spec.screen_cosine
         if not k or self.spec.aggregation == "mean":
@@ -157,11 +163,11 @@ class StrikeBook:
 
     def _count(self) -> dict[str, Standing]:
         reporters: dict[tuple[str, tuple[int, str]], set[str]] = {}
-        strikes = self.view.strikes()
-        admitted = {r: self.admitted(r) for r in {s.reporter for s in strikes}}
-        for strike in strikes:
-            if self.why_not_counted(strike, admitted[strike.reporter]) is None:
-                reporters.setdefault((strike.peer, strike.round_key), set()).add(strike.reporter)
+        for record in self.view.strike_records():
+            admitted = self.admitted(record.reporter, record.capabilities)
+            for strike in record.strikes:
+                if self.why_not_counted(strike, admitted) is None:
+                    reporters.setdefault((strike.peer, strike.round_key), set()).add(strike.reporter)
         rounds: dict[str, int] = {}
         for (peer, _), who in reporters.items():
             if len(who) >= REPORTERS_PER_ROUND:
