@@ -68,3 +68,9 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path
         assert history[0].contributors == PEERS  # it took part at first ...
         assert history[-1].contributors == PEERS - 1  # ... and is out by the end
         assert n.presence.strikes.path.exists()
+    # The status page shows each peer's standing.
+    doc = honest[0].snapshot()
+    (shown,) = doc["node"]["admission"]["standing"].items()
+    assert shown[0] == liar.host.peer_id and shown[1]["excluded"] and shown[1]["strikes"] >= 3
+    assert liar.host.peer_id in doc["node"]["admission"]["ignored"]
+    assert all(p["strikes"] == 0 for p in doc["peers"])

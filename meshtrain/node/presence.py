@@ -272,6 +272,7 @@ class PeerPresence(Service):
                         peers=len(view.live_peers()),
                         step=max(steps, default=0),
                         proof=self.capabilities.get(POW_CAP),
+                        excluded=sum(s.excluded for s in self.standing().values()),
                     )
                 except DhtError as e:  # InvalidRecord included: an oversized spec stays unlisted
                     log.info(kv("swarm advert not stored", error=str(e)))
