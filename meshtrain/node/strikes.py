@@ -98,6 +98,7 @@ class StrikeBook:
         self._rounds: OrderedDict[tuple[int, str], tuple[tuple[str, ...], bytes]] = OrderedDict()
         self._standing: dict[str, Standing] | None = None  # None: recount at the next question
         self._changed = trio.Event()
+        self._announced: set[str] = set()  # peers whose exclusion we logged
         view.replica.on_change(self._on_change)
 
     # -- filing ------------------------------------------------------------------------------
@@ -168,15 +169,17 @@ class StrikeBook:
             for strike in record.strikes:
                 if self.why_not_counted(strike, admitted) is None:
                     reporters.setdefault((strike.peer, strike.round_key), set()).add(strike.reporter)
-        rounds: dict[str, int] = {}
-        for (peer, _), who in reporters.items():
+        counted: dict[str, list[tuple[int, str]]] = {}
+        for (peer, key), who in reporters.items():
             if len(who) >= REPORTERS_PER_ROUND:
-                rounds[peer] = rounds.get(peer, 0) + 1
+                counted.setdefault(peer, []).append(key)
         limit = self.spec.strikes
-        standing = {p: Standing(p, n, bool(limit) and n >= limit) for p, n in rounds.items()}
-        for s in standing.values():
-            if s.excluded:
-                log.debug(kv("peer excluded by strikes", peer=s.peer[-12:], rounds=s.rounds))
+        standing = {p: Standing(p, len(keys), bool(limit) and len(keys) >= limit) for p, keys in counted.items()}
+        for p, s in standing.items():
+            if s.excluded and p not in self._announced:  # once per peer (bench_adversarial reads it)
+                self._announced.add(p)
+                at = sorted(counted[p])[limit - 1][0]
+                log.warning(kv("peer excluded by strikes", peer=p, rounds=s.rounds, at_round=at))
         return standing
 
     def _on_change(self, event: ChangeEvent) -> None:
