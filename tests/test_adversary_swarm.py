@@ -12,23 +12,12 @@ import meshtrain
 from meshtrain.node import adversary, run_state
 from meshtrain.transport.identity import Identity
 
+from .test_aggregation_swarm import mesh_config
+
 pytestmark = pytest.mark.slow
 
 PEERS = 4
 H = 2
-
-
-def config(d, nodes: list[meshtrain.Node]) -> meshtrain.NodeConfig:
-    return meshtrain.NodeConfig(
-        data_dir=d,
-        listen=["/ip4/127.0.0.1/tcp/0"],
-        bootstrap=[n.host.addrs[0] for n in nodes],  # a full mesh before the first round
-        status_port=0,
-        threads=1,
-        nat=False,
-        checkpoint_every=3600,
-        wait_peers=PEERS,
-    )
 
 
 @pytest.mark.parametrize("mode", ["signflip10", "zeros"])
@@ -44,7 +33,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path
             for i in range(PEERS):
                 if i == PEERS - 1:
                     monkeypatch.setenv(adversary.ENV, mode)  # read once, as this node is built
-                node = meshtrain.Node(config(tmp_path / f"n{i}", nodes), spec=signed)
+                node = meshtrain.Node(mesh_config(tmp_path / f"n{i}", nodes, PEERS), spec=signed)
                 monkeypatch.delenv(adversary.ENV, raising=False)
                 nodes.append(node)
 

@@ -14,15 +14,9 @@ Every peer holds the same view without a leader because all five are CRDTs kept 
   register). Every peer of a DiLoCo-family swarm must hold the same φ after the same round; the
   digests let each peer check that continuously (`node/parity.py`).
 - **metrics** — per-peer record of a few latest numbers (loss, throughput, ...).
-- **strikes** — per-reporter record (same per-owner register) of the contributions it flagged
-  as the owner of an all-reduce part (issue 21): each strike names the round (id, tag), the
-  flagged peer, the round's group and committed digest, the reporter's part and the scores (norm
-  ratio, cosine). The record is signed by its reporter (it is the entry's owner), so nobody can
-  strike in another's name; `check_strikes` holds the rules every peer applies alike (reporter
-  and flagged peer in the group, the part the reporter's own, finite scores). Whether a strike
-  counts — its reporter admitted, its scores past the spec's thresholds, its round as we saw it,
-  enough reporters — is node policy (node/strikes.py), not here. A record carries the reporter's
-  latest `MAX_STRIKES` strikes.
+- **strikes** — per-reporter record (same per-owner register, signed by its reporter) of the
+  contributions it flagged as an all-reduce part's owner, with the evidence (crdt/strikes.py has
+  the format and rules; which strikes count is node policy, node/strikes.py).
 - **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
   rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
   `NotSwarmOwner` locally.
