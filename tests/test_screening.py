@@ -1,6 +1,7 @@
 """Screening (issue 21, 4a): each part's owner flags contributions whose norm is far outside the
 group's or whose direction disagrees with the robust aggregate, and the collective returns the
-flags with the round. Among real hosts on loopback, and as a pure function."""
+flags with the round. Among real hosts on loopback, and as a pure function; and the strike
+format the flags become (crdt/strikes.py), as a property."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.collective.data_phase import screen_contributions
+from meshtrain.crdt.entries import CrdtError
+from meshtrain.crdt.strikes import Strike
+from meshtrain.transport.identity import Identity
 
 from .test_allreduce import mesh, run_all
 
@@ -89,3 +93,34 @@ def test_screening_flags_exactly_the_scaled_row(n, seed, scale, liar, flip):
     flags = screen_contributions(peers, stack, aggregate, SCREENED, part=0)
     assert [f.peer for f in flags] == [f"p{liar}"]
     assert screen_contributions(peers, torch.stack(honest_updates(n, 300, seed)), aggregate, SCREENED, 0) == []
+
+
+PEERS = sorted(Identity.generate().peer_id_str for _ in range(4))
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(["round", "tag", "peer", "group", "digest", "part", "norm", "cos", None]),
+    junk=JUNK,
+    rnd=st.integers(0, 2**40),
+    norm=st.floats(0, 1e6),
+    cos=st.floats(-1, 1),
+)
+def test_a_strike_record_round_trips_and_any_other_is_refused_with_a_crdt_error(field, junk, rnd, norm, cos):
+    """The strike format (crdt/strikes.py): a well-formed strike survives its record; a record with
+    any field replaced by junk is either still well-formed or refused with `CrdtError`, never
+    another exception (the record comes from the network)."""
+    reporter, peer = PEERS[1], PEERS[3]
+    strike = Strike(reporter, rnd, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, norm, cos)
+    assert Strike.from_record(reporter, strike.to_record()) == strike
+    record = strike.to_record() if field is None else {**strike.to_record(), field: junk}
+    try:
+        parsed = Strike.from_record(reporter, record)
+    except CrdtError:
+        return
+    assert Strike.from_record(reporter, parsed.to_record()) == parsed  # what passed is a strike
