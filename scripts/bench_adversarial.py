@@ -88,6 +88,8 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
             argv += ["--bootstrap", entry]
         with open(d / "stderr.log", "wb") as err:
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT))
+        if i == 0:  # the others bootstrap from it: wait until it listens (its daemon file)
+            wait_for(d / "daemon.json", procs[0])
     honest = [p for p, m in zip(procs, modes, strict=True) if m is None]
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
@@ -118,6 +120,14 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
                 fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
                 excluded.setdefault(fields["peer"], int(fields["at_round"]))
     return {"ids": ids, "loss": losses[0] if losses else math.nan, "excluded": excluded, "step_s": steps}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the first daemon did not start: {(path.parent / 'stderr.log').read_text()[-2000:]}")
+        time.sleep(0.2)
 
 
 def screening_seconds(peers: int, trials: int = 20) -> float:
