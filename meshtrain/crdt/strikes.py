@@ -21,7 +21,7 @@ rejected everywhere): at most `MAX_STRIKES` strikes (the reporter's latest), a g
 same), the part the reporter's own, finite scores, one strike per (round, peer).
 
 Not here: whether a strike counts and when a peer is excluded (node/strikes.py: the reporter
-admitted, the scores past the spec's thresholds, the round as we saw it, two reporters per round,
+admitted, the scores past the spec's thresholds, the round as we saw it, half the round's others,
 `spec.strikes` rounds), and how flags are found (collective/data_phase.py).
 """
 

@@ -18,9 +18,11 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   `Admission.admits_reporter`), its scores must break the spec's thresholds (a strike without
   evidence counts for nothing), and if we were in that round ourselves its group and digest
   must be the ones we saw (a reporter cannot invent a group without the peers we saw).
-- **Counting.** A round counts against a peer when `REPORTERS_PER_ROUND` (2) distinct reporters
-  of its group struck it there: one reporter counts once per round, and a lone admitted liar
-  cannot strike anyone out. A peer struck in `spec.strikes` distinct rounds is **excluded**:
+- **Counting.** A round counts against a peer when half the other members of its group (at
+  least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
+  reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
+  peer whose update one owner found odd by chance (a part's cosine just below zero) is not
+  struck. A scaled or empty update is flagged by every honest owner. A peer struck in `spec.strikes` distinct rounds is **excluded**:
   `Admission.reason` refuses it, so it is no round candidate, no state donor or donor's client
   and no data-plane peer (`is_member`) on any honest peer, everywhere at once.
 - **Persistence.** The strikes CRDT is replicated like membership (a restarted or late peer
@@ -34,7 +36,9 @@ status page, `swarm list`'s advert).
 Not here: what it does not catch. Screening sees norms and directions only: an update replayed
 from an earlier round, or trained on other data, points roughly the right way and passes; loss
 scoring and replay spot-checks (issue 21, 4b/4c) are not built. A majority of colluding admitted
-peers can strike honest peers out and shield each other. The flag rule itself:
+peers (half of a round's others) can strike honest peers out; strikes do not expire, so an
+honest peer flagged by chance in `spec.strikes` rounds over a very long run would be excluded
+(not measured beyond scripts/bench_adversarial.py's runs). The flag rule itself:
 collective/data_phase.py. The record format: crdt/strikes.py.
 """
 
@@ -59,11 +63,17 @@ from meshtrain.node.swarm_spec import SwarmSpec
 
 log = get_logger(__name__)
 
-REPORTERS_PER_ROUND = 2  # distinct reporters of one round that make it count against a peer
+MIN_REPORTERS = 2  # a round counts against a peer with at least this many reporters (and half the others)
 ROUND_LOG = 512  # rounds whose group and digest we remember (to check strikes about them)
 STRIKES_FILE = "strikes.bin"
 SAVE_DELAY = 1.0  # seconds: strike changes are written to disk at most this often
 MAX_FILE_BYTES = 64 << 20
+
+
+def quorum(group_size: int) -> int:
+    """Reporters that make a round of `group_size` peers count against one of them: half the
+    others (rounded up), at least `MIN_REPORTERS`."""
+    return max(MIN_REPORTERS, -(-(group_size - 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -163,15 +173,16 @@ class StrikeBook:
         return s is not None and s.excluded
 
     def _count(self) -> dict[str, Standing]:
-        reporters: dict[tuple[str, tuple[int, str]], set[str]] = {}
+        reporters: dict[tuple[str, tuple[int, str], tuple[str, ...], bytes], set[str]] = {}
         for record in self.view.strike_records():
             admitted = self.admitted(record.reporter, record.capabilities)
             for strike in record.strikes:
                 if self.why_not_counted(strike, admitted) is None:
-                    reporters.setdefault((strike.peer, strike.round_key), set()).add(strike.reporter)
+                    key = (strike.peer, strike.round_key, strike.group, strike.digest)
+                    reporters.setdefault(key, set()).add(strike.reporter)
         counted: dict[str, list[tuple[int, str]]] = {}
-        for (peer, key), who in reporters.items():
-            if len(who) >= REPORTERS_PER_ROUND:
+        for (peer, key, group, _), who in reporters.items():
+            if len(who) >= quorum(len(group)) and key not in counted.get(peer, []):
                 counted.setdefault(peer, []).append(key)
         limit = self.spec.strikes
         standing = {p: Standing(p, len(keys), bool(limit) and len(keys) >= limit) for p, keys in counted.items()}
