@@ -152,7 +152,11 @@ class SwarmSpec(BaseModel):
         "multiple of the median or under its inverse (0 = no screening; else > 1)",
     )
     screen_cosine: float = Field(
-        0.0, ge=-1, le=1, description="robust aggregation: flag a contribution whose cosine with the aggregate is below"
+        0.05,
+        ge=-1,
+        le=1,
+        description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
+        "(0.05: a flipped update, or noise, which is orthogonal to everything, not just a negative cosine)",
     )
     strikes: int = Field(
         3,
