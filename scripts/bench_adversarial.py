@@ -139,7 +139,7 @@ def screening_seconds(peers: int, trials: int = 20) -> float:
     numel = sum(p.numel() for p in build_model("gpt-small", vocab_size=256, seed=0).parameters()) // peers
     stack = torch.randn(peers, numel)
     aggregate = stack.median(dim=0).values
-    config = AllReduceConfig(robust="trimmed_mean", screen_norm=4.0, screen_cosine=0.05)
+    config = AllReduceConfig(robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25)
     names = [f"p{i}" for i in range(peers)]
     t0 = time.perf_counter()
     for _ in range(trials):

@@ -23,7 +23,9 @@ H = 2
 @pytest.mark.parametrize("mode", ["signflip10", "zeros"])
 async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path, monkeypatch, mode) -> None:
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
-    spec = meshtrain.SwarmSpec(model="gpt-tiny", H=H, steps=H * 6, batch_size=4, eval_every=0, pow_bits=4)
+    # Twelve rounds: strikes need three, and a round here takes a fraction of a second, faster than
+    # the first gossip mesh forms (strikes travel by anti-entropy, ~1.5 s, until it has).
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", H=H, steps=H * 12, batch_size=4, eval_every=0, pow_bits=4)
     assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
     nodes: list[meshtrain.Node] = []

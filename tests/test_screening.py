@@ -19,7 +19,7 @@ from meshtrain.transport.identity import Identity
 
 from .test_allreduce import mesh, run_all
 
-SCREENED = AllReduceConfig(join_timeout=5, robust="trimmed_mean", screen_norm=4.0, screen_cosine=0.0)
+SCREENED = AllReduceConfig(join_timeout=5, robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25)
 
 
 def honest_updates(n: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -51,7 +51,7 @@ async def test_owners_flag_a_sign_flipped_scaled_contribution_and_no_honest_one(
         assert [f.peer for f in s.flags] == [liar], s.flags
         (flag,) = s.flags
         assert flag.part == s.group.index(ids[i]) and flag.rule == "norm" and flag.norm_ratio > 4
-        assert flag.cosine < 0
+        assert flag.alignment < 0  # against the others
 
 
 async def test_owners_flag_a_free_rider_sending_zeros():
@@ -95,6 +95,21 @@ def test_screening_flags_exactly_the_scaled_row(n, seed, scale, liar, flip):
     assert screen_contributions(peers, torch.stack(honest_updates(n, 300, seed)), aggregate, SCREENED, 0) == []
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(4, 9), seed=st.integers(0, 2**16), liar=st.integers(0, 8))
+def test_noise_of_an_updates_norm_is_flagged_for_its_direction(n, seed, liar):
+    """Noise with an honest update's norm passes the norm rule; its alignment with the trimmed
+    aggregate (which keeps a little of it) is far below the honest rows'."""
+    liar %= n
+    rows = honest_updates(n, 3000, seed)
+    noise = torch.randn(3000, generator=torch.Generator().manual_seed(seed + 1))
+    rows[liar] = noise * rows[liar].norm() / noise.norm()
+    stack = torch.stack(rows)
+    aggregate = stack.sort(dim=0).values[1 : n - 1].mean(dim=0)
+    flags = screen_contributions([f"p{i}" for i in range(n)], stack, aggregate, SCREENED, part=0)
+    assert [(f.peer, f.rule) for f in flags] == [(f"p{liar}", "direction")]
+
+
 PEERS = sorted(Identity.generate().peer_id_str for _ in range(4))
 JUNK = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
@@ -105,18 +120,18 @@ JUNK = st.recursive(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    field=st.sampled_from(["round", "tag", "peer", "group", "digest", "part", "norm", "cos", None]),
+    field=st.sampled_from(["round", "tag", "peer", "group", "digest", "part", "norm", "align", None]),
     junk=JUNK,
     rnd=st.integers(0, 2**40),
     norm=st.floats(0, 1e6),
-    cos=st.floats(-1, 1),
+    align=st.floats(-10, 10),
 )
-def test_a_strike_record_round_trips_and_any_other_is_refused_with_a_crdt_error(field, junk, rnd, norm, cos):
+def test_a_strike_record_round_trips_and_any_other_is_refused_with_a_crdt_error(field, junk, rnd, norm, align):
     """The strike format (crdt/strikes.py): a well-formed strike survives its record; a record with
     any field replaced by junk is either still well-formed or refused with `CrdtError`, never
     another exception (the record comes from the network)."""
     reporter, peer = PEERS[1], PEERS[3]
-    strike = Strike(reporter, rnd, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, norm, cos)
+    strike = Strike(reporter, rnd, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, norm, align)
     assert Strike.from_record(reporter, strike.to_record()) == strike
     record = strike.to_record() if field is None else {**strike.to_record(), field: junk}
     try:

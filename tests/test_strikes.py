@@ -76,7 +76,7 @@ async def swarm(stack: AsyncExitStack, n: int, tmp: Path) -> tuple[SignedSpec, l
 def flagged(reporter: PeerPresence, group: list[PeerPresence], peer: str, rnd: int, **scores: float) -> RoundScreening:
     """What the collective hands `reporter` after round `rnd` when it flagged `peer` as an owner."""
     ids = tuple(sorted(p.me for p in group))
-    flag = ContributionFlag(peer, ids.index(reporter.me), scores.get("norm", 10.0), scores.get("cos", -1.0), "norm")
+    flag = ContributionFlag(peer, ids.index(reporter.me), scores.get("norm", 10.0), scores.get("align", -1.0), "norm")
     return RoundScreening(rnd, "", ids, DIGEST, (flag,))
 
 
@@ -125,7 +125,7 @@ async def test_forged_strikes_change_nothing(tmp_path) -> None:
         # 3. Two admitted liars against x, without evidence: scores that break no threshold.
         for rnd in (4, 5, 6):
             for liar in (m, n):
-                liar.strikes.on_round(flagged(liar, peers, x.me, rnd, norm=1.1, cos=0.8))
+                liar.strikes.on_round(flagged(liar, peers, x.me, rnd, norm=1.1, align=0.8))
         # 4. Two admitted liars against x about a round h took part in, with a digest h never saw.
         h.strikes.on_round(RoundScreening(7, "", tuple(sorted(p.me for p in peers)), b"\x07" * 32))
         for liar in (m, n):

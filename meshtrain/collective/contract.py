@@ -39,13 +39,14 @@ class CollectiveError(MeshtrainError):
 @dataclass(frozen=True)
 class ContributionFlag:
     """A contribution the owner of `part` found suspect: its norm over the median norm of the part's
-    contributions (`norm_ratio`), its cosine with the robust aggregate, and which rule it broke
-    ("norm" | "direction")."""
+    contributions (`norm_ratio`), its `alignment` (its cosine with the robust aggregate over the
+    group's median cosine: about 1 for an honest update, about 0 for noise, below 0 for a flipped
+    one), and which rule it broke ("norm" | "direction")."""
 
     peer: str
     part: int
     norm_ratio: float
-    cosine: float
+    alignment: float
     rule: str
 
 

@@ -27,7 +27,8 @@ stripes are received straight into their slice of the output (no decode, no conc
 
 **Screening** (robust modes with `config.screen_norm`, issue 21 4a): the owner of a part holds
 every contribution to it, so after combining it compares each with the others — its norm against
-the median norm, its cosine against the robust aggregate (`screen_contributions`) — and keeps
+the median norm, its cosine with the robust aggregate against the group's median cosine
+(`screen_contributions`) — and keeps
 the flags in `stats.flags`. Nothing on the wire changes; what to do about a flag is the node's.
 
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
@@ -103,26 +104,29 @@ def screen_contributions(
 ) -> list[ContributionFlag]:
     """Flag the rows of `stack` (one per peer of `peers`, 3 or more) whose norm is over
     `screen_norm` x the median norm or under its inverse (a scaled update, or zeros from a free
-    rider), or whose cosine with the robust `aggregate` is below `screen_cosine` (a flipped or
-    random direction). A part of all zeros (nobody moved) flags nobody."""
+    rider), or whose alignment — its cosine with the robust `aggregate` over the rows' median
+    cosine — is below `screen_alignment` (a flipped direction, or noise: orthogonal to the others,
+    though the trimmed aggregate keeps a little of it, so its plain cosine is small but positive).
+    A part of all zeros (nobody moved) flags nobody; without a common direction (median cosine
+    <= 0) nobody is flagged for direction."""
     norms = stack.norm(dim=1)
     median = float(norms.median())
     if median <= 0 or not config.screen_norm:
         return []
     agg_norm = float(aggregate.norm())
     cosines = (stack @ aggregate) / (norms.clamp_min(1e-30) * max(agg_norm, 1e-30))
+    typical = float(cosines.median()) if agg_norm > 0 else 0.0
     flags = []
     for i, peer in enumerate(peers):
-        ratio, cosine = float(norms[i]) / median, float(cosines[i]) if agg_norm > 0 else 1.0
-        rule = (
-            "norm"
-            if not 1 / config.screen_norm <= ratio <= config.screen_norm
-            else "direction"
-            if cosine < config.screen_cosine
-            else None
-        )
-        if rule is not None:
-            flags.append(ContributionFlag(peer, part, round(ratio, 6), round(cosine, 6), rule))
+        ratio = float(norms[i]) / median
+        alignment = float(cosines[i]) / typical if typical > 0 else 1.0
+        if not 1 / config.screen_norm <= ratio <= config.screen_norm:
+            rule = "norm"
+        elif alignment < config.screen_alignment:
+            rule = "direction"
+        else:
+            continue
+        flags.append(ContributionFlag(peer, part, round(ratio, 6), round(alignment, 6), rule))
     return flags
 
 

@@ -11,7 +11,7 @@ its reporter truthfully. A strike is the evidence of one flag:
 
     {"round": int, "tag": str, "peer": flagged peer id, "group": [sorted peer ids of the round],
      "digest": the round's committed result digest, "part": the reporter's index in the group,
-     "norm": norm / median norm, "cos": cosine with the robust aggregate}
+     "norm": norm / median norm, "align": cosine with the robust aggregate / the median cosine}
 
 The record also carries the reporter's membership capabilities (`caps`: its proof of work), so
 a peer can check the reporter's admission from the record alone. `check_strikes` holds the
@@ -59,7 +59,7 @@ def _tag(value: Any) -> str:
 class Strike:
     """A contribution flagged by `reporter`, the owner of part `part` of round (`round_id`, `tag`)
     whose sorted `group` committed `digest`: `peer`'s norm over the median (`norm_ratio`) and its
-    cosine with the robust aggregate."""
+    `alignment` (collective/contract.py `ContributionFlag`)."""
 
     reporter: str
     round_id: int
@@ -69,7 +69,7 @@ class Strike:
     digest: bytes
     part: int
     norm_ratio: float
-    cosine: float
+    alignment: float
 
     @property
     def round_key(self) -> tuple[int, str]:
@@ -84,14 +84,23 @@ class Strike:
             "digest": self.digest,
             "part": self.part,
             "norm": self.norm_ratio,
-            "cos": self.cosine,
+            "align": self.alignment,
         }
 
     @classmethod
     def from_record(cls, reporter: str, rec: Any) -> Strike:
         """A strike from its record, checked (`CrdtError` for anything malformed)."""
-        if not isinstance(rec, dict) or set(rec) != {"round", "tag", "peer", "group", "digest", "part", "norm", "cos"}:
-            raise CrdtError("a strike has exactly round, tag, peer, group, digest, part, norm, cos")
+        if not isinstance(rec, dict) or set(rec) != {
+            "round",
+            "tag",
+            "peer",
+            "group",
+            "digest",
+            "part",
+            "norm",
+            "align",
+        }:
+            raise CrdtError("a strike has exactly round, tag, peer, group, digest, part, norm, align")
         group = rec["group"]
         if not isinstance(group, list) or not 3 <= len(group) <= MAX_STRIKE_GROUP:
             raise CrdtError(f"a strike's group is a list of 3..{MAX_STRIKE_GROUP} peer ids")
@@ -104,7 +113,7 @@ class Strike:
             raise CrdtError("a strike's reporter and flagged peer are two members of its group")
         if not is_int(part) or part != group.index(reporter):
             raise CrdtError("a strike's part is its reporter's own (its index in the group)")
-        for key in ("norm", "cos"):
+        for key in ("norm", "align"):
             if not is_number(rec[key]) or not math.isfinite(rec[key]):
                 raise CrdtError(f"a strike's {key} score is a finite number")
         return cls(
@@ -116,7 +125,7 @@ class Strike:
             digest,
             part,
             float(rec["norm"]),
-            float(rec["cos"]),
+            float(rec["align"]),
         )
 
 

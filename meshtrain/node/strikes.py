@@ -2,7 +2,7 @@
 
 Problem. In a robust all-reduce each part's owner flags contributions far outside the group
 (collective/data_phase.py: a norm over `spec.screen_norm` x the median or under its inverse, a
-cosine with the robust aggregate under `spec.screen_cosine`). One owner's flag proves nothing to
+cosine with the robust aggregate under `spec.screen_alignment` x the group's median cosine). One owner's flag proves nothing to
 anyone else, and an admitted stranger may file flags against honest peers. There is no central
 validator: every honest peer must reach the same verdicts from replicated state alone.
 
@@ -21,7 +21,7 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
-  peer whose update one owner found odd by chance (a part's cosine just below zero) is not
+  peer whose update one owner found odd by chance (one part poorly aligned) is not
   struck. A scaled or empty update is flagged by every honest owner. A peer struck in `spec.strikes` distinct rounds is **excluded**:
   `Admission.reason` refuses it, so it is no round candidate, no state donor or donor's client
   and no data-plane peer (`is_member`) on any honest peer, everywhere at once.
@@ -89,7 +89,7 @@ class StrikeBook:
     """The swarm's verdicts as this peer counts them.
 
     view: the swarm view (its `strikes` CRDT). spec: the thresholds (`screen_norm`,
-    `screen_cosine`, `strikes`). admitted: whether a reporter (peer id, the capabilities its
+    `screen_alignment`, `strikes`). admitted: whether a reporter (peer id, the capabilities its
     strikes record carries) passes the swarm's admission rule, strikes aside
     (`Admission.admits_reporter`). data_dir: where
     `strikes.bin` lives (None: nothing kept on disk)."""
@@ -133,13 +133,13 @@ class StrikeBook:
                 screening.digest,
                 f.part,
                 f.norm_ratio,
-                f.cosine,
+                f.alignment,
             )
             for f in screening.flags
         ]
         for s in strikes:
             log.warning(
-                kv("flagged a contribution", round=s.round_id, peer=s.peer[-12:], norm=s.norm_ratio, cos=s.cosine)
+                kv("flagged a contribution", round=s.round_id, peer=s.peer[-12:], norm=s.norm_ratio, align=s.alignment)
             )
         try:
             self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, 1))
@@ -152,10 +152,10 @@ class StrikeBook:
         """Why this peer does not count `strike` (None: it counts), its reporter admitted or not."""
         if not reporter_admitted:
             return "reporter not admitted"
-        k, min_cos = self.spec.screen_norm, self.spec.screen_cosine
+        k, min_align = self.spec.screen_norm, self.spec.screen_alignment
         if not k or self.spec.aggregation == "mean":
             return "this swarm does not screen"
-        if 1 / k <= strike.norm_ratio <= k and strike.cosine >= min_cos:
+        if 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
         if seen is not None and seen != (strike.group, strike.digest):

@@ -9,7 +9,7 @@ peers that train in different precisions are different experiments. So is its `a
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
-they combine (`screen_norm`, `screen_cosine`; peers flagged in `strikes` rounds are excluded,
+they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds are excluded,
 node/strikes.py); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. `parse_spec` validates an
 untrusted dict into one (a one-line `ConfigError`).
 
@@ -151,12 +151,12 @@ class SwarmSpec(BaseModel):
         description="robust aggregation: each part's owner flags a contribution whose norm is over this "
         "multiple of the median or under its inverse (0 = no screening; else > 1)",
     )
-    screen_cosine: float = Field(
-        0.05,
-        ge=-1,
+    screen_alignment: float = Field(
+        0.25,
+        ge=0,
         le=1,
         description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
-        "(0.05: a flipped update, or noise, which is orthogonal to everything, not just a negative cosine)",
+        "fraction of the group's median cosine (a flipped update, or noise)",
     )
     strikes: int = Field(
         3,
@@ -369,7 +369,7 @@ class SwarmSpec(BaseModel):
             "clip": self.aggregation_clip,
             # Screening needs a part's contributions side by side, which only robust modes keep.
             "screen_norm": self.screen_norm if robust else 0.0,
-            "screen_cosine": self.screen_cosine,
+            "screen_alignment": self.screen_alignment,
         }
 
 
