@@ -22,8 +22,8 @@ Measured (last line, one JSON object):
 - `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
 - `verify_overhead`: screening's time per round (owner side: norms and cosines of every
   contribution to one part of the demo model, gpt-small) over a round's wall time at H = 50
-  (50 x the median inner step time measured in the runs, gpt-tiny: pessimistic, as gpt-small's
-  steps are slower);
+  (50 x the median wall time per step of the honest peers in the runs, rounds included, gpt-tiny:
+  pessimistic, as gpt-small's steps are slower);
 - `sybil_cost_ratio`: minting 100 admitted identities against one (scripts/bench_admission.py).
 """
 
@@ -115,8 +115,9 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
         history = json.loads((d / "history.json").read_text())
         evals = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
         losses.append(evals[-1] if evals else math.nan)
-        ts = [h["t"] for h in history if "t" in h]
-        steps += [b - a for a, b in zip(ts, ts[1:], strict=False)]
+        timed = [(h["step"], h["t"]) for h in history if "t" in h and "step" in h]
+        if len(timed) >= 2 and timed[-1][0] > timed[0][0]:  # wall time per step, rounds included
+            steps.append((timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0]))
         for line in (d / "stderr.log").read_text().splitlines():
             if "peer excluded by strikes" in line:
                 fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
@@ -228,7 +229,9 @@ def main() -> None:
                 "rounds_to_exclude": rounds_to_exclude,
                 "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
                 "honest_excluded": len(honest_excluded),
-                "verify_overhead": round(screening_seconds(n) / round_at_h50, 5),
+                "verify_overhead": float(f"{screening_seconds(n) / round_at_h50:.3g}"),
+                "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
+                "round_s_at_h50": round(round_at_h50, 2),
                 "sybil_cost_ratio": sybil_cost_ratio(),
                 "wall_s": round(time.monotonic() - t_start, 1),
             }
