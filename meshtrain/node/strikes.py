@@ -2,9 +2,10 @@
 
 Problem. In a robust all-reduce each part's owner flags contributions far outside the group
 (collective/data_phase.py: a norm over `spec.screen_norm` x the median or under its inverse, a
-cosine with the robust aggregate under `spec.screen_alignment` x the group's median cosine). One owner's flag proves nothing to
-anyone else, and an admitted stranger may file flags against honest peers. There is no central
-validator: every honest peer must reach the same verdicts from replicated state alone.
+cosine with the robust aggregate under `spec.screen_alignment` x the group's median cosine). One
+owner's flag proves nothing to anyone else, and an admitted stranger may file flags against
+honest peers. There is no central validator: every honest peer must reach the same verdicts from
+replicated state alone.
 
 Design. `StrikeBook` (one per node, held by `PeerPresence`):
 - **Filing.** After every committed robust round the collective hands us what we saw as an owner
@@ -21,8 +22,9 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
-  peer whose update one owner found odd by chance (one part poorly aligned) is not
-  struck. A scaled or empty update is flagged by every honest owner. A peer struck in `spec.strikes` distinct rounds is **excluded**:
+  peer whose update one owner found odd by chance (one part poorly aligned) is not struck. A
+  scaled, empty or random update is flagged by every honest owner. A peer struck in
+  `spec.strikes` distinct rounds is **excluded**:
   `Admission.reason` refuses it, so it is no round candidate, no state donor or donor's client
   and no data-plane peer (`is_member`) on any honest peer, everywhere at once.
 - **Persistence.** The strikes CRDT is replicated like membership (a restarted or late peer
@@ -33,9 +35,11 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
 Standing. `standing()` gives each flagged peer's counted rounds and whether it is excluded (the
 status page, `swarm list`'s advert).
 
-Not here: what it does not catch. Screening sees norms and directions only: an update replayed
-from an earlier round, or trained on other data, points roughly the right way and passes; loss
-scoring and replay spot-checks (issue 21, 4b/4c) are not built. A majority of colluding admitted
+Not here: what it does not catch. Screening sees norms and directions only: an update trained
+on other data, or replayed from an earlier round, points roughly the right way and passes (a
+replay of the first round was struck out after 5 rounds in scripts/bench_adversarial.py, once its
+norm and direction had drifted from the swarm's; other data never was); loss scoring and replay
+spot-checks (issue 21, 4b/4c) are not built. A majority of colluding admitted
 peers (half of a round's others) can strike honest peers out; strikes do not expire, so an
 honest peer flagged by chance in `spec.strikes` rounds over a very long run would be excluded
 (not measured beyond scripts/bench_adversarial.py's runs). The flag rule itself:
