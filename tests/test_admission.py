@@ -4,6 +4,7 @@ spec can name, the join forms, the swarm index's verification of adverts, and th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import stat
 
@@ -196,6 +197,15 @@ def test_without_the_owner_the_median_report_counts_and_names_must_be_unique() -
     with pytest.raises(ConfigError, match="no swarm 'nope'"):
         pick_swarm(both, "nope")
     assert format_table([]) == "no swarms found"
+
+
+def test_the_list_shows_how_many_peers_a_swarm_excludes_by_the_advertisers_median() -> None:
+    real = signed(name="struck", pow_bits=0)
+    reports = [dataclasses.replace(advert(real, p), excluded=n) for p, n in zip(PEERS[:3], (1, 2, 10**6), strict=True)]
+    (s,) = verify_adverts(reports)
+    assert s.excluded == 2  # one advertiser's inflated count moves nothing
+    header, row = format_table([s]).splitlines()
+    assert header.split()[7] == "EXCLUDED" and row.split()[6] == "2"  # "SWARM ID" is two words
 
 
 JUNK = st.recursive(

@@ -53,6 +53,20 @@ def _recording(spec: meshtrain.SwarmSpec, *, garbage: bool):
     return lambda model, inner, col: DiLoCo(model, inner, col, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
 
 
+def mesh_config(d: Path, nodes: list[meshtrain.Node], peers: int) -> meshtrain.NodeConfig:
+    """A node on loopback that dials every node started before it and trains once `peers` are in."""
+    return meshtrain.NodeConfig(
+        data_dir=d,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        bootstrap=[n.host.addrs[0] for n in nodes],  # a full mesh before the first round
+        status_port=0,
+        threads=1,
+        nat=False,
+        checkpoint_every=3600,
+        wait_peers=peers,
+    )
+
+
 async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, keys: Path | None) -> list[list]:
     """Run a swarm of PEERS nodes under `root` to the spec's last step; each node's φ history.
     `keys`: take the peers' identities from an earlier run's data dirs (the same data)."""
@@ -67,17 +81,9 @@ async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, ke
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
             for i, d in enumerate(dirs):
-                config = meshtrain.NodeConfig(
-                    data_dir=d,
-                    listen=["/ip4/127.0.0.1/tcp/0"],
-                    bootstrap=[n.host.addrs[0] for n in nodes],  # a full mesh before the first round
-                    status_port=0,
-                    threads=1,
-                    nat=False,
-                    checkpoint_every=3600,
-                    wait_peers=PEERS,
+                node = meshtrain.Node(
+                    mesh_config(d, nodes, PEERS), spec=signed, outer_factory=_recording(spec, garbage=i == garbage)
                 )
-                node = meshtrain.Node(config, spec=signed, outer_factory=_recording(spec, garbage=i == garbage))
                 nodes.append(node)
                 nursery.start_soon(node.run)
                 while node.host is None:

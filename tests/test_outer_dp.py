@@ -89,7 +89,20 @@ def test_dp_in_the_spec_syncs_every_step_and_builds_the_baseline():
 
 
 def test_the_spec_aggregation_is_what_every_all_reduce_gets():
-    assert SwarmSpec().aggregation == "mean" and AGGREGATIONS == ("mean", "trimmed_mean", "clipped_mean")
+    assert AGGREGATIONS == ("mean", "trimmed_mean", "clipped_mean")
+    # Robust by default where strangers take part and the all-reduce is dense; mean elsewhere.
+    assert SwarmSpec().aggregation == "trimmed_mean" and SwarmSpec().admission == "open"
+    for optimizer in ("diloco", "streaming", "dp"):
+        assert parse_spec({"optimizer": optimizer}).aggregation == "trimmed_mean"
+    for values in (
+        {"admission": "allowlist"},
+        {"admission": "private"},
+        {"optimizer": "noloco"},
+        {"optimizer": "sparseloco"},
+    ):
+        assert parse_spec(values).aggregation == "mean", values
+    assert parse_spec({"aggregation": "mean"}).aggregation == "mean"  # an explicit mean stays
+    assert AllReduceConfig(**parse_spec({"aggregation": "mean"}).aggregation_options()).screen_norm == 0
     for name in AGGREGATIONS:
         spec = parse_spec({"aggregation": name, "aggregation_trim": 2, "aggregation_clip": 3.0})
         config = AllReduceConfig(**spec.aggregation_options())  # as the daemon builds it

@@ -49,7 +49,9 @@ id. A peer that is itself cut off raises `CollectiveError`.
 contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
 values dropped, or after clipping each contribution to the median norm × `clip`. A contribution
 with NaN/inf or of the wrong size is rejected outright and its sender excluded and named in
-`ReduceResult.excluded`.
+`ReduceResult.excluded`. With `screen_norm` set, each owner also screens its part's
+contributions (data_phase.py); every committed round's `RoundScreening` is in
+`ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
 
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
@@ -70,7 +72,7 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.flat import result_digest
@@ -160,6 +162,8 @@ class SwarmCollective(Service):
         self.config = config or AllReduceConfig()
         self.current_round = current_round
         self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
+        # Called (inline, must not block) with each committed round's screening (contract.py).
+        self.screening_listeners: list[Callable[[RoundScreening], None]] = []
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._coord = Coordinator(host, self.config, self.group)
@@ -480,7 +484,12 @@ class SwarmCollective(Service):
         for p in outcome.rejected:
             excluded.setdefault(p, stats.rejected.get(p, "sent an invalid contribution"))
         contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
-        return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded)
+        # Screening (contract.py): what we flagged as a part's owner, with the round it belongs to.
+        flags = tuple(f for f in stats.flags if f.peer != self.peer_id)
+        screening = RoundScreening(key.round_id, key.tag, group, digest, flags) if self.config.screen_norm else None
+        for listener in self.screening_listeners if screening is not None else ():
+            listener(screening)
+        return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded, screening)
 
     async def _attempt(
         self,

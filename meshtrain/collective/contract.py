@@ -13,6 +13,13 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
   survivors' result rather than raising, unless this peer itself could not take part;
 - calls are identified by `round_id` (plus an optional `tag`, e.g. a fragment index), so stale
   messages from an earlier round are never mixed into a later one.
+
+Screening (issue 21, 4a). In a robust all-reduce each part's owner sees every contribution to its
+part; it flags those whose norm is far outside the group's or whose direction disagrees with the
+robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`). The flags this peer
+raised as an owner come back in `ReduceResult.screening` (a `RoundScreening`: the round, its group,
+the committed digest), for the node to turn into signed strikes (node/strikes.py). The wire does
+not change: owners already know who contributed.
 """
 
 from __future__ import annotations
@@ -30,6 +37,32 @@ class CollectiveError(MeshtrainError):
 
 
 @dataclass(frozen=True)
+class ContributionFlag:
+    """A contribution the owner of `part` found suspect: its norm over the median norm of the part's
+    contributions (`norm_ratio`), its `alignment` (its cosine with the robust aggregate over the
+    group's median cosine: about 1 for an honest update, about 0 for noise, below 0 for a flipped
+    one), and which rule it broke ("norm" | "direction")."""
+
+    peer: str
+    part: int
+    norm_ratio: float
+    alignment: float
+    rule: str
+
+
+@dataclass(frozen=True)
+class RoundScreening:
+    """What this peer saw of one committed round as the owner of a part: the round, its group
+    (sorted), the committed result digest, and the contributions it flagged (maybe none)."""
+
+    round_id: int
+    tag: str
+    group: tuple[str, ...]
+    digest: bytes
+    flags: tuple[ContributionFlag, ...] = ()
+
+
+@dataclass(frozen=True)
 class ReduceResult:
     """What a collective call produced."""
 
@@ -39,6 +72,7 @@ class ReduceResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it was dropped
+    screening: RoundScreening | None = None  # robust all-reduces: what we flagged as a part's owner
 
 
 @runtime_checkable

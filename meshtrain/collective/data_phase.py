@@ -25,6 +25,12 @@ for a matching receive. Robust modes use one stripe per part (clipping looks at 
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
 
+**Screening** (robust modes with `config.screen_norm`, issue 21 4a): the owner of a part holds
+every contribution to it, so after combining it compares each with the others — its norm against
+the median norm, its cosine with the robust aggregate against the group's median cosine
+(`screen_contributions`) — and keeps
+the flags in `stats.flags`. Nothing on the wire changes; what to do about a flag is the node's.
+
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
 size-scaled deadline, a peer whose connection dropped (the host's connection events wake us at
 once), or garbage — a contribution with NaN/inf or of the wrong size is dropped and its sender
@@ -49,7 +55,7 @@ import torch
 import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
-from meshtrain.collective.contract import CollectiveError
+from meshtrain.collective.contract import CollectiveError, ContributionFlag
 from meshtrain.collective.flat import flatten_fp32, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
@@ -81,6 +87,7 @@ class AttemptStats:
     zero_weight: set[str] = field(default_factory=set)  # contributed nothing (weight 0)
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was thrown away
     digest: bytes | None = None  # of our result, once we have one
+    flags: list[ContributionFlag] = field(default_factory=list)  # screening, as the owner of a part
 
 
 def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
@@ -92,8 +99,44 @@ def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
         yield eg
 
 
+def screen_contributions(
+    peers: list[str], stack: torch.Tensor, aggregate: torch.Tensor, config: AllReduceConfig, part: int
+) -> list[ContributionFlag]:
+    """Flag the rows of `stack` (one per peer of `peers`, 3 or more) whose norm is over
+    `screen_norm` x the median norm or under its inverse (a scaled update, or zeros from a free
+    rider), or whose alignment — its cosine with the robust `aggregate` over the rows' median
+    cosine — is below `screen_alignment` (a flipped direction, or noise: orthogonal to the others,
+    though the trimmed aggregate keeps a little of it, so its plain cosine is small but positive).
+    A part of all zeros (nobody moved) flags nobody; without a common direction (median cosine
+    <= 0) nobody is flagged for direction."""
+    norms = stack.norm(dim=1)
+    median = float(norms.median())
+    if median <= 0 or not config.screen_norm:
+        return []
+    agg_norm = float(aggregate.norm())
+    cosines = (stack @ aggregate) / (norms.clamp_min(1e-30) * max(agg_norm, 1e-30))
+    typical = float(cosines.median()) if agg_norm > 0 else 0.0
+    flags = []
+    for i, peer in enumerate(peers):
+        ratio = float(norms[i]) / median
+        alignment = float(cosines[i]) / typical if typical > 0 else 1.0
+        if not 1 / config.screen_norm <= ratio <= config.screen_norm:
+            rule = "norm"
+        elif alignment < config.screen_alignment:
+            rule = "direction"
+        else:
+            continue
+        flags.append(ContributionFlag(peer, part, round(ratio, 6), round(alignment, 6), rule))
+    return flags
+
+
 def reduce_contributions(
-    contributions: dict[str, torch.Tensor], weights: dict[str, float], config: AllReduceConfig, rejected: dict[str, str]
+    contributions: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    config: AllReduceConfig,
+    rejected: dict[str, str],
+    flags: list[ContributionFlag] | None = None,
+    part: int = 0,
 ) -> torch.Tensor:
     """Combine the contributions to one part (runs in a worker thread).
 
@@ -101,7 +144,8 @@ def reduce_contributions(
     must not depend on arrival order); with `config.robust` and three or more contributors, a
     coordinate-wise trimmed mean (`trim` largest and smallest dropped) or a mean after clipping
     each contribution to the median norm × `clip`. Non-finite contributions are named in
-    `rejected`."""
+    `rejected`; with `flags` (a list) and `config.screen_norm`, what screening finds in a robust
+    combination of part `part` is appended to it."""
     peers = sorted(contributions)
     bad = [p for p in peers if not torch.isfinite(contributions[p]).all()]
     for p in bad:
@@ -123,12 +167,13 @@ def reduce_contributions(
         norms = stack.norm(dim=1)
         limit = norms.median() * config.clip
         scale = torch.clamp(limit / norms.clamp_min(1e-30), max=1.0)
-        return (stack * scale[:, None]).mean(dim=0)
-    k = min(config.trim, (len(peers) - 1) // 2)
-    if k == 0:
-        return stack.mean(dim=0)
-    srt = stack.sort(dim=0).values
-    return srt[k : len(peers) - k].mean(dim=0)
+        out = (stack * scale[:, None]).mean(dim=0)
+    else:
+        k = min(config.trim, (len(peers) - 1) // 2)
+        out = stack.mean(dim=0) if k == 0 else stack.sort(dim=0).values[k : len(peers) - k].mean(dim=0)
+    if flags is not None and config.screen_norm and len(peers) >= 3:
+        flags.extend(screen_contributions(peers, stack, out, config, part))
+    return out
 
 
 class DataPhase:
@@ -315,7 +360,7 @@ class DataPhase:
         contributions[self.me] = self.flat[a:b]
         weights[self.me] = self.weight
         reduced = await trio.to_thread.run_sync(
-            reduce_contributions, contributions, weights, self.config, self.stats.rejected
+            reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, self.index
         )
         self._contributions[s] = {}  # the contributions are no longer needed
         parts = self._encode(reduced)
@@ -343,9 +388,10 @@ class DataPhase:
         if self.config.robust != "none" and part.numel():
             # Robust combination cannot exceed the contributions' range; we only know ours, so a
             # part vastly larger than our slice of it means its owner is lying (robust
-            # aggregation alone protects contributions only).
+            # aggregation alone protects contributions only). Our slice all zeros (we contribute
+            # nothing, or a free rider's zeros) bounds nothing: no verdict then.
             ours = float(self.flat[a:b].abs().max())
-            if float(part.abs().max()) > self.config.owner_check * max(ours, 1e-12):
+            if ours > 0 and self.weight > 0 and float(part.abs().max()) > self.config.owner_check * ours:
                 self.stats.rejected[peer] = "reduced part out of range"
                 raise AttemptFailed({peer}, f"reduced part from {peer[-8:]} out of range", evidence=True)
         if not self.lossless:

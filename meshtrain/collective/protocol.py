@@ -71,6 +71,12 @@ class AllReduceConfig:
     trim: int = 1
     clip: float = 2.0
     owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
+    # Screening (robust modes, 3+ contributors; data_phase.screen_contributions): an owner flags a
+    # contribution whose norm is over screen_norm x the part's median norm or under its inverse
+    # (0: no screening), or whose cosine with the robust aggregate is below screen_alignment x the
+    # contributions' median cosine.
+    screen_norm: float = 0.0
+    screen_alignment: float = 0.0
     round_window: int | None = None  # refuse joins for rounds further than this from ours (None: any)
     member_wait: float = 3.0  # how long a request from a peer not (yet) in membership waits for it
     # Pipelining (data_phase.py): parts move in stripes of at most this many input bytes, with
@@ -82,6 +88,8 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if self.robust not in ("none", "trimmed_mean", "clipped_mean"):
             raise ValueError("robust must be none, trimmed_mean or clipped_mean")
+        if self.screen_norm and self.screen_norm <= 1 or not 0 <= self.screen_alignment <= 1:
+            raise ValueError("screen_norm must be 0 (off) or > 1, and screen_alignment in 0..1")
         if self.stripe_bytes < 4096 or self.window < 1:
             raise ValueError("stripe_bytes must be >= 4096 and window >= 1")
 

@@ -25,6 +25,7 @@ from meshtrain.crdt.replica import (
     ReplicaStats,
     gossip_topic,
 )
+from meshtrain.crdt.strikes import Strike
 from meshtrain.crdt.swarm_view import (
     NotSwarmOwner,
     PeerInfo,
@@ -71,6 +72,7 @@ __all__ = [
     "SignatureCache",
     "SignedCrdt",
     "SignedEntry",
+    "Strike",
     "SwarmView",
     "gossip_topic",
     "open_swarm_view",

@@ -1,6 +1,6 @@
-"""`SwarmView`: the swarm's membership, progress, metrics and run config, as one typed object.
+"""`SwarmView`: the swarm's membership, progress, metrics, strikes and run config, as one typed object.
 
-Every peer holds the same view without a leader because all four are CRDTs kept by a `Replica`:
+Every peer holds the same view without a leader because all five are CRDTs kept by a `Replica`:
 
 - **membership** — one signed record per peer (an `LWWRegister` read per owner: each owner's
   latest entry is its record, and only its key can sign it): heartbeat time, a lease (how long
@@ -14,6 +14,9 @@ Every peer holds the same view without a leader because all four are CRDTs kept 
   register). Every peer of a DiLoCo-family swarm must hold the same φ after the same round; the
   digests let each peer check that continuously (`node/parity.py`).
 - **metrics** — per-peer record of a few latest numbers (loss, throughput, ...).
+- **strikes** — per-reporter record (same per-owner register, signed by its reporter) of the
+  contributions it flagged as an all-reduce part's owner, with the evidence (crdt/strikes.py has
+  the format and rules; which strikes count is node policy, node/strikes.py).
 - **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
   rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
   `NotSwarmOwner` locally.
@@ -60,6 +63,7 @@ import trio
 
 from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
+from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, check_strikes, record_of
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
@@ -74,6 +78,7 @@ LIVE_RECHECK = 0.5  # seconds: wait_live looks again this often without a member
 PROGRESS = "progress"
 METRICS = "metrics"
 CONFIG = "config"
+STRIKES = "strikes"
 
 DEFAULT_HEARTBEAT_INTERVAL = 3.0
 DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
@@ -227,6 +232,7 @@ def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
         CrdtSpec(MEMBERSHIP, LWWRegister.type_tag, check=check_membership),
         CrdtSpec(PROGRESS, LWWRegister.type_tag, check=check_progress),
         CrdtSpec(METRICS, LWWRegister.type_tag, check=check_metrics),
+        CrdtSpec(STRIKES, LWWRegister.type_tag, check=check_strikes),
         CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
     ]
 
@@ -306,6 +312,9 @@ class SwarmView(Service):
         self.progress_live = False
         self._metrics: dict[str, float] = {}
         self._metrics_dirty = False
+        self._strikes: list[Strike] = []  # ours, written in this process (merged with our record)
+        self._strikes_dirty = False
+        self._per_peer = MAX_STRIKES
         self._rewrite = trio.Event()  # set when our records must be written again at once
         self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
@@ -401,6 +410,11 @@ class SwarmView(Service):
     def _admitted_ids(self) -> set[str] | None:
         """Ids of the admitted peers, or None when everyone is (no admission rule)."""
         return None if self.admit is None else {p.peer_id for p in self.peers()}
+
+    def records(self) -> list[PeerInfo]:
+        """Every membership record, admitted or not (for an admission rule that needs a peer's
+        record: `admit` itself must not ask `peers()`)."""
+        return self._records()
 
     def _records(self) -> list[PeerInfo]:
         crdt = self.replica.crdt(MEMBERSHIP)
@@ -502,6 +516,8 @@ class SwarmView(Service):
             self._write_progress()
         if self._metrics_dirty:
             self._write_metrics()
+        if self._strikes_dirty:
+            self._write_strikes()
 
     def progress(self) -> dict[str, PeerProgress]:
         """peer id -> its latest progress record (admitted peers only)."""
@@ -535,6 +551,43 @@ class SwarmView(Service):
             for e in self.replica.crdt(METRICS).entries()
             if admitted is None or e.owner in admitted
         }
+
+    # --- strikes --------------------------------------------------------------------------------
+
+    def report_strikes(self, strikes: Iterable[Strike], *, per_peer: int = MAX_STRIKES) -> None:
+        """Add strikes we raised (as a part's owner) to our signed record, written at once. The
+        record keeps each peer's latest `per_peer` strikes (more add nothing to a verdict that
+        needs that many), and the latest `MAX_STRIKES` in all."""
+        self._per_peer = max(1, per_peer)
+        for strike in strikes:
+            if strike.reporter != self.me:
+                raise CrdtError("we can only report our own strikes")
+            Strike.from_record(self.me, strike.to_record())  # the rules every peer applies
+            self._strikes.append(strike)
+        self._strikes_dirty = True
+        if not self._left:
+            self._write_strikes()
+
+    def _write_strikes(self) -> None:
+        """Our record: the strikes it holds (a previous incarnation's too) and ours from this
+        process, the latest `MAX_STRIKES` by round, one per (round, peer)."""
+        own = self.replica.crdt(STRIKES).entry(self.me)
+        merged = {(s.round_key, s.peer): s for s in (record_of(own).strikes if own is not None else ())}
+        merged.update({(s.round_key, s.peer): s for s in self._strikes})
+        by_peer: dict[str, list[Strike]] = {}
+        for strike in sorted(merged.values(), key=lambda s: (s.round_id, s.tag, s.peer)):
+            by_peer.setdefault(strike.peer, []).append(strike)
+        kept = [s for group in by_peer.values() for s in group[-self._per_peer :]]
+        latest = sorted(kept, key=lambda s: (s.round_id, s.tag, s.peer))[-MAX_STRIKES:]
+        self._strikes = [s for s in self._strikes if s in latest]
+        rec = {"strikes": [s.to_record() for s in latest], "caps": self.capabilities}
+        ts = now_ms()
+        self.replica.write(STRIKES, lambda c, me: c.set(me, rec, timestamp=ts))
+        self._strikes_dirty = False
+
+    def strike_records(self) -> list[StrikeRecord]:
+        """Every reporter's record, as replicated (unverified: node/strikes.py decides what counts)."""
+        return [record_of(e) for e in self.replica.crdt(STRIKES).entries()]
 
     # --- config ---------------------------------------------------------------------------------
 
@@ -576,10 +629,15 @@ class SwarmView(Service):
             changed.set()
         # An entry of ours from a previous incarnation beat what we wrote since restarting (or
         # arrived before we wrote): write our records again on top of it.
-        if event.own_superseded and event.crdt in (MEMBERSHIP, PROGRESS, METRICS):
+        if event.own_superseded and event.crdt in (MEMBERSHIP, PROGRESS, METRICS, STRIKES):
             if event.crdt == PROGRESS and not self._progress_written:
                 return  # nothing reported in this process yet: the old record stands
             if event.crdt == METRICS and not self._metrics:
+                return
+            if event.crdt == STRIKES:
+                if self._strikes:  # ours from this process go on top of the old record's
+                    self._strikes_dirty = True
+                    self._rewrite.set()
                 return
             if event.crdt == PROGRESS:
                 self._progress_dirty = True

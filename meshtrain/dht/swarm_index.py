@@ -11,7 +11,8 @@ advertise one record per swarm). The value:
 
     {"swarm": swarm id, "spec": the signed spec document (SignedSpec.to_wire(), owner-signed),
      "peers": live peers it counts, "step": the swarm's step, "addrs": [its own multiaddrs],
-     "proof": its admission proof (the proof-of-work nonce) or nil}
+     "proof": its admission proof (the proof-of-work nonce) or nil,
+     "excluded": peers the swarm's strikes exclude, as it counts them (optional, default 0)}
 
 The DHT record is signed by the advertiser (`records.py`), so nobody else can change an advert;
 the spec inside is signed by the swarm's owner, and the swarm id is a digest of the spec and the
@@ -71,6 +72,7 @@ class SwarmAdvert:
     proof: Any  # the advertiser's admission proof (a proof-of-work nonce), or None
     advertiser: str
     expiry: float
+    excluded: int = 0  # peers excluded by the swarm's strikes, as the advertiser counts them
 
     @classmethod
     def from_record(cls, record: Record) -> SwarmAdvert | None:
@@ -94,7 +96,10 @@ class SwarmAdvert:
                     good.append(a)
             except Exception:  # not a multiaddr of this advertiser: drop that address only
                 continue
-        return cls(swarm, spec, peers, step, tuple(good), value.get("proof"), record.owner, record.expiry)
+        excluded = value.get("excluded", 0)
+        if not (is_int(excluded) and 0 <= excluded <= INT64_MAX):
+            return None
+        return cls(swarm, spec, peers, step, tuple(good), value.get("proof"), record.owner, record.expiry, excluded)
 
 
 async def publish_advert(
@@ -106,12 +111,15 @@ async def publish_advert(
     step: int,
     proof: Any = None,
     ttl: float = DEFAULT_ADVERT_TTL,
+    excluded: int = 0,
 ) -> int:
     """Store our advert for `swarm_id` (addresses: our host's, with /p2p/). Returns the number
     of replicas; raises `DhtError` (none reachable) or `InvalidRecord` (e.g. oversized)."""
     me = dht.peer_id
     addrs = [a if "/p2p/" in a else f"{a}/p2p/{me}" for a in dht.host.addrs[:MAX_ADVERT_ADDRS]]
     value = {"swarm": swarm_id, "spec": spec, "peers": peers, "step": step, "addrs": addrs, "proof": proof}
+    if excluded:
+        value["excluded"] = excluded
     return await dht.store(SWARMS_KEY, value, time.time() + ttl, subkey=advert_subkey(me, swarm_id))
 
 

@@ -27,7 +27,9 @@ owner's config CRDT) are replicated.
   run time; a larger run lists its peers in the spec.
 - **private**: the libp2p swarm key (pnet): a host without it cannot even connect, so every
   peer that reaches us holds the key and is admitted.
-The owner is always admitted.
+The owner is always admitted by the rule. **Strikes** come on top of every rule (issue 21,
+node/strikes.py): a peer struck out by the swarm's verified strikes is refused like one that
+fails the rule (`EXCLUDED`), the owner too.
 
 Failures. A peer that fails admission is ignored, not told: its own node sees that it is not
 admitted (`Admission.reason` for its own record) and waits, saying why (`Node`).
@@ -48,6 +50,7 @@ import blake3
 
 from meshtrain.crdt.swarm_view import PeerInfo, SwarmView
 from meshtrain.log import get_logger, kv
+from meshtrain.node.strikes import StrikeBook
 from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.transport.framing import packb
 from meshtrain.transport.identity import IdentityError, public_key_of
@@ -64,6 +67,7 @@ MAX_CACHED_PROOFS = 8192
 
 NO_PROOF = "no-proof-of-work"
 NOT_ALLOWED = "not-on-allowlist"
+EXCLUDED = "excluded-by-strikes"
 
 
 def _pow_hasher(swarm_id: str, peer_id: str) -> Any:
@@ -133,7 +137,8 @@ class Admission:
     """The swarm's admission rule, applied to membership records. `admits(peer)` is the filter
     `PeerPresence` hands the swarm view; `reason(peer id, capabilities)` says why a peer is not
     admitted (None: it is). `view` (set once the view exists) supplies the owner's run-time
-    allowlist; until then only the spec's allowlist counts."""
+    allowlist; until then only the spec's allowlist counts. `strikes` (set with the view) adds
+    the swarm's verdicts: an excluded peer is refused too."""
 
     def __init__(self, signed: SignedSpec) -> None:
         self.signed = signed
@@ -142,6 +147,7 @@ class Admission:
         self.bits = signed.spec.pow_bits
         self.allowlist = frozenset(signed.spec.allowlist)
         self.view: SwarmView | None = None
+        self.strikes: StrikeBook | None = None
         self._proofs: dict[tuple[str, Any], bool] = {}
 
     def admits(self, peer: PeerInfo) -> bool:
@@ -149,6 +155,20 @@ class Admission:
 
     def reason(self, peer_id: str, capabilities: dict[str, Any]) -> str | None:
         """Why the peer with this membership record is not admitted; None if it is."""
+        if self.strikes is not None and self.strikes.excluded(peer_id):
+            return EXCLUDED
+        return self.base_reason(peer_id, capabilities)
+
+    def admits_reporter(self, peer_id: str, capabilities: dict[str, Any]) -> bool:
+        """Whether a strikes reporter passes the rule, strikes aside (node/strikes.py): by the
+        capabilities its strikes record carries, or by its membership record."""
+        if self.base_reason(peer_id, capabilities) is None:
+            return True
+        records = self.view.records() if self.view is not None else []
+        return any(p.peer_id == peer_id and self.base_reason(p.peer_id, p.capabilities) is None for p in records)
+
+    def base_reason(self, peer_id: str, capabilities: dict[str, Any]) -> str | None:
+        """The rule alone: why this membership record fails it (None: it passes)."""
         if peer_id == self.signed.owner or self.mode == "private":
             return None
         if self.mode == "open":

@@ -416,9 +416,12 @@ def _node_status(args: argparse.Namespace) -> int:
             f"admission {admission['rule']}: {standing}"
             + (f"; ignoring {ignored} peer(s) that fail it" if ignored else "")
         )
+        for peer, s in sorted((admission.get("standing") or {}).items()):
+            print(f"  strikes  {peer[-12:]}  {s['strikes']} round(s)" + ("  EXCLUDED" if s["excluded"] else ""))
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
-        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}")
+        struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""
+        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}{struck}")
     return 0
 
 

@@ -20,7 +20,8 @@ module wires them, runs the training loop's start and stop, and writes the statu
 
 Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
-control.token (0600: the bearer token `node stop` must present), history.json (loss history).
+control.token (0600: the bearer token `node stop` must present), history.json (loss history),
+strikes.bin (the swarm's signed strikes, node/strikes.py), admission.json (our proof of work).
 
 Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the
@@ -72,6 +73,7 @@ from meshtrain.dht.records import DhtError
 from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
+from meshtrain.node import adversary
 from meshtrain.node.admission import allow_key, load_or_mint_pow
 from meshtrain.node.checkpoint import write_atomic
 from meshtrain.node.config import NodeConfig
@@ -161,6 +163,7 @@ class Node:
         self._model = model
         self._outer_factory = outer_factory
         self._stop = StopRequest()
+        self.adversary = adversary.mode_from_env()  # a test hook (node/adversary.py); None: honest
         self._token: trio.lowlevel.TrioToken | None = None
         self.phase = Phase()
         self.stop_signal: str | None = None  # the signal that stopped us, if one did
@@ -270,7 +273,13 @@ class Node:
                     load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.pow_bits
                 )
             presence = self.presence = PeerPresence(
-                host, signed, bootstrap=bootstrap, mdns=config.mdns, connection="direct", pow_nonce=pow_nonce
+                host,
+                signed,
+                bootstrap=bootstrap,
+                mdns=config.mdns,
+                connection="direct",
+                pow_nonce=pow_nonce,
+                data_dir=self.data_dir,
             )
             if config.nat:  # before any peer connects, so every relayed peer can be punched
                 self.nat = presence.nat = await stack.enter_async_context(
@@ -305,6 +314,8 @@ class Node:
                     current_round=self._current_round,
                 )
             )
+            if presence.strikes is not None:  # what we flag as a part's owner becomes our strikes
+                collective.screening_listeners.append(presence.strikes.on_round)
             self.network_ready.set()
             if config.threads:
                 torch.set_num_threads(config.threads)
@@ -315,9 +326,10 @@ class Node:
                 assert self._adopted is not None  # set with the event
                 trainer = self.trainer = self._adopted
             else:
+                ours = local.collective(collective) if local else collective
                 trainer = self.trainer = Trainer(
                     signed.spec,
-                    local.collective(collective) if local else collective,
+                    ours if self.adversary is None else adversary.AdversarialCollective(ours, self.adversary),
                     host.peer_id,
                     model=self._model,
                     outer_factory=self._outer_factory,
@@ -325,6 +337,8 @@ class Node:
                     device=None if local else resolve_device(config.device),
                     data_dir=self.data_dir,
                 )
+                if self.adversary == "otherdata":
+                    trainer.batch = adversary.other_data(trainer.batch)  # type: ignore[method-assign]
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )

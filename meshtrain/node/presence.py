@@ -14,7 +14,9 @@ replica; the owner publishes the signed spec in its config).
 
 Admission (node/admission.py). The view answers from admitted peers only: `PeerPresence` hands
 it the spec's rule (`Admission.admits`), so every question below — trainers, candidates, donors,
-`is_member` — ignores a peer that fails it, on every honest peer alike. Our own record always
+`is_member` — ignores a peer that fails it, on every honest peer alike. The swarm's verified
+strikes (node/strikes.py, a `StrikeBook` kept in `data_dir`) are part of the rule: a peer struck
+out is excluded from all of them; `standing()` shows who has strikes. Our own record always
 counts for us; `not_admitted()` says whether the others count it (a node that is not admitted
 waits, `Node`). In an open swarm our record carries our proof of work (capability "pow").
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import trio
 
@@ -66,6 +69,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.admission import POW_CAP, Admission, mint_pow
+from meshtrain.node.strikes import Standing, StrikeBook
 from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
@@ -88,6 +92,7 @@ class PeerPresence(Service):
         connections are upgraded in the background). connection: how we are reached, announced
         in our membership record until NAT traversal knows better. pow_nonce: our proof of work
         for an open swarm (`admission.load_or_mint_pow`; None: minted on entry, in a thread).
+        data_dir: where the swarm's strikes are kept across restarts (None: only in memory).
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class PeerPresence(Service):
         nat: NatTraversal | None = None,
         connection: str = "direct",
         pow_nonce: int | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         self.host = host
         self.signed = signed
@@ -113,6 +119,8 @@ class PeerPresence(Service):
         self.view: SwarmView | None = None  # set once entered
         self.discovery: Discovery | None = None
         self.dht: Dht | None = None
+        self.data_dir = data_dir
+        self.strikes: StrikeBook | None = None  # set once entered
 
     @property
     def me(self) -> str:
@@ -152,10 +160,15 @@ class PeerPresence(Service):
             )
         )
         self.admission.view = view
+        # The swarm's verdicts (node/strikes.py): kept strikes first, then they refuse like the rule.
+        strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.admits_reporter, data_dir=self.data_dir)
+        strikes.load()
+        self.admission.strikes = strikes
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():
             view.set_config(spec=self.signed.to_wire())
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._keep_connected, view, self.discovery)
+        self._nursery.start_soon(strikes.keep_saved)
         if spec.admission != "private":  # a private swarm's peers cannot be reached by strangers
             self._nursery.start_soon(self._advertise, view, dht)
 
@@ -168,6 +181,10 @@ class PeerPresence(Service):
     def not_admitted(self) -> str | None:
         """Why the swarm's other peers ignore us (`admission` reasons), or None: they admit us."""
         return self.admission.reason(self.me, self.capabilities)
+
+    def standing(self) -> dict[str, Standing]:
+        """Peers with verified strikes against them: rounds counted, excluded or not (node/strikes.py)."""
+        return self.strikes.standing() if self.strikes is not None else {}
 
     def ignored(self) -> list[str]:
         """Peers with a membership record that fails admission (for the status page)."""
@@ -255,6 +272,7 @@ class PeerPresence(Service):
                         peers=len(view.live_peers()),
                         step=max(steps, default=0),
                         proof=self.capabilities.get(POW_CAP),
+                        excluded=sum(s.excluded for s in self.standing().values()),
                     )
                 except DhtError as e:  # InvalidRecord included: an oversized spec stays unlisted
                     log.info(kv("swarm advert not stored", error=str(e)))

@@ -31,13 +31,15 @@ The status document (`Node.snapshot()`):
                 device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
                 local_rank_pids (their process ids, by local rank),
                 admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
-                ignore this node (no-proof-of-work, not-on-allowlist) or null, ignored: peer ids
-                whose membership records this node ignores (they fail admission)}
+                ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
+                null, ignored: peer ids whose membership records this node ignores (they fail
+                admission, or strikes exclude them), standing: {peer id: {strikes: rounds
+                counted against it, excluded: bool}} for every peer with verified strikes}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
                 null), waiting (what the node waits for now, in words, or null)
-    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability}] (and
+    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability, strikes}] (and
                 stage: the stage a pipeline swarm's peer announces, or null)
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
                 reachability: what the peer announces ("public", "relayed": private behind a

@@ -90,11 +90,17 @@ def round_status(node: Node) -> dict[str, Any]:
 
 
 def admission_status(node: Node) -> dict[str, Any]:
-    """How this swarm admits peers, whether the others admit us, whom we ignore."""
+    """How this swarm admits peers, whether the others admit us, whom we ignore, and the standing
+    of every peer with verified strikes (node/strikes.py)."""
     spec, presence = node.signed.spec if node.signed else None, node.presence
     if spec is None or presence is None or presence.view is None:
-        return {"rule": spec.admission if spec else None, "not_admitted": None, "ignored": []}
-    return {"rule": spec.admission, "not_admitted": presence.not_admitted(), "ignored": presence.ignored()}
+        return {"rule": spec.admission if spec else None, "not_admitted": None, "ignored": [], "standing": {}}
+    return {
+        "rule": spec.admission,
+        "not_admitted": presence.not_admitted(),
+        "ignored": presence.ignored(),
+        "standing": {p: {"strikes": s.rounds, "excluded": s.excluded} for p, s in presence.standing().items()},
+    }
 
 
 def refused(node: Node) -> dict[str, int]:
@@ -179,6 +185,7 @@ def status_document(node: Node) -> dict[str, Any]:
                     f"training starts ({have} of {node.config.wait_peers} here)"
                 )
     peers = []
+    standing = node.presence.standing() if node.presence is not None and view is not None else {}
     if view is not None and host is not None:
         progress, metrics = view.progress(), view.metrics()
         for p in view.live_peers():
@@ -193,6 +200,7 @@ def status_document(node: Node) -> dict[str, Any]:
                     "loss": me.values.get("loss") if me else None,
                     "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
                     "reachability": p.connection,
+                    "strikes": standing[p.peer_id].rounds if p.peer_id in standing else 0,
                 }
             )
             if pipeline is not None:

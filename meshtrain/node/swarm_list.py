@@ -17,7 +17,8 @@ only if
   counted).
 The adverts of one swarm merge into one `ListedSwarm`: its peer count and step are the owner's
 if the owner advertises, else the median of the advertisers' (a liar among them moves it
-little), and its entry addresses are every advertiser's, the owner's first.
+little) — so is the number of peers the swarm's strikes exclude (node/strikes.py) — and its
+entry addresses are every advertiser's, the owner's first.
 
 `pick_swarm` resolves what the user typed: a swarm id, else a name; a name that several swarms
 carry is an error that lists their ids (names are not unique: anyone can create a swarm with any
@@ -61,6 +62,7 @@ class ListedSwarm:
     step: int
     addrs: tuple[str, ...]  # entry points: the advertisers' addresses, the owner's first
     advertisers: int
+    excluded: int = 0  # peers the swarm's strikes exclude (node/strikes.py)
 
     @property
     def swarm_id(self) -> str:
@@ -93,8 +95,9 @@ def verify_adverts(adverts: Sequence[SwarmAdvert]) -> list[ListedSwarm]:
         counted = ads[:1] if ads[0].advertiser == signed.owner else ads
         peers = int(statistics.median_low([a.peers for a in counted]))
         step = int(statistics.median_low([a.step for a in counted]))
+        excluded = int(statistics.median_low([a.excluded for a in counted]))
         addrs = tuple(dict.fromkeys(a for ad in ads for a in ad.addrs))
-        out.append(ListedSwarm(signed, peers, step, addrs, len(ads)))
+        out.append(ListedSwarm(signed, peers, step, addrs, len(ads), excluded))
     return sorted(out, key=lambda s: (s.name, s.swarm_id))
 
 
@@ -135,7 +138,7 @@ def format_table(listed: Sequence[ListedSwarm]) -> str:
     """The table `meshtrain swarm list` prints."""
     if not listed:
         return "no swarms found"
-    rows = [("SWARM ID", "NAME", "MODEL", "OPTIMIZER", "ADMISSION", "PEERS", "STEP", "OWNER")]
+    rows = [("SWARM ID", "NAME", "MODEL", "OPTIMIZER", "ADMISSION", "PEERS", "EXCLUDED", "STEP", "OWNER")]
     for s in listed:
         spec = s.signed.spec
         admission = f"open/pow{spec.pow_bits}" if spec.admission == "open" else spec.admission
@@ -147,6 +150,7 @@ def format_table(listed: Sequence[ListedSwarm]) -> str:
                 spec.optimizer,
                 admission,
                 str(s.peers),
+                str(s.excluded),
                 str(s.step) + (f"/{spec.steps}" if spec.steps else ""),
                 "…" + s.signed.owner[-8:],
             )

@@ -7,7 +7,10 @@ signed — written once by the swarm's creator and identical on every peer; a no
 it (how a node runs is `config.NodeConfig`'s business). The spec's `precision` is the swarm's:
 peers that train in different precisions are different experiments. So is its `aggregation`: how
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
-the one place it reaches the collective's `AllReduceConfig`). `parse_spec` validates an
+the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
+swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
+they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds are excluded,
+node/strikes.py); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. `parse_spec` validates an
 untrusted dict into one (a one-line `ConfigError`).
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
@@ -72,6 +75,7 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sparseloco": {"outer_lr": 1.0,
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+DENSE_ALL_REDUCE = ("diloco", "streaming", "dp")  # optimizers whose all-reduce a robust rule can combine
 
 
 class SwarmSpec(BaseModel):
@@ -130,13 +134,36 @@ class SwarmSpec(BaseModel):
         "mean",
         description="how every all-reduce combines the peers' contributions: mean | trimmed_mean "
         "(per coordinate, the aggregation_trim largest and smallest dropped) | clipped_mean (each "
-        "contribution clipped to aggregation_clip x the median norm); robust rules need 3+ peers",
+        "contribution clipped to aggregation_clip x the median norm); robust rules need 3+ peers "
+        "(with fewer they are the mean). Default: trimmed_mean in an open swarm whose optimizer "
+        "all-reduces dense contributions (diloco, streaming, dp), else mean",
     )
     aggregation_trim: int = Field(
         1, ge=1, le=1024, description="trimmed_mean: values dropped at each end (at most (n-1)/2 of n peers)"
     )
     aggregation_clip: float = Field(
         2.0, gt=0, le=1e6, description="clipped_mean: contributions clipped to this multiple of the median norm"
+    )
+    screen_norm: float = Field(
+        4.0,
+        ge=0,
+        le=1e6,
+        description="robust aggregation: each part's owner flags a contribution whose norm is over this "
+        "multiple of the median or under its inverse (0 = no screening; else > 1)",
+    )
+    screen_alignment: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
+        "fraction of the group's median cosine (a flipped update, or noise)",
+    )
+    strikes: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="a peer flagged in this many distinct rounds (by 2+ reporters each) is excluded "
+        "everywhere (node/strikes.py); 0 = never",
     )
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
@@ -199,6 +226,18 @@ class SwarmSpec(BaseModel):
         if isinstance(data, dict) and data.get("optimizer") in OPTIMIZER_DEFAULTS:
             own = OPTIMIZER_DEFAULTS[data["optimizer"]]
             data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _robust_in_open_swarms(cls, data: Any) -> Any:
+        """Unless `aggregation` is given, a swarm open to strangers whose optimizer all-reduces
+        dense contributions combines them robustly (trimmed_mean: a per-coordinate rule that bounds
+        a scaled, flipped or noisy update best in scripts/bench_adversarial.py); others: mean."""
+        if isinstance(data, dict) and data.get("aggregation") is None:
+            dense = data.get("optimizer", "diloco") in DENSE_ALL_REDUCE and data.get("pipeline", "none") == "none"
+            robust = dense and data.get("admission", "open") == "open"
+            data = {**data, "aggregation": "trimmed_mean" if robust else "mean"}
         return data
 
     @model_validator(mode="before")
@@ -290,6 +329,8 @@ class SwarmSpec(BaseModel):
                 + ("averages with one partner" if self.optimizer == "noloco" else "gathers sparse payloads")
                 + ": use aggregation mean"
             )
+        if self.screen_norm and self.screen_norm <= 1:
+            raise ConfigError(f"swarm spec: screen_norm must be 0 (no screening) or above 1, not {self.screen_norm}")
         if self.pipeline != "none":
             self._check_pipeline()
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
@@ -321,10 +362,14 @@ class SwarmSpec(BaseModel):
         place the spec's `aggregation` reaches the collective, for every all-reduce it runs (the
         daemon's, so `meshtrain.Swarm` loops too). A default that depends on other keys (a robust
         rule for a swarm open to strangers) belongs here, not at the call site."""
+        robust = self.aggregation != "mean"
         return {
-            "robust": "none" if self.aggregation == "mean" else self.aggregation,
+            "robust": self.aggregation if robust else "none",
             "trim": self.aggregation_trim,
             "clip": self.aggregation_clip,
+            # Screening needs a part's contributions side by side, which only robust modes keep.
+            "screen_norm": self.screen_norm if robust else 0.0,
+            "screen_alignment": self.screen_alignment,
         }
 
 

@@ -1,0 +1,243 @@
+"""Adversaries in an open swarm: what robust aggregation and strikes let through, and how fast.
+
+    python scripts/bench_adversarial.py [--honest 4] [--adversaries 1] [--H 10] [--rounds 8]
+        [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8]
+
+Real daemons (`meshtrain node start`, one process each) on loopback train gpt-tiny (DiLoCo) in an
+open swarm: `--honest` honest peers and `--adversaries` adversaries, each an ordinary daemon with
+`MESHTRAIN_ADVERSARY=<mode>` (the test hook of meshtrain/node/adversary.py: sign-flipped x10,
+Gaussian noise of the update's norm, zeros, a replay of its first update, training on other data).
+Every mode runs twice: with the open swarm's default (trimmed_mean, screening, strikes) and with
+`aggregation = "mean"` (no defence), against a swarm of the honest peers alone under the same rule.
+The honest peers keep their identities across runs (the same data), so the runs differ by the
+adversaries only. The issue asks for 8 daemons and two adversaries; this machine has 2 cores, so
+the default is 5 daemons and one adversary (pass --honest 6 --adversaries 2 where cores allow).
+
+Measured (last line, one JSON object):
+- `loss_gap_vs_honest`: per mode, {robust, mean}: the honest peers' final held-out loss over the
+  honest-only swarm's, minus 1 (null: the swarm diverged); `worst_loss_gap` its largest (robust);
+- `rounds_to_exclude`: per mode, the outer round in which the honest peers excluded the
+  adversaries (null: not excluded within the run); `max_rounds_to_exclude` over the modes
+  screening is meant to catch (signflip10, noise, zeros);
+- `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
+- `verify_overhead`: screening's time per round (owner side: norms and cosines of every
+  contribution to one part of the demo model, gpt-small) over a round's wall time at H = 50
+  (50 x the median wall time per step of the honest peers in the runs, rounds included, gpt-tiny:
+  pessimistic, as gpt-small's steps are slower);
+- `sybil_cost_ratio`: minting 100 admitted identities against one (scripts/bench_admission.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from meshtrain.collective.data_phase import screen_contributions  # noqa: E402
+from meshtrain.collective.protocol import AllReduceConfig  # noqa: E402
+from meshtrain.models.sources import build_model  # noqa: E402
+from meshtrain.node import adversary  # noqa: E402
+from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec  # noqa: E402
+from meshtrain.transport.identity import Identity  # noqa: E402
+
+CAUGHT_BY_SCREENING = ("signflip10", "noise", "zeros")  # replay and otherdata point the right way
+RUN_TIMEOUT = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], *, threads: int = 1) -> dict:
+    """One swarm: a daemon per entry of `modes` (None: honest), peer i's identity from keys/n{i}.
+    The honest peers' final eval loss, who excluded whom, and the mean inner step time."""
+    dirs = [root / f"n{i}" for i in range(len(modes))]
+    for i, d in enumerate(dirs):
+        d.mkdir(parents=True)
+        shutil.copy(keys / f"n{i}" / "identity.key", d / "identity.key")
+        os.chmod(d / "identity.key", 0o600)
+    signed = SignedSpec.create(spec, Identity.load_or_create(dirs[0]))
+    signed.save(root / "swarm.json")
+    ids = [Identity.load_or_create(d).peer_id_str for d in dirs]
+    ports = [free_port() for _ in dirs]
+    entry = f"/ip4/127.0.0.1/tcp/{ports[0]}/p2p/{ids[0]}"
+    procs = []
+    for i, (d, mode) in enumerate(zip(dirs, modes, strict=True)):
+        env = {k: v for k, v in os.environ.items() if k != adversary.ENV}
+        if mode is not None:
+            env[adversary.ENV] = mode
+        env["MESHTRAIN_LOG"] = "WARNING"
+        argv = [sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--quiet", "--no-nat"]
+        argv += ["--swarm", str(root / "swarm.json"), "--data-dir", str(d), "--status-port", "0"]
+        argv += ["--listen", f"/ip4/127.0.0.1/tcp/{ports[i]}", "--threads", str(threads)]
+        argv += ["--wait-peers", str(len(modes)), "--checkpoint-every", "3600"]
+        if i:
+            argv += ["--bootstrap", entry]
+        with open(d / "stderr.log", "wb") as err:
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT))
+        if i == 0:  # the others bootstrap from it: wait until it listens (its daemon file)
+            wait_for(d / "daemon.json", procs[0])
+    honest = [p for p, m in zip(procs, modes, strict=True) if m is None]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        for p in honest:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    losses, steps, excluded = [], [], {}
+    for d, mode, p in zip(dirs, modes, procs, strict=True):
+        if mode is not None:
+            continue
+        if p.returncode != 0:
+            raise SystemExit(f"honest daemon {d} exited {p.returncode}: {(d / 'stderr.log').read_text()[-2000:]}")
+        history = json.loads((d / "history.json").read_text())
+        evals = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
+        losses.append(evals[-1] if evals else math.nan)
+        timed = [(h["step"], h["t"]) for h in history if "t" in h and "step" in h]
+        if len(timed) >= 2 and timed[-1][0] > timed[0][0]:  # wall time per step, rounds included
+            steps.append((timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0]))
+        for line in (d / "stderr.log").read_text().splitlines():
+            if "peer excluded by strikes" in line:
+                fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+                excluded.setdefault(fields["peer"], int(fields["at_round"]))
+    return {"ids": ids, "loss": losses[0] if losses else math.nan, "excluded": excluded, "step_s": steps}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the first daemon did not start: {(path.parent / 'stderr.log').read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
+def screening_seconds(peers: int, trials: int = 20) -> float:
+    """One owner's screening of its part of the demo model (gpt-small) among `peers` peers: the
+    norms and cosines of every contribution (`screen_contributions`, what verification adds to a
+    robust round on the owner's side; filing a strike is one CRDT write, and only when flagged)."""
+    numel = sum(p.numel() for p in build_model("gpt-small", vocab_size=256, seed=0).parameters()) // peers
+    stack = torch.randn(peers, numel)
+    aggregate = stack.median(dim=0).values
+    config = AllReduceConfig(robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25)
+    names = [f"p{i}" for i in range(peers)]
+    t0 = time.perf_counter()
+    for _ in range(trials):
+        screen_contributions(names, stack, aggregate, config, 0)
+    return (time.perf_counter() - t0) / trials
+
+
+def sybil_cost_ratio() -> float | None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_admission.py"), "--trials", "5"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])["sybil_cost_ratio"]
+    except (IndexError, ValueError, KeyError):
+        return None
+
+
+def gap(loss: float, reference: float) -> float | None:
+    return round(loss / reference - 1, 4) if math.isfinite(loss) and math.isfinite(reference) else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--honest", type=int, default=4)
+    ap.add_argument("--adversaries", type=int, default=1)
+    ap.add_argument("--H", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--modes", default=",".join(adversary.MODES))
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    n = args.honest + args.adversaries
+    t_start = time.monotonic()
+    base = dict(model="gpt-tiny", H=args.H, steps=args.H * args.rounds, batch_size=args.batch_size, pow_bits=8)
+    base["eval_every"] = base["steps"]  # one held-out evaluation, of the final φ
+    specs = {"robust": SwarmSpec(**base), "mean": SwarmSpec(**base, aggregation="mean")}
+    assert specs["robust"].aggregation == "trimmed_mean"  # the open swarm's default
+    with tempfile.TemporaryDirectory(prefix="bench_adversarial_") as tmp:
+        root = Path(tmp)
+        keys = root / "keys"
+        for i in range(n):  # identities kept across runs: the honest peers' data is the same
+            Identity.load_or_create(keys / f"n{i}")
+        honest_modes: list[str | None] = [None] * args.honest
+        runs: dict[str, dict] = {}
+        for rule, spec in specs.items():
+            runs[f"honest/{rule}"] = run_swarm(root / f"honest-{rule}", keys, spec, honest_modes)
+            print(f"honest/{rule}: loss {runs[f'honest/{rule}']['loss']:.4f}", file=sys.stderr)
+        for mode in modes:
+            for rule, spec in specs.items():
+                r = run_swarm(root / f"{mode}-{rule}", keys, spec, honest_modes + [mode] * args.adversaries)
+                runs[f"{mode}/{rule}"] = r
+                print(f"{mode}/{rule}: loss {r['loss']:.4f} excluded {r['excluded']}", file=sys.stderr)
+        ids = runs["honest/robust"]["ids"]
+        honest_ids, liar_ids = set(ids[: args.honest]), set(runs[f"{modes[0]}/robust"]["ids"][args.honest :])
+        loss_gap, rounds_to_exclude, honest_excluded = {}, {}, set()
+        for mode in modes:
+            loss_gap[mode] = {
+                rule: gap(runs[f"{mode}/{rule}"]["loss"], runs[f"honest/{rule}"]["loss"]) for rule in specs
+            }
+            caught = [runs[f"{mode}/robust"]["excluded"].get(p) for p in liar_ids]
+            rounds_to_exclude[mode] = max(c // args.H for c in caught) if all(c is not None for c in caught) else None
+        for r in runs.values():
+            honest_excluded |= set(r["excluded"]) & honest_ids
+        step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
+        round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
+    robust_gaps = [g["robust"] for g in loss_gap.values()]
+    harmful = [rounds_to_exclude[m] for m in modes if m in CAUGHT_BY_SCREENING]
+    print(
+        json.dumps(
+            {
+                "daemons": n,
+                "adversaries": args.adversaries,
+                "model": "gpt-tiny",
+                "H": args.H,
+                "rounds": args.rounds,
+                "strikes_to_exclude": specs["robust"].strikes,
+                "final_eval_loss_honest": {rule: round(runs[f"honest/{rule}"]["loss"], 4) for rule in specs},
+                "loss_gap_vs_honest": loss_gap,
+                "worst_loss_gap": max((g for g in robust_gaps if g is not None), default=None)
+                if all(g is not None for g in robust_gaps)
+                else None,
+                "rounds_to_exclude": rounds_to_exclude,
+                "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
+                "honest_excluded": len(honest_excluded),
+                "verify_overhead": float(f"{screening_seconds(n) / round_at_h50:.3g}"),
+                "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
+                "round_s_at_h50": round(round_at_h50, 2),
+                "sybil_cost_ratio": sybil_cost_ratio(),
+                "wall_s": round(time.monotonic() - t_start, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Verification end to end (issue 21): an open swarm of four real `Node`s on loopback (gpt-tiny,
+robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/adversary.py). The
+honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
+peer excludes it; the honest peers are never flagged, and the rounds go on without it."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import meshtrain
+from meshtrain.node import adversary, run_state
+from meshtrain.transport.identity import Identity
+
+from .test_aggregation_swarm import mesh_config
+
+pytestmark = pytest.mark.slow
+
+PEERS = 4
+H = 2
+
+
+@pytest.mark.parametrize("mode", ["signflip10", "zeros"])
+async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path, monkeypatch, mode) -> None:
+    monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
+    # Twelve rounds: strikes need three, and a round here takes a fraction of a second, faster than
+    # the first gossip mesh forms (strikes travel by anti-entropy, ~1.5 s, until it has).
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", H=H, steps=H * 12, batch_size=4, eval_every=0, pow_bits=4)
+    assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
+    nodes: list[meshtrain.Node] = []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            honest_done = trio.Semaphore(0)
+            for i in range(PEERS):
+                if i == PEERS - 1:
+                    monkeypatch.setenv(adversary.ENV, mode)  # read once, as this node is built
+                node = meshtrain.Node(mesh_config(tmp_path / f"n{i}", nodes, PEERS), spec=signed)
+                monkeypatch.delenv(adversary.ENV, raising=False)
+                nodes.append(node)
+
+                async def run(node=node) -> None:
+                    await node.run()
+                    if node.adversary is None:
+                        honest_done.release()
+
+                nursery.start_soon(run)
+                while node.host is None:
+                    await trio.sleep(0.05)
+            for _ in range(PEERS - 1):
+                await honest_done.acquire()
+            nodes[-1].stop()  # the adversary, shut out, would train alone until its last step
+    *honest, liar = nodes
+    assert liar.adversary == mode and all(n.adversary is None for n in honest)
+    for n in honest:
+        standing = n.presence.standing()
+        assert list(standing) == [liar.host.peer_id] and standing[liar.host.peer_id].excluded, standing
+        history = n.trainer.outer.history
+        assert history[0].contributors == PEERS  # it took part at first ...
+        assert history[-1].contributors == PEERS - 1  # ... and is out by the end
+        assert n.presence.strikes.path.exists()
+    # The status page shows each peer's standing.
+    doc = honest[0].snapshot()
+    (shown,) = doc["node"]["admission"]["standing"].items()
+    assert shown[0] == liar.host.peer_id and shown[1]["excluded"] and shown[1]["strikes"] >= 3
+    assert liar.host.peer_id in doc["node"]["admission"]["ignored"]
+    assert all(p["strikes"] == 0 for p in doc["peers"])

@@ -1,0 +1,141 @@
+"""Screening (issue 21, 4a): each part's owner flags contributions whose norm is far outside the
+group's or whose direction disagrees with the robust aggregate, and the collective returns the
+flags with the round. Among real hosts on loopback, and as a pure function; and the strike
+format the flags become (crdt/strikes.py), as a property."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtrain.collective.allreduce import AllReduceConfig
+from meshtrain.collective.data_phase import screen_contributions
+from meshtrain.crdt.entries import CrdtError
+from meshtrain.crdt.strikes import Strike
+from meshtrain.transport.identity import Identity
+
+from .test_allreduce import mesh, run_all
+
+SCREENED = AllReduceConfig(join_timeout=5, robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25)
+
+
+def honest_updates(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+    """Pseudo-gradients of peers training one model on different data: a shared direction, each
+    with its own noise and scale."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=g)
+    return [(common + 0.5 * torch.randn(numel, generator=g)) * (0.8 + 0.4 * i / n) for i in range(n)]
+
+
+async def screened_round(updates: list[torch.Tensor]):
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, len(updates), SCREENED)
+        results = await run_all(cols, [{"w": u.reshape(50, -1)} for u in updates], round_id=3)
+    return [p.id for p in peers], results
+
+
+async def test_owners_flag_a_sign_flipped_scaled_contribution_and_no_honest_one():
+    updates = honest_updates(4, 4000, seed=1)
+    updates[2] = -10 * updates[2]
+    ids, results = await screened_round(updates)
+    liar = ids[2]
+    for i, r in enumerate(results):
+        s = r.screening
+        assert s is not None and s.round_id == 3 and s.group == tuple(sorted(ids)) and s.digest == r.digest
+        if i == 2:
+            continue  # the liar's own screening is its business
+        # Every honest owner flags the liar on its own part (by norm: 10x), and nobody else.
+        assert [f.peer for f in s.flags] == [liar], s.flags
+        (flag,) = s.flags
+        assert flag.part == s.group.index(ids[i]) and flag.rule == "norm" and flag.norm_ratio > 4
+        assert flag.alignment < 0  # against the others
+
+
+async def test_owners_flag_a_free_rider_sending_zeros():
+    updates = honest_updates(4, 4000, seed=2)
+    updates[0] = torch.zeros_like(updates[0])
+    ids, results = await screened_round(updates)
+    for i in (1, 2, 3):
+        flags = results[i].screening.flags
+        assert [(f.peer, f.rule, f.norm_ratio) for f in flags] == [(ids[0], "norm", 0.0)]
+
+
+async def test_honest_rounds_are_not_flagged_and_two_peers_still_reduce():
+    ids, results = await screened_round(honest_updates(4, 4000, seed=3))
+    assert all(r.screening.flags == () for r in results)
+    # Fewer than three contributors: the robust rule is the mean and nothing is screened.
+    updates = honest_updates(2, 4000, seed=4)
+    ids, results = await screened_round(updates)
+    assert torch.allclose(results[0].tensors["w"].reshape(-1), (updates[0] + updates[1]) / 2)
+    assert all(r.screening.flags == () for r in results)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(3, 9),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(8.0, 1e6),  # beyond screen_norm (4) x the honest spread of norms (1.5)
+    liar=st.integers(0, 8),
+    flip=st.booleans(),
+)
+def test_screening_flags_exactly_the_scaled_row(n, seed, scale, liar, flip):
+    """Honest rows (one direction, moderate spread of norms) are never flagged; a row scaled beyond
+    `screen_norm` is, whatever its sign."""
+    liar %= n
+    rows = honest_updates(n, 300, seed)
+    rows[liar] = rows[liar] * (-scale if flip else scale)
+    stack = torch.stack(rows)
+    aggregate = stack.sort(dim=0).values[1 : n - 1].mean(dim=0)
+    peers = [f"p{i}" for i in range(n)]
+    flags = screen_contributions(peers, stack, aggregate, SCREENED, part=0)
+    assert [f.peer for f in flags] == [f"p{liar}"]
+    assert screen_contributions(peers, torch.stack(honest_updates(n, 300, seed)), aggregate, SCREENED, 0) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(4, 9), seed=st.integers(0, 2**16), liar=st.integers(0, 8))
+def test_noise_of_an_updates_norm_is_flagged_for_its_direction(n, seed, liar):
+    """Noise with an honest update's norm passes the norm rule; its alignment with the trimmed
+    aggregate (which keeps a little of it) is far below the honest rows'."""
+    liar %= n
+    rows = honest_updates(n, 3000, seed)
+    noise = torch.randn(3000, generator=torch.Generator().manual_seed(seed + 1))
+    rows[liar] = noise * rows[liar].norm() / noise.norm()
+    stack = torch.stack(rows)
+    aggregate = stack.sort(dim=0).values[1 : n - 1].mean(dim=0)
+    flags = screen_contributions([f"p{i}" for i in range(n)], stack, aggregate, SCREENED, part=0)
+    assert [(f.peer, f.rule) for f in flags] == [(f"p{liar}", "direction")]
+
+
+PEERS = sorted(Identity.generate().peer_id_str for _ in range(4))
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(["round", "tag", "peer", "group", "digest", "part", "norm", "align", None]),
+    junk=JUNK,
+    rnd=st.integers(0, 2**40),
+    norm=st.floats(0, 1e6),
+    align=st.floats(-10, 10),
+)
+def test_a_strike_record_round_trips_and_any_other_is_refused_with_a_crdt_error(field, junk, rnd, norm, align):
+    """The strike format (crdt/strikes.py): a well-formed strike survives its record; a record with
+    any field replaced by junk is either still well-formed or refused with `CrdtError`, never
+    another exception (the record comes from the network)."""
+    reporter, peer = PEERS[1], PEERS[3]
+    strike = Strike(reporter, rnd, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, norm, align)
+    assert Strike.from_record(reporter, strike.to_record()) == strike
+    record = strike.to_record() if field is None else {**strike.to_record(), field: junk}
+    try:
+        parsed = Strike.from_record(reporter, record)
+    except CrdtError:
+        return
+    assert Strike.from_record(reporter, parsed.to_record()) == parsed  # what passed is a strike

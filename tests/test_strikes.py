@@ -1,0 +1,183 @@
+"""Strikes (issue 21, item 4): screening flags become signed, replicated strikes; a peer struck in
+`spec.strikes` rounds by enough reporters each (half the others, at least two) is excluded everywhere; forged strikes change nothing;
+strikes survive a restart and reach a late joiner.
+
+Real `PeerPresence`s (DHT, CRDT replica, admission) on loopback hosts in one trio program. Flags
+enter where the collective hands them over (`StrikeBook.on_round`, a `RoundScreening`), so these
+tests need no training; tests/test_adversary_swarm.py runs the whole path through real nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+import trio
+
+from meshtrain import SignedSpec, SwarmSpec
+from meshtrain.collective.contract import ContributionFlag, RoundScreening
+from meshtrain.crdt.swarm_view import STRIKES
+from meshtrain.crdt.types import LWWRegister
+from meshtrain.node.admission import EXCLUDED, pow_ok
+from meshtrain.node.presence import PeerPresence
+from meshtrain.node.strikes import STRIKES_FILE, Standing
+from meshtrain.transport.host import Host, HostConfig
+from meshtrain.transport.identity import Identity
+
+pytestmark = pytest.mark.slow
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+DIGEST = b"\x01" * 32
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    with trio.fail_after(timeout):
+        while not check():
+            await trio.sleep(0.05)
+    assert check(), what
+
+
+def swarm_spec(owner: Identity) -> SignedSpec:
+    return SignedSpec.create(SwarmSpec(model="gpt-tiny", pow_bits=4, strikes=3), owner)
+
+
+async def presence(
+    stack: AsyncExitStack,
+    signed: SignedSpec,
+    identity: Identity,
+    *,
+    entry: str | None,
+    data_dir: Path | None = None,
+    pow_nonce: int | None = None,
+) -> PeerPresence:
+    host = await stack.enter_async_context(Host(identity, HostConfig(listen=LOOPBACK)))
+    p = PeerPresence(host, signed, bootstrap=[entry] if entry else [], data_dir=data_dir, pow_nonce=pow_nonce)
+    await stack.enter_async_context(p)
+    assert p.view is not None
+    p.view.role = "trainer"
+    p.view.heartbeat()
+    return p
+
+
+async def swarm(stack: AsyncExitStack, n: int, tmp: Path) -> tuple[SignedSpec, list[PeerPresence]]:
+    ids = [Identity.generate() for _ in range(n)]
+    signed = swarm_spec(ids[0])
+    peers = [await presence(stack, signed, ids[0], entry=None, data_dir=tmp / "p0")]
+    entry = peers[0].host.addrs[0]
+    for i, ident in enumerate(ids[1:], 1):
+        peers.append(await presence(stack, signed, ident, entry=entry, data_dir=tmp / f"p{i}"))
+    for p in peers:  # a full mesh, every record everywhere
+        await until(lambda p=p: len(p.trainers()) == n and len(p.candidates()) == n, "all see all")
+    return signed, peers
+
+
+def flagged(reporter: PeerPresence, group: list[PeerPresence], peer: str, rnd: int, **scores: float) -> RoundScreening:
+    """What the collective hands `reporter` after round `rnd` when it flagged `peer` as an owner."""
+    ids = tuple(sorted(p.me for p in group))
+    flag = ContributionFlag(peer, ids.index(reporter.me), scores.get("norm", 10.0), scores.get("align", -1.0), "norm")
+    return RoundScreening(rnd, "", ids, DIGEST, (flag,))
+
+
+async def test_two_reporters_in_three_rounds_exclude_a_peer_everywhere(tmp_path) -> None:
+    async with AsyncExitStack() as stack:
+        signed, peers = await swarm(stack, 4, tmp_path)
+        a, b, c, x = peers
+        for rnd in (1, 2):
+            b.strikes.on_round(flagged(b, peers, x.me, rnd))
+            c.strikes.on_round(flagged(c, peers, x.me, rnd))
+        await until(lambda: all(p.standing().get(x.me) is not None for p in (a, b, c)), "strikes replicate")
+        assert all(p.standing()[x.me].rounds == 2 and not p.standing()[x.me].excluded for p in (a, b, c))
+        assert all(x.me in p.candidates() for p in peers)
+        b.strikes.on_round(flagged(b, peers, x.me, 3))
+        c.strikes.on_round(flagged(c, peers, x.me, 3))
+        await until(lambda: all(p.strikes.excluded(x.me) for p in peers), "excluded everywhere")
+        for p in (a, b, c):  # no round, no state, no data plane with it
+            assert x.me not in p.candidates() and x.me not in p.trainers()
+            assert not p.view.is_live(x.me)  # is_member's answer, without its wait for a record
+            assert x.me in p.ignored()
+            assert {q: s.excluded for q, s in p.standing().items()} == {x.me: True}  # honest peers: no standing
+        assert not await a.is_member(x.me)
+        assert x.not_admitted() == EXCLUDED  # and it knows
+
+
+async def test_forged_strikes_change_nothing(tmp_path) -> None:
+    async with AsyncExitStack() as stack:
+        signed, peers = await swarm(stack, 5, tmp_path)
+        a, h, m, n, x = peers  # h: the honest victim; m, n: admitted liars; x: a bystander
+        # A stranger without a valid proof of work: its view writes records nobody admits.
+        stranger = Identity.generate()
+        bad = next(k for k in range(10_000) if not pow_ok(signed.swarm_id, stranger.peer_id_str, k, 4))
+        outsider = await presence(stack, signed, stranger, entry=a.host.addrs[0], pow_nonce=bad)
+        await until(lambda: outsider.me in a.ignored(), "the outsider's record arrives")
+
+        # 1. One admitted liar alone, three rounds, against the owner a: one reporter of a group of
+        #    five counts for nothing (the quorum is two).
+        for rnd in (1, 2, 3):
+            m.strikes.on_round(flagged(m, peers, a.me, rnd))
+        # 2. Against h, in groups of six with the outsider: m, n and the outsider would make the
+        #    quorum (three), but the outsider is not admitted (no proof of work): nothing counts.
+        outsider_group = [*peers, outsider]
+        for rnd in (1, 2, 3):
+            for liar in (m, n, outsider):
+                liar.strikes.on_round(flagged(liar, outsider_group, h.me, rnd))
+        # 3. Two admitted liars against x, without evidence: scores that break no threshold.
+        for rnd in (4, 5, 6):
+            for liar in (m, n):
+                liar.strikes.on_round(flagged(liar, peers, x.me, rnd, norm=1.1, align=0.8))
+        # 4. Two admitted liars against x about a round h took part in, with a digest h never saw.
+        h.strikes.on_round(RoundScreening(7, "", tuple(sorted(p.me for p in peers)), b"\x07" * 32))
+        for liar in (m, n):
+            liar.strikes.on_round(flagged(liar, peers, x.me, 7))
+        # 5. m's record passed off as n's (a bad signature), and a record whose reporter is not in
+        #    its group: every replica refuses both.
+        crdt = m.view.replica.crdt(STRIKES).copy()
+        entry = crdt.entry(m.me)
+        forged = dataclasses.replace(entry, owner=n.me, seq=entry.seq + 50)
+        bogus = LWWRegister(crdt.namespace, crdt.name).set(
+            m.view.replica.identity,
+            {"strikes": [{**entry.body[1]["strikes"][0], "group": sorted(p.me for p in (a, h, x))}], "caps": {}},
+        )
+        for p in (a, h, x):
+            outcome = p.view.replica.merge_entries(STRIKES, [forged, bogus], "gossip", m.me)
+            assert not outcome.accepted and len(outcome.rejected) == 2
+        await until(lambda: len(a.view.strike_records()) == 3, "the liars' records replicate")
+        await until(lambda: all(len(p.view.strike_records()) == 3 for p in (a, h, x)), "everywhere")
+        await trio.sleep(1.0)
+        for p in (a, h, x):
+            assert a.me not in p.standing() and h.me not in p.standing()  # nothing counted against them
+            # x: only round 7 counts, and only where nobody saw that round otherwise (h did)
+            assert p.standing().get(x.me) == (None if p is h else Standing(x.me, 1, False))
+        for p in (a, h, m, n, x):
+            for victim in (a, h, x):
+                assert not p.strikes.excluded(victim.me) and victim.me in p.candidates()
+                assert victim.not_admitted() is None
+
+
+async def test_strikes_survive_a_restart_and_reach_a_late_joiner(tmp_path) -> None:
+    ids = [Identity.generate() for _ in range(4)]
+    signed = swarm_spec(ids[0])
+    async with AsyncExitStack() as stack:
+        peers = [await presence(stack, signed, ids[0], entry=None, data_dir=tmp_path / "p0")]
+        entry = peers[0].host.addrs[0]
+        for i in (1, 2, 3):
+            peers.append(await presence(stack, signed, ids[i], entry=entry, data_dir=tmp_path / f"p{i}"))
+        for p in peers:
+            await until(lambda p=p: len(p.trainers()) == 4, "all see all")
+        a, b, c, x = peers
+        for rnd in (1, 2, 3):
+            b.strikes.on_round(flagged(b, peers, x.me, rnd))
+            c.strikes.on_round(flagged(c, peers, x.me, rnd))
+        await until(lambda: a.strikes.excluded(x.me), "a excludes x")
+        # A late joiner pulls the strikes with the rest of the swarm's state.
+        late = await presence(stack, signed, Identity.generate(), entry=entry, data_dir=tmp_path / "late")
+        await until(lambda: late.strikes.excluded(x.me), "the late joiner excludes x")
+        assert x.me not in late.candidates() and late.standing()[x.me].rounds == 3
+        await until(lambda: (tmp_path / "p0" / STRIKES_FILE).exists(), "a keeps the strikes on disk")
+        await trio.sleep(1.5)  # the last change is saved too
+    # The whole swarm is gone; the owner restarts alone, with its data dir: the verdict stands.
+    async with AsyncExitStack() as stack:
+        alone = await presence(stack, signed, ids[0], entry=None, data_dir=tmp_path / "p0")
+        assert alone.strikes.excluded(x.me) and alone.standing()[x.me].rounds == 3
+        assert len(alone.view.strike_records()) == 2
