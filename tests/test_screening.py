@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig
-from meshtrain.collective.data_phase import screen_contributions
+from meshtrain.collective.data_phase import reduce_contributions, screen_contributions
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
 from meshtrain.transport.identity import Identity
@@ -139,3 +139,12 @@ def test_a_strike_record_round_trips_and_any_other_is_refused_with_a_crdt_error(
     except CrdtError:
         return
     assert Strike.from_record(reporter, parsed.to_record()) == parsed  # what passed is a strike
+
+
+def test_a_robust_part_whose_every_contributor_just_joined_is_zeros_not_an_error():
+    """Joiners contribute with weight 0 until they trained H steps of their own; a part with only
+    such contributions has nothing to combine (the robust path stacked an empty list)."""
+    parts = {f"p{i}": torch.randn(8) for i in range(3)}
+    rejected: dict[str, str] = {}
+    out = reduce_contributions(parts, dict.fromkeys(parts, 0.0), SCREENED, rejected, [], 0)
+    assert torch.equal(out, torch.zeros(8)) and rejected == {}

@@ -162,6 +162,8 @@ def reduce_contributions(
                 acc.add_(contributions[p], alpha=weights[p])
         return acc.div_(total)
     peers = [p for p in peers if weights[p] > 0]
+    if not peers:  # every contributor joined this round (weight 0): nothing to combine
+        return torch.zeros_like(next(iter(contributions.values())))
     stack = torch.stack([contributions[p] for p in peers])
     if robust == "clipped_mean":
         norms = stack.norm(dim=1)
