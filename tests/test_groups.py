@@ -102,3 +102,28 @@ def test_groups_change_between_rounds_and_epochs():
 def test_bad_group_size_is_refused():
     with pytest.raises(ValueError, match="group_size"):
         GroupPlan(group_size=1)
+
+
+def test_spec_group_size_reaches_the_collective_only_where_rounds_can_be_grouped():
+    from meshtrain.errors import ConfigError
+    from meshtrain.node.swarm_spec import parse_spec
+
+    assert parse_spec({}).group_plan() == GroupPlan(group_size=0, seed=0, period=50)
+    assert parse_spec({"group_size": 8, "H": 20, "seed": 3}).group_plan() == GroupPlan(8, 3, 20)
+    assert parse_spec({"optimizer": "noloco"}).group_plan() is None
+    assert parse_spec({"optimizer": "dp"}).group_plan() is None
+    for bad in ({"group_size": 1}, {"optimizer": "noloco", "group_size": 4}, {"optimizer": "dp", "group_size": 4}):
+        with pytest.raises(ConfigError, match="group_size"):
+            parse_spec(bad)
+
+
+def test_parity_is_unchecked_while_rounds_run_in_groups():
+    from meshtrain.node.parity import ParityMonitor
+
+    monitor = ParityMonitor("me", settle_s=0)
+    monitor.record(1, b"mine")
+    grouped = [True]
+    monitor.paused_by = lambda: "rounds run in groups" if grouped[0] else ""
+    assert monitor.check({"other": [(1, b"theirs")]}).status == "unchecked"
+    grouped[0] = False
+    assert monitor.check({"other": [(1, b"theirs")], "third": [(1, b"theirs")]}).status == "minority"

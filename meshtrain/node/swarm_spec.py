@@ -7,8 +7,9 @@ signed — written once by the swarm's creator and identical on every peer; a no
 it (how a node runs is `config.NodeConfig`'s business). The spec's `precision` is the swarm's:
 peers that train in different precisions are different experiments. So is its `aggregation`: how
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
-the one place it reaches the collective's `AllReduceConfig`). `parse_spec` validates an
-untrusted dict into one (a one-line `ConfigError`).
+the one place it reaches the collective's `AllReduceConfig`), and its `group_size`: how large a
+swarm's outer rounds get before they run in groups (`SwarmSpec.group_plan`, collective/groups.py).
+`parse_spec` validates an untrusted dict into one (a one-line `ConfigError`).
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
 
@@ -45,6 +46,7 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshtrain.collective.compression import CODECS
+from meshtrain.collective.groups import GroupPlan
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.sources import PRESETS, model_digest, parse_model_source
 from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
@@ -137,6 +139,15 @@ class SwarmSpec(BaseModel):
     )
     aggregation_clip: float = Field(
         2.0, gt=0, le=1e6, description="clipped_mean: contributions clipped to this multiple of the median norm"
+    )
+    group_size: int = Field(
+        0,
+        ge=0,
+        le=1 << 16,
+        description="grouped averaging (collective/groups.py): each outer round all-reduces in groups of at "
+        "most this many peers that change every round, so every update reaches every peer within d + 1 "
+        "rounds for d = log_g(peers); 0 = automatic (the whole swarm up to 32 peers, groups of 16 above); "
+        "a value >= the swarm's size = always the whole swarm. diloco, streaming, sparseloco and py: optimizers",
     )
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
@@ -292,6 +303,14 @@ class SwarmSpec(BaseModel):
             )
         if self.pipeline != "none":
             self._check_pipeline()
+        if self.group_size == 1:
+            raise ConfigError("swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)")
+        if self.group_size and self.optimizer in ("noloco", "dp"):
+            raise ConfigError(
+                f"swarm spec: group_size does not apply to {self.optimizer}: "
+                + ("it averages with one partner already" if self.optimizer == "noloco" else "its replicas must stay identical every step")
+                + " (leave group_size 0)"
+            )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
                 f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
@@ -326,6 +345,15 @@ class SwarmSpec(BaseModel):
             "trim": self.aggregation_trim,
             "clip": self.aggregation_clip,
         }
+
+
+    def group_plan(self) -> GroupPlan | None:
+        """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the
+        one place the spec's `group_size` reaches it. None where rounds are never grouped: NoLoCo
+        (pairs already), dp (identical replicas every step) and pipeline swarms (per-stage sync)."""
+        if self.optimizer in ("noloco", "dp") or self.pipeline != "none":
+            return None
+        return GroupPlan(group_size=self.group_size, seed=self.seed, period=self.H)
 
 
 def parse_spec(data: Mapping[str, Any]) -> SwarmSpec:
