@@ -61,13 +61,14 @@ REPLY = "@@"  # marks a worker's reply line (py-libp2p sometimes prints to stdou
 # --- coordinator ----------------------------------------------------------------------------------
 
 
-class _Worker:
-    """One worker process: JSON commands in, one `@@`-prefixed JSON reply line out."""
+class Worker:
+    """One worker process (`script --worker`, this file's by default; scripts/bench_scale.py
+    runs its own): JSON commands in, one `@@`-prefixed JSON reply line out."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path | None = None) -> None:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker"],
+            [sys.executable, str(script or Path(__file__).resolve()), "--worker"],
             cwd=ROOT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             stdin=subprocess.PIPE,
@@ -114,13 +115,13 @@ class _Worker:
         self.log.close()
 
 
-def _ask(workers: list[_Worker], commands: list[dict[str, Any]], timeout: float) -> list[Any]:
+def ask(workers: list[Worker], commands: list[dict[str, Any]], timeout: float) -> list[Any]:
     for w, c in zip(workers, commands, strict=True):
         w.send(c)
     return [w.receive(timeout) for w in workers]
 
 
-def _edges(n: int) -> set[tuple[int, int]]:
+def ring_with_chords(n: int) -> set[tuple[int, int]]:
     edges = set()
     for i in range(n):
         for j in ((i + 1) % n, (i + CHORD) % n):
@@ -168,9 +169,9 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
     interval = min(DEFAULT_MAX_HEARTBEAT_INTERVAL, max(DEFAULT_HEARTBEAT_INTERVAL, n / DEFAULT_SWARM_HEARTBEAT_RATE))
     out["heartbeat_s"] = interval
     out["lease_s"] = interval * DEFAULT_TTL / DEFAULT_HEARTBEAT_INTERVAL
-    workers = [_Worker() for _ in groups]
+    workers = [Worker() for _ in groups]
     try:
-        replies = _ask(
+        replies = ask(
             workers,
             [{"cmd": "init", "owner": owner, "nodes": g, "seeds": [seeds[i].hex() for i in g]} for g in groups],
             60,
@@ -179,7 +180,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         for reply in replies:
             for i, addr, pid in reply["nodes"]:
                 addrs[i], ids[i] = addr, pid
-        edges = _edges(n)
+        edges = ring_with_chords(n)
 
         def per_worker(items: list[tuple[int, Any]]) -> list[list[Any]]:
             buckets: list[list[Any]] = [[] for _ in groups]
@@ -188,11 +189,11 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
             return buckets
 
         links = per_worker([(j, addrs[i]) for i, j in sorted(edges)])
-        _ask(workers, [{"cmd": "connect", "links": b} for b in links], 60)
-        _ask(workers, [{"cmd": "views"} for _ in groups], 120)
+        ask(workers, [{"cmd": "connect", "links": b} for b in links], 60)
+        ask(workers, [{"cmd": "views"} for _ in groups], 120)
         t0 = time.monotonic()
         while True:
-            live = [x for r in _ask(workers, [{"cmd": "live"}] * procs, 30) for x in r]
+            live = [x for r in ask(workers, [{"cmd": "live"}] * procs, 30) for x in r]
             if all(x == n for x in live) or time.monotonic() - t0 > 60:
                 break
             time.sleep(0.1)
@@ -204,22 +205,22 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         cut = [(i, j) for i, j in sorted(edges) if (i < half) != (j < half)]
         sides = [[(i, ids[j]) for i, j in cut], [(j, ids[i]) for i, j in cut]]
         cuts = per_worker(sides[0] + sides[1])
-        _ask(workers, [{"cmd": "cut", "peers": b} for b in cuts], 30)
-        _ask(workers, [{"cmd": "write"}] * procs, 30)
-        digests = {i: d for r in _ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
+        ask(workers, [{"cmd": "cut", "peers": b} for b in cuts], 30)
+        ask(workers, [{"cmd": "write"}] * procs, 30)
+        digests = {i: d for r in ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
         left = _join([digests[i] for i in range(half)])
         right = _join([digests[i] for i in range(half, n)])
         targets = per_worker([(i, left if i < half else right) for i in range(n)])
         t0 = time.monotonic()
-        done = _ask(workers, [{"cmd": "await", "targets": b, "timeout": 20} for b in targets], 40)
+        done = ask(workers, [{"cmd": "await", "targets": b, "timeout": 20} for b in targets], 40)
         out["partition_sides_agree_s"] = _elapsed(done, t0)
         time.sleep(PARTITION_HOLD_S)
-        leaked = _ask(workers, [{"cmd": "connected", "peers": b} for b in cuts], 30)
+        leaked = ask(workers, [{"cmd": "connected", "peers": b} for b in cuts], 30)
         out["partition_links_cut"] = len(cut)
         out["partition_leaked"] = any(any(r) for r in leaked)
 
         # -- heal --------------------------------------------------------------------------------
-        digests = {i: d for r in _ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
+        digests = {i: d for r in ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
         everything = _join(list(digests.values()))
         heal_links = per_worker([(j, addrs[i]) for i, j in cut])
         heal = time.monotonic()
@@ -233,7 +234,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         out["crdt_converge_s"] = _elapsed(done, heal)
         identical = None
         while time.monotonic() - heal < CONVERGE_TIMEOUT_S:
-            fps = {x for r in _ask(workers, [{"cmd": "fp"}] * procs, 30) for x in r}
+            fps = {x for r in ask(workers, [{"cmd": "fp"}] * procs, 30) for x in r}
             if len(fps) == 1:
                 identical = round(time.monotonic() - heal, 3)
                 break
@@ -242,10 +243,10 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
 
         # -- idle: steady-state message rate -----------------------------------------------------
         time.sleep(3.0)  # let the heal's re-gossip settle
-        c0 = _ask(workers, [{"cmd": "counters"}] * procs, 30)
+        c0 = ask(workers, [{"cmd": "counters"}] * procs, 30)
         t0 = time.monotonic()
         time.sleep(idle_s)
-        c1 = _ask(workers, [{"cmd": "counters"}] * procs, 30)
+        c1 = ask(workers, [{"cmd": "counters"}] * procs, 30)
         dt = time.monotonic() - t0
         delta = {k: sum(b[k] - a[k] for a, b in zip(c0, c1, strict=True)) for k in c0[0]}
         per = n * dt
@@ -259,7 +260,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         out["gossip_bytes_per_node_s"] = round(delta["frame_bytes"] / per)
         out["idle_cpu_cores"] = round(delta["cpu"] / dt, 2)
         out["idle_cpu_ms_per_node_s"] = round(1000 * delta["cpu"] / per, 1)
-        final = _ask(workers, [{"cmd": "summary"}] * procs, 30)
+        final = ask(workers, [{"cmd": "summary"}] * procs, 30)
         out["rejected_entries"] = sum(r["rejected"] for r in final)
         out["config_everywhere"] = all(r["config_ok"] for r in final)
         out["live_after"] = min(r["live_min"] for r in final)
@@ -279,7 +280,7 @@ def _elapsed(replies: list[dict[str, Any]], since: float) -> float | None:
 # --- worker ---------------------------------------------------------------------------------------
 
 
-def _reply(value: Any) -> None:
+def reply(value: Any) -> None:
     sys.stdout.write(REPLY + json.dumps(value) + "\n")
     sys.stdout.flush()
 
@@ -358,46 +359,46 @@ async def _worker() -> None:
 
                             replica.pubsub.write_msg = counted
                             nodes[i] = {"host": host, "replica": replica, "owner": owner}
-                        _reply({"nodes": [[i, n["host"].addrs[0], n["host"].peer_id] for i, n in nodes.items()]})
+                        reply({"nodes": [[i, n["host"].addrs[0], n["host"].peer_id] for i, n in nodes.items()]})
                     elif cmd == "connect":
                         for i, addr in command["links"]:
                             await nodes[i]["host"].connect(addr)
-                        _reply({"ok": True})
+                        reply({"ok": True})
                     elif cmd == "views":
                         for n in nodes.values():
                             n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
-                        _reply({"ok": True})
+                        reply({"ok": True})
                     elif cmd == "live":
-                        _reply([len(n["view"].membership_snapshot()) for n in nodes.values()])
+                        reply([len(n["view"].membership_snapshot()) for n in nodes.values()])
                     elif cmd == "cut":  # forget the address too: py-libp2p re-dials on
                         for i, peer in command["peers"]:  # a stream to an unconnected peer
                             host = nodes[i]["host"]
                             host.libp2p.get_peerstore().clear_addrs(ID.from_base58(peer))
                             await host.disconnect(peer)
-                        _reply({"ok": True})
+                        reply({"ok": True})
                     elif cmd == "connected":
-                        _reply([nodes[i]["host"].is_connected(p) for i, p in command["peers"]])
+                        reply([nodes[i]["host"].is_connected(p) for i, p in command["peers"]])
                     elif cmd == "write":
                         for i, n in nodes.items():
                             n["view"].report_progress(step=1000 + i, samples=64_000 * (i + 1), outer_round=1)
                             n["view"].report_metrics({"loss": 3.0 - i / 100, "tok_s": 1e3 + i})
                             if i == 0:
                                 n["view"].set_config(lr=0.7, outer_steps=500, note="partition")
-                        _reply({"ok": True})
+                        reply({"ok": True})
                     elif cmd == "digests":
-                        _reply([[i, _digest_json(n["replica"])] for i, n in nodes.items()])
+                        reply([[i, _digest_json(n["replica"])] for i, n in nodes.items()])
                     elif cmd == "await":
-                        _reply({"at": await await_targets(command["targets"], command["timeout"])})
+                        reply({"at": await await_targets(command["targets"], command["timeout"])})
                     elif cmd == "heal":
                         async with trio.open_nursery() as nursery:
                             for i, addr in command["links"]:
                                 nursery.start_soon(nodes[i]["host"].connect, addr)
-                        _reply({"at": time.monotonic()})
+                        reply({"at": time.monotonic()})
                     elif cmd == "fp":
-                        _reply([n["replica"].fingerprint().hex() for n in nodes.values()])
+                        reply([n["replica"].fingerprint().hex() for n in nodes.values()])
                     elif cmd == "counters":
                         stats = [n["replica"].stats for n in nodes.values()]
-                        _reply(
+                        reply(
                             {
                                 **counters,
                                 "published": sum(s.gossip_published for s in stats),
@@ -408,7 +409,7 @@ async def _worker() -> None:
                         )
                     elif cmd == "summary":
                         views = [n["view"] for n in nodes.values()]
-                        _reply(
+                        reply(
                             {
                                 "rejected": sum(n["replica"].stats.entries_rejected for n in nodes.values()),
                                 "config_ok": all(v.config().get("lr") == 0.7 for v in views),
@@ -417,9 +418,9 @@ async def _worker() -> None:
                             }
                         )
                     else:
-                        _reply({"error": f"unknown command {cmd!r}"})
+                        reply({"error": f"unknown command {cmd!r}"})
                 except Exception as e:
-                    _reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
+                    reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
-import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.flat import result_digest

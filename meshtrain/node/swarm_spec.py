@@ -304,11 +304,17 @@ class SwarmSpec(BaseModel):
         if self.pipeline != "none":
             self._check_pipeline()
         if self.group_size == 1:
-            raise ConfigError("swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)")
+            raise ConfigError(
+                "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"
+            )
         if self.group_size and self.optimizer in ("noloco", "dp"):
             raise ConfigError(
                 f"swarm spec: group_size does not apply to {self.optimizer}: "
-                + ("it averages with one partner already" if self.optimizer == "noloco" else "its replicas must stay identical every step")
+                + (
+                    "it averages with one partner already"
+                    if self.optimizer == "noloco"
+                    else "its replicas must stay identical every step"
+                )
                 + " (leave group_size 0)"
             )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
@@ -345,7 +351,6 @@ class SwarmSpec(BaseModel):
             "trim": self.aggregation_trim,
             "clip": self.aggregation_clip,
         }
-
 
     def group_plan(self) -> GroupPlan | None:
         """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the

@@ -1,0 +1,364 @@
+"""Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
+
+    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 3] [--group-size 0]
+                                  [--gossip-sizes 16,32,64] [--idle 8] [--out docs/bench_scale_issue20.json]
+
+The last line printed is one JSON object (also written to `--out`).
+
+What it measures, and why per peer. On one 2-core machine every peer's work shares the same two
+cores, so the wall time of a round grows with N whatever the design (the trap of the old
+collectives target). A design that scales keeps each *peer's* costs flat as N grows, so those are
+what is reported, at each size N:
+- `cpu_s_per_peer_round`: CPU time of every worker process during the rounds ÷ N ÷ rounds (the
+  connections are set up before, outside the measurement; the data-plane sessions a round opens
+  to its new partners are inside it);
+- `msgs_per_peer_round`: control RPCs (join, watch, report, where) plus data-plane tensor
+  transfers a peer sends per round;
+- `bytes_per_peer_round_over_m`: data-plane bytes a peer sends per round ÷ M, the bytes of its own
+  input (the bandwidth-optimal all-reduce of a group of g sends 2(g−1)/g·M);
+- `mixing_rounds`: rounds until every peer's update has reached every peer (each peer also sends
+  a one-hot "who reached me" vector and forwards what it received; mixed when all are positive),
+  beside `d`, the grid's dimensions (collective/groups.py: at most d + 1);
+- `round_s`: wall time of a round — CPU-bound here (all N peers on two cores), reported only to
+  show that it is not the measure;
+- `gossip_bytes_per_peer_s`: gossipsub bytes a peer writes per second while the swarm idles (each
+  peer a `Replica` + `SwarmView` at its defaults, heartbeats stretched with N; ring + chords
+  topology, as scripts/_bench_crdt.py), with `gossip_cpu_cores` (a saturated machine sends less
+  than it should: read the bytes beside it).
+Summary: `cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
+`gossip_growth` (largest gossip size ÷ smallest), `mixing_ok` (mixing_rounds ≤ d + 1 at every
+size), `all_rounds_complete` (every peer got a result in every round, none alone).
+
+What runs. N real libp2p hosts, each with its data plane (`TensorStreams`) and a `SwarmCollective`
+grouped by `GroupPlan(group_size)` (0: automatic — the whole swarm up to 32 peers, groups of 16
+above), spread over `--procs` worker processes as trio tasks; this process only coordinates
+(JSON lines, scripts/_bench_crdt.py's `Worker`). The payload is a tiny model's pseudo-gradient:
+random tensors shaped like the built-in `gpt-tiny`'s parameters (~34k fp32). Each peer is
+connected (libp2p) to the peers its groups need in the rounds run — as a node dials the members
+it meets — not to all N. Deadlines are long (join 300 s): a round here is slow because the CPU is
+shared, not because a peer failed.
+
+Not here: links with real bandwidth and latency (scripts/bench_wan.py), faults
+(tests/test_grouped_rounds.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts._bench_crdt import Worker, ask, reply, ring_with_chords  # noqa: E402
+
+SEED = 20
+
+
+def _groups_plan(group_size: int):
+    from meshtrain.collective.groups import GroupPlan
+
+    return GroupPlan(group_size=group_size, seed=SEED, period=1)
+
+
+# --- coordinator ----------------------------------------------------------------------------------
+
+
+def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, Any]:
+    """N peers in `procs` workers run `rounds` grouped all-reduces; per-peer costs (module docstring)."""
+    from meshtrain.collective.groups import epoch_length
+    from meshtrain.transport.identity import Identity
+
+    t_start = time.monotonic()
+    procs = min(procs, n)
+    seeds = [os.urandom(32) for _ in range(n)]
+    ids = [Identity.from_seed(s).peer_id_str for s in seeds]
+    parts = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
+    plan = _groups_plan(group_size)
+    index = {p: i for i, p in enumerate(ids)}
+    grid = plan.groups(ids, 0)
+    links: set[tuple[int, int]] = set()
+    for r in range(rounds):
+        for grp in plan.groups(ids, r).groups:
+            members = sorted(index[p] for p in grp)
+            links |= {(a, b) for a in members for b in members if a < b}
+    workers = [Worker(Path(__file__).resolve()) for _ in parts]
+    out: dict[str, Any] = {"peers": n, "processes": procs, "sides": list(grid.sides), "d": len(grid.sides)}
+    out["epoch_rounds"] = epoch_length(n, grid.sides)
+    out["max_group"] = max(len(g) for g in grid.groups)
+    try:
+        replies = ask(
+            workers,
+            [{"cmd": "init", "nodes": p, "seeds": [seeds[i].hex() for i in p], "roster": ids} for p in parts],
+            300,
+        )
+        addrs = {i: addr for rep in replies for i, addr in rep["nodes"]}
+        where = {i: k for k, p in enumerate(parts) for i in p}
+        dial: list[list[list[Any]]] = [[] for _ in parts]
+        for a, b in sorted(links):  # the higher index dials the lower
+            dial[where[b]].append([b, addrs[a]])
+        t0 = time.monotonic()
+        ask(workers, [{"cmd": "connect", "links": d, "group_size": group_size} for d in dial], 1800)
+        out["links"] = len(links)
+        out["connect_s"] = round(time.monotonic() - t0, 1)
+        per_round = []
+        mixed_at = None
+        for r in range(rounds):
+            t0 = time.monotonic()
+            reps = ask(workers, [{"cmd": "round", "round": r}] * len(parts), 1800)
+            wall = time.monotonic() - t0
+            total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "alone", "mixed")}
+            per_round.append({"round": r, "round_s": round(wall, 2), **total})
+            if mixed_at is None and total["mixed"] == n:
+                mixed_at = r + 1
+        m_bytes = reps[0]["m_bytes"]
+        out["m_bytes"] = m_bytes
+        out["rounds"] = rounds
+        out["cpu_s_per_peer_round"] = round(sum(x["cpu"] for x in per_round) / n / rounds, 4)
+        out["msgs_per_peer_round"] = round(sum(x["msgs"] for x in per_round) / n / rounds, 2)
+        out["bytes_per_peer_round_over_m"] = round(sum(x["sent"] for x in per_round) / n / rounds / m_bytes, 3)
+        out["mixing_rounds"] = mixed_at
+        out["round_s"] = round(sum(x["round_s"] for x in per_round) / rounds, 2)
+        out["all_rounds_complete"] = all(x["ok"] == n and x["alone"] == 0 for x in per_round)
+        out["per_round"] = per_round
+    finally:
+        for w in workers:
+            w.stop()
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
+    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py's workers)."""
+    from meshtrain.transport.identity import Identity
+
+    procs = min(procs, n)
+    seeds = [os.urandom(32) for _ in range(n)]
+    owner = Identity.from_seed(seeds[0]).peer_id_str
+    parts = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
+    where = {i: k for k, p in enumerate(parts) for i in p}
+    workers = [Worker() for _ in parts]
+    try:
+        replies = ask(
+            workers,
+            [{"cmd": "init", "owner": owner, "nodes": p, "seeds": [seeds[i].hex() for i in p]} for p in parts],
+            120,
+        )
+        addrs = {i: addr for rep in replies for i, addr, _ in rep["nodes"]}
+        links: list[list[list[Any]]] = [[] for _ in parts]
+        for i, j in sorted(ring_with_chords(n)):
+            links[where[j]].append([j, addrs[i]])
+        ask(workers, [{"cmd": "connect", "links": b} for b in links], 300)
+        ask(workers, [{"cmd": "views"} for _ in parts], 300)
+        t0 = time.monotonic()
+        while True:
+            live = [x for r in ask(workers, [{"cmd": "live"}] * procs, 60) for x in r]
+            if all(x == n for x in live) or time.monotonic() - t0 > 120:
+                break
+            time.sleep(0.5)
+        all_live = all(x == n for x in live)
+        time.sleep(2.0)
+        c0 = ask(workers, [{"cmd": "counters"}] * procs, 60)
+        t0 = time.monotonic()
+        time.sleep(idle_s)
+        c1 = ask(workers, [{"cmd": "counters"}] * procs, 60)
+        dt = time.monotonic() - t0
+        delta = {k: sum(b[k] - a[k] for a, b in zip(c0, c1, strict=True)) for k in c0[0]}
+        return {
+            "peers": n,
+            "all_live": all_live,
+            "gossip_bytes_per_peer_s": round(delta["frame_bytes"] / n / dt),
+            "gossip_frames_per_peer_s": round(delta["frames"] / n / dt, 2),
+            "gossip_cpu_cores": round(delta["cpu"] / dt, 2),
+        }
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,256")
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
+    parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
+    parser.add_argument("--idle", type=float, default=8.0, help="seconds of idle gossip measured")
+    parser.add_argument("--out", default="", help="also write the JSON here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import trio
+
+        trio.run(_worker)
+        return
+    t0 = time.monotonic()
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    result: dict[str, Any] = {"group_size": args.group_size, "cpu_cores": os.cpu_count()}
+    scale = {}
+    for n in sizes:
+        scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
+        print(json.dumps({"progress": "rounds", **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
+    gossip = {}
+    for n in [int(x) for x in args.gossip_sizes.split(",") if x]:
+        gossip[n] = gossip_phase(n, args.procs, args.idle)
+        print(json.dumps({"progress": "gossip", **gossip[n]}), flush=True)
+    lo, hi = min(sizes), max(sizes)
+    result["sizes"] = {str(n): v for n, v in scale.items()}
+    result["gossip"] = {str(n): v for n, v in gossip.items()}
+    result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
+    result["msgs_growth"] = round(scale[hi]["msgs_per_peer_round"] / scale[lo]["msgs_per_peer_round"], 2)
+    result["max_bytes_per_peer_round_over_m"] = max(v["bytes_per_peer_round_over_m"] for v in scale.values())
+    if gossip:
+        g_lo, g_hi = min(gossip), max(gossip)
+        result["gossip_growth"] = round(
+            gossip[g_hi]["gossip_bytes_per_peer_s"] / gossip[g_lo]["gossip_bytes_per_peer_s"], 2
+        )
+        result["gossip_growth_sizes"] = [g_lo, g_hi]
+    result["mixing_ok"] = all(
+        v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
+    )
+    result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
+    result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(line, flush=True)
+
+
+# --- worker ---------------------------------------------------------------------------------------
+
+
+async def _worker() -> None:
+    import resource
+
+    import torch
+    import trio
+
+    from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+    from meshtrain.collective.contract import CollectiveError
+    from meshtrain.log import configure
+    from meshtrain.models.gpt import GPT
+    from meshtrain.models.sources import PRESETS
+    from meshtrain.transport.host import Host, HostConfig
+    from meshtrain.transport.identity import Identity
+    from meshtrain.transport.tensor_streams import TensorStreams
+
+    configure("ERROR")
+    torch.set_num_threads(1)
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    buf = b""
+    nodes: dict[int, dict[str, Any]] = {}
+    counters = {"msgs": 0, "sent": 0}
+    shapes = {name: p.shape for name, p in GPT(PRESETS["gpt-tiny"]()).named_parameters()}
+    roster: list[str] = []
+
+    async def lines():
+        nonlocal buf
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                yield json.loads(line)
+            chunk = await stdin.receive_some(1 << 16)
+            if not chunk:
+                return
+            buf += chunk
+
+    def count(obj: Any, name: str) -> None:
+        original = getattr(obj, name)
+
+        async def counted(*a: Any, **kw: Any) -> Any:
+            counters["msgs"] += 1
+            return await original(*a, **kw)
+
+        setattr(obj, name, counted)
+
+    async def one_round(node: dict[str, Any], r: int, result: dict[str, int]) -> None:
+        g = torch.Generator().manual_seed(SEED * 1_000_003 + node["index"] * 1009 + r)
+        tensors = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+        tensors["reach"] = node["reach"]
+        try:
+            res = await node["collective"].all_reduce(tensors, round_id=r, codec="none")
+        except CollectiveError:
+            result["failed"] += 1
+            return
+        counters["sent"] += res.bytes_sent
+        result["ok"] += 1
+        result["alone"] += len(res.contributors) <= 1 and len(node["collective"].group(r)) > 1
+        node["reach"] = res.tensors["reach"].clone()
+        result["mixed"] += bool((node["reach"] > 0).all())
+
+    with trio.CancelScope() as scope:
+        async with AsyncExitStack() as stack:
+            async for command in lines():
+                cmd = command["cmd"]
+                if cmd == "stop":
+                    scope.cancel()
+                    break
+                try:
+                    if cmd == "init":
+                        roster = command["roster"]
+                        for i, seed in zip(command["nodes"], command["seeds"], strict=True):
+                            host = await stack.enter_async_context(
+                                Host(Identity.from_seed(bytes.fromhex(seed)), HostConfig(max_connections=1000))
+                            )
+                            streams = await stack.enter_async_context(TensorStreams(host))
+                            reach = torch.zeros(len(roster))
+                            reach[roster.index(host.peer_id)] = 1.0
+                            nodes[i] = {"host": host, "streams": streams, "index": i, "reach": reach}
+                        reply({"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]})
+                    elif cmd == "connect":
+                        config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
+                        sem = trio.Semaphore(16)
+
+                        async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
+                            async with sem:
+                                await nodes[i]["host"].connect(addr, timeout=600)
+
+                        async with trio.open_nursery() as nursery:
+                            for i, addr in command["links"]:
+                                nursery.start_soon(dial, i, addr)
+                        for n in nodes.values():
+                            col = SwarmCollective(
+                                n["host"],
+                                n["streams"],
+                                lambda r: roster,
+                                config,
+                                grouping=_groups_plan(command["group_size"]),
+                            )
+                            n["collective"] = await stack.enter_async_context(col)
+                            count(n["host"].rpc, "call")
+                            count(n["streams"], "send")
+                        reply({"ok": True})
+                    elif cmd == "round":
+                        result = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0}
+                        counters.update(msgs=0, sent=0)
+                        cpu0 = time.process_time()
+                        async with trio.open_nursery() as nursery:
+                            for n in nodes.values():
+                                nursery.start_soon(one_round, n, command["round"], result)
+                        m_bytes = 4 * (sum(int(torch.Size(s).numel()) for s in shapes.values()) + len(roster))
+                        reply(
+                            {
+                                **result,
+                                **counters,
+                                "cpu": time.process_time() - cpu0,
+                                "m_bytes": m_bytes,
+                                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                            }
+                        )
+                    else:
+                        reply({"error": f"unknown command {cmd!r}"})
+                except Exception as e:
+                    reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    main()
