@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
+import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.flat import result_digest
@@ -65,6 +66,47 @@ async def test_small_swarm_under_automatic_group_size_is_one_group_as_before():
         assert {r.digest for r in results} == {result_digest(exact_mean(tensors))}
         assert all(r.contributors == tuple(ids) for r in results)
         assert not any(col.grouped for col in cols)
+
+
+async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_each_group():
+    # Peers whose φ already differ (as after earlier grouped rounds): averaging Δ alone would leave
+    # φ_i − Δ̄, different on every peer; the consensus term makes each group's φ its members' mean θ.
+    from meshtrain.optim.diloco import DiLoCo
+
+    n = 4
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, n, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        plan = GroupPlan(group_size=2, seed=1, period=1)  # a full 2x2 grid: groups of two
+        models, outers = [], []
+        for i, p in enumerate(peers):
+            col = await stack.enter_async_context(
+                SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5), grouping=plan)
+            )
+            torch.manual_seed(100 + i)  # a different φ on every peer
+            model = torch.nn.Linear(8, 4)
+            models.append(model)
+            outers.append(DiLoCo(model, None, col, H=1, lr=1.0, momentum=0.0))
+        phi0 = [{k: v.clone() for k, v in o.outer_params.items()} for o in outers]
+        with torch.no_grad():  # "inner training": every peer moves θ its own way
+            for i, m in enumerate(models):
+                for prm in m.parameters():
+                    prm.add_(0.01 * (i + 1))
+        thetas = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
+        async with trio.open_nursery() as nursery:
+            for o in outers:
+                nursery.start_soon(o.astep)
+        groups = plan.groups(ids, 1)
+        assert not groups.whole_swarm
+        for grp in groups.groups:
+            members = [ids.index(p) for p in grp]
+            for name in phi0[0]:
+                fedavg = torch.stack([thetas[i][name] for i in members]).mean(0)
+                for i in members:
+                    assert torch.allclose(outers[i].outer_params[name], fedavg, atol=2e-3), name
+                    delta_only = phi0[i][name] - torch.stack([phi0[j][name] - thetas[j][name] for j in members]).mean(0)
+                    assert not torch.allclose(delta_only, fedavg, atol=2e-2)  # the term mattered
+        assert all(o.history[-1].contributors == 2 for o in outers)
 
 
 # -- a peer killed inside its group, separate processes ------------------------------------------

@@ -214,6 +214,11 @@ class SwarmCollective(Service):
             self.last_groups = groups
         return groups
 
+    def round_is_grouped(self, round_id: int) -> bool:
+        """Whether round `round_id` runs in groups smaller than the swarm (`GroupsRounds`)."""
+        groups = self.round_groups(round_id)
+        return groups is not None and not groups.whole_swarm
+
     @property
     def grouped(self) -> bool:
         """Whether our newest round ran in groups smaller than the swarm (replicas then differ)."""
