@@ -61,7 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts._bench_crdt import Worker, ask, reply, ring_with_chords  # noqa: E402
+from scripts._bench_crdt import Worker, ask, run_crdt_phase, serve_commands  # noqa: E402
 
 SEED = 20
 
@@ -150,51 +150,17 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
 
 
 def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
-    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py's workers)."""
-    from meshtrain.transport.identity import Identity
-
-    procs = min(procs, n)
-    seeds = [os.urandom(32) for _ in range(n)]
-    owner = Identity.from_seed(seeds[0]).peer_id_str
-    parts = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
-    where = {i: k for k, p in enumerate(parts) for i in p}
-    workers = [Worker() for _ in parts]
-    try:
-        replies = ask(
-            workers,
-            [{"cmd": "init", "owner": owner, "nodes": p, "seeds": [seeds[i].hex() for i in p]} for p in parts],
-            120,
-        )
-        addrs = {i: addr for rep in replies for i, addr, _ in rep["nodes"]}
-        links: list[list[list[Any]]] = [[] for _ in parts]
-        for i, j in sorted(ring_with_chords(n)):
-            links[where[j]].append([j, addrs[i]])
-        ask(workers, [{"cmd": "connect", "links": b} for b in links], 300)
-        ask(workers, [{"cmd": "views"} for _ in parts], 300)
-        t0 = time.monotonic()
-        while True:
-            live = [x for r in ask(workers, [{"cmd": "live"}] * procs, 60) for x in r]
-            if all(x == n for x in live) or time.monotonic() - t0 > 120:
-                break
-            time.sleep(0.5)
-        all_live = all(x == n for x in live)
-        time.sleep(2.0)
-        c0 = ask(workers, [{"cmd": "counters"}] * procs, 60)
-        t0 = time.monotonic()
-        time.sleep(idle_s)
-        c1 = ask(workers, [{"cmd": "counters"}] * procs, 60)
-        dt = time.monotonic() - t0
-        delta = {k: sum(b[k] - a[k] for a, b in zip(c0, c1, strict=True)) for k in c0[0]}
-        return {
-            "peers": n,
-            "all_live": all_live,
-            "gossip_bytes_per_peer_s": round(delta["frame_bytes"] / n / dt),
-            "gossip_frames_per_peer_s": round(delta["frames"] / n / dt, 2),
-            "gossip_cpu_cores": round(delta["cpu"] / dt, 2),
-        }
-    finally:
-        for w in workers:
-            w.stop()
+    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py, no partition)."""
+    out = run_crdt_phase(n, min(procs, n), idle_s, partition=False)
+    return {
+        "peers": n,
+        "heartbeat_s": out["heartbeat_s"],
+        "gossip_bytes_per_peer_s": out["gossip_bytes_per_node_s"],
+        "gossip_msgs_per_peer_s": out["msgs_per_node_s"],
+        "gossip_cpu_cores": out["idle_cpu_cores"],
+        "all_live_s": out["all_live_s"],
+        "live_after": out["live_after"],
+    }
 
 
 def main() -> None:
@@ -268,8 +234,6 @@ async def _worker() -> None:
 
     configure("ERROR")
     torch.set_num_threads(1)
-    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    buf = b""
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"msgs": 0, "sent": 0}
 
@@ -282,17 +246,6 @@ async def _worker() -> None:
             self.reach = torch.nn.Parameter(torch.zeros(n))
 
     roster: list[str] = []
-
-    async def lines():
-        nonlocal buf
-        while True:
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                yield json.loads(line)
-            chunk = await stdin.receive_some(1 << 16)
-            if not chunk:
-                return
-            buf += chunk
 
     def count(obj: Any, name: str) -> None:
         original = getattr(obj, name)
@@ -322,72 +275,64 @@ async def _worker() -> None:
         result["alone"] += rep.contributors <= 1
         result["mixed"] += bool((outer.outer_params["reach"] != 0).all())
 
-    with trio.CancelScope() as scope:
-        async with AsyncExitStack() as stack:
-            async for command in lines():
-                cmd = command["cmd"]
-                if cmd == "stop":
-                    scope.cancel()
-                    break
-                try:
-                    if cmd == "init":
-                        roster = command["roster"]
-                        for i, seed in zip(command["nodes"], command["seeds"], strict=True):
-                            host = await stack.enter_async_context(
-                                Host(Identity.from_seed(bytes.fromhex(seed)), HostConfig(max_connections=1000))
-                            )
-                            streams = await stack.enter_async_context(TensorStreams(host))
-                            me = roster.index(host.peer_id)
-                            nodes[i] = {"host": host, "streams": streams, "index": i, "me": me}
-                        reply({"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]})
-                    elif cmd == "connect":
-                        config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
-                        sem = trio.Semaphore(16)
+    async def handle(cmd: str, command: dict[str, Any], stack: AsyncExitStack) -> Any:
+        nonlocal roster
+        if cmd == "init":
+            roster = command["roster"]
+            for i, seed in zip(command["nodes"], command["seeds"], strict=True):
+                host = await stack.enter_async_context(
+                    Host(Identity.from_seed(bytes.fromhex(seed)), HostConfig(max_connections=1000))
+                )
+                streams = await stack.enter_async_context(TensorStreams(host))
+                me = roster.index(host.peer_id)
+                nodes[i] = {"host": host, "streams": streams, "index": i, "me": me}
+            return {"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]}
+        elif cmd == "connect":
+            config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
+            sem = trio.Semaphore(16)
 
-                        async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
-                            async with sem:
-                                await nodes[i]["host"].connect(addr, timeout=600)
+            async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
+                async with sem:
+                    await nodes[i]["host"].connect(addr, timeout=600)
 
-                        async with trio.open_nursery() as nursery:
-                            for i, addr in command["links"]:
-                                nursery.start_soon(dial, i, addr)
-                        for n in nodes.values():
-                            col = SwarmCollective(
-                                n["host"],
-                                n["streams"],
-                                lambda r, roster=roster: roster,
-                                config,
-                                grouping=_groups_plan(command["group_size"]),
-                            )
-                            n["collective"] = await stack.enter_async_context(col)
-                            torch.manual_seed(SEED)  # one φ for the swarm, as after a start or a download
-                            n["model"] = TinyPeerModel(len(roster))
-                            n["outer"] = DiLoCo(n["model"], None, col, H=1, lr=1.0, momentum=0.0)
-                            n["outer"].inner_steps = command["first_round"] - 1
-                            count(n["host"].rpc, "call")
-                            count(n["streams"], "send")
-                        reply({"ok": True})
-                    elif cmd == "round":
-                        result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
-                        counters.update(msgs=0, sent=0)
-                        cpu0 = time.process_time()
-                        async with trio.open_nursery() as nursery:
-                            for n in nodes.values():
-                                nursery.start_soon(one_round, n, command["round"], result)
-                        m_bytes = 4 * sum(p.numel() for p in next(iter(nodes.values()))["model"].parameters())
-                        reply(
-                            {
-                                **result,
-                                **counters,
-                                "cpu": time.process_time() - cpu0,
-                                "m_bytes": m_bytes,
-                                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                            }
-                        )
-                    else:
-                        reply({"error": f"unknown command {cmd!r}"})
-                except Exception as e:
-                    reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
+            async with trio.open_nursery() as nursery:
+                for i, addr in command["links"]:
+                    nursery.start_soon(dial, i, addr)
+            for n in nodes.values():
+                col = SwarmCollective(
+                    n["host"],
+                    n["streams"],
+                    lambda r, roster=roster: roster,
+                    config,
+                    grouping=_groups_plan(command["group_size"]),
+                )
+                n["collective"] = await stack.enter_async_context(col)
+                torch.manual_seed(SEED)  # one φ for the swarm, as after a start or a download
+                n["model"] = TinyPeerModel(len(roster))
+                n["outer"] = DiLoCo(n["model"], None, col, H=1, lr=1.0, momentum=0.0)
+                n["outer"].inner_steps = command["first_round"] - 1
+                count(n["host"].rpc, "call")
+                count(n["streams"], "send")
+            return {"ok": True}
+        elif cmd == "round":
+            result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
+            counters.update(msgs=0, sent=0)
+            cpu0 = time.process_time()
+            async with trio.open_nursery() as nursery:
+                for n in nodes.values():
+                    nursery.start_soon(one_round, n, command["round"], result)
+            m_bytes = 4 * sum(p.numel() for p in next(iter(nodes.values()))["model"].parameters())
+            return {
+                **result,
+                **counters,
+                "cpu": time.process_time() - cpu0,
+                "m_bytes": m_bytes,
+                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+
+    await serve_commands(handle)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ epoch, and a group survives one of its peers being killed."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from contextlib import AsyncExitStack
 
 import pytest
@@ -16,9 +14,9 @@ from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.flat import result_digest
 from meshtrain.collective.groups import GroupPlan, epoch_length, round_groups
 
-from .conftest import read_json, spawn, start_peers, tail
+from .conftest import start_peers
 from .proc_allreduce import inputs
-from .test_allreduce import exact_mean, run_all
+from .test_allreduce import exact_mean, run_all, run_swarm
 
 
 async def test_every_update_reaches_every_peer_within_one_epoch_of_grouped_rounds():
@@ -114,52 +112,22 @@ async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_e
 N_PEERS, GROUP_SIZE, NUMEL, ROUNDS = 6, 3, 1 << 16, 3
 
 
-def run_grouped_swarm(fault: str, victim_rank: int) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
-    logs = [tempfile.mktemp(prefix=f"grouped-peer{i}-", suffix=".log") for i in range(N_PEERS)]
-    args = ("--numel", str(NUMEL), "--rounds", str(ROUNDS), "--group-size", str(GROUP_SIZE), "--linger", "1")
-    procs = [
-        spawn(
-            "tests/proc_allreduce.py",
-            "--index",
-            str(i),
-            *args,
-            "--fault",
-            fault,
-            "--victim-rank",
-            str(victim_rank),
-            stderr_path=logs[i],
-        )
-        for i in range(N_PEERS)
-    ]
-    try:
-        infos = [read_json(p) for p in procs]
-        addrs = json.dumps([i["addr"] for i in infos])
-        for p in procs:
-            p.stdin.write(addrs + "\n")
-            p.stdin.flush()
-        for p in procs:
-            assert read_json(p) == {"ready": True}
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outputs = [[json.loads(line) for line in p.stdout] for p in procs]
-        for info, out, log in zip(infos, outputs, logs, strict=True):
-            if len(out) < ROUNDS:
-                info["stderr_tail"] = tail(log)
-        return infos, {i["peer"]: i["index"] for i in infos}, outputs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-
-
 @pytest.mark.slow
 def test_grouped_round_survives_a_peer_killed_mid_reduce():
     # 6 peers in groups of at most 3: a full 3x2 grid, so round 1 (dimension 0) has two groups of
     # three. The victim dies 30 ms into its first send of round 1.
     victim_rank = 2
-    infos, index_of, outputs = run_grouped_swarm("while_sending", victim_rank)
+    infos, index_of, outputs = run_swarm(
+        "while_sending",
+        victim_rank,
+        "--group-size",
+        str(GROUP_SIZE),
+        "--linger",
+        "1",
+        peers=N_PEERS,
+        numel=NUMEL,
+        rounds=ROUNDS,
+    )
     ids = sorted(index_of)
     victim = ids[victim_rank]
     plan = GroupPlan(group_size=GROUP_SIZE)
