@@ -112,7 +112,9 @@ def test_spec_group_size_reaches_the_collective_only_where_rounds_can_be_grouped
     assert parse_spec({"group_size": 8, "H": 20, "seed": 3}).group_plan() == GroupPlan(8, 3, 20)
     assert parse_spec({"optimizer": "noloco"}).group_plan() is None
     assert parse_spec({"optimizer": "dp"}).group_plan() is None
-    for bad in ({"group_size": 1}, {"optimizer": "noloco", "group_size": 4}, {"optimizer": "dp", "group_size": 4}):
+    assert parse_spec({"optimizer": "sparseloco"}).group_plan() is None
+    refused = [{"group_size": 1}] + [{"optimizer": o, "group_size": 4} for o in ("noloco", "dp", "sparseloco")]
+    for bad in refused:
         with pytest.raises(ConfigError, match="group_size"):
             parse_spec(bad)
 

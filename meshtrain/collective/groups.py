@@ -30,6 +30,18 @@ The design: a pure function of (spec, round, membership snapshot), agreed withou
 - **Reshuffles.** The ranking is re-keyed every epoch, so a slow or faulty peer does not meet
   the same partners forever, and a membership change re-keys it at once (the snapshot digest).
 
+Why this and not the alternatives.
+- *Two-level* (groups all-reduce, then one leader per group all-reduces with the other leaders
+  and hands the result back): the exact global mean every round, but the leaders are special —
+  each moves about twice a member's bytes, their round adds a stage of latency, and a leader
+  that dies stalls its whole group's result. Moshpit makes no peer special (every peer's cost is
+  the same, a failure is one group's ordinary retry) and gives up exactness within a round for
+  mixing within d + 1 rounds, which the outer optimizer's consensus term turns into agreement.
+- *hivemind's matchmaking* (peers declare a key of grid bits in the DHT and form whatever group
+  gathers under it in time; after a round each peer shifts in bits drawn from its group): no
+  shared membership needed, but a DHT lookup per round and groups that depend on timing. Every
+  meshtrain peer already holds the replicated membership, so the grid is computed, not found.
+
 Failures. Membership is eventually consistent: around a join or a leave two peers can compute
 their groups from different snapshots and disagree. The all-reduce tolerates it as it tolerates
 a late peer (its coordinator waits for the expected group until the join deadline, then fixes it
@@ -38,8 +50,9 @@ at the cost of one slow round; every group then agrees again from the next consi
 A peer that dies inside a group is the collective's ordinary failure (survivors retry).
 
 Not here: running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
-what a group's mean means for an outer optimizer (optim/outer.py: DiLoCo's replicas in different
-groups hold different φ by design, so the node's parity check is off while rounds are grouped).
+what a group's mean means for an outer optimizer (optim/outer.py, "Grouped rounds": replicas in
+different groups hold different φ, so it adds a consensus term toward the group's mean φ, and the
+node's parity check is off while rounds are grouped, node/parity.py).
 """
 
 from __future__ import annotations

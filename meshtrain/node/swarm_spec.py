@@ -71,6 +71,12 @@ MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; 
 # optim/sparseloco.py's docstring; the field keeps 0.95, which no other optimizer reads). dp: H 1
 # (gradients are all-reduced every step; check() refuses another H).
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sparseloco": {"outer_lr": 1.0, "error_decay": 0.9}, "dp": {"H": 1}}
+# Optimizers whose rounds never run in groups (group_size), and why.
+UNGROUPED = {
+    "noloco": "it averages with one partner already",
+    "dp": "its replicas must stay identical every step",
+    "sparseloco": "its sparse exchange has no consensus term (a dense one would cost 50x its payload)",
+}
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
@@ -147,7 +153,7 @@ class SwarmSpec(BaseModel):
         description="grouped averaging (collective/groups.py): each outer round all-reduces in groups of at "
         "most this many peers that change every round, so every update reaches every peer within d + 1 "
         "rounds for d = log_g(peers); 0 = automatic (the whole swarm up to 32 peers, groups of 16 above); "
-        "a value >= the swarm's size = always the whole swarm. diloco, streaming, sparseloco and py: optimizers",
+        "a value >= the swarm's size = always the whole swarm. diloco, streaming and py: optimizers",
     )
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
@@ -307,15 +313,10 @@ class SwarmSpec(BaseModel):
             raise ConfigError(
                 "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"
             )
-        if self.group_size and self.optimizer in ("noloco", "dp"):
+        if self.group_size and self.optimizer in UNGROUPED:
             raise ConfigError(
-                f"swarm spec: group_size does not apply to {self.optimizer}: "
-                + (
-                    "it averages with one partner already"
-                    if self.optimizer == "noloco"
-                    else "its replicas must stay identical every step"
-                )
-                + " (leave group_size 0)"
+                f"swarm spec: group_size does not apply to {self.optimizer}: {UNGROUPED[self.optimizer]} "
+                "(leave group_size 0)"
             )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
@@ -354,9 +355,9 @@ class SwarmSpec(BaseModel):
 
     def group_plan(self) -> GroupPlan | None:
         """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the
-        one place the spec's `group_size` reaches it. None where rounds are never grouped: NoLoCo
-        (pairs already), dp (identical replicas every step) and pipeline swarms (per-stage sync)."""
-        if self.optimizer in ("noloco", "dp") or self.pipeline != "none":
+        one place the spec's `group_size` reaches it. None where rounds are never grouped: the
+        optimizers in `UNGROUPED`, and pipeline swarms (per-stage sync)."""
+        if self.optimizer in UNGROUPED or self.pipeline != "none":
             return None
         return GroupPlan(group_size=self.group_size, seed=self.seed, period=self.H)
 
