@@ -11,9 +11,11 @@ collectives target). A design that scales keeps each *peer's* costs flat as N gr
 what is reported, at each size N:
 - `cpu_s_per_peer_round`: CPU time of every worker process during the rounds ÷ N ÷ rounds, over
   the rounds after the first (which also pays each process's one-time costs; it is reported as
-  `first_round_cpu_s_per_peer`). The connections are set up before, outside the measurement; the
-  data-plane sessions a round opens to its new partners (every epoch re-shuffles) are inside it.
-  The message and byte counts are over the same rounds;
+  `first_round_cpu_s_per_peer`). The libp2p connections and data-plane sessions to every partner
+  of the rounds run are opened before, outside the measurement (`connect_s`): all of one
+  machine's peers opening their sessions in the same second would time out the 10 s session RPC
+  here, which says nothing about a swarm of machines. The message and byte counts are over the
+  same rounds;
 - `msgs_per_peer_round`: control RPCs (join, watch, report, where) plus data-plane tensor
   transfers a peer sends per round;
 - `bytes_per_peer_round_over_m`: data-plane bytes a peer sends per round ÷ M, the bytes of its own
@@ -107,14 +109,21 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
         addrs = {i: addr for rep in replies for i, addr in rep["nodes"]}
         where = {i: k for k, p in enumerate(parts) for i in p}
         dial: list[list[list[Any]]] = [[] for _ in parts]
+        partners: list[dict[int, list[str]]] = [{} for _ in parts]
         for a, b in sorted(links):  # the higher index dials the lower
             dial[where[b]].append([b, addrs[a]])
+            partners[where[a]].setdefault(a, []).append(ids[b])
+            partners[where[b]].setdefault(b, []).append(ids[a])
         t0 = time.monotonic()
         ask(
             workers,
-            [{"cmd": "connect", "links": d, "group_size": group_size, "first_round": first} for d in dial],
+            [
+                {"cmd": "connect", "links": d, "partners": pa, "group_size": group_size, "first_round": first}
+                for d, pa in zip(dial, partners, strict=True)
+            ],
             1800,
         )
+        print(f"bench_scale: {n} peers connected ({len(links)} links)", file=sys.stderr, flush=True)
         out["links"] = len(links)
         out["connect_s"] = round(time.monotonic() - t0, 1)
         per_round = []
@@ -126,6 +135,7 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
             total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "failed", "alone", "mixed")}
             errors = [e for rep in reps for e in rep["errors"]][:3]
             per_round.append({"round": r, "round_s": round(wall, 2), **total, "errors": errors})
+            print(f"bench_scale: {n} peers, round {r}: {per_round[-1]}", file=sys.stderr, flush=True)
             if mixed_at is None and total["mixed"] == n:
                 mixed_at = r + 1
         m_bytes = reps[0]["m_bytes"]
@@ -230,9 +240,14 @@ async def _worker() -> None:
     from meshtrain.optim.diloco import DiLoCo
     from meshtrain.transport.host import Host, HostConfig
     from meshtrain.transport.identity import Identity
-    from meshtrain.transport.tensor_streams import TensorStreams
+    from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 
-    configure("ERROR")
+    if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
+        log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"worker-{os.getpid()}.log"
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        configure("INFO")
+    else:
+        configure("ERROR")
     torch.set_num_threads(1)
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"msgs": 0, "sent": 0}
@@ -295,9 +310,29 @@ async def _worker() -> None:
                 async with sem:
                     await nodes[i]["host"].connect(addr, timeout=600)
 
+            opening = trio.Semaphore(4)
+
+            async def session(i: int, peer: str, sem: trio.Semaphore = opening) -> None:
+                async with sem:
+                    for _ in range(config.window):  # as many as a round keeps in flight to a peer
+                        for attempt in range(10):  # a busy machine can miss the 10 s session RPC
+                            try:
+                                await nodes[i]["streams"].prepare(peer)
+                                break
+                            except TransferError:
+                                if attempt == 9:
+                                    raise
+                                await trio.sleep(1.0)
+
             async with trio.open_nursery() as nursery:
                 for i, addr in command["links"]:
                     nursery.start_soon(dial, i, addr)
+            # Data-plane sessions too: all of a machine's peers opening theirs at once in the
+            # first round would time out here (the 10 s session RPC; one shared CPU), not on a WAN.
+            async with trio.open_nursery() as nursery:
+                for i, peers in command["partners"].items():
+                    for peer in peers:
+                        nursery.start_soon(session, int(i), peer)
             for n in nodes.values():
                 col = SwarmCollective(
                     n["host"],
