@@ -1,6 +1,6 @@
 """Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
 
-    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 5] [--group-size 0]
+    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 3] [--group-size 0]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--out docs/bench_scale_issue20.json]
 
 The last line printed is one JSON object (also written to `--out`).
@@ -177,7 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64,256")
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5, help="outer rounds per size (>= 2; the first is not costed)")
+    parser.add_argument("--rounds", type=int, default=3, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
     parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
     parser.add_argument("--idle", type=float, default=8.0, help="seconds of idle gossip measured")
@@ -190,38 +190,52 @@ def main() -> None:
         trio.run(_worker)
         return
     t0 = time.monotonic()
-    sizes = [int(x) for x in args.sizes.split(",") if x]
+    sizes = sorted(int(x) for x in args.sizes.split(",") if x)
+    gossip_sizes = sorted(int(x) for x in args.gossip_sizes.split(",") if x)
+    # The largest swarm runs last, and the JSON so far is written after every step: a run cut
+    # short keeps what it measured.
+    steps = [("rounds", n) for n in sizes[:-1]] + [("gossip", n) for n in gossip_sizes] + [("rounds", sizes[-1])]
+    scale: dict[int, dict[str, Any]] = {}
+    gossip: dict[int, dict[str, Any]] = {}
+    for kind, n in steps:
+        if kind == "rounds":
+            scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
+            print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
+        else:
+            gossip[n] = gossip_phase(n, args.procs, args.idle)
+            print(json.dumps({"progress": kind, **gossip[n]}), flush=True)
+        result = summarize(args, scale, gossip, time.monotonic() - t0)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+
+
+def summarize(
+    args: argparse.Namespace, scale: dict[int, dict[str, Any]], gossip: dict[int, dict[str, Any]], wall: float
+) -> dict[str, Any]:
+    """The result so far: every size's numbers and the summary keys over the sizes measured."""
     result: dict[str, Any] = {"group_size": args.group_size, "cpu_cores": os.cpu_count()}
-    scale = {}
-    for n in sizes:
-        scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
-        print(json.dumps({"progress": "rounds", **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
-    gossip = {}
-    for n in [int(x) for x in args.gossip_sizes.split(",") if x]:
-        gossip[n] = gossip_phase(n, args.procs, args.idle)
-        print(json.dumps({"progress": "gossip", **gossip[n]}), flush=True)
-    lo, hi = min(sizes), max(sizes)
     result["sizes"] = {str(n): v for n, v in scale.items()}
     result["gossip"] = {str(n): v for n, v in gossip.items()}
-    result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
-    result["msgs_growth"] = round(scale[hi]["msgs_per_peer_round"] / scale[lo]["msgs_per_peer_round"], 2)
-    result["max_bytes_per_peer_round_over_m"] = max(v["bytes_per_peer_round_over_m"] for v in scale.values())
+    if scale:
+        lo, hi = min(scale), max(scale)
+        result["growth_sizes"] = [lo, hi]
+        result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
+        result["msgs_growth"] = round(scale[hi]["msgs_per_peer_round"] / scale[lo]["msgs_per_peer_round"], 2)
+        result["max_bytes_per_peer_round_over_m"] = max(v["bytes_per_peer_round_over_m"] for v in scale.values())
+        result["mixing_ok"] = all(
+            v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
+        )
+        result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
     if gossip:
         g_lo, g_hi = min(gossip), max(gossip)
         result["gossip_growth"] = round(
             gossip[g_hi]["gossip_bytes_per_peer_s"] / gossip[g_lo]["gossip_bytes_per_peer_s"], 2
         )
         result["gossip_growth_sizes"] = [g_lo, g_hi]
-    result["mixing_ok"] = all(
-        v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
-    )
-    result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
     result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
-    result["wall_s"] = round(time.monotonic() - t0, 1)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(line, flush=True)
+    result["wall_s"] = round(wall, 1)
+    return result
 
 
 # --- worker ---------------------------------------------------------------------------------------
