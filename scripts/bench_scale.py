@@ -227,10 +227,13 @@ def summarize(
             v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
         )
         result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
-    if gossip:
-        g_lo, g_hi = min(gossip), max(gossip)
+    # A gossip size whose peers never all saw each other live (a starved machine) measured itself.
+    valid = {n: v for n, v in gossip.items() if v["live_after"] == n}
+    result["gossip_invalid_sizes"] = sorted(set(gossip) - set(valid))
+    if len(valid) >= 2:
+        g_lo, g_hi = min(valid), max(valid)
         result["gossip_growth"] = round(
-            gossip[g_hi]["gossip_bytes_per_peer_s"] / gossip[g_lo]["gossip_bytes_per_peer_s"], 2
+            valid[g_hi]["gossip_bytes_per_peer_s"] / valid[g_lo]["gossip_bytes_per_peer_s"], 2
         )
         result["gossip_growth_sizes"] = [g_lo, g_hi]
     result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
