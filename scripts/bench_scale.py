@@ -227,8 +227,9 @@ def summarize(
             v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
         )
         result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
-    # A gossip size whose peers never all saw each other live (a starved machine) measured itself.
-    valid = {n: v for n, v in gossip.items() if v["live_after"] == n}
+    # A gossip size whose peers never all saw each other live (a starved machine) measured itself;
+    # one that sent nothing idled for less than a heartbeat (--idle).
+    valid = {n: v for n, v in gossip.items() if v["live_after"] == n and v["gossip_bytes_per_peer_s"] > 0}
     result["gossip_invalid_sizes"] = sorted(set(gossip) - set(valid))
     if len(valid) >= 2:
         g_lo, g_hi = min(valid), max(valid)
