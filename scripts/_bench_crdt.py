@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,14 @@ REPLY = "@@"  # marks a worker's reply line (py-libp2p sometimes prints to stdou
 # --- coordinator ----------------------------------------------------------------------------------
 
 
-class _Worker:
-    """One worker process: JSON commands in, one `@@`-prefixed JSON reply line out."""
+class Worker:
+    """One worker process (`script --worker`, this file's by default; scripts/bench_scale.py
+    runs its own): JSON commands in, one `@@`-prefixed JSON reply line out."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path | None = None) -> None:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker"],
+            [sys.executable, str(script or Path(__file__).resolve()), "--worker"],
             cwd=ROOT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             stdin=subprocess.PIPE,
@@ -114,13 +116,13 @@ class _Worker:
         self.log.close()
 
 
-def _ask(workers: list[_Worker], commands: list[dict[str, Any]], timeout: float) -> list[Any]:
+def ask(workers: list[Worker], commands: list[dict[str, Any]], timeout: float) -> list[Any]:
     for w, c in zip(workers, commands, strict=True):
         w.send(c)
     return [w.receive(timeout) for w in workers]
 
 
-def _edges(n: int) -> set[tuple[int, int]]:
+def ring_with_chords(n: int) -> set[tuple[int, int]]:
     edges = set()
     for i in range(n):
         for j in ((i + 1) % n, (i + CHORD) % n):
@@ -141,8 +143,9 @@ def _join(digests: list[dict[str, dict[str, list[Any]]]]) -> dict[str, dict[str,
     return out
 
 
-def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[str, Any]:
-    """Run the benchmark with `n` peers in `procs` worker processes; returns the result dict."""
+def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partition: bool = True) -> dict[str, Any]:
+    """Run the benchmark with `n` peers in `procs` worker processes; returns the result dict.
+    Without `partition`, steps 2-4 are skipped: start, then the idle measurement (bench_scale)."""
     from meshtrain.crdt.swarm_view import (
         DEFAULT_HEARTBEAT_INTERVAL,
         DEFAULT_MAX_HEARTBEAT_INTERVAL,
@@ -168,9 +171,9 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
     interval = min(DEFAULT_MAX_HEARTBEAT_INTERVAL, max(DEFAULT_HEARTBEAT_INTERVAL, n / DEFAULT_SWARM_HEARTBEAT_RATE))
     out["heartbeat_s"] = interval
     out["lease_s"] = interval * DEFAULT_TTL / DEFAULT_HEARTBEAT_INTERVAL
-    workers = [_Worker() for _ in groups]
+    workers = [Worker() for _ in groups]
     try:
-        replies = _ask(
+        replies = ask(
             workers,
             [{"cmd": "init", "owner": owner, "nodes": g, "seeds": [seeds[i].hex() for i in g]} for g in groups],
             60,
@@ -179,7 +182,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         for reply in replies:
             for i, addr, pid in reply["nodes"]:
                 addrs[i], ids[i] = addr, pid
-        edges = _edges(n)
+        edges = ring_with_chords(n)
 
         def per_worker(items: list[tuple[int, Any]]) -> list[list[Any]]:
             buckets: list[list[Any]] = [[] for _ in groups]
@@ -188,64 +191,65 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
             return buckets
 
         links = per_worker([(j, addrs[i]) for i, j in sorted(edges)])
-        _ask(workers, [{"cmd": "connect", "links": b} for b in links], 60)
-        _ask(workers, [{"cmd": "views"} for _ in groups], 120)
+        ask(workers, [{"cmd": "connect", "links": b} for b in links], 60)
+        ask(workers, [{"cmd": "views"} for _ in groups], 120)
         t0 = time.monotonic()
         while True:
-            live = [x for r in _ask(workers, [{"cmd": "live"}] * procs, 30) for x in r]
+            live = [x for r in ask(workers, [{"cmd": "live"}] * procs, 30) for x in r]
             if all(x == n for x in live) or time.monotonic() - t0 > 60:
                 break
             time.sleep(0.1)
         out["all_live_s"] = round(time.monotonic() - t0, 2)
         out["startup_s"] = round(time.monotonic() - t_start, 2)
 
-        # -- partition ---------------------------------------------------------------------------
-        half = n // 2
-        cut = [(i, j) for i, j in sorted(edges) if (i < half) != (j < half)]
-        sides = [[(i, ids[j]) for i, j in cut], [(j, ids[i]) for i, j in cut]]
-        cuts = per_worker(sides[0] + sides[1])
-        _ask(workers, [{"cmd": "cut", "peers": b} for b in cuts], 30)
-        _ask(workers, [{"cmd": "write"}] * procs, 30)
-        digests = {i: d for r in _ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
-        left = _join([digests[i] for i in range(half)])
-        right = _join([digests[i] for i in range(half, n)])
-        targets = per_worker([(i, left if i < half else right) for i in range(n)])
-        t0 = time.monotonic()
-        done = _ask(workers, [{"cmd": "await", "targets": b, "timeout": 20} for b in targets], 40)
-        out["partition_sides_agree_s"] = _elapsed(done, t0)
-        time.sleep(PARTITION_HOLD_S)
-        leaked = _ask(workers, [{"cmd": "connected", "peers": b} for b in cuts], 30)
-        out["partition_links_cut"] = len(cut)
-        out["partition_leaked"] = any(any(r) for r in leaked)
+        if partition:
+            # -- partition ---------------------------------------------------------------------------
+            half = n // 2
+            cut = [(i, j) for i, j in sorted(edges) if (i < half) != (j < half)]
+            sides = [[(i, ids[j]) for i, j in cut], [(j, ids[i]) for i, j in cut]]
+            cuts = per_worker(sides[0] + sides[1])
+            ask(workers, [{"cmd": "cut", "peers": b} for b in cuts], 30)
+            ask(workers, [{"cmd": "write"}] * procs, 30)
+            digests = {i: d for r in ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
+            left = _join([digests[i] for i in range(half)])
+            right = _join([digests[i] for i in range(half, n)])
+            targets = per_worker([(i, left if i < half else right) for i in range(n)])
+            t0 = time.monotonic()
+            done = ask(workers, [{"cmd": "await", "targets": b, "timeout": 20} for b in targets], 40)
+            out["partition_sides_agree_s"] = _elapsed(done, t0)
+            time.sleep(PARTITION_HOLD_S)
+            leaked = ask(workers, [{"cmd": "connected", "peers": b} for b in cuts], 30)
+            out["partition_links_cut"] = len(cut)
+            out["partition_leaked"] = any(any(r) for r in leaked)
 
-        # -- heal --------------------------------------------------------------------------------
-        digests = {i: d for r in _ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
-        everything = _join(list(digests.values()))
-        heal_links = per_worker([(j, addrs[i]) for i, j in cut])
-        heal = time.monotonic()
-        for w, b in zip(workers, heal_links, strict=True):
-            w.send({"cmd": "heal", "links": b})
-        for w, b in zip(workers, per_worker([(i, everything) for i in range(n)]), strict=True):
-            w.send({"cmd": "await", "targets": b, "timeout": CONVERGE_TIMEOUT_S})
-        connected_at = [w.receive(30)["at"] for w in workers]
-        done = [w.receive(CONVERGE_TIMEOUT_S + 10) for w in workers]
-        out["heal_connect_s"] = round(max(connected_at) - heal, 3)
-        out["crdt_converge_s"] = _elapsed(done, heal)
-        identical = None
-        while time.monotonic() - heal < CONVERGE_TIMEOUT_S:
-            fps = {x for r in _ask(workers, [{"cmd": "fp"}] * procs, 30) for x in r}
-            if len(fps) == 1:
-                identical = round(time.monotonic() - heal, 3)
-                break
-            time.sleep(0.03)
-        out["crdt_identical_s"] = identical
+            # -- heal --------------------------------------------------------------------------------
+            digests = {i: d for r in ask(workers, [{"cmd": "digests"}] * procs, 30) for i, d in r}
+            everything = _join(list(digests.values()))
+            heal_links = per_worker([(j, addrs[i]) for i, j in cut])
+            heal = time.monotonic()
+            for w, b in zip(workers, heal_links, strict=True):
+                w.send({"cmd": "heal", "links": b})
+            for w, b in zip(workers, per_worker([(i, everything) for i in range(n)]), strict=True):
+                w.send({"cmd": "await", "targets": b, "timeout": CONVERGE_TIMEOUT_S})
+            connected_at = [w.receive(30)["at"] for w in workers]
+            done = [w.receive(CONVERGE_TIMEOUT_S + 10) for w in workers]
+            out["heal_connect_s"] = round(max(connected_at) - heal, 3)
+            out["crdt_converge_s"] = _elapsed(done, heal)
+            identical = None
+            while time.monotonic() - heal < CONVERGE_TIMEOUT_S:
+                fps = {x for r in ask(workers, [{"cmd": "fp"}] * procs, 30) for x in r}
+                if len(fps) == 1:
+                    identical = round(time.monotonic() - heal, 3)
+                    break
+                time.sleep(0.03)
+            out["crdt_identical_s"] = identical
 
         # -- idle: steady-state message rate -----------------------------------------------------
         time.sleep(3.0)  # let the heal's re-gossip settle
-        c0 = _ask(workers, [{"cmd": "counters"}] * procs, 30)
+        c0 = ask(workers, [{"cmd": "counters"}] * procs, 30)
         t0 = time.monotonic()
         time.sleep(idle_s)
-        c1 = _ask(workers, [{"cmd": "counters"}] * procs, 30)
+        c1 = ask(workers, [{"cmd": "counters"}] * procs, 30)
         dt = time.monotonic() - t0
         delta = {k: sum(b[k] - a[k] for a, b in zip(c0, c1, strict=True)) for k in c0[0]}
         per = n * dt
@@ -259,7 +263,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0) -> dict[st
         out["gossip_bytes_per_node_s"] = round(delta["frame_bytes"] / per)
         out["idle_cpu_cores"] = round(delta["cpu"] / dt, 2)
         out["idle_cpu_ms_per_node_s"] = round(1000 * delta["cpu"] / per, 1)
-        final = _ask(workers, [{"cmd": "summary"}] * procs, 30)
+        final = ask(workers, [{"cmd": "summary"}] * procs, 30)
         out["rejected_entries"] = sum(r["rejected"] for r in final)
         out["config_everywhere"] = all(r["config_ok"] for r in final)
         out["live_after"] = min(r["live_min"] for r in final)
@@ -279,7 +283,41 @@ def _elapsed(replies: list[dict[str, Any]], since: float) -> float | None:
 # --- worker ---------------------------------------------------------------------------------------
 
 
-def _reply(value: Any) -> None:
+async def stdin_commands() -> AsyncIterator[dict[str, Any]]:
+    """A worker's commands: JSON objects, one a line on stdin, read without blocking trio."""
+    import trio
+
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    buf = b""
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield json.loads(line)
+        chunk = await stdin.receive_some(1 << 16)
+        if not chunk:
+            return
+        buf += chunk
+
+
+async def serve_commands(handle: Callable[[str, dict[str, Any], AsyncExitStack], Awaitable[Any]]) -> None:
+    """A worker's loop: each command from stdin is answered with what `handle(cmd, command,
+    stack)` returns (or its error), until "stop" cancels everything entered on `stack` at once."""
+    import trio
+
+    with trio.CancelScope() as scope:
+        async with AsyncExitStack() as stack:
+            async for command in stdin_commands():
+                cmd = command["cmd"]
+                if cmd == "stop":
+                    scope.cancel()
+                    break
+                try:
+                    reply(await handle(cmd, command, stack))
+                except Exception as e:
+                    reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
+
+
+def reply(value: Any) -> None:
     sys.stdout.write(REPLY + json.dumps(value) + "\n")
     sys.stdout.flush()
 
@@ -310,21 +348,8 @@ async def _worker() -> None:
     from meshtrain.transport.identity import Identity
 
     configure("ERROR")
-    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    buf = b""
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"frames": 0, "frame_bytes": 0}
-
-    async def lines():
-        nonlocal buf
-        while True:
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                yield json.loads(line)
-            chunk = await stdin.receive_some(1 << 16)
-            if not chunk:
-                return
-            buf += chunk
 
     async def await_targets(targets: list[list[Any]], timeout: float) -> float | None:
         pending = [(nodes[i]["replica"], t) for i, t in targets]
@@ -336,90 +361,79 @@ async def _worker() -> None:
             return time.monotonic()
         return None
 
-    with trio.CancelScope() as scope:  # cancelled on stop: views exit without a clean leave
-        async with AsyncExitStack() as stack:
-            async for command in lines():
-                cmd = command["cmd"]
-                if cmd == "stop":
-                    scope.cancel()
-                    break
-                try:
-                    if cmd == "init":
-                        owner = command["owner"]
-                        for i, seed in zip(command["nodes"], command["seeds"], strict=True):
-                            host = await stack.enter_async_context(Host(Identity.from_seed(bytes.fromhex(seed))))
-                            replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner)))
-                            original = replica.pubsub.write_msg
+    async def handle(cmd: str, command: dict[str, Any], stack: AsyncExitStack) -> Any:
+        if cmd == "init":
+            owner = command["owner"]
+            for i, seed in zip(command["nodes"], command["seeds"], strict=True):
+                host = await stack.enter_async_context(Host(Identity.from_seed(bytes.fromhex(seed))))
+                replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner)))
+                original = replica.pubsub.write_msg
 
-                            async def counted(stream, rpc, original=original):
-                                counters["frames"] += 1
-                                counters["frame_bytes"] += rpc.ByteSize()
-                                return await original(stream, rpc)
+                async def counted(stream, rpc, original=original):
+                    counters["frames"] += 1
+                    counters["frame_bytes"] += rpc.ByteSize()
+                    return await original(stream, rpc)
 
-                            replica.pubsub.write_msg = counted
-                            nodes[i] = {"host": host, "replica": replica, "owner": owner}
-                        _reply({"nodes": [[i, n["host"].addrs[0], n["host"].peer_id] for i, n in nodes.items()]})
-                    elif cmd == "connect":
-                        for i, addr in command["links"]:
-                            await nodes[i]["host"].connect(addr)
-                        _reply({"ok": True})
-                    elif cmd == "views":
-                        for n in nodes.values():
-                            n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
-                        _reply({"ok": True})
-                    elif cmd == "live":
-                        _reply([len(n["view"].membership_snapshot()) for n in nodes.values()])
-                    elif cmd == "cut":  # forget the address too: py-libp2p re-dials on
-                        for i, peer in command["peers"]:  # a stream to an unconnected peer
-                            host = nodes[i]["host"]
-                            host.libp2p.get_peerstore().clear_addrs(ID.from_base58(peer))
-                            await host.disconnect(peer)
-                        _reply({"ok": True})
-                    elif cmd == "connected":
-                        _reply([nodes[i]["host"].is_connected(p) for i, p in command["peers"]])
-                    elif cmd == "write":
-                        for i, n in nodes.items():
-                            n["view"].report_progress(step=1000 + i, samples=64_000 * (i + 1), outer_round=1)
-                            n["view"].report_metrics({"loss": 3.0 - i / 100, "tok_s": 1e3 + i})
-                            if i == 0:
-                                n["view"].set_config(lr=0.7, outer_steps=500, note="partition")
-                        _reply({"ok": True})
-                    elif cmd == "digests":
-                        _reply([[i, _digest_json(n["replica"])] for i, n in nodes.items()])
-                    elif cmd == "await":
-                        _reply({"at": await await_targets(command["targets"], command["timeout"])})
-                    elif cmd == "heal":
-                        async with trio.open_nursery() as nursery:
-                            for i, addr in command["links"]:
-                                nursery.start_soon(nodes[i]["host"].connect, addr)
-                        _reply({"at": time.monotonic()})
-                    elif cmd == "fp":
-                        _reply([n["replica"].fingerprint().hex() for n in nodes.values()])
-                    elif cmd == "counters":
-                        stats = [n["replica"].stats for n in nodes.values()]
-                        _reply(
-                            {
-                                **counters,
-                                "published": sum(s.gossip_published for s in stats),
-                                "rpc_sent": sum(s.ae_rpcs_sent for s in stats),
-                                "rpc_served": sum(s.ae_rpcs_served for s in stats),
-                                "cpu": time.process_time(),
-                            }
-                        )
-                    elif cmd == "summary":
-                        views = [n["view"] for n in nodes.values()]
-                        _reply(
-                            {
-                                "rejected": sum(n["replica"].stats.entries_rejected for n in nodes.values()),
-                                "config_ok": all(v.config().get("lr") == 0.7 for v in views),
-                                "live_min": min(len(v.membership_snapshot()) for v in views),
-                                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                            }
-                        )
-                    else:
-                        _reply({"error": f"unknown command {cmd!r}"})
-                except Exception as e:
-                    _reply({"error": f"{cmd}: {type(e).__name__}: {e}"})
+                replica.pubsub.write_msg = counted
+                nodes[i] = {"host": host, "replica": replica, "owner": owner}
+            return {"nodes": [[i, n["host"].addrs[0], n["host"].peer_id] for i, n in nodes.items()]}
+        elif cmd == "connect":
+            for i, addr in command["links"]:
+                await nodes[i]["host"].connect(addr)
+            return {"ok": True}
+        elif cmd == "views":
+            for n in nodes.values():
+                n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
+            return {"ok": True}
+        elif cmd == "live":
+            return [len(n["view"].membership_snapshot()) for n in nodes.values()]
+        elif cmd == "cut":  # forget the address too: py-libp2p re-dials on
+            for i, peer in command["peers"]:  # a stream to an unconnected peer
+                host = nodes[i]["host"]
+                host.libp2p.get_peerstore().clear_addrs(ID.from_base58(peer))
+                await host.disconnect(peer)
+            return {"ok": True}
+        elif cmd == "connected":
+            return [nodes[i]["host"].is_connected(p) for i, p in command["peers"]]
+        elif cmd == "write":
+            for i, n in nodes.items():
+                n["view"].report_progress(step=1000 + i, samples=64_000 * (i + 1), outer_round=1)
+                n["view"].report_metrics({"loss": 3.0 - i / 100, "tok_s": 1e3 + i})
+                if i == 0:
+                    n["view"].set_config(lr=0.7, outer_steps=500, note="partition")
+            return {"ok": True}
+        elif cmd == "digests":
+            return [[i, _digest_json(n["replica"])] for i, n in nodes.items()]
+        elif cmd == "await":
+            return {"at": await await_targets(command["targets"], command["timeout"])}
+        elif cmd == "heal":
+            async with trio.open_nursery() as nursery:
+                for i, addr in command["links"]:
+                    nursery.start_soon(nodes[i]["host"].connect, addr)
+            return {"at": time.monotonic()}
+        elif cmd == "fp":
+            return [n["replica"].fingerprint().hex() for n in nodes.values()]
+        elif cmd == "counters":
+            stats = [n["replica"].stats for n in nodes.values()]
+            return {
+                **counters,
+                "published": sum(s.gossip_published for s in stats),
+                "rpc_sent": sum(s.ae_rpcs_sent for s in stats),
+                "rpc_served": sum(s.ae_rpcs_served for s in stats),
+                "cpu": time.process_time(),
+            }
+        elif cmd == "summary":
+            views = [n["view"] for n in nodes.values()]
+            return {
+                "rejected": sum(n["replica"].stats.entries_rejected for n in nodes.values()),
+                "config_ok": all(v.config().get("lr") == 0.7 for v in views),
+                "live_min": min(len(v.membership_snapshot()) for v in views),
+                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+
+    await serve_commands(handle)  # on stop, views exit without a clean leave
 
 
 def main() -> None:

@@ -75,6 +75,31 @@ def spawn(*args: str, stderr_path: str | None = None) -> subprocess.Popen:
         )
 
 
+def start_swarm_processes(procs: list[subprocess.Popen]) -> list[dict]:
+    """The stdio handshake of the tests/proc_*.py peers: read each one's hello (with its "addr"),
+    hand every peer the list of all addresses, wait until each says it is ready, then say "go".
+    Returns the hellos, in `procs` order."""
+    hello = [read_json(p) for p in procs]
+    addrs = json.dumps([h["addr"] for h in hello])
+    for p in procs:
+        p.stdin.write(addrs + "\n")
+        p.stdin.flush()
+    for p in procs:
+        assert read_json(p)["ready"]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return hello
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """Kill the ones still running and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         with open(path) as f:

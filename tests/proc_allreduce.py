@@ -1,6 +1,6 @@
 """A real all-reduce peer in its own process, with optional fault injection at a named step.
 
-    python tests/proc_allreduce.py --index I --numel M --rounds R [--fault F --fault-round r]
+    python tests/proc_allreduce.py --index I --numel M --rounds R [--fault F --fault-round r] [--group-size g]
 
 Protocol on stdio (one JSON object per line):
   out {"peer": id, "addr": multiaddr, "index": I}
@@ -36,6 +36,7 @@ import trio
 
 import meshtrain.collective.data_phase as data_phase
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.groups import GroupPlan
 from meshtrain.log import configure
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
@@ -112,7 +113,19 @@ async def main(args: argparse.Namespace) -> None:
         for a in addrs:
             if not a.endswith(host.peer_id):
                 await host.connect(a)
-        col = SwarmCollective(host, ts, lambda r: ids, config)
+        if args.group_size:
+            # As the node does: groups from the whole roster, candidates the peers still connected.
+            me = host.peer_id
+            col = SwarmCollective(
+                host,
+                ts,
+                lambda r: [p for p in ids if p == me or host.is_connected(p)],
+                config,
+                grouping=GroupPlan(group_size=args.group_size),
+                roster=lambda r: ids,
+            )
+        else:
+            col = SwarmCollective(host, ts, lambda r: ids, config)
         armed = {"on": False}
         victim = ids.index(host.peer_id) == args.victim_rank
         fault = args.fault if victim else "none"
@@ -167,4 +180,5 @@ if __name__ == "__main__":
     p.add_argument("--join-timeout", type=float, default=5)
     p.add_argument("--part-timeout", type=float, default=5)
     p.add_argument("--linger", type=float, default=3)
+    p.add_argument("--group-size", type=int, default=0, help="grouped rounds (collective/groups.py); 0: none")
     trio.run(main, p.parse_args())

@@ -14,7 +14,7 @@ from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.contract import CollectiveError
 from meshtrain.collective.flat import result_digest
 
-from .conftest import read_json, spawn, start_peers, tail
+from .conftest import spawn, start_peers, start_swarm_processes, stop_processes, tail
 from .proc_allreduce import inputs
 
 
@@ -278,17 +278,22 @@ N_PEERS = 4
 NUMEL = 2 << 20  # 8 MiB of fp32 per peer
 
 
-def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
-    logs = [tempfile.mktemp(prefix=f"allreduce-peer{i}-", suffix=".log") for i in range(N_PEERS)]
+def run_swarm(
+    fault: str, victim_rank: int, *extra: str, peers: int = N_PEERS, numel: int = NUMEL, rounds: int = 3
+) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
+    """`peers` tests/proc_allreduce.py processes run `rounds` rounds, the one at `victim_rank`
+    with `fault`; returns their hellos (with "stderr_tail" where a peer printed fewer rounds),
+    peer id -> index, and every peer's output lines."""
+    logs = [tempfile.mktemp(prefix=f"allreduce-peer{i}-", suffix=".log") for i in range(peers)]
     procs = [
         spawn(
             "tests/proc_allreduce.py",
             "--index",
             str(i),
             "--numel",
-            str(NUMEL),
+            str(numel),
             "--rounds",
-            "3",
+            str(rounds),
             "--fault",
             fault,
             "--victim-rank",
@@ -296,19 +301,10 @@ def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], di
             *extra,
             stderr_path=logs[i],
         )
-        for i in range(N_PEERS)
+        for i in range(peers)
     ]
     try:
-        infos = [read_json(p) for p in procs]
-        addrs = json.dumps([i["addr"] for i in infos])
-        for p in procs:
-            p.stdin.write(addrs + "\n")
-            p.stdin.flush()
-        for p in procs:
-            assert read_json(p) == {"ready": True}
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        infos = start_swarm_processes(procs)
         outputs = []
         for p in procs:
             lines = []
@@ -318,14 +314,11 @@ def run_swarm(fault: str, victim_rank: int, *extra: str) -> tuple[list[dict], di
         index_of = {i["peer"]: i["index"] for i in infos}
         for info, out, log in zip(infos, outputs, logs, strict=True):
             info["log"] = log
-            if len(out) < 3 and info["index"] >= 0:
+            if len(out) < rounds and info["index"] >= 0:
                 info["stderr_tail"] = tail(log)
         return infos, index_of, outputs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_processes(procs)
 
 
 def expected_digest(contributors: list[str], index_of: dict[str, int], round_id: int) -> str:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .conftest import read_json, spawn, tail
+from .conftest import spawn, start_swarm_processes, stop_processes, tail
 
 
 def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) -> tuple[list[dict], list[str]]:
@@ -39,16 +39,7 @@ def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) ->
         for i in range(n)
     ]
     try:
-        hello = [read_json(p) for p in procs]
-        addrs = json.dumps([h["addr"] for h in hello])
-        for p in procs:
-            p.stdin.write(addrs + "\n")
-            p.stdin.flush()
-        for p in procs:
-            assert read_json(p)["ready"]
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        start_swarm_processes(procs)
         deadline = time.monotonic() + timeout
         finals: list[dict | None] = []
         for p in procs:
@@ -63,10 +54,7 @@ def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) ->
             finals.append(last if last and last.get("done") else None)
         return finals, logs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_processes(procs)
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ Public API:
 - `SwarmCollective` / `AllReduceConfig` — the fault-tolerant all-reduce over a running host
   (allreduce.py: the participant; coordinator.py: the per-round state machine; data_phase.py:
   reduce-scatter and all-gather; protocol.py: its messages).
+- `GroupPlan` / `round_groups` — grouped rounds for large swarms (groups.py: Moshpit-style
+  groups from the membership snapshot; `SwarmCollective(grouping=...)` runs each group's round).
 - `average_pair` — averaging with one partner (pairwise.py, NoLoCo's gossip step).
 - `LocalSwarm` / `LocalCollective` — simulated peers in one process (local.py).
 - `get_codec` / `CODECS` — compression of what is exchanged (compression.py).
@@ -20,6 +22,7 @@ from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.compression import CODECS, get_codec
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest, unflatten
+from meshtrain.collective.groups import GroupPlan, round_groups
 from meshtrain.collective.local import LocalCollective, LocalSwarm
 from meshtrain.collective.pairwise import average_pair
 
@@ -28,6 +31,7 @@ __all__ = [
     "AllReduceConfig",
     "Collective",
     "CollectiveError",
+    "GroupPlan",
     "LocalCollective",
     "LocalSwarm",
     "ReduceResult",
@@ -37,5 +41,6 @@ __all__ = [
     "get_codec",
     "part_bounds",
     "result_digest",
+    "round_groups",
     "unflatten",
 ]

@@ -76,6 +76,7 @@ from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundSc
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.flat import result_digest
+from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.protocol import (
     DONE,
@@ -141,6 +142,10 @@ class SwarmCollective(Service):
     `membership(round_id)` returns the candidate peers for a round (our id may or may not be in
     it). Call `all_reduce` with the same `round_id` and `tag` on every peer of the round.
     `current_round()`, if given, is the round this peer is at (for `round_window`; None: unknown).
+    `grouping`, if given, splits each round into groups (collective/groups.py) computed from
+    `roster(round_id)` — the swarm's members whether connected to us or not, so that one dropped
+    connection does not reshuffle our groups (default: `membership`); each group all-reduces on
+    its own, with its own coordinator and tag, among its members that `membership` holds.
 
     Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
     background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
@@ -155,12 +160,18 @@ class SwarmCollective(Service):
         config: AllReduceConfig | None = None,
         *,
         current_round: Callable[[], int | None] | None = None,
+        grouping: GroupPlan | None = None,
+        roster: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         self.host = host
         self.streams = streams
         self.membership = membership
         self.config = config or AllReduceConfig()
         self.current_round = current_round
+        self.grouping = grouping
+        self.roster = roster or membership
+        self.last_groups: RoundGroups | None = None  # the grouping of the newest round we computed
+        self._groups_cache: dict[tuple[int, frozenset[str]], RoundGroups] = {}
         self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
         # Called (inline, must not block) with each committed round's screening (contract.py).
         self.screening_listeners: list[Callable[[RoundScreening], None]] = []
@@ -184,7 +195,38 @@ class SwarmCollective(Service):
         return self.host.peer_id
 
     def group(self, round_id: int) -> tuple[str, ...]:
-        return tuple(sorted(set(self.membership(round_id)) | {self.peer_id}))
+        """The peers expected in our round `round_id`: the candidates, or with `grouping` the
+        candidates of our group."""
+        candidates = set(self.membership(round_id)) | {self.peer_id}
+        groups = self.round_groups(round_id)
+        if groups is not None and not groups.whole_swarm:
+            candidates &= set(groups.groups[groups.index_of(self.peer_id)])
+        return tuple(sorted(candidates))
+
+    def round_groups(self, round_id: int) -> RoundGroups | None:
+        """The round's grouping (None without `grouping`), from the roster with us in it."""
+        if self.grouping is None:
+            return None
+        members = frozenset((*self.roster(round_id), self.peer_id))
+        key = (round_id // self.grouping.period, members)
+        groups = self._groups_cache.get(key)
+        if groups is None:  # the coordinator asks every liveness interval: compute once per snapshot
+            groups = self._groups_cache[key] = self.grouping.groups(sorted(members), round_id)
+            for old in list(self._groups_cache)[:-8]:
+                del self._groups_cache[old]
+        if self.last_groups is None or groups.round_index >= self.last_groups.round_index:
+            self.last_groups = groups
+        return groups
+
+    def round_is_grouped(self, round_id: int) -> bool:
+        """Whether round `round_id` runs in groups smaller than the swarm (`GroupsRounds`)."""
+        groups = self.round_groups(round_id)
+        return groups is not None and not groups.whole_swarm
+
+    @property
+    def grouped(self) -> bool:
+        """Whether our newest round ran in groups smaller than the swarm (replicas then differ)."""
+        return self.last_groups is not None and not self.last_groups.whole_swarm
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -350,6 +392,9 @@ class SwarmCollective(Service):
             tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
             weight = 0.0
         self._latest_round = max(self._latest_round or round_id, round_id)
+        groups = self.round_groups(round_id)
+        if groups is not None:
+            tag = self.grouping.tag(tag, groups, self.peer_id)
         try:
             return await self._all_reduce(tensors, round_id, tag, codec, weight)
         finally:

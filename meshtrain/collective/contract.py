@@ -118,3 +118,14 @@ class WatchesOptimizer(Protocol):
     from the optimizer's step hook). `OuterOptimizer.__init__` calls `watch(self)` last."""
 
     def watch(self, optimizer: Any) -> None: ...
+
+
+@runtime_checkable
+class GroupsRounds(Protocol):
+    """A collective whose rounds may run in groups smaller than the swarm (`SwarmCollective` with
+    a `GroupPlan`, collective/groups.py). In such a round the mean is the group's, and peers of
+    different groups hold different state: an outer optimizer then adds a consensus term
+    (optim/outer.py, "Grouped rounds"). Every member of a group answers alike from the same
+    membership snapshot."""
+
+    def round_is_grouped(self, round_id: int) -> bool: ...

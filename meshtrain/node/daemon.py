@@ -42,6 +42,7 @@ Chaos-proofing (issue 14):
 - **Parity.** After every round we hash φ and publish the digest with our progress; a watcher
   compares it with every live trainer's. In the minority — a split round, a round we spent
   alone — we log it, show it on `/status`, and re-sync from the majority's holders (RunState).
+  Off while the spec's `group_size` has rounds run in groups (their replicas differ by design).
 - **Joins never give up on a transient** (RunState.download); only a state that cannot fit this
   node (another model or optimizer) ends the node, as a configuration error.
 - **What it waits for.** `round_status()["waiting"]` (on `/status` and the console) names the
@@ -312,6 +313,10 @@ class Node:
                         **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                     ),
                     current_round=self._current_round,
+                    # Grouped rounds (collective/groups.py): groups from every live trainer, so one
+                    # dropped connection does not reshuffle ours; candidates stay the connected ones.
+                    grouping=signed.spec.group_plan(),
+                    roster=lambda _round: presence.trainers(),
                 )
             )
             if presence.strikes is not None:  # what we flag as a part's owner becomes our strikes
@@ -342,6 +347,8 @@ class Node:
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )
+            # Grouped rounds: replicas in different groups hold different φ by design (node/parity.py).
+            run_state.parity.paused_by = lambda: "rounds run in groups (group_size)" if collective.grouped else ""
             await self._announce_reachability(stack, presence)
             await self._start_status(stack)
             self._write_daemon_file(host, signed)

@@ -29,7 +29,11 @@ can then compare, for round r, the digests of every live trainer that reports on
   it open forever). A peer that joined after the round (its digests start later) is not counted.
 
 What it does not cover: optimizers whose replicas differ by design (NoLoCo gossips with one
-partner; `OuterOptimizer.replicas_identical = False` turns the check off), and a majority that
+partner; `OuterOptimizer.replicas_identical = False` turns the check off), grouped rounds
+(collective/groups.py: while the swarm's rounds run in groups, each group applies its own mean,
+and a group's members come from different groups the round before, so no two digests need agree;
+the node sets `paused_by` to the collective's say, and the verdict is "unchecked" with its
+reason for as long as rounds are grouped), and a majority that
 is wrong together (every peer trusts the largest group; a colluding majority is the public-swarms
 issue's problem, not this one's).
 
@@ -40,7 +44,7 @@ issue's problem, not this one's).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -164,6 +168,8 @@ class ParityMonitor:
             "unchecked" if not enabled else "pending", reason="" if enabled else "replicas differ by design (NoLoCo)"
         )
         self.resyncs = 0
+        # Why the check is off for now ("" or None: it is on); the node wires grouped rounds here.
+        self.paused_by: Callable[[], str] | None = None
 
     def record(self, outer_round: int, digest: bytes) -> None:
         """Our φ after `outer_round` rounds. A re-sync may move the round backwards or repeat it:
@@ -176,6 +182,10 @@ class ParityMonitor:
 
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:
         if not self.enabled:
+            return self.verdict
+        paused = self.paused_by() if self.paused_by is not None else ""
+        if paused:
+            self.verdict = ParityVerdict("unchecked", reason=paused)
             return self.verdict
         self.verdict = judge(
             self.me, self.history, others, completed_at=self.completed_at, now=time.monotonic(), settle_s=self.settle_s

@@ -10,8 +10,10 @@ every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggr
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
 they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds are excluded,
-node/strikes.py); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. `parse_spec` validates an
-untrusted dict into one (a one-line `ConfigError`).
+node/strikes.py); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
+`group_size`: how large a swarm's outer rounds get before they run in groups
+(`SwarmSpec.group_plan`, collective/groups.py). `parse_spec` validates an untrusted dict into one
+(a one-line `ConfigError`).
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
 
@@ -48,6 +50,7 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshtrain.collective.compression import CODECS
+from meshtrain.collective.groups import GroupPlan
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.sources import PRESETS, model_digest, parse_model_source
 from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
@@ -72,6 +75,12 @@ MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; 
 # optim/sparseloco.py's docstring; the field keeps 0.95, which no other optimizer reads). dp: H 1
 # (gradients are all-reduced every step; check() refuses another H).
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sparseloco": {"outer_lr": 1.0, "error_decay": 0.9}, "dp": {"H": 1}}
+# Optimizers whose rounds never run in groups (group_size), and why.
+UNGROUPED = {
+    "noloco": "it averages with one partner already",
+    "dp": "its replicas must stay identical every step",
+    "sparseloco": "its sparse exchange has no consensus term (a dense one would cost 50x its payload)",
+}
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
@@ -164,6 +173,15 @@ class SwarmSpec(BaseModel):
         le=1000,
         description="a peer flagged in this many distinct rounds (by 2+ reporters each) is excluded "
         "everywhere (node/strikes.py); 0 = never",
+    )
+    group_size: int = Field(
+        0,
+        ge=0,
+        le=1 << 16,
+        description="grouped averaging (collective/groups.py): each outer round all-reduces in groups of at "
+        "most this many peers that change every round, so every update reaches every peer within d + 1 "
+        "rounds for d = log_g(peers); 0 = automatic (the whole swarm up to 32 peers, groups of 16 above); "
+        "a value >= the swarm's size = always the whole swarm. diloco, streaming and py: optimizers",
     )
     fragments: int = Field(2, ge=1, le=64, description="Streaming DiLoCo: P")
     delay: int = Field(1, ge=0, description="Streaming DiLoCo: τ")
@@ -333,6 +351,15 @@ class SwarmSpec(BaseModel):
             raise ConfigError(f"swarm spec: screen_norm must be 0 (no screening) or above 1, not {self.screen_norm}")
         if self.pipeline != "none":
             self._check_pipeline()
+        if self.group_size == 1:
+            raise ConfigError(
+                "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"
+            )
+        if self.group_size and self.optimizer in UNGROUPED:
+            raise ConfigError(
+                f"swarm spec: group_size does not apply to {self.optimizer}: {UNGROUPED[self.optimizer]} "
+                "(leave group_size 0)"
+            )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
             raise ConfigError(
                 f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
@@ -371,6 +398,14 @@ class SwarmSpec(BaseModel):
             "screen_norm": self.screen_norm if robust else 0.0,
             "screen_alignment": self.screen_alignment,
         }
+
+    def group_plan(self) -> GroupPlan | None:
+        """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the
+        one place the spec's `group_size` reaches it. None where rounds are never grouped: the
+        optimizers in `UNGROUPED`, and pipeline swarms (per-stage sync)."""
+        if self.optimizer in UNGROUPED or self.pipeline != "none":
+            return None
+        return GroupPlan(group_size=self.group_size, seed=self.seed, period=self.H)
 
 
 def parse_spec(data: Mapping[str, Any]) -> SwarmSpec:

@@ -1,0 +1,392 @@
+"""Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
+
+    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 3] [--group-size 0]
+                                  [--gossip-sizes 16,32,64] [--idle 8] [--out docs/bench_scale_issue20.json]
+
+The last line printed is one JSON object (also written to `--out`).
+
+What it measures, and why per peer. On one 2-core machine every peer's work shares the same two
+cores, so the wall time of a round grows with N whatever the design (the trap of the old
+collectives target). A design that scales keeps each *peer's* costs flat as N grows, so those are
+what is reported, at each size N:
+- `cpu_s_per_peer_round`: CPU time of every worker process during the rounds ÷ N ÷ rounds, over
+  the rounds after the first (which also pays each process's one-time costs; it is reported as
+  `first_round_cpu_s_per_peer`). The libp2p connections and data-plane sessions to every partner
+  of the rounds run are opened before, outside the measurement (`connect_s`): all of one
+  machine's peers opening their sessions in the same second would time out the 10 s session RPC
+  here, which says nothing about a swarm of machines. The message and byte counts are over the
+  same rounds;
+- `msgs_per_peer_round`: control RPCs (join, watch, report, where) plus data-plane tensor
+  transfers a peer sends per round;
+- `bytes_per_peer_round_over_m`: data-plane bytes a peer sends per round ÷ M, the bytes of its own
+  input (the bandwidth-optimal all-reduce of a group of g sends 2(g−1)/g·M);
+- `mixing_rounds`: rounds until every peer's update has reached every peer, counted from the
+  first round of an epoch (the model has one extra parameter per peer, `reach`; peer i's first
+  update is −1 at its own entry, and an entry of φ is non-zero once that update got there),
+  beside `d`, the grid's dimensions (collective/groups.py: at most d + 1);
+- `round_s`: wall time of a round — CPU-bound here (all N peers on two cores), reported only to
+  show that it is not the measure;
+- `gossip_bytes_per_peer_s`: gossipsub bytes a peer writes per second while the swarm idles (each
+  peer a `Replica` + `SwarmView` at its defaults, heartbeats stretched with N; ring + chords
+  topology, as scripts/_bench_crdt.py), with `gossip_cpu_cores` (a saturated machine sends less
+  than it should: read the bytes beside it).
+Summary: `cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
+`gossip_growth` (largest gossip size ÷ smallest), `mixing_ok` (mixing_rounds ≤ d + 1 at every
+size), `all_rounds_complete` (every peer got a result in every round, none alone).
+
+What runs. N real libp2p hosts, each with its data plane (`TensorStreams`) and a `SwarmCollective`
+grouped by `GroupPlan(group_size)` (0: automatic — the whole swarm up to 32 peers, groups of 16
+above), spread over `--procs` worker processes as trio tasks; this process only coordinates
+(JSON lines, scripts/_bench_crdt.py's `Worker`). Each peer runs the real outer round: `DiLoCo`
+(lr 1, momentum 0, H 1) over the built-in `gpt-tiny` (~34k fp32 parameters, M ≈ 136 KiB) whose θ
+moves a little before each `astep()` — so a grouped round costs what it costs a node: the group's
+all-reduce of Δ and the consensus all-reduce of φ in fp16 (optim/outer.py, "Grouped rounds"). Each peer is
+connected (libp2p) to the peers its groups need in the rounds run — as a node dials the members
+it meets — not to all N. Deadlines are long (join 300 s): a round here is slow because the CPU is
+shared, not because a peer failed.
+
+Not here: links with real bandwidth and latency (scripts/bench_wan.py), faults
+(tests/test_grouped_rounds.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts._bench_crdt import Worker, ask, run_crdt_phase, serve_commands  # noqa: E402
+
+SEED = 20
+
+
+def _groups_plan(group_size: int):
+    from meshtrain.collective.groups import GroupPlan
+
+    return GroupPlan(group_size=group_size, seed=SEED, period=1)
+
+
+# --- coordinator ----------------------------------------------------------------------------------
+
+
+def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, Any]:
+    """N peers in `procs` workers run `rounds` grouped all-reduces; per-peer costs (module docstring)."""
+    from meshtrain.collective.groups import epoch_length
+    from meshtrain.transport.identity import Identity
+
+    t_start = time.monotonic()
+    procs = min(procs, n)
+    seeds = [os.urandom(32) for _ in range(n)]
+    ids = [Identity.from_seed(s).peer_id_str for s in seeds]
+    parts = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
+    plan = _groups_plan(group_size)
+    index = {p: i for i, p in enumerate(ids)}
+    grid = plan.groups(ids, 0)
+    first = epoch_length(n, grid.sides)  # round ids start at an epoch's first round (ids are >= 1)
+    links: set[tuple[int, int]] = set()
+    for r in range(first, first + rounds):
+        for grp in plan.groups(ids, r).groups:
+            members = sorted(index[p] for p in grp)
+            links |= {(a, b) for a in members for b in members if a < b}
+    workers = [Worker(Path(__file__).resolve()) for _ in parts]
+    out: dict[str, Any] = {"peers": n, "processes": procs, "sides": list(grid.sides), "d": len(grid.sides)}
+    out["epoch_rounds"] = epoch_length(n, grid.sides)
+    out["max_group"] = max(len(g) for g in grid.groups)
+    try:
+        replies = ask(
+            workers,
+            [{"cmd": "init", "nodes": p, "seeds": [seeds[i].hex() for i in p], "roster": ids} for p in parts],
+            300,
+        )
+        addrs = {i: addr for rep in replies for i, addr in rep["nodes"]}
+        where = {i: k for k, p in enumerate(parts) for i in p}
+        dial: list[list[list[Any]]] = [[] for _ in parts]
+        partners: list[dict[int, list[str]]] = [{} for _ in parts]
+        for a, b in sorted(links):  # the higher index dials the lower
+            dial[where[b]].append([b, addrs[a]])
+            partners[where[a]].setdefault(a, []).append(ids[b])
+            partners[where[b]].setdefault(b, []).append(ids[a])
+        t0 = time.monotonic()
+        ask(
+            workers,
+            [
+                {"cmd": "connect", "links": d, "partners": pa, "group_size": group_size, "first_round": first}
+                for d, pa in zip(dial, partners, strict=True)
+            ],
+            1800,
+        )
+        print(f"bench_scale: {n} peers connected ({len(links)} links)", file=sys.stderr, flush=True)
+        out["links"] = len(links)
+        out["connect_s"] = round(time.monotonic() - t0, 1)
+        per_round = []
+        mixed_at = None
+        for r in range(rounds):
+            t0 = time.monotonic()
+            reps = ask(workers, [{"cmd": "round", "round": r}] * len(parts), 1800)
+            wall = time.monotonic() - t0
+            total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "failed", "alone", "mixed")}
+            errors = [e for rep in reps for e in rep["errors"]][:3]
+            per_round.append({"round": r, "round_s": round(wall, 2), **total, "errors": errors})
+            print(f"bench_scale: {n} peers, round {r}: {per_round[-1]}", file=sys.stderr, flush=True)
+            if mixed_at is None and total["mixed"] == n:
+                mixed_at = r + 1
+        m_bytes = reps[0]["m_bytes"]
+        out["m_bytes"] = m_bytes
+        out["rounds"] = rounds
+        # The first round also pays each process's one-time costs (torch's first calls, lazy
+        # imports), which a small swarm would divide among fewer peers: costs are over the rest.
+        steady = per_round[1:]
+        out["cpu_s_per_peer_round"] = round(sum(x["cpu"] for x in steady) / n / len(steady), 4)
+        out["first_round_cpu_s_per_peer"] = round(per_round[0]["cpu"] / n, 4)
+        out["msgs_per_peer_round"] = round(sum(x["msgs"] for x in steady) / n / len(steady), 2)
+        out["bytes_per_peer_round_over_m"] = round(sum(x["sent"] for x in steady) / n / len(steady) / m_bytes, 3)
+        out["mixing_rounds"] = mixed_at
+        out["round_s"] = round(sum(x["round_s"] for x in steady) / len(steady), 2)
+        out["all_rounds_complete"] = all(x["ok"] == n and x["alone"] == 0 for x in per_round)
+        out["per_round"] = per_round
+    finally:
+        for w in workers:
+            w.stop()
+    out["wall_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
+    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py, no partition)."""
+    out = run_crdt_phase(n, min(procs, n), idle_s, partition=False)
+    return {
+        "peers": n,
+        "heartbeat_s": out["heartbeat_s"],
+        "gossip_bytes_per_peer_s": out["gossip_bytes_per_node_s"],
+        "gossip_msgs_per_peer_s": out["msgs_per_node_s"],
+        "gossip_cpu_cores": out["idle_cpu_cores"],
+        "all_live_s": out["all_live_s"],
+        "live_after": out["live_after"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,256")
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="outer rounds per size (>= 2; the first is not costed)")
+    parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
+    parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
+    parser.add_argument("--idle", type=float, default=8.0, help="seconds of idle gossip measured")
+    parser.add_argument("--out", default="", help="also write the JSON here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import trio
+
+        trio.run(_worker)
+        return
+    t0 = time.monotonic()
+    sizes = sorted(int(x) for x in args.sizes.split(",") if x)
+    gossip_sizes = sorted(int(x) for x in args.gossip_sizes.split(",") if x)
+    # The largest swarm runs last, and the JSON so far is written after every step: a run cut
+    # short keeps what it measured.
+    steps = [("rounds", n) for n in sizes[:-1]] + [("gossip", n) for n in gossip_sizes] + [("rounds", sizes[-1])]
+    scale: dict[int, dict[str, Any]] = {}
+    gossip: dict[int, dict[str, Any]] = {}
+    for kind, n in steps:
+        if kind == "rounds":
+            scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
+            print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
+        else:
+            gossip[n] = gossip_phase(n, args.procs, args.idle)
+            print(json.dumps({"progress": kind, **gossip[n]}), flush=True)
+        result = summarize(args, scale, gossip, time.monotonic() - t0)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+
+
+def summarize(
+    args: argparse.Namespace, scale: dict[int, dict[str, Any]], gossip: dict[int, dict[str, Any]], wall: float
+) -> dict[str, Any]:
+    """The result so far: every size's numbers and the summary keys over the sizes measured."""
+    result: dict[str, Any] = {"group_size": args.group_size, "cpu_cores": os.cpu_count()}
+    result["sizes"] = {str(n): v for n, v in scale.items()}
+    result["gossip"] = {str(n): v for n, v in gossip.items()}
+    if scale:
+        lo, hi = min(scale), max(scale)
+        result["growth_sizes"] = [lo, hi]
+        result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
+        result["msgs_growth"] = round(scale[hi]["msgs_per_peer_round"] / scale[lo]["msgs_per_peer_round"], 2)
+        result["max_bytes_per_peer_round_over_m"] = max(v["bytes_per_peer_round_over_m"] for v in scale.values())
+        result["mixing_ok"] = all(
+            v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
+        )
+        result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
+    # A gossip size whose peers never all saw each other live (a starved machine) measured itself;
+    # one that sent nothing idled for less than a heartbeat (--idle).
+    valid = {n: v for n, v in gossip.items() if v["live_after"] == n and v["gossip_bytes_per_peer_s"] > 0}
+    result["gossip_invalid_sizes"] = sorted(set(gossip) - set(valid))
+    if len(valid) >= 2:
+        g_lo, g_hi = min(valid), max(valid)
+        result["gossip_growth"] = round(
+            valid[g_hi]["gossip_bytes_per_peer_s"] / valid[g_lo]["gossip_bytes_per_peer_s"], 2
+        )
+        result["gossip_growth_sizes"] = [g_lo, g_hi]
+    result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
+    result["wall_s"] = round(wall, 1)
+    return result
+
+
+# --- worker ---------------------------------------------------------------------------------------
+
+
+async def _worker() -> None:
+    import resource
+
+    import torch
+    import trio
+
+    from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+    from meshtrain.log import configure
+    from meshtrain.models.gpt import GPT
+    from meshtrain.models.sources import PRESETS
+    from meshtrain.optim.diloco import DiLoCo
+    from meshtrain.transport.host import Host, HostConfig
+    from meshtrain.transport.identity import Identity
+    from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+
+    if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
+        log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"worker-{os.getpid()}.log"
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        configure("INFO")
+    else:
+        configure("ERROR")
+    torch.set_num_threads(1)
+    nodes: dict[int, dict[str, Any]] = {}
+    counters = {"msgs": 0, "sent": 0}
+
+    class TinyPeerModel(torch.nn.Module):
+        """gpt-tiny, plus `reach`: one value per peer, 0 until that peer's update got here."""
+
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.gpt = GPT(PRESETS["gpt-tiny"]())
+            self.reach = torch.nn.Parameter(torch.zeros(n))
+
+    roster: list[str] = []
+
+    def count(obj: Any, name: str) -> None:
+        original = getattr(obj, name)
+
+        async def counted(*a: Any, **kw: Any) -> Any:
+            counters["msgs"] += 1
+            return await original(*a, **kw)
+
+        setattr(obj, name, counted)
+
+    async def one_round(node: dict[str, Any], r: int, result: dict[str, int]) -> None:
+        """One outer round of DiLoCo (lr 1, momentum 0, H 1) on this peer: "train" (move θ), step."""
+        outer, model = node["outer"], node["model"]
+        g = torch.Generator().manual_seed(SEED * 1_000_003 + node["index"] * 1009 + r)
+        with torch.no_grad():
+            for prm in model.gpt.parameters():
+                prm.add_(torch.randn(prm.shape, generator=g), alpha=1e-3)
+            if r == 0:  # our update: Δ_reach = e_me, once; it spreads through φ from then on
+                model.reach[node["me"]] -= 1.0
+        reports = await outer.astep()
+        rep = reports[-1]
+        counters["sent"] += rep.bytes_sent
+        result["ok"] += not rep.error
+        result["failed"] += bool(rep.error)
+        if rep.error and len(result["errors"]) < 3:
+            result["errors"].append(rep.error[:300])
+        result["alone"] += rep.contributors <= 1
+        result["mixed"] += bool((outer.outer_params["reach"] != 0).all())
+
+    async def handle(cmd: str, command: dict[str, Any], stack: AsyncExitStack) -> Any:
+        nonlocal roster
+        if cmd == "init":
+            roster = command["roster"]
+            for i, seed in zip(command["nodes"], command["seeds"], strict=True):
+                host = await stack.enter_async_context(
+                    Host(Identity.from_seed(bytes.fromhex(seed)), HostConfig(max_connections=1000))
+                )
+                streams = await stack.enter_async_context(TensorStreams(host))
+                me = roster.index(host.peer_id)
+                nodes[i] = {"host": host, "streams": streams, "index": i, "me": me}
+            return {"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]}
+        elif cmd == "connect":
+            config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
+            sem = trio.Semaphore(16)
+
+            async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
+                async with sem:
+                    await nodes[i]["host"].connect(addr, timeout=600)
+
+            opening = trio.Semaphore(4)
+
+            async def session(i: int, peer: str, sem: trio.Semaphore = opening) -> None:
+                async with sem:
+                    for _ in range(config.window):  # as many as a round keeps in flight to a peer
+                        for attempt in range(10):  # a busy machine can miss the 10 s session RPC
+                            try:
+                                await nodes[i]["streams"].prepare(peer)
+                                break
+                            except TransferError:
+                                if attempt == 9:
+                                    raise
+                                await trio.sleep(1.0)
+
+            async with trio.open_nursery() as nursery:
+                for i, addr in command["links"]:
+                    nursery.start_soon(dial, i, addr)
+            # Data-plane sessions too: all of a machine's peers opening theirs at once in the
+            # first round would time out here (the 10 s session RPC; one shared CPU), not on a WAN.
+            async with trio.open_nursery() as nursery:
+                for i, peers in command["partners"].items():
+                    for peer in peers:
+                        nursery.start_soon(session, int(i), peer)
+            for n in nodes.values():
+                col = SwarmCollective(
+                    n["host"],
+                    n["streams"],
+                    lambda r, roster=roster: roster,
+                    config,
+                    grouping=_groups_plan(command["group_size"]),
+                )
+                n["collective"] = await stack.enter_async_context(col)
+                torch.manual_seed(SEED)  # one φ for the swarm, as after a start or a download
+                n["model"] = TinyPeerModel(len(roster))
+                n["outer"] = DiLoCo(n["model"], None, col, H=1, lr=1.0, momentum=0.0)
+                n["outer"].inner_steps = command["first_round"] - 1
+                count(n["host"].rpc, "call")
+                count(n["streams"], "send")
+            return {"ok": True}
+        elif cmd == "round":
+            result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
+            counters.update(msgs=0, sent=0)
+            cpu0 = time.process_time()
+            async with trio.open_nursery() as nursery:
+                for n in nodes.values():
+                    nursery.start_soon(one_round, n, command["round"], result)
+            m_bytes = 4 * sum(p.numel() for p in next(iter(nodes.values()))["model"].parameters())
+            return {
+                **result,
+                **counters,
+                "cpu": time.process_time() - cpu0,
+                "m_bytes": m_bytes,
+                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+
+    await serve_commands(handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Grouped rounds over real hosts on loopback (SwarmCollective with a GroupPlan): each group
+all-reduces on its own to its members' exact mean, every update reaches every peer within one
+epoch, and a group survives one of its peers being killed."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+import trio
+
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.flat import result_digest
+from meshtrain.collective.groups import GroupPlan, epoch_length, round_groups
+
+from .conftest import start_peers
+from .proc_allreduce import inputs
+from .test_allreduce import exact_mean, run_all, run_swarm
+
+
+async def test_every_update_reaches_every_peer_within_one_epoch_of_grouped_rounds():
+    n, g = 6, 2  # a 2x2x2 grid with a partial top layer: 4 rounds per epoch, groups of 1 or 2
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, n, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        plan = GroupPlan(group_size=g, seed=3, period=10)
+        cols = [
+            await stack.enter_async_context(
+                SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5), grouping=plan)
+            )
+            for p in peers
+        ]
+        # Peer i starts holding only its own "update" e_i; each round it sends what it holds.
+        held = [{"u": torch.eye(n)[i]} for i in range(n)]
+        epoch = epoch_length(n, round_groups(ids, 0, g).sides)
+        assert epoch == 4
+        for rnd in range(epoch):
+            round_id = rnd * plan.period
+            results = await run_all(cols, held, round_id=round_id)
+            expected = plan.groups(ids, round_id)
+            assert not expected.whole_swarm and max(len(x) for x in expected.groups) <= g
+            for grp in expected.groups:
+                members = [ids.index(p) for p in grp]
+                mean = exact_mean([held[i] for i in members])
+                for i in members:
+                    assert results[i].contributors == grp  # the group, and only the group
+                    assert results[i].digest == result_digest(mean)
+            held = [{"u": r.tensors["u"]} for r in results]
+            reached = [int((h["u"] > 0).sum()) for h in held]
+            if rnd < epoch - 1:
+                assert min(reached) < n, "a partial grid needs the whole epoch"
+        assert all(bool((h["u"] > 0).all()) for h in held)
+        assert all(col.grouped for col in cols)
+
+
+async def test_small_swarm_under_automatic_group_size_is_one_group_as_before():
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, 3, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        cols = [SwarmCollective(p.host, p.ts, lambda r: ids, grouping=GroupPlan(group_size=0)) for p in peers]
+        tensors = [inputs(i, 0, 1000) for i in range(3)]
+        results = await run_all(cols, tensors, round_id=0, tag="f0")
+        assert {r.digest for r in results} == {result_digest(exact_mean(tensors))}
+        assert all(r.contributors == tuple(ids) for r in results)
+        assert not any(col.grouped for col in cols)
+
+
+async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_each_group():
+    # Peers whose φ already differ (as after earlier grouped rounds): averaging Δ alone would leave
+    # φ_i − Δ̄, different on every peer; the consensus term makes each group's φ its members' mean θ.
+    from meshtrain.optim.diloco import DiLoCo
+
+    n = 4
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, n, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        plan = GroupPlan(group_size=2, seed=1, period=1)  # a full 2x2 grid: groups of two
+        models, outers = [], []
+        for i, p in enumerate(peers):
+            col = await stack.enter_async_context(
+                SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5), grouping=plan)
+            )
+            torch.manual_seed(100 + i)  # a different φ on every peer
+            model = torch.nn.Linear(8, 4)
+            models.append(model)
+            outers.append(DiLoCo(model, None, col, H=1, lr=1.0, momentum=0.0))
+        phi0 = [{k: v.clone() for k, v in o.outer_params.items()} for o in outers]
+        with torch.no_grad():  # "inner training": every peer moves θ its own way
+            for i, m in enumerate(models):
+                for prm in m.parameters():
+                    prm.add_(0.01 * (i + 1))
+        thetas = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
+        async with trio.open_nursery() as nursery:
+            for o in outers:
+                nursery.start_soon(o.astep)
+        groups = plan.groups(ids, 1)
+        assert not groups.whole_swarm
+        for grp in groups.groups:
+            members = [ids.index(p) for p in grp]
+            for name in phi0[0]:
+                fedavg = torch.stack([thetas[i][name] for i in members]).mean(0)
+                for i in members:
+                    assert torch.allclose(outers[i].outer_params[name], fedavg, atol=2e-3), name
+                    delta_only = phi0[i][name] - torch.stack([phi0[j][name] - thetas[j][name] for j in members]).mean(0)
+                    assert not torch.allclose(delta_only, fedavg, atol=2e-2)  # the term mattered
+        assert all(o.history[-1].contributors == 2 for o in outers)
+
+
+# -- a peer killed inside its group, separate processes ------------------------------------------
+
+N_PEERS, GROUP_SIZE, NUMEL, ROUNDS = 6, 3, 1 << 16, 3
+
+
+@pytest.mark.slow
+def test_grouped_round_survives_a_peer_killed_mid_reduce():
+    # 6 peers in groups of at most 3: a full 3x2 grid, so round 1 (dimension 0) has two groups of
+    # three. The victim dies 30 ms into its first send of round 1.
+    victim_rank = 2
+    infos, index_of, outputs = run_swarm(
+        "while_sending",
+        victim_rank,
+        "--group-size",
+        str(GROUP_SIZE),
+        "--linger",
+        "1",
+        peers=N_PEERS,
+        numel=NUMEL,
+        rounds=ROUNDS,
+    )
+    ids = sorted(index_of)
+    victim = ids[victim_rank]
+    plan = GroupPlan(group_size=GROUP_SIZE)
+    for info, out in zip(infos, outputs, strict=True):
+        if info["peer"] != victim:
+            assert len(out) == ROUNDS, f"peer {info['index']} printed {out}; its log ends:\n{info.get('stderr_tail')}"
+    by_peer = {info["peer"]: out for info, out in zip(infos, outputs, strict=True)}
+    for r in range(ROUNDS):
+        for grp in plan.groups(ids, r).groups:
+            survivors = [p for p in grp if p != victim]
+            rows = [next(x for x in by_peer[p] if x["round"] == r) for p in survivors]
+            assert all("digest" in x for x in rows), (r, grp, rows)
+            assert len({x["digest"] for x in rows}) == 1, (r, rows)  # bit-identical within the group
+            contributors = rows[0]["contributors"]
+            assert set(contributors) <= set(grp)  # nobody outside the group is mixed in
+            if victim in grp and r >= 1:
+                assert contributors == survivors, (r, rows[0])
+                assert max(x["seconds"] for x in rows) < 16, (r, rows)
+            elif r == 0 or victim not in grp:
+                assert contributors == list(grp)
+            contribs = [inputs(index_of[p], r, NUMEL) for p in contributors]
+            assert rows[0]["digest"] == result_digest(exact_mean(contribs)).hex()
