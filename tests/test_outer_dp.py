@@ -103,6 +103,12 @@ def test_the_spec_aggregation_is_what_every_all_reduce_gets():
         assert parse_spec(values).aggregation == "mean", values
     assert parse_spec({"aggregation": "mean"}).aggregation == "mean"  # an explicit mean stays
     assert AllReduceConfig(**parse_spec({"aggregation": "mean"}).aggregation_options()).screen_norm == 0
+    # dp combines robustly but screens nothing unless asked: single-step gradients are too noisy.
+    assert parse_spec({"optimizer": "dp"}).screen_norm == 0
+    assert parse_spec({"optimizer": "dp", "screen_norm": 4.0}).aggregation_options()["screen_norm"] == 4.0
+    assert parse_spec({"optimizer": "diloco"}).aggregation_options()["screen_norm"] == 4.0
+    with pytest.raises(ConfigError, match="strikes_window"):
+        parse_spec({"strikes": 3, "strikes_window": 2})
     for name in AGGREGATIONS:
         spec = parse_spec({"aggregation": name, "aggregation_trim": 2, "aggregation_clip": 3.0})
         config = AllReduceConfig(**spec.aggregation_options())  # as the daemon builds it

@@ -15,6 +15,8 @@ from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.collective.data_phase import reduce_contributions, screen_contributions
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
+from meshtrain.node.strikes import excluded_at
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.transport.identity import Identity
 
 from .test_allreduce import mesh, run_all
@@ -148,3 +150,31 @@ def test_a_robust_part_whose_every_contributor_just_joined_is_zeros_not_an_error
     rejected: dict[str, str] = {}
     out = reduce_contributions(parts, dict.fromkeys(parts, 0.0), SCREENED, rejected, [], 0)
     assert torch.equal(out, torch.zeros(8)) and rejected == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    strikes=st.integers(1, 6),
+    window=st.integers(0, 12),
+    H=st.integers(1, 50),
+    gaps=st.lists(st.integers(1, 20), min_size=0, max_size=30),
+)
+def test_strikes_exclude_only_when_enough_fall_within_the_window(strikes, window, H, gaps):
+    """`excluded_at` against a brute-force reading of the rule: the first counted round whose
+    latest `strikes` counted rounds span at most `strikes_window` rounds (H steps each)."""
+    window = 0 if window == 0 else max(window, strikes)
+    spec = SwarmSpec(strikes=strikes, strikes_window=window, H=H, optimizer="diloco")
+    rounds, r = [], 0
+    for gap in gaps:  # counted rounds at round boundaries (multiples of H), strictly increasing
+        r += gap * H
+        rounds.append(r)
+    expected = None
+    for i, at in enumerate(rounds):
+        latest = rounds[max(0, i - strikes + 1) : i + 1]
+        if len(latest) == strikes and (window == 0 or (latest[-1] - latest[0]) // H < window):
+            expected = at
+            break
+    assert excluded_at(rounds, spec) == expected
+    if gaps and window:  # an adversary struck in every round is out after `strikes` rounds
+        every = [H * (k + 1) for k in range(strikes)]
+        assert excluded_at(every, spec) == every[-1]

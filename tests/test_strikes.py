@@ -102,6 +102,24 @@ async def test_two_reporters_in_three_rounds_exclude_a_peer_everywhere(tmp_path)
         assert x.not_admitted() == EXCLUDED  # and it knows
 
 
+async def test_strikes_spread_over_a_long_run_exclude_nobody_and_a_run_of_them_does(tmp_path) -> None:
+    """Chance flags of an honest peer far apart add up to nothing (`strikes_window`, 6 rounds of
+    H = 50 steps here); `strikes` counted rounds within the window exclude it."""
+    async with AsyncExitStack() as stack:
+        signed, peers = await swarm(stack, 3, tmp_path)
+        a, b, x = peers
+        assert signed.spec.strikes_window == 6 and signed.spec.H == 50
+        for rnd in (50, 1000, 2000):  # counted, but never 3 within 6 rounds
+            a.strikes.on_round(flagged(a, peers, x.me, rnd))
+            b.strikes.on_round(flagged(b, peers, x.me, rnd))
+        await until(lambda: all(p.standing().get(x.me, Standing(x.me, 0, False)).rounds == 3 for p in peers), "count")
+        assert not any(p.strikes.excluded(x.me) for p in peers) and all(x.me in p.candidates() for p in (a, b))
+        for rnd in (2100, 2250):  # with 2000: three within 6 rounds (2000..2250)
+            a.strikes.on_round(flagged(a, peers, x.me, rnd))
+            b.strikes.on_round(flagged(b, peers, x.me, rnd))
+        await until(lambda: all(p.strikes.excluded(x.me) for p in peers), "excluded everywhere")
+
+
 async def test_forged_strikes_change_nothing(tmp_path) -> None:
     async with AsyncExitStack() as stack:
         signed, peers = await swarm(stack, 5, tmp_path)

@@ -9,8 +9,9 @@ peers that train in different precisions are different experiments. So is its `a
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
-they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds are excluded,
-node/strikes.py); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
+they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds within
+`strikes_window` rounds are excluded, node/strikes.py; dp screens nothing unless its spec sets
+`screen_norm`: see OPTIMIZER_DEFAULTS); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
 `group_size`: how large a swarm's outer rounds get before they run in groups
 (`SwarmSpec.group_plan`, collective/groups.py). `parse_spec` validates an untrusted dict into one
 (a one-line `ConfigError`).
@@ -74,7 +75,13 @@ MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; 
 # their swarm ids — are unchanged. SparseLoCo: outer lr 1.0 (not 0.7), β 0.9 (the sweep in
 # optim/sparseloco.py's docstring; the field keeps 0.95, which no other optimizer reads). dp: H 1
 # (gradients are all-reduced every step; check() refuses another H).
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sparseloco": {"outer_lr": 1.0, "error_decay": 0.9}, "dp": {"H": 1}}
+# dp screens nothing unless its spec asks: a single step's gradient of a small batch is too noisy
+# to judge (an honest peer's odd batch has a cosine of about 0 with the others' and 2-4x their
+# norm: flagged in about 1 round in 5 by both other owners at batch 4, and excluded within 30 steps).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sparseloco": {"outer_lr": 1.0, "error_decay": 0.9},
+    "dp": {"H": 1, "screen_norm": 0.0},
+}
 # Optimizers whose rounds never run in groups (group_size), and why.
 UNGROUPED = {
     "noloco": "it averages with one partner already",
@@ -171,8 +178,16 @@ class SwarmSpec(BaseModel):
         3,
         ge=0,
         le=1000,
-        description="a peer flagged in this many distinct rounds (by 2+ reporters each) is excluded "
-        "everywhere (node/strikes.py); 0 = never",
+        description="a peer flagged in this many distinct rounds (by 2+ reporters each) within "
+        "strikes_window rounds is excluded everywhere (node/strikes.py); 0 = never",
+    )
+    strikes_window: int = Field(
+        6,
+        ge=0,
+        le=1 << 20,
+        description="the strikes that exclude a peer must fall within this many consecutive rounds "
+        "(H steps each), so chance flags of an honest peer over a long run add up to nothing; "
+        "0 = no window (strikes count forever); else at least strikes",
     )
     group_size: int = Field(
         0,
@@ -349,6 +364,11 @@ class SwarmSpec(BaseModel):
             )
         if self.screen_norm and self.screen_norm <= 1:
             raise ConfigError(f"swarm spec: screen_norm must be 0 (no screening) or above 1, not {self.screen_norm}")
+        if self.strikes_window and self.strikes_window < self.strikes:
+            raise ConfigError(
+                f"swarm spec: strikes_window ({self.strikes_window}) must be 0 (no window) or at least "
+                f"strikes ({self.strikes})"
+            )
         if self.pipeline != "none":
             self._check_pipeline()
         if self.group_size == 1:
