@@ -163,7 +163,10 @@ async def main(args: argparse.Namespace) -> None:
                         "seconds": time.monotonic() - t0,
                     }
                 )
-        await trio.sleep(args.linger)
+        # Keep serving the others' last round: until the harness says "stop" (every peer has
+        # printed its rounds) or `--linger` seconds pass.
+        with trio.move_on_after(args.linger):
+            await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
 
 
 if __name__ == "__main__":

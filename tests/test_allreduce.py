@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from contextlib import AsyncExitStack
@@ -306,11 +307,17 @@ def run_swarm(
     try:
         infos = start_swarm_processes(procs)
         outputs = []
-        for p in procs:
-            lines = []
-            for line in p.stdout:
+        for p in procs:  # each peer's rounds (fewer where it died), while all still serve
+            lines: list[dict] = []
+            while sum("round" in x for x in lines) < rounds and (line := p.stdout.readline()):
                 lines.append(json.loads(line))
             outputs.append(lines)
+        for p in procs:  # every round is done everywhere: no peer need linger for another
+            with contextlib.suppress(OSError):
+                p.stdin.write("stop\n")
+                p.stdin.flush()
+        for p, lines in zip(procs, outputs, strict=True):
+            lines.extend(json.loads(line) for line in p.stdout)
         index_of = {i["peer"]: i["index"] for i in infos}
         for info, out, log in zip(infos, outputs, logs, strict=True):
             info["log"] = log
