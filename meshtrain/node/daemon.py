@@ -701,7 +701,7 @@ class Node:
         log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
         view.role = "syncing"
         view.heartbeat()
-        await run_state.download()
+        await run_state.resync()
         view.role = "trainer"
         view.heartbeat()
         self.phase.set("training")

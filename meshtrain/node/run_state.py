@@ -24,7 +24,10 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
 - Parity (`node/parity.py`): after every round φ is hashed into our progress record; a watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
   rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
-  node's training loop then calls `download()`.
+  node's training loop then calls `resync()`: `download()`, and when that lands where the last
+  re-sync did (the round we keep missing has not completed anywhere we can reach, e.g. during a
+  partition), a pause with backoff (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before
+  training into that round again.
 - `after_step(trainer)` runs between two steps in the trainer's thread: it records φ's digest,
   and hops onto the trio thread to report progress and metrics, publish a finished round's state
   to joiners (`StateDonor`) and start a background checkpoint every `checkpoint_every` seconds
@@ -72,6 +75,8 @@ ENTER_WAIT = 10.0  # at start, how long to wait for the others' progress before 
 BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we were left behind
 ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on our own state
 PARITY_INTERVAL = 1.0  # seconds between two parity checks against the swarm's φ digests
+RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
+RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
 STATE_LOG = 8  # the status document keeps this many recent states
 
 
@@ -159,6 +164,8 @@ class RunState(Service):
         self._last_ckpt_time = time.monotonic()
         self._published_round = -1
         self._token: trio.lowlevel.TrioToken | None = None
+        self._resync_landing: tuple[int, int] | None = None  # (step, round) the last re-sync joined at
+        self._resync_backoff = Backoff(initial=RESYNC_PAUSE, cap=RESYNC_PAUSE_CAP)
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -311,6 +318,26 @@ class RunState(Service):
             kv("joined the swarm", step=trainer.step, donors=len(donors), seconds=round(self.joined_from["seconds"], 2))
         )
         return True
+
+    async def resync(self) -> None:
+        """We missed a round or drifted: download the swarm's state again. When that puts us back
+        where the previous re-sync did (the swarm has not finished the round we keep missing: its
+        group formed without us, and its members are cut off), pause with a growing backoff
+        before training into that round again, rather than loop download-train-miss many times a
+        second until the swarm moves."""
+        await self.download()
+        landed = (self.trainer.step, self.trainer.outer.rounds)
+        if landed != self._resync_landing:
+            self._resync_backoff.reset()
+            self._resync_landing = landed
+            return
+        delay = self._resync_backoff.next()
+        log.warning(
+            kv("the swarm has not moved since our last re-sync; pausing", step=landed[0], pause_s=round(delay, 1))
+        )
+        self.waiting = f"re-sync: the swarm is still at step {landed[0]}; trying its next round again in {delay:.1f} s"
+        await self.stop.sleep(delay)
+        self.waiting = None
 
     async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
         delay = backoff.next()
