@@ -9,7 +9,7 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready", "offer"}`). `placement.place` gives every peer's
+   (`{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`). `placement.place` gives every peer's
    stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
    starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
@@ -66,8 +66,14 @@ epoch, how we took our stage's state, the bytes we sent to each peer, what we wa
 A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
 with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
 
+Export (node/pipeline_export.py). `meshtrain export` on any peer asks its running daemon for the
+whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
+iteration in which they see it pass its value at the last epoch end, every peer publishes its
+stage at that one step, and the exporter takes our stage from `published` and every other
+stage from its replicas (`stage_donors`).
+
 Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
-lab's), evaluation of the assembled model, and `meshtrain export` of a pipeline swarm.
+lab's), evaluation of the assembled model.
 """
 
 from __future__ import annotations
@@ -113,6 +119,17 @@ MAX_KEY_CHARS = 64
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
+
+
+@dataclass(frozen=True)
+class Published:
+    """Our stage's state as `_publish_stage` last offered it: the stage, the swarm step, the
+    state (`StageTrainer.donated_state()`: copies nobody changes) and how many publishes so far."""
+
+    stage: int
+    step: int
+    state: dict[str, Any]
+    count: int
 
 
 @dataclass(frozen=True)
@@ -176,6 +193,10 @@ class PipelinePeer:
         self.forward_s = 0.0
         self.waiting: str | None = None
         self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
+        self.published: Published | None = None  # our stage's state as we last offered it
+        self.export: dict[str, Any] | None = None  # `meshtrain export`'s progress (node/pipeline_export.py)
+        self._cuts_requested = 0  # epoch ends we asked for (announced as `cut`)
+        self._cuts_served: dict[str, int] = {}  # each peer's `cut` as of the last epoch end
         self._caps: dict[str, Any] = {}
         self._background: trio.Nursery | None = None
         self._ckpt_busy = False
@@ -382,7 +403,7 @@ class PipelinePeer:
             )
 
         def should_stop(it: int, _elapsed: float) -> bool:
-            if self.stop.is_set() or (until and base + it + 1 >= until):
+            if self.stop.is_set() or (until and base + it + 1 >= until) or self._cut_wanted(epoch):
                 return True
             return place(self.members().values(), spec.stages) != epoch.placement
 
@@ -430,14 +451,43 @@ class PipelinePeer:
                 self.traffic = self._traffic()
             self.runtime = None
             self.epoch = None
+            self._cuts_served = {p: self._announced(p).get("cut", 0) for p in epoch.placement}
             self._publish_stage()
+
+    def request_epoch_end(self) -> int:
+        """Ask the swarm to end the running epoch after its current iteration, so that every
+        stage publishes its state at one step (`meshtrain export`, node/pipeline_export.py). We
+        announce a counter, `cut`; an origin that sees a peer's counter pass what it was at the
+        last epoch end stops the epoch (the same path as a placement change). Returns the number
+        of our publishes so far: a `published.count` above it was offered after this request."""
+        # Milliseconds, not 1, 2, ...: a restarted peer's first request must still pass the value
+        # the others saw from it before the restart.
+        self._cuts_requested = max(self._cuts_requested + 1, int(time.time() * 1000))
+        self._announce(cut=self._cuts_requested)
+        return self.published.count if self.published is not None else 0
+
+    def _cut_wanted(self, epoch: Epoch) -> bool:
+        return any(self._announced(p).get("cut", 0) > self._cuts_served.get(p, 0) for p in epoch.placement)
+
+    def stage_donors(self, stage: int, step: int = 0) -> tuple[list[str], list[str], list[str]]:
+        """Whom to ask for `stage`'s published state: (the connected peers on that stage that offer
+        a state of `step` or later, those on it that do not yet, every other connected member).
+        Not us: our own is `published`."""
+        members = self.members()
+        others = sorted(p for p in members if p != self.me and self.host.is_connected(p))
+        on_stage = [p for p in others if members[p].stage == stage]
+        replicas = [p for p in on_stage if self._announced(p).get("offer", -1) >= step]
+        return replicas, [p for p in on_stage if p not in replicas], others
 
     def _publish_stage(self) -> None:
         """Offer our stage's state to peers that take the stage over (between two iterations)."""
         trainer = self.trainer
         if trainer is None or trainer.needs_state:
             return
-        self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
+        state = trainer.donated_state()
+        self.states.publish(trainer.stage, trainer.step, state)
+        count = self.published.count + 1 if self.published is not None else 1
+        self.published = Published(trainer.stage, trainer.step, state, count)
         self._announce(offer=trainer.step)
 
     async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
@@ -612,6 +662,7 @@ class PipelinePeer:
             "joined_from": self.joined_from,
             "traffic": self._traffic(),
             "waiting": self.waiting,
+            "export": self.export,
         }
 
     def _traffic(self) -> dict[str, dict[str, int]]:
@@ -664,7 +715,7 @@ def announced(caps: Any, num_stages: int) -> dict[str, Any]:
     fwd = raw.get("fwd")
     if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
         out["fwd"] = float(fwd)
-    for key in ("step", "offer"):
+    for key in ("step", "offer", "cut"):
         v = raw.get(key)
         if is_int(v) and 0 <= v < 1 << 62:
             out[key] = v
