@@ -6,6 +6,7 @@ run to fetch them — and writes nothing. (With the daemon running: tests/test_p
 from __future__ import annotations
 
 import json
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,12 @@ from meshtrain.models import GPT, GPTConfig
 from meshtrain.node import cli
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import spec_tokenizer
+from meshtrain.node.stage_state import StageStateError, StageStates
 from meshtrain.node.stage_trainer import StageTrainer
 from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
 from meshtrain.transport.identity import Identity
+
+from .conftest import start_peers
 
 
 def pipeline_peer_dir(data_dir: Path, spec: SwarmSpec, stages: list[int]) -> dict[int, StageTrainer]:
@@ -84,3 +88,22 @@ def test_without_a_running_node_a_data_dir_holding_every_stage_exports_them(tmp_
         assert sorted(want) == sorted(trainer.replica.names)
         for name, value in want.items():
             assert torch.equal(named[name].detach(), value), (stage, name)
+
+
+async def test_a_stage_whose_replicas_disagree_or_that_nobody_holds_is_an_error_naming_it():
+    """What the running node's export meets (real hosts on loopback): two replicas of stage 2
+    offering different weights at one step have no majority, and a stage nobody published is
+    nobody's — each a `StageStateError` that names the stage, not a silent θ0."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 3)
+        me, replicas = StageStates(peers[0].host, peers[0].ts, "every-step"), peers[1:]
+        for seed, p in enumerate(replicas):
+            weights = {"blocks.1.fc.weight": torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))}
+            StageStates(p.host, p.ts, "every-step").publish(2, 8, {"weights": weights, "adam": {}})
+        donors = [p.host.peer_id for p in replicas]
+        with pytest.raises(
+            StageStateError, match=r"stage 2's state: from its replicas \(2\): no state is offered identically"
+        ):
+            await me.fetch_required(2, donors, donors)
+        with pytest.raises(StageStateError, match=r"stage 1's state:.*no_state"):
+            await me.fetch_required(1, [], donors)

@@ -14,9 +14,12 @@ daemon (`PipelineExporter`), asked through the local status server:
    the swarm does not end the epoch by then (it waits for a stage's peer, say), each stage's
    newest published state is taken as it is.
 2. Fetch. Our stage comes from our own published state; every other stage from its replicas,
-   the peers that announce it and offer a state, by state_sync's majority vote on identical
-   manifests (`StageStates.fetch_required`). A stage with no replica left is taken from the
-   newest snapshot a peer that held it before still serves (trusted: nobody outvotes it).
+   the peers that announce it and offer a state (we wait, within the same deadline, until every
+   one of them offers the step we published at), by state_sync's majority vote on identical
+   manifests (`StageStates.fetch_required`). Replicas that disagree are an error naming the
+   stage, never replaced by an older snapshot. A stage with no replica left is taken from the
+   newest snapshot a peer that held it before still serves (trusted: nobody outvotes it;
+   recorded as "former replica").
 3. Assemble (`assemble`). The spec's model is built, and each stage's weights must be exactly the
    parameters the spec's cut (`stage_cut`) gives that stage — names and shapes — and together
    cover every parameter once (`pipeline.stages.load_stage_states`). Weights are the stage's φ
@@ -237,7 +240,10 @@ class PipelineExporter:
             def report(done: int, total: int, bar: dict[str, int] = bar) -> None:
                 bar["done"], bar["total"] = done, total
 
-            donated = await peer.states.fetch_required(stage, replicas, others, progress=report)
+            # A stage with replicas is theirs or nothing: when they disagree, a former replica's
+            # older snapshot would be a silent substitute. Without replicas it is all there is.
+            fallback = [] if replicas else others
+            donated = await peer.states.fetch_required(stage, replicas, fallback, progress=report)
             weights[stage] = stage_weights(donated.state, stage)
             source = "replicas" if donated.from_replicas else "former replica"
             sources.append(
