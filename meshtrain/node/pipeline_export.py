@@ -215,9 +215,9 @@ class PipelineExporter:
         progress["phase"] = "waiting for every stage to publish at one step (the epoch's end)"
         before = peer.request_epoch_end()
         with trio.move_on_after(EPOCH_END_WAIT):
-            while peer.published is None or peer.published.count <= before:
+            while peer.states.published is None or peer.states.published.count <= before:
                 await trio.sleep(POLL / 5)
-        own = peer.published
+        own = peer.states.published
         weights: dict[int, dict[str, torch.Tensor]] = {}
         sources: list[StageSource] = []
         if own is not None:

@@ -69,7 +69,7 @@ with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
 Export (node/pipeline_export.py). `meshtrain export` on any peer asks its running daemon for the
 whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
 iteration in which they see it pass its value at the last epoch end, every peer publishes its
-stage at that one step, and the exporter takes our stage from `published` and every other
+stage at that one step, and the exporter takes our stage from `states.published` and every other
 stage from its replicas (`stage_donors`).
 
 Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
@@ -102,12 +102,11 @@ from meshtrain.node.stage_state import StageStates
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
-from meshtrain.pipeline.placement import Member, place, stage_map
+from meshtrain.pipeline.placement import Member, announced, place, stage_map
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.tensor_streams import TensorStreams
-from meshtrain.transport.validate import is_int, is_number
 
 log = get_logger(__name__)
 
@@ -115,21 +114,9 @@ DEFAULT_LINK = Link(0.005, 100e6)  # what the scheduler assumes of every link un
 AGREE_POLL = 0.2  # seconds between two looks at the others' announcements while forming an epoch
 STOP_GRACE = 20.0  # seconds a stopping peer keeps serving its epoch before it leaves regardless
 FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
-MAX_KEY_CHARS = 64
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
-
-
-@dataclass(frozen=True)
-class Published:
-    """Our stage's state as `_publish_stage` last offered it: the stage, the swarm step, the
-    state (`StageTrainer.donated_state()`: copies nobody changes) and how many publishes so far."""
-
-    stage: int
-    step: int
-    state: dict[str, Any]
-    count: int
 
 
 @dataclass(frozen=True)
@@ -193,7 +180,6 @@ class PipelinePeer:
         self.forward_s = 0.0
         self.waiting: str | None = None
         self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
-        self.published: Published | None = None  # our stage's state as we last offered it
         self.export: dict[str, Any] | None = None  # `meshtrain export`'s progress (node/pipeline_export.py)
         self._cuts_requested = 0  # epoch ends we asked for (announced as `cut`)
         self._cuts_served: dict[str, int] = {}  # each peer's `cut` as of the last epoch end
@@ -459,12 +445,12 @@ class PipelinePeer:
         stage publishes its state at one step (`meshtrain export`, node/pipeline_export.py). We
         announce a counter, `cut`; an origin that sees a peer's counter pass what it was at the
         last epoch end stops the epoch (the same path as a placement change). Returns the number
-        of our publishes so far: a `published.count` above it was offered after this request."""
+        of our publishes so far: a `states.published.count` above it came after this request."""
         # Milliseconds, not 1, 2, ...: a restarted peer's first request must still pass the value
         # the others saw from it before the restart.
         self._cuts_requested = max(self._cuts_requested + 1, int(time.time() * 1000))
         self._announce(cut=self._cuts_requested)
-        return self.published.count if self.published is not None else 0
+        return self.states.published.count if self.states.published is not None else 0
 
     def _cut_wanted(self, epoch: Epoch) -> bool:
         return any(self._announced(p).get("cut", 0) > self._cuts_served.get(p, 0) for p in epoch.placement)
@@ -472,7 +458,7 @@ class PipelinePeer:
     def stage_donors(self, stage: int, step: int = 0) -> tuple[list[str], list[str], list[str]]:
         """Whom to ask for `stage`'s published state: (the connected peers on that stage that offer
         a state of `step` or later, those on it that do not yet, every other connected member).
-        Not us: our own is `published`."""
+        Not us: our own is `states.published`."""
         members = self.members()
         others = sorted(p for p in members if p != self.me and self.host.is_connected(p))
         on_stage = [p for p in others if members[p].stage == stage]
@@ -484,10 +470,7 @@ class PipelinePeer:
         trainer = self.trainer
         if trainer is None or trainer.needs_state:
             return
-        state = trainer.donated_state()
-        self.states.publish(trainer.stage, trainer.step, state)
-        count = self.published.count + 1 if self.published is not None else 1
-        self.published = Published(trainer.stage, trainer.step, state, count)
+        self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
         self._announce(offer=trainer.step)
 
     async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
@@ -699,28 +682,3 @@ class PipelinePeer:
             hops_sent=stats.get("hops_sent", 0),
         )
         return out
-
-
-def announced(caps: Any, num_stages: int) -> dict[str, Any]:
-    """What a peer's membership record announces about its pipeline role, checked: a stage in
-    range, a positive finite forward time, a step, epoch keys. Anything else is left out (a
-    hostile record cannot make placement raise)."""
-    raw = caps.get("pipeline") if isinstance(caps, dict) else None
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, Any] = {}
-    stage = raw.get("stage")
-    if is_int(stage) and 0 <= stage < num_stages:
-        out["stage"] = stage
-    fwd = raw.get("fwd")
-    if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
-        out["fwd"] = float(fwd)
-    for key in ("step", "offer", "cut"):
-        v = raw.get(key)
-        if is_int(v) and 0 <= v < 1 << 62:
-            out[key] = v
-    for key in ("epoch", "ready"):
-        v = raw.get(key)
-        if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:
-            out[key] = v
-    return out

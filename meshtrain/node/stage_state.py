@@ -69,6 +69,17 @@ def stage_key(stage: int) -> str:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A stage's state as this peer last offered it: the stage, the swarm step, the state (the
+    caller's copies, which nobody changes) and how many publishes this peer has made so far."""
+
+    stage: int
+    step: int
+    state: dict[str, Any]
+    count: int
+
+
+@dataclass(frozen=True)
 class DonatedState:
     """A stage's state as downloaded: `state` (the donor's `donated_state()`), the swarm step it
     was published at, where it came from and what it cost."""
@@ -97,12 +108,14 @@ class StageStates:
         self.streams = streams
         self.replica_sync = replica_sync
         self.donor = StateDonor(host, streams, upload_limit=upload_limit)
+        self.published: Published | None = None  # the last `publish` (node/pipeline_export.py exports it)
 
     def publish(self, stage: int, step: int, state: dict[str, Any]) -> None:
         """Offer `state` (copies the caller will not touch again) as stage `stage` at `step`."""
         skeleton, tensors = flatten_state(state)
         meta = {"round": step, "step": step, "stage": stage, "replica_sync": self.replica_sync, "skeleton": skeleton}
         self.donor.publish(meta, tensors, key=stage_key(stage))
+        self.published = Published(stage, step, state, self.published.count + 1 if self.published else 1)
 
     async def fetch(
         self, stage: int, replicas: Sequence[str], others: Sequence[str], *, progress: Progress | None = None
