@@ -67,7 +67,7 @@ def test_without_a_running_node_missing_stages_are_one_line_and_nothing_is_writt
 
 
 @pytest.mark.parametrize("replica_sync", ["every-step", "diloco"])
-def test_without_a_running_node_a_data_dir_holding_every_stage_exports_them(tmp_path, replica_sync):
+def test_without_a_running_node_a_data_dir_holding_every_stage_exports_them(tmp_path, replica_sync, capsys):
     """Each stage's weights — its φ with DiLoCo replica sync, what the replicas agreed on — at its
     own newest checkpoint's step, which the export records."""
     trainers = pipeline_peer_dir(tmp_path / "d", spec(replica_sync), [0, 2, 1])
@@ -88,6 +88,11 @@ def test_without_a_running_node_a_data_dir_holding_every_stage_exports_them(tmp_
         assert sorted(want) == sorted(trainer.replica.names)
         for name, value in want.items():
             assert torch.equal(named[name].detach(), value), (stage, name)
+    capsys.readouterr()
+    argv = ["sample", "--data-dir", str(tmp_path / "d"), "--prompt", "The ", "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0  # sample: the same assembly, read back, and nothing left behind
+    assert capsys.readouterr().out.startswith("The ")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["checkpoints", "identity.key", "swarm.json"]
 
 
 async def test_a_stage_whose_replicas_disagree_or_that_nobody_holds_is_an_error_naming_it():

@@ -146,12 +146,13 @@ def weights_digest(weights: dict) -> str:
     return h.hexdigest()
 
 
-async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path, monkeypatch):
+async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path, monkeypatch, capsys):
     """Three daemons train two stages (two origins on stage 0, one peer on stage 1). `meshtrain
     export` on the stage-1 peer asks its running daemon, which ends the epoch so that every stage
     publishes at one step, takes stage 1 from its own state and stage 0 from its two replicas,
     and writes one model: each stage's parameters are bit for bit what that stage's replicas
-    published at the step the export names, and the model loads and gives finite logits."""
+    published at the step the export names, and the model loads and gives finite logits.
+    `meshtrain sample` on that peer continues a prompt with the model assembled the same way."""
     from safetensors.torch import load_model
 
     from meshtrain.models import GPT, GPTConfig
@@ -183,9 +184,13 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
             (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
             argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
             rc.append(await trio.to_thread.run_sync(cli.main, argv))
+            capsys.readouterr()
+            argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
+            rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
+            sampled = capsys.readouterr().out
             for node in nodes.values():
                 node.stop()
-    assert rc == [0]
+    assert rc == [0, 0] and sampled.startswith("The ") and len(sampled) > len("The "), sampled
     info = json.loads((out / "meshtrain_export.json").read_text())
     stages = {s["stage"]: s for s in info["stages"]}
     assert info["steps_agree"] and stages[0]["step"] == stages[1]["step"] == info["step"] >= 3, info

@@ -12,7 +12,8 @@
     meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
                                                             (a pipeline peer: the whole model, every stage
                                                             fetched by its running node; node/pipeline_export.py)
-    meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with
+    meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with (a pipeline
+                                                            peer: the whole model, as export assembles it)
 
 User mistakes end in one line on stderr and exit code 2, never a traceback: every error we raise
 on purpose is a `MeshtrainError`, and `main` turns those into messages (config errors: 2,
@@ -556,15 +557,21 @@ def _swarm_allow(args: argparse.Namespace) -> int:
 def _export_or_sample(args: argparse.Namespace) -> int:
     from meshtrain.node.export import export_model, generate, load_spec, load_trained
 
+    pipeline = load_spec(data_dir_of(args)).spec.pipeline != "none"
     if args.command == "export":
-        if load_spec(data_dir_of(args)).spec.pipeline != "none":
+        if pipeline:
             from meshtrain.node.pipeline_export import export_pipeline
 
             print(json.dumps(export_pipeline(data_dir_of(args), args.out, progress=_export_progress)))
         else:
             print(json.dumps(export_model(data_dir_of(args), args.out)))
         return 0
-    trained = load_trained(data_dir_of(args))
+    if pipeline:
+        from meshtrain.node.pipeline_export import load_assembled
+
+        trained = load_assembled(data_dir_of(args), progress=_export_progress)
+    else:
+        trained = load_trained(data_dir_of(args))
     text = generate(trained, args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k, seed=args.seed)
     print(args.prompt + text)
     return 0

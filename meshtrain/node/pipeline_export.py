@@ -47,9 +47,10 @@ Failures (one line each, `MeshtrainError`): a stage whose replicas disagree (no 
 donors all fail, or whom nobody serves (`StageStateError`, naming the stage); a state that is not
 the stage's parameters (`ConfigError` naming the stage); the daemon stopping meanwhile.
 
-Not here: a pipeline swarm of a model other than the built-in GPT (the spec refuses one), and
-`meshtrain sample` from a running pipeline swarm (sample the export: `load_model` as export.py
-says).
+Sample. `load_assembled` is `export_pipeline` into a temporary directory, read back into the
+spec's model: `meshtrain sample` on a pipeline peer continues a prompt with the whole model.
+
+Not here: a pipeline swarm of a model other than the built-in GPT (the spec refuses one).
 """
 
 from __future__ import annotations
@@ -298,6 +299,26 @@ def export_pipeline(
     except StatusError as e:
         raise ExportError(f"the running node did not export: {e}") from None
     raise ExportError(f"the node's export did not finish within {timeout:.0f} s; see its status page")
+
+
+def load_assembled(
+    data_dir: str | os.PathLike[str], *, progress: Callable[[dict[str, Any]], Any] | None = None
+) -> Trained:
+    """The whole model of the pipeline swarm whose peer's data dir is `data_dir`, as `export.
+    load_trained` gives a data-parallel swarm's φ (for `meshtrain sample`): `export_pipeline`
+    into a temporary directory beside the data dir, read back, removed. Its errors."""
+    import tempfile
+
+    from safetensors.torch import load_model
+
+    signed = load_spec(data_dir)
+    with tempfile.TemporaryDirectory(prefix=".assembled-", dir=Path(data_dir).expanduser()) as tmp:
+        info = export_pipeline(data_dir, Path(tmp) / "model", progress=progress)
+        tokenizer = spec_tokenizer(signed)
+        model = build_model(signed.spec, tokenizer.vocab_size)
+        load_model(model, str(Path(tmp) / "model" / "model.safetensors"))
+    model.eval()
+    return Trained(signed, int(info["step"]), 0, model, tokenizer, int(info["context"]))
 
 
 def export_offline(data_dir: str | os.PathLike[str], out: Path, signed: SignedSpec) -> dict[str, Any]:
