@@ -23,6 +23,12 @@ complete, so a crash leaves no half export):
 
 Every export also holds `meshtrain_export.json`: swarm id, step, round, model, tokenizer, their
 digests and the context; and a chars or bytes tokenizer as `meshtrain_tokenizer.json`.
+`write_export(trained, out, extra)` is that writer for any `Trained` (a pipeline swarm's assembled
+model, node/pipeline_export.py, adds where each stage came from as `extra`).
+
+Pipeline swarms. A pipeline peer's checkpoints hold its own stage only, so `load_trained` refuses
+its data dir and says so; node/pipeline_export.py assembles the whole model from every stage
+(through the running node) and writes it with `write_export`.
 
 Sample (`sample`): greedy decoding by default, top-k sampling with a seeded generator with
 `top_k > 0`; the prompt is cropped to the model's context as the text grows; stops at the
@@ -30,7 +36,7 @@ tokenizer's end-of-text id. No KV cache: it recomputes the window per token (fin
 what the model learned, not a server).
 
 Failures, one line each (ConfigError): a directory that is no node's data dir (no swarm.json),
-one with no checkpoint yet, a model or tokenizer whose local files differ from the swarm's pins,
+a pipeline peer's data dir (above), one with no checkpoint yet, a model or tokenizer whose local files differ from the swarm's pins,
 an export target that exists and is not empty, a checkpoint whose φ does not fit the model.
 
 Not here: serving, quantisation, converting a built-in GPT to a transformers class.
