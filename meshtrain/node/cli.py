@@ -562,14 +562,14 @@ def _export_or_sample(args: argparse.Namespace) -> int:
         if pipeline:
             from meshtrain.node.pipeline_export import export_pipeline
 
-            print(json.dumps(export_pipeline(data_dir_of(args), args.out, progress=_export_progress)))
+            print(json.dumps(export_pipeline(data_dir_of(args), args.out, progress=_ExportProgress())))
         else:
             print(json.dumps(export_model(data_dir_of(args), args.out)))
         return 0
     if pipeline:
         from meshtrain.node.pipeline_export import load_assembled
 
-        trained = load_assembled(data_dir_of(args), progress=_export_progress)
+        trained = load_assembled(data_dir_of(args), progress=_ExportProgress())
     else:
         trained = load_trained(data_dir_of(args))
     text = generate(trained, args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k, seed=args.seed)
@@ -577,16 +577,22 @@ def _export_or_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_progress(state: dict[str, Any]) -> None:
-    """One line on stderr whenever a pipeline export's progress changes (`pipeline.export`)."""
-    bars = state.get("stages") or {}
-    fetched = ", ".join(
-        f"stage {s} {b.get('done', 0) / 2**20:.1f}/{b.get('total', 0) / 2**20:.1f} MiB" for s, b in sorted(bars.items())
-    )
-    line = f"export: {state.get('phase')}" + (f" [{fetched}]" if fetched else "")
-    if line != getattr(_export_progress, "last", None):
-        _export_progress.last = line  # type: ignore[attr-defined]
-        print(line, file=sys.stderr, flush=True)
+class _ExportProgress:
+    """Prints one line on stderr whenever a pipeline export's progress (`pipeline.export`) changes."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def __call__(self, state: dict[str, Any]) -> None:
+        bars = state.get("stages") or {}
+        fetched = ", ".join(
+            f"stage {s} {b.get('done', 0) / 2**20:.1f}/{b.get('total', 0) / 2**20:.1f} MiB"
+            for s, b in sorted(bars.items())
+        )
+        line = f"export: {state.get('phase')}" + (f" [{fetched}]" if fetched else "")
+        if line != self.last:
+            self.last = line
+            print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

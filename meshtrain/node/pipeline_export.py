@@ -91,17 +91,6 @@ class ExportError(MeshtrainError):
     """The export could not be made; the message says why (and, for a stage, which)."""
 
 
-@dataclass(frozen=True)
-class StageSource:
-    """Where one stage of an export came from (`meshtrain_export.json`'s `stages`)."""
-
-    stage: int
-    step: int
-    source: str  # "own", "replicas", "former replica", "checkpoint"
-    donors: int
-    digest: str
-
-
 def stage_weights(state: Mapping[str, Any], stage: int) -> dict[str, torch.Tensor]:
     """A stage's exported weights from its published state or checkpoint: φ when its replicas
     sync by an outer optimizer (`outer.outer_params`), else its weights."""
@@ -118,6 +107,26 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(weights):
         h.update(weights[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """Where one stage of an export came from (`meshtrain_export.json`'s `stages`)."""
+
+    stage: int
+    step: int
+    round: int  # the stage's outer rounds (diloco / noloco replica sync; 0 with every-step)
+    source: str  # "own", "replicas", "former replica", "checkpoint"
+    donors: int
+    digest: str
+
+    @classmethod
+    def of(cls, stage: int, step: int, state: Mapping[str, Any], source: str, donors: int) -> StageSource:
+        """The record of stage `stage`'s `state` (published, downloaded or checkpointed) at `step`."""
+        outer = state.get("outer")
+        rounds = outer.get("rounds") if isinstance(outer, dict) else 0
+        digest = weights_digest(stage_weights(state, stage))
+        return cls(stage, step, rounds if isinstance(rounds, int) else 0, source, donors, digest)
 
 
 def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> tuple[GPT, Any]:
@@ -157,9 +166,8 @@ def write_assembled(
     """Assemble and write the export (module docstring, 3-4); what `meshtrain_export.json` says."""
     model, tokenizer = assemble(signed, weights)
     steps = [s.step for s in sources]
-    trained = Trained(
-        signed, min(steps), 0, model, tokenizer, resolve_context(model, signed.spec.context, signed.spec.model)
-    )
+    context = resolve_context(model, signed.spec.context, signed.spec.model)
+    trained = Trained(signed, min(steps), min(s.round for s in sources), model, tokenizer, context)
     extra = {
         "pipeline": signed.spec.pipeline,
         "stage_cut": signed.spec.stage_cut,
@@ -215,7 +223,8 @@ class PipelineExporter:
         peer, spec = self.peer, self.signed.spec
         progress["phase"] = "waiting for every stage to publish at one step (the epoch's end)"
         before = peer.request_epoch_end()
-        with trio.move_on_after(EPOCH_END_WAIT):
+        deadline = trio.current_time() + EPOCH_END_WAIT  # for the epoch end and the replicas' offers
+        with trio.move_on_at(deadline):
             while peer.states.published is None or peer.states.published.count <= before:
                 await trio.sleep(POLL / 5)
         own = peer.states.published
@@ -223,7 +232,7 @@ class PipelineExporter:
         sources: list[StageSource] = []
         if own is not None:
             weights[own.stage] = stage_weights(own.state, own.stage)
-            sources.append(StageSource(own.stage, own.step, "own", 1, weights_digest(weights[own.stage])))
+            sources.append(StageSource.of(own.stage, own.step, own.state, "own", 1))
         step = own.step if own is not None else 0
         for stage in range(spec.stages):
             if stage in weights:
@@ -231,7 +240,7 @@ class PipelineExporter:
             # The others publish at the same epoch end as we did; their `offer` reaches us with
             # their next membership heartbeat.
             progress["phase"] = f"waiting for stage {stage}'s replicas to offer step {step}"
-            with trio.move_on_after(EPOCH_END_WAIT):
+            with trio.move_on_at(deadline):
                 while peer.stage_donors(stage, step)[1]:
                     await trio.sleep(POLL / 5)
             replicas, _, others = peer.stage_donors(stage, step)
@@ -247,9 +256,7 @@ class PipelineExporter:
             donated = await peer.states.fetch_required(stage, replicas, fallback, progress=report)
             weights[stage] = stage_weights(donated.state, stage)
             source = "replicas" if donated.from_replicas else "former replica"
-            sources.append(
-                StageSource(stage, donated.step, source, len(donated.donors), weights_digest(weights[stage]))
-            )
+            sources.append(StageSource.of(stage, donated.step, donated.state, source, len(donated.donors)))
         progress["phase"] = "assembling and writing"
         return await trio.to_thread.run_sync(write_assembled, self.signed, weights, sources, target)
 
@@ -342,5 +349,5 @@ def export_offline(data_dir: str | os.PathLike[str], out: Path, signed: SignedSp
             "(`meshtrain node start`) and export again: the running node fetches them from their replicas"
         )
     weights = {s: stage_weights(state, s) for s, (_, state) in newest.items()}
-    sources = [StageSource(s, step, "checkpoint", 1, weights_digest(weights[s])) for s, (step, _) in newest.items()]
+    sources = [StageSource.of(s, step, state, "checkpoint", 1) for s, (step, state) in newest.items()]
     return write_assembled(signed, weights, sources, out)
