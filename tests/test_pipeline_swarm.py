@@ -5,11 +5,13 @@ by a peer of the most replicated stage, and training goes on."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
+import torch
 import trio
 
 import meshtrain
@@ -135,3 +137,74 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
         assert joined["step"] == results[gone].step, (joined, results[gone])
     else:
         assert joined is None  # nothing to download: it started stage 1 from θ0
+
+
+def weights_digest(weights: dict) -> str:
+    h = blake3.blake3()
+    for k in sorted(weights):
+        h.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path, monkeypatch, capsys):
+    """Three daemons train two stages (two origins on stage 0, one peer on stage 1). `meshtrain
+    export` on the stage-1 peer asks its running daemon, which ends the epoch so that every stage
+    publishes at one step, takes stage 1 from its own state and stage 0 from its two replicas,
+    and writes one model: each stage's parameters are bit for bit what that stage's replicas
+    published at the step the export names, and the model loads and gives finite logits.
+    `meshtrain sample` on that peer continues a prompt with the model assembled the same way."""
+    from safetensors.torch import load_model
+
+    from meshtrain.models import GPT, GPTConfig
+    from meshtrain.node import cli
+    from meshtrain.node.stage_state import StageStates
+
+    published: list[tuple[str, int, int, str]] = []  # (peer, stage, step, digest), as every peer offered it
+    offer = StageStates.publish
+
+    def observe(self: StageStates, stage: int, step: int, state: dict) -> None:
+        published.append((self.host.peer_id, stage, step, weights_digest(state["weights"])))
+        offer(self, stage, step, state)
+
+    monkeypatch.setattr(StageStates, "publish", observe)
+    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together: nobody takes a stage over
+    spec = pipeline_spec(steps=0)  # until stopped
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    out = tmp_path / "export"
+    rc: list[int] = []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(nodes["a"].run)
+            await wait_for(lambda: nodes["a"].view is not None)
+            for name in "bc":
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nursery.start_soon(nodes[name].run)
+            await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
+            (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+            argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
+            rc.append(await trio.to_thread.run_sync(cli.main, argv))
+            capsys.readouterr()
+            argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
+            rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
+            sampled = capsys.readouterr().out
+            for node in nodes.values():
+                node.stop()
+    assert rc == [0, 0] and sampled.startswith("The ") and len(sampled) > len("The "), sampled
+    info = json.loads((out / "meshtrain_export.json").read_text())
+    stages = {s["stage"]: s for s in info["stages"]}
+    assert info["steps_agree"] and stages[0]["step"] == stages[1]["step"] == info["step"] >= 3, info
+    assert stages[1]["source"] == "own" and (stages[0]["source"], stages[0]["donors"]) == ("replicas", 2), info
+    step = info["step"]
+    config = json.loads((out / "config.json").read_text())
+    model = GPT(GPTConfig(**config["gpt_config"]))
+    load_model(model, str(out / "model.safetensors"))
+    named = dict(model.named_parameters())
+    for stage in model.stages(spec.stages):
+        exported = weights_digest({n: named[n].detach() for n in stage.parameter_names})
+        held = {(peer, digest) for peer, s, t, digest in published if s == stage.index and t == step}
+        assert len(held) == (2 if stage.index == 0 else 1), held  # every replica published at that step
+        assert {digest for _, digest in held} == {exported}, stage.index
+    with torch.no_grad():
+        logits = model(torch.zeros(1, 8, dtype=torch.int64)).logits
+    assert torch.isfinite(logits).all()

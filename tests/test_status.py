@@ -1,4 +1,4 @@
-"""The status endpoint over real HTTP on loopback: JSON, Prometheus, the dashboard, stop.
+"""The status endpoint over real HTTP on loopback: JSON, Prometheus, the dashboard, stop, export.
 
 It is never blocked behind the node: with the trio thread stuck, `/status` answers with the last
 document and `POST /stop` is accepted.
@@ -21,10 +21,12 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshtrain.errors import ConfigError
 from meshtrain.node.status import (
     StatusError,
     fetch_status,
     read_daemon_file,
+    request_export,
     request_stop,
     wait_for_exit,
 )
@@ -127,6 +129,29 @@ async def test_stop_needs_the_control_token():
         with pytest.raises(StatusError, match="401"):  # no token configured: nobody may stop it
             await trio.to_thread.run_sync(request_stop, srv.url, "")
     assert stopped == [1]
+
+
+async def test_export_needs_the_control_token_and_passes_the_path_and_the_refusal_through():
+    """`POST /export?out=` (a pipeline swarm's export, node/pipeline_export.py): the path arrives
+    intact (spaces, non-ASCII), the node's answer comes back, and a refusal is its one line."""
+    asked: list[str] = []
+
+    def on_export(out: str) -> dict:
+        if out.endswith("taken"):
+            raise ConfigError(f"{out} exists and is not an empty directory; export into a new one")
+        asked.append(out)
+        return {"state": "running", "out": out}
+
+    async with StatusServer(snapshot, port=0, token="t", on_export=on_export) as srv:
+        with pytest.raises(StatusError, match="401"):
+            await trio.to_thread.run_sync(request_export, srv.url, "wrong", "/tmp/x")
+        reply = await trio.to_thread.run_sync(request_export, srv.url, "t", "/tmp/my export/é")
+        assert reply == {"state": "running", "out": "/tmp/my export/é"} and asked == ["/tmp/my export/é"]
+        with pytest.raises(StatusError, match="400 /tmp/taken exists and is not an empty directory"):
+            await trio.to_thread.run_sync(request_export, srv.url, "t", "/tmp/taken")
+    async with StatusServer(snapshot, port=0, token="t") as srv:  # a node without exports
+        with pytest.raises(StatusError, match="400 POST /export"):
+            await trio.to_thread.run_sync(request_export, srv.url, "t", "/tmp/x")
 
 
 def _raw(port: int, payload: bytes) -> bytes:

@@ -10,7 +10,10 @@
     meshtrain demo         [--nodes 4] [--optimizer ...]    a local 4-node swarm, live table, plot
                            [--pipeline [--stages 3]]        ... or a 6-node SkipPipe pipeline swarm
     meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
-    meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with
+                                                            (a pipeline peer: the whole model, every stage
+                                                            fetched by its running node; node/pipeline_export.py)
+    meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with (a pipeline
+                                                            peer: the whole model, as export assembles it)
 
 User mistakes end in one line on stderr and exit code 2, never a traceback: every error we raise
 on purpose is a `MeshtrainError`, and `main` turns those into messages (config errors: 2,
@@ -238,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="--pipeline: how a stage's replicas agree (default every-step)",
     )
 
-    export = sub.add_parser("export", help="write the swarm's outer parameters φ (latest checkpoint) as a model")
+    export = sub.add_parser(
+        "export",
+        help="write the swarm's outer parameters φ (latest checkpoint; a pipeline peer: every stage) as a model",
+    )
     export.add_argument(
         "--data-dir", help="the node's data dir (default $MESHTRAIN_DATA_DIR or ~/.local/share/meshtrain)"
     )
@@ -549,15 +555,44 @@ def _swarm_allow(args: argparse.Namespace) -> int:
 
 
 def _export_or_sample(args: argparse.Namespace) -> int:
-    from meshtrain.node.export import export_model, generate, load_trained
+    from meshtrain.node.export import export_model, generate, load_spec, load_trained
 
+    pipeline = load_spec(data_dir_of(args)).spec.pipeline != "none"
     if args.command == "export":
-        print(json.dumps(export_model(data_dir_of(args), args.out)))
+        if pipeline:
+            from meshtrain.node.pipeline_export import export_pipeline
+
+            print(json.dumps(export_pipeline(data_dir_of(args), args.out, progress=_ExportProgress())))
+        else:
+            print(json.dumps(export_model(data_dir_of(args), args.out)))
         return 0
-    trained = load_trained(data_dir_of(args))
+    if pipeline:
+        from meshtrain.node.pipeline_export import load_assembled
+
+        trained = load_assembled(data_dir_of(args), progress=_ExportProgress())
+    else:
+        trained = load_trained(data_dir_of(args))
     text = generate(trained, args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k, seed=args.seed)
     print(args.prompt + text)
     return 0
+
+
+class _ExportProgress:
+    """Prints one line on stderr whenever a pipeline export's progress (`pipeline.export`) changes."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def __call__(self, state: dict[str, Any]) -> None:
+        bars = state.get("stages") or {}
+        fetched = ", ".join(
+            f"stage {s} {b.get('done', 0) / 2**20:.1f}/{b.get('total', 0) / 2**20:.1f} MiB"
+            for s, b in sorted(bars.items())
+        )
+        line = f"export: {state.get('phase')}" + (f" [{fetched}]" if fetched else "")
+        if line != self.last:
+            self.last = line
+            print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,7 @@ from meshtrain.node.config import NodeConfig
 from meshtrain.node.devices import resolve_device
 from meshtrain.node.outer_spec import check_copy as check_outer_copy
 from meshtrain.node.parity import ParityMonitor
+from meshtrain.node.pipeline_export import PipelineExporter
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
@@ -178,6 +179,7 @@ class Node:
         self.trainer: TrainedState | None = None
         self.run_state: RunState | None = None
         self.pipeline: PipelinePeer | None = None  # a pipeline swarm's run path (instead of trainer, run_state)
+        self.pipeline_exporter: PipelineExporter | None = None  # `meshtrain export` in a pipeline swarm
         self.status_url: str | None = None
         self.startup_waiting: str | None = None  # what start-up waits for (the peer we join through)
         # Loop mode (`meshtrain.Swarm`): the user's loop trains; the node serves it.
@@ -218,6 +220,16 @@ class Node:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             except (RuntimeError, trio.RunFinishedError):  # already on the trio thread, or gone
                 self._stop.set()
+
+    def start_export(self, out: str) -> dict[str, Any]:
+        """A pipeline swarm's peer: begin assembling the whole model from every stage into `out`
+        (node/pipeline_export.py); its initial progress. On the trio thread (`meshtrain export`
+        reaches it through the status endpoint). `NodeError` for a node of another swarm."""
+        if self.pipeline_exporter is None:
+            raise NodeError(
+                "this node is not a pipeline swarm's peer (or not up yet): export its data dir with `meshtrain export`"
+            )
+        return self.pipeline_exporter.start(out)
 
     def allow_peer(self, peer_id: str, allowed: bool = True) -> None:
         """Owner of an allowlist swarm: admit `peer_id` (or, `allowed=False`, revoke it) at run
@@ -395,6 +407,9 @@ class Node:
             phase=self.phase,
             stop=self._stop,
         )
+        exports = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(exports.cancel_scope.cancel)  # an export in flight ends with the node
+        self.pipeline_exporter = PipelineExporter(peer, signed, exports)
         self.network_ready.set()
         await self._announce_reachability(stack, presence)
         await self._start_status(stack)
@@ -586,6 +601,7 @@ class Node:
                     on_allow=lambda peer, allowed: trio.from_thread.run_sync(
                         self.allow_peer, peer, allowed, trio_token=trio_token
                     ),
+                    on_export=lambda out: trio.from_thread.run_sync(self.start_export, out, trio_token=trio_token),
                     token=token,
                 )
             )

@@ -23,6 +23,12 @@ complete, so a crash leaves no half export):
 
 Every export also holds `meshtrain_export.json`: swarm id, step, round, model, tokenizer, their
 digests and the context; and a chars or bytes tokenizer as `meshtrain_tokenizer.json`.
+`write_export(trained, out, extra)` is that writer for any `Trained` (a pipeline swarm's assembled
+model, node/pipeline_export.py, adds where each stage came from as `extra`).
+
+Pipeline swarms. A pipeline peer's checkpoints hold its own stage only, so `load_trained` refuses
+its data dir and says so; node/pipeline_export.py assembles the whole model from every stage
+(through the running node) and writes it with `write_export`.
 
 Sample (`sample`): greedy decoding by default, top-k sampling with a seeded generator with
 `top_k > 0`; the prompt is cropped to the model's context as the text grows; stops at the
@@ -30,7 +36,7 @@ tokenizer's end-of-text id. No KV cache: it recomputes the window per token (fin
 what the model learned, not a server).
 
 Failures, one line each (ConfigError): a directory that is no node's data dir (no swarm.json),
-one with no checkpoint yet, a model or tokenizer whose local files differ from the swarm's pins,
+a pipeline peer's data dir (above), one with no checkpoint yet, a model or tokenizer whose local files differ from the swarm's pins,
 an export target that exists and is not empty, a checkpoint whose φ does not fit the model.
 
 Not here: serving, quantisation, converting a built-in GPT to a transformers class.
@@ -99,15 +105,26 @@ def spec_tokenizer(signed: SignedSpec) -> Tokenizer:
     return load_tokenizer(spec.tokenizer)
 
 
-def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
-    """φ from the newest checkpoint under a node's data dir (module docstring)."""
+def load_spec(data_dir: str | os.PathLike[str]) -> SignedSpec:
+    """The signed spec of the node whose data dir is `data_dir` (ConfigError if it is none)."""
     root = Path(data_dir).expanduser()
     if not (root / SPEC_FILE).is_file():
         raise ConfigError(
             f"{root} is not a meshtrain node's data dir (no {SPEC_FILE}); pass the --data-dir the node ran with"
         )
-    signed = SignedSpec.load(root / SPEC_FILE)
+    return SignedSpec.load(root / SPEC_FILE)
+
+
+def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
+    """φ from the newest checkpoint under a node's data dir (module docstring)."""
+    root = Path(data_dir).expanduser()
+    signed = load_spec(root)
     spec = signed.spec
+    if spec.pipeline != "none":
+        raise ConfigError(
+            f"{root} is a peer of a pipeline swarm: its checkpoints hold one stage; "
+            "`meshtrain export` assembles the whole model (node/pipeline_export.py)"
+        )
     ckpt_dir = root / "checkpoints"
     ckpt = CheckpointStore(ckpt_dir, readonly=True).load_latest() if ckpt_dir.is_dir() else None
     if ckpt is None:
@@ -173,11 +190,24 @@ def _save_model(trained: Trained, out: Path) -> None:
 
 def export_model(data_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
     """Write φ of the node at `data_dir` as a standalone model into `out` (module docstring).
-    Returns what `meshtrain_export.json` says."""
+    Returns what `meshtrain_export.json` says. A pipeline swarm's peer holds one stage: export it
+    with `pipeline_export.export_pipeline` (what `meshtrain export` does for one)."""
+    check_export_target(out)
+    return write_export(load_trained(data_dir), out)
+
+
+def check_export_target(out: str | os.PathLike[str]) -> Path:
+    """`out` as a path, if it is free for an export (absent, or an empty directory); else ConfigError."""
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"{target} exists and is not an empty directory; export into a new one")
-    trained = load_trained(data_dir)
+    return target
+
+
+def write_export(trained: Trained, out: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `trained` into `out` (module docstring: written beside, renamed into place); `extra`
+    goes into `meshtrain_export.json` too. Returns what that file says, and `out`."""
+    target = check_export_target(out)
     spec = trained.signed.spec
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -195,6 +225,7 @@ def export_model(data_dir: str | os.PathLike[str], out: str | os.PathLike[str]) 
             "tokenizer_digest": spec.tokenizer_digest,
             "context": trained.context,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
+            **(extra or {}),
         }
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
         if target.exists():

@@ -9,7 +9,7 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready", "offer"}`). `placement.place` gives every peer's
+   (`{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`). `placement.place` gives every peer's
    stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
    starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
@@ -66,8 +66,14 @@ epoch, how we took our stage's state, the bytes we sent to each peer, what we wa
 A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
 with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
 
+Export (node/pipeline_export.py). `meshtrain export` on any peer asks its running daemon for the
+whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
+iteration in which they see it pass its value at the last epoch end, every peer publishes its
+stage at that one step, and the exporter takes our stage from `states.published` and every other
+stage from its replicas (`stage_donors`).
+
 Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
-lab's), evaluation of the assembled model, and `meshtrain export` of a pipeline swarm.
+lab's), evaluation of the assembled model.
 """
 
 from __future__ import annotations
@@ -96,12 +102,11 @@ from meshtrain.node.stage_state import StageStates
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
-from meshtrain.pipeline.placement import Member, place, stage_map
+from meshtrain.pipeline.placement import Member, announced, place, stage_map
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.tensor_streams import TensorStreams
-from meshtrain.transport.validate import is_int, is_number
 
 log = get_logger(__name__)
 
@@ -109,7 +114,6 @@ DEFAULT_LINK = Link(0.005, 100e6)  # what the scheduler assumes of every link un
 AGREE_POLL = 0.2  # seconds between two looks at the others' announcements while forming an epoch
 STOP_GRACE = 20.0  # seconds a stopping peer keeps serving its epoch before it leaves regardless
 FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
-MAX_KEY_CHARS = 64
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
@@ -176,6 +180,9 @@ class PipelinePeer:
         self.forward_s = 0.0
         self.waiting: str | None = None
         self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
+        self.export: dict[str, Any] | None = None  # `meshtrain export`'s progress (node/pipeline_export.py)
+        self._cuts_requested = 0  # epoch ends we asked for (announced as `cut`)
+        self._cuts_served: dict[str, int] = {}  # each peer's `cut` as of the last epoch end
         self._caps: dict[str, Any] = {}
         self._background: trio.Nursery | None = None
         self._ckpt_busy = False
@@ -382,7 +389,7 @@ class PipelinePeer:
             )
 
         def should_stop(it: int, _elapsed: float) -> bool:
-            if self.stop.is_set() or (until and base + it + 1 >= until):
+            if self.stop.is_set() or (until and base + it + 1 >= until) or self._cut_wanted(epoch):
                 return True
             return place(self.members().values(), spec.stages) != epoch.placement
 
@@ -430,7 +437,33 @@ class PipelinePeer:
                 self.traffic = self._traffic()
             self.runtime = None
             self.epoch = None
+            self._cuts_served = {p: self._announced(p).get("cut", 0) for p in epoch.placement}
             self._publish_stage()
+
+    def request_epoch_end(self) -> int:
+        """Ask the swarm to end the running epoch after its current iteration, so that every
+        stage publishes its state at one step (`meshtrain export`, node/pipeline_export.py). We
+        announce a counter, `cut`; an origin that sees a peer's counter pass what it was at the
+        last epoch end stops the epoch (the same path as a placement change). Returns the number
+        of our publishes so far: a `states.published.count` above it came after this request."""
+        # Milliseconds, not 1, 2, ...: a restarted peer's first request must still pass the value
+        # the others saw from it before the restart.
+        self._cuts_requested = max(self._cuts_requested + 1, int(time.time() * 1000))
+        self._announce(cut=self._cuts_requested)
+        return self.states.published.count if self.states.published is not None else 0
+
+    def _cut_wanted(self, epoch: Epoch) -> bool:
+        return any(self._announced(p).get("cut", 0) > self._cuts_served.get(p, 0) for p in epoch.placement)
+
+    def stage_donors(self, stage: int, step: int = 0) -> tuple[list[str], list[str], list[str]]:
+        """Whom to ask for `stage`'s published state: (the connected peers on that stage that offer
+        a state of `step` or later, those on it that do not yet, every other connected member).
+        Not us: our own is `states.published`."""
+        members = self.members()
+        others = sorted(p for p in members if p != self.me and self.host.is_connected(p))
+        on_stage = [p for p in others if members[p].stage == stage]
+        replicas = [p for p in on_stage if self._announced(p).get("offer", -1) >= step]
+        return replicas, [p for p in on_stage if p not in replicas], others
 
     def _publish_stage(self) -> None:
         """Offer our stage's state to peers that take the stage over (between two iterations)."""
@@ -612,6 +645,7 @@ class PipelinePeer:
             "joined_from": self.joined_from,
             "traffic": self._traffic(),
             "waiting": self.waiting,
+            "export": self.export,
         }
 
     def _traffic(self) -> dict[str, dict[str, int]]:
@@ -648,28 +682,3 @@ class PipelinePeer:
             hops_sent=stats.get("hops_sent", 0),
         )
         return out
-
-
-def announced(caps: Any, num_stages: int) -> dict[str, Any]:
-    """What a peer's membership record announces about its pipeline role, checked: a stage in
-    range, a positive finite forward time, a step, epoch keys. Anything else is left out (a
-    hostile record cannot make placement raise)."""
-    raw = caps.get("pipeline") if isinstance(caps, dict) else None
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, Any] = {}
-    stage = raw.get("stage")
-    if is_int(stage) and 0 <= stage < num_stages:
-        out["stage"] = stage
-    fwd = raw.get("fwd")
-    if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
-        out["fwd"] = float(fwd)
-    for key in ("step", "offer"):
-        v = raw.get(key)
-        if is_int(v) and 0 <= v < 1 << 62:
-            out[key] = v
-    for key in ("epoch", "ready"):
-        v = raw.get(key)
-        if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:
-            out[key] = v
-    return out

@@ -28,7 +28,10 @@ Wire: state_sync's manifests and chunks, key `pipeline/stage<i>`; meta `{round, 
 replica_sync, skeleton}` (the skeleton of `checkpoint.flatten_state`).
 
 Failures: a donor that dies or lies mid-download is state_sync's business (banned, its chunks
-re-fetched from the others); a download that fails altogether falls back as above.
+re-fetched from the others); a download that fails altogether falls back as above. A caller that
+cannot start from θ0 (`meshtrain export`: node/pipeline_export.py) uses `fetch_required`, which
+raises `StageStateError` naming the stage and every reason (replicas that disagree, all failed,
+nobody holds a snapshot) instead of returning None.
 
 Not here: when to fetch and whom placement puts where (node/pipeline_peer.py), the download
 protocol (node/state_sync.py). A stage whose last replica died before any epoch end published
@@ -43,9 +46,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import flatten_state, unflatten_state
-from meshtrain.node.state_sync import FetchReport, StateDonor, StateSyncError, fetch_state
+from meshtrain.node.state_sync import FetchReport, Progress, StateDonor, StateSyncError, fetch_state
 from meshtrain.transport.host import Host
 from meshtrain.transport.tensor_streams import TensorStreams
 from meshtrain.transport.validate import is_int
@@ -55,9 +59,24 @@ log = get_logger(__name__)
 FETCH_TIMEOUT = 600.0  # seconds one stage download may take
 
 
+class StageStateError(MeshtrainError):
+    """Nobody could give a stage's state; the message names the stage and why."""
+
+
 def stage_key(stage: int) -> str:
     """The state_sync key a stage's state is published under."""
     return f"pipeline/stage{stage}"
+
+
+@dataclass(frozen=True)
+class Published:
+    """A stage's state as this peer last offered it: the stage, the swarm step, the state (the
+    caller's copies, which nobody changes) and how many publishes this peer has made so far."""
+
+    stage: int
+    step: int
+    state: dict[str, Any]
+    count: int
 
 
 @dataclass(frozen=True)
@@ -89,31 +108,53 @@ class StageStates:
         self.streams = streams
         self.replica_sync = replica_sync
         self.donor = StateDonor(host, streams, upload_limit=upload_limit)
+        self.published: Published | None = None  # the last `publish` (node/pipeline_export.py exports it)
 
     def publish(self, stage: int, step: int, state: dict[str, Any]) -> None:
         """Offer `state` (copies the caller will not touch again) as stage `stage` at `step`."""
         skeleton, tensors = flatten_state(state)
         meta = {"round": step, "step": step, "stage": stage, "replica_sync": self.replica_sync, "skeleton": skeleton}
         self.donor.publish(meta, tensors, key=stage_key(stage))
+        self.published = Published(stage, step, state, self.published.count + 1 if self.published else 1)
 
-    async def fetch(self, stage: int, replicas: Sequence[str], others: Sequence[str]) -> DonatedState | None:
+    async def fetch(
+        self, stage: int, replicas: Sequence[str], others: Sequence[str], *, progress: Progress | None = None
+    ) -> DonatedState | None:
         """Download stage `stage`'s state from `replicas` (the peers on it that offer the epoch's
         step), else the newest snapshot any of `others` still holds; None if nobody has one."""
+        try:
+            return await self.fetch_required(stage, replicas, others, progress=progress)
+        except StageStateError:
+            return None
+
+    async def fetch_required(
+        self, stage: int, replicas: Sequence[str], others: Sequence[str], *, progress: Progress | None = None
+    ) -> DonatedState:
+        """`fetch`, but a stage nobody can give raises `StageStateError` naming the stage and why
+        (the replicas disagree, all failed, or nobody holds a snapshot). `progress(done, total)`
+        in bytes after each verified chunk."""
         identical = self.replica_sync != "noloco"
+        reasons: list[str] = []
         if replicas:
-            got = await self._fetch(stage, list(replicas) if identical else list(replicas)[:1], quorum=None)
+            donors = list(replicas) if identical else list(replicas)[:1]
+            got = await self._fetch(stage, donors, quorum=None, progress=progress, reasons=reasons)
             if got is not None:
                 return got
         rest = [p for p in others if p not in replicas]
         if rest:
-            got = await self._fetch(stage, rest, quorum=1)
+            got = await self._fetch(stage, rest, quorum=1, progress=progress, reasons=reasons)
             if got is not None:
                 return dataclasses.replace(got, from_replicas=False)
-        return None
+        if not replicas and not rest:
+            reasons.append("no connected peer to ask")
+        raise StageStateError(f"cannot fetch stage {stage}'s state: {'; '.join(reasons)}")
 
-    async def _fetch(self, stage: int, donors: list[str], *, quorum: int | None) -> DonatedState | None:
+    async def _fetch(
+        self, stage: int, donors: list[str], *, quorum: int | None, progress: Progress | None, reasons: list[str]
+    ) -> DonatedState | None:
         report = FetchReport()
         t0 = time.monotonic()
+        who = "its replicas" if quorum is None else "peers that held it before"
         try:
             meta, tensors = await fetch_state(
                 self.host,
@@ -122,19 +163,23 @@ class StageStates:
                 key=stage_key(stage),
                 min_agree=quorum,
                 timeout=FETCH_TIMEOUT,
+                progress=progress,
                 report=report,
             )
         except StateSyncError as e:
             log.warning(kv("stage state download failed", stage=stage, donors=len(donors), reason=str(e)[:300]))
+            reasons.append(f"from {who} ({len(donors)}): {str(e)[:300]}")
             return None
         step = meta.get("step")
         if meta.get("stage") != stage or meta.get("replica_sync") != self.replica_sync or not is_int(step):
             log.warning(kv("a donor offered a state of another stage or replica sync; ignored", stage=stage))
+            reasons.append(f"from {who}: a state of another stage or replica sync")
             return None
         try:
             state = unflatten_state(meta["skeleton"], tensors)
         except (KeyError, TypeError, ValueError) as e:
             log.warning(kv("a donated stage state does not unflatten; ignored", stage=stage, error=str(e)[:200]))
+            reasons.append(f"from {who}: a state that does not unflatten")
             return None
         return DonatedState(
             stage,

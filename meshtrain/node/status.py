@@ -9,7 +9,7 @@ to `<data dir>/control.token` (mode 0600), so another local user cannot stop the
 The server (`status_server.StatusServer`) runs on a background thread and is never blocked
 behind training; see that module.
 
-The client half — `read_daemon_file`, `fetch_status`, `request_stop`, `request_allow` — imports only the standard
+The client half — `read_daemon_file`, `fetch_status`, `request_stop`, `request_allow`, `request_export` — imports only the standard
 library: it is what `meshtrain node status/stop` run, and it must not pay for torch or libp2p.
 
 Routes:
@@ -23,6 +23,9 @@ Routes:
                       revokes) a peer of an allowlist swarm at run time (node/admission.py): 200
                       once written to the config CRDT; 400 for another admission rule or a bad
                       peer id, 403 from a node that does not own the swarm
+    POST /export?out=<absolute path>   the same token; a pipeline swarm's node assembles the
+                      whole model from every stage and writes it there (node/pipeline_export.py):
+                      202 once started (progress: `pipeline.export`); 400 if it cannot start
 
 The status document (`Node.snapshot()`):
     node:       peer_id, name, version, started, uptime_s, swarm, state (starting, syncing,
@@ -49,7 +52,9 @@ The status document (`Node.snapshot()`):
     joined_from: how a late joiner got its state (donors, bytes, seconds) or null
     pipeline:   only in a pipeline swarm (node/pipeline_peer.py): mode, stages, stage (ours),
                 stage_map ([[peer ids] per stage]: the running epoch's, else as announced),
-                stage_cut, replica_sync, epoch (key or null), epochs, forward_s, waiting
+                stage_cut, replica_sync, epoch (key or null), epochs, forward_s, waiting,
+                export (the last `POST /export`'s progress: {state: running|done|failed, out,
+                phase, stages: {stage: {done, total}} bytes fetched, result | error}, or null)
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from meshtrain.errors import MeshtrainError
 
@@ -159,6 +164,18 @@ def request_allow(url: str, token: str, peer_id: str, *, revoke: bool = False, t
         raise StatusError(f"{peer_id!r:.70} is not a peer id")
     query = f"peer={peer_id}" + ("&revoke=1" if revoke else "")
     _request(url.rstrip("/") + "/allow?" + query, method="POST", token=token, timeout=timeout)
+
+
+def request_export(url: str, token: str, out: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Ask the pipeline swarm's node serving `url` to export the whole model into `out` (an
+    absolute path; node/pipeline_export.py); its initial progress. `StatusError` with the node's
+    reason if it cannot start one."""
+    body = _request(url.rstrip("/") + "/export?out=" + quote(out, safe=""), method="POST", token=token, timeout=timeout)
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        raise StatusError(f"{url} did not answer the export request in JSON") from None
+    return reply if isinstance(reply, dict) else {}
 
 
 def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:

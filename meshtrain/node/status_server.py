@@ -7,7 +7,8 @@ trainer are read where they are written. It is never blocked behind training: a 
 `FRESH_SNAPSHOT_WAIT` for that answer and otherwise gets the last document computed (its
 `node.uptime_s` tells its age), and `POST /stop` calls `on_stop` on the server's own thread, so a
 stop is accepted at once however busy the node is. `POST /allow` (the owner's run-time allowlist)
-does wait for the trio thread, which writes the config CRDT. `/metrics` renders the document with
+does wait for the trio thread, which writes the config CRDT; `POST /export` too, which starts a
+pipeline swarm's export there and answers at once (its progress is in the status document). `/metrics` renders the document with
 prometheus-client, one collector per scrape (no state kept between scrapes).
 
 Lifetime: `StatusServer` is a `lifecycle.Service`; leaving it shuts the server down off the trio
@@ -119,8 +120,8 @@ class _Handler:
 
     def do_POST(self) -> None:  # noqa: N802
         path, _, query = self.path.partition("?")
-        if path not in ("/stop", "/allow"):
-            self._error(HTTPStatus.NOT_FOUND, "the POSTs are /stop and /allow")
+        if path not in ("/stop", "/allow", "/export"):
+            self._error(HTTPStatus.NOT_FOUND, "the POSTs are /stop, /allow and /export")
             return
         given = self.headers.get("Authorization", "")
         want = f"Bearer {self.server.token}"
@@ -129,6 +130,9 @@ class _Handler:
             return
         if path == "/allow":
             self._allow(query)
+            return
+        if path == "/export":
+            self._export(query)
             return
         # On this thread, not the trio thread: accepting a stop must not wait for a busy event loop.
         self.server.on_stop()
@@ -157,8 +161,24 @@ class _Handler:
         body = json.dumps({"peer": peer, "allowed": not revoke}).encode()
         self._send(HTTPStatus.OK, "application/json", body)
 
+    def _export(self, query: str) -> None:
+        from urllib.parse import parse_qs
+
+        from meshtrain.errors import MeshtrainError
+
+        out = (parse_qs(query).get("out") or [""])[0]
+        if not out or self.server.on_export is None:
+            self._error(HTTPStatus.BAD_REQUEST, "POST /export?out=<absolute path> (a pipeline swarm's node)")
+            return
+        try:
+            started = self.server.on_export(out)  # waits for the trio thread: the export runs there
+        except (MeshtrainError, trio.RunFinishedError) as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e) or "the node is shutting down")
+            return
+        self._send(HTTPStatus.ACCEPTED, "application/json", json.dumps(started).encode())
+
     def do_PUT(self) -> None:  # noqa: N802
-        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "GET /status, /metrics, /; POST /stop, /allow")
+        self._error(HTTPStatus.METHOD_NOT_ALLOWED, "GET /status, /metrics, /; POST /stop, /allow, /export")
 
     do_DELETE = do_PATCH = do_PUT  # noqa: N815
 
@@ -207,12 +227,14 @@ class _Server:
         snapshot: Snapshot,
         on_stop: Callable[[], None],
         on_allow: Callable[[str, bool], None] | None,
+        on_export: Callable[[str], dict[str, Any]] | None = None,
         token: str | None,
         trio_token: trio.lowlevel.TrioToken,
         dashboard: bytes,
         first: dict[str, Any],
     ) -> None:
         self.snapshot, self.on_stop, self.on_allow, self.token = snapshot, on_stop, on_allow, token
+        self.on_export = on_export
         self.trio_token, self.dashboard = trio_token, dashboard
         self._last = first
         self._last_lock = threading.Lock()
@@ -278,7 +300,8 @@ class StatusServer(Service):
     reply, 202, says the stop was accepted, not that the node has stopped). `on_allow(peer id,
     allowed)` (None: `POST /allow` is refused) is called on the server's thread after the token
     was checked and may wait for the trio thread; it raises `MeshtrainError` to refuse (400;
-    `NotSwarmOwner`: 403). `port=0` picks a
+    `NotSwarmOwner`: 403). `on_export(out)` (None: `POST /export` is refused) likewise, and
+    returns the export's initial progress (202; node/pipeline_export.py). `port=0` picks a
     free port (`srv.port`). Raises `OSError` if the address cannot be bound.
     """
 
@@ -290,11 +313,13 @@ class StatusServer(Service):
         port: int = 7070,
         on_stop: Callable[[], None] | None = None,
         on_allow: Callable[[str, bool], None] | None = None,
+        on_export: Callable[[str], dict[str, Any]] | None = None,
         token: str | None = None,
     ) -> None:
         self._snapshot, self._host, self._port = snapshot, host, port
         self._on_stop = on_stop or (lambda: None)
         self._on_allow = on_allow
+        self._on_export = on_export
         self._token = token
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -319,6 +344,7 @@ class StatusServer(Service):
             snapshot=self._snapshot,
             on_stop=self._on_stop,
             on_allow=self._on_allow,
+            on_export=self._on_export,
             token=self._token,
             trio_token=trio.lowlevel.current_trio_token(),
             dashboard=dashboard,

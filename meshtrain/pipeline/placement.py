@@ -30,18 +30,25 @@ which is what keeps placements stable as peers come and go. Two peers that join 
 moment, each before hearing of the other, may pick the same stage: rule 1 keeps both, and rule 3
 repairs any stage left empty.
 
+`announced` reads a member's pipeline role from its membership record's capabilities (stage,
+forward time, steps, epoch keys), checked, so that a hostile record cannot make `place` raise.
+
 Not here: moving the weights (a moved peer downloads its new stage from that stage's replicas),
 and agreeing on *when* a placement takes effect (the node's epochs).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from meshtrain.errors import ConfigError
+from meshtrain.transport.validate import is_int, is_number
 
 DEFAULT_ORIGINS = 2  # stage-0 replicas wanted: one origin's failure must not stop the data
+MAX_KEY_CHARS = 64  # an announced epoch key's length at most
 UNKNOWN_SPEED = 1.0  # forward seconds assumed for a peer that announced none (for capacity only)
 
 
@@ -124,3 +131,28 @@ def _rate(m: Member) -> float:
 
 def _fastest_first(m: Member) -> tuple[float, str]:
     return (m.forward_s if m.forward_s is not None and m.forward_s > 0 else float("inf"), m.peer_id)
+
+
+def announced(caps: Any, num_stages: int) -> dict[str, Any]:
+    """What a peer's membership record announces about its pipeline role, checked: a stage in
+    range, a positive finite forward time, a step, epoch keys. Anything else is left out (a
+    hostile record cannot make placement raise)."""
+    raw = caps.get("pipeline") if isinstance(caps, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Any] = {}
+    stage = raw.get("stage")
+    if is_int(stage) and 0 <= stage < num_stages:
+        out["stage"] = stage
+    fwd = raw.get("fwd")
+    if is_number(fwd) and math.isfinite(fwd) and 0 < fwd < 1e6:
+        out["fwd"] = float(fwd)
+    for key in ("step", "offer", "cut"):
+        v = raw.get(key)
+        if is_int(v) and 0 <= v < 1 << 62:
+            out[key] = v
+    for key in ("epoch", "ready"):
+        v = raw.get(key)
+        if isinstance(v, str) and len(v) <= MAX_KEY_CHARS:
+            out[key] = v
+    return out
