@@ -20,12 +20,12 @@ A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
 
 def test_majority_wins_and_the_minority_is_told():
     others = {"p2": [(5, A)], "p3": [(5, B)], "p4": [(5, B)], "p5": [(5, B)]}
-    v = judge("p1", [(5, A)], others, completed_at=0.0, now=0.0)
+    v = judge("p1", [(5, A)], others, completed_at={}, now=0.0)
     assert v.status == "minority" and v.majority == B and v.holders == ("p3", "p4", "p5")
     assert (v.agreeing, v.compared) == (2, 5)
     assert (
         judge(
-            "p3", [(5, B)], {"p1": [(5, A)], "p2": [(5, A)], "p4": [(5, B)], "p5": [(5, B)]}, completed_at=0.0, now=0.0
+            "p3", [(5, B)], {"p1": [(5, A)], "p2": [(5, A)], "p4": [(5, B)], "p5": [(5, B)]}, completed_at={}, now=0.0
         ).status
         == "ok"
     )
@@ -34,28 +34,43 @@ def test_majority_wins_and_the_minority_is_told():
 def test_a_tie_goes_to_the_side_of_the_lowest_peer_id():
     # Two groups of two (the soak's split round): the group holding the lowest id wins.
     assert (
-        judge("p1", [(3, A)], {"p2": [(3, A)], "p3": [(3, B)], "p4": [(3, B)]}, completed_at=0.0, now=0.0).status
-        == "ok"
+        judge("p1", [(3, A)], {"p2": [(3, A)], "p3": [(3, B)], "p4": [(3, B)]}, completed_at={}, now=0.0).status == "ok"
     )
-    v = judge("p3", [(3, B)], {"p1": [(3, A)], "p2": [(3, A)], "p4": [(3, B)]}, completed_at=0.0, now=0.0)
+    v = judge("p3", [(3, B)], {"p1": [(3, A)], "p2": [(3, A)], "p4": [(3, B)]}, completed_at={}, now=0.0)
     assert v.status == "minority" and v.holders == ("p1", "p2")
     # No majority at all (everyone alone): still exactly one winner, the lowest id's.
-    v = judge("p2", [(3, B)], {"p1": [(3, A)], "p3": [(3, C)]}, completed_at=0.0, now=0.0)
+    v = judge("p2", [(3, B)], {"p1": [(3, A)], "p3": [(3, C)]}, completed_at={}, now=0.0)
     assert v.status == "minority" and v.majority == A
 
 
 def test_judges_the_newest_round_everyone_reached_and_waits_for_stragglers():
     # p2 is a round behind: round 4 is compared, not 5.
-    v = judge("p1", [(4, A), (5, B)], {"p2": [(3, C), (4, A)]}, completed_at=0.0, now=0.0)
+    v = judge("p1", [(4, A), (5, B)], {"p2": [(3, C), (4, A)]}, completed_at={}, now=0.0)
     assert (v.status, v.outer_round) == ("ok", 4)
     # p2 has not reached any round we keep: pending until settle_s, then judged without it.
-    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)]}, completed_at=0.0, now=1.0, settle_s=10)
+    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)]}, completed_at={5: 0.0}, now=1.0, settle_s=10)
     assert v.status == "pending"
-    v = judge("p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)], "p0": [(5, B)]}, completed_at=0.0, now=11.0, settle_s=10)
+    v = judge(
+        "p1", [(5, A)], {"p2": [(3, C)], "p3": [(5, B)], "p0": [(5, B)]}, completed_at={5: 0.0}, now=11.0, settle_s=10
+    )
     assert v.status == "minority" and v.compared == 3
     # A peer that joined after the round (its digests start later) is not counted.
-    v = judge("p1", [(5, A)], {"p2": [(6, B)]}, completed_at=0.0, now=0.0)
+    v = judge("p1", [(5, A)], {"p2": [(6, B)]}, completed_at={}, now=0.0)
     assert (v.status, v.compared) == ("ok", 1)
+
+
+def test_a_stalled_peer_holds_each_round_open_for_settle_s_not_for_ever():
+    """Rounds shorter than settle_s: our newest round is always fresh, yet a peer stalled at round
+    3 must not keep every verdict pending (a soak saw two lineages run 13 rounds apart that way)."""
+    mine = [(r, A if r < 6 else B) for r in range(4, 12)]  # we split off at round 6
+    done = {r: 0.5 * r for r in range(4, 12)}  # one round every 0.5 s; now is round 11's end
+    others = {"stalled": [(3, A)], "p2": [(r, A) for r in range(4, 12)], "p3": [(r, A) for r in range(4, 12)]}
+    v = judge("p1", mine, others, completed_at=done, now=5.5, settle_s=3.0)
+    assert (v.status, v.outer_round, v.compared) == ("ok", 5, 3)  # the newest round >= 3 s old: before the split
+    v = judge("p1", mine, others, completed_at=done, now=6.5, settle_s=3.0)
+    assert (v.status, v.outer_round, v.compared) == ("minority", 7, 3)  # judged without the stalled peer
+    v = judge("p1", mine, others, completed_at=done, now=5.0, settle_s=3.0)
+    assert v.status == "ok" and v.outer_round == 4  # round 4 is the newest 3 s old: still one lineage
 
 
 @settings(max_examples=200, deadline=None)
@@ -65,7 +80,7 @@ def test_every_peer_holding_the_same_records_picks_the_same_winner(held):
     winners = set()
     for me, mine in held.items():
         others = {p: [(7, d)] for p, d in held.items() if p != me}
-        v = judge(me, [(7, mine)], others, completed_at=0.0, now=0.0)
+        v = judge(me, [(7, mine)], others, completed_at={}, now=0.0)
         winners.add(v.majority)
         assert (v.status == "ok") == (mine == v.majority)
     assert len(winners) == 1

@@ -25,8 +25,12 @@ can then compare, for round r, the digests of every live trainer that reports on
 - **When to judge.** The round judged is our newest one that every live trainer has reached
   (published a digest at or past it; each record carries the last 8 rounds, so peers a round or
   two apart still compare the same round). A peer that has not reached it holds the verdict
-  open for at most `settle_s` after our round completed (a stopped or cut-off peer must not keep
-  it open forever). A peer that joined after the round (its digests start later) is not counted.
+  open for at most `settle_s` (3 s) after that round completed: then our newest round at least
+  that old is judged with the peers that reached it (a stopped or cut-off peer must not keep it
+  open; the clock is per round, so rounds shorter than `settle_s` do not keep it open either —
+  a 10-minute soak at 0.5 s rounds saw two lineages run 13 rounds apart while a SIGSTOPped peer
+  held every verdict "pending"). A peer that joined after the round (its digests start later)
+  is not counted.
 
 What it does not cover: optimizers whose replicas differ by design (NoLoCo gossips with one
 partner; `OuterOptimizer.replicas_identical = False` turns the check off), grouped rounds
@@ -53,7 +57,7 @@ import torch
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
 
 DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
-DEFAULT_SETTLE_S = 10.0
+DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it
 
 
 def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:
@@ -104,30 +108,31 @@ def judge(
     mine: Sequence[tuple[int, bytes]],
     others: Mapping[str, Sequence[tuple[int, bytes]]],
     *,
-    completed_at: float | None,
+    completed_at: Mapping[int, float],
     now: float,
     settle_s: float = DEFAULT_SETTLE_S,
 ) -> ParityVerdict:
     """Judge our φ against the digests `others` (live trainers other than us, each with its
     published `(round, digest)` list, oldest first) published.
 
-    The round judged is the newest of ours that every other peer has reached (it holds a digest
-    there, or its digests are already past it); if someone has not reached even our oldest kept
-    round, our newest round is judged with the peers that have, once `settle_s` has passed since
-    it completed (`completed_at`, monotonic) — before that the verdict is "pending"."""
+    The round judged is the newer of: the newest of ours that every other peer has reached (it
+    holds a digest there, or its digests are already past it), and the newest of ours that
+    completed `settle_s` or more ago (`completed_at`: round -> monotonic time), judged with the
+    peers that have reached it. A peer that stalls (SIGSTOPped, cut off) therefore holds a verdict
+    open for `settle_s`, never longer: the clock runs per round, so a swarm whose rounds are
+    shorter than `settle_s` is still judged. With neither, the verdict is "pending"."""
     if not mine:
         return ParityVerdict("pending", reason="no round completed yet")
     reached = [phi[-1][0] if phi else -1 for phi in others.values()]
-    settled_rounds = [r for r, _ in mine if all(top >= r for top in reached)]
-    if settled_rounds:
-        rnd = settled_rounds[-1]
-    else:
+    settled = [r for r, _ in mine if all(top >= r for top in reached)]
+    old = [r for r, _ in mine if r in completed_at and now - completed_at[r] >= settle_s]
+    if not settled and not old:
         rnd = mine[-1][0]
-        if completed_at is None or now - completed_at < settle_s:
-            behind = sum(1 for top in reached if top < rnd)
-            return ParityVerdict(
-                "pending", outer_round=rnd, mine=mine[-1][1], reason=f"{behind} peers have not reached round {rnd}"
-            )
+        behind = sum(1 for top in reached if top < rnd)
+        return ParityVerdict(
+            "pending", outer_round=rnd, mine=mine[-1][1], reason=f"{behind} peers have not reached round {rnd}"
+        )
+    rnd = max(settled[-1:] + old[-1:])
     my_digest = dict(mine)[rnd]
     holders: dict[bytes, set[str]] = {my_digest: {me}}
     for peer, phi in others.items():
@@ -163,7 +168,7 @@ class ParityMonitor:
         self.enabled = enabled
         self.settle_s = settle_s
         self.history: list[tuple[int, bytes]] = []
-        self.completed_at: float | None = None
+        self.completed_at: dict[int, float] = {}  # round -> when we completed it (monotonic)
         self.verdict = ParityVerdict(
             "unchecked" if not enabled else "pending", reason="" if enabled else "replicas differ by design (NoLoCo)"
         )
@@ -178,7 +183,9 @@ class ParityMonitor:
             self.history = [(r, d) for r, d in self.history if r < outer_round]
         self.history.append((outer_round, digest))
         del self.history[:-MAX_PHI_DIGESTS]
-        self.completed_at = time.monotonic()
+        kept = {r for r, _ in self.history}
+        self.completed_at = {r: t for r, t in self.completed_at.items() if r in kept}
+        self.completed_at[outer_round] = time.monotonic()
 
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:
         if not self.enabled:
