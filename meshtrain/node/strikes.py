@@ -64,10 +64,10 @@ from typing import Any
 
 import trio
 
-from meshtrain.collective.contract import RoundScreening
+from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.crdt.entries import CrdtError, decode_entries, encode_entries
 from meshtrain.crdt.replica import ChangeEvent
-from meshtrain.crdt.strikes import MAX_STRIKE_GROUP, Strike
+from meshtrain.crdt.strikes import LOSS, MAX_STRIKE_GROUP, Strike
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, STRIKES, SwarmView
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.log import get_logger, kv
@@ -88,6 +88,13 @@ def quorum(group_size: int) -> int:
     return max(MIN_REPORTERS, -(-(group_size - 1) // 2))
 
 
+def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
+    """Loss scoring's rule (node/scoring.py): an update whose relative loss drop on its own
+    assigned batch (`gain`) is below `spec.score_ratio` x the round aggregate's drop there (`ref`,
+    taken as 0 if the aggregate raised it) by more than `spec.score_floor` is suspect."""
+    return gain < spec.score_ratio * max(ref, 0.0) - spec.score_floor
+
+
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
     """The round at which the rounds counted against a peer (round ids, sorted) exclude it: the
     first whose latest `spec.strikes` counted rounds lie within `spec.strikes_window` consecutive
@@ -100,6 +107,20 @@ def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
         if span is None or rounds[i] - rounds[i - limit + 1] <= span:
             return rounds[i]
     return None
+
+
+@dataclass(frozen=True)
+class LossScore:
+    """Loss scoring's measurement of one sampled peer's contribution to our part
+    (node/scoring.py): its relative loss drop on the peer's own assigned batch (`gain`), the
+    round aggregate's drop on the same batch (`ref`), its norm over the aggregate's
+    (`norm_ratio`) and its cosine with the aggregate (`alignment`)."""
+
+    peer: str
+    gain: float
+    ref: float
+    norm_ratio: float
+    alignment: float
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,51 @@ class StrikeBook:
             log.warning(
                 kv("flagged a contribution", round=s.round_id, peer=s.peer[-12:], norm=s.norm_ratio, align=s.alignment)
             )
+        self._file(strikes)
+
+    def on_scores(self, screening: RoundScreening, scores: list[LossScore]) -> None:
+        """Loss scoring's verdicts on the sampled peers of a round we screened (node/scoring.py):
+        a signed loss strike for each score that breaks the spec's rule, unless screening already
+        flagged that peer there (one strike per round and peer)."""
+        if len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
+            return
+        screened = {f.peer for f in screening.flags}
+        part = screening.group.index(self.me)
+        strikes = []
+        for sc in scores:
+            if sc.peer in screened or not loss_flagged(sc.gain, sc.ref, self.spec):
+                continue
+            strikes.append(
+                Strike(
+                    self.me,
+                    screening.round_id,
+                    screening.tag,
+                    sc.peer,
+                    screening.group,
+                    screening.digest,
+                    part,
+                    sc.norm_ratio,
+                    sc.alignment,
+                    LOSS,
+                    sc.gain,
+                    sc.ref,
+                )
+            )
+            log.warning(
+                kv(
+                    "flagged a contribution by loss",
+                    round=screening.round_id,
+                    peer=sc.peer[-12:],
+                    gain=sc.gain,
+                    ref=sc.ref,
+                )
+            )
+        self._standing = None
+        self._file(strikes)
+
+    def _file(self, strikes: list[Strike]) -> None:
+        if not strikes:
+            return
         try:
             self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, 1))
         except CrdtError as e:  # our own record would be refused: say so, do not stop training
@@ -181,7 +247,14 @@ class StrikeBook:
         k, min_align = self.spec.screen_norm, self.spec.screen_alignment
         if not k or self.spec.aggregation == "mean":
             return "this swarm does not screen"
-        if 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
+        if strike.rule == LOSS:
+            if not self.spec.score_samples:
+                return "this swarm does not score by loss"
+            if not loss_flagged(strike.gain, strike.ref, self.spec):
+                return "no evidence: the loss scores break no threshold"
+            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.score_samples):
+                return "the round's digest did not sample that peer for loss scoring"
+        elif 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
         if seen is not None and seen != (strike.group, strike.digest):

@@ -174,6 +174,27 @@ class SwarmSpec(BaseModel):
         description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
         "fraction of the group's median cosine (a flipped update, or noise)",
     )
+    score_samples: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="loss scoring (node/scoring.py): in each screened round this many peers, drawn from the "
+        "round's committed digest, have their update applied to each owner's part of the outer parameters "
+        "and its loss measured on their own assigned batch; 0 = off; only where screening is on",
+    )
+    score_ratio: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
+        "fraction of the round aggregate's drop there (minus score_floor)",
+    )
+    score_floor: float = Field(
+        1e-3,
+        ge=0,
+        le=1,
+        description="loss scoring: slack, as a fraction of the loss, below which a shortfall is noise, not evidence",
+    )
     strikes: int = Field(
         3,
         ge=0,
@@ -417,6 +438,8 @@ class SwarmSpec(BaseModel):
             # Screening needs a part's contributions side by side, which only robust modes keep.
             "screen_norm": self.screen_norm if robust else 0.0,
             "screen_alignment": self.screen_alignment,
+            # Loss scoring (node/scoring.py) keeps a few contributions of screened rounds.
+            "score_samples": self.score_samples if robust and self.screen_norm else 0,
         }
 
     def group_plan(self) -> GroupPlan | None:
