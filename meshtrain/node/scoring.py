@@ -27,9 +27,10 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
 
   Δ = φ − θ, so φ − Δ_i is the peer's own θ_i on our part. An honest peer's θ_i fits its own
   batch at least about as well as the swarm's aggregate Δ̄ does; a replayed or other-data update
-  does not. Flagged (node/strikes.py `loss_flagged`): gain < `score_ratio` x max(ref, 0) −
-  `score_floor` (defaults 0.5 and 1e-3; the floor keeps rounds where every change is tiny from
-  convicting anyone). The scores, the contribution's norm over the aggregate's and its cosine
+  does not. Flagged (node/strikes.py `loss_flagged`): gain < min(`score_ratio` x ref, ref) −
+  `score_floor` (defaults 0.5 and 2e-3: where the aggregate raised the batch's loss, the update
+  must not raise it more; the floor keeps rounds where every change is tiny from convicting
+  anyone — at 1e-3, honest peers of a 4-peer swarm with batches of 4 were flagged by a quorum). The scores, the contribution's norm over the aggregate's and its cosine
   with it become a signed loss strike (crdt/strikes.py), counted like any other: half the round's
   other owners (each scores the peer on its own part) must flag it, in `spec.strikes` rounds
   within `spec.strikes_window` (node/strikes.py). Other peers re-check that the scores break the

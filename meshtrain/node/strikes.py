@@ -12,13 +12,16 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   (`RoundScreening`, via `SwarmCollective.screening_listeners`): we remember the round's group
   and digest (`ROUND_LOG` rounds), and turn each flag into a signed strike in our record of the
   swarm's `strikes` CRDT (crdt/strikes.py: the evidence is the round, its group and digest, our
-  part, the scores).
+  part, the scores). Loss scoring's verdicts on the round's sampled peers arrive later, from a
+  worker thread (node/scoring.py, `on_scores`), and are filed the same way, as loss strikes.
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
   `Admission.admits_reporter`), its scores must break the spec's thresholds (a strike without
-  evidence counts for nothing), and if we were in that round ourselves its group and digest
-  must be the ones we saw (a reporter cannot invent a group without the peers we saw).
+  evidence counts for nothing; a loss strike's `gain` and `ref` must break `loss_flagged`, and
+  the round's digest must have sampled the peer, `sampled_peers`), and if we were in that round
+  ourselves its group and digest must be the ones we saw (a reporter cannot invent a group
+  without the peers we saw).
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
@@ -39,10 +42,10 @@ Standing. `standing()` gives each flagged peer's counted rounds and whether it i
 status page, `swarm list`'s advert).
 
 Not here: what it does not catch. Screening sees norms and directions only: an update trained
-on other data, or replayed from an earlier round, points roughly the right way and passes (a
-replay of the first round was struck out after 5 rounds in scripts/bench_adversarial.py, once its
-norm and direction had drifted from the swarm's; other data never was); loss scoring and replay
-spot-checks (issue 21, 4b/4c) are not built. A majority of colluding admitted
+on other data, or replayed from an earlier round, points roughly the right way and passes; loss
+scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
+loss on their own assigned batch, and its own limits are told there. Replay spot-checks (issue
+21, 4c) are not built. A majority of colluding admitted
 peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
@@ -90,9 +93,10 @@ def quorum(group_size: int) -> int:
 
 def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
     """Loss scoring's rule (node/scoring.py): an update whose relative loss drop on its own
-    assigned batch (`gain`) is below `spec.score_ratio` x the round aggregate's drop there (`ref`,
-    taken as 0 if the aggregate raised it) by more than `spec.score_floor` is suspect."""
-    return gain < spec.score_ratio * max(ref, 0.0) - spec.score_floor
+    assigned batch (`gain`) falls short of `spec.score_ratio` x the round aggregate's drop there
+    (`ref`; where the aggregate raised that loss, of the aggregate's own change) by more than
+    `spec.score_floor` is suspect."""
+    return gain < min(spec.score_ratio * ref, ref) - spec.score_floor
 
 
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
@@ -125,11 +129,13 @@ class LossScore:
 
 @dataclass(frozen=True)
 class Standing:
-    """A peer's record: the rounds counted against it, and whether that excludes it."""
+    """A peer's record: the rounds counted against it, whether that excludes it, and how many of
+    those rounds loss scoring's strikes (node/scoring.py) were among the counted reporters'."""
 
     peer: str
     rounds: int
     excluded: bool
+    by_loss: int = 0
 
 
 class StrikeBook:
@@ -273,12 +279,15 @@ class StrikeBook:
 
     def _count(self) -> dict[str, Standing]:
         reporters: dict[tuple[str, tuple[int, str], tuple[str, ...], bytes], set[str]] = {}
+        by_loss: set[tuple[str, tuple[int, str]]] = set()  # (peer, round) with a counted loss strike
         for record in self.view.strike_records():
             admitted = self.admitted(record.reporter, record.capabilities)
             for strike in record.strikes:
                 if self.why_not_counted(strike, admitted) is None:
                     key = (strike.peer, strike.round_key, strike.group, strike.digest)
                     reporters.setdefault(key, set()).add(strike.reporter)
+                    if strike.rule == LOSS:
+                        by_loss.add((strike.peer, strike.round_key))
         counted: dict[str, list[tuple[int, str]]] = {}
         for (peer, key, group, _), who in reporters.items():
             if len(who) >= quorum(len(group)) and key not in counted.get(peer, []):
@@ -286,7 +295,7 @@ class StrikeBook:
         standing = {}
         for p, keys in counted.items():
             at = excluded_at(sorted(r for r, _ in keys), self.spec)
-            standing[p] = Standing(p, len(keys), at is not None)
+            standing[p] = Standing(p, len(keys), at is not None, sum((p, k) in by_loss for k in keys))
             if at is not None and p not in self._announced:  # once per peer (bench_adversarial reads it)
                 self._announced.add(p)
                 log.warning(kv("peer excluded by strikes", peer=p, rounds=len(keys), at_round=at))

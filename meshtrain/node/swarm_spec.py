@@ -9,7 +9,9 @@ peers that train in different precisions are different experiments. So is its `a
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
-they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds within
+they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
+loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py;
+peers flagged in `strikes` rounds within
 `strikes_window` rounds are excluded, node/strikes.py; dp screens nothing unless its spec sets
 `screen_norm`: see OPTIMIZER_DEFAULTS); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
 `group_size`: how large a swarm's outer rounds get before they run in groups
@@ -187,10 +189,10 @@ class SwarmSpec(BaseModel):
         ge=0,
         le=1,
         description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
-        "fraction of the round aggregate's drop there (minus score_floor)",
+        "fraction of the round aggregate's drop there (of its rise, where it raised it) by more than score_floor",
     )
     score_floor: float = Field(
-        1e-3,
+        2e-3,
         ge=0,
         le=1,
         description="loss scoring: slack, as a fraction of the loss, below which a shortfall is noise, not evidence",
