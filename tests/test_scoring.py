@@ -24,9 +24,9 @@ from meshtrain.models.sources import build_model
 from meshtrain.node.scoring import score_round
 from meshtrain.node.strikes import loss_flagged, quorum
 from meshtrain.node.swarm_spec import SwarmSpec
-from meshtrain.transport.identity import Identity
 
 from .test_allreduce import mesh, run_all
+from .test_screening import JUNK, PEERS
 
 H, BATCH, CONTEXT = 10, 8, 32  # gpt-tiny's own context, as in scripts/bench_adversarial.py
 HONEST = ["p0", "p1", "p2", "p3"]
@@ -156,14 +156,6 @@ async def test_owners_keep_the_sampled_contributions_to_their_part() -> None:
         for p, x in s.samples.items():
             assert torch.equal(x, inputs[ids.index(p)][a:b])
         assert torch.equal(s.aggregate, r.tensors["w"].reshape(-1)[a:b])
-
-
-PEERS = sorted(Identity.generate().peer_id_str for _ in range(4))
-JUNK = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=12,
-)
 
 
 @settings(max_examples=150, deadline=None)

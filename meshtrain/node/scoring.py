@@ -40,7 +40,9 @@ Costs. Per round and owner: 3 forward passes (no gradients) of one batch per sam
 per group member, in a worker thread beside training; a copy of φ and of the model, made once
 (the model) and per scored round (φ); the collective keeps one more copy of its part's
 contributions until the round commits. With the default 2 samples that is 6 forwards against H
-training steps (forward + backward) per round: about 4 % of a round at H = 50.
+training steps (forward + backward, ~3 forwards each) per round: at most ~4 % of a round's compute
+at H = 50; measured in scripts/bench_adversarial.py (gpt-tiny, one thread, 5 samples): 15 ms
+against a 3.4 s round at H = 50, under 1 %. Nothing extra crosses the wire.
 
 Failures and limits. A round we did not hold the committed result of, a grouped round (its
 members' φ differ), a tag that is not a plain fragment ("f<p>"), an optimizer whose exchanged
@@ -55,7 +57,12 @@ sampled in, so with the default 2 samples in a group of n it takes ~n/2 times lo
 (a backdoor) passes; so does a lazy peer that trains only the last few steps of its round on its
 assigned data (it lowers its last batch's loss). An honest peer with an unusual update can be
 flagged by chance (few rounds, rarely by a quorum); the strikes window bounds what that adds up
-to. A peer that trains on its assigned data and more (extra data) is not distinguished. A
+to; but the rule needs updates worth scoring: at batch 4 and H = 5 (a test swarm) an honest
+peer's update applied to one part raised its own batch's loss by 0.5 % while the aggregate
+lowered it, and two owners flagged it in one round. Other data that still fits the assigned text
+(scripts/bench_adversarial.py's reversed token order, on gpt-tiny) is flagged in some rounds
+only, and was not excluded within the benchmark's 6 rounds. A peer that trains on its assigned
+data and more (extra data) is not distinguished. A
 majority of colluding owners can still strike anyone (as with screening).
 """
 
