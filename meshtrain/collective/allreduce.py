@@ -77,7 +77,7 @@ import trio
 from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
-from meshtrain.collective.flat import flatten_fp32, result_digest
+from meshtrain.collective.flat import flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.protocol import (
@@ -541,7 +541,7 @@ class SwarmCollective(Service):
                 chosen = sampled_peers(group, digest, self.config.score_samples)
                 samples = {p: stats.kept[p] for p in chosen if p in stats.kept and p not in excluded}
                 a, b = stats.part
-                aggregate = flatten_fp32(result)[a:b] if samples else None
+                aggregate = flat_slice(result, a, b) if samples else None
             stats.kept = {}
             screening = RoundScreening(key.round_id, key.tag, group, digest, flags, stats.part, samples, aggregate)
         for listener in self.screening_listeners if screening is not None else ():

@@ -37,8 +37,8 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
   rule and that the digest sampled the peer; they cannot re-measure (they do not hold Δ_i[p]).
 
 Costs. Per round and owner: 3 forward passes (no gradients) of one batch per sampled peer, not
-per group member, in a worker thread beside training; a copy of φ and of the model, made once
-(the model) and per scored round (φ); the collective keeps one more copy of its part's
+per group member, in a worker thread beside training; a copy of the model, made once, and of φ
+per scored round (on the trio thread, a memory copy: up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's
 contributions until the round commits. With the default 2 samples that is 6 forwards against H
 training steps (forward + backward, ~3 forwards each) per round: at most ~4 % of a round's compute
 at H = 50; measured in scripts/bench_adversarial.py (gpt-tiny, one thread, 5 samples): 15 ms
