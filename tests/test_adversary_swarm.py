@@ -29,7 +29,7 @@ H = 2
     # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
     # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
     # in round 1 and barely stale in round 2).
-    [("signflip10", H, 4, 12, 0), ("zeros", H, 4, 12, 0), ("replay", 10, 8, 7, PEERS)],
+    [("signflip10", H, 4, 12, 0), ("zeros", H, 4, 12, 0), ("replay", 10, 8, 9, PEERS)],
 )
 async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
     tmp_path, monkeypatch, mode, h, batch, rounds, samples
