@@ -18,10 +18,12 @@ Measured (last line, one JSON object):
   honest-only swarm's, minus 1 (null: the swarm diverged); `worst_loss_gap` its largest (robust);
 - `rounds_to_exclude`: per mode, the outer round in which the honest peers excluded the
   adversaries (null: not excluded within the run); `max_rounds_to_exclude` over the modes
-  screening is meant to catch (signflip10, noise, zeros);
+  screening is meant to catch (signflip10, noise, zeros) and loss scoring (replay, otherdata);
 - `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
 - `verify_overhead`: screening's time per round (owner side: norms and cosines of every
-  contribution to one part of the demo model, gpt-small) over a round's wall time at H = 50
+  contribution to one part of the demo model, gpt-small) plus loss scoring's (`score_samples`
+  peers, 3 forward passes of one gpt-tiny batch each, `scoring_ms_per_round`; `--score-samples`,
+  default every peer, so that a 6-round run can reach 3 strikes) over a round's wall time at H = 50
   (50 x the median wall time per step of the honest peers in the runs, rounds included, gpt-tiny:
   pessimistic, as gpt-small's steps are slower);
 - `sybil_cost_ratio`: minting 100 admitted identities against one (scripts/bench_admission.py).
@@ -54,6 +56,7 @@ from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
 
 CAUGHT_BY_SCREENING = ("signflip10", "noise", "zeros")  # replay and otherdata point the right way
+CAUGHT_BY_SCORING = ("replay", "otherdata")  # ... and are left to loss scoring (node/scoring.py)
 RUN_TIMEOUT = 300.0
 
 
@@ -148,6 +151,38 @@ def screening_seconds(peers: int, trials: int = 20) -> float:
     return (time.perf_counter() - t0) / trials
 
 
+def scoring_seconds(peers: int, samples: int, batch_size: int, trials: int = 5) -> float:
+    """One owner's loss scoring of one round (node/scoring.py `score_round`: 3 forward passes of
+    one batch per sampled peer, gpt-tiny, the model the rounds here train), in the worker thread
+    beside training: the CPU time it takes from the round."""
+    from meshtrain.collective.flat import flatten_fp32, part_bounds
+    from meshtrain.models import Corpus
+    from meshtrain.node.scoring import score_round
+
+    if not samples:
+        return 0.0
+    corpus = Corpus.default("chars")
+    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=0)
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = list(phi)
+    numel = flatten_fp32(phi).numel()
+    part = tuple(part_bounds(numel, peers)[:2])
+    g = torch.Generator().manual_seed(0)
+    contribs = {f"p{i}": 1e-3 * torch.randn(part[1] - part[0], generator=g) for i in range(samples)}
+    batches = {p: corpus.batch(batch_size, 32, seed=0, peer=p, step=9) for p in contribs}
+    aggregate = torch.stack(list(contribs.values())).mean(dim=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the daemons run here (--threads 1)
+    try:
+        score_round(model, phi, names, part, contribs, aggregate, batches)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(trials):
+            score_round(model, phi, names, part, contribs, aggregate, batches)
+        return (time.perf_counter() - t0) / trials
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sybil_cost_ratio() -> float | None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_admission.py"), "--trials", "5"],
@@ -174,12 +209,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--modes", default=",".join(adversary.MODES))
+    ap.add_argument(
+        "--score-samples",
+        type=int,
+        default=-1,
+        help="peers scored by loss per round (spec score_samples); -1 = every peer of the swarm",
+    )
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     n = args.honest + args.adversaries
     t_start = time.monotonic()
     base = dict(model="gpt-tiny", H=args.H, steps=args.H * args.rounds, batch_size=args.batch_size, pow_bits=8)
     base["eval_every"] = base["steps"]  # one held-out evaluation, of the final φ
+    samples = n if args.score_samples < 0 else args.score_samples
+    base["score_samples"] = samples
     specs = {"robust": SwarmSpec(**base), "mean": SwarmSpec(**base, aggregation="mean")}
     assert specs["robust"].aggregation == "trimmed_mean"  # the open swarm's default
     with tempfile.TemporaryDirectory(prefix="bench_adversarial_") as tmp:
@@ -211,7 +254,8 @@ def main() -> None:
         step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
         round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
     robust_gaps = [g["robust"] for g in loss_gap.values()]
-    harmful = [rounds_to_exclude[m] for m in modes if m in CAUGHT_BY_SCREENING]
+    scoring = scoring_seconds(n, samples, args.batch_size)
+    harmful = [rounds_to_exclude[m] for m in modes if m in CAUGHT_BY_SCREENING + CAUGHT_BY_SCORING]
     print(
         json.dumps(
             {
@@ -229,8 +273,10 @@ def main() -> None:
                 "rounds_to_exclude": rounds_to_exclude,
                 "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
                 "honest_excluded": len(honest_excluded),
-                "verify_overhead": float(f"{screening_seconds(n) / round_at_h50:.3g}"),
+                "score_samples": samples,
+                "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),
                 "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
+                "scoring_ms_per_round": round(scoring * 1000, 2),
                 "round_s_at_h50": round(round_at_h50, 2),
                 "sybil_cost_ratio": sybil_cost_ratio(),
                 "wall_s": round(time.monotonic() - t_start, 1),

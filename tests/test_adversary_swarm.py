@@ -1,7 +1,9 @@
 """Verification end to end (issue 21): an open swarm of four real `Node`s on loopback (gpt-tiny,
 robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/adversary.py). The
 honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
-peer excludes it; the honest peers are never flagged, and the rounds go on without it."""
+peer excludes it; the honest peers are never flagged, and the rounds go on without it. A replay
+of its first update passes screening (it points the right way) and is caught by loss scoring
+(node/scoring.py): it does not lower the loss on the adversary's own assigned batches."""
 
 from __future__ import annotations
 
@@ -20,12 +22,24 @@ PEERS = 4
 H = 2
 
 
-@pytest.mark.parametrize("mode", ["signflip10", "zeros"])
-async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path, monkeypatch, mode) -> None:
+@pytest.mark.parametrize(
+    ("mode", "h", "batch", "rounds", "samples"),
+    # Screening's modes with screening alone (at batch 4 and H 2 an honest update's loss change on
+    # its own batch is noise, node/scoring.py). A replay passes screening while it looks fresh and
+    # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
+    # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
+    # in round 1 and barely stale in round 2).
+    [("signflip10", H, 4, 12, 0), ("zeros", H, 4, 12, 0), ("replay", 10, 8, 9, PEERS)],
+)
+async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
+    tmp_path, monkeypatch, mode, h, batch, rounds, samples
+) -> None:
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
     # Twelve rounds: strikes need three, and a round here takes a fraction of a second, faster than
     # the first gossip mesh forms (strikes travel by anti-entropy, ~1.5 s, until it has).
-    spec = meshtrain.SwarmSpec(model="gpt-tiny", H=H, steps=H * 12, batch_size=4, eval_every=0, pow_bits=4)
+    spec = meshtrain.SwarmSpec(
+        model="gpt-tiny", H=h, steps=h * rounds, batch_size=batch, eval_every=0, pow_bits=4, score_samples=samples
+    )
     assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
     nodes: list[meshtrain.Node] = []
@@ -65,3 +79,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(tmp_path
     assert shown[0] == liar.host.peer_id and shown[1]["excluded"] and shown[1]["strikes"] >= 3
     assert liar.host.peer_id in doc["node"]["admission"]["ignored"]
     assert all(p["strikes"] == 0 for p in doc["peers"])
+    if samples:  # every owner scored rounds, and loss strikes counted against the replay
+        assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
+        assert any(n.presence.standing()[liar.host.peer_id].by_loss for n in honest)
+        assert doc["node"]["admission"]["loss_scoring"]["scored"] > 0

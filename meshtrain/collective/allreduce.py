@@ -52,6 +52,8 @@ with NaN/inf or of the wrong size is rejected outright and its sender excluded a
 `ReduceResult.excluded`. With `screen_norm` set, each owner also screens its part's
 contributions (data_phase.py); every committed round's `RoundScreening` is in
 `ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
+With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
+loss scoring (contract.py `sampled_peers`, node/scoring.py).
 
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
@@ -72,10 +74,10 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening
+from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
-from meshtrain.collective.flat import result_digest
+from meshtrain.collective.flat import flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.protocol import (
@@ -531,7 +533,17 @@ class SwarmCollective(Service):
         contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
         # Screening (contract.py): what we flagged as a part's owner, with the round it belongs to.
         flags = tuple(f for f in stats.flags if f.peer != self.peer_id)
-        screening = RoundScreening(key.round_id, key.tag, group, digest, flags) if self.config.screen_norm else None
+        screening = None
+        if self.config.screen_norm:
+            samples, aggregate = {}, None
+            if stats.kept and stats.digest == outcome.digest and result is not None:
+                # Loss scoring (contract.py): the sampled peers' contributions to our part.
+                chosen = sampled_peers(group, digest, self.config.score_samples)
+                samples = {p: stats.kept[p] for p in chosen if p in stats.kept and p not in excluded}
+                a, b = stats.part
+                aggregate = flat_slice(result, a, b) if samples else None
+            stats.kept = {}
+            screening = RoundScreening(key.round_id, key.tag, group, digest, flags, stats.part, samples, aggregate)
         for listener in self.screening_listeners if screening is not None else ():
             listener(screening)
         return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded, screening)

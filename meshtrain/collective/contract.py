@@ -20,10 +20,20 @@ robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`). The
 raised as an owner come back in `ReduceResult.screening` (a `RoundScreening`: the round, its group,
 the committed digest), for the node to turn into signed strikes (node/strikes.py). The wire does
 not change: owners already know who contributed.
+
+Samples for loss scoring (issue 21, 4b). With `AllReduceConfig.score_samples` = k, every owner
+also keeps, for the round's *sampled* peers, their contribution to its part and hands it on in
+`RoundScreening.samples`, with the slice of the flat input its part is (`part`) and the committed
+aggregate of that slice: the node scores them by loss (node/scoring.py). The sample is
+`sampled_peers(group, digest, k)`: a ranking of the group by a hash of the committed digest, so
+it is the same on every owner, checkable by anyone who holds a strike's group and digest, and
+unknown to a sender before every contribution of the round was combined. The collective stays
+model-agnostic: it keeps tensors and says where they are; what they mean is the node's.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,16 +60,35 @@ class ContributionFlag:
     rule: str
 
 
+def sampled_peers(group: tuple[str, ...], digest: bytes, k: int) -> tuple[str, ...]:
+    """The `k` peers of `group` whose contributions a round with committed `digest` scores by loss
+    (all of them if k >= the group's size), sorted: the group ranked by blake2b(digest, peer id).
+    The same on every peer; nobody can steer it without steering the round's aggregate."""
+    if k <= 0:
+        return ()
+    ranked = sorted(group, key=lambda p: hashlib.blake2b(digest + b"/" + p.encode(), digest_size=16).digest())
+    return tuple(sorted(ranked[:k]))
+
+
 @dataclass(frozen=True)
 class RoundScreening:
     """What this peer saw of one committed round as the owner of a part: the round, its group
-    (sorted), the committed result digest, and the contributions it flagged (maybe none)."""
+    (sorted), the committed result digest, and the contributions it flagged (maybe none).
+
+    With loss scoring (`score_samples`): `part`, the [start, stop) slice of the flat input (the
+    round's tensors in their order, flattened) that this peer owns; `samples`, the contributions
+    of the sampled peers (`sampled_peers`, not us) to that slice, fp32, as received; `aggregate`,
+    the committed result's slice. Empty / None without scoring, or when we were not a holder of
+    the committed result (our own contributions then were not the round's)."""
 
     round_id: int
     tag: str
     group: tuple[str, ...]
     digest: bytes
     flags: tuple[ContributionFlag, ...] = ()
+    part: tuple[int, int] = (0, 0)
+    samples: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    aggregate: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

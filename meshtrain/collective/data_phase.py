@@ -30,6 +30,10 @@ every contribution to it, so after combining it compares each with the others â€
 the median norm, its cosine with the robust aggregate against the group's median cosine
 (`screen_contributions`) â€” and keeps
 the flags in `stats.flags`. Nothing on the wire changes; what to do about a flag is the node's.
+With `config.score_samples` (loss scoring, issue 21 4b) the owner also keeps every weighted,
+finite contribution to its part in `stats.kept` until the round commits (one more copy of the
+flat input per peer, the size of the robust stack it already builds): which few of them are
+scored depends on the committed digest (contract.py `sampled_peers`).
 
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
 size-scaled deadline, a peer whose connection dropped (the host's connection events wake us at
@@ -88,6 +92,10 @@ class AttemptStats:
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was thrown away
     digest: bytes | None = None  # of our result, once we have one
     flags: list[ContributionFlag] = field(default_factory=list)  # screening, as the owner of a part
+    # Loss scoring (config.score_samples): every weighted, finite contribution of another peer to
+    # our part, kept until the round commits (the sample depends on the committed digest).
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)
+    part: tuple[int, int] = (0, 0)  # our part's [start, stop) in the flat input
 
 
 def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
@@ -364,7 +372,14 @@ class DataPhase:
         reduced = await trio.to_thread.run_sync(
             reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, self.index
         )
-        self._contributions[s] = {}  # the contributions are no longer needed
+        if self.config.score_samples and self.config.robust != "none":
+            self.stats.part = (a, b)
+            self.stats.kept = {
+                p: x
+                for p, x in contributions.items()
+                if p != self.me and weights.get(p, 0) > 0 and p not in self.stats.rejected
+            }
+        self._contributions[s] = {}  # the contributions are no longer needed (kept ones aside)
         parts = self._encode(reduced)
         self.out[a:b] = reduced if self.lossless else self.codec.decode(parts, (b - a,), torch.float32)
         # Hashed once, off the event loop, rather than once per receiver while sending.

@@ -27,6 +27,17 @@ def flatten_fp32(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
 
 
+def flat_slice(tensors: dict[str, torch.Tensor], a: int, b: int) -> torch.Tensor:
+    """`flatten_fp32(tensors)[a:b]`, without flattening the rest (a fresh fp32 vector)."""
+    pieces, pos = [], 0
+    for t in tensors.values():
+        lo, hi = max(a, pos), min(b, pos + t.numel())
+        if lo < hi:
+            pieces.append(t.detach().reshape(-1)[lo - pos : hi - pos].to(torch.float32))
+        pos += t.numel()
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
 def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """`flat` cut back into `names`, each with the shape and dtype of `like[name]`.
 

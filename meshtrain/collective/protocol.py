@@ -77,6 +77,9 @@ class AllReduceConfig:
     # contributions' median cosine.
     screen_norm: float = 0.0
     screen_alignment: float = 0.0
+    # Loss scoring (robust modes, contract.py `sampled_peers`): owners keep the contributions of
+    # this many sampled peers to their part for the node to score (0: none kept).
+    score_samples: int = 0
     round_window: int | None = None  # refuse joins for rounds further than this from ours (None: any)
     member_wait: float = 3.0  # how long a request from a peer not (yet) in membership waits for it
     # Pipelining (data_phase.py): parts move in stripes of at most this many input bytes, with
@@ -90,6 +93,8 @@ class AllReduceConfig:
             raise ValueError("robust must be none, trimmed_mean or clipped_mean")
         if self.screen_norm and self.screen_norm <= 1 or not 0 <= self.screen_alignment <= 1:
             raise ValueError("screen_norm must be 0 (off) or > 1, and screen_alignment in 0..1")
+        if self.score_samples < 0:
+            raise ValueError("score_samples must be >= 0")
         if self.stripe_bytes < 4096 or self.window < 1:
             raise ValueError("stripe_bytes must be >= 4096 and window >= 1")
 

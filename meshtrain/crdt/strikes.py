@@ -13,12 +13,22 @@ its reporter truthfully. A strike is the evidence of one flag:
      "digest": the round's committed result digest, "part": the reporter's index in the group,
      "norm": norm / median norm, "align": cosine with the robust aggregate / the median cosine}
 
+A *loss* strike (issue 21, 4b: node/scoring.py) has the same keys plus
+
+    "rule": "loss", "gain": the flagged contribution's relative loss drop on its sender's own
+     assigned batch, "ref": the round aggregate's drop on that batch (both over the loss at φ)
+
+and its "norm" / "align" are the contribution's norm over the aggregate's and its cosine with it.
+A record without "rule" is a screening strike (the form before loss scoring, still read); "rule"
+is "screen" or "loss", and "gain" / "ref" are present exactly when it is "loss".
+
 The record also carries the reporter's membership capabilities (`caps`: its proof of work), so
 a peer can check the reporter's admission from the record alone. `check_strikes` holds the
 structural rules (the same on every replica, so a malformed record is
 rejected everywhere): at most `MAX_STRIKES` strikes (the reporter's latest), a group of 3..
 `MAX_STRIKE_GROUP` sorted distinct ids holding both the reporter and the flagged peer (not the
-same), the part the reporter's own, finite scores, one strike per (round, peer).
+same), the part the reporter's own, finite scores, one strike per (round, peer) (a loss strike
+and a screening strike of one round count as one: the peer was flagged there).
 
 Not here: whether a strike counts and when a peer is excluded (node/strikes.py: the reporter
 admitted, the scores past the spec's thresholds, the round as we saw it, half the round's others,
@@ -41,6 +51,9 @@ MAX_PEER_CHARS = 64
 MAX_TAG_CHARS = 64
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
+SCREEN, LOSS = "screen", "loss"  # a strike's rule: screening (norm, direction) or loss scoring
+STRIKE_KEYS = frozenset({"round", "tag", "peer", "group", "digest", "part", "norm", "align"})
+LOSS_KEYS = STRIKE_KEYS | {"rule", "gain", "ref"}
 
 
 def _round(value: Any) -> int:
@@ -59,7 +72,10 @@ def _tag(value: Any) -> str:
 class Strike:
     """A contribution flagged by `reporter`, the owner of part `part` of round (`round_id`, `tag`)
     whose sorted `group` committed `digest`: `peer`'s norm over the median (`norm_ratio`) and its
-    `alignment` (collective/contract.py `ContributionFlag`)."""
+    `alignment` (collective/contract.py `ContributionFlag`). A loss strike (`rule` LOSS) also
+    carries `gain` and `ref`: the contribution's and the aggregate's relative loss drop on the
+    flagged peer's assigned batch (node/scoring.py), and its norm and alignment are against the
+    aggregate."""
 
     reporter: str
     round_id: int
@@ -70,13 +86,16 @@ class Strike:
     part: int
     norm_ratio: float
     alignment: float
+    rule: str = SCREEN
+    gain: float = 0.0
+    ref: float = 0.0
 
     @property
     def round_key(self) -> tuple[int, str]:
         return (self.round_id, self.tag)
 
     def to_record(self) -> dict[str, Any]:
-        return {
+        rec: dict[str, Any] = {
             "round": self.round_id,
             "tag": self.tag,
             "peer": self.peer,
@@ -86,21 +105,21 @@ class Strike:
             "norm": self.norm_ratio,
             "align": self.alignment,
         }
+        if self.rule == LOSS:  # a screening strike keeps the form readers before loss scoring know
+            rec.update(rule=LOSS, gain=self.gain, ref=self.ref)
+        return rec
 
     @classmethod
     def from_record(cls, reporter: str, rec: Any) -> Strike:
         """A strike from its record, checked (`CrdtError` for anything malformed)."""
-        if not isinstance(rec, dict) or set(rec) != {
-            "round",
-            "tag",
-            "peer",
-            "group",
-            "digest",
-            "part",
-            "norm",
-            "align",
-        }:
-            raise CrdtError("a strike has exactly round, tag, peer, group, digest, part, norm, align")
+        if not isinstance(rec, dict) or set(rec) not in (STRIKE_KEYS, LOSS_KEYS, STRIKE_KEYS | {"rule"}):
+            raise CrdtError(
+                "a strike has exactly round, tag, peer, group, digest, part, norm, align "
+                "(and rule; with rule loss also gain and ref)"
+            )
+        rule = rec.get("rule", SCREEN)
+        if rule not in (SCREEN, LOSS) or (rule == LOSS) != ("gain" in rec):
+            raise CrdtError("a strike's rule is screen or loss, and only a loss strike has gain and ref")
         group = rec["group"]
         if not isinstance(group, list) or not 3 <= len(group) <= MAX_STRIKE_GROUP:
             raise CrdtError(f"a strike's group is a list of 3..{MAX_STRIKE_GROUP} peer ids")
@@ -113,8 +132,8 @@ class Strike:
             raise CrdtError("a strike's reporter and flagged peer are two members of its group")
         if not is_int(part) or part != group.index(reporter):
             raise CrdtError("a strike's part is its reporter's own (its index in the group)")
-        for key in ("norm", "align"):
-            if not is_number(rec[key]) or not math.isfinite(rec[key]):
+        for key in ("norm", "align", "gain", "ref"):
+            if key in rec and (not is_number(rec[key]) or not math.isfinite(rec[key])):
                 raise CrdtError(f"a strike's {key} score is a finite number")
         return cls(
             reporter,
@@ -126,6 +145,9 @@ class Strike:
             part,
             float(rec["norm"]),
             float(rec["align"]),
+            rule,
+            float(rec.get("gain", 0.0)),
+            float(rec.get("ref", 0.0)),
         )
 
 

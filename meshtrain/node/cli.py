@@ -423,7 +423,10 @@ def _node_status(args: argparse.Namespace) -> int:
             + (f"; ignoring {ignored} peer(s) that fail it" if ignored else "")
         )
         for peer, s in sorted((admission.get("standing") or {}).items()):
-            print(f"  strikes  {peer[-12:]}  {s['strikes']} round(s)" + ("  EXCLUDED" if s["excluded"] else ""))
+            by_loss = f" ({s['by_loss']} by loss)" if s.get("by_loss") else ""
+            print(
+                f"  strikes  {peer[-12:]}  {s['strikes']} round(s){by_loss}" + ("  EXCLUDED" if s["excluded"] else "")
+            )
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""

@@ -85,6 +85,7 @@ from meshtrain.node.pipeline_export import PipelineExporter
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
+from meshtrain.node.scoring import LossScorer
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
 from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
@@ -177,6 +178,7 @@ class Node:
         self.presence: PeerPresence | None = None
         self.collective: SwarmCollective | None = None
         self.trainer: TrainedState | None = None
+        self.scorer: LossScorer | None = None  # loss scoring of sampled contributions (node/scoring.py)
         self.run_state: RunState | None = None
         self.pipeline: PipelinePeer | None = None  # a pipeline swarm's run path (instead of trainer, run_state)
         self.pipeline_exporter: PipelineExporter | None = None  # `meshtrain export` in a pipeline swarm
@@ -356,6 +358,13 @@ class Node:
                 )
                 if self.adversary == "otherdata":
                     trainer.batch = adversary.other_data(trainer.batch)  # type: ignore[method-assign]
+                if presence.strikes is not None and collective.config.score_samples and local is None:
+                    # Loss scoring (node/scoring.py): after the strike book, which logs the round.
+                    scorer = self.scorer = LossScorer(trainer, presence.strikes)
+                    collective.screening_listeners.append(scorer.on_round)
+                    scoring = await stack.enter_async_context(trio.open_nursery())
+                    stack.callback(scoring.cancel_scope.cancel)
+                    scoring.start_soon(scorer.run)
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )

@@ -99,7 +99,12 @@ def admission_status(node: Node) -> dict[str, Any]:
         "rule": spec.admission,
         "not_admitted": presence.not_admitted(),
         "ignored": presence.ignored(),
-        "standing": {p: {"strikes": s.rounds, "excluded": s.excluded} for p, s in presence.standing().items()},
+        "standing": {
+            p: {"strikes": s.rounds, "excluded": s.excluded, "by_loss": s.by_loss}
+            for p, s in presence.standing().items()
+        },
+        # Loss scoring (node/scoring.py): rounds this peer scored as an owner, and skipped (behind).
+        "loss_scoring": {"scored": node.scorer.scored, "skipped": node.scorer.skipped} if node.scorer else None,
     }
 
 

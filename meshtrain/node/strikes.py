@@ -12,13 +12,16 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   (`RoundScreening`, via `SwarmCollective.screening_listeners`): we remember the round's group
   and digest (`ROUND_LOG` rounds), and turn each flag into a signed strike in our record of the
   swarm's `strikes` CRDT (crdt/strikes.py: the evidence is the round, its group and digest, our
-  part, the scores).
+  part, the scores). Loss scoring's verdicts on the round's sampled peers arrive later, from a
+  worker thread (node/scoring.py, `on_scores`), and are filed the same way, as loss strikes.
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
   `Admission.admits_reporter`), its scores must break the spec's thresholds (a strike without
-  evidence counts for nothing), and if we were in that round ourselves its group and digest
-  must be the ones we saw (a reporter cannot invent a group without the peers we saw).
+  evidence counts for nothing; a loss strike's `gain` and `ref` must break `loss_flagged`, and
+  the round's digest must have sampled the peer, `sampled_peers`), and if we were in that round
+  ourselves its group and digest must be the ones we saw (a reporter cannot invent a group
+  without the peers we saw).
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
@@ -39,10 +42,10 @@ Standing. `standing()` gives each flagged peer's counted rounds and whether it i
 status page, `swarm list`'s advert).
 
 Not here: what it does not catch. Screening sees norms and directions only: an update trained
-on other data, or replayed from an earlier round, points roughly the right way and passes (a
-replay of the first round was struck out after 5 rounds in scripts/bench_adversarial.py, once its
-norm and direction had drifted from the swarm's; other data never was); loss scoring and replay
-spot-checks (issue 21, 4b/4c) are not built. A majority of colluding admitted
+on other data, or replayed from an earlier round, points roughly the right way and passes; loss
+scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
+loss on their own assigned batch, and its own limits are told there. Replay spot-checks (issue
+21, 4c) are not built. A majority of colluding admitted
 peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
@@ -64,10 +67,10 @@ from typing import Any
 
 import trio
 
-from meshtrain.collective.contract import RoundScreening
+from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.crdt.entries import CrdtError, decode_entries, encode_entries
 from meshtrain.crdt.replica import ChangeEvent
-from meshtrain.crdt.strikes import MAX_STRIKE_GROUP, Strike
+from meshtrain.crdt.strikes import LOSS, MAX_STRIKE_GROUP, Strike
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, STRIKES, SwarmView
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.log import get_logger, kv
@@ -88,6 +91,14 @@ def quorum(group_size: int) -> int:
     return max(MIN_REPORTERS, -(-(group_size - 1) // 2))
 
 
+def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
+    """Loss scoring's rule (node/scoring.py): an update whose relative loss drop on its own
+    assigned batch (`gain`) falls short of `spec.score_ratio` x the round aggregate's drop there
+    (`ref`; where the aggregate raised that loss, of the aggregate's own change) by more than
+    `spec.score_floor` is suspect."""
+    return gain < min(spec.score_ratio * ref, ref) - spec.score_floor
+
+
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
     """The round at which the rounds counted against a peer (round ids, sorted) exclude it: the
     first whose latest `spec.strikes` counted rounds lie within `spec.strikes_window` consecutive
@@ -103,12 +114,28 @@ def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
 
 
 @dataclass(frozen=True)
+class LossScore:
+    """Loss scoring's measurement of one sampled peer's contribution to our part
+    (node/scoring.py): its relative loss drop on the peer's own assigned batch (`gain`), the
+    round aggregate's drop on the same batch (`ref`), its norm over the aggregate's
+    (`norm_ratio`) and its cosine with the aggregate (`alignment`)."""
+
+    peer: str
+    gain: float
+    ref: float
+    norm_ratio: float
+    alignment: float
+
+
+@dataclass(frozen=True)
 class Standing:
-    """A peer's record: the rounds counted against it, and whether that excludes it."""
+    """A peer's record: the rounds counted against it, whether that excludes it, and how many of
+    those rounds loss scoring's strikes (node/scoring.py) were among the counted reporters'."""
 
     peer: str
     rounds: int
     excluded: bool
+    by_loss: int = 0
 
 
 class StrikeBook:
@@ -167,6 +194,51 @@ class StrikeBook:
             log.warning(
                 kv("flagged a contribution", round=s.round_id, peer=s.peer[-12:], norm=s.norm_ratio, align=s.alignment)
             )
+        self._file(strikes)
+
+    def on_scores(self, screening: RoundScreening, scores: list[LossScore]) -> None:
+        """Loss scoring's verdicts on the sampled peers of a round we screened (node/scoring.py):
+        a signed loss strike for each score that breaks the spec's rule, unless screening already
+        flagged that peer there (one strike per round and peer)."""
+        if len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
+            return
+        screened = {f.peer for f in screening.flags}
+        part = screening.group.index(self.me)
+        strikes = []
+        for sc in scores:
+            if sc.peer in screened or not loss_flagged(sc.gain, sc.ref, self.spec):
+                continue
+            strikes.append(
+                Strike(
+                    self.me,
+                    screening.round_id,
+                    screening.tag,
+                    sc.peer,
+                    screening.group,
+                    screening.digest,
+                    part,
+                    sc.norm_ratio,
+                    sc.alignment,
+                    LOSS,
+                    sc.gain,
+                    sc.ref,
+                )
+            )
+            log.warning(
+                kv(
+                    "flagged a contribution by loss",
+                    round=screening.round_id,
+                    peer=sc.peer[-12:],
+                    gain=sc.gain,
+                    ref=sc.ref,
+                )
+            )
+        self._standing = None
+        self._file(strikes)
+
+    def _file(self, strikes: list[Strike]) -> None:
+        if not strikes:
+            return
         try:
             self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, 1))
         except CrdtError as e:  # our own record would be refused: say so, do not stop training
@@ -181,7 +253,14 @@ class StrikeBook:
         k, min_align = self.spec.screen_norm, self.spec.screen_alignment
         if not k or self.spec.aggregation == "mean":
             return "this swarm does not screen"
-        if 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
+        if strike.rule == LOSS:
+            if not self.spec.score_samples:
+                return "this swarm does not score by loss"
+            if not loss_flagged(strike.gain, strike.ref, self.spec):
+                return "no evidence: the loss scores break no threshold"
+            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.score_samples):
+                return "the round's digest did not sample that peer for loss scoring"
+        elif 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
         if seen is not None and seen != (strike.group, strike.digest):
@@ -200,12 +279,15 @@ class StrikeBook:
 
     def _count(self) -> dict[str, Standing]:
         reporters: dict[tuple[str, tuple[int, str], tuple[str, ...], bytes], set[str]] = {}
+        by_loss: set[tuple[str, tuple[int, str]]] = set()  # (peer, round) with a counted loss strike
         for record in self.view.strike_records():
             admitted = self.admitted(record.reporter, record.capabilities)
             for strike in record.strikes:
                 if self.why_not_counted(strike, admitted) is None:
                     key = (strike.peer, strike.round_key, strike.group, strike.digest)
                     reporters.setdefault(key, set()).add(strike.reporter)
+                    if strike.rule == LOSS:
+                        by_loss.add((strike.peer, strike.round_key))
         counted: dict[str, list[tuple[int, str]]] = {}
         for (peer, key, group, _), who in reporters.items():
             if len(who) >= quorum(len(group)) and key not in counted.get(peer, []):
@@ -213,7 +295,7 @@ class StrikeBook:
         standing = {}
         for p, keys in counted.items():
             at = excluded_at(sorted(r for r, _ in keys), self.spec)
-            standing[p] = Standing(p, len(keys), at is not None)
+            standing[p] = Standing(p, len(keys), at is not None, sum((p, k) in by_loss for k in keys))
             if at is not None and p not in self._announced:  # once per peer (bench_adversarial reads it)
                 self._announced.add(p)
                 log.warning(kv("peer excluded by strikes", peer=p, rounds=len(keys), at_round=at))

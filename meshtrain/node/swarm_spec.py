@@ -9,7 +9,9 @@ peers that train in different precisions are different experiments. So is its `a
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
-they combine (`screen_norm`, `screen_alignment`; peers flagged in `strikes` rounds within
+they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
+loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py;
+peers flagged in `strikes` rounds within
 `strikes_window` rounds are excluded, node/strikes.py; dp screens nothing unless its spec sets
 `screen_norm`: see OPTIMIZER_DEFAULTS); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
 `group_size`: how large a swarm's outer rounds get before they run in groups
@@ -173,6 +175,27 @@ class SwarmSpec(BaseModel):
         le=1,
         description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
         "fraction of the group's median cosine (a flipped update, or noise)",
+    )
+    score_samples: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="loss scoring (node/scoring.py): in each screened round this many peers, drawn from the "
+        "round's committed digest, have their update applied to each owner's part of the outer parameters "
+        "and its loss measured on their own assigned batch; 0 = off; only where screening is on",
+    )
+    score_ratio: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
+        "fraction of the round aggregate's drop there (of its rise, where it raised it) by more than score_floor",
+    )
+    score_floor: float = Field(
+        2e-3,
+        ge=0,
+        le=1,
+        description="loss scoring: slack, as a fraction of the loss, below which a shortfall is noise, not evidence",
     )
     strikes: int = Field(
         3,
@@ -417,6 +440,8 @@ class SwarmSpec(BaseModel):
             # Screening needs a part's contributions side by side, which only robust modes keep.
             "screen_norm": self.screen_norm if robust else 0.0,
             "screen_alignment": self.screen_alignment,
+            # Loss scoring (node/scoring.py) keeps a few contributions of screened rounds.
+            "score_samples": self.score_samples if robust and self.screen_norm else 0,
         }
 
     def group_plan(self) -> GroupPlan | None:

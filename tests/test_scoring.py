@@ -1,0 +1,193 @@
+"""Loss scoring (issue 21, 4b; node/scoring.py): an owner applies a sampled peer's update to its
+part of φ and measures the loss on that peer's own assigned batch; an update that does not lower
+it about as much as the round's aggregate does is flagged. Pure-function level with a real tiny
+model trained for real (DiLoCo rounds of gpt-tiny on the built-in corpus, in one process); the
+sample among real hosts on loopback; and the loss strike format, as a property."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtrain.collective.allreduce import AllReduceConfig
+from meshtrain.collective.contract import sampled_peers
+from meshtrain.collective.flat import flatten_fp32, part_bounds
+from meshtrain.crdt.entries import CrdtError
+from meshtrain.crdt.strikes import LOSS, Strike
+from meshtrain.models import Corpus
+from meshtrain.models.sources import build_model
+from meshtrain.node.scoring import score_round
+from meshtrain.node.strikes import loss_flagged, quorum
+from meshtrain.node.swarm_spec import SwarmSpec
+
+from .test_allreduce import mesh, run_all
+from .test_screening import JUNK, PEERS
+
+H, BATCH, CONTEXT = 10, 8, 32  # gpt-tiny's own context, as in scripts/bench_adversarial.py
+HONEST = ["p0", "p1", "p2", "p3"]
+
+
+class Rounds:
+    """DiLoCo among HONEST plus one adversary on gpt-tiny: each peer trains H AdamW steps from φ
+    on its assigned batches (`Corpus.batch`, as the trainer does), the trimmed mean of the Δs
+    moves φ by Nesterov SGD (the spec's defaults)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.corpus = Corpus.default("chars")
+        self.model = build_model("gpt-tiny", vocab_size=self.corpus.vocab_size, seed=0, context=CONTEXT)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.phi = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.momentum = {n: torch.zeros_like(p) for n, p in self.phi.items()}
+
+    def batch(self, peer: str, step: int, other: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.corpus.batch(BATCH, CONTEXT, seed=0, peer=peer, step=step)
+        if other:  # the otherdata adversary's batches (node/adversary.py): token order reversed
+            seq = torch.cat([x[:, :1], y], dim=1).flip(1)
+            return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        return x, y
+
+    def train(self, peer: str, r: int, other: bool = False) -> torch.Tensor:
+        """Δ = φ − θ (flat) of `peer` after the inner steps of round r (steps r − H .. r − 1)."""
+        m = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.copy_(self.phi[n])
+        opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.01)
+        for s in range(r - H, r):
+            loss = m(*self.batch(peer, s, other)).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+        return flatten_fp32({n: self.phi[n] - p.detach() for n, p in m.named_parameters()})
+
+    def step(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        agg = torch.stack(deltas).sort(dim=0).values[1:-1].mean(dim=0)
+        pos = 0
+        for n in self.names:
+            g = agg[pos : pos + self.phi[n].numel()].view(self.phi[n].shape)
+            pos += self.phi[n].numel()
+            self.momentum[n].mul_(0.9).add_(g)
+            self.phi[n] -= 0.7 * (g + 0.9 * self.momentum[n])
+        return agg
+
+
+@pytest.fixture(scope="module")
+def third_round() -> tuple[Rounds, dict[str, torch.Tensor]]:
+    """φ after two rounds, and round 3's updates: the honest peers', a replay of the adversary's
+    round-1 update, and an update trained on other data than assigned."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and fair to a shared machine
+    try:
+        sim = Rounds()
+        first = None
+        for r in (H, 2 * H):
+            deltas = {p: sim.train(p, r) for p in HONEST}
+            first = first if first is not None else sim.train("adv", r)
+            sim.step([*deltas.values(), first])
+        r = 3 * H
+        updates = {p: sim.train(p, r) for p in HONEST}
+        updates["replay"] = first
+        updates["otherdata"] = sim.train("adv", r, other=True)
+    finally:
+        torch.set_num_threads(threads)
+    return sim, updates
+
+
+def verdicts(sim: Rounds, updates: dict[str, torch.Tensor], liar: str) -> dict[str, int]:
+    """How many owners (each on its own part) flag each peer of a round of HONEST + `liar`."""
+    group = [*HONEST, liar]
+    agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
+    bounds = part_bounds(agg.numel(), len(group))
+    spec = SwarmSpec(model="gpt-tiny")
+    # The scored peer's own batch: `liar`'s assignment is the adversary's ("adv").
+    batches = {p: sim.batch("adv" if p == liar else p, 3 * H - 1) for p in group}
+    flags = dict.fromkeys(group, 0)
+    for j, owner in enumerate(group):
+        part = (bounds[j], bounds[j + 1])
+        samples = {p: updates[p][part[0] : part[1]] for p in group if p != owner}
+        scores = score_round(
+            copy.deepcopy(sim.model), sim.phi, sim.names, part, samples, agg[part[0] : part[1]], batches
+        )
+        assert {s.peer for s in scores} == set(samples)
+        for s in scores:
+            flags[s.peer] += loss_flagged(s.gain, s.ref, spec)
+    return flags
+
+
+@pytest.mark.parametrize("liar", ["replay", "otherdata"])
+def test_a_replayed_or_other_data_update_is_flagged_by_a_quorum_and_no_honest_one(third_round, liar) -> None:
+    sim, updates = third_round
+    flags = verdicts(sim, updates, liar)
+    need = quorum(len(HONEST) + 1)
+    assert flags[liar] >= need, flags
+    assert all(flags[p] < need for p in HONEST), flags
+
+
+def test_the_sample_is_a_function_of_the_committed_digest() -> None:
+    group = tuple(f"peer{i}" for i in range(8))
+    a, b = sampled_peers(group, b"\x01" * 32, 3), sampled_peers(group, b"\x02" * 32, 3)
+    assert len(a) == 3 and set(a) <= set(group) and a == tuple(sorted(a))
+    assert a == sampled_peers(tuple(reversed(group)), b"\x01" * 32, 3)  # the order handed in does not matter
+    assert a != b or sampled_peers(group, b"\x03" * 32, 3) != a  # another digest, another sample
+    assert sampled_peers(group, b"\x01", 0) == () and sampled_peers(group, b"\x01", 99) == group
+
+
+async def test_owners_keep_the_sampled_contributions_to_their_part() -> None:
+    """Among real hosts: every owner hands over the same sampled peers (not itself), their
+    contributions to its part exactly as sent, and the committed result's slice."""
+    cfg = AllReduceConfig(
+        join_timeout=5, robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25, score_samples=2
+    )
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(4000, generator=g) for _ in range(4)]
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 4, cfg)
+        results = await run_all(cols, [{"w": x.reshape(40, -1)} for x in inputs], round_id=7)
+    ids = [p.id for p in peers]
+    group = tuple(sorted(ids))
+    chosen = sampled_peers(group, results[0].digest, 2)
+    for i, r in enumerate(results):
+        s = r.screening
+        assert s is not None and set(s.samples) == set(chosen) - {ids[i]}
+        a, b = s.part
+        assert (a, b) == tuple(part_bounds(4000, 4)[group.index(ids[i]) : group.index(ids[i]) + 2])
+        for p, x in s.samples.items():
+            assert torch.equal(x, inputs[ids.index(p)][a:b])
+        assert torch.equal(s.aggregate, r.tensors["w"].reshape(-1)[a:b])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(["rule", "gain", "ref", "norm", "align", "drop-gain", "drop-rule", None]),
+    junk=JUNK,
+    gain=st.floats(-10, 10),
+    ref=st.floats(-10, 10),
+)
+def test_a_loss_strike_round_trips_and_any_other_is_refused_with_a_crdt_error(field, junk, gain, ref) -> None:
+    """Loss strikes (crdt/strikes.py): a well-formed one survives its record, a screening strike
+    keeps the old form (no rule key), and a record with a loss field replaced by junk or missing
+    is still well-formed or refused with `CrdtError`, never another exception."""
+    reporter, peer = PEERS[1], PEERS[3]
+    strike = Strike(reporter, 40, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, 1.2, 0.4, LOSS, gain, ref)
+    record = strike.to_record()
+    assert Strike.from_record(reporter, record) == strike and record["rule"] == LOSS
+    screen = Strike(reporter, 40, "f0", peer, tuple(PEERS), b"\x05" * 32, 1, 1.2, 0.4)
+    assert "rule" not in screen.to_record() and Strike.from_record(reporter, screen.to_record()) == screen
+    if field is None:
+        pass
+    elif field.startswith("drop-"):
+        record = {k: v for k, v in record.items() if k != field[5:]}
+    else:
+        record = {**record, field: junk}
+    try:
+        parsed = Strike.from_record(reporter, record)
+    except CrdtError:
+        return
+    assert Strike.from_record(reporter, parsed.to_record()) == parsed
