@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from meshtrain.backoff import Backoff
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS, PeerProgress
-from meshtrain.node.parity import ParityMonitor, judge, phi_digest, winning_digest
+from meshtrain.node.parity import MIN_SETTLE_S, ParityMonitor, judge, phi_digest, winning_digest
 
 A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
 
@@ -71,6 +71,17 @@ def test_a_stalled_peer_holds_each_round_open_for_settle_s_not_for_ever():
     assert (v.status, v.outer_round, v.compared) == ("minority", 7, 3)  # judged without the stalled peer
     v = judge("p1", mine, others, completed_at=done, now=5.0, settle_s=3.0)
     assert v.status == "ok" and v.outer_round == 4  # round 4 is the newest 3 s old: still one lineage
+
+
+def test_the_settle_time_follows_fast_rounds_but_not_below_a_floor():
+    m = ParityMonitor("me", settle_s=3.0)
+    assert m.settle() == 3.0  # no rounds yet
+    m.completed_at = {r: 0.4 * r for r in range(8)}  # rounds every 0.4 s
+    assert m.settle() == MIN_SETTLE_S  # two rounds (0.8 s), floored
+    m.completed_at = {r: 0.9 * r for r in range(8)}
+    assert abs(m.settle() - 1.8) < 1e-9
+    m.completed_at = {r: 60.0 * r for r in range(8)}  # slow rounds: settle_s
+    assert m.settle() == 3.0
 
 
 @settings(max_examples=200, deadline=None)

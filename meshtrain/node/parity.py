@@ -25,7 +25,8 @@ can then compare, for round r, the digests of every live trainer that reports on
 - **When to judge.** The round judged is our newest one that every live trainer has reached
   (published a digest at or past it; each record carries the last 8 rounds, so peers a round or
   two apart still compare the same round). A peer that has not reached it holds the verdict
-  open for at most `settle_s` (3 s) after that round completed: then our newest round at least
+  open for at most `settle_s` (3 s, or two of our recent rounds where those are shorter, at
+  least `MIN_SETTLE_S`) after that round completed: then our newest round at least
   that old is judged with the peers that reached it (a stopped or cut-off peer must not keep it
   open; the clock is per round, so rounds shorter than `settle_s` do not keep it open either —
   a 10-minute soak at 0.5 s rounds saw two lineages run 13 rounds apart while a SIGSTOPped peer
@@ -57,7 +58,8 @@ import torch
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
 
 DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
-DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it
+DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it ...
+MIN_SETTLE_S = 1.0  # ... or two rounds where rounds are shorter, but never less than this
 
 
 def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:
@@ -195,9 +197,19 @@ class ParityMonitor:
             self.verdict = ParityVerdict("unchecked", reason=paused)
             return self.verdict
         self.verdict = judge(
-            self.me, self.history, others, completed_at=self.completed_at, now=time.monotonic(), settle_s=self.settle_s
+            self.me, self.history, others, completed_at=self.completed_at, now=time.monotonic(), settle_s=self.settle()
         )
         return self.verdict
+
+    def settle(self) -> float:
+        """How long a round's verdict waits for peers that have not reached it: `settle_s`, or two
+        of our recent rounds where those are shorter (at least `MIN_SETTLE_S`), so a swarm of fast
+        rounds is judged within a few rounds, not a few dozen."""
+        times = sorted(self.completed_at.values())
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+        if len(gaps) < 3:
+            return self.settle_s
+        return min(self.settle_s, max(MIN_SETTLE_S, 2 * gaps[len(gaps) // 2]))
 
     def status(self) -> dict:
         out = self.verdict.as_status()
