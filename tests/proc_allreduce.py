@@ -61,6 +61,10 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
     real_send = ts.send
 
     async def send(peer, tag, tensors, **kw):
+        if armed["on"] and fault == "while_sending" and "/ag/" in tag:
+            # Dying mid-round: a small round could otherwise finish (its all-gather sent) within
+            # the 30 ms before the kill, and the victim would count as a contributor.
+            await trio.sleep_forever()
         if armed["on"] and "/rs/" in tag:
             if fault == "while_sending":
                 async with trio.open_nursery() as nursery:

@@ -70,7 +70,9 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
         standing = n.presence.standing()
         assert list(standing) == [liar.host.peer_id] and standing[liar.host.peer_id].excluded, standing
         history = n.trainer.outer.history
-        assert history[0].contributors == PEERS  # it took part at first ...
+        # It took part at first (a fast swarm's very first round may form before the last of
+        # the four is connected, so not necessarily in round one) ...
+        assert any(r.contributors == PEERS for r in history)
         assert history[-1].contributors == PEERS - 1  # ... and is out by the end
         assert n.presence.strikes.path.exists()
     # The status page shows each peer's standing.
