@@ -10,11 +10,10 @@ every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggr
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
 they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
-loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py;
-peers flagged in `strikes` rounds within
-`strikes_window` rounds are excluded, node/strikes.py; dp screens nothing unless its spec sets
-`screen_norm`: see OPTIMIZER_DEFAULTS); every other swarm keeps the mean. An explicit `aggregation = "mean"` stays. Its
-`group_size`: how large a swarm's outer rounds get before they run in groups
+loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py);
+peers flagged in `strikes` rounds within `strikes_window` rounds are excluded (node/strikes.py).
+dp screens nothing unless its spec sets `screen_norm` (see OPTIMIZER_DEFAULTS). Every other swarm
+keeps the mean, and an explicit `aggregation = "mean"` stays. Its `group_size`: how large a swarm's outer rounds get before they run in groups
 (`SwarmSpec.group_plan`, collective/groups.py). `parse_spec` validates an untrusted dict into one
 (a one-line `ConfigError`).
 
