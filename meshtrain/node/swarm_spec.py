@@ -188,7 +188,8 @@ class SwarmSpec(BaseModel):
         ge=0,
         le=1,
         description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
-        "fraction of the round aggregate's drop there (of its rise, where it raised it) by more than score_floor",
+        "fraction of the round aggregate's drop there by more than score_floor; a batch the aggregate did not lower "
+        "by more than score_floor is not scored",
     )
     score_floor: float = Field(
         2e-3,
