@@ -42,6 +42,19 @@ def set_emit_guard(guard: Callable[[], AbstractContextManager[None]] | None) -> 
 
 
 class _Handler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a line is logged, not what it was at `configure`
+    (as the standard library's last-resort handler does): a stream swapped out and closed since
+    (pytest's capture, a redirected CLI run in-process) would turn every later line into a
+    "Logging error" traceback."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - the base class's attribute, made to follow sys.stderr
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
     def emit(self, record: logging.LogRecord) -> None:
         guard = _emit_guard
         with guard() if guard is not None else contextlib.nullcontext():
@@ -58,7 +71,7 @@ def configure(level: str | int | None = None) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    handler = _Handler(sys.stderr)
+    handler = _Handler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
