@@ -151,12 +151,22 @@ def run_pair(
     return phi, results
 
 
-def test_two_rank_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path):
-    spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
+@pytest.fixture(scope="module")
+def single_rank_pair(tmp_path_factory) -> tuple[Path, list[Path], dict, list[dict]]:
+    """One swarm's spec and keys, and what two single-rank peers train in it: the reference the
+    DDP and FSDP peers below must match (run once for both)."""
+    tmp = tmp_path_factory.mktemp("single")
+    spec_file, keys = setup_swarm(tmp, H=5, steps=15, batch_size=8)
+    single, r_single = run_pair(tmp / "single", spec_file, keys, (1, 1))
+    assert [r["rounds"] for r in r_single] == [3] * 2
+    return spec_file, keys, single, r_single
+
+
+def test_two_rank_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path, single_rank_pair):
+    spec_file, keys, single, _ = single_rank_pair
     mixed, r_mixed = run_pair(tmp_path / "mixed", spec_file, keys, (2, 1))
-    single, r_single = run_pair(tmp_path / "single", spec_file, keys, (1, 1))
     assert r_mixed[0]["local_ranks"] == 2 and len(r_mixed[0]["local_ranks_peak_rss_mib"]) == 2
-    assert [r["rounds"] for r in r_mixed + r_single] == [3] * 4
+    assert [r["rounds"] for r in r_mixed] == [3] * 2
     diff = max(float((mixed[n] - single[n]).abs().max()) for n in mixed)
     # Not bit-identical: two ranks sum half-batch gradients in another order, and AdamW's 1/sqrt(v)
     # grows those last-bit differences over 15 steps (3e-6 to 3e-5 seen, depending on the thread
@@ -182,12 +192,11 @@ def max_phi_difference(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def test_two_rank_fsdp_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path):
-    spec_file, keys = setup_swarm(tmp_path, H=5, steps=15, batch_size=8)
+def test_two_rank_fsdp_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path, single_rank_pair):
+    spec_file, keys, single, _ = single_rank_pair
     sharded, r_sharded = run_pair(tmp_path / "fsdp", spec_file, keys, (2, 1), sharding="fsdp")
-    single, r_single = run_pair(tmp_path / "single", spec_file, keys, (1, 1))
     assert r_sharded[0]["local_ranks"] == 2 and r_sharded[0]["sharding"] == "fsdp"
-    assert [r["rounds"] for r in r_sharded + r_single] == [3] * 4
+    assert [r["rounds"] for r in r_sharded] == [3] * 2
     # The same bound as under DDP (above): FSDP reduce-scatters the half-batch gradients in
     # another order; a lost half batch or a shard not pushed back moves φ by 1e-3 or more.
     assert max_phi_difference(sharded, single) <= 1e-4
