@@ -321,7 +321,7 @@ class GPT(nn.Module):
         """idx: [B, T] token ids, T <= context. targets: [B, T] next-token ids, or None.
         block_order: indices of the blocks to run, in order; repeats allowed; empty runs no block
         (embedding straight into the head). None runs every block in order."""
-        self._check_input(idx)
+        self.check_input(idx)
         order = range(len(self.blocks)) if block_order is None else self._check_order(block_order)
         h = self.embed(idx)
         for i in order:
@@ -410,7 +410,8 @@ class GPT(nn.Module):
             )
         return result
 
-    def _check_input(self, idx: torch.Tensor) -> None:
+    def check_input(self, idx: torch.Tensor) -> None:
+        """ModelInputError unless idx is [batch, time] integer ids, time <= context, ids in the vocabulary."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ModelInputError(f"idx must be a [batch, time] integer tensor, got {idx.dtype} {tuple(idx.shape)}")
         if idx.shape[1] > self.config.context:

@@ -356,14 +356,13 @@ class PipelinePeer:
     def _problem(self, epoch: Epoch) -> PipelineRun:
         spec, trainer = self.spec, self.trainer
         assert trainer is not None
-        cfg = trainer.replica.model.config
         peers = sorted(epoch.placement)
         problem = PipelineProblem(
             num_stages=spec.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
             links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
-            activation_bytes=4 * spec.batch_size * trainer.context * cfg.d_model,
+            activation_bytes=4 * spec.batch_size * trainer.context * trainer.replica.d_model,
             microbatches=spec.microbatches,
             skip_ratio=spec.skip_ratio,
         )
