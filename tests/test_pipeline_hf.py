@@ -13,15 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import trio
 
+import meshtrain
 from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
+from meshtrain.node import cli, pipeline_peer
+from meshtrain.node.stage_state import StageStates
 from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
-from meshtrain.pipeline.stages import StageReplica
+from meshtrain.pipeline.stages import StageReplica, load_stage_states
 from meshtrain.transport.identity import Identity
 
-from .tiny_hf import save_tiny_llama
+from .test_pipeline_swarm import node_config, pipeline_spec, stage_step, wait_for, weights_digest
+from .tiny_hf import save_tiny_llama, train_bpe
 
 VOCAB = 64
 
@@ -146,8 +151,6 @@ def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB)).save_pretrained(tmp_path / "gpt2")
-    from meshtrain.node import cli
-
     capsys.readouterr()  # save_pretrained's progress bar
     gpt2 = f"hf:{tmp_path / 'gpt2'}"
     argv = ["swarm", "create", "--model", gpt2, "--tokenizer", gpt2, "--pipeline", "skippipe", "--stages", "2"]
@@ -161,3 +164,70 @@ def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_
         pipeline_layers(f"hf-config:{config}")
     with pytest.raises(ConfigError, match="LLaMA-family"):
         SwarmSpec(model="py:mymod:make", pipeline="skippipe", stages=2).check()
+
+
+@pytest.mark.slow
+async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_model_transformers_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """Three daemons train a 2-layer LLaMA (hf:, with its BPE tokenizer) in two stages: two
+    origins on stage 0 (embedding + norm + LM head), one peer on stage 1 (both decoder layers).
+    The two replicas of stage 0 publish bit-identical weights at every step they share;
+    `meshtrain export` on the stage-1 peer assembles the model, and
+    `AutoModelForCausalLM.from_pretrained(out)` gives the logits of the published stages run in
+    sequence; `meshtrain sample` there continues a prompt with the model assembled the same way."""
+    from transformers import AutoModelForCausalLM
+
+    llama, bpe = save_tiny_llama(tmp_path / "llama"), train_bpe(tmp_path / "bpe")
+    published: dict[tuple[int, int], dict[str, dict[str, torch.Tensor]]] = {}  # (stage, step) -> peer -> weights
+    offer = StageStates.publish
+
+    def observe(self: StageStates, stage: int, step: int, state: dict) -> None:
+        published.setdefault((stage, step), {})[self.host.peer_id] = state["weights"]
+        offer(self, stage, step, state)
+
+    monkeypatch.setattr(StageStates, "publish", observe)
+    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together
+    spec = pipeline_spec(model=f"hf:{llama}", tokenizer=f"hf:{bpe}", context=16, steps=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    assert signed.spec.stage_cut == "0-1"
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    out = tmp_path / "export"
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(nodes["a"].run)
+            await wait_for(lambda: nodes["a"].view is not None)
+            for name in "bc":
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nursery.start_soon(nodes[name].run)
+            await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
+            (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+            argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
+            rc = [await trio.to_thread.run_sync(cli.main, argv)]
+            capsys.readouterr()
+            argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
+            rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
+            sampled = capsys.readouterr()
+            for node in nodes.values():
+                node.stop()
+    assert rc == [0, 0] and sampled.out.startswith("The "), sampled
+    info = json.loads((out / "meshtrain_export.json").read_text())
+    step = info["step"]
+    assert info["steps_agree"] and step >= 3 and [s["source"] for s in info["stages"]] == ["replicas", "own"], info
+    replicas = published[(0, step)]
+    assert len(replicas) == 2, replicas.keys()
+    assert len({weights_digest(w) for w in replicas.values()}) == 1  # the replicas of stage 0 agree, bit for bit
+    # The stages as published, run in sequence, against the export as transformers loads it.
+    model = build_model(spec.model, vocab_size=300, seed=0)
+    load_stage_states(model, [next(iter(replicas.values())), next(iter(published[(1, step)].values()))])
+    stages = staged(model).stages(2)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    with torch.no_grad():
+        want = stages[0].module["head"](stages[1].module(stages[0].module["embed"](x))).logits
+        got = exported(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert not torch.equal(
+        exported.model.embed_tokens.weight,
+        build_model(spec.model, vocab_size=300, seed=0).inner.model.embed_tokens.weight,
+    )
