@@ -241,14 +241,16 @@ class Head(nn.Module):
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """One piece of a `GPT` cut for pipelining (see `GPT.stages`).
+    """One piece of a model cut for pipelining (see `GPT.stages`; models/staged.py cuts
+    LLaMA-family transformers models into the same form).
 
     index: stage number; 0 is the ends (embedding + head), 1.. are runs of blocks.
-    blocks: indices into `GPT.blocks` this stage runs, in order (empty for stage 0).
-    module: stage 0: `nn.ModuleDict(embed=..., head=...)`; other stages: `nn.Sequential` of the
-        blocks, so `module(h)` runs them. The modules are the model's own, not copies.
-    parameter_names: the model-level names (as in `GPT.named_parameters()`) of this stage's
-        parameters, in the order of `module.parameters()`.
+    blocks: indices into the model's blocks this stage runs, in order (empty for stage 0).
+    module: stage 0: `nn.ModuleDict(embed=..., head=...)` (`head(h, targets)` returns a
+        `GPTOutput`); other stages: a module that runs the blocks, `module(h) -> h` (for a GPT an
+        `nn.Sequential` of them). The modules are the model's own, not copies.
+    parameter_names: the model-level names (as in `model.named_parameters()`) of this stage's
+        parameters (for a GPT in the order of `module.parameters()`).
     """
 
     index: int

@@ -74,8 +74,8 @@ class StagedModel(Protocol):
     `check_input(idx)`: ModelInputError unless idx is token ids the model accepts.
     """
 
-    model: nn.Module
-
+    @property
+    def model(self) -> nn.Module: ...
     @property
     def n_layer(self) -> int: ...
     @property
@@ -182,7 +182,7 @@ class HFHead(nn.Module):
 
 
 def _attention_kind(config: Any, layer: int) -> str:
-    """"full_attention" or "sliding_attention": what the model's own forward masks layer `layer` with."""
+    """Which mask ("full_attention" or "sliding_attention") the model's own forward gives layer `layer`."""
     kinds = getattr(config, "layer_types", None)
     if isinstance(kinds, (list, tuple)) and len(kinds) > layer:
         return str(kinds[layer])

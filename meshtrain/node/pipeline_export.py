@@ -131,9 +131,7 @@ class StageSource:
         return cls(stage, step, rounds if isinstance(rounds, int) else 0, source, donors, digest)
 
 
-def assemble(
-    signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor]]
-) -> tuple[torch.nn.Module, Any]:
+def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> tuple[torch.nn.Module, Any]:
     """The spec's model with every stage's weights (module docstring, 3) and its tokenizer.
     ConfigError naming the stage whose weights are missing or not its parameters."""
     spec = signed.spec
