@@ -28,6 +28,9 @@ targets at every position (the corpus' targets, the inputs shifted by one), as f
 non-pipeline swarm's `HFCausalLM(x)` (HF's `labels=x`) is the same objective without the last
 position, whose target x does not hold.
 
+Needs transformers >= 4.53 (`MIN_TRANSFORMERS`: its `masking_utils`); an older one is a ConfigError
+when the stage is built. Tested against transformers 5.x.
+
 Parameter names are the whole model's (`inner.model.layers.3.mlp.up_proj.weight`), so a stage's
 state, its checkpoints and the assembled export (node/pipeline_export.py, written with the HF
 model's own `save_pretrained`) use them unchanged.
@@ -42,6 +45,7 @@ optimizer (pipeline/stages.py).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,6 +63,8 @@ PIPELINE_MODELS = (
     f"a built-in GPT ({', '.join(PRESETS)}) or a LLaMA-family transformers model "
     f"(hf:<dir> or hf-config:<config.json> of model_type {', '.join(PIPELINE_HF_TYPES)})"
 )
+# transformers.masking_utils and decoder layers that take `position_embeddings` (tested on 5.x)
+MIN_TRANSFORMERS = (4, 53)
 # The parts a LLaMA-family model's stages are made of (under `HFCausalLM.inner`).
 HF_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 
@@ -215,18 +221,33 @@ class HFLayers(nn.Module):
         for i, layer in zip(self.indices, self.layers, strict=True):
             kind = _attention_kind(self.config, i)
             if kind not in masks:
-                masks[kind] = make[kind](
-                    config=self.config,
-                    inputs_embeds=h,
-                    attention_mask=None,
-                    past_key_values=None,
-                    position_ids=position_ids,
-                )
+                masks[kind] = _causal_mask(make[kind], self.config, h, position_ids)
             out = layer(
                 h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
             )
             h = out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
         return h
+
+
+def _causal_mask(make: Any, config: Any, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """`make(...)` (a transformers.masking_utils mask builder) for a batch without padding or
+    cache. Its keywords moved between releases (`input_embeds` and a required `cache_position`
+    before 5.0), so they are read off its signature."""
+    params = inspect.signature(make).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": None, "past_key_values": None}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = h
+    if "position_ids" in params:
+        kwargs["position_ids"] = position_ids
+    if "cache_position" in params:
+        kwargs["cache_position"] = position_ids[0]
+    return make(**kwargs)
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = (transformers.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 @dataclass(frozen=True)
@@ -243,6 +264,11 @@ class StagedHF:
         if model_type not in PIPELINE_HF_TYPES or missing:
             raise ConfigError(
                 f"pipeline swarms cut {PIPELINE_MODELS}, not a transformers {model_type or type(inner).__name__}"
+            )
+        if _transformers_version() < MIN_TRANSFORMERS:
+            raise ConfigError(
+                "pipeline swarms of transformers models need transformers>="
+                f"{'.'.join(map(str, MIN_TRANSFORMERS))} (masking_utils): pip install -U transformers"
             )
         if len(_part(inner, "model.layers")) != self.n_layer:
             raise ConfigError(f"a {model_type} with {self.n_layer} layers in its config holds another number")
