@@ -241,14 +241,16 @@ class Head(nn.Module):
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """One piece of a `GPT` cut for pipelining (see `GPT.stages`).
+    """One piece of a model cut for pipelining (see `GPT.stages`; models/staged.py cuts
+    LLaMA-family transformers models into the same form).
 
     index: stage number; 0 is the ends (embedding + head), 1.. are runs of blocks.
-    blocks: indices into `GPT.blocks` this stage runs, in order (empty for stage 0).
-    module: stage 0: `nn.ModuleDict(embed=..., head=...)`; other stages: `nn.Sequential` of the
-        blocks, so `module(h)` runs them. The modules are the model's own, not copies.
-    parameter_names: the model-level names (as in `GPT.named_parameters()`) of this stage's
-        parameters, in the order of `module.parameters()`.
+    blocks: indices into the model's blocks this stage runs, in order (empty for stage 0).
+    module: stage 0: `nn.ModuleDict(embed=..., head=...)` (`head(h, targets)` returns a
+        `GPTOutput`); other stages: a module that runs the blocks, `module(h) -> h` (for a GPT an
+        `nn.Sequential` of them). The modules are the model's own, not copies.
+    parameter_names: the model-level names (as in `model.named_parameters()`) of this stage's
+        parameters (for a GPT in the order of `module.parameters()`).
     """
 
     index: int
@@ -321,7 +323,7 @@ class GPT(nn.Module):
         """idx: [B, T] token ids, T <= context. targets: [B, T] next-token ids, or None.
         block_order: indices of the blocks to run, in order; repeats allowed; empty runs no block
         (embedding straight into the head). None runs every block in order."""
-        self._check_input(idx)
+        self.check_input(idx)
         order = range(len(self.blocks)) if block_order is None else self._check_order(block_order)
         h = self.embed(idx)
         for i in order:
@@ -410,7 +412,8 @@ class GPT(nn.Module):
             )
         return result
 
-    def _check_input(self, idx: torch.Tensor) -> None:
+    def check_input(self, idx: torch.Tensor) -> None:
+        """ModelInputError unless idx is [batch, time] integer ids, time <= context, ids in the vocabulary."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ModelInputError(f"idx must be a [batch, time] integer tensor, got {idx.dtype} {tuple(idx.shape)}")
         if idx.shape[1] > self.config.context:

@@ -47,7 +47,11 @@ Failures: a missing path, a config with no model_type, a factory that is not cal
 not return an `nn.Module`, a tokenizer vocabulary larger than a pretrained model's embedding:
 ConfigError, one line. `transformers` is imported only for hf: and hf-config:.
 
-Not here: tokenizers (models/tokenizers.py), data (meshtrain/data/), export (node/export.py).
+`hf_config(value)` reads an hf: or hf-config: model's config without building it (models/staged.py
+asks it whether a pipeline can cut the architecture).
+
+Not here: tokenizers (models/tokenizers.py), data (meshtrain/data/), export (node/export.py),
+cutting a model into pipeline stages (models/staged.py).
 """
 
 from __future__ import annotations
@@ -224,6 +228,17 @@ def _read_config(src: ModelSource, path: Path) -> dict[str, Any]:
             f"model {src.value}: {path} needs a model_type (e.g. gpt2, llama) to be a Hugging Face config"
         )
     return data
+
+
+def hf_config(value: str) -> dict[str, Any]:
+    """The config of an hf: or hf-config: model, from its file alone (nothing is built): what a
+    caller needs to know of the architecture before building it (models/staged.py)."""
+    src = _source(value)
+    if src.kind == "hf":
+        return _read_config(src, _hf_dir(src) / "config.json")
+    if src.kind == "hf-config":
+        return _read_config(src, Path(src.location).expanduser())
+    raise ConfigError(f"model {value} is not a Hugging Face model (hf:<dir> or hf-config:<config.json>)")
 
 
 def _from_config(src: ModelSource, vocab_size: int, seed: int) -> torch.nn.Module:

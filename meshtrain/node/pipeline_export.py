@@ -1,6 +1,6 @@
 """`meshtrain export` of a pipeline swarm: any peer assembles the whole model from every stage.
 
-Problem. A pipeline swarm's peer (node/pipeline_peer.py) holds one stage of the spec's GPT; its
+Problem. A pipeline swarm's peer (node/pipeline_peer.py) holds one stage of the spec's model; its
 checkpoints hold that stage only. The model the swarm trains exists nowhere in one piece, yet a
 user wants one file they can load — the way Universal Checkpointing reshapes a checkpoint saved
 under one parallel layout into another, here from S stages into one model.
@@ -20,12 +20,14 @@ daemon (`PipelineExporter`), asked through the local status server:
    stage, never replaced by an older snapshot. A stage with no replica left is taken from the
    newest snapshot a peer that held it before still serves (trusted: nobody outvotes it;
    recorded as "former replica").
-3. Assemble (`assemble`). The spec's model is built, and each stage's weights must be exactly the
+3. Assemble (`assemble`). The spec's model is built (a built-in GPT, or the LLaMA-family
+   transformers model: models/staged.py cuts both), and each stage's weights must be exactly the
    parameters the spec's cut (`stage_cut`) gives that stage — names and shapes — and together
    cover every parameter once (`pipeline.stages.load_stage_states`). Weights are the stage's φ
    when its replicas sync by DiLoCo / NoLoCo (what the swarm agreed on, as in export.py), the
    stage's weights with every-step sync.
-4. Write with export.py's writer (beside the target, renamed into place): the same layout and
+4. Write with export.py's writer (beside the target, renamed into place; an hf model with its own
+   `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(out)` loads it): the same layout and
    `meshtrain_export.json`, plus `stages`: for each stage its step, where it came from ("own",
    "replicas", "former replica", "checkpoint"), how many donors agreed and the blake3 digest of
    its weights (`weights_digest`: the tensors in name order, raw bytes). `step` is the lowest
@@ -50,7 +52,7 @@ the stage's parameters (`ConfigError` naming the stage); the daemon stopping mea
 Sample. `load_assembled` is `export_pipeline` into a temporary directory, read back into the
 spec's model: `meshtrain sample` on a pipeline peer continues a prompt with the whole model.
 
-Not here: a pipeline swarm of a model other than the built-in GPT (the spec refuses one).
+Not here: a pipeline swarm of a model models/staged.py cannot cut (`swarm create` refuses one).
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ import trio
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger, kv
-from meshtrain.models.gpt import GPT
-from meshtrain.models.sources import resolve_context
+from meshtrain.models.sources import HFCausalLM, resolve_context
+from meshtrain.models.staged import staged
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import Trained, check_export_target, load_spec, spec_tokenizer, write_export
 from meshtrain.node.pipeline_peer import PipelinePeer
@@ -129,16 +131,15 @@ class StageSource:
         return cls(stage, step, rounds if isinstance(rounds, int) else 0, source, donors, digest)
 
 
-def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> tuple[GPT, Any]:
+def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor]]) -> tuple[torch.nn.Module, Any]:
     """The spec's model with every stage's weights (module docstring, 3) and its tokenizer.
     ConfigError naming the stage whose weights are missing or not its parameters."""
     spec = signed.spec
     tokenizer = spec_tokenizer(signed)
     model = build_model(spec, tokenizer.vocab_size)
-    if not isinstance(model, GPT):
-        raise ConfigError(f"pipeline swarms cut a built-in GPT, not {spec.model}")
-    cut = parse_stage_cut(spec.stage_cut, spec.stages, model.config.n_layer) if spec.stage_cut else None
-    stages = model.stages(spec.stages, cut)
+    view = staged(model)
+    cut = parse_stage_cut(spec.stage_cut, spec.stages, view.n_layer) if spec.stage_cut else None
+    stages = view.stages(spec.stages, cut)
     missing = [s for s in range(spec.stages) if s not in weights]
     if missing:
         raise ConfigError(f"no weights for stage(s) {', '.join(map(str, missing))}")
@@ -323,7 +324,9 @@ def load_assembled(
         info = export_pipeline(data_dir, Path(tmp) / "model", progress=progress)
         tokenizer = spec_tokenizer(signed)
         model = build_model(signed.spec, tokenizer.vocab_size)
-        load_model(model, str(Path(tmp) / "model" / "model.safetensors"))
+        # an hf model was written by its own save_pretrained: its names are the inner model's
+        inner = model.inner if isinstance(model, HFCausalLM) else model
+        load_model(inner, str(Path(tmp) / "model" / "model.safetensors"))
     model.eval()
     return Trained(signed, int(info["step"]), 0, model, tokenizer, int(info["context"]))
 

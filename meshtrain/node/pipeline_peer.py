@@ -72,6 +72,10 @@ iteration in which they see it pass its value at the last epoch end, every peer 
 stage at that one step, and the exporter takes our stage from `states.published` and every other
 stage from its replicas (`stage_donors`).
 
+Models: whatever models/staged.py can cut (the built-in GPTs, LLaMA-family hf: / hf-config:
+models); this module does not look inside the model: every peer builds it whole from the spec
+and trains its stage (node/stage_trainer.py).
+
 Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
 lab's), evaluation of the assembled model.
 """
@@ -356,14 +360,13 @@ class PipelinePeer:
     def _problem(self, epoch: Epoch) -> PipelineRun:
         spec, trainer = self.spec, self.trainer
         assert trainer is not None
-        cfg = trainer.replica.model.config
         peers = sorted(epoch.placement)
         problem = PipelineProblem(
             num_stages=spec.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
             links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
-            activation_bytes=4 * spec.batch_size * trainer.context * cfg.d_model,
+            activation_bytes=4 * spec.batch_size * trainer.context * trainer.replica.d_model,
             microbatches=spec.microbatches,
             skip_ratio=spec.skip_ratio,
         )

@@ -1,7 +1,8 @@
 """One pipeline stage as a peer trains it: `StageTrainer`, for node/pipeline_peer.py.
 
-A pipeline peer holds one stage of the spec's (built-in) GPT. `StageTrainer` is that stage: the
-locally built whole model and its `StageReplica` (pipeline/stages.py), the optional per-stage outer
+A pipeline peer holds one stage of the spec's model (a built-in GPT or a LLaMA-family
+transformers model: models/staged.py). `StageTrainer` is that stage: the locally built whole
+model and its `StageReplica` (pipeline/stages.py), the optional per-stage outer
 sync (pipeline/replica_sync.py: DiLoCo or NoLoCo among the stage's replicas), the step counter and
 the numbers the status page shows. It has the stage's state in three forms:
 - `checkpoint_state()` / `load_checkpoint()`: what a peer saves of its own stage (weights, AdamW,
@@ -24,9 +25,8 @@ from typing import Any
 import blake3
 import torch
 
-from meshtrain.errors import ConfigError
-from meshtrain.models.gpt import GPT
 from meshtrain.models.sources import resolve_context
+from meshtrain.models.staged import staged
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import StepInfo, build_model
 from meshtrain.optim.outer import OuterStateError, StaleStateError
@@ -42,12 +42,11 @@ class StageTrainer:
 
     def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int) -> None:
         model = build_model(spec, vocab_size)
-        if not isinstance(model, GPT):  # the spec's check allows built-in GPTs only
-            raise ConfigError(f"pipeline swarms cut a built-in GPT, not {spec.model}")
+        n_layer = staged(model).n_layer  # ConfigError for a model a pipeline cannot cut
         self.spec = spec
         self.stage = stage
         self.context = resolve_context(model, spec.context, spec.model)
-        cut = parse_stage_cut(spec.stage_cut, spec.stages, model.config.n_layer) if spec.stage_cut else None
+        cut = parse_stage_cut(spec.stage_cut, spec.stages, n_layer) if spec.stage_cut else None
         self.replica = StageReplica(
             model, spec.stages, stage, lr=spec.inner_lr, weight_decay=spec.weight_decay, clip=spec.clip, cut=cut
         )

@@ -37,6 +37,9 @@ model and tokenizer *are*; every node checks its own copy against them before it
 (`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
 way (`optimizer_digest`, meshtrain/pyref.py; checked by `outer_spec.check_copy`). A pipeline
 swarm's `stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the spec says.
+A pipeline cuts a built-in GPT or a LLaMA-family hf: / hf-config: model (models/staged.py); for
+the latter, the architecture and layer count come from its config file, so they are checked when
+the cut is pinned (`SignedSpec.create`, i.e. `swarm create`), where the files are at hand.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from meshtrain.collective.compression import CODECS
 from meshtrain.collective.groups import GroupPlan
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.sources import PRESETS, model_digest, parse_model_source
+from meshtrain.models.staged import PIPELINE_MODELS, pipeline_layers
 from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
 from meshtrain.node.config import one_line_error
 from meshtrain.pipeline.cut import balanced_cut, format_stage_cut, parse_stage_cut
@@ -410,17 +414,18 @@ class SwarmSpec(BaseModel):
         return self
 
     def _check_pipeline(self) -> None:
-        """A pipeline swarm: S >= 2 stages of a built-in GPT, cut as `stage_cut` says (if pinned)."""
+        """A pipeline swarm: S >= 2 stages of a built-in GPT or a LLaMA-family hf: / hf-config:
+        model, cut as `stage_cut` says (if pinned). Without reading files: an hf model's
+        architecture and layer count are checked where the cut is pinned (`SignedSpec.create`)."""
         if self.stages < 2:
             raise ConfigError(f"swarm spec: pipeline {self.pipeline} needs stages >= 2 (--stages S), got {self.stages}")
-        if self.model not in PRESETS:
-            raise ConfigError(
-                f"swarm spec: pipeline swarms cut a built-in GPT ({', '.join(PRESETS)}), not {self.model}"
-            )
+        kind = parse_model_source(self.model).kind
+        if kind not in ("builtin", "hf", "hf-config"):
+            raise ConfigError(f"swarm spec: pipeline swarms cut {PIPELINE_MODELS}, not {self.model}")
         if self.precision != "fp32":
             raise ConfigError("swarm spec: pipeline swarms train in fp32 (precision fp32)")
-        n_layer = PRESETS[self.model]().n_layer
-        if not 2 <= self.stages <= n_layer + 1:
+        n_layer = PRESETS[self.model]().n_layer if kind == "builtin" else None
+        if n_layer is not None and not 2 <= self.stages <= n_layer + 1:
             raise ConfigError(
                 f"swarm spec: {self.model} has {n_layer} blocks: 2..{n_layer + 1} stages, not {self.stages}"
             )
@@ -486,15 +491,20 @@ class SignedSpec:
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
         """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none,
-        and a pipeline swarm's stage cut (the balanced one) if it names none."""
-        pins = {
-            "model_digest": spec.model_digest or model_digest(spec.model),
-            "tokenizer_digest": spec.tokenizer_digest or tokenizer_digest(spec.tokenizer),
-        }
+        and a pipeline swarm's stage cut (the balanced one) if it names none — after checking that
+        a pipeline can cut the model (`pipeline_layers`: a one-line ConfigError naming what it
+        can) and that the cut fits its layers."""
+        pins: dict[str, str] = {}
+        if spec.pipeline != "none":  # first: a model no pipeline can cut is the error to report
+            n_layer = pipeline_layers(spec.model)
+            if spec.stage_cut:
+                parse_stage_cut(spec.stage_cut, spec.stages, n_layer)
+            else:
+                pins["stage_cut"] = format_stage_cut(balanced_cut(n_layer, spec.stages))
+        pins["model_digest"] = spec.model_digest or model_digest(spec.model)
+        pins["tokenizer_digest"] = spec.tokenizer_digest or tokenizer_digest(spec.tokenizer)
         if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
             pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
-        if spec.pipeline != "none" and not spec.stage_cut:
-            pins["stage_cut"] = format_stage_cut(balanced_cut(PRESETS[spec.model]().n_layer, spec.stages))
         spec = spec.model_copy(update=pins)
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls._message(spec, owner)))

@@ -1,11 +1,12 @@
 """How a pipeline swarm's model is cut into stages, as the swarm spec writes it (`stage_cut`).
 
 Stage 0 is always the embedding and the head (SkipPipe: the origins hold the data and compute the
-loss); stages 1..S-1 are contiguous runs of transformer blocks, written in the spec as
+loss); stages 1..S-1 are contiguous runs of transformer blocks (a GPT's blocks, or a LLaMA-family
+model's decoder layers: models/staged.py), written in the spec as
 `0-1,2-3` (stage 1 runs blocks 0 and 1, stage 2 blocks 2 and 3; a single block is `4`). The
 default is the balanced cut (`GPT.stages`' `block_ranges`: earlier stages take the extra block),
-which `swarm create` pins into the signed spec so every peer cuts the same way whatever version of
-meshtrain it runs; a spec may also name an unbalanced cut (a slow first block stage, say).
+which `swarm create` pins into the signed spec (from the preset's block count, or an hf model's
+`num_hidden_layers`) so every peer cuts the same way whatever version of meshtrain it runs; a spec may also name an unbalanced cut (a slow first block stage, say).
 
 Pure text and ranges, no I/O. A malformed cut is a `ConfigError` naming what is wrong.
 """

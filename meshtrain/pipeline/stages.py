@@ -7,7 +7,10 @@ between peers; this module is the compute one peer does on what arrives, with no
 
 - `cut_blocks` splits any stack of residual blocks (an `nn.ModuleList` / `nn.Sequential`) into
   contiguous, balanced runs — the generic cut; `GPT.stages` uses the same `block_ranges`.
-- `StageReplica` holds one stage of a `GPT`: its forward keeps an autograd *tape* per microbatch
+- `StageReplica` holds one stage of a model a pipeline can cut — the built-in `GPT` or a
+  LLaMA-family transformers model, seen through `models.staged.staged` (which knows how each is
+  cut; stage 0's module is `embed` + `head`, a block stage's maps h -> h): its forward keeps an
+  autograd *tape* per microbatch
   until that microbatch's backward arrives; the backward returns the gradient for the previous
   hop and this stage's parameter gradients *separately per microbatch* (`torch.autograd.grad`,
   never `.backward()` into `.grad`). Keeping contributions apart is what lets a microbatch whose
@@ -20,8 +23,9 @@ between peers; this module is the compute one peer does on what arrives, with no
 - `stage_state` / `load_stage_states` move a stage's weights by their model-level names, e.g. to
   assemble the trained model for evaluation (`omission.py`).
 
-Replicas of a stage start bit-identical (`GPT(config, seed)` is a pure function of its inputs) and
-stay so because they apply the same averaged gradient with the same optimizer state.
+Replicas of a stage start bit-identical (`GPT(config, seed)` is a pure function of its inputs, a
+pretrained model's weights are its files) and stay so because they apply the same averaged
+gradient with the same optimizer state.
 
 What it does not do: place stages on peers, talk to the network, or decide paths.
 """
@@ -36,6 +40,7 @@ from torch import nn
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.gpt import GPT, block_ranges
+from meshtrain.models.staged import staged
 
 DEFAULT_LR = 3e-3
 DEFAULT_WEIGHT_DECAY = 0.1
@@ -67,9 +72,10 @@ class Tape:
 class StageReplica:
     """One peer's replica of stage `index` of `model` cut into `n_stages` stages.
 
-    model: the full `GPT` (built identically on every peer; only this stage's parameters are
-        trained here — the rest is never touched and could be freed).
-    n_stages: S; stage 0 = embedding + head, stages 1..S-1 = runs of blocks (`GPT.stages`).
+    model: the full model — a `GPT` or a LLaMA-family `HFCausalLM` (models/staged.py) — built
+        identically on every peer; only this stage's parameters are trained here, the rest is
+        never touched and could be freed.
+    n_stages: S; stage 0 = embedding + head, stages 1..S-1 = runs of blocks (`StagedModel.stages`).
     index: which stage this replica runs.
     lr, weight_decay, betas: AdamW on this stage's parameters (SkipPipe trains with Adam).
     clip: max gradient norm of this stage per update (None = no clipping).
@@ -80,7 +86,7 @@ class StageReplica:
 
     def __init__(
         self,
-        model: GPT,
+        model: nn.Module,
         n_stages: int,
         index: int,
         *,
@@ -90,7 +96,8 @@ class StageReplica:
         clip: float | None = DEFAULT_CLIP,
         cut: Sequence[range] | None = None,
     ) -> None:
-        stages = model.stages(n_stages, cut)
+        self.staged = staged(model)
+        stages = self.staged.stages(n_stages, cut)
         if not 0 <= index < n_stages:
             raise ConfigError(f"stage index {index} is outside 0..{n_stages - 1}")
         self.model = model
@@ -110,16 +117,16 @@ class StageReplica:
 
     @property
     def d_model(self) -> int:
-        return self.model.config.d_model
+        return self.staged.d_model
 
     # -- compute ---------------------------------------------------------------------------------
 
     def embed(self, idx: torch.Tensor) -> Tape:
         """Stage 0 forward: token ids [B, T] -> activations [B, T, d] (kept for the backward)."""
         self._need(ends=True, what="embed")
-        self.model._check_input(idx)
+        self.staged.check_input(idx)
         with torch.enable_grad():
-            return Tape(None, self.model.embed(idx))
+            return Tape(None, self.stage.module["embed"](idx))
 
     def forward(self, h: torch.Tensor) -> Tape:
         """Block-stage forward: h [B, T, d] -> this stage's blocks applied in order."""
@@ -139,7 +146,7 @@ class StageReplica:
             raise StageError(f"targets {tuple(targets.shape)} do not match activations {tuple(h.shape)}")
         x = h.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss = self.model.head(x, targets).loss
+            loss = self.stage.module["head"](x, targets).loss
             grads = torch.autograd.grad(loss, [x, *self.params], allow_unused=True)
         return float(loss.detach()), grads[0], self._dense(grads[1:])
 
@@ -194,11 +201,9 @@ class StageReplica:
             raise StageError(f"stage {self.index} cannot {what}")
 
     def _check_activation(self, h: torch.Tensor) -> None:
-        cfg = self.model.config
-        if h.dim() != 3 or h.shape[2] != cfg.d_model or h.shape[1] > cfg.context or h.dtype != torch.float32:
-            raise StageError(
-                f"activations must be float32 [batch, ≤{cfg.context}, {cfg.d_model}], got {h.dtype} {tuple(h.shape)}"
-            )
+        d, context = self.staged.d_model, self.staged.context
+        if h.dim() != 3 or h.shape[2] != d or h.shape[1] > context or h.dtype != torch.float32:
+            raise StageError(f"activations must be float32 [batch, ≤{context}, {d}], got {h.dtype} {tuple(h.shape)}")
         if not bool(torch.isfinite(h).all()):
             raise StageError("activations contain NaN or infinity")
 
@@ -206,7 +211,7 @@ class StageReplica:
         return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]
 
 
-def load_stage_states(model: GPT, states: Sequence[Mapping[str, torch.Tensor]]) -> None:
+def load_stage_states(model: nn.Module, states: Sequence[Mapping[str, torch.Tensor]]) -> None:
     """Copy stage weights (from `StageReplica.stage_state`, any number of stages) into `model`.
     Every parameter of `model` must be covered exactly once."""
     named = dict(model.named_parameters())
