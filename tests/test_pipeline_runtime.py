@@ -242,10 +242,12 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
             "pos": 1,
             "route": [peers[0].id, peers[1].id, peers[2].id],
             "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+            "codec": "none",
         }
         cases = {
             "malformed": "garbage",
             "unknown-run": good | {"run": "other"},
+            "bad-codec": good | {"codec": "int8"},
             "unknown-microbatch": good | {"mb": 99},
             "stale-iteration": good | {"it": 50},
             "bad-route": good,  # the hostile peer is not the previous hop of that route
@@ -306,6 +308,7 @@ def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
         "pos": 1,
         "route": ["a", "b", "c"],
         "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+        "codec": "none",
     }
     hop = parse_hop(req, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
     assert hop.tag("t") == "pp/t/0/1/0/fwd/1" and hop.nbytes == 4 * MB_SIZE * CONFIG.context * CONFIG.d_model
@@ -318,6 +321,8 @@ def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
         (req | {"kind": "sideways"}, "malformed"),
         (req | {"shape": [1, 2]}, "bad-shape"),
         (req | {"mb": True}, "malformed"),
+        (req | {"codec": "fp16"}, "bad-codec"),
+        (req | {"codec": 7}, "malformed"),
     ):
         with pytest.raises(HopRejected) as e:
             parse_hop(bad, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
