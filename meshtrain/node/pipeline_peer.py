@@ -105,8 +105,8 @@ from meshtrain.node.stage_state import StageStates
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
-from meshtrain.pipeline.placement import Member, announced, place, stage_map
 from meshtrain.pipeline.hop_codec import HopCodec
+from meshtrain.pipeline.placement import Member, announced, place, stage_map
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.transport.framing import packb_canonical
