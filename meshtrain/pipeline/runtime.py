@@ -71,7 +71,7 @@ per stage, over this runtime's collective): replicas then differ between two rou
 re-routing tolerates (any replica computes a valid forward, just not the same bits).
 
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
-bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
+bandwidth of its link (user-space throttling; with `serial`, a link's sends share its bandwidth), `compute_floor` pads each visit to at least the
 scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
 The replica sync's all-reduce runs over the collective, which `links` does not reach: with links,
 `account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
@@ -216,13 +216,32 @@ class PipelineRun:
 @dataclass(frozen=True)
 class SimulatedLinks:
     """User-space link throttling: a send from a to b of n bytes first waits latency + n /
-    bandwidth (the scheduler's edge cost), as if the link were that slow."""
+    bandwidth (the scheduler's edge cost), as if the link were that slow.
+
+    serial: False (the default): concurrent sends on one link each wait their own delay, as if
+    the link's bandwidth were per transfer. True: the sends from a to b share the bandwidth — one
+    transmits after the ones queued before it (`send_delay`), as on a real throttled link; the
+    codec benchmark (scripts/bench_skippipe.py --activation-codec) uses it.
+    """
 
     links: Mapping[tuple[str, str], Link]
+    serial: bool = False
+    busy_until: dict[tuple[str, str], float] = field(default_factory=dict, compare=False, repr=False)
 
     def delay(self, a: str, b: str, nbytes: int) -> float:
         link = self.links.get((a, b)) or self.links.get((b, a))
         return 0.0 if link is None else link.latency + nbytes / link.bandwidth
+
+    def send_delay(self, a: str, b: str, nbytes: int) -> float:
+        """How long a send of `nbytes` from a to b starting now waits: `delay`, or with `serial`,
+        its transmission queued behind the earlier sends on a → b, plus the latency."""
+        link = self.links.get((a, b)) or self.links.get((b, a))
+        if link is None or not self.serial:
+            return self.delay(a, b, nbytes)
+        now = time.monotonic()
+        done = max(now, self.busy_until.get((a, b), now)) + nbytes / link.bandwidth
+        self.busy_until[(a, b)] = done
+        return done - now + link.latency
 
 
 @dataclass(frozen=True)
@@ -696,7 +715,7 @@ class PipelineRuntime(Service):
             return
         nbytes = codec.nbytes(hop.shape)
         if self.links is not None:
-            await trio.sleep(self.links.delay(self.me, to, nbytes))
+            await trio.sleep(self.links.send_delay(self.me, to, nbytes))
         req = {
             "run": self.run.run,
             "it": hop.it,
