@@ -71,15 +71,16 @@ per stage, over this runtime's collective): replicas then differ between two rou
 re-routing tolerates (any replica computes a valid forward, just not the same bits).
 
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
-bandwidth of its link (user-space throttling; with `serial`, a link's sends share its bandwidth), `compute_floor` pads each visit to at least the
-scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
+bandwidth of its link (user-space throttling; with `serial`, a link's sends share its bandwidth),
+`compute_floor` pads each visit to at least the scheduler's modelled compute time (forward, 1.5×
+backward, 0.25× head), so a peer can be slowed.
 The replica sync's all-reduce runs over the collective, which `links` does not reach: with links,
 `account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
 waits as long as sending those bytes over the slowest link to a replica would take.
 
-Traffic: `stats` counts hop (encoded payload) and replica-sync bytes sent; `hop_bytes_to` and `sync_bytes_to` split
-them by destination (a sync's bytes evenly over the other replicas), so a benchmark can tell the
-bytes that cross regions.
+Traffic: `stats` counts hop (encoded payload) and replica-sync bytes sent; `hop_bytes_to` and
+`sync_bytes_to` split them by destination (a sync's bytes evenly over the other replicas), so a
+benchmark can tell the bytes that cross regions.
 
 What it does not do: place stages on peers, join a swarm, checkpoint.
 """
