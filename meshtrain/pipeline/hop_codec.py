@@ -21,7 +21,9 @@ names the codec so that a peer of a differently configured run is refused before
   tensor flattened row-major (int8: "codes" i8[n] and "absmax" f32[⌈n/128⌉], 1.03 bytes an
   element; fp16 / bf16: "values" [n], 2; int4 / fp4: "codes" u8[⌈n/2⌉] and "absmax"
   f32[⌈n/64⌉], 0.56). `nbytes(shape)` is the payload's size.
-The error bounds per element are compression.py's table (int8: absmax/254 of each block).
+The error bounds per element are compression.py's table (int8: absmax/254 of each block). int8
+and bf16 are scale-free; fp16 flushes magnitudes below ~2^-25 to zero, which small activation
+gradients can reach, so prefer bf16 to fp16.
 
 Untrusted input: the receiver allocates exactly the buffers `buffers(shape)` gives for the shape
 it accepted, so the data plane refuses other names, dtypes or lengths and a truncated or
