@@ -23,6 +23,18 @@ block stages (mean over every in-order half subset, `pipeline.omission`) over th
 all — `half_model_ppl_ratio_full` and `_skippipe` (the best ratio's model at equal steps).
 `iter_time_reduction` = 1 − skippipe_iter_s / full_iter_s at the best ratio. Progress goes to
 stderr; the last stdout line is one JSON object.
+
+    python scripts/bench_skippipe.py --activation-codec int8 [--quick] [--bandwidth-scale X]
+
+Instead: does compressing activations and gradients pay on a throttled link (pipeline/
+hop_codec.py)? The full pipeline (every microbatch crosses every hop) runs N steps twice on the
+same peers, links and compute model — activation codec "none", then the one named — with
+*serial* links (a link's sends share its bandwidth, as on a real throttled link; links scaled by
+`--bandwidth-scale`). Reported: `activation_codec_iter_s_ratio` (codec iteration time ÷ none's),
+`activation_codec_bytes_ratio` (hop bytes per iteration, codec ÷ none), each run's train loss at
+its last step and the held-out loss of its assembled model at N steps (equal steps), and
+`codec_ms_per_hop` (encode + decode of one activation in this process, one thread: the CPU the
+codec adds to every hop). Defaults: 4 peers, 3 stages (2 origins).
 """
 
 from __future__ import annotations
@@ -58,6 +70,8 @@ class Peers:
 
     def __init__(self, n: int, logdir: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", MESHTRAIN_LOG=os.environ.get("MESHTRAIN_LOG", "WARNING"))
+        # the peers import this checkout's meshtrain, as this process does (not an installed one)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.logs = [open(os.path.join(logdir, f"peer{i}.log"), "w") for i in range(n)]  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
@@ -157,7 +171,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--activation-codec", help="compare this hop codec with none instead (pipeline/hop_codec.py)")
+    ap.add_argument("--bandwidth-scale", type=float, default=1.0, help="--activation-codec: multiply link bandwidths")
     args = ap.parse_args()
+    if args.activation_codec:
+        codec_comparison(args)
+        return
     n_peers = args.peers or (8 if args.quick else 10)
     n_stages = args.stages or (4 if args.quick else 5)
     steps = args.steps or (8 if args.quick else 30)
@@ -279,6 +298,121 @@ def main() -> None:
         finally:
             peers.close()
     print(json.dumps(out), flush=True)
+
+
+def codec_comparison(args: argparse.Namespace) -> None:
+    """The `--activation-codec` benchmark (module docstring): full pipeline, codec none vs the one
+    named, on the same serial throttled links; the last stdout line is one JSON object."""
+    import torch
+
+    from meshtrain.models import GPT, Corpus, GPTConfig
+    from meshtrain.pipeline.hop_codec import HopCodec
+    from meshtrain.pipeline.stages import load_stage_states
+
+    codec = HopCodec(args.activation_codec)  # a bad name fails here, before any peer starts
+    n_peers = args.peers or 4
+    n_stages = args.stages or 3
+    steps = args.steps or (6 if args.quick else 12)
+    torch.set_num_threads(1)
+    corpus = Corpus.default()
+    config = GPTConfig(corpus.vocab_size, n_layer=n_stages - 1, n_head=4, d_model=64, context=32)
+    microbatch_size = 8
+    shape = (microbatch_size, config.context, config.d_model)
+    eval_batches = corpus.eval_batches(8, 16, config.context)
+
+    x = torch.randn(shape)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        codec.decode(codec.encode(x), shape)
+    codec_ms = (time.perf_counter() - t0) / 50 * 1e3
+
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        progress(f"starting {n_peers} peers, {n_stages} stages, {steps} steps, none vs {codec.name} (logs in {tmp})")
+        peers = Peers(n_peers, tmp)
+        try:
+            placement, forward, links = layout(peers.ids, n_stages)
+            links = [[a, b, lat, bw * args.bandwidth_scale] for a, b, lat, bw in links]
+            runs: dict[str, dict] = {}
+            for name in ("none", codec.name):
+                snap = Path(tmp) / name
+                snap.mkdir()
+                spec = {
+                    "run": f"codec-{name}",
+                    "mode": "full",
+                    "skip_ratio": 0.0,
+                    "n_stages": n_stages,
+                    "placement": placement,
+                    "forward_time": forward,
+                    "links": links,
+                    "serial_links": True,
+                    "activation_codec": name,
+                    "microbatches": args.microbatches,
+                    "microbatch_size": microbatch_size,
+                    "model": config.to_dict(),
+                    "seed": 0,
+                    "data": "corpus",
+                    "data_seed": 7,
+                    "lr": args.lr,
+                    "simulate": True,
+                    "steps": steps,
+                    "budget_s": None,
+                    "snapshot_dir": str(snap),
+                    "snapshot_steps": [steps],
+                    "kill": None,
+                }
+                progress(f"run {spec['run']}")
+                out = peers.run(spec)
+                origins = peers.ids[:2]
+                secs = [
+                    max(x["seconds"] for pid in origins for x in out[pid] if x.get("it") == i) for i in range(1, steps)
+                ]
+                finished = [lines[-1] for lines in out.values()]
+                model = GPT(config, seed=0)
+                states, seen = [], set()
+                for f in sorted(snap.glob(f"stage*_step{steps}.pt")):
+                    s = int(f.name.split("_")[0][5:])
+                    if s not in seen:
+                        seen.add(s)
+                        states.append(torch.load(f))
+                load_stage_states(model, states)
+                digests = {pid: lines[-1]["digest"] for pid, lines in out.items()}
+                runs[name] = {
+                    "iter_s": sum(secs) / len(secs),
+                    "hop_bytes_per_iter": sum(f["hop_bytes"] for f in finished) / steps,
+                    "train_loss": [x for x in out[origins[0]] if "it" in x][-1]["loss"],
+                    "eval_loss": model.evaluate(eval_batches),
+                    "replicas_identical": len({digests[p] for p in origins}) == 1,
+                }
+        finally:
+            peers.close()
+    none, coded = runs["none"], runs[codec.name]
+    result = {
+        "activation_codec": codec.name,
+        "activation_codec_iter_s_ratio": round(coded["iter_s"] / none["iter_s"], 4),
+        "activation_codec_bytes_ratio": round(coded["hop_bytes_per_iter"] / none["hop_bytes_per_iter"], 4),
+        "iter_s": {k: round(r["iter_s"], 4) for k, r in runs.items()},
+        "hop_bytes_per_iter": {k: round(r["hop_bytes_per_iter"]) for k, r in runs.items()},
+        "train_loss_at_equal_steps": {k: round(r["train_loss"], 4) for k, r in runs.items()},
+        "eval_loss_at_equal_steps": {k: round(r["eval_loss"], 4) for k, r in runs.items()},
+        "eval_loss_gap": round(coded["eval_loss"] / none["eval_loss"] - 1, 4),
+        "replicas_identical": all(r["replicas_identical"] for r in runs.values()),
+        "codec_ms_per_hop": round(codec_ms, 3),
+        "activation_bytes": {k: HopCodec(k).nbytes(shape) for k in runs},
+        "links": {"near": [NEAR[0], NEAR[1] * args.bandwidth_scale], "far": [FAR[0], FAR[1] * args.bandwidth_scale]},
+        "serial_links": True,
+        "mode": "full",
+        "steps": steps,
+        "peers": n_peers,
+        "stages": n_stages,
+        "microbatches": args.microbatches,
+        "microbatch_size": microbatch_size,
+        "quick": args.quick,
+        "cpus": os.cpu_count(),
+        "wall_s": round(time.monotonic() - t_start, 1),
+        "python": sys.version.split()[0],
+    }
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@ Protocol on stdio (one JSON object per line):
   in  "go"
   out {"it": i, "loss": x, "seconds": s, "committed": n, "dropped": n, "restarts": n, "dead": n,
        "t": seconds since go}               per iteration
-  out {"finished": run, "iterations": n, "digest": hex of this stage's weights}
+  out {"finished": run, "iterations": n, "digest": hex of this stage's weights,
+       "hop_bytes": n, "hops_sent": n}      hop payload bytes and hops this peer sent
 
 Run spec: run, mode ("full" | "skippipe"), skip_ratio, n_stages, placement {peer: stage},
 forward_time {peer: seconds}, links [[a, b, latency_s, bytes_per_s]], microbatches,
 microbatch_size, model (GPTConfig dict), seed, data ("corpus" | "random"), data_seed, lr, steps,
 budget_s (null, or stop once another iteration would exceed it), simulate (throttle links and pad
-compute to the cost model), snapshot_dir + snapshot_steps (save this stage's weights after those
+compute to the cost model), serial_links (optional: a link's sends share its bandwidth),
+activation_codec (optional, default "none": pipeline/hop_codec.py), snapshot_dir + snapshot_steps (save this stage's weights after those
 iterations and after the last), kill {"peer", "iteration", "after_s"} (that peer SIGKILLs itself
 `after_s` seconds into that iteration).
 """
@@ -38,6 +40,7 @@ import trio
 
 from meshtrain.log import configure
 from meshtrain.models import GPT, Corpus, GPTConfig
+from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.runtime import PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.pipeline.stages import StageReplica
@@ -75,16 +78,17 @@ def make_data(spec: dict):
 def pipeline_run(spec: dict) -> PipelineRun:
     config = GPTConfig.from_dict(spec["model"])
     links = {(a, b): Link(lat, bw) for a, b, lat, bw in spec["links"]}
+    codec = spec.get("activation_codec", "none")
     problem = PipelineProblem(
         num_stages=spec["n_stages"],
         placement=spec["placement"],
         forward_time=spec["forward_time"],
         links=links,
-        activation_bytes=4 * spec["microbatch_size"] * config.context * config.d_model,
+        activation_bytes=HopCodec(codec).nbytes((spec["microbatch_size"], config.context, config.d_model)),
         microbatches=spec["microbatches"],
         skip_ratio=spec["skip_ratio"],
     )
-    return PipelineRun(spec["run"], problem, spec["mode"], spec["microbatch_size"], config.context)
+    return PipelineRun(spec["run"], problem, spec["mode"], spec["microbatch_size"], config.context, codec)
 
 
 def stage_digest(replica: StageReplica) -> str:
@@ -100,7 +104,7 @@ async def one_run(host: Host, ts: TensorStreams, spec: dict) -> None:
     model = GPT(GPTConfig.from_dict(spec["model"]), seed=spec["seed"])
     replica = StageReplica(model, spec["n_stages"], spec["placement"][me], lr=spec["lr"])
     simulate = spec.get("simulate", False)
-    links = SimulatedLinks(run.problem.links) if simulate else None
+    links = SimulatedLinks(run.problem.links, serial=spec.get("serial_links", False)) if simulate else None
     floor = spec["forward_time"][me] if simulate else None
     budget = spec.get("budget_s")
     steps = spec["steps"]
@@ -148,7 +152,15 @@ async def one_run(host: Host, ts: TensorStreams, spec: dict) -> None:
                 if rep.stop:
                     break
             nursery.cancel_scope.cancel()
-        say({"finished": run.run, "iterations": it, "digest": stage_digest(replica)})
+        say(
+            {
+                "finished": run.run,
+                "iterations": it,
+                "digest": stage_digest(replica),
+                "hop_bytes": rt.stats["hop_bytes"],
+                "hops_sent": rt.stats["hops_sent"],
+            }
+        )
 
 
 async def main() -> None:

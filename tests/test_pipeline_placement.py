@@ -128,3 +128,22 @@ def test_pipeline_spec_keys_are_checked() -> None:
         parse_spec({"pipeline": "skippipe", "stages": 3, "model": "gpt-small", "stage_cut": "0,1"})
     with pytest.raises(ConfigError, match="replica_sync"):
         parse_spec({"pipeline": "skippipe", "stages": 3, "replica_sync": "sometimes"})
+
+
+def test_the_activation_codec_spec_key_is_checked_and_reaches_the_cli() -> None:
+    """`activation_codec` (pipeline/hop_codec.py): none by default, a dense codec by name, a
+    one-line error for an unknown one, for top-k, and for a swarm without a pipeline; `swarm
+    create --activation-codec` sets it."""
+    from meshtrain.node.cli import build_parser
+
+    base = {"pipeline": "skippipe", "stages": 3, "model": "gpt-small"}
+    assert parse_spec(base).activation_codec == "none"
+    assert parse_spec(base | {"activation_codec": "int8"}).activation_codec == "int8"
+    for bad in ("zip", "topk"):
+        with pytest.raises(ConfigError, match="activation_codec: must be one of none, fp16, bf16, int8") as e:
+            parse_spec(base | {"activation_codec": bad})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="activation_codec compresses a pipeline"):
+        parse_spec({"activation_codec": "int8"})
+    args = build_parser().parse_args(["swarm", "create", "--activation-codec", "bf16"])
+    assert args.spec_activation_codec == "bf16"

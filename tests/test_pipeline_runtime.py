@@ -13,12 +13,18 @@ from contextlib import AsyncExitStack, suppress
 import pytest
 import torch
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from meshtrain.collective.compression import CodecError
+from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
 from meshtrain.pipeline.omission import block_order_for, omission_report
 from meshtrain.pipeline.runtime import (
     HOP_RPC,
     HopRejected,
+    PipelineError,
     PipelineRun,
     PipelineRuntime,
     parse_hop,
@@ -32,6 +38,7 @@ from meshtrain.pipeline.stages import (
     reference_gradients,
 )
 from meshtrain.transport.rpc import RemoteError
+from meshtrain.transport.tensor_layout import specs_of
 from meshtrain.transport.tensor_streams import TransferError
 
 from .conftest import read_json, spawn, start_peers, tail
@@ -57,6 +64,7 @@ def make_run(
     mode: str = "full",
     skip_ratio: float = 0.0,
     name: str = "t",
+    activation_codec: str = "none",
 ) -> PipelineRun:
     placement = dict(zip(ids, stages, strict=True))
     links = {(a, b): Link(0.001, 1e9) for a in ids for b in ids if a < b}
@@ -69,14 +77,14 @@ def make_run(
         microbatches=microbatches,
         skip_ratio=skip_ratio,
     )
-    return PipelineRun(name, problem, mode, MB_SIZE, CONFIG.context)
+    return PipelineRun(name, problem, mode, MB_SIZE, CONFIG.context, activation_codec)
 
 
-async def runtimes(stack: AsyncExitStack, peers, run: PipelineRun, **kw) -> list[PipelineRuntime]:
+async def runtimes(stack: AsyncExitStack, peers, run: PipelineRun, data=batch, **kw) -> list[PipelineRuntime]:
     out = []
     for p in peers:
         replica = StageReplica(GPT(CONFIG, seed=0), run.problem.num_stages, run.problem.placement[p.id])
-        out.append(await stack.enter_async_context(PipelineRuntime(p.host, p.ts, replica, run, batch, **kw)))
+        out.append(await stack.enter_async_context(PipelineRuntime(p.host, p.ts, replica, run, data, **kw)))
     return out
 
 
@@ -242,10 +250,12 @@ async def test_hostile_pipeline_messages_get_typed_errors_and_the_peer_keeps_wor
             "pos": 1,
             "route": [peers[0].id, peers[1].id, peers[2].id],
             "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+            "codec": "none",
         }
         cases = {
             "malformed": "garbage",
             "unknown-run": good | {"run": "other"},
+            "bad-codec": good | {"codec": "int8"},
             "unknown-microbatch": good | {"mb": 99},
             "stale-iteration": good | {"it": 50},
             "bad-route": good,  # the hostile peer is not the previous hop of that route
@@ -306,6 +316,7 @@ def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
         "pos": 1,
         "route": ["a", "b", "c"],
         "shape": [MB_SIZE, CONFIG.context, CONFIG.d_model],
+        "codec": "none",
     }
     hop = parse_hop(req, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
     assert hop.tag("t") == "pp/t/0/1/0/fwd/1" and hop.nbytes == 4 * MB_SIZE * CONFIG.context * CONFIG.d_model
@@ -318,10 +329,150 @@ def test_parse_hop_rejects_a_hop_that_is_not_addressed_to_us():
         (req | {"kind": "sideways"}, "malformed"),
         (req | {"shape": [1, 2]}, "bad-shape"),
         (req | {"mb": True}, "malformed"),
+        (req | {"codec": "fp16"}, "bad-codec"),
+        (req | {"codec": 7}, "malformed"),
     ):
         with pytest.raises(HopRejected) as e:
             parse_hop(bad, run=run, me="b", caller="a", d_model=CONFIG.d_model, current=0)
         assert e.value.code == code, (bad, e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hop codec (activation_codec): activations and gradients compressed on every hop
+
+HOP_SHAPE = (MB_SIZE, CONFIG.context, CONFIG.d_model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(ACTIVATION_CODECS),
+    shape=st.tuples(st.integers(1, 4), st.integers(1, 16), st.sampled_from([1, 32, 33])),
+    scale=st.sampled_from([1e-6, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_hop_codec_round_trips_through_the_receivers_buffers_within_its_bound(name, shape, scale, seed):
+    """What a sender's `encode` puts on the wire is exactly what the receiver's `buffers` for the
+    announced shape accept (names, dtypes, shapes: the data plane's check), `nbytes` long, and
+    decodes to the tensor within the codec's documented bound ("none": bit for bit)."""
+    codec = HopCodec(name)
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+    payload = codec.encode(t)
+    assert specs_of(payload) == specs_of(codec.buffers(shape))
+    assert sum(p.numel() * p.element_size() for p in payload.values()) == codec.nbytes(shape)
+    got = codec.decode({k: v.clone() for k, v in payload.items()}, shape)
+    assert got.dtype == torch.float32 and tuple(got.shape) == shape
+    if codec.codec is None:
+        assert torch.equal(got, t)
+    else:
+        assert bool(((got - t).abs().double() <= codec.codec.error_bound(t)).all()), name
+    assert HopCodec("int8").nbytes(HOP_SHAPE) < HopCodec("none").nbytes(HOP_SHAPE) / 3
+
+
+def test_a_hostile_hop_payload_is_refused_with_a_codec_error():
+    """Payloads a broken or hostile previous hop could send: NaN, ±inf or negative scales, NaN
+    values, truncated or missing parts, wrong dtypes or shapes. Each is a `CodecError` (which the
+    runtime logs and reports to the origin), never another exception and never a tensor."""
+    t = torch.randn(HOP_SHAPE)
+    int8, fp16, none = HopCodec("int8"), HopCodec("fp16"), HopCodec("none")
+    good = int8.encode(t)
+
+    def scale(value: float) -> dict[str, torch.Tensor]:
+        absmax = good["absmax"].clone()
+        absmax[1] = value
+        return good | {"absmax": absmax}
+
+    values = fp16.encode(t)["values"].clone()
+    values[5] = math.nan
+    cases = [
+        (int8, scale(math.nan)),
+        (int8, scale(math.inf)),
+        (int8, scale(-1.0)),
+        (int8, good | {"codes": good["codes"][:-1]}),  # truncated
+        (int8, {"codes": good["codes"]}),  # a part missing
+        (int8, good | {"codes": good["codes"].view(torch.uint8)}),
+        (int8, good | {"extra": good["absmax"]}),
+        (fp16, {"values": values}),
+        (none, {"h": t[:, :-1]}),
+        (none, {"h": t.double()}),
+        (none, {"h": t, "x": t}),
+    ]
+    for codec, payload in cases:
+        with pytest.raises(CodecError):
+            codec.decode(payload, HOP_SHAPE)
+    with pytest.raises(CodecError):  # a sender never puts a non-finite tensor on the wire
+        int8.encode(torch.full(HOP_SHAPE, math.inf))
+    with pytest.raises(ConfigError, match="top-k"):
+        HopCodec("topk")
+    with pytest.raises(PipelineError):
+        make_run(["a", "b"], [0, 1], microbatches=1, activation_codec="zip")
+
+
+async def test_a_hop_payload_that_does_not_decode_is_refused_and_the_peer_keeps_training():
+    """In an int8 run the real previous hop turns hostile: a hop announced with another codec is
+    refused (`bad-codec`); a payload with a NaN scale arrives (it is a valid data-plane transfer)
+    but is refused by the decoder and counted, and a truncated one is refused by the data plane.
+    The victim still trains: the iteration completes, those microbatches re-run as attempt 1."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 3, full_mesh=True)
+        run = make_run([p.id for p in peers], [0, 1, 2], microbatches=2, activation_codec="int8")
+        rts = await runtimes(stack, peers, run)
+        origin, victim = peers[0], peers[1]
+        hop = {
+            "run": "t",
+            "it": 0,
+            "mb": 0,
+            "att": 0,
+            "kind": "fwd",
+            "pos": 1,
+            "route": [p.id for p in peers],
+            "shape": list(HOP_SHAPE),
+            "codec": "int8",
+        }
+        with pytest.raises(RemoteError) as e:
+            await origin.host.rpc.call(victim.id, HOP_RPC, hop | {"codec": "none"})
+        assert e.value.code == "bad-codec"
+        payload = HopCodec("int8").encode(torch.randn(HOP_SHAPE))
+        poisoned = payload | {"absmax": payload["absmax"].clone().fill_(math.nan)}
+        await origin.host.rpc.call(victim.id, HOP_RPC, hop)
+        await origin.ts.send(victim.id, "pp/t/0/0/0/fwd/1", poisoned, timeout=10)
+        await origin.host.rpc.call(victim.id, HOP_RPC, hop | {"mb": 1})
+        with pytest.raises(TransferError):
+            await origin.ts.send(victim.id, "pp/t/0/1/0/fwd/1", payload | {"codes": payload["codes"][:-8]}, timeout=10)
+        with trio.fail_after(10):
+            while rts[1].stats["rejected"] < 2:  # bad-codec, then the NaN scale once decoded
+                await trio.sleep(0.01)
+        reports = await iterate(rts, 0)
+        assert all(r.committed == 2 and math.isfinite(r.loss) for r in reports), reports
+        assert reports[0].restarts >= 2
+
+
+async def test_an_int8_pipeline_trains_like_the_model_and_its_replicas_stay_identical():
+    """Four peers (two origins: stage 0 has two replicas) train one repeated batch with int8
+    hops: the first iteration's gradients are the single-process model's within a few percent,
+    the loss falls, the stage-0 replicas hold the same bits after every step, and each hop sent
+    int8's bytes (about a quarter of float32's)."""
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 4, full_mesh=True)
+        run = make_run([p.id for p in peers], [0, 0, 1, 2], microbatches=4, activation_codec="int8")
+        rts = await runtimes(stack, peers, run, data=lambda it, mb: batch(0, mb), keep_grads=True)
+        want = reference_gradients(GPT(CONFIG, seed=0), [batch(0, mb) for mb in range(4)])
+        losses = []
+        for it in range(6):
+            reports = await iterate(rts, it)
+            assert all(r.committed == 4 and r.restarts == 0 for r in reports), reports
+            losses.append(reports[0].loss)
+            if it == 0:
+                got = {}
+                for rep in reports:
+                    got |= rep.grads
+                for name, g in want.items():
+                    assert (got[name] - g).norm() <= 0.05 * g.norm() + 1e-6, name
+            a, b = (rt.replica.stage_state() for rt in rts[:2])
+            assert all(torch.equal(a[k], b[k]) for k in a), it
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, losses
+        sent = sum(rt.stats["hops_sent"] for rt in rts)
+        assert sent == 6 * 4 * 6  # per microbatch: 0 -> 1 -> 2 -> 0 forward, 0 -> 2 -> 1 -> 0 backward
+        assert sum(rt.stats["hop_bytes"] for rt in rts) == sent * HopCodec("int8").nbytes(HOP_SHAPE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ by a peer of the most replicated stage, and training goes on."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,34 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
     with torch.no_grad():
         logits = model(torch.zeros(1, 8, dtype=torch.int64)).logits
     assert torch.isfinite(logits).all()
+
+
+async def test_a_swarm_with_int8_activation_hops_trains_and_its_replicas_stay_identical(tmp_path):
+    """A spec with `activation_codec = "int8"`: three daemons (two origins on stage 0, one peer on
+    stage 1) send every activation and gradient hop int8-encoded. They train to the last step, the
+    loss stays finite and falls, and the two stage-0 replicas end with the same bits."""
+    spec = pipeline_spec(steps=16, activation_codec="int8")
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    results: dict[str, meshtrain.NodeResult] = {}
+
+    async def run(name: str, node: meshtrain.Node) -> None:
+        results[name] = await node.run()
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", nodes["a"])
+            await wait_for(lambda: nodes["a"].view is not None)
+            for name in "bc":
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nursery.start_soon(run, name, nodes[name])
+    assert {n: r.step for n, r in results.items()} == {"a": 16, "b": 16, "c": 16}, results
+    assert all(n.pipeline.status()["activation_codec"] == "int8" for n in nodes.values())
+    finals = {n: final_stage(tmp_path, n) for n in nodes}
+    assert sorted(s for s, _, _ in finals.values()) == [0, 0, 1], finals
+    replicas = {digest for stage, _, digest in finals.values() if stage == 0}
+    assert len(replicas) == 1, finals
+    origin = next(n for n in nodes if finals[n][0] == 0)
+    losses = [h["loss"] for h in nodes[origin].pipeline.trainer.info.history]
+    assert len(losses) == 16 and all(x is not None and math.isfinite(x) for x in losses), losses
+    assert sum(losses[-3:]) < sum(losses[:3]), losses

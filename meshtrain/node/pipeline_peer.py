@@ -37,6 +37,9 @@ all-reduce among a stage's replicas; "diloco" and "noloco" run the runtime witho
 outer optimizer per stage every H iterations over the runtime's collective
 (`pipeline/replica_sync.py`: each stage's rounds have their own tag).
 
+Hops (the spec's `activation_codec`): every activation and gradient hop of the runtime is encoded
+with it (pipeline/hop_codec.py), and the scheduler's link cost is that encoded size.
+
 Late joiners, moved peers, refills (node/stage_state.py). At the end of every epoch a peer
 publishes its stage's state under the stage's key in its `StateDonor` and announces the step as
 `offer`. A peer whose stage is fresh (it joined, or placement moved it) or whose state is behind
@@ -106,6 +109,7 @@ from meshtrain.node.stage_state import StageStates
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
+from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.placement import Member, announced, place, stage_map
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
@@ -361,17 +365,23 @@ class PipelinePeer:
         spec, trainer = self.spec, self.trainer
         assert trainer is not None
         peers = sorted(epoch.placement)
+        hop_bytes = HopCodec(spec.activation_codec).nbytes((spec.batch_size, trainer.context, trainer.replica.d_model))
         problem = PipelineProblem(
             num_stages=spec.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
             links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
-            activation_bytes=4 * spec.batch_size * trainer.context * trainer.replica.d_model,
+            activation_bytes=hop_bytes,  # what a hop sends: the scheduler's link cost
             microbatches=spec.microbatches,
             skip_ratio=spec.skip_ratio,
         )
         return PipelineRun(
-            f"{self.swarm_id[-8:]}-{epoch.key[:16]}", problem, "skippipe", spec.batch_size, trainer.context
+            f"{self.swarm_id[-8:]}-{epoch.key[:16]}",
+            problem,
+            "skippipe",
+            spec.batch_size,
+            trainer.context,
+            activation_codec=spec.activation_codec,
         )
 
     def _link(self, a: str, b: str) -> Link:
@@ -642,6 +652,7 @@ class PipelinePeer:
             "stage_map": stage_map(placement, S),
             "stage_cut": self.spec.stage_cut,
             "replica_sync": self.spec.replica_sync,
+            "activation_codec": self.spec.activation_codec,
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,

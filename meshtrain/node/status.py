@@ -54,7 +54,8 @@ The status document (`Node.snapshot()`):
     joined_from: how a late joiner got its state (donors, bytes, seconds) or null
     pipeline:   only in a pipeline swarm (node/pipeline_peer.py): mode, stages, stage (ours),
                 stage_map ([[peer ids] per stage]: the running epoch's, else as announced),
-                stage_cut, replica_sync, epoch (key or null), epochs, forward_s, waiting,
+                stage_cut, replica_sync, activation_codec, epoch (key or null), epochs,
+                forward_s, waiting,
                 export (the last `POST /export`'s progress: {state: running|done|failed, out,
                 phase, stages: {stage: {done, total}} bytes fetched, result | error}, or null)
 """

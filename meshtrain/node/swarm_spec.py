@@ -62,6 +62,7 @@ from meshtrain.models.staged import PIPELINE_MODELS, pipeline_layers
 from meshtrain.models.tokenizers import check_tokenizer_name, tokenizer_digest
 from meshtrain.node.config import one_line_error
 from meshtrain.pipeline.cut import balanced_cut, format_stage_cut, parse_stage_cut
+from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS
 from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
 from meshtrain.transport.framing import packb_canonical
@@ -250,6 +251,13 @@ class SwarmSpec(BaseModel):
     )
     skip_ratio: float = Field(0.0, ge=0, lt=1, description="pipeline: fraction of the block stages each path skips")
     microbatches: int = Field(8, ge=1, le=4096, description="pipeline: microbatches per iteration (of batch_size rows)")
+    activation_codec: str = Field(
+        "none",
+        description="pipeline: how activations and their gradients are compressed on every hop between "
+        "stage peers: none | fp16 | bf16 | int8 | int4 | fp4 (pipeline/hop_codec.py). Its own key, not "
+        "codec: codec compresses outer-optimizer pseudo-gradients, which tolerate coarser codes (fp4) than "
+        "activations, whose error every later stage sees; top-k is not offered (no error feedback per hop)",
+    )
     replica_sync: Literal["every-step", "diloco", "noloco"] = Field(
         "every-step",
         description="pipeline: how a stage's replicas agree: every-step (gradient all-reduce every "
@@ -358,6 +366,13 @@ class SwarmSpec(BaseModel):
             raise ValueError(f"must be one of {', '.join(sorted(CODECS))}")
         return v
 
+    @field_validator("activation_codec")
+    @classmethod
+    def _activation_codec(cls, v: str) -> str:
+        if v not in ACTIVATION_CODECS:
+            raise ValueError(f"must be one of {', '.join(ACTIVATION_CODECS)}")
+        return v
+
     def check(self) -> SwarmSpec:
         """Cross-field rules the optimizers would otherwise reject at start-up."""
         if self.optimizer == "streaming":
@@ -398,6 +413,11 @@ class SwarmSpec(BaseModel):
             )
         if self.pipeline != "none":
             self._check_pipeline()
+        elif self.activation_codec != "none":
+            raise ConfigError(
+                "swarm spec: activation_codec compresses a pipeline's hops; this swarm has none "
+                "(--pipeline skippipe), so leave it none (codec compresses the outer rounds)"
+            )
         if self.group_size == 1:
             raise ConfigError(
                 "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"

@@ -6,6 +6,8 @@
   gradients, the optimizer step).
 - `runtime`: the microbatch protocol over RPC + tensor streams, executing the schedule's per-peer
   order, re-routing around dead peers, and the replicas' per-iteration gradient all-reduce.
+- `hop_codec`: how an activation or gradient hop is encoded (the run's `activation_codec`: none,
+  or a dense codec of collective/compression.py), and the checks on what a peer sent.
 - `omission`: evaluating a trained model with some of its stages left out.
 - `cut`: how a swarm spec writes the stage cut (`stage_cut`, e.g. "0-1,2-3").
 - `placement`: which stage each peer of a pipeline swarm holds (pure; over the membership).

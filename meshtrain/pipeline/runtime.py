@@ -12,10 +12,14 @@ flight at once and a peer computes the next visit while its last output is still
 
 Wire protocol (this file is its whole story). Control travels over RPC, tensors over the data
 plane (`TensorStreams`: encrypted, digest-checked, back-pressured):
-- `pipeline/hop` {run, it, mb, att, kind, pos, route, shape}: "I am about to send you the
+- `pipeline/hop` {run, it, mb, att, kind, pos, route, shape, codec}: "I am about to send you the
   activations (kind "fwd") or gradients ("bwd") of microbatch `mb`, attempt `att`, at position
-  `pos` of `route`". The receiver checks everything (below), starts a `receive` of exactly that
-  shape under the tag `pp/<run>/<it>/<mb>/<att>/<kind>/<pos>`, and answers; the sender then sends.
+  `pos` of `route`, a tensor of `shape` encoded with the run's activation codec `codec`". The
+  receiver checks everything (below), starts a `receive` of exactly that payload under the tag
+  `pp/<run>/<it>/<mb>/<att>/<kind>/<pos>`, and answers; the sender then sends. The payload is
+  `hop_codec.py`'s (its whole story): with codec "none" the float32 tensor itself ("h"), else the
+  codec's parts (e.g. int8: codes and per-block absmax, ~1/4 of the bytes); the sender encodes
+  and the receiver decodes in a worker thread.
   `route` = [origin, hop 1, ..., hop L]: position p ≤ L is route[p]; L + 1 (forward) and 0
   (backward) are the origin. A source route, so a re-planned attempt needs no state elsewhere.
 - `pipeline/abandon` {run, it, mb, floor}: from the origin: attempts of `mb` below `floor` are void
@@ -25,11 +29,15 @@ plane (`TensorStreams`: encrypted, digest-checked, back-pressured):
   all its microbatches finished: which attempt of each microbatch counts, who it saw die, its
   loss, and whether the run should stop after this iteration.
 Every field is validated with explicit checks; a bad request is answered with a `RemoteError`
-whose code says why (`malformed`, `unknown-run`, `stale-iteration`, `unknown-microbatch`,
-`stale-attempt`, `bad-route`, `bad-shape`, `too-large`, `duplicate`, `not-origin`) and never
-reaches the compute. Tensors land in buffers of the announced shape (`receive(into=...)`), so a
-sender that announces one shape and sends another is refused by the data plane; NaN/inf inputs
-are refused by the stage. Nothing from the network can raise out of a handler or the worker.
+whose code says why (`malformed`, `unknown-run`, `bad-codec`, `stale-iteration`,
+`unknown-microbatch`, `stale-attempt`, `bad-route`, `bad-shape`, `too-large`, `duplicate`,
+`not-origin`) and never reaches the compute. Payloads land in buffers of exactly the announced
+shape's encoding (`receive(into=...)`), so a sender that announces one shape and sends another,
+or a truncated payload, is refused by the data plane; a payload that does not decode (NaN, ±inf
+or negative scales) is refused by `HopCodec.decode`, and NaN/inf inputs by the stage — both
+reported to the origin as a failed hop, which re-runs the microbatch. A tensor the sender's codec
+cannot encode (non-finite) is reported the same way instead of sent. Nothing from the network can
+raise out of a handler or the worker.
 
 Failures. The origin owns its microbatches. It restarts a microbatch — attempt + 1, recomputed
 from its data, on a route where every dead peer is replaced by a live replica of the same stage
@@ -63,15 +71,16 @@ per stage, over this runtime's collective): replicas then differ between two rou
 re-routing tolerates (any replica computes a valid forward, just not the same bits).
 
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
-bandwidth of its link (user-space throttling), `compute_floor` pads each visit to at least the
-scheduler's modelled compute time (forward, 1.5× backward, 0.25× head), so a peer can be slowed.
+bandwidth of its link (user-space throttling; with `serial`, a link's sends share its bandwidth),
+`compute_floor` pads each visit to at least the scheduler's modelled compute time (forward, 1.5×
+backward, 0.25× head), so a peer can be slowed.
 The replica sync's all-reduce runs over the collective, which `links` does not reach: with links,
 `account_sync` (called after the gradient all-reduce, and by the caller after an outer round)
 waits as long as sending those bytes over the slowest link to a replica would take.
 
-Traffic: `stats` counts hop and replica-sync bytes sent; `hop_bytes_to` and `sync_bytes_to` split
-them by destination (a sync's bytes evenly over the other replicas), so a benchmark can tell the
-bytes that cross regions.
+Traffic: `stats` counts hop (encoded payload) and replica-sync bytes sent; `hop_bytes_to` and
+`sync_bytes_to` split them by destination (a sync's bytes evenly over the other replicas), so a
+benchmark can tell the bytes that cross regions.
 
 What it does not do: place stages on peers, join a swarm, checkpoint.
 """
@@ -89,11 +98,13 @@ import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.compression import CodecError
 from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
+from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
 from meshtrain.pipeline.scheduler import (
     BACKWARD_FACTOR,
     HEAD_FACTOR,
@@ -116,6 +127,7 @@ from meshtrain.transport.validate import (
     require_int,
     require_map,
     require_number,
+    require_str,
 )
 
 log = get_logger(__name__)
@@ -158,6 +170,8 @@ class PipelineRun:
     problem: the scheduling problem (placement, compute times, links, microbatches, skip ratio).
     mode: "skippipe" (skips and swaps) or "full" (every stage in order: the baseline).
     microbatch_size, context: the shape of a microbatch's token ids, [microbatch_size, context].
+    activation_codec: how every activation and gradient hop is encoded (`hop_codec.py`: "none",
+        the default, or one of `ACTIVATION_CODECS`).
     """
 
     run: str
@@ -165,12 +179,21 @@ class PipelineRun:
     mode: Mode
     microbatch_size: int
     context: int
+    activation_codec: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not 0 < len(self.run) <= MAX_RUN_CHARS:
             raise PipelineError(f"run name must be 1..{MAX_RUN_CHARS} characters")
         if self.mode not in ("skippipe", "full"):
             raise PipelineError(f"mode must be 'skippipe' or 'full', got {self.mode!r}")
+        if self.activation_codec not in ACTIVATION_CODECS:
+            raise PipelineError(
+                f"activation_codec must be one of {', '.join(ACTIVATION_CODECS)}, got {self.activation_codec!r}"
+            )
+
+    @property
+    def hop_codec(self) -> HopCodec:
+        return HopCodec(self.activation_codec)
 
     def schedule(self, dead: frozenset[str] = frozenset()) -> Schedule:
         """The schedule of an iteration, without the peers in `dead`."""
@@ -194,13 +217,32 @@ class PipelineRun:
 @dataclass(frozen=True)
 class SimulatedLinks:
     """User-space link throttling: a send from a to b of n bytes first waits latency + n /
-    bandwidth (the scheduler's edge cost), as if the link were that slow."""
+    bandwidth (the scheduler's edge cost), as if the link were that slow.
+
+    serial: False (the default): concurrent sends on one link each wait their own delay, as if
+    the link's bandwidth were per transfer. True: the sends from a to b share the bandwidth — one
+    transmits after the ones queued before it (`send_delay`), as on a real throttled link; the
+    codec benchmark (scripts/bench_skippipe.py --activation-codec) uses it.
+    """
 
     links: Mapping[tuple[str, str], Link]
+    serial: bool = False
+    busy_until: dict[tuple[str, str], float] = field(default_factory=dict, compare=False, repr=False)
 
     def delay(self, a: str, b: str, nbytes: int) -> float:
         link = self.links.get((a, b)) or self.links.get((b, a))
         return 0.0 if link is None else link.latency + nbytes / link.bandwidth
+
+    def send_delay(self, a: str, b: str, nbytes: int) -> float:
+        """How long a send of `nbytes` from a to b starting now waits: `delay`, or with `serial`,
+        its transmission queued behind the earlier sends on a → b, plus the latency."""
+        link = self.links.get((a, b)) or self.links.get((b, a))
+        if link is None or not self.serial:
+            return self.delay(a, b, nbytes)
+        now = time.monotonic()
+        done = max(now, self.busy_until.get((a, b), now)) + nbytes / link.bandwidth
+        self.busy_until[(a, b)] = done
+        return done - now + link.latency
 
 
 @dataclass(frozen=True)
@@ -240,6 +282,7 @@ class Hop:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's float32 bytes (what travels is `HopCodec.nbytes(shape)`)."""
         return 4 * math.prod(self.shape)
 
     def tag(self, run: str) -> str:
@@ -267,9 +310,11 @@ def _int(v: Any, name: str, lo: int, hi: int, code: str = MALFORMED) -> int:
 
 def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int, current: int) -> Hop:
     """Validate a `pipeline/hop` request from `caller` to us; raise `HopRejected` with a code."""
-    req = require_map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape", error=_malformed)
+    req = require_map(req, "run", "it", "mb", "att", "kind", "pos", "route", "shape", "codec", error=_malformed)
     if req["run"] != run.run:
         raise HopRejected("unknown-run", "not a run this peer is in")
+    if require_str(req["codec"], "codec", MAX_RUN_CHARS, error=_malformed) != run.activation_codec:
+        raise HopRejected("bad-codec", f"this run's activation codec is {run.activation_codec!r}, not {req['codec']!r}")
     it = _int(req["it"], "iteration", 0, 1 << 40)
     if not current <= it <= current + LOOKAHEAD:
         raise HopRejected("stale-iteration", f"iteration {it}, this peer is at {current}")
@@ -429,6 +474,7 @@ class PipelineRuntime(Service):
         self.should_stop = should_stop
         self.keep_grads = keep_grads
         self.sync_gradients = sync_gradients
+        self.hop_codec = run.hop_codec
         self.me = me
         self.stage = replica.index
         self.dead: set[str] = set()  # peers this peer saw die (routing, liveness)
@@ -656,8 +702,21 @@ class PipelineRuntime(Service):
 
     async def _send_hop(self, st: _Iteration, hop: Hop, tensor: torch.Tensor) -> None:
         to = at(hop.route, hop.pos)
+        codec = self.hop_codec
+        try:
+            payload = (
+                codec.encode(tensor) if codec.codec is None else await trio.to_thread.run_sync(codec.encode, tensor)
+            )
+        except CodecError as e:
+            # Non-finite (or, fp16, out of range): nothing the next stage could use. Tell the
+            # origin, as the next stage would have on refusing it.
+            self.stats["send_failures"] += 1
+            log.warning(kv("pipeline hop not encodable", it=hop.it, mb=hop.mb, att=hop.att, error=str(e)))
+            await self._report_failure(st, hop.mb, hop.att, self.me, hop.route)
+            return
+        nbytes = codec.nbytes(hop.shape)
         if self.links is not None:
-            await trio.sleep(self.links.delay(self.me, to, hop.nbytes))
+            await trio.sleep(self.links.send_delay(self.me, to, nbytes))
         req = {
             "run": self.run.run,
             "it": hop.it,
@@ -667,13 +726,14 @@ class PipelineRuntime(Service):
             "pos": hop.pos,
             "route": list(hop.route),
             "shape": list(hop.shape),
+            "codec": codec.name,
         }
         try:
             await self.host.rpc.call(to, HOP_RPC, req, timeout=CALL_TIMEOUT)
-            await self.streams.send(to, hop.tag(self.run.run), {"h": tensor}, timeout=SEND_TIMEOUT)
+            await self.streams.send(to, hop.tag(self.run.run), payload, timeout=SEND_TIMEOUT)
             self.stats["hops_sent"] += 1
-            self.stats["hop_bytes"] += hop.nbytes
-            self.hop_bytes_to[to] = self.hop_bytes_to.get(to, 0) + hop.nbytes
+            self.stats["hop_bytes"] += nbytes
+            self.hop_bytes_to[to] = self.hop_bytes_to.get(to, 0) + nbytes
         except (RpcError, TransferError) as e:
             self.stats["send_failures"] += 1
             if isinstance(e, RemoteError) and e.code == "stale-attempt":
@@ -966,18 +1026,31 @@ class PipelineRuntime(Service):
         return {"accepted": True}
 
     async def _receive_hop(self, st: _Iteration, peer: str, hop: Hop) -> None:
-        buf = {"h": torch.empty(hop.shape, dtype=torch.float32)}
+        codec = self.hop_codec
+        buf = codec.buffers(hop.shape)
         try:
             got = await self.streams.receive(
-                peer, hop.tag(self.run.run), into=buf, max_bytes=hop.nbytes, timeout=RECEIVE_TIMEOUT
+                peer, hop.tag(self.run.run), into=buf, max_bytes=codec.nbytes(hop.shape), timeout=RECEIVE_TIMEOUT
             )
         except TransferError as e:
             log.info(kv("pipeline transfer failed", it=hop.it, mb=hop.mb, frm=peer[-8:], error=str(e)))
             return  # the sender sees its send fail and tells the origin
         if hop.att < st.floor.get(hop.mb, 0) or st.it < self.current:
             return
+        try:
+            if codec.codec is None:
+                h = codec.decode(got.tensors, hop.shape)
+            else:
+                h = await trio.to_thread.run_sync(codec.decode, got.tensors, hop.shape)
+        except CodecError as e:
+            # Delivered intact but not a valid encoding (NaN or negative scales): as for input
+            # the stage refuses, this attempt is lost and its origin re-runs it.
+            self.stats["rejected"] += 1
+            log.warning(kv("pipeline hop payload refused", it=hop.it, mb=hop.mb, frm=peer[-8:], error=str(e)))
+            await self._report_failure(st, hop.mb, hop.att, peer, hop.route)
+            return
         self.stats["hops_received"] += 1
-        st.inputs[(hop.mb, hop.att, hop.kind)] = (got.tensors["h"], hop)
+        st.inputs[(hop.mb, hop.att, hop.kind)] = (h, hop)
         st.notify()
 
     def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], _Iteration]:
