@@ -82,8 +82,10 @@ skips the rest passes, unless k = H. Other data that shares the assigned batches
 on gpt-tiny's character corpus) agrees with the recomputation as well as an honest update does
 in these early rounds, and is not flagged; neither is a peer that trains on its assigned data and
 more, nor a poisoned update that also follows its batches. An honest peer whose optimizer state
-is far from the checker's (a restart with a fresh optimizer: its first round) matches less; the
-quorum and the window keep one such round from excluding it. A majority of colluding owners can
+is far from the checker's may match less: a fresh swarm's first round (every peer's optimizer
+fresh, the checker's moments already H steps old) flagged none in tests/test_adversary_swarm.py;
+a peer restarted mid-run with a fresh optimizer was not measured (the quorum and the window
+keep one such round from excluding it). A majority of colluding owners can
 still strike anyone (as with screening).
 """
 
