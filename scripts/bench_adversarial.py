@@ -214,7 +214,8 @@ def spot_check_seconds(peers: int, samples: int, steps: int, batch_size: int, tr
     numel = sum(t.numel() for t in phi.values())
     part = tuple(part_bounds(numel, peers)[:2])
     g = torch.Generator().manual_seed(0)
-    contribs = {f"p{i}": 1e-3 * torch.randn(part[1] - part[0], generator=g) for i in range(samples)}
+    # The owner checks the sampled peers but itself.
+    contribs = {f"p{i}": 1e-3 * torch.randn(part[1] - part[0], generator=g) for i in range(min(samples, peers - 1))}
     aggregate = torch.stack(list(contribs.values())).mean(dim=0)
 
     def one_round() -> None:

@@ -8,6 +8,7 @@ daemon's is), and the spot strike format, as a property."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
 from meshtrain.node.spot_check import recompute_update, spot_check_round
-from meshtrain.node.strikes import quorum, spot_flagged
+from meshtrain.node.strikes import StrikeBook, quorum, spot_flagged
 from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 
 from .test_screening import JUNK, PEERS
@@ -54,18 +55,12 @@ class Peer:
             self.inner.step()
         return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
 
-    def second_moments(self) -> dict[str, tuple[float, torch.Tensor]]:
-        return {
-            n: (float(self.inner.state[p]["step"]), self.inner.state[p]["exp_avg_sq"].clone())
-            for n, p in self.model.named_parameters()
-        }
-
 
 @pytest.fixture(scope="module")
 def fourth_round() -> dict:
     """φ after three DiLoCo rounds (trimmed mean, Nesterov SGD) of HONEST plus a replaying
     adversary, and round 4's updates: the honest peers', the replay of the adversary's round-1
-    update, zeros, and a lazy peer's; each honest peer's inner second moments as round 4 ended."""
+    update, zeros, and a lazy peer's; each peer's recomputation of every update's first H steps."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -93,23 +88,18 @@ def fourth_round() -> dict:
         updates["replay"] = first
         updates["zeros"] = torch.zeros_like(first)
         updates["lazy"] = peers["lazy"].train(phi, range(r - 2, r))
-        moments = {p: peers[p].second_moments() for p in HONEST}
-        # Each honest owner's recomputation of every peer's first H steps, from its own moments.
+        # Every owner's recomputation of a peer's first H steps is the same (a fresh AdamW from φ).
         recomputed = {
-            owner: {
-                p: recompute_update(
-                    copy.deepcopy(model),
-                    phi,
-                    names,
-                    [corpus.batch(BATCH, CONTEXT, seed=0, peer=p, step=s) for s in range(r - H, r)],
-                    lr=SPEC.inner_lr,
-                    weight_decay=SPEC.weight_decay,
-                    clip=SPEC.clip,
-                    second_moments=moments[owner],
-                )
-                for p in updates
-            }
-            for owner in HONEST
+            p: recompute_update(
+                copy.deepcopy(model),
+                phi,
+                names,
+                [corpus.batch(BATCH, CONTEXT, seed=0, peer=p, step=s) for s in range(r - H, r)],
+                lr=SPEC.inner_lr,
+                weight_decay=SPEC.weight_decay,
+                clip=SPEC.clip,
+            )
+            for p in updates
         }
     finally:
         torch.set_num_threads(threads)
@@ -128,7 +118,7 @@ def verdicts(round4: dict, liar: str) -> dict[str, int]:
             continue  # the liar's verdicts count for nothing here
         part = (bounds[j], bounds[j + 1])
         samples = {p: updates[p][part[0] : part[1]] for p in group if p != owner}
-        checks = spot_check_round(round4["recomputed"][owner], part, samples, agg[part[0] : part[1]])
+        checks = spot_check_round(round4["recomputed"], part, samples, agg[part[0] : part[1]])
         assert {c.peer for c in checks} == set(samples)
         for c in checks:
             flags[c.peer] += spot_flagged(c.match, c.ref, SPEC)
@@ -174,6 +164,30 @@ def test_the_spec_keys_and_the_sample() -> None:
         parse_spec({"model": "gpt-tiny", "H": 10, "spot_check_steps": 11})
     with pytest.raises(ConfigError, match="optimizer diloco"):
         parse_spec({"model": "gpt-tiny", "optimizer": "streaming", "spot_check_steps": 5})
+
+
+def test_other_peers_count_a_spot_strike_only_with_evidence_and_a_sampled_peer() -> None:
+    """What every peer re-checks before counting a spot strike (node/strikes.py): the swarm
+    spot-checks, the cosines break the rule, and the round's digest sampled the peer."""
+    spec = SwarmSpec(model="gpt-tiny", spot_check_steps=5, spot_check_samples=1)
+    view = SimpleNamespace(me=PEERS[0], replica=SimpleNamespace(on_change=lambda callback: None))
+    book = StrikeBook(view, spec, admitted=lambda peer, caps: True)  # type: ignore[arg-type]
+    group, digest = tuple(PEERS), b"\x05" * 32
+    (chosen,) = sampled_peers(group, digest, 1)
+    other = next(p for p in group if p not in (chosen, PEERS[1]))
+    reporter = PEERS[1] if chosen != PEERS[1] else PEERS[2]
+
+    def strike(peer: str, match: float, ref: float) -> Strike:
+        return Strike(
+            reporter, 40, "f0", peer, group, digest, group.index(reporter), 1.0, 0.5, SPOT, ref=ref, match=match
+        )
+
+    assert book.why_not_counted(strike(chosen, 0.1, 0.6), True) is None
+    assert "no evidence" in book.why_not_counted(strike(chosen, 0.5, 0.6), True)
+    assert "did not sample" in book.why_not_counted(strike(other, 0.1, 0.6), True)
+    assert "not admitted" in book.why_not_counted(strike(chosen, 0.1, 0.6), False)
+    book.spec = SwarmSpec(model="gpt-tiny")  # a swarm without spot-checks counts none
+    assert "does not spot-check" in book.why_not_counted(strike(chosen, 0.1, 0.6), True)
 
 
 @settings(max_examples=150, deadline=None)

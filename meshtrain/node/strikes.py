@@ -22,9 +22,8 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   evidence counts for nothing; a loss strike's `gain` and `ref` must break `loss_flagged`, and
   the round's digest must have sampled the peer, `sampled_peers`; a spot strike's `match` and
   `ref` must break `spot_flagged`, and the digest must have sampled the peer for spot-checks), and
-  if we were in that round
-  ourselves its group and digest must be the ones we saw (a reporter cannot invent a group
-  without the peers we saw).
+  if we were in that round ourselves its group and digest must be the ones we saw (a reporter
+  cannot invent a group without the peers we saw).
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
@@ -47,9 +46,9 @@ status page, `swarm list`'s advert).
 Not here: what it does not catch. Screening sees norms and directions only: an update trained
 on other data, or replayed from an earlier round, points roughly the right way and passes; loss
 scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
-loss on their own assigned batch, and its own limits are told there; replay spot-checks (node/spot_check.py) catch replayed, lazy and
-empty updates of sampled peers, and tell their own limits. A majority of colluding admitted
-peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
+loss on their own assigned batch, and its own limits are told there; replay spot-checks
+(node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
+limits. A majority of colluding admitted peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
 default, node/swarm_spec.py) can still be struck `spec.strikes` times within a window; an
