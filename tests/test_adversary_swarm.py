@@ -101,7 +101,9 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
         assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
         assert any(n.presence.standing()[liar.host.peer_id].by_loss for n in honest)
         assert doc["node"]["admission"]["loss_scoring"]["scored"] > 0
-    if spot:  # every owner spot-checked rounds, and spot strikes alone struck the replay out
+    if spot:  # every owner spot-checked rounds, and spot strikes made most of the replay's counted rounds
+        # (screening flags a replay too once it has drifted from the swarm's direction: then not by spot)
         assert all(n.spot_checker is not None and n.spot_checker.checked > 0 for n in honest)
-        assert all(n.presence.standing()[liar.host.peer_id].by_spot >= 3 for n in honest)
+        by_spot = [n.presence.standing()[liar.host.peer_id].by_spot for n in honest]
+        assert all(b >= 2 for b in by_spot), by_spot
         assert doc["node"]["admission"]["spot_check"]["checked"] > 0
