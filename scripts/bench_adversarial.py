@@ -1,7 +1,8 @@
 """Adversaries in an open swarm: what robust aggregation and strikes let through, and how fast.
 
     python scripts/bench_adversarial.py [--honest 4] [--adversaries 1] [--H 10] [--rounds 8]
-        [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8]
+        [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8] [--score-samples -1]
+        [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean]
 
 Real daemons (`meshtrain node start`, one process each) on loopback train gpt-tiny (DiLoCo) in an
 open swarm: `--honest` honest peers and `--adversaries` adversaries, each an ordinary daemon with
@@ -27,6 +28,14 @@ Measured (last line, one JSON object):
   (50 x the median wall time per step of the honest peers in the runs, rounds included, gpt-tiny:
   pessimistic, as gpt-small's steps are slower);
 - `sybil_cost_ratio`: minting 100 admitted identities against one (scripts/bench_admission.py).
+
+With `--spot-check-steps k` the swarms also run replay spot-checks (node/spot_check.py:
+`--spot-check-samples` peers per round, default every peer; pass `--score-samples 0` to see what
+spot-checks catch alone), and the line adds `spot_check_ms_per_round` (one owner's checks of one
+round: k AdamW steps of gpt-tiny per sampled peer, one thread), `spot_check_share_at_h50` (that
+over `round_s_at_h50`, k as given) and the part-checks flagged by spot-check against the
+adversaries and against honest peers (`spot_flags`, from the honest daemons' logs).
+`--rules robust` skips the runs without a defence.
 """
 
 from __future__ import annotations
@@ -109,7 +118,7 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-    losses, steps, excluded = [], [], {}
+    losses, steps, excluded, spot_flags = [], [], {}, {}
     for d, mode, p in zip(dirs, modes, procs, strict=True):
         if mode is not None:
             continue
@@ -122,10 +131,15 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
         if len(timed) >= 2 and timed[-1][0] > timed[0][0]:  # wall time per step, rounds included
             steps.append((timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0]))
         for line in (d / "stderr.log").read_text().splitlines():
+            if "flagged a contribution by spot-check" in line:
+                short = dict(kv.split("=", 1) for kv in line.split() if "=" in kv).get("peer", "")
+                who = next((p for p in ids if short and p.endswith(short)), short)
+                spot_flags[who] = spot_flags.get(who, 0) + 1
             if "peer excluded by strikes" in line:
                 fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
                 excluded.setdefault(fields["peer"], int(fields["at_round"]))
-    return {"ids": ids, "loss": losses[0] if losses else math.nan, "excluded": excluded, "step_s": steps}
+    loss = losses[0] if losses else math.nan
+    return {"ids": ids, "loss": loss, "excluded": excluded, "step_s": steps, "spot_flags": spot_flags}
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90.0) -> None:
@@ -183,6 +197,54 @@ def scoring_seconds(peers: int, samples: int, batch_size: int, trials: int = 5) 
         torch.set_num_threads(threads)
 
 
+def spot_check_seconds(peers: int, samples: int, steps: int, batch_size: int, trials: int = 3) -> float:
+    """One owner's replay spot-checks of one round (node/spot_check.py: `steps` AdamW steps of one
+    gpt-tiny batch per sampled peer from φ, then two cosines on its part), in the worker thread
+    beside training: the CPU time it takes from the round."""
+    from meshtrain.collective.flat import part_bounds
+    from meshtrain.models import Corpus
+    from meshtrain.node.spot_check import recompute_update, spot_check_round
+
+    if not samples or not steps:
+        return 0.0
+    corpus = Corpus.default("chars")
+    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=0)
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = list(phi)
+    numel = sum(t.numel() for t in phi.values())
+    part = tuple(part_bounds(numel, peers)[:2])
+    g = torch.Generator().manual_seed(0)
+    # The owner checks the sampled peers but itself.
+    contribs = {f"p{i}": 1e-3 * torch.randn(part[1] - part[0], generator=g) for i in range(min(samples, peers - 1))}
+    aggregate = torch.stack(list(contribs.values())).mean(dim=0)
+
+    def one_round() -> None:
+        recomputed = {
+            p: recompute_update(
+                model,
+                phi,
+                names,
+                [corpus.batch(batch_size, 32, seed=0, peer=p, step=s) for s in range(steps)],
+                lr=2e-3,
+                weight_decay=0.01,
+                clip=1.0,
+            )
+            for p in contribs
+        }
+        spot_check_round(recomputed, part, contribs, aggregate)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the daemons run here (--threads 1)
+    try:
+        one_round()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(trials):
+            one_round()
+        return (time.perf_counter() - t0) / trials
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sybil_cost_ratio() -> float | None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_admission.py"), "--trials", "5"],
@@ -215,6 +277,19 @@ def main() -> None:
         default=-1,
         help="peers scored by loss per round (spec score_samples); -1 = every peer of the swarm",
     )
+    ap.add_argument(
+        "--spot-check-steps",
+        type=int,
+        default=0,
+        help="replay spot-checks: inner steps recomputed per sampled peer (spec spot_check_steps); 0 = off",
+    )
+    ap.add_argument(
+        "--spot-check-samples",
+        type=int,
+        default=-1,
+        help="peers spot-checked per round (spec spot_check_samples); -1 = every peer of the swarm",
+    )
+    ap.add_argument("--rules", default="robust,mean", help="robust,mean or robust (skip the runs without a defence)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     n = args.honest + args.adversaries
@@ -223,7 +298,10 @@ def main() -> None:
     base["eval_every"] = base["steps"]  # one held-out evaluation, of the final φ
     samples = n if args.score_samples < 0 else args.score_samples
     base["score_samples"] = samples
+    spot_samples = n if args.spot_check_samples < 0 else args.spot_check_samples
+    base.update(spot_check_steps=args.spot_check_steps, spot_check_samples=spot_samples)
     specs = {"robust": SwarmSpec(**base), "mean": SwarmSpec(**base, aggregation="mean")}
+    specs = {rule: spec for rule, spec in specs.items() if rule in args.rules.split(",")}
     assert specs["robust"].aggregation == "trimmed_mean"  # the open swarm's default
     with tempfile.TemporaryDirectory(prefix="bench_adversarial_") as tmp:
         root = Path(tmp)
@@ -249,12 +327,16 @@ def main() -> None:
             }
             caught = [runs[f"{mode}/robust"]["excluded"].get(p) for p in liar_ids]
             rounds_to_exclude[mode] = max(c // args.H for c in caught) if all(c is not None for c in caught) else None
+        spot_flags = {"adversaries": 0, "honest": 0}
         for r in runs.values():
             honest_excluded |= set(r["excluded"]) & honest_ids
+            for p, count in r["spot_flags"].items():
+                spot_flags["honest" if p in honest_ids else "adversaries"] += count
         step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
         round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
     robust_gaps = [g["robust"] for g in loss_gap.values()]
     scoring = scoring_seconds(n, samples, args.batch_size)
+    spot = spot_check_seconds(n, spot_samples, args.spot_check_steps, args.batch_size)
     harmful = [rounds_to_exclude[m] for m in modes if m in CAUGHT_BY_SCREENING + CAUGHT_BY_SCORING]
     print(
         json.dumps(
@@ -278,6 +360,11 @@ def main() -> None:
                 "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
                 "scoring_ms_per_round": round(scoring * 1000, 2),
                 "round_s_at_h50": round(round_at_h50, 2),
+                "spot_check_steps": args.spot_check_steps,
+                "spot_check_samples": spot_samples if args.spot_check_steps else 0,
+                "spot_check_ms_per_round": round(spot * 1000, 2),
+                "spot_check_share_at_h50": float(f"{spot / round_at_h50:.3g}"),
+                "spot_flags": spot_flags,
                 "sybil_cost_ratio": sybil_cost_ratio(),
                 "wall_s": round(time.monotonic() - t_start, 1),
             }

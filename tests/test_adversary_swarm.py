@@ -3,7 +3,9 @@ robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/advers
 honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
 peer excludes it; the honest peers are never flagged, and the rounds go on without it. A replay
 of its first update passes screening (it points the right way) and is caught by loss scoring
-(node/scoring.py): it does not lower the loss on the adversary's own assigned batches."""
+(node/scoring.py): it does not lower the loss on the adversary's own assigned batches; or, with
+loss scoring off, by replay spot-checks (node/spot_check.py): it does not follow a recomputation
+of the adversary's first inner steps."""
 
 from __future__ import annotations
 
@@ -23,22 +25,36 @@ H = 2
 
 
 @pytest.mark.parametrize(
-    ("mode", "h", "batch", "rounds", "samples"),
+    ("mode", "h", "batch", "rounds", "samples", "spot"),
     # Screening's modes with screening alone (at batch 4 and H 2 an honest update's loss change on
     # its own batch is noise, node/scoring.py). A replay passes screening while it looks fresh and
     # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
     # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
     # in round 1 and barely stale in round 2).
-    [("signflip10", H, 4, 12, 0), ("zeros", H, 4, 12, 0), ("replay", 10, 8, 9, PEERS)],
+    # Spot-checks: loss scoring off, every peer checked on its first 5 of 10 steps every round.
+    [
+        ("signflip10", H, 4, 12, 0, 0),
+        ("zeros", H, 4, 12, 0, 0),
+        ("replay", 10, 8, 9, PEERS, 0),
+        ("replay", 10, 8, 9, 0, 5),
+    ],
 )
 async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
-    tmp_path, monkeypatch, mode, h, batch, rounds, samples
+    tmp_path, monkeypatch, mode, h, batch, rounds, samples, spot
 ) -> None:
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
     # Twelve rounds: strikes need three, and a round here takes a fraction of a second, faster than
     # the first gossip mesh forms (strikes travel by anti-entropy, ~1.5 s, until it has).
     spec = meshtrain.SwarmSpec(
-        model="gpt-tiny", H=h, steps=h * rounds, batch_size=batch, eval_every=0, pow_bits=4, score_samples=samples
+        model="gpt-tiny",
+        H=h,
+        steps=h * rounds,
+        batch_size=batch,
+        eval_every=0,
+        pow_bits=4,
+        score_samples=samples,
+        spot_check_steps=spot,
+        spot_check_samples=PEERS,
     )
     assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
@@ -85,3 +101,9 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_flagged(
         assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
         assert any(n.presence.standing()[liar.host.peer_id].by_loss for n in honest)
         assert doc["node"]["admission"]["loss_scoring"]["scored"] > 0
+    if spot:  # every owner spot-checked rounds, and spot strikes made most of the replay's counted rounds
+        # (screening flags a replay too once it has drifted from the swarm's direction: then not by spot)
+        assert all(n.spot_checker is not None and n.spot_checker.checked > 0 for n in honest)
+        by_spot = [n.presence.standing()[liar.host.peer_id].by_spot for n in honest]
+        assert all(b >= 2 for b in by_spot), by_spot
+        assert doc["node"]["admission"]["spot_check"]["checked"] > 0

@@ -19,16 +19,23 @@ A *loss* strike (issue 21, 4b: node/scoring.py) has the same keys plus
      assigned batch, "ref": the round aggregate's drop on that batch (both over the loss at φ)
 
 and its "norm" / "align" are the contribution's norm over the aggregate's and its cosine with it.
-A record without "rule" is a screening strike (the form before loss scoring, still read); "rule"
-is "screen" or "loss", and "gain" / "ref" are present exactly when it is "loss".
+A *spot* strike (issue 21, 4c: node/spot_check.py) has the keys of a screening strike plus
+
+    "rule": "spot", "match": the flagged contribution's cosine with the reporter's recomputation
+     of its sender's first inner steps, "ref": the round aggregate's cosine with that recomputation
+
+with "norm" / "align" against the aggregate, as a loss strike's. A record without "rule" is a
+screening strike (the form before loss scoring, still read); "rule" is "screen", "loss" or
+"spot"; "gain" is present exactly when it is "loss", "match" exactly when it is "spot", and
+"ref" with either.
 
 The record also carries the reporter's membership capabilities (`caps`: its proof of work), so
 a peer can check the reporter's admission from the record alone. `check_strikes` holds the
 structural rules (the same on every replica, so a malformed record is
 rejected everywhere): at most `MAX_STRIKES` strikes (the reporter's latest), a group of 3..
 `MAX_STRIKE_GROUP` sorted distinct ids holding both the reporter and the flagged peer (not the
-same), the part the reporter's own, finite scores, one strike per (round, peer) (a loss strike
-and a screening strike of one round count as one: the peer was flagged there).
+same), the part the reporter's own, finite scores, one strike per (round, peer) (a loss, spot
+or screening strike of one round count as one: the peer was flagged there).
 
 Not here: whether a strike counts and when a peer is excluded (node/strikes.py: the reporter
 admitted, the scores past the spec's thresholds, the round as we saw it, half the round's others,
@@ -51,9 +58,14 @@ MAX_PEER_CHARS = 64
 MAX_TAG_CHARS = 64
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
-SCREEN, LOSS = "screen", "loss"  # a strike's rule: screening (norm, direction) or loss scoring
+# A strike's rule: screening (norm, direction), loss scoring, or a replay spot-check.
+SCREEN, LOSS, SPOT = "screen", "loss", "spot"
 STRIKE_KEYS = frozenset({"round", "tag", "peer", "group", "digest", "part", "norm", "align"})
-LOSS_KEYS = STRIKE_KEYS | {"rule", "gain", "ref"}
+RULE_KEYS = {  # the keys a record of each rule has ("rule" may be left out of a screening strike)
+    SCREEN: (STRIKE_KEYS, STRIKE_KEYS | {"rule"}),
+    LOSS: (STRIKE_KEYS | {"rule", "gain", "ref"},),
+    SPOT: (STRIKE_KEYS | {"rule", "match", "ref"},),
+}
 
 
 def _round(value: Any) -> int:
@@ -75,7 +87,9 @@ class Strike:
     `alignment` (collective/contract.py `ContributionFlag`). A loss strike (`rule` LOSS) also
     carries `gain` and `ref`: the contribution's and the aggregate's relative loss drop on the
     flagged peer's assigned batch (node/scoring.py), and its norm and alignment are against the
-    aggregate."""
+    aggregate. A spot strike (`rule` SPOT) carries `match` and `ref`: the contribution's and the
+    aggregate's cosine with the reporter's recomputation of the peer's update (node/spot_check.py),
+    its norm and alignment against the aggregate."""
 
     reporter: str
     round_id: int
@@ -89,6 +103,7 @@ class Strike:
     rule: str = SCREEN
     gain: float = 0.0
     ref: float = 0.0
+    match: float = 0.0
 
     @property
     def round_key(self) -> tuple[int, str]:
@@ -107,19 +122,19 @@ class Strike:
         }
         if self.rule == LOSS:  # a screening strike keeps the form readers before loss scoring know
             rec.update(rule=LOSS, gain=self.gain, ref=self.ref)
+        elif self.rule == SPOT:
+            rec.update(rule=SPOT, match=self.match, ref=self.ref)
         return rec
 
     @classmethod
     def from_record(cls, reporter: str, rec: Any) -> Strike:
         """A strike from its record, checked (`CrdtError` for anything malformed)."""
-        if not isinstance(rec, dict) or set(rec) not in (STRIKE_KEYS, LOSS_KEYS, STRIKE_KEYS | {"rule"}):
+        rule = rec.get("rule", SCREEN) if isinstance(rec, dict) else None
+        if not isinstance(rule, str) or rule not in RULE_KEYS or set(rec) not in RULE_KEYS[rule]:
             raise CrdtError(
                 "a strike has exactly round, tag, peer, group, digest, part, norm, align "
-                "(and rule; with rule loss also gain and ref)"
+                "(and rule: screen; loss with gain and ref; spot with match and ref)"
             )
-        rule = rec.get("rule", SCREEN)
-        if rule not in (SCREEN, LOSS) or (rule == LOSS) != ("gain" in rec):
-            raise CrdtError("a strike's rule is screen or loss, and only a loss strike has gain and ref")
         group = rec["group"]
         if not isinstance(group, list) or not 3 <= len(group) <= MAX_STRIKE_GROUP:
             raise CrdtError(f"a strike's group is a list of 3..{MAX_STRIKE_GROUP} peer ids")
@@ -132,7 +147,7 @@ class Strike:
             raise CrdtError("a strike's reporter and flagged peer are two members of its group")
         if not is_int(part) or part != group.index(reporter):
             raise CrdtError("a strike's part is its reporter's own (its index in the group)")
-        for key in ("norm", "align", "gain", "ref"):
+        for key in ("norm", "align", "gain", "ref", "match"):
             if key in rec and (not is_number(rec[key]) or not math.isfinite(rec[key])):
                 raise CrdtError(f"a strike's {key} score is a finite number")
         return cls(
@@ -148,6 +163,7 @@ class Strike:
             rule,
             float(rec.get("gain", 0.0)),
             float(rec.get("ref", 0.0)),
+            float(rec.get("match", 0.0)),
         )
 
 

@@ -86,11 +86,13 @@ from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.scoring import LossScorer
+from meshtrain.node.spot_check import SpotChecker
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
 from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
 from meshtrain.node.swarm_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
+from meshtrain.node.verification import Verification
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
@@ -179,6 +181,7 @@ class Node:
         self.collective: SwarmCollective | None = None
         self.trainer: TrainedState | None = None
         self.scorer: LossScorer | None = None  # loss scoring of sampled contributions (node/scoring.py)
+        self.spot_checker: SpotChecker | None = None  # replay spot-checks of them (node/spot_check.py)
         self.run_state: RunState | None = None
         self.pipeline: PipelinePeer | None = None  # a pipeline swarm's run path (instead of trainer, run_state)
         self.pipeline_exporter: PipelineExporter | None = None  # `meshtrain export` in a pipeline swarm
@@ -359,12 +362,12 @@ class Node:
                 if self.adversary == "otherdata":
                     trainer.batch = adversary.other_data(trainer.batch)  # type: ignore[method-assign]
                 if presence.strikes is not None and collective.config.score_samples and local is None:
-                    # Loss scoring (node/scoring.py): after the strike book, which logs the round.
-                    scorer = self.scorer = LossScorer(trainer, presence.strikes)
-                    collective.screening_listeners.append(scorer.on_round)
-                    scoring = await stack.enter_async_context(trio.open_nursery())
-                    stack.callback(scoring.cancel_scope.cancel)
-                    scoring.start_soon(scorer.run)
+                    # Loss scoring and spot-checks: after the strike book, which logs the round.
+                    checks = Verification(trainer, presence.strikes, collective.screening_listeners)
+                    self.scorer, self.spot_checker = checks.scorer, checks.spot_checker
+                    verifying = await stack.enter_async_context(trio.open_nursery())
+                    stack.callback(verifying.cancel_scope.cancel)
+                    verifying.start_soon(checks.run)
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )

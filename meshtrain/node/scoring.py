@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -81,7 +82,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from meshtrain.collective.contract import RoundScreening
+from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.log import get_logger, kv
 from meshtrain.node.strikes import LossScore, StrikeBook
 
@@ -196,6 +197,11 @@ class LossScorer:
             return
         fragment = int(match.group(1))
         if fragment >= len(outer.fragments):
+            return
+        # The collective keeps the larger of loss scoring's and spot-checks' samples (SwarmSpec.kept_samples).
+        chosen = sampled_peers(screening.group, screening.digest, self.spec.score_samples)
+        screening = dataclasses.replace(screening, samples={p: x for p, x in screening.samples.items() if p in chosen})
+        if not screening.samples:
             return
         names = list(outer.fragments[fragment])
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):

@@ -37,9 +37,10 @@ The status document (`Node.snapshot()`):
                 ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
                 null, ignored: peer ids whose membership records this node ignores (they fail
                 admission, or strikes exclude them), standing: {peer id: {strikes: rounds
-                counted against it, excluded: bool, by_loss: how many of those rounds loss
-                scoring's strikes counted in}} for every peer with verified strikes,
-                loss_scoring: {scored, skipped} rounds as an owner, or null when off}
+                counted against it, excluded: bool, by_loss / by_spot: how many of those rounds
+                loss scoring's / spot-checks' strikes counted in}} for every peer with verified
+                strikes, loss_scoring and spot_check: {scored | checked, skipped} rounds as an
+                owner, or null when off}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or

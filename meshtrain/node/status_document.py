@@ -100,11 +100,13 @@ def admission_status(node: Node) -> dict[str, Any]:
         "not_admitted": presence.not_admitted(),
         "ignored": presence.ignored(),
         "standing": {
-            p: {"strikes": s.rounds, "excluded": s.excluded, "by_loss": s.by_loss}
+            p: {"strikes": s.rounds, "excluded": s.excluded, "by_loss": s.by_loss, "by_spot": s.by_spot}
             for p, s in presence.standing().items()
         },
         # Loss scoring (node/scoring.py): rounds this peer scored as an owner, and skipped (behind).
         "loss_scoring": {"scored": node.scorer.scored, "skipped": node.scorer.skipped} if node.scorer else None,
+        # Replay spot-checks (node/spot_check.py): rounds this peer checked as an owner, and skipped.
+        "spot_check": {"checked": spot.checked, "skipped": spot.skipped} if (spot := node.spot_checker) else None,
     }
 
 

@@ -13,15 +13,17 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   and digest (`ROUND_LOG` rounds), and turn each flag into a signed strike in our record of the
   swarm's `strikes` CRDT (crdt/strikes.py: the evidence is the round, its group and digest, our
   part, the scores). Loss scoring's verdicts on the round's sampled peers arrive later, from a
-  worker thread (node/scoring.py, `on_scores`), and are filed the same way, as loss strikes.
+  worker thread (node/scoring.py, `on_scores`), and are filed the same way, as loss strikes; so
+  are replay spot-checks' (node/spot_check.py, `on_spot_checks`), as spot strikes.
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
   `Admission.admits_reporter`), its scores must break the spec's thresholds (a strike without
   evidence counts for nothing; a loss strike's `gain` and `ref` must break `loss_flagged`, and
-  the round's digest must have sampled the peer, `sampled_peers`), and if we were in that round
-  ourselves its group and digest must be the ones we saw (a reporter cannot invent a group
-  without the peers we saw).
+  the round's digest must have sampled the peer, `sampled_peers`; a spot strike's `match` and
+  `ref` must break `spot_flagged`, and the digest must have sampled the peer for spot-checks), and
+  if we were in that round ourselves its group and digest must be the ones we saw (a reporter
+  cannot invent a group without the peers we saw).
 - **Counting.** A round counts against a peer when half the other members of its group (at
   least `MIN_REPORTERS`, 2) struck it there, with the same group and digest (`quorum`): one
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
@@ -44,9 +46,9 @@ status page, `swarm list`'s advert).
 Not here: what it does not catch. Screening sees norms and directions only: an update trained
 on other data, or replayed from an earlier round, points roughly the right way and passes; loss
 scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
-loss on their own assigned batch, and its own limits are told there. Replay spot-checks (issue
-21, 4c) are not built. A majority of colluding admitted
-peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
+loss on their own assigned batch, and its own limits are told there; replay spot-checks
+(node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
+limits. A majority of colluding admitted peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
 default, node/swarm_spec.py) can still be struck `spec.strikes` times within a window; an
@@ -70,7 +72,7 @@ import trio
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.crdt.entries import CrdtError, decode_entries, encode_entries
 from meshtrain.crdt.replica import ChangeEvent
-from meshtrain.crdt.strikes import LOSS, MAX_STRIKE_GROUP, Strike
+from meshtrain.crdt.strikes import LOSS, MAX_STRIKE_GROUP, SPOT, Strike
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, STRIKES, SwarmView
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.log import get_logger, kv
@@ -99,6 +101,14 @@ def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
     (an honest peer's update raised such a batch's loss by 1.8 % where the aggregate raised it by
     0.7 %, and two owners flagged it)."""
     return ref > spec.score_floor and gain < spec.score_ratio * ref - spec.score_floor
+
+
+def spot_flagged(match: float, ref: float, spec: SwarmSpec) -> bool:
+    """The replay spot-check's rule (node/spot_check.py): an update whose cosine with the
+    recomputation of its sender's first inner steps (`match`) falls below the round aggregate's
+    cosine with it (`ref`) by more than `spec.spot_check_margin` is suspect: an honest update
+    matches its own batches at least about as well as the swarm's mean does."""
+    return match < ref - spec.spot_check_margin
 
 
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
@@ -130,14 +140,30 @@ class LossScore:
 
 
 @dataclass(frozen=True)
+class SpotCheck:
+    """A replay spot-check of one sampled peer's contribution to our part (node/spot_check.py):
+    its cosine with our recomputation of the peer's first inner steps (`match`), the round
+    aggregate's cosine with it (`ref`), its norm over the aggregate's (`norm_ratio`) and its
+    cosine with the aggregate (`alignment`)."""
+
+    peer: str
+    match: float
+    ref: float
+    norm_ratio: float
+    alignment: float
+
+
+@dataclass(frozen=True)
 class Standing:
-    """A peer's record: the rounds counted against it, whether that excludes it, and how many of
-    those rounds loss scoring's strikes (node/scoring.py) were among the counted reporters'."""
+    """A peer's record: the rounds counted against it, whether that excludes it, and in how many
+    of those rounds loss scoring's strikes (node/scoring.py) and spot-checks' strikes
+    (node/spot_check.py) were among the counted reporters'."""
 
     peer: str
     rounds: int
     excluded: bool
     by_loss: int = 0
+    by_spot: int = 0
 
 
 class StrikeBook:
@@ -238,6 +264,46 @@ class StrikeBook:
         self._standing = None
         self._file(strikes)
 
+    def on_spot_checks(self, screening: RoundScreening, checks: list[SpotCheck]) -> None:
+        """Replay spot-checks' verdicts on the sampled peers of a round we screened
+        (node/spot_check.py): a signed spot strike for each check that breaks the spec's rule,
+        unless screening already flagged that peer there."""
+        if len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
+            return
+        screened = {f.peer for f in screening.flags}
+        part = screening.group.index(self.me)
+        strikes = []
+        for c in checks:
+            if c.peer in screened or not spot_flagged(c.match, c.ref, self.spec):
+                continue
+            strikes.append(
+                Strike(
+                    self.me,
+                    screening.round_id,
+                    screening.tag,
+                    c.peer,
+                    screening.group,
+                    screening.digest,
+                    part,
+                    c.norm_ratio,
+                    c.alignment,
+                    SPOT,
+                    ref=c.ref,
+                    match=c.match,
+                )
+            )
+            log.warning(
+                kv(
+                    "flagged a contribution by spot-check",
+                    round=screening.round_id,
+                    peer=c.peer[-12:],
+                    match=c.match,
+                    ref=c.ref,
+                )
+            )
+        self._standing = None
+        self._file(strikes)
+
     def _file(self, strikes: list[Strike]) -> None:
         if not strikes:
             return
@@ -262,6 +328,13 @@ class StrikeBook:
                 return "no evidence: the loss scores break no threshold"
             if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.score_samples):
                 return "the round's digest did not sample that peer for loss scoring"
+        elif strike.rule == SPOT:
+            if not self.spec.spot_check_steps:
+                return "this swarm does not spot-check"
+            if not spot_flagged(strike.match, strike.ref, self.spec):
+                return "no evidence: the spot-check's cosines break no threshold"
+            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.spot_check_samples):
+                return "the round's digest did not sample that peer for spot-checks"
         elif 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
@@ -281,15 +354,15 @@ class StrikeBook:
 
     def _count(self) -> dict[str, Standing]:
         reporters: dict[tuple[str, tuple[int, str], tuple[str, ...], bytes], set[str]] = {}
-        by_loss: set[tuple[str, tuple[int, str]]] = set()  # (peer, round) with a counted loss strike
+        by_rule: dict[str, set[tuple[str, tuple[int, str]]]] = {LOSS: set(), SPOT: set()}  # (peer, round)
         for record in self.view.strike_records():
             admitted = self.admitted(record.reporter, record.capabilities)
             for strike in record.strikes:
                 if self.why_not_counted(strike, admitted) is None:
                     key = (strike.peer, strike.round_key, strike.group, strike.digest)
                     reporters.setdefault(key, set()).add(strike.reporter)
-                    if strike.rule == LOSS:
-                        by_loss.add((strike.peer, strike.round_key))
+                    if strike.rule in by_rule:
+                        by_rule[strike.rule].add((strike.peer, strike.round_key))
         counted: dict[str, list[tuple[int, str]]] = {}
         for (peer, key, group, _), who in reporters.items():
             if len(who) >= quorum(len(group)) and key not in counted.get(peer, []):
@@ -297,7 +370,8 @@ class StrikeBook:
         standing = {}
         for p, keys in counted.items():
             at = excluded_at(sorted(r for r, _ in keys), self.spec)
-            standing[p] = Standing(p, len(keys), at is not None, sum((p, k) in by_loss for k in keys))
+            by_loss, by_spot = (sum((p, k) in by_rule[rule] for k in keys) for rule in (LOSS, SPOT))
+            standing[p] = Standing(p, len(keys), at is not None, by_loss, by_spot)
             if at is not None and p not in self._announced:  # once per peer (bench_adversarial reads it)
                 self._announced.add(p)
                 log.warning(kv("peer excluded by strikes", peer=p, rounds=len(keys), at_round=at))

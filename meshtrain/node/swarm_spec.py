@@ -11,6 +11,8 @@ the one place it reaches the collective's `AllReduceConfig`). Unless the spec na
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
 they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
 loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py);
+a diloco swarm may also spot-check sampled peers by recomputing their first inner steps
+(`spot_check_steps`, `spot_check_samples`, `spot_check_margin`, node/spot_check.py; off by default);
 peers flagged in `strikes` rounds within `strikes_window` rounds are excluded (node/strikes.py).
 dp screens nothing unless its spec sets `screen_norm` (see OPTIMIZER_DEFAULTS). Every other swarm
 keeps the mean, and an explicit `aggregation = "mean"` stays. Its `group_size`: how large a swarm's outer rounds get before they run in groups
@@ -201,6 +203,28 @@ class SwarmSpec(BaseModel):
         ge=0,
         le=1,
         description="loss scoring: slack, as a fraction of the loss, below which a shortfall is noise, not evidence",
+    )
+    spot_check_steps: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="replay spot-check (node/spot_check.py): every owner recomputes this many first inner steps "
+        "of the round's sampled peers from the outer parameters on their assigned batches and compares the result "
+        "with their update on its part; costs this many training steps per sampled peer and owner each round; "
+        "0 = off; at most H; diloco only, and only where screening is on",
+    )
+    spot_check_samples: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="replay spot-check: peers checked per round, drawn from the round's committed digest",
+    )
+    spot_check_margin: float = Field(
+        0.2,
+        ge=0,
+        le=2,
+        description="replay spot-check: flag an update whose cosine with the recomputation is below the round "
+        "aggregate's cosine with it by more than this",
     )
     strikes: int = Field(
         3,
@@ -411,6 +435,11 @@ class SwarmSpec(BaseModel):
                 f"swarm spec: strikes_window ({self.strikes_window}) must be 0 (no window) or at least "
                 f"strikes ({self.strikes})"
             )
+        if self.spot_check_steps and (self.optimizer != "diloco" or self.spot_check_steps > self.H):
+            raise ConfigError(
+                f"swarm spec: spot_check_steps ({self.spot_check_steps}) recomputes inner steps of a diloco round "
+                f"from its start: it needs optimizer diloco (not {self.optimizer}) and at most H ({self.H}) steps"
+            )
         if self.pipeline != "none":
             self._check_pipeline()
         elif self.activation_codec != "none":
@@ -465,9 +494,16 @@ class SwarmSpec(BaseModel):
             # Screening needs a part's contributions side by side, which only robust modes keep.
             "screen_norm": self.screen_norm if robust else 0.0,
             "screen_alignment": self.screen_alignment,
-            # Loss scoring (node/scoring.py) keeps a few contributions of screened rounds.
-            "score_samples": self.score_samples if robust and self.screen_norm else 0,
+            # Loss scoring (node/scoring.py) and spot-checks (node/spot_check.py) keep a few
+            # contributions of screened rounds: the larger sample holds the smaller (`sampled_peers`).
+            "score_samples": self.kept_samples if robust and self.screen_norm else 0,
         }
+
+    @property
+    def kept_samples(self) -> int:
+        """How many sampled peers' contributions a screened round keeps for the node's checks:
+        loss scoring's and the spot-check's, whichever samples more."""
+        return max(self.score_samples, self.spot_check_samples if self.spot_check_steps else 0)
 
     def group_plan(self) -> GroupPlan | None:
         """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the

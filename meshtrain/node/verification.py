@@ -1,0 +1,41 @@
+"""The node's checks of sampled contributions, wired together: loss scoring (node/scoring.py) and
+replay spot-checks (node/spot_check.py), each on when the spec asks for it.
+
+Both listen to the collective's screened rounds after the strike book (which logs the round's
+group and digest first), run their compute in worker threads of one nursery, and file their
+verdicts in the same `StrikeBook`. The daemon builds one `Verification` for a trainer it runs
+itself (not a user's loop, not a peer with local ranks) in a swarm that screens.
+
+Not here: what each check measures and why (their modules), how strikes count (node/strikes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from meshtrain.collective.contract import RoundScreening
+from meshtrain.node.scoring import LossScorer
+from meshtrain.node.spot_check import SpotChecker
+from meshtrain.node.strikes import StrikeBook
+from meshtrain.node.trainer import Trainer
+
+
+class Verification:
+    """trainer: the node's trainer. book: its `StrikeBook`. listeners: the collective's
+    `screening_listeners` (ours are appended). Run `run` in a nursery for the node's lifetime."""
+
+    def __init__(self, trainer: Trainer, book: StrikeBook, listeners: list[Callable[[RoundScreening], None]]) -> None:
+        spec = trainer.spec
+        self.scorer = LossScorer(trainer, book) if spec.score_samples else None
+        self.spot_checker = SpotChecker(trainer, book) if spec.spot_check_steps else None
+        for check in (self.scorer, self.spot_checker):
+            if check is not None:
+                listeners.append(check.on_round)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for check in (self.scorer, self.spot_checker):
+                if check is not None:
+                    nursery.start_soon(check.run)

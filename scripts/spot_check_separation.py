@@ -1,0 +1,148 @@
+"""How well the replay spot-check's rule separates honest updates from lying ones (node/spot_check.py).
+
+    python scripts/spot_check_separation.py [--H 10] [--rounds 9] [--steps 2,5,10]
+
+One process, no network: DiLoCo rounds of gpt-tiny on the built-in character corpus among four
+honest peers whose inner AdamW keeps its state across rounds (as the daemon's does), the round's
+aggregate the trimmed mean, φ moved by Nesterov SGD (the spec's defaults). In every round from
+the second on, each of the five owners' parts of every peer's update is compared with the
+owner's recomputation of the peer's first k steps (`recompute_update`, a fresh AdamW) and the
+round's aggregate (`spot_check_round`).
+Besides the honest peers: `replay` (an honest peer's round-1 update, sent every round), `zeros`,
+`otherdata` (trains on its assigned windows with their token order reversed, node/adversary.py),
+`lazy` (trains only the last 2 of its H steps) and `halflazy` (the last H/2).
+
+Prints one JSON object: per k and kind, the quantiles (min, 10th, median, 90th percentile, max)
+of match − ref (the rule flags below −spot_check_margin) and the share of part-checks flagged at
+the default margin. The numbers in node/spot_check.py's docstring come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshtrain.collective.flat import flatten_fp32, part_bounds  # noqa: E402
+from meshtrain.models import Corpus  # noqa: E402
+from meshtrain.models.sources import build_model  # noqa: E402
+from meshtrain.node.spot_check import recompute_update, spot_check_round  # noqa: E402
+from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
+
+BATCH, CONTEXT = 8, 32
+HONEST = ["p0", "p1", "p2", "p3"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--H", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", default="2,5,10", help="k values to recompute (each at most H)")
+    args = ap.parse_args()
+    H, ks = args.H, [int(k) for k in args.steps.split(",")]
+    spec = SwarmSpec(model="gpt-tiny", H=H)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    corpus = Corpus.default("chars")
+    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=0, context=CONTEXT)
+    names = [n for n, _ in model.named_parameters()]
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: torch.zeros_like(p) for n, p in phi.items()}
+
+    def batch(peer: str, step: int, reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = corpus.batch(BATCH, CONTEXT, seed=0, peer=peer, step=step)
+        if reverse:
+            seq = torch.cat([x[:, :1], y], dim=1).flip(1)
+            return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        return x, y
+
+    class Peer:
+        def __init__(self, name: str) -> None:
+            self.name, self.model = name, copy.deepcopy(model)
+            self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
+
+        def train(self, steps: range, reverse: bool = False) -> torch.Tensor:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    p.copy_(phi[n])
+            for s in steps:
+                loss = self.model(*batch(self.name, s, reverse)).loss
+                self.inner.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
+                self.inner.step()
+            return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
+
+    peers = {p: Peer(p) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+    diffs: dict[int, dict[str, list[float]]] = {k: {} for k in ks}
+    first = None
+    for rnd in range(1, args.rounds + 1):
+        r = rnd * H
+        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
+        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
+        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
+        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
+        first = first if first is not None else Peer("replay").train(range(r - H, r))
+        updates["replay"] = first
+        updates["zeros"] = torch.zeros_like(first)
+        if rnd > 1:
+            for k in ks:
+                for liar in ("replay", "zeros", "otherdata", "lazy", "halflazy"):
+                    group = sorted([*HONEST, liar])
+                    agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
+                    bounds = part_bounds(agg.numel(), len(group))
+                    for j, owner in enumerate(group):
+                        if owner not in HONEST:
+                            continue
+                        part = (bounds[j], bounds[j + 1])
+                        checked = [liar] if liar != "replay" else [p for p in group if p != owner]
+                        recomputed = {
+                            p: recompute_update(
+                                copy.deepcopy(model),
+                                phi,
+                                names,
+                                [batch(p, s) for s in range(r - H, r - H + k)],
+                                lr=spec.inner_lr,
+                                weight_decay=spec.weight_decay,
+                                clip=spec.clip,
+                            )
+                            for p in checked
+                        }
+                        samples = {p: updates[p][part[0] : part[1]] for p in checked}
+                        for c in spot_check_round(recomputed, part, samples, agg[part[0] : part[1]]):
+                            kind = "honest" if c.peer in HONEST else c.peer
+                            diffs[k].setdefault(kind, []).append(c.match - c.ref)
+            print(f"round {rnd} checked", file=sys.stderr)
+        deltas = [updates[p] for p in HONEST] + [first]
+        agg = torch.stack(deltas).sort(dim=0).values[1:-1].mean(dim=0)
+        pos = 0
+        for n in names:
+            g = agg[pos : pos + phi[n].numel()].view(phi[n].shape)
+            pos += phi[n].numel()
+            momentum[n].mul_(spec.outer_momentum).add_(g)
+            phi[n] -= spec.outer_lr * (g + spec.outer_momentum * momentum[n])
+
+    def quantiles(v: list[float]) -> dict:
+        v = sorted(v)
+        pick = {"min": 0, "p10": len(v) // 10, "median": len(v) // 2, "p90": 9 * len(v) // 10, "max": len(v) - 1}
+        flagged = sum(d < -spec.spot_check_margin for d in v) / len(v)
+        return {**{q: round(v[i], 3) for q, i in pick.items()}, "n": len(v), "flagged": round(flagged, 3)}
+
+    out = {
+        "model": "gpt-tiny",
+        "H": H,
+        "rounds_checked": args.rounds - 1,
+        "margin": spec.spot_check_margin,
+        "match_minus_ref": {k: {kind: quantiles(v) for kind, v in d.items()} for k, d in diffs.items()},
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
