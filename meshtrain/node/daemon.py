@@ -109,7 +109,8 @@ __all__ = ["Node", "NodeError", "NodeResult"]
 
 SPEC_FILE = "swarm.json"
 SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
-STOP_GRACE = 3.0  # seconds a step in flight may take to finish after a stop request
+STOP_GRACE = 8.0  # seconds a step or round in flight may take to finish after a stop request (a loaded
+# machine took over 3 s, and the stop then saved no checkpoint)
 ADMISSION_POLL = 1.0  # seconds between two looks at our own admission while we are not admitted
 
 
