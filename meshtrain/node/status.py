@@ -36,7 +36,8 @@ The status document (`Node.snapshot()`):
                 admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
                 ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
                 null, ignored: peer ids whose membership records this node ignores (they fail
-                admission, or strikes exclude them), standing: {peer id: {strikes: rounds
+                admission — such records are not even stored, and the latest few are listed —
+                or strikes exclude them), standing: {peer id: {strikes: rounds
                 counted against it, excluded: bool, by_loss: how many of those rounds loss
                 scoring's strikes counted in}} for every peer with verified strikes,
                 loss_scoring: {scored, skipped} rounds as an owner, or null when off}
