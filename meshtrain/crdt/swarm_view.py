@@ -77,7 +77,7 @@ from typing import Any, cast
 
 import trio
 
-from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
+from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value, verify_entry
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, check_strikes, record_of
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
@@ -396,10 +396,11 @@ class SwarmView(Service):
             info = peer_info(entry)
             if keep(info):
                 return None
-            self._refused.pop(entry.owner, None)
-            self._refused[entry.owner] = info
-            if len(self._refused) > MAX_REFUSED_SHOWN:
-                del self._refused[next(iter(self._refused))]
+            if verify_entry(self.replica.crdt(MEMBERSHIP).scope, entry):  # shown only if its owner signed it
+                self._refused.pop(entry.owner, None)
+                self._refused[entry.owner] = info
+                if len(self._refused) > MAX_REFUSED_SHOWN:
+                    del self._refused[next(iter(self._refused))]
             return REFUSED_NOT_ADMITTED
         if name in MEMBER_RECORDS:
             held = self.replica.crdt(MEMBERSHIP).entry(entry.owner)
