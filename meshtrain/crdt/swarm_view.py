@@ -41,7 +41,11 @@ membership CRDT merges before the others in every message). Likewise a record re
 of the owner's run-time allow (allowlist swarms) is taken once the allow has arrived. The last
 `MAX_REFUSED_SHOWN` refused membership records are remembered (not replicated) so that
 `ignored_peers` still names who was turned away. Without `keep` (the default) nothing is refused
-and a refused peer's records are kept and replicated but never counted.
+and a refused peer's records are kept and replicated but never counted. Failure: when `keep`
+turns a peer away for good after some peers stored a record of it (a run-time revocation that
+reached them later), those peers keep it and the others keep refusing it; their fingerprints of
+that CRDT differ for good, so each exchange between them sends digests and that one entry again
+(bounded: one entry per such owner and CRDT).
 
 Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
 so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
