@@ -28,7 +28,6 @@ from meshtrain.crdt.swarm_view import (
     PROGRESS,
     REFUSED_NOT_A_MEMBER,
     REFUSED_NOT_ADMITTED,
-    PeerInfo,
 )
 from meshtrain.crdt.types import LWWRegister, now_ms
 from meshtrain.transport.framing import packb
@@ -42,8 +41,8 @@ VIEW = {"heartbeat_interval": 0.3, "ttl": 1.5, "recover_timeout": 2.0, "swarm_he
 MEMBER_CAPS = {"ticket": 1}  # the admission rule of these tests: a record showing a ticket
 
 
-def has_ticket(peer: PeerInfo) -> bool:
-    return peer.capabilities.get("ticket") == 1
+def has_ticket(peer_id: str, capabilities: dict) -> bool:
+    return capabilities.get("ticket") == 1
 
 
 def membership_record(ts: int, caps: dict) -> list:
@@ -70,7 +69,14 @@ async def test_a_non_members_records_are_neither_stored_nor_forwarded():
         await connect_line(hosts)
         views = [
             await stack.enter_async_context(
-                SwarmView(r, m0.peer_id, capabilities=MEMBER_CAPS, keep=has_ticket, admit=has_ticket, **VIEW)
+                SwarmView(
+                    r,
+                    m0.peer_id,
+                    capabilities=MEMBER_CAPS,
+                    keep=has_ticket,
+                    admit=lambda p: has_ticket(p.peer_id, p.capabilities),
+                    **VIEW,
+                )
             )
             for r in replicas[:2]
         ]

@@ -32,8 +32,9 @@ many as it likes and every member would store and spread them. With a `keep` rul
 rule without verdicts that come and go, such as strikes), the view sets the replica's `gate`
 (replica.py): a membership record that fails `keep` is refused (`crdt-not-admitted`), and so is
 a progress, metrics or strikes record whose owner holds no membership record that passes it
-(`crdt-not-a-member`) — the records only members write. Config has its own rule (only the
-owner writes it). Our own records are never refused. A joiner's progress may reach a peer before
+(`crdt-not-a-member`) — the records only members write; a strikes record also passes on the
+capabilities it carries (the reporter's proof: kept strikes reload after a restart that left no
+membership record behind, crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never refused. A joiner's progress may reach a peer before
 its membership record: it is refused then and taken when it comes again — with the owner's next
 write, or at the next anti-entropy exchange with any peer that holds it (its owner always does;
 anti-entropy compares digests, so a refused entry is offered again at every exchange, and the
@@ -297,10 +298,10 @@ class SwarmView(Service):
     - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/admission.py); a peer it
       refuses is left out of every answer — `peers`, `live_peers`, `wait_live`, `progress`,
       `metrics` — and listed by `ignored_peers`. None admits everyone. May be set later.
-    - `keep`: whose records this peer stores at all, `(PeerInfo) -> bool` (module docstring:
-      membership records that fail it, and progress, metrics and strikes records of owners
-      without a membership record that passes it, are refused by the replica's gate). It must
-      depend on replicated state only. None (default) stores every valid record.
+    - `keep`: whose records this peer stores at all, `(peer id, capabilities) -> bool` (module
+      docstring: membership records that fail it, and progress, metrics and strikes records of
+      owners without a membership record that passes it, are refused by the replica's gate). It
+      must depend on replicated state only. None (default) stores every valid record.
 
     Use as `async with SwarmView(replica, owner) as view:`; leaving the block leaves the swarm
     cleanly (`leave()`) unless the peer already left. If the process dies instead, others drop it
@@ -323,7 +324,7 @@ class SwarmView(Service):
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         recover_timeout: float = 5.0,
         admit: Callable[[PeerInfo], bool] | None = None,
-        keep: Callable[[PeerInfo], bool] | None = None,
+        keep: Callable[[str, dict[str, Any]], bool] | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < ttl or max_heartbeat_interval < heartbeat_interval:
             raise CrdtError("need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval")
@@ -398,7 +399,7 @@ class SwarmView(Service):
             return None
         if name == MEMBERSHIP:
             info = peer_info(entry)
-            if keep(info):
+            if keep(info.peer_id, info.capabilities):
                 return None
             if verify_entry(self.replica.crdt(MEMBERSHIP).scope, entry):  # shown only if its owner signed it
                 self._refused.pop(entry.owner, None)
@@ -407,8 +408,10 @@ class SwarmView(Service):
                     del self._refused[next(iter(self._refused))]
             return REFUSED_NOT_ADMITTED
         if name in MEMBER_RECORDS:
+            if name == STRIKES and keep(entry.owner, record_of(entry).capabilities):
+                return None  # its own caps pass: kept strikes reload after a restart with no membership
             held = self.replica.crdt(MEMBERSHIP).entry(entry.owner)
-            return None if held is not None and keep(peer_info(held)) else REFUSED_NOT_A_MEMBER
+            return None if held is not None and keep(held.owner, peer_info(held).capabilities) else REFUSED_NOT_A_MEMBER
         return None
 
     # --- membership -----------------------------------------------------------------------------

@@ -59,6 +59,7 @@ import math
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -184,11 +185,11 @@ class PeerPresence(Service):
         """The view's filter: the swarm's admission rule; our own record always counts for us."""
         return peer.peer_id == self.me or self.admission.admits(peer)
 
-    def _keeps(self, peer: PeerInfo) -> bool:
+    def _keeps(self, peer_id: str, capabilities: dict[str, Any]) -> bool:
         """Whose records we store at all (the replica's gate, `SwarmView.keep`): the rule without
         strikes — an identity that paid for admission may have its bounded records stored, and
         verdicts that differ between peers while strikes spread must not split the replicas."""
-        return peer.peer_id == self.me or self.admission.base_reason(peer.peer_id, peer.capabilities) is None
+        return peer_id == self.me or self.admission.base_reason(peer_id, capabilities) is None
 
     def not_admitted(self) -> str | None:
         """Why the swarm's other peers ignore us (`admission` reasons), or None: they admit us."""
