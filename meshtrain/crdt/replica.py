@@ -49,7 +49,7 @@ Design.
   message not relayed; it is counted in `stats.refusals_by_reason` (the status document's
   `refused`), logged at debug level only (a joiner's records are refused for a moment in normal
   operation). Refusing is safe because the gate only depends on other replicated state (the
-  owner's membership record, the owner's config) and anti-entropy is digest-based: an entry we
+  entry owner's membership record, the swarm owner's config) and anti-entropy is digest-based: an entry we
   refused stays in our partner's digest and not in ours, so every exchange with a peer that holds
   it (its owner always does) offers it again, and once the state the gate reads has arrived it is
   taken. Within one message or reply, batches are merged in the order of the replica's specs, so

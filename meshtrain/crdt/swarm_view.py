@@ -26,27 +26,27 @@ allowlist, node/admission.py): the view takes the rule as a filter (`admit`) and
 question about peers — who is live, their progress and metrics — from admitted records only. A
 config change wakes `wait_live`, as it may admit a peer.
 
-Whose records are stored at all (`keep`, issue 21: "keep strangers honest"). Counting only
-admitted records is not enough: identities are free, so a stranger could sign records with as
-many as it likes and every member would store and spread them. With a `keep` rule (the admission
-rule without verdicts that come and go, such as strikes), the view sets the replica's `gate`
-(replica.py): a membership record that fails `keep` is refused (`crdt-not-admitted`), and so is
-a progress, metrics or strikes record whose owner holds no membership record that passes it
-(`crdt-not-a-member`) — the records only members write; a strikes record also passes on the
-capabilities it carries (the reporter's proof: kept strikes reload after a restart that left no
-membership record behind, crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never refused. A joiner's progress may reach a peer before
-its membership record: it is refused then and taken when it comes again — with the owner's next
-write, or at the next anti-entropy exchange with any peer that holds it (its owner always does;
-anti-entropy compares digests, so a refused entry is offered again at every exchange, and the
-membership CRDT merges before the others in every message). Likewise a record refused for want
-of the owner's run-time allow (allowlist swarms) is taken once the allow has arrived. The last
-`MAX_REFUSED_SHOWN` refused membership records are remembered (not replicated) so that
-`ignored_peers` still names who was turned away. Without `keep` (the default) nothing is refused
-and a refused peer's records are kept and replicated but never counted. Failure: when `keep`
-turns a peer away for good after some peers stored a record of it (a run-time revocation that
-reached them later), those peers keep it and the others keep refusing it; their fingerprints of
-that CRDT differ for good, so each exchange between them sends digests and that one entry again
-(bounded: one entry per such owner and CRDT).
+Whose records are stored at all (`keep`, issue 21: "keep strangers honest"). Counting only admitted
+records is not enough: identities are free, so a stranger could sign records with as many as it
+likes and every member would store and spread them. With a `keep` rule (the admission rule without
+verdicts that come and go, such as strikes), the view sets the replica's `gate` (replica.py): a
+membership record that fails `keep` is refused (`crdt-not-admitted`), and so is a progress, metrics
+or strikes record whose owner holds no membership record that passes it (`crdt-not-a-member`) — the
+records only members write; a strikes record also passes on the capabilities it carries (the
+reporter's proof: kept strikes reload after a restart that left no membership record behind,
+crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never
+refused. A joiner's progress may reach a peer before its membership record: it is refused then and
+taken when it comes again — with the owner's next write, or at the next anti-entropy exchange with
+any peer that holds it (its owner always does; anti-entropy compares digests, so a refused entry is
+offered again at every exchange, and the membership CRDT merges before the others in every
+message). Likewise a record refused for want of the owner's run-time allow (allowlist swarms) is
+taken once the allow has arrived. The last `MAX_REFUSED_SHOWN` refused membership records are
+remembered (not replicated) so that `ignored_peers` still names who was turned away. Without `keep`
+(the default) nothing is refused and a refused peer's records are kept and replicated but never
+counted. Failure: when `keep` turns a peer away for good after some peers stored a record of it (a
+run-time revocation that reached them later), those peers keep it and the others keep refusing it;
+their fingerprints of that CRDT differ for good, so each exchange between them sends digests and
+that one entry again (bounded: one entry per such owner and CRDT).
 
 Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
 so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
