@@ -44,7 +44,9 @@ The status document (`Node.snapshot()`):
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
-                null), waiting (what the node waits for now, in words, or null)
+                null), waiting (what the node waits for now, in words, or null), refused
+                ({reason: count}: requests refused to peers, and CRDT records this node would not
+                store — crdt-not-admitted, crdt-not-a-member)
     peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability, strikes}] (and
                 stage: the stage a pipeline swarm's peer announces, or null)
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
