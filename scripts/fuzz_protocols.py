@@ -43,9 +43,10 @@ Design.
   *non-member effect* — (1) the attacker got a join reply that placed it in a group; (2) a
   member's all-reduce ended with a group or contributors other than the members, or without the
   swarm (`CollectiveError`: "proceeding alone"), or a member started re-syncing; (3) a member's
-  live-peer set changed; (4) a CRDT entry owned by a non-member reached membership or config
-  (entries owned by a member verify against the member's own key: a relayed or replayed one is
-  the member's own record, not an effect); (5) two members published different states (φ) for the
+  live-peer set changed; (4) a member accepted (stored) a CRDT entry owned by a non-member, of
+  any kind — progress and metrics too, which readers ignore but storing them lets a stranger
+  grow every member's replica (entries owned by a member verify against the member's own key: a
+  relayed or replayed one is the member's own record, not an effect); (5) two members published different states (φ) for the
   same round; (6) a member's DHT announcement subkey holds a record its owner did not sign.
   A handler that answers `internal` (it raised) is reported as a finding of its own.
 - **Positive control** (`--control`): afterwards a second fresh identity *is* made a member (it
@@ -53,7 +54,8 @@ Design.
   the oracles must flag it. Without that, "0 effects" could mean blind oracles.
 
 Output: progress on stderr; the last line of stdout one JSON object: cases, crashes, hangs,
-nonmember_effects, by_protocol (cases and outcomes per protocol), findings (the first few, each
+nonmember_effects, crdt_refused (records the members' replicas refused to store, by reason: the
+attacker's own progress and metrics land here), by_protocol (cases and outcomes per protocol), findings (the first few, each
 with its protocol, family and input), seconds, and (with --control) control.
 
 Not here: the pipeline RPCs (`pipeline/hop|abandon|failed|done`) — a `Node` runs no pipeline
@@ -1554,15 +1556,12 @@ class Oracles:
         for member, crdt, owner, seq in entries:
             if not self.fuzzing:
                 continue
-            if crdt in (MEMBERSHIP, CONFIG):
-                self.effect(
-                    "crdt", f"member {member[-8:]} accepted a {crdt} entry owned by non-member {owner[-8:]} (seq {seq})"
-                )
-            else:
-                self.results.note(
-                    f"crdt: members accept {crdt} records owned by a non-member (no "
-                    "effect on rounds, membership or state seen; not counted)"
-                )
+            # Every kind: since issue 21 a member stores no record of a non-member at all (the
+            # replica's gate, crdt/swarm_view.py) — before, progress and metrics were stored and
+            # spread though ignored, a storage DoS by identities minted for free.
+            self.effect(
+                "crdt", f"member {member[-8:]} accepted a {crdt} entry owned by non-member {owner[-8:]} (seq {seq})"
+            )
 
     async def check_slow(self) -> None:
         sw = self.swarm
@@ -1742,6 +1741,7 @@ async def fuzz(
     with tempfile.TemporaryDirectory(prefix="meshtrain-fuzz-") as tmp:
         swarm = Swarm(Path(data_dir or tmp), nodes, H, join_timeout)
         control_out: dict | None = None
+        crdt_refused: Counter[str] = Counter()  # records the members' replicas would not store, by reason
         async with AsyncExitStack() as stack:
             # One stack, entered in order: the nodes' nursery first, so that the attacker's host
             # (entered later) closes before the nodes do.
@@ -1822,6 +1822,9 @@ async def fuzz(
             if control:
                 control_out = await positive_control(swarm, results, oracles, stack)
             oracles.check_fast()
+            for node in swarm.nodes:
+                if node.view is not None:
+                    crdt_refused.update(node.view.replica.stats.refusals_by_reason)
             await swarm.stop_within(STOP_TIMEOUT, results)
             nursery.cancel_scope.cancel()
     out = {
@@ -1830,6 +1833,7 @@ async def fuzz(
         "hangs": results.hangs,
         "nonmember_effects": results.nonmember_effects - (control_out or {}).get("effects_flagged", 0),
         "internal_errors": results.internal_errors,
+        "crdt_refused": dict(sorted(crdt_refused.items())),
         "by_protocol": {p: dict(c) for p, c in sorted(results.by_protocol.items())},
         "findings": [f.to_json() for f in results.findings][:MAX_FINDINGS_SHOWN],
         "notes": sorted(results.notes),

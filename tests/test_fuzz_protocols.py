@@ -1,7 +1,9 @@
 """The protocol fuzzer (`scripts/fuzz_protocols.py`), CI-sized: a few hundred hostile messages from
 a fresh identity that is not a swarm member, on every protocol a live 2-node swarm serves, end in
-no crash and no hang, and change no round, membership or state. The oracle is not blind: the
-same future-round join, sent by an identity that *is* made a member, is flagged (positive control).
+no crash and no hang, and change no round, membership or state, and no member stores a record
+the stranger owns — progress and metrics included (issue 21: they are refused and counted). The
+oracle is not blind: the same future-round join, sent by an identity that *is* made a member, is
+flagged (positive control).
 """
 
 from __future__ import annotations
@@ -34,4 +36,5 @@ async def test_a_non_member_cannot_crash_hang_or_steer_a_live_swarm(tmp_path):
     assert out["hangs"] == 0, out["findings"]
     # positive control: a member's join for a future round with expected = [itself] is flagged
     assert out["control"]["join_flagged"], out["control"]
-    assert out["nonmember_effects"] == 0, out["findings"]
+    assert out["nonmember_effects"] == 0, out["findings"]  # any CRDT entry of the stranger's stored counts
+    assert out["crdt_refused"].get("crdt-not-a-member", 0) > 0, out["crdt_refused"]  # its records did arrive

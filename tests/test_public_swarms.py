@@ -1,6 +1,6 @@
 """Public swarms on loopback (issue 21): a swarm is listed in the DHT's swarm index and joined by
 name; a stranger without a proof of work, or not on the owner's allowlist, is ignored by every
-honest peer (no round, no state, no data plane); the owner admits a waiting peer at run time;
+honest peer (no round, no state, no data plane; its records are not even stored); the owner admits a waiting peer at run time;
 forged adverts and a forged allowlist entry change nothing.
 
 Real `Node`s (gpt-tiny) and real hosts in one trio program; the strangers are bare hosts that
@@ -110,9 +110,11 @@ async def test_an_outsider_without_proof_of_work_is_ignored_by_every_honest_peer
         friend, _ = await stranger(stack, a, b)  # the control: a valid proof, so admitted
         bad = next(n for n in range(10_000) if not pow_ok(signed.swarm_id, outsider.peer_id, n, 12))
         good = mint_pow(signed.swarm_id, friend.peer_id, 12)
-        await stack.enter_async_context(
+        outsider_view = await stack.enter_async_context(
             open_swarm_view(outsider, signed.swarm_id, signed.owner, role="trainer", capabilities={POW_CAP: bad})
         )
+        outsider_view.report_progress(step=10**9, outer_round=10**6)  # written at once (a round change)
+        outsider_view.report_metrics({"loss": 0.0})
         await stack.enter_async_context(
             open_swarm_view(friend, signed.swarm_id, signed.owner, role="syncing", capabilities={POW_CAP: good})
         )
@@ -126,6 +128,11 @@ async def test_an_outsider_without_proof_of_work_is_ignored_by_every_honest_peer
             assert not await node.streams.admits(outsider.peer_id)  # no data-plane session
             assert await node.streams.admits(friend.peer_id)
             assert outsider.peer_id in node.snapshot()["node"]["admission"]["ignored"]
+            # ... and its records are not even stored (so not spread): refused, counted (issue 21)
+            await until(lambda node=node: node.round_status()["refused"].get("crdt-not-a-member"), "refused")
+            assert node.round_status()["refused"].get("crdt-not-admitted")
+            for crdt in ("membership", "progress", "metrics"):
+                assert node.view.replica.crdt(crdt).entry(outsider.peer_id) is None
             assert node.presence.not_admitted() is None
         assert a.presence.admission.reason(outsider.peer_id, {POW_CAP: bad}) == NO_PROOF
         with pytest.raises(StateSyncError):  # no donor serves it

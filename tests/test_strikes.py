@@ -18,7 +18,7 @@ import trio
 
 from meshtrain import SignedSpec, SwarmSpec
 from meshtrain.collective.contract import ContributionFlag, RoundScreening
-from meshtrain.crdt.swarm_view import STRIKES
+from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.admission import EXCLUDED, pow_ok
 from meshtrain.node.presence import PeerPresence
@@ -160,8 +160,15 @@ async def test_forged_strikes_change_nothing(tmp_path) -> None:
         for p in (a, h, x):
             outcome = p.view.replica.merge_entries(STRIKES, [forged, bogus], "gossip", m.me)
             assert not outcome.accepted and len(outcome.rejected) == 2
-        await until(lambda: len(a.view.strike_records()) == 3, "the liars' records replicate")
-        await until(lambda: all(len(p.view.strike_records()) == 3 for p in (a, h, x)), "everywhere")
+        # The admitted liars' records replicate; the outsider's is not even stored (not a member:
+        # the replica's gate refuses it, crdt/swarm_view.py).
+        await until(lambda: len(a.view.strike_records()) == 2, "the liars' records replicate")
+        await until(lambda: all(len(p.view.strike_records()) == 2 for p in (a, h, x)), "everywhere")
+        await until(
+            lambda: all(p.view.replica.stats.refusals_by_reason.get(REFUSED_NOT_A_MEMBER) for p in (a, h, x)),
+            "the outsider's strikes refused",
+        )
+        assert all(outsider.me not in {r.reporter for r in p.view.strike_records()} for p in (a, h, x))
         await trio.sleep(1.0)
         for p in (a, h, x):
             assert a.me not in p.standing() and h.me not in p.standing()  # nothing counted against them

@@ -40,6 +40,23 @@ Design.
   `MAX_ENTRY_BYTES` is refused everywhere (the same deterministic rule on every replica, so they
   still converge), which bounds every message this module produces. py-libp2p's own pubsub
   stream handler is wrapped: unwrapped, one malformed frame from any peer kills the host.
+- **Gate: whose records we keep at all.** Signatures bind an entry to its owner, but an identity
+  costs nothing: a stranger can mint thousands and sign a record with each. The type and spec
+  rules cannot see that (they are pure functions of one entry), so the replica takes a `gate`
+  (set by `SwarmView` when the swarm has an admission rule): `(crdt name, entry) -> reason or
+  None`, asked after the spec's checks and before the signature, for every entry that arrives
+  (never for our own). A refused entry is not stored, not re-gossiped, and makes its gossip
+  message not relayed; it is counted in `stats.refusals_by_reason` (the status document's
+  `refused`), logged at debug level only (a joiner's records are refused for a moment in normal
+  operation). Refusing is safe because the gate only depends on other replicated state (the
+  entry owner's membership record, the swarm owner's config) and anti-entropy is digest-based: an entry we
+  refused stays in our partner's digest and not in ours, so every exchange with a peer that holds
+  it (its owner always does) offers it again, and once the state the gate reads has arrived it is
+  taken. Within one message or reply, batches are merged in the order of the replica's specs, so
+  list the CRDTs the gate reads first (`swarm_specs` does). Cost: while peers disagree about the
+  gate's inputs their fingerprints differ, and anti-entropy sends digests instead of one
+  fingerprint; a refused entry also travels again on each such exchange (bounded by the RPC
+  limits, as before).
 - **Restarts.** A peer that restarts with the same identity but no state would restart its seqs
   at 1 and lose to its own older entries (`base.py`). `recover()` pulls the swarm's state from
   up to `recover_peers` connected peers before the caller writes; if an entry of ours arrives
@@ -229,6 +246,8 @@ class ReplicaStats:
     own_superseded: int = 0
     events_dropped: int = 0
     rejections_by_reason: dict[str, int] = field(default_factory=dict)
+    entries_refused: int = 0  # ... that were well formed but the gate refused (e.g. a non-member's)
+    refusals_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class _RateLimitedLog:
@@ -272,6 +291,10 @@ class Replica(Service):
     - `config`: timing and limits (`ReplicaConfig`).
     - `pubsub`: a running py-libp2p `Pubsub` to share; by default the replica runs its own.
     - `cache`: a `SignatureCache` (default: the process-wide one).
+
+    `gate` (attribute, default None): `(crdt name, entry) -> reason | None`, whose entries the
+    replica keeps at all (module docstring); it must not raise, and it must depend only on
+    replicated state, so that a refused entry is taken when anti-entropy offers it again.
 
     Contract: `write` never blocks and never loses a write locally; delivery to other peers is
     best effort by gossip and guaranteed eventually by anti-entropy while some path of connected,
@@ -324,6 +347,7 @@ class Replica(Service):
         self._warn = _RateLimitedLog()
         self.recovered = trio.Event()
         self.stats = ReplicaStats()
+        self.gate: Callable[[str, SignedEntry], str | None] | None = None
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -356,6 +380,11 @@ class Replica(Service):
         if fp is None:
             fp = self._fingerprints[name] = fingerprint_of(self._crdts[name].digest())
         return fp
+
+    def _in_spec_order(self, batches: Iterable[tuple[str, list[SignedEntry]]]) -> list[tuple[str, list[SignedEntry]]]:
+        """Batches in the order of the replica's specs: the CRDTs a `gate` reads merge first."""
+        rank = {name: i for i, name in enumerate(self._specs)}
+        return sorted(batches, key=lambda batch: rank.get(batch[0], len(rank)))
 
     def _check_name(self, name: str) -> str:
         if name not in self._crdts:
@@ -443,8 +472,10 @@ class Replica(Service):
         anti-entropy are queued for gossip (see the module docstring for why only those)."""
         crdt = self._crdts[self._check_name(name)]
         check = self._specs[name].check
+        gate = self.gate
         candidates: list[SignedEntry] = []
         rejected: list[Rejection] = []
+        refused: list[Rejection] = []
         for entry in entries:
             held = crdt.entry(entry.owner)
             if held is not None and entry.order_key <= held.order_key:
@@ -458,11 +489,19 @@ class Replica(Service):
                 except CrdtError as e:
                     rejected.append(Rejection(entry, f"malformed {name} entry: {e}"))
                     continue
+            if gate is not None and entry.owner != self.me:
+                reason = self._gate_reason(gate, name, entry)
+                if reason is not None:
+                    refused.append(Rejection(entry, reason))
+                    continue
             candidates.append(entry)
         outcome = crdt.apply(candidates)
         rejected.extend(outcome.rejected)
         if rejected:
             self._count_rejections(name, rejected, source, peer)
+        if refused:
+            self._count_refusals(name, refused, source, peer)
+            rejected.extend(refused)  # callers treat them alike: not relayed, not stored
         if outcome.accepted:
             self._fingerprints.pop(name, None)
             self.stats.entries_accepted += len(outcome.accepted)
@@ -482,6 +521,33 @@ class Replica(Service):
                 self._queue_gossip(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, source, peer, own_superseded))
         return MergeOutcome(outcome.accepted, tuple(rejected))
+
+    def _gate_reason(self, gate: Callable[[str, SignedEntry], str | None], name: str, entry: SignedEntry) -> str | None:
+        try:
+            return gate(name, entry)
+        except Exception as e:  # a gate's bug must not break merging: refuse (it comes again)
+            log.warning(kv("crdt gate failed", crdt=name, error=repr(e)))
+            return "gate-failed"
+
+    def _count_refusals(self, name: str, refused: list[Rejection], source: Source, peer: str | None) -> None:
+        self.stats.entries_refused += len(refused)
+        by_reason = self.stats.refusals_by_reason
+        for r in refused:
+            reason = r.reason[:80]
+            if reason in by_reason or len(by_reason) < 64:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+        first = refused[0]
+        log.debug(
+            kv(
+                "refused CRDT entries",
+                crdt=name,
+                count=len(refused),
+                source=source,
+                peer=peer,
+                owner=first.entry.owner,
+                reason=first.reason,
+            )
+        )
 
     def _count_rejections(self, name: str, rejected: list[Rejection], source: Source, peer: str | None) -> None:
         self.stats.entries_rejected += len(rejected)
@@ -534,7 +600,7 @@ class Replica(Service):
             )
             return False
         relay = True
-        for name, entries in batches:
+        for name, entries in self._in_spec_order(batches):
             if self.merge_entries(name, entries, "gossip", origin).rejected:
                 relay = False
         if not relay:
@@ -620,7 +686,7 @@ class Replica(Service):
             except (RpcError, MalformedCrdtData) as e:
                 return self._ae_failed(peer, e, mark_unavailable)
             self.stats.ae_entries_pushed += sum(len(es) for es in chunk.values())
-            for name, entries in pulled.items():
+            for name, entries in self._in_spec_order(pulled.items()):
                 self.stats.ae_entries_pulled += len(entries)
                 self.merge_entries(name, entries, "anti-entropy", peer)
             if not more:
@@ -755,15 +821,17 @@ class Replica(Service):
             raise RemoteError(MALFORMED, "d and p must be maps keyed by CRDT name")
         rejected = 0
         limit = self.config.max_rpc_entries_bytes + (64 << 10)
+        decoded: list[tuple[str, list[SignedEntry]]] = []
         for name, data in pushed.items():
             crdt = self._crdts.get(name) if isinstance(name, str) else None
             if crdt is None or not isinstance(data, bytes):
                 raise RemoteError(MALFORMED, f"p: unknown CRDT {name!r:.60} or not bytes")
             try:
-                entries = crdt.decode_entries(data, max_size=limit)
+                decoded.append((name, crdt.decode_entries(data, max_size=limit)))
             except MalformedCrdtData as e:
                 self._warn.warning(f"ae:{peer}", kv("undecodable pushed entries", peer=peer, error=e))
                 raise RemoteError(MALFORMED, str(e)) from None
+        for name, entries in self._in_spec_order(decoded):
             rejected += len(self.merge_entries(name, entries, "anti-entropy", peer).rejected)
         wanted: dict[str, list[SignedEntry]] = {}
         for name, wire in digests.items():

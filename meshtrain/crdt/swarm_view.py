@@ -23,9 +23,30 @@ Every peer holds the same view without a leader because all five are CRDTs kept 
 
 Admission. A swarm may refuse peers (a public swarm asks for a proof of work, or the owner's
 allowlist, node/admission.py): the view takes the rule as a filter (`admit`) and answers every
-question about peers — who is live, their progress and metrics — from admitted records only, so
-a refused peer's records are kept and replicated but never counted. A config change wakes
-`wait_live`, as it may admit a peer.
+question about peers — who is live, their progress and metrics — from admitted records only. A
+config change wakes `wait_live`, as it may admit a peer.
+
+Whose records are stored at all (`keep`, issue 21: "keep strangers honest"). Counting only admitted
+records is not enough: identities are free, so a stranger could sign records with as many as it
+likes and every member would store and spread them. With a `keep` rule (the admission rule without
+verdicts that come and go, such as strikes), the view sets the replica's `gate` (replica.py): a
+membership record that fails `keep` is refused (`crdt-not-admitted`), and so is a progress, metrics
+or strikes record whose owner holds no membership record that passes it (`crdt-not-a-member`) — the
+records only members write; a strikes record also passes on the capabilities it carries (the
+reporter's proof: kept strikes reload after a restart that left no membership record behind,
+crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never
+refused. A joiner's progress may reach a peer before its membership record: it is refused then and
+taken when it comes again — with the owner's next write, or at the next anti-entropy exchange with
+any peer that holds it (its owner always does; anti-entropy compares digests, so a refused entry is
+offered again at every exchange, and the membership CRDT merges before the others in every
+message). Likewise a record refused for want of the owner's run-time allow (allowlist swarms) is
+taken once the allow has arrived. The last `MAX_REFUSED_SHOWN` refused membership records are
+remembered (not replicated) so that `ignored_peers` still names who was turned away. Without `keep`
+(the default) nothing is refused and a refused peer's records are kept and replicated but never
+counted. Failure: when `keep` turns a peer away for good after some peers stored a record of it (a
+run-time revocation that reached them later), those peers keep it and the others keep refusing it;
+their fingerprints of that CRDT differ for good, so each exchange between them sends digests and
+that one entry again (bounded: one entry per such owner and CRDT).
 
 Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
 so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
@@ -61,7 +82,7 @@ from typing import Any, cast
 
 import trio
 
-from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
+from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value, verify_entry
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, check_strikes, record_of
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
@@ -87,6 +108,11 @@ DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm
 MIN_LEASE_MS, MAX_LEASE_MS = 100, 3_600_000
 DEFAULT_MAX_CLOCK_SKEW = 30.0
 DEFAULT_LEAVE_TIMEOUT = 2.0
+
+MAX_REFUSED_SHOWN = 32  # refused membership records remembered for `ignored_peers`
+REFUSED_NOT_ADMITTED = "crdt-not-admitted"  # a membership record that fails `keep`
+REFUSED_NOT_A_MEMBER = "crdt-not-a-member"  # a member-only record of an owner without an admitted record
+MEMBER_RECORDS = frozenset({PROGRESS, METRICS, STRIKES})  # CRDTs only members write
 
 MAX_ADDRS = 16
 MAX_ADDR_CHARS = 512
@@ -227,14 +253,31 @@ def check_metrics(entry: SignedEntry) -> None:
 
 
 def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
-    """The CRDTs a `SwarmView` needs; pass them (plus any of your own) to its `Replica`."""
+    """The CRDTs a `SwarmView` needs; pass them (plus any of your own) to its `Replica`. In the
+    order the replica merges them: config and membership first, as the `keep` gate reads them."""
     return [
+        CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
         CrdtSpec(MEMBERSHIP, LWWRegister.type_tag, check=check_membership),
         CrdtSpec(PROGRESS, LWWRegister.type_tag, check=check_progress),
         CrdtSpec(METRICS, LWWRegister.type_tag, check=check_metrics),
         CrdtSpec(STRIKES, LWWRegister.type_tag, check=check_strikes),
-        CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
     ]
+
+
+def peer_info(entry: SignedEntry) -> PeerInfo:
+    """The `PeerInfo` of a membership entry (one that passed `check_membership`)."""
+    ts, rec = entry.body
+    return PeerInfo(
+        peer_id=entry.owner,
+        addrs=tuple(rec["addrs"]),
+        role=rec["role"],
+        capabilities=dict(rec["caps"]),
+        connection=rec["conn"],
+        last_heartbeat_ms=ts,
+        lease_ms=rec["lease"],
+        left=rec["left"],
+        seq=entry.seq,
+    )
 
 
 class SwarmView(Service):
@@ -255,6 +298,10 @@ class SwarmView(Service):
     - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/admission.py); a peer it
       refuses is left out of every answer — `peers`, `live_peers`, `wait_live`, `progress`,
       `metrics` — and listed by `ignored_peers`. None admits everyone. May be set later.
+    - `keep`: whose records this peer stores at all, `(peer id, capabilities) -> bool` (module
+      docstring: membership records that fail it, and progress, metrics and strikes records of
+      owners without a membership record that passes it, are refused by the replica's gate). It
+      must depend on replicated state only. None (default) stores every valid record.
 
     Use as `async with SwarmView(replica, owner) as view:`; leaving the block leaves the swarm
     cleanly (`leave()`) unless the peer already left. If the process dies instead, others drop it
@@ -277,6 +324,7 @@ class SwarmView(Service):
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         recover_timeout: float = 5.0,
         admit: Callable[[PeerInfo], bool] | None = None,
+        keep: Callable[[str, dict[str, Any]], bool] | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < ttl or max_heartbeat_interval < heartbeat_interval:
             raise CrdtError("need 0 < heartbeat_interval < ttl and heartbeat_interval <= max_heartbeat_interval")
@@ -302,6 +350,8 @@ class SwarmView(Service):
         self.max_skew_ms = int(max_clock_skew * 1000)
         self.recover_timeout = recover_timeout
         self.admit = admit
+        self.keep = keep
+        self._refused: dict[str, PeerInfo] = {}  # the latest refused membership records, by owner
         self._left = False
         self._progress = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
@@ -319,6 +369,8 @@ class SwarmView(Service):
         self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
         replica.on_change(self._on_change)
+        if keep is not None:
+            replica.gate = self._gate
 
     @property
     def swarm_id(self) -> str:
@@ -339,6 +391,28 @@ class SwarmView(Service):
                     f"the replica's CRDT {spec.name!r} is not the one swarm_specs("
                     f"{self.swarm_owner!r}) describes (type or writers differ)"
                 )
+
+    def _gate(self, name: str, entry: SignedEntry) -> str | None:
+        """The replica's gate (module docstring, "Whose records are stored at all")."""
+        keep = self.keep
+        if keep is None:
+            return None
+        if name == MEMBERSHIP:
+            info = peer_info(entry)
+            if keep(info.peer_id, info.capabilities):
+                return None
+            if verify_entry(self.replica.crdt(MEMBERSHIP).scope, entry):  # shown only if its owner signed it
+                self._refused.pop(entry.owner, None)
+                self._refused[entry.owner] = info
+                if len(self._refused) > MAX_REFUSED_SHOWN:
+                    del self._refused[next(iter(self._refused))]
+            return REFUSED_NOT_ADMITTED
+        if name in MEMBER_RECORDS:
+            if name == STRIKES and keep(entry.owner, record_of(entry).capabilities):
+                return None  # its own caps pass: kept strikes reload after a restart with no membership
+            held = self.replica.crdt(MEMBERSHIP).entry(entry.owner)
+            return None if held is not None and keep(held.owner, peer_info(held).capabilities) else REFUSED_NOT_A_MEMBER
+        return None
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -403,9 +477,15 @@ class SwarmView(Service):
         return records if admit is None else [p for p in records if admit(p)]
 
     def ignored_peers(self) -> list[PeerInfo]:
-        """Peers with a membership record that the admission rule (`admit`) refuses."""
+        """Peers with a membership record that the admission rule (`admit`) refuses, and the
+        latest peers whose record `keep` refused (not stored), sorted by peer id."""
         admit = self.admit
-        return [] if admit is None else [p for p in self._records() if not admit(p)]
+        held = [] if admit is None else [p for p in self._records() if not admit(p)]
+        ids = {p.peer_id for p in held}
+        refused = [
+            p for o, p in self._refused.items() if o not in ids and self.replica.crdt(MEMBERSHIP).entry(o) is None
+        ]
+        return sorted([*held, *refused], key=lambda p: p.peer_id)
 
     def _admitted_ids(self) -> set[str] | None:
         """Ids of the admitted peers, or None when everyone is (no admission rule)."""
@@ -417,24 +497,7 @@ class SwarmView(Service):
         return self._records()
 
     def _records(self) -> list[PeerInfo]:
-        crdt = self.replica.crdt(MEMBERSHIP)
-        out = []
-        for entry in crdt.entries():
-            ts, rec = entry.body
-            out.append(
-                PeerInfo(
-                    peer_id=entry.owner,
-                    addrs=tuple(rec["addrs"]),
-                    role=rec["role"],
-                    capabilities=dict(rec["caps"]),
-                    connection=rec["conn"],
-                    last_heartbeat_ms=ts,
-                    lease_ms=rec["lease"],
-                    left=rec["left"],
-                    seq=entry.seq,
-                )
-            )
-        return out
+        return [peer_info(entry) for entry in self.replica.crdt(MEMBERSHIP).entries()]
 
     def live_peers(self, now: int | None = None) -> list[PeerInfo]:
         """Peers whose lease covers `now` (ms since the epoch; default: now) and that have not

@@ -9,7 +9,12 @@ three rules, and every honest peer applies it on its own to every membership rec
 (`SwarmView.admit`, set by `PeerPresence`): a record that fails is ignored — not a trainer, not
 a round candidate, not a donor or a donor's client, not on the data plane (`is_member`). No
 peer decides for another; all decide alike because the inputs (the spec, the records, the
-owner's config CRDT) are replicated.
+owner's config CRDT) are replicated. The rule (`base_reason`, strikes aside) also decides what
+is stored at all (`SwarmView.keep`, set by `PeerPresence`): a membership record that fails it,
+and the progress, metrics and strikes records of a peer without a membership record that passes
+it, are refused by the CRDT replica — neither kept nor spread — so identities minted for free
+cost honest peers no memory (crdt/swarm_view.py; counted as `crdt-not-admitted` and
+`crdt-not-a-member` in the status document's `refused`).
 - **open**: anyone who shows a proof of work on its peer id. The proof is a nonce such that
   `blake3(POW_DOMAIN + msgpack([swarm id, peer id]) + nonce as 8 bytes big-endian)` starts with
   `spec.pow_bits` zero bits; it rides in the membership record's capabilities under `"pow"`.
@@ -32,7 +37,12 @@ node/strikes.py): a peer struck out by the swarm's verified strikes is refused l
 fails the rule (`EXCLUDED`), the owner too.
 
 Failures. A peer that fails admission is ignored, not told: its own node sees that it is not
-admitted (`Admission.reason` for its own record) and waits, saying why (`Node`).
+admitted (`Admission.reason` for its own record) and waits, saying why (`Node`). Only its own
+replica holds its records meanwhile; once the owner allows it, the others take them at its next
+heartbeat or anti-entropy exchange. A run-time revocation stops counting a peer at once; what it
+wrote before stays stored, what it writes after is refused. A peer excluded by strikes stays
+stored (it paid for admission; the rule for storage leaves strikes out, as their verdicts may
+differ between peers while they spread, and storage must not split the replicas for long).
 
 Not here: what admission does not prevent (README, "Public swarms": a patient attacker who pays
 for many identities, a majority of colluding admitted peers, lies about work — verifying work is

@@ -14,7 +14,11 @@ replica; the owner publishes the signed spec in its config).
 
 Admission (node/admission.py). The view answers from admitted peers only: `PeerPresence` hands
 it the spec's rule (`Admission.admits`), so every question below — trainers, candidates, donors,
-`is_member` — ignores a peer that fails it, on every honest peer alike. The swarm's verified
+`is_member` — ignores a peer that fails it, on every honest peer alike. The rule without strikes
+(`keep`) also decides whose records the replica stores at all: a stranger's membership record
+without a valid proof (or allow), and progress, metrics or strikes records of a peer that is not
+an admitted member, are refused, not stored or spread (crdt/swarm_view.py; counted in the status
+document's `refused`). The swarm's verified
 strikes (node/strikes.py, a `StrikeBook` kept in `data_dir`) are part of the rule: a peer struck
 out is excluded from all of them; `standing()` shows who has strikes. Our own record always
 counts for us; `not_admitted()` says whether the others count it (a node that is not admitted
@@ -55,10 +59,12 @@ import math
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from meshtrain.crdt.swarm_view import PeerInfo, PeerProgress, SwarmView, open_swarm_view
+from meshtrain.crdt.replica import Replica
+from meshtrain.crdt.swarm_view import PeerInfo, PeerProgress, SwarmView, swarm_specs
 from meshtrain.crdt.types import now_ms
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -146,20 +152,21 @@ class PeerPresence(Service):
             except DhtError as e:
                 log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
         self.discovery = await stack.enter_async_context(Discovery(dht, swarm_id, DiscoveryConfig(role="trainer")))
+        replica = await stack.enter_async_context(Replica(host, swarm_id, swarm_specs(self.signed.owner)))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
-        view = self.view = await stack.enter_async_context(
-            open_swarm_view(
-                host,
-                swarm_id,
-                self.signed.owner,
-                role="syncing",
-                capabilities=self.capabilities,
-                connection=self.connection,
-                recover_timeout=5.0 if host.connected_peers() else 0.2,
-                admit=self._admits,
-            )
+        view = SwarmView(
+            replica,
+            self.signed.owner,
+            role="syncing",
+            capabilities=self.capabilities,
+            connection=self.connection,
+            recover_timeout=5.0 if host.connected_peers() else 0.2,
+            admit=self._admits,
+            keep=self._keeps,
         )
+        # Before the view recovers the swarm's state: the gate reads the owner's run-time allows.
         self.admission.view = view
+        self.view = await stack.enter_async_context(view)
         # The swarm's verdicts (node/strikes.py): kept strikes first, then they refuse like the rule.
         strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.admits_reporter, data_dir=self.data_dir)
         strikes.load()
@@ -177,6 +184,12 @@ class PeerPresence(Service):
     def _admits(self, peer: PeerInfo) -> bool:
         """The view's filter: the swarm's admission rule; our own record always counts for us."""
         return peer.peer_id == self.me or self.admission.admits(peer)
+
+    def _keeps(self, peer_id: str, capabilities: dict[str, Any]) -> bool:
+        """Whose records we store at all (the replica's gate, `SwarmView.keep`): the rule without
+        strikes — an identity that paid for admission may have its bounded records stored, and
+        verdicts that differ between peers while strikes spread must not split the replicas."""
+        return peer_id == self.me or self.admission.base_reason(peer_id, capabilities) is None
 
     def not_admitted(self) -> str | None:
         """Why the swarm's other peers ignore us (`admission` reasons), or None: they admit us."""

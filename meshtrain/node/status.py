@@ -36,15 +36,18 @@ The status document (`Node.snapshot()`):
                 admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
                 ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
                 null, ignored: peer ids whose membership records this node ignores (they fail
-                admission, or strikes exclude them), standing: {peer id: {strikes: rounds
-                counted against it, excluded: bool, by_loss / by_spot: how many of those rounds
-                loss scoring's / spot-checks' strikes counted in}} for every peer with verified
-                strikes, loss_scoring and spot_check: {scored | checked, skipped} rounds as an
-                owner, or null when off}
+                admission — such records are not even stored, and the latest few are listed —
+                or strikes exclude them), standing: {peer id: {strikes: rounds counted against
+                it, excluded: bool, by_loss / by_spot: how many of those rounds loss scoring's /
+                spot-checks' strikes counted in}} for every peer with verified strikes,
+                loss_scoring and spot_check: {scored | checked, skipped} rounds as an owner, or
+                null when off}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
-                null), waiting (what the node waits for now, in words, or null)
+                null), waiting (what the node waits for now, in words, or null), refused
+                ({reason: count}: requests refused to peers, and CRDT records this node would not
+                store — crdt-not-admitted, crdt-not-a-member)
     peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability, strikes}] (and
                 stage: the stage a pipeline swarm's peer announces, or null)
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");

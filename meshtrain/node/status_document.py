@@ -112,11 +112,13 @@ def admission_status(node: Node) -> dict[str, Any]:
 
 def refused(node: Node) -> dict[str, int]:
     """Requests refused to peers, by reason (`not-a-member`, `round-out-of-window`, ...):
-    the collective's and the data plane's, for `/metrics`."""
+    the collective's, the data plane's, and the CRDT records the replica would not store
+    (`crdt-not-a-member`, `crdt-not-admitted`: crdt/swarm_view.py), for `/metrics`."""
     out: dict[str, int] = {}
     for counts in (
         node.collective.refused if node.collective else {},
         node.streams.refused if node.streams else {},
+        node.view.replica.stats.refusals_by_reason if node.view else {},
     ):
         for reason, n in counts.items():
             if n:
