@@ -159,7 +159,7 @@ def test_kill_9_mid_run_then_resume_ends_bit_identical_to_an_uninterrupted_run(t
         "--dataset",
         str(data),
         "--steps",
-        "300",
+        "150",
         "--H",
         "10",
         "--eval-every",
@@ -180,12 +180,12 @@ def test_kill_9_mid_run_then_resume_ends_bit_identical_to_an_uninterrupted_run(t
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = CheckpointStore(a / "checkpoints").load_latest()
-    assert killed_at is not None and 0 < killed_at.step < 300
+    assert killed_at is not None and 0 < killed_at.step < 150
     assert killed_at.state["data"]["step"] == killed_at.step
     resumed = finish(start("--data-dir", str(a), log=log), log)
-    assert resumed["step"] == 300 and "resumed from checkpoint" in log.read_text()
+    assert resumed["step"] == 150 and "resumed from checkpoint" in log.read_text()
     log_b = tmp_path / "b.log"
     straight = finish(start("--data-dir", str(b), log=log_b), log_b)
-    assert straight["step"] == 300
+    assert straight["step"] == 150
     pa, pb = phi(a), phi(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)

@@ -48,11 +48,11 @@ def _first_json(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict
 def test_two_processes_train_a_tiny_llama_in_their_own_loops(tmp_path):
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = _start(
-        "--data-dir", str(tmp_path / "a"), "--create", "--steps", "60", "--H", "20", "--wait-peers", "2", log=a_log
+        "--data-dir", str(tmp_path / "a"), "--create", "--steps", "30", "--H", "10", "--wait-peers", "2", log=a_log
     )
     try:
         addr = _first_json(a, a_log)["addr"]
-        b = _start("--data-dir", str(tmp_path / "b"), "--join", addr, "--steps", "60", "--wait-peers", "2", log=b_log)
+        b = _start("--data-dir", str(tmp_path / "b"), "--join", addr, "--steps", "30", "--wait-peers", "2", log=b_log)
         try:
             outs = []
             for p, log in ((a, a_log), (b, b_log)):
@@ -64,12 +64,12 @@ def test_two_processes_train_a_tiny_llama_in_their_own_loops(tmp_path):
     finally:
         a.kill()
     ra, rb = outs
-    assert ra["step"] == rb["step"] == 60 and ra["rounds"] == rb["rounds"] == 3
+    assert ra["step"] == rb["step"] == 30 and ra["rounds"] == rb["rounds"] == 3
     assert ra["contributors"] == rb["contributors"] == [2, 2, 2]
     assert ra["phi_digest"] == rb["phi_digest"]  # one φ: the all-reduce's promise, through your loop
     for name in ("a", "b"):
         ck = CheckpointStore(tmp_path / name / "checkpoints").load_latest()
-        assert ck is not None and ck.step == 60 and "model" in ck.state and "outer" in ck.state
+        assert ck is not None and ck.step == 30 and "model" in ck.state and "outer" in ck.state
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:
