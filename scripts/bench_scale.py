@@ -66,6 +66,9 @@ sys.path.insert(0, str(ROOT))
 from scripts._bench_crdt import Worker, ask, run_crdt_phase, serve_commands  # noqa: E402
 
 SEED = 20
+DIALS_IN_FLIGHT = 16  # per worker process: libp2p dials (Noise + yamux handshakes) at once
+SESSIONS_IN_FLIGHT = 4  # per worker process: data-plane session RPCs at once
+SETUP_ATTEMPTS = 10  # tries per dial and per session before the set-up gives up
 
 
 def _groups_plan(group_size: int):
@@ -115,7 +118,7 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
             partners[where[a]].setdefault(a, []).append(ids[b])
             partners[where[b]].setdefault(b, []).append(ids[a])
         t0 = time.monotonic()
-        ask(
+        setup = ask(
             workers,
             [
                 {"cmd": "connect", "links": d, "partners": pa, "group_size": group_size, "first_round": first}
@@ -126,13 +129,18 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
         print(f"bench_scale: {n} peers connected ({len(links)} links)", file=sys.stderr, flush=True)
         out["links"] = len(links)
         out["connect_s"] = round(time.monotonic() - t0, 1)
+        out["dial_retries"] = sum(x["dial_retries"] for x in setup)
+        out["session_retries"] = sum(x["session_retries"] for x in setup)
+        out["fds_per_process"] = max(x["fds"] for x in setup)
         per_round = []
         mixed_at = None
+        rss = 0  # the largest worker's peak RSS, MiB
         for r in range(rounds):
             t0 = time.monotonic()
             reps = ask(workers, [{"cmd": "round", "round": r}] * len(parts), 1800)
             wall = time.monotonic() - t0
             total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "failed", "alone", "mixed")}
+            rss = max(rss, *(rep["rss_mib"] for rep in reps))
             errors = [e for rep in reps for e in rep["errors"]][:3]
             per_round.append({"round": r, "round_s": round(wall, 2), **total, "errors": errors})
             print(f"bench_scale: {n} peers, round {r}: {per_round[-1]}", file=sys.stderr, flush=True)
@@ -151,6 +159,8 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
         out["mixing_rounds"] = mixed_at
         out["round_s"] = round(sum(x["round_s"] for x in steady) / len(steady), 2)
         out["all_rounds_complete"] = all(x["ok"] == n and x["alone"] == 0 for x in per_round)
+        out["rss_mib_per_process"] = rss
+        out["rss_mib_per_peer"] = round(rss * procs / n, 1)
         out["per_round"] = per_round
     finally:
         for w in workers:
@@ -256,9 +266,18 @@ async def _worker() -> None:
     from meshtrain.models.gpt import GPT
     from meshtrain.models.sources import PRESETS
     from meshtrain.optim.diloco import DiLoCo
-    from meshtrain.transport.host import Host, HostConfig
+    from meshtrain.transport.host import ConnectError, Host, HostConfig
     from meshtrain.transport.identity import Identity
     from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+
+    # Every link costs each of its two ends a libp2p socket plus `window` data-plane sessions
+    # (about 6 descriptors per link and worker at 256 peers): lift the soft limit to the hard one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    def _rss_mib() -> int:
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
         log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"worker-{os.getpid()}.log"
@@ -269,6 +288,7 @@ async def _worker() -> None:
     torch.set_num_threads(1)
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"msgs": 0, "sent": 0}
+    setup = {"dial_retries": 0, "session_retries": 0}
 
     class TinyPeerModel(torch.nn.Module):
         """gpt-tiny, plus `reach`: one value per peer, 0 until that peer's update got here."""
@@ -322,25 +342,34 @@ async def _worker() -> None:
             return {"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]}
         elif cmd == "connect":
             config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
-            sem = trio.Semaphore(16)
+            sem = trio.Semaphore(DIALS_IN_FLIGHT)
 
             async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
                 async with sem:
-                    await nodes[i]["host"].connect(addr, timeout=600)
+                    for attempt in range(SETUP_ATTEMPTS):  # py-libp2p's 30 s negotiation can time out
+                        try:  # on a starved machine: a dial that failed is retried, and counted
+                            await nodes[i]["host"].connect(addr, timeout=120)
+                            return
+                        except ConnectError as e:
+                            setup["dial_retries"] += 1
+                            if attempt == SETUP_ATTEMPTS - 1:
+                                raise ConnectError(f"peer {i} dialling {addr}: {e}") from None
+                            await trio.sleep(1.0 + attempt)
 
-            opening = trio.Semaphore(4)
+            opening = trio.Semaphore(SESSIONS_IN_FLIGHT)
 
             async def session(i: int, peer: str, sem: trio.Semaphore = opening) -> None:
                 async with sem:
                     for _ in range(config.window):  # as many as a round keeps in flight to a peer
-                        for attempt in range(10):  # a busy machine can miss the 10 s session RPC
+                        for attempt in range(SETUP_ATTEMPTS):  # a busy machine can miss the 10 s session RPC
                             try:
                                 await nodes[i]["streams"].prepare(peer)
                                 break
-                            except TransferError:
-                                if attempt == 9:
-                                    raise
-                                await trio.sleep(1.0)
+                            except TransferError as e:
+                                setup["session_retries"] += 1
+                                if attempt == SETUP_ATTEMPTS - 1:
+                                    raise TransferError(f"peer {i} opening a session to {peer}: {e}") from None
+                                await trio.sleep(1.0 + attempt)
 
             async with trio.open_nursery() as nursery:
                 for i, addr in command["links"]:
@@ -366,7 +395,7 @@ async def _worker() -> None:
                 n["outer"].inner_steps = command["first_round"] - 1
                 count(n["host"].rpc, "call")
                 count(n["streams"], "send")
-            return {"ok": True}
+            return {**setup, "fds": len(os.listdir("/proc/self/fd")), "rss_mib": _rss_mib()}
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
@@ -380,7 +409,7 @@ async def _worker() -> None:
                 **counters,
                 "cpu": time.process_time() - cpu0,
                 "m_bytes": m_bytes,
-                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                "rss_mib": _rss_mib(),
             }
         else:
             raise ValueError(f"unknown command {cmd!r}")

@@ -48,7 +48,8 @@ a second up to `LOG_RATE_FROM` (16) live peers and `swarm_heartbeat_rate · log�
 bound holds to about 3,500 peers; beyond it per-peer gossip grows with N again). The lease
 scales with the interval (`ttl` is the lease at the shortest interval), so the price of the
 bound is detection time: a peer that dies without leaving stays live for up to its lease
-(12 s up to 12 peers, 43 s at 64, 128 s at 256) — a clean `leave()` is seen at once, and a
+(12 s up to 12 peers, 43 s at 64, 128 s at 256) — a clean `leave()` is seen at once, a node's
+round candidates drop a peer whose connection closed at once (node/presence.py), and a
 collective round never waits on a dead member longer than its own deadlines. The lease is in the
 signed record, so every reader judges a peer by the same numbers and liveness stays a pure
 function of the state and the reference time. Why not fewer flooded records instead (digests
