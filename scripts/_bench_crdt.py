@@ -342,7 +342,12 @@ async def _worker() -> None:
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
 
-    configure("ERROR")
+    if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
+        log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"crdt-worker-{os.getpid()}.log"
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        configure(os.environ.get("BENCH_SCALE_LOG_LEVEL", "INFO"))
+    else:
+        configure("ERROR")
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"frames": 0, "frame_bytes": 0}
 
@@ -382,6 +387,8 @@ async def _worker() -> None:
             return {"ok": True}
         elif cmd == "live":
             return [len(n["view"].membership_snapshot()) for n in nodes.values()]
+        elif cmd == "links":  # how many peers each of ours is connected to now
+            return [len(n["host"].connected_peers()) for n in nodes.values()]
         elif cmd == "cut":  # forget the address too: py-libp2p re-dials on
             for i, peer in command["peers"]:  # a stream to an unconnected peer
                 host = nodes[i]["host"]

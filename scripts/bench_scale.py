@@ -247,6 +247,16 @@ def summarize(
             valid[g_hi]["gossip_bytes_per_peer_s"] / valid[g_lo]["gossip_bytes_per_peer_s"], 2
         )
         result["gossip_growth_sizes"] = [g_lo, g_hi]
+    # What the heartbeat rule predicts where a machine cannot measure it: per-peer gossip is
+    # proportional to the swarm's heartbeat rate (every heartbeat reaches every peer once).
+    from meshtrain.crdt.swarm_view import heartbeat_interval_for
+
+    model = sorted({16, *scale, *gossip})
+    result["gossip_model_heartbeats_per_s"] = {str(n): round(n / heartbeat_interval_for(n), 2) for n in model}
+    result["gossip_model_growth"] = round(
+        (model[-1] / heartbeat_interval_for(model[-1])) / (model[0] / heartbeat_interval_for(model[0])), 2
+    )
+    result["gossip_model_growth_sizes"] = [model[0], model[-1]]
     result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
     result["wall_s"] = round(wall, 1)
     return result
