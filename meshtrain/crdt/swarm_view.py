@@ -37,25 +37,17 @@ Liveness is a pure function of the replicated state and a reference time (`now_m
 state — pass the same reference time (e.g. a round's scheduled start) when peers must agree.
 Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
 
-Heartbeat rate. Every heartbeat is flooded to every peer, so at a fixed interval each peer would
-forward O(N) messages per second — about 25 gossipsub frames/s per peer at 32 peers and a 3 s
-interval, ~1.5 ms of py-libp2p CPU each. So the interval stretches with the swarm, and what each
-peer forwards grows only with log N: the swarm as a whole heartbeats `swarm_heartbeat_rate` times
-a second up to `LOG_RATE_FROM` (16) live peers and `swarm_heartbeat_rate · log₁₆ N` times above
-(8/s at 256 peers, 10/s at 1024), so a peer's interval is
-`heartbeat_interval_for(N) = max(heartbeat_interval, N / (swarm_heartbeat_rate · max(1, log₁₆ N)))`
-(3 s up to 12 peers, 10.7 s at 64, 32 s at 256), at most `max_heartbeat_interval` (300 s: the
-bound holds to about 3,500 peers; beyond it per-peer gossip grows with N again). The lease
-scales with the interval (`ttl` is the lease at the shortest interval), so the price of the
-bound is detection time: a peer that dies without leaving stays live for up to its lease
-(12 s up to 12 peers, 43 s at 64, 128 s at 256) — a clean `leave()` is seen at once, a node's
-round candidates drop a peer whose connection closed at once (node/presence.py), and a
-collective round never waits on a dead member longer than its own deadlines. The lease is in the
-signed record, so every reader judges a peer by the same numbers and liveness stays a pure
-function of the state and the reference time. Why not fewer flooded records instead (digests
-and pulls, a sample of peers): every peer needs every live peer's record to agree on the same
-membership snapshot, so each record must reach each peer once per lease whatever carries it;
-stretching the lease is the one knob that bounds that, and it changes no wire format.
+Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
+so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
+at `swarm_heartbeat_rate · max(1, log₁₆ N)` (4/s up to 16 live peers, 6 at 64, 8 at 256): the
+interval is max(`heartbeat_interval`, N / that) — 3 s up to 12 peers, 10.7 s at 64, 32 s at 256 —
+at most `max_heartbeat_interval` (300 s, reached near 3,500 peers; above, gossip grows with N).
+The lease scales with the interval (`ttl` at the shortest) and is in the signed record, so every
+reader judges a peer by the same numbers. The price is detection: a peer that dies without
+leaving stays live up to its lease (12 s up to 12 peers, 43 s at 64, 128 s at 256), while a clean
+`leave()` is seen at once and round candidates drop a closed connection at once (node/presence.py).
+Why not digests or sampling instead: every peer needs every live record once per lease to agree
+on one membership snapshot, so stretching the lease is the knob, and no wire format changes.
 
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
 they go out with the next heartbeat, except an outer-round change, which is written at once.
@@ -118,8 +110,7 @@ def heartbeat_interval_for(
     swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
     max_heartbeat_interval: float = DEFAULT_MAX_HEARTBEAT_INTERVAL,
 ) -> float:
-    """Seconds between a peer's heartbeats in a swarm of `live` live peers: the swarm heartbeats
-    `swarm_heartbeat_rate · max(1, log₁₆ live)` times a second (module docstring, "Heartbeat rate")."""
+    """Seconds between heartbeats among `live` live peers (module docstring, "Heartbeat rate")."""
     rate = swarm_heartbeat_rate * max(1.0, math.log(max(live, 1), LOG_RATE_FROM))
     return min(max_heartbeat_interval, max(heartbeat_interval, live / rate))
 
