@@ -32,6 +32,10 @@ crosses several hops. Steps:
 5. `msgs_per_node_s`: messages each peer sends per second over `--idle` seconds of idle
    heartbeating: gossipsub RPC frames written (own publishes, relays, control) plus
    anti-entropy RPC requests and replies; with a breakdown, bytes, and CPU cores used.
+
+Diagnosing a run: `BENCH_SCALE_LOG_DIR=dir` writes each worker's log (INFO, or
+`BENCH_SCALE_LOG_LEVEL`) to its own file there; the `links` command reports each peer's
+connection count.
 """
 
 from __future__ import annotations

@@ -48,15 +48,17 @@ round, none alone).
 
 256 peers on this machine (2 cores, shared with other work). The set-up fits: with `--rounds 2`
 (3,840 links; a third round starts a new epoch on a new grid, 5,535 links) the hosts connected in
-143 s with no failed dial, about 5.9k descriptors per worker (limit 20,000) and 1.4-3.5 GB RSS per
-worker. One earlier run that failed in the set-up after 3 minutes kept no error; a dial or a
-session RPC failing on a starved machine was its only way to fail, and both are now retried.
-What does not fit is CPU: every round at 256 needs ~170 s of CPU (two all-reduces of 16 per
-peer), and while other work kept the load average at 6-8 the workers got ~0.2 core each, so RPC
-read deadlines (10 s) passed, a few peers were excluded from their group's round (`failed`,
-`alone` > 0) and φ did not mix within the two rounds. Gossip at 64 peers and more cannot be
-measured here at all: its workers need more CPU than they get, every anti-entropy RPC times out
-(5 s), and the peers never see each other live (`live_after` 1, "invalid").
+143 and 199 s (two runs) with no failed dial, about 5.9k descriptors per worker (limit 20,000) and
+up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed in the set-up
+after 3 minutes kept no error; a dial or a session RPC failing on a starved machine was its only
+way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there.
+What does not fit is CPU: every round at 256 took 124-172 s of CPU (two all-reduces of 16 per
+peer, and the coordinators' reviews and probes for as long as a round lasts), and while other
+work kept the load average at 4-8 the workers got ~0.2 core each, so rounds took 3-6 minutes,
+RPC deadlines passed, 1-5 peers a round were excluded from their group's round (`failed`,
+`alone` > 0) and φ did not mix within the two rounds. Gossip at 64 peers (and at 32 in the
+last run) could not be measured: its workers need more CPU than they got, every anti-entropy RPC
+timed out (5 s), and some peer never saw the others live (`live_after` 1, "invalid").
 
 What runs. N real libp2p hosts, each with its data plane (`TensorStreams`) and a `SwarmCollective`
 grouped by `GroupPlan(group_size)` (0: automatic — the whole swarm up to 32 peers, groups of 16
