@@ -6,9 +6,9 @@
 
 What runs: N real libp2p hosts (TCP + Noise + yamux on loopback), each with a `Replica` and a
 `SwarmView` at their default settings (gossipsub, anti-entropy every 1.5 s, heartbeats every
-3 s stretched to N/4 s in bigger swarms: 8 s at 32 peers), spread over `--procs` worker
-processes as trio tasks; the
-calling process only coordinates (JSON lines over the workers' stdin/stdout) and starts no host.
+3 s stretched in bigger swarms so that the swarm heartbeats 4·max(1, log₁₆ N) times a second:
+6.4 s at 32 peers, 32 s at 256 — swarm_view.py's `heartbeat_interval_for`), spread over
+`--procs` worker processes as trio tasks; the calling process only coordinates (JSON lines over the workers' stdin/stdout) and starts no host.
 Why several processes: py-libp2p spends about 1.5 ms of CPU per gossip frame (yamux and Noise
 in Python), so 32 peers heartbeating in one process need more than the one core a process can
 use, and a saturated event loop measures itself, not the protocol. Why not one process per peer:
@@ -32,6 +32,10 @@ crosses several hops. Steps:
 5. `msgs_per_node_s`: messages each peer sends per second over `--idle` seconds of idle
    heartbeating: gossipsub RPC frames written (own publishes, relays, control) plus
    anti-entropy RPC requests and replies; with a breakdown, bytes, and CPU cores used.
+
+Diagnosing a run: `BENCH_SCALE_LOG_DIR=dir` writes each worker's log (INFO, or
+`BENCH_SCALE_LOG_LEVEL`) to its own file there; the `links` command reports each peer's
+connection count.
 """
 
 from __future__ import annotations
@@ -146,12 +150,7 @@ def _join(digests: list[dict[str, dict[str, list[Any]]]]) -> dict[str, dict[str,
 def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partition: bool = True) -> dict[str, Any]:
     """Run the benchmark with `n` peers in `procs` worker processes; returns the result dict.
     Without `partition`, steps 2-4 are skipped: start, then the idle measurement (bench_scale)."""
-    from meshtrain.crdt.swarm_view import (
-        DEFAULT_HEARTBEAT_INTERVAL,
-        DEFAULT_MAX_HEARTBEAT_INTERVAL,
-        DEFAULT_SWARM_HEARTBEAT_RATE,
-        DEFAULT_TTL,
-    )
+    from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for
     from meshtrain.transport.identity import Identity
 
     if n < 4 or not 1 <= procs <= n:
@@ -168,7 +167,7 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partiti
         "topology": f"ring + chords (i, i+{CHORD})",
     }
     # SwarmView stretches the heartbeat with the swarm (see its module docstring)
-    interval = min(DEFAULT_MAX_HEARTBEAT_INTERVAL, max(DEFAULT_HEARTBEAT_INTERVAL, n / DEFAULT_SWARM_HEARTBEAT_RATE))
+    interval = heartbeat_interval_for(n)
     out["heartbeat_s"] = interval
     out["lease_s"] = interval * DEFAULT_TTL / DEFAULT_HEARTBEAT_INTERVAL
     workers = [Worker() for _ in groups]
@@ -347,7 +346,12 @@ async def _worker() -> None:
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
 
-    configure("ERROR")
+    if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
+        log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"crdt-worker-{os.getpid()}.log"
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        configure(os.environ.get("BENCH_SCALE_LOG_LEVEL", "INFO"))
+    else:
+        configure("ERROR")
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"frames": 0, "frame_bytes": 0}
 
@@ -387,6 +391,8 @@ async def _worker() -> None:
             return {"ok": True}
         elif cmd == "live":
             return [len(n["view"].membership_snapshot()) for n in nodes.values()]
+        elif cmd == "links":  # how many peers each of ours is connected to now
+            return [len(n["host"].connected_peers()) for n in nodes.values()]
         elif cmd == "cut":  # forget the address too: py-libp2p re-dials on
             for i, peer in command["peers"]:  # a stream to an unconnected peer
                 host = nodes[i]["host"]

@@ -1,6 +1,6 @@
 """Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
 
-    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 3] [--group-size 0]
+    python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--out docs/bench_scale_issue20.json]
 
 The last line printed is one JSON object (also written to `--out`).
@@ -27,12 +27,38 @@ what is reported, at each size N:
 - `round_s`: wall time of a round — CPU-bound here (all N peers on two cores), reported only to
   show that it is not the measure;
 - `gossip_bytes_per_peer_s`: gossipsub bytes a peer writes per second while the swarm idles (each
-  peer a `Replica` + `SwarmView` at its defaults, heartbeats stretched with N; ring + chords
-  topology, as scripts/_bench_crdt.py), with `gossip_cpu_cores` (a saturated machine sends less
-  than it should: read the bytes beside it).
+  peer a `Replica` + `SwarmView` at its defaults — the swarm heartbeats 4·max(1, log₁₆ N) times a
+  second, swarm_view.py's `heartbeat_interval_for`; ring + chords topology, as
+  scripts/_bench_crdt.py), with `gossip_cpu_cores` (a saturated machine sends less than it
+  should: read the bytes beside it). Anti-entropy RPCs are counted in `gossip_msgs_per_peer_s`,
+  not in the bytes;
+- set-up: `connect_s`, `dial_retries` and `session_retries` (dials and data-plane session RPCs
+  that failed on a starved machine and were tried again, up to `SETUP_ATTEMPTS` each; an error
+  that outlives them names the peer and the step), `fds_per_process` (descriptors of the busiest
+  worker once connected: about 6 per link and worker at 256 peers; the soft limit is lifted to the
+  hard one), `rss_mib_per_process` (the largest worker's peak) and `rss_mib_per_peer` (that × the
+  processes ÷ N, each process's torch included).
 Summary: `cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
-`gossip_growth` (largest gossip size ÷ smallest), `mixing_ok` (mixing_rounds ≤ d + 1 at every
-size), `all_rounds_complete` (every peer got a result in every round, none alone).
+`gossip_growth` (largest valid gossip size ÷ smallest; a size whose peers never all saw each other
+live measured a starved machine and is listed in `gossip_invalid_sizes`), `gossip_model_growth`
+(the heartbeat rule's swarm-wide heartbeat rate at the largest size ÷ at 16 peers: what per-peer
+gossip grows by where this machine cannot run the gossip phase — 2.0 from 16 to 256), `mixing_ok`
+(mixing_rounds ≤ d + 1 at every size), `all_rounds_complete` (every peer got a result in every
+round, none alone).
+
+256 peers on this machine (2 cores, shared with other work). The set-up fits: with `--rounds 2`
+(3,840 links; a third round starts a new epoch on a new grid, 5,535 links) the hosts connected in
+143 and 199 s (two runs) with no failed dial, about 5.9k descriptors per worker (limit 20,000) and
+up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed in the set-up
+after 3 minutes kept no error; a dial or a session RPC failing on a starved machine was its only
+way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there.
+What does not fit is CPU: every round at 256 took 124-172 s of CPU (two all-reduces of 16 per
+peer, and the coordinators' reviews and probes for as long as a round lasts), and while other
+work kept the load average at 4-8 the workers got ~0.2 core each, so rounds took 3-6 minutes,
+RPC deadlines passed, 1-5 peers a round were excluded from their group's round (`failed`,
+`alone` > 0) and φ did not mix within the two rounds. Gossip at 64 peers (and at 32 in the
+last run) could not be measured: its workers need more CPU than they got, every anti-entropy RPC
+timed out (5 s), and some peer never saw the others live (`live_after` 1, "invalid").
 
 What runs. N real libp2p hosts, each with its data plane (`TensorStreams`) and a `SwarmCollective`
 grouped by `GroupPlan(group_size)` (0: automatic — the whole swarm up to 32 peers, groups of 16
@@ -66,6 +92,9 @@ sys.path.insert(0, str(ROOT))
 from scripts._bench_crdt import Worker, ask, run_crdt_phase, serve_commands  # noqa: E402
 
 SEED = 20
+DIALS_IN_FLIGHT = 16  # per worker process: libp2p dials (Noise + yamux handshakes) at once
+SESSIONS_IN_FLIGHT = 4  # per worker process: data-plane session RPCs at once
+SETUP_ATTEMPTS = 10  # tries per dial and per session before the set-up gives up
 
 
 def _groups_plan(group_size: int):
@@ -115,7 +144,7 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
             partners[where[a]].setdefault(a, []).append(ids[b])
             partners[where[b]].setdefault(b, []).append(ids[a])
         t0 = time.monotonic()
-        ask(
+        setup = ask(
             workers,
             [
                 {"cmd": "connect", "links": d, "partners": pa, "group_size": group_size, "first_round": first}
@@ -126,13 +155,18 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
         print(f"bench_scale: {n} peers connected ({len(links)} links)", file=sys.stderr, flush=True)
         out["links"] = len(links)
         out["connect_s"] = round(time.monotonic() - t0, 1)
+        out["dial_retries"] = sum(x["dial_retries"] for x in setup)
+        out["session_retries"] = sum(x["session_retries"] for x in setup)
+        out["fds_per_process"] = max(x["fds"] for x in setup)
         per_round = []
         mixed_at = None
+        rss = 0  # the largest worker's peak RSS, MiB
         for r in range(rounds):
             t0 = time.monotonic()
             reps = ask(workers, [{"cmd": "round", "round": r}] * len(parts), 1800)
             wall = time.monotonic() - t0
             total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "failed", "alone", "mixed")}
+            rss = max(rss, *(rep["rss_mib"] for rep in reps))
             errors = [e for rep in reps for e in rep["errors"]][:3]
             per_round.append({"round": r, "round_s": round(wall, 2), **total, "errors": errors})
             print(f"bench_scale: {n} peers, round {r}: {per_round[-1]}", file=sys.stderr, flush=True)
@@ -151,6 +185,8 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
         out["mixing_rounds"] = mixed_at
         out["round_s"] = round(sum(x["round_s"] for x in steady) / len(steady), 2)
         out["all_rounds_complete"] = all(x["ok"] == n and x["alone"] == 0 for x in per_round)
+        out["rss_mib_per_process"] = rss
+        out["rss_mib_per_peer"] = round(rss * procs / n, 1)
         out["per_round"] = per_round
     finally:
         for w in workers:
@@ -177,7 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64,256")
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="outer rounds per size (>= 2; the first is not costed)")
+    parser.add_argument("--rounds", type=int, default=2, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
     parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
     parser.add_argument("--idle", type=float, default=8.0, help="seconds of idle gossip measured")
@@ -237,6 +273,16 @@ def summarize(
             valid[g_hi]["gossip_bytes_per_peer_s"] / valid[g_lo]["gossip_bytes_per_peer_s"], 2
         )
         result["gossip_growth_sizes"] = [g_lo, g_hi]
+    # What the heartbeat rule predicts where a machine cannot measure it: per-peer gossip is
+    # proportional to the swarm's heartbeat rate (every heartbeat reaches every peer once).
+    from meshtrain.crdt.swarm_view import heartbeat_interval_for
+
+    model = sorted({16, *scale, *gossip})
+    result["gossip_model_heartbeats_per_s"] = {str(n): round(n / heartbeat_interval_for(n), 2) for n in model}
+    result["gossip_model_growth"] = round(
+        (model[-1] / heartbeat_interval_for(model[-1])) / (model[0] / heartbeat_interval_for(model[0])), 2
+    )
+    result["gossip_model_growth_sizes"] = [model[0], model[-1]]
     result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
     result["wall_s"] = round(wall, 1)
     return result
@@ -256,9 +302,18 @@ async def _worker() -> None:
     from meshtrain.models.gpt import GPT
     from meshtrain.models.sources import PRESETS
     from meshtrain.optim.diloco import DiLoCo
-    from meshtrain.transport.host import Host, HostConfig
+    from meshtrain.transport.host import ConnectError, Host, HostConfig
     from meshtrain.transport.identity import Identity
     from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+
+    # Every link costs each of its two ends a libp2p socket plus `window` data-plane sessions
+    # (about 6 descriptors per link and worker at 256 peers): lift the soft limit to the hard one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    def _rss_mib() -> int:
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     if os.environ.get("BENCH_SCALE_LOG_DIR"):  # diagnosing a run: each worker's log in its own file
         log = Path(os.environ["BENCH_SCALE_LOG_DIR"]) / f"worker-{os.getpid()}.log"
@@ -269,6 +324,7 @@ async def _worker() -> None:
     torch.set_num_threads(1)
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"msgs": 0, "sent": 0}
+    setup = {"dial_retries": 0, "session_retries": 0}
 
     class TinyPeerModel(torch.nn.Module):
         """gpt-tiny, plus `reach`: one value per peer, 0 until that peer's update got here."""
@@ -322,25 +378,34 @@ async def _worker() -> None:
             return {"nodes": [[i, n["host"].addrs[0]] for i, n in nodes.items()]}
         elif cmd == "connect":
             config = AllReduceConfig(join_timeout=300, part_timeout=300, report_timeout=120)
-            sem = trio.Semaphore(16)
+            sem = trio.Semaphore(DIALS_IN_FLIGHT)
 
             async def dial(i: int, addr: str, sem: trio.Semaphore = sem) -> None:
                 async with sem:
-                    await nodes[i]["host"].connect(addr, timeout=600)
+                    for attempt in range(SETUP_ATTEMPTS):  # py-libp2p's 30 s negotiation can time out
+                        try:  # on a starved machine: a dial that failed is retried, and counted
+                            await nodes[i]["host"].connect(addr, timeout=120)
+                            return
+                        except ConnectError as e:
+                            setup["dial_retries"] += 1
+                            if attempt == SETUP_ATTEMPTS - 1:
+                                raise ConnectError(f"peer {i} dialling {addr}: {e}") from None
+                            await trio.sleep(1.0 + attempt)
 
-            opening = trio.Semaphore(4)
+            opening = trio.Semaphore(SESSIONS_IN_FLIGHT)
 
             async def session(i: int, peer: str, sem: trio.Semaphore = opening) -> None:
                 async with sem:
                     for _ in range(config.window):  # as many as a round keeps in flight to a peer
-                        for attempt in range(10):  # a busy machine can miss the 10 s session RPC
+                        for attempt in range(SETUP_ATTEMPTS):  # a busy machine can miss the 10 s session RPC
                             try:
                                 await nodes[i]["streams"].prepare(peer)
                                 break
-                            except TransferError:
-                                if attempt == 9:
-                                    raise
-                                await trio.sleep(1.0)
+                            except TransferError as e:
+                                setup["session_retries"] += 1
+                                if attempt == SETUP_ATTEMPTS - 1:
+                                    raise TransferError(f"peer {i} opening a session to {peer}: {e}") from None
+                                await trio.sleep(1.0 + attempt)
 
             async with trio.open_nursery() as nursery:
                 for i, addr in command["links"]:
@@ -366,7 +431,7 @@ async def _worker() -> None:
                 n["outer"].inner_steps = command["first_round"] - 1
                 count(n["host"].rpc, "call")
                 count(n["streams"], "send")
-            return {"ok": True}
+            return {**setup, "fds": len(os.listdir("/proc/self/fd")), "rss_mib": _rss_mib()}
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
@@ -380,7 +445,7 @@ async def _worker() -> None:
                 **counters,
                 "cpu": time.process_time() - cpu0,
                 "m_bytes": m_bytes,
-                "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                "rss_mib": _rss_mib(),
             }
         else:
             raise ValueError(f"unknown command {cmd!r}")

@@ -7,10 +7,13 @@ never re-dials by itself.
 
 from __future__ import annotations
 
+import math
 from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
@@ -32,6 +35,7 @@ from meshtrain.crdt import (
 )
 from meshtrain.crdt.entries import encode_entries
 from meshtrain.crdt.replica import EntryTooLarge, decode_gossip, encode_gossip, split_batches
+from meshtrain.crdt.swarm_view import heartbeat_interval_for
 from meshtrain.crdt.types import now_ms
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
@@ -532,6 +536,28 @@ async def test_a_restarted_peer_keeps_its_identity_and_its_seq_continues(meets_s
             assert replica.stats.own_superseded >= 1
 
 
+def test_heartbeat_interval_is_unchanged_in_small_swarms_and_bounds_gossip_by_log_n():
+    # up to 12 live peers every peer heartbeats every 3 s, as before the log-N rule
+    assert [heartbeat_interval_for(n) for n in range(13)] == [3.0] * 13
+    # the swarm's heartbeat rate (what every peer forwards) at 16, 64, 256 and 1024 peers: 4, 6, 8, 10/s
+    rates = [n / heartbeat_interval_for(n) for n in (16, 64, 256, 1024)]
+    assert rates == pytest.approx([4.0, 6.0, 8.0, 10.0])
+    assert heartbeat_interval_for(256) == pytest.approx(32.0)
+    assert heartbeat_interval_for(10**6) == 300.0  # the cap: beyond ~3,500 peers gossip grows again
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000))
+def test_heartbeat_interval_grows_with_the_swarm_and_the_swarm_rate_by_at_most_log_n(a, b):
+    small, big = sorted((a, b))
+    assert heartbeat_interval_for(small) <= heartbeat_interval_for(big) <= 300.0
+    rate_small, rate_big = small / heartbeat_interval_for(small), big / heartbeat_interval_for(big)
+    assert rate_small <= rate_big * (1 + 1e-9)
+    # per-peer gossip ∝ the swarm's rate, which is at most 4·max(1, log₁₆ N) below the cap
+    if heartbeat_interval_for(big) < 300.0:
+        assert rate_big <= 4.0 * max(1.0, math.log(big, 16)) * (1 + 1e-9)
+
+
 async def test_heartbeats_stretch_and_leases_grow_with_the_swarm():
     host = Host(Identity.generate())  # never started: this test merges records by hand
     owner = host.peer_id
@@ -564,9 +590,10 @@ async def test_heartbeats_stretch_and_leases_grow_with_the_swarm():
     others = [Identity.generate() for _ in range(39)]
     outcome = replica.merge_entries("membership", [record(i) for i in others], "gossip", others[0].peer_id_str)
     assert len(outcome.accepted) == 39 and len(view.live_peers()) == 40
-    view.heartbeat()  # 40 live peers at 4 heartbeats/s swarm-wide: every 10 s, lease 40 s
-    assert view.current_interval() == 10.0
-    assert {p.peer_id: p for p in view.peers()}[owner].lease_ms == 40_000
+    view.heartbeat()  # 40 live peers heartbeat 4·log₁₆ 40 ≈ 5.3 times a second swarm-wide
+    interval = 40 / (4.0 * math.log(40, 16))  # ≈ 7.52 s, lease four times that
+    assert view.current_interval() == pytest.approx(interval)
+    assert abs({p.peer_id: p for p in view.peers()}[owner].lease_ms - interval * 4000) <= 1
     # a lease vouches for exactly its length; after that the peer is gone
     beat = {p.peer_id: p for p in view.peers()}[others[0].peer_id_str].last_heartbeat_ms
     assert others[0].peer_id_str in view.membership_snapshot(beat + 12_000)

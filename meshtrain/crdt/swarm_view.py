@@ -58,13 +58,17 @@ Liveness is a pure function of the replicated state and a reference time (`now_m
 state — pass the same reference time (e.g. a round's scheduled start) when peers must agree.
 Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
 
-Heartbeat rate. Every heartbeat is flooded to every peer, so at a fixed interval each peer would
-forward O(N) messages per second — about 25 gossipsub frames/s per peer at 32 peers and a 3 s
-interval, ~1.5 ms of py-libp2p CPU each. So the interval stretches with the swarm: it is
-`max(heartbeat_interval, live peers / swarm_heartbeat_rate)`, at most `max_heartbeat_interval`,
-and the lease scales with it (`ttl` is the lease at the shortest interval). The lease is in the
-signed record, so every reader judges a peer by the same numbers and liveness stays a pure
-function of the state and the reference time.
+Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
+so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
+at `swarm_heartbeat_rate · max(1, log₁₆ N)` (4/s up to 16 live peers, 6 at 64, 8 at 256): the
+interval is max(`heartbeat_interval`, N / that) — 3 s up to 12 peers, 10.7 s at 64, 32 s at 256 —
+at most `max_heartbeat_interval` (300 s, reached near 3,500 peers; above, gossip grows with N).
+The lease scales with the interval (`ttl` at the shortest) and is in the signed record, so every
+reader judges a peer by the same numbers. The price is detection: a peer that dies without
+leaving stays live up to its lease (12 s up to 12 peers, 43 s at 64, 128 s at 256), while a clean
+`leave()` is seen at once and round candidates drop a closed connection at once (node/presence.py).
+Why not digests or sampling instead: every peer needs every live record once per lease to agree
+on one membership snapshot, so stretching the lease is the knob, and no wire format changes.
 
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
 they go out with the next heartbeat, except an outer-round change, which is written at once.
@@ -75,6 +79,7 @@ Not here: gossip, anti-entropy and merging (`replica.py`), choosing whom to conn
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -103,8 +108,9 @@ STRIKES = "strikes"
 
 DEFAULT_HEARTBEAT_INTERVAL = 3.0
 DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
-DEFAULT_MAX_HEARTBEAT_INTERVAL = 15.0
-DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm
+DEFAULT_MAX_HEARTBEAT_INTERVAL = 300.0  # the log-N bound holds up to ~3,500 peers (docstring)
+DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm, up to LOG_RATE_FROM peers
+LOG_RATE_FROM = 16  # above this many live peers the swarm's heartbeat rate grows with log N
 MIN_LEASE_MS, MAX_LEASE_MS = 100, 3_600_000
 DEFAULT_MAX_CLOCK_SKEW = 30.0
 DEFAULT_LEAVE_TIMEOUT = 2.0
@@ -122,6 +128,17 @@ MAX_METRICS = 32
 MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
+
+
+def heartbeat_interval_for(
+    live: int,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+    swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
+    max_heartbeat_interval: float = DEFAULT_MAX_HEARTBEAT_INTERVAL,
+) -> float:
+    """Seconds between heartbeats among `live` live peers (module docstring, "Heartbeat rate")."""
+    rate = swarm_heartbeat_rate * max(1.0, math.log(max(live, 1), LOG_RATE_FROM))
+    return min(max_heartbeat_interval, max(heartbeat_interval, live / rate))
 
 
 class NotSwarmOwner(NotAWriter):
@@ -291,7 +308,8 @@ class SwarmView(Service):
     - `addrs`: addresses to announce (default: the host's).
     - `heartbeat_interval`, `ttl`: the shortest heartbeat interval and the lease at that
       interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
-      keep the swarm at about `swarm_heartbeat_rate` heartbeats per second (module docstring).
+      keep the swarm at about `swarm_heartbeat_rate · max(1, log₁₆ N)` heartbeats per second
+      (module docstring, `heartbeat_interval_for`).
     - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
     - `recover_timeout`: how long entering the view waits to pull the swarm's state (and our own
       earlier records, after a restart) before the first heartbeat.
@@ -429,9 +447,8 @@ class SwarmView(Service):
     def current_interval(self) -> float:
         """Seconds between our heartbeats now: longer in a bigger swarm (module docstring)."""
         live = sum(1 for p in self.peers() if p.is_live(now_ms(), self.max_skew_ms))
-        return min(
-            self.max_heartbeat_interval,
-            max(self.heartbeat_interval, live / self.swarm_heartbeat_rate),
+        return heartbeat_interval_for(
+            live, self.heartbeat_interval, self.swarm_heartbeat_rate, self.max_heartbeat_interval
         )
 
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
