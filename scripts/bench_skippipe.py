@@ -50,6 +50,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshtrain.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -163,6 +167,25 @@ def layout(ids: list[str], n_stages: int) -> tuple[dict, dict, list]:
     return placement, forward, links
 
 
+def assembled_model(config: GPTConfig, snap: Path, step: int) -> GPT:
+    """The whole model at `step` from the stage snapshots the peers wrote to `snap` (the first
+    replica's file of each stage)."""
+    import torch
+
+    from meshtrain.models import GPT
+    from meshtrain.pipeline.stages import load_stage_states
+
+    model = GPT(config, seed=0)
+    states, seen = [], set()
+    for f in sorted(snap.glob(f"stage*_step{step}.pt")):
+        stage = int(f.name.split("_")[0][5:])
+        if stage not in seen:
+            seen.add(stage)
+            states.append(torch.load(f))
+    load_stage_states(model, states)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 peers, 4 stages, few steps (~1-2 min)")
@@ -183,9 +206,8 @@ def main() -> None:
 
     import torch
 
-    from meshtrain.models import GPT, Corpus, GPTConfig
+    from meshtrain.models import Corpus, GPTConfig
     from meshtrain.pipeline.omission import omission_report
-    from meshtrain.pipeline.stages import load_stage_states
 
     torch.set_num_threads(1)
     corpus = Corpus.default()
@@ -243,22 +265,11 @@ def main() -> None:
                     "snap": snap,
                 }
 
-            def model_at(snap: Path, step: int) -> GPT:
-                model = GPT(config, seed=0)
-                states, seen = [], set()
-                for f in sorted(snap.glob(f"stage*_step{step}.pt")):
-                    s = int(f.name.split("_")[0][5:])
-                    if s not in seen:
-                        seen.add(s)
-                        states.append(torch.load(f))
-                load_stage_states(model, states)
-                return model
-
             full = results["full"] = run("full", "full", 0.0, None, steps)
             for ratio in (0.25, 0.5):
                 results[str(ratio)] = run(f"skip{ratio}", "skippipe", ratio, full["wall_s"], 4 * steps)
             progress("evaluating")
-            full_model = model_at(full["snap"], steps)
+            full_model = assembled_model(config, full["snap"], steps)
             full_loss = full_model.evaluate(eval_batches)
             full_om = omission_report(full_model, n_stages, eval_batches)
             out: dict[str, object] = {
@@ -271,8 +282,8 @@ def main() -> None:
             best, best_time = None, float("inf")
             for ratio in ("0.25", "0.5"):
                 r = results[ratio]
-                eq_steps = model_at(r["snap"], min(steps, r["steps"]))
-                eq_time = model_at(r["snap"], r["steps"])
+                eq_steps = assembled_model(config, r["snap"], min(steps, r["steps"]))
+                eq_time = assembled_model(config, r["snap"], r["steps"])
                 out["skippipe_iter_s"][ratio] = round(r["iter_s"], 4)
                 out["loss_gap"][ratio] = round(eq_steps.evaluate(eval_batches) / full_loss - 1, 4)
                 out["loss_gap_equal_time_per_ratio"][ratio] = round(eq_time.evaluate(eval_batches) / full_loss - 1, 4)
@@ -305,9 +316,8 @@ def codec_comparison(args: argparse.Namespace) -> None:
     named, on the same serial throttled links; the last stdout line is one JSON object."""
     import torch
 
-    from meshtrain.models import GPT, Corpus, GPTConfig
+    from meshtrain.models import Corpus, GPTConfig
     from meshtrain.pipeline.hop_codec import HopCodec
-    from meshtrain.pipeline.stages import load_stage_states
 
     codec = HopCodec(args.activation_codec)  # a bad name fails here, before any peer starts
     n_peers = args.peers or 4
@@ -368,14 +378,7 @@ def codec_comparison(args: argparse.Namespace) -> None:
                     max(x["seconds"] for pid in origins for x in out[pid] if x.get("it") == i) for i in range(1, steps)
                 ]
                 finished = [lines[-1] for lines in out.values()]
-                model = GPT(config, seed=0)
-                states, seen = [], set()
-                for f in sorted(snap.glob(f"stage*_step{steps}.pt")):
-                    s = int(f.name.split("_")[0][5:])
-                    if s not in seen:
-                        seen.add(s)
-                        states.append(torch.load(f))
-                load_stage_states(model, states)
+                model = assembled_model(config, snap, steps)
                 digests = {pid: lines[-1]["digest"] for pid, lines in out.items()}
                 runs[name] = {
                     "iter_s": sum(secs) / len(secs),

@@ -228,79 +228,57 @@ class StrikeBook:
         """Loss scoring's verdicts on the sampled peers of a round we screened (node/scoring.py):
         a signed loss strike for each score that breaks the spec's rule, unless screening already
         flagged that peer there (one strike per round and peer)."""
-        if len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
-            return
-        screened = {f.peer for f in screening.flags}
-        part = screening.group.index(self.me)
-        strikes = []
-        for sc in scores:
-            if sc.peer in screened or not loss_flagged(sc.gain, sc.ref, self.spec):
-                continue
-            strikes.append(
-                Strike(
-                    self.me,
-                    screening.round_id,
-                    screening.tag,
-                    sc.peer,
-                    screening.group,
-                    screening.digest,
-                    part,
-                    sc.norm_ratio,
-                    sc.alignment,
-                    LOSS,
-                    sc.gain,
-                    sc.ref,
-                )
-            )
-            log.warning(
-                kv(
-                    "flagged a contribution by loss",
-                    round=screening.round_id,
-                    peer=sc.peer[-12:],
-                    gain=sc.gain,
-                    ref=sc.ref,
-                )
-            )
-        self._standing = None
-        self._file(strikes)
+        flagged = [
+            (sc.peer, sc.norm_ratio, sc.alignment, {"gain": sc.gain, "ref": sc.ref})
+            for sc in scores
+            if loss_flagged(sc.gain, sc.ref, self.spec)
+        ]
+        self._strike_sampled(screening, LOSS, flagged, "flagged a contribution by loss")
 
     def on_spot_checks(self, screening: RoundScreening, checks: list[SpotCheck]) -> None:
         """Replay spot-checks' verdicts on the sampled peers of a round we screened
         (node/spot_check.py): a signed spot strike for each check that breaks the spec's rule,
         unless screening already flagged that peer there."""
+        flagged = [
+            (c.peer, c.norm_ratio, c.alignment, {"match": c.match, "ref": c.ref})
+            for c in checks
+            if spot_flagged(c.match, c.ref, self.spec)
+        ]
+        self._strike_sampled(screening, SPOT, flagged, "flagged a contribution by spot-check")
+
+    def _strike_sampled(
+        self,
+        screening: RoundScreening,
+        rule: str,
+        flagged: list[tuple[str, float, float, dict[str, float]]],
+        event: str,
+    ) -> None:
+        """File a `rule` strike for each (peer, norm ratio, alignment, scores) that broke its rule
+        in a round we screened, except peers screening flagged there already."""
         if len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
             return
         screened = {f.peer for f in screening.flags}
         part = screening.group.index(self.me)
         strikes = []
-        for c in checks:
-            if c.peer in screened or not spot_flagged(c.match, c.ref, self.spec):
+        for peer, norm_ratio, alignment, scores in flagged:
+            if peer in screened:
                 continue
             strikes.append(
                 Strike(
                     self.me,
                     screening.round_id,
                     screening.tag,
-                    c.peer,
+                    peer,
                     screening.group,
                     screening.digest,
                     part,
-                    c.norm_ratio,
-                    c.alignment,
-                    SPOT,
-                    ref=c.ref,
-                    match=c.match,
+                    norm_ratio,
+                    alignment,
+                    rule,
+                    **scores,
                 )
             )
-            log.warning(
-                kv(
-                    "flagged a contribution by spot-check",
-                    round=screening.round_id,
-                    peer=c.peer[-12:],
-                    match=c.match,
-                    ref=c.ref,
-                )
-            )
+            log.warning(kv(event, round=screening.round_id, peer=peer[-12:], **scores))
         self._standing = None
         self._file(strikes)
 
