@@ -3,7 +3,7 @@ when root) keep training, never exit on their own and never leave a corrupt chec
 peers agree on φ within a round of any disagreement.
 
 The soak itself is `scripts/bench_chaos.py` (10 minutes by default); here it runs CI-sized:
-4 nodes, 75 s of chaos, about 2 minutes in all. The parity rule is pinned without processes.
+4 nodes, 60 s of chaos, under 2 minutes in all. The parity rule is pinned without processes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from scripts.bench_chaos import Life, Monitor
 
 from .conftest import ROOT
 
-SOAK_MINUTES = 1.25
+SOAK_MINUTES = 1.0
 SOAK_NODES = 4
 
 

@@ -31,7 +31,7 @@ def run_demo(out: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_demo_quick_trains_a_four_node_swarm(tmp_path):
     out = tmp_path / "demo"
-    r = run_demo(out)
+    r = run_demo(out, "--steps", "40")  # two rounds at the quick run's H = 20
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]
     assert all(n >= 1 for n in summary["rounds"]), summary  # every node took part in outer rounds

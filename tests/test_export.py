@@ -227,21 +227,24 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     addr = wait_daemon(homes["a"] / "data", pa, logs["a"])["addrs"][0]
     pb = start(homes["b"], "--join", addr, "--wait-peers", "2", log=logs["b"])
     # Peers whose local files differ from the swarm's pins are refused, naming which differs.
-    for name, needle in (
-        ("other_tokenizer", "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest"),
-        ("other_config", "model: your hf:llama differs from the swarm's (config digest"),
-        ("other_data", "dataset corpus.jsonl: the local files differ from the swarm's"),
-    ):
+    needles = {
+        "other_tokenizer": "tokenizer: your hf:bpe differs from the swarm's (tokenizer digest",
+        "other_config": "model: your hf:llama differs from the swarm's (config digest",
+        "other_data": "dataset corpus.jsonl: the local files differ from the swarm's",
+    }
+    refused = {}
+    for name in needles:  # all three at once: each is a process start-up, then one line
         # The swarm's signed spec, as `swarm join` would fetch it (a file: no race with the swarm's
         # end, 12 steps away), checked against this peer's own files before anything else.
         shutil.copy(homes["a"] / "data" / "swarm.json", homes[name] / "swarm.json")
-        proc = start(homes[name], "--swarm", "swarm.json", log=logs[name])
+        refused[name] = start(homes[name], "--swarm", "swarm.json", log=logs[name])
+    for name, proc in refused.items():
         try:
             proc.communicate(timeout=120)
         finally:
             proc.kill()
         err = logs[name].read_text()
-        assert proc.returncode == 2 and needle in err, err[-3000:]
+        assert proc.returncode == 2 and needles[name] in err, err[-3000:]
         assert "Traceback" not in err and not (homes[name] / "data" / "checkpoints").exists()
     ra, rb = finish(pa, logs["a"]), finish(pb, logs["b"])
     assert ra["step"] == rb["step"] == 12 and ra["rounds"] == rb["rounds"] == 2

@@ -209,7 +209,7 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
 def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
     dirs = [tmp_path / n for n in "abc"]
     logs = [tmp_path / f"{n}.log" for n in "abc"]
-    create(dirs[0], "--model", "gpt-tiny", "--steps", "300", "--H", "10", "--eval-every", "0")
+    create(dirs[0], "--model", "gpt-tiny", "--steps", "600", "--H", "10", "--eval-every", "0")
     pa = start("--data-dir", str(dirs[0]), "--wait-peers", "2", log=logs[0])
     info = wait_daemon(dirs[0], pa, logs[0])
     pb = start("--data-dir", str(dirs[1]), "--join", info["addrs"][0], "--wait-peers", "2", log=logs[1])
@@ -219,7 +219,7 @@ def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
         time.sleep(0.1)
     pc = start("--data-dir", str(dirs[2]), "--join", info["addrs"][0], log=logs[2])
     results = [finish(p, log) for p, log in zip((pa, pb, pc), logs, strict=True)]
-    assert all(r["step"] == 300 for r in results)
+    assert all(r["step"] == 600 for r in results)
     text = logs[2].read_text()
     # Donors are the peers training now that the joiner already sees as admitted members: one or
     # both, depending on whether the second's record (with its proof of work) reached the joiner
