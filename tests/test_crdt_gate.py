@@ -4,8 +4,9 @@ Identities are free, so a stranger could sign progress and metrics records — o
 records that fail the swarm's admission rule — with as many as it likes, and every member would
 store them and spread them by anti-entropy. With a `keep` rule, `SwarmView` gates its replica:
 such records are refused, counted, and never forwarded; a real joiner whose progress arrives
-before its membership record still ends with its progress stored everywhere, because
-anti-entropy (digest-based) offers a refused entry again at every exchange.
+before its membership record still ends with its progress stored everywhere: the refused entry
+is parked and merged again once its owner's membership record is taken, and anti-entropy
+(digest-based) offers it again at every exchange in any case.
 
 Real py-libp2p hosts on loopback, plus one property test of the merge rule without a network.
 """
@@ -209,6 +210,9 @@ def test_refused_entries_are_taken_when_offered_again_in_any_delivery_order(orde
             replica.merge_entries(name, entries, "gossip", None)
         for name in (MEMBERSHIP, PROGRESS):
             assert {e.owner for e in replica.crdt(name).entries()} <= members
+    # A member's record refused before its membership arrived was parked and taken with it: the
+    # replica holds the all-at-once state before anything is offered again.
+    assert replica.fingerprint() == reference.fingerprint()
     for name in (MEMBERSHIP, PROGRESS):  # the next anti-entropy exchange: everything offered again
         replica.merge_entries(name, [e for n, e in HISTORY if n == name], "anti-entropy", None)
 

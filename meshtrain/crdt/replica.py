@@ -52,8 +52,13 @@ Design.
   entry owner's membership record, the swarm owner's config) and anti-entropy is digest-based: an entry we
   refused stays in our partner's digest and not in ours, so every exchange with a peer that holds
   it (its owner always does) offers it again, and once the state the gate reads has arrived it is
-  taken. Within one message or reply, batches are merged in the order of the replica's specs, so
-  list the CRDTs the gate reads first (`swarm_specs` does). Cost: while peers disagree about the
+  taken. That can be one anti-entropy period late, which a swarm taking a round per step (dp)
+  feels: a joiner's progress that arrived a moment before its membership record would keep it
+  out of rounds until the next exchange. So the latest entry of each owner and CRDT refused for
+  one of `park_reasons` (set with the gate: a missing membership record) is parked (at most `MAX_PARKED` in all, the oldest evicted; an entry parked twice replaces itself,
+  so a stranger cannot grow it) and merged again, through the gate, whenever some other entry
+  was accepted. Within one message or reply, batches are merged in the order of the replica's
+  specs, so list the CRDTs the gate reads first (`swarm_specs` does). Cost: while peers disagree about the
   gate's inputs their fingerprints differ, and anti-entropy sends digests instead of one
   fingerprint; a refused entry also travels again on each such exchange (bounded by the RPC
   limits, as before).
@@ -124,6 +129,7 @@ RPC_PULL = "crdt/pull"
 MAX_GOSSIP_PAYLOAD = 56 << 10  # per gossip message: one yamux frame (64 KiB) with the envelope
 MAX_RPC_ENTRIES_BYTES = 512 << 10  # entries per anti-entropy request or reply (RPC cap: 1 MiB)
 MAX_ENTRY_BYTES = 48 << 10  # one entry, encoded; fits a gossip message with room to spare
+MAX_PARKED = 256  # refused entries kept for another try once the gate's inputs change (see Gate)
 _YAMUX_FRAME_PAYLOAD = (64 << 10) - 12 - 2048  # minus yamux header and pubsub envelope
 MAX_RPC_REQUEST = 1 << 20
 FINGERPRINT_BYTES = 16
@@ -348,6 +354,10 @@ class Replica(Service):
         self.recovered = trio.Event()
         self.stats = ReplicaStats()
         self.gate: Callable[[str, SignedEntry], str | None] | None = None
+        self.park_reasons: frozenset[str] = frozenset()  # the gate's refusals worth another try
+        # (crdt, owner) -> (entry, source, peer): the gate's latest refusals, tried again later
+        self._parked: dict[tuple[str, str], tuple[SignedEntry, Source, str | None]] = {}
+        self._retrying = False
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -493,6 +503,8 @@ class Replica(Service):
                 reason = self._gate_reason(gate, name, entry)
                 if reason is not None:
                     refused.append(Rejection(entry, reason))
+                    if reason in self.park_reasons:
+                        self._park(name, entry, source, peer)
                     continue
             candidates.append(entry)
         outcome = crdt.apply(candidates)
@@ -520,7 +532,31 @@ class Replica(Service):
                 self.stats.entries_regossiped += len(outcome.accepted)
                 self._queue_gossip(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, source, peer, own_superseded))
+            self._retry_parked()
         return MergeOutcome(outcome.accepted, tuple(rejected))
+
+    def _park(self, name: str, entry: SignedEntry, source: Source, peer: str | None) -> None:
+        key = (name, entry.owner)
+        held = self._parked.pop(key, None)
+        if held is not None and held[0].order_key > entry.order_key:
+            entry, source, peer = held  # keep the newer one
+        self._parked[key] = (entry, source, peer)
+        while len(self._parked) > MAX_PARKED:
+            del self._parked[next(iter(self._parked))]
+
+    def _retry_parked(self) -> None:
+        """Merge the parked refusals again (the entries just accepted may be what the gate was
+        waiting for: a joiner's membership record). Each goes back through the gate, and one that
+        is still refused is parked again; nothing recurses past one level per acceptance."""
+        if not self._parked or self._retrying:
+            return
+        self._retrying = True
+        try:
+            parked, self._parked = self._parked, {}
+            for (name, _), (entry, source, peer) in parked.items():
+                self.merge_entries(name, [entry], source, peer)
+        finally:
+            self._retrying = False
 
     def _gate_reason(self, gate: Callable[[str, SignedEntry], str | None], name: str, entry: SignedEntry) -> str | None:
         try:

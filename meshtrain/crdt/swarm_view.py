@@ -389,6 +389,7 @@ class SwarmView(Service):
         replica.on_change(self._on_change)
         if keep is not None:
             replica.gate = self._gate
+            replica.park_reasons = frozenset({REFUSED_NOT_A_MEMBER})  # tried again once membership arrives
 
     @property
     def swarm_id(self) -> str:
