@@ -256,6 +256,15 @@ class ReplicaStats:
     refusals_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def _tally(by_reason: dict[str, int], reasons: Iterable[str]) -> None:
+    """Count `reasons` (each cut to 80 characters) in `by_reason`, at most 64 distinct ones: a
+    hostile peer cannot grow the table."""
+    for reason in reasons:
+        reason = reason[:80]
+        if reason in by_reason or len(by_reason) < 64:
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+
+
 class _RateLimitedLog:
     """One warning per key per `_LOG_EVERY` seconds, so a hostile peer cannot flood our logs."""
 
@@ -567,11 +576,7 @@ class Replica(Service):
 
     def _count_refusals(self, name: str, refused: list[Rejection], source: Source, peer: str | None) -> None:
         self.stats.entries_refused += len(refused)
-        by_reason = self.stats.refusals_by_reason
-        for r in refused:
-            reason = r.reason[:80]
-            if reason in by_reason or len(by_reason) < 64:
-                by_reason[reason] = by_reason.get(reason, 0) + 1
+        _tally(self.stats.refusals_by_reason, (r.reason for r in refused))
         first = refused[0]
         log.debug(
             kv(
@@ -587,11 +592,7 @@ class Replica(Service):
 
     def _count_rejections(self, name: str, rejected: list[Rejection], source: Source, peer: str | None) -> None:
         self.stats.entries_rejected += len(rejected)
-        by_reason = self.stats.rejections_by_reason
-        for r in rejected:
-            reason = r.reason.split(":")[0][:80]
-            if reason in by_reason or len(by_reason) < 64:
-                by_reason[reason] = by_reason.get(reason, 0) + 1
+        _tally(self.stats.rejections_by_reason, (r.reason.split(":")[0] for r in rejected))
         first = rejected[0]
         self._warn.warning(
             f"reject:{peer}",
