@@ -45,7 +45,7 @@ class _Swarm:
         self.dirs = [out / "nodes" / f"node{i}" for i in range(n)]
         self.logs: list[Path] = []
         self.urls: list[str | None] = [None] * n
-        self.stage_map: list[list[str]] | None = None  # a pipeline swarm's, as last seen
+        self.stage_map: list[list[str]] | None = None  # a running epoch's placement, as last seen
 
     def start(self, i: int, extra: list[str]) -> None:
         log = self.out / f"node{i}.log"
@@ -109,7 +109,7 @@ class _Swarm:
                 out.append(fetch_status(url, timeout=2))
             except MeshtrainError:
                 out.append(None)
-        self.stage_map = _stage_map(out) or self.stage_map
+        self.stage_map = _stage_map(out, in_epoch=True) or self.stage_map
         return out
 
     def running(self) -> bool:
@@ -152,11 +152,14 @@ def _stage_of(st: dict) -> str:
     return "" if stage is None else str(stage)
 
 
-def _stage_map(statuses: list[dict | None]) -> list[list[str]] | None:
-    """The stage map (short peer ids per stage) as the first live pipeline node sees it."""
+def _stage_map(statuses: list[dict | None], in_epoch: bool = False) -> list[list[str]] | None:
+    """The stage map (short peer ids per stage) as the first live pipeline node sees it; with
+    `in_epoch`, only a running epoch's placement (a node between epochs, or done while others
+    finish, shows what the members still announce: part of the swarm)."""
     for st in statuses:
-        if st is not None and st.get("pipeline") and any(st["pipeline"]["stage_map"]):
-            return [[p[-6:] for p in peers] for peers in st["pipeline"]["stage_map"]]
+        pipe = (st or {}).get("pipeline")
+        if pipe and any(pipe["stage_map"]) and (pipe["epoch"] is not None or not in_epoch):
+            return [[p[-6:] for p in peers] for peers in pipe["stage_map"]]
     return None
 
 
