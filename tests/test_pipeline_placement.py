@@ -3,6 +3,7 @@ functions, pinned by properties over any order of joins and leaves."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -83,6 +84,34 @@ def test_placement_is_the_same_whatever_order_peers_list_the_members(S: int, n: 
     shuffled = list(members)
     random.Random(seed).shuffle(shuffled)
     assert place(members, S) == place(shuffled, S)
+
+
+@settings(max_examples=200, deadline=None)
+@given(S=st.integers(2, 6), data=st.data())
+def test_fresh_peers_that_picked_stages_at_once_are_evened_out_and_trained_ones_stay(S: int, data) -> None:
+    n = data.draw(st.integers(S, 14))
+    picks = data.draw(st.lists(st.one_of(st.none(), st.integers(0, S - 1)), min_size=n, max_size=n))
+    trained = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    speeds = data.draw(st.lists(SPEEDS, min_size=n, max_size=n))
+    members = [Member(f"p{i:02d}", picks[i], speeds[i], fresh=not trained[i]) for i in range(n)]
+    placement = place(members, S)
+    check_floors(placement, S)
+    counts = [len(ps) for ps in stage_map(placement, S)]
+    if not any(trained):  # a swarm that has not trained: evened out (within one replica)
+        assert max(counts) - min(counts) <= 1, counts
+    # a trained peer that announced a stage moves only when a stage is below its floor
+    announced_counts = [sum(1 for m in members if m.stage == t) for t in range(S)]
+    if all(c >= w for c, w in zip(announced_counts, floors(n, S), strict=True)):
+        assert all(placement[m.peer_id] == m.stage for m in members if not m.fresh and m.stage is not None)
+    assert place(members, S) == place(list(reversed(members)), S)
+
+
+def test_six_fresh_peers_that_all_picked_at_once_end_two_per_stage() -> None:
+    # what the demo met: six daemons started together held 3/2/1 of three stages, kept by rule 1
+    members = [Member(f"p{i}", s, 0.1, fresh=True) for i, s in enumerate([0, 0, 0, 1, 1, 2])]
+    assert [len(x) for x in stage_map(place(members, 3), 3)] == [2, 2, 2]
+    trained = [dataclasses.replace(m, fresh=False) for m in members]
+    assert [len(x) for x in stage_map(place(trained, 3), 3)] == [3, 2, 1]  # trained peers stay
 
 
 def test_fast_peers_join_first_and_stage_zero_gets_two_origins() -> None:

@@ -9,7 +9,8 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`). `placement.place` gives every peer's
+   (`{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`; a peer at step 0 is fresh:
+   placement may move it to even the stages out). `placement.place` gives every peer's
    stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
    starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
@@ -219,7 +220,7 @@ class PipelinePeer:
             if p.peer_id not in live:
                 continue
             caps = self._caps if p.peer_id == self.me else announced(p.capabilities, self.spec.stages)
-            out[p.peer_id] = Member(p.peer_id, caps.get("stage"), caps.get("fwd"))
+            out[p.peer_id] = Member(p.peer_id, caps.get("stage"), caps.get("fwd"), fresh=caps.get("step", 0) == 0)
         return out
 
     def announced_stage(self, peer: PeerInfo) -> int | None:

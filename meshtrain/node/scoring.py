@@ -40,7 +40,8 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
 
 Costs. Per round and owner: 3 forward passes (no gradients) of one batch per sampled peer, not
 per group member, in a worker thread beside training; a copy of the model, made once, and of φ
-per scored round (on the trio thread, a memory copy: up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's
+per scored round (on the trio thread, a memory copy, one for both checks when spot-checks run too:
+up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's
 contributions until the round commits. With the default 2 samples that is 6 forwards against H
 training steps (forward + backward, ~3 forwards each) per round: at most ~4 % of a round's compute
 at H = 50; measured in scripts/bench_adversarial.py (gpt-tiny, one thread, 5 samples): 15 ms
@@ -172,6 +173,22 @@ def score_round(
         return scores
 
 
+class PhiSnapshot:
+    """φ as a round started, copied at most once however many checks of the round ask (a
+    model-sized memory copy on the trio thread). The trainer applies the round's result only
+    after the collective returned (optim/outer.py), so a screening listener still sees the φ the
+    round started from. The copy is only read afterwards, by each check's worker thread."""
+
+    def __init__(self, outer_params: dict[str, torch.Tensor]) -> None:
+        self._params = outer_params
+        self._copy: dict[str, torch.Tensor] | None = None
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        if self._copy is None:
+            self._copy = {n: t.detach().clone() for n, t in self._params.items()}
+        return self._copy
+
+
 class LossScorer:
     """Scores the sampled contributions of every screened round this peer owned a part of, and
     files what breaks the rule as loss strikes in `book` (module docstring).
@@ -189,8 +206,9 @@ class LossScorer:
         self.scored = 0  # rounds scored (status)
         self.skipped = 0  # rounds skipped because scoring was behind
 
-    def on_round(self, screening: RoundScreening) -> None:
-        """A screening listener (trio thread, must not block): snapshot φ and queue the round."""
+    def on_round(self, screening: RoundScreening, phi: PhiSnapshot | None = None) -> None:
+        """A screening listener (trio thread, must not block): snapshot φ and queue the round.
+        `phi`: a snapshot shared with the round's other checks (node/verification.py), else ours."""
         outer = self.trainer.outer
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if not screening.samples or screening.aggregate is None or match is None or outer.needs_resync:
@@ -206,10 +224,8 @@ class LossScorer:
         names = list(outer.fragments[fragment])
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order (a sparse payload): nothing to score
-        # φ as the round started: the trainer applies the round only after the collective returned.
-        phi = {n: t.detach().clone() for n, t in outer.outer_params.items()}
         try:
-            self._send.send_nowait((screening, names, phi))
+            self._send.send_nowait((screening, names, (phi or PhiSnapshot(outer.outer_params))()))
         except trio.WouldBlock:
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))

@@ -112,7 +112,7 @@ import trio
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32
 from meshtrain.log import get_logger, kv
-from meshtrain.node.scoring import FRAGMENT_TAG, QUEUE
+from meshtrain.node.scoring import FRAGMENT_TAG, QUEUE, PhiSnapshot
 from meshtrain.node.strikes import SpotCheck, StrikeBook
 
 if TYPE_CHECKING:
@@ -218,8 +218,9 @@ class SpotChecker:
         self.skipped = 0  # rounds skipped because checks were behind
         self.seconds = 0.0  # worker time spent recomputing (the benchmark's cost)
 
-    def on_round(self, screening: RoundScreening) -> None:
-        """A screening listener (trio thread, must not block): snapshot φ and queue the round."""
+    def on_round(self, screening: RoundScreening, phi: PhiSnapshot | None = None) -> None:
+        """A screening listener (trio thread, must not block): snapshot φ and queue the round.
+        `phi`: a snapshot shared with the round's other checks (node/verification.py), else ours."""
         outer, spec = self.trainer.outer, self.spec
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if (
@@ -238,8 +239,8 @@ class SpotChecker:
             return
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order: nothing to compare
-        phi = {n: t.detach().clone() for n, t in outer.outer_params.items()}
-        queued = _Queued(dataclasses.replace(screening, samples=samples), names, phi)
+        phi_now = (phi or PhiSnapshot(outer.outer_params))()
+        queued = _Queued(dataclasses.replace(screening, samples=samples), names, phi_now)
         try:
             self._send.send_nowait(queued)
         except trio.WouldBlock:

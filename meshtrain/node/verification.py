@@ -2,8 +2,9 @@
 replay spot-checks (node/spot_check.py), each on when the spec asks for it.
 
 Both listen to the collective's screened rounds after the strike book (which logs the round's
-group and digest first), run their compute in worker threads of one nursery, and file their
-verdicts in the same `StrikeBook`. The daemon builds one `Verification` for a trainer it runs
+group and digest first), through one listener that copies φ at most once per round for both
+(`PhiSnapshot`: a model-sized copy), run their compute in worker threads of one nursery, and file
+their verdicts in the same `StrikeBook`. The daemon builds one `Verification` for a trainer it runs
 itself (not a user's loop, not a peer with local ranks) in a swarm that screens.
 
 Not here: what each check measures and why (their modules), how strikes count (node/strikes.py).
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import trio
 
 from meshtrain.collective.contract import RoundScreening
-from meshtrain.node.scoring import LossScorer
+from meshtrain.node.scoring import LossScorer, PhiSnapshot
 from meshtrain.node.spot_check import SpotChecker
 from meshtrain.node.strikes import StrikeBook
 from meshtrain.node.trainer import Trainer
@@ -28,11 +29,18 @@ class Verification:
 
     def __init__(self, trainer: Trainer, book: StrikeBook, listeners: list[Callable[[RoundScreening], None]]) -> None:
         spec = trainer.spec
+        self.trainer = trainer
         self.scorer = LossScorer(trainer, book) if spec.score_samples else None
         self.spot_checker = SpotChecker(trainer, book) if spec.spot_check_steps else None
+        if self.scorer is not None or self.spot_checker is not None:
+            listeners.append(self.on_round)
+
+    def on_round(self, screening: RoundScreening) -> None:
+        """The screening listener: each check takes the round (or not), sharing one copy of φ."""
+        phi = PhiSnapshot(self.trainer.outer.outer_params)
         for check in (self.scorer, self.spot_checker):
             if check is not None:
-                listeners.append(check.on_round)
+                check.on_round(screening, phi)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -23,6 +23,14 @@ the same membership compute the same placement without talking. Three rules, in 
    moves to it. With at least S peers every stage then has a replica: the floors sum to at most
    the number of peers, so a stage below its floor implies one above its own, and each move
    closes one unit of deficit.
+4. *Even out fresh peers.* While a stage holds at least two replicas more than another and one
+   of them is *fresh* (it announces step 0: it has trained nothing, so moving it costs nothing),
+   its fastest fresh peer (then the lowest id) moves to the stage with the fewest replicas (ties:
+   the least compute, then the lowest index); the most replicated such stage first (ties: the
+   highest index). Peers that start together each place themselves before hearing of the
+   others, and rule 1 would keep what they picked (six daemons started at once held 3/2/1 of
+   three stages); this evens them out before anyone trained. A peer that has trained moves only
+   by rule 3. Each move lowers Σ replicas², so the rule ends.
 
 The assignment a peer computes for itself is announced in its membership record and shown on the
 status page (node/pipeline_peer.py); the next computation takes it as that peer's stage (rule 1),
@@ -58,11 +66,13 @@ class Member:
 
     peer_id: its id. stage: the stage it announces, or None (new, or announced none).
     forward_s: its measured forward seconds for one microbatch (lower is faster), or None.
+    fresh: it has trained nothing (announces step 0), so rule 4 may move it for free.
     """
 
     peer_id: str
     stage: int | None = None
     forward_s: float | None = None
+    fresh: bool = False
 
 
 def floors(n_peers: int, num_stages: int, origins: int = DEFAULT_ORIGINS) -> list[int]:
@@ -101,19 +111,29 @@ def place(members: Iterable[Member], num_stages: int, *, origins: int = DEFAULT_
         placement[m.peer_id] = s
         count[s] += 1
         capacity[s] += _rate(m)
-    while True:  # 3. refill
-        short = [t for t in range(S) if count[t] < floor[t]]
-        spare = [t for t in range(S) if count[t] > floor[t]]
-        if not short or not spare:
-            return placement
-        to = short[0]
-        frm = max(spare, key=lambda t: (count[t], t))
-        mover = min((by_id[p] for p, s in placement.items() if s == frm), key=_fastest_first)
+
+    def move(mover: Member, frm: int, to: int) -> None:
         placement[mover.peer_id] = to
         count[frm] -= 1
         count[to] += 1
         capacity[frm] -= _rate(mover)
         capacity[to] += _rate(mover)
+
+    while True:  # 3. refill
+        short = [t for t in range(S) if count[t] < floor[t]]
+        spare = [t for t in range(S) if count[t] > floor[t]]
+        if not short or not spare:
+            break
+        frm = max(spare, key=lambda t: (count[t], t))
+        move(min((by_id[p] for p, s in placement.items() if s == frm), key=_fastest_first), frm, short[0])
+    while True:  # 4. even out fresh peers
+        to = min(range(S), key=lambda t: (count[t], capacity[t], t))
+        fresh = {t: [by_id[p] for p, s in placement.items() if s == t and by_id[p].fresh] for t in range(S)}
+        over = [t for t in range(S) if fresh[t] and count[t] >= count[to] + 2 and count[t] > floor[t]]
+        if not over:
+            return placement
+        frm = max(over, key=lambda t: (count[t], t))
+        move(min(fresh[frm], key=_fastest_first), frm, to)
 
 
 def stage_map(placement: Mapping[str, int], num_stages: int) -> list[list[str]]:
