@@ -39,6 +39,9 @@ def tiny(tmp_path: Path, model_type: str = "llama", **overrides: object) -> str:
 
     config = AutoConfig.for_model(
         model_type,
+        pad_token_id=0,  # some families' defaults point past a 64-token vocabulary
+        bos_token_id=1,
+        eos_token_id=2,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=4,
@@ -99,6 +102,18 @@ def staged_run(value: str, n_stages: int, data) -> tuple[list[float], dict[str, 
         ("llama", 3, {"tie_word_embeddings": True}),
         ("qwen2", 3, {}),
         ("mistral", 2, {"sliding_window": 4}),  # a window shorter than the sequence: masks must match
+        # the rest of the family: q/k norms (qwen3, olmo2), a scaled embedding and (1 + w) norms
+        # (gemma), fused qkv and partial rotary (phi3, glm, stablelm), layers without rope
+        # (smollm3), parameter-free and biased LayerNorms (olmo, starcoder2)
+        ("qwen3", 3, {}),
+        ("gemma", 3, {}),
+        ("phi3", 3, {}),
+        ("glm", 2, {}),
+        ("smollm3", 3, {}),
+        ("olmo", 2, {}),
+        ("olmo2", 3, {}),
+        ("starcoder2", 3, {"sliding_window": 4}),
+        ("stablelm", 2, {}),
     ],
 )
 def test_stages_in_sequence_equal_the_whole_hf_model_loss_and_gradients(tmp_path, model_type, n_stages, overrides):
@@ -168,7 +183,7 @@ def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_
     assert "gpt2" in err and all(t in err for t in PIPELINE_HF_TYPES) and "gpt-tiny" in err, err
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(ConfigError, match="llama, mistral, qwen2"):
+    with pytest.raises(ConfigError, match="llama, mistral, qwen2, qwen3"):
         pipeline_layers(f"hf-config:{config}")
     with pytest.raises(ConfigError, match="LLaMA-family"):
         SwarmSpec(model="py:mymod:make", pipeline="skippipe", stages=2).check()
