@@ -206,6 +206,23 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_while_the_node_starts_says_so_in_one_line_and_exits_130(tmp_path):
+    d = tmp_path / "a"
+    create(d, "--model", "gpt-tiny", "--steps", "0")
+    log = tmp_path / "a.log"
+    p = start("--data-dir", str(d), log=log)
+    assert p.stdout is not None
+    first = p.stdout.readline()  # its signal handlers are set; its host is not up yet
+    assert "state: starting" in first, (first, log.read_text()[-3000:])
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    text = log.read_text()
+    assert p.returncode == 130 and "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1] == "meshtrain: stopped while starting; nothing was trained", text[-3000:]
+    assert CheckpointStore(d / "checkpoints").load_latest() is None  # nothing trained, nothing saved
+
+
+@pytest.mark.slow
 def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
     dirs = [tmp_path / n for n in "abc"]
     logs = [tmp_path / f"{n}.log" for n in "abc"]

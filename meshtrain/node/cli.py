@@ -621,7 +621,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        return 2 if isinstance(err, ConfigError) else _exit_code(err)
+
+
+def _exit_code(err: MeshtrainError) -> int:
+    """1 for an error; 130, as for any interrupt, for a node stopped before it trained."""
+    from meshtrain.node.run_state import StoppedWhileStarting
+
+    return 130 if isinstance(err, StoppedWhileStarting) else 1
 
 
 def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
@@ -663,7 +670,7 @@ def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
         return 2
     except MeshtrainError as e:
         print(f"meshtrain: {e}", file=sys.stderr)
-        return 1
+        return _exit_code(e)
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)
         return 130

@@ -84,7 +84,7 @@ from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.pipeline_export import PipelineExporter
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
+from meshtrain.node.run_state import NodeError, Phase, RunState, StoppedWhileStarting, StopRequest
 from meshtrain.node.scoring import LossScorer
 from meshtrain.node.spot_check import SpotChecker
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
@@ -719,7 +719,9 @@ class Node:
                 told = True
             await self._stop.sleep(ADMISSION_POLL)
         if self._stop.is_set():
-            raise NodeError("stopped before the swarm admitted this node")
+            raise StoppedWhileStarting(
+                "stopped before the swarm admitted this node" if told else "stopped while starting; nothing was trained"
+            )
         self.startup_waiting = None
 
     async def _resync(self, run_state: RunState, presence: PeerPresence) -> None:

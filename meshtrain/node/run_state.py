@@ -84,6 +84,11 @@ class NodeError(MeshtrainError):
     """The node cannot start or continue (no spec, swarm unreachable, state download failed)."""
 
 
+class StoppedWhileStarting(NodeError):
+    """Stopped (Ctrl-C, SIGTERM, `node stop`) before the node trained: nothing to save. The CLI
+    exits 130, as for any interrupt."""
+
+
 class Phase:
     """The node's state — starting, syncing, training, stopping — and its last `STATE_LOG`
     values, with how many changes there were (`meshtrain.node.console` prints each)."""
