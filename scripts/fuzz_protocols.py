@@ -97,8 +97,9 @@ if str(ROOT) not in sys.path:
 import meshtrain  # noqa: E402
 from meshtrain.collective.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC  # noqa: E402
 from meshtrain.collective.contract import CollectiveError  # noqa: E402
+from meshtrain.crdt.anti_entropy import RPC_DIGEST, RPC_PULL  # noqa: E402
 from meshtrain.crdt.entries import EntryScope, SignedEntry, encode_entries, sign_entry  # noqa: E402
-from meshtrain.crdt.replica import GOSSIP_VERSION, RPC_DIGEST, RPC_PULL, gossip_topic  # noqa: E402
+from meshtrain.crdt.gossip import GOSSIP_VERSION, gossip_topic  # noqa: E402
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, METRICS, PROGRESS, open_swarm_view  # noqa: E402
 from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms  # noqa: E402
 from meshtrain.dht.discovery import peers_key  # noqa: E402

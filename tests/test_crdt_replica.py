@@ -34,7 +34,8 @@ from meshtrain.crdt import (
     swarm_specs,
 )
 from meshtrain.crdt.entries import encode_entries
-from meshtrain.crdt.replica import EntryTooLarge, decode_gossip, encode_gossip, split_batches
+from meshtrain.crdt.gossip import decode_gossip, encode_gossip, split_batches
+from meshtrain.crdt.replica import EntryTooLarge
 from meshtrain.crdt.swarm_view import heartbeat_interval_for
 from meshtrain.crdt.types import now_ms
 from meshtrain.transport.framing import packb

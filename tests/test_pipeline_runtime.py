@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from meshtrain.collective.compression import CodecError
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.pipeline.hop import HOP_RPC
 from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
 from meshtrain.pipeline.omission import block_order_for, omission_report
 from meshtrain.pipeline.runtime import (
-    HOP_RPC,
     HopRejected,
     PipelineError,
     PipelineRun,

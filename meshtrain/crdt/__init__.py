@@ -1,8 +1,8 @@
 """crdt layer of meshtrain (see shared/ARCHITECTURE.md).
 
 Pure signed CRDT types (`types`, built on `base` and `entries`), the `Replica` that keeps a
-swarm's CRDTs in sync over gossipsub and anti-entropy RPCs, and the `SwarmView` that reads the
-swarm's membership, progress, metrics and config out of them.
+swarm's CRDTs in sync over gossipsub (`gossip`) and anti-entropy RPCs (`anti_entropy`), and the
+`SwarmView` that reads the swarm's membership, progress, metrics and config out of them.
 """
 
 from meshtrain.crdt.base import SignedCrdt
@@ -16,6 +16,7 @@ from meshtrain.crdt.entries import (
     SignatureCache,
     SignedEntry,
 )
+from meshtrain.crdt.gossip import gossip_topic
 from meshtrain.crdt.replica import (
     ChangeEvent,
     CrdtSpec,
@@ -23,7 +24,6 @@ from meshtrain.crdt.replica import (
     Replica,
     ReplicaConfig,
     ReplicaStats,
-    gossip_topic,
 )
 from meshtrain.crdt.strikes import Strike
 from meshtrain.crdt.swarm_view import (

@@ -6,40 +6,23 @@ messages (it was partitioned, restarted, or a gossip message was dropped) must c
 leader. Peers are untrusted: anything that arrives may be forged, tampered, oversized or garbage.
 
 Design.
-- **Push (fast path): gossipsub**, one topic per swarm (`/meshtrain/<swarm>/crdt/1`). A local
-  write signs the owner's next entry (the entry *is* the delta); entries written within
-  `publish_delay` are coalesced (per CRDT only the owner's latest entry matters) and published
-  as `[GOSSIP_VERSION, namespace, [[crdt name, entry batch], ...]]` (each batch is
-  `encode_entries` output) in messages of at most `max_gossip_payload` = 56 KiB. Why so small:
-  py-libp2p drops pubsub RPCs above 1 MiB silently, and it splits a write above 64 KiB into
-  several yamux frames that its pubsub — several tasks write one stream without a lock — can
-  interleave with another message, corrupting the stream. Big deltas are split.
-- **Merging happens in the topic validator.** py-libp2p calls a sync topic validator before it
-  marks a message seen and forwards it; ours decodes the message within size limits, merges it
-  (signature, owner, allow-list and body rules are the types' checks plus the spec's `check`)
-  and answers whether to relay it: a message with any rejected entry is not relayed, so honest
-  peers never amplify a hostile publisher (gossipsub's own signature check already binds each
-  message to its publisher). Entries accepted from gossip are *not* re-published: gossipsub
-  floods the original message through the mesh, and re-publishing would multiply every message
-  by the swarm size.
-- **Pull (repair path): anti-entropy** every `anti_entropy_interval` (±`anti_entropy_jitter`)
-  with one random *currently connected* peer, and at once with every newly connected peer (a
-  reconnection is when two peers most likely differ: a healed partition, a restart). The replica
-  never dials: it checks the connection before each RPC, because py-libp2p's `new_stream`
-  silently re-dials a peer from its address book, so a partition stays a partition until the
-  transport reconnects. Two RPCs: `crdt/digest` sends a 16-byte fingerprint per CRDT and gets
-  back the full digest (owner -> (seq, signature prefix)) of only the CRDTs that differ — one
-  small RPC when in sync; `crdt/pull` then pushes what the peer lacks and pulls what we lack
-  (`delta_since`) in batches of at most `max_rpc_entries_bytes` (512 KiB; RPC frames are capped
-  at 1 MiB), repeating while the peer says `more`. Entries accepted through anti-entropy *are*
-  re-gossiped: nobody flooded them on this side of a healed partition, and the first peer to
-  pull them spreads them to its whole side in one gossip round instead of many exchanges.
+- **Push (fast path): gossipsub** (`gossip.py`, mixed in as `GossipPush`: the topic, the
+  message format, its size limits and why they are so small): a local write's entry is queued,
+  coalesced for `publish_delay` and published to the swarm's topic in messages of at most
+  `max_gossip_payload`. **Merging happens in the topic validator** (`gossip.py`): a message
+  with any rejected entry is not relayed, and entries accepted from gossip are *not*
+  re-published.
+- **Pull (repair path): anti-entropy** (`anti_entropy.py`, mixed in as `AntiEntropy`) every
+  `anti_entropy_interval` with one random connected peer, and at once with every newly connected
+  peer: fingerprints first, then push and pull what differs. Entries accepted through
+  anti-entropy *are* re-gossiped.
 - **Hostile input** is decoded only within size limits and raises only `CrdtError`s; rejected
   entries and undecodable messages are counted in `stats` and logged (rate-limited); nothing a
   peer sends can raise out of a validator or an RPC handler. An entry whose encoding exceeds
   `MAX_ENTRY_BYTES` is refused everywhere (the same deterministic rule on every replica, so they
   still converge), which bounds every message this module produces. py-libp2p's own pubsub
-  stream handler is wrapped: unwrapped, one malformed frame from any peer kills the host.
+  stream handler is wrapped (`gossip.py`): unwrapped, one malformed frame from any peer kills
+  the host.
 - **Gate: whose records we keep at all.** Signatures bind an entry to its owner, but an identity
   costs nothing: a stranger can mint thousands and sign a record with each. The type and spec
   rules cannot see that (they are pure functions of one entry), so the replica takes a `gate`
@@ -62,11 +45,9 @@ Design.
   gate's inputs their fingerprints differ, and anti-entropy sends digests instead of one
   fingerprint; a refused entry also travels again on each such exchange (bounded by the RPC
   limits, as before).
-- **Restarts.** A peer that restarts with the same identity but no state would restart its seqs
-  at 1 and lose to its own older entries (`base.py`). `recover()` pulls the swarm's state from
-  up to `recover_peers` connected peers before the caller writes; if an entry of ours arrives
-  later anyway (we started alone and met the swarm afterwards), the `ChangeEvent` carries
-  `own_superseded=True` so the writer can write again on top (`SwarmView` does).
+- **Restarts** (`anti_entropy.py`): `recover()` pulls the swarm's state, our own earlier entries
+  included, before the caller writes; an entry of ours that arrives later anyway makes the
+  `ChangeEvent` carry `own_superseded=True`.
 - **Subscriptions**: `on_change(callback)` (called inline, must not block) and `subscribe()` (a
   bounded trio channel of `ChangeEvent`s; a full channel drops events and counts them — the
   state itself is always readable, so a slow consumer re-reads it rather than blocking merges).
@@ -78,84 +59,65 @@ and stops gossipsub.
 
 Not here: the CRDT types and merge rules (`types.py`, `base.py`), what the swarm's state means
 (`swarm_view.py`), dialling and peer discovery (transport, dht). One replica per host: gossipsub
-registers host-wide protocol handlers, and so do the `crdt/*` RPCs.
+registers host-wide protocol handlers, and so do the `crdt/*` RPCs. The push path and its wire
+format are in `gossip.py`, the pull path and its RPCs in `anti_entropy.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import random
-import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AsyncExitStack, suppress
+from collections.abc import Callable, Iterable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import trio
-from libp2p.peer.id import ID
-from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
-from libp2p.tools.anyio_service import background_trio_service
 
+from meshtrain.crdt.anti_entropy import (
+    MAX_RPC_ENTRIES_BYTES,
+    MAX_RPC_REQUEST,
+    RPC_DIGEST,
+    RPC_PULL,
+    AntiEntropy,
+)
 from meshtrain.crdt.base import SignedCrdt
 from meshtrain.crdt.entries import (
-    SIGNATURE_BYTES,
     CrdtError,
     Digest,
-    MalformedCrdtData,
     MergeOutcome,
     Rejection,
     SignatureCache,
     SignedEntry,
-    digest_from_wire,
     digest_to_wire,
-    unpack_envelope,
+)
+from meshtrain.crdt.gossip import (
+    MAX_GOSSIP_PAYLOAD,
+    YAMUX_FRAME_PAYLOAD,
+    GossipPush,
+    RateLimitedLog,
+    entry_wire_size,
+    gossip_topic,
+    start_gossipsub,
 )
 from meshtrain.crdt.types import CRDT_TYPES
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import packb, packb_canonical
+from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
-from meshtrain.transport.validate import MALFORMED, UNAVAILABLE, WRONG_SWARM, require_map
 
 log = get_logger(__name__)
 
-GOSSIP_VERSION = 1
-RPC_DIGEST = "crdt/digest"
-RPC_PULL = "crdt/pull"
-
-MAX_GOSSIP_PAYLOAD = 56 << 10  # per gossip message: one yamux frame (64 KiB) with the envelope
-MAX_RPC_ENTRIES_BYTES = 512 << 10  # entries per anti-entropy request or reply (RPC cap: 1 MiB)
 MAX_ENTRY_BYTES = 48 << 10  # one entry, encoded; fits a gossip message with room to spare
 MAX_PARKED = 256  # refused entries kept for another try once the gate's inputs change (see Gate)
-_YAMUX_FRAME_PAYLOAD = (64 << 10) - 12 - 2048  # minus yamux header and pubsub envelope
-MAX_RPC_REQUEST = 1 << 20
 FINGERPRINT_BYTES = 16
-_ENTRY_OVERHEAD = SIGNATURE_BYTES + 32  # msgpack framing of [owner, seq, body, signature], roughly
-_SPLIT_MARGIN = 1024  # slack under every size limit for framing the estimates leave out
 
 DEFAULT_ANTI_ENTROPY_INTERVAL = 1.5
 DEFAULT_ANTI_ENTROPY_JITTER = 0.3  # fraction of the interval, so peers do not tick in lockstep
 DEFAULT_RPC_TIMEOUT = 5.0
 DEFAULT_PUBLISH_DELAY = 0.01  # writes within 10 ms share one gossip message
-DEFAULT_RECOVER_TIMEOUT = 5.0
-DEFAULT_FLUSH_TIMEOUT = 2.0
-_RETRY_AFTER = 10.0  # seconds before retrying a peer that would not speak gossipsub or crdt RPCs
-_PUBSUB_GRACE = 3.0  # seconds py-libp2p gets to open a gossip stream to a new peer by itself
-_LOG_EVERY = 10.0  # seconds between repeated warnings about the same peer
 
 Source = Literal["local", "gossip", "anti-entropy"]
-
-
-def gossip_topic(namespace: str) -> str:
-    """The gossipsub topic that carries a swarm's CRDT deltas."""
-    return f"/meshtrain/{namespace}/crdt/1"
-
-
-class _NotConnected(RpcError):
-    """The chosen anti-entropy partner is no longer connected (we do not dial)."""
 
 
 class EntryTooLarge(CrdtError):
@@ -204,9 +166,9 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if self.anti_entropy_interval <= 0 or not 0 <= self.anti_entropy_jitter < 1:
             raise CrdtError("anti_entropy_interval must be > 0 and anti_entropy_jitter in [0, 1)")
-        if not MAX_ENTRY_BYTES + 1024 <= self.max_gossip_payload <= _YAMUX_FRAME_PAYLOAD:
+        if not MAX_ENTRY_BYTES + 1024 <= self.max_gossip_payload <= YAMUX_FRAME_PAYLOAD:
             raise CrdtError(
-                f"max_gossip_payload must be in {MAX_ENTRY_BYTES + 1024}..{_YAMUX_FRAME_PAYLOAD} "
+                f"max_gossip_payload must be in {MAX_ENTRY_BYTES + 1024}..{YAMUX_FRAME_PAYLOAD} "
                 "bytes (an entry must fit, and a message must fit one yamux frame)"
             )
         if not MAX_ENTRY_BYTES < self.max_rpc_entries_bytes <= 768 << 10:
@@ -265,38 +227,12 @@ def _tally(by_reason: dict[str, int], reasons: Iterable[str]) -> None:
             by_reason[reason] = by_reason.get(reason, 0) + 1
 
 
-class _RateLimitedLog:
-    """One warning per key per `_LOG_EVERY` seconds, so a hostile peer cannot flood our logs."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-
-    def warning(self, key: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -math.inf) < _LOG_EVERY:
-            return
-        if len(self._last) > 4096:
-            self._last.clear()
-        self._last[key] = now
-        log.warning(message)
-
-
-def entry_wire_size(entry: SignedEntry) -> int:
-    """Close upper estimate of an entry's encoded size (exact to within a few bytes)."""
-    return len(entry.owner) + len(entry.body_bytes) + _ENTRY_OVERHEAD
-
-
 def fingerprint_of(digest: Digest) -> bytes:
     """A 16-byte hash of a digest: equal digests, equal fingerprints."""
     return hashlib.blake2b(packb_canonical(digest_to_wire(digest)), digest_size=FINGERPRINT_BYTES).digest()
 
 
-def _beats(theirs: tuple[int, bytes], mine: SignedEntry | None) -> bool:
-    seq, prefix = theirs
-    return mine is None or (seq, prefix) > (mine.seq, mine.signature[: len(prefix)])
-
-
-class Replica(Service):
+class Replica(GossipPush, AntiEntropy, Service):
     """The swarm's CRDTs on this peer, kept in sync with its connected peers.
 
     Parameters:
@@ -359,7 +295,7 @@ class Replica(Service):
         self._started = False
         self._nursery: trio.Nursery | None = None
         self._running = False
-        self._warn = _RateLimitedLog()
+        self._warn = RateLimitedLog()
         self.recovered = trio.Event()
         self.stats = ReplicaStats()
         self.gate: Callable[[str, SignedEntry], str | None] | None = None
@@ -472,14 +408,6 @@ class Replica(Service):
             self._queue_gossip(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, "local", self.me))
         return entry
-
-    def _queue_gossip(self, name: str, entries: Iterable[SignedEntry]) -> None:
-        pending = self._outbox.setdefault(name, {})
-        for entry in entries:
-            held = pending.get(entry.owner)
-            if held is None or entry.order_key > held.order_key:
-                pending[entry.owner] = entry
-        self._outbox_ready.set()
 
     # --- merging --------------------------------------------------------------------------------
 
@@ -608,328 +536,16 @@ class Replica(Service):
             ),
         )
 
-    # --- gossip ---------------------------------------------------------------------------------
-
-    def _validate_gossip(self, forwarder: ID, message: Any) -> bool:
-        """py-libp2p's topic validator: merge the message; relay it only if nothing was rejected.
-
-        Must never raise: an exception here would propagate into py-libp2p's pubsub task.
-        """
-        try:
-            return self._on_gossip(forwarder, message)
-        except Exception as e:
-            self.stats.gossip_invalid += 1
-            log.warning(kv("gossip message handling failed", error=repr(e)))
-            return False
-
-    def _on_gossip(self, forwarder: ID, message: Any) -> bool:
-        origin = ID(message.from_id).to_base58()
-        if origin == self.me:
-            return True  # our own publish: its entries are merged already
-        self.stats.gossip_received += 1
-        try:
-            batches = decode_gossip(message.data, self.namespace, self._crdts, self.config.max_gossip_payload)
-        except MalformedCrdtData as e:
-            self.stats.gossip_invalid += 1
-            self._warn.warning(
-                f"gossip:{origin}",
-                kv("undecodable CRDT gossip", origin=origin, via=forwarder.to_base58(), error=e),
-            )
-            return False
-        relay = True
-        for name, entries in self._in_spec_order(batches):
-            if self.merge_entries(name, entries, "gossip", origin).rejected:
-                relay = False
-        if not relay:
-            self.stats.gossip_invalid += 1
-        return relay
-
-    async def _drain_subscription(self, subscription: Any) -> None:
-        # Messages were merged by the validator; the subscription channel (32 deep in py-libp2p)
-        # only has to be emptied so that py-libp2p does not log and drop.
-        async for _ in subscription:
-            pass
-
-    async def _publish_loop(self) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            await trio.sleep(self.config.publish_delay)
-            await self._publish_pending()
-
-    async def _publish_pending(self) -> None:
-        self._outbox_ready = trio.Event()
-        outbox, self._outbox = self._outbox, {}
-        if self._pubsub is None or not outbox:
-            return
-        for payload in self._gossip_payloads(outbox):
-            try:
-                await self._pubsub.publish(self.topic, payload)
-            except Exception as e:  # anti-entropy delivers what gossip could not
-                self.stats.gossip_publish_failed += 1
-                log.debug(kv("gossip publish failed", error=repr(e)))
-                continue
-            self.stats.gossip_published += 1
-            self.stats.gossip_bytes_published += len(payload)
-
-    def _gossip_payloads(self, outbox: Mapping[str, Mapping[str, SignedEntry]]) -> list[bytes]:
-        batches = {name: list(by_owner.values()) for name, by_owner in outbox.items()}
-        budget = self.config.max_gossip_payload - _SPLIT_MARGIN  # the sizes are estimates
-        return [encode_gossip(self.namespace, chunk, self._crdts) for chunk in split_batches(batches, budget)]
-
-    # --- anti-entropy: client -------------------------------------------------------------------
-
-    def _candidate_peers(self) -> list[str]:
-        """Connected peers for anti-entropy; those that recently did not serve `crdt/*` for
-        our swarm only if there is nobody else. (Not filtered by gossip subscription: a peer
-        whose gossip stream failed to come up is exactly one anti-entropy must still reach.)"""
-        connected = self.host.connected_peers()
-        now = time.monotonic()
-        serving = [p for p in connected if now - self._ae_unavailable.get(p, -math.inf) >= _RETRY_AFTER]
-        return serving or connected
-
-    async def anti_entropy_with(self, peer: str, *, mark_unavailable: bool = True) -> bool:
-        """One exchange with `peer`: compare fingerprints, then push and pull what differs.
-
-        Returns True if the exchange completed (the peer answered well-formed replies).
-        `mark_unavailable`: if the peer turns out not to serve us, skip it for a while.
-        """
-        fps = {name: self._fingerprint(name) for name in self._crdts}
-        try:
-            reply = await self._call(peer, RPC_DIGEST, {"ns": self.namespace, "fp": fps})
-            theirs = _parse_digest_reply(reply, self._crdts)
-        except (RpcError, MalformedCrdtData) as e:
-            return self._ae_failed(peer, e, mark_unavailable)
-        push: dict[str, list[SignedEntry]] = {}
-        want: set[str] = set()
-        for name, digest in theirs.items():
-            crdt = self._crdts[name]
-            missing = crdt.delta_since(digest)
-            if missing:
-                push[name] = missing
-            if any(_beats(v, crdt.entry(owner)) for owner, v in digest.items()):
-                want.add(name)
-        for _ in range(self.config.max_pull_rounds):
-            if not push and not want:
-                break
-            chunk, push = _take(push, self.config.max_rpc_entries_bytes - _SPLIT_MARGIN)
-            request = {
-                "ns": self.namespace,
-                "d": {n: digest_to_wire(self._crdts[n].digest()) for n in sorted(want)},
-                "p": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
-            }
-            try:
-                reply = await self._call(peer, RPC_PULL, request)
-                pulled, more = _parse_pull_reply(reply, self._crdts, self.config.max_rpc_entries_bytes + (64 << 10))
-            except (RpcError, MalformedCrdtData) as e:
-                return self._ae_failed(peer, e, mark_unavailable)
-            self.stats.ae_entries_pushed += sum(len(es) for es in chunk.values())
-            for name, entries in self._in_spec_order(pulled.items()):
-                self.stats.ae_entries_pulled += len(entries)
-                self.merge_entries(name, entries, "anti-entropy", peer)
-            if not more:
-                want = set()
-        self.stats.ae_exchanges += 1
-        return True
-
-    async def _call(self, peer: str, name: str, request: Any) -> Any:
-        # py-libp2p's new_stream dials a peer it has no connection to; check first, so that
-        # anti-entropy never re-opens a link that was closed (that would undo a partition).
-        if not self.host.is_connected(peer):
-            raise _NotConnected(f"{peer} is not connected")
-        self.stats.ae_rpcs_sent += 1
-        return await self.host.rpc.call(peer, name, request, timeout=self.config.rpc_timeout)
-
-    def _ae_failed(self, peer: str, error: Exception, mark_unavailable: bool = True) -> bool:
-        self.stats.ae_failed += 1
-        not_serving = (isinstance(error, RpcUnavailable) and self.host.is_connected(peer)) or (
-            isinstance(error, RemoteError) and error.code in (WRONG_SWARM, UNAVAILABLE)
-        )
-        if mark_unavailable and not_serving:  # prefer other peers for a while
-            self._ae_unavailable[peer] = time.monotonic()
-            if len(self._ae_unavailable) > 4096:
-                self._ae_unavailable.clear()
-        if isinstance(error, MalformedCrdtData) or (isinstance(error, RemoteError) and error.code == "malformed"):
-            self._warn.warning(f"ae:{peer}", kv("anti-entropy failed", peer=peer, error=error))
-        else:
-            log.debug(kv("anti-entropy failed", peer=peer, error=error))
-        return False
-
-    async def _anti_entropy_loop(self) -> None:
-        cfg = self.config
-        while True:
-            jitter = random.uniform(1 - cfg.anti_entropy_jitter, 1 + cfg.anti_entropy_jitter)
-            await trio.sleep(cfg.anti_entropy_interval * jitter)
-            self._ensure_pubsub_peers()
-            peers = self._candidate_peers()
-            if peers:
-                await self.anti_entropy_with(random.choice(peers))
-
-    async def _watch_connections(self) -> None:
-        """Greet every newly connected peer with an anti-entropy exchange right away.
-
-        A (re)connection is when two peers are most likely to differ — a healed partition, a
-        restarted or new peer — so waiting for the next random tick would only delay the
-        repair. Of the two ends, the one with the smaller peer id starts the exchange (one
-        exchange per connection, not two); the other's periodic ticks cover a failure.
-        """
-        known: set[str] = set(self.host.connected_peers())
-        while True:
-            await self.host.wait_until(lambda known=known: set(self.host.connected_peers()) != known)
-            current = set(self.host.connected_peers())
-            new = current - known
-            known = current
-            now = time.monotonic()
-            for peer in new:
-                self._connected_since[peer] = now
-            for peer in [p for p in self._connected_since if p not in current]:
-                del self._connected_since[peer]
-            if not new or self._nursery is None:
-                continue
-            for peer in sorted(new):
-                if self.me < peer:
-                    self._nursery.start_soon(self._greet, peer)
-
-    async def _greet(self, peer: str) -> None:
-        await trio.sleep(0.05)  # the new connection's muxer may still be settling
-        await self.anti_entropy_with(peer, mark_unavailable=False)
-
-    async def recover(self, timeout: float = DEFAULT_RECOVER_TIMEOUT) -> bool:
-        """Pull the swarm's state — our own earlier entries included — before writing.
-
-        Waits (up to `timeout`) for a connected peer, then runs anti-entropy with up to
-        `recover_peers` of them. Returns True (and sets `recovered`) once one exchange completed;
-        False if no peer answered in time (e.g. the first peer of a swarm).
-        """
-        with trio.move_on_after(timeout):
-            while True:
-                peers = self._candidate_peers()
-                random.shuffle(peers)
-                ok = False
-                for peer in peers[: self.config.recover_peers]:
-                    ok = await self.anti_entropy_with(peer) or ok
-                if ok:
-                    self.recovered.set()
-                    return True
-                await trio.sleep(0.1)
-        return False
-
-    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2) -> int:
-        """Publish pending gossip now and hand our state to up to `peers` connected peers by
-        anti-entropy (they re-gossip what was new to them). Returns how many peers confirmed.
-        For a clean shutdown: a gossip publish alone may still sit in a send queue when the
-        host closes."""
-        confirmed = 0
-        with trio.move_on_after(timeout):
-            await self._publish_pending()
-            candidates = self._candidate_peers()
-            random.shuffle(candidates)
-            for peer in candidates[:peers]:
-                confirmed += await self.anti_entropy_with(peer)
-        return confirmed
-
-    # --- anti-entropy: server -------------------------------------------------------------------
-
-    def _check_request(self, request: Any, *fields: str) -> dict[str, Any]:
-        if not self._running:
-            raise RemoteError(UNAVAILABLE, "replica is not running")
-        request = require_map(request, "ns", *fields, what="anti-entropy request")
-        if request["ns"] != self.namespace:
-            raise RemoteError(WRONG_SWARM, f"this peer replicates swarm {self.namespace!r}")
-        return request
-
-    async def _serve_digest(self, peer: str, request: Any) -> Any:
-        self.stats.ae_rpcs_served += 1
-        fps = self._check_request(request, "fp")["fp"]
-        if not isinstance(fps, dict) or len(fps) > 4 * len(self._crdts) + 16:
-            raise RemoteError(MALFORMED, "fp must be a small map of CRDT name -> fingerprint")
-        return {
-            "d": {
-                name: digest_to_wire(crdt.digest())
-                for name, crdt in self._crdts.items()
-                if fps.get(name) != self._fingerprint(name)
-            }
-        }
-
-    async def _serve_pull(self, peer: str, request: Any) -> Any:
-        self.stats.ae_rpcs_served += 1
-        request = self._check_request(request, "d", "p")
-        digests, pushed = request["d"], request["p"]
-        if not isinstance(digests, dict) or not isinstance(pushed, dict):
-            raise RemoteError(MALFORMED, "d and p must be maps keyed by CRDT name")
-        rejected = 0
-        limit = self.config.max_rpc_entries_bytes + (64 << 10)
-        decoded: list[tuple[str, list[SignedEntry]]] = []
-        for name, data in pushed.items():
-            crdt = self._crdts.get(name) if isinstance(name, str) else None
-            if crdt is None or not isinstance(data, bytes):
-                raise RemoteError(MALFORMED, f"p: unknown CRDT {name!r:.60} or not bytes")
-            try:
-                decoded.append((name, crdt.decode_entries(data, max_size=limit)))
-            except MalformedCrdtData as e:
-                self._warn.warning(f"ae:{peer}", kv("undecodable pushed entries", peer=peer, error=e))
-                raise RemoteError(MALFORMED, str(e)) from None
-        for name, entries in self._in_spec_order(decoded):
-            rejected += len(self.merge_entries(name, entries, "anti-entropy", peer).rejected)
-        wanted: dict[str, list[SignedEntry]] = {}
-        for name, wire in digests.items():
-            crdt = self._crdts.get(name) if isinstance(name, str) else None
-            if crdt is None:
-                continue  # a CRDT we do not keep: nothing to send
-            try:
-                delta = crdt.delta_since(digest_from_wire(wire))
-            except MalformedCrdtData as e:
-                raise RemoteError(MALFORMED, f"d[{name!r}]: {e}") from None
-            if delta:
-                wanted[name] = delta
-        chunk, rest = _take(wanted, self.config.max_rpc_entries_bytes - _SPLIT_MARGIN)
-        return {
-            "e": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
-            "more": bool(rest),
-            "rejected": rejected,
-        }
-
     # --- lifecycle ------------------------------------------------------------------------------
-
-    def _ensure_pubsub_peers(self) -> None:
-        """Open gossip streams to connected peers gossipsub does not know yet.
-
-        py-libp2p's pubsub learns peers from connection events only: peers connected before it
-        started, or whose gossipsub was not up when they connected, are otherwise never used.
-        A fresh connection is left to py-libp2p for a few seconds (two concurrent
-        registrations of one peer would leave a stray send loop behind).
-        """
-        if self._pubsub is None or self._nursery is None:
-            return
-        now = time.monotonic()
-        known = {p.to_base58() for p in self._pubsub.peers}
-        for peer in self.host.connected_peers():
-            if peer in known or peer in self._pubsub_pending:
-                continue
-            if now - self._connected_since.get(peer, -math.inf) < _PUBSUB_GRACE:
-                continue
-            if now - self._pubsub_failed.get(peer, -math.inf) < _RETRY_AFTER:
-                continue
-            self._pubsub_pending.add(peer)
-            self._nursery.start_soon(self._open_pubsub_stream, peer)
-
-    async def _open_pubsub_stream(self, peer: str) -> None:
-        pubsub = self._pubsub
-        try:
-            ok = pubsub is not None and await pubsub.ensure_peer_stream(ID.from_base58(peer), timeout=5.0)
-        except Exception as e:
-            log.debug(kv("gossip stream failed", peer=peer, error=repr(e)))
-            ok = False
-        finally:
-            self._pubsub_pending.discard(peer)
-        if not ok:
-            self._pubsub_failed[peer] = time.monotonic()
 
     async def _start(self, stack: AsyncExitStack) -> None:
         if self._started:
             raise CrdtError("a Replica runs once; make a new one (its state can be merged in)")
         self._started = True
         if self._pubsub is None:
-            self._pubsub = await _start_gossipsub(stack, self.host, self.config)
+            self._pubsub = await start_gossipsub(
+                stack, self.host, self.config.gossip_degree, self.config.gossip_heartbeat
+            )
         pubsub = self._pubsub
         pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
         stack.callback(pubsub.remove_topic_validator, self.topic)
@@ -964,190 +580,12 @@ class Replica(Service):
         return self._pubsub
 
 
-async def _start_gossipsub(stack: AsyncExitStack, host: Host, config: ReplicaConfig) -> Pubsub:
-    """Run py-libp2p gossipsub on `host` inside `stack`, with settings that work for a swarm.
-
-    Turned off, each for a measured reason (shared/LIBP2P-NOTES.md):
-    - spam protection: it drops (silently, after local delivery) every message beyond 10 per
-      second per forwarding peer and topic — a relay in a 32-peer swarm forwards more than that
-      from one neighbour; our validator is the spam filter.
-    - adaptive gossip: it can stretch the gossipsub heartbeat to 30-60 s when it rates the
-      network's "health" low, e.g. right after a partition.
-    - eclipse protection: it grafts for IP diversity, meaningless on one LAN or loopback.
-    Offered protocols stop at gossipsub v1.1: v1.2's IDONTWANT is sent for *every* message to
-    every mesh peer (go-libp2p only above 1 KiB), which doubled our frame count for no gain on
-    messages of a few hundred bytes.
-    """
-    degree, low, high = config.gossip_degree
-    router = GossipSub(
-        protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
-        degree=degree,
-        degree_low=low,
-        degree_high=high,
-        heartbeat_interval=config.gossip_heartbeat,
-        adaptive_gossip_enabled=False,
-        spam_protection_enabled=False,
-        eclipse_protection_enabled=False,
-    )
-    pubsub = Pubsub(host.libp2p, router, strict_signing=True)
-    _guard_gossip_streams(host, pubsub, router.get_protocols())
-    await stack.enter_async_context(background_trio_service(pubsub))
-    await stack.enter_async_context(background_trio_service(router))
-    await pubsub.wait_until_ready()
-    return pubsub
-
-
-def _guard_gossip_streams(host: Host, pubsub: Pubsub, protocols: Iterable[str]) -> None:
-    """Replace py-libp2p's pubsub stream handler with one that contains its errors.
-
-    In py-libp2p 0.8.1 a single malformed pubsub frame (protobuf `DecodeError`) escapes the
-    handler and takes the whole host down (its network service fails, and with it the trio
-    program): any connected peer could crash us with a dozen garbage bytes. Here a bad stream
-    is reset and the peer dropped from pubsub, as py-libp2p does for the errors it expects.
-    """
-    warn = _RateLimitedLog()
-
-    async def guarded(stream: Any) -> None:
-        try:
-            await pubsub.stream_handler(stream)
-        except Exception as e:
-            peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
-            warn.warning(
-                f"pubsub:{peer}",
-                kv("dropped a malformed gossip stream", peer=peer, error=type(e).__name__),
-            )
-            with trio.CancelScope(shield=True), trio.move_on_after(1), suppress(Exception):
-                await stream.reset()
-            if peer is not None:
-                try:
-                    pubsub._handle_dead_peer(peer)  # py-libp2p's own clean-up for a bad stream
-                except Exception as cleanup_error:
-                    log.debug(kv("pubsub clean-up failed", error=repr(cleanup_error)))
-
-    for protocol in protocols:
-        host.libp2p.set_stream_handler(protocol, guarded)
-
-
-# --- wire helpers ---------------------------------------------------------------------------------
-
-
-def split_batches(batches: Mapping[str, list[SignedEntry]], budget: int) -> list[dict[str, list[SignedEntry]]]:
-    """Cut {crdt name: entries} into chunks whose encoded size stays within `budget` bytes.
-
-    Entries above the budget on their own are left out (they travel by anti-entropy, whose
-    budget is larger; `MAX_ENTRY_BYTES` keeps every valid entry below both).
-    """
-    chunks: list[dict[str, list[SignedEntry]]] = []
-    current: dict[str, list[SignedEntry]] = {}
-    size = 64
-    for name in sorted(batches):
-        for entry in sorted(batches[name], key=lambda e: e.owner):
-            cost = entry_wire_size(entry)
-            if cost + 64 + len(name) > budget:
-                continue
-            if current and size + cost + len(name) + 16 > budget:
-                chunks.append(current)
-                current, size = {}, 64
-            if name not in current:
-                current[name] = []
-                size += len(name) + 16
-            current[name].append(entry)
-            size += cost
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _take(
-    batches: Mapping[str, list[SignedEntry]], budget: int
-) -> tuple[dict[str, list[SignedEntry]], dict[str, list[SignedEntry]]]:
-    """The first chunk of `split_batches` and everything else."""
-    chunks = split_batches(batches, budget)
-    if not chunks:
-        return {}, {}
-    first = chunks[0]
-    rest: dict[str, list[SignedEntry]] = {}
-    for chunk in chunks[1:]:
-        for name, entries in chunk.items():
-            rest.setdefault(name, []).extend(entries)
-    return first, rest
-
-
-def encode_gossip(
-    namespace: str,
-    batches: Mapping[str, list[SignedEntry]],
-    crdts: Mapping[str, SignedCrdt],
-) -> bytes:
-    return packb([GOSSIP_VERSION, namespace, [[n, crdts[n].encode_entries(es)] for n, es in batches.items()]])
-
-
-def decode_gossip(
-    data: bytes,
-    namespace: str,
-    crdts: Mapping[str, SignedCrdt],
-    max_size: int,
-) -> list[tuple[str, list[SignedEntry]]]:
-    """Decode an untrusted gossip message into [(crdt name, entries)]; `MalformedCrdtData` if it
-    is oversized, malformed, for another swarm, or names a CRDT we do not keep."""
-    ns, batches = unpack_envelope(
-        data, max_size=max_size, version=GOSSIP_VERSION, what="gossip message", layout="[version, namespace, batches]"
-    )
-    if ns != namespace:
-        raise MalformedCrdtData(f"gossip for swarm {ns!r:.80}, not {namespace!r}")
-    if not isinstance(batches, list) or len(batches) > len(crdts):
-        raise MalformedCrdtData("gossip batches must be an array, at most one per CRDT")
-    out: list[tuple[str, list[SignedEntry]]] = []
-    seen: set[str] = set()
-    for item in batches:
-        if not isinstance(item, list) or len(item) != 2:
-            raise MalformedCrdtData("a gossip batch is [crdt name, entries]")
-        name, batch = item
-        if not isinstance(name, str) or name not in crdts or name in seen:
-            raise MalformedCrdtData(f"gossip batch for unknown or repeated CRDT {name!r:.80}")
-        if not isinstance(batch, bytes):
-            raise MalformedCrdtData("a gossip batch's entries must be bytes")
-        seen.add(name)
-        out.append((name, crdts[name].decode_entries(batch, max_size=max_size)))
-    return out
-
-
-def _parse_digest_reply(reply: Any, crdts: Mapping[str, SignedCrdt]) -> dict[str, Digest]:
-    if not isinstance(reply, dict) or not isinstance(reply.get("d"), dict):
-        raise MalformedCrdtData("a digest reply is {'d': {crdt name: digest}}")
-    return {
-        name: digest_from_wire(wire) for name, wire in reply["d"].items() if isinstance(name, str) and name in crdts
-    }
-
-
-def _parse_pull_reply(
-    reply: Any, crdts: Mapping[str, SignedCrdt], max_size: int
-) -> tuple[dict[str, list[SignedEntry]], bool]:
-    if not isinstance(reply, dict) or not isinstance(reply.get("e"), dict):
-        raise MalformedCrdtData("a pull reply is {'e': {crdt name: entries}, 'more': bool}")
-    more = reply.get("more", False)
-    if not isinstance(more, bool):
-        raise MalformedCrdtData("'more' must be a bool")
-    out: dict[str, list[SignedEntry]] = {}
-    for name, data in reply["e"].items():
-        if not isinstance(name, str) or name not in crdts or not isinstance(data, bytes):
-            raise MalformedCrdtData(f"pull reply for unknown CRDT {name!r:.60} or not bytes")
-        out[name] = crdts[name].decode_entries(data, max_size=max_size)
-    return out, more
-
-
 __all__ = [
-    "GOSSIP_VERSION",
     "MAX_ENTRY_BYTES",
-    "MAX_GOSSIP_PAYLOAD",
-    "RPC_DIGEST",
-    "RPC_PULL",
     "ChangeEvent",
     "CrdtSpec",
     "EntryTooLarge",
     "Replica",
     "ReplicaConfig",
     "ReplicaStats",
-    "decode_gossip",
-    "encode_gossip",
-    "gossip_topic",
 ]

@@ -73,8 +73,8 @@ on one membership snapshot, so stretching the lease is the knob, and no wire for
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
 they go out with the next heartbeat, except an outer-round change, which is written at once.
 
-Not here: gossip, anti-entropy and merging (`replica.py`), choosing whom to connect to
-(transport, dht), and what the config keys mean (node).
+Not here: gossip, anti-entropy and merging (`gossip.py`, `anti_entropy.py`, `replica.py`), choosing
+whom to connect to (transport, dht), and what the config keys mean (node).
 """
 
 from __future__ import annotations

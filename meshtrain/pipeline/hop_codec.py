@@ -37,8 +37,8 @@ Cost: one pass over the tensor on each side (encode before the send, decode afte
 which the runtime runs in a worker thread. Whether it pays depends on link speed against CPU:
 scripts/bench_skippipe.py `--activation-codec` measures it on a throttled link.
 
-Not here: the hop control message, routing and failure handling (runtime.py); the codecs
-themselves (collective/compression.py).
+Not here: the hop control message (runtime.py, hop.py), routing and failure handling (runtime.py,
+rerouting.py); the codecs themselves (collective/compression.py).
 """
 
 from __future__ import annotations

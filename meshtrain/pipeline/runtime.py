@@ -10,8 +10,9 @@ retraces the path back to the origin (backward through the embedding). Compute r
 thread, one visit at a time per peer; sends run as their own tasks, so many microbatches are in
 flight at once and a peer computes the next visit while its last output is still on the wire.
 
-Wire protocol (this file is its whole story). Control travels over RPC, tensors over the data
-plane (`TensorStreams`: encrypted, digest-checked, back-pressured):
+Wire protocol (this file is its whole story; the RPC names and the `Hop` are `hop.py`'s).
+Control travels over RPC, tensors over the data plane (`TensorStreams`: encrypted,
+digest-checked, back-pressured):
 - `pipeline/hop` {run, it, mb, att, kind, pos, route, shape, codec}: "I am about to send you the
   activations (kind "fwd") or gradients ("bwd") of microbatch `mb`, attempt `att`, at position
   `pos` of `route`, a tensor of `shape` encoded with the run's activation codec `codec`". The
@@ -39,36 +40,16 @@ reported to the origin as a failed hop, which re-runs the microbatch. A tensor t
 cannot encode (non-finite) is reported the same way instead of sent. Nothing from the network can
 raise out of a handler or the worker.
 
-Failures. The origin owns its microbatches. It restarts a microbatch — attempt + 1, recomputed
-from its data, on a route where every dead peer is replaced by a live replica of the same stage
-(the least used one), or, in a SkipPipe run where no replica is left and the path rules allow, with
-that stage skipped — when a peer on its route drops its connection (every peer watches the
-liveness of the others), or when a hop reports it could not deliver. A microbatch that cannot be
-re-routed, or failed `MAX_ATTEMPTS` times, is dropped from the iteration; the iteration completes
-with the rest. Why restart from the origin rather than patch the path where it broke: the dead
-peer may hold the only copy of an activation the backward needs; recomputing the few stages
-before it is cheap, and the rule is the same wherever the failure hit. Per-microbatch gradients
-are kept apart (`stages.py`) and only the attempts the origins list in `done` are summed, so work
-done by a voided attempt is never counted. A dead origin's microbatches are taken over (`_adopt`):
-the live origin with the lowest id, if it has not sent its own `done` yet, re-runs them from their
-data (a pure function of iteration and microbatch) as attempts above any the dead origin started,
-on the schedule's paths with the dead replaced, voids the older attempts everywhere (`abandon`,
-accepted from a live origin for a dead origin's microbatch) and lists them in its `done`. An heir
-that has already sent its `done` cannot; the dead origin's microbatches are then lost for that
-iteration. The next iteration is scheduled without the peers the origins reported dead.
+Failures (`rerouting.py`, its whole story). The origin owns its microbatches and restarts one —
+attempt + 1, from its data, on a route without the dead peer — when a peer on its route drops
+its connection or a hop reports it could not deliver; a dead origin's microbatches are taken
+over by the live origin with the lowest id. Only the attempts the origins list in `done` are
+summed. The next iteration is scheduled without the peers the origins reported dead.
 
-Replica sync (`sync_gradients`, the default): at the end of an iteration the replicas of each stage all-reduce their gradient
-sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
-replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
-SkipPipe reference, chosen over a DiLoCo-style outer step because replicas then stay bit-identical
-every iteration (a microbatch may be re-routed to any replica, so replicas must be interchangeable),
-and a stage's gradients (one stage of a model) are small enough to all-reduce every iteration.
-The mean is per stage over the microbatches that visited it: with skips each stage sees a
-different number of microbatches, and each should take an average, not a share, of their signal.
-Over slow links the caller may instead turn the per-iteration all-reduce off and synchronise the
-replicas with an outer optimizer every H iterations (`pipeline/replica_sync.py`, DiLoCo or NoLoCo
-per stage, over this runtime's collective): replicas then differ between two rounds, which the
-re-routing tolerates (any replica computes a valid forward, just not the same bits).
+Replica sync (`sync_gradients`, the default; `iteration.py`): at the end of an iteration the
+replicas of each stage all-reduce their gradient sums and microbatch counts and every replica
+steps its optimizer with sum / count. Over slow links the caller may instead synchronise the
+replicas with an outer optimizer every H iterations (`pipeline/replica_sync.py`).
 
 Simulation hooks for benchmarks on one machine: `links` delays each send by latency + bytes /
 bandwidth of its link (user-space throttling; with `serial`, a link's sends share its bandwidth),
@@ -82,12 +63,15 @@ Traffic: `stats` counts hop (encoded payload) and replica-sync bytes sent; `hop_
 `sync_bytes_to` split them by destination (a sync's bytes evenly over the other replicas), so a
 benchmark can tell the bytes that cross regions.
 
+This module keeps the wire protocol's checks, sending, the RPC handlers and the lifecycle; the
+worker and the end of an iteration are `iteration.py`'s (`IterationExecution`), the re-routing
+`rerouting.py`'s (`Rerouting`), both mixed into `PipelineRuntime`.
+
 What it does not do: place stages on peers, join a swarm, checkpoint.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
@@ -99,15 +83,23 @@ import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.compression import CodecError
-from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.models.gpt import ModelInputError
+from meshtrain.pipeline.hop import (
+    ABANDON_RPC,
+    DONE_RPC,
+    FAILED_RPC,
+    HOP_RPC,
+    Hop,
+    at,
+    sender_of,
+    shape_of,
+)
 from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
+from meshtrain.pipeline.iteration import IterationExecution, IterationReport, IterationState, OriginMicrobatch
+from meshtrain.pipeline.rerouting import MAX_ATTEMPTS, Rerouting
 from meshtrain.pipeline.scheduler import (
-    BACKWARD_FACTOR,
-    HEAD_FACTOR,
     Link,
     PipelineProblem,
     Schedule,
@@ -116,7 +108,7 @@ from meshtrain.pipeline.scheduler import (
     full_pipeline_schedule,
     skippipe_schedule,
 )
-from meshtrain.pipeline.stages import StageError, StageReplica, Tape
+from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
@@ -132,8 +124,6 @@ from meshtrain.transport.validate import (
 
 log = get_logger(__name__)
 
-HOP_RPC, ABANDON_RPC, FAILED_RPC, DONE_RPC = "pipeline/hop", "pipeline/abandon", "pipeline/failed", "pipeline/done"
-MAX_ATTEMPTS = 4  # a microbatch re-routed this many times is dropped from its iteration
 LOOKAHEAD = 2  # accept messages for iterations up to this far ahead of ours (buffered)
 MAX_RUN_CHARS = 64
 CALL_TIMEOUT = 10.0  # control RPCs
@@ -142,7 +132,6 @@ RECEIVE_TIMEOUT = 60.0  # an announced transfer must arrive within this
 CONNECT_WAIT = 20.0  # at start, how long to wait for connections to every peer of the run
 
 Mode = Literal["skippipe", "full"]
-WireKind = Literal["fwd", "bwd"]
 
 
 class PipelineError(MeshtrainError):
@@ -245,57 +234,8 @@ class SimulatedLinks:
         return done - now + link.latency
 
 
-@dataclass(frozen=True)
-class IterationReport:
-    """One iteration as this peer saw it.
-
-    loss: mean training loss over the committed microbatches (all origins'), NaN if none;
-    committed / dropped: microbatches that counted / were given up; restarts: attempts this peer
-    (as an origin) re-routed; seconds: wall time of the iteration including the replica sync and
-    the optimizer step; dead: peers reported dead so far; stop: an origin asked to stop the run.
-    """
-
-    iteration: int
-    loss: float
-    committed: int
-    dropped: int
-    restarts: int
-    seconds: float
-    dead: tuple[str, ...]
-    stop: bool
-    grads: dict[str, torch.Tensor] | None = None  # the stage's averaged gradient (keep_grads)
-
-
 # ---------------------------------------------------------------------------------------------
 # Message validation (pure functions: unit-testable without a network)
-
-
-@dataclass(frozen=True)
-class Hop:
-    it: int
-    mb: int
-    att: int
-    kind: WireKind
-    pos: int
-    route: tuple[str, ...]
-    shape: tuple[int, int, int]
-
-    @property
-    def nbytes(self) -> int:
-        """The tensor's float32 bytes (what travels is `HopCodec.nbytes(shape)`)."""
-        return 4 * math.prod(self.shape)
-
-    def tag(self, run: str) -> str:
-        return f"pp/{run}/{self.it}/{self.mb}/{self.att}/{self.kind}/{self.pos}"
-
-
-def at(route: tuple[str, ...], pos: int) -> str:
-    """The peer at position `pos` of a route: route[pos], or the origin past the last hop."""
-    return route[pos] if pos < len(route) else route[0]
-
-
-def sender_of(hop: Hop) -> str:
-    return at(hop.route, hop.pos - 1) if hop.kind == "fwd" else at(hop.route, hop.pos + 1)
 
 
 def _malformed(text: str) -> HopRejected:
@@ -353,68 +293,10 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-iteration state
-
-
-@dataclass
-class _Mine:
-    """An origin's view of one of its microbatches."""
-
-    att: int
-    route: tuple[str, ...]
-    status: Literal["running", "done", "dropped"] = "running"
-    loss: float = math.nan
-
-
-@dataclass
-class _Iteration:
-    it: int
-    schedule: Schedule | None = None
-    order: list[tuple[int, str]] = field(default_factory=list)
-    pos: int = 0
-    remaining: set[tuple[int, str]] = field(default_factory=set)
-    inputs: dict[tuple[int, int, str], tuple[torch.Tensor, Hop]] = field(default_factory=dict)
-    restarts: list[tuple[int, int]] = field(default_factory=list)  # origin: (mb, att) to re-embed
-    floor: dict[int, int] = field(default_factory=dict)  # mb -> lowest attempt still valid
-    announced: set[tuple[int, int, str, int]] = field(default_factory=set)
-    tapes: dict[tuple[int, int], tuple[Tape, Hop | None, torch.Tensor | None]] = field(default_factory=dict)
-    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    mine: dict[int, _Mine] = field(default_factory=dict)
-    origins: tuple[str, ...] = ()
-    origin_of: dict[int, str] = field(default_factory=dict)
-    done_from: dict[str, dict[str, Any]] = field(default_factory=dict)
-    dead_origins: set[str] = field(default_factory=set)
-    restart_count: int = 0
-    changed: trio.Event = field(default_factory=trio.Event)
-    done_delivered: trio.Event = field(default_factory=trio.Event)
-
-    def notify(self) -> None:
-        ev, self.changed = self.changed, trio.Event()
-        ev.set()
-
-    def void(self, mb: int, floor: int) -> None:
-        """Attempts of `mb` below `floor` no longer count: forget everything about them."""
-        if floor <= self.floor.get(mb, 0):
-            return
-        self.floor[mb] = floor
-        for key in [k for k in self.inputs if k[0] == mb and k[1] < floor]:
-            del self.inputs[key]
-        for key in [k for k in self.tapes if k[0] == mb and k[1] < floor]:
-            del self.tapes[key]
-        for key in [k for k in self.grads if k[0] == mb and k[1] < floor]:
-            del self.grads[key]
-        self.notify()
-
-    @property
-    def finished(self) -> bool:
-        return self.schedule is not None and all(o in self.done_from or o in self.dead_origins for o in self.origins)
-
-
-# ---------------------------------------------------------------------------------------------
 # The runtime
 
 
-class PipelineRuntime(Service):
+class PipelineRuntime(IterationExecution, Rerouting, Service):
     """One peer's part of a pipeline run. Use as `async with PipelineRuntime(...) as rt:` inside
     a running host and data plane, then `await rt.run_iteration(i)` for i = 0, 1, ... on every
     peer of the run.
@@ -482,7 +364,7 @@ class PipelineRuntime(Service):
         self._schedules: dict[frozenset[str], Schedule] = {}
         self._compiled = compile_problem(run.problem)  # the path-shape rules, for re-routing
         self.current = 0
-        self._iters: dict[int, _Iteration] = {}
+        self._iters: dict[int, IterationState] = {}
         self._nursery: trio.Nursery | None = None
         self._started = time.monotonic()
         self._group: tuple[str, ...] = (me,)
@@ -544,7 +426,7 @@ class PipelineRuntime(Service):
         st.remaining = set(st.order)
         for plan in schedule.plans:
             if plan.origin == self.me:
-                st.mine[plan.microbatch] = _Mine(0, (plan.origin,) + tuple(q for _, q in plan.path[1:-1]))
+                st.mine[plan.microbatch] = OriginMicrobatch(0, (plan.origin,) + tuple(q for _, q in plan.path[1:-1]))
         st.schedule = schedule  # from here on the worker may start
         st.notify()
         if self.stage == 0 and self.me in st.origins:
@@ -569,138 +451,19 @@ class PipelineRuntime(Service):
             self._schedules[dead] = await trio.to_thread.run_sync(self.run.schedule, dead)
         return self._schedules[dead]
 
-    def _state(self, it: int) -> _Iteration:
+    def _state(self, it: int) -> IterationState:
         st = self._iters.get(it)
         if st is None:
-            st = self._iters[it] = _Iteration(it)
+            st = self._iters[it] = IterationState(it)
         return st
-
-    # -- the worker: this peer's visits, in schedule order ---------------------------------------
-
-    def _role_kind(self, wire: str) -> str:
-        if self.stage == 0:
-            return "head" if wire == "fwd" else "backward"
-        return "forward" if wire == "fwd" else "backward"
-
-    def _next(self, st: _Iteration) -> tuple[str, int, int, tuple[torch.Tensor, Hop] | None] | None:
-        """The next visit to run: re-routed work first (it is late already), then the schedule's
-        order; None if the next visit in order is still waiting for its input."""
-        for key in list(st.inputs):
-            mb, att, wire = key
-            if att < st.floor.get(mb, 0):
-                del st.inputs[key]
-                continue
-            if att == 0 and (mb, self._role_kind(wire)) in st.remaining:
-                continue  # the schedule's order will take it
-            return self._role_kind(wire), mb, att, st.inputs.pop(key)
-        while st.restarts:
-            mb, att = st.restarts.pop(0)
-            mine = st.mine.get(mb)
-            if mine is not None and mine.status == "running" and mine.att == att:
-                return "forward", mb, att, None
-        while st.pos < len(st.order):
-            mb, kind = st.order[st.pos]
-            if st.floor.get(mb, 0) > 0 or st.origin_of.get(mb) in st.dead_origins:
-                st.pos += 1  # re-routed or lost: the pending visit of attempt 0 will not come
-                st.remaining.discard((mb, kind))
-                continue
-            if kind == "forward" and self.stage == 0:
-                st.pos += 1
-                st.remaining.discard((mb, kind))
-                return "forward", mb, 0, None
-            key = (mb, 0, "fwd" if kind in ("forward", "head") else "bwd")
-            if key not in st.inputs:
-                return None
-            st.pos += 1
-            st.remaining.discard((mb, kind))
-            return kind, mb, 0, st.inputs.pop(key)
-        return None
-
-    async def _work(self, st: _Iteration) -> None:
-        while True:
-            item = self._next(st)
-            if item is None:
-                if st.finished:
-                    return
-                await st.changed.wait()
-                continue
-            kind, mb, att, got = item
-            try:
-                await self._visit(st, kind, mb, att, got)
-            except (StageError, ModelInputError) as e:
-                # Input that passed the wire checks but not the stage's (NaN, a mismatched
-                # gradient): this attempt of the microbatch is lost; its origin re-runs it.
-                sender = sender_of(got[1]) if got is not None else self.me
-                log.warning(kv("pipeline visit refused", it=st.it, mb=mb, att=att, kind=kind, error=str(e)))
-                await self._report_failure(st, mb, att, sender, got[1].route if got else None)
-
-    async def _visit(self, st: _Iteration, kind: str, mb: int, att: int, got: tuple[torch.Tensor, Hop] | None) -> None:
-        t0 = time.monotonic()
-        r = self.replica
-        if kind == "forward" and self.stage == 0:
-            mine = st.mine[mb]
-            x, y = self.data(st.it, mb)
-            tape = await trio.to_thread.run_sync(r.embed, x)
-            st.tapes[(mb, att)] = (tape, None, y)
-            await self._pad(t0, 1.0)
-            self._send(st, Hop(st.it, mb, att, "fwd", 1, mine.route, _shape(tape.output)), tape.output)
-        elif kind == "forward":
-            h, hop = got
-            tape = await trio.to_thread.run_sync(r.forward, h)
-            st.tapes[(mb, att)] = (tape, hop, None)
-            await self._pad(t0, 1.0)
-            self._send(st, replace(hop, pos=hop.pos + 1, shape=_shape(tape.output)), tape.output)
-        elif kind == "head":
-            h, hop = got
-            entry = st.tapes.get((mb, att))
-            mine = st.mine.get(mb)
-            if entry is None or mine is None or mine.att != att:
-                return  # voided while it waited
-            loss, grad_h, grads = await trio.to_thread.run_sync(r.head, h, entry[2])
-            self._add_grads(st, mb, att, grads)
-            mine.loss = loss
-            await self._pad(t0, HEAD_FACTOR)
-            self._send(st, replace(hop, kind="bwd", pos=len(hop.route) - 1), grad_h)
-        else:  # backward
-            g, hop = got
-            entry = st.tapes.pop((mb, att), None)
-            if entry is None:
-                return  # voided while it waited
-            grad_in, grads = await trio.to_thread.run_sync(r.backward, entry[0], g)
-            self._add_grads(st, mb, att, grads)
-            await self._pad(t0, BACKWARD_FACTOR)
-            if self.stage == 0:
-                mine = st.mine.get(mb)
-                if mine is not None and mine.att == att and mine.status == "running":
-                    mine.status = "done"
-                    self._maybe_done(st)
-            else:
-                self._send(st, replace(hop, pos=hop.pos - 1), grad_in)
-
-    async def _pad(self, t0: float, factor: float) -> None:
-        """Simulated compute: make the visit last at least `compute_floor × factor` seconds."""
-        if self.compute_floor:
-            left = self.compute_floor * factor - (time.monotonic() - t0)
-            if left > 0:
-                await trio.sleep(left)
-
-    def _add_grads(self, st: _Iteration, mb: int, att: int, grads: list[torch.Tensor]) -> None:
-        if att < st.floor.get(mb, 0):
-            return
-        acc = st.grads.get((mb, att))
-        if acc is None:
-            st.grads[(mb, att)] = grads
-        else:
-            for a, g in zip(acc, grads, strict=True):
-                a.add_(g)
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def _send(self, st: _Iteration, hop: Hop, tensor: torch.Tensor) -> None:
+    def _send(self, st: IterationState, hop: Hop, tensor: torch.Tensor) -> None:
         assert self._nursery is not None  # our own lifecycle, not peer input
         self._nursery.start_soon(self._send_hop, st, hop, tensor.detach().contiguous())
 
-    async def _send_hop(self, st: _Iteration, hop: Hop, tensor: torch.Tensor) -> None:
+    async def _send_hop(self, st: IterationState, hop: Hop, tensor: torch.Tensor) -> None:
         to = at(hop.route, hop.pos)
         codec = self.hop_codec
         try:
@@ -742,7 +505,7 @@ class PipelineRuntime(Service):
             await self._report_failure(st, hop.mb, hop.att, to, hop.route)
 
     async def _report_failure(
-        self, st: _Iteration, mb: int, att: int, suspect: str, route: tuple[str, ...] | None
+        self, st: IterationState, mb: int, att: int, suspect: str, route: tuple[str, ...] | None
     ) -> None:
         origin = route[0] if route else st.origin_of.get(mb)
         if origin is None:
@@ -769,223 +532,6 @@ class PipelineRuntime(Service):
 
     def _live_others(self) -> list[str]:
         return [p for p in self.run.problem.placement if p != self.me and p not in self.dead]
-
-    # -- failures: the origin re-routes ----------------------------------------------------------
-
-    def _restart(self, st: _Iteration, mb: int, att: int, suspects: set[str]) -> None:
-        mine = st.mine.get(mb)
-        if mine is None or mine.status != "running" or mine.att != att:
-            return  # stale news: that attempt was already replaced
-        for p in suspects:
-            if p != self.me and not self.host.is_connected(p):
-                self.dead.add(p)
-        route = self._reroute(mine.route)
-        new_att = att + 1
-        self._void_everywhere(st, mb, new_att)
-        st.restart_count += 1
-        if route is None or new_att >= MAX_ATTEMPTS:
-            mine.status = "dropped"
-            log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
-            self._maybe_done(st)
-            return
-        log.info(
-            kv("pipeline microbatch re-routed", it=st.it, mb=mb, att=new_att, route=",".join(p[-6:] for p in route))
-        )
-        mine.att, mine.route = new_att, route
-        st.restarts.append((mb, new_att))
-        st.notify()
-
-    def _void_everywhere(self, st: _Iteration, mb: int, floor: int) -> None:
-        """Attempts of `mb` below `floor` no longer count, here and (`abandon`) on every live peer."""
-        st.void(mb, floor)
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(
-            self._broadcast,
-            ABANDON_RPC,
-            {"run": self.run.run, "it": st.it, "mb": mb, "floor": floor},
-            self._live_others(),
-        )
-
-    def _reroute(self, route: tuple[str, ...]) -> tuple[str, ...] | None:
-        """`route` with every dead peer replaced by the live replica of its stage that the
-        schedule uses least, or (SkipPipe only, no replica left) its stage skipped if the path
-        rules allow; None if neither works."""
-        placement = self.run.problem.placement
-        load: dict[str, int] = {}
-        base = self._schedules[frozenset(self.agreed_dead)]
-        for plan in base.plans:
-            for _, q in plan.path[1:-1]:
-                load[q] = load.get(q, 0) + 1
-        out = [route[0]]
-        for q in route[1:]:
-            if q not in self.dead and self.host.is_connected(q):
-                out.append(q)
-                continue
-            s = placement[q]
-            spares = sorted(
-                (load.get(p, 0), p)
-                for p, t in placement.items()
-                if t == s and p not in self.dead and p not in out and self.host.is_connected(p)
-            )
-            if spares:
-                out.append(spares[0][1])
-            elif self.run.mode != "skippipe":
-                return None
-        if len(out) < 2 or not self._path_ok(tuple(placement[p] for p in out[1:])):
-            return None
-        return tuple(out)
-
-    def _path_ok(self, stages: tuple[int, ...]) -> bool:
-        """The scheduler's path-shape rules (jump and swap limits) hold for this stage sequence."""
-        c = self._compiled
-        frontier, swaps = 0, 0
-        for s in stages:
-            nxt = c.step(frontier, swaps, s)
-            if nxt is None:
-                return False
-            frontier, swaps = nxt
-        return True
-
-    async def _watch_liveness(self, st: _Iteration) -> None:
-        """Notice dead peers: an origin re-routes its microbatches that used them; everyone stops
-        waiting for a dead origin's microbatches and its `done`."""
-        others = [p for p in self.run.problem.placement if p != self.me]
-        while True:
-            gone = {p for p in others if p not in self.dead and not self.host.is_connected(p)}
-            if gone:
-                self.dead |= gone
-                log.warning(kv("pipeline peers lost", it=st.it, peers=",".join(p[-8:] for p in sorted(gone))))
-                for later in list(self._iters.values()):
-                    later.dead_origins |= gone & set(later.origins or st.origins)
-                    later.notify()
-                for mb, mine in st.mine.items():
-                    hit = gone & set(mine.route)
-                    if mine.status == "running" and hit:
-                        self._restart(st, mb, mine.att, hit)
-                self._adopt(st, gone)
-            await self.host.wait_until(
-                lambda: any(p not in self.dead and not self.host.is_connected(p) for p in others)
-            )
-
-    def _adopt(self, st: _Iteration, gone: set[str]) -> None:
-        """Origin takeover (module docstring, Failures): if we are the heir — the live origin of
-        this iteration with the lowest id — and have not sent our `done`, re-run the microbatches
-        of the origins in `gone` as our own."""
-        if self.stage != 0 or st.schedule is None or self.me in st.done_from:
-            return
-        heirs = sorted(o for o in st.origins if o not in self.dead)
-        if not heirs or heirs[0] != self.me:
-            return
-        taken = []
-        for plan in st.schedule.plans:
-            mb = plan.microbatch
-            if plan.origin not in gone or mb in st.mine:
-                continue
-            att = st.floor.get(mb, 0) + 1  # above any attempt the dead origin may have started
-            route = self._reroute((self.me, *(q for _, q in plan.path[1:-1])))
-            if route is None or att >= MAX_ATTEMPTS:
-                continue  # lost for this iteration, as without a takeover
-            st.origin_of[mb] = self.me
-            self._void_everywhere(st, mb, att)
-            st.mine[mb] = _Mine(att, route)
-            st.restarts.append((mb, att))
-            taken.append(mb)
-        if taken:
-            st.restart_count += len(taken)
-            log.warning(kv("pipeline origin takeover", it=st.it, microbatches=",".join(map(str, taken))))
-            st.notify()
-
-    # -- end of an iteration ---------------------------------------------------------------------
-
-    def _maybe_done(self, st: _Iteration) -> None:
-        if self.me in st.done_from or any(m.status == "running" for m in st.mine.values()):
-            return
-        final = [[mb, m.att] for mb, m in sorted(st.mine.items()) if m.status == "done"]
-        losses = [m.loss for m in st.mine.values() if m.status == "done"]
-        stop = bool(self.should_stop(st.it, time.monotonic() - self._started)) if self.should_stop else False
-        msg = {
-            "run": self.run.run,
-            "it": st.it,
-            "final": final,
-            "dead": sorted(self.dead),
-            "loss": float(sum(losses)),
-            "count": len(losses),
-            "dropped": sum(m.status == "dropped" for m in st.mine.values()),
-            "stop": stop,
-        }
-        st.done_from[self.me] = msg
-        st.notify()
-
-        async def announce() -> None:
-            await self._broadcast(DONE_RPC, msg, self._live_others())
-            st.done_delivered.set()
-
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(announce)
-
-    async def _finish(self, st: _Iteration, t0: float) -> IterationReport:
-        """Sum the committed attempts' gradients, average them with the stage's replicas, step."""
-        final: set[tuple[int, int]] = set()
-        loss_sum, count, dropped, stop = 0.0, 0, 0, False
-        for msg in st.done_from.values():
-            final |= {(mb, att) for mb, att in msg["final"]}
-            loss_sum += msg["loss"]
-            count += msg["count"]
-            dropped += msg["dropped"]
-            stop |= msg["stop"]
-            self.agreed_dead |= set(msg["dead"]) - {self.me}
-        self.agreed_dead |= st.dead_origins
-        self.dead |= self.agreed_dead
-        mine = [g for key, g in st.grads.items() if key in final]
-        total = self.replica.zeros()
-        for g in mine:
-            for a, b in zip(total, g, strict=True):
-                a.add_(b)
-        n = torch.tensor([float(len(mine))])
-        placement = self.run.problem.placement
-        self._group = tuple(
-            sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in self.dead))
-        )
-        if self.sync_gradients and len(self._group) > 1:
-            tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
-            try:
-                res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
-                total = [res.tensors[f"g{i}"] for i in range(len(total))]
-                n = res.tensors["count"]
-                await self.account_sync(res.bytes_sent)
-            except CollectiveError as e:
-                # Cut off from our replicas: step alone rather than not at all; our replicas
-                # will see a different model only if we are the one that is cut off.
-                log.warning(kv("pipeline replica sync failed, stepping alone", it=st.it, error=str(e)))
-        grads = None
-        if float(n) > 0:
-            mean = [t / float(n) for t in total]
-            grads = self.replica.grads_by_name(mean) if self.keep_grads else None
-            await trio.to_thread.run_sync(self.replica.apply_update, mean)
-        return IterationReport(
-            st.it,
-            loss_sum / count if count else math.nan,
-            count,
-            dropped,
-            st.restart_count,
-            time.monotonic() - t0,
-            tuple(sorted(self.dead)),
-            stop,
-            grads,
-        )
-
-    async def account_sync(self, nbytes: int) -> None:
-        """Count `nbytes` of replica-sync traffic we sent (split evenly over the other replicas)
-        and, with simulated links, wait as long as sending them over the slowest link to a replica
-        would take (module docstring, Simulation hooks)."""
-        partners = [p for p in self._group if p != self.me]
-        if not partners or nbytes <= 0:
-            return
-        self.stats["sync_bytes"] += nbytes
-        for p in partners:
-            self.sync_bytes_to[p] = self.sync_bytes_to.get(p, 0) + nbytes // len(partners)
-        if self.links is not None:
-            await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
     # -- RPC handlers ----------------------------------------------------------------------------
 
@@ -1014,9 +560,9 @@ class PipelineRuntime(Service):
                     raise HopRejected(
                         "unknown-microbatch", f"no forward of microbatch {hop.mb} attempt {hop.att} on this peer"
                     )
-                if _shape(entry[0].output) != hop.shape:
+                if shape_of(entry[0].output) != hop.shape:
                     raise HopRejected(
-                        "bad-shape", f"gradient {list(hop.shape)} for activations {list(_shape(entry[0].output))}"
+                        "bad-shape", f"gradient {list(hop.shape)} for activations {list(shape_of(entry[0].output))}"
                     )
             st.announced.add(key)
         except HopRejected as e:
@@ -1025,7 +571,7 @@ class PipelineRuntime(Service):
         self._nursery.start_soon(self._receive_hop, st, peer, hop)
         return {"accepted": True}
 
-    async def _receive_hop(self, st: _Iteration, peer: str, hop: Hop) -> None:
+    async def _receive_hop(self, st: IterationState, peer: str, hop: Hop) -> None:
         codec = self.hop_codec
         buf = codec.buffers(hop.shape)
         try:
@@ -1053,7 +599,7 @@ class PipelineRuntime(Service):
         st.inputs[(hop.mb, hop.att, hop.kind)] = (h, hop)
         st.notify()
 
-    def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], _Iteration]:
+    def _control_state(self, req: Any, *keys: str) -> tuple[dict[str, Any], IterationState]:
         req = require_map(req, "run", "it", *keys, error=_malformed)
         if req["run"] != self.run.run:
             raise HopRejected("unknown-run", "not a run this peer is in")
@@ -1135,8 +681,3 @@ class PipelineRuntime(Service):
         }
         st.notify()
         return {}
-
-
-def _shape(t: torch.Tensor) -> tuple[int, int, int]:
-    b, n, d = t.shape
-    return (int(b), int(n), int(d))

@@ -15,7 +15,7 @@ between peers; this module is the compute one peer does on what arrives, with no
   hop and this stage's parameter gradients *separately per microbatch* (`torch.autograd.grad`,
   never `.backward()` into `.grad`). Keeping contributions apart is what lets a microbatch whose
   path broke be re-run from its origin without counting the part that already ran twice: at the
-  end of an iteration only the attempts the origins committed are summed (`runtime.py`).
+  end of an iteration only the attempts the origins committed are summed (`iteration.py`).
 - `apply_update` takes the stage's averaged gradient (after the replicas' all-reduce) and runs
   the optimizer: AdamW, with the gradient norm clipped per stage (a global norm over all stages
   would need one more round trip through every stage each iteration; per-stage clipping bounds

@@ -1,0 +1,353 @@
+"""Anti-entropy: how a `Replica` repairs what gossip missed, pulling from one connected peer at a time.
+
+The problem. Gossip is best effort: a peer that missed messages (it was partitioned, restarted,
+or a gossip message was dropped) must catch up without a leader, and a restarted peer must get
+its own earlier entries back before it writes.
+
+Design.
+- **Pull (repair path): anti-entropy** every `anti_entropy_interval` (±`anti_entropy_jitter`)
+  with one random *currently connected* peer, and at once with every newly connected peer (a
+  reconnection is when two peers most likely differ: a healed partition, a restart). The replica
+  never dials: it checks the connection before each RPC, because py-libp2p's `new_stream`
+  silently re-dials a peer from its address book, so a partition stays a partition until the
+  transport reconnects. Two RPCs: `crdt/digest` sends a 16-byte fingerprint per CRDT and gets
+  back the full digest (owner -> (seq, signature prefix)) of only the CRDTs that differ — one
+  small RPC when in sync; `crdt/pull` then pushes what the peer lacks and pulls what we lack
+  (`delta_since`) in batches of at most `max_rpc_entries_bytes` (512 KiB; RPC frames are capped
+  at 1 MiB), repeating while the peer says `more`. Entries accepted through anti-entropy *are*
+  re-gossiped: nobody flooded them on this side of a healed partition, and the first peer to
+  pull them spreads them to its whole side in one gossip round instead of many exchanges.
+- **Restarts.** A peer that restarts with the same identity but no state would restart its seqs
+  at 1 and lose to its own older entries (`base.py`). `recover()` pulls the swarm's state from
+  up to `recover_peers` connected peers before the caller writes; if an entry of ours arrives
+  later anyway (we started alone and met the swarm afterwards), the `ChangeEvent` carries
+  `own_superseded=True` so the writer can write again on top (`SwarmView` does).
+
+Wire (`crdt/digest`, `crdt/pull`; requests at most `MAX_RPC_REQUEST`):
+- `crdt/digest` {ns, fp: {crdt name: fingerprint}} -> {d: {crdt name: digest}} for the CRDTs
+  whose fingerprints differ.
+- `crdt/pull` {ns, d: {crdt name: our digest}, p: {crdt name: entries we push}} ->
+  {e: {crdt name: entries they lack}, more, rejected}.
+
+Failures. A peer that does not answer, answers for another swarm, or answers malformed replies
+costs one RPC timeout; one that does not serve us is skipped for `RETRY_AFTER` seconds if
+another peer is connected. Requests are checked field by field and refused with a
+`RemoteError` (`malformed`, `wrong-swarm`, `unavailable`); pushed entries go through the same
+`merge_entries` as gossip.
+
+Not here: the entries' merge rules and the gate (`replica.py`), the push path (`gossip.py`).
+`AntiEntropy` is a part of `Replica`, not a service of its own: it uses the replica's state.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from meshtrain.crdt.base import SignedCrdt
+from meshtrain.crdt.entries import (
+    Digest,
+    MalformedCrdtData,
+    SignedEntry,
+    digest_from_wire,
+    digest_to_wire,
+)
+from meshtrain.crdt.gossip import RETRY_AFTER, SPLIT_MARGIN, split_batches
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
+from meshtrain.transport.validate import MALFORMED, UNAVAILABLE, WRONG_SWARM, require_map
+
+log = get_logger(__name__)
+
+RPC_DIGEST = "crdt/digest"
+RPC_PULL = "crdt/pull"
+MAX_RPC_ENTRIES_BYTES = 512 << 10  # entries per anti-entropy request or reply (RPC cap: 1 MiB)
+MAX_RPC_REQUEST = 1 << 20
+DEFAULT_RECOVER_TIMEOUT = 5.0
+DEFAULT_FLUSH_TIMEOUT = 2.0
+
+
+class _NotConnected(RpcError):
+    """The chosen anti-entropy partner is no longer connected (we do not dial)."""
+
+
+def _beats(theirs: tuple[int, bytes], mine: SignedEntry | None) -> bool:
+    seq, prefix = theirs
+    return mine is None or (seq, prefix) > (mine.seq, mine.signature[: len(prefix)])
+
+
+class AntiEntropy:
+    """The anti-entropy half of a `Replica` (client and server), mixed into it.
+
+    It reads and updates the replica's state: `host`, `me`, `namespace`, `config`, `stats`,
+    `recovered`, the CRDTs (`_crdts`, `_fingerprint`, `_in_spec_order`, `merge_entries`), the
+    bookkeeping of peers (`_ae_unavailable`, `_connected_since`), `_warn`, `_running`,
+    `_nursery`, and the gossip side's `_ensure_pubsub_peers` and `_publish_pending`.
+    """
+
+    # --- anti-entropy: client -------------------------------------------------------------------
+
+    def _candidate_peers(self) -> list[str]:
+        """Connected peers for anti-entropy; those that recently did not serve `crdt/*` for
+        our swarm only if there is nobody else. (Not filtered by gossip subscription: a peer
+        whose gossip stream failed to come up is exactly one anti-entropy must still reach.)"""
+        connected = self.host.connected_peers()
+        now = time.monotonic()
+        serving = [p for p in connected if now - self._ae_unavailable.get(p, -math.inf) >= RETRY_AFTER]
+        return serving or connected
+
+    async def anti_entropy_with(self, peer: str, *, mark_unavailable: bool = True) -> bool:
+        """One exchange with `peer`: compare fingerprints, then push and pull what differs.
+
+        Returns True if the exchange completed (the peer answered well-formed replies).
+        `mark_unavailable`: if the peer turns out not to serve us, skip it for a while.
+        """
+        fps = {name: self._fingerprint(name) for name in self._crdts}
+        try:
+            reply = await self._call(peer, RPC_DIGEST, {"ns": self.namespace, "fp": fps})
+            theirs = _parse_digest_reply(reply, self._crdts)
+        except (RpcError, MalformedCrdtData) as e:
+            return self._ae_failed(peer, e, mark_unavailable)
+        push: dict[str, list[SignedEntry]] = {}
+        want: set[str] = set()
+        for name, digest in theirs.items():
+            crdt = self._crdts[name]
+            missing = crdt.delta_since(digest)
+            if missing:
+                push[name] = missing
+            if any(_beats(v, crdt.entry(owner)) for owner, v in digest.items()):
+                want.add(name)
+        for _ in range(self.config.max_pull_rounds):
+            if not push and not want:
+                break
+            chunk, push = _take(push, self.config.max_rpc_entries_bytes - SPLIT_MARGIN)
+            request = {
+                "ns": self.namespace,
+                "d": {n: digest_to_wire(self._crdts[n].digest()) for n in sorted(want)},
+                "p": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
+            }
+            try:
+                reply = await self._call(peer, RPC_PULL, request)
+                pulled, more = _parse_pull_reply(reply, self._crdts, self.config.max_rpc_entries_bytes + (64 << 10))
+            except (RpcError, MalformedCrdtData) as e:
+                return self._ae_failed(peer, e, mark_unavailable)
+            self.stats.ae_entries_pushed += sum(len(es) for es in chunk.values())
+            for name, entries in self._in_spec_order(pulled.items()):
+                self.stats.ae_entries_pulled += len(entries)
+                self.merge_entries(name, entries, "anti-entropy", peer)
+            if not more:
+                want = set()
+        self.stats.ae_exchanges += 1
+        return True
+
+    async def _call(self, peer: str, name: str, request: Any) -> Any:
+        # py-libp2p's new_stream dials a peer it has no connection to; check first, so that
+        # anti-entropy never re-opens a link that was closed (that would undo a partition).
+        if not self.host.is_connected(peer):
+            raise _NotConnected(f"{peer} is not connected")
+        self.stats.ae_rpcs_sent += 1
+        return await self.host.rpc.call(peer, name, request, timeout=self.config.rpc_timeout)
+
+    def _ae_failed(self, peer: str, error: Exception, mark_unavailable: bool = True) -> bool:
+        self.stats.ae_failed += 1
+        not_serving = (isinstance(error, RpcUnavailable) and self.host.is_connected(peer)) or (
+            isinstance(error, RemoteError) and error.code in (WRONG_SWARM, UNAVAILABLE)
+        )
+        if mark_unavailable and not_serving:  # prefer other peers for a while
+            self._ae_unavailable[peer] = time.monotonic()
+            if len(self._ae_unavailable) > 4096:
+                self._ae_unavailable.clear()
+        if isinstance(error, MalformedCrdtData) or (isinstance(error, RemoteError) and error.code == "malformed"):
+            self._warn.warning(f"ae:{peer}", kv("anti-entropy failed", peer=peer, error=error))
+        else:
+            log.debug(kv("anti-entropy failed", peer=peer, error=error))
+        return False
+
+    async def _anti_entropy_loop(self) -> None:
+        cfg = self.config
+        while True:
+            jitter = random.uniform(1 - cfg.anti_entropy_jitter, 1 + cfg.anti_entropy_jitter)
+            await trio.sleep(cfg.anti_entropy_interval * jitter)
+            self._ensure_pubsub_peers()
+            peers = self._candidate_peers()
+            if peers:
+                await self.anti_entropy_with(random.choice(peers))
+
+    async def _watch_connections(self) -> None:
+        """Greet every newly connected peer with an anti-entropy exchange right away.
+
+        A (re)connection is when two peers are most likely to differ — a healed partition, a
+        restarted or new peer — so waiting for the next random tick would only delay the
+        repair. Of the two ends, the one with the smaller peer id starts the exchange (one
+        exchange per connection, not two); the other's periodic ticks cover a failure.
+        """
+        known: set[str] = set(self.host.connected_peers())
+        while True:
+            await self.host.wait_until(lambda known=known: set(self.host.connected_peers()) != known)
+            current = set(self.host.connected_peers())
+            new = current - known
+            known = current
+            now = time.monotonic()
+            for peer in new:
+                self._connected_since[peer] = now
+            for peer in [p for p in self._connected_since if p not in current]:
+                del self._connected_since[peer]
+            if not new or self._nursery is None:
+                continue
+            for peer in sorted(new):
+                if self.me < peer:
+                    self._nursery.start_soon(self._greet, peer)
+
+    async def _greet(self, peer: str) -> None:
+        await trio.sleep(0.05)  # the new connection's muxer may still be settling
+        await self.anti_entropy_with(peer, mark_unavailable=False)
+
+    async def recover(self, timeout: float = DEFAULT_RECOVER_TIMEOUT) -> bool:
+        """Pull the swarm's state — our own earlier entries included — before writing.
+
+        Waits (up to `timeout`) for a connected peer, then runs anti-entropy with up to
+        `recover_peers` of them. Returns True (and sets `recovered`) once one exchange completed;
+        False if no peer answered in time (e.g. the first peer of a swarm).
+        """
+        with trio.move_on_after(timeout):
+            while True:
+                peers = self._candidate_peers()
+                random.shuffle(peers)
+                ok = False
+                for peer in peers[: self.config.recover_peers]:
+                    ok = await self.anti_entropy_with(peer) or ok
+                if ok:
+                    self.recovered.set()
+                    return True
+                await trio.sleep(0.1)
+        return False
+
+    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2) -> int:
+        """Publish pending gossip now and hand our state to up to `peers` connected peers by
+        anti-entropy (they re-gossip what was new to them). Returns how many peers confirmed.
+        For a clean shutdown: a gossip publish alone may still sit in a send queue when the
+        host closes."""
+        confirmed = 0
+        with trio.move_on_after(timeout):
+            await self._publish_pending()
+            candidates = self._candidate_peers()
+            random.shuffle(candidates)
+            for peer in candidates[:peers]:
+                confirmed += await self.anti_entropy_with(peer)
+        return confirmed
+
+    # --- anti-entropy: server -------------------------------------------------------------------
+
+    def _check_request(self, request: Any, *fields: str) -> dict[str, Any]:
+        if not self._running:
+            raise RemoteError(UNAVAILABLE, "replica is not running")
+        request = require_map(request, "ns", *fields, what="anti-entropy request")
+        if request["ns"] != self.namespace:
+            raise RemoteError(WRONG_SWARM, f"this peer replicates swarm {self.namespace!r}")
+        return request
+
+    async def _serve_digest(self, peer: str, request: Any) -> Any:
+        self.stats.ae_rpcs_served += 1
+        fps = self._check_request(request, "fp")["fp"]
+        if not isinstance(fps, dict) or len(fps) > 4 * len(self._crdts) + 16:
+            raise RemoteError(MALFORMED, "fp must be a small map of CRDT name -> fingerprint")
+        return {
+            "d": {
+                name: digest_to_wire(crdt.digest())
+                for name, crdt in self._crdts.items()
+                if fps.get(name) != self._fingerprint(name)
+            }
+        }
+
+    async def _serve_pull(self, peer: str, request: Any) -> Any:
+        self.stats.ae_rpcs_served += 1
+        request = self._check_request(request, "d", "p")
+        digests, pushed = request["d"], request["p"]
+        if not isinstance(digests, dict) or not isinstance(pushed, dict):
+            raise RemoteError(MALFORMED, "d and p must be maps keyed by CRDT name")
+        rejected = 0
+        limit = self.config.max_rpc_entries_bytes + (64 << 10)
+        decoded: list[tuple[str, list[SignedEntry]]] = []
+        for name, data in pushed.items():
+            crdt = self._crdts.get(name) if isinstance(name, str) else None
+            if crdt is None or not isinstance(data, bytes):
+                raise RemoteError(MALFORMED, f"p: unknown CRDT {name!r:.60} or not bytes")
+            try:
+                decoded.append((name, crdt.decode_entries(data, max_size=limit)))
+            except MalformedCrdtData as e:
+                self._warn.warning(f"ae:{peer}", kv("undecodable pushed entries", peer=peer, error=e))
+                raise RemoteError(MALFORMED, str(e)) from None
+        for name, entries in self._in_spec_order(decoded):
+            rejected += len(self.merge_entries(name, entries, "anti-entropy", peer).rejected)
+        wanted: dict[str, list[SignedEntry]] = {}
+        for name, wire in digests.items():
+            crdt = self._crdts.get(name) if isinstance(name, str) else None
+            if crdt is None:
+                continue  # a CRDT we do not keep: nothing to send
+            try:
+                delta = crdt.delta_since(digest_from_wire(wire))
+            except MalformedCrdtData as e:
+                raise RemoteError(MALFORMED, f"d[{name!r}]: {e}") from None
+            if delta:
+                wanted[name] = delta
+        chunk, rest = _take(wanted, self.config.max_rpc_entries_bytes - SPLIT_MARGIN)
+        return {
+            "e": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
+            "more": bool(rest),
+            "rejected": rejected,
+        }
+
+
+def _take(
+    batches: Mapping[str, list[SignedEntry]], budget: int
+) -> tuple[dict[str, list[SignedEntry]], dict[str, list[SignedEntry]]]:
+    """The first chunk of `split_batches` and everything else."""
+    chunks = split_batches(batches, budget)
+    if not chunks:
+        return {}, {}
+    first = chunks[0]
+    rest: dict[str, list[SignedEntry]] = {}
+    for chunk in chunks[1:]:
+        for name, entries in chunk.items():
+            rest.setdefault(name, []).extend(entries)
+    return first, rest
+
+
+def _parse_digest_reply(reply: Any, crdts: Mapping[str, SignedCrdt]) -> dict[str, Digest]:
+    if not isinstance(reply, dict) or not isinstance(reply.get("d"), dict):
+        raise MalformedCrdtData("a digest reply is {'d': {crdt name: digest}}")
+    return {
+        name: digest_from_wire(wire) for name, wire in reply["d"].items() if isinstance(name, str) and name in crdts
+    }
+
+
+def _parse_pull_reply(
+    reply: Any, crdts: Mapping[str, SignedCrdt], max_size: int
+) -> tuple[dict[str, list[SignedEntry]], bool]:
+    if not isinstance(reply, dict) or not isinstance(reply.get("e"), dict):
+        raise MalformedCrdtData("a pull reply is {'e': {crdt name: entries}, 'more': bool}")
+    more = reply.get("more", False)
+    if not isinstance(more, bool):
+        raise MalformedCrdtData("'more' must be a bool")
+    out: dict[str, list[SignedEntry]] = {}
+    for name, data in reply["e"].items():
+        if not isinstance(name, str) or name not in crdts or not isinstance(data, bytes):
+            raise MalformedCrdtData(f"pull reply for unknown CRDT {name!r:.60} or not bytes")
+        out[name] = crdts[name].decode_entries(data, max_size=max_size)
+    return out, more
+
+
+__all__ = [
+    "DEFAULT_FLUSH_TIMEOUT",
+    "DEFAULT_RECOVER_TIMEOUT",
+    "MAX_RPC_ENTRIES_BYTES",
+    "MAX_RPC_REQUEST",
+    "RPC_DIGEST",
+    "RPC_PULL",
+    "AntiEntropy",
+]
