@@ -135,6 +135,7 @@ FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
+BACKUP_FINISH_WAIT = 10.0  # seconds a mover waits for its own backup of the stage it takes, in flight
 
 
 @dataclass(frozen=True)
@@ -510,8 +511,9 @@ class PipelinePeer:
             (replica,) = stage_map(epoch.placement, self.spec.stages)[mine[0]]
             step = trainer.step
 
-            def offered() -> bool:
-                return self._announced(replica).get("offer", -1) >= step or not self.host.is_connected(replica)
+            def offered() -> bool:  # ... or the replica is gone (left, or not reachable): try at once
+                caps = self._announced(replica)
+                return not caps or caps.get("offer", -1) >= step or not self.host.is_connected(replica)
 
             self.states.start_backup(self._background, mine[0], replica, step, offered)
 
@@ -529,7 +531,7 @@ class PipelinePeer:
         peers = sorted(p for p in {*epoch.placement, *left} if p != self.me)  # + the last epoch's, leaving
         replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
         if not replicas:  # a backup of the stage we take may be in flight: ours, if we are its backer
-            await self.states.finish_backup(stage, self.config.join_timeout)
+            await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
         backer = backers(self.last_placement, self.spec.stages).get(stage)  # the last epoch's
         donated = await self.states.fetch(stage, replicas, peers, backer=backer)
