@@ -213,8 +213,8 @@ class StageStates:
                 await self._backup_done.wait()
 
     async def back_up(self, stage: int, replica: str, step: int) -> Backup | None:
-        """Download stage `stage`'s snapshot of `step` (or later) from its single replica and offer
-        it under the stage's key as its backup (module docstring, Backups); None if it failed or
+        """Download stage `stage`'s newest snapshot (the caller waited for the one of `step`) from
+        its single replica and offer it under the stage's key as its backup (module docstring, Backups); None if it failed or
         is not newer than the backup we hold. A backup of another stage is dropped once this one
         is in."""
         report = FetchReport()
@@ -240,7 +240,7 @@ class StageStates:
         # The replica's meta unchanged: the same bits make the same manifest, so a taker counts us
         # and a replica still reachable as donors of one state (state_sync's failover).
         self.donor.publish(meta, tensors, key=stage_key(stage))
-        self.backup = Backup(stage, int(got), replica, time.monotonic() - t0, report.total_bytes)
+        self.backup = Backup(stage, int(got), replica, round(time.monotonic() - t0, 3), report.total_bytes)
         self._backup_state = (meta, tensors)
         log.warning(kv("took a backup of a stage with one replica", **dataclasses.asdict(self.backup)))
         return self.backup
