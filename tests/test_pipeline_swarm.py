@@ -106,11 +106,12 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
     Placement's refill rule moves an origin to stage 1, and the two survivors train to the last
     step. The stopping peer hands its stage over: it serves the state it published at the epoch's
     end until the mover has it, and the mover trains stage 1 on from there. Without the handover
-    (`HANDOVER_WAIT` 0: as after a crash) nobody holds stage 1's state — this swarm keeps no shared
+    (`HANDOVER_WAIT` 0: as after a crash) and without stage backups (`stage_backup` off; with them:
+    tests/test_pipeline_backup.py) nobody holds stage 1's state — this swarm keeps no shared
     checkpoints — and the mover says so and starts the stage from its initial weights."""
     if not handover:
         monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)
-    spec = pipeline_spec(steps=24)
+    spec = pipeline_spec(steps=24, stage_backup=handover)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
     results: dict[str, meshtrain.NodeResult] = {}

@@ -49,11 +49,20 @@ epoch starts, from the epoch's peers on that stage that offer the base step (the
 state; every-step: weights + AdamW; diloco / noloco: the outer state, entered with `join`). A
 stage that lost its last replica is refilled by placement (rule 3: a peer of the most
 replicated stage moves); the mover takes the newest snapshot of that stage any connected peer
-still holds (the epoch's peers, and the last epoch's that are leaving but still connected) — a
-last replica that *stops* keeps serving its stage for up to `HANDOVER_WAIT` seconds after it left,
-until someone downloaded it — or, if none does (the last replica died and
-the swarm keeps no shared checkpoints), starts the stage from its initial weights and says so.
+still holds (the epoch's peers, and the last epoch's that are leaving but still connected;
+the stage's backer, below) — a last replica that *stops* keeps serving its stage for up to
+`HANDOVER_WAIT` seconds after it left, until someone downloaded it — or, if none does (the last
+replica died before any backup of it was taken, and the swarm keeps no shared checkpoints),
+starts the stage from its initial weights and says so.
 At base step 0 everyone starts from θ0: no download.
+
+Backups (node/stage_state.py, Backups). A crashed last replica hands nothing over, so at every
+epoch end, for each stage that had one replica, one peer of another stage (`backers`) copies
+that replica's new snapshot in the background (`_start_backup`) and offers it under the stage's
+key, where a refill finds it (`joined_from.from_backup`; a mover that is the backer uses its own
+copy). Cost: one stage download per such stage per epoch end. Still lost: a stage whose replica
+dies before the first epoch end, or whose replica and backer both die; the refill resumes at the
+backup's step. The spec's `stage_backup = false` turns backups off.
 
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
 and the step (node/stage_trainer.py: the stage and its state's forms) — every `checkpoint_every`
@@ -64,7 +73,8 @@ Lab. With `NodeConfig.pipeline_lab` (node/pipeline_lab.py) the scheduler and the
 lab's simulated links and forward times (user-space throttling, for benchmarks on one machine).
 
 Status: `status()` is the status document's `pipeline` section (our stage, the stage map, the
-epoch, how we took our stage's state, the bytes we sent to each peer, what we wait for);
+epoch, how we took our stage's state, the stage we back up, the bytes we sent to each peer, what
+we wait for);
 `training_status()` fills its `training` section.
 
 A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
@@ -106,7 +116,7 @@ from meshtrain.node.config import NodeConfig
 from meshtrain.node.pipeline_lab import PipelineLab
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
-from meshtrain.node.stage_state import StageStates
+from meshtrain.node.stage_state import StageStates, backers
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
@@ -126,6 +136,7 @@ FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
+BACKUP_FINISH_WAIT = 10.0  # seconds a mover waits for its own backup of the stage it takes, in flight
 
 
 @dataclass(frozen=True)
@@ -267,6 +278,7 @@ class PipelinePeer:
                     break
                 first = False
                 await self._run_epoch(epoch, until)
+            self.states.cancel_backup()  # leaving: another stage's backup is no longer ours to keep
             await self._hand_over()
         self._background = None
 
@@ -453,6 +465,7 @@ class PipelinePeer:
             self.epoch = None
             self._cuts_served = {p: self._announced(p).get("cut", 0) for p in epoch.placement}
             self._publish_stage()
+            self._start_backup(epoch)
 
     def request_epoch_end(self) -> int:
         """Ask the swarm to end the running epoch after its current iteration, so that every
@@ -487,6 +500,24 @@ class PipelinePeer:
         self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
         self._announce(offer=trainer.step)
 
+    def _start_backup(self, epoch: Epoch) -> None:
+        """At an epoch end, after publishing: if `backers` names us for a stage that had one
+        replica in the epoch, back that replica's new snapshot up in the background, once it
+        announces it (node/stage_state.py, Backups)."""
+        trainer = self.trainer
+        if not self.spec.stage_backup or self.stop.is_set() or self._background is None or trainer is None:
+            return
+        mine = sorted(s for s, p in backers(epoch.placement, self.spec.stages).items() if p == self.me)
+        if mine:  # one backup per peer (`backers` doubles up only with fewer peers than stages)
+            (replica,) = stage_map(epoch.placement, self.spec.stages)[mine[0]]
+            step = trainer.step
+
+            def offered() -> bool:  # ... or the replica is gone (left, or not reachable): try at once
+                caps = self._announced(replica)
+                return not caps or caps.get("offer", -1) >= step or not self.host.is_connected(replica)
+
+            self.states.start_backup(self._background, mine[0], replica, step, offered)
+
     async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
         """Before the epoch starts: a fresh stage, or a state behind the epoch's base step, is
         replaced by the stage's state downloaded from its replicas (module docstring)."""
@@ -500,8 +531,11 @@ class PipelinePeer:
         left = [p for p in self.last_placement if p not in epoch.placement and self.host.is_connected(p)]
         peers = sorted(p for p in {*epoch.placement, *left} if p != self.me)  # + the last epoch's, leaving
         replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
+        if not replicas:  # a backup of the stage we take may be in flight: ours, if we are its backer
+            await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
-        donated = await self.states.fetch(stage, replicas, peers)
+        backer = backers(self.last_placement, self.spec.stages).get(stage)  # the last epoch's
+        donated = await self.states.fetch(stage, replicas, peers, backer=backer)
         why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
         if donated is not None:
             try:
@@ -520,17 +554,13 @@ class PipelinePeer:
             "step": donated.step,
             "donors": len(donated.donors),
             "from_replicas": donated.from_replicas,
+            "from_backup": donated.from_backup,
             "seconds": round(donated.seconds, 3),
             "bytes": donated.bytes,
         }
-        log.warning(
-            kv(
-                "took this stage's state from its replicas"
-                if donated.from_replicas
-                else "took this stage's state from a peer no longer on it (the stage had no replica left)",
-                **self.joined_from,
-            )
-        )
+        source = "a backup" if donated.from_backup else "a peer no longer on it"
+        what = "its replicas" if donated.from_replicas else f"{source} (the stage had no replica left)"
+        log.warning(kv(f"took this stage's state from {what}", **self.joined_from))
 
     async def _wait_ready(self, epoch: Epoch) -> None:
         """Every peer of the epoch serves its runtime: only then is iteration 0 started."""
@@ -646,6 +676,7 @@ class PipelinePeer:
             placement = self.epoch.placement
         else:
             placement = {p: m.stage for p, m in self.members().items() if m.stage is not None}
+        backup = self.states.backup
         return {
             "mode": self.spec.pipeline,
             "stages": S,
@@ -658,6 +689,7 @@ class PipelinePeer:
             "epochs": self.epochs,
             "forward_s": self.forward_s,
             "joined_from": self.joined_from,
+            "backup": {"stage": backup.stage, "step": backup.step} if backup is not None else None,
             "traffic": self._traffic(),
             "waiting": self.waiting,
             "export": self.export,

@@ -55,7 +55,8 @@ Keys: a donor may serve several states side by side, each under a key (`publish(
 `fetch_state(..., key=)`; the manifest request names it, "" by default). A pipeline peer offers
 its stage's state under the stage's key (node/pipeline_peer.py): a joiner that asks the replicas
 of stage 2 for `"pipeline/stage2"` is never offered another stage's weights by a peer that has
-moved meanwhile — that peer answers `no_state`. Each key keeps its own newest `keep` snapshots.
+moved meanwhile — that peer answers `no_state`. Each key keeps its own newest `keep` snapshots;
+`withdraw(key)` drops them all (a pipeline peer's backup of a stage it no longer backs).
 
 Not here: choosing donors (the node passes live trainers from membership), unflattening, join.
 Limits: a majority of *identities* is not a majority of people (a Sybil with many peer ids can
@@ -384,6 +385,12 @@ class StateDonor:
     def keyed_rounds(self, key: str) -> list[int]:
         """Rounds offered under `key`, newest first."""
         return [s.round for s in self._offered(key)]
+
+    def withdraw(self, key: str) -> None:
+        """Stop offering every snapshot under `key` (a non-empty key: the default state is never
+        withdrawn); a download of one of them in progress fails over to its other donors."""
+        if key:
+            self._keyed.pop(key, None)
 
     def _offered(self, key: str) -> list[_Snapshot]:
         return self._snapshots if not key else self._keyed.get(key, [])

@@ -59,7 +59,8 @@ The status document (`Node.snapshot()`):
     pipeline:   only in a pipeline swarm (node/pipeline_peer.py): mode, stages, stage (ours),
                 stage_map ([[peer ids] per stage]: the running epoch's, else as announced),
                 stage_cut, replica_sync, activation_codec, epoch (key or null), epochs,
-                forward_s, waiting,
+                forward_s, waiting, joined_from, backup ({stage, step} of the stage with one replica
+                we hold a copy of, node/stage_state.py Backups, or null), traffic,
                 export (the last `POST /export`'s progress: {state: running|done|failed, out,
                 phase, stages: {stage: {done, total}} bytes fetched, result | error}, or null)
 """

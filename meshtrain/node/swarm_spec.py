@@ -287,6 +287,12 @@ class SwarmSpec(BaseModel):
         description="pipeline: how a stage's replicas agree: every-step (gradient all-reduce every "
         "iteration) | diloco | noloco (an outer step every H iterations, per stage)",
     )
+    stage_backup: bool = Field(
+        True,
+        description="pipeline: at every epoch end a peer of another stage keeps a copy of each stage "
+        "that has one replica, so that a crash of that replica does not restart the stage from its "
+        "initial weights (node/stage_state.py; costs one stage download per such stage and epoch)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="forward pass under autocast: fp32 | bf16 | fp16 (fp16 adds loss scaling); "

@@ -1,0 +1,107 @@
+"""Stage backups (node/stage_state.py, Backups): at every epoch end a peer of another stage keeps a
+copy of each stage that has a single replica, so that the stage survives that replica's crash —
+the refill resumes from the backup's step, not from the initial weights. The choice of backer is
+a pure function of the epoch's placement (unit test); the swarm test runs real `Node`s on
+loopback like tests/test_pipeline_swarm.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+
+import meshtrain
+from meshtrain.node import pipeline_peer
+from meshtrain.node.stage_state import backers
+from meshtrain.pipeline.placement import stage_map
+from meshtrain.transport.identity import Identity
+
+from .test_pipeline_swarm import final_stage, node_config, pipeline_spec, stage_step, wait_for
+
+
+def test_every_single_replica_stage_gets_one_backer_on_another_stage_the_same_on_every_peer():
+    """`backers` names, for every stage with exactly one replica and only for those, a peer of
+    another stage (the lowest id on the next stage), a different peer for each stage while there
+    are enough, and does not depend on the order the placement is listed in."""
+    rng = random.Random(7)
+    for _ in range(300):
+        S = rng.randint(1, 6)
+        n = rng.randint(1, 10)
+        placement = {f"p{i:02d}": rng.randrange(S) for i in range(n)}
+        got = backers(placement, S)
+        shuffled = list(placement.items())
+        rng.shuffle(shuffled)
+        assert backers(dict(shuffled), S) == got  # every peer computes the same
+        stages = stage_map(placement, S)
+        single = {s for s in range(S) if len(stages[s]) == 1}
+        coverable = {s for s in single if len(placement) > 1}
+        assert set(got) == coverable, (placement, got)
+        for s, peer in got.items():
+            assert placement[peer] != s, (placement, got)  # never the replica itself
+        for s, peer in got.items():  # a peer backs two stages only when all it could pick back one
+            earlier = {q for t, q in got.items() if t < s}
+            if peer in earlier:
+                assert {p for p in placement if placement[p] != s} <= earlier, (placement, got)
+    # Fixed cases: the lowest id on the next stage; distinct backers when there are enough peers.
+    assert backers({"a": 0, "b": 0, "c": 1}, 2) == {1: "a"}
+    assert backers({"a": 0, "b": 1}, 2) == {0: "b", 1: "a"}
+    assert backers({"a": 0, "b": 1, "c": 2}, 3) == {0: "b", 1: "c", 2: "a"}
+    assert backers({"a": 0, "b": 1, "c": 1, "d": 2}, 3) == {0: "b", 2: "a"}
+    assert backers({"a": 0, "b": 0, "c": 1, "d": 2}, 3) == {1: "d", 2: "a"}
+    assert backers({"x": 1, "y": 2}, 3) == {1: "y", 2: "x"}  # stage 0 empty: nothing to back up
+    assert backers({"a": 0}, 1) == {}  # nobody else
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backer_moves", [False, True])
+async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_from_initial_weights(
+    tmp_path, monkeypatch, backer_moves
+):
+    """Three daemons: two origins on stage 0, one peer on stage 1. An epoch end (an export's
+    `request_epoch_end`) makes the lowest-id origin back stage 1 up; then the stage-1 peer leaves
+    without handing its stage over (`HANDOVER_WAIT` 0: as after a crash). Placement moves the
+    faster origin to stage 1 — announced forward times make it the backer itself (which enters
+    its own copy) or the other origin (which downloads the backup from the backer) — and it
+    trains on from the backup's step; both survivors reach the last step."""
+    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)
+    ids = sorted(Identity.load_or_create(tmp_path / name).peer_id_str for name in "abc")
+    # forward seconds by id rank: the lower id of the two origins is the faster (it moves) or the slower
+    fwd = {p: 0.01 * (r + 1 if backer_moves else 3 - r) for r, p in enumerate(ids)}
+    monkeypatch.setattr(pipeline_peer.PipelinePeer, "_measure_forward", lambda self: fwd[self.me])
+    spec = pipeline_spec(steps=24)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    results: dict[str, meshtrain.NodeResult] = {}
+
+    async def run(name: str, node: meshtrain.Node) -> None:
+        results[name] = await node.run()
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", nodes["a"])
+            await wait_for(lambda: nodes["a"].view is not None)
+            for name in "bc":
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nursery.start_soon(run, name, nodes[name])
+            await wait_for(lambda: all(stage_step(n)[1] >= 4 for n in nodes.values()))
+            (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+            origins = sorted((n.pipeline.me, name) for name, n in nodes.items() if name != gone)
+            backer = origins[0][1]  # the lowest id on stage 0, the next stage after 1
+            nodes[backer].pipeline.request_epoch_end()
+            await wait_for(lambda: nodes[backer].pipeline.status()["backup"] is not None)
+            backup = nodes[backer].pipeline.status()["backup"]
+            assert backup["stage"] == 1 and backup["step"] >= 4, backup
+            assert nodes[origins[1][1]].pipeline.status()["backup"] is None  # one backer per stage
+            nodes[gone].stop()
+    survivors = sorted(set(nodes) - {gone})
+    assert results[gone].step < 24 and all(results[n].step == 24 for n in survivors), results
+    stages = {n: final_stage(tmp_path, n)[0] for n in survivors}
+    assert sorted(stages.values()) == [0, 1], stages  # one origin moved to the empty stage
+    mover = nodes[next(n for n in survivors if stages[n] == 1)]
+    joined = mover.pipeline.joined_from
+    assert joined is not None and joined["stage"] == 1, joined
+    assert not joined["from_replicas"] and joined["from_backup"], joined
+    assert joined["step"] >= backup["step"] >= 4, (joined, backup)  # not step 0: not θ0
+    assert (mover is nodes[backer]) == backer_moves, (backer, stages)
+    assert (joined["bytes"] == 0) == backer_moves, joined  # its own copy, or downloaded from the backer
