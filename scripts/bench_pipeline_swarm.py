@@ -1,6 +1,6 @@
 """Pipeline swarms through the daemon: `meshtrain node start` processes on throttled links.
 
-    python scripts/bench_pipeline_swarm.py [--steps N] [--quick]
+    python scripts/bench_pipeline_swarm.py [--steps N] [--quick] [--activation-codec none|bf16|int8] [--kill-only]
 
 Sized down from the issue's setting. Issue 18 asks for 10 daemons, 5 stages, 3 regions. This
 machine has 2 cores shared with other work, and 10 daemons (each a torch process with its host,
@@ -39,7 +39,10 @@ Reported (last stdout line, one JSON object):
 - `kill_recovery_s`: from the SIGKILL to the next completed iteration on a survivor;
   `kill_new_epoch_s`: to the first iteration completed by the re-placed swarm (two steps later).
 - `refill_ok`: after stage 1's last replica died, a survivor holds stage 1 and the swarm trained
-  on to the spec's last step; `refill_s`: from that kill to the first step after the refill.
+  on to the spec's last step; `refill_s`: from that kill to the first step after the refill;
+  `refill_from`: the mover's `joined_from` (`backup`: the state came from a stage backup, `step`:
+  its step; null: nobody held the stage, it restarted from its initial weights), beside
+  `refill_killed_at_step`.
 Progress goes to stderr; logs of every daemon in the temporary directory (kept with --keep).
 """
 
@@ -87,10 +90,10 @@ def cli(*args: str) -> list[str]:
 class Daemons:
     """N `meshtrain node start` processes in `root`, on the lab's links (module docstring)."""
 
-    def __init__(self, root: Path, n: int, identities: Path) -> None:
+    def __init__(self, root: Path, n: int, identities: Path, spec_args: tuple[str, ...] = ()) -> None:
         from meshtrain.transport.identity import KEY_FILE_NAME, Identity
 
-        self.root, self.n = root, n
+        self.root, self.n, self.spec_args = root, n, spec_args  # spec_args: extra `swarm create` flags
         self.dirs = [root / f"node{i}" for i in range(n)]
         for i, d in enumerate(self.dirs):  # every run the same peers: the same regions and speeds
             key = identities / f"node{i}" / KEY_FILE_NAME
@@ -143,6 +146,7 @@ class Daemons:
                 str(steps),
                 "--eval-every",
                 "0",
+                *self.spec_args,
             ),
             capture_output=True,
             text=True,
@@ -313,9 +317,9 @@ def assembled_eval_loss(d: Daemons) -> float:
     return float(model.evaluate(corpus.eval_batches(8, 16, model.config.context)))
 
 
-def daemon_run(root: Path, replica_sync: str, steps: int) -> dict[str, Any]:
+def daemon_run(root: Path, replica_sync: str, steps: int, spec_args: tuple[str, ...] = ()) -> dict[str, Any]:
     root.mkdir(parents=True)
-    d = Daemons(root, N_DAEMONS, root.parent / "identities")
+    d = Daemons(root, N_DAEMONS, root.parent / "identities", spec_args)
     progress(f"run {replica_sync}: {N_DAEMONS} daemons, {steps} steps (logs in {root})")
     t0 = time.monotonic()
     try:
@@ -393,10 +397,10 @@ def library_run(root: Path, every: dict[str, Any], steps: int) -> float:
     return iter_s
 
 
-def kill_run(root: Path, steps: int) -> dict[str, Any]:
+def kill_run(root: Path, steps: int, spec_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run 4 (module docstring): two SIGKILLs at step 8, the last stage-1 replica later."""
     root.mkdir(parents=True)
-    d = Daemons(root, N_DAEMONS, root.parent / "identities")
+    d = Daemons(root, N_DAEMONS, root.parent / "identities", spec_args)
     progress(f"run kill: {N_DAEMONS} daemons, {steps} steps")
     out: dict[str, Any] = {"kill_recovery_s": None, "kill_new_epoch_s": None, "refill_ok": False, "refill_s": None}
     try:
@@ -440,6 +444,11 @@ def kill_run(root: Path, steps: int) -> dict[str, Any]:
             return bool(movers) and max(d.step_of(i) for i in movers) > at
 
         out["refill_s"] = wait_until(refilled)
+        took = [((d.last[i] or {}).get("pipeline") or {}).get("joined_from") for i in movers]
+        # where the mover's stage state came from: a backup taken at an epoch end (node/stage_state.py)
+        # and its step, against the step the last replica died at (None: from the initial weights)
+        out["refill_from"] = next(({"backup": t.get("from_backup"), "step": t.get("step")} for t in took if t), None)
+        out["refill_killed_at_step"] = at
         d.wait()
         finished = [i for i in range(d.n) if d.procs[i].returncode == 0]
         ends = [h[-1]["step"] for h in (d.history(i) for i in finished) if h]
@@ -456,15 +465,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="iterations of runs 1-3 (a multiple of H = 20)")
     ap.add_argument("--quick", action="store_true", help="20 steps, for a smoke test")
     ap.add_argument("--keep", action="store_true", help="keep the logs and data dirs")
+    ap.add_argument("--activation-codec", default="none", help="the spec's activation_codec for every daemon run")
+    ap.add_argument("--kill-only", action="store_true", help="run 4 alone (its keys only)")
     args = ap.parse_args()
     steps = 20 if args.quick else args.steps
+    spec_args = ("--activation-codec", args.activation_codec)
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_swarm-"))
+    if args.kill_only:
+        try:
+            kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()}
+        line |= {"activation_codec": args.activation_codec, "wall_s": round(time.monotonic() - t_start, 1)}
+        print(json.dumps(line), flush=True)
+        return
     try:
-        every = daemon_run(tmp / "every-step", "every-step", steps)
-        diloco = daemon_run(tmp / "diloco", "diloco", steps)
+        every = daemon_run(tmp / "every-step", "every-step", steps, spec_args)
+        diloco = daemon_run(tmp / "diloco", "diloco", steps, spec_args)
         library_iter = library_run(tmp / "library", every, steps)
-        kill = kill_run(tmp / "kill", max(steps, 40))
+        kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -503,6 +524,7 @@ def main() -> None:
         "sized_down_from": {"daemons": 10, "stages": 5, "regions": 3},
         "skip_ratio": SKIP_RATIO,
         "microbatches": MICROBATCHES,
+        "activation_codec": args.activation_codec,
         "placement_stage_sizes": [sum(1 for s in every["placement"].values() if s == k) for k in range(N_STAGES)],
         "wall_s": round(time.monotonic() - t_start, 1),
         "python": sys.version.split()[0],

@@ -78,7 +78,7 @@ we wait for);
 `training_status()` fills its `training` section.
 
 A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
-with the lowest id re-runs them: pipeline/runtime.py, `_adopt`).
+with the lowest id re-runs them: pipeline/rerouting.py, `Rerouting._adopt`).
 
 Export (node/pipeline_export.py). `meshtrain export` on any peer asks its running daemon for the
 whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
@@ -99,6 +99,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before t
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
 BACKUP_FINISH_WAIT = 10.0  # seconds a mover waits for its own backup of the stage it takes, in flight
+RECENT_EPOCHS = 4  # epochs whose backers count as such when a refill names where its state came from
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class PipelinePeer:
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
         self.last_placement: dict[str, int] = {}  # the last epoch's
+        # the last few epochs' (a backup taken a few epochs back is still the newest snapshot)
+        self.recent_placements: deque[dict[str, int]] = deque(maxlen=RECENT_EPOCHS)
         self.epochs = 0
         self.forward_s = 0.0
         self.waiting: str | None = None
@@ -423,6 +427,7 @@ class PipelinePeer:
         allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
         self.epoch = epoch
         self.last_placement = epoch.placement
+        self.recent_placements.append(epoch.placement)
         self.epochs += 1
         log.warning(
             kv(
@@ -534,8 +539,8 @@ class PipelinePeer:
         if not replicas:  # a backup of the stage we take may be in flight: ours, if we are its backer
             await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
-        backer = backers(self.last_placement, self.spec.stages).get(stage)  # the last epoch's
-        donated = await self.states.fetch(stage, replicas, peers, backer=backer)
+        recent = (backers(placement, self.spec.stages).get(stage) for placement in self.recent_placements)
+        donated = await self.states.fetch(stage, replicas, peers, backer_peers={b for b in recent if b is not None})
         why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
         if donated is not None:
             try:

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,18 +264,18 @@ class StageStates:
         replicas: Sequence[str],
         others: Sequence[str],
         *,
-        backer: str | None = None,
+        backer_peers: Collection[str] = (),
         progress: Progress | None = None,
     ) -> DonatedState | None:
         """Download stage `stage`'s state from `replicas` (the peers on it that offer the epoch's
-        step), else the newest snapshot any of `others` still holds — `from_backup` if `backer`
-        (the stage's, by `backers`) is among its donors — else our own backup if it is newer;
-        None if nobody has one."""
+        step), else the newest snapshot any of `others` still holds — `from_backup` if one of
+        `backer_peers` (the stage's backers, by `backers`, in recent epochs) is among its donors — else
+        our own backup if it is newer; None if nobody has one."""
         try:
             got: DonatedState | None = await self.fetch_required(stage, replicas, others, progress=progress)
         except StageStateError:
             got = None
-        if got is not None and not got.from_replicas and backer in got.donors:
+        if got is not None and not got.from_replicas and set(backer_peers) & set(got.donors):
             got = dataclasses.replace(got, from_backup=True)
         own = self.own_backup(stage)
         if own is not None and (got is None or (not got.from_replicas and own.step >= got.step)):

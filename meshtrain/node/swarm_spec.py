@@ -21,6 +21,10 @@ keeps the mean, and an explicit `aggregation = "mean"` stays. Its `group_size`: 
 
     swarm id = "ms" + blake3(canonical msgpack of {spec, owner})[:20 hex]
 
+where `spec` is the dict as its owner signed it (`SignedSpec.signed`), not as this version would
+write it: a spec signed by an older meshtrain lacks keys added since, which parse to their
+defaults, and still verifies, keeps its id and is passed on unchanged.
+
 so the id names one spec *and* one owner: a peer cannot hand a joiner a different spec under the
 same id (the id would not match), nor re-sign someone else's spec as its own (the id would
 change). The owner's key also is the only key that may write the swarm's CRDT config
@@ -531,24 +535,36 @@ class SpecError(MeshtrainError):
     """A signed spec is malformed, forged, or not the swarm we asked for."""
 
 
-def swarm_id_of(spec: SwarmSpec, owner: str) -> str:
-    body = packb_canonical({"spec": spec.model_dump(), "owner": owner})
+def swarm_id_of(signed: dict[str, Any], owner: str) -> str:
+    """The id of the spec dict `signed` (as its owner signed it) and its owner."""
+    body = packb_canonical({"spec": signed, "owner": owner})
     return "ms" + blake3.blake3(body).hexdigest()[:20]
 
 
 @dataclass(frozen=True)
 class SignedSpec:
+    """spec: the parsed spec (keys the signer's version lacked at their defaults). owner: peer id
+    of the creator. signature: over `signed`, the spec dict as the owner signed it (None: the
+    spec's own `model_dump()`, as `create` signs), which the id and the wire form carry."""
+
     spec: SwarmSpec
-    owner: str  # peer id of the creator
+    owner: str
     signature: bytes
+    signed: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.signed is None:
+            object.__setattr__(self, "signed", self.spec.model_dump())
 
     @property
     def swarm_id(self) -> str:
-        return swarm_id_of(self.spec, self.owner)
+        assert self.signed is not None  # __post_init__
+        return swarm_id_of(self.signed, self.owner)
 
     @staticmethod
-    def _message(spec: SwarmSpec, owner: str) -> bytes:
-        return b"meshtrain-swarm-spec\n" + packb_canonical({"spec": spec.model_dump(), "owner": owner})
+    def signed_message(signed: dict[str, Any], owner: str) -> bytes:
+        """The bytes an owner signs: the spec dict as signed, and the owner's peer id."""
+        return b"meshtrain-swarm-spec\n" + packb_canonical({"spec": signed, "owner": owner})
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
@@ -569,12 +585,12 @@ class SignedSpec:
             pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
         spec = spec.model_copy(update=pins)
         owner = identity.peer_id_str
-        return cls(spec, owner, identity.sign(cls._message(spec, owner)))
+        return cls(spec, owner, identity.sign(cls.signed_message(spec.model_dump(), owner)))
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "spec": self.spec.model_dump(),
+            "spec": self.signed,
             "owner": self.owner,
             "signature": self.signature.hex(),
             "swarm_id": self.swarm_id,
@@ -588,13 +604,19 @@ class SignedSpec:
         owner, sig = data.get("owner"), data.get("signature")
         if not isinstance(owner, str) or not isinstance(sig, str) or not isinstance(data.get("spec"), dict):
             raise SpecError("spec document lacks spec, owner or signature")
+        unknown = sorted(repr(k)[:40] for k in data["spec"] if k not in SwarmSpec.model_fields)
+        if unknown:
+            raise SpecError(
+                f"the swarm spec has keys this meshtrain does not know ({', '.join(unknown[:5])}): "
+                "a newer meshtrain created it; upgrade to join this swarm"
+            )
         try:
             spec = parse_spec(data["spec"])
             signature = bytes.fromhex(sig)
         except (ConfigError, ValueError) as e:
             raise SpecError(f"invalid swarm spec: {e}") from None
-        signed = cls(spec, owner, signature)
-        if not verify(owner, cls._message(spec, owner), signature):
+        signed = cls(spec, owner, signature, data["spec"])
+        if not verify(owner, cls.signed_message(data["spec"], owner), signature):
             raise SpecError("the swarm spec's signature does not verify: forged or corrupted")
         if expect_id is not None and signed.swarm_id != expect_id:
             raise SpecError(f"this peer serves swarm {signed.swarm_id}, not {expect_id}")
