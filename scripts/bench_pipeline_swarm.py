@@ -40,8 +40,8 @@ Reported (last stdout line, one JSON object):
   `kill_new_epoch_s`: to the first iteration completed by the re-placed swarm (two steps later).
 - `refill_ok`: after stage 1's last replica died, a survivor holds stage 1 and the swarm trained
   on to the spec's last step; `refill_s`: from that kill to the first step after the refill;
-  `refill_from`: the mover's `joined_from` (`backup`: the state came from a stage backup, `step`:
-  its step; null: nobody held the stage, it restarted from its initial weights), beside
+  `refill_from`: the mover's `joined_from` (`from_backup`: the state came from a stage backup,
+  `step`: its step; `initial_weights`: nobody held the stage, it restarted from θ0), beside
   `refill_killed_at_step`.
 Progress goes to stderr; logs of every daemon in the temporary directory (kept with --keep).
 """
@@ -444,10 +444,13 @@ def kill_run(root: Path, steps: int, spec_args: tuple[str, ...] = ()) -> dict[st
             return bool(movers) and max(d.step_of(i) for i in movers) > at
 
         out["refill_s"] = wait_until(refilled)
-        took = [((d.last[i] or {}).get("pipeline") or {}).get("joined_from") for i in movers]
-        # where the mover's stage state came from: a backup taken at an epoch end (node/stage_state.py)
-        # and its step, against the step the last replica died at (None: from the initial weights)
-        out["refill_from"] = next(({"backup": t.get("from_backup"), "step": t.get("step")} for t in took if t), None)
+        took = [((d.last[i] or {}).get("pipeline") or {}).get("joined_from") or {} for i in movers]
+        # where the mover's stage state came from (node/stage_state.py): a backup, and its step,
+        # against the step the last replica died at; step 0 and initial_weights: nobody held it
+        out["refill_from"] = next(
+            ({k: t.get(k) for k in ("from_backup", "initial_weights", "step")} for t in took if t.get("stage") == 1),
+            None,
+        )
         out["refill_killed_at_step"] = at
         d.wait()
         finished = [i for i in range(d.n) if d.procs[i].returncode == 0]
@@ -476,7 +479,8 @@ def main() -> None:
         try:
             kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
         line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()}
         line |= {"activation_codec": args.activation_codec, "wall_s": round(time.monotonic() - t_start, 1)}
         print(json.dumps(line), flush=True)

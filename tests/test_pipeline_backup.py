@@ -9,15 +9,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import trio
 
-import meshtrain
 from meshtrain.node import pipeline_peer
 from meshtrain.node.stage_state import backers
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.identity import Identity
 
-from .test_pipeline_swarm import final_stage, node_config, pipeline_spec, stage_step, wait_for
+from .test_pipeline_swarm import final_stage, pipeline_spec, stage_step, three_daemons, wait_for
 
 
 def test_every_single_replica_stage_gets_one_backer_on_another_stage_the_same_on_every_peer():
@@ -69,31 +67,17 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
     # forward seconds by id rank: the lower id of the two origins is the faster (it moves) or the slower
     fwd = {p: 0.01 * (r + 1 if backer_moves else 3 - r) for r, p in enumerate(ids)}
     monkeypatch.setattr(pipeline_peer.PipelinePeer, "_measure_forward", lambda self: fwd[self.me])
-    spec = pipeline_spec(steps=24)
-    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
-    results: dict[str, meshtrain.NodeResult] = {}
-
-    async def run(name: str, node: meshtrain.Node) -> None:
-        results[name] = await node.run()
-
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run, "a", nodes["a"])
-            await wait_for(lambda: nodes["a"].view is not None)
-            for name in "bc":
-                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
-                nursery.start_soon(run, name, nodes[name])
-            await wait_for(lambda: all(stage_step(n)[1] >= 4 for n in nodes.values()))
-            (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
-            origins = sorted((n.pipeline.me, name) for name, n in nodes.items() if name != gone)
-            backer = origins[0][1]  # the lowest id on stage 0, the next stage after 1
-            nodes[backer].pipeline.request_epoch_end()
-            await wait_for(lambda: nodes[backer].pipeline.status()["backup"] is not None)
-            backup = nodes[backer].pipeline.status()["backup"]
-            assert backup["stage"] == 1 and backup["step"] >= 4, backup
-            assert nodes[origins[1][1]].pipeline.status()["backup"] is None  # one backer per stage
-            nodes[gone].stop()
+    async with three_daemons(tmp_path, pipeline_spec(steps=24)) as (nodes, results):
+        await wait_for(lambda: all(stage_step(n)[1] >= 4 for n in nodes.values()))
+        (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+        origins = sorted((n.pipeline.me, name) for name, n in nodes.items() if name != gone)
+        backer = origins[0][1]  # the lowest id on stage 0, the next stage after 1
+        nodes[backer].pipeline.request_epoch_end()
+        await wait_for(lambda: nodes[backer].pipeline.status()["backup"] is not None)
+        backup = nodes[backer].pipeline.status()["backup"]
+        assert backup["stage"] == 1 and backup["step"] >= 4, backup
+        assert nodes[origins[1][1]].pipeline.status()["backup"] is None  # one backer per stage
+        nodes[gone].stop()
     survivors = sorted(set(nodes) - {gone})
     assert results[gone].step < 24 and all(results[n].step == 24 for n in survivors), results
     stages = {n: final_stage(tmp_path, n)[0] for n in survivors}

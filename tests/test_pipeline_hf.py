@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 import trio
 
-import meshtrain
 from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
@@ -25,7 +24,7 @@ from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
 from meshtrain.pipeline.stages import StageReplica, load_stage_states
 from meshtrain.transport.identity import Identity
 
-from .test_pipeline_swarm import node_config, pipeline_spec, stage_step, wait_for, weights_digest
+from .test_pipeline_swarm import pipeline_spec, stage_step, three_daemons, wait_for, weights_digest
 from .tiny_hf import save_tiny_llama, train_bpe
 
 VOCAB = 64
@@ -212,27 +211,19 @@ async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_mode
     monkeypatch.setattr(StageStates, "publish", observe)
     monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together
     spec = pipeline_spec(model=f"hf:{llama}", tokenizer=f"hf:{bpe}", context=16, steps=0)
-    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    assert signed.spec.stage_cut == "0-1"
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    assert SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a")).spec.stage_cut == "0-1"
     out = tmp_path / "export"
-    with trio.fail_after(90):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(nodes["a"].run)
-            await wait_for(lambda: nodes["a"].view is not None)
-            for name in "bc":
-                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
-                nursery.start_soon(nodes[name].run)
-            await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
-            (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
-            argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
-            rc = [await trio.to_thread.run_sync(cli.main, argv)]
-            capsys.readouterr()
-            argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
-            rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
-            sampled = capsys.readouterr()
-            for node in nodes.values():
-                node.stop()
+    async with three_daemons(tmp_path, spec, timeout=90) as (nodes, _):
+        await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
+        (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+        argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
+        rc = [await trio.to_thread.run_sync(cli.main, argv)]
+        capsys.readouterr()
+        argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
+        rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
+        sampled = capsys.readouterr()
+        for node in nodes.values():
+            node.stop()
     assert rc == [0, 0] and sampled.out.startswith("The "), sampled
     info = json.loads((out / "meshtrain_export.json").read_text())
     step = info["step"]

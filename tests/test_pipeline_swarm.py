@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,30 @@ async def wait_for(predicate, timeout: float = 60.0) -> None:
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.05)
+
+
+@asynccontextmanager
+async def three_daemons(
+    tmp_path: Path, spec: meshtrain.SwarmSpec, timeout: float = 120
+) -> AsyncIterator[tuple[dict[str, meshtrain.Node], dict[str, meshtrain.NodeResult]]]:
+    """Nodes a (the spec's owner, waiting for 3 peers), b and c (joining a's address), running:
+    yields (nodes, results) by name while they run; on leaving, every node's run has returned
+    (`results`)."""
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    results: dict[str, meshtrain.NodeResult] = {}
+
+    async def run(name: str, node: meshtrain.Node) -> None:
+        results[name] = await node.run()
+
+    with trio.fail_after(timeout):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", nodes["a"])
+            await wait_for(lambda: nodes["a"].view is not None)
+            for name in "bc":
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nursery.start_soon(run, name, nodes[name])
+            yield nodes, results
 
 
 def final_stage(tmp_path: Path, name: str) -> tuple[int, int, str]:
@@ -111,20 +137,7 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
     checkpoints — and the mover says so and starts the stage from its initial weights."""
     if not handover:
         monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)
-    spec = pipeline_spec(steps=24, stage_backup=handover)
-    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
-    results: dict[str, meshtrain.NodeResult] = {}
-
-    async def run(name: str, node: meshtrain.Node) -> None:
-        results[name] = await node.run()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run, "a", nodes["a"])
-        await wait_for(lambda: nodes["a"].view is not None)
-        for name in "bc":
-            nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
-            nursery.start_soon(run, name, nodes[name])
+    async with three_daemons(tmp_path, pipeline_spec(steps=24, stage_backup=handover)) as (nodes, results):
         await wait_for(lambda: all(stage_step(n)[1] >= 6 for n in nodes.values()))
         (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
         nodes[gone].stop()
@@ -137,8 +150,8 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
     if handover:
         assert joined is not None and joined["stage"] == 1 and not joined["from_replicas"], joined
         assert joined["step"] == results[gone].step, (joined, results[gone])
-    else:
-        assert joined is None  # nothing to download: it started stage 1 from θ0
+    else:  # nothing to download: it started stage 1 from θ0, and says so
+        assert joined == {"stage": 1, "step": 0, "donors": 0, "initial_weights": True}, joined
 
 
 def weights_digest(weights: dict) -> str:
@@ -171,27 +184,19 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
     monkeypatch.setattr(StageStates, "publish", observe)
     monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together: nobody takes a stage over
     spec = pipeline_spec(steps=0)  # until stopped
-    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
     out = tmp_path / "export"
     rc: list[int] = []
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(nodes["a"].run)
-            await wait_for(lambda: nodes["a"].view is not None)
-            for name in "bc":
-                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
-                nursery.start_soon(nodes[name].run)
-            await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
-            (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
-            argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
-            rc.append(await trio.to_thread.run_sync(cli.main, argv))
-            capsys.readouterr()
-            argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
-            rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
-            sampled = capsys.readouterr().out
-            for node in nodes.values():
-                node.stop()
+    async with three_daemons(tmp_path, spec) as (nodes, _):
+        await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
+        (later,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
+        argv = ["export", "--data-dir", str(tmp_path / later), "--out", str(out)]
+        rc.append(await trio.to_thread.run_sync(cli.main, argv))
+        capsys.readouterr()
+        argv = ["sample", "--data-dir", str(tmp_path / later), "--prompt", "The ", "--max-new-tokens", "5"]
+        rc.append(await trio.to_thread.run_sync(cli.main, argv))  # the same assembly, read back
+        sampled = capsys.readouterr().out
+        for node in nodes.values():
+            node.stop()
     assert rc == [0, 0] and sampled.startswith("The ") and len(sampled) > len("The "), sampled
     info = json.loads((out / "meshtrain_export.json").read_text())
     stages = {s["stage"]: s for s in info["stages"]}
@@ -216,21 +221,8 @@ async def test_a_swarm_with_int8_activation_hops_trains_and_its_replicas_stay_id
     """A spec with `activation_codec = "int8"`: three daemons (two origins on stage 0, one peer on
     stage 1) send every activation and gradient hop int8-encoded. They train to the last step, the
     loss stays finite and falls, and the two stage-0 replicas end with the same bits."""
-    spec = pipeline_spec(steps=16, activation_codec="int8")
-    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
-    results: dict[str, meshtrain.NodeResult] = {}
-
-    async def run(name: str, node: meshtrain.Node) -> None:
-        results[name] = await node.run()
-
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run, "a", nodes["a"])
-            await wait_for(lambda: nodes["a"].view is not None)
-            for name in "bc":
-                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
-                nursery.start_soon(run, name, nodes[name])
+    async with three_daemons(tmp_path, pipeline_spec(steps=16, activation_codec="int8")) as (nodes, results):
+        pass
     assert {n: r.step for n, r in results.items()} == {"a": 16, "b": 16, "c": 16}, results
     assert all(n.pipeline.status()["activation_codec"] == "int8" for n in nodes.values())
     finals = {n: final_stage(tmp_path, n) for n in nodes}

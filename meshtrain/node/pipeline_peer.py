@@ -56,13 +56,14 @@ replica died before any backup of it was taken, and the swarm keeps no shared ch
 starts the stage from its initial weights and says so.
 At base step 0 everyone starts from θ0: no download.
 
-Backups (node/stage_state.py, Backups). A crashed last replica hands nothing over, so at every
-epoch end, for each stage that had one replica, one peer of another stage (`backers`) copies
-that replica's new snapshot in the background (`_start_backup`) and offers it under the stage's
-key, where a refill finds it (`joined_from.from_backup`; a mover that is the backer uses its own
-copy). Cost: one stage download per such stage per epoch end. Still lost: a stage whose replica
-dies before the first epoch end, or whose replica and backer both die; the refill resumes at the
-backup's step. The spec's `stage_backup = false` turns backups off.
+Backups (node/stage_state.py, Backups). A crashed last replica hands nothing over, so as every
+epoch starts and again at its end, for each stage with one replica, one peer of another stage
+(`backers`) copies that replica's newest snapshot in the background (`_start_backup`) and offers
+it under the stage's key, where a refill finds it (`joined_from.from_backup`; a mover that is the
+backer uses its own copy). Cost: two stage downloads per such stage per epoch. Still lost: a
+stage whose replica dies before it ever published (the swarm's first epoch: θ0 is a fine
+restart there), or whose replica and backer both die; the refill resumes at the backup's step,
+losing the steps since. The spec's `stage_backup = false` turns backups off.
 
 Checkpoints. A peer checkpoints its own stage — weights, AdamW state, the outer optimizer's state
 and the step (node/stage_trainer.py: the stage and its state's forms) — every `checkpoint_every`
@@ -429,6 +430,10 @@ class PipelinePeer:
         self.last_placement = epoch.placement
         self.recent_placements.append(epoch.placement)
         self.epochs += 1
+        # A stage this placement leaves with one replica is backed up now, from the snapshot its
+        # replica published as the last epoch ended: else it would be unprotected until this
+        # epoch's end, and a crash before then (the bench's kill run) would lose it.
+        self._start_backup(epoch)
         log.warning(
             kv(
                 "pipeline epoch",
@@ -506,9 +511,9 @@ class PipelinePeer:
         self._announce(offer=trainer.step)
 
     def _start_backup(self, epoch: Epoch) -> None:
-        """At an epoch end, after publishing: if `backers` names us for a stage that had one
-        replica in the epoch, back that replica's new snapshot up in the background, once it
-        announces it (node/stage_state.py, Backups)."""
+        """As an epoch starts, and at its end after publishing: if `backers` names us for a stage
+        with one replica in the epoch, back that replica's newest snapshot (of our step) up in
+        the background, once it announces it (node/stage_state.py, Backups)."""
         trainer = self.trainer
         if not self.spec.stage_backup or self.stop.is_set() or self._background is None or trainer is None:
             return
@@ -551,6 +556,8 @@ class PipelinePeer:
         if why:
             then = "starting the stage from its initial weights" if trainer.needs_state else "training on our own state"
             log.warning(kv(f"cannot take stage {stage}'s state ({why}); {then}", stage=stage, step=base))
+            if trainer.needs_state:
+                self.joined_from = {"stage": stage, "step": 0, "donors": 0, "initial_weights": True}
             trainer.step, trainer.needs_state = base, False
             return
         assert donated is not None
@@ -562,6 +569,7 @@ class PipelinePeer:
             "from_backup": donated.from_backup,
             "seconds": round(donated.seconds, 3),
             "bytes": donated.bytes,
+            "initial_weights": False,
         }
         source = "a backup" if donated.from_backup else "a peer no longer on it"
         what = "its replicas" if donated.from_replicas else f"{source} (the stage had no replica left)"

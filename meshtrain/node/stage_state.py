@@ -18,17 +18,19 @@ Design. The multi-donor state sync of node/state_sync.py, unchanged, with one st
   the stage's outer state (φ, the outer optimizer's momentum, the counters; `OuterOptimizer.
   state_dict(inner=False)`), which DiLoCo's replicas share bit for bit after each round; the
   taker enters with `OuterOptimizer.join` (θ ← φ, a fresh AdamW, weight 0 in the next round).
-- *Backups* (`backers`, `StageStates.back_up`). A stage with exactly one replica in the epoch that
-  just ended is at risk: that replica's crash loses it. For each such stage one peer of another
-  stage — `backers(placement)`: the lowest id on the next stage (s + 1 mod S), else on the one
-  after, a peer not already backing another stage if there is one; every peer computes the same
-  from the epoch's placement — downloads the replica's snapshot of that epoch end (in the
-  background, once the replica announces it as `offer`) and publishes it under the stage's key in
+- *Backups* (`backers`, `StageStates.back_up`). A stage with exactly one replica in an epoch is
+  at risk: that replica's crash loses it. For each such stage one peer of another stage —
+  `backers(placement)`: the lowest id on the next stage (s + 1 mod S), else on the one after, a
+  peer not already backing another stage if there is one; every peer computes the same from the
+  epoch's placement — downloads the replica's newest snapshot as the epoch starts (the one it
+  published as the last epoch ended: a stage just left with one replica is covered at once; the
+  benchmark's kill run lost stage 1 when backups waited for the epoch's end) and again at the
+  epoch's end (in the background, once the replica announces it as `offer`), and publishes it under the stage's key in
   its own donor, bit for bit (the same meta too: a replica still reachable and the backer then
   offer one manifest, and the download fails over between them). A peer backs up one stage at a
   time: backing another drops the previous backup (`StateDonor.withdraw`); the same stage's next
-  backup replaces it like any publish (a key keeps its newest two). Cost: one stage download per
-  at-risk stage per epoch end (off the replica's uplink, capped by its `upload_limit`), and one
+  backup replaces it like any publish (a key keeps its newest two). Cost: two stage downloads per
+  at-risk stage per epoch (off the replica's uplink, capped by its `upload_limit`), and one
   stage's state in memory on each backer. The spec's `stage_backup = false` turns it off.
 - *Fetching* (`StageStates.fetch`). Donors are the epoch's peers on the stage that offer the
   epoch's step: the download is their majority's state (one donor's for NoLoCo, whose replicas
