@@ -68,7 +68,7 @@ class AllReduceConfig:
     max_attempts: int = 5
     liveness_interval: float = 0.25  # while collecting joins, the coordinator reviews membership this often
     robust: str = "none"  # "none" | "trimmed_mean" | "clipped_mean"
-    trim: int = 1
+    trim: int = 0  # trimmed_mean: values dropped at each end; 0: a quarter of the contributors (at least 1)
     clip: float = 2.0
     owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
     # Screening (robust modes, 3+ contributors; data_phase.screen_contributions): an owner flags a
@@ -93,6 +93,8 @@ class AllReduceConfig:
             raise ValueError("robust must be none, trimmed_mean or clipped_mean")
         if self.screen_norm and self.screen_norm <= 1 or not 0 <= self.screen_alignment <= 1:
             raise ValueError("screen_norm must be 0 (off) or > 1, and screen_alignment in 0..1")
+        if self.trim < 0:
+            raise ValueError("trim must be >= 0 (0: a quarter of the contributors)")
         if self.score_samples < 0:
             raise ValueError("score_samples must be >= 0")
         if self.stripe_bytes < 4096 or self.window < 1:

@@ -185,7 +185,8 @@ class StageStates:
         self, nursery: trio.Nursery, stage: int, replica: str, step: int, offered: Callable[[], bool]
     ) -> None:
         """`back_up` in `nursery` once `offered()` (the replica announces its snapshot of `step`,
-        or is gone), or after `BACKUP_OFFER_WAIT` s; a backup still in flight is cancelled."""
+        or is gone); skipped if it has not after `BACKUP_OFFER_WAIT` s. A backup still in flight
+        is cancelled."""
         self.cancel_backup()
         scope, done = trio.CancelScope(), trio.Event()
         self._backup_scope, self._backup_stage, self._backup_done = scope, stage, done
@@ -196,6 +197,9 @@ class StageStates:
                     with trio.move_on_after(BACKUP_OFFER_WAIT):
                         while not offered():
                             await trio.sleep(OFFER_POLL)
+                    if not offered():  # e.g. a mover that has not published the stage yet
+                        log.info(kv("stage backup skipped: its replica offers no snapshot yet", stage=stage))
+                        return
                     await self.back_up(stage, replica, step)
             finally:
                 done.set()

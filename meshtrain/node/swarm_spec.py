@@ -167,7 +167,11 @@ class SwarmSpec(BaseModel):
         "all-reduces dense contributions (diloco, streaming, dp), else mean",
     )
     aggregation_trim: int = Field(
-        1, ge=1, le=1024, description="trimmed_mean: values dropped at each end (at most (n-1)/2 of n peers)"
+        0,
+        ge=0,
+        le=1024,
+        description="trimmed_mean: values dropped at each end (at most (n-1)/2 of n peers); 0 (default): a "
+        "quarter of the round's contributors, at least one",
     )
     aggregation_clip: float = Field(
         2.0, gt=0, le=1e6, description="clipped_mean: contributions clipped to this multiple of the median norm"
