@@ -211,11 +211,16 @@ def test_ctrl_c_while_the_node_starts_says_so_in_one_line_and_exits_130(tmp_path
     create(d, "--model", "gpt-tiny", "--steps", "0")
     log = tmp_path / "a.log"
     p = start("--data-dir", str(d), log=log)
-    assert p.stdout is not None
-    first = p.stdout.readline()  # its signal handlers are set; its host is not up yet
-    assert "state: starting" in first, (first, log.read_text()[-3000:])
-    p.send_signal(signal.SIGINT)
-    p.communicate(timeout=60)
+    try:
+        assert p.stdout is not None
+        first = p.stdout.readline()  # its signal handlers are set; its host is not up yet
+        assert "state: starting" in first, (first, log.read_text()[-3000:])
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # never leave a daemon of a failed test training
+            p.kill()
+            p.wait()
     text = log.read_text()
     assert p.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert text.strip().splitlines()[-1] == "meshtrain: stopped while starting; nothing was trained", text[-3000:]

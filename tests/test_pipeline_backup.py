@@ -15,7 +15,7 @@ from meshtrain.node.stage_state import backers
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.identity import Identity
 
-from .test_pipeline_swarm import final_stage, pipeline_spec, stage_step, three_daemons, wait_for
+from .test_pipeline_swarm import pipeline_spec, refilled_stage_mover, stage_step, three_daemons, wait_for
 
 
 def test_every_single_replica_stage_gets_one_backer_on_another_stage_the_same_on_every_peer():
@@ -78,14 +78,10 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
         assert backup["stage"] == 1 and backup["step"] >= 4, backup
         assert nodes[origins[1][1]].pipeline.status()["backup"] is None  # one backer per stage
         nodes[gone].stop()
-    survivors = sorted(set(nodes) - {gone})
-    assert results[gone].step < 24 and all(results[n].step == 24 for n in survivors), results
-    stages = {n: final_stage(tmp_path, n)[0] for n in survivors}
-    assert sorted(stages.values()) == [0, 1], stages  # one origin moved to the empty stage
-    mover = nodes[next(n for n in survivors if stages[n] == 1)]
+    mover = refilled_stage_mover(tmp_path, nodes, results, gone, 24)
     joined = mover.pipeline.joined_from
     assert joined is not None and joined["stage"] == 1, joined
     assert not joined["from_replicas"] and joined["from_backup"], joined
     assert joined["step"] >= backup["step"] >= 4, (joined, backup)  # not step 0: not θ0
-    assert (mover is nodes[backer]) == backer_moves, (backer, stages)
+    assert (mover is nodes[backer]) == backer_moves, (backer, mover.pipeline.me)
     assert (joined["bytes"] == 0) == backer_moves, joined  # its own copy, or downloaded from the backer

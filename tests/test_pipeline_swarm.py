@@ -81,6 +81,18 @@ async def three_daemons(
             yield nodes, results
 
 
+def refilled_stage_mover(
+    tmp_path: Path, nodes: dict[str, meshtrain.Node], results: dict[str, meshtrain.NodeResult], gone: str, steps: int
+) -> meshtrain.Node:
+    """After stage 1's only replica `gone` left a two-stage swarm: it stopped early, the survivors
+    trained to `steps`, and one of them (returned) moved to the emptied stage."""
+    survivors = sorted(set(nodes) - {gone})
+    assert results[gone].step < steps and all(results[n].step == steps for n in survivors), results
+    stages = {n: final_stage(tmp_path, n)[0] for n in survivors}
+    assert sorted(stages.values()) == [0, 1], stages  # one origin moved to the empty stage
+    return nodes[next(n for n in survivors if stages[n] == 1)]
+
+
 def final_stage(tmp_path: Path, name: str) -> tuple[int, int, str]:
     """(stage, step, digest of the weights) of a node's last checkpoint."""
     ckpt = CheckpointStore(tmp_path / name / "checkpoints", readonly=True).load_latest()
@@ -141,11 +153,7 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
         await wait_for(lambda: all(stage_step(n)[1] >= 6 for n in nodes.values()))
         (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
         nodes[gone].stop()
-    survivors = sorted(set(nodes) - {gone})
-    assert results[gone].step < 24 and all(results[n].step == 24 for n in survivors), results
-    stages = {n: final_stage(tmp_path, n)[0] for n in survivors}
-    assert sorted(stages.values()) == [0, 1], stages  # one origin moved to the empty stage
-    mover = nodes[next(n for n in survivors if stages[n] == 1)]
+    mover = refilled_stage_mover(tmp_path, nodes, results, gone, 24)
     joined = mover.pipeline.joined_from
     if handover:
         assert joined is not None and joined["stage"] == 1 and not joined["from_replicas"], joined
