@@ -219,3 +219,17 @@ def test_refused_entries_are_taken_when_offered_again_in_any_delivery_order(orde
     assert replica.fingerprint() == reference.fingerprint()
     assert {e.owner for e in replica.crdt(PROGRESS).entries()} == members
     assert all(e.body[1]["step"] == 2 for e in replica.crdt(PROGRESS).entries())
+
+
+def test_a_parked_entry_refused_again_is_counted_once():
+    """A record refused for want of its owner's membership is parked and merged again after every
+    accepted entry; while its owner is still no member it is refused again, but counted once."""
+    replica = gated_replica()
+    stranger = IDENTITIES[3].peer_id_str  # no membership record at all
+    early = [e for n, e in HISTORY if n == PROGRESS and e.owner == stranger][-1]
+    replica.merge_entries(PROGRESS, [early], "gossip", None)
+    for entry in [e for n, e in HISTORY if n == MEMBERSHIP][:2]:  # members': each retries the parked one
+        assert replica.merge_entries(MEMBERSHIP, [entry], "gossip", None).accepted
+    assert stranger not in {e.owner for e in replica.crdt(PROGRESS).entries()}
+    assert replica.stats.entries_refused == 1
+    assert replica.stats.refusals_by_reason == {REFUSED_NOT_A_MEMBER: 1}

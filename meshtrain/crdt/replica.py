@@ -449,7 +449,8 @@ class Replica(GossipPush, AntiEntropy, Service):
         if rejected:
             self._count_rejections(name, rejected, source, peer)
         if refused:
-            self._count_refusals(name, refused, source, peer)
+            if not self._retrying:  # a parked entry refused again was counted when it came
+                self._count_refusals(name, refused, source, peer)
             rejected.extend(refused)  # callers treat them alike: not relayed, not stored
         if outcome.accepted:
             self._fingerprints.pop(name, None)
