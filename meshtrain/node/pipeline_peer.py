@@ -60,7 +60,8 @@ Backups (node/stage_state.py, Backups). A crashed last replica hands nothing ove
 epoch starts and again at its end, for each stage with one replica, one peer of another stage
 (`backers`) copies that replica's newest snapshot in the background (`_start_backup`) and offers
 it under the stage's key, where a refill finds it (`joined_from.from_backup`; a mover that is the
-backer uses its own copy). Cost: two stage downloads per such stage per epoch. Still lost: a
+backer uses its own copy). Cost: at most two stage downloads per such stage per epoch (one when it
+stays at one replica). Still lost: a
 stage whose replica dies before it ever published (the swarm's first epoch: θ0 is a fine
 restart there), or whose replica and backer both die; the refill resumes at the backup's step,
 losing the steps since. The spec's `stage_backup = false` turns backups off.

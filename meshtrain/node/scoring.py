@@ -195,8 +195,8 @@ class LossScorer:
 
     trainer: the node's trainer (its corpus, context and spec draw the peers' batches; its outer
     optimizer holds φ and the fragments; its model is copied once as the scratch model).
-    book: the node's `StrikeBook`. Register `on_round` as a screening listener after the book's,
-    and run `run` in a nursery for the node's lifetime."""
+    book: the node's `StrikeBook`. `Verification` hands it each screened round (`on_round`, after
+    the book's listener); run `run` in a nursery for the node's lifetime."""
 
     def __init__(self, trainer: Trainer, book: StrikeBook) -> None:
         self.trainer, self.book, self.spec = trainer, book, trainer.spec
@@ -206,9 +206,9 @@ class LossScorer:
         self.scored = 0  # rounds scored (status)
         self.skipped = 0  # rounds skipped because scoring was behind
 
-    def on_round(self, screening: RoundScreening, phi: PhiSnapshot | None = None) -> None:
-        """A screening listener (trio thread, must not block): snapshot φ and queue the round.
-        `phi`: a snapshot shared with the round's other checks (node/verification.py), else ours."""
+    def on_round(self, screening: RoundScreening, phi: PhiSnapshot) -> None:
+        """Called for each screened round (trio thread, must not block): queue it with φ, copied
+        once for the round's checks (`phi`, node/verification.py)."""
         outer = self.trainer.outer
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if not screening.samples or screening.aggregate is None or match is None or outer.needs_resync:
@@ -225,7 +225,7 @@ class LossScorer:
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order (a sparse payload): nothing to score
         try:
-            self._send.send_nowait((screening, names, (phi or PhiSnapshot(outer.outer_params))()))
+            self._send.send_nowait((screening, names, phi()))
         except trio.WouldBlock:
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))

@@ -207,8 +207,8 @@ class SpotChecker:
 
     trainer: the node's trainer (its corpus, context and spec draw the peers' batches; its outer
     optimizer holds φ; its model is copied once as the scratch model). book: the node's
-    `StrikeBook`. Register `on_round` as a screening listener after the book's, and run `run` in
-    a nursery for the node's lifetime."""
+    `StrikeBook`. `Verification` hands it each screened round (`on_round`, after the book's
+    listener); run `run` in a nursery for the node's lifetime."""
 
     def __init__(self, trainer: Trainer, book: StrikeBook) -> None:
         self.trainer, self.book, self.spec = trainer, book, trainer.spec
@@ -218,9 +218,9 @@ class SpotChecker:
         self.skipped = 0  # rounds skipped because checks were behind
         self.seconds = 0.0  # worker time spent recomputing (the benchmark's cost)
 
-    def on_round(self, screening: RoundScreening, phi: PhiSnapshot | None = None) -> None:
-        """A screening listener (trio thread, must not block): snapshot φ and queue the round.
-        `phi`: a snapshot shared with the round's other checks (node/verification.py), else ours."""
+    def on_round(self, screening: RoundScreening, phi: PhiSnapshot) -> None:
+        """Called for each screened round (trio thread, must not block): queue it with φ, copied
+        once for the round's checks (`phi`, node/verification.py)."""
         outer, spec = self.trainer.outer, self.spec
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if (
@@ -239,8 +239,7 @@ class SpotChecker:
             return
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order: nothing to compare
-        phi_now = (phi or PhiSnapshot(outer.outer_params))()
-        queued = _Queued(dataclasses.replace(screening, samples=samples), names, phi_now)
+        queued = _Queued(dataclasses.replace(screening, samples=samples), names, phi())
         try:
             self._send.send_nowait(queued)
         except trio.WouldBlock:

@@ -29,8 +29,10 @@ Design. The multi-donor state sync of node/state_sync.py, unchanged, with one st
   its own donor, bit for bit (the same meta too: a replica still reachable and the backer then
   offer one manifest, and the download fails over between them). A peer backs up one stage at a
   time: backing another drops the previous backup (`StateDonor.withdraw`); the same stage's next
-  backup replaces it like any publish (a key keeps its newest two). Cost: two stage downloads per
-  at-risk stage per epoch (off the replica's uplink, capped by its `upload_limit`), and one
+  backup replaces it like any publish (a key keeps its newest two). Cost: at most two stage
+  downloads per at-risk stage per epoch (one when the stage stays at one replica: the snapshot an
+  epoch ends with, already held, is the next one's start; off the replica's uplink, capped by its
+  `upload_limit`), and one
   stage's state in memory on each backer. The spec's `stage_backup = false` turns it off.
 - *Fetching* (`StageStates.fetch`). Donors are the epoch's peers on the stage that offer the
   epoch's step: the download is their majority's state (one donor's for NoLoCo, whose replicas
@@ -186,7 +188,10 @@ class StageStates:
     ) -> None:
         """`back_up` in `nursery` once `offered()` (the replica announces its snapshot of `step`,
         or is gone); skipped if it has not after `BACKUP_OFFER_WAIT` s. A backup still in flight
-        is cancelled."""
+        is cancelled. Nothing to do if we hold `stage`'s backup of `step` already (a stage left with
+        one replica epoch after epoch: the snapshot an epoch ends with is the next one's start)."""
+        if self.backup is not None and self.backup.stage == stage and self.backup.step >= step:
+            return
         self.cancel_backup()
         scope, done = trio.CancelScope(), trio.Event()
         self._backup_scope, self._backup_stage, self._backup_done = scope, stage, done
@@ -232,8 +237,8 @@ class StageStates:
         except StateSyncError as e:
             log.warning(kv("stage backup failed", stage=stage, replica=replica, reason=str(e)[:300]))
             return None
-        got = meta.get("step")
-        if meta.get("stage") != stage or meta.get("replica_sync") != self.replica_sync or not is_int(got):
+        got = self._offered_step(meta, stage)
+        if got is None:
             log.warning(kv("a stage backup offered another stage or replica sync; ignored", stage=stage))
             return None
         if self.backup is not None and self.backup.stage == stage and got <= self.backup.step:
@@ -246,10 +251,18 @@ class StageStates:
         # The replica's meta unchanged: the same bits make the same manifest, so a taker counts us
         # and a replica still reachable as donors of one state (state_sync's failover).
         self.donor.publish(meta, tensors, key=stage_key(stage))
-        self.backup = Backup(stage, int(got), replica, round(time.monotonic() - t0, 3), report.total_bytes)
+        self.backup = Backup(stage, got, replica, round(time.monotonic() - t0, 3), report.total_bytes)
         self._backup_state = (meta, tensors)
         log.warning(kv("took a backup of a stage with one replica", **dataclasses.asdict(self.backup)))
         return self.backup
+
+    def _offered_step(self, meta: dict[str, Any], stage: int) -> int | None:
+        """The swarm step of a downloaded snapshot's `meta`, None unless it is `stage`'s under our
+        replica sync."""
+        step = meta.get("step")
+        if meta.get("stage") != stage or meta.get("replica_sync") != self.replica_sync or not is_int(step):
+            return None
+        return int(step)
 
     def own_backup(self, stage: int) -> DonatedState | None:
         """Our backup of `stage` as a download would give it (no bytes moved); None if we hold
@@ -331,8 +344,8 @@ class StageStates:
             log.warning(kv("stage state download failed", stage=stage, donors=len(donors), reason=str(e)[:300]))
             reasons.append(f"from {who} ({len(donors)}): {str(e)[:300]}")
             return None
-        step = meta.get("step")
-        if meta.get("stage") != stage or meta.get("replica_sync") != self.replica_sync or not is_int(step):
+        step = self._offered_step(meta, stage)
+        if step is None:
             log.warning(kv("a donor offered a state of another stage or replica sync; ignored", stage=stage))
             reasons.append(f"from {who}: a state of another stage or replica sync")
             return None
@@ -344,7 +357,7 @@ class StageStates:
             return None
         return DonatedState(
             stage,
-            int(step),
+            step,
             state,
             tuple(report.agreeing),
             True,

@@ -297,9 +297,9 @@ class SwarmSpec(BaseModel):
     )
     stage_backup: bool = Field(
         True,
-        description="pipeline: at every epoch end a peer of another stage keeps a copy of each stage "
-        "that has one replica, so that a crash of that replica does not restart the stage from its "
-        "initial weights (node/stage_state.py; costs one stage download per such stage and epoch)",
+        description="pipeline: as every epoch starts and ends a peer of another stage keeps a copy of each "
+        "stage that has one replica, so that a crash of that replica does not restart the stage from its "
+        "initial weights (node/stage_state.py; costs at most two stage downloads per such stage and epoch)",
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
