@@ -2,7 +2,7 @@
 
     python scripts/bench_adversarial.py [--honest 4] [--adversaries 1] [--H 10] [--rounds 8]
         [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8] [--score-samples -1]
-        [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean]
+        [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean] [--seeds 1]
 
 Real daemons (`meshtrain node start`, one process each) on loopback train gpt-tiny (DiLoCo) in an
 open swarm: `--honest` honest peers and `--adversaries` adversaries, each an ordinary daemon with
@@ -16,9 +16,13 @@ the default is 5 daemons and one adversary (pass --honest 6 --adversaries 2 wher
 
 Measured (last line, one JSON object):
 - `loss_gap_vs_honest`: per mode, {robust, mean}: the honest peers' final held-out loss over the
-  honest-only swarm's, minus 1 (null: the swarm diverged); `worst_loss_gap` its largest (robust);
+  honest-only swarm's, minus 1 (null: the swarm diverged); `worst_loss_gap` its largest (robust).
+  With `--seeds K` every run is repeated with swarm seeds 0..K-1 (the same command's honest-only
+  swarm ends up to 5 % apart from one run to the next, more than the 0.02 target), each gap is
+  the mean over seeds of (run with adversaries ÷ honest-only run of the same seed), and
+  `loss_gap_by_seed` lists them;
 - `rounds_to_exclude`: per mode, the outer round in which the honest peers excluded the
-  adversaries (null: not excluded within the run); `max_rounds_to_exclude` over the modes
+  adversaries, the latest over seeds (null: not excluded within a run); `max_rounds_to_exclude` over the modes
   screening is meant to catch (signflip10, noise, zeros) and loss scoring (replay, otherdata);
 - `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
 - `verify_overhead`: screening's time per round (owner side: norms and cosines of every
@@ -263,6 +267,11 @@ def gap(loss: float, reference: float) -> float | None:
     return round(loss / reference - 1, 4) if math.isfinite(loss) and math.isfinite(reference) else None
 
 
+def mean_gap(gaps: list[float | None]) -> float | None:
+    """The mean of one mode's gaps over seeds (None if any run diverged)."""
+    return round(sum(gaps) / len(gaps), 4) if gaps and all(g is not None for g in gaps) else None  # type: ignore[arg-type]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--honest", type=int, default=4)
@@ -290,6 +299,12 @@ def main() -> None:
         help="peers spot-checked per round (spec spot_check_samples); -1 = every peer of the swarm",
     )
     ap.add_argument("--rules", default="robust,mean", help="robust,mean or robust (skip the runs without a defence)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="swarm seeds 0..K-1, every run repeated with each; gaps are the mean over seeds (run-to-run noise is ~5%%)",
+    )
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     n = args.honest + args.adversaries
@@ -303,37 +318,43 @@ def main() -> None:
     specs = {"robust": SwarmSpec(**base), "mean": SwarmSpec(**base, aggregation="mean")}
     specs = {rule: spec for rule, spec in specs.items() if rule in args.rules.split(",")}
     assert specs["robust"].aggregation == "trimmed_mean"  # the open swarm's default
+    seeds = list(range(args.seeds))
+    runs: dict[str, dict] = {}  # "<seed>/<mode or honest>/<rule>"
     with tempfile.TemporaryDirectory(prefix="bench_adversarial_") as tmp:
         root = Path(tmp)
         keys = root / "keys"
         for i in range(n):  # identities kept across runs: the honest peers' data is the same
             Identity.load_or_create(keys / f"n{i}")
         honest_modes: list[str | None] = [None] * args.honest
-        runs: dict[str, dict] = {}
-        for rule, spec in specs.items():
-            runs[f"honest/{rule}"] = run_swarm(root / f"honest-{rule}", keys, spec, honest_modes)
-            print(f"honest/{rule}: loss {runs[f'honest/{rule}']['loss']:.4f}", file=sys.stderr)
-        for mode in modes:
-            for rule, spec in specs.items():
-                r = run_swarm(root / f"{mode}-{rule}", keys, spec, honest_modes + [mode] * args.adversaries)
-                runs[f"{mode}/{rule}"] = r
-                print(f"{mode}/{rule}: loss {r['loss']:.4f} excluded {r['excluded']}", file=sys.stderr)
-        ids = runs["honest/robust"]["ids"]
-        honest_ids, liar_ids = set(ids[: args.honest]), set(runs[f"{modes[0]}/robust"]["ids"][args.honest :])
-        loss_gap, rounds_to_exclude, honest_excluded = {}, {}, set()
-        for mode in modes:
-            loss_gap[mode] = {
-                rule: gap(runs[f"{mode}/{rule}"]["loss"], runs[f"honest/{rule}"]["loss"]) for rule in specs
-            }
-            caught = [runs[f"{mode}/robust"]["excluded"].get(p) for p in liar_ids]
-            rounds_to_exclude[mode] = max(c // args.H for c in caught) if all(c is not None for c in caught) else None
-        spot_flags = {"adversaries": 0, "honest": 0}
-        for r in runs.values():
-            honest_excluded |= set(r["excluded"]) & honest_ids
-            for p, count in r["spot_flags"].items():
-                spot_flags["honest" if p in honest_ids else "adversaries"] += count
-        step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
-        round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
+        for seed in seeds:
+            for label in ["honest", *modes]:
+                for rule, spec in specs.items():
+                    spec = spec.model_copy(update={"seed": seed})
+                    roles = honest_modes if label == "honest" else honest_modes + [label] * args.adversaries
+                    r = run_swarm(root / f"{seed}-{label}-{rule}", keys, spec, roles)
+                    runs[f"{seed}/{label}/{rule}"] = r
+                    print(f"seed {seed} {label}/{rule}: loss {r['loss']:.4f} excluded {r['excluded']}", file=sys.stderr)
+    ids = runs["0/honest/robust"]["ids"]
+    honest_ids, liar_ids = set(ids[: args.honest]), set(runs[f"0/{modes[0]}/robust"]["ids"][args.honest :])
+    gaps_by_seed = {
+        mode: {
+            rule: [gap(runs[f"{s}/{mode}/{rule}"]["loss"], runs[f"{s}/honest/{rule}"]["loss"]) for s in seeds]
+            for rule in specs
+        }
+        for mode in modes
+    }
+    loss_gap = {mode: {rule: mean_gap(g) for rule, g in by_rule.items()} for mode, by_rule in gaps_by_seed.items()}
+    rounds_to_exclude, honest_excluded = {}, set()
+    for mode in modes:
+        caught = [runs[f"{s}/{mode}/robust"]["excluded"].get(p) for s in seeds for p in liar_ids]
+        rounds_to_exclude[mode] = max(c // args.H for c in caught) if all(c is not None for c in caught) else None
+    spot_flags = {"adversaries": 0, "honest": 0}
+    for r in runs.values():
+        honest_excluded |= set(r["excluded"]) & honest_ids
+        for p, count in r["spot_flags"].items():
+            spot_flags["honest" if p in honest_ids else "adversaries"] += count
+    step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
+    round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
     robust_gaps = [g["robust"] for g in loss_gap.values()]
     scoring = scoring_seconds(n, samples, args.batch_size)
     spot = spot_check_seconds(n, spot_samples, args.spot_check_steps, args.batch_size)
@@ -347,8 +368,12 @@ def main() -> None:
                 "H": args.H,
                 "rounds": args.rounds,
                 "strikes_to_exclude": specs["robust"].strikes,
-                "final_eval_loss_honest": {rule: round(runs[f"honest/{rule}"]["loss"], 4) for rule in specs},
+                "seeds": args.seeds,
+                "final_eval_loss_honest": {
+                    rule: [round(runs[f"{s}/honest/{rule}"]["loss"], 4) for s in seeds] for rule in specs
+                },
                 "loss_gap_vs_honest": loss_gap,
+                "loss_gap_by_seed": gaps_by_seed if args.seeds > 1 else None,
                 "worst_loss_gap": max((g for g in robust_gaps if g is not None), default=None)
                 if all(g is not None for g in robust_gaps)
                 else None,
