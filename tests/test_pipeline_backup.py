@@ -7,14 +7,18 @@ loopback like tests/test_pipeline_swarm.py."""
 from __future__ import annotations
 
 import random
+from contextlib import AsyncExitStack
 
 import pytest
+import torch
 
-from meshtrain.node import pipeline_peer
-from meshtrain.node.stage_state import backers
+from meshtrain.node import pipeline_peer, stage_handover
+from meshtrain.node.stage_state import StageStates, backers
+from meshtrain.node.state_sync import CHUNK_RPC
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.identity import Identity
 
+from .conftest import start_peers
 from .test_pipeline_swarm import pipeline_spec, refilled_stage_mover, stage_step, three_daemons, wait_for
 
 
@@ -51,6 +55,28 @@ def test_every_single_replica_stage_gets_one_backer_on_another_stage_the_same_on
     assert backers({"a": 0}, 1) == {}  # nobody else
 
 
+async def test_a_refill_falls_back_to_an_older_backup_when_the_newest_snapshots_holder_fails():
+    """A last replica that dies as it leaves may still answer the manifest request with the newest
+    snapshot and then fail every chunk (seen in the swarm test below under load). The refill must
+    then take the older snapshot the backer holds, not start the stage from θ0. Real hosts on
+    loopback; the dying donor's chunk handler fails every request."""
+    async with AsyncExitStack() as stack:
+        me, dying, backer = await start_peers(stack, 3, full_mesh=True)
+        mover = StageStates(me.host, me.ts, "every-step")
+        older = {"blocks.1.fc.weight": torch.randn(4, 4, generator=torch.Generator().manual_seed(1))}
+        StageStates(dying.host, dying.ts, "every-step").publish(1, 9, {"weights": {**older}, "adam": {}})
+        StageStates(backer.host, backer.ts, "every-step").publish(1, 5, {"weights": older, "adam": {}})
+
+        async def dead(peer: str, request: object) -> None:
+            raise ConnectionError("the donor is going away")
+
+        dying.host.rpc.serve(CHUNK_RPC, dead)
+        got = await mover.fetch(1, [], [dying.host.peer_id, backer.host.peer_id], backer_peers={backer.host.peer_id})
+        assert got is not None and got.step == 5 and got.from_backup and not got.from_replicas, got
+        assert got.donors == (backer.host.peer_id,)
+        assert torch.equal(got.state["weights"]["blocks.1.fc.weight"], older["blocks.1.fc.weight"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backer_moves", [False, True])
 async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_from_initial_weights(
@@ -62,7 +88,7 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
     faster origin to stage 1 — announced forward times make it the backer itself (which enters
     its own copy) or the other origin (which downloads the backup from the backer) — and it
     trains on from the backup's step; both survivors reach the last step."""
-    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)
+    monkeypatch.setattr(stage_handover, "HANDOVER_WAIT", 0.0)
     ids = sorted(Identity.load_or_create(tmp_path / name).peer_id_str for name in "abc")
     # forward seconds by id rank: the lower id of the two origins is the faster (it moves) or the slower
     fwd = {p: 0.01 * (r + 1 if backer_moves else 3 - r) for r, p in enumerate(ids)}

@@ -18,7 +18,7 @@ import trio
 from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
-from meshtrain.node import cli, pipeline_peer
+from meshtrain.node import cli, stage_handover
 from meshtrain.node.stage_state import StageStates
 from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
 from meshtrain.pipeline.stages import StageReplica, load_stage_states
@@ -209,7 +209,7 @@ async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_mode
         offer(self, stage, step, state)
 
     monkeypatch.setattr(StageStates, "publish", observe)
-    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together
+    monkeypatch.setattr(stage_handover, "HANDOVER_WAIT", 0.0)  # all stop together
     spec = pipeline_spec(model=f"hf:{llama}", tokenizer=f"hf:{bpe}", context=16, steps=0)
     assert SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a")).spec.stage_cut == "0-1"
     out = tmp_path / "export"

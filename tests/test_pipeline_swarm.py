@@ -18,7 +18,7 @@ import torch
 import trio
 
 import meshtrain
-from meshtrain.node import pipeline_peer
+from meshtrain.node import stage_handover
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.transport.identity import Identity
 
@@ -148,7 +148,7 @@ async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_
     tests/test_pipeline_backup.py) nobody holds stage 1's state — this swarm keeps no shared
     checkpoints — and the mover says so and starts the stage from its initial weights."""
     if not handover:
-        monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)
+        monkeypatch.setattr(stage_handover, "HANDOVER_WAIT", 0.0)
     async with three_daemons(tmp_path, pipeline_spec(steps=24, stage_backup=handover)) as (nodes, results):
         await wait_for(lambda: all(stage_step(n)[1] >= 6 for n in nodes.values()))
         (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]
@@ -190,7 +190,7 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
         offer(self, stage, step, state)
 
     monkeypatch.setattr(StageStates, "publish", observe)
-    monkeypatch.setattr(pipeline_peer, "HANDOVER_WAIT", 0.0)  # all stop together: nobody takes a stage over
+    monkeypatch.setattr(stage_handover, "HANDOVER_WAIT", 0.0)  # all stop together: nobody takes a stage over
     spec = pipeline_spec(steps=0)  # until stopped
     out = tmp_path / "export"
     rc: list[int] = []

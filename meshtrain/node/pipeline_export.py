@@ -242,9 +242,9 @@ class PipelineExporter:
             # their next membership heartbeat.
             progress["phase"] = f"waiting for stage {stage}'s replicas to offer step {step}"
             with trio.move_on_at(deadline):
-                while peer.stage_donors(stage, step)[1]:
+                while peer.handover.donors(stage, step)[1]:
                     await trio.sleep(POLL / 5)
-            replicas, _, others = peer.stage_donors(stage, step)
+            replicas, _, others = peer.handover.donors(stage, step)
             progress["phase"] = f"fetching stage {stage} from {len(replicas)} replica(s)"
             bar = progress["stages"].setdefault(str(stage), {"done": 0, "total": 0})
 

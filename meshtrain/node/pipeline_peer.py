@@ -9,8 +9,8 @@ placement holds, synchronises its stage's replicas, and checkpoints its own stag
 Design — epochs. An *epoch* is one placement run by one `PipelineRuntime`:
 1. Place. Every live trainer we are connected to (and we) is a `placement.Member` with the stage,
    forward time and step it announces in its membership record's capabilities
-   (`{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`; a peer at step 0 is fresh:
-   placement may move it to even the stages out). `placement.place` gives every peer's
+   (node/pipeline_announce.py: `{"stage", "fwd", "step", "epoch", "ready", "offer", "cut"}`; a
+   peer at step 0 is fresh: placement may move it to even the stages out). `placement.place` gives every peer's
    stage; if ours changed we take the new stage (fresh: its state is downloaded when the epoch
    starts, below) and announce it.
 2. Agree. The epoch is the placement, the peers' forward times and the base step (the furthest
@@ -41,7 +41,7 @@ outer optimizer per stage every H iterations over the runtime's collective
 Hops (the spec's `activation_codec`): every activation and gradient hop of the runtime is encoded
 with it (pipeline/hop_codec.py), and the scheduler's link cost is that encoded size.
 
-Late joiners, moved peers, refills (node/stage_state.py). At the end of every epoch a peer
+Late joiners, moved peers, refills (node/stage_handover.py decides, node/stage_state.py moves). At the end of every epoch a peer
 publishes its stage's state under the stage's key in its `StateDonor` and announces the step as
 `offer`. A peer whose stage is fresh (it joined, or placement moved it) or whose state is behind
 the epoch's base step (a restart from an old checkpoint) downloads its stage's state before the
@@ -58,7 +58,7 @@ At base step 0 everyone starts from θ0: no download.
 
 Backups (node/stage_state.py, Backups). A crashed last replica hands nothing over, so as every
 epoch starts and again at its end, for each stage with one replica, one peer of another stage
-(`backers`) copies that replica's newest snapshot in the background (`_start_backup`) and offers
+(`backers`) copies that replica's newest snapshot in the background and offers
 it under the stage's key, where a refill finds it (`joined_from.from_backup`; a mover that is the
 backer uses its own copy). Cost: at most two stage downloads per such stage per epoch (one when it
 stays at one replica). Still lost: a
@@ -86,7 +86,7 @@ Export (node/pipeline_export.py). `meshtrain export` on any peer asks its runnin
 whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
 iteration in which they see it pass its value at the last epoch end, every peer publishes its
 stage at that one step, and the exporter takes our stage from `states.published` and every other
-stage from its replicas (`stage_donors`).
+stage from its replicas (node/stage_handover.py `StageHandover.donors`).
 
 Models: whatever models/staged.py can cut (the built-in GPTs, LLaMA-family hf: / hf-config:
 models); this module does not look inside the model: every peer builds it whole from the spec
@@ -101,7 +101,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,15 +115,16 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import resolve_context
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.config import NodeConfig
+from meshtrain.node.pipeline_announce import PipelineAnnouncements
 from meshtrain.node.pipeline_lab import PipelineLab
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, StopRequest
-from meshtrain.node.stage_state import StageStates, backers
+from meshtrain.node.stage_handover import StageHandover
 from meshtrain.node.stage_trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import build_model, load_data
 from meshtrain.pipeline.hop_codec import HopCodec
-from meshtrain.pipeline.placement import Member, announced, place, stage_map
+from meshtrain.pipeline.placement import place, stage_map
 from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.transport.framing import packb_canonical
@@ -138,9 +138,6 @@ STOP_GRACE = 20.0  # seconds a stopping peer keeps serving its epoch before it l
 FORWARD_REPEATS = 3  # forwards timed at start (the median is announced)
 ITERATION_DEADLINE_MIN = 60.0  # seconds an iteration may take at least before the epoch is given up
 ITERATION_DEADLINE_FACTOR = 10.0  # ... or this many times the slowest of the last iterations
-HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
-BACKUP_FINISH_WAIT = 10.0  # seconds a mover waits for its own backup of the stage it takes, in flight
-RECENT_EPOCHS = 4  # epochs whose backers count as such when a refill names where its state came from
 
 
 @dataclass(frozen=True)
@@ -189,70 +186,42 @@ class PipelinePeer:
         self.phase = phase
         self.stop = stop
         self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
-        self.states = StageStates(
-            self.host, streams, spec.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
-        )
-        self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
+        self.announcements = PipelineAnnouncements(presence, spec.stages)
+        self.handover = StageHandover(spec, config, streams, self.announcements, stop)
+        self.states = self.handover.states
         self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
         self.traffic: dict[str, dict[str, int]] = {"hop_bytes_to": {}, "sync_bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
         self.trainer: StageTrainer | None = None
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
-        self.last_placement: dict[str, int] = {}  # the last epoch's
-        # the last few epochs' (a backup taken a few epochs back is still the newest snapshot)
-        self.recent_placements: deque[dict[str, int]] = deque(maxlen=RECENT_EPOCHS)
         self.epochs = 0
         self.forward_s = 0.0
-        self.waiting: str | None = None
+        self._waiting: str | None = None  # what the epoch loop waits for (the handover says its own)
         self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
         self.export: dict[str, Any] | None = None  # `meshtrain export`'s progress (node/pipeline_export.py)
         self._cuts_requested = 0  # epoch ends we asked for (announced as `cut`)
         self._cuts_served: dict[str, int] = {}  # each peer's `cut` as of the last epoch end
-        self._caps: dict[str, Any] = {}
         self._background: trio.Nursery | None = None
         self._ckpt_busy = False
         self._last_ckpt = time.monotonic()
         self._t_last, self._step_last = time.monotonic(), 0
 
-    # -- announcing --------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> str | None:
+        """What we wait for, if anything (the status page)."""
+        return self.handover.waiting or self._waiting
 
-    def _announce(self, **changes: Any) -> None:
-        caps = {**self._caps, **changes}
-        if caps == self._caps:
-            return
-        self._caps = caps
-        view = self.presence.view
-        assert view is not None  # entered before us
-        view.capabilities = {**view.capabilities, "pipeline": caps}  # beside the others (the proof of work)
-        view.heartbeat()
-
-    def members(self) -> dict[str, Member]:
-        """Every live trainer we are connected to, and us, as placement sees them."""
-        view = self.presence.view
-        assert view is not None
-        live = set(self.presence.candidates())
-        out: dict[str, Member] = {}
-        for p in view.live_peers():
-            if p.peer_id not in live:
-                continue
-            caps = self._caps if p.peer_id == self.me else announced(p.capabilities, self.spec.stages)
-            out[p.peer_id] = Member(p.peer_id, caps.get("stage"), caps.get("fwd"), fresh=caps.get("step", 0) == 0)
-        return out
+    @property
+    def joined_from(self) -> dict[str, Any] | None:
+        """How we last took a stage's state (node/stage_handover.py)."""
+        return self.handover.joined_from
 
     def announced_stage(self, peer: PeerInfo) -> int | None:
         """The stage a member's record announces (the status page's peer list)."""
         if peer.peer_id == self.me:
             return self.trainer.stage if self.trainer is not None else None
-        return announced(peer.capabilities, self.spec.stages).get("stage")
-
-    def _announced(self, peer: str) -> dict[str, Any]:
-        if peer == self.me:
-            return self._caps
-        view = self.presence.view
-        assert view is not None
-        rec = next((p for p in view.live_peers() if p.peer_id == peer), None)
-        return announced(rec.capabilities, self.spec.stages) if rec is not None else {}
+        return self.announcements.stage_of(peer)
 
     # -- the run -----------------------------------------------------------------------------------
 
@@ -267,13 +236,13 @@ class PipelinePeer:
             self.trainer.load_checkpoint(ckpt.state)  # type: ignore[union-attr]
             self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}  # type: ignore[union-attr]
             log.warning(kv("resumed this stage from its checkpoint", stage=stage, step=self.trainer.step))
-            self._publish_stage()
+            self.handover.publish(self.trainer)
         elif ckpt is not None:
             log.warning(kv("ignoring a checkpoint of another pipeline cut", path=str(ckpt.path)))
         self.forward_s = await trio.to_thread.run_sync(self._measure_forward)
         view = self.presence.view
         assert view is not None
-        self._announce(fwd=self.forward_s, step=self.trainer.step if self.trainer else 0, stage=stage)
+        self.announcements.announce(fwd=self.forward_s, step=self.trainer.step if self.trainer else 0, stage=stage)
         view.role = "trainer"
         view.heartbeat()
         first = True
@@ -285,31 +254,8 @@ class PipelinePeer:
                 first = False
                 await self._run_epoch(epoch, until)
             self.states.cancel_backup()  # leaving: another stage's backup is no longer ours to keep
-            await self._hand_over()
+            await self.handover.hand_over(self.trainer)
         self._background = None
-
-    async def _hand_over(self) -> None:
-        """Stopping as the last replica of our stage, with enough peers left to refill it: keep
-        serving the stage's state (published at the epoch's end) until a peer has downloaded it,
-        for at most `HANDOVER_WAIT` seconds — else the stage would restart from θ0."""
-        trainer, placement = self.trainer, self.last_placement
-        if not self.stop.is_set() or trainer is None or trainer.needs_state or HANDOVER_WAIT <= 0:
-            return
-        if [p for p, s in placement.items() if s == trainer.stage] != [self.me] or len(placement) <= self.spec.stages:
-            return
-        served = self.states.donor.stats["chunks_served"]
-        self.waiting = f"pipeline: handing stage {trainer.stage} over (up to {HANDOVER_WAIT:.0f} s)"
-        log.warning(
-            kv(
-                "stopping as the last replica of this stage: serving it to the peer that takes it over",
-                stage=trainer.stage,
-                wait_s=HANDOVER_WAIT,
-            )
-        )
-        with trio.move_on_after(HANDOVER_WAIT):
-            while self.states.donor.stats["chunks_served"] == served:
-                await trio.sleep(AGREE_POLL)
-        self.waiting = None
 
     def _step(self) -> int:
         return self.trainer.step if self.trainer is not None else 0
@@ -345,7 +291,7 @@ class PipelinePeer:
             trainer.bytes_sent, trainer.bytes_received = old.bytes_sent, old.bytes_received
         trainer.attach_sync(self._collective)
         self.trainer = trainer
-        self._announce(stage=stage, offer=None)
+        self.announcements.announce(stage=stage, offer=None)
 
     def _collective(self) -> Any:
         if self.runtime is None:
@@ -360,23 +306,23 @@ class PipelinePeer:
         want = max(S, self.config.wait_peers) if first else S
         deadline = time.monotonic() + self.config.wait_peers_timeout
         while not self.stop.is_set():
-            members = self.members()
+            members = self.announcements.members()
             need = want if time.monotonic() < deadline else S
             if len(members) < need:
-                self.waiting = f"pipeline: {len(members)} of {need} peers are here (each of {S} stages needs one)"
+                self._waiting = f"pipeline: {len(members)} of {need} peers are here (each of {S} stages needs one)"
                 await self.stop.sleep(AGREE_POLL)
                 continue
             placement = place(members.values(), S)
             await self._take_stage(placement[self.me])
-            steps = [self._announced(p).get("step", 0) for p in placement]
+            steps = [self.announcements.of(p).get("step", 0) for p in placement]
             fwd = {p: members[p].forward_s or 1.0 for p in placement}
             epoch = Epoch(placement, fwd, max([self._step(), *steps]))
-            self._announce(epoch=epoch.key, step=self._step())
-            late = [p for p in placement if p != self.me and self._announced(p).get("epoch") != epoch.key]
+            self.announcements.announce(epoch=epoch.key, step=self._step())
+            late = [p for p in placement if p != self.me and self.announcements.of(p).get("epoch") != epoch.key]
             if not late:
-                self.waiting = None
+                self._waiting = None
                 return epoch
-            self.waiting = f"pipeline: agreeing on the stage placement with {len(late)} peer(s)"
+            self._waiting = f"pipeline: agreeing on the stage placement with {len(late)} peer(s)"
             await self.stop.sleep(AGREE_POLL)
         return None
 
@@ -410,7 +356,7 @@ class PipelinePeer:
         trainer = self.trainer
         assert trainer is not None
         spec = self.spec
-        await self._take_stage_state(epoch, trainer)
+        await self.handover.take(epoch.placement, epoch.base_step, trainer)
         if trainer.sync is not None:
             trainer.sync.outer.inner_steps = trainer.step  # round ids are the swarm's step
         base = trainer.step
@@ -423,18 +369,17 @@ class PipelinePeer:
         def should_stop(it: int, _elapsed: float) -> bool:
             if self.stop.is_set() or (until and base + it + 1 >= until) or self._cut_wanted(epoch):
                 return True
-            return place(self.members().values(), spec.stages) != epoch.placement
+            return place(self.announcements.members().values(), spec.stages) != epoch.placement
 
         run = self._problem(epoch)
         allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
         self.epoch = epoch
-        self.last_placement = epoch.placement
-        self.recent_placements.append(epoch.placement)
+        self.handover.epoch_started(epoch.placement)
         self.epochs += 1
         # A stage this placement leaves with one replica is backed up now, from the snapshot its
         # replica published as the last epoch ended: else it would be unprotected until this
         # epoch's end, and a crash before then (the bench's kill run) would lose it.
-        self._start_backup(epoch)
+        self.handover.start_backup(epoch.placement, trainer, self._background)
         log.warning(
             kv(
                 "pipeline epoch",
@@ -474,9 +419,9 @@ class PipelinePeer:
                 self.traffic = self._traffic()
             self.runtime = None
             self.epoch = None
-            self._cuts_served = {p: self._announced(p).get("cut", 0) for p in epoch.placement}
-            self._publish_stage()
-            self._start_backup(epoch)
+            self._cuts_served = {p: self.announcements.of(p).get("cut", 0) for p in epoch.placement}
+            self.handover.publish(self.trainer)
+            self.handover.start_backup(epoch.placement, self.trainer, self._background)
 
     def request_epoch_end(self) -> int:
         """Ask the swarm to end the running epoch after its current iteration, so that every
@@ -487,114 +432,31 @@ class PipelinePeer:
         # Milliseconds, not 1, 2, ...: a restarted peer's first request must still pass the value
         # the others saw from it before the restart.
         self._cuts_requested = max(self._cuts_requested + 1, int(time.time() * 1000))
-        self._announce(cut=self._cuts_requested)
+        self.announcements.announce(cut=self._cuts_requested)
         return self.states.published.count if self.states.published is not None else 0
 
     def _cut_wanted(self, epoch: Epoch) -> bool:
-        return any(self._announced(p).get("cut", 0) > self._cuts_served.get(p, 0) for p in epoch.placement)
-
-    def stage_donors(self, stage: int, step: int = 0) -> tuple[list[str], list[str], list[str]]:
-        """Whom to ask for `stage`'s published state: (the connected peers on that stage that offer
-        a state of `step` or later, those on it that do not yet, every other connected member).
-        Not us: our own is `states.published`."""
-        members = self.members()
-        others = sorted(p for p in members if p != self.me and self.host.is_connected(p))
-        on_stage = [p for p in others if members[p].stage == stage]
-        replicas = [p for p in on_stage if self._announced(p).get("offer", -1) >= step]
-        return replicas, [p for p in on_stage if p not in replicas], others
-
-    def _publish_stage(self) -> None:
-        """Offer our stage's state to peers that take the stage over (between two iterations)."""
-        trainer = self.trainer
-        if trainer is None or trainer.needs_state:
-            return
-        self.states.publish(trainer.stage, trainer.step, trainer.donated_state())
-        self._announce(offer=trainer.step)
-
-    def _start_backup(self, epoch: Epoch) -> None:
-        """As an epoch starts, and at its end after publishing: if `backers` names us for a stage
-        with one replica in the epoch, back that replica's newest snapshot (of our step) up in
-        the background, once it announces it (node/stage_state.py, Backups)."""
-        trainer = self.trainer
-        if not self.spec.stage_backup or self.stop.is_set() or self._background is None or trainer is None:
-            return
-        mine = sorted(s for s, p in backers(epoch.placement, self.spec.stages).items() if p == self.me)
-        if mine:  # one backup per peer (`backers` doubles up only with fewer peers than stages)
-            (replica,) = stage_map(epoch.placement, self.spec.stages)[mine[0]]
-            step = trainer.step
-
-            def offered() -> bool:  # ... or the replica is gone (left, or not reachable): try at once
-                caps = self._announced(replica)
-                return not caps or caps.get("offer", -1) >= step or not self.host.is_connected(replica)
-
-            self.states.start_backup(self._background, mine[0], replica, step, offered)
-
-    async def _take_stage_state(self, epoch: Epoch, trainer: StageTrainer) -> None:
-        """Before the epoch starts: a fresh stage, or a state behind the epoch's base step, is
-        replaced by the stage's state downloaded from its replicas (module docstring)."""
-        base = epoch.base_step
-        if not trainer.needs_state and trainer.step >= base:
-            return
-        if base == 0:  # the swarm has not trained: θ0 is every replica's state
-            trainer.needs_state = False
-            return
-        stage = trainer.stage
-        left = [p for p in self.last_placement if p not in epoch.placement and self.host.is_connected(p)]
-        peers = sorted(p for p in {*epoch.placement, *left} if p != self.me)  # + the last epoch's, leaving
-        replicas = [p for p in peers if epoch.placement.get(p) == stage and self._announced(p).get("offer") == base]
-        if not replicas:  # a backup of the stage we take may be in flight: ours, if we are its backer
-            await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
-        self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
-        recent = (backers(placement, self.spec.stages).get(stage) for placement in self.recent_placements)
-        donated = await self.states.fetch(stage, replicas, peers, backer_peers={b for b in recent if b is not None})
-        why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
-        if donated is not None:
-            try:
-                trainer.enter_donated(donated.state, at_step=base)
-                why = ""
-            except ValueError as e:
-                why = str(e)
-        if why:
-            then = "starting the stage from its initial weights" if trainer.needs_state else "training on our own state"
-            log.warning(kv(f"cannot take stage {stage}'s state ({why}); {then}", stage=stage, step=base))
-            if trainer.needs_state:
-                self.joined_from = {"stage": stage, "step": 0, "donors": 0, "initial_weights": True}
-            trainer.step, trainer.needs_state = base, False
-            return
-        assert donated is not None
-        self.joined_from = {
-            "stage": stage,
-            "step": donated.step,
-            "donors": len(donated.donors),
-            "from_replicas": donated.from_replicas,
-            "from_backup": donated.from_backup,
-            "seconds": round(donated.seconds, 3),
-            "bytes": donated.bytes,
-            "initial_weights": False,
-        }
-        source = "a backup" if donated.from_backup else "a peer no longer on it"
-        what = "its replicas" if donated.from_replicas else f"{source} (the stage had no replica left)"
-        log.warning(kv(f"took this stage's state from {what}", **self.joined_from))
+        return any(self.announcements.of(p).get("cut", 0) > self._cuts_served.get(p, 0) for p in epoch.placement)
 
     async def _wait_ready(self, epoch: Epoch) -> None:
         """Every peer of the epoch serves its runtime: only then is iteration 0 started."""
-        self._announce(ready=epoch.key)
+        self.announcements.announce(ready=epoch.key)
         others = [p for p in epoch.placement if p != self.me]
         with trio.move_on_after(self.config.join_timeout):
             while True:
-                late = [p for p in others if self._announced(p).get("ready") != epoch.key]
+                late = [p for p in others if self.announcements.of(p).get("ready") != epoch.key]
                 if not late:
                     return
-                members = self.members()
-                if any(p not in members or self._announced(p).get("epoch") != epoch.key for p in late):
+                members = self.announcements.members()
+                if any(p not in members or self.announcements.of(p).get("epoch") != epoch.key for p in late):
                     raise PipelineError("the placement changed before the epoch started")
-                self.waiting = f"pipeline: waiting for {len(late)} peer(s) to start the epoch"
+                self._waiting = f"pipeline: waiting for {len(late)} peer(s) to start the epoch"
                 await trio.sleep(AGREE_POLL / 2)
         raise PipelineError(f"peers of the epoch did not start it within {self.config.join_timeout:.0f} s")
 
     async def _iterate(self, rt: PipelineRuntime, trainer: StageTrainer) -> None:
         it = 0
-        self.waiting = None
+        self._waiting = None
         seconds: list[float] = []
         while True:
             # A watchdog: an iteration the runtime cannot finish (seen once after a SIGKILL, not
@@ -689,7 +551,7 @@ class PipelinePeer:
         if self.epoch is not None:
             placement = self.epoch.placement
         else:
-            placement = {p: m.stage for p, m in self.members().items() if m.stage is not None}
+            placement = {p: m.stage for p, m in self.announcements.members().items() if m.stage is not None}
         backup = self.states.backup
         return {
             "mode": self.spec.pipeline,
@@ -702,7 +564,7 @@ class PipelinePeer:
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,
-            "joined_from": self.joined_from,
+            "joined_from": self.handover.joined_from,
             "backup": {"stage": backup.stage, "step": backup.step} if backup is not None else None,
             "traffic": self._traffic(),
             "waiting": self.waiting,

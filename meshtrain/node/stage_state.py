@@ -38,7 +38,10 @@ Design. The multi-donor state sync of node/state_sync.py, unchanged, with one st
   epoch's step: the download is their majority's state (one donor's for NoLoCo, whose replicas
   differ by design). If none is left — the stage lost its last replica — every other peer of the
   epoch is asked for the stage's key, and the newest snapshot any of them still holds (a former
-  replica's, or a backer's) is taken (trusted: nobody can outvote it); `DonatedState.from_backup`
+  replica's, or a backer's) is taken (trusted: nobody can outvote it). If the newest one's holders
+  fail mid-download (a last replica that dies as it leaves: seen in tests/test_pipeline_backup.py
+  under load), the download is tried again without them, so an older backup still beats θ0.
+  `DonatedState.from_backup`
   says the stage's backer (the caller names it) was among its donors. A taker that is itself the
   stage's backer uses its own backup unless a newer one is offered (`own_backup`). If nobody holds
   one, `fetch` returns None and the caller starts the stage from its initial weights, saying so.
@@ -54,7 +57,7 @@ cannot start from θ0 (`meshtrain export`: node/pipeline_export.py) uses `fetch_
 raises `StageStateError` naming the stage and every reason (replicas that disagree, all failed,
 nobody holds a snapshot) instead of returning None.
 
-Not here: when to fetch or back up and whom placement puts where (node/pipeline_peer.py), the
+Not here: when to fetch or back up and whom placement puts where (node/stage_handover.py), the
 download protocol (node/state_sync.py). Still lost in a checkpoint-less swarm (the "starts from
 θ0" case): a stage whose last replica died before any epoch end published its state, one whose
 replica and backer both died before another peer took it, and the training a stage did since
@@ -311,22 +314,35 @@ class StageStates:
         reasons: list[str] = []
         if replicas:
             donors = list(replicas) if identical else list(replicas)[:1]
-            got = await self._fetch(stage, donors, quorum=None, progress=progress, reasons=reasons)
+            got = await self._fetch(
+                stage, donors, quorum=None, progress=progress, reasons=reasons, report=FetchReport()
+            )
             if got is not None:
                 return got
         rest = [p for p in others if p not in replicas]
-        if rest:
-            got = await self._fetch(stage, rest, quorum=1, progress=progress, reasons=reasons)
+        asked = bool(rest)
+        while rest:
+            report = FetchReport()
+            got = await self._fetch(stage, rest, quorum=1, progress=progress, reasons=reasons, report=report)
             if got is not None:
                 return dataclasses.replace(got, from_replicas=False)
-        if not replicas and not rest:
+            # The newest snapshot's holders failed mid-download (a last replica dying as it left):
+            # an older snapshot the others still hold (a backup) beats none. Each pass drops a donor.
+            rest = [p for p in rest if p not in report.banned] if report.banned else []
+        if not replicas and not asked:
             reasons.append("no connected peer to ask")
         raise StageStateError(f"cannot fetch stage {stage}'s state: {'; '.join(reasons)}")
 
     async def _fetch(
-        self, stage: int, donors: list[str], *, quorum: int | None, progress: Progress | None, reasons: list[str]
+        self,
+        stage: int,
+        donors: list[str],
+        *,
+        quorum: int | None,
+        progress: Progress | None,
+        reasons: list[str],
+        report: FetchReport,
     ) -> DonatedState | None:
-        report = FetchReport()
         t0 = time.monotonic()
         who = "its replicas" if quorum is None else "peers that held it before"
         try:
