@@ -15,8 +15,11 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   schedule for those rates (`best_schedule_bound`: reduce-scatter/all-gather with part sizes
   chosen for the rates, every link busy both ways all the time; no schedule can beat M / B_min,
   since the slowest peer must upload its whole input and download the whole result). Target ≤ 1.3.
-- `hivemind_ratio_to_link_bound`: hivemind's DecentralizedAverager in the same lab, or null with
-  the reason.
+- `hivemind_ratio_to_link_bound`: hivemind's DecentralizedAverager (scripts/hivemind_probe_allreduce.py,
+  in its own venv, scripts/_hivemind.py) in a lab of the same shape, the same payload: N workers,
+  each inside its peer's namespace, time from the last trigger to the last peer done (matchmaking
+  excluded, as ours excludes group formation), median over `--rounds` ÷ the same bound; or null
+  with the reason (`--no-hivemind`, or no venv: `--hivemind-venv-create` makes one, ~1.2 GB).
 - `single_stream_fill`: one tensor stream (M bytes, warm connection) between two peers at
   100 Mbit/s and 100 ms RTT, goodput ÷ link rate. Target ≥ 0.9. `tcp_fill` beside it is a plain
   Python TCP socket on the same path: what the link and the kernel's TCP give at all.
@@ -46,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts._hivemind import venv_dir  # noqa: E402
+from scripts._hivemind import run_probe, venv_dir  # noqa: E402
 from scripts.natlab.lab import LabUnavailable, check_support, cleanup_stale  # noqa: E402
 from scripts.natlab.peers import LabPeer, start_peers  # noqa: E402
 from scripts.wanlab.lab import WanLab  # noqa: E402
@@ -259,6 +262,35 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         out["diloco_overlap_ratio"] = round(walls["diloco"] / walls["none"], 3)
 
 
+def bench_hivemind(args: argparse.Namespace, log_dir: str, out: dict) -> None:
+    """hivemind's all-reduce in a lab like `bench_allreduce`'s: its probe runs worker i inside
+    peer i's namespace, listening on the peer's lab address."""
+    out["hivemind_ratio_to_link_bound"] = None
+    hv = venv_dir()
+    if not args.hivemind:
+        out["hivemind_reason"] = "--no-hivemind"
+        return
+    if not (hv / "bin" / "python").exists() and not args.hivemind_venv_create:
+        out["hivemind_reason"] = f"no hivemind venv at {hv} (--hivemind-venv-create makes one: downloads ~1.2 GB)"
+        return
+    n, mb = args.peers, args.mb
+    with WanLab(n, rate_mbit=100, delay_ms=20) as lab:
+        progress(f"hivemind: lab up, {n} peers, 100 Mbit/s, 20 ms one-way")
+        spec = Path(log_dir) / "hivemind_lab.json"
+        spec.write_text(
+            json.dumps({"netns": [lab.netns(x) for x in lab.names], "hosts": [lab.addr(x) for x in lab.names]})
+        )
+        argv = ["--peers", n, "--mb", int(mb), "--rounds", args.rounds, "--lab", spec, "--timeout", 1500]
+        res = run_probe("hivemind_probe_allreduce.py", argv, timeout=1600)
+    bound = link_bound(n, int(mb) * 1e6, 100)
+    out["hivemind"] = res
+    if "hivemind_s" in res:
+        out["hivemind_ratio_to_link_bound"] = round(res["hivemind_s"] / bound, 3)
+        progress(f"hivemind: {res['hivemind_s']:.2f} s per round, bound {bound:.2f} s")
+    else:
+        out["hivemind_reason"] = res.get("error", "no result")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, default=8)
@@ -268,6 +300,8 @@ def main() -> int:
     ap.add_argument("--no-hetero", dest="hetero", action="store_false")
     ap.add_argument("--no-training", dest="training", action="store_false")
     ap.add_argument("--no-allreduce", dest="allreduce", action="store_false")
+    ap.add_argument("--no-hivemind", dest="hivemind", action="store_false")
+    ap.add_argument("--hivemind-venv-create", action="store_true", help="create hivemind's venv if missing")
     ap.add_argument("--quick", action="store_true", help="4 peers, 20 MB, 1 round, 60 steps")
     ap.add_argument("--keep-logs", default=None, help="directory for peer logs (default: a temp dir)")
     args = ap.parse_args()
@@ -289,13 +323,7 @@ def main() -> int:
     t0 = time.monotonic()
     if args.allreduce:
         bench_allreduce(args, log_dir, out)
-    hv = venv_dir()
-    out["hivemind_ratio_to_link_bound"] = None
-    out["hivemind_reason"] = (
-        f"no hivemind venv at {hv} (creating it downloads ~1.2 GB; not done by this benchmark)"
-        if not (hv / "bin" / "python").exists()
-        else "hivemind in the WAN lab is not wired yet (its probe runs on loopback only)"
-    )
+    bench_hivemind(args, log_dir, out)
     if args.training:
         bench_streaming(args, log_dir, out)
     out["seconds"] = round(time.monotonic() - t0, 1)

@@ -3,8 +3,11 @@
     .venv-hivemind/bin/python scripts/hivemind_probe_allreduce.py --peers 8 --mb 100 [--rounds 2]
 
 What it measures: how long hivemind's `DecentralizedAverager` takes to average MB megabytes of fp32
-across N peers, each a separate process, on loopback only (host_maddrs /ip4/127.0.0.1/tcp/0; no
-relay, no auto-relay, no AutoNAT, no UPnP/NAT-PMP, no IPFS bootstrap).
+across N peers, each a separate process, on loopback (host_maddrs /ip4/127.0.0.1/tcp/0; no
+relay, no auto-relay, no AutoNAT, no UPnP/NAT-PMP, no IPFS bootstrap) — or, with `--lab FILE`, in
+the WAN lab (scripts/wanlab/): FILE is JSON {"netns": [name per peer], "hosts": [ip per peer]};
+worker i runs inside netns[i] (`ip netns exec`, as root) and listens on /ip4/hosts[i]/tcp/0, so
+its traffic crosses the lab's rate-limited, delayed links (scripts/bench_wan.py writes FILE).
 
 How: worker 0 starts the first `hivemind.DHT`; the others bootstrap from its address. Each worker
 holds MB megabytes of random fp32 split like scripts/bench_allreduce.py (three quarters in three
@@ -80,7 +83,8 @@ def worker(index: int, peers: int, mb: int, initial: list[str], a: argparse.Name
     torch.set_num_threads(1)
     tensors = _tensors(index, mb)
     initial_sum = sum(float(t.double().sum()) for t in tensors)
-    dht = DHT(initial_peers=initial or None, start=True, **P2P_KWARGS)
+    kwargs = {**P2P_KWARGS, "host_maddrs": [f"/ip4/{a.host}/tcp/0"]}
+    dht = DHT(initial_peers=initial or None, start=True, **kwargs)
     averager = None
     try:
         if not initial:
@@ -138,14 +142,16 @@ def worker(index: int, peers: int, mb: int, initial: list[str], a: argparse.Name
 class Swarm:
     """The worker processes, their stdout lines on one queue, their stderr in temp files."""
 
-    def __init__(self, base: list[str]):
-        self.base, self.procs, self.errs = base, [], []
+    def __init__(self, base: list[str], lab: dict | None = None):
+        self.base, self.lab, self.procs, self.errs = base, lab, [], []
         self.lines: queue.Queue = queue.Queue()
 
     def spawn(self, index: int, initial: list[str]) -> None:
         err = tempfile.TemporaryFile("w+")  # noqa: SIM115  (an unread stderr pipe could stall a worker)
+        where = ["ip", "netns", "exec", self.lab["netns"][index]] if self.lab else []
+        host = self.lab["hosts"][index] if self.lab else "127.0.0.1"
         proc = subprocess.Popen(
-            [*self.base, "--worker", str(index), "--initial", json.dumps(initial)],
+            [*where, *self.base, "--worker", str(index), "--initial", json.dumps(initial), "--host", host],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -224,7 +230,13 @@ def run(a: argparse.Namespace) -> dict:
         "--group-timeout",
         str(a.group_timeout),
     ]
-    swarm = Swarm(base)
+    lab = None
+    if a.lab:
+        with open(a.lab) as f:
+            lab = json.load(f)
+        if len(lab.get("netns", [])) < a.peers or len(lab.get("hosts", [])) < a.peers:
+            raise ValueError(f"--lab {a.lab}: needs a netns and a host address for each of {a.peers} peers")
+    swarm = Swarm(base, lab)
     finished = False
     try:
         swarm.spawn(0, [])
@@ -275,6 +287,7 @@ def run(a: argparse.Namespace) -> dict:
             "startup_s": round(startup_s, 1),
             "method": f"DecentralizedAverager.step(), target_group_size={a.peers}, last trigger -> last done, "
             f"median of {a.rounds} round(s)",
+            "where": "wan lab" if lab else "loopback",
         }
     finally:
         swarm.close(grace=15 if finished else 0)  # on failure or SIGTERM, kill at once
@@ -291,6 +304,8 @@ def main() -> None:
     p.add_argument("--request-timeout", type=float, default=3.0, help="hivemind request_timeout")
     p.add_argument("--group-timeout", type=float, default=60.0, help="step() timeout after scheduled time")
     p.add_argument("--allreduce-timeout", type=float, default=600.0)
+    p.add_argument("--lab", default="", help='JSON file {"netns": [...], "hosts": [...]}: run peer i in the WAN lab')
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--initial", default="[]", help=argparse.SUPPRESS)
     a = p.parse_args()

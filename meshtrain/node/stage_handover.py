@@ -114,14 +114,19 @@ class StageHandover:
             return
         mine = sorted(s for s, p in backers(placement, self.spec.stages).items() if p == self.me)
         if mine:  # one backup per peer (`backers` doubles up only with fewer peers than stages)
-            (replica,) = stage_map(placement, self.spec.stages)[mine[0]]
+            stage = mine[0]
+            (replica,) = stage_map(placement, self.spec.stages)[stage]
             step = trainer.step
 
             def offered() -> bool:  # ... or the replica is gone (left, or not reachable): try at once
                 caps = self.announcements.of(replica)
-                return not caps or caps.get("offer", -1) >= step or not self.host.is_connected(replica)
+                if not caps or not self.host.is_connected(replica):
+                    return True
+                # Its record must announce this stage: a mover's record from before its move still
+                # offers its old stage's step (a backup from it then failed with `no_state`).
+                return caps.get("stage") == stage and caps.get("offer", -1) >= step
 
-            self.states.start_backup(nursery, mine[0], replica, step, offered)
+            self.states.start_backup(nursery, stage, replica, step, offered)
 
     async def take(self, placement: dict[str, int], base: int, trainer: StageTrainer) -> None:
         """Before an epoch of `placement` from step `base` starts: a fresh stage, or a state behind
