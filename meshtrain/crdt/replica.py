@@ -89,8 +89,8 @@ from meshtrain.crdt.entries import (
     Rejection,
     SignatureCache,
     SignedEntry,
-    digest_to_wire,
 )
+from meshtrain.crdt.fingerprints import FINGERPRINT_BYTES, bucket_fingerprints, fingerprint_of
 from meshtrain.crdt.gossip import (
     MAX_GOSSIP_PAYLOAD,
     YAMUX_FRAME_PAYLOAD,
@@ -103,14 +103,12 @@ from meshtrain.crdt.gossip import (
 from meshtrain.crdt.types import CRDT_TYPES
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.host import Host
 
 log = get_logger(__name__)
 
 MAX_ENTRY_BYTES = 48 << 10  # one entry, encoded; fits a gossip message with room to spare
 MAX_PARKED = 256  # refused entries kept for another try once the gate's inputs change (see Gate)
-FINGERPRINT_BYTES = 16
 
 DEFAULT_ANTI_ENTROPY_INTERVAL = 1.5
 DEFAULT_ANTI_ENTROPY_JITTER = 0.3  # fraction of the interval, so peers do not tick in lockstep
@@ -227,11 +225,6 @@ def _tally(by_reason: dict[str, int], reasons: Iterable[str]) -> None:
             by_reason[reason] = by_reason.get(reason, 0) + 1
 
 
-def fingerprint_of(digest: Digest) -> bytes:
-    """A 16-byte hash of a digest: equal digests, equal fingerprints."""
-    return hashlib.blake2b(packb_canonical(digest_to_wire(digest)), digest_size=FINGERPRINT_BYTES).digest()
-
-
 class Replica(GossipPush, AntiEntropy, Service):
     """The swarm's CRDTs on this peer, kept in sync with its connected peers.
 
@@ -281,6 +274,7 @@ class Replica(GossipPush, AntiEntropy, Service):
             for name, s in self._specs.items()
         }
         self._fingerprints: dict[str, bytes] = {}
+        self._bucket_fps: dict[str, tuple[int, list[bytes]]] = {}  # name -> (count, by bucket): the last asked
         self._outbox: dict[str, dict[str, SignedEntry]] = {}
         self._outbox_ready = trio.Event()
         self._subscribers: list[trio.MemorySendChannel[ChangeEvent]] = []
@@ -335,6 +329,20 @@ class Replica(GossipPush, AntiEntropy, Service):
         if fp is None:
             fp = self._fingerprints[name] = fingerprint_of(self._crdts[name].digest())
         return fp
+
+    def bucket_fingerprints(self, name: str, count: int) -> list[bytes]:
+        """One CRDT's fingerprints by owner bucket (crdt/fingerprints.py), cached until it changes."""
+        cached = self._bucket_fps.get(name)
+        if cached is None or cached[0] != count:
+            cached = self._bucket_fps[name] = (
+                count,
+                bucket_fingerprints(self._crdts[self._check_name(name)].digest(), count),
+            )
+        return cached[1]
+
+    def _changed(self, name: str) -> None:
+        self._fingerprints.pop(name, None)
+        self._bucket_fps.pop(name, None)
 
     def _in_spec_order(self, batches: Iterable[tuple[str, list[SignedEntry]]]) -> list[tuple[str, list[SignedEntry]]]:
         """Batches in the order of the replica's specs: the CRDTs a `gate` reads merge first."""
@@ -404,7 +412,7 @@ class Replica(GossipPush, AntiEntropy, Service):
         self._written_here.add(name)
         self.stats.writes += 1
         if outcome.accepted:
-            self._fingerprints.pop(name, None)
+            self._changed(name)
             self._queue_gossip(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, "local", self.me))
         return entry
@@ -453,7 +461,7 @@ class Replica(GossipPush, AntiEntropy, Service):
                 self._count_refusals(name, refused, source, peer)
             rejected.extend(refused)  # callers treat them alike: not relayed, not stored
         if outcome.accepted:
-            self._fingerprints.pop(name, None)
+            self._changed(name)
             self.stats.entries_accepted += len(outcome.accepted)
             own_superseded = any(e.owner == self.me for e in outcome.accepted)
             if own_superseded:
