@@ -76,7 +76,7 @@ import copy
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -98,9 +98,14 @@ FRAGMENT_TAG = re.compile(r"f(\d{1,6})")  # an ungrouped round's tag (optim/oute
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _loss(model: torch.nn.Module, batch: Batch) -> float:
-    out = model(*batch)
-    return float((out if isinstance(out, torch.Tensor) else out.loss).float())
+def _loss(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
+    """The mean of the model's losses on `batches`: for batches of one size (the spec's), the loss
+    on their concatenation, with one batch's activations alive at a time."""
+    total = 0.0
+    for batch in batches:
+        out = model(*batch)
+        total += float((out if isinstance(out, torch.Tensor) else out.loss).float())
+    return total / len(batches)
 
 
 def _overlaps(
@@ -125,12 +130,12 @@ def score_round(
     part: tuple[int, int],
     samples: dict[str, torch.Tensor],
     aggregate: torch.Tensor,
-    batches: dict[str, Batch],
+    batches: dict[str, Sequence[Batch]],
     autocast: Callable[[], AbstractContextManager] | None = None,
 ) -> list[LossScore]:
     """Score each sampled peer's contribution `samples[peer]` to part `part` (the [a, b) slice
     of `names`' parameters flattened in order) against the round's `aggregate` of that slice, on
-    the peer's batch `batches[peer]` (module docstring). `model` is a scratch copy: its trainable
+    the peer's batches `batches[peer]` (the mean loss over them; module docstring). `model` is a scratch copy: its trainable
     parameters are overwritten with φ (`phi`, by name). Runs in a worker thread."""
     with torch.no_grad():
         params = dict(model.named_parameters())
@@ -140,7 +145,7 @@ def score_round(
         saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
         agg_norm = float(aggregate.norm())
 
-        def loss_at(update: torch.Tensor | None, batch: Batch) -> float:
+        def loss_at(update: torch.Tensor | None, batch: Sequence[Batch]) -> float:
             if update is not None:
                 for (flat, lo, hi, at), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig - update[at : at + hi - lo].to(orig.device, orig.dtype))
@@ -171,6 +176,12 @@ def score_round(
                 )
             )
         return scores
+
+
+def scored_steps(round_id: int, H: int, score_batches: int) -> range:
+    """The inner steps whose batches loss scoring measures a peer on in the round that ends at
+    step `round_id`: its last `score_batches` (all H if fewer; none before step 0)."""
+    return range(max(round_id - min(score_batches, H), 0), max(round_id, 1))
 
 
 class PhiSnapshot:
@@ -230,15 +241,17 @@ class LossScorer:
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))
 
-    def batches(self, screening: RoundScreening) -> dict[str, Batch]:
-        """Each sampled peer's assigned batch of the round's last inner step."""
+    def batches(self, screening: RoundScreening) -> dict[str, list[Batch]]:
+        """Each sampled peer's assigned batches of the round's last `score_batches` inner steps
+        (`scored_steps`)."""
         t, spec = self.trainer, self.spec
-        step = max(screening.round_id - 1, 0)
         device = next(self.model.parameters()).device
         out = {}
         for peer in screening.samples:
-            x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
-            out[peer] = (x.to(device), y.to(device))
+            out[peer] = []
+            for step in scored_steps(screening.round_id, spec.H, spec.score_batches):
+                x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
+                out[peer].append((x.to(device), y.to(device)))
         return out
 
     async def run(self) -> None:

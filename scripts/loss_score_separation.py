@@ -1,0 +1,178 @@
+"""How well loss scoring's rule separates honest updates from lying ones, by `score_batches`
+(node/scoring.py).
+
+    python scripts/loss_score_separation.py [--H 10] [--rounds 9] [--batches 1,2,4,8] [--seeds 0,1,2]
+
+One process, no network, as scripts/spot_check_separation.py: DiLoCo rounds of gpt-tiny on the
+built-in character corpus (batch 8, context 32) among four honest peers whose inner AdamW keeps
+its state across rounds (as the daemon's does; `--fresh`: a new one every round, as
+tests/test_scoring.py's rounds), the round's aggregate the trimmed mean, φ moved
+by Nesterov SGD (the spec's defaults). Besides the honest peers, one liar per group: `replay` (an
+honest-trained round-1 update, sent every round), `zeros`, `otherdata` (trains on its assigned
+windows with their token order reversed, node/adversary.py), `lazy` (trains only the last 2 of
+its H steps) and `halflazy` (the last H/2). In every round from the second on, for each liar,
+each of the group's five owners scores every other peer's update on its part (`score_round`) on
+the peer's assigned batches of the round's last b inner steps, for each b of `--batches`.
+
+Prints one JSON object: per b and kind, over all seeds, the quantiles (min, 10th, median, 90th
+percentile, max) of the margin gain − score_ratio·ref (the rule flags below −score_floor where ref
+> score_floor), the share of part-scores flagged, and the share of (round, peer) verdicts where a
+quorum of owners flagged (the strike that counts). Honest peers are scored in every liar's group.
+The table in node/scoring.py's docstring comes from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshtrain.collective.flat import flatten_fp32, part_bounds  # noqa: E402
+from meshtrain.models import Corpus  # noqa: E402
+from meshtrain.models.sources import build_model  # noqa: E402
+from meshtrain.node.scoring import score_round, scored_steps  # noqa: E402
+from meshtrain.node.strikes import loss_flagged, quorum  # noqa: E402
+from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
+
+BATCH, CONTEXT = 8, 32
+HONEST = ["p0", "p1", "p2", "p3"]
+LIARS = ("replay", "zeros", "otherdata", "lazy", "halflazy")
+
+
+def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out: dict, fresh: bool) -> None:
+    """One run of `rounds` rounds with swarm seed and model seed `seed`; appends to `out[b][kind]`
+    (margins, part flags) and `out[b][kind + "/quorum"]` (per-round quorum verdicts)."""
+    torch.manual_seed(seed)
+    corpus = Corpus.default("chars")
+    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=seed, context=CONTEXT)
+    names = [n for n, _ in model.named_parameters()]
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: torch.zeros_like(p) for n, p in phi.items()}
+    scratch = copy.deepcopy(model)
+
+    def batch(peer: str, step: int, reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = corpus.batch(BATCH, CONTEXT, seed=seed, peer=peer, step=step)
+        if reverse:
+            s = torch.cat([x[:, :1], y], dim=1).flip(1)
+            return s[:, :-1].contiguous(), s[:, 1:].contiguous()
+        return x, y
+
+    class Peer:
+        def __init__(self, name: str) -> None:
+            self.name, self.model = name, copy.deepcopy(model)
+            self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
+
+        def train(self, steps: range, reverse: bool = False) -> torch.Tensor:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    p.copy_(phi[n])
+            if fresh:  # as tests/test_scoring.py's rounds do
+                self.inner = torch.optim.AdamW(
+                    self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay
+                )
+            for s in steps:
+                loss = self.model(*batch(self.name, s, reverse)).loss
+                self.inner.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
+                self.inner.step()
+            return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
+
+    peers = {p: Peer(p) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+    first = None
+    for rnd in range(1, rounds + 1):
+        r = rnd * H
+        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
+        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
+        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
+        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
+        first = first if first is not None else Peer("replay").train(range(r - H, r))
+        updates["replay"] = first
+        updates["zeros"] = torch.zeros_like(first)
+        if rnd > 1:
+            for b in bs:
+                steps = scored_steps(r, H, b)
+                for liar in LIARS:
+                    group = sorted([*HONEST, liar])
+                    agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
+                    bounds = part_bounds(agg.numel(), len(group))
+                    batches = {p: [batch(p, s) for s in steps] for p in group}
+                    flags = dict.fromkeys(group, 0)
+                    for j, owner in enumerate(group):
+                        part = (bounds[j], bounds[j + 1])
+                        samples = {p: updates[p][part[0] : part[1]] for p in group if p != owner}
+                        for s in score_round(scratch, phi, names, part, samples, agg[part[0] : part[1]], batches):
+                            kind = "honest" if s.peer in HONEST else s.peer
+                            flagged = loss_flagged(s.gain, s.ref, spec)
+                            flags[s.peer] += flagged
+                            out[b].setdefault(kind, []).append(
+                                (s.gain - spec.score_ratio * s.ref, flagged, s.gain, s.ref, rnd)
+                            )
+                    for p, n in flags.items():
+                        kind = "honest" if p in HONEST else p
+                        out[b].setdefault(kind + "/quorum", []).append(n >= quorum(len(group)))
+            print(f"seed {seed} round {rnd} scored", file=sys.stderr)
+        deltas = [updates[p] for p in HONEST] + [first]
+        agg = torch.stack(deltas).sort(dim=0).values[1:-1].mean(dim=0)
+        pos = 0
+        for n in names:
+            g = agg[pos : pos + phi[n].numel()].view(phi[n].shape)
+            pos += phi[n].numel()
+            momentum[n].mul_(spec.outer_momentum).add_(g)
+            phi[n] -= spec.outer_lr * (g + spec.outer_momentum * momentum[n])
+
+
+def summary(scores: list[tuple], verdicts: list[bool]) -> dict:
+    v = sorted(m for m, *_ in scores)
+    pick = {"min": 0, "p10": len(v) // 10, "median": len(v) // 2, "p90": 9 * len(v) // 10, "max": len(v) - 1}
+    return {
+        **{q: round(v[i], 4) for q, i in pick.items()},
+        "n": len(v),
+        "flagged": round(sum(f for _, f, *_ in scores) / len(scores), 3),
+        "rounds": len(verdicts),
+        "quorum": round(sum(verdicts) / len(verdicts), 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--H", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--batches", default="1,2,4,8", help="score_batches values to measure")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--fresh", action="store_true", help="a fresh inner AdamW every round (tests/test_scoring.py)")
+    ap.add_argument("--raw", help="also write every score (margin, flagged, gain, ref, round) here, as JSON")
+    args = ap.parse_args()
+    bs, seeds = [int(b) for b in args.batches.split(",")], [int(s) for s in args.seeds.split(",")]
+    spec = SwarmSpec(model="gpt-tiny", H=args.H)
+    torch.set_num_threads(1)
+    out: dict[int, dict[str, list]] = {b: {} for b in bs}
+    for seed in seeds:
+        simulate(seed, args.H, args.rounds, bs, spec, out, args.fresh)
+    result = {
+        "model": "gpt-tiny",
+        "H": args.H,
+        "batch": BATCH,
+        "seeds": seeds,
+        "rounds_scored": args.rounds - 1,
+        "inner_optimizer": "fresh every round" if args.fresh else "keeps its state across rounds",
+        "score_ratio": spec.score_ratio,
+        "score_floor": spec.score_floor,
+        "margin": {
+            b: {k: summary(v, d[k + "/quorum"]) for k, v in d.items() if not k.endswith("/quorum")}
+            for b, d in out.items()
+        },
+    }
+    if args.raw:
+        Path(args.raw).write_text(json.dumps({b: d for b, d in out.items()}))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
