@@ -33,58 +33,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshtrain.collective.flat import flatten_fp32, part_bounds  # noqa: E402
-from meshtrain.models import Corpus  # noqa: E402
-from meshtrain.models.sources import build_model  # noqa: E402
+from meshtrain.collective.flat import part_bounds  # noqa: E402
 from meshtrain.node.scoring import score_round, scored_steps  # noqa: E402
 from meshtrain.node.strikes import loss_flagged, quorum  # noqa: E402
 from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
+from scripts.separation_sim import BATCH, HONEST, Peer, Swarm, quantiles  # noqa: E402
 
-BATCH, CONTEXT = 8, 32
-HONEST = ["p0", "p1", "p2", "p3"]
 LIARS = ("replay", "zeros", "otherdata", "lazy", "halflazy")
 
 
 def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out: dict, fresh: bool) -> None:
     """One run of `rounds` rounds with swarm seed and model seed `seed`; appends to `out[b][kind]`
-    (margins, part flags) and `out[b][kind + "/quorum"]` (per-round quorum verdicts)."""
-    torch.manual_seed(seed)
-    corpus = Corpus.default("chars")
-    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=seed, context=CONTEXT)
-    names = [n for n, _ in model.named_parameters()]
-    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
-    momentum = {n: torch.zeros_like(p) for n, p in phi.items()}
-    scratch = copy.deepcopy(model)
-
-    def batch(peer: str, step: int, reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = corpus.batch(BATCH, CONTEXT, seed=seed, peer=peer, step=step)
-        if reverse:
-            s = torch.cat([x[:, :1], y], dim=1).flip(1)
-            return s[:, :-1].contiguous(), s[:, 1:].contiguous()
-        return x, y
-
-    class Peer:
-        def __init__(self, name: str) -> None:
-            self.name, self.model = name, copy.deepcopy(model)
-            self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
-
-        def train(self, steps: range, reverse: bool = False) -> torch.Tensor:
-            with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    p.copy_(phi[n])
-            if fresh:  # as tests/test_scoring.py's rounds do
-                self.inner = torch.optim.AdamW(
-                    self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay
-                )
-            for s in steps:
-                loss = self.model(*batch(self.name, s, reverse)).loss
-                self.inner.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
-                self.inner.step()
-            return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
-
-    peers = {p: Peer(p) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+    (margin, flagged, gain, ref, round per part-score) and `out[b][kind + "/quorum"]` (per-round
+    quorum verdicts)."""
+    swarm = Swarm(spec, seed)
+    scratch, names, phi, batch = copy.deepcopy(swarm.model), swarm.names, swarm.phi, swarm.batch
+    peers = {p: Peer(swarm, p, fresh) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
     first = None
     for rnd in range(1, rounds + 1):
         r = rnd * H
@@ -92,7 +56,7 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
         updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
         updates["lazy"] = peers["lazy"].train(range(r - 2, r))
         updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
-        first = first if first is not None else Peer("replay").train(range(r - H, r))
+        first = first if first is not None else Peer(swarm, "replay").train(range(r - H, r))
         updates["replay"] = first
         updates["zeros"] = torch.zeros_like(first)
         if rnd > 1:
@@ -118,22 +82,12 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
                         kind = "honest" if p in HONEST else p
                         out[b].setdefault(kind + "/quorum", []).append(n >= quorum(len(group)))
             print(f"seed {seed} round {rnd} scored", file=sys.stderr)
-        deltas = [updates[p] for p in HONEST] + [first]
-        agg = torch.stack(deltas).sort(dim=0).values[1:-1].mean(dim=0)
-        pos = 0
-        for n in names:
-            g = agg[pos : pos + phi[n].numel()].view(phi[n].shape)
-            pos += phi[n].numel()
-            momentum[n].mul_(spec.outer_momentum).add_(g)
-            phi[n] -= spec.outer_lr * (g + spec.outer_momentum * momentum[n])
+        swarm.outer_step([updates[p] for p in HONEST] + [first])
 
 
 def summary(scores: list[tuple], verdicts: list[bool]) -> dict:
-    v = sorted(m for m, *_ in scores)
-    pick = {"min": 0, "p10": len(v) // 10, "median": len(v) // 2, "p90": 9 * len(v) // 10, "max": len(v) - 1}
     return {
-        **{q: round(v[i], 4) for q, i in pick.items()},
-        "n": len(v),
+        **quantiles([m for m, *_ in scores], 4),
         "flagged": round(sum(f for _, f, *_ in scores) / len(scores), 3),
         "rounds": len(verdicts),
         "quorum": round(sum(verdicts) / len(verdicts), 3),

@@ -87,6 +87,9 @@ tensors are not the fragment's Δ in order (SparseLoCo's sparse payload: sizes d
 peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. If
 scoring falls behind by more than `QUEUE` rounds, rounds are skipped (logged). With error
 feedback (issue 19) what is scored is the compressed accumulator, the update actually applied.
+A spec signed before `score_batches` existed reads as the default (4) on nodes that know the key
+and scores one batch on older ones; their strikes count alike (the rule and its re-check do not
+depend on b).
 
 Not caught. A peer sampled with probability k/n per round is struck only in rounds it is
 sampled in, so with the default 2 samples in a group of n it takes ~n/2 times longer to reach

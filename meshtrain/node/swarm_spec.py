@@ -196,13 +196,13 @@ class SwarmSpec(BaseModel):
         le=64,
         description="loss scoring (node/scoring.py): in each screened round this many peers, drawn from the "
         "round's committed digest, have their update applied to each owner's part of the outer parameters "
-        "and its loss measured on their own assigned batch; 0 = off; only where screening is on",
+        "and its loss measured on their own assigned batches (score_batches); 0 = off; only where screening is on",
     )
     score_ratio: float = Field(
         0.5,
         ge=0,
         le=1,
-        description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
+        description="loss scoring: flag an update whose loss drop on its own assigned batches is below this "
         "fraction of the round aggregate's drop there by more than score_floor; a batch the aggregate did not lower "
         "by more than score_floor is not scored",
     )
