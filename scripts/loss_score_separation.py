@@ -37,9 +37,7 @@ from meshtrain.collective.flat import part_bounds  # noqa: E402
 from meshtrain.node.scoring import score_round, scored_steps  # noqa: E402
 from meshtrain.node.strikes import loss_flagged, quorum  # noqa: E402
 from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
-from scripts.separation_sim import BATCH, HONEST, Peer, Swarm, quantiles  # noqa: E402
-
-LIARS = ("replay", "zeros", "otherdata", "lazy", "halflazy")
+from scripts.separation_sim import BATCH, HONEST, LIARS, Cast, Swarm, quantiles  # noqa: E402
 
 
 def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out: dict, fresh: bool) -> None:
@@ -48,17 +46,10 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
     quorum verdicts)."""
     swarm = Swarm(spec, seed)
     scratch, names, phi, batch = copy.deepcopy(swarm.model), swarm.names, swarm.phi, swarm.batch
-    peers = {p: Peer(swarm, p, fresh) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
-    first = None
+    cast = Cast(swarm, fresh)
     for rnd in range(1, rounds + 1):
         r = rnd * H
-        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
-        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
-        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
-        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
-        first = first if first is not None else Peer(swarm, "replay").train(range(r - H, r))
-        updates["replay"] = first
-        updates["zeros"] = torch.zeros_like(first)
+        updates = cast.updates(r)
         if rnd > 1:
             for b in bs:
                 steps = scored_steps(r, H, b)
@@ -82,7 +73,7 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
                         kind = "honest" if p in HONEST else p
                         out[b].setdefault(kind + "/quorum", []).append(n >= quorum(len(group)))
             print(f"seed {seed} round {rnd} scored", file=sys.stderr)
-        swarm.outer_step([updates[p] for p in HONEST] + [first])
+        cast.outer_step(updates)
 
 
 def summary(scores: list[tuple], verdicts: list[bool]) -> dict:

@@ -22,6 +22,7 @@ from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
 
 BATCH, CONTEXT = 8, 32
 HONEST = ["p0", "p1", "p2", "p3"]
+LIARS = ("replay", "zeros", "otherdata", "lazy", "halflazy")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -86,6 +87,35 @@ class Peer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.swarm.spec.clip)
             self.inner.step()
         return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
+
+
+class Cast:
+    """HONEST and one liar of each kind of LIARS in `swarm` (inner AdamW states kept across rounds
+    unless `fresh`): `replay` sends an honestly trained round-1 update every round, `zeros` an
+    empty one, `otherdata` trains on its assigned windows with their token order reversed
+    (node/adversary.py), `lazy` only the last 2 of its H steps, `halflazy` the last H/2."""
+
+    def __init__(self, swarm: Swarm, fresh: bool = False) -> None:
+        self.swarm = swarm
+        self.peers = {p: Peer(swarm, p, fresh) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+        self.first: torch.Tensor | None = None
+
+    def updates(self, r: int) -> dict[str, torch.Tensor]:
+        """Everyone's update of the round that ends at step `r`."""
+        H, peers = self.swarm.spec.H, self.peers
+        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
+        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
+        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
+        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
+        if self.first is None:
+            self.first = Peer(self.swarm, "replay").train(range(r - H, r))
+        updates["replay"] = self.first
+        updates["zeros"] = torch.zeros_like(self.first)
+        return updates
+
+    def outer_step(self, updates: dict[str, torch.Tensor]) -> None:
+        """φ moves by the honest peers' and the replay's updates."""
+        self.swarm.outer_step([updates[p] for p in HONEST] + [updates["replay"]])
 
 
 def quantiles(values: list[float], digits: int) -> dict[str, float]:

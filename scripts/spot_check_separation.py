@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from meshtrain.collective.flat import part_bounds  # noqa: E402
 from meshtrain.node.spot_check import recompute_update, spot_check_round  # noqa: E402
 from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
-from scripts.separation_sim import HONEST, Peer, Swarm, quantiles  # noqa: E402
+from scripts.separation_sim import HONEST, LIARS, Cast, Swarm, quantiles  # noqa: E402
 
 
 def main() -> None:
@@ -47,21 +47,14 @@ def main() -> None:
     swarm = Swarm(spec)
     model, names, phi, batch = swarm.model, swarm.names, swarm.phi, swarm.batch
 
-    peers = {p: Peer(swarm, p) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+    cast = Cast(swarm)
     diffs: dict[int, dict[str, list[float]]] = {k: {} for k in ks}
-    first = None
     for rnd in range(1, args.rounds + 1):
         r = rnd * H
-        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
-        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
-        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
-        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
-        first = first if first is not None else Peer(swarm, "replay").train(range(r - H, r))
-        updates["replay"] = first
-        updates["zeros"] = torch.zeros_like(first)
+        updates = cast.updates(r)
         if rnd > 1:
             for k in ks:
-                for liar in ("replay", "zeros", "otherdata", "lazy", "halflazy"):
+                for liar in LIARS:
                     group = sorted([*HONEST, liar])
                     agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
                     bounds = part_bounds(agg.numel(), len(group))
@@ -87,7 +80,7 @@ def main() -> None:
                             kind = "honest" if c.peer in HONEST else c.peer
                             diffs[k].setdefault(kind, []).append(c.match - c.ref)
             print(f"round {rnd} checked", file=sys.stderr)
-        swarm.outer_step([updates[p] for p in HONEST] + [first])
+        cast.outer_step(updates)
 
     def summary(v: list[float]) -> dict:
         flagged = sum(d < -spec.spot_check_margin for d in v) / len(v)
