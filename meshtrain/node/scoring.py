@@ -175,8 +175,9 @@ def score_round(
 ) -> list[LossScore]:
     """Score each sampled peer's contribution `samples[peer]` to part `part` (the [a, b) slice
     of `names`' parameters flattened in order) against the round's `aggregate` of that slice, on
-    the peer's batches `batches[peer]` (the mean loss over them; module docstring). `model` is a scratch copy: its trainable
-    parameters are overwritten with φ (`phi`, by name). Runs in a worker thread."""
+    the peer's batches `batches[peer]` (at least one; the mean loss over them, module docstring).
+    `model` is a scratch copy: its trainable parameters are overwritten with φ (`phi`, by name).
+    Runs in a worker thread."""
     with torch.no_grad():
         params = dict(model.named_parameters())
         for n, t in phi.items():
@@ -185,13 +186,13 @@ def score_round(
         saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
         agg_norm = float(aggregate.norm())
 
-        def loss_at(update: torch.Tensor | None, batch: Sequence[Batch]) -> float:
+        def loss_at(update: torch.Tensor | None, peer_batches: Sequence[Batch]) -> float:
             if update is not None:
                 for (flat, lo, hi, at), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig - update[at : at + hi - lo].to(orig.device, orig.dtype))
             try:
                 with autocast() if autocast is not None else contextlib.nullcontext():
-                    return _loss(model, batch)
+                    return _loss(model, peer_batches)
             finally:
                 for (flat, lo, hi, _), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig)
@@ -199,11 +200,11 @@ def score_round(
         model.eval()
         scores = []
         for peer in sorted(samples):
-            x, batch = samples[peer], batches[peer]
-            base = loss_at(None, batch)
+            x, own_batches = samples[peer], batches[peer]
+            base = loss_at(None, own_batches)
             if not math.isfinite(base) or base <= 0:
                 continue
-            own, agg = loss_at(x, batch), loss_at(aggregate, batch)
+            own, agg = loss_at(x, own_batches), loss_at(aggregate, own_batches)
             norm = float(x.norm())
             cosine = float(x @ aggregate) / max(norm * agg_norm, 1e-30)
             scores.append(
