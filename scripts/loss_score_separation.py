@@ -2,12 +2,14 @@
 (node/scoring.py).
 
     python scripts/loss_score_separation.py [--H 10] [--rounds 9] [--batches 1,2,4,8] [--seeds 0,1,2]
+        [--fresh] [--raw scores.json]
 
-One process, no network, as scripts/spot_check_separation.py: DiLoCo rounds of gpt-tiny on the
+One process, no network, the simulation scripts/spot_check_separation.py uses too
+(scripts/separation_sim.py): DiLoCo rounds of gpt-tiny on the
 built-in character corpus (batch 8, context 32) among four honest peers whose inner AdamW keeps
 its state across rounds (as the daemon's does; `--fresh`: a new one every round, as
-tests/test_scoring.py's rounds), the round's aggregate the trimmed mean, φ moved
-by Nesterov SGD (the spec's defaults). Besides the honest peers, one liar per group: `replay` (an
+tests/test_scoring.py's rounds), the round's aggregate the trimmed mean, φ moved by Nesterov
+SGD (the spec's defaults). Besides the honest peers, one liar per group: `replay` (an
 honest-trained round-1 update, sent every round), `zeros`, `otherdata` (trains on its assigned
 windows with their token order reversed, node/adversary.py), `lazy` (trains only the last 2 of
 its H steps) and `halflazy` (the last H/2). In every round from the second on, for each liar,
@@ -18,7 +20,7 @@ Prints one JSON object: per b and kind, over all seeds, the quantiles (min, 10th
 percentile, max) of the margin gain − score_ratio·ref (the rule flags below −score_floor where ref
 > score_floor), the share of part-scores flagged, and the share of (round, peer) verdicts where a
 quorum of owners flagged (the strike that counts). Honest peers are scored in every liar's group.
-The table in node/scoring.py's docstring comes from here.
+The table in node/scoring.py's docstring comes from here (docs/loss_score_separation_issue21.json).
 """
 
 from __future__ import annotations
