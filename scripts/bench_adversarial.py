@@ -27,7 +27,7 @@ Measured (last line, one JSON object):
 - `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
 - `verify_overhead`: screening's time per round (owner side: norms and cosines of every
   contribution to one part of the demo model, gpt-small) plus loss scoring's (`score_samples`
-  peers, 3 forward passes of one gpt-tiny batch each, `scoring_ms_per_round`; `--score-samples`,
+  peers, 3 forward passes of `score_batches` gpt-tiny batches each, `scoring_ms_per_round`; `--score-samples`,
   default every peer, so that a 6-round run can reach 3 strikes) over a round's wall time at H = 50
   (50 x the median wall time per step of the honest peers in the runs, rounds included, gpt-tiny:
   pessimistic, as gpt-small's steps are slower);
@@ -169,9 +169,9 @@ def screening_seconds(peers: int, trials: int = 20) -> float:
     return (time.perf_counter() - t0) / trials
 
 
-def scoring_seconds(peers: int, samples: int, batch_size: int, trials: int = 5) -> float:
+def scoring_seconds(peers: int, samples: int, batch_size: int, score_batches: int, trials: int = 5) -> float:
     """One owner's loss scoring of one round (node/scoring.py `score_round`: 3 forward passes of
-    one batch per sampled peer, gpt-tiny, the model the rounds here train), in the worker thread
+    `score_batches` batches per sampled peer, gpt-tiny, the model the rounds here train), in the worker thread
     beside training: the CPU time it takes from the round."""
     from meshtrain.collective.flat import flatten_fp32, part_bounds
     from meshtrain.models import Corpus
@@ -187,7 +187,9 @@ def scoring_seconds(peers: int, samples: int, batch_size: int, trials: int = 5) 
     part = tuple(part_bounds(numel, peers)[:2])
     g = torch.Generator().manual_seed(0)
     contribs = {f"p{i}": 1e-3 * torch.randn(part[1] - part[0], generator=g) for i in range(samples)}
-    batches = {p: corpus.batch(batch_size, 32, seed=0, peer=p, step=9) for p in contribs}
+    batches = {
+        p: [corpus.batch(batch_size, 32, seed=0, peer=p, step=9 - s) for s in range(score_batches)] for p in contribs
+    }
     aggregate = torch.stack(list(contribs.values())).mean(dim=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the daemons run here (--threads 1)
@@ -356,7 +358,7 @@ def main() -> None:
     step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
     round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
     robust_gaps = [g["robust"] for g in loss_gap.values()]
-    scoring = scoring_seconds(n, samples, args.batch_size)
+    scoring = scoring_seconds(n, samples, args.batch_size, specs["robust"].score_batches)
     spot = spot_check_seconds(n, spot_samples, args.spot_check_steps, args.batch_size)
     harmful = [rounds_to_exclude[m] for m in modes if m in CAUGHT_BY_SCREENING + CAUGHT_BY_SCORING]
     print(
@@ -381,6 +383,7 @@ def main() -> None:
                 "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
                 "honest_excluded": len(honest_excluded),
                 "score_samples": samples,
+                "score_batches": specs["robust"].score_batches,
                 "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),
                 "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
                 "scoring_ms_per_round": round(scoring * 1000, 2),

@@ -29,14 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshtrain.collective.flat import flatten_fp32, part_bounds  # noqa: E402
-from meshtrain.models import Corpus  # noqa: E402
-from meshtrain.models.sources import build_model  # noqa: E402
+from meshtrain.collective.flat import part_bounds  # noqa: E402
 from meshtrain.node.spot_check import recompute_update, spot_check_round  # noqa: E402
 from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
-
-BATCH, CONTEXT = 8, 32
-HONEST = ["p0", "p1", "p2", "p3"]
+from scripts.separation_sim import HONEST, LIARS, Cast, Swarm, quantiles  # noqa: E402
 
 
 def main() -> None:
@@ -48,52 +44,17 @@ def main() -> None:
     H, ks = args.H, [int(k) for k in args.steps.split(",")]
     spec = SwarmSpec(model="gpt-tiny", H=H)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    corpus = Corpus.default("chars")
-    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=0, context=CONTEXT)
-    names = [n for n, _ in model.named_parameters()]
-    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
-    momentum = {n: torch.zeros_like(p) for n, p in phi.items()}
+    swarm = Swarm(spec)
+    model, names, phi, batch = swarm.model, swarm.names, swarm.phi, swarm.batch
 
-    def batch(peer: str, step: int, reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = corpus.batch(BATCH, CONTEXT, seed=0, peer=peer, step=step)
-        if reverse:
-            seq = torch.cat([x[:, :1], y], dim=1).flip(1)
-            return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-        return x, y
-
-    class Peer:
-        def __init__(self, name: str) -> None:
-            self.name, self.model = name, copy.deepcopy(model)
-            self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
-
-        def train(self, steps: range, reverse: bool = False) -> torch.Tensor:
-            with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    p.copy_(phi[n])
-            for s in steps:
-                loss = self.model(*batch(self.name, s, reverse)).loss
-                self.inner.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
-                self.inner.step()
-            return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
-
-    peers = {p: Peer(p) for p in [*HONEST, "otherdata", "lazy", "halflazy"]}
+    cast = Cast(swarm)
     diffs: dict[int, dict[str, list[float]]] = {k: {} for k in ks}
-    first = None
     for rnd in range(1, args.rounds + 1):
         r = rnd * H
-        updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
-        updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
-        updates["lazy"] = peers["lazy"].train(range(r - 2, r))
-        updates["halflazy"] = peers["halflazy"].train(range(r - H // 2, r))
-        first = first if first is not None else Peer("replay").train(range(r - H, r))
-        updates["replay"] = first
-        updates["zeros"] = torch.zeros_like(first)
+        updates = cast.updates(r)
         if rnd > 1:
             for k in ks:
-                for liar in ("replay", "zeros", "otherdata", "lazy", "halflazy"):
+                for liar in LIARS:
                     group = sorted([*HONEST, liar])
                     agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
                     bounds = part_bounds(agg.numel(), len(group))
@@ -119,27 +80,18 @@ def main() -> None:
                             kind = "honest" if c.peer in HONEST else c.peer
                             diffs[k].setdefault(kind, []).append(c.match - c.ref)
             print(f"round {rnd} checked", file=sys.stderr)
-        deltas = [updates[p] for p in HONEST] + [first]
-        agg = torch.stack(deltas).sort(dim=0).values[1:-1].mean(dim=0)
-        pos = 0
-        for n in names:
-            g = agg[pos : pos + phi[n].numel()].view(phi[n].shape)
-            pos += phi[n].numel()
-            momentum[n].mul_(spec.outer_momentum).add_(g)
-            phi[n] -= spec.outer_lr * (g + spec.outer_momentum * momentum[n])
+        cast.outer_step(updates)
 
-    def quantiles(v: list[float]) -> dict:
-        v = sorted(v)
-        pick = {"min": 0, "p10": len(v) // 10, "median": len(v) // 2, "p90": 9 * len(v) // 10, "max": len(v) - 1}
+    def summary(v: list[float]) -> dict:
         flagged = sum(d < -spec.spot_check_margin for d in v) / len(v)
-        return {**{q: round(v[i], 3) for q, i in pick.items()}, "n": len(v), "flagged": round(flagged, 3)}
+        return {**quantiles(v, 3), "flagged": round(flagged, 3)}
 
     out = {
         "model": "gpt-tiny",
         "H": H,
         "rounds_checked": args.rounds - 1,
         "margin": spec.spot_check_margin,
-        "match_minus_ref": {k: {kind: quantiles(v) for kind, v in d.items()} for k, d in diffs.items()},
+        "match_minus_ref": {k: {kind: summary(v) for kind, v in d.items()} for k, d in diffs.items()},
     }
     print(json.dumps(out))
 

@@ -1,13 +1,15 @@
 """Loss scoring (issue 21, 4b; node/scoring.py): an owner applies a sampled peer's update to its
-part of φ and measures the loss on that peer's own assigned batch; an update that does not lower
-it about as much as the round's aggregate does is flagged. Pure-function level with a real tiny
-model trained for real (DiLoCo rounds of gpt-tiny on the built-in corpus, in one process); the
-sample among real hosts on loopback; and the loss strike format, as a property."""
+part of φ and measures the loss on that peer's own assigned batches (the round's last
+`score_batches` steps'); an update that does not lower it about as much as the round's aggregate
+does is flagged. Pure-function level with a real tiny model trained for real (DiLoCo rounds of
+gpt-tiny on the built-in corpus, in one process; on one batch and on the default number); the
+sample among real hosts on loopback; the spec key; and the loss strike format, as a property."""
 
 from __future__ import annotations
 
 import copy
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,11 +21,12 @@ from meshtrain.collective.contract import sampled_peers
 from meshtrain.collective.flat import flatten_fp32, part_bounds
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import LOSS, Strike
+from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
-from meshtrain.node.scoring import score_round
-from meshtrain.node.strikes import loss_flagged, quorum
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.scoring import score_round, scored_steps
+from meshtrain.node.strikes import excluded_at, loss_flagged, quorum
+from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 
 from .test_allreduce import mesh, run_all
 from .test_screening import JUNK, PEERS
@@ -78,36 +81,59 @@ class Rounds:
         return agg
 
 
+ROUNDS = 8  # the run's outer rounds; every one from the second is scored
+SCORE_BATCHES = (1, SwarmSpec().score_batches)  # one batch (as before the key existed), the default
+
+
+@dataclass(frozen=True)
+class Run:
+    """What `run` measured. flags[b][liar]: per scored round (2 .. ROUNDS), how many owners flagged
+    each peer of HONEST + `liar`, scored on `b` batches. sim, updates: the last round's φ (before
+    its step) and updates."""
+
+    flags: dict[int, dict[str, list[dict[str, int]]]]
+    sim: Rounds
+    updates: dict[str, torch.Tensor]
+
+
 @pytest.fixture(scope="module")
-def third_round() -> tuple[Rounds, dict[str, torch.Tensor]]:
-    """φ after two rounds, and round 3's updates: the honest peers', a replay of the adversary's
-    round-1 update, and an update trained on other data than assigned."""
+def run() -> Run:
+    """ROUNDS rounds of DiLoCo among HONEST and an adversary whose round-1 update is replayed in
+    every round (it moves φ with the honest ones); in every round from the second, each owner's
+    verdicts on HONEST + the replay and on HONEST + an update trained on other data than the
+    adversary was assigned, at each of SCORE_BATCHES."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is fastest, and fair to a shared machine
+    flags: dict[int, dict[str, list[dict[str, int]]]] = {b: {"replay": [], "otherdata": []} for b in SCORE_BATCHES}
     try:
         sim = Rounds()
         first = None
-        for r in (H, 2 * H):
+        for rnd in range(1, ROUNDS + 1):
+            r = rnd * H
             deltas = {p: sim.train(p, r) for p in HONEST}
             first = first if first is not None else sim.train("adv", r)
-            sim.step([*deltas.values(), first])
-        r = 3 * H
-        updates = {p: sim.train(p, r) for p in HONEST}
-        updates["replay"] = first
-        updates["otherdata"] = sim.train("adv", r, other=True)
+            if rnd > 1:
+                updates = {**deltas, "replay": first, "otherdata": sim.train("adv", r, other=True)}
+                for b in SCORE_BATCHES:
+                    spec = SwarmSpec(model="gpt-tiny", H=H, score_batches=b)
+                    for liar in ("replay", "otherdata"):
+                        flags[b][liar].append(verdicts(sim, updates, liar, spec, r))
+            if rnd < ROUNDS:
+                sim.step([*deltas.values(), first])
     finally:
         torch.set_num_threads(threads)
-    return sim, updates
+    return Run(flags, sim, updates)
 
 
-def verdicts(sim: Rounds, updates: dict[str, torch.Tensor], liar: str) -> dict[str, int]:
-    """How many owners (each on its own part) flag each peer of a round of HONEST + `liar`."""
+def verdicts(sim: Rounds, updates: dict[str, torch.Tensor], liar: str, spec: SwarmSpec, r: int) -> dict[str, int]:
+    """How many owners (each on its own part) flag each peer of the round of HONEST + `liar` that
+    ends at step `r`, each scored on its batches of the round's last `spec.score_batches` steps."""
     group = [*HONEST, liar]
     agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
     bounds = part_bounds(agg.numel(), len(group))
-    spec = SwarmSpec(model="gpt-tiny")
-    # The scored peer's own batch: `liar`'s assignment is the adversary's ("adv").
-    batches = {p: sim.batch("adv" if p == liar else p, 3 * H - 1) for p in group}
+    # The scored peer's own batches: `liar`'s assignment is the adversary's ("adv").
+    steps = scored_steps(r, H, spec.score_batches)
+    batches = {p: [sim.batch("adv" if p == liar else p, s) for s in steps] for p in group}
     flags = dict.fromkeys(group, 0)
     for j, owner in enumerate(group):
         part = (bounds[j], bounds[j + 1])
@@ -122,12 +148,61 @@ def verdicts(sim: Rounds, updates: dict[str, torch.Tensor], liar: str) -> dict[s
 
 
 @pytest.mark.parametrize("liar", ["replay", "otherdata"])
-def test_a_replayed_or_other_data_update_is_flagged_by_a_quorum_and_no_honest_one(third_round, liar) -> None:
-    sim, updates = third_round
-    flags = verdicts(sim, updates, liar)
+def test_on_one_batch_a_replayed_or_other_data_update_is_flagged_by_a_quorum_in_round_3_and_no_honest_one(
+    run, liar
+) -> None:
+    """score_batches = 1 is the rule as it was before the key existed: one batch, the last step's."""
+    flags = run.flags[1][liar][3 - 2]
     need = quorum(len(HONEST) + 1)
     assert flags[liar] >= need, flags
     assert all(flags[p] < need for p in HONEST), flags
+
+
+def test_at_the_default_no_owner_flags_an_honest_peer_and_a_replay_is_struck_out(run) -> None:
+    """Rounds 2 .. ROUNDS at the default score_batches: no owner flags an honest peer (on one
+    batch some do: the noise that more batches average out), a replay is flagged by a quorum in
+    enough rounds within the window to be excluded, other data by a quorum in some rounds."""
+    spec = SwarmSpec(model="gpt-tiny", H=H)
+    need = quorum(len(HONEST) + 1)
+    default = run.flags[spec.score_batches]
+
+    def honest_flags(b: int) -> int:
+        return sum(v[p] for rounds in run.flags[b].values() for v in rounds for p in HONEST)
+
+    assert honest_flags(spec.score_batches) == 0 and honest_flags(1) > 0
+    struck = [(i + 2) * H for i, v in enumerate(default["replay"]) if v["replay"] >= need]
+    assert excluded_at(struck, spec) is not None, default["replay"]
+    assert any(v["otherdata"] >= need for v in default["otherdata"]), default["otherdata"]
+
+
+def test_several_batches_score_the_loss_on_their_concatenation_and_one_is_the_last_step(run) -> None:
+    """`score_batches` = b scores the round's last b steps' batches (all H if fewer, the last
+    one alone for b = 1, as before the key existed), the loss their mean: for batches of one size,
+    the loss on their concatenation."""
+    assert scored_steps(3 * H, H, 1) == range(3 * H - 1, 3 * H)
+    assert scored_steps(3 * H, H, 4) == range(3 * H - 4, 3 * H)
+    assert scored_steps(3 * H, 2, 4) == range(3 * H - 2, 3 * H) and scored_steps(0, H, 4) == range(0, 1)
+    sim, updates = run.sim, run.updates
+    part = (0, updates["p0"].numel() // 5)
+    samples = {p: updates[p][: part[1]] for p in ("p0", "replay")}
+    agg = updates["p1"][: part[1]]
+    two = [sim.batch(p, s) for p in ("p0", "p1") for s in (28, 29)]
+    joined = (torch.cat([x for x, _ in two]), torch.cat([y for _, y in two]))
+    apart = score_round(copy.deepcopy(sim.model), sim.phi, sim.names, part, samples, agg, dict.fromkeys(samples, two))
+    whole = score_round(
+        copy.deepcopy(sim.model), sim.phi, sim.names, part, samples, agg, dict.fromkeys(samples, [joined])
+    )
+    for a, w in zip(apart, whole, strict=True):
+        assert a.peer == w.peer and a.ref != 0
+        assert a.gain == pytest.approx(w.gain, abs=1e-5) and a.ref == pytest.approx(w.ref, abs=1e-5)
+
+
+@pytest.mark.parametrize("value", [0, 65, -1, "four", 2.5])
+def test_score_batches_out_of_range_is_a_one_line_spec_error(value) -> None:
+    with pytest.raises(ConfigError, match="score_batches") as e:
+        parse_spec({"model": "gpt-tiny", "score_batches": value})
+    assert "\n" not in str(e.value)
+    assert parse_spec({"model": "gpt-tiny", "score_batches": 64, "H": 5}).score_batches == 64  # all H are scored
 
 
 def test_the_sample_is_a_function_of_the_committed_digest() -> None:

@@ -25,7 +25,7 @@ def older_document(tmp_path, dropped: tuple[str, ...]) -> dict:
 
 
 def test_a_spec_signed_before_newer_keys_existed_verifies_keeps_its_id_and_is_passed_on_unchanged(tmp_path):
-    dropped = ("stage_backup", "activation_codec", "spot_check_steps")
+    dropped = ("stage_backup", "activation_codec", "spot_check_steps", "score_batches")
     doc = older_document(tmp_path, dropped)
     signed = SignedSpec.from_wire(doc)
     defaults = SwarmSpec()

@@ -16,7 +16,8 @@ its reporter truthfully. A strike is the evidence of one flag:
 A *loss* strike (issue 21, 4b: node/scoring.py) has the same keys plus
 
     "rule": "loss", "gain": the flagged contribution's relative loss drop on its sender's own
-     assigned batch, "ref": the round aggregate's drop on that batch (both over the loss at φ)
+     assigned batches, "ref": the round aggregate's drop on them (both over the loss at φ; how
+     many batches is the spec's `score_batches`, not recorded: the re-check does not need it)
 
 and its "norm" / "align" are the contribution's norm over the aggregate's and its cosine with it.
 A *spot* strike (issue 21, 4c: node/spot_check.py) has the keys of a screening strike plus
@@ -86,7 +87,7 @@ class Strike:
     whose sorted `group` committed `digest`: `peer`'s norm over the median (`norm_ratio`) and its
     `alignment` (collective/contract.py `ContributionFlag`). A loss strike (`rule` LOSS) also
     carries `gain` and `ref`: the contribution's and the aggregate's relative loss drop on the
-    flagged peer's assigned batch (node/scoring.py), and its norm and alignment are against the
+    flagged peer's assigned batches (node/scoring.py), and its norm and alignment are against the
     aggregate. A spot strike (`rule` SPOT) carries `match` and `ref`: the contribution's and the
     aggregate's cosine with the reporter's recomputation of the peer's update (node/spot_check.py),
     its norm and alignment against the aggregate."""

@@ -19,33 +19,67 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
 - **Measure** (`score_round`, in a worker thread: the trio loop never runs a forward pass). φ is
   the outer parameters the round started from, the same on every peer; the listener snapshots it
   before the round's result is applied (the trainer thread applies it only after the collective
-  returned, optim/outer.py). For a sampled peer i, on its batch of the round's last inner step
-  (step r − 1 of round r: the last it trained, so the one its update fits best):
+  returned, optim/outer.py). For a sampled peer i, on its batches of the round's last
+  b = `spec.score_batches` inner steps (steps r − b .. r − 1 of round r, all H if fewer,
+  `scored_steps`: the last it trained, so the ones its update fits best), L the mean of the
+  per-batch losses (for batches of one size the loss on their concatenation, with one batch's
+  activations alive at a time):
 
       L0 = L(φ)        Li = L(φ with part p ← φ[p] − Δ_i[p])        La = L(φ with part p ← φ[p] − Δ̄[p])
       gain = (L0 − Li) / L0                ref = (L0 − La) / L0
 
   Δ = φ − θ, so φ − Δ_i is the peer's own θ_i on our part. An honest peer's θ_i fits its own
-  batch at least about as well as the swarm's aggregate Δ̄ does; a replayed or other-data update
-  does not. Flagged (node/strikes.py `loss_flagged`): ref > `score_floor` and gain <
-  `score_ratio` x ref − `score_floor` (defaults 0.5 and 2e-3). The floor keeps rounds where every
-  change is tiny from convicting anyone (at 1e-3, honest peers of a 4-peer swarm with batches of
-  4 were flagged by a quorum); a batch the aggregate did not lower is no evidence (the round's
-  updates do not fit it: an honest update raised one's loss by 1.8 % where the aggregate raised
-  it by 0.7 %, flagged by two owners, when such batches were scored). The scores, the
-  contribution's norm over the aggregate's and its cosine with it become a signed loss strike (crdt/strikes.py), counted like any other: half the round's
-  other owners (each scores the peer on its own part) must flag it, in `spec.strikes` rounds
-  within `spec.strikes_window` (node/strikes.py). Other peers re-check that the scores break the
-  rule and that the digest sampled the peer; they cannot re-measure (they do not hold Δ_i[p]).
+  batches at least about as well as the swarm's aggregate Δ̄ does; a replayed or other-data update
+  does not. One batch (b = 1, the rule before `score_batches` existed) is a noisy judge: at batch
+  8 an honest update now and then fits its last batch worse than the aggregate does (below), and
+  CI once saw an honest peer flagged by a quorum in one round (gain −0.0015, ref 0.0073); the
+  mean over b batches averages much of that out (default 4, chosen from the table below).
+  Flagged (node/strikes.py `loss_flagged`): ref > `score_floor` and gain < `score_ratio` x ref −
+  `score_floor` (defaults 0.5 and 2e-3). The floor keeps rounds where every change is tiny from
+  convicting anyone (at 1e-3, honest peers of a 4-peer swarm with batches of 4 were flagged by a
+  quorum); a batch the aggregate did not lower is no evidence (the round's updates do not fit it:
+  an honest update raised one's loss by 1.8 % where the aggregate raised it by 0.7 %, flagged by
+  two owners, when such batches were scored). The scores, the contribution's norm over the
+  aggregate's and its cosine with it become a signed loss strike (crdt/strikes.py), counted like
+  any other: half the round's other owners (each scores the peer on its own part) must flag it,
+  in `spec.strikes` rounds within `spec.strikes_window` (node/strikes.py). Other peers re-check
+  that the scores break the rule and that the digest sampled the peer; they cannot re-measure
+  (they do not hold Δ_i[p]). The strike does not record b: the re-check needs only the scores and
+  the spec (b is the swarm's, like the thresholds), so older strikes and readers are unchanged.
 
-Costs. Per round and owner: 3 forward passes (no gradients) of one batch per sampled peer, not
+Measured (scripts/loss_score_separation.py --rounds 9 --batches 1,2,4,8,
+docs/loss_score_separation_issue21.json: gpt-tiny, batch 8, H = 10, one process; 4 honest peers
+and one liar per group, every owner's score of every other peer in rounds 2–9; each honest update
+is scored in five liars' groups. "keep": inner AdamW state kept across rounds, as the daemon's,
+seeds 0–5; "fresh": a new AdamW every round, as tests/test_scoring.py, seeds 0–2). Honest: the
+lowest margin gain − 0.5·ref (flagged below −score_floor where ref > score_floor) and the honest
+part-scores flagged, never by a quorum at any b; liars: rounds flagged by a quorum of owners.
+
+    b   honest min margin   honest flagged         replay        zeros         otherdata
+        keep     fresh      keep      fresh        keep  fresh   keep  fresh   keep  fresh
+    1   −0.010   −0.008     29/3840   31/1920      28/48 16/24   18/48 10/24   1/48  4/24
+    2   −0.004   −0.004     19/3840    3/1920      28/48 20/24   18/48 11/24   0/48  3/24
+    4   −0.005   −0.004      8/3840    0/1920      29/48 20/24   20/48  9/24   1/48  3/24
+    8   −0.005   −0.003     16/3840    0/1920      30/48 21/24   17/48 13/24   1/48  4/24
+
+so 4 batches flag honest part-scores less often than one (29 → 8 of 3840 with the daemon's
+optimizer, 31 → 0 of 1920 with a fresh one) and catch replays as often or more; 8 flag honest ones
+no less often than 4 (16 of 3840) at twice the cost. A zero update is flagged by a quorum in
+17–20 of 48 rounds (keep) and 9–13 of 24 (fresh): on about half the parts the aggregate lowers the loss by
+less than the floor, so no score there is evidence (screening catches zeros by their norm). A
+lazy peer (its last 2 of H steps) or a half-lazy one (its last 5) was flagged by a quorum in at
+most 2 of 48 rounds at any b.
+
+Costs. Per round and owner: 3 forward passes (no gradients) of b batches per sampled peer, not
 per group member, in a worker thread beside training; a copy of the model, made once, and of φ
 per scored round (on the trio thread, a memory copy, one for both checks when spot-checks run too:
-up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's
-contributions until the round commits. With the default 2 samples that is 6 forwards against H
-training steps (forward + backward, ~3 forwards each) per round: at most ~4 % of a round's compute
-at H = 50; measured in scripts/bench_adversarial.py (gpt-tiny, one thread, 5 samples): 15 ms
-against a 3.4 s round at H = 50, under 1 %. Nothing extra crosses the wire.
+up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's contributions
+until the round commits. With the default 2 samples and 4 batches that is 24 forwards against H
+training steps (forward + backward, ~3 forwards each) per round, about 8 training steps' compute: measured (gpt-tiny, batch 8, one thread, CPU time) 20–21 ms against a
+3.7–4.1 ms training step, ~11 % of a round's compute at H = 50 and ~1 % at H = 500 (b = 1:
+5.8 ms, ~3 % at H = 50; b = 2 halves the default's). In scripts/bench_adversarial.py's runs
+(before `score_batches`, b = 1, 5 samples) scoring took 15 ms against a 3.4 s round at H = 50,
+whose time is mostly not compute. Nothing extra crosses the wire.
 
 Failures and limits. A round we did not hold the committed result of, a grouped round (its
 members' φ differ), a tag that is not a plain fragment ("f<p>"), an optimizer whose exchanged
@@ -53,20 +87,26 @@ tensors are not the fragment's Δ in order (SparseLoCo's sparse payload: sizes d
 peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. If
 scoring falls behind by more than `QUEUE` rounds, rounds are skipped (logged). With error
 feedback (issue 19) what is scored is the compressed accumulator, the update actually applied.
+A spec signed before `score_batches` existed reads as the default (4) on nodes that know the key
+and scores one batch on older ones; their strikes count alike (the rule and its re-check do not
+depend on b).
 
 Not caught. A peer sampled with probability k/n per round is struck only in rounds it is
 sampled in, so with the default 2 samples in a group of n it takes ~n/2 times longer to reach
 `spec.strikes` than screening takes. An update that fits its own batch but is poisoned elsewhere
 (a backdoor) passes; so does a lazy peer that trains only the last few steps of its round on its
-assigned data (it lowers its last batch's loss). An honest peer with an unusual update can be
-flagged by chance (few rounds, rarely by a quorum); the strikes window bounds what that adds up
-to; but the rule needs updates worth scoring: at batch 4 and H = 5 (a test swarm) an honest
+assigned data (it lowers its last batches' loss; measured above). An honest peer with an unusual
+update can still be flagged by chance: more batches make it rarer (above: 8 of 3840 honest
+part-scores at the default, none by a quorum), not impossible; the strikes window bounds what that
+adds up to; and the rule needs updates worth scoring: at batch 4 and H = 5 (a test swarm) an honest
 peer's update applied to one part raised its own batch's loss by 0.5 % while the aggregate
-lowered it, and two owners flagged it in one round. Other data that still fits the assigned text
-(scripts/bench_adversarial.py's reversed token order, on gpt-tiny) is flagged in some rounds
-only, and was not excluded within the benchmark's 6 rounds. A peer that trains on its assigned
-data and more (extra data) is not distinguished. A
-majority of colluding owners can still strike anyone (as with screening).
+lowered it, and two owners flagged it in one round (one batch). Other data that still fits the
+assigned text (scripts/bench_adversarial.py's reversed token order, on gpt-tiny) is flagged by a
+quorum in some rounds only (above: at most 1 in 48 with the daemon's optimizer, at any b), and
+was not excluded within the benchmark's 6 rounds. In early rounds a replay is still near the
+swarm's direction: in tests/test_scoring.py's run one batch flags it by a quorum in round 3, four
+batches from round 4. A peer that trains on its assigned data and more (extra data) is not
+distinguished. A majority of colluding owners can still strike anyone (as with screening).
 """
 
 from __future__ import annotations
@@ -76,7 +116,7 @@ import copy
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -98,9 +138,14 @@ FRAGMENT_TAG = re.compile(r"f(\d{1,6})")  # an ungrouped round's tag (optim/oute
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _loss(model: torch.nn.Module, batch: Batch) -> float:
-    out = model(*batch)
-    return float((out if isinstance(out, torch.Tensor) else out.loss).float())
+def _loss(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
+    """The mean of the model's losses on `batches`: for batches of one size (the spec's), the loss
+    on their concatenation, with one batch's activations alive at a time."""
+    total = 0.0
+    for batch in batches:
+        out = model(*batch)
+        total += float((out if isinstance(out, torch.Tensor) else out.loss).float())
+    return total / len(batches)
 
 
 def _overlaps(
@@ -125,13 +170,14 @@ def score_round(
     part: tuple[int, int],
     samples: dict[str, torch.Tensor],
     aggregate: torch.Tensor,
-    batches: dict[str, Batch],
+    batches: dict[str, Sequence[Batch]],
     autocast: Callable[[], AbstractContextManager] | None = None,
 ) -> list[LossScore]:
     """Score each sampled peer's contribution `samples[peer]` to part `part` (the [a, b) slice
     of `names`' parameters flattened in order) against the round's `aggregate` of that slice, on
-    the peer's batch `batches[peer]` (module docstring). `model` is a scratch copy: its trainable
-    parameters are overwritten with φ (`phi`, by name). Runs in a worker thread."""
+    the peer's batches `batches[peer]` (at least one; the mean loss over them, module docstring).
+    `model` is a scratch copy: its trainable parameters are overwritten with φ (`phi`, by name).
+    Runs in a worker thread."""
     with torch.no_grad():
         params = dict(model.named_parameters())
         for n, t in phi.items():
@@ -140,13 +186,13 @@ def score_round(
         saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
         agg_norm = float(aggregate.norm())
 
-        def loss_at(update: torch.Tensor | None, batch: Batch) -> float:
+        def loss_at(update: torch.Tensor | None, peer_batches: Sequence[Batch]) -> float:
             if update is not None:
                 for (flat, lo, hi, at), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig - update[at : at + hi - lo].to(orig.device, orig.dtype))
             try:
                 with autocast() if autocast is not None else contextlib.nullcontext():
-                    return _loss(model, batch)
+                    return _loss(model, peer_batches)
             finally:
                 for (flat, lo, hi, _), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig)
@@ -154,11 +200,11 @@ def score_round(
         model.eval()
         scores = []
         for peer in sorted(samples):
-            x, batch = samples[peer], batches[peer]
-            base = loss_at(None, batch)
+            x, own_batches = samples[peer], batches[peer]
+            base = loss_at(None, own_batches)
             if not math.isfinite(base) or base <= 0:
                 continue
-            own, agg = loss_at(x, batch), loss_at(aggregate, batch)
+            own, agg = loss_at(x, own_batches), loss_at(aggregate, own_batches)
             norm = float(x.norm())
             cosine = float(x @ aggregate) / max(norm * agg_norm, 1e-30)
             scores.append(
@@ -171,6 +217,12 @@ def score_round(
                 )
             )
         return scores
+
+
+def scored_steps(round_id: int, H: int, score_batches: int) -> range:
+    """The inner steps whose batches loss scoring measures a peer on in the round that ends at
+    step `round_id`: its last `score_batches` (all H if fewer; none before step 0)."""
+    return range(max(round_id - min(score_batches, H), 0), max(round_id, 1))
 
 
 class PhiSnapshot:
@@ -230,15 +282,17 @@ class LossScorer:
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))
 
-    def batches(self, screening: RoundScreening) -> dict[str, Batch]:
-        """Each sampled peer's assigned batch of the round's last inner step."""
+    def batches(self, screening: RoundScreening) -> dict[str, list[Batch]]:
+        """Each sampled peer's assigned batches of the round's last `score_batches` inner steps
+        (`scored_steps`)."""
         t, spec = self.trainer, self.spec
-        step = max(screening.round_id - 1, 0)
         device = next(self.model.parameters()).device
         out = {}
         for peer in screening.samples:
-            x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
-            out[peer] = (x.to(device), y.to(device))
+            out[peer] = []
+            for step in scored_steps(screening.round_id, spec.H, spec.score_batches):
+                x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
+                out[peer].append((x.to(device), y.to(device)))
         return out
 
     async def run(self) -> None:

@@ -83,7 +83,10 @@ behind by more than `QUEUE` rounds, rounds are skipped (logged).
 
 Not caught. A peer sampled with probability k/n per round is struck only in rounds it is
 sampled in. Only the first k steps are recomputed: a lazy peer that trains those honestly and
-skips the rest passes, unless k = H. Other data that shares the assigned batches' content
+skips the rest passes, unless k = H. Steps cannot be drawn from the digest instead: step j starts
+from the peer's θ after its j earlier steps and from its inner optimizer's state, which only the
+peer holds and nothing commits to, so checking step j means recomputing every step before it (a
+drawn step is a drawn k, costing up to H steps, not a cheaper check). Other data that shares the assigned batches' content
 (scripts/bench_adversarial.py's `otherdata`: the same windows with their token order reversed,
 on gpt-tiny's character corpus) agrees with the recomputation nearly as well as an honest update
 in early rounds: a fraction of its part-checks is flagged (above), seldom by a quorum, and the

@@ -46,7 +46,7 @@ status page, `swarm list`'s advert).
 Not here: what it does not catch. Screening sees norms and directions only: an update trained
 on other data, or replayed from an earlier round, points roughly the right way and passes; loss
 scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
-loss on their own assigned batch, and its own limits are told there; replay spot-checks
+loss on their own assigned batches, and its own limits are told there; replay spot-checks
 (node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
 limits. A majority of colluding admitted peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
@@ -95,7 +95,7 @@ def quorum(group_size: int) -> int:
 
 def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
     """Loss scoring's rule (node/scoring.py): an update whose relative loss drop on its own
-    assigned batch (`gain`) falls short of `spec.score_ratio` x the round aggregate's drop there
+    assigned batches (`gain`) falls short of `spec.score_ratio` x the round aggregate's drop there
     (`ref`) by more than `spec.score_floor` is suspect. A batch the aggregate did not lower by more
     than `score_floor` tells nothing: the round's updates do not fit it, so neither need the peer's
     (an honest peer's update raised such a batch's loss by 1.8 % where the aggregate raised it by
@@ -128,8 +128,8 @@ def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
 @dataclass(frozen=True)
 class LossScore:
     """Loss scoring's measurement of one sampled peer's contribution to our part
-    (node/scoring.py): its relative loss drop on the peer's own assigned batch (`gain`), the
-    round aggregate's drop on the same batch (`ref`), its norm over the aggregate's
+    (node/scoring.py): its relative loss drop on the peer's own assigned batches (`gain`), the
+    round aggregate's drop on the same batches (`ref`), its norm over the aggregate's
     (`norm_ratio`) and its cosine with the aggregate (`alignment`)."""
 
     peer: str

@@ -10,8 +10,8 @@ every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggr
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
 they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
-loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, node/scoring.py);
-a diloco swarm may also spot-check sampled peers by recomputing their first inner steps
+loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, `score_batches`,
+node/scoring.py); a diloco swarm may also spot-check sampled peers by recomputing their first inner steps
 (`spot_check_steps`, `spot_check_samples`, `spot_check_margin`, node/spot_check.py; off by default);
 peers flagged in `strikes` rounds within `strikes_window` rounds are excluded (node/strikes.py).
 dp screens nothing unless its spec sets `screen_norm` (see OPTIMIZER_DEFAULTS). Every other swarm
@@ -196,13 +196,13 @@ class SwarmSpec(BaseModel):
         le=64,
         description="loss scoring (node/scoring.py): in each screened round this many peers, drawn from the "
         "round's committed digest, have their update applied to each owner's part of the outer parameters "
-        "and its loss measured on their own assigned batch; 0 = off; only where screening is on",
+        "and its loss measured on their own assigned batches (score_batches); 0 = off; only where screening is on",
     )
     score_ratio: float = Field(
         0.5,
         ge=0,
         le=1,
-        description="loss scoring: flag an update whose loss drop on its own assigned batch is below this "
+        description="loss scoring: flag an update whose loss drop on its own assigned batches is below this "
         "fraction of the round aggregate's drop there by more than score_floor; a batch the aggregate did not lower "
         "by more than score_floor is not scored",
     )
@@ -211,6 +211,14 @@ class SwarmSpec(BaseModel):
         ge=0,
         le=1,
         description="loss scoring: slack, as a fraction of the loss, below which a shortfall is noise, not evidence",
+    )
+    score_batches: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="loss scoring: the sampled peer's assigned batches of the round's last this many inner steps "
+        "(all H if fewer) are scored, the loss their mean; more batches, less chance in an honest peer's score, and "
+        "3 forward passes per batch, sampled peer and owner each round",
     )
     spot_check_steps: int = Field(
         0,
