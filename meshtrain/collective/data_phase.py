@@ -96,6 +96,9 @@ class AttemptStats:
     # our part, kept until the round commits (the sample depends on the committed digest).
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     part: tuple[int, int] = (0, 0)  # our part's [start, stop) in the flat input
+    # Every send of ours, (start, end, bytes) in trio time: our uplink's measure (shares.py
+    # `egress_rate`), which our next joins carry when no rate is configured.
+    sends: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
@@ -202,7 +205,9 @@ class DataPhase:
     dropped. config: deadlines and the robust mode. key / attempt: name the transfers (so stale
     data from another attempt is never mixed in). group: the attempt's members, sorted; `me` is
     in it. tensors / codec / weight: our input, how parts are encoded, our weight (0: we
-    contribute nothing but still receive the result). `stats` fills in as the attempt runs."""
+    contribute nothing but still receive the result). shares: the size of each member's part
+    (shares.py, as the coordinator announced them; empty: equal parts). `stats` fills in as the
+    attempt runs."""
 
     def __init__(
         self,
@@ -217,6 +222,7 @@ class DataPhase:
         tensors: dict[str, torch.Tensor],
         codec: str,
         weight: float,
+        shares: tuple[int, ...] = (),
     ) -> None:
         try:
             self.codec = get_codec(codec)
@@ -229,10 +235,16 @@ class DataPhase:
         self.tag = f"ar/{key.wire}/{attempt}"
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
-        self.bounds = part_bounds(self.flat.numel(), len(group))
+        try:
+            self.bounds = part_bounds(self.flat.numel(), len(group), shares)
+        except ValueError as e:
+            raise CollectiveError(f"the coordinator's part shares do not fit the group: {e}") from None
         # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
+        # An empty part (a slow member's, shares.py) has no stripes: nothing is sent to or from it.
         stripe = self.flat.numel() if config.robust != "none" else max(1, config.stripe_bytes // 4)
-        self.stripes = [stripe_bounds(self.bounds[j], self.bounds[j + 1], stripe) for j in range(len(group))]
+        self.stripes = [
+            stripe_bounds(a, b, stripe) if b > a else [a] for a, b in zip(self.bounds, self.bounds[1:], strict=False)
+        ]
         self.deadline = config.transfer_deadline(self.flat.numel())
         # The result is assembled in place: every owner's part lands in its slice of `out`.
         self.out = torch.empty(self.flat.numel())
@@ -433,8 +445,10 @@ class DataPhase:
 
     async def _send(self, peer: str, subtag: str, parts: dict, meta: dict, digest: bytes | None = None) -> None:
         try:
+            t0 = trio.current_time()
             rep = await self.streams.send(peer, subtag, parts, meta=meta, digest=digest, timeout=self.deadline)
             self.stats.sent += rep.nbytes
+            self.stats.sends.append((t0, trio.current_time(), rep.nbytes))
         except TransferError as e:
             self.failed.add(peer)
             raise AttemptFailed({peer}, f"send to {peer[-8:]}: {e}") from None
