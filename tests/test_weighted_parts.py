@@ -80,9 +80,7 @@ def test_egress_rate_adds_up_the_sends_in_flight_at_once():
     assert egress_rate([(0.0, 1.0, mb // 2)]) is None  # too little data to tell
 
 
-@pytest.mark.parametrize(
-    "uplink", [-1, 0, math.nan, math.inf, 1e30, "fast", True, [1.0], {"mbit": 1}], ids=repr
-)
+@pytest.mark.parametrize("uplink", [-1, 0, math.nan, math.inf, 1e30, "fast", True, [1.0], {"mbit": 1}], ids=repr)
 def test_hostile_uplink_in_a_join_is_malformed(uplink):
     key = RoundKey(3, "t", "me")
     wire = JoinRequest(key).to_wire() | {"uplink": uplink}

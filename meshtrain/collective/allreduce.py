@@ -35,6 +35,10 @@ same bytes to all. Every peer thus holds the owner's exact bits for every part, 
 bit-identical by construction; a blake3 digest of the result, reported to the coordinator,
 checks it. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
 butterfly and PCCL's ring); all transfers of a phase run concurrently over `TensorStreams`.
+Where link speeds differ, parts are weighted: every join carries the peer's uplink (`uplink_mbit`
+configured, else measured on its sends in an earlier round), the coordinator sizes the parts
+from the members' rates and announces the shares with the group, so all members cut alike and a
+slow peer owns little or nothing (shares.py, as hivemind's load balancing sizes its parts).
 
 **Failures.** Every transfer has a deadline scaled to its size, and peers we are waiting on are
 watched for disconnection (the host's connection events), so a killed peer is noticed within a

@@ -1,15 +1,25 @@
 """One attempt's data phase of the all-reduce: reduce-scatter and all-gather, pipelined.
 
 Group of n, flattened input of M elements cut into n parts (flat.py `part_bounds`; part j belongs
-to the j-th peer of the sorted group), each part cut into stripes of at most
+to the j-th peer of the sorted group), equal or sized by the `shares` the coordinator announced
+with the group, each part cut into stripes of at most
 `config.stripe_bytes` (`stripe_bounds`; every peer computes the same cut). **Reduce-scatter**:
 every peer sends its slice of stripe s of part j (optionally codec-encoded, with its weight) to
 the owner j, which combines the contributions of a stripe in fp32 in a fixed (sorted) order — or
 robustly (`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
 encodes each reduced stripe once, decodes it back for itself, and sends the same bytes to all.
 Every peer thus holds the owner's exact bits for every stripe, so results are bit-identical by
-construction. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
-butterfly and PCCL's ring).
+construction. With equal parts each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount
+(as hivemind's butterfly and PCCL's ring) when every link is as fast.
+
+**Weighted parts, for links of different speeds (issue 20).** Owning a fraction f of the vector
+costs a peer M·(1 + (n − 2)·f) each way, so a slow peer should own little: the coordinator turns
+the rates the members joined with into integer `shares` (shares.py: the bottleneck time is
+minimised, a peer too slow to help owns an empty part) and sends them with the group; every
+member cuts the same bounds from them. An empty part has no stripes: nobody sends to it or waits
+for it, its owner receives and reduces nothing (no contributions to screen or keep), and it still
+sends its input to every other owner and receives every result. Our own sends are timed
+(`stats.sends`) so that our uplink can be measured for the next join (shares.py `egress_rate`).
 
 **Pipelining, for links where bandwidth × latency is large (a WAN, scripts/wanlab).** There is
 no barrier between the phases: a stripe's all-gather starts the moment it is reduced, while
