@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.flat import part_bounds
 from meshtrain.collective.protocol import (
+    DONE,
     FAIL,
+    Commit,
     Joined,
     JoinRequest,
     Report,
@@ -28,7 +30,7 @@ from meshtrain.collective.shares import MIN_MEASURED_BYTES, NEAR_EQUAL, egress_r
 from meshtrain.transport.validate import Malformed
 
 from .test_allreduce import connected_peers, exact_mean, run_all
-from .test_coordinator import coordinator
+from .test_coordinator import CONFIG, coordinator
 
 MBIT = 1e6 / 8
 rates = st.lists(st.floats(min_value=1e3, max_value=1e11), min_size=1, max_size=24)
@@ -177,3 +179,36 @@ async def test_weighted_allreduce_is_bit_identical_and_exact_with_an_empty_part(
                 assert torch.equal(r.tensors[k], expected[k]), k
         # The slow peer received no contributions (its part is empty), only the others' results.
         assert results[1].bytes_received < 0.7 * min(results[i].bytes_received for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("connected", [True, False])
+async def test_with_weighted_parts_a_connected_straggler_is_waited_for_not_left_to_resync(autojump_clock, connected):
+    """The fast peers report after 30 s; the slow one, still downloading the results, after 50 s.
+    With weighted parts it is waited for (as long again as the first report took); one whose
+    connection dropped is not, and is left unconfirmed at the usual report deadline."""
+    uplinks = {"a": 100 * MBIT, "b": 100 * MBIT, "c": 100 * MBIT, "d": 20 * MBIT}
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", list(uplinks))
+        key = RoundKey(7, "", "a")
+        async with trio.open_nursery() as inner:
+            for p, u in uplinks.items():
+                inner.start_soon(c.join, p, key, (), u)
+        assert c.rounds[key].attempts[0].shares
+        if not connected:
+            c.host.connected.discard("d")
+        outcomes = {}
+
+        async def send(p: str, at: float) -> None:
+            await trio.sleep(at)
+            outcomes[p] = (await c.report(p, Report(key, 0, DONE, b"x")), trio.current_time())
+
+        async with trio.open_nursery() as inner:
+            for p in "abc":
+                inner.start_soon(send, p, 30.0)
+            inner.start_soon(send, "d", 50.0)
+        commit, t = outcomes["a"]
+        if connected:
+            assert commit == Commit(b"x", tuple(uplinks), holders=tuple(uplinks)) and t == pytest.approx(50.0)
+        else:
+            assert commit.unconfirmed == ("d",) and t == pytest.approx(30.0 + CONFIG.report_timeout)
+        nursery.cancel_scope.cancel()

@@ -14,8 +14,10 @@ allreduce.py for how peers find it). Its job, per round key:
   round or in it at a coordinator we cannot reach. A majority that joined then completes the
   round at once; a minority is told it is `Late` (passed, or elsewhere) and re-syncs;
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
-  majority digest wins; a minority digest is told to re-sync), `Retry` among the survivors after
-  a failure (who goes is `_decide_failure`'s rule), `Abort` after `max_attempts`.
+  majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
+  connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
+  the survivors after a failure (who goes is `_decide_failure`'s rule), `Abort` after
+  `max_attempts`.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -73,6 +75,7 @@ LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 class _Attempt:
     group: tuple[str, ...]
     shares: tuple[int, ...] = ()  # the members' part sizes (shares.py; empty: equal parts)
+    started: float = field(default_factory=trio.current_time)
     reports: dict[str, Report] = field(default_factory=dict)
     outcome: Outcome | None = None
     decided: trio.Event = field(default_factory=trio.Event)
@@ -391,15 +394,27 @@ class Coordinator:
                 self._start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
             elif a.first_report is None and not failed:
                 a.first_report = trio.current_time()
-                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude)
+                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
         await a.decided.wait()
         assert a.outcome is not None  # set before decided
         return a.outcome
 
     async def _decide_later(self, key: RoundKey, a: _Attempt, delay: float, decide: Callable) -> None:
         await trio.sleep(delay)
-        if not a.decided.is_set() and not (decide == self._conclude and a.first_fail is not None):
+        if not a.decided.is_set() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
+
+    def _conclude_when_due(self, key: RoundKey, a: _Attempt) -> None:
+        """Commit at the report deadline — but with weighted parts (`a.shares`) members finish at
+        different times by design (a slow peer still downloads the results after the fast ones
+        are done), so members still connected get as long again as the first reporter took,
+        rather than being left `unconfirmed` to fetch the whole result again over a slow link."""
+        now, first = trio.current_time(), a.first_report or 0.0
+        working = [p for p in a.group if p not in a.reports and (p == self.peer_id or self.host.is_connected(p))]
+        if a.shares and working and now < first + max(self.config.report_timeout, first - a.started):
+            self._start_soon(self._decide_later, key, a, 0.25, self._conclude_when_due)
+            return
+        self._conclude(key, a)
 
     def _decide_failure(self, key: RoundKey, a: _Attempt) -> None:
         """Choose whom to drop from the failure reports heard so far.
