@@ -41,7 +41,7 @@ import math
 from collections.abc import Sequence
 
 SHARE_SCALE = 1 << 16  # the fastest member's share is at most this (shares are fractions × this)
-NEAR_EQUAL = 1.25  # rates within this factor of each other: equal parts
+NEAR_EQUAL = 1.5  # rates within this factor: equal parts (equal links measured up to 1.22 apart)
 MAX_SHARE = 1 << 32  # a share from the wire above this is malformed
 MIN_MEASURED_BYTES = 16 << 20  # an attempt that sent less tells little about the link (latency)
 
