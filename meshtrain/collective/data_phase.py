@@ -2,11 +2,11 @@
 
 Group of n, flattened input of M elements cut into n parts (flat.py `part_bounds`; part j belongs
 to the j-th peer of the sorted group), equal or sized by the `shares` the coordinator announced
-with the group, each part cut into stripes of at most
-`config.stripe_bytes` (`stripe_bounds`; every peer computes the same cut). **Reduce-scatter**:
-every peer sends its slice of stripe s of part j (optionally codec-encoded, with its weight) to
-the owner j, which combines the contributions of a stripe in fp32 in a fixed (sorted) order — or
-robustly (`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
+with the group, each part cut into stripes of at most `config.stripe_bytes` (`stripe_bounds`;
+every peer computes the same cut). **Reduce-scatter**: every peer sends its slice of stripe s
+of part j (optionally codec-encoded, with its weight) to the owner j, which combines the
+contributions of a stripe in fp32 in a fixed (sorted) order — or robustly
+(`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
 encodes each reduced stripe once, decodes it back for itself, and sends the same bytes to all.
 Every peer thus holds the owner's exact bits for every stripe, so results are bit-identical by
 construction. With equal parts each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount
