@@ -26,7 +26,7 @@ from meshtrain.collective.protocol import (
     parse_join_reply,
     parse_outcome,
 )
-from meshtrain.collective.shares import MIN_MEASURED_BYTES, NEAR_EQUAL, egress_rate, part_shares
+from meshtrain.collective.shares import MAX_PART_FACTOR, MIN_MEASURED_BYTES, NEAR_EQUAL, egress_rate, part_shares
 from meshtrain.transport.validate import Malformed
 
 from .test_allreduce import connected_peers, exact_mean, run_all
@@ -46,6 +46,7 @@ def test_part_sizes_cover_the_vector_and_a_slower_peer_never_owns_more(rs, numel
     assert bounds[0] == 0 and bounds[-1] == numel and min(sizes) >= 0
     if shares:
         assert len(shares) == len(rs) and min(shares) >= 0 and sum(shares) > 0
+        assert max(shares) / sum(shares) <= MAX_PART_FACTOR / len(rs) + 1e-3  # a claim buys little
         for i in range(len(rs)):
             for j in range(len(rs)):
                 if rs[i] < rs[j]:
@@ -71,6 +72,13 @@ def test_slow_peers_own_nothing_and_the_round_is_bound_by_their_own_input():
     # Mildly slower peers still own something, less than the others.
     mild = part_shares([100 * MBIT] * 7 + [60 * MBIT])
     assert 0 < mild[7] < mild[0]
+
+
+def test_a_claimed_rate_cannot_buy_more_than_twice_an_equal_part():
+    """A rate is a member's claim: claiming 8 Tbit/s among 100 Mbit/s peers owns at most 2/n."""
+    shares = part_shares([1e12] + [100 * MBIT] * 7)
+    assert shares[0] / sum(shares) <= MAX_PART_FACTOR / 8 + 1e-4
+    assert len(set(shares[1:])) == 1 and shares[1] > 0
 
 
 def test_egress_rate_adds_up_the_sends_in_flight_at_once():

@@ -9,12 +9,15 @@ the slow peer must still upload its input and download the result) is possible.
 The rule (`part_shares`): member i owning a fraction f_i of the M elements sends (1 − f_i)·M in
 the reduce-scatter and (n − 1)·f_i·M in the all-gather, and receives as much, so over a link of
 rate B_i its time is T_i = M·(1 + (n − 2)·f_i) / B_i. The round ends with the slowest member, so
-we minimise max_i T_i subject to Σ f_i = 1, f_i ≥ 0: water-filling, the closed form of the small
-linear program hivemind's load balancing (`hivemind/averaging/load_balancing.py`) solves
-numerically. The k fastest members own parts sized so that their times are equal,
-f_i = (T·B_i − 1) / (n − 2) with T = (n − 2 + k) / Σ B_i over those k; the largest k whose
-slowest member still gets f_i ≥ 0 is taken, and the others own nothing (they are the bottleneck
-anyway, at M / B_i). A slower member never owns more than a faster one.
+we minimise max_i T_i subject to Σ f_i = 1 and 0 ≤ f_i ≤ `MAX_PART_FACTOR`/n: water-filling,
+the small linear program hivemind's load balancing (`hivemind/averaging/load_balancing.py`)
+hands to a solver. For a target time T every member owns what keeps it within T,
+f_i(T) = clip((T·B_i − 1) / (n − 2), 0, cap); Σ f_i(T) grows with T, so bisection finds the T
+where the parts add up to the vector. Members too slow to finish within T even owning nothing
+own nothing (they are the bottleneck anyway, at M / B_i); a slower member never owns more than
+a faster one. The cap is there because a rate is a member's claim: one that claims a huge rate
+owns at most twice its equal part (what an owner could corrupt grows no further), and one that
+claims a tiny rate only gives its part away.
 
 Equal parts, the old layout, whenever the rule cannot help or cannot be trusted: a rate unknown
 for any member (an old peer, or no measurement yet), rates within `NEAR_EQUAL` of each other
@@ -40,10 +43,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SHARE_SCALE = 1 << 16  # the fastest member's share is at most this (shares are fractions × this)
+SHARE_SCALE = 1 << 16  # shares are fractions of the vector × this
 NEAR_EQUAL = 1.5  # rates within this factor: equal parts (equal links measured up to 1.22 apart)
 MAX_SHARE = 1 << 32  # a share from the wire above this is malformed
 MIN_MEASURED_BYTES = 16 << 20  # an attempt that sent less tells little about the link (latency)
+MAX_PART_FACTOR = 2.0  # no member owns more than this × an equal part (a rate is only a claim)
 
 
 def part_shares(rates: Sequence[float | None]) -> tuple[int, ...]:
@@ -55,14 +59,16 @@ def part_shares(rates: Sequence[float | None]) -> tuple[int, ...]:
     known = [float(r) for r in rates]  # type: ignore[arg-type]  # None excluded above
     if max(known) <= NEAR_EQUAL * min(known):
         return ()
-    order = sorted(range(n), key=lambda i: (-known[i], i))
-    for k in range(n, 0, -1):
-        t = (n - 2 + k) / sum(known[i] for i in order[:k])
-        if t * known[order[k - 1]] >= 1:  # k = 1 always qualifies: t·B_max = n − 1 ≥ 1
-            break
-    active = set(order[:k])
-    fractions = [(t * known[i] - 1) / (n - 2) if i in active else 0.0 for i in range(n)]
-    shares = tuple(max(0, round(f * SHARE_SCALE)) for f in fractions)
+    cap = min(1.0, MAX_PART_FACTOR / n)
+
+    def fractions(t: float) -> list[float]:
+        return [min(cap, max(0.0, (t * b - 1) / (n - 2))) for b in known]
+
+    lo, hi = 0.0, (1 + (n - 2) * cap) / min(known)  # at hi every member owns `cap`: n·cap ≥ 1
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(fractions(mid)) < 1 else (lo, mid)
+    shares = tuple(round(f * SHARE_SCALE) for f in fractions(hi))
     return shares if sum(shares) > 0 else ()
 
 
