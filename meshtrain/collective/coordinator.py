@@ -6,8 +6,9 @@ allreduce.py for how peers find it). Its job, per round key:
 - **collect joins** until every expected candidate joined, or the join deadline passed with a
   majority in (up to `hard_join_factor` × the deadline while only a minority joined), then fix
   the group of attempt 0 — and its parts' shares, from the rates the members joined with
-  (shares.py; a retry's survivors get theirs from the same rates). The expected set is always our own `group(round_id)` view, refreshed
-  while waiting — never a joiner's claim — so a peer that left is no longer waited for;
+  (shares.py; a retry's survivors get theirs from the same rates). The expected set is always
+  our own `group(round_id)` view, refreshed while waiting — never a joiner's claim — so a peer
+  that left is no longer waited for;
 - **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
   membership was behind), or **end it** when nobody else will come: the missing peers joined a
   later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this

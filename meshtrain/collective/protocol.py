@@ -6,7 +6,7 @@ frozen dataclass here, with `to_wire()` giving the msgpack map that travels and 
 message that checks untrusted input and raises `Malformed` (which the RPC layer answers with
 the code `malformed`). Nothing outside this file reads a wire map.
 
-Wire (unchanged from the first version, so mixed versions of this code interoperate):
+Wire (compatible with the first version, so mixed versions of this code interoperate):
 
     JOIN_RPC   {"key", "expected", "skipped", ["uplink"]}       -> a JoinReply:
                {"attempt": 0, "group": [...], ["shares": [...]]}  Joined: you are in attempt 0
