@@ -30,7 +30,12 @@ trips of its own, so to each peer, in each direction, `config.window` transfers 
 (on as many pooled connections, opened up front by `connect_group`): the next stripe's header and
 acceptance cross while the previous stripe's data still flows, and no per-transfer round trip is
 on the critical path. Every receive is posted when the attempt starts, so no sender ever waits
-for a matching receive. Robust modes use one stripe per part (clipping looks at a part's norm).
+for a matching receive. A peer's reduce-scatter sends, to all owners together, share
+`config.scatter_window` slots, taken in stripe order: a slow uplink carrying a dozen transfers
+at once would finish them all only at the end of the time they share, so no stripe would be
+reduced — and nothing would come back down that peer's link — for the first quarter of its
+upload (issue 20's bench); a few at a time, its stripes finish in turn and the all-gather
+overlaps the scatter from the start. Robust modes use one stripe per part (clipping looks at a part's norm).
 
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
@@ -324,13 +329,18 @@ class DataPhase:
         self._missing = [len(self.others)] * count
         self._reduced: list[tuple[dict[str, torch.Tensor], bytes | None] | None] = [None] * count
         self._ready = [trio.Event() for _ in range(count)]
+        # Our reduce-scatter sends share `scatter_window` slots, taken in stripe order across the
+        # owners, so that stripes finish one after another, not all together at the end: the
+        # first reduced stripes come back while we still send (see the module docstring).
+        scatter = trio.Semaphore(self.config.scatter_window)
         async with trio.open_nursery() as nursery:
             for j, peer in enumerate(self.group):
                 if peer == self.me:
                     continue
                 bounds = self.stripes[j]
                 # Reduce-scatter: our slice of part j, stripe by stripe, to its owner ...
-                nursery.start_soon(self._pipeline, peer, [self._rs_job(j, s) for s in range(len(bounds) - 1)])
+                rs = [self._rs_job(j, s) for s in range(len(bounds) - 1)]
+                nursery.start_soon(self._pipeline, peer, rs, scatter)
                 # ... and part j's reduced stripes from it, straight into `out`.
                 for s in range(len(bounds) - 1):
                     nursery.start_soon(self._fetch, j, s, peer)
@@ -358,9 +368,13 @@ class DataPhase:
 
         return job
 
-    async def _pipeline(self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]]) -> None:
+    async def _pipeline(
+        self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]], shared: trio.Semaphore | None = None
+    ) -> None:
         """Send `jobs` to `peer` in order, `config.window` transfers in flight: the next one's
-        header and acceptance cross the link while the previous one's data still flows."""
+        header and acceptance cross the link while the previous one's data still flows. With
+        `shared`, each transfer also holds one of its slots (a cap over all peers, first come
+        first served)."""
         slots = trio.Semaphore(self.config.window)
 
         async def one(item: tuple) -> None:
@@ -368,10 +382,14 @@ class DataPhase:
                 await self._send(peer, *item)
             finally:
                 slots.release()
+                if shared is not None:
+                    shared.release()
 
         async with trio.open_nursery() as nursery:
             for job in jobs:
                 await slots.acquire()
+                if shared is not None:
+                    await shared.acquire()
                 nursery.start_soon(one, await job())
 
     async def _collect(self, peer: str, s: int) -> None:

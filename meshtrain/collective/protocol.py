@@ -96,6 +96,9 @@ class AllReduceConfig:
     # starts as soon as it is reduced and no transfer's handshake round trip idles a link.
     stripe_bytes: int = 2 << 20
     window: int = 2
+    # ... and at most this many of a peer's reduce-scatter transfers in flight in all (to any
+    # owners), so that a slow uplink finishes its stripes in turn and their all-gather starts early.
+    scatter_window: int = 4
     # Bandwidth-weighted parts (shares.py): this peer's uplink in Mbit/s, sent with its joins so
     # the coordinator sizes the parts by the members' rates (0: measured from recent rounds).
     uplink_mbit: float = 0.0
@@ -109,8 +112,8 @@ class AllReduceConfig:
             raise ValueError("trim must be >= 0 (0: a quarter of the contributors)")
         if self.score_samples < 0:
             raise ValueError("score_samples must be >= 0")
-        if self.stripe_bytes < 4096 or self.window < 1:
-            raise ValueError("stripe_bytes must be >= 4096 and window >= 1")
+        if self.stripe_bytes < 4096 or self.window < 1 or self.scatter_window < 1:
+            raise ValueError("stripe_bytes must be >= 4096, window and scatter_window >= 1")
         if not 0 <= self.uplink_mbit <= MAX_UPLINK * 8 / 1e6:
             raise ValueError("uplink_mbit must be 0 (measured) or a rate in Mbit/s")
 
