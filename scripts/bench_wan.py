@@ -1,6 +1,7 @@
 """Collectives over WAN-shaped links: the WAN lab (scripts/wanlab), root only (issue 20).
 
     sudo .venv/bin/python scripts/bench_wan.py [--peers 8] [--mb 100] [--rounds 2] [--quick]
+        [--only-hetero] [--no-hetero] [--no-training] [--no-allreduce]
 
 Every peer is a real meshtrain process (tests/proc_nat_peer.py, or tests/proc_trainer.py for the
 training part) in its own network namespace, behind its own link: tc tbf in both directions and
@@ -15,6 +16,10 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   schedule for those rates (`best_schedule_bound`: reduce-scatter/all-gather with part sizes
   chosen for the rates, every link busy both ways all the time; no schedule can beat M / B_min,
   since the slowest peer must upload its whole input and download the whole result). Target ≤ 1.3.
+  Three rounds (`bench_hetero`): the first after the links changed (the peers' rates are stale or
+  unknown: equal parts), one with the rates the peers measured in it
+  (`hetero_measured_ratio_to_bound`), and one with each peer's rate configured (`uplink_mbit`),
+  whose ratio is `hetero_ratio_to_bound`. `--only-hetero` runs only these of the all-reduce part.
 - `hivemind_ratio_to_link_bound`: hivemind's DecentralizedAverager (scripts/hivemind_probe_allreduce.py,
   in its own venv, scripts/_hivemind.py) in a lab of the same shape, the same payload: N workers,
   each inside its peer's namespace, time from the last trigger to the last peer done (matchmaking
@@ -107,14 +112,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def allreduce_round(peers: list[LabPeer], round_id: int, mib: float, timeout: float, extra_pids: tuple = ()) -> dict:
+def allreduce_round(
+    peers: list[LabPeer],
+    round_id: int,
+    mib: float,
+    timeout: float,
+    extra_pids: tuple = (),
+    uplinks: dict[str, float] | None = None,
+) -> dict:
     """One round, all peers asked at once. `cpu_s`: CPU time our peers (and `extra_pids`, the
-    delay line) used during it; `cpu_share`: that ÷ (wall × cores) — near 1 means CPU-bound."""
+    delay line) used during it; `cpu_share`: that ÷ (wall × cores) — near 1 means CPU-bound.
+    `uplinks`: peer name -> the uplink (Mbit/s, 0: measured) it is told to join with from now on;
+    `uplink_measured_mbit`: what each peer measured on its own sends (None: not yet)."""
     ids = [p.peer_id for p in peers]
     pids = [p.proc.pid for p in peers] + list(extra_pids)
     cpu0 = cpu_seconds(pids)
     t0 = time.monotonic()
-    cids = {p.name: p.submit("allreduce", peers=ids, round=round_id, mib=mib) for p in peers}
+    extra = {p.name: {"uplink_mbit": uplinks[p.name]} if uplinks else {} for p in peers}
+    cids = {p.name: p.submit("allreduce", peers=ids, round=round_id, mib=mib, **extra[p.name]) for p in peers}
     res = {name: p.result(cids[name], timeout=timeout, check=False) for name, p in zip(cids, peers, strict=True)}
     wall = time.monotonic() - t0
     cpu = cpu_seconds(pids) - cpu0
@@ -128,6 +143,7 @@ def allreduce_round(peers: list[LabPeer], round_id: int, mib: float, timeout: fl
         "peer_max_s": max((r.get("seconds") or 0) for r in res.values()),
         "digests_equal": not errors and len(digests) == 1,
         "contributors": min(len(r.get("contributors") or []) for r in res.values()),
+        "uplink_measured_mbit": {n: r.get("uplink_measured_mbit") for n, r in res.items()},
         "errors": errors,
     }
 
@@ -145,6 +161,12 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         connect_mesh(peers)
         progress("peers connected; warm-up round")
         warm = allreduce_round(peers, 1, 4.0, timeout=300)
+        ok = warm["digests_equal"]
+        if args.only_hetero:
+            out["digests_equal"] = bench_hetero(args, lab, peers, out) and ok
+            for p in peers:
+                p.close()
+            return
         rounds = []
         for r in range(args.rounds):
             rounds.append(allreduce_round(peers, 10 + r, mib, timeout=600, extra_pids=(lab.delay_pid,)))
@@ -161,26 +183,9 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "load_avg_1m": [x["load_avg_1m"] for x in rounds],
         }
         out["allreduce_ratio_to_link_bound"] = round(wall / bound, 3)
-        ok = warm["digests_equal"] and all(x["digests_equal"] for x in rounds)
+        ok = ok and all(x["digests_equal"] for x in rounds)
         if args.hetero:
-            slow = lab.names[-2:]
-            for p in slow:
-                lab.shape(p, rate_mbit=20)
-            rates = [20.0 if p in slow else 100.0 for p in lab.names]
-            hb = best_schedule_bound(mb * 1e6, rates)
-            h = allreduce_round(peers, 100, mib, timeout=900, extra_pids=(lab.delay_pid,))
-            progress(f"hetero round: {h['wall_s']:.2f} s, best-schedule bound {hb:.2f} s")
-            out["hetero"] = {
-                "slow_peers": len(slow),
-                "wall_s": round(h["wall_s"], 2),
-                "bound_s": round(hb, 2),
-                "cpu_share": h["cpu_share"],
-                "equal_parts_bound_s": round(mb * 1e6 * (1 + (n - 2) / n) / (20 * MBIT), 2),
-            }
-            out["hetero_ratio_to_bound"] = round(h["wall_s"] / hb, 3)
-            ok = ok and h["digests_equal"]
-            for p in slow:
-                lab.shape(p, rate_mbit=100)
+            ok = bench_hetero(args, lab, peers, out) and ok
         out["digests_equal"] = ok
         # One tensor stream at 100 Mbit/s and 100 ms RTT (50 ms each way), then a plain TCP socket.
         a, b = peers[0], peers[1]
@@ -195,6 +200,41 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         out["tcp_fill"] = round(lab.measure_rate("p0", "p1", seconds=8) / 100, 3)
         for p in peers:
             p.close()
+
+
+def bench_hetero(args: argparse.Namespace, lab: WanLab, peers: list[LabPeer], out: dict) -> bool:
+    """2 of the peers at 20 Mbit/s, three rounds: `first` with the rates the peers measured
+    before the links changed (none, or the homogeneous rounds': equal parts), `measured` with
+    the rates measured in `first`, `configured` with each peer told its link rate (uplink_mbit).
+    `hetero_ratio_to_bound` is the configured round's; whether every digest agreed is returned."""
+    n, mb = args.peers, args.mb
+    mib = mb * 1e6 / (1 << 20)
+    slow = lab.names[-2:]
+    for p in slow:
+        lab.shape(p, rate_mbit=20)
+    rates = {p: 20.0 if p in slow else 100.0 for p in lab.names}
+    hb = best_schedule_bound(mb * 1e6, list(rates.values()))
+    runs = {}
+    for i, (name, uplinks) in enumerate((("first", None), ("measured", None), ("configured", rates))):
+        h = allreduce_round(peers, 100 + i, mib, timeout=900, extra_pids=(lab.delay_pid,), uplinks=uplinks)
+        progress(f"hetero round ({name}): {h['wall_s']:.2f} s, best-schedule bound {hb:.2f} s")
+        progress(f"  measured uplinks after it (Mbit/s): {h['uplink_measured_mbit']}")
+        runs[name] = h
+    h = runs["configured"]
+    out["hetero"] = {
+        "slow_peers": len(slow),
+        "wall_s": round(h["wall_s"], 2),
+        "bound_s": round(hb, 2),
+        "cpu_share": h["cpu_share"],
+        "equal_parts_bound_s": round(mb * 1e6 * (1 + (n - 2) / n) / (20 * MBIT), 2),
+        "rounds_wall_s": {k: round(v["wall_s"], 2) for k, v in runs.items()},
+        "uplink_measured_mbit": runs["measured"]["uplink_measured_mbit"],
+    }
+    out["hetero_ratio_to_bound"] = round(h["wall_s"] / hb, 3)
+    out["hetero_measured_ratio_to_bound"] = round(runs["measured"]["wall_s"] / hb, 3)
+    for p in slow:
+        lab.shape(p, rate_mbit=100)
+    return all(x["digests_equal"] for x in runs.values())
 
 
 def stream_once(a: LabPeer, b: LabPeer, mib: float, tag: str) -> float:
@@ -267,8 +307,8 @@ def bench_hivemind(args: argparse.Namespace, log_dir: str, out: dict) -> None:
     peer i's namespace, listening on the peer's lab address."""
     out["hivemind_ratio_to_link_bound"] = None
     hv = venv_dir()
-    if not args.hivemind:
-        out["hivemind_reason"] = "--no-hivemind"
+    if not args.hivemind or args.only_hetero:
+        out["hivemind_reason"] = "--no-hivemind" if not args.hivemind else "--only-hetero"
         return
     if not (hv / "bin" / "python").exists() and not args.hivemind_venv_create:
         out["hivemind_reason"] = f"no hivemind venv at {hv} (--hivemind-venv-create makes one: downloads ~1.2 GB)"
@@ -302,6 +342,7 @@ def main() -> int:
     ap.add_argument("--no-allreduce", dest="allreduce", action="store_false")
     ap.add_argument("--no-hivemind", dest="hivemind", action="store_false")
     ap.add_argument("--hivemind-venv-create", action="store_true", help="create hivemind's venv if missing")
+    ap.add_argument("--only-hetero", action="store_true", help="of the all-reduce part, only the hetero rounds")
     ap.add_argument("--quick", action="store_true", help="4 peers, 20 MB, 1 round, 60 steps")
     ap.add_argument("--keep-logs", default=None, help="directory for peer logs (default: a temp dir)")
     args = ap.parse_args()

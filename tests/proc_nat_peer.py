@@ -17,7 +17,9 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     conn_type    peer                      "direct" | "relayed" | null
     send         peer tag mib [timeout]    tensors over the data plane; "path", "digest"
     recv         peer tag [timeout]        the matching receive
-    allreduce    peers round mib [stripe_bytes]  one SwarmCollective.all_reduce of seeded tensors
+    allreduce    peers round mib [stripe_bytes] [uplink_mbit]  one SwarmCollective.all_reduce of
+                                           seeded tensors (uplink_mbit: our configured link rate
+                                           from now on, 0: measured); "uplink_measured_mbit"
     relay_stats                            the relay's counters (bytes relayed, limit resets)
     lan                                    peers heard over mDNS (--mdns SWARM) and our link to each
     upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
@@ -181,11 +183,15 @@ class Peer:
                     join_timeout=60, part_timeout=60, min_bandwidth=1e6, stripe_bytes=cmd.get("stripe_bytes", 2 << 20)
                 ),
             )
+        if "uplink_mbit" in cmd:
+            self.collective.uplink_mbit = float(cmd["uplink_mbit"])
         mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
         t0 = time.monotonic()
         res = await self.collective.all_reduce(mine, round_id=cmd["round"], tag="nat")
+        measured = self.collective.measured_uplink
         return {
             "seconds": time.monotonic() - t0,
+            "uplink_measured_mbit": None if measured is None else round(measured * 8 / 1e6, 1),
             "digest": res.digest.hex(),
             "contributors": list(res.contributors),
             "excluded": dict(res.excluded),

@@ -35,6 +35,10 @@ same bytes to all. Every peer thus holds the owner's exact bits for every part, 
 bit-identical by construction; a blake3 digest of the result, reported to the coordinator,
 checks it. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
 butterfly and PCCL's ring); all transfers of a phase run concurrently over `TensorStreams`.
+Where link speeds differ, parts are weighted: every join carries the peer's uplink (`uplink_mbit`
+configured, else measured on its sends in an earlier round), the coordinator sizes the parts
+from the members' rates and announces the shares with the group, so all members cut alike and a
+slow peer owns little or nothing (shares.py, as hivemind's load balancing sizes its parts).
 
 **Failures.** Every transfer has a deadline scaled to its size, and peers we are waiting on are
 watched for disconnection (the host's connection events), so a killed peer is noticed within a
@@ -107,6 +111,7 @@ from meshtrain.collective.protocol import (
     parse_join_reply,
     parse_outcome,
 )
+from meshtrain.collective.shares import egress_rate
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -181,6 +186,10 @@ class SwarmCollective(Service):
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._coord = Coordinator(host, self.config, self.group)
+        # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
+        # when the link changes, 0: measured), or measured on our sends in a recent round.
+        self.uplink_mbit = self.config.uplink_mbit
+        self.measured_uplink: float | None = None  # bytes/s
         self._entering = trio.Lock()  # one start, whether entered or started on first use
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
         # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
@@ -196,6 +205,11 @@ class SwarmCollective(Service):
     @property
     def peer_id(self) -> str:
         return self.host.peer_id
+
+    @property
+    def uplink(self) -> float | None:
+        """Our link rate in bytes/s as our joins carry it: configured, else measured, else None."""
+        return self.uplink_mbit * 1e6 / 8 if self.uplink_mbit else self.measured_uplink
 
     def group(self, round_id: int) -> tuple[str, ...]:
         """The peers expected in our round `round_id`: the candidates, or with `grouping` the
@@ -306,7 +320,7 @@ class SwarmCollective(Service):
         self._check_window(join.key.round_id)
         await self._require_member(peer, join.key.round_id)
         await self._running()
-        return (await self._coord.join(peer, join.key, join.skipped)).to_wire()
+        return (await self._coord.join(peer, join.key, join.skipped, join.uplink)).to_wire()
 
     async def _rpc_report(self, peer: str, req: Any) -> dict:
         report = Report.parse(req, to=self.peer_id)
@@ -352,7 +366,7 @@ class SwarmCollective(Service):
     async def _join(self, join: JoinRequest):
         if join.key.coordinator == self.peer_id:
             await self._running()
-            return await self._coord.join(self.peer_id, join.key, join.skipped)
+            return await self._coord.join(self.peer_id, join.key, join.skipped, join.uplink)
         reply = await self._call_coordinator(join.key.coordinator, JOIN_RPC, join)
         try:
             return parse_join_reply(reply)
@@ -424,7 +438,7 @@ class SwarmCollective(Service):
                 # caller gets an error and proceeds (alone) instead of waiting forever.
                 with trio.fail_after(self._round_deadline(tensors)):
                     return await self._run_round(
-                        JoinRequest(key, tuple(live), tuple(sorted(dead))), tensors, codec, weight
+                        JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink), tensors, codec, weight
                     )
             except trio.TooSlowError:
                 raise CollectiveError(
@@ -479,13 +493,13 @@ class SwarmCollective(Service):
             if joined.passed:
                 raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
             raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
-        attempt, group = joined.attempt, joined.group
+        attempt, group, shares = joined.attempt, joined.group, joined.shares
         excluded: dict[str, str] = {}
         while True:
             if self.peer_id not in group:
                 raise CollectiveError(f"{key}: this peer was excluded from the round")
             try:
-                outcome, result, stats = await self._attempt(key, attempt, group, tensors, codec, weight)
+                outcome, result, stats = await self._attempt(key, attempt, group, shares, tensors, codec, weight)
             except trio.Cancelled:
                 # We are leaving mid-round: say so, so the others retry at once instead of
                 # waiting out a deadline for our data.
@@ -495,7 +509,7 @@ class SwarmCollective(Service):
             if isinstance(outcome, Retry):
                 for p in outcome.excluded:
                     excluded.setdefault(p, "failed during the round")
-                attempt, group = outcome.attempt, outcome.group
+                attempt, group, shares = outcome.attempt, outcome.group, outcome.shares
                 log.info(kv("allreduce retry", key=key, attempt=attempt, group=len(group)))
                 continue
             if isinstance(outcome, Abort):
@@ -554,6 +568,7 @@ class SwarmCollective(Service):
         key: RoundKey,
         attempt: int,
         group: tuple[str, ...],
+        shares: tuple[int, ...],
         tensors: dict[str, torch.Tensor],
         codec: str,
         weight: float,
@@ -570,6 +585,7 @@ class SwarmCollective(Service):
             tensors=tensors,
             codec=codec,
             weight=weight,
+            shares=shares,
         )
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []
@@ -585,6 +601,7 @@ class SwarmCollective(Service):
                         out = await phase.run()
                         phase.stats.digest = await trio.to_thread.run_sync(result_digest, out)
                         result.append(out)
+                        self.measured_uplink = egress_rate(phase.stats.sends) or self.measured_uplink
                         report = Report(key, attempt, DONE, phase.stats.digest, (), tuple(sorted(phase.stats.rejected)))
                     except AttemptFailed as e:
                         log.info(

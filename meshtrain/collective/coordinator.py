@@ -5,16 +5,20 @@ allreduce.py for how peers find it). Its job, per round key:
 
 - **collect joins** until every expected candidate joined, or the join deadline passed with a
   majority in (up to `hard_join_factor` × the deadline while only a minority joined), then fix
-  the group of attempt 0. The expected set is always our own `group(round_id)` view, refreshed
-  while waiting — never a joiner's claim — so a peer that left is no longer waited for;
+  the group of attempt 0 — and its parts' shares, from the rates the members joined with
+  (shares.py; a retry's survivors get theirs from the same rates). The expected set is always
+  our own `group(round_id)` view, refreshed while waiting — never a joiner's claim — so a peer
+  that left is no longer waited for;
 - **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
   membership was behind), or **end it** when nobody else will come: the missing peers joined a
   later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this
   round or in it at a coordinator we cannot reach. A majority that joined then completes the
   round at once; a minority is told it is `Late` (passed, or elsewhere) and re-syncs;
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
-  majority digest wins; a minority digest is told to re-sync), `Retry` among the survivors after
-  a failure (who goes is `_decide_failure`'s rule), `Abort` after `max_attempts`.
+  majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
+  connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
+  the survivors after a failure (who goes is `_decide_failure`'s rule), `Abort` after
+  `max_attempts`.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -56,6 +60,7 @@ from meshtrain.collective.protocol import (
     WhereReply,
     WhereRequest,
 )
+from meshtrain.collective.shares import part_shares
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
@@ -70,6 +75,8 @@ LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 @dataclass
 class _Attempt:
     group: tuple[str, ...]
+    shares: tuple[int, ...] = ()  # the members' part sizes (shares.py; empty: equal parts)
+    started: float = field(default_factory=trio.current_time)
     reports: dict[str, Report] = field(default_factory=dict)
     outcome: Outcome | None = None
     decided: trio.Event = field(default_factory=trio.Event)
@@ -88,6 +95,7 @@ class _Round:
     passed: bool = False  # the missing peers already joined a later round: nobody else will come
     last_wait_log: float = 0.0
     joins: dict[str, float] = field(default_factory=dict)
+    uplinks: dict[str, float | None] = field(default_factory=dict)  # each joiner's rate, bytes/s
     group_fixed: trio.Event = field(default_factory=trio.Event)
     attempts: list[_Attempt] = field(default_factory=list)
 
@@ -293,11 +301,20 @@ class Coordinator:
 
     def _fix_group(self, r: _Round) -> None:
         if not r.group_fixed.is_set():
-            r.attempts.append(_Attempt(tuple(sorted(r.joins))))
+            r.attempts.append(self._new_attempt(r, tuple(sorted(r.joins))))
             r.group_fixed.set()
             log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins), expected=len(r.expected)))
 
-    async def join(self, peer: str, key: RoundKey, skipped: Sequence[str] = ()) -> JoinReply:
+    @staticmethod
+    def _new_attempt(r: _Round, group: tuple[str, ...]) -> _Attempt:
+        """An attempt among `group`, its parts sized by the rates the members joined with: the
+        shares travel with the group, so every member cuts the vector the same way."""
+        return _Attempt(group, part_shares([r.uplinks.get(p) for p in group]))
+
+    async def join(
+        self, peer: str, key: RoundKey, skipped: Sequence[str] = (), uplink: float | None = None
+    ) -> JoinReply:
+        """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown)."""
         r = self._round(key)
         r.skipped.update(skipped)
         series = (peer, key.series)
@@ -308,6 +325,7 @@ class Coordinator:
         if r.group_fixed.is_set():
             return Moved(r.moved) if r.moved else r.ended_without_us()
         r.joins[peer] = trio.current_time()
+        r.uplinks[peer] = uplink
         r.expected |= {peer}
         if r.expected <= set(r.joins):
             self._fix_group(r)
@@ -318,7 +336,7 @@ class Coordinator:
             return r.ended_without_us()
         if peer not in r.attempts[0].group:
             return Late(detailed=False)
-        return Joined(0, r.attempts[0].group)
+        return Joined(0, r.attempts[0].group, r.attempts[0].shares)
 
     def waiting_for(self) -> str | None:
         """What a round we joined as a participant waits for, in words, or None."""
@@ -377,15 +395,27 @@ class Coordinator:
                 self._start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
             elif a.first_report is None and not failed:
                 a.first_report = trio.current_time()
-                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude)
+                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
         await a.decided.wait()
         assert a.outcome is not None  # set before decided
         return a.outcome
 
     async def _decide_later(self, key: RoundKey, a: _Attempt, delay: float, decide: Callable) -> None:
         await trio.sleep(delay)
-        if not a.decided.is_set() and not (decide == self._conclude and a.first_fail is not None):
+        if not a.decided.is_set() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
+
+    def _conclude_when_due(self, key: RoundKey, a: _Attempt) -> None:
+        """Commit at the report deadline — but with weighted parts (`a.shares`) members finish at
+        different times by design (a slow peer still downloads the results after the fast ones
+        are done), so members still connected get as long again as the first reporter took,
+        rather than being left `unconfirmed` to fetch the whole result again over a slow link."""
+        now, first = trio.current_time(), a.first_report or 0.0
+        working = [p for p in a.group if p not in a.reports and (p == self.peer_id or self.host.is_connected(p))]
+        if a.shares and working and now < first + max(self.config.report_timeout, first - a.started):
+            self._start_soon(self._decide_later, key, a, 0.25, self._conclude_when_due)
+            return
+        self._conclude(key, a)
 
     def _decide_failure(self, key: RoundKey, a: _Attempt) -> None:
         """Choose whom to drop from the failure reports heard so far.
@@ -447,8 +477,8 @@ class Coordinator:
         if len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
             a.outcome = Abort("too many failed attempts" if suspects else "no progress")
         else:
-            r.attempts.append(_Attempt(survivors))
-            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)))
+            r.attempts.append(self._new_attempt(r, survivors))
+            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)), r.attempts[-1].shares)
         a.decided.set()
 
     def _conclude(self, key: RoundKey, a: _Attempt) -> None:

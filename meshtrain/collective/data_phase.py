@@ -1,15 +1,25 @@
 """One attempt's data phase of the all-reduce: reduce-scatter and all-gather, pipelined.
 
 Group of n, flattened input of M elements cut into n parts (flat.py `part_bounds`; part j belongs
-to the j-th peer of the sorted group), each part cut into stripes of at most
-`config.stripe_bytes` (`stripe_bounds`; every peer computes the same cut). **Reduce-scatter**:
-every peer sends its slice of stripe s of part j (optionally codec-encoded, with its weight) to
-the owner j, which combines the contributions of a stripe in fp32 in a fixed (sorted) order — or
-robustly (`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
+to the j-th peer of the sorted group), equal or sized by the `shares` the coordinator announced
+with the group, each part cut into stripes of at most `config.stripe_bytes` (`stripe_bounds`;
+every peer computes the same cut). **Reduce-scatter**: every peer sends its slice of stripe s
+of part j (optionally codec-encoded, with its weight) to the owner j, which combines the
+contributions of a stripe in fp32 in a fixed (sorted) order — or robustly
+(`reduce_contributions`) — as soon as the last one arrived. **All-gather**: the owner
 encodes each reduced stripe once, decodes it back for itself, and sends the same bytes to all.
 Every peer thus holds the owner's exact bits for every stripe, so results are bit-identical by
-construction. Each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount (as hivemind's
-butterfly and PCCL's ring).
+construction. With equal parts each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount
+(as hivemind's butterfly and PCCL's ring) when every link is as fast.
+
+**Weighted parts, for links of different speeds (issue 20).** Owning a fraction f of the vector
+costs a peer M·(1 + (n − 2)·f) each way, so a slow peer should own little: the coordinator turns
+the rates the members joined with into integer `shares` (shares.py: the bottleneck time is
+minimised, a peer too slow to help owns an empty part) and sends them with the group; every
+member cuts the same bounds from them. An empty part has no stripes: nobody sends to it or waits
+for it, its owner receives and reduces nothing (no contributions to screen or keep), and it still
+sends its input to every other owner and receives every result. Our own sends are timed
+(`stats.sends`) so that our uplink can be measured for the next join (shares.py `egress_rate`).
 
 **Pipelining, for links where bandwidth × latency is large (a WAN, scripts/wanlab).** There is
 no barrier between the phases: a stripe's all-gather starts the moment it is reduced, while
@@ -20,7 +30,12 @@ trips of its own, so to each peer, in each direction, `config.window` transfers 
 (on as many pooled connections, opened up front by `connect_group`): the next stripe's header and
 acceptance cross while the previous stripe's data still flows, and no per-transfer round trip is
 on the critical path. Every receive is posted when the attempt starts, so no sender ever waits
-for a matching receive. Robust modes use one stripe per part (clipping looks at a part's norm).
+for a matching receive. A peer's reduce-scatter sends, to all owners together, share
+`config.scatter_window` slots, taken in stripe order: a slow uplink carrying a dozen transfers
+at once would finish them all only at the end of the time they share, so no stripe would be
+reduced — and nothing would come back down that peer's link — for the first quarter of its
+upload (issue 20's bench); a few at a time, its stripes finish in turn and the all-gather
+overlaps the scatter from the start. Robust modes use one stripe per part (clipping looks at a part's norm).
 
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
@@ -96,6 +111,9 @@ class AttemptStats:
     # our part, kept until the round commits (the sample depends on the committed digest).
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     part: tuple[int, int] = (0, 0)  # our part's [start, stop) in the flat input
+    # Every send of ours, (start, end, bytes) in trio time: our uplink's measure (shares.py
+    # `egress_rate`), which our next joins carry when no rate is configured.
+    sends: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 def exception_leaves(eg: BaseException) -> Iterator[BaseException]:
@@ -202,7 +220,9 @@ class DataPhase:
     dropped. config: deadlines and the robust mode. key / attempt: name the transfers (so stale
     data from another attempt is never mixed in). group: the attempt's members, sorted; `me` is
     in it. tensors / codec / weight: our input, how parts are encoded, our weight (0: we
-    contribute nothing but still receive the result). `stats` fills in as the attempt runs."""
+    contribute nothing but still receive the result). shares: the size of each member's part
+    (shares.py, as the coordinator announced them; empty: equal parts). `stats` fills in as the
+    attempt runs."""
 
     def __init__(
         self,
@@ -217,6 +237,7 @@ class DataPhase:
         tensors: dict[str, torch.Tensor],
         codec: str,
         weight: float,
+        shares: tuple[int, ...] = (),
     ) -> None:
         try:
             self.codec = get_codec(codec)
@@ -229,10 +250,16 @@ class DataPhase:
         self.tag = f"ar/{key.wire}/{attempt}"
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
-        self.bounds = part_bounds(self.flat.numel(), len(group))
+        try:
+            self.bounds = part_bounds(self.flat.numel(), len(group), shares)
+        except ValueError as e:
+            raise CollectiveError(f"the coordinator's part shares do not fit the group: {e}") from None
         # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
+        # An empty part (a slow member's, shares.py) has no stripes: nothing is sent to or from it.
         stripe = self.flat.numel() if config.robust != "none" else max(1, config.stripe_bytes // 4)
-        self.stripes = [stripe_bounds(self.bounds[j], self.bounds[j + 1], stripe) for j in range(len(group))]
+        self.stripes = [
+            stripe_bounds(a, b, stripe) if b > a else [a] for a, b in zip(self.bounds, self.bounds[1:], strict=False)
+        ]
         self.deadline = config.transfer_deadline(self.flat.numel())
         # The result is assembled in place: every owner's part lands in its slice of `out`.
         self.out = torch.empty(self.flat.numel())
@@ -302,13 +329,18 @@ class DataPhase:
         self._missing = [len(self.others)] * count
         self._reduced: list[tuple[dict[str, torch.Tensor], bytes | None] | None] = [None] * count
         self._ready = [trio.Event() for _ in range(count)]
+        # Our reduce-scatter sends share `scatter_window` slots, taken in stripe order across the
+        # owners, so that stripes finish one after another, not all together at the end: the
+        # first reduced stripes come back while we still send (see the module docstring).
+        scatter = trio.Semaphore(self.config.scatter_window)
         async with trio.open_nursery() as nursery:
             for j, peer in enumerate(self.group):
                 if peer == self.me:
                     continue
                 bounds = self.stripes[j]
                 # Reduce-scatter: our slice of part j, stripe by stripe, to its owner ...
-                nursery.start_soon(self._pipeline, peer, [self._rs_job(j, s) for s in range(len(bounds) - 1)])
+                rs = [self._rs_job(j, s) for s in range(len(bounds) - 1)]
+                nursery.start_soon(self._pipeline, peer, rs, scatter)
                 # ... and part j's reduced stripes from it, straight into `out`.
                 for s in range(len(bounds) - 1):
                     nursery.start_soon(self._fetch, j, s, peer)
@@ -336,9 +368,13 @@ class DataPhase:
 
         return job
 
-    async def _pipeline(self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]]) -> None:
+    async def _pipeline(
+        self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]], shared: trio.Semaphore | None = None
+    ) -> None:
         """Send `jobs` to `peer` in order, `config.window` transfers in flight: the next one's
-        header and acceptance cross the link while the previous one's data still flows."""
+        header and acceptance cross the link while the previous one's data still flows. With
+        `shared`, each transfer also holds one of its slots (a cap over all peers, first come
+        first served)."""
         slots = trio.Semaphore(self.config.window)
 
         async def one(item: tuple) -> None:
@@ -346,10 +382,14 @@ class DataPhase:
                 await self._send(peer, *item)
             finally:
                 slots.release()
+                if shared is not None:
+                    shared.release()
 
         async with trio.open_nursery() as nursery:
             for job in jobs:
                 await slots.acquire()
+                if shared is not None:
+                    await shared.acquire()
                 nursery.start_soon(one, await job())
 
     async def _collect(self, peer: str, s: int) -> None:
@@ -433,8 +473,10 @@ class DataPhase:
 
     async def _send(self, peer: str, subtag: str, parts: dict, meta: dict, digest: bytes | None = None) -> None:
         try:
+            t0 = trio.current_time()
             rep = await self.streams.send(peer, subtag, parts, meta=meta, digest=digest, timeout=self.deadline)
             self.stats.sent += rep.nbytes
+            self.stats.sends.append((t0, trio.current_time(), rep.nbytes))
         except TransferError as e:
             self.failed.add(peer)
             raise AttemptFailed({peer}, f"send to {peer[-8:]}: {e}") from None

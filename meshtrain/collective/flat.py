@@ -2,9 +2,10 @@
 
 A collective sees a dict of named tensors of mixed shapes and dtypes; it averages one flat fp32
 vector. `flatten_fp32` concatenates the dict (in its order) into that vector, `unflatten` puts a
-result back into the caller's names, shapes and dtypes, and `part_bounds` cuts the vector into the
-n contiguous parts of a reduce-scatter (part j belongs to the j-th peer of the group), and
-`stripe_bounds` cuts a part into the stripes a pipelined all-reduce moves one at a time. They are
+result back into the caller's names, shapes and dtypes, `part_bounds` cuts the vector into the n
+contiguous parts of a reduce-scatter (part j belongs to the j-th peer of the group; equal, or
+sized by the shares of shares.py), and `stripe_bounds` cuts a part into the stripes a pipelined
+all-reduce moves one at a time. They are
 shared by the network all-reduce, the local simulation (whose byte counts must match the
 network's) and pairwise averaging, so all three agree on the layout.
 
@@ -15,6 +16,8 @@ Not here: the codecs (compression.py), which encode parts of this vector.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import blake3
 import torch
@@ -51,9 +54,20 @@ def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str
     return out
 
 
-def part_bounds(numel: int, n: int) -> list[int]:
-    """The n + 1 boundaries of n near-equal contiguous parts of a vector of `numel` elements."""
-    return [numel * j // n for j in range(n + 1)]
+def part_bounds(numel: int, n: int, shares: Sequence[int] = ()) -> list[int]:
+    """The n + 1 boundaries of n contiguous parts of a vector of `numel` elements: near-equal,
+    or with `shares` (n non-negative integers, not all 0; shares.py) part j about
+    shares[j] / Σ shares of it, possibly empty. Integer arithmetic only, so every member computes
+    the same bounds; equal shares give the equal parts."""
+    if not shares:
+        return [numel * j // n for j in range(n + 1)]
+    if len(shares) != n or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError("shares must be n non-negative integers, not all 0")
+    total, acc, bounds = sum(shares), 0, [0]
+    for s in shares:
+        acc += s
+        bounds.append(numel * acc // total)
+    return bounds
 
 
 def stripe_bounds(lo: int, hi: int, max_numel: int) -> list[int]:

@@ -6,19 +6,25 @@ frozen dataclass here, with `to_wire()` giving the msgpack map that travels and 
 message that checks untrusted input and raises `Malformed` (which the RPC layer answers with
 the code `malformed`). Nothing outside this file reads a wire map.
 
-Wire (unchanged from the first version, so mixed versions of this code interoperate):
+Wire (compatible with the first version, so mixed versions of this code interoperate):
 
-    JOIN_RPC   {"key", "expected", "skipped"}                   -> a JoinReply:
-               {"attempt": 0, "group": [...]}                     Joined: you are in attempt 0
+    JOIN_RPC   {"key", "expected", "skipped", ["uplink"]}       -> a JoinReply:
+               {"attempt": 0, "group": [...], ["shares": [...]]}  Joined: you are in attempt 0
                {"moved": peer}                                    Moved: start again at `peer`
                {"late": true, "passed": bool, "elsewhere": peer}  Late: not in this round
     REPORT_RPC {"key", "attempt", "status", "digest", "suspects", "rejected", "evidence"}
                                                                 -> the attempt's Outcome
     WATCH_RPC  {"key", "attempt"}                               -> the attempt's Outcome:
                {"commit": digest, "group", "holders", "resync", "unconfirmed", "rejected"}
-               {"retry": attempt, "group", "excluded"}
+               {"retry": attempt, "group", "excluded", ["shares"]}
                {"abort": why}
     WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished"}
+
+Fields in [brackets] were added later (issue 20, bandwidth-weighted parts) and are optional both
+ways: `uplink` is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
+member of `group`, shares.py) size the attempt's parts; without them every part is equal. A
+coordinator sends shares only when every member sent an uplink — so every member understands
+them — and a peer that ignores them (an old one) is then never in the group.
 
 A round key travels as the string `"{round_id}/{tag}/{coordinator}"` (peer ids hold no "/");
 `RoundKey` is its parsed form. Refusals are typed RPC errors: `not-a-member` (the sender is not
@@ -33,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshtrain.collective.shares import MAX_SHARE
 from meshtrain.transport.validate import (
     Malformed,
     is_int,
@@ -40,6 +47,7 @@ from meshtrain.transport.validate import (
     require_int,
     require_list,
     require_map,
+    require_number,
     require_str,
 )
 
@@ -54,6 +62,7 @@ PROBE_EVERY = 2.0  # ... and again this often
 FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
 MAX_KEY_CHARS = 1024  # a round key longer than this is refused
 MAX_PEER_LIST = 4096  # lists of peer ids from a peer are cut to this many
+MAX_UPLINK = 1e12  # bytes/s: a joiner's uplink above this (8 Tbit/s) is malformed
 
 DONE, FAIL = "done", "fail"
 
@@ -87,6 +96,12 @@ class AllReduceConfig:
     # starts as soon as it is reduced and no transfer's handshake round trip idles a link.
     stripe_bytes: int = 2 << 20
     window: int = 2
+    # ... and at most this many of a peer's reduce-scatter transfers in flight in all (to any
+    # owners), so that a slow uplink finishes its stripes in turn and their all-gather starts early.
+    scatter_window: int = 4
+    # Bandwidth-weighted parts (shares.py): this peer's uplink in Mbit/s, sent with its joins so
+    # the coordinator sizes the parts by the members' rates (0: measured from recent rounds).
+    uplink_mbit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.robust not in ("none", "trimmed_mean", "clipped_mean"):
@@ -97,8 +112,10 @@ class AllReduceConfig:
             raise ValueError("trim must be >= 0 (0: a quarter of the contributors)")
         if self.score_samples < 0:
             raise ValueError("score_samples must be >= 0")
-        if self.stripe_bytes < 4096 or self.window < 1:
-            raise ValueError("stripe_bytes must be >= 4096 and window >= 1")
+        if self.stripe_bytes < 4096 or self.window < 1 or self.scatter_window < 1:
+            raise ValueError("stripe_bytes must be >= 4096, window and scatter_window >= 1")
+        if not 0 <= self.uplink_mbit <= MAX_UPLINK * 8 / 1e6:
+            raise ValueError("uplink_mbit must be 0 (measured) or a rate in Mbit/s")
 
     def transfer_deadline(self, numel: int) -> float:
         """The deadline of one transfer of up to `numel` fp32 elements."""
@@ -148,9 +165,13 @@ class JoinRequest:
     key: RoundKey
     expected: tuple[str, ...] = ()  # our candidates (informational: the coordinator uses its own view)
     skipped: tuple[str, ...] = ()  # lower ids we gave up on: never hand the round over to them
+    uplink: float | None = None  # our link rate, bytes/s (None: unknown, or an old peer)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
+        wire = {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
+        if self.uplink is not None:
+            wire["uplink"] = self.uplink
+        return wire
 
     @classmethod
     def parse(cls, value: Any, *, to: str) -> JoinRequest:
@@ -159,7 +180,12 @@ class JoinRequest:
         skipped = req.get("skipped", [])
         if not isinstance(skipped, list) or not all(isinstance(p, str) for p in skipped):
             raise Malformed("bad join")
-        return cls(key, (), tuple(skipped[:MAX_PEER_LIST]))
+        uplink = req.get("uplink")
+        if uplink is not None:
+            uplink = float(require_number(uplink, "uplink", 0, MAX_UPLINK))
+            if uplink <= 0:
+                raise Malformed("uplink must be a positive rate in bytes/s")
+        return cls(key, (), tuple(skipped[:MAX_PEER_LIST]), uplink)
 
 
 @dataclass(frozen=True)
@@ -277,13 +303,15 @@ class WhereReply:
 
 @dataclass(frozen=True)
 class Joined:
-    """We are in the round: its attempt `attempt` runs among `group`."""
+    """We are in the round: its attempt `attempt` runs among `group`, member i owning a part
+    sized by `shares[i]` (empty: equal parts)."""
 
     attempt: int
     group: tuple[str, ...]
+    shares: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "group": list(self.group)}
+        return with_shares({"attempt": self.attempt, "group": list(self.group)}, self.shares)
 
 
 @dataclass(frozen=True)
@@ -314,6 +342,25 @@ class Late:
 JoinReply = Joined | Moved | Late
 
 
+def with_shares(wire: dict[str, Any], shares: tuple[int, ...]) -> dict[str, Any]:
+    """`wire` with the `shares` field when there are shares (equal parts: the old wire form)."""
+    if shares:
+        wire["shares"] = list(shares)
+    return wire
+
+
+def parse_shares(value: Any, members: int) -> tuple[int, ...]:
+    """The shares of a group of `members` from the wire: absent (an old coordinator, or equal
+    parts) is (); else one integer in 0..MAX_SHARE per member, not all 0."""
+    if value is None:
+        return ()
+    items = require_list(value, "shares", length=members)
+    shares = tuple(require_int(s, "share", 0, MAX_SHARE) for s in items)
+    if shares and not any(shares):
+        raise Malformed("shares must not all be 0")
+    return shares
+
+
 def parse_join_reply(value: Any) -> JoinReply:
     rep = require_map(value, what="join reply")
     if "moved" in rep:
@@ -322,8 +369,8 @@ def parse_join_reply(value: Any) -> JoinReply:
         elsewhere = rep.get("elsewhere")
         return Late(bool(rep.get("passed")), elsewhere if isinstance(elsewhere, str) else None)
     attempt = require_int(rep.get("attempt"), "attempt", 0)
-    group = require_list(rep.get("group"), "group", max_len=MAX_PEER_LIST)
-    return Joined(attempt, tuple(str(p) for p in group))
+    group = tuple(str(p) for p in require_list(rep.get("group"), "group", max_len=MAX_PEER_LIST))
+    return Joined(attempt, group, parse_shares(rep.get("shares"), len(group)))
 
 
 # -- an attempt's outcome -----------------------------------------------------------------------
@@ -355,14 +402,17 @@ class Commit:
 
 @dataclass(frozen=True)
 class Retry:
-    """Run attempt `attempt` among `group`; `excluded` were dropped from this one."""
+    """Run attempt `attempt` among `group` (parts sized by `shares`, as in `Joined`);
+    `excluded` were dropped from this one."""
 
     attempt: int
     group: tuple[str, ...]
     excluded: tuple[str, ...] = ()
+    shares: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"retry": self.attempt, "group": list(self.group), "excluded": list(self.excluded)}
+        wire = {"retry": self.attempt, "group": list(self.group), "excluded": list(self.excluded)}
+        return with_shares(wire, self.shares)
 
 
 @dataclass(frozen=True)
@@ -383,10 +433,12 @@ def _peers(value: Any, what: str) -> tuple[str, ...]:
 def parse_outcome(value: Any) -> Outcome:
     rep = require_map(value, what="outcome")
     if "retry" in rep:
+        group = _peers(rep.get("group"), "group")
         return Retry(
             require_int(rep["retry"], "retry", 0),
-            _peers(rep.get("group"), "group"),
+            group,
             _peers(rep.get("excluded", []), "excluded"),
+            parse_shares(rep.get("shares"), len(group)),
         )
     if "commit" in rep:
         return Commit(

@@ -89,6 +89,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-donors", type=int, help="late join: download state from at most this many peers")
     p.add_argument("--donor-upload-mib", type=float, help="cap on serving state to joiners, MiB/s")
     p.add_argument(
+        "--uplink-mbit", type=float, help="our uplink, Mbit/s: sizes our all-reduce part (default: measured)"
+    )
+    p.add_argument(
         "--no-nat",
         dest="nat",
         action="store_false",
@@ -277,6 +280,7 @@ def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "wait_peers",
         "max_donors",
         "donor_upload_mib",
+        "uplink_mbit",
         "nat",
         "relay",
         "upnp",

@@ -58,6 +58,9 @@ class NodeConfig(BaseModel):
     wait_peers_timeout: float = Field(120.0, gt=0)
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
+    uplink_mbit: float = Field(
+        0.0, ge=0, le=8e6, description="our uplink, Mbit/s, for bandwidth-weighted all-reduce parts (0 = measured)"
+    )
     max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
     pipeline_lab: Path | None = Field(
         None,

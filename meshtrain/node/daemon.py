@@ -327,6 +327,7 @@ class Node:
                     AllReduceConfig(
                         join_timeout=config.join_timeout,
                         part_timeout=config.part_timeout,
+                        uplink_mbit=config.uplink_mbit,
                         round_window=max(4 * signed.spec.H, 64),
                         **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                     ),

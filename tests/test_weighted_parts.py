@@ -1,0 +1,222 @@
+"""Bandwidth-weighted parts (issue 20): the part-size rule, its wire fields, and a real all-reduce
+whose slow member owns nothing."""
+
+from __future__ import annotations
+
+import math
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.flat import part_bounds
+from meshtrain.collective.protocol import (
+    DONE,
+    FAIL,
+    Commit,
+    Joined,
+    JoinRequest,
+    Report,
+    Retry,
+    RoundKey,
+    parse_join_reply,
+    parse_outcome,
+)
+from meshtrain.collective.shares import MAX_PART_FACTOR, MIN_MEASURED_BYTES, NEAR_EQUAL, egress_rate, part_shares
+from meshtrain.transport.validate import Malformed
+
+from .test_allreduce import connected_peers, exact_mean, run_all
+from .test_coordinator import CONFIG, coordinator
+
+MBIT = 1e6 / 8
+rates = st.lists(st.floats(min_value=1e3, max_value=1e11), min_size=1, max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates, st.integers(min_value=0, max_value=10**9))
+def test_part_sizes_cover_the_vector_and_a_slower_peer_never_owns_more(rs, numel):
+    shares = part_shares(rs)
+    assert shares == part_shares(list(rs))  # deterministic
+    bounds = part_bounds(numel, len(rs), shares)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[0] == 0 and bounds[-1] == numel and min(sizes) >= 0
+    if shares:
+        assert len(shares) == len(rs) and min(shares) >= 0 and sum(shares) > 0
+        assert max(shares) / sum(shares) <= MAX_PART_FACTOR / len(rs) + 1e-3  # a claim buys little
+        for i in range(len(rs)):
+            for j in range(len(rs)):
+                if rs[i] < rs[j]:
+                    assert shares[i] <= shares[j]
+                    assert sizes[i] <= sizes[j] + 1  # integer floors may differ by one element
+    else:  # equal parts: rates near-equal, or too few peers for the split to matter
+        assert bounds == part_bounds(numel, len(rs))
+        assert len(rs) <= 2 or max(rs) <= NEAR_EQUAL * min(rs)
+
+
+@given(st.floats(min_value=1e3, max_value=1e11), st.integers(min_value=1, max_value=24))
+def test_equal_or_unknown_rates_give_the_equal_parts(rate, n):
+    assert part_shares([rate] * n) == ()
+    assert part_shares([rate] * (n - 1) + [None]) == ()
+    assert part_bounds(10**6 + 7, n, (5,) * n) == part_bounds(10**6 + 7, n)
+
+
+def test_slow_peers_own_nothing_and_the_round_is_bound_by_their_own_input():
+    """The bench's case: 2 of 8 peers at 20 Mbit/s, 6 at 100. Every fast peer owns 1/6, so its
+    traffic M·(1 + 6/6) at 100 Mbit/s (0.16 s per MB) stays under the slow peers' M at 20 (0.4)."""
+    shares = part_shares([100 * MBIT] * 6 + [20 * MBIT] * 2)
+    assert shares[6:] == (0, 0) and len(set(shares[:6])) == 1
+    # Mildly slower peers still own something, less than the others.
+    mild = part_shares([100 * MBIT] * 7 + [60 * MBIT])
+    assert 0 < mild[7] < mild[0]
+
+
+def test_a_claimed_rate_cannot_buy_more_than_twice_an_equal_part():
+    """A rate is a member's claim: claiming 8 Tbit/s among 100 Mbit/s peers owns at most 2/n."""
+    shares = part_shares([1e12] + [100 * MBIT] * 7)
+    assert shares[0] / sum(shares) <= MAX_PART_FACTOR / 8 + 1e-4
+    assert len(set(shares[1:])) == 1 and shares[1] > 0
+
+
+def test_egress_rate_adds_up_the_sends_in_flight_at_once():
+    mb = MIN_MEASURED_BYTES
+    # Two sends side by side at mb/s each for 1 s, then one alone at the same rate: the link did
+    # 2 mb/s for half the busy time, so the high quantile reads 2 mb/s.
+    sends = [(0.0, 1.0, mb), (0.0, 1.0, mb), (1.0, 2.0, mb)]
+    assert egress_rate(sends) == pytest.approx(2 * mb)
+    assert egress_rate([(0.0, 1.0, mb // 2)]) is None  # too little data to tell
+
+
+@pytest.mark.parametrize("uplink", [-1, 0, math.nan, math.inf, 1e30, "fast", True, [1.0], {"mbit": 1}], ids=repr)
+def test_hostile_uplink_in_a_join_is_malformed(uplink):
+    key = RoundKey(3, "t", "me")
+    wire = JoinRequest(key).to_wire() | {"uplink": uplink}
+    with pytest.raises(Malformed):
+        JoinRequest.parse(wire, to="me")
+
+
+def test_uplink_and_shares_round_trip_and_old_messages_mean_equal_parts():
+    key = RoundKey(3, "t", "me")
+    assert JoinRequest.parse(JoinRequest(key).to_wire(), to="me").uplink is None  # an old peer
+    assert "uplink" not in JoinRequest(key).to_wire()
+    assert JoinRequest.parse(JoinRequest(key, uplink=12.5e6).to_wire(), to="me").uplink == 12.5e6
+    joined = Joined(0, ("a", "b", "c"), (3, 0, 5))
+    assert parse_join_reply(joined.to_wire()) == joined
+    assert parse_join_reply({"attempt": 0, "group": ["a", "b"]}) == Joined(0, ("a", "b"))
+    assert "shares" not in Joined(0, ("a", "b")).to_wire()  # equal parts: the old wire form
+    retry = Retry(1, ("a", "c"), ("b",), (0, 7))
+    assert parse_outcome(retry.to_wire()) == retry
+
+
+@pytest.mark.parametrize(
+    "shares",
+    [[1, 2], [1, 2, 3, 4], [0, 0, 0], [-1, 2, 3], [1, 2, 2**40], [1.5, 2, 3], [True, 1, 1], "123", 7],
+    ids=repr,
+)
+def test_hostile_shares_in_a_join_reply_or_retry_are_malformed(shares):
+    with pytest.raises(Malformed):
+        parse_join_reply({"attempt": 0, "group": ["a", "b", "c"], "shares": shares})
+    with pytest.raises(Malformed):
+        parse_outcome({"retry": 1, "group": ["a", "b", "c"], "excluded": [], "shares": shares})
+
+
+async def test_coordinator_announces_shares_with_the_group_and_recomputes_them_for_a_retry(autojump_clock):
+    fast, slow = 100 * MBIT, 20 * MBIT
+    uplinks = {"a": fast, "b": slow, "c": fast, "d": fast}
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", list(uplinks))
+        key = RoundKey(7, "", "a")
+        replies = {}
+
+        async def join(p: str, uplink: float | None) -> None:
+            replies[p] = await c.join(p, key, (), uplink)
+
+        async with trio.open_nursery() as inner:
+            for p, u in uplinks.items():
+                inner.start_soon(join, p, u)
+        shares = part_shares(list(uplinks.values()))
+        assert shares[1] == 0 and {r.shares for r in replies.values()} == {shares}
+        # A fast member fails: the survivors' parts are re-sized from the rates they joined with.
+        c.host.connected.discard("d")
+        outcome = await c.report("a", Report(key, 0, FAIL, None, ("d",)))
+        assert outcome == Retry(1, ("a", "b", "c"), ("d",), part_shares([fast, slow, fast]))
+        # A member that sent no rate (an old peer): equal parts for everyone.
+        key2 = RoundKey(8, "", "a")
+        async with trio.open_nursery() as inner:
+            for p in uplinks:
+                inner.start_soon(c.join, p, key2, (), None if p == "c" else uplinks[p])
+        assert c.rounds[key2].attempts[0].shares == ()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("robust", ["none", "trimmed_mean"])
+async def test_weighted_allreduce_is_bit_identical_and_exact_with_an_empty_part(robust):
+    """Four real hosts on loopback, the second slowest by a factor of 5: it owns no part, yet it
+    contributes, and every peer ends with the same bits — the exact mean (or trimmed mean)."""
+    async with AsyncExitStack() as stack:
+        peers = await connected_peers(stack, 4)
+        ids = [p.id for p in peers]
+        rates = [100.0, 20.0, 100.0, 80.0]
+        screening = {"screen_norm": 3.0, "score_samples": 1} if robust != "none" else {}
+        cols = [
+            SwarmCollective(
+                p.host,
+                p.ts,
+                lambda r: ids,
+                AllReduceConfig(join_timeout=5, uplink_mbit=mbit, robust=robust, stripe_bytes=4096, **screening),
+            )
+            for p, mbit in zip(peers, rates, strict=True)
+        ]
+        shares = part_shares([r * MBIT for r in rates])
+        assert shares[1] == 0 and 0 < shares[3] < shares[0]
+        tensors = [{"w": torch.randn(3001) * (i + 1), "h": torch.randn(77).half()} for i in range(4)]
+        results = await run_all(cols, tensors, round_id=1)
+        assert len({r.digest for r in results}) == 1
+        if robust == "none":
+            expected = exact_mean(tensors)
+        else:  # the trimmed mean of 4 drops one value at each end: the mean of the middle two
+            flat = torch.stack([torch.cat([t["w"], t["h"].float()]) for t in tensors])
+            mid = flat.sort(dim=0).values[1:3].mean(dim=0)
+            expected = {"w": mid[:3001], "h": mid[3001:].half()}
+        for r in results:
+            assert r.contributors == tuple(ids)
+            for k in expected:
+                assert torch.equal(r.tensors[k], expected[k]), k
+        # The slow peer received no contributions (its part is empty), only the others' results.
+        assert results[1].bytes_received < 0.7 * min(results[i].bytes_received for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("connected", [True, False])
+async def test_with_weighted_parts_a_connected_straggler_is_waited_for_not_left_to_resync(autojump_clock, connected):
+    """The fast peers report after 30 s; the slow one, still downloading the results, after 50 s.
+    With weighted parts it is waited for (as long again as the first report took); one whose
+    connection dropped is not, and is left unconfirmed at the usual report deadline."""
+    uplinks = {"a": 100 * MBIT, "b": 100 * MBIT, "c": 100 * MBIT, "d": 20 * MBIT}
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", list(uplinks))
+        key = RoundKey(7, "", "a")
+        async with trio.open_nursery() as inner:
+            for p, u in uplinks.items():
+                inner.start_soon(c.join, p, key, (), u)
+        assert c.rounds[key].attempts[0].shares
+        if not connected:
+            c.host.connected.discard("d")
+        outcomes = {}
+
+        async def send(p: str, at: float) -> None:
+            await trio.sleep(at)
+            outcomes[p] = (await c.report(p, Report(key, 0, DONE, b"x")), trio.current_time())
+
+        async with trio.open_nursery() as inner:
+            for p in "abc":
+                inner.start_soon(send, p, 30.0)
+            inner.start_soon(send, "d", 50.0)
+        commit, t = outcomes["a"]
+        if connected:
+            assert commit == Commit(b"x", tuple(uplinks), holders=tuple(uplinks)) and t == pytest.approx(50.0)
+        else:
+            assert commit.unconfirmed == ("d",) and t == pytest.approx(30.0 + CONFIG.report_timeout)
+        nursery.cancel_scope.cancel()
