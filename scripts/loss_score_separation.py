@@ -48,34 +48,29 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
     quorum verdicts)."""
     swarm = Swarm(spec, seed)
     scratch, names, phi, batch = copy.deepcopy(swarm.model), swarm.names, swarm.phi, swarm.batch
-    cast = Cast(swarm, fresh)
-    for rnd in range(1, rounds + 1):
-        r = rnd * H
-        updates = cast.updates(r)
-        if rnd > 1:
-            for b in bs:
-                steps = scored_steps(r, H, b)
-                for liar in LIARS:
-                    group = sorted([*HONEST, liar])
-                    agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
-                    bounds = part_bounds(agg.numel(), len(group))
-                    batches = {p: [batch(p, s) for s in steps] for p in group}
-                    flags = dict.fromkeys(group, 0)
-                    for j, owner in enumerate(group):
-                        part = (bounds[j], bounds[j + 1])
-                        samples = {p: updates[p][part[0] : part[1]] for p in group if p != owner}
-                        for s in score_round(scratch, phi, names, part, samples, agg[part[0] : part[1]], batches):
-                            kind = "honest" if s.peer in HONEST else s.peer
-                            flagged = loss_flagged(s.gain, s.ref, spec)
-                            flags[s.peer] += flagged
-                            out[b].setdefault(kind, []).append(
-                                (s.gain - spec.score_ratio * s.ref, flagged, s.gain, s.ref, rnd)
-                            )
-                    for p, n in flags.items():
-                        kind = "honest" if p in HONEST else p
-                        out[b].setdefault(kind + "/quorum", []).append(n >= quorum(len(group)))
-            print(f"seed {seed} round {rnd} scored", file=sys.stderr)
-        cast.outer_step(updates)
+    for rnd, r, updates in Cast(swarm, fresh).rounds(rounds):
+        for b in bs:
+            steps = scored_steps(r, H, b)
+            for liar in LIARS:
+                group = sorted([*HONEST, liar])
+                agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
+                bounds = part_bounds(agg.numel(), len(group))
+                batches = {p: [batch(p, s) for s in steps] for p in group}
+                flags = dict.fromkeys(group, 0)
+                for j, owner in enumerate(group):
+                    part = (bounds[j], bounds[j + 1])
+                    samples = {p: updates[p][part[0] : part[1]] for p in group if p != owner}
+                    for s in score_round(scratch, phi, names, part, samples, agg[part[0] : part[1]], batches):
+                        kind = "honest" if s.peer in HONEST else s.peer
+                        flagged = loss_flagged(s.gain, s.ref, spec)
+                        flags[s.peer] += flagged
+                        out[b].setdefault(kind, []).append(
+                            (s.gain - spec.score_ratio * s.ref, flagged, s.gain, s.ref, rnd)
+                        )
+                for p, n in flags.items():
+                    kind = "honest" if p in HONEST else p
+                    out[b].setdefault(kind + "/quorum", []).append(n >= quorum(len(group)))
+        print(f"seed {seed} round {rnd} scored", file=sys.stderr)
 
 
 def summary(scores: list[tuple], verdicts: list[bool]) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -116,6 +117,16 @@ class Cast:
     def outer_step(self, updates: dict[str, torch.Tensor]) -> None:
         """φ moves by the honest peers' and the replay's updates."""
         self.swarm.outer_step([updates[p] for p in HONEST] + [updates["replay"]])
+
+    def rounds(self, count: int) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+        """Plays `count` rounds; yields (round, the step it ends at, everyone's updates) for each
+        from the second on, before φ moves by them."""
+        for rnd in range(1, count + 1):
+            r = rnd * self.swarm.spec.H
+            updates = self.updates(r)
+            if rnd > 1:
+                yield rnd, r, updates
+            self.outer_step(updates)
 
 
 def quantiles(values: list[float], digits: int) -> dict[str, float]:

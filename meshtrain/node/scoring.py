@@ -103,7 +103,17 @@ peer's update applied to one part raised its own batch's loss by 0.5 % while the
 lowered it, and two owners flagged it in one round (one batch). Other data that still fits the
 assigned text (scripts/bench_adversarial.py's reversed token order, on gpt-tiny) is flagged by a
 quorum in some rounds only (above: at most 1 in 48 with the daemon's optimizer, at any b), and
-was not excluded within the benchmark's 6 rounds. In early rounds a replay is still near the
+was not excluded within the benchmark's 6 rounds. Nor does specificity separate it
+(scripts/specificity_separation.py, docs/specificity_separation_issue21.json; same simulation,
+b = 4, seeds 0–2): the statistic s = gain(own batches) − gain(unseen batches of the same steps,
+a held-out peer id's), alone or less the aggregate's, is mostly noise on one part. With the
+daemon's optimizer the median s is 0.0005 for honest updates and 0.0006 for other data (replay
+0.0000; zeros exactly 0, well inside the honest spread, whose min is −0.010); at the highest
+threshold that flags no honest verdict by a quorum (fit to these very scores, so optimistic; 5–26
+of 1920 honest part-scores still flagged) other data was flagged by a quorum in at most 1 of 24
+rounds, replay in at most 7 (s less the aggregate's, b = 8) and zeros in at most 2, with a fresh
+optimizer, with the group's other peers' batches as the unseen ones or with b = 8 alike, at 2–5x
+scoring's forward passes; it is not implemented. In early rounds a replay is still near the
 swarm's direction: in tests/test_scoring.py's run one batch flags it by a quorum in round 3, four
 batches from round 4. A peer that trains on its assigned data and more (extra data) is not
 distinguished. A majority of colluding owners can still strike anyone (as with screening).
