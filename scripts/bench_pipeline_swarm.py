@@ -272,11 +272,14 @@ class Daemons:
             return []
 
     def placement(self) -> dict[str, int]:
-        """Peer -> stage as the daemons last reported it (the epoch's stage map)."""
-        for st in self.last:
-            if st and (st.get("pipeline") or {}).get("stage_map"):
-                return {p: s for s, peers in enumerate(st["pipeline"]["stage_map"]) for p in peers}
-        raise RuntimeError("no daemon reported a stage map")
+        """Peer -> stage as the daemons last reported it (the epoch's stage map): the fullest
+        map any daemon reported, since one already done reports only the members still announcing."""
+        maps = [(st.get("pipeline") or {}).get("stage_map") for st in self.last if st]
+        maps = [m for m in maps if m]
+        if not maps:
+            raise RuntimeError("no daemon reported a stage map")
+        best = max(maps, key=lambda m: sum(len(peers) for peers in m))
+        return {p: s for s, peers in enumerate(best) for p in peers}
 
 
 def iteration_gaps(times: list[float], skip: int = 2) -> float:
@@ -359,13 +362,16 @@ def library_run(root: Path, every: dict[str, Any], steps: int) -> float:
     from meshtrain.models import Corpus, GPTConfig
 
     root.mkdir(parents=True)
-    progress(f"run library: {N_DAEMONS} tests/proc_pipeline_peer.py processes, {steps} steps")
-    peers = Peers(N_DAEMONS, str(root))
+    # The daemons the epoch placed (a daemon still joining when the placement was recorded is
+    # left out of it; a library peer outside the placement would exit), by daemon index.
+    placed = sorted(i for i, p in enumerate(every["ids"]) if p in every["placement"])
+    progress(f"run library: {len(placed)} tests/proc_pipeline_peer.py processes, {steps} steps")
+    peers = Peers(len(placed), str(root))
     try:
-        index = {p: i for i, p in enumerate(every["ids"])}
-        placement = {peers.ids[index[p]]: s for p, s in every["placement"].items()}
-        forward = {q: forward_of(i) for i, q in enumerate(peers.ids)}
-        region = {q: i % N_REGIONS for i, q in enumerate(peers.ids)}
+        daemon = dict(zip(peers.ids, placed, strict=True))  # library peer -> the daemon it stands for
+        placement = {q: every["placement"][every["ids"][i]] for q, i in daemon.items()}
+        forward = {q: forward_of(i) for q, i in daemon.items()}
+        region = {q: i % N_REGIONS for q, i in daemon.items()}
         links = [[a, b, *(NEAR if region[a] == region[b] else FAR)] for a, b in itertools.combinations(peers.ids, 2)]
         config = GPTConfig.small(Corpus.default().vocab_size)
         spec = {
