@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -214,20 +215,36 @@ def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
     )
     fsdp = ("--nproc-per-node", "2", "--sharding", "fsdp")
     single = ("--nproc-per-node", "1")
-    phi = []
-    for name, legs in (("fsdp-first", (fsdp, single)), ("single-first", (single, fsdp))):
+
+    def both_legs(name: str, legs: tuple[tuple[str, ...], tuple[str, ...]]) -> dict:
         data_dir = data_dirs(tmp_path / name, [tmp_path / "key" / "identity.key"])[0]
-        assert Proc(data_dir, "--swarm", str(spec_file), "--max-steps", "10", *legs[0]).result(120)["step"] == 10
+        first = Proc(data_dir, "--swarm", str(spec_file), "--max-steps", "10", *legs[0])
+        try:
+            assert first.result(120)["step"] == 10
+        finally:
+            first.kill()
         saved = CheckpointStore(data_dir / "checkpoints").load_latest()
         assert saved.step == 10 and saved.state["outer"]["inner"]["state"], "the inner state is in the checkpoint"
         again = Proc(data_dir, *legs[1])
-        assert again.result(120)["step"] == 20
+        try:
+            assert again.result(120)["step"] == 20
+        finally:
+            again.kill()
         assert "resumed from checkpoint step=10" in again.log.read_text()
         final = CheckpointStore(data_dir / "checkpoints").load_latest()
         # the stop's own checkpoint, not an earlier periodic one (a stop that cancels a round in
         # flight saves none: then φ would trail by that round)
         assert final.step == 20, (name, final.step, again.log.read_text()[-3000:])
-        phi.append(final.state["outer"]["outer_params"])
+        return final.state["outer"]["outer_params"]
+
+    # The two peers are independent (each alone in its own swarm, its own data dir): they run
+    # side by side, each node process on one thread.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(both_legs, "fsdp-first", (fsdp, single)),
+            pool.submit(both_legs, "single-first", (single, fsdp)),
+        ]
+        phi = [r.result() for r in runs]
     assert max_phi_difference(*phi) <= 1e-4
 
 

@@ -171,21 +171,28 @@ def test_kill_9_mid_run_then_resume_ends_bit_identical_to_an_uninterrupted_run(t
     for name in ("identity.key", "swarm.json"):
         (b / name).write_bytes((a / name).read_bytes())
     os.chmod(b / "identity.key", 0o600)
-    log = tmp_path / "a.log"
-    proc = start("--data-dir", str(a), "--checkpoint-every", "0.3", log=log)
-    deadline = time.monotonic() + 60
-    while not (a / "checkpoints" / "LATEST").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = CheckpointStore(a / "checkpoints").load_latest()
-    assert killed_at is not None and 0 < killed_at.step < 150
-    assert killed_at.state["data"]["step"] == killed_at.step
-    resumed = finish(start("--data-dir", str(a), log=log), log)
-    assert resumed["step"] == 150 and "resumed from checkpoint" in log.read_text()
-    log_b = tmp_path / "b.log"
-    straight = finish(start("--data-dir", str(b), log=log_b), log_b)
+    log, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    # The uninterrupted reference run (its own data dir; a lone node, like a) trains meanwhile,
+    # on the other core: one node uses one thread.
+    straight_proc = start("--data-dir", str(b), log=log_b)
+    try:
+        proc = start("--data-dir", str(a), "--checkpoint-every", "0.3", log=log)
+        deadline = time.monotonic() + 60
+        while not (a / "checkpoints" / "LATEST").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = CheckpointStore(a / "checkpoints").load_latest()
+        assert killed_at is not None and 0 < killed_at.step < 150
+        assert killed_at.state["data"]["step"] == killed_at.step
+        resumed = finish(start("--data-dir", str(a), log=log), log)
+        assert resumed["step"] == 150 and "resumed from checkpoint" in log.read_text()
+        straight = finish(straight_proc, log_b)
+    finally:
+        if straight_proc.poll() is None:
+            straight_proc.kill()
+            straight_proc.wait()
     assert straight["step"] == 150
     pa, pb = phi(a), phi(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
