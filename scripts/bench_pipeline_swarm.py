@@ -118,6 +118,7 @@ class Daemons:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str | None] = [None] * n
         self.last: list[dict | None] = [None] * n  # the last status each answered
+        self.epoch_maps: dict[str, list[list[str]]] = {}  # epoch key -> stage map, as polled
 
     def create(self, steps: int, replica_sync: str) -> Path:
         r = subprocess.run(
@@ -236,6 +237,9 @@ class Daemons:
                     st = fetch_status(url, timeout=2)
             if st is not None:
                 self.last[i] = st
+                pipe = st.get("pipeline") or {}
+                if pipe.get("epoch") and pipe.get("stage_map"):  # a running epoch's placement
+                    self.epoch_maps[pipe["epoch"]] = pipe["stage_map"]
             out.append(st)
         return out
 
@@ -272,13 +276,11 @@ class Daemons:
             return []
 
     def placement(self) -> dict[str, int]:
-        """Peer -> stage as the daemons last reported it (the epoch's stage map): the fullest
-        map any daemon reported, since one already done reports only the members still announcing."""
-        maps = [(st.get("pipeline") or {}).get("stage_map") for st in self.last if st]
-        maps = [m for m in maps if m]
-        if not maps:
-            raise RuntimeError("no daemon reported a stage map")
-        best = max(maps, key=lambda m: sum(len(peers) for peers in m))
+        """Peer -> stage of the fullest epoch the daemons reported running (a daemon between
+        epochs or done reports only the members still announcing, so the last status will not do)."""
+        if not self.epoch_maps:
+            raise RuntimeError("no daemon reported a running epoch")
+        best = max(self.epoch_maps.values(), key=lambda m: sum(len(peers) for peers in m))
         return {p: s for s, peers in enumerate(best) for p in peers}
 
 
