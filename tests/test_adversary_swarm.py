@@ -2,10 +2,12 @@
 robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/adversary.py). The
 honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
 peer excludes it; no honest peer is ever excluded (with screening alone, never even flagged), and
-the rounds go on without it. A replay of its first update passes screening while it points the
-right way; loss scoring (node/scoring.py) scores it on the adversary's own assigned batches, and
-with loss scoring off, replay spot-checks (node/spot_check.py) catch it: it does not follow a
-recomputation of the adversary's first inner steps."""
+the rounds go on without it. A replay of its first update passes norm and direction screening
+while it points the right way; replay screening (collective/echoes.py, on by default) flags it
+from its second round as an echo of its first; with that off, loss scoring (node/scoring.py)
+scores it on the adversary's own assigned batches, and with loss scoring off too, replay
+spot-checks (node/spot_check.py) catch it: it does not follow a recomputation of the adversary's
+first inner steps."""
 
 from __future__ import annotations
 
@@ -25,22 +27,25 @@ H = 2
 
 
 @pytest.mark.parametrize(
-    ("mode", "h", "batch", "rounds", "samples", "spot"),
+    ("mode", "h", "batch", "rounds", "samples", "spot", "echo"),
     # Screening's modes with screening alone (at batch 4 and H 2 an honest update's loss change on
     # its own batch is noise, node/scoring.py). A replay passes screening while it looks fresh and
     # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
     # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
     # in round 1 and barely stale in round 2).
     # Spot-checks: loss scoring off, every peer checked on its first 5 of 10 steps every round.
+    # Replay screening (echo, the spec's default) alone catches the replay at screening's scale;
+    # the loss scoring and spot-check cases turn it off (0) to test those alone.
     [
-        ("signflip10", H, 4, 12, 0, 0),
-        ("zeros", H, 4, 12, 0, 0),
-        ("replay", 10, 8, 9, PEERS, 0),
-        ("replay", 10, 8, 9, 0, 5),
+        ("signflip10", H, 4, 12, 0, 0, None),
+        ("zeros", H, 4, 12, 0, 0, None),
+        ("replay", H, 4, 12, 0, 0, None),
+        ("replay", 10, 8, 9, PEERS, 0, 0.0),
+        ("replay", 10, 8, 9, 0, 5, 0.0),
     ],
 )
 async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
-    tmp_path, monkeypatch, mode, h, batch, rounds, samples, spot
+    tmp_path, monkeypatch, mode, h, batch, rounds, samples, spot, echo
 ) -> None:
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
     # Twelve rounds: strikes need three, and a round here takes a fraction of a second, faster than
@@ -55,6 +60,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         score_samples=samples,
         spot_check_steps=spot,
         spot_check_samples=PEERS,
+        **({} if echo is None else {"screen_echo": echo}),
     )
     assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
@@ -118,3 +124,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         by_spot = [n.presence.standing()[liar.host.peer_id].by_spot for n in honest]
         assert all(b >= 2 for b in by_spot), by_spot
         assert doc["node"]["admission"]["spot_check"]["checked"] > 0
+    if mode == "replay" and echo is None:  # every counted round of the replay was an echo's
+        standings = [n.presence.standing()[liar.host.peer_id] for n in honest]
+        assert all(s.by_echo == s.rounds >= spec.strikes for s in standings), standings
+        assert shown["by_echo"] == shown["strikes"]

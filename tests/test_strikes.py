@@ -18,6 +18,7 @@ import trio
 
 from meshtrain import SignedSpec, SwarmSpec
 from meshtrain.collective.contract import ContributionFlag, RoundScreening
+from meshtrain.crdt.strikes import ECHO, Strike
 from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.admission import EXCLUDED, pow_ok
@@ -178,6 +179,11 @@ async def test_forged_strikes_change_nothing(tmp_path) -> None:
             for victim in (a, h, x):
                 assert not p.strikes.excluded(victim.me) and victim.me in p.candidates()
                 assert victim.not_admitted() is None
+        # 6. An echo strike (replay screening) counts only with a cosine past the spec's screen_echo.
+        ids = tuple(sorted(p.me for p in peers))
+        echo = Strike(m.me, 20, "", x.me, ids, DIGEST, ids.index(m.me), 1.0, 0.9, ECHO, echo=0.99, earlier=19)
+        assert a.strikes.why_not_counted(echo, True) == "no evidence: the echo's cosine breaks no threshold"
+        assert a.strikes.why_not_counted(dataclasses.replace(echo, echo=1.0), True) is None
 
 
 async def test_strikes_survive_a_restart_and_reach_a_late_joiner(tmp_path) -> None:

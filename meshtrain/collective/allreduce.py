@@ -58,7 +58,8 @@ with NaN/inf or of the wrong size is rejected outright and its sender excluded a
 contributions (data_phase.py); every committed round's `RoundScreening` is in
 `ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
 With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
-loss scoring (contract.py `sampled_peers`, node/scoring.py).
+loss scoring (contract.py `sampled_peers`, node/scoring.py). With `screen_echo` as well, the
+flags include contributions that repeat one of our parts' recent rounds (echoes.py `EchoMemory`).
 
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
@@ -82,6 +83,7 @@ import trio
 from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
+from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
@@ -183,6 +185,7 @@ class SwarmCollective(Service):
         self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
         # Called (inline, must not block) with each committed round's screening (contract.py).
         self.screening_listeners: list[Callable[[RoundScreening], None]] = []
+        self.echoes = EchoMemory(self.config.screen_echo)  # replay screening (echoes.py)
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._coord = Coordinator(host, self.config, self.group)
@@ -548,6 +551,14 @@ class SwarmCollective(Service):
         contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
         # Screening (contract.py): what we flagged as a part's owner, with the round it belongs to.
         flags = tuple(f for f in stats.flags if f.peer != self.peer_id)
+        if stats.sketch is not None and stats.digest == outcome.digest and result is not None:
+            # Replay screening (echoes.py): only the committed round's contributions are remembered.
+            # An echo replaces a norm or direction flag of the same peer: it is the sharper evidence.
+            echoes = self.echoes.check(key.tag, stats.sketch, group.index(self.peer_id))
+            echoes = [f for f in echoes if f.peer != self.peer_id and f.peer not in excluded]
+            echoed = {f.peer for f in echoes}
+            flags = tuple(f for f in flags if f.peer not in echoed) + tuple(echoes)
+        stats.sketch = None
         screening = None
         if self.config.screen_norm:
             samples, aggregate = {}, None

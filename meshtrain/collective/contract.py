@@ -16,7 +16,8 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
 
 Screening (issue 21, 4a). In a robust all-reduce each part's owner sees every contribution to its
 part; it flags those whose norm is far outside the group's or whose direction disagrees with the
-robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`). The flags this peer
+robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`), and after the round
+commits those that repeat an earlier round's contribution or aggregate (echoes.py). The flags this peer
 raised as an owner come back in `ReduceResult.screening` (a `RoundScreening`: the round, its group,
 the committed digest), for the node to turn into signed strikes (node/strikes.py). The wire does
 not change: owners already know who contributed.
@@ -51,13 +52,17 @@ class ContributionFlag:
     """A contribution the owner of `part` found suspect: its norm over the median norm of the part's
     contributions (`norm_ratio`), its `alignment` (its cosine with the robust aggregate over the
     group's median cosine: about 1 for an honest update, about 0 for noise, below 0 for a flipped
-    one), and which rule it broke ("norm" | "direction")."""
+    one), and which rule it broke ("norm" | "direction" | "echo"). An echo (echoes.py: it repeats
+    an earlier round's contribution or aggregate) carries its cosine with it (`echo`) and that
+    round (`earlier`); its norm ratio and alignment are against the aggregate."""
 
     peer: str
     part: int
     norm_ratio: float
     alignment: float
     rule: str
+    echo: float = 0.0
+    earlier: int = 0
 
 
 def sampled_peers(group: tuple[str, ...], digest: bytes, k: int) -> tuple[str, ...]:

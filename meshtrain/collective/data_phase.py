@@ -45,6 +45,9 @@ every contribution to it, so after combining it compares each with the others â€
 the median norm, its cosine with the robust aggregate against the group's median cosine
 (`screen_contributions`) â€” and keeps
 the flags in `stats.flags`. Nothing on the wire changes; what to do about a flag is the node's.
+With `config.screen_echo` it also keeps a sketch of the part's contributions and aggregate
+(`stats.sketch`), which the participant compares with its earlier rounds' once the round commits
+(echoes.py: replay screening).
 With `config.score_samples` (loss scoring, issue 21 4b) the owner also keeps every weighted,
 finite contribution to its part in `stats.kept` until the round commits (one more copy of the
 flat input per peer, the size of the robust stack it already builds): which few of them are
@@ -75,6 +78,7 @@ import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError, ContributionFlag
+from meshtrain.collective.echoes import PartSketch
 from meshtrain.collective.flat import flatten_fp32, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
@@ -111,6 +115,9 @@ class AttemptStats:
     # our part, kept until the round commits (the sample depends on the committed digest).
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     part: tuple[int, int] = (0, 0)  # our part's [start, stop) in the flat input
+    # Replay screening (config.screen_echo): a sketch of every weighted contribution to our part
+    # and of its aggregate, compared with earlier rounds' once the round commits (echoes.py).
+    sketch: PartSketch | None = None
     # Every send of ours, (start, end, bytes) in trio time: our uplink's measure (shares.py
     # `egress_rate`), which our next joins carry when no rate is configured.
     sends: list[tuple[float, float, int]] = field(default_factory=list)
@@ -248,6 +255,7 @@ class DataPhase:
         self.index = group.index(me)
         self.others = [p for p in group if p != me]
         self.tag = f"ar/{key.wire}/{attempt}"
+        self.round_id = key.round_id
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
         try:
@@ -421,13 +429,13 @@ class DataPhase:
         reduced = await trio.to_thread.run_sync(
             reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, self.index
         )
-        if self.config.score_samples and self.config.robust != "none":
+        weighted = {p: x for p, x in contributions.items() if weights.get(p, 0) > 0 and p not in self.stats.rejected}
+        if self.config.robust != "none" and (self.config.score_samples or self.config.screen_echo):
             self.stats.part = (a, b)
-            self.stats.kept = {
-                p: x
-                for p, x in contributions.items()
-                if p != self.me and weights.get(p, 0) > 0 and p not in self.stats.rejected
-            }
+        if self.config.score_samples and self.config.robust != "none":
+            self.stats.kept = {p: x for p, x in weighted.items() if p != self.me}
+        if self.config.screen_echo and self.config.screen_norm and self.config.robust != "none":
+            self.stats.sketch = PartSketch.of(self.round_id, (a, b), self.flat.numel(), weighted, reduced)
         self._contributions[s] = {}  # the contributions are no longer needed (kept ones aside)
         parts = self._encode(reduced)
         self.out[a:b] = reduced if self.lossless else self.codec.decode(parts, (b - a,), torch.float32)

@@ -86,6 +86,10 @@ class AllReduceConfig:
     # contributions' median cosine.
     screen_norm: float = 0.0
     screen_alignment: float = 0.0
+    # Replay screening (robust modes with screening; echoes.py): after a round commits an owner
+    # flags a contribution whose cosine with a contribution or aggregate of its part in one of its
+    # recent rounds is at least this (0: off).
+    screen_echo: float = 0.0
     # Loss scoring (robust modes, contract.py `sampled_peers`): owners keep the contributions of
     # this many sampled peers to their part for the node to score (0: none kept).
     score_samples: int = 0
@@ -108,6 +112,8 @@ class AllReduceConfig:
             raise ValueError("robust must be none, trimmed_mean or clipped_mean")
         if self.screen_norm and self.screen_norm <= 1 or not 0 <= self.screen_alignment <= 1:
             raise ValueError("screen_norm must be 0 (off) or > 1, and screen_alignment in 0..1")
+        if not 0 <= self.screen_echo <= 1:
+            raise ValueError("screen_echo must be in 0..1 (0: off)")
         if self.trim < 0:
             raise ValueError("trim must be >= 0 (0: a quarter of the contributors)")
         if self.score_samples < 0:

@@ -25,10 +25,16 @@ A *spot* strike (issue 21, 4c: node/spot_check.py) has the keys of a screening s
     "rule": "spot", "match": the flagged contribution's cosine with the reporter's recomputation
      of its sender's first inner steps, "ref": the round aggregate's cosine with that recomputation
 
-with "norm" / "align" against the aggregate, as a loss strike's. A record without "rule" is a
-screening strike (the form before loss scoring, still read); "rule" is "screen", "loss" or
-"spot"; "gain" is present exactly when it is "loss", "match" exactly when it is "spot", and
-"ref" with either.
+with "norm" / "align" against the aggregate, as a loss strike's. An *echo* strike (replay
+screening: collective/echoes.py) has the keys of a screening strike plus
+
+    "rule": "echo", "echo": the flagged contribution's cosine with a contribution or aggregate of
+     the reporter's part in an earlier round, "earlier": that round (below "round")
+
+with "norm" / "align" against the aggregate. A record without "rule" is a screening strike (the
+form before loss scoring, still read); "rule" is "screen", "loss", "spot" or "echo"; "gain" is
+present exactly when it is "loss", "match" exactly when it is "spot", "ref" with either, and
+"echo" and "earlier" exactly when it is "echo".
 
 The record also carries the reporter's membership capabilities (`caps`: its proof of work), so
 a peer can check the reporter's admission from the record alone. `check_strikes` holds the
@@ -59,13 +65,14 @@ MAX_PEER_CHARS = 64
 MAX_TAG_CHARS = 64
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
-# A strike's rule: screening (norm, direction), loss scoring, or a replay spot-check.
-SCREEN, LOSS, SPOT = "screen", "loss", "spot"
+# A strike's rule: screening (norm, direction), loss scoring, a replay spot-check, or an echo.
+SCREEN, LOSS, SPOT, ECHO = "screen", "loss", "spot", "echo"
 STRIKE_KEYS = frozenset({"round", "tag", "peer", "group", "digest", "part", "norm", "align"})
 RULE_KEYS = {  # the keys a record of each rule has ("rule" may be left out of a screening strike)
     SCREEN: (STRIKE_KEYS, STRIKE_KEYS | {"rule"}),
     LOSS: (STRIKE_KEYS | {"rule", "gain", "ref"},),
     SPOT: (STRIKE_KEYS | {"rule", "match", "ref"},),
+    ECHO: (STRIKE_KEYS | {"rule", "echo", "earlier"},),
 }
 
 
@@ -90,7 +97,9 @@ class Strike:
     flagged peer's assigned batches (node/scoring.py), and its norm and alignment are against the
     aggregate. A spot strike (`rule` SPOT) carries `match` and `ref`: the contribution's and the
     aggregate's cosine with the reporter's recomputation of the peer's update (node/spot_check.py),
-    its norm and alignment against the aggregate."""
+    its norm and alignment against the aggregate. An echo strike (`rule` ECHO) carries `echo`,
+    the contribution's cosine with the reporter's part of an `earlier` round (a replay,
+    collective/echoes.py), its norm and alignment against the aggregate."""
 
     reporter: str
     round_id: int
@@ -105,6 +114,8 @@ class Strike:
     gain: float = 0.0
     ref: float = 0.0
     match: float = 0.0
+    echo: float = 0.0
+    earlier: int = 0
 
     @property
     def round_key(self) -> tuple[int, str]:
@@ -125,6 +136,8 @@ class Strike:
             rec.update(rule=LOSS, gain=self.gain, ref=self.ref)
         elif self.rule == SPOT:
             rec.update(rule=SPOT, match=self.match, ref=self.ref)
+        elif self.rule == ECHO:
+            rec.update(rule=ECHO, echo=self.echo, earlier=self.earlier)
         return rec
 
     @classmethod
@@ -134,7 +147,7 @@ class Strike:
         if not isinstance(rule, str) or rule not in RULE_KEYS or set(rec) not in RULE_KEYS[rule]:
             raise CrdtError(
                 "a strike has exactly round, tag, peer, group, digest, part, norm, align "
-                "(and rule: screen; loss with gain and ref; spot with match and ref)"
+                "(and rule: screen; loss with gain and ref; spot with match and ref; echo with echo and earlier)"
             )
         group = rec["group"]
         if not isinstance(group, list) or not 3 <= len(group) <= MAX_STRIKE_GROUP:
@@ -148,12 +161,15 @@ class Strike:
             raise CrdtError("a strike's reporter and flagged peer are two members of its group")
         if not is_int(part) or part != group.index(reporter):
             raise CrdtError("a strike's part is its reporter's own (its index in the group)")
-        for key in ("norm", "align", "gain", "ref", "match"):
+        for key in ("norm", "align", "gain", "ref", "match", "echo"):
             if key in rec and (not is_number(rec[key]) or not math.isfinite(rec[key])):
                 raise CrdtError(f"a strike's {key} score is a finite number")
+        round_id = _round(rec["round"])
+        if rule == ECHO and not (is_int(rec["earlier"]) and 0 <= rec["earlier"] < round_id):
+            raise CrdtError("an echo strike's earlier round is an int below its round")
         return cls(
             reporter,
-            _round(rec["round"]),
+            round_id,
             _tag(rec["tag"]),
             peer,
             tuple(group),
@@ -165,6 +181,8 @@ class Strike:
             float(rec.get("gain", 0.0)),
             float(rec.get("ref", 0.0)),
             float(rec.get("match", 0.0)),
+            float(rec.get("echo", 0.0)),
+            int(rec.get("earlier", 0)),
         )
 
 

@@ -427,7 +427,7 @@ def _node_status(args: argparse.Namespace) -> int:
             + (f"; ignoring {ignored} peer(s) that fail it" if ignored else "")
         )
         for peer, s in sorted((admission.get("standing") or {}).items()):
-            by = [f"{s[k]} by {k[3:]}" for k in ("by_loss", "by_spot") if s.get(k)]
+            by = [f"{s[k]} by {k[3:]}" for k in ("by_loss", "by_spot", "by_echo") if s.get(k)]
             by_loss = f" ({', '.join(by)})" if by else ""
             print(
                 f"  strikes  {peer[-12:]}  {s['strikes']} round(s){by_loss}" + ("  EXCLUDED" if s["excluded"] else "")

@@ -38,8 +38,9 @@ The status document (`Node.snapshot()`):
                 null, ignored: peer ids whose membership records this node ignores (they fail
                 admission — such records are not even stored, and the latest few are listed —
                 or strikes exclude them), standing: {peer id: {strikes: rounds counted against
-                it, excluded: bool, by_loss / by_spot: how many of those rounds loss scoring's /
-                spot-checks' strikes counted in}} for every peer with verified strikes,
+                it, excluded: bool, by_loss / by_spot / by_echo: how many of those rounds loss
+                scoring's / spot-checks' / replay screening's strikes counted in}} for every peer
+                with verified strikes,
                 loss_scoring and spot_check: {scored | checked, skipped} rounds as an owner, or
                 null when off}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,

@@ -100,7 +100,13 @@ def admission_status(node: Node) -> dict[str, Any]:
         "not_admitted": presence.not_admitted(),
         "ignored": presence.ignored(),
         "standing": {
-            p: {"strikes": s.rounds, "excluded": s.excluded, "by_loss": s.by_loss, "by_spot": s.by_spot}
+            p: {
+                "strikes": s.rounds,
+                "excluded": s.excluded,
+                "by_loss": s.by_loss,
+                "by_spot": s.by_spot,
+                "by_echo": s.by_echo,
+            }
             for p, s in presence.standing().items()
         },
         # Loss scoring (node/scoring.py): rounds this peer scored as an owner, and skipped (behind).

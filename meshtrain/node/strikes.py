@@ -12,9 +12,10 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   (`RoundScreening`, via `SwarmCollective.screening_listeners`): we remember the round's group
   and digest (`ROUND_LOG` rounds), and turn each flag into a signed strike in our record of the
   swarm's `strikes` CRDT (crdt/strikes.py: the evidence is the round, its group and digest, our
-  part, the scores). Loss scoring's verdicts on the round's sampled peers arrive later, from a
-  worker thread (node/scoring.py, `on_scores`), and are filed the same way, as loss strikes; so
-  are replay spot-checks' (node/spot_check.py, `on_spot_checks`), as spot strikes.
+  part, the scores; an echo flag, collective/echoes.py, as an echo strike). Loss scoring's
+  verdicts on the round's sampled peers arrive later, from a worker thread (node/scoring.py,
+  `on_scores`), and are filed the same way, as loss strikes; so are replay spot-checks'
+  (node/spot_check.py, `on_spot_checks`), as spot strikes.
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
@@ -43,10 +44,13 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
 Standing. `standing()` gives each flagged peer's counted rounds and whether it is excluded (the
 status page, `swarm list`'s advert).
 
-Not here: what it does not catch. Screening sees norms and directions only: an update trained
-on other data, or replayed from an earlier round, points roughly the right way and passes; loss
-scoring (node/scoring.py) catches those of the sampled peers whose update does not lower the
-loss on their own assigned batches, and its own limits are told there; replay spot-checks
+Not here: what it does not catch. Norm and direction screening see norms and directions only:
+an update trained on other data, or replayed from an earlier round, points roughly the right way
+and passes them. Replay screening (collective/echoes.py: echo strikes, re-checked against
+`spec.screen_echo`) catches an update that repeats an earlier round's, on every owner at once,
+and tells its own limits; loss scoring (node/scoring.py) catches those of the sampled peers
+whose update does not lower the loss on their own assigned batches, and its own limits are told
+there; replay spot-checks
 (node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
 limits. A majority of colluding admitted peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
@@ -72,7 +76,7 @@ import trio
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.crdt.entries import CrdtError, decode_entries, encode_entries
 from meshtrain.crdt.replica import ChangeEvent
-from meshtrain.crdt.strikes import LOSS, MAX_STRIKE_GROUP, SPOT, Strike
+from meshtrain.crdt.strikes import ECHO, LOSS, MAX_STRIKE_GROUP, SPOT, Strike
 from meshtrain.crdt.swarm_view import CONFIG, MEMBERSHIP, STRIKES, SwarmView
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.log import get_logger, kv
@@ -109,6 +113,13 @@ def spot_flagged(match: float, ref: float, spec: SwarmSpec) -> bool:
     cosine with it (`ref`) by more than `spec.spot_check_margin` is suspect: an honest update
     matches its own batches at least about as well as the swarm's mean does."""
     return match < ref - spec.spot_check_margin
+
+
+def echo_flagged(echo: float, spec: SwarmSpec) -> bool:
+    """Replay screening's rule (collective/echoes.py): a contribution whose cosine with a
+    contribution or aggregate of an earlier round (`echo`) is at least `spec.screen_echo` repeats
+    it: honest updates of different rounds stay below 0.997 even at H = 2 (scripts/echo_separation.py)."""
+    return spec.screen_echo > 0 and echo >= spec.screen_echo
 
 
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
@@ -156,14 +167,16 @@ class SpotCheck:
 @dataclass(frozen=True)
 class Standing:
     """A peer's record: the rounds counted against it, whether that excludes it, and in how many
-    of those rounds loss scoring's strikes (node/scoring.py) and spot-checks' strikes
-    (node/spot_check.py) were among the counted reporters'."""
+    of those rounds loss scoring's strikes (node/scoring.py), spot-checks' strikes
+    (node/spot_check.py) and replay screening's (collective/echoes.py) were among the counted
+    reporters'."""
 
     peer: str
     rounds: int
     excluded: bool
     by_loss: int = 0
     by_spot: int = 0
+    by_echo: int = 0
 
 
 class StrikeBook:
@@ -215,12 +228,22 @@ class StrikeBook:
                 f.part,
                 f.norm_ratio,
                 f.alignment,
+                **({"rule": ECHO, "echo": f.echo, "earlier": f.earlier} if f.rule == ECHO else {}),
             )
             for f in screening.flags
         ]
         for s in strikes:
+            scores = {"echo": s.echo, "earlier": s.earlier} if s.rule == ECHO else {}
             log.warning(
-                kv("flagged a contribution", round=s.round_id, peer=s.peer[-12:], norm=s.norm_ratio, align=s.alignment)
+                kv(
+                    "flagged a contribution",
+                    round=s.round_id,
+                    peer=s.peer[-12:],
+                    norm=s.norm_ratio,
+                    align=s.alignment,
+                    rule=s.rule,
+                    **scores,
+                )
             )
         self._file(strikes)
 
@@ -313,6 +336,11 @@ class StrikeBook:
                 return "no evidence: the spot-check's cosines break no threshold"
             if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.spot_check_samples):
                 return "the round's digest did not sample that peer for spot-checks"
+        elif strike.rule == ECHO:
+            if not self.spec.screen_echo:
+                return "this swarm does not screen for replays"
+            if not echo_flagged(strike.echo, self.spec):
+                return "no evidence: the echo's cosine breaks no threshold"
         elif 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
@@ -332,7 +360,7 @@ class StrikeBook:
 
     def _count(self) -> dict[str, Standing]:
         reporters: dict[tuple[str, tuple[int, str], tuple[str, ...], bytes], set[str]] = {}
-        by_rule: dict[str, set[tuple[str, tuple[int, str]]]] = {LOSS: set(), SPOT: set()}  # (peer, round)
+        by_rule: dict[str, set[tuple[str, tuple[int, str]]]] = {LOSS: set(), SPOT: set(), ECHO: set()}
         for record in self.view.strike_records():
             admitted = self.admitted(record.reporter, record.capabilities)
             for strike in record.strikes:
@@ -348,8 +376,8 @@ class StrikeBook:
         standing = {}
         for p, keys in counted.items():
             at = excluded_at(sorted(r for r, _ in keys), self.spec)
-            by_loss, by_spot = (sum((p, k) in by_rule[rule] for k in keys) for rule in (LOSS, SPOT))
-            standing[p] = Standing(p, len(keys), at is not None, by_loss, by_spot)
+            by_loss, by_spot, by_echo = (sum((p, k) in by_rule[rule] for k in keys) for rule in (LOSS, SPOT, ECHO))
+            standing[p] = Standing(p, len(keys), at is not None, by_loss, by_spot, by_echo)
             if at is not None and p not in self._announced:  # once per peer (bench_adversarial reads it)
                 self._announced.add(p)
                 log.warning(kv("peer excluded by strikes", peer=p, rounds=len(keys), at_round=at))

@@ -9,7 +9,7 @@ peers that train in different precisions are different experiments. So is its `a
 every all-reduce of the swarm combines the peers' contributions (`SwarmSpec.aggregation_options`,
 the one place it reaches the collective's `AllReduceConfig`). Unless the spec names one, an open
 swarm of diloco, streaming or dp combines robustly (trimmed_mean), and its owners screen what
-they combine (`screen_norm`, `screen_alignment`) and score a few sampled peers' updates by the
+they combine (`screen_norm`, `screen_alignment`; `screen_echo` for replays, collective/echoes.py) and score a few sampled peers' updates by the
 loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, `score_batches`,
 node/scoring.py); a diloco swarm may also spot-check sampled peers by recomputing their first inner steps
 (`spot_check_steps`, `spot_check_samples`, `spot_check_margin`, node/spot_check.py; off by default);
@@ -189,6 +189,14 @@ class SwarmSpec(BaseModel):
         le=1,
         description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
         "fraction of the group's median cosine (a flipped update, or noise)",
+    )
+    screen_echo: float = Field(
+        0.9999,
+        ge=0,
+        le=1,
+        description="robust aggregation: flag a contribution whose cosine with a contribution or aggregate of "
+        "the owner's part in one of its last 8 rounds is at least this (a replayed update; honest updates of "
+        "different rounds stay below 0.997 even at H = 2); 0 = off; only where screening is on",
     )
     score_samples: int = Field(
         2,
@@ -516,6 +524,7 @@ class SwarmSpec(BaseModel):
             # Screening needs a part's contributions side by side, which only robust modes keep.
             "screen_norm": self.screen_norm if robust else 0.0,
             "screen_alignment": self.screen_alignment,
+            "screen_echo": self.screen_echo if robust and self.screen_norm else 0.0,
             # Loss scoring (node/scoring.py) and spot-checks (node/spot_check.py) keep a few
             # contributions of screened rounds: the larger sample holds the smaller (`sampled_peers`).
             "score_samples": self.kept_samples if robust and self.screen_norm else 0,
