@@ -30,10 +30,19 @@ tensors. This module replaces that with one protocol:
    "state/<round>/<i>/<attempt>")` and calls `state/chunk`; the donor `send`s zero-copy slices of
    its snapshot. The data plane hashes the payload as it arrives; that digest must equal the
    agreed chunk digest, or the donor is banned for this download and the chunk goes back to the
-   queue. A donor that vanishes, errs or times out is banned the same way. When the queue is
-   empty an idle worker may duplicate a chunk that has been in flight far longer than usual
-   (end game: one stalled donor cannot hold the join hostage); the first verified copy wins.
-   At the end the whole state's digest is checked against the agreed one.
+   queue. A donor that vanishes, errs or times out is banned the same way, and so is one that
+   delivers no chunk for `STALL_SECONDS` (or three median chunk times) while another donor
+   delivers (SIGSTOPped, a dead link): its chunks in flight are re-queued at once rather than
+   after the 60 s chunk timeout. When the queue is empty an idle worker may duplicate a chunk
+   that has been in flight far longer than usual (end game: one slow donor cannot hold the
+   join hostage); the first verified copy wins. At the end the whole state's digest is checked
+   against the agreed one.
+   **Fallback.** If every donor of the chosen state is banned before it completes (a donor that
+   answered the manifest and then failed every chunk because it was leaving), the download
+   starts over on the next state in the vote's order (newest round, then most donors) that a
+   donor not yet banned offers — among the states the vote agreed on, so a quorum still vouches
+   for whatever is accepted. The vote is not taken again. `FetchReport.round` is the round
+   downloaded, `FetchReport.abandoned` the rounds given up on.
 5. **Entering** is the node's job: it unflattens `meta["skeleton"]` and calls
    `OuterOptimizer.join(state, at_step=...)`, which enters at the swarm's next round boundary.
 
@@ -128,6 +137,12 @@ MAX_CONCURRENT_SENDS = 8  # per donor, over all joiners
 VOTE_GRACE_SECONDS = 2.0  # wait for late manifests once a majority of donors answered
 STEAL_FACTOR = 3.0  # end game: duplicate a chunk in flight this many median chunk times
 STEAL_MIN_SECONDS = 0.5
+# A donor that has had chunks in flight this long without delivering one, while another donor
+# delivered in that time, is dropped (stalled: SIGSTOPped, a dead link) and its chunks go to the
+# others — before the end game and without waiting for the chunk timeout. The interval grows to
+# STEAL_FACTOR median chunk times, so a donor that is merely slow (a paced uplink) is kept.
+STALL_SECONDS = 5.0
+STALL_CHECK_SECONDS = 0.1
 _FETCH_ID = re.compile(r"^[0-9a-f]{1,32}(\.[0-9]{1,9})?$")
 
 
@@ -564,7 +579,7 @@ class Offer:
 class FetchReport:
     """What a download did (filled in by `fetch_state` as it goes, so it can be watched)."""
 
-    round: int = -1
+    round: int = -1  # the round downloaded (or being downloaded)
     step: int = 0
     digest: bytes = b""
     total_bytes: int = 0
@@ -575,8 +590,11 @@ class FetchReport:
     bytes_per_donor: dict[str, int] = field(default_factory=dict)  # verified bytes only
     chunks_per_donor: dict[str, int] = field(default_factory=dict)
     banned: dict[str, str] = field(default_factory=dict)  # donor -> why
-    requeued: int = 0  # chunks fetched again after a donor failed or lied
+    requeued: int = 0  # chunks fetched again after a donor failed, stalled or lied
     duplicated: int = 0  # end-game copies started
+    # Rounds given up on, newest first, because all their donors failed: `round` is then an older
+    # agreed state (module docstring, 4).
+    abandoned: list[int] = field(default_factory=list)
 
 
 Progress = Callable[[int, int], Any]
@@ -592,6 +610,7 @@ async def fetch_state(
     progress: Progress | None = None,
     per_donor: int = DEFAULT_PER_DONOR,
     chunk_timeout: float = CHUNK_TIMEOUT,
+    stall_timeout: float = STALL_SECONDS,
     manifest_timeout: float = MANIFEST_TIMEOUT,
     min_agree: int | None = None,
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
@@ -599,11 +618,18 @@ async def fetch_state(
     key: str = "",
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download the swarm's newest majority-agreed state from `donors` in parallel; returns
-    `(meta, tensors)` exactly as published (tensors in name order), verified by digest.
+    `(meta, tensors)` exactly as published (tensors in name order), verified by digest. If every
+    donor of that state fails mid-download, the next newest agreed state that donors not yet
+    dropped offer is downloaded instead (`report.round` says which; `report.abandoned` the
+    rounds given up on).
 
     chunk_bytes: size of the byte ranges fetched and verified one by one.
-    progress: `progress(done_bytes, total_bytes)` after each verified chunk (for the CLI).
+    progress: `progress(done_bytes, total_bytes)` after each verified chunk (for the CLI; after a
+        fallback it starts again from 0 with the older state's total).
     per_donor: chunks in flight per donor (1–4).
+    chunk_timeout: how long one chunk may take from one donor.
+    stall_timeout: a donor that delivers no chunk for this long (or STEAL_FACTOR median chunk
+        times, if longer) while another donor delivers is dropped and its chunks re-queued.
     min_agree: donors that must offer the identical manifest (default: a majority of those
         that answered).
     report: a `FetchReport` to fill in (bytes per donor, banned donors, ...).
@@ -625,6 +651,7 @@ async def fetch_state(
         progress=progress,
         per_donor=per_donor,
         chunk_timeout=chunk_timeout,
+        stall_timeout=stall_timeout,
         manifest_timeout=manifest_timeout,
         min_agree=min_agree,
         max_bytes=max_bytes,
@@ -673,6 +700,7 @@ class _Fetch:
         progress: Progress | None,
         per_donor: int,
         chunk_timeout: float,
+        stall_timeout: float,
         manifest_timeout: float,
         min_agree: int | None,
         max_bytes: int,
@@ -683,6 +711,7 @@ class _Fetch:
         self.key = key
         self.chunk_bytes, self.progress, self.per_donor = chunk_bytes, progress, per_donor
         self.chunk_timeout, self.manifest_timeout = chunk_timeout, manifest_timeout
+        self.stall_timeout = stall_timeout
         self.min_agree, self.max_bytes, self.report = min_agree, max_bytes, report
         self.fetch_id = os.urandom(8).hex()
         self.attempts = itertools.count()
@@ -691,6 +720,9 @@ class _Fetch:
         self.done_bytes = 0
         self.remaining = 0
         self.durations: list[float] = []
+        self.in_flight: set[_Chunk] = set()  # chunks with at least one attempt running
+        self.delivered_at: dict[str, float] = {}  # donor -> when it last delivered a verified chunk
+        self.started = 0.0  # when the current offer's download began
         self._changed = trio.Event()
         self.offer: Offer | None = None
         self.flat: FlatState | None = None
@@ -700,14 +732,38 @@ class _Fetch:
             raise NoDonors(
                 "no donors to download the state from (pass the peer ids of live swarm members other than ourselves)"
             )
-        offer, agreeing = await self._vote()
+        ranked = await self._vote()
+        r = self.report
+        failed: Offer | None = None
+        # The newest agreed state first; if all its donors fail, the next one that donors not
+        # yet dropped offer (module docstring, 4: fallback).
+        for offer, backers in ranked:
+            donors = [d for d in backers if d not in r.banned]
+            if not donors:  # every donor of this state already failed on a newer one
+                continue
+            if failed is not None:
+                r.abandoned.append(failed.round)
+                log.warning(kv("state download falls back to an older state", failed=failed.round, round=offer.round))
+            if await self._download(offer, donors):
+                assert self.flat is not None  # set by `_download`
+                return offer.meta, self.flat.tensors
+            failed = offer
+        reasons = "; ".join(f"{d[-8:]}: {why}" for d, why in r.banned.items())
+        tried = ", ".join(str(n) for n in [*r.abandoned, r.round])
+        raise DonorsExhausted(
+            f"every donor failed before a download completed (rounds tried: {tried}; the last "
+            f"got {len(self.chunks) - self.remaining} of {len(self.chunks)} chunks): {reasons}"
+        )
+
+    async def _download(self, offer: Offer, donors: list[str]) -> bool:
+        """Fetch every chunk of `offer` from `donors`; False if they all failed first."""
         r = self.report
         r.round, r.step, r.digest, r.total_bytes, r.agreeing = (
             offer.round,
             offer.step,
             offer.digest,
             offer.total,
-            list(agreeing),
+            list(donors),
         )
         self.offer = offer
         self.flat = FlatState(allocate(list(offer.specs)))
@@ -715,29 +771,29 @@ class _Fetch:
             _Chunk(i, s, e, offer.chunks[i]) for i, (s, e) in enumerate(chunk_ranges(offer.total, offer.chunk_bytes))
         ]
         r.chunks = len(self.chunks)
-        self.pending.extend(self.chunks)
+        self.pending = deque(self.chunks)
         self.remaining = len(self.chunks)
+        self.done_bytes = 0
+        self.started = trio.current_time()
         log.info(
             kv(
                 "state download started",
                 round=offer.round,
                 bytes=offer.total,
                 chunks=len(self.chunks),
-                donors=len(agreeing),
+                donors=len(donors),
             )
         )
         if self.chunks:
-            async with trio.open_nursery() as nursery:
-                for donor in agreeing:
-                    for _ in range(self.per_donor):
-                        nursery.start_soon(self._worker, donor)
+            async with trio.open_nursery() as watch:
+                watch.start_soon(self._watch_stalls, donors)
+                async with trio.open_nursery() as workers:
+                    for donor in donors:
+                        for _ in range(self.per_donor):
+                            workers.start_soon(self._worker, donor)
+                watch.cancel_scope.cancel()
         if self.remaining:
-            reasons = "; ".join(f"{d[-8:]}: {why}" for d, why in r.banned.items())
-            raise DonorsExhausted(
-                f"every donor of round {offer.round} failed before the download "
-                f"completed ({len(self.chunks) - self.remaining} of {len(self.chunks)} "
-                f"chunks): {reasons}"
-            )
+            return False
         digest = await trio.to_thread.run_sync(self.flat.digest)
         if digest != offer.digest:
             raise StateCorrupt(
@@ -745,14 +801,14 @@ class _Fetch:
                 f"agreed digest (every chunk verified, so the agreed manifest itself is "
                 f"inconsistent); try again with other donors"
             )
-        log.info(
-            kv("state downloaded", round=offer.round, bytes=offer.total, donors=len(agreeing), banned=len(r.banned))
-        )
-        return offer.meta, self.flat.tensors
+        log.info(kv("state downloaded", round=offer.round, bytes=offer.total, donors=len(donors), banned=len(r.banned)))
+        return True
 
     # -- the vote ------------------------------------------------------------------------------
 
-    async def _vote(self) -> tuple[Offer, list[str]]:
+    async def _vote(self) -> list[tuple[Offer, list[str]]]:
+        """Ask every donor for its manifest; the states a quorum of them offers identically, each
+        with its donors, best first (newest round, then most donors)."""
         offers: dict[str, list[Offer]] = {}
         failures: dict[str, str] = {}
 
@@ -827,17 +883,44 @@ class _Fetch:
                 f"that answered ({seen}); donors disagree — some may be lying, or a round "
                 f"just ended: try again"
             )
-        best = max(agreed, key=lambda k: (by_key[k].round, len(backers[k])))
-        outvoted = [d for d in offers if d not in backers[best]]
+        # The vote is taken once: a fallback (`run`) walks down this list, so every state it may
+        # accept was offered identically by `quorum` donors, like the first.
+        ranked = sorted(agreed, key=lambda k: (by_key[k].round, len(backers[k])), reverse=True)
+        outvoted = [d for d in offers if not any(d in backers[k] for k in ranked)]
         if outvoted:
             log.info(kv("donors not used (offered no agreed state)", donors=",".join(outvoted)))
-        return by_key[best], backers[best]
+        return [(by_key[k], backers[k]) for k in ranked]
 
     # -- the workers ---------------------------------------------------------------------------
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+    async def _watch_stalls(self, donors: list[str]) -> None:
+        """Drop a donor that delivers nothing for the stall interval (STALL_SECONDS) while another
+        delivers: its attempts are cancelled, so their chunks go back to the queue at once."""
+        while True:
+            await trio.sleep(STALL_CHECK_SECONDS)
+            now = trio.current_time()
+            interval = self.stall_timeout
+            if self.durations:
+                interval = max(interval, STEAL_FACTOR * statistics.median(self.durations))
+            live = [d for d in donors if d not in self.report.banned]
+            delivering = {d for d in live if d in self.delivered_at and now - self.delivered_at[d] < interval}
+            attempts: dict[str, list[tuple[trio.CancelScope, float]]] = {}
+            for chunk in self.in_flight:
+                for donor, attempt in chunk.fetchers.items():
+                    attempts.setdefault(donor, []).append(attempt)
+            for donor in live:
+                if donor not in attempts or not delivering - {donor}:
+                    continue
+                since = max(self.delivered_at.get(donor, self.started), min(t for _, t in attempts[donor]))
+                if now - since < interval:
+                    continue
+                self._ban(donor, f"stalled: no chunk delivered for {now - since:.1f} s while others delivered")
+                for scope, _ in attempts[donor]:
+                    scope.cancel()
 
     def _next_job(self, donor: str) -> _Chunk | None:
         while self.pending:
@@ -877,6 +960,7 @@ class _Fetch:
         scope = trio.CancelScope()
         started = trio.current_time()
         chunk.fetchers[donor] = (scope, started)
+        self.in_flight.add(chunk)
         got = None
         failure = None
         try:
@@ -886,6 +970,8 @@ class _Fetch:
             failure = str(e)
         finally:
             del chunk.fetchers[donor]
+            if not chunk.fetchers:
+                self.in_flight.discard(chunk)
         if chunk.done:  # another donor delivered it first (our copy was cancelled or is surplus)
             return
         if got is not None:
@@ -907,7 +993,8 @@ class _Fetch:
         for other_scope, _ in chunk.fetchers.values():  # end-game copies still running
             other_scope.cancel()
         n = chunk.end - chunk.start
-        self.durations.append(trio.current_time() - started)
+        self.delivered_at[donor] = trio.current_time()
+        self.durations.append(self.delivered_at[donor] - started)
         self.done_bytes += n
         r = self.report
         r.bytes_per_donor[donor] = r.bytes_per_donor.get(donor, 0) + n
