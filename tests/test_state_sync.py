@@ -15,18 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.node.state_donor import StateDonor
+from meshtrain.node.state_fetch import FetchReport, fetch_state
 from meshtrain.node.state_sync import (
     CHUNK_RPC,
     MANIFEST_RPC,
     DonorsExhausted,
-    FetchReport,
     FlatState,
     NoAgreement,
     NoDonors,
-    StateDonor,
     StateSyncError,
     chunk_ranges,
-    fetch_state,
 )
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_layout import byte_views

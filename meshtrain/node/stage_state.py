@@ -40,7 +40,7 @@ Design. The multi-donor state sync of node/state_sync.py, unchanged, with one st
   epoch is asked for the stage's key, and the newest snapshot any of them still holds (a former
   replica's, or a backer's) is taken (trusted: nobody can outvote it). If the newest one's holders
   fail mid-download (a last replica that dies as it leaves: seen in tests/test_pipeline_backup.py
-  under load), state_sync falls back to the next newest one, so an older backup still beats θ0.
+  under load), `fetch_state` falls back to the next newest one, so an older backup still beats θ0.
   `DonatedState.from_backup`
   says the stage's backer (the caller names it) was among its donors. A taker that is itself the
   stage's backer uses its own backup unless a newer one is offered (`own_backup`). If nobody holds
@@ -77,7 +77,9 @@ import trio
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import flatten_state, unflatten_state
-from meshtrain.node.state_sync import FetchReport, Progress, StateDonor, StateSyncError, fetch_state
+from meshtrain.node.state_donor import StateDonor
+from meshtrain.node.state_fetch import FetchReport, Progress, fetch_state
+from meshtrain.node.state_sync import StateSyncError
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.tensor_streams import TensorStreams
