@@ -12,8 +12,9 @@ donor sends slices of its snapshot. The data plane hashes the payload as it arri
 must equal the agreed chunk digest, or the donor is banned for this download and the chunk goes
 back to the queue. A donor that vanishes, errs or times out is banned the same way, and so is one
 that delivers no chunk for `STALL_SECONDS` (or three median chunk times) while another donor
-delivers (SIGSTOPped, a dead link): its chunks in flight are re-queued at once rather than after
-the 60 s chunk timeout. When the queue is empty an idle worker may duplicate a chunk that has been
+delivers (SIGSTOPped, a dead link, or merely far slower than the others): its chunks in flight
+are re-queued at once rather than after the 60 s chunk timeout (never while no other donor
+delivers: then the chunk timeout decides). When the queue is empty an idle worker may duplicate a chunk that has been
 in flight far longer than usual (end game: one slow donor cannot hold the join hostage); the
 first verified copy wins. At the end the whole state's digest is checked against the agreed one.
 
@@ -84,7 +85,8 @@ STEAL_MIN_SECONDS = 0.5
 # A donor that has had chunks in flight this long without delivering one, while another donor
 # delivered in that time, is dropped (stalled: SIGSTOPped, a dead link) and its chunks go to the
 # others — before the end game and without waiting for the chunk timeout. The interval grows to
-# STEAL_FACTOR median chunk times, so a donor that is merely slow (a paced uplink) is kept.
+# STEAL_FACTOR median chunk times, so a donor about as fast as the typical one (a paced uplink)
+# is kept; one far slower than the others is dropped too, its chunks arriving sooner elsewhere.
 STALL_SECONDS = 5.0
 STALL_CHECK_SECONDS = 0.1
 
