@@ -67,7 +67,7 @@ def donor_main(args: argparse.Namespace) -> None:
     import trio
 
     from meshtrain.log import configure
-    from meshtrain.node.state_sync import StateDonor
+    from meshtrain.node.state_donor import StateDonor
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
     from meshtrain.transport.tensor_streams import TensorStreams
@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> None:
     import trio
 
     from meshtrain.log import configure
-    from meshtrain.node.state_sync import FetchReport, fetch_state
+    from meshtrain.node.state_fetch import FetchReport, fetch_state
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
     from meshtrain.transport.tensor_streams import TensorStreams, payload_digest

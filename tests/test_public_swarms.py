@@ -25,7 +25,8 @@ from meshtrain.dht.records import Record
 from meshtrain.dht.swarm_index import SWARMS_KEY, advert_subkey, publish_advert
 from meshtrain.node.admission import NO_PROOF, NOT_ALLOWED, POW_CAP, allow_key, mint_pow, pow_ok
 from meshtrain.node.cli import main
-from meshtrain.node.state_sync import StateSyncError, fetch_state
+from meshtrain.node.state_fetch import fetch_state
+from meshtrain.node.state_sync import StateSyncError
 from meshtrain.node.status import TOKEN_FILE, StatusError, request_allow
 from meshtrain.node.swarm_list import find_swarms
 from meshtrain.transport.host import Host, HostConfig

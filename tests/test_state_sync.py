@@ -15,21 +15,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.node.state_donor import StateDonor
+from meshtrain.node.state_fetch import FetchReport, fetch_state
 from meshtrain.node.state_sync import (
     CHUNK_RPC,
     MANIFEST_RPC,
-    FetchReport,
+    DonorsExhausted,
     FlatState,
     NoAgreement,
     NoDonors,
-    StateDonor,
     StateSyncError,
     chunk_ranges,
-    fetch_state,
 )
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_layout import byte_views
-from meshtrain.transport.tensor_streams import payload_digest
+from meshtrain.transport.tensor_streams import TransferError, payload_digest
 
 from .conftest import read_json, spawn, start_peers
 from .proc_donor import make_state
@@ -167,23 +167,91 @@ class StallingDonor(StateDonor):
         await super()._send_chunk(peer, tag, snap, start, end, chunk_digest)
 
 
-async def test_a_stalled_chunk_is_fetched_again_from_an_idle_donor_at_the_end():
+async def fetch_with_a_slow_first_donor(slow_cls, kib: int, upload_mib: int, **fetch_kw) -> tuple[str, FetchReport]:
+    """Three donors of one `kib` KiB state, the first a `slow_cls`, each capped at `upload_mib`
+    MiB/s: the state arrives bit-exact in under 5 s. Returns the slow donor's id and the report."""
     async with AsyncExitStack() as stack:
         joiner, donors = await start_swarm(
-            stack, 3, donor_cls=[StallingDonor, StateDonor, StateDonor], upload_limit=32 * MIB
+            stack, 3, donor_cls=[slow_cls, StateDonor, StateDonor], upload_limit=upload_mib * MIB
         )
-        meta, tensors = make_state(4 << 10)
+        meta, tensors = make_state(kib)
         for d in donors:
             d.publish(meta, tensors)
         report = FetchReport()
         t0 = time.monotonic()
-        _, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB, report=report)
-        assert time.monotonic() - t0 < 5  # not the 20 s stall, nor the 60 s chunk timeout
+        _, got = await fetch_state(
+            joiner.host, joiner.ts, ids(donors), chunk_bytes=256 * KIB, report=report, **fetch_kw
+        )
+        assert time.monotonic() - t0 < 5  # not the stall, nor the 60 s chunk timeout
         assert_same_state(tensors, got)
-        assert report.duplicated >= 1 and not report.banned
+        return donors[0].host.peer_id, report
+
+
+async def test_a_stalled_chunk_is_fetched_again_from_an_idle_donor_at_the_end():
+    _, report = await fetch_with_a_slow_first_donor(StallingDonor, 4 << 10, 32)
+    assert report.duplicated >= 1 and not report.banned
+
+
+class StalledDonor(StateDonor):
+    """Answers manifests, then never sends a chunk (as if SIGSTOPped once the transfer began)."""
+
+    async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+        await trio.sleep_forever()
+
+
+async def test_a_donor_that_stalls_is_dropped_and_its_chunks_go_to_the_others_before_the_end_game():
+    """A donor whose chunk handler never sends holds its two chunks; once the others have kept
+    delivering for the stall interval it is dropped and its chunks re-queued — not after the
+    60 s chunk timeout, and not only in the end game."""
+    staller, report = await fetch_with_a_slow_first_donor(StalledDonor, 24 << 10, 8, stall_timeout=0.5)
+    assert list(report.banned) == [staller] and "stalled" in report.banned[staller], report.banned
+    assert report.requeued >= 1 and staller not in report.bytes_per_donor
 
 
 # -- liars and failures --------------------------------------------------------------------------
+
+
+class LeavingDonor(StateDonor):
+    """Answers the manifest, then fails every chunk: a peer on its way out."""
+
+    async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+        raise TransferError("leaving the swarm")
+
+
+async def test_when_every_donor_of_the_newest_round_fails_the_next_agreed_round_is_fetched():
+    """Two donors offer rounds 9 and 5 and then fail every chunk; a third offers round 5 only.
+    Round 9 (agreed by two of three) is tried first; once both its donors are dropped, the
+    download falls back to round 5 (agreed by all three), fetched from the third donor."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, donor_cls=[LeavingDonor, LeavingDonor, StateDonor])
+        older, newer = make_state(512, seed=1, round=5), make_state(512, seed=2, round=9)
+        for d in donors:
+            d.publish(*older)
+        for d in donors[:2]:
+            d.publish(*newer)
+        report = FetchReport()
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, report=report)
+        assert got_meta["round"] == 5 and report.round == 5 and report.abandoned == [9]
+        assert_same_state(older[1], got)
+        assert set(report.banned) == set(ids(donors[:2])) and report.agreeing == ids(donors[2:])
+        assert report.bytes_per_donor == {donors[2].host.peer_id: report.total_bytes}
+
+
+async def test_the_fallback_never_takes_a_state_the_vote_did_not_agree_on():
+    """As above, but the older round is offered by the third donor alone: one of three is no
+    quorum, so the download fails rather than trust it, and that donor is never asked for a chunk."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, donor_cls=[LeavingDonor, LeavingDonor, StateDonor])
+        donors[2].publish(*make_state(512, seed=1, round=5))
+        for d in donors[:2]:
+            d.publish(*make_state(512, seed=2, round=9))
+        report = FetchReport()
+        with pytest.raises(DonorsExhausted, match="rounds tried: 9"):
+            await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, report=report)
+        assert report.round == 9 and report.abandoned == [] and donors[2].stats["chunks_served"] == 0
+        # With a quorum of one (a pipeline stage's fallback), the same swarm gives round 5.
+        got_meta, _ = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, min_agree=1)
+        assert got_meta["round"] == 5
 
 
 @pytest.mark.parametrize(

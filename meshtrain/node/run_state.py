@@ -64,7 +64,9 @@ from meshtrain.node.checkpoint import CheckpointStore, flatten_state, unflatten_
 from meshtrain.node.config import NodeConfig
 from meshtrain.node.parity import ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.state_sync import StateDonor, StateSyncError, fetch_state
+from meshtrain.node.state_donor import StateDonor
+from meshtrain.node.state_fetch import fetch_state
+from meshtrain.node.state_sync import StateSyncError
 from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.transport.tensor_streams import TensorStreams

@@ -40,7 +40,7 @@ Design. The multi-donor state sync of node/state_sync.py, unchanged, with one st
   epoch is asked for the stage's key, and the newest snapshot any of them still holds (a former
   replica's, or a backer's) is taken (trusted: nobody can outvote it). If the newest one's holders
   fail mid-download (a last replica that dies as it leaves: seen in tests/test_pipeline_backup.py
-  under load), the download is tried again without them, so an older backup still beats θ0.
+  under load), `fetch_state` falls back to the next newest one, so an older backup still beats θ0.
   `DonatedState.from_backup`
   says the stage's backer (the caller names it) was among its donors. A taker that is itself the
   stage's backer uses its own backup unless a newer one is offered (`own_backup`). If nobody holds
@@ -77,7 +77,9 @@ import trio
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.checkpoint import flatten_state, unflatten_state
-from meshtrain.node.state_sync import FetchReport, Progress, StateDonor, StateSyncError, fetch_state
+from meshtrain.node.state_donor import StateDonor
+from meshtrain.node.state_fetch import FetchReport, Progress, fetch_state
+from meshtrain.node.state_sync import StateSyncError
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.host import Host
 from meshtrain.transport.tensor_streams import TensorStreams
@@ -314,22 +316,17 @@ class StageStates:
         reasons: list[str] = []
         if replicas:
             donors = list(replicas) if identical else list(replicas)[:1]
-            got = await self._fetch(
-                stage, donors, quorum=None, progress=progress, reasons=reasons, report=FetchReport()
-            )
+            got = await self._fetch(stage, donors, quorum=None, progress=progress, reasons=reasons)
             if got is not None:
                 return got
         rest = [p for p in others if p not in replicas]
-        asked = bool(rest)
-        while rest:
-            report = FetchReport()
-            got = await self._fetch(stage, rest, quorum=1, progress=progress, reasons=reasons, report=report)
+        if rest:
+            # quorum 1: the newest snapshot anyone holds; if its holders fail mid-download (a last
+            # replica dying as it left), fetch_state falls back to an older one (a backup).
+            got = await self._fetch(stage, rest, quorum=1, progress=progress, reasons=reasons)
             if got is not None:
                 return dataclasses.replace(got, from_replicas=False)
-            # The newest snapshot's holders failed mid-download (a last replica dying as it left):
-            # an older snapshot the others still hold (a backup) beats none. Each pass drops a donor.
-            rest = [p for p in rest if p not in report.banned] if report.banned else []
-        if not replicas and not asked:
+        elif not replicas:
             reasons.append("no connected peer to ask")
         raise StageStateError(f"cannot fetch stage {stage}'s state: {'; '.join(reasons)}")
 
@@ -341,9 +338,9 @@ class StageStates:
         quorum: int | None,
         progress: Progress | None,
         reasons: list[str],
-        report: FetchReport,
     ) -> DonatedState | None:
         t0 = time.monotonic()
+        report = FetchReport()
         who = "its replicas" if quorum is None else "peers that held it before"
         try:
             meta, tensors = await fetch_state(
