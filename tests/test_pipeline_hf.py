@@ -1,8 +1,9 @@
-"""LLaMA-family transformers models in pipeline swarms (models/staged.py): the stages of a tiny
-LLaMA (and of a Qwen2 and a Mistral, which share its structure) run one after another give the
-whole model's loss and gradients; a tied LM head is one parameter of stage 0; an architecture a
-pipeline cannot cut is a one-line error at `swarm create`. (Real daemons: the `slow` test at the
-end.)"""
+"""transformers models in pipeline swarms (models/staged.py): the stages of a tiny model of each
+family a pipeline cuts (the LLaMA family; Granite, Cohere and Gemma 2/3, whose forward scales
+outside its modules; GPT-2, with learned positions), run one after another, give the whole
+model's loss and gradients; a tied LM head is one parameter of stage 0; the export of a
+non-LLaMA family loads in transformers; an architecture a pipeline cannot cut is a one-line
+error at `swarm create`. (Real daemons: the `slow` test at the end.)"""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
 from meshtrain.pipeline.stages import StageReplica, load_stage_states
 from meshtrain.transport.identity import Identity
 
+from .test_pipeline_export import pipeline_peer_dir
 from .test_pipeline_swarm import pipeline_spec, stage_step, three_daemons, wait_for, weights_digest
 from .tiny_hf import save_tiny_llama, train_bpe
 
@@ -31,7 +33,7 @@ VOCAB = 64
 
 
 def tiny(tmp_path: Path, model_type: str = "llama", **overrides: object) -> str:
-    """The spec value of a 4-layer LLaMA-family model saved into tmp_path (hidden 32, 2 heads)."""
+    """The spec value of a 4-layer `model_type` model saved into tmp_path (hidden 32, 2 heads)."""
     if model_type == "llama":
         return f"hf:{save_tiny_llama(tmp_path / 'llama', vocab_size=VOCAB, num_hidden_layers=4, **overrides)}"
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,6 +56,16 @@ def tiny(tmp_path: Path, model_type: str = "llama", **overrides: object) -> str:
     out = tmp_path / model_type
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
     return f"hf:{out}"
+
+
+GRANITE_SCALES = {
+    "embedding_multiplier": 12.0,
+    "logits_scaling": 0.25,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0078125,
+}
+GEMMA_HEADS = {"head_dim": 16, "query_pre_attn_scalar": 16}
+GEMMA3_LAYERS = {"layer_types": ["sliding_attention", "full_attention"] * 2}
 
 
 def batches(n: int, T: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,6 +125,18 @@ def staged_run(value: str, n_stages: int, data) -> tuple[list[float], dict[str, 
         ("olmo2", 3, {}),
         ("starcoder2", 3, {"sliding_window": 4}),
         ("stablelm", 2, {}),
+        # families whose forward scales outside the modules, each scale far from 1 so that a
+        # stage 0 that missed one would show: Granite's embedding and logits multipliers (its
+        # residual and attention multipliers act inside the layers), Cohere's logit scale, Gemma
+        # 2/3's final logit soft-capping (at 0.1 it bends logits of this size), with their
+        # alternating sliding-window layers and, in Gemma 3, per-layer-type rotary embeddings
+        ("granite", 3, GRANITE_SCALES),
+        ("cohere", 2, {"logit_scale": 8.0}),
+        ("gemma2", 3, {"sliding_window": 4, "final_logit_softcapping": 0.1, **GEMMA_HEADS}),
+        ("gemma3_text", 3, {"sliding_window": 4, "final_logit_softcapping": 0.1, **GEMMA_HEADS, **GEMMA3_LAYERS}),
+        # GPT-2: learned absolute positions added at stage 0, blocks without rotary embeddings
+        ("gpt2", 3, {}),
+        ("gpt2", 2, {"tie_word_embeddings": False}),
     ],
 )
 def test_stages_in_sequence_equal_the_whole_hf_model_loss_and_gradients(tmp_path, model_type, n_stages, overrides):
@@ -169,22 +193,68 @@ def test_the_stage_cut_of_an_hf_pipeline_swarm_is_pinned_at_swarm_create(tmp_pat
         )
 
 
-def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_path, capsys):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_gpt2_cut_keeps_its_learned_positions_on_stage_0_and_its_layer_count_is_n_layer(tmp_path):
+    value = tiny(tmp_path, "gpt2")
+    config = json.loads((Path(value[3:]) / "config.json").read_text())
+    assert "num_hidden_layers" not in config and pipeline_layers(value) == config["n_layer"] == 4
+    stages = staged(build_model(value, vocab_size=VOCAB, seed=0)).stages(3)
+    assert stages[0].parameter_names == (
+        "inner.transformer.wte.weight",  # the tied LM head's weight too
+        "inner.transformer.wpe.weight",
+        "inner.transformer.ln_f.weight",
+        "inner.transformer.ln_f.bias",
+    )
+    assert [st.blocks for st in stages[1:]] == [range(0, 2), range(2, 4)]
 
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB)).save_pretrained(tmp_path / "gpt2")
+
+@pytest.mark.parametrize(
+    "model_type,overrides", [("gemma2", {"final_logit_softcapping": 0.1, **GEMMA_HEADS}), ("gpt2", {})]
+)
+def test_the_export_of_a_scaled_or_gpt2_pipeline_is_a_model_transformers_loads_with_the_stages_logits(
+    tmp_path, model_type, overrides, capsys
+):
+    """A data dir holding every stage of a 3-stage hf-config: swarm (Gemma 2: soft-capped logits
+    and a scaled embedding; GPT-2: learned positions) exports, without a node, a model that
+    `AutoModelForCausalLM.from_pretrained` loads and that gives the stages' logits."""
+    from transformers import AutoModelForCausalLM
+
+    config = f"hf-config:{tiny(tmp_path, model_type, **overrides)[3:]}/config.json"
+    spec = SwarmSpec(model=config, pipeline="skippipe", stages=3, batch_size=4, microbatches=2, eval_every=0)
+    trainers = pipeline_peer_dir(tmp_path / "d", spec, [0, 1, 2])
+    assert cli.main(["export", "--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    vocab = trainers[0].replica.staged.vocab_size
+    model = build_model(config, vocab_size=vocab, seed=0)
+    load_stage_states(model, [trainers[s].replica.stage_state() for s in range(3)])
+    model.eval()  # an hf-config: model is built in training mode: GPT-2's dropout would act
+    stages = staged(model).stages(3)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    assert exported.config.model_type == model_type
+    x = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = stages[0].module["head"](stages[2].module(stages[1].module(stages[0].module["embed"](x)))).logits
+        got = exported(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_path, capsys):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(n_layer=2, hidden_size=32, n_head=2, vocab_size=VOCAB)).save_pretrained(
+        tmp_path / "bloom"
+    )
     capsys.readouterr()  # save_pretrained's progress bar
-    gpt2 = f"hf:{tmp_path / 'gpt2'}"
-    argv = ["swarm", "create", "--model", gpt2, "--tokenizer", gpt2, "--pipeline", "skippipe", "--stages", "2"]
+    bloom = f"hf:{tmp_path / 'bloom'}"
+    argv = ["swarm", "create", "--model", bloom, "--tokenizer", bloom, "--pipeline", "skippipe", "--stages", "2"]
     rc = cli.main([*argv, "--data-dir", str(tmp_path / "d")])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and "\n" not in err and "Traceback" not in err, err
-    assert "gpt2" in err and all(t in err for t in PIPELINE_HF_TYPES) and "gpt-tiny" in err, err
+    assert "bloom" in err and all(t in err for t in PIPELINE_HF_TYPES) and "gpt-tiny" in err, err
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    config.write_text(json.dumps({"model_type": "bloom", "n_layer": 2}))
     with pytest.raises(ConfigError, match="llama, mistral, qwen2, qwen3"):
         pipeline_layers(f"hf-config:{config}")
-    with pytest.raises(ConfigError, match="LLaMA-family"):
+    with pytest.raises(ConfigError, match="transformers causal LM"):
         SwarmSpec(model="py:mymod:make", pipeline="skippipe", stages=2).check()
 
 

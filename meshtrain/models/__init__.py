@@ -2,7 +2,7 @@
 corpus whose data assignment is a pure function of (seed, peer, step). No downloads.
 
 Submodules beside them: `sources` (where a swarm's model comes from: presets, hf:, hf-config:,
-py:), `staged` (the models a pipeline can cut: the GPT and LLaMA-family transformers models),
+py:), `staged` (the models a pipeline can cut: the GPT and transformers causal LMs of the families it knows),
 `tokenizers`."""
 
 from meshtrain.models.corpus import Corpus, Vocab

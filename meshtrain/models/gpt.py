@@ -242,7 +242,7 @@ class Head(nn.Module):
 @dataclass(frozen=True)
 class PipelineStage:
     """One piece of a model cut for pipelining (see `GPT.stages`; models/staged.py cuts
-    LLaMA-family transformers models into the same form).
+    transformers models into the same form).
 
     index: stage number; 0 is the ends (embedding + head), 1.. are runs of blocks.
     blocks: indices into the model's blocks this stage runs, in order (empty for stage 0).

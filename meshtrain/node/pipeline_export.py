@@ -20,8 +20,8 @@ daemon (`PipelineExporter`), asked through the local status server:
    stage, never replaced by an older snapshot. A stage with no replica left is taken from the
    newest snapshot a peer that held it before still serves (trusted: nobody outvotes it;
    recorded as "former replica").
-3. Assemble (`assemble`). The spec's model is built (a built-in GPT, or the LLaMA-family
-   transformers model: models/staged.py cuts both), and each stage's weights must be exactly the
+3. Assemble (`assemble`). The spec's model is built (a built-in GPT, or a transformers
+   model of a family models/staged.py cuts), and each stage's weights must be exactly the
    parameters the spec's cut (`stage_cut`) gives that stage — names and shapes — and together
    cover every parameter once (`pipeline.stages.load_stage_states`). Weights are the stage's φ
    when its replicas sync by DiLoCo / NoLoCo (what the swarm agreed on, as in export.py), the

@@ -88,8 +88,8 @@ iteration in which they see it pass its value at the last epoch end, every peer 
 stage at that one step, and the exporter takes our stage from `states.published` and every other
 stage from its replicas (node/stage_handover.py `StageHandover.donors`).
 
-Models: whatever models/staged.py can cut (the built-in GPTs, LLaMA-family hf: / hf-config:
-models); this module does not look inside the model: every peer builds it whole from the spec
+Models: whatever models/staged.py can cut (the built-in GPTs, hf: / hf-config: models of
+its transformers families); this module does not look inside the model: every peer builds it whole from the spec
 and trains its stage (node/stage_trainer.py).
 
 Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the

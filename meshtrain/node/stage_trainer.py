@@ -1,7 +1,7 @@
 """One pipeline stage as a peer trains it: `StageTrainer`, for node/pipeline_peer.py.
 
-A pipeline peer holds one stage of the spec's model (a built-in GPT or a LLaMA-family
-transformers model: models/staged.py). `StageTrainer` is that stage: the locally built whole
+A pipeline peer holds one stage of the spec's model (a built-in GPT or a
+transformers causal LM that models/staged.py cuts). `StageTrainer` is that stage: the locally built whole
 model and its `StageReplica` (pipeline/stages.py), the optional per-stage outer
 sync (pipeline/replica_sync.py: DiLoCo or NoLoCo among the stage's replicas), the step counter and
 the numbers the status page shows. It has the stage's state in three forms:

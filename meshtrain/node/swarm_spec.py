@@ -43,7 +43,7 @@ model and tokenizer *are*; every node checks its own copy against them before it
 (`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
 way (`optimizer_digest`, meshtrain/pyref.py; checked by `outer_spec.check_copy`). A pipeline
 swarm's `stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the spec says.
-A pipeline cuts a built-in GPT or a LLaMA-family hf: / hf-config: model (models/staged.py); for
+A pipeline cuts a built-in GPT or an hf: / hf-config: model of a family models/staged.py knows; for
 the latter, the architecture and layer count come from its config file, so they are checked when
 the cut is pinned (`SignedSpec.create`, i.e. `swarm create`), where the files are at hand.
 """
@@ -493,8 +493,8 @@ class SwarmSpec(BaseModel):
         return self
 
     def _check_pipeline(self) -> None:
-        """A pipeline swarm: S >= 2 stages of a built-in GPT or a LLaMA-family hf: / hf-config:
-        model, cut as `stage_cut` says (if pinned). Without reading files: an hf model's
+        """A pipeline swarm: S >= 2 stages of a built-in GPT or an hf: / hf-config: model
+        (models/staged.py), cut as `stage_cut` says (if pinned). Without reading files: an hf model's
         architecture and layer count are checked where the cut is pinned (`SignedSpec.create`)."""
         if self.stages < 2:
             raise ConfigError(f"swarm spec: pipeline {self.pipeline} needs stages >= 2 (--stages S), got {self.stages}")

@@ -1,7 +1,7 @@
 """pipeline layer of meshtrain (see shared/ARCHITECTURE.md): SkipPipe.
 
 - `scheduler`: which peers each microbatch visits, and when (pure; no I/O).
-- `stages`: a model cut into stages (a GPT or a LLaMA-family transformers model, as
+- `stages`: a model cut into stages (a GPT or a transformers causal LM, as
   `models/staged.py` cuts it); one peer's replica of one stage (compute, per-microbatch
   gradients, the optimizer step).
 - `runtime`: the microbatch protocol over RPC + tensor streams, executing the schedule's per-peer

@@ -1,7 +1,7 @@
 """How a pipeline swarm's model is cut into stages, as the swarm spec writes it (`stage_cut`).
 
 Stage 0 is always the embedding and the head (SkipPipe: the origins hold the data and compute the
-loss); stages 1..S-1 are contiguous runs of transformer blocks (a GPT's blocks, or a LLaMA-family
+loss); stages 1..S-1 are contiguous runs of transformer blocks (a GPT's blocks, or a transformers
 model's decoder layers: models/staged.py), written in the spec as
 `0-1,2-3` (stage 1 runs blocks 0 and 1, stage 2 blocks 2 and 3; a single block is `4`). The
 default is the balanced cut (`GPT.stages`' `block_ranges`: earlier stages take the extra block),

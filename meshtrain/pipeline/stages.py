@@ -8,7 +8,7 @@ between peers; this module is the compute one peer does on what arrives, with no
 - `cut_blocks` splits any stack of residual blocks (an `nn.ModuleList` / `nn.Sequential`) into
   contiguous, balanced runs — the generic cut; `GPT.stages` uses the same `block_ranges`.
 - `StageReplica` holds one stage of a model a pipeline can cut — the built-in `GPT` or a
-  LLaMA-family transformers model, seen through `models.staged.staged` (which knows how each is
+  transformers causal LM, seen through `models.staged.staged` (which knows how each is
   cut; stage 0's module is `embed` + `head`, a block stage's maps h -> h): its forward keeps an
   autograd *tape* per microbatch
   until that microbatch's backward arrives; the backward returns the gradient for the previous
@@ -72,7 +72,7 @@ class Tape:
 class StageReplica:
     """One peer's replica of stage `index` of `model` cut into `n_stages` stages.
 
-    model: the full model — a `GPT` or a LLaMA-family `HFCausalLM` (models/staged.py) — built
+    model: the full model — a `GPT` or an `HFCausalLM` of a family models/staged.py cuts — built
         identically on every peer; only this stage's parameters are trained here, the rest is
         never touched and could be freed.
     n_stages: S; stage 0 = embedding + head, stages 1..S-1 = runs of blocks (`StagedModel.stages`).
