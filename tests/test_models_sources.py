@@ -114,6 +114,9 @@ def test_pretrained_hf_model_loads_its_weights_and_context(hf_dirs):
     llama, _ = hf_dirs
     model = build_model(f"hf:{llama}", vocab_size=BPE_VOCAB, seed=123)
     assert isinstance(model, HFCausalLM)
+    # Built to train, as every source's model is (from_pretrained alone gives eval mode: no dropout).
+    assert all(m.training for m in model.modules())
+    assert all(m.training for m in build_model(f"hf-config:{llama / 'config.json'}", vocab_size=50, seed=0).modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
     assert same({f"inner.{n}": p for n, p in params_of(reference).items()}, params_of(model))
     assert resolve_context(model, 0) == 64 and resolve_context(model, 16) == 16

@@ -38,6 +38,8 @@ def tiny(tmp_path: Path, model_type: str = "llama", **overrides: object) -> str:
         return f"hf:{save_tiny_llama(tmp_path / 'llama', vocab_size=VOCAB, num_hidden_layers=4, **overrides)}"
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_type == "gpt2":  # models train with their dropout on (sources.py): compare the cut without it
+        overrides = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **overrides}
     config = AutoConfig.for_model(
         model_type,
         pad_token_id=0,  # some families' defaults point past a 64-token vocabulary

@@ -7,7 +7,8 @@ Sources (`parse_model_source`):
                                        spec's seed by a private generator
     hf:<dir>                           a pretrained Hugging Face causal LM on disk:
                                        `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)`,
-                                       fp32 master weights; never downloaded
+                                       fp32 master weights, in training mode (dropout on, as
+                                       the config says); never downloaded
     hf-config:<config.json>            a Hugging Face causal LM with fresh weights from a config
                                        (its `model_type` picks the class), built under the spec's
                                        seed so every peer builds the same θ0; its vocab_size is
@@ -203,8 +204,10 @@ def _pretrained(src: ModelSource, vocab_size: int) -> torch.nn.Module:
     transformers = _transformers(src.value)
     path = _hf_dir(src)
     try:
-        # fp32 master weights whatever the files' dtype (bf16 -> fp32 is exact)
-        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).float()
+        # fp32 master weights whatever the files' dtype (bf16 -> fp32 is exact). In training mode,
+        # as every other source builds its model: from_pretrained returns it in eval mode, so the
+        # model's dropout would act only after the first evaluation had switched it back.
+        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).float().train()
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model {src.value}: cannot load it: {str(e).splitlines()[0][:300]}") from None
     rows = inner.get_input_embeddings().num_embeddings
