@@ -1,13 +1,14 @@
 """How close an honest update comes to an earlier round's: the margin of replay screening.
 
-    python scripts/echo_separation.py [--H 5,10,50] [--rounds 12] [--seeds 2] [--parts 8]
+    python scripts/echo_separation.py [--H 2,3,5,10,50] [--rounds 20] [--seeds 3] [--parts 8]
 
 Replay screening (collective/echoes.py) flags a contribution to a part whose cosine with any
 contribution or aggregate of that part in an earlier round is at least the spec's `screen_echo`
-(default 0.99). This measures, in the one-process swarm of scripts/separation_sim.py (gpt-tiny,
+(default 0.9999). This measures, in the one-process swarm of scripts/separation_sim.py (gpt-tiny,
 4 honest peers whose inner AdamW persists across rounds, as the daemon's), every honest update's
 largest such cosine, per part (the flat update cut into `--parts` equal parts, as an owner sees
-it), against the earlier rounds' honest updates (its own and the others') and aggregates, and
+it), against every earlier round's honest updates (its own and the others') and aggregates (an
+owner keeps only its last 8 rounds: this is the harder test), and
 the same for the replay adversary (its round-1 update every round). Last line: one JSON object,
 per H the quantiles of the honest maxima and of the replay's.
 """
@@ -45,9 +46,9 @@ def max_cosines(current: torch.Tensor, earlier: list[torch.Tensor], parts: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--H", default="5,10,50")
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--H", default="2,3,5,10,50")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--parts", type=int, default=8)
     args = ap.parse_args()
     t0, result = time.time(), {}

@@ -27,7 +27,7 @@ Design.
   *garbage* (recursive msgpack values of any shape, type and size); *frame-level defects*
   (truncated, oversized-length, non-msgpack and empty frames); and *valid-looking* messages built
   from the swarm's live state at send time: joins for the current round, for future rounds with
-  `expected = [attacker]` and for far-off rounds, replays of a member's join for a past round,
+  `expected = [attacker]` and for far-off rounds (claiming any `uplink`, sane or not), replays of a member's join for a past round,
   reports and watches for real round keys, CRDT entries signed by the attacker that claim members'
   records or the swarm config, replays of members' old signed entries (pulled earlier), DHT
   records forged for members' subkeys and replays of their real ones, state-sync chunk requests
@@ -574,6 +574,9 @@ def sample(strategy: st.SearchStrategy, n: int, seed_value: int) -> list[Any]:
 ints = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
 small_ints = st.integers(min_value=-3, max_value=1 << 20)
 any_text = st.text(max_size=120)
+# A join's `uplink` (collective/protocol.py: bytes/s, for bandwidth-weighted parts): absent, sane,
+# or anything a liar might claim.
+uplinks = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), ints, st.sampled_from([0, 1e30]))
 FRAME_DEFECTS = st.sampled_from(
     [
         "truncated",
@@ -702,11 +705,13 @@ def _join_reply_check(ctx: Ctx, family: str, request: Any, outcome: str, reply: 
 
 
 async def join_future_self(ctx: Ctx, params: Any) -> str:
-    """The soak's case: a key for a coming round, `expected = [attacker]`."""
-    offset, coord_pick = params
+    """The soak's case: a key for a coming round, `expected = [attacker]`, with any `uplink`."""
+    offset, coord_pick, uplink = params
     sw = ctx.swarm
     coordinator = sw.coordinator if coord_pick == 0 else ctx.target(coord_pick)
     req = {"key": sw.key(sw.round_id(offset), coordinator), "expected": [ctx.attacker.peer_id], "skipped": []}
+    if uplink is not None:
+        req["uplink"] = uplink
     outcome, reply = await ctx.attacker.rpc(coordinator, JOIN_RPC, req, timeout=join_deadline(sw))
     _join_reply_check(ctx, "join_future_self", req, outcome, reply)
     return outcome
@@ -714,10 +719,12 @@ async def join_future_self(ctx: Ctx, params: Any) -> str:
 
 async def join_with_members(ctx: Ctx, params: Any) -> str:
     """A join for a coming round that lists the real members and the attacker, as a member
-    would list a newcomer it has heard of."""
-    (offset,) = params
+    would list a newcomer it has heard of, claiming any `uplink` (a huge one would win it a large part)."""
+    offset, uplink = params
     sw = ctx.swarm
     req = {"key": sw.key(sw.round_id(offset)), "expected": [*sw.members, ctx.attacker.peer_id], "skipped": []}
+    if uplink is not None:
+        req["uplink"] = uplink
     outcome, reply = await ctx.attacker.rpc(sw.coordinator, JOIN_RPC, req, timeout=join_deadline(sw))
     _join_reply_check(ctx, "join_with_members", req, outcome, reply)
     return outcome
@@ -1219,16 +1226,26 @@ def families() -> list[Family]:
     key_text = st.one_of(any_text, st.builds(lambda r, t, c: f"{r}/{t}/{c}", ints, any_text, any_text))
     rpc(
         JOIN_RPC,
-        {"key": key_text, "expected": st.lists(any_text, max_size=5), "skipped": st.lists(any_text, max_size=3)},
+        {
+            "key": key_text,
+            "expected": st.lists(any_text, max_size=5),
+            "skipped": st.lists(any_text, max_size=3),
+            "uplink": uplinks,
+        },
         6,
         2,
     )
     long = 3 * DEFAULT_JOIN_TIMEOUT + 40
     fam += [
         Family(
-            JOIN_RPC, "join_future_self", st.tuples(st.integers(0, 3), st.integers(0, 2)), join_future_self, 3, long
+            JOIN_RPC,
+            "join_future_self",
+            st.tuples(st.integers(0, 3), st.integers(0, 2), uplinks),
+            join_future_self,
+            3,
+            long,
         ),
-        Family(JOIN_RPC, "join_with_members", st.tuples(st.integers(0, 2)), join_with_members, 1, long),
+        Family(JOIN_RPC, "join_with_members", st.tuples(st.integers(0, 2), uplinks), join_with_members, 1, long),
         Family(JOIN_RPC, "join_replay", st.tuples(st.integers(1, 6)), join_replay, 2, long),
         Family(
             JOIN_RPC,
