@@ -1,7 +1,7 @@
 """Pipeline swarms through the daemon: `meshtrain node start` processes on throttled links.
 
     python scripts/bench_pipeline_swarm.py [--steps N] [--quick] [--activation-codec none|bf16|int8] [--kill-only]
-        [--daemons 6] [--stages 3]
+        [--codec-only bf16|int8] [--daemons 6] [--stages 3]
 
 Sized down from the issue's setting by default. Issue 18 asks for 10 daemons, 5 stages, 3
 regions (`--daemons 10 --stages 5`: gpt-small's 4 blocks, one per block stage). This machine has
@@ -27,6 +27,11 @@ Runs (each with fresh data dirs, the same swarm spec but for `replica_sync`):
 4. kill: an every-step swarm; at step 8 a stage-0 origin and a stage-1 peer are SIGKILLed (mid-
    iteration: iterations take most of the time); later the remaining stage-1 peer too, so stage 1
    loses its last replica and placement moves a peer there.
+
+`--codec-only CODEC` runs run 1 twice instead, activation codec none and then CODEC, side by side,
+and reports `activation_codec_iter_s_ratio` (CODEC's median iteration time over none's),
+`activation_codec_hop_bytes_ratio` (pipeline hop bytes crossing regions per iteration) and
+`activation_codec_loss_gap` (held-out loss after the same steps, CODEC / none - 1).
 
 Reported (last stdout line, one JSON object):
 - `daemon_vs_library_iter_s`: median seconds between two iterations, daemon (run 1) / library (run
@@ -473,6 +478,32 @@ def kill_run(root: Path, steps: int, spec_args: tuple[str, ...] = ()) -> dict[st
     return out
 
 
+def codec_comparison(tmp: Path, steps: int, codec: str) -> dict[str, Any]:
+    """`--codec-only`: the every-step run with activation codec none, then with `codec`, on the
+    same identities, links and compute model; does compressing the hops pay on these links?"""
+    from meshtrain.pipeline.hop_codec import HopCodec
+
+    HopCodec(codec)  # a bad name fails here, before any daemon starts
+    runs = {
+        name: daemon_run(tmp / f"codec-{name}", "every-step", steps, ("--activation-codec", name))
+        for name in ("none", codec)
+    }
+    plain, coded = runs["none"], runs[codec]
+    return {
+        "activation_codec": codec,
+        "activation_codec_iter_s_ratio": round(coded["iter_s"] / plain["iter_s"], 4),
+        "activation_codec_hop_bytes_ratio": round(coded["hop_cross"] / max(plain["hop_cross"], 1.0), 4),
+        "iter_s": {name: round(r["iter_s"], 4) for name, r in runs.items()},
+        "cross_region_hop_bytes_per_iter": {name: round(r["hop_cross"]) for name, r in runs.items()},
+        "eval_loss_equal_steps": {name: round(r["eval_loss"], 4) for name, r in runs.items()},
+        "activation_codec_loss_gap": round(coded["eval_loss"] / plain["eval_loss"] - 1, 4),
+        "steps": steps,
+        "daemons": N_DAEMONS,
+        "stages": N_STAGES,
+        "regions": N_REGIONS,
+    }
+
+
 def main() -> None:
     global N_DAEMONS, N_STAGES  # the run's size (module docstring); every run reads them
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -481,6 +512,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the logs and data dirs")
     ap.add_argument("--activation-codec", default="none", help="the spec's activation_codec for every daemon run")
     ap.add_argument("--kill-only", action="store_true", help="run 4 alone (its keys only)")
+    ap.add_argument(
+        "--codec-only",
+        metavar="CODEC",
+        help="run 1 twice, activation_codec none then CODEC, side by side (the codec keys only)",
+    )
     ap.add_argument("--daemons", type=int, default=N_DAEMONS, help="daemons (the issue's size: 10)")
     ap.add_argument("--stages", type=int, default=N_STAGES, help="pipeline stages (the issue's size: 5)")
     args = ap.parse_args()
@@ -491,6 +527,14 @@ def main() -> None:
     spec_args = ("--activation-codec", args.activation_codec)
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_swarm-"))
+    if args.codec_only:
+        try:
+            line = codec_comparison(tmp, steps, args.codec_only)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(json.dumps(line | {"wall_s": round(time.monotonic() - t_start, 1)}), flush=True)
+        return
     if args.kill_only:
         try:
             kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
