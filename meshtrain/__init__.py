@@ -25,7 +25,7 @@ _EXPORTS = {
     "Swarm": "meshtrain.node.user_loop",
     "NodeConfig": "meshtrain.node.config",
     "SwarmSpec": "meshtrain.node.swarm_spec",
-    "SignedSpec": "meshtrain.node.swarm_spec",
+    "SignedSpec": "meshtrain.node.signed_spec",
     "OuterOptimizer": "meshtrain.optim.outer",
     "DiLoCo": "meshtrain.optim.diloco",
     "StreamingDiLoCo": "meshtrain.optim.streaming",

@@ -68,7 +68,8 @@ from meshtrain.collective.echoes import ECHO_ROUNDS, EchoMemory, PartSketch  # n
 from meshtrain.collective.protocol import AllReduceConfig  # noqa: E402
 from meshtrain.models.sources import build_model  # noqa: E402
 from meshtrain.node import adversary  # noqa: E402
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec  # noqa: E402
+from meshtrain.node.signed_spec import SignedSpec  # noqa: E402
+from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
 
 # Screening: norms and directions (signflip10, noise, zeros), and replay screening's echoes

@@ -313,7 +313,7 @@ def assembled_eval_loss(d: Daemons) -> float:
     import torch
 
     from meshtrain.node.checkpoint import CheckpointStore
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.signed_spec import SignedSpec
     from meshtrain.node.trainer import build_model, load_data
     from meshtrain.pipeline.stages import load_stage_states
 

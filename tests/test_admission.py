@@ -30,8 +30,9 @@ from meshtrain.node.admission import (
 )
 from meshtrain.node.cli import main
 from meshtrain.node.config import DEFAULT_CONFIG_FILE, load_node_config
+from meshtrain.node.signed_spec import SignedSpec, parse_join_address
 from meshtrain.node.swarm_list import format_table, pick_swarm, verify_adverts
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec, parse_join_address, parse_spec
+from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 from meshtrain.transport.identity import Identity
 
 OWNER = Identity.from_seed(bytes(32))  # fixed identities: the proofs below are deterministic

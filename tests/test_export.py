@@ -29,7 +29,8 @@ from meshtrain.collective import LocalSwarm
 from meshtrain.models import GPT, GPTConfig
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import export_model, generate, load_trained
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
+from meshtrain.node.signed_spec import SignedSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import Trainer
 from meshtrain.transport.identity import Identity
 

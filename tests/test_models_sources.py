@@ -215,7 +215,7 @@ def test_a_differing_local_copy_is_refused_naming_what_differs(hf_dirs, tmp_path
 
 
 def test_signed_spec_pins_digests_at_create(tmp_path, hf_dirs):
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.signed_spec import SignedSpec
     from meshtrain.transport.identity import Identity
 
     spec = SwarmSpec(model=f"hf:{hf_dirs[0]}", tokenizer=f"hf:{hf_dirs[1]}")

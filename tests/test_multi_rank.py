@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.status import fetch_status, request_stop
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.transport.identity import Identity
 
 ROOT = Path(__file__).resolve().parent.parent

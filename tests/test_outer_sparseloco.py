@@ -349,7 +349,8 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
     import sys
 
     from meshtrain.node.cli import build_parser
-    from meshtrain.node.swarm_spec import SignedSpec, parse_spec
+    from meshtrain.node.signed_spec import SignedSpec
+    from meshtrain.node.swarm_spec import parse_spec
     from meshtrain.node.trainer import Trainer
 
     from .conftest import ROOT

@@ -17,9 +17,10 @@ from meshtrain.models import GPT, GPTConfig
 from meshtrain.node import cli
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import spec_tokenizer
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.stage_state import StageStateError, StageStates
 from meshtrain.node.stage_trainer import StageTrainer
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.transport.identity import Identity
 
 from .conftest import start_peers

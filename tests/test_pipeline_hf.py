@@ -20,8 +20,9 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
 from meshtrain.node import cli, stage_handover
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.stage_state import StageStates
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.pipeline.stages import StageReplica, load_stage_states
 from meshtrain.transport.identity import Identity
 

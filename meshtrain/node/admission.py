@@ -60,8 +60,8 @@ import blake3
 
 from meshtrain.crdt.swarm_view import PeerInfo, SwarmView
 from meshtrain.log import get_logger, kv
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.strikes import StrikeBook
-from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.transport.framing import packb
 from meshtrain.transport.identity import IdentityError, public_key_of
 from meshtrain.transport.validate import is_int

@@ -297,7 +297,7 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
 
     from meshtrain.node.config import load_node_config
     from meshtrain.node.daemon import Node
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.signed_spec import SignedSpec
 
     config = load_node_config(args.config, overrides=_node_overrides(args))
     if args.log_level is None:
@@ -459,7 +459,8 @@ def _node_stop(args: argparse.Namespace) -> int:
 
 def _swarm_create(args: argparse.Namespace) -> int:
     from meshtrain.node.config import load_node_config
-    from meshtrain.node.swarm_spec import SignedSpec, parse_spec
+    from meshtrain.node.signed_spec import SignedSpec
+    from meshtrain.node.swarm_spec import parse_spec
     from meshtrain.transport.identity import Identity
 
     config = load_node_config(None, overrides={"data_dir": args.data_dir})

@@ -1,6 +1,6 @@
 """How this node runs: `NodeConfig`, the one config model of a machine.
 
-What a swarm trains is the other model, `SwarmSpec`, with its signature in `swarm_spec.py`: two
+What a swarm trains is the other model, `SwarmSpec` (swarm_spec.py; signed in signed_spec.py): two
 models because they have different owners. The spec is the swarm's contract, written once by its
 creator, signed, identical on every peer; a node may not override it. The `NodeConfig` is this
 machine's business: where to keep data, where to listen, whom to dial first, the status port, the device

@@ -86,11 +86,11 @@ from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import NodeError, Phase, RunState, StoppedWhileStarting, StopRequest
 from meshtrain.node.scoring import LossScorer
+from meshtrain.node.signed_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.spot_check import SpotChecker
 from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
 from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
-from meshtrain.node.swarm_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.node.verification import Verification
 from meshtrain.transport.host import Host, HostConfig

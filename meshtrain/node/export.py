@@ -70,7 +70,7 @@ from meshtrain.models.tokenizers import (
     load_tokenizer,
 )
 from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.swarm_spec import SignedSpec
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.trainer import build_model, load_data
 
 SPEC_FILE = "swarm.json"  # as the daemon writes it

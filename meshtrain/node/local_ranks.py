@@ -174,7 +174,7 @@ def run_local_rank(
 
 def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join: str | None) -> dict[str, Any]:
     from meshtrain.node.daemon import Node
-    from meshtrain.node.swarm_spec import SignedSpec
+    from meshtrain.node.signed_spec import SignedSpec
 
     node = None
     try:

@@ -75,9 +75,9 @@ from meshtrain.models.staged import staged
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import Trained, check_export_target, load_spec, spec_tokenizer, write_export
 from meshtrain.node.pipeline_peer import PipelinePeer
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.stage_trainer import checkpoint_stage
 from meshtrain.node.status import StatusError, fetch_status, read_daemon_file, request_export
-from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.node.trainer import build_model
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.stages import StageError, load_stage_states

@@ -75,8 +75,8 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.admission import POW_CAP, Admission, mint_pow
+from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.strikes import Standing, StrikeBook
-from meshtrain.node.swarm_spec import SignedSpec
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
 

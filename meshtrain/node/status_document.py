@@ -24,7 +24,7 @@ from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.run_state import Phase, RunState
-from meshtrain.node.swarm_spec import JoinTarget, SignedSpec
+from meshtrain.node.signed_spec import JoinTarget, SignedSpec
 from meshtrain.node.trainer import TrainedState
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal

@@ -43,7 +43,7 @@ from meshtrain.dht.swarm_index import SwarmAdvert, read_adverts
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.node.admission import POW_CAP, Admission
-from meshtrain.node.swarm_spec import SignedSpec, SpecError
+from meshtrain.node.signed_spec import SignedSpec, SpecError
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 

@@ -55,7 +55,8 @@ from meshtrain.log import get_logger
 from meshtrain.node.config import NodeConfig, load_node_config
 from meshtrain.node.daemon import Node, NodeResult
 from meshtrain.node.outer_spec import check_matches
-from meshtrain.node.swarm_spec import SignedSpec, SwarmSpec
+from meshtrain.node.signed_spec import SignedSpec
+from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.node.trainer import REPORT_EVERY, StepInfo, TrainedState
 from meshtrain.optim.outer import OuterOptimizer
 from meshtrain.transport.identity import Identity
