@@ -95,17 +95,32 @@ def test_a_replay_is_judged_only_against_earlier_rounds_of_its_tag_on_shared_coo
     assert memory.check("b", sketch_of(11, updates, (0, 2000)), part=0) == []
     assert memory.check("a", sketch_of(12, updates, (2000 - MIN_OVERLAP // 2, 4000)), part=0) == []
     assert memory.check("a", sketch_of(9, updates, (0, 2000)), part=0) == []
-    # A later round of tag "a" that repeats round 10's updates on shared coordinates: all of them.
-    assert {f.peer for f in memory.check("a", sketch_of(13, updates, (1000, 3000)), part=0)} == {
-        "p0",
-        "p1",
-        "p2",
-        "p3",
-    }
+    # A later round of tag "a" where p0 and p1 repeat round 10's updates on shared coordinates.
+    fresh = honest_updates(4, 4000, seed=9)
+    later = [updates[0], updates[1], fresh[2], fresh[3]]
+    assert {f.peer for f in memory.check("a", sketch_of(13, later, (1000, 3000)), part=0)} == {"p0", "p1"}
+    # ... but where everyone repeats, the aggregate does too: that tells nothing (weight decay alone
+    # does it, test below), and nobody is flagged.
+    memory.check("c", sketch_of(1, updates, (0, 4000)), part=0)
+    assert memory.check("c", sketch_of(2, updates, (0, 4000)), part=0) == []
     # An all-zero contribution is screening's business (its norm), not a replay.
     zeros = [torch.zeros(4000)] + honest_updates(3, 4000, seed=6)
     memory.check("z", sketch_of(1, zeros, (0, 4000)), part=0)
-    assert memory.check("z", sketch_of(2, zeros, (0, 4000)), part=0)[0].peer == "p1"  # p1 repeats
+    again = [zeros[0], zeros[1]] + honest_updates(2, 4000, seed=10)
+    assert [f.peer for f in memory.check("z", sketch_of(2, again, (0, 4000)), part=0)] == ["p1"]  # p1 repeats
+
+
+def test_a_part_where_every_update_is_weight_decay_alone_flags_nobody():
+    """Coordinates no batch reaches move by weight decay alone: every peer's update there is
+    proportional to φ, so each round's updates nearly repeat the last round's. The aggregate
+    repeats with them, which tells the owner that nobody is replaying there."""
+    g = torch.Generator().manual_seed(3)
+    phi = torch.randn(3000, generator=g)
+    memory = EchoMemory(0.9999)
+    for r in range(1, 6):
+        updates = [phi * 4e-5 * (1 + 1e-3 * i) for i in range(5)]  # lr x wd x H, peers' tiny float drift
+        assert memory.check("t", sketch_of(r, updates, (0, 3000)), part=0) == []
+        phi = phi * (1 - 4e-5)
 
 
 def test_the_sketch_samples_a_fixed_grid_of_the_flat_input():

@@ -15,7 +15,10 @@ share the inner optimizer's momentum and the swarm's direction, and at small H t
 (scripts/echo_separation.py, gpt-tiny, per part of 8: the largest honest cosine with any earlier
 update or aggregate 0.994 at H = 2, 0.996 at H = 3, 0.98 at H = 5, 0.62 at H = 50; a replay's
 1.0). The codecs are deterministic, so a replay decodes to the same values: its cosine is 1.0
-whatever the codec.
+whatever the codec. Where the round's own aggregate repeats an earlier round on the shared
+coordinates, that round is not compared: there honest updates repeat too (coordinates no batch
+reaches, whose update is weight decay alone, proportional to φ, and so nearly the same each
+round), as a replay with an honest majority never makes the aggregate do.
 
 What is kept. Not the contributions — a sketch: the coordinates whose index in the flat input
 (all the round's tensors flattened in order) is a multiple of `stride`, `echo_stride(numel)`, so
@@ -142,8 +145,10 @@ class EchoMemory:
             if hi < lo or (hi - lo) // sketch.stride + 1 < MIN_OVERLAP:
                 continue
             now_w, old_w = sketch.window(lo, hi), old.window(lo, hi)
-            current = unit_rows(torch.stack([sketch.rows[p][now_w] for p in peers]))
             before = unit_rows(torch.stack([*(r[old_w] for r in old.rows.values()), old.aggregate[old_w]]))
+            if float((unit_rows(sketch.aggregate[now_w][None]) @ before.T).max()) >= self.threshold:
+                continue  # the round's own aggregate repeats that round there: honest updates do too
+            current = unit_rows(torch.stack([sketch.rows[p][now_w] for p in peers]))
             cosines, _ = (current @ before.T).max(dim=1)
             for p, c in zip(peers, cosines.tolist(), strict=True):
                 if c >= self.threshold and c > best.get(p, (-2.0, 0))[0]:
