@@ -2,7 +2,7 @@
 
     python scripts/bench_adversarial.py [--honest 4] [--adversaries 1] [--H 10] [--rounds 8]
         [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8] [--score-samples -1]
-        [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean] [--seeds 1]
+        [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean] [--seeds 1] [--honest-repeats 1]
 
 Real daemons (`meshtrain node start`, one process each) on loopback train gpt-tiny (DiLoCo) in an
 open swarm: `--honest` honest peers and `--adversaries` adversaries, each an ordinary daemon with
@@ -20,7 +20,9 @@ Measured (last line, one JSON object):
   With `--seeds K` every run is repeated with swarm seeds 0..K-1 (the same command's honest-only
   swarm ends up to 5 % apart from one run to the next, more than the 0.02 target), each gap is
   the mean over seeds of (run with adversaries ÷ honest-only run of the same seed), and
-  `loss_gap_by_seed` lists them;
+  `loss_gap_by_seed` lists them; with `--honest-repeats R` the honest-only swarm runs R times per
+  seed, the reference is their mean loss, and `honest_run_spread` (per seed, the largest of those
+  runs over the smallest, minus 1) shows the noise floor a gap is read against;
 - `rounds_to_exclude`: per mode, the outer round in which the honest peers excluded the
   adversaries, the latest over seeds (null: not excluded within a run); `max_rounds_to_exclude` over the
   harmful modes, which screening catches (signflip10, noise, zeros by norm and direction; replay by
@@ -327,6 +329,12 @@ def main() -> None:
         default=1,
         help="swarm seeds 0..K-1, every run repeated with each; gaps are the mean over seeds (run-to-run noise is ~5%%)",
     )
+    ap.add_argument(
+        "--honest-repeats",
+        type=int,
+        default=1,
+        help="honest-only swarms per seed and rule; the reference loss is their mean, `honest_run_spread` their spread",
+    )
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     n = args.honest + args.adversaries
@@ -348,14 +356,20 @@ def main() -> None:
         for i in range(n):  # identities kept across runs: the honest peers' data is the same
             Identity.load_or_create(keys / f"n{i}")
         honest_modes: list[str | None] = [None] * args.honest
+        repeats = [f"honest{k}" for k in range(1, max(args.honest_repeats, 1))]  # beyond the first, "honest"
         for seed in seeds:
-            for label in ["honest", *modes]:
+            for label in ["honest", *repeats, *modes]:
                 for rule, spec in specs.items():
                     spec = spec.model_copy(update={"seed": seed})
-                    roles = honest_modes if label == "honest" else honest_modes + [label] * args.adversaries
+                    roles = honest_modes if label.startswith("honest") else honest_modes + [label] * args.adversaries
                     r = run_swarm(root / f"{seed}-{label}-{rule}", keys, spec, roles)
                     runs[f"{seed}/{label}/{rule}"] = r
                     print(f"seed {seed} {label}/{rule}: loss {r['loss']:.4f} excluded {r['excluded']}", file=sys.stderr)
+        for seed in seeds:  # the reference: the mean of the seed's honest-only runs
+            for rule in specs:
+                losses = [runs[f"{seed}/{label}/{rule}"]["loss"] for label in ["honest", *repeats]]
+                runs[f"{seed}/honest/{rule}"]["runs_loss"] = losses
+                runs[f"{seed}/honest/{rule}"]["loss"] = sum(losses) / len(losses)
     ids = runs["0/honest/robust"]["ids"]
     honest_ids, liar_ids = set(ids[: args.honest]), set(runs[f"0/{modes[0]}/robust"]["ids"][args.honest :])
     gaps_by_seed = {
@@ -394,6 +408,18 @@ def main() -> None:
                 "final_eval_loss_honest": {
                     rule: [round(runs[f"{s}/honest/{rule}"]["loss"], 4) for s in seeds] for rule in specs
                 },
+                # The noise floor: per seed, the largest honest-only run's loss over the smallest's, minus 1.
+                "honest_run_spread": {
+                    rule: [
+                        round(max(r) / min(r) - 1, 4)
+                        for r in (runs[f"{s}/honest/{rule}"]["runs_loss"] for s in seeds)
+                        if all(math.isfinite(x) for x in r)
+                    ]
+                    for rule in specs
+                }
+                if args.honest_repeats > 1
+                else None,
+                "honest_repeats": max(args.honest_repeats, 1),
                 "loss_gap_vs_honest": loss_gap,
                 "loss_gap_by_seed": gaps_by_seed if args.seeds > 1 else None,
                 "worst_loss_gap": max((g for g in robust_gaps if g is not None), default=None)
