@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig
+from meshtrain.collective.contract import ContributionFlag
 from meshtrain.collective.echoes import ECHO, MIN_OVERLAP, EchoMemory, PartSketch, echo_stride
+from meshtrain.collective.flat import part_bounds
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
 from meshtrain.node.strikes import echo_flagged
@@ -44,8 +46,14 @@ def correlated_rounds(rounds: int, n: int, numel: int, seed: int, carry: float) 
 def sketch_of(rnd: int, updates: list[torch.Tensor], bounds: tuple[int, int]) -> PartSketch:
     a, b = bounds
     rows = {f"p{i}": u[a:b] for i, u in enumerate(updates)}
-    aggregate = torch.stack(updates).mean(dim=0)[a:b]
-    return PartSketch.of(rnd, bounds, len(updates[0]), rows, aggregate)
+    return PartSketch.of(rnd, bounds, len(updates[0]), rows).with_aggregate(torch.stack(updates).mean(dim=0)[a:b])
+
+
+def judged(memory: EchoMemory, tag: str, sketch: PartSketch, part: int = 0) -> list[ContributionFlag]:
+    """What an owner does with a round: its echoes (as flags), then the round remembered."""
+    echoes = memory.match(tag, sketch)
+    memory.remember(tag, sketch)
+    return [sketch.flag(e, part) for e in echoes]
 
 
 @settings(max_examples=40, deadline=None)
@@ -68,7 +76,7 @@ def test_exactly_the_replayed_contribution_is_flagged_while_parts_move(n, seed, 
     rounds = correlated_rounds(7, n, numel, seed, carry)
     for r, updates in enumerate(rounds[:6], 1):
         bounds = (cuts[r - 1], cuts[r - 1] + 1500)
-        assert memory.check("t", sketch_of(r, updates, bounds), part=0) == []
+        assert judged(memory, "t", sketch_of(r, updates, bounds), 0) == []
     earlier = 3
     source = {
         "own": rounds[earlier - 1][liar],
@@ -77,7 +85,7 @@ def test_exactly_the_replayed_contribution_is_flagged_while_parts_move(n, seed, 
     }[replayed]
     final = list(rounds[6])
     final[liar] = source.clone()
-    flags = memory.check("t", sketch_of(7, final, (cuts[0] + 700, cuts[0] + 2200)), part=2)
+    flags = judged(memory, "t", sketch_of(7, final, (cuts[0] + 700, cuts[0] + 2200)), 2)
     assert [(f.peer, f.rule, f.part) for f in flags] == [(f"p{liar}", ECHO, 2)]
     (flag,) = flags
     assert flag.echo >= 0.9999
@@ -88,26 +96,26 @@ def test_exactly_the_replayed_contribution_is_flagged_while_parts_move(n, seed, 
 def test_a_replay_is_judged_only_against_earlier_rounds_of_its_tag_on_shared_coordinates():
     updates = honest_updates(4, 4000, seed=5)
     memory = EchoMemory(0.9999)
-    assert memory.check("a", sketch_of(10, updates, (0, 2000)), part=0) == []
+    assert judged(memory, "a", sketch_of(10, updates, (0, 2000)), 0) == []
     # The same round again (a redone round), another tag, a later round on coordinates the
     # earlier sketch never held, or a round id below the remembered one: nothing to compare.
-    assert memory.check("a", sketch_of(10, updates, (0, 2000)), part=0) == []
-    assert memory.check("b", sketch_of(11, updates, (0, 2000)), part=0) == []
-    assert memory.check("a", sketch_of(12, updates, (2000 - MIN_OVERLAP // 2, 4000)), part=0) == []
-    assert memory.check("a", sketch_of(9, updates, (0, 2000)), part=0) == []
+    assert judged(memory, "a", sketch_of(10, updates, (0, 2000)), 0) == []
+    assert judged(memory, "b", sketch_of(11, updates, (0, 2000)), 0) == []
+    assert judged(memory, "a", sketch_of(12, updates, (2000 - MIN_OVERLAP // 2, 4000)), 0) == []
+    assert judged(memory, "a", sketch_of(9, updates, (0, 2000)), 0) == []
     # A later round of tag "a" where p0 and p1 repeat round 10's updates on shared coordinates.
     fresh = honest_updates(4, 4000, seed=9)
     later = [updates[0], updates[1], fresh[2], fresh[3]]
-    assert {f.peer for f in memory.check("a", sketch_of(13, later, (1000, 3000)), part=0)} == {"p0", "p1"}
+    assert {f.peer for f in judged(memory, "a", sketch_of(13, later, (1000, 3000)), 0)} == {"p0", "p1"}
     # ... but where everyone repeats, the aggregate does too: that tells nothing (weight decay alone
     # does it, test below), and nobody is flagged.
-    memory.check("c", sketch_of(1, updates, (0, 4000)), part=0)
-    assert memory.check("c", sketch_of(2, updates, (0, 4000)), part=0) == []
+    judged(memory, "c", sketch_of(1, updates, (0, 4000)), 0)
+    assert judged(memory, "c", sketch_of(2, updates, (0, 4000)), 0) == []
     # An all-zero contribution is screening's business (its norm), not a replay.
     zeros = [torch.zeros(4000)] + honest_updates(3, 4000, seed=6)
-    memory.check("z", sketch_of(1, zeros, (0, 4000)), part=0)
+    judged(memory, "z", sketch_of(1, zeros, (0, 4000)), 0)
     again = [zeros[0], zeros[1]] + honest_updates(2, 4000, seed=10)
-    assert [f.peer for f in memory.check("z", sketch_of(2, again, (0, 4000)), part=0)] == ["p1"]  # p1 repeats
+    assert [f.peer for f in judged(memory, "z", sketch_of(2, again, (0, 4000)), 0)] == ["p1"]  # p1 repeats
 
 
 def test_a_part_where_every_update_is_weight_decay_alone_flags_nobody():
@@ -119,7 +127,7 @@ def test_a_part_where_every_update_is_weight_decay_alone_flags_nobody():
     memory = EchoMemory(0.9999)
     for r in range(1, 6):
         updates = [phi * 4e-5 * (1 + 1e-3 * i) for i in range(5)]  # lr x wd x H, peers' tiny float drift
-        assert memory.check("t", sketch_of(r, updates, (0, 3000)), part=0) == []
+        assert judged(memory, "t", sketch_of(r, updates, (0, 3000)), 0) == []
         phi = phi * (1 - 4e-5)
 
 
@@ -128,15 +136,17 @@ def test_the_sketch_samples_a_fixed_grid_of_the_flat_input():
     stride = echo_stride(numel)
     assert stride == 5 and echo_stride(1000) == 1
     x = torch.arange(numel, dtype=torch.float32)
-    s = PartSketch.of(1, (7, 1007), numel, {"p": x[7:1007]}, x[7:1007])
+    s = PartSketch.of(1, (7, 1007), numel, {"p": x[7:1007]}).with_aggregate(2 * x[7:1007])
     assert s.first == 10 and s.stride == 5 and s.rows["p"][0] == 10 and s.last == 1005
     assert torch.equal(s.rows["p"], torch.arange(10, 1007, 5, dtype=torch.float32))
+    assert torch.equal(s.aggregate, 2 * s.rows["p"])
 
 
-async def test_every_honest_owner_flags_a_peer_replaying_its_last_contribution_over_loopback():
+async def test_every_honest_owner_drops_and_flags_a_peer_replaying_its_last_contribution_over_loopback():
     """Four real hosts, two robust all-reduces: in the second, peer 2 sends its contribution of the
-    first again. Every other owner flags it on its own part as an echo of round 1, nobody else; the
-    replayer's bits still pass the norm and direction rules (it points the right way)."""
+    first again. Every other owner drops it from its part and flags it as an echo of round 1, and
+    nobody else: the round's result is the three others' alone, and the replayer is excluded from
+    it like a sender of garbage (its bits would pass the norm and direction rules)."""
     first, second = correlated_rounds(2, 4, 4000, seed=7, carry=0.3)
     second[2] = first[2].clone()
     async with AsyncExitStack() as stack:
@@ -151,7 +161,18 @@ async def test_every_honest_owner_flags_a_peer_replaying_its_last_contribution_o
         (flag,) = r.screening.flags
         assert (flag.peer, flag.rule, flag.earlier, flag.part) == (ids[2], ECHO, 1, r.screening.group.index(ids[i]))
         assert flag.echo >= 0.9999 and flag.alignment > 0
-    assert len(set(r.digest for r in r2)) == 1 and len(r2[0].contributors) == 4
+    assert len(set(r.digest for r in r2)) == 1
+    for r in r2:
+        assert r.contributors == tuple(sorted(p for p in ids if p != ids[2]))
+        assert "repeats round 1's contribution" in r.excluded[ids[2]] or r is r2[2]
+    # Each honest owner combined its part from the three others (a trimmed mean of three: their
+    # median); the replayer's own part is its own business.
+    honest = torch.stack([u for i, u in enumerate(second) if i != 2]).median(dim=0).values
+    got, group = r2[0].tensors["w"].reshape(-1), r2[0].screening.group
+    bounds = part_bounds(got.numel(), len(group))
+    for j, owner in enumerate(group):
+        if owner != ids[2]:
+            assert torch.equal(got[bounds[j] : bounds[j + 1]], honest[bounds[j] : bounds[j + 1]])
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,9 @@ with NaN/inf or of the wrong size is rejected outright and its sender excluded a
 contributions (data_phase.py); every committed round's `RoundScreening` is in
 `ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
 With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
-loss scoring (contract.py `sampled_peers`, node/scoring.py). With `screen_echo` as well, the
-flags include contributions that repeat one of our parts' recent rounds (echoes.py `EchoMemory`).
+loss scoring (contract.py `sampled_peers`, node/scoring.py). With `screen_echo` as well, an owner
+drops from its part a contribution that repeats one of its recent rounds (echoes.py
+`EchoMemory`: the sender is excluded from the round like a sender of garbage) and flags it.
 
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
@@ -552,12 +553,14 @@ class SwarmCollective(Service):
         # Screening (contract.py): what we flagged as a part's owner, with the round it belongs to.
         flags = tuple(f for f in stats.flags if f.peer != self.peer_id)
         if stats.sketch is not None and stats.digest == outcome.digest and result is not None:
-            # Replay screening (echoes.py): only the committed round's contributions are remembered.
-            # An echo replaces a norm or direction flag of the same peer: it is the sharper evidence.
-            echoes = self.echoes.check(key.tag, stats.sketch, group.index(self.peer_id))
-            echoes = [f for f in echoes if f.peer != self.peer_id and f.peer not in excluded]
-            echoed = {f.peer for f in echoes}
-            flags = tuple(f for f in flags if f.peer not in echoed) + tuple(echoes)
+            # Replay screening (echoes.py): the committed round's part is remembered, and the
+            # echoes we dropped from it are flagged (rather than as a norm or direction flag).
+            self.echoes.remember(key.tag, stats.sketch)
+            echoed = {e.peer for e in stats.echoes}
+            part = group.index(self.peer_id)
+            flags = tuple(f for f in flags if f.peer not in echoed) + tuple(
+                stats.sketch.flag(e, part) for e in stats.echoes
+            )
         stats.sketch = None
         screening = None
         if self.config.screen_norm:
@@ -597,6 +600,7 @@ class SwarmCollective(Service):
             codec=codec,
             weight=weight,
             shares=shares,
+            echoes=self.echoes if self.config.screen_echo else None,
         )
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []

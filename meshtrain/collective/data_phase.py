@@ -45,9 +45,10 @@ every contribution to it, so after combining it compares each with the others â€
 the median norm, its cosine with the robust aggregate against the group's median cosine
 (`screen_contributions`) â€” and keeps
 the flags in `stats.flags`. Nothing on the wire changes; what to do about a flag is the node's.
-With `config.screen_echo` it also keeps a sketch of the part's contributions and aggregate
-(`stats.sketch`), which the participant compares with its earlier rounds' once the round commits
-(echoes.py: replay screening).
+Replay screening (robust modes with screening, given the participant's `EchoMemory`): before
+combining, the owner drops a contribution that repeats one of its earlier rounds' (echoes.py;
+named in `stats.rejected`, as garbage is, and kept in `stats.echoes`), and keeps a sketch of the
+part (`stats.sketch`), which the participant remembers if the round commits.
 With `config.score_samples` (loss scoring, issue 21 4b) the owner also keeps every weighted,
 finite contribution to its part in `stats.kept` until the round commits (one more copy of the
 flat input per peer, the size of the robust stack it already builds): which few of them are
@@ -78,7 +79,7 @@ import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError, ContributionFlag
-from meshtrain.collective.echoes import PartSketch
+from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
 from meshtrain.collective.flat import flatten_fp32, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
@@ -115,9 +116,10 @@ class AttemptStats:
     # our part, kept until the round commits (the sample depends on the committed digest).
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     part: tuple[int, int] = (0, 0)  # our part's [start, stop) in the flat input
-    # Replay screening (config.screen_echo): a sketch of every weighted contribution to our part
-    # and of its aggregate, compared with earlier rounds' once the round commits (echoes.py).
+    # Replay screening (echoes.py): a sketch of every weighted contribution to our part and of its
+    # aggregate, kept by the participant if the round commits; the echoes we dropped from our part.
     sketch: PartSketch | None = None
+    echoes: list[Echo] = field(default_factory=list)
     # Every send of ours, (start, end, bytes) in trio time: our uplink's measure (shares.py
     # `egress_rate`), which our next joins carry when no rate is configured.
     sends: list[tuple[float, float, int]] = field(default_factory=list)
@@ -245,6 +247,7 @@ class DataPhase:
         codec: str,
         weight: float,
         shares: tuple[int, ...] = (),
+        echoes: EchoMemory | None = None,
     ) -> None:
         try:
             self.codec = get_codec(codec)
@@ -255,7 +258,8 @@ class DataPhase:
         self.index = group.index(me)
         self.others = [p for p in group if p != me]
         self.tag = f"ar/{key.wire}/{attempt}"
-        self.round_id = key.round_id
+        self.round_id, self.round_tag = key.round_id, key.tag
+        self.echoes = echoes if config.screen_norm and config.robust != "none" else None
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
         try:
@@ -426,16 +430,20 @@ class DataPhase:
         contributions, weights = self._contributions[s], self._weights[s]
         contributions[self.me] = self.flat[a:b]
         weights[self.me] = self.weight
+        sketch = self._drop_echoes(a, b, contributions, weights) if self.echoes is not None else None
         reduced = await trio.to_thread.run_sync(
             reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, self.index
         )
-        weighted = {p: x for p, x in contributions.items() if weights.get(p, 0) > 0 and p not in self.stats.rejected}
-        if self.config.robust != "none" and (self.config.score_samples or self.config.screen_echo):
+        if self.config.robust != "none" and (self.config.score_samples or sketch is not None):
             self.stats.part = (a, b)
         if self.config.score_samples and self.config.robust != "none":
-            self.stats.kept = {p: x for p, x in weighted.items() if p != self.me}
-        if self.config.screen_echo and self.config.screen_norm and self.config.robust != "none":
-            self.stats.sketch = PartSketch.of(self.round_id, (a, b), self.flat.numel(), weighted, reduced)
+            self.stats.kept = {
+                p: x
+                for p, x in contributions.items()
+                if p != self.me and weights.get(p, 0) > 0 and p not in self.stats.rejected
+            }
+        if sketch is not None:
+            self.stats.sketch = sketch.with_aggregate(reduced)
         self._contributions[s] = {}  # the contributions are no longer needed (kept ones aside)
         parts = self._encode(reduced)
         self.out[a:b] = reduced if self.lossless else self.codec.decode(parts, (b - a,), torch.float32)
@@ -443,6 +451,24 @@ class DataPhase:
         digest = await trio.to_thread.run_sync(payload_digest, parts) if self.others else None
         self._reduced[s] = (parts, digest)
         self._ready[s].set()
+
+    def _drop_echoes(
+        self, a: int, b: int, contributions: dict[str, torch.Tensor], weights: dict[str, float]
+    ) -> PartSketch:
+        """Replay screening (echoes.py), before our part [a, b) is combined: the contributions
+        that repeat an earlier round's are taken out of it (named in `stats.rejected`, kept in
+        `stats.echoes`); the sketch of every weighted contribution, theirs included."""
+        assert self.echoes is not None
+        weighted = {p: x for p, x in contributions.items() if weights.get(p, 0) > 0 and p not in self.stats.rejected}
+        sketch = PartSketch.of(self.round_id, (a, b), self.flat.numel(), weighted)
+        for echo in self.echoes.match(self.round_tag, sketch):
+            if echo.peer != self.me:
+                self.stats.rejected[echo.peer] = (
+                    f"repeats round {echo.earlier}'s contribution (cosine {echo.cosine:.6f})"
+                )
+                self.stats.echoes.append(echo)
+                del contributions[echo.peer], weights[echo.peer]
+        return sketch
 
     async def _fetch(self, j: int, s: int, peer: str) -> None:
         a, b = self.stripes[j][s], self.stripes[j][s + 1]

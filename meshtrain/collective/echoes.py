@@ -6,19 +6,26 @@ aggregate) does no work and still points roughly the right way, so norm and dire
 once the swarm has moved far enough from the round it was computed in, and only for the few
 peers a round samples: in bench_adversarial.py's runs a replayer survived up to 6 rounds.
 
-Design. The owner of a part already holds every contribution to it. After a round commits it
-compares each contribution with what it held of that part in its last `ECHO_ROUNDS` committed
-rounds of the same tag (every contributor's and the committed aggregate), and flags one whose
+Design. The owner of a part already holds every contribution to it. Before it combines them it
+compares each with what it kept of that part from its last `ECHO_ROUNDS` committed rounds of the
+same tag (every contributor's contribution and the committed aggregate), and a contribution whose
 cosine with any of them is at least the threshold (`AllReduceConfig.screen_echo`; the spec's
-`screen_echo`, default 0.9999). Honest updates never come that close: consecutive rounds' updates
-share the inner optimizer's momentum and the swarm's direction, and at small H they are alike
-(scripts/echo_separation.py, gpt-tiny, per part of 8: the largest honest cosine with any earlier
-update or aggregate 0.994 at H = 2, 0.996 at H = 3, 0.98 at H = 5, 0.62 at H = 50; a replay's
-1.0). The codecs are deterministic, so a replay decodes to the same values: its cosine is 1.0
-whatever the codec. Where the round's own aggregate repeats an earlier round on the shared
-coordinates, that round is not compared: there honest updates repeat too (coordinates no batch
-reaches, whose update is weight decay alone, proportional to φ, and so nearly the same each
-round), as a replay with an honest majority never makes the aggregate do.
+`screen_echo`, default 0.9999) is an *echo* (`EchoMemory.match`). It is dropped from the part's
+combination, like a contribution with NaN in it (data_phase.py: named in the attempt's
+`rejected`, so the round's outcome excludes its sender), so a replay never reaches the model, and
+flagged (`PartSketch.flag`) once the round commits, when the round's sketch is kept
+(`EchoMemory.remember`). Each owner drops it from its own part: together they drop it from all
+of them.
+
+Honest updates never come that close: consecutive rounds' updates share the inner optimizer's
+momentum and the swarm's direction, and at small H they are alike (scripts/echo_separation.py,
+gpt-tiny, per part of 8, against every earlier round: the largest honest cosine 0.996 at H = 3,
+0.99 at H = 2, 0.98 at H = 5, 0.62 at H = 50; a replay's 1.0). The codecs are deterministic, so a
+replay decodes to the same values: its cosine is 1.0 whatever the codec. An earlier round that
+most of this round's contributors (two or more) repeat on the shared coordinates is not judged:
+there honest updates repeat too (coordinates no batch reaches, whose update is weight decay
+alone, proportional to φ, and so nearly the same each round), and a replaying minority cannot
+make the others repeat.
 
 What is kept. Not the contributions — a sketch: the coordinates whose index in the flat input
 (all the round's tensors flattened in order) is a multiple of `stride`, `echo_stride(numel)`, so
@@ -32,7 +39,9 @@ Evidence. An echo flag (`ContributionFlag` with rule "echo") carries the cosine 
 earlier round it matched (`earlier`), and the contribution's norm over the aggregate's and its
 cosine with the aggregate on the sketch's coordinates (`norm_ratio`, `alignment`). The node turns
 it into a signed strike like any screening flag (node/strikes.py), counted only with half the
-round's others agreeing: every owner sees a replay on its own part.
+round's others agreeing: every owner sees a replay on its own part. Dropping needs no agreement:
+an owner decides its own part's combination, and an honest owner's false echo (none measured)
+would cost one part one contribution, as the trimmed mean's trim does.
 
 Not caught here: a replay perturbed by noise of more than ~1.4 % of its norm (cosine under
 0.9999), or blended with fresh work (which is then partly work); a replay of a round older than
@@ -44,6 +53,7 @@ the same contribution in one round are not flagged: which one copied cannot be t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -65,38 +75,44 @@ def echo_stride(numel: int) -> int:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A contribution that repeats `earlier` round's contribution or aggregate: its cosine with it."""
+
+    peer: str
+    cosine: float
+    earlier: int
+
+
+@dataclass(frozen=True)
 class PartSketch:
-    """What an owner keeps of one committed round's part [a, b): the sampled coordinates from
-    `first` (a multiple of `stride`, the first in the part) on, each contributor's values there
-    (`rows`, fp32) and the committed aggregate's."""
+    """What an owner keeps of one round's part [`start`, b): the sampled coordinates from `first`
+    (a multiple of `stride`, the first in the part) on, each contributor's values there (`rows`,
+    fp32) and, once the part is combined, the aggregate's (None before)."""
 
     round_id: int
+    start: int
     first: int
     stride: int
     rows: dict[str, torch.Tensor]
-    aggregate: torch.Tensor
+    aggregate: torch.Tensor | None = None
 
     @classmethod
-    def of(
-        cls,
-        round_id: int,
-        part: tuple[int, int],
-        numel: int,
-        contributions: dict[str, torch.Tensor],
-        aggregate: torch.Tensor,
-    ) -> PartSketch:
+    def of(cls, round_id: int, part: tuple[int, int], numel: int, contributions: dict[str, torch.Tensor]) -> PartSketch:
         """The sketch of part `part` of a flat input of `numel` coordinates, from the part's
-        contributions (each the part's slice, b - a values) and its aggregate."""
+        contributions (each the part's slice, b - a values)."""
         a, _ = part
         stride = echo_stride(numel)
         first = -(-a // stride) * stride
-        pick = slice(first - a, None, stride)
-        rows = {p: x[pick].float().clone() for p, x in contributions.items()}
-        return cls(round_id, first, stride, rows, aggregate[pick].float().clone())
+        rows = {p: x[first - a :: stride].float().clone() for p, x in contributions.items()}
+        return cls(round_id, a, first, stride, rows)
+
+    def with_aggregate(self, aggregate: torch.Tensor) -> PartSketch:
+        """This sketch with the part's combined value (the part's slice)."""
+        return dataclasses.replace(self, aggregate=aggregate[self.first - self.start :: self.stride].float().clone())
 
     @property
     def count(self) -> int:
-        return len(self.aggregate)
+        return len(next(iter(self.rows.values()))) if self.rows else 0
 
     @property
     def last(self) -> int:
@@ -107,6 +123,23 @@ class PartSketch:
         """The positions of coordinates first..last (multiples of stride, inclusive) in the rows."""
         return slice((first - self.first) // self.stride, (last - self.first) // self.stride + 1)
 
+    def flag(self, echo: Echo, part: int) -> ContributionFlag:
+        """The screening flag of `echo` as the owner of part `part`, its norm ratio and alignment
+        against this sketch's aggregate."""
+        row, agg = self.rows[echo.peer], self.aggregate
+        row_norm, agg_norm = float(row.norm()), float(agg.norm()) if agg is not None else 0.0
+        norm_ratio = row_norm / agg_norm if agg_norm > 0 else 0.0
+        alignment = float(row @ agg) / (row_norm * agg_norm) if agg_norm > 0 and row_norm > 0 else 0.0
+        return ContributionFlag(
+            echo.peer,
+            part,
+            round(norm_ratio, 6) if math.isfinite(norm_ratio) else 0.0,
+            round(alignment, 6) if math.isfinite(alignment) else 0.0,
+            ECHO,
+            echo=round(min(echo.cosine, 1.0), 6),
+            earlier=echo.earlier,
+        )
+
 
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
     """`rows` scaled to unit norm (all-zero rows stay zero)."""
@@ -114,63 +147,47 @@ def unit_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 class EchoMemory:
-    """One owner's memory of its parts' recent rounds, per tag, and the echo check (module
-    docstring). threshold: the cosine at which a contribution repeats an earlier one (0: off)."""
+    """One owner's memory of its parts' recent committed rounds, per tag, and the echo check
+    (module docstring). threshold: the cosine at which a contribution repeats an earlier one (0:
+    off)."""
 
     def __init__(self, threshold: float, rounds: int = ECHO_ROUNDS) -> None:
         self.threshold, self.rounds = threshold, rounds
         self._kept: OrderedDict[str, deque[PartSketch]] = OrderedDict()
 
-    def check(self, tag: str, sketch: PartSketch, part: int) -> list[ContributionFlag]:
-        """Flags for the contributions of `sketch`'s round that repeat a contribution or aggregate
-        of an earlier round of `tag` (round id below it) on coordinates both hold, as the owner of
-        part `part`; then the sketch is remembered."""
+    def match(self, tag: str, sketch: PartSketch) -> list[Echo]:
+        """The contributions of `sketch`'s round that repeat a contribution or aggregate of an
+        earlier committed round of `tag` (round id below it) on the coordinates both hold, by
+        peer. An earlier round that most of this round's contributors (two or more) repeat is not
+        judged: where honest updates repeat too, a repeat is no evidence."""
+        if self.threshold <= 0:
+            return []
         earlier = [s for s in self._kept.get(tag, ()) if s.round_id < sketch.round_id and s.stride == sketch.stride]
-        flags = self._compare(sketch, earlier, part) if self.threshold > 0 else []
+        peers = [p for p in sorted(sketch.rows) if float(sketch.rows[p].norm()) > 0]
+        best: dict[str, tuple[float, int]] = {}
+        for old in earlier if peers else ():
+            lo, hi = max(sketch.first, old.first), min(sketch.last, old.last)
+            if hi < lo or (hi - lo) // sketch.stride + 1 < MIN_OVERLAP:
+                continue
+            now_w, old_w = sketch.window(lo, hi), old.window(lo, hi)
+            before = [r[old_w] for r in old.rows.values()]
+            if old.aggregate is not None:
+                before.append(old.aggregate[old_w])
+            current = unit_rows(torch.stack([sketch.rows[p][now_w] for p in peers]))
+            cosines = (current @ unit_rows(torch.stack(before)).T).max(dim=1).values.tolist()
+            repeats = [(p, c) for p, c in zip(peers, cosines, strict=True) if c >= self.threshold]
+            if len(repeats) >= 2 and 2 * len(repeats) > len(peers):
+                continue  # most of the round repeats that round here (weight decay alone): no evidence
+            for p, c in repeats:
+                if c > best.get(p, (-2.0, 0))[0]:
+                    best[p] = (c, old.round_id)
+        return [Echo(p, c, r) for p, (c, r) in sorted(best.items())]
+
+    def remember(self, tag: str, sketch: PartSketch) -> None:
+        """Keep a committed round's sketch (with its aggregate) for the rounds after it."""
         kept = self._kept.setdefault(tag, deque(maxlen=self.rounds))
         self._kept.move_to_end(tag)
         if sketch.count:
             kept.append(sketch)
         while len(self._kept) > MAX_TAGS:
             self._kept.popitem(last=False)
-        return flags
-
-    def _compare(self, sketch: PartSketch, earlier: list[PartSketch], part: int) -> list[ContributionFlag]:
-        peers = [p for p in sorted(sketch.rows) if float(sketch.rows[p].norm()) > 0]
-        if not peers or not earlier:
-            return []
-        best: dict[str, tuple[float, int]] = {}
-        for old in earlier:
-            lo, hi = max(sketch.first, old.first), min(sketch.last, old.last)
-            if hi < lo or (hi - lo) // sketch.stride + 1 < MIN_OVERLAP:
-                continue
-            now_w, old_w = sketch.window(lo, hi), old.window(lo, hi)
-            before = unit_rows(torch.stack([*(r[old_w] for r in old.rows.values()), old.aggregate[old_w]]))
-            if float((unit_rows(sketch.aggregate[now_w][None]) @ before.T).max()) >= self.threshold:
-                continue  # the round's own aggregate repeats that round there: honest updates do too
-            current = unit_rows(torch.stack([sketch.rows[p][now_w] for p in peers]))
-            cosines, _ = (current @ before.T).max(dim=1)
-            for p, c in zip(peers, cosines.tolist(), strict=True):
-                if c >= self.threshold and c > best.get(p, (-2.0, 0))[0]:
-                    best[p] = (c, old.round_id)
-        if not best:
-            return []
-        agg = sketch.aggregate
-        agg_norm = float(agg.norm())
-        flags = []
-        for p, (cosine, round_id) in sorted(best.items()):
-            row = sketch.rows[p]
-            norm_ratio = float(row.norm()) / agg_norm if agg_norm > 0 else 0.0
-            alignment = float(row @ agg) / (float(row.norm()) * agg_norm) if agg_norm > 0 else 0.0
-            flags.append(
-                ContributionFlag(
-                    p,
-                    part,
-                    round(norm_ratio, 6) if math.isfinite(norm_ratio) else 0.0,
-                    round(alignment, 6) if math.isfinite(alignment) else 0.0,
-                    ECHO,
-                    echo=round(min(cosine, 1.0), 6),
-                    earlier=round_id,
-                )
-            )
-        return flags
