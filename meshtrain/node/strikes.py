@@ -118,7 +118,7 @@ def spot_flagged(match: float, ref: float, spec: SwarmSpec) -> bool:
 def echo_flagged(echo: float, spec: SwarmSpec) -> bool:
     """Replay screening's rule (collective/echoes.py): a contribution whose cosine with a
     contribution or aggregate of an earlier round (`echo`) is at least `spec.screen_echo` repeats
-    it: honest updates of different rounds stay below 0.997 even at H = 2 (scripts/echo_separation.py)."""
+    it: honest updates of different rounds stayed below 0.9987 even at H = 2 (scripts/echo_separation.py)."""
     return spec.screen_echo > 0 and echo >= spec.screen_echo
 
 

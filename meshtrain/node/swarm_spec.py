@@ -164,7 +164,7 @@ class SwarmSpec(BaseModel):
         le=1,
         description="robust aggregation: flag a contribution whose cosine with a contribution or aggregate of "
         "the owner's part in one of its last 8 rounds is at least this (a replayed update; honest updates of "
-        "different rounds stay below 0.997 even at H = 2); 0 = off; only where screening is on",
+        "different rounds stayed below 0.9987 even at H = 2); 0 = off; only where screening is on",
     )
     score_samples: int = Field(
         2,
