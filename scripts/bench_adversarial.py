@@ -183,11 +183,13 @@ def screening_seconds(peers: int, trials: int = 20) -> float:
     memory = EchoMemory(SwarmSpec().screen_echo)
     rows = dict(zip(names, stack, strict=True))
     for r in range(ECHO_ROUNDS):  # a full memory
-        memory.check("", PartSketch.of(r, (0, numel), total, rows, aggregate), 0)
+        memory.remember("", PartSketch.of(r, (0, numel), total, rows).with_aggregate(aggregate))
     t0 = time.perf_counter()
     for t in range(trials):
         screen_contributions(names, stack, aggregate, config, 0)
-        memory.check("", PartSketch.of(ECHO_ROUNDS + t, (0, numel), total, rows, aggregate), 0)
+        sketch = PartSketch.of(ECHO_ROUNDS + t, (0, numel), total, rows)
+        memory.match("", sketch)
+        memory.remember("", sketch.with_aggregate(aggregate))
     return (time.perf_counter() - t0) / trials
 
 
