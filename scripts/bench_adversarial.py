@@ -18,11 +18,13 @@ Measured (last line, one JSON object):
 - `loss_gap_vs_honest`: per mode, {robust, mean}: the honest peers' final held-out loss over the
   honest-only swarm's, minus 1 (null: the swarm diverged); `worst_loss_gap` its largest (robust).
   With `--seeds K` every run is repeated with swarm seeds 0..K-1 (the same command's honest-only
-  swarm ends up to 5 % apart from one run to the next, more than the 0.02 target), each gap is
-  the mean over seeds of (run with adversaries ÷ honest-only run of the same seed), and
+  swarm ends up to 5 % apart from one invocation to the next, more than the 0.02 target: every
+  invocation mints new identities, and a peer's data is a function of its id), each gap is the
+  mean over seeds of (run with adversaries ÷ honest-only run of the same seed), and
   `loss_gap_by_seed` lists them; with `--honest-repeats R` the honest-only swarm runs R times per
   seed, the reference is their mean loss, and `honest_run_spread` (per seed, the largest of those
-  runs over the smallest, minus 1) shows the noise floor a gap is read against;
+  runs over the smallest, minus 1) shows the noise floor within one invocation (it was 0: the
+  same identities and seed give the same swarm);
 - `rounds_to_exclude`: per mode, the outer round in which the honest peers excluded the
   adversaries, the latest over seeds (null: not excluded within a run); `max_rounds_to_exclude` over the
   harmful modes, which screening catches (signflip10, noise, zeros by norm and direction; replay by
@@ -329,7 +331,7 @@ def main() -> None:
         "--seeds",
         type=int,
         default=1,
-        help="swarm seeds 0..K-1, every run repeated with each; gaps are the mean over seeds (run-to-run noise is ~5%%)",
+        help="swarm seeds 0..K-1, every run repeated with each; gaps are the mean over seeds (one seed's gaps swing by a few %%)",
     )
     ap.add_argument(
         "--honest-repeats",
