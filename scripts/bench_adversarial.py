@@ -76,16 +76,13 @@ from meshtrain.node.signed_spec import SignedSpec  # noqa: E402
 from meshtrain.node.swarm_spec import SwarmSpec  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
 
-# Screening: norms and directions (signflip10, noise, zeros), and replay screening's echoes
-# (collective/echoes.py). Other data points the right way and repeats nothing: it is left to loss
-# scoring (node/scoring.py), which at this scale does not separate it (README "Public swarms").
-CAUGHT_BY_SCREENING = ("signflip10", "noise", "zeros", "replay")
-CAUGHT_BY_SCORING = ("otherdata",)
-# The harmful modes, which `max_rounds_to_exclude` holds to the target: those that do no work
-# (noise, zeros, replay: free riders) or wreck the model (signflip10). Other data does the work,
-# on other windows, and did no measurable harm here: with no defence at all (plain mean) its gap was
-# 0.17 %, against 1.5 % for a replay and 143 % for signflip10 (docs/bench_adversarial_issue21.json).
-HARMFUL = CAUGHT_BY_SCREENING
+# The harmful modes, which `max_rounds_to_exclude` holds to the target, all caught by screening
+# (norms and directions; replay by its echo, collective/echoes.py): those that do no work (noise,
+# zeros, replay: free riders) or wreck the model (signflip10). Other data does the work, on other
+# windows, is left to loss scoring (node/scoring.py, which at this scale does not separate it), and
+# did no measurable harm here: with no defence at all (plain mean) its gap was 0.17 %, against
+# 1.5 % for a replay and 143 % for signflip10 (docs/bench_adversarial_issue21.json).
+HARMFUL = ("signflip10", "noise", "zeros", "replay")
 RUN_TIMEOUT = 300.0
 
 

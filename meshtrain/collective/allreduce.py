@@ -600,7 +600,7 @@ class SwarmCollective(Service):
             codec=codec,
             weight=weight,
             shares=shares,
-            echoes=self.echoes if self.config.screen_echo else None,
+            echoes=self.echoes,
         )
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []

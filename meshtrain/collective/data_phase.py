@@ -259,7 +259,9 @@ class DataPhase:
         self.others = [p for p in group if p != me]
         self.tag = f"ar/{key.wire}/{attempt}"
         self.round_id, self.round_tag = key.round_id, key.tag
-        self.echoes = echoes if config.screen_norm and config.robust != "none" else None
+        # Replay screening needs a part's contributions side by side: robust modes with screening.
+        screens = config.screen_echo and config.screen_norm and config.robust != "none"
+        self.echoes = echoes if screens else None
         self.lossless = codec == "none"
         self.flat = flatten_fp32(tensors)
         try:
