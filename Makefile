@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/meshtrain demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not nat"

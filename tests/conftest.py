@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+import trio
 
 from meshtrain.log import configure
 from meshtrain.transport.host import Host, HostConfig
@@ -19,6 +22,77 @@ from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
 
 ROOT = Path(__file__).resolve().parent.parent
 configure("WARNING")
+
+# A trio test is cancelled from inside its own run this long before pytest-timeout would stop it.
+# pytest-timeout raises into trio's event loop, which leaves the run half torn down: every later
+# trio test in the process then fails with "Attempted to call run() from inside a run()". A test
+# cancelled from inside fails alone, and says which tasks were waiting where.
+DEADLINE_MARGIN = 30.0
+
+
+def timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.kwargs.get("timeout", marker.args[0] if marker.args else 0))
+    option = item.config.getoption("timeout", None)
+    return float(option if option is not None else item.config.getini("timeout") or 0)
+
+
+def task_tree() -> str:
+    """Every task of the current trio run, indented by nursery, with the innermost project frames
+    it awaits in."""
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        frames = [
+            f"{Path(f.f_code.co_filename).name}:{lineno} {f.f_code.co_name}"
+            for f, lineno in task.iter_await_frames()
+            if "/meshtrain/" in f.f_code.co_filename or "/tests/" in f.f_code.co_filename
+        ]
+        lines.append(f"{'  ' * depth}{task.name}: {' > '.join(frames[-3:])}")
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                walk(child, depth + 1)
+
+    walk(trio.lowlevel.current_root_task(), 0)
+    return "\n".join(lines)
+
+
+def with_deadline(test, seconds: float):
+    @functools.wraps(test)
+    async def guarded(*args, **kwargs):
+        scope = trio.CancelScope()
+        fired: list[str] = []
+
+        async def watchdog() -> None:
+            await trio.sleep(seconds)
+            fired.append(task_tree())
+            print(f"test deadline ({seconds:.0f} s) passed; the tasks:\n{fired[0]}", file=sys.stderr)
+            scope.cancel()
+
+        trio.lowlevel.spawn_system_task(watchdog)
+        with scope:
+            result = await test(*args, **kwargs)
+        if fired:
+            pytest.fail(f"cancelled at the test deadline ({seconds:.0f} s); the tasks then:\n{fired[0]}")
+        return result
+
+    return guarded
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Runs before pytest-trio wraps the test into its trio.run: guard the test itself."""
+    test = getattr(item, "obj", None)
+    limit = timeout_of(item)
+    if (
+        item.get_closest_marker("trio") is not None
+        and inspect.iscoroutinefunction(test)
+        and not hasattr(test, "hypothesis")
+        and limit > 2 * DEADLINE_MARGIN
+    ):
+        item.obj = with_deadline(test, limit - DEADLINE_MARGIN)
+    yield
 
 
 class Peer:

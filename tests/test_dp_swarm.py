@@ -133,13 +133,17 @@ async def test_a_dp_node_resumes_its_checkpoint_bit_exactly(tmp_path):
 
 async def test_a_late_dp_joiner_downloads_the_inner_state_and_stays_bit_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)
-    spec = meshtrain.SwarmSpec(model="gpt-tiny", optimizer="dp", steps=60, batch_size=4, eval_every=0)
+    # Long enough that the joiner still has 20 rounds to go when it gets in: two peers on loopback
+    # run ~20 rounds a second, and a joiner whose two donors answer a round apart (it dials the
+    # second one first) retries — seen once to join at step 59 of 60.
+    steps = 120
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", optimizer="dp", steps=steps, batch_size=4, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
 
     def config(name: str, **kw) -> meshtrain.NodeConfig:
         return _config(tmp_path / name, **kw)
 
-    with trio.fail_after(90):
+    with trio.fail_after(150):
         async with trio.open_nursery() as nursery:
             a = meshtrain.Node(config("a", wait_peers=2), spec=signed)
             nursery.start_soon(a.run)
@@ -152,7 +156,7 @@ async def test_a_late_dp_joiner_downloads_the_inner_state_and_stays_bit_identica
             c = meshtrain.Node(config("c"), join=a.host.addrs[0])
             nursery.start_soon(c.run)
     assert c.joined_from is not None and c.joined_from["step"] >= 10, c.joined_from
-    assert a.trainer.step == b.trainer.step == c.trainer.step == 60
+    assert a.trainer.step == b.trainer.step == c.trainer.step == steps
     # Once in, the joiner contributes to the rounds (a dp joiner holds the exact state): a round
     # per step races on 2 cores, so one it reaches after its group formed (then re-synced) is
     # allowed; a peer struck out or left behind would miss them all.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,9 @@ import trio
 import meshtrain
 from meshtrain.node import stage_handover
 from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.pipeline_announce import PipelineAnnouncements
+from meshtrain.node.presence import PeerPresence
+from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 
 pytestmark = pytest.mark.slow  # three daemons each, 10–20 s
@@ -110,7 +113,9 @@ async def test_a_late_joiner_takes_its_stages_state_from_the_replicas(tmp_path, 
     (it wants two origins), downloads stage 0's state from its replica as the next epoch starts,
     and trains on: at the last step (after DiLoCo's last round) the two replicas of stage 0 hold
     the same bits. Started from θ0 instead, they never would."""
-    spec = pipeline_spec(replica_sync=replica_sync, H=5)
+    # 50 steps, not the usual 30: the joiner starts at step 8 and must be seen before the others
+    # finish (under load they ran all 30 once before it announced itself).
+    spec = pipeline_spec(replica_sync=replica_sync, H=5, steps=50)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     a = meshtrain.Node(node_config(tmp_path, "a", wait_peers=2), spec=signed)
     results: dict[str, meshtrain.NodeResult] = {}
@@ -127,7 +132,7 @@ async def test_a_late_joiner_takes_its_stages_state_from_the_replicas(tmp_path, 
         await wait_for(lambda: stage_step(a)[1] >= 8)
         nodes["c"] = meshtrain.Node(node_config(tmp_path, "c"), join=a.host.addrs[0])
         nursery.start_soon(run, "c", nodes["c"])
-    assert {n: r.step for n, r in results.items()} == {"a": 30, "b": 30, "c": 30}
+    assert {n: r.step for n, r in results.items()} == {"a": 50, "b": 50, "c": 50}
     joined = nodes["c"].pipeline.joined_from
     assert joined is not None and joined["stage"] == 0 and joined["from_replicas"], joined
     assert joined["step"] >= 8 and joined["donors"] == 1 and joined["bytes"] > 0, joined
@@ -241,3 +246,42 @@ async def test_a_swarm_with_int8_activation_hops_trains_and_its_replicas_stay_id
     losses = [h["loss"] for h in nodes[origin].pipeline.trainer.info.history]
     assert len(losses) == 16 and all(x is not None and math.isfinite(x) for x in losses), losses
     assert sum(losses[-3:]) < sum(losses[:3]), losses
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    with trio.fail_after(timeout):
+        while not check():
+            await trio.sleep(0.05)
+
+
+async def test_a_joiner_reads_the_swarms_end_from_live_and_left_records(tmp_path):
+    """`PipelineAnnouncements.finished` over real membership records: a joiner that came after
+    the others trained the last step ends instead of waiting for them for ever (node/pipeline_peer.py
+    `_form`) — but not while a peer that has trained still announces less, so one record that
+    claims the end (a hostile one) does not send joiners away from a swarm that trains."""
+    last = 20
+    async with AsyncExitStack() as stack:
+        ids = [Identity.generate() for _ in range(3)]
+        signed = meshtrain.SignedSpec.create(pipeline_spec(steps=last), ids[0])
+        peers: list[PipelineAnnouncements] = []
+        for i, ident in enumerate(ids):
+            host = await stack.enter_async_context(Host(ident, HostConfig(listen=["/ip4/127.0.0.1/tcp/0"])))
+            entry = [peers[0].presence.host.addrs[0]] if peers else []
+            presence = PeerPresence(host, signed, bootstrap=entry, data_dir=tmp_path / f"p{i}")
+            await stack.enter_async_context(presence)
+            presence.view.role = "trainer"
+            peers.append(PipelineAnnouncements(presence, 2))
+        a, b, joiner = peers
+        a.announce(stage=0, step=10, offer=10)
+        b.announce(stage=1, step=10, offer=last)  # claims the end while a still trains
+        await eventually(lambda: joiner.of(b.me).get("offer") == last and joiner.of(a.me).get("step") == 10)
+        assert joiner.finished(last) is None
+        assert joiner.finished(0) is None  # a swarm without an end never finishes
+        a.announce(offer=last)
+        await eventually(lambda: joiner.finished(last) is not None)
+        assert joiner.finished(last) in (a.me, b.me)
+        assert joiner.finished(last + 1) is None
+        for peer in (a, b):  # gone: their left records still say where the swarm ended
+            await peer.presence.view.leave()
+        await eventually(lambda: not {p.peer_id for p in joiner.presence.view.live_peers()} - {joiner.me})
+        assert joiner.finished(last) in (a.me, b.me)

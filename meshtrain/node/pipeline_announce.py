@@ -21,6 +21,9 @@ poll every `AGREE_POLL`: an agreement takes a gossip round and a poll). Others' 
 through `placement.announced`, which checks every field: a hostile record cannot make placement
 or a poll raise; what fails a check reads as not announced.
 
+`finished` reads every record, live or left, for the swarm's end: a late joiner that came after
+the others trained the spec's last step would otherwise wait for them for ever.
+
 Not here: what the values mean to placement (pipeline/placement.py) or when we change them.
 """
 
@@ -78,6 +81,27 @@ class PipelineAnnouncements:
             caps = self.own if p.peer_id == self.me else announced(p.capabilities, self.num_stages)
             out[p.peer_id] = Member(p.peer_id, caps.get("stage"), caps.get("fwd"), fresh=caps.get("step", 0) == 0)
         return out
+
+    def finished(self, last: int) -> str | None:
+        """A peer whose record, live or left, announces the swarm's `last` step (as its step or
+        the step of the state it offers), unless a live trainer that has trained (step > 0)
+        still announces less: the swarm trained all its steps. None otherwise, or if `last` is 0
+        (no end). One hostile record cannot end a joiner's wait while honest peers still train;
+        a fresh joiner (step 0) is not counted as training."""
+        if last <= 0:
+            return None
+        view = self._view()
+        done: str | None = None
+        for rec in view.peers():
+            if rec.peer_id == self.me:
+                continue
+            caps = announced(rec.capabilities, self.num_stages)
+            reached = max(caps.get("step", 0), caps.get("offer", 0))
+            if reached >= last:
+                done = done or rec.peer_id
+            elif reached > 0 and rec.role == "trainer" and view.is_live(rec.peer_id):
+                return None
+        return done
 
     def stage_of(self, peer: PeerInfo) -> int | None:
         """The stage a member's record announces (not ours: the caller knows its own)."""

@@ -54,7 +54,9 @@ the stage's backer, below) — a last replica that *stops* keeps serving its sta
 `HANDOVER_WAIT` seconds after it left, until someone downloaded it — or, if none does (the last
 replica died before any backup of it was taken, and the swarm keeps no shared checkpoints),
 starts the stage from its initial weights and says so.
-At base step 0 everyone starts from θ0: no download.
+At base step 0 everyone starts from θ0: no download. A joiner that sees a peer announce the
+spec's last step came too late — the swarm is done — and ends, saying so, instead of waiting for
+peers that will not come back.
 
 Backups (node/stage_state.py, Backups). A crashed last replica hands nothing over, so as every
 epoch starts and again at its end, for each stage with one replica, one peer of another stage
@@ -307,6 +309,8 @@ class PipelinePeer:
         deadline = time.monotonic() + self.config.wait_peers_timeout
         while not self.stop.is_set():
             members = self.announcements.members()
+            if self._swarm_finished():
+                return None
             need = want if time.monotonic() < deadline else S
             if len(members) < need:
                 self._waiting = f"pipeline: {len(members)} of {need} peers are here (each of {S} stages needs one)"
@@ -325,6 +329,17 @@ class PipelinePeer:
             self._waiting = f"pipeline: agreeing on the stage placement with {len(late)} peer(s)"
             await self.stop.sleep(AGREE_POLL)
         return None
+
+    def _swarm_finished(self) -> bool:
+        """The swarm trained all its steps before we got a stage (a late joiner that came too
+        late: `PipelineAnnouncements.finished`). Waiting would be for ever: we end instead."""
+        last = self.spec.steps
+        if self._step() >= last:
+            return False
+        done = self.announcements.finished(last)
+        if done is not None:
+            log.warning(kv("the swarm has trained all its steps; nothing left to train here", steps=last, peer=done))
+        return done is not None
 
     def _problem(self, epoch: Epoch) -> PipelineRun:
         spec, trainer = self.spec, self.trainer
@@ -532,9 +547,9 @@ class PipelinePeer:
 
     async def save(self, state: dict[str, Any] | None = None) -> str | None:
         """Checkpoint this stage (`state`: a snapshot taken between iterations; default: now).
-        None if we never held a stage."""
+        None if we never held a stage's state (none, or a taken stage still waiting for it)."""
         if state is None:
-            if self.trainer is None:
+            if self.trainer is None or self.trainer.needs_state:
                 return None
             state = self.trainer.checkpoint_state()
         step, rounds = state["step"], self.trainer.rounds if self.trainer is not None else 0
