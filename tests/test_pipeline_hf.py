@@ -20,6 +20,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
 from meshtrain.node import cli, stage_handover
+from meshtrain.node.pipeline_export import load_assembled
 from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.stage_state import StageStates
 from meshtrain.node.swarm_spec import SwarmSpec
@@ -69,6 +70,21 @@ GRANITE_SCALES = {
 }
 GEMMA_HEADS = {"head_dim": 16, "query_pre_attn_scalar": 16}
 GEMMA3_LAYERS = {"layer_types": ["sliding_attention", "full_attention"] * 2}
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+DEEPSEEK_MOE = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
 
 
 def batches(n: int, T: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,6 +156,15 @@ def staged_run(value: str, n_stages: int, data) -> tuple[list[float], dict[str, 
         # GPT-2: learned absolute positions added at stage 0, blocks without rotary embeddings
         ("gpt2", 3, {}),
         ("gpt2", 2, {"tie_word_embeddings": False}),
+        # mixtures of experts (top-2 of 4 experts): a shared expert (qwen2_moe), latent attention
+        # and a dense first layer (deepseek_v3), attention sinks with sliding windows (gpt_oss),
+        # Granite's scales around experts (granitemoe)
+        ("mixtral", 3, MOE),
+        ("qwen2_moe", 2, {**QWEN_MOE, "shared_expert_intermediate_size": 32}),
+        ("olmoe", 2, QWEN_MOE),
+        ("deepseek_v3", 3, DEEPSEEK_MOE),
+        ("gpt_oss", 2, {**MOE, "head_dim": 16, "sliding_window": 4, **GEMMA3_LAYERS}),
+        ("granitemoe", 2, {**GRANITE_SCALES, **MOE}),
     ],
 )
 def test_stages_in_sequence_equal_the_whole_hf_model_loss_and_gradients(tmp_path, model_type, n_stages, overrides):
@@ -211,14 +236,21 @@ def test_a_gpt2_cut_keeps_its_learned_positions_on_stage_0_and_its_layer_count_i
 
 
 @pytest.mark.parametrize(
-    "model_type,overrides", [("gemma2", {"final_logit_softcapping": 0.1, **GEMMA_HEADS}), ("gpt2", {})]
+    "model_type,overrides",
+    [
+        ("gemma2", {"final_logit_softcapping": 0.1, **GEMMA_HEADS}),
+        ("gpt2", {}),
+        ("qwen2_moe", {**QWEN_MOE, "shared_expert_intermediate_size": 32}),
+    ],
 )
 def test_the_export_of_a_scaled_or_gpt2_pipeline_is_a_model_transformers_loads_with_the_stages_logits(
     tmp_path, model_type, overrides, capsys
 ):
     """A data dir holding every stage of a 3-stage hf-config: swarm (Gemma 2: soft-capped logits
-    and a scaled embedding; GPT-2: learned positions) exports, without a node, a model that
-    `AutoModelForCausalLM.from_pretrained` loads and that gives the stages' logits."""
+    and a scaled embedding; GPT-2: learned positions; Qwen2-MoE: experts that transformers 5 holds
+    fused and writes one per tensor) exports, without a node, a model that
+    `AutoModelForCausalLM.from_pretrained` loads and that gives the stages' logits; `meshtrain
+    sample`'s assembly (`load_assembled`) reads the same model back."""
     from transformers import AutoModelForCausalLM
 
     config = f"hf-config:{tiny(tmp_path, model_type, **overrides)[3:]}/config.json"
@@ -237,7 +269,9 @@ def test_the_export_of_a_scaled_or_gpt2_pipeline_is_a_model_transformers_loads_w
     with torch.no_grad():
         want = stages[0].module["head"](stages[2].module(stages[1].module(stages[0].module["embed"](x)))).logits
         got = exported(input_ids=x).logits
+        assembled = load_assembled(tmp_path / "d").model.inner(input_ids=x).logits
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(assembled, want, atol=1e-5), (assembled - want).abs().max()
 
 
 def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_path, capsys):
@@ -259,6 +293,20 @@ def test_an_unsupported_hf_architecture_is_a_one_line_error_at_swarm_create(tmp_
         pipeline_layers(f"hf-config:{config}")
     with pytest.raises(ConfigError, match="transformers causal LM"):
         SwarmSpec(model="py:mymod:make", pipeline="skippipe", stages=2).check()
+
+
+def test_a_mixture_of_experts_asking_for_its_routers_aux_loss_is_refused_in_one_line(tmp_path, capsys):
+    """A pipeline does not add the routers' load-balancing loss across stages: a config that asks
+    for it is refused at swarm create and when a stage is built, not trained on another objective."""
+    value = tiny(tmp_path, "mixtral", output_router_logits=True, **MOE)
+    capsys.readouterr()
+    argv = ["swarm", "create", "--model", value, "--tokenizer", value, "--pipeline", "skippipe", "--stages", "2"]
+    rc = cli.main([*argv, "--data-dir", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and "\n" not in err and "Traceback" not in err, err
+    assert "output_router_logits" in err and "false" in err, err
+    with pytest.raises(ConfigError, match="load-balancing"):
+        staged(build_model(value, vocab_size=VOCAB, seed=0))
 
 
 @pytest.mark.slow

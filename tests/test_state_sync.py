@@ -237,6 +237,41 @@ async def test_when_every_donor_of_the_newest_round_fails_the_next_agreed_round_
         assert report.bytes_per_donor == {donors[2].host.peer_id: report.total_bytes}
 
 
+class ColludingDonor(StateDonor):
+    """Serves every chunk of the newest snapshot honestly but announces a made-up whole-state
+    digest in its manifest (and answers chunk requests under it): with a second such donor the
+    made-up manifest wins the vote, every chunk verifies, and only the final check sees it."""
+
+    FAKE = bytes(range(32))
+
+    async def _serve_manifest(self, peer, request):
+        newest = max(self._snapshots, key=lambda s: s.round)
+        for snap in self._snapshots:
+            await snap.digests(request["chunk_bytes"])
+        _, chunks = newest.cached(request["chunk_bytes"])
+        newest._digests[request["chunk_bytes"]] = (self.FAKE, chunks)
+        return await super()._serve_manifest(peer, request)
+
+
+async def test_donors_that_agree_on_an_inconsistent_manifest_are_dropped_and_the_next_state_is_fetched():
+    """Two colluders offer round 9 under a made-up digest, and round 5 honestly; an honest donor
+    offers round 5. Round 9 is downloaded, every chunk verifies, the whole state does not: both
+    colluders are dropped and round 5 comes from the honest donor."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 3, donor_cls=[ColludingDonor, ColludingDonor, StateDonor])
+        older, newer = make_state(512, seed=1, round=5), make_state(512, seed=2, round=9)
+        for d in donors:
+            d.publish(*older)
+        for d in donors[:2]:
+            d.publish(*newer)
+        report = FetchReport()
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, report=report)
+        assert got_meta["round"] == 5 and report.abandoned == [9]
+        assert_same_state(older[1], got)
+        assert set(report.banned) == set(ids(donors[:2]))
+        assert all("whole-state digest" in why for why in report.banned.values())
+
+
 async def test_the_fallback_never_takes_a_state_the_vote_did_not_agree_on():
     """As above, but the older round is offered by the third donor alone: one of three is no
     quorum, so the download fails rather than trust it, and that donor is never asked for a chunk."""

@@ -15,8 +15,11 @@ of model is cut; the pipeline sees a `StagedModel`, whatever the model is.
                                      `PIPELINE_HF_TYPES`: the LLaMA family (`model.embed_tokens`,
                                      `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`),
                                      the families that scale outside those modules (Granite,
-                                     Cohere, Gemma 2, Gemma 3's text model) and GPT-2
-                                     (`transformer.wte`, `.wpe`, `.h`, `.ln_f`, `lm_head`)
+                                     Cohere, Gemma 2, Gemma 3's text model), GPT-2
+                                     (`transformer.wte`, `.wpe`, `.h`, `.ln_f`, `lm_head`) and
+                                     mixtures of experts cut like their dense family (Mixtral,
+                                     Qwen2/3-MoE, OLMoE, DeepSeek-V3, GLM-4-MoE, gpt-oss,
+                                     Granite-MoE)
 
 `StagedHF`'s cut. A family is data, not a class (`HFFamily`): where its parts live, and what its
 own forward computes outside them, which stage 0 computes the same way — at the embedding,
@@ -36,7 +39,15 @@ cross-entropy of the logits against the targets at every position (the corpus' t
 inputs shifted by one), as for the GPT; a non-pipeline swarm's `HFCausalLM(x)` (HF's
 `labels=x`) is the same objective without the last position, whose target x does not hold.
 
-Left out: MoE models, the multimodal Gemma 3 (`gemma3`; its text model `gemma3_text` is cut),
+Mixtures of experts. Experts and router sit inside a decoder layer, so a stage holds its layers'
+experts whole (no expert parallelism across peers) and the cut is the dense family's. What a
+pipeline does not do is add the routers' auxiliary load-balancing loss: it would need every
+stage's router logits at the loss. transformers leaves that loss off by default
+(`output_router_logits` false); a config that turns it on is a ConfigError, at swarm create and
+when a stage is built, rather than a swarm that silently trains another objective. Phi-MoE is
+left out: its router adds random jitter in training, so no two runs of a layer agree.
+
+Left out: the multimodal Gemma 3 (`gemma3`; its text model `gemma3_text` is cut),
 a model with bidirectional attention (`use_bidirectional_attention`), and any family not
 checked staged against whole — a family joins `HF_FAMILIES` with its test.
 
@@ -150,7 +161,20 @@ HF_FAMILIES: dict[str, HFFamily] = {
     "starcoder2": LLAMA,
     "stablelm": LLAMA,
     "gpt2": GPT2,
+    # Mixtures of experts: the experts and their router live inside each decoder layer, so the
+    # cut is their dense family's. Trained without the routers' auxiliary load-balancing loss, as
+    # transformers trains them by default (`output_router_logits` false; true is refused).
+    "mixtral": LLAMA,
+    "qwen2_moe": LLAMA,  # with a shared expert beside the routed ones
+    "qwen3_moe": LLAMA,
+    "olmoe": LLAMA,
+    "deepseek_v3": LLAMA,  # multi-head latent attention; its first layers dense
+    "glm4_moe": LLAMA,
+    "gpt_oss": LLAMA,  # attention sinks, alternating sliding-window layers
+    "granitemoe": GRANITE,
+    "granitemoeshared": GRANITE,
 }
+MOE_AUX_LOSS = "output_router_logits"  # a config asking for the routers' load-balancing loss
 PIPELINE_HF_TYPES = tuple(HF_FAMILIES)
 PIPELINE_MODELS = (
     f"a built-in GPT ({', '.join(PRESETS)}) or a transformers causal LM "
@@ -212,7 +236,16 @@ def pipeline_layers(value: str) -> int:
     n_layer = config.get(family.n_layer_key)
     if not isinstance(n_layer, int) or n_layer < 1:
         raise ConfigError(f"model {value}: its config names no {family.n_layer_key}")
+    if config.get(MOE_AUX_LOSS):
+        raise ConfigError(moe_aux_loss_error(value))
     return n_layer
+
+
+def moe_aux_loss_error(what: str) -> str:
+    return (
+        f"model {what} asks for its routers' load-balancing loss ({MOE_AUX_LOSS}: true), which a pipeline "
+        f"does not add across its stages: set it to false in config.json (transformers' default)"
+    )
 
 
 def _runs(n_layer: int, n_stages: int, cut: Sequence[range] | None) -> tuple[range, ...]:
@@ -419,6 +452,8 @@ class StagedHF:
             raise ConfigError(
                 f"pipeline swarms cut {PIPELINE_MODELS}, not a transformers {model_type or type(inner).__name__}"
             )
+        if getattr(inner.config, MOE_AUX_LOSS, False):
+            raise ConfigError(moe_aux_loss_error(f"a transformers {model_type}"))
         if getattr(inner.config, "use_bidirectional_attention", False):
             raise ConfigError(f"a {model_type} with bidirectional attention is not a causal LM a pipeline can cut")
         if _transformers_version() < MIN_TRANSFORMERS:

@@ -324,9 +324,16 @@ def load_assembled(
         info = export_pipeline(data_dir, Path(tmp) / "model", progress=progress)
         tokenizer = spec_tokenizer(signed)
         model = build_model(signed.spec, tokenizer.vocab_size)
-        # an hf model was written by its own save_pretrained: its names are the inner model's
-        inner = model.inner if isinstance(model, HFCausalLM) else model
-        load_model(inner, str(Path(tmp) / "model" / "model.safetensors"))
+        if isinstance(model, HFCausalLM):
+            # Written by the model's own save_pretrained, which may convert weights on the way out
+            # (transformers 5 writes a mixture of experts' fused expert weights one expert per
+            # tensor): read back by from_pretrained, which converts them in again.
+            from transformers import AutoModelForCausalLM
+
+            written = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "model"), local_files_only=True)
+            model.inner.load_state_dict(written.state_dict())
+        else:
+            load_model(model, str(Path(tmp) / "model" / "model.safetensors"))
     model.eval()
     return Trained(signed, int(info["step"]), 0, model, tokenizer, int(info["context"]))
 

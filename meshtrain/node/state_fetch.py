@@ -19,7 +19,9 @@ in flight far longer than usual (end game: one slow donor cannot hold the join h
 first verified copy wins. At the end the whole state's digest is checked against the agreed one.
 
 Fallback. If every donor of the chosen state is banned before it completes (a donor that answered
-the manifest and then failed every chunk because it was leaving), the download starts over on the
+the manifest and then failed every chunk because it was leaving; or all of them, when the chunks
+all verify but the whole state's digest does not: they agreed on an inconsistent manifest — a
+collusion, or a bug), the download starts over on the
 next state in the vote's order that a donor not yet banned offers — among the states the vote
 agreed on, so a quorum still vouches for whatever is accepted. The vote is not taken again.
 `FetchReport.round` is the round downloaded, `FetchReport.abandoned` the rounds given up on.
@@ -62,7 +64,6 @@ from meshtrain.node.state_sync import (
     NoAgreement,
     NoDonors,
     Offer,
-    StateCorrupt,
     StateSyncError,
     chunk_ranges,
     parse_manifest,
@@ -150,8 +151,8 @@ async def fetch_state(
         that answered).
     report: a `FetchReport` to fill in (bytes per donor, banned donors, ...).
     key: which of the donors' states (node/state_sync.py, Keys; "" the default one).
-    Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `DonorsExhausted`,
-    `StateCorrupt`, or a plain `StateSyncError` when `timeout` runs out.
+    Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `DonorsExhausted`, or a plain
+    `StateSyncError` when `timeout` runs out.
     """
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
@@ -312,11 +313,14 @@ class _Fetch:
             return False
         digest = await trio.to_thread.run_sync(self.flat.digest)
         if digest != offer.digest:
-            raise StateCorrupt(
-                f"the assembled state of round {offer.round} does not match the "
-                f"agreed digest (every chunk verified, so the agreed manifest itself is "
-                f"inconsistent); try again with other donors"
-            )
+            # Every chunk matched its agreed digest, so the manifest itself is inconsistent: its
+            # donors vouched for it together. All of them go; the next agreed state is tried.
+            for donor in donors:
+                self._ban(
+                    donor,
+                    f"vouched for round {offer.round}'s manifest, whose whole-state digest does not match its verified chunks",
+                )
+            return False
         log.info(kv("state downloaded", round=offer.round, bytes=offer.total, donors=len(donors), banned=len(r.banned)))
         return True
 

@@ -111,10 +111,6 @@ class DonorsExhausted(StateSyncError):
     download completed."""
 
 
-class StateCorrupt(StateSyncError):
-    """The assembled state does not match the agreed digest."""
-
-
 # --------------------------------------------------------------------------------------------
 # The flattened state: byte ranges over a dict of tensors
 
@@ -274,7 +270,6 @@ __all__ = [
     "NoAgreement",
     "NoDonors",
     "Offer",
-    "StateCorrupt",
     "StateSyncError",
     "chunk_count",
     "chunk_ranges",
