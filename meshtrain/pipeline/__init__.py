@@ -1,6 +1,8 @@
 """pipeline layer of meshtrain (see shared/ARCHITECTURE.md): SkipPipe.
 
-- `scheduler`: which peers each microbatch visits, and when (pure; no I/O).
+- `scheduler`: which peers each microbatch visits, and when (pure; no I/O): the entry points and
+  `validate`. Its parts: `schedule_types` (the problem, the schedule, the errors; re-exported by
+  `scheduler`) and `schedule_search` (problem compilation and the A* search).
 - `stages`: a model cut into stages (a GPT or a transformers causal LM, as
   `models/staged.py` cuts it); one peer's replica of one stage (compute, per-microbatch
   gradients, the optimizer step).
