@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -59,20 +61,32 @@ def task_tree() -> str:
 
 
 def with_deadline(test, seconds: float):
+    """`test`, cancelled after `seconds` of wall-clock time (a thread's timer: a test on trio's
+    MockClock may jump its virtual clock far past any deadline)."""
+
     @functools.wraps(test)
     async def guarded(*args, **kwargs):
         scope = trio.CancelScope()
         fired: list[str] = []
+        token = trio.lowlevel.current_trio_token()
 
-        async def watchdog() -> None:
-            await trio.sleep(seconds)
+        def on_deadline() -> None:  # in the trio thread
             fired.append(task_tree())
             print(f"test deadline ({seconds:.0f} s) passed; the tasks:\n{fired[0]}", file=sys.stderr)
             scope.cancel()
 
-        trio.lowlevel.spawn_system_task(watchdog)
-        with scope:
-            result = await test(*args, **kwargs)
+        def expire() -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(on_deadline)
+
+        timer = threading.Timer(seconds, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            with scope:
+                result = await test(*args, **kwargs)
+        finally:
+            timer.cancel()
         if fired:
             pytest.fail(f"cancelled at the test deadline ({seconds:.0f} s); the tasks then:\n{fired[0]}")
         return result
