@@ -1,8 +1,8 @@
 """dht layer of meshtrain (see shared/ARCHITECTURE.md): signed, expiring records with subkeys,
-merged on the storing node (`records`), Kademlia lookups over py-libp2p's routing table with
-our own STORE/GET RPCs (`kademlia`; one DHT network serves every swarm), swarm discovery under
-`/meshtrain/<swarm>/peers` (`discovery`), and the swarm index under `/meshtrain/swarms`
-(`swarm_index`)."""
+merged on the storing node (`records`), Kademlia lookups over py-libp2p's routing table
+(`routing`) with our own STORE/GET RPCs (`kademlia`; one DHT network serves every swarm), swarm
+discovery under `/meshtrain/<swarm>/peers` (`discovery`), and the swarm index under
+`/meshtrain/swarms` (`swarm_index`)."""
 
 from meshtrain.dht.discovery import Announcement, Discovery, DiscoveryConfig, peers_key
 from meshtrain.dht.kademlia import NETWORK, BootstrapError, Dht, DhtConfig

@@ -14,27 +14,22 @@ What py-libp2p 0.8.1's kad-dht can and cannot do (read from `libp2p/kad_dht/`, `
   back to the others ("entry correction"), again replacing rather than merging. Expiry is the
   storing node's (24 h from receipt, served up to 48 h), not the writer's. Its value store
   accepts up to 50,000 records of up to 1 MiB from anyone unless a strict validator is set.
-- So we use kad-dht for what it does well: the routing table (k-buckets with splitting,
-  eviction of dead peers by ping), answering other peers' FIND_NODE, its periodic refresh, and
-  `find_peer`. Its value store is closed: a strict validator that refuses every PUT_VALUE.
+- So we use kad-dht for its routing table and `find_peer` (`routing.py`: the key space, the
+  lookup's bookkeeping, dead and suspect peers). Its value store is closed: a strict validator
+  that refuses every PUT_VALUE.
 - STORE and GET are meshtrain RPCs (`dht/find`, `dht/store`), one protocol file: this one.
 
 Design.
-- **Lookup** (`_lookup`): iterative, like Kademlia's FIND_VALUE. Seeds are the routing table's
-  closest peers (plus connected peers while the table is small). Up to `alpha` `dht/find`
-  queries are in flight; each reply carries the queried peer's closest known peers (with
-  addresses) and, for a get, its live records for the key. The lookup ends when the
-  `replication` closest peers not known to be dead have all answered, or at `lookup_timeout`
-  with what it has. In a swarm whose routing tables are complete (small swarms) that is one
-  round trip. A query outstanding for more than 4x the lookup's median answer time (within
-  `straggler_min..straggler_max`) makes its peer a *straggler*: the next closest peer is asked
-  instead, and the straggler's query finishes in the background, so a crashed peer (py-libp2p
-  needs ~0.7 s to fail a dial to a closed port, `rpc_timeout` for a peer that vanished without
-  closing its connection) costs a lookup ~0.1 s, not its timeout. Until that query settles the
-  peer is *suspect* and other lookups skip it. A call that fails fast (refused, reset) marks
-  the peer dead: dropped from the routing table and skipped for `dead_peer_ttl` (or until it
-  connects to us again). A timeout is only a strike (our own event loop may be the one that
-  is starved); the second in a row marks it dead.
+- **Lookup** (`_lookup`): iterative, like Kademlia's FIND_VALUE, driving a `routing.Lookup`.
+  Seeds are the routing table's closest usable peers (plus connected peers while the table is
+  small). Up to `alpha` `dht/find` queries are in flight; each reply carries the queried peer's
+  closest known peers (with addresses) and, for a get, its live records for the key. The lookup
+  ends when the `replication` closest peers not known to be dead have all answered, or at
+  `lookup_timeout` with what it has. Queries run in the DHT's nursery, not the lookup's, so a
+  straggler's query finishes in the background: a crashed peer (py-libp2p needs ~0.7 s to fail
+  a dial to a closed port, `rpc_timeout` for a peer that vanished without closing its
+  connection) costs a lookup ~0.1 s (`straggler_min..straggler_max`), not its timeout, and is
+  still marked dead when its query fails. Every call's outcome goes to `Routing`.
 - **Store**: sign, validate locally, look the key up, send the record to the `replication`
   closest peers that answered (ourselves included when we are among them). Each storing node
   validates and merges (`RecordStore`). Returns how many replicas accepted it.
@@ -42,9 +37,6 @@ Design.
   records that fail validation are dropped and logged with the peer that sent them. Replicas
   among the closest that lacked an entry are repaired in the background (read repair), which
   heals replicas lost to churn without any client read-modify-write.
-- **Routing table feeding**: `host.connect` does not fill kad's table, so the host's
-  connection events (`Host.on_connected`) queue every new connection; a task waits for identify (so only peers that serve kad are
-  admitted) and adds them. Peers that answer our queries are added too.
 
 One DHT serves many swarms. Every node joins one *network* (`NETWORK`, "meshtrain"), whatever
 swarm it trains in: a swarm's keys carry its id (`/meshtrain/<swarm>/peers`), and the swarm
@@ -58,7 +50,15 @@ Wire (msgpack, through `meshtrain.transport.rpc`):
 where `rec` is `Record.to_wire()` and "swarm" names the network (the field kept its name from
 when each swarm had a DHT of its own). A request for another network gets `wrong-swarm`.
 
-Not here: what records mean (`records.py` validates, `discovery.py` announces peers). mDNS.
+Failures. A peer that fails or lies costs a call at most `lookup_timeout` + `rpc_timeout`:
+`get` returns what the reachable, honest replicas hold; `store` raises `DhtError` only if no
+replica accepted the record (`InvalidRecord` if every one refused it). A request with a bad
+target or key is `malformed`, one with more records than a key may hold `too_many`; a record
+a storing node refuses gets its reason in `results`.
+
+Not here: the routing table, which peers are dead or suspect, the lookup's bookkeeping and the
+XOR metric (`routing.py`); what records mean (`records.py` validates, `discovery.py` announces
+peers). mDNS.
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -94,6 +92,15 @@ from meshtrain.dht.records import (
     plain_or_dict,
     validate,
 )
+from meshtrain.dht.routing import (
+    KAD_PROTOCOL,
+    Lookup,
+    LookupResult,
+    Routing,
+    parse_peer_id,
+    routing_key,
+    xor_distance,
+)
 from meshtrain.errors import ConfigError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
@@ -102,11 +109,30 @@ from meshtrain.transport.host import ConnectError, Host, parse_multiaddr, peer_i
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.validate import MALFORMED, WRONG_SWARM, require_map
 
+__all__ = [
+    "DEFAULT_ALPHA",
+    "DEFAULT_BOOTSTRAP_TIMEOUT",
+    "DEFAULT_DEAD_PEER_TTL",
+    "DEFAULT_LOOKUP_TIMEOUT",
+    "DEFAULT_PURGE_INTERVAL",
+    "DEFAULT_REPLICATION",
+    "DEFAULT_RPC_TIMEOUT",
+    "DEFAULT_STRAGGLER_MAX",
+    "DEFAULT_STRAGGLER_MIN",
+    "FIND_RPC",
+    "KAD_PROTOCOL",
+    "NETWORK",
+    "STORE_RPC",
+    "BootstrapError",
+    "Dht",
+    "DhtConfig",
+    "routing_key",
+]
+
 log = get_logger(__name__)
 
 FIND_RPC = "dht/find"
 STORE_RPC = "dht/store"
-KAD_PROTOCOL = "/ipfs/kad/1.0.0"
 
 DEFAULT_REPLICATION = 5
 DEFAULT_ALPHA = 5
@@ -117,12 +143,9 @@ DEFAULT_STRAGGLER_MIN = 0.1
 DEFAULT_STRAGGLER_MAX = 1.0
 DEFAULT_DEAD_PEER_TTL = 30.0
 DEFAULT_PURGE_INTERVAL = 30.0
-TIMEOUT_STRIKES = 2  # timeouts in a row before a peer is taken for dead
-IDENTIFY_WAIT = 5.0  # how long a new connection may take to finish identify
 MAX_REPLY_PEERS = 10
 MAX_ADDRS_PER_PEER = 8
 MAX_TARGET_BYTES = 512
-LEARNED_ADDR_TTL = 600  # seconds a peer address learned from a find reply stays in the peerstore
 RPC_OVERHEAD = 64 << 10  # room beside the records in a request or reply
 NETWORK = "meshtrain"  # the one DHT every swarm's nodes join
 
@@ -170,18 +193,6 @@ class DhtConfig:
             raise ConfigError("DHT timeouts must be positive")
 
 
-def routing_key(key: str) -> bytes:
-    """The bytes whose SHA-256 places `key` in the Kademlia key space."""
-    return key.encode()
-
-
-@functools.lru_cache(maxsize=8192)
-def _peer_id(peer: str) -> ID:
-    """`ID.from_base58`, cached: base58 in pure Python costs ~40 us and a lookup parses every
-    peer id of every reply (ValueError for a string that is not a peer id)."""
-    return ID.from_base58(peer)
-
-
 @functools.lru_cache(maxsize=8192)
 def _addr_str(addr: multiaddr.Multiaddr) -> str:
     """`str(multiaddr)`, cached (~90 us each, and a find reply lists up to 80); keyed by the
@@ -189,111 +200,10 @@ def _addr_str(addr: multiaddr.Multiaddr) -> str:
     return str(addr)
 
 
-def _distance(target_hash: bytes, peer: str) -> int:
-    """XOR distance as kad-dht computes it: sha256(key) ^ sha256(peer id bytes)."""
-    return int.from_bytes(target_hash, "big") ^ _peer_id(peer).xor_id
-
-
 @dataclass
 class _FindReply:
     peers: list[tuple[str, list[str]]]
     records: list[Record]
-
-
-@dataclass
-class _LookupResult:
-    closest: list[str]  # peers that answered, closest first
-    records: dict[Subkey, Record]  # merged valid records (get lookups only)
-    seen: dict[str, set[tuple[Subkey, bytes]]]  # per answering peer: (subkey, signature) it held
-
-
-class _Lookup:
-    """Bookkeeping of one iterative lookup: who is a candidate, asked, answered, failed, slow.
-
-    A *straggler* is a peer whose query has been outstanding for longer than a few times the
-    lookup's typical answer time: it is ranked out (so the next closest peer is asked) but not
-    failed, and counts again if it answers before the lookup ends."""
-
-    def __init__(self, target: bytes, own_id: str, width: int) -> None:
-        self.target_hash = hashlib.sha256(target).digest()
-        self.own_id = own_id
-        self.width = width
-        self.distance: dict[str, int] = {}
-        self.queried: set[str] = set()
-        self.answered: set[str] = set()
-        self.failed: set[str] = set()
-        self.stragglers: set[str] = set()
-        self.in_flight: dict[str, float] = {}  # peer -> when its query started
-        self.answer_times: list[float] = []
-
-    def add(self, peer: str) -> None:
-        if peer != self.own_id and peer not in self.distance:
-            with contextlib.suppress(Exception):  # not a peer id: ignore it
-                self.distance[peer] = _distance(self.target_hash, peer)
-
-    def _ranked(self) -> list[str]:
-        usable = [p for p in self.distance if p not in self.failed and p not in self.stragglers]
-        return sorted(usable, key=self.distance.__getitem__)
-
-    def next_peer(self) -> str | None:
-        for p in self._ranked()[: self.width]:
-            if p not in self.queried:
-                return p
-        return None
-
-    def started(self, peer: str, now: float) -> None:
-        self.queried.add(peer)
-        self.in_flight[peer] = now
-
-    def finished(self, peer: str, answered: bool, now: float) -> None:
-        started = self.in_flight.pop(peer, now)
-        self.stragglers.discard(peer)
-        if answered:
-            self.answered.add(peer)
-            self.answer_times.append(now - started)
-        else:
-            self.failed.add(peer)
-
-    def active(self) -> int:
-        """Queries in flight that are not stragglers (the ones that count toward alpha)."""
-        return sum(p not in self.stragglers for p in self.in_flight)
-
-    def patience(self, low: float, high: float) -> float:
-        """How long a query may take before it is a straggler: 4x the median answer time so
-        far, within [low, high]; `high` until the first answer."""
-        if not self.answer_times:
-            return high
-        typical = sorted(self.answer_times)[len(self.answer_times) // 2]
-        return min(high, max(low, 4 * typical))
-
-    def next_straggler_at(self, patience: float) -> float:
-        """When the oldest non-straggling query becomes a straggler (inf if none is pending)."""
-        pending = [t for p, t in self.in_flight.items() if p not in self.stragglers]
-        return min(pending) + patience if pending else math.inf
-
-    def mark_stragglers(self, now: float, patience: float) -> None:
-        for p, t in self.in_flight.items():
-            if now - t >= patience:
-                self.stragglers.add(p)
-
-    def give_up_at(self, patience: float) -> float:
-        """When waiting for the stragglers stops being worth it (2x patience after the last
-        one started): they are then treated as failed (inf if none is in flight)."""
-        starts = [t for p, t in self.in_flight.items() if p in self.stragglers]
-        return max(starts) + 2 * patience if starts else math.inf
-
-    def top_answered(self) -> bool:
-        return all(p in self.answered for p in self._ranked()[: self.width])
-
-    def done(self, now: float, patience: float) -> bool:
-        if not self.top_answered():
-            return False
-        # Fewer usable candidates than wanted (a small swarm, or many dead peers): a straggler
-        # may still be one of the closest, so wait for it a little, not for its whole timeout.
-        return len(self._ranked()) >= self.width or now >= self.give_up_at(patience)
-
-    def closest_answered(self) -> list[str]:
-        return [p for p in self._ranked() if p in self.answered]
 
 
 class Dht(Service):
@@ -326,10 +236,7 @@ class Dht(Service):
             validator_changed=True,
             strict_validation=True,
         )
-        self._dead: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
-        self._suspect: dict[str, float] = {}  # peer -> until when lookups do not wait for it
-        self._strikes: dict[str, int] = {}  # peer -> timeouts in a row
-        self._feed_send, self._feed_recv = trio.open_memory_channel[str](1024)
+        self.routing = Routing(host, self.kad, self.config.rpc_timeout, self.config.dead_peer_ttl)
         self._nursery: trio.Nursery | None = None
         self._repair_limit = trio.CapacityLimiter(8)
         self.stats = {"rejected_from_peers": 0, "repairs": 0}
@@ -346,11 +253,11 @@ class Dht(Service):
         limits = self.config.limits
         self.host.rpc.serve(FIND_RPC, self._serve_find, max_request=MAX_TARGET_BYTES + 1024)
         self.host.rpc.serve(STORE_RPC, self._serve_store, max_request=limits.max_key_bytes + RPC_OVERHEAD)
-        stack.callback(self.host.on_connected(self._on_connected))
-        self._nursery.start_soon(self._admit_connected_peers)
+        stack.callback(self.host.on_connected(self.routing.on_connected))
+        self._nursery.start_soon(self.routing.admit_connected_peers)
         self._nursery.start_soon(self._purge_loop)
         for peer in self.host.connected_peers():
-            self._on_connected(peer)
+            self.routing.on_connected(peer)
 
     def _require_open(self) -> trio.Nursery:
         if self._stack is None or self._nursery is None:
@@ -376,7 +283,7 @@ class Dht(Service):
                 log.warning(kv("bootstrap peer unreachable, skipped", addr=addr, error=e))
                 return
             reached.append(peer)
-            await self._admit(peer, [parse_multiaddr(addr)], wait_identify=False)
+            await self.routing.admit(peer, [parse_multiaddr(addr)], wait_identify=False)
 
         async with trio.open_nursery() as dials:
             for addr in addrs:
@@ -386,9 +293,9 @@ class Dht(Service):
                 f"none of the {len(addrs)} bootstrap addresses answered; check them, or start "
                 "this node without bootstrap peers to found a new swarm"
             )
-        await self._lookup(_peer_id(self.peer_id).to_bytes(), key=None)
+        await self._lookup(parse_peer_id(self.peer_id).to_bytes(), key=None)
         if self.config.refresh_after_bootstrap:
-            nursery.start_soon(self._refresh_routing_table)
+            nursery.start_soon(self.routing.refresh)
         log.info(kv("dht bootstrapped", reached=len(reached), of=len(addrs), table=self.kad.routing_table.size()))
         return len(reached)
 
@@ -463,7 +370,7 @@ class Dht(Service):
         """Addresses of `peer_id` from the peerstore or a kad lookup; [] if unknown."""
         self._require_open()
         with trio.move_on_after(self.config.lookup_timeout):
-            info = await self.kad.find_peer(_peer_id(peer_id))
+            info = await self.kad.find_peer(parse_peer_id(peer_id))
             if info is not None:
                 return [str(a) for a in info.addrs]
         return []
@@ -478,17 +385,17 @@ class Dht(Service):
         peers = [p.to_base58() for p in self.kad.routing_table.find_local_closest_peers(target, width)]
         if len(peers) < self.config.replication:
             peers += self.host.connected_peers()
-        return [p for p in dict.fromkeys(peers) if self._usable(p)]
+        return [p for p in dict.fromkeys(peers) if self.routing.usable(p)]
 
     def _closest_with_self(self, target: bytes, answered: Sequence[str]) -> list[str]:
         target_hash = hashlib.sha256(target).digest()
-        peers = sorted({*answered, self.peer_id}, key=lambda p: _distance(target_hash, p))
+        peers = sorted({*answered, self.peer_id}, key=lambda p: xor_distance(target_hash, p))
         return peers[: self.config.replication]
 
-    async def _lookup(self, target: bytes, key: str | None) -> _LookupResult:
+    async def _lookup(self, target: bytes, key: str | None) -> LookupResult:
         cfg = self.config
         nursery = self._require_open()
-        lookup = _Lookup(target, self.peer_id, cfg.replication)
+        lookup = Lookup(target, self.peer_id, cfg.replication)
         for peer in self._seeds(target):
             lookup.add(peer)
         records: dict[Subkey, Record] = {}
@@ -517,19 +424,19 @@ class Dht(Service):
                 if wait.cancelled_caught:
                     lookup.mark_stragglers(trio.current_time(), patience)
                     for p in lookup.stragglers:
-                        self._suspect[p] = time.monotonic() + cfg.rpc_timeout
+                        self.routing.suspect[p] = time.monotonic() + cfg.rpc_timeout
                     continue
                 lookup.finished(peer, reply is not None, trio.current_time())
                 if reply is None:
                     continue
                 for other, addrs in reply.peers:
-                    if other != self.peer_id and self._usable(other):
-                        self._learn_addrs(other, addrs)
+                    if other != self.peer_id and self.routing.usable(other):
+                        self.routing.learn_addrs(other, addrs)
                         lookup.add(other)
                 if key is not None:
                     seen[peer] = {(r.subkey, r.signature) for r in reply.records}
                     records = merge(records, as_state(reply.records))
-        return _LookupResult(lookup.closest_answered(), records, seen)
+        return LookupResult(lookup.closest_answered(), records, seen)
 
     async def _query_find(self, peer: str, target: bytes, key: str | None, send: trio.MemorySendChannel) -> None:
         limits = self.config.limits
@@ -548,9 +455,9 @@ class Dht(Service):
             log.info(kv("dht find refused", peer=peer, error=e))
         except (RpcError, MalformedMessage) as e:
             log.debug(kv("dht find failed", peer=peer, error=e))
-            self._failed(peer, started)
+            self.routing.failed(peer, started)
         if reply is not None:
-            self._answered(peer)
+            self.routing.answered(peer)
             self._admit_soon(peer)
         with contextlib.suppress(trio.BrokenResourceError):  # the lookup already ended
             send.send_nowait((peer, reply))
@@ -598,9 +505,9 @@ class Dht(Service):
             log.info(kv("dht store refused", peer=peer, key=key, error=e))
         except (RpcError, MalformedMessage) as e:
             log.debug(kv("dht store failed", peer=peer, key=key, error=e))
-            self._failed(peer, started)
+            self.routing.failed(peer, started)
         else:
-            self._answered(peer)
+            self.routing.answered(peer)
             return [r if isinstance(r, str) else None for r in results]
         return None
 
@@ -636,7 +543,7 @@ class Dht(Service):
         closest = []
         for pid in self.kad.routing_table.find_local_closest_peers(target, MAX_REPLY_PEERS + 2):
             p = pid.to_base58()
-            if p in (peer, self.peer_id) or self._is_dead(p):
+            if p in (peer, self.peer_id) or self.routing.is_dead(p):
                 continue
             try:
                 addrs = [_addr_str(a) for a in peerstore.addrs(pid)[:MAX_ADDRS_PER_PEER]]
@@ -670,130 +577,19 @@ class Dht(Service):
                 results.append(e.reason)
         return {"results": results}
 
-    # -- routing table ----------------------------------------------------------------------
-
-    def _on_connected(self, peer: str) -> None:
-        self._dead.pop(peer, None)
-        # in a burst of connections some are dropped: they arrive through lookups and refresh
-        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-            self._feed_send.send_nowait(peer)
+    # -- routing table ---------------------------------------------------------------------
 
     def _admit_soon(self, peer: str) -> None:
         """A peer spoke our DHT protocol: add it to the routing table (in the background)."""
-        if self._nursery is not None and not self.kad.routing_table.peer_in_table(_peer_id(peer)):
-            self._nursery.start_soon(self._admit, peer, None, False)
-
-    async def _admit_connected_peers(self) -> None:
-        async with trio.open_nursery() as nursery:
-            async for peer in self._feed_recv:
-                nursery.start_soon(self._admit, peer, None, True)
-
-    async def _admit(self, peer: str, addrs: list[multiaddr.Multiaddr] | None, wait_identify: bool) -> None:
-        """Add `peer` to kad's routing table. With `wait_identify`, first wait for identify and
-        admit it only if it serves kad (server mode), as the Kademlia spec requires."""
-        pid = _peer_id(peer)
-        peerstore = self.host.libp2p.get_peerstore()
-        if wait_identify:
-            with trio.move_on_after(IDENTIFY_WAIT):
-                while True:
-                    try:
-                        protocols = peerstore.get_protocols(pid)
-                    except Exception:
-                        protocols = []
-                    if protocols:
-                        break
-                    await trio.sleep(0.05)
-            try:
-                if KAD_PROTOCOL not in peerstore.get_protocols(pid):
-                    return
-            except Exception:
-                return
-        if addrs is None:
-            try:
-                addrs = peerstore.addrs(pid)
-            except Exception:
-                return
-        if addrs:
-            await self.kad.routing_table.add_peer(PeerInfo(pid, addrs), skip_server_mode_check=not wait_identify)
-
-    def _learn_addrs(self, peer: str, addrs: list[str]) -> None:
-        """Addresses from a find reply, for peers we know no address of (so a lying peer can
-        not redirect our traffic to peers we already know). Parsed only then: multiaddr
-        parsing is slow and most peers in a reply are known."""
-        peerstore = self.host.libp2p.get_peerstore()
-        pid = _peer_id(peer)
-        with contextlib.suppress(Exception):  # PeerStoreError: an unknown peer
-            if peerstore.addrs(pid):
-                return
-        parsed = []
-        for a in addrs:
-            with contextlib.suppress(Exception):  # not a multiaddr: skip that one
-                parsed.append(multiaddr.Multiaddr(a))
-        if parsed:
-            peerstore.add_addrs(pid, parsed, LEARNED_ADDR_TTL)
-
-    def _answered(self, peer: str) -> None:
-        self._strikes.pop(peer, None)
-        self._suspect.pop(peer, None)
-
-    def _failed(self, peer: str, started: float) -> None:
-        """A call to `peer` failed. Failing fast (refused, reset, garbage) means the peer is gone
-        or broken: dead at once. A timeout may be our own overload (a starved event loop blames
-        everyone), so it is a strike: suspect for a while, dead at the second in a row."""
-        if time.monotonic() - started < 0.9 * self.config.rpc_timeout:
-            self._mark_dead(peer)
-            return
-        strikes = self._strikes.get(peer, 0) + 1
-        if strikes >= TIMEOUT_STRIKES:
-            self._mark_dead(peer)
-        else:
-            self._strikes[peer] = strikes
-            self._suspect[peer] = time.monotonic() + self.config.rpc_timeout
-
-    def _mark_dead(self, peer: str) -> None:
-        self._strikes.pop(peer, None)
-        self._dead[peer] = time.monotonic() + self.config.dead_peer_ttl
-        try:
-            self.kad.routing_table.remove_peer(_peer_id(peer))
-        except Exception as e:
-            log.debug(kv("routing table removal failed", peer=peer, error=repr(e)))
-
-    def _is_dead(self, peer: str) -> bool:
-        until = self._dead.get(peer)
-        if until is None:
-            return False
-        if until < time.monotonic():
-            del self._dead[peer]
-            return False
-        return True
-
-    def _usable(self, peer: str) -> bool:
-        """Worth asking: neither dead nor still owing an answer to an earlier lookup (a
-        straggler's query goes on in the background and settles which it is)."""
-        return not self._is_dead(peer) and not self._is_suspect(peer)
-
-    def _is_suspect(self, peer: str) -> bool:
-        until = self._suspect.get(peer)
-        if until is None:
-            return False
-        if until < time.monotonic():
-            del self._suspect[peer]
-            return False
-        return True
-
-    async def _refresh_routing_table(self) -> None:
-        try:
-            with trio.move_on_after(60):
-                await self.kad.refresh_routing_table()
-        except Exception as e:  # kad's refresh is best effort
-            log.debug(kv("kad refresh failed", error=repr(e)))
+        if self._nursery is not None and not self.kad.routing_table.peer_in_table(parse_peer_id(peer)):
+            self._nursery.start_soon(self.routing.admit, peer, None, False)
 
     async def _purge_loop(self) -> None:
         while True:
             await trio.sleep(self.config.purge_interval)
             dropped = self.local.purge(time.time())
             now = time.monotonic()
-            for table in (self._dead, self._suspect):
+            for table in (self.routing.dead, self.routing.suspect):
                 for peer in [p for p, t in table.items() if t < now]:
                     del table[peer]
             if dropped:
@@ -803,14 +599,14 @@ class Dht(Service):
 def _parse_peer(item: Any) -> tuple[str, list[str]] | None:
     """`[peer id, [addr, ...]]` from a find reply; None if the peer id is not one. Addresses
     that are not strings or name another peer are dropped (they would make us dial someone
-    else); the rest are parsed only if we need them (`_learn_addrs`)."""
+    else); the rest are parsed only if we need them (`Routing.learn_addrs`)."""
     if not isinstance(item, list) or len(item) != 2:
         return None
     peer, addrs = item
     if not isinstance(peer, str) or not isinstance(addrs, list):
         return None
     try:
-        _peer_id(peer)
+        parse_peer_id(peer)
     except Exception:
         return None
     suffix = "/p2p/" + peer

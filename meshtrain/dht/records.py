@@ -26,7 +26,8 @@ Design (after hivemind's DHT values with subkeys, but signed by default).
   key, subkeys per key), malformed, or signed for another swarm/key is an `InvalidRecord` with
   a short machine-readable `reason`.
 
-Not here: networking (`kademlia.py`), what the swarm's announcements mean (`discovery.py`).
+Not here: networking (`kademlia.py`, `routing.py`), what the swarm's announcements mean
+(`discovery.py`).
 Nothing in this module does I/O; the clock is always passed in as `now`.
 """
 
