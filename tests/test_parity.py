@@ -124,9 +124,9 @@ def test_phi_digest_sees_every_bit_and_ignores_order():
 
 
 def test_progress_records_check_their_phi_digests():
-    from meshtrain.crdt.swarm_view import _phi_digests
+    from meshtrain.crdt.swarm_records import phi_digests
 
-    assert _phi_digests([[1, A], [2, B]]) == ((1, A), (2, B))
+    assert phi_digests([[1, A], [2, B]]) == ((1, A), (2, B))
     for bad in (
         [[2, A], [1, B]],
         [[1, "not bytes"]],
@@ -137,7 +137,7 @@ def test_progress_records_check_their_phi_digests():
         [[1, b""]],
     ):
         with pytest.raises(CrdtError):
-            _phi_digests(bad)
+            phi_digests(bad)
     assert PeerProgress("p", 1, 2, 3, 4, ((1, A),)).phi_at(1) == A
 
 

@@ -2,7 +2,8 @@
 
 Pure signed CRDT types (`types`, built on `base` and `entries`), the `Replica` that keeps a
 swarm's CRDTs in sync over gossipsub (`gossip`) and anti-entropy RPCs (`anti_entropy`), and the
-`SwarmView` that reads the swarm's membership, progress, metrics and config out of them.
+`SwarmView` that reads the swarm's membership, progress, metrics and config out of them (their
+records' formats and checks: `swarm_records`).
 """
 
 from meshtrain.crdt.base import SignedCrdt

@@ -58,8 +58,8 @@ the subscription, publish, anti-entropy ticks, greeting new connections); leavin
 and stops gossipsub.
 
 Not here: the CRDT types and merge rules (`types.py`, `base.py`), what the swarm's state means
-(`swarm_view.py`), dialling and peer discovery (transport, dht). One replica per host: gossipsub
-registers host-wide protocol handlers, and so do the `crdt/*` RPCs. The push path and its wire
+(`swarm_records.py`, `swarm_view.py`), dialling and peer discovery (transport, dht). One replica
+per host: gossipsub registers host-wide protocol handlers, and so do the `crdt/*` RPCs. The push path and its wire
 format are in `gossip.py`, the pull path and its RPCs in `anti_entropy.py`.
 """
 

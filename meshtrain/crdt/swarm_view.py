@@ -1,25 +1,16 @@
 """`SwarmView`: the swarm's membership, progress, metrics, strikes and run config, as one typed object.
 
-Every peer holds the same view without a leader because all five are CRDTs kept by a `Replica`:
+Problem. A peer needs one object that says who is live, how far everyone is, who flagged whom
+and what the run config is, agreed with every other peer, and that keeps its own records fresh
+at a rate the swarm's gossip can carry. The swarm's records are CRDTs kept by a `Replica`
+(swarm_records.py: their formats, the rules every peer applies, `PeerInfo`, `swarm_specs`); this
+view is the service that writes, heartbeats and reads them.
 
-- **membership** — one signed record per peer (an `LWWRegister` read per owner: each owner's
-  latest entry is its record, and only its key can sign it): heartbeat time, a lease (how long
-  the heartbeat vouches for the peer), addresses, role, capabilities, connection type, and a
-  `left` flag. A peer is *live* while `heartbeat + lease` has not passed (and the heartbeat is
-  not more than `max_clock_skew` in the future) and it has not left. A clean `leave()` writes the
-  record with `left=True` and hands it to peers before the process exits, so others drop the peer
-  at once instead of when its lease runs out.
-- **progress** — per-peer record {step, samples, outer_round, and `phi`: the digests of the
-  outer parameters φ after the peer's last few rounds, `[[round, digest], ...]`} (same per-owner
-  register). Every peer of a DiLoCo-family swarm must hold the same φ after the same round; the
-  digests let each peer check that continuously (`node/parity.py`).
-- **metrics** — per-peer record of a few latest numbers (loss, throughput, ...).
-- **strikes** — per-reporter record (same per-owner register, signed by its reporter) of the
-  contributions it flagged as an all-reduce part's owner, with the evidence (crdt/strikes.py has
-  the format and rules; which strikes count is node policy, node/strikes.py).
-- **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
-  rejected on every peer (`CrdtSpec.writers`), and `set_config` by a non-owner raises
-  `NotSwarmOwner` locally.
+Design. The view writes our own records — a membership heartbeat, progress, metrics, strikes, and
+the config if we own the swarm (`set_config` by a non-owner raises `NotSwarmOwner` locally) — and
+answers every question about everyone's. A clean `leave()` writes our membership record with
+`left=True` and hands it to peers before the process exits, so others drop the peer at once
+instead of when its lease runs out.
 
 Admission. A swarm may refuse peers (a public swarm asks for a proof of work, or the owner's
 allowlist, node/admission.py): the view takes the rule as a filter (`admit`) and answers every
@@ -48,15 +39,9 @@ run-time revocation that reached them later), those peers keep it and the others
 their fingerprints of that CRDT differ for good, so each exchange between them sends digests and
 that one entry again (bounded: one entry per such owner and CRDT).
 
-Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
-so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
-that owner. Record bodies are checked (`_check_*`, the same rules on every peer) before merging,
-so a malformed record is rejected everywhere, never half-read.
-
-Liveness is a pure function of the replicated state and a reference time (`now_ms`), so
+Liveness (`PeerInfo.is_live`) depends only on the records and a reference time, so
 `membership_snapshot(now_ms)` gives the same sorted peer list on every peer that holds the same
 state — pass the same reference time (e.g. a round's scheduled start) when peers must agree.
-Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
 
 Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
 so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
@@ -73,8 +58,16 @@ on one membership snapshot, so stretching the lease is the knob, and no wire for
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
 they go out with the next heartbeat, except an outer-round change, which is written at once.
 
-Not here: gossip, anti-entropy and merging (`gossip.py`, `anti_entropy.py`, `replica.py`), choosing
-whom to connect to (transport, dht), and what the config keys mean (node).
+Wire: none of its own — the records of swarm_records.py, sent and merged by the replica.
+
+Failures (besides a silent death and a revoked peer, above). A cancelled view stops without
+leaving. After a restart, an entry of ours from the previous incarnation may beat what we wrote
+since (or arrive before we wrote): we write our records again on top of it, our strikes from this
+process joining the old record's.
+
+Not here: the records' formats and checks (swarm_records.py), gossip, anti-entropy and merging
+(`gossip.py`, `anti_entropy.py`, `replica.py`), choosing whom to connect to (transport, dht), and
+what the config keys mean (node).
 """
 
 from __future__ import annotations
@@ -82,36 +75,79 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, cast
 
 import trio
 
 from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value, verify_entry
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
-from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, check_strikes, record_of
-from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms
+from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, record_of
+from meshtrain.crdt.swarm_records import (
+    CONFIG,
+    MAX_ADDRS,
+    MAX_CAPABILITIES_BYTES,
+    MAX_LEASE_MS,
+    MAX_METRICS,
+    MAX_PHI_DIGESTS,
+    MEMBERSHIP,
+    METRICS,
+    MIN_LEASE_MS,
+    PROGRESS,
+    STRIKES,
+    PeerInfo,
+    PeerMetrics,
+    PeerProgress,
+    peer_info,
+    phi_digests,
+    require_count,
+    require_label,
+    swarm_specs,
+)
+from meshtrain.crdt.types import LWWMap, now_ms
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
-from meshtrain.transport.validate import is_int, is_number
+from meshtrain.transport.validate import is_number
+
+__all__ = [
+    "CONFIG",
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_LEAVE_TIMEOUT",
+    "DEFAULT_MAX_CLOCK_SKEW",
+    "DEFAULT_MAX_HEARTBEAT_INTERVAL",
+    "DEFAULT_SWARM_HEARTBEAT_RATE",
+    "DEFAULT_TTL",
+    "LIVE_RECHECK",
+    "LOG_RATE_FROM",
+    "MAX_PHI_DIGESTS",
+    "MAX_REFUSED_SHOWN",
+    "MEMBERSHIP",
+    "MEMBER_RECORDS",
+    "METRICS",
+    "NotSwarmOwner",
+    "PROGRESS",
+    "PeerInfo",
+    "PeerMetrics",
+    "PeerProgress",
+    "REFUSED_NOT_ADMITTED",
+    "REFUSED_NOT_A_MEMBER",
+    "STRIKES",
+    "SwarmView",
+    "heartbeat_interval_for",
+    "open_swarm_view",
+    "swarm_specs",
+]
 
 log = get_logger(__name__)
 
-MEMBERSHIP = "membership"
 LIVE_RECHECK = 0.5  # seconds: wait_live looks again this often without a membership change
-PROGRESS = "progress"
-METRICS = "metrics"
-CONFIG = "config"
-STRIKES = "strikes"
 
 DEFAULT_HEARTBEAT_INTERVAL = 3.0
 DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
 DEFAULT_MAX_HEARTBEAT_INTERVAL = 300.0  # the log-N bound holds up to ~3,500 peers (docstring)
 DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm, up to LOG_RATE_FROM peers
 LOG_RATE_FROM = 16  # above this many live peers the swarm's heartbeat rate grows with log N
-MIN_LEASE_MS, MAX_LEASE_MS = 100, 3_600_000
 DEFAULT_MAX_CLOCK_SKEW = 30.0
 DEFAULT_LEAVE_TIMEOUT = 2.0
 
@@ -119,15 +155,6 @@ MAX_REFUSED_SHOWN = 32  # refused membership records remembered for `ignored_pee
 REFUSED_NOT_ADMITTED = "crdt-not-admitted"  # a membership record that fails `keep`
 REFUSED_NOT_A_MEMBER = "crdt-not-a-member"  # a member-only record of an owner without an admitted record
 MEMBER_RECORDS = frozenset({PROGRESS, METRICS, STRIKES})  # CRDTs only members write
-
-MAX_ADDRS = 16
-MAX_ADDR_CHARS = 512
-MAX_LABEL_CHARS = 64  # role, connection type, metric names
-MAX_CAPABILITIES_BYTES = 4096
-MAX_METRICS = 32
-MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
-MAX_DIGEST_BYTES = 64
-INT64_MAX = (1 << 63) - 1
 
 
 def heartbeat_interval_for(
@@ -143,158 +170,6 @@ def heartbeat_interval_for(
 
 class NotSwarmOwner(NotAWriter):
     """Only the swarm owner's key may change the run config."""
-
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """A peer's latest membership record."""
-
-    peer_id: str
-    addrs: tuple[str, ...]
-    role: str
-    capabilities: dict[str, Any]
-    connection: str
-    last_heartbeat_ms: int
-    lease_ms: int
-    left: bool
-    seq: int  # the record's entry seq: grows across the peer's restarts
-
-    def is_live(self, now: int, max_skew_ms: int) -> bool:
-        beat = self.last_heartbeat_ms
-        return not self.left and beat <= now + max_skew_ms and now <= beat + self.lease_ms
-
-
-@dataclass(frozen=True)
-class PeerProgress:
-    peer_id: str
-    step: int
-    samples: int
-    outer_round: int
-    updated_ms: int
-    phi: tuple[tuple[int, bytes], ...] = ()  # (outer round, φ digest) after the last rounds
-
-    def phi_at(self, outer_round: int) -> bytes | None:
-        """The φ digest this peer published for `outer_round`, if it still carries it."""
-        return next((d for r, d in self.phi if r == outer_round), None)
-
-
-@dataclass(frozen=True)
-class PeerMetrics:
-    peer_id: str
-    values: dict[str, float]
-    updated_ms: int
-
-
-# --- record rules (the same on every peer: a malformed record is rejected everywhere) ------------
-
-
-def _record(entry: SignedEntry) -> Any:
-    body = entry.body
-    if not isinstance(body, list) or len(body) != 2:
-        raise CrdtError("a record entry's body is [timestamp, record]")
-    if not isinstance(body[1], dict):
-        raise CrdtError("a record must be a map")
-    return body[1]
-
-
-def _label(value: Any, what: str) -> str:
-    if not isinstance(value, str) or len(value) > MAX_LABEL_CHARS:
-        raise CrdtError(f"{what} must be a str of at most {MAX_LABEL_CHARS} characters")
-    return value
-
-
-def _count(value: Any, what: str) -> int:
-    if not is_int(value) or not 0 <= value <= INT64_MAX:
-        raise CrdtError(f"{what} must be an int in 0..2**63-1")
-    return value
-
-
-def check_membership(entry: SignedEntry) -> None:
-    rec = _record(entry)
-    if set(rec) != {"addrs", "role", "caps", "conn", "lease", "left"}:
-        raise CrdtError("a membership record has exactly addrs, role, caps, conn, lease, left")
-    lease = rec["lease"]
-    if not is_int(lease):
-        raise CrdtError("lease must be an int (milliseconds)")
-    if not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
-        raise CrdtError(f"lease must be in {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
-    addrs = rec["addrs"]
-    if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS:
-        raise CrdtError(f"addrs must be a list of at most {MAX_ADDRS}")
-    for a in addrs:
-        if not isinstance(a, str) or len(a) > MAX_ADDR_CHARS:
-            raise CrdtError(f"an address must be a str of at most {MAX_ADDR_CHARS} characters")
-    _label(rec["role"], "role")
-    _label(rec["conn"], "connection type")
-    if not isinstance(rec["caps"], dict) or len(packb(rec["caps"])) > MAX_CAPABILITIES_BYTES:
-        raise CrdtError(f"caps must be a map of at most {MAX_CAPABILITIES_BYTES} encoded bytes")
-    if not isinstance(rec["left"], bool):
-        raise CrdtError("left must be a bool")
-
-
-def check_progress(entry: SignedEntry) -> None:
-    rec = _record(entry)
-    if not {"step", "samples", "round"} <= set(rec) <= {"step", "samples", "round", "phi"}:
-        raise CrdtError("a progress record has step, samples, round and optionally phi")
-    for key in ("step", "samples", "round"):
-        _count(rec[key], key)
-    _phi_digests(rec.get("phi", []))
-
-
-def _phi_digests(value: Any) -> tuple[tuple[int, bytes], ...]:
-    """`[[round, digest], ...]`, at most MAX_PHI_DIGESTS, rounds strictly increasing."""
-    if not isinstance(value, list | tuple) or len(value) > MAX_PHI_DIGESTS:
-        raise CrdtError(f"phi must be a list of at most {MAX_PHI_DIGESTS} [round, digest] pairs")
-    out: list[tuple[int, bytes]] = []
-    for pair in value:
-        if not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise CrdtError("a phi entry is [round, digest]")
-        rnd = _count(pair[0], "phi round")
-        digest = pair[1]
-        if not isinstance(digest, bytes) or not 0 < len(digest) <= MAX_DIGEST_BYTES:
-            raise CrdtError(f"a phi digest is 1..{MAX_DIGEST_BYTES} bytes")
-        if out and rnd <= out[-1][0]:
-            raise CrdtError("phi rounds must be strictly increasing")
-        out.append((rnd, digest))
-    return tuple(out)
-
-
-def check_metrics(entry: SignedEntry) -> None:
-    rec = _record(entry)
-    if len(rec) > MAX_METRICS:
-        raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
-    for key, value in rec.items():
-        _label(key, "a metric name")
-        if not is_number(value):
-            raise CrdtError(f"metric {key!r} must be a number")
-
-
-def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
-    """The CRDTs a `SwarmView` needs; pass them (plus any of your own) to its `Replica`. In the
-    order the replica merges them: config and membership first, as the `keep` gate reads them."""
-    return [
-        CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
-        CrdtSpec(MEMBERSHIP, LWWRegister.type_tag, check=check_membership),
-        CrdtSpec(PROGRESS, LWWRegister.type_tag, check=check_progress),
-        CrdtSpec(METRICS, LWWRegister.type_tag, check=check_metrics),
-        CrdtSpec(STRIKES, LWWRegister.type_tag, check=check_strikes),
-    ]
-
-
-def peer_info(entry: SignedEntry) -> PeerInfo:
-    """The `PeerInfo` of a membership entry (one that passed `check_membership`)."""
-    ts, rec = entry.body
-    return PeerInfo(
-        peer_id=entry.owner,
-        addrs=tuple(rec["addrs"]),
-        role=rec["role"],
-        capabilities=dict(rec["caps"]),
-        connection=rec["conn"],
-        last_heartbeat_ms=ts,
-        lease_ms=rec["lease"],
-        left=rec["left"],
-        seq=entry.seq,
-    )
 
 
 class SwarmView(Service):
@@ -354,12 +229,12 @@ class SwarmView(Service):
         self.replica = replica
         self.swarm_owner = swarm_owner
         self.me = replica.me
-        self.role = _label(role, "role")
+        self.role = require_label(role, "role")
         self.capabilities = dict(capabilities or {})
         check_value(self.capabilities, what="capabilities")
         if len(packb(self.capabilities)) > MAX_CAPABILITIES_BYTES:
             raise CrdtError(f"capabilities must encode to at most {MAX_CAPABILITIES_BYTES} bytes")
-        self.connection = _label(connection, "connection type")
+        self.connection = require_label(connection, "connection type")
         self._addrs = list(addrs) if addrs is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.max_heartbeat_interval = max_heartbeat_interval
@@ -469,7 +344,7 @@ class SwarmView(Service):
         """Change what we announce about how we are reached — the connection type (e.g. "public",
         "relayed" once a private peer holds relay reservations) and, if given, the addresses
         (e.g. our circuit addresses) — and write our record at once (not at the next heartbeat)."""
-        self.connection = _label(connection, "connection type")
+        self.connection = require_label(connection, "connection type")
         if addrs is not None:
             self._addrs = list(addrs)
         self._rewrite.set()
@@ -558,9 +433,9 @@ class SwarmView(Service):
         new = dict(self._progress)
         for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
             if value is not None:
-                new[key] = _count(value, key)
+                new[key] = require_count(value, key)
         if phi is not None:
-            new["phi"] = [list(p) for p in _phi_digests(list(phi)[-MAX_PHI_DIGESTS:])]
+            new["phi"] = [list(p) for p in phi_digests(list(phi)[-MAX_PHI_DIGESTS:])]
         round_changed = new["round"] != self._progress["round"] or new.get("phi") != self._progress.get("phi")
         self._progress = new
         self._progress_dirty = True
@@ -573,7 +448,7 @@ class SwarmView(Service):
         if len(merged) > MAX_METRICS:
             raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
         for key, value in merged.items():
-            _label(key, "a metric name")
+            require_label(key, "a metric name")
             if not is_number(value):
                 raise CrdtError(f"metric {key!r} must be a number")
         self._metrics = merged
@@ -610,7 +485,7 @@ class SwarmView(Service):
                 e.body[1]["samples"],
                 e.body[1]["round"],
                 e.body[0],
-                _phi_digests(e.body[1].get("phi", [])),
+                phi_digests(e.body[1].get("phi", [])),
             )
             for e in self.replica.crdt(PROGRESS).entries()
             if admitted is None or e.owner in admitted

@@ -2,7 +2,7 @@
 
 Problem. A pipeline swarm has no coordinator: placement, the epoch every peer runs, who is
 ready, which step a stage's state is offered at and who asked for an epoch end are all read from
-the peers' membership records (crdt/swarm_view.py), which every peer gossips. node/pipeline_peer.py
+the peers' membership records (crdt/swarm_records.py), which every peer gossips. node/pipeline_peer.py
 and node/stage_handover.py decide with them; this module only writes ours and reads the others'.
 
 Design. Our record's capabilities carry a `pipeline` entry beside the others (the proof of work):

@@ -1,0 +1,233 @@
+"""The swarm's records: what each peer says about itself in the swarm's CRDTs, and their rules.
+
+Problem. Every peer must hold the same view of the swarm — who is in it, how far each peer is, its
+latest numbers, the strikes it raised, the run config — without a leader, and a hostile peer must
+be able neither to speak for another nor to make some peers read a record that others reject.
+
+Design. Five CRDTs, kept by a `Replica` (`swarm_specs` lists them, in the order the replica
+merges them: config and membership first, as a `keep` gate reads them — swarm_view.py):
+
+- **membership** — one signed record per peer (an `LWWRegister` read per owner: each owner's
+  latest entry is its record, and only its key can sign it): heartbeat time, a lease (how long
+  the heartbeat vouches for the peer), addresses, role, capabilities, connection type, and a
+  `left` flag; `peer_info` reads it as a `PeerInfo`. A peer is *live* while `heartbeat + lease`
+  has not passed (and the heartbeat is not more than the allowed clock skew in the future) and it
+  has not left (`PeerInfo.is_live`): a pure function of the record and a reference time.
+  Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
+- **progress** — per-peer record {step, samples, outer_round, and `phi`: the digests of the
+  outer parameters φ after the peer's last few rounds, `[[round, digest], ...]`} (same per-owner
+  register; `PeerProgress`). Every peer of a DiLoCo-family swarm must hold the same φ after the
+  same round; the digests let each peer check that continuously (`node/parity.py`).
+- **metrics** — per-peer record of a few latest numbers (loss, throughput, ...; `PeerMetrics`).
+- **strikes** — per-reporter record (same per-owner register, signed by its reporter) of the
+  contributions it flagged as an all-reduce part's owner, with the evidence (crdt/strikes.py has
+  the format and rules; which strikes count is node policy, node/strikes.py).
+- **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
+  rejected on every peer (`CrdtSpec.writers`).
+
+Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
+so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
+that owner.
+
+Wire. A record entry's body is `[timestamp_ms, record]` (the register's timestamp: for membership,
+the heartbeat time), the record a msgpack map:
+
+    membership: {"addrs": [str, ...], "role": str, "caps": {...}, "conn": str,
+                 "lease": int ms, "left": bool}
+    progress:   {"step": int, "samples": int, "round": int, "phi": [[round, digest], ...]?}
+    metrics:    {name: number, ...}
+    strikes:    {"strikes": [strike, ...], "caps": {...}} (crdt/strikes.py)
+
+Failures. Record bodies are checked (`check_membership`, `check_progress`, `check_metrics`,
+`check_strikes`: the same rules on every peer) before merging, so a malformed record is rejected
+everywhere, never half-read: exactly the keys above (metric names are free), labels of at most
+`MAX_LABEL_CHARS`, at most `MAX_ADDRS` addresses, `MAX_CAPABILITIES_BYTES` of capabilities,
+`MAX_METRICS` metrics and `MAX_PHI_DIGESTS` φ digests (rounds strictly increasing), counts in
+0..2**63-1, a lease in `MIN_LEASE_MS`..`MAX_LEASE_MS`. A bad record raises `CrdtError`.
+
+Not here: writing, heartbeating and reading the records, admission and the replica's `keep` gate
+(swarm_view.py, `SwarmView`); gossip, anti-entropy and merging (`gossip.py`, `anti_entropy.py`,
+`replica.py`); what the config keys mean (node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.crdt.entries import CrdtError, SignedEntry
+from meshtrain.crdt.replica import CrdtSpec
+from meshtrain.crdt.strikes import check_strikes
+from meshtrain.crdt.types import LWWMap, LWWRegister
+from meshtrain.transport.framing import packb
+from meshtrain.transport.validate import is_int, is_number
+
+MEMBERSHIP = "membership"
+PROGRESS = "progress"
+METRICS = "metrics"
+CONFIG = "config"
+STRIKES = "strikes"
+
+MIN_LEASE_MS, MAX_LEASE_MS = 100, 3_600_000
+MAX_ADDRS = 16
+MAX_ADDR_CHARS = 512
+MAX_LABEL_CHARS = 64  # role, connection type, metric names
+MAX_CAPABILITIES_BYTES = 4096
+MAX_METRICS = 32
+MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
+MAX_DIGEST_BYTES = 64
+INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer's latest membership record."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    role: str
+    capabilities: dict[str, Any]
+    connection: str
+    last_heartbeat_ms: int
+    lease_ms: int
+    left: bool
+    seq: int  # the record's entry seq: grows across the peer's restarts
+
+    def is_live(self, now: int, max_skew_ms: int) -> bool:
+        beat = self.last_heartbeat_ms
+        return not self.left and beat <= now + max_skew_ms and now <= beat + self.lease_ms
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer_id: str
+    step: int
+    samples: int
+    outer_round: int
+    updated_ms: int
+    phi: tuple[tuple[int, bytes], ...] = ()  # (outer round, φ digest) after the last rounds
+
+    def phi_at(self, outer_round: int) -> bytes | None:
+        """The φ digest this peer published for `outer_round`, if it still carries it."""
+        return next((d for r, d in self.phi if r == outer_round), None)
+
+
+@dataclass(frozen=True)
+class PeerMetrics:
+    peer_id: str
+    values: dict[str, float]
+    updated_ms: int
+
+
+# --- record rules (the same on every peer: a malformed record is rejected everywhere) ------------
+
+
+def _record(entry: SignedEntry) -> Any:
+    body = entry.body
+    if not isinstance(body, list) or len(body) != 2:
+        raise CrdtError("a record entry's body is [timestamp, record]")
+    if not isinstance(body[1], dict):
+        raise CrdtError("a record must be a map")
+    return body[1]
+
+
+def require_label(value: Any, what: str) -> str:
+    """`value` if it is a label (role, connection type, metric name); else `CrdtError`."""
+    if not isinstance(value, str) or len(value) > MAX_LABEL_CHARS:
+        raise CrdtError(f"{what} must be a str of at most {MAX_LABEL_CHARS} characters")
+    return value
+
+
+def require_count(value: Any, what: str) -> int:
+    """`value` if it is a count (step, samples, round) in 0..2**63-1; else `CrdtError`."""
+    if not is_int(value) or not 0 <= value <= INT64_MAX:
+        raise CrdtError(f"{what} must be an int in 0..2**63-1")
+    return value
+
+
+def check_membership(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if set(rec) != {"addrs", "role", "caps", "conn", "lease", "left"}:
+        raise CrdtError("a membership record has exactly addrs, role, caps, conn, lease, left")
+    lease = rec["lease"]
+    if not is_int(lease):
+        raise CrdtError("lease must be an int (milliseconds)")
+    if not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
+        raise CrdtError(f"lease must be in {MIN_LEASE_MS}..{MAX_LEASE_MS} ms")
+    addrs = rec["addrs"]
+    if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS:
+        raise CrdtError(f"addrs must be a list of at most {MAX_ADDRS}")
+    for a in addrs:
+        if not isinstance(a, str) or len(a) > MAX_ADDR_CHARS:
+            raise CrdtError(f"an address must be a str of at most {MAX_ADDR_CHARS} characters")
+    require_label(rec["role"], "role")
+    require_label(rec["conn"], "connection type")
+    if not isinstance(rec["caps"], dict) or len(packb(rec["caps"])) > MAX_CAPABILITIES_BYTES:
+        raise CrdtError(f"caps must be a map of at most {MAX_CAPABILITIES_BYTES} encoded bytes")
+    if not isinstance(rec["left"], bool):
+        raise CrdtError("left must be a bool")
+
+
+def check_progress(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if not {"step", "samples", "round"} <= set(rec) <= {"step", "samples", "round", "phi"}:
+        raise CrdtError("a progress record has step, samples, round and optionally phi")
+    for key in ("step", "samples", "round"):
+        require_count(rec[key], key)
+    phi_digests(rec.get("phi", []))
+
+
+def phi_digests(value: Any) -> tuple[tuple[int, bytes], ...]:
+    """`[[round, digest], ...]`, at most MAX_PHI_DIGESTS, rounds strictly increasing."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_PHI_DIGESTS:
+        raise CrdtError(f"phi must be a list of at most {MAX_PHI_DIGESTS} [round, digest] pairs")
+    out: list[tuple[int, bytes]] = []
+    for pair in value:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise CrdtError("a phi entry is [round, digest]")
+        rnd = require_count(pair[0], "phi round")
+        digest = pair[1]
+        if not isinstance(digest, bytes) or not 0 < len(digest) <= MAX_DIGEST_BYTES:
+            raise CrdtError(f"a phi digest is 1..{MAX_DIGEST_BYTES} bytes")
+        if out and rnd <= out[-1][0]:
+            raise CrdtError("phi rounds must be strictly increasing")
+        out.append((rnd, digest))
+    return tuple(out)
+
+
+def check_metrics(entry: SignedEntry) -> None:
+    rec = _record(entry)
+    if len(rec) > MAX_METRICS:
+        raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
+    for key, value in rec.items():
+        require_label(key, "a metric name")
+        if not is_number(value):
+            raise CrdtError(f"metric {key!r} must be a number")
+
+
+def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
+    """The CRDTs a `SwarmView` needs; pass them (plus any of your own) to its `Replica`. In the
+    order the replica merges them: config and membership first, as the `keep` gate reads them."""
+    return [
+        CrdtSpec(CONFIG, LWWMap.type_tag, writers=frozenset({swarm_owner})),
+        CrdtSpec(MEMBERSHIP, LWWRegister.type_tag, check=check_membership),
+        CrdtSpec(PROGRESS, LWWRegister.type_tag, check=check_progress),
+        CrdtSpec(METRICS, LWWRegister.type_tag, check=check_metrics),
+        CrdtSpec(STRIKES, LWWRegister.type_tag, check=check_strikes),
+    ]
+
+
+def peer_info(entry: SignedEntry) -> PeerInfo:
+    """The `PeerInfo` of a membership entry (one that passed `check_membership`)."""
+    ts, rec = entry.body
+    return PeerInfo(
+        peer_id=entry.owner,
+        addrs=tuple(rec["addrs"]),
+        role=rec["role"],
+        capabilities=dict(rec["caps"]),
+        connection=rec["conn"],
+        last_heartbeat_ms=ts,
+        lease_ms=rec["lease"],
+        left=rec["left"],
+        seq=entry.seq,
+    )
