@@ -218,25 +218,6 @@ class LeavingDonor(StateDonor):
         raise TransferError("leaving the swarm")
 
 
-async def test_when_every_donor_of_the_newest_round_fails_the_next_agreed_round_is_fetched():
-    """Two donors offer rounds 9 and 5 and then fail every chunk; a third offers round 5 only.
-    Round 9 (agreed by two of three) is tried first; once both its donors are dropped, the
-    download falls back to round 5 (agreed by all three), fetched from the third donor."""
-    async with AsyncExitStack() as stack:
-        joiner, donors = await start_swarm(stack, 3, donor_cls=[LeavingDonor, LeavingDonor, StateDonor])
-        older, newer = make_state(512, seed=1, round=5), make_state(512, seed=2, round=9)
-        for d in donors:
-            d.publish(*older)
-        for d in donors[:2]:
-            d.publish(*newer)
-        report = FetchReport()
-        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, report=report)
-        assert got_meta["round"] == 5 and report.round == 5 and report.abandoned == [9]
-        assert_same_state(older[1], got)
-        assert set(report.banned) == set(ids(donors[:2])) and report.agreeing == ids(donors[2:])
-        assert report.bytes_per_donor == {donors[2].host.peer_id: report.total_bytes}
-
-
 class ColludingDonor(StateDonor):
     """Serves every chunk of the newest snapshot honestly but announces a made-up whole-state
     digest in its manifest (and answers chunk requests under it): with a second such donor the
@@ -253,12 +234,19 @@ class ColludingDonor(StateDonor):
         return await super()._serve_manifest(peer, request)
 
 
-async def test_donors_that_agree_on_an_inconsistent_manifest_are_dropped_and_the_next_state_is_fetched():
-    """Two colluders offer round 9 under a made-up digest, and round 5 honestly; an honest donor
-    offers round 5. Round 9 is downloaded, every chunk verifies, the whole state does not: both
-    colluders are dropped and round 5 comes from the honest donor."""
+@pytest.mark.parametrize(
+    ("failing", "why"),
+    [(LeavingDonor, "leaving"), (ColludingDonor, "whole-state digest")],
+    ids=["leaving", "colluding"],
+)
+async def test_when_every_donor_of_the_newest_round_fails_the_next_agreed_round_is_fetched(failing, why):
+    """Two donors offer rounds 9 and 5; a third offers round 5 only. Round 9 (agreed by two of
+    three) is tried first, and its two donors fail it: they fail every chunk (leaving), or serve
+    every chunk honestly under a made-up whole-state digest (colluding: every chunk verifies, the
+    whole does not, and both are dropped together). The download falls back to round 5 (agreed by
+    all three), fetched from the third donor."""
     async with AsyncExitStack() as stack:
-        joiner, donors = await start_swarm(stack, 3, donor_cls=[ColludingDonor, ColludingDonor, StateDonor])
+        joiner, donors = await start_swarm(stack, 3, donor_cls=[failing, failing, StateDonor])
         older, newer = make_state(512, seed=1, round=5), make_state(512, seed=2, round=9)
         for d in donors:
             d.publish(*older)
@@ -266,10 +254,11 @@ async def test_donors_that_agree_on_an_inconsistent_manifest_are_dropped_and_the
             d.publish(*newer)
         report = FetchReport()
         got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=64 * KIB, report=report)
-        assert got_meta["round"] == 5 and report.abandoned == [9]
+        assert got_meta["round"] == 5 and report.round == 5 and report.abandoned == [9]
         assert_same_state(older[1], got)
-        assert set(report.banned) == set(ids(donors[:2]))
-        assert all("whole-state digest" in why for why in report.banned.values())
+        assert set(report.banned) == set(ids(donors[:2])) and report.agreeing == ids(donors[2:])
+        assert all(why in reason for reason in report.banned.values()), report.banned
+        assert report.bytes_per_donor[donors[2].host.peer_id] == report.total_bytes  # (colluders: round 9's too)
 
 
 async def test_the_fallback_never_takes_a_state_the_vote_did_not_agree_on():
