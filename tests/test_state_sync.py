@@ -208,6 +208,32 @@ async def test_a_donor_that_stalls_is_dropped_and_its_chunks_go_to_the_others_be
     assert report.requeued >= 1 and staller not in report.bytes_per_donor
 
 
+class BrieflyStallingDonor(StallingDonor):
+    """Stalls 2 s on its first chunk (a GC pause, a loaded machine), then serves normally."""
+
+    async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+        if not self.stalled:
+            self.stalled = True
+            await trio.sleep(2)
+        await StateDonor._send_chunk(self, peer, tag, snap, start, end, chunk_digest)
+
+
+async def test_a_lone_donor_that_stalls_is_waited_for_not_dropped():
+    """The stall watchdog drops a donor only while another delivers: a lone donor's stall (four
+    stall intervals here) is waited out — the chunk timeout, not the watchdog, decides when to
+    give up on it."""
+    async with AsyncExitStack() as stack:
+        joiner, (donor,) = await start_swarm(stack, 1, donor_cls=BrieflyStallingDonor)
+        meta, tensors = make_state(1 << 10)
+        donor.publish(meta, tensors)
+        report = FetchReport()
+        _, got = await fetch_state(
+            joiner.host, joiner.ts, [donor.host.peer_id], chunk_bytes=256 * KIB, report=report, stall_timeout=0.5
+        )
+        assert_same_state(tensors, got)
+        assert donor.stalled and not report.banned, report.banned
+
+
 # -- liars and failures --------------------------------------------------------------------------
 
 
