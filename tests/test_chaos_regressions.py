@@ -154,7 +154,7 @@ def _phi_digest(node) -> bytes:
 
 
 async def test_diverged_peer_is_noticed_and_resyncs_from_the_majority(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="meshtrain.node.daemon")
+    caplog.set_level(logging.WARNING, logger="meshtrain.node.training_run")
     spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     nodes: list[meshtrain.Node] = []

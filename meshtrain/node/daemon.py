@@ -3,20 +3,17 @@
     start ─► resolve the swarm spec (file, or fetched from the peer we join, verified)
           ─► Host ─► TensorStreams (data plane) ─► NatTraversal (if enabled)
           ─► PeerPresence: DHT, mDNS, CRDT membership (as "syncing"), re-dialling
-          ─► SwarmCollective ─► Trainer ─► RunState ─► StatusServer
-          ─► enter: resume our checkpoint, or — if the swarm is past it — download the current
-             state from several peers in parallel and enter at the swarm's step (RunState)
-          ─► "trainer": train in a worker thread; after each outer round publish the state for
-             joiners; checkpoint every `checkpoint_every` seconds in the background
-          ─► stop (spec's steps reached, `stop()`, SIGINT/SIGTERM): leave the swarm (tombstone),
-             let the current step finish (a round in flight gets a short grace, then is cancelled:
-             the collective tells the others at once), save a checkpoint, exit 0. A second signal
-             exits at once.
+          ─► SwarmCollective ─► Trainer ─► RunState ─► StatusServer ─► daemon.json
+          ─► the training run (node/training_run.py: enter, train, stop, checkpoint, leave) until
+             the spec's steps, `stop()` or SIGINT/SIGTERM (a second signal exits at once)
+          ─► remove daemon.json; exit 0
 
 Where each concern lives: who is in the swarm and staying connected — `node/presence.py`; which
 state we train on (resume, download, parity, donor publishing, checkpoints) — `node/run_state.py`;
-the training loop — `node/trainer.py`; the status document — `node/status.py`, its server — `node/status_server.py`. This
-module wires them, runs the training loop's start and stop, and writes the status document.
+the training loop — `node/trainer.py`; entering, stopping and finishing the run —
+`node/training_run.py`; the status document — `node/status.py`, its server —
+`node/status_server.py`. This module resolves the spec, builds and wires the services, hands
+them to the training run, watches signals and writes daemon.json and the control token.
 
 Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
@@ -38,7 +35,7 @@ Chaos-proofing (issue 14):
   collective's `round_window`). Refusals are counted and shown on `/metrics`. Members are the
   peers the spec's admission rule admits (issue 21, node/admission.py: a proof of work, the
   owner's allowlist — `allow_peer`, reached through `POST /allow` — or the swarm key); a node
-  the others do not admit yet waits before it enters the swarm, and says why.
+  the others do not admit yet waits before it enters the swarm (node/training_run.py).
 - **Parity.** After every round we hash φ and publish the digest with our progress; a watcher
   compares it with every live trainer's. In the minority — a split round, a round we spent
   alone — we log it, show it on `/status`, and re-sync from the majority's holders (RunState).
@@ -59,7 +56,6 @@ import secrets
 import signal
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +80,7 @@ from meshtrain.node.parity import ParityMonitor
 from meshtrain.node.pipeline_export import PipelineExporter
 from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.run_state import NodeError, Phase, RunState, StoppedWhileStarting, StopRequest
+from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
 from meshtrain.node.scoring import LossScorer
 from meshtrain.node.signed_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.node.spot_check import SpotChecker
@@ -92,6 +88,7 @@ from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # n
 from meshtrain.node.status_document import round_status, status_document
 from meshtrain.node.status_server import StatusServer
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
+from meshtrain.node.training_run import NodeResult, TrainingRun, run_pipeline_peer
 from meshtrain.node.verification import Verification
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
@@ -109,19 +106,6 @@ __all__ = ["Node", "NodeError", "NodeResult"]
 
 SPEC_FILE = "swarm.json"
 SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
-STOP_GRACE = 8.0  # seconds a step or round in flight may take to finish after a stop request (a loaded
-# machine took over 3 s, and the stop then saved no checkpoint)
-ADMISSION_POLL = 1.0  # seconds between two looks at our own admission while we are not admitted
-
-
-@dataclass(frozen=True)
-class NodeResult:
-    peer_id: str
-    step: int
-    rounds: int
-    eval_loss: float | None
-    checkpoint: str | None
-    stopped_early: bool
 
 
 class Node:
@@ -194,6 +178,7 @@ class Node:
         self._adopted: TrainedState | None = None
         self._adopt = trio.Event()
         self._outer_entered = trio.Event()
+        self._training: TrainingRun | None = None  # the run, once its services are up (node/training_run.py)
 
     @property
     def state(self) -> str:
@@ -373,6 +358,17 @@ class Node:
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )
+            training = self._training = TrainingRun(
+                trainer,
+                presence,
+                run_state,
+                config,
+                self.data_dir,
+                peer_id=host.peer_id,
+                phase=self.phase,
+                stop=self._stop,
+                on_waiting=self._say_waiting,
+            )
             # Grouped rounds: replicas in different groups hold different φ by design (node/parity.py).
             run_state.parity.paused_by = lambda: "rounds run in groups (group_size)" if collective.grouped else ""
             await self._announce_reachability(stack, presence)
@@ -380,9 +376,9 @@ class Node:
             self._write_daemon_file(host, signed)
             try:
                 if self._user_loop:
-                    return await self._serve_loop(trainer, presence, run_state)
+                    return await training.serve_loop(trainer, self._outer_entered)
                 assert isinstance(trainer, Trainer)
-                return await self._train(trainer, presence, run_state)
+                return await training.train(trainer, self._until(trainer.spec.steps))
             finally:
                 (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -430,27 +426,8 @@ class Node:
         self._write_daemon_file(host, signed)
         until = self._until(signed.spec.steps)
         try:
-            await peer.run(until)
-            self.phase.set("stopping")
-            path = await peer.save()
-            view = presence.view
-            assert view is not None  # entered
-            if not view.has_left:
-                await view.leave()
-            trainer = peer.trainer
-            step = trainer.step if trainer is not None else 0
-            history: list[dict[str, Any]] = []
-            if trainer is not None:
-                with trainer.lock:
-                    history = list(trainer.info.history)
-            write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
-            return NodeResult(
-                host.peer_id,
-                step,
-                trainer.rounds if trainer is not None else 0,
-                None,
-                path or peer.last_checkpoint.get("path"),
-                until == 0 or step < until,
+            return await run_pipeline_peer(
+                peer, presence, self.data_dir, peer_id=host.peer_id, phase=self.phase, until=until
             )
         finally:
             (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
@@ -648,125 +625,6 @@ class Node:
             )
         )
 
-    # -- training ------------------------------------------------------------------------------
-
-    async def _train(self, trainer: Trainer, presence: PeerPresence, run_state: RunState) -> NodeResult:
-        view = presence.view
-        assert view is not None and self.host is not None  # entered
-        stop = self._stop
-        await self._enter_swarm(run_state, presence)
-        until = self._until(trainer.spec.steps)
-        finished_cleanly = True
-        async with trainer.outer:
-            async with trio.open_nursery() as nursery:
-
-                async def train() -> None:
-                    while True:
-                        await trio.to_thread.run_sync(trainer.run, stop.flag, until, run_state.after_step)
-                        if stop.is_set() or not trainer.outer.needs_resync:
-                            break
-                        # We missed a round (cut off, or late for its group): our outer state
-                        # differs from the swarm's. Download it again rather than drift apart.
-                        await self._resync(run_state, presence)
-                    stop.requested.set()
-
-                nursery.start_soon(train)
-                await stop.requested.wait()
-                self.phase.set("stopping")
-                stop.flag.set()
-                stopped_early = until == 0 or trainer.step < until
-                if stopped_early and not trainer.outer.in_flight:
-                    # Others stop expecting us before we finish the step. With an exchange in
-                    # flight we stay a member until it ends: a peer reaching that round after our
-                    # tombstone would leave us out and we would wait for it in vain (seen in CI).
-                    await view.leave()
-                with trio.move_on_after(STOP_GRACE):
-                    await _wait_done(nursery)
-                if nursery.child_tasks:
-                    log.warning("a round was in flight; cancelling it")
-                    finished_cleanly = False
-                    nursery.cancel_scope.cancel()
-            if finished_cleanly and trainer.outer.in_flight:
-                with trio.move_on_after(STOP_GRACE):
-                    await trainer.outer.afinish()
-                finished_cleanly = not trainer.outer.in_flight
-        return await self._finish(trainer, view, run_state, save=finished_cleanly, stopped_early=stopped_early)
-
-    async def _enter_swarm(self, run_state: RunState, presence: PeerPresence) -> None:
-        """Wait to be admitted, resume or download the swarm's state, count as a trainer, wait
-        for `wait_peers`."""
-        view = presence.view
-        assert view is not None  # entered
-        await self._wait_admitted(presence)
-        await run_state.enter()
-        view.role = "trainer"
-        view.heartbeat()
-        await self._wait_for_peers(presence)
-        self.phase.set("training")
-
-    async def _wait_admitted(self, presence: PeerPresence) -> None:
-        """Until the swarm's peers admit us (an allowlist swarm whose owner has not allowed us
-        yet), say so and wait: they ignore our records, serve us no state and take us into no
-        round."""
-        assert self.host is not None  # entered
-        told = False
-        while (reason := presence.not_admitted()) is not None and not self._stop.is_set():
-            self.startup_waiting = (
-                f"not admitted to the swarm ({reason}): its owner admits this node with "
-                f"`meshtrain swarm allow {self.host.peer_id}`"
-            )
-            if not told:
-                log.warning(kv("waiting for admission", reason=reason, peer=self.host.peer_id))
-                told = True
-            await self._stop.sleep(ADMISSION_POLL)
-        if self._stop.is_set():
-            raise StoppedWhileStarting(
-                "stopped before the swarm admitted this node" if told else "stopped while starting; nothing was trained"
-            )
-        self.startup_waiting = None
-
-    async def _resync(self, run_state: RunState, presence: PeerPresence) -> None:
-        """We missed a round (cut off, late for its group) or parity says we are in the minority:
-        our outer state differs from the swarm's. Download it again rather than drift apart."""
-        view, trainer = presence.view, run_state.trainer
-        assert view is not None  # entered
-        log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
-        view.role = "syncing"
-        view.heartbeat()
-        await run_state.resync()
-        view.role = "trainer"
-        view.heartbeat()
-        self.phase.set("training")
-
-    async def _finish(
-        self, trainer: TrainedState, view: SwarmView, run_state: RunState, *, save: bool, stopped_early: bool
-    ) -> NodeResult:
-        """Checkpoint (unless stopped mid-round), leave the swarm, write the loss history."""
-        assert self.host is not None  # running
-        path = None
-        if save:
-            path = await run_state.save_final()
-        else:
-            log.warning(
-                kv(
-                    "stopped mid-round; the last periodic checkpoint stands",
-                    checkpoint=run_state.last_checkpoint.get("path"),
-                )
-            )
-        if not view.has_left:
-            await view.leave()
-        with trainer.lock:
-            history = list(trainer.info.history)
-        write_atomic(self.data_dir / "history.json", json.dumps(history).encode())
-        return NodeResult(
-            self.host.peer_id,
-            trainer.step,
-            trainer.outer.rounds,
-            trainer.info.eval_loss,
-            path or run_state.last_checkpoint.get("path"),
-            stopped_early,
-        )
-
     # -- loop mode (meshtrain.Swarm: the user's loop trains) -------------------------------------
 
     async def adopt(self, trainer: TrainedState) -> None:
@@ -780,46 +638,20 @@ class Node:
 
     async def begin(self) -> None:
         """The user's first step: join the swarm's state (resume or download), then train."""
-        run_state, presence = self.run_state, self.presence
-        assert run_state is not None and presence is not None  # adopt() waited for them
+        run_state, training = self.run_state, self._training
+        assert run_state is not None and training is not None  # adopt() waited for them
         run_state.parity.enabled = run_state.trainer.outer.replicas_identical  # now fully built
-        await self._enter_swarm(run_state, presence)
+        await training.enter_swarm()
 
     async def resync(self) -> None:
         """The user's loop lost step with the swarm: download its state (between two steps)."""
-        run_state, presence = self.run_state, self.presence
-        assert run_state is not None and presence is not None
-        await self._resync(run_state, presence)
+        training = self._training
+        assert training is not None
+        await training.resync()
 
-    async def _serve_loop(self, trainer: TrainedState, presence: PeerPresence, run_state: RunState) -> NodeResult:
-        """Loop mode: hold the user's optimizer entered until `stop()`, then finish its exchange in
-        flight, checkpoint and leave."""
-        view = presence.view
-        assert view is not None  # entered
-        async with trainer.outer:
-            self._outer_entered.set()
-            await self._stop.requested.wait()
-            self.phase.set("stopping")
-            if trainer.outer.in_flight:
-                with trio.move_on_after(self.config.join_timeout):
-                    await trainer.outer.afinish()
-        began = self.phase.changes > 1  # starting -> training happened
-        return await self._finish(
-            trainer, view, run_state, save=began and not trainer.outer.in_flight, stopped_early=False
-        )
-
-    async def _wait_for_peers(self, presence: PeerPresence) -> None:
-        """With `wait_peers`, start training only once that many trainers (us included) are in
-        the swarm, so a swarm started together begins its first round together."""
-        want = self.config.wait_peers
-        if want <= 1:
-            return
-        with trio.move_on_after(self.config.wait_peers_timeout):
-            while len(presence.trainers()) < want and not self._stop.is_set():
-                await trio.sleep(0.1)
-        have = len(presence.trainers())
-        if have < want:
-            log.warning(kv("starting without every awaited peer", have=have, want=want))
+    def _say_waiting(self, what: str | None) -> None:
+        """What start-up waits for now (None: nothing); `startup_waiting` on `/status`."""
+        self.startup_waiting = what
 
     # -- status (the document: node/status_document.py) -------------------------------------------
 
@@ -830,11 +662,6 @@ class Node:
     def round_status(self) -> dict[str, Any]:
         """The outer rounds as the status page shows them (`status_document.round_status`)."""
         return round_status(self)
-
-
-async def _wait_done(nursery: trio.Nursery) -> None:
-    while nursery.child_tasks:
-        await trio.sleep(0.05)
 
 
 def _beyond_loopback(listen: list[str]) -> bool:
