@@ -2,7 +2,8 @@
 
 The public API is small (README.md, "Python API"):
 
-- `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python.
+- `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python;
+  `Node.run()` returns a `NodeResult`.
 - `Swarm` — the network for a training loop you write yourself (`DiLoCo(model, inner, swarm)`).
 - `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
   `NoLoCo`, `SparseLoCo` are built on it, and so is `DataParallel` (the synchronous baseline).
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Node": "meshtrain.node.daemon",
+    "NodeResult": "meshtrain.node.training_run",
     "Swarm": "meshtrain.node.user_loop",
     "NodeConfig": "meshtrain.node.config",
     "SwarmSpec": "meshtrain.node.swarm_spec",

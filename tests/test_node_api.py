@@ -43,6 +43,7 @@ async def test_two_nodes_with_a_custom_outer_optimizer(tmp_path):
                 await trio.sleep(0.05)
         b = meshtrain.Node(config("b"), join=a.host.addrs[0])
         nursery.start_soon(run, "b", b)
+    assert all(isinstance(r, meshtrain.NodeResult) for r in results.values())  # exported, as Node.run's type
     assert results["a"].step == results["b"].step == 40 and results["a"].rounds == 4
     assert type(a.trainer.outer).__name__ == "OuterSGD" and a.trainer.outer.lr == 0.8
     assert signed.spec.optimizer_digest and b.signed.spec == signed.spec
