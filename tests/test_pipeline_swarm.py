@@ -272,9 +272,12 @@ async def test_a_joiner_reads_the_swarms_end_from_live_and_left_records(tmp_path
             presence.view.role = "trainer"
             peers.append(PipelineAnnouncements(presence, 2))
         a, b, joiner = peers
-        a.announce(stage=0, step=10, offer=10)
-        b.announce(stage=1, step=10, offer=last)  # claims the end while a still trains
-        await eventually(lambda: joiner.of(b.me).get("offer") == last and joiner.of(a.me).get("step") == 10)
+        a.announce(stage=0, step=0, epoch="e0", ready="e0")  # the swarm's first epoch: step 0
+        b.announce(stage=1, step=0, offer=last)  # claims the end while a trains
+        await eventually(lambda: joiner.of(b.me).get("offer") == last and joiner.of(a.me).get("ready") == "e0")
+        assert joiner.finished(last) is None
+        a.announce(step=10, offer=10, epoch="e1", ready="e1")
+        await eventually(lambda: joiner.of(a.me).get("step") == 10)
         assert joiner.finished(last) is None
         assert joiner.finished(0) is None  # a swarm without an end never finishes
         a.announce(offer=last)

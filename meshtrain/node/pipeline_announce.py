@@ -84,10 +84,11 @@ class PipelineAnnouncements:
 
     def finished(self, last: int) -> str | None:
         """A peer whose record, live or left, announces the swarm's `last` step (as its step or
-        the step of the state it offers), unless a live trainer that has trained (step > 0)
-        still announces less: the swarm trained all its steps. None otherwise, or if `last` is 0
-        (no end). One hostile record cannot end a joiner's wait while honest peers still train;
-        a fresh joiner (step 0) is not counted as training."""
+        the step of the state it offers), unless a live trainer still trains: it announces less
+        and has trained (step > 0) or runs an epoch (a swarm's first epoch announces step 0). The
+        swarm trained all its steps. None otherwise, or if `last` is 0 (no end). One hostile
+        record cannot end a joiner's wait while honest peers still train; a joiner still waiting
+        for peers (step 0, no epoch) is not counted as training."""
         if last <= 0:
             return None
         view = self._view()
@@ -99,7 +100,11 @@ class PipelineAnnouncements:
             reached = max(caps.get("step", 0), caps.get("offer", 0))
             if reached >= last:
                 done = done or rec.peer_id
-            elif reached > 0 and rec.role == "trainer" and view.is_live(rec.peer_id):
+            elif (
+                (reached > 0 or "epoch" in caps or "ready" in caps)
+                and rec.role == "trainer"
+                and view.is_live(rec.peer_id)
+            ):
                 return None
         return done
 
