@@ -198,6 +198,28 @@ async def test_plain_output_prints_round_lines_and_nothing_after_the_block():
     assert lines[-1] == "{json}"
 
 
+async def test_a_run_shorter_than_a_poll_still_ends_its_plain_lines_with_its_last_state_and_round():
+    """One poll while starting, then the block is left before the next: the last read, as the
+    block is left, still prints the change of state and the last round (a busy machine once
+    delayed every poll of a short CLI run past its end, and it printed only `state: starting`)."""
+    out = io.StringIO()
+    stopping = doc(state="stopping", rnd=3)
+    stopping["node"] |= {"state_changes": 2, "recent_states": ["starting", "training", "stopping"]}
+    snap = Script([doc(state="starting", rnd=0), stopping])
+    async with LiveStatus(snap, out, tty=False, interval=60):
+        while snap.calls < 1:
+            await trio.sleep(0.01)
+    out.write("{json}\n")
+    lines = out.getvalue().splitlines()
+    assert [x.split(" ", 1)[1].split("  ")[0] for x in lines[:-1]] == [
+        "state: starting",
+        "state: starting -> training",
+        "state: training -> stopping",
+        "round 3",
+    ]
+    assert lines[-1] == "{json}" and snap.calls == 2
+
+
 async def test_live_line_is_redrawn_in_place_and_ends_with_a_newline():
     out = io.StringIO()
     snap = Script([doc(step=1), doc(step=2), doc(step=3)])

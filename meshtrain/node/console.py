@@ -188,7 +188,9 @@ class LiveStatus(Service):
     snapshot: called on the trio thread every `interval` seconds (`Node.snapshot`).
     out: where to write (default stdout). tty: draw a live line (default: whether `out` is a
         terminal and TERM is not "dumb"); otherwise plain lines (`RoundReporter`).
-    Leaving the block ends the live line with a newline, so what is printed next starts clean.
+    Leaving the block ends the live line with a newline, so what is printed next starts clean;
+    off a TTY it first reads the snapshot once more, so the plain lines end with the node's last
+    state changes and round even when the run was shorter than a poll or two.
     """
 
     def __init__(
@@ -214,11 +216,21 @@ class LiveStatus(Service):
     async def _stop(self) -> None:
         # Shielded: a Ctrl-C that cancels the node must still leave the terminal on a new line,
         # and nothing of ours may be written after what the caller prints next (the CLI's JSON).
+        # Plain lines get one last read first: a run shorter than a few polls (or one whose polls
+        # a busy machine delayed) still shows its state changes and its last round.
         with trio.CancelScope(shield=True), trio.move_on_after(1):
-            await trio.to_thread.run_sync(self._close, abandon_on_cancel=True)
+            text = ""
+            if not self._tty:
+                with contextlib.suppress(Exception):
+                    text = self._render(self._snapshot(), time.monotonic())
+            await trio.to_thread.run_sync(self._close, text, abandon_on_cancel=True)
 
-    def _close(self) -> None:
+    def _close(self, last: str = "") -> None:
         with self._lock:
+            if last and not self._closed:
+                with contextlib.suppress(OSError, ValueError):
+                    self._out.write(last)
+                    self._out.flush()
             if self._line and not self._closed:
                 with contextlib.suppress(OSError, ValueError):
                     self._out.write("\n")
