@@ -43,9 +43,24 @@ def cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess
     )
 
 
+STARTED: list[subprocess.Popen] = []  # every daemon a test started: killed when the test ends
+
+
+@pytest.fixture(autouse=True)
+def no_daemon_outlives_its_test():
+    """A test that fails midway must not leave its daemons training (one such daemon took a
+    core for the rest of a suite run and made later tests miss their deadlines)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def start(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as err:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start", *LOOPBACK, *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -53,6 +68,8 @@ def start(*args: str, log: Path) -> subprocess.Popen:
             text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
         )
+    STARTED.append(proc)
+    return proc
 
 
 def wait_daemon(data_dir: Path, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
