@@ -841,7 +841,7 @@ async def sealed_header(ctx: Ctx, params: Any) -> str:
 
 def _session_keys(key: bytes, cnonce: bytes, snonce: bytes, client: str, server: str) -> bytes:
     """The client->server key of a data-plane connection, derived as the wire spec says
-    (data_channel.py: HKDF-SHA256 over both nonces and both peer ids), written out here again
+    (tensor_streams.py: HKDF-SHA256 over both nonces and both peer ids), written out here again
     so that the fuzzer is a second, independent client rather than the node's own code."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF

@@ -9,7 +9,7 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
    at once after a relayed connect (`upgrade`), so the upgrade does not wait for that loop.
 
 2. **The tensor data plane: a coordinated TCP simultaneous open.** The data plane is a separate
-   TCP connection per peer pair (data_channel.py); a NAT that drops unsolicited SYNs blocks it
+   TCP connection per peer pair (tensor_streams.py); a NAT that drops unsolicited SYNs blocks it
    even after DCUtR punched the libp2p connection, because it is a different port. So
    `DataPlanePunch` installs itself as `TensorStreams.direct_opener` and, over the libp2p
    channel, runs RPC `/meshtrain/dataplane-punch/1`:
@@ -31,7 +31,7 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
 
    On a symmetric NAT the predicted port is wrong, `connect()` times out after
    `connect_timeout`, and the data plane falls back to libp2p streams (through the relay if the
-   libp2p connection is relayed) — data_channel then retries the direct path after a minute.
+   libp2p connection is relayed) — tensor_streams then retries the direct path after a minute.
 
 Not here: deciding reachability (reachability.py), reservations and circuits (relay.py), and
 UPnP (off: the lab has no gateway that offers it; py-libp2p's miniupnpc path is untested here).

@@ -5,7 +5,7 @@ request and the router forwards our ports. Discovery and mapping are py-libp2p's
 (miniupnpc, already a py-libp2p dependency); what this module adds is the policy around it:
 
 - **which ports**: every TCP port the libp2p host listens on *and* the tensor data plane's port
-  (a separate listener, see data_channel.py — mapping only the libp2p port would leave bulk
+  (a separate listener, see tensor_streams.py — mapping only the libp2p port would leave bulk
   tensors on the relay). External port = internal port, as `UpnpManager` requests them, so the
   addresses peers learn from the dial-back (reachability.py) are the ones that work;
 - **a deadline** on discovery (SSDP waits for answers; a LAN without a gateway must not hold up
