@@ -359,7 +359,6 @@ class Node:
                 RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
             )
             training = self._training = TrainingRun(
-                trainer,
                 presence,
                 run_state,
                 config,

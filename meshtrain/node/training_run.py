@@ -74,9 +74,9 @@ class NodeResult:
 class TrainingRun:
     """The run of a data-parallel swarm's peer, on services the node has built and entered.
 
-    trainer: our `Trainer`, or the user's loop's state (loop mode); `run_state.trainer` is it.
     presence: the swarm's membership (entered: its `view` is set).
-    run_state: which state we train on (resume, download, parity, checkpoints).
+    run_state: which state we train on (resume, download, parity, checkpoints); its `trainer` is
+        our `Trainer`, or the user's loop's state (loop mode), which `train`/`serve_loop` take.
     config: `wait_peers`, `wait_peers_timeout` and `join_timeout` are read here.
     data_dir: where history.json goes.
     peer_id: ours, for the result and for the command that admits us.
@@ -86,7 +86,6 @@ class TrainingRun:
 
     def __init__(
         self,
-        trainer: TrainedState,
         presence: PeerPresence,
         run_state: RunState,
         config: NodeConfig,
@@ -97,7 +96,6 @@ class TrainingRun:
         stop: StopRequest,
         on_waiting: Callable[[str | None], None],
     ) -> None:
-        self.trainer = trainer
         self.presence = presence
         self.run_state = run_state
         self.config = config
