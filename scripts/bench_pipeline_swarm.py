@@ -1,7 +1,7 @@
 """Pipeline swarms through the daemon: `meshtrain node start` processes on throttled links.
 
     python scripts/bench_pipeline_swarm.py [--steps N] [--quick] [--activation-codec none|bf16|int8] [--kill-only]
-        [--codec-only bf16|int8] [--daemons 6] [--stages 3]
+        [--codec-only bf16|int8] [--loss-only] [--daemons 6] [--stages 3] [--model gpt-small|wide|deep]
 
 Sized down from the issue's setting by default. Issue 18 asks for 10 daemons, 5 stages, 3
 regions (`--daemons 10 --stages 5`: gpt-small's 4 blocks, one per block stage). This machine has
@@ -21,12 +21,26 @@ microbatches of 8 sequences per iteration.
 Runs (each with fresh data dirs, the same swarm spec but for `replica_sync`):
 1. every-step: N iterations, per-iteration gradient all-reduce among each stage's replicas;
 2. diloco: N iterations, DiLoCo among each stage's replicas every H = 20;
+2b. equal wall: the slower of runs 1 and 2 again, for only the steps it had made when the faster
+   one ended (a DiLoCo run cut at a round's end), so that both assembled models can be evaluated
+   at equal wall time. The inner learning rate is constant, so the short run is the long one's
+   prefix, up to run-to-run noise (placement follows join order);
 3. library: the same placement (as the daemons agreed it in run 1), speeds, links, model and
    microbatches on `tests/proc_pipeline_peer.py` processes — bench_skippipe.py's runtime without
    the daemon — for N iterations;
 4. kill: an every-step swarm; at step 8 a stage-0 origin and a stage-1 peer are SIGKILLed (mid-
    iteration: iterations take most of the time); later the remaining stage-1 peer too, so stage 1
    loses its last replica and placement moves a peer there.
+
+The model (`--model`). gpt-small by default. Its block stages hold ~0.2 MB of parameters, about
+3x one microbatch's activations, so the every-step replica sync is a small part of an iteration
+here, and DiLoCo's replicas save little wall time. A pipeline of a real LLM is the other way
+round: a 1B model's 4-layer stage is ~800 MB of parameters against ~30 MB of activations per
+microbatch, and its every-step sync over a WAN link takes many times an iteration's compute.
+`wide` and `deep` are LLaMAs (`hf-config:`, d 128, 8 and 16 layers) whose block stages are 12x
+and 24x a microbatch's activations, with the same links, microbatches and padded compute. The
+library run (run 3) builds the built-in GPT only, so with another model it is left out
+(`daemon_vs_library_iter_s` null). `--loss-only` runs 1 and 2 alone.
 
 `--codec-only CODEC` runs run 1 twice instead, activation codec none and then CODEC, side by side,
 and reports `activation_codec_iter_s_ratio` (CODEC's median iteration time over none's),
@@ -42,7 +56,11 @@ Reported (last stdout line, one JSON object):
   final checkpoints (after N steps, N a multiple of H), diloco / every-step − 1.
   `diloco_replicas_loss_gap_equal_wall_train`: the *training* loss (mean of 5 iterations) at the
   wall time the faster run ended, diloco / every-step − 1 — a pipeline swarm has no peer with
-  the whole model to evaluate mid-run, so equal wall time is judged on the training loss.
+  the whole model to evaluate mid-run, so equal wall time is judged on the training loss;
+  `steps_at_equal_wall`: how far each run got by then.
+  `diloco_replicas_loss_gap_equal_wall`: the issue's measure, held-out loss at equal wall time
+  (run 2b against the faster run), diloco / every-step − 1; `eval_loss_equal_wall`,
+  `equal_wall_steps`.
 - `kill_recovery_s`: from the SIGKILL to the next completed iteration on a survivor;
   `kill_new_epoch_s`: to the first iteration completed by the re-placed swarm (two steps later).
 - `refill_ok`: after stage 1's last replica died, a survivor holds stage 1 and the swarm trained
@@ -66,6 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +98,47 @@ ORIGIN_FORWARD, BLOCK_FORWARD = 0.03, 0.08  # bench_skippipe's ENDS_FORWARD, BAS
 SKIP_RATIO, MICROBATCHES, MICROBATCH_SIZE, INNER_LR, H = 0.5, 8, 8, 3e-3, 20
 STARTUP_TIMEOUT = 90.0
 RUN_DEADLINE = 400.0
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The model every run trains (`--model`): its spec value and how many blocks it has."""
+
+    name: str
+    blocks: int
+    hf_config: dict[str, Any] | None = None  # written beside the runs, trained as hf-config:<file>
+
+    def spec(self, root: Path) -> str:
+        if self.hf_config is None:
+            return self.name
+        path = root / f"{self.name}.json"
+        path.write_text(json.dumps(self.hf_config))
+        return f"hf-config:{path}"
+
+
+LLAMA_D128 = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": False,
+}
+MODELS = {
+    # ALGORITHMS.md's reference model: a stage holds ~0.2 MB of parameters and a microbatch's
+    # activations are 65 kB, so the replica sync is a small part of an iteration in this lab
+    "gpt-small": BenchModel("gpt-small", 4),
+    # Heavier stages: LLaMAs of d 128 (~0.8 MB of fp32 parameters per layer) whose block stages
+    # outweigh a microbatch's activations (131 kB) by 12x ("wide", 8 layers: 2 per block stage
+    # of 5) or 24x ("deep", 16 layers: 4 per block stage). An LLM pipeline is there or beyond: a
+    # 1B model's 4-layer stage holds ~800 MB against ~30 MB of activations a microbatch. Same
+    # context (32), microbatches, links and padded compute as gpt-small; a block visit's real CPU
+    # is 8x / 16x gpt-small's (one block of d 64), still mostly under the cost model's padding.
+    "wide": BenchModel("wide", 8, {**LLAMA_D128, "num_hidden_layers": 8}),
+    "deep": BenchModel("deep", 16, {**LLAMA_D128, "num_hidden_layers": 16}),
+}
+MODEL = MODELS["gpt-small"]
 
 
 def progress(*a: object) -> None:
@@ -133,7 +193,7 @@ class Daemons:
                 "--data-dir",
                 str(self.dirs[0]),
                 "--model",
-                "gpt-small",
+                MODEL.spec(self.root),
                 "--pipeline",
                 "skippipe",
                 "--stages",
@@ -309,24 +369,29 @@ def cross_region_bytes(d: Daemons, key: str) -> float:
 
 
 def assembled_eval_loss(d: Daemons) -> float:
-    """Held-out loss of the model assembled from every stage's latest checkpoint (one replica each)."""
+    """Held-out loss of the model assembled from every stage's latest checkpoint (one replica each;
+    φ when the replicas sync by DiLoCo), as `meshtrain export` assembles it."""
     import torch
 
+    from meshtrain.models.sources import resolve_context
     from meshtrain.node.checkpoint import CheckpointStore
+    from meshtrain.node.pipeline_export import assemble, stage_weights
     from meshtrain.node.signed_spec import SignedSpec
-    from meshtrain.node.trainer import build_model, load_data
-    from meshtrain.pipeline.stages import load_stage_states
+    from meshtrain.node.trainer import load_data
 
-    spec = SignedSpec.load(d.dirs[0] / "swarm.json").spec
-    corpus = load_data(spec, d.dirs[0])
-    model = build_model(spec, corpus.vocab_size)
-    states: dict[int, dict[str, torch.Tensor]] = {}
+    signed = SignedSpec.load(d.dirs[0] / "swarm.json")
+    weights: dict[int, dict[str, torch.Tensor]] = {}
     for i in range(d.n):
         ck = CheckpointStore(d.dirs[i] / "checkpoints", readonly=True).load_latest()
         if ck is not None:
-            states.setdefault(ck.state["pipeline"]["stage"], ck.state["weights"])
-    load_stage_states(model, [states[s] for s in sorted(states)])
-    return float(model.evaluate(corpus.eval_batches(8, 16, model.config.context)))
+            stage = ck.state["pipeline"]["stage"]
+            weights.setdefault(stage, stage_weights(ck.state, stage))
+    model, _ = assemble(signed, weights)
+    corpus = load_data(signed.spec, d.dirs[0])
+    context = resolve_context(model, signed.spec.context, signed.spec.model)
+    with torch.no_grad():
+        losses = [model(x, y) for x, y in corpus.eval_batches(8, 16, context)]
+    return float(torch.stack([out if isinstance(out, torch.Tensor) else out.loss for out in losses]).mean())
 
 
 def daemon_run(root: Path, replica_sync: str, steps: int, spec_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -336,7 +401,7 @@ def daemon_run(root: Path, replica_sync: str, steps: int, spec_args: tuple[str, 
     t0 = time.monotonic()
     try:
         d.start(d.create(steps, replica_sync))
-        d.wait()
+        d.wait(max(RUN_DEADLINE, 6.0 * steps))
     finally:
         d.close()
     histories = [d.history(i) for i in range(d.n)]
@@ -497,62 +562,11 @@ def codec_comparison(tmp: Path, steps: int, codec: str) -> dict[str, Any]:
         "cross_region_hop_bytes_per_iter": {name: round(r["hop_cross"]) for name, r in runs.items()},
         "eval_loss_equal_steps": {name: round(r["eval_loss"], 4) for name, r in runs.items()},
         "activation_codec_loss_gap": round(coded["eval_loss"] / plain["eval_loss"] - 1, 4),
-        "steps": steps,
-        "daemons": N_DAEMONS,
-        "stages": N_STAGES,
-        "regions": N_REGIONS,
     }
 
 
-def main() -> None:
-    global N_DAEMONS, N_STAGES  # the run's size (module docstring); every run reads them
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40, help="iterations of runs 1-3 (a multiple of H = 20)")
-    ap.add_argument("--quick", action="store_true", help="20 steps, for a smoke test")
-    ap.add_argument("--keep", action="store_true", help="keep the logs and data dirs")
-    ap.add_argument("--activation-codec", default="none", help="the spec's activation_codec for every daemon run")
-    ap.add_argument("--kill-only", action="store_true", help="run 4 alone (its keys only)")
-    ap.add_argument(
-        "--codec-only",
-        metavar="CODEC",
-        help="run 1 twice, activation_codec none then CODEC, side by side (the codec keys only)",
-    )
-    ap.add_argument("--daemons", type=int, default=N_DAEMONS, help="daemons (the issue's size: 10)")
-    ap.add_argument("--stages", type=int, default=N_STAGES, help="pipeline stages (the issue's size: 5)")
-    args = ap.parse_args()
-    if not (2 <= args.stages <= 5 and args.daemons >= args.stages + 1):
-        ap.error("--stages must be 2..5 (gpt-small has 4 blocks) and --daemons at least stages + 1")
-    N_DAEMONS, N_STAGES = args.daemons, args.stages
-    steps = 20 if args.quick else args.steps
-    spec_args = ("--activation-codec", args.activation_codec)
-    t_start = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_swarm-"))
-    if args.codec_only:
-        try:
-            line = codec_comparison(tmp, steps, args.codec_only)
-        finally:
-            if not args.keep:
-                shutil.rmtree(tmp, ignore_errors=True)
-        print(json.dumps(line | {"wall_s": round(time.monotonic() - t_start, 1)}), flush=True)
-        return
-    if args.kill_only:
-        try:
-            kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
-        finally:
-            if not args.keep:
-                shutil.rmtree(tmp, ignore_errors=True)
-        line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()}
-        line |= {"activation_codec": args.activation_codec, "wall_s": round(time.monotonic() - t_start, 1)}
-        print(json.dumps(line), flush=True)
-        return
-    try:
-        every = daemon_run(tmp / "every-step", "every-step", steps, spec_args)
-        diloco = daemon_run(tmp / "diloco", "diloco", steps, spec_args)
-        library_iter = library_run(tmp / "library", every, steps)
-        kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
-    finally:
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+def replica_sync_comparison(every: dict[str, Any], diloco: dict[str, Any]) -> dict[str, Any]:
+    """Runs 1 and 2 side by side: bytes across regions, and the loss at equal steps and wall time."""
     t_end = min(every["t"][-1] - every["t"][0], diloco["t"][-1] - diloco["t"][0])
 
     def train_loss_at(run: dict[str, Any], wall: float) -> float:
@@ -560,11 +574,12 @@ def main() -> None:
         window = [x for x in run["loss"][max(0, n - 5) : n] if x is not None]
         return sum(window) / len(window)
 
-    out = {
-        "daemon_vs_library_iter_s": round(every["iter_s"] / library_iter, 4),
+    def steps_by(run: dict[str, Any], wall: float) -> int:
+        return sum(1 for t in run["t"] if t - run["t"][0] <= wall + 1e-9)
+
+    return {
         "daemon_iter_s": round(every["iter_s"], 4),
         "daemon_diloco_iter_s": round(diloco["iter_s"], 4),
-        "library_iter_s": round(library_iter, 4),
         "diloco_replicas_bytes_ratio": round(every["sync_cross"] / max(diloco["sync_cross"], 1.0), 2),
         "cross_region_bytes_per_iter": {
             "every-step": {"sync": round(every["sync_cross"]), "hops": round(every["hop_cross"])},
@@ -579,13 +594,124 @@ def main() -> None:
             train_loss_at(diloco, t_end) / train_loss_at(every, t_end) - 1, 4
         ),
         "equal_wall_s": round(t_end, 1),
-        **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()},
+        "steps_at_equal_wall": {"every-step": steps_by(every, t_end), "diloco": steps_by(diloco, t_end)},
+    }
+
+
+def equal_wall_eval(
+    tmp: Path, runs: dict[str, dict[str, Any]], compared: dict[str, Any], spec_args: tuple[str, ...]
+) -> dict[str, Any]:
+    """Run 2b: the slower of runs 1 and 2 again, for only the steps it had made when the faster
+    one ended, and the held-out loss of both assembled models: eval loss at equal wall time.
+    (The inner learning rate is constant, so a shorter run is the longer one's prefix, up to run
+    to run noise.) A DiLoCo run is cut at a round's end, where its φ exists."""
+    slower = max(runs, key=lambda name: runs[name]["t"][-1] - runs[name]["t"][0])
+    faster = next(name for name in runs if name != slower)
+    n = compared["steps_at_equal_wall"][slower]
+    if slower == "diloco":
+        n -= n % H
+    if not 0 < n < runs[slower]["steps"]:
+        return {"diloco_replicas_loss_gap_equal_wall": None, "equal_wall_steps": {slower: n}}
+    again = daemon_run(tmp / f"{slower}-equal-wall", slower, n, spec_args)
+    evals = {slower: again["eval_loss"], faster: runs[faster]["eval_loss"]}
+    return {
+        "diloco_replicas_loss_gap_equal_wall": round(evals["diloco"] / evals["every-step"] - 1, 4),
+        "eval_loss_equal_wall": {k: round(v, 4) for k, v in evals.items()},
+        "equal_wall_steps": {slower: again["steps"], faster: runs[faster]["steps"]},
+    }
+
+
+def main() -> None:
+    global N_DAEMONS, N_STAGES, MODEL  # the run's size and model (module docstring); every run reads them
+    from meshtrain.node.swarm_spec import SwarmSpec
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40, help="iterations of runs 1-3 (a multiple of H = 20)")
+    ap.add_argument("--quick", action="store_true", help="20 steps, for a smoke test")
+    ap.add_argument("--keep", action="store_true", help="keep the logs and data dirs")
+    ap.add_argument("--activation-codec", default="none", help="the spec's activation_codec for every daemon run")
+    ap.add_argument("--kill-only", action="store_true", help="run 4 alone (its keys only)")
+    ap.add_argument("--loss-only", action="store_true", help="runs 1 and 2 alone (bytes and loss keys only)")
+    ap.add_argument(
+        "--codec-only",
+        metavar="CODEC",
+        help="run 1 twice, activation_codec none then CODEC, side by side (the codec keys only)",
+    )
+    ap.add_argument("--daemons", type=int, default=N_DAEMONS, help="daemons (the issue's size: 10)")
+    ap.add_argument("--stages", type=int, default=N_STAGES, help="pipeline stages (the issue's size: 5)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=MODEL.name, help="the model (module docstring)")
+    ap.add_argument(
+        "--outer-lr", type=float, help="the spec's outer_lr for the DiLoCo replica sync (default: the spec's)"
+    )
+    ap.add_argument("--outer-momentum", type=float, help="the spec's outer_momentum (default: the spec's)")
+    args = ap.parse_args()
+    MODEL = MODELS[args.model]
+    if not (2 <= args.stages <= MODEL.blocks + 1 and args.daemons >= args.stages + 1):
+        ap.error(
+            f"--stages must be 2..{MODEL.blocks + 1} ({MODEL.name} has {MODEL.blocks} blocks) "
+            "and --daemons at least stages + 1"
+        )
+    N_DAEMONS, N_STAGES = args.daemons, args.stages
+    steps = 20 if args.quick else args.steps
+    spec_args: tuple[str, ...] = ("--activation-codec", args.activation_codec)
+    for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
+        if value is not None:
+            spec_args += (flag, str(value))
+    t_start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_swarm-"))
+    size = {
+        "model": MODEL.name,
+        "outer": {  # the DiLoCo replica sync's outer optimizer
+            "lr": args.outer_lr if args.outer_lr is not None else SwarmSpec.model_fields["outer_lr"].default,
+            "momentum": args.outer_momentum
+            if args.outer_momentum is not None
+            else SwarmSpec.model_fields["outer_momentum"].default,
+        },
         "steps": steps,
         "H": H,
         "daemons": N_DAEMONS,
         "stages": N_STAGES,
         "regions": N_REGIONS,
         "sized_down_from": None if (N_DAEMONS, N_STAGES) == (10, 5) else {"daemons": 10, "stages": 5, "regions": 3},
+    }
+    if args.codec_only:
+        try:
+            line = codec_comparison(tmp, steps, args.codec_only)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(json.dumps(line | size | {"wall_s": round(time.monotonic() - t_start, 1)}), flush=True)
+        return
+    if args.kill_only:
+        try:
+            kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+        line = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()}
+        line |= {"activation_codec": args.activation_codec, "wall_s": round(time.monotonic() - t_start, 1)}
+        print(json.dumps(line | size), flush=True)
+        return
+    library_iter: float | None = None
+    kill: dict[str, Any] = {}
+    try:
+        every = daemon_run(tmp / "every-step", "every-step", steps, spec_args)
+        diloco = daemon_run(tmp / "diloco", "diloco", steps, spec_args)
+        compared = replica_sync_comparison(every, diloco)
+        compared |= equal_wall_eval(tmp, {"every-step": every, "diloco": diloco}, compared, spec_args)
+        if not args.loss_only:
+            # the library runtime (tests/proc_pipeline_peer.py) builds the built-in GPT only
+            library_iter = library_run(tmp / "library", every, steps) if MODEL.name == "gpt-small" else None
+            kill = kill_run(tmp / "kill", max(steps, 40), spec_args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out = {
+        "daemon_vs_library_iter_s": round(every["iter_s"] / library_iter, 4) if library_iter else None,
+        "library_iter_s": round(library_iter, 4) if library_iter else None,
+        **compared,
+        **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in kill.items()},
+        **size,
         "skip_ratio": SKIP_RATIO,
         "microbatches": MICROBATCHES,
         "activation_codec": args.activation_codec,

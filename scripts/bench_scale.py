@@ -196,7 +196,12 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
 
 
 def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
-    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py, no partition)."""
+    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py, no partition),
+    measured over at least two heartbeat intervals (10.7 s at 64 peers): a shorter window sees
+    only some peers' heartbeats, and its rate swings by 2x between runs."""
+    from meshtrain.crdt.swarm_view import heartbeat_interval_for
+
+    idle_s = max(idle_s, 2 * heartbeat_interval_for(n))
     out = run_crdt_phase(n, min(procs, n), idle_s, partition=False)
     return {
         "peers": n,
@@ -204,6 +209,7 @@ def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
         "gossip_bytes_per_peer_s": out["gossip_bytes_per_node_s"],
         "gossip_msgs_per_peer_s": out["msgs_per_node_s"],
         "gossip_cpu_cores": out["idle_cpu_cores"],
+        "idle_s": round(idle_s, 1),
         "all_live_s": out["all_live_s"],
         "live_after": out["live_after"],
     }
