@@ -180,6 +180,13 @@ class Script:
         return d
 
 
+def plain_events(out: io.StringIO) -> tuple[list[str], str]:
+    """The events LiveStatus printed off a TTY (each line's text after its time stamp, without
+    the columns after it), and the last line (what the test wrote after the block)."""
+    lines = out.getvalue().splitlines()
+    return [x.split(" ", 1)[1].split("  ")[0] for x in lines[:-1]], lines[-1]
+
+
 async def test_plain_output_prints_round_lines_and_nothing_after_the_block():
     out = io.StringIO()
     snap = Script([doc(state="starting", rnd=0), doc(rnd=0), doc(rnd=1), doc(rnd=2), doc(rnd=2)])
@@ -188,14 +195,14 @@ async def test_plain_output_prints_round_lines_and_nothing_after_the_block():
             await trio.sleep(0.01)
     out.write("{json}\n")
     await trio.sleep(0.05)
-    lines = out.getvalue().splitlines()
-    assert [x.split(" ", 1)[1].split("  ")[0] for x in lines[:-1]] == [
+    events, last = plain_events(out)
+    assert events == [
         "state: starting",
         "state: starting -> training",
         "round 1",
         "round 2",
     ]
-    assert lines[-1] == "{json}"
+    assert last == "{json}"
 
 
 async def test_a_run_shorter_than_a_poll_still_ends_its_plain_lines_with_its_last_state_and_round():
@@ -210,14 +217,14 @@ async def test_a_run_shorter_than_a_poll_still_ends_its_plain_lines_with_its_las
         while snap.calls < 1:
             await trio.sleep(0.01)
     out.write("{json}\n")
-    lines = out.getvalue().splitlines()
-    assert [x.split(" ", 1)[1].split("  ")[0] for x in lines[:-1]] == [
+    events, last = plain_events(out)
+    assert events == [
         "state: starting",
         "state: starting -> training",
         "state: training -> stopping",
         "round 3",
     ]
-    assert lines[-1] == "{json}" and snap.calls == 2
+    assert last == "{json}" and snap.calls == 2
 
 
 async def test_live_line_is_redrawn_in_place_and_ends_with_a_newline():
