@@ -373,7 +373,7 @@ def assembled_eval_loss(d: Daemons) -> float:
     φ when the replicas sync by DiLoCo), as `meshtrain export` assembles it."""
     import torch
 
-    from meshtrain.models.sources import resolve_context
+    from meshtrain.models.sources import loss_of, resolve_context
     from meshtrain.node.checkpoint import CheckpointStore
     from meshtrain.node.pipeline_export import assemble, stage_weights
     from meshtrain.node.signed_spec import SignedSpec
@@ -391,7 +391,7 @@ def assembled_eval_loss(d: Daemons) -> float:
     context = resolve_context(model, signed.spec.context, signed.spec.model)
     with torch.no_grad():
         losses = [model(x, y) for x, y in corpus.eval_batches(8, 16, context)]
-    return float(torch.stack([out if isinstance(out, torch.Tensor) else out.loss for out in losses]).mean())
+    return float(torch.stack([loss_of(out) for out in losses]).mean())
 
 
 def daemon_run(root: Path, replica_sync: str, steps: int, spec_args: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -308,6 +308,11 @@ def resolve_context(model: torch.nn.Module, spec_context: int, value: str = "the
     return limit or DEFAULT_CONTEXT
 
 
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss in what `model(x, y)` returned: the tensor itself, or its `.loss` (module docstring)."""
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
 def next_token_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, vocab] for the token after `ids` [B, T] (for sampling)."""
     if isinstance(model, HFCausalLM):

@@ -135,6 +135,7 @@ import trio
 
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.log import get_logger, kv
+from meshtrain.models.sources import loss_of
 from meshtrain.node.strikes import LossScore, StrikeBook
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ def _loss(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
     total = 0.0
     for batch in batches:
         out = model(*batch)
-        total += float((out if isinstance(out, torch.Tensor) else out.loss).float())
+        total += float(loss_of(out).float())
     return total / len(batches)
 
 

@@ -115,6 +115,7 @@ import trio
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32
 from meshtrain.log import get_logger, kv
+from meshtrain.models.sources import loss_of
 from meshtrain.node.scoring import FRAGMENT_TAG, QUEUE, PhiSnapshot
 from meshtrain.node.strikes import SpotCheck, StrikeBook
 
@@ -155,7 +156,7 @@ def recompute_update(
     for x, y in batches:
         with autocast() if autocast is not None else contextlib.nullcontext():
             out = model(x, y)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss = loss_of(out)
         opt.zero_grad(set_to_none=True)
         loss.float().backward()
         torch.nn.utils.clip_grad_norm_(trained, clip)

@@ -69,7 +69,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model as build_source_model
-from meshtrain.models.sources import resolve_context
+from meshtrain.models.sources import loss_of, resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
 from meshtrain.node.config import default_data_dir
 from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
@@ -111,10 +111,6 @@ def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedD
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
     """The spec's model, initialised from the swarm seed: identical on every peer."""
     return build_source_model(spec.model, vocab_size=vocab_size, seed=spec.seed, context=spec.context)
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 @dataclass
@@ -291,7 +287,7 @@ class Trainer(TrainedState):
         model.eval()
         try:
             with self.outer.outer_weights(), torch.no_grad(), self.precision.autocast():
-                losses = [_loss_of(model(x, y)).float() for x, y in self._evals]
+                losses = [loss_of(model(x, y)).float() for x, y in self._evals]
         finally:
             model.train()
         return float(torch.stack(losses).mean())
@@ -359,7 +355,7 @@ class Trainer(TrainedState):
             # a round is due) ------------------------------------------------------------------
             x, y = self.batch(step)
             with autocast():
-                loss = _loss_of(model(x, y))
+                loss = loss_of(model(x, y))
             if sharded is None:
                 outer.zero_grad()
             else:
