@@ -14,7 +14,7 @@ import trio
 
 from meshtrain.errors import ConfigError
 from meshtrain.transport.framing import packb
-from meshtrain.transport.host import ConnectError, Host, HostConfig
+from meshtrain.transport.host import ConnectError, Host, HostConfig, ProposedStream, StreamOpenError
 from meshtrain.transport.identity import Identity, IdentityError, public_key_of, verify
 from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcTimeout, RpcUnavailable
 
@@ -149,6 +149,59 @@ async def test_rpc_round_trip_and_typed_errors(pair):
     with pytest.raises(RpcUnavailable):
         await b.host.rpc.call(a.id, "no-such-protocol", 1)
     assert (await b.host.rpc.call(a.id, "echo", 7))["echo"] == 7  # host unaffected
+
+
+class _Answers:
+    """The bytes a peer sent back on a proposed stream, read as a libp2p stream reads."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, n: int | None = None) -> bytes:
+        n = len(self.data) if n is None else n
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+def _delim(text: bytes) -> bytes:
+    return bytes([len(text) + 1]) + text + b"\n"
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        b"",  # the peer reset the stream
+        _delim(b"/multistream/1.0.0"),  # cut after the handshake
+        _delim(b"/multistream/1.0.0") + _delim(b"na"),  # not served
+        _delim(b"/multistream/2.0.0") + _delim(b"/meshtrain/echo/1"),  # another multistream
+        _delim(b"/multistream/1.0.0") + _delim(b"/meshtrain/other/1"),  # another protocol
+        b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # a varint past any length
+        b"\x05hello",  # no newline delimiter
+    ],
+)
+async def test_a_wrong_answer_to_a_proposed_protocol_is_a_stream_open_error(answers):
+    with pytest.raises(StreamOpenError):
+        await ProposedStream(_Answers(answers), "/meshtrain/echo/1").confirm()
+    await ProposedStream(
+        _Answers(_delim(b"/multistream/1.0.0") + _delim(b"/meshtrain/echo/1")), "/meshtrain/echo/1"
+    ).confirm()
+
+
+async def test_an_rpc_request_written_before_the_protocol_is_confirmed_is_served(pair):
+    """The request travels behind the protocol proposal (host.py, pipelined protocol selection)."""
+    a, b = pair
+    await _serve_echo(a.host)
+    proposed = await b.host.propose_stream(a.id, "/meshtrain/echo/1")
+    body = packb({"q": "early"})
+    await proposed.stream.write(struct.pack(">I", len(body)) + body)
+    await proposed.confirm()
+    reply = await proposed.stream.read(4096)
+    assert b"early" in reply
+    unserved = await b.host.propose_stream(a.id, "/meshtrain/nothing/1")
+    await unserved.stream.write(struct.pack(">I", len(body)) + body)
+    with pytest.raises(StreamOpenError, match="does not serve"):
+        await unserved.confirm()
+    assert (await b.host.rpc.call(a.id, "echo", 3))["echo"] == 3  # the connection is unharmed
 
 
 @pytest.mark.parametrize("side", ["write", "read"])

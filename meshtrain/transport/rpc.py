@@ -6,6 +6,9 @@ control messages, checkpoint manifests) goes through here, under the protocol id
 
 Wire, per call:  client -> `{"q": request}`;  server -> `{"ok": result}` or `{"err": [code, text]}`.
 
+The stream's protocol is proposed and the request written behind it without waiting for the
+peer's answer (host.py, pipelined protocol selection), so a call costs one round trip, not three.
+
 Why one stream per call: yamux streams are cheap, a call's failure stays inside its stream, and
 concurrent calls on one connection need no request ids. Limits: a request or response above its
 `max_*` size is refused before it is read; the client waits at most `timeout`; the server gives a
@@ -48,7 +51,7 @@ class StreamHost(Protocol):
 
     def set_stream_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None: ...
 
-    async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any: ...
+    async def propose_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any: ...
 
 
 class RpcError(MeshtrainError):
@@ -148,11 +151,15 @@ class Rpc:
         try:
             with trio.fail_after(timeout):
                 try:
-                    stream = await self.host.open_stream(peer, proto, timeout=timeout)
+                    proposed = await self.host.propose_stream(peer, proto, timeout=timeout)
+                    stream = proposed.stream
+                    framed = FramedStream(stream, max_frame=max(max_response, DEFAULT_MAX_FRAME))
+                    await framed.write_frame({"q": request})  # behind the proposal: one round trip
+                    await proposed.confirm()
                 except MeshtrainError as e:  # the host's StreamOpenError: gone, or not serving this
+                    if stream is not None:
+                        await reset_quietly(stream)
                     raise RpcUnavailable(str(e)) from None
-                framed = FramedStream(stream, max_frame=max(max_response, DEFAULT_MAX_FRAME))
-                await framed.write_frame({"q": request})
                 reply = await framed.read_frame(max_response)
         except trio.TooSlowError:
             if stream is not None:
