@@ -31,7 +31,12 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
 - `streaming_overlap_ratio`: wall time of 200 inner steps of Streaming DiLoCo (P = 4, fp4, H =
   40) between 2 peers on 10 Mbit/s links (20 ms one-way) ÷ the same 200 steps with no
   communication at all (2 `single` peers run at the same time, so CPU contention is the same).
-  Target ≤ 1.10. `diloco_overlap_ratio`: DiLoCo (H = 40, fp32) on the same link.
+  Target ≤ 1.10. The overlap τ is the largest the schedule allows (H/P − 1 = 9 steps): this tiny
+  CPU model's inner step takes ~20 ms, so hiding a fragment round of a few round trips (40 ms
+  each) needs several steps; a model whose step takes longer than a round hides it at τ = 1.
+  `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
+  `training.final_eval_loss` what each overlap cost in loss. `diloco_overlap_ratio`: DiLoCo
+  (H = 40, fp32) on the same link.
 - `delay_measured_ms`: one-way latency UDP probes saw per configured delay (the lab checks
   itself); `digests_equal`: every peer ended every round with the same result digest.
 
@@ -280,25 +285,35 @@ def run_trainers(lab: WanLab, method: list[str], steps: int, log_dir: str) -> li
 
 def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
     steps = args.steps
+    H, P = 40, 4
+    most = H // P - 1  # the largest overlap the schedule allows: τ < H/P
+    streaming = ["--method", "streaming", "--H", str(H), "--P", str(P), "--codec", "fp4"]
     with WanLab(2, rate_mbit=10, delay_ms=20) as lab:
         runs = {
             "none": ["--method", "single"],
-            "streaming": ["--method", "streaming", "--H", "40", "--P", "4", "--delay", "1", "--codec", "fp4"],
-            "diloco": ["--method", "diloco", "--H", "40"],
+            "streaming": [*streaming, "--delay", str(most)],
+            "streaming_tau1": [*streaming, "--delay", "1"],
+            "diloco": ["--method", "diloco", "--H", str(H)],
         }
-        walls, stats = {}, {}
+        walls, stats, losses = {}, {}, {}
         for name, method in runs.items():
             done = run_trainers(lab, method, steps, log_dir)
             walls[name] = max(d["wall_s"] for d in done)
             stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
-            progress(f"{name}: {steps} steps in {walls[name]:.2f} s")
+            losses[name] = round(statistics.mean(d["final_eval_loss"] for d in done), 4)
+            progress(f"{name}: {steps} steps in {walls[name]:.2f} s, eval loss {losses[name]}")
         out["training"] = {
             "steps": steps,
             "link_mbit": 10,
+            "H": H,
+            "P": P,
+            "delay_steps": {"streaming": most, "streaming_tau1": 1},
             "wall_s": {k: round(v, 2) for k, v in walls.items()},
+            "final_eval_loss": losses,
             "stats": stats,
         }
         out["streaming_overlap_ratio"] = round(walls["streaming"] / walls["none"], 3)
+        out["streaming_overlap_ratio_tau1"] = round(walls["streaming_tau1"] / walls["none"], 3)
         out["diloco_overlap_ratio"] = round(walls["diloco"] / walls["none"], 3)
 
 

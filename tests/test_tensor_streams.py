@@ -277,6 +277,96 @@ async def test_header_over_receive_limit_is_refused(pair):
             await a.ts.send(b.id, "limited", {"w": torch.zeros(1000)})
 
 
+# -- eager transfers (small payloads sent with their header) ---------------------------------
+
+
+async def abandon(receiver, sender, tag: str) -> None:
+    """A receive of `tag` that gave up (timed out): a sender arriving now is refused at once."""
+    with pytest.raises(TransferError):
+        await receiver.ts.receive(sender.id, tag, timeout=0.01)
+
+
+@pytest.mark.parametrize("eager_bytes", [256 << 10, 0], ids=["eager", "rendezvous"])
+async def test_a_small_transfer_is_on_the_wire_before_its_receive_is_posted(eager_bytes):
+    """Eager: the payload goes with its header, so it waits at the receiver, not at the sender;
+    rendezvous (eager_bytes 0): nothing is sent until the receive is posted."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, dp=DataPlaneConfig(eager_bytes=eager_bytes))
+        src = {"w": torch.randn(1000), "i": torch.arange(7)}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(a.ts.send, b.id, "early", src, timeout=20))
+            await _wait_until(lambda: b.ts._waiting.get(a.id) == 1)
+            await trio.sleep(0.3)
+            payload_bytes = sum(t.numel() * t.element_size() for t in src.values())
+            assert a.ts.stats["bytes_sent"] == (payload_bytes if eager_bytes else 0)
+            got = await b.ts.receive(a.id, "early", timeout=20)
+        assert_bit_exact(src, got.tensors)
+        # Past the limit, the payload waits for ACCEPT as before.
+        big = {"w": torch.randn((256 << 10) // 4 + 1)}
+        sent = a.ts.stats["bytes_sent"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(a.ts.send, b.id, "big", big, timeout=20))
+            await _wait_until(lambda: b.ts._waiting.get(a.id) == 1)
+            await trio.sleep(0.3)
+            assert a.ts.stats["bytes_sent"] == sent
+            got = await b.ts.receive(a.id, "big", timeout=20)
+        assert torch.equal(got.tensors["w"], big["w"])
+
+
+async def test_refused_eager_transfers_keep_the_connection_in_step(pair):
+    """A refusal reads the eager payload away first: the sender gets the ERROR's reason (not a
+    reset), and the receiver goes on serving that connection."""
+    a, b = pair
+    ch = await a.ts._channel(b.id)
+    payload = torch.arange(4, dtype=torch.float32)
+    for i in range(3):  # receives that gave up: their senders are refused at once
+        await abandon(b, a, f"gone/{i}")
+        await ch.send_msg(1, {**header(f"gone/{i}"), "eager": True})
+        await ch.send(3, memoryview(payload.numpy()).cast("B"))
+        await ch.send_msg(4, {"digest": payload_digest({"w": payload})})
+        kind, msg = await ch.recv_msg(2, 6)
+        assert kind == 6 and msg["code"] == "unclaimed"
+    # The same connection then carries a real transfer.
+    async with trio.open_nursery() as nursery:
+        got = {}
+
+        async def rx():
+            got["r"] = await b.ts.receive(a.id, "real", timeout=10)
+
+        nursery.start_soon(rx)
+        await _wait_until(lambda: (a.id, "real") in b.ts._slots)
+        await ch.send_msg(1, {**header("real"), "eager": True})
+        await ch.send(3, memoryview(payload.numpy()).cast("B"))
+        await ch.send_msg(4, {"digest": payload_digest({"w": payload})})
+        assert (await ch.recv_msg(2, 6))[0] == 2
+        assert (await ch.recv_msg(5, 6))[0] == 5
+    assert torch.equal(got["r"].tensors["w"], payload)
+    assert b.ts.refused["unclaimed"] == 3
+
+
+@pytest.mark.parametrize("case", ["over-limit", "bad-specs", "not-a-bool", "frames-past-total", "no-trailer"])
+async def test_hostile_eager_headers_end_the_connection_and_nothing_else(pair, case):
+    a, b = pair
+    ch = await a.ts._channel(b.id)
+    h = {**header("nobody"), "eager": True}
+    if case == "over-limit":
+        h["specs"] = [["w", "float32", [(256 << 10) // 4 + 1]]]
+    elif case == "bad-specs":
+        h["specs"] = [["w", "float99", [4]]]
+    elif case == "not-a-bool":
+        h["eager"] = 1
+    await abandon(b, a, "nobody")  # refused at once, whatever the header says
+    await ch.send_msg(1, h)
+    if case == "frames-past-total":
+        await ch.send(3, b"\0" * 64)  # 64 bytes of a 16-byte payload
+    elif case == "no-trailer":
+        await ch.send(3, b"\0" * 16)
+        await ch.send_msg(1, header("next"))  # a HEADER where the TRAILER belongs
+    assert await _closed_by_peer(ch.framed.stream)
+    _, got = await exchange(a, b, "after", {"x": torch.ones(3)})  # the receiver serves on
+    assert got.tensors["x"].sum() == 3
+
+
 # -- separate processes: stall, kill ---------------------------------------------------------
 
 

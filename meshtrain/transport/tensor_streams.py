@@ -16,6 +16,18 @@ a forward pass would lose its transfer. So tensors move on a *data plane*:
    counter nonce and the kind as associated data, so frames cannot be reordered, replayed or
    retyped): HEADER (tag, transfer id, tensor specs, meta, optional digest) -> ACCEPT (resume
    offset) -> DATA chunks of 1–4 MiB -> TRAILER (blake3 digest of the payload) -> ACK.
+   **Eager transfers**: a first attempt of at most `eager_bytes` (256 KiB) marks its header
+   `eager` and sends its DATA and TRAILER right behind it, without waiting for ACCEPT (MPI's eager
+   protocol beside its rendezvous): over a WAN path the wait is a round trip, the whole cost of a
+   small transfer (a Streaming DiLoCo fragment's part, a pipeline hop). The receiver reads the
+   header, waits for the matching receive as for any early sender (the payload waits meanwhile in
+   the sockets' buffers), answers ACCEPT (offset 0) and reads on as usual. Refusing an eager
+   transfer, it first reads and discards the payload up to its TRAILER (bounded by its own
+   `eager_bytes`), so the ERROR leaves the connection in step and poolable; an eager header
+   announcing more than that, or a payload that does not end where its specs say, ends the
+   connection. A resumed attempt is never eager (its ACCEPT carries the offset to go on from). A
+   receiver that predates eager headers ignores the flag and reads the payload after its ACCEPT,
+   as it always did.
    Encryption reads straight from the tensors' memory and decryption writes straight into the
    receive buffers (`encrypt_into`/`decrypt_into`), so memory stays at one model copy plus a
    couple of chunk buffers.
@@ -195,6 +207,9 @@ class DataPlaneConfig:
     max_pending_per_peer: int = 64
     max_pending: int = 256
     authorize_timeout: float = AUTHORIZE_TIMEOUT
+    # Transfers of at most this many bytes go with their header, without waiting for ACCEPT
+    # (module docstring: eager transfers); 0: never.
+    eager_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK <= self.chunk_bytes <= MAX_CHUNK:
@@ -203,6 +218,8 @@ class DataPlaneConfig:
             raise ValueError("need 1 <= max_pending_per_peer <= max_pending")
         if not self.authorize_timeout > 0:
             raise ValueError("authorize_timeout must be positive")
+        if not 0 <= self.eager_bytes <= MAX_CHUNK:
+            raise ValueError("eager_bytes must be between 0 and 4 MiB")
 
 
 @dataclass(frozen=True)
@@ -524,6 +541,7 @@ class TensorStreams(Service):
             "specs": [s.to_wire() for s in specs],
             "meta": meta or {},
             "digest": digest,
+            "eager": total <= self.config.eager_bytes,
         }
         try:
             return await self._send_with_retries(peer, tag, header, views, total, timeout)
@@ -557,6 +575,7 @@ class TensorStreams(Service):
                     resumes += 1
                     self.stats["resumes"] += 1
                     log.info(kv("transfer interrupted, resuming", peer=peer, tag=tag, error=repr(e)))
+                    header["eager"] = False  # a resumed attempt learns its offset from ACCEPT
                     await trio.sleep(0.05 * attempt)
                 except trio.Cancelled:
                     if ch is not None:
@@ -622,12 +641,32 @@ class TensorStreams(Service):
 
     async def _send_frames(self, ch: _Channel, header: dict, views: list[memoryview], total: int) -> bytes:
         await ch.send_msg(HEADER, header)
+        if header["eager"]:  # the payload goes at once; ACCEPT must then say offset 0
+            digest = await self._send_payload(ch, header, views, 0)
+            if await self._accepted_offset(ch, header, total) != 0:
+                raise MalformedMessage("an eager transfer was accepted at a resume offset")
+        else:
+            digest = await self._send_payload(ch, header, views, await self._accepted_offset(ch, header, total))
+        kind, msg = await ch.recv_msg(ACK, ERROR)
+        if kind == ERROR:
+            text = _error_text(msg)
+            if text.startswith("digest"):
+                raise DigestMismatch(f"{header['tag']!r}: receiver reports {text}")
+            raise TransferRefused(f"{header['tag']!r} refused: {text}")
+        return digest
+
+    @staticmethod
+    async def _accepted_offset(ch: _Channel, header: dict, total: int) -> int:
         kind, msg = await ch.recv_msg(ACCEPT, ERROR)
         if kind == ERROR:
             raise TransferRefused(f"{header['tag']!r} refused: {_error_text(msg)}")
         offset = require_map(msg, "offset", error=MalformedMessage)["offset"]
         if not isinstance(offset, int) or not 0 <= offset <= total:
             raise MalformedMessage("bad resume offset")
+        return offset
+
+    async def _send_payload(self, ch: _Channel, header: dict, views: list[memoryview], offset: int) -> bytes:
+        """DATA from `offset` on, then the TRAILER; returns the payload's digest."""
         hasher = blake3.blake3() if header["digest"] is None else None
         if hasher is not None and offset:
             for v in _prefix(views, offset):
@@ -640,12 +679,6 @@ class TensorStreams(Service):
             self.stats["bytes_sent"] += len(piece)
         digest = header["digest"] if hasher is None else hasher.digest()
         await ch.send_msg(TRAILER, {"digest": digest})
-        kind, msg = await ch.recv_msg(ACK, ERROR)
-        if kind == ERROR:
-            text = _error_text(msg)
-            if text.startswith("digest"):
-                raise DigestMismatch(f"{header['tag']!r}: receiver reports {text}")
-            raise TransferRefused(f"{header['tag']!r} refused: {text}")
         return digest
 
     async def _channel(self, peer: str) -> _Channel:
@@ -870,7 +903,15 @@ class TensorStreams(Service):
             and (hdigest is None or isinstance(hdigest, bytes) and len(hdigest) == 32)
         ):
             raise MalformedMessage("bad transfer header")
+        eager = header.get("eager", False)
+        if not isinstance(eager, bool):
+            raise MalformedMessage("bad transfer header")
+        # An eager payload follows its header unasked: a refusal must first read it away.
+        sent = self._eager_total(header["specs"]) if eager else None
         part = self._partials.get((peer, xfer))
+        if part is not None and eager:  # resuming is never eager: its offset comes from ACCEPT
+            await self._refuse_transfer(ch, "busy", "an eager header reuses a transfer id", sent=sent)
+            return
         if part is not None and part.slot.cancelled:
             del self._partials[(peer, xfer)]
             await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
@@ -882,10 +923,10 @@ class TensorStreams(Service):
             try:
                 slot = await self._claim(ch, peer, tag)
             except _Refusal as e:
-                await self._refuse_transfer(ch, e.code, e.text)
+                await self._refuse_transfer(ch, e.code, e.text, sent=sent)
                 return
             if slot is None:
-                await self._refuse_transfer(ch, "unclaimed", f"nobody is receiving {tag!r}")
+                await self._refuse_transfer(ch, "unclaimed", f"nobody is receiving {tag!r}", sent=sent)
                 return
             limit = min(self.config.max_transfer_bytes, slot.max_bytes or self.config.max_transfer_bytes)
             try:
@@ -898,7 +939,7 @@ class TensorStreams(Service):
                 views = byte_views(tensors)
             except LayoutError as e:
                 slot.finish(error=TransferRefused(f"{tag!r} from {peer}: {e}"))
-                await self._refuse_transfer(ch, "layout", str(e))
+                await self._refuse_transfer(ch, "layout", str(e), sent=sent)
                 return
             part = _Partial(slot, specs, tensors, views, total_bytes(specs), hdigest, meta)
             self._partials[(peer, xfer)] = part
@@ -931,9 +972,32 @@ class TensorStreams(Service):
         self.stats["bytes_received"] += part.total
         part.slot.finish(Received(peer, tag, part.tensors, mine, meta, part.total, ch.path))
 
-    async def _refuse_transfer(self, ch: _Channel, code: str, text: str) -> None:
+    async def _refuse_transfer(self, ch: _Channel, code: str, text: str, *, sent: int | None = None) -> None:
+        """Answer ERROR; `sent`: the bytes of an eager payload that follows, read away first."""
+        if sent is not None:
+            await self._discard_payload(ch, sent)
         self.refused[code] = self.refused.get(code, 0) + 1
         await ch.send_msg(ERROR, {"code": code, "text": text})
+
+    def _eager_total(self, raw_specs: Any) -> int:
+        """The size of an eager header's payload; a payload past our own eager limit (or specs we
+        cannot read) would have to be read to refuse it: the connection ends instead."""
+        try:
+            return total_bytes(validate_specs(raw_specs, max_bytes=self.config.eager_bytes))
+        except LayoutError as e:
+            raise MalformedMessage(f"eager transfer refused: {e}") from None
+
+    @staticmethod
+    async def _discard_payload(ch: _Channel, total: int) -> None:
+        """Read and drop an eager payload of `total` bytes and its TRAILER."""
+        got = 0
+        while got < total:
+            kind, n = await ch.recv_head()
+            if kind != DATA or n == 0 or got + n > total:
+                raise MalformedMessage(f"bad eager data frame (kind {kind}, {n} bytes)")
+            await ch.recv_body_into(DATA, memoryview(bytearray(n)))
+            got += n
+        await ch.recv_msg(TRAILER)
 
     async def _receive_data(self, ch: _Channel, part: _Partial) -> None:
         seg_ends = []
@@ -1014,7 +1078,9 @@ class TensorStreams(Service):
 
         async def watch_sender(done: trio.CancelScope) -> None:
             nonlocal hung_up
-            try:  # an honest sender sends nothing until ACCEPT, so this reads only the end
+            # An honest sender sends nothing until ACCEPT, so this reads only the end — unless it is
+            # eager: then its payload is there, and a hang-up is noticed only at the claim.
+            try:
                 hung_up = await ch.framed.at_eof()
             except Exception:
                 hung_up = True
