@@ -1,6 +1,7 @@
 """Collectives over WAN-shaped links: the WAN lab (scripts/wanlab), root only (issue 20).
 
-    sudo .venv/bin/python scripts/bench_wan.py [--peers 8] [--mb 100] [--rounds 2] [--quick]
+    sudo .venv/bin/python scripts/bench_wan.py [--peers 8] [--mb 100] [--rounds 3] [--quick]
+        [--congestion cubic|bbr]
         [--only-hetero] [--no-hetero] [--no-training] [--no-allreduce]
 
 Every peer is a real meshtrain process (tests/proc_nat_peer.py, or tests/proc_trainer.py for the
@@ -11,7 +12,9 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
 
 - `allreduce_ratio_to_link_bound`: N peers at 100 Mbit/s and 20 ms one-way, M = 100 MB fp32;
   median over `--rounds` timed rounds (after an untimed warm-up round that opens connections) of
-  the round's wall time (all peers asked at once → the last one done) ÷ the bound. Target ≤ 1.15.
+  the round's wall time ÷ the bound. Target ≤ 1.15. A round's wall time runs from the first peer
+  entering the all-reduce to the last one leaving it (all peers are asked at once; the lab shares
+  one monotonic clock); `asked_s` beside it also counts each peer building its 100 MB input.
 - `hetero_ratio_to_bound`: the same with 2 of the N peers at 20 Mbit/s, ÷ the bound of the best
   schedule for those rates (`best_schedule_bound`: reduce-scatter/all-gather with part sizes
   chosen for the rates, every link busy both ways all the time; no schedule can beat M / B_min,
@@ -26,8 +29,12 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   excluded, as ours excludes group formation), median over `--rounds` ÷ the same bound; or null
   with the reason (`--no-hivemind`, or no venv: `--hivemind-venv-create` makes one, ~1.2 GB).
 - `single_stream_fill`: one tensor stream (M bytes, warm connection) between two peers at
-  100 Mbit/s and 100 ms RTT, goodput ÷ link rate. Target ≥ 0.9. `tcp_fill` beside it is a plain
-  Python TCP socket on the same path: what the link and the kernel's TCP give at all.
+  100 Mbit/s and 100 ms RTT, goodput ÷ link rate, from `send` called to `send` returned (the
+  header's and the ACK's round trips count). Target ≥ 0.9. Transfers this large have their own
+  connection pool (tensor_streams.py: bulk connections), so the connection is warmed by the same
+  transfer just before: `single_stream_fill_cold` is that first one, its connection's handshakes
+  and ramp included. `tcp_fill` beside them is a plain Python TCP socket on the same path, timed
+  after a second of warm-up: what the link and the kernel's TCP give at all.
 - `streaming_overlap_ratio`: wall time of 200 inner steps of Streaming DiLoCo (P = 4, fp4, H =
   40) between 2 peers on 10 Mbit/s links (20 ms one-way) ÷ the same 200 steps with no
   communication at all (2 `single` peers run at the same time, so CPU contention is the same).
@@ -37,6 +44,8 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
   `training.final_eval_loss` what each overlap cost in loss. `diloco_overlap_ratio`: DiLoCo
   (H = 40, fp32) on the same link.
+- `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
+  what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
 - `delay_measured_ms`: one-way latency UDP probes saw per configured delay (the lab checks
   itself); `digests_equal`: every peer ended every round with the same result digest.
 
@@ -136,14 +145,20 @@ def allreduce_round(
     extra = {p.name: {"uplink_mbit": uplinks[p.name]} if uplinks else {} for p in peers}
     cids = {p.name: p.submit("allreduce", peers=ids, round=round_id, mib=mib, **extra[p.name]) for p in peers}
     res = {name: p.result(cids[name], timeout=timeout, check=False) for name, p in zip(cids, peers, strict=True)}
-    wall = time.monotonic() - t0
+    asked = time.monotonic() - t0
     cpu = cpu_seconds(pids) - cpu0
     errors = {n: r.get("error") for n, r in res.items() if not r.get("ok")}
     digests = {r.get("digest") for r in res.values()}
+    # The round: from the first peer entering the all-reduce to the last one leaving it (every lab
+    # namespace shares this machine's monotonic clock). `asked_s` adds what happens around it: the
+    # commands' trip through the peers' stdin and each peer building its seeded input.
+    spans = [(r["started"], r["ended"]) for r in res.values() if "started" in r]
+    wall = max(e for _, e in spans) - min(s for s, _ in spans) if len(spans) == len(res) else asked
     return {
         "wall_s": wall,
+        "asked_s": round(asked, 2),
         "cpu_s": round(cpu, 1),
-        "cpu_share": round(cpu / (wall * (os.cpu_count() or 1)), 2),
+        "cpu_share": round(cpu / (asked * (os.cpu_count() or 1)), 2),
         "load_avg_1m": round(os.getloadavg()[0], 1),
         "peer_max_s": max((r.get("seconds") or 0) for r in res.values()),
         "digests_equal": not errors and len(digests) == 1,
@@ -156,8 +171,11 @@ def allreduce_round(
 def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
     n, mb = args.peers, args.mb
     mib = mb * 1e6 / (1 << 20)
-    with WanLab(n, rate_mbit=100, delay_ms=20) as lab:
-        progress(f"lab up: {n} peers, 100 Mbit/s, 20 ms one-way ({lab.build_seconds:.2f} s)")
+    with WanLab(n, rate_mbit=100, delay_ms=20, congestion=args.congestion) as lab:
+        out["tcp_congestion"] = lab.tcp_congestion("p0")
+        progress(
+            f"lab up: {n} peers, 100 Mbit/s, 20 ms one-way, TCP {out['tcp_congestion']} ({lab.build_seconds:.2f} s)"
+        )
         out["delay_measured_ms"] = {
             k: {"configured": v["configured"], "median": round(v["median"], 2)}
             for k, v in lab.measure_delay([("p0", f"p{n - 1}")]).items()
@@ -183,6 +201,7 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         wall = statistics.median(x["wall_s"] for x in rounds)
         out["allreduce"] = {
             "rounds_s": [round(x["wall_s"], 2) for x in rounds],
+            "asked_s": [x["asked_s"] for x in rounds],
             "bound_s": round(bound, 2),
             "cpu_share": [x["cpu_share"] for x in rounds],
             "load_avg_1m": [x["load_avg_1m"] for x in rounds],
@@ -197,11 +216,16 @@ def bench_allreduce(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         for p in ("p0", "p1"):
             lab.shape(p, delay_ms=50)
         fill_mib = min(mib, 100e6 / (1 << 20))
-        stream_once(a, b, 4.0, "warm")
-        s = stream_once(a, b, fill_mib, "timed")
-        rate = fill_mib * (1 << 20) / s / MBIT
-        out["single_stream"] = {"mbit_s": round(rate, 1), "mb": round(fill_mib * (1 << 20) / 1e6, 1), "rtt_ms": 100}
+        cold = fill_mib * (1 << 20) / stream_once(a, b, fill_mib, "cold") / MBIT
+        rate = fill_mib * (1 << 20) / stream_once(a, b, fill_mib, "timed") / MBIT
+        out["single_stream"] = {
+            "mbit_s": round(rate, 1),
+            "cold_mbit_s": round(cold, 1),
+            "mb": round(fill_mib * (1 << 20) / 1e6, 1),
+            "rtt_ms": 100,
+        }
         out["single_stream_fill"] = round(rate / 100, 3)
+        out["single_stream_fill_cold"] = round(cold / 100, 3)
         out["tcp_fill"] = round(lab.measure_rate("p0", "p1", seconds=8) / 100, 3)
         for p in peers:
             p.close()
@@ -288,7 +312,7 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
     H, P = 40, 4
     most = H // P - 1  # the largest overlap the schedule allows: τ < H/P
     streaming = ["--method", "streaming", "--H", str(H), "--P", str(P), "--codec", "fp4"]
-    with WanLab(2, rate_mbit=10, delay_ms=20) as lab:
+    with WanLab(2, rate_mbit=10, delay_ms=20, congestion=args.congestion) as lab:
         runs = {
             "none": ["--method", "single"],
             "streaming": [*streaming, "--delay", str(most)],
@@ -329,7 +353,7 @@ def bench_hivemind(args: argparse.Namespace, log_dir: str, out: dict) -> None:
         out["hivemind_reason"] = f"no hivemind venv at {hv} (--hivemind-venv-create makes one: downloads ~1.2 GB)"
         return
     n, mb = args.peers, args.mb
-    with WanLab(n, rate_mbit=100, delay_ms=20) as lab:
+    with WanLab(n, rate_mbit=100, delay_ms=20, congestion=args.congestion) as lab:
         progress(f"hivemind: lab up, {n} peers, 100 Mbit/s, 20 ms one-way")
         spec = Path(log_dir) / "hivemind_lab.json"
         spec.write_text(
@@ -350,7 +374,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, default=8)
     ap.add_argument("--mb", type=float, default=100.0, help="all-reduce payload per peer, MB of fp32")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--congestion",
+        default=None,
+        help="TCP congestion control in the lab (default: what the machine's namespaces inherit)",
+    )
     ap.add_argument("--steps", type=int, default=200, help="inner steps of the training comparison")
     ap.add_argument("--no-hetero", dest="hetero", action="store_false")
     ap.add_argument("--no-training", dest="training", action="store_false")

@@ -189,9 +189,12 @@ class Peer:
         mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
         t0 = time.monotonic()
         res = await self.collective.all_reduce(mine, round_id=cmd["round"], tag="nat")
+        t1 = time.monotonic()
         measured = self.collective.measured_uplink
         return {
-            "seconds": time.monotonic() - t0,
+            "seconds": t1 - t0,
+            "started": t0,  # this machine's monotonic clock, shared by every lab namespace
+            "ended": t1,
             "uplink_measured_mbit": None if measured is None else round(measured * 8 / 1e6, 1),
             "digest": res.digest.hex(),
             "contributors": list(res.contributors),

@@ -653,3 +653,31 @@ async def test_a_data_plane_whose_port_is_taken_fails_to_start_and_leaves_nothin
                 assert streams._nursery is None
     finally:
         busy.close()
+
+
+# -- bulk connections for long transfers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
+async def test_long_transfers_have_a_connection_pool_of_their_own(direct):
+    """At least `bulk_bytes`: a connection apart from the pool of the smaller transfers, opened by
+    the first and reused by the next; smaller ones keep reusing theirs."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, dp=DataPlaneConfig(bulk_bytes=1 << 20, direct=direct))
+        small = {"x": torch.arange(1000, dtype=torch.float32)}
+        big = {"w": torch.randn((1 << 20) // 4)}  # exactly bulk_bytes
+        await exchange(a, b, "s0", small)
+        assert a.ts.stats["connections_opened"] == 1
+        for i in range(3):
+            report, got = await exchange(a, b, f"big{i}", big)
+            assert torch.equal(got.tensors["w"], big["w"]) and report.nbytes == 1 << 20
+            assert a.ts.stats["connections_opened"] == 2  # opened once, then reused
+        await exchange(a, b, "s1", small)
+        assert a.ts.stats["connections_opened"] == 2
+        assert [len(a.ts._idle[b.id]), len(a.ts._bulk[b.id])] == [1, 1]
+
+
+def test_bulk_bytes_must_not_be_negative():
+    assert DataPlaneConfig(bulk_bytes=0).bulk_bytes == 0  # 0: one pool for all
+    with pytest.raises(ValueError, match="bulk_bytes"):
+        DataPlaneConfig(bulk_bytes=-1)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.data_phase import MAX_SCATTER_SLOTS, scatter_slots
 from meshtrain.collective.flat import part_bounds
 from meshtrain.collective.protocol import (
     DONE,
@@ -55,6 +56,30 @@ def test_part_sizes_cover_the_vector_and_a_slower_peer_never_owns_more(rs, numel
     else:  # equal parts: rates near-equal, or too few peers for the split to matter
         assert bounds == part_bounds(numel, len(rs))
         assert len(rs) <= 2 or max(rs) <= NEAR_EQUAL * min(rs)
+
+
+@given(st.floats(min_value=1.0, max_value=1e12), st.floats(min_value=1.0, max_value=1e12), st.integers(4096, 1 << 30))
+def test_the_scatter_window_follows_the_uplink_within_its_bounds(u1, u2, stripe):
+    """Known uplink: as many stripes as it sends in `scatter_horizon`, 2..MAX_SCATTER_SLOTS, never
+    fewer for a faster link; unknown: the configured window."""
+    cfg = AllReduceConfig()
+    lo, hi = sorted((u1, u2))
+    assert 2 <= scatter_slots(cfg, lo, stripe) <= scatter_slots(cfg, hi, stripe) <= MAX_SCATTER_SLOTS
+    assert scatter_slots(cfg, None, stripe) == scatter_slots(cfg, 0.0, stripe) == cfg.scatter_window
+
+
+def test_scatter_window_of_the_wan_lab_links():
+    cfg, stripe = AllReduceConfig(), AllReduceConfig().stripe_bytes
+    assert scatter_slots(cfg, 100 * MBIT, stripe) == 6  # 12.5 MB/s x 1 s / 2 MiB
+    assert scatter_slots(cfg, 20 * MBIT, stripe) == 2  # the floor: round trips hide behind data
+    assert scatter_slots(cfg, 10_000 * MBIT, stripe) == MAX_SCATTER_SLOTS
+    assert scatter_slots(AllReduceConfig(scatter_horizon=2.0), 100 * MBIT, stripe) == 12
+
+
+@pytest.mark.parametrize("horizon", [0.0, -1.0, math.nan])
+def test_scatter_horizon_must_be_positive(horizon):
+    with pytest.raises(ValueError, match="scatter_horizon"):
+        AllReduceConfig(scatter_horizon=horizon)
 
 
 @given(st.floats(min_value=1e3, max_value=1e11), st.integers(min_value=1, max_value=24))

@@ -601,6 +601,7 @@ class SwarmCollective(Service):
             weight=weight,
             shares=shares,
             echoes=self.echoes,
+            uplink=self.uplink,
         )
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []

@@ -30,12 +30,19 @@ trips of its own, so to each peer, in each direction, `config.window` transfers 
 (on as many pooled connections, opened up front by `connect_group`): the next stripe's header and
 acceptance cross while the previous stripe's data still flows, and no per-transfer round trip is
 on the critical path. Every receive is posted when the attempt starts, so no sender ever waits
-for a matching receive. A peer's reduce-scatter sends, to all owners together, share
-`config.scatter_window` slots, taken in stripe order: a slow uplink carrying a dozen transfers
-at once would finish them all only at the end of the time they share, so no stripe would be
-reduced — and nothing would come back down that peer's link — for the first quarter of its
-upload (issue 20's bench); a few at a time, its stripes finish in turn and the all-gather
-overlaps the scatter from the start. Robust modes use one stripe per part (clipping looks at a part's norm).
+for a matching receive. A peer's reduce-scatter sends, to all owners together, share a few
+slots (`scatter_slots`), taken in stripe order: a slow uplink carrying a dozen transfers at once
+would finish them all only at the end of the time they share, so no stripe would be reduced —
+and nothing would come back down that peer's link — for the first quarter of its upload (issue
+20's bench); a few at a time, its stripes finish in turn and the all-gather overlaps the scatter
+from the start. How few is a matter of the uplink: as many stripes as it sends in
+`config.scatter_horizon` (1 s), at least 2 (the transfers' round trips must hide behind each
+other's data), `config.scatter_window` (4) while the rate is unknown. In the WAN lab (8 peers,
+100 Mbit/s, 20 ms) 4 slots kept the links ~87 % busy (each transfer's two round trips and a
+cold connection's ramp showed), 6–8 about 97 %; 8 slots on the two 20 Mbit/s peers of the mixed
+lab made its round 4 % slower, and `window` 4 (28 all-gather flows on a 20 Mbit/s uplink) once
+starved a transfer past its deadline.
+Robust modes use one stripe per part (clipping looks at a part's norm).
 
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
@@ -174,6 +181,26 @@ def screen_contributions(
     return flags
 
 
+MAX_SCATTER_SLOTS = 16  # 32 MiB of 2 MiB stripes: a 1 Gbit/s link's bandwidth × 250 ms
+
+
+def scatter_slots(config: AllReduceConfig, uplink: float | None, stripe_bytes: int) -> int:
+    """How many of our reduce-scatter transfers (of `stripe_bytes` on the wire) may be in flight at
+    once, to all owners together.
+
+    Enough that each transfer's own round trips are hidden behind the others' data; few enough
+    that a stripe finishes soon after it starts, so that its owner reduces it and the all-gather
+    flows back down our link while we still send. With our uplink known (bytes/s, configured or
+    measured): as many stripes as it sends in `config.scatter_horizon` seconds, from 2 to
+    `MAX_SCATTER_SLOTS` — 100 Mbit/s and 2 MiB stripes give 6, 20 Mbit/s gives 2 (8 at 20 Mbit/s
+    land their first stripe after 6.7 s, and the all-gather to that peer starts as late: issue
+    20's bench). Unknown (no measurement yet): `config.scatter_window`."""
+    if not uplink or stripe_bytes <= 0:
+        return config.scatter_window
+    fit = round(uplink * config.scatter_horizon / stripe_bytes)
+    return max(2, min(MAX_SCATTER_SLOTS, fit))
+
+
 def reduce_contributions(
     contributions: dict[str, torch.Tensor],
     weights: dict[str, float],
@@ -230,8 +257,9 @@ class DataPhase:
     data from another attempt is never mixed in). group: the attempt's members, sorted; `me` is
     in it. tensors / codec / weight: our input, how parts are encoded, our weight (0: we
     contribute nothing but still receive the result). shares: the size of each member's part
-    (shares.py, as the coordinator announced them; empty: equal parts). `stats` fills in as the
-    attempt runs."""
+    (shares.py, as the coordinator announced them; empty: equal parts). uplink: our link rate in
+    bytes/s if known (sizes the reduce-scatter's window, `scatter_slots`). `stats` fills in as
+    the attempt runs."""
 
     def __init__(
         self,
@@ -248,6 +276,7 @@ class DataPhase:
         weight: float,
         shares: tuple[int, ...] = (),
         echoes: EchoMemory | None = None,
+        uplink: float | None = None,
     ) -> None:
         try:
             self.codec = get_codec(codec)
@@ -275,6 +304,9 @@ class DataPhase:
             stripe_bounds(a, b, stripe) if b > a else [a] for a, b in zip(self.bounds, self.bounds[1:], strict=False)
         ]
         self.deadline = config.transfer_deadline(self.flat.numel())
+        # In flight is counted on the wire: a stripe as its codec encodes it.
+        widest = max((b - a for bounds in self.stripes for a, b in zip(bounds, bounds[1:], strict=False)), default=0)
+        self.scatter_slots = scatter_slots(config, uplink, self.codec.encoded_nbytes(widest))
         # The result is assembled in place: every owner's part lands in its slice of `out`.
         self.out = torch.empty(self.flat.numel())
         self.failed: set[str] = set()
@@ -346,7 +378,7 @@ class DataPhase:
         # Our reduce-scatter sends share `scatter_window` slots, taken in stripe order across the
         # owners, so that stripes finish one after another, not all together at the end: the
         # first reduced stripes come back while we still send (see the module docstring).
-        scatter = trio.Semaphore(self.config.scatter_window)
+        scatter = trio.Semaphore(self.scatter_slots)
         async with trio.open_nursery() as nursery:
             for j, peer in enumerate(self.group):
                 if peer == self.me:

@@ -100,9 +100,12 @@ class AllReduceConfig:
     # starts as soon as it is reduced and no transfer's handshake round trip idles a link.
     stripe_bytes: int = 2 << 20
     window: int = 2
-    # ... and at most this many of a peer's reduce-scatter transfers in flight in all (to any
-    # owners), so that a slow uplink finishes its stripes in turn and their all-gather starts early.
+    # ... and this many of a peer's reduce-scatter transfers in flight in all (to any owners) while
+    # its uplink is unknown, so that a slow uplink finishes its stripes in turn and their
+    # all-gather starts early; with the uplink known (configured or measured), as many stripes as
+    # it sends in `scatter_horizon` seconds, from 2 to 16 (data_phase.py `scatter_slots`).
     scatter_window: int = 4
+    scatter_horizon: float = 1.0
     # Bandwidth-weighted parts (shares.py): this peer's uplink in Mbit/s, sent with its joins so
     # the coordinator sizes the parts by the members' rates (0: measured from recent rounds).
     uplink_mbit: float = 0.0
@@ -120,6 +123,8 @@ class AllReduceConfig:
             raise ValueError("score_samples must be >= 0")
         if self.stripe_bytes < 4096 or self.window < 1 or self.scatter_window < 1:
             raise ValueError("stripe_bytes must be >= 4096, window and scatter_window >= 1")
+        if not self.scatter_horizon > 0:
+            raise ValueError("scatter_horizon must be > 0 seconds")
         if not 0 <= self.uplink_mbit <= MAX_UPLINK * 8 / 1e6:
             raise ValueError("uplink_mbit must be 0 (measured) or a rate in Mbit/s")
 

@@ -32,6 +32,16 @@ a forward pass would lose its transfer. So tensors move on a *data plane*:
    receive buffers (`encrypt_into`/`decrypt_into`), so memory stays at one model copy plus a
    couple of chunk buffers.
 
+**Bulk connections**: connections are pooled per peer and reused, which saves the two round trips
+of opening one (TCP, then MTDP1). But a connection also keeps the congestion state it learned:
+cubic's ssthresh after the losses of a many-flow all-reduce, or BBR's estimate of its share of
+the link among 14 flows. A long transfer alone on such a connection creeps up to the link rate
+(BBR probes 25 % higher every 8 round trips): over 100 ms of RTT, 100 MB moved at 62–82 % of
+100 Mbit/s in issue 20's WAN lab, where a connection that had carried a transfer alone moves it
+at ~94 %. So transfers of at least `bulk_bytes` (32 MiB) have a pool of their own per peer: the
+first opens a connection (which probes the path afresh: ~88 %, its handshakes and ramp
+included), the next ones reuse it, and an all-reduce's 2 MiB stripes never touch it.
+
 Back-pressure is TCP's own: a receiver that stops reading (a long forward pass, SIGSTOP) just
 makes the sender's writes wait; there is no stall timeout, only the caller's deadline.
 
@@ -210,6 +220,9 @@ class DataPlaneConfig:
     # Transfers of at most this many bytes go with their header, without waiting for ACCEPT
     # (module docstring: eager transfers); 0: never.
     eager_bytes: int = 256 << 10
+    # Transfers of at least this many bytes go on connections kept apart from the others' pool
+    # (module docstring: bulk connections); 0: one pool for all.
+    bulk_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK <= self.chunk_bytes <= MAX_CHUNK:
@@ -220,6 +233,8 @@ class DataPlaneConfig:
             raise ValueError("authorize_timeout must be positive")
         if not 0 <= self.eager_bytes <= MAX_CHUNK:
             raise ValueError("eager_bytes must be between 0 and 4 MiB")
+        if self.bulk_bytes < 0:
+            raise ValueError("bulk_bytes must be >= 0 (0: one connection pool for all transfers)")
 
 
 @dataclass(frozen=True)
@@ -463,6 +478,7 @@ class TensorStreams(Service):
         self._client_sessions: dict[str, tuple[bytes, bytes, str, int]] = {}  # peer -> sid, key, ip, port
         self._no_direct_until: dict[str, float] = {}
         self._idle: dict[str, list[_Channel]] = {}
+        self._bulk: dict[str, list[_Channel]] = {}  # idle connections of transfers >= bulk_bytes
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._partials: dict[tuple[str, bytes], _Partial] = {}
         # (peer, tag) whose receive was cancelled -> until when a sender is refused at once
@@ -476,7 +492,14 @@ class TensorStreams(Service):
         # open through both NATs) and return it with the session (sid, key) it belongs to; or
         # return None to dial the port as usual. Unset: the plain dial below, as before.
         self.direct_opener: Callable[[str], Awaitable[tuple[trio.SocketStream, bytes, bytes] | None]] | None = None
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "handshake_failures": 0, "resumes": 0}
+        # connections_opened: connections we dialled (direct or libp2p fallback), pooled or fresh
+        self.stats = {
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "handshake_failures": 0,
+            "resumes": 0,
+            "connections_opened": 0,
+        }
         # reason -> how many sessions, connections or transfers we turned down for it
         self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         # peer -> headers of early senders now waiting in `_claim` for their receive
@@ -499,10 +522,11 @@ class TensorStreams(Service):
     async def _stop(self) -> None:
         assert self._nursery is not None  # lifecycle misuse, not peer input
         self._nursery.cancel_scope.cancel()  # transfers stop before their connections close
-        for chans in self._idle.values():
-            for ch in chans:
-                await ch.aclose()
-        self._idle.clear()
+        for pool in (self._idle, self._bulk):
+            for chans in pool.values():
+                for ch in chans:
+                    await ch.aclose()
+            pool.clear()
         for slot in self._slots.values():
             slot.finish(error=TransferError("data plane closed"))
 
@@ -553,14 +577,15 @@ class TensorStreams(Service):
     ) -> SendReport:
         t0 = time.perf_counter()
         resumes = 0
+        bulk = 0 < self.config.bulk_bytes <= total
         with trio.fail_after(timeout) if timeout else nullcontext():
             attempt = 0
             while True:
                 ch = None
                 try:
-                    ch = await self._channel(peer)
+                    ch = await self._channel(peer, bulk=bulk)
                     final = await self._send_on(ch, header, views, total)
-                    self._release(peer, ch)
+                    self._release(peer, ch, bulk=bulk)
                     return SendReport(peer, tag, total, final, ch.path, time.perf_counter() - t0, resumes)
                 except (TransferRefused, DigestMismatch):
                     if ch is not None:
@@ -681,12 +706,15 @@ class TensorStreams(Service):
         await ch.send_msg(TRAILER, {"digest": digest})
         return digest
 
-    async def _channel(self, peer: str) -> _Channel:
-        idle = self._idle.get(peer)
+    async def _channel(self, peer: str, *, bulk: bool = False) -> _Channel:
+        """A connection to `peer`: an idle one from the pool (`bulk`: the bulk transfers'), else a
+        new one."""
+        idle = (self._bulk if bulk else self._idle).get(peer)
         while idle:
             ch = idle.pop()
             if not ch.broken:
                 return ch
+        self.stats["connections_opened"] += 1
         if self.config.direct and self._no_direct_until.get(peer, 0) < time.monotonic():
             try:
                 return await self._dial_direct(peer)
@@ -756,9 +784,9 @@ class TensorStreams(Service):
         keys = _derive_keys(key, cnonce, snonce, self.host.peer_id, peer)
         return _Channel(framed, "direct", keys)
 
-    def _release(self, peer: str, ch: _Channel) -> None:
+    def _release(self, peer: str, ch: _Channel, *, bulk: bool = False) -> None:
         if not ch.broken:
-            self._idle.setdefault(peer, []).append(ch)
+            (self._bulk if bulk else self._idle).setdefault(peer, []).append(ch)
 
     # -- serve side ----------------------------------------------------------------------------
 

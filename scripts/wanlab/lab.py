@@ -116,6 +116,8 @@ class WanLab(NamespaceLab):
     rate_mbit: every link's rate, both directions (None: unlimited); `shape` changes one peer.
     delay_ms:  one-way delay between any two peers (each peer's link carries it; see `shape`).
     jitter_ms, loss, queue_ms: defaults of every link, see `LinkShape`.
+    congestion: the TCP congestion control of every peer's namespace (cubic, bbr, ...); None keeps
+               what a new namespace inherits from the machine (`tcp_congestion` reads it).
     lab_id, owner: see `NamespaceLab` (lifecycle contract, cleanup, Ctrl-C and SIGTERM).
     """
 
@@ -128,12 +130,16 @@ class WanLab(NamespaceLab):
         jitter_ms: float = 0.0,
         loss: float = 0.0,
         queue_ms: float = 50.0,
+        congestion: str | None = None,
         lab_id: str | None = None,
         owner: str | None = None,
     ) -> None:
         super().__init__(lab_id=lab_id, owner=owner)
         if not 1 <= peers <= MAX_PEERS:
             raise ValueError(f"peers must be in 1..{MAX_PEERS}")
+        if congestion is not None and not congestion.isalnum():
+            raise ValueError(f"congestion must name a TCP congestion control (cubic, bbr, ...), not {congestion!r}")
+        self.congestion = congestion
         default = LinkShape(rate_mbit, rate_mbit, delay_ms, jitter_ms, loss, queue_ms)
         self.names = [f"p{i}" for i in range(peers)]
         self.shapes: dict[str, LinkShape] = dict.fromkeys(self.names, default)
@@ -163,6 +169,14 @@ class WanLab(NamespaceLab):
     def delay_pid(self) -> int | None:
         """The delay line's process id (to account its CPU), None while the lab is down."""
         return self._delay_proc.pid if self._delay_proc is not None else None
+
+    def tcp_congestion(self, peer: str) -> str:
+        """The TCP congestion control `peer`'s connections use: `congestion` if the lab was given
+        one, else what a new namespace inherits from the machine (Linux copies the initial
+        namespace's default: cubic on most machines, bbr on some)."""
+        self._require_up()
+        path = "/proc/sys/net/ipv4/tcp_congestion_control"
+        return run_command(["ip", "netns", "exec", self.netns(peer), "cat", path]).stdout.strip()
 
     def one_way_ms(self, a: str, b: str) -> float:
         """The configured one-way delay from a to b (ms)."""
@@ -257,6 +271,9 @@ class WanLab(NamespaceLab):
             run_command(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(MTU), "up"])
             run_command(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0"])
             run_command(["ip", "-n", ns, "route", "add", "default", "via", f"10.200.{i}.1"])
+            if self.congestion is not None:
+                path = "/proc/sys/net/ipv4/tcp_congestion_control"
+                run_command(["ip", "netns", "exec", ns, "sh", "-c", f"echo {self.congestion} > {path}"])
             run_command(["ip", "-n", core, "link", "set", name, "mtu", str(MTU), "up"])
             run_command(["ip", "-n", core, "addr", "add", f"10.200.{i}.1/24", "dev", name])
             write_sysctl(core, f"net.ipv4.conf.{name}.rp_filter", 0)
