@@ -56,3 +56,18 @@ def test_pipelined_allreduce_over_shaped_delayed_links_gives_equal_digests(tmp_p
         assert all(sorted(r["contributors"]) == sorted(ids) for r in res)
         for p in peers:
             p.close()
+
+
+def test_the_lab_sets_and_reports_its_tcp_congestion_control() -> None:
+    """`congestion` is every peer's namespace's TCP congestion control (reno is in every kernel);
+    without it the namespaces keep what they inherit, and the lab says which that is."""
+    require_natlab()
+    with WanLab(2, rate_mbit=None, congestion="reno") as lab:
+        assert [lab.tcp_congestion(p) for p in lab.names] == ["reno", "reno"]
+    with WanLab(1, rate_mbit=None) as lab:
+        inherited = lab.tcp_congestion("p0")
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        assert inherited in f.read().split()
+    for bad in ("cubic; reboot", "", "b b r"):
+        with pytest.raises(ValueError, match="congestion"):
+            WanLab(2, congestion=bad)

@@ -492,7 +492,7 @@ class TensorStreams(Service):
         # open through both NATs) and return it with the session (sid, key) it belongs to; or
         # return None to dial the port as usual. Unset: the plain dial below, as before.
         self.direct_opener: Callable[[str], Awaitable[tuple[trio.SocketStream, bytes, bytes] | None]] | None = None
-        # connections_opened: connections we dialled (direct or libp2p fallback), pooled or fresh
+        # connections_opened: connections we dialled (direct or libp2p fallback), for either pool
         self.stats = {
             "bytes_sent": 0,
             "bytes_received": 0,
