@@ -41,8 +41,8 @@ other's data), `config.scatter_window` (4) while the rate is unknown. In the WAN
 100 Mbit/s, 20 ms) 4 slots kept the links ~87 % busy (each transfer's two round trips and a
 cold connection's ramp showed), 6–8 about 97 %; 8 slots on the two 20 Mbit/s peers of the mixed
 lab made its round 4 % slower, and `window` 4 (28 all-gather flows on a 20 Mbit/s uplink) once
-starved a transfer past its deadline.
-Robust modes use one stripe per part (clipping looks at a part's norm).
+starved a transfer past its deadline. Robust modes use one stripe per part (clipping looks at a
+part's norm).
 
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
@@ -380,7 +380,7 @@ class DataPhase:
         self._missing = [len(self.others)] * count
         self._reduced: list[tuple[dict[str, torch.Tensor], bytes | None] | None] = [None] * count
         self._ready = [trio.Event() for _ in range(count)]
-        # Our reduce-scatter sends share `scatter_window` slots, taken in stripe order across the
+        # Our reduce-scatter sends share `scatter_slots` slots, taken in stripe order across the
         # owners, so that stripes finish one after another, not all together at the end: the
         # first reduced stripes come back while we still send (see the module docstring).
         scatter = trio.Semaphore(self.scatter_slots)

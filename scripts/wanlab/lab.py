@@ -85,6 +85,7 @@ MAX_PEERS = 250
 TUN = "dly"
 DELAY_TABLE = "100"
 DELAY_READY_TIMEOUT = 20.0
+CONGESTION_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"  # per namespace
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,7 @@ class WanLab(NamespaceLab):
         one, else what a new namespace inherits from the machine (Linux copies the initial
         namespace's default: cubic on most machines, bbr on some)."""
         self._require_up()
-        path = "/proc/sys/net/ipv4/tcp_congestion_control"
-        return run_command(["ip", "netns", "exec", self.netns(peer), "cat", path]).stdout.strip()
+        return run_command(["ip", "netns", "exec", self.netns(peer), "cat", CONGESTION_SYSCTL]).stdout.strip()
 
     def one_way_ms(self, a: str, b: str) -> float:
         """The configured one-way delay from a to b (ms)."""
@@ -272,8 +272,7 @@ class WanLab(NamespaceLab):
             run_command(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0"])
             run_command(["ip", "-n", ns, "route", "add", "default", "via", f"10.200.{i}.1"])
             if self.congestion is not None:
-                path = "/proc/sys/net/ipv4/tcp_congestion_control"
-                run_command(["ip", "netns", "exec", ns, "sh", "-c", f"echo {self.congestion} > {path}"])
+                run_command(["ip", "netns", "exec", ns, "sh", "-c", f"echo {self.congestion} > {CONGESTION_SYSCTL}"])
             run_command(["ip", "-n", core, "link", "set", name, "mtu", str(MTU), "up"])
             run_command(["ip", "-n", core, "addr", "add", f"10.200.{i}.1/24", "dev", name])
             write_sysctl(core, f"net.ipv4.conf.{name}.rp_filter", 0)
