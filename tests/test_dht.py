@@ -123,9 +123,13 @@ async def test_concurrent_subkey_stores_from_many_owners_all_survive() -> None:
             for node in nodes:
                 nursery.start_soon(node.store, KEY, node.peer_id[-6:], later(), node.peer_id)
         expected = {n.peer_id: n.peer_id[-6:] for n in nodes}
-        # merged on the storing nodes, before any get could repair anything
-        holders = [n for n in nodes if len(n.local.get(KEY, time.time())) == len(nodes)]
-        assert len(holders) >= CONFIG.replication
+        # Merged on the storing nodes, before any get could repair anything: every owner's entry
+        # sits on `replication` nodes. Not necessarily the same five for every owner: a lookup
+        # that finds a peer slow (a loaded machine) stores past it, on the next closest.
+        now = time.time()
+        for owner in expected:
+            holders = [n for n in nodes if owner in n.local.get(KEY, now)]
+            assert len(holders) >= CONFIG.replication, (owner, len(holders))
         for reader in nodes:
             assert await reader.get(KEY) == expected
 

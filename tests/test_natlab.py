@@ -110,13 +110,15 @@ def rendezvous(port):
         c.close()
     out(paired=[fmt(p) for _, p in conns])
 
-def punch(name, local_port, rendezvous_addr, attempts, connect_timeout):
-    """Learn the peer's mapped address, then connect() to it from our own mapped port."""
+def punch(name, local_port, rendezvous_addr, attempts, connect_timeout, delay="0"):
+    """Learn the peer's mapped address, then (after `delay` seconds) connect() to it from our
+    own mapped port."""
     port = int(local_port)
     s = bound(port); s.settimeout(30)
     s.connect(hostport(rendezvous_addr))
     peer = s.makefile().readline().strip()
     s.close()
+    time.sleep(float(delay))
     errors = []
     for attempt in range(1, int(attempts) + 1):
         s = bound(port); s.settimeout(float(connect_timeout))
@@ -264,11 +266,14 @@ def test_unsolicited_inbound_to_a_mapped_port_does_not_reach_the_host(lab: NatLa
     assert results == [expected, expected], f"{lab.hosts[host].nat}: {results}"
 
 
-def _punch(lab: NatLab, a: str, b: str, *, attempts: int, connect_timeout: float) -> tuple[dict, dict, dict]:
+def _punch(
+    lab: NatLab, a: str, b: str, *, attempts: int, connect_timeout: float, b_delay: float = 0.0
+) -> tuple[dict, dict, dict]:
+    """`a` and `b` punch at each other; `b` sends its first SYN `b_delay` seconds after `a`."""
     rdv = start_server(lab, "pub0", "rendezvous", RENDEZVOUS_PORT)
     target = f"{lab.addr('pub0')}:{RENDEZVOUS_PORT}"
     pa = start_probe(lab, a, "punch", a, 43000, target, attempts, connect_timeout)
-    pb = start_probe(lab, b, "punch", b, 43001, target, attempts, connect_timeout)
+    pb = start_probe(lab, b, "punch", b, 43001, target, attempts, connect_timeout, b_delay)
     return finish(rdv), finish(pa, 60), finish(pb, 60)
 
 
@@ -287,19 +292,21 @@ def test_simultaneous_open_connects_two_hosts_behind_different_cone_nats(lab: Na
 
 
 @pytest.mark.parametrize(
-    ("a", "b", "error", "attempts"),
+    ("a", "b", "error", "attempts", "b_delay"),
     [
-        (SYM_A, SYM_B, "TimeoutError", 2),  # each SYN goes to a port the other NAT never mapped
-        (CONE_A, SYM_A, "TimeoutError", 2),  # one unpredictable side is enough
-        # The first SYN in meets the router's RST. Only one attempt: the first exchange can leave a
-        # mapping behind on one router, after which a retry sometimes connects (seen once in CI).
-        (PLAIN, PLAIN_B, "ConnectionRefusedError", 1),
+        (SYM_A, SYM_B, "TimeoutError", 2, 0.0),  # each SYN goes to a port the other NAT never mapped
+        (CONE_A, SYM_A, "TimeoutError", 2, 0.0),  # one unpredictable side is enough
+        # The first SYN in meets the router's RST. That needs it to arrive before the other side's
+        # own SYN has left: two SYNs sent within one one-way delay of each other both pass (seen
+        # in CI), so `b` waits. Only one attempt: the first exchange can leave a mapping behind on
+        # one router, after which a retry sometimes connects (seen once in CI).
+        (PLAIN, PLAIN_B, "ConnectionRefusedError", 1, 0.3),
     ],
 )
 def test_simultaneous_open_fails_unless_both_nats_are_cone(
-    lab: NatLab, a: str, b: str, error: str, attempts: int
+    lab: NatLab, a: str, b: str, error: str, attempts: int, b_delay: float
 ) -> None:
-    _, ra, rb = _punch(lab, a, b, attempts=attempts, connect_timeout=1.5)
+    _, ra, rb = _punch(lab, a, b, attempts=attempts, connect_timeout=1.5, b_delay=b_delay)
     assert not ra["ok"] and not rb["ok"], (ra, rb)
     assert all(e.startswith(error) for e in ra["errors"] + rb["errors"]), (ra, rb)
 

@@ -27,7 +27,8 @@ NAT variants, applied with nft on each router's WAN leg:
   itself, which answers RST. In a simultaneous open the SYN that arrives first (before the other
   side's own SYN has left) gets that RST; it travels back through the sender's NAT (ECONNREFUSED
   there) and closes the sender's mapping, so the other SYN is refused as well — traced with nft
-  here, and the reason punching fails through plain SNAT too.
+  here, and the reason punching fails through plain SNAT too. Two SYNs that leave within one
+  one-way delay of each other both meet their own mapping and connect (rare; seen in CI).
 
 What it does not do: delay or loss emulation — this kernel has no `sch_netem` ("Specified qdisc
 kind is unknown"); only rate limits (`tbf`) are offered, see `NatLab.throttle`. No IPv6, no
