@@ -34,6 +34,7 @@ import time
 import torch
 import trio
 
+import meshtrain.collective.contribution as contribution
 import meshtrain.collective.data_phase as data_phase
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.groups import GroupPlan
@@ -88,13 +89,13 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
         # Hostile at the protocol level: what we contribute and, as the owner of a part, what we
         # hand back as its reduced value are garbage (our own input passed the honest checks).
         value = float("nan") if fault == "nan" else 1e30
-        real_flatten = data_phase.flatten_fp32
+        real_flatten = contribution.flatten_checked
 
         def hostile_flatten(tensors):
-            flat = real_flatten(tensors)
-            return torch.full_like(flat, value) if armed["on"] else flat
+            flat, finite = real_flatten(tensors)
+            return (torch.full_like(flat, value), True) if armed["on"] else (flat, finite)
 
-        data_phase.flatten_fp32 = hostile_flatten
+        contribution.flatten_checked = hostile_flatten
 
         def hostile_reduce(*a, **kw):
             out = real_reduce(*a, **kw)

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.data_phase import MAX_SCATTER_SLOTS, scatter_slots
-from meshtrain.collective.flat import part_bounds
+from meshtrain.collective.flat import STRIPE_TAPER, all_finite, part_bounds, stripe_bounds
 from meshtrain.collective.protocol import (
     DONE,
     FAIL,
@@ -80,6 +81,63 @@ def test_scatter_window_of_the_wan_lab_links():
 def test_scatter_horizon_must_be_positive(horizon):
     with pytest.raises(ValueError, match="scatter_horizon"):
         AllReduceConfig(scatter_horizon=horizon)
+
+
+@given(st.integers(0, 10**7), st.integers(1, 1 << 22), st.floats(0, 300), st.integers(0, 5))
+def test_stripes_cover_the_part_in_order_and_only_the_last_ones_shrink(lo, step, stripes, taper):
+    """Every stripe is non-empty (but for an empty part's one), at most `step`, in order, covering
+    [lo, hi); with a taper the last ones halve, the rest are near-equal."""
+    length = int(step * stripes)
+    hi = lo + length
+    bounds = stripe_bounds(lo, hi, step, taper)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[0] == lo and bounds[-1] == hi and len(sizes) >= 1
+    assert all(0 < x <= step for x in sizes) or sizes == [0]
+    assert stripe_bounds(lo, hi, step, taper) == bounds  # every member cuts alike
+    tail = [step >> i for i in range(1, taper + 1) if step >> i] if length > 2 * step else []
+    assert sizes[len(sizes) - len(tail) :] == tail
+    body = sizes[: len(sizes) - len(tail)]
+    assert max(body) - min(body) <= 1
+    if not tail:
+        assert bounds == stripe_bounds(lo, hi, step)
+
+
+def test_the_last_stripes_of_a_wan_part_leave_a_short_all_gather_tail():
+    step = AllReduceConfig().stripe_bytes // 4  # 2 MiB of fp32
+    part = 100_000_000 // 4 // 8  # one of 8 parts of 100 MB
+    bounds = stripe_bounds(0, part, step, STRIPE_TAPER)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert sizes[-3:] == [step // 2, step // 4, step // 8] and len(sizes) == 9
+    assert 7 * sizes[-1] * 4 / (100 * MBIT) < 0.2  # the last all-gather: 7 peers, 100 Mbit/s, seconds
+
+
+@pytest.mark.parametrize(
+    ("value", "finite"),
+    [(0.0, True), (3e38, True), (math.nan, False), (math.inf, False), (-math.inf, False)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_one_bad_element_anywhere(value, finite, dtype):
+    if dtype != torch.float32 and value == 3e38:
+        value = 1.0  # out of range for the half types
+    for where in (0, 4097, 9999):
+        x = torch.zeros(10_000, dtype=dtype)
+        x[where] = value
+        assert all_finite(x) is finite
+    assert all_finite(torch.zeros(0)) and all_finite(torch.arange(5))
+
+
+async def test_a_contribution_is_flattened_once_and_non_finite_input_gives_zeros_at_weight_zero():
+    good = {"a": torch.ones(3, 2), "b": torch.arange(4, dtype=torch.float16)}
+    bad = {"a": torch.tensor([1.0, math.nan]), "b": torch.ones(2)}
+    async with trio.open_nursery() as nursery:
+        c_good, c_bad = Contribution(good, 0.5, 7), Contribution(bad, 1.0, 7)
+        c_good.start(nursery)
+        c_bad.start(nursery)
+        flat, weight = await c_good.ready()
+        assert weight == 0.5 and torch.equal(flat, torch.tensor([1.0] * 6 + [0.0, 1.0, 2.0, 3.0]))
+        flat, weight = await c_bad.ready()
+        assert weight == 0.0 and torch.equal(flat, torch.zeros(4)) and c_bad.numel == 4
+        assert math.isnan(float(bad["a"][1]))  # the caller's tensors are untouched
 
 
 @given(st.floats(min_value=1e3, max_value=1e11), st.integers(min_value=1, max_value=24))
@@ -177,6 +235,59 @@ async def test_coordinator_announces_shares_with_the_group_and_recomputes_them_f
         nursery.cancel_scope.cancel()
 
 
+def test_taper_round_trips_and_old_messages_mean_equal_stripes():
+    key = RoundKey(3, "t", "me")
+    assert JoinRequest.parse(JoinRequest(key).to_wire(), to="me").taper is None  # an old peer
+    assert JoinRequest.parse(JoinRequest(key, taper=STRIPE_TAPER).to_wire(), to="me").taper == STRIPE_TAPER
+    for reply in (Joined(0, ("a", "b"), (), 3), Joined(0, ("a", "b"), (1, 2), 2)):
+        assert parse_join_reply(reply.to_wire()) == reply
+    retry = Retry(1, ("a", "c"), ("b",), (), 3)
+    assert parse_outcome(retry.to_wire()) == retry
+    assert "taper" not in Joined(0, ("a", "b")).to_wire()  # no taper: the old wire form
+    assert parse_join_reply({"attempt": 0, "group": ["a"]}).taper == 0  # an old coordinator
+
+
+@pytest.mark.parametrize("taper", [-1, 9, 2**40, 2.5, "3", True, [3], None], ids=repr)
+def test_hostile_taper_in_a_join_or_a_group_is_malformed(taper):
+    key = RoundKey(3, "t", "me")
+    if taper is not None:  # absent is fine in a join; an explicit null is not a taper either
+        with pytest.raises(Malformed):
+            JoinRequest.parse(JoinRequest(key).to_wire() | {"taper": taper}, to="me")
+    else:
+        assert JoinRequest.parse(JoinRequest(key).to_wire() | {"taper": None}, to="me").taper is None
+        return
+    with pytest.raises(Malformed):
+        parse_join_reply({"attempt": 0, "group": ["a", "b"], "taper": taper})
+    with pytest.raises(Malformed):
+        parse_outcome({"retry": 1, "group": ["a", "b"], "excluded": [], "taper": taper})
+
+
+async def test_coordinator_announces_the_smallest_offered_taper_and_none_with_an_old_peer(autojump_clock):
+    offers = {"a": 3, "b": 2, "c": 3, "d": 3}
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", list(offers))
+        key = RoundKey(7, "", "a")
+        replies = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key, (), None, offers[p])
+
+        async with trio.open_nursery() as inner:
+            for p in offers:
+                inner.start_soon(join, p)
+        assert {r.taper for r in replies.values()} == {2}  # every member cuts alike
+        c.host.connected.discard("d")
+        outcome = await c.report("a", Report(key, 0, FAIL, None, ("d",)))
+        assert outcome == Retry(1, ("a", "b", "c"), ("d",), (), 2)
+        # A member that offered none (an older peer): equal stripes for everyone.
+        key2 = RoundKey(8, "", "a")
+        async with trio.open_nursery() as inner:
+            for p in offers:
+                inner.start_soon(c.join, p, key2, (), None, None if p == "c" else offers[p])
+        assert c.rounds[key2].attempts[0].taper == 0
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("robust", ["none", "trimmed_mean"])
 async def test_weighted_allreduce_is_bit_identical_and_exact_with_an_empty_part(robust):
     """Four real hosts on loopback, the second slowest by a factor of 5: it owns no part, yet it
@@ -212,6 +323,28 @@ async def test_weighted_allreduce_is_bit_identical_and_exact_with_an_empty_part(
                 assert torch.equal(r.tensors[k], expected[k]), k
         # The slow peer received no contributions (its part is empty), only the others' results.
         assert results[1].bytes_received < 0.7 * min(results[i].bytes_received for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("old", [None, 1], ids=["all-taper", "one-old-peer"])
+async def test_tapered_stripes_are_exact_and_a_peer_without_the_taper_gets_equal_stripes(old):
+    """Four real hosts, parts of ~5 stripes: tapered (every peer offers it) or not (one peer
+    joins as a version before the taper would, offering none) — every peer cuts alike either
+    way, and ends with the exact mean."""
+    async with AsyncExitStack() as stack:
+        peers = await connected_peers(stack, 4)
+        ids = [p.id for p in peers]
+        cols = [
+            SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5, stripe_bytes=4096))
+            for p in peers
+        ]
+        if old is not None:
+            cols[old].stripe_taper = None
+        tensors = [{"w": torch.randn(20_000) * (i + 1)} for i in range(4)]
+        results = await run_all(cols, tensors, round_id=1)
+        assert len({r.digest for r in results}) == 1
+        expected = exact_mean(tensors)
+        for r in results:
+            assert r.contributors == tuple(ids) and torch.equal(r.tensors["w"], expected["w"])
 
 
 @pytest.mark.parametrize("connected", [True, False])

@@ -65,7 +65,9 @@ drops from its part a contribution that repeats one of its recent rounds (echoes
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
 codes) and the round loop above. The coordinator's state machine is coordinator.py, one
-attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), and every control
+attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), our input — flattened and
+checked for finiteness once per round, in a worker thread while the join goes out — is
+contribution.py, and every control
 message, with its wire form, limits and `parse`, is protocol.py. The public names
 (`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
 """
@@ -82,10 +84,11 @@ import torch
 import trio
 
 from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
+from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.echoes import EchoMemory
-from meshtrain.collective.flat import flat_slice, result_digest
+from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.protocol import (
@@ -194,6 +197,8 @@ class SwarmCollective(Service):
         # when the link changes, 0: measured), or measured on our sends in a recent round.
         self.uplink_mbit = self.config.uplink_mbit
         self.measured_uplink: float | None = None  # bytes/s
+        # The stripe taper our joins offer (flat.py); None joins as a peer that predates it.
+        self.stripe_taper: int | None = STRIPE_TAPER
         self._entering = trio.Lock()  # one start, whether entered or started on first use
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
         # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
@@ -324,7 +329,7 @@ class SwarmCollective(Service):
         self._check_window(join.key.round_id)
         await self._require_member(peer, join.key.round_id)
         await self._running()
-        return (await self._coord.join(peer, join.key, join.skipped, join.uplink)).to_wire()
+        return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper)).to_wire()
 
     async def _rpc_report(self, peer: str, req: Any) -> dict:
         report = Report.parse(req, to=self.peer_id)
@@ -370,7 +375,7 @@ class SwarmCollective(Service):
     async def _join(self, join: JoinRequest):
         if join.key.coordinator == self.peer_id:
             await self._running()
-            return await self._coord.join(self.peer_id, join.key, join.skipped, join.uplink)
+            return await self._coord.join(self.peer_id, join.key, join.skipped, join.uplink, join.taper)
         reply = await self._call_coordinator(join.key.coordinator, JOIN_RPC, join)
         try:
             return parse_join_reply(reply)
@@ -407,17 +412,15 @@ class SwarmCollective(Service):
     ) -> ReduceResult:
         if not math.isfinite(weight) or weight < 0:
             raise CollectiveError("weight must be finite and >= 0")
-        if not all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point()):
-            # Still take part (others must not wait for us), but contribute nothing.
-            log.warning(kv("allreduce input is not finite; contributing weight 0", round=round_id))
-            tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
-            weight = 0.0
+        # Flattened and checked in a worker thread while the join goes out (contribution.py).
+        contribution = Contribution(tensors, weight, round_id)
+        contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
         groups = self.round_groups(round_id)
         if groups is not None:
             tag = self.grouping.tag(tag, groups, self.peer_id)
         try:
-            return await self._all_reduce(tensors, round_id, tag, codec, weight)
+            return await self._all_reduce(contribution, tag, codec)
         finally:
             self._waiting = None
             self._position.pop(tag, None)
@@ -425,9 +428,8 @@ class SwarmCollective(Service):
             for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
                 del self._finished[old]
 
-    async def _all_reduce(
-        self, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str, weight: float
-    ) -> ReduceResult:
+    async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
+        round_id = contribution.round_id
         candidates = list(self.group(round_id))
         dead: set[str] = set()
         while True:
@@ -440,13 +442,15 @@ class SwarmCollective(Service):
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
-                with trio.fail_after(self._round_deadline(tensors)):
+                with trio.fail_after(self._round_deadline(contribution.numel)):
                     return await self._run_round(
-                        JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink), tensors, codec, weight
+                        JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink, self.stripe_taper),
+                        contribution,
+                        codec,
                     )
             except trio.TooSlowError:
                 raise CollectiveError(
-                    f"round {round_id}: no outcome within {self._round_deadline(tensors):.0f} s"
+                    f"round {round_id}: no outcome within {self._round_deadline(contribution.numel):.0f} s"
                 ) from None
             except _Moved as e:
                 # Our view was behind: take the fresh membership (it now has the newcomer).
@@ -465,18 +469,16 @@ class SwarmCollective(Service):
                     raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
                 dead.add(coordinator)
 
-    def _round_deadline(self, tensors: dict[str, torch.Tensor]) -> float:
+    def _round_deadline(self, numel: int) -> float:
         cfg = self.config
-        transfer = cfg.transfer_deadline(sum(t.numel() for t in tensors.values()))
+        transfer = cfg.transfer_deadline(numel)
         return (
             cfg.join_timeout * cfg.hard_join_factor
             + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE)
             + 30
         )
 
-    async def _run_round(
-        self, join: JoinRequest, tensors: dict[str, torch.Tensor], codec: str, weight: float
-    ) -> ReduceResult:
+    async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
         if coordinator != self.peer_id:
@@ -497,13 +499,13 @@ class SwarmCollective(Service):
             if joined.passed:
                 raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
             raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
-        attempt, group, shares = joined.attempt, joined.group, joined.shares
+        attempt, group, shares, taper = joined.attempt, joined.group, joined.shares, joined.taper
         excluded: dict[str, str] = {}
         while True:
             if self.peer_id not in group:
                 raise CollectiveError(f"{key}: this peer was excluded from the round")
             try:
-                outcome, result, stats = await self._attempt(key, attempt, group, shares, tensors, codec, weight)
+                outcome, result, stats = await self._attempt(key, attempt, group, shares, taper, contribution, codec)
             except trio.Cancelled:
                 # We are leaving mid-round: say so, so the others retry at once instead of
                 # waiting out a deadline for our data.
@@ -513,12 +515,12 @@ class SwarmCollective(Service):
             if isinstance(outcome, Retry):
                 for p in outcome.excluded:
                     excluded.setdefault(p, "failed during the round")
-                attempt, group, shares = outcome.attempt, outcome.group, outcome.shares
+                attempt, group, shares, taper = outcome.attempt, outcome.group, outcome.shares, outcome.taper
                 log.info(kv("allreduce retry", key=key, attempt=attempt, group=len(group)))
                 continue
             if isinstance(outcome, Abort):
                 raise CollectiveError(f"{key}: {outcome.why}")
-            return await self._commit(key, attempt, group, outcome, result, stats, tensors, excluded)
+            return await self._commit(key, attempt, group, outcome, result, stats, contribution.tensors, excluded)
 
     async def _commit(
         self,
@@ -583,9 +585,9 @@ class SwarmCollective(Service):
         attempt: int,
         group: tuple[str, ...],
         shares: tuple[int, ...],
-        tensors: dict[str, torch.Tensor],
+        taper: int,
+        contribution: Contribution,
         codec: str,
-        weight: float,
     ) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
         """Run one attempt's data phase while watching for the coordinator's decision."""
         phase = DataPhase(
@@ -596,10 +598,10 @@ class SwarmCollective(Service):
             attempt=attempt,
             group=group,
             me=self.peer_id,
-            tensors=tensors,
+            contribution=contribution,
             codec=codec,
-            weight=weight,
             shares=shares,
+            taper=taper,
             echoes=self.echoes,
             uplink=self.uplink,
         )

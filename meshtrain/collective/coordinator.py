@@ -76,6 +76,7 @@ LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 class _Attempt:
     group: tuple[str, ...]
     shares: tuple[int, ...] = ()  # the members' part sizes (shares.py; empty: equal parts)
+    taper: int = 0  # how many of each part's last stripes shrink (flat.py `stripe_bounds`)
     started: float = field(default_factory=trio.current_time)
     reports: dict[str, Report] = field(default_factory=dict)
     outcome: Outcome | None = None
@@ -96,6 +97,7 @@ class _Round:
     last_wait_log: float = 0.0
     joins: dict[str, float] = field(default_factory=dict)
     uplinks: dict[str, float | None] = field(default_factory=dict)  # each joiner's rate, bytes/s
+    tapers: dict[str, int | None] = field(default_factory=dict)  # each joiner's offered stripe taper
     group_fixed: trio.Event = field(default_factory=trio.Event)
     attempts: list[_Attempt] = field(default_factory=list)
 
@@ -307,14 +309,23 @@ class Coordinator:
 
     @staticmethod
     def _new_attempt(r: _Round, group: tuple[str, ...]) -> _Attempt:
-        """An attempt among `group`, its parts sized by the rates the members joined with: the
-        shares travel with the group, so every member cuts the vector the same way."""
-        return _Attempt(group, part_shares([r.uplinks.get(p) for p in group]))
+        """An attempt among `group`, its parts sized by the rates the members joined with and its
+        stripes tapered as far as every member can (0 if one offered none: an older peer). Both
+        travel with the group, so every member cuts the vector the same way."""
+        offered = [r.tapers.get(p) for p in group]
+        taper = min(t for t in offered if t is not None) if None not in offered else 0
+        return _Attempt(group, part_shares([r.uplinks.get(p) for p in group]), taper)
 
     async def join(
-        self, peer: str, key: RoundKey, skipped: Sequence[str] = (), uplink: float | None = None
+        self,
+        peer: str,
+        key: RoundKey,
+        skipped: Sequence[str] = (),
+        uplink: float | None = None,
+        taper: int | None = None,
     ) -> JoinReply:
-        """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown)."""
+        """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown); `taper`:
+        the stripe taper it can cut up to (None: an older peer, none)."""
         r = self._round(key)
         r.skipped.update(skipped)
         series = (peer, key.series)
@@ -326,6 +337,7 @@ class Coordinator:
             return Moved(r.moved) if r.moved else r.ended_without_us()
         r.joins[peer] = trio.current_time()
         r.uplinks[peer] = uplink
+        r.tapers[peer] = taper
         r.expected |= {peer}
         if r.expected <= set(r.joins):
             self._fix_group(r)
@@ -336,7 +348,8 @@ class Coordinator:
             return r.ended_without_us()
         if peer not in r.attempts[0].group:
             return Late(detailed=False)
-        return Joined(0, r.attempts[0].group, r.attempts[0].shares)
+        first = r.attempts[0]
+        return Joined(0, first.group, first.shares, first.taper)
 
     def waiting_for(self) -> str | None:
         """What a round we joined as a participant waits for, in words, or None."""
@@ -478,7 +491,8 @@ class Coordinator:
             a.outcome = Abort("too many failed attempts" if suspects else "no progress")
         else:
             r.attempts.append(self._new_attempt(r, survivors))
-            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)), r.attempts[-1].shares)
+            nxt = r.attempts[-1]
+            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)), nxt.shares, nxt.taper)
         a.decided.set()
 
     def _conclude(self, key: RoundKey, a: _Attempt) -> None:

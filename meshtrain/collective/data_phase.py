@@ -25,7 +25,13 @@ sends its input to every other owner and receives every result. Our own sends ar
 no barrier between the phases: a stripe's all-gather starts the moment it is reduced, while
 later stripes are still being scattered, so each link carries both phases at once and is busy
 in both directions until the end; only the last stripe's all-gather is left when the scatter
-ends. Every transfer (tensor_streams: header → accept → data → trailer → ack) costs two round
+ends — which is why each part's last stripes shrink by halves (the `taper` its coordinator
+announced: flat.py `STRIPE_TAPER`, 3): its owner sends that stripe to all n − 1 peers with nothing
+else left to overlap, 1.2 s of a 16.4 s round with equal 2 MiB stripes in the WAN lab, ~0.15 s
+with a quarter-MiB one. Reduce-scatter sends go to the owners in ring order from ours, so the
+first stripes in flight spread over every owner's downlink.
+
+Every transfer (tensor_streams: header → accept → data → trailer → ack) costs two round
 trips of its own, so to each peer, in each direction, `config.window` transfers are in flight
 (on as many pooled connections, opened up front by `connect_group`): the next stripe's header and
 acceptance cross while the previous stripe's data still flows, and no per-transfer round trip is
@@ -68,7 +74,8 @@ named in `stats.rejected`; a reduced part that does not decode, or (robust modes
 our own contribution's range, is proof against its owner (`evidence=True`).
 
 `DataPhase` is one object per attempt: what the attempt needs is fixed at construction, and
-`run` = connect, then `exchange` (both phases), under a liveness watch.
+`run` = connect (while our input is flattened and checked: contribution.py), then `exchange`
+(both phases), under a liveness watch.
 
 Not here: who is in the group and what happens after a failure (coordinator.py), the round's
 control messages (protocol.py).
@@ -86,8 +93,9 @@ import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError, ContributionFlag
+from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
-from meshtrain.collective.flat import flatten_fp32, part_bounds, stripe_bounds, unflatten
+from meshtrain.collective.flat import all_finite, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -223,7 +231,7 @@ def reduce_contributions(
     `rejected`; with `flags` (a list) and `config.screen_norm`, what screening finds in a robust
     combination of part `part` is appended to it."""
     peers = sorted(contributions)
-    bad = [p for p in peers if not torch.isfinite(contributions[p]).all()]
+    bad = [p for p in peers if not all_finite(contributions[p])]
     for p in bad:
         rejected[p] = "non-finite values"
     peers = [p for p in peers if p not in bad]
@@ -260,9 +268,11 @@ class DataPhase:
     streams / host: the tensor data plane, and the host whose connection events tell us a peer
     dropped. config: deadlines and the robust mode. key / attempt: name the transfers (so stale
     data from another attempt is never mixed in). group: the attempt's members, sorted; `me` is
-    in it. tensors / codec / weight: our input, how parts are encoded, our weight (0: we
-    contribute nothing but still receive the result). shares: the size of each member's part
-    (shares.py, as the coordinator announced them; empty: equal parts). uplink: our link rate in
+    in it. contribution / codec: our input (contribution.py: flat vector and weight, once
+    ready — weight 0: we contribute nothing but still receive the result) and how parts are
+    encoded. shares: the size of each member's part
+    (shares.py, as the coordinator announced them; empty: equal parts). taper: how many of each
+    part's last stripes shrink (flat.py `stripe_bounds`, as the coordinator announced it). uplink: our link rate in
     bytes/s if known (sizes the reduce-scatter's window, `scatter_slots`). `stats` fills in as
     the attempt runs."""
 
@@ -276,10 +286,10 @@ class DataPhase:
         attempt: int,
         group: tuple[str, ...],
         me: str,
-        tensors: dict[str, torch.Tensor],
+        contribution: Contribution,
         codec: str,
-        weight: float,
         shares: tuple[int, ...] = (),
+        taper: int = 0,
         echoes: EchoMemory | None = None,
         uplink: float | None = None,
     ) -> None:
@@ -288,7 +298,11 @@ class DataPhase:
         except CodecError as e:
             raise CollectiveError(str(e)) from None
         self.streams, self.host, self.config = streams, host, config
-        self.group, self.me, self.tensors, self.weight = group, me, tensors, weight
+        self.group, self.me, self.contribution = group, me, contribution
+        self.tensors = contribution.tensors
+        # Our flat input and weight, set by `run` once the contribution is ready.
+        self.flat, self.weight = torch.empty(0), 0.0
+        numel = contribution.numel
         self.index = group.index(me)
         self.others = [p for p in group if p != me]
         self.tag = f"ar/{key.wire}/{attempt}"
@@ -297,32 +311,34 @@ class DataPhase:
         screens = config.screen_echo and config.screen_norm and config.robust != "none"
         self.echoes = echoes if screens else None
         self.lossless = codec == "none"
-        self.flat = flatten_fp32(tensors)
         try:
-            self.bounds = part_bounds(self.flat.numel(), len(group), shares)
+            self.bounds = part_bounds(numel, len(group), shares)
         except ValueError as e:
             raise CollectiveError(f"the coordinator's part shares do not fit the group: {e}") from None
         # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
         # An empty part (a slow member's, shares.py) has no stripes: nothing is sent to or from it.
-        stripe = self.flat.numel() if config.robust != "none" else max(1, config.stripe_bytes // 4)
+        stripe = numel if config.robust != "none" else max(1, config.stripe_bytes // 4)
         self.stripes = [
-            stripe_bounds(a, b, stripe) if b > a else [a] for a, b in zip(self.bounds, self.bounds[1:], strict=False)
+            stripe_bounds(a, b, stripe, taper) if b > a else [a]
+            for a, b in zip(self.bounds, self.bounds[1:], strict=False)
         ]
-        self.deadline = config.transfer_deadline(self.flat.numel())
+        self.deadline = config.transfer_deadline(numel)
         # In flight is counted on the wire: a stripe as its codec encodes it.
         widest = max((b - a for bounds in self.stripes for a, b in zip(bounds, bounds[1:], strict=False)), default=0)
         self.scatter_slots = scatter_slots(config, uplink, self.codec.encoded_nbytes(widest))
         # The result is assembled in place: every owner's part lands in its slice of `out`.
-        self.out = torch.empty(self.flat.numel())
+        self.out = torch.empty(numel)
         self.failed: set[str] = set()
         self.stats = AttemptStats()
-        if weight == 0:
-            self.stats.zero_weight.add(me)
 
     async def run(self) -> dict[str, torch.Tensor]:
         """The attempt's result, in the caller's names, shapes and dtypes; or `AttemptFailed`."""
         try:
-            await self.connect_group()
+            async with trio.open_nursery() as nursery:  # the input is prepared while we connect
+                nursery.start_soon(self.connect_group)
+                self.flat, self.weight = await self.contribution.ready()
+            if self.weight == 0:
+                self.stats.zero_weight.add(self.me)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
                 await self.exchange()
@@ -385,9 +401,11 @@ class DataPhase:
         # first reduced stripes come back while we still send (see the module docstring).
         scatter = trio.Semaphore(self.scatter_slots)
         async with trio.open_nursery() as nursery:
-            for j, peer in enumerate(self.group):
-                if peer == self.me:
-                    continue
+            # Owners in ring order from ours, so that the first stripes in flight spread over
+            # every owner's downlink rather than all landing on the lowest ids.
+            for k in range(1, len(self.group)):
+                j = (self.index + k) % len(self.group)
+                peer = self.group[j]
                 bounds = self.stripes[j]
                 # Reduce-scatter: our slice of part j, stripe by stripe, to its owner ...
                 rs = [self._rs_job(j, s) for s in range(len(bounds) - 1)]
@@ -517,7 +535,7 @@ class DataPhase:
         )
         try:
             if self.lossless:
-                if not bool(torch.isfinite(slot).all()):
+                if not all_finite(slot):
                     raise CodecError("non-finite values")
                 part = slot
             else:

@@ -17,7 +17,7 @@ import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError, ReduceResult
-from meshtrain.collective.flat import result_digest
+from meshtrain.collective.flat import all_finite, result_digest
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 
@@ -65,7 +65,7 @@ async def average_pair(
             for k, v in tensors.items():
                 parts = {key.split("|", 1)[1]: t for key, t in out["got"].tensors.items() if key.split("|", 1)[0] == k}
                 theirs[k] = c.decode(parts, v.shape, torch.float32)
-            if not all(bool(torch.isfinite(t).all()) for t in theirs.values()):
+            if not all(all_finite(t) for t in theirs.values()):
                 raise CodecError("partner sent non-finite values")
             lo, hi = (mine, theirs) if me < partner else (theirs, mine)
             result = {k: ((lo[k] + hi[k]) / 2).to(tensors[k].dtype) for k in tensors}

@@ -8,15 +8,17 @@ the code `malformed`). Nothing outside this file reads a wire map.
 
 Wire (compatible with the first version, so mixed versions of this code interoperate):
 
-    JOIN_RPC   {"key", "expected", "skipped", ["uplink"]}       -> a JoinReply:
-               {"attempt": 0, "group": [...], ["shares": [...]]}  Joined: you are in attempt 0
+    JOIN_RPC   {"key", "expected", "skipped", ["uplink"], ["taper"]}
+                                                                -> a JoinReply:
+               {"attempt": 0, "group": [...], ["shares": [...]], ["taper"]}
+                                                                  Joined: you are in attempt 0
                {"moved": peer}                                    Moved: start again at `peer`
                {"late": true, "passed": bool, "elsewhere": peer}  Late: not in this round
     REPORT_RPC {"key", "attempt", "status", "digest", "suspects", "rejected", "evidence"}
                                                                 -> the attempt's Outcome
     WATCH_RPC  {"key", "attempt"}                               -> the attempt's Outcome:
                {"commit": digest, "group", "holders", "resync", "unconfirmed", "rejected"}
-               {"retry": attempt, "group", "excluded", ["shares"]}
+               {"retry": attempt, "group", "excluded", ["shares"], ["taper"]}
                {"abort": why}
     WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished"}
 
@@ -24,7 +26,11 @@ Fields in [brackets] were added later (issue 20, bandwidth-weighted parts) and a
 ways: `uplink` is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
 member of `group`, shares.py) size the attempt's parts; without them every part is equal. A
 coordinator sends shares only when every member sent an uplink — so every member understands
-them — and a peer that ignores them (an old one) is then never in the group.
+them — and a peer that ignores them (an old one) is then never in the group. Likewise `taper`
+(issue 20, the all-reduce at the link bound): in a join, how many shrinking last stripes per
+part this peer can cut (flat.py `STRIPE_TAPER`); in a group, how many every member cuts this
+attempt — sent only when every member's join offered a taper (the smallest offered), so a group
+with an old peer cuts equal stripes, the old layout, and every member cuts alike.
 
 A round key travels as the string `"{round_id}/{tag}/{coordinator}"` (peer ids hold no "/");
 `RoundKey` is its parsed form. Refusals are typed RPC errors: `not-a-member` (the sender is not
@@ -62,6 +68,7 @@ PROBE_EVERY = 2.0  # ... and again this often
 FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
 MAX_KEY_CHARS = 1024  # a round key longer than this is refused
 MAX_PEER_LIST = 4096  # lists of peer ids from a peer are cut to this many
+MAX_TAPER = 8  # a stripe taper above this (last stripe 1/256 of a stripe) is malformed
 MAX_UPLINK = 1e12  # bytes/s: a joiner's uplink above this (8 Tbit/s) is malformed
 
 DONE, FAIL = "done", "fail"
@@ -177,11 +184,14 @@ class JoinRequest:
     expected: tuple[str, ...] = ()  # our candidates (informational: the coordinator uses its own view)
     skipped: tuple[str, ...] = ()  # lower ids we gave up on: never hand the round over to them
     uplink: float | None = None  # our link rate, bytes/s (None: unknown, or an old peer)
+    taper: int | None = None  # the stripe taper we can cut up to (None: an old peer, none)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
         if self.uplink is not None:
             wire["uplink"] = self.uplink
+        if self.taper is not None:
+            wire["taper"] = self.taper
         return wire
 
     @classmethod
@@ -196,7 +206,10 @@ class JoinRequest:
             uplink = float(require_number(uplink, "uplink", 0, MAX_UPLINK))
             if uplink <= 0:
                 raise Malformed("uplink must be a positive rate in bytes/s")
-        return cls(key, (), tuple(skipped[:MAX_PEER_LIST]), uplink)
+        taper = req.get("taper")
+        if taper is not None:
+            taper = require_int(taper, "taper", 0, MAX_TAPER)
+        return cls(key, (), tuple(skipped[:MAX_PEER_LIST]), uplink, taper)
 
 
 @dataclass(frozen=True)
@@ -315,14 +328,15 @@ class WhereReply:
 @dataclass(frozen=True)
 class Joined:
     """We are in the round: its attempt `attempt` runs among `group`, member i owning a part
-    sized by `shares[i]` (empty: equal parts)."""
+    sized by `shares[i]` (empty: equal parts), each part's last `taper` stripes shrinking."""
 
     attempt: int
     group: tuple[str, ...]
     shares: tuple[int, ...] = ()
+    taper: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return with_shares({"attempt": self.attempt, "group": list(self.group)}, self.shares)
+        return with_layout({"attempt": self.attempt, "group": list(self.group)}, self.shares, self.taper)
 
 
 @dataclass(frozen=True)
@@ -353,11 +367,19 @@ class Late:
 JoinReply = Joined | Moved | Late
 
 
-def with_shares(wire: dict[str, Any], shares: tuple[int, ...]) -> dict[str, Any]:
-    """`wire` with the `shares` field when there are shares (equal parts: the old wire form)."""
+def with_layout(wire: dict[str, Any], shares: tuple[int, ...], taper: int) -> dict[str, Any]:
+    """`wire` with the attempt's layout: `shares` when there are shares, `taper` when there is one
+    (equal parts and equal stripes: the old wire form)."""
     if shares:
         wire["shares"] = list(shares)
+    if taper:
+        wire["taper"] = taper
     return wire
+
+
+def parse_taper(value: Any) -> int:
+    """An attempt's stripe taper from the wire: absent (an old coordinator, or none) is 0."""
+    return 0 if value is None else require_int(value, "taper", 0, MAX_TAPER)
 
 
 def parse_shares(value: Any, members: int) -> tuple[int, ...]:
@@ -381,7 +403,7 @@ def parse_join_reply(value: Any) -> JoinReply:
         return Late(bool(rep.get("passed")), elsewhere if isinstance(elsewhere, str) else None)
     attempt = require_int(rep.get("attempt"), "attempt", 0)
     group = tuple(str(p) for p in require_list(rep.get("group"), "group", max_len=MAX_PEER_LIST))
-    return Joined(attempt, group, parse_shares(rep.get("shares"), len(group)))
+    return Joined(attempt, group, parse_shares(rep.get("shares"), len(group)), parse_taper(rep.get("taper")))
 
 
 # -- an attempt's outcome -----------------------------------------------------------------------
@@ -413,17 +435,18 @@ class Commit:
 
 @dataclass(frozen=True)
 class Retry:
-    """Run attempt `attempt` among `group` (parts sized by `shares`, as in `Joined`);
-    `excluded` were dropped from this one."""
+    """Run attempt `attempt` among `group` (parts sized by `shares`, stripes tapered by `taper`,
+    as in `Joined`); `excluded` were dropped from this one."""
 
     attempt: int
     group: tuple[str, ...]
     excluded: tuple[str, ...] = ()
     shares: tuple[int, ...] = ()
+    taper: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"retry": self.attempt, "group": list(self.group), "excluded": list(self.excluded)}
-        return with_shares(wire, self.shares)
+        return with_layout(wire, self.shares, self.taper)
 
 
 @dataclass(frozen=True)
@@ -450,6 +473,7 @@ def parse_outcome(value: Any) -> Outcome:
             group,
             _peers(rep.get("excluded", []), "excluded"),
             parse_shares(rep.get("shares"), len(group)),
+            parse_taper(rep.get("taper")),
         )
     if "commit" in rep:
         return Commit(

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtrain.collective.flat import all_finite
 from meshtrain.errors import ConfigError, MeshtrainError
 
 __all__ = ["ChunkedTopK", "SparseCodecError", "payload_nbytes"]
@@ -149,7 +150,7 @@ class ChunkedTopK:
         """The parts for float tensor `x` (any shape); `SparseCodecError` if `x` is not finite."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise SparseCodecError("can only encode a floating-point tensor")
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise SparseCodecError("cannot encode a tensor holding NaN or ±inf; skip or zero this update")
         where, values = self.select(x)
         local = where % self.chunk
