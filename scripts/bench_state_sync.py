@@ -140,9 +140,10 @@ def main(args: argparse.Namespace) -> None:
 
     from meshtrain.log import configure
     from meshtrain.node.state_fetch import FetchReport, fetch_state
+    from meshtrain.transport.data_channel import payload_digest
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
-    from meshtrain.transport.tensor_streams import TensorStreams, payload_digest
+    from meshtrain.transport.tensor_streams import TensorStreams
 
     configure("WARNING")
     t_start = time.monotonic()

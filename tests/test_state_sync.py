@@ -27,9 +27,10 @@ from meshtrain.node.state_sync import (
     StateSyncError,
     chunk_ranges,
 )
+from meshtrain.transport.data_channel import payload_digest
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_layout import byte_views
-from meshtrain.transport.tensor_streams import TransferError, payload_digest
+from meshtrain.transport.tensor_streams import TransferError
 
 from .conftest import read_json, spawn, start_peers
 from .proc_donor import make_state

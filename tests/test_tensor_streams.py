@@ -14,6 +14,7 @@ import pytest
 import torch
 import trio
 
+from meshtrain.transport.data_channel import payload_digest
 from meshtrain.transport.framing import FramedStream, StreamClosed, packb, unpackb
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import (
@@ -24,7 +25,6 @@ from meshtrain.transport.tensor_streams import (
     TensorStreams,
     TransferError,
     TransferRefused,
-    payload_digest,
 )
 
 from .conftest import read_json, spawn, start_peers
@@ -147,7 +147,9 @@ async def test_resume_after_connection_cut_mid_transfer(pair):
         nursery.start_soon(rx)
 
         async def cut_once_started():
-            while b.ts.stats["bytes_received"] == 0 and not any(p.done > (8 << 20) for p in b.ts._partials.values()):
+            while b.ts.stats["bytes_received"] == 0 and not any(
+                p.done > (8 << 20) for p in b.ts.inbox.partials.values()
+            ):
                 await trio.sleep(0.001)
             for ch in list(b.ts.active):
                 ch.framed.stream.socket.shutdown(socket.SHUT_RDWR)
@@ -295,7 +297,7 @@ async def test_a_small_transfer_is_on_the_wire_before_its_receive_is_posted(eage
         src = {"w": torch.randn(1000), "i": torch.arange(7)}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(a.ts.send, b.id, "early", src, timeout=20))
-            await _wait_until(lambda: b.ts._waiting.get(a.id) == 1)
+            await _wait_until(lambda: b.ts.inbox.waiting.get(a.id) == 1)
             await trio.sleep(0.3)
             payload_bytes = sum(t.numel() * t.element_size() for t in src.values())
             assert a.ts.stats["bytes_sent"] == (payload_bytes if eager_bytes else 0)
@@ -306,7 +308,7 @@ async def test_a_small_transfer_is_on_the_wire_before_its_receive_is_posted(eage
         sent = a.ts.stats["bytes_sent"]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(a.ts.send, b.id, "big", big, timeout=20))
-            await _wait_until(lambda: b.ts._waiting.get(a.id) == 1)
+            await _wait_until(lambda: b.ts.inbox.waiting.get(a.id) == 1)
             await trio.sleep(0.3)
             assert a.ts.stats["bytes_sent"] == sent
             got = await b.ts.receive(a.id, "big", timeout=20)
@@ -334,7 +336,7 @@ async def test_refused_eager_transfers_keep_the_connection_in_step(pair):
             got["r"] = await b.ts.receive(a.id, "real", timeout=10)
 
         nursery.start_soon(rx)
-        await _wait_until(lambda: (a.id, "real") in b.ts._slots)
+        await _wait_until(lambda: (a.id, "real") in b.ts.inbox.slots)
         await ch.send_msg(1, {**header("real"), "eager": True})
         await ch.send(3, memoryview(payload.numpy()).cast("B"))
         await ch.send_msg(4, {"digest": payload_digest({"w": payload})})
@@ -585,7 +587,7 @@ async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer()
             ch = await flooder.ts._channel(b.id)
             await ch.send_msg(1, header(f"nobody/{i}"))
             flood.append(ch)
-        await _wait_until(lambda: b.ts._waiting.get(flooder.id) == 4)
+        await _wait_until(lambda: b.ts.inbox.waiting.get(flooder.id) == 4)
         t0 = time.monotonic()
         with pytest.raises(TransferRefused, match="too-many-pending"):
             await flooder.ts.send(b.id, "nobody/4", {"w": torch.ones(4)}, timeout=10)
@@ -596,7 +598,7 @@ async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer()
         # receive that is already waiting never counts against its bound.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(other.ts.send, b.id, "early", {"x": torch.ones(3)}, timeout=10))
-            await _wait_until(lambda: b.ts._waiting.get(other.id) == 1)
+            await _wait_until(lambda: b.ts.inbox.waiting.get(other.id) == 1)
             got = await b.ts.receive(other.id, "early", timeout=10)
         assert got.tensors["x"].sum() == 3
         _, got = await exchange(flooder, b, "claimed", {"x": torch.ones(2)})
@@ -605,11 +607,11 @@ async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer()
         # The flooder hangs up: its places are freed at once, not after claim_timeout.
         for ch in flood:
             await ch.aclose()
-        await _wait_until(lambda: b.ts._waiting == {}, seconds=5)
-        assert not any(peer == flooder.id for peer, _ in b.ts._slots)
+        await _wait_until(lambda: b.ts.inbox.waiting == {}, seconds=5)
+        assert not any(peer == flooder.id for peer, _ in b.ts.inbox.slots)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(flooder.ts.send, b.id, "later", {"x": torch.ones(1)}, timeout=10))
-            await _wait_until(lambda: b.ts._waiting.get(flooder.id) == 1)
+            await _wait_until(lambda: b.ts.inbox.waiting.get(flooder.id) == 1)
             got = await b.ts.receive(flooder.id, "later", timeout=10)
         assert got.tensors["x"].sum() == 1
 
@@ -623,7 +625,7 @@ async def test_early_headers_are_bounded_across_peers():
                 ch = await sender.ts._channel(b.id)
                 await ch.send_msg(1, header(f"nobody/{i}"))
                 held.append(ch)
-        await _wait_until(lambda: sum(b.ts._waiting.values()) == 4)
+        await _wait_until(lambda: sum(b.ts.inbox.waiting.values()) == 4)
         with pytest.raises(TransferRefused, match="too-many-pending"):
             await q.ts.send(b.id, "one-too-many", {"w": torch.ones(4)}, timeout=10)
         _, got = await exchange(q, b, "claimed", {"x": torch.ones(2)})  # a waiting receive: fine
@@ -631,7 +633,7 @@ async def test_early_headers_are_bounded_across_peers():
         assert b.ts.refused["too-many-pending"] == 1
         for ch in held:
             await ch.aclose()
-        await _wait_until(lambda: b.ts._waiting == {}, seconds=5)
+        await _wait_until(lambda: b.ts.inbox.waiting == {}, seconds=5)
 
 
 async def test_a_data_plane_whose_port_is_taken_fails_to_start_and_leaves_nothing_running():

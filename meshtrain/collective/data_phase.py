@@ -98,8 +98,9 @@ from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
 from meshtrain.collective.flat import all_finite, part_bounds, stripe_bounds, unflatten
 from meshtrain.collective.protocol import AllReduceConfig, RoundKey
 from meshtrain.log import get_logger, kv
+from meshtrain.transport.data_channel import payload_digest
 from meshtrain.transport.host import Host
-from meshtrain.transport.tensor_streams import TensorStreams, TransferError, payload_digest
+from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 
 log = get_logger(__name__)
 

@@ -77,6 +77,12 @@ for a round of ~128 peers all early at once. Every refusal is counted by reason 
 `streams.refused` (for /metrics): `not-a-member`, `authorize-timeout`, `authorize-error`,
 `too-many-pending`, and the transfer refusals `unclaimed`, `busy`, `cancelled`, `layout`, `digest`.
 
+**Where the parts live.** This file: sessions, connections (pooled, bulk, hole-punched, the
+fallback), the send side with its retries and resumes, and `TensorStreams` itself. The receive
+side — rendezvous, the limits on early senders, eager refusals, resume — is tensor_inbox.py
+(`Inbox`, `streams.inbox`); the frames, their sealing, and the errors, refusal codes and config
+both sides share are data_channel.py.
+
 Not here: who is a member (the node's `authorize`); revoking a peer's connections that are already
 open (a member that leaves keeps its pooled connections until they close; new ones and new session
 keys are refused); a byte budget for waiting headers (the count bounds it: at most `max_pending`
@@ -87,47 +93,60 @@ connections are only checked once they name a session we handed out).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
-import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
 import torch
 import trio
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.transport.data_channel import (
+    ACCEPT,
+    ACK,
+    AUTHORIZE_FAILED,
+    AUTHORIZE_TIMED_OUT,
+    DATA,
+    ERROR,
+    HEADER,
+    MAGIC,
+    MAX_CHUNK,
+    MAX_TAG_CHARS,
+    NONCE_BYTES,
+    NOT_A_MEMBER,
+    REFUSAL_REASONS,
+    SID_BYTES,
+    TRAILER,
+    DataChannel,
+    DataPlaneConfig,
+    DigestMismatch,
+    HandshakeError,
+    PeerGone,
+    Received,
+    TransferError,
+    TransferRefused,
+    derive_keys,
+    payload_chunks,
+)
 from meshtrain.transport.framing import (
     FramedStream,
     MalformedMessage,
-    StreamClosed,
     WireError,
-    packb,
-    unpackb,
 )
 from meshtrain.transport.host import Host, StreamOpenError
 from meshtrain.transport.rpc import RemoteError, RpcError, stream_peer
+from meshtrain.transport.tensor_inbox import Inbox
 from meshtrain.transport.tensor_layout import (
-    LayoutError,
-    TensorSpec,
-    allocate,
     byte_views,
-    check_matches,
     contiguous_cpu,
     specs_of,
     total_bytes,
-    validate_specs,
 )
 from meshtrain.transport.validate import require_map
 
@@ -135,117 +154,6 @@ log = get_logger(__name__)
 
 SESSION_RPC = "dataplane"
 FALLBACK_PROTOCOL = "/meshtrain/tensors/1"
-MAGIC = b"MTDP1"
-NONCE_BYTES = 16
-SID_BYTES = 16
-TAG_BYTES = 16  # AES-GCM tag
-MIN_CHUNK, MAX_CHUNK = 1 << 20, 4 << 20
-MAX_CONTROL = 4 << 20  # header frames carry specs: 100k tensors fit
-MAX_TAG_CHARS = 256
-# How long `authorize(peer)` may take. The node's answer waits for the peer's membership record to
-# replicate (a few seconds for a peer that just joined); this must stay well under the session
-# RPC's client timeout (10 s) so that a slow verdict is a refusal, not an RPC timeout.
-AUTHORIZE_TIMEOUT = 5.0
-
-# Refusal reasons (also the ERROR / RemoteError codes, except the two authorize-* ones, which
-# tell the peer `not-a-member`): the keys of `TensorStreams.refused`.
-NOT_A_MEMBER = "not-a-member"
-AUTHORIZE_TIMED_OUT = "authorize-timeout"
-AUTHORIZE_FAILED = "authorize-error"
-TOO_MANY_PENDING = "too-many-pending"
-REFUSAL_REASONS = (
-    NOT_A_MEMBER,
-    AUTHORIZE_TIMED_OUT,
-    AUTHORIZE_FAILED,
-    TOO_MANY_PENDING,
-    "unclaimed",
-    "busy",
-    "cancelled",
-    "layout",
-    "digest",
-)
-
-HEADER, ACCEPT, DATA, TRAILER, ACK, ERROR = 1, 2, 3, 4, 5, 6
-_HEAD = struct.Struct(">IB")  # frame length (kind byte + body), kind
-
-
-class TransferError(MeshtrainError):
-    """A tensor transfer failed; the message says which peer and why."""
-
-
-class PeerGone(TransferError):
-    """The other peer disappeared (killed, disconnected) and did not come back in time."""
-
-
-class TransferRefused(TransferError):
-    """The receiver refused the transfer (no matching receive, wrong shapes, too large)."""
-
-
-class DigestMismatch(TransferError):
-    """The received payload's digest differs from the one the sender announced."""
-
-
-class _Abandoned(Exception):
-    """Internal: the receive this transfer was feeding was cancelled."""
-
-
-class HandshakeError(TransferError):
-    """A data-plane connection failed authentication (wrong or replayed key)."""
-
-
-class _Refusal(Exception):
-    """Internal: turn this transfer down with an ERROR frame carrying `code`."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}")
-        self.code = code
-        self.text = text
-
-
-@dataclass(frozen=True)
-class DataPlaneConfig:
-    chunk_bytes: int = 4 << 20  # measured: 4 MiB frames ~1.5x faster than 1 MiB in Python
-    max_transfer_bytes: int = 64 << 30
-    claim_timeout: float = 120.0  # how long an early sender waits for the matching receive
-    resume_window: float = 15.0  # how long a receiver keeps a broken transfer for resumption
-    reconnect_attempts: int = 3
-    handshake_timeout: float = 10.0
-    direct: bool = True  # False: always use the libp2p fallback
-    listen_ip: str | None = None  # default: the host's first listen IP
-    port: int = 0
-    # Early senders waiting for their receive (see "Limits" above for why these numbers).
-    max_pending_per_peer: int = 64
-    max_pending: int = 256
-    authorize_timeout: float = AUTHORIZE_TIMEOUT
-    # Transfers of at most this many bytes go with their header, without waiting for ACCEPT
-    # (module docstring: eager transfers); 0: never.
-    eager_bytes: int = 256 << 10
-    # Transfers of at least this many bytes go on connections kept apart from the others' pool
-    # (module docstring: bulk connections); 0: one pool for all.
-    bulk_bytes: int = 32 << 20
-
-    def __post_init__(self) -> None:
-        if not MIN_CHUNK <= self.chunk_bytes <= MAX_CHUNK:
-            raise ValueError("chunk_bytes must be between 1 and 4 MiB")
-        if not 1 <= self.max_pending_per_peer <= self.max_pending:
-            raise ValueError("need 1 <= max_pending_per_peer <= max_pending")
-        if not self.authorize_timeout > 0:
-            raise ValueError("authorize_timeout must be positive")
-        if not 0 <= self.eager_bytes <= MAX_CHUNK:
-            raise ValueError("eager_bytes must be between 0 and 4 MiB")
-        if self.bulk_bytes < 0:
-            raise ValueError("bulk_bytes must be >= 0 (0: one connection pool for all transfers)")
-
-
-@dataclass(frozen=True)
-class Received:
-    peer: str
-    tag: str
-    tensors: dict[str, torch.Tensor]
-    digest: bytes
-    meta: dict[str, Any]
-    nbytes: int
-    path: str  # "direct" or "libp2p"
 
 
 @dataclass(frozen=True)
@@ -259,191 +167,8 @@ class SendReport:
     resumes: int
 
 
-def payload_digest(tensors: dict[str, torch.Tensor]) -> bytes:
-    """blake3 of the concatenated tensor bytes — the digest a transfer announces."""
-    h = blake3.blake3()
-    for v in byte_views(contiguous_cpu(tensors)):
-        h.update(v)
-    return h.digest()
-
-
-# --------------------------------------------------------------------------------------------
-# Channels: one frame protocol, sealed (direct TCP) or plain (inside a Noise libp2p stream)
-
-
-class _Channel:
-    def __init__(self, framed: FramedStream, path: str, keys: tuple[bytes, bytes] | None) -> None:
-        self.framed = framed
-        self.path = path
-        self._send_aead = AESGCM(keys[0]) if keys else None
-        self._recv_aead = AESGCM(keys[1]) if keys else None
-        self._send_ctr = 0
-        self._recv_ctr = 0
-        self._out = bytearray()
-        self._in = bytearray()
-        self.broken = False
-
-    @property
-    def overhead(self) -> int:
-        return TAG_BYTES if self._send_aead else 0
-
-    def _nonce(self, ctr: int) -> bytes:
-        return b"\0\0\0\0" + ctr.to_bytes(8, "big")
-
-    async def send(self, kind: int, body: bytes | memoryview) -> None:
-        n = len(body) + self.overhead
-        need = _HEAD.size + n
-        if len(self._out) < need:
-            self._out = bytearray(max(need, len(self._out) * 2 if self._out else need))
-        out = memoryview(self._out)
-        _HEAD.pack_into(out, 0, n + 1, kind)
-        if self._send_aead is not None:
-            self._send_aead.encrypt_into(self._nonce(self._send_ctr), body, bytes([kind]), out[_HEAD.size : need])
-            self._send_ctr += 1
-            await self.framed.write(out[:need])
-        elif len(body) < 65536:
-            out[_HEAD.size : need] = body
-            await self.framed.write(out[:need])
-        else:  # plain and big: header, then the tensor memory itself
-            await self.framed.write(out[: _HEAD.size])
-            await self.framed.write(body)
-
-    async def send_msg(self, kind: int, value: Any) -> None:
-        await self.send(kind, packb(value))
-
-    async def recv_head(self) -> tuple[int, int]:
-        """(kind, body length without the AEAD tag)."""
-        length, kind = _HEAD.unpack(await self.framed.read_exactly(_HEAD.size))
-        body = length - 1 - self.overhead
-        if body < 0:
-            raise MalformedMessage("frame shorter than its seal")
-        return kind, body
-
-    async def recv_body_into(self, kind: int, dest: memoryview) -> None:
-        """Receive a body of exactly len(dest) bytes and write its plaintext into `dest`."""
-        if self._recv_aead is None:
-            await self.framed.read_exactly_into(dest)
-            return
-        n = len(dest) + TAG_BYTES
-        if len(self._in) < n:
-            self._in = bytearray(n)
-        ct = memoryview(self._in)[:n]
-        await self.framed.read_exactly_into(ct)
-        try:
-            self._recv_aead.decrypt_into(self._nonce(self._recv_ctr), ct, bytes([kind]), dest)
-        except InvalidTag:
-            raise HandshakeError("a data-plane frame failed authentication") from None
-        self._recv_ctr += 1
-
-    async def recv_msg(self, *kinds: int) -> tuple[int, Any]:
-        kind, body = await self.recv_head()
-        if kind not in kinds:
-            raise MalformedMessage(f"unexpected frame kind {kind}, wanted {kinds}")
-        if body > MAX_CONTROL:
-            raise MalformedMessage(f"control frame of {body} bytes")
-        buf = bytearray(body)
-        await self.recv_body_into(kind, memoryview(buf))
-        return kind, unpackb(bytes(buf), max_size=MAX_CONTROL)
-
-    async def aclose(self) -> None:
-        self.broken = True
-        stream = self.framed.stream
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            try:
-                if isinstance(stream, trio.abc.Stream):
-                    await stream.aclose()
-                else:
-                    await stream.reset()
-            except Exception:
-                pass
-
-
-def _derive_keys(key: bytes, cnonce: bytes, snonce: bytes, client: str, server: str) -> tuple[bytes, bytes]:
-    okm = HKDF(
-        algorithm=hashes.SHA256(),
-        length=64,
-        salt=cnonce + snonce,
-        info=b"meshtrain/dataplane/1|" + client.encode() + b"|" + server.encode(),
-    ).derive(key)
-    return okm[:32], okm[32:]  # client->server, server->client
-
-
-def _chunks(views: list[memoryview], start: int, chunk: int, staging: bytearray) -> Iterator[memoryview]:
-    """Yield the payload from byte `start` in chunks: slices of tensor memory, or a filled staging
-    buffer where a chunk spans several (small) tensors."""
-    seg_start = 0
-    segs = []
-    for v in views:
-        segs.append((seg_start, v))
-        seg_start += len(v)
-    total = seg_start
-    pos = start
-    i = 0
-    while i < len(segs) and segs[i][0] + len(segs[i][1]) <= pos:
-        i += 1
-    while pos < total:
-        end = min(pos + chunk, total)
-        s0, v = segs[i]
-        if end <= s0 + len(v):
-            yield v[pos - s0 : end - s0]
-        else:
-            n = end - pos
-            out = memoryview(staging)[:n]
-            filled = 0
-            while filled < n:
-                s0, v = segs[i]
-                take = min(n - filled, s0 + len(v) - (pos + filled))
-                off = pos + filled - s0
-                out[filled : filled + take] = v[off : off + take]
-                filled += take
-                if pos + filled >= s0 + len(v):
-                    i += 1
-            yield out
-        pos = end
-        while i < len(segs) and segs[i][0] + len(segs[i][1]) <= pos:
-            i += 1
-
-
 # --------------------------------------------------------------------------------------------
 # Receive side state
-
-
-@dataclass
-class _Slot:
-    """One `receive` call (or a sender waiting for one)."""
-
-    peer: str
-    tag: str
-    into: dict[str, torch.Tensor] | None = None
-    max_bytes: int | None = None
-    registered: trio.Event = field(default_factory=trio.Event)
-    done: trio.Event = field(default_factory=trio.Event)
-    claimed: bool = False
-    cancelled: bool = False
-    result: Received | None = None
-    error: Exception | None = None
-
-    def finish(self, result: Received | None = None, error: Exception | None = None) -> None:
-        if not self.done.is_set():
-            self.result, self.error = result, error
-            self.done.set()
-
-
-@dataclass
-class _Partial:
-    """A transfer in progress on the receive side (survives a dropped connection)."""
-
-    slot: _Slot
-    specs: list[TensorSpec]
-    tensors: dict[str, torch.Tensor]
-    views: list[memoryview]
-    total: int
-    header_digest: bytes | None
-    meta: dict[str, Any]
-    done: int = 0
-    hasher: Any = field(default_factory=blake3.blake3)
-    resumed: trio.Event = field(default_factory=trio.Event)
-    active: bool = True
 
 
 @dataclass
@@ -477,16 +202,12 @@ class TensorStreams(Service):
         self._sessions: dict[bytes, _Session] = {}  # server side: sid -> session
         self._client_sessions: dict[str, tuple[bytes, bytes, str, int]] = {}  # peer -> sid, key, ip, port
         self._no_direct_until: dict[str, float] = {}
-        self._idle: dict[str, list[_Channel]] = {}
-        self._bulk: dict[str, list[_Channel]] = {}  # idle connections of transfers >= bulk_bytes
-        self._slots: dict[tuple[str, str], _Slot] = {}
-        self._partials: dict[tuple[str, bytes], _Partial] = {}
-        # (peer, tag) whose receive was cancelled -> until when a sender is refused at once
-        self._abandoned: dict[tuple[str, str], float] = {}
+        self._idle: dict[str, list[DataChannel]] = {}
+        self._bulk: dict[str, list[DataChannel]] = {}  # idle connections of transfers >= bulk_bytes
         self._nursery: trio.Nursery | None = None
         self._listeners: list[trio.SocketListener] = []
         self.port: int | None = None
-        self.active: set[_Channel] = set()  # connections currently carrying a transfer
+        self.active: set[DataChannel] = set()  # connections currently carrying a transfer
         # NAT traversal hook (meshtrain.transport.holepunch): given a peer, open a TCP connection to
         # its data plane some other way than dialling its port (a coordinated TCP simultaneous
         # open through both NATs) and return it with the session (sid, key) it belongs to; or
@@ -502,8 +223,7 @@ class TensorStreams(Service):
         }
         # reason -> how many sessions, connections or transfers we turned down for it
         self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
-        # peer -> headers of early senders now waiting in `_claim` for their receive
-        self._waiting: dict[str, int] = {}
+        self.inbox = Inbox(self.config, self.refused, self.stats, self.active)  # the receive side
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -514,6 +234,7 @@ class TensorStreams(Service):
         stack.push_async_callback(self._close_listeners)
         self.port = self._listeners[0].socket.getsockname()[1]
         self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self.inbox.nursery = self._nursery
         self._nursery.start_soon(trio.serve_listeners, self._serve_tcp, self._listeners)
         self.host.rpc.serve(SESSION_RPC, self._open_session)
         self.host.set_stream_handler(FALLBACK_PROTOCOL, self._serve_fallback)
@@ -527,8 +248,7 @@ class TensorStreams(Service):
                 for ch in chans:
                     await ch.aclose()
             pool.clear()
-        for slot in self._slots.values():
-            slot.finish(error=TransferError("data plane closed"))
+        self.inbox.close()
 
     async def _close_listeners(self) -> None:
         for listener in self._listeners:
@@ -618,33 +338,7 @@ class TensorStreams(Service):
     ) -> Received:
         """Wait for `peer` to send under `tag`. With `into`, data lands in those tensors (which
         must match the sender's names, dtypes and shapes exactly, be contiguous and on CPU)."""
-        key = (peer, tag)
-        slot = self._slots.get(key)
-        if slot is not None and (slot.registered.is_set() or slot.claimed and slot.into is not None):
-            raise TransferError(f"already receiving {tag!r} from {peer}")
-        if slot is None:
-            slot = _Slot(peer, tag)
-            self._slots[key] = slot
-        self._abandoned.pop(key, None)
-        slot.into = into
-        slot.max_bytes = max_bytes
-        slot.registered.set()
-        try:
-            with trio.fail_after(timeout) if timeout else nullcontext():
-                await slot.done.wait()
-        except trio.TooSlowError:
-            self._abandon(slot)
-            raise TransferError(f"no tensors {tag!r} from {peer} within {timeout:g} s") from None
-        except BaseException:
-            self._abandon(slot)
-            raise
-        finally:
-            if self._slots.get(key) is slot:
-                del self._slots[key]
-        if slot.error is not None:
-            raise slot.error
-        assert slot.result is not None  # set together with done
-        return slot.result
+        return await self.inbox.receive(peer, tag, into=into, max_bytes=max_bytes, timeout=timeout)
 
     async def prepare(self, peer: str) -> str:
         """Open (and pool) a connection to `peer` ahead of a transfer; returns its path.
@@ -657,14 +351,14 @@ class TensorStreams(Service):
 
     # -- send side -----------------------------------------------------------------------------
 
-    async def _send_on(self, ch: _Channel, header: dict, views: list[memoryview], total: int) -> bytes:
+    async def _send_on(self, ch: DataChannel, header: dict, views: list[memoryview], total: int) -> bytes:
         self.active.add(ch)
         try:
             return await self._send_frames(ch, header, views, total)
         finally:
             self.active.discard(ch)
 
-    async def _send_frames(self, ch: _Channel, header: dict, views: list[memoryview], total: int) -> bytes:
+    async def _send_frames(self, ch: DataChannel, header: dict, views: list[memoryview], total: int) -> bytes:
         await ch.send_msg(HEADER, header)
         if header["eager"]:  # the payload goes at once; ACCEPT must then say offset 0
             digest = await self._send_payload(ch, header, views, 0)
@@ -681,7 +375,7 @@ class TensorStreams(Service):
         return digest
 
     @staticmethod
-    async def _accepted_offset(ch: _Channel, header: dict, total: int) -> int:
+    async def _accepted_offset(ch: DataChannel, header: dict, total: int) -> int:
         kind, msg = await ch.recv_msg(ACCEPT, ERROR)
         if kind == ERROR:
             raise TransferRefused(f"{header['tag']!r} refused: {_error_text(msg)}")
@@ -690,14 +384,14 @@ class TensorStreams(Service):
             raise MalformedMessage("bad resume offset")
         return offset
 
-    async def _send_payload(self, ch: _Channel, header: dict, views: list[memoryview], offset: int) -> bytes:
+    async def _send_payload(self, ch: DataChannel, header: dict, views: list[memoryview], offset: int) -> bytes:
         """DATA from `offset` on, then the TRAILER; returns the payload's digest."""
         hasher = blake3.blake3() if header["digest"] is None else None
         if hasher is not None and offset:
             for v in _prefix(views, offset):
                 hasher.update(v)
         staging = bytearray(self.config.chunk_bytes)
-        for piece in _chunks(views, offset, self.config.chunk_bytes, staging):
+        for piece in payload_chunks(views, offset, self.config.chunk_bytes, staging):
             await ch.send(DATA, piece)
             if hasher is not None:
                 hasher.update(piece)
@@ -706,7 +400,7 @@ class TensorStreams(Service):
         await ch.send_msg(TRAILER, {"digest": digest})
         return digest
 
-    async def _channel(self, peer: str, *, bulk: bool = False) -> _Channel:
+    async def _channel(self, peer: str, *, bulk: bool = False) -> DataChannel:
         """A connection to `peer`: an idle one from the pool (`bulk`: the bulk transfers'), else a
         new one."""
         idle = (self._bulk if bulk else self._idle).get(peer)
@@ -731,9 +425,9 @@ class TensorStreams(Service):
             stream = await self.host.open_stream(peer, FALLBACK_PROTOCOL)
         except StreamOpenError as e:
             raise PeerGone(str(e)) from None
-        return _Channel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
+        return DataChannel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
 
-    async def _dial_direct(self, peer: str) -> _Channel:
+    async def _dial_direct(self, peer: str) -> DataChannel:
         if self.direct_opener is not None:
             opened = await self.direct_opener(peer)
             if opened is not None:
@@ -774,17 +468,17 @@ class TensorStreams(Service):
                     raise HandshakeError(f"data-plane handshake with {peer} failed: {e}") from None
         raise HandshakeError(f"data-plane handshake with {peer} failed")
 
-    async def _client_handshake(self, peer: str, stream: trio.SocketStream, sid: bytes, key: bytes) -> _Channel:
+    async def _client_handshake(self, peer: str, stream: trio.SocketStream, sid: bytes, key: bytes) -> DataChannel:
         """Open a data-plane connection as the client on an already connected TCP stream."""
         cnonce = os.urandom(NONCE_BYTES)
         await stream.send_all(MAGIC + sid + cnonce)
         framed = FramedStream(stream, max_frame=MAX_CHUNK + 64)
         snonce = await framed.read_exactly(NONCE_BYTES)
         stream.setsockopt(6, 1, 1)  # TCP_NODELAY: frames are already large
-        keys = _derive_keys(key, cnonce, snonce, self.host.peer_id, peer)
-        return _Channel(framed, "direct", keys)
+        keys = derive_keys(key, cnonce, snonce, self.host.peer_id, peer)
+        return DataChannel(framed, "direct", keys)
 
-    def _release(self, peer: str, ch: _Channel, *, bulk: bool = False) -> None:
+    def _release(self, peer: str, ch: DataChannel, *, bulk: bool = False) -> None:
         if not ch.broken:
             (self._bulk if bulk else self._idle).setdefault(peer, []).append(ch)
 
@@ -873,21 +567,21 @@ class TensorStreams(Service):
             await stream.aclose()
             return
         stream.setsockopt(6, 1, 1)
-        c2s, s2c = _derive_keys(session.key, cnonce, snonce, session.peer, self.host.peer_id)
-        await self._serve_channel(_Channel(framed, "direct", (s2c, c2s)), session.peer)
+        c2s, s2c = derive_keys(session.key, cnonce, snonce, session.peer, self.host.peer_id)
+        await self.inbox.serve_channel(DataChannel(framed, "direct", (s2c, c2s)), session.peer)
 
     async def _serve_fallback(self, stream: Any) -> None:
         try:
             peer = stream_peer(stream)
         except Exception:
             return
-        ch = _Channel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
+        ch = DataChannel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
         if not await self.admits(peer):
             await self._turn_away(ch, NOT_A_MEMBER, "this peer does not serve its data plane to you")
             return
-        await self._serve_channel(ch, peer)
+        await self.inbox.serve_channel(ch, peer)
 
-    async def _turn_away(self, ch: _Channel, code: str, text: str) -> None:
+    async def _turn_away(self, ch: DataChannel, code: str, text: str) -> None:
         """Answer a stream we will not serve with one ERROR frame (without reading anything from
         it), then close it: gracefully, so the frame arrives before the end of the stream."""
         with trio.move_on_after(1):
@@ -899,251 +593,6 @@ class TensorStreams(Service):
             except Exception:  # the stream is already gone: reset whatever is left
                 pass
         await ch.aclose()
-
-    async def _serve_channel(self, ch: _Channel, peer: str) -> None:
-        """Receive transfers from `peer` on one connection until it closes."""
-        try:
-            while not await ch.framed.at_eof():  # a clean close between transfers ends the loop
-                _, header = await ch.recv_msg(HEADER)
-                await self._receive_one(ch, peer, header)
-        except HandshakeError as e:
-            self.stats["handshake_failures"] += 1
-            log.info(kv("data-plane frame rejected", peer=peer, reason=str(e)))
-        except _Abandoned:
-            with trio.move_on_after(1):  # tell the sender now rather than let it retry
-                await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
-        except (WireError, LayoutError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            log.info(kv("data-plane connection ended", peer=peer, reason=repr(e)))
-        except Exception as e:  # a connection handler must never take the node down
-            log.warning(kv("data-plane handler failed", peer=peer, error=repr(e)))
-        finally:
-            await ch.aclose()
-
-    async def _receive_one(self, ch: _Channel, peer: str, header: Any) -> None:
-        header = require_map(header, "tag", "xfer", "specs", "meta", "digest", error=MalformedMessage)
-        tag, xfer, meta, hdigest = header["tag"], header["xfer"], header["meta"], header["digest"]
-        if not (
-            isinstance(tag, str)
-            and len(tag) <= MAX_TAG_CHARS
-            and isinstance(xfer, bytes)
-            and len(xfer) == 16
-            and isinstance(meta, dict)
-            and (hdigest is None or isinstance(hdigest, bytes) and len(hdigest) == 32)
-        ):
-            raise MalformedMessage("bad transfer header")
-        eager = header.get("eager", False)
-        if not isinstance(eager, bool):
-            raise MalformedMessage("bad transfer header")
-        # An eager payload follows its header unasked: a refusal must first read it away.
-        sent = self._eager_total(header["specs"]) if eager else None
-        part = self._partials.get((peer, xfer))
-        if part is not None and eager:  # resuming is never eager: its offset comes from ACCEPT
-            await self._refuse_transfer(ch, "busy", "an eager header reuses a transfer id", sent=sent)
-            return
-        if part is not None and part.slot.cancelled:
-            del self._partials[(peer, xfer)]
-            await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
-            return
-        if part is not None and (part.active or part.slot.done.is_set()):
-            await self._refuse_transfer(ch, "busy", "transfer already in progress")
-            return
-        if part is None:
-            try:
-                slot = await self._claim(ch, peer, tag)
-            except _Refusal as e:
-                await self._refuse_transfer(ch, e.code, e.text, sent=sent)
-                return
-            if slot is None:
-                await self._refuse_transfer(ch, "unclaimed", f"nobody is receiving {tag!r}", sent=sent)
-                return
-            limit = min(self.config.max_transfer_bytes, slot.max_bytes or self.config.max_transfer_bytes)
-            try:
-                specs = validate_specs(header["specs"], max_bytes=limit)
-                if slot.into is not None:
-                    check_matches(specs, slot.into)
-                    tensors = slot.into
-                else:
-                    tensors = allocate(specs)
-                views = byte_views(tensors)
-            except LayoutError as e:
-                slot.finish(error=TransferRefused(f"{tag!r} from {peer}: {e}"))
-                await self._refuse_transfer(ch, "layout", str(e), sent=sent)
-                return
-            part = _Partial(slot, specs, tensors, views, total_bytes(specs), hdigest, meta)
-            self._partials[(peer, xfer)] = part
-        else:
-            part.active = True
-            part.resumed.set()
-            part.resumed = trio.Event()
-        self.active.add(ch)
-        try:
-            await ch.send_msg(ACCEPT, {"offset": part.done})
-            await self._receive_data(ch, part)
-            _, trailer = await ch.recv_msg(TRAILER)
-        except BaseException:
-            self.active.discard(ch)
-            part.active = False
-            if not part.slot.done.is_set():
-                assert self._nursery is not None  # set in _start
-                self._nursery.start_soon(self._expire_partial, peer, xfer, part)
-            raise
-        self.active.discard(ch)
-        del self._partials[(peer, xfer)]
-        tdigest = require_map(trailer, "digest", error=MalformedMessage)["digest"]
-        mine = part.hasher.digest()
-        expected = part.header_digest or tdigest
-        if mine != expected:
-            part.slot.finish(error=DigestMismatch(f"{tag!r} from {peer}: payload digest mismatch"))
-            await self._refuse_transfer(ch, "digest", "digest mismatch")
-            return
-        await ch.send_msg(ACK, {})
-        self.stats["bytes_received"] += part.total
-        part.slot.finish(Received(peer, tag, part.tensors, mine, meta, part.total, ch.path))
-
-    async def _refuse_transfer(self, ch: _Channel, code: str, text: str, *, sent: int | None = None) -> None:
-        """Answer ERROR; `sent`: the bytes of an eager payload that follows, read away first."""
-        if sent is not None:
-            await self._discard_payload(ch, sent)
-        self.refused[code] = self.refused.get(code, 0) + 1
-        await ch.send_msg(ERROR, {"code": code, "text": text})
-
-    def _eager_total(self, raw_specs: Any) -> int:
-        """The size of an eager header's payload; a payload past our own eager limit (or specs we
-        cannot read) would have to be read to refuse it: the connection ends instead."""
-        try:
-            return total_bytes(validate_specs(raw_specs, max_bytes=self.config.eager_bytes))
-        except LayoutError as e:
-            raise MalformedMessage(f"eager transfer refused: {e}") from None
-
-    @staticmethod
-    async def _discard_payload(ch: _Channel, total: int) -> None:
-        """Read and drop an eager payload of `total` bytes and its TRAILER."""
-        got = 0
-        while got < total:
-            kind, n = await ch.recv_head()
-            if kind != DATA or n == 0 or got + n > total:
-                raise MalformedMessage(f"bad eager data frame (kind {kind}, {n} bytes)")
-            await ch.recv_body_into(DATA, memoryview(bytearray(n)))
-            got += n
-        await ch.recv_msg(TRAILER)
-
-    async def _receive_data(self, ch: _Channel, part: _Partial) -> None:
-        seg_ends = []
-        acc = 0
-        for v in part.views:
-            acc += len(v)
-            seg_ends.append(acc)
-        staging = bytearray(0)
-        while part.done < part.total:
-            kind, n = await ch.recv_head()
-            if kind != DATA or n == 0 or n > MAX_CHUNK or part.done + n > part.total:
-                raise MalformedMessage(f"bad data frame (kind {kind}, {n} bytes)")
-            if part.slot.cancelled:
-                raise _Abandoned
-            start, end = part.done, part.done + n
-            i = _segment_of(seg_ends, start)
-            seg_start = seg_ends[i] - len(part.views[i])
-            if end <= seg_ends[i]:  # within one tensor: decrypt straight into it
-                dest = part.views[i][start - seg_start : end - seg_start]
-                await ch.recv_body_into(DATA, dest)
-                part.hasher.update(dest)
-            else:
-                if len(staging) < n:
-                    staging = bytearray(max(n, MIN_CHUNK))
-                buf = memoryview(staging)[:n]
-                await ch.recv_body_into(DATA, buf)
-                part.hasher.update(buf)
-                pos = 0
-                while pos < n:
-                    seg_start = seg_ends[i] - len(part.views[i])
-                    off = start + pos - seg_start
-                    take = min(n - pos, len(part.views[i]) - off)
-                    part.views[i][off : off + take] = buf[pos : pos + take]
-                    pos += take
-                    i += 1
-            part.done = end
-
-    def _abandon(self, slot: _Slot) -> None:
-        slot.cancelled = True
-        now = time.monotonic()
-        self._abandoned = {k: t for k, t in self._abandoned.items() if t > now}
-        self._abandoned[(slot.peer, slot.tag)] = now + self.config.claim_timeout
-
-    async def _claim(self, ch: _Channel, peer: str, tag: str) -> _Slot | None:
-        """The receive this header feeds: at once if it is waiting, else after waiting for it
-        (bounded by `claim_timeout`, the pending limits, and the sender hanging up). None if
-        there is none to feed; `_Refusal` if the sender may not wait."""
-        key = (peer, tag)
-        if self._abandoned.get(key, 0) > time.monotonic():
-            return None
-        slot = self._slots.get(key)
-        if slot is not None and slot.claimed:
-            return None
-        if slot is None:  # an early sender: it must wait, if there is room
-            waiting = self._waiting.get(peer, 0)
-            if waiting >= self.config.max_pending_per_peer:
-                raise _Refusal(TOO_MANY_PENDING, f"{waiting} of your transfers already wait for their receive here")
-            if sum(self._waiting.values()) >= self.config.max_pending:
-                raise _Refusal(TOO_MANY_PENDING, "too many transfers already wait for their receive here")
-            slot = _Slot(peer, tag)
-            self._slots[key] = slot
-        slot.claimed = True
-        if not slot.registered.is_set():
-            hung_up = await self._wait_for_receive(ch, peer, slot)
-            if not slot.registered.is_set() and self._slots.get(key) is slot:
-                del self._slots[key]
-            if hung_up:
-                raise StreamClosed("the sender hung up while waiting for its receive")
-        if not slot.registered.is_set() or slot.cancelled:
-            return None
-        return slot
-
-    async def _wait_for_receive(self, ch: _Channel, peer: str, slot: _Slot) -> bool:
-        """Wait up to `claim_timeout` for `slot` to be registered, counted in `_waiting`.
-        Returns whether the sender hung up first: then its place is freed at once, not after
-        `claim_timeout` (a sender whose own deadline passed closes its connection)."""
-        hung_up = False
-
-        async def watch_sender(done: trio.CancelScope) -> None:
-            nonlocal hung_up
-            # An honest sender sends nothing until ACCEPT, so this reads only the end — unless it is
-            # eager: then its payload is there, and a hang-up is noticed only at the claim.
-            try:
-                hung_up = await ch.framed.at_eof()
-            except Exception:
-                hung_up = True
-            if hung_up:
-                done.cancel()
-
-        self._waiting[peer] = self._waiting.get(peer, 0) + 1
-        try:
-            with trio.move_on_after(self.config.claim_timeout):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(watch_sender, nursery.cancel_scope)
-                    await slot.registered.wait()
-                    nursery.cancel_scope.cancel()
-        finally:
-            self._waiting[peer] -= 1
-            if not self._waiting[peer]:
-                del self._waiting[peer]
-        return hung_up and not slot.registered.is_set()
-
-    async def _expire_partial(self, peer: str, xfer: bytes, part: _Partial) -> None:
-        resumed = part.resumed
-        with trio.move_on_after(self.config.resume_window):
-            await resumed.wait()
-            return
-        if self._partials.get((peer, xfer)) is part and not part.active:
-            del self._partials[(peer, xfer)]
-            part.slot.finish(
-                error=PeerGone(
-                    f"{part.slot.tag!r} from {peer}: sender vanished after {part.done} of {part.total} bytes"
-                )
-            )
-
-
-def _segment_of(seg_ends: list[int], offset: int) -> int:
-    return bisect.bisect_right(seg_ends, offset)
 
 
 def _prefix(views: list[memoryview], n: int) -> Iterator[memoryview]:
