@@ -206,9 +206,7 @@ class JoinRequest:
             uplink = float(require_number(uplink, "uplink", 0, MAX_UPLINK))
             if uplink <= 0:
                 raise Malformed("uplink must be a positive rate in bytes/s")
-        taper = req.get("taper")
-        if taper is not None:
-            taper = require_int(taper, "taper", 0, MAX_TAPER)
+        taper = None if req.get("taper") is None else parse_taper(req["taper"])  # None: an old peer
         return cls(key, (), tuple(skipped[:MAX_PEER_LIST]), uplink, taper)
 
 
