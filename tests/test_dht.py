@@ -71,6 +71,15 @@ class Swarm:
     def kill(self, i: int) -> None:
         self.scopes[i].cancel()
 
+    async def bootstrap_knows_all(self, timeout: float = 10.0) -> None:
+        """Until the first node's routing table holds every other node (each bootstrapped from
+        it). Admission to a routing table is asynchronous (a node is checked before it is
+        added), so a swarm that has just started may still route a lookup around a node."""
+        others = {n.peer_id for n in self.nodes[1:]}
+        with trio.fail_after(timeout):
+            while not others <= set(self.nodes[0].routing_table_peers()):
+                await trio.sleep(0.02)
+
 
 @asynccontextmanager
 async def swarm_of(n: int, config: DhtConfig = CONFIG) -> AsyncIterator[Swarm]:
@@ -231,7 +240,11 @@ async def test_the_storing_node_refuses_invalid_records_sent_over_rpc() -> None:
 
 
 async def test_a_reader_drops_invalid_records_returned_by_a_lying_node() -> None:
-    async with swarm_of(4) as swarm:
+    # Patient lookups: under CI load the liar can answer later than the default straggler
+    # patience, and a lookup that ends without its reply never sees the lies this test is about.
+    patient = dataclasses.replace(CONFIG, straggler_min=5.0, straggler_max=5.0)
+    async with swarm_of(4, config=patient) as swarm:
+        await swarm.bootstrap_knows_all()  # so that the reader's lookup reaches the liar
         nodes = swarm.nodes  # all four are among the 5 closest to any key
         victim, liar, reader = nodes[1], nodes[2], nodes[3]
         await victim.store(KEY, "truth", later(), victim.peer_id)
