@@ -10,6 +10,10 @@
 4. After a peer died without a tombstone, the survivor sat at one step for 90 s without a word
    (`test_survivor_of_a_killed_peer_goes_on_within_seconds`).
 
+And one CI found later: 5. a peer stopped in the step that starts a round left the swarm first,
+waited for that round in vain and saved nothing
+(`test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_promptly`).
+
 Each failed on the code before the fix.
 """
 
@@ -36,6 +40,7 @@ from meshtrain.collective.allreduce import (
     SwarmCollective,
 )
 from meshtrain.errors import MeshtrainError
+from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.parity import phi_digest
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import RemoteError
@@ -257,6 +262,51 @@ async def test_a_joiner_offers_the_state_it_downloaded_at_once(tmp_path):
         assert joined_round in b.run_state.donor.rounds, (joined_round, b.run_state.donor.rounds)
         a.stop()
         b.stop()
+
+
+# --- 5. a peer stopped as its step starts a round checkpoints and leaves at once -------------------
+
+
+async def test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_promptly(tmp_path):
+    """A stop read between "the step is not in a round" and "the step starts one" left the swarm
+    first: the round then formed without the stopping peer, which waited for it past the stop's
+    grace, cancelled it and saved no checkpoint at all (seen in CI as SIGTERM saving nothing)."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    stopped_at: list[float] = []
+    results: dict[str, object] = {}
+
+    def stop_in_a_round_step(outer) -> None:  # b's step hook, in b's trainer thread
+        if not stopped_at and outer.rounds >= 2 and (outer.inner_steps + 1) % spec.H == 0:
+            stopped_at.append(time.monotonic())
+            b.stop()  # the trio side reads the stop while this step goes on to start the round
+
+    def stopping_diloco(model, inner, collective):
+        opt = meshtrain.DiLoCo(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        opt.step_hooks.append(stop_in_a_round_step)
+        return opt
+
+    async with trio.open_nursery() as nursery:
+
+        async def run(name, node):
+            results[name] = await node.run()
+
+        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=2), spec=signed)
+        nursery.start_soon(run, "a", a)
+        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
+        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=2), join=a.host.addrs[0], outer_factory=stopping_diloco)
+        nursery.start_soon(run, "b", b)
+        await _until(lambda: "b" in results, 120, "b stops")
+        took = time.monotonic() - stopped_at[0]
+        rounds_then = a.trainer.outer.rounds
+        await _until(lambda: a.trainer.outer.rounds >= rounds_then + 2, 60, "a goes on alone")
+        a.stop()
+    rb = results["b"]
+    assert rb.checkpoint is not None, "b saved nothing"
+    assert rb.step % spec.H == 0 and rb.rounds >= 3, rb  # it took part in the round its last step started
+    saved = CheckpointStore(tmp_path / "b" / "checkpoints").load_latest()
+    assert saved is not None and saved.step == rb.step
+    assert took < 8, took  # within STOP_GRACE: no round waited for in vain
 
 
 # --- 4. a killed peer does not stall the survivor --------------------------------------------------

@@ -20,8 +20,9 @@ it — download the current state from several peers in parallel and enter at th
 (`RunState.enter`); count as a "trainer"; then wait for `wait_peers`.
 
 Stopping (the spec's steps reached, `Node.stop()`, a signal): leave the swarm (tombstone) unless
-an exchange is in flight — a peer reaching that round after our tombstone would leave us out and
-we would wait for it in vain — then let the current step finish. A round still in flight after
+an exchange is in flight or the step in progress may start one — a peer reaching that round after
+our tombstone would leave us out and we would wait for it in vain — then let the current step
+finish (and its exchange: we leave after it). A round still in flight after
 `STOP_GRACE` is cancelled (the collective tells the others at once) and no final checkpoint is
 written: the last periodic one stands.
 
@@ -131,10 +132,11 @@ class TrainingRun:
                 self.phase.set("stopping")
                 stop.flag.set()
                 stopped_early = until == 0 or trainer.step < until
-                if stopped_early and not trainer.outer.in_flight:
+                if stopped_early and not _exchange_near(trainer):
                     # Others stop expecting us before we finish the step. With an exchange in
-                    # flight we stay a member until it ends: a peer reaching that round after our
-                    # tombstone would leave us out and we would wait for it in vain (seen in CI).
+                    # flight, or one the step in progress may start, we stay a member until it
+                    # ends: a peer reaching that round after our tombstone would leave us out and
+                    # we would wait for it in vain, past STOP_GRACE, and save nothing (seen in CI).
                     await view.leave()
                 with trio.move_on_after(STOP_GRACE):
                     await _wait_done(nursery)
@@ -279,6 +281,15 @@ async def run_pipeline_peer(
         path or peer.last_checkpoint.get("path"),
         until == 0 or step < until,
     )
+
+
+def _exchange_near(trainer: TrainedState) -> bool:
+    """Whether an exchange is in flight or the trainer's thread may start one before it stops:
+    the step in progress sends (read from the trio thread while the trainer runs: its step
+    counter may move on between the reads, so the step just done counts too)."""
+    outer = trainer.outer
+    step = trainer.step  # first: an exchange this step starts is in flight by the next read
+    return outer.in_flight or any(outer.due(s)[1] for s in (step, step + 1))
 
 
 async def _wait_done(nursery: trio.Nursery) -> None:
