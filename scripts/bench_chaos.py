@@ -25,8 +25,10 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - parity_violations: from `training.phi_history` ([[round, φ digest], ...]): for each round r,
   the live peers' digests at r are grouped; a peer whose digest is not the (unique) plurality
   digest at r and that, observed later, has not reported the plurality digest of r, r+1 or r+2
-  is a violation (one round of slack for the re-sync). A peer not observed past r+2 (killed, run
-  over) is counted in `parity_unresolved` instead. `null` with `parity_reason` while the node
+  is a violation (one round of slack for the re-sync), unless it reported the plurality digest of
+  some later round within `PARITY_HEAL_S` of its odd one: the node's parity check runs on a timer
+  and on gossiped digests, and rounds of a few fast steps (5 a second alone) outrun two rounds of
+  slack. A peer not observed past r+2 (killed, run over) is counted in `parity_unresolved` instead. `null` with `parity_reason` while the node
   does not report digests.
 - join_failures: node processes that exited without our signal (last log lines are kept).
 - max_roundless_gap_s: the longest wall-clock span, from the first outer round after chaos
@@ -101,6 +103,7 @@ RSS_AT_S = 60.0  # the "minute 1" sample of a process
 RSS_MIN_LIFE_S = 180.0
 ROUND_WINDOW_S = 5.0
 BEHIND_ROUNDS = 2  # a training node this many rounds behind the others is "behind the swarm"
+PARITY_HEAL_S = 5.0  # a minority φ matched by the plurality this soon after, at any round, is healed
 REDO_GRACE_S = 5.0  # a round reported this long after the front passed it is a redone round
 LAB_PORT = 4001
 CLONE_NEWNET = 0x40000000
@@ -618,12 +621,18 @@ class Monitor:
                 if reports[0][1] == plurality[r]:
                     continue
                 # Matched the majority by r + 2, or at the first round it reported after r (a
-                # re-sync can jump a peer several rounds ahead, to the swarm's front).
+                # re-sync can jump a peer several rounds ahead, to the swarm's front), or at any
+                # round first seen within PARITY_HEAL_S of the odd digest (the node's parity check
+                # is timed, not counted in rounds: rounds of a few steps outrun it).
+                t0 = reports[0][0]
                 later = [r2 for r2 in self.peer_rounds[peer] if r2 > r]
                 healed = any(d == plurality[r] for _, d in reports[1:]) or any(
                     plurality.get(r2) is not None
-                    and any(d == plurality[r2] for _, d in self.digests.get(r2, {}).get(peer, []))
-                    for r2 in {r + 1, r + 2, min(later, default=r + 1)}
+                    and any(
+                        d == plurality[r2] and (r2 in (r + 1, r + 2, min(later)) or t - t0 <= PARITY_HEAL_S)
+                        for t, d in self.digests.get(r2, {}).get(peer, [])
+                    )
+                    for r2 in later
                 )
                 if healed:
                     continue

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts.bench_chaos import Life, Monitor
+from scripts.bench_chaos import PARITY_HEAL_S, Life, Monitor
 
 from .conftest import ROOT
 
@@ -61,6 +61,29 @@ def test_minority_peer_still_apart_two_rounds_later_is_a_violation():
     assert out["parity_violations"] >= 1
     assert {v["round"] for v in out["parity_violation_list"]} >= {5}
     assert all(v["peer"] == "peer-c"[-8:] for v in out["parity_violation_list"])
+
+
+def test_minority_peer_that_rejoins_the_plurality_within_seconds_but_three_rounds_on_is_healed():
+    """Rounds of a few steps outrun the node's timed parity check (a lone creator did 5 a second
+    and was caught as the minority three rounds after a stale majority forked: seen in CI)."""
+    m = Monitor()
+    majority = [[5, "aa"], [6, "ab"], [7, "ac"], [8, "ad"], [9, "ae"]]
+    _observe(m, 0, 1.0, "peer-a", majority)
+    _observe(m, 1, 1.0, "peer-b", majority)
+    _observe(m, 2, 1.0, "peer-c", [[5, "zz"], [6, "zy"], [7, "zx"]])
+    _observe(m, 2, 2.0, "peer-c", [[8, "ad"], [9, "ae"]])  # re-synced within a second
+    assert m.parity()["parity_violations"] == 0
+
+
+def test_minority_peer_that_rejoins_only_after_the_heal_time_is_a_violation():
+    m = Monitor()
+    majority = [[5, "aa"], [6, "ab"], [7, "ac"], [8, "ad"], [9, "ae"]]
+    _observe(m, 0, 1.0, "peer-a", majority)
+    _observe(m, 1, 1.0, "peer-b", majority)
+    _observe(m, 2, 1.0, "peer-c", [[5, "zz"], [6, "zy"], [7, "zx"]])
+    _observe(m, 2, 1.0 + PARITY_HEAL_S + 1, "peer-c", [[8, "ad"], [9, "ae"]])
+    out = m.parity()
+    assert out["parity_violations"] >= 1 and out["parity_violation_list"][0]["round"] == 5
 
 
 def test_minority_peer_not_seen_past_the_slack_is_unresolved_not_a_violation():
