@@ -94,9 +94,10 @@ async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, ke
 
 
 def _spec(aggregation: str, rounds: int) -> meshtrain.SwarmSpec:
-    # Loss scoring off: this pins the combination rule alone. With scoring on (its forward passes
-    # per round, node/scoring.py), the first of these 4-step rounds once in ~7 runs went without
-    # two peers ([2, 4] contributors): not diagnosed.
+    # Loss scoring off: this pins the combination rule alone. The first round once went without a
+    # peer or two, here and with scoring on: the coordinator, still starting when early joiners
+    # opened the round, closed the group with the peers it saw then (coordinator.join now
+    # re-reads its view at every join; test_coordinator pins it).
     return meshtrain.SwarmSpec(
         model="gpt-tiny", H=H, steps=H * rounds, batch_size=4, eval_every=0, aggregation=aggregation, score_samples=0
     )

@@ -88,6 +88,33 @@ async def test_group_is_fixed_at_once_when_every_candidate_joined(autojump_clock
         nursery.cancel_scope.cancel()
 
 
+async def test_a_peer_seen_after_the_round_opened_is_expected_when_the_last_known_peer_joins(autojump_clock):
+    """Early joiners open the round while the coordinator, still starting, sees only some of its
+    peers as trainers; by its own join it sees all. The group must wait for the one that came into
+    view, not close with the peers the round was opened with (seen in CI: 3 of 4 in round 1)."""
+    members = ["a", "b", "c"]
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c", "d"}), CONFIG, lambda _round: tuple(sorted(members)))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key)
+
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "c")
+        await trio.sleep(0.1)
+        members.append("d")  # d's trainer record reaches the coordinator
+        nursery.start_soon(join, "a")
+        await trio.sleep(1.0)
+        assert replies == {}  # still waiting for d
+        await join("d")
+        await trio.sleep(0)
+        assert replies == {p: Joined(0, ("a", "b", "c", "d")) for p in "abcd"}
+        nursery.cancel_scope.cancel()
+
+
 async def test_majority_group_is_fixed_at_the_join_deadline_once_joins_are_quiet(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b", "c"], connected=set())

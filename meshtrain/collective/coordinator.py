@@ -7,8 +7,9 @@ allreduce.py for how peers find it). Its job, per round key:
   majority in (up to `hard_join_factor` × the deadline while only a minority joined), then fix
   the group of attempt 0 — and its parts' shares, from the rates the members joined with
   (shares.py; a retry's survivors get theirs from the same rates). The expected set is always
-  our own `group(round_id)` view, refreshed while waiting — never a joiner's claim — so a peer
-  that left is no longer waited for;
+  our own `group(round_id)` view, refreshed while waiting and at every join — never a joiner's
+  claim — so a peer that left is no longer waited for, and one that came into view since the round
+  opened is;
 - **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
   membership was behind), or **end it** when nobody else will come: the missing peers joined a
   later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this
@@ -338,7 +339,10 @@ class Coordinator:
         r.joins[peer] = trio.current_time()
         r.uplinks[peer] = uplink
         r.tapers[peer] = taper
-        r.expected |= {peer}
+        # Our view now, not the one the round was opened with: peers that were still starting
+        # when an early joiner opened it (their trainer role or connection not yet here) are
+        # expected too, or the last of the others to join would close the group without them.
+        r.expected = frozenset(self.group(key.round_id)) | frozenset(r.joins)
         if r.expected <= set(r.joins):
             self._fix_group(r)
         await r.group_fixed.wait()
