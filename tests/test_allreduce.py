@@ -125,6 +125,54 @@ async def test_non_finite_input_takes_part_with_weight_zero():
         assert peers[1].id not in results[0].contributors
 
 
+async def test_a_member_cancelled_in_its_data_phase_tells_the_coordinator_it_leaves():
+    """A member whose all_reduce is cancelled while its transfers run says so (a report naming
+    itself), so the others retry at once without it. The cancellation reaches `_run_round`
+    wrapped in the data phase's nursery's exception group; a plain `except trio.Cancelled` missed
+    it, the member left in silence, and the echo of its vanished receiver got an innocent peer
+    dropped as well (seen in CI)."""
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 4)
+        victim = 2
+        heard: list[tuple[str, tuple[str, ...]]] = []
+        coord = cols[0]._coord  # rank 0, the lowest id, coordinates
+        report = coord.report
+
+        async def spy(peer, rep):
+            heard.append((peer, tuple(rep.suspects)))
+            return await report(peer, rep)
+
+        coord.report = spy
+        sending = trio.Event()
+
+        async def stalled_send(*args, **kw):  # the victim is mid-transfer when it is cancelled
+            sending.set()
+            await trio.sleep_forever()
+
+        peers[victim].ts.send = stalled_send
+        tensors = [{"w": torch.full((50_000,), float(i))} for i in range(4)]
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            victim_scope = trio.CancelScope()
+
+            async def one(i):
+                if i == victim:
+                    with victim_scope:
+                        await cols[i].all_reduce(tensors[i], round_id=3)
+                    return
+                results[i] = await cols[i].all_reduce(tensors[i], round_id=3)
+
+            for i in range(4):
+                nursery.start_soon(one, i)
+            await sending.wait()
+            victim_scope.cancel()
+        vid = peers[victim].id
+        assert (vid, (vid,)) in heard, heard
+        survivors = tuple(sorted(p.id for i, p in enumerate(peers) if i != victim))
+        for r in results.values():
+            assert r.contributors == survivors
+
+
 async def test_peer_joining_after_group_formed_waits_for_next_round():
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, 3, AllReduceConfig(join_timeout=1.0))

@@ -506,9 +506,11 @@ class SwarmCollective(Service):
                 raise CollectiveError(f"{key}: this peer was excluded from the round")
             try:
                 outcome, result, stats = await self._attempt(key, attempt, group, shares, taper, contribution, codec)
-            except trio.Cancelled:
+            except* trio.Cancelled:
                 # We are leaving mid-round: say so, so the others retry at once instead of
-                # waiting out a deadline for our data.
+                # waiting out a deadline for our data — or blaming whoever our silence makes drop
+                # out next (seen in CI: an innocent peer excluded). `except*`: a cancellation
+                # that lands in the data phase's nursery arrives wrapped in an exception group.
                 with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(_Restart, RpcError):
                     await self._report(Report(key, attempt, FAIL, None, (self.peer_id,), (), True))
                 raise
