@@ -289,7 +289,7 @@ def _exchange_near(trainer: TrainedState) -> bool:
     counter may move on between the reads, so the step just done counts too)."""
     outer = trainer.outer
     step = trainer.step  # first: an exchange this step starts is in flight by the next read
-    return outer.in_flight or any(outer.due(s)[1] for s in (step, step + 1))
+    return outer.in_flight or any(outer.sends_at(s) for s in (step, step + 1))
 
 
 async def _wait_done(nursery: trio.Nursery) -> None:

@@ -193,8 +193,12 @@ class OuterRounds(Service):
     def due(self, step: int) -> tuple[list[int], list[int]]:
         """(fragments to merge, fragments to send) at inner step `step`."""
         merges = [p for p, ex in self._pending.items() if ex.merge_step <= step]
-        sends = [p for p, off in enumerate(self._offsets) if step >= 1 and step % self.H == off]
-        return sorted(merges), sends
+        return sorted(merges), self.sends_at(step)
+
+    def sends_at(self, step: int) -> list[int]:
+        """The fragments sent at inner step `step`: the schedule alone (safe to call from another
+        thread while the trainer's runs, unlike `due`, which reads the exchanges in flight)."""
+        return [p for p, off in enumerate(self._offsets) if step >= 1 and step % self.H == off]
 
     def _advance(self) -> Generator[_Call, Any, list[RoundReport]]:
         """The round logic for one inner step, as a generator that yields the async calls it
