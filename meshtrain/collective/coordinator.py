@@ -267,7 +267,7 @@ class Coordinator:
         if r.group_fixed.is_set():
             return
         round_id = r.key.round_id
-        r.expected = frozenset(self.group(round_id)) | frozenset(r.joins)
+        self._refresh_expected(r)
         if r.expected <= set(r.joins):
             self._fix_group(r)
             return
@@ -293,6 +293,10 @@ class Coordinator:
         lower = [p for p in self.group(round_id) if p < me and p not in r.skipped and self.host.is_connected(p)]
         if lower:
             self._hand_over(r, lower[0], "a lower id is connected")
+
+    def _refresh_expected(self, r: _Round) -> None:
+        """The peers the round waits for: our view's candidates now, and whoever joined."""
+        r.expected = frozenset(self.group(r.key.round_id)) | frozenset(r.joins)
 
     def _hand_over(self, r: _Round, to: str, why: str) -> None:
         """Everyone who joined here is told to start the round again at `to`."""
@@ -342,7 +346,7 @@ class Coordinator:
         # Our view now, not the one the round was opened with: peers that were still starting
         # when an early joiner opened it (their trainer role or connection not yet here) are
         # expected too, or the last of the others to join would close the group without them.
-        r.expected = frozenset(self.group(key.round_id)) | frozenset(r.joins)
+        self._refresh_expected(r)
         if r.expected <= set(r.joins):
             self._fix_group(r)
         await r.group_fixed.wait()
