@@ -23,13 +23,14 @@ connect (setns on the polling thread). Elsewhere: loopback, `"partition": "skipp
 
 Invariants, measured from every node's `/status` (polled about once a second) and its log:
 - parity_violations: from `training.phi_history` ([[round, φ digest], ...]): for each round r,
-  the live peers' digests at r are grouped; a peer whose digest is not the (unique) plurality
-  digest at r and that, observed later, has not reported the plurality digest of r, r+1 or r+2
+  the live peers' digests at r are grouped; a peer whose digest is not the plurality digest at r
+  (by the node's own rule, `parity.winning_digest`: a tie goes to the digest whose holders
+  include the lowest peer id, the side the node re-syncs the others to) and that, observed later, has not reported the plurality digest of r, r+1 or r+2
   is a violation (one round of slack for the re-sync), unless it reported the plurality digest of
   some later round within `PARITY_HEAL_S` of its odd one: the node's parity check runs on a timer
   and on gossiped digests, and rounds of a few fast steps (5 a second alone) outrun two rounds of
-  slack. A peer not observed past r+2 (killed, run over) is counted in `parity_unresolved` instead. `null` with `parity_reason` while the node
-  does not report digests.
+  slack. A peer not observed past r+2 (killed, run over) is counted in `parity_unresolved`
+  instead. `null` with `parity_reason` while the node does not report digests.
 - join_failures: node processes that exited without our signal (last log lines are kept).
 - max_roundless_gap_s: the longest wall-clock span, from the first outer round after chaos
   began to the end of the chaos phase, in which no node's `training.round` went up. Not
@@ -90,6 +91,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python scripts/bench_chaos.py` imports scripts.natlab
 
 from meshtrain.node.checkpoint import CheckpointError, CheckpointStore  # noqa: E402
+from meshtrain.node.parity import winning_digest  # noqa: E402
 
 ACTION_INTERVAL_S = (0.5, 8.0)
 STOP_DURATION_S = (5.0, 15.0)
@@ -604,11 +606,14 @@ class Monitor:
                 "parity_reason": "no node reported training.phi_history / phi_digest (the node does not "
                 "publish φ digests yet)",
             }
-        plurality: dict[int, str | None] = {}
+        # The node's own rule (parity.winning_digest): most holders, a tie to the digest whose
+        # holders include the lowest peer id — the side the tied loser re-syncs to.
+        plurality: dict[int, str] = {}
         for r, peers in self.digests.items():
-            counts = Counter(reports[0][1] for reports in peers.values())
-            top = counts.most_common(2)
-            plurality[r] = top[0][0] if len(top) == 1 or top[0][1] > top[1][1] else None
+            holders: dict[str, set[str]] = defaultdict(set)
+            for peer, reports in peers.items():
+                holders[reports[0][1]].add(peer)
+            plurality[r] = winning_digest(holders)
         violations, unresolved = [], []
         splits = [
             {"round": r, "digests": {p[-8:]: sorted(d)[0][:12] for p, d in peers.items()}}
@@ -627,8 +632,7 @@ class Monitor:
                 t0 = reports[0][0]
                 later = [r2 for r2 in self.peer_rounds[peer] if r2 > r]
                 healed = any(d == plurality[r] for _, d in reports[1:]) or any(
-                    plurality.get(r2) is not None
-                    and any(
+                    any(
                         d == plurality[r2] and (r2 in (r + 1, r + 2, min(later)) or t - t0 <= PARITY_HEAL_S)
                         for t, d in self.digests.get(r2, {}).get(peer, [])
                     )
@@ -640,7 +644,7 @@ class Monitor:
                     "round": r,
                     "peer": peer[-8:],
                     "digest": reports[0][1][:12],
-                    "plurality": (plurality[r] or "tie")[:12],
+                    "plurality": plurality[r][:12],
                     "reported_at_t": round(reports[0][0], 1),
                 }
                 # judged only if the peer went on past r + 2 after it reported the odd digest

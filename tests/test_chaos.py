@@ -86,6 +86,32 @@ def test_minority_peer_that_rejoins_only_after_the_heal_time_is_a_violation():
     assert out["parity_violations"] >= 1 and out["parity_violation_list"][0]["round"] == 5
 
 
+def test_a_tie_goes_to_the_lowest_peer_id_as_on_the_node():
+    """Two lineages of one peer each: the node's rule (`parity.winning_digest`) keeps the lowest
+    peer id's and re-syncs the other. Seen in CI: the lowest id, which trained on correctly while
+    its tied twin was killed, was judged a violation because a tie had no plurality at all."""
+    m = Monitor()
+    for t, r in ((1.0, 5), (2.0, 6), (3.0, 7)):
+        _observe(m, 0, t, "peer-a", [[r, f"a{r}"]])
+        _observe(m, 1, t, "peer-b", [[r, f"b{r}"]])  # then killed before it could re-sync
+    for t, r in ((1.0 + PARITY_HEAL_S + 1, 8), (1.0 + PARITY_HEAL_S + 2, 9)):
+        _observe(m, 0, t, "peer-a", [[r, f"a{r}"]])
+    out = m.parity()
+    assert out["parity_violations"] == 0
+    assert out["parity_unresolved"] >= 1
+    assert {u["peer"] for u in out["parity_unresolved_list"]} == {"peer-b"}
+
+
+def test_the_loser_of_a_tie_that_stays_apart_is_a_violation():
+    m = Monitor()
+    for t, r in ((1.0, 5), (2.0, 6), (3.0, 7), (4.0, 8), (5.0, 9)):
+        _observe(m, 0, t, "peer-a", [[r, f"a{r}"]])
+        _observe(m, 1, t, "peer-b", [[r, f"b{r}"]])
+    out = m.parity()
+    assert out["parity_violations"] >= 1
+    assert {v["peer"] for v in out["parity_violation_list"]} == {"peer-b"}
+
+
 def test_minority_peer_not_seen_past_the_slack_is_unresolved_not_a_violation():
     m = Monitor()
     _observe(m, 0, 1.0, "peer-a", [[5, "aa"], [6, "ab"]])

@@ -51,6 +51,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import blake3
 import torch
@@ -60,6 +61,8 @@ from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
 DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
 DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it ...
 MIN_SETTLE_S = 1.0  # ... or two rounds where rounds are shorter, but never less than this
+
+Digest = TypeVar("Digest", bytes, str)
 
 
 def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:
@@ -99,9 +102,10 @@ class ParityVerdict:
         }
 
 
-def winning_digest(holders: Mapping[bytes, set[str]]) -> bytes:
+def winning_digest(holders: Mapping[Digest, set[str]]) -> Digest:
     """The digest held by the most peers; a tie goes to the one whose holders include the lowest
-    peer id. `holders` must not be empty."""
+    peer id. `holders` must not be empty. Digests are bytes on the node, hex where an observer
+    (the chaos soak) judges from `/status`: the same rule either way."""
     return min(holders, key=lambda d: (-len(holders[d]), min(holders[d]), d))
 
 
