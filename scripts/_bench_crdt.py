@@ -1,6 +1,6 @@
 """CRDT phase of the swarm benchmark: partition heal time and steady-state message rate.
 
-    python scripts/_bench_crdt.py [--nodes 32] [--procs 4] [--idle 10]   # last line: JSON
+    python scripts/_bench_crdt.py [--nodes 32] [--procs 4] [--idle 10] [--round-s 0]   # last line: JSON
 
 `run_crdt_phase(n)` (called by scripts/bench_swarm.py) does the same and returns the dict.
 
@@ -31,7 +31,11 @@ crosses several hops. Steps:
      identical — rarer than the above while heartbeats are in flight; null if not within 15 s;
 5. `msgs_per_node_s`: messages each peer sends per second over `--idle` seconds of idle
    heartbeating: gossipsub RPC frames written (own publishes, relays, control) plus
-   anti-entropy RPC requests and replies; with a breakdown, bytes, and CPU cores used.
+   anti-entropy RPC requests and replies; with a breakdown, bytes, and CPU cores used. With
+   `round_s` (`--round-s`), every peer also ends an outer round every `round_s` seconds (each at
+   its own phase) and reports it as a trainer does — step, samples, round and its last 8 φ
+   digests — from the moment all are live, one round before the measurement starts: a training
+   swarm's gossip, not an idle one's.
 
 Progress: one line per stage on stderr, so a run cut off says where it stopped.
 Diagnosing a run: `BENCH_SCALE_LOG_DIR=dir` writes each worker's log (INFO, or
@@ -148,9 +152,12 @@ def _join(digests: list[dict[str, dict[str, list[Any]]]]) -> dict[str, dict[str,
     return out
 
 
-def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partition: bool = True) -> dict[str, Any]:
+def run_crdt_phase(
+    n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partition: bool = True, round_s: float | None = None
+) -> dict[str, Any]:
     """Run the benchmark with `n` peers in `procs` worker processes; returns the result dict.
-    Without `partition`, steps 2-4 are skipped: start, then the idle measurement (bench_scale)."""
+    Without `partition`, steps 2-4 are skipped: start, then the idle measurement (bench_scale).
+    With `round_s`, every peer reports a new outer round that often (step 5)."""
     from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for
     from meshtrain.transport.identity import Identity
 
@@ -257,7 +264,12 @@ def run_crdt_phase(n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partiti
 
         # -- idle: steady-state message rate -----------------------------------------------------
         time.sleep(3.0)  # let the heal's re-gossip settle
-        stage(f"measuring {idle_s:g} s of idle gossip")
+        if round_s:
+            out["round_s"] = round_s
+            ask(workers, [{"cmd": "rounds", "round_s": round_s}] * procs, 30)
+            stage(f"every peer ends a round every {round_s:g} s")
+            time.sleep(round_s)  # every peer has reported a round before the window opens
+        stage(f"measuring {idle_s:g} s of gossip")
         c0 = ask(workers, [{"cmd": "counters"}] * procs, 30)
         t0 = time.monotonic()
         time.sleep(idle_s)
@@ -348,6 +360,25 @@ def _covers(replica: Any, target: dict[str, dict[str, list[Any]]]) -> bool:
     return True
 
 
+async def _report_rounds(view: Any, round_s: float) -> None:
+    """Report outer rounds as a trainer does (run_state.py): step, samples, round, φ digests."""
+    import random
+
+    import trio
+
+    from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
+
+    view.progress_live = True  # as a training node's (node/presence.py)
+    await trio.sleep(random.random() * round_s)
+    phi: list[tuple[int, bytes]] = []
+    r = 0
+    while True:
+        r += 1
+        phi = [*phi, (r, os.urandom(16))][-MAX_PHI_DIGESTS:]
+        view.report_progress(step=100 * r, samples=6400 * r, outer_round=r, phi=phi)
+        await trio.sleep(round_s)
+
+
 async def _worker() -> None:
     import resource
 
@@ -404,6 +435,12 @@ async def _worker() -> None:
             # window then measured (64 peers: 1.7-2.9x the bytes of a sequential start).
             for n in nodes.values():
                 n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
+            return {"ok": True}
+        elif cmd == "rounds":  # every peer ends an outer round every round_s s, each at its own phase
+            rounds = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(rounds.cancel_scope.cancel)  # runs first on exit: LIFO
+            for n in nodes.values():
+                rounds.start_soon(_report_rounds, n["view"], float(command["round_s"]))
             return {"ok": True}
         elif cmd == "live":
             return [len(n["view"].membership_snapshot()) for n in nodes.values()]
@@ -463,6 +500,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=32)
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle measurement")
+    parser.add_argument(
+        "--round-s", type=float, default=0.0, help="every peer ends an outer round this often (0: idle)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -470,7 +510,7 @@ def main() -> None:
 
         trio.run(_worker)
         return
-    result = run_crdt_phase(args.nodes, args.procs, args.idle)
+    result = run_crdt_phase(args.nodes, args.procs, args.idle, round_s=args.round_s or None)
     result["targets"] = {"crdt_converge_s": "< 5"}
     print(json.dumps(result), flush=True)
 

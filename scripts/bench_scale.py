@@ -1,7 +1,8 @@
 """Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
 
     python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0]
-                                  [--gossip-sizes 16,32,64] [--idle 8] [--out docs/bench_scale_issue20.json]
+                                  [--gossip-sizes 16,32,64] [--idle 8] [--gossip-round-s 5]
+                                  [--out docs/bench_scale_issue20.json]
 
 The last line printed is one JSON object (also written to `--out`).
 
@@ -26,10 +27,12 @@ what is reported, at each size N:
   beside `d`, the grid's dimensions (collective/groups.py: at most d + 1);
 - `round_s`: wall time of a round — CPU-bound here (all N peers on two cores), reported only to
   show that it is not the measure;
-- `gossip_bytes_per_peer_s`: gossipsub bytes a peer writes per second while the swarm idles (each
-  peer a `Replica` + `SwarmView` at its defaults — the swarm heartbeats 4·max(1, log₁₆ N) times a
-  second, swarm_view.py's `heartbeat_interval_for`; ring + chords topology, as
-  scripts/_bench_crdt.py), with `gossip_cpu_cores` (a saturated machine sends less than it
+- `gossip_bytes_per_peer_s`: gossipsub bytes a peer writes per second while the swarm trains
+  (each peer a `Replica` + `SwarmView` at its defaults, ending an outer round every
+  `--gossip-round-s` s, 5 by default, and reporting it as a trainer does: step, samples, round,
+  φ digests — the swarm heartbeats 4·max(1, log₁₆ N) times a second, swarm_view.py's
+  `heartbeat_interval_for`, and a peer writes a round change at once at most once per
+  `progress_gap()`; ring + chords topology, as scripts/_bench_crdt.py; `0`: idle peers), with `gossip_cpu_cores` (a saturated machine sends less than it
   should: read the bytes beside it). Anti-entropy RPCs are counted in `gossip_msgs_per_peer_s`,
   not in the bytes;
 - set-up: `connect_s`, `dial_retries` and `session_retries` (dials and data-plane session RPCs
@@ -41,8 +44,9 @@ what is reported, at each size N:
 Summary: `cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
 `gossip_growth` (largest valid gossip size ÷ smallest; a size whose peers never all saw each other
 live measured a starved machine and is listed in `gossip_invalid_sizes`), `gossip_model_growth`
-(the heartbeat rule's swarm-wide heartbeat rate at the largest size ÷ at 16 peers: what per-peer
-gossip grows by where this machine cannot run the gossip phase — 2.0 from 16 to 256), `mixing_ok`
+(the records the swarm writes a second by the heartbeat and progress rules at the largest size ÷
+at 16 peers: what per-peer gossip grows by where this machine cannot run the gossip phase — 1.62
+from 16 to 256 with 5 s rounds, 2.0 idle), `mixing_ok`
 (mixing_rounds ≤ d + 1 at every size), `all_rounds_complete` (every peer got a result in every
 round, none alone).
 
@@ -195,17 +199,19 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
     return out
 
 
-def gossip_phase(n: int, procs: int, idle_s: float) -> dict[str, Any]:
-    """N idle peers gossiping membership and progress (scripts/_bench_crdt.py, no partition),
-    measured over at least two heartbeat intervals (10.7 s at 64 peers): a shorter window sees
-    only some peers' heartbeats, and its rate swings by 2x between runs."""
+def gossip_phase(n: int, procs: int, idle_s: float, round_s: float | None = None) -> dict[str, Any]:
+    """N peers gossiping membership and progress (scripts/_bench_crdt.py, no partition), each
+    ending an outer round every `round_s` s (None: idle), measured over at least two heartbeat
+    intervals (10.7 s at 64 peers): a shorter window sees only some peers' heartbeats, and its
+    rate swings by 2x between runs."""
     from meshtrain.crdt.swarm_view import heartbeat_interval_for
 
     idle_s = max(idle_s, 2 * heartbeat_interval_for(n))
-    out = run_crdt_phase(n, min(procs, n), idle_s, partition=False)
+    out = run_crdt_phase(n, min(procs, n), idle_s, partition=False, round_s=round_s)
     return {
         "peers": n,
         "heartbeat_s": out["heartbeat_s"],
+        "round_s": round_s,
         "gossip_bytes_per_peer_s": out["gossip_bytes_per_node_s"],
         "gossip_msgs_per_peer_s": out["msgs_per_node_s"],
         "gossip_cpu_cores": out["idle_cpu_cores"],
@@ -222,7 +228,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
     parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
-    parser.add_argument("--idle", type=float, default=8.0, help="seconds of idle gossip measured")
+    parser.add_argument("--idle", type=float, default=8.0, help="seconds of gossip measured")
+    parser.add_argument(
+        "--gossip-round-s",
+        type=float,
+        default=5.0,
+        help="each peer of the gossip phase ends a round this often (0: idle)",
+    )
     parser.add_argument("--out", default="", help="also write the JSON here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,7 +256,7 @@ def main() -> None:
             scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
             print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
         else:
-            gossip[n] = gossip_phase(n, args.procs, args.idle)
+            gossip[n] = gossip_phase(n, args.procs, args.idle, args.gossip_round_s or None)
             print(json.dumps({"progress": kind, **gossip[n]}), flush=True)
         result = summarize(args, scale, gossip, time.monotonic() - t0)
         if args.out:
@@ -279,15 +291,23 @@ def summarize(
             valid[g_hi]["gossip_bytes_per_peer_s"] / valid[g_lo]["gossip_bytes_per_peer_s"], 2
         )
         result["gossip_growth_sizes"] = [g_lo, g_hi]
-    # What the heartbeat rule predicts where a machine cannot measure it: per-peer gossip is
-    # proportional to the swarm's heartbeat rate (every heartbeat reaches every peer once).
-    from meshtrain.crdt.swarm_view import heartbeat_interval_for
+    # What the rules predict where a machine cannot measure it: per-peer gossip is proportional
+    # to the records the swarm writes a second (each reaches every peer once) — a membership
+    # record per heartbeat, and progress: one per progress gap where rounds are shorter than the
+    # gap, else one per round plus the heartbeats' rewrites (a trainer's `progress_live`) that
+    # find the last write a gap old (about 1 − gap/round of them).
+    from meshtrain.crdt.swarm_view import heartbeat_interval_for, progress_gap_for
 
-    model = sorted({16, *scale, *gossip})
-    result["gossip_model_heartbeats_per_s"] = {str(n): round(n / heartbeat_interval_for(n), 2) for n in model}
-    result["gossip_model_growth"] = round(
-        (model[-1] / heartbeat_interval_for(model[-1])) / (model[0] / heartbeat_interval_for(model[0])), 2
-    )
+    def records_per_s(n: int) -> float:
+        beat, gap, rnd = heartbeat_interval_for(n), progress_gap_for(n), args.gossip_round_s
+        if not rnd:
+            return n / beat
+        progress = 1 / gap if rnd < gap else 1 / rnd + (1 - gap / rnd) / beat
+        return n / beat + n * progress
+
+    model = sorted({16, 256, *scale, *gossip})
+    result["gossip_model_records_per_s"] = {str(n): round(records_per_s(n), 2) for n in model}
+    result["gossip_model_growth"] = round(records_per_s(model[-1]) / records_per_s(model[0]), 2)
     result["gossip_model_growth_sizes"] = [model[0], model[-1]]
     result["round_s_note"] = "CPU-bound: every peer shares this machine's cores; per-peer costs are the measure"
     result["wall_s"] = round(wall, 1)

@@ -423,6 +423,39 @@ async def test_progress_and_metrics_reach_every_peer():
             views[0].report_progress(step=-1)
 
 
+async def test_round_changes_are_written_at_once_at_most_once_per_gap_in_a_stretched_swarm():
+    """Every peer's round end floods a record to every peer: in a swarm stretched past the
+    shortest heartbeat, our progress writes are spaced by `progress_gap()`, and a change sooner is
+    written once the gap has passed. A small swarm (gap 0) writes every round change at once."""
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 3)
+        # 3 live peers at 2 heartbeats a second, swarm-wide: a 1.5 s interval, a 1.2 s gap
+        views = await start_views(stack, hosts, hosts[0].peer_id, swarm_heartbeat_rate=2.0)
+        me = hosts[0].peer_id
+        await wait_until(lambda: all(len(v.peers()) == 3 for v in views), 5, "all live")
+        assert views[0].progress_gap() == pytest.approx(1.2)
+        mine = views[0].progress
+
+        views[0].report_progress(step=10, outer_round=1)
+        assert mine()[me].outer_round == 1  # at once: nothing written before
+        t0 = trio.current_time()
+        views[0].report_progress(step=20, outer_round=2)
+        views[0].progress_live = True  # a trainer's: its heartbeats rewrite progress, within the gap too
+        assert mine()[me].outer_round == 1  # within the gap: waits ...
+        await wait_until(lambda: mine()[me].outer_round == 2, 3, "written once the gap has passed")
+        assert trio.current_time() - t0 >= 1.1  # ... for it, not for the next heartbeat alone
+        await trio.sleep(views[0].progress_gap())
+        views[0].report_progress(step=30, outer_round=3)
+        assert mine()[me].outer_round == 3  # a gap after the last write: at once again
+
+        pair = await start_hosts(stack, 2)
+        small = await start_views(stack, pair, pair[0].peer_id)
+        assert small[0].progress_gap() == 0.0
+        for r in (1, 2, 3):
+            small[0].report_progress(outer_round=r)
+            assert small[0].progress()[pair[0].peer_id].outer_round == r
+
+
 async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_ages():
     """A trainer held inside a round reports nothing new, yet trains: with `progress_live` its
     record is rewritten every heartbeat (a joiner then sees a donor); without, it ages."""

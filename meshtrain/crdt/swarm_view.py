@@ -56,7 +56,16 @@ Why not digests or sampling instead: every peer needs every live record once per
 on one membership snapshot, so stretching the lease is the knob, and no wire format changes.
 
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
-they go out with the next heartbeat, except an outer-round change, which is written at once.
+they go out with the next heartbeat, except an outer-round change, which is written at once —
+unless a progress record of ours went out less than `progress_gap()` ago (the interval's stretch
+past `heartbeat_interval`: 0 up to 12 peers, 1 s at 16, 7.7 s at 64, 29 s at 256); then it is
+written once the gap has passed. The gap bounds every progress write, the heartbeat's and
+`progress_live`'s rewrites included. Every peer's round ends flood a record to every peer, so
+unbounded, a swarm of N peers with rounds of T seconds sends each peer N/T records a second,
+growing with N; bounded, each peer writes about one progress record per interval in a large
+swarm, and what every peer receives follows the heartbeat rate (log N). The price is freshness
+in large swarms with fast rounds: a peer's round and φ digests (node/parity.py) lag up to a gap
+there, where rounds are grouped and parity is not judged anyway.
 
 Wire: none of its own — the records of swarm_records.py, sent and merged by the replica.
 
@@ -168,6 +177,13 @@ def heartbeat_interval_for(
     return min(max_heartbeat_interval, max(heartbeat_interval, live / rate))
 
 
+def progress_gap_for(live: int, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, **rates: float) -> float:
+    """The least seconds between two progress writes of one peer among `live` live peers: the
+    heartbeat interval's stretch past its shortest (module docstring, "Progress"). `rates`: the
+    other arguments of `heartbeat_interval_for`."""
+    return max(0.0, heartbeat_interval_for(live, heartbeat_interval, **rates) - heartbeat_interval)
+
+
 class NotSwarmOwner(NotAWriter):
     """Only the swarm owner's key may change the run config."""
 
@@ -249,6 +265,8 @@ class SwarmView(Service):
         self._progress = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
         self._progress_written = False
+        self._progress_at = -math.inf  # trio time of our last progress write
+        self._progress_deferred = False  # a round change waits for the gap (`_write_progress_after`)
         # While True, our progress record is written at every heartbeat even without news: a
         # trainer held in a round (waiting for a peer to join) trains all the same, and a joiner
         # that reads a stale record as "not training" finds no donor while we wait for it.
@@ -322,10 +340,21 @@ class SwarmView(Service):
 
     def current_interval(self) -> float:
         """Seconds between our heartbeats now: longer in a bigger swarm (module docstring)."""
-        live = sum(1 for p in self.peers() if p.is_live(now_ms(), self.max_skew_ms))
         return heartbeat_interval_for(
-            live, self.heartbeat_interval, self.swarm_heartbeat_rate, self.max_heartbeat_interval
+            self._live_count(), self.heartbeat_interval, self.swarm_heartbeat_rate, self.max_heartbeat_interval
         )
+
+    def progress_gap(self) -> float:
+        """The least seconds between two progress writes of ours (module docstring, "Progress")."""
+        return progress_gap_for(
+            self._live_count(),
+            self.heartbeat_interval,
+            swarm_heartbeat_rate=self.swarm_heartbeat_rate,
+            max_heartbeat_interval=self.max_heartbeat_interval,
+        )
+
+    def _live_count(self) -> int:
+        return sum(1 for p in self.peers() if p.is_live(now_ms(), self.max_skew_ms))
 
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
         lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
@@ -429,7 +458,8 @@ class SwarmView(Service):
         phi: list[tuple[int, bytes]] | None = None,
     ) -> None:
         """Record our progress; it goes out with the next heartbeat, at once if the outer round
-        or the φ digests changed. `phi`: (round, digest) of our last rounds, oldest first."""
+        or the φ digests changed — or, within `progress_gap()` of our last progress write, once
+        that gap has passed. `phi`: (round, digest) of our last rounds, oldest first."""
         new = dict(self._progress)
         for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
             if value is not None:
@@ -440,7 +470,12 @@ class SwarmView(Service):
         self._progress = new
         self._progress_dirty = True
         if round_changed and not self._left:
-            self._write_progress()
+            wait = self._progress_at + self.progress_gap() - trio.current_time()
+            if wait <= 0:
+                self._write_progress()
+            elif not self._progress_deferred and self._nursery is not None:
+                self._progress_deferred = True
+                self._nursery.start_soon(self._write_progress_after, wait)
 
     def report_metrics(self, values: Mapping[str, float]) -> None:
         """Record our latest metrics (merged into the previous ones); sent with the next heartbeat."""
@@ -454,12 +489,19 @@ class SwarmView(Service):
         self._metrics = merged
         self._metrics_dirty = True
 
+    async def _write_progress_after(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        self._progress_deferred = False
+        if self._progress_dirty and not self._left:
+            self._write_progress()
+
     def _write_progress(self) -> None:
         rec = dict(self._progress)
         ts = now_ms()
         self.replica.write(PROGRESS, lambda c, me: c.set(me, rec, timestamp=ts))
         self._progress_dirty = False
         self._progress_written = True
+        self._progress_at = trio.current_time()
 
     def _write_metrics(self) -> None:
         rec = dict(self._metrics)
@@ -468,7 +510,9 @@ class SwarmView(Service):
         self._metrics_dirty = False
 
     def _flush_reports(self) -> None:
-        if self._progress_dirty:
+        # within the gap, the record went out less than an interval ago, and a change waits for
+        # its deferred write
+        if self._progress_dirty and trio.current_time() - self._progress_at >= self.progress_gap():
             self._write_progress()
         if self._metrics_dirty:
             self._write_metrics()
