@@ -6,8 +6,8 @@ shows how it is connected: its own reachability, and per peer "direct" or "relay
 
 What the NATs make of it (scripts/natlab): the public node is reachable; the private ones learn
 they are private from its dial-backs, reserve a relay slot on it and announce circuit addresses;
-the cone pair may punch a direct path (DCUtR); the symmetric peer cannot punch through to a cone
-peer (its mapping changes per destination), so that pair stays relayed, and its tensors move over
+the cone pair punches a direct path (DCUtR), which the test waits for; the symmetric peer cannot
+punch through to a cone peer (its mapping changes per destination), so that pair stays relayed, and its tensors move over
 the relayed libp2p stream (the data plane's fallback).
 """
 
@@ -146,6 +146,17 @@ def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(
         # A symmetric NAT maps every destination to a new port: no hole punch reaches a cone peer.
         to_cone = {name[p["peer_id"]]: p["connection"] for p in st["h2"]["peers"]}
         assert "direct" not in (to_cone["h0"], to_cone["h1"]), to_cone
+
+        # The cone pair punches through (DCUtR, at once after a relayed dial and retried while
+        # relayed): each of the two sees the other "direct", with nothing but the defaults.
+        def cone_pair_direct() -> bool:
+            st = statuses(("h0", "h1"))
+            if not st:
+                return False
+            seen = {h: {name.get(p["peer_id"]): p["connection"] for p in s["peers"]} for h, s in st.items()}
+            return seen["h0"].get("h1") == "direct" and seen["h1"].get("h0") == "direct"
+
+        wait_for("the cone pair to punch a direct connection", cone_pair_direct, 120, logs)
 
         # Kill a private peer outright; the others go on, and agree, without it.
         procs[KILLED].send_signal(signal.SIGKILL)
