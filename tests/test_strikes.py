@@ -23,7 +23,7 @@ from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.admission import EXCLUDED, pow_ok
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.strikes import STRIKES_FILE, Standing
+from meshtrain.node.strikes import STRIKES_FILE, LossScore, Standing, loss_flagged
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 
@@ -101,6 +101,36 @@ async def test_two_reporters_in_three_rounds_exclude_a_peer_everywhere(tmp_path)
             assert {q: s.excluded for q, s in p.standing().items()} == {x.me: True}  # honest peers: no standing
         assert not await a.is_member(x.me)
         assert x.not_admitted() == EXCLUDED  # and it knows
+
+
+async def test_loss_verdicts_are_not_filed_against_a_peer_on_another_phi_lineage(tmp_path) -> None:
+    """A peer whose published φ differs from ours trains from another state: its honest update
+    fails loss scoring measured on our φ (a chaos soak struck the creator out that way, while its
+    parity check was about to re-sync it). Once the digests agree again, verdicts are filed."""
+    async with AsyncExitStack() as stack:
+        signed, peers = await swarm(stack, 4, tmp_path)
+        a, b, c, x = peers
+        ours, theirs, next_round = b"\x0a" * 16, b"\x0b" * 16, b"\x0c" * 16
+        for p in (a, b, c):
+            p.view.report_progress(outer_round=5, phi=[(5, ours)])
+        x.view.report_progress(outer_round=5, phi=[(5, theirs)])
+        await until(lambda: b.view.progress().get(x.me) is not None and b.view.progress()[x.me].phi, "digests")
+        ids = tuple(sorted(p.me for p in peers))
+        verdict = LossScore(x.me, gain=-0.05, ref=0.01, norm_ratio=1.0, alignment=0.9)
+        assert loss_flagged(verdict.gain, verdict.ref, signed.spec)
+
+        def filed_by_b() -> list:
+            return [s for r in b.view.strike_records() if r.reporter == b.me for s in r.strikes if s.peer == x.me]
+
+        assert b.strikes.other_lineage(x.me) and not b.strikes.other_lineage(c.me)
+        b.strikes.on_scores(RoundScreening(120, "", ids, DIGEST), [verdict])
+        assert filed_by_b() == []
+
+        for p in peers:  # x re-synced: the same φ after the next round
+            p.view.report_progress(outer_round=6, phi=[(5, theirs if p is x else ours), (6, next_round)])
+        await until(lambda: not b.strikes.other_lineage(x.me), "x's new digest arrives")
+        b.strikes.on_scores(RoundScreening(140, "", ids, DIGEST), [verdict])
+        assert [s.round_id for s in filed_by_b()] == [140]
 
 
 async def test_strikes_spread_over_a_long_run_exclude_nobody_and_a_run_of_them_does(tmp_path) -> None:

@@ -15,7 +15,10 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   part, the scores; an echo flag, collective/echoes.py, as an echo strike). Loss scoring's
   verdicts on the round's sampled peers arrive later, from a worker thread (node/scoring.py,
   `on_scores`), and are filed the same way, as loss strikes; so are replay spot-checks'
-  (node/spot_check.py, `on_spot_checks`), as spot strikes.
+  (node/spot_check.py, `on_spot_checks`), as spot strikes. Those two measure a peer's update on
+  *our* φ, so neither is filed against a peer whose published φ digest differs from ours at the
+  newest round both published (`other_lineage`): a lineage that parity (node/parity.py) is
+  repairing, whose honest update would fail them all the same.
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
@@ -52,7 +55,11 @@ and tells its own limits; loss scoring (node/scoring.py) catches those of the sa
 whose update does not lower the loss on their own assigned batches, and its own limits are told
 there; replay spot-checks
 (node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
-limits. A majority of colluding admitted peers (half of a round's others) can strike honest peers out. The window bounds chance verdicts,
+limits. A peer that publishes φ digests other than ours escapes loss and spot strikes (not
+norm, direction or echo ones); the cure is a round that takes only peers holding the same φ (a
+digest in the join, as PCCL checks shared state before it reduces), which the collective does
+not have yet. A majority of colluding admitted peers (half of a round's others) can strike
+honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
 default, node/swarm_spec.py) can still be struck `spec.strikes` times within a window; an
@@ -286,6 +293,9 @@ class StrikeBook:
         for peer, norm_ratio, alignment, scores in flagged:
             if peer in screened:
                 continue
+            if self.other_lineage(peer):
+                log.info(kv(f"{event}: not filed, it holds another φ", round=screening.round_id, peer=peer[-12:]))
+                continue
             strikes.append(
                 Strike(
                     self.me,
@@ -304,6 +314,21 @@ class StrikeBook:
             log.warning(kv(event, round=screening.round_id, peer=peer[-12:], **scores))
         self._standing = None
         self._file(strikes)
+
+    def other_lineage(self, peer: str) -> bool:
+        """`peer` published a φ digest (node/parity.py) that differs from ours at the newest
+        round both of us published: it trains from another state than ours. Its update was
+        computed from that state, so measuring it on ours (loss scoring, a spot-check's replay)
+        judges the difference of states, not the peer — an honest peer on a lineage that parity
+        is repairing fails both (a chaos soak struck the swarm's creator out that way, three
+        rounds before its parity check re-synced it, and then no peer served it the state)."""
+        progress = self.view.progress()
+        mine, theirs = progress.get(self.me), progress.get(peer)
+        if mine is None or theirs is None:
+            return False
+        ours = dict(mine.phi)
+        common = [r for r, _ in theirs.phi if r in ours]
+        return bool(common) and theirs.phi_at(max(common)) != ours[max(common)]
 
     def _file(self, strikes: list[Strike]) -> None:
         if not strikes:
