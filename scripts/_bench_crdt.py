@@ -367,6 +367,7 @@ async def _report_rounds(view: Any, round_s: float) -> None:
     import trio
 
     from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
+    from meshtrain.node.parity import DIGEST_BYTES
 
     view.progress_live = True  # as a training node's (node/presence.py)
     await trio.sleep(random.random() * round_s)
@@ -374,7 +375,7 @@ async def _report_rounds(view: Any, round_s: float) -> None:
     r = 0
     while True:
         r += 1
-        phi = [*phi, (r, os.urandom(16))][-MAX_PHI_DIGESTS:]
+        phi = [*phi, (r, os.urandom(DIGEST_BYTES))][-MAX_PHI_DIGESTS:]
         view.report_progress(step=100 * r, samples=6400 * r, outer_round=r, phi=phi)
         await trio.sleep(round_s)
 

@@ -25,8 +25,9 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - parity_violations: from `training.phi_history` ([[round, φ digest], ...]): for each round r,
   the live peers' digests at r are grouped; a peer whose digest is not the plurality digest at r
   (by the node's own rule, `parity.winning_digest`: a tie goes to the digest whose holders
-  include the lowest peer id, the side the node re-syncs the others to) and that, observed later, has not reported the plurality digest of r, r+1 or r+2
-  is a violation (one round of slack for the re-sync), unless it reported the plurality digest of
+  include the lowest peer id, the side the node re-syncs the others to) and that, observed
+  later, has not reported the plurality digest of r, r+1 or r+2 is a violation (one round of
+  slack for the re-sync), unless it reported the plurality digest of
   some later round within `PARITY_HEAL_S` of its odd one: the node's parity check runs on a timer
   and on gossiped digests, and rounds of a few fast steps (5 a second alone) outrun two rounds of
   slack. A peer not observed past r+2 (killed, run over) is counted in `parity_unresolved`

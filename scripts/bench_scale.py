@@ -31,9 +31,9 @@ what is reported, at each size N:
   (each peer a `Replica` + `SwarmView` at its defaults, ending an outer round every
   `--gossip-round-s` s, 5 by default, and reporting it as a trainer does: step, samples, round,
   φ digests — the swarm heartbeats 4·max(1, log₁₆ N) times a second, swarm_view.py's
-  `heartbeat_interval_for`, and a peer writes a round change at once at most once per
-  `progress_gap()`; ring + chords topology, as scripts/_bench_crdt.py; `0`: idle peers), with `gossip_cpu_cores` (a saturated machine sends less than it
-  should: read the bytes beside it). Anti-entropy RPCs are counted in `gossip_msgs_per_peer_s`,
+  `heartbeat_interval_for`, and a peer's progress writes are at least `progress_gap()` apart;
+  ring + chords topology, as scripts/_bench_crdt.py; `0`: idle peers), with `gossip_cpu_cores`
+  (a saturated machine sends less than it should: read the bytes beside it). Anti-entropy RPCs are counted in `gossip_msgs_per_peer_s`,
   not in the bytes;
 - set-up: `connect_s`, `dial_retries` and `session_retries` (dials and data-plane session RPCs
   that failed on a starved machine and were tried again, up to `SETUP_ATTEMPTS` each; an error

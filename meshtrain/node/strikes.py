@@ -327,8 +327,8 @@ class StrikeBook:
         if mine is None or theirs is None:
             return False
         ours = dict(mine.phi)
-        common = [r for r, _ in theirs.phi if r in ours]
-        return bool(common) and theirs.phi_at(max(common)) != ours[max(common)]
+        newest = max((r for r, _ in theirs.phi if r in ours), default=None)
+        return newest is not None and theirs.phi_at(newest) != ours[newest]
 
     def _file(self, strikes: list[Strike]) -> None:
         if not strikes:
