@@ -42,7 +42,8 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   CPU model's inner step takes ~20 ms, so hiding a fragment round of a few round trips (40 ms
   each) needs several steps; a model whose step takes longer than a round hides it at τ = 1.
   `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
-  `training.final_eval_loss` what each overlap cost in loss. `diloco_overlap_ratio`: DiLoCo
+  `training.final_eval_loss` what each overlap cost in loss, and `training.cpu_s_per_peer` the
+  process CPU each peer used (communication's CPU: this machine's two cores are shared). `diloco_overlap_ratio`: DiLoCo
   (H = 40, fp32) on the same link.
 - `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
   what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
@@ -273,12 +274,13 @@ def stream_once(a: LabPeer, b: LabPeer, mib: float, tag: str) -> float:
     return float(sent["seconds"])
 
 
-def run_trainers(lab: WanLab, method: list[str], steps: int, log_dir: str) -> list[dict]:
-    """Two proc_trainer peers (p0, p1) with `method`; their final JSON lines."""
+def run_trainers(lab: WanLab, name: str, method: list[str], steps: int, log_dir: str) -> list[dict]:
+    """Two proc_trainer peers (p0, p1) with `method`, logging to trainer-`name`-i.log; their final
+    JSON lines."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     procs = []
     for i, host in enumerate(("p0", "p1")):
-        log = open(os.path.join(log_dir, f"trainer-{method[1]}-{i}.log"), "w")  # noqa: SIM115
+        log = open(os.path.join(log_dir, f"trainer-{name}-{i}.log"), "w")  # noqa: SIM115
         argv = [sys.executable, str(ROOT / "tests" / "proc_trainer.py"), "--index", str(i), "--steps", str(steps)]
         argv += ["--listen", lab.addr(host), "--join-timeout", "60", "--part-timeout", "60", *method]
         procs.append(
@@ -319,10 +321,11 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "streaming_tau1": [*streaming, "--delay", "1"],
             "diloco": ["--method", "diloco", "--H", str(H)],
         }
-        walls, stats, losses = {}, {}, {}
+        walls, cpus, stats, losses = {}, {}, {}, {}
         for name, method in runs.items():
-            done = run_trainers(lab, method, steps, log_dir)
+            done = run_trainers(lab, name, method, steps, log_dir)
             walls[name] = max(d["wall_s"] for d in done)
+            cpus[name] = round(sum(d["cpu_s"] for d in done) / len(done), 2)
             stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
             losses[name] = round(statistics.mean(d["final_eval_loss"] for d in done), 4)
             progress(f"{name}: {steps} steps in {walls[name]:.2f} s, eval loss {losses[name]}")
@@ -333,6 +336,7 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "P": P,
             "delay_steps": {"streaming": most, "streaming_tau1": 1},
             "wall_s": {k: round(v, 2) for k, v in walls.items()},
+            "cpu_s_per_peer": cpus,
             "final_eval_loss": losses,
             "stats": stats,
         }
@@ -404,6 +408,7 @@ def main() -> int:
         return 2
     cleanup_stale()
     log_dir = args.keep_logs or tempfile.mkdtemp(prefix="bench-wan-")
+    os.makedirs(log_dir, exist_ok=True)
     out: dict = {"peers": args.peers, "mb": args.mb, "link_mbit": 100, "one_way_ms": 20, "logs": log_dir}
     t0 = time.monotonic()
     if args.allreduce:

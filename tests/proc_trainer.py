@@ -259,7 +259,7 @@ async def main(args: argparse.Namespace) -> None:
                         with contextlib.suppress(Exception):
                             await host.connect(a, timeout=5)
 
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         async with trio.open_nursery() as keeper:
             keeper.start_soon(keep_connected)
             if isinstance(outer, OuterOptimizer):
@@ -270,6 +270,7 @@ async def main(args: argparse.Namespace) -> None:
                 await trio.to_thread.run_sync(train)
             keeper.cancel_scope.cancel()
         wall = time.monotonic() - t0
+        cpu = time.process_time() - cpu0
         final = await trio.to_thread.run_sync(evaluate)
         stats = (
             outer.stats()
@@ -292,6 +293,7 @@ async def main(args: argparse.Namespace) -> None:
                 "final_eval_loss": final,
                 "stats": stats,
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "phi_digest": digest(phi),
                 "contributors": [r.contributors for r in history],
                 "steps_of_rounds": [r.step for r in history],

@@ -229,6 +229,18 @@ async def test_repeated_failures_abort_after_max_attempts(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_the_last_member_leaving_aborts_the_attempt(autojump_clock):
+    # A group of one whose member leaves (a prepared join withdrawn: collective/prepared.py) has
+    # nobody to retry with: the attempt is aborted, not retried with an empty group.
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a"])
+        outcome = await c.report("a", report(key, FAIL, suspects=("a",), evidence=True))
+        assert outcome == Abort("no member left")
+        nursery.cancel_scope.cancel()
+
+
 async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b"])

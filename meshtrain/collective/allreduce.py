@@ -25,7 +25,8 @@ and without asking it would wait out the hard join deadline alone. Peers already
 count as passed; peers in it at a lower-id coordinator make it hand over there, or, if that
 coordinator cannot be reached, end the round at once (`CollectiveError`). hivemind forms groups through
 DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
-clean attempt semantics without a node the swarm cannot lose.
+clean attempt semantics without a node the swarm cannot lose. A join may be sent ahead of its
+round's data (`prepare`, prepared.py), saving the round a join round trip.
 
 **Data phase** (one attempt, group of n, flattened input of M elements cut into n parts; part j
 belongs to the j-th peer): reduce-scatter — every peer sends part j (optionally codec-encoded,
@@ -67,8 +68,9 @@ drops from its part a contribution that repeats one of its recent rounds (echoes
 codes) and the round loop above. The coordinator's state machine is coordinator.py, one
 attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), our input — flattened and
 checked for finiteness once per round, in a worker thread while the join goes out — is
-contribution.py, and every control
-message, with its wire form, limits and `parse`, is protocol.py. The public names
+contribution.py, joins sent ahead are prepared.py, the committed result's transfer to members
+without it is committed.py, and every control message, with its wire form, limits and `parse`,
+is protocol.py. The public names
 (`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
 """
 
@@ -83,6 +85,7 @@ from typing import Any
 import torch
 import trio
 
+from meshtrain.collective.committed import fetch_committed, send_committed
 from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
@@ -91,10 +94,10 @@ from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.pairwise import average_pair
+from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.protocol import (
     DONE,
     FAIL,
-    FAIL_GRACE,
     JOIN_RPC,
     NOT_A_MEMBER,
     OUT_OF_WINDOW,
@@ -122,7 +125,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
-from meshtrain.transport.tensor_streams import TensorStreams, TransferError
+from meshtrain.transport.tensor_streams import TensorStreams
 from meshtrain.transport.validate import Malformed
 
 log = get_logger(__name__)
@@ -205,6 +208,7 @@ class SwarmCollective(Service):
         # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
         self._position: dict[str, tuple[int, str]] = {}
         self._finished: dict[str, int] = {}
+        self.prepared = PreparedJoins(self._join, self._leave)  # joins sent ahead (prepared.py)
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
@@ -382,6 +386,12 @@ class SwarmCollective(Service):
         except Malformed:
             raise _Restart("malformed reply from coordinator") from None
 
+    async def _leave(self, key: RoundKey, attempt: int) -> None:
+        """Tell the coordinator we are leaving the attempt (a FAIL report accusing ourselves), so
+        the others retry without us at once; quiet if it cannot be told, and cancel-proof."""
+        with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(_Restart, RpcError):
+            await self._report(Report(key, attempt, FAIL, None, (self.peer_id,), (), True))
+
     async def _report(self, report: Report) -> Outcome:
         if report.key.coordinator == self.peer_id:
             return await self._coord.report(self.peer_id, report)
@@ -401,6 +411,25 @@ class SwarmCollective(Service):
 
     # -- the collective ------------------------------------------------------------------------
 
+    def _round_tag(self, round_id: int, tag: str) -> str:
+        """The tag our round `round_id` runs under: with `grouping`, our group's."""
+        groups = self.round_groups(round_id)
+        return tag if groups is None else self.grouping.tag(tag, groups, self.peer_id)
+
+    def _join_request(self, round_id: int, tag: str, live: Sequence[str], dead: set[str]) -> JoinRequest:
+        """Our join of round `round_id` at `live[0]`, having given up on `dead`."""
+        key = RoundKey(round_id, tag, live[0])
+        return JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink, self.stripe_taper)
+
+    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
+        """Send round `round_id`'s first join now, in the background; the round is due in about
+        `within` seconds. The `all_reduce` of that round then takes the reply (prepared.py)."""
+        tag = self._round_tag(round_id, tag)
+        if (round_id, tag) not in self.prepared:
+            self.prepared.prepare(
+                self._join_request(round_id, tag, self.group(round_id), set()), within, await self._running()
+            )
+
     async def all_reduce(
         self,
         tensors: dict[str, torch.Tensor],
@@ -416,9 +445,7 @@ class SwarmCollective(Service):
         contribution = Contribution(tensors, weight, round_id)
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
-        groups = self.round_groups(round_id)
-        if groups is not None:
-            tag = self.grouping.tag(tag, groups, self.peer_id)
+        tag = self._round_tag(round_id, tag)
         try:
             return await self._all_reduce(contribution, tag, codec)
         finally:
@@ -437,20 +464,15 @@ class SwarmCollective(Service):
             if not live:  # every candidate we tried is gone or handed over in a loop
                 raise CollectiveError(f"round {round_id}: no coordinator left to join")
             coordinator = live[0]
-            key = RoundKey(round_id, tag, coordinator)
             self._position[tag] = (round_id, coordinator)
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
-                with trio.fail_after(self._round_deadline(contribution.numel)):
-                    return await self._run_round(
-                        JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink, self.stripe_taper),
-                        contribution,
-                        codec,
-                    )
+                with trio.fail_after(self.config.round_deadline(contribution.numel)):
+                    return await self._run_round(self._join_request(round_id, tag, live, dead), contribution, codec)
             except trio.TooSlowError:
                 raise CollectiveError(
-                    f"round {round_id}: no outcome within {self._round_deadline(contribution.numel):.0f} s"
+                    f"round {round_id}: no outcome within {self.config.round_deadline(contribution.numel):.0f} s"
                 ) from None
             except _Moved as e:
                 # Our view was behind: take the fresh membership (it now has the newcomer).
@@ -469,21 +491,14 @@ class SwarmCollective(Service):
                     raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
                 dead.add(coordinator)
 
-    def _round_deadline(self, numel: int) -> float:
-        cfg = self.config
-        transfer = cfg.transfer_deadline(numel)
-        return (
-            cfg.join_timeout * cfg.hard_join_factor
-            + cfg.max_attempts * (2 * transfer + cfg.report_timeout + FAIL_GRACE)
-            + 30
-        )
-
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
         if coordinator != self.peer_id:
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
-        joined = await self._join(join)
+        joined = await self.prepared.take(join)  # sent ahead by `prepare` (prepared.py), or:
+        if joined is None:
+            joined = await self._join(join)
         self._waiting = None
         log.debug(kv("allreduce joined", key=key, reply=type(joined).__name__))
         if isinstance(joined, Moved):
@@ -511,8 +526,7 @@ class SwarmCollective(Service):
                 # waiting out a deadline for our data — or blaming whoever our silence makes drop
                 # out next (seen in CI: an innocent peer excluded). `except*`: a cancellation
                 # that lands in the data phase's nursery arrives wrapped in an exception group.
-                with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(_Restart, RpcError):
-                    await self._report(Report(key, attempt, FAIL, None, (self.peer_id,), (), True))
+                await self._leave(key, attempt)
                 raise
             if isinstance(outcome, Retry):
                 for p in outcome.excluded:
@@ -543,12 +557,12 @@ class SwarmCollective(Service):
         if self.peer_id in outcome.resync or result is None:
             if not outcome.holders:
                 raise CollectiveError(f"{key}: nobody holds the committed result")
-            result = await self._resync(resync_tag, outcome.holders[0], tensors)
+            result = await fetch_committed(self.streams, self.config, outcome.holders[0], resync_tag, tensors)
             digest = result_digest(result)
         elif outcome.holders and outcome.holders[0] == self.peer_id and needy:
             nursery = await self._running()
             for p in needy:
-                nursery.start_soon(self._send_quietly, p, resync_tag, result)
+                nursery.start_soon(send_committed, self.streams, self.config, p, resync_tag, result)
         if digest != outcome.digest:
             raise CollectiveError(f"{key}: result does not match the committed digest")
         for p in outcome.rejected:
@@ -656,23 +670,6 @@ class SwarmCollective(Service):
             raise
         log.debug(kv("allreduce attempt decided", key=key, attempt=attempt, outcome=type(decided[0]).__name__))
         return decided[0], (result[0] if result else None), phase.stats
-
-    async def _resync(self, tag: str, holder: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fetch the committed result from a peer that holds it (our copy is missing or wrong)."""
-        into = {k: torch.empty_like(v) for k, v in like.items()}
-        deadline = self.config.transfer_deadline(sum(v.numel() for v in like.values()))
-        try:
-            got = await self.streams.receive(holder, tag, into=into, timeout=deadline)
-        except TransferError as e:
-            raise CollectiveError(f"re-sync from {holder[-8:]} failed: {e}") from None
-        return got.tensors
-
-    async def _send_quietly(self, peer: str, tag: str, tensors: dict[str, torch.Tensor]) -> None:
-        deadline = self.config.transfer_deadline(sum(v.numel() for v in tensors.values()))
-        try:
-            await self.streams.send(peer, tag, tensors, timeout=deadline)
-        except TransferError as e:  # the peer may simply be gone
-            log.info(kv("re-sync send failed", peer=peer[-8:], error=str(e)))
 
     async def average_with(
         self,

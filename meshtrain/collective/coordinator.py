@@ -495,7 +495,9 @@ class Coordinator:
             return
         r = self.rounds[key]
         survivors = tuple(p for p in a.group if p not in suspects)
-        if len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
+        if not survivors:
+            a.outcome = Abort("no member left")
+        elif len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
             a.outcome = Abort("too many failed attempts" if suspects else "no progress")
         else:
             r.attempts.append(self._new_attempt(r, survivors))

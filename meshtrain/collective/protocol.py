@@ -139,6 +139,12 @@ class AllReduceConfig:
         """The deadline of one transfer of up to `numel` fp32 elements."""
         return self.part_timeout + 4 * numel / self.min_bandwidth
 
+    def round_deadline(self, numel: int) -> float:
+        """A safety net over a whole round of `numel` elements: the longest its joins, attempts
+        and reports can take by the per-step deadlines, and half a minute more."""
+        per_attempt = 2 * self.transfer_deadline(numel) + self.report_timeout + FAIL_GRACE
+        return self.join_timeout * self.hard_join_factor + self.max_attempts * per_attempt + 30
+
 
 # -- the round key ------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 
@@ -61,6 +61,10 @@ class AdversarialCollective:
 
     def group(self, round_id: int) -> tuple[str, ...]:
         return self.inner.group(round_id)
+
+    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
+        if isinstance(self.inner, PreparesRounds):
+            await self.inner.prepare(round_id=round_id, tag=tag, within=within)
 
     async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
         return await self.inner.average_with(partner, self.corrupt(tensors, kw.get("tag", "")), **kw)

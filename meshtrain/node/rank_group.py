@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
+from meshtrain.collective.contract import Collective, CollectiveError, PreparesRounds, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, unflatten
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
@@ -204,6 +204,11 @@ class LocalRanksCollective:
 
     def group(self, round_id: int) -> tuple[str, ...]:
         return self.swarm.group(round_id) if self.swarm is not None else (self.local.peer_id,)
+
+    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
+        """Rank 0 prepares the swarm's round; the machine's own reduce needs no group."""
+        if isinstance(self.swarm, PreparesRounds):
+            await self.swarm.prepare(round_id=round_id, tag=tag, within=within)
 
     async def all_reduce(
         self,

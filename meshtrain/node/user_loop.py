@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, ReduceResult, WatchesOptimizer
+from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult, WatchesOptimizer
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
 from meshtrain.node.config import NodeConfig, load_node_config
@@ -213,6 +213,11 @@ class Swarm(Collective, WatchesOptimizer):
 
     def group(self, round_id: int) -> tuple[str, ...]:
         return self._collective().group(round_id)
+
+    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
+        collective = self._collective()
+        if isinstance(collective, PreparesRounds):
+            await collective.prepare(round_id=round_id, tag=tag, within=within)
 
     def _collective(self) -> Collective:
         assert self.node.collective is not None  # started in __init__

@@ -78,6 +78,7 @@ from meshtrain.collective.contract import (
     Collective,
     CollectiveError,
     GroupsRounds,
+    PreparesRounds,
     ReduceResult,
     WatchesOptimizer,
 )
@@ -172,6 +173,9 @@ class OuterOptimizer(OuterRounds):
         self.needs_resync = False
         self._joined_at: int | None = None
         self._pending: dict[int, Exchange] = {}
+        self._prepared_through = 0  # the newest send step whose rounds were prepared
+        self._step_seconds: float | None = None  # the caller's inner step time (moving average)
+        self._step_ended: float | None = None
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.bytes_sent = 0
@@ -232,6 +236,19 @@ class OuterOptimizer(OuterRounds):
         if isinstance(self.collective, GroupsRounds) and self.collective.round_is_grouped(round_id):
             result = await self.with_group_consensus(result, round_id=round_id, tag=tag)
         return result
+
+    @property
+    def prepares_rounds(self) -> bool:
+        """Whether this optimizer lets its collective form a round's group ahead of the round
+        (outer_round.py, "Prepared rounds"): only with the default `communicate` — one all-reduce
+        per exchange under the exchange's tag — and a collective that `PreparesRounds`."""
+        return type(self).communicate is OuterOptimizer.communicate and isinstance(self.collective, PreparesRounds)
+
+    async def prepare(self, *, round_id: int, tag: str, within: float) -> None:
+        """Trio side: have the collective send the join of exchange `round_id`/`tag`, due in
+        about `within` seconds, now (contract.py `PreparesRounds`)."""
+        assert isinstance(self.collective, PreparesRounds)  # checked by `prepares_rounds`
+        await self.collective.prepare(round_id=round_id, tag=tag, within=within)
 
     async def with_group_consensus(self, result: ReduceResult, *, round_id: int, tag: str) -> ReduceResult:
         """`result` (the group's Δ̄) plus φ_i − φ̄, φ̄ averaged over the group in fp16. φ of these

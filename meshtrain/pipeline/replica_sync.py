@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult
 from meshtrain.errors import ConfigError
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer
 from meshtrain.optim.outer import RoundReport
@@ -86,6 +86,11 @@ class StageCollective(Collective):
 
     def group(self, round_id: int) -> tuple[str, ...]:
         return self.current().group(round_id)
+
+    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
+        current = self.current()
+        if isinstance(current, PreparesRounds):
+            await current.prepare(round_id=round_id, tag=self.prefix + tag, within=within)
 
 
 class StageOuterSync:

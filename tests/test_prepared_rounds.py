@@ -1,0 +1,137 @@
+"""Prepared rounds (collective/prepared.py, outer_round.py "Prepared rounds"): a round's join sent
+ahead of its data is taken by the round, and one that is never taken is withdrawn so the others
+are not held up — real hosts on loopback."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import blake3
+import torch
+import trio
+
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.optim import NoLoCo, SparseLoCo, StreamingDiLoCo
+
+from .test_allreduce import exact_mean, mesh, run_all
+
+
+async def test_prepared_joins_are_taken_by_their_round():
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3)
+        for col in cols:
+            await col.prepare(round_id=5, tag="f0", within=0.2)
+        await trio.sleep(0.3)  # the joins went out; the group is formed before any data exists
+        tensors = [{"w": torch.randn(3000), "b": torch.randn(5)} for _ in cols]
+        results = await run_all(cols, tensors, round_id=5, tag="f0")
+        assert len({r.digest for r in results}) == 1
+        expected = exact_mean([tensors[i] for i in range(3)])  # peers are sorted by id
+        for r in results:
+            assert r.contributors == tuple(p.id for p in peers)
+            assert all(torch.equal(r.tensors[k], expected[k]) for k in expected)
+        assert [(c.prepared.prepared, c.prepared.used, c.prepared.withdrawn) for c in cols] == [(1, 1, 0)] * 3
+        # A round nobody prepared joins as before.
+        results = await run_all(cols, tensors, round_id=6, tag="f0")
+        assert len({r.digest for r in results}) == 1 and [c.prepared.used for c in cols] == [1, 1, 1]
+
+
+async def test_an_unused_prepared_join_is_withdrawn_and_the_round_goes_on_without_it():
+    # part_timeout is long: without the withdrawal the two would wait 30 s for the third's data.
+    config = AllReduceConfig(join_timeout=5, part_timeout=30)
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3, config)
+        for col in cols:
+            col.prepared.slack = 0.5
+            await col.prepare(round_id=9, tag="f1", within=0.0)
+        tensors = [{"w": torch.full((100,), float(i + 1))} for i in range(3)]
+        with trio.fail_after(10):
+            results = await run_all(cols[:2], tensors[:2], round_id=9, tag="f1")
+        assert [r.contributors for r in results] == [(peers[0].id, peers[1].id)] * 2
+        assert torch.equal(results[0].tensors["w"], torch.full((100,), 1.5))
+        assert [c.prepared.withdrawn for c in cols] == [0, 0, 1]
+
+
+async def test_a_prepared_join_under_a_stale_coordinator_is_dropped():
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 2)
+        ids = [p.id for p in peers]
+        view = [ids[1]]  # the higher id has not heard of the lower one yet: it would coordinate
+        cols[1] = SwarmCollective(peers[1].host, peers[1].ts, lambda r: view, AllReduceConfig(join_timeout=5))
+        await cols[1].prepare(round_id=3, tag="f0", within=0.1)
+        await trio.sleep(0.2)  # its own round admitted it, as a group of one
+        view.insert(0, ids[0])  # now it has: the round runs at the lower id
+        tensors = [{"w": torch.full((10,), float(i))} for i in range(2)]
+        results = await run_all(cols, tensors, round_id=3, tag="f0")
+        assert [r.contributors for r in results] == [tuple(ids)] * 2
+        assert (cols[1].prepared.used, cols[1].prepared.withdrawn) == (0, 1)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+
+
+async def test_streaming_diloco_prepares_its_fragment_rounds_over_real_peers():
+    steps, H, P, tau = 24, 8, 2, 2
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 2)
+        outers = []
+        for col in cols:
+            model = _model(0)
+            outers.append(
+                StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), col, H=H, fragments=P, delay=tau)
+            )
+        assert all(o.prepares_rounds for o in outers)
+
+        async def train(i: int) -> None:
+            outer = outers[i]
+            gen = torch.Generator().manual_seed(i)
+            async with outer:
+                for _ in range(steps):
+                    x = torch.randn(16, 8, generator=gen)
+                    loss = outer.model(x).pow(2).mean()
+                    outer.zero_grad()
+                    loss.backward()
+                    await outer.astep()
+                    await trio.sleep(0.01)  # an inner step of ~10 ms: rounds are due well within the lead
+                await outer.afinish()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(train, i)
+        for outer, col in zip(outers, cols, strict=True):
+            assert [r.contributors for r in outer.history] == [2] * (steps // (H // P))
+            assert not [r.error for r in outer.history if r.error]
+            # Every round was prepared (the first send is at step H/P, after a timed step), and every
+            # prepared one was taken.
+            assert col.prepared.prepared == steps // (H // P) == col.prepared.used
+            assert col.prepared.withdrawn == 0
+
+        def digest(outer) -> str:
+            h = blake3.blake3()
+            for n in sorted(outer.outer_params):
+                h.update(outer.outer_params[n].numpy().tobytes())
+            return h.hexdigest()
+
+        assert digest(outers[0]) == digest(outers[1])
+
+
+def test_optimizers_with_their_own_exchange_do_not_prepare():
+    from meshtrain.collective.local import LocalSwarm
+
+    swarm = LocalSwarm(2)
+    model = _model(0)
+    # A collective that cannot prepare: nothing to prepare with.
+    assert not StreamingDiLoCo(model, None, swarm.member(0), H=8, fragments=2).prepares_rounds
+
+    class Preparing:
+        """A collective that prepares (only the optimizer's side is judged here)."""
+
+        peer_id = "me"
+
+        async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None: ...
+
+    col = Preparing()
+    assert not NoLoCo(_model(0), None, col, H=8).prepares_rounds  # pairs, not one all-reduce
+    assert not SparseLoCo(_model(0), None, col, H=8).prepares_rounds  # a gather, then a choice
+    assert StreamingDiLoCo(_model(0), None, col, H=8, fragments=2).prepares_rounds
