@@ -43,8 +43,8 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   each) needs several steps; a model whose step takes longer than a round hides it at τ = 1.
   `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
   `training.final_eval_loss` what each overlap cost in loss, and `training.cpu_s_per_peer` the
-  process CPU each peer used (communication's CPU: this machine's two cores are shared). `diloco_overlap_ratio`: DiLoCo
-  (H = 40, fp32) on the same link.
+  process CPU each peer used (communication's CPU: this machine's two cores are shared).
+  `diloco_overlap_ratio`: DiLoCo (H = 40, fp32) on the same link.
 - `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
   what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
 - `delay_measured_ms`: one-way latency UDP probes saw per configured delay (the lab checks

@@ -51,6 +51,21 @@ async def test_an_unused_prepared_join_is_withdrawn_and_the_round_goes_on_withou
         assert [c.prepared.withdrawn for c in cols] == [0, 0, 1]
 
 
+async def test_an_unprepared_round_is_withdrawn_at_once():
+    config = AllReduceConfig(join_timeout=5, part_timeout=30)
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3, config)
+        for col in cols:
+            await col.prepare(round_id=4, tag="f0", within=10.0)  # would expire only after 25 s
+        await trio.sleep(0.2)
+        await cols[2].unprepare(round_id=4, tag="f0")  # its training ended
+        tensors = [{"w": torch.full((10,), float(i))} for i in range(2)]
+        with trio.fail_after(5):
+            results = await run_all(cols[:2], tensors, round_id=4, tag="f0")
+        assert [r.contributors for r in results] == [(peers[0].id, peers[1].id)] * 2
+        assert [c.prepared.withdrawn for c in cols] == [0, 0, 1]
+
+
 async def test_a_prepared_join_under_a_stale_coordinator_is_dropped():
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, 2)
@@ -72,7 +87,7 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 async def test_streaming_diloco_prepares_its_fragment_rounds_over_real_peers():
-    steps, H, P, tau = 24, 8, 2, 2
+    steps, H, P, tau = 22, 8, 2, 2  # sends at steps 4, 8, …, 20; step 24's is prepared at 21
     async with AsyncExitStack() as stack:
         peers, cols = await mesh(stack, 2)
         outers = []
@@ -99,13 +114,13 @@ async def test_streaming_diloco_prepares_its_fragment_rounds_over_real_peers():
         async with trio.open_nursery() as nursery:
             for i in range(2):
                 nursery.start_soon(train, i)
+        await trio.sleep(0.2)  # the withdrawals run in the collectives' own tasks
         for outer, col in zip(outers, cols, strict=True):
-            assert [r.contributors for r in outer.history] == [2] * (steps // (H // P))
+            assert [r.contributors for r in outer.history] == [2] * 5
             assert not [r.error for r in outer.history if r.error]
-            # Every round was prepared (the first send is at step H/P, after a timed step), and every
-            # prepared one was taken.
-            assert col.prepared.prepared == steps // (H // P) == col.prepared.used
-            assert col.prepared.withdrawn == 0
+            # Every round was prepared (the first send is at step H/P, after a timed step) and taken;
+            # the one of step 24, which training did not reach, was withdrawn by `afinish`.
+            assert (col.prepared.prepared, col.prepared.used, col.prepared.withdrawn) == (6, 5, 1)
 
         def digest(outer) -> str:
             h = blake3.blake3()
@@ -130,6 +145,8 @@ def test_optimizers_with_their_own_exchange_do_not_prepare():
         peer_id = "me"
 
         async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None: ...
+
+        async def unprepare(self, *, round_id: int, tag: str = "") -> None: ...
 
     col = Preparing()
     assert not NoLoCo(_model(0), None, col, H=8).prepares_rounds  # pairs, not one all-reduce

@@ -430,6 +430,10 @@ class SwarmCollective(Service):
                 self._join_request(round_id, tag, self.group(round_id), set()), within, await self._running()
             )
 
+    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
+        """Round `round_id` will not run here: withdraw its prepared join (prepared.py)."""
+        self.prepared.drop(round_id, self._round_tag(round_id, tag))
+
     async def all_reduce(
         self,
         tensors: dict[str, torch.Tensor],

@@ -13,7 +13,9 @@ within)` (contract.py `PreparesRounds`). The collective then sends the round's f
 once, in the background, exactly as `all_reduce` would send it: the same key (the lowest
 candidate of our current view as coordinator), nothing skipped. The pending reply is kept here.
 When `all_reduce` comes for that round, and its first join has the same key, it takes the
-prepared reply instead of joining again, waiting for it if it has not come yet. Whatever the
+prepared reply instead of joining again, waiting for it if it has not come yet. When the
+optimizer knows the round will not run (its training ended: `finish`), it says so
+(`unprepare`) and the join is withdrawn at once. Whatever the
 reply is (`Joined`, `Moved`, `Late`, or an error: the coordinator is gone or refused us), the
 round loop handles it exactly as if the join had just been sent.
 
@@ -101,6 +103,12 @@ class PreparedJoins:
             self._entries.pop(oldest).claimed.set()  # not used: withdrawn once its reply is in
         log.debug(kv("allreduce join prepared", key=join.key, within=f"{within:.3f}"))
         nursery.start_soon(self._hold, entry)
+
+    def drop(self, round_id: int, tag: str) -> None:
+        """The round will not run: withdraw its prepared join (once its reply is in)."""
+        entry = self._entries.pop((round_id, tag), None)
+        if entry is not None:
+            entry.claimed.set()
 
     async def take(self, join: JoinRequest) -> JoinReply | None:
         """The prepared reply for `join` (a round's first join), or None: no join was prepared

@@ -66,6 +66,10 @@ class AdversarialCollective:
         if isinstance(self.inner, PreparesRounds):
             await self.inner.prepare(round_id=round_id, tag=tag, within=within)
 
+    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
+        if isinstance(self.inner, PreparesRounds):
+            await self.inner.unprepare(round_id=round_id, tag=tag)
+
     async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
         return await self.inner.average_with(partner, self.corrupt(tensors, kw.get("tag", "")), **kw)
 

@@ -210,6 +210,10 @@ class LocalRanksCollective:
         if isinstance(self.swarm, PreparesRounds):
             await self.swarm.prepare(round_id=round_id, tag=tag, within=within)
 
+    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
+        if isinstance(self.swarm, PreparesRounds):
+            await self.swarm.unprepare(round_id=round_id, tag=tag)
+
     async def all_reduce(
         self,
         tensors: dict[str, torch.Tensor],

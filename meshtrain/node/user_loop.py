@@ -219,6 +219,11 @@ class Swarm(Collective, WatchesOptimizer):
         if isinstance(collective, PreparesRounds):
             await collective.prepare(round_id=round_id, tag=tag, within=within)
 
+    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
+        collective = self._collective()
+        if isinstance(collective, PreparesRounds):
+            await collective.unprepare(round_id=round_id, tag=tag)
+
     def _collective(self) -> Collective:
         assert self.node.collective is not None  # started in __init__
         return self.node.collective

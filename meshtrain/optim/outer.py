@@ -250,6 +250,11 @@ class OuterOptimizer(OuterRounds):
         assert isinstance(self.collective, PreparesRounds)  # checked by `prepares_rounds`
         await self.collective.prepare(round_id=round_id, tag=tag, within=within)
 
+    async def unprepare(self, *, round_id: int, tag: str) -> None:
+        """Trio side: exchange `round_id`/`tag`, prepared, will not run (training ended)."""
+        assert isinstance(self.collective, PreparesRounds)  # it prepared the exchange
+        await self.collective.unprepare(round_id=round_id, tag=tag)
+
     async def with_group_consensus(self, result: ReduceResult, *, round_id: int, tag: str) -> ReduceResult:
         """`result` (the group's Δ̄) plus φ_i − φ̄, φ̄ averaged over the group in fp16. φ of these
         names is not written while their exchange is in flight (only `apply` writes it)."""

@@ -49,7 +49,8 @@ third of Streaming DiLoCo's at 20 ms one way (scripts/bench_wan.py). A blocking 
 too. Nothing is prepared before the first inner step has been timed, or when a step takes longer
 than the lead (the join is then small beside it). Preparing waits for a step after a send step,
 so the join of the round just sent reaches its coordinator first: a coordinator that saw us join
-a later round of a series before this one would count us as past it.
+a later round of a series before this one would count us as past it. `finish` unprepares the
+exchanges of a step that training did not reach, and their joins are withdrawn at once.
 
 Round ids. Every exchange is identified by the inner step s at which it is sent (`round_id=s`)
 and the fragment (`tag="f<p>"`): equal on every peer that follows the swarm's step counter, and
@@ -161,6 +162,7 @@ class OuterRounds(Service):
     step_hooks: list[Callable[[Any], None]]
     prepares_rounds: bool  # the optimizer's hooks: see OuterOptimizer
     prepare: Callable[..., Any]
+    unprepare: Callable[..., Any]
 
     # -- the training loop --------------------------------------------------------------------
 
@@ -275,6 +277,11 @@ class OuterRounds(Service):
         reports = []
         for p in sorted(self._pending):
             reports.append((yield from self._complete(self._pending.pop(p))))
+        # Training ended: the exchanges prepared for a step it did not reach will not run.
+        if self._prepared_through > self.inner_steps:
+            for p in self.sends_at(self._prepared_through):
+                yield _Call(partial(self.unprepare, round_id=self._prepared_through, tag=exchange_tag(p)))
+            self._prepared_through = self.inner_steps
         return reports
 
     def _complete(self, ex: Exchange) -> Generator[_Call, Any, RoundReport]:

@@ -92,6 +92,11 @@ class StageCollective(Collective):
         if isinstance(current, PreparesRounds):
             await current.prepare(round_id=round_id, tag=self.prefix + tag, within=within)
 
+    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
+        current = self.current()
+        if isinstance(current, PreparesRounds):
+            await current.unprepare(round_id=round_id, tag=self.prefix + tag)
+
 
 class StageOuterSync:
     """DiLoCo or NoLoCo over one stage's replicas (module docstring).
