@@ -234,9 +234,11 @@ class RunState(Service):
         # round the others had already formed without it.
         view.role = "trainer"
         view.heartbeat()
-        if trainer.outer.in_flight:  # an exchange of ours still runs: end it before replacing the state
-            with trio.move_on_after(self.config.join_timeout):
-                await trainer.outer.afinish()
+        # Before replacing the state: end an exchange of ours that still runs, and withdraw the
+        # joins prepared for the next ones (outer_round.py, "Prepared rounds"), which would hold
+        # the others' round for our data until they expired.
+        with trio.move_on_after(self.config.join_timeout):
+            await trainer.outer.afinish()
         backoff = Backoff(initial=1.0, cap=30.0)
         attempt = 0
         orphaned_at = time.monotonic()

@@ -144,7 +144,7 @@ class TrainingRun:
                     log.warning("a round was in flight; cancelling it")
                     finished_cleanly = False
                     nursery.cancel_scope.cancel()
-            if finished_cleanly and trainer.outer.in_flight:
+            if finished_cleanly:  # merge what is in flight, withdraw the joins prepared ahead
                 with trio.move_on_after(STOP_GRACE):
                     await trainer.outer.afinish()
                 finished_cleanly = not trainer.outer.in_flight
@@ -206,9 +206,8 @@ class TrainingRun:
             entered.set()
             await self._stop.requested.wait()
             self.phase.set("stopping")
-            if trainer.outer.in_flight:
-                with trio.move_on_after(self.config.join_timeout):
-                    await trainer.outer.afinish()
+            with trio.move_on_after(self.config.join_timeout):  # also withdraws prepared joins
+                await trainer.outer.afinish()
         began = self.phase.changes > 1  # starting -> training happened
         return await self._finish(trainer, view, save=began and not trainer.outer.in_flight, stopped_early=False)
 
