@@ -423,12 +423,12 @@ class SwarmCollective(Service):
 
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
         """Send round `round_id`'s first join now, in the background; the round is due in about
-        `within` seconds. The `all_reduce` of that round then takes the reply (prepared.py)."""
+        `within` seconds. The `all_reduce` of that round then takes the reply (prepared.py). Not
+        as the round's coordinator: the group then still waits for our own data (prepared.py)."""
         tag = self._round_tag(round_id, tag)
-        if (round_id, tag) not in self.prepared:
-            self.prepared.prepare(
-                self._join_request(round_id, tag, self.group(round_id), set()), within, await self._running()
-            )
+        candidates = self.group(round_id)
+        if candidates[0] != self.peer_id and (round_id, tag) not in self.prepared:
+            self.prepared.prepare(self._join_request(round_id, tag, candidates, set()), within, await self._running())
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None:
         """Round `round_id` will not run here: withdraw its prepared join (prepared.py)."""

@@ -167,10 +167,10 @@ class GroupsRounds(Protocol):
 
 @runtime_checkable
 class PreparesRounds(Protocol):
-    """A collective that can form a round's group before the round's data is ready
+    """A collective that can send a round's join before the round's data is ready
     (`SwarmCollective`: prepared.py). `prepare` sends the round's join in the background and
     returns at once; the `all_reduce` of that round, due in about `within` seconds, then starts
-    from the group instead of a join round trip. `unprepare` says a prepared round will not run
+    without a join round trip. `unprepare` says a prepared round will not run
     (training ended): its join is withdrawn now. One never run nor unprepared is withdrawn after a
     while, so the others are not held up either way."""
 

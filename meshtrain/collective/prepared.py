@@ -9,21 +9,26 @@ training could not hide at τ = 9 inner steps of 13 ms (scripts/bench_wan.py,
 
 Design. The outer optimizer knows when its next exchange is due. A little ahead of it (about a
 second: outer_round.py, `PREPARE_LEAD_S`) it calls the collective's `prepare(round_id, tag,
-within)` (contract.py `PreparesRounds`). The collective then sends the round's first join at
-once, in the background, exactly as `all_reduce` would send it: the same key (the lowest
-candidate of our current view as coordinator), nothing skipped. The pending reply is kept here.
-When `all_reduce` comes for that round, and its first join has the same key, it takes the
-prepared reply instead of joining again, waiting for it if it has not come yet. When the
+within)` (contract.py `PreparesRounds`). Unless we coordinate the round, the collective then
+sends the round's first join at once, in the background, exactly as `all_reduce` would send it:
+the same key (the lowest candidate of our current view as coordinator), nothing skipped. The
+pending reply is kept here. When `all_reduce` comes for that round, and its first join has the
+same key, it takes the prepared reply instead of joining again, waiting for it if it has not
+come yet. Whatever the reply is (`Joined`, `Moved`, `Late`, or an error: the coordinator is gone
+or refused us), the round loop handles it exactly as if the join had just been sent. When the
 optimizer knows the round will not run (its training ended: `finish`), it says so
-(`unprepare`) and the join is withdrawn at once. Whatever the
-reply is (`Joined`, `Moved`, `Late`, or an error: the coordinator is gone or refused us), the
-round loop handles it exactly as if the join had just been sent.
+(`unprepare`), and the join is dropped.
 
-The barrier moves. Without preparing, a peer whose data is ready waits for slower peers at the
-join. With it, the group is fixed up to `within` seconds before the data exists, so the wait for
-a slower peer's data moves into the data phase. That phase's deadline (`part_timeout`, 20 s by
-default) is far longer than the lead the optimizer asks for, and a peer whose steps are slower
-than the lead is not prepared at all.
+The coordinator does not prepare. Its own join is a local call, so there is no round trip to
+save. And the group is fixed only once every expected peer has joined, the coordinator included,
+so the group still forms when the coordinator reaches the round's data, as without preparing: a
+newcomer that enters the membership meanwhile is still expected and waited for. (When the
+coordinator prepared too, a soak of real daemons saw the creator, training alone, fix a group of
+one a round ahead; the three joiners that arrived meanwhile were told they were late and
+re-synced at once.) So the others' joins wait at the coordinator, and each saves the way there:
+the round starts for them one trip after the coordinator's data is ready instead of a round trip
+after their own. The barrier does not move: a peer whose data is ready still waits at the join
+for the coordinator, and in the data phase for slower peers, as before.
 
 Failures. `all_reduce` may never take a prepared join: the trainer re-synced to another step,
 the optimizer stopped, or the round began at another coordinator. The join would then keep us
@@ -31,7 +36,8 @@ in a group that waits for our data until its part deadline. So an entry expires
 `2·within + EXPIRY_SLACK` seconds after it was prepared, and an `all_reduce` that starts the
 round under another key drops it. In both cases, if the coordinator had admitted us (`Joined`),
 we withdraw: the self-accusing FAIL report that a peer leaving mid-round sends. The others then
-retry without us at once. A peer that exits altogether is seen to disconnect.
+retry without us at once. (A dropped join whose group is not fixed yet is withdrawn when its
+reply comes.) A peer that exits altogether is seen to disconnect.
 
 Not here: when to prepare (outer_round.py); the join RPC, the withdrawal report and the round
 loop (allreduce.py).
