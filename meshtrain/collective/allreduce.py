@@ -427,7 +427,7 @@ class SwarmCollective(Service):
         as the round's coordinator: the group then still waits for our own data (prepared.py)."""
         tag = self._round_tag(round_id, tag)
         candidates = self.group(round_id)
-        if candidates[0] != self.peer_id and (round_id, tag) not in self.prepared:
+        if candidates[0] != self.peer_id:  # a round already prepared is left as it is
             self.prepared.prepare(self._join_request(round_id, tag, candidates, set()), within, await self._running())
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None:

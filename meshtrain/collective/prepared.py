@@ -112,18 +112,20 @@ class PreparedJoins:
 
     def drop(self, round_id: int, tag: str) -> None:
         """The round will not run: withdraw its prepared join (once its reply is in)."""
+        self._claim(round_id, tag)
+
+    def _claim(self, round_id: int, tag: str) -> PreparedJoin | None:
+        """Take the entry of (round_id, tag) out, waking its holder; None if there is none."""
         entry = self._entries.pop((round_id, tag), None)
         if entry is not None:
             entry.claimed.set()
+        return entry
 
     async def take(self, join: JoinRequest) -> JoinReply | None:
         """The prepared reply for `join` (a round's first join), or None: no join was prepared
         for its round, or one was under another key (then it is dropped and withdrawn)."""
-        entry = self._entries.pop((join.key.round_id, join.key.tag), None)
-        if entry is None:
-            return None
-        entry.claimed.set()
-        if entry.join.key != join.key or join.skipped:
+        entry = self._claim(join.key.round_id, join.key.tag)
+        if entry is None or entry.join.key != join.key or join.skipped:
             return None
         entry.used = True
         self.used += 1
