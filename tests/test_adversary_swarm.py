@@ -33,6 +33,8 @@ H = 2
     # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
     # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
     # in round 1 and barely stale in round 2).
+    # Twelve rounds at H 10: which rounds loss scoring flags a replay in varies with the peers'
+    # assigned data, and CI once saw its third strike only in round 9 of 9, which still held it.
     # Spot-checks: loss scoring off, every peer checked on its first 5 of 10 steps every round.
     # Replay screening (echo, the spec's default) alone catches the replay at screening's scale;
     # the loss scoring and spot-check cases turn it off to test those alone, and the spot-check
@@ -42,8 +44,8 @@ H = 2
         ("signflip10", H, 4, 16, 0, 0, {}),
         ("zeros", H, 4, 16, 0, 0, {}),
         ("replay", H, 4, 16, 0, 0, {}),
-        ("replay", 10, 8, 9, PEERS, 0, {"screen_echo": 0.0}),
-        ("replay", 10, 8, 9, 0, 5, {"screen_echo": 0.0, "screen_alignment": 0.0}),
+        ("replay", 10, 8, 12, PEERS, 0, {"screen_echo": 0.0}),
+        ("replay", 10, 8, 12, 0, 5, {"screen_echo": 0.0, "screen_alignment": 0.0}),
     ],
 )
 async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
@@ -117,7 +119,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
     assert all(p["strikes"] < spec.strikes if samples else p["strikes"] == 0 for p in doc["peers"])
     if samples:
         # Every owner scored rounds. Whether loss strikes or screening's count first against a
-        # replay of round 1 within 9 rounds varies from run to run (screening flags it once it has
+        # replay of round 1 within 12 rounds varies from run to run (screening flags it once it has
         # drifted from the swarm's direction, at round 3 to 5); that loss scoring flags replay
         # and other data by a quorum, and no honest peer, is tests/test_scoring.py's.
         assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
