@@ -23,7 +23,14 @@ from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.admission import EXCLUDED, pow_ok
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.strikes import STRIKES_FILE, LossScore, Standing, loss_flagged
+from meshtrain.node.strikes import (
+    LINEAGE_PASSES,
+    STRIKES_FILE,
+    LossScore,
+    Standing,
+    lineage_passes,
+    loss_flagged,
+)
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 
@@ -103,10 +110,22 @@ async def test_two_reporters_in_three_rounds_exclude_a_peer_everywhere(tmp_path)
         assert x.not_admitted() == EXCLUDED  # and it knows
 
 
-async def test_loss_verdicts_are_not_filed_against_a_peer_on_another_phi_lineage(tmp_path) -> None:
+def test_lineage_passes_leave_a_window_room_for_its_strikes() -> None:
+    def passes(strikes: int, window: int) -> int:
+        return lineage_passes(SwarmSpec(model="gpt-tiny", strikes=strikes, strikes_window=window))
+
+    assert passes(3, 6) == LINEAGE_PASSES == 3
+    assert passes(3, 4) == 1 and passes(3, 3) == 0  # the window's other rounds can still reach `strikes`
+    assert passes(3, 0) == LINEAGE_PASSES  # no window: passes for the whole run
+
+
+async def test_loss_verdicts_on_a_peer_on_another_phi_lineage_are_passed_over_in_a_few_rounds(tmp_path) -> None:
     """A peer whose published φ differs from ours trains from another state: its honest update
     fails loss scoring measured on our φ (a chaos soak struck the creator out that way, while its
-    parity check was about to re-sync it). Once the digests agree again, verdicts are filed."""
+    parity check was about to re-sync it). Its flagged verdicts are passed over in up to
+    `lineage_passes` rounds of a strikes window and filed past them: a peer that keeps publishing
+    another φ (or lies about it) gains a delay, not a pass. Once the digests agree, verdicts are
+    filed at once."""
     async with AsyncExitStack() as stack:
         signed, peers = await swarm(stack, 4, tmp_path)
         a, b, c, x = peers
@@ -123,14 +142,31 @@ async def test_loss_verdicts_are_not_filed_against_a_peer_on_another_phi_lineage
             return [s for r in b.view.strike_records() if r.reporter == b.me for s in r.strikes if s.peer == x.me]
 
         assert b.strikes.other_lineage(x.me) and not b.strikes.other_lineage(c.me)
-        b.strikes.on_scores(RoundScreening(120, "", ids, DIGEST), [verdict])
-        assert filed_by_b() == []
+        H, window = signed.spec.H, signed.spec.strikes_window
+
+        def verdict_in(round_id: int, *, screened: bool = True) -> None:
+            if screened:  # the round as its owner screened it (x in its group), before loss scoring's verdict
+                b.strikes.on_round(RoundScreening(round_id, "", ids, DIGEST))
+            b.strikes.on_scores(RoundScreening(round_id, "", ids, DIGEST), [verdict])
+
+        passed = [100 + i * H for i in range(lineage_passes(signed.spec))]
+        for r in passed:
+            verdict_in(r)
+        verdict_in(passed[0], screened=False)  # a late verdict of the first round: passed over again
+        assert filed_by_b() == [] and b.strikes.passed_over == len(passed) + 1 == 4
+        past = passed[-1] + H  # x held another φ in the window's 3 rounds before this one
+        verdict_in(past)
+        await until(lambda: [s.round_id for s in filed_by_b()] == [past], "filed past the passes")
+        # A peer back on another φ after a window without: passed over again.
+        later = past + 2 * window * H
+        verdict_in(later)
+        assert b.strikes.passed_over == 5 and [s.round_id for s in filed_by_b()] == [past]
 
         for p in peers:  # x re-synced: the same φ after the next round
             p.view.report_progress(outer_round=6, phi=[(5, theirs if p is x else ours), (6, next_round)])
         await until(lambda: not b.strikes.other_lineage(x.me), "x's new digest arrives")
-        b.strikes.on_scores(RoundScreening(140, "", ids, DIGEST), [verdict])
-        assert [s.round_id for s in filed_by_b()] == [140]
+        verdict_in(later + H)
+        assert [s.round_id for s in filed_by_b()] == [past, later + H]
 
 
 async def test_strikes_spread_over_a_long_run_exclude_nobody_and_a_run_of_them_does(tmp_path) -> None:

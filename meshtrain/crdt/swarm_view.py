@@ -556,8 +556,8 @@ class SwarmView(Service):
 
     def report_strikes(self, strikes: Iterable[Strike], *, per_peer: int = MAX_STRIKES) -> None:
         """Add strikes we raised (as a part's owner) to our signed record, written at once. The
-        record keeps each peer's latest `per_peer` strikes (more add nothing to a verdict that
-        needs that many), and the latest `MAX_STRIKES` in all."""
+        record keeps each peer's latest `per_peer` strikes (node/strikes.py passes a strikes
+        window's worth: older ones count toward no exclusion), and the latest `MAX_STRIKES` in all."""
         self._per_peer = max(1, per_peer)
         for strike in strikes:
             if strike.reporter != self.me:

@@ -12,10 +12,14 @@ is built): `MESHTRAIN_ADVERSARY=<mode>` makes that node an adversary. Its collec
     noise        Gaussian noise with the update's norm
     zeros        zeros with full weight (a free rider that claims its share)
     replay       the update it sent in its first round, again every round
+    replay-phi   replay, and it publishes φ digests other than its own (`publish_other_phi`), so
+                 honest peers see it on another lineage and pass over its loss and spot-check
+                 verdicts for as long as node/strikes.py allows (`lineage_passes`)
     otherdata    honest, but its inner steps train on other data than assigned: each batch's
                  token order reversed (`other_data`)
 
-Everything else (membership, proof of work, rounds, state) is the honest node's.
+Everything else (membership, proof of work, rounds, state; with `replay-phi`, all but the φ
+digests in its progress record) is the honest node's.
 
 Not for users: there is no flag or config key for it, and a node logs a warning when it runs one.
 """
@@ -28,13 +32,14 @@ from collections.abc import Callable
 import torch
 
 from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult
+from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
 
 ENV = "MESHTRAIN_ADVERSARY"
-MODES = ("signflip10", "noise", "zeros", "replay", "otherdata")
+MODES = ("signflip10", "noise", "zeros", "replay", "replay-phi", "otherdata")
 
 
 def mode_from_env() -> str | None:
@@ -86,7 +91,7 @@ class AdversarialCollective:
             noise = {k: torch.randn_like(v, dtype=torch.float32) for k, v in tensors.items()}
             scale = norm / torch.sqrt(sum((v**2).sum() for v in noise.values())).clamp_min(1e-30)
             return {k: (noise[k] * scale).to(v.dtype) for k, v in tensors.items()}
-        if self.mode == "replay":
+        if self.mode in ("replay", "replay-phi"):
             first = self._first.setdefault(tag, {k: v.detach().clone() for k, v in tensors.items()})
             return {k: first[k].clone() for k in tensors} if first.keys() == tensors.keys() else tensors
         return tensors  # otherdata: its update is honest about the wrong data
@@ -101,3 +106,16 @@ def other_data(batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Cal
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     return reversed_batch
+
+
+def publish_other_phi(view: SwarmView) -> None:
+    """Make `view` publish φ digests other than ours: each digest's bits flipped in every progress
+    record it writes. Our own parity check compares the true ones (node/run_state.py keeps them),
+    so this node stays in step in its own eyes while every honest peer sees another lineage."""
+    report = view.report_progress
+
+    def lying(*, phi: list[tuple[int, bytes]] | None = None, **progress: int | None) -> None:
+        other = None if phi is None else [(r, bytes(b ^ 0xFF for b in digest)) for r, digest in phi]
+        report(phi=other, **progress)
+
+    view.report_progress = lying  # type: ignore[method-assign]

@@ -348,6 +348,9 @@ class Node:
                 )
                 if self.adversary == "otherdata":
                     trainer.batch = adversary.other_data(trainer.batch)  # type: ignore[method-assign]
+                if self.adversary == "replay-phi":
+                    assert presence.view is not None  # entered
+                    adversary.publish_other_phi(presence.view)
                 if presence.strikes is not None and collective.config.score_samples and local is None:
                     # Loss scoring and spot-checks: after the strike book, which logs the round.
                     checks = Verification(trainer, presence.strikes, collective.screening_listeners)

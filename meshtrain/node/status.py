@@ -42,7 +42,9 @@ The status document (`Node.snapshot()`):
                 scoring's / spot-checks' / replay screening's strikes counted in}} for every peer
                 with verified strikes,
                 loss_scoring and spot_check: {scored | checked, skipped} rounds as an owner, or
-                null when off}
+                null when off, other_phi: {passed, filed} loss and spot verdicts on peers that held
+                another φ than ours, passed over within `lineage_passes` and filed past them
+                (node/strikes.py), or null without strikes}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or

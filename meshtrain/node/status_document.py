@@ -113,6 +113,10 @@ def admission_status(node: Node) -> dict[str, Any]:
         "loss_scoring": {"scored": node.scorer.scored, "skipped": node.scorer.skipped} if node.scorer else None,
         # Replay spot-checks (node/spot_check.py): rounds this peer checked as an owner, and skipped.
         "spot_check": {"checked": spot.checked, "skipped": spot.skipped} if (spot := node.spot_checker) else None,
+        # Loss and spot verdicts on peers holding another φ: passed over, and filed past the passes.
+        "other_phi": {"passed": book.passed_over, "filed": book.filed_other_phi}
+        if (book := presence.strikes)
+        else None,
     }
 
 

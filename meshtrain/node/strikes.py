@@ -16,9 +16,12 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   verdicts on the round's sampled peers arrive later, from a worker thread (node/scoring.py,
   `on_scores`), and are filed the same way, as loss strikes; so are replay spot-checks'
   (node/spot_check.py, `on_spot_checks`), as spot strikes. Those two measure a peer's update on
-  *our* φ, so neither is filed against a peer whose published φ digest differs from ours at the
-  newest round both published (`other_lineage`): a lineage that parity (node/parity.py) is
-  repairing, whose honest update would fail them all the same.
+  *our* φ, so a flagged one is passed over while the peer's published φ digest differs from ours
+  at the newest round both published (`other_lineage`): a lineage that parity (node/parity.py) is
+  repairing, whose honest update would fail them all the same. That repair takes about a round,
+  so a peer is passed over in at most `lineage_passes` rounds of a strikes window; past them its
+  verdicts are filed (a peer that keeps taking part from another φ, or publishes digests other
+  than its own, gains a delay, not a pass).
 - **Re-checking.** Every peer checks every strike before counting it: the replica already
   verified the reporter's signature and the record's shape; here, the reporter must be admitted
   by the swarm's rule (its proof of work, carried in its strikes record, or the allowlist:
@@ -55,17 +58,21 @@ and tells its own limits; loss scoring (node/scoring.py) catches those of the sa
 whose update does not lower the loss on their own assigned batches, and its own limits are told
 there; replay spot-checks
 (node/spot_check.py) catch replayed, lazy and empty updates of sampled peers, and tell their own
-limits. A peer that publishes φ digests other than ours escapes loss and spot strikes (not
-norm, direction or echo ones); the cure is a round that takes only peers holding the same φ (a
-digest in the join, as PCCL checks shared state before it reduces), which the collective does
-not have yet. A majority of colluding admitted peers (half of a round's others) can strike
+limits. A peer that publishes φ digests other than ours delays its loss and spot strikes by
+`lineage_passes` rounds (not norm, direction or echo ones; tests/test_adversary_swarm.py's
+`replay-phi`). What would close that too is a round that takes only peers holding the same φ (a
+digest of the φ each round's update was taken from, in the join, as PCCL checks shared state
+before it reduces; with overlap and prepared joins "φ now" differs between honest peers, so it
+needs that per-round digest threaded from the optimizer), which the collective does not have
+yet. A majority of colluding admitted peers (half of a round's others) can strike
 honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
 default, node/swarm_spec.py) can still be struck `spec.strikes` times within a window; an
 adversary that takes part in only one round in `strikes_window` is never excluded (the robust
 rule still bounds what it does in those rounds). An exclusion lasts while the reporters' records
-carry its strikes: each keeps its latest `MAX_STRIKES` (crdt/strikes.py), so a reporter that
+carry its strikes: each keeps its latest `MAX_STRIKES` (crdt/strikes.py), and a strikes window's
+worth per peer (`_file`), so a reporter that
 later files that many strikes about others drops the evidence, and the peer is admitted again. The flag rule itself:
 collective/data_phase.py. The record format: crdt/strikes.py.
 """
@@ -92,6 +99,7 @@ from meshtrain.node.swarm_spec import SwarmSpec
 log = get_logger(__name__)
 
 MIN_REPORTERS = 2  # a round counts against a peer with at least this many reporters (and half the others)
+LINEAGE_PASSES = 3  # rounds per strikes window whose loss/spot verdicts on a peer on another φ are passed over
 ROUND_LOG = 512  # rounds whose group and digest we remember (to check strikes about them)
 STRIKES_FILE = "strikes.bin"
 SAVE_DELAY = 1.0  # seconds: strike changes are written to disk at most this often
@@ -129,14 +137,30 @@ def echo_flagged(echo: float, spec: SwarmSpec) -> bool:
     return spec.screen_echo > 0 and echo >= spec.screen_echo
 
 
+def lineage_passes(spec: SwarmSpec) -> int:
+    """Distinct rounds within a strikes window in which a peer's flagged loss and spot verdicts are
+    passed over because it holds another φ (`StrikeBook.other_lineage`): `LINEAGE_PASSES` (parity
+    repairs an honest peer's lineage within about a round; a chaos soak saw three), but never so
+    many that the window's other rounds cannot reach `spec.strikes`, so a peer that always holds
+    another φ can still be excluded."""
+    if not spec.strikes_window:
+        return LINEAGE_PASSES
+    return max(0, min(LINEAGE_PASSES, spec.strikes_window - spec.strikes))
+
+
+def window_span(spec: SwarmSpec) -> int | None:
+    """The most round ids (inner steps, H apart) that rounds within one strikes window lie apart;
+    None without a window."""
+    return (spec.strikes_window - 1) * spec.H if spec.strikes_window else None
+
+
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
     """The round at which the rounds counted against a peer (round ids, sorted) exclude it: the
     first whose latest `spec.strikes` counted rounds lie within `spec.strikes_window` consecutive
     rounds of the swarm (round ids are inner steps, H apart). None: they do not (yet)."""
-    limit, window = spec.strikes, spec.strikes_window
+    limit, span = spec.strikes, window_span(spec)
     if not limit or len(rounds) < limit:
         return None
-    span = (window - 1) * spec.H if window else None
     for i in range(limit - 1, len(rounds)):
         if span is None or rounds[i] - rounds[i - limit + 1] <= span:
             return rounds[i]
@@ -210,6 +234,9 @@ class StrikeBook:
         self._standing: dict[str, Standing] | None = None  # None: recount at the next question
         self._changed = trio.Event()
         self._announced: set[str] = set()  # peers whose exclusion we logged
+        self._other_phi: OrderedDict[str, set[int]] = OrderedDict()  # per peer: screened rounds it held another φ in
+        self.passed_over = 0  # flagged loss/spot verdicts passed over because the peer held another φ ...
+        self.filed_other_phi = 0  # ... and filed although it did, past its passes
         view.replica.on_change(self._on_change)
 
     # -- filing ------------------------------------------------------------------------------
@@ -222,6 +249,7 @@ class StrikeBook:
         while len(self._rounds) > ROUND_LOG:
             self._rounds.popitem(last=False)
         self._standing = None
+        self._note_lineages(screening)
         if not screening.flags or len(screening.group) > MAX_STRIKE_GROUP or self.view.has_left:
             return
         strikes = [
@@ -294,8 +322,18 @@ class StrikeBook:
             if peer in screened:
                 continue
             if self.other_lineage(peer):
-                log.info(kv(f"{event}: not filed, it holds another φ", round=screening.round_id, peer=peer[-12:]))
-                continue
+                if self._within_passes(peer, screening.round_id):
+                    self.passed_over += 1
+                    log.info(kv(f"{event}: not filed, it holds another φ", round=screening.round_id, peer=peer[-12:]))
+                    continue
+                self.filed_other_phi += 1
+                log.warning(
+                    kv(
+                        "holds another φ than ours past its passes: verdict filed",
+                        round=screening.round_id,
+                        peer=peer[-12:],
+                    )
+                )
             strikes.append(
                 Strike(
                     self.me,
@@ -330,11 +368,46 @@ class StrikeBook:
         newest = max((r for r, _ in theirs.phi if r in ours), default=None)
         return newest is not None and theirs.phi_at(newest) != ours[newest]
 
+    def _note_lineages(self, screening: RoundScreening) -> None:
+        """Remember the round's members that held another φ than ours as we screened it. Every
+        honest owner screens every member, so all of them note the same rounds and pass over the
+        same ones (`_within_passes`): passes counted per reporter from its own flagged verdicts
+        would fall in different rounds on different reporters, and no round would reach a quorum.
+        (They agree once the peer's progress record has reached them all: in a test swarm of
+        0.5 s rounds, owners began noting a liar up to 3 rounds apart.)"""
+        if len(screening.group) > MAX_STRIKE_GROUP:
+            return  # no strikes are filed about such a round
+        span = window_span(self.spec)
+        passes = lineage_passes(self.spec)
+        for peer in screening.group:
+            if peer == self.me or not self.other_lineage(peer):
+                continue
+            rounds = self._other_phi.pop(peer, set()) | {screening.round_id}
+            if span is not None:  # only a window's rounds before a verdict's round count (a late
+                rounds = {r for r in rounds if r >= screening.round_id - 2 * span}  # verdict's too)
+            else:  # no window: its first rounds decide, for the whole run
+                rounds = set(sorted(rounds)[: passes + 1])
+            self._other_phi[peer] = rounds
+            while len(self._other_phi) > ROUND_LOG:
+                self._other_phi.popitem(last=False)
+
+    def _within_passes(self, peer: str, round_id: int) -> bool:
+        """Whether `peer`, which holds another φ, held one in fewer than `lineage_passes` screened
+        rounds before `round_id` within the strikes window: then its verdict there is passed over.
+        Past them it keeps taking part in rounds from another φ than ours, which an honest peer
+        re-syncs from within about a round, and the verdict is filed."""
+        span = window_span(self.spec)
+        before = [r for r in self._other_phi.get(peer, ()) if r < round_id and (span is None or r >= round_id - span)]
+        return len(before) < lineage_passes(self.spec)
+
     def _file(self, strikes: list[Strike]) -> None:
         if not strikes:
             return
         try:
-            self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, 1))
+            # A window's worth per peer: the latest `strikes` alone could drop the ones whose
+            # rounds reached a quorum when other reporters filed in other rounds, and undo an
+            # exclusion (a test saw it).
+            self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, self.spec.strikes_window, 1))
         except CrdtError as e:  # our own record would be refused: say so, do not stop training
             log.warning(kv("strikes not filed", error=str(e)))
 
