@@ -13,8 +13,10 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
 - `download()`: fetch the outer state from the parity winners (`donors()`) and join at their
   step. It never gives up on a transient (no donor yet, donors that disagree, a state a round
   old, a donor that vanished): it retries with a jittered `Backoff`, saying what it waits for,
-  until it joins or the node stops. With nobody training for `ORPHAN_WAIT`, it trains on its own
-  state rather than wait for peers that wait for it. Only a state that cannot fit this node
+  until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
+  off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
+  With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
+  that wait for it. Only a state that cannot fit this node
   (another model or optimizer) is fatal: `NodeError`. The joined state is offered to joiners at
   once (a snapshot from before the download would hand them an older φ than ours).
 - `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
@@ -245,6 +247,12 @@ class RunState(Service):
         try:
             while not self.stop.is_set():
                 attempt += 1
+                if (reason := self.presence.not_admitted()) is not None:
+                    # Excluded by strikes (or off the allowlist): the swarm's peers ignore us and
+                    # serve us no state, so asking them is no use; wait until they admit us again.
+                    self.waiting = f"state download: the swarm does not admit this node ({reason}); no peer serves it"
+                    await self._retry_later(backoff, f"the swarm does not admit this node ({reason})")
+                    continue
                 donors = self.donors()
                 if not donors:
                     if time.monotonic() - orphaned_at >= ORPHAN_WAIT:
