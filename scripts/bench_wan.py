@@ -43,7 +43,9 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   each) needs several steps; a model whose step takes longer than a round hides it at τ = 1.
   `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
   `training.final_eval_loss` what each overlap cost in loss, and `training.cpu_s_per_peer` the
-  process CPU each peer used (communication's CPU: this machine's two cores are shared).
+  process CPU each peer used (communication's CPU: this machine's two cores are shared), and
+  `training.delay_line_cpu_s` what the lab's user-space delay line used meanwhile (a lab cost on
+  the same cores, which a real WAN does not charge the peers).
   `diloco_overlap_ratio`: DiLoCo (H = 40, fp32) on the same link.
 - `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
   what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
@@ -321,9 +323,11 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "streaming_tau1": [*streaming, "--delay", "1"],
             "diloco": ["--method", "diloco", "--H", str(H)],
         }
-        walls, cpus, stats, losses = {}, {}, {}, {}
+        walls, cpus, lab_cpus, stats, losses = {}, {}, {}, {}, {}
         for name, method in runs.items():
+            lab_cpu0 = cpu_seconds([lab.delay_pid] if lab.delay_pid else [])
             done = run_trainers(lab, name, method, steps, log_dir)
+            lab_cpus[name] = round(cpu_seconds([lab.delay_pid] if lab.delay_pid else []) - lab_cpu0, 2)
             walls[name] = max(d["wall_s"] for d in done)
             cpus[name] = round(sum(d["cpu_s"] for d in done) / len(done), 2)
             stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
@@ -337,6 +341,7 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "delay_steps": {"streaming": most, "streaming_tau1": 1},
             "wall_s": {k: round(v, 2) for k, v in walls.items()},
             "cpu_s_per_peer": cpus,
+            "delay_line_cpu_s": lab_cpus,
             "final_eval_loss": losses,
             "stats": stats,
         }

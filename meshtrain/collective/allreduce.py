@@ -48,7 +48,8 @@ next attempt with the suspects removed; every peer watches for that decision whi
 and abandons the attempt immediately. When all members report success, the coordinator commits
 if their digests agree; a minority digest is told to re-sync from a majority peer. If the
 coordinator itself dies, its watchers see the RPC fail and restart the round with the next lowest
-id. A peer that is itself cut off raises `CollectiveError`.
+id; so do peers waiting for its group once it leaves the round's candidates while still connected
+(excluded by strikes, or gone from the swarm: join_wait.py), where the others form the round. A peer that is itself cut off raises `CollectiveError`.
 
 **Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`): owners keep every
 contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
@@ -68,7 +69,8 @@ drops from its part a contribution that repeats one of its recent rounds (echoes
 codes) and the round loop above. The coordinator's state machine is coordinator.py, one
 attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), our input — flattened and
 checked for finiteness once per round, in a worker thread while the join goes out — is
-contribution.py, joins sent ahead are prepared.py, the committed result's transfer to members
+contribution.py, the member's control RPCs to the coordinator are coordinator_client.py (waiting
+for a join's reply, join_wait.py), joins sent ahead are prepared.py, the committed result's transfer to members
 without it is committed.py, and every control message, with its wire form, limits and `parse`,
 is protocol.py. The public names
 (`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
@@ -76,7 +78,6 @@ is protocol.py. The public names
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -89,10 +90,12 @@ from meshtrain.collective.committed import fetch_committed, send_committed
 from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
 from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
+from meshtrain.collective.join_wait import await_join_reply
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.protocol import (
@@ -107,6 +110,7 @@ from meshtrain.collective.protocol import (
     Abort,
     AllReduceConfig,
     Commit,
+    JoinReply,
     JoinRequest,
     Late,
     Moved,
@@ -117,16 +121,13 @@ from meshtrain.collective.protocol import (
     WatchRequest,
     WhereReply,
     WhereRequest,
-    parse_join_reply,
-    parse_outcome,
 )
 from meshtrain.collective.shares import egress_rate
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import TensorStreams
-from meshtrain.transport.validate import Malformed
 
 log = get_logger(__name__)
 
@@ -143,10 +144,6 @@ __all__ = [
     "ReduceResult",
     "SwarmCollective",
 ]
-
-
-class _Restart(Exception):
-    """The coordinator is gone: start the round again with the next one."""
 
 
 class _Moved(Exception):
@@ -196,6 +193,7 @@ class SwarmCollective(Service):
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._coord = Coordinator(host, self.config, self.group)
+        self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
         # when the link changes, 0: measured), or measured on our sends in a recent round.
         self.uplink_mbit = self.config.uplink_mbit
@@ -208,7 +206,7 @@ class SwarmCollective(Service):
         # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
         self._position: dict[str, tuple[int, str]] = {}
         self._finished: dict[str, int] = {}
-        self.prepared = PreparedJoins(self._join, self._leave)  # joins sent ahead (prepared.py)
+        self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave)  # sent ahead (prepared.py)
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
@@ -353,61 +351,9 @@ class SwarmCollective(Service):
         """What a round of ours waits for right now, in words (for `/status`), or None."""
         return self._coord.waiting_for() or self._waiting
 
-    # -- talking to the coordinator ------------------------------------------------------------
-
-    async def _call_coordinator(self, coordinator: str, method: str, request: Any) -> Any:
-        """The raw reply of one control RPC to a remote coordinator; `_Restart` if it is gone."""
-        give_up = trio.current_time() + self.config.join_timeout
-        while True:
-            try:
-                return await self.host.rpc.call(
-                    coordinator, method, request.to_wire(), timeout=self.config.join_timeout + 120
-                )
-            except RemoteError as e:
-                if e.code in (NOT_A_MEMBER, OUT_OF_WINDOW):
-                    # Its view of the swarm does not hold us (yet), or it is far from our round:
-                    # another coordinator would split the round. Proceed alone; parity re-syncs us.
-                    raise CollectiveError(f"coordinator {coordinator[-8:]} refused us: {e}") from None
-                raise _Restart(f"coordinator {coordinator[-8:]} refused: {e}") from None
-            except RpcError as e:
-                # A live connection means the coordinator is there but not ready (still starting
-                # its collective): try again until the join deadline. No connection: it is gone.
-                if not self.host.is_connected(coordinator) or trio.current_time() > give_up:
-                    raise _Restart(f"coordinator {coordinator[-8:]} unreachable: {e}") from None
-                await trio.sleep(0.2)
-
-    async def _join(self, join: JoinRequest):
-        if join.key.coordinator == self.peer_id:
-            await self._running()
-            return await self._coord.join(self.peer_id, join.key, join.skipped, join.uplink, join.taper)
-        reply = await self._call_coordinator(join.key.coordinator, JOIN_RPC, join)
-        try:
-            return parse_join_reply(reply)
-        except Malformed:
-            raise _Restart("malformed reply from coordinator") from None
-
-    async def _leave(self, key: RoundKey, attempt: int) -> None:
-        """Tell the coordinator we are leaving the attempt (a FAIL report accusing ourselves), so
-        the others retry without us at once; quiet if it cannot be told, and cancel-proof."""
-        with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(_Restart, RpcError):
-            await self._report(Report(key, attempt, FAIL, None, (self.peer_id,), (), True))
-
-    async def _report(self, report: Report) -> Outcome:
-        if report.key.coordinator == self.peer_id:
-            return await self._coord.report(self.peer_id, report)
-        return self._outcome(await self._call_coordinator(report.key.coordinator, REPORT_RPC, report))
-
-    async def _watch(self, key: RoundKey, attempt: int) -> Outcome:
-        if key.coordinator == self.peer_id:
-            return await self._coord.watch(self.peer_id, key, attempt)
-        return self._outcome(await self._call_coordinator(key.coordinator, WATCH_RPC, WatchRequest(key, attempt)))
-
-    @staticmethod
-    def _outcome(reply: Any) -> Outcome:
-        try:
-            return parse_outcome(reply)
-        except Malformed:
-            raise _Restart("malformed reply from coordinator") from None
+    async def _joined(self, join: JoinRequest) -> JoinReply:
+        prepared = await self.prepared.take(join)  # sent ahead by `prepare` (prepared.py), or now:
+        return prepared if prepared is not None else await self.coordinator.join(join)
 
     # -- the collective ------------------------------------------------------------------------
 
@@ -482,7 +428,7 @@ class SwarmCollective(Service):
                 # Our view was behind: take the fresh membership (it now has the newcomer).
                 candidates = sorted(set(self.group(round_id)) | {str(e)})
                 log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
-            except _Restart as e:
+            except CoordinatorLost as e:
                 log.info(
                     kv(
                         "allreduce coordinator lost, restarting round",
@@ -500,9 +446,13 @@ class SwarmCollective(Service):
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
         if coordinator != self.peer_id:
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
-        joined = await self.prepared.take(join)  # sent ahead by `prepare` (prepared.py), or:
+        joined = await await_join_reply(  # unless the coordinator leaves the candidates (join_wait.py)
+            lambda: self._joined(join),
+            lambda: coordinator in (self.peer_id, *self.membership(key.round_id)),
+            await self._running(),
+        )
         if joined is None:
-            joined = await self._join(join)
+            raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")
         self._waiting = None
         log.debug(kv("allreduce joined", key=key, reply=type(joined).__name__))
         if isinstance(joined, Moved):
@@ -530,7 +480,7 @@ class SwarmCollective(Service):
                 # waiting out a deadline for our data — or blaming whoever our silence makes drop
                 # out next (seen in CI: an innocent peer excluded). `except*`: a cancellation
                 # that lands in the data phase's nursery arrives wrapped in an exception group.
-                await self._leave(key, attempt)
+                await self.coordinator.leave(key, attempt)
                 raise
             if isinstance(outcome, Retry):
                 for p in outcome.excluded:
@@ -631,7 +581,7 @@ class SwarmCollective(Service):
             async with trio.open_nursery() as nursery:
 
                 async def watch() -> None:
-                    decided.append(await self._watch(key, attempt))
+                    decided.append(await self.coordinator.watch(key, attempt))
                     nursery.cancel_scope.cancel()
 
                 async def work() -> None:
@@ -661,13 +611,13 @@ class SwarmCollective(Service):
                             e.evidence,
                         )
                     log.debug(kv("allreduce report", key=key, attempt=attempt, status=report.status))
-                    await self._report(report)
+                    await self.coordinator.report(report)
 
                 nursery.start_soon(watch)
                 nursery.start_soon(work)
         except BaseExceptionGroup as eg:
             leaves = list(exception_leaves(eg))
-            for kind in (CollectiveError, _Restart):
+            for kind in (CollectiveError, CoordinatorLost):
                 for e in leaves:
                     if isinstance(e, kind):
                         raise e from None

@@ -1,0 +1,76 @@
+"""A member waiting for its join's reply stops waiting once the coordinator leaves the round's
+candidates (collective/join_wait.py): the rule on trio's MockClock, and a round of real hosts on
+loopback whose coordinator is excluded while it holds the others' joins."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import torch
+import trio
+
+from meshtrain.collective import join_wait
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.join_wait import await_join_reply
+
+from .test_allreduce import connected_peers, exact_mean
+
+
+async def reply_after(seconds: float) -> str:
+    await trio.sleep(seconds)
+    return "joined"
+
+
+async def test_the_reply_is_returned_while_the_coordinator_stays(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        assert await await_join_reply(lambda: reply_after(30.0), lambda: True, nursery) == "joined"
+        assert trio.current_time() == 30.0
+
+
+async def test_the_wait_ends_once_the_coordinator_has_left_for_gone_s(autojump_clock):
+    left_at = 4.0
+    async with trio.open_nursery() as nursery:
+        got = await await_join_reply(lambda: reply_after(60.0), lambda: trio.current_time() < left_at, nursery)
+        assert got is None
+        # Seen gone at the first check past left_at, given up GONE_S later (checks are CHECK_S apart).
+        assert left_at + join_wait.GONE_S <= trio.current_time() <= left_at + join_wait.GONE_S + join_wait.CHECK_S
+        assert not nursery.child_tasks  # the watcher ended with the wait
+
+
+async def test_a_coordinator_missing_from_one_read_of_the_view_is_kept(autojump_clock):
+    def is_candidate() -> bool:  # gone for one check at t = 2.0, back at the next
+        return not 1.9 < trio.current_time() < 2.1
+
+    async with trio.open_nursery() as nursery:
+        assert await await_join_reply(lambda: reply_after(10.0), is_candidate, nursery) == "joined"
+
+
+async def test_peers_waiting_at_a_coordinator_excluded_meanwhile_form_the_round_at_the_next():
+    # The lowest id holds both others' joins and never brings its data (a liar that strikes
+    # exclude while the joins wait at it: stays connected, keeps the joins open). Without the
+    # watcher the two would wait out the 20 s join deadline there.
+    config = AllReduceConfig(join_timeout=20, part_timeout=20)
+    async with AsyncExitStack() as stack:
+        peers = await connected_peers(stack, 3)
+        ids = [p.id for p in peers]
+        view = list(ids)
+        cols = [SwarmCollective(p.host, p.ts, lambda _r: list(view), config) for p in peers]
+        tensors = [{"w": torch.full((1000,), float(i))} for i in range(3)]
+        results = [None] * 3
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for i in (1, 2):
+
+                    async def one(i: int = i) -> None:
+                        results[i] = await cols[i].all_reduce(tensors[i], round_id=7, tag="f0")
+
+                    nursery.start_soon(one)
+                await trio.sleep(1.0)  # both joins are in at the lowest id (loopback: milliseconds) ...
+                started = trio.current_time()
+                view.remove(ids[0])  # ... when the others stop counting it
+        assert trio.current_time() - started < 5.0
+        expected = exact_mean(tensors[1:])
+        for r in results[1:]:
+            assert r.contributors == (ids[1], ids[2])
+            assert torch.equal(r.tensors["w"], expected["w"])
+        assert results[1].digest == results[2].digest
