@@ -432,6 +432,12 @@ def _node_status(args: argparse.Namespace) -> int:
             print(
                 f"  strikes  {peer[-12:]}  {s['strikes']} round(s){by_loss}" + ("  EXCLUDED" if s["excluded"] else "")
             )
+        other = admission.get("other_phi") or {}
+        if other.get("passed") or other.get("filed"):
+            print(
+                f"  loss/spot verdicts on peers holding another φ: {other['passed']} passed over, "
+                f"{other['filed']} filed past the passes"
+            )
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""
