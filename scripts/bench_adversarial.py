@@ -1,13 +1,14 @@
 """Adversaries in an open swarm: what robust aggregation and strikes let through, and how fast.
 
     python scripts/bench_adversarial.py [--honest 4] [--adversaries 1] [--H 10] [--rounds 8]
-        [--modes signflip10,noise,zeros,replay,otherdata] [--batch-size 8] [--score-samples -1]
+        [--modes signflip10,noise,zeros,replay,replay-phi,otherdata] [--batch-size 8] [--score-samples -1]
         [--spot-check-steps 0] [--spot-check-samples -1] [--rules robust,mean] [--seeds 1] [--honest-repeats 1]
 
 Real daemons (`meshtrain node start`, one process each) on loopback train gpt-tiny (DiLoCo) in an
 open swarm: `--honest` honest peers and `--adversaries` adversaries, each an ordinary daemon with
 `MESHTRAIN_ADVERSARY=<mode>` (the test hook of meshtrain/node/adversary.py: sign-flipped x10,
-Gaussian noise of the update's norm, zeros, a replay of its first update, training on other data).
+Gaussian noise of the update's norm, zeros, a replay of its first update, the same replay publishing
+φ digests other than its own, training on other data).
 Every mode runs twice: with the open swarm's default (trimmed_mean, screening, strikes) and with
 `aggregation = "mean"` (no defence), against a swarm of the honest peers alone under the same rule.
 The honest peers keep their identities across runs (the same data), so the runs differ by the
