@@ -49,7 +49,8 @@ and abandons the attempt immediately. When all members report success, the coord
 if their digests agree; a minority digest is told to re-sync from a majority peer. If the
 coordinator itself dies, its watchers see the RPC fail and restart the round with the next lowest
 id; so do peers waiting for its group once it leaves the round's candidates while still connected
-(excluded by strikes, or gone from the swarm: join_wait.py), where the others form the round. A peer that is itself cut off raises `CollectiveError`.
+(excluded by strikes, or gone from the swarm: join_wait.py), where the others form the round. A
+peer that is itself cut off raises `CollectiveError`.
 
 **Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`): owners keep every
 contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
@@ -70,9 +71,9 @@ codes) and the round loop above. The coordinator's state machine is coordinator.
 attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), our input — flattened and
 checked for finiteness once per round, in a worker thread while the join goes out — is
 contribution.py, the member's control RPCs to the coordinator are coordinator_client.py (waiting
-for a join's reply, join_wait.py), joins sent ahead are prepared.py, the committed result's transfer to members
-without it is committed.py, and every control message, with its wire form, limits and `parse`,
-is protocol.py. The public names
+for a join's reply, join_wait.py), joins sent ahead are prepared.py, the committed result's
+transfer to members without it is committed.py, and every control message, with its wire form,
+limits and `parse`, is protocol.py. The public names
 (`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
 """
 
@@ -444,13 +445,13 @@ class SwarmCollective(Service):
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
-        if coordinator != self.peer_id:
+        if coordinator == self.peer_id:
+            joined = await self._joined(join)
+        else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
-        joined = await await_join_reply(  # unless the coordinator leaves the candidates (join_wait.py)
-            lambda: self._joined(join),
-            lambda: coordinator in (self.peer_id, *self.membership(key.round_id)),
-            await self._running(),
-        )
+            joined = await await_join_reply(
+                lambda: self._joined(join), lambda: coordinator in self.membership(key.round_id), await self._running()
+            )
         if joined is None:
             raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")
         self._waiting = None
