@@ -324,10 +324,11 @@ def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
             "diloco": ["--method", "diloco", "--H", str(H)],
         }
         walls, cpus, lab_cpus, stats, losses = {}, {}, {}, {}, {}
+        delay_line = [lab.delay_pid] if lab.delay_pid else []
         for name, method in runs.items():
-            lab_cpu0 = cpu_seconds([lab.delay_pid] if lab.delay_pid else [])
+            lab_cpu0 = cpu_seconds(delay_line)
             done = run_trainers(lab, name, method, steps, log_dir)
-            lab_cpus[name] = round(cpu_seconds([lab.delay_pid] if lab.delay_pid else []) - lab_cpu0, 2)
+            lab_cpus[name] = round(cpu_seconds(delay_line) - lab_cpu0, 2)
             walls[name] = max(d["wall_s"] for d in done)
             cpus[name] = round(sum(d["cpu_s"] for d in done) / len(done), 2)
             stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}

@@ -353,6 +353,7 @@ class SwarmCollective(Service):
         return self._coord.waiting_for() or self._waiting
 
     async def _joined(self, join: JoinRequest) -> JoinReply:
+        """The coordinator's reply to the round's join: the one sent ahead, or one sent now."""
         prepared = await self.prepared.take(join)  # sent ahead by `prepare` (prepared.py), or now:
         return prepared if prepared is not None else await self.coordinator.join(join)
 

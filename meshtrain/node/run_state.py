@@ -16,8 +16,8 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
-  that wait for it. Only a state that cannot fit this node
-  (another model or optimizer) is fatal: `NodeError`. The joined state is offered to joiners at
+  that wait for it. Only a state that cannot fit this node (another model or optimizer) is fatal:
+  `NodeError`. The joined state is offered to joiners at
   once (a snapshot from before the download would hand them an older φ than ours).
 - `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
   record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
