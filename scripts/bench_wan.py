@@ -37,16 +37,22 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   after a second of warm-up: what the link and the kernel's TCP give at all.
 - `streaming_overlap_ratio`: wall time of 200 inner steps of Streaming DiLoCo (P = 4, fp4, H =
   40) between 2 peers on 10 Mbit/s links (20 ms one-way) ÷ the same 200 steps with no
-  communication at all (2 `single` peers run at the same time, so CPU contention is the same).
-  Target ≤ 1.10. The overlap τ is the largest the schedule allows (H/P − 1 = 9 steps): this tiny
-  CPU model's inner step takes ~20 ms, so hiding a fragment round of a few round trips (40 ms
-  each) needs several steps; a model whose step takes longer than a round hides it at τ = 1.
-  `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default), and
-  `training.final_eval_loss` what each overlap cost in loss, and `training.cpu_s_per_peer` the
-  process CPU each peer used (communication's CPU: this machine's two cores are shared), and
-  `training.delay_line_cpu_s` what the lab's user-space delay line used meanwhile (a lab cost on
-  the same cores, which a real WAN does not charge the peers).
-  `diloco_overlap_ratio`: DiLoCo (H = 40, fp32) on the same link.
+  communication at all (2 `single` peers run at the same time, so CPU contention is the same;
+  they run first and again last, and the mean of the two is the baseline: `silent_runs_s`).
+  Target ≤ 1.10. The overlap τ is the largest the schedule allows (H/P − 1 = 9 steps).
+  `streaming_overlap_ratio_tau1` is the same at τ = 1 (the paper's default),
+  `diloco_overlap_ratio` DiLoCo (H = 40, fp32) on the same link, and under `training`:
+  `final_eval_loss` what each overlap cost in loss, `cpu_s_per_peer` the process CPU each peer
+  used, `delay_line_cpu_s` what the lab's user-space delay line used meanwhile (a lab cost on the
+  same cores, which a real WAN does not charge the peers), `step_ms` the silent run's step.
+  Models (`--train-models`, default `medium,small`; the first gives the headline keys, the others
+  the same keys with their name as suffix, `streaming_overlap_ratio_small`, `training_small`):
+  `medium` (0.8M parameters, a step of ~90 ms here) and `small` (0.2M, ~20 ms). Overlap hides
+  the link's time, not the round's CPU: each round costs a peer ~20–40 ms of CPU in control
+  messages and the data plane, and here the two peers' training already fills both cores, so that
+  CPU lengthens the run whatever the overlap. Beside a 90 ms step it is a few per cent; beside
+  the small model's 20 ms step it is 15–30 % (its ratio), which a machine with a core to spare
+  per peer does not pay (0.97 measured on 16 cores).
 - `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
   what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
 - `delay_measured_ms`: one-way latency UDP probes saw per configured delay (the lab checks
@@ -312,43 +318,66 @@ def run_trainers(lab: WanLab, name: str, method: list[str], steps: int, log_dir:
 
 
 def bench_streaming(args: argparse.Namespace, log_dir: str, out: dict) -> None:
+    """The overlap comparison for each of `--train-models`: the first one's ratios are the headline
+    keys, each other's carry its name as a suffix (`streaming_overlap_ratio_small`)."""
+    with WanLab(2, rate_mbit=10, delay_ms=20, congestion=args.congestion) as lab:
+        for i, model in enumerate(args.train_models):
+            suffix = "" if i == 0 else f"_{model}"
+            training = overlap_runs(args, lab, model, log_dir)
+            out[f"training{suffix}"] = training
+            walls = training["wall_s"]
+            out[f"streaming_overlap_ratio{suffix}"] = round(walls["streaming"] / walls["none"], 3)
+            out[f"streaming_overlap_ratio_tau1{suffix}"] = round(walls["streaming_tau1"] / walls["none"], 3)
+            out[f"diloco_overlap_ratio{suffix}"] = round(walls["diloco"] / walls["none"], 3)
+
+
+def overlap_runs(args: argparse.Namespace, lab: WanLab, model: str, log_dir: str) -> dict:
+    """No exchange, Streaming DiLoCo at the largest overlap and at τ = 1, and DiLoCo: two peers of
+    `model` on the lab's two links, one variant after the other."""
     steps = args.steps
     H, P = 40, 4
     most = H // P - 1  # the largest overlap the schedule allows: τ < H/P
     streaming = ["--method", "streaming", "--H", str(H), "--P", str(P), "--codec", "fp4"]
-    with WanLab(2, rate_mbit=10, delay_ms=20, congestion=args.congestion) as lab:
-        runs = {
-            "none": ["--method", "single"],
-            "streaming": [*streaming, "--delay", str(most)],
-            "streaming_tau1": [*streaming, "--delay", "1"],
-            "diloco": ["--method", "diloco", "--H", str(H)],
-        }
-        walls, cpus, lab_cpus, stats, losses = {}, {}, {}, {}, {}
-        delay_line = [lab.delay_pid] if lab.delay_pid else []
-        for name, method in runs.items():
-            lab_cpu0 = cpu_seconds(delay_line)
-            done = run_trainers(lab, name, method, steps, log_dir)
-            lab_cpus[name] = round(cpu_seconds(delay_line) - lab_cpu0, 2)
-            walls[name] = max(d["wall_s"] for d in done)
-            cpus[name] = round(sum(d["cpu_s"] for d in done) / len(done), 2)
-            stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
-            losses[name] = round(statistics.mean(d["final_eval_loss"] for d in done), 4)
-            progress(f"{name}: {steps} steps in {walls[name]:.2f} s, eval loss {losses[name]}")
-        out["training"] = {
-            "steps": steps,
-            "link_mbit": 10,
-            "H": H,
-            "P": P,
-            "delay_steps": {"streaming": most, "streaming_tau1": 1},
-            "wall_s": {k: round(v, 2) for k, v in walls.items()},
-            "cpu_s_per_peer": cpus,
-            "delay_line_cpu_s": lab_cpus,
-            "final_eval_loss": losses,
-            "stats": stats,
-        }
-        out["streaming_overlap_ratio"] = round(walls["streaming"] / walls["none"], 3)
-        out["streaming_overlap_ratio_tau1"] = round(walls["streaming_tau1"] / walls["none"], 3)
-        out["diloco_overlap_ratio"] = round(walls["diloco"] / walls["none"], 3)
+    runs = {
+        "none": ["--method", "single"],
+        "streaming": [*streaming, "--delay", str(most)],
+        "streaming_tau1": [*streaming, "--delay", "1"],
+        "diloco": ["--method", "diloco", "--H", str(H)],
+    }
+    walls, cpus, lab_cpus, stats, losses = {}, {}, {}, {}, {}
+    silent_walls: list[float] = []
+    delay_line = [lab.delay_pid] if lab.delay_pid else []
+    # The silent run goes first and again last, and the mean of the two is the baseline of every
+    # ratio, so that it does not carry one run's noise (runs here vary by ±5 %).
+    for name, method in [*runs.items(), ("none", runs["none"])]:
+        lab_cpu0 = cpu_seconds(delay_line)
+        done = run_trainers(lab, f"{model}-{name}", ["--model", model, *method], steps, log_dir)
+        lab_cpu = cpu_seconds(delay_line) - lab_cpu0
+        wall = max(d["wall_s"] for d in done)
+        cpu = sum(d["cpu_s"] for d in done) / len(done)
+        progress(f"{model} {name}: {steps} steps in {wall:.2f} s")
+        if name == "none":
+            silent_walls.append(wall)
+            if len(silent_walls) == 2:  # the second silent run: average it in
+                wall, cpu, lab_cpu = (wall + walls[name]) / 2, (cpu + cpus[name]) / 2, (lab_cpu + lab_cpus[name]) / 2
+        walls[name], cpus[name], lab_cpus[name] = wall, cpu, lab_cpu
+        stats[name] = {k: done[0]["stats"].get(k) for k in ("rounds", "bytes_sent", "comm_wait_seconds")}
+        losses[name] = round(statistics.mean(d["final_eval_loss"] for d in done), 4)
+    return {
+        "model": model,
+        "steps": steps,
+        "step_ms": round(1000 * walls["none"] / steps, 1),
+        "link_mbit": 10,
+        "H": H,
+        "P": P,
+        "delay_steps": {"streaming": most, "streaming_tau1": 1},
+        "wall_s": {k: round(v, 2) for k, v in walls.items()},
+        "silent_runs_s": [round(w, 2) for w in silent_walls],
+        "cpu_s_per_peer": {k: round(v, 2) for k, v in cpus.items()},
+        "delay_line_cpu_s": {k: round(v, 2) for k, v in lab_cpus.items()},
+        "final_eval_loss": losses,
+        "stats": stats,
+    }
 
 
 def bench_hivemind(args: argparse.Namespace, log_dir: str, out: dict) -> None:
@@ -391,6 +420,12 @@ def main() -> int:
         help="TCP congestion control in the lab (default: what the machine's namespaces inherit)",
     )
     ap.add_argument("--steps", type=int, default=200, help="inner steps of the training comparison")
+    ap.add_argument(
+        "--train-models",
+        default="medium,small",
+        type=lambda v: v.split(","),
+        help="models of the overlap comparison, the headline first (tests/proc_trainer.py --model)",
+    )
     ap.add_argument("--no-hetero", dest="hetero", action="store_false")
     ap.add_argument("--no-training", dest="training", action="store_false")
     ap.add_argument("--no-allreduce", dest="allreduce", action="store_false")
@@ -402,6 +437,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.peers, args.mb, args.rounds, args.steps = 4, 20.0, 1, 60
+    unknown = [m for m in args.train_models if m not in ("small", "medium")]  # P = 4 needs 4 blocks
+    if unknown:
+        ap.error(f"--train-models: unknown model(s) {', '.join(unknown)}; choose from medium, small")
     if os.geteuid() != 0:
         msg = "bench_wan.py must run as root: the WAN lab needs network namespaces and tc (sudo ...)"
         print(msg, file=sys.stderr)

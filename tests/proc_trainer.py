@@ -175,11 +175,20 @@ def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
     ts.send, col.all_reduce, col.average_with = send, all_reduce, average_with
 
 
+def model_config(name: str, vocab_size: int) -> GPTConfig:
+    """`--model`: tiny and small are the presets; medium (4 blocks, d 128, context 64: 0.8M
+    parameters) has a CPU step of ~80 ms on one core, long beside a round's fixed cost of control
+    messages (scripts/bench_wan.py's overlap comparison), and 4 blocks for Streaming DiLoCo's P = 4."""
+    if name == "medium":
+        return GPTConfig(vocab_size, n_layer=4, n_head=4, d_model=128, context=64)
+    return GPTConfig.small(vocab_size) if name == "small" else GPTConfig.tiny(vocab_size)
+
+
 async def main(args: argparse.Namespace) -> None:
     configure()  # MESHTRAIN_LOG=INFO shows the rounds in each peer's log
     torch.set_num_threads(args.threads)
     corpus = Corpus.default()
-    config = GPTConfig.small(corpus.vocab_size) if args.model == "small" else GPTConfig.tiny(corpus.vocab_size)
+    config = model_config(args.model, corpus.vocab_size)
     evals = corpus.eval_batches(args.eval_batches, 32, config.context)
     cfg = AllReduceConfig(
         join_timeout=args.join_timeout, part_timeout=args.part_timeout, report_timeout=args.part_timeout
@@ -310,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--H", type=int, default=25)
-    p.add_argument("--model", default="small", choices=["small", "tiny"])
+    p.add_argument("--model", default="small", choices=["small", "tiny", "medium"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--cosine", action="store_true")
