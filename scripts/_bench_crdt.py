@@ -153,16 +153,27 @@ def _join(digests: list[dict[str, dict[str, list[Any]]]]) -> dict[str, dict[str,
 
 
 def run_crdt_phase(
-    n: int = 32, procs: int = 4, idle_s: float = 10.0, *, partition: bool = True, round_s: float | None = None
+    n: int = 32,
+    procs: int = 4,
+    idle_s: float = 10.0,
+    *,
+    partition: bool = True,
+    round_s: float | None = None,
+    stretch: int = 1,
 ) -> dict[str, Any]:
     """Run the benchmark with `n` peers in `procs` worker processes; returns the result dict.
     Without `partition`, steps 2-4 are skipped: start, then the idle measurement (bench_scale).
-    With `round_s`, every peer reports a new outer round that often (step 5)."""
+    With `round_s`, every peer reports a new outer round that often (step 5). `stretch` (a whole
+    number): every period of the gossip protocols is that many times longer (`stretched`), so the
+    same swarm needs that many times less CPU a second; the rates measured are per stretched
+    second, and the caller multiplies them back (bench_scale.py's gossip phase)."""
     from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for
     from meshtrain.transport.identity import Identity
 
     if n < 4 or not 1 <= procs <= n:
         raise ValueError("need at least 4 peers and 1..n processes")
+    if not isinstance(stretch, int) or stretch < 1:
+        raise ValueError("stretch must be a whole number >= 1 (gossipsub's heartbeat is in whole seconds)")
     t_start = time.monotonic()
     seeds = [os.urandom(32) for _ in range(n)]
     owner = Identity.from_seed(seeds[0]).peer_id_str
@@ -175,7 +186,8 @@ def run_crdt_phase(
         "topology": f"ring + chords (i, i+{CHORD})",
     }
     # SwarmView stretches the heartbeat with the swarm (see its module docstring)
-    interval = heartbeat_interval_for(n)
+    interval = heartbeat_interval_for(n) * stretch
+    out["stretch"] = stretch
     out["heartbeat_s"] = interval
     out["lease_s"] = interval * DEFAULT_TTL / DEFAULT_HEARTBEAT_INTERVAL
     workers = [Worker() for _ in groups]
@@ -187,7 +199,10 @@ def run_crdt_phase(
         stage(f"starting {procs} workers")
         replies = ask(
             workers,
-            [{"cmd": "init", "owner": owner, "nodes": g, "seeds": [seeds[i].hex() for i in g]} for g in groups],
+            [
+                {"cmd": "init", "owner": owner, "nodes": g, "seeds": [seeds[i].hex() for i in g], "stretch": stretch}
+                for g in groups
+            ],
             60,
         )
         addrs, ids = {}, {}
@@ -360,6 +375,40 @@ def _covers(replica: Any, target: dict[str, dict[str, list[Any]]]) -> bool:
     return True
 
 
+def stretched(config: Any, k: int) -> Any:
+    """A `ReplicaConfig` whose periodic work runs k times less often: anti-entropy's interval and
+    gossipsub's heartbeat (its message cache and gossip windows count heartbeats) are k times
+    longer. Not stretched: `publish_delay`, which coalesces writes made at the same moment."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config, anti_entropy_interval=config.anti_entropy_interval * k, gossip_heartbeat=config.gossip_heartbeat * k
+    )
+
+
+def stretched_view(k: int) -> dict[str, float]:
+    """`SwarmView` arguments whose heartbeat interval, lease and progress gap are k times those of
+    the defaults: `heartbeat_interval_for(n, 3k, rate / k, cap)` = k x `heartbeat_interval_for(n)`
+    while that stays under the cap. The cap (300 s) is stretched as far as SwarmView's limit on
+    leases allows (`MAX_LEASE_MS`: four intervals, so 900 s), so at 256 peers (32 s) the stretch
+    is exact up to k = 28."""
+    from meshtrain.crdt.swarm_records import MAX_LEASE_MS
+    from meshtrain.crdt.swarm_view import (
+        DEFAULT_HEARTBEAT_INTERVAL,
+        DEFAULT_MAX_HEARTBEAT_INTERVAL,
+        DEFAULT_SWARM_HEARTBEAT_RATE,
+        DEFAULT_TTL,
+    )
+
+    longest = MAX_LEASE_MS / 1000 * DEFAULT_HEARTBEAT_INTERVAL / DEFAULT_TTL
+    return {
+        "heartbeat_interval": DEFAULT_HEARTBEAT_INTERVAL * k,
+        "ttl": DEFAULT_TTL * k,
+        "swarm_heartbeat_rate": DEFAULT_SWARM_HEARTBEAT_RATE / k,
+        "max_heartbeat_interval": max(DEFAULT_MAX_HEARTBEAT_INTERVAL, min(DEFAULT_MAX_HEARTBEAT_INTERVAL * k, longest)),
+    }
+
+
 async def _report_rounds(view: Any, round_s: float) -> None:
     """Report outer rounds as a trainer does (run_state.py): step, samples, round, φ digests."""
     import random
@@ -386,7 +435,7 @@ async def _worker() -> None:
     import trio
     from libp2p.peer.id import ID
 
-    from meshtrain.crdt import Replica, SwarmView, swarm_specs
+    from meshtrain.crdt import Replica, ReplicaConfig, SwarmView, swarm_specs
     from meshtrain.log import configure
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
@@ -399,6 +448,7 @@ async def _worker() -> None:
         configure("ERROR")
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"frames": 0, "frame_bytes": 0}
+    timing = {"stretch": 1}
 
     async def await_targets(targets: list[list[Any]], timeout: float) -> float | None:
         pending = [(nodes[i]["replica"], t) for i, t in targets]
@@ -413,9 +463,11 @@ async def _worker() -> None:
     async def handle(cmd: str, command: dict[str, Any], stack: AsyncExitStack) -> Any:
         if cmd == "init":
             owner = command["owner"]
+            timing["stretch"] = int(command.get("stretch", 1))
             for i, seed in zip(command["nodes"], command["seeds"], strict=True):
                 host = await stack.enter_async_context(Host(Identity.from_seed(bytes.fromhex(seed))))
-                replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner)))
+                config = stretched(ReplicaConfig(), timing["stretch"])
+                replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(owner), config=config))
                 original = replica.pubsub.write_msg
 
                 async def counted(stream, rpc, original=original):
@@ -435,7 +487,8 @@ async def _worker() -> None:
             # Started all at once, the join storm on 2 cores left a backlog that the idle
             # window then measured (64 peers: 1.7-2.9x the bytes of a sequential start).
             for n in nodes.values():
-                n["view"] = await stack.enter_async_context(SwarmView(n["replica"], n["owner"]))
+                view = SwarmView(n["replica"], n["owner"], **stretched_view(timing["stretch"]))
+                n["view"] = await stack.enter_async_context(view)
             return {"ok": True}
         elif cmd == "rounds":  # every peer ends an outer round every round_s s, each at its own phase
             rounds = await stack.enter_async_context(trio.open_nursery())

@@ -2,6 +2,7 @@
 
     python scripts/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--gossip-round-s 5]
+                                  [--gossip-stretch K | --gossip-stretch 256:8,...]
                                   [--out docs/bench_scale_issue20.json]
 
 The last line printed is one JSON object (also written to `--out`).
@@ -34,7 +35,13 @@ what is reported, at each size N:
   `heartbeat_interval_for`, and a peer's progress writes are at least `progress_gap()` apart;
   ring + chords topology, as scripts/_bench_crdt.py; `0`: idle peers), with `gossip_cpu_cores`
   (a saturated machine sends less than it should: read the bytes beside it). Anti-entropy RPCs are counted in `gossip_msgs_per_peer_s`,
-  not in the bytes;
+  not in the bytes. `--gossip-stretch` k runs a size with every period of the gossip protocols k
+  times longer — membership heartbeats, leases and the progress gap (`SwarmView`'s arguments),
+  anti-entropy's interval and gossipsub's heartbeat (`ReplicaConfig`), the rounds and the window —
+  so it needs k times less CPU a second, and multiplies its rates back by k
+  (`gossip_cpu_cores_unstretched` is what it would use unstretched). The messages and their sizes
+  are the same, only k times rarer; a size that fits this machine both ways checks that (the
+  README's run: 64 peers at k = 1 and 4);
 - set-up: `connect_s`, `dial_retries` and `session_retries` (dials and data-plane session RPCs
   that failed on a starved machine and were tried again, up to `SETUP_ATTEMPTS` each; an error
   that outlives them names the peer and the step), `fds_per_process` (descriptors of the busiest
@@ -199,31 +206,57 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
     return out
 
 
-def gossip_phase(n: int, procs: int, idle_s: float, round_s: float | None = None) -> dict[str, Any]:
+def gossip_phase(
+    n: int, procs: int, idle_s: float, round_s: float | None = None, stretch: int = 1, intervals: float = 2.0
+) -> dict[str, Any]:
     """N peers gossiping membership and progress (scripts/_bench_crdt.py, no partition), each
     ending an outer round every `round_s` s (None: idle), measured over at least two heartbeat
     intervals (10.7 s at 64 peers): a shorter window sees only some peers' heartbeats, and its
-    rate swings by 2x between runs."""
+    rate swings by 2x between runs. With `stretch` k, every period of the gossip protocols and the
+    rounds is k times longer and so is the window (a swarm that does not fit this machine's CPU
+    at full speed fits in k times less CPU a second); the rates are multiplied back by k, to what
+    a peer sends per second of the unstretched protocol. Same messages, same sizes, k times
+    rarer: `--gossip-stretch` checks that at a size that fits both ways."""
     from meshtrain.crdt.swarm_view import heartbeat_interval_for
 
-    idle_s = max(idle_s, 2 * heartbeat_interval_for(n))
-    out = run_crdt_phase(n, min(procs, n), idle_s, partition=False, round_s=round_s)
+    idle_s = max(idle_s, intervals * heartbeat_interval_for(n)) * stretch
+    out = run_crdt_phase(
+        n, min(procs, n), idle_s, partition=False, round_s=round_s * stretch if round_s else None, stretch=stretch
+    )
     return {
         "peers": n,
-        "heartbeat_s": out["heartbeat_s"],
+        "stretch": stretch,
+        "heartbeat_s": out["heartbeat_s"] / stretch,
         "round_s": round_s,
-        "gossip_bytes_per_peer_s": out["gossip_bytes_per_node_s"],
-        "gossip_msgs_per_peer_s": out["msgs_per_node_s"],
+        "gossip_bytes_per_peer_s": round(out["gossip_bytes_per_node_s"] * stretch),
+        "gossip_msgs_per_peer_s": round(out["msgs_per_node_s"] * stretch, 2),
         "gossip_cpu_cores": out["idle_cpu_cores"],
+        "gossip_cpu_cores_unstretched": round(out["idle_cpu_cores"] * stretch, 2),
         "idle_s": round(idle_s, 1),
         "all_live_s": out["all_live_s"],
         "live_after": out["live_after"],
     }
 
 
+def parse_stretch(value: str) -> dict[int, int] | int:
+    """`--gossip-stretch`: one whole number for every gossip size, or `size:k,...` (1 elsewhere)."""
+    try:
+        if ":" not in value:
+            k = int(value)
+            if k < 1:
+                raise ValueError
+            return k
+        pairs = dict(tuple(int(x) for x in item.split(":")) for item in value.split(",") if item)
+        if any(k < 1 for k in pairs.values()):
+            raise ValueError
+        return pairs
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or size:k pairs, got {value!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="16,64,256")
+    parser.add_argument("--sizes", default="16,64,256", help="sizes of the rounds phase ('' to skip)")
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
@@ -234,6 +267,18 @@ def main() -> None:
         type=float,
         default=5.0,
         help="each peer of the gossip phase ends a round this often (0: idle)",
+    )
+    parser.add_argument(
+        "--gossip-stretch",
+        type=parse_stretch,
+        default=1,
+        help="gossip phase: every protocol period k times longer, rates multiplied back (k, or size:k,...)",
+    )
+    parser.add_argument(
+        "--gossip-intervals",
+        type=float,
+        default=2.0,
+        help="gossip phase: the window is at least this many heartbeat intervals (2: stable to a few per cent)",
     )
     parser.add_argument("--out", default="", help="also write the JSON here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -248,7 +293,13 @@ def main() -> None:
     gossip_sizes = sorted(int(x) for x in args.gossip_sizes.split(",") if x)
     # The largest swarm runs last, and the JSON so far is written after every step: a run cut
     # short keeps what it measured.
-    steps = [("rounds", n) for n in sizes[:-1]] + [("gossip", n) for n in gossip_sizes] + [("rounds", sizes[-1])]
+    steps = (
+        [("rounds", n) for n in sizes[:-1]]
+        + [("gossip", n) for n in gossip_sizes]
+        + [("rounds", n) for n in sizes[-1:]]
+    )
+    if not steps:
+        parser.error("nothing to run: --sizes and --gossip-sizes are both empty")
     scale: dict[int, dict[str, Any]] = {}
     gossip: dict[int, dict[str, Any]] = {}
     for kind, n in steps:
@@ -256,7 +307,8 @@ def main() -> None:
             scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
             print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
         else:
-            gossip[n] = gossip_phase(n, args.procs, args.idle, args.gossip_round_s or None)
+            k = args.gossip_stretch if isinstance(args.gossip_stretch, int) else args.gossip_stretch.get(n, 1)
+            gossip[n] = gossip_phase(n, args.procs, args.idle, args.gossip_round_s or None, k, args.gossip_intervals)
             print(json.dumps({"progress": kind, **gossip[n]}), flush=True)
         result = summarize(args, scale, gossip, time.monotonic() - t0)
         if args.out:
