@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_wan.py [--peers 8] [--mb 100] [--rounds 3] [--quick]
         [--congestion cubic|bbr]
-        [--only-hetero] [--no-hetero] [--no-training] [--no-allreduce]
+        [--only-hetero] [--no-hetero] [--no-training] [--no-allreduce] [--train-models medium,small]
 
 Every peer is a real meshtrain process (tests/proc_nat_peer.py, or tests/proc_trainer.py for the
 training part) in its own network namespace, behind its own link: tc tbf in both directions and
