@@ -41,7 +41,7 @@ what is reported, at each size N:
   so it needs k times less CPU a second, and multiplies its rates back by k
   (`gossip_cpu_cores_unstretched` is what it would use unstretched). The messages and their sizes
   are the same, only k times rarer; a size that fits this machine both ways checks that (the
-  README's run: 64 peers at k = 1 and 4);
+  README's runs: 16 peers at k = 1 and 4);
 - set-up: `connect_s`, `dial_retries` and `session_retries` (dials and data-plane session RPCs
   that failed on a starved machine and were tried again, up to `SETUP_ATTEMPTS` each; an error
   that outlives them names the peer and the step), `fds_per_process` (descriptors of the busiest

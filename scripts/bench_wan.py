@@ -47,11 +47,11 @@ With B a peer's link rate and M the payload, the bandwidth-optimal all-reduce ti
   same cores, which a real WAN does not charge the peers), `step_ms` the silent run's step.
   Models (`--train-models`, default `medium,small`; the first gives the headline keys, the others
   the same keys with their name as suffix, `streaming_overlap_ratio_small`, `training_small`):
-  `medium` (0.8M parameters, a step of ~90 ms here) and `small` (0.2M, ~20 ms). Overlap hides
-  the link's time, not the round's CPU: each round costs a peer ~20–40 ms of CPU in control
+  `medium` (0.8M parameters, a step of 90–100 ms here) and `small` (0.2M, ~20 ms). Overlap hides
+  the link's time, not the round's CPU: each round costs a peer ~20–60 ms of CPU in control
   messages and the data plane, and here the two peers' training already fills both cores, so that
   CPU lengthens the run whatever the overlap. Beside a 90 ms step it is a few per cent; beside
-  the small model's 20 ms step it is 15–30 % (its ratio), which a machine with a core to spare
+  the small model's 20 ms step it is 10–40 % (its ratio), which a machine with a core to spare
   per peer does not pay (0.97 measured on 16 cores).
 - `tcp_congestion`: the TCP congestion control the lab's peers ran (`--congestion`; by default
   what new namespaces inherit from the machine: bbr on this project's machines, cubic on most).
@@ -348,7 +348,7 @@ def overlap_runs(args: argparse.Namespace, lab: WanLab, model: str, log_dir: str
     silent_walls: list[float] = []
     delay_line = [lab.delay_pid] if lab.delay_pid else []
     # The silent run goes first and again last, and the mean of the two is the baseline of every
-    # ratio, so that it does not carry one run's noise (runs here vary by ±5 %).
+    # ratio, so that it does not carry one run's noise (two runs here differed by up to 22 %).
     for name, method in [*runs.items(), ("none", runs["none"])]:
         lab_cpu0 = cpu_seconds(delay_line)
         done = run_trainers(lab, f"{model}-{name}", ["--model", model, *method], steps, log_dir)
