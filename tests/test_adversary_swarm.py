@@ -41,7 +41,8 @@ H = 2
     # Replay screening (echo, the spec's default) alone catches the replay at screening's scale;
     # the loss scoring and spot-check cases turn it off to test those alone, and the spot-check
     # case the direction rule too (a replay drifting from the swarm's direction was struck out by
-    # it before spot strikes counted, in 1 run of ~10).
+    # it before spot strikes counted, in 1 run of ~10; `screen_alignment` 0 once still flagged a
+    # negative cosine, and CI saw it do so in rounds 4 and 5).
     [
         ("signflip10", H, 4, 16, 0, 0, {}),
         ("zeros", H, 4, 16, 0, 0, {}),
@@ -135,10 +136,13 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
         assert doc["node"]["admission"]["loss_scoring"]["scored"] > 0
     if spot:  # every owner spot-checked rounds, and spot strikes made most of the replay's counted rounds
-        # (norm screening could still flag it in a round: then not by spot)
+        # (norm screening could still flag it in a round: then not by spot). replay-phi's spot
+        # verdicts count only past its passes (3 rounds later): by then its round-1 update has
+        # drifted enough for norm screening to flag it in some runs (CI: rounds 7 and 8, with spot
+        # strikes in round 5 and checks skipped under load after), so one spot round is its promise.
         assert all(n.spot_checker is not None and n.spot_checker.checked > 0 for n in honest)
         by_spot = [n.presence.standing()[liar.host.peer_id].by_spot for n in honest]
-        assert all(b >= 2 for b in by_spot), by_spot
+        assert all(b >= (1 if mode == "replay-phi" else 2) for b in by_spot), by_spot
         assert doc["node"]["admission"]["spot_check"]["checked"] > 0
     if mode == "replay-phi":  # it held another φ on every honest peer: its spot strikes came past the passes
         assert sum(n.presence.strikes.filed_other_phi for n in honest) >= 2, doc["node"]["admission"]["other_phi"]

@@ -14,7 +14,7 @@ import torch
 
 from meshtrain.node import pipeline_peer, stage_handover
 from meshtrain.node.stage_state import StageStates, backers
-from meshtrain.node.state_sync import CHUNK_RPC
+from meshtrain.node.state_sync import CHUNK_RPC, MANIFEST_RPC
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.identity import Identity
 
@@ -77,6 +77,17 @@ async def test_a_refill_falls_back_to_an_older_backup_when_the_newest_snapshots_
         assert torch.equal(got.state["weights"]["blocks.1.fc.weight"], older["blocks.1.fc.weight"])
 
 
+def crash_donor(node) -> None:
+    """From now on `node` serves no state, as a crashed peer would: every manifest and chunk
+    request fails (its stop is graceful and takes a moment, in which it would still serve)."""
+
+    async def dead(peer: str, request: object) -> None:
+        raise ConnectionError("crashed")
+
+    for name in (MANIFEST_RPC, CHUNK_RPC):
+        node.host.rpc.serve(name, dead)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backer_moves", [False, True])
 async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_from_initial_weights(
@@ -84,7 +95,9 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
 ):
     """Three daemons: two origins on stage 0, one peer on stage 1. An epoch end (an export's
     `request_epoch_end`) makes the lowest-id origin back stage 1 up; then the stage-1 peer leaves
-    without handing its stage over (`HANDOVER_WAIT` 0: as after a crash). Placement moves the
+    without handing its stage over (`HANDOVER_WAIT` 0, and its donor answers nothing from then
+    on: as after a crash; a graceful stop that still served its newest snapshot, one the backer
+    had not copied yet, once made the refill take that instead, on CI). Placement moves the
     faster origin to stage 1 — announced forward times make it the backer itself (which enters
     its own copy) or the other origin (which downloads the backup from the backer) — and it
     trains on from the backup's step; both survivors reach the last step."""
@@ -103,6 +116,7 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
         backup = nodes[backer].pipeline.status()["backup"]
         assert backup["stage"] == 1 and backup["step"] >= 4, backup
         assert nodes[origins[1][1]].pipeline.status()["backup"] is None  # one backer per stage
+        crash_donor(nodes[gone])
         nodes[gone].stop()
     mover = refilled_stage_mover(tmp_path, nodes, results, gone, 24)
     joined = mover.pipeline.joined_from

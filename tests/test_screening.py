@@ -5,7 +5,9 @@ format the flags become (crdt/strikes.py), as a property."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AsyncExitStack
+from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.collective.data_phase import reduce_contributions, screen_contributions
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
-from meshtrain.node.strikes import excluded_at
+from meshtrain.node.strikes import StrikeBook, excluded_at
 from meshtrain.node.swarm_spec import SwarmSpec
 from meshtrain.transport.identity import Identity
 
@@ -110,6 +112,37 @@ def test_noise_of_an_updates_norm_is_flagged_for_its_direction(n, seed, liar):
     aggregate = stack.sort(dim=0).values[1 : n - 1].mean(dim=0)
     flags = screen_contributions([f"p{i}" for i in range(n)], stack, aggregate, SCREENED, part=0)
     assert [(f.peer, f.rule) for f in flags] == [(f"p{liar}", "direction")]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(4, 9), seed=st.integers(0, 2**16), liar=st.integers(0, 8))
+def test_alignment_zero_turns_the_direction_rule_off_even_for_a_flipped_update(n, seed, liar):
+    """`screen_alignment` 0 is no direction rule, as `screen_norm` 0 is no screening: a flipped
+    update (negative cosine, within the norm bounds) is not flagged, where the default flags it;
+    and a strike about it breaks no threshold of a spec with 0."""
+    liar %= n
+    rows = honest_updates(n, 300, seed)
+    rows[liar] = -rows[liar]
+    stack = torch.stack(rows)
+    aggregate = stack.sort(dim=0).values[1 : n - 1].mean(dim=0)
+    peers = [f"p{i}" for i in range(n)]
+    off = AllReduceConfig(join_timeout=5, robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.0)
+    assert screen_contributions(peers, stack, aggregate, off, part=0) == []
+    (flag,) = screen_contributions(peers, stack, aggregate, SCREENED, part=0)
+    assert (flag.peer, flag.rule) == (f"p{liar}", "direction") and flag.alignment < 0
+
+
+def test_a_direction_strike_counts_only_where_the_spec_screens_direction() -> None:
+    """Every peer re-checks a screening strike against its own spec (node/strikes.py): a
+    negative alignment breaks the default `screen_alignment` and no threshold where it is 0."""
+    view = SimpleNamespace(me=PEERS[0], replica=SimpleNamespace(on_change=lambda callback: None))
+    book = StrikeBook(view, SwarmSpec(model="gpt-tiny"), admitted=lambda peer, caps: True)  # type: ignore[arg-type]
+    group = tuple(PEERS)
+    flipped = Strike(PEERS[1], 40, "f0", PEERS[2], group, b"\x05" * 32, 1, 1.0, -0.5)
+    assert book.why_not_counted(flipped, True) is None
+    book.spec = SwarmSpec(model="gpt-tiny", screen_alignment=0.0)
+    assert book.why_not_counted(flipped, True) == "no evidence: the scores break no threshold"
+    assert book.why_not_counted(dataclasses.replace(flipped, norm_ratio=9.0), True) is None  # the norm rule stays
 
 
 PEERS = sorted(Identity.generate().peer_id_str for _ in range(4))

@@ -166,7 +166,8 @@ def screen_contributions(
     `screen_norm` x the median norm or under its inverse (a scaled update, or zeros from a free
     rider), or whose alignment — its cosine with the robust `aggregate` over the rows' median
     cosine — is below `screen_alignment` (a flipped direction, or noise: orthogonal to the others,
-    though the trimmed aggregate keeps a little of it, so its plain cosine is small but positive).
+    though the trimmed aggregate keeps a little of it, so its plain cosine is small but positive;
+    `screen_alignment` 0: no direction rule, not "flag a negative cosine").
     A part of all zeros (nobody moved) flags nobody; without a common direction (median cosine
     <= 0) nobody is flagged for direction."""
     norms = stack.norm(dim=1)
@@ -182,7 +183,7 @@ def screen_contributions(
         alignment = float(cosines[i]) / typical if typical > 0 else 1.0
         if not 1 / config.screen_norm <= ratio <= config.screen_norm:
             rule = "norm"
-        elif alignment < config.screen_alignment:
+        elif config.screen_alignment and alignment < config.screen_alignment:
             rule = "direction"
         else:
             continue

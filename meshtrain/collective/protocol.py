@@ -90,7 +90,7 @@ class AllReduceConfig:
     # Screening (robust modes, 3+ contributors; data_phase.screen_contributions): an owner flags a
     # contribution whose norm is over screen_norm x the part's median norm or under its inverse
     # (0: no screening), or whose cosine with the robust aggregate is below screen_alignment x the
-    # contributions' median cosine.
+    # contributions' median cosine (0: no direction rule).
     screen_norm: float = 0.0
     screen_alignment: float = 0.0
     # Replay screening (robust modes with screening; echoes.py): after a round commits an owner

@@ -439,7 +439,7 @@ class StrikeBook:
                 return "this swarm does not screen for replays"
             if not echo_flagged(strike.echo, self.spec):
                 return "no evidence: the echo's cosine breaks no threshold"
-        elif 1 / k <= strike.norm_ratio <= k and strike.alignment >= min_align:
+        elif 1 / k <= strike.norm_ratio <= k and (not min_align or strike.alignment >= min_align):
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
         if seen is not None and seen != (strike.group, strike.digest):

@@ -156,7 +156,7 @@ class SwarmSpec(BaseModel):
         ge=0,
         le=1,
         description="robust aggregation: flag a contribution whose cosine with the aggregate is below this "
-        "fraction of the group's median cosine (a flipped update, or noise)",
+        "fraction of the group's median cosine (a flipped update, or noise; 0 = no direction rule)",
     )
     screen_echo: float = Field(
         0.9999,
