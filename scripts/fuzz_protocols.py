@@ -79,6 +79,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import warnings
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -89,6 +90,7 @@ from typing import Any
 import trio
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisDeprecationWarning
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -565,7 +567,12 @@ def sample(strategy: st.SearchStrategy, n: int, seed_value: int) -> list[Any]:
     def collect(value: Any) -> None:
         out.append(value)
 
-    collect()
+    with warnings.catch_warnings():
+        # Hypothesis compares the global `random` state around each draw. `plan` draws in a worker
+        # thread (trio.to_thread) while the swarm's trio thread uses `random` itself (gossipsub's
+        # peer picks, anti-entropy's jitter), which it would take for a strategy that uses `random`.
+        warnings.filterwarnings("ignore", "Do not use the `random` module", HypothesisDeprecationWarning)
+        collect()
     if not out:
         raise RuntimeError("hypothesis produced no examples")
     return [out[i % len(out)] for i in range(n)]
