@@ -118,8 +118,7 @@ def test_noise_of_an_updates_norm_is_flagged_for_its_direction(n, seed, liar):
 @given(n=st.integers(4, 9), seed=st.integers(0, 2**16), liar=st.integers(0, 8))
 def test_alignment_zero_turns_the_direction_rule_off_even_for_a_flipped_update(n, seed, liar):
     """`screen_alignment` 0 is no direction rule, as `screen_norm` 0 is no screening: a flipped
-    update (negative cosine, within the norm bounds) is not flagged, where the default flags it;
-    and a strike about it breaks no threshold of a spec with 0."""
+    update (negative cosine, within the norm bounds) is not flagged, where the default flags it."""
     liar %= n
     rows = honest_updates(n, 300, seed)
     rows[liar] = -rows[liar]

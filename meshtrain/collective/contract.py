@@ -65,6 +65,20 @@ class ContributionFlag:
     earlier: int = 0
 
 
+def screening_rule(norm_ratio: float, alignment: float, screen_norm: float, screen_alignment: float) -> str | None:
+    """Which screening rule a contribution with these scores breaks ("norm" | "direction"), or
+    None: its norm ratio outside [1/`screen_norm`, `screen_norm`], else its alignment below
+    `screen_alignment`. 0 turns a rule off (`screen_norm` 0: no screening at all). The owner's
+    flag (data_phase.py) and every peer's re-check of a strike (node/strikes.py) use this one rule."""
+    if not screen_norm:
+        return None
+    if not 1 / screen_norm <= norm_ratio <= screen_norm:
+        return "norm"
+    if screen_alignment and alignment < screen_alignment:
+        return "direction"
+    return None
+
+
 def sampled_peers(group: tuple[str, ...], digest: bytes, k: int) -> tuple[str, ...]:
     """The `k` peers of `group` whose contributions a round with committed `digest` scores by loss
     (all of them if k >= the group's size), sorted: the group ranked by blake2b(digest, peer id).

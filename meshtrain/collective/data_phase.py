@@ -92,7 +92,7 @@ import torch
 import trio
 
 from meshtrain.collective.compression import CodecError, get_codec
-from meshtrain.collective.contract import CollectiveError, ContributionFlag
+from meshtrain.collective.contract import CollectiveError, ContributionFlag, screening_rule
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
 from meshtrain.collective.flat import all_finite, part_bounds, stripe_bounds, unflatten
@@ -181,11 +181,8 @@ def screen_contributions(
     for i, peer in enumerate(peers):
         ratio = float(norms[i]) / median
         alignment = float(cosines[i]) / typical if typical > 0 else 1.0
-        if not 1 / config.screen_norm <= ratio <= config.screen_norm:
-            rule = "norm"
-        elif config.screen_alignment and alignment < config.screen_alignment:
-            rule = "direction"
-        else:
+        rule = screening_rule(ratio, alignment, config.screen_norm, config.screen_alignment)
+        if rule is None:
             continue
         flags.append(ContributionFlag(peer, part, round(ratio, 6), round(alignment, 6), rule))
     return flags

@@ -87,7 +87,7 @@ from typing import Any
 
 import trio
 
-from meshtrain.collective.contract import RoundScreening, sampled_peers
+from meshtrain.collective.contract import RoundScreening, sampled_peers, screening_rule
 from meshtrain.crdt.entries import CrdtError, decode_entries, encode_entries
 from meshtrain.crdt.replica import ChangeEvent
 from meshtrain.crdt.strikes import ECHO, LOSS, MAX_STRIKE_GROUP, SPOT, Strike
@@ -417,8 +417,7 @@ class StrikeBook:
         """Why this peer does not count `strike` (None: it counts), its reporter admitted or not."""
         if not reporter_admitted:
             return "reporter not admitted"
-        k, min_align = self.spec.screen_norm, self.spec.screen_alignment
-        if not k or self.spec.aggregation == "mean":
+        if not self.spec.screen_norm or self.spec.aggregation == "mean":
             return "this swarm does not screen"
         if strike.rule == LOSS:
             if not self.spec.score_samples:
@@ -439,7 +438,10 @@ class StrikeBook:
                 return "this swarm does not screen for replays"
             if not echo_flagged(strike.echo, self.spec):
                 return "no evidence: the echo's cosine breaks no threshold"
-        elif 1 / k <= strike.norm_ratio <= k and (not min_align or strike.alignment >= min_align):
+        elif (
+            screening_rule(strike.norm_ratio, strike.alignment, self.spec.screen_norm, self.spec.screen_alignment)
+            is None
+        ):
             return "no evidence: the scores break no threshold"
         seen = self._rounds.get(strike.round_key)
         if seen is not None and seen != (strike.group, strike.digest):
