@@ -32,6 +32,10 @@ Measured (last line, one JSON object):
   its echo of an earlier round, collective/echoes.py), not over otherdata (it does the work, on
   other data, and is left to loss scoring: `HARMFUL` says why);
 - `honest_excluded`: honest peers any honest peer excluded, over all runs (target 0);
+- `exclusion_lag_rounds`: per mode, the most rounds an honest peer completed with the adversary
+  still in them after it had excluded the adversary (its log line's time against its history's
+  rounds and contributor counts; target ≤ 1: a round already forming may still hold it);
+  `max_exclusion_lag_rounds` over the modes;
 - `verify_overhead`: screening's time per round (owner side: norms and cosines of every
   contribution to one part of the demo model, gpt-small) plus loss scoring's (`score_samples`
   peers, 3 forward passes of `score_batches` gpt-tiny batches each, `scoring_ms_per_round`; `--score-samples`,
@@ -137,6 +141,7 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
             except subprocess.TimeoutExpired:
                 p.kill()
     losses, steps, excluded, spot_flags = [], [], {}, {}
+    lags: list[int | None] = []
     for d, mode, p in zip(dirs, modes, procs, strict=True):
         if mode is not None:
             continue
@@ -156,8 +161,30 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
             if "peer excluded by strikes" in line:
                 fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
                 excluded.setdefault(fields["peer"], int(fields["at_round"]))
+                lags.append(exclusion_lag(line, history, len(modes)))
     loss = losses[0] if losses else math.nan
-    return {"ids": ids, "loss": loss, "excluded": excluded, "step_s": steps, "spot_flags": spot_flags}
+    lag = max((x for x in lags if x is not None), default=None)
+    return {"ids": ids, "loss": loss, "excluded": excluded, "step_s": steps, "spot_flags": spot_flags, "lag": lag}
+
+
+def exclusion_lag(line: str, history: list[dict], members: int) -> int | None:
+    """Rounds this honest peer completed with every member in them (the excluded one included)
+    after the moment its log says it excluded a peer, before its first round with fewer: 0 when
+    the next round formed without it, 1 when a round already forming then still had it. A count of
+    contributors, not their ids: a round an honest peer also missed reads as one without the
+    excluded peer. None: the log line has no time, or no round followed."""
+    try:
+        at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+    except ValueError:
+        return None
+    rounds: dict[int, int] = {}
+    for h in history:
+        if h.get("t", 0) > at and h.get("contributors") is not None:
+            rounds.setdefault(h["round"], h["contributors"])
+    for lag, r in enumerate(sorted(rounds)):
+        if rounds[r] < members:
+            return lag
+    return None
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90.0) -> None:
@@ -382,10 +409,12 @@ def main() -> None:
         for mode in modes
     }
     loss_gap = {mode: {rule: mean_gap(g) for rule, g in by_rule.items()} for mode, by_rule in gaps_by_seed.items()}
-    rounds_to_exclude, honest_excluded = {}, set()
+    rounds_to_exclude, honest_excluded, exclusion_lag_rounds = {}, set(), {}
     for mode in modes:
         caught = [runs[f"{s}/{mode}/robust"]["excluded"].get(p) for s in seeds for p in liar_ids]
         rounds_to_exclude[mode] = max(c // args.H for c in caught) if all(c is not None for c in caught) else None
+        lags = [runs[f"{s}/{mode}/robust"]["lag"] for s in seeds]
+        exclusion_lag_rounds[mode] = max((x for x in lags if x is not None), default=None)
     spot_flags = {"adversaries": 0, "honest": 0}
     for r in runs.values():
         honest_excluded |= set(r["excluded"]) & honest_ids
@@ -430,6 +459,10 @@ def main() -> None:
                 "rounds_to_exclude": rounds_to_exclude,
                 "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
                 "honest_excluded": len(honest_excluded),
+                "exclusion_lag_rounds": exclusion_lag_rounds,
+                "max_exclusion_lag_rounds": max(
+                    (x for x in exclusion_lag_rounds.values() if x is not None), default=None
+                ),
                 "score_samples": samples,
                 "score_batches": specs["robust"].score_batches,
                 "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),

@@ -2,15 +2,17 @@
 the swarm's invariants checked while it runs (issue 14, "chaos-proof swarms").
 
     python scripts/bench_chaos.py [--minutes 10] [--nodes 5] [--seed 0] [--partition auto|off]
-                                  [--out runs/chaos-...]
+                                  [--bootstrap one|all] [--out runs/chaos-...]
 
 What it does, as a new user's swarm would meet churn (spec defaults except the model, H and an
 endless run): `meshtrain swarm create --model gpt-tiny --H 20 --steps 0`, the creator starts with
 `meshtrain node start`, four (`--nodes` - 1) others `meshtrain swarm join <creator>` at the same
 moment. Once they all train (or after `WARMUP_TIMEOUT_S`), every 0.5–8 s (seeded) the harness
 picks one action: SIGKILL a random node (the creator included), restart a dead one
-(`meshtrain node start --data-dir <its dir> --bootstrap <every live peer>`, i.e. resume), or
-SIGSTOP one for 5–15 s, then SIGCONT. At least `MIN_ACTIVE` nodes stay running and not stopped.
+(`meshtrain node start --data-dir <its dir> --bootstrap <one random member's last address, alive
+or dead>`, i.e. resume, as a user who knows one peer would; `--bootstrap all` gives every running
+member's instead), or SIGSTOP one for 5–15 s, then SIGCONT. On loopback every node keeps one
+port across its lives, as a daemon keeps its configured one. At least `MIN_ACTIVE` nodes stay running and not stopped.
 After `--minutes` of chaos every node is stopped with SIGINT (as Ctrl-C), and checked.
 
 Partition (root only, `ip netns` working, `--partition auto`): every node runs in its own network
@@ -46,6 +48,14 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - rss_growth_mib: per node process that lived at least `RSS_MIN_LIFE_S`, RSS at its last sample
   minus RSS one minute after it started (the largest; per-process list in the summary). Under
   this much churn few processes live from minute 1 to the end, hence per process.
+- solo_rounds: rounds a node completed as the only contributor while other trainers were live in
+  its view (its status, `training.parity.solo_rounds`, summed over lives): a lineage of its own.
+  `rounds_withheld`: rounds a node proceeded alone in after a failed round; it publishes no φ
+  for them and re-syncs at once (`parity.withheld`). `actions.restart_dead_bootstrap`: restarts
+  whose only bootstrap address was dead.
+- Not measured here: clock skew (a node started with its clock shifted) needs liveness that does
+  not trust wall clocks first (a peer more than a lease behind is never live for the others);
+  exclusion lag needs a misbehaving peer, which `scripts/bench_adversarial.py` runs.
 Also: action counts, rounds, `longest_wait` (the longest a node reported the same
 `training.waiting`), `max_behind_swarm_s` (the longest a training node stayed more than
 `BEHIND_ROUNDS` rounds behind the other training nodes: stalled, or training a lineage of its own),
@@ -133,6 +143,8 @@ class ChaosConfig:
     out:       run dir for data dirs, logs, events and the summary.
     H, model:  the swarm spec's inner steps per round and model preset.
     log_level: the nodes' log level (INFO: the logs are what a node engineer reads afterwards).
+    bootstrap: what a restart is given: "one" random member's last address, alive or dead (a
+               user's one bootstrap address), or "all" the running members' addresses.
     """
 
     minutes: float = 10.0
@@ -143,6 +155,7 @@ class ChaosConfig:
     H: int = 20
     model: str = "gpt-tiny"
     log_level: str = "INFO"
+    bootstrap: str = "one"
 
 
 # --------------------------------------------------------------------------- network
@@ -196,18 +209,27 @@ def http_get_json(netns: str | None, url: str, timeout: float = STATUS_TIMEOUT_S
         conn.close()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LoopbackNet:
-    """Every node on 127.0.0.1 with OS-picked ports; no partition possible."""
+    """Every node on 127.0.0.1, each on a port of its own picked once and kept across its
+    restarts (as a daemon keeps its configured port, 4001 by default: the addresses a restarted
+    node's peers remember stay valid); no partition possible."""
 
     partition_note = "skipped: --partition off"
 
     def __init__(self, n: int, note: str | None = None) -> None:
         self.n = n
+        self.ports = [free_port() for _ in range(n)]
         if note:
             self.partition_note = note
 
     def listen(self, i: int) -> str:
-        return "/ip4/127.0.0.1/tcp/0"
+        return f"/ip4/127.0.0.1/tcp/{self.ports[i]}"
 
     def netns(self, i: int) -> str | None:
         return None
@@ -309,6 +331,8 @@ class Life:
     last_round: int | None = None
     round_times: list[tuple[float, int]] = field(default_factory=list)
     wait: tuple[str, float] | None = None  # (what, since)
+    solo_rounds: int = 0  # its status: rounds completed alone while other trainers were live
+    withheld: int = 0  # its status: rounds it proceeded alone in and published no φ for
 
 
 class NodeSlot:
@@ -321,6 +345,7 @@ class NodeSlot:
         self.stopped_until: float | None = None
         self.ours = False  # we signalled the current process to end
         self.info: dict[str, Any] = {}
+        self.last_addr: str | None = None  # the newest address it announced, alive or dead now
 
     @property
     def life(self) -> Life | None:
@@ -379,6 +404,8 @@ class NodeSlot:
 
     def addr(self) -> str | None:
         addrs = self.daemon_info().get("addrs") or []
+        if addrs:
+            self.last_addr = addrs[0]
         return addrs[0] if addrs else None
 
 
@@ -550,6 +577,9 @@ class Monitor:
             parity = tr.get("parity")
             if isinstance(parity, dict) and parity.get("status"):
                 self.parity_status[str(parity["status"])] += 1
+            if isinstance(parity, dict):
+                life.solo_rounds = max(life.solo_rounds, int(parity.get("solo_rounds") or 0))
+                life.withheld = max(life.withheld, int(parity.get("withheld") or 0))
             waiting = tr.get("waiting")
             if waiting:
                 if life.wait is None or life.wait[0] != waiting:
@@ -889,14 +919,21 @@ class Soak:
 
     def restart(self, s: NodeSlot, t: float) -> None:
         peers = [a for o in self.slots if o is not s and o.running() and (a := o.addr())]
+        if self.cfg.bootstrap == "one":  # one random member's last address, alive or dead now
+            known = [o.addr() or o.last_addr for o in self.slots if o is not s]
+            boot_peers = [self.rng.choice([a for a in known if a])] if any(known) else []
+        else:
+            boot_peers = peers
         with self.slots_lock:
             if (s.dir / "swarm.json").exists():
-                boot = [x for a in peers for x in ("--bootstrap", a)]
+                boot = [x for a in boot_peers for x in ("--bootstrap", a)]
                 s.spawn("restart", t, ["node", "start", *s.node_flags(), *boot])
             else:  # it died before it had the spec: join again, through any live peer
                 s.spawn("restart", t, ["swarm", "join", self.rng.choice(peers), *s.node_flags()])
         self.actions["restart"] += 1
-        self.event("restart", node=s.i, life=s.life.gen, bootstrap=len(peers))  # type: ignore[union-attr]
+        alive = sum(a in peers for a in boot_peers)
+        self.event("restart", node=s.i, life=s.life.gen, bootstrap=len(boot_peers), bootstrap_alive=alive)  # type: ignore[union-attr]
+        self.actions["restart_dead_bootstrap"] += bool(boot_peers) and not alive
 
     def wake(self) -> None:
         t = self.now()
@@ -1149,6 +1186,16 @@ class Soak:
             except Exception as e:  # noqa: BLE001
                 out[f"{section.__name__}_error"] = f"{type(e).__name__}: {e}"
         out["round_regressions"] = m.round_regressions[:20]
+        solo = [
+            {"node": f"node{s.i}", "life": life.gen, "solo_rounds": life.solo_rounds}
+            for s in self.slots
+            for life in s.lives
+            if life.solo_rounds
+        ]
+        out["solo_rounds"] = sum(x["solo_rounds"] for x in solo)
+        out["solo_round_list"] = solo
+        out["rounds_withheld"] = sum(life.withheld for s in self.slots for life in s.lives)
+        out["roundless_gap_over_round"] = out.get("max_roundless_gap_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
         out["partition"] = (
             self.partition if self.partition else (self.net.partition_note if self.net else "skipped: no network")
@@ -1175,6 +1222,11 @@ class Soak:
             "join_failures": out["join_failures"] == 0,
             "max_roundless_gap_s": None if out["max_roundless_gap_s"] is None else out["max_roundless_gap_s"] <= 30,
             "corrupt_checkpoints": None if out["corrupt_checkpoints"] is None else out["corrupt_checkpoints"] == 0,
+            "solo_rounds": out["solo_rounds"] == 0,
+            "roundless_gap_over_round": None
+            if out["roundless_gap_over_round"] is None
+            else out["roundless_gap_over_round"] <= 3,
+            "rss_growth_mib": None if out.get("rss_growth_mib") is None else out["rss_growth_mib"] <= 20,
         }
         return out
 
@@ -1226,6 +1278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--H", type=int, default=20, help="inner steps per outer round (default 20)")
     ap.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
     ap.add_argument("--log-level", default="INFO", help="the nodes' log level (default INFO)")
+    ap.add_argument(
+        "--bootstrap",
+        choices=["one", "all"],
+        default="one",
+        help="a restart's bootstrap: one random member's address, alive or dead (default), or all running ones",
+    )
     ap.add_argument("--out", default=None, help="run dir (default runs/chaos-<UTC time>)")
     args = ap.parse_args(argv)
     if args.nodes < 3:
@@ -1241,6 +1299,7 @@ def main(argv: list[str] | None = None) -> int:
         H=args.H,
         model=args.model,
         log_level=args.log_level,
+        bootstrap=args.bootstrap,
     )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind: the nodes and the lab are cleaned up
     result = run_soak(cfg)

@@ -1,4 +1,6 @@
-"""Shared fixtures: real hosts on loopback, each with its data plane."""
+"""Shared fixtures: real hosts on loopback, each with its data plane; and the hooks of
+tests/failure_reports.py (a failure inside exception groups leads with its assertion, and a
+failed test's report ends with the tails of its daemons' log files)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from meshtrain.log import configure
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
+from tests.failure_reports import SPAWNED_LOGS, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401 (hooks)
 
 ROOT = Path(__file__).resolve().parent.parent
 configure("WARNING")
@@ -151,6 +154,8 @@ def spawn(*args: str, stderr_path: str | None = None) -> subprocess.Popen:
     """Start `python <args>` from the project root with unbuffered text pipes; stderr goes to
     `stderr_path` (for diagnosing a failed test) or nowhere."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", MESHTRAIN_LOG="INFO" if stderr_path else "WARNING")
+    if stderr_path:
+        SPAWNED_LOGS.append(Path(stderr_path).absolute())
     with open(stderr_path or os.devnull, "a") as err:
         return subprocess.Popen(
             [sys.executable, *args],

@@ -70,7 +70,7 @@ def install_fault(fault: str, ts: TensorStreams, col: SwarmCollective, armed: di
             if fault == "while_sending":
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(lambda: real_send(peer, tag, tensors, **kw))
-                    await trio.sleep(0.03)
+                    await trio.sleep(0.03)  # sleep: the kill lands 30 ms into the send (fault injection)
                     os.kill(os.getpid(), signal.SIGKILL)
             if fault == "slow_sender":
                 await trio.sleep_forever()

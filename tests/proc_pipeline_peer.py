@@ -127,7 +127,7 @@ async def one_run(host: Host, ts: TensorStreams, spec: dict) -> None:
                 if kill.get("peer") == me and kill.get("iteration") == it:
 
                     async def die(after: float = kill["after_s"]) -> None:
-                        await trio.sleep(after)
+                        await trio.sleep(after)  # sleep: the kill lands after_s into the iteration (fault injection)
                         os.kill(os.getpid(), signal.SIGKILL)
 
                     nursery.start_soon(die)

@@ -160,7 +160,7 @@ def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
         if armed["on"] or tag.startswith(f"sg/{step}/"):  # sg/: a sparse all-gather's payload
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: real_send(peer, tag, tensors, **kw))
-                await trio.sleep(0.03)
+                await trio.sleep(0.03)  # sleep: the kill lands 30 ms into the send (fault injection)
                 os.kill(os.getpid(), signal.SIGKILL)
         return await real_send(peer, tag, tensors, **kw)
 
@@ -260,7 +260,7 @@ async def main(args: argparse.Namespace) -> None:
             # membership above is "who is connected", so a drop nobody repairs would leave this
             # peer coordinating rounds of its own while the others wait out join deadlines.
             while True:
-                await trio.sleep(1.0)
+                await trio.sleep(1.0)  # sleep: the re-dial check's period, as in the node's daemon
                 for a in addrs:
                     pid = a.rsplit("/", 1)[1]
                     if pid != me and not host.is_connected(pid):
@@ -310,7 +310,7 @@ async def main(args: argparse.Namespace) -> None:
                 "peer": me,
             }
         )
-        await trio.sleep(args.linger)
+        await trio.sleep(args.linger)  # sleep: lingers as asked (--linger) before exiting
 
 
 def parser() -> argparse.ArgumentParser:

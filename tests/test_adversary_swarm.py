@@ -92,7 +92,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
 
                 nursery.start_soon(run)
                 while node.host is None:
-                    await trio.sleep(0.05)
+                    await trio.sleep(0.05)  # sleep: poll interval
             for _ in range(PEERS - 1):
                 await honest_done.acquire()
             if mode == "signflip10":  # shut out, it re-syncs (as its missed rounds make it): its status says why
@@ -100,7 +100,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
                 liar.trainer.outer.needs_resync = True
                 with trio.fail_after(10):
                     while "does not admit" not in (liar.snapshot()["training"]["waiting"] or ""):
-                        await trio.sleep(0.05)
+                        await trio.sleep(0.05)  # sleep: poll interval
             nodes[-1].stop()  # the adversary, shut out, would train alone until its last step
     *honest, liar = nodes
     assert liar.adversary == mode and all(n.adversary is None for n in honest)

@@ -87,7 +87,7 @@ async def _run(root: Path, spec: meshtrain.SwarmSpec, *, garbage: int | None, ke
                 nodes.append(node)
                 nursery.start_soon(node.run)
                 while node.host is None:
-                    await trio.sleep(0.05)
+                    await trio.sleep(0.05)  # sleep: poll interval
     for n in nodes:  # every round had every peer (else the runs differ by more than the garbage)
         assert [r.contributors for r in n.trainer.outer.history] == [PEERS] * (spec.steps // H)
     return [n.trainer.outer.phis for n in nodes]

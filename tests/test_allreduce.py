@@ -182,8 +182,10 @@ async def test_peer_joining_after_group_formed_waits_for_next_round():
             for i in (0, 1, 2):
 
                 async def one(i=i):
-                    if i == 2:
-                        await trio.sleep(3)  # arrives after the join deadline
+                    if i == 2:  # arrives after the group was formed at the join deadline: the others are done
+                        with trio.fail_after(10):
+                            while not {0, 1} <= results.keys():
+                                await trio.sleep(0.05)  # sleep: poll interval
                     try:
                         results[i] = await cols[i].all_reduce(tensors[i], round_id=7)
                     except CollectiveError as e:
@@ -226,7 +228,10 @@ async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_ov
                         results[pid] = await col.all_reduce(tensors[pid], round_id=3, tag="f0")
 
                     nursery.start_soon(one)
-                await trio.sleep(1.0)  # the news of the newcomer reaches the unaware peer
+                # The split: the unaware peer waits in a round of its own, the other two at the
+                # newcomer. Then the news of the newcomer reaches the unaware peer.
+                while not all(col.waiting_for() for col in cols.values()):
+                    await trio.sleep(0.05)  # sleep: poll interval
                 heard.set()
         assert len({r.digest for r in results.values()}) == 1
         assert all(r.contributors == tuple(ids) for r in results.values())
@@ -255,7 +260,8 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
                     results[0] = await cols[0].all_reduce(tensors[0], round_id=20, tag="f0")
 
                 nursery.start_soon(stale)
-                await trio.sleep(0.5)  # the others arrive at round 20 while it waits in round 10
+                while not cols[0].waiting_for():  # the others arrive at round 20 while it waits in round 10
+                    await trio.sleep(0.05)  # sleep: poll interval
                 for i in (1, 2):
 
                     async def one(i=i):
@@ -305,7 +311,7 @@ async def test_peer_that_lost_its_connection_to_the_coordinator_does_not_wait_al
         await stranded.host.disconnect(coordinator.id)
         with trio.fail_after(10):
             while stranded.host.is_connected(coordinator.id) or coordinator.host.is_connected(stranded.id):
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
         t0 = trio.current_time()
         with trio.fail_after(12):  # the old behaviour: 20 s, then up to 60 s alone
             split = await round_(2)

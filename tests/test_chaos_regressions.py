@@ -93,7 +93,7 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
             results[i] = await cols[i].all_reduce(tensors[i], round_id=120, tag="f0")
 
         async def meddle():
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # sleep: meddles some way into the round (either refusal below is right)
             for method, req in (
                 (
                     REPORT_RPC,
@@ -151,7 +151,7 @@ def _config(tmp_path, name: str, **kw) -> meshtrain.NodeConfig:
 async def _until(pred, timeout: float, what: str) -> None:
     with trio.fail_after(timeout):
         while not pred():
-            await trio.sleep(0.1)
+            await trio.sleep(0.1)  # sleep: poll interval
 
 
 def _phi_digest(node) -> bytes:
@@ -256,7 +256,7 @@ async def test_a_joiner_offers_the_state_it_downloaded_at_once(tmp_path):
         nursery.start_soon(b.run)
         with trio.fail_after(60):
             while b.joined_from is None:
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # sleep: poll interval
         joined_round = b.trainer.outer.rounds  # b trains its first round of 40 steps from here
         assert joined_round >= 2
         assert joined_round in b.run_state.donor.rounds, (joined_round, b.run_state.donor.rounds)
@@ -332,14 +332,14 @@ def test_survivor_of_a_killed_peer_goes_on_within_seconds(tmp_path):
         deadline = time.monotonic() + 120
         while _status(a)["training"]["round"] < 2:
             assert time.monotonic() < deadline, la.read_text()[-3000:]
-            time.sleep(0.3)
+            time.sleep(0.3)  # sleep: poll interval
         os.kill(pb.pid, signal.SIGKILL)  # no tombstone: only the closed connection tells
         pb.wait()
         killed_at, start_round = time.monotonic(), _status(a)["training"]["round"]
         while _status(a)["training"]["round"] < start_round + 2:
             # The old code waited three join deadlines (90 s) in silence; join_timeout is 30 s.
             assert time.monotonic() - killed_at < 25, la.read_text()[-3000:]
-            time.sleep(0.2)
+            time.sleep(0.2)  # sleep: poll interval
         r = subprocess_stop(a)
         assert r.returncode == 0, r.stderr
         finish(pa, la)

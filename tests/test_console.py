@@ -192,9 +192,9 @@ async def test_plain_output_prints_round_lines_and_nothing_after_the_block():
     snap = Script([doc(state="starting", rnd=0), doc(rnd=0), doc(rnd=1), doc(rnd=2), doc(rnd=2)])
     async with LiveStatus(snap, out, tty=False, interval=0.01):
         while snap.calls < 6:
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # sleep: poll interval
     out.write("{json}\n")
-    await trio.sleep(0.05)
+    await trio.sleep(0.05)  # sleep: time for a line after the block to show (none may)
     events, last = plain_events(out)
     assert events == [
         "state: starting",
@@ -215,7 +215,7 @@ async def test_a_run_shorter_than_a_poll_still_ends_its_plain_lines_with_its_las
     snap = Script([doc(state="starting", rnd=0), stopping])
     async with LiveStatus(snap, out, tty=False, interval=60):
         while snap.calls < 1:
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # sleep: poll interval
     out.write("{json}\n")
     events, last = plain_events(out)
     assert events == [
@@ -233,19 +233,24 @@ async def test_live_line_is_redrawn_in_place_and_ends_with_a_newline():
     async with LiveStatus(snap, out, tty=True, interval=0.01):
         with trio.fail_after(10):  # wait for the third draw, not just the third snapshot
             while "step 3" not in out.getvalue():
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # sleep: poll interval
     text = out.getvalue()
     assert text.startswith("\rtraining  step 1  ") and "\rtraining  step 3  " in text
     assert text.endswith("\n") and text.count("\n") == 1
 
 
 async def test_a_failing_snapshot_never_stops_the_node(caplog):
+    calls: list[int] = []
+
     def broken() -> dict:
+        calls.append(1)
         raise KeyError("training")
 
     out = io.StringIO()
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         async with LiveStatus(broken, out, tty=False, interval=0.01):
-            await trio.sleep(0.05)
+            with trio.fail_after(10):  # several polls fail, and the node goes on
+                while len(calls) < 3:
+                    await trio.sleep(0.01)  # sleep: poll interval
     assert out.getvalue() == ""
     assert sum("status line failed" in r.getMessage() for r in caplog.records) == 1

@@ -104,7 +104,7 @@ async def test_a_non_members_records_are_neither_stored_nor_forwarded():
             v.report_progress(step=3)
         members = {m0.peer_id, m1.peer_id}
         await wait_until(lambda: all(owners(v, PROGRESS) == members for v in views), 5, "members' progress")
-        await trio.sleep(1.5)  # several anti-entropy exchanges and heartbeats
+        await trio.sleep(1.5)  # sleep: several anti-entropy exchanges and heartbeats pass before the checks below
 
         refusals = views[1].replica.stats.refusals_by_reason
         assert refusals.get(REFUSED_NOT_A_MEMBER, 0) >= 12 and refusals.get(REFUSED_NOT_ADMITTED, 0) >= 1

@@ -14,6 +14,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
@@ -82,7 +83,7 @@ async def wait_until(predicate, timeout: float, what: str) -> float:
     try:
         with trio.fail_after(timeout):
             while not predicate():
-                await trio.sleep(0.02)
+                await trio.sleep(0.02)  # sleep: poll interval
     except trio.TooSlowError:
         raise AssertionError(f"not within {timeout} s: {what}") from None
     return trio.current_time() - start
@@ -90,6 +91,11 @@ async def wait_until(predicate, timeout: float, what: str) -> float:
 
 def same_state(replicas: list[Replica]) -> bool:
     return len({r.fingerprint() for r in replicas}) == 1
+
+
+def greetings_done(replicas: list[Replica]) -> int:
+    """Anti-entropy exchanges the replicas started that ended, completed or failed."""
+    return sum(r.stats.ae_exchanges + r.stats.ae_failed for r in replicas)
 
 
 def gossip_meshed(replicas: list[Replica]) -> bool:
@@ -126,7 +132,8 @@ async def test_eight_peers_in_a_line_converge_by_gossip_alone_after_concurrent_w
         replicas = await start_replicas(stack, hosts, config=GOSSIP_ONLY)
         await connect_line(hosts)
         await wait_until(lambda: gossip_meshed(replicas), 10, "gossipsub meshes formed")
-        await trio.sleep(0.5)  # new links are greeted by one anti-entropy exchange: let it pass
+        # New links are greeted by one anti-entropy exchange (started by the smaller id): let them pass.
+        await wait_until(lambda: greetings_done(replicas) >= len(hosts) - 1, 10, "every link greeted")
 
         for i, r in enumerate(replicas):  # every peer writes every CRDT, all at once
             write_everything(r, i)
@@ -159,7 +166,7 @@ async def test_partitioned_halves_converge_by_anti_entropy_after_the_heal():
         await wait_until(lambda: same_state(left) and same_state(right), 10, "halves converge")
         # Outlast gossipsub's message-cache window (3 heartbeats of 1 s): py-libp2p replays
         # that window to a newly connected peer, which would heal a short partition by itself.
-        await trio.sleep(3.5)
+        await trio.sleep(3.5)  # sleep: the partition must outlast that window
         assert not hosts[3].is_connected(hosts[4].peer_id)  # nobody re-dialled
         assert left[0].fingerprint() != right[0].fingerprint()
         assert left[0].crdt("samples").value() == sum(10 + i for i in range(4))
@@ -266,7 +273,7 @@ async def test_forged_and_tampered_deltas_from_a_hostile_peer_are_rejected():
 
         neighbour = replicas[1].stats
         await wait_until(lambda: neighbour.gossip_invalid == len(messages), 5, "all judged")
-        await trio.sleep(1.0)  # let anything that slipped through spread
+        await trio.sleep(1.0)  # sleep: lets anything that slipped through spread (below: nothing did)
         assert all(r.fingerprint() == before for r in replicas)
         assert replicas[0].crdt("config").value() == {"lr": 0.7}
         assert neighbour.entries_rejected >= 4 + 3
@@ -343,7 +350,7 @@ async def test_config_is_writable_by_the_swarm_owner_only_on_every_peer():
         await views[2].replica.pubsub.publish(
             views[2].replica.topic, packb([1, SWARM, [["config", encode_entries("lwwmap", [entry])]]])
         )
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # sleep: lets the rogue entry spread if it could (below: it did not)
         for i, v in enumerate(views):
             assert v.config() == {"lr": 0.7, "outer_steps": 500}
             if i != 2:
@@ -444,7 +451,7 @@ async def test_round_changes_are_written_at_once_at_most_once_per_gap_in_a_stret
         assert mine()[me].outer_round == 1  # within the gap: waits ...
         await wait_until(lambda: mine()[me].outer_round == 2, 3, "written once the gap has passed")
         assert trio.current_time() - t0 >= 1.1  # ... for it, not for the next heartbeat alone
-        await trio.sleep(views[0].progress_gap())
+        await trio.sleep(views[0].progress_gap())  # sleep: a gap after the last write is what is tested
         views[0].report_progress(step=30, outer_round=3)
         assert mine()[me].outer_round == 3  # a gap after the last write: at once again
 
@@ -468,8 +475,13 @@ async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_a
         ids = [h.peer_id for h in hosts[:2]]
         await wait_until(lambda: all(p in views[2].progress() for p in ids), 5, "both records arrive")
         first = {p: views[2].progress()[p].updated_ms for p in ids}
-        await trio.sleep(2.0)  # several heartbeats (0.3 s), no report
-        later = {p: views[2].progress()[p].updated_ms for p in ids}
+
+        def updated() -> dict[str, int]:
+            return {p: views[2].progress()[p].updated_ms for p in ids}
+
+        # Several heartbeats (0.3 s), no report: the live record is rewritten for a second and more.
+        await wait_until(lambda: updated()[ids[0]] - first[ids[0]] >= 1000, 5, "rewritten beat after beat")
+        later = updated()
         assert later[ids[0]] - first[ids[0]] >= 1000  # rewritten beat after beat
         assert later[ids[1]] == first[ids[1]]  # nothing new: the record ages
         assert views[2].progress()[ids[0]].step == 7
@@ -499,12 +511,12 @@ async def test_an_admission_filter_hides_a_refused_peer_until_the_owners_config_
             assert outsider not in v.metrics() and not await v.wait_live(outsider, 0.2)
         assert views[2].is_live(outsider) and views[2].ignored_peers() == []  # no filter, no one ignored
 
-        async def admitted_in_time() -> None:
+        async def admitted_in_time(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            task_status.started()  # no checkpoint before `wait_live` waits: the config changes after
             assert await views[1].wait_live(outsider, 5.0)  # woken by the config change, not a timeout
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(admitted_in_time)
-            await trio.sleep(0.2)
+            await nursery.start(admitted_in_time)
             views[0].set_config({"allow/" + outsider: True})
         assert all(outsider in v.membership_snapshot() and outsider in v.progress() for v in views[:2])
 
@@ -657,7 +669,9 @@ async def test_a_malformed_gossip_frame_does_not_take_the_host_down():
         await attacker.connect(victim.addrs[0])
         stream = await attacker.open_stream(victim.peer_id, "/meshsub/1.1.0")
         await stream.write(encode_varint_prefixed(b"\xff\xff\xff\xff not protobuf"))
-        await trio.sleep(0.5)
+        with trio.fail_after(5), pytest.raises(StreamError):  # the victim judged the frame: it reset the stream
+            while True:
+                await stream.read()
         await other.connect(victim.addrs[0])
         reply = await other.rpc.call(victim.peer_id, "crdt/digest", {"ns": SWARM, "fp": {}})
         assert set(reply["d"]) == set(replica.names)

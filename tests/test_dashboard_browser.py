@@ -85,7 +85,7 @@ def test_dashboard_shows_the_live_peers_of_a_running_swarm(tmp_path):
             if page.loaded and len(page.peers) == 2 and "eval_loss" in page.series:
                 break
             assert time.monotonic() < deadline, (page.peers, page.series, page.loaded)
-            time.sleep(1)
+            time.sleep(1)  # sleep: poll interval
         assert set(page.peers) == {info["peer_id"], info_b["peer_id"]}
         mine = page.peers[info["peer_id"]]
         other = page.peers[info_b["peer_id"]]

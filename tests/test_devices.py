@@ -137,7 +137,7 @@ async def test_status_and_metrics_show_the_device(tmp_path):
         nursery.start_soon(node.run)
         with trio.fail_after(60):
             while node.trainer is None or node.status_url is None:
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
         seen["status"] = await trio.to_thread.run_sync(fetch_status, node.status_url, 5)
         seen["metrics"] = await trio.to_thread.run_sync(
             lambda: urllib.request.urlopen(node.status_url + "/metrics", timeout=5).read().decode()

@@ -78,7 +78,7 @@ class Swarm:
         others = {n.peer_id for n in self.nodes[1:]}
         with trio.fail_after(timeout):
             while not others <= set(self.nodes[0].routing_table_peers()):
-                await trio.sleep(0.02)
+                await trio.sleep(0.02)  # sleep: poll interval
 
 
 @asynccontextmanager
@@ -260,7 +260,7 @@ async def test_a_reader_drops_invalid_records_returned_by_a_lying_node() -> None
         liar.host.rpc.serve(FIND_RPC, lying_find)
         assert await reader.get(KEY) == {victim.peer_id: "truth"}
         assert reader.stats["rejected_from_peers"] >= len(bad)
-        await trio.sleep(0.2)  # let read repair run: it must only spread the valid record
+        await trio.sleep(0.2)  # sleep: lets read repair run (below: it spread only the valid record)
         for node in (nodes[0], victim, reader):
             held = node.local.get(KEY, time.time())
             assert {sk: r.decoded for sk, r in held.items()} in ({}, {victim.peer_id: "truth"})
@@ -295,7 +295,7 @@ async def test_bootstrap_skips_dead_addresses_and_fails_only_if_all_are_dead() -
             assert await newcomer.get("/boot") == "reachable"
             with trio.fail_after(10):  # learned a and c through b (admission is asynchronous)
                 while len(newcomer.routing_table_peers()) < 2:
-                    await trio.sleep(0.02)
+                    await trio.sleep(0.02)  # sleep: poll interval
 
         async with dht_node(config=config) as loner:
             with pytest.raises(BootstrapError):
@@ -309,7 +309,7 @@ async def test_connections_feed_the_routing_table() -> None:
         await b.host.connect(a.host.addrs[0])  # a plain connect, no bootstrap
         with trio.fail_after(5):
             while a.peer_id not in b.routing_table_peers() or b.peer_id not in a.routing_table_peers():
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
 
 
 # --- discovery --------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ async def test_discovery_lists_live_peers_and_forgets_dead_ones() -> None:
         # node 3 stopped announcing: gone once its last announcement expires
         with trio.fail_after(FAST.ttl + 3):
             while len(await discos[1].peers()) != 3:
-                await trio.sleep(0.2)
+                await trio.sleep(0.2)  # sleep: poll interval
         assert peers_key(SWARM) == "/meshtrain/test-swarm/peers"
 
 

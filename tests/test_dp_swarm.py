@@ -148,11 +148,11 @@ async def test_a_late_dp_joiner_downloads_the_inner_state_and_stays_bit_identica
             a = meshtrain.Node(config("a", wait_peers=2), spec=signed)
             nursery.start_soon(a.run)
             while a.host is None:
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
             b = meshtrain.Node(config("b", wait_peers=2), join=a.host.addrs[0])
             nursery.start_soon(b.run)
             while a.trainer is None or a.trainer.step < 10:  # the swarm is under way
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
             c = meshtrain.Node(config("c"), join=a.host.addrs[0])
             nursery.start_soon(c.run)
     assert c.joined_from is not None and c.joined_from["step"] >= 10, c.joined_from

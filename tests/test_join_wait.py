@@ -12,12 +12,13 @@ import trio
 from meshtrain.collective import join_wait
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.join_wait import await_join_reply
+from meshtrain.collective.protocol import RoundKey
 
 from .test_allreduce import connected_peers, exact_mean
 
 
 async def reply_after(seconds: float) -> str:
-    await trio.sleep(seconds)
+    await trio.sleep(seconds)  # sleep: the reply's delay is what is tested (virtual time: MockClock)
     return "joined"
 
 
@@ -65,7 +66,9 @@ async def test_peers_waiting_at_a_coordinator_excluded_meanwhile_form_the_round_
                         results[i] = await cols[i].all_reduce(tensors[i], round_id=7, tag="f0")
 
                     nursery.start_soon(one)
-                await trio.sleep(1.0)  # both joins are in at the lowest id (loopback: milliseconds) ...
+                at_lowest = RoundKey(7, "f0", ids[0])
+                while cols[0].coordinator.local.joined(at_lowest) != {ids[1], ids[2]}:  # both joins are in ...
+                    await trio.sleep(0.02)  # sleep: poll interval
                 started = trio.current_time()
                 view.remove(ids[0])  # ... when the others stop counting it
         assert trio.current_time() - started < 5.0

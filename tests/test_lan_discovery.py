@@ -54,7 +54,7 @@ def test_peers_of_one_swarm_on_a_lan_find_and_dial_each_other(lan: dict[str, Lab
         heard = m0.call("lan")["peers"]
         if m1.peer_id in heard and heard[m1.peer_id]["type"] == "direct":
             break
-        time.sleep(0.5)
+        time.sleep(0.5)  # sleep: poll interval
     else:
         pytest.fail(f"m0 never heard m1 over mDNS: {heard}; logs in {m0.log_path}")
     assert heard[m1.peer_id]["addrs"][0].startswith("/ip4/10."), heard  # its LAN address
@@ -117,7 +117,7 @@ def test_two_nodes_with_mdns_form_a_swarm_on_a_lan_without_any_address(
                     peers[host] = {p["peer_id"]: p["connection"] for p in json.loads(st.stdout)["peers"]}
             if all(len(p) == 2 for p in peers.values()) and len(peers) == 2:
                 break
-            time.sleep(1.0)
+            time.sleep(1.0)  # sleep: poll interval
         else:
             pytest.fail(f"the two nodes never saw each other: {peers}\n{logs['m1'].read_text()[-3000:]}")
         # each lists itself and the other, reached directly over the LAN

@@ -104,7 +104,7 @@ def wait_for(cond, timeout: float, what: str, poll: float = 0.2):
         v = cond()
         if v:
             return v
-        time.sleep(poll)
+        time.sleep(poll)  # sleep: poll interval
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -141,7 +141,7 @@ async def test_closing_one_circuit_leaves_the_peers_other_circuits_alive() -> No
         await a.connect(circuits[c.peer_id])
         assert await a.rpc.call(c.peer_id, "echo", 1) == 1
         await a.disconnect(b.peer_id)
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # sleep: time for c's circuit to go down wrongly with b's (below: it did not)
         assert a.connection_type(c.peer_id) == "relayed"
         assert await a.rpc.call(c.peer_id, "echo", 2) == 2
         assert await c.rpc.call(a.peer_id, "echo", 3) == 3

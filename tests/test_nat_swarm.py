@@ -55,7 +55,7 @@ def wait_for(what: str, check, timeout: float, logs: dict[str, Path]):
         got = check()
         if got:
             return got
-        time.sleep(1.0)
+        time.sleep(1.0)  # sleep: poll interval
     tails = "\n".join(f"--- {h}\n{p.read_text()[-2500:]}" for h, p in logs.items() if p.exists())
     raise AssertionError(f"timed out waiting for {what}\n{tails}")
 

@@ -133,7 +133,7 @@ def test_relay_reservation_refresh_and_circuit_duration(lab_peers: dict[str, Lab
     short, h0, h1, h2, h3 = (lab_peers[n] for n in ("pub2", "h0", "h1", "h2", "h3"))
     h1.call("keep", relays=[short.addr])  # refreshed at half its 3 s life
     h2.call("reserve", relay=short.addr)  # reserved once, never refreshed
-    time.sleep(4.5)
+    time.sleep(4.5)  # sleep: past the reservations' 3 s life (the refresh is what is tested)
     held = [r for r in h1.call("reservations")["reservations"] if r["relay"] == short.peer_id]
     assert held and held[0]["refreshes"] >= 2, held
     assert held[0]["expires_in"] > 0
@@ -143,7 +143,7 @@ def test_relay_reservation_refresh_and_circuit_duration(lab_peers: dict[str, Lab
     with pytest.raises(LabPeerError, match="NO_RESERVATION"):
         h0.call("connect", addr=h2.circuit(short))
     # Circuits through this relay live 3 s: the relayed connection is then cut.
-    time.sleep(4.0)
+    time.sleep(4.0)  # sleep: past the circuits' 3 s life (what is tested)
     assert h3.call("conn_type", peer=h1.peer_id)["type"] is None
 
 

@@ -118,7 +118,7 @@ def punch(name, local_port, rendezvous_addr, attempts, connect_timeout, delay="0
     s.connect(hostport(rendezvous_addr))
     peer = s.makefile().readline().strip()
     s.close()
-    time.sleep(float(delay))
+    time.sleep(float(delay))  # sleep: the delay before the first SYN is what is tested
     errors = []
     for attempt in range(1, int(attempts) + 1):
         s = bound(port); s.settimeout(float(connect_timeout))
@@ -126,7 +126,7 @@ def punch(name, local_port, rendezvous_addr, attempts, connect_timeout, delay="0
             s.connect(hostport(peer))
         except OSError as e:
             errors.append(f"{type(e).__name__}: {e}")
-            s.close(); time.sleep(0.2)
+            s.close(); time.sleep(0.2)  # sleep: pause between connect attempts
             continue
         s.settimeout(5)
         s.sendall(name.encode() + b"\n")

@@ -40,7 +40,7 @@ async def test_two_nodes_with_a_custom_outer_optimizer(tmp_path):
         nursery.start_soon(run, "a", a)
         with trio.fail_after(60):
             while a.view is None:
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # sleep: poll interval
         b = meshtrain.Node(config("b"), join=a.host.addrs[0])
         nursery.start_soon(run, "b", b)
     assert all(isinstance(r, meshtrain.NodeResult) for r in results.values())  # exported, as Node.run's type

@@ -79,7 +79,7 @@ def wait_daemon(data_dir: Path, proc: subprocess.Popen, log: Path, timeout: floa
         try:
             return json.loads((data_dir / "daemon.json").read_text())
         except (OSError, ValueError):
-            time.sleep(0.1)
+            time.sleep(0.1)  # sleep: poll interval
     raise AssertionError(f"node did not start:\n{log.read_text()[-3000:]}")
 
 
@@ -201,7 +201,7 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
         if len(st["peers"]) == 2 and st["training"]["step"] > 20:
             break
         assert time.monotonic() < deadline, st
-        time.sleep(0.5)
+        time.sleep(0.5)  # sleep: poll interval
     human = cli("node", "status", "--data-dir", str(a))
     assert human.returncode == 0 and "2 live peers" in human.stdout
     # SIGTERM on b: it leaves (a sees it gone at once, not after a lease), checkpoints, exits 0.
@@ -213,7 +213,7 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
     deadline = time.monotonic() + 5
     while len(json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["peers"]) != 1:
         assert time.monotonic() < deadline, "a still lists b after it left"
-        time.sleep(0.2)
+        time.sleep(0.2)  # sleep: poll interval
     # `node stop --wait` on a: returns once a has exited.
     r = cli("node", "stop", "--data-dir", str(a), "--wait")
     assert r.returncode == 0 and "the node has exited" in r.stdout, r.stderr
@@ -255,7 +255,7 @@ def test_late_joiner_downloads_from_several_donors_and_ends_identical(tmp_path):
     deadline = time.monotonic() + 60
     while "state published round=3 " not in logs[0].read_text():  # the swarm is a few rounds in
         assert time.monotonic() < deadline and pa.poll() is None, logs[0].read_text()[-2000:]
-        time.sleep(0.1)
+        time.sleep(0.1)  # sleep: poll interval
     pc = start("--data-dir", str(dirs[2]), "--join", info["addrs"][0], log=logs[2])
     results = [finish(p, log) for p, log in zip((pa, pb, pc), logs, strict=True)]
     assert all(r["step"] == 600 for r in results)
@@ -373,7 +373,7 @@ def test_stop_returns_once_accepted_and_the_node_exits_cleanly_after_printing_it
     deadline = time.monotonic() + 60
     while json.loads(cli("node", "status", "--data-dir", str(d), "--json").stdout)["training"]["round"] < 3:
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.2)
+        time.sleep(0.2)  # sleep: poll interval
     r = cli("node", "stop", "--data-dir", str(d))
     assert r.returncode == 0 and "stop accepted" in r.stdout, r.stderr
     out, _ = proc.communicate(timeout=60)

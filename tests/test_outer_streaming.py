@@ -117,7 +117,7 @@ async def test_exchange_overlaps_inner_steps_and_only_the_merge_step_waits():
             return self.inner.group(r)
 
         async def all_reduce(self, tensors, **kw):
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # sleep: a slow link's 0.3 s all-reduce (the delay is what is tested)
             return await self.inner.all_reduce(tensors, **kw)
 
     model = tiny()
@@ -168,7 +168,7 @@ async def test_fp4_outer_gradients_cut_peak_bytes_by_p_and_keep_peers_identical(
     async with outers[0], outers[1]:
         await simulate(outers, models, 9)
         await simulate(dilocos, models2, 8)
-        await trio.sleep(0)
+        await trio.sleep(0)  # sleep: a bare checkpoint (afinish below waits for the exchanges in flight)
         async with trio.open_nursery() as nursery:
             for o in outers:
                 nursery.start_soon(o.afinish)

@@ -440,7 +440,7 @@ async def test_a_hop_payload_that_does_not_decode_is_refused_and_the_peer_keeps_
             await origin.ts.send(victim.id, "pp/t/0/1/0/fwd/1", payload | {"codes": payload["codes"][:-8]}, timeout=10)
         with trio.fail_after(10):
             while rts[1].stats["rejected"] < 2:  # bad-codec, then the NaN scale once decoded
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # sleep: poll interval
         reports = await iterate(rts, 0)
         assert all(r.committed == 2 and math.isfinite(r.loss) for r in reports), reports
         assert reports[0].restarts >= 2

@@ -57,7 +57,7 @@ def stage_step(node: meshtrain.Node) -> tuple[int | None, int]:
 async def wait_for(predicate, timeout: float = 60.0) -> None:
     with trio.fail_after(timeout):
         while not predicate():
-            await trio.sleep(0.05)
+            await trio.sleep(0.05)  # sleep: poll interval
 
 
 @asynccontextmanager
@@ -258,7 +258,7 @@ async def test_a_swarm_with_int8_activation_hops_trains_and_its_replicas_stay_id
 async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
     with trio.fail_after(timeout):
         while not check():
-            await trio.sleep(0.05)
+            await trio.sleep(0.05)  # sleep: poll interval
 
 
 async def test_a_joiner_reads_the_swarms_end_from_live_and_left_records(tmp_path):

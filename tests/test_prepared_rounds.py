@@ -11,9 +11,17 @@ import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.protocol import RoundKey
 from meshtrain.optim import NoLoCo, SparseLoCo, StreamingDiLoCo
 
 from .test_allreduce import exact_mean, mesh, run_all
+
+
+async def joins_in(coordinator: SwarmCollective, key: RoundKey, peers: set[str]) -> None:
+    """Wait until the joins of `peers` are in at `coordinator`, in its round `key`."""
+    with trio.fail_after(10):
+        while coordinator.coordinator.local.joined(key) != peers:
+            await trio.sleep(0.02)  # sleep: poll interval
 
 
 async def test_prepared_joins_are_taken_by_their_round():
@@ -21,7 +29,8 @@ async def test_prepared_joins_are_taken_by_their_round():
         peers, cols = await mesh(stack, 3)
         for col in cols:
             await col.prepare(round_id=5, tag="f0", within=0.2)
-        await trio.sleep(0.3)  # the joins went out; they wait at the coordinator, which did not prepare
+        # The joins went out; they wait at the coordinator, which did not prepare.
+        await joins_in(cols[0], RoundKey(5, "f0", peers[0].id), {p.id for p in peers[1:]})
         tensors = [{"w": torch.randn(3000), "b": torch.randn(5)} for _ in cols]
         results = await run_all(cols, tensors, round_id=5, tag="f0")
         assert len({r.digest for r in results}) == 1
@@ -61,7 +70,7 @@ async def test_an_unprepared_round_is_withdrawn_at_once():
         peers, cols = await mesh(stack, 3, config)
         for col in cols:
             await col.prepare(round_id=4, tag="f0", within=10.0)  # would expire only after 25 s
-        await trio.sleep(0.2)
+        await joins_in(cols[0], RoundKey(4, "f0", peers[0].id), {p.id for p in peers[1:]})
         await cols[2].unprepare(round_id=4, tag="f0")  # its training ended
         tensors = [{"w": torch.full((10,), float(i))} for i in range(2)]
         with trio.fail_after(5):
@@ -112,13 +121,14 @@ async def test_streaming_diloco_prepares_its_fragment_rounds_over_real_peers():
                     outer.zero_grad()
                     loss.backward()
                     await outer.astep()
-                    await trio.sleep(0.01)  # an inner step of ~10 ms: rounds are due well within the lead
+                    await trio.sleep(0.01)  # sleep: an inner step of ~10 ms, so rounds are due well within the lead
                 await outer.afinish()
 
         async with trio.open_nursery() as nursery:
             for i in range(2):
                 nursery.start_soon(train, i)
-        await trio.sleep(0.2)  # the withdrawals run in the collectives' own tasks
+        # Both `afinish`es have returned: every exchange is merged into `history`, and step 24's
+        # prepared join was dropped (at once, in `unprepare`), so nothing below waits for a task.
         for outer in outers:
             assert [r.contributors for r in outer.history] == [2] * 5
             assert not [r.error for r in outer.history if r.error]

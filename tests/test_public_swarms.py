@@ -43,7 +43,7 @@ def config(tmp: Path, name: str, **more: object) -> NodeConfig:
 async def until(check: Callable[[], bool], what: str, timeout: float = 45.0) -> None:
     with trio.fail_after(timeout):
         while not check():
-            await trio.sleep(0.1)
+            await trio.sleep(0.1)  # sleep: poll interval
     assert check(), what
 
 
@@ -171,7 +171,7 @@ async def test_the_owner_admits_a_waiting_peer_at_run_time_and_a_forged_entry_do
         )
         fview.set_config({allow_key(forger.peer_id): True, allow_key(b_id): True})
         await until(lambda: forger.peer_id in a.presence.ignored(), "the forger's record arrives")
-        await trio.sleep(2.0)  # gossip and an anti-entropy pull have had their chance
+        await trio.sleep(2.0)  # sleep: gossip and an anti-entropy pull have had their chance (below: nothing got in)
         for node in (a, b):
             assert node.view.config_get(allow_key(b_id)) is None
             assert node.view.config_get(allow_key(forger.peer_id)) is None

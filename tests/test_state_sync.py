@@ -164,7 +164,7 @@ class StallingDonor(StateDonor):
     async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
         if not self.stalled:
             self.stalled = True
-            await trio.sleep(20)
+            await trio.sleep(20)  # sleep: the stall is what is tested (as if SIGSTOPped)
         await super()._send_chunk(peer, tag, snap, start, end, chunk_digest)
 
 
@@ -215,7 +215,7 @@ class BrieflyStallingDonor(StallingDonor):
     async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
         if not self.stalled:
             self.stalled = True
-            await trio.sleep(2)
+            await trio.sleep(2)  # sleep: the brief stall is what is tested
         await StateDonor._send_chunk(self, peer, tag, snap, start, end, chunk_digest)
 
 

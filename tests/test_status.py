@@ -257,7 +257,10 @@ async def test_status_and_stop_answer_while_the_trio_thread_is_blocked():
         answered.wait(20)
         assert answered.is_set() and stopped.is_set(), "status/stop waited for the blocked trio thread"
         assert answers[0] == fresh  # the last document computed, not a fresh one
-        await trio.sleep(0.1)  # the queued fresh request now runs; the next answer is fresh again
+        with trio.fail_after(5):
+            while len(calls) <= fresh["training"]["step"]:  # the queued fresh request now runs ...
+                await trio.sleep(0.01)  # sleep: poll interval
+        # ... and the next answer is fresh again
         assert (await trio.to_thread.run_sync(fetch_status, srv.url))["training"]["step"] > fresh["training"]["step"]
 
 

@@ -105,7 +105,7 @@ async def test_sender_waits_for_late_receiver_then_delivers(pair):
         got = {}
 
         async def late_rx():
-            await trio.sleep(1.0)
+            await trio.sleep(1.0)  # sleep: a late receiver is what is tested
             got["r"] = await b.ts.receive(a.id, "late")
 
         nursery.start_soon(late_rx)
@@ -150,7 +150,7 @@ async def test_resume_after_connection_cut_mid_transfer(pair):
             while b.ts.stats["bytes_received"] == 0 and not any(
                 p.done > (8 << 20) for p in b.ts.inbox.partials.values()
             ):
-                await trio.sleep(0.001)
+                await trio.sleep(0.001)  # sleep: poll interval
             for ch in list(b.ts.active):
                 ch.framed.stream.socket.shutdown(socket.SHUT_RDWR)
 
@@ -263,7 +263,7 @@ async def test_oversized_data_frame_is_refused(pair):
         with pytest.raises(StreamClosed):
             for _ in range(1000):
                 await ch.framed.write(b"\0" * 65536)
-                await trio.sleep(0.001)
+                await trio.sleep(0.001)  # sleep: paces the writes until one fails
 
 
 async def test_header_over_receive_limit_is_refused(pair):
@@ -298,7 +298,7 @@ async def test_a_small_transfer_is_on_the_wire_before_its_receive_is_posted(eage
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(a.ts.send, b.id, "early", src, timeout=20))
             await _wait_until(lambda: b.ts.inbox.waiting.get(a.id) == 1)
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # sleep: time for the payload to go out if it would (rendezvous: it must not)
             payload_bytes = sum(t.numel() * t.element_size() for t in src.values())
             assert a.ts.stats["bytes_sent"] == (payload_bytes if eager_bytes else 0)
             got = await b.ts.receive(a.id, "early", timeout=20)
@@ -309,7 +309,7 @@ async def test_a_small_transfer_is_on_the_wire_before_its_receive_is_posted(eage
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(a.ts.send, b.id, "big", big, timeout=20))
             await _wait_until(lambda: b.ts.inbox.waiting.get(a.id) == 1)
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # sleep: time for the payload to go out if it would (before ACCEPT it must not)
             assert a.ts.stats["bytes_sent"] == sent
             got = await b.ts.receive(a.id, "big", timeout=20)
         assert torch.equal(got.tensors["w"], big["w"])
@@ -399,9 +399,9 @@ def test_receiver_stalled_10s_then_resumes(direct):
     (A py-libp2p yamux stream would have been reset after 5 s.)"""
     rx, tx = _start_pair(256, "--direct", direct)
     try:
-        time.sleep(0.2)
+        time.sleep(0.2)  # sleep: stops the receiver some way into the transfer (sending has begun)
         os.kill(rx.pid, signal.SIGSTOP)
-        time.sleep(10)
+        time.sleep(10)  # sleep: the receiver stays SIGSTOPped for 10 s (what is tested)
         os.kill(rx.pid, signal.SIGCONT)
         got, sent = read_json(rx), read_json(tx)
         assert "ok" in got and "ok" in sent, (got, sent)
@@ -415,7 +415,7 @@ def test_receiver_stalled_10s_then_resumes(direct):
 def test_peer_killed_mid_transfer_gives_peer_gone_to_the_other(victim):
     rx, tx = _start_pair(512, "--resume-window", "2")
     try:
-        time.sleep(0.3)
+        time.sleep(0.3)  # sleep: the kill lands some way into the transfer
         (rx if victim == "receiver" else tx).kill()
         t0 = time.monotonic()
         result = read_json(tx if victim == "receiver" else rx)
@@ -576,7 +576,7 @@ async def test_slow_or_broken_authorize_refuses_within_its_deadline():
 async def _wait_until(predicate, seconds: float = 10) -> None:
     with trio.fail_after(seconds):
         while not predicate():
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # sleep: poll interval
 
 
 async def test_flood_of_unclaimed_headers_is_refused_beyond_the_bound_per_peer():

@@ -180,7 +180,7 @@ def test_kill_9_mid_run_then_resume_ends_bit_identical_to_an_uninterrupted_run(t
         deadline = time.monotonic() + 60
         while not (a / "checkpoints" / "LATEST").exists():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+            time.sleep(0.05)  # sleep: poll interval
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed_at = CheckpointStore(a / "checkpoints").load_latest()

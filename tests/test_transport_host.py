@@ -128,7 +128,7 @@ async def _serve_echo(host: Host) -> None:
         if req == "bug":
             raise ZeroDivisionError
         if req == "slow":
-            await trio.sleep(5)
+            await trio.sleep(5)  # sleep: a slow handler (the delay is what is tested)
         return {"from": peer, "echo": req}
 
     host.rpc.serve("echo", echo)
@@ -303,8 +303,8 @@ async def test_host_does_not_auto_dial_known_peers():
     async with AsyncExitStack() as stack:
         a, b = await start_peers(stack, 2, streams=False)
         await b.host.disconnect(a.id)
-        await trio.sleep(0.2)
+        await trio.sleep(0.2)  # sleep: time for an auto-dial if there were one (below: none)
         assert not b.host.is_connected(a.id)
         await b.host.libp2p.get_network().auto_connector.maybe_connect()  # what its timer runs
-        await trio.sleep(0.5)
+        await trio.sleep(0.5)  # sleep: time for an auto-dial if there were one (below: none)
         assert not b.host.is_connected(a.id)

@@ -128,7 +128,7 @@ def test_a_late_joiner_downloads_the_swarms_state_at_its_first_step(tmp_path):
         t.start()
         try:
             while opt_a.rounds < 2:
-                time.sleep(0.05)
+                time.sleep(0.05)  # sleep: poll interval
             with meshtrain.Swarm.join(a.addrs[0], data_dir=tmp_path / "b", **opts) as b:
                 model_b = _tiny(seed=7)  # another θ0: the download replaces it
                 opt_b = meshtrain.DiLoCo(model_b, torch.optim.SGD(model_b.parameters(), lr=0.1), b, H=5)

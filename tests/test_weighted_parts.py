@@ -365,7 +365,7 @@ async def test_with_weighted_parts_a_connected_straggler_is_waited_for_not_left_
         outcomes = {}
 
         async def send(p: str, at: float) -> None:
-            await trio.sleep(at)
+            await trio.sleep(at)  # sleep: virtual time; when each reports is what is tested
             outcomes[p] = (await c.report(p, Report(key, 0, DONE, b"x")), trio.current_time())
 
         async with trio.open_nursery() as inner:

@@ -307,8 +307,23 @@ class Coordinator:
         log.info(kv("allreduce coordinator handing over", key=r.key, to=to[-8:], why=why))
 
     def _fix_group(self, r: _Round) -> None:
+        """Fix the round's group: those who joined and are candidates in our view now. A peer
+        whose join came in (sent ahead of the round: prepared.py) and that has since left our
+        candidates — excluded by the swarm's strikes, its lease or connection gone — is told it
+        is late rather than taken in: a strike that landed while the next round was forming must
+        not wait a round more to take effect."""
         if not r.group_fixed.is_set():
-            r.attempts.append(self._new_attempt(r, tuple(sorted(r.joins))))
+            candidates = set(self.group(r.key.round_id)) | {self.peer_id}
+            group = tuple(sorted(p for p in r.joins if p in candidates))
+            if left := sorted(set(r.joins) - candidates):
+                log.info(
+                    kv(
+                        "allreduce group fixed without peers no longer candidates",
+                        key=r.key,
+                        left=",".join(p[-8:] for p in left),
+                    )
+                )
+            r.attempts.append(self._new_attempt(r, group))
             r.group_fixed.set()
             log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins), expected=len(r.expected)))
 
@@ -358,6 +373,12 @@ class Coordinator:
             return Late(detailed=False)
         first = r.attempts[0]
         return Joined(0, first.group, first.shares, first.taper)
+
+    def joined(self, key: RoundKey) -> frozenset[str]:
+        """The peers whose joins of round `key` are in here so far (read-only; for status and
+        tests). Empty while the round is not open here: not opened yet, handed over, or forgotten."""
+        r = self.rounds.get(key)
+        return frozenset(r.joins) if r is not None else frozenset()
 
     def waiting_for(self) -> str | None:
         """What a round we joined as a participant waits for, in words, or None."""

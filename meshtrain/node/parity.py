@@ -179,6 +179,9 @@ class ParityMonitor:
             "unchecked" if not enabled else "pending", reason="" if enabled else "replicas differ by design (NoLoCo)"
         )
         self.resyncs = 0
+        self.withheld = 0  # rounds whose digest we did not publish: we proceeded alone (`withhold`)
+        self.withheld_round: int | None = None  # the newest of them
+        self.solo_rounds = 0  # rounds we completed alone while other trainers were live (RunState)
         # Why the check is off for now ("" or None: it is on); the node wires grouped rounds here.
         self.paused_by: Callable[[], str] | None = None
 
@@ -192,6 +195,13 @@ class ParityMonitor:
         kept = {r for r, _ in self.history}
         self.completed_at = {r: t for r, t in self.completed_at.items() if r in kept}
         self.completed_at[outer_round] = time.monotonic()
+
+    def withhold(self, outer_round: int) -> None:
+        """Our φ after `outer_round` is known to differ from the swarm's (we proceeded alone after
+        a failed round, and re-sync next): publish no digest for it, count it."""
+        if self.withheld_round != outer_round:
+            self.withheld_round = outer_round
+            self.withheld += 1
 
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:
         if not self.enabled:
@@ -218,4 +228,6 @@ class ParityMonitor:
     def status(self) -> dict:
         out = self.verdict.as_status()
         out["resyncs"] = self.resyncs
+        out["withheld"] = self.withheld
+        out["solo_rounds"] = self.solo_rounds
         return out

@@ -46,8 +46,18 @@ connection (DCUtR). Then it answers, from the view and the host:
                                on its way: the data plane's and the state donor's admission rule
     relay_candidates()         whom a private node reserves a relay slot on
 
-Failures. No bootstrap peer reachable: logged, the node runs alone until peers dial it. A DHT
-lookup or a dial failing is logged at INFO and tried again next interval.
+Finding the swarm again (node/address_book.py). The re-dial loop also notes the view's live
+trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
+list, and those the view does not hold yet are re-dialled with backoff (`REJOIN_DIALS` failed
+dials in a row and a trainer is taken for gone). Until this life first reaches another trainer,
+`cut_off()` says why the node must not train alone: its book names trainers seen within
+`REJOIN_HORIZON_S` that have not been taken for gone (`RunState.enter` waits on it). A restart
+whose only bootstrap address was dead trained — and committed rounds — alone before this.
+
+Failures. No bootstrap peer reachable: logged; the DHT is bootstrapped again with backoff while
+its routing table is empty, from the configured peers and the address book; with neither, the
+node runs alone until peers dial it. A DHT lookup or a dial failing is logged at INFO and tried
+again next interval.
 
 Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`), the
 admission rules themselves (`node/admission.py`), reading the swarm index (`node/swarm_list.py`).
@@ -63,6 +73,7 @@ from typing import Any
 
 import trio
 
+from meshtrain.backoff import Backoff
 from meshtrain.crdt.replica import Replica
 from meshtrain.crdt.swarm_view import PeerInfo, PeerProgress, SwarmView, swarm_specs
 from meshtrain.crdt.types import now_ms
@@ -74,6 +85,7 @@ from meshtrain.dht.swarm_index import DEFAULT_ADVERT_TTL, publish_advert
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.node.address_book import AddressBook
 from meshtrain.node.admission import POW_CAP, Admission, mint_pow
 from meshtrain.node.signed_spec import SignedSpec
 from meshtrain.node.strikes import Standing, StrikeBook
@@ -88,6 +100,8 @@ PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat int
 MEMBER_WAIT = 3.0  # a request from a peer not yet in our membership waits this long for its record
 ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the DHT's swarm index
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
+REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
+REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
 
 
 class PeerPresence(Service):
@@ -127,6 +141,12 @@ class PeerPresence(Service):
         self.dht: Dht | None = None
         self.data_dir = data_dir
         self.strikes: StrikeBook | None = None  # set once entered
+        self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/address_book.py
+        self.met_swarm = False  # connected to another trainer of the swarm, in this life
+        self._dial_failures: dict[str, int] = {}  # address-book peers: dials failed in a row
+        self._dial_backoff: dict[str, tuple[float, Backoff]] = {}  # ... and when to dial them next
+        self._dht_backoff = Backoff(initial=1.0, cap=30.0)
+        self._next_bootstrap = 0.0
 
     @property
     def me(self) -> str:
@@ -146,11 +166,9 @@ class PeerPresence(Service):
                     await dht.bootstrap([f"{addrs[0]}/p2p/{peer}"])
 
             await stack.enter_async_context(LanDiscovery(host, swarm_id, lan_peer))
-        if self.bootstrap:
-            try:
-                await dht.bootstrap(self.bootstrap)
-            except DhtError as e:
-                log.warning(kv("no bootstrap peer reachable; running alone until peers dial us", error=str(e)))
+        self.book.load()
+        stack.callback(self.book.save, force=True)
+        await self._bootstrap(dht, first=True)
         self.discovery = await stack.enter_async_context(Discovery(dht, swarm_id, DiscoveryConfig(role="trainer")))
         replica = await stack.enter_async_context(Replica(host, swarm_id, swarm_specs(self.signed.owner)))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
@@ -291,14 +309,107 @@ class PeerPresence(Service):
                     log.info(kv("swarm advert not stored", error=str(e)))
             await trio.sleep(ADVERT_INTERVAL)
 
+    # -- finding the swarm again (node/address_book.py) ----------------------------------------
+
+    def known_trainers(self) -> list[str]:
+        """Trainers of our address book seen live within `REJOIN_HORIZON_S` whose dials have not
+        failed `REJOIN_DIALS` times in a row: the swarm as we last knew it, probably still there."""
+        return [
+            k.peer_id for k in self.book.fresh(REJOIN_HORIZON_S) if self._dial_failures.get(k.peer_id, 0) < REJOIN_DIALS
+        ]
+
+    def cut_off(self) -> str | None:
+        """Why this node must not train alone yet, or None. Until it first reaches another trainer
+        of the swarm in this life, a node whose address book names trainers that are probably
+        still there (`known_trainers`) is cut off from its swarm, not alone in it: training now
+        would commit rounds alone, a fork of the swarm's φ. Once it reached one (`met_swarm`), the
+        replicated membership decides who is in a round, as for every node."""
+        if self.met_swarm:
+            return None
+        others = [p for p in self.candidates() if p != self.me]
+        if others or any(self.host.is_connected(p) for p in self.book.peers):
+            self.met_swarm = True
+            return None
+        known = self.known_trainers()
+        if not known:
+            return None
+        age = (now_ms() - max(k.seen_ms for k in self.book.fresh(REJOIN_HORIZON_S))) / 1000
+        return (
+            f"cut off from the swarm: none of the {len(known)} trainers this node last saw "
+            f"{age:.0f} s ago answers yet; re-dialling them (a trainer is taken for gone after "
+            f"{REJOIN_DIALS} failed dials)"
+        )
+
+    def _rejoin_addrs(self) -> list[str]:
+        """Addresses to bootstrap the DHT from: the configured ones, then one per known trainer."""
+        book = [k.dial_addrs()[0] for k in self.book.fresh(REJOIN_HORIZON_S)]
+        return list(dict.fromkeys([*self.bootstrap, *book]))
+
+    async def _bootstrap(self, dht: Dht, *, first: bool = False) -> None:
+        """Bootstrap the DHT from `_rejoin_addrs`; while none answers, try again with backoff
+        (called from the re-dial loop while the routing table is empty)."""
+        addrs = self._rejoin_addrs()
+        if not addrs or time.monotonic() < self._next_bootstrap:
+            return
+        try:
+            await dht.bootstrap(addrs)
+            self._dht_backoff.reset()
+        except DhtError as e:
+            delay = self._dht_backoff.next()
+            self._next_bootstrap = time.monotonic() + delay
+            if first:
+                known = len(self.book.fresh(REJOIN_HORIZON_S))
+                log.warning(
+                    kv(
+                        "no bootstrap peer reachable; re-dialling the swarm's trainers this node knew"
+                        if known
+                        else "no bootstrap peer reachable; running alone until peers dial us",
+                        known=known,
+                        error=str(e),
+                    )
+                )
+            else:
+                log.info(kv("DHT bootstrap failed again", retry_in_s=round(delay, 1), error=str(e)))
+
+    def _book_peers_to_dial(self) -> dict[str, list[str]]:
+        """Known trainers not in the view, whose backoff allows a dial now."""
+        now = time.monotonic()
+        out = {}
+        for k in self.book.fresh(REJOIN_HORIZON_S):
+            if self._dial_failures.get(k.peer_id, 0) >= REJOIN_DIALS and self.met_swarm:
+                continue  # taken for gone; before we meet the swarm we keep trying, more slowly
+            at, _ = self._dial_backoff.get(k.peer_id, (0.0, None))
+            if now >= at:
+                out[k.peer_id] = k.dial_addrs()
+        return out
+
+    def _dialled_book_peer(self, peer: str, ok: bool) -> None:
+        if ok:
+            self._dial_failures.pop(peer, None)
+            self._dial_backoff.pop(peer, None)
+            return
+        self._dial_failures[peer] = self._dial_failures.get(peer, 0) + 1
+        _, backoff = self._dial_backoff.get(peer, (0.0, None))
+        backoff = backoff or Backoff(initial=CONNECT_INTERVAL, cap=30.0)
+        self._dial_backoff[peer] = (time.monotonic() + backoff.next(), backoff)
+
     # -- staying connected -----------------------------------------------------------------------
 
     async def _keep_connected(self, view: SwarmView, discovery: Discovery) -> None:
-        """Dial every live member and discovered peer we are not connected to."""
+        """Dial every live member and discovered peer we are not connected to, and the address
+        book's trainers that the view does not hold (with backoff); keep the book up to date."""
         host = self.host
+        dht = self.dht
+        assert dht is not None  # entered before this task starts
         last_lookup = -math.inf
         while True:
+            self.book.note(view.live_peers(), left=[p.peer_id for p in view.peers() if p.left])
+            self.book.save()
+            if not dht.routing_table_peers():
+                await self._bootstrap(dht)
             known = {p.peer_id: p.addrs for p in view.live_peers()}
+            from_book = {p: a for p, a in self._book_peers_to_dial().items() if p not in known}
+            known.update(from_book)
             if time.monotonic() - last_lookup > DISCOVERY_INTERVAL:
                 last_lookup = time.monotonic()
                 try:
@@ -310,11 +421,15 @@ class PeerPresence(Service):
                 if peer == self.me or host.is_connected(peer) or not addrs:
                     continue
                 addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
+                ok = False
                 with trio.move_on_after(5):
                     try:
                         await host.connect(addr, timeout=5)
+                        ok = True
                     except MeshtrainError as e:
                         log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+                if peer in from_book:
+                    self._dialled_book_peer(peer, ok)
                 if self.nat is not None and host.connection_type(peer) == "relayed":
                     assert self._nursery is not None  # we run in it
                     self._nursery.start_soon(self.nat.upgrade, peer)  # DCUtR, in the background

@@ -51,7 +51,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ from meshtrain.node.state_fetch import fetch_state
 from meshtrain.node.state_sync import StateSyncError
 from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer import OuterStateError, StaleStateError
+from meshtrain.optim.outer_round import RoundReport
 from meshtrain.transport.tensor_streams import TensorStreams
 
 log = get_logger(__name__)
@@ -175,6 +176,7 @@ class RunState(Service):
         self._token: trio.lowlevel.TrioToken | None = None
         self._resync_landing: tuple[int, int] | None = None  # (step, round) the last re-sync joined at
         self._resync_backoff = Backoff(initial=RESYNC_PAUSE, cap=RESYNC_PAUSE_CAP)
+        self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -191,6 +193,7 @@ class RunState(Service):
             trainer.load_checkpoint(ckpt.state)
             self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}
             log.warning(kv("resumed from checkpoint", step=ckpt.step, digest=ckpt.digest[:16]))
+        await self._wait_until_reached()
         view = presence.view
         with trio.move_on_after(ENTER_WAIT):  # let membership and progress from the others arrive
             while presence.swarm_step() is None and view is not None and len(view.live_peers()) > 1:
@@ -199,6 +202,26 @@ class RunState(Service):
         if swarm_step is None or swarm_step < trainer.outer.next_send_step(trainer.step):
             return  # nobody is past our next exchange: our state is the swarm's; train on from it
         await self.download()
+
+    async def _wait_until_reached(self) -> None:
+        """While our address book names trainers of the swarm that are probably still there and
+        we reach none of them (a restart whose one bootstrap address is dead), do not train: every
+        round would be committed alone, a fork of the swarm. Presence re-dials them (and the DHT)
+        with backoff; we wait, saying so, until one answers or each is taken for gone."""
+        told = False
+        while (why := self.presence.cut_off()) is not None and not self.stop.is_set():
+            self.waiting = why
+            if not told:
+                log.warning(kv("not training alone: cut off from the swarm's known trainers", why=why))
+                told = True
+            await self.stop.sleep(0.25)
+        self.waiting = None
+        if self.stop.is_set():
+            raise StoppedWhileStarting("stopped while cut off from the swarm; nothing was trained")
+        if told:
+            log.warning(
+                kv("reached the swarm again" if self.presence.met_swarm else "no known trainer answered; going on")
+            )
 
     def donors(self) -> list[str]:
         """Whom to download the swarm's state from: among the connected trainers, the holders of
@@ -367,9 +390,17 @@ class RunState(Service):
 
     def record_phi(self) -> None:
         """Hash φ after a round (or a download) for our progress record (trainer thread or trio
-        thread: the caller owns φ at that moment)."""
-        if self.parity.enabled:
-            self.parity.record(self.trainer.outer.rounds, phi_digest(self.trainer.outer.outer_params))
+        thread: the caller owns φ at that moment). Not while the outer optimizer `needs_resync`:
+        we proceeded alone after a failed round (a coordinator refused our join, or vanished), so
+        our φ is known not to be the swarm's, and publishing its digest as a member's of that
+        round would split the round's record; the re-sync that follows at once records the
+        swarm's φ instead (`ParityMonitor.withheld` counts these)."""
+        if not self.parity.enabled:
+            return
+        if self.trainer.outer.needs_resync:
+            self.parity.withhold(self.trainer.outer.rounds)
+            return
+        self.parity.record(self.trainer.outer.rounds, phi_digest(self.trainer.outer.outer_params))
 
     async def _watch_parity(self) -> None:
         """Compare our φ digests with every peer training now, continuously; in the minority, or
@@ -422,7 +453,11 @@ class RunState(Service):
         assert self._token is not None  # entered
         info, outer, parity = trainer.info, trainer.outer, self.parity
         publish = checkpoint = None
-        if parity.enabled and (not parity.history or parity.history[-1][0] != outer.rounds):
+        if (
+            parity.enabled
+            and (not parity.history or parity.history[-1][0] != outer.rounds)
+            and parity.withheld_round != outer.rounds
+        ):
             self.record_phi()  # φ is ours between steps, even with a fragment in flight
         phi = list(parity.history) if parity.enabled else None
         if outer.rounds != self._published_round and not outer.in_flight:
@@ -440,6 +475,7 @@ class RunState(Service):
         def on_trio() -> None:
             view = self.presence.view
             assert view is not None
+            self._count_solo_rounds(outer.history)
             view.report_progress(
                 step=trainer.step, samples=trainer.step * trainer.spec.batch_size, outer_round=outer.rounds, phi=phi
             )
@@ -461,6 +497,17 @@ class RunState(Service):
                 self._nursery.start_soon(self._write_checkpoint, *checkpoint)
 
         trio.from_thread.run_sync(on_trio, trio_token=self._token)
+
+    def _count_solo_rounds(self, history: Iterable[RoundReport]) -> None:
+        """Count the rounds completed since the last call that had us as their only contributor
+        while other trainers were live in our view (trio thread): a state of our own, a fork the
+        re-sync must repair (`ParityMonitor.solo_rounds`; the chaos soak sums them)."""
+        new = [r for r in history if (r.step, r.fragment) > self._last_report]
+        if not new:
+            return
+        self._last_report = (new[-1].step, new[-1].fragment)
+        if self.parity.enabled and len(self.presence.trainers()) > 1:
+            self.parity.solo_rounds += sum(r.contributors <= 1 for r in new)
 
     async def _write_checkpoint(self, state: dict[str, Any], step: int, rnd: int) -> None:
         try:

@@ -153,6 +153,7 @@ class TrainedState:
             if eval_loss is not None:
                 info.eval_loss = eval_loss
             st = self.outer.stats()
+            last = self.outer.history[-1] if self.outer.history else None
             info.history.append(
                 {
                     "step": step,
@@ -161,6 +162,8 @@ class TrainedState:
                     "eval_loss": eval_loss,
                     "bytes_sent": st["bytes_sent"],
                     "bytes_received": st["bytes_received"],
+                    "round": self.outer.rounds,
+                    "contributors": last.contributors if last is not None else None,  # of the newest round
                 }
             )
             del info.history[:-500]
