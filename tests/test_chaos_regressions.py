@@ -39,6 +39,7 @@ from meshtrain.collective.allreduce import (
     AllReduceConfig,
     SwarmCollective,
 )
+from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.parity import phi_digest
@@ -201,6 +202,63 @@ async def test_diverged_peer_is_noticed_and_resyncs_from_the_majority(tmp_path, 
     for r in late:
         assert histories[0][r] == histories[1][r] == histories[2][r], r
     assert a.round_status()["parity"]["status"] in ("ok", "pending")
+
+
+def _refused_diloco(at_round: int):
+    """A DiLoCo whose exchange of round `at_round` fails as a coordinator's refusal does (a
+    restarted peer the coordinator did not count as a member yet: `not-a-member`)."""
+
+    class DiLoCo(meshtrain.DiLoCo):
+        async def communicate(self, tensors, *, round_id, tag="", weight=1.0):
+            if self.rounds + 1 == at_round:
+                raise CollectiveError(f"round {round_id}: not-a-member: refused by the coordinator")
+            return await super().communicate(tensors, round_id=round_id, tag=tag, weight=weight)
+
+    def factory(model, inner, collective, spec):
+        return DiLoCo(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+
+    return factory
+
+
+async def test_a_peer_refused_a_round_publishes_no_digest_for_it_and_resyncs_at_once(tmp_path):
+    """The parity class a CI-sized soak met once in 6 runs: a peer refused by a round's
+    coordinator proceeded alone, as designed, and published its own φ as a member's digest of
+    that round for two rounds. Now it publishes none for a round it spent alone after a failed
+    exchange (`parity.withheld`), and its re-sync starts before its next round."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    refused = _refused_diloco(at_round=3)
+    async with trio.open_nursery() as nursery:
+        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3), spec=signed)
+        nursery.start_soon(a.run)
+        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
+        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
+        c = meshtrain.Node(
+            _config(tmp_path, "c", wait_peers=3),
+            join=a.host.addrs[0],
+            outer_factory=lambda m, i, col: refused(m, i, col, spec),
+        )
+        nodes = [a, b, c]
+        nursery.start_soon(b.run)
+        nursery.start_soon(c.run)
+        published: set[int] = set()  # every round c ever had a digest for in its progress record
+
+        def c_resynced() -> bool:
+            published.update(r for r, _ in (c.parity.history if c.parity is not None else ()))
+            return c.parity is not None and c.parity.withheld >= 1 and c.joined_from is not None
+
+        await _until(c_resynced, 120, "c's refused round and its re-sync")
+        resynced_at = c.trainer.outer.rounds
+        await _until(lambda: all(n.trainer.outer.rounds >= resynced_at + 2 for n in nodes), 120, "rounds after")
+        published.update(r for r, _ in c.parity.history)
+        for n in nodes:
+            n.stop()
+    assert c.parity.withheld == 1 and c.parity.withheld_round == 3, c.parity.status()
+    assert 3 not in published or dict(c.parity.history).get(3) == dict(a.parity.history).get(3)
+    assert c.parity.resyncs == 0  # no parity verdict was needed: it knew, and re-synced at once
+    histories = [dict(n.parity.history) for n in nodes]
+    late = [r for r in set(histories[0]) & set(histories[2]) if r > resynced_at]
+    assert late and all(histories[0][r] == histories[1][r] == histories[2][r] for r in late), histories
 
 
 async def test_joiner_whose_donors_disagree_joins_anyway(tmp_path):
