@@ -123,6 +123,7 @@ class RoundClock:
         self.inner_steps = 0
         self.rounds = 0
         self.needs_resync = False  # rank 0's decides: it stops the group's run
+        self.history: tuple = ()  # the rounds' reports are rank 0's optimizer's: none here
         self._merges: dict[int, int] = {}  # fragment -> the step it is merged at
 
     @property
