@@ -155,6 +155,24 @@ async def _until(pred, timeout: float, what: str) -> None:
             await trio.sleep(0.1)  # sleep: poll interval
 
 
+async def _three_nodes(nursery, tmp_path, signed, factory) -> list[meshtrain.Node]:
+    """a (the creator), b and c of `signed`'s swarm, c with the outer optimizer `factory` makes;
+    each waits for the three before training."""
+    spec = signed.spec
+    a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3), spec=signed)
+    nursery.start_soon(a.run)
+    await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
+    b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
+    c = meshtrain.Node(
+        _config(tmp_path, "c", wait_peers=3),
+        join=a.host.addrs[0],
+        outer_factory=lambda m, i, col: factory(m, i, col, spec),
+    )
+    nursery.start_soon(b.run)
+    nursery.start_soon(c.run)
+    return [a, b, c]
+
+
 def _phi_digest(node) -> bytes:
     return phi_digest(node.trainer.outer.outer_params)
 
@@ -165,19 +183,7 @@ async def test_diverged_peer_is_noticed_and_resyncs_from_the_majority(tmp_path, 
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     nodes: list[meshtrain.Node] = []
     async with trio.open_nursery() as nursery:
-        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3), spec=signed)
-        nursery.start_soon(a.run)
-        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
-        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
-        diverging = _diverging_diloco(at_round=3)
-        c = meshtrain.Node(
-            _config(tmp_path, "c", wait_peers=3),
-            join=a.host.addrs[0],
-            outer_factory=lambda m, i, col: diverging(m, i, col, spec),
-        )
-        nodes = [a, b, c]
-        nursery.start_soon(b.run)
-        nursery.start_soon(c.run)
+        nodes = a, b, c = await _three_nodes(nursery, tmp_path, signed, _diverging_diloco(at_round=3))
         await _until(lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 3 for n in nodes), 120, "3 rounds")
         # c now holds another φ than a and b at the same round; it must notice and re-sync.
         split_seen = trio.current_time()
@@ -227,20 +233,8 @@ async def test_a_peer_refused_a_round_publishes_no_digest_for_it_and_resyncs_at_
     exchange (`parity.withheld`), and its re-sync starts before its next round."""
     spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    refused = _refused_diloco(at_round=3)
     async with trio.open_nursery() as nursery:
-        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3), spec=signed)
-        nursery.start_soon(a.run)
-        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
-        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
-        c = meshtrain.Node(
-            _config(tmp_path, "c", wait_peers=3),
-            join=a.host.addrs[0],
-            outer_factory=lambda m, i, col: refused(m, i, col, spec),
-        )
-        nodes = [a, b, c]
-        nursery.start_soon(b.run)
-        nursery.start_soon(c.run)
+        nodes = a, b, c = await _three_nodes(nursery, tmp_path, signed, _refused_diloco(at_round=3))
         published: set[int] = set()  # every round c ever had a digest for in its progress record
 
         def c_resynced() -> bool:

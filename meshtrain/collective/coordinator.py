@@ -9,7 +9,9 @@ allreduce.py for how peers find it). Its job, per round key:
   (shares.py; a retry's survivors get theirs from the same rates). The expected set is always
   our own `group(round_id)` view, refreshed while waiting and at every join — never a joiner's
   claim — so a peer that left is no longer waited for, and one that came into view since the round
-  opened is;
+  opened is. The group itself is fixed from those who joined *and* are still candidates: a peer
+  excluded (by the swarm's strikes) or gone after its join came in — a join sent ahead of the
+  round, prepared.py — is told it is `Late`, so an exclusion takes effect in the next group fixed;
 - **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
   membership was behind), or **end it** when nobody else will come: the missing peers joined a
   later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this

@@ -18,7 +18,8 @@ them to the training run, watches signals and writes daemon.json and the control
 Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
 control.token (0600: the bearer token `node stop` must present), history.json (loss history),
-strikes.bin (the swarm's signed strikes, node/strikes.py), admission.json (our proof of work).
+strikes.bin (the swarm's signed strikes, node/strikes.py), admission.json (our proof of work),
+peers.json (the swarm's trainers we saw, to find them again after a restart: node/address_book.py).
 
 Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the

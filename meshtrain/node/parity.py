@@ -42,6 +42,13 @@ reason for as long as rounds are grouped), and a majority that
 is wrong together (every peer trusts the largest group; a colluding majority is the public-swarms
 issue's problem, not this one's).
 
+Withheld and solo rounds. A round a peer proceeded alone in because the round failed (a
+coordinator refused its join or vanished) leaves a φ known not to be the swarm's: no digest is
+published for it, and the peer re-syncs before its next round (`ParityMonitor.withhold`; a CI
+soak saw such a peer publish its own φ as a member's for two rounds). `solo_rounds` counts the
+rounds a peer completed as the only contributor while other trainers were live in its view (a
+peer cut off by a partition); the chaos soak sums both.
+
 `judge` is a pure function of the records and a clock value, tested without a network
 (`tests/test_parity.py`); `ParityMonitor` keeps a node's own digests and its last verdict.
 """

@@ -8,8 +8,10 @@ Meanwhile it offers its own state to joiners after every round and checkpoints i
 background, so nothing is lost on a crash.
 
 Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data plane:
-- `enter()`: resume the latest checkpoint; wait up to `ENTER_WAIT` for the others' progress;
-  download if a peer training now is past our next exchange.
+- `enter()`: resume the latest checkpoint; while cut off from the trainers our address book
+  names (`PeerPresence.cut_off`: a restart whose bootstrap address is dead), wait, saying so,
+  rather than train — and commit rounds — alone; wait up to `ENTER_WAIT` for the others'
+  progress; download if a peer training now is past our next exchange.
 - `download()`: fetch the outer state from the parity winners (`donors()`) and join at their
   step. It never gives up on a transient (no donor yet, donors that disagree, a state a round
   old, a donor that vanished): it retries with a jittered `Backoff`, saying what it waits for,
@@ -23,7 +25,10 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
   we wait for reads us as "not training", finds no donor, and after `ORPHAN_WAIT` trains a
   lineage of its own.
-- Parity (`node/parity.py`): after every round φ is hashed into our progress record; a watcher
+- Parity (`node/parity.py`): after every round φ is hashed into our progress record — except
+  after a round we proceeded alone in because it failed (`needs_resync` is set then): that φ is
+  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`) and
+  the re-sync follows before the next round. A watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
   rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
   node's training loop then calls `resync()`: `download()`, and when that lands where the last
