@@ -327,7 +327,7 @@ class Coordinator:
                 )
             r.attempts.append(self._new_attempt(r, group))
             r.group_fixed.set()
-            log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(r.joins), expected=len(r.expected)))
+            log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(group), expected=len(r.expected)))
 
     @staticmethod
     def _new_attempt(r: _Round, group: tuple[str, ...]) -> _Attempt:

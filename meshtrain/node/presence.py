@@ -48,8 +48,8 @@ connection (DCUtR). Then it answers, from the view and the host:
 
 Finding the swarm again (node/address_book.py). The re-dial loop also notes the view's live
 trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
-list, and those the view does not hold yet are re-dialled with backoff (`REJOIN_DIALS` failed
-dials in a row and a trainer is taken for gone). Until this life first reaches another trainer,
+list, and they are re-dialled with backoff until this life first reaches another trainer
+(`REJOIN_DIALS` failed dials in a row and a trainer is taken for gone). Until then,
 `cut_off()` says why the node must not train alone: its book names trainers seen within
 `REJOIN_HORIZON_S` that have not been taken for gone (`RunState.enter` waits on it). A restart
 whose only bootstrap address was dead trained — and committed rounds — alone before this.
@@ -143,8 +143,9 @@ class PeerPresence(Service):
         self.strikes: StrikeBook | None = None  # set once entered
         self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/address_book.py
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
-        self._dial_failures: dict[str, int] = {}  # address-book peers: dials failed in a row
-        self._dial_backoff: dict[str, tuple[float, Backoff]] = {}  # ... and when to dial them next
+        # Address-book peers dialled before we met the swarm: when to dial each next, and its
+        # backoff (whose `attempts` are its dials failed in a row).
+        self._book_dials: dict[str, tuple[float, Backoff]] = {}
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -314,9 +315,18 @@ class PeerPresence(Service):
     def known_trainers(self) -> list[str]:
         """Trainers of our address book seen live within `REJOIN_HORIZON_S` whose dials have not
         failed `REJOIN_DIALS` times in a row: the swarm as we last knew it, probably still there."""
-        return [
-            k.peer_id for k in self.book.fresh(REJOIN_HORIZON_S) if self._dial_failures.get(k.peer_id, 0) < REJOIN_DIALS
-        ]
+        return [k.peer_id for k in self.book.fresh(REJOIN_HORIZON_S) if self._failed_dials(k.peer_id) < REJOIN_DIALS]
+
+    def _failed_dials(self, peer: str) -> int:
+        dials = self._book_dials.get(peer)
+        return dials[1].attempts if dials is not None else 0
+
+    def _meets_swarm(self) -> bool:
+        """Whether this life has reached another trainer of the swarm (`met_swarm`, set once)."""
+        if not self.met_swarm:
+            others = [p for p in self.candidates() if p != self.me]
+            self.met_swarm = bool(others) or any(self.host.is_connected(p) for p in self.book.peers)
+        return self.met_swarm
 
     def cut_off(self) -> str | None:
         """Why this node must not train alone yet, or None. Until it first reaches another trainer
@@ -324,11 +334,7 @@ class PeerPresence(Service):
         still there (`known_trainers`) is cut off from its swarm, not alone in it: training now
         would commit rounds alone, a fork of the swarm's φ. Once it reached one (`met_swarm`), the
         replicated membership decides who is in a round, as for every node."""
-        if self.met_swarm:
-            return None
-        others = [p for p in self.candidates() if p != self.me]
-        if others or any(self.host.is_connected(p) for p in self.book.peers):
-            self.met_swarm = True
+        if self._meets_swarm():
             return None
         known = self.known_trainers()
         if not known:
@@ -372,26 +378,25 @@ class PeerPresence(Service):
                 log.info(kv("DHT bootstrap failed again", retry_in_s=round(delay, 1), error=str(e)))
 
     def _book_peers_to_dial(self) -> dict[str, list[str]]:
-        """Known trainers not in the view, whose backoff allows a dial now."""
+        """Until we meet the swarm, the known trainers whose backoff allows a dial now (past
+        `REJOIN_DIALS` failures they are taken for gone, but still tried, more slowly). Once we
+        met it, none: the view holds the live ones, and the book's dead entries (up to
+        `MAX_PEERS`, a 5 s dial each) must not hold up re-dialling the members."""
+        if self._meets_swarm():
+            return {}
         now = time.monotonic()
-        out = {}
-        for k in self.book.fresh(REJOIN_HORIZON_S):
-            if self._dial_failures.get(k.peer_id, 0) >= REJOIN_DIALS and self.met_swarm:
-                continue  # taken for gone; before we meet the swarm we keep trying, more slowly
-            at, _ = self._dial_backoff.get(k.peer_id, (0.0, None))
-            if now >= at:
-                out[k.peer_id] = k.dial_addrs()
-        return out
+        return {
+            k.peer_id: k.dial_addrs()
+            for k in self.book.fresh(REJOIN_HORIZON_S)
+            if now >= self._book_dials.get(k.peer_id, (0.0, None))[0]
+        }
 
     def _dialled_book_peer(self, peer: str, ok: bool) -> None:
         if ok:
-            self._dial_failures.pop(peer, None)
-            self._dial_backoff.pop(peer, None)
+            self._book_dials.pop(peer, None)
             return
-        self._dial_failures[peer] = self._dial_failures.get(peer, 0) + 1
-        _, backoff = self._dial_backoff.get(peer, (0.0, None))
-        backoff = backoff or Backoff(initial=CONNECT_INTERVAL, cap=30.0)
-        self._dial_backoff[peer] = (time.monotonic() + backoff.next(), backoff)
+        _, backoff = self._book_dials.get(peer, (0.0, Backoff(initial=CONNECT_INTERVAL, cap=30.0)))
+        self._book_dials[peer] = (time.monotonic() + backoff.next(), backoff)
 
     # -- staying connected -----------------------------------------------------------------------
 
