@@ -29,5 +29,5 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check meshtrain tests scripts examples
 
 bench: $(STAMP)
-	$(PY) scripts/bench_transport.py
-	$(PY) scripts/bench_allreduce.py
+	$(PY) scripts/bench/bench_transport.py
+	$(PY) scripts/bench/bench_allreduce.py

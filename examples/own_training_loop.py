@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def meshtrain_phi_digest(opt: meshtrain.OuterOptimizer) -> str:
-    from meshtrain.node.parity import phi_digest
+    from meshtrain.node.state.parity import phi_digest
 
     return phi_digest(opt.outer_params).hex()
 

@@ -35,7 +35,7 @@ def get_logger(name: str) -> logging.Logger:
 
 def set_emit_guard(guard: Callable[[], AbstractContextManager[None]] | None) -> None:
     """Have every log line written inside `guard()` (None: unguarded). A live status line on the
-    terminal (`meshtrain.node.console`) uses it to clear itself before a log line and redraw
+    terminal (`meshtrain.node.status.console`) uses it to clear itself before a log line and redraw
     itself after, so the two never print over each other."""
     global _emit_guard
     _emit_guard = guard

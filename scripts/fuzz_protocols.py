@@ -107,9 +107,9 @@ from meshtrain.crdt.types import LWWMap, LWWRegister, now_ms  # noqa: E402
 from meshtrain.dht.discovery import peers_key  # noqa: E402
 from meshtrain.dht.kademlia import FIND_RPC, KAD_PROTOCOL, NETWORK, STORE_RPC  # noqa: E402
 from meshtrain.dht.records import Record  # noqa: E402
-from meshtrain.node.admission import POW_CAP, mint_pow  # noqa: E402
-from meshtrain.node.signed_spec import SPEC_RPC  # noqa: E402
-from meshtrain.node.state_sync import CHUNK_RPC, MANIFEST_RPC, MIN_CHUNK_BYTES  # noqa: E402
+from meshtrain.node.spec.signed import SPEC_RPC  # noqa: E402
+from meshtrain.node.state.sync import CHUNK_RPC, MANIFEST_RPC, MIN_CHUNK_BYTES  # noqa: E402
+from meshtrain.node.trust.admission import POW_CAP, mint_pow  # noqa: E402
 from meshtrain.transport.framing import LENGTH, FramedStream, WireError, packb  # noqa: E402
 from meshtrain.transport.holepunch import PUNCH_RPC  # noqa: E402
 from meshtrain.transport.host import Host, HostConfig, StreamOpenError  # noqa: E402

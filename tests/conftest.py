@@ -212,7 +212,7 @@ def read_json(proc: subprocess.Popen) -> dict:
 def require_natlab() -> None:
     """Skip the calling test or fixture unless the NAT lab can run here (root, ip, nft, tc, a
     namespace that really holds a veth pair); then clear the labs of runs that were killed."""
-    from scripts.natlab.lab import LabUnavailable, check_support, cleanup_stale
+    from scripts.labs.natlab.lab import LabUnavailable, check_support, cleanup_stale
 
     try:
         check_support()

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state.checkpoint import CheckpointStore
 
 
 def state_at(step: int) -> dict:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.node.state_donor import StateDonor
-from meshtrain.node.state_sync import DEFAULT_CHUNK_BYTES
+from meshtrain.node.state.donor import StateDonor
+from meshtrain.node.state.sync import DEFAULT_CHUNK_BYTES
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams

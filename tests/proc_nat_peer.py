@@ -25,7 +25,7 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
     quit
 
-Used by tests/test_nat_*.py and scripts/bench_nat.py; it exists because a namespace holds a
+Used by tests/test_nat_*.py and scripts/bench/bench_nat.py; it exists because a namespace holds a
 process, not a trio task.
 """
 

@@ -1,5 +1,5 @@
 """A real pipeline peer in its own process: host, data plane, one stage of the GPT and the
-`PipelineRuntime`, for the runtime's multi-process tests and scripts/bench_skippipe.py.
+`PipelineRuntime`, for the runtime's multi-process tests and scripts/bench/bench_skippipe.py.
 
     python tests/proc_pipeline_peer.py
 

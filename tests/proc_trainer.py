@@ -178,7 +178,7 @@ def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
 def model_config(name: str, vocab_size: int) -> GPTConfig:
     """`--model`: tiny and small are the presets; medium (4 blocks, d 128, context 64: 0.8M
     parameters) has a CPU step of ~80 ms on one core, long beside a round's fixed cost of control
-    messages (scripts/bench_wan.py's overlap comparison), and 4 blocks for Streaming DiLoCo's P = 4."""
+    messages (scripts/bench/bench_wan.py's overlap comparison), and 4 blocks for Streaming DiLoCo's P = 4."""
     if name == "medium":
         return GPTConfig(vocab_size, n_layer=4, n_head=4, d_model=128, context=64)
     return GPTConfig.small(vocab_size) if name == "small" else GPTConfig.tiny(vocab_size)

@@ -17,7 +17,12 @@ from meshtrain.dht.kademlia import NETWORK
 from meshtrain.dht.records import Record
 from meshtrain.dht.swarm_index import SWARMS_KEY, SwarmAdvert, advert_subkey
 from meshtrain.errors import ConfigError
-from meshtrain.node.admission import (
+from meshtrain.node.cli import main
+from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, load_node_config
+from meshtrain.node.spec.listing import format_table, pick_swarm, verify_adverts
+from meshtrain.node.spec.signed import SignedSpec, parse_join_address
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.trust.admission import (
     NO_PROOF,
     NOT_ALLOWED,
     POW_CAP,
@@ -28,11 +33,6 @@ from meshtrain.node.admission import (
     mint_pow,
     pow_ok,
 )
-from meshtrain.node.cli import main
-from meshtrain.node.config import DEFAULT_CONFIG_FILE, load_node_config
-from meshtrain.node.signed_spec import SignedSpec, parse_join_address
-from meshtrain.node.swarm_list import format_table, pick_swarm, verify_adverts
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
 from meshtrain.transport.identity import Identity
 
 OWNER = Identity.from_seed(bytes(32))  # fixed identities: the proofs below are deterministic

@@ -1,14 +1,14 @@
 """Verification end to end (issue 21): an open swarm of four real `Node`s on loopback (gpt-tiny,
-robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/adversary.py). The
+robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/trust/adversary.py). The
 honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
 peer excludes it; no honest peer is ever excluded (with screening alone, never even flagged), and
 the rounds go on without it. A replay of its first update passes norm and direction screening
 while it points the right way; replay screening (collective/echoes.py, on by default) drops and
-flags it from its second round on, as an echo of its first; with that off, loss scoring (node/scoring.py)
+flags it from its second round on, as an echo of its first; with that off, loss scoring (node/trust/scoring.py)
 scores it on the adversary's own assigned batches, and with loss scoring off too, replay
-spot-checks (node/spot_check.py) catch it: it does not follow a recomputation of the adversary's
+spot-checks (node/trust/spot_check.py) catch it: it does not follow a recomputation of the adversary's
 first inner steps. A replay that also publishes φ digests other than its own (`replay-phi`) is
-passed over by spot-checks for a few rounds (node/strikes.py, `lineage_passes`), then struck out
+passed over by spot-checks for a few rounds (node/trust/strikes.py, `lineage_passes`), then struck out
 by them all the same."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 import trio
 
 import meshtrain
-from meshtrain.node import adversary, run_state
+from meshtrain.node.state import run_state
+from meshtrain.node.trust import adversary
 from meshtrain.transport.identity import Identity
 
 from .test_aggregation_swarm import mesh_config
@@ -31,7 +32,7 @@ H = 2
 @pytest.mark.parametrize(
     ("mode", "h", "batch", "rounds", "samples", "spot", "overrides"),
     # Screening's modes with screening alone (at batch 4 and H 2 an honest update's loss change on
-    # its own batch is noise, node/scoring.py). A replay passes screening while it looks fresh and
+    # its own batch is noise, node/trust/scoring.py). A replay passes screening while it looks fresh and
     # is left to loss scoring, which needs updates worth scoring: the benchmark's H 10 and batch 8,
     # every peer scored every round, and rounds past the first two (a replay of round 1 is honest
     # in round 1 and barely stale in round 2).
@@ -110,7 +111,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         others = {p: s for p, s in standing.items() if p != liar.host.peer_id}
         if samples or spot:
             # Loss scoring at this scale (batch 8, one batch per score) flags an honest peer by a
-            # quorum in a round now and then (node/scoring.py, "Not caught"; 3 of 25 runs here),
+            # quorum in a round now and then (node/trust/scoring.py, "Not caught"; 3 of 25 runs here),
             # and so do spot-checks (two owners in one round while the replay was in it, 1 of 6
             # runs here): the promise is that such a round never adds up to an exclusion.
             assert all(not s.excluded and s.rounds < spec.strikes for s in others.values()), standing

@@ -19,7 +19,7 @@ import torch
 import trio
 
 import meshtrain
-from meshtrain.node import run_state
+from meshtrain.node.state import run_state
 from meshtrain.transport.identity import Identity
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from .conftest import ROOT
 def last_json_line(script: str, *args: str, timeout: float) -> dict:
     """Run scripts/<script> with `args`; its last stdout line, parsed (it must exit 0)."""
     r = subprocess.run(
-        [sys.executable, f"scripts/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, f"scripts/bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

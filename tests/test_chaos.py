@@ -2,7 +2,7 @@
 when root) keep training, never exit on their own and never leave a corrupt checkpoint; live
 peers agree on φ within a round of any disagreement.
 
-The soak itself is `scripts/bench_chaos.py` (10 minutes by default); here it runs CI-sized:
+The soak itself is `scripts/bench/bench_chaos.py` (10 minutes by default); here it runs CI-sized:
 4 nodes, 60 s of chaos, under 2 minutes in all. The parity rule is pinned without processes.
 """
 
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts.bench_chaos import PARITY_HEAL_S, Life, Monitor
+from scripts.bench.bench_chaos import PARITY_HEAL_S, Life, Monitor
 
 from .conftest import ROOT
 
@@ -145,7 +145,7 @@ def soak(tmp_path_factory) -> dict:
     r = subprocess.run(
         [
             sys.executable,
-            "scripts/bench_chaos.py",
+            "scripts/bench/bench_chaos.py",
             "--minutes",
             str(SOAK_MINUTES),
             "--nodes",

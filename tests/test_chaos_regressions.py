@@ -41,8 +41,8 @@ from meshtrain.collective.allreduce import (
 )
 from meshtrain.collective.contract import CollectiveError
 from meshtrain.errors import MeshtrainError
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.parity import phi_digest
+from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.state.parity import phi_digest
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import RemoteError
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state.checkpoint import CheckpointStore
 
 from .conftest import spawn
 from .proc_checkpointer import state_at

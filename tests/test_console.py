@@ -1,4 +1,4 @@
-"""What a foreground node prints (`meshtrain.node.console`), on status documents without a node.
+"""What a foreground node prints (`meshtrain.node.status.console`), on status documents without a node.
 
 The formatters are pure: a status document in, text out. The plain (off-TTY) reporter says the
 state when it changes, one line per completed round while training, and a wait once it has
@@ -13,7 +13,7 @@ import logging
 
 import trio
 
-from meshtrain.node.console import (
+from meshtrain.node.status.console import (
     LiveStatus,
     Rate,
     RoundReporter,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state.checkpoint import CheckpointStore
 
 from .conftest import ROOT
 

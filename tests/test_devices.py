@@ -16,10 +16,10 @@ import trio
 import meshtrain
 from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
-from meshtrain.node.config import load_node_config
-from meshtrain.node.devices import Precision, resolve_device
-from meshtrain.node.status import fetch_status
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
+from meshtrain.node.ranks.devices import Precision, resolve_device
+from meshtrain.node.spec.config import load_node_config
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.status.client import fetch_status
 from meshtrain.node.trainer import REPORT_EVERY, Trainer
 from meshtrain.transport.identity import Identity
 

@@ -14,8 +14,8 @@ import torch
 import trio
 
 import meshtrain
-from meshtrain.node import run_state
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state import run_state
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.transport.identity import Identity
 
 from .test_node_cli import create, finish, start, wait_daemon

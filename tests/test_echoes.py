@@ -18,8 +18,8 @@ from meshtrain.collective.echoes import ECHO, MIN_OVERLAP, EchoMemory, PartSketc
 from meshtrain.collective.flat import part_bounds
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
-from meshtrain.node.strikes import echo_flagged
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.trust.strikes import echo_flagged
 
 from .test_allreduce import mesh, run_all
 from .test_screening import PEERS, honest_updates

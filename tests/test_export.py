@@ -27,10 +27,10 @@ import trio
 
 from meshtrain.collective import LocalSwarm
 from meshtrain.models import GPT, GPTConfig
-from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import export_model, generate, load_trained
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.trainer import Trainer
 from meshtrain.transport.identity import Identity
 

@@ -1,4 +1,4 @@
-"""The stretched gossip phase of scripts/bench_scale.py (`--gossip-stretch`): its claim is that
+"""The stretched gossip phase of scripts/bench/bench_scale.py (`--gossip-stretch`): its claim is that
 the swarm's messages stay the same and only come K times rarer, which holds if every period the
 gossip protocols keep is K times its default at every size measured — checked here against the
 same rules `SwarmView` and `Replica` run, and the view's own argument checks."""
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from meshtrain.crdt import ReplicaConfig
 from meshtrain.crdt.swarm_records import MAX_LEASE_MS
 from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for, progress_gap_for
-from scripts._bench_crdt import run_crdt_phase, stretched, stretched_view
+from scripts.bench.crdt_phase import run_crdt_phase, stretched, stretched_view
 
 
 @given(n=st.integers(4, 256), k=st.integers(1, 28))

@@ -106,7 +106,7 @@ def test_bad_group_size_is_refused():
 
 def test_spec_group_size_reaches_the_collective_only_where_rounds_can_be_grouped():
     from meshtrain.errors import ConfigError
-    from meshtrain.node.swarm_spec import parse_spec
+    from meshtrain.node.spec.swarm import parse_spec
 
     assert parse_spec({}).group_plan() == GroupPlan(group_size=0, seed=0, period=50)
     assert parse_spec({"group_size": 8, "H": 20, "seed": 3}).group_plan() == GroupPlan(8, 3, 20)
@@ -120,7 +120,7 @@ def test_spec_group_size_reaches_the_collective_only_where_rounds_can_be_grouped
 
 
 def test_parity_is_unchecked_while_rounds_run_in_groups():
-    from meshtrain.node.parity import ParityMonitor
+    from meshtrain.node.state.parity import ParityMonitor
 
     monitor = ParityMonitor("me", settle_s=0)
     monitor.record(1, b"mine")

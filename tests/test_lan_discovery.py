@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.natlab.lab import HomeSpec, NatLab
-from scripts.natlab.peers import ROOT, LabPeer, start_peers
+from scripts.labs.natlab.lab import HomeSpec, NatLab
+from scripts.labs.natlab.peers import ROOT, LabPeer, start_peers
 
 from .conftest import require_natlab
 

@@ -26,7 +26,7 @@ from meshtrain.models.sources import (
     resolve_context,
 )
 from meshtrain.models.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_digest
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
 
 from .tiny_hf import BPE_VOCAB, FACTORY, corpus_text, save_tiny_llama, train_bpe
 
@@ -215,7 +215,7 @@ def test_a_differing_local_copy_is_refused_naming_what_differs(hf_dirs, tmp_path
 
 
 def test_signed_spec_pins_digests_at_create(tmp_path, hf_dirs):
-    from meshtrain.node.signed_spec import SignedSpec
+    from meshtrain.node.spec.signed import SignedSpec
     from meshtrain.transport.identity import Identity
 
     spec = SwarmSpec(model=f"hf:{hf_dirs[0]}", tokenizer=f"hf:{hf_dirs[1]}")

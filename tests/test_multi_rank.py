@@ -1,6 +1,6 @@
 """A multi-GPU machine as one peer, on CPU ranks over gloo (node/local_ranks.py), as real node
 processes started through the CLI: a 2-rank peer trains the same φ as a single-rank one at the
-same global batch, under DDP and under FSDP2 (node/sharding.py); an FSDP peer's checkpoint
+same global batch, under DDP and under FSDP2 (node/ranks/sharding.py); an FSDP peer's checkpoint
 resumes with another rank count; killing a non-gateway rank ends the whole peer within one
 deadline, the swarm trains on without it, and the restarted peer resumes from its checkpoint."""
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.status import fetch_status, request_stop
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.status.client import fetch_status, request_stop
 from meshtrain.transport.identity import Identity
 
 ROOT = Path(__file__).resolve().parent.parent

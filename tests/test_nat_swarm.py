@@ -4,7 +4,7 @@ private — two behind cone NATs, one behind a symmetric NAT — started with th
 swarm trains through several rounds, survives one daemon being killed, and every node's status
 shows how it is connected: its own reachability, and per peer "direct" or "relayed".
 
-What the NATs make of it (scripts/natlab): the public node is reachable; the private ones learn
+What the NATs make of it (scripts/labs/natlab): the public node is reachable; the private ones learn
 they are private from its dial-backs, reserve a relay slot on it and announce circuit addresses;
 the cone pair punches a direct path (DCUtR), which the test waits for; the symmetric peer cannot
 punch through to a cone peer (its mapping changes per destination), so that pair stays relayed, and its tensors move over
@@ -63,7 +63,7 @@ def wait_for(what: str, check, timeout: float, logs: dict[str, Path]):
 @pytest.mark.timeout(600)
 def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(tmp_path):
     require_natlab()
-    from scripts.natlab.lab import NatLab
+    from scripts.labs.natlab.lab import NatLab
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     dirs = {h: tmp_path / h for h in HOSTS}

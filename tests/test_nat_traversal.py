@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.natlab.lab import NatLab
-from scripts.natlab.peers import LabPeer, LabPeerError, start_peers
+from scripts.labs.natlab.lab import NatLab
+from scripts.labs.natlab.peers import LabPeer, LabPeerError, start_peers
 
 from .conftest import require_natlab
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.natlab.lab import NatLab, list_labs, run_command
+from scripts.labs.natlab.lab import NatLab, list_labs, run_command
 
 from .conftest import require_natlab
 

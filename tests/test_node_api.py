@@ -13,7 +13,7 @@ import trio
 
 import meshtrain
 from meshtrain.errors import ConfigError
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.transport.identity import Identity
 
 CUSTOM_OUTER = Path(__file__).with_name("custom_outer.py")

@@ -5,7 +5,7 @@ bit-exactly; a second node joins through one address and both end on identical o
 parameters; `node status` / `node stop` talk to the running daemon; SIGTERM leaves the swarm and
 checkpoints within seconds. `node stop` returns once the node accepted the request and the
 node then exits cleanly; `node status/stop` import neither torch nor libp2p (they must answer
-in well under a second on a machine busy training: scripts/bench_stop.py measures it); off a
+in well under a second on a machine busy training: scripts/bench/bench_stop.py measures it); off a
 TTY, a foreground node prints one line per outer round on stdout before its JSON result.
 """
 
@@ -24,8 +24,8 @@ import pytest
 import torch
 import trio
 
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.status_server import StatusServer
+from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.status.server import StatusServer
 
 from .conftest import ROOT
 
@@ -279,7 +279,7 @@ HEAVY = (
     "trio",
     "prometheus_client",
     "meshtrain.node.daemon",
-    "meshtrain.node.config",
+    "meshtrain.node.spec.config",
     "meshtrain.optim",
     "http.server",
     "http.client",
@@ -350,7 +350,7 @@ async def test_status_and_stop_commands_import_neither_torch_nor_libp2p(tmp_path
 
 def test_status_and_stop_find_the_data_dir_as_node_start_does(tmp_path, monkeypatch):
     from meshtrain.node.cli import build_parser, data_dir_of
-    from meshtrain.node.config import load_node_config
+    from meshtrain.node.spec.config import load_node_config
 
     for env in ({}, {"MESHTRAIN_DATA_DIR": str(tmp_path / "env")}, {"XDG_DATA_HOME": str(tmp_path / "xdg")}):
         for name in ("MESHTRAIN_DATA_DIR", "XDG_DATA_HOME"):

@@ -12,7 +12,7 @@ import trio
 
 from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
 from meshtrain.node.trainer import Trainer
 
 

@@ -11,8 +11,8 @@ import trio
 
 from meshtrain.collective import AllReduceConfig, LocalSwarm
 from meshtrain.errors import ConfigError
-from meshtrain.node.outer_spec import build_outer, check_matches
-from meshtrain.node.swarm_spec import AGGREGATIONS, SwarmSpec, parse_spec
+from meshtrain.node.spec.outer import build_outer, check_matches
+from meshtrain.node.spec.swarm import AGGREGATIONS, SwarmSpec, parse_spec
 from meshtrain.optim import DataParallel, OuterStateError
 
 from .test_node_cli import cli

@@ -349,8 +349,8 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
     import sys
 
     from meshtrain.node.cli import build_parser
-    from meshtrain.node.signed_spec import SignedSpec
-    from meshtrain.node.swarm_spec import parse_spec
+    from meshtrain.node.spec.signed import SignedSpec
+    from meshtrain.node.spec.swarm import parse_spec
     from meshtrain.node.trainer import Trainer
 
     from .conftest import ROOT
@@ -403,7 +403,7 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
 def test_spec_outer_lr_and_beta_default_to_sparselocos_own():
     import inspect
 
-    from meshtrain.node.swarm_spec import parse_spec
+    from meshtrain.node.spec.swarm import parse_spec
 
     own = inspect.signature(SparseLoCo).parameters
     spec = parse_spec({"optimizer": "sparseloco"})

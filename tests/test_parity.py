@@ -1,4 +1,4 @@
-"""The parity rule (`node/parity.py`) as a pure function: which φ wins a round, when a round is
+"""The parity rule (`node/state/parity.py`) as a pure function: which φ wins a round, when a round is
 judged, and that every peer holding the same records picks the same winner."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from meshtrain.backoff import Backoff
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS, PeerProgress
-from meshtrain.node.parity import MIN_SETTLE_S, ParityMonitor, judge, phi_digest, winning_digest
+from meshtrain.node.state.parity import MIN_SETTLE_S, ParityMonitor, judge, phi_digest, winning_digest
 
 A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
 

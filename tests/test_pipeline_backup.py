@@ -1,4 +1,4 @@
-"""Stage backups (node/stage_state.py, Backups): at every epoch end a peer of another stage keeps a
+"""Stage backups (node/stages/state.py, Backups): at every epoch end a peer of another stage keeps a
 copy of each stage that has a single replica, so that the stage survives that replica's crash —
 the refill resumes from the backup's step, not from the initial weights. The choice of backer is
 a pure function of the epoch's placement (unit test); the swarm test runs real `Node`s on
@@ -12,9 +12,10 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 
-from meshtrain.node import pipeline_peer, stage_handover
-from meshtrain.node.stage_state import StageStates, backers
-from meshtrain.node.state_sync import CHUNK_RPC, MANIFEST_RPC
+from meshtrain.node.stages import handover as stage_handover
+from meshtrain.node.stages.peer import PipelinePeer
+from meshtrain.node.stages.state import StageStates, backers
+from meshtrain.node.state.sync import CHUNK_RPC, MANIFEST_RPC
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.identity import Identity
 
@@ -105,7 +106,7 @@ async def test_a_crashed_single_replica_stage_is_refilled_from_its_backup_not_fr
     ids = sorted(Identity.load_or_create(tmp_path / name).peer_id_str for name in "abc")
     # forward seconds by id rank: the lower id of the two origins is the faster (it moves) or the slower
     fwd = {p: 0.01 * (r + 1 if backer_moves else 3 - r) for r, p in enumerate(ids)}
-    monkeypatch.setattr(pipeline_peer.PipelinePeer, "_measure_forward", lambda self: fwd[self.me])
+    monkeypatch.setattr(PipelinePeer, "_measure_forward", lambda self: fwd[self.me])
     async with three_daemons(tmp_path, pipeline_spec(steps=24)) as (nodes, results):
         await wait_for(lambda: all(stage_step(n)[1] >= 4 for n in nodes.values()))
         (gone,) = [name for name, n in nodes.items() if stage_step(n)[0] == 1]

@@ -1,4 +1,4 @@
-"""`meshtrain export` of a pipeline swarm without a running node (node/pipeline_export.py): a
+"""`meshtrain export` of a pipeline swarm without a running node (node/stages/export.py): a
 peer's data dir holds only the stages it trained, so the export either assembles them all (a peer
 that moved holds several) or says in one line which stages are missing and that the node must
 run to fetch them — and writes nothing. (With the daemon running: tests/test_pipeline_swarm.py.)"""
@@ -15,12 +15,12 @@ from safetensors.torch import load_model
 
 from meshtrain.models import GPT, GPTConfig
 from meshtrain.node import cli
-from meshtrain.node.checkpoint import CheckpointStore
 from meshtrain.node.export import spec_tokenizer
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.stage_state import StageStateError, StageStates
-from meshtrain.node.stage_trainer import StageTrainer
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.stages.state import StageStateError, StageStates
+from meshtrain.node.stages.trainer import StageTrainer
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.transport.identity import Identity
 
 from .conftest import start_peers

@@ -19,11 +19,12 @@ import trio
 from meshtrain.errors import ConfigError
 from meshtrain.models.sources import HFCausalLM, build_model
 from meshtrain.models.staged import PIPELINE_HF_TYPES, pipeline_layers, staged
-from meshtrain.node import cli, stage_handover
-from meshtrain.node.pipeline_export import load_assembled
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.stage_state import StageStates
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node import cli
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.stages import handover as stage_handover
+from meshtrain.node.stages.export import load_assembled
+from meshtrain.node.stages.state import StageStates
 from meshtrain.pipeline.stages import StageReplica, load_stage_states
 from meshtrain.transport.identity import Identity
 

@@ -1,4 +1,4 @@
-"""The pipeline lab file (node/pipeline_lab.py): regions pick the near or far link, the lab's
+"""The pipeline lab file (node/stages/lab.py): regions pick the near or far link, the lab's
 forward times are what the daemon announces, and a malformed file is a one-line ConfigError."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from meshtrain.errors import ConfigError
-from meshtrain.node.config import load_node_config
-from meshtrain.node.pipeline_lab import PipelineLab
+from meshtrain.node.spec.config import load_node_config
+from meshtrain.node.stages.lab import PipelineLab
 from meshtrain.pipeline.scheduler import Link
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import ConfigError
-from meshtrain.node.swarm_spec import parse_spec
+from meshtrain.node.spec.swarm import parse_spec
 from meshtrain.pipeline.cut import balanced_cut, format_stage_cut, parse_stage_cut
 from meshtrain.pipeline.placement import Member, floors, place, stage_map
 

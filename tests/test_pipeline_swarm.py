@@ -1,4 +1,4 @@
-"""Pipeline swarms from the daemon (node/pipeline_peer.py, node/stage_state.py): real `Node`s in
+"""Pipeline swarms from the daemon (node/stages/peer.py, node/stages/state.py): real `Node`s in
 one trio program, on loopback, each with its host, data plane and membership — a late joiner takes
 its stage's state from that stage's replicas, and a stage whose only replica is gone is refilled
 by a peer of the most replicated stage, and training goes on."""
@@ -18,10 +18,10 @@ import torch
 import trio
 
 import meshtrain
-from meshtrain.node import stage_handover
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.pipeline_announce import PipelineAnnouncements
 from meshtrain.node.presence import PeerPresence
+from meshtrain.node.stages import handover as stage_handover
+from meshtrain.node.stages.announce import PipelineAnnouncements
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 
@@ -145,7 +145,7 @@ async def test_a_late_joiner_takes_its_stages_state_from_the_replicas(tmp_path, 
 @pytest.mark.parametrize("handover", [True, False])
 async def test_a_stage_that_lost_its_only_replica_is_refilled_and_training_goes_on(tmp_path, monkeypatch, handover):
     """Three daemons: two origins on stage 0, one peer on stage 1, which stops (a SIGKILLed one is
-    scripts/bench_pipeline_swarm.py's: in one process a cancelled node's sockets outlive it).
+    scripts/bench/bench_pipeline_swarm.py's: in one process a cancelled node's sockets outlive it).
     Placement's refill rule moves an origin to stage 1, and the two survivors train to the last
     step. The stopping peer hands its stage over: it serves the state it published at the epoch's
     end until the mover has it, and the mover trains stage 1 on from there. Without the handover
@@ -192,7 +192,7 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
 
     from meshtrain.models import GPT, GPTConfig
     from meshtrain.node import cli
-    from meshtrain.node.stage_state import StageStates
+    from meshtrain.node.stages.state import StageStates
 
     published: list[tuple[str, int, int, str]] = []  # (peer, stage, step, digest), as every peer offered it
     offer = StageStates.publish
@@ -263,7 +263,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
 
 async def test_a_joiner_reads_the_swarms_end_from_live_and_left_records(tmp_path):
     """`PipelineAnnouncements.finished` over real membership records: a joiner that came after
-    the others trained the last step ends instead of waiting for them for ever (node/pipeline_peer.py
+    the others trained the last step ends instead of waiting for them for ever (node/stages/peer.py
     `_form`) — but not while a peer that has trained still announces less, so one record that
     claims the end (a hostile one) does not send joiners away from a swarm that trains."""
     last = 20

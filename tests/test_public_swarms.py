@@ -23,12 +23,12 @@ from meshtrain.crdt.swarm_view import open_swarm_view
 from meshtrain.dht.kademlia import NETWORK, STORE_RPC, Dht
 from meshtrain.dht.records import Record
 from meshtrain.dht.swarm_index import SWARMS_KEY, advert_subkey, publish_advert
-from meshtrain.node.admission import NO_PROOF, NOT_ALLOWED, POW_CAP, allow_key, mint_pow, pow_ok
 from meshtrain.node.cli import main
-from meshtrain.node.state_fetch import fetch_state
-from meshtrain.node.state_sync import StateSyncError
-from meshtrain.node.status import TOKEN_FILE, StatusError, request_allow
-from meshtrain.node.swarm_list import find_swarms
+from meshtrain.node.spec.listing import find_swarms
+from meshtrain.node.state.fetch import fetch_state
+from meshtrain.node.state.sync import StateSyncError
+from meshtrain.node.status.client import TOKEN_FILE, StatusError, request_allow
+from meshtrain.node.trust.admission import NO_PROOF, NOT_ALLOWED, POW_CAP, allow_key, mint_pow, pow_ok
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams

@@ -5,7 +5,7 @@ The soak that found it: each restart was given one random member's address as it
 bootstrap; two restarted nodes found that address dead, logged "no bootstrap peer reachable;
 running alone until peers dial us", resumed their checkpoint and committed rounds alone for up to
 30 s (a second lineage of φ). Now the node keeps an address book of the swarm's trainers
-(`peers.json`, node/address_book.py), re-dials them, and does not train until it reaches one or
+(`peers.json`, node/state/address_book.py), re-dials them, and does not train until it reaches one or
 each is taken for gone (`PeerPresence.cut_off`). Each test failed on the code before the fix.
 """
 
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from meshtrain.node.address_book import BOOK_FILE
-from meshtrain.node.status import StatusError, fetch_status
+from meshtrain.node.state.address_book import BOOK_FILE
+from meshtrain.node.status.client import StatusError, fetch_status
 from meshtrain.transport.identity import Identity
 
 from .test_node_cli import create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401

@@ -1,4 +1,4 @@
-"""Loss scoring (issue 21, 4b; node/scoring.py): an owner applies a sampled peer's update to its
+"""Loss scoring (issue 21, 4b; node/trust/scoring.py): an owner applies a sampled peer's update to its
 part of φ and measures the loss on that peer's own assigned batches (the round's last
 `score_batches` steps'); an update that does not lower it about as much as the round's aggregate
 does is flagged. Pure-function level with a real tiny model trained for real (DiLoCo rounds of
@@ -24,14 +24,14 @@ from meshtrain.crdt.strikes import LOSS, Strike
 from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
-from meshtrain.node.scoring import score_round, scored_steps
-from meshtrain.node.strikes import excluded_at, loss_flagged, quorum
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.trust.scoring import score_round, scored_steps
+from meshtrain.node.trust.strikes import excluded_at, loss_flagged, quorum
 
 from .test_allreduce import mesh, run_all
 from .test_screening import JUNK, PEERS
 
-H, BATCH, CONTEXT = 10, 8, 32  # gpt-tiny's own context, as in scripts/bench_adversarial.py
+H, BATCH, CONTEXT = 10, 8, 32  # gpt-tiny's own context, as in scripts/bench/bench_adversarial.py
 HONEST = ["p0", "p1", "p2", "p3"]
 
 
@@ -50,7 +50,7 @@ class Rounds:
 
     def batch(self, peer: str, step: int, other: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.corpus.batch(BATCH, CONTEXT, seed=0, peer=peer, step=step)
-        if other:  # the otherdata adversary's batches (node/adversary.py): token order reversed
+        if other:  # the otherdata adversary's batches (node/trust/adversary.py): token order reversed
             seq = torch.cat([x[:, :1], y], dim=1).flip(1)
             return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         return x, y

@@ -17,8 +17,8 @@ from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.collective.data_phase import reduce_contributions, screen_contributions
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
-from meshtrain.node.strikes import StrikeBook, excluded_at
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.trust.strikes import StrikeBook, excluded_at
 from meshtrain.transport.identity import Identity
 
 from .test_allreduce import mesh, run_all
@@ -132,7 +132,7 @@ def test_alignment_zero_turns_the_direction_rule_off_even_for_a_flipped_update(n
 
 
 def test_a_direction_strike_counts_only_where_the_spec_screens_direction() -> None:
-    """Every peer re-checks a screening strike against its own spec (node/strikes.py): a
+    """Every peer re-checks a screening strike against its own spec (node/trust/strikes.py): a
     negative alignment breaks the default `screen_alignment` and no threshold where it is 0."""
     view = SimpleNamespace(me=PEERS[0], replica=SimpleNamespace(on_change=lambda callback: None))
     book = StrikeBook(view, SwarmSpec(model="gpt-tiny"), admitted=lambda peer, caps: True)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""A signed swarm spec across meshtrain versions (node/signed_spec.py): the signature and the swarm
+"""A signed swarm spec across meshtrain versions (node/spec/signed.py): the signature and the swarm
 id cover the spec dict as its owner signed it, so a spec signed before a key existed still
 verifies under a version that has the key (at its default), keeps its id, and is passed on
 unchanged; anything changed after signing is refused."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from meshtrain.node.signed_spec import FORMAT, SignedSpec, SpecError, swarm_id_of
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.signed import FORMAT, SignedSpec, SpecError, swarm_id_of
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.transport.identity import Identity
 
 

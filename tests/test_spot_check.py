@@ -1,4 +1,4 @@
-"""Replay spot-checks (issue 21, 4c; node/spot_check.py): an owner recomputes a sampled peer's
+"""Replay spot-checks (issue 21, 4c; node/trust/spot_check.py): an owner recomputes a sampled peer's
 first inner steps from φ on its assigned batches and compares the result with the peer's update
 on its part; an update that agrees with it less than the round's aggregate does, by a margin, is
 flagged. Pure-function level with a real tiny model trained for real (DiLoCo rounds of gpt-tiny
@@ -22,13 +22,13 @@ from meshtrain.crdt.strikes import LOSS, SPOT, Strike
 from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
-from meshtrain.node.spot_check import recompute_update, spot_check_round
-from meshtrain.node.strikes import StrikeBook, quorum, spot_flagged
-from meshtrain.node.swarm_spec import SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.trust.spot_check import recompute_update, spot_check_round
+from meshtrain.node.trust.strikes import StrikeBook, quorum, spot_flagged
 
 from .test_screening import JUNK, PEERS
 
-H, BATCH, CONTEXT = 10, 8, 32  # as tests/test_scoring.py and scripts/bench_adversarial.py
+H, BATCH, CONTEXT = 10, 8, 32  # as tests/test_scoring.py and scripts/bench/bench_adversarial.py
 HONEST = ["p0", "p1", "p2", "p3"]
 LIARS = ("replay", "zeros", "lazy")  # "lazy": trains only the last 2 of its H steps
 SPEC = SwarmSpec(model="gpt-tiny", H=H, batch_size=BATCH, spot_check_steps=H, spot_check_samples=5)
@@ -167,7 +167,7 @@ def test_the_spec_keys_and_the_sample() -> None:
 
 
 def test_other_peers_count_a_spot_strike_only_with_evidence_and_a_sampled_peer() -> None:
-    """What every peer re-checks before counting a spot strike (node/strikes.py): the swarm
+    """What every peer re-checks before counting a spot strike (node/trust/strikes.py): the swarm
     spot-checks, the cosines break the rule, and the round's digest sampled the peer."""
     spec = SwarmSpec(model="gpt-tiny", spot_check_steps=5, spot_check_samples=1)
     view = SimpleNamespace(me=PEERS[0], replica=SimpleNamespace(on_change=lambda callback: None))

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.node.state_donor import StateDonor
-from meshtrain.node.state_fetch import FetchReport, fetch_state
-from meshtrain.node.state_sync import (
+from meshtrain.node.state.donor import StateDonor
+from meshtrain.node.state.fetch import FetchReport, fetch_state
+from meshtrain.node.state.sync import (
     CHUNK_RPC,
     MANIFEST_RPC,
     DonorsExhausted,

@@ -22,7 +22,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain.errors import ConfigError
-from meshtrain.node.status import (
+from meshtrain.node.status.client import (
     StatusError,
     fetch_status,
     read_daemon_file,
@@ -30,7 +30,7 @@ from meshtrain.node.status import (
     request_stop,
     wait_for_exit,
 )
-from meshtrain.node.status_server import StatusServer
+from meshtrain.node.status.server import StatusServer
 
 
 def snapshot() -> dict:
@@ -132,7 +132,7 @@ async def test_stop_needs_the_control_token():
 
 
 async def test_export_needs_the_control_token_and_passes_the_path_and_the_refusal_through():
-    """`POST /export?out=` (a pipeline swarm's export, node/pipeline_export.py): the path arrives
+    """`POST /export?out=` (a pipeline swarm's export, node/stages/export.py): the path arrives
     intact (spaces, non-ASCII), the node's answer comes back, and a refusal is its one line."""
     asked: list[str] = []
 

@@ -21,9 +21,9 @@ from meshtrain.collective.contract import ContributionFlag, RoundScreening
 from meshtrain.crdt.strikes import ECHO, Strike
 from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
 from meshtrain.crdt.types import LWWRegister
-from meshtrain.node.admission import EXCLUDED, pow_ok
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.strikes import (
+from meshtrain.node.trust.admission import EXCLUDED, pow_ok
+from meshtrain.node.trust.strikes import (
     LINEAGE_PASSES,
     STRIKES_FILE,
     LossScore,

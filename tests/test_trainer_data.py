@@ -15,8 +15,8 @@ import trio
 from meshtrain.collective import LocalSwarm
 from meshtrain.data import dataset_digest
 from meshtrain.errors import ConfigError
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.trainer import Trainer
 
 

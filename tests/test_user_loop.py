@@ -20,7 +20,7 @@ import torch
 
 import meshtrain
 from meshtrain.errors import ConfigError
-from meshtrain.node.checkpoint import CheckpointStore
+from meshtrain.node.state.checkpoint import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_training_loop.py"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.natlab.lab import list_labs
-from scripts.natlab.peers import start_peers
-from scripts.wanlab.lab import WanLab
+from scripts.labs.natlab.lab import list_labs
+from scripts.labs.natlab.peers import start_peers
+from scripts.labs.wanlab.lab import WanLab
 
 from .conftest import require_natlab
 

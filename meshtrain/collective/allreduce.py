@@ -61,7 +61,7 @@ with NaN/inf or of the wrong size is rejected outright and its sender excluded a
 contributions (data_phase.py); every committed round's `RoundScreening` is in
 `ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
 With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
-loss scoring (contract.py `sampled_peers`, node/scoring.py). With `screen_echo` as well, an owner
+loss scoring (contract.py `sampled_peers`, node/trust/scoring.py). With `screen_echo` as well, an owner
 drops from its part a contribution that repeats one of its recent rounds (echoes.py
 `EchoMemory`: the sender is excluded from the round like a sender of garbage) and flags it.
 

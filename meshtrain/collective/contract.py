@@ -19,13 +19,13 @@ part; it flags those whose norm is far outside the group's or whose direction di
 robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`), and after the round
 commits those that repeat an earlier round's contribution or aggregate (echoes.py). The flags this peer
 raised as an owner come back in `ReduceResult.screening` (a `RoundScreening`: the round, its group,
-the committed digest), for the node to turn into signed strikes (node/strikes.py). The wire does
+the committed digest), for the node to turn into signed strikes (node/trust/strikes.py). The wire does
 not change: owners already know who contributed.
 
 Samples for loss scoring (issue 21, 4b). With `AllReduceConfig.score_samples` = k, every owner
 also keeps, for the round's *sampled* peers, their contribution to its part and hands it on in
 `RoundScreening.samples`, with the slice of the flat input its part is (`part`) and the committed
-aggregate of that slice: the node scores them by loss (node/scoring.py). The sample is
+aggregate of that slice: the node scores them by loss (node/trust/scoring.py). The sample is
 `sampled_peers(group, digest, k)`: a ranking of the group by a hash of the committed digest, so
 it is the same on every owner, checkable by anyone who holds a strike's group and digest, and
 unknown to a sender before every contribution of the round was combined. The collective stays
@@ -69,7 +69,7 @@ def screening_rule(norm_ratio: float, alignment: float, screen_norm: float, scre
     """Which screening rule a contribution with these scores breaks ("norm" | "direction"), or
     None: its norm ratio outside [1/`screen_norm`, `screen_norm`], else its alignment below
     `screen_alignment`. 0 turns a rule off (`screen_norm` 0: no screening at all). The owner's
-    flag (data_phase.py) and every peer's re-check of a strike (node/strikes.py) use this one rule."""
+    flag (data_phase.py) and every peer's re-check of a strike (node/trust/strikes.py) use this one rule."""
     if not screen_norm:
         return None
     if not 1 / screen_norm <= norm_ratio <= screen_norm:

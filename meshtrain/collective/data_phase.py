@@ -21,7 +21,7 @@ for it, its owner receives and reduces nothing (no contributions to screen or ke
 sends its input to every other owner and receives every result. Our own sends are timed
 (`stats.sends`) so that our uplink can be measured for the next join (shares.py `egress_rate`).
 
-**Pipelining, for links where bandwidth × latency is large (a WAN, scripts/wanlab).** There is
+**Pipelining, for links where bandwidth × latency is large (a WAN, scripts/labs/wanlab).** There is
 no barrier between the phases: a stripe's all-gather starts the moment it is reduced, while
 later stripes are still being scattered, so each link carries both phases at once and is busy
 in both directions until the end; only the last stripe's all-gather is left when the scatter
@@ -154,7 +154,7 @@ def trim_count(trim: int, n: int) -> int:
     """Values a trimmed mean of `n` drops at each end: `trim`, or with 0 a quarter of them (at
     least one), so that as many adversaries as a quarter of a round cannot all survive the trim
     on one side: with 8 peers and 2 sign-flipping adversaries a trim of 1 let one through in every
-    coordinate (scripts/bench_adversarial.py: the honest loss 17 % worse before screening's
+    coordinate (scripts/bench/bench_adversarial.py: the honest loss 17 % worse before screening's
     strikes excluded them)."""
     return trim or max(1, n // 4)
 

@@ -2,7 +2,7 @@
 
 Problem. A peer that replays an old pseudo-gradient (its own, another peer's, or a round's
 aggregate) does no work and still points roughly the right way, so norm and direction screening
-(data_phase.py `screen_contributions`) pass it. Loss scoring (node/scoring.py) catches it only
+(data_phase.py `screen_contributions`) pass it. Loss scoring (node/trust/scoring.py) catches it only
 once the swarm has moved far enough from the round it was computed in, and only for the few
 peers a round samples: in bench_adversarial.py's runs a replayer survived up to 6 rounds.
 
@@ -18,7 +18,7 @@ flagged (`PartSketch.flag`) once the round commits, when the round's sketch is k
 of them.
 
 Honest updates never come that close: consecutive rounds' updates share the inner optimizer's
-momentum and the swarm's direction, and at small H they are alike (scripts/echo_separation.py,
+momentum and the swarm's direction, and at small H they are alike (scripts/studies/echo_separation.py,
 gpt-tiny, per part of 8, against every earlier round of 20, 3 seeds: the largest honest cosine
 0.9987 at H = 2, 0.9964 at H = 3, 0.990 at H = 5, 0.945 at H = 10, 0.62 at H = 50; a replay's
 1.0). The margin is thinnest at small H, and it narrows as a run goes on (0.9924 at H = 2 over 12
@@ -40,7 +40,7 @@ peers: 2.4 MB); cost per round: a few matrix products of that size.
 Evidence. An echo flag (`ContributionFlag` with rule "echo") carries the cosine (`echo`), the
 earlier round it matched (`earlier`), and the contribution's norm over the aggregate's and its
 cosine with the aggregate on the sketch's coordinates (`norm_ratio`, `alignment`). The node turns
-it into a signed strike like any screening flag (node/strikes.py), counted only with half the
+it into a signed strike like any screening flag (node/trust/strikes.py), counted only with half the
 round's others agreeing: every owner sees a replay on its own part. Dropping needs no agreement:
 an owner decides its own part's combination, and an honest owner's false echo (none measured)
 would cost one part one contribution, as the trimmed mean's trim does.
@@ -49,7 +49,7 @@ Not caught here: a replay perturbed by noise of more than ~1.4 % of its norm (co
 0.9999), or blended with fresh work (which is then partly work); a replay of a round older than
 `ECHO_ROUNDS` rounds that this owner did not see repeated since; in grouped rounds
 (collective/groups.py) an owner sees a peer only in the rounds they share a group. Those are
-left to loss scoring and spot-checks (node/scoring.py, node/spot_check.py). Two peers sending
+left to loss scoring and spot-checks (node/trust/scoring.py, node/trust/spot_check.py). Two peers sending
 the same contribution in one round are not flagged: which one copied cannot be told.
 """
 

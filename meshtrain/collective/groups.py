@@ -52,7 +52,7 @@ A peer that dies inside a group is the collective's ordinary failure (survivors 
 Not here: running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
 what a group's mean means for an outer optimizer (optim/outer.py, "Grouped rounds": replicas in
 different groups hold different φ, so it adds a consensus term toward the group's mean φ, and the
-node's parity check is off while rounds are grouped, node/parity.py).
+node's parity check is off while rounds are grouped, node/state/parity.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Problem. A member joins a round at the lowest candidate of its view and waits for the reply that
 fixes the group. Membership moves meanwhile: the coordinator may be excluded by strikes
-(node/strikes.py), or leave the swarm, while it stays connected and keeps our join open. The
+(node/trust/strikes.py), or leave the swarm, while it stays connected and keeps our join open. The
 others, who no longer count it, form the round at the next lowest candidate, and wait there for
 us; we wait at a coordinator they will never join. Nothing ends that but the join deadline. A test
 of real daemons saw 25 s of it: the swarm's lowest id was a liar that screening struck out in the

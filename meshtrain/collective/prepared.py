@@ -4,7 +4,7 @@ Problem. A round's first step is the join: one RPC round trip to the coordinator
 until every expected peer has joined. The join needs nothing from the round's data (its key, our
 uplink, our stripe taper), yet it sits on the critical path. Over a 20 ms one-way WAN link it is
 a third of a small Streaming DiLoCo fragment round (join, data, report), and it is the part that
-training could not hide at τ = 9 inner steps of 13 ms (scripts/bench_wan.py,
+training could not hide at τ = 9 inner steps of 13 ms (scripts/bench/bench_wan.py,
 `streaming_overlap_ratio`).
 
 Design. The outer optimizer knows when its next exchange is due. A little ahead of it (about a

@@ -13,14 +13,14 @@ its reporter truthfully. A strike is the evidence of one flag:
      "digest": the round's committed result digest, "part": the reporter's index in the group,
      "norm": norm / median norm, "align": cosine with the robust aggregate / the median cosine}
 
-A *loss* strike (issue 21, 4b: node/scoring.py) has the same keys plus
+A *loss* strike (issue 21, 4b: node/trust/scoring.py) has the same keys plus
 
     "rule": "loss", "gain": the flagged contribution's relative loss drop on its sender's own
      assigned batches, "ref": the round aggregate's drop on them (both over the loss at φ; how
      many batches is the spec's `score_batches`, not recorded: the re-check does not need it)
 
 and its "norm" / "align" are the contribution's norm over the aggregate's and its cosine with it.
-A *spot* strike (issue 21, 4c: node/spot_check.py) has the keys of a screening strike plus
+A *spot* strike (issue 21, 4c: node/trust/spot_check.py) has the keys of a screening strike plus
 
     "rule": "spot", "match": the flagged contribution's cosine with the reporter's recomputation
      of its sender's first inner steps, "ref": the round aggregate's cosine with that recomputation
@@ -44,7 +44,7 @@ rejected everywhere): at most `MAX_STRIKES` strikes (the reporter's latest), a g
 same), the part the reporter's own, finite scores, one strike per (round, peer) (a loss, spot
 or screening strike of one round count as one: the peer was flagged there).
 
-Not here: whether a strike counts and when a peer is excluded (node/strikes.py: the reporter
+Not here: whether a strike counts and when a peer is excluded (node/trust/strikes.py: the reporter
 admitted, the scores past the spec's thresholds, the round as we saw it, half the round's others,
 `spec.strikes` rounds), and how flags are found (collective/data_phase.py).
 """
@@ -94,9 +94,9 @@ class Strike:
     whose sorted `group` committed `digest`: `peer`'s norm over the median (`norm_ratio`) and its
     `alignment` (collective/contract.py `ContributionFlag`). A loss strike (`rule` LOSS) also
     carries `gain` and `ref`: the contribution's and the aggregate's relative loss drop on the
-    flagged peer's assigned batches (node/scoring.py), and its norm and alignment are against the
+    flagged peer's assigned batches (node/trust/scoring.py), and its norm and alignment are against the
     aggregate. A spot strike (`rule` SPOT) carries `match` and `ref`: the contribution's and the
-    aggregate's cosine with the reporter's recomputation of the peer's update (node/spot_check.py),
+    aggregate's cosine with the reporter's recomputation of the peer's update (node/trust/spot_check.py),
     its norm and alignment against the aggregate. An echo strike (`rule` ECHO) carries `echo`,
     the contribution's cosine with the reporter's part of an `earlier` round (a replay,
     collective/echoes.py), its norm and alignment against the aggregate."""

@@ -17,11 +17,11 @@ merges them: config and membership first, as a `keep` gate reads them — swarm_
 - **progress** — per-peer record {step, samples, outer_round, and `phi`: the digests of the
   outer parameters φ after the peer's last few rounds, `[[round, digest], ...]`} (same per-owner
   register; `PeerProgress`). Every peer of a DiLoCo-family swarm must hold the same φ after the
-  same round; the digests let each peer check that continuously (`node/parity.py`).
+  same round; the digests let each peer check that continuously (`node/state/parity.py`).
 - **metrics** — per-peer record of a few latest numbers (loss, throughput, ...; `PeerMetrics`).
 - **strikes** — per-reporter record (same per-owner register, signed by its reporter) of the
   contributions it flagged as an all-reduce part's owner, with the evidence (crdt/strikes.py has
-  the format and rules; which strikes count is node policy, node/strikes.py).
+  the format and rules; which strikes count is node policy, node/trust/strikes.py).
 - **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
   rejected on every peer (`CrdtSpec.writers`).
 

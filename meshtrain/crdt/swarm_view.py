@@ -13,7 +13,7 @@ answers every question about everyone's. A clean `leave()` writes our membership
 instead of when its lease runs out.
 
 Admission. A swarm may refuse peers (a public swarm asks for a proof of work, or the owner's
-allowlist, node/admission.py): the view takes the rule as a filter (`admit`) and answers every
+allowlist, node/trust/admission.py): the view takes the rule as a filter (`admit`) and answers every
 question about peers — who is live, their progress and metrics — from admitted records only. A
 config change wakes `wait_live`, as it may admit a peer.
 
@@ -64,7 +64,7 @@ written once the gap has passed. The gap bounds every progress write, the heartb
 unbounded, a swarm of N peers with rounds of T seconds sends each peer N/T records a second,
 growing with N; bounded, each peer writes about one progress record per interval in a large
 swarm, and what every peer receives follows the heartbeat rate (log N). The price is freshness
-in large swarms with fast rounds: a peer's round and φ digests (node/parity.py) lag up to a gap
+in large swarms with fast rounds: a peer's round and φ digests (node/state/parity.py) lag up to a gap
 there, where rounds are grouped and parity is not judged anyway.
 
 Wire: none of its own — the records of swarm_records.py, sent and merged by the replica.
@@ -204,7 +204,7 @@ class SwarmView(Service):
     - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
     - `recover_timeout`: how long entering the view waits to pull the swarm's state (and our own
       earlier records, after a restart) before the first heartbeat.
-    - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/admission.py); a peer it
+    - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/trust/admission.py); a peer it
       refuses is left out of every answer — `peers`, `live_peers`, `wait_live`, `progress`,
       `metrics` — and listed by `ignored_peers`. None admits everyone. May be set later.
     - `keep`: whose records this peer stores at all, `(peer id, capabilities) -> bool` (module
@@ -556,7 +556,7 @@ class SwarmView(Service):
 
     def report_strikes(self, strikes: Iterable[Strike], *, per_peer: int = MAX_STRIKES) -> None:
         """Add strikes we raised (as a part's owner) to our signed record, written at once. The
-        record keeps each peer's latest `per_peer` strikes (node/strikes.py passes a strikes
+        record keeps each peer's latest `per_peer` strikes (node/trust/strikes.py passes a strikes
         window's worth: older ones count toward no exclusion), and the latest `MAX_STRIKES` in all."""
         self._per_peer = max(1, per_peer)
         for strike in strikes:
@@ -586,7 +586,7 @@ class SwarmView(Service):
         self._strikes_dirty = False
 
     def strike_records(self) -> list[StrikeRecord]:
-        """Every reporter's record, as replicated (unverified: node/strikes.py decides what counts)."""
+        """Every reporter's record, as replicated (unverified: node/trust/strikes.py decides what counts)."""
         return [record_of(e) for e in self.replica.crdt(STRIKES).entries()]
 
     # --- config ---------------------------------------------------------------------------------
@@ -624,7 +624,7 @@ class SwarmView(Service):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _on_change(self, event: ChangeEvent) -> None:
-        if event.crdt in (MEMBERSHIP, CONFIG):  # the config may admit a peer (node/admission.py)
+        if event.crdt in (MEMBERSHIP, CONFIG):  # the config may admit a peer (node/trust/admission.py)
             changed, self._members_changed = self._members_changed, trio.Event()
             changed.set()
         # An entry of ours from a previous incarnation beat what we wrote since restarting (or

@@ -50,6 +50,7 @@ import numpy as np
 
 from meshtrain.data.documents import document_batches
 from meshtrain.data.files import DatasetFiles
+from meshtrain.durable import fsync_dir, fsync_file
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 
@@ -124,11 +125,11 @@ def build_token_cache(
             meta = _tokenise(files, tokenizer, tmp, key=key, field=field, split=split, hf_cache=root / "hf")
             (tmp / META).write_text(json.dumps(meta, indent=1))
             for f in tmp.iterdir():
-                _fsync(f, os.O_RDONLY)
-            _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+                fsync_file(f)
+            fsync_dir(tmp)
             shutil.rmtree(final, ignore_errors=True)  # an incomplete one (no meta)
             os.rename(tmp, final)
-            _fsync(root, os.O_RDONLY | os.O_DIRECTORY)
+            fsync_dir(root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -239,11 +240,3 @@ def encode_documents(tokenizer: TextTokenizer, docs: list[str], fmt: str) -> Ite
                 f"the tokenizer produced id {int(arr.max())} outside its vocabulary of {tokenizer.vocab_size}"
             )
         yield np.concatenate([arr, tail]) if len(tail) else arr
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -18,7 +18,7 @@ The DHT record is signed by the advertiser (`records.py`), so nobody else can ch
 the spec inside is signed by the swarm's owner, and the swarm id is a digest of the spec and the
 owner, so nobody can advertise a swarm under another's id or give it another name, model or
 rule. What an advertiser can lie about is its own numbers (peers, step) and its own addresses:
-the reader checks the spec and the advertiser's admission (node/swarm_list.py) and prefers the
+the reader checks the spec and the advertiser's admission (node/spec/listing.py) and prefers the
 owner's numbers. This module checks only the advert's shape and that every address names the
 advertiser; `read_adverts` drops (and logs) anything else, never raises for it.
 

@@ -25,7 +25,7 @@ bit-identical weights without talking — given the same torch version, whose CP
 defines the bits.
 
 Devices and precision: the model runs wherever it is moved (`model.to(device)`), and under
-`torch.autocast` in bf16 or fp16 (node/devices.py): every op it uses has an autocast rule
+`torch.autocast` in bf16 or fp16 (node/ranks/devices.py): every op it uses has an autocast rule
 (linear and attention run in the low precision; layer norm, softmax and the loss in fp32).
 Parameters stay fp32 — the trainer's master weights. Input checks that need a value from the
 tensor (token ids in range) run only on CPU inputs: on a GPU they would cost a host-device sync

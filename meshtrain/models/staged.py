@@ -1,6 +1,6 @@
 """Models a pipeline can cut: the built-in GPT and the transformers causal LMs of `HF_FAMILIES`.
 
-Why: a SkipPipe swarm (pipeline/stages.py, node/pipeline_peer.py) cuts its model into stage 0 —
+Why: a SkipPipe swarm (pipeline/stages.py, node/stages/peer.py) cuts its model into stage 0 —
 the token embedding at the start of a microbatch's path and the final norm, LM head and loss at
 its end (the origin, which holds the data) — and stages 1..S-1, contiguous runs of decoder
 blocks. Only hidden states [batch, time, d_model] cross the wire, so a block stage must compute
@@ -55,7 +55,7 @@ Needs transformers >= 4.53 (`MIN_TRANSFORMERS`: its `masking_utils`); an older o
 when the stage is built. Tested against transformers 5.x.
 
 Parameter names are the whole model's (`inner.model.layers.3.mlp.up_proj.weight`), so a stage's
-state, its checkpoints and the assembled export (node/pipeline_export.py, written with the HF
+state, its checkpoints and the assembled export (node/stages/export.py, written with the HF
 model's own `save_pretrained`) use them unchanged.
 
 `pipeline_layers(value)`, at `swarm create`: from the spec's model value and its config file

@@ -11,7 +11,7 @@
                            [--pipeline [--stages 3]]        ... or a 6-node SkipPipe pipeline swarm
     meshtrain export       --out DIR [--data-dir D]         φ of the latest checkpoint as a standalone model
                                                             (a pipeline peer: the whole model, every stage
-                                                            fetched by its running node; node/pipeline_export.py)
+                                                            fetched by its running node; node/stages/export.py)
     meshtrain sample       --prompt TEXT [--data-dir D]     what φ continues the prompt with (a pipeline
                                                             peer: the whole model, as export assembles it)
 
@@ -21,9 +21,9 @@ runtime failures: 1).
 
 `node status` and `node stop` must answer in well under a second on a machine whose cores are
 busy training, so their path imports only the standard library and the small `meshtrain.errors`,
-`meshtrain.log` and `meshtrain.node.status` modules: everything else (the config model, torch,
+`meshtrain.log` and `meshtrain.node.status.client` modules: everything else (the config model, torch,
 libp2p, trio) is imported inside the command that needs it (`tests/test_node_cli.py` checks).
-A foreground `node start` shows what the node does (`meshtrain.node.console`) unless `--quiet`.
+A foreground `node start` shows what the node does (`meshtrain.node.status.console`) unless `--quiet`.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
-    from meshtrain.node.swarm_spec import SwarmSpec
+    from meshtrain.node.spec.swarm import SwarmSpec
 
     for name, info in SwarmSpec.model_fields.items():
         if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
@@ -295,9 +295,9 @@ def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | None) -> int:
     import trio
 
-    from meshtrain.node.config import load_node_config
     from meshtrain.node.daemon import Node
-    from meshtrain.node.signed_spec import SignedSpec
+    from meshtrain.node.spec.config import load_node_config
+    from meshtrain.node.spec.signed import SignedSpec
 
     config = load_node_config(args.config, overrides=_node_overrides(args))
     if args.log_level is None:
@@ -318,7 +318,7 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
     async def run() -> Any:
         if args.quiet:
             return await node.run()
-        from meshtrain.node.console import LiveStatus
+        from meshtrain.node.status.console import LiveStatus
 
         try:
             async with LiveStatus(node.snapshot):
@@ -358,7 +358,7 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
 
 def data_dir_of(args: argparse.Namespace) -> Path:
     """The data dir `node status/stop` look in: --data-dir, else $MESHTRAIN_DATA_DIR, else the
-    default. The same precedence as `NodeConfig` (config.py), whose pydantic model — and the
+    default. The same precedence as `NodeConfig` (node/spec/config.py), whose pydantic model — and the
     optimizer package its validators import — would cost seconds to load on a busy machine."""
     if args.data_dir:
         return Path(args.data_dir).expanduser()
@@ -370,7 +370,7 @@ def data_dir_of(args: argparse.Namespace) -> Path:
 
 def _running_node(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The status URL of the node to talk to and what its daemon.json says ({} with --url)."""
-    from meshtrain.node.status import read_daemon_file
+    from meshtrain.node.status.client import read_daemon_file
 
     if args.url:
         return args.url.rstrip("/"), {}
@@ -394,7 +394,7 @@ def _control_token(info: dict[str, Any], command: str) -> str:
 def _node_status(args: argparse.Namespace) -> int:
     import time
 
-    from meshtrain.node.status import fetch_status
+    from meshtrain.node.status.client import fetch_status
 
     url, _ = _running_node(args)
     st = fetch_status(url, timeout=5)
@@ -446,7 +446,7 @@ def _node_status(args: argparse.Namespace) -> int:
 
 
 def _node_stop(args: argparse.Namespace) -> int:
-    from meshtrain.node.status import request_stop, wait_for_exit
+    from meshtrain.node.status.client import request_stop, wait_for_exit
 
     url, info = _running_node(args)
     request_stop(url, _control_token(info, "node stop"), timeout=5)
@@ -464,9 +464,9 @@ def _node_stop(args: argparse.Namespace) -> int:
 
 
 def _swarm_create(args: argparse.Namespace) -> int:
-    from meshtrain.node.config import load_node_config
-    from meshtrain.node.signed_spec import SignedSpec
-    from meshtrain.node.swarm_spec import parse_spec
+    from meshtrain.node.spec.config import load_node_config
+    from meshtrain.node.spec.signed import SignedSpec
+    from meshtrain.node.spec.swarm import parse_spec
     from meshtrain.transport.identity import Identity
 
     config = load_node_config(None, overrides={"data_dir": args.data_dir})
@@ -519,7 +519,7 @@ def _write_swarm_key(data_dir: Path) -> Path:
     """A new random swarm key (libp2p pnet PSK, 32 bytes as hex) in `data_dir/swarm.key`, 0600."""
     import secrets
 
-    from meshtrain.node.checkpoint import write_atomic
+    from meshtrain.durable import write_atomic
 
     path = data_dir / SWARM_KEY_FILE
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -531,8 +531,8 @@ def _write_swarm_key(data_dir: Path) -> Path:
 def _swarm_list(args: argparse.Namespace) -> int:
     import trio
 
-    from meshtrain.node.config import load_node_config
-    from meshtrain.node.swarm_list import find_swarms, format_table
+    from meshtrain.node.spec.config import load_node_config
+    from meshtrain.node.spec.listing import find_swarms, format_table
 
     config = load_node_config(args.config, overrides={"bootstrap": args.bootstrap})
     listed = trio.run(find_swarms, config.bootstrap)
@@ -559,7 +559,7 @@ def _swarm_list(args: argparse.Namespace) -> int:
 
 
 def _swarm_allow(args: argparse.Namespace) -> int:
-    from meshtrain.node.status import request_allow
+    from meshtrain.node.status.client import request_allow
 
     url, info = _running_node(args)
     request_allow(url, _control_token(info, "swarm allow"), args.peer, revoke=args.revoke)
@@ -575,14 +575,14 @@ def _export_or_sample(args: argparse.Namespace) -> int:
     pipeline = load_spec(data_dir_of(args)).spec.pipeline != "none"
     if args.command == "export":
         if pipeline:
-            from meshtrain.node.pipeline_export import export_pipeline
+            from meshtrain.node.stages.export import export_pipeline
 
             print(json.dumps(export_pipeline(data_dir_of(args), args.out, progress=_ExportProgress())))
         else:
             print(json.dumps(export_model(data_dir_of(args), args.out)))
         return 0
     if pipeline:
-        from meshtrain.node.pipeline_export import load_assembled
+        from meshtrain.node.stages.export import load_assembled
 
         trained = load_assembled(data_dir_of(args), progress=_ExportProgress())
     else:
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(err: MeshtrainError) -> int:
     """1 for an error; 130, as for any interrupt, for a node stopped before it trained."""
-    from meshtrain.node.run_state import StoppedWhileStarting
+    from meshtrain.node.state.run_state import StoppedWhileStarting
 
     return 130 if isinstance(err, StoppedWhileStarting) else 1
 

@@ -9,17 +9,17 @@
           ─► remove daemon.json; exit 0
 
 Where each concern lives: who is in the swarm and staying connected — `node/presence.py`; which
-state we train on (resume, download, parity, donor publishing, checkpoints) — `node/run_state.py`;
+state we train on (resume, download, parity, donor publishing, checkpoints) — `node/state/run_state.py`;
 the training loop — `node/trainer.py`; entering, stopping and finishing the run —
-`node/training_run.py`; the status document — `node/status.py`, its server —
-`node/status_server.py`. This module resolves the spec, builds and wires the services, hands
+`node/training_run.py`; the status document — `node/status/client.py`, its server —
+`node/status/server.py`. This module resolves the spec, builds and wires the services, hands
 them to the training run, watches signals and writes daemon.json and the control token.
 
 Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
 control.token (0600: the bearer token `node stop` must present), history.json (loss history),
-strikes.bin (the swarm's signed strikes, node/strikes.py), admission.json (our proof of work),
-peers.json (the swarm's trainers we saw, to find them again after a restart: node/address_book.py).
+strikes.bin (the swarm's signed strikes, node/trust/strikes.py), admission.json (our proof of work),
+peers.json (the swarm's trainers we saw, to find them again after a restart: node/state/address_book.py).
 
 Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the
@@ -34,7 +34,7 @@ Chaos-proofing (issue 14):
 - **Who may take part.** Only members get data-plane sessions (`TensorStreams.authorize`); only
   a round's candidates may join, report or watch it, and only near our own step (the
   collective's `round_window`). Refusals are counted and shown on `/metrics`. Members are the
-  peers the spec's admission rule admits (issue 21, node/admission.py: a proof of work, the
+  peers the spec's admission rule admits (issue 21, node/trust/admission.py: a proof of work, the
   owner's allowlist — `allow_peer`, reached through `POST /allow` — or the swarm key); a node
   the others do not admit yet waits before it enters the swarm (node/training_run.py).
 - **Parity.** After every round we hash φ and publish the digest with our progress; a watcher
@@ -68,29 +68,29 @@ from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
 from meshtrain.dht.records import DhtError
+from meshtrain.durable import write_atomic
 from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
-from meshtrain.node import adversary
-from meshtrain.node.admission import allow_key, load_or_mint_pow
-from meshtrain.node.checkpoint import write_atomic
-from meshtrain.node.config import NodeConfig
-from meshtrain.node.devices import resolve_device
-from meshtrain.node.outer_spec import check_copy as check_outer_copy
-from meshtrain.node.parity import ParityMonitor
-from meshtrain.node.pipeline_export import PipelineExporter
-from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.run_state import NodeError, Phase, RunState, StopRequest
-from meshtrain.node.scoring import LossScorer
-from meshtrain.node.signed_spec import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
-from meshtrain.node.spot_check import SpotChecker
-from meshtrain.node.status import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
-from meshtrain.node.status_document import round_status, status_document
-from meshtrain.node.status_server import StatusServer
+from meshtrain.node.ranks.devices import resolve_device
+from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.outer import check_copy as check_outer_copy
+from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
+from meshtrain.node.stages.export import PipelineExporter
+from meshtrain.node.stages.peer import PipelinePeer
+from meshtrain.node.state.parity import ParityMonitor
+from meshtrain.node.state.run_state import NodeError, Phase, RunState, StopRequest
+from meshtrain.node.status.client import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
+from meshtrain.node.status.document import round_status, status_document
+from meshtrain.node.status.server import StatusServer
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.node.training_run import NodeResult, TrainingRun, run_pipeline_peer
-from meshtrain.node.verification import Verification
+from meshtrain.node.trust import adversary
+from meshtrain.node.trust.admission import allow_key, load_or_mint_pow
+from meshtrain.node.trust.scoring import LossScorer
+from meshtrain.node.trust.spot_check import SpotChecker
+from meshtrain.node.trust.verification import Verification
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
@@ -99,7 +99,7 @@ from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcUnavailabl
 from meshtrain.transport.tensor_streams import TensorStreams
 
 if TYPE_CHECKING:
-    from meshtrain.node.rank_group import LocalRanks
+    from meshtrain.node.ranks.group import LocalRanks
 
 log = get_logger(__name__)
 
@@ -154,7 +154,7 @@ class Node:
         self._model = model
         self._outer_factory = outer_factory
         self._stop = StopRequest()
-        self.adversary = adversary.mode_from_env()  # a test hook (node/adversary.py); None: honest
+        self.adversary = adversary.mode_from_env()  # a test hook (node/trust/adversary.py); None: honest
         self._token: trio.lowlevel.TrioToken | None = None
         self.phase = Phase()
         self.stop_signal: str | None = None  # the signal that stopped us, if one did
@@ -166,8 +166,8 @@ class Node:
         self.presence: PeerPresence | None = None
         self.collective: SwarmCollective | None = None
         self.trainer: TrainedState | None = None
-        self.scorer: LossScorer | None = None  # loss scoring of sampled contributions (node/scoring.py)
-        self.spot_checker: SpotChecker | None = None  # replay spot-checks of them (node/spot_check.py)
+        self.scorer: LossScorer | None = None  # loss scoring of sampled contributions (node/trust/scoring.py)
+        self.spot_checker: SpotChecker | None = None  # replay spot-checks of them (node/trust/spot_check.py)
         self.run_state: RunState | None = None
         self.pipeline: PipelinePeer | None = None  # a pipeline swarm's run path (instead of trainer, run_state)
         self.pipeline_exporter: PipelineExporter | None = None  # `meshtrain export` in a pipeline swarm
@@ -215,7 +215,7 @@ class Node:
 
     def start_export(self, out: str) -> dict[str, Any]:
         """A pipeline swarm's peer: begin assembling the whole model from every stage into `out`
-        (node/pipeline_export.py); its initial progress. On the trio thread (`meshtrain export`
+        (node/stages/export.py); its initial progress. On the trio thread (`meshtrain export`
         reaches it through the status endpoint). `NodeError` for a node of another swarm."""
         if self.pipeline_exporter is None:
             raise NodeError(
@@ -339,7 +339,7 @@ class Node:
                 ours = local.collective(collective) if local else collective
                 trainer = self.trainer = Trainer(
                     signed.spec,
-                    ours if self.adversary is None else adversary.AdversarialCollective(ours, self.adversary),
+                    adversary.wrap(self.adversary, ours),
                     host.peer_id,
                     model=self._model,
                     outer_factory=self._outer_factory,
@@ -347,11 +347,7 @@ class Node:
                     device=None if local else resolve_device(config.device),
                     data_dir=self.data_dir,
                 )
-                if self.adversary == "otherdata":
-                    trainer.batch = adversary.other_data(trainer.batch)  # type: ignore[method-assign]
-                if self.adversary == "replay-phi":
-                    assert presence.view is not None  # entered
-                    adversary.publish_other_phi(presence.view)
+                adversary.arm(self.adversary, trainer, presence.view)
                 if presence.strikes is not None and collective.config.score_samples and local is None:
                     # Loss scoring and spot-checks: after the strike book, which logs the round.
                     checks = Verification(trainer, presence.strikes, collective.screening_listeners)
@@ -372,7 +368,7 @@ class Node:
                 stop=self._stop,
                 on_waiting=self._say_waiting,
             )
-            # Grouped rounds: replicas in different groups hold different φ by design (node/parity.py).
+            # Grouped rounds: replicas in different groups hold different φ by design (node/state/parity.py).
             run_state.parity.paused_by = lambda: "rounds run in groups (group_size)" if collective.grouped else ""
             await self._announce_reachability(stack, presence)
             await self._start_status(stack)
@@ -401,7 +397,7 @@ class Node:
     async def _run_pipeline(
         self, stack: AsyncExitStack, host: Host, signed: SignedSpec, presence: PeerPresence, streams: TensorStreams
     ) -> NodeResult:
-        """A pipeline swarm (node/pipeline_peer.py): no swarm-wide collective, `Trainer` or
+        """A pipeline swarm (node/stages/peer.py): no swarm-wide collective, `Trainer` or
         `RunState`: the peer holds one stage, runs it in epochs and checkpoints it."""
         if self._user_loop or self._model is not None or self._outer_factory is not None or self.local is not None:
             raise ConfigError(
@@ -521,7 +517,7 @@ class Node:
 
     async def _find_swarm(self, target: JoinTarget) -> JoinTarget:
         """Look a swarm id or name up in the DHT's swarm index (through `config.bootstrap`)."""
-        from meshtrain.node.swarm_list import find_swarms, pick_swarm
+        from meshtrain.node.spec.listing import find_swarms, pick_swarm
 
         self.startup_waiting = f"looking up swarm {target.wanted!r} in the DHT's swarm index"
         try:
@@ -656,10 +652,10 @@ class Node:
         """What start-up waits for now (None: nothing); `startup_waiting` on `/status`."""
         self.startup_waiting = what
 
-    # -- status (the document: node/status_document.py) -------------------------------------------
+    # -- status (the document: node/status/document.py) -------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The status document (schema in `meshtrain.node.status`); on the trio thread."""
+        """The status document (schema in `meshtrain.node.status.client`); on the trio thread."""
         return status_document(self)
 
     def round_status(self) -> dict[str, Any]:

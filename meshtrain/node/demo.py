@@ -1,7 +1,7 @@
 """`meshtrain demo`: a real local swarm — N node processes on loopback — training the small GPT on
 the built-in corpus, with a live table, a loss plot and a summary.
 
-`--pipeline`: a pipeline swarm instead (6 nodes, 3 stages, SkipPipe; node/pipeline_peer.py): the
+`--pipeline`: a pipeline swarm instead (6 nodes, 3 stages, SkipPipe; node/stages/peer.py): the
 table shows each node's stage and the stage map, the plot the training loss per iteration.
 
 Nothing is simulated: the demo does what a user would do by hand. It writes a swarm spec
@@ -98,7 +98,7 @@ class _Swarm:
         raise MeshtrainError(f"node{i} did not start within {STARTUP_TIMEOUT:.0f} s; see {self.logs[i]}")
 
     def statuses(self) -> list[dict | None]:
-        from meshtrain.node.status import fetch_status
+        from meshtrain.node.status.client import fetch_status
 
         out: list[dict | None] = []
         for url, p in zip(self.urls, self.procs, strict=False):
@@ -327,7 +327,7 @@ def _summarise(
     interrupted: bool,
     swarm_id: str,
 ) -> int:
-    from meshtrain.node.plot import plot_curves
+    from meshtrain.node.status.plot import plot_curves
 
     # A pipeline swarm has no peer with the whole model to evaluate: its curve is the training
     # loss of each iteration (the same number on every node of the swarm).

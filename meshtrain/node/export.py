@@ -24,10 +24,10 @@ complete, so a crash leaves no half export):
 Every export also holds `meshtrain_export.json`: swarm id, step, round, model, tokenizer, their
 digests and the context; and a chars or bytes tokenizer as `meshtrain_tokenizer.json`.
 `write_export(trained, out, extra)` is that writer for any `Trained` (a pipeline swarm's assembled
-model, node/pipeline_export.py, adds where each stage came from as `extra`).
+model, node/stages/export.py, adds where each stage came from as `extra`).
 
 Pipeline swarms. A pipeline peer's checkpoints hold its own stage only, so `load_trained` refuses
-its data dir and says so; node/pipeline_export.py assembles the whole model from every stage
+its data dir and says so; node/stages/export.py assembles the whole model from every stage
 (through the running node) and writes it with `write_export`.
 
 Sample (`sample`): greedy decoding by default, top-k sampling with a seeded generator with
@@ -69,8 +69,8 @@ from meshtrain.models.tokenizers import (
     Tokenizer,
     load_tokenizer,
 )
-from meshtrain.node.checkpoint import CheckpointStore
-from meshtrain.node.signed_spec import SignedSpec
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.trainer import build_model, load_data
 
 SPEC_FILE = "swarm.json"  # as the daemon writes it
@@ -123,7 +123,7 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
     if spec.pipeline != "none":
         raise ConfigError(
             f"{root} is a peer of a pipeline swarm: its checkpoints hold one stage; "
-            "`meshtrain export` assembles the whole model (node/pipeline_export.py)"
+            "`meshtrain export` assembles the whole model (node/stages/export.py)"
         )
     ckpt_dir = root / "checkpoints"
     ckpt = CheckpointStore(ckpt_dir, readonly=True).load_latest() if ckpt_dir.is_dir() else None

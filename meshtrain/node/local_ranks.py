@@ -11,7 +11,7 @@ Design: a *gateway-reduced peer*.
   meshtrain does no process management of its own.
 - Inner data parallelism is DistributedDataParallel over the default process group: NCCL on
   GPUs, gloo on CPUs — or, for a model that does not fit one device, FSDP2 `fully_shard`
-  (node config `sharding`, `--sharding ddp|fsdp|auto`; node/sharding.py tells that variant). The spec's `batch_size` is what the peer trains per step; rank r trains rows
+  (node config `sharding`, `--sharding ddp|fsdp|auto`; node/ranks/sharding.py tells that variant). The spec's `batch_size` is what the peer trains per step; rank r trains rows
   [r·b/N, (r+1)·b/N) of it (b must divide by N), so an N-rank peer trains exactly the samples a
   single-rank peer would, and the swarm's progress (`samples = step × batch_size`) counts the
   samples of all N ranks as this peer's.
@@ -55,7 +55,7 @@ Failures.
 - Process-group timeouts are long (`LOCAL_GROUP_TIMEOUT`: rank 0 may be downloading the swarm's
   state while the others wait); a dead rank is found by its closed connections, not by a timeout.
 
-The FSDP variant (node/sharding.py) keeps this design with one change: the ranks hold shards of
+The FSDP variant (node/ranks/sharding.py) keeps this design with one change: the ranks hold shards of
 one θ rather than N replicas, so the in-machine reduce of Δ becomes a gather of θ to rank 0,
 which alone holds φ and the outer optimizer (over a host replica of the model) and runs the
 round; the broadcast of the outcome becomes a scatter of the new θ's shards. The other ranks keep
@@ -82,10 +82,10 @@ import trio
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import configure, get_logger, kv
-from meshtrain.node.config import NodeConfig
-from meshtrain.node.devices import resolve_device
-from meshtrain.node.rank_group import DONE_EXIT, LocalRankError, LocalRanks
-from meshtrain.node.swarm_spec import parse_spec
+from meshtrain.node.ranks.devices import resolve_device
+from meshtrain.node.ranks.group import DONE_EXIT, LocalRankError, LocalRanks
+from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.swarm import parse_spec
 
 log = get_logger(__name__)
 
@@ -174,7 +174,7 @@ def run_local_rank(
 
 def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join: str | None) -> dict[str, Any]:
     from meshtrain.node.daemon import Node
-    from meshtrain.node.signed_spec import SignedSpec
+    from meshtrain.node.spec.signed import SignedSpec
 
     node = None
     try:

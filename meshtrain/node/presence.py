@@ -12,14 +12,14 @@ configured peers and the join address), LAN discovery (a LAN peer of this swarm 
 it is heard), DHT discovery (our own record under the swarm's key), and the swarm view (the CRDT
 replica; the owner publishes the signed spec in its config).
 
-Admission (node/admission.py). The view answers from admitted peers only: `PeerPresence` hands
+Admission (node/trust/admission.py). The view answers from admitted peers only: `PeerPresence` hands
 it the spec's rule (`Admission.admits`), so every question below — trainers, candidates, donors,
 `is_member` — ignores a peer that fails it, on every honest peer alike. The rule without strikes
 (`keep`) also decides whose records the replica stores at all: a stranger's membership record
 without a valid proof (or allow), and progress, metrics or strikes records of a peer that is not
 an admitted member, are refused, not stored or spread (crdt/swarm_view.py; counted in the status
 document's `refused`). The swarm's verified
-strikes (node/strikes.py, a `StrikeBook` kept in `data_dir`) are part of the rule: a peer struck
+strikes (node/trust/strikes.py, a `StrikeBook` kept in `data_dir`) are part of the rule: a peer struck
 out is excluded from all of them; `standing()` shows who has strikes. Our own record always
 counts for us; `not_admitted()` says whether the others count it (a node that is not admitted
 waits, `Node`). In an open swarm our record carries our proof of work (capability "pow").
@@ -46,7 +46,7 @@ connection (DCUtR). Then it answers, from the view and the host:
                                on its way: the data plane's and the state donor's admission rule
     relay_candidates()         whom a private node reserves a relay slot on
 
-Finding the swarm again (node/address_book.py). The re-dial loop also notes the view's live
+Finding the swarm again (node/state/address_book.py). The re-dial loop also notes the view's live
 trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
 list, and they are re-dialled with backoff until this life first reaches another trainer
 (`REJOIN_DIALS` failed dials in a row and a trainer is taken for gone). Until then,
@@ -60,7 +60,7 @@ node runs alone until peers dial it. A DHT lookup or a dial failing is logged at
 again next interval.
 
 Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`), the
-admission rules themselves (`node/admission.py`), reading the swarm index (`node/swarm_list.py`).
+admission rules themselves (`node/trust/admission.py`), reading the swarm index (`node/spec/listing.py`).
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ from meshtrain.dht.swarm_index import DEFAULT_ADVERT_TTL, publish_advert
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.node.address_book import AddressBook
-from meshtrain.node.admission import POW_CAP, Admission, mint_pow
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.strikes import Standing, StrikeBook
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.state.address_book import AddressBook
+from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
+from meshtrain.node.trust.strikes import Standing, StrikeBook
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
 
@@ -141,7 +141,7 @@ class PeerPresence(Service):
         self.dht: Dht | None = None
         self.data_dir = data_dir
         self.strikes: StrikeBook | None = None  # set once entered
-        self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/address_book.py
+        self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/state/address_book.py
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
         # Address-book peers dialled before we met the swarm: when to dial each next, and its
         # backoff (whose `attempts` are its dials failed in a row).
@@ -186,7 +186,7 @@ class PeerPresence(Service):
         # Before the view recovers the swarm's state: the gate reads the owner's run-time allows.
         self.admission.view = view
         self.view = await stack.enter_async_context(view)
-        # The swarm's verdicts (node/strikes.py): kept strikes first, then they refuse like the rule.
+        # The swarm's verdicts (node/trust/strikes.py): kept strikes first, then they refuse like the rule.
         strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.admits_reporter, data_dir=self.data_dir)
         strikes.load()
         self.admission.strikes = strikes
@@ -215,7 +215,7 @@ class PeerPresence(Service):
         return self.admission.reason(self.me, self.capabilities)
 
     def standing(self) -> dict[str, Standing]:
-        """Peers with verified strikes against them: rounds counted, excluded or not (node/strikes.py)."""
+        """Peers with verified strikes against them: rounds counted, excluded or not (node/trust/strikes.py)."""
         return self.strikes.standing() if self.strikes is not None else {}
 
     def ignored(self) -> list[str]:
@@ -310,7 +310,7 @@ class PeerPresence(Service):
                     log.info(kv("swarm advert not stored", error=str(e)))
             await trio.sleep(ADVERT_INTERVAL)
 
-    # -- finding the swarm again (node/address_book.py) ----------------------------------------
+    # -- finding the swarm again (node/state/address_book.py) ----------------------------------------
 
     def known_trainers(self) -> list[str]:
         """Trainers of our address book seen live within `REJOIN_HORIZON_S` whose dials have not

@@ -19,7 +19,7 @@ in through the Python API (its `forward(x, y)` returns the loss, or an object wi
 spec's `tokenizer` (chars, bytes, hf:<dir>; models/tokenizers.py) tokenises the corpus. The
 sequence length is the spec's `context` or the model's own (`resolve_context`), never capped.
 
-Devices and precision (node/devices.py). The model θ, the batches and the inner optimizer live
+Devices and precision (node/ranks/devices.py). The model θ, the batches and the inner optimizer live
 on `device`; the outer optimizer keeps φ and its own state fp32 on the host (optim/outer.py).
 The spec's `precision` wraps the forward pass in autocast ("bf16", "fp16"; fp16 also scales the
 loss through a `GradScaler` the outer optimizer steps as "the inner optimizer", `ScaledInner`).
@@ -30,7 +30,7 @@ step — plus a step counter: `outer.step()` returns at once when no round is du
 runs every `REPORT_EVERY` steps, when a round completed, or at the last step: reading the loss
 (`float(loss)` is a host-device sync on a GPU), the throughput window, the history, and
 `after_step` (the node's progress report, donor publishing and checkpoint scheduling, each a hop
-onto the trio thread). `scripts/bench_trainer.py` measures what is left against a bare loop.
+onto the trio thread). `scripts/bench/bench_trainer.py` measures what is left against a bare loop.
 
 Local ranks (node/local_ranks.py). With `local` (a multi-GPU peer), the same loop runs on every
 local rank of the peer: the model is wrapped in DistributedDataParallel, rank r trains rows
@@ -38,7 +38,7 @@ local rank of the peer: the model is wrapped in DistributedDataParallel, rank r 
 same samples per step as a single-rank one, and the swarm's progress counts its ranks' samples
 together), rank 0 sends the others the state to start from at every `run`, and the ranks agree
 every `REPORT_EVERY` steps whether to go on (rank 0's stop decides). A failed local rank surfaces
-as `local_failure` and a stop, not a hang. Under FSDP (`sharded`, node/sharding.py) the model is
+as `local_failure` and a stop, not a hang. Under FSDP (`sharded`, node/ranks/sharding.py) the model is
 sharded instead of wrapped, the trainer steps the sharded inner optimizer itself, and the outer
 step (rank 0's optimizer on its host replica, a `RoundClock` elsewhere) is framed by a gather of θ
 to rank 0 and a scatter of the new θ whenever a round is due; the ranks also agree after each
@@ -71,15 +71,15 @@ from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model as build_source_model
 from meshtrain.models.sources import loss_of, resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
-from meshtrain.node.config import default_data_dir
-from meshtrain.node.devices import Precision, ScaledInner, resolve_device, to_host
-from meshtrain.node.outer_spec import build_outer, check_matches
-from meshtrain.node.sharding import RoundClock, ShardedModel
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.ranks.devices import Precision, ScaledInner, resolve_device, to_host
+from meshtrain.node.ranks.sharding import RoundClock, ShardedModel
+from meshtrain.node.spec.config import default_data_dir
+from meshtrain.node.spec.outer import build_outer, check_matches
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.optim import OuterOptimizer
 
 if TYPE_CHECKING:
-    from meshtrain.node.rank_group import LocalRanks
+    from meshtrain.node.ranks.group import LocalRanks
 
 log = get_logger(__name__)
 
@@ -233,7 +233,7 @@ class Trainer(TrainedState):
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.context = resolve_context(model, spec.context, "the model" if user_model else spec.model)
-        # FSDP (node/sharding.py): the model is sharded over the local ranks; rank 0's outer
+        # FSDP (node/ranks/sharding.py): the model is sharded over the local ranks; rank 0's outer
         # optimizer works on a host replica, the other ranks keep a RoundClock.
         self.sharded = (
             ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
@@ -397,12 +397,12 @@ class Trainer(TrainedState):
                 log.warning(kv("training loss is not finite", step=step))
             after_step(self)
 
-    # -- state (FSDP: node/sharding.py) ----------------------------------------------------------
+    # -- state (FSDP: node/ranks/sharding.py) ----------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything to resume bit-exactly (host copies; call between steps). Under FSDP (rank 0):
         the replica's θ, the outer state and the whole inner state as of the last round or run
-        end (node/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
+        end (node/ranks/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
         sharded = self.sharded
         if sharded is None:
             state = super().checkpoint_state()

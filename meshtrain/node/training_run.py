@@ -30,8 +30,8 @@ Out of step: a missed round (cut off, late for its group) makes the trainer's ou
 for a resync; we download the swarm's state again (as "syncing") rather than drift apart.
 
 Not here: building and wiring the services, signals, the status server and daemon.json
-(node/daemon.py); which state we train on (node/run_state.py); the training loop
-(node/trainer.py); a pipeline stage's epochs (node/pipeline_peer.py).
+(node/daemon.py); which state we train on (node/state/run_state.py); the training loop
+(node/trainer.py); a pipeline stage's epochs (node/stages/peer.py).
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from typing import Any
 import trio
 
 from meshtrain.crdt.swarm_view import SwarmView
+from meshtrain.durable import write_atomic
 from meshtrain.log import get_logger, kv
-from meshtrain.node.checkpoint import write_atomic
-from meshtrain.node.config import NodeConfig
-from meshtrain.node.pipeline_peer import PipelinePeer
 from meshtrain.node.presence import PeerPresence
-from meshtrain.node.run_state import Phase, RunState, StoppedWhileStarting, StopRequest
+from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.stages.peer import PipelinePeer
+from meshtrain.node.state.run_state import Phase, RunState, StoppedWhileStarting, StopRequest
 from meshtrain.node.trainer import TrainedState, Trainer
 
 log = get_logger(__name__)
@@ -256,7 +256,7 @@ class TrainingRun:
 async def run_pipeline_peer(
     peer: PipelinePeer, presence: PeerPresence, data_dir: Path, *, peer_id: str, phase: Phase, until: int
 ) -> NodeResult:
-    """A pipeline swarm's run (node/pipeline_peer.py): run our stage until step `until` (0: never)
+    """A pipeline swarm's run (node/stages/peer.py): run our stage until step `until` (0: never)
     or a stop, save it, leave the swarm and write the loss history."""
     await peer.run(until)
     phase.set("stopping")

@@ -52,11 +52,11 @@ import trio
 from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult, WatchesOptimizer
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
-from meshtrain.node.config import NodeConfig, load_node_config
 from meshtrain.node.daemon import Node, NodeResult
-from meshtrain.node.outer_spec import check_matches
-from meshtrain.node.signed_spec import SignedSpec
-from meshtrain.node.swarm_spec import SwarmSpec
+from meshtrain.node.spec.config import NodeConfig, load_node_config
+from meshtrain.node.spec.outer import check_matches
+from meshtrain.node.spec.signed import SignedSpec
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.trainer import REPORT_EVERY, StepInfo, TrainedState
 from meshtrain.optim.outer import OuterOptimizer
 from meshtrain.transport.identity import Identity

@@ -108,7 +108,7 @@ class OuterOptimizer(OuterRounds):
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
     `replicas_identical` (class attribute, default True): every peer holds the same φ after the
-    same round, which the node checks continuously (node/parity.py). An optimizer whose replicas
+    same round, which the node checks continuously (node/state/parity.py). An optimizer whose replicas
     differ by design (NoLoCo's pairwise gossip) sets it False.
 
     model: the module trained in place; its trainable parameters (`requires_grad`) are θ.

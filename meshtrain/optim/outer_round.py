@@ -46,7 +46,7 @@ from a moving average of the caller's inner step time), the round logic asks the
 background (collective/prepared.py; the round's coordinator, whose join is local, does not), and
 an exchange starts once its coordinator has joined instead of a join round trip after our data.
 Over a WAN link that round trip is a good share of a fragment round's time: a third of Streaming
-DiLoCo's at 20 ms one way (scripts/bench_wan.py). A blocking round saves it too. Nothing is
+DiLoCo's at 20 ms one way (scripts/bench/bench_wan.py). A blocking round saves it too. Nothing is
 prepared before the first inner step has been timed, or when a step takes longer than the lead
 (the join is then small beside it). Preparing waits for a step after a send step, so the join of
 the round just sent reaches its coordinator first: a coordinator that saw us join a later round

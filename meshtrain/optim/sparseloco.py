@@ -29,7 +29,7 @@ settings, tplr-ai/templar (`hparams/hparams.json`, `src/tplr/compress/topk.py`),
   CCLoco chunks 1-D tensors (biases, norm gains) by 64 and keeps k = 32 of each ("rate_1d": 50%);
   ours keep ceil(k·L/C) — 1 of a 64-vector — unless `vector_k` is set (below).
 - β: CCLoco's sweeps 0.95 (`error_decay`; the class default 0.999), templar 0.999
-  (`momentum_decay`). **Ours 0.9**, from scripts/sweep_sparseloco.py (below).
+  (`momentum_decay`). **Ours 0.9**, from scripts/studies/sweep_sparseloco.py (below).
 - α (outer lr) = 1.0: CCLoco's sweeps (`outer_learning_rate: 1`; its DiLoCo baseline 0.5 with
   Nesterov); templar 0.9; Covenant 1, later 0.65.
 - 2-bit values: the paper. The quantiser is the reference's statistical one (sparse_codec.py);
@@ -42,7 +42,7 @@ settings, tplr-ai/templar (`hparams/hparams.json`, `src/tplr/compress/topk.py`),
   On our testbed (4 peers, small GPT, H 25, in-process, 400 steps) index_mean reached 2.073 and
   mean 2.220 held-out loss, DiLoCo 2.018 — the source (code) wins.
 
-The sweep (scripts/sweep_sparseloco.py: bench_convergence's testbed — 4 peers, small GPT, H 25,
+The sweep (scripts/studies/sweep_sparseloco.py: bench_convergence's testbed — 4 peers, small GPT, H 25,
 inner AdamW 2e-3 — in one process, 600 steps; gap = SparseLoCo / DiLoCo(H 25, Nesterov 0.7/0.9) − 1
 on the same seed). Seed 0 alone, one knob at a time from β 0.95, α 1, 4σ, C 4096, k 64: β 0.95
 +2.7%, β 0.9 +0.4%, β 0.99 +6.2%; α 0.7 +3.8%, α 1.5 +5.7%; range 3σ +3.1%, 6σ +5.1%; C 256 / k 4

@@ -35,7 +35,7 @@ to the microbatch's origin instead of sending, as it does for input a stage refu
 
 Cost: one pass over the tensor on each side (encode before the send, decode after the receive),
 which the runtime runs in a worker thread. Whether it pays depends on link speed against CPU:
-scripts/bench_skippipe.py `--activation-codec` measures it on a throttled link.
+scripts/bench/bench_skippipe.py `--activation-codec` measures it on a throttled link.
 
 Not here: the hop control message (runtime.py, hop.py), routing and failure handling (runtime.py,
 rerouting.py); the codecs themselves (collective/compression.py).

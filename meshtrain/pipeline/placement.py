@@ -33,7 +33,7 @@ the same membership compute the same placement without talking. Three rules, in 
    by rule 3. Each move lowers Σ replicas², so the rule ends.
 
 The assignment a peer computes for itself is announced in its membership record and shown on the
-status page (node/pipeline_peer.py); the next computation takes it as that peer's stage (rule 1),
+status page (node/stages/peer.py); the next computation takes it as that peer's stage (rule 1),
 which is what keeps placements stable as peers come and go. Two peers that join at the same
 moment, each before hearing of the other, may pick the same stage: rule 1 keeps both, and rule 3
 repairs any stage left empty.

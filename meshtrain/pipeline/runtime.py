@@ -211,7 +211,7 @@ class SimulatedLinks:
     serial: False (the default): concurrent sends on one link each wait their own delay, as if
     the link's bandwidth were per transfer. True: the sends from a to b share the bandwidth — one
     transmits after the ones queued before it (`send_delay`), as on a real throttled link; the
-    codec benchmark (scripts/bench_skippipe.py --activation-codec) uses it.
+    codec benchmark (scripts/bench/bench_skippipe.py --activation-codec) uses it.
     """
 
     links: Mapping[tuple[str, str], Link]

@@ -1,0 +1,178 @@
+"""How this node runs: `NodeConfig`, the one config model of a machine.
+
+What a swarm trains is the other model, `SwarmSpec` (node/spec/swarm.py; signed in node/spec/signed.py): two
+models because they have different owners. The spec is the swarm's contract, written once by its
+creator, signed, identical on every peer; a node may not override it. The `NodeConfig` is this
+machine's business: where to keep data, where to listen, whom to dial first, the status port, the device
+it trains on (`device`, node/ranks/devices.py), how many local ranks make up the peer
+(`nproc_per_node`, node/local_ranks.py) and how they split the model (`sharding`: DDP or FSDP2,
+node/ranks/sharding.py).
+
+Precedence for `NodeConfig`, lowest first: defaults, the shipped defaults file (`node.toml`
+beside this module: the default bootstrap list, shipped empty), the TOML file (`--config
+node.toml`, a `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
+comma-separated), then command-line flags. Every value is validated by pydantic; a bad one is a
+`ConfigError` naming the field, the value and what is allowed — one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshtrain.errors import ConfigError
+
+ENV_PREFIX = "MESHTRAIN_"
+DEFAULT_CONFIG_FILE = Path(__file__).with_name("node.toml")  # shipped defaults (the bootstrap list)
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "meshtrain"
+
+
+class NodeConfig(BaseModel):
+    """How this node runs. See `meshtrain node start --help` and README, "Configuration"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    name: str = Field("", max_length=64)
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"])
+    announce: list[str] = Field(default_factory=list)
+    bootstrap: list[str] = Field(default_factory=list)
+    swarm_key: str | None = Field(None, description="64 hex chars: a private swarm")
+    status_host: str = "127.0.0.1"
+    status_port: int = Field(7070, ge=0, le=65535, description="0 = any free port")
+    checkpoint_every: float = Field(60.0, gt=0, description="seconds between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1, le=100)
+    threads: int = Field(0, ge=0, le=1024, description="torch threads; 0 = torch's default")
+    join_timeout: float = Field(30.0, gt=0, description="seconds a round waits for its peers")
+    part_timeout: float = Field(20.0, gt=0)
+    wait_peers: int = Field(0, ge=0, le=10_000, description="start training once this many peers are in")
+    wait_peers_timeout: float = Field(120.0, gt=0)
+    max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
+    donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
+    uplink_mbit: float = Field(
+        0.0, ge=0, le=8e6, description="our uplink, Mbit/s, for bandwidth-weighted all-reduce parts (0 = measured)"
+    )
+    max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
+    pipeline_lab: Path | None = Field(
+        None,
+        description="lab only: a JSON file of simulated links and compute for a pipeline swarm on one "
+        "machine (node/stages/lab.py; scripts/bench/bench_pipeline_swarm.py)",
+    )
+    nat: bool = Field(
+        True,
+        description="NAT traversal: dial-back reachability probe, relay reservations "
+        "when private, hole punching of relayed peers",
+    )
+    relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
+    mdns: bool = Field(False, description="find peers of this swarm on the LAN over mDNS (multicast)")
+    upnp: bool = Field(
+        True, description="map our ports on the LAN's UPnP gateway (only when listening beyond loopback)"
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, mps, cuda or cuda:<index>")
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="local ranks (GPUs) that train as one peer "
+        "(torch.distributed; the spec's batch_size is split among them)",
+    )
+    sharding: Literal["ddp", "fsdp", "auto"] = Field(
+        "auto",
+        description="how local ranks split the model: ddp (a replica per rank), fsdp (FSDP2 shards), "
+        "auto (fsdp when the model's training state exceeds half a GPU; ddp on CPU)",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        from meshtrain.node.ranks.devices import check_device_name
+
+        return check_device_name(v)
+
+    @field_validator("listen", "announce", "bootstrap")
+    @classmethod
+    def _addrs(cls, v: list[str]) -> list[str]:
+        from meshtrain.transport.host import parse_multiaddr
+
+        for a in v:
+            try:
+                parse_multiaddr(a)
+            except Exception as e:  # noqa: BLE001 — multiaddr raises many types; we say which address
+                raise ValueError(f"{a!r} is not a multiaddr ({e})") from None
+        return v
+
+    @field_validator("swarm_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) != 64 or any(c not in "0123456789abcdefABCDEF" for c in v)):
+            raise ValueError("must be 64 hexadecimal characters")
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+def one_line_error(e: ValidationError, what: str) -> ConfigError:
+    """A pydantic validation error as the one-line ConfigError the CLI prints."""
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or what
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    more = f"; and {len(e.errors()) - 1} more problem(s)" if len(e.errors()) > 1 else ""
+    return ConfigError(f"{what}: {field}: {msg}{shown}{more}")
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, info in NodeConfig.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        is_list = "list" in str(info.annotation)
+        out[name] = [x.strip() for x in raw.split(",") if x.strip()] if is_list else raw
+    return out
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """A config file's settings: its `[node]` table, or its top-level keys."""
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    return data.get("node", data) if isinstance(data.get("node"), dict) else data
+
+
+def load_node_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Defaults < the shipped defaults file (`node.toml` beside this module: the default
+    bootstrap list) < TOML file < MESHTRAIN_* environment < `overrides` (flags; None ignored)."""
+    values: dict[str, Any] = _read_toml(DEFAULT_CONFIG_FILE) if DEFAULT_CONFIG_FILE.exists() else {}
+    if path is not None:
+        values.update(_read_toml(Path(path)))
+    values.update(_env_values(os.environ if environ is None else environ))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return NodeConfig.model_validate(values)
+    except ValidationError as e:
+        raise one_line_error(e, "node config") from None

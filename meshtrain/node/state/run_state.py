@@ -1,0 +1,532 @@
+"""The run state: which state a peer trains on, and keeping it — resume, download, parity,
+donor publishing and checkpoints.
+
+Problem. A peer must train on the swarm's state, not its own idea of it. At start it resumes its
+checkpoint, unless the swarm is past it; then, and whenever it falls out of step (a split round,
+a round spent alone, a group left behind), it downloads the swarm's state from several peers.
+Meanwhile it offers its own state to joiners after every round and checkpoints in the
+background, so nothing is lost on a crash.
+
+Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data plane:
+- `enter()`: resume the latest checkpoint; while cut off from the trainers our address book
+  names (`PeerPresence.cut_off`: a restart whose bootstrap address is dead), wait, saying so,
+  rather than train — and commit rounds — alone; wait up to `ENTER_WAIT` for the others'
+  progress; download if a peer training now is past our next exchange.
+- `download()`: fetch the outer state from the parity winners (`donors()`) and join at their
+  step. It never gives up on a transient (no donor yet, donors that disagree, a state a round
+  old, a donor that vanished): it retries with a jittered `Backoff`, saying what it waits for,
+  until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
+  off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
+  With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
+  that wait for it. Only a state that cannot fit this node (another model or optimizer) is fatal:
+  `NodeError`. The joined state is offered to joiners at
+  once (a snapshot from before the download would hand them an older φ than ours).
+- `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
+  record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
+  we wait for reads us as "not training", finds no donor, and after `ORPHAN_WAIT` trains a
+  lineage of its own.
+- Parity (`node/state/parity.py`): after every round φ is hashed into our progress record — except
+  after a round we proceeded alone in because it failed (`needs_resync` is set then): that φ is
+  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`) and
+  the re-sync follows before the next round. A watcher
+  compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
+  rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
+  node's training loop then calls `resync()`: `download()`, and when that lands where the last
+  re-sync did (the round we keep missing has not completed anywhere we can reach, e.g. during a
+  partition), a pause with backoff (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before
+  training into that round again.
+- `after_step(trainer)` runs between two steps in the trainer's thread: it records φ's digest,
+  and hops onto the trio thread to report progress and metrics, publish a finished round's state
+  to joiners (`StateDonor`) and start a background checkpoint every `checkpoint_every` seconds
+  (one at a time; never while an exchange is in flight).
+- `save_final()`: the checkpoint written on a clean stop.
+
+`Phase` is the node's state (starting, syncing, training, stopping) with its recent history,
+so a console polling slower than the changes still prints each one. `StopRequest` is how a stop
+reaches the trainer's thread (a `threading.Event`) and the trio tasks (a `trio.Event`).
+
+Not here: the checkpoint format (`node/state/checkpoint.py`), the download protocol and the donor's
+admission (`node/state/sync.py`), the parity rule (`node/state/parity.py`), who is in the swarm
+(`node/presence.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from meshtrain.backoff import Backoff
+from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
+from meshtrain.log import get_logger, kv
+from meshtrain.node.presence import PeerPresence
+from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.state.checkpoint import CheckpointStore, flatten_state, unflatten_state
+from meshtrain.node.state.donor import StateDonor
+from meshtrain.node.state.fetch import fetch_state
+from meshtrain.node.state.parity import ParityMonitor, phi_digest, winning_digest
+from meshtrain.node.state.sync import StateSyncError
+from meshtrain.node.trainer import TrainedState
+from meshtrain.optim.outer import OuterStateError, StaleStateError
+from meshtrain.optim.outer_round import RoundReport
+from meshtrain.transport.tensor_streams import TensorStreams
+
+log = get_logger(__name__)
+
+ENTER_WAIT = 10.0  # at start, how long to wait for the others' progress before training on our own state
+BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we were left behind
+ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on our own state
+PARITY_INTERVAL = 0.5  # seconds between two parity checks against the swarm's φ digests
+RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
+RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
+STATE_LOG = 8  # the status document keeps this many recent states
+
+
+class NodeError(MeshtrainError):
+    """The node cannot start or continue (no spec, swarm unreachable, state download failed)."""
+
+
+class StoppedWhileStarting(NodeError):
+    """Stopped (Ctrl-C, SIGTERM, `node stop`) before the node trained: nothing to save. The CLI
+    exits 130, as for any interrupt."""
+
+
+class Phase:
+    """The node's state — starting, syncing, training, stopping — and its last `STATE_LOG`
+    values, with how many changes there were (`meshtrain.node.status.console` prints each)."""
+
+    def __init__(self) -> None:
+        self._states: deque[str] = deque(["starting"], maxlen=STATE_LOG)
+        self.changes = 0
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(new_state)` on every change from now on (on the caller's thread)."""
+        self._listeners.append(listener)
+
+    @property
+    def value(self) -> str:
+        return self._states[-1]
+
+    def set(self, value: str) -> None:
+        if value != self._states[-1]:
+            self._states.append(value)
+            self.changes += 1
+            for listener in self._listeners:
+                listener(value)
+
+    def recent(self) -> list[str]:
+        return list(self._states)
+
+
+class StopRequest:
+    """A stop, seen by the trainer's thread (`flag`) and by trio tasks (`requested`). `set()` is
+    called on the trio thread (`Node.stop` hops there)."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.requested = trio.Event()
+
+    def set(self) -> None:
+        self.flag.set()
+        self.requested.set()
+
+    def is_set(self) -> bool:
+        return self.flag.is_set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, or return early when a stop is requested."""
+        with trio.move_on_after(seconds):
+            await self.requested.wait()
+
+
+class RunState(Service):
+    """`async with RunState(trainer, presence, streams, config, ...) as run:` — see the module
+    docstring. `waiting` says what the run waits for now (a download, a donor), or None."""
+
+    def __init__(
+        self,
+        trainer: TrainedState,
+        presence: PeerPresence,
+        streams: TensorStreams,
+        config: NodeConfig,
+        data_dir: Path,
+        *,
+        phase: Phase,
+        stop: StopRequest,
+    ) -> None:
+        self.trainer = trainer
+        self.presence = presence
+        self.streams = streams
+        self.config = config
+        self.phase = phase
+        self.stop = stop
+        self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.parity = ParityMonitor(presence.me, enabled=trainer.outer.replicas_identical)
+        self.donor = StateDonor(presence.host, streams, upload_limit=config.donor_upload_mib * 2**20 or None)
+        self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
+        self.joined_from: dict[str, Any] | None = None  # how a late join got its state
+        self.waiting: str | None = None
+        self._ckpt_busy = False
+        self._last_ckpt_time = time.monotonic()
+        self._published_round = -1
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._resync_landing: tuple[int, int] | None = None  # (step, round) the last re-sync joined at
+        self._resync_backoff = Backoff(initial=RESYNC_PAUSE, cap=RESYNC_PAUSE_CAP)
+        self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._watch_parity)
+
+    # -- entering the swarm ----------------------------------------------------------------------
+
+    async def enter(self) -> None:
+        """Resume our checkpoint, or fetch the swarm's state if the swarm is past it."""
+        trainer, presence = self.trainer, self.presence
+        ckpt = await trio.to_thread.run_sync(self.store.load_latest)
+        if ckpt is not None:
+            trainer.load_checkpoint(ckpt.state)
+            self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}
+            log.warning(kv("resumed from checkpoint", step=ckpt.step, digest=ckpt.digest[:16]))
+        await self._wait_until_reached()
+        view = presence.view
+        with trio.move_on_after(ENTER_WAIT):  # let membership and progress from the others arrive
+            while presence.swarm_step() is None and view is not None and len(view.live_peers()) > 1:
+                await trio.sleep(0.2)
+        swarm_step = presence.swarm_step()
+        if swarm_step is None or swarm_step < trainer.outer.next_send_step(trainer.step):
+            return  # nobody is past our next exchange: our state is the swarm's; train on from it
+        await self.download()
+
+    async def _wait_until_reached(self) -> None:
+        """While our address book names trainers of the swarm that are probably still there and
+        we reach none of them (a restart whose one bootstrap address is dead), do not train: every
+        round would be committed alone, a fork of the swarm. Presence re-dials them (and the DHT)
+        with backoff; we wait, saying so, until one answers or each is taken for gone."""
+        told = False
+        while (why := self.presence.cut_off()) is not None and not self.stop.is_set():
+            self.waiting = why
+            if not told:
+                log.warning(kv("not training alone: cut off from the swarm's known trainers", why=why))
+                told = True
+            await self.stop.sleep(0.25)
+        self.waiting = None
+        if self.stop.is_set():
+            raise StoppedWhileStarting("stopped while cut off from the swarm; nothing was trained")
+        if told:
+            log.warning(
+                kv("reached the swarm again" if self.presence.met_swarm else "no known trainer answered; going on")
+            )
+
+    def donors(self) -> list[str]:
+        """Whom to download the swarm's state from: among the connected trainers, the holders of
+        the winning φ digest (the parity rule) at the newest round any of them published — so a
+        split round's two states never face each other in the download's vote, and a group left
+        behind (restarted from an old checkpoint) is not mistaken for the swarm."""
+        progress = self.presence.training_peers(connected=True)
+        donors = sorted(progress)
+        newest: dict[int, dict[bytes, set[str]]] = {}
+        for p in donors:
+            pr = progress[p]
+            if pr.phi:
+                rnd, digest = pr.phi[-1]
+                newest.setdefault(rnd, {}).setdefault(digest, set()).add(p)
+        if newest:
+            # At the newest round someone published, the parity winner's holders; peers still at
+            # an older round would offer the same state once they catch up, but not yet.
+            holders = newest[max(newest)]
+            donors = sorted(holders[winning_digest(holders)])
+        if not self.trainer.outer.replicas_identical:
+            donors = donors[:1]  # NoLoCo replicas differ: take one peer's state whole
+        elif self.config.max_donors:
+            donors = donors[: self.config.max_donors]
+        return donors
+
+    async def download(self) -> bool:
+        """Fetch the swarm's outer state from several peers in parallel and enter at its step;
+        False if the node was stopped first (see the module docstring for the retry rule)."""
+        trainer, view = self.trainer, self.presence.view
+        assert view is not None  # the presence service is entered before us
+        self.phase.set("syncing")
+        # Count as a trainer from now on: peers then expect us at the next round, and every peer
+        # (us included) picks that round's coordinator from the same set. Announcing only after
+        # the download made a joiner with the lowest peer id wait as the "coordinator" of a
+        # round the others had already formed without it.
+        view.role = "trainer"
+        view.heartbeat()
+        # Before replacing the state: end an exchange of ours that still runs, and withdraw the
+        # joins prepared for the next ones (outer_round.py, "Prepared rounds"), which would hold
+        # the others' round for our data until they expired.
+        with trio.move_on_after(self.config.join_timeout):
+            await trainer.outer.afinish()
+        backoff = Backoff(initial=1.0, cap=30.0)
+        attempt = 0
+        orphaned_at = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                attempt += 1
+                if (reason := self.presence.not_admitted()) is not None:
+                    # Excluded by strikes (or off the allowlist): the swarm's peers ignore us and
+                    # serve us no state, so asking them is no use; wait until they admit us again.
+                    self.waiting = f"state download: the swarm does not admit this node ({reason}); no peer serves it"
+                    await self._retry_later(backoff, f"the swarm does not admit this node ({reason})")
+                    continue
+                donors = self.donors()
+                if not donors:
+                    if time.monotonic() - orphaned_at >= ORPHAN_WAIT:
+                        # Nobody trains (the last training peer died; everyone else is starting or
+                        # syncing too): waiting for each other would stall the swarm for good.
+                        # Train on our own state; parity and the front rule merge the lineages
+                        # once peers train again (the furthest step wins).
+                        log.warning(
+                            kv(
+                                "nobody is training to download from; training on our own state",
+                                step=trainer.step,
+                                round=trainer.outer.rounds,
+                            )
+                        )
+                        trainer.outer.needs_resync = False
+                        return True
+                    self.waiting = "state download: waiting for a connected peer that trains"
+                    await self._retry_later(backoff, "no connected peer is training yet")
+                    continue
+                orphaned_at = time.monotonic()
+                if await self._fetch_from(donors, attempt, backoff):
+                    return True
+            return False
+        finally:
+            self.waiting = None
+
+    async def _fetch_from(self, donors: list[str], attempt: int, backoff: Backoff) -> bool:
+        """One download attempt; False (after a backoff) on a transient failure."""
+        trainer, host = self.trainer, self.presence.host
+        t0 = time.monotonic()
+        last_log = 0.0
+
+        def progress(done: int, total: int) -> None:
+            nonlocal last_log
+            if time.monotonic() - last_log > 2 or done == total:
+                last_log = time.monotonic()
+                log.warning(
+                    kv(
+                        "downloading swarm state",
+                        done_mib=round(done / 2**20, 1),
+                        total_mib=round(total / 2**20, 1),
+                        donors=len(donors),
+                    )
+                )
+
+        self.waiting = f"state download from {len(donors)} peers (attempt {attempt})"
+        try:
+            meta, tensors = await fetch_state(host, self.streams, donors, timeout=600.0, progress=progress)
+        except StateSyncError as e:
+            await self._retry_later(backoff, f"state download failed: {e}", attempt=attempt)
+            return False
+        state = unflatten_state(meta["skeleton"], tensors)
+        # Enter at the step the donors — the swarm we join — are at now.
+        assert self.presence.view is not None
+        reported = self.presence.view.progress()
+        now = max([reported[d].step for d in donors if d in reported] or [state["inner_steps"]])
+        try:
+            trainer.join(state, at_step=max(now, state["inner_steps"]))
+        except StaleStateError as e:
+            await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
+            return False
+        except OuterStateError as e:
+            raise NodeError(
+                f"the swarm's state does not fit this node ({e}): every peer must run the "
+                f"same model and optimizer as the swarm spec says"
+            ) from None
+        # Offer what we now hold at once: a donor that kept serving its snapshot from before
+        # the download handed joiners a state older than its own φ (they joined a round behind,
+        # were refused as out of window, downloaded the old state again, and so on).
+        self._published_round = trainer.outer.rounds
+        self.donor.publish(*self.donor_snapshot(trainer))
+        self.record_phi()
+        self.joined_from = {
+            "donors": len(donors),
+            "seconds": time.monotonic() - t0,
+            "step": trainer.step,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
+        log.warning(
+            kv("joined the swarm", step=trainer.step, donors=len(donors), seconds=round(self.joined_from["seconds"], 2))
+        )
+        return True
+
+    async def resync(self) -> None:
+        """We missed a round or drifted: download the swarm's state again. When that puts us back
+        where the previous re-sync did (the swarm has not finished the round we keep missing: its
+        group formed without us, and its members are cut off), pause with a growing backoff
+        before training into that round again, rather than loop download-train-miss many times a
+        second until the swarm moves."""
+        await self.download()
+        landed = (self.trainer.step, self.trainer.outer.rounds)
+        if landed != self._resync_landing:
+            self._resync_backoff.reset()
+            self._resync_landing = landed
+            return
+        delay = self._resync_backoff.next()
+        log.warning(
+            kv("the swarm has not moved since our last re-sync; pausing", step=landed[0], pause_s=round(delay, 1))
+        )
+        self.waiting = f"re-sync: the swarm is still at step {landed[0]}; trying its next round again in {delay:.1f} s"
+        await self.stop.sleep(delay)
+        self.waiting = None
+
+    async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
+        delay = backoff.next()
+        log.warning(
+            kv("cannot join the swarm yet; retrying", why=why[:300], attempt=attempt, retry_in_s=round(delay, 1))
+        )
+        await self.stop.sleep(delay)
+
+    # -- parity ----------------------------------------------------------------------------------
+
+    def record_phi(self) -> None:
+        """Hash φ after a round (or a download) for our progress record (trainer thread or trio
+        thread: the caller owns φ at that moment). Not while the outer optimizer `needs_resync`:
+        we proceeded alone after a failed round (a coordinator refused our join, or vanished), so
+        our φ is known not to be the swarm's, and publishing its digest as a member's of that
+        round would split the round's record; the re-sync that follows at once records the
+        swarm's φ instead (`ParityMonitor.withheld` counts these)."""
+        if not self.parity.enabled:
+            return
+        if self.trainer.outer.needs_resync:
+            self.parity.withhold(self.trainer.outer.rounds)
+            return
+        self.parity.record(self.trainer.outer.rounds, phi_digest(self.trainer.outer.outer_params))
+
+    async def _watch_parity(self) -> None:
+        """Compare our φ digests with every peer training now, continuously; in the minority, or
+        left behind, have the training loop re-sync from the swarm, and say so."""
+        trainer, parity, presence = self.trainer, self.parity, self.presence
+        acted_on: int | None = None
+        while True:
+            await trio.sleep(PARITY_INTERVAL)
+            if self.phase.value != "training" or not parity.enabled or trainer.outer.needs_resync:
+                continue
+            others = {p: pr.phi for p, pr in presence.training_peers(connected=False).items()}
+            verdict = parity.check(others)
+            if verdict.status == "minority" and verdict.outer_round != acted_on:
+                acted_on = verdict.outer_round
+                parity.resyncs += 1
+                log.warning(
+                    kv(
+                        "out of step with the swarm: φ differs from the majority's; re-syncing",
+                        round=verdict.outer_round,
+                        mine=verdict.mine.hex()[:16] if verdict.mine else None,
+                        majority=verdict.majority.hex()[:16] if verdict.majority else None,
+                        agreeing=verdict.agreeing,
+                        compared=verdict.compared,
+                        holders=",".join(p[-8:] for p in verdict.holders),
+                    )
+                )
+                trainer.outer.needs_resync = True
+                continue
+            front = presence.front_step()
+            if front is not None and front >= trainer.step + BEHIND_ROUNDS * trainer.spec.H:
+                # A group left behind (its members restarted from old checkpoints and found each
+                # other) completes rounds among itself that the swarm passed long ago; parity never
+                # compares them. Catch up with the front instead.
+                log.warning(kv("behind the swarm; re-syncing", step=trainer.step, swarm_step=front))
+                parity.resyncs += 1
+                trainer.outer.needs_resync = True
+
+    # -- between steps, and checkpoints ----------------------------------------------------------
+
+    @staticmethod
+    def donor_snapshot(trainer: TrainedState) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What our state donor offers joiners now: (meta, tensors) of the outer state (the
+        caller owns φ at that moment: the trainer's thread between steps, or the trio thread
+        while the trainer is stopped for a download)."""
+        skeleton, tensors = flatten_state(trainer.donor_state())
+        return {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}, tensors
+
+    def after_step(self, trainer: TrainedState) -> None:
+        """Between two steps, in the trainer's thread: report, publish, checkpoint."""
+        assert self._token is not None  # entered
+        info, outer, parity = trainer.info, trainer.outer, self.parity
+        publish = checkpoint = None
+        if (
+            parity.enabled
+            and (not parity.history or parity.history[-1][0] != outer.rounds)
+            and parity.withheld_round != outer.rounds
+        ):
+            self.record_phi()  # φ is ours between steps, even with a fragment in flight
+        phi = list(parity.history) if parity.enabled else None
+        if outer.rounds != self._published_round and not outer.in_flight:
+            self._published_round = outer.rounds
+            publish = self.donor_snapshot(trainer)
+        if (
+            time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
+            and not self._ckpt_busy
+            and not outer.in_flight
+        ):
+            self._last_ckpt_time = time.monotonic()
+            state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/ranks/sharding.py)
+            checkpoint = (state, state["outer"]["inner_steps"], state["outer"]["rounds"])
+
+        def on_trio() -> None:
+            view = self.presence.view
+            assert view is not None
+            self._count_solo_rounds(outer.history)
+            view.report_progress(
+                step=trainer.step, samples=trainer.step * trainer.spec.batch_size, outer_round=outer.rounds, phi=phi
+            )
+            view.report_metrics(
+                {
+                    k: v
+                    for k, v in (
+                        ("loss", info.loss),
+                        ("eval_loss", info.eval_loss),
+                        ("samples_per_s", info.samples_per_s),
+                    )
+                    if v is not None and math.isfinite(v)
+                }
+            )
+            if publish is not None:
+                self.donor.publish(*publish)
+            if checkpoint is not None and self._nursery is not None:
+                self._ckpt_busy = True
+                self._nursery.start_soon(self._write_checkpoint, *checkpoint)
+
+        trio.from_thread.run_sync(on_trio, trio_token=self._token)
+
+    def _count_solo_rounds(self, history: Iterable[RoundReport]) -> None:
+        """Count the rounds completed since the last call that had us as their only contributor
+        while other trainers were live in our view (trio thread): a state of our own, a fork the
+        re-sync must repair (`ParityMonitor.solo_rounds`; the chaos soak sums them)."""
+        new = [r for r in history if (r.step, r.fragment) > self._last_report]
+        if not new:
+            return
+        self._last_report = (new[-1].step, new[-1].fragment)
+        if self.parity.enabled and len(self.presence.trainers()) > 1:
+            self.parity.solo_rounds += sum(r.contributors <= 1 for r in new)
+
+    async def _write_checkpoint(self, state: dict[str, Any], step: int, rnd: int) -> None:
+        try:
+            ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
+            self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
+        except OSError as e:
+            log.warning(kv("checkpoint failed", step=step, error=str(e)))
+        finally:
+            self._ckpt_busy = False
+
+    async def save_final(self) -> str:
+        """The checkpoint of a clean stop; its path."""
+        state = self.trainer.checkpoint_state()
+        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]  # the state's own (FSDP: its last round)
+        ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
+        self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
+        return str(ck.path)
