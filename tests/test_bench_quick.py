@@ -13,9 +13,9 @@ from .conftest import ROOT
 
 
 def last_json_line(script: str, *args: str, timeout: float) -> dict:
-    """Run scripts/<script> with `args`; its last stdout line, parsed (it must exit 0)."""
+    """Run scripts/<script> (a path under scripts/) with `args`; its last stdout line, parsed (it must exit 0)."""
     r = subprocess.run(
-        [sys.executable, f"scripts/bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, f"scripts/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -25,7 +25,7 @@ def last_json_line(script: str, *args: str, timeout: float) -> dict:
 def test_convergence_benchmark_quick(tmp_path):
     png = tmp_path / "conv.png"
     out = last_json_line(
-        "bench_convergence.py",
+        "bench/bench_convergence.py",
         *[
             "--quick",
             "--steps",
@@ -48,7 +48,7 @@ def test_convergence_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_sparseloco_sweep_prints_one_json_line_with_paired_gaps():
     out = last_json_line(
-        "sweep_sparseloco.py",
+        "studies/sweep_sparseloco.py",
         *[
             "--steps",
             "8",
