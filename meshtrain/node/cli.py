@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(err: MeshtrainError) -> int:
     """1 for an error; 130, as for any interrupt, for a node stopped before it trained."""
-    from meshtrain.node.state.run_state import StoppedWhileStarting
+    from meshtrain.node.phase import StoppedWhileStarting
 
     return 130 if isinstance(err, StoppedWhileStarting) else 1
 

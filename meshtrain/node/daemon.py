@@ -12,8 +12,9 @@ Where each concern lives: who is in the swarm and staying connected — `node/pr
 state we train on (resume, download, parity, donor publishing, checkpoints) — `node/state/run_state.py`;
 the training loop — `node/trainer.py`; entering, stopping and finishing the run —
 `node/training_run.py`; the status document — `node/status/client.py`, its server —
-`node/status/server.py`. This module resolves the spec, builds and wires the services, hands
-them to the training run, watches signals and writes daemon.json and the control token.
+`node/status/server.py`; which swarm we run — `node/spec/resolve.py`. This module builds and
+wires the services in that order (`_start_network`, `_start_collective`, `_start_trainer`),
+hands them to the training run, watches signals and writes daemon.json and the control token.
 
 Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoints/,
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
@@ -51,7 +52,6 @@ Chaos-proofing (issue 14):
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import secrets
 import signal
@@ -63,25 +63,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
-from meshtrain.backoff import Backoff
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
-from meshtrain.dht.records import DhtError
 from meshtrain.durable import write_atomic
-from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
+from meshtrain.errors import ConfigError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
-from meshtrain.models.sources import check_local_copy
+from meshtrain.node.phase import NodeError, Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import resolve_device
 from meshtrain.node.spec.config import NodeConfig
-from meshtrain.node.spec.outer import check_copy as check_outer_copy
-from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
+from meshtrain.node.spec.resolve import SpecResolver
+from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec
 from meshtrain.node.stages.export import PipelineExporter
 from meshtrain.node.stages.peer import PipelinePeer
 from meshtrain.node.state.parity import ParityMonitor
-from meshtrain.node.state.run_state import NodeError, Phase, RunState, StopRequest
-from meshtrain.node.status.client import DAEMON_FILE, TOKEN_FILE, read_daemon_file  # noqa: F401
+from meshtrain.node.state.run_state import RunState
+from meshtrain.node.status.client import DAEMON_FILE, TOKEN_FILE, write_daemon_file
 from meshtrain.node.status.document import round_status, status_document
 from meshtrain.node.status.server import StatusServer
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
@@ -95,7 +93,6 @@ from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
-from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcUnavailable
 from meshtrain.transport.tensor_streams import TensorStreams
 
 if TYPE_CHECKING:
@@ -104,9 +101,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 __all__ = ["Node", "NodeError", "NodeResult"]
-
-SPEC_FILE = "swarm.json"
-SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
 
 
 class Node:
@@ -148,12 +142,12 @@ class Node:
         self.config = config
         self.local = local
         self.data_dir = Path(config.data_dir).expanduser()
-        self._spec_arg = spec
-        self.join_address: JoinTarget | None = parse_join_address(join) if join else None
-        self._entry_addrs = [self.join_address.addr] if self.join_address and self.join_address.addr else []
         self._model = model
         self._outer_factory = outer_factory
         self._stop = StopRequest()
+        self.spec_source = SpecResolver(
+            config, self.data_dir, spec=spec, join=join, stop=self._stop, on_waiting=self._say_waiting
+        )
         self.adversary = adversary.mode_from_env()  # a test hook (node/trust/adversary.py); None: honest
         self._token: trio.lowlevel.TrioToken | None = None
         self.phase = Phase()
@@ -185,6 +179,11 @@ class Node:
     def state(self) -> str:
         """starting, syncing, training, stopping."""
         return self.phase.value
+
+    @property
+    def join_address(self) -> JoinTarget | None:
+        """What `swarm join` was given (a swarm id or name found in the DHT becomes its entry)."""
+        return self.spec_source.join_address
 
     @property
     def view(self) -> SwarmView | None:
@@ -255,8 +254,6 @@ class Node:
     async def _run(self) -> NodeResult:
         self._token = trio.lowlevel.current_trio_token()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        identity = Identity.load_or_create(self.data_dir)
-        config = self.config
         async with AsyncExitStack() as stack:
             # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
             # reach the node, which then stops as soon as it can (before its first step).
@@ -264,104 +261,21 @@ class Node:
                 signals = await stack.enter_async_context(trio.open_nursery())
                 stack.callback(signals.cancel_scope.cancel)
                 signals.start_soon(self._watch_signals)
-            host = self.host = await stack.enter_async_context(
-                Host(identity, HostConfig(listen=config.listen, swarm_key=config.swarm_key, announce=config.announce))
-            )
-            signed = self.signed = await self._resolve_spec(host)
-            host.rpc.serve(SPEC_RPC, self._serve_spec)
-            streams = self.streams = await stack.enter_async_context(TensorStreams(host))
-            bootstrap = list(config.bootstrap) + self._entry_addrs[:1]
-            spec = signed.spec
-            pow_nonce = None
-            if spec.admission == "open" and spec.pow_bits:  # minted once, kept in the data dir
-                pow_nonce = await trio.to_thread.run_sync(
-                    load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.pow_bits
-                )
-            presence = self.presence = PeerPresence(
-                host,
-                signed,
-                bootstrap=bootstrap,
-                mdns=config.mdns,
-                connection="direct",
-                pow_nonce=pow_nonce,
-                data_dir=self.data_dir,
-            )
-            if config.nat:  # before any peer connects, so every relayed peer can be punched
-                self.nat = presence.nat = await stack.enter_async_context(
-                    NatTraversal(
-                        host,
-                        streams,
-                        relays=presence.relay_candidates,
-                        config=NatConfig(
-                            serve_relay_when_public=config.relay, upnp=config.upnp and _beyond_loopback(config.listen)
-                        ),
-                    )
-                )
-                presence.connection = "unknown"
-            await stack.enter_async_context(presence)
-            self.phase.on_change(presence.keep_progress_live)
-            # Only members get data-plane sessions; only round candidates may join a round, and
-            # only near our step (a stranger's join for a far-future round voided real rounds).
-            streams.authorize = presence.is_member
+            host, signed, streams, presence = await self._start_network(stack)
             if signed.spec.pipeline != "none":
                 return await self._run_pipeline(stack, host, signed, presence, streams)
-            collective = self.collective = await stack.enter_async_context(
-                SwarmCollective(
-                    host,
-                    streams,
-                    presence.candidates,
-                    AllReduceConfig(
-                        join_timeout=config.join_timeout,
-                        part_timeout=config.part_timeout,
-                        uplink_mbit=config.uplink_mbit,
-                        round_window=max(4 * signed.spec.H, 64),
-                        **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
-                    ),
-                    current_round=self._current_round,
-                    # Grouped rounds (collective/groups.py): groups from every live trainer, so one
-                    # dropped connection does not reshuffle ours; candidates stay the connected ones.
-                    grouping=signed.spec.group_plan(),
-                    roster=lambda _round: presence.trainers(),
-                )
-            )
-            if presence.strikes is not None:  # what we flag as a part's owner becomes our strikes
-                collective.screening_listeners.append(presence.strikes.on_round)
+            collective = await self._start_collective(stack, host, signed, streams, presence)
             self.network_ready.set()
-            if config.threads:
-                torch.set_num_threads(config.threads)
-            local = self.local
-            trainer: TrainedState
-            if self._user_loop:
-                await self._adopt.wait()
-                assert self._adopted is not None  # set with the event
-                trainer = self.trainer = self._adopted
-            else:
-                ours = local.collective(collective) if local else collective
-                trainer = self.trainer = Trainer(
-                    signed.spec,
-                    adversary.wrap(self.adversary, ours),
-                    host.peer_id,
-                    model=self._model,
-                    outer_factory=self._outer_factory,
-                    local=local,
-                    device=None if local else resolve_device(config.device),
-                    data_dir=self.data_dir,
-                )
-                adversary.arm(self.adversary, trainer, presence.view)
-                if presence.strikes is not None and collective.config.score_samples and local is None:
-                    # Loss scoring and spot-checks: after the strike book, which logs the round.
-                    checks = Verification(trainer, presence.strikes, collective.screening_listeners)
-                    self.scorer, self.spot_checker = checks.scorer, checks.spot_checker
-                    verifying = await stack.enter_async_context(trio.open_nursery())
-                    stack.callback(verifying.cancel_scope.cancel)
-                    verifying.start_soon(checks.run)
+            if self.config.threads:
+                torch.set_num_threads(self.config.threads)
+            trainer = await self._start_trainer(stack, host, signed, presence, collective)
             run_state = self.run_state = await stack.enter_async_context(
-                RunState(trainer, presence, streams, config, self.data_dir, phase=self.phase, stop=self._stop)
+                RunState(trainer, presence, streams, self.config, self.data_dir, phase=self.phase, stop=self._stop)
             )
             training = self._training = TrainingRun(
                 presence,
                 run_state,
-                config,
+                self.config,
                 self.data_dir,
                 peer_id=host.peer_id,
                 phase=self.phase,
@@ -381,6 +295,117 @@ class Node:
             finally:
                 (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _start_network(self, stack: AsyncExitStack) -> tuple[Host, SignedSpec, TensorStreams, PeerPresence]:
+        """Host, the swarm's spec, the data plane, NAT traversal (if enabled) and presence (DHT,
+        mDNS, membership as "syncing", re-dialling): everything a pipeline peer and a trainer share."""
+        config = self.config
+        identity = Identity.load_or_create(self.data_dir)
+        host = self.host = await stack.enter_async_context(
+            Host(identity, HostConfig(listen=config.listen, swarm_key=config.swarm_key, announce=config.announce))
+        )
+        signed = self.signed = await self.spec_source.resolve(host)
+        host.rpc.serve(SPEC_RPC, self.spec_source.serve)
+        streams = self.streams = await stack.enter_async_context(TensorStreams(host))
+        spec = signed.spec
+        pow_nonce = None
+        if spec.admission == "open" and spec.pow_bits:  # minted once, kept in the data dir
+            pow_nonce = await trio.to_thread.run_sync(
+                load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.pow_bits
+            )
+        presence = self.presence = PeerPresence(
+            host,
+            signed,
+            bootstrap=list(config.bootstrap) + self.spec_source.entry_addrs[:1],
+            mdns=config.mdns,
+            connection="direct",
+            pow_nonce=pow_nonce,
+            data_dir=self.data_dir,
+        )
+        if config.nat:  # before any peer connects, so every relayed peer can be punched
+            self.nat = presence.nat = await stack.enter_async_context(
+                NatTraversal(
+                    host,
+                    streams,
+                    relays=presence.relay_candidates,
+                    config=NatConfig(
+                        serve_relay_when_public=config.relay, upnp=config.upnp and _beyond_loopback(config.listen)
+                    ),
+                )
+            )
+            presence.connection = "unknown"
+        await stack.enter_async_context(presence)
+        self.phase.on_change(presence.keep_progress_live)
+        # Only members get data-plane sessions; only round candidates may join a round, and
+        # only near our step (a stranger's join for a far-future round voided real rounds).
+        streams.authorize = presence.is_member
+        return host, signed, streams, presence
+
+    async def _start_collective(
+        self, stack: AsyncExitStack, host: Host, signed: SignedSpec, streams: TensorStreams, presence: PeerPresence
+    ) -> SwarmCollective:
+        """The swarm's all-reduce, with the spec's aggregation and grouping; what it flags as a
+        part's owner becomes our strikes."""
+        config = self.config
+        collective = self.collective = await stack.enter_async_context(
+            SwarmCollective(
+                host,
+                streams,
+                presence.candidates,
+                AllReduceConfig(
+                    join_timeout=config.join_timeout,
+                    part_timeout=config.part_timeout,
+                    uplink_mbit=config.uplink_mbit,
+                    round_window=max(4 * signed.spec.H, 64),
+                    **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
+                ),
+                current_round=self._current_round,
+                # Grouped rounds (collective/groups.py): groups from every live trainer, so one
+                # dropped connection does not reshuffle ours; candidates stay the connected ones.
+                grouping=signed.spec.group_plan(),
+                roster=lambda _round: presence.trainers(),
+            )
+        )
+        if presence.strikes is not None:
+            collective.screening_listeners.append(presence.strikes.on_round)
+        return collective
+
+    async def _start_trainer(
+        self,
+        stack: AsyncExitStack,
+        host: Host,
+        signed: SignedSpec,
+        presence: PeerPresence,
+        collective: SwarmCollective,
+    ) -> TrainedState:
+        """Our `Trainer` over the collective (through the local ranks, if any), with loss scoring
+        and spot-checks of sampled contributions; in loop mode, the user's loop's optimizer."""
+        if self._user_loop:
+            await self._adopt.wait()
+            assert self._adopted is not None  # set with the event
+            self.trainer = self._adopted
+            return self._adopted
+        local = self.local
+        ours = local.collective(collective) if local else collective
+        trainer = self.trainer = Trainer(
+            signed.spec,
+            adversary.wrap(self.adversary, ours),
+            host.peer_id,
+            model=self._model,
+            outer_factory=self._outer_factory,
+            local=local,
+            device=None if local else resolve_device(self.config.device),
+            data_dir=self.data_dir,
+        )
+        adversary.arm(self.adversary, trainer, presence.view)
+        if presence.strikes is not None and collective.config.score_samples and local is None:
+            # Loss scoring and spot-checks: after the strike book, which logs the round.
+            checks = Verification(trainer, presence.strikes, collective.screening_listeners)
+            self.scorer, self.spot_checker = checks.scorer, checks.spot_checker
+            verifying = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(verifying.cancel_scope.cancel)
+            verifying.start_soon(checks.run)
+        return trainer
 
     async def _announce_reachability(self, stack: AsyncExitStack, presence: PeerPresence) -> None:
         """With NAT traversal: announce how we are reached (public / relayed / private) and our
@@ -436,104 +461,6 @@ class Node:
         if self.config.max_steps is not None:
             return min(steps, self.config.max_steps) if steps else self.config.max_steps
         return steps
-
-    async def _resolve_spec(self, host: Host) -> SignedSpec:
-        if self._spec_arg is not None:
-            signed = self._spec_arg
-        elif self.join_address is not None:
-            if self.join_address.addr is None:
-                self.join_address = await self._find_swarm(self.join_address)
-            signed = await self._fetch_spec(host, self.join_address.swarm_id, self._entry_addrs)
-        else:
-            path = self.data_dir / SPEC_FILE
-            if not path.exists():
-                raise NodeError(
-                    f"no swarm to run: {path} does not exist. Create a swarm (`meshtrain swarm "
-                    f"create`) or join one (`meshtrain swarm join <multiaddr>`)"
-                )
-            signed = SignedSpec.load(path)
-        spec = signed.spec
-        if spec.admission == "private" and self.config.swarm_key is None:
-            raise ConfigError(
-                f"swarm {signed.swarm_id} is private: pass its key (--swarm-key, or MESHTRAIN_SWARM_KEY; "
-                f"`swarm create --private` wrote it to the creator's data dir)"
-            )
-        # our copy of the model and tokenizer files must be the swarm's
-        check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
-        check_outer_copy(spec)
-        existing = self.data_dir / SPEC_FILE
-        if existing.exists():
-            old = SignedSpec.load(existing)
-            if old.swarm_id != signed.swarm_id and (self.data_dir / "checkpoints").exists():
-                raise NodeError(
-                    f"{self.data_dir} holds swarm {old.swarm_id}, not {signed.swarm_id}; "
-                    f"use another --data-dir for another swarm"
-                )
-        signed.save(existing)
-        return signed
-
-    async def _fetch_spec(self, host: Host, want: str | None, addrs: list[str]) -> SignedSpec:
-        """The signed spec from a peer we join through (`addrs`: the entry addresses, tried in
-        turn; one from `join`, or those the swarm index lists). An unreachable peer, or one whose spec
-        RPC cannot be opened yet (starting, restarting, a loaded machine), is a transient: keep
-        asking, with a backoff. A peer that answers with anything but a valid spec — or that
-        still serves none after `SPEC_ATTEMPTS` tries once connected — is not a meshtrain node of
-        that swarm: `NodeError`."""
-        backoff = Backoff(initial=2.0, cap=30.0)
-        unavailable = attempt = 0
-        try:
-            while True:
-                addr = addrs[attempt % len(addrs)]
-                attempt += 1
-                try:
-                    peer = await host.connect(addr, timeout=15)
-                    return SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
-                except (RemoteError, RpcProtocolError) as e:
-                    raise NodeError(f"{addr} did not send a swarm spec ({e}); is it a meshtrain node?") from None
-                except SpecError as e:
-                    raise NodeError(f"{addr}: {e}") from None
-                except RpcUnavailable as e:
-                    unavailable += 1
-                    if unavailable >= SPEC_ATTEMPTS:
-                        raise NodeError(f"{addr} serves no swarm spec ({e}); is it a meshtrain node?") from None
-                    error = e
-                except MeshtrainError as e:  # cannot connect, a timeout: the peer may come back
-                    error = e
-                delay = backoff.next()
-                log.warning(
-                    kv(
-                        "cannot get the swarm spec from the peer to join through; retrying (Ctrl-C to give up)",
-                        addr=addr,
-                        error=str(error)[:200],
-                        retry_in_s=round(delay, 1),
-                    )
-                )
-                self.startup_waiting = f"joining: waiting for {addr} to answer"
-                await self._stop.sleep(delay)
-                if self._stop.is_set():
-                    raise NodeError(f"stopped before {addr} answered")
-        finally:
-            self.startup_waiting = None
-
-    async def _find_swarm(self, target: JoinTarget) -> JoinTarget:
-        """Look a swarm id or name up in the DHT's swarm index (through `config.bootstrap`)."""
-        from meshtrain.node.spec.listing import find_swarms, pick_swarm
-
-        self.startup_waiting = f"looking up swarm {target.wanted!r} in the DHT's swarm index"
-        try:
-            found = pick_swarm(await find_swarms(self.config.bootstrap), target.wanted)
-        except DhtError as e:
-            raise NodeError(f"cannot look up swarm {target.wanted!r}: {e}") from None
-        if not found.addrs:
-            raise NodeError(f"swarm {found.swarm_id} is listed without an address to join through")
-        self.startup_waiting = None
-        log.warning(kv("found the swarm", swarm=found.swarm_id, name=found.name, entry=found.addrs[0]))
-        self._entry_addrs = list(found.addrs)
-        return JoinTarget(found.swarm_id, found.addrs[0])
-
-    async def _serve_spec(self, peer: str, req: Any) -> dict:
-        assert self.signed is not None  # served only once resolved
-        return self.signed.to_wire()
 
     async def _first_probe(self, nat: NatTraversal) -> None:
         """Probe reachability as soon as a peer can dial us back (NatTraversal re-probes later)."""
@@ -603,8 +530,7 @@ class Node:
         self.status_url = srv.url
 
     def _write_daemon_file(self, host: Host, signed: SignedSpec) -> None:
-        """daemon.json: how `meshtrain node status/stop` find us. They read it with
-        `status.read_daemon_file` (re-exported here), as that path must not import this module."""
+        """daemon.json: how `meshtrain node status/stop` find us (node/status/client.py)."""
         info = {
             "pid": os.getpid(),
             "peer_id": host.peer_id,
@@ -613,7 +539,7 @@ class Node:
             "status_url": self.status_url,
             "token_file": str(self.data_dir / TOKEN_FILE),
         }
-        write_atomic(self.data_dir / DAEMON_FILE, json.dumps(info).encode())
+        write_daemon_file(self.data_dir, info)
         log.warning(
             kv(
                 "node started",

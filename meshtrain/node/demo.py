@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.node.daemon import DAEMON_FILE
+from meshtrain.node.status.client import DAEMON_FILE
 
 STARTUP_TIMEOUT = 60.0
 

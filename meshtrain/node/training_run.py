@@ -47,10 +47,11 @@ import trio
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.durable import write_atomic
 from meshtrain.log import get_logger, kv
+from meshtrain.node.phase import Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.stages.peer import PipelinePeer
-from meshtrain.node.state.run_state import Phase, RunState, StoppedWhileStarting, StopRequest
+from meshtrain.node.state.run_state import RunState
 from meshtrain.node.trainer import TrainedState, Trainer
 
 log = get_logger(__name__)

@@ -38,12 +38,12 @@ from typing import Any
 import trio
 
 from meshtrain.log import get_logger, kv
+from meshtrain.node.phase import StopRequest
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.stages.announce import PipelineAnnouncements
 from meshtrain.node.stages.state import StageStates, backers
 from meshtrain.node.stages.trainer import StageTrainer
-from meshtrain.node.state.run_state import StopRequest
 from meshtrain.pipeline.placement import stage_map
 from meshtrain.transport.tensor_streams import TensorStreams
 

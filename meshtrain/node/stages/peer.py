@@ -115,6 +115,7 @@ from meshtrain.collective.allreduce import AllReduceConfig
 from meshtrain.crdt.swarm_view import PeerInfo
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import resolve_context
+from meshtrain.node.phase import Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.spec.swarm import SwarmSpec
@@ -123,7 +124,6 @@ from meshtrain.node.stages.handover import StageHandover
 from meshtrain.node.stages.lab import PipelineLab
 from meshtrain.node.stages.trainer import StageTrainer, checkpoint_stage
 from meshtrain.node.state.checkpoint import CheckpointStore
-from meshtrain.node.state.run_state import Phase, StopRequest
 from meshtrain.node.trainer import build_model, load_data
 from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.placement import place, stage_map

@@ -41,10 +41,6 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   (one at a time; never while an exchange is in flight).
 - `save_final()`: the checkpoint written on a clean stop.
 
-`Phase` is the node's state (starting, syncing, training, stopping) with its recent history,
-so a console polling slower than the changes still prints each one. `StopRequest` is how a stop
-reaches the trainer's thread (a `threading.Event`) and the trio tasks (a `trio.Event`).
-
 Not here: the checkpoint format (`node/state/checkpoint.py`), the download protocol and the donor's
 admission (`node/state/sync.py`), the parity rule (`node/state/parity.py`), who is in the swarm
 (`node/presence.py`).
@@ -53,10 +49,8 @@ admission (`node/state/sync.py`), the parity rule (`node/state/parity.py`), who 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -64,9 +58,9 @@ from typing import Any
 import trio
 
 from meshtrain.backoff import Backoff
-from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.node.phase import NodeError, Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.state.checkpoint import CheckpointStore, flatten_state, unflatten_state
@@ -87,65 +81,6 @@ ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on o
 PARITY_INTERVAL = 0.5  # seconds between two parity checks against the swarm's φ digests
 RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
 RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
-STATE_LOG = 8  # the status document keeps this many recent states
-
-
-class NodeError(MeshtrainError):
-    """The node cannot start or continue (no spec, swarm unreachable, state download failed)."""
-
-
-class StoppedWhileStarting(NodeError):
-    """Stopped (Ctrl-C, SIGTERM, `node stop`) before the node trained: nothing to save. The CLI
-    exits 130, as for any interrupt."""
-
-
-class Phase:
-    """The node's state — starting, syncing, training, stopping — and its last `STATE_LOG`
-    values, with how many changes there were (`meshtrain.node.status.console` prints each)."""
-
-    def __init__(self) -> None:
-        self._states: deque[str] = deque(["starting"], maxlen=STATE_LOG)
-        self.changes = 0
-        self._listeners: list[Callable[[str], None]] = []
-
-    def on_change(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(new_state)` on every change from now on (on the caller's thread)."""
-        self._listeners.append(listener)
-
-    @property
-    def value(self) -> str:
-        return self._states[-1]
-
-    def set(self, value: str) -> None:
-        if value != self._states[-1]:
-            self._states.append(value)
-            self.changes += 1
-            for listener in self._listeners:
-                listener(value)
-
-    def recent(self) -> list[str]:
-        return list(self._states)
-
-
-class StopRequest:
-    """A stop, seen by the trainer's thread (`flag`) and by trio tasks (`requested`). `set()` is
-    called on the trio thread (`Node.stop` hops there)."""
-
-    def __init__(self) -> None:
-        self.flag = threading.Event()
-        self.requested = trio.Event()
-
-    def set(self) -> None:
-        self.flag.set()
-        self.requested.set()
-
-    def is_set(self) -> bool:
-        return self.flag.is_set()
-
-    async def sleep(self, seconds: float) -> None:
-        """Sleep, or return early when a stop is requested."""
-        with trio.move_on_after(seconds):
-            await self.requested.wait()
 
 
 class RunState(Service):

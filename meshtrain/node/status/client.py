@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from meshtrain.durable import write_atomic
 from meshtrain.errors import MeshtrainError
 
 # This module is the client of `meshtrain node status/stop`, which must start in tens of
@@ -187,6 +188,11 @@ def request_export(url: str, token: str, out: str, timeout: float = 10.0) -> dic
     except ValueError:
         raise StatusError(f"{url} did not answer the export request in JSON") from None
     return reply if isinstance(reply, dict) else {}
+
+
+def write_daemon_file(data_dir: Path, info: dict[str, Any]) -> None:
+    """daemon.json: how `meshtrain node status/stop` find a running node (`read_daemon_file`)."""
+    write_atomic(data_dir / DAEMON_FILE, json.dumps(info).encode())
 
 
 def read_daemon_file(data_dir: str | os.PathLike[str]) -> dict[str, Any]:

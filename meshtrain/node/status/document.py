@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import meshtrain
 from meshtrain.collective import SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
+from meshtrain.node.phase import Phase
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import device_label
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.spec.signed import JoinTarget, SignedSpec
 from meshtrain.node.stages.peer import PipelinePeer
 from meshtrain.node.state.parity import ParityMonitor
-from meshtrain.node.state.run_state import Phase, RunState
+from meshtrain.node.state.run_state import RunState
 from meshtrain.node.trainer import TrainedState
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
