@@ -13,7 +13,7 @@ background tasks stop before the resources under them close.
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
-from typing import Self
+from typing import Any, Self
 
 import trio
 
@@ -46,7 +46,7 @@ class Service:
         self._stack = stack
         return self
 
-    async def __aexit__(self, *exc: object) -> bool | None:
+    async def __aexit__(self, *exc: Any) -> bool | None:
         stack, self._stack = self._stack, None
         if stack is None:  # never entered, or already left
             return None

@@ -348,7 +348,9 @@ def encode_entries(type_tag: str, entries: Iterable[SignedEntry]) -> bytes:
     return packb_canonical([WIRE_VERSION, type_tag, entries_to_wire(entries)])
 
 
-def unpack_envelope(data: bytes, *, max_size: int, version: int, what: str, layout: str) -> tuple[Any, Any]:
+def unpack_envelope(
+    data: bytes | bytearray | memoryview, *, max_size: int, version: int, what: str, layout: str
+) -> tuple[Any, Any]:
     """The two fields of an untrusted msgpack `[version, a, b]` envelope of the expected version;
     `MalformedCrdtData` (naming `what`) for anything else. Shared by CRDT batches and gossip."""
     try:

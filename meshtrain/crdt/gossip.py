@@ -47,6 +47,7 @@ from contextlib import AsyncExitStack, suppress
 from typing import Any
 
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
@@ -133,7 +134,7 @@ async def start_gossipsub(
     return pubsub
 
 
-def guard_gossip_streams(host: Host, pubsub: Pubsub, protocols: Iterable[str]) -> None:
+def guard_gossip_streams(host: Host, pubsub: Pubsub, protocols: Iterable[TProtocol]) -> None:
     """Replace py-libp2p's pubsub stream handler with one that contains its errors.
 
     In py-libp2p 0.8.1 a single malformed pubsub frame (protobuf `DecodeError`) escapes the
@@ -172,6 +173,8 @@ class GossipPush:
     `_outbox_ready`), the py-libp2p `_pubsub` and the streams it is opening (`_pubsub_pending`,
     `_pubsub_failed`, `_connected_since`), `_warn` and `_nursery`.
     """
+
+    _outbox: dict[str, dict[str, SignedEntry]]  # crdt name -> owner -> newest entry to publish
 
     def _queue_gossip(self, name: str, entries: Iterable[SignedEntry]) -> None:
         pending = self._outbox.setdefault(name, {})

@@ -382,9 +382,10 @@ class Replica(GossipPush, AntiEntropy, Service):
 
     # --- writing --------------------------------------------------------------------------------
 
-    def write(self, name: str, mutate: Callable[[SignedCrdt, Any], SignedEntry | None]) -> SignedEntry | None:
+    def write(self, name: str, mutate: Callable[[Any, Any], SignedEntry | None]) -> SignedEntry | None:
         """Apply `mutate(crdt, identity)` — a mutator such as `lambda c, me: c.increment(me, 5)` —
         and queue the resulting entry for gossip. Returns the entry (None if nothing was written).
+        (`crdt` is typed Any: its class is the one `name`'s spec gives.)
 
         The mutator runs on a copy first, and the entry must pass the same checks other peers
         will apply (the spec's `check`, the size limit), so a write that fails (`CrdtError`,

@@ -262,7 +262,7 @@ class SwarmView(Service):
         self.keep = keep
         self._refused: dict[str, PeerInfo] = {}  # the latest refused membership records, by owner
         self._left = False
-        self._progress = {"step": 0, "samples": 0, "round": 0}
+        self._progress: dict[str, Any] = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
         self._progress_written = False
         self._progress_at = -math.inf  # trio time of our last progress write

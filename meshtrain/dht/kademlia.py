@@ -396,8 +396,8 @@ class Dht(Service):
         cfg = self.config
         nursery = self._require_open()
         lookup = Lookup(target, self.peer_id, cfg.replication)
-        for peer in self._seeds(target):
-            lookup.add(peer)
+        for seed in self._seeds(target):
+            lookup.add(seed)
         records: dict[Subkey, Record] = {}
         seen: dict[str, set[tuple[Subkey, bytes]]] = {}
         send, recv = trio.open_memory_channel[tuple[str, _FindReply | None]](math.inf)

@@ -149,7 +149,7 @@ class HFCausalLM(torch.nn.Module):
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner: Any = inner  # a transformers PreTrainedModel (transformers is optional: untyped here)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner(input_ids=x, labels=x).loss

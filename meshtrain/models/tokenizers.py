@@ -267,10 +267,10 @@ def load_tokenizer(name: str, *, text: str | None = None) -> Tokenizer:
     except ImportError:
         raise ConfigError(f"tokenizer {name} needs the `tokenizers` package: pip install tokenizers") from None
     try:
-        backend = tokenizers.Tokenizer.from_file(str(json_file))
+        fast = tokenizers.Tokenizer.from_file(str(json_file))
     except Exception as e:  # noqa: BLE001 — the Rust binding raises plain Exception on a bad file
         raise ConfigError(
             f"tokenizer {name}: {json_file} is not a tokenizers JSON file: {str(e).splitlines()[0][:300]}"
         ) from None
-    eos = next((i for s in EOS_SPELLINGS if (i := backend.token_to_id(s)) is not None), None)
-    return HFTokenizer(name, backend, digest, backend.get_vocab_size(with_added_tokens=True), eos)
+    eos = next((i for s in EOS_SPELLINGS if (i := fast.token_to_id(s)) is not None), None)
+    return HFTokenizer(name, fast, digest, fast.get_vocab_size(with_added_tokens=True), eos)

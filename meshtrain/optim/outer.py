@@ -321,7 +321,9 @@ class OuterOptimizer(OuterRounds):
 
     def feed_back(self, delta: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """e ← β·e + Δ; (send, ŝ) = compress(e); e ← e − ŝ; returns `send`. Runs in the trainer's thread."""
-        beta = float(self.error_feedback)  # type: ignore[arg-type]
+        if self.error_feedback is None:
+            raise ValueError("feed_back needs error feedback: set error_feedback = β, a float in [0, 1]")
+        beta = float(self.error_feedback)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"error_feedback β must be in [0, 1], got {beta!r}")
         for n in names:

@@ -73,11 +73,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -128,7 +128,7 @@ class _Call:
     """A request from the round logic to run an async function on the trio side."""
 
     fn: Callable[..., Any]
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
     spawn: bool = False  # start in the optimizer's nursery instead of awaiting
 
 
@@ -161,9 +161,20 @@ class OuterRounds(Service):
     comm_wait_seconds: float
     history: deque[RoundReport]
     step_hooks: list[Callable[[Any], None]]
-    prepares_rounds: bool  # the optimizer's hooks: see OuterOptimizer
-    prepare: Callable[..., Any]
-    unprepare: Callable[..., Any]
+
+    if TYPE_CHECKING:  # the optimizer's hooks, which OuterOptimizer defines (outer.py)
+
+        @property
+        def prepares_rounds(self) -> bool: ...
+        async def prepare(self, *, round_id: int, tag: str, within: float) -> None: ...
+        async def unprepare(self, *, round_id: int, tag: str) -> None: ...
+        def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
+        def feed_back(self, delta: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]: ...
+        async def communicate(
+            self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
+        ) -> ReduceResult: ...
+        def apply(self, result: ReduceResult, names: Sequence[str]) -> None: ...
+        def merge(self, names: Sequence[str]) -> None: ...
 
     # -- the training loop --------------------------------------------------------------------
 
@@ -346,7 +357,8 @@ class OuterRounds(Service):
             try:
                 call = gen.send(value)
             except StopIteration as stop:
-                return stop.value
+                reports: list[RoundReport] = stop.value
+                return reports
             check_not_in_trio_thread()
             if call.spawn:
                 value = trio.from_thread.run_sync(self._spawn, call, **kw)
@@ -359,8 +371,13 @@ class OuterRounds(Service):
             try:
                 call = gen.send(value)
             except StopIteration as stop:
-                return stop.value
-            value = self._spawn(call) if call.spawn else await call.fn(*call.args)
+                reports: list[RoundReport] = stop.value
+                return reports
+            if call.spawn:
+                self._spawn(call)
+                value = None
+            else:
+                value = await call.fn(*call.args)
 
     def _spawn(self, call: _Call) -> None:
         if self._nursery is None:

@@ -60,8 +60,10 @@ def strided_fragments(model: torch.nn.Module, P: int) -> list[list[str]]:
     if not is_int(P) or P < 1:
         raise ValueError(f"the number of fragments P must be an integer >= 1, got {P!r}")
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if hasattr(model, "block_groups"):
-        blocks = [[n for n in group if n in params] for group in model.block_groups()]
+    # getattr: typed by nn.Module.__getattr__, `model.block_groups` would be a tensor or a module
+    block_groups = getattr(model, "block_groups", None)
+    if block_groups is not None:
+        blocks: list[list[str]] = [[n for n in group if n in params] for group in block_groups()]
     else:
         by_index: dict[int, list[str]] = {}
         prefix = None

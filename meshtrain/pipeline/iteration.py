@@ -115,10 +115,10 @@ class IterationState:
         self.floor[mb] = floor
         for key in [k for k in self.inputs if k[0] == mb and k[1] < floor]:
             del self.inputs[key]
-        for key in [k for k in self.tapes if k[0] == mb and k[1] < floor]:
-            del self.tapes[key]
-        for key in [k for k in self.grads if k[0] == mb and k[1] < floor]:
-            del self.grads[key]
+        for mb_att in [k for k in self.tapes if k[0] == mb and k[1] < floor]:
+            del self.tapes[mb_att]
+        for mb_att in [k for k in self.grads if k[0] == mb and k[1] < floor]:
+            del self.grads[mb_att]
         self.notify()
 
     @property
@@ -200,13 +200,15 @@ class IterationExecution:
         t0 = time.monotonic()
         r = self.replica
         if kind == "forward" and self.stage == 0:
-            mine = st.mine[mb]
+            route = st.mine[mb].route
             x, y = self.data(st.it, mb)
             tape = await trio.to_thread.run_sync(r.embed, x)
             st.tapes[(mb, att)] = (tape, None, y)
             await self._pad(t0, 1.0)
-            self._send(st, Hop(st.it, mb, att, "fwd", 1, mine.route, shape_of(tape.output)), tape.output)
-        elif kind == "forward":
+            self._send(st, Hop(st.it, mb, att, "fwd", 1, route, shape_of(tape.output)), tape.output)
+            return
+        assert got is not None  # what arrived: every visit but stage 0's forward has it
+        if kind == "forward":
             h, hop = got
             tape = await trio.to_thread.run_sync(r.forward, h)
             st.tapes[(mb, att)] = (tape, hop, None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -126,7 +127,7 @@ class StageReplica:
         self._need(ends=True, what="embed")
         self.staged.check_input(idx)
         with torch.enable_grad():
-            return Tape(None, self.stage.module["embed"](idx))
+            return Tape(None, self._end("embed")(idx))
 
     def forward(self, h: torch.Tensor) -> Tape:
         """Block-stage forward: h [B, T, d] -> this stage's blocks applied in order."""
@@ -146,7 +147,7 @@ class StageReplica:
             raise StageError(f"targets {tuple(targets.shape)} do not match activations {tuple(h.shape)}")
         x = h.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss = self.stage.module["head"](x, targets).loss
+            loss = self._end("head")(x, targets).loss
             grads = torch.autograd.grad(loss, [x, *self.params], allow_unused=True)
         return float(loss.detach()), grads[0], self._dense(grads[1:])
 
@@ -199,6 +200,11 @@ class StageReplica:
     def _need(self, *, ends: bool, what: str) -> None:
         if self.is_ends != ends:
             raise StageError(f"stage {self.index} cannot {what}")
+
+    def _end(self, name: str) -> nn.Module:
+        """Stage 0's `embed` or `head`: its module is an `nn.ModuleDict` of the two
+        (`PipelineStage`, models/gpt.py)."""
+        return cast(nn.ModuleDict, self.stage.module)[name]
 
     def _check_activation(self, h: torch.Tensor) -> None:
         d, context = self.staged.d_model, self.staged.context

@@ -78,7 +78,7 @@ def packb_canonical(value: Any) -> bytes:
     return packb(canonical(value))
 
 
-def unpackb(data: bytes | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> Any:
+def unpackb(data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> Any:
     """Decode one msgpack value from untrusted bytes; any defect is a `MalformedMessage`."""
     if len(data) > max_size:
         raise FrameTooLarge(f"message of {len(data)} bytes exceeds the {max_size}-byte limit")

@@ -171,6 +171,7 @@ class DataPlanePunch:
         """Open a data-plane TCP connection to `peer`; None means "dial its port as usual"
         (the peer does not speak this RPC). Raises `PunchFailed` when no direct path exists."""
         sock = await _bound_socket(self._local_ip())
+        close_sock = True  # until the punch (`_go`) owns it
         port = sock.getsockname()[1]
         try:
             t0 = time.monotonic()
@@ -208,7 +209,7 @@ class DataPlanePunch:
             if reply.get("public") is True and not self._public():
                 delay += self.config.public_first_margin
             stream = await self._go(peer, token, sock, remote, delay)
-            sock = None
+            close_sock = False
             self.stats["punched"] += 1
             log.info(
                 kv("data plane punched", peer=peer, remote=f"{remote[0]}:{remote[1]}", rtt_ms=round(rtt * 1000, 1))
@@ -221,7 +222,7 @@ class DataPlanePunch:
             self.stats["punch_failed"] += 1
             raise PunchFailed(f"punch coordination with {peer} failed: {e}") from None
         finally:
-            if sock is not None:
+            if close_sock:
                 sock.close()
 
     async def _go(self, peer: str, token: bytes, sock: Any, remote: tuple[str, int], delay: float) -> trio.SocketStream:

@@ -46,14 +46,16 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
 from libp2p import new_host
 from libp2p.abc import INotifee
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISTREAM_PROTOCOL
@@ -236,7 +238,7 @@ class Host(Service):
         # py-libp2p's auto-connector dials known peers toward the midpoint of its connection
         # watermarks (150 by default) every 30 s; the watermarks must stay for pruning, so
         # stop the connector itself: our membership layer decides whom to connect to.
-        await self.libp2p.get_network().auto_connector.stop()
+        await cast(Swarm, self.libp2p.get_network()).auto_connector.stop()  # typed as the interface
         network = self.libp2p.get_network()
         network.register_notifee(self._events)
         stack.callback(network.remove_notifee, self._events)
@@ -337,7 +339,8 @@ class Host(Service):
             if is_relayed_connection(conn):
                 continue
             try:
-                addr = conn.muxed_conn.get_remote_address()
+                # every muxer py-libp2p has (yamux, mplex) has it; its interface (IMuxedConn) does not
+                addr = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
             except Exception:
                 addr = None
             if addr:
@@ -347,7 +350,7 @@ class Host(Service):
     # -- streams ---------------------------------------------------------------------------
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
-        self.libp2p.set_stream_handler(protocol, handler)
+        self.libp2p.set_stream_handler(TProtocol(protocol), handler)
 
     async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any:
         """Open a stream for `protocol` to an already-known peer; raises `StreamOpenError`."""
@@ -357,7 +360,7 @@ class Host(Service):
             raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
         try:
             with trio.fail_after(timeout or DEFAULT_STREAM_OPEN_TIMEOUT):
-                return await self.libp2p.new_stream(pid, [protocol])
+                return await self.libp2p.new_stream(pid, [TProtocol(protocol)])
         except trio.TooSlowError:
             raise StreamOpenError(f"opening {protocol} to {peer} timed out") from None
         except Exception as e:
@@ -382,7 +385,7 @@ class Host(Service):
             if isinstance(e, trio.TooSlowError):
                 raise StreamOpenError(f"opening {protocol} to {peer} timed out") from None
             raise StreamOpenError(f"cannot open {protocol} to {peer}: {e}") from None
-        stream.set_protocol(protocol)
+        stream.set_protocol(TProtocol(protocol))
         return ProposedStream(stream, protocol)
 
 

@@ -51,5 +51,5 @@ def apply() -> None:
         return
     if not hasattr(_yamux.Yamux, "_write_frame"):  # a py-libp2p without the method: nothing to fix here
         raise RuntimeError("py-libp2p's Yamux has no _write_frame; re-check meshtrain/transport/libp2p_patches.py")
-    _yamux.Yamux._write_frame = _write_frame_whole
+    _yamux.Yamux._write_frame = _write_frame_whole  # type: ignore[method-assign]  # the patch itself
     _applied = True

@@ -33,10 +33,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.security.pnet.protector import new_protected_conn
 
@@ -124,14 +125,15 @@ async def _fresh_handshake(host: Host, maddr: multiaddr.Multiaddr, peer: ID) -> 
     `max_connections_per_peer=1` py-libp2p's trimmer may then close the *existing* connection
     (the one the dial-back request is on) instead of ours. Raises on any failure.
     """
-    network = host.libp2p.get_network()
+    network = cast(Swarm, host.libp2p.get_network())  # py-libp2p types it as the interface
     transport = network.transport_manager.transport_for_dialing(maddr)
     if transport is None:
         raise ReachabilityError(f"no transport can dial {maddr}")
     raw = await transport.dial(multiaddr.Multiaddr(f"{maddr}/p2p/{peer.to_base58()}"))
     try:
-        if getattr(network, "psk", None) is not None:
-            raw = new_protected_conn(raw, network.psk)
+        psk = getattr(network, "psk", None)
+        if psk is not None:
+            raw = new_protected_conn(raw, psk)
         secured = await network.upgrader.upgrade_security(raw, True, peer)
         await secured.close()
     finally:

@@ -104,7 +104,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
         raise LayoutError("tensor must be a contiguous CPU tensor for zero-copy I/O")
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray `__buffer__` only for Python >= 3.12; it is a buffer on 3.11 too
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def byte_views(tensors: dict[str, torch.Tensor]) -> list[memoryview]:

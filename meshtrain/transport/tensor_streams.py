@@ -96,7 +96,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -205,7 +205,7 @@ class TensorStreams(Service):
         self._idle: dict[str, list[DataChannel]] = {}
         self._bulk: dict[str, list[DataChannel]] = {}  # idle connections of transfers >= bulk_bytes
         self._nursery: trio.Nursery | None = None
-        self._listeners: list[trio.SocketListener] = []
+        self._listeners: Sequence[trio.SocketListener] = []
         self.port: int | None = None
         self.active: set[DataChannel] = set()  # connections currently carrying a transfer
         # NAT traversal hook (meshtrain.transport.holepunch): given a peer, open a TCP connection to

@@ -127,7 +127,8 @@ class PortMapper(Service):
         if not found:
             return UpnpResult(gateway=False)
         self._manager = manager
-        mapped, failed = [], []
+        mapped: list[int] = []
+        failed: list[int] = []
         for port in dict.fromkeys(self.ports):
             (mapped if await manager.add_port_mapping(port, "TCP") else failed).append(port)
         return UpnpResult(

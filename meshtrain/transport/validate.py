@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from meshtrain.errors import MeshtrainError
 
@@ -39,12 +39,12 @@ class Malformed(MeshtrainError):
 ErrorFactory = Callable[[str], Exception]
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """An int, and not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: Any) -> TypeGuard[int | float]:
     """An int or a float, and not a bool (NaN and inf included: see `require_number`)."""
     return isinstance(x, int | float) and not isinstance(x, bool)
 
