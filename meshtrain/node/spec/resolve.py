@@ -132,6 +132,7 @@ class SpecResolver:
         backoff; a peer that is not a meshtrain node of the swarm is a `NodeError` (module docstring)."""
         backoff = Backoff(initial=2.0, cap=30.0)
         unavailable = attempt = 0
+        error: MeshtrainError
         try:
             while True:
                 addr = addrs[attempt % len(addrs)]

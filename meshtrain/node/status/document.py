@@ -27,6 +27,8 @@ from meshtrain.node.stages.peer import PipelinePeer
 from meshtrain.node.state.parity import ParityMonitor
 from meshtrain.node.state.run_state import RunState
 from meshtrain.node.trainer import TrainedState
+from meshtrain.node.trust.scoring import LossScorer
+from meshtrain.node.trust.spot_check import SpotChecker
 from meshtrain.transport.host import Host
 from meshtrain.transport.nat import NatTraversal
 from meshtrain.transport.tensor_streams import TensorStreams
@@ -51,8 +53,12 @@ class Node(Protocol):
     run_state: RunState | None
     pipeline: PipelinePeer | None
     local: LocalRanks | None
-    join_address: JoinTarget | None
+    scorer: LossScorer | None
+    spot_checker: SpotChecker | None
     startup_waiting: str | None
+
+    @property
+    def join_address(self) -> JoinTarget | None: ...
 
     @property
     def state(self) -> str: ...

@@ -64,14 +64,14 @@ def wrap(mode: str | None, collective: Collective) -> Collective:
 
 
 class HasBatches(Protocol):
-    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def arm(mode: str | None, trainer: HasBatches, view: SwarmView | None) -> None:
     """The hooks outside the collective: `otherdata` swaps the trainer's batches, `replay-phi`
     makes `view` publish other φ digests. Nothing for an honest node or another mode."""
     if mode == "otherdata":
-        trainer.batch = other_data(trainer.batch)
+        trainer.batch = other_data(trainer.batch)  # type: ignore[method-assign,assignment]  # the hook replaces the method
     if mode == "replay-phi":
         assert view is not None  # the node's presence has been entered
         publish_other_phi(view)
@@ -121,7 +121,9 @@ class AdversarialCollective:
         return tensors  # otherdata: its update is honest about the wrong data
 
 
-def other_data(batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Callable[[int], tuple]:
+def other_data(
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
     """`batch(step)` on other data than assigned: the same rows with their token order reversed."""
 
     def reversed_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
