@@ -41,7 +41,8 @@ import trio
 from meshtrain.log import configure
 from meshtrain.models import GPT, Corpus, GPTConfig
 from meshtrain.pipeline.hop_codec import HopCodec
-from meshtrain.pipeline.runtime import PipelineRun, PipelineRuntime, SimulatedLinks
+from meshtrain.pipeline.run import PipelineRun
+from meshtrain.pipeline.runtime import PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.host import ConnectError, Host

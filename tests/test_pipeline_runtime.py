@@ -22,13 +22,8 @@ from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.pipeline.hop import HOP_RPC
 from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
 from meshtrain.pipeline.omission import block_order_for, omission_report
-from meshtrain.pipeline.runtime import (
-    HopRejected,
-    PipelineError,
-    PipelineRun,
-    PipelineRuntime,
-    parse_hop,
-)
+from meshtrain.pipeline.run import PipelineError, PipelineRun
+from meshtrain.pipeline.runtime import HopRejected, PipelineRuntime, parse_hop
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.pipeline.stages import (
     StageError,

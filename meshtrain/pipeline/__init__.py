@@ -8,9 +8,10 @@
   gradients, the optimizer step).
 - `runtime`: the microbatch protocol over RPC + tensor streams, executing the schedule's per-peer
   order, re-routing around dead peers, and the replicas' per-iteration gradient all-reduce.
-  Its parts: `hop` (the RPC names and the `Hop` a hop request announces), `iteration` (the
-  worker that runs a peer's visits in schedule order, and the end of an iteration), `rerouting`
-  (restarting microbatches around dead peers, taking a dead origin's over).
+  Its parts: `run` (the `PipelineRun` the peers agree on), `hop` (the RPC names and the `Hop` a
+  hop request announces), `iteration` (`IterationWorker`: runs a peer's visits in schedule order,
+  and the end of an iteration), `rerouting` (`Rerouter`: restarts microbatches around dead peers,
+  takes a dead origin's over); the runtime composes the two and hands each what it needs.
 - `hop_codec`: how an activation or gradient hop is encoded (the run's `activation_codec`: none,
   or a dense codec of collective/compression.py), and the checks on what a peer sent.
 - `omission`: evaluating a trained model with some of its stages left out.

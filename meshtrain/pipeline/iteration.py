@@ -1,17 +1,20 @@
 """One pipeline iteration on one peer: its state, the worker that runs this peer's visits in the
 schedule's order, and the iteration's end (commit, replica sync, optimizer step).
 
-What it does. `IterationExecution` is the part of `PipelineRuntime` (`runtime.py`) that computes.
-At the start of an iteration the runtime fills an `IterationState` from the `Schedule`; the
-worker (`_work`) then takes this peer's next visit — re-routed work first, then the schedule's
-`peer_order()` — and runs it in a worker thread: embedding on an origin, a block stage's
-forward, head + loss + backward through the head back on the origin, and the backward visits
-that retrace the path. Each visit's output leaves through the runtime's `_send`; gradients are
-kept per (microbatch, attempt) so that only the attempts the origins commit are summed.
+What it does. `IterationWorker` is the part of `PipelineRuntime` (`runtime.py`) that computes; the
+runtime constructs it and hands it only what it needs: this peer's stage and data, the run's
+`DeadPeers`, the replica sync's collective and the runtime's sending side (`Wire`: send a hop,
+report a lost attempt, broadcast, spawn a background task). At the start of an iteration the
+runtime fills an `IterationState` from the `Schedule`; the worker (`work`) then takes this
+peer's next visit — re-routed work first, then the schedule's `peer_order()` — and runs it in a
+worker thread: embedding on an origin, a block stage's forward, head + loss + backward through
+the head back on the origin, and the backward visits that retrace the path. Each visit's output
+leaves through `Wire.send`; gradients are kept per (microbatch, attempt) so that only the
+attempts the origins commit are summed.
 
-Replica sync (`sync_gradients`, the default): at the end of an iteration the replicas of each stage all-reduce their gradient
-sums and microbatch counts (`SwarmCollective`, bit-identical on all contributors) and every
-replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
+Replica sync (`sync_gradients`, the default; `finish`): at the end of an iteration the replicas of
+each stage all-reduce their gradient sums and microbatch counts (`SwarmCollective`, bit-identical
+on all contributors) and every replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
 SkipPipe reference, chosen over a DiLoCo-style outer step because replicas then stay bit-identical
 every iteration (a microbatch may be re-routed to any replica, so replicas must be interchangeable),
 and a stage's gradients (one stage of a model) are small enough to all-reduce every iteration.
@@ -22,10 +25,11 @@ replicas with an outer optimizer every H iterations (`pipeline/replica_sync.py`,
 per stage, over this runtime's collective): replicas then differ between two rounds, which the
 re-routing tolerates (any replica computes a valid forward, just not the same bits).
 
-Also here: the origin's `done` (`_maybe_done`: which attempts count, sent to every live peer
+Also here: the origin's `done` (`maybe_done`: which attempts count, sent to every live peer
 once all its microbatches finished), the `IterationReport` that `run_iteration` returns, and
-`account_sync`, the replica sync's share of the traffic and of the simulated links (runtime
-docstring, Simulation hooks).
+`DeadPeers`, the peers the run knows dead (seen by this peer; agreed by the origins). The replica
+sync's share of the traffic and of the simulated links is the runtime's `account_sync` (runtime
+docstring, Simulation hooks), which `finish` calls after the all-reduce.
 
 Not here: the wire protocol, the RPC handlers and sending (`runtime.py`; the hop and the RPC
 names: `hop.py`), what happens when a peer fails (`rerouting.py`).
@@ -35,18 +39,20 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import trio
 
-from meshtrain.collective.contract import CollectiveError
+from meshtrain.collective.contract import Collective, CollectiveError
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
 from meshtrain.pipeline.hop import DONE_RPC, Hop, sender_of, shape_of
+from meshtrain.pipeline.run import PipelineRun
 from meshtrain.pipeline.scheduler import BACKWARD_FACTOR, HEAD_FACTOR, Schedule
-from meshtrain.pipeline.stages import StageError, Tape
+from meshtrain.pipeline.stages import StageError, StageReplica, Tape
 
 log = get_logger(__name__)
 
@@ -126,14 +132,108 @@ class IterationState:
         return self.schedule is not None and all(o in self.done_from or o in self.dead_origins for o in self.origins)
 
 
-class IterationExecution:
-    """The worker and the end of an iteration, mixed into `PipelineRuntime`.
+class DeadPeers:
+    """The peers of a run this peer knows dead, shared by the runtime, its worker and its
+    re-routing (each reads it; the re-routing and the iteration's end add to it).
 
-    It reads and updates the runtime's state: `me`, `stage`, `replica`, `run`, `data`,
-    `compute_floor`, `should_stop`, `keep_grads`, `sync_gradients`, `links`, `collective`,
-    `dead`, `agreed_dead`, `stats`, `sync_bytes_to`, `_group`, `_started`, `_nursery`, and calls
-    the runtime's `_send`, `_report_failure`, `_broadcast` and `_live_others`.
+    me: this peer (never dead to itself). peers: every peer of the run.
+    seen: peers this peer saw die — a dropped connection, or a failed hop to a peer no longer
+        connected (`rerouting.py`): routing, liveness, the `dead` of our `done`.
+    agreed: peers the origins' `done` reported dead, and origins that died mid-iteration: the next
+        iteration is scheduled without them. Every agreed peer is also seen.
     """
+
+    def __init__(self, me: str, peers: tuple[str, ...]) -> None:
+        self.me = me
+        self.peers = peers
+        self.seen: set[str] = set()
+        self.agreed: set[str] = set()
+
+    def saw(self, peers: set[str]) -> None:
+        """These peers died (this peer noticed)."""
+        self.seen |= peers - {self.me}
+
+    def agree(self, peers: set[str]) -> None:
+        """The origins agree these peers are dead (the end of an iteration)."""
+        self.agreed |= peers - {self.me}
+        self.seen |= self.agreed
+
+    def live_others(self) -> list[str]:
+        """The run's other peers not seen dead, in the run's order."""
+        return [p for p in self.peers if p != self.me and p not in self.seen]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What the worker and the re-routing use of the runtime's wire (`runtime.py`), and nothing
+    else of it.
+
+    send: (st, hop, tensor) send the tensor of `hop` to its peer, in the background; a failure is
+        reported to the microbatch's origin.
+    report_failure: (st, mb, att, suspect, route) tell the origin of `mb` (`route[0]`, else the
+        schedule's; ourselves included) that attempt `att` was lost, `suspect` the peer to blame.
+    broadcast: (rpc, request, peers) call `rpc` on every peer at once, each failure logged; returns
+        when every call answered or failed.
+    spawn: (fn, *args) run `fn(*args)` as a background task of the runtime (its nursery: the task
+        ends with the runtime at the latest).
+    """
+
+    send: Callable[[IterationState, Hop, torch.Tensor], None]
+    report_failure: Callable[[IterationState, int, int, str, tuple[str, ...] | None], Awaitable[None]]
+    broadcast: Callable[[str, dict[str, Any], list[str]], Awaitable[None]]
+    spawn: Callable[..., None]
+
+
+class IterationWorker:
+    """This peer's visits of an iteration, in the schedule's order, and the iteration's end; one
+    per `PipelineRuntime`, which fills each `IterationState` from the schedule and calls `work`,
+    then `finish`.
+
+    me: this peer. run: the shared `PipelineRun` (its name, in `done` and the replica sync's tag;
+        its placement: who the replicas of our stage are).
+    replica: the stage this peer holds (compute, gradients, the optimizer step).
+    data: (iteration, microbatch) -> (token ids, targets); called on origins only, a pure function.
+    deaths: the run's `DeadPeers` (the `done` lists who we saw die; `finish` adds the agreed).
+    collective: the replica sync's collective (its group is `replica_group`).
+    wire: the runtime's sending side (`Wire`).
+    account_sync: (nbytes) count replica-sync bytes sent and wait their simulated link time.
+    should_stop: optional (iteration) -> bool, asked by an origin when it reports `done`.
+    compute_floor, keep_grads, sync_gradients: as `PipelineRuntime`'s.
+
+    replica_group: this stage's replicas as of the last iteration's end (sorted; us included; the
+    peers seen dead left out).
+    """
+
+    def __init__(
+        self,
+        me: str,
+        run: PipelineRun,
+        replica: StageReplica,
+        data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+        deaths: DeadPeers,
+        collective: Collective,
+        wire: Wire,
+        account_sync: Callable[[int], Awaitable[None]],
+        *,
+        should_stop: Callable[[int], bool] | None,
+        compute_floor: float | None,
+        keep_grads: bool,
+        sync_gradients: bool,
+    ) -> None:
+        self.me = me
+        self.run = run
+        self.replica = replica
+        self.stage = replica.index
+        self.data = data
+        self.deaths = deaths
+        self.collective = collective
+        self.wire = wire
+        self.account_sync = account_sync
+        self.should_stop = should_stop
+        self.compute_floor = compute_floor
+        self.keep_grads = keep_grads
+        self.sync_gradients = sync_gradients
+        self.replica_group: tuple[str, ...] = (me,)
 
     # -- the worker: this peer's visits, in schedule order ---------------------------------------
 
@@ -176,7 +276,8 @@ class IterationExecution:
             return kind, mb, 0, st.inputs.pop(key)
         return None
 
-    async def _work(self, st: IterationState) -> None:
+    async def work(self, st: IterationState) -> None:
+        """Run this peer's visits of `st` until every origin's `done` arrived (or it died)."""
         while True:
             item = self._next(st)
             if item is None:
@@ -192,7 +293,7 @@ class IterationExecution:
                 # gradient): this attempt of the microbatch is lost; its origin re-runs it.
                 sender = sender_of(got[1]) if got is not None else self.me
                 log.warning(kv("pipeline visit refused", it=st.it, mb=mb, att=att, kind=kind, error=str(e)))
-                await self._report_failure(st, mb, att, sender, got[1].route if got else None)
+                await self.wire.report_failure(st, mb, att, sender, got[1].route if got else None)
 
     async def _visit(
         self, st: IterationState, kind: str, mb: int, att: int, got: tuple[torch.Tensor, Hop] | None
@@ -205,7 +306,7 @@ class IterationExecution:
             tape = await trio.to_thread.run_sync(r.embed, x)
             st.tapes[(mb, att)] = (tape, None, y)
             await self._pad(t0, 1.0)
-            self._send(st, Hop(st.it, mb, att, "fwd", 1, route, shape_of(tape.output)), tape.output)
+            self.wire.send(st, Hop(st.it, mb, att, "fwd", 1, route, shape_of(tape.output)), tape.output)
             return
         assert got is not None  # what arrived: every visit but stage 0's forward has it
         if kind == "forward":
@@ -213,7 +314,7 @@ class IterationExecution:
             tape = await trio.to_thread.run_sync(r.forward, h)
             st.tapes[(mb, att)] = (tape, hop, None)
             await self._pad(t0, 1.0)
-            self._send(st, replace(hop, pos=hop.pos + 1, shape=shape_of(tape.output)), tape.output)
+            self.wire.send(st, replace(hop, pos=hop.pos + 1, shape=shape_of(tape.output)), tape.output)
         elif kind == "head":
             h, hop = got
             entry = st.tapes.get((mb, att))
@@ -224,7 +325,7 @@ class IterationExecution:
             self._add_grads(st, mb, att, grads)
             mine.loss = loss
             await self._pad(t0, HEAD_FACTOR)
-            self._send(st, replace(hop, kind="bwd", pos=len(hop.route) - 1), grad_h)
+            self.wire.send(st, replace(hop, kind="bwd", pos=len(hop.route) - 1), grad_h)
         else:  # backward
             g, hop = got
             entry = st.tapes.pop((mb, att), None)
@@ -237,9 +338,10 @@ class IterationExecution:
                 mine = st.mine.get(mb)
                 if mine is not None and mine.att == att and mine.status == "running":
                     mine.status = "done"
-                    self._maybe_done(st)
+                    self.maybe_done(st)
             else:
-                self._send(st, replace(hop, pos=hop.pos - 1), grad_in)
+                assert grad_in is not None  # a stage after the first has an input to pass it back to
+                self.wire.send(st, replace(hop, pos=hop.pos - 1), grad_in)
 
     async def _pad(self, t0: float, factor: float) -> None:
         """Simulated compute: make the visit last at least `compute_floor × factor` seconds."""
@@ -260,17 +362,19 @@ class IterationExecution:
 
     # -- end of an iteration ---------------------------------------------------------------------
 
-    def _maybe_done(self, st: IterationState) -> None:
+    def maybe_done(self, st: IterationState) -> None:
+        """If we are an origin and none of our microbatches of `st` is still running: our `done`
+        (which attempts count), recorded here and sent to every live peer in the background."""
         if self.me in st.done_from or any(m.status == "running" for m in st.mine.values()):
             return
         final = [[mb, m.att] for mb, m in sorted(st.mine.items()) if m.status == "done"]
         losses = [m.loss for m in st.mine.values() if m.status == "done"]
-        stop = bool(self.should_stop(st.it, time.monotonic() - self._started)) if self.should_stop else False
+        stop = bool(self.should_stop(st.it)) if self.should_stop else False
         msg = {
             "run": self.run.run,
             "it": st.it,
             "final": final,
-            "dead": sorted(self.dead),
+            "dead": sorted(self.deaths.seen),
             "loss": float(sum(losses)),
             "count": len(losses),
             "dropped": sum(m.status == "dropped" for m in st.mine.values()),
@@ -280,36 +384,36 @@ class IterationExecution:
         st.notify()
 
         async def announce() -> None:
-            await self._broadcast(DONE_RPC, msg, self._live_others())
+            await self.wire.broadcast(DONE_RPC, msg, self.deaths.live_others())
             st.done_delivered.set()
 
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(announce)
+        self.wire.spawn(announce)
 
-    async def _finish(self, st: IterationState, t0: float) -> IterationReport:
-        """Sum the committed attempts' gradients, average them with the stage's replicas, step."""
+    async def finish(self, st: IterationState, t0: float) -> IterationReport:
+        """Sum the committed attempts' gradients, average them with the stage's replicas, step;
+        `t0`: when the iteration started (the report's seconds)."""
         final: set[tuple[int, int]] = set()
         loss_sum, count, dropped, stop = 0.0, 0, 0, False
+        agreed: set[str] = set()
         for msg in st.done_from.values():
             final |= {(mb, att) for mb, att in msg["final"]}
             loss_sum += msg["loss"]
             count += msg["count"]
             dropped += msg["dropped"]
             stop |= msg["stop"]
-            self.agreed_dead |= set(msg["dead"]) - {self.me}
-        self.agreed_dead |= st.dead_origins
-        self.dead |= self.agreed_dead
+            agreed |= set(msg["dead"])
+        self.deaths.agree(agreed | st.dead_origins)
         mine = [g for key, g in st.grads.items() if key in final]
         total = self.replica.zeros()
         for g in mine:
             for a, b in zip(total, g, strict=True):
                 a.add_(b)
         n = torch.tensor([float(len(mine))])
-        placement = self.run.problem.placement
-        self._group = tuple(
-            sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in self.dead))
+        placement, dead = self.run.problem.placement, self.deaths.seen
+        self.replica_group = tuple(
+            sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in dead))
         )
-        if self.sync_gradients and len(self._group) > 1:
+        if self.sync_gradients and len(self.replica_group) > 1:
             tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
             try:
                 res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
@@ -332,23 +436,10 @@ class IterationExecution:
             dropped,
             st.restart_count,
             time.monotonic() - t0,
-            tuple(sorted(self.dead)),
+            tuple(sorted(self.deaths.seen)),
             stop,
             grads,
         )
 
-    async def account_sync(self, nbytes: int) -> None:
-        """Count `nbytes` of replica-sync traffic we sent (split evenly over the other replicas)
-        and, with simulated links, wait as long as sending them over the slowest link to a replica
-        would take (module docstring, Simulation hooks)."""
-        partners = [p for p in self._group if p != self.me]
-        if not partners or nbytes <= 0:
-            return
-        self.stats["sync_bytes"] += nbytes
-        for p in partners:
-            self.sync_bytes_to[p] = self.sync_bytes_to.get(p, 0) + nbytes // len(partners)
-        if self.links is not None:
-            await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
-
-__all__ = ["IterationExecution", "IterationReport", "IterationState", "OriginMicrobatch"]
+__all__ = ["DeadPeers", "IterationReport", "IterationState", "IterationWorker", "OriginMicrobatch", "Wire"]

@@ -18,10 +18,12 @@ accepted from a live origin for a dead origin's microbatch) and lists them in it
 that has already sent its `done` cannot; the dead origin's microbatches are then lost for that
 iteration. The next iteration is scheduled without the peers the origins reported dead.
 
-`Rerouting` is the part of `PipelineRuntime` (`runtime.py`) that does this: it watches the
-liveness of the run's peers (`_watch_liveness`), restarts an origin's microbatches on a new
-route (`_restart`, `_reroute`, within the scheduler's path-shape rules: `_path_ok`), voids the
-older attempts here and on every live peer (`_void_everywhere`, by `pipeline/abandon`), and
+`Rerouter` is the part of `PipelineRuntime` (`runtime.py`) that does this; the runtime constructs
+it and hands it only what it needs: the host (liveness), the `PipelineRun`, the run's `DeadPeers`,
+the runtime's sending side (`Wire`), the iterations in progress and the worker's `maybe_done`. It
+watches the liveness of the run's peers (`watch_liveness`), restarts an origin's microbatches on
+a new route (`restart`; `_reroute`, within the scheduler's path-shape rules: `_path_ok`), voids
+the older attempts here and on every live peer (`_void_everywhere`, by `pipeline/abandon`), and
 takes a dead origin's microbatches over (`_adopt`).
 
 Not here: the handlers of the messages that carry it (`pipeline/abandon`, `pipeline/failed`:
@@ -31,39 +33,68 @@ Not here: the handlers of the messages that carry it (`pipeline/abandon`, `pipel
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from meshtrain.log import get_logger, kv
 from meshtrain.pipeline.hop import ABANDON_RPC
-from meshtrain.pipeline.iteration import IterationState, OriginMicrobatch
+from meshtrain.pipeline.iteration import DeadPeers, IterationState, OriginMicrobatch, Wire
+from meshtrain.pipeline.run import PipelineRun
+from meshtrain.pipeline.scheduler import compile_problem
+from meshtrain.transport.host import Host
 
 log = get_logger(__name__)
 
 MAX_ATTEMPTS = 4  # a microbatch re-routed this many times is dropped from its iteration
 
 
-class Rerouting:
-    """The origin's re-routing and the takeover of a dead origin's microbatches, mixed into
-    `PipelineRuntime`.
+class Rerouter:
+    """The origin's re-routing and the takeover of a dead origin's microbatches; one per
+    `PipelineRuntime`, which calls `watch_liveness` during each iteration and `restart` when a hop
+    of one of our microbatches was lost.
 
-    It reads and updates the runtime's state: `me`, `stage`, `host`, `run`, `dead`,
-    `agreed_dead`, `_iters`, `_schedules`, `_compiled`, `_nursery`, and calls the runtime's
-    `_broadcast`, `_live_others` and `_maybe_done` (`iteration.py`).
+    host: this peer's host; liveness is read from its connections to the run's peers.
+    run: the shared `PipelineRun` (its name, in `abandon`; its placement and path-shape rules; its
+        mode: only a SkipPipe run may skip a stage).
+    deaths: the run's `DeadPeers` (we add the peers we see die).
+    wire: the runtime's sending side (`Wire`: broadcast, spawn).
+    iterations: () -> the iterations in progress (a peer that dies is a dead origin in all).
+    maybe_done: (st) the worker's `maybe_done`, called when we drop one of our microbatches.
     """
 
-    def _restart(self, st: IterationState, mb: int, att: int, suspects: set[str]) -> None:
+    def __init__(
+        self,
+        host: Host,
+        run: PipelineRun,
+        deaths: DeadPeers,
+        wire: Wire,
+        iterations: Callable[[], Iterable[IterationState]],
+        maybe_done: Callable[[IterationState], None],
+    ) -> None:
+        self.host = host
+        self.me = host.peer_id
+        self.run = run
+        self.stage = run.problem.placement[self.me]
+        self.compiled = compile_problem(run.problem)  # the path-shape rules
+        self.deaths = deaths
+        self.wire = wire
+        self.iterations = iterations
+        self.maybe_done = maybe_done
+
+    def restart(self, st: IterationState, mb: int, att: int, suspects: set[str]) -> None:
+        """Attempt `att` of our microbatch `mb` was lost (`suspects`: the peers that may have
+        died): run it again as attempt + 1 on a new route, or drop it; stale news is ignored."""
         mine = st.mine.get(mb)
         if mine is None or mine.status != "running" or mine.att != att:
             return  # stale news: that attempt was already replaced
-        for p in suspects:
-            if p != self.me and not self.host.is_connected(p):
-                self.dead.add(p)
-        route = self._reroute(mine.route)
+        self.deaths.saw({p for p in suspects if p != self.me and not self.host.is_connected(p)})
+        route = self._reroute(st, mine.route)
         new_att = att + 1
         self._void_everywhere(st, mb, new_att)
         st.restart_count += 1
         if route is None or new_att >= MAX_ATTEMPTS:
             mine.status = "dropped"
             log.warning(kv("pipeline microbatch dropped", it=st.it, mb=mb, attempts=new_att))
-            self._maybe_done(st)
+            self.maybe_done(st)
             return
         log.info(
             kv("pipeline microbatch re-routed", it=st.it, mb=mb, att=new_att, route=",".join(p[-6:] for p in route))
@@ -75,34 +106,34 @@ class Rerouting:
     def _void_everywhere(self, st: IterationState, mb: int, floor: int) -> None:
         """Attempts of `mb` below `floor` no longer count, here and (`abandon`) on every live peer."""
         st.void(mb, floor)
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(
-            self._broadcast,
+        self.wire.spawn(
+            self.wire.broadcast,
             ABANDON_RPC,
             {"run": self.run.run, "it": st.it, "mb": mb, "floor": floor},
-            self._live_others(),
+            self.deaths.live_others(),
         )
 
-    def _reroute(self, route: tuple[str, ...]) -> tuple[str, ...] | None:
+    def _reroute(self, st: IterationState, route: tuple[str, ...]) -> tuple[str, ...] | None:
         """`route` with every dead peer replaced by the live replica of its stage that the
-        schedule uses least, or (SkipPipe only, no replica left) its stage skipped if the path
-        rules allow; None if neither works."""
+        iteration's schedule uses least, or (SkipPipe only, no replica left) its stage skipped if
+        the path rules allow; None if neither works."""
         placement = self.run.problem.placement
+        dead = self.deaths.seen
         load: dict[str, int] = {}
-        base = self._schedules[frozenset(self.agreed_dead)]
-        for plan in base.plans:
+        assert st.schedule is not None  # our own lifecycle: only a scheduled iteration re-routes
+        for plan in st.schedule.plans:
             for _, q in plan.path[1:-1]:
                 load[q] = load.get(q, 0) + 1
         out = [route[0]]
         for q in route[1:]:
-            if q not in self.dead and self.host.is_connected(q):
+            if q not in dead and self.host.is_connected(q):
                 out.append(q)
                 continue
             s = placement[q]
             spares = sorted(
                 (load.get(p, 0), p)
                 for p, t in placement.items()
-                if t == s and p not in self.dead and p not in out and self.host.is_connected(p)
+                if t == s and p not in dead and p not in out and self.host.is_connected(p)
             )
             if spares:
                 out.append(spares[0][1])
@@ -114,7 +145,7 @@ class Rerouting:
 
     def _path_ok(self, stages: tuple[int, ...]) -> bool:
         """The scheduler's path-shape rules (jump and swap limits) hold for this stage sequence."""
-        c = self._compiled
+        c = self.compiled
         frontier, swaps = 0, 0
         for s in stages:
             nxt = c.step(frontier, swaps, s)
@@ -123,25 +154,26 @@ class Rerouting:
             frontier, swaps = nxt
         return True
 
-    async def _watch_liveness(self, st: IterationState) -> None:
-        """Notice dead peers: an origin re-routes its microbatches that used them; everyone stops
-        waiting for a dead origin's microbatches and its `done`."""
+    async def watch_liveness(self, st: IterationState) -> None:
+        """Notice dead peers during iteration `st` (runs until cancelled): an origin re-routes its
+        microbatches that used them; everyone stops waiting for a dead origin's microbatches and
+        its `done`."""
         others = [p for p in self.run.problem.placement if p != self.me]
         while True:
-            gone = {p for p in others if p not in self.dead and not self.host.is_connected(p)}
+            gone = {p for p in others if p not in self.deaths.seen and not self.host.is_connected(p)}
             if gone:
-                self.dead |= gone
+                self.deaths.saw(gone)
                 log.warning(kv("pipeline peers lost", it=st.it, peers=",".join(p[-8:] for p in sorted(gone))))
-                for later in list(self._iters.values()):
+                for later in list(self.iterations()):
                     later.dead_origins |= gone & set(later.origins or st.origins)
                     later.notify()
                 for mb, mine in st.mine.items():
                     hit = gone & set(mine.route)
                     if mine.status == "running" and hit:
-                        self._restart(st, mb, mine.att, hit)
+                        self.restart(st, mb, mine.att, hit)
                 self._adopt(st, gone)
             await self.host.wait_until(
-                lambda: any(p not in self.dead and not self.host.is_connected(p) for p in others)
+                lambda: any(p not in self.deaths.seen and not self.host.is_connected(p) for p in others)
             )
 
     def _adopt(self, st: IterationState, gone: set[str]) -> None:
@@ -150,7 +182,7 @@ class Rerouting:
         of the origins in `gone` as our own."""
         if self.stage != 0 or st.schedule is None or self.me in st.done_from:
             return
-        heirs = sorted(o for o in st.origins if o not in self.dead)
+        heirs = sorted(o for o in st.origins if o not in self.deaths.seen)
         if not heirs or heirs[0] != self.me:
             return
         taken = []
@@ -159,7 +191,7 @@ class Rerouting:
             if plan.origin not in gone or mb in st.mine:
                 continue
             att = st.floor.get(mb, 0) + 1  # above any attempt the dead origin may have started
-            route = self._reroute((self.me, *(q for _, q in plan.path[1:-1])))
+            route = self._reroute(st, (self.me, *(q for _, q in plan.path[1:-1])))
             if route is None or att >= MAX_ATTEMPTS:
                 continue  # lost for this iteration, as without a takeover
             st.origin_of[mb] = self.me
@@ -173,4 +205,4 @@ class Rerouting:
             st.notify()
 
 
-__all__ = ["MAX_ATTEMPTS", "Rerouting"]
+__all__ = ["MAX_ATTEMPTS", "Rerouter"]

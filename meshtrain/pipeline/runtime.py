@@ -63,9 +63,13 @@ Traffic: `stats` counts hop (encoded payload) and replica-sync bytes sent; `hop_
 `sync_bytes_to` split them by destination (a sync's bytes evenly over the other replicas), so a
 benchmark can tell the bytes that cross regions.
 
-This module keeps the wire protocol's checks, sending, the RPC handlers and the lifecycle; the
-worker and the end of an iteration are `iteration.py`'s (`IterationExecution`), the re-routing
-`rerouting.py`'s (`Rerouting`), both mixed into `PipelineRuntime`.
+This module keeps the wire protocol's checks, sending, the RPC handlers, the traffic counters and
+the lifecycle. `PipelineRuntime` is composed of two parts, each owning its state, that it
+constructs and hands only what they need (a `Wire` of four callables into its sending side, the
+run's `DeadPeers`, ...): the worker and the end of an iteration (`iteration.py`'s
+`IterationWorker`) and the re-routing (`rerouting.py`'s `Rerouter`). Their background tasks run
+in the runtime's nursery (`Wire.spawn`), which lives as long as the runtime (`Service`). What the
+peers of a run agree on, `PipelineRun`, is `run.py`'s.
 
 What it does not do: place stages on peers, join a swarm, checkpoint.
 """
@@ -76,14 +80,13 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.compression import CodecError
-from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.pipeline.hop import (
@@ -96,18 +99,17 @@ from meshtrain.pipeline.hop import (
     sender_of,
     shape_of,
 )
-from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
-from meshtrain.pipeline.iteration import IterationExecution, IterationReport, IterationState, OriginMicrobatch
-from meshtrain.pipeline.rerouting import MAX_ATTEMPTS, Rerouting
-from meshtrain.pipeline.scheduler import (
-    Link,
-    PipelineProblem,
-    Schedule,
-    ScheduleError,
-    compile_problem,
-    full_pipeline_schedule,
-    skippipe_schedule,
+from meshtrain.pipeline.iteration import (
+    DeadPeers,
+    IterationReport,
+    IterationState,
+    IterationWorker,
+    OriginMicrobatch,
+    Wire,
 )
+from meshtrain.pipeline.rerouting import MAX_ATTEMPTS, Rerouter
+from meshtrain.pipeline.run import MAX_RUN_CHARS, PipelineError, PipelineRun
+from meshtrain.pipeline.scheduler import Link, Schedule
 from meshtrain.pipeline.stages import StageReplica
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
@@ -125,17 +127,10 @@ from meshtrain.transport.validate import (
 log = get_logger(__name__)
 
 LOOKAHEAD = 2  # accept messages for iterations up to this far ahead of ours (buffered)
-MAX_RUN_CHARS = 64
 CALL_TIMEOUT = 10.0  # control RPCs
 SEND_TIMEOUT = 60.0  # one activation/gradient transfer, beyond the simulated link delay
 RECEIVE_TIMEOUT = 60.0  # an announced transfer must arrive within this
 CONNECT_WAIT = 20.0  # at start, how long to wait for connections to every peer of the run
-
-Mode = Literal["skippipe", "full"]
-
-
-class PipelineError(MeshtrainError):
-    """The pipeline cannot run: a stage with no live peer, peers that never connected."""
 
 
 class HopRejected(PipelineError):
@@ -148,59 +143,7 @@ class HopRejected(PipelineError):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the peers of a run agree on
-
-
-@dataclass(frozen=True)
-class PipelineRun:
-    """Everything the peers of one pipeline run must agree on (they compute the same schedule).
-
-    run: a name for the run, part of every message and tag (≤ 64 chars), so runs never mix.
-    problem: the scheduling problem (placement, compute times, links, microbatches, skip ratio).
-    mode: "skippipe" (skips and swaps) or "full" (every stage in order: the baseline).
-    microbatch_size, context: the shape of a microbatch's token ids, [microbatch_size, context].
-    activation_codec: how every activation and gradient hop is encoded (`hop_codec.py`: "none",
-        the default, or one of `ACTIVATION_CODECS`).
-    """
-
-    run: str
-    problem: PipelineProblem
-    mode: Mode
-    microbatch_size: int
-    context: int
-    activation_codec: str = "none"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run, str) or not 0 < len(self.run) <= MAX_RUN_CHARS:
-            raise PipelineError(f"run name must be 1..{MAX_RUN_CHARS} characters")
-        if self.mode not in ("skippipe", "full"):
-            raise PipelineError(f"mode must be 'skippipe' or 'full', got {self.mode!r}")
-        if self.activation_codec not in ACTIVATION_CODECS:
-            raise PipelineError(
-                f"activation_codec must be one of {', '.join(ACTIVATION_CODECS)}, got {self.activation_codec!r}"
-            )
-
-    @property
-    def hop_codec(self) -> HopCodec:
-        return HopCodec(self.activation_codec)
-
-    def schedule(self, dead: frozenset[str] = frozenset()) -> Schedule:
-        """The schedule of an iteration, without the peers in `dead`."""
-        problem = self.problem
-        if dead:
-            placement = {p: s for p, s in problem.placement.items() if p not in dead}
-            problem = replace(
-                problem,
-                placement=placement,
-                origins=None,
-                forward_time={p: t for p, t in problem.forward_time.items() if p in placement},
-            )
-        try:
-            if self.mode == "full":
-                return full_pipeline_schedule(problem)
-            return skippipe_schedule(problem)
-        except ScheduleError as e:
-            raise PipelineError(f"cannot schedule run {self.run} without {sorted(dead)}: {e}") from None
+# Simulation hooks (module docstring)
 
 
 @dataclass(frozen=True)
@@ -296,7 +239,7 @@ def parse_hop(req: Any, *, run: PipelineRun, me: str, caller: str, d_model: int,
 # The runtime
 
 
-class PipelineRuntime(IterationExecution, Rerouting, Service):
+class PipelineRuntime(Service):
     """One peer's part of a pipeline run. Use as `async with PipelineRuntime(...) as rt:` inside
     a running host and data plane, then `await rt.run_iteration(i)` for i = 0, 1, ... on every
     peer of the run.
@@ -350,26 +293,21 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         self.streams = streams
         self.replica = replica
         self.run = run
-        self.data = data
         self.links = links
-        self.compute_floor = compute_floor
-        self.should_stop = should_stop
-        self.keep_grads = keep_grads
-        self.sync_gradients = sync_gradients
         self.hop_codec = run.hop_codec
         self.me = me
         self.stage = replica.index
-        self.dead: set[str] = set()  # peers this peer saw die (routing, liveness)
-        self.agreed_dead: set[str] = set()  # peers the origins' `done` reported dead (scheduling)
-        self._schedules: dict[frozenset[str], Schedule] = {}
-        self._compiled = compile_problem(run.problem)  # the path-shape rules, for re-routing
         self.current = 0
+        self._deaths = DeadPeers(me, tuple(run.problem.placement))
+        self._schedules: dict[frozenset[str], Schedule] = {}
         self._iters: dict[int, IterationState] = {}
         self._nursery: trio.Nursery | None = None
         self._started = time.monotonic()
-        self._group: tuple[str, ...] = (me,)
         self.collective = SwarmCollective(
-            host, streams, lambda _round: self._group, allreduce or AllReduceConfig(join_timeout=15, part_timeout=15)
+            host,
+            streams,
+            lambda _round: self.replica_group,
+            allreduce or AllReduceConfig(join_timeout=15, part_timeout=15),
         )
         self.stats = {
             "hops_sent": 0,
@@ -381,12 +319,29 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         }
         self.hop_bytes_to: dict[str, int] = {}  # bytes sent per destination peer: activations, gradients
         self.sync_bytes_to: dict[str, int] = {}  # ... and replica sync
+        # The parts (iteration.py, rerouting.py) get what they need of us, and nothing else.
+        wire = Wire(self._send, self._report_failure, self._broadcast, self._spawn)
+        self._worker = IterationWorker(
+            me,
+            run,
+            replica,
+            data,
+            self._deaths,
+            self.collective,
+            wire,
+            self.account_sync,
+            should_stop=None if should_stop is None else lambda it: should_stop(it, time.monotonic() - self._started),
+            compute_floor=compute_floor,
+            keep_grads=keep_grads,
+            sync_gradients=sync_gradients,
+        )
+        self._rerouter = Rerouter(host, run, self._deaths, wire, self._iters.values, self._worker.maybe_done)
 
     @property
     def replica_group(self) -> tuple[str, ...]:
         """This stage's replicas as of the last iteration's end (sorted; us included; the peers
         seen dead left out): the group of the replica sync's rounds."""
-        return self._group
+        return self._worker.replica_group
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -419,7 +374,7 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         if it == 0:
             self._started = t0  # `should_stop` budgets count from the first iteration
         st = self._state(it)
-        schedule = await self._schedule(frozenset(self.agreed_dead))
+        schedule = await self._schedule(frozenset(self._deaths.agreed))
         st.origins = tuple(sorted({p.origin for p in schedule.plans}))
         st.origin_of = {p.microbatch: p.origin for p in schedule.plans}
         st.order = list(schedule.peer_order().get(self.me, ()))
@@ -430,16 +385,16 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         st.schedule = schedule  # from here on the worker may start
         st.notify()
         if self.stage == 0 and self.me in st.origins:
-            self._maybe_done(st)
+            self._worker.maybe_done(st)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_liveness, st)
-            await self._work(st)
+            nursery.start_soon(self._rerouter.watch_liveness, st)
+            await self._worker.work(st)
             if self.me in st.done_from:
                 # the others need our `done` to finish: never leave (e.g. end the run) before it
                 # was delivered or failed
                 await st.done_delivered.wait()
             nursery.cancel_scope.cancel()
-        report = await self._finish(st, t0)
+        report = await self._worker.finish(st, t0)
         del self._iters[it]
         self.current = it + 1
         return report
@@ -459,9 +414,13 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def _send(self, st: IterationState, hop: Hop, tensor: torch.Tensor) -> None:
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` in the background, in our nursery (it ends with us at the latest)."""
         assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(self._send_hop, st, hop, tensor.detach().contiguous())
+        self._nursery.start_soon(fn, *args)
+
+    def _send(self, st: IterationState, hop: Hop, tensor: torch.Tensor) -> None:
+        self._spawn(self._send_hop, st, hop, tensor.detach().contiguous())
 
     async def _send_hop(self, st: IterationState, hop: Hop, tensor: torch.Tensor) -> None:
         to = at(hop.route, hop.pos)
@@ -511,7 +470,7 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         if origin is None:
             return
         if origin == self.me:
-            self._restart(st, mb, att, {suspect})
+            self._rerouter.restart(st, mb, att, {suspect})
             return
         req = {"run": self.run.run, "it": st.it, "mb": mb, "att": att, "suspect": suspect}
         try:
@@ -530,8 +489,19 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
             for p in peers:
                 nursery.start_soon(one, p)
 
-    def _live_others(self) -> list[str]:
-        return [p for p in self.run.problem.placement if p != self.me and p not in self.dead]
+    async def account_sync(self, nbytes: int) -> None:
+        """Count `nbytes` of replica-sync traffic we sent (split evenly over the other replicas)
+        and, with simulated links, wait as long as sending them over the slowest link to a replica
+        would take (module docstring, Simulation hooks). Called after the gradient all-reduce, and
+        by the caller after an outer round."""
+        partners = [p for p in self.replica_group if p != self.me]
+        if not partners or nbytes <= 0:
+            return
+        self.stats["sync_bytes"] += nbytes
+        for p in partners:
+            self.sync_bytes_to[p] = self.sync_bytes_to.get(p, 0) + nbytes // len(partners)
+        if self.links is not None:
+            await trio.sleep(max(self.links.delay(self.me, p, nbytes) for p in partners))
 
     # -- RPC handlers ----------------------------------------------------------------------------
 
@@ -567,8 +537,7 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
             st.announced.add(key)
         except HopRejected as e:
             raise self._refuse(e) from None
-        assert self._nursery is not None  # our own lifecycle, not peer input
-        self._nursery.start_soon(self._receive_hop, st, peer, hop)
+        self._spawn(self._receive_hop, st, peer, hop)
         return {"accepted": True}
 
     async def _receive_hop(self, st: IterationState, peer: str, hop: Hop) -> None:
@@ -617,7 +586,7 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
                 raise HopRejected("not-origin", "only an origin voids its microbatches")
             owner = st.origin_of.get(mb)
             if owner is not None and owner != peer:
-                if owner not in self.dead and self.host.is_connected(owner):
+                if owner not in self._deaths.seen and self.host.is_connected(owner):
                     raise HopRejected("not-origin", f"microbatch {mb} is not the caller's")
                 st.origin_of[mb] = peer  # a live origin took a dead one's microbatch over
         except HopRejected as e:
@@ -638,7 +607,7 @@ class PipelineRuntime(IterationExecution, Rerouting, Service):
         except HopRejected as e:
             raise self._refuse(e) from None
         if peer in st.mine[mb].route:  # only a peer on the path can know it broke
-            self._restart(st, mb, att, {suspect})
+            self._rerouter.restart(st, mb, att, {suspect})
         return {}
 
     async def _rpc_done(self, peer: str, req: Any) -> dict:

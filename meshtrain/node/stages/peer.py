@@ -82,7 +82,7 @@ we wait for);
 `training_status()` fills its `training` section.
 
 A dead origin's microbatches are taken over within the iteration by the runtime (the live origin
-with the lowest id re-runs them: pipeline/rerouting.py, `Rerouting._adopt`).
+with the lowest id re-runs them: pipeline/rerouting.py, `Rerouter`).
 
 Export (node/stages/export.py). `meshtrain export` on any peer asks its running daemon for the
 whole model: `request_epoch_end` announces a `cut` counter, the origins end the epoch after the
@@ -127,7 +127,8 @@ from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.trainer import build_model, load_data
 from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.placement import place, stage_map
-from meshtrain.pipeline.runtime import PipelineError, PipelineRun, PipelineRuntime, SimulatedLinks
+from meshtrain.pipeline.run import PipelineError, PipelineRun
+from meshtrain.pipeline.runtime import PipelineRuntime, SimulatedLinks
 from meshtrain.pipeline.scheduler import Link, PipelineProblem
 from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.tensor_streams import TensorStreams
