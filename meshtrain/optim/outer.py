@@ -85,6 +85,7 @@ from meshtrain.collective.contract import (
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.optim.outer_round import Exchange, OuterRounds, RoundReport
+from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.transport.validate import is_int
 
 __all__ = ["HISTORY_LENGTH", "STATE_FORMAT", "OuterOptimizer", "OuterStateError", "RoundReport", "StaleStateError"]
@@ -136,32 +137,19 @@ class OuterOptimizer(OuterRounds):
         delay: int = 0,
         alpha: float = 0.0,
     ) -> None:
-        if not is_int(H) or H < 1:
-            raise ValueError(f"H (inner steps per outer round) must be an integer >= 1, got {H!r}")
+        RoundSchedule(H)  # H's own rule first, before the model is looked at
         self.model = model
         self.inner = inner
         self.collective = collective
-        self.H = H
         self.codec = codec
         self.params: dict[str, torch.nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.fragments = self._check_fragments(fragments)
-        P = len(self.fragments)
-        if H % P:
-            raise ValueError(
-                f"H ({H}) must be a multiple of the number of fragments ({P}), so that fragment p syncs at offset p·H/P"
-            )
-        if not is_int(delay) or not 0 <= delay < H // P:
-            raise ValueError(
-                f"delay τ must be an integer with 0 <= τ < H/P = {H // P}, got {delay!r}: "
-                f"a fragment's result must be merged before the next fragment is sent"
-            )
+        self.schedule = RoundSchedule(H, len(self.fragments), delay)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-        self.delay = delay
         self.alpha = float(alpha)
-        self._offsets = [p * (H // P) for p in range(P)]
         # φ: the outer parameters, fp32 whatever the model's dtype ("accumulate in fp32"), on the
         # host whatever the model's device (module docstring, "Devices").
         self.outer_params: dict[str, torch.Tensor] = {n: _host_copy(p) for n, p in self.params.items()}

@@ -37,7 +37,8 @@ is ~1/P of a full sync. With `delay` τ = 0 the round blocks: send, average, app
 τ >= 1 the exchange runs in the background (in the nursery `async with outer` opens) while τ
 more inner steps run, and the result is applied and merged at step s + τ — the only point where
 an inner step may wait on the network, and only if the exchange has not finished. Requires
-H % P == 0 and τ < H/P (ValueError otherwise).
+H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `RoundSchedule`'s
+(optim/schedule.py), the one statement of them.
 
 Prepared rounds. A round's group can be formed before its data exists: the join carries nothing
 from the data. When the next send step is due within `PREPARE_LEAD_S` (about a second, judged
@@ -85,6 +86,7 @@ import trio
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.optim.schedule import RoundSchedule
 
 log = get_logger(__name__)
 
@@ -140,10 +142,8 @@ class OuterRounds(Service):
     model: torch.nn.Module
     inner: torch.optim.Optimizer | None
     collective: Collective
-    H: int
     fragments: list[tuple[str, ...]]
-    delay: int
-    _offsets: list[int]  # fragment p sends at inner steps s ≡ _offsets[p] (mod H)
+    schedule: RoundSchedule  # when each fragment is sent and merged (optim/schedule.py)
     _pending: dict[int, Exchange]  # fragment -> its exchange in flight (delay >= 1)
     _prepared_through: int  # the newest send step whose rounds were prepared
     _step_seconds: float | None  # the caller's inner step time, a moving average (None: unknown)
@@ -221,9 +221,19 @@ class OuterRounds(Service):
         """fragment -> the inner step at which its exchange in flight is merged."""
         return {p: ex.merge_step for p, ex in self._pending.items()}
 
+    @property
+    def H(self) -> int:
+        """Inner steps between two syncs of a fragment."""
+        return self.schedule.H
+
+    @property
+    def delay(self) -> int:
+        """τ: inner steps an exchange overlaps with (0: blocking)."""
+        return self.schedule.delay
+
     def next_send_step(self, step: int) -> int:
         """The first inner step after `step` at which some fragment is sent."""
-        return min(step + ((off - step) % self.H or self.H) for off in self._offsets)
+        return self.schedule.next_send_step(step)
 
     def due(self, step: int) -> tuple[list[int], list[int]]:
         """(fragments to merge, fragments to send) at inner step `step`."""
@@ -233,7 +243,7 @@ class OuterRounds(Service):
     def sends_at(self, step: int) -> list[int]:
         """The fragments sent at inner step `step`: the schedule alone (safe to call from another
         thread while the trainer's runs, unlike `due`, which reads the exchanges in flight)."""
-        return [p for p, off in enumerate(self._offsets) if step >= 1 and step % self.H == off]
+        return self.schedule.sends_at(step)
 
     def _advance(self) -> Generator[_Call, Any, list[RoundReport]]:
         """The round logic for one inner step, as a generator that yields the async calls it
@@ -254,7 +264,7 @@ class OuterRounds(Service):
                 tensors = self.pseudo_gradient(names)
                 if self.error_feedback is not None and ready:
                     tensors = self.feed_back(tensors, names)
-            ex = Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, step + self.delay)
+            ex = Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, self.schedule.merge_step(step))
             if self.delay == 0:
                 yield _Call(self._exchange, (ex,))
                 reports.append((yield from self._complete(ex)))

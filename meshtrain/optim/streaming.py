@@ -46,6 +46,7 @@ import torch
 
 from meshtrain.collective.contract import Collective
 from meshtrain.optim.diloco import DiLoCo
+from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.transport.validate import is_int
 
 _BLOCK = re.compile(r"^(?P<prefix>.*?\.)?(?P<index>\d+)\.")
@@ -122,10 +123,7 @@ class StreamingDiLoCo(DiLoCo):
         eager: bool = False,
     ) -> None:
         if isinstance(fragments, int):
-            if not isinstance(H, int) or isinstance(fragments, bool) or fragments < 1 or H % fragments:
-                raise ValueError(
-                    f"Streaming DiLoCo needs H % P == 0 (fragment p syncs at offset p·H/P); got H={H}, P={fragments}"
-                )
+            RoundSchedule(H, fragments, delay)  # its rules, before the parameters are split
             fragments = strided_fragments(model, fragments)
         super().__init__(
             model,

@@ -77,6 +77,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import ConfigError
+from meshtrain.optim.schedule import RoundSchedule
 
 SHARDINGS = ("ddp", "fsdp", "auto")
 AUTO_FSDP_FRACTION = 0.5  # of one device's memory; the rest is for activations
@@ -118,8 +119,7 @@ class RoundClock:
     replicas_identical = True
 
     def __init__(self, H: int, fragments: int, delay: int) -> None:
-        self.H, self.delay = H, delay
-        self.offsets = [p * (H // fragments) for p in range(fragments)]
+        self.schedule = RoundSchedule(H, fragments, delay)
         self.inner_steps = 0
         self.rounds = 0
         self.needs_resync = False  # rank 0's decides: it stops the group's run
@@ -132,8 +132,7 @@ class RoundClock:
 
     def due(self, step: int) -> tuple[list[int], list[int]]:
         merges = sorted(p for p, at in self._merges.items() if at <= step)
-        sends = [p for p, off in enumerate(self.offsets) if step >= 1 and step % self.H == off]
-        return merges, sends
+        return merges, self.schedule.sends_at(step)
 
     def step(self) -> list:
         self.inner_steps += 1
@@ -142,10 +141,10 @@ class RoundClock:
             del self._merges[p]
         self.rounds += len(merges)
         for p in sends:
-            if self.delay == 0:
+            if self.schedule.delay == 0:
                 self.rounds += 1
             else:
-                self._merges[p] = self.inner_steps + self.delay
+                self._merges[p] = self.schedule.merge_step(self.inner_steps)
         return []
 
     def clock_state(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from meshtrain.models.sources import PRESETS, parse_model_source
 from meshtrain.models.staged import PIPELINE_MODELS
 from meshtrain.models.tokenizers import check_tokenizer_name
 from meshtrain.node.spec.config import one_line_error
+from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS
 from meshtrain.pyref import PyRef
@@ -398,12 +399,10 @@ class SwarmSpec(BaseModel):
     def check(self) -> SwarmSpec:
         """Cross-field rules the optimizers would otherwise reject at start-up."""
         if self.optimizer == "streaming":
-            if self.H % self.fragments:
-                raise ConfigError(f"swarm spec: H ({self.H}) must be a multiple of fragments ({self.fragments})")
-            if self.delay >= self.H // self.fragments:
-                raise ConfigError(
-                    f"swarm spec: delay ({self.delay}) must be below H/fragments ({self.H // self.fragments})"
-                )
+            try:
+                RoundSchedule(self.H, self.fragments, self.delay)
+            except ValueError as e:
+                raise ConfigError(f"swarm spec: {e}") from None
             if self.eager and self.delay < 1:
                 raise ConfigError("swarm spec: eager updates need delay >= 1")
         if self.model.startswith("hf:") and not self.tokenizer.startswith("hf:"):
