@@ -17,9 +17,10 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
 Capabilities. What some collectives do beyond the contract is a runtime-checkable Protocol of
 its own, below: `GroupsRounds` (a round may run in groups smaller than the swarm),
 `PreparesRounds` (a round's join may be sent ahead), `WatchesOptimizer` (the collective wants to
-know the optimizer built over it). There is one way to ask: `isinstance(collective, GroupsRounds)
+know the optimizer built over it), `GathersPayloads` (every peer's payload to every peer, as
+sent: SparseLoCo's sparse exchange). There is one way to ask: `isinstance(collective, GroupsRounds)
 and collective.round_is_grouped(round_id)`; a collective without a capability answers as its
-Protocol's docstring says (not grouped; nothing prepared; nothing watched). A collective that
+Protocol's docstring says (not grouped; nothing prepared; nothing watched; no gather). A collective that
 wraps another (`meshtrain.Swarm`, a multi-GPU peer's local ranks, a pipeline stage's) subclasses
 `ForwardingCollective` (forwarding.py), which has every capability and answers with the wrapped
 collective's, so no wrapper can hide one: one that did made grouped rounds skip their consensus
@@ -134,6 +135,18 @@ class ReduceResult:
     screening: RoundScreening | None = None  # robust all-reduces: what we flagged as a part's owner
 
 
+@dataclass(frozen=True)
+class GatherResult:
+    """What a sparse all-gather (`GathersPayloads`) produced: the same on every peer that took part."""
+
+    payloads: dict[str, dict[str, torch.Tensor]]  # peer -> its payload, for every included peer
+    weights: dict[str, float]  # peer -> the weight it announced
+    contributors: tuple[str, ...]  # included peers with weight > 0, sorted
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
 @runtime_checkable
 class Collective(Protocol):
     """Averaging among peers. Implementations are trio-async."""
@@ -204,3 +217,15 @@ class PreparesRounds(Protocol):
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None: ...
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None: ...
+
+
+@runtime_checkable
+class GathersPayloads(Protocol):
+    """A collective that hands every member of a round every member's payload exactly as it was
+    sent, all agreeing on whose count (SparseLoCo's exchange: sparse_gather.py, whose `all_gather`
+    asks for this): `SwarmCollective` over its data plane, `LocalCollective` in one process. Without
+    this capability a sparse all-gather raises `CollectiveError`."""
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult: ...

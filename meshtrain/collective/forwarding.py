@@ -4,14 +4,16 @@ every capability of the collective it wraps.
 Problem. An outer optimizer asks its collective for more than the contract's two averages:
 whether a round runs in groups smaller than the swarm (`GroupsRounds`: it then adds the consensus
 term, optim/outer.py), whether a round's join can be sent ahead (`PreparesRounds`), whether the
-collective wants to know the optimizer (`WatchesOptimizer`). It asks the one way contract.py
+collective wants to know the optimizer (`WatchesOptimizer`), and SparseLoCo needs every peer's
+payload as sent (`GathersPayloads`). It asks the one way contract.py
 gives, `isinstance(collective, Capability)` and then the capability's method. Between the
 optimizer and the `SwarmCollective` that has those capabilities sit wrappers: `meshtrain.Swarm`
 (node/user_loop.py, a loop you write), `LocalRanksCollective` (node/rank_group.py, a multi-GPU
 peer's ranks), `StageCollective` (pipeline/replica_sync.py, a stage's replica rounds) and
 `AdversarialCollective` (node/adversary.py, a test hook). Each re-declared the methods it knew of,
 and a capability it did not declare was hidden: a grouped round through `meshtrain.Swarm` or a
-multi-GPU peer skipped the consensus term, so the groups' φ drifted apart (issue 35).
+multi-GPU peer skipped the consensus term, so the groups' φ drifted apart (issue 35), and
+SparseLoCo through any wrapper proceeded alone every round.
 
 Design. A wrapper subclasses `ForwardingCollective` and says what it wraps: `inner`, an attribute,
 or a property where the wrapped collective changes (the running node's, the current pipeline
@@ -19,7 +21,8 @@ epoch's), None where this peer has none (a multi-GPU peer's other ranks). The ba
 method of the contract and of every capability and hands each call to `inner` as it came, so a
 wrapper overrides only what it changes: a tag prefix, the contribution, the in-machine reduce
 around the exchange. A capability `inner` lacks is answered as by a collective without it: the
-round is not grouped, `prepare` and `unprepare` send nothing, `watch` looks at nothing. A new
+round is not grouped, `prepare` and `unprepare` send nothing, `watch` looks at nothing, and
+`all_gather` raises `CollectiveError`. A new
 capability is added to contract.py and forwarded here once; every wrapper then has it.
 
 Not here: what the capabilities mean (contract.py); collectives that wrap nothing (`SwarmCollective`,
@@ -35,6 +38,8 @@ import torch
 from meshtrain.collective.contract import (
     Collective,
     CollectiveError,
+    GatherResult,
+    GathersPayloads,
     GroupsRounds,
     PreparesRounds,
     ReduceResult,
@@ -42,7 +47,7 @@ from meshtrain.collective.contract import (
 )
 
 
-class ForwardingCollective(Collective, GroupsRounds, PreparesRounds, WatchesOptimizer):
+class ForwardingCollective(Collective, GroupsRounds, PreparesRounds, WatchesOptimizer, GathersPayloads):
     """Every call of the contract and its capabilities, handed to `inner` (module docstring).
 
     inner: the wrapped collective — set it in `__init__`, or define it as a property; None where
@@ -106,3 +111,11 @@ class ForwardingCollective(Collective, GroupsRounds, PreparesRounds, WatchesOpti
         inner = self.inner
         if isinstance(inner, WatchesOptimizer):
             inner.watch(optimizer)
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        inner = self.inner
+        if not isinstance(inner, GathersPayloads):
+            raise CollectiveError(f"{type(inner).__name__} cannot all-gather (no GathersPayloads capability)")
+        return await inner.all_gather(payload, round_id=round_id, tag=tag, weight=weight)

@@ -31,9 +31,8 @@ import torch
 import trio
 
 from meshtrain.collective.compression import Codec, get_codec
-from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest
-from meshtrain.collective.sparse_gather import GatherResult
 
 
 @dataclass

@@ -56,7 +56,7 @@ def mode_from_env() -> str | None:
 
 class AdversarialCollective(ForwardingCollective):
     """`inner` with every all-reduce contribution replaced as `mode` says (module docstring);
-    everything else is `inner`'s (collective/forwarding.py)."""
+    everything else is `inner`'s (collective/forwarding.py), SparseLoCo's gathered payloads too."""
 
     def __init__(self, inner: Collective, mode: str) -> None:
         self.inner, self.mode = inner, mode

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
+from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, unflatten
 from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError, MeshtrainError
@@ -214,6 +214,15 @@ class LocalRanksCollective(ForwardingCollective):
         """As rank 0 found it after the round's exchange (under FSDP: the swarm's answer)."""
         grouped = self.grouped.get(round_id)
         return super().round_is_grouped(round_id) if grouped is None else grouped
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        """Under FSDP rank 0's gather (only it has an optimizer); under DDP none, on every rank
+        alike: the other ranks would need rank 0's payloads, which the outcome does not carry."""
+        if self.local.sharding != "fsdp":
+            raise CollectiveError("a sparse all-gather (SparseLoCo) does not run across local ranks under DDP")
+        return await super().all_gather(payload, round_id=round_id, tag=tag, weight=weight)
 
     async def all_reduce(
         self,

@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
 from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer
@@ -82,6 +82,11 @@ class StageCollective(ForwardingCollective):
         codec: str = "none",
     ) -> ReduceResult:
         return await super().average_with(partner, tensors, round_id=round_id, tag=self.prefix + tag, codec=codec)
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        return await super().all_gather(payload, round_id=round_id, tag=self.prefix + tag, weight=weight)
 
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
         await super().prepare(round_id=round_id, tag=self.prefix + tag, within=within)
