@@ -1,18 +1,26 @@
 """Grouped rounds over real hosts on loopback (SwarmCollective with a GroupPlan): each group
 all-reduces on its own to its members' exact mean, every update reaches every peer within one
-epoch, and a group survives one of its peers being killed."""
+epoch, a group survives one of its peers being killed, and grouped DiLoCo is FedAvg within each
+group — through every wrapper an outer optimizer may sit on (a multi-GPU peer's local ranks, the
+adversary hook, a pipeline stage's): each keeps the round's grouping visible (issue 35)."""
 
 from __future__ import annotations
 
+import copy
+import threading
 from contextlib import AsyncExitStack
 
 import pytest
 import torch
 import trio
+from meshtrain.node.adversary import AdversarialCollective
+from meshtrain.node.rank_group import LocalRanks
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import Collective
 from meshtrain.collective.flat import result_digest
 from meshtrain.collective.groups import GroupPlan, epoch_length, round_groups
+from meshtrain.pipeline.replica_sync import StageCollective
 
 from .conftest import start_peers
 from .proc_allreduce import inputs
@@ -66,9 +74,61 @@ async def test_small_swarm_under_automatic_group_size_is_one_group_as_before():
         assert not any(col.grouped for col in cols)
 
 
-async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_each_group():
+class MachineRanks(LocalRanks):
+    """One rank of a two-rank peer whose ranks are threads of this process: `LocalRanks`' two
+    in-machine steps (the reduce of Δ, the broadcast of the outcome) over a barrier instead of
+    gloo; everything else — `LocalRanksCollective` on top — is the real thing."""
+
+    def __init__(self, rank: int, machine: dict, peer_id: str) -> None:
+        super().__init__(rank, 2, torch.device("cpu"), None, None, "ddp")
+        self.machine, self.peer_id = machine, peer_id
+
+    def _meet(self) -> None:
+        self.machine["barrier"].wait()
+
+    def reduce_mean(self, flat: torch.Tensor) -> None:
+        slots = self.machine
+        slots[self.rank] = flat
+        self._meet()
+        if self.is_gateway:
+            flat.copy_((slots[0] + slots[1]) / 2)
+        self._meet()
+
+    def share_outcome(self, outcome, flat):
+        slots = self.machine
+        if self.is_gateway:
+            slots["outcome"] = (outcome, None if flat is None else flat.clone())
+        self._meet()
+        outcome, mean = slots["outcome"]
+        self._meet()
+        if "error" in outcome:
+            return outcome, None
+        return outcome, flat if self.is_gateway else mean
+
+
+def two_ranks(col: SwarmCollective) -> tuple[Collective, Collective]:
+    """The collectives of rank 0 (over `col`) and rank 1 of a two-rank DDP peer."""
+    machine: dict = {"barrier": threading.Barrier(2, timeout=30)}
+    gateway, follower = MachineRanks(0, machine, col.peer_id), MachineRanks(1, machine, col.peer_id)
+    return gateway.collective(col), follower.collective(None)
+
+
+# Every wrapper of a SwarmCollective an outer optimizer may sit on: each must keep the round's
+# grouping visible (`GroupsRounds`), or the consensus term is silently skipped (issue 35).
+WRAPPERS = {
+    "bare": lambda col: col,
+    "local-ranks-fsdp": lambda col: LocalRanks(0, 1, torch.device("cpu"), None, None, "fsdp").collective(col),
+    "adversary-otherdata": lambda col: AdversarialCollective(col, "otherdata"),  # honest exchanges
+    "stage": lambda col: StageCollective(lambda: col, "s0/outer/"),
+}
+
+
+@pytest.mark.parametrize("wrapper", [*WRAPPERS, "local-ranks-ddp"])
+async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_each_group(wrapper):
     # Peers whose φ already differ (as after earlier grouped rounds): averaging Δ alone would leave
     # φ_i − Δ̄, different on every peer; the consensus term makes each group's φ its members' mean θ.
+    # With "local-ranks-ddp" the first peer is a two-rank machine: its second rank, which has no
+    # swarm collective, must run the consensus term with rank 0 (or the two would deadlock).
     from meshtrain.optim.diloco import DiLoCo
 
     n = 4
@@ -77,6 +137,7 @@ async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_e
         ids = [p.id for p in peers]
         plan = GroupPlan(group_size=2, seed=1, period=1)  # a full 2x2 grid: groups of two
         models, outers = [], []
+        follower = None
         for i, p in enumerate(peers):
             col = await stack.enter_async_context(
                 SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5), grouping=plan)
@@ -84,16 +145,23 @@ async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_e
             torch.manual_seed(100 + i)  # a different φ on every peer
             model = torch.nn.Linear(8, 4)
             models.append(model)
-            outers.append(DiLoCo(model, None, col, H=1, lr=1.0, momentum=0.0))
+            if wrapper == "local-ranks-ddp" and i == 0:
+                wrapped, second = two_ranks(col)
+                twin = copy.deepcopy(model)  # DDP: every rank holds the same θ and φ
+                follower = (twin, DiLoCo(twin, None, second, H=1, lr=1.0, momentum=0.0))
+            else:
+                wrapped = WRAPPERS.get(wrapper, WRAPPERS["bare"])(col)
+            outers.append(DiLoCo(model, None, wrapped, H=1, lr=1.0, momentum=0.0))
         phi0 = [{k: v.clone() for k, v in o.outer_params.items()} for o in outers]
         with torch.no_grad():  # "inner training": every peer moves θ its own way
-            for i, m in enumerate(models):
+            for i, m in enumerate(models + ([follower[0]] if follower else [])):
                 for prm in m.parameters():
-                    prm.add_(0.01 * (i + 1))
+                    prm.add_(0.01 * (min(i, n) % n + 1))  # the follower (i = n) moves as peer 0
         thetas = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
-        async with trio.open_nursery() as nursery:
-            for o in outers:
-                nursery.start_soon(o.astep)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for o in outers + ([follower[1]] if follower else []):
+                    nursery.start_soon(o.astep)
         groups = plan.groups(ids, 1)
         assert not groups.whole_swarm
         for grp in groups.groups:
@@ -105,6 +173,9 @@ async def test_grouped_diloco_with_outer_lr_1_and_no_momentum_is_fedavg_within_e
                     delta_only = phi0[i][name] - torch.stack([phi0[j][name] - thetas[j][name] for j in members]).mean(0)
                     assert not torch.allclose(delta_only, fedavg, atol=2e-2)  # the term mattered
         assert all(o.history[-1].contributors == 2 for o in outers)
+        if follower is not None:  # rank 1 ends the round where rank 0 does, bit for bit
+            for name, phi in outers[0].outer_params.items():
+                assert torch.equal(follower[1].outer_params[name], phi), name
 
 
 # -- a peer killed inside its group, separate processes ------------------------------------------

@@ -1,9 +1,12 @@
 """SparseLoCo, error feedback and the sparse wire format (issue 19): the codec's layout and
 validation, error feedback's invariants (a hypothesis property), ALGORITHMS.md's identity
 (density 1, no quantisation, β = 0 is DiLoCo with momentum 0), what a joiner gets, the
-aggregation's byte rule, and bit-identical φ across 4 real peer processes."""
+aggregation's byte rule, the gather through every wrapper of a `SwarmCollective` on real hosts,
+and bit-identical φ across 4 real peer processes."""
 
 from __future__ import annotations
+
+from contextlib import AsyncExitStack
 
 import pytest
 import torch
@@ -12,12 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective import LocalSwarm
+from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.compression import get_codec
 from meshtrain.collective.sparse_codec import ChunkedTopK, SparseCodecError, _pack12, _unpack12
 from meshtrain.errors import ConfigError
 from meshtrain.optim import DiLoCo, OuterOptimizer, SparseLoCo
 
-from .test_outer_diloco import eval_loss, simulate, tiny, workers
+from .conftest import start_peers
+from .test_grouped_rounds import WRAPPERS
+from .test_outer_diloco import eval_loss, sgd, simulate, tiny, workers
 
 # -- the wire format ------------------------------------------------------------------------------
 
@@ -280,6 +286,32 @@ async def test_index_mean_aggregation_averages_each_index_over_its_senders():
 
 
 # -- real peers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+async def test_the_sparse_gather_runs_through_every_wrapper_of_a_swarm_collective(wrapper):
+    """Real hosts on loopback: SparseLoCo's all-gather is a capability of `SwarmCollective`
+    (`GathersPayloads`) that a wrapper must forward like any other; one that hid it left every
+    peer to proceed alone, round after round."""
+    k = 3
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, k, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        models, outers = [], []
+        for p in peers:
+            col = await stack.enter_async_context(
+                SwarmCollective(p.host, p.ts, lambda r: ids, AllReduceConfig(join_timeout=5))
+            )
+            model = tiny()
+            models.append(model)
+            outers.append(SparseLoCo(model, sgd(model), WRAPPERS[wrapper](col), H=2, chunk=256, k=8))
+        with trio.fail_after(60):
+            await simulate(outers, models, 2)
+    assert [o.last_aggregation for o in outers] == ["gather"] * k
+    assert [o.history[-1].contributors for o in outers] == [k] * k
+    for o in outers[1:]:
+        for n, phi in o.outer_params.items():
+            assert torch.equal(phi, outers[0].outer_params[n])
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ Two peers in separate processes run examples/own_training_loop.py (a tiny transf
 a plain torch loop): the second joins through the first's address, both train with DiLoCo over
 the swarm, every round has both contributors, both end with the same φ, and each leaves a
 checkpoint that `Swarm.open` resumes. In process: an optimizer that does not match the swarm's
-spec is refused at once, with a message that says why.
+spec is refused at once, with a message that says why; a late joiner downloads the state; with
+`group_size`, rounds through the swarm run in groups and the optimizer adds the consensus term.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,56 @@ def test_a_late_joiner_downloads_the_swarms_state_at_its_first_step(tmp_path):
         finally:
             joined.set()
             t.join(60)
+
+
+def test_a_grouped_round_through_your_loop_adds_the_consensus_term(tmp_path):
+    """Three peers with `group_size` 2: every round runs in groups (of two and of one). The outer
+    optimizer built over `meshtrain.Swarm` must see that (`GroupsRounds`, through the swarm to its
+    node's `SwarmCollective`) and average φ in the group too (the consensus term, optim/outer.py
+    "Grouped rounds"); a swarm that hid it left the groups' φ to drift apart (issue 35)."""
+    import threading
+
+    spec = meshtrain.SwarmSpec(name="grouped", model="user", optimizer="diloco", H=2, batch_size=4, group_size=2)
+    opts = {"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "nat": False, "checkpoint_every": 3600}
+    opts["wait_peers"] = 3  # the first round's groups are formed from all three
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with ExitStack() as stack:
+        a = stack.enter_context(meshtrain.Swarm.create(spec, data_dir=tmp_path / "a", **opts))
+        swarms = [a] + [
+            stack.enter_context(meshtrain.Swarm.join(a.addrs[0], data_dir=tmp_path / n, **opts)) for n in "bc"
+        ]
+        seen: dict[str, list[tuple[int, str, bool]]] = {s.peer_id: [] for s in swarms}
+        for s in swarms:  # what each node's SwarmCollective is asked, and whether the round is grouped
+            col, calls = s.node.collective, seen[s.peer_id]
+            real = col.all_reduce
+
+            async def all_reduce(tensors, *, round_id, tag="", _real=real, _calls=calls, _col=col, **kw):
+                _calls.append((round_id, tag, _col.round_is_grouped(round_id)))
+                return await _real(tensors, round_id=round_id, tag=tag, **kw)
+
+            col.all_reduce = all_reduce
+        models = [_tiny(seed=0) for _ in swarms]
+        outers = [
+            meshtrain.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), s, H=2)
+            for m, s in zip(models, swarms, strict=True)
+        ]
+        errors: list[BaseException] = []
+
+        def train(model: torch.nn.Module, opt: meshtrain.DiLoCo) -> None:
+            try:
+                for _ in range(4):
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=train, args=(m, o)) for m, o in zip(models, outers, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert all(o.rounds == 2 for o in outers), [o.rounds for o in outers]
+    for peer, calls in seen.items():  # both rounds ran in groups, each with φ averaged in the group
+        assert calls == [(2, "f0", True), (2, "f0.phi", True), (4, "f0", True), (4, "f0.phi", True)], (peer, calls)

@@ -6,6 +6,8 @@ that contract and what they share.
 
 Public API:
 - `Collective` / `ReduceResult` / `CollectiveError` — the contract (contract.py).
+- `ForwardingCollective` — the base of a collective that wraps another, with every capability
+  of the wrapped one (forwarding.py).
 - `SwarmCollective` / `AllReduceConfig` — the fault-tolerant all-reduce over a running host
   (allreduce.py: the participant; coordinator.py: the per-round state machine; data_phase.py:
   reduce-scatter and all-gather; protocol.py: its messages).
@@ -22,6 +24,7 @@ from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.compression import CODECS, get_codec
 from meshtrain.collective.contract import Collective, CollectiveError, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest, unflatten
+from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.collective.groups import GroupPlan, round_groups
 from meshtrain.collective.local import LocalCollective, LocalSwarm
 from meshtrain.collective.pairwise import average_pair
@@ -31,6 +34,7 @@ __all__ = [
     "AllReduceConfig",
     "Collective",
     "CollectiveError",
+    "ForwardingCollective",
     "GroupPlan",
     "LocalCollective",
     "LocalSwarm",

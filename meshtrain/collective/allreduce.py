@@ -26,7 +26,9 @@ count as passed; peers in it at a lower-id coordinator make it hand over there, 
 coordinator cannot be reached, end the round at once (`CollectiveError`). hivemind forms groups through
 DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
 clean attempt semantics without a node the swarm cannot lose. A join may be sent ahead of its
-round's data (`prepare`, prepared.py), saving the round a join round trip.
+round's data (`prepare`, prepared.py), saving the round a join round trip. SparseLoCo's payloads
+travel whole, not reduced: `all_gather` (sparse_gather.py) sends them over the same data plane and
+agrees on whose count through one small all-reduce.
 
 **Data phase** (one attempt, group of n, flattened input of M elements cut into n parts; part j
 belongs to the j-th peer): reduce-scatter — every peer sends part j (optionally codec-encoded,
@@ -88,7 +90,7 @@ import torch
 import trio
 
 from meshtrain.collective.committed import fetch_committed, send_committed
-from meshtrain.collective.contract import CollectiveError, ReduceResult, RoundScreening, sampled_peers
+from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult, RoundScreening, sampled_peers
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
@@ -124,6 +126,7 @@ from meshtrain.collective.protocol import (
     WhereRequest,
 )
 from meshtrain.collective.shares import egress_rate
+from meshtrain.collective.sparse_gather import gather_over_streams
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -626,6 +629,12 @@ class SwarmCollective(Service):
             raise
         log.debug(kv("allreduce attempt decided", key=key, attempt=attempt, outcome=type(decided[0]).__name__))
         return decided[0], (result[0] if result else None), phase.stats
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        """Every member's `payload` as sent (`GathersPayloads`): sparse_gather.py over our data plane."""
+        return await gather_over_streams(self, payload, round_id=round_id, tag=tag, weight=weight)
 
     async def average_with(
         self,

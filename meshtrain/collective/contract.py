@@ -14,6 +14,18 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
 - calls are identified by `round_id` (plus an optional `tag`, e.g. a fragment index), so stale
   messages from an earlier round are never mixed into a later one.
 
+Capabilities. What some collectives do beyond the contract is a runtime-checkable Protocol of
+its own, below: `GroupsRounds` (a round may run in groups smaller than the swarm),
+`PreparesRounds` (a round's join may be sent ahead), `WatchesOptimizer` (the collective wants to
+know the optimizer built over it), `GathersPayloads` (every peer's payload to every peer, as
+sent: SparseLoCo's sparse exchange). There is one way to ask: `isinstance(collective, GroupsRounds)
+and collective.round_is_grouped(round_id)`; a collective without a capability answers as its
+Protocol's docstring says (not grouped; nothing prepared; nothing watched; no gather). A collective that
+wraps another (`meshtrain.Swarm`, a multi-GPU peer's local ranks, a pipeline stage's) subclasses
+`ForwardingCollective` (forwarding.py), which has every capability and answers with the wrapped
+collective's, so no wrapper can hide one: one that did made grouped rounds skip their consensus
+term (issue 35).
+
 Screening (issue 21, 4a). In a robust all-reduce each part's owner sees every contribution to its
 part; it flags those whose norm is far outside the group's or whose direction disagrees with the
 robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`), and after the round
@@ -123,6 +135,18 @@ class ReduceResult:
     screening: RoundScreening | None = None  # robust all-reduces: what we flagged as a part's owner
 
 
+@dataclass(frozen=True)
+class GatherResult:
+    """What a sparse all-gather (`GathersPayloads`) produced: the same on every peer that took part."""
+
+    payloads: dict[str, dict[str, torch.Tensor]]  # peer -> its payload, for every included peer
+    weights: dict[str, float]  # peer -> the weight it announced
+    contributors: tuple[str, ...]  # included peers with weight > 0, sorted
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
 @runtime_checkable
 class Collective(Protocol):
     """Averaging among peers. Implementations are trio-async."""
@@ -163,7 +187,8 @@ class Collective(Protocol):
 class WatchesOptimizer(Protocol):
     """A collective that wants to know the outer optimizer built over it (`meshtrain.Swarm`: it
     checks the optimizer against the swarm's spec, and runs the swarm's side of your own loop
-    from the optimizer's step hook). `OuterOptimizer.__init__` calls `watch(self)` last."""
+    from the optimizer's step hook). `OuterOptimizer.__init__` calls `watch(self)` last; a
+    collective without this capability is not told."""
 
     def watch(self, optimizer: Any) -> None: ...
 
@@ -174,7 +199,7 @@ class GroupsRounds(Protocol):
     a `GroupPlan`, collective/groups.py). In such a round the mean is the group's, and peers of
     different groups hold different state: an outer optimizer then adds a consensus term
     (optim/outer.py, "Grouped rounds"). Every member of a group answers alike from the same
-    membership snapshot."""
+    membership snapshot. A collective without this capability runs every round as one group."""
 
     def round_is_grouped(self, round_id: int) -> bool: ...
 
@@ -186,8 +211,21 @@ class PreparesRounds(Protocol):
     returns at once; the `all_reduce` of that round, due in about `within` seconds, then starts
     without a join round trip. `unprepare` says a prepared round will not run
     (training ended): its join is withdrawn now. One never run nor unprepared is withdrawn after a
-    while, so the others are not held up either way."""
+    while, so the others are not held up either way. Without this capability every round sends
+    its join when its `all_reduce` starts."""
 
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None: ...
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None: ...
+
+
+@runtime_checkable
+class GathersPayloads(Protocol):
+    """A collective that hands every member of a round every member's payload exactly as it was
+    sent, all agreeing on whose count (SparseLoCo's exchange: sparse_gather.py, whose `all_gather`
+    asks for this): `SwarmCollective` over its data plane, `LocalCollective` in one process. Without
+    this capability a sparse all-gather raises `CollectiveError`."""
+
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult: ...

@@ -31,9 +31,8 @@ import torch
 import trio
 
 from meshtrain.collective.compression import Codec, get_codec
-from meshtrain.collective.contract import CollectiveError, ReduceResult
+from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest
-from meshtrain.collective.sparse_gather import GatherResult
 
 
 @dataclass
@@ -246,7 +245,7 @@ class LocalCollective:
     async def all_gather(
         self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
     ) -> GatherResult:
-        """Every member's `payload` as sent (`sparse_gather.all_gather`'s contract)."""
+        """Every member's `payload` as sent (`GathersPayloads`, sparse_gather.py's contract)."""
         return await self.swarm._all_gather(self._id, payload, round_id, tag, weight)
 
     async def average_with(

@@ -34,6 +34,10 @@ and switches to the dense all-reduce of the decoded updates above the break-even
 doubles the break-even N to ~584). The agreement all-reduce adds 3·N + 2 floats — noise. At our
 benchmark's 4 peers and 208,704 values: 19.8 KB per peer and round against 1.25 MB, 63× fewer.
 
+Where it runs. `all_gather(collective, ...)` asks the collective, which must `GathersPayloads`
+(contract.py): `SwarmCollective.all_gather` is `gather_over_streams` below, over its data plane;
+`LocalCollective` simulates it; a wrapper forwards it (forwarding.py).
+
 Failures. A missing payload costs its deadline once (the transfers run concurrently), and the
 agreement all-reduce keeps the all-reduce's guarantees: a dead peer is dropped from it, a peer that
 is itself cut off gets `CollectiveError`. Not here: what the payloads mean, summing them.
@@ -43,66 +47,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError
+from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, GathersPayloads
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
 
 HASH_BITS = 10  # of each payload digest compared through the agreement all-reduce (exact in fp32)
-DEFAULT_TIMEOUT = 30.0  # per transfer, for collectives without a config
-DEFAULT_BANDWIDTH = 10e6  # bytes/s added to the deadline per byte
-
-
-@dataclass(frozen=True)
-class GatherResult:
-    """What `all_gather` produced: the same on every peer that took part."""
-
-    payloads: dict[str, dict[str, torch.Tensor]]  # peer -> its payload, for every included peer
-    weights: dict[str, float]  # peer -> the weight it announced
-    contributors: tuple[str, ...]  # included peers with weight > 0, sorted
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    excluded: dict[str, str] = field(default_factory=dict)
 
 
 async def all_gather(
     collective: Collective, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
 ) -> GatherResult:
-    """Every member's `payload` (a flat dict of 1-D tensors with the same layout on every peer).
-
-    Uses `collective.all_gather` if it has one (`LocalCollective`), else the data plane of a
-    `SwarmCollective` (`collective.streams`) plus one small all-reduce for the agreement."""
+    """Every member's `payload` (a flat dict of 1-D tensors with the same layout on every peer),
+    through a collective that `GathersPayloads` (contract.py); `CollectiveError` from one that
+    does not."""
     if not math.isfinite(weight) or weight < 0:
         raise CollectiveError("weight must be finite and >= 0")
-    own = getattr(collective, "all_gather", None)
-    if own is not None:
-        return await own(payload, round_id=round_id, tag=tag, weight=weight)
-    streams = getattr(collective, "streams", None)
-    if streams is None:
-        raise CollectiveError(f"{type(collective).__name__} cannot all-gather (no all_gather, no data plane)")
-    return await _gather_over_streams(collective, streams, payload, round_id, tag, weight)
+    if not isinstance(collective, GathersPayloads):
+        raise CollectiveError(f"{type(collective).__name__} cannot all-gather (no GathersPayloads capability)")
+    return await collective.all_gather(payload, round_id=round_id, tag=tag, weight=weight)
 
 
-async def _gather_over_streams(
-    collective: Any, streams: Any, payload: dict[str, torch.Tensor], round_id: int, tag: str, weight: float
+async def gather_over_streams(
+    collective: Any, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
 ) -> GatherResult:
+    """The gather (module docstring) over `collective.streams`, a `SwarmCollective`'s data plane,
+    its deadlines from `collective.config`, its agreement through `collective.all_reduce`."""
     from meshtrain.transport.tensor_streams import TransferError
 
+    if not math.isfinite(weight) or weight < 0:
+        raise CollectiveError("weight must be finite and >= 0")
+    streams, config = collective.streams, collective.config
     me = collective.peer_id
     group = tuple(sorted(collective.group(round_id)))
     others = [p for p in group if p != me]
-    config = getattr(collective, "config", None)
     nbytes = sum(t.numel() * t.element_size() for t in payload.values())
-    deadline = getattr(config, "part_timeout", DEFAULT_TIMEOUT) + len(group) * nbytes / getattr(
-        config, "min_bandwidth", DEFAULT_BANDWIDTH
-    )
+    deadline = config.part_timeout + len(group) * nbytes / config.min_bandwidth
     wire_tag = f"sg/{round_id}/{tag}"
     got: dict[str, dict[str, torch.Tensor]] = {me: payload}
     weights: dict[str, float] = {me: weight}

@@ -17,7 +17,9 @@ the fault-tolerant collective, late joining, parity, checkpoints and the status 
 Design. `Swarm` runs a `Node` in *loop mode* in a background thread with its own trio loop.
 `Swarm.join`/`create`/`open` return once the node is connected to the swarm (host, data plane,
 presence, collective). The swarm is the `Collective` the outer optimizer averages through (it
-forwards to the node's `SwarmCollective`), and an optimizer built over it is *watched*
+forwards every call to the node's `SwarmCollective`, with its capabilities: a round in groups
+gets the consensus term, a round's join goes out ahead — collective/forwarding.py), and an
+optimizer built over it is *watched*
 (`collective.contract.WatchesOptimizer`): its class and H are checked against the swarm's spec
 at once (a one-line `ConfigError`: a spec that says `diloco` cannot be trained with another
 optimizer), and it is entered on the swarm's trio loop, so its collective calls hop there from
@@ -49,7 +51,8 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult, WatchesOptimizer
+from meshtrain.collective.contract import Collective
+from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
 from meshtrain.node.daemon import Node, NodeResult
@@ -66,7 +69,7 @@ log = get_logger(__name__)
 START_TIMEOUT = 120.0  # seconds `Swarm.join` waits for the node to be connected
 
 
-class Swarm(Collective, WatchesOptimizer):
+class Swarm(ForwardingCollective):
     """A running swarm membership for your own training loop (see the module docstring).
 
     Build it with `Swarm.join(address, data_dir=...)`, `Swarm.create(spec, data_dir=...)` or
@@ -187,44 +190,11 @@ class Swarm(Collective, WatchesOptimizer):
             run_state.after_step(loop)
 
     # The Collective the outer optimizer averages through: the node's, on the swarm's trio loop
-    # (the optimizer's calls arrive there already: it was entered on that loop).
+    # (the optimizer's calls arrive there already: it was entered on that loop). Every call and
+    # capability but `watch` goes to it as it came (collective/forwarding.py).
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        return await self._collective().all_reduce(tensors, round_id=round_id, tag=tag, codec=codec, weight=weight)
-
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
-        return await self._collective().average_with(partner, tensors, round_id=round_id, tag=tag, codec=codec)
-
-    def group(self, round_id: int) -> tuple[str, ...]:
-        return self._collective().group(round_id)
-
-    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
-        collective = self._collective()
-        if isinstance(collective, PreparesRounds):
-            await collective.prepare(round_id=round_id, tag=tag, within=within)
-
-    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
-        collective = self._collective()
-        if isinstance(collective, PreparesRounds):
-            await collective.unprepare(round_id=round_id, tag=tag)
-
-    def _collective(self) -> Collective:
+    @property
+    def inner(self) -> Collective:  # type: ignore[override]  # read where the call is made
         assert self.node.collective is not None  # started in __init__
         return self.node.collective
 

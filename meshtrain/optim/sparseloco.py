@@ -71,9 +71,9 @@ from collections.abc import Sequence
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
 from meshtrain.collective.sparse_codec import ChunkedTopK
-from meshtrain.collective.sparse_gather import GatherResult, all_gather
+from meshtrain.collective.sparse_gather import all_gather
 from meshtrain.log import get_logger, kv
 from meshtrain.optim.outer import OuterOptimizer
 

@@ -22,7 +22,8 @@ group is the stage's live replicas, `replica_group`), reached through `StageColl
 prefixes every tag with the stage (`s<index>/outer/`), so the rounds of different stages never
 meet, and round ids are the iteration count, which every peer of the swarm shares. The runtime is
 rebuilt when the placement changes (a new epoch); the optimizer survives it: `StageCollective`
-asks for the current runtime's collective at every call.
+asks for the current runtime's collective at every call, and hands it every other call and
+capability as it came (collective/forwarding.py).
 
 Failures are the outer optimizer's: a replica that dies mid-round is dropped by the collective,
 and a peer that could not take part proceeds alone and sets `needs_resync`.
@@ -37,7 +38,8 @@ from typing import Literal
 
 import torch
 
-from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult
+from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
+from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer
 from meshtrain.optim.outer import RoundReport
@@ -46,17 +48,18 @@ from meshtrain.pipeline.stages import StageReplica
 OuterKind = Literal["diloco", "noloco"]
 
 
-class StageCollective(Collective):
+class StageCollective(ForwardingCollective):
     """The collective of one stage's replica rounds: `current()` (the running runtime's
-    collective), with every tag prefixed by `prefix` so each stage's rounds are its own."""
+    collective), with every tag prefixed by `prefix` so each stage's rounds are its own; the rest
+    is the runtime collective's, capabilities too (collective/forwarding.py)."""
 
     def __init__(self, current: Callable[[], Collective], prefix: str) -> None:
         self.current = current
         self.prefix = prefix
 
     @property
-    def peer_id(self) -> str:
-        return self.current().peer_id
+    def inner(self) -> Collective:  # type: ignore[override]  # read where the call is made
+        return self.current()
 
     async def all_reduce(
         self,
@@ -67,9 +70,7 @@ class StageCollective(Collective):
         codec: str = "none",
         weight: float = 1.0,
     ) -> ReduceResult:
-        return await self.current().all_reduce(
-            tensors, round_id=round_id, tag=self.prefix + tag, codec=codec, weight=weight
-        )
+        return await super().all_reduce(tensors, round_id=round_id, tag=self.prefix + tag, codec=codec, weight=weight)
 
     async def average_with(
         self,
@@ -80,22 +81,22 @@ class StageCollective(Collective):
         tag: str = "",
         codec: str = "none",
     ) -> ReduceResult:
-        return await self.current().average_with(
-            partner, tensors, round_id=round_id, tag=self.prefix + tag, codec=codec
-        )
+        return await super().average_with(partner, tensors, round_id=round_id, tag=self.prefix + tag, codec=codec)
 
-    def group(self, round_id: int) -> tuple[str, ...]:
-        return self.current().group(round_id)
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        return await super().all_gather(payload, round_id=round_id, tag=self.prefix + tag, weight=weight)
 
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
-        current = self.current()
-        if isinstance(current, PreparesRounds):
-            await current.prepare(round_id=round_id, tag=self.prefix + tag, within=within)
+        await super().prepare(round_id=round_id, tag=self.prefix + tag, within=within)
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None:
-        current = self.current()
-        if isinstance(current, PreparesRounds):
-            await current.unprepare(round_id=round_id, tag=self.prefix + tag)
+        await super().unprepare(round_id=round_id, tag=self.prefix + tag)
+
+    def watch(self, optimizer: object) -> None:
+        """Nothing: the optimizer outlives the epochs' runtimes, and may be built while none runs
+        (node/pipeline_peer.py takes its stage before the epoch starts)."""
 
 
 class StageOuterSync:

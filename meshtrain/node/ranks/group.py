@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, PreparesRounds, ReduceResult
+from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, ReduceResult
 from meshtrain.collective.flat import flatten_fp32, unflatten
+from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import get_logger
 from meshtrain.node.ranks.devices import resolve_device
@@ -188,31 +189,40 @@ class LocalRanks:
         return outcome, flat
 
 
-class LocalRanksCollective:
+class LocalRanksCollective(ForwardingCollective):
     """The `Collective` every local rank's outer optimizer sees: reduce inside the machine, rank 0
-    exchanges with the swarm (`swarm`, None on the other ranks), everyone gets the outcome.
+    exchanges with the swarm (`swarm`, None on the other ranks), everyone gets the outcome. Its
+    capabilities are the swarm's (collective/forwarding.py); whether a round ran in groups comes
+    to the other ranks with the outcome, so every rank's optimizer runs the consensus term's
+    exchange with rank 0's, or none does.
 
     local: this rank's `LocalRanks`. swarm: the swarm's collective (rank 0 only).
     """
 
     def __init__(self, local: LocalRanks, swarm: Collective | None) -> None:
-        self.local, self.swarm = local, swarm
+        self.local, self.inner = local, swarm
+        self.grouped: dict[int, bool] = {}  # round id -> whether it ran in groups, as rank 0 said
 
     @property
     def peer_id(self) -> str:
-        return self.swarm.peer_id if self.swarm is not None else self.local.peer_id
+        return self.inner.peer_id if self.inner is not None else self.local.peer_id
 
     def group(self, round_id: int) -> tuple[str, ...]:
-        return self.swarm.group(round_id) if self.swarm is not None else (self.local.peer_id,)
+        return self.inner.group(round_id) if self.inner is not None else (self.local.peer_id,)
 
-    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
-        """Rank 0 prepares the swarm's round; the machine's own reduce needs no group."""
-        if isinstance(self.swarm, PreparesRounds):
-            await self.swarm.prepare(round_id=round_id, tag=tag, within=within)
+    def round_is_grouped(self, round_id: int) -> bool:
+        """As rank 0 found it after the round's exchange (under FSDP: the swarm's answer)."""
+        grouped = self.grouped.get(round_id)
+        return super().round_is_grouped(round_id) if grouped is None else grouped
 
-    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
-        if isinstance(self.swarm, PreparesRounds):
-            await self.swarm.unprepare(round_id=round_id, tag=tag)
+    async def all_gather(
+        self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
+    ) -> GatherResult:
+        """Under FSDP rank 0's gather (only it has an optimizer); under DDP none, on every rank
+        alike: the other ranks would need rank 0's payloads, which the outcome does not carry."""
+        if self.local.sharding != "fsdp":
+            raise CollectiveError("a sparse all-gather (SparseLoCo) does not run across local ranks under DDP")
+        return await super().all_gather(payload, round_id=round_id, tag=tag, weight=weight)
 
     async def all_reduce(
         self,
@@ -223,9 +233,10 @@ class LocalRanksCollective:
         codec: str = "none",
         weight: float = 1.0,
     ) -> ReduceResult:
-        swarm = self.swarm
+        swarm = self.inner
         return await self._round(
             tensors,
+            round_id,
             None
             if swarm is None
             else lambda t: swarm.all_reduce(t, round_id=round_id, tag=tag, codec=codec, weight=weight),
@@ -240,15 +251,16 @@ class LocalRanksCollective:
         tag: str = "",
         codec: str = "none",
     ) -> ReduceResult:
-        swarm = self.swarm
+        swarm = self.inner
         return await self._round(
             tensors,
+            round_id,
             None
             if swarm is None
             else lambda t: swarm.average_with(partner, t, round_id=round_id, tag=tag, codec=codec),
         )
 
-    async def _round(self, tensors: dict[str, torch.Tensor], exchange: Any) -> ReduceResult:
+    async def _round(self, tensors: dict[str, torch.Tensor], round_id: int, exchange: Any) -> ReduceResult:
         local = self.local
         if local.sharding == "fsdp":  # only rank 0 has an outer optimizer; its Δ is the machine's
             return await exchange(tensors)
@@ -258,6 +270,7 @@ class LocalRanksCollective:
             outcome, mean = await trio.to_thread.run_sync(local.share_outcome, None, None)
             if mean is None:
                 raise CollectiveError(outcome["error"])
+            self._remember(round_id, outcome["grouped"])
             return ReduceResult(
                 unflatten(mean, tensors, list(tensors)),
                 tuple(outcome["contributors"]),
@@ -274,6 +287,7 @@ class LocalRanksCollective:
                 await trio.to_thread.run_sync(local.share_outcome, {"error": why}, None)
             raise
         mean = flatten_fp32(result.tensors)
+        grouped = super().round_is_grouped(round_id)
         await trio.to_thread.run_sync(
             local.share_outcome,
             {
@@ -281,7 +295,14 @@ class LocalRanksCollective:
                 "contributors": list(result.contributors),
                 "digest": result.digest,
                 "excluded": dict(result.excluded),
+                "grouped": grouped,
             },
             mean,
         )
+        self._remember(round_id, grouped)
         return result
+
+    def _remember(self, round_id: int, grouped: bool) -> None:
+        self.grouped[round_id] = bool(grouped)
+        for old in list(self.grouped)[:-8]:  # asked right after the round's exchange: a few suffice
+            del self.grouped[old]

@@ -36,7 +36,8 @@ from typing import Protocol
 
 import torch
 
-from meshtrain.collective.contract import Collective, PreparesRounds, ReduceResult
+from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
@@ -77,33 +78,19 @@ def arm(mode: str | None, trainer: HasBatches, view: SwarmView | None) -> None:
         publish_other_phi(view)
 
 
-class AdversarialCollective:
-    """`inner` with every all-reduce contribution replaced as `mode` says (module docstring)."""
+class AdversarialCollective(ForwardingCollective):
+    """`inner` with every all-reduce contribution replaced as `mode` says (module docstring);
+    everything else is `inner`'s (collective/forwarding.py), SparseLoCo's gathered payloads too."""
 
     def __init__(self, inner: Collective, mode: str) -> None:
         self.inner, self.mode = inner, mode
         self._first: dict[str, dict[str, torch.Tensor]] = {}  # replay: per tag, the first update sent
 
-    @property
-    def peer_id(self) -> str:
-        return self.inner.peer_id
-
-    def group(self, round_id: int) -> tuple[str, ...]:
-        return self.inner.group(round_id)
-
-    async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
-        if isinstance(self.inner, PreparesRounds):
-            await self.inner.prepare(round_id=round_id, tag=tag, within=within)
-
-    async def unprepare(self, *, round_id: int, tag: str = "") -> None:
-        if isinstance(self.inner, PreparesRounds):
-            await self.inner.unprepare(round_id=round_id, tag=tag)
-
     async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
-        return await self.inner.average_with(partner, self.corrupt(tensors, kw.get("tag", "")), **kw)
+        return await super().average_with(partner, self.corrupt(tensors, kw.get("tag", "")), **kw)
 
     async def all_reduce(self, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
-        return await self.inner.all_reduce(self.corrupt(tensors, kw.get("tag", "")), **kw)
+        return await super().all_reduce(self.corrupt(tensors, kw.get("tag", "")), **kw)
 
     def corrupt(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
         if self.mode == "signflip10":
