@@ -112,7 +112,7 @@ async def test_two_replicas_of_a_large_crdt_exchange_only_the_differing_buckets_
         assert set(reply["b"]) == {"samples"}  # CRDTs under MIN_BUCKETED entries go whole
 
         await hosts[1].connect(hosts[0].addrs[0])
-        assert await right.anti_entropy_with(left.host.peer_id)
+        assert await right.anti_entropy.exchange_with(left.host.peer_id)
         assert left.fingerprint() == right.fingerprint()
         assert right.crdt("samples").value() == left.crdt("samples").value() == counter.value()
 

@@ -41,17 +41,26 @@ another peer is connected. Requests are checked field by field and refused with 
 `RemoteError` (`malformed`, `wrong-swarm`, `unavailable`); pushed entries go through the same
 `merge_entries` as gossip.
 
-Not here: the entries' merge rules and the gate (`replica.py`), the push path (`gossip.py`).
-`AntiEntropy` is a part of `Replica`, not a service of its own: it uses the replica's state.
+Who owns what. `AntiEntropy` is a part that `Replica` builds and enters (a `Service`: its RPC
+handlers and its two tasks, the periodic exchanges and the greeting of new connections). It owns
+its bookkeeping of peers — who did not serve us, when each connected (`connected_since`, which
+gossip reads) — and `recovered`; it reads the CRDTs, their cached fingerprints and merges into
+them only through `FingerprintedCrdts`, which the replica is, and bumps the replica's `ae_*`
+counters.
+
+Not here: the entries' merge rules and the gate (`replica.py`), the push path (`gossip.py`),
+`Replica.flush` (a gossip publish, then exchanges with a few peers).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
 
 import trio
 
@@ -70,8 +79,10 @@ from meshtrain.crdt.fingerprints import (
     parse_bucket_scope,
     restrict,
 )
-from meshtrain.crdt.gossip import RETRY_AFTER, SPLIT_MARGIN, split_batches
+from meshtrain.crdt.gossip import RETRY_AFTER, SPLIT_MARGIN, LocalCrdts, RateLimitedLog, split_batches
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
 from meshtrain.transport.validate import MALFORMED, UNAVAILABLE, WRONG_SWARM, require_map
 
@@ -82,7 +93,6 @@ RPC_PULL = "crdt/pull"
 MAX_RPC_ENTRIES_BYTES = 512 << 10  # entries per anti-entropy request or reply (RPC cap: 1 MiB)
 MAX_RPC_REQUEST = 1 << 20
 DEFAULT_RECOVER_TIMEOUT = 5.0
-DEFAULT_FLUSH_TIMEOUT = 2.0
 
 
 class _NotConnected(RpcError):
@@ -94,77 +104,162 @@ def _beats(theirs: tuple[int, bytes], mine: SignedEntry | None) -> bool:
     return mine is None or (seq, prefix) > (mine.seq, mine.signature[: len(prefix)])
 
 
-class AntiEntropy:
-    """The anti-entropy half of a `Replica` (client and server), mixed into it.
+class FingerprintedCrdts(LocalCrdts, Protocol):
+    """The replica's CRDTs as anti-entropy sees them: `LocalCrdts` and their cached fingerprints
+    (`Replica` is one)."""
 
-    It reads and updates the replica's state: `host`, `me`, `namespace`, `config`, `stats`,
-    `recovered`, the CRDTs (`_crdts`, `_fingerprint`, `_in_spec_order`, `merge_entries`), the
-    bookkeeping of peers (`_ae_unavailable`, `_connected_since`), `_warn`, `_running`,
-    `_nursery`, and the gossip side's `_ensure_pubsub_peers` and `_publish_pending`.
+    def fingerprint(self, name: str) -> bytes: ...
+
+    def bucket_fingerprints(self, name: str, count: int) -> list[bytes]: ...
+
+
+class AntiEntropySettings(Protocol):
+    """The settings anti-entropy reads (`ReplicaConfig` has them)."""
+
+    @property
+    def anti_entropy_interval(self) -> float: ...
+    @property
+    def anti_entropy_jitter(self) -> float: ...
+    @property
+    def rpc_timeout(self) -> float: ...
+    @property
+    def max_rpc_entries_bytes(self) -> int: ...
+    @property
+    def max_pull_rounds(self) -> int: ...
+    @property
+    def recover_peers(self) -> int: ...
+
+
+class AntiEntropyCounters(Protocol):
+    """The counters anti-entropy bumps (`ReplicaStats` has them)."""
+
+    ae_exchanges: int
+    ae_failed: int
+    ae_rpcs_sent: int
+    ae_rpcs_served: int
+    ae_entries_pulled: int
+    ae_entries_pushed: int
+
+
+class AntiEntropy(Service):
+    """The repair path of a `Replica`: exchanges with connected peers (client) and serves theirs.
+
+    Parameters:
+    - `host`: the running `Host`; its RPC layer carries `crdt/digest` and `crdt/pull` both ways,
+      and its connections are the peers we exchange with (it never dials).
+    - `namespace`: the swarm id every request names.
+    - `local`: the CRDTs it compares, pushes from and merges into (`FingerprintedCrdts`).
+    - `settings`, `stats`: the replica's config and counters (`AntiEntropySettings`,
+      `AntiEntropyCounters`).
+    - `before_tick()`: called before each periodic exchange (the replica opens gossip streams
+      gossipsub missed there); must not block.
+
+    Entering serves the RPCs and starts two tasks (the periodic exchanges, greeting new
+    connections); leaving stops them, and the RPCs then answer `unavailable`. It also keeps when
+    each peer connected while it ran (`connected_since`).
     """
+
+    def __init__(
+        self,
+        host: Host,
+        namespace: str,
+        local: FingerprintedCrdts,
+        settings: AntiEntropySettings,
+        stats: AntiEntropyCounters,
+        *,
+        before_tick: Callable[[], None],
+    ) -> None:
+        self.host = host
+        self.me = host.peer_id
+        self.namespace = namespace
+        self.local = local
+        self.settings = settings
+        self.stats = stats
+        self.before_tick = before_tick
+        self.recovered = trio.Event()  # set once `recover` completed an exchange
+        self._unavailable: dict[str, float] = {}  # peers that do not serve crdt RPCs, and since when
+        self._connected_since: dict[str, float] = {}  # peers that connected while we ran
+        self._warn = RateLimitedLog()
+        self._running = False
+        self._nursery: trio.Nursery | None = None
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        self.host.rpc.serve(RPC_DIGEST, self._serve_digest, max_request=MAX_RPC_REQUEST)
+        self.host.rpc.serve(RPC_PULL, self._serve_pull, max_request=MAX_RPC_REQUEST)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._tick_loop)
+        self._nursery.start_soon(self._watch_connections)
+        self._running = True
+
+    async def _stop(self) -> None:
+        self._running = False
+
+    def connected_since(self, peer: str) -> float | None:
+        """When `peer` connected (`time.monotonic()`), if it did while we ran and still is."""
+        return self._connected_since.get(peer)
 
     # --- anti-entropy: client -------------------------------------------------------------------
 
-    def _candidate_peers(self) -> list[str]:
+    def candidate_peers(self) -> list[str]:
         """Connected peers for anti-entropy; those that recently did not serve `crdt/*` for
         our swarm only if there is nobody else. (Not filtered by gossip subscription: a peer
         whose gossip stream failed to come up is exactly one anti-entropy must still reach.)"""
         connected = self.host.connected_peers()
         now = time.monotonic()
-        serving = [p for p in connected if now - self._ae_unavailable.get(p, -math.inf) >= RETRY_AFTER]
+        serving = [p for p in connected if now - self._unavailable.get(p, -math.inf) >= RETRY_AFTER]
         return serving or connected
 
-    async def anti_entropy_with(self, peer: str, *, mark_unavailable: bool = True) -> bool:
+    async def exchange_with(self, peer: str, *, mark_unavailable: bool = True) -> bool:
         """One exchange with `peer`: compare fingerprints, then push and pull what differs.
 
         Returns True if the exchange completed (the peer answered well-formed replies).
         `mark_unavailable`: if the peer turns out not to serve us, skip it for a while.
         """
-        fps = {name: self._fingerprint(name) for name in self._crdts}
+        crdts = self.local.crdts
+        fps = {name: self.local.fingerprint(name) for name in crdts}
         by_bucket = {}
-        for name, crdt in self._crdts.items():
+        for name, crdt in crdts.items():
             count = bucket_count(len(crdt))
             if count:
-                by_bucket[name] = self.bucket_fingerprints(name, count)
+                by_bucket[name] = self.local.bucket_fingerprints(name, count)
         request: dict[str, Any] = {"ns": self.namespace, "fp": fps}
         if by_bucket:
             request["fb"] = by_bucket
         try:
             reply = await self._call(peer, RPC_DIGEST, request)
-            theirs = _parse_digest_reply(reply, self._crdts)
-            scopes = parse_bucket_scope(reply.get("b", {}), self._crdts)
+            theirs = _parse_digest_reply(reply, crdts)
+            scopes = parse_bucket_scope(reply.get("b", {}), crdts)
         except (RpcError, MalformedCrdtData) as e:
-            return self._ae_failed(peer, e, mark_unavailable)
+            return self._failed(peer, e, mark_unavailable)
         push: dict[str, list[SignedEntry]] = {}
         want: set[str] = set()
         for name, digest in theirs.items():
-            crdt = self._crdts[name]
+            crdt = crdts[name]
             scope = scopes.get(name)  # their digest holds only the buckets that differ
             missing = [e for e in crdt.delta_since(digest) if scope is None or scope.covers(e.owner)]
             if missing:
                 push[name] = missing
             if any(_beats(v, crdt.entry(owner)) for owner, v in digest.items()):
                 want.add(name)
-        for _ in range(self.config.max_pull_rounds):
+        for _ in range(self.settings.max_pull_rounds):
             if not push and not want:
                 break
-            chunk, push = _take(push, self.config.max_rpc_entries_bytes - SPLIT_MARGIN)
+            chunk, push = _take(push, self.settings.max_rpc_entries_bytes - SPLIT_MARGIN)
             request = {
                 "ns": self.namespace,
-                "d": {n: digest_to_wire(_scoped(self._crdts[n].digest(), scopes.get(n))) for n in sorted(want)},
-                "p": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
+                "d": {n: digest_to_wire(_scoped(crdts[n].digest(), scopes.get(n))) for n in sorted(want)},
+                "p": {n: crdts[n].encode_entries(es) for n, es in chunk.items()},
             }
             if any(n in scopes for n in want):
                 request["b"] = {n: scopes[n].to_wire() for n in sorted(want) if n in scopes}
             try:
                 reply = await self._call(peer, RPC_PULL, request)
-                pulled, more = _parse_pull_reply(reply, self._crdts, self.config.max_rpc_entries_bytes + (64 << 10))
+                pulled, more = _parse_pull_reply(reply, crdts, self.settings.max_rpc_entries_bytes + (64 << 10))
             except (RpcError, MalformedCrdtData) as e:
-                return self._ae_failed(peer, e, mark_unavailable)
+                return self._failed(peer, e, mark_unavailable)
             self.stats.ae_entries_pushed += sum(len(es) for es in chunk.values())
-            for name, entries in self._in_spec_order(pulled.items()):
-                self.stats.ae_entries_pulled += len(entries)
-                self.merge_entries(name, entries, "anti-entropy", peer)
+            self.stats.ae_entries_pulled += sum(len(es) for es in pulled.values())
+            self.local.merge_batches(pulled.items(), "anti-entropy", peer)
             if not more:
                 want = set()
         self.stats.ae_exchanges += 1
@@ -176,32 +271,35 @@ class AntiEntropy:
         if not self.host.is_connected(peer):
             raise _NotConnected(f"{peer} is not connected")
         self.stats.ae_rpcs_sent += 1
-        return await self.host.rpc.call(peer, name, request, timeout=self.config.rpc_timeout)
+        return await self.host.rpc.call(peer, name, request, timeout=self.settings.rpc_timeout)
 
-    def _ae_failed(self, peer: str, error: Exception, mark_unavailable: bool = True) -> bool:
+    def _failed(self, peer: str, error: Exception, mark_unavailable: bool = True) -> bool:
         self.stats.ae_failed += 1
         not_serving = (isinstance(error, RpcUnavailable) and self.host.is_connected(peer)) or (
             isinstance(error, RemoteError) and error.code in (WRONG_SWARM, UNAVAILABLE)
         )
         if mark_unavailable and not_serving:  # prefer other peers for a while
-            self._ae_unavailable[peer] = time.monotonic()
-            if len(self._ae_unavailable) > 4096:
-                self._ae_unavailable.clear()
+            self._unavailable[peer] = time.monotonic()
+            if len(self._unavailable) > 4096:
+                self._unavailable.clear()
         if isinstance(error, MalformedCrdtData) or (isinstance(error, RemoteError) and error.code == "malformed"):
             self._warn.warning(f"ae:{peer}", kv("anti-entropy failed", peer=peer, error=error))
         else:
             log.debug(kv("anti-entropy failed", peer=peer, error=error))
         return False
 
-    async def _anti_entropy_loop(self) -> None:
-        cfg = self.config
+    async def _tick_loop(self) -> None:
+        settings = self.settings
         while True:
-            jitter = random.uniform(1 - cfg.anti_entropy_jitter, 1 + cfg.anti_entropy_jitter)
-            await trio.sleep(cfg.anti_entropy_interval * jitter)
-            self._ensure_pubsub_peers()
-            peers = self._candidate_peers()
+            jitter = random.uniform(1 - settings.anti_entropy_jitter, 1 + settings.anti_entropy_jitter)
+            await trio.sleep(settings.anti_entropy_interval * jitter)
+            self.before_tick()
+            peers = self.candidate_peers()
             if peers:
-                await self.anti_entropy_with(random.choice(peers))
+                await self.exchange_with(random.choice(peers))
+
+    def _peers_other_than(self, known: set[str]) -> bool:
+        return set(self.host.connected_peers()) != known
 
     async def _watch_connections(self) -> None:
         """Greet every newly connected peer with an anti-entropy exchange right away.
@@ -213,7 +311,7 @@ class AntiEntropy:
         """
         known: set[str] = set(self.host.connected_peers())
         while True:
-            await self.host.wait_until(lambda known=known: set(self.host.connected_peers()) != known)
+            await self.host.wait_until(functools.partial(self._peers_other_than, known))
             current = set(self.host.connected_peers())
             new = current - known
             known = current
@@ -230,7 +328,7 @@ class AntiEntropy:
 
     async def _greet(self, peer: str) -> None:
         await trio.sleep(0.05)  # the new connection's muxer may still be settling
-        await self.anti_entropy_with(peer, mark_unavailable=False)
+        await self.exchange_with(peer, mark_unavailable=False)
 
     async def recover(self, timeout: float = DEFAULT_RECOVER_TIMEOUT) -> bool:
         """Pull the swarm's state — our own earlier entries included — before writing.
@@ -241,30 +339,16 @@ class AntiEntropy:
         """
         with trio.move_on_after(timeout):
             while True:
-                peers = self._candidate_peers()
+                peers = self.candidate_peers()
                 random.shuffle(peers)
                 ok = False
-                for peer in peers[: self.config.recover_peers]:
-                    ok = await self.anti_entropy_with(peer) or ok
+                for peer in peers[: self.settings.recover_peers]:
+                    ok = await self.exchange_with(peer) or ok
                 if ok:
                     self.recovered.set()
                     return True
                 await trio.sleep(0.1)
         return False
-
-    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2) -> int:
-        """Publish pending gossip now and hand our state to up to `peers` connected peers by
-        anti-entropy (they re-gossip what was new to them). Returns how many peers confirmed.
-        For a clean shutdown: a gossip publish alone may still sit in a send queue when the
-        host closes."""
-        confirmed = 0
-        with trio.move_on_after(timeout):
-            await self._publish_pending()
-            candidates = self._candidate_peers()
-            random.shuffle(candidates)
-            for peer in candidates[:peers]:
-                confirmed += await self.anti_entropy_with(peer)
-        return confirmed
 
     # --- anti-entropy: server -------------------------------------------------------------------
 
@@ -279,22 +363,23 @@ class AntiEntropy:
     async def _serve_digest(self, peer: str, request: Any) -> Any:
         self.stats.ae_rpcs_served += 1
         request = self._check_request(request, "fp")
+        crdts = self.local.crdts
         fps = request["fp"]
-        if not isinstance(fps, dict) or len(fps) > 4 * len(self._crdts) + 16:
+        if not isinstance(fps, dict) or len(fps) > 4 * len(crdts) + 16:
             raise RemoteError(MALFORMED, "fp must be a small map of CRDT name -> fingerprint")
         try:
-            theirs = parse_bucket_fingerprints(request.get("fb", {}), self._crdts)
+            theirs = parse_bucket_fingerprints(request.get("fb", {}), crdts)
         except MalformedCrdtData as e:
             raise RemoteError(MALFORMED, str(e)) from None
         digests: dict[str, Any] = {}
         scopes: dict[str, list[Any]] = {}
-        for name, crdt in self._crdts.items():
-            if fps.get(name) == self._fingerprint(name):
+        for name, crdt in crdts.items():
+            if fps.get(name) == self.local.fingerprint(name):
                 continue
             digest = crdt.digest()
             if name in theirs:  # only the buckets whose fingerprints differ
                 count = len(theirs[name])
-                mine = self.bucket_fingerprints(name, count)
+                mine = self.local.bucket_fingerprints(name, count)
                 scope = BucketScope(count, frozenset(i for i in range(count) if mine[i] != theirs[name][i]))
                 digest = _scoped(digest, scope)
                 scopes[name] = scope.to_wire()
@@ -304,18 +389,18 @@ class AntiEntropy:
     async def _serve_pull(self, peer: str, request: Any) -> Any:
         self.stats.ae_rpcs_served += 1
         request = self._check_request(request, "d", "p")
+        crdts = self.local.crdts
         digests, pushed = request["d"], request["p"]
         if not isinstance(digests, dict) or not isinstance(pushed, dict):
             raise RemoteError(MALFORMED, "d and p must be maps keyed by CRDT name")
         try:
-            scopes = parse_bucket_scope(request.get("b", {}), self._crdts)
+            scopes = parse_bucket_scope(request.get("b", {}), crdts)
         except MalformedCrdtData as e:
             raise RemoteError(MALFORMED, str(e)) from None
-        rejected = 0
-        limit = self.config.max_rpc_entries_bytes + (64 << 10)
+        limit = self.settings.max_rpc_entries_bytes + (64 << 10)
         decoded: list[tuple[str, list[SignedEntry]]] = []
         for name, data in pushed.items():
-            crdt = self._crdts.get(name) if isinstance(name, str) else None
+            crdt = crdts.get(name) if isinstance(name, str) else None
             if crdt is None or not isinstance(data, bytes):
                 raise RemoteError(MALFORMED, f"p: unknown CRDT {name!r:.60} or not bytes")
             try:
@@ -323,11 +408,10 @@ class AntiEntropy:
             except MalformedCrdtData as e:
                 self._warn.warning(f"ae:{peer}", kv("undecodable pushed entries", peer=peer, error=e))
                 raise RemoteError(MALFORMED, str(e)) from None
-        for name, entries in self._in_spec_order(decoded):
-            rejected += len(self.merge_entries(name, entries, "anti-entropy", peer).rejected)
+        rejected = self.local.merge_batches(decoded, "anti-entropy", peer)
         wanted: dict[str, list[SignedEntry]] = {}
         for name, wire in digests.items():
-            crdt = self._crdts.get(name) if isinstance(name, str) else None
+            crdt = crdts.get(name) if isinstance(name, str) else None
             if crdt is None:
                 continue  # a CRDT we do not keep: nothing to send
             try:
@@ -339,9 +423,9 @@ class AntiEntropy:
                 delta = [e for e in delta if scope.covers(e.owner)]
             if delta:
                 wanted[name] = delta
-        chunk, rest = _take(wanted, self.config.max_rpc_entries_bytes - SPLIT_MARGIN)
+        chunk, rest = _take(wanted, self.settings.max_rpc_entries_bytes - SPLIT_MARGIN)
         return {
-            "e": {n: self._crdts[n].encode_entries(es) for n, es in chunk.items()},
+            "e": {n: crdts[n].encode_entries(es) for n, es in chunk.items()},
             "more": bool(rest),
             "rejected": rejected,
         }
@@ -391,11 +475,13 @@ def _parse_pull_reply(
 
 
 __all__ = [
-    "DEFAULT_FLUSH_TIMEOUT",
     "DEFAULT_RECOVER_TIMEOUT",
     "MAX_RPC_ENTRIES_BYTES",
     "MAX_RPC_REQUEST",
     "RPC_DIGEST",
     "RPC_PULL",
     "AntiEntropy",
+    "AntiEntropyCounters",
+    "AntiEntropySettings",
+    "FingerprintedCrdts",
 ]

@@ -3,7 +3,9 @@
 The problem. A local write must reach every peer of the swarm quickly, and py-libp2p's gossipsub
 has limits and failure modes that a naive publish runs into (shared/LIBP2P-NOTES.md).
 
-Design (`GossipPush`, mixed into `Replica`):
+Design (`Gossip`, a part that `Replica` builds and enters: it owns the outbox, the py-libp2p
+`Pubsub` unless one is shared, the topic validator and subscription, and the gossip streams it is
+opening; it reads the CRDTs and merges into them only through `LocalCrdts`, which the replica is):
 - **Push (fast path): gossipsub**, one topic per swarm (`/meshtrain/<swarm>/crdt/1`). A local
   write signs the owner's next entry (the entry *is* the delta); entries written within
   `publish_delay` are coalesced (per CRDT only the owner's latest entry matters) and published
@@ -25,8 +27,9 @@ Design (`GossipPush`, mixed into `Replica`):
   every budget keeps `SPLIT_MARGIN` of slack for the framing the estimate leaves out.
 - py-libp2p's gossipsub runs with the settings `start_gossipsub` explains (spam protection,
   adaptive gossip and eclipse protection off; gossipsub v1.1 at most). Its pubsub learns peers
-  from connection events only, so the replica opens gossip streams to connected peers it missed
-  (`_ensure_pubsub_peers`).
+  from connection events only, so `Gossip.ensure_pubsub_peers` opens gossip streams to connected
+  peers it missed (at start, and before each anti-entropy tick: the replica wires that up); a
+  peer that connected a moment ago (anti-entropy's `connected_since`) is left to py-libp2p.
 
 Wire: `encode_gossip` / `decode_gossip`, on the topic `gossip_topic(namespace)`.
 
@@ -34,17 +37,18 @@ Failures: an untrusted message is decoded only within size limits (`MalformedCrd
 nothing it carries can raise out of the validator. py-libp2p's own pubsub stream handler is
 wrapped (`guard_gossip_streams`): unwrapped, one malformed frame from any peer kills the host.
 
-Not here: the merge rules, the size limit of an entry and the gate (`Replica.merge_entries`,
-`replica.py`), the anti-entropy repair path (`anti_entropy.py`).
+Not here: the merge rules, the size limit of an entry, the gate and the order batches merge in
+(`Replica.merge_entries` / `merge_batches`, `replica.py`), the anti-entropy repair path
+(`anti_entropy.py`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, suppress
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -55,6 +59,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from meshtrain.crdt.base import SignedCrdt
 from meshtrain.crdt.entries import SIGNATURE_BYTES, MalformedCrdtData, SignedEntry, unpack_envelope
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
@@ -165,18 +170,117 @@ def guard_gossip_streams(host: Host, pubsub: Pubsub, protocols: Iterable[TProtoc
         host.libp2p.set_stream_handler(protocol, guarded)
 
 
-class GossipPush:
-    """The gossip half of a `Replica` (queueing, publishing, validating), mixed into it.
+class LocalCrdts(Protocol):
+    """The replica's CRDTs as a sync path sees them: read them, merge untrusted batches into them
+    (`Replica` is one)."""
 
-    It reads and updates the replica's state: `host`, `me`, `namespace`, `topic`, `config`,
-    `stats`, the CRDTs (`_crdts`, `_in_spec_order`, `merge_entries`), the outbox (`_outbox`,
-    `_outbox_ready`), the py-libp2p `_pubsub` and the streams it is opening (`_pubsub_pending`,
-    `_pubsub_failed`, `_connected_since`), `_warn` and `_nursery`.
+    @property
+    def crdts(self) -> Mapping[str, SignedCrdt]: ...
+
+    def merge_batches(
+        self,
+        batches: Iterable[tuple[str, list[SignedEntry]]],
+        source: Literal["gossip", "anti-entropy"],
+        peer: str,
+    ) -> int:
+        """Merge every batch (the gate's inputs first); return how many entries were not taken."""
+        ...
+
+
+class GossipSettings(Protocol):
+    """The settings gossip reads (`ReplicaConfig` has them)."""
+
+    @property
+    def publish_delay(self) -> float: ...
+    @property
+    def max_gossip_payload(self) -> int: ...
+    @property
+    def gossip_degree(self) -> tuple[int, int, int]: ...
+    @property
+    def gossip_heartbeat(self) -> int: ...
+
+
+class GossipCounters(Protocol):
+    """The counters gossip bumps (`ReplicaStats` has them)."""
+
+    gossip_published: int
+    gossip_bytes_published: int
+    gossip_publish_failed: int
+    gossip_received: int
+    gossip_invalid: int
+
+
+class Gossip(Service):
+    """The push path of a `Replica`: queues its writes, publishes them, merges what arrives.
+
+    Parameters:
+    - `host`: the running `Host`; gossipsub runs on it (unless `pubsub` is given), and its
+      connected peers are those we open gossip streams to.
+    - `namespace`: the swarm id: the topic and every message's envelope.
+    - `local`: the CRDTs it encodes from and merges into (`LocalCrdts`).
+    - `settings`, `stats`: the replica's config and counters (`GossipSettings`, `GossipCounters`).
+    - `connected_since(peer)`: when a peer connected while we ran (None if before or unknown);
+      a fresh connection's gossip stream is left to py-libp2p for `_PUBSUB_GRACE` seconds.
+    - `pubsub`: a running py-libp2p `Pubsub` to share; by default one is started with the part.
+
+    Entering starts gossipsub (if it owns it), the topic validator and subscription, and two
+    tasks (drain the subscription, publish the outbox); leaving stops them in reverse.
     """
 
-    _outbox: dict[str, dict[str, SignedEntry]]  # crdt name -> owner -> newest entry to publish
+    def __init__(
+        self,
+        host: Host,
+        namespace: str,
+        local: LocalCrdts,
+        settings: GossipSettings,
+        stats: GossipCounters,
+        *,
+        connected_since: Callable[[str], float | None],
+        pubsub: Pubsub | None = None,
+    ) -> None:
+        self.host = host
+        self.me = host.peer_id
+        self.namespace = namespace
+        self.topic = gossip_topic(namespace)
+        self.local = local
+        self.settings = settings
+        self.stats = stats
+        self.connected_since = connected_since
+        self.pubsub = pubsub
+        self._owns_pubsub = pubsub is None
+        self._outbox: dict[str, dict[str, SignedEntry]] = {}  # crdt -> owner -> latest entry
+        self._outbox_ready = trio.Event()
+        self._pubsub_pending: set[str] = set()  # peers whose gossip stream we are opening
+        self._pubsub_failed: dict[str, float] = {}  # peers whose gossip stream would not open
+        self._warn = RateLimitedLog()
+        self._nursery: trio.Nursery | None = None
 
-    def _queue_gossip(self, name: str, entries: Iterable[SignedEntry]) -> None:
+    async def _start(self, stack: AsyncExitStack) -> None:
+        if self.pubsub is None:
+            self.pubsub = await start_gossipsub(
+                stack, self.host, self.settings.gossip_degree, self.settings.gossip_heartbeat
+            )
+        pubsub = self.pubsub
+        pubsub.set_topic_validator(self.topic, self._validate, False)
+        stack.callback(pubsub.remove_topic_validator, self.topic)
+        subscription = await pubsub.subscribe(self.topic)
+        if not self._owns_pubsub:
+            stack.push_async_callback(self._unsubscribe)
+        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery.start_soon(self._drain_subscription, subscription)
+        self._nursery.start_soon(self._publish_loop)
+        self.ensure_pubsub_peers()
+
+    async def _unsubscribe(self) -> None:
+        if self.pubsub is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                try:
+                    await self.pubsub.unsubscribe(self.topic)
+                except Exception as e:
+                    log.debug(kv("gossip unsubscribe failed", error=repr(e)))
+
+    def queue(self, name: str, entries: Iterable[SignedEntry]) -> None:
+        """Publish `entries` of CRDT `name` within `publish_delay` (an owner's latest only)."""
         pending = self._outbox.setdefault(name, {})
         for entry in entries:
             held = pending.get(entry.owner)
@@ -186,7 +290,7 @@ class GossipPush:
 
     # --- receiving and publishing ---------------------------------------------------------------
 
-    def _validate_gossip(self, forwarder: ID, message: Any) -> bool:
+    def _validate(self, forwarder: ID, message: Any) -> bool:
         """py-libp2p's topic validator: merge the message; relay it only if nothing was rejected.
 
         Must never raise: an exception here would propagate into py-libp2p's pubsub task.
@@ -204,7 +308,7 @@ class GossipPush:
             return True  # our own publish: its entries are merged already
         self.stats.gossip_received += 1
         try:
-            batches = decode_gossip(message.data, self.namespace, self._crdts, self.config.max_gossip_payload)
+            batches = decode_gossip(message.data, self.namespace, self.local.crdts, self.settings.max_gossip_payload)
         except MalformedCrdtData as e:
             self.stats.gossip_invalid += 1
             self._warn.warning(
@@ -212,13 +316,10 @@ class GossipPush:
                 kv("undecodable CRDT gossip", origin=origin, via=forwarder.to_base58(), error=e),
             )
             return False
-        relay = True
-        for name, entries in self._in_spec_order(batches):
-            if self.merge_entries(name, entries, "gossip", origin).rejected:
-                relay = False
-        if not relay:
+        if self.local.merge_batches(batches, "gossip", origin):
             self.stats.gossip_invalid += 1
-        return relay
+            return False
+        return True
 
     async def _drain_subscription(self, subscription: Any) -> None:
         # Messages were merged by the validator; the subscription channel (32 deep in py-libp2p)
@@ -229,17 +330,18 @@ class GossipPush:
     async def _publish_loop(self) -> None:
         while True:
             await self._outbox_ready.wait()
-            await trio.sleep(self.config.publish_delay)
-            await self._publish_pending()
+            await trio.sleep(self.settings.publish_delay)
+            await self.publish_pending()
 
-    async def _publish_pending(self) -> None:
+    async def publish_pending(self) -> None:
+        """Publish the queued entries now."""
         self._outbox_ready = trio.Event()
         outbox, self._outbox = self._outbox, {}
-        if self._pubsub is None or not outbox:
+        if self.pubsub is None or not outbox:
             return
-        for payload in self._gossip_payloads(outbox):
+        for payload in self._payloads(outbox):
             try:
-                await self._pubsub.publish(self.topic, payload)
+                await self.pubsub.publish(self.topic, payload)
             except Exception as e:  # anti-entropy delivers what gossip could not
                 self.stats.gossip_publish_failed += 1
                 log.debug(kv("gossip publish failed", error=repr(e)))
@@ -247,14 +349,14 @@ class GossipPush:
             self.stats.gossip_published += 1
             self.stats.gossip_bytes_published += len(payload)
 
-    def _gossip_payloads(self, outbox: Mapping[str, Mapping[str, SignedEntry]]) -> list[bytes]:
+    def _payloads(self, outbox: Mapping[str, Mapping[str, SignedEntry]]) -> list[bytes]:
         batches = {name: list(by_owner.values()) for name, by_owner in outbox.items()}
-        budget = self.config.max_gossip_payload - SPLIT_MARGIN  # the sizes are estimates
-        return [encode_gossip(self.namespace, chunk, self._crdts) for chunk in split_batches(batches, budget)]
+        budget = self.settings.max_gossip_payload - SPLIT_MARGIN  # the sizes are estimates
+        return [encode_gossip(self.namespace, chunk, self.local.crdts) for chunk in split_batches(batches, budget)]
 
     # --- gossip streams -------------------------------------------------------------------------
 
-    def _ensure_pubsub_peers(self) -> None:
+    def ensure_pubsub_peers(self) -> None:
         """Open gossip streams to connected peers gossipsub does not know yet.
 
         py-libp2p's pubsub learns peers from connection events only: peers connected before it
@@ -262,14 +364,15 @@ class GossipPush:
         A fresh connection is left to py-libp2p for a few seconds (two concurrent
         registrations of one peer would leave a stray send loop behind).
         """
-        if self._pubsub is None or self._nursery is None:
+        if self.pubsub is None or self._nursery is None:
             return
         now = time.monotonic()
-        known = {p.to_base58() for p in self._pubsub.peers}
+        known = {p.to_base58() for p in self.pubsub.peers}
         for peer in self.host.connected_peers():
             if peer in known or peer in self._pubsub_pending:
                 continue
-            if now - self._connected_since.get(peer, -math.inf) < _PUBSUB_GRACE:
+            since = self.connected_since(peer)
+            if since is not None and now - since < _PUBSUB_GRACE:
                 continue
             if now - self._pubsub_failed.get(peer, -math.inf) < RETRY_AFTER:
                 continue
@@ -277,7 +380,7 @@ class GossipPush:
             self._nursery.start_soon(self._open_pubsub_stream, peer)
 
     async def _open_pubsub_stream(self, peer: str) -> None:
-        pubsub = self._pubsub
+        pubsub = self.pubsub
         try:
             ok = pubsub is not None and await pubsub.ensure_peer_stream(ID.from_base58(peer), timeout=5.0)
         except Exception as e:
@@ -360,7 +463,10 @@ __all__ = [
     "MAX_GOSSIP_PAYLOAD",
     "SPLIT_MARGIN",
     "YAMUX_FRAME_PAYLOAD",
-    "GossipPush",
+    "Gossip",
+    "GossipCounters",
+    "GossipSettings",
+    "LocalCrdts",
     "RateLimitedLog",
     "decode_gossip",
     "encode_gossip",

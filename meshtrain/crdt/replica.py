@@ -6,13 +6,13 @@ messages (it was partitioned, restarted, or a gossip message was dropped) must c
 leader. Peers are untrusted: anything that arrives may be forged, tampered, oversized or garbage.
 
 Design.
-- **Push (fast path): gossipsub** (`gossip.py`, mixed in as `GossipPush`: the topic, the
+- **Push (fast path): gossipsub** (`gossip.py`, the part `Gossip`: the topic, the
   message format, its size limits and why they are so small): a local write's entry is queued,
   coalesced for `publish_delay` and published to the swarm's topic in messages of at most
   `max_gossip_payload`. **Merging happens in the topic validator** (`gossip.py`): a message
   with any rejected entry is not relayed, and entries accepted from gossip are *not*
   re-published.
-- **Pull (repair path): anti-entropy** (`anti_entropy.py`, mixed in as `AntiEntropy`) every
+- **Pull (repair path): anti-entropy** (`anti_entropy.py`, the part `AntiEntropy`) every
   `anti_entropy_interval` with one random connected peer, and at once with every newly connected
   peer: fingerprints first, then push and pull what differs. Entries accepted through
   anti-entropy *are* re-gossiped.
@@ -52,10 +52,21 @@ Design.
   bounded trio channel of `ChangeEvent`s; a full channel drops events and counts them — the
   state itself is always readable, so a slow consumer re-reads it rather than blocking merges).
 
-Lifecycle: `async with Replica(host, swarm_id, specs) as replica:` starts gossipsub (unless a
-running `Pubsub` is passed in), the RPC handlers, and four tasks in the replica's nursery (drain
-the subscription, publish, anti-entropy ticks, greeting new connections); leaving cancels them
-and stops gossipsub.
+Parts. The replica owns the CRDTs, the merge path (spec rules, size limit, gate, parked
+entries), the fingerprint caches, the subscriptions and the counters (`stats`). The two sync
+paths are parts it builds, each owning its own state and seeing the replica only through a
+narrow interface: `Gossip` (`replica.gossip`) and `AntiEntropy` (`replica.anti_entropy`) read
+the CRDTs and merge into them as `LocalCrdts` / `FingerprintedCrdts` (`crdts`,
+`merge_batches`, `fingerprint`, `bucket_fingerprints`), and bump their own counters of `stats`.
+The replica queues its writes and anti-entropy's acceptances on `gossip.queue`; `recover` and
+`flush` are anti-entropy's and both parts' work. The two parts meet in two callables the replica
+passes: gossip asks anti-entropy when a peer connected, and anti-entropy's tick has gossip open
+the streams gossipsub missed.
+
+Lifecycle: `async with Replica(host, swarm_id, specs) as replica:` enters `Gossip` (gossipsub
+unless a running `Pubsub` is passed in, the topic validator, two tasks: drain the subscription,
+publish) and then `AntiEntropy` (the RPC handlers, two tasks: anti-entropy ticks, greeting new
+connections), each a `Service` with its own nursery; leaving unwinds them in reverse.
 
 Not here: the CRDT types and merge rules (`types.py`, `base.py`), what the swarm's state means
 (`swarm_records.py`, `swarm_view.py`), dialling and peer discovery (transport, dht). One replica
@@ -66,7 +77,8 @@ format are in `gossip.py`, the pull path and its RPCs in `anti_entropy.py`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+import random
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -74,13 +86,7 @@ from typing import Any, Literal
 import trio
 from libp2p.pubsub.pubsub import Pubsub
 
-from meshtrain.crdt.anti_entropy import (
-    MAX_RPC_ENTRIES_BYTES,
-    MAX_RPC_REQUEST,
-    RPC_DIGEST,
-    RPC_PULL,
-    AntiEntropy,
-)
+from meshtrain.crdt.anti_entropy import DEFAULT_RECOVER_TIMEOUT, MAX_RPC_ENTRIES_BYTES, AntiEntropy
 from meshtrain.crdt.base import SignedCrdt
 from meshtrain.crdt.entries import (
     CrdtError,
@@ -94,11 +100,9 @@ from meshtrain.crdt.fingerprints import FINGERPRINT_BYTES, bucket_fingerprints, 
 from meshtrain.crdt.gossip import (
     MAX_GOSSIP_PAYLOAD,
     YAMUX_FRAME_PAYLOAD,
-    GossipPush,
+    Gossip,
     RateLimitedLog,
     entry_wire_size,
-    gossip_topic,
-    start_gossipsub,
 )
 from meshtrain.crdt.types import CRDT_TYPES
 from meshtrain.lifecycle import Service
@@ -114,6 +118,7 @@ DEFAULT_ANTI_ENTROPY_INTERVAL = 1.5
 DEFAULT_ANTI_ENTROPY_JITTER = 0.3  # fraction of the interval, so peers do not tick in lockstep
 DEFAULT_RPC_TIMEOUT = 5.0
 DEFAULT_PUBLISH_DELAY = 0.01  # writes within 10 ms share one gossip message
+DEFAULT_FLUSH_TIMEOUT = 2.0
 
 Source = Literal["local", "gossip", "anti-entropy"]
 
@@ -225,7 +230,7 @@ def _tally(by_reason: dict[str, int], reasons: Iterable[str]) -> None:
             by_reason[reason] = by_reason.get(reason, 0) + 1
 
 
-class Replica(GossipPush, AntiEntropy, Service):
+class Replica(Service):
     """The swarm's CRDTs on this peer, kept in sync with its connected peers.
 
     Parameters:
@@ -239,6 +244,9 @@ class Replica(GossipPush, AntiEntropy, Service):
     `gate` (attribute, default None): `(crdt name, entry) -> reason | None`, whose entries the
     replica keeps at all (module docstring); it must not raise, and it must depend only on
     replicated state, so that a refused entry is taken when anti-entropy offers it again.
+
+    Parts (module docstring): `gossip` (`Gossip`, the push path) and `anti_entropy`
+    (`AntiEntropy`, the repair path: `anti_entropy.exchange_with(peer)` runs one exchange).
 
     Contract: `write` never blocks and never loses a write locally; delivery to other peers is
     best effort by gossip and guaranteed eventually by anti-entropy while some path of connected,
@@ -260,7 +268,6 @@ class Replica(GossipPush, AntiEntropy, Service):
         self.identity = host.identity
         self.me = host.peer_id
         self.namespace = namespace
-        self.topic = gossip_topic(namespace)
         self.config = config or ReplicaConfig()
         self._specs: dict[str, CrdtSpec] = {}
         for spec in specs:
@@ -275,34 +282,41 @@ class Replica(GossipPush, AntiEntropy, Service):
         }
         self._fingerprints: dict[str, bytes] = {}
         self._bucket_fps: dict[str, tuple[int, list[bytes]]] = {}  # name -> (count, by bucket): the last asked
-        self._outbox: dict[str, dict[str, SignedEntry]] = {}
-        self._outbox_ready = trio.Event()
         self._subscribers: list[trio.MemorySendChannel[ChangeEvent]] = []
         self._callbacks: list[Callable[[ChangeEvent], None]] = []
         self._written_here: set[str] = set()  # CRDTs we wrote to in this process
-        self._pubsub = pubsub
-        self._owns_pubsub = pubsub is None
-        self._pubsub_pending: set[str] = set()
-        self._pubsub_failed: dict[str, float] = {}
-        self._ae_unavailable: dict[str, float] = {}  # peers that do not serve crdt RPCs
-        self._connected_since: dict[str, float] = {}  # peers that connected while we ran
         self._started = False
-        self._nursery: trio.Nursery | None = None
-        self._running = False
         self._warn = RateLimitedLog()
-        self.recovered = trio.Event()
         self.stats = ReplicaStats()
         self.gate: Callable[[str, SignedEntry], str | None] | None = None
         self.park_reasons: frozenset[str] = frozenset()  # the gate's refusals worth another try
         # (crdt, owner) -> (entry, source, peer): the gate's latest refusals, tried again later
         self._parked: dict[tuple[str, str], tuple[SignedEntry, Source, str | None]] = {}
         self._retrying = False
+        # The two sync paths, each with its own state; they read and merge through this replica.
+        self.anti_entropy = AntiEntropy(
+            host, namespace, self, self.config, self.stats, before_tick=self._open_gossip_streams
+        )
+        self.gossip = Gossip(
+            host,
+            namespace,
+            self,
+            self.config,
+            self.stats,
+            connected_since=self.anti_entropy.connected_since,
+            pubsub=pubsub,
+        )
 
     # --- reading --------------------------------------------------------------------------------
 
     @property
     def names(self) -> list[str]:
         return sorted(self._crdts)
+
+    @property
+    def crdts(self) -> Mapping[str, SignedCrdt]:
+        """The live CRDTs by name. Read them freely; write only through `write`."""
+        return self._crdts
 
     def spec(self, name: str) -> CrdtSpec:
         return self._specs[self._check_name(name)]
@@ -343,11 +357,6 @@ class Replica(GossipPush, AntiEntropy, Service):
     def _changed(self, name: str) -> None:
         self._fingerprints.pop(name, None)
         self._bucket_fps.pop(name, None)
-
-    def _in_spec_order(self, batches: Iterable[tuple[str, list[SignedEntry]]]) -> list[tuple[str, list[SignedEntry]]]:
-        """Batches in the order of the replica's specs: the CRDTs a `gate` reads merge first."""
-        rank = {name: i for i, name in enumerate(self._specs)}
-        return sorted(batches, key=lambda batch: rank.get(batch[0], len(rank)))
 
     def _check_name(self, name: str) -> str:
         if name not in self._crdts:
@@ -414,7 +423,7 @@ class Replica(GossipPush, AntiEntropy, Service):
         self.stats.writes += 1
         if outcome.accepted:
             self._changed(name)
-            self._queue_gossip(name, outcome.accepted)
+            self.gossip.queue(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, "local", self.me))
         return entry
 
@@ -477,10 +486,18 @@ class Replica(GossipPush, AntiEntropy, Service):
                     )
             if source == "anti-entropy":
                 self.stats.entries_regossiped += len(outcome.accepted)
-                self._queue_gossip(name, outcome.accepted)
+                self.gossip.queue(name, outcome.accepted)
             self._emit(ChangeEvent(name, outcome.accepted, source, peer, own_superseded))
             self._retry_parked()
         return MergeOutcome(outcome.accepted, tuple(rejected))
+
+    def merge_batches(self, batches: Iterable[tuple[str, list[SignedEntry]]], source: Source, peer: str | None) -> int:
+        """Merge one message's or reply's batches (crdt name, entries) with `merge_entries`, in the
+        order of the replica's specs: the CRDTs a `gate` reads merge first. Returns how many
+        entries were rejected or refused."""
+        rank = {name: i for i, name in enumerate(self._specs)}
+        ordered = sorted(batches, key=lambda batch: rank.get(batch[0], len(rank)))
+        return sum(len(self.merge_entries(name, entries, source, peer).rejected) for name, entries in ordered)
 
     def _park(self, name: str, entry: SignedEntry, source: Source, peer: str | None) -> None:
         key = (name, entry.owner)
@@ -546,48 +563,56 @@ class Replica(GossipPush, AntiEntropy, Service):
             ),
         )
 
+    # --- syncing ------------------------------------------------------------------------------
+
+    async def recover(self, timeout: float = DEFAULT_RECOVER_TIMEOUT) -> bool:
+        """Pull the swarm's state — our own earlier entries included — before writing
+        (`AntiEntropy.recover`). Returns True once one exchange completed, False if no peer
+        answered within `timeout` (e.g. the first peer of a swarm)."""
+        return await self.anti_entropy.recover(timeout)
+
+    @property
+    def recovered(self) -> trio.Event:
+        """Set once `recover` completed an exchange."""
+        return self.anti_entropy.recovered
+
+    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2) -> int:
+        """Publish pending gossip now and hand our state to up to `peers` connected peers by
+        anti-entropy (they re-gossip what was new to them). Returns how many peers confirmed.
+        For a clean shutdown: a gossip publish alone may still sit in a send queue when the
+        host closes."""
+        confirmed = 0
+        with trio.move_on_after(timeout):
+            await self.gossip.publish_pending()
+            candidates = self.anti_entropy.candidate_peers()
+            random.shuffle(candidates)
+            for peer in candidates[:peers]:
+                confirmed += await self.anti_entropy.exchange_with(peer)
+        return confirmed
+
+    def _open_gossip_streams(self) -> None:
+        """Before each anti-entropy tick: gossip streams to connected peers gossipsub missed."""
+        self.gossip.ensure_pubsub_peers()
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def _start(self, stack: AsyncExitStack) -> None:
         if self._started:
             raise CrdtError("a Replica runs once; make a new one (its state can be merged in)")
         self._started = True
-        if self._pubsub is None:
-            self._pubsub = await start_gossipsub(
-                stack, self.host, self.config.gossip_degree, self.config.gossip_heartbeat
-            )
-        pubsub = self._pubsub
-        pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
-        stack.callback(pubsub.remove_topic_validator, self.topic)
-        subscription = await pubsub.subscribe(self.topic)
-        if not self._owns_pubsub:
-            stack.push_async_callback(self._unsubscribe)
-        self.host.rpc.serve(RPC_DIGEST, self._serve_digest, max_request=MAX_RPC_REQUEST)
-        self.host.rpc.serve(RPC_PULL, self._serve_pull, max_request=MAX_RPC_REQUEST)
-        self._nursery = await stack.enter_async_context(trio.open_nursery())
-        self._nursery.start_soon(self._drain_subscription, subscription)
-        self._nursery.start_soon(self._publish_loop)
-        self._nursery.start_soon(self._anti_entropy_loop)
-        self._nursery.start_soon(self._watch_connections)
-        self._ensure_pubsub_peers()
-        self._running = True
+        await stack.enter_async_context(self.gossip)
+        await stack.enter_async_context(self.anti_entropy)
         log.info(kv("crdt replica started", swarm=self.namespace, peer=self.me, crdts=self.names))
 
-    async def _stop(self) -> None:
-        self._running = False
-
-    async def _unsubscribe(self) -> None:
-        if self._pubsub is not None:
-            with trio.CancelScope(shield=True), trio.move_on_after(2):
-                try:
-                    await self._pubsub.unsubscribe(self.topic)
-                except Exception as e:
-                    log.debug(kv("gossip unsubscribe failed", error=repr(e)))
+    @property
+    def topic(self) -> str:
+        """The gossipsub topic of the swarm's deltas."""
+        return self.gossip.topic
 
     @property
     def pubsub(self) -> Pubsub | None:
         """The py-libp2p `Pubsub` in use (for diagnostics and benchmarks)."""
-        return self._pubsub
+        return self.gossip.pubsub
 
 
 __all__ = [
