@@ -10,7 +10,7 @@ The public API is small (README.md, "Python API"):
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
 
 Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `collective`, `optim`,
-`pipeline` and `node` (shared/ARCHITECTURE.md). Names are imported on first use, so `import
+`pipeline` and `node` (docs/architecture.md). Names are imported on first use, so `import
 meshtrain` (and `meshtrain --version`) stays fast.
 """
 

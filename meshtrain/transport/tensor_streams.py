@@ -1,7 +1,7 @@
 """Tensor streams: moving dicts of named tensors between two peers, fast, beside libp2p.
 
 Why not libp2p streams: py-libp2p's Noise+yamux stream moves ~72 MB/s with a core busy on each side
-and resets a stream whose reader stalls for 5 s (shared/LIBP2P-NOTES.md). A peer in the middle of
+and resets a stream whose reader stalls for 5 s (docs/libp2p-notes.md). A peer in the middle of
 a forward pass would lose its transfer. So tensors move on a *data plane*:
 
 1. **Session** (once per peer pair, over the authenticated libp2p channel): the sender calls the
