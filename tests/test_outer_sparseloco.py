@@ -1,4 +1,4 @@
-"""SparseLoCo, error feedback and the sparse wire format (issue 19): the codec's layout and
+"""SparseLoCo, error feedback and the sparse wire format: the codec's layout and
 validation, error feedback's invariants (a hypothesis property), docs/algorithms.md's identity
 (density 1, no quantisation, β = 0 is DiLoCo with momentum 0), what a joiner gets, the
 aggregation's byte rule, and bit-identical φ across 4 real peer processes."""

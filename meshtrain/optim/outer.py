@@ -183,7 +183,8 @@ class OuterOptimizer(OuterRounds):
         self.peak_bytes_per_sync = 0
         self.comm_wait_seconds = 0.0
         self.history: deque[RoundReport] = deque(maxlen=HISTORY_LENGTH)
-        # Error feedback (issue 19): β, or None for none; e per parameter, this peer's alone.
+        # Error feedback (SparseLoCo's accumulator; any optimizer may keep one): β, or None for none;
+        # e per parameter, this peer's alone.
         self.error_feedback: float | None = None
         self.residual: dict[str, torch.Tensor] = {}
         # Called with this optimizer at the start of every `step()`, in the caller's thread
@@ -297,7 +298,7 @@ class OuterOptimizer(OuterRounds):
             else:
                 p.lerp_(phi.to(p.device, p.dtype), 1.0 - self.alpha)
 
-    # -- error feedback (issue 19) -------------------------------------------------------------
+    # -- error feedback --------------------------------------------------------------------------
     #
     # With `error_feedback = β` (a float in [0, 1]) each peer keeps an accumulator e per parameter
     # and, at every send, does e ← β·e + Δ; ŝ = encode(e); e ← e − decode(ŝ), sending ŝ instead

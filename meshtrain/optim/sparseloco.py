@@ -53,7 +53,7 @@ seed 0, more than that spread); β 0.8 and vector_k did not beat β 0.9 by more 
 At bench_convergence's size (4 peer processes, 2000 steps), `sparseloco_vs_diloco` with β 0.9:
 seed 0 +1.58% (again: +1.46%), seed 1 −0.51%, seed 2 −1.16% — mean −0.03% ± 1.4%, the target
 (≤ 1%) met on the mean and on two seeds of three. There β 0.95 did as well: seed 0 +1.4% and +3.1%
-(issue 19's runs), seed 1 −0.74%, seed 2 −0.91%; β 0.8 seed 0 +1.21%; vector_k 8 seed 0 +1.29%
+(two earlier runs), seed 1 −0.74%, seed 2 −0.91%; β 0.8 seed 0 +1.21%; vector_k 8 seed 0 +1.29%
 (58× fewer bytes). These differences are inside the run-to-run spread of one seed (~0.5%: the
 multi-process runs are not bit-reproducible), and the seed-to-seed spread of the gap (~1.4%) is as
 large as the target. So β 0.9 is the default because it was better at 600 steps and no worse at

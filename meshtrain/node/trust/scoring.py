@@ -1,4 +1,4 @@
-"""Loss scoring: does a peer's update lower the loss on the data it was assigned? (issue 21, 4b)
+"""Loss scoring: does a peer's update lower the loss on the data it was assigned?
 
 Problem. Screening (collective/data_phase.py) compares each contribution's norm and direction
 with the group's. An update replayed from an earlier round, or trained on other data than the
@@ -86,7 +86,7 @@ members' φ differ), a tag that is not a plain fragment ("f<p>"), an optimizer w
 tensors are not the fragment's Δ in order (SparseLoCo's sparse payload: sizes differ, checked), a
 peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. If
 scoring falls behind by more than `QUEUE` rounds, rounds are skipped (logged). With error
-feedback (issue 19) what is scored is the compressed accumulator, the update actually applied.
+feedback (SparseLoCo's) what is scored is the compressed accumulator, the update actually applied.
 A spec signed before `score_batches` existed reads as the default (4) on nodes that know the key
 and scores one batch on older ones; their strikes count alike (the rule and its re-check do not
 depend on b).

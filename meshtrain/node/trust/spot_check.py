@@ -1,5 +1,5 @@
 """Replay spot-check: does a peer's update match a recomputation of its own first inner steps?
-(issue 21, 4c)
+(Against peers that replay old updates, send none, or skip their work.)
 
 Problem. Screening (collective/data_phase.py) passes an update with an ordinary norm that points
 roughly the right way, and loss scoring (node/trust/scoring.py) asks only whether it fits the last
