@@ -1,6 +1,6 @@
 """meshtrain: many machines train one PyTorch model together, peer to peer.
 
-The public API is small (README.md, "Python API"):
+The public API is small (docs/guide.md, "Python API"):
 
 - `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python;
   `Node.run()` returns a `NodeResult`.

@@ -103,7 +103,8 @@ class SwarmSpec(BaseModel):
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
     dataset: str = Field(
         "builtin",
-        description="builtin (offline English text), or a text, JSONL or Parquet file or directory (meshtrain.data)",
+        description="builtin (offline English text), or a text, JSONL or Parquet file or directory, at the same path "
+        "on every peer (meshtrain.data)",
     )
     dataset_field: str = Field(
         "text", min_length=1, max_length=256, description="JSONL/Parquet: the field that holds a document's text"

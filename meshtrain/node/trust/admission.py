@@ -44,7 +44,7 @@ wrote before stays stored, what it writes after is refused. A peer excluded by s
 stored (it paid for admission; the rule for storage leaves strikes out, as their verdicts may
 differ between peers while they spread, and storage must not split the replicas for long).
 
-Not here: what admission does not prevent (README, "Public swarms": a patient attacker who pays
+Not here: what admission does not prevent (docs/guide.md, "Public swarms": a patient attacker who pays
 for many identities, a majority of colluding admitted peers, lies about work — verifying work is
 screening, loss scoring, spot-checks and strikes), the swarm key itself (`transport/host.py`).
 """
