@@ -1,6 +1,6 @@
 """meshtrain: many machines train one PyTorch model together, peer to peer.
 
-The public API is small (README.md, "Python API"):
+The public API is small (docs/guide.md, "Python API"):
 
 - `Node`, `NodeConfig`, `SwarmSpec`, `SignedSpec` — run a peer of a swarm from Python;
   `Node.run()` returns a `NodeResult`.
@@ -10,7 +10,7 @@ The public API is small (README.md, "Python API"):
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
 
 Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `collective`, `optim`,
-`pipeline` and `node` (shared/ARCHITECTURE.md). Names are imported on first use, so `import
+`pipeline` and `node` (docs/architecture.md). Names are imported on first use, so `import
 meshtrain` (and `meshtrain --version`) stays fast.
 """
 

@@ -1,6 +1,6 @@
 """The one logging setup: structured `key=value` lines, quiet by default.
 
-py-libp2p logs noisily to the root logger (LIBP2P-NOTES.md), so `configure` silences third-party
+py-libp2p logs noisily to the root logger (docs/libp2p-notes.md), so `configure` silences third-party
 loggers below WARNING unless asked for debug output, and routes ours through one formatter.
 Use `get_logger(__name__)` and pass context as keyword arguments to `kv`:
 

@@ -1,5 +1,5 @@
 """A user-written outer optimizer that swarms in the tests name in their spec
-(`optimizer = "py:<this file>:OuterSGD"`): outer SGD without momentum, the README's example."""
+(`optimizer = "py:<this file>:OuterSGD"`): outer SGD without momentum, docs/guide.md's example."""
 
 from __future__ import annotations
 

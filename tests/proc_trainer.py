@@ -5,7 +5,7 @@ inner AdamW and one outer optimizer, with torch in a worker thread (the threadin
 
 Methods: single (plain AdamW, no exchange), dp (gradients all-reduced every step), diloco,
 heavyball (DiLoCo without Nesterov), streaming (--eager: eager updates), noloco, sparseloco,
-custom (the README's `OuterSGD`, below).
+custom (docs/guide.md's `OuterSGD`, below).
 
 Protocol on stdio (one JSON object per line), as tests/proc_allreduce.py:
   out {"peer": id, "addr": multiaddr, "index": I}
@@ -52,7 +52,7 @@ from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import TensorStreams
 
 
-# --- the README's custom outer optimizer (≤ 30 lines) -------------------------------------------
+# --- docs/guide.md's custom outer optimizer (≤ 30 lines) ----------------------------------------
 class OuterSGD(OuterOptimizer):
     """Outer SGD without momentum: φ ← φ − lr·mean(Δ), then θ ← φ (lr 1 is FedAvg)."""
 

@@ -1,4 +1,4 @@
-"""Admission rules as pure functions (issue 21): the proof of work on a peer id, the three rules a
+"""Admission rules as pure functions: the proof of work on a peer id, the three rules a
 spec can name, the join forms, the swarm index's verification of adverts, and the CLI's
 `swarm create --private`."""
 

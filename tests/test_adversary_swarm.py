@@ -1,4 +1,4 @@
-"""Verification end to end (issue 21): an open swarm of four real `Node`s on loopback (gpt-tiny,
+"""Verification end to end: an open swarm of four real `Node`s on loopback (gpt-tiny,
 robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/trust/adversary.py). The
 honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
 peer excludes it; no honest peer is ever excluded (with screening alone, never even flagged), and

@@ -1,4 +1,5 @@
-"""Regression tests for the four failures a churn soak of real daemons found (issue 14).
+"""Regression tests for the four failures a churn soak of real daemons found
+(scripts/bench/bench_chaos.py).
 
 1. A split round (two groups committing one round) left a peer silently diverged for 26 rounds:
    now every peer publishes its φ digest per round and a peer in the minority re-syncs from the

@@ -1,4 +1,4 @@
-"""Whose records a member stores (issue 21, "keep strangers honest"): the replica's gate.
+"""Whose records a member stores (keep strangers honest): the replica's gate.
 
 Identities are free, so a stranger could sign progress and metrics records — or membership
 records that fail the swarm's admission rule — with as many as it likes, and every member would

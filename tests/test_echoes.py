@@ -1,4 +1,4 @@
-"""Replay screening (collective/echoes.py, issue 21): an owner flags a contribution that repeats
+"""Replay screening (collective/echoes.py): an owner flags a contribution that repeats
 an earlier round's contribution or aggregate of its part, and nothing else. As a property of
 `EchoMemory` (parts that move between rounds, honest updates that share a direction), among real
 hosts on loopback through the robust all-reduce, and the echo strike's record and re-check."""

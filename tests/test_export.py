@@ -2,8 +2,8 @@
 latest checkpoint, not the replica θ) as a standalone model, and `meshtrain sample` continues a
 prompt with it.
 
-The end-to-end test is the issue's: a 2-peer swarm created through the CLI trains a pretrained
-tiny LLaMA (hf:<dir>) with a BPE tokenizer (hf:<dir>) trained on the built-in corpus (the
+The end-to-end test is a user's whole path: a 2-peer swarm created through the CLI trains a
+pretrained tiny LLaMA (hf:<dir>) with a BPE tokenizer (hf:<dir>) trained on the built-in corpus (the
 dataset is the built-in text, tokenised with that BPE); its export loads with
 `AutoModelForCausalLM.from_pretrained` and gives φ's logits; peers whose local tokenizer or
 model config differ from the swarm's are refused, naming which. Every peer runs in its own
@@ -144,7 +144,7 @@ def test_export_and_sample_mistakes_are_one_line(tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
-# -- the issue's end-to-end test ---------------------------------------------------------------
+# -- end to end: create, train, export, load with transformers -----------------------------------
 
 
 def write_jsonl(path: Path, skip: int = 0) -> Path:

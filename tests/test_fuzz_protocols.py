@@ -1,7 +1,7 @@
 """The protocol fuzzer (`scripts/fuzz_protocols.py`), CI-sized: a few hundred hostile messages from
 a fresh identity that is not a swarm member, on every protocol a live 2-node swarm serves, end in
 no crash and no hang, and change no round, membership or state, and no member stores a record
-the stranger owns — progress and metrics included (issue 21: they are refused and counted). The
+the stranger owns — progress and metrics included (they are refused and counted). The
 oracle is not blind: the same future-round join, sent by an identity that *is* made a member, is
 flagged (positive control).
 """

@@ -246,7 +246,7 @@ def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
             pool.submit(both_legs, "single-first", (single, fsdp)),
         ]
         phi = [r.result() for r in runs]
-    # 1e-4 held in every run but one: a full suite under load saw 1.65e-4 (stop 27), which two
+    # 1e-4 held in every run but one: a full suite under load saw 1.65e-4 once, which two
     # and three copies at once did not reproduce. What this test guards against moves φ by ~1e-3.
     assert max_phi_difference(*phi) <= 3e-4
 

@@ -1,6 +1,6 @@
-"""The whole system behind NATs (issue 20): real `meshtrain node` daemons, one public and three
-private — two behind cone NATs, one behind a symmetric NAT — started with the README's commands
-("Joining a swarm from two machines") and the default configuration, nothing wired by hand. The
+"""The whole system behind NATs: real `meshtrain node` daemons, one public and three
+private — two behind cone NATs, one behind a symmetric NAT — started with the commands of
+docs/guide.md ("Joining a swarm from two machines") and the default configuration, nothing wired by hand. The
 swarm trains through several rounds, survives one daemon being killed, and every node's status
 shows how it is connected: its own reachability, and per peer "direct" or "relayed".
 

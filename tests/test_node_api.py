@@ -1,4 +1,4 @@
-"""The Python API from the README: two `Node`s in one trio program, one creating the swarm, one
+"""The Python API of docs/guide.md ("Python API"): two `Node`s in one trio program, one creating the swarm, one
 joining it by address, both training with a user-written outer optimizer that the spec names
 (`optimizer = "py:<file>:<Class>"`, its source pinned by digest); a hook that swaps the spec's
 optimizer for another is refused."""

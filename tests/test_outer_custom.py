@@ -1,4 +1,4 @@
-"""A user's own outer optimizer — the README's `OuterSGD` and `OuterAdam` (tests/proc_trainer.py,
+"""A user's own outer optimizer — docs/guide.md's `OuterSGD` and `OuterAdam` (tests/proc_trainer.py,
 under 30 lines together) — on a real multi-peer swarm: in-process trio hosts on loopback, every
 peer training in its own worker thread."""
 

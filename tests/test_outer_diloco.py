@@ -1,4 +1,4 @@
-"""DiLoCo and the OuterOptimizer base: ALGORITHMS.md's identities, a hand-computed outer step,
+"""DiLoCo and the OuterOptimizer base: docs/algorithms.md's identities, a hand-computed outer step,
 failures and joiners in a simulated swarm, state round trips, and training on real hosts with
 torch in worker threads."""
 
@@ -109,7 +109,7 @@ async def test_outer_sgd_lr1_at_any_h_is_fedavg():
 
 
 async def test_nesterov_outer_step_matches_hand_computation():
-    """ALGORITHMS.md: b ← μb + Δ; φ ← φ − lr(Δ + μb); θ ← φ — two rounds, one parameter."""
+    """docs/algorithms.md: b ← μb + Δ; φ ← φ − lr(Δ + μb); θ ← φ — two rounds, one parameter."""
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)

@@ -73,7 +73,7 @@ async def test_update_matches_hand_computation():
 
 
 async def test_group_of_everyone_equals_heavy_ball_diloco():
-    """ALGORITHMS.md: with g = N the γ term vanishes and NoLoCo is heavy-ball DiLoCo (lr β, μ)."""
+    """docs/algorithms.md: with g = N the γ term vanishes and NoLoCo is heavy-ball DiLoCo (lr β, μ)."""
     k = 4
     swarm_a, swarm_b = LocalSwarm(k), LocalSwarm(k)
     models_a = [tiny() for _ in range(k)]

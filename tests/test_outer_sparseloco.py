@@ -1,5 +1,5 @@
-"""SparseLoCo, error feedback and the sparse wire format (issue 19): the codec's layout and
-validation, error feedback's invariants (a hypothesis property), ALGORITHMS.md's identity
+"""SparseLoCo, error feedback and the sparse wire format: the codec's layout and
+validation, error feedback's invariants (a hypothesis property), docs/algorithms.md's identity
 (density 1, no quantisation, β = 0 is DiLoCo with momentum 0), what a joiner gets, the
 aggregation's byte rule, the gather through every wrapper of a `SwarmCollective` on real hosts,
 and bit-identical φ across 4 real peer processes."""

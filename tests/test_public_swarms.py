@@ -1,4 +1,4 @@
-"""Public swarms on loopback (issue 21): a swarm is listed in the DHT's swarm index and joined by
+"""Public swarms on loopback: a swarm is listed in the DHT's swarm index and joined by
 name; a stranger without a proof of work, or not on the owner's allowlist, is ignored by every
 honest peer (no round, no state, no data plane; its records are not even stored); the owner admits a waiting peer at run time;
 forged adverts and a forged allowlist entry change nothing.
@@ -129,7 +129,7 @@ async def test_an_outsider_without_proof_of_work_is_ignored_by_every_honest_peer
             assert not await node.streams.admits(outsider.peer_id)  # no data-plane session
             assert await node.streams.admits(friend.peer_id)
             assert outsider.peer_id in node.snapshot()["node"]["admission"]["ignored"]
-            # ... and its records are not even stored (so not spread): refused, counted (issue 21)
+            # ... and its records are not even stored (so not spread): refused, counted
             await until(lambda node=node: node.round_status()["refused"].get("crdt-not-a-member"), "refused")
             assert node.round_status()["refused"].get("crdt-not-admitted")
             for crdt in ("membership", "progress", "metrics"):

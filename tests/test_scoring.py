@@ -1,4 +1,4 @@
-"""Loss scoring (issue 21, 4b; node/trust/scoring.py): an owner applies a sampled peer's update to its
+"""Loss scoring (node/trust/scoring.py): an owner applies a sampled peer's update to its
 part of φ and measures the loss on that peer's own assigned batches (the round's last
 `score_batches` steps'); an update that does not lower it about as much as the round's aggregate
 does is flagged. Pure-function level with a real tiny model trained for real (DiLoCo rounds of

@@ -1,4 +1,4 @@
-"""Screening (issue 21, 4a): each part's owner flags contributions whose norm is far outside the
+"""Screening: each part's owner flags contributions whose norm is far outside the
 group's or whose direction disagrees with the robust aggregate, and the collective returns the
 flags with the round. Among real hosts on loopback, and as a pure function; and the strike
 format the flags become (crdt/strikes.py), as a property."""

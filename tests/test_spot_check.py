@@ -1,4 +1,4 @@
-"""Replay spot-checks (issue 21, 4c; node/trust/spot_check.py): an owner recomputes a sampled peer's
+"""Replay spot-checks (node/trust/spot_check.py): an owner recomputes a sampled peer's
 first inner steps from φ on its assigned batches and compares the result with the peer's update
 on its part; an update that agrees with it less than the round's aggregate does, by a margin, is
 flagged. Pure-function level with a real tiny model trained for real (DiLoCo rounds of gpt-tiny

@@ -1,4 +1,4 @@
-"""Strikes (issue 21, item 4): screening flags become signed, replicated strikes; a peer struck in
+"""Strikes: screening flags become signed, replicated strikes; a peer struck in
 `spec.strikes` rounds by enough reporters each (half the others, at least two) is excluded everywhere; forged strikes change nothing;
 strikes survive a restart and reach a late joiner.
 

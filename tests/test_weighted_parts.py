@@ -1,4 +1,4 @@
-"""Bandwidth-weighted parts (issue 20): the part-size rule, its wire fields, and a real all-reduce
+"""Bandwidth-weighted parts (for links of different speeds): the part-size rule, its wire fields, and a real all-reduce
 whose slow member owns nothing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""collective layer of meshtrain (see shared/ARCHITECTURE.md): averaging among peers.
+"""collective layer of meshtrain (see docs/architecture.md): averaging among peers.
 
 Below `optim/` and `pipeline/`, above `transport/`. Outer optimizers and pipeline replicas ask a
 `Collective` to average tensors and learn who contributed; this layer is every implementation of

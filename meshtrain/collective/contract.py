@@ -24,24 +24,26 @@ Protocol's docstring says (not grouped; nothing prepared; nothing watched; no ga
 wraps another (`meshtrain.Swarm`, a multi-GPU peer's local ranks, a pipeline stage's) subclasses
 `ForwardingCollective` (forwarding.py), which has every capability and answers with the wrapped
 collective's, so no wrapper can hide one: one that did made grouped rounds skip their consensus
-term (issue 35).
+term.
 
-Screening (issue 21, 4a). In a robust all-reduce each part's owner sees every contribution to its
-part; it flags those whose norm is far outside the group's or whose direction disagrees with the
-robust aggregate (`ContributionFlag`, data_phase.py `screen_contributions`), and after the round
-commits those that repeat an earlier round's contribution or aggregate (echoes.py). The flags this peer
-raised as an owner come back in `ReduceResult.screening` (a `RoundScreening`: the round, its group,
-the committed digest), for the node to turn into signed strikes (node/trust/strikes.py). The wire does
-not change: owners already know who contributed.
+Screening (against peers that send scaled, flipped, random or replayed updates). In a robust
+all-reduce each part's owner sees every contribution to its part; it flags those whose norm is far
+outside the group's or whose direction disagrees with the robust aggregate (`ContributionFlag`,
+data_phase.py `screen_contributions`), and after the round commits those that repeat an earlier
+round's contribution or aggregate (echoes.py). The flags this peer raised as an owner come back in
+`ReduceResult.screening` (a `RoundScreening`: the round, its group, the committed digest), for the
+node to turn into signed strikes (node/trust/strikes.py). The wire does not change: owners already
+know who contributed.
 
-Samples for loss scoring (issue 21, 4b). With `AllReduceConfig.score_samples` = k, every owner
-also keeps, for the round's *sampled* peers, their contribution to its part and hands it on in
-`RoundScreening.samples`, with the slice of the flat input its part is (`part`) and the committed
-aggregate of that slice: the node scores them by loss (node/trust/scoring.py). The sample is
-`sampled_peers(group, digest, k)`: a ranking of the group by a hash of the committed digest, so
-it is the same on every owner, checkable by anyone who holds a strike's group and digest, and
-unknown to a sender before every contribution of the round was combined. The collective stays
-model-agnostic: it keeps tensors and says where they are; what they mean is the node's.
+Samples for loss scoring (against peers that lie about the work behind their updates). With
+`AllReduceConfig.score_samples` = k, every owner also keeps, for the round's *sampled* peers, their
+contribution to its part and hands it on in `RoundScreening.samples`, with the slice of the flat
+input its part is (`part`) and the committed aggregate of that slice: the node scores them by loss
+(node/trust/scoring.py). The sample is `sampled_peers(group, digest, k)`: a ranking of the group by
+a hash of the committed digest, so it is the same on every owner, checkable by anyone who holds a
+strike's group and digest, and unknown to a sender before every contribution of the round was
+combined. The collective stays model-agnostic: it keeps tensors and says where they are; what they
+mean is the node's.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ excluded from the round, so non-finite input takes part with weight 0 and contri
 (the others must not wait for us). Both are passes over the whole input: ~75 ms for 100 MB,
 seconds for a model of a few GB. Done on the event loop before the join, as they were, they
 delayed every peer's join by that much (the coordinator waits for the last join) and stalled
-every other task of the node — its RPCs, heartbeats and transfers — meanwhile. In issue 20's
-WAN lab, with 8 peers sharing two cores, the check alone held the first round's joins back 1.1 s.
+every other task of the node — its RPCs, heartbeats and transfers — meanwhile. In the WAN lab
+(scripts/bench/bench_wan.py), with 8 peers sharing two cores, the check alone held the first
+round's joins back 1.1 s.
 
 Design: `Contribution` starts the work in a worker thread (`start`, in the collective's
 nursery) as the round begins; the join goes out at once, and the data phase awaits `ready()`

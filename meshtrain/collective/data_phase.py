@@ -12,7 +12,7 @@ Every peer thus holds the owner's exact bits for every stripe, so results are bi
 construction. With equal parts each peer moves 2(n−1)/n·M elements, the bandwidth-optimal amount
 (as hivemind's butterfly and PCCL's ring) when every link is as fast.
 
-**Weighted parts, for links of different speeds (issue 20).** Owning a fraction f of the vector
+**Weighted parts, for links of different speeds.** Owning a fraction f of the vector
 costs a peer M·(1 + (n − 2)·f) each way, so a slow peer should own little: the coordinator turns
 the rates the members joined with into integer `shares` (shares.py: the bottleneck time is
 minimised, a peer too slow to help owns an empty part) and sends them with the group; every
@@ -53,7 +53,7 @@ part's norm).
 With `codec="none"` stripes travel as views of the flat input (no encode copy) and reduced
 stripes are received straight into their slice of the output (no decode, no concatenation).
 
-**Screening** (robust modes with `config.screen_norm`, issue 21 4a): the owner of a part holds
+**Screening** (robust modes with `config.screen_norm`): the owner of a part holds
 every contribution to it, so after combining it compares each with the others — its norm against
 the median norm, its cosine with the robust aggregate against the group's median cosine
 (`screen_contributions`) — and keeps
@@ -62,7 +62,7 @@ Replay screening (robust modes with screening, given the participant's `EchoMemo
 combining, the owner drops a contribution that repeats one of its earlier rounds' (echoes.py;
 named in `stats.rejected`, as garbage is, and kept in `stats.echoes`), and keeps a sketch of the
 part (`stats.sketch`), which the participant remembers if the round commits.
-With `config.score_samples` (loss scoring, issue 21 4b) the owner also keeps every weighted,
+With `config.score_samples` (loss scoring, node/trust/scoring.py) the owner also keeps every weighted,
 finite contribution to its part in `stats.kept` until the round commits (one more copy of the
 flat input per peer, the size of the robust stack it already builds): which few of them are
 scored depends on the committed digest (contract.py `sampled_peers`).

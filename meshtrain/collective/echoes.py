@@ -1,4 +1,4 @@
-"""Replay screening: a contribution that repeats an earlier round's (issue 21, items 4a and 5).
+"""Replay screening: a contribution that repeats an earlier round's.
 
 Problem. A peer that replays an old pseudo-gradient (its own, another peer's, or a round's
 aggregate) does no work and still points roughly the right way, so norm and direction screening

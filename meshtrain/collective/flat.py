@@ -86,7 +86,7 @@ def part_bounds(numel: int, n: int, shares: Sequence[int] = ()) -> list[int]:
 # The last stripes of a part shrink by halves (`stripe_bounds`): once a part's last stripe is
 # reduced, its owner still sends it to every other peer, the one transfer nothing else overlaps.
 # With equal 2 MiB stripes that tail was (n − 1) × 2 MiB on the owner's uplink, 1.2 s of a 16.4 s
-# round in issue 20's WAN lab (8 peers, 100 Mbit/s); a quarter-MiB last stripe makes it ~0.15 s.
+# round in the WAN lab (scripts/bench/bench_wan.py: 8 peers, 100 Mbit/s); a quarter-MiB last stripe makes it ~0.15 s.
 # What this version offers in its joins; each attempt cuts what its coordinator announced
 # (collective/protocol.py `taper`: 0 in a group with an older peer).
 STRIPE_TAPER = 3

@@ -147,7 +147,7 @@ class LocalSwarm:
             dict(r.result.excluded),
         )
 
-    # -- sparse all-gather (issue 19; the network version is sparse_gather.py) -------------------
+    # -- sparse all-gather (SparseLoCo's exchange; the network version is sparse_gather.py) ------
 
     async def _all_gather(
         self, me: str, payload: dict[str, torch.Tensor], round_id: int, tag: str, weight: float

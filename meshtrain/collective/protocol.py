@@ -22,12 +22,12 @@ Wire (compatible with the first version, so mixed versions of this code interope
                {"abort": why}
     WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished"}
 
-Fields in [brackets] were added later (issue 20, bandwidth-weighted parts) and are optional both
+Fields in [brackets] were added later (for bandwidth-weighted parts) and are optional both
 ways: `uplink` is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
 member of `group`, shares.py) size the attempt's parts; without them every part is equal. A
 coordinator sends shares only when every member sent an uplink — so every member understands
 them — and a peer that ignores them (an old one) is then never in the group. Likewise `taper`
-(issue 20, the all-reduce at the link bound): in a join, how many shrinking last stripes per
+(added to bring the all-reduce to its link bound): in a join, how many shrinking last stripes per
 part this peer can cut (flat.py `STRIPE_TAPER`); in a group, how many every member cuts this
 attempt — sent only when every member's join offered a taper (the smallest offered), so a group
 with an old peer cuts equal stripes, the old layout, and every member cuts alike.

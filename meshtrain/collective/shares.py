@@ -1,6 +1,6 @@
 """How much of the vector each member of an all-reduce owns, given the members' link rates.
 
-The problem (issue 20): the data phase cuts the flat input into one part per member and each
+The problem (links of different speeds): the data phase cuts the flat input into one part per member and each
 owner reduces its part and sends it back to everyone (data_phase.py). With equal parts a slow
 member owns 1/n of the vector, and its link carries (n − 1)/n·M more than it must, so a round
 with 2 of 8 peers at 20 Mbit/s and 6 at 100 Mbit/s takes 70 s for 100 MB where 40 s (M / B_slow:

@@ -1,4 +1,4 @@
-"""crdt layer of meshtrain (see shared/ARCHITECTURE.md).
+"""crdt layer of meshtrain (see docs/architecture.md).
 
 Pure signed CRDT types (`types`, built on `base` and `entries`), the `Replica` that keeps a
 swarm's CRDTs in sync over gossipsub (`gossip`) and anti-entropy RPCs (`anti_entropy`), and the

@@ -1,7 +1,7 @@
 """Gossip: how a `Replica` pushes its writes to the swarm, and merges what the swarm pushes to it.
 
 The problem. A local write must reach every peer of the swarm quickly, and py-libp2p's gossipsub
-has limits and failure modes that a naive publish runs into (shared/LIBP2P-NOTES.md).
+has limits and failure modes that a naive publish runs into (docs/libp2p-notes.md).
 
 Design (`Gossip`, a part that `Replica` builds and enters: it owns the outbox, the py-libp2p
 `Pubsub` unless one is shared, the topic validator and subscription, and the gossip streams it is
@@ -109,7 +109,7 @@ async def start_gossipsub(
     mesh degree `gossip_degree` (D, D_low, D_high) and a heartbeat of `gossip_heartbeat` seconds
     (`ReplicaConfig`'s).
 
-    Turned off, each for a measured reason (shared/LIBP2P-NOTES.md):
+    Turned off, each for a measured reason (docs/libp2p-notes.md):
     - spam protection: it drops (silently, after local delivery) every message beyond 10 per
       second per forwarding peer and topic — a relay in a 32-peer swarm forwards more than that
       from one neighbour; our validator is the spam filter.

@@ -1,4 +1,4 @@
-"""Strikes: the signed, replicated verdicts of issue 21's screening, as CRDT records.
+"""Strikes: the signed, replicated verdicts of screening, as CRDT records.
 
 Problem. In a public swarm a peer may send a scaled, flipped, random or empty update. The owner of
 each all-reduce part sees every contribution to it and flags the ones far outside the group
@@ -13,14 +13,14 @@ its reporter truthfully. A strike is the evidence of one flag:
      "digest": the round's committed result digest, "part": the reporter's index in the group,
      "norm": norm / median norm, "align": cosine with the robust aggregate / the median cosine}
 
-A *loss* strike (issue 21, 4b: node/trust/scoring.py) has the same keys plus
+A *loss* strike (node/trust/scoring.py) has the same keys plus
 
     "rule": "loss", "gain": the flagged contribution's relative loss drop on its sender's own
      assigned batches, "ref": the round aggregate's drop on them (both over the loss at φ; how
      many batches is the spec's `score_batches`, not recorded: the re-check does not need it)
 
 and its "norm" / "align" are the contribution's norm over the aggregate's and its cosine with it.
-A *spot* strike (issue 21, 4c: node/trust/spot_check.py) has the keys of a screening strike plus
+A *spot* strike (node/trust/spot_check.py) has the keys of a screening strike plus
 
     "rule": "spot", "match": the flagged contribution's cosine with the reporter's recomputation
      of its sender's first inner steps, "ref": the round aggregate's cosine with that recomputation

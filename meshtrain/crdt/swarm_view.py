@@ -17,7 +17,7 @@ allowlist, node/trust/admission.py): the view takes the rule as a filter (`admit
 question about peers — who is live, their progress and metrics — from admitted records only. A
 config change wakes `wait_live`, as it may admit a peer.
 
-Whose records are stored at all (`keep`, issue 21: "keep strangers honest"). Counting only admitted
+Whose records are stored at all (`keep`: keep strangers honest). Counting only admitted
 records is not enough: identities are free, so a stranger could sign records with as many as it
 likes and every member would store and spread them. With a `keep` rule (the admission rule without
 verdicts that come and go, such as strikes), the view sets the replica's `gate` (replica.py): a

@@ -1,4 +1,4 @@
-"""dht layer of meshtrain (see shared/ARCHITECTURE.md): signed, expiring records with subkeys,
+"""dht layer of meshtrain (see docs/architecture.md): signed, expiring records with subkeys,
 merged on the storing node (`records`), Kademlia lookups over py-libp2p's routing table
 (`routing`) with our own STORE/GET RPCs (`kademlia`; one DHT network serves every swarm), swarm
 discovery under `/meshtrain/<swarm>/peers` (`discovery`), and the swarm index under

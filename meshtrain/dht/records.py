@@ -11,8 +11,9 @@ Design (after hivemind's DHT values with subkeys, but signed by default).
   every hop, so the signature never depends on re-encoding. The owner signs
   `RECORD_DOMAIN + packb([swarm_id, key, subkey, value, expiry, owner])`: a record copied to
   another network, another key or another subkey, or with its value or expiry changed, fails.
-  (`swarm_id` here names the DHT *network*, which since issue 21 all swarms share — `NETWORK`
-  in kademlia.py — and a swarm's keys carry the swarm's id; the parameter kept its name.)
+  (`swarm_id` here names the DHT *network*, which all swarms share so that any node is an entry
+  point to every swarm — `NETWORK` in kademlia.py — and a swarm's keys carry the swarm's id;
+  the parameter kept its name.)
 - A key's state is a map `subkey -> Record`. `subkey=None` is the key's *plain* value, which
   any peer may replace; every other subkey belongs to one owner: it must be the owner's peer id,
   or start with `<peer id>/`. Without that rule any swarm member could overwrite another peer's

@@ -1,7 +1,7 @@
 """The built-in model: a small decoder-only transformer (GPT) over characters or bytes.
 
 Why it exists: the demo, the convergence benchmark, the trainer and SkipPipe need one model that
-trains to a visible loss curve in minutes on a 2-core CPU (ALGORITHMS.md, "Convergence testbed":
+trains to a visible loss curve in minutes on a 2-core CPU (docs/algorithms.md, "Convergence testbed":
 4 layers, d 64, context 32) and that can also be built at >= 25M parameters to time a late
 joiner's state download.
 
@@ -106,7 +106,7 @@ class GPTConfig:
 
     @classmethod
     def small(cls, vocab_size: int = 256) -> GPTConfig:
-        """4 blocks, d 64, 4 heads, context 32: ALGORITHMS.md's reference run; the demo's model."""
+        """4 blocks, d 64, 4 heads, context 32: docs/algorithms.md's reference run; the demo's model."""
         return cls(vocab_size, n_layer=4, n_head=4, d_model=64, context=32)
 
     @classmethod

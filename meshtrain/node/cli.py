@@ -67,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file with node settings (see README, Configuration)")
+    p.add_argument("--config", help="TOML file with node settings (see docs/configuration.md)")
     p.add_argument("--data-dir", help="identity, swarm spec, checkpoints (default ~/.local/share/meshtrain)")
     p.add_argument("--name", help="a label shown on the status page")
     p.add_argument(

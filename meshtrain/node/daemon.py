@@ -31,11 +31,11 @@ Membership for a round is the live peers whose role is "trainer" and whom we are
 peer still downloading state is not waited for, and a peer whose connection closed (killed,
 partitioned) stops being waited for at once rather than when its lease runs out.
 
-Chaos-proofing (issue 14):
+Chaos-proofing (what a churn soak of real daemons found, scripts/bench/bench_chaos.py):
 - **Who may take part.** Only members get data-plane sessions (`TensorStreams.authorize`); only
   a round's candidates may join, report or watch it, and only near our own step (the
   collective's `round_window`). Refusals are counted and shown on `/metrics`. Members are the
-  peers the spec's admission rule admits (issue 21, node/trust/admission.py: a proof of work, the
+  peers the spec's admission rule admits (node/trust/admission.py: a proof of work, the
   owner's allowlist — `allow_peer`, reached through `POST /allow` — or the swarm key); a node
   the others do not admit yet waits before it enters the swarm (node/training_run.py).
 - **Parity.** After every round we hash φ and publish the digest with our progress; a watcher

@@ -47,7 +47,7 @@ such round, so rank 0's re-sync ends every rank's run at once.
 State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP the full
 state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
 counters) is what late joiners download — θ is φ after a round, and inner state is never shared
-(ALGORITHMS.md).
+(docs/algorithms.md).
 """
 
 from __future__ import annotations

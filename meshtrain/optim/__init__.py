@@ -1,4 +1,4 @@
-"""optim layer of meshtrain (see shared/ARCHITECTURE.md): the outer-optimizer math.
+"""optim layer of meshtrain (see docs/architecture.md): the outer-optimizer math.
 
 Outer optimizers talk to the network only through a `Collective` (meshtrain.collective, the layer
 below); this package holds the update rules.

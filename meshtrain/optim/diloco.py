@@ -1,7 +1,7 @@
 """DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of LMs").
 
 Every peer runs H inner steps (AdamW in the paper: lr 4e-4, wd 0.1, betas (0.9, 0.95)); then
-(shared/ALGORITHMS.md, DiLoCo):
+(docs/algorithms.md, DiLoCo):
 
     Δ_i = φ − θ_i                        pseudo-gradient (outer minus local parameters)
     Δ   = mean_i Δ_i                      all-reduce through the Collective (optional codec)
@@ -32,7 +32,7 @@ from meshtrain.optim.outer import OuterOptimizer
 class DiLoCo(OuterOptimizer):
     """model, inner, collective: see `OuterOptimizer`.
     H: inner steps per round (paper: 500; 50–125 also run).
-    lr, momentum, nesterov: the outer SGD (defaults 0.7, 0.9, True — ALGORITHMS.md).
+    lr, momentum, nesterov: the outer SGD (defaults 0.7, 0.9, True — docs/algorithms.md).
     codec: compression of the pseudo-gradient all-reduce ("none"; "fp16" was lossless in
         OpenDiLoCo; "fp4"/"int4" for 8× fewer bytes).
     fragments, delay, alpha: Streaming DiLoCo's schedule (`StreamingDiLoCo` sets them).

@@ -3,7 +3,7 @@
 Every H inner steps each peer averages with *one* random partner instead of the whole swarm, and
 a modified momentum pulls the replicas toward each other. The rule, from the reference code
 (`gensyn-ai/noloco`, `src/noloco/sparse_optimizer_c.py`: `outer_step`, `SparseOptimizerC.step`;
-ALGORITHMS.md, NoLoCo), for peer i in its group G at inner step s (a multiple of H):
+docs/algorithms.md, NoLoCo), for peer i in its group G at inner step s (a multiple of H):
 
     perm  = np.random.default_rng(s + 1).permutation(N)   # same on every peer, no talking
     pairs = (perm[j], perm[j + N//2]) for j < N//2         # the code's `batched(perm, 2)`

@@ -47,15 +47,15 @@ different groups the round before, so their φ already differ. Averaging Δ alon
 φ_i back together (they random-walk apart: on a noisy quadratic, 64 peers in groups of 8 ended
 ~16x further apart than with the term below). So the default `communicate` also averages φ in
 the group, in fp16, and hands `apply` the pseudo-gradient against the group's mean local model,
-Δ̄ + (φ_i − φ̄) = φ_i − mean θ: NoLoCo's consensus term (ALGORITHMS.md) with γ = β, Moshpit's
+Δ̄ + (φ_i − φ̄) = φ_i − mean θ: NoLoCo's consensus term (docs/algorithms.md) with γ = β, Moshpit's
 averaging of the models. With outer lr 1 and momentum 0 it is FedAvg within each group. Cost:
 one more all-reduce of half the bytes (fp16) in a grouped round; if it fails, the round keeps Δ̄
 alone. A subclass that overrides `communicate` (SparseLoCo) does without.
 
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
-ALGORITHMS.md). Until it has done a full H steps of its own it contributes weight 0 to every
-all-reduce (prime's live recovery: ALGORITHMS.md, DiLoCo) but still receives the average, so its
+docs/algorithms.md). Until it has done a full H steps of its own it contributes weight 0 to every
+all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still receives the average, so its
 φ and outer state stay identical to everyone else's.
 
 Not here: when a fragment is sent and merged, round ids, how `step()` reaches the trio side and
@@ -171,7 +171,8 @@ class OuterOptimizer(OuterRounds):
         self.peak_bytes_per_sync = 0
         self.comm_wait_seconds = 0.0
         self.history: deque[RoundReport] = deque(maxlen=HISTORY_LENGTH)
-        # Error feedback (issue 19): β, or None for none; e per parameter, this peer's alone.
+        # Error feedback (SparseLoCo's accumulator; any optimizer may keep one): β, or None for none;
+        # e per parameter, this peer's alone.
         self.error_feedback: float | None = None
         self.residual: dict[str, torch.Tensor] = {}
         # Called with this optimizer at the start of every `step()`, in the caller's thread
@@ -265,7 +266,7 @@ class OuterOptimizer(OuterRounds):
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         """Update φ[names] from the averaged `result`. Default: the outer optimizer's step with
-        grad = mean Δ (torch semantics, so SGD(nesterov) is ALGORITHMS.md's DiLoCo rule)."""
+        grad = mean Δ (torch semantics, so SGD(nesterov) is docs/algorithms.md's DiLoCo rule)."""
         opt = self.outer_optimizer
         if opt is None:
             raise NotImplementedError(f"{type(self).__name__} must override apply() or build_outer_optimizer()")
@@ -285,12 +286,12 @@ class OuterOptimizer(OuterRounds):
             else:
                 p.lerp_(phi.to(p.device, p.dtype), 1.0 - self.alpha)
 
-    # -- error feedback (issue 19) -------------------------------------------------------------
+    # -- error feedback --------------------------------------------------------------------------
     #
     # With `error_feedback = β` (a float in [0, 1]) each peer keeps an accumulator e per parameter
     # and, at every send, does e ← β·e + Δ; ŝ = encode(e); e ← e − decode(ŝ), sending ŝ instead
     # of Δ (β = 1: classic error feedback, Seide et al. 2014 / Karimireddy et al. 2019; β < 1:
-    # SparseLoCo's decayed accumulator, which replaces the outer momentum — ALGORITHMS.md). e is
+    # SparseLoCo's decayed accumulator, which replaces the outer momentum — docs/algorithms.md). e is
     # this peer's own: saved by `state_dict(inner=True)` (checkpoints), never averaged, never in
     # `state_dict(inner=False)` (what joiners download). A joiner's weight-0 exchanges skip it.
 

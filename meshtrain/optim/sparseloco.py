@@ -2,7 +2,7 @@
 peers send a top-k of their pseudo-gradient, quantised to 2 bits, with error feedback in place of
 the outer momentum. The method behind Covenant-72B (arXiv 2603.08163).
 
-The rule (paper Alg. 1; ALGORITHMS.md, SparseLoCo), for peer r every H inner steps:
+The rule (paper Alg. 1; docs/algorithms.md, SparseLoCo), for peer r every H inner steps:
 
     Δ_r ← φ − θ_r                              pseudo-gradient (DiLoCo's sign)
     e_r ← β·e_r + Δ_r                          decayed error feedback: plays the outer momentum
@@ -23,7 +23,7 @@ Defaults, and where they come from. The paper's own repository (tplr-ai/SparseLo
 one-covenant/SparseLoCo) was not reachable from here; its public precursor by the same authors,
 tplr-y/CCLoco (`src/tplr/ccloco.py`, `hparams/*/sweeps/ccloco.yaml`), and Templar's production
 settings, tplr-ai/templar (`hparams/hparams.json`, `src/tplr/compress/topk.py`), were. Theirs, ours:
-- chunk C = 4096, k = 64 (density 1.5625%): Covenant-72B (ALGORITHMS.md; the paper's 1–3%).
+- chunk C = 4096, k = 64 (density 1.5625%): Covenant-72B (docs/algorithms.md; the paper's 1–3%).
   CCLoco's sweeps and templar chunk 2-D weights into 64×64 = 4096-value squares with k = 32 (0.78%);
   we chunk each tensor's flattened values contiguously (a short last chunk keeps ceil(k·L/C)).
   CCLoco chunks 1-D tensors (biases, norm gains) by 64 and keeps k = 32 of each ("rate_1d": 50%);
@@ -37,7 +37,7 @@ settings, tplr-ai/templar (`hparams/hparams.json`, `src/tplr/compress/topk.py`),
 - H: the paper sweeps 15–250; Covenant and templar ran 30, CCLoco's sweeps 15. Our default 30.
 - Aggregation: the reference code averages each index over the peers that selected it
   (CCLoco and templar: `scatter_reduce(..., reduce="mean", include_self=False)`) — our default,
-  `aggregate="index_mean"`. The paper's equation (and ALGORITHMS.md) write the plain mean over
+  `aggregate="index_mean"`. The paper's equation (and docs/algorithms.md) write the plain mean over
   the R peers, (1/R)·Σ_r, which dilutes an index sent by one peer of R by R: `aggregate="mean"`.
   On our testbed (4 peers, small GPT, H 25, in-process, 400 steps) index_mean reached 2.073 and
   mean 2.220 held-out loss, DiLoCo 2.018 — the source (code) wins.
@@ -53,12 +53,12 @@ seed 0, more than that spread); β 0.8 and vector_k did not beat β 0.9 by more 
 At bench_convergence's size (4 peer processes, 2000 steps), `sparseloco_vs_diloco` with β 0.9:
 seed 0 +1.58% (again: +1.46%), seed 1 −0.51%, seed 2 −1.16% — mean −0.03% ± 1.4%, the target
 (≤ 1%) met on the mean and on two seeds of three. There β 0.95 did as well: seed 0 +1.4% and +3.1%
-(issue 19's runs), seed 1 −0.74%, seed 2 −0.91%; β 0.8 seed 0 +1.21%; vector_k 8 seed 0 +1.29%
+(two earlier runs), seed 1 −0.74%, seed 2 −0.91%; β 0.8 seed 0 +1.21%; vector_k 8 seed 0 +1.29%
 (58× fewer bytes). These differences are inside the run-to-run spread of one seed (~0.5%: the
 multi-process runs are not bit-reproducible), and the seed-to-seed spread of the gap (~1.4%) is as
 large as the target. So β 0.9 is the default because it was better at 600 steps and no worse at
 2000; at 2000 steps no knob we tried beats the noise, and seed 0 stays ~1.2–1.6% behind DiLoCo.
-Numbers: docs/bench_convergence_sparseloco_seeds.json.
+Numbers: docs/bench/bench_convergence_sparseloco_seeds.json.
 
 Identity (tests/test_outer_sparseloco.py): with k = C (density 1), no quantisation (bits None) and
 β = 0, SparseLoCo is DiLoCo with outer momentum 0 and the same lr, bit for bit.

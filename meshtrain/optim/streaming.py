@@ -1,7 +1,7 @@
 """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication").
 
 DiLoCo syncs the whole model every H steps, so its peak bandwidth is a full model at once and
-training stalls for the exchange. Streaming DiLoCo changes three things (ALGORITHMS.md; torchft
+training stalls for the exchange. Streaming DiLoCo changes three things (docs/algorithms.md; torchft
 `local_sgd.py` implements the same schedule):
 
 1. **Fragments** (§2.1). The parameters are split into P fragments; fragment p syncs every H

@@ -1,4 +1,4 @@
-"""pipeline layer of meshtrain (see shared/ARCHITECTURE.md): SkipPipe.
+"""pipeline layer of meshtrain (see docs/architecture.md): SkipPipe.
 
 - `scheduler`: which peers each microbatch visits, and when (pure; no I/O): the entry points and
   `validate`. Its parts: `schedule_types` (the problem, the schedule, the errors; re-exported by

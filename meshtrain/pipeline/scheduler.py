@@ -100,7 +100,7 @@ __all__ = [
     "validate",
 ]
 
-DEFAULT_TARGET_RATIO = 0.88  # ALGORITHMS.md; the stored reference code reads 0.92
+DEFAULT_TARGET_RATIO = 0.88  # docs/algorithms.md; the stored reference code reads 0.92
 DEFAULT_SEARCH_BUDGET = 40_000  # A* node expansions over one call, construction excluded
 
 

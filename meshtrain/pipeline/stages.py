@@ -1,6 +1,6 @@
 """Pipeline stages: a model cut into pieces, and one peer's replica of one piece.
 
-Why: a SkipPipe peer holds one stage of the model (ALGORITHMS.md, "SkipPipe"): stage 0 is the
+Why: a SkipPipe peer holds one stage of the model (docs/algorithms.md, "SkipPipe"): stage 0 is the
 embedding and the head/loss (the microbatch's origin, which holds the data), stages 1..S-1 are
 contiguous runs of transformer blocks. The runtime (`runtime.py`) moves activations and gradients
 between peers; this module is the compute one peer does on what arrives, with no I/O:

@@ -1,1 +1,1 @@
-"""transport layer of meshtrain (see shared/ARCHITECTURE.md)."""
+"""transport layer of meshtrain (see docs/architecture.md)."""

@@ -1,7 +1,7 @@
 """The libp2p host: identity, TCP listener, Noise, yamux, optional private-swarm key.
 
 This is the only module that builds py-libp2p objects; everything above talks to `Host`.
-Choices (measured, see shared/LIBP2P-NOTES.md):
+Choices (measured, see docs/libp2p-notes.md):
 - **TCP only.** py-libp2p 0.8.1's QUIC moved ~2 MB/s and failed 32/32 concurrent 2 MiB streams;
   bulk data goes over our own data plane anyway, so QUIC would buy nothing but flakiness.
 - **Noise only.** py-libp2p's default security options also offer *plaintext* and secio; a peer

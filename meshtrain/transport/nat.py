@@ -56,7 +56,7 @@ class NatConfig:
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
     holepunch: HolePunchConfig = field(default_factory=HolePunchConfig)
-    serve_relay_when_public: bool = True  # issue #7: public nodes relay by default
+    serve_relay_when_public: bool = True  # public nodes relay by default, so private ones find relays
     upnp: bool = False  # map our ports on the LAN's UPnP gateway (SSDP multicast on the LAN)
     upnp_discover_timeout: float = DEFAULT_DISCOVER_TIMEOUT
 

@@ -2,7 +2,7 @@
 
 Why our own: py-libp2p 0.8.1's AutoNAT v1 server dials back with `host.connect()`, which returns at
 once when a connection to the peer already exists — and the peer asking *is* connected — so every
-peer is reported PUBLIC (LIBP2P-NOTES.md). A NAT traversal layer built on that would never reserve
+peer is reported PUBLIC (docs/libp2p-notes.md). A NAT traversal layer built on that would never reserve
 a relay slot.
 
 How it works. Any peer serves the RPC `/meshtrain/reach-dialback/1`. A peer that wants to know

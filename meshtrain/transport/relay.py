@@ -6,7 +6,7 @@ connection to a public relay and a *reservation* there; others reach it at its c
 the relayed connection to a direct one. Pairs that cannot be punched (symmetric NATs) keep
 training through the relay, so a relay's limits must fit a training workload.
 
-What py-libp2p 0.8.1 gives and what we do on top (shared/LIBP2P-NOTES.md):
+What py-libp2p 0.8.1 gives and what we do on top (docs/libp2p-notes.md):
 - `CircuitV2Protocol` serves HOP (relay) and STOP (be relayed to) but nothing registers it for a
   host: we run it as a service and register it ourselves. Its limits default to 1 h and 1 GiB per
   circuit and **4 reservations per relay**; `RelayConfig` makes every limit explicit.

@@ -1,7 +1,7 @@
 """Tensor streams: moving dicts of named tensors between two peers, fast, beside libp2p.
 
 Why not libp2p streams: py-libp2p's Noise+yamux stream moves ~72 MB/s with a core busy on each side
-and resets a stream whose reader stalls for 5 s (shared/LIBP2P-NOTES.md). A peer in the middle of
+and resets a stream whose reader stalls for 5 s (docs/libp2p-notes.md). A peer in the middle of
 a forward pass would lose its transfer. So tensors move on a *data plane*:
 
 1. **Session** (once per peer pair, over the authenticated libp2p channel): the sender calls the
@@ -37,7 +37,7 @@ of opening one (TCP, then MTDP1). But a connection also keeps the congestion sta
 cubic's ssthresh after the losses of a many-flow all-reduce, or BBR's estimate of its share of
 the link among 14 flows. A long transfer alone on such a connection creeps up to the link rate
 (BBR probes 25 % higher every 8 round trips): over 100 ms of RTT, 100 MB moved at 62–82 % of
-100 Mbit/s in issue 20's WAN lab, where a connection that had carried a transfer alone moves it
+100 Mbit/s in the WAN lab (scripts/bench/bench_wan.py), where a connection that had carried a transfer alone moves it
 at ~94 %. So transfers of at least `bulk_bytes` (32 MiB) have a pool of their own per peer: the
 first opens a connection (which probes the path afresh: ~88 %, its handshakes and ramp
 included), the next ones reuse it, and an all-reduce's 2 MiB stripes never touch it.

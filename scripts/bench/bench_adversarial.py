@@ -86,7 +86,7 @@ from meshtrain.transport.identity import Identity  # noqa: E402
 # zeros, replay: free riders) or wreck the model (signflip10). Other data does the work, on other
 # windows, is left to loss scoring (node/trust/scoring.py, which at this scale does not separate it), and
 # did no measurable harm here: with no defence at all (plain mean) its gap was 0.17 %, against
-# 1.5 % for a replay and 143 % for signflip10 (docs/bench_adversarial_issue21.json).
+# 1.5 % for a replay and 143 % for signflip10 (docs/bench/bench_adversarial_issue21.json).
 HARMFUL = ("signflip10", "noise", "zeros", "replay")
 RUN_TIMEOUT = 300.0
 

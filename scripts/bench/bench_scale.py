@@ -3,7 +3,7 @@
     python scripts/bench/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--gossip-round-s 5]
                                   [--gossip-stretch K | --gossip-stretch 256:8,...]
-                                  [--out docs/bench_scale_issue20.json]
+                                  [--out docs/bench/bench_scale_issue20.json]
 
 The last line printed is one JSON object (also written to `--out`).
 

@@ -20,7 +20,7 @@ Prints one JSON object: per b and kind, over all seeds, the quantiles (min, 10th
 percentile, max) of the margin gain − score_ratio·ref (the rule flags below −score_floor where ref
 > score_floor), the share of part-scores flagged, and the share of (round, peer) verdicts where a
 quorum of owners flagged (the strike that counts). Honest peers are scored in every liar's group.
-The table in node/trust/scoring.py's docstring comes from here (docs/loss_score_separation_issue21.json).
+The table in node/trust/scoring.py's docstring comes from here (docs/bench/loss_score_separation_issue21.json).
 """
 
 from __future__ import annotations

@@ -37,29 +37,60 @@ def default_data_dir() -> Path:
 
 
 class NodeConfig(BaseModel):
-    """How this node runs. See `meshtrain node start --help` and README, "Configuration"."""
+    """How this node runs. See `meshtrain node start --help` and docs/configuration.md."""
 
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path = Field(default_factory=default_data_dir)
-    name: str = Field("", max_length=64)
-    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"])
-    announce: list[str] = Field(default_factory=list)
-    bootstrap: list[str] = Field(default_factory=list)
-    swarm_key: str | None = Field(None, description="64 hex chars: a private swarm")
-    status_host: str = "127.0.0.1"
-    status_port: int = Field(7070, ge=0, le=65535, description="0 = any free port")
-    checkpoint_every: float = Field(60.0, gt=0, description="seconds between checkpoints")
-    keep_checkpoints: int = Field(3, ge=1, le=100)
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="the node's identity key, signed swarm spec, checkpoints and other files; default "
+        "$XDG_DATA_HOME/meshtrain, else ~/.local/share/meshtrain",
+    )
+    name: str = Field("", max_length=64, description="a label shown on the status page")
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"], description="multiaddrs to listen on")
+    announce: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs to advertise instead of the listen addresses (a public address behind port forwarding)",
+    )
+    bootstrap: list[str] = Field(
+        default_factory=list,
+        description="peers to dial at start; any meshtrain node is an entry to the DHT that lists swarms "
+        "(shipped empty in meshtrain/node/spec/node.toml: we ship no addresses we cannot vouch for)",
+    )
+    swarm_key: str | None = Field(
+        None,
+        description="64 hex chars: a private swarm's key (libp2p pnet; `swarm create --private` makes one); "
+        "prefer the environment variable to the flag, which `ps` shows",
+    )
+    status_host: str = Field(
+        "127.0.0.1",
+        description="address of the local status page (dashboard, /status JSON, Prometheus /metrics); to see "
+        "a remote node's, tunnel it (ssh -L) rather than bind it to a public address",
+    )
+    status_port: int = Field(
+        7070, ge=0, le=65535, description="port of the status page; 0 = any free port (written to daemon.json)"
+    )
+    checkpoint_every: float = Field(
+        60.0, gt=0, description="seconds between background checkpoints (one is also written at shutdown)"
+    )
+    keep_checkpoints: int = Field(3, ge=1, le=100, description="checkpoints kept in the data dir")
     threads: int = Field(0, ge=0, le=1024, description="torch threads; 0 = torch's default")
     join_timeout: float = Field(30.0, gt=0, description="seconds a round waits for its peers")
-    part_timeout: float = Field(20.0, gt=0)
+    part_timeout: float = Field(
+        20.0, gt=0, description="seconds one all-reduce transfer may take (larger transfers get more in proportion)"
+    )
     wait_peers: int = Field(0, ge=0, le=10_000, description="start training once this many peers are in")
-    wait_peers_timeout: float = Field(120.0, gt=0)
+    wait_peers_timeout: float = Field(
+        120.0, gt=0, description="seconds to wait for wait_peers before training with those there are"
+    )
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
     uplink_mbit: float = Field(
-        0.0, ge=0, le=8e6, description="our uplink, Mbit/s, for bandwidth-weighted all-reduce parts (0 = measured)"
+        0.0,
+        ge=0,
+        le=8e6,
+        description="our uplink, Mbit/s: sizes our part of each all-reduce (bandwidth-weighted parts) and how "
+        "many of our stripes are in flight; 0 = measured",
     )
     max_steps: int | None = Field(None, ge=0, description="stop after this step (below the swarm's)")
     pipeline_lab: Path | None = Field(
@@ -73,12 +104,23 @@ class NodeConfig(BaseModel):
         "when private, hole punching of relayed peers",
     )
     relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
-    mdns: bool = Field(False, description="find peers of this swarm on the LAN over mDNS (multicast)")
+    mdns: bool = Field(
+        False,
+        description="find peers of this swarm on the LAN over mDNS (multicast): no bootstrap needed between "
+        "machines on one LAN",
+    )
     upnp: bool = Field(
         True, description="map our ports on the LAN's UPnP gateway (only when listening beyond loopback)"
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
-    device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, mps, cuda or cuda:<index>")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING",
+        description="how much the node logs (ours; MESHTRAIN_LOG_LIBP2P=1 also shows py-libp2p's at DEBUG)",
+    )
+    device: str = Field(
+        "auto",
+        description="auto (CUDA, then Apple's MPS, then CPU), cpu, mps, cuda or cuda:<index>; a device this "
+        "machine lacks is a one-line error naming what it has",
+    )
     nproc_per_node: int = Field(
         1,
         ge=1,

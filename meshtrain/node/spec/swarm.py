@@ -81,11 +81,18 @@ class SwarmSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field("meshtrain-demo", min_length=1, max_length=64)
+    name: str = Field(
+        "meshtrain-demo",
+        min_length=1,
+        max_length=64,
+        description="the swarm's name in `meshtrain swarm list`, which `swarm join <name>` takes (not unique: "
+        "join by id when it matters)",
+    )
     model: str = Field(
         "gpt-small",
         description="gpt-tiny | gpt-small | gpt-large | hf:<pretrained dir> | "
-        "hf-config:<config.json> | py:<module or file.py>:<factory> | user",
+        "hf-config:<config.json> | py:<module or file.py>:<factory> | user (members build the model in "
+        "their own loop over meshtrain.Swarm)",
     )
     tokenizer: str = Field(
         "chars",
@@ -97,7 +104,8 @@ class SwarmSpec(BaseModel):
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
     dataset: str = Field(
         "builtin",
-        description="builtin (offline English text), or a text, JSONL or Parquet file or directory (meshtrain.data)",
+        description="builtin (offline English text), or a text, JSONL or Parquet file or directory, at the same path "
+        "on every peer (meshtrain.data)",
     )
     dataset_field: str = Field(
         "text", min_length=1, max_length=256, description="JSONL/Parquet: the field that holds a document's text"
@@ -120,13 +128,22 @@ class SwarmSpec(BaseModel):
     optimizer_digest: str = Field("", max_length=64, description="pinned at swarm create for a py: optimizer")
     H: int = Field(50, ge=1, le=100_000, description="inner steps per outer round (dp: 1, its default)")
     steps: int = Field(2000, ge=0, description="inner steps to train; 0 = until stopped")
-    batch_size: int = Field(16, ge=1, le=4096)
-    inner_lr: float = Field(2e-3, gt=0, le=1)
-    weight_decay: float = Field(0.01, ge=0, le=1)
-    clip: float = Field(1.0, gt=0)
+    batch_size: int = Field(
+        16, ge=1, le=4096, description="sequences a peer trains per inner step (a multi-rank peer splits them)"
+    )
+    inner_lr: float = Field(2e-3, gt=0, le=1, description="the inner AdamW's learning rate")
+    weight_decay: float = Field(0.01, ge=0, le=1, description="the inner AdamW's weight decay")
+    clip: float = Field(1.0, gt=0, description="gradient norm clip of every inner step")
     outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate (sparseloco: 1.0 unless given)")
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    codec: str = "none"
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="outer Nesterov momentum (diloco, streaming, a pipeline's replica sync)"
+    )
+    codec: str = Field(
+        "none",
+        description="how outer rounds compress the pseudo-gradients they exchange: none | fp16 | bf16 | int8 | "
+        "int4 | fp4 | topk, deterministic, each with a tested error bound (collective/compression.py); "
+        "streaming uses fp4 unless given",
+    )
     aggregation: Aggregation = Field(
         "mean",
         description="how every all-reduce combines the peers' contributions: mean | trimmed_mean "
@@ -252,9 +269,14 @@ class SwarmSpec(BaseModel):
     )
     sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk")
     sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
-    seed: int = Field(0, ge=0, lt=2**31)
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=2**31,
+        description="the swarm's seed: a fresh model's θ0, every peer's data, the groups of grouped rounds",
+    )
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
-    eval_batches: int = Field(8, ge=1, le=1024)
+    eval_batches: int = Field(8, ge=1, le=1024, description="held-out batches per evaluation")
     pipeline: Literal["none", "skippipe"] = Field(
         "none",
         description="none (every peer trains the whole model) | skippipe (the model is cut into stages; "
@@ -294,7 +316,8 @@ class SwarmSpec(BaseModel):
     admission: Literal["open", "allowlist", "private"] = Field(
         "open",
         description="who may take part (node/trust/admission.py): open (anyone with a proof of work on its "
-        "peer id), allowlist (the owner and the peer ids the owner signs), private (holders of the swarm key)",
+        "peer id), allowlist (the owner and the peer ids the owner signs), private (holders of the swarm key; "
+        "`swarm create --private` makes one)",
     )
     pow_bits: int = Field(
         DEFAULT_POW_BITS,

@@ -94,7 +94,7 @@ Models: whatever models/staged.py can cut (the built-in GPTs, hf: / hf-config: m
 its transformers families); this module does not look inside the model: every peer builds it whole from the spec
 and trains its stage (node/stages/trainer.py).
 
-Not here yet (issue 18): measured links for the scheduler (every link is `DEFAULT_LINK`, or the
+Not here yet: measured links for the scheduler (every link is `DEFAULT_LINK`, or the
 lab's), evaluation of the assembled model.
 """
 

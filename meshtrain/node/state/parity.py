@@ -39,8 +39,8 @@ partner; `OuterOptimizer.replicas_identical = False` turns the check off), group
 and a group's members come from different groups the round before, so no two digests need agree;
 the node sets `paused_by` to the collective's say, and the verdict is "unchecked" with its
 reason for as long as rounds are grouped), and a majority that
-is wrong together (every peer trusts the largest group; a colluding majority is the public-swarms
-issue's problem, not this one's).
+is wrong together (every peer trusts the largest group; a colluding majority is admission's and
+verification's problem, not parity's).
 
 Withheld and solo rounds. A round a peer proceeded alone in because the round failed (a
 coordinator refused its join or vanished) leaves a φ known not to be the swarm's: no digest is

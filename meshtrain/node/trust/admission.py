@@ -32,9 +32,9 @@ cost honest peers no memory (crdt/swarm_view.py; counted as `crdt-not-admitted` 
   run time; a larger run lists its peers in the spec.
 - **private**: the libp2p swarm key (pnet): a host without it cannot even connect, so every
   peer that reaches us holds the key and is admitted.
-The owner is always admitted by the rule. **Strikes** come on top of every rule (issue 21,
-node/trust/strikes.py): a peer struck out by the swarm's verified strikes is refused like one that
-fails the rule (`EXCLUDED`), the owner too.
+The owner is always admitted by the rule. **Strikes** come on top of every rule (against
+admitted peers that lie about their updates, node/trust/strikes.py): a peer struck out by the
+swarm's verified strikes is refused like one that fails the rule (`EXCLUDED`), the owner too.
 
 Failures. A peer that fails admission is ignored, not told: its own node sees that it is not
 admitted (`Admission.reason` for its own record) and waits, saying why (`Node`). Only its own
@@ -44,9 +44,9 @@ wrote before stays stored, what it writes after is refused. A peer excluded by s
 stored (it paid for admission; the rule for storage leaves strikes out, as their verdicts may
 differ between peers while they spread, and storage must not split the replicas for long).
 
-Not here: what admission does not prevent (README, "Public swarms": a patient attacker who pays
+Not here: what admission does not prevent (docs/guide.md, "Public swarms": a patient attacker who pays
 for many identities, a majority of colluding admitted peers, lies about work — verifying work is
-issue 21's items 4-5), the swarm key itself (`transport/host.py`).
+screening, loss scoring, spot-checks and strikes), the swarm key itself (`transport/host.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A TEST HOOK: a node that lies, for scripts/bench/bench_adversarial.py and the tests of issue 21.
+"""A TEST HOOK: a node that lies, for scripts/bench/bench_adversarial.py and the verification tests.
 
 Problem. Verifying work (screening, strikes: node/trust/strikes.py) is only believable if it is
 measured against real lying peers — daemons on loopback that run the real stack and send bad

@@ -1,4 +1,4 @@
-"""Loss scoring: does a peer's update lower the loss on the data it was assigned? (issue 21, 4b)
+"""Loss scoring: does a peer's update lower the loss on the data it was assigned?
 
 Problem. Screening (collective/data_phase.py) compares each contribution's norm and direction
 with the group's. An update replayed from an earlier round, or trained on other data than the
@@ -48,7 +48,7 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
   the spec (b is the swarm's, like the thresholds), so older strikes and readers are unchanged.
 
 Measured (scripts/studies/loss_score_separation.py --rounds 9 --batches 1,2,4,8,
-docs/loss_score_separation_issue21.json: gpt-tiny, batch 8, H = 10, one process; 4 honest peers
+docs/bench/loss_score_separation_issue21.json: gpt-tiny, batch 8, H = 10, one process; 4 honest peers
 and one liar per group, every owner's score of every other peer in rounds 2–9; each honest update
 is scored in five liars' groups. "keep": inner AdamW state kept across rounds, as the daemon's,
 seeds 0–5; "fresh": a new AdamW every round, as tests/test_scoring.py, seeds 0–2). Honest: the
@@ -86,7 +86,7 @@ members' φ differ), a tag that is not a plain fragment ("f<p>"), an optimizer w
 tensors are not the fragment's Δ in order (SparseLoCo's sparse payload: sizes differ, checked), a
 peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. If
 scoring falls behind by more than `QUEUE` rounds, rounds are skipped (logged). With error
-feedback (issue 19) what is scored is the compressed accumulator, the update actually applied.
+feedback (SparseLoCo's) what is scored is the compressed accumulator, the update actually applied.
 A spec signed before `score_batches` existed reads as the default (4) on nodes that know the key
 and scores one batch on older ones; their strikes count alike (the rule and its re-check do not
 depend on b).
@@ -104,7 +104,7 @@ lowered it, and two owners flagged it in one round (one batch). Other data that 
 assigned text (scripts/bench/bench_adversarial.py's reversed token order, on gpt-tiny) is flagged by a
 quorum in some rounds only (above: at most 1 in 48 with the daemon's optimizer, at any b), and
 was not excluded within the benchmark's 6 rounds. Nor does specificity separate it
-(scripts/studies/specificity_separation.py, docs/specificity_separation_issue21.json; same simulation,
+(scripts/studies/specificity_separation.py, docs/bench/specificity_separation_issue21.json; same simulation,
 b = 4, seeds 0–2): the statistic s = gain(own batches) − gain(unseen batches of the same steps,
 a held-out peer id's), alone or less the aggregate's, is mostly noise on one part. With the
 daemon's optimizer the median s is 0.0005 for honest updates and 0.0006 for other data (replay

@@ -1,5 +1,5 @@
 """Replay spot-check: does a peer's update match a recomputation of its own first inner steps?
-(issue 21, 4c)
+(Against peers that replay old updates, send none, or skip their work.)
 
 Problem. Screening (collective/data_phase.py) passes an update with an ordinary norm that points
 roughly the right way, and loss scoring (node/trust/scoring.py) asks only whether it fits the last
@@ -69,7 +69,7 @@ as the round's own training, so about half a peer's throughput (every owner reco
 sampled peer, once each); k = H/10 costs a tenth. Memory: a scratch copy of the model (made
 once) and an AdamW state while recomputing; φ per queued round (on the trio thread, a memory
 copy: up to QUEUE + 1 rounds alive). Nothing extra crosses the wire. Measured in
-scripts/bench/bench_adversarial.py (`--spot-check-steps`, docs/bench_adversarial_spotcheck_issue21.json):
+scripts/bench/bench_adversarial.py (`--spot-check-steps`, docs/bench/bench_adversarial_spotcheck_issue21.json):
 one owner's checks of 4 peers on 10 steps of gpt-tiny took 262 ms on one thread (~6.5 ms a
 recomputed step, what a training step costs), 6 % of the benchmark's contended round at H = 50
 and 80 % of that round's own training compute.

@@ -1,4 +1,4 @@
-"""Strikes policy: which screening verdicts count, and which peers they exclude (issue 21, item 4).
+"""Strikes policy: which screening verdicts count, and which peers they exclude.
 
 Problem. In a robust all-reduce each part's owner flags contributions far outside the group
 (collective/data_phase.py: a norm over `spec.screen_norm` x the median or under its inverse, a
