@@ -2,7 +2,7 @@
 all-reduces on its own to its members' exact mean, every update reaches every peer within one
 epoch, a group survives one of its peers being killed, and grouped DiLoCo is FedAvg within each
 group — through every wrapper an outer optimizer may sit on (a multi-GPU peer's local ranks, the
-adversary hook, a pipeline stage's): each keeps the round's grouping visible (issue 35)."""
+adversary hook, a pipeline stage's): each keeps the round's grouping visible."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def two_ranks(col: SwarmCollective) -> tuple[Collective, Collective]:
 
 
 # Every wrapper of a SwarmCollective an outer optimizer may sit on: each must keep the round's
-# grouping visible (`GroupsRounds`), or the consensus term is silently skipped (issue 35).
+# grouping visible (`GroupsRounds`), or the consensus term is silently skipped.
 WRAPPERS = {
     "bare": lambda col: col,
     "local-ranks-fsdp": lambda col: LocalRanks(0, 1, torch.device("cpu"), None, None, "fsdp").collective(col),

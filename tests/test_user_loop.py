@@ -148,7 +148,7 @@ def test_a_grouped_round_through_your_loop_adds_the_consensus_term(tmp_path):
     """Three peers with `group_size` 2: every round runs in groups (of two and of one). The outer
     optimizer built over `meshtrain.Swarm` must see that (`GroupsRounds`, through the swarm to its
     node's `SwarmCollective`) and average φ in the group too (the consensus term, optim/outer.py
-    "Grouped rounds"); a swarm that hid it left the groups' φ to drift apart (issue 35)."""
+    "Grouped rounds"); a swarm that hid it left the groups' φ to drift apart."""
     import threading
 
     spec = meshtrain.SwarmSpec(name="grouped", model="user", optimizer="diloco", H=2, batch_size=4, group_size=2)

@@ -39,8 +39,8 @@ on the critical path. Every receive is posted when the attempt starts, so no sen
 for a matching receive. A peer's reduce-scatter sends, to all owners together, share a few
 slots (`scatter_slots`), taken in stripe order: a slow uplink carrying a dozen transfers at once
 would finish them all only at the end of the time they share, so no stripe would be reduced —
-and nothing would come back down that peer's link — for the first quarter of its upload (issue
-20's bench); a few at a time, its stripes finish in turn and the all-gather overlaps the scatter
+and nothing would come back down that peer's link — for the first quarter of its upload (the WAN
+benchmark, docs/benchmarks.md); a few at a time, its stripes finish in turn and the all-gather overlaps the scatter
 from the start. How few is a matter of the uplink: as many stripes as it sends in
 `config.scatter_horizon` (1 s), at least 2 (the transfers' round trips must hide behind each
 other's data), `config.scatter_window` (4) while the rate is unknown. In the WAN lab (8 peers,

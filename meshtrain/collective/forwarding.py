@@ -12,7 +12,7 @@ optimizer and the `SwarmCollective` that has those capabilities sit wrappers: `m
 peer's ranks), `StageCollective` (pipeline/replica_sync.py, a stage's replica rounds) and
 `AdversarialCollective` (node/adversary.py, a test hook). Each re-declared the methods it knew of,
 and a capability it did not declare was hidden: a grouped round through `meshtrain.Swarm` or a
-multi-GPU peer skipped the consensus term, so the groups' φ drifted apart (issue 35), and
+multi-GPU peer skipped the consensus term, so the groups' φ drifted apart, and
 SparseLoCo through any wrapper proceeded alone every round.
 
 Design. A wrapper subclasses `ForwardingCollective` and says what it wraps: `inner`, an attribute,
