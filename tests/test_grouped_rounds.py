@@ -13,13 +13,13 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 import trio
-from meshtrain.node.adversary import AdversarialCollective
-from meshtrain.node.rank_group import LocalRanks
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.contract import Collective
 from meshtrain.collective.flat import result_digest
 from meshtrain.collective.groups import GroupPlan, epoch_length, round_groups
+from meshtrain.node.ranks.group import LocalRanks
+from meshtrain.node.trust.adversary import AdversarialCollective
 from meshtrain.pipeline.replica_sync import StageCollective
 
 from .conftest import start_peers

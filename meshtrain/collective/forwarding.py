@@ -8,9 +8,9 @@ collective wants to know the optimizer (`WatchesOptimizer`), and SparseLoCo need
 payload as sent (`GathersPayloads`). It asks the one way contract.py
 gives, `isinstance(collective, Capability)` and then the capability's method. Between the
 optimizer and the `SwarmCollective` that has those capabilities sit wrappers: `meshtrain.Swarm`
-(node/user_loop.py, a loop you write), `LocalRanksCollective` (node/rank_group.py, a multi-GPU
+(node/user_loop.py, a loop you write), `LocalRanksCollective` (node/ranks/group.py, a multi-GPU
 peer's ranks), `StageCollective` (pipeline/replica_sync.py, a stage's replica rounds) and
-`AdversarialCollective` (node/adversary.py, a test hook). Each re-declared the methods it knew of,
+`AdversarialCollective` (node/trust/adversary.py, a test hook). Each re-declared the methods it knew of,
 and a capability it did not declare was hidden: a grouped round through `meshtrain.Swarm` or a
 multi-GPU peer skipped the consensus term, so the groups' φ drifted apart, and
 SparseLoCo through any wrapper proceeded alone every round.

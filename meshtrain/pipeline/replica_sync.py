@@ -96,7 +96,7 @@ class StageCollective(ForwardingCollective):
 
     def watch(self, optimizer: object) -> None:
         """Nothing: the optimizer outlives the epochs' runtimes, and may be built while none runs
-        (node/pipeline_peer.py takes its stage before the epoch starts)."""
+        (node/stages/peer.py takes its stage before the epoch starts)."""
 
 
 class StageOuterSync:
