@@ -3,7 +3,7 @@
 layers, no private names imported from another module.
 
 A repo copy of the steering repo's `shared/tools/structure.py` (cycles, private imports; same
-rules, so the two agree), with the layering rule of `shared/ARCHITECTURE.md` added: a layer
+rules, so the two agree), with the layering rule of docs/architecture.md added: a layer
 imports only the layers below it. tests/test_structure.py runs it with the suite, and
 .pre-commit-config.yaml before a commit.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 PACKAGE = "meshtrain"
 
-# The stack (shared/ARCHITECTURE.md, "Layers"): a package may import its own layer and the layers
+# The stack (docs/architecture.md, "Layers"): a package may import its own layer and the layers
 # below it. The modules directly in meshtrain/ (errors, log, lifecycle, ...) are below them all.
 RANK = {"transport": 1, "crdt": 2, "dht": 2, "collective": 3, "optim": 4, "pipeline": 4, "node": 5}
 # Beside the stack: models/ and data/, which import only these, and which only BESIDE_USERS import.

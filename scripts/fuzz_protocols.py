@@ -1,5 +1,5 @@
 """Protocol fuzzer: hostile input from a non-member against a live swarm, on every protocol a node
-serves (issue 14, part 5: "chaos-proof swarms").
+serves (a swarm must survive strangers' bytes, not only their absence).
 
     python scripts/fuzz_protocols.py [--cases 10000] [--seed 0] [--nodes 2]
 
@@ -1581,7 +1581,7 @@ class Oracles:
         for member, crdt, owner, seq in entries:
             if not self.fuzzing:
                 continue
-            # Every kind: since issue 21 a member stores no record of a non-member at all (the
+            # Every kind: since admission rules exist a member stores no record of a non-member at all (the
             # replica's gate, crdt/swarm_view.py) — before, progress and metrics were stored and
             # spread though ignored, a storage DoS by identities minted for free.
             self.effect(

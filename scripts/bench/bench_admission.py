@@ -9,7 +9,7 @@ would â€” fresh Ed25519 identities, one proof each, in pure Python on one core â
 - `mint_one_s`: the time to mint one admitted identity (key pair + proof), the mean of `--trials`
   separate mints (one mint alone is a geometric draw: its time varies several-fold);
 - `mint_many_s`: the time to mint `--identities` of them in a row;
-- `sybil_cost_ratio`: `mint_many_s / mint_one_s` (the issue's measure: 100 identities against
+- `sybil_cost_ratio`: `mint_many_s / mint_one_s` (the target's measure: 100 identities against
   one; it should be close to `--identities`: no discount for numbers);
 - `verify_us`: checking one proof (what every honest peer pays per peer, once; cached after).
 

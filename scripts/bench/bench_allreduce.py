@@ -6,7 +6,7 @@ Measures, in one run:
 - `allreduce_s`: median over `--rounds` timed rounds of the slowest peer's `all_reduce` time
   (after one untimed warm-up round that opens connections);
 - `single_stream_mib_s` (B): our tensor stream between two processes, measured in the same run;
-- `bound_s` = 2(N−1)/N · M / B, the issue's bandwidth-optimal bound, which assumes every peer has
+- `bound_s` = 2(N−1)/N · M / B, the bandwidth-optimal bound, which assumes every peer has
   its own link of bandwidth B. On this machine 8 peers share 2 cores and one stream already keeps
   both busy (one encrypts, one decrypts), so the real floor is all bytes moved by all peers through
   that one stream: `machine_bound_s` = 2(N−1) · M / B. Both ratios are reported;

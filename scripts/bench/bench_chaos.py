@@ -1,5 +1,5 @@
 """Chaos soak: real `meshtrain` node processes under random SIGKILL, restart and SIGSTOP, with
-the swarm's invariants checked while it runs (issue 14, "chaos-proof swarms").
+the swarm's invariants checked while it runs (what docs/guide.md promises under churn).
 
     python scripts/bench/bench_chaos.py [--minutes 10] [--nodes 5] [--seed 0] [--partition auto|off]
                                   [--bootstrap one|all] [--out runs/chaos-...]

@@ -4,7 +4,7 @@ with 4 real peers on loopback.
     python scripts/bench/bench_convergence.py [--quick] [--steps 2000] [--methods a,b] [--seed 0]
         [--png runs/bench_convergence.png]
 
-Every method trains ALGORITHMS.md's testbed — the small character GPT (4 blocks, d 64, ctx 32) on
+Every method trains docs/algorithms.md's testbed — the small character GPT (4 blocks, d 64, ctx 32) on
 the offline corpus (CPython's `pydoc_data.topics`), inner AdamW lr 2e-3, batch 16 per peer, grad
 clip 1.0 — for the same number of inner steps, each peer on its own data (`Corpus.batch(peer=i)`).
 Each peer is a separate process (tests/proc_trainer.py) with its own libp2p host, data plane and
@@ -18,8 +18,8 @@ share 2 cores). Methods:
   streaming    Streaming DiLoCo, H=50, P=2 strided fragments, τ=1, α=0.5, fp4 outer gradients
   noloco       NoLoCo, H=50, one random partner per round, μ 0.5, β = γ = 0.7
   diloco_hb    NoLoCo's outer rule with the whole swarm: heavy-ball DiLoCo, H=50, lr 0.7, μ 0.5 (the
-               identity in ALGORITHMS.md; the baseline the NoLoCo paper and the reference run use)
-  custom       the README's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
+               identity in docs/algorithms.md; the baseline the NoLoCo paper and the reference run use)
+  custom       docs/guide.md's user-written `OuterSGD` (outer SGD without momentum, lr 1), H=25
   sparseloco   SparseLoCo, H=25: chunked top-k (64 of every 4096) of the error-feedback accumulator
                (β 0.9), 2-bit values, 12-bit indices, sparse all-gather, outer SGD lr 1
   streaming_eager  `streaming` with eager updates (arXiv 2502.12996)
@@ -38,12 +38,12 @@ windows. Writes a PNG of held-out loss vs step and prints one JSON object last:
   sparseloco_bytes_ratio diloco_h25 bytes sent per peer / sparseloco's                target >= 50
   streaming_eager_vs_streaming streaming_eager / streaming − 1                        (reported)
 The PNG has two panels: held-out loss against inner steps, and against bytes sent per peer.
-The default is 2000 steps (the issue asks for >= 1000): at 1000 steps DP's lead over DiLoCo has
-not closed yet on this testbed (ALGORITHMS.md: 13% of DP's gain kept at 500 steps, 64% at 1000),
+The default is 2000 steps (the target asks for >= 1000): at 1000 steps DP's lead over DiLoCo has
+not closed yet on this testbed (docs/algorithms.md: 13% of DP's gain kept at 500 steps, 64% at 1000),
 and the whole run takes ~20 minutes on 2 cores.
 `--cosine` decays every method's inner lr to a tenth along a cosine (the NoLoCo reference trains
 with a schedule): with it NoLoCo matches heavy-ball DiLoCo, while at a constant lr it drifts ~2.5%
-behind late in the run — see the closing note of issue 5.
+behind late in the run (docs/benchmarks.md).
 `--quick` (CI): 150 steps, fewer eval batches — checks the machinery, not the targets.
 """
 

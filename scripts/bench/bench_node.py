@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,104 +33,21 @@ from pathlib import Path
 from meshtrain.node.state.checkpoint import CheckpointError, CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1"]
+sys.path.insert(0, str(ROOT))
 
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-
-
-class NodeProc:
-    def __init__(self, data_dir: Path, log: Path, *args: str) -> None:
-        self.dir, self.log = data_dir, log
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(log, "a") as err:
-            self.p = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "meshtrain.node.cli",
-                    "--log-level",
-                    "INFO",
-                    "node",
-                    "start",
-                    "--data-dir",
-                    str(data_dir),
-                    *LOOPBACK,
-                    *args,
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-            )
-
-    def daemon(self, timeout: float = 90) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"node exited early; log {self.log}")
-            try:
-                return json.loads((self.dir / "daemon.json").read_text())
-            except (OSError, ValueError):
-                time.sleep(0.1)
-        raise RuntimeError(f"node did not start; log {self.log}")
-
-    def status(self) -> dict | None:
-        from meshtrain.node.status.client import fetch_status
-
-        try:
-            return fetch_status(self.daemon()["status_url"], timeout=5)
-        except Exception:  # noqa: BLE001 — a node between states; the caller polls again
-            return None
-
-    def wait(self, timeout: float) -> dict | None:
-        try:
-            out, _ = self.p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            return None
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        return json.loads(lines[-1]) if lines and self.p.returncode == 0 else None
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGKILL)
-            self.p.wait()
-
-
-def create(data_dir: Path, *spec: str) -> None:
-    r = cli("swarm", "create", "--data-dir", str(data_dir), *spec)
-    if r.returncode:
-        raise RuntimeError(r.stderr)
-
-
-def wait_for(cond, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(poll)
-    raise RuntimeError(f"timed out waiting for {what}")
+from scripts.bench.harness import Daemon, create_swarm, emit, wait_for  # noqa: E402
 
 
 def phase_restart(work: Path, steps: int) -> dict:
     dirs = [work / f"r{i}" for i in range(4)]
     logs = [work / f"r{i}.log" for i in range(4)]
-    create(dirs[0], "--model", "gpt-small", "--H", "25", "--steps", str(steps), "--eval-every", "25")
+    create_swarm(dirs[0], "--model", "gpt-small", "--H", "25", "--steps", str(steps), "--eval-every", "25")
     nodes = [
-        NodeProc(
-            dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "4", "--checkpoint-every", "2"
-        )
+        Daemon(dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "4", "--checkpoint-every", "2")
     ]
     first = nodes[0].daemon()
     nodes += [
-        NodeProc(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "4", "--checkpoint-every", "2")
+        Daemon(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "4", "--checkpoint-every", "2")
         for i in range(1, 4)
     ]
     for n in nodes:
@@ -149,7 +63,7 @@ def phase_restart(work: Path, steps: int) -> dict:
     saved = CheckpointStore(dirs[3] / "checkpoints").load_latest()
     killed_at = saved.step if saved else None
     time.sleep(1.0)
-    restarted = NodeProc(dirs[3], logs[3])
+    restarted = Daemon(dirs[3], logs[3])
     results = [n.wait(600) for n in nodes[:3]] + [restarted.wait(600)]
     log3 = logs[3].read_text()
     resumed = f"resumed from checkpoint step={killed_at}" in log3
@@ -170,26 +84,26 @@ def phase_restart(work: Path, steps: int) -> dict:
 def phase_join(work: Path, upload_mib: float) -> dict:
     dirs = [work / f"j{i}" for i in range(5)]
     logs = [work / f"j{i}.log" for i in range(5)]
-    create(dirs[0], "--model", "gpt-large", "--H", "2", "--steps", "0", "--batch-size", "1", "--eval-every", "0")
+    create_swarm(dirs[0], "--model", "gpt-large", "--H", "2", "--steps", "0", "--batch-size", "1", "--eval-every", "0")
     limit = ["--donor-upload-mib", str(upload_mib)]
-    donors = [NodeProc(dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "3", *limit)]
+    donors = [Daemon(dirs[0], logs[0], "--swarm", str(dirs[0] / "swarm.json"), "--wait-peers", "3", *limit)]
     first = donors[0].daemon()
-    donors += [NodeProc(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "3", *limit) for i in (1, 2)]
+    donors += [Daemon(dirs[i], logs[i], "--join", first["addrs"][0], "--wait-peers", "3", *limit) for i in (1, 2)]
     for d in donors:
         d.daemon()
     wait_for(lambda: (s := donors[0].status()) and s["training"]["round"] >= 1, 600, "the first round")
     out: dict = {}
     for name, extra in (("join_sync_s", []), ("single_donor_sync_s", ["--max-donors", "1"])):
         i = 3 if name == "join_sync_s" else 4
-        joiner = NodeProc(dirs[i], logs[i], "--join", first["addrs"][0], *extra)
+        joiner = Daemon(dirs[i], logs[i], "--join", first["addrs"][0], *extra)
         st = wait_for(lambda j=joiner: (s := j.status()) and s.get("joined_from") and s, 600, f"{name} joiner")
         out[name] = round(st["joined_from"]["seconds"], 3)
         out[name.replace("_s", "_donors")] = st["joined_from"]["donors"]
         out["state_mib"] = round(st["joined_from"]["bytes"] / 2**20, 1)
-        joiner.p.send_signal(signal.SIGINT)
+        joiner.interrupt()
         joiner.wait(60)
     for d in donors:
-        d.p.send_signal(signal.SIGINT)
+        d.interrupt()
     for d in donors:
         d.wait(60)
     out["join_vs_single"] = round(out["join_sync_s"] / out["single_donor_sync_s"], 3)
@@ -200,10 +114,10 @@ def phase_join(work: Path, upload_mib: float) -> dict:
 def phase_crash(work: Path, kills: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     d, log = work / "crash", work / "crash.log"
-    create(d, "--model", "gpt-small", "--H", "10", "--steps", "0", "--eval-every", "0")
+    create_swarm(d, "--model", "gpt-small", "--H", "10", "--steps", "0", "--eval-every", "0")
     corrupt = 0
     for _ in range(kills):
-        n = NodeProc(d, log, "--checkpoint-every", "0.2")
+        n = Daemon(d, log, "--checkpoint-every", "0.2")
         n.daemon()
         time.sleep(rng.uniform(0.3, 2.0))
         n.kill()
@@ -249,7 +163,7 @@ def main() -> None:
             "join_sync": result["join_vs_single"] <= 0.7,
             "corrupt": result.get("checkpoint_corrupt_count") == 0,
         }
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

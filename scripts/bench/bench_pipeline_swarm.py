@@ -3,7 +3,7 @@
     python scripts/bench/bench_pipeline_swarm.py [--steps N] [--quick] [--activation-codec none|bf16|int8] [--kill-only]
         [--codec-only bf16|int8] [--loss-only] [--daemons 6] [--stages 3] [--model gpt-small|wide|deep]
 
-Sized down from the issue's setting by default. Issue 18 asks for 10 daemons, 5 stages, 3
+Sized down from the full setting by default: 10 daemons, 5 stages, 3
 regions (`--daemons 10 --stages 5`: gpt-small's 4 blocks, one per block stage). This machine has
 2 cores shared with other work, and 10 daemons (each a torch process with its host, DHT and CRDT
 membership) measure CPU contention as much as the daemon. So the default is **6 daemons, 3 stages
@@ -58,7 +58,7 @@ Reported (last stdout line, one JSON object):
   wall time the faster run ended, diloco / every-step − 1 — a pipeline swarm has no peer with
   the whole model to evaluate mid-run, so equal wall time is judged on the training loss;
   `steps_at_equal_wall`: how far each run got by then.
-  `diloco_replicas_loss_gap_equal_wall`: the issue's measure, held-out loss at equal wall time
+  `diloco_replicas_loss_gap_equal_wall`: the target's measure, held-out loss at equal wall time
   (run 2b against the faster run), diloco / every-step − 1; `eval_loss_equal_wall`,
   `equal_wall_steps`.
 - `kill_recovery_s`: from the SIGKILL to the next completed iteration on a survivor;
@@ -126,7 +126,7 @@ LLAMA_D128 = {
     "tie_word_embeddings": False,
 }
 MODELS = {
-    # ALGORITHMS.md's reference model: a stage holds ~0.2 MB of parameters and a microbatch's
+    # docs/algorithms.md's reference model: a stage holds ~0.2 MB of parameters and a microbatch's
     # activations are 65 kB, so the replica sync is a small part of an iteration in this lab
     "gpt-small": BenchModel("gpt-small", 4),
     # Heavier stages: LLaMAs of d 128 (~0.8 MB of fp32 parameters per layer) whose block stages
@@ -637,8 +637,8 @@ def main() -> None:
         metavar="CODEC",
         help="run 1 twice, activation_codec none then CODEC, side by side (the codec keys only)",
     )
-    ap.add_argument("--daemons", type=int, default=N_DAEMONS, help="daemons (the issue's size: 10)")
-    ap.add_argument("--stages", type=int, default=N_STAGES, help="pipeline stages (the issue's size: 5)")
+    ap.add_argument("--daemons", type=int, default=N_DAEMONS, help="daemons (the full size: 10)")
+    ap.add_argument("--stages", type=int, default=N_STAGES, help="pipeline stages (the full size: 5)")
     ap.add_argument("--model", choices=sorted(MODELS), default=MODEL.name, help="the model (module docstring)")
     ap.add_argument(
         "--outer-lr", type=float, help="the spec's outer_lr for the DiLoCo replica sync (default: the spec's)"

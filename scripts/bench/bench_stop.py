@@ -36,64 +36,26 @@ from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.status.client import fetch_status
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1"]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench.harness import Daemon, cli, create_swarm, emit  # noqa: E402
 
 
-def cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
+def timed_cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
+    """`meshtrain <args>` and how long it took, start-up included (what a user waits)."""
     t0 = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    r = cli(*args)
     return time.monotonic() - t0, r
 
 
-def start(data_dir: Path, log: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log, "w") as err:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "meshtrain.node.cli",
-                "--log-level",
-                "INFO",
-                "node",
-                "start",
-                "--data-dir",
-                str(data_dir),
-                *LOOPBACK,
-                *args,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-
-
-def daemon(data_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"node {data_dir} exited at start-up")
-        try:
-            return json.loads((data_dir / "daemon.json").read_text())
-        except (OSError, ValueError):
-            time.sleep(0.1)
-    raise RuntimeError(f"node {data_dir} did not start")
-
-
-def clean_exit(data_dir: Path, proc: subprocess.Popen) -> bool:
-    out, _ = proc.communicate(timeout=120)
-    try:
-        result = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+def clean_exit(node: Daemon) -> bool:
+    result = node.wait(timeout=120)
+    if result is None:
         return False
+    data_dir = node.dir
     ck = CheckpointStore(data_dir / "checkpoints").load_latest()
     return (
-        proc.returncode == 0
-        and bool(result.get("checkpoint"))
+        bool(result.get("checkpoint"))
         and ck is not None
         and ck.step == result["step"]
         and not (data_dir / "daemon.json").exists()
@@ -108,31 +70,16 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="meshtrain-bench-stop-"))
     a, b = tmp / "a", tmp / "b"
-    _, r = cli(
-        "swarm",
-        "create",
-        "--data-dir",
-        str(a),
-        "--model",
-        args.model,
-        "--steps",
-        "0",
-        "--H",
-        "20",
-        "--eval-every",
-        "50",
-    )
-    if r.returncode:
-        raise SystemExit(r.stderr)
-    pa = start(a, tmp / "a.log", "--wait-peers", "2")
-    info = daemon(a, pa)
-    pb = start(b, tmp / "b.log", "--join", info["addrs"][0], "--wait-peers", "2")
-    daemon(b, pb)
+    create_swarm(a, "--model", args.model, "--steps", "0", "--H", "20", "--eval-every", "50")
+    na = Daemon(a, tmp / "a.log", "--wait-peers", "2")
+    info = na.daemon()
+    nb = Daemon(b, tmp / "b.log", "--join", info["addrs"][0], "--wait-peers", "2")
+    nb.daemon()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         deadline = time.monotonic() + 120
         while True:  # both train, and have done at least one round together
-            _, r = cli("node", "status", "--data-dir", str(a), "--json")
+            _, r = timed_cli("node", "status", "--data-dir", str(a), "--json")
             st = json.loads(r.stdout) if r.returncode == 0 else None
             if st and len(st["peers"]) == 2 and st["training"]["round"] >= 1:
                 break
@@ -141,7 +88,7 @@ def main() -> None:
             time.sleep(0.5)
         status_s, http_s, startup_s = [], [], []
         for _ in range(args.repeats):
-            dt, r = cli("node", "status", "--data-dir", str(a))
+            dt, r = timed_cli("node", "status", "--data-dir", str(a))
             if r.returncode:
                 raise SystemExit(r.stderr)
             status_s.append(dt)
@@ -152,32 +99,30 @@ def main() -> None:
             subprocess.run([sys.executable, "-c", "import meshtrain.node.cli"], cwd=ROOT, check=True)
             startup_s.append(time.monotonic() - t0)
         t0 = time.monotonic()
-        stop_s, ra = cli("node", "stop", "--data-dir", str(a))
-        pa.wait(timeout=120)
+        stop_s, ra = timed_cli("node", "stop", "--data-dir", str(a))
+        na.p.wait(timeout=120)
         stop_to_exit_s = time.monotonic() - t0
-        stop_wait_s, rb = cli("node", "stop", "--data-dir", str(b), "--wait")
+        stop_wait_s, rb = timed_cli("node", "stop", "--data-dir", str(b), "--wait")
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    clean = sum([ra.returncode == 0 and clean_exit(a, pa), rb.returncode == 0 and clean_exit(b, pb)])
-    print(
-        json.dumps(
-            {
-                "busy_processes": args.busy,
-                "cores": os.cpu_count(),
-                "model": args.model,
-                "status_s_p50": round(statistics.median(status_s), 3),
-                "status_s_max": round(max(status_s), 3),
-                "status_http_s_p50": round(statistics.median(http_s), 3),
-                "cli_startup_s_p50": round(statistics.median(startup_s), 3),
-                "stop_s": round(stop_s, 3),
-                "stop_to_exit_s": round(stop_to_exit_s, 3),
-                "stop_wait_s": round(stop_wait_s, 3),
-                "clean_exits": clean,
-                "logs": str(tmp),
-            }
-        )
+    clean = sum([ra.returncode == 0 and clean_exit(na), rb.returncode == 0 and clean_exit(nb)])
+    emit(
+        {
+            "busy_processes": args.busy,
+            "cores": os.cpu_count(),
+            "model": args.model,
+            "status_s_p50": round(statistics.median(status_s), 3),
+            "status_s_max": round(max(status_s), 3),
+            "status_http_s_p50": round(statistics.median(http_s), 3),
+            "cli_startup_s_p50": round(statistics.median(startup_s), 3),
+            "stop_s": round(stop_s, 3),
+            "stop_to_exit_s": round(stop_to_exit_s, 3),
+            "stop_wait_s": round(stop_wait_s, 3),
+            "clean_exits": clean,
+            "logs": str(tmp),
+        }
     )
 
 

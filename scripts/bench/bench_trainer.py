@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -66,6 +64,7 @@ from meshtrain.models import GPT, Corpus, GPTConfig  # noqa: E402
 from meshtrain.node.state.checkpoint import CheckpointStore  # noqa: E402
 from meshtrain.node.trainer import Trainer  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
+from scripts.bench.harness import Daemon, emit  # noqa: E402
 
 MODEL, BATCH, CLIP, LR, WD = "gpt-small", 16, 1.0, 2e-3, 0.01
 
@@ -260,12 +259,6 @@ def phase_precision(args: argparse.Namespace) -> dict:
 # -- multi-rank equivalence -----------------------------------------------------------------------
 
 
-def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw
-    )
-
-
 def swarm_phi(
     work: Path, nprocs: tuple[int, int], spec_file: Path, keys: list[Path], H: int, rounds: int, sharding: str = "ddp"
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -276,82 +269,21 @@ def swarm_phi(
     for d, key in zip(dirs, keys, strict=True):
         d.mkdir(parents=True)
         shutil.copy(key, d / "identity.key")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    common = [
-        "--listen",
-        "/ip4/127.0.0.1/tcp/0",
-        "--status-port",
-        "0",
-        "--threads",
-        "1",
-        "--no-nat",
-        "--wait-peers",
-        "2",
-        "--device",
-        "cpu",
-    ]
-    logs = [open(work / f"p{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
-    p0 = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshtrain.node.cli",
-            "--log-level",
-            "INFO",
-            "node",
-            "start",
-            "--data-dir",
-            str(dirs[0]),
-            "--swarm",
-            str(spec_file),
-            "--nproc-per-node",
-            str(nprocs[0]),
-            "--sharding",
-            sharding,
-            *common,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=logs[0],
-        text=True,
+    common = ["--no-nat", "--wait-peers", "2", "--device", "cpu"]
+    first = Daemon(
+        dirs[0],
+        work / "p0.log",
+        "--swarm",
+        str(spec_file),
+        "--nproc-per-node",
+        str(nprocs[0]),
+        "--sharding",
+        sharding,
+        *common,
     )
-    deadline = time.monotonic() + 120
-    while not (dirs[0] / "daemon.json").exists():
-        if time.monotonic() > deadline or p0.poll() is not None:
-            raise RuntimeError(f"peer 0 did not start; see {work / 'p0.log'}")
-        time.sleep(0.1)
-    addr = json.loads((dirs[0] / "daemon.json").read_text())["addrs"][0]
-    p1 = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshtrain.node.cli",
-            "--log-level",
-            "INFO",
-            "node",
-            "start",
-            "--data-dir",
-            str(dirs[1]),
-            "--join",
-            addr,
-            "--nproc-per-node",
-            str(nprocs[1]),
-            *common,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=logs[1],
-        text=True,
-    )
-    results = []
-    for p in (p0, p1):
-        out, _ = p.communicate(timeout=600)
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        results.append(json.loads(lines[-1]) if lines else {"error": p.returncode})
-    for f in logs:
-        f.close()
+    addr = first.daemon()["addrs"][0]
+    second = Daemon(dirs[1], work / "p1.log", "--join", addr, "--nproc-per-node", str(nprocs[1]), *common)
+    results = [n.wait(600) or {"error": n.p.returncode} for n in (first, second)]
     ck = CheckpointStore(dirs[0] / "checkpoints").load_latest()
     if ck is None:
         raise RuntimeError(f"no checkpoint; see {work}")
@@ -416,7 +348,7 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(out), flush=True)
+    emit(out)
 
 
 if __name__ == "__main__":

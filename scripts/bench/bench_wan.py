@@ -1,4 +1,4 @@
-"""Collectives over WAN-shaped links: the WAN lab (scripts/labs/wanlab), root only (issue 20).
+"""Collectives over WAN-shaped links: the WAN lab (scripts/labs/wanlab), root only.
 
     sudo .venv/bin/python scripts/bench/bench_wan.py [--peers 8] [--mb 100] [--rounds 3] [--quick]
         [--congestion cubic|bbr]

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hivemind_anchor import kill_tree  # noqa: E402  (stdlib only)
 
 # A round in which no peer formed a group ("Unable to run All-Reduce": hivemind's matchmaking
-# gave up, once in issue 20's lab) averaged nothing; it is run again, this many times at most.
+# gave up, once in the WAN lab) averaged nothing; it is run again, this many times at most.
 MATCHMAKING_RETRIES = 2
 
 P2P_KWARGS = dict(

@@ -1,4 +1,4 @@
-"""Would a specificity rule catch the peers loss scoring misses? (issue 21, node/trust/scoring.py)
+"""Would a specificity rule catch the peers loss scoring misses? (node/trust/scoring.py)
 
     python scripts/studies/specificity_separation.py [--H 10] [--rounds 9] [--batches 4] [--seeds 0,1,2]
         [--fresh] [--unseen heldout|others] [--raw rows.json]

@@ -127,6 +127,14 @@ class RoundClock:
         self._merges: dict[int, int] = {}  # fragment -> the step it is merged at
 
     @property
+    def H(self) -> int:
+        return self.schedule.H
+
+    @property
+    def delay(self) -> int:
+        return self.schedule.delay
+
+    @property
     def in_flight(self) -> bool:
         return bool(self._merges)
 
