@@ -22,11 +22,12 @@ never averaged.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
 from meshtrain.collective.contract import Collective
-from meshtrain.optim.outer import OuterOptimizer
+from meshtrain.optim.outer import OuterOptimizer, OuterSpec
 
 
 class DiLoCo(OuterOptimizer):
@@ -37,6 +38,14 @@ class DiLoCo(OuterOptimizer):
         OpenDiLoCo; "fp4"/"int4" for 8× fewer bytes).
     fragments, delay, alpha: Streaming DiLoCo's schedule (`StreamingDiLoCo` sets them).
     """
+
+    dense_all_reduce = True  # the mean of every peer's Δ: a robust rule can combine them
+
+    @classmethod
+    def from_spec(
+        cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
+    ) -> Self:
+        return cls(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum, codec=spec.codec)
 
     def __init__(
         self,

@@ -33,12 +33,13 @@ Where we differ from the reference, and why:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
 
 from meshtrain.collective.contract import Collective, ReduceResult
-from meshtrain.optim.outer import OuterOptimizer
+from meshtrain.optim.outer import OuterOptimizer, OuterSpec
 
 _PHI = "phi/"  # key prefix of φ in the exchanged dict (parameter names never contain "/")
 
@@ -76,6 +77,14 @@ class NoLoCo(OuterOptimizer):
     """
 
     replicas_identical = False  # each pair averages with its own partner: φ differs by design
+    ungrouped_reason: ClassVar[str | None] = "it averages with one partner already"
+    not_robust_reason: ClassVar[str | None] = "averages with one partner"
+
+    @classmethod
+    def from_spec(
+        cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
+    ) -> Self:
+        return cls(model, inner, collective, H=spec.H, codec=spec.codec)
 
     def __init__(
         self,

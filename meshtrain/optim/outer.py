@@ -52,6 +52,15 @@ averaging of the models. With outer lr 1 and momentum 0 it is FedAvg within each
 one more all-reduce of half the bytes (fp16) in a grouped round; if it fails, the round keeps Δ̄
 alone. A subclass that overrides `communicate` (SparseLoCo) does without.
 
+Built from a swarm spec. The node builds every outer optimizer a spec names, built-in or a
+`py:` class of the swarm's own, with `Class.from_spec(model, inner, collective, spec)` (node/spec/
+outer.py); the default reads only `spec.H`. What the spec's checks must know of an algorithm —
+its own defaults for spec keys, whether its rounds may run in groups, whether a robust
+aggregation rule can combine its exchange — each class declares as class attributes (the class
+docstring), and node/spec/swarm.py reads them from the built-in classes (`BUILTIN_OPTIMIZERS`,
+optim/__init__.py). `OuterSpec` lists the spec fields the built-in `from_spec`s read: optim/ is
+below node/ and does not import the spec's class.
+
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
 docs/algorithms.md). Until it has done a full H steps of its own it contributes weight 0 to every
@@ -67,9 +76,9 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar, Protocol, Self
 
 import torch
 import trio
@@ -88,7 +97,15 @@ from meshtrain.optim.outer_round import Exchange, OuterRounds, RoundReport
 from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.transport.validate import is_int
 
-__all__ = ["HISTORY_LENGTH", "STATE_FORMAT", "OuterOptimizer", "OuterStateError", "RoundReport", "StaleStateError"]
+__all__ = [
+    "HISTORY_LENGTH",
+    "STATE_FORMAT",
+    "OuterOptimizer",
+    "OuterSpec",
+    "OuterStateError",
+    "RoundReport",
+    "StaleStateError",
+]
 
 log = get_logger(__name__)
 
@@ -105,12 +122,59 @@ class StaleStateError(OuterStateError):
     a transient — fetch a newer state, or try again after the exchange."""
 
 
+class OuterSpec(Protocol):
+    """The fields of a swarm spec (`meshtrain.SwarmSpec`) that the built-in optimizers'
+    `from_spec` read; a spec is passed as it is, not converted."""
+
+    @property
+    def H(self) -> int: ...
+    @property
+    def outer_lr(self) -> float: ...
+    @property
+    def outer_momentum(self) -> float: ...
+    @property
+    def codec(self) -> str: ...
+    @property
+    def fragments(self) -> int: ...
+    @property
+    def delay(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def eager(self) -> bool: ...
+    @property
+    def error_decay(self) -> float: ...
+    @property
+    def sparse_chunk(self) -> int: ...
+    @property
+    def sparse_k(self) -> int: ...
+
+
 class OuterOptimizer(OuterRounds):
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
-    `replicas_identical` (class attribute, default True): every peer holds the same φ after the
+    Class attributes, part of the API for an optimizer of your own (the built-in ones set theirs):
+
+    `replicas_identical` (default True): every peer holds the same φ after the
     same round, which the node checks continuously (node/state/parity.py). An optimizer whose replicas
     differ by design (NoLoCo's pairwise gossip) sets it False.
+
+    What a swarm spec that names the optimizer may say (node/spec/swarm.py reads these of the
+    built-in classes; a spec naming a `py:` class is checked before, and without, its code being
+    loaded — a spec may come from the network — so with the defaults here, whatever the class says):
+    `spec_defaults` (default none): spec keys whose default differs for this optimizer, and their
+        value; a spec that names it and not the key gets the value written in (so it is part of
+        the swarm id). `{"H": 1}`: this optimizer's spec has H = 1 unless it says otherwise.
+    `ungrouped_reason` (default None: rounds may run in groups, `group_size`): why its rounds
+        never run in groups; a spec that sets `group_size` is refused with it.
+    `dense_all_reduce` (default False): its exchange is an all-reduce of dense contributions, so
+        a swarm open to strangers combines them robustly (trimmed_mean) unless the spec says
+        otherwise; False: the mean unless the spec names a rule.
+    `not_robust_reason` (default None: the spec may name a robust rule): why no robust aggregation
+        rule can combine its exchange; a spec whose `aggregation` is not mean is refused with it.
+
+    `from_spec(model, inner, collective, spec)`: how the node builds it from the spec (`OuterSpec`);
+    the default is `cls(model, inner, collective, H=spec.H)`. Define it to read more of the spec.
 
     model: the module trained in place; its trainable parameters (`requires_grad`) are θ.
     inner: the inner torch optimizer over `model`'s parameters, stepped by `step()`; None if the
@@ -124,6 +188,17 @@ class OuterOptimizer(OuterRounds):
     """
 
     replicas_identical = True
+    spec_defaults: ClassVar[Mapping[str, Any]] = {}
+    ungrouped_reason: ClassVar[str | None] = None
+    dense_all_reduce: ClassVar[bool] = False
+    not_robust_reason: ClassVar[str | None] = None
+
+    @classmethod
+    def from_spec(
+        cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
+    ) -> Self:
+        """This optimizer as the swarm's spec configures it (the class docstring)."""
+        return cls(model, inner, collective, H=spec.H)
 
     def __init__(
         self,

@@ -66,7 +66,8 @@ Identity (tests/test_outer_sparseloco.py): with k = C (density 1), no quantisati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
 
 import torch
 import trio
@@ -75,7 +76,7 @@ from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
 from meshtrain.collective.sparse_codec import ChunkedTopK
 from meshtrain.collective.sparse_gather import all_gather
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.outer import OuterOptimizer
+from meshtrain.optim.outer import OuterOptimizer, OuterSpec
 
 log = get_logger(__name__)
 
@@ -99,6 +100,29 @@ class SparseLoCo(OuterOptimizer):
     vector_k, vector_chunk: 1-D tensors (biases, norm gains) keep `vector_k` of every
         `vector_chunk` values (the reference code's "rate_1d"); None: as every other tensor.
     """
+
+    # A spec's outer lr and β are this class's (1.0 and 0.9: the module docstring's sweep), not the
+    # spec fields' defaults (0.7, which DiLoCo's specs keep, and 0.95, which no other optimizer reads).
+    spec_defaults: ClassVar[Mapping[str, Any]] = {"outer_lr": 1.0, "error_decay": 0.9}
+    ungrouped_reason: ClassVar[str | None] = (
+        "its sparse exchange has no consensus term (a dense one would cost 50x its payload)"
+    )
+    not_robust_reason: ClassVar[str | None] = "gathers sparse payloads"
+
+    @classmethod
+    def from_spec(
+        cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
+    ) -> Self:
+        return cls(
+            model,
+            inner,
+            collective,
+            H=spec.H,
+            lr=spec.outer_lr,
+            beta=spec.error_decay,
+            chunk=spec.sparse_chunk,
+            k=spec.sparse_k,
+        )
 
     def __init__(
         self,

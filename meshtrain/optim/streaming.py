@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
 from meshtrain.collective.contract import Collective
 from meshtrain.optim.diloco import DiLoCo
+from meshtrain.optim.outer import OuterSpec
 from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.transport.validate import is_int
 
@@ -105,6 +107,24 @@ class StreamingDiLoCo(DiLoCo):
 
     Training must run inside `async with outer:` when delay > 0 (the exchanges run in its nursery).
     """
+
+    @classmethod
+    def from_spec(
+        cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
+    ) -> Self:
+        return cls(
+            model,
+            inner,
+            collective,
+            H=spec.H,
+            fragments=spec.fragments,
+            delay=spec.delay,
+            alpha=spec.alpha,
+            codec=spec.codec if spec.codec != "none" else "fp4",  # the spec's codec default is none; §2.3's fp4
+            lr=spec.outer_lr,
+            momentum=spec.outer_momentum,
+            eager=spec.eager,
+        )
 
     def __init__(
         self,

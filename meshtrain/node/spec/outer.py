@@ -6,8 +6,10 @@ baseline: an `OuterOptimizer` whose round is every inner step, optim/data_parall
 `meshtrain.OuterOptimizer` subclass of the swarm's own, whose source file's digest the signed
 spec pins (`optimizer_digest`, meshtrain/pyref.py).
 
-A py: class is built with `Class.from_spec(model, inner, collective, spec)` when it defines that
-classmethod (to read more of the spec), else `Class(model, inner, collective, H=spec.H)`.
+Every optimizer, built-in or py:, is built with `Class.from_spec(model, inner, collective, spec)`
+(the built-in names' classes: `meshtrain.optim.BUILTIN_OPTIMIZERS`); `OuterOptimizer.from_spec`,
+which a py: class that does not define its own inherits, is `Class(model, inner, collective,
+H=spec.H)`.
 
 Every peer runs the spec's optimizer, whoever builds it: the daemon's trainer, a
 `Node(outer_factory=...)` hook (it may instrument the algorithm — a subclass — but not swap it),
@@ -26,22 +28,14 @@ import torch
 from meshtrain.collective import Collective
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.swarm import SwarmSpec
-from meshtrain.optim import DataParallel, DiLoCo, NoLoCo, OuterOptimizer, SparseLoCo, StreamingDiLoCo
+from meshtrain.optim import BUILTIN_OPTIMIZERS, OuterOptimizer
 from meshtrain.pyref import PyRef
-
-BUILTIN: dict[str, type[OuterOptimizer]] = {
-    "diloco": DiLoCo,
-    "streaming": StreamingDiLoCo,
-    "noloco": NoLoCo,
-    "sparseloco": SparseLoCo,
-    "dp": DataParallel,
-}
 
 
 def outer_class(spec: SwarmSpec) -> type[OuterOptimizer]:
     """The class the spec names (a py: class is imported)."""
-    if spec.optimizer in BUILTIN:
-        return BUILTIN[spec.optimizer]
+    if spec.optimizer in BUILTIN_OPTIMIZERS:
+        return BUILTIN_OPTIMIZERS[spec.optimizer]
     cls = PyRef.parse(spec.optimizer).load()
     if not (isinstance(cls, type) and issubclass(cls, OuterOptimizer)):
         raise ConfigError(f"optimizer {spec.optimizer}: not a subclass of meshtrain.OuterOptimizer")
@@ -52,46 +46,14 @@ def build_outer(
     spec: SwarmSpec, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective
 ) -> OuterOptimizer:
     """The spec's outer optimizer over `model`, stepping `inner`."""
-    s = spec
-    if s.optimizer == "diloco":
-        return DiLoCo(model, inner, collective, H=s.H, lr=s.outer_lr, momentum=s.outer_momentum, codec=s.codec)
-    if s.optimizer == "streaming":
-        return StreamingDiLoCo(
-            model,
-            inner,
-            collective,
-            H=s.H,
-            fragments=s.fragments,
-            delay=s.delay,
-            alpha=s.alpha,
-            codec=s.codec if s.codec != "none" else "fp4",
-            lr=s.outer_lr,
-            momentum=s.outer_momentum,
-            eager=s.eager,
-        )
-    if s.optimizer == "sparseloco":
-        return SparseLoCo(
-            model, inner, collective, H=s.H, lr=s.outer_lr, beta=s.error_decay, chunk=s.sparse_chunk, k=s.sparse_k
-        )
-    if s.optimizer == "noloco":
-        return NoLoCo(model, inner, collective, H=s.H, codec=s.codec)
-    if s.optimizer == "dp":
-        if inner is None:  # FSDP: the trainer steps the sharded inner optimizer itself
-            raise ConfigError(
-                "optimizer dp steps the inner optimizer with the averaged gradient, which FSDP shards; "
-                "run this peer with --sharding ddp"
-            )
-        # The trainer clips each peer's gradient before the step; the mean is then within the clip.
-        return DataParallel(model, inner, collective, codec=s.codec)
     cls = outer_class(spec)
-    from_spec = getattr(cls, "from_spec", None)
+    if spec.optimizer in BUILTIN_OPTIMIZERS:
+        return cls.from_spec(model, inner, collective, spec)
     try:
-        outer = (
-            from_spec(model, inner, collective, spec) if callable(from_spec) else cls(model, inner, collective, H=s.H)
-        )
+        outer = cls.from_spec(model, inner, collective, spec)
     except TypeError as e:
         raise ConfigError(
-            f"optimizer {s.optimizer}: cannot build it ({e}); a py: optimizer takes "
+            f"optimizer {spec.optimizer}: cannot build it ({e}); a py: optimizer takes "
             f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, spec)"
         ) from None
     check_matches(outer, spec)
@@ -112,7 +74,7 @@ def check_matches(outer: OuterOptimizer, spec: SwarmSpec) -> None:
 
 def check_copy(spec: SwarmSpec) -> None:
     """A py: optimizer's source here must be the one the spec pins."""
-    if spec.optimizer in BUILTIN or not spec.optimizer_digest:
+    if spec.optimizer in BUILTIN_OPTIMIZERS or not spec.optimizer_digest:
         return
     mine = PyRef.parse(spec.optimizer).source_digest()
     if mine != spec.optimizer_digest:

@@ -31,7 +31,8 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, ENV_PREFIX, NodeConfig
-from meshtrain.node.spec.swarm import OPTIMIZER_DEFAULTS, SwarmSpec
+from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.optim import BUILTIN_OPTIMIZERS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = REPO_ROOT / "docs" / "configuration.md"
@@ -94,7 +95,10 @@ def render() -> str:
         "Defaults that depend on the optimizer (a spec that names it and not the key gets this value):",
         "",
     ]
-    for optimizer, keys in OPTIMIZER_DEFAULTS.items():
+    for optimizer, cls in BUILTIN_OPTIMIZERS.items():
+        keys = cls.spec_defaults
+        if not keys:
+            continue
         given = ", ".join(f"`{k} = {v:g}`" if isinstance(v, float) else f"`{k} = {v}`" for k, v in keys.items())
         lines.append(f"- `{optimizer}`: {given}")
     lines += ["", "| key | default | flag | meaning |", "|---|---|---|---|"]

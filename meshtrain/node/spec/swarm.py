@@ -13,10 +13,16 @@ loss on their assigned batches (`score_samples`, `score_ratio`, `score_floor`, `
 node/trust/scoring.py); a diloco swarm may also spot-check sampled peers by recomputing their first inner steps
 (`spot_check_steps`, `spot_check_samples`, `spot_check_margin`, node/trust/spot_check.py; off by default);
 peers flagged in `strikes` rounds within `strikes_window` rounds are excluded (node/trust/strikes.py).
-dp screens nothing unless its spec sets `screen_norm` (see OPTIMIZER_DEFAULTS). Every other swarm
+dp screens nothing unless its spec sets `screen_norm` (its class's `spec_defaults`). Every other swarm
 keeps the mean, and an explicit `aggregation = "mean"` stays. Its `group_size`: how large a swarm's outer rounds get before they run in groups
 (`SwarmSpec.group_plan`, collective/groups.py). `parse_spec` validates an untrusted dict into one
 (a one-line `ConfigError`).
+
+What an optimizer's spec may say — its own defaults for spec keys, whether its rounds may run in
+groups, whether a robust rule can combine its exchange — its class declares (`OuterOptimizer`'s
+docstring; the built-in names' classes are `meshtrain.optim.BUILTIN_OPTIMIZERS`). A spec that names
+a py: optimizer is checked with `OuterOptimizer`'s own values: a spec is parsed (from the network,
+too) before and without loading the code it names.
 
 A pipeline swarm's `stage_cut` (pipeline/cut.py) is part of the contract: every peer cuts the model
 where the spec says. A pipeline cuts a built-in GPT or an hf: / hf-config: model of a family
@@ -42,37 +48,28 @@ from meshtrain.models.sources import PRESETS, parse_model_source
 from meshtrain.models.staged import PIPELINE_MODELS
 from meshtrain.models.tokenizers import check_tokenizer_name
 from meshtrain.node.spec.config import one_line_error
+from meshtrain.optim import BUILTIN_OPTIMIZERS, OuterOptimizer
 from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS
 from meshtrain.pyref import PyRef
 
-OPTIMIZERS = ("diloco", "streaming", "noloco", "sparseloco", "dp")  # built in; or py:<module>:<Class>
+OPTIMIZERS = tuple(BUILTIN_OPTIMIZERS)  # built in; or py:<module>:<Class>
 DEFAULT_POW_BITS = 16  # ~65k hashes: ~0.1 s for one identity in Python, a thousand cost a thousand times that
 MAX_POW_BITS = 32
 MAX_ALLOWLIST = 256  # peer ids in the signed spec (it must fit a swarm advert; more at run time, in the config CRDT)
-# Defaults that differ for one optimizer (its class's defaults): a spec that names that optimizer and
-# not the key gets this value written in. The field defaults stay, so other optimizers' specs — and
-# their swarm ids — are unchanged. SparseLoCo: outer lr 1.0 (not 0.7), β 0.9 (the sweep in
-# optim/sparseloco.py's docstring; the field keeps 0.95, which no other optimizer reads). dp: H 1
-# (gradients are all-reduced every step; check() refuses another H).
-# dp screens nothing unless its spec asks: a single step's gradient of a small batch is too noisy
-# to judge (an honest peer's odd batch has a cosine of about 0 with the others' and 2-4x their
-# norm: flagged in about 1 round in 5 by both other owners at batch 4, and excluded within 30 steps).
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sparseloco": {"outer_lr": 1.0, "error_decay": 0.9},
-    "dp": {"H": 1, "screen_norm": 0.0},
-}
-# Optimizers whose rounds never run in groups (group_size), and why.
-UNGROUPED = {
-    "noloco": "it averages with one partner already",
-    "dp": "its replicas must stay identical every step",
-    "sparseloco": "its sparse exchange has no consensus term (a dense one would cost 50x its payload)",
-}
 # How every all-reduce of the swarm combines the peers' contributions (collective/data_phase.py).
 Aggregation = Literal["mean", "trimmed_mean", "clipped_mean"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
-DENSE_ALL_REDUCE = ("diloco", "streaming", "dp")  # optimizers whose all-reduce a robust rule can combine
+
+
+def declared(optimizer: object) -> type[OuterOptimizer]:
+    """The class whose declarations (`spec_defaults`, `ungrouped_reason`, `dense_all_reduce`,
+    `not_robust_reason`) a spec naming `optimizer` is checked with: a built-in's own, else
+    `OuterOptimizer` — a py: class is not loaded to check a spec (the module docstring)."""
+    if isinstance(optimizer, str) and optimizer in BUILTIN_OPTIMIZERS:
+        return BUILTIN_OPTIMIZERS[optimizer]
+    return OuterOptimizer
 
 
 class SwarmSpec(BaseModel):
@@ -336,9 +333,11 @@ class SwarmSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _defaults_of_the_optimizer(cls, data: Any) -> Any:
-        """An optimizer's own defaults (OPTIMIZER_DEFAULTS) for the keys the spec does not give."""
-        if isinstance(data, dict) and data.get("optimizer") in OPTIMIZER_DEFAULTS:
-            own = OPTIMIZER_DEFAULTS[data["optimizer"]]
+        """An optimizer's own defaults (its class's `spec_defaults`) for the keys the spec does not
+        give. The fields' defaults stay, so other optimizers' specs — and their swarm ids — are
+        unchanged."""
+        if isinstance(data, dict):
+            own = declared(data.get("optimizer")).spec_defaults
             data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
         return data
 
@@ -349,7 +348,8 @@ class SwarmSpec(BaseModel):
         dense contributions combines them robustly (trimmed_mean: a per-coordinate rule that bounds
         a scaled, flipped or noisy update best in scripts/bench/bench_adversarial.py); others: mean."""
         if isinstance(data, dict) and data.get("aggregation") is None:
-            dense = data.get("optimizer", "diloco") in DENSE_ALL_REDUCE and data.get("pipeline", "none") == "none"
+            optimizer = declared(data.get("optimizer", "diloco"))
+            dense = optimizer.dense_all_reduce and data.get("pipeline", "none") == "none"
             robust = dense and data.get("admission", "open") == "open"
             data = {**data, "aggregation": "trimmed_mean" if robust else "mean"}
         return data
@@ -441,12 +441,11 @@ class SwarmSpec(BaseModel):
                     "swarm spec: dp with fp16: loss scaling skips overflowing steps on one peer and not "
                     "another, and the replicas part; use bf16"
                 )
-        if self.aggregation != "mean" and self.optimizer in ("noloco", "sparseloco"):
+        optimizer = declared(self.optimizer)
+        if self.aggregation != "mean" and optimizer.not_robust_reason:
             raise ConfigError(
                 f"swarm spec: aggregation {self.aggregation} needs an all-reduce of dense contributions; "
-                f"{self.optimizer} "
-                + ("averages with one partner" if self.optimizer == "noloco" else "gathers sparse payloads")
-                + ": use aggregation mean"
+                f"{self.optimizer} {optimizer.not_robust_reason}: use aggregation mean"
             )
         if self.screen_norm and self.screen_norm <= 1:
             raise ConfigError(f"swarm spec: screen_norm must be 0 (no screening) or above 1, not {self.screen_norm}")
@@ -471,9 +470,9 @@ class SwarmSpec(BaseModel):
             raise ConfigError(
                 "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"
             )
-        if self.group_size and self.optimizer in UNGROUPED:
+        if self.group_size and optimizer.ungrouped_reason:
             raise ConfigError(
-                f"swarm spec: group_size does not apply to {self.optimizer}: {UNGROUPED[self.optimizer]} "
+                f"swarm spec: group_size does not apply to {self.optimizer}: {optimizer.ungrouped_reason} "
                 "(leave group_size 0)"
             )
         if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
@@ -529,8 +528,8 @@ class SwarmSpec(BaseModel):
     def group_plan(self) -> GroupPlan | None:
         """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the
         one place the spec's `group_size` reaches it. None where rounds are never grouped: the
-        optimizers in `UNGROUPED`, and pipeline swarms (per-stage sync)."""
-        if self.optimizer in UNGROUPED or self.pipeline != "none":
+        optimizers whose class gives an `ungrouped_reason`, and pipeline swarms (per-stage sync)."""
+        if declared(self.optimizer).ungrouped_reason or self.pipeline != "none":
             return None
         return GroupPlan(group_size=self.group_size, seed=self.seed, period=self.H)
 
