@@ -16,9 +16,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from meshtrain.collective import LocalSwarm
+from meshtrain.node.spec.outer import build_outer
 from meshtrain.node.spec.signed import swarm_id_of
-from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.spec.swarm import OPTIMIZERS as SPEC_OPTIMIZERS
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.optim import (
+    BUILTIN_OPTIMIZERS,
+    DataParallel,
+    DiLoCo,
+    NoLoCo,
+    OuterOptimizer,
+    SparseLoCo,
+    StreamingDiLoCo,
+)
+
+from .test_outer_diloco import tiny
 
 FIXTURE = Path(__file__).with_name("spec_by_optimizer.json")
 OWNER = "12D3KooWFixtureOwner"  # the id is a pure function of the spec and this string
@@ -86,6 +101,42 @@ def test_the_fixture_covers_every_case():
 @pytest.mark.parametrize("name", sorted(cases()))
 def test_a_spec_naming_an_optimizer_keeps_its_fields_swarm_id_and_checks(name):
     assert json.loads(json.dumps(described(cases()[name]))) == pinned()[name]
+
+
+def test_the_spec_accepts_exactly_the_registrys_names():
+    assert SPEC_OPTIMIZERS == tuple(BUILTIN_OPTIMIZERS) == ("diloco", "streaming", "noloco", "sparseloco", "dp")
+
+
+def build(**given: Any) -> OuterOptimizer:
+    model = tiny()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return build_outer(parse_spec({"model": "gpt-tiny", **given}), model, inner, LocalSwarm(1).member(0))
+
+
+def test_every_builtin_is_built_by_its_from_spec_with_the_spec_keys_it_reads():
+    diloco = build(optimizer="diloco", H=7, outer_lr=0.5, outer_momentum=0.8, codec="fp16")
+    assert type(diloco) is DiLoCo
+    assert (diloco.H, diloco.lr, diloco.momentum, diloco.codec) == (7, 0.5, 0.8, "fp16")
+    streaming = build(optimizer="streaming", H=8, delay=2, alpha=0.25, eager=True, outer_lr=0.6)
+    assert type(streaming) is StreamingDiLoCo
+    assert (streaming.H, len(streaming.fragments), streaming.schedule.delay, streaming.alpha) == (8, 2, 2, 0.25)
+    assert (streaming.eager, streaming.lr, streaming.codec) == (True, 0.6, "fp4")  # the spec's codec none: fp4
+    assert build(optimizer="streaming", H=8, codec="int8").codec == "int8"
+    noloco = build(optimizer="noloco", H=9, codec="fp16")
+    assert type(noloco) is NoLoCo and (noloco.H, noloco.codec) == (9, "fp16")
+    sparse = build(optimizer="sparseloco", H=6, sparse_k=16, sparse_chunk=1024)
+    assert type(sparse) is SparseLoCo
+    assert (sparse.H, sparse.lr, sparse.error_feedback, sparse.sparse.k, sparse.sparse.chunk) == (6, 1.0, 0.9, 16, 1024)
+    dp = build(optimizer="dp", codec="bf16")
+    assert type(dp) is DataParallel and (dp.H, dp.codec) == (1, "bf16")
+
+
+def test_a_class_without_its_own_from_spec_is_built_with_the_specs_H():
+    class Plain(OuterOptimizer):
+        pass
+
+    outer = Plain.from_spec(tiny(), None, LocalSwarm(1).member(0), SwarmSpec(H=3))
+    assert type(outer) is Plain and outer.H == 3
 
 
 if __name__ == "__main__":
