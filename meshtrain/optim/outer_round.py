@@ -65,9 +65,9 @@ proceeds alone — its own Δ is applied as a group of one — so training never
 download the swarm's state (`join`).
 
 Not here: what a round computes and the state an optimizer keeps (φ, the hooks, error feedback,
-`state_dict`, late joiners: `OuterOptimizer`, outer.py); the schedule's validation and the
-attributes this class reads (`OuterOptimizer.__init__`); which peers are in a round (the
-collective's membership).
+`state_dict`, late joiners: `OuterOptimizer`, outer.py); the schedule's formula and rules
+(`RoundSchedule`, schedule.py); the attributes this class reads (`OuterOptimizer.__init__`);
+which peers are in a round (the collective's membership).
 """
 
 from __future__ import annotations
