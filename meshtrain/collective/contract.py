@@ -21,7 +21,8 @@ re-checks them; a wrapper that changes one thing (a tag prefix, the contribution
 `dataclasses.replace(request, ...)`, which checks again. `average_with` takes the same request
 plus the partner, rather than a request type of its own: its fields are the all-reduce's (NoLoCo
 asks for one or the other with the same request), less the weight, which a pair's unweighted
-mean does not use.
+mean does not use. `GathersPayloads.all_gather` keeps its keywords: its payload travels as sent,
+so a request's codec would be a field it could only refuse.
 
 Capabilities. What some collectives do beyond the contract is a runtime-checkable Protocol of
 its own, below: `GroupsRounds` (a round may run in groups smaller than the swarm),
