@@ -8,6 +8,7 @@ import trio
 
 from meshtrain.collective.contract import RoundRequest
 from meshtrain.collective.local import LocalSwarm
+from meshtrain.node.trust.adversary import AdversarialCollective
 
 X = {"w": torch.ones(3)}
 
@@ -75,3 +76,23 @@ def test_one_request_serves_all_reduce_and_average_with():
         assert torch.equal(out[b.peer_id].tensors["w"], torch.full((2,), 2.0))
 
     trio.run(main)
+
+
+def test_a_wrapper_changes_one_field_of_the_request():
+    """The adversary's hook replaces the contribution (`replace(request, tensors=...)`) and keeps the rest."""
+    swarm = LocalSwarm(2, timeout=5)
+    honest, zeros = swarm.member(0), AdversarialCollective(swarm.member(1), "zeros")
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as n:
+
+            async def reduce(name, col):
+                out[name] = await col.all_reduce(RoundRequest({"w": torch.full((2,), 6.0)}, 4, "f0"))
+
+            n.start_soon(reduce, "honest", honest)
+            n.start_soon(reduce, "zeros", zeros)
+
+    trio.run(main)
+    assert torch.equal(out["honest"].tensors["w"], torch.full((2,), 3.0))
+    assert out["honest"].digest == out["zeros"].digest
