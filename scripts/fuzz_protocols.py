@@ -98,7 +98,7 @@ if str(ROOT) not in sys.path:
 
 import meshtrain  # noqa: E402
 from meshtrain.collective.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC  # noqa: E402
-from meshtrain.collective.contract import CollectiveError  # noqa: E402
+from meshtrain.collective.contract import CollectiveError, RoundRequest  # noqa: E402
 from meshtrain.crdt.anti_entropy import RPC_DIGEST, RPC_PULL  # noqa: E402
 from meshtrain.crdt.entries import EntryScope, SignedEntry, encode_entries, sign_entry  # noqa: E402
 from meshtrain.crdt.gossip import GOSSIP_VERSION, gossip_topic  # noqa: E402
@@ -339,9 +339,10 @@ class Swarm:
         collective = node.trainer.outer.collective
         inner = collective.all_reduce
 
-        async def all_reduce(tensors: Any, *, round_id: int, tag: str = "", **kw: Any) -> Any:
+        async def all_reduce(request: RoundRequest) -> Any:
+            round_id, tag = request.round_id, request.tag
             try:
-                result = await inner(tensors, round_id=round_id, tag=tag, **kw)
+                result = await inner(request)
             except CollectiveError as e:
                 self.rounds.append(RoundSeen(me, round_id, tag, None, str(e), time.monotonic()))
                 raise

@@ -37,6 +37,7 @@ import trio
 import meshtrain.collective.contribution as contribution
 import meshtrain.collective.data_phase as data_phase
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import RoundRequest
 from meshtrain.collective.groups import GroupPlan
 from meshtrain.log import configure
 from meshtrain.transport.host import Host
@@ -144,7 +145,9 @@ async def main(args: argparse.Namespace) -> None:
             t0 = time.monotonic()
             try:
                 with trio.move_on_after(0.05 if armed["on"] and fault == "cancel" else 1e9) as scope:
-                    res = await col.all_reduce(inputs(args.index, r, args.numel), round_id=r, codec=args.codec)
+                    res = await col.all_reduce(
+                        RoundRequest(inputs(args.index, r, args.numel), round_id=r, codec=args.codec)
+                    )
                 if scope.cancelled_caught:
                     say({"round": r, "cancelled": True})
                     continue

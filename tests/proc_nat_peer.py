@@ -172,6 +172,7 @@ class Peer:
 
     async def _allreduce(self, cmd: dict) -> dict:
         from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+        from meshtrain.collective.contract import RoundRequest
 
         assert self.ts is not None
         peers = list(cmd["peers"])
@@ -188,7 +189,7 @@ class Peer:
             self.collective.uplink_mbit = float(cmd["uplink_mbit"])
         mine = payload(cmd["mib"], seed=sorted(peers).index(self.host.peer_id) + 7)
         t0 = time.monotonic()
-        res = await self.collective.all_reduce(mine, round_id=cmd["round"], tag="nat")
+        res = await self.collective.all_reduce(RoundRequest(mine, round_id=cmd["round"], tag="nat"))
         t1 = time.monotonic()
         measured = self.collective.measured_uplink
         return {

@@ -164,13 +164,13 @@ def install_fault(ts: TensorStreams, col: SwarmCollective, step: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return await real_send(peer, tag, tensors, **kw)
 
-    async def all_reduce(tensors, *, round_id, **kw):
-        armed["on"] = round_id == step
-        return await real_ar(tensors, round_id=round_id, **kw)
+    async def all_reduce(request):
+        armed["on"] = request.round_id == step
+        return await real_ar(request)
 
-    async def average_with(partner, tensors, *, round_id, **kw):
-        armed["on"] = round_id == step
-        return await real_pair(partner, tensors, round_id=round_id, **kw)
+    async def average_with(partner, request):
+        armed["on"] = request.round_id == step
+        return await real_pair(partner, request)
 
     ts.send, col.all_reduce, col.average_with = send, all_reduce, average_with
 

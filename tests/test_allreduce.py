@@ -12,7 +12,7 @@ import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
-from meshtrain.collective.contract import CollectiveError
+from meshtrain.collective.contract import CollectiveError, RoundRequest
 from meshtrain.collective.flat import result_digest
 
 from .conftest import spawn, start_peers, start_swarm_processes, stop_processes, tail
@@ -37,7 +37,7 @@ async def run_all(cols, tensors, **kw):
         for i, col in enumerate(cols):
 
             async def one(i=i, col=col):
-                results[i] = await col.all_reduce(tensors[i], **kw)
+                results[i] = await col.all_reduce(RoundRequest(tensors[i], **kw))
 
             nursery.start_soon(one)
     return results
@@ -90,7 +90,7 @@ async def test_weighted_mean_and_zero_weight_peer():
             for i in range(3):
 
                 async def one(i=i):
-                    results[i] = await cols[i].all_reduce(tensors[i], round_id=1, weight=weights[i])
+                    results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=1, weight=weights[i]))
 
                 nursery.start_soon(one)
         assert torch.allclose(results[0].tensors["w"], torch.full((10,), (1 * 1 + 2 * 3) / 4))
@@ -158,9 +158,9 @@ async def test_a_member_cancelled_in_its_data_phase_tells_the_coordinator_it_lea
             async def one(i):
                 if i == victim:
                     with victim_scope:
-                        await cols[i].all_reduce(tensors[i], round_id=3)
+                        await cols[i].all_reduce(RoundRequest(tensors[i], round_id=3))
                     return
-                results[i] = await cols[i].all_reduce(tensors[i], round_id=3)
+                results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=3))
 
             for i in range(4):
                 nursery.start_soon(one, i)
@@ -187,7 +187,7 @@ async def test_peer_joining_after_group_formed_waits_for_next_round():
                             while not {0, 1} <= results.keys():
                                 await trio.sleep(0.05)  # sleep: poll interval
                     try:
-                        results[i] = await cols[i].all_reduce(tensors[i], round_id=7)
+                        results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=7))
                     except CollectiveError as e:
                         results[i] = e
 
@@ -225,7 +225,7 @@ async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_ov
                 for pid, col in cols.items():
 
                     async def one(pid=pid, col=col):
-                        results[pid] = await col.all_reduce(tensors[pid], round_id=3, tag="f0")
+                        results[pid] = await col.all_reduce(RoundRequest(tensors[pid], round_id=3, tag="f0"))
 
                     nursery.start_soon(one)
                 # The split: the unaware peer waits in a round of its own, the other two at the
@@ -254,10 +254,10 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
 
                 async def stale():
                     try:
-                        await cols[0].all_reduce(tensors[0], round_id=10, tag="f0")
+                        await cols[0].all_reduce(RoundRequest(tensors[0], round_id=10, tag="f0"))
                     except CollectiveError as e:
                         results["stale"] = e
-                    results[0] = await cols[0].all_reduce(tensors[0], round_id=20, tag="f0")
+                    results[0] = await cols[0].all_reduce(RoundRequest(tensors[0], round_id=20, tag="f0"))
 
                 nursery.start_soon(stale)
                 while not cols[0].waiting_for():  # the others arrive at round 20 while it waits in round 10
@@ -265,7 +265,7 @@ async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():
                 for i in (1, 2):
 
                     async def one(i=i):
-                        results[i] = await cols[i].all_reduce(tensors[i], round_id=20, tag="f0")
+                        results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=20, tag="f0"))
 
                     nursery.start_soon(one)
         assert "moved past" in str(results["stale"])
@@ -298,7 +298,7 @@ async def test_peer_that_lost_its_connection_to_the_coordinator_does_not_wait_al
 
                     async def one(i=i):
                         try:
-                            out[i] = await cols[i].all_reduce(tensors[i], round_id=round_id, tag="f0")
+                            out[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=round_id, tag="f0"))
                         except CollectiveError as e:
                             out[i] = e
 

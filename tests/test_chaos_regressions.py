@@ -40,7 +40,7 @@ from meshtrain.collective.allreduce import (
     AllReduceConfig,
     SwarmCollective,
 )
-from meshtrain.collective.contract import CollectiveError
+from meshtrain.collective.contract import CollectiveError, RoundRequest
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.state.parity import phi_digest
@@ -92,7 +92,7 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
         tensors = [{"w": torch.full((64,), float(i + 1))} for i in range(2)]
 
         async def member(i):
-            results[i] = await cols[i].all_reduce(tensors[i], round_id=120, tag="f0")
+            results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=120, tag="f0"))
 
         async def meddle():
             await trio.sleep(0.3)  # sleep: meddles some way into the round (either refusal below is right)

@@ -11,6 +11,7 @@ import trio
 
 from meshtrain.collective import join_wait
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import RoundRequest
 from meshtrain.collective.join_wait import await_join_reply
 from meshtrain.collective.protocol import RoundKey
 
@@ -63,7 +64,7 @@ async def test_peers_waiting_at_a_coordinator_excluded_meanwhile_form_the_round_
                 for i in (1, 2):
 
                     async def one(i: int = i) -> None:
-                        results[i] = await cols[i].all_reduce(tensors[i], round_id=7, tag="f0")
+                        results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=7, tag="f0"))
 
                     nursery.start_soon(one)
                 at_lowest = RoundKey(7, "f0", ids[0])

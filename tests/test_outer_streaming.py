@@ -116,9 +116,9 @@ async def test_exchange_overlaps_inner_steps_and_only_the_merge_step_waits():
         def group(self, r):
             return self.inner.group(r)
 
-        async def all_reduce(self, tensors, **kw):
+        async def all_reduce(self, request):
             await trio.sleep(0.3)  # sleep: a slow link's 0.3 s all-reduce (the delay is what is tested)
-            return await self.inner.all_reduce(tensors, **kw)
+            return await self.inner.all_reduce(request)
 
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -8,6 +8,7 @@ import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import RoundRequest
 
 from .conftest import start_peers
 
@@ -27,7 +28,7 @@ async def test_pair_average_is_exact_and_bit_identical():
             for i in range(2):
 
                 async def one(i=i):
-                    res[i] = await cols[i].average_with(peers[1 - i].id, x[i], round_id=3)
+                    res[i] = await cols[i].average_with(peers[1 - i].id, RoundRequest(x[i], round_id=3))
 
                 nursery.start_soon(one)
         assert res[0].digest == res[1].digest
@@ -46,7 +47,7 @@ async def test_pair_average_with_codec_stays_identical():
             for i in range(2):
 
                 async def one(i=i):
-                    res[i] = await cols[i].average_with(peers[1 - i].id, x[i], round_id=1, codec="int4")
+                    res[i] = await cols[i].average_with(peers[1 - i].id, RoundRequest(x[i], round_id=1, codec="int4"))
 
                 nursery.start_soon(one)
         assert res[0].digest == res[1].digest
@@ -58,7 +59,7 @@ async def test_absent_partner_means_proceeding_alone_within_the_deadline():
         peers, cols = await pair_collectives(stack, AllReduceConfig(part_timeout=1.0))
         x = {"w": torch.randn(100)}
         with trio.fail_after(5):
-            res = await cols[0].average_with(peers[1].id, x, round_id=9)
+            res = await cols[0].average_with(peers[1].id, RoundRequest(x, round_id=9))
         assert res.contributors == (peers[0].id,)
         assert torch.equal(res.tensors["w"], x["w"]) and peers[1].id in res.excluded
 
@@ -67,5 +68,5 @@ async def test_no_partner_returns_own_input():
     async with AsyncExitStack() as stack:
         peers, cols = await pair_collectives(stack)
         x = {"w": torch.randn(10)}
-        res = await cols[0].average_with(None, x, round_id=1)
+        res = await cols[0].average_with(None, RoundRequest(x, round_id=1))
         assert res.contributors == (peers[0].id,) and torch.equal(res.tensors["w"], x["w"])

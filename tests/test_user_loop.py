@@ -165,9 +165,9 @@ def test_a_grouped_round_through_your_loop_adds_the_consensus_term(tmp_path):
             col, calls = s.node.collective, seen[s.peer_id]
             real = col.all_reduce
 
-            async def all_reduce(tensors, *, round_id, tag="", _real=real, _calls=calls, _col=col, **kw):
-                _calls.append((round_id, tag, _col.round_is_grouped(round_id)))
-                return await _real(tensors, round_id=round_id, tag=tag, **kw)
+            async def all_reduce(request, _real=real, _calls=calls, _col=col):
+                _calls.append((request.round_id, request.tag, _col.round_is_grouped(request.round_id)))
+                return await _real(request)
 
             col.all_reduce = all_reduce
         models = [_tiny(seed=0) for _ in swarms]

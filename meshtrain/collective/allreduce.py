@@ -81,7 +81,6 @@ limits and `parse`, is protocol.py. The public names
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -90,7 +89,14 @@ import torch
 import trio
 
 from meshtrain.collective.committed import fetch_committed, send_committed
-from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult, RoundScreening, sampled_peers
+from meshtrain.collective.contract import (
+    CollectiveError,
+    GatherResult,
+    ReduceResult,
+    RoundRequest,
+    RoundScreening,
+    sampled_peers,
+)
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
@@ -385,24 +391,15 @@ class SwarmCollective(Service):
         """Round `round_id` will not run here: withdraw its prepared join (prepared.py)."""
         self.prepared.drop(round_id, self._round_tag(round_id, tag))
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        if not math.isfinite(weight) or weight < 0:
-            raise CollectiveError("weight must be finite and >= 0")
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        round_id = request.round_id
         # Flattened and checked in a worker thread while the join goes out (contribution.py).
-        contribution = Contribution(tensors, weight, round_id)
+        contribution = Contribution(request.tensors, request.weight, round_id)
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
-        tag = self._round_tag(round_id, tag)
+        tag = self._round_tag(round_id, request.tag)
         try:
-            return await self._all_reduce(contribution, tag, codec)
+            return await self._all_reduce(contribution, tag, request.codec)
         finally:
             self._waiting = None
             self._position.pop(tag, None)
@@ -636,23 +633,15 @@ class SwarmCollective(Service):
         """Every member's `payload` as sent (`GathersPayloads`): sparse_gather.py over our data plane."""
         return await gather_over_streams(self, payload, round_id=round_id, tag=tag, weight=weight)
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
         return await average_pair(
             self.streams,
             self.peer_id,
             partner,
-            tensors,
-            round_id=round_id,
-            tag=tag,
-            codec=codec,
+            request.tensors,
+            round_id=request.round_id,
+            tag=request.tag,
+            codec=request.codec,
             timeout=self.config.part_timeout,
             min_bandwidth=self.config.min_bandwidth,
         )

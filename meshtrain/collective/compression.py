@@ -3,7 +3,7 @@
 Why: an outer round moves a full pseudo-gradient per peer. Streaming DiLoCo (Douillard et al.
 2025, §3 and Fig. 11) sends outer gradients as FP4 E3M0 and accumulates in fp32 with no loss in
 eval loss, 8x fewer bytes than fp32; our own reference run (docs/algorithms.md) agrees. The collectives
-(`Collective.all_reduce(..., codec=name)`) and the optimizers pick a codec by name from `CODECS`.
+(`RoundRequest(..., codec=name)`, contract.py) and the optimizers pick a codec by name from `CODECS`.
 
 A codec turns one float tensor into a dict of named 1-D tensors ("parts") of fixed dtypes, which
 the data plane sends as is, and back. Everything the decoder needs is in the parts or derivable

@@ -14,6 +14,16 @@ Contract every implementation keeps (the fault-tolerant network one in `allreduc
 - calls are identified by `round_id` (plus an optional `tag`, e.g. a fragment index), so stale
   messages from an earlier round are never mixed into a later one.
 
+The request. A call says what it wants in one `RoundRequest` (the tensors, the round, its tag,
+the codec, our weight): `all_reduce(request)`, `average_with(partner, request)`. The request
+checks its fields once, when it is built (`ValueError` naming the field), so no implementation
+re-checks them; a wrapper that changes one thing (a tag prefix, the contribution) hands on
+`dataclasses.replace(request, ...)`, which checks again. `average_with` takes the same request
+plus the partner, rather than a request type of its own: its fields are the all-reduce's (NoLoCo
+asks for one or the other with the same request), less the weight, which a pair's unweighted
+mean does not use. `GathersPayloads.all_gather` keeps its keywords: its payload travels as sent,
+so a request's codec would be a field it could only refuse.
+
 Capabilities. What some collectives do beyond the contract is a runtime-checkable Protocol of
 its own, below: `GroupsRounds` (a round may run in groups smaller than the swarm),
 `PreparesRounds` (a round's join may be sent ahead), `WatchesOptimizer` (the collective wants to
@@ -49,12 +59,15 @@ mean is the node's.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from meshtrain.collective.compression import CODECS
 from meshtrain.errors import MeshtrainError
+from meshtrain.transport.validate import is_int, is_number
 
 
 class CollectiveError(MeshtrainError):
@@ -124,6 +137,45 @@ class RoundScreening:
     aggregate: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
+@dataclass(frozen=True, eq=False)
+class RoundRequest:
+    """What one call of a collective asks for (module docstring, "The request").
+
+    tensors: our input, by name; the result has the same names, shapes and dtypes. Not copied:
+        the caller must not change them while the call runs.
+    round_id: the round, an int >= 0 that every peer of the round passes alike.
+    tag: tells apart the exchanges of one round (a fragment, a stage, a consensus term); "" if one.
+    codec: how the tensors travel, one of compression.py's `CODECS`.
+    weight: our share of a weighted mean, finite and >= 0; 0 takes part and contributes nothing
+        (a joiner's round). `average_with` does not use it: a pair's mean is unweighted.
+
+    The fields are checked here, once, when the request is built: `ValueError` naming the field.
+    Compared by identity (the tensors have no equality that answers a bool).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    round_id: int
+    tag: str = ""
+    codec: str = "none"
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in self.tensors.items()
+        ):
+            raise ValueError(
+                f"RoundRequest.tensors must be a dict of name -> torch.Tensor, got {type(self.tensors).__name__}"
+            )
+        if not is_int(self.round_id) or self.round_id < 0:
+            raise ValueError(f"RoundRequest.round_id must be an int >= 0, got {self.round_id!r}")
+        if not isinstance(self.tag, str):
+            raise ValueError(f"RoundRequest.tag must be a str, got {self.tag!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"RoundRequest.codec must be one of {', '.join(CODECS)}; got {self.codec!r}")
+        if not is_number(self.weight) or not math.isfinite(self.weight) or self.weight < 0:
+            raise ValueError(f"RoundRequest.weight must be finite and >= 0, got {self.weight!r}")
+
+
 @dataclass(frozen=True)
 class ReduceResult:
     """What a collective call produced."""
@@ -156,28 +208,13 @@ class Collective(Protocol):
     @property
     def peer_id(self) -> str: ...
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        """Weighted mean of `tensors` over the round's group; `weight` 0 contributes nothing."""
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        """Weighted mean of `request.tensors` over the round's group; `weight` 0 contributes nothing."""
         ...
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
-        """Mean with one partner; if the partner is None or gone, the result is our own input."""
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        """Mean of `request.tensors` with one partner's (unweighted); if the partner is None or
+        gone, the result is our own input."""
         ...
 
     def group(self, round_id: int) -> tuple[str, ...]:

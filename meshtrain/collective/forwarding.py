@@ -20,7 +20,8 @@ or a property where the wrapped collective changes (the running node's, the curr
 epoch's), None where this peer has none (a multi-GPU peer's other ranks). The base has every
 method of the contract and of every capability and hands each call to `inner` as it came, so a
 wrapper overrides only what it changes: a tag prefix, the contribution, the in-machine reduce
-around the exchange. A capability `inner` lacks is answered as by a collective without it: the
+around the exchange; one that changes the request hands on `dataclasses.replace(request, ...)`.
+A capability `inner` lacks is answered as by a collective without it: the
 round is not grouped, `prepare` and `unprepare` send nothing, `watch` looks at nothing, and
 `all_gather` raises `CollectiveError`. A new
 capability is added to contract.py and forwarded here once; every wrapper then has it.
@@ -43,6 +44,7 @@ from meshtrain.collective.contract import (
     GroupsRounds,
     PreparesRounds,
     ReduceResult,
+    RoundRequest,
     WatchesOptimizer,
 )
 
@@ -69,27 +71,11 @@ class ForwardingCollective(Collective, GroupsRounds, PreparesRounds, WatchesOpti
     def group(self, round_id: int) -> tuple[str, ...]:
         return self._wrapped().group(round_id)
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        return await self._wrapped().all_reduce(tensors, round_id=round_id, tag=tag, codec=codec, weight=weight)
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        return await self._wrapped().all_reduce(request)
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
-        return await self._wrapped().average_with(partner, tensors, round_id=round_id, tag=tag, codec=codec)
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        return await self._wrapped().average_with(partner, request)
 
     # -- capabilities: `inner`'s, or the answer of a collective without them ----------------------
 

@@ -31,7 +31,7 @@ import torch
 import trio
 
 from meshtrain.collective.compression import Codec, get_codec
-from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult
+from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult, RoundRequest
 from meshtrain.collective.flat import flatten_fp32, part_bounds, result_digest
 
 
@@ -116,11 +116,10 @@ class LocalSwarm:
         r.result = ReduceResult(out, contributors, result_digest(out), 0, 0, dict(r.excluded))
         r.done.set()
 
-    async def _all_reduce(
-        self, me: str, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str, weight: float
-    ) -> ReduceResult:
-        key = (round_id, tag)
-        c = get_codec(codec)
+    async def _all_reduce(self, me: str, request: RoundRequest) -> ReduceResult:
+        tensors, weight = request.tensors, request.weight
+        key = (request.round_id, request.tag)
+        c = get_codec(request.codec)
         r = self._rounds.get(key)
         if r is None:
             r = self._rounds[key] = _Round(frozenset(self.alive), c)
@@ -184,9 +183,8 @@ class LocalSwarm:
 
     # -- pairwise -------------------------------------------------------------------------------
 
-    async def _average_with(
-        self, me: str, partner: str | None, tensors: dict[str, torch.Tensor], round_id: int, tag: str, codec: str
-    ) -> ReduceResult:
+    async def _average_with(self, me: str, partner: str | None, request: RoundRequest) -> ReduceResult:
+        tensors, round_id, tag = request.tensors, request.round_id, request.tag
         if me not in self.alive:
             raise CollectiveError(f"{me} left the swarm")
         alone = ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {})
@@ -198,7 +196,7 @@ class LocalSwarm:
             del self._pairs[old]
         if pair.abandoned or partner not in self.alive:
             return ReduceResult(tensors, (me,), alone.digest, 0, 0, {partner: "partner gone"})
-        c = get_codec(codec)
+        c = get_codec(request.codec)
         pair.arrivals[me] = {k: c.decode(c.encode(v), v.shape, torch.float32) for k, v in tensors.items()}
         if partner in pair.arrivals:
             pair.done.set()
@@ -229,18 +227,8 @@ class LocalCollective:
     def group(self, round_id: int) -> tuple[str, ...]:
         return tuple(sorted(self.swarm.alive | {self._id}))
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        if not weight >= 0:
-            raise CollectiveError("weight must be finite and >= 0")
-        return await self.swarm._all_reduce(self._id, tensors, round_id, tag, codec, weight)
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        return await self.swarm._all_reduce(self._id, request)
 
     async def all_gather(
         self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0
@@ -248,16 +236,8 @@ class LocalCollective:
         """Every member's `payload` as sent (`GathersPayloads`, sparse_gather.py's contract)."""
         return await self.swarm._all_gather(self._id, payload, round_id, tag, weight)
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
-        return await self.swarm._average_with(self._id, partner, tensors, round_id, tag, codec)
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        return await self.swarm._average_with(self._id, partner, request)
 
 
 def _allreduce_bytes(codec: Codec, numel: int, n: int, me: int) -> int:

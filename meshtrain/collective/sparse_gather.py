@@ -53,7 +53,7 @@ import blake3
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, GathersPayloads
+from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, GathersPayloads, RoundRequest
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
@@ -127,11 +127,7 @@ async def gather_over_streams(
         h = _hash10(_payload_bytes(got[p])) if p in got else 0
         vec += [1.0 if p in got else 0.0, float(h), float(h * h)]
     agreed = await collective.all_reduce(
-        {"agree": torch.tensor(vec, dtype=torch.float32)},
-        round_id=round_id,
-        tag=f"{tag}/agree",
-        codec="none",
-        weight=1.0,
+        RoundRequest({"agree": torch.tensor(vec, dtype=torch.float32)}, round_id, f"{tag}/agree")
     )
     m = agreed.tensors["agree"].to(torch.float32)
     if float(m[1]) != float(m[0]) * float(m[0]):

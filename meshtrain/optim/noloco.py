@@ -38,7 +38,7 @@ from typing import ClassVar, Self
 import numpy as np
 import torch
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, ReduceResult, RoundRequest
 from meshtrain.optim.outer import OuterOptimizer, OuterSpec
 
 _PHI = "phi/"  # key prefix of φ in the exchanged dict (parameter names never contain "/")
@@ -117,11 +117,12 @@ class NoLoCo(OuterOptimizer):
     async def communicate(
         self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
     ) -> ReduceResult:
+        request = RoundRequest(tensors, round_id, tag, self.codec)
         if self.group == "all":
-            return await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec)
+            return await self.collective.all_reduce(request)
         me = self.collective.peer_id
         partner = noloco_partner(round_id, self.collective.group(round_id), me)
-        return await self.collective.average_with(partner, tensors, round_id=round_id, tag=tag, codec=self.codec)
+        return await self.collective.average_with(partner, request)
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         # result[n] = mean(φ − θ) = −Δ̄ exactly (negation commutes with the fp mean).

@@ -89,6 +89,7 @@ from meshtrain.collective.contract import (
     GroupsRounds,
     PreparesRounds,
     ReduceResult,
+    RoundRequest,
     WatchesOptimizer,
 )
 from meshtrain.errors import MeshtrainError
@@ -296,7 +297,7 @@ class OuterOptimizer(OuterRounds):
         """Average `tensors` with the other peers: by default an all-reduce over the round's group
         (in a grouped round, with the consensus term: module docstring, "Grouped rounds").
         Runs on the trio side; must not touch the model (training may be running)."""
-        result = await self.collective.all_reduce(tensors, round_id=round_id, tag=tag, codec=self.codec, weight=weight)
+        result = await self.collective.all_reduce(RoundRequest(tensors, round_id, tag, self.codec, weight))
         if isinstance(self.collective, GroupsRounds) and self.collective.round_is_grouped(round_id):
             result = await self.with_group_consensus(result, round_id=round_id, tag=tag)
         return result
@@ -325,7 +326,7 @@ class OuterOptimizer(OuterRounds):
         names = list(result.tensors)
         phi = {n: self.outer_params[n] for n in names}
         try:
-            mean = await self.collective.all_reduce(phi, round_id=round_id, tag=f"{tag}.phi", codec="fp16")
+            mean = await self.collective.all_reduce(RoundRequest(phi, round_id, f"{tag}.phi", "fp16"))
         except CollectiveError as e:
             log.info(kv("grouped round without the consensus term", round=round_id, error=str(e)[:200]))
             return result

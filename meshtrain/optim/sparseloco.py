@@ -72,7 +72,7 @@ from typing import Any, ClassVar, Self
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
+from meshtrain.collective.contract import Collective, GatherResult, ReduceResult, RoundRequest
 from meshtrain.collective.sparse_codec import ChunkedTopK
 from meshtrain.collective.sparse_gather import all_gather
 from meshtrain.log import get_logger, kv
@@ -189,13 +189,11 @@ class SparseLoCo(OuterOptimizer):
         if mode == "allreduce":
             dense = await trio.to_thread.run_sync(self._decode_payload, tensors, names)
             if self.aggregate == "mean":
-                return await self.collective.all_reduce(dense, round_id=round_id, tag=tag, codec="none", weight=weight)
+                return await self.collective.all_reduce(RoundRequest(dense, round_id, tag, weight=weight))
             # index_mean densely: the weighted means of the values and of "this peer sent index i";
             # their ratio is Σ w·v / Σ_{senders of i} w (bit-identical across peers, not to the gather).
             sent = {_MASK + n: (v != 0).to(torch.float32) for n, v in dense.items()}
-            r = await self.collective.all_reduce(
-                {**dense, **sent}, round_id=round_id, tag=tag, codec="none", weight=weight
-            )
+            r = await self.collective.all_reduce(RoundRequest({**dense, **sent}, round_id, tag, weight=weight))
             mean = {
                 n: torch.where(r.tensors[_MASK + n] > 0, r.tensors[n] / r.tensors[_MASK + n].clamp_min(1e-30), 0.0)
                 for n in names

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError
+from meshtrain.collective.contract import Collective, CollectiveError, RoundRequest
 from meshtrain.log import get_logger, kv
 from meshtrain.models.gpt import ModelInputError
 from meshtrain.pipeline.hop import DONE_RPC, Hop, sender_of, shape_of
@@ -416,7 +416,7 @@ class IterationWorker:
         if self.sync_gradients and len(self.replica_group) > 1:
             tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
             try:
-                res = await self.collective.all_reduce(tensors, round_id=st.it, tag=f"{self.run.run}/s{self.stage}")
+                res = await self.collective.all_reduce(RoundRequest(tensors, st.it, f"{self.run.run}/s{self.stage}"))
                 total = [res.tensors[f"g{i}"] for i in range(len(total))]
                 n = res.tensors["count"]
                 await self.account_sync(res.bytes_sent)

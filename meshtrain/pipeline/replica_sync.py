@@ -34,11 +34,12 @@ Not here: which peers hold which stage (placement.py), downloading a stage's sta
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
-from meshtrain.collective.contract import Collective, GatherResult, ReduceResult
+from meshtrain.collective.contract import Collective, GatherResult, ReduceResult, RoundRequest
 from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError
 from meshtrain.optim import DiLoCo, NoLoCo, OuterOptimizer
@@ -61,27 +62,11 @@ class StageCollective(ForwardingCollective):
     def inner(self) -> Collective:  # type: ignore[override]  # read where the call is made
         return self.current()
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
-        return await super().all_reduce(tensors, round_id=round_id, tag=self.prefix + tag, codec=codec, weight=weight)
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        return await super().all_reduce(replace(request, tag=self.prefix + request.tag))
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
-        return await super().average_with(partner, tensors, round_id=round_id, tag=self.prefix + tag, codec=codec)
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        return await super().average_with(partner, replace(request, tag=self.prefix + request.tag))
 
     async def all_gather(
         self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0

@@ -43,6 +43,7 @@ async def _worker(args) -> None:
     import trio
 
     from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+    from meshtrain.collective.contract import RoundRequest
     from meshtrain.log import configure
     from meshtrain.transport.host import Host
     from meshtrain.transport.identity import Identity
@@ -86,7 +87,7 @@ async def _worker(args) -> None:
             armed["on"] = victim and r == args.rounds + 1
             t0 = time.perf_counter()
             try:
-                res = await col.all_reduce(tensors, round_id=r)
+                res = await col.all_reduce(RoundRequest(tensors, round_id=r))
                 _say(
                     {
                         "round": r,

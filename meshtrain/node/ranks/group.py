@@ -10,6 +10,7 @@ imports neither (their types appear here as `Any`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import trio
 
-from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, ReduceResult
+from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, ReduceResult, RoundRequest
 from meshtrain.collective.flat import flatten_fp32, unflatten
 from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.errors import ConfigError, MeshtrainError
@@ -224,44 +225,23 @@ class LocalRanksCollective(ForwardingCollective):
             raise CollectiveError("a sparse all-gather (SparseLoCo) does not run across local ranks under DDP")
         return await super().all_gather(payload, round_id=round_id, tag=tag, weight=weight)
 
-    async def all_reduce(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-        weight: float = 1.0,
-    ) -> ReduceResult:
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
         swarm = self.inner
         return await self._round(
-            tensors,
-            round_id,
-            None
-            if swarm is None
-            else lambda t: swarm.all_reduce(t, round_id=round_id, tag=tag, codec=codec, weight=weight),
+            request,
+            None if swarm is None else lambda t: swarm.all_reduce(replace(request, tensors=t)),
         )
 
-    async def average_with(
-        self,
-        partner: str | None,
-        tensors: dict[str, torch.Tensor],
-        *,
-        round_id: int,
-        tag: str = "",
-        codec: str = "none",
-    ) -> ReduceResult:
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
         swarm = self.inner
         return await self._round(
-            tensors,
-            round_id,
-            None
-            if swarm is None
-            else lambda t: swarm.average_with(partner, t, round_id=round_id, tag=tag, codec=codec),
+            request,
+            None if swarm is None else lambda t: swarm.average_with(partner, replace(request, tensors=t)),
         )
 
-    async def _round(self, tensors: dict[str, torch.Tensor], round_id: int, exchange: Any) -> ReduceResult:
-        local = self.local
+    async def _round(self, request: RoundRequest, exchange: Any) -> ReduceResult:
+        """`exchange(tensors)`, the swarm's call with the machine's tensors (rank 0 only)."""
+        tensors, round_id, local = request.tensors, request.round_id, self.local
         if local.sharding == "fsdp":  # only rank 0 has an outer optimizer; its Δ is the machine's
             return await exchange(tensors)
         flat = flatten_fp32(tensors)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
-from meshtrain.collective.contract import Collective, ReduceResult
+from meshtrain.collective.contract import Collective, ReduceResult, RoundRequest
 from meshtrain.collective.forwarding import ForwardingCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.errors import ConfigError
@@ -86,11 +87,11 @@ class AdversarialCollective(ForwardingCollective):
         self.inner, self.mode = inner, mode
         self._first: dict[str, dict[str, torch.Tensor]] = {}  # replay: per tag, the first update sent
 
-    async def average_with(self, partner: str | None, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
-        return await super().average_with(partner, self.corrupt(tensors, kw.get("tag", "")), **kw)
+    async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        return await super().average_with(partner, replace(request, tensors=self.corrupt(request.tensors, request.tag)))
 
-    async def all_reduce(self, tensors: dict[str, torch.Tensor], **kw) -> ReduceResult:  # noqa: ANN003
-        return await super().all_reduce(self.corrupt(tensors, kw.get("tag", "")), **kw)
+    async def all_reduce(self, request: RoundRequest) -> ReduceResult:
+        return await super().all_reduce(replace(request, tensors=self.corrupt(request.tensors, request.tag)))
 
     def corrupt(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
         if self.mode == "signflip10":
