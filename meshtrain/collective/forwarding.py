@@ -49,8 +49,11 @@ from meshtrain.collective.contract import (
 )
 
 
-class ForwardingCollective(Collective, GroupsRounds, PreparesRounds, WatchesOptimizer, GathersPayloads):
-    """Every call of the contract and its capabilities, handed to `inner` (module docstring).
+class ForwardingCollective:
+    """Every call of the contract and its capabilities, handed to `inner` (module docstring). It
+    names no Protocol as a base: the contract and the capabilities are runtime-checkable Protocols,
+    met by structure (`isinstance` sees them all), and mypy checks the fit wherever a wrapper is
+    passed as a `Collective`.
 
     inner: the wrapped collective — set it in `__init__`, or define it as a property; None where
         this peer has none (then the contract's own calls must be overridden).
