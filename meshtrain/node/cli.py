@@ -523,8 +523,7 @@ def _write_swarm_key(data_dir: Path) -> Path:
 
     path = data_dir / SWARM_KEY_FILE
     data_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, (secrets.token_hex(32) + "\n").encode())
-    os.chmod(path, 0o600)
+    write_atomic(path, (secrets.token_hex(32) + "\n").encode(), mode=0o600)
     return path
 
 

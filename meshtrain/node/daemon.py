@@ -495,8 +495,7 @@ class Node:
 
     async def _start_status(self, stack: AsyncExitStack) -> None:
         token = secrets.token_hex(16)
-        write_atomic(self.data_dir / TOKEN_FILE, token.encode())
-        os.chmod(self.data_dir / TOKEN_FILE, 0o600)
+        write_atomic(self.data_dir / TOKEN_FILE, token.encode(), mode=0o600)
         trio_token = trio.lowlevel.current_trio_token()
 
         def accept_stop() -> None:

@@ -24,6 +24,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from meshtrain.durable import write_atomic
 from meshtrain.errors import MeshtrainError
 
 KEY_FILE_NAME = "identity.key"
@@ -82,16 +83,8 @@ class Identity:
         return cls.from_seed(raw[len(_MAGIC) :])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the seed atomically with mode 0600 (temp file, fsync, rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, _MAGIC + self.seed)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        """Write the seed atomically with mode 0600 (`write_atomic`: temp file, fsync, rename)."""
+        write_atomic(Path(path), _MAGIC + self.seed, mode=0o600)
 
     @property
     def seed(self) -> bytes:
