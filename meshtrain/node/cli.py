@@ -169,6 +169,32 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    """`demo`'s flags; `--optimizer` and `--replica-sync` offer what the optimizer map and the spec
+    model allow (node/demo.py `DEMO_OPTIMIZERS`), whose imports (torch, pydantic) only `demo` pays."""
+    from meshtrain.node.demo import DEMO_OPTIMIZERS
+    from meshtrain.node.spec.swarm import SwarmSpec
+
+    p.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
+    p.add_argument(
+        "--optimizer", choices=DEMO_OPTIMIZERS, default="diloco", help="the outer optimizer (default diloco)"
+    )
+    p.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
+    p.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
+    p.add_argument("--quick", action="store_true", help="a short run (CI)")
+    p.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    p.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
+    p.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
+    p.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
+    p.add_argument(
+        "--replica-sync",
+        choices=typing.get_args(SwarmSpec.model_fields["replica_sync"].annotation),
+        default="every-step",
+        help="--pipeline: how a stage's replicas agree (default every-step)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="meshtrain", description="Train one PyTorch model together with strangers' machines, peer to peer."
@@ -230,23 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     allow.add_argument("--url", help="the owner node's status URL instead of looking it up in the data dir")
 
-    demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
-    demo.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
-    demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco", "sparseloco"], default="diloco")
-    demo.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
-    demo.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
-    demo.add_argument("--quick", action="store_true", help="a short run (CI)")
-    demo.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
-    demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
-    demo.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
-    demo.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
-    demo.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
-    demo.add_argument(
-        "--replica-sync",
-        choices=["every-step", "diloco", "noloco"],
-        default="every-step",
-        help="--pipeline: how a stage's replicas agree (default every-step)",
-    )
+    sub.add_parser("demo", help="run a local swarm on this machine and show it training", more_args=_demo_flags)
 
     export = sub.add_parser(
         "export",
