@@ -88,61 +88,6 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _node_start_flags(p: argparse.ArgumentParser) -> None:
-    _node_flags(p)
-    p.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
-    p.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
-
-
-def _flagged_fields() -> dict[str, FieldInfo]:
-    """The `NodeConfig` fields that are flags, by name."""
-    from meshtrain.node.spec.config import NodeConfig
-
-    return {
-        name: info
-        for name, info in NodeConfig.model_fields.items()
-        if not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("flag") is False)
-    }
-
-
-def _config_flag(p: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
-    """`--<field-name>` for one `NodeConfig` field; its help is the field's description.
-
-    A boolean that defaults to true is `--no-<name>` ("do not <description>": such a field is
-    described by what it does), one that defaults to false a plain switch; a list is repeatable
-    (`append`); a `Literal` gives the choices; int, float and Path are parsed as such, so a bad
-    value is argparse's one-line error before any config is read."""
-    flag = name.replace("_", "-")
-    text = (info.description or name).replace("%", "%%")  # argparse formats help with %
-    kind = info.annotation
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`: None is the default
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
-    if kind is bool:
-        if info.default is True:
-            p.add_argument(f"--no-{flag}", dest=name, action="store_false", default=None, help=f"do not {text}")
-        else:
-            p.add_argument(f"--{flag}", dest=name, action="store_true", default=None, help=text)
-        return
-    default = info.get_default(call_default_factory=True)
-    notes = []
-    options: dict[str, Any] = {}
-    if typing.get_origin(kind) is list:
-        options["action"] = "append"
-        kind = typing.get_args(kind)[0]
-        notes.append("repeatable")
-        default = ", ".join(default)
-    if typing.get_origin(kind) is typing.Literal:
-        options["choices"] = typing.get_args(kind)
-    elif kind in (int, float, Path):
-        options["type"] = kind
-    elif kind is not str:
-        raise TypeError(f"NodeConfig.{name}: no flag for a {kind} (mark the field flag: False, or parse it here)")
-    if default not in (None, "") and not isinstance(default, Path):  # a path's default depends on the user
-        notes.append(f"default {default:g}" if isinstance(default, float) else f"default {default}")
-    more = f" ({'; '.join(notes)})" if notes else ""
-    p.add_argument(f"--{flag}", dest=name, default=None, help=f"{text}{more}", **options)
-
-
 def _spec_flags(p: argparse.ArgumentParser) -> None:
     from meshtrain.node.spec.swarm import SwarmSpec
 
@@ -167,32 +112,6 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{info.description or name} (default {info.default})",
         )
-
-
-def _demo_flags(p: argparse.ArgumentParser) -> None:
-    """`demo`'s flags; `--optimizer` and `--replica-sync` offer what the optimizer map and the spec
-    model allow (node/demo.py `DEMO_OPTIMIZERS`), whose imports (torch, pydantic) only `demo` pays."""
-    from meshtrain.node.demo import DEMO_OPTIMIZERS
-    from meshtrain.node.spec.swarm import SwarmSpec
-
-    p.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
-    p.add_argument(
-        "--optimizer", choices=DEMO_OPTIMIZERS, default="diloco", help="the outer optimizer (default diloco)"
-    )
-    p.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
-    p.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
-    p.add_argument("--quick", action="store_true", help="a short run (CI)")
-    p.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
-    p.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
-    p.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
-    p.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
-    p.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
-    p.add_argument(
-        "--replica-sync",
-        choices=typing.get_args(SwarmSpec.model_fields["replica_sync"].annotation),
-        default="every-step",
-        help="--pipeline: how a stage's replicas agree (default every-step)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,12 +196,94 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _node_start_flags(p: argparse.ArgumentParser) -> None:
+    """`node start`'s flags: the node's (`_node_flags`), and where its swarm spec comes from."""
+    _node_flags(p)
+    p.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
+    p.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
+
+
+def _flagged_fields() -> dict[str, FieldInfo]:
+    """The `NodeConfig` fields that are flags, by name."""
+    from meshtrain.node.spec.config import NodeConfig
+
+    return {
+        name: info
+        for name, info in NodeConfig.model_fields.items()
+        if not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("flag") is False)
+    }
+
+
+def _config_flag(p: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+    """`--<field-name>` for one `NodeConfig` field; its help is the field's description.
+
+    A boolean that defaults to true is `--no-<name>` ("do not <description>": such a field is
+    described by what it does), one that defaults to false a plain switch; a list is repeatable
+    (`append`); a `Literal` gives the choices; int, float and Path are parsed as such, so a bad
+    value is argparse's one-line error before any config is read."""
+    flag = name.replace("_", "-")
+    text = (info.description or name).replace("%", "%%")  # argparse formats help with %
+    kind = info.annotation
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`: None is the default
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind is bool:
+        if info.default is True:
+            p.add_argument(f"--no-{flag}", dest=name, action="store_false", default=None, help=f"do not {text}")
+        else:
+            p.add_argument(f"--{flag}", dest=name, action="store_true", default=None, help=text)
+        return
+    default = info.get_default(call_default_factory=True)
+    notes = []
+    options: dict[str, Any] = {}
+    if typing.get_origin(kind) is list:
+        options["action"] = "append"
+        kind = typing.get_args(kind)[0]
+        notes.append("repeatable")
+        default = ", ".join(default)
+    if typing.get_origin(kind) is typing.Literal:
+        options["choices"] = typing.get_args(kind)
+    elif kind in (int, float, Path):
+        options["type"] = kind
+    elif kind is not str:
+        raise TypeError(f"NodeConfig.{name}: no flag for a {kind} (mark the field flag: False, or parse it here)")
+    if default not in (None, "") and not isinstance(default, Path):  # a path's default depends on the user
+        notes.append(f"default {default:g}" if isinstance(default, float) else f"default {default}")
+    more = f" ({'; '.join(notes)})" if notes else ""
+    p.add_argument(f"--{flag}", dest=name, default=None, help=f"{text}{more}", **options)
+
+
 def node_config_of(args: argparse.Namespace) -> NodeConfig:
     """The `NodeConfig` of `node start` / `swarm join`: `load_node_config`'s layers (defaults,
     node.toml, `--config`, the environment) under the flags given (`_node_flags`)."""
     from meshtrain.node.spec.config import load_node_config
 
     return load_node_config(args.config, overrides={name: getattr(args, name) for name in _flagged_fields()})
+
+
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    """`demo`'s flags; `--optimizer` and `--replica-sync` offer what the optimizer map and the spec
+    model allow (node/demo.py `DEMO_OPTIMIZERS`), whose imports (torch, pydantic) only `demo` pays."""
+    from meshtrain.node.demo import DEMO_OPTIMIZERS
+    from meshtrain.node.spec.swarm import SwarmSpec
+
+    p.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
+    p.add_argument(
+        "--optimizer", choices=DEMO_OPTIMIZERS, default="diloco", help="the outer optimizer (default diloco)"
+    )
+    p.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
+    p.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
+    p.add_argument("--quick", action="store_true", help="a short run (CI)")
+    p.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    p.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
+    p.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
+    p.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
+    p.add_argument(
+        "--replica-sync",
+        choices=typing.get_args(SwarmSpec.model_fields["replica_sync"].annotation),
+        default="every-step",
+        help="--pipeline: how a stage's replicas agree (default every-step)",
+    )
 
 
 def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | None) -> int:
