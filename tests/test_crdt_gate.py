@@ -8,7 +8,8 @@ before its membership record still ends with its progress stored everywhere: the
 is parked and merged again once its owner's membership record is taken, and anti-entropy
 (digest-based) offers it again at every exchange in any case.
 
-Real py-libp2p hosts on loopback, plus one property test of the merge rule without a network.
+Real py-libp2p hosts on loopback, plus the merge rule without a network (a property test, and
+`Replica.install_gate` with its park reasons).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import random
 from contextlib import AsyncExitStack
 from types import SimpleNamespace
 
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshtrain.crdt import Replica, ReplicaConfig, SwarmView, swarm_specs
+from meshtrain.crdt import CrdtError, Replica, ReplicaConfig, SwarmView, swarm_specs
 from meshtrain.crdt.entries import SignedEntry, encode_entries
 from meshtrain.crdt.swarm_view import (
     MEMBERSHIP,
@@ -56,7 +58,11 @@ def signed(identity: Identity, crdt: str, record: list) -> SignedEntry:
 
 
 def owners(view: SwarmView, crdt: str) -> set[str]:
-    return {e.owner for e in view.replica.crdt(crdt).entries()}
+    return owners_of(view.replica, crdt)
+
+
+def owners_of(replica: Replica, crdt: str) -> set[str]:
+    return {e.owner for e in replica.crdt(crdt).entries()}
 
 
 async def test_a_non_members_records_are_neither_stored_nor_forwarded():
@@ -233,3 +239,31 @@ def test_a_parked_entry_refused_again_is_counted_once():
     assert stranger not in {e.owner for e in replica.crdt(PROGRESS).entries()}
     assert replica.stats.entries_refused == 1
     assert replica.stats.refusals_by_reason == {REFUSED_NOT_A_MEMBER: 1}
+
+
+def test_a_refusal_for_a_park_reason_is_taken_once_another_entry_lets_it_through():
+    """`Replica.install_gate(gate, park_reasons=...)`: a refusal for a park reason is merged again
+    after the next accepted entry; one for another reason waits for anti-entropy to offer it."""
+    host = SimpleNamespace(identity=LOCAL, peer_id=LOCAL.peer_id_str)
+    replica = Replica(host, SWARM, swarm_specs(LOCAL.peer_id_str))  # type: ignore[arg-type]
+    waiting, admitted = IDENTITIES[0], set()
+    stranger = IDENTITIES[1]
+
+    def gate(name: str, entry: SignedEntry) -> str | None:
+        if name == MEMBERSHIP or entry.owner in admitted:
+            return None
+        return "not-yet" if entry.owner == waiting.peer_id_str else "never"
+
+    replica.install_gate(gate, park_reasons={"not-yet"})
+    progress = {
+        who: LWWRegister(SWARM, PROGRESS).set(who, {"step": 3, "samples": 3, "round": 0}, timestamp=3)
+        for who in (waiting, stranger)
+    }
+    for entry in progress.values():
+        assert replica.merge_entries(PROGRESS, [entry], "gossip", None).rejected
+    assert replica.stats.refusals_by_reason == {"not-yet": 1, "never": 1}
+    admitted.update({waiting.peer_id_str, stranger.peer_id_str})
+    replica.merge_entries(MEMBERSHIP, [signed(waiting, MEMBERSHIP, membership_record(1000, {}))], "gossip", None)
+    assert owners_of(replica, PROGRESS) == {waiting.peer_id_str}  # the parked one; the other is not retried
+    with pytest.raises(CrdtError, match="already has a gate"):
+        replica.install_gate(gate)

@@ -1,5 +1,6 @@
 """`meshtrain demo --quick`: the README's main job, CI-sized — four real node processes on
-loopback form a swarm, train with DiLoCo, and the demo writes its plot and summary and exits 0."""
+loopback form a swarm, train with DiLoCo, and the demo writes its plot and summary and exits 0.
+And the demo's flags: `--optimizer` offers the built-in optimizers the demo can run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.errors import ConfigError
+from meshtrain.node.cli import build_parser
 from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.optim import BUILTIN_OPTIMIZERS
 
 from .conftest import ROOT
 
@@ -26,6 +30,14 @@ def run_demo(out: Path, *args: str) -> subprocess.CompletedProcess:
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     return r
+
+
+def test_demo_offers_every_builtin_optimizer_but_dp_whose_round_is_one_step():
+    offered = [o for o in BUILTIN_OPTIMIZERS if o != "dp"]
+    assert [build_parser().parse_args(["demo", "--optimizer", o]).optimizer for o in offered] == offered
+    assert build_parser().parse_args(["demo"]).optimizer == "diloco"
+    with pytest.raises(ConfigError, match="--optimizer: invalid choice: 'dp'"):
+        build_parser().parse_args(["demo", "--optimizer", "dp"])
 
 
 @pytest.mark.slow

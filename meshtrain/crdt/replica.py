@@ -26,9 +26,9 @@ Design.
 - **Gate: whose records we keep at all.** Signatures bind an entry to its owner, but an identity
   costs nothing: a stranger can mint thousands and sign a record with each. The type and spec
   rules cannot see that (they are pure functions of one entry), so the replica takes a `gate`
-  (set by `SwarmView` when the swarm has an admission rule): `(crdt name, entry) -> reason or
-  None`, asked after the spec's checks and before the signature, for every entry that arrives
-  (never for our own). A refused entry is not stored, not re-gossiped, and makes its gossip
+  (`install_gate`, called by `SwarmView` when the swarm has an admission rule): `(crdt name,
+  entry) -> reason or None`, asked after the spec's checks and before the signature, for every
+  entry that arrives (never for our own). A refused entry is not stored, not re-gossiped, and makes its gossip
   message not relayed; it is counted in `stats.refusals_by_reason` (the status document's
   `refused`), logged at debug level only (a joiner's records are refused for a moment in normal
   operation). Refusing is safe because the gate only depends on other replicated state (the
@@ -38,7 +38,7 @@ Design.
   taken. That can be one anti-entropy period late, which a swarm taking a round per step (dp)
   feels: a joiner's progress that arrived a moment before its membership record would keep it
   out of rounds until the next exchange. So the latest entry of each owner and CRDT refused for
-  one of `park_reasons` (set with the gate: a missing membership record) is parked (at most `MAX_PARKED` in all, the oldest evicted; an entry parked twice replaces itself,
+  one of the park reasons installed with the gate (a missing membership record) is parked (at most `MAX_PARKED` in all, the oldest evicted; an entry parked twice replaces itself,
   so a stranger cannot grow it) and merged again, through the gate, whenever some other entry
   was accepted. Within one message or reply, batches are merged in the order of the replica's
   specs, so list the CRDTs the gate reads first (`swarm_specs` does). Cost: while peers disagree about the
@@ -241,9 +241,9 @@ class Replica(Service):
     - `pubsub`: a running py-libp2p `Pubsub` to share; by default the replica runs its own.
     - `cache`: a `SignatureCache` (default: the process-wide one).
 
-    `gate` (attribute, default None): `(crdt name, entry) -> reason | None`, whose entries the
-    replica keeps at all (module docstring); it must not raise, and it must depend only on
-    replicated state, so that a refused entry is taken when anti-entropy offers it again.
+    `install_gate(gate, park_reasons)` (none by default): whose entries the replica keeps at all
+    (module docstring, "Gate"), installed by whoever builds the gate after the replica
+    (`SwarmView`, whose gate reads the CRDTs of this replica).
 
     Parts (module docstring): `gossip` (`Gossip`, the push path) and `anti_entropy`
     (`AntiEntropy`, the repair path: `anti_entropy.exchange_with(peer)` runs one exchange).
@@ -288,8 +288,8 @@ class Replica(Service):
         self._started = False
         self._warn = RateLimitedLog()
         self.stats = ReplicaStats()
-        self.gate: Callable[[str, SignedEntry], str | None] | None = None
-        self.park_reasons: frozenset[str] = frozenset()  # the gate's refusals worth another try
+        self._gate: Callable[[str, SignedEntry], str | None] | None = None  # install_gate
+        self._park_reasons: frozenset[str] = frozenset()  # the gate's refusals worth another try
         # (crdt, owner) -> (entry, source, peer): the gate's latest refusals, tried again later
         self._parked: dict[tuple[str, str], tuple[SignedEntry, Source, str | None]] = {}
         self._retrying = False
@@ -429,6 +429,18 @@ class Replica(Service):
 
     # --- merging --------------------------------------------------------------------------------
 
+    def install_gate(self, gate: Callable[[str, SignedEntry], str | None], *, park_reasons: Iterable[str] = ()) -> None:
+        """From now on keep only the arriving entries that `gate(crdt name, entry)` passes (it
+        returns None, or the reason it refuses; our own entries are never asked about). A refusal
+        for one of `park_reasons` is parked and merged again once another entry was accepted (module
+        docstring, "Gate"). The gate must not raise (if it does, the entry is refused as
+        `gate-failed`) and must depend only on replicated state, so that a refused entry is taken
+        when anti-entropy offers it again. A replica has one gate: a second is a `CrdtError`."""
+        if self._gate is not None:
+            raise CrdtError("this replica already has a gate")
+        self._gate = gate
+        self._park_reasons = frozenset(park_reasons)
+
     def merge_entries(
         self, name: str, entries: Iterable[SignedEntry], source: Source, peer: str | None
     ) -> MergeOutcome:
@@ -437,7 +449,7 @@ class Replica(Service):
         anti-entropy are queued for gossip (see the module docstring for why only those)."""
         crdt = self._crdts[self._check_name(name)]
         check = self._specs[name].check
-        gate = self.gate
+        gate = self._gate
         candidates: list[SignedEntry] = []
         rejected: list[Rejection] = []
         refused: list[Rejection] = []
@@ -458,7 +470,7 @@ class Replica(Service):
                 reason = self._gate_reason(gate, name, entry)
                 if reason is not None:
                     refused.append(Rejection(entry, reason))
-                    if reason in self.park_reasons:
+                    if reason in self._park_reasons:
                         self._park(name, entry, source, peer)
                     continue
             candidates.append(entry)

@@ -20,9 +20,10 @@ config change wakes `wait_live`, as it may admit a peer.
 Whose records are stored at all (`keep`: keep strangers honest). Counting only admitted
 records is not enough: identities are free, so a stranger could sign records with as many as it
 likes and every member would store and spread them. With a `keep` rule (the admission rule without
-verdicts that come and go, such as strikes), the view sets the replica's `gate` (replica.py): a
-membership record that fails `keep` is refused (`crdt-not-admitted`), and so is a progress, metrics
-or strikes record whose owner holds no membership record that passes it (`crdt-not-a-member`) — the
+verdicts that come and go, such as strikes), the view installs its gate on the replica it is
+built over (`Replica.install_gate`, replica.py; the gate reads that replica's CRDTs): a membership
+record that fails `keep` is refused (`crdt-not-admitted`), and so is a progress, metrics or strikes
+record whose owner holds no membership record that passes it (`crdt-not-a-member`) — the
 records only members write; a strikes record also passes on the capabilities it carries (the
 reporter's proof: kept strikes reload after a restart that left no membership record behind,
 crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never
@@ -281,8 +282,8 @@ class SwarmView(Service):
         self._check_replica()
         replica.on_change(self._on_change)
         if keep is not None:
-            replica.gate = self._gate
-            replica.park_reasons = frozenset({REFUSED_NOT_A_MEMBER})  # tried again once membership arrives
+            # A record refused for want of its owner's membership record is tried again once that arrives.
+            replica.install_gate(self._gate, park_reasons={REFUSED_NOT_A_MEMBER})
 
     @property
     def swarm_id(self) -> str:

@@ -32,13 +32,20 @@ import argparse
 import json
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshtrain import __version__
 from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import configure
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
+
+    from meshtrain.node.spec.config import NodeConfig
 
 STOP_WAIT_TIMEOUT = 120.0  # seconds `node stop --wait` waits for the node to exit
 
@@ -47,7 +54,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is our one-line ConfigError (exit 2) like every other.
 
     `more_args(parser)` adds arguments the first time this parser parses: `swarm create` takes
-    its flags from the pydantic spec model, which other commands must not pay to import.
+    its flags from the pydantic spec model, `node start` and `swarm join` theirs from `NodeConfig`,
+    models which other commands (`node status`, `node stop`) must not pay to import.
     """
 
     def __init__(
@@ -67,73 +75,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `node start` and `swarm join`: `--config`, one flag per `NodeConfig` field
+    (`_config_flag`; a field whose `json_schema_extra` says `flag: False` has none), `--quiet`.
+    Every generated flag defaults to None, so a flag not given overrides no lower layer."""
     p.add_argument("--config", help="TOML file with node settings (see docs/configuration.md)")
-    p.add_argument("--data-dir", help="identity, swarm spec, checkpoints (default ~/.local/share/meshtrain)")
-    p.add_argument("--name", help="a label shown on the status page")
-    p.add_argument(
-        "--listen", action="append", help="multiaddr to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001)"
-    )
-    p.add_argument("--announce", action="append", help="multiaddr to advertise instead (repeatable)")
-    p.add_argument("--bootstrap", action="append", help="peer multiaddr to dial at start (repeatable)")
-    p.add_argument(
-        "--swarm-key",
-        help="a private swarm's key, 64 hex characters (better: MESHTRAIN_SWARM_KEY, which `ps` does not show)",
-    )
-    p.add_argument("--status-port", type=int, help="local status page port (default 7070; 0 = any)")
-    p.add_argument("--status-host", help="status page address (default 127.0.0.1)")
-    p.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 60)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--max-steps", type=int, help="stop at this step even if the swarm trains longer")
-    p.add_argument("--join-timeout", type=float, help="seconds an outer round waits for its peers")
-    p.add_argument("--wait-peers", type=int, help="start training once this many peers are in the swarm")
-    p.add_argument("--max-donors", type=int, help="late join: download state from at most this many peers")
-    p.add_argument("--donor-upload-mib", type=float, help="cap on serving state to joiners, MiB/s")
-    p.add_argument(
-        "--uplink-mbit", type=float, help="our uplink, Mbit/s: sizes our all-reduce part (default: measured)"
-    )
-    p.add_argument(
-        "--no-nat",
-        dest="nat",
-        action="store_false",
-        default=None,
-        help="no NAT traversal (reachability probe, relay reservations, hole punching)",
-    )
-    p.add_argument(
-        "--no-relay",
-        dest="relay",
-        action="store_false",
-        default=None,
-        help="do not relay for private peers even when we are public",
-    )
-    p.add_argument(
-        "--mdns",
-        action="store_true",
-        default=None,
-        help="find peers of this swarm on the LAN over mDNS (no bootstrap address needed)",
-    )
-    p.add_argument(
-        "--no-upnp",
-        dest="upnp",
-        action="store_false",
-        default=None,
-        help="do not ask the LAN's UPnP gateway to forward our ports",
-    )
+    for name, info in _flagged_fields().items():
+        _config_flag(p, name, info)
     p.add_argument(
         "--quiet",
         action="store_true",
         help="no live status line (on a terminal) or per-round lines (elsewhere) on stdout",
-    )
-    p.add_argument("--device", help="auto (default: CUDA, then MPS, then CPU), cpu, mps, cuda, cuda:<index>")
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        help="train as one peer on this many local ranks (GPUs), launched by torch.distributed",
-    )
-    p.add_argument(
-        "--sharding",
-        choices=["ddp", "fsdp", "auto"],
-        help="local ranks hold a replica each (ddp) or shards of one model (fsdp: FSDP2, for a model "
-        "that does not fit one GPU); auto (default) picks fsdp when it does not fit",
     )
 
 
@@ -173,10 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     node = sub.add_parser("node", help="run and control a node")
     nsub = node.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
-    start = nsub.add_parser("start", help="run a node in the foreground (Ctrl-C stops it cleanly)")
-    _node_flags(start)
-    start.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
-    start.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
+    nsub.add_parser("start", help="run a node in the foreground (Ctrl-C stops it cleanly)", more_args=_node_start_flags)
     for name, help_ in (
         ("status", "show the running node's status"),
         ("stop", "ask the running node to stop cleanly (returns once it accepted)"),
@@ -211,13 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--bootstrap", action="append", help="multiaddr of any meshtrain node (repeatable)")
     listing.add_argument("--config", help="TOML node config whose bootstrap list to use")
     listing.add_argument("--json", action="store_true", help="one JSON object per swarm instead of a table")
-    join = ssub.add_parser("join", help="join a swarm (by a peer's address, or by id or name via the DHT) and train")
+    join = ssub.add_parser(
+        "join", help="join a swarm (by a peer's address, or by id or name via the DHT) and train", more_args=_node_flags
+    )
     join.add_argument(
         "address",
         help="a peer's multiaddr, <swarm id>@<multiaddr>, or a swarm id or name from `meshtrain swarm list` "
         "(needs a bootstrap address)",
     )
-    _node_flags(join)
     allow = ssub.add_parser("allow", help="on the owner's running node: admit a peer to an allowlist swarm")
     allow.add_argument("peer", help="the peer id to admit (a waiting node prints its own)")
     allow.add_argument("--revoke", action="store_true", help="take the peer's admission back")
@@ -226,23 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     allow.add_argument("--url", help="the owner node's status URL instead of looking it up in the data dir")
 
-    demo = sub.add_parser("demo", help="run a local swarm on this machine and show it training")
-    demo.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
-    demo.add_argument("--optimizer", choices=["diloco", "streaming", "noloco", "sparseloco"], default="diloco")
-    demo.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
-    demo.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
-    demo.add_argument("--quick", action="store_true", help="a short run (CI)")
-    demo.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
-    demo.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
-    demo.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
-    demo.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
-    demo.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
-    demo.add_argument(
-        "--replica-sync",
-        choices=["every-step", "diloco", "noloco"],
-        default="every-step",
-        help="--pipeline: how a stage's replicas agree (default every-step)",
-    )
+    sub.add_parser("demo", help="run a local swarm on this machine and show it training", more_args=_demo_flags)
 
     export = sub.add_parser(
         "export",
@@ -263,43 +196,103 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = (
-        "data_dir",
-        "name",
-        "listen",
-        "announce",
-        "bootstrap",
-        "swarm_key",
-        "status_port",
-        "status_host",
-        "checkpoint_every",
-        "threads",
-        "max_steps",
-        "join_timeout",
-        "wait_peers",
-        "max_donors",
-        "donor_upload_mib",
-        "uplink_mbit",
-        "nat",
-        "relay",
-        "upnp",
-        "mdns",
-        "device",
-        "nproc_per_node",
-        "sharding",
+def _node_start_flags(p: argparse.ArgumentParser) -> None:
+    """`node start`'s flags: the node's (`_node_flags`), and where its swarm spec comes from."""
+    _node_flags(p)
+    p.add_argument("--swarm", help="signed swarm spec file (default: the data dir's swarm.json)")
+    p.add_argument("--join", help="peer multiaddr (or swarm-id@multiaddr) to fetch the swarm from")
+
+
+def _flagged_fields() -> dict[str, FieldInfo]:
+    """The `NodeConfig` fields that are flags, by name."""
+    from meshtrain.node.spec.config import NodeConfig
+
+    return {
+        name: info
+        for name, info in NodeConfig.model_fields.items()
+        if not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("flag") is False)
+    }
+
+
+def _config_flag(p: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+    """`--<field-name>` for one `NodeConfig` field; its help is the field's description.
+
+    A boolean that defaults to true is `--no-<name>` ("do not <description>": such a field is
+    described by what it does), one that defaults to false a plain switch; a list is repeatable
+    (`append`); a `Literal` gives the choices; int, float and Path are parsed as such, so a bad
+    value is argparse's one-line error before any config is read."""
+    flag = name.replace("_", "-")
+    text = (info.description or name).replace("%", "%%")  # argparse formats help with %
+    kind = info.annotation
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`: None is the default
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind is bool:
+        if info.default is True:
+            p.add_argument(f"--no-{flag}", dest=name, action="store_false", default=None, help=f"do not {text}")
+        else:
+            p.add_argument(f"--{flag}", dest=name, action="store_true", default=None, help=text)
+        return
+    default = info.get_default(call_default_factory=True)
+    notes = []
+    options: dict[str, Any] = {}
+    if typing.get_origin(kind) is list:
+        options["action"] = "append"
+        kind = typing.get_args(kind)[0]
+        notes.append("repeatable")
+        default = ", ".join(default)
+    if typing.get_origin(kind) is typing.Literal:
+        options["choices"] = typing.get_args(kind)
+    elif kind in (int, float, Path):
+        options["type"] = kind
+    elif kind is not str:
+        raise TypeError(f"NodeConfig.{name}: no flag for a {kind} (mark the field flag: False, or parse it here)")
+    if default not in (None, "") and not isinstance(default, Path):  # a path's default depends on the user
+        notes.append(f"default {default:g}" if isinstance(default, float) else f"default {default}")
+    more = f" ({'; '.join(notes)})" if notes else ""
+    p.add_argument(f"--{flag}", dest=name, default=None, help=f"{text}{more}", **options)
+
+
+def node_config_of(args: argparse.Namespace) -> NodeConfig:
+    """The `NodeConfig` of `node start` / `swarm join`: `load_node_config`'s layers (defaults,
+    node.toml, `--config`, the environment) under the flags given (`_node_flags`)."""
+    from meshtrain.node.spec.config import load_node_config
+
+    return load_node_config(args.config, overrides={name: getattr(args, name) for name in _flagged_fields()})
+
+
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    """`demo`'s flags; `--optimizer` and `--replica-sync` offer what the optimizer map and the spec
+    model allow (node/demo.py `DEMO_OPTIMIZERS`), whose imports (torch, pydantic) only `demo` pays."""
+    from meshtrain.node.demo import DEMO_OPTIMIZERS
+    from meshtrain.node.spec.swarm import SwarmSpec
+
+    p.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
+    p.add_argument(
+        "--optimizer", choices=DEMO_OPTIMIZERS, default="diloco", help="the outer optimizer (default diloco)"
     )
-    return {k: getattr(args, k, None) for k in keys}
+    p.add_argument("--steps", type=int, default=None, help="inner steps (default 600; --quick 60)")
+    p.add_argument("--H", type=int, default=None, help="inner steps per round (default 50; --quick 20)")
+    p.add_argument("--quick", action="store_true", help="a short run (CI)")
+    p.add_argument("--out", default="runs/demo", help="where the plot and summary go (default runs/demo)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    p.add_argument("--pipeline", action="store_true", help="a pipeline swarm: SkipPipe over --stages stages")
+    p.add_argument("--stages", type=int, default=3, help="--pipeline: stages (default 3)")
+    p.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
+    p.add_argument(
+        "--replica-sync",
+        choices=typing.get_args(SwarmSpec.model_fields["replica_sync"].annotation),
+        default="every-step",
+        help="--pipeline: how a stage's replicas agree (default every-step)",
+    )
 
 
 def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | None) -> int:
     import trio
 
     from meshtrain.node.daemon import Node
-    from meshtrain.node.spec.config import load_node_config
     from meshtrain.node.spec.signed import SignedSpec
 
-    config = load_node_config(args.config, overrides=_node_overrides(args))
+    config = node_config_of(args)
     if args.log_level is None:
         configure(config.log_level)
     if config.nproc_per_node > 1:  # one peer, N local ranks: torch's elastic launcher runs them

@@ -10,6 +10,10 @@ others with `meshtrain swarm join <first node's address>` (each fetches and veri
 and watches every node through its status endpoint (`/status`, as `meshtrain node status`
 does). The nodes' data dirs, logs, the plot (`loss.png`) and `summary.json` land in `--out`.
 Ctrl-C stops every node cleanly (they leave the swarm and checkpoint).
+
+`--optimizer` offers `DEMO_OPTIMIZERS`, read from `meshtrain.optim.BUILTIN_OPTIMIZERS`: every
+built-in outer optimizer whose round spans H inner steps (all but dp); the flags themselves are
+node/cli.py's (`_demo_flags`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ from typing import Any
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.node.status.client import DAEMON_FILE
+from meshtrain.optim import BUILTIN_OPTIMIZERS
 
 STARTUP_TIMEOUT = 60.0
+# `--optimizer`: the built-in outer optimizers but dp, whose round is every inner step (H = 1)
+# where the demo's swarm trains `--H` steps between rounds.
+DEMO_OPTIMIZERS = tuple(name for name in BUILTIN_OPTIMIZERS if name != "dp")
 
 
 def _cli(*args: str) -> list[str]:

@@ -13,6 +13,13 @@ beside this module: the default bootstrap list, shipped empty), the TOML file (`
 node.toml`, a `[node]` table or top-level keys), `MESHTRAIN_<FIELD>` environment variables (lists
 comma-separated), then command-line flags. Every value is validated by pydantic; a bad one is a
 `ConfigError` naming the field, the value and what is allowed — one line, never a traceback.
+
+The flags are generated from the fields (node/cli.py `_node_flags`): `--<field-name>`, its help the
+field's `description` and default, so a field's description is what `meshtrain node start --help`
+and docs/configuration.md (node/spec/reference.py) say of it. A boolean field that defaults to true
+is the flag `--no-<field-name>`, whose help reads "do not <description>": describe such a field by
+what it does ("relay for private peers ..."). A field marked `json_schema_extra={"flag": False}`
+has no flag of its own (`log_level`: the global `meshtrain --log-level`; `pipeline_lab`: lab only).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ class NodeConfig(BaseModel):
     swarm_key: str | None = Field(
         None,
         description="64 hex chars: a private swarm's key (libp2p pnet; `swarm create --private` makes one); "
-        "prefer the environment variable to the flag, which `ps` shows",
+        "prefer the environment variable MESHTRAIN_SWARM_KEY to the flag, which `ps` shows",
     )
     status_host: str = Field(
         "127.0.0.1",
@@ -97,10 +104,11 @@ class NodeConfig(BaseModel):
         None,
         description="lab only: a JSON file of simulated links and compute for a pipeline swarm on one "
         "machine (node/stages/lab.py; scripts/bench/bench_pipeline_swarm.py)",
+        json_schema_extra={"flag": False},  # the benchmark sets it; users' --help does without it
     )
     nat: bool = Field(
         True,
-        description="NAT traversal: dial-back reachability probe, relay reservations "
+        description="traverse NATs: dial-back reachability probe, relay reservations "
         "when private, hole punching of relayed peers",
     )
     relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
@@ -115,6 +123,7 @@ class NodeConfig(BaseModel):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING",
         description="how much the node logs (ours; MESHTRAIN_LOG_LIBP2P=1 also shows py-libp2p's at DEBUG)",
+        json_schema_extra={"flag": False},  # `meshtrain --log-level`, before the command, sets it
     )
     device: str = Field(
         "auto",
