@@ -13,10 +13,10 @@ those algorithms share, so an algorithm is a few hooks:
     merge(names)                     θ from the new φ           default: θ ← α·θ + (1−α)·φ (α=0: θ ← φ)
 
 and inherits the outer-parameter snapshot φ (fp32), the codec, error feedback, state
-(de)serialisation (bit-exact, for checkpoints and late joiners), the round logic that calls the
-hooks (the schedule: fragments and overlap; the handling of a failed exchange; byte accounting)
-and, from two parts it composes (outer_round.py), the threading bridge and the timing of
-prepared rounds.
+(de)serialisation (bit-exact, for checkpoints and late joiners) and the round logic that calls
+the hooks (the schedule: fragments and overlap; the handling of a failed exchange; byte
+accounting). It composes two parts of outer_round.py, each owning its state: the threading
+bridge (`TrioBridge`) and the timing of prepared rounds (`RoundPreparation`).
 
 How the training loop calls it. The outer optimizer *wraps* the inner one: it is what the loop
 steps, so the loop reads like ordinary torch.
@@ -88,7 +88,7 @@ H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `R
 (optim/schedule.py), the one statement of them. Round ids: an exchange is the inner step s it is
 sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
 
-Hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
+Step hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
 caller's thread; a collective that `WatchesOptimizer` (`meshtrain.Swarm`, for a loop you write
 yourself) is told of the optimizer at the end of `__init__` and installs its hook there. With no
 hook the list costs one empty loop per step.
@@ -578,6 +578,7 @@ class OuterOptimizer(Service):
         if unreached is not None:
             for p in self.sends_at(unreached):
                 yield RoundCall(partial(self.unprepare, round_id=unreached, tag=exchange_tag(p)))
+            self._preparation.withdrawn(self.inner_steps)
         return reports
 
     def _complete(self, ex: Exchange) -> Generator[RoundCall, Any, RoundReport]:

@@ -198,12 +198,13 @@ class RoundPreparation:
         return nxt, within
 
     def unreached(self, step: int) -> int | None:
-        """Training ended at inner step `step`: the send step prepared beyond it (its rounds will
-        not run, and count as no longer prepared), or None."""
-        if self._prepared_through <= step:
-            return None
-        prepared, self._prepared_through = self._prepared_through, step
-        return prepared
+        """Training ended at inner step `step`: the send step prepared beyond it, whose rounds
+        will not run, or None. They count as prepared until `withdrawn`."""
+        return self._prepared_through if self._prepared_through > step else None
+
+    def withdrawn(self, step: int) -> None:
+        """The rounds prepared beyond inner step `step` were unprepared."""
+        self._prepared_through = min(self._prepared_through, step)
 
 
 def exchange_tag(fragment: int) -> str:
