@@ -13,9 +13,10 @@ those algorithms share, so an algorithm is a few hooks:
     merge(names)                     θ from the new φ           default: θ ← α·θ + (1−α)·φ (α=0: θ ← φ)
 
 and inherits the outer-parameter snapshot φ (fp32), the codec, error feedback, state
-(de)serialisation (bit-exact, for checkpoints and late joiners) and, from its base class
-`OuterRounds` (outer_round.py), the schedule (fragments and overlap), the threading bridge, the
-handling of a failed exchange and byte accounting.
+(de)serialisation (bit-exact, for checkpoints and late joiners) and the round logic that calls
+the hooks (the schedule: fragments and overlap; the handling of a failed exchange; byte
+accounting). It composes two parts of outer_round.py, each owning its state: the threading
+bridge (`TrioBridge`) and the timing of prepared rounds (`RoundPreparation`).
 
 How the training loop calls it. The outer optimizer *wraps* the inner one: it is what the loop
 steps, so the loop reads like ordinary torch.
@@ -67,17 +68,51 @@ docs/algorithms.md). Until it has done a full H steps of its own it contributes 
 all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still receives the average, so its
 φ and outer state stay identical to everyone else's.
 
-Not here: when a fragment is sent and merged, round ids, how `step()` reaches the trio side and
-what happens when this peer misses an exchange (outer_round.py); which peers are in a round (the
+The round logic. `_advance` is one inner step's rounds as a generator with no I/O inside: it
+decides what is due, does the tensor work inline (Δ, error feedback; for a merge the outer update
+and the merge) and yields the async calls it needs — the exchange (`_exchange`, which calls
+`communicate`), a wait for one in flight, a prepare — as `RoundCall`s, which the `TrioBridge`
+(outer_round.py) runs on the trio side: from the trainer's thread for `step()`, inline for
+`astep()`. So the pseudo-gradient goes from `pseudo_gradient` through `_exchange` and
+`communicate` straight into the collective's `RoundRequest`. Every completed exchange is counted
+(`rounds`, bytes, waits) and kept as a `RoundReport` in `history`.
+
+Schedule (Streaming DiLoCo, Douillard et al. 2025 §2; torchft `local_sgd.py`). The trainable
+parameters are split into P `fragments` (default: one, i.e. DiLoCo). Fragment p sends at inner
+steps s >= 1 with s ≡ p·H/P (mod H), so at most one fragment is in flight and the peak traffic
+is ~1/P of a full sync. With `delay` τ = 0 the round blocks: send, average, apply, merge. With
+τ >= 1 the exchange runs in the background (in the nursery `async with outer` opens) while τ
+more inner steps run, and the result is applied and merged at step s + τ — the only point where
+an inner step may wait on the network, and only if the exchange has not finished. Requires
+H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `RoundSchedule`'s
+(optim/schedule.py), the one statement of them. Round ids: an exchange is the inner step s it is
+sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
+
+Step hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
+caller's thread; a collective that `WatchesOptimizer` (`meshtrain.Swarm`, for a loop you write
+yourself) is told of the optimizer at the end of `__init__` and installs its hook there. With no
+hook the list costs one empty loop per step.
+
+Failures. The collective already averages over the survivors when a peer dies mid-round. If
+*this* peer could not take part at all (`CollectiveError`: cut off, or late for the group), it
+proceeds alone — its own Δ is applied as a group of one — so training never stops, and
+`needs_resync` is set: its φ and outer state now differ from the swarm's, and the node should
+download the swarm's state (`join`).
+
+Not here: how a round's calls reach the trio side, and when a round's group is formed ahead of it
+(outer_round.py); the schedule's formula and rules (schedule.py); which peers are in a round (the
 collective's membership), data, checkpoint files.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Protocol, Self
 
 import torch
@@ -93,8 +128,16 @@ from meshtrain.collective.contract import (
     WatchesOptimizer,
 )
 from meshtrain.errors import MeshtrainError
+from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.optim.outer_round import Exchange, OuterRounds, RoundReport
+from meshtrain.optim.outer_round import (
+    RoundCall,
+    RoundLogic,
+    RoundPreparation,
+    RoundReport,
+    TrioBridge,
+    exchange_tag,
+)
 from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.transport.validate import is_int
 
@@ -121,6 +164,23 @@ class OuterStateError(MeshtrainError):
 class StaleStateError(OuterStateError):
     """The state is fine but its moment has passed (a round old, or an exchange is in flight):
     a transient — fetch a newer state, or try again after the exchange."""
+
+
+@dataclass
+class Exchange:
+    """One fragment's exchange, from its send at `step` to its merge at `merge_step`."""
+
+    fragment: int
+    step: int
+    names: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+    weight: float
+    merge_step: int
+    started: float = field(default_factory=time.monotonic)
+    done: trio.Event = field(default_factory=trio.Event)
+    result: ReduceResult | None = None
+    error: str = ""
+    finished: float = 0.0
 
 
 class OuterSpec(Protocol):
@@ -151,7 +211,7 @@ class OuterSpec(Protocol):
     def sparse_k(self) -> int: ...
 
 
-class OuterOptimizer(OuterRounds):
+class OuterOptimizer(Service):
     """Base class of outer optimizers. Subclasses override hooks (module docstring).
 
     Class attributes, part of the API for an optimizer of your own (the built-in ones set theirs):
@@ -235,13 +295,10 @@ class OuterOptimizer(OuterRounds):
         self.inner_steps = 0  # the swarm's step counter (a joiner loads it)
         self.rounds = 0  # exchanges completed (all fragments)
         self.needs_resync = False
-        self._joined_at: int | None = None
-        self._pending: dict[int, Exchange] = {}
-        self._prepared_through = 0  # the newest send step whose rounds were prepared
-        self._step_seconds: float | None = None  # the caller's inner step time (moving average)
-        self._step_ended: float | None = None
-        self._nursery: trio.Nursery | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps)
+        self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
+        self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
+        self._preparation = RoundPreparation(self.schedule)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peak_bytes_per_sync = 0
@@ -400,6 +457,179 @@ class OuterOptimizer(OuterRounds):
         for n in names:
             self.residual[n].sub_(decoded[n])
         return send
+
+    # -- the training loop ---------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=set_to_none)
+        else:
+            self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> list[RoundReport]:
+        """The inner step, then whatever the schedule says is due. Call from a worker thread
+        (not from the trio thread: use `astep` there). Returns the exchanges completed."""
+        for hook in self.step_hooks:
+            hook(self)
+        if self.inner is not None:
+            self.inner.step()
+        return self._bridge.run_from_thread(self._advance())
+
+    async def astep(self) -> list[RoundReport]:
+        """`step()` for code running in trio (tensor work runs inline in the trio thread)."""
+        if self.inner is not None:
+            self.inner.step()
+        return await self._bridge.run_async(self._advance())
+
+    def finish(self) -> list[RoundReport]:
+        """Wait for exchanges still in flight and merge them (end of training; from a thread)."""
+        return self._bridge.run_from_thread(self._flush())
+
+    async def afinish(self) -> list[RoundReport]:
+        return await self._bridge.run_async(self._flush())
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        # Leaving cancels exchanges still in flight (call `afinish()` first to keep them): the
+        # bridge's nursery closes first, then they are forgotten.
+        stack.callback(self._pending.clear)
+        await stack.enter_async_context(self._bridge)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._pending)
+
+    def pending_merges(self) -> dict[int, int]:
+        """fragment -> the inner step at which its exchange in flight is merged."""
+        return {p: ex.merge_step for p, ex in self._pending.items()}
+
+    @property
+    def H(self) -> int:
+        """Inner steps between two syncs of a fragment."""
+        return self.schedule.H
+
+    @property
+    def delay(self) -> int:
+        """τ: inner steps an exchange overlaps with (0: blocking)."""
+        return self.schedule.delay
+
+    def next_send_step(self, step: int) -> int:
+        """The first inner step after `step` at which some fragment is sent."""
+        return self.schedule.next_send_step(step)
+
+    def due(self, step: int) -> tuple[list[int], list[int]]:
+        """(fragments to merge, fragments to send) at inner step `step`."""
+        merges = [p for p, ex in self._pending.items() if ex.merge_step <= step]
+        return sorted(merges), self.sends_at(step)
+
+    def sends_at(self, step: int) -> list[int]:
+        """The fragments sent at inner step `step`: the schedule alone (safe to call from another
+        thread while the trainer's runs, unlike `due`, which reads the exchanges in flight)."""
+        return self.schedule.sends_at(step)
+
+    # -- the round logic (module docstring, "The round logic") ---------------------------------
+
+    def _advance(self) -> RoundLogic:
+        """The round logic for one inner step, as a generator that yields the async calls it
+        needs: the bridge runs them on the trio side (from a thread or inline)."""
+        self.inner_steps += 1
+        step = self.inner_steps
+        self._preparation.step_began()
+        merges, sends = self.due(step)
+        reports = []
+        for p in merges:
+            reports.append((yield from self._complete(self._pending.pop(p))))
+        if not sends:  # a step after the last send: that round's join went out first
+            yield from self._prepare_next(step)
+        for p in sends:
+            names = self.fragments[p]
+            ready = self._joined_at is None or step - self._joined_at >= self.H
+            with torch.no_grad():
+                tensors = self.pseudo_gradient(names)
+                if self.error_feedback is not None and ready:
+                    tensors = self.feed_back(tensors, names)
+            ex = Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, self.schedule.merge_step(step))
+            if self.delay == 0:
+                yield RoundCall(self._exchange, (ex,))
+                reports.append((yield from self._complete(ex)))
+            else:
+                self._pending[p] = ex
+                yield RoundCall(self._exchange, (ex,), spawn=True)
+        self._preparation.step_ended()
+        return reports
+
+    def _prepare_next(self, step: int) -> Generator[RoundCall, Any, None]:
+        """Prepare the rounds of the next send step once they are due (outer_round.py,
+        "Prepared rounds")."""
+        if not self.prepares_rounds:
+            return
+        due = self._preparation.due(step)
+        if due is None:
+            return
+        nxt, within = due
+        for p in self.sends_at(nxt):
+            yield RoundCall(partial(self.prepare, round_id=nxt, tag=exchange_tag(p), within=within))
+
+    def _flush(self) -> RoundLogic:
+        reports = []
+        for p in sorted(self._pending):
+            reports.append((yield from self._complete(self._pending.pop(p))))
+        # Training ended: the exchanges prepared for a step it did not reach will not run.
+        unreached = self._preparation.unreached(self.inner_steps)
+        if unreached is not None:
+            for p in self.sends_at(unreached):
+                yield RoundCall(partial(self.unprepare, round_id=unreached, tag=exchange_tag(p)))
+            self._preparation.withdrawn(self.inner_steps)
+        return reports
+
+    def _complete(self, ex: Exchange) -> Generator[RoundCall, Any, RoundReport]:
+        t0 = time.monotonic()
+        if not ex.done.is_set():
+            yield RoundCall(ex.done.wait)
+        waited = time.monotonic() - t0
+        result = ex.result
+        assert result is not None  # set before done
+        with torch.no_grad():
+            self.apply(result, ex.names)
+            self.merge(ex.names)
+        self.rounds += 1
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
+        self.comm_wait_seconds += waited + (ex.finished - ex.started if self.delay == 0 else 0.0)
+        report = RoundReport(
+            ex.step,
+            ex.fragment,
+            len(result.contributors),
+            result.bytes_sent,
+            result.bytes_received,
+            ex.finished - ex.started,
+            waited,
+            ex.error,
+        )
+        self.history.append(report)
+        return report
+
+    async def _exchange(self, ex: Exchange) -> None:
+        """Run `communicate` for one exchange (trio side); on CollectiveError proceed alone."""
+        try:
+            ex.result = await self.communicate(
+                ex.tensors, round_id=ex.step, tag=exchange_tag(ex.fragment), weight=ex.weight
+            )
+        except CollectiveError as e:
+            log.warning(
+                kv(
+                    "outer round without the swarm; proceeding alone",
+                    step=ex.step,
+                    fragment=ex.fragment,
+                    error=str(e)[:200],
+                )
+            )
+            self.needs_resync = True
+            ex.error = str(e) or type(e).__name__
+            me = self.collective.peer_id
+            ex.result = ReduceResult(ex.tensors, (me,), b"", 0, 0, {})
+        ex.finished = time.monotonic()
+        ex.done.set()
 
     # -- state a subclass keeps (serialised with the rest) ------------------------------------
 

@@ -19,7 +19,7 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
 - **Measure** (`score_round`, in a worker thread: the trio loop never runs a forward pass). φ is
   the outer parameters the round started from, the same on every peer; the listener snapshots it
   before the round's result is applied (the trainer thread applies it only after the collective
-  returned, optim/outer_round.py). For a sampled peer i, on its batches of the round's last
+  returned, optim/outer.py). For a sampled peer i, on its batches of the round's last
   b = `spec.score_batches` inner steps (steps r − b .. r − 1 of round r, all H if fewer,
   `scored_steps`: the last it trained, so the ones its update fits best), L the mean of the
   per-batch losses (for batches of one size the loss on their concatenation, with one batch's
@@ -239,7 +239,7 @@ def scored_steps(round_id: int, H: int, score_batches: int) -> range:
 class PhiSnapshot:
     """φ as a round started, copied at most once however many checks of the round ask (a
     model-sized memory copy on the trio thread). The trainer applies the round's result only
-    after the collective returned (optim/outer_round.py), so a screening listener still sees the φ the
+    after the collective returned (optim/outer.py), so a screening listener still sees the φ the
     round started from. The copy is only read afterwards, by each check's worker thread."""
 
     def __init__(self, outer_params: dict[str, torch.Tensor]) -> None:
