@@ -297,7 +297,11 @@ class SwarmCollective(Service):
         assert self._nursery is not None  # started above
         return self._nursery
 
-    async def _live_with_host(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _live_with_host(
+        self,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale stubs shadow trio's: no TaskStatus
+    ) -> None:
         await Service.__aenter__(self)
         try:
             task_status.started()
@@ -338,22 +342,22 @@ class SwarmCollective(Service):
         if window is not None and ref is not None and abs(round_id - ref) > window:
             raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
 
-    async def _rpc_join(self, peer: str, req: Any) -> dict:
+    async def _rpc_join(self, peer: str, req: Any) -> dict[str, Any]:
         join = JoinRequest.parse(req, to=self.peer_id)
         self._check_window(join.key.round_id)
         await self._require_member(peer, join.key.round_id)
         await self._running()
         return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper)).to_wire()
 
-    async def _rpc_report(self, peer: str, req: Any) -> dict:
+    async def _rpc_report(self, peer: str, req: Any) -> dict[str, Any]:
         report = Report.parse(req, to=self.peer_id)
         return (await self._coord.report(peer, report)).to_wire()
 
-    async def _rpc_watch(self, peer: str, req: Any) -> dict:
+    async def _rpc_watch(self, peer: str, req: Any) -> dict[str, Any]:
         watch = WatchRequest.parse(req, to=self.peer_id)
         return (await self._coord.watch(peer, watch.key, watch.attempt)).to_wire()
 
-    async def _rpc_where(self, peer: str, req: Any) -> dict:
+    async def _rpc_where(self, peer: str, req: Any) -> dict[str, Any]:
         where = WhereRequest.parse(req)
         await self._require_member(peer, where.round_id, wait=False)
         at, coordinator = self._position.get(where.tag, (-1, None))
@@ -372,8 +376,8 @@ class SwarmCollective(Service):
 
     def _round_tag(self, round_id: int, tag: str) -> str:
         """The tag our round `round_id` runs under: with `grouping`, our group's."""
-        groups = self.round_groups(round_id)
-        return tag if groups is None else self.grouping.tag(tag, groups, self.peer_id)
+        grouping, groups = self.grouping, self.round_groups(round_id)
+        return tag if grouping is None or groups is None else grouping.tag(tag, groups, self.peer_id)
 
     def _join_request(self, round_id: int, tag: str, live: Sequence[str], dead: set[str]) -> JoinRequest:
         """Our join of round `round_id` at `live[0]`, having given up on `dead`."""
@@ -448,6 +452,7 @@ class SwarmCollective(Service):
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
+        joined: JoinReply | None
         if coordinator == self.peer_id:
             joined = await self._joined(join)
         else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
@@ -549,8 +554,9 @@ class SwarmCollective(Service):
                 aggregate = flat_slice(result, a, b) if samples else None
             stats.kept = {}
             screening = RoundScreening(key.round_id, key.tag, group, digest, flags, stats.part, samples, aggregate)
-        for listener in self.screening_listeners if screening is not None else ():
-            listener(screening)
+        if screening is not None:
+            for listener in self.screening_listeners:
+                listener(screening)
         return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded, screening)
 
     async def _attempt(
