@@ -365,9 +365,9 @@ class AttemptPlan:
 @dataclass(frozen=True)
 class Transfer:
     """One stripe's movement to a peer, ready to send: its name (`AttemptPlan.subtag`), its
-    tensors (codec-encoded, or a view of the flat input or output when lossless), its metadata
-    (our weight, in the reduce-scatter) and, in the all-gather, the digest of its bytes, hashed
-    once for every receiver."""
+    tensors (codec-encoded; lossless, the stripe itself: in the reduce-scatter a view of our flat
+    input), its metadata (our weight, in the reduce-scatter) and, in the all-gather, the digest
+    of its bytes, hashed once for every receiver."""
 
     subtag: str
     parts: dict[str, torch.Tensor]
