@@ -206,6 +206,26 @@ async def test_unanimous_reports_commit_and_a_minority_digest_must_resync(autoju
         nursery.cancel_scope.cancel()
 
 
+async def test_a_done_report_without_a_digest_is_no_vote_and_must_resync(autojump_clock):
+    """Report.parse lets a `done` without a digest through; it must neither become the committed
+    digest nor, tied with a real one, crash the count (None against bytes)."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "f0", "a")
+        await join_all(c, key, ["a", "b"])
+        outcomes = {}
+
+        async def send(p: str, digest: bytes | None) -> None:
+            outcomes[p] = await c.report(p, report(key, DONE, digest))
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(send, "a", b"x")
+            inner.start_soon(send, "b", None)
+        expected = Commit(b"x", ("a", "b"), holders=("a",), resync=("b",))
+        assert outcomes == {"a": expected, "b": expected}
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_silent_disconnected_suspect_is_dropped_after_the_failure_grace(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b", "c"])

@@ -70,7 +70,8 @@ drops from its part a contribution that repeats one of its recent rounds (echoes
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
 (which authenticate every request against our own view of membership and refuse with typed
 codes) and the round loop above. The coordinator's state machine is coordinator.py, one
-attempt's reduce-scatter and all-gather is data_phase.py (`DataPhase`), our input — flattened and
+attempt's reduce-scatter and all-gather is data_phase.py (`AttemptPlan`, planned from the
+coordinator's layout before bytes move; `DataPhase`, which moves them), our input — flattened and
 checked for finiteness once per round, in a worker thread while the join goes out — is
 contribution.py, the member's control RPCs to the coordinator are coordinator_client.py (waiting
 for a join's reply, join_wait.py), joins sent ahead are prepared.py, the committed result's
@@ -100,7 +101,7 @@ from meshtrain.collective.contract import (
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
-from meshtrain.collective.data_phase import AttemptFailed, AttemptStats, DataPhase, exception_leaves
+from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
@@ -119,6 +120,7 @@ from meshtrain.collective.protocol import (
     Abort,
     AllReduceConfig,
     Commit,
+    Joined,
     JoinReply,
     JoinRequest,
     Late,
@@ -295,7 +297,11 @@ class SwarmCollective(Service):
         assert self._nursery is not None  # started above
         return self._nursery
 
-    async def _live_with_host(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _live_with_host(
+        self,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale stubs shadow trio's: no TaskStatus
+    ) -> None:
         await Service.__aenter__(self)
         try:
             task_status.started()
@@ -336,22 +342,22 @@ class SwarmCollective(Service):
         if window is not None and ref is not None and abs(round_id - ref) > window:
             raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
 
-    async def _rpc_join(self, peer: str, req: Any) -> dict:
+    async def _rpc_join(self, peer: str, req: Any) -> dict[str, Any]:
         join = JoinRequest.parse(req, to=self.peer_id)
         self._check_window(join.key.round_id)
         await self._require_member(peer, join.key.round_id)
         await self._running()
         return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper)).to_wire()
 
-    async def _rpc_report(self, peer: str, req: Any) -> dict:
+    async def _rpc_report(self, peer: str, req: Any) -> dict[str, Any]:
         report = Report.parse(req, to=self.peer_id)
         return (await self._coord.report(peer, report)).to_wire()
 
-    async def _rpc_watch(self, peer: str, req: Any) -> dict:
+    async def _rpc_watch(self, peer: str, req: Any) -> dict[str, Any]:
         watch = WatchRequest.parse(req, to=self.peer_id)
         return (await self._coord.watch(peer, watch.key, watch.attempt)).to_wire()
 
-    async def _rpc_where(self, peer: str, req: Any) -> dict:
+    async def _rpc_where(self, peer: str, req: Any) -> dict[str, Any]:
         where = WhereRequest.parse(req)
         await self._require_member(peer, where.round_id, wait=False)
         at, coordinator = self._position.get(where.tag, (-1, None))
@@ -370,8 +376,8 @@ class SwarmCollective(Service):
 
     def _round_tag(self, round_id: int, tag: str) -> str:
         """The tag our round `round_id` runs under: with `grouping`, our group's."""
-        groups = self.round_groups(round_id)
-        return tag if groups is None else self.grouping.tag(tag, groups, self.peer_id)
+        grouping, groups = self.grouping, self.round_groups(round_id)
+        return tag if grouping is None or groups is None else grouping.tag(tag, groups, self.peer_id)
 
     def _join_request(self, round_id: int, tag: str, live: Sequence[str], dead: set[str]) -> JoinRequest:
         """Our join of round `round_id` at `live[0]`, having given up on `dead`."""
@@ -446,6 +452,7 @@ class SwarmCollective(Service):
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
+        joined: JoinReply | None
         if coordinator == self.peer_id:
             joined = await self._joined(join)
         else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
@@ -470,35 +477,34 @@ class SwarmCollective(Service):
             if joined.passed:
                 raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
             raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
-        attempt, group, shares, taper = joined.attempt, joined.group, joined.shares, joined.taper
+        layout: Joined | Retry = joined  # the attempt as the coordinator announced it
         excluded: dict[str, str] = {}
         while True:
-            if self.peer_id not in group:
+            if self.peer_id not in layout.group:
                 raise CollectiveError(f"{key}: this peer was excluded from the round")
+            plan = AttemptPlan.of(key, layout, self.peer_id, contribution.numel, self.config, codec, self.uplink)
             try:
-                outcome, result, stats = await self._attempt(key, attempt, group, shares, taper, contribution, codec)
+                outcome, result, stats = await self._attempt(plan, contribution)
             except* trio.Cancelled:
                 # We are leaving mid-round: say so, so the others retry at once instead of
                 # waiting out a deadline for our data — or blaming whoever our silence makes drop
                 # out next (seen in CI: an innocent peer excluded). `except*`: a cancellation
                 # that lands in the data phase's nursery arrives wrapped in an exception group.
-                await self.coordinator.leave(key, attempt)
+                await self.coordinator.leave(key, plan.attempt)
                 raise
             if isinstance(outcome, Retry):
                 for p in outcome.excluded:
                     excluded.setdefault(p, "failed during the round")
-                attempt, group, shares, taper = outcome.attempt, outcome.group, outcome.shares, outcome.taper
-                log.info(kv("allreduce retry", key=key, attempt=attempt, group=len(group)))
+                layout = outcome
+                log.info(kv("allreduce retry", key=key, attempt=outcome.attempt, group=len(outcome.group)))
                 continue
             if isinstance(outcome, Abort):
                 raise CollectiveError(f"{key}: {outcome.why}")
-            return await self._commit(key, attempt, group, outcome, result, stats, contribution.tensors, excluded)
+            return await self._commit(plan, outcome, result, stats, contribution.tensors, excluded)
 
     async def _commit(
         self,
-        key: RoundKey,
-        attempt: int,
-        group: tuple[str, ...],
+        plan: AttemptPlan,
         outcome: Commit,
         result: dict[str, torch.Tensor] | None,
         stats: AttemptStats,
@@ -507,8 +513,9 @@ class SwarmCollective(Service):
     ) -> ReduceResult:
         """Our result once the coordinator committed `outcome.digest`: fetched from a holder if
         ours is missing or differs; sent to the peers that need it if we are the first holder."""
+        key, group = plan.key, plan.group
         needy = [p for p in (*outcome.resync, *outcome.unconfirmed) if p != self.peer_id]
-        resync_tag = f"ar/{key.wire}/{attempt}/resync"
+        resync_tag = f"{plan.tag}/resync"
         digest = stats.digest
         if self.peer_id in outcome.resync or result is None:
             if not outcome.holders:
@@ -547,36 +554,17 @@ class SwarmCollective(Service):
                 aggregate = flat_slice(result, a, b) if samples else None
             stats.kept = {}
             screening = RoundScreening(key.round_id, key.tag, group, digest, flags, stats.part, samples, aggregate)
-        for listener in self.screening_listeners if screening is not None else ():
-            listener(screening)
+        if screening is not None:
+            for listener in self.screening_listeners:
+                listener(screening)
         return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded, screening)
 
     async def _attempt(
-        self,
-        key: RoundKey,
-        attempt: int,
-        group: tuple[str, ...],
-        shares: tuple[int, ...],
-        taper: int,
-        contribution: Contribution,
-        codec: str,
+        self, plan: AttemptPlan, contribution: Contribution
     ) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
         """Run one attempt's data phase while watching for the coordinator's decision."""
-        phase = DataPhase(
-            self.streams,
-            self.host,
-            self.config,
-            key=key,
-            attempt=attempt,
-            group=group,
-            me=self.peer_id,
-            contribution=contribution,
-            codec=codec,
-            shares=shares,
-            taper=taper,
-            echoes=self.echoes,
-            uplink=self.uplink,
-        )
+        key, attempt = plan.key, plan.attempt
+        phase = DataPhase(self.streams, self.host, self.config, plan, contribution, self.echoes)
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []
         try:

@@ -35,7 +35,7 @@ Not here: the RPC handlers and their authentication (allreduce.py), the message 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -134,7 +134,11 @@ class Coordinator:
     def peer_id(self) -> str:
         return self.host.peer_id
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale stubs shadow trio's: no TaskStatus
+    ) -> None:
         """Own the timers' nursery until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -144,7 +148,7 @@ class Coordinator:
             finally:
                 self._nursery = None
 
-    def _start_soon(self, fn: Callable, *args: object) -> None:
+    def _start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         if self._nursery is None:
             raise RuntimeError("the coordinator is not running: start `run` in a nursery first")
         self._nursery.start_soon(fn, *args)
@@ -444,7 +448,9 @@ class Coordinator:
         assert a.outcome is not None  # set before decided
         return a.outcome
 
-    async def _decide_later(self, key: RoundKey, a: _Attempt, delay: float, decide: Callable) -> None:
+    async def _decide_later(
+        self, key: RoundKey, a: _Attempt, delay: float, decide: Callable[[RoundKey, _Attempt], None]
+    ) -> None:
         await trio.sleep(delay)
         if not a.decided.is_set() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
@@ -535,7 +541,8 @@ class Coordinator:
         missing = set(a.group) - set(a.reports)
         counts: dict[bytes, int] = {}
         for rep in done.values():
-            counts[rep.digest] = counts.get(rep.digest, 0) + 1
+            if rep.digest is not None:  # a done report without a digest (Report.parse allows it) is no vote
+                counts[rep.digest] = counts.get(rep.digest, 0) + 1
         if not counts:
             return self._retry(key, a, missing)
         best = max(counts.items(), key=lambda kv_: (kv_[1], kv_[0]))[0]

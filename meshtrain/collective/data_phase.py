@@ -73,9 +73,18 @@ once), or garbage — a contribution with NaN/inf or of the wrong size is droppe
 named in `stats.rejected`; a reduced part that does not decode, or (robust modes) is far outside
 our own contribution's range, is proof against its owner (`evidence=True`).
 
-`DataPhase` is one object per attempt: what the attempt needs is fixed at construction, and
-`run` = connect (while our input is flattened and checked: contribution.py), then `exchange`
-(both phases), under a liveness watch.
+Wire: every stripe moves as one tensor_streams transfer, named by the attempt and its place:
+`ar/<round key>/<attempt>/rs/<part>/<stripe>` carries a contribution to the part's owner (meta
+`{"w": weight}`), `.../ag/<part>/<stripe>` the reduced stripe back from it (its digest in the
+header). A name from another attempt never matches, so stale data is never mixed in.
+
+`AttemptPlan` is what one attempt is, decided before bytes move: the group and our place in it,
+the codec, every part's bounds and stripes (from the shares and taper the coordinator announced:
+every member derives the same ones, and so the same transfer names and sizes), the transfer
+deadline and our scatter slots; a value, built and checked before the attempt starts. A
+`Transfer` is one stripe's movement to a peer (name, tensors, meta, digest). `DataPhase` is one
+object per attempt, over its plan: `run` = connect (while our input is flattened and checked:
+contribution.py), then `exchange` (both phases), under a liveness watch.
 
 Not here: who is in the group and what happens after a failure (coordinator.py), the round's
 control messages (protocol.py).
@@ -86,19 +95,18 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
 
-from meshtrain.collective.compression import CodecError, get_codec
+from meshtrain.collective.compression import Codec, CodecError, get_codec
 from meshtrain.collective.contract import CollectiveError, ContributionFlag, screening_rule
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
 from meshtrain.collective.flat import all_finite, part_bounds, stripe_bounds, unflatten
-from meshtrain.collective.protocol import AllReduceConfig, RoundKey
+from meshtrain.collective.protocol import AllReduceConfig, Joined, Retry, RoundKey
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.data_channel import payload_digest
+from meshtrain.transport.data_channel import Received, payload_digest
 from meshtrain.transport.host import Host
 from meshtrain.transport.tensor_streams import TensorStreams, TransferError
 
@@ -261,72 +269,141 @@ def reduce_contributions(
     return out
 
 
+@dataclass(frozen=True)
+class AttemptPlan:
+    """What one attempt of the data phase is: everything decided before bytes move.
+
+    key / attempt: name the transfers (`tag`), so stale data from another attempt is never mixed
+    in. group: the attempt's members, sorted; `me` is in it. codec: how stripes are encoded on
+    the wire (`lossless`: "none", stripes travel as views). bounds: part j is
+    [bounds[j], bounds[j + 1]) of the flat input, owned by group[j] (flat.py `part_bounds`, sized
+    by the coordinator's shares). stripes: each part's stripe bounds (flat.py `stripe_bounds`,
+    tapered as the coordinator announced; an empty part has none). deadline: one transfer's,
+    scaled to the input's size. scatter_slots: our reduce-scatter transfers in flight at once
+    (`scatter_slots`). Every peer of the group derives the same bounds and stripes from the same
+    layout, so they agree on every transfer's name and size without a message."""
+
+    key: RoundKey
+    attempt: int
+    group: tuple[str, ...]
+    me: str
+    codec: Codec
+    bounds: tuple[int, ...]
+    stripes: tuple[tuple[int, ...], ...]
+    deadline: float
+    scatter_slots: int
+
+    @classmethod
+    def of(
+        cls,
+        key: RoundKey,
+        layout: Joined | Retry,
+        me: str,
+        numel: int,
+        config: AllReduceConfig,
+        codec: str,
+        uplink: float | None = None,
+    ) -> AttemptPlan:
+        """The plan of attempt `layout.attempt` (its group, shares and taper, as the coordinator
+        announced them) for an input of `numel` elements, `me` a member of the group; `uplink`
+        (bytes/s, if known) sizes `scatter_slots`. An unknown codec or shares that do not fit
+        the group are a `CollectiveError`."""
+        try:
+            coder = get_codec(codec)
+        except CodecError as e:
+            raise CollectiveError(str(e)) from None
+        try:
+            bounds = tuple(part_bounds(numel, len(layout.group), layout.shares))
+        except ValueError as e:
+            raise CollectiveError(f"the coordinator's part shares do not fit the group: {e}") from None
+        # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
+        # An empty part (a slow member's, shares.py) has no stripes: nothing is sent to or from it.
+        stripe = numel if config.robust != "none" else max(1, config.stripe_bytes // 4)
+        stripes = tuple(
+            tuple(stripe_bounds(a, b, stripe, layout.taper)) if b > a else (a,)
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        )
+        # In flight is counted on the wire: a stripe as its codec encodes it.
+        widest = max((b - a for part in stripes for a, b in zip(part, part[1:], strict=False)), default=0)
+        slots = scatter_slots(config, uplink, coder.encoded_nbytes(widest))
+        return cls(
+            key, layout.attempt, layout.group, me, coder, bounds, stripes, config.transfer_deadline(numel), slots
+        )
+
+    @property
+    def index(self) -> int:
+        """Our place in the group: the part we own."""
+        return self.group.index(self.me)
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        return tuple(p for p in self.group if p != self.me)
+
+    @property
+    def tag(self) -> str:
+        """The attempt's name on the wire, under which every transfer of it is named."""
+        return f"ar/{self.key.wire}/{self.attempt}"
+
+    @property
+    def lossless(self) -> bool:
+        """Stripes travel as views of the input and land in place: no encode, no decode."""
+        return self.codec.name == "none"
+
+    def stripe_count(self, part: int) -> int:
+        return len(self.stripes[part]) - 1
+
+    def stripe(self, part: int, s: int) -> tuple[int, int]:
+        """Stripe `s` of part `part`: [start, stop) of the flat input."""
+        return self.stripes[part][s], self.stripes[part][s + 1]
+
+    def subtag(self, phase: str, part: int, s: int) -> str:
+        """The name of stripe `s` of part `part` in `phase` ("rs": a contribution to its owner,
+        "ag": the reduced stripe from its owner)."""
+        return f"{self.tag}/{phase}/{part}/{s}"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One stripe's movement to a peer, ready to send: its name (`AttemptPlan.subtag`), its
+    tensors (codec-encoded; lossless, the stripe itself: in the reduce-scatter a view of our flat
+    input), its metadata (our weight, in the reduce-scatter) and, in the all-gather, the digest
+    of its bytes, hashed once for every receiver."""
+
+    subtag: str
+    parts: dict[str, torch.Tensor]
+    meta: dict[str, float] = field(default_factory=dict)
+    digest: bytes | None = None
+
+
 class DataPhase:
     """The data movement of one attempt.
 
     streams / host: the tensor data plane, and the host whose connection events tell us a peer
-    dropped. config: deadlines and the robust mode. key / attempt: name the transfers (so stale
-    data from another attempt is never mixed in). group: the attempt's members, sorted; `me` is
-    in it. contribution / codec: our input (contribution.py: flat vector and weight, once
-    ready — weight 0: we contribute nothing but still receive the result) and how parts are
-    encoded. shares: the size of each member's part
-    (shares.py, as the coordinator announced them; empty: equal parts). taper: how many of each
-    part's last stripes shrink (flat.py `stripe_bounds`, as the coordinator announced it). uplink: our link rate in
-    bytes/s if known (sizes the reduce-scatter's window, `scatter_slots`). `stats` fills in as
-    the attempt runs."""
+    dropped. config: the window, connection timeout and the robust mode. plan: the attempt
+    (`AttemptPlan`: who owns which stripes, the codec, the deadline). contribution: our input
+    (contribution.py: flat vector and weight, once ready — weight 0: we contribute nothing but
+    still receive the result). echoes: the participant's memory for replay screening (used in
+    robust modes with screening). `stats` fills in as the attempt runs."""
 
     def __init__(
         self,
         streams: TensorStreams,
         host: Host,
         config: AllReduceConfig,
-        *,
-        key: RoundKey,
-        attempt: int,
-        group: tuple[str, ...],
-        me: str,
+        plan: AttemptPlan,
         contribution: Contribution,
-        codec: str,
-        shares: tuple[int, ...] = (),
-        taper: int = 0,
         echoes: EchoMemory | None = None,
-        uplink: float | None = None,
     ) -> None:
-        try:
-            self.codec = get_codec(codec)
-        except CodecError as e:
-            raise CollectiveError(str(e)) from None
         self.streams, self.host, self.config = streams, host, config
-        self.group, self.me, self.contribution = group, me, contribution
+        self.plan, self.contribution = plan, contribution
         self.tensors = contribution.tensors
         # Our flat input and weight, set by `run` once the contribution is ready.
         self.flat, self.weight = torch.empty(0), 0.0
-        numel = contribution.numel
-        self.index = group.index(me)
-        self.others = [p for p in group if p != me]
-        self.tag = f"ar/{key.wire}/{attempt}"
-        self.round_id, self.round_tag = key.round_id, key.tag
         # Replay screening needs a part's contributions side by side: robust modes with screening.
         screens = config.screen_echo and config.screen_norm and config.robust != "none"
         self.echoes = echoes if screens else None
-        self.lossless = codec == "none"
-        try:
-            self.bounds = part_bounds(numel, len(group), shares)
-        except ValueError as e:
-            raise CollectiveError(f"the coordinator's part shares do not fit the group: {e}") from None
-        # Robust modes combine a whole part at once (clipping looks at its norm): one stripe.
-        # An empty part (a slow member's, shares.py) has no stripes: nothing is sent to or from it.
-        stripe = numel if config.robust != "none" else max(1, config.stripe_bytes // 4)
-        self.stripes = [
-            stripe_bounds(a, b, stripe, taper) if b > a else [a]
-            for a, b in zip(self.bounds, self.bounds[1:], strict=False)
-        ]
-        self.deadline = config.transfer_deadline(numel)
-        # In flight is counted on the wire: a stripe as its codec encodes it.
-        widest = max((b - a for bounds in self.stripes for a, b in zip(bounds, bounds[1:], strict=False)), default=0)
-        self.scatter_slots = scatter_slots(config, uplink, self.codec.encoded_nbytes(widest))
         # The result is assembled in place: every owner's part lands in its slice of `out`.
-        self.out = torch.empty(numel)
+        self.out = torch.empty(contribution.numel)
         self.failed: set[str] = set()
         self.stats = AttemptStats()
 
@@ -337,7 +414,7 @@ class DataPhase:
                 nursery.start_soon(self.connect_group)
                 self.flat, self.weight = await self.contribution.ready()
             if self.weight == 0:
-                self.stats.zero_weight.add(self.me)
+                self.stats.zero_weight.add(self.plan.me)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
                 await self.exchange()
@@ -381,63 +458,68 @@ class DataPhase:
                 log.info(kv("allreduce peer unreachable", peer=peer[-8:], error=repr(e)))
 
         async with trio.open_nursery() as nursery:
-            for p in self.others:
+            for p in self.plan.others:
                 nursery.start_soon(one, p)
         if self.failed:
             raise AttemptFailed(set(self.failed), "group members unreachable")
 
     async def exchange(self) -> None:
         """Reduce-scatter and all-gather, pipelined stripe by stripe (see the module docstring)."""
-        mine = self.stripes[self.index]
-        count = len(mine) - 1
+        plan = self.plan
+        index, group, others = plan.index, plan.group, plan.others
+        count = plan.stripe_count(index)
         self._contributions: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
         self._weights: list[dict[str, float]] = [{} for _ in range(count)]
-        self._missing = [len(self.others)] * count
-        self._reduced: list[tuple[dict[str, torch.Tensor], bytes | None] | None] = [None] * count
+        self._missing = [len(others)] * count
+        self._reduced: list[Transfer | None] = [None] * count  # each stripe's all-gather, once reduced
         self._ready = [trio.Event() for _ in range(count)]
         # Our reduce-scatter sends share `scatter_slots` slots, taken in stripe order across the
         # owners, so that stripes finish one after another, not all together at the end: the
         # first reduced stripes come back while we still send (see the module docstring).
-        scatter = trio.Semaphore(self.scatter_slots)
+        scatter = trio.Semaphore(plan.scatter_slots)
         async with trio.open_nursery() as nursery:
             # Owners in ring order from ours, so that the first stripes in flight spread over
             # every owner's downlink rather than all landing on the lowest ids.
-            for k in range(1, len(self.group)):
-                j = (self.index + k) % len(self.group)
-                peer = self.group[j]
-                bounds = self.stripes[j]
+            for k in range(1, len(group)):
+                j = (index + k) % len(group)
+                peer = group[j]
                 # Reduce-scatter: our slice of part j, stripe by stripe, to its owner ...
-                rs = [self._rs_job(j, s) for s in range(len(bounds) - 1)]
+                rs = [self._contribution_job(j, s) for s in range(plan.stripe_count(j))]
                 nursery.start_soon(self._pipeline, peer, rs, scatter)
                 # ... and part j's reduced stripes from it, straight into `out`.
-                for s in range(len(bounds) - 1):
+                for s in range(plan.stripe_count(j)):
                     nursery.start_soon(self._fetch, j, s, peer)
-            for peer in self.others:
+            for peer in others:
                 for s in range(count):
                     nursery.start_soon(self._collect, peer, s)
                 # All-gather: each of our reduced stripes, as soon as it is ready.
-                nursery.start_soon(self._pipeline, peer, [self._ag_job(s) for s in range(count)])
+                nursery.start_soon(self._pipeline, peer, [self._reduced_job(s) for s in range(count)])
             for s in range(count):
                 if not self._missing[s]:  # alone in the group: nothing to wait for
                     nursery.start_soon(self._reduce_stripe, s)
 
-    def _rs_job(self, j: int, s: int) -> Callable[[], Awaitable[tuple]]:
-        async def job() -> tuple:
-            a, b = self.stripes[j][s], self.stripes[j][s + 1]
-            return f"{self.tag}/rs/{j}/{s}", self._encode(self.flat[a:b]), {"w": self.weight}, None
+    def _contribution_job(self, j: int, s: int) -> Callable[[], Awaitable[Transfer]]:
+        """Our slice of stripe s of part j, encoded only when its turn to be sent comes."""
+
+        async def job() -> Transfer:
+            a, b = self.plan.stripe(j, s)
+            return Transfer(self.plan.subtag("rs", j, s), self._encode(self.flat[a:b]), {"w": self.weight})
 
         return job
 
-    def _ag_job(self, s: int) -> Callable[[], Awaitable[tuple]]:
-        async def job() -> tuple:
+    def _reduced_job(self, s: int) -> Callable[[], Awaitable[Transfer]]:
+        """Our reduced stripe s, once it is reduced."""
+
+        async def job() -> Transfer:
             await self._ready[s].wait()
-            parts, digest = self._reduced[s]  # type: ignore[misc]  # set before the event
-            return f"{self.tag}/ag/{self.index}/{s}", parts, {}, digest
+            transfer = self._reduced[s]
+            assert transfer is not None  # set before the event
+            return transfer
 
         return job
 
     async def _pipeline(
-        self, peer: str, jobs: list[Callable[[], Awaitable[tuple]]], shared: trio.Semaphore | None = None
+        self, peer: str, jobs: list[Callable[[], Awaitable[Transfer]]], shared: trio.Semaphore | None = None
     ) -> None:
         """Send `jobs` to `peer` in order, `config.window` transfers in flight: the next one's
         header and acceptance cross the link while the previous one's data still flows. With
@@ -445,9 +527,9 @@ class DataPhase:
         first served)."""
         slots = trio.Semaphore(self.config.window)
 
-        async def one(item: tuple) -> None:
+        async def one(transfer: Transfer) -> None:
             try:
-                await self._send(peer, *item)
+                await self._send(peer, transfer)
             finally:
                 slots.release()
                 if shared is not None:
@@ -462,13 +544,14 @@ class DataPhase:
 
     async def _collect(self, peer: str, s: int) -> None:
         """One contribution to stripe s of our part; the last one to arrive starts its reduction."""
-        a, b = self.stripes[self.index][s], self.stripes[self.index][s + 1]
-        got = await self._receive(peer, f"{self.tag}/rs/{self.index}/{s}", b - a)
+        index = self.plan.index
+        a, b = self.plan.stripe(index, s)
+        got = await self._receive(peer, self.plan.subtag("rs", index, s), b - a)
         w = got.meta.get("w")
         try:
             if not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
                 raise CodecError("bad weight")
-            x = self.codec.decode(got.tensors, (b - a,), torch.float32)
+            x = self.plan.codec.decode(got.tensors, (b - a,), torch.float32)
         except CodecError as e:
             self.stats.rejected[peer] = f"garbage contribution: {e}"
         else:
@@ -482,13 +565,14 @@ class DataPhase:
 
     async def _reduce_stripe(self, s: int) -> None:
         """Reduce stripe s of our part, keep the owner's exact bits in `out`, release its all-gather."""
-        a, b = self.stripes[self.index][s], self.stripes[self.index][s + 1]
+        plan, me = self.plan, self.plan.me
+        a, b = plan.stripe(plan.index, s)
         contributions, weights = self._contributions[s], self._weights[s]
-        contributions[self.me] = self.flat[a:b]
-        weights[self.me] = self.weight
-        sketch = self._drop_echoes(a, b, contributions, weights) if self.echoes is not None else None
+        contributions[me] = self.flat[a:b]
+        weights[me] = self.weight
+        sketch = self._drop_echoes(self.echoes, a, b, contributions, weights) if self.echoes is not None else None
         reduced = await trio.to_thread.run_sync(
-            reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, self.index
+            reduce_contributions, contributions, weights, self.config, self.stats.rejected, self.stats.flags, plan.index
         )
         if self.config.robust != "none" and (self.config.score_samples or sketch is not None):
             self.stats.part = (a, b)
@@ -496,29 +580,34 @@ class DataPhase:
             self.stats.kept = {
                 p: x
                 for p, x in contributions.items()
-                if p != self.me and weights.get(p, 0) > 0 and p not in self.stats.rejected
+                if p != me and weights.get(p, 0) > 0 and p not in self.stats.rejected
             }
         if sketch is not None:
             self.stats.sketch = sketch.with_aggregate(reduced)
         self._contributions[s] = {}  # the contributions are no longer needed (kept ones aside)
         parts = self._encode(reduced)
-        self.out[a:b] = reduced if self.lossless else self.codec.decode(parts, (b - a,), torch.float32)
+        self.out[a:b] = reduced if plan.lossless else plan.codec.decode(parts, (b - a,), torch.float32)
         # Hashed once, off the event loop, rather than once per receiver while sending.
-        digest = await trio.to_thread.run_sync(payload_digest, parts) if self.others else None
-        self._reduced[s] = (parts, digest)
+        digest = await trio.to_thread.run_sync(payload_digest, parts) if plan.others else None
+        self._reduced[s] = Transfer(plan.subtag("ag", plan.index, s), parts, digest=digest)
         self._ready[s].set()
 
     def _drop_echoes(
-        self, a: int, b: int, contributions: dict[str, torch.Tensor], weights: dict[str, float]
+        self,
+        echoes: EchoMemory,
+        a: int,
+        b: int,
+        contributions: dict[str, torch.Tensor],
+        weights: dict[str, float],
     ) -> PartSketch:
         """Replay screening (echoes.py), before our part [a, b) is combined: the contributions
-        that repeat an earlier round's are taken out of it (named in `stats.rejected`, kept in
-        `stats.echoes`); the sketch of every weighted contribution, theirs included."""
-        assert self.echoes is not None
+        that repeat an earlier round's in `echoes` are taken out of it (named in `stats.rejected`,
+        kept in `stats.echoes`); the sketch of every weighted contribution, theirs included."""
+        key = self.plan.key
         weighted = {p: x for p, x in contributions.items() if weights.get(p, 0) > 0 and p not in self.stats.rejected}
-        sketch = PartSketch.of(self.round_id, (a, b), self.flat.numel(), weighted)
-        for echo in self.echoes.match(self.round_tag, sketch):
-            if echo.peer != self.me:
+        sketch = PartSketch.of(key.round_id, (a, b), self.flat.numel(), weighted)
+        for echo in echoes.match(key.tag, sketch):
+            if echo.peer != self.plan.me:
                 self.stats.rejected[echo.peer] = (
                     f"repeats round {echo.earlier}'s contribution (cosine {echo.cosine:.6f})"
                 )
@@ -527,18 +616,20 @@ class DataPhase:
         return sketch
 
     async def _fetch(self, j: int, s: int, peer: str) -> None:
-        a, b = self.stripes[j][s], self.stripes[j][s + 1]
+        """Stripe s of part j, reduced, from its owner `peer`, into its slice of `out`."""
+        plan = self.plan
+        a, b = plan.stripe(j, s)
         slot = self.out[a:b]
         got = await self._receive(
-            peer, f"{self.tag}/ag/{j}/{s}", b - a, {"values": slot} if self.lossless else None, phases=2
+            peer, plan.subtag("ag", j, s), b - a, {"values": slot} if plan.lossless else None, phases=2
         )
         try:
-            if self.lossless:
+            if plan.lossless:
                 if not all_finite(slot):
                     raise CodecError("non-finite values")
                 part = slot
             else:
-                part = self.codec.decode(got.tensors, (b - a,), torch.float32)
+                part = plan.codec.decode(got.tensors, (b - a,), torch.float32)
         except CodecError as e:
             raise AttemptFailed({peer}, f"garbage reduced part from {peer[-8:]}: {e}", evidence=True) from None
         if self.config.robust != "none" and part.numel():
@@ -550,33 +641,46 @@ class DataPhase:
             if ours > 0 and self.weight > 0 and float(part.abs().max()) > self.config.owner_check * ours:
                 self.stats.rejected[peer] = "reduced part out of range"
                 raise AttemptFailed({peer}, f"reduced part from {peer[-8:]} out of range", evidence=True)
-        if not self.lossless:
+        if not plan.lossless:
             slot.copy_(part)
 
     def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.lossless:
+        if self.plan.lossless:
             return {"values": x}
         try:
-            return self.codec.encode(x)
+            return self.plan.codec.encode(x)
         except CodecError as e:  # our own input is not finite: we cannot take part
             raise CollectiveError(f"cannot encode our input: {e}") from None
 
-    async def _send(self, peer: str, subtag: str, parts: dict, meta: dict, digest: bytes | None = None) -> None:
+    async def _send(self, peer: str, transfer: Transfer) -> None:
         try:
             t0 = trio.current_time()
-            rep = await self.streams.send(peer, subtag, parts, meta=meta, digest=digest, timeout=self.deadline)
+            rep = await self.streams.send(
+                peer,
+                transfer.subtag,
+                transfer.parts,
+                meta=transfer.meta,
+                digest=transfer.digest,
+                timeout=self.plan.deadline,
+            )
             self.stats.sent += rep.nbytes
             self.stats.sends.append((t0, trio.current_time(), rep.nbytes))
         except TransferError as e:
             self.failed.add(peer)
             raise AttemptFailed({peer}, f"send to {peer[-8:]}: {e}") from None
 
-    async def _receive(self, peer: str, subtag: str, numel: int, into: dict | None = None, phases: int = 1) -> Any:
+    async def _receive(
+        self, peer: str, subtag: str, numel: int, into: dict[str, torch.Tensor] | None = None, phases: int = 1
+    ) -> Received:
         """One stripe of `numel` elements. It was asked for when the attempt began, so an
         all-gather stripe (`phases=2`) may wait for the whole reduce-scatter first."""
         try:
             got = await self.streams.receive(
-                peer, subtag, timeout=phases * self.deadline, into=into, max_bytes=2 * (4 * numel + 64) + (1 << 20)
+                peer,
+                subtag,
+                timeout=phases * self.plan.deadline,
+                into=into,
+                max_bytes=2 * (4 * numel + 64) + (1 << 20),
             )
             self.stats.received += got.nbytes
             return got
@@ -586,6 +690,6 @@ class DataPhase:
 
     async def _watch_liveness(self, scope: trio.CancelScope) -> None:
         """Cancel the attempt as soon as a peer we depend on drops its connection."""
-        gone = await self.host.wait_disconnected(self.others)
+        gone = await self.host.wait_disconnected(self.plan.others)
         self.failed.update(gone)
         scope.cancel()

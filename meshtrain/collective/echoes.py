@@ -131,7 +131,9 @@ class PartSketch:
         row, agg = self.rows[echo.peer], self.aggregate
         row_norm, agg_norm = float(row.norm()), float(agg.norm()) if agg is not None else 0.0
         norm_ratio = row_norm / agg_norm if agg_norm > 0 else 0.0
-        alignment = float(row @ agg) / (row_norm * agg_norm) if agg_norm > 0 and row_norm > 0 else 0.0
+        alignment = 0.0
+        if agg is not None and agg_norm > 0 and row_norm > 0:
+            alignment = float(row @ agg) / (row_norm * agg_norm)
         return ContributionFlag(
             echo.peer,
             part,
@@ -145,7 +147,7 @@ class PartSketch:
 
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
     """`rows` scaled to unit norm (all-zero rows stay zero)."""
-    return rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return rows.div(rows.norm(dim=1, keepdim=True).clamp_min(1e-30))
 
 
 class EchoMemory:

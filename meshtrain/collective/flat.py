@@ -113,5 +113,5 @@ def result_digest(tensors: dict[str, torch.Tensor]) -> bytes:
     h = blake3.blake3()
     for name, t in tensors.items():
         h.update(name.encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer only on Python >= 3.12
     return h.digest()

@@ -161,7 +161,10 @@ class LocalSwarm:
         if r.done.is_set() or me not in r.expected:
             raise CollectiveError(f"round {key}: joined after the group was formed; wait for the next round")
         r.arrivals[me] = ({k: v.clone() for k, v in payload.items()}, weight)
-        waiting = lambda: (r.expected & self.alive) - set(r.arrivals)  # noqa: E731
+
+        def waiting() -> frozenset[str]:
+            return (r.expected & self.alive) - set(r.arrivals)
+
         if not waiting():
             r.done.set()
         with trio.move_on_after(self.timeout if self.timeout is not None else float("inf")):

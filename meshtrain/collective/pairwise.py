@@ -11,6 +11,7 @@ anyone for longer than the deadline.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import trio
@@ -48,7 +49,7 @@ async def average_pair(
     numel = sum(v.numel() for v in tensors.values())
     deadline = timeout + 4 * numel / min_bandwidth
     base = f"pair/{round_id}/{tag}"
-    out: dict = {}
+    out: dict[str, Any] = {}  # what the two transfers below bring back
     try:
         with trio.fail_after(deadline):
             async with trio.open_nursery() as nursery:

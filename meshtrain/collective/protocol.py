@@ -193,7 +193,7 @@ class JoinRequest:
     taper: int | None = None  # the stripe taper we can cut up to (None: an old peer, none)
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
+        wire: dict[str, Any] = {"key": self.key.wire, "expected": list(self.expected), "skipped": list(self.skipped)}
         if self.uplink is not None:
             wire["uplink"] = self.uplink
         if self.taper is not None:

@@ -135,8 +135,8 @@ async def gather_over_streams(
     included: list[str] = []
     excluded = dict(agreed.excluded)
     for j, p in enumerate(group):
-        have, h, h2 = (float(x) for x in m[2 + 3 * j : 5 + 3 * j])
-        if have == 1.0 and h2 == h * h:
+        have, h_sum, h2_sum = (float(x) for x in m[2 + 3 * j : 5 + 3 * j])
+        if have == 1.0 and h2_sum == h_sum * h_sum:
             included.append(p)
         else:
             excluded.setdefault(
