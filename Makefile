@@ -25,7 +25,7 @@ test: $(STAMP) typecheck
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not nat"
 
-# mypy over meshtrain/ ([tool.mypy] in pyproject.toml: optim/ strict); under a minute cold, ~2 s warm (.mypy_cache).
+# mypy over meshtrain/ ([tool.mypy] in pyproject.toml: collective/ and optim/ strict); under a minute cold, ~2 s warm (.mypy_cache).
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
