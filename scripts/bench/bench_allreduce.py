@@ -138,12 +138,13 @@ def run_swarm(peers: int, mb: int, rounds: int) -> dict:
     for out in rows:
         for row in out:
             by_round.setdefault(row["round"], []).append(row)
-    timed = [max(x["s"] for x in by_round[r]) for r in range(1, rounds + 1)]
+    # A round in which every peer failed has no time: it is reported under `errors`, not timed.
+    timed = [max(ok) for r in range(1, rounds + 1) if (ok := [x["s"] for x in by_round.get(r, []) if "s" in x])]
     fail_rows = [x for x in by_round.get(rounds + 1, []) if "s" in x]
     digests_equal = all(len({x.get("digest") for x in by_round[r] if "s" in x}) == 1 for r in by_round)
     errors = [x for r in by_round.values() for x in r if "error" in x]
     return {
-        "allreduce_s": statistics.median(timed),
+        "allreduce_s": statistics.median(timed) if timed else None,
         "rounds_s": timed,
         "with_failure_s": max(x["s"] for x in fail_rows) if fail_rows else None,
         "failure_round_contributors": fail_rows[0]["contributors"] if fail_rows else None,
