@@ -19,6 +19,7 @@ X = {"w": torch.ones(3)}
         ("tensors", {"tensors": [torch.ones(3)]}),
         ("tensors", {"tensors": {"w": [1.0, 2.0]}}),
         ("tensors", {"tensors": {1: torch.ones(3)}}),
+        ("tensors", {"tensors": {"w": torch.ones(3, device="meta")}}),  # off the host: CUDA's case on CPU
         ("round_id", {"round_id": -1}),
         ("round_id", {"round_id": 1.0}),
         ("round_id", {"round_id": True}),
@@ -96,3 +97,25 @@ def test_a_wrapper_changes_one_field_of_the_request():
     trio.run(main)
     assert torch.equal(out["honest"].tensors["w"], torch.full((2,), 3.0))
     assert out["honest"].digest == out["zeros"].digest
+
+
+async def test_a_hook_that_returns_device_tensors_is_named_not_a_type_error_in_the_codec():
+    """An outer optimizer whose pseudo_gradient leaves its tensors on a device (the meta device
+    stands in for CUDA here) fails its round with the request's one-line ValueError naming the
+    hook, before any byte is encoded."""
+    from meshtrain.models import GPT, Corpus, GPTConfig
+    from meshtrain.optim import DiLoCo
+
+    class OnDevice(DiLoCo):
+        def pseudo_gradient(self, names):
+            return {k: v.to("meta") for k, v in super().pseudo_gradient(names).items()}
+
+    corpus = Corpus.default()
+    model = GPT(GPTConfig.tiny(corpus.vocab_size), seed=0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = OnDevice(model, inner, LocalSwarm(1).member(0), H=1)
+    x, y = corpus.batch(4, 16, seed=0, peer=0, step=0)
+    model(x, y).loss.backward()
+    async with outer:
+        with pytest.raises(ValueError, match=r"on meta: a collective takes host \(CPU\) tensors.*pseudo_gradient"):
+            await outer.astep()

@@ -141,8 +141,8 @@ class RoundScreening:
 class RoundRequest:
     """What one call of a collective asks for (module docstring, "The request").
 
-    tensors: our input, by name; the result has the same names, shapes and dtypes. Not copied:
-        the caller must not change them while the call runs.
+    tensors: our input, by name, on the host (CPU); the result has the same names, shapes and
+        dtypes. Not copied: the caller must not change them while the call runs.
     round_id: the round, an int >= 0 that every peer of the round passes alike.
     tag: tells apart the exchanges of one round (a fragment, a stage, a consensus term); "" if one.
     codec: how the tensors travel, one of compression.py's `CODECS`.
@@ -165,6 +165,14 @@ class RoundRequest:
         ):
             raise ValueError(
                 f"RoundRequest.tensors must be a dict of name -> torch.Tensor, got {type(self.tensors).__name__}"
+            )
+        if off_host := next((k for k, v in self.tensors.items() if v.device.type != "cpu"), None):
+            # Collectives move host memory (the data plane reads it as bytes): a device tensor
+            # would fail deep in the codec with torch's TypeError; refused here, once, by name.
+            raise ValueError(
+                f"RoundRequest.tensors[{off_host!r}] is on {self.tensors[off_host].device}: a collective "
+                "takes host (CPU) tensors; the hook that made it (an outer optimizer's pseudo_gradient "
+                "or communicate) must return them on the host (.cpu())"
             )
         if not is_int(self.round_id) or self.round_id < 0:
             raise ValueError(f"RoundRequest.round_id must be an int >= 0, got {self.round_id!r}")
