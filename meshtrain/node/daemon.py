@@ -3,7 +3,8 @@
     start ─► resolve the swarm spec (file, or fetched from the peer we join, verified)
           ─► Host ─► TensorStreams (data plane) ─► NatTraversal (if enabled)
           ─► PeerPresence: DHT, mDNS, CRDT membership (as "syncing"), re-dialling
-          ─► SwarmCollective ─► Trainer ─► RunState ─► StatusServer ─► daemon.json
+          ─► SwarmCollective ─► StatusServer ─► daemon.json
+          ─► Trainer, built in a worker thread ("preparing") ─► RunState
           ─► the training run (node/training_run.py: enter, train, stop, checkpoint, leave) until
              the spec's steps, `stop()` or SIGINT/SIGTERM (a second signal exits at once)
           ─► remove daemon.json; exit 0
@@ -26,6 +27,16 @@ Every all-reduce of the swarm (the optimizer's, and any other through `node.coll
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the
 collective's `AllReduceConfig` from `SwarmSpec.aggregation_options()`; `meshtrain.Swarm` runs this
 same Node, so a loop of your own gets it too.
+
+Start-up never freezes the node. Everything that may take long with a real model and corpus —
+loading the model, digesting and tokenising the dataset (`Trainer`, `load_data`), hashing the
+model's files against the spec's pins (node/spec/resolve.py) — runs in a worker thread, while the
+trio thread keeps heartbeating (as "syncing": rounds do not wait for us), serving `/status` (state
+"preparing", `training.waiting` saying what) and `node stop`, and hearing Ctrl-C. The status
+server and daemon.json come before the trainer, so `node status`/`node stop` find a preparing
+node. A stop while preparing ends start-up at once (`StoppedWhileStarting`, exit 130); the
+worker thread, which cannot be interrupted mid-call, is abandoned (trio's workers are daemon
+threads: the process exits without waiting for it).
 
 Membership for a round is the live peers whose role is "trainer" and whom we are connected to: a
 peer still downloading state is not waited for, and a peer whose connection closed (killed,
@@ -56,6 +67,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +81,7 @@ from meshtrain.dht.discovery import Discovery
 from meshtrain.durable import write_atomic
 from meshtrain.errors import ConfigError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
-from meshtrain.node.phase import NodeError, Phase, StopRequest
+from meshtrain.node.phase import NodeError, Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import resolve_device
 from meshtrain.node.spec.config import NodeConfig
@@ -177,7 +189,7 @@ class Node:
 
     @property
     def state(self) -> str:
-        """starting, syncing, training, stopping."""
+        """starting, preparing (the model and data: `_prepare`), syncing, training, stopping."""
         return self.phase.value
 
     @property
@@ -268,6 +280,9 @@ class Node:
             self.network_ready.set()
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
+            await self._start_status(stack)
+            self._write_daemon_file(host, signed)
+            stack.callback((self.data_dir / DAEMON_FILE).unlink, missing_ok=True)
             trainer = await self._start_trainer(stack, host, signed, presence, collective)
             run_state = self.run_state = await stack.enter_async_context(
                 RunState(trainer, presence, streams, self.config, self.data_dir, phase=self.phase, stop=self._stop)
@@ -285,15 +300,10 @@ class Node:
             # Grouped rounds: replicas in different groups hold different φ by design (node/state/parity.py).
             run_state.parity.paused_by = lambda: "rounds run in groups (group_size)" if collective.grouped else ""
             await self._announce_reachability(stack, presence)
-            await self._start_status(stack)
-            self._write_daemon_file(host, signed)
-            try:
-                if self._user_loop:
-                    return await training.serve_loop(trainer, self._outer_entered)
-                assert isinstance(trainer, Trainer)
-                return await training.train(trainer, self._until(trainer.spec.steps))
-            finally:
-                (self.data_dir / DAEMON_FILE).unlink(missing_ok=True)
+            if self._user_loop:
+                return await training.serve_loop(trainer, self._outer_entered)
+            assert isinstance(trainer, Trainer)
+            return await training.train(trainer, self._until(trainer.spec.steps))
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _start_network(self, stack: AsyncExitStack) -> tuple[Host, SignedSpec, TensorStreams, PeerPresence]:
@@ -386,16 +396,19 @@ class Node:
             self.trainer = self._adopted
             return self._adopted
         local = self.local
-        ours = local.collective(collective) if local else collective
-        trainer = self.trainer = Trainer(
-            signed.spec,
-            adversary.wrap(self.adversary, ours),
-            host.peer_id,
-            model=self._model,
-            outer_factory=self._outer_factory,
-            local=local,
-            device=None if local else resolve_device(self.config.device),
-            data_dir=self.data_dir,
+        ours = adversary.wrap(self.adversary, local.collective(collective) if local else collective)
+        device = None if local else resolve_device(self.config.device)
+        trainer = self.trainer = await self._prepare(
+            lambda: Trainer(
+                signed.spec,
+                ours,
+                host.peer_id,
+                model=self._model,
+                outer_factory=self._outer_factory,
+                local=local,
+                device=device,
+                data_dir=self.data_dir,
+            )
         )
         adversary.arm(self.adversary, trainer, presence.view)
         if presence.strikes is not None and collective.config.score_samples and local is None:
@@ -480,6 +493,28 @@ class Node:
         if self.trainer is None or self.state != "training":
             return None
         return self.trainer.step
+
+    async def _prepare(self, build: Callable[[], Trainer]) -> Trainer:
+        """`build()` the trainer — the model loaded, the dataset digested and tokenised: seconds
+        to hours — in a worker thread, as the module docstring says: the node stays live
+        meanwhile, and a stop ends start-up at once (`StoppedWhileStarting`)."""
+        self.phase.set("preparing")
+        self._say_waiting("preparing: loading the model, digesting and tokenising the data")
+        built: list[Trainer] = []
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_stop() -> None:
+                await self._stop.requested.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_on_stop)
+            # trio-typing's stubs predate abandon_on_cancel (trio >= 0.23)
+            built.append(await trio.to_thread.run_sync(build, abandon_on_cancel=True))  # type: ignore[call-arg]
+            nursery.cancel_scope.cancel()
+        if not built:
+            raise StoppedWhileStarting("stopped while preparing the model and data; nothing was trained")
+        self._say_waiting(None)
+        return built[0]
 
     async def _watch_signals(self) -> None:
         signalled = False  # a stop for another reason (a failed local rank) is not a first signal

@@ -1,6 +1,6 @@
 """Where a node is in its life and how it is stopped: `Phase`, `StopRequest`, `NodeError`.
 
-`Phase` is the node's state (starting, syncing, training, stopping) with its recent history, so
+`Phase` is the node's state (starting, preparing, syncing, training, stopping) with its recent history, so
 a console polling slower than the changes still prints each one; the status document, the
 console and the training run read it, the run state and the training run set it. `StopRequest`
 is how a stop reaches the trainer's thread (a `threading.Event`) and the trio tasks (a
@@ -32,7 +32,7 @@ class StoppedWhileStarting(NodeError):
 
 
 class Phase:
-    """The node's state — starting, syncing, training, stopping — and its last `STATE_LOG`
+    """The node's state — starting, preparing, syncing, training, stopping — and its last `STATE_LOG`
     values, with how many changes there were (`meshtrain.node.status.console` prints each)."""
 
     def __init__(self) -> None:

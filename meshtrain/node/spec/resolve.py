@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import trio
+
 from meshtrain.backoff import Backoff
 from meshtrain.dht.records import DhtError
 from meshtrain.errors import ConfigError, MeshtrainError
@@ -106,9 +108,16 @@ class SpecResolver:
                 f"swarm {signed.swarm_id} is private: pass its key (--swarm-key, or MESHTRAIN_SWARM_KEY; "
                 f"`swarm create --private` wrote it to the creator's data dir)"
             )
-        # our copy of the model and tokenizer files must be the swarm's
-        check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
-        check_outer_copy(spec)
+
+        # Our copy of the model, tokenizer and py: optimizer files must be the swarm's: hashed in a
+        # worker thread (a model of many GB takes seconds) while the node stays live.
+        def check_copies() -> None:
+            check_local_copy(
+                spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest
+            )
+            check_outer_copy(spec)
+
+        await trio.to_thread.run_sync(check_copies)
         existing = self.data_dir / SPEC_FILE
         if existing.exists():
             old = SignedSpec.load(existing)

@@ -28,8 +28,8 @@ Routes:
                       202 once started (progress: `pipeline.export`); 400 if it cannot start
 
 The status document (`Node.snapshot()`):
-    node:       peer_id, name, version, started, uptime_s, swarm, state (starting, syncing,
-                training, stopping), state_changes (how many so far), recent_states (the last 8,
+    node:       peer_id, name, version, started, uptime_s, swarm, state (starting, preparing,
+                syncing, training, stopping), state_changes (how many so far), recent_states (the last 8,
                 oldest first, ending with state), listen, reachability,
                 device ("cpu", "cuda:0 (<GPU name>)"), local_ranks (processes in this peer),
                 local_rank_pids (their process ids, by local rank),

@@ -197,7 +197,7 @@ def status_document(node: Node) -> dict[str, Any]:
     if pipeline is not None:
         training.update(pipeline.training_status())
     training.update(round_status(node))
-    if training.get("waiting") is None and node.state == "starting":
+    if training.get("waiting") is None and node.state in ("starting", "preparing"):
         # What start-up waits for (rounds say it themselves through round_status).
         if node.signed is None and node.join_address is not None and node.join_address.addr:
             training["waiting"] = f"fetching the swarm spec from {node.join_address.addr}"
