@@ -111,7 +111,7 @@ def test_py_factory_round_trips_through_export(tmp_path):
     info = export_model(tmp_path / "d", tmp_path / "out")
     assert info["model_digest"].startswith("source=")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["factory"] == spec.model and config["vocab_size"] == 256
+    assert config["factory"] == spec.model.source and config["vocab_size"] == 256
     from safetensors.torch import load_model
 
     from meshtrain.models.sources import build_model

@@ -154,7 +154,7 @@ def test_the_recomputation_is_the_trainers_own_steps_when_the_state_is_fresh() -
 
 
 def test_the_spec_keys_and_the_sample() -> None:
-    assert SwarmSpec(model="gpt-tiny").spot_check_steps == 0  # off by default
+    assert SwarmSpec(model="gpt-tiny").verification.spot_check_steps == 0  # off by default
     spec = SwarmSpec(model="gpt-tiny", spot_check_steps=5, spot_check_samples=3, score_samples=2)
     assert spec.aggregation_options()["score_samples"] == 3  # the collective keeps the larger sample
     assert SwarmSpec(model="gpt-tiny", score_samples=2).aggregation_options()["score_samples"] == 2

@@ -71,7 +71,7 @@ async def test_resume_from_a_checkpoint_on_disk_trains_the_same_samples_bit_exac
         batch = t.batch
 
         def recorded(step: int):
-            ids = t.corpus.sample_ids(spec.batch_size, t.context, seed=spec.seed, peer=t.peer_id, step=step)
+            ids = t.corpus.sample_ids(spec.data.batch_size, t.context, seed=spec.seed, peer=t.peer_id, step=step)
             log.append((step, ids.tolist()))
             return batch(step)
 

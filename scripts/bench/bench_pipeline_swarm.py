@@ -388,7 +388,7 @@ def assembled_eval_loss(d: Daemons) -> float:
             weights.setdefault(stage, stage_weights(ck.state, stage))
     model, _ = assemble(signed, weights)
     corpus = load_data(signed.spec, d.dirs[0])
-    context = resolve_context(model, signed.spec.context, signed.spec.model)
+    context = resolve_context(model, signed.spec.model.context, signed.spec.model.source)
     with torch.no_grad():
         losses = [model(x, y) for x, y in corpus.eval_batches(8, 16, context)]
     return float(torch.stack([loss_of(out) for out in losses]).mean())

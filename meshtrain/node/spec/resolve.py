@@ -101,13 +101,18 @@ class SpecResolver:
                 )
             signed = SignedSpec.load(path)
         spec = signed.spec
-        if spec.admission == "private" and self.config.swarm_key is None:
+        if spec.admission.mode == "private" and self.config.swarm_key is None:
             raise ConfigError(
                 f"swarm {signed.swarm_id} is private: pass its key (--swarm-key, or MESHTRAIN_SWARM_KEY; "
                 f"`swarm create --private` wrote it to the creator's data dir)"
             )
         # our copy of the model and tokenizer files must be the swarm's
-        check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
+        check_local_copy(
+            spec.model.source,
+            spec.model.tokenizer,
+            model_pin=spec.model.digest,
+            tokenizer_pin=spec.model.tokenizer_digest,
+        )
         check_outer_copy(spec)
         existing = self.data_dir / SPEC_FILE
         if existing.exists():
