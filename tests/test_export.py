@@ -222,7 +222,7 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     )
     assert r.returncode == 0, r.stderr
     spec = json.loads((homes["a"] / "data" / "swarm.json").read_text())["spec"]
-    assert spec["model_digest"].startswith("config=") and ",weights=" in spec["model_digest"]
+    assert spec["model"]["digest"].startswith("config=") and ",weights=" in spec["model"]["digest"]
     logs = {n: tmp_path / f"{n}.log" for n in homes}
     pa = start(homes["a"], "--wait-peers", "2", log=logs["a"])
     addr = wait_daemon(homes["a"] / "data", pa, logs["a"])["addrs"][0]

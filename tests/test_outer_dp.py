@@ -10,9 +10,10 @@ import torch
 import trio
 
 from meshtrain.collective import AllReduceConfig, LocalSwarm
+from meshtrain.collective.spec_section import AGGREGATIONS
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.outer import build_outer, check_matches
-from meshtrain.node.spec.swarm import AGGREGATIONS, SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
 from meshtrain.optim import DataParallel, OuterStateError
 
 from .test_node_cli import cli

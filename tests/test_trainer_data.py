@@ -131,7 +131,7 @@ def test_cli_pins_the_dataset_and_a_node_with_other_files_is_refused_in_one_line
     data = write_jsonl(tmp_path / "corpus.jsonl")
     create(tmp_path / "a", "--model", "gpt-tiny", "--dataset", str(data))
     spec = json.loads((tmp_path / "a" / "swarm.json").read_text())["spec"]
-    assert spec["dataset_digest"] == dataset_digest(data)
+    assert spec["data"]["dataset_digest"] == dataset_digest(data)
     write_jsonl(data, 399)
     r = cli("node", "start", "--data-dir", str(tmp_path / "a"), *LOOPBACK)
     lines = r.stderr.strip().splitlines()
