@@ -448,7 +448,10 @@ def test_spec_outer_lr_and_beta_default_to_sparselocos_own():
     given = parse_spec({"optimizer": "sparseloco", "outer_lr": 0.65, "error_decay": 0.95})
     assert (given.outer.outer_lr, given.outer.error_decay) == (0.65, 0.95)
     for other in ("diloco", "streaming", "noloco"):  # their specs (and swarm ids) unchanged
-        assert (parse_spec({"optimizer": other}).outer.outer_lr, parse_spec({"optimizer": other}).outer.error_decay) == (0.7, 0.95)
+        assert (
+            parse_spec({"optimizer": other}).outer.outer_lr,
+            parse_spec({"optimizer": other}).outer.error_decay,
+        ) == (0.7, 0.95)
 
 
 def test_vectors_keep_vector_k_of_every_vector_chunk_and_matrices_k_of_every_chunk():

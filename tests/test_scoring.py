@@ -202,7 +202,9 @@ def test_score_batches_out_of_range_is_a_one_line_spec_error(value) -> None:
     with pytest.raises(ConfigError, match="score_batches") as e:
         parse_spec({"model": "gpt-tiny", "score_batches": value})
     assert "\n" not in str(e.value)
-    assert parse_spec({"model": "gpt-tiny", "score_batches": 64, "H": 5}).verification.score_batches == 64  # all H are scored
+    assert (
+        parse_spec({"model": "gpt-tiny", "score_batches": 64, "H": 5}).verification.score_batches == 64
+    )  # all H are scored
 
 
 def test_the_sample_is_a_function_of_the_committed_digest() -> None:

@@ -175,6 +175,9 @@ class OuterOptimizer(OuterRounds):
         otherwise; False: the mean unless the spec names a rule.
     `not_robust_reason` (default None: the spec may name a robust rule): why no robust aggregation
         rule can combine its exchange; a spec whose `aggregation` is not mean is refused with it.
+    `check_spec(spec)` (default: nothing to check): the rules its hyper-parameters in the spec's
+        `outer` section must keep (Streaming DiLoCo's schedule, dp's H = 1); a `ValueError` says
+        which, and the spec is refused with it.
 
     `from_spec(model, inner, collective, spec)`: how the node builds it from the spec's `outer`
     section (`OuterSpec`); the default is `cls(model, inner, collective, H=spec.H)`. Define it to
@@ -196,6 +199,10 @@ class OuterOptimizer(OuterRounds):
     ungrouped_reason: ClassVar[str | None] = None
     dense_all_reduce: ClassVar[bool] = False
     not_robust_reason: ClassVar[str | None] = None
+
+    @classmethod
+    def check_spec(cls, spec: OuterSpec) -> None:
+        """The rules `spec` must keep for this optimizer (the class docstring); `ValueError` if not."""
 
     @classmethod
     def from_spec(

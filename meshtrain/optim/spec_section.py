@@ -7,9 +7,9 @@ docstring); `declared` is the class a spec is checked with. A spec that names a 
 checked with `OuterOptimizer`'s own values: a spec is parsed (from the network, too) before and
 without loading the code it names. The section satisfies `OuterSpec`, what `from_spec` reads.
 
-Its rules (`check`): Streaming DiLoCo's schedule (H, fragments, delay; eager needs a delay), dp's
-H = 1, SparseLoCo's k <= chunk, and `group_size` (0, >= 2, and only for optimizers whose rounds
-may run in groups). Rules that also read other sections (dp and fp16, spot-checks, robust
+Its rules (`check`): the optimizer's own, which its class declares (`check_spec`: Streaming
+DiLoCo's schedule — H, fragments, delay; eager needs a delay —, dp's H = 1, SparseLoCo's
+k <= chunk), and `group_size` (0, >= 2, and only for optimizers whose rounds may run in groups). Rules that also read other sections (dp and fp16, spot-checks, robust
 aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
 
 Not here: building the optimizer from the spec (node/spec/outer.py), the algorithms (this package).
@@ -22,7 +22,6 @@ from pydantic import Field, field_validator
 from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
 from meshtrain.optim import BUILTIN_OPTIMIZERS, OuterOptimizer
-from meshtrain.optim.schedule import RoundSchedule
 from meshtrain.pyref import PyRef
 from meshtrain.spec_section import SpecSection
 
@@ -106,15 +105,10 @@ class OuterSection(SpecSection):
         return declared(self.optimizer)
 
     def check(self) -> None:
-        if self.optimizer == "streaming":
-            try:
-                RoundSchedule(self.H, self.fragments, self.delay)
-            except ValueError as e:
-                raise ConfigError(f"swarm spec: {e}") from None
-            if self.eager and self.delay < 1:
-                raise ConfigError("swarm spec: eager updates need delay >= 1")
-        if self.optimizer == "dp" and self.H != 1:
-            raise ConfigError(f"swarm spec: dp all-reduces gradients every step; H must be 1, not {self.H}")
+        try:
+            self.declared.check_spec(self)
+        except ValueError as e:
+            raise ConfigError(f"swarm spec: {e}") from None
         if self.group_size == 1:
             raise ConfigError(
                 "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"
@@ -123,8 +117,4 @@ class OuterSection(SpecSection):
             raise ConfigError(
                 f"swarm spec: group_size does not apply to {self.optimizer}: {self.declared.ungrouped_reason} "
                 "(leave group_size 0)"
-            )
-        if self.optimizer == "sparseloco" and self.sparse_k > self.sparse_chunk:
-            raise ConfigError(
-                f"swarm spec: sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})"
             )
