@@ -623,7 +623,7 @@ def equal_wall_eval(
 
 def main() -> None:
     global N_DAEMONS, N_STAGES, MODEL  # the run's size and model (module docstring); every run reads them
-    from meshtrain.node.spec.swarm import SwarmSpec
+    from meshtrain.optim.spec_section import OuterSection
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="iterations of runs 1-3 (a multiple of H = 20)")
@@ -662,10 +662,10 @@ def main() -> None:
     size = {
         "model": MODEL.name,
         "outer": {  # the DiLoCo replica sync's outer optimizer
-            "lr": args.outer_lr if args.outer_lr is not None else SwarmSpec.model_fields["outer_lr"].default,
+            "lr": args.outer_lr if args.outer_lr is not None else OuterSection.model_fields["outer_lr"].default,
             "momentum": args.outer_momentum
             if args.outer_momentum is not None
-            else SwarmSpec.model_fields["outer_momentum"].default,
+            else OuterSection.model_fields["outer_momentum"].default,
         },
         "steps": steps,
         "H": H,
