@@ -63,14 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     with swarm:
         opt = meshtrain.DiLoCo(
             model,
-            torch.optim.AdamW(model.parameters(), lr=swarm.spec.inner_lr),
+            torch.optim.AdamW(model.parameters(), lr=swarm.spec.outer.inner_lr),
             swarm,
-            H=swarm.spec.H,
-            lr=swarm.spec.outer_lr,
-            momentum=swarm.spec.outer_momentum,
+            H=swarm.spec.outer.H,
+            lr=swarm.spec.outer.outer_lr,
+            momentum=swarm.spec.outer.outer_momentum,
         )
         while swarm.step < args.steps:
-            x, y = corpus.batch(swarm.spec.batch_size, 64, seed=swarm.spec.seed, peer=swarm.peer_id, step=swarm.step)
+            x, y = corpus.batch(
+                swarm.spec.data.batch_size, 64, seed=swarm.spec.seed, peer=swarm.peer_id, step=swarm.step
+            )
             loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
             loss.backward()
             opt.step()

@@ -1712,7 +1712,11 @@ async def positive_control(swarm: Swarm, results: Results, oracles: Oracles, sta
     owner = swarm.nodes[0].signed.owner
     join_flagged = False
     spec = swarm.nodes[0].signed.spec  # an open swarm admits an identity that shows its proof of work
-    proof = {POW_CAP: mint_pow(swarm.swarm_id, insider.peer_id, spec.pow_bits)} if spec.admission == "open" else {}
+    proof = (
+        {POW_CAP: mint_pow(swarm.swarm_id, insider.peer_id, spec.admission.pow_bits)}
+        if spec.admission.mode == "open"
+        else {}
+    )
     async with open_swarm_view(insider, swarm.swarm_id, owner, role="trainer", capabilities=proof, recover_timeout=2.0):
         with trio.move_on_after(15):
             while not all(n.view.is_live(insider.peer_id) for n in swarm.nodes):

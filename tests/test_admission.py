@@ -94,7 +94,7 @@ def test_open_admission_needs_a_valid_proof_except_from_the_owner() -> None:
 
 def test_allowlist_admission_takes_the_signed_list_and_the_owner() -> None:
     s = signed(admission="allowlist", allowlist=(PEERS[0], PEERS[0]))
-    assert s.spec.allowlist == (PEERS[0],)  # duplicates dropped
+    assert s.spec.admission.allowlist == (PEERS[0],)  # duplicates dropped
     rule = Admission(s)
     assert rule.reason(PEERS[0], {}) is None and rule.reason(OWNER.peer_id_str, {}) is None
     assert rule.reason(PEERS[1], {POW_CAP: 0}) == NOT_ALLOWED  # a proof of work buys nothing here
@@ -247,7 +247,7 @@ def test_swarm_create_private_writes_a_secret_key_and_a_private_spec(tmp_path, c
     key_file = data / "swarm.key"
     assert out["admission"] == "private" and out["swarm_key_file"] == str(key_file)
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_text().strip()) == 64
-    assert SignedSpec.load(out["spec"]).spec.admission == "private"
+    assert SignedSpec.load(out["spec"]).spec.admission.mode == "private"
     assert main(["swarm", "create", "--data-dir", str(data), "--private", "--admission", "open"]) == 2
     assert "contradict" in capsys.readouterr().err
 

@@ -1,6 +1,6 @@
 """Verification end to end: an open swarm of four real `Node`s on loopback (gpt-tiny,
 robust by default), one of them an adversary (`MESHTRAIN_ADVERSARY`, node/trust/adversary.py). The
-honest owners flag its contributions, file strikes, and after `spec.strikes` rounds every honest
+honest owners flag its contributions, file strikes, and after `spec.verification.strikes` rounds every honest
 peer excludes it; no honest peer is ever excluded (with screening alone, never even flagged), and
 the rounds go on without it. A replay of its first update passes norm and direction screening
 while it points the right way; replay screening (collective/echoes.py, on by default) drops and
@@ -75,7 +75,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         spot_check_samples=PEERS,
         **overrides,
     )
-    assert spec.aggregation == "trimmed_mean" and spec.strikes == 3  # the open swarm's defaults
+    assert spec.aggregation.rule == "trimmed_mean" and spec.verification.strikes == 3  # the open swarm's defaults
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "n0"))
     nodes: list[meshtrain.Node] = []
     histories: dict[int, list] = {}  # each honest peer's rounds when the swarm was stopped
@@ -134,7 +134,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
             # quorum in a round now and then (node/trust/scoring.py, "Not caught"; 3 of 25 runs here),
             # and so do spot-checks (two owners in one round while the replay was in it, 1 of 6
             # runs here): the promise is that such a round never adds up to an exclusion.
-            assert all(not s.excluded and s.rounds < spec.strikes for s in others.values()), standing
+            assert all(not s.excluded and s.rounds < spec.verification.strikes for s in others.values()), standing
         else:
             assert not others, standing
         history = histories[i]
@@ -148,7 +148,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
     shown = doc["node"]["admission"]["standing"][liar.host.peer_id]
     assert shown["excluded"] and shown["strikes"] >= 3
     assert list(doc["node"]["admission"]["ignored"]) == [liar.host.peer_id]
-    assert all(p["strikes"] < spec.strikes if samples or spot else p["strikes"] == 0 for p in doc["peers"])
+    assert all(p["strikes"] < spec.verification.strikes if samples or spot else p["strikes"] == 0 for p in doc["peers"])
     if samples:
         # Every owner scored rounds. Whether loss strikes or screening's count first against a
         # replay of round 1 within 12 rounds varies from run to run (screening flags it once it has
@@ -169,5 +169,5 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         assert sum(n.presence.strikes.filed_other_phi for n in honest) >= 2, doc["node"]["admission"]["other_phi"]
     if mode == "replay" and not overrides:  # every counted round of the replay was an echo's
         standings = [n.presence.standing()[liar.host.peer_id] for n in honest]
-        assert all(s.by_echo == s.rounds >= spec.strikes for s in standings), standings
+        assert all(s.by_echo == s.rounds >= spec.verification.strikes for s in standings), standings
         assert shown["by_echo"] == shown["strikes"]

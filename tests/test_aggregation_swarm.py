@@ -50,7 +50,9 @@ def _recording(spec: meshtrain.SwarmSpec, *, garbage: bool):
             super().apply(result, names)
             self.phis.append(self._phi())
 
-    return lambda model, inner, col: DiLoCo(model, inner, col, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+    return lambda model, inner, col: DiLoCo(
+        model, inner, col, H=spec.outer.H, lr=spec.outer.outer_lr, momentum=spec.outer.outer_momentum
+    )
 
 
 def mesh_config(d: Path, nodes: list[meshtrain.Node], peers: int) -> meshtrain.NodeConfig:

@@ -139,7 +139,9 @@ def _diverging_diloco(at_round: int):
                     self.outer_params[n].add_(1e-3)
 
     def factory(model, inner, collective, spec):
-        return DiLoCo(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        return DiLoCo(
+            model, inner, collective, H=spec.outer.H, lr=spec.outer.outer_lr, momentum=spec.outer.outer_momentum
+        )
 
     return factory
 
@@ -222,7 +224,9 @@ def _refused_diloco(at_round: int):
             return await super().communicate(tensors, round_id=round_id, tag=tag, weight=weight)
 
     def factory(model, inner, collective, spec):
-        return DiLoCo(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        return DiLoCo(
+            model, inner, collective, H=spec.outer.H, lr=spec.outer.outer_lr, momentum=spec.outer.outer_momentum
+        )
 
     return factory
 
@@ -288,7 +292,7 @@ async def test_joiner_whose_donors_disagree_joins_anyway(tmp_path):
         nursery.start_soon(run, "c", c)
         await _until(lambda: c.joined_from is not None or "c" in results, 120, "c joins")
         assert "c" not in results, results.get("c")
-        await _until(lambda: c.trainer.outer.rounds >= c.joined_from["step"] // spec.H + 1, 60, "c trains")
+        await _until(lambda: c.trainer.outer.rounds >= c.joined_from["step"] // spec.outer.H + 1, 60, "c trains")
         for n in (a, b, c):
             n.stop()
     for name in "abc":
@@ -330,12 +334,14 @@ async def test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_pr
     results: dict[str, object] = {}
 
     def stop_in_a_round_step(outer) -> None:  # b's step hook, in b's trainer thread
-        if not stopped_at and outer.rounds >= 2 and (outer.inner_steps + 1) % spec.H == 0:
+        if not stopped_at and outer.rounds >= 2 and (outer.inner_steps + 1) % spec.outer.H == 0:
             stopped_at.append(time.monotonic())
             b.stop()  # the trio side reads the stop while this step goes on to start the round
 
     def stopping_diloco(model, inner, collective):
-        opt = meshtrain.DiLoCo(model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        opt = meshtrain.DiLoCo(
+            model, inner, collective, H=spec.outer.H, lr=spec.outer.outer_lr, momentum=spec.outer.outer_momentum
+        )
         opt.step_hooks.append(stop_in_a_round_step)
         return opt
 
@@ -356,7 +362,7 @@ async def test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_pr
         a.stop()
     rb = results["b"]
     assert rb.checkpoint is not None, "b saved nothing"
-    assert rb.step % spec.H == 0 and rb.rounds >= 3, rb  # it took part in the round its last step started
+    assert rb.step % spec.outer.H == 0 and rb.rounds >= 3, rb  # it took part in the round its last step started
     saved = CheckpointStore(tmp_path / "b" / "checkpoints").load_latest()
     assert saved is not None and saved.step == rb.step
     assert took < 8, took  # within STOP_GRACE: no round waited for in vain

@@ -29,10 +29,11 @@ def test_configuration_reference_is_rendered_from_the_models():
 
 def test_configuration_reference_names_every_key_of_both_models():
     from meshtrain.node.spec.config import NodeConfig
-    from meshtrain.node.spec.swarm import SwarmSpec
+    from meshtrain.node.spec.swarm import FLAT_KEYS
 
     page = reference.render()
-    for name in [*NodeConfig.model_fields, *SwarmSpec.model_fields]:
+    spec_keys = [field if section is None else f"{section}.{field}" for section, field in FLAT_KEYS.values()]
+    for name in [*NodeConfig.model_fields, *spec_keys]:
         assert f"| `{name}` |" in page, name
 
 

@@ -196,7 +196,7 @@ def test_an_echo_strike_round_trips_and_a_malformed_one_is_refused(change, error
 
 def test_an_echo_counts_as_evidence_only_past_the_specs_threshold():
     spec = SwarmSpec(model="gpt-tiny")
-    assert spec.screen_echo == 0.9999 and spec.aggregation_options()["screen_echo"] == 0.9999
+    assert spec.aggregation.screen_echo == 0.9999 and spec.aggregation_options()["screen_echo"] == 0.9999
     assert echo_flagged(1.0, spec) and echo_flagged(0.9999, spec) and not echo_flagged(0.9987, spec)
     off = SwarmSpec(model="gpt-tiny", screen_echo=0)
     assert not echo_flagged(1.0, off) and off.aggregation_options()["screen_echo"] == 0

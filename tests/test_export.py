@@ -111,7 +111,7 @@ def test_py_factory_round_trips_through_export(tmp_path):
     info = export_model(tmp_path / "d", tmp_path / "out")
     assert info["model_digest"].startswith("source=")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["factory"] == spec.model and config["vocab_size"] == 256
+    assert config["factory"] == spec.model.source and config["vocab_size"] == 256
     from safetensors.torch import load_model
 
     from meshtrain.models.sources import build_model
@@ -222,7 +222,7 @@ def test_two_peers_train_a_pretrained_llama_export_loads_with_transformers(tmp_p
     )
     assert r.returncode == 0, r.stderr
     spec = json.loads((homes["a"] / "data" / "swarm.json").read_text())["spec"]
-    assert spec["model_digest"].startswith("config=") and ",weights=" in spec["model_digest"]
+    assert spec["model"]["digest"].startswith("config=") and ",weights=" in spec["model"]["digest"]
     logs = {n: tmp_path / f"{n}.log" for n in homes}
     pa = start(homes["a"], "--wait-peers", "2", log=logs["a"])
     addr = wait_daemon(homes["a"] / "data", pa, logs["a"])["addrs"][0]

@@ -134,7 +134,7 @@ def test_a_pretrained_model_needs_its_tokenizer_in_the_spec(hf_dirs):
     with pytest.raises(ConfigError, match="needs the tokenizer it was trained with"):
         parse_spec({"model": f"hf:{hf_dirs[0]}"})
     spec = parse_spec({"model": f"hf:{hf_dirs[0]}", "tokenizer": f"hf:{hf_dirs[1]}"})
-    assert spec.context == 0 and spec.model_digest == ""
+    assert spec.model.context == 0 and spec.model.digest == ""
 
 
 def test_fresh_config_builds_the_same_weights_from_the_same_seed(hf_dirs):
@@ -220,7 +220,7 @@ def test_signed_spec_pins_digests_at_create(tmp_path, hf_dirs):
 
     spec = SwarmSpec(model=f"hf:{hf_dirs[0]}", tokenizer=f"hf:{hf_dirs[1]}")
     signed = SignedSpec.create(spec, Identity.load_or_create(tmp_path))
-    assert signed.spec.model_digest == model_digest(spec.model)
-    assert signed.spec.tokenizer_digest == tokenizer_digest(spec.tokenizer)
+    assert signed.spec.model.digest == model_digest(spec.model.source)
+    assert signed.spec.model.tokenizer_digest == tokenizer_digest(spec.model.tokenizer)
     again = SignedSpec.from_wire(signed.to_wire())
     assert again.swarm_id == signed.swarm_id and again.spec == signed.spec

@@ -46,7 +46,7 @@ async def test_two_nodes_with_a_custom_outer_optimizer(tmp_path):
     assert all(isinstance(r, meshtrain.NodeResult) for r in results.values())  # exported, as Node.run's type
     assert results["a"].step == results["b"].step == 40 and results["a"].rounds == 4
     assert type(a.trainer.outer).__name__ == "OuterSGD" and a.trainer.outer.lr == 0.8
-    assert signed.spec.optimizer_digest and b.signed.spec == signed.spec
+    assert signed.spec.outer.optimizer_digest and b.signed.spec == signed.spec
     assert [r.contributors for r in a.trainer.outer.history] == [2] * 4
     pa = CheckpointStore(tmp_path / "a" / "checkpoints").load_latest().state["outer"]["outer_params"]
     pb = CheckpointStore(tmp_path / "b" / "checkpoints").load_latest().state["outer"]["outer_params"]
@@ -60,7 +60,7 @@ async def test_a_hook_that_swaps_the_specs_optimizer_is_refused(tmp_path):
     config = meshtrain.NodeConfig(data_dir=tmp_path / "a", listen=["/ip4/127.0.0.1/tcp/0"], status_port=0)
 
     def swapped(model, inner, collective):  # the spec says diloco; this peer would run NoLoCo
-        return meshtrain.NoLoCo(model, inner, collective, H=spec.H)
+        return meshtrain.NoLoCo(model, inner, collective, H=spec.outer.H)
 
     with pytest.raises(ConfigError, match="spec says diloco, but this outer optimizer is a NoLoCo"):
         await meshtrain.Node(config, spec=signed, outer_factory=swapped).run()

@@ -423,7 +423,7 @@ def test_a_py_outer_optimizer_from_the_spec_trains_and_a_changed_copy_is_refused
         f"py:{code}:OuterSGD",
     )
     spec = json.loads((d / "swarm.json").read_text())["spec"]
-    assert spec["optimizer"] == f"py:{code}:OuterSGD" and len(spec["optimizer_digest"]) == 32
+    assert spec["outer"]["optimizer"] == f"py:{code}:OuterSGD" and len(spec["outer"]["optimizer_digest"]) == 32
     log = tmp_path / "a.log"
     result = finish(start("--data-dir", str(d), log=log), log)
     assert result["step"] == 10 and result["rounds"] == 2

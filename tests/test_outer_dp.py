@@ -10,9 +10,10 @@ import torch
 import trio
 
 from meshtrain.collective import AllReduceConfig, LocalSwarm
+from meshtrain.collective.spec_section import AGGREGATIONS
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.outer import build_outer, check_matches
-from meshtrain.node.spec.swarm import AGGREGATIONS, SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
 from meshtrain.optim import DataParallel, OuterStateError
 
 from .test_node_cli import cli
@@ -75,7 +76,7 @@ def test_a_dp_state_without_the_inner_optimizer_is_refused():
 
 def test_dp_in_the_spec_syncs_every_step_and_builds_the_baseline():
     spec = parse_spec({"optimizer": "dp", "model": "gpt-tiny"})
-    assert spec.H == 1
+    assert spec.outer.H == 1
     model = tiny()
     outer = build_outer(spec, model, adamw(model), LocalSwarm(1).member(0))
     assert type(outer) is DataParallel and outer.replicas_identical
@@ -91,20 +92,20 @@ def test_dp_in_the_spec_syncs_every_step_and_builds_the_baseline():
 def test_the_spec_aggregation_is_what_every_all_reduce_gets():
     assert AGGREGATIONS == ("mean", "trimmed_mean", "clipped_mean")
     # Robust by default where strangers take part and the all-reduce is dense; mean elsewhere.
-    assert SwarmSpec().aggregation == "trimmed_mean" and SwarmSpec().admission == "open"
+    assert SwarmSpec().aggregation.rule == "trimmed_mean" and SwarmSpec().admission.mode == "open"
     for optimizer in ("diloco", "streaming", "dp"):
-        assert parse_spec({"optimizer": optimizer}).aggregation == "trimmed_mean"
+        assert parse_spec({"optimizer": optimizer}).aggregation.rule == "trimmed_mean"
     for values in (
         {"admission": "allowlist"},
         {"admission": "private"},
         {"optimizer": "noloco"},
         {"optimizer": "sparseloco"},
     ):
-        assert parse_spec(values).aggregation == "mean", values
-    assert parse_spec({"aggregation": "mean"}).aggregation == "mean"  # an explicit mean stays
+        assert parse_spec(values).aggregation.rule == "mean", values
+    assert parse_spec({"aggregation": "mean"}).aggregation.rule == "mean"  # an explicit mean stays
     assert AllReduceConfig(**parse_spec({"aggregation": "mean"}).aggregation_options()).screen_norm == 0
     # dp combines robustly but screens nothing unless asked: single-step gradients are too noisy.
-    assert parse_spec({"optimizer": "dp"}).screen_norm == 0
+    assert parse_spec({"optimizer": "dp"}).aggregation.screen_norm == 0
     assert parse_spec({"optimizer": "dp", "screen_norm": 4.0}).aggregation_options()["screen_norm"] == 4.0
     assert parse_spec({"optimizer": "diloco"}).aggregation_options()["screen_norm"] == 4.0
     with pytest.raises(ConfigError, match="strikes_window"):
@@ -118,7 +119,7 @@ def test_the_spec_aggregation_is_what_every_all_reduce_gets():
     for optimizer in ("noloco", "sparseloco"):
         with pytest.raises(ConfigError, match="use aggregation mean"):
             parse_spec({"aggregation": "trimmed_mean", "optimizer": optimizer})
-    assert parse_spec({"aggregation": "clipped_mean", "optimizer": "dp"}).aggregation == "clipped_mean"
+    assert parse_spec({"aggregation": "clipped_mean", "optimizer": "dp"}).aggregation.rule == "clipped_mean"
 
 
 def test_dp_and_aggregation_mistakes_are_one_line_cli_errors(tmp_path):

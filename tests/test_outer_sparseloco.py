@@ -416,7 +416,12 @@ def test_swarm_create_optimizer_sparseloco_builds_sparseloco(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     spec = SignedSpec.load(json.loads(r.stdout.splitlines()[0])["spec"]).spec
-    assert (spec.optimizer, spec.error_decay, spec.sparse_k, spec.sparse_chunk) == ("sparseloco", 0.9, 32, 4096)
+    assert (spec.outer.optimizer, spec.outer.error_decay, spec.outer.sparse_k, spec.outer.sparse_chunk) == (
+        "sparseloco",
+        0.9,
+        32,
+        4096,
+    )
     outer = Trainer(spec, LocalSwarm(1).member(0), "peer-a").outer
     assert isinstance(outer, SparseLoCo)
     assert (outer.H, outer.lr, outer.error_feedback, outer.sparse.k) == (30, 1.0, 0.9, 32)
@@ -439,11 +444,14 @@ def test_spec_outer_lr_and_beta_default_to_sparselocos_own():
 
     own = inspect.signature(SparseLoCo).parameters
     spec = parse_spec({"optimizer": "sparseloco"})
-    assert (spec.outer_lr, spec.error_decay) == (own["lr"].default, own["beta"].default) == (1.0, 0.9)
+    assert (spec.outer.outer_lr, spec.outer.error_decay) == (own["lr"].default, own["beta"].default) == (1.0, 0.9)
     given = parse_spec({"optimizer": "sparseloco", "outer_lr": 0.65, "error_decay": 0.95})
-    assert (given.outer_lr, given.error_decay) == (0.65, 0.95)
+    assert (given.outer.outer_lr, given.outer.error_decay) == (0.65, 0.95)
     for other in ("diloco", "streaming", "noloco"):  # their specs (and swarm ids) unchanged
-        assert (parse_spec({"optimizer": other}).outer_lr, parse_spec({"optimizer": other}).error_decay) == (0.7, 0.95)
+        assert (
+            parse_spec({"optimizer": other}).outer.outer_lr,
+            parse_spec({"optimizer": other}).outer.error_decay,
+        ) == (0.7, 0.95)
 
 
 def test_vectors_keep_vector_k_of_every_vector_chunk_and_matrices_k_of_every_chunk():

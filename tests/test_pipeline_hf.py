@@ -207,7 +207,7 @@ def test_the_stage_cut_of_an_hf_pipeline_swarm_is_pinned_at_swarm_create(tmp_pat
     assert pipeline_layers(value) == 4
     spec = SwarmSpec(model=value, pipeline="skippipe", stages=3)
     signed = SignedSpec.create(spec, Identity.load_or_create(tmp_path / "id"))
-    assert signed.spec.stage_cut == "0-1,2-3" and signed.spec.model_digest
+    assert signed.spec.pipeline.stage_cut == "0-1,2-3" and signed.spec.model.digest
     fresh = f"hf-config:{value[3:]}/config.json"  # the same architecture with fresh weights
     assert pipeline_layers(fresh) == 4
     assert [st.blocks for st in staged(build_model(fresh, vocab_size=VOCAB, seed=0)).stages(3)[1:]] == [
@@ -333,7 +333,7 @@ async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_mode
     monkeypatch.setattr(StageStates, "publish", observe)
     monkeypatch.setattr(stage_handover, "HANDOVER_WAIT", 0.0)  # all stop together
     spec = pipeline_spec(model=f"hf:{llama}", tokenizer=f"hf:{bpe}", context=16, steps=0)
-    assert SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a")).spec.stage_cut == "0-1"
+    assert SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a")).spec.pipeline.stage_cut == "0-1"
     out = tmp_path / "export"
     async with three_daemons(tmp_path, spec, timeout=90) as (nodes, _):
         await wait_for(lambda: all(stage_step(n)[1] >= 3 for n in nodes.values()))
@@ -354,7 +354,7 @@ async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_mode
     assert len(replicas) == 2, replicas.keys()
     assert len({weights_digest(w) for w in replicas.values()}) == 1  # the replicas of stage 0 agree, bit for bit
     # The stages as published, run in sequence, against the export as transformers loads it.
-    model = build_model(spec.model, vocab_size=300, seed=0)
+    model = build_model(spec.model.source, vocab_size=300, seed=0)
     load_stage_states(model, [next(iter(replicas.values())), next(iter(published[(1, step)].values()))])
     stages = staged(model).stages(2)
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -365,5 +365,5 @@ async def test_a_pipeline_swarm_of_daemons_trains_an_hf_llama_and_exports_a_mode
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert not torch.equal(
         exported.model.embed_tokens.weight,
-        build_model(spec.model, vocab_size=300, seed=0).inner.model.embed_tokens.weight,
+        build_model(spec.model.source, vocab_size=300, seed=0).inner.model.embed_tokens.weight,
     )

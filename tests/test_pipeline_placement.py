@@ -146,7 +146,7 @@ def test_stage_cut_errors_are_one_line_config_errors() -> None:
 
 def test_pipeline_spec_keys_are_checked() -> None:
     spec = parse_spec({"pipeline": "skippipe", "stages": 3, "model": "gpt-small", "skip_ratio": 0.5})
-    assert spec.replica_sync == "every-step" and spec.microbatches == 8
+    assert spec.pipeline.replica_sync == "every-step" and spec.pipeline.microbatches == 8
     with pytest.raises(ConfigError, match="stages >= 2"):
         parse_spec({"pipeline": "skippipe"})
     with pytest.raises(ConfigError, match="2..5 stages"):
@@ -166,8 +166,8 @@ def test_the_activation_codec_spec_key_is_checked_and_reaches_the_cli() -> None:
     from meshtrain.node.cli import build_parser
 
     base = {"pipeline": "skippipe", "stages": 3, "model": "gpt-small"}
-    assert parse_spec(base).activation_codec == "none"
-    assert parse_spec(base | {"activation_codec": "int8"}).activation_codec == "int8"
+    assert parse_spec(base).pipeline.activation_codec == "none"
+    assert parse_spec(base | {"activation_codec": "int8"}).pipeline.activation_codec == "int8"
     for bad in ("zip", "topk"):
         with pytest.raises(ConfigError, match="activation_codec: must be one of none, fp16, bf16, int8") as e:
             parse_spec(base | {"activation_codec": bad})

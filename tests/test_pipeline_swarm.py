@@ -227,7 +227,7 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
     model = GPT(GPTConfig(**config["gpt_config"]))
     load_model(model, str(out / "model.safetensors"))
     named = dict(model.named_parameters())
-    for stage in model.stages(spec.stages):
+    for stage in model.stages(spec.pipeline.stages):
         exported = weights_digest({n: named[n].detach() for n in stage.parameter_names})
         held = {(peer, digest) for peer, s, t, digest in published if s == stage.index and t == step}
         assert len(held) == (2 if stage.index == 0 else 1), held  # every replica published at that step

@@ -82,7 +82,7 @@ class Rounds:
 
 
 ROUNDS = 8  # the run's outer rounds; every one from the second is scored
-SCORE_BATCHES = (1, SwarmSpec().score_batches)  # one batch (as before the key existed), the default
+SCORE_BATCHES = (1, SwarmSpec().verification.score_batches)  # one batch (as before the key existed), the default
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,12 @@ def run() -> Run:
 
 def verdicts(sim: Rounds, updates: dict[str, torch.Tensor], liar: str, spec: SwarmSpec, r: int) -> dict[str, int]:
     """How many owners (each on its own part) flag each peer of the round of HONEST + `liar` that
-    ends at step `r`, each scored on its batches of the round's last `spec.score_batches` steps."""
+    ends at step `r`, each scored on its batches of the round's last `spec.verification.score_batches` steps."""
     group = [*HONEST, liar]
     agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
     bounds = part_bounds(agg.numel(), len(group))
     # The scored peer's own batches: `liar`'s assignment is the adversary's ("adv").
-    steps = scored_steps(r, H, spec.score_batches)
+    steps = scored_steps(r, H, spec.verification.score_batches)
     batches = {p: [sim.batch("adv" if p == liar else p, s) for s in steps] for p in group}
     flags = dict.fromkeys(group, 0)
     for j, owner in enumerate(group):
@@ -164,12 +164,12 @@ def test_at_the_default_no_owner_flags_an_honest_peer_and_a_replay_is_struck_out
     enough rounds within the window to be excluded, other data by a quorum in some rounds."""
     spec = SwarmSpec(model="gpt-tiny", H=H)
     need = quorum(len(HONEST) + 1)
-    default = run.flags[spec.score_batches]
+    default = run.flags[spec.verification.score_batches]
 
     def honest_flags(b: int) -> int:
         return sum(v[p] for rounds in run.flags[b].values() for v in rounds for p in HONEST)
 
-    assert honest_flags(spec.score_batches) == 0 and honest_flags(1) > 0
+    assert honest_flags(spec.verification.score_batches) == 0 and honest_flags(1) > 0
     struck = [(i + 2) * H for i, v in enumerate(default["replay"]) if v["replay"] >= need]
     assert excluded_at(struck, spec) is not None, default["replay"]
     assert any(v["otherdata"] >= need for v in default["otherdata"]), default["otherdata"]
@@ -202,7 +202,9 @@ def test_score_batches_out_of_range_is_a_one_line_spec_error(value) -> None:
     with pytest.raises(ConfigError, match="score_batches") as e:
         parse_spec({"model": "gpt-tiny", "score_batches": value})
     assert "\n" not in str(e.value)
-    assert parse_spec({"model": "gpt-tiny", "score_batches": 64, "H": 5}).score_batches == 64  # all H are scored
+    assert (
+        parse_spec({"model": "gpt-tiny", "score_batches": 64, "H": 5}).verification.score_batches == 64
+    )  # all H are scored
 
 
 def test_the_sample_is_a_function_of_the_committed_digest() -> None:

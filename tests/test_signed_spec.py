@@ -1,42 +1,68 @@
 """A signed swarm spec across meshtrain versions (node/spec/signed.py): the signature and the swarm
 id cover the spec dict as its owner signed it, so a spec signed before a key existed still
 verifies under a version that has the key (at its default), keeps its id, and is passed on
-unchanged; anything changed after signing is refused."""
+unchanged; anything changed after signing is refused. Two formats: meshtrain.swarm/2 (the spec's
+sections as tables, what `create` signs) and meshtrain.swarm/1 (flat, before the sections), still
+read, verified and passed on as v1 with its id."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from meshtrain.node.spec.signed import FORMAT, SignedSpec, SpecError, swarm_id_of
-from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.spec.signed import FORMAT, FORMAT_V1, SignedSpec, SpecError, swarm_id_of
+from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, parse_spec
 from meshtrain.transport.identity import Identity
 
 
 def older_document(tmp_path, dropped: tuple[str, ...]) -> dict:
-    """A spec document as a meshtrain without the `dropped` keys signed it."""
+    """A v1 (flat) spec document as a meshtrain without the `dropped` keys signed it."""
     owner = Identity.load_or_create(tmp_path / "owner")
-    spec = SignedSpec.create(SwarmSpec(model="gpt-tiny", name="old"), owner).spec.model_dump()
+    spec = SignedSpec.create(SwarmSpec(model="gpt-tiny", name="old"), owner).spec.flat()
     for key in dropped:
         del spec[key]
     signature = owner.sign(SignedSpec.signed_message(spec, owner.peer_id_str))
     doc = {"spec": spec, "owner": owner.peer_id_str, "signature": signature.hex()}
-    return json.loads(json.dumps({"format": FORMAT, **doc}))  # as read from a file
+    return json.loads(json.dumps({"format": FORMAT_V1, **doc}))  # as read from a file
+
+
+def document(tmp_path) -> dict:
+    """A v2 spec document, as `swarm create` writes it."""
+    owner = Identity.load_or_create(tmp_path / "owner")
+    return json.loads(json.dumps(SignedSpec.create(SwarmSpec(model="gpt-tiny", name="new", H=7), owner).to_wire()))
 
 
 def test_a_spec_signed_before_newer_keys_existed_verifies_keeps_its_id_and_is_passed_on_unchanged(tmp_path):
     dropped = ("stage_backup", "activation_codec", "spot_check_steps", "score_batches")
     doc = older_document(tmp_path, dropped)
     signed = SignedSpec.from_wire(doc)
-    defaults = SwarmSpec()
-    assert all(getattr(signed.spec, k) == getattr(defaults, k) for k in dropped)  # the keys it lacked
+    assert signed.spec.flat() == {**SwarmSpec().flat(), **doc["spec"], "allowlist": ()}  # the keys it lacked: defaults
     assert signed.swarm_id == swarm_id_of(doc["spec"], doc["owner"])  # the id its owner's version gave it
     relayed = signed.to_wire()
-    assert relayed["spec"] == doc["spec"] and not set(dropped) & set(relayed["spec"])
+    assert relayed["format"] == FORMAT_V1 and relayed["spec"] == doc["spec"] and not set(dropped) & set(relayed["spec"])
     assert SignedSpec.from_wire(relayed, expect_id=signed.swarm_id) == signed
     path = signed.save(tmp_path / "swarm.json")  # and a node's spec file keeps it so
     assert SignedSpec.from_wire(json.loads(path.read_text())).swarm_id == signed.swarm_id
+
+
+def test_a_v1_spec_parses_to_the_same_spec_as_its_v2_form_under_its_own_id(tmp_path):
+    v1 = SignedSpec.from_wire(older_document(tmp_path, ()))
+    v2 = SignedSpec.from_wire(document(tmp_path))
+    assert v1.spec == parse_spec(v1.spec.model_dump()) == parse_spec(v1.spec.flat())
+    assert (v2.format, v2.signed) == (FORMAT, v2.spec.model_dump(mode="json"))
+    assert v1.swarm_id == swarm_id_of(v1.spec.flat(), v1.owner) != swarm_id_of(v1.spec.model_dump(), v1.owner)
+
+
+def test_a_v2_spec_round_trips_through_its_wire_and_file_form(tmp_path):
+    doc = document(tmp_path)
+    assert doc["format"] == FORMAT and doc["spec"]["outer"]["H"] == 7 and "H" not in doc["spec"]
+    signed = SignedSpec.from_wire(doc, expect_id=doc["swarm_id"])
+    assert signed.spec.outer.H == 7 and signed.to_wire() == doc
+    path = signed.save(tmp_path / "swarm.json")
+    assert SignedSpec.load(path) == signed
 
 
 @pytest.mark.parametrize(
@@ -54,9 +80,100 @@ def test_a_spec_changed_after_signing_is_refused(tmp_path, tamper):
         SignedSpec.from_wire(doc)
 
 
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda spec: spec["outer"].update(H=8),  # a value changed
+        lambda spec: spec["pipeline"].pop("stage_backup"),  # a key removed after signing
+        lambda spec: spec.pop("verification"),  # a section removed after signing
+    ],
+)
+def test_a_v2_spec_changed_after_signing_is_refused(tmp_path, tamper):
+    doc = document(tmp_path)
+    tamper(doc["spec"])
+    with pytest.raises(SpecError, match="does not verify"):
+        SignedSpec.from_wire(doc)
+
+
 def test_a_spec_from_a_newer_version_is_refused_in_one_line_that_says_to_upgrade(tmp_path):
     doc = older_document(tmp_path, ())
     doc["spec"]["a_key_from_the_future"] = 1
     with pytest.raises(SpecError, match="a newer meshtrain created it; upgrade") as e:
         SignedSpec.from_wire(doc)
     assert "'a_key_from_the_future'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "future",
+    [
+        lambda spec: spec.update(telemetry={"on": True}),  # a section from the future
+        lambda spec: spec["outer"].update(nesterov=False),  # a key from the future in a section
+        lambda spec: spec.update(H=50),  # a flat key is no v2 key
+    ],
+)
+def test_a_v2_spec_with_a_key_this_version_lacks_is_refused_in_one_line_that_says_to_upgrade(tmp_path, future):
+    doc = document(tmp_path)
+    future(doc["spec"])
+    with pytest.raises(SpecError, match="a newer meshtrain created it; upgrade") as e:
+        SignedSpec.from_wire(doc)
+    assert "\n" not in str(e.value)
+
+
+def test_a_v1_spec_in_sections_is_no_v1_spec(tmp_path):
+    doc = document(tmp_path)
+    doc["format"] = FORMAT_V1
+    with pytest.raises(SpecError, match="upgrade|invalid"):
+        SignedSpec.from_wire(doc)
+
+
+def deep(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        lambda spec: spec.update(outer=[1, 2]),  # a section that is a list
+        lambda spec: spec.update(model="gpt-tiny"),  # a section that is a string (a v1 key)
+        lambda spec: spec.update(aggregation=None),
+        lambda spec: spec["outer"].update(H=deep(5000)),  # huge nesting
+        lambda spec: spec["outer"].update(H={"a": {"b": {"c": 1}}}),
+        lambda spec: spec.update({"7": 1}),
+        lambda spec: spec["model"].update(source=deep(100)),
+        lambda spec: spec.clear(),
+    ],
+)
+def test_a_hostile_spec_is_a_spec_error_not_a_traceback(tmp_path, hostile):
+    doc = document(tmp_path)
+    hostile(doc["spec"])
+    with pytest.raises(SpecError) as e:
+        SignedSpec.from_wire(doc)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 2000
+
+
+def test_a_hostile_document_is_a_spec_error(tmp_path):
+    for doc in (None, [], {"format": FORMAT}, {"format": FORMAT, "spec": [], "owner": "x", "signature": ""}):
+        with pytest.raises(SpecError):
+            SignedSpec.from_wire(doc)
+
+
+def test_the_flat_table_names_every_field_of_every_section_once():
+    fields = [(None, name) for name in SwarmSpec.model_fields if name not in SECTIONS]
+    fields += [(section, field) for section, cls in SECTIONS.items() for field in cls.model_fields]
+    assert sorted(FLAT_KEYS.values(), key=str) == sorted(fields, key=str)  # each once: a dict's keys are unique
+    assert set(SECTIONS) == {"model", "data", "outer", "aggregation", "verification", "pipeline", "admission"}
+    assert len(FLAT_KEYS) == 60  # the flat spec's keys before the sections, every one kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(FLAT_KEYS)), st.just(None), max_size=8))
+def test_any_flat_spec_and_its_nested_form_are_one_spec(keys):
+    """Keys given flat (at their defaults) or in their sections give one spec; its flat form names
+    every key once, by the name the flat spec gave it."""
+    flat = {key: SwarmSpec().flat()[key] for key in keys}
+    spec = SwarmSpec.model_validate(flat)
+    assert SwarmSpec.model_validate(spec.model_dump()) == spec
+    assert set(spec.flat()) == set(FLAT_KEYS) and {k: spec.flat()[k] for k in flat} == flat

@@ -40,7 +40,9 @@ class Peer:
     def __init__(self, model: torch.nn.Module, corpus: Corpus, name: str) -> None:
         self.name, self.corpus = name, corpus
         self.model = copy.deepcopy(model)
-        self.inner = torch.optim.AdamW(self.model.parameters(), lr=SPEC.inner_lr, weight_decay=SPEC.weight_decay)
+        self.inner = torch.optim.AdamW(
+            self.model.parameters(), lr=SPEC.outer.inner_lr, weight_decay=SPEC.outer.weight_decay
+        )
 
     def train(self, phi: dict[str, torch.Tensor], steps: range) -> torch.Tensor:
         with torch.no_grad():
@@ -51,7 +53,7 @@ class Peer:
             loss = self.model(x, y).loss
             self.inner.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), SPEC.clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), SPEC.outer.clip)
             self.inner.step()
         return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
 
@@ -82,7 +84,7 @@ def fourth_round() -> dict:
                 g = agg[pos : pos + phi[n].numel()].view(phi[n].shape)
                 pos += phi[n].numel()
                 momentum[n].mul_(0.9).add_(g)
-                phi[n] -= SPEC.outer_lr * (g + SPEC.outer_momentum * momentum[n])
+                phi[n] -= SPEC.outer.outer_lr * (g + SPEC.outer.outer_momentum * momentum[n])
         r = 4 * H
         updates = {p: peers[p].train(phi, range(r - H, r)) for p in HONEST}
         updates["replay"] = first
@@ -95,9 +97,9 @@ def fourth_round() -> dict:
                 phi,
                 names,
                 [corpus.batch(BATCH, CONTEXT, seed=0, peer=p, step=s) for s in range(r - H, r)],
-                lr=SPEC.inner_lr,
-                weight_decay=SPEC.weight_decay,
-                clip=SPEC.clip,
+                lr=SPEC.outer.inner_lr,
+                weight_decay=SPEC.outer.weight_decay,
+                clip=SPEC.outer.clip,
             )
             for p in updates
         }
@@ -146,7 +148,13 @@ def test_the_recomputation_is_the_trainers_own_steps_when_the_state_is_fresh() -
     update = peer.train(phi, range(0, 3))
     batches = [corpus.batch(BATCH, CONTEXT, seed=0, peer="p0", step=s) for s in range(3)]
     again = recompute_update(
-        copy.deepcopy(model), phi, names, batches, lr=SPEC.inner_lr, weight_decay=SPEC.weight_decay, clip=SPEC.clip
+        copy.deepcopy(model),
+        phi,
+        names,
+        batches,
+        lr=SPEC.outer.inner_lr,
+        weight_decay=SPEC.outer.weight_decay,
+        clip=SPEC.outer.clip,
     )
     assert torch.allclose(again, update, atol=1e-7)
     (check,) = spot_check_round({"p0": again}, (0, update.numel()), {"p0": update}, update)
@@ -154,7 +162,7 @@ def test_the_recomputation_is_the_trainers_own_steps_when_the_state_is_fresh() -
 
 
 def test_the_spec_keys_and_the_sample() -> None:
-    assert SwarmSpec(model="gpt-tiny").spot_check_steps == 0  # off by default
+    assert SwarmSpec(model="gpt-tiny").verification.spot_check_steps == 0  # off by default
     spec = SwarmSpec(model="gpt-tiny", spot_check_steps=5, spot_check_samples=3, score_samples=2)
     assert spec.aggregation_options()["score_samples"] == 3  # the collective keeps the larger sample
     assert SwarmSpec(model="gpt-tiny", score_samples=2).aggregation_options()["score_samples"] == 2

@@ -1,5 +1,5 @@
 """Strikes: screening flags become signed, replicated strikes; a peer struck in
-`spec.strikes` rounds by enough reporters each (half the others, at least two) is excluded everywhere; forged strikes change nothing;
+`spec.verification.strikes` rounds by enough reporters each (half the others, at least two) is excluded everywhere; forged strikes change nothing;
 strikes survive a restart and reach a late joiner.
 
 Real `PeerPresence`s (DHT, CRDT replica, admission) on loopback hosts in one trio program. Flags
@@ -153,7 +153,7 @@ async def test_loss_verdicts_on_a_peer_on_another_phi_lineage_are_passed_over_in
             return [s for r in b.view.strike_records() if r.reporter == b.me for s in r.strikes if s.peer == x.me]
 
         assert b.strikes.other_lineage(x.me) and not b.strikes.other_lineage(c.me)
-        H, window = signed.spec.H, signed.spec.strikes_window
+        H, window = signed.spec.outer.H, signed.spec.verification.strikes_window
 
         def verdict_in(round_id: int, *, screened: bool = True) -> None:
             if screened:  # the round as its owner screened it (x in its group), before loss scoring's verdict
@@ -186,7 +186,7 @@ async def test_strikes_spread_over_a_long_run_exclude_nobody_and_a_run_of_them_d
     async with AsyncExitStack() as stack:
         signed, peers = await swarm(stack, 3, tmp_path)
         a, b, x = peers
-        assert signed.spec.strikes_window == 6 and signed.spec.H == 50
+        assert signed.spec.verification.strikes_window == 6 and signed.spec.outer.H == 50
         for rnd in (50, 1000, 2000):  # counted, but never 3 within 6 rounds
             a.strikes.on_round(flagged(a, peers, x.me, rnd))
             b.strikes.on_round(flagged(b, peers, x.me, rnd))

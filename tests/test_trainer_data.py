@@ -71,7 +71,7 @@ async def test_resume_from_a_checkpoint_on_disk_trains_the_same_samples_bit_exac
         batch = t.batch
 
         def recorded(step: int):
-            ids = t.corpus.sample_ids(spec.batch_size, t.context, seed=spec.seed, peer=t.peer_id, step=step)
+            ids = t.corpus.sample_ids(spec.data.batch_size, t.context, seed=spec.seed, peer=t.peer_id, step=step)
             log.append((step, ids.tolist()))
             return batch(step)
 
@@ -131,7 +131,7 @@ def test_cli_pins_the_dataset_and_a_node_with_other_files_is_refused_in_one_line
     data = write_jsonl(tmp_path / "corpus.jsonl")
     create(tmp_path / "a", "--model", "gpt-tiny", "--dataset", str(data))
     spec = json.loads((tmp_path / "a" / "swarm.json").read_text())["spec"]
-    assert spec["dataset_digest"] == dataset_digest(data)
+    assert spec["data"]["dataset_digest"] == dataset_digest(data)
     write_jsonl(data, 399)
     r = cli("node", "start", "--data-dir", str(tmp_path / "a"), *LOOPBACK)
     lines = r.stderr.strip().splitlines()

@@ -46,7 +46,7 @@ or screening strike of one round count as one: the peer was flagged there).
 
 Not here: whether a strike counts and when a peer is excluded (node/trust/strikes.py: the reporter
 admitted, the scores past the spec's thresholds, the round as we saw it, half the round's others,
-`spec.strikes` rounds), and how flags are found (collective/data_phase.py).
+`spec.verification.strikes` rounds), and how flags are found (collective/data_phase.py).
 """
 
 from __future__ import annotations

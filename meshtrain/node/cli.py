@@ -89,9 +89,10 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
-    from meshtrain.node.spec.swarm import SwarmSpec
+    from meshtrain.node.spec.swarm import FLAT_KEYS, field_of
 
-    for name, info in SwarmSpec.model_fields.items():
+    for name in FLAT_KEYS:  # the flat names: a flag per field of every section
+        info = field_of(name)
         if name.endswith("_digest"):  # pinned by `swarm create` from the files, not typed
             continue
         if name == "allowlist":
@@ -468,22 +469,23 @@ def _swarm_create(args: argparse.Namespace) -> int:
         if values.get("admission", "private") != "private":
             raise ConfigError(f"--private and --admission {values['admission']} contradict each other")
         values["admission"] = "private"
-    spec = parse_spec(values)
-    if spec.dataset != "builtin" and not spec.dataset_digest:  # pin the files' content, not their path
+    spec = parse_spec(values, form="flat")
+    if spec.data.dataset != "builtin" and not spec.data.dataset_digest:  # pin the files' content, not their path
         from meshtrain.data import dataset_digest
 
-        spec = parse_spec({**values, "dataset_digest": dataset_digest(spec.dataset, spec.eval_dataset)})
+        digest = dataset_digest(spec.data.dataset, spec.data.eval_dataset)
+        spec = parse_spec({**values, "dataset_digest": digest}, form="flat")
     identity = Identity.load_or_create(config.data_dir)
     signed = SignedSpec.create(spec, identity)
     out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
-    summary = {"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out), "admission": spec.admission}
+    summary = {"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out), "admission": spec.admission.mode}
     start = f"meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else "")
-    if spec.admission == "private":
+    if spec.admission.mode == "private":
         key_file = _write_swarm_key(Path(config.data_dir).expanduser())
         summary["swarm_key_file"] = str(key_file)
         print(json.dumps(summary))
         print(
-            f"created private swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}).\n"
+            f"created private swarm {signed.swarm_id} ({spec.model.source}, {spec.outer.optimizer}, H={spec.outer.H}).\n"
             f"Its key is in {key_file} (mode 0600): every peer needs it, so hand it over as you would a "
             f"password. Start the swarm with:\n"
             f"  MESHTRAIN_SWARM_KEY=$(cat {key_file}) {start}\n"
@@ -494,11 +496,11 @@ def _swarm_create(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps(summary))
     how = {
-        "open": f"anyone with a proof of work of {spec.pow_bits} bits on its peer id (nodes mint it themselves)",
+        "open": f"anyone with a proof of work of {spec.admission.pow_bits} bits on its peer id (nodes mint it themselves)",
         "allowlist": "the peers you allow (`meshtrain swarm allow <peer id>` on your running node)",
-    }[spec.admission]
+    }[spec.admission.mode]
     print(
-        f"created swarm {signed.swarm_id} ({spec.model}, {spec.optimizer}, H={spec.H}); it admits {how}. "
+        f"created swarm {signed.swarm_id} ({spec.model.source}, {spec.outer.optimizer}, H={spec.outer.H}); it admits {how}. "
         f"Start it with:\n  {start}",
         file=sys.stderr,
     )
@@ -535,10 +537,10 @@ def _swarm_list(args: argparse.Namespace) -> int:
                 "swarm_id": s.swarm_id,
                 "name": s.name,
                 "owner": s.signed.owner,
-                "model": spec.model,
-                "optimizer": spec.optimizer,
-                "admission": spec.admission,
-                "pow_bits": spec.pow_bits,
+                "model": spec.model.source,
+                "optimizer": spec.outer.optimizer,
+                "admission": spec.admission.mode,
+                "pow_bits": spec.admission.pow_bits,
                 "peers": s.peers,
                 "step": s.step,
                 "steps": spec.steps,
@@ -564,7 +566,7 @@ def _swarm_allow(args: argparse.Namespace) -> int:
 def _export_or_sample(args: argparse.Namespace) -> int:
     from meshtrain.node.export import export_model, generate, load_spec, load_trained
 
-    pipeline = load_spec(data_dir_of(args)).spec.pipeline != "none"
+    pipeline = load_spec(data_dir_of(args)).spec.pipeline.kind != "none"
     if args.command == "export":
         if pipeline:
             from meshtrain.node.stages.export import export_pipeline

@@ -243,9 +243,9 @@ class Node:
         view, signed = self.view, self.signed
         if view is None or signed is None:
             raise NodeError("the node is still starting; try again once it is up")
-        if signed.spec.admission != "allowlist":
+        if signed.spec.admission.mode != "allowlist":
             raise ConfigError(
-                f"swarm {signed.swarm_id} admits by {signed.spec.admission}, not by allowlist; nothing to allow"
+                f"swarm {signed.swarm_id} admits by {signed.spec.admission.mode}, not by allowlist; nothing to allow"
             )
         view.set_config({allow_key(peer_id): allowed})
         log.warning(kv("allowlist changed", peer=peer_id, allowed=allowed))
@@ -274,7 +274,7 @@ class Node:
                 stack.callback(signals.cancel_scope.cancel)
                 signals.start_soon(self._watch_signals)
             host, signed, streams, presence = await self._start_network(stack)
-            if signed.spec.pipeline != "none":
+            if signed.spec.pipeline.kind != "none":
                 return await self._run_pipeline(stack, host, signed, presence, streams)
             collective = await self._start_collective(stack, host, signed, streams, presence)
             self.network_ready.set()
@@ -319,9 +319,9 @@ class Node:
         streams = self.streams = await stack.enter_async_context(TensorStreams(host))
         spec = signed.spec
         pow_nonce = None
-        if spec.admission == "open" and spec.pow_bits:  # minted once, kept in the data dir
+        if spec.admission.mode == "open" and spec.admission.pow_bits:  # minted once, kept in the data dir
             pow_nonce = await trio.to_thread.run_sync(
-                load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.pow_bits
+                load_or_mint_pow, self.data_dir, signed.swarm_id, host.peer_id, spec.admission.pow_bits
             )
         presence = self.presence = PeerPresence(
             host,
@@ -366,7 +366,7 @@ class Node:
                     join_timeout=config.join_timeout,
                     part_timeout=config.part_timeout,
                     uplink_mbit=config.uplink_mbit,
-                    round_window=max(4 * signed.spec.H, 64),
+                    round_window=max(4 * signed.spec.outer.H, 64),
                     **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                 ),
                 current_round=self._current_round,

@@ -97,12 +97,12 @@ class Trained:
 def spec_tokenizer(signed: SignedSpec) -> Tokenizer:
     """The spec's tokenizer; chars takes its alphabet from the spec's dataset, as the trainer does."""
     spec = signed.spec
-    if spec.tokenizer == "bytes":
+    if spec.model.tokenizer == "bytes":
         return ByteTokenizer()
-    if spec.tokenizer == "chars":
+    if spec.model.tokenizer == "chars":
         vocab = getattr(load_data(spec), "vocab", None)  # chars: the built-in corpus only
         return CharTokenizer(str(getattr(vocab, "chars", "")))
-    return load_tokenizer(spec.tokenizer)
+    return load_tokenizer(spec.model.tokenizer)
 
 
 def load_spec(data_dir: str | os.PathLike[str]) -> SignedSpec:
@@ -120,7 +120,7 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
     root = Path(data_dir).expanduser()
     signed = load_spec(root)
     spec = signed.spec
-    if spec.pipeline != "none":
+    if spec.pipeline.kind != "none":
         raise ConfigError(
             f"{root} is a peer of a pipeline swarm: its checkpoints hold one stage; "
             "`meshtrain export` assembles the whole model (node/stages/export.py)"
@@ -131,7 +131,9 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
         raise ConfigError(
             f"no checkpoint in {ckpt_dir} yet: the node saves one every --checkpoint-every seconds and when it stops"
         )
-    check_local_copy(spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest)
+    check_local_copy(
+        spec.model.source, spec.model.tokenizer, model_pin=spec.model.digest, tokenizer_pin=spec.model.tokenizer_digest
+    )
     tokenizer = spec_tokenizer(signed)
     model = build_model(spec, tokenizer.vocab_size)
     try:
@@ -149,7 +151,9 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
             f"{ckpt.path}: not a checkpoint of this swarm's model ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from None
     model.eval()
-    return Trained(signed, ckpt.step, ckpt.round, model, tokenizer, resolve_context(model, spec.context, spec.model))
+    return Trained(
+        signed, ckpt.step, ckpt.round, model, tokenizer, resolve_context(model, spec.model.context, spec.model.source)
+    )
 
 
 def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
@@ -177,12 +181,12 @@ def _save_model(trained: Trained, out: Path) -> None:
         return
     save_model(model, str(out / "model.safetensors"))
     if isinstance(model, GPT):
-        config = {"meshtrain_model": spec.model, "gpt_config": dataclasses.asdict(model.config)}
+        config = {"meshtrain_model": spec.model.source, "gpt_config": dataclasses.asdict(model.config)}
     else:
         config = {
-            "meshtrain_model": spec.model,
-            "factory": spec.model,
-            "model_digest": spec.model_digest,
+            "meshtrain_model": spec.model.source,
+            "factory": spec.model.source,
+            "model_digest": spec.model.digest,
             "vocab_size": trained.tokenizer.vocab_size,
         }
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -219,10 +223,10 @@ def write_export(trained: Trained, out: str | os.PathLike[str], extra: dict[str,
             "swarm_id": trained.signed.swarm_id,
             "step": trained.step,
             "round": trained.round,
-            "model": spec.model,
-            "model_digest": spec.model_digest,
-            "tokenizer": spec.tokenizer,
-            "tokenizer_digest": spec.tokenizer_digest,
+            "model": spec.model.source,
+            "model_digest": spec.model.digest,
+            "tokenizer": spec.model.tokenizer,
+            "tokenizer_digest": spec.model.tokenizer_digest,
             "context": trained.context,
             "parameters": sum(p.numel() for p in trained.model.parameters()),
             **(extra or {}),

@@ -155,9 +155,9 @@ class PeerPresence(Service):
 
     async def _start(self, stack: AsyncExitStack) -> None:
         host, swarm_id, spec = self.host, self.signed.swarm_id, self.signed.spec
-        if spec.admission == "open" and spec.pow_bits:
+        if spec.admission.mode == "open" and spec.admission.pow_bits:
             if self.pow_nonce is None:
-                self.pow_nonce = await trio.to_thread.run_sync(mint_pow, swarm_id, self.me, spec.pow_bits)
+                self.pow_nonce = await trio.to_thread.run_sync(mint_pow, swarm_id, self.me, spec.admission.pow_bits)
             self.capabilities[POW_CAP] = self.pow_nonce
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
@@ -195,7 +195,7 @@ class PeerPresence(Service):
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._keep_connected, view, self.discovery)
         self._nursery.start_soon(strikes.keep_saved)
-        if spec.admission != "private":  # a private swarm's peers cannot be reached by strangers
+        if spec.admission.mode != "private":  # a private swarm's peers cannot be reached by strangers
             self._nursery.start_soon(self._advertise, view, dht)
 
     # -- who is there ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ onto the trio thread). `scripts/bench/bench_trainer.py` measures what is left ag
 
 Local ranks (node/local_ranks.py). With `local` (a multi-GPU peer), the same loop runs on every
 local rank of the peer: the model is wrapped in DistributedDataParallel, rank r trains rows
-[r·b/N, (r+1)·b/N) of the peer's batch of b = `spec.batch_size` (so an N-rank peer trains the
+[r·b/N, (r+1)·b/N) of the peer's batch of b = `spec.data.batch_size` (so an N-rank peer trains the
 same samples per step as a single-rank one, and the swarm's progress counts its ranks' samples
 together), rank 0 sends the others the state to start from at every `run`, and the ranks agree
 every `REPORT_EVERY` steps whether to go on (rank 0's stop decides). A failed local rank surfaces
@@ -93,24 +93,26 @@ def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedD
     """The spec's data tokenised with the spec's tokenizer: the built-in corpus, or a file dataset
     tokenised into the token cache under `data_dir` (default: the default data dir), its content
     checked against the spec's `dataset_digest` (a peer whose files differ is refused)."""
-    if spec.dataset == "builtin":
-        tokenizer = spec.tokenizer if spec.tokenizer in ("chars", "bytes") else load_tokenizer(spec.tokenizer)
+    if spec.data.dataset == "builtin":
+        tokenizer = (
+            spec.model.tokenizer if spec.model.tokenizer in ("chars", "bytes") else load_tokenizer(spec.model.tokenizer)
+        )
         return Corpus.default(tokenizer)  # type: ignore[arg-type]
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     return open_dataset(
-        spec.dataset,
-        load_tokenizer(spec.tokenizer),
+        spec.data.dataset,
+        load_tokenizer(spec.model.tokenizer),
         root / DATA_CACHE,
-        field=spec.dataset_field,
-        held_out=spec.held_out,
-        eval_path=spec.eval_dataset,
-        expected_digest=spec.dataset_digest,
+        field=spec.data.dataset_field,
+        held_out=spec.data.held_out,
+        eval_path=spec.data.eval_dataset,
+        expected_digest=spec.data.dataset_digest,
     )
 
 
 def build_model(spec: SwarmSpec, vocab_size: int) -> torch.nn.Module:
     """The spec's model, initialised from the swarm seed: identical on every peer."""
-    return build_source_model(spec.model, vocab_size=vocab_size, seed=spec.seed, context=spec.context)
+    return build_source_model(spec.model.source, vocab_size=vocab_size, seed=spec.seed, context=spec.model.context)
 
 
 @dataclass
@@ -228,18 +230,20 @@ class Trainer(TrainedState):
             if device is not None
             else resolve_device("auto")
         )
-        self.precision = Precision(spec.precision, self.device)
+        self.precision = Precision(spec.model.precision, self.device)
         self.corpus = corpus or load_data(spec, data_dir)
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
-        self.context = resolve_context(model, spec.context, "the model" if user_model else spec.model)
+        self.context = resolve_context(model, spec.model.context, "the model" if user_model else spec.model.source)
         # FSDP (node/ranks/sharding.py): the model is sharded over the local ranks; rank 0's outer
         # optimizer works on a host replica, the other ranks keep a RoundClock.
         self.sharded = (
             ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
         )
         self.model = self.sharded.model if self.sharded is not None else model.to(self.device)
-        self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
+        self.inner = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.outer.inner_lr, weight_decay=spec.outer.weight_decay
+        )
         scaler = self.precision.scaler
         self.stepped: Any = ScaledInner(self.inner, scaler) if scaler is not None else self.inner
 
@@ -261,12 +265,12 @@ class Trainer(TrainedState):
         eval_device = next(self._eval_model.parameters()).device if self._eval_model is not None else self.device
         self._evals = [
             (x.to(eval_device), y.to(eval_device))
-            for x, y in self.corpus.eval_batches(spec.eval_batches, 32, self.context)
+            for x, y in self.corpus.eval_batches(spec.data.eval_batches, 32, self.context)
         ]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
         self._rows = slice(None)
         if local is not None:
-            self._rows = local.batch_rows(spec.batch_size)
+            self._rows = local.batch_rows(spec.data.batch_size)
             if local.is_gateway:
                 local.prepare(self)
         self.info = StepInfo()
@@ -297,7 +301,9 @@ class Trainer(TrainedState):
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This peer's (this rank's rows of its) batch at `step`, on the device."""
-        x, y = self.corpus.batch(self.spec.batch_size, self.context, seed=self.spec.seed, peer=self.peer_id, step=step)
+        x, y = self.corpus.batch(
+            self.spec.data.batch_size, self.context, seed=self.spec.seed, peer=self.peer_id, step=step
+        )
         x, y = x[self._rows], y[self._rows]
         if self.device.type == "cuda":
             return (
@@ -368,7 +374,7 @@ class Trainer(TrainedState):
             else:
                 scaler.scale(loss).backward()
                 scaler.unscale_(self.inner)
-            torch.nn.utils.clip_grad_norm_(params, spec.clip)
+            torch.nn.utils.clip_grad_norm_(params, spec.outer.clip)
             if sharded is None:
                 outer.step()
             else:
@@ -380,16 +386,16 @@ class Trainer(TrainedState):
                 step % REPORT_EVERY
                 and outer.rounds == rounds_last
                 and step != until
-                and not (spec.eval_every and step % spec.eval_every == 0)
+                and not (spec.data.eval_every and step % spec.data.eval_every == 0)
             ):
                 continue
             rounds_last = outer.rounds
             value = float(loss.detach())
             now = time.monotonic()
-            rate = spec.batch_size * (step - step_last) / max(now - t_last, 1e-9)
+            rate = spec.data.batch_size * (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
             eval_loss = None
-            if spec.eval_every and step % spec.eval_every == 0 and (local is None or local.is_gateway):
+            if spec.data.eval_every and step % spec.data.eval_every == 0 and (local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
             self.publish(step, value, rate, eval_loss)

@@ -255,7 +255,7 @@ class LoopTrainer(TrainedState):
             return False
         self._reported = (step, rounds)
         now = time.monotonic()
-        rate = self.spec.batch_size * max(0, step - self._step_last) / max(now - self._t_last, 1e-9)
+        rate = self.spec.data.batch_size * max(0, step - self._step_last) / max(now - self._t_last, 1e-9)
         self._t_last, self._step_last = now, step
         eval_loss, self._eval_loss = self._eval_loss, None
         self.publish(step, self._loss, rate, eval_loss)

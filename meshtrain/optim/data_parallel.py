@@ -69,6 +69,11 @@ class DataParallel(OuterOptimizer):
     dense_all_reduce = True  # the mean of every peer's gradient: a robust rule can combine them
 
     @classmethod
+    def check_spec(cls, spec: OuterSpec) -> None:
+        if spec.H != 1:
+            raise ValueError(f"dp all-reduces gradients every step; H must be 1, not {spec.H}")
+
+    @classmethod
     def from_spec(
         cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
     ) -> Self:

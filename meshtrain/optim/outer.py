@@ -55,12 +55,14 @@ alone. A subclass that overrides `communicate` (SparseLoCo) does without.
 
 Built from a swarm spec. The node builds every outer optimizer a spec names, built-in or a
 `py:` class of the swarm's own, with `Class.from_spec(model, inner, collective, spec)` (node/spec/
-outer.py); the default reads only `spec.H`. What the spec's checks must know of an algorithm —
+outer.py), where `spec` is the swarm spec's `outer` section (`OuterSection`, optim/spec_section.py);
+the default reads only `spec.H`. What the spec's checks must know of an algorithm —
 its own defaults for spec keys, whether its rounds may run in groups, whether a robust
 aggregation rule can combine its exchange — each class declares as class attributes (the class
-docstring), and node/spec/swarm.py reads them from the built-in classes (`BUILTIN_OPTIMIZERS`,
-optim/__init__.py). `OuterSpec` lists the spec fields the built-in `from_spec`s read: optim/ is
-below node/ and does not import the spec's class.
+docstring), and the spec's checks read them from the built-in classes (`BUILTIN_OPTIMIZERS`,
+optim/__init__.py; `declared`, optim/spec_section.py). `OuterSpec` lists the fields the built-in
+`from_spec`s read (`OuterSection` has them): this module does not import the section, which
+imports `BUILTIN_OPTIMIZERS`.
 
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
@@ -184,8 +186,8 @@ class Exchange:
 
 
 class OuterSpec(Protocol):
-    """The fields of a swarm spec (`meshtrain.SwarmSpec`) that the built-in optimizers'
-    `from_spec` read; a spec is passed as it is, not converted."""
+    """The fields of a swarm spec's `outer` section (`OuterSection`, optim/spec_section.py) that the
+    built-in optimizers' `from_spec` read; the section is passed as it is, not converted."""
 
     @property
     def H(self) -> int: ...
@@ -223,7 +225,7 @@ class OuterOptimizer(Service):
     What a swarm spec that names the optimizer may say (node/spec/swarm.py reads these of the
     built-in classes; a spec naming a `py:` class is checked before, and without, its code being
     loaded — a spec may come from the network — so with the defaults here, whatever the class says):
-    `spec_defaults` (default none): spec keys whose default differs for this optimizer, and their
+    `spec_defaults` (default none): spec keys (flat names, of any section) whose default differs for this optimizer, and their
         value; a spec that names it and not the key gets the value written in (so it is part of
         the swarm id). `{"H": 1}`: this optimizer's spec has H = 1 unless it says otherwise.
     `ungrouped_reason` (default None: rounds may run in groups, `group_size`): why its rounds
@@ -233,9 +235,13 @@ class OuterOptimizer(Service):
         otherwise; False: the mean unless the spec names a rule.
     `not_robust_reason` (default None: the spec may name a robust rule): why no robust aggregation
         rule can combine its exchange; a spec whose `aggregation` is not mean is refused with it.
+    `check_spec(spec)` (default: nothing to check): the rules its hyper-parameters in the spec's
+        `outer` section must keep (Streaming DiLoCo's schedule, dp's H = 1); a `ValueError` says
+        which, and the spec is refused with it.
 
-    `from_spec(model, inner, collective, spec)`: how the node builds it from the spec (`OuterSpec`);
-    the default is `cls(model, inner, collective, H=spec.H)`. Define it to read more of the spec.
+    `from_spec(model, inner, collective, spec)`: how the node builds it from the spec's `outer`
+    section (`OuterSpec`); the default is `cls(model, inner, collective, H=spec.H)`. Define it to
+    read more of the section.
 
     model: the module trained in place; its trainable parameters (`requires_grad`) are θ.
     inner: the inner torch optimizer over `model`'s parameters, stepped by `step()`; None if the
@@ -253,6 +259,10 @@ class OuterOptimizer(Service):
     ungrouped_reason: ClassVar[str | None] = None
     dense_all_reduce: ClassVar[bool] = False
     not_robust_reason: ClassVar[str | None] = None
+
+    @classmethod
+    def check_spec(cls, spec: OuterSpec) -> None:
+        """The rules `spec` must keep for this optimizer (the class docstring); `ValueError` if not."""
 
     @classmethod
     def from_spec(

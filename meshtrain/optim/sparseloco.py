@@ -110,6 +110,11 @@ class SparseLoCo(OuterOptimizer):
     not_robust_reason: ClassVar[str | None] = "gathers sparse payloads"
 
     @classmethod
+    def check_spec(cls, spec: OuterSpec) -> None:
+        if spec.sparse_k > spec.sparse_chunk:
+            raise ValueError(f"sparse_k ({spec.sparse_k}) must be at most sparse_chunk ({spec.sparse_chunk})")
+
+    @classmethod
     def from_spec(
         cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
     ) -> Self:

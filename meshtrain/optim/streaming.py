@@ -109,6 +109,12 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     @classmethod
+    def check_spec(cls, spec: OuterSpec) -> None:
+        RoundSchedule(spec.H, spec.fragments, spec.delay)  # its own rules, in its words
+        if spec.eager and spec.delay < 1:
+            raise ValueError("eager updates need delay >= 1")
+
+    @classmethod
     def from_spec(
         cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
     ) -> Self:

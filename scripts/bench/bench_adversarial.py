@@ -207,7 +207,7 @@ def screening_seconds(peers: int, trials: int = 20) -> float:
     aggregate = stack.median(dim=0).values
     config = AllReduceConfig(robust="trimmed_mean", screen_norm=4.0, screen_alignment=0.25)
     names = [f"p{i}" for i in range(peers)]
-    memory = EchoMemory(SwarmSpec().screen_echo)
+    memory = EchoMemory(SwarmSpec().aggregation.screen_echo)
     rows = dict(zip(names, stack, strict=True))
     for r in range(ECHO_ROUNDS):  # a full memory
         memory.remember("", PartSketch.of(r, (0, numel), total, rows).with_aggregate(aggregate))
@@ -376,7 +376,7 @@ def main() -> None:
     base.update(spot_check_steps=args.spot_check_steps, spot_check_samples=spot_samples)
     specs = {"robust": SwarmSpec(**base), "mean": SwarmSpec(**base, aggregation="mean")}
     specs = {rule: spec for rule, spec in specs.items() if rule in args.rules.split(",")}
-    assert specs["robust"].aggregation == "trimmed_mean"  # the open swarm's default
+    assert specs["robust"].aggregation.rule == "trimmed_mean"  # the open swarm's default
     seeds = list(range(args.seeds))
     runs: dict[str, dict] = {}  # "<seed>/<mode or honest>/<rule>"
     with tempfile.TemporaryDirectory(prefix="bench_adversarial_") as tmp:
@@ -423,7 +423,7 @@ def main() -> None:
     step_s = [s for r in runs.values() for s in r["step_s"] if s > 0]
     round_at_h50 = 50 * (sorted(step_s)[len(step_s) // 2] if step_s else math.nan)
     robust_gaps = [g["robust"] for g in loss_gap.values()]
-    scoring = scoring_seconds(n, samples, args.batch_size, specs["robust"].score_batches)
+    scoring = scoring_seconds(n, samples, args.batch_size, specs["robust"].verification.score_batches)
     spot = spot_check_seconds(n, spot_samples, args.spot_check_steps, args.batch_size)
     harmful = [rounds_to_exclude[m] for m in modes if m in HARMFUL]
     print(
@@ -434,7 +434,7 @@ def main() -> None:
                 "model": "gpt-tiny",
                 "H": args.H,
                 "rounds": args.rounds,
-                "strikes_to_exclude": specs["robust"].strikes,
+                "strikes_to_exclude": specs["robust"].verification.strikes,
                 "seeds": args.seeds,
                 "final_eval_loss_honest": {
                     rule: [round(runs[f"{s}/honest/{rule}"]["loss"], 4) for s in seeds] for rule in specs
@@ -464,7 +464,7 @@ def main() -> None:
                     (x for x in exclusion_lag_rounds.values() if x is not None), default=None
                 ),
                 "score_samples": samples,
-                "score_batches": specs["robust"].score_batches,
+                "score_batches": specs["robust"].verification.score_batches,
                 "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),
                 "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
                 "scoring_ms_per_round": round(scoring * 1000, 2),

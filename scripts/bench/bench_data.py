@@ -170,7 +170,7 @@ def child_train(data: Path, work: Path, steps: int, log_path: Path) -> None:
 
     def logged(step: int):
         ids = trainer.corpus.sample_ids(
-            spec.batch_size, trainer.context, seed=spec.seed, peer=trainer.peer_id, step=step
+            spec.data.batch_size, trainer.context, seed=spec.seed, peer=trainer.peer_id, step=step
         )
         log.write(json.dumps({"pid": os.getpid(), "step": step, "ids": ids.tolist()}) + "\n")
         log.flush()
@@ -234,7 +234,7 @@ def trainer_tokens_per_s(steps: int) -> float:
             timing["s"] = time.perf_counter() - t0
 
     trio.run(main)
-    return steps * spec.batch_size * trainer.context / timing["s"]
+    return steps * spec.data.batch_size * trainer.context / timing["s"]
 
 
 def resume_exact(tmp: Path, data: Path) -> dict:

@@ -388,7 +388,7 @@ def assembled_eval_loss(d: Daemons) -> float:
             weights.setdefault(stage, stage_weights(ck.state, stage))
     model, _ = assemble(signed, weights)
     corpus = load_data(signed.spec, d.dirs[0])
-    context = resolve_context(model, signed.spec.context, signed.spec.model)
+    context = resolve_context(model, signed.spec.model.context, signed.spec.model.source)
     with torch.no_grad():
         losses = [model(x, y) for x, y in corpus.eval_batches(8, 16, context)]
     return float(torch.stack([loss_of(out) for out in losses]).mean())
@@ -623,7 +623,7 @@ def equal_wall_eval(
 
 def main() -> None:
     global N_DAEMONS, N_STAGES, MODEL  # the run's size and model (module docstring); every run reads them
-    from meshtrain.node.spec.swarm import SwarmSpec
+    from meshtrain.optim.spec_section import OuterSection
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="iterations of runs 1-3 (a multiple of H = 20)")
@@ -662,10 +662,10 @@ def main() -> None:
     size = {
         "model": MODEL.name,
         "outer": {  # the DiLoCo replica sync's outer optimizer
-            "lr": args.outer_lr if args.outer_lr is not None else SwarmSpec.model_fields["outer_lr"].default,
+            "lr": args.outer_lr if args.outer_lr is not None else OuterSection.model_fields["outer_lr"].default,
             "momentum": args.outer_momentum
             if args.outer_momentum is not None
-            else SwarmSpec.model_fields["outer_momentum"].default,
+            else OuterSection.model_fields["outer_momentum"].default,
         },
         "steps": steps,
         "H": H,

@@ -65,7 +65,7 @@ def simulate(seed: int, H: int, rounds: int, bs: list[int], spec: SwarmSpec, out
                         flagged = loss_flagged(s.gain, s.ref, spec)
                         flags[s.peer] += flagged
                         out[b].setdefault(kind, []).append(
-                            (s.gain - spec.score_ratio * s.ref, flagged, s.gain, s.ref, rnd)
+                            (s.gain - spec.verification.score_ratio * s.ref, flagged, s.gain, s.ref, rnd)
                         )
                 for p, n in flags.items():
                     kind = "honest" if p in HONEST else p
@@ -104,8 +104,8 @@ def main() -> None:
         "seeds": seeds,
         "rounds_scored": args.rounds - 1,
         "inner_optimizer": "fresh every round" if args.fresh else "keeps its state across rounds",
-        "score_ratio": spec.score_ratio,
-        "score_floor": spec.score_floor,
+        "score_ratio": spec.verification.score_ratio,
+        "score_floor": spec.verification.score_floor,
         "margin": {
             b: {k: summary(v, d[k + "/quorum"]) for k, v in d.items() if not k.endswith("/quorum")}
             for b, d in out.items()

@@ -56,8 +56,8 @@ class Swarm:
         for n in self.names:
             g = agg[pos : pos + self.phi[n].numel()].view(self.phi[n].shape)
             pos += self.phi[n].numel()
-            self.momentum[n].mul_(self.spec.outer_momentum).add_(g)
-            self.phi[n] -= self.spec.outer_lr * (g + self.spec.outer_momentum * self.momentum[n])
+            self.momentum[n].mul_(self.spec.outer.outer_momentum).add_(g)
+            self.phi[n] -= self.spec.outer.outer_lr * (g + self.spec.outer.outer_momentum * self.momentum[n])
 
 
 class Peer:
@@ -71,7 +71,7 @@ class Peer:
 
     def _optimizer(self) -> torch.optim.AdamW:
         spec = self.swarm.spec
-        return torch.optim.AdamW(self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.weight_decay)
+        return torch.optim.AdamW(self.model.parameters(), lr=spec.outer.inner_lr, weight_decay=spec.outer.weight_decay)
 
     def train(self, steps: range, reverse: bool = False) -> torch.Tensor:
         """Δ = φ − θ (flat) after training from φ on its batches of `steps`."""
@@ -85,7 +85,7 @@ class Peer:
             loss = self.model(*self.swarm.batch(self.name, s, reverse)).loss
             self.inner.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.swarm.spec.clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.swarm.spec.outer.clip)
             self.inner.step()
         return flatten_fp32({n: phi[n] - p.detach() for n, p in self.model.named_parameters()})
 
@@ -103,7 +103,7 @@ class Cast:
 
     def updates(self, r: int) -> dict[str, torch.Tensor]:
         """Everyone's update of the round that ends at step `r`."""
-        H, peers = self.swarm.spec.H, self.peers
+        H, peers = self.swarm.spec.outer.H, self.peers
         updates = {p: peers[p].train(range(r - H, r)) for p in HONEST}
         updates["otherdata"] = peers["otherdata"].train(range(r - H, r), reverse=True)
         updates["lazy"] = peers["lazy"].train(range(r - 2, r))
@@ -122,7 +122,7 @@ class Cast:
         """Plays `count` rounds; yields (round, the step it ends at, everyone's updates) for each
         from the second on, before φ moves by them."""
         for rnd in range(1, count + 1):
-            r = rnd * self.swarm.spec.H
+            r = rnd * self.swarm.spec.outer.H
             updates = self.updates(r)
             if rnd > 1:
                 yield rnd, r, updates

@@ -69,9 +69,9 @@ def main() -> None:
                                 phi,
                                 names,
                                 [batch(p, s) for s in range(r - H, r - H + k)],
-                                lr=spec.inner_lr,
-                                weight_decay=spec.weight_decay,
-                                clip=spec.clip,
+                                lr=spec.outer.inner_lr,
+                                weight_decay=spec.outer.weight_decay,
+                                clip=spec.outer.clip,
                             )
                             for p in checked
                         }
@@ -83,14 +83,14 @@ def main() -> None:
         cast.outer_step(updates)
 
     def summary(v: list[float]) -> dict:
-        flagged = sum(d < -spec.spot_check_margin for d in v) / len(v)
+        flagged = sum(d < -spec.verification.spot_check_margin for d in v) / len(v)
         return {**quantiles(v, 3), "flagged": round(flagged, 3)}
 
     out = {
         "model": "gpt-tiny",
         "H": H,
         "rounds_checked": args.rounds - 1,
-        "margin": spec.spot_check_margin,
+        "margin": spec.verification.spot_check_margin,
         "match_minus_ref": {k: {kind: summary(v) for kind, v in d.items()} for k, d in diffs.items()},
     }
     print(json.dumps(out))

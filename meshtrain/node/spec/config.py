@@ -25,6 +25,7 @@ has no flag of its own (`log_level`: the global `meshtrain --log-level`; `pipeli
 from __future__ import annotations
 
 import os
+import reprlib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -175,13 +176,22 @@ class NodeConfig(BaseModel):
         return v.upper() if isinstance(v, str) else v
 
 
-def one_line_error(e: ValidationError, what: str) -> ConfigError:
-    """A pydantic validation error as the one-line ConfigError the CLI prints."""
+# A bad value as an error shows it: bounded, so that hostile input (a list nested 5000 deep, a
+# megabyte string, from the network) is neither a RecursionError nor a megabyte of message.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 200
+_SHOWN.maxlevel = 3
+
+
+def one_line_error(e: ValidationError, what: str, *, shown_as: Mapping[str, str] | None = None) -> ConfigError:
+    """A pydantic validation error as the one-line ConfigError the CLI prints; `shown_as` names a
+    field (its dotted path) as the user wrote it (a swarm spec's flat keys, node/spec/swarm.py)."""
     err = e.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or what
+    field = (shown_as or {}).get(field, field)
     msg = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    shown = "" if isinstance(value, dict) else f" (got {_SHOWN.repr(value)})"
     more = f"; and {len(e.errors()) - 1} more problem(s)" if len(e.errors()) > 1 else ""
     return ConfigError(f"{what}: {field}: {msg}{shown}{more}")
 

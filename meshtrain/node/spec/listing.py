@@ -82,7 +82,7 @@ def verify_adverts(adverts: Sequence[SwarmAdvert]) -> list[ListedSwarm]:
         except SpecError as e:
             log.info(kv("ignoring a swarm advert", advertiser=advert.advertiser[-12:], error=str(e)))
             continue
-        if signed.spec.admission == "private":
+        if signed.spec.admission.mode == "private":
             continue
         reason = Admission(signed).reason(advert.advertiser, {POW_CAP: advert.proof})
         if reason is not None:
@@ -141,13 +141,13 @@ def format_table(listed: Sequence[ListedSwarm]) -> str:
     rows = [("SWARM ID", "NAME", "MODEL", "OPTIMIZER", "ADMISSION", "PEERS", "EXCLUDED", "STEP", "OWNER")]
     for s in listed:
         spec = s.signed.spec
-        admission = f"open/pow{spec.pow_bits}" if spec.admission == "open" else spec.admission
+        admission = f"open/pow{spec.admission.pow_bits}" if spec.admission.mode == "open" else spec.admission.mode
         rows.append(
             (
                 s.swarm_id,
                 s.name,
-                spec.model,
-                spec.optimizer,
+                spec.model.source,
+                spec.outer.optimizer,
                 admission,
                 str(s.peers),
                 str(s.excluded),

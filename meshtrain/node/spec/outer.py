@@ -1,15 +1,16 @@
 """Which outer optimizer a swarm spec names, built and checked the same way on every peer.
 
-The spec's `optimizer` is one of the built-in algorithms (`diloco`, `streaming`, `noloco`,
+The spec's `outer.optimizer` is one of the built-in algorithms (`diloco`, `streaming`, `noloco`,
 `sparseloco`, with their hyper-parameters in the spec; `dp`, synchronous data parallelism, the
 baseline: an `OuterOptimizer` whose round is every inner step, optim/data_parallel.py) or `py:<module or file.py>:<Class>`, a
 `meshtrain.OuterOptimizer` subclass of the swarm's own, whose source file's digest the signed
-spec pins (`optimizer_digest`, meshtrain/pyref.py).
+spec pins (`outer.optimizer_digest`, meshtrain/pyref.py).
 
-Every optimizer, built-in or py:, is built with `Class.from_spec(model, inner, collective, spec)`
+Every optimizer, built-in or py:, is built with `Class.from_spec(model, inner, collective,
+spec.outer)`: the spec's `outer` section (optim/spec_section.py), the fields an optimizer reads
 (the built-in names' classes: `meshtrain.optim.BUILTIN_OPTIMIZERS`); `OuterOptimizer.from_spec`,
 which a py: class that does not define its own inherits, is `Class(model, inner, collective,
-H=spec.H)`.
+H=outer.H)`.
 
 Every peer runs the spec's optimizer, whoever builds it: the daemon's trainer, a
 `Node(outer_factory=...)` hook (it may instrument the algorithm — a subclass — but not swap it),
@@ -34,11 +35,11 @@ from meshtrain.pyref import PyRef
 
 def outer_class(spec: SwarmSpec) -> type[OuterOptimizer]:
     """The class the spec names (a py: class is imported)."""
-    if spec.optimizer in BUILTIN_OPTIMIZERS:
-        return BUILTIN_OPTIMIZERS[spec.optimizer]
-    cls = PyRef.parse(spec.optimizer).load()
+    if spec.outer.optimizer in BUILTIN_OPTIMIZERS:
+        return BUILTIN_OPTIMIZERS[spec.outer.optimizer]
+    cls = PyRef.parse(spec.outer.optimizer).load()
     if not (isinstance(cls, type) and issubclass(cls, OuterOptimizer)):
-        raise ConfigError(f"optimizer {spec.optimizer}: not a subclass of meshtrain.OuterOptimizer")
+        raise ConfigError(f"optimizer {spec.outer.optimizer}: not a subclass of meshtrain.OuterOptimizer")
     return cls
 
 
@@ -47,14 +48,14 @@ def build_outer(
 ) -> OuterOptimizer:
     """The spec's outer optimizer over `model`, stepping `inner`."""
     cls = outer_class(spec)
-    if spec.optimizer in BUILTIN_OPTIMIZERS:
-        return cls.from_spec(model, inner, collective, spec)
+    if spec.outer.optimizer in BUILTIN_OPTIMIZERS:
+        return cls.from_spec(model, inner, collective, spec.outer)
     try:
-        outer = cls.from_spec(model, inner, collective, spec)
+        outer = cls.from_spec(model, inner, collective, spec.outer)
     except TypeError as e:
         raise ConfigError(
-            f"optimizer {spec.optimizer}: cannot build it ({e}); a py: optimizer takes "
-            f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, spec)"
+            f"optimizer {spec.outer.optimizer}: cannot build it ({e}); a py: optimizer takes "
+            f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, outer)"
         ) from None
     check_matches(outer, spec)
     return outer
@@ -65,21 +66,21 @@ def check_matches(outer: OuterOptimizer, spec: SwarmSpec) -> None:
     cls = outer_class(spec)
     if not isinstance(outer, cls):
         raise ConfigError(
-            f"the swarm's spec says {spec.optimizer}, but this outer optimizer is a "
+            f"the swarm's spec says {spec.outer.optimizer}, but this outer optimizer is a "
             f"{type(outer).__name__}: every peer must run the spec's outer optimizer"
         )
-    if outer.H != spec.H:
-        raise ConfigError(f"the swarm's spec says H = {spec.H}; this outer optimizer has H = {outer.H}")
+    if outer.H != spec.outer.H:
+        raise ConfigError(f"the swarm's spec says H = {spec.outer.H}; this outer optimizer has H = {outer.H}")
 
 
 def check_copy(spec: SwarmSpec) -> None:
     """A py: optimizer's source here must be the one the spec pins."""
-    if spec.optimizer in BUILTIN_OPTIMIZERS or not spec.optimizer_digest:
+    if spec.outer.optimizer in BUILTIN_OPTIMIZERS or not spec.outer.optimizer_digest:
         return
-    mine = PyRef.parse(spec.optimizer).source_digest()
-    if mine != spec.optimizer_digest:
+    mine = PyRef.parse(spec.outer.optimizer).source_digest()
+    if mine != spec.outer.optimizer_digest:
         raise ConfigError(
-            f"optimizer: your {spec.optimizer} differs from the swarm's (source digest "
-            f"{mine[:12]} here, {spec.optimizer_digest[:12]} in the swarm's spec); get the "
+            f"optimizer: your {spec.outer.optimizer} differs from the swarm's (source digest "
+            f"{mine[:12]} here, {spec.outer.optimizer_digest[:12]} in the swarm's spec); get the "
             f"swarm's optimizer code"
         )

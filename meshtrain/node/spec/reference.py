@@ -1,9 +1,11 @@
 """The configuration reference, rendered from the models: `docs/configuration.md`.
 
 Every key a user can set lives in one of two pydantic models — `NodeConfig` (config.py: how this
-machine runs) and `SwarmSpec` (swarm.py: what the swarm trains) — with its help text in the
-field's `description`, its default and its bounds. `swarm create` builds its flags from the same
-fields (node/cli.py). A hand-kept reference drifted from them; this one is rendered from them, so
+machine runs) and `SwarmSpec` (swarm.py: what the swarm trains, in sections each owned by its
+layer, meshtrain/spec_section.py) — with its help text in the field's `description`, its default
+and its bounds. `swarm create` builds its flags from the same fields (node/cli.py), one per flat
+key (swarm.py `FLAT_KEYS`); the page shows each spec key where a spec file holds it
+(`outer.H`) with the flag that sets it (`--H`). A hand-kept reference drifted from them; this one is rendered from them, so
 it cannot: `render()` returns the page, and tests/test_docs.py fails when the committed page
 differs from it.
 
@@ -14,7 +16,7 @@ What each key means is the field's help text; to change the page, change the mod
 command above. The flags are read from the command line's own parser, so a key shows the flag
 that really sets it (or none).
 
-Not here: the help texts themselves (config.py, swarm.py); the precedence of config layers
+Not here: the help texts themselves (config.py, swarm.py and the sections); the precedence of config layers
 (config.py `load_node_config`).
 """
 
@@ -31,7 +33,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, ENV_PREFIX, NodeConfig
-from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, field_of
 from meshtrain.optim import BUILTIN_OPTIMIZERS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -51,13 +53,16 @@ and exit code 2. From Python: `meshtrain.NodeConfig(...)`, or
 """
 
 _SPEC_INTRO = """\
-What the swarm trains: written once by its creator (`meshtrain swarm create --<key> <value>`, or
+What the swarm trains: written once by its creator (`meshtrain swarm create --<flag> <value>`, or
 `meshtrain.SwarmSpec(...)`), signed, identical on every peer. The spec's digest is part of the swarm
 id, so two different specs are two different swarms, and no node may override a key. A spec
-signed by an older meshtrain, without keys added since, still verifies and keeps its id (the
-missing keys take their defaults). `swarm create --private` sets `admission = "private"` and
-writes a new swarm key. The `*_digest` keys are pinned by `swarm create` from the files, never
-typed.
+file (`swarm.json`, format `meshtrain.swarm/2`) holds the spec in sections, as below (`outer.H`).
+Each key also has a flat name, its flag without the dashes (`H`, `aggregation_trim`): the name
+`meshtrain.SwarmSpec(H=10)` and `parse_spec({"H": 10})` take, and the key of a spec file written
+before the sections (`meshtrain.swarm/1`), which still verifies and keeps its id. So does a spec
+signed by an older meshtrain without keys added since (the missing keys take their defaults).
+`swarm create --private` sets `admission.mode = "private"` and writes a new swarm key. The
+`*digest` keys are pinned by `swarm create` from the files, never typed.
 """
 
 
@@ -71,7 +76,8 @@ def render() -> str:
         "# Configuration reference",
         "",
         f"<!-- Generated from NodeConfig and SwarmSpec by `{COMMAND}`; do not edit by hand:",
-        "     change a field's description in meshtrain/node/spec/config.py or swarm.py and rerun it.",
+        "     change a field's description in meshtrain/node/spec/config.py, swarm.py or a spec section",
+        "     (the file each section names below) and rerun it.",
         "     tests/test_docs.py fails when this page is out of date. -->",
         "",
         "Every key a node or a swarm can be given, with its default and what it does. How to use them:",
@@ -101,9 +107,27 @@ def render() -> str:
             continue
         given = ", ".join(f"`{k} = {v:g}`" if isinstance(v, float) else f"`{k} = {v}`" for k, v in keys.items())
         lines.append(f"- `{optimizer}`: {given}")
+    flat_of = {where: key for key, where in FLAT_KEYS.items()}
     lines += ["", "| key | default | flag | meaning |", "|---|---|---|---|"]
-    for name, info in SwarmSpec.model_fields.items():
-        lines.append(_row(name, _default(info), _flag_cell(spec_flags.get(name)), _meaning(info)))
+    for name in SwarmSpec.model_fields:
+        if name not in SECTIONS:
+            lines.append(
+                _row(name, _default(field_of(name)), _flag_cell(spec_flags.get(name)), _meaning(field_of(name)))
+            )
+    for name, section in SECTIONS.items():
+        lines += [
+            "",
+            f"### `{name}`: {SwarmSpec.model_fields[name].description}",
+            "",
+            f"`{section.__name__}`, {section.__module__.replace('.', '/')}.py.",
+            "",
+            "| key | default | flag | meaning |",
+            "|---|---|---|---|",
+        ]
+        for field in section.model_fields:
+            key = flat_of[(name, field)]
+            info = field_of(key)
+            lines.append(_row(f"{name}.{field}", _default(info), _flag_cell(spec_flags.get(key)), _meaning(info)))
     return "\n".join(lines) + "\n"
 
 

@@ -103,7 +103,7 @@ class SpecResolver:
                 )
             signed = SignedSpec.load(path)
         spec = signed.spec
-        if spec.admission == "private" and self.config.swarm_key is None:
+        if spec.admission.mode == "private" and self.config.swarm_key is None:
             raise ConfigError(
                 f"swarm {signed.swarm_id} is private: pass its key (--swarm-key, or MESHTRAIN_SWARM_KEY; "
                 f"`swarm create --private` wrote it to the creator's data dir)"
@@ -113,7 +113,10 @@ class SpecResolver:
         # worker thread (a model of many GB takes seconds) while the node stays live.
         def check_copies() -> None:
             check_local_copy(
-                spec.model, spec.tokenizer, model_pin=spec.model_digest, tokenizer_pin=spec.tokenizer_digest
+                spec.model.source,
+                spec.model.tokenizer,
+                model_pin=spec.model.digest,
+                tokenizer_pin=spec.model.tokenizer_digest,
             )
             check_outer_copy(spec)
 

@@ -13,6 +13,18 @@ same id (the id would not match), nor re-sign someone else's spec as its own (th
 change). The owner's key also is the only key that may write the swarm's CRDT config
 (`SwarmView.set_config`), where the node publishes the spec for everyone already in the swarm.
 
+Wire and file form: `{"format", "spec", "owner", "signature", "swarm_id"}`. Two formats:
+
+- `meshtrain.swarm/2` (`FORMAT`, what `create` signs): `spec` is the nested dict, the spec's
+  sections as tables (`SwarmSpec.model_dump()`: `{"name": ..., "outer": {"H": 50, ...}, ...}`).
+- `meshtrain.swarm/1` (`FORMAT_V1`, before the spec had sections): `spec` is the flat dict, every
+  key by its flat name (`FLAT_KEYS`, node/spec/swarm.py). Still read: it verifies, keeps its id
+  (computed over the flat dict as signed) and is passed on as it came — `to_wire` of a v1 spec
+  writes v1 — so every swarm created before keeps its id and its members. Nothing writes a new v1.
+
+A key this version does not know — flat in v1, at the top or in a section in v2 — is refused in
+one line that says a newer meshtrain created the spec; so is a section that is not a table.
+
 Joining needs one address: `swarm join <multiaddr>` (or `<swarm id>@<multiaddr>`, which also
 pins the id) dials the peer and asks for the spec over the `swarm/spec` RPC; the answer is
 verified (signature, id, schema) before anything else happens. `swarm join <swarm id | name>`
@@ -20,15 +32,15 @@ first finds the swarm's entry addresses in the DHT's swarm index (node/spec/list
 does the same, pinning the id it found. A spec file (`swarm.json`,
 written by `swarm create`) holds the same signed document.
 
-Content, not paths: `SignedSpec.create` pins `model_digest` and `tokenizer_digest` (computed from
-the creator's files, models/sources.py) when the spec has none, so the signature covers what the
-model and tokenizer *are*; every node checks its own copy against them before it trains
+Content, not paths: `SignedSpec.create` pins `model.digest` and `model.tokenizer_digest` (computed
+from the creator's files, models/sources.py) when the spec has none, so the signature covers what
+the model and tokenizer *are*; every node checks its own copy against them before it trains
 (`check_local_copy`, called by the daemon). A `py:` outer optimizer's source is pinned the same
-way (`optimizer_digest`, meshtrain/pyref.py; checked by `outer_spec.check_copy`). A pipeline
-swarm's `stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the spec says.
-For an hf: / hf-config: model the architecture and layer count come from its config file, so they
-are checked when the cut is pinned (`SignedSpec.create`, i.e. `swarm create`), where the files are
-at hand.
+way (`outer.optimizer_digest`, meshtrain/pyref.py; checked by `outer_spec.check_copy`). A pipeline
+swarm's `pipeline.stage_cut` (pipeline/cut.py) is pinned too: every peer cuts the model where the
+spec says. For an hf: / hf-config: model the architecture and layer count come from its config
+file, so they are checked when the cut is pinned (`SignedSpec.create`, i.e. `swarm create`),
+where the files are at hand.
 
 Not here: what the spec holds and how it is validated (`SwarmSpec`, `parse_spec`, node/spec/swarm.py).
 """
@@ -47,7 +59,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models.sources import model_digest
 from meshtrain.models.staged import pipeline_layers
 from meshtrain.models.tokenizers import tokenizer_digest
-from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, parse_spec
 from meshtrain.pipeline.cut import balanced_cut, format_stage_cut, parse_stage_cut
 from meshtrain.pyref import PREFIX as PY_PREFIX
 from meshtrain.pyref import PyRef
@@ -55,7 +67,8 @@ from meshtrain.transport.framing import packb_canonical
 from meshtrain.transport.identity import Identity, verify
 
 SPEC_RPC = "swarm/spec"
-FORMAT = "meshtrain.swarm/1"
+FORMAT = "meshtrain.swarm/2"  # the spec's sections as tables
+FORMAT_V1 = "meshtrain.swarm/1"  # flat: read, passed on, never written anew
 
 
 class SpecError(MeshtrainError):
@@ -72,16 +85,18 @@ def swarm_id_of(signed: dict[str, Any], owner: str) -> str:
 class SignedSpec:
     """spec: the parsed spec (keys the signer's version lacked at their defaults). owner: peer id
     of the creator. signature: over `signed`, the spec dict as the owner signed it (None: the
-    spec's own `model_dump()`, as `create` signs), which the id and the wire form carry."""
+    spec's own form in `format`, as `create` signs), which the id and the wire form carry.
+    format: the wire format it was signed in (`FORMAT`, or `FORMAT_V1` for an older spec)."""
 
     spec: SwarmSpec
     owner: str
     signature: bytes
     signed: dict[str, Any] | None = None
+    format: str = FORMAT
 
     def __post_init__(self) -> None:
         if self.signed is None:
-            object.__setattr__(self, "signed", self.spec.model_dump())
+            object.__setattr__(self, "signed", self.spec.flat() if self.format == FORMAT_V1 else self.spec.model_dump())
 
     @property
     def swarm_id(self) -> str:
@@ -95,28 +110,30 @@ class SignedSpec:
 
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
-        """Sign `spec`, first pinning the model, tokenizer and (py:) optimizer digests if it has none,
-        and a pipeline swarm's stage cut (the balanced one) if it names none — after checking that
-        a pipeline can cut the model (`pipeline_layers`: a one-line ConfigError naming what it
-        can) and that the cut fits its layers."""
-        pins: dict[str, str] = {}
-        if spec.pipeline != "none":  # first: a model no pipeline can cut is the error to report
-            n_layer = pipeline_layers(spec.model)
-            if spec.stage_cut:
-                parse_stage_cut(spec.stage_cut, spec.stages, n_layer)
+        """Sign `spec` (in `FORMAT`), first pinning the model, tokenizer and (py:) optimizer digests
+        if it has none, and a pipeline swarm's stage cut (the balanced one) if it names none — after
+        checking that a pipeline can cut the model (`pipeline_layers`: a one-line ConfigError
+        naming what it can) and that the cut fits its layers."""
+        pins: dict[str, dict[str, str]] = {"model": {}, "outer": {}, "pipeline": {}}
+        if spec.pipeline.kind != "none":  # first: a model no pipeline can cut is the error to report
+            n_layer = pipeline_layers(spec.model.source)
+            if spec.pipeline.stage_cut:
+                parse_stage_cut(spec.pipeline.stage_cut, spec.pipeline.stages, n_layer)
             else:
-                pins["stage_cut"] = format_stage_cut(balanced_cut(n_layer, spec.stages))
-        pins["model_digest"] = spec.model_digest or model_digest(spec.model)
-        pins["tokenizer_digest"] = spec.tokenizer_digest or tokenizer_digest(spec.tokenizer)
-        if spec.optimizer.startswith(PY_PREFIX) and not spec.optimizer_digest:
-            pins["optimizer_digest"] = PyRef.parse(spec.optimizer).source_digest()
-        spec = spec.model_copy(update=pins)
+                pins["pipeline"]["stage_cut"] = format_stage_cut(balanced_cut(n_layer, spec.pipeline.stages))
+        pins["model"]["digest"] = spec.model.digest or model_digest(spec.model.source)
+        pins["model"]["tokenizer_digest"] = spec.model.tokenizer_digest or tokenizer_digest(spec.model.tokenizer)
+        if spec.outer.optimizer.startswith(PY_PREFIX) and not spec.outer.optimizer_digest:
+            pins["outer"]["optimizer_digest"] = PyRef.parse(spec.outer.optimizer).source_digest()
+        spec = spec.model_copy(
+            update={name: getattr(spec, name).model_copy(update=values) for name, values in pins.items() if values}
+        )
         owner = identity.peer_id_str
         return cls(spec, owner, identity.sign(cls.signed_message(spec.model_dump(), owner)))
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "format": FORMAT,
+            "format": self.format,
             "spec": self.signed,
             "owner": self.owner,
             "signature": self.signature.hex(),
@@ -125,25 +142,27 @@ class SignedSpec:
 
     @classmethod
     def from_wire(cls, data: Any, *, expect_id: str | None = None) -> SignedSpec:
-        """Parse and verify; `SpecError` (one line) for anything wrong."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise SpecError(f"not a {FORMAT} document")
-        owner, sig = data.get("owner"), data.get("signature")
-        if not isinstance(owner, str) or not isinstance(sig, str) or not isinstance(data.get("spec"), dict):
+        """Parse and verify, in either format (the module docstring); `SpecError` (one line) for
+        anything wrong."""
+        form = data.get("format") if isinstance(data, dict) else None
+        if form not in (FORMAT, FORMAT_V1):
+            raise SpecError(f"not a {FORMAT} (or {FORMAT_V1}) document")
+        owner, sig, body = data.get("owner"), data.get("signature"), data.get("spec")
+        if not isinstance(owner, str) or not isinstance(sig, str) or not isinstance(body, dict):
             raise SpecError("spec document lacks spec, owner or signature")
-        unknown = sorted(repr(k)[:40] for k in data["spec"] if k not in SwarmSpec.model_fields)
+        unknown = _unknown_keys(body) if form == FORMAT else [repr(k)[:40] for k in body if k not in FLAT_KEYS]
         if unknown:
             raise SpecError(
-                f"the swarm spec has keys this meshtrain does not know ({', '.join(unknown[:5])}): "
+                f"the swarm spec has keys this meshtrain does not know ({', '.join(sorted(unknown)[:5])}): "
                 "a newer meshtrain created it; upgrade to join this swarm"
             )
         try:
-            spec = parse_spec(data["spec"])
+            spec = parse_spec(body, form="nested" if form == FORMAT else "flat")
             signature = bytes.fromhex(sig)
         except (ConfigError, ValueError) as e:
             raise SpecError(f"invalid swarm spec: {e}") from None
-        signed = cls(spec, owner, signature, data["spec"])
-        if not verify(owner, cls.signed_message(data["spec"], owner), signature):
+        signed = cls(spec, owner, signature, body, form)
+        if not verify(owner, cls.signed_message(body, owner), signature):
             raise SpecError("the swarm spec's signature does not verify: forged or corrupted")
         if expect_id is not None and signed.swarm_id != expect_id:
             raise SpecError(f"this peer serves swarm {signed.swarm_id}, not {expect_id}")
@@ -170,6 +189,18 @@ class SignedSpec:
             return cls.from_wire(data)
         except SpecError as e:
             raise ConfigError(f"swarm spec {p}: {e}") from None
+
+
+def _unknown_keys(nested: dict[Any, Any]) -> list[str]:
+    """The keys of a v2 spec this version does not know, at the top and in its sections (a
+    section that is not a table: `SpecError`)."""
+    unknown = [repr(k)[:40] for k in nested if k not in SwarmSpec.model_fields]
+    for name, section in SECTIONS.items():
+        values = nested.get(name, {})
+        if not isinstance(values, dict):
+            raise SpecError(f"the swarm spec's {name} is a {type(values).__name__}, not a table")
+        unknown += [f"{name}.{k!r:.40}" for k in values if k not in section.model_fields]
+    return unknown
 
 
 SWARM_ID_CHARS = 22  # "ms" + 20 hex

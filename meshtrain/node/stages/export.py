@@ -138,9 +138,13 @@ def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor
     tokenizer = spec_tokenizer(signed)
     model = build_model(spec, tokenizer.vocab_size)
     view = staged(model)
-    cut = parse_stage_cut(spec.stage_cut, spec.stages, view.n_layer) if spec.stage_cut else None
-    stages = view.stages(spec.stages, cut)
-    missing = [s for s in range(spec.stages) if s not in weights]
+    cut = (
+        parse_stage_cut(spec.pipeline.stage_cut, spec.pipeline.stages, view.n_layer)
+        if spec.pipeline.stage_cut
+        else None
+    )
+    stages = view.stages(spec.pipeline.stages, cut)
+    missing = [s for s in range(spec.pipeline.stages) if s not in weights]
     if missing:
         raise ConfigError(f"no weights for stage(s) {', '.join(map(str, missing))}")
     for st in stages:
@@ -151,7 +155,7 @@ def assemble(signed: SignedSpec, weights: Mapping[int, Mapping[str, torch.Tensor
                 f"stage {st.index}'s state does not hold the parameters the spec's cut gives it (e.g. {odd[0]})"
             )
     try:
-        load_stage_states(model, [weights[s] for s in range(spec.stages)])
+        load_stage_states(model, [weights[s] for s in range(spec.pipeline.stages)])
     except StageError as e:
         raise ConfigError(f"the stages do not assemble into the spec's model: {e}") from None
     model.eval()
@@ -167,11 +171,11 @@ def write_assembled(
     """Assemble and write the export (module docstring, 3-4); what `meshtrain_export.json` says."""
     model, tokenizer = assemble(signed, weights)
     steps = [s.step for s in sources]
-    context = resolve_context(model, signed.spec.context, signed.spec.model)
+    context = resolve_context(model, signed.spec.model.context, signed.spec.model.source)
     trained = Trained(signed, min(steps), min(s.round for s in sources), model, tokenizer, context)
     extra = {
-        "pipeline": signed.spec.pipeline,
-        "stage_cut": signed.spec.stage_cut,
+        "pipeline": signed.spec.pipeline.kind,
+        "stage_cut": signed.spec.pipeline.stage_cut,
         "steps_agree": len(set(steps)) == 1,
         "stages": [asdict(s) for s in sorted(sources, key=lambda s: s.stage)],
     }
@@ -235,7 +239,7 @@ class PipelineExporter:
             weights[own.stage] = stage_weights(own.state, own.stage)
             sources.append(StageSource.of(own.stage, own.step, own.state, "own", 1))
         step = own.step if own is not None else 0
-        for stage in range(spec.stages):
+        for stage in range(spec.pipeline.stages):
             if stage in weights:
                 continue
             # The others publish at the same epoch end as we did; their `offer` reaches us with
@@ -280,7 +284,7 @@ def export_pipeline(
     checkpoints must hold every stage. Raises `ConfigError` or `ExportError` with one line that
     says what is wrong (which stage, what to do); nothing is written then."""
     signed = load_spec(data_dir)
-    if signed.spec.pipeline == "none":
+    if signed.spec.pipeline.kind == "none":
         raise ConfigError(f"{data_dir} is not a pipeline swarm's peer; use export.export_model")
     target = check_export_target(out).resolve()
     try:
@@ -350,7 +354,7 @@ def export_offline(data_dir: str | os.PathLike[str], out: Path, signed: SignedSp
             stage = checkpoint_stage(ckpt.state, signed.spec)
             if stage is not None and ckpt.step >= newest.get(stage, (-1, {}))[0]:
                 newest[stage] = (ckpt.step, ckpt.state)
-    missing = [s for s in range(signed.spec.stages) if s not in newest]
+    missing = [s for s in range(signed.spec.pipeline.stages) if s not in newest]
     if missing:
         held = ", ".join(map(str, sorted(newest))) or "none"
         raise ExportError(

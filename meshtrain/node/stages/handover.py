@@ -74,7 +74,7 @@ class StageHandover:
         self.host = announcements.presence.host
         self.me = announcements.me
         self.states = StageStates(
-            self.host, streams, spec.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
+            self.host, streams, spec.pipeline.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
         )
         self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
         self.recent_placements: deque[dict[str, int]] = deque(maxlen=RECENT_EPOCHS)  # the last epochs'
@@ -110,12 +110,12 @@ class StageHandover:
     ) -> None:
         """If `backers` names us for a stage with one replica in `placement`, back that replica's
         newest snapshot (of our step) up in the background, once it announces it."""
-        if not self.spec.stage_backup or self.stop.is_set() or nursery is None or trainer is None:
+        if not self.spec.pipeline.stage_backup or self.stop.is_set() or nursery is None or trainer is None:
             return
-        mine = sorted(s for s, p in backers(placement, self.spec.stages).items() if p == self.me)
+        mine = sorted(s for s, p in backers(placement, self.spec.pipeline.stages).items() if p == self.me)
         if mine:  # one backup per peer (`backers` doubles up only with fewer peers than stages)
             stage = mine[0]
-            (replica,) = stage_map(placement, self.spec.stages)[stage]
+            (replica,) = stage_map(placement, self.spec.pipeline.stages)[stage]
             step = trainer.step
 
             def offered() -> bool:  # ... or the replica is gone (left, or not reachable): try at once
@@ -144,7 +144,7 @@ class StageHandover:
             await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
         try:
-            recent = (backers(p, self.spec.stages).get(stage) for p in self.recent_placements)
+            recent = (backers(p, self.spec.pipeline.stages).get(stage) for p in self.recent_placements)
             donated = await self.states.fetch(stage, replicas, peers, backer_peers={b for b in recent if b is not None})
         finally:
             self.waiting = None
@@ -184,7 +184,9 @@ class StageHandover:
         placement = self.last_placement
         if not self.stop.is_set() or trainer is None or trainer.needs_state or HANDOVER_WAIT <= 0:
             return
-        if [p for p, s in placement.items() if s == trainer.stage] != [self.me] or len(placement) <= self.spec.stages:
+        if [p for p, s in placement.items() if s == trainer.stage] != [self.me] or len(
+            placement
+        ) <= self.spec.pipeline.stages:
             return
         served = self.states.donor.stats["chunks_served"]
         self.waiting = f"pipeline: handing stage {trainer.stage} over (up to {HANDOVER_WAIT:.0f} s)"

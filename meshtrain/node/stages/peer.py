@@ -189,7 +189,7 @@ class PipelinePeer:
         self.phase = phase
         self.stop = stop
         self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
-        self.announcements = PipelineAnnouncements(presence, spec.stages)
+        self.announcements = PipelineAnnouncements(presence, spec.pipeline.stages)
         self.handover = StageHandover(spec, config, streams, self.announcements, stop)
         self.states = self.handover.states
         self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
@@ -270,8 +270,8 @@ class PipelinePeer:
         if self.lab is not None and self.me in self.lab.forward_s:
             return self.lab.forward_s[self.me]
         model = build_model(self.spec, self.corpus.vocab_size)
-        T = resolve_context(model, self.spec.context, self.spec.model)
-        x, y = self.corpus.batch(self.spec.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
+        T = resolve_context(model, self.spec.model.context, self.spec.model.source)
+        x, y = self.corpus.batch(self.spec.data.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
         times = []
         with torch.no_grad():
             for _ in range(FORWARD_REPEATS):
@@ -305,7 +305,7 @@ class PipelinePeer:
         """Place, announce, and wait until every peer of the placement announces the same epoch
         (module docstring, 1-2); None if we were stopped first."""
         self.phase.set("syncing")
-        S = self.spec.stages
+        S = self.spec.pipeline.stages
         want = max(S, self.config.wait_peers) if first else S
         deadline = time.monotonic() + self.config.wait_peers_timeout
         while not self.stop.is_set():
@@ -346,23 +346,25 @@ class PipelinePeer:
         spec, trainer = self.spec, self.trainer
         assert trainer is not None
         peers = sorted(epoch.placement)
-        hop_bytes = HopCodec(spec.activation_codec).nbytes((spec.batch_size, trainer.context, trainer.replica.d_model))
+        hop_bytes = HopCodec(spec.pipeline.activation_codec).nbytes(
+            (spec.data.batch_size, trainer.context, trainer.replica.d_model)
+        )
         problem = PipelineProblem(
-            num_stages=spec.stages,
+            num_stages=spec.pipeline.stages,
             placement=epoch.placement,
             forward_time=epoch.forward_s,
             links={(a, b): self._link(a, b) for i, a in enumerate(peers) for b in peers[i + 1 :]},
             activation_bytes=hop_bytes,  # what a hop sends: the scheduler's link cost
-            microbatches=spec.microbatches,
-            skip_ratio=spec.skip_ratio,
+            microbatches=spec.pipeline.microbatches,
+            skip_ratio=spec.pipeline.skip_ratio,
         )
         return PipelineRun(
             f"{self.swarm_id[-8:]}-{epoch.key[:16]}",
             problem,
             "skippipe",
-            spec.batch_size,
+            spec.data.batch_size,
             trainer.context,
-            activation_codec=spec.activation_codec,
+            activation_codec=spec.pipeline.activation_codec,
         )
 
     def _link(self, a: str, b: str) -> Link:
@@ -379,13 +381,13 @@ class PipelinePeer:
 
         def data(it: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.corpus.batch(
-                spec.batch_size, trainer.context, seed=spec.seed, peer="pipeline", step=base + it, microbatch=mb
+                spec.data.batch_size, trainer.context, seed=spec.seed, peer="pipeline", step=base + it, microbatch=mb
             )
 
         def should_stop(it: int, _elapsed: float) -> bool:
             if self.stop.is_set() or (until and base + it + 1 >= until) or self._cut_wanted(epoch):
                 return True
-            return place(self.announcements.members().values(), spec.stages) != epoch.placement
+            return place(self.announcements.members().values(), spec.pipeline.stages) != epoch.placement
 
         run = self._problem(epoch)
         allreduce = AllReduceConfig(join_timeout=self.config.join_timeout, part_timeout=self.config.part_timeout)
@@ -403,7 +405,7 @@ class PipelinePeer:
                 stage=trainer.stage,
                 step=base,
                 peers=len(epoch.placement),
-                stages="/".join(str(len(x)) for x in stage_map(epoch.placement, spec.stages)),
+                stages="/".join(str(len(x)) for x in stage_map(epoch.placement, spec.pipeline.stages)),
             )
         )
         try:
@@ -418,7 +420,7 @@ class PipelinePeer:
                         data,
                         should_stop=should_stop,
                         allreduce=allreduce,
-                        sync_gradients=spec.replica_sync == "every-step",
+                        sync_gradients=spec.pipeline.replica_sync == "every-step",
                         links=SimulatedLinks(run.problem.links) if self.lab is not None else None,
                         compute_floor=epoch.forward_s[self.me] if self.lab is not None else None,
                     ) as rt:
@@ -510,7 +512,7 @@ class PipelinePeer:
     def _after_iteration(self, trainer: StageTrainer, loss: float, committed: int) -> None:
         step = trainer.step
         now = time.monotonic()
-        rate = self.spec.batch_size * committed / max(now - self._t_last, 1e-9)
+        rate = self.spec.data.batch_size * committed / max(now - self._t_last, 1e-9)
         self._t_last = now
         value = loss if math.isfinite(loss) else None
         with trainer.lock:
@@ -529,7 +531,7 @@ class PipelinePeer:
             del info.history[:-500]
         view = self.presence.view
         assert view is not None
-        view.report_progress(step=step, samples=step * self.spec.batch_size * self.spec.microbatches)
+        view.report_progress(step=step, samples=step * self.spec.data.batch_size * self.spec.pipeline.microbatches)
         if value is not None:
             view.report_metrics({"loss": value, "samples_per_s": rate})
         if not self._ckpt_busy and now - self._last_ckpt >= self.config.checkpoint_every:
@@ -563,20 +565,20 @@ class PipelinePeer:
     def status(self) -> dict[str, Any]:
         """The status document's `pipeline` section: our stage, the stage map (the running
         epoch's, else what the members announce), the epoch and what we wait for."""
-        S = self.spec.stages
+        S = self.spec.pipeline.stages
         if self.epoch is not None:
             placement = self.epoch.placement
         else:
             placement = {p: m.stage for p, m in self.announcements.members().items() if m.stage is not None}
         backup = self.states.backup
         return {
-            "mode": self.spec.pipeline,
+            "mode": self.spec.pipeline.kind,
             "stages": S,
             "stage": self.trainer.stage if self.trainer is not None else None,
             "stage_map": stage_map(placement, S),
-            "stage_cut": self.spec.stage_cut,
-            "replica_sync": self.spec.replica_sync,
-            "activation_codec": self.spec.activation_codec,
+            "stage_cut": self.spec.pipeline.stage_cut,
+            "replica_sync": self.spec.pipeline.replica_sync,
+            "activation_codec": self.spec.pipeline.activation_codec,
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,
@@ -603,7 +605,7 @@ class PipelinePeer:
         """The `training` section's numbers (the status document's schema)."""
         trainer = self.trainer
         if trainer is None:
-            return {"optimizer": f"{self.spec.pipeline}/{self.spec.replica_sync}"}
+            return {"optimizer": f"{self.spec.pipeline.kind}/{self.spec.pipeline.replica_sync}"}
         with trainer.lock:
             info = trainer.info
             out = {
@@ -615,7 +617,7 @@ class PipelinePeer:
             }
         stats = self.runtime.stats if self.runtime is not None else {}
         out.update(
-            optimizer=f"{self.spec.pipeline}/{self.spec.replica_sync}",
+            optimizer=f"{self.spec.pipeline.kind}/{self.spec.pipeline.replica_sync}",
             bytes_sent=trainer.bytes_sent,
             bytes_received=trainer.bytes_received,
             hops_sent=stats.get("hops_sent", 0),

@@ -45,10 +45,18 @@ class StageTrainer:
         n_layer = staged(model).n_layer  # ConfigError for a model a pipeline cannot cut
         self.spec = spec
         self.stage = stage
-        self.context = resolve_context(model, spec.context, spec.model)
-        cut = parse_stage_cut(spec.stage_cut, spec.stages, n_layer) if spec.stage_cut else None
+        self.context = resolve_context(model, spec.model.context, spec.model.source)
+        cut = (
+            parse_stage_cut(spec.pipeline.stage_cut, spec.pipeline.stages, n_layer) if spec.pipeline.stage_cut else None
+        )
         self.replica = StageReplica(
-            model, spec.stages, stage, lr=spec.inner_lr, weight_decay=spec.weight_decay, clip=spec.clip, cut=cut
+            model,
+            spec.pipeline.stages,
+            stage,
+            lr=spec.outer.inner_lr,
+            weight_decay=spec.outer.weight_decay,
+            clip=spec.outer.clip,
+            cut=cut,
         )
         self.sync: StageOuterSync | None = None
         self.step = 0
@@ -62,15 +70,15 @@ class StageTrainer:
         """Build the spec's per-stage outer sync (None for "every-step") over the collective
         `current_collective()` returns."""
         spec = self.spec
-        if spec.replica_sync != "every-step" and self.sync is None:
+        if spec.pipeline.replica_sync != "every-step" and self.sync is None:
             self.sync = StageOuterSync(
                 self.replica,
                 current_collective,
-                spec.replica_sync,  # type: ignore[arg-type]
-                H=spec.H,
-                lr=spec.outer_lr,
-                momentum=spec.outer_momentum if spec.replica_sync == "diloco" else None,
-                codec=spec.codec,
+                spec.pipeline.replica_sync,  # type: ignore[arg-type]
+                H=spec.outer.H,
+                lr=spec.outer.outer_lr,
+                momentum=spec.outer.outer_momentum if spec.pipeline.replica_sync == "diloco" else None,
+                codec=spec.outer.codec,
             )
         return self.sync
 
@@ -84,7 +92,7 @@ class StageTrainer:
         """This stage's weights, AdamW state, outer state and step (copies; between iterations)."""
         r = self.replica
         state: dict[str, Any] = {
-            "pipeline": {"stage": self.stage, "stages": self.spec.stages, "cut": self.spec.stage_cut},
+            "pipeline": {"stage": self.stage, "stages": self.spec.pipeline.stages, "cut": self.spec.pipeline.stage_cut},
             "step": self.step,
             "weights": r.stage_state(),
             "adam": copy.deepcopy(r.optimizer.state_dict()),
@@ -166,7 +174,11 @@ class StageTrainer:
 def checkpoint_stage(state: dict[str, Any], spec: SwarmSpec) -> int | None:
     """The stage a checkpoint holds, if it was made under this spec's cut (else None)."""
     meta = state.get("pipeline") if isinstance(state, dict) else None
-    if not isinstance(meta, dict) or meta.get("stages") != spec.stages or meta.get("cut") != spec.stage_cut:
+    if (
+        not isinstance(meta, dict)
+        or meta.get("stages") != spec.pipeline.stages
+        or meta.get("cut") != spec.pipeline.stage_cut
+    ):
         return None
     stage = meta.get("stage")
-    return stage if is_int(stage) and 0 <= stage < spec.stages else None
+    return stage if is_int(stage) and 0 <= stage < spec.pipeline.stages else None

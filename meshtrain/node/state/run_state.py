@@ -370,7 +370,7 @@ class RunState(Service):
                 trainer.outer.needs_resync = True
                 continue
             front = presence.front_step()
-            if front is not None and front >= trainer.step + BEHIND_ROUNDS * trainer.spec.H:
+            if front is not None and front >= trainer.step + BEHIND_ROUNDS * trainer.spec.outer.H:
                 # A group left behind (its members restarted from old checkpoints and found each
                 # other) completes rounds among itself that the swarm passed long ago; parity never
                 # compares them. Catch up with the front instead.
@@ -417,7 +417,10 @@ class RunState(Service):
             assert view is not None
             self._count_solo_rounds(outer.history)
             view.report_progress(
-                step=trainer.step, samples=trainer.step * trainer.spec.batch_size, outer_round=outer.rounds, phi=phi
+                step=trainer.step,
+                samples=trainer.step * trainer.spec.data.batch_size,
+                outer_round=outer.rounds,
+                phi=phi,
             )
             view.report_metrics(
                 {

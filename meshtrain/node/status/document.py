@@ -101,9 +101,9 @@ def admission_status(node: Node) -> dict[str, Any]:
     of every peer with verified strikes (node/trust/strikes.py)."""
     spec, presence = node.signed.spec if node.signed else None, node.presence
     if spec is None or presence is None or presence.view is None:
-        return {"rule": spec.admission if spec else None, "not_admitted": None, "ignored": [], "standing": {}}
+        return {"rule": spec.admission.mode if spec else None, "not_admitted": None, "ignored": [], "standing": {}}
     return {
-        "rule": spec.admission,
+        "rule": spec.admission.mode,
         "not_admitted": presence.not_admitted(),
         "ignored": presence.ignored(),
         "standing": {
@@ -192,7 +192,7 @@ def status_document(node: Node) -> dict[str, Any]:
                 bytes_received=st["bytes_received"],
                 history=list(info.history),
             )
-        training["optimizer"] = trainer.spec.optimizer
+        training["optimizer"] = trainer.spec.outer.optimizer
     pipeline = node.pipeline
     if pipeline is not None:
         training.update(pipeline.training_status())

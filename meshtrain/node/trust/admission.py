@@ -17,7 +17,7 @@ cost honest peers no memory (crdt/swarm_view.py; counted as `crdt-not-admitted` 
 `crdt-not-a-member` in the status document's `refused`).
 - **open**: anyone who shows a proof of work on its peer id. The proof is a nonce such that
   `blake3(POW_DOMAIN + msgpack([swarm id, peer id]) + nonce as 8 bytes big-endian)` starts with
-  `spec.pow_bits` zero bits; it rides in the membership record's capabilities under `"pow"`.
+  `spec.admission.pow_bits` zero bits; it rides in the membership record's capabilities under `"pow"`.
   Bound to the swarm and the peer id, it cannot be reused for another identity or swarm, so
   n identities cost n times one (about 2**pow_bits hashes each); checking it is one hash
   (cached per peer and nonce). A node mints its own once and keeps it in `admission.json` in its
@@ -153,9 +153,9 @@ class Admission:
     def __init__(self, signed: SignedSpec) -> None:
         self.signed = signed
         self.swarm_id = signed.swarm_id
-        self.mode = signed.spec.admission
-        self.bits = signed.spec.pow_bits
-        self.allowlist = frozenset(signed.spec.allowlist)
+        self.mode = signed.spec.admission.mode
+        self.bits = signed.spec.admission.pow_bits
+        self.allowlist = frozenset(signed.spec.admission.allowlist)
         self.view: SwarmView | None = None
         self.strikes: StrikeBook | None = None
         self._proofs: dict[tuple[str, Any], bool] = {}

@@ -10,7 +10,7 @@ function of (swarm seed, peer id, step) (models/corpus.py `Corpus.batch`), so an
 them.
 
 Design. In a robust round the owner of part p holds every peer's contribution Δ_i[p] to it.
-- **Sample.** A few peers per round (`spec.score_samples`), the same on every owner: the group
+- **Sample.** A few peers per round (`spec.verification.score_samples`), the same on every owner: the group
   ranked by a hash of the round's committed digest (collective/contract.py `sampled_peers`),
   unknown to a sender until every contribution was combined, checkable by anyone from a strike's
   group and digest. The collective keeps their contributions to our part until the round commits
@@ -20,7 +20,7 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
   the outer parameters the round started from, the same on every peer; the listener snapshots it
   before the round's result is applied (the trainer thread applies it only after the collective
   returned, optim/outer.py). For a sampled peer i, on its batches of the round's last
-  b = `spec.score_batches` inner steps (steps r − b .. r − 1 of round r, all H if fewer,
+  b = `spec.verification.score_batches` inner steps (steps r − b .. r − 1 of round r, all H if fewer,
   `scored_steps`: the last it trained, so the ones its update fits best), L the mean of the
   per-batch losses (for batches of one size the loss on their concatenation, with one batch's
   activations alive at a time):
@@ -42,7 +42,7 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
   two owners, when such batches were scored). The scores, the contribution's norm over the
   aggregate's and its cosine with it become a signed loss strike (crdt/strikes.py), counted like
   any other: half the round's other owners (each scores the peer on its own part) must flag it,
-  in `spec.strikes` rounds within `spec.strikes_window` (node/trust/strikes.py). Other peers re-check
+  in `spec.verification.strikes` rounds within `spec.verification.strikes_window` (node/trust/strikes.py). Other peers re-check
   that the scores break the rule and that the digest sampled the peer; they cannot re-measure
   (they do not hold Δ_i[p]). The strike does not record b: the re-check needs only the scores and
   the spec (b is the swarm's, like the thresholds), so older strikes and readers are unchanged.
@@ -93,7 +93,7 @@ depend on b).
 
 Not caught. A peer sampled with probability k/n per round is struck only in rounds it is
 sampled in, so with the default 2 samples in a group of n it takes ~n/2 times longer to reach
-`spec.strikes` than screening takes. An update that fits its own batch but is poisoned elsewhere
+`spec.verification.strikes` than screening takes. An update that fits its own batch but is poisoned elsewhere
 (a backdoor) passes; so does a lazy peer that trains only the last few steps of its round on its
 assigned data (it lowers its last batches' loss; measured above). An honest peer with an unusual
 update can still be flagged by chance: more batches make it rarer (above: 8 of 3840 honest
@@ -280,7 +280,7 @@ class LossScorer:
         if fragment >= len(outer.fragments):
             return
         # The collective keeps the larger of loss scoring's and spot-checks' samples (SwarmSpec.kept_samples).
-        chosen = sampled_peers(screening.group, screening.digest, self.spec.score_samples)
+        chosen = sampled_peers(screening.group, screening.digest, self.spec.verification.score_samples)
         screening = dataclasses.replace(screening, samples={p: x for p, x in screening.samples.items() if p in chosen})
         if not screening.samples:
             return
@@ -301,8 +301,8 @@ class LossScorer:
         out = {}
         for peer in screening.samples:
             out[peer] = []
-            for step in scored_steps(screening.round_id, spec.H, spec.score_batches):
-                x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
+            for step in scored_steps(screening.round_id, spec.outer.H, spec.verification.score_batches):
+                x, y = t.corpus.batch(spec.data.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
                 out[peer].append((x.to(device), y.to(device)))
         return out
 

@@ -10,7 +10,7 @@ outer parameters, the same on every peer) on its assigned batches, which are a p
 (swarm seed, peer id, step) (models/corpus.py `Corpus.batch`). Anyone can redo its first steps.
 
 Design. Loss scoring's machinery, with a recomputation instead of a forward pass:
-- **Sample.** `spec.spot_check_samples` peers per round (default 1), the same on every owner:
+- **Sample.** `spec.verification.spot_check_samples` peers per round (default 1), the same on every owner:
   `sampled_peers(group, digest, k)` of the round's committed digest (collective/contract.py),
   unknown to a sender until every contribution was combined, checkable by anyone from a
   strike's group and digest. The collective keeps the larger of the two samples
@@ -18,7 +18,7 @@ Design. Loss scoring's machinery, with a recomputation instead of a forward pass
   round's `RoundScreening`.
 - **Recompute** (`recompute_update`, in a worker thread: the trio loop never runs compute). The
   owner of part p puts φ (snapshotted before the round is applied, as loss scoring does) into a
-  scratch copy of the model and runs k = `spec.spot_check_steps` inner steps of the spec's inner
+  scratch copy of the model and runs k = `spec.verification.spot_check_steps` inner steps of the spec's inner
   optimizer (AdamW, `inner_lr`, `weight_decay`, `clip`) on the sampled peer's batches of steps
   r − H .. r − H + k − 1 of round r: its first k, the only ones that start from a point every
   peer knows. Δ_v = φ − θ_v.
@@ -38,7 +38,7 @@ Design. Loss scoring's machinery, with a recomputation instead of a forward pass
   (node/trust/strikes.py `spot_flagged`) with `spot_check_margin` (default 0.2) become signed spot
   strikes (crdt/strikes.py: `match`, `ref`, and the norm and alignment against the aggregate),
   counted like any strike: half the round's other owners (each checks the peer on its own part)
-  in `spec.strikes` rounds within `spec.strikes_window`. Other peers re-check that the cosines
+  in `spec.verification.strikes` rounds within `spec.verification.strikes_window`. Other peers re-check that the cosines
   break the rule and that the digest sampled the peer; they cannot recompute (they do not hold
   Δ_i[p]).
 
@@ -236,10 +236,10 @@ class SpotChecker:
             or outer.delay
         ):
             return
-        chosen = sampled_peers(screening.group, screening.digest, spec.spot_check_samples)
+        chosen = sampled_peers(screening.group, screening.digest, spec.verification.spot_check_samples)
         samples = {p: x for p, x in screening.samples.items() if p in chosen}
         names = list(outer.fragments[0])
-        if not samples or int(match.group(1)) != 0 or screening.round_id < spec.H:
+        if not samples or int(match.group(1)) != 0 or screening.round_id < spec.outer.H:
             return
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order: nothing to compare
@@ -254,10 +254,10 @@ class SpotChecker:
         """`peer`'s assigned batches of the round's first `spot_check_steps` inner steps."""
         t, spec = self.trainer, self.spec
         device = next(self.model.parameters()).device
-        first = screening.round_id - spec.H
+        first = screening.round_id - spec.outer.H
         out = []
-        for step in range(first, first + spec.spot_check_steps):
-            x, y = t.corpus.batch(spec.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
+        for step in range(first, first + spec.verification.spot_check_steps):
+            x, y = t.corpus.batch(spec.data.batch_size, t.context, seed=spec.seed, peer=peer, step=step)
             out.append((x.to(device), y.to(device)))
         return out
 
@@ -272,9 +272,9 @@ class SpotChecker:
                 queued.phi,
                 queued.names,
                 self.batches(s, peer),
-                lr=spec.inner_lr,
-                weight_decay=spec.weight_decay,
-                clip=spec.clip,
+                lr=spec.outer.inner_lr,
+                weight_decay=spec.outer.weight_decay,
+                clip=spec.outer.clip,
                 autocast=self.trainer.precision.autocast,
             )
             for peer in sorted(s.samples)

@@ -1,8 +1,8 @@
 """Strikes policy: which screening verdicts count, and which peers they exclude.
 
 Problem. In a robust all-reduce each part's owner flags contributions far outside the group
-(collective/data_phase.py: a norm over `spec.screen_norm` x the median or under its inverse, a
-cosine with the robust aggregate under `spec.screen_alignment` x the group's median cosine). One
+(collective/data_phase.py: a norm over `spec.aggregation.screen_norm` x the median or under its inverse, a
+cosine with the robust aggregate under `spec.aggregation.screen_alignment` x the group's median cosine). One
 owner's flag proves nothing to anyone else, and an admitted stranger may file flags against
 honest peers. There is no central validator: every honest peer must reach the same verdicts from
 replicated state alone.
@@ -36,7 +36,7 @@ Design. `StrikeBook` (one per node, held by `PeerPresence`):
   reporter counts once per round, a lone admitted liar cannot strike anyone out, and an honest
   peer whose update one owner found odd by chance (one part poorly aligned) is not struck. A
   scaled, empty or random update is flagged by every honest owner. A peer struck in
-  `spec.strikes` distinct rounds within `spec.strikes_window` consecutive rounds of the swarm
+  `spec.verification.strikes` distinct rounds within `spec.verification.strikes_window` consecutive rounds of the swarm
   (`excluded_at`; an adversary is struck in every round it takes part in, an honest peer's odd
   update only now and then, and chance strikes spread over a long run never add up) is
   **excluded**:
@@ -53,7 +53,7 @@ status page, `swarm list`'s advert).
 Not here: what it does not catch. Norm and direction screening see norms and directions only:
 an update trained on other data, or replayed from an earlier round, points roughly the right way
 and passes them. Replay screening (collective/echoes.py: echo strikes, re-checked against
-`spec.screen_echo`) catches an update that repeats an earlier round's, on every owner at once,
+`spec.aggregation.screen_echo`) catches an update that repeats an earlier round's, on every owner at once,
 and tells its own limits; loss scoring (node/trust/scoring.py) catches those of the sampled peers
 whose update does not lower the loss on their own assigned batches, and its own limits are told
 there; replay spot-checks
@@ -68,7 +68,7 @@ yet. A majority of colluding admitted peers (half of a round's others) can strik
 honest peers out. The window bounds chance verdicts,
 it does not rule them out: an honest peer whose updates are often odd (dp's single-step gradients
 of small batches: flagged in about 1 round in 5, which is why dp swarms screen nothing by
-default, node/spec/swarm.py) can still be struck `spec.strikes` times within a window; an
+default, node/spec/swarm.py) can still be struck `spec.verification.strikes` times within a window; an
 adversary that takes part in only one round in `strikes_window` is never excluded (the robust
 rule still bounds what it does in those rounds). An exclusion lasts while the reporters' records
 carry its strikes: each keeps its latest `MAX_STRIKES` (crdt/strikes.py), and a strikes window's
@@ -114,51 +114,54 @@ def quorum(group_size: int) -> int:
 
 def loss_flagged(gain: float, ref: float, spec: SwarmSpec) -> bool:
     """Loss scoring's rule (node/trust/scoring.py): an update whose relative loss drop on its own
-    assigned batches (`gain`) falls short of `spec.score_ratio` x the round aggregate's drop there
-    (`ref`) by more than `spec.score_floor` is suspect. A batch the aggregate did not lower by more
+    assigned batches (`gain`) falls short of `spec.verification.score_ratio` x the round aggregate's drop there
+    (`ref`) by more than `spec.verification.score_floor` is suspect. A batch the aggregate did not lower by more
     than `score_floor` tells nothing: the round's updates do not fit it, so neither need the peer's
     (an honest peer's update raised such a batch's loss by 1.8 % where the aggregate raised it by
     0.7 %, and two owners flagged it)."""
-    return ref > spec.score_floor and gain < spec.score_ratio * ref - spec.score_floor
+    return (
+        ref > spec.verification.score_floor
+        and gain < spec.verification.score_ratio * ref - spec.verification.score_floor
+    )
 
 
 def spot_flagged(match: float, ref: float, spec: SwarmSpec) -> bool:
     """The replay spot-check's rule (node/trust/spot_check.py): an update whose cosine with the
     recomputation of its sender's first inner steps (`match`) falls below the round aggregate's
-    cosine with it (`ref`) by more than `spec.spot_check_margin` is suspect: an honest update
+    cosine with it (`ref`) by more than `spec.verification.spot_check_margin` is suspect: an honest update
     matches its own batches at least about as well as the swarm's mean does."""
-    return match < ref - spec.spot_check_margin
+    return match < ref - spec.verification.spot_check_margin
 
 
 def echo_flagged(echo: float, spec: SwarmSpec) -> bool:
     """Replay screening's rule (collective/echoes.py): a contribution whose cosine with a
-    contribution or aggregate of an earlier round (`echo`) is at least `spec.screen_echo` repeats
+    contribution or aggregate of an earlier round (`echo`) is at least `spec.aggregation.screen_echo` repeats
     it: honest updates of different rounds stayed below 0.9987 even at H = 2 (scripts/studies/echo_separation.py)."""
-    return spec.screen_echo > 0 and echo >= spec.screen_echo
+    return spec.aggregation.screen_echo > 0 and echo >= spec.aggregation.screen_echo
 
 
 def lineage_passes(spec: SwarmSpec) -> int:
     """Distinct rounds within a strikes window in which a peer's flagged loss and spot verdicts are
     passed over because it holds another φ (`StrikeBook.other_lineage`): `LINEAGE_PASSES` (parity
     repairs an honest peer's lineage within about a round; a chaos soak saw three), but never so
-    many that the window's other rounds cannot reach `spec.strikes`, so a peer that always holds
+    many that the window's other rounds cannot reach `spec.verification.strikes`, so a peer that always holds
     another φ can still be excluded."""
-    if not spec.strikes_window:
+    if not spec.verification.strikes_window:
         return LINEAGE_PASSES
-    return max(0, min(LINEAGE_PASSES, spec.strikes_window - spec.strikes))
+    return max(0, min(LINEAGE_PASSES, spec.verification.strikes_window - spec.verification.strikes))
 
 
 def window_span(spec: SwarmSpec) -> int | None:
     """The most round ids (inner steps, H apart) that rounds within one strikes window lie apart;
     None without a window."""
-    return (spec.strikes_window - 1) * spec.H if spec.strikes_window else None
+    return (spec.verification.strikes_window - 1) * spec.outer.H if spec.verification.strikes_window else None
 
 
 def excluded_at(rounds: list[int], spec: SwarmSpec) -> int | None:
     """The round at which the rounds counted against a peer (round ids, sorted) exclude it: the
-    first whose latest `spec.strikes` counted rounds lie within `spec.strikes_window` consecutive
+    first whose latest `spec.verification.strikes` counted rounds lie within `spec.verification.strikes_window` consecutive
     rounds of the swarm (round ids are inner steps, H apart). None: they do not (yet)."""
-    limit, span = spec.strikes, window_span(spec)
+    limit, span = spec.verification.strikes, window_span(spec)
     if not limit or len(rounds) < limit:
         return None
     for i in range(limit - 1, len(rounds)):
@@ -407,7 +410,9 @@ class StrikeBook:
             # A window's worth per peer: the latest `strikes` alone could drop the ones whose
             # rounds reached a quorum when other reporters filed in other rounds, and undo an
             # exclusion (a test saw it).
-            self.view.report_strikes(strikes, per_peer=max(self.spec.strikes, self.spec.strikes_window, 1))
+            self.view.report_strikes(
+                strikes, per_peer=max(self.spec.verification.strikes, self.spec.verification.strikes_window, 1)
+            )
         except CrdtError as e:  # our own record would be refused: say so, do not stop training
             log.warning(kv("strikes not filed", error=str(e)))
 
@@ -417,29 +422,34 @@ class StrikeBook:
         """Why this peer does not count `strike` (None: it counts), its reporter admitted or not."""
         if not reporter_admitted:
             return "reporter not admitted"
-        if not self.spec.screen_norm or self.spec.aggregation == "mean":
+        if not self.spec.aggregation.screen_norm or self.spec.aggregation.rule == "mean":
             return "this swarm does not screen"
         if strike.rule == LOSS:
-            if not self.spec.score_samples:
+            if not self.spec.verification.score_samples:
                 return "this swarm does not score by loss"
             if not loss_flagged(strike.gain, strike.ref, self.spec):
                 return "no evidence: the loss scores break no threshold"
-            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.score_samples):
+            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.verification.score_samples):
                 return "the round's digest did not sample that peer for loss scoring"
         elif strike.rule == SPOT:
-            if not self.spec.spot_check_steps:
+            if not self.spec.verification.spot_check_steps:
                 return "this swarm does not spot-check"
             if not spot_flagged(strike.match, strike.ref, self.spec):
                 return "no evidence: the spot-check's cosines break no threshold"
-            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.spot_check_samples):
+            if strike.peer not in sampled_peers(strike.group, strike.digest, self.spec.verification.spot_check_samples):
                 return "the round's digest did not sample that peer for spot-checks"
         elif strike.rule == ECHO:
-            if not self.spec.screen_echo:
+            if not self.spec.aggregation.screen_echo:
                 return "this swarm does not screen for replays"
             if not echo_flagged(strike.echo, self.spec):
                 return "no evidence: the echo's cosine breaks no threshold"
         elif (
-            screening_rule(strike.norm_ratio, strike.alignment, self.spec.screen_norm, self.spec.screen_alignment)
+            screening_rule(
+                strike.norm_ratio,
+                strike.alignment,
+                self.spec.aggregation.screen_norm,
+                self.spec.aggregation.screen_alignment,
+            )
             is None
         ):
             return "no evidence: the scores break no threshold"

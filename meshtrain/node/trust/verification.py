@@ -30,8 +30,8 @@ class Verification:
     def __init__(self, trainer: Trainer, book: StrikeBook, listeners: list[Callable[[RoundScreening], None]]) -> None:
         spec = trainer.spec
         self.trainer = trainer
-        self.scorer = LossScorer(trainer, book) if spec.score_samples else None
-        self.spot_checker = SpotChecker(trainer, book) if spec.spot_check_steps else None
+        self.scorer = LossScorer(trainer, book) if spec.verification.score_samples else None
+        self.spot_checker = SpotChecker(trainer, book) if spec.verification.spot_check_steps else None
         if self.scorer is not None or self.spot_checker is not None:
             listeners.append(self.on_round)
 
