@@ -37,4 +37,6 @@ class DataSection(SpecSection):
         16, ge=1, le=4096, description="sequences a peer trains per inner step (a multi-rank peer splits them)"
     )
     eval_every: int = Field(50, ge=0, description="held-out evaluation every this many steps")
-    eval_batches: int = Field(8, ge=1, le=1024, description="held-out batches per evaluation")
+    eval_batches: int = Field(
+        8, ge=1, le=1024, description="held-out batches per evaluation, of batch_size sequences each"
+    )

@@ -263,9 +263,11 @@ class Trainer(TrainedState):
             self.outer = RoundClock(**local.schedule)  # type: ignore[union-attr]
         self._eval_model = self.sharded.replica if self.sharded is not None else self.model
         eval_device = next(self._eval_model.parameters()).device if self._eval_model is not None else self.device
+        # Held-out batches as large as a training step's: the batch the swarm chose is the one known
+        # to fit the device (a fixed 32 rows at a real model's context did not).
         self._evals = [
             (x.to(eval_device), y.to(eval_device))
-            for x, y in self.corpus.eval_batches(spec.data.eval_batches, 32, self.context)
+            for x, y in self.corpus.eval_batches(spec.data.eval_batches, spec.data.batch_size, self.context)
         ]
         self._train_model: torch.nn.Module = self.model  # DDP-wrapped at the first run with local ranks
         self._rows = slice(None)
