@@ -224,3 +224,42 @@ def test_signed_spec_pins_digests_at_create(tmp_path, hf_dirs):
     assert signed.spec.model.tokenizer_digest == tokenizer_digest(spec.model.tokenizer)
     again = SignedSpec.from_wire(signed.to_wire())
     assert again.swarm_id == signed.swarm_id and again.spec == signed.spec
+
+
+def test_swarm_create_caps_the_context_of_an_hf_model_that_allows_more_and_says_so(hf_dirs, tmp_path):
+    """Llama 3's 131,072 positions as the default context would OOM any GPU at once: `swarm
+    create` pins CONTEXT_CAP instead (a model within the cap, or a context given, is left alone)."""
+    import json
+    import subprocess
+
+    from meshtrain.models.sources import CONTEXT_CAP, capped_context
+    from meshtrain.node.spec.signed import SignedSpec
+    from meshtrain.transport.identity import Identity
+
+    from .conftest import ROOT
+
+    long = tmp_path / "long.json"
+    long.write_text(
+        json.dumps({**json.loads((hf_dirs[0] / "config.json").read_text()), "max_position_embeddings": 131072})
+    )
+    assert capped_context(f"hf-config:{long}") == (CONTEXT_CAP, 131072)
+    assert capped_context(f"hf-config:{hf_dirs[0] / 'config.json'}") is None  # 64 positions: its own
+    assert capped_context("gpt-tiny") is None
+    me = Identity.load_or_create(tmp_path / "me")
+    tok = f"hf:{hf_dirs[1]}"
+    signed = SignedSpec.create(parse_spec({"model": f"hf-config:{long}", "tokenizer": tok}), me)
+    assert signed.spec.model.context == CONTEXT_CAP == signed.signed["model"]["context"]
+    chosen = SignedSpec.create(parse_spec({"model": f"hf-config:{long}", "tokenizer": tok, "context": 512}), me)
+    assert chosen.spec.model.context == 512
+    small = SignedSpec.create(parse_spec({"model": f"hf:{hf_dirs[0]}", "tokenizer": tok}), me)
+    assert small.spec.model.context == 0
+    r = subprocess.run(
+        [sys.executable, "-m", "meshtrain.node.cli", "swarm", "create", "--data-dir", str(tmp_path / "c")]
+        + ["--model", f"hf-config:{long}", "--tokenizer", tok],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"context {CONTEXT_CAP} tokens per sequence" in r.stderr and "allows 131072" in r.stderr, r.stderr

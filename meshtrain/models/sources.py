@@ -33,7 +33,11 @@ when set, else the model's own limit — a GPT's `context`, an HF config's
 `max_position_embeddings` / `n_positions` / `n_ctx`, or a `context` attribute on a py: model —
 else `DEFAULT_CONTEXT` for a model that names no limit. Nothing is capped silently: a spec
 context above the model's limit is a ConfigError. A built-in GPT takes the spec's context as its
-number of positions (so it has no other limit).
+number of positions (so it has no other limit). An HF model's own limit is often far beyond what
+a swarm trains on (131,072 positions for Llama 3: one batch would not fit any GPU), so `swarm
+create` pins `context` = `CONTEXT_CAP` in the spec of an hf: / hf-config: model whose config
+allows more, and says so (`capped_context`); a spec signed with context 0 keeps meaning the
+model's own limit.
 
 Digests (`model_digest`, pinned in the signed spec at `swarm create`): what defines θ0 besides
 the spec itself. `config=<hex>` over the preset's shape (built-ins), or the canonical config JSON
@@ -83,6 +87,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.inde
 # Config keys that record who saved a config, not what the model is.
 UNPINNED_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+CONTEXT_CAP = 2048  # `swarm create`'s context for an HF model that allows more (`capped_context`)
 _DOMAIN = b"meshtrain/model/v1\n"
 
 SourceKind = Literal["builtin", "hf", "hf-config", "py", "user"]
@@ -296,6 +301,16 @@ def context_limit(model: torch.nn.Module) -> int | None:
             return n
     n = getattr(model, "context", None)
     return n if isinstance(n, int) and n > 0 else None
+
+
+def capped_context(value: str) -> tuple[int, int] | None:
+    """(`CONTEXT_CAP`, the model's limit) for an hf: / hf-config: model whose config allows more
+    positions than the cap, read from its config file alone; None for every other model."""
+    if _source(value).kind not in ("hf", "hf-config"):
+        return None
+    config = hf_config(value)
+    limit = next((n for key in HF_CONTEXT_KEYS if isinstance(n := config.get(key), int) and n > 0), None)
+    return (CONTEXT_CAP, limit) if limit is not None and limit > CONTEXT_CAP else None
 
 
 def resolve_context(model: torch.nn.Module, spec_context: int, value: str = "the model") -> int:

@@ -36,7 +36,13 @@ class ModelSection(SpecSection):
         description="chars | bytes | hf:<dir or tokenizer.json> (default: chars for "
         "the builtin text, bytes for a file dataset)",
     )
-    context: int = Field(0, ge=0, le=1 << 20, description="tokens per training sequence; 0 = the model's own")
+    context: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="tokens per training sequence; 0 = the model's own (swarm create pins 2048 for an HF "
+        "model that allows more: models/sources.py, CONTEXT_CAP)",
+    )
     digest: str = Field("", max_length=256, description="pinned at swarm create (models/sources.py)")
     tokenizer_digest: str = Field("", max_length=64, description="pinned at swarm create (models/tokenizers.py)")
     precision: Literal["fp32", "bf16", "fp16"] = Field(

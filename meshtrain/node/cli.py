@@ -265,7 +265,7 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     """`demo`'s flags; `--optimizer` and `--replica-sync` offer what the optimizer map and the spec
     model allow (node/demo.py `DEMO_OPTIMIZERS`), whose imports (torch, pydantic) only `demo` pays."""
     from meshtrain.node.demo import DEMO_OPTIMIZERS
-    from meshtrain.node.spec.swarm import SwarmSpec
+    from meshtrain.pipeline.spec_section import PipelineSection
 
     p.add_argument("--nodes", type=int, default=None, help="number of node processes (default 4; --pipeline 6)")
     p.add_argument(
@@ -281,7 +281,7 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-ratio", type=float, default=0.0, help="--pipeline: SkipPipe's skip ratio (default 0)")
     p.add_argument(
         "--replica-sync",
-        choices=typing.get_args(SwarmSpec.model_fields["replica_sync"].annotation),
+        choices=typing.get_args(PipelineSection.model_fields["replica_sync"].annotation),
         default="every-step",
         help="--pipeline: how a stage's replicas agree (default every-step)",
     )
@@ -478,6 +478,15 @@ def _swarm_create(args: argparse.Namespace) -> int:
     identity = Identity.load_or_create(config.data_dir)
     signed = SignedSpec.create(spec, identity)
     out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
+    if not spec.model.context and signed.spec.model.context:
+        from meshtrain.models.sources import capped_context
+
+        _, limit = capped_context(spec.model.source) or (0, 0)
+        print(
+            f"context {signed.spec.model.context} tokens per sequence: {spec.model.source} allows {limit}, "
+            f"whose batches would not fit a GPU (--context N to choose)",
+            file=sys.stderr,
+        )
     summary = {"swarm_id": signed.swarm_id, "owner": signed.owner, "spec": str(out), "admission": spec.admission.mode}
     start = f"meshtrain node start --swarm {out}" + (f" --data-dir {args.data_dir}" if args.data_dir else "")
     if spec.admission.mode == "private":

@@ -56,7 +56,7 @@ from typing import Any
 import blake3
 
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.models.sources import model_digest
+from meshtrain.models.sources import capped_context, model_digest
 from meshtrain.models.staged import pipeline_layers
 from meshtrain.models.tokenizers import tokenizer_digest
 from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, parse_spec
@@ -111,10 +111,12 @@ class SignedSpec:
     @classmethod
     def create(cls, spec: SwarmSpec, identity: Identity) -> SignedSpec:
         """Sign `spec` (in `FORMAT`), first pinning the model, tokenizer and (py:) optimizer digests
-        if it has none, and a pipeline swarm's stage cut (the balanced one) if it names none — after
+        if it has none, the context of an HF model that allows more than `CONTEXT_CAP` positions if
+        it names none (models/sources.py, "Context"), and a pipeline swarm's stage cut (the balanced
+        one) if it names none — after
         checking that a pipeline can cut the model (`pipeline_layers`: a one-line ConfigError
         naming what it can) and that the cut fits its layers."""
-        pins: dict[str, dict[str, str]] = {"model": {}, "outer": {}, "pipeline": {}}
+        pins: dict[str, dict[str, str | int]] = {"model": {}, "outer": {}, "pipeline": {}}
         if spec.pipeline.kind != "none":  # first: a model no pipeline can cut is the error to report
             n_layer = pipeline_layers(spec.model.source)
             if spec.pipeline.stage_cut:
@@ -122,6 +124,8 @@ class SignedSpec:
             else:
                 pins["pipeline"]["stage_cut"] = format_stage_cut(balanced_cut(n_layer, spec.pipeline.stages))
         pins["model"]["digest"] = spec.model.digest or model_digest(spec.model.source)
+        if not spec.model.context and (capped := capped_context(spec.model.source)) is not None:
+            pins["model"]["context"] = capped[0]  # an HF model's own limit would not fit a device
         pins["model"]["tokenizer_digest"] = spec.model.tokenizer_digest or tokenizer_digest(spec.model.tokenizer)
         if spec.outer.optimizer.startswith(PY_PREFIX) and not spec.outer.optimizer_digest:
             pins["outer"]["optimizer_digest"] = PyRef.parse(spec.outer.optimizer).source_digest()
