@@ -197,7 +197,8 @@ class TrainedState:
 
 
 class Trainer(TrainedState):
-    """One peer's training (or one local rank's share of it). Build it on the trio thread; call
+    """One peer's training (or one local rank's share of it). Build it in any thread (the daemon builds
+    it in a worker thread: loading a model and tokenising a corpus take long, node/daemon.py); call
     `run` in a worker thread.
 
     spec: the swarm's spec. collective: what the outer optimizer averages through.
