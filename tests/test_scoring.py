@@ -25,7 +25,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
-from meshtrain.node.trust.scoring import score_round, scored_steps
+from meshtrain.node.trust.scoring import score_round, scored_steps, scratch_model
 from meshtrain.node.trust.strikes import excluded_at, loss_flagged, quorum
 
 from .test_allreduce import mesh, run_all
@@ -268,3 +268,27 @@ def test_a_loss_strike_round_trips_and_any_other_is_refused_with_a_crdt_error(fi
     except CrdtError:
         return
     assert Strike.from_record(reporter, parsed.to_record()) == parsed
+
+
+def test_the_scratch_model_holds_no_parameter_memory_and_scores_as_a_full_copy_does(run) -> None:
+    """The scorer runs φ in a `scratch_model` (its parameters on the meta device) instead of a
+    deep copy of the model: the same scores, φ untouched, the model's own weights unread."""
+    sim, updates = run.sim, run.updates
+    scratch = scratch_model(sim.model, sim.names)
+    assert all(p.device.type == "meta" for p in scratch.parameters())
+    assert all(p.device.type == "cpu" for p in sim.model.parameters())  # the live model is left alone
+    part = (0, updates["p0"].numel() // 5)
+    samples = {p: updates[p][: part[1]] for p in ("p0", "replay")}
+    agg = updates["p1"][: part[1]]
+    batches = {p: [sim.batch(p, s) for s in (28, 29)] for p in samples}
+    before = {n: t.clone() for n, t in sim.phi.items()}
+    full = score_round(copy.deepcopy(sim.model), sim.phi, sim.names, part, samples, agg, batches)
+    lean = score_round(scratch, sim.phi, sim.names, part, samples, agg, batches)
+    assert full == lean and len(lean) == 2
+    assert all(torch.equal(sim.phi[n], before[n]) for n in before)  # φ is only read
+    # A model whose own weights are garbage scores the same: φ is what runs.
+    garbage = copy.deepcopy(sim.model)
+    with torch.no_grad():
+        for p in garbage.parameters():
+            p.fill_(float("nan"))
+    assert score_round(garbage, sim.phi, sim.names, part, samples, agg, batches) == lean

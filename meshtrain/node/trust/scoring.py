@@ -132,6 +132,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import trio
+from torch.func import functional_call
 
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.log import get_logger, kv
@@ -149,14 +150,28 @@ FRAGMENT_TAG = re.compile(r"f(\d{1,6})")  # an ungrouped round's tag (optim/oute
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _loss(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
-    """The mean of the model's losses on `batches`: for batches of one size (the spec's), the loss
-    on their concatenation, with one batch's activations alive at a time."""
+def _loss(forward: Callable[[Batch], object], batches: Sequence[Batch]) -> float:
+    """The mean of the losses `forward` gives on `batches`: for batches of one size (the spec's),
+    the loss on their concatenation, with one batch's activations alive at a time."""
     total = 0.0
     for batch in batches:
-        out = model(*batch)
-        total += float(loss_of(out).float())
+        total += float(loss_of(forward(batch)).float())
     return total / len(batches)
+
+
+def scratch_model(model: torch.nn.Module, names: Sequence[str]) -> torch.nn.Module:
+    """A copy of `model` whose parameters `names` (φ's: the outer optimizer's) hold no memory —
+    on the meta device — to run with φ's tensors passed in (`score_round`, functional_call).
+    Its other tensors (buffers, parameters φ does not cover) are real copies: small. A deep copy
+    of the model would hold another 4 bytes per parameter for the node's lifetime."""
+    covered = set(names)
+    memo: dict[int, object] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in covered and id(param) not in memo:
+            memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+    scratch = copy.deepcopy(model, memo)
+    scratch.requires_grad_(False)
+    return scratch
 
 
 def _overlaps(
@@ -187,12 +202,20 @@ def score_round(
     """Score each sampled peer's contribution `samples[peer]` to part `part` (the [a, b) slice
     of `names`' parameters flattened in order) against the round's `aggregate` of that slice, on
     the peer's batches `batches[peer]` (at least one; the mean loss over them, module docstring).
-    `model` is a scratch copy: its trainable parameters are overwritten with φ (`phi`, by name).
+    `model` runs with φ (`phi`, by name) passed in (`torch.func.functional_call`): a
+    `scratch_model` of no parameter memory, or any model of those names, whose own parameters are
+    neither read nor written. φ is only read: the parameters the part covers are copied (1/n of the
+    model), the others are φ's own tensors (on the batches' device: no copy on the host).
     Runs in a worker thread."""
     with torch.no_grad():
-        params = dict(model.named_parameters())
-        for n, t in phi.items():
-            params[n].copy_(t)
+        device = next(iter(batches.values()))[0][0].device
+        params = {n: t.to(device) for n, t in phi.items()}
+        a, b = part
+        pos = 0
+        for n in names:  # the part's parameters get their own copy: φ itself is never written
+            if max(a, pos) < min(b, pos + params[n].numel()):
+                params[n] = params[n].clone()
+            pos += params[n].numel()
         views = list(_overlaps(params, names, part))
         saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
         agg_norm = float(aggregate.norm())
@@ -203,7 +226,7 @@ def score_round(
                     flat[lo:hi].copy_(orig - update[at : at + hi - lo].to(orig.device, orig.dtype))
             try:
                 with autocast() if autocast is not None else contextlib.nullcontext():
-                    return _loss(model, peer_batches)
+                    return _loss(lambda batch: functional_call(model, params, batch), peer_batches)
             finally:
                 for (flat, lo, hi, _), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig)
@@ -257,14 +280,15 @@ class LossScorer:
     files what breaks the rule as loss strikes in `book` (module docstring).
 
     trainer: the node's trainer (its corpus, context and spec draw the peers' batches; its outer
-    optimizer holds φ and the fragments; its model is copied once as the scratch model).
+    optimizer holds φ and the fragments; its model gives the `scratch_model`, of no parameter
+    memory, that φ runs in).
     book: the node's `StrikeBook`. `Verification` hands it each screened round (`on_round`, after
     the book's listener); run `run` in a nursery for the node's lifetime."""
 
     def __init__(self, trainer: Trainer, book: StrikeBook) -> None:
         self.trainer, self.book, self.spec = trainer, book, trainer.spec
-        self.model = copy.deepcopy(trainer.model)
-        self.model.requires_grad_(False)
+        self.model = scratch_model(trainer.model, list(trainer.outer.outer_params))
+        self.device = next(trainer.model.parameters()).device  # where the batches go
         self._send, self._receive = trio.open_memory_channel[tuple](QUEUE)
         self.scored = 0  # rounds scored (status)
         self.skipped = 0  # rounds skipped because scoring was behind
@@ -296,8 +320,7 @@ class LossScorer:
     def batches(self, screening: RoundScreening) -> dict[str, list[Batch]]:
         """Each sampled peer's assigned batches of the round's last `score_batches` inner steps
         (`scored_steps`)."""
-        t, spec = self.trainer, self.spec
-        device = next(self.model.parameters()).device
+        t, spec, device = self.trainer, self.spec, self.device
         out = {}
         for peer in screening.samples:
             out[peer] = []
