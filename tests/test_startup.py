@@ -32,7 +32,7 @@ GATE = pathlib.Path(os.environ["MESHTRAIN_TEST_GATE"])
 def make(vocab_size):
     (GATE.parent / "building").touch()
     while not GATE.exists():
-        time.sleep(0.05)
+        time.sleep(0.05)  # sleep: a build that lasts until the test releases it
     return GPT(GPTConfig.tiny(vocab_size), seed=0)
 """
 
