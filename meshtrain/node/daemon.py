@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
+from meshtrain.allocator import release_freed_memory
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.dht.discovery import Discovery
@@ -151,6 +152,7 @@ class Node:
                 f"`meshtrain node start --nproc-per-node N` (torch's launcher runs the ranks); "
                 f"a Node built in Python is one process"
             )
+        release_freed_memory()  # a round's and a checkpoint's freed buffers leave the process (allocator.py)
         self.config = config
         self.local = local
         self.data_dir = Path(config.data_dir).expanduser()

@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 import trio
 
+from meshtrain.allocator import release_freed_memory
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.log import configure, get_logger, kv
 from meshtrain.node.ranks.devices import resolve_device
@@ -151,6 +152,7 @@ def run_local_rank(
     """One local rank (a process the elastic launcher spawned). Rank 0 runs the node; the others
     follow it. Errors meant for the user come back as values, so the launcher prints one line."""
     configure(log_level)
+    release_freed_memory()  # every rank's freed buffers leave its process (allocator.py)
     config = NodeConfig.model_validate(config_data)
     local = LocalRanks.start(config)  # failing here fails the rank: the agent stops the others
     try:
