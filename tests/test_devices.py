@@ -15,7 +15,7 @@ import trio
 
 import meshtrain
 from meshtrain.collective import LocalSwarm
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, meshtrain_error_in
 from meshtrain.node.ranks.devices import Precision, resolve_device
 from meshtrain.node.spec.config import load_node_config
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
@@ -167,3 +167,55 @@ async def test_cuda_fp16_and_bf16_train():
         before = t.evaluate()
         await train(t, 60)
         assert t.evaluate() < before - 0.3, precision
+
+
+def test_a_model_that_cannot_fit_its_device_is_refused_before_it_moves_there_naming_the_knobs():
+    """16 bytes per parameter (θ, gradient, AdamW's moments) before any activation: a model of
+    twice what the host has free is refused in one line (the model here is on the meta device:
+    its parameters hold no memory, as a model too big to build would not be built)."""
+    from meshtrain.node.ranks.devices import TRAINING_BYTES_PER_PARAM, check_fits, fit_error, free_bytes
+
+    cpu = torch.device("cpu")
+    free = free_bytes(cpu)
+    assert free is not None and free > 0  # MemAvailable, on Linux
+    assert fit_error(1000, cpu, free) is None and fit_error(10**12, cpu, None) is None  # fits / cannot tell
+    side = int((2 * free / TRAINING_BYTES_PER_PARAM) ** 0.5) + 1
+    too_big = torch.nn.Linear(side, side, bias=False, device="meta")
+    with pytest.raises(
+        ConfigError, match=r"needs at least .* GiB on cpu .* is free: .*--nproc-per-node N --sharding fsdp"
+    ):
+        check_fits(too_big, cpu)
+    check_fits(torch.nn.Linear(8, 8), cpu)  # a small one passes
+
+
+SWALLOWS_MEMORY = """
+import torch
+
+from meshtrain.models import GPT, GPTConfig
+
+
+class Greedy(GPT):
+    def forward(self, x, y=None):
+        torch.empty(1 << 48, dtype=torch.uint8)  # 256 TiB: the allocator refuses it, as a too-large batch would
+        return super().forward(x, y)
+
+
+def make(vocab_size):
+    return Greedy(GPTConfig.tiny(vocab_size), seed=0)
+"""
+
+
+async def test_a_training_step_out_of_memory_is_one_line_naming_the_knobs(tmp_path):
+    """An allocation that fails in a training step (here a real one the CPU allocator refuses) is
+    a ConfigError that says what to turn down, not the allocator's RuntimeError."""
+    from meshtrain.models.sources import build_model
+
+    (tmp_path / "greedy.py").write_text(SWALLOWS_MEMORY)
+    spec = SwarmSpec(model="gpt-tiny", H=5, eval_every=0, batch_size=2)
+    model = build_model(f"py:{tmp_path / 'greedy.py'}:make", vocab_size=65, seed=0)
+    t = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device="cpu", model=model)
+    with pytest.raises(BaseExceptionGroup) as caught:  # through the outer optimizer's nursery, as in a node
+        await train(t, 1)
+    err = meshtrain_error_in(caught.value)  # what the node raises and the CLI prints
+    assert isinstance(err, ConfigError), caught.value
+    assert str(err).startswith("out of memory on cpu in training step 0: try a shorter --context"), err

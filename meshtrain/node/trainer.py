@@ -71,7 +71,14 @@ from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model as build_source_model
 from meshtrain.models.sources import loss_of, resolve_context
 from meshtrain.models.tokenizers import load_tokenizer
-from meshtrain.node.ranks.devices import Precision, ScaledInner, resolve_device, to_host
+from meshtrain.node.ranks.devices import (
+    Precision,
+    ScaledInner,
+    check_fits,
+    out_of_memory,
+    resolve_device,
+    to_host,
+)
 from meshtrain.node.ranks.sharding import RoundClock, ShardedModel
 from meshtrain.node.spec.config import default_data_dir
 from meshtrain.node.spec.outer import build_outer, check_matches
@@ -241,6 +248,8 @@ class Trainer(TrainedState):
         self.sharded = (
             ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
         )
+        if self.sharded is None:
+            check_fits(model, self.device)  # a model that cannot fit is said before it moves there
         self.model = self.sharded.model if self.sharded is not None else model.to(self.device)
         self.inner = torch.optim.AdamW(
             self.model.parameters(), lr=spec.outer.inner_lr, weight_decay=spec.outer.weight_decay
@@ -335,6 +344,8 @@ class Trainer(TrainedState):
             if self.sharded is not None:
                 self.sharded.finish(self.outer, self.stepped)
         except RuntimeError as e:
+            if (oom := out_of_memory(e, self.device, self.step)) is not None:
+                raise oom from None
             if self.local is None or not self.local.is_failure(e):
                 raise
             self._fail(stop, e)

@@ -24,7 +24,12 @@ Design.
   per-step sync that torch's own fp16 recipe has too — bf16 has none). CPU autocast supports
   bf16, so that path is tested here; fp16 is meant for CUDA.
 
-Failures: an unknown device name or a device this machine lacks is a one-line `ConfigError`.
+Failures: an unknown device name or a device this machine lacks is a one-line `ConfigError`. So is
+a model that cannot fit: before the model moves to its device, `check_fits` compares what training
+needs at the least — `TRAINING_BYTES_PER_PARAM` (fp32 θ, its gradient, AdamW's two moments), before
+any activation — with the device's free memory (`free_bytes`: CUDA's, or the host's MemAvailable),
+and `out_of_memory` turns an allocation that failed in a training step into the same kind of error;
+both name the knobs (`--context`, `--batch-size`, `--precision bf16`, `--nproc-per-node` with FSDP).
 
 Not here: which device a tensor exchanged with the swarm is on (always the host: optim/ and the
 collective never see device tensors), the torch.distributed group (node/local_ranks.py).
@@ -81,6 +86,58 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     if not 0 <= index < count:
         raise ConfigError(f"device cuda:{index}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
     return torch.device("cuda", index)
+
+
+TRAINING_BYTES_PER_PARAM = 16  # fp32 θ, its gradient, AdamW's exp_avg and exp_avg_sq
+KNOBS = (
+    "a shorter --context, a smaller --batch-size, --precision bf16 (activations), or several local ranks "
+    "with FSDP (--nproc-per-node N --sharding fsdp)"
+)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a model could still take on `device`: CUDA's free memory, the host's MemAvailable for
+    the CPU; None where it cannot be told (MPS, a host without /proc)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            for line in open("/proc/meminfo"):  # noqa: SIM115 — a few lines, read once
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def fit_error(parameters: int, device: torch.device, free: int | None, resident: int = 0) -> str | None:
+    """Why `parameters` cannot train on `device` with `free` bytes left, `resident` of what they
+    need being there already (a model built on the host, for the CPU); None: they may."""
+    need = parameters * TRAINING_BYTES_PER_PARAM
+    if free is None or need <= free + resident:
+        return None
+    return (
+        f"the model ({parameters / 1e9:.2f} B parameters) needs at least {need / 2**30:.1f} GiB on {device} for its "
+        f"weights, gradients and AdamW state ({TRAINING_BYTES_PER_PARAM} bytes per parameter, before activations), "
+        f"and {free / 2**30:.1f} GiB is free: use a device with more memory, or {KNOBS}"
+    )
+
+
+def check_fits(model: torch.nn.Module, device: torch.device) -> None:
+    """`ConfigError` (`fit_error`) if `model` cannot train on `device`: said before it moves there."""
+    params = list(model.parameters())
+    resident = sum(p.numel() * p.element_size() for p in params if p.device == device)
+    error = fit_error(sum(p.numel() for p in params), device, free_bytes(device), resident)
+    if error is not None:
+        raise ConfigError(error)
+
+
+def out_of_memory(e: BaseException, device: torch.device, step: int) -> ConfigError | None:
+    """The one-line error for an allocation that failed in training step `step` (CUDA's
+    `OutOfMemoryError`, or the CPU allocator's RuntimeError); None for any other error."""
+    if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+        return None
+    return ConfigError(f"out of memory on {device} in training step {step}: try {KNOBS}")
 
 
 def device_label(device: torch.device) -> str:
