@@ -508,7 +508,8 @@ class Node:
         def on_progress(progress: Progress) -> None:
             # From the worker thread: one attribute replaced whole, read by the status page.
             if self.state == "preparing":
-                self._say_waiting(f"preparing: {progress.describe()}")
+                tokenised = progress.phase == "tokenising" and progress.done == progress.total
+                self._say_waiting(f"preparing: {progress.describe()}" + ("; loading the model" if tokenised else ""))
 
         self.phase.set("preparing")
         self._say_waiting("preparing: loading the model, digesting and tokenising the data")
