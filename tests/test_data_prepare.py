@@ -21,6 +21,7 @@ from meshtrain.data import PackedDataset, Progress, dataset_digest, open_dataset
 from meshtrain.data import files as data_files
 from meshtrain.data.cache import PROGRESS, Split, build_token_cache
 from meshtrain.data.files import READS, SAMPLE_BYTES
+from meshtrain.errors import ConfigError
 
 from .test_node_cli import cli, create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401 — a fixture
 from .test_startup import SLOW_FACTORY
@@ -246,3 +247,10 @@ def test_a_preparing_node_says_how_far_its_data_is_on_status(tmp_path, monkeypat
     assert waiting.startswith(f"preparing: tokenising {data}, ") and waiting.endswith("(100 %); loading the model")
     assert cli("node", "stop", "--data-dir", str(d)).returncode == 0
     p.communicate(timeout=30)
+
+
+def test_a_build_that_fails_on_a_bad_record_leaves_nothing_to_resume(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(ConfigError, match="cannot read it as json"):
+        open_dataset(tmp_path / "broken.jsonl", BytesWithEos(), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob(".building-*"))

@@ -37,8 +37,9 @@ leaves `.building-<key>/`; the next build truncates the token files to the commi
 streams past the consumed documents without tokenising them, and goes on — the finished shards are
 kept, only the unfinished one is redone, and the files are byte for byte those of an uninterrupted
 build (documents are appended in order either way). When done, `meta.json` is written and the
-folder renamed to `<key>/` (then fsynced): a reader sees a whole cache or none. Leftover
-`.tmp-<key>-*` folders (the all-or-nothing builds of earlier versions) are deleted.
+folder renamed to `<key>/` (then fsynced): a reader sees a whole cache or none. A build that
+fails on the data itself (a ConfigError: a bad record) deletes its folder: fixing the files changes
+the key. Leftover `.tmp-<key>-*` folders (the all-or-nothing builds of earlier versions) are deleted.
 
 Progress: `progress=` gets a `files.Progress` ("tokenising", done and total in bytes of input) at
 most every 0.5 s, from the building thread, and once at the end (done == total). Done counts the
@@ -155,7 +156,11 @@ def build_token_cache(
         work.mkdir(exist_ok=True)
         if not (work / META).is_file():  # else: killed between meta.json and the rename
             build = ShardedBuild(work, key, dtype_for(tokenizer.vocab_size), shard_tokens)
-            meta = build.run(files, tokenizer, field=field, split=split, hf_cache=root / "hf", progress=progress)
+            try:
+                meta = build.run(files, tokenizer, field=field, split=split, hf_cache=root / "hf", progress=progress)
+            except ConfigError:  # these files cannot be built (a bad record): nothing worth resuming
+                shutil.rmtree(work, ignore_errors=True)
+                raise
             write_atomic(work / META, json.dumps(meta, indent=1).encode())
             (work / PROGRESS).unlink(missing_ok=True)
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one (no meta)
