@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_progress_rises_to_total_digesting_then_tokenising(tmp_path, monkeypatch
 def test_progress_reads_as_a_line_for_people():
     p = Progress("tokenising", "data/corpus.txt", 1_200_000_000, 4_000_000_000, eta_s=180.0)
     assert p.describe() == "tokenising data/corpus.txt, 1.2 of 4.0 GB (30 %), about 3 min left"
-    assert Progress("digesting", "d", 0, 500).describe() == "digesting d, 0.0 of 500.0 B (0 %)"
+    assert Progress("digesting", "d", 0, 500).describe() == "digesting d, 0 of 500 B (0 %)"
 
 
 KILLED_BUILD = """
@@ -254,3 +255,22 @@ def test_a_build_that_fails_on_a_bad_record_leaves_nothing_to_resume(tmp_path):
     with pytest.raises(ConfigError, match="cannot read it as json"):
         open_dataset(tmp_path / "broken.jsonl", BytesWithEos(), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob(".building-*"))
+
+
+def test_local_ranks_opening_at_once_digest_once(tmp_path):
+    path = big_text(tmp_path / "corpus.txt", 8)
+    manifest = tmp_path / "digests" / "corpus.json"
+    digests: list[str] = []
+    before = READS.bytes
+
+    def rank() -> None:
+        digests.append(resolve_dataset(path).digest(manifest=manifest))
+
+    ranks = [threading.Thread(target=rank) for _ in range(2)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    read = READS.bytes - before
+    assert read == 8 * MIB + 2 * 3 * SAMPLE_BYTES  # one full read; each rank's samples
+    assert digests == [dataset_digest(path)] * 2

@@ -27,7 +27,8 @@ dataset path): for each file its size, mtime_ns and a sampled digest (blake3 of 
 first, middle and last MiB: the whole file when it is at most 3 MiB), and the full digest computed
 from them. When every file's (name, size, mtime_ns, sampled digest) matches, the full digest is
 reused without reading the rest; otherwise it is recomputed exactly as above and the manifest
-rewritten (`write_atomic`: a kill leaves the old one or the new one). The digest is the same
+rewritten (`write_atomic`: a kill leaves the old one or the new one; under a flock, so a node's
+local ranks digest once and the others reuse it). The digest is the same
 function of the content either way; only its caching is new. Stat is taken before hashing, so a
 file changed while it is hashed does not match at the next start.
   What it lets past, honestly: an edit that keeps a file's size AND its mtime_ns (a tool that
@@ -50,6 +51,7 @@ Not here: reading documents (documents.py), tokenising (cache.py).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -98,9 +100,12 @@ class Progress:
 
     def describe(self) -> str:
         """One line for people: "tokenising data/corpus.txt, 1.2 of 4.0 GB (30 %), about 3 min left"."""
-        unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0)) if self.total >= s)
+        scale, unit = next(((s, u) for s, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if self.total >= s), (1, "B"))
+        amounts = (
+            f"{self.done / scale:.1f} of {self.total / scale:.1f}" if scale > 1 else f"{self.done} of {self.total}"
+        )
         percent = 100 * self.done // self.total if self.total else 100
-        line = f"{self.phase} {self.dataset}, {self.done / scale:.1f} of {self.total / scale:.1f} {unit} ({percent} %)"
+        line = f"{self.phase} {self.dataset}, {amounts} {unit} ({percent} %)"
         if self.eta_s is not None:
             line += f", about {_duration(self.eta_s)} left"
         return line
@@ -175,21 +180,24 @@ class DatasetFiles:
 
     def digest(self, *, manifest: Path | None = None, progress: ProgressCallback | None = None) -> str:
         """blake3 of the files' names, sizes and bytes (module docstring), hex. With a `manifest`,
-        reused from it when no file changed, and recorded in it when computed."""
+        reused from it when no file changed, and recorded in it when computed — under a lock
+        (`<manifest>.lock`, flock): a node's local ranks digest once, the others wait and reuse."""
         if manifest is None:
             return self._full_digest(progress)
-        stats = [os.stat(f) for f in self.files]  # before hashing: a change while hashing is a mismatch later
-        recorded = _read_manifest(manifest)
-        if recorded is not None and recorded.get("files") == self._fingerprints(stats, recorded.get("files")):
-            return str(recorded["digest"])
-        digest = self._full_digest(progress)
-        entries = [
-            {"name": n, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": _sample(f, st.st_size)}
-            for n, f, st in zip(self.names, self.files, stats, strict=True)
-        ]
-        record = {"format": MANIFEST_FORMAT, "root": str(self.root), "digest": digest, "files": entries}
         manifest.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(manifest, json.dumps(record, indent=1).encode())
+        with open(manifest.with_name(manifest.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            stats = [os.stat(f) for f in self.files]  # before hashing: a change while hashing is a mismatch later
+            recorded = _read_manifest(manifest)
+            if recorded is not None and recorded.get("files") == self._fingerprints(stats, recorded.get("files")):
+                return str(recorded["digest"])
+            digest = self._full_digest(progress)
+            entries = [
+                {"name": n, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": _sample(f, st.st_size)}
+                for n, f, st in zip(self.names, self.files, stats, strict=True)
+            ]
+            record = {"format": MANIFEST_FORMAT, "root": str(self.root), "digest": digest, "files": entries}
+            write_atomic(manifest, json.dumps(record, indent=1).encode())
         return digest
 
     def _fingerprints(self, stats: list[os.stat_result], recorded: Any) -> list[dict[str, Any]] | None:
