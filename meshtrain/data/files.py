@@ -27,10 +27,10 @@ dataset path): for each file its size, mtime_ns and a sampled digest (blake3 of 
 first, middle and last MiB: the whole file when it is at most 3 MiB), and the full digest computed
 from them. When every file's (name, size, mtime_ns, sampled digest) matches, the full digest is
 reused without reading the rest; otherwise it is recomputed exactly as above and the manifest
-rewritten (`write_atomic`: a kill leaves the old one or the new one; under a flock, so a node's
-local ranks digest once and the others reuse it). The digest is the same
-function of the content either way; only its caching is new. Stat is taken before hashing, so a
-file changed while it is hashed does not match at the next start.
+rewritten (`write_atomic`: a kill leaves the old one or the new one), all under a flock, so a
+node's local ranks digest once and the others reuse it. The digest is the same function of the
+content either way; only its caching is new. Stat is taken before hashing, so a file changed while
+it is hashed does not match at the next start.
   What it lets past, honestly: an edit that keeps a file's size AND its mtime_ns (a tool that
 restores mtimes, `touch -r`, a coarse-clock filesystem within one tick) AND touches only bytes
 outside the three sampled MiB. An ordinary edit moves mtime_ns; a touch without an edit is
