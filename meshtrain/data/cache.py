@@ -21,13 +21,36 @@ Layout, under the node's data dir (`<data_dir>/datacache/`):
         train.bin          token ids, uint16 when the vocabulary has at most 65,536 ids, else uint32
         held_out.bin       the same for the held-out split
         meta.json          format, key, dataset and tokenizer digests, dtype, counts, source
+    .building-<key>/       a build under way (or killed): the same two files, and
+        progress.json      what is committed: documents consumed, tokens and documents per file
     <key>.lock             taken (flock) by whoever builds <key>: local ranks wait, not rebuild
+    digests/               the datasets' digest manifests (files.py)
 
 key = blake3(format, dataset digest, tokenizer digest, field, held_out, eval dataset digest)[:32
 hex], so a changed file, tokenizer or split setting is a different cache and a stale one is never
-read. The cache is written into `.tmp-<key>-<pid>/` (buffered writes of ~4M tokens, files and
-directory fsynced) and renamed into place: a crash leaves garbage that the next build deletes,
-never a half-written cache. Progress is logged every 10 s.
+read.
+
+Resumable. A build commits a shard every `SHARD_TOKENS` tokens (at a batch boundary): both token
+files are flushed and fsynced, then `progress.json` is replaced (`write_atomic`) with the committed
+lengths and the number of documents consumed. A build killed at any instant (kill -9, power cut)
+leaves `.building-<key>/`; the next build truncates the token files to the committed lengths,
+streams past the consumed documents without tokenising them, and goes on — the finished shards are
+kept, only the unfinished one is redone, and the files are byte for byte those of an uninterrupted
+build (documents are appended in order either way). When done, `meta.json` is written and the
+folder renamed to `<key>/` (then fsynced): a reader sees a whole cache or none. A build that
+fails on the data itself (a ConfigError: a bad record) deletes its folder: fixing the files changes
+the key. Leftover `.tmp-<key>-*` folders (the all-or-nothing builds of earlier versions) are deleted.
+
+Progress: `progress=` gets a `files.Progress` ("tokenising", done and total in bytes of input) at
+most every 0.5 s, from the building thread, and once at the end (done == total). Done counts the
+UTF-8 bytes of the documents read: exact for text files (their documents are the file), a little
+behind for JSON Lines (keys, escapes), ahead for compressed Parquet (held just below total until
+the end). Also logged every 10 s.
+
+Why not `datasets.Dataset.map(batched=True, num_proc=...)`: it needs a non-streaming dataset, which
+first converts the whole corpus to Arrow files on disk (a second copy of it), and its own cache
+fingerprints would be a second resume mechanism beside ours. A Hugging Face tokenizer's
+`encode_batch` already encodes a batch on every core.
 
 Not here: files and digests (files.py), sampling (packed.py).
 """
@@ -43,14 +66,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import blake3
 import numpy as np
 
 from meshtrain.data.documents import document_batches
-from meshtrain.data.files import DatasetFiles
-from meshtrain.durable import fsync_dir, fsync_file
+from meshtrain.data.files import DatasetFiles, ProgressCallback, ProgressMeter
+from meshtrain.durable import fsync_dir, write_atomic
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 
@@ -58,8 +81,9 @@ log = get_logger(__name__)
 
 CACHE_FORMAT = 1
 META = "meta.json"
+PROGRESS = "progress.json"  # an unfinished build's committed shards
 FLUSH_TOKENS = 4 << 20  # tokens buffered before a write
-PROGRESS_EVERY_S = 10.0
+SHARD_TOKENS = 16 << 20  # tokens between two commits of a build: at most this much is redone after a kill
 
 
 class TextTokenizer(Protocol):
@@ -106,9 +130,18 @@ def cache_key(dataset_digest: str, tokenizer: TextTokenizer, field: str, split: 
 
 
 def build_token_cache(
-    files: DatasetFiles, tokenizer: TextTokenizer, root: Path, *, key: str, field: str = "text", split: Split = Split()
+    files: DatasetFiles,
+    tokenizer: TextTokenizer,
+    root: Path,
+    *,
+    key: str,
+    field: str = "text",
+    split: Split = Split(),
+    progress: ProgressCallback | None = None,
+    shard_tokens: int = SHARD_TOKENS,
 ) -> Path:
-    """The cache directory for `key` under `root`, tokenising `files` into it unless it exists."""
+    """The cache directory for `key` under `root`, tokenising `files` into it unless it exists
+    (resuming a killed build's committed shards: module docstring)."""
     final = root / key
     if (final / META).is_file():
         return final
@@ -119,32 +152,35 @@ def build_token_cache(
             return final
         for leftover in root.glob(f".tmp-{key}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        tmp = root / f".tmp-{key}-{os.getpid()}"
-        tmp.mkdir()
-        try:
-            meta = _tokenise(files, tokenizer, tmp, key=key, field=field, split=split, hf_cache=root / "hf")
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            for f in tmp.iterdir():
-                fsync_file(f)
-            fsync_dir(tmp)
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete one (no meta)
-            os.rename(tmp, final)
-            fsync_dir(root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        work = root / f".building-{key}"
+        work.mkdir(exist_ok=True)
+        if not (work / META).is_file():  # else: killed between meta.json and the rename
+            build = ShardedBuild(work, key, dtype_for(tokenizer.vocab_size), shard_tokens)
+            try:
+                meta = build.run(files, tokenizer, field=field, split=split, hf_cache=root / "hf", progress=progress)
+            except ConfigError:  # these files cannot be built (a bad record): nothing worth resuming
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+            write_atomic(work / META, json.dumps(meta, indent=1).encode())
+            (work / PROGRESS).unlink(missing_ok=True)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one (no meta)
+        os.rename(work, final)
+        fsync_dir(root)
     return final
 
 
 class TokenWriter:
-    """Appends token arrays to a flat file, buffered, counting what it wrote."""
+    """Appends token arrays to a flat file, buffered, counting what it wrote. `tokens` and
+    `documents`: what the file already holds (a resumed build); anything after is cut off."""
 
-    def __init__(self, path: Path, dtype: np.dtype) -> None:
-        self.file = open(path, "wb")  # noqa: SIM115 — closed by close()
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int = 0, documents: int = 0) -> None:
+        self.file = open(path, "ab")  # noqa: SIM115 — closed by close()
+        self.file.truncate(tokens * dtype.itemsize)  # an unfinished shard's tail
         self.dtype = dtype
         self.buffer: list[np.ndarray] = []
         self.buffered = 0
-        self.tokens = 0
-        self.documents = 0
+        self.tokens = tokens
+        self.documents = documents
 
     def add(self, ids: np.ndarray) -> None:
         self.buffer.append(ids.astype(self.dtype))
@@ -159,69 +195,120 @@ class TokenWriter:
             self.tokens += self.buffered
             self.buffer, self.buffered = [], 0
 
-    def close(self) -> None:
+    def commit(self) -> dict[str, int]:
+        """Everything added is on disk (flushed and fsynced); what the file now holds."""
         self.flush()
         self.file.flush()
         os.fsync(self.file.fileno())
+        return {"tokens": self.tokens, "documents": self.documents}
+
+    def close(self) -> None:
+        self.commit()
         self.file.close()
 
 
-def _tokenise(
-    files: DatasetFiles, tokenizer: TextTokenizer, out: Path, *, key: str, field: str, split: Split, hf_cache: Path
-) -> dict:
-    dtype = dtype_for(tokenizer.vocab_size)
-    train, held = TokenWriter(out / "train.bin", dtype), TokenWriter(out / "held_out.bin", dtype)
-    t0 = t_last = time.monotonic()
-    try:
+class ShardedBuild:
+    """One build of a token cache in `work`, committed every `shard_tokens` tokens to
+    `progress.json` and resumed from it (module docstring). key: the cache's; dtype: the ids'."""
+
+    def __init__(self, work: Path, key: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.work, self.key, self.dtype, self.shard_tokens = work, key, dtype, shard_tokens
+        self.committed = self._load()
+        self.resumed_seconds = float(self.committed["seconds"])  # the killed runs' time
+
+    def _load(self) -> dict[str, Any]:
+        """The committed state, or an empty one (no shard yet, or a record of another build)."""
+        try:
+            state = json.loads((self.work / PROGRESS).read_text())
+        except (OSError, ValueError):
+            state = None
+        if isinstance(state, dict) and state.get("key") == self.key and state.get("dtype") == self.dtype.name:
+            return state
+        none = {"tokens": 0, "documents": 0}
+        return {"key": self.key, "train": none, "held_out": none, "documents": 0, "input_bytes": 0, "seconds": 0.0}
+
+    def run(
+        self,
+        files: DatasetFiles,
+        tokenizer: TextTokenizer,
+        *,
+        field: str,
+        split: Split,
+        hf_cache: Path,
+        progress: ProgressCallback | None,
+    ) -> dict:
+        """Tokenise what is not committed yet; the cache's meta.json."""
+        state = self.committed
+        train = TokenWriter(self.work / "train.bin", self.dtype, **state["train"])
+        held = TokenWriter(self.work / "held_out.bin", self.dtype, **state["held_out"])
+        skip, input_bytes = int(state["documents"]), int(state["input_bytes"])
+        if skip:
+            log.warning(kv("resuming the tokenising", dataset=str(files.root), documents_done=skip))
         sources = [(files, False)] + ([(split.eval_files, True)] if split.eval_files is not None else [])
-        for source, all_held in sources:
-            for docs in document_batches(source, field=field, cache_dir=hf_cache):
-                for doc, ids in zip(docs, encode_documents(tokenizer, docs, source.format), strict=True):
-                    held_out = all_held or (split.eval_files is None and is_held_out(doc, split.held_out))
-                    (held if held_out else train).add(ids)
-                if time.monotonic() - t_last > PROGRESS_EVERY_S:
-                    t_last = time.monotonic()
-                    done = train.tokens + train.buffered + held.tokens + held.buffered
-                    log.warning(
-                        kv(
-                            "tokenising the dataset",
-                            dataset=str(source.root),
-                            documents=train.documents + held.documents,
-                            tokens=done,
-                            tokens_per_s=round(done / (t_last - t0)),
-                        )
-                    )
-    finally:
-        train.close()
-        held.close()
-    seconds = time.monotonic() - t0
-    log.warning(
-        kv(
-            "dataset tokenised",
-            dataset=str(files.root),
-            documents=train.documents + held.documents,
-            train_tokens=train.tokens,
-            held_out_tokens=held.tokens,
-            seconds=round(seconds, 1),
+        meter = ProgressMeter(
+            "tokenising", str(files.root), sum(f.size for f, _ in sources), done=input_bytes, callback=progress
         )
-    )
-    return {
-        "format": CACHE_FORMAT,
-        "key": key,
-        "dataset": str(files.root),
-        "tokenizer_digest": tokenizer.digest,
-        "field": field,
-        "held_out": split.held_out,
-        "eval_dataset": str(split.eval_files.root) if split.eval_files is not None else "",
-        "dtype": dtype.name,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "train_tokens": train.tokens,
-        "held_out_tokens": held.tokens,
-        "train_documents": train.documents,
-        "held_out_documents": held.documents,
-        "seconds": round(seconds, 3),
-    }
+        t0, since_commit = time.monotonic(), 0
+        try:
+            for source, all_held in sources:
+                for batch in document_batches(source, field=field, cache_dir=hf_cache):
+                    docs, skip = batch[skip:], max(0, skip - len(batch))  # committed before a kill
+                    if not docs:
+                        continue
+                    for doc, ids in zip(docs, encode_documents(tokenizer, docs, source.format), strict=True):
+                        held_out = all_held or (split.eval_files is None and is_held_out(doc, split.held_out))
+                        (held if held_out else train).add(ids)
+                        since_commit += len(ids)
+                        input_bytes += len(doc.encode("utf-8", errors="surrogatepass"))
+                    meter.advance(input_bytes)
+                    if since_commit >= self.shard_tokens:
+                        self._commit(train, held, input_bytes, t0)
+                        since_commit = 0
+        finally:
+            train.close()
+            held.close()
+        meter.finish()
+        seconds = self.resumed_seconds + time.monotonic() - t0
+        log.warning(
+            kv(
+                "dataset tokenised",
+                dataset=str(files.root),
+                documents=train.documents + held.documents,
+                train_tokens=train.tokens,
+                held_out_tokens=held.tokens,
+                seconds=round(seconds, 1),
+            )
+        )
+        return {
+            "format": CACHE_FORMAT,
+            "key": self.key,
+            "dataset": str(files.root),
+            "tokenizer_digest": tokenizer.digest,
+            "field": field,
+            "held_out": split.held_out,
+            "eval_dataset": str(split.eval_files.root) if split.eval_files is not None else "",
+            "dtype": self.dtype.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "train_tokens": train.tokens,
+            "held_out_tokens": held.tokens,
+            "train_documents": train.documents,
+            "held_out_documents": held.documents,
+            "seconds": round(seconds, 3),
+        }
+
+    def _commit(self, train: TokenWriter, held: TokenWriter, input_bytes: int, t0: float) -> None:
+        """A shard: the token files on disk first, then the record that says they are."""
+        self.committed = {
+            "key": self.key,
+            "dtype": self.dtype.name,
+            "train": train.commit(),
+            "held_out": held.commit(),
+            "documents": train.documents + held.documents,
+            "input_bytes": input_bytes,
+            "seconds": self.resumed_seconds + time.monotonic() - t0,
+        }
+        write_atomic(self.work / PROGRESS, json.dumps(self.committed).encode())
 
 
 def encode_documents(tokenizer: TextTokenizer, docs: list[str], fmt: str) -> Iterable[np.ndarray]:

@@ -78,6 +78,7 @@ import trio
 from meshtrain.allocator import release_freed_memory
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.crdt.swarm_view import SwarmView
+from meshtrain.data import Progress, ProgressCallback
 from meshtrain.dht.discovery import Discovery
 from meshtrain.durable import write_atomic
 from meshtrain.errors import ConfigError, meshtrain_error_in
@@ -401,7 +402,7 @@ class Node:
         ours = adversary.wrap(self.adversary, local.collective(collective) if local else collective)
         device = None if local else resolve_device(self.config.device)
         trainer = self.trainer = await self._prepare(
-            lambda: Trainer(
+            lambda on_progress: Trainer(
                 signed.spec,
                 ours,
                 host.peer_id,
@@ -410,6 +411,7 @@ class Node:
                 local=local,
                 device=device,
                 data_dir=self.data_dir,
+                on_progress=on_progress,
             )
         )
         adversary.arm(self.adversary, trainer, presence.view)
@@ -496,10 +498,19 @@ class Node:
             return None
         return self.trainer.step
 
-    async def _prepare(self, build: Callable[[], Trainer]) -> Trainer:
-        """`build()` the trainer — the model loaded, the dataset digested and tokenised: seconds
-        to hours — in a worker thread, as the module docstring says: the node stays live
-        meanwhile, and a stop ends start-up at once (`StoppedWhileStarting`)."""
+    async def _prepare(self, build: Callable[[ProgressCallback], Trainer]) -> Trainer:
+        """`build(on_progress)` the trainer — the model loaded, the dataset digested and tokenised:
+        seconds to hours — in a worker thread, as the module docstring says: the node stays live
+        meanwhile, and a stop ends start-up at once (`StoppedWhileStarting`). `on_progress` puts
+        how far the data is into `startup_waiting` ("preparing: tokenising data/c.txt, 1.2 of 4.0
+        GB (30 %), about 3 min left")."""
+
+        def on_progress(progress: Progress) -> None:
+            # From the worker thread: one attribute replaced whole, read by the status page.
+            if self.state == "preparing":
+                tokenised = progress.phase == "tokenising" and progress.done == progress.total
+                self._say_waiting(f"preparing: {progress.describe()}" + ("; loading the model" if tokenised else ""))
+
         self.phase.set("preparing")
         self._say_waiting("preparing: loading the model, digesting and tokenising the data")
         built: list[Trainer] = []
@@ -511,7 +522,7 @@ class Node:
 
             nursery.start_soon(cancel_on_stop)
             # trio-typing's stubs predate abandon_on_cancel (trio >= 0.23)
-            built.append(await trio.to_thread.run_sync(build, abandon_on_cancel=True))  # type: ignore[call-arg]
+            built.append(await trio.to_thread.run_sync(build, on_progress, abandon_on_cancel=True))  # type: ignore[call-arg]
             nursery.cancel_scope.cancel()
         if not built:
             raise StoppedWhileStarting("stopped while preparing the model and data; nothing was trained")

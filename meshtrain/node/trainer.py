@@ -6,7 +6,9 @@ compute (`OuterOptimizer`'s threading bridge).
 
 Data (`load_data`): the built-in corpus (`Corpus`), or a file dataset (`meshtrain.data`: text,
 JSONL or Parquet, streamed through Hugging Face `datasets`, tokenised once with the spec's
-tokenizer into a token cache in the data dir, checked against the spec's `dataset_digest`).
+tokenizer into a token cache in the data dir, checked against the spec's `dataset_digest`; the
+digest is reused and a killed tokenising resumed at the next start, and `on_progress` hears how far
+both are).
 Assignment is a pure function of (swarm seed, peer id, step) — `batch` — as in Psyche: peers
 train on different samples without coordinating, and a peer restarted from a checkpoint at step
 s draws exactly the batches it would have drawn, so no sample is trained twice or skipped. The
@@ -64,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshtrain.collective import Collective
-from meshtrain.data import PackedDataset, open_dataset
+from meshtrain.data import PackedDataset, ProgressCallback, open_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
 from meshtrain.models import Corpus
@@ -96,10 +98,13 @@ REPORT_EVERY = 10  # steps between loss reads, throughput updates, history point
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
 
 
-def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedDataset:
+def load_data(
+    spec: SwarmSpec, data_dir: Path | None = None, on_progress: ProgressCallback | None = None
+) -> Corpus | PackedDataset:
     """The spec's data tokenised with the spec's tokenizer: the built-in corpus, or a file dataset
     tokenised into the token cache under `data_dir` (default: the default data dir), its content
-    checked against the spec's `dataset_digest` (a peer whose files differ is refused)."""
+    checked against the spec's `dataset_digest` (a peer whose files differ is refused).
+    `on_progress`: told how far digesting and tokenising are (`meshtrain.data.Progress`)."""
     if spec.data.dataset == "builtin":
         tokenizer = (
             spec.model.tokenizer if spec.model.tokenizer in ("chars", "bytes") else load_tokenizer(spec.model.tokenizer)
@@ -114,6 +119,7 @@ def load_data(spec: SwarmSpec, data_dir: Path | None = None) -> Corpus | PackedD
         held_out=spec.data.held_out,
         eval_path=spec.data.eval_dataset,
         expected_digest=spec.data.dataset_digest,
+        progress=on_progress,
     )
 
 
@@ -213,6 +219,7 @@ class Trainer(TrainedState):
     data_dir: the node's data dir (the token cache of a file dataset lives in it).
     device: where θ, batches and the inner optimizer live (default: `resolve_device("auto")`).
     local: the peer's local-rank group when it runs several (node/local_ranks.py), else None.
+    on_progress: told, from the building thread, how far preparing a file dataset is (`load_data`).
     """
 
     def __init__(
@@ -227,6 +234,7 @@ class Trainer(TrainedState):
         device: torch.device | str | None = None,
         local: LocalRanks | None = None,
         data_dir: Path | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         self.spec = spec
         self.peer_id = peer_id
@@ -239,7 +247,7 @@ class Trainer(TrainedState):
             else resolve_device("auto")
         )
         self.precision = Precision(spec.model.precision, self.device)
-        self.corpus = corpus or load_data(spec, data_dir)
+        self.corpus = corpus or load_data(spec, data_dir, on_progress)
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.context = resolve_context(model, spec.model.context, "the model" if user_model else spec.model.source)
