@@ -157,7 +157,7 @@ from meshtrain.data.files import resolve_dataset
 class SlowBytesWithEos:
     vocab_size, eos_id, digest = 257, 256, "bytes+eos"
     def encode(self, text):
-        time.sleep(0.001)
+        time.sleep(0.001)  # sleep: a slow tokenizer, so the build still runs when it is killed
         return list(text.encode("utf-8"))
 
 build_token_cache(resolve_dataset(sys.argv[1]), SlowBytesWithEos(), Path(sys.argv[2]), key="k",
@@ -183,7 +183,7 @@ def test_a_build_killed_mid_tokenising_resumes_to_an_uninterrupted_builds_cache(
                     break
             except (OSError, ValueError):
                 pass
-            time.sleep(0.01)
+            time.sleep(0.01)  # sleep: poll interval
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait()
