@@ -36,7 +36,8 @@ trio thread keeps heartbeating (as "syncing": rounds do not wait for us), servin
 server and daemon.json come before the trainer, so `node status`/`node stop` find a preparing
 node. A stop while preparing ends start-up at once (`StoppedWhileStarting`, exit 130); the
 worker thread, which cannot be interrupted mid-call, is abandoned (trio's workers are daemon
-threads: the process exits without waiting for it).
+threads: the process exits without waiting for it) — except a multi-rank peer's, whose build
+talks to its other ranks: its stop is heard once the build is done.
 
 Membership for a round is the live peers whose role is "trainer" and whom we are connected to: a
 peer still downloading state is not waited for, and a peer whose connection closed (killed,
@@ -501,7 +502,8 @@ class Node:
     async def _prepare(self, build: Callable[[ProgressCallback], Trainer]) -> Trainer:
         """`build(on_progress)` the trainer — the model loaded, the dataset digested and tokenised:
         seconds to hours — in a worker thread, as the module docstring says: the node stays live
-        meanwhile, and a stop ends start-up at once (`StoppedWhileStarting`). `on_progress` puts
+        meanwhile, and a stop ends start-up at once (`StoppedWhileStarting`; a multi-rank peer's,
+        once the build is done). `on_progress` puts
         how far the data is into `startup_waiting` ("preparing: tokenising data/c.txt, 1.2 of 4.0
         GB (30 %), about 3 min left")."""
 
@@ -513,6 +515,14 @@ class Node:
 
         self.phase.set("preparing")
         self._say_waiting("preparing: loading the model, digesting and tokenising the data")
+        if self.local is not None:
+            # A multi-rank peer's build talks to its other ranks (torch.distributed: they build
+            # theirs from what rank 0 sends): it is never abandoned half-way, which would leave
+            # them waiting in a collective. A stop meanwhile is heard once it is built, and the
+            # run then ends before its first step.
+            trainer = await trio.to_thread.run_sync(build, on_progress)
+            self._say_waiting(None)
+            return trainer
         built: list[Trainer] = []
         async with trio.open_nursery() as nursery:
 

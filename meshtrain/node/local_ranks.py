@@ -184,8 +184,16 @@ def _gateway(local: LocalRanks, config: NodeConfig, spec_path: str | None, join:
         node = Node(config, spec=spec, join=join, local=local)
         result = trio.run(node.run)
     except MeshtrainError as e:
-        _tell_followers_done(local)
-        return {"error": str(e), "config_error": isinstance(e, ConfigError), "peak_rss_mib": _rss_mib()}
+        # Stopped by SIGTERM before it trained (while preparing, say): the agent that passed the
+        # signal on reads no result, so every rank exits at once, as after a clean stop.
+        exit_now = node is not None and node.stop_signal == "SIGTERM"
+        _tell_followers_done(local, exit_now)
+        return {
+            "error": str(e),
+            "config_error": isinstance(e, ConfigError),
+            "peak_rss_mib": _rss_mib(),
+            "exit_now": exit_now,
+        }
     failure = node.trainer.local_failure if node.trainer is not None else None
     if failure is not None:
         raise LocalRankError(failure)  # the elastic agent reports the rank that died first
