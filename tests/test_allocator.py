@@ -1,7 +1,7 @@
-"""Freed tensor memory goes back to the operating system (meshtrain/allocator.py): with glibc's
-default, blocks of a few MiB freed after a larger one stay resident; with the node's fixed mmap
-threshold they are unmapped as their tensors go. Each case in a fresh process (malloc's state is
-per process)."""
+"""Freed tensor memory goes back to the operating system (meshtrain/allocator.py): with the node's
+fixed mmap threshold, blocks of a few MiB freed after a larger one are unmapped as their tensors
+go (with glibc's default they may stay resident). In a fresh process: malloc's state is per
+process."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def kept_mib(mode: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux)")
-def test_freed_blocks_stay_resident_by_default_and_are_returned_with_the_fixed_threshold():
-    assert kept_mib("default") >= 16  # the problem: glibc's dynamic threshold keeps them in its arenas
-    assert kept_mib("node") < 4  # the fix: each block was its own mapping, unmapped when freed
+def test_freed_blocks_are_returned_with_the_fixed_threshold():
+    # Each block was its own mapping, unmapped when freed. (With glibc's default they mostly stay:
+    # 32 of the 64 MiB here on a quiet machine — how many depends on what else the heap holds, so
+    # that half is the benchmark's to show, scripts/bench/bench_memory.py, not asserted here.)
+    assert kept_mib("node") < 4

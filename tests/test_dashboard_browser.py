@@ -82,7 +82,9 @@ def test_dashboard_shows_the_live_peers_of_a_running_swarm(tmp_path):
         deadline = time.monotonic() + 90
         while True:
             page = render(info["status_url"], str(tmp_path / "chromium"))
-            if page.loaded and len(page.peers) == 2 and "eval_loss" in page.series:
+            # b is listed from its start (as syncing, while it prepares and downloads): wait until it trains
+            trains = "trainer" in page.peers.get(info_b["peer_id"], [])
+            if page.loaded and len(page.peers) == 2 and "eval_loss" in page.series and trains:
                 break
             assert time.monotonic() < deadline, (page.peers, page.series, page.loaded)
             time.sleep(1)  # sleep: poll interval
