@@ -80,6 +80,7 @@ from meshtrain.node.spec.signed import SignedSpec  # noqa: E402
 from meshtrain.node.spec.swarm import SwarmSpec  # noqa: E402
 from meshtrain.node.trust import adversary  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
+from scripts.bench.harness import Daemon, emit  # noqa: E402
 
 # The harmful modes, which `max_rounds_to_exclude` holds to the target, all caught by screening
 # (norms and directions; replay by its echo, collective/echoes.py): those that do no work (noise,
@@ -110,22 +111,18 @@ def run_swarm(root: Path, keys: Path, spec: SwarmSpec, modes: list[str | None], 
     ids = [Identity.load_or_create(d).peer_id_str for d in dirs]
     ports = [free_port() for _ in dirs]
     entry = f"/ip4/127.0.0.1/tcp/{ports[0]}/p2p/{ids[0]}"
-    procs = []
+    nodes: list[Daemon] = []
     for i, (d, mode) in enumerate(zip(dirs, modes, strict=True)):
-        env = {k: v for k, v in os.environ.items() if k != adversary.ENV}
-        if mode is not None:
-            env[adversary.ENV] = mode
-        env["MESHTRAIN_LOG"] = "WARNING"
-        argv = [sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--quiet", "--no-nat"]
-        argv += ["--swarm", str(root / "swarm.json"), "--data-dir", str(d), "--status-port", "0"]
-        argv += ["--listen", f"/ip4/127.0.0.1/tcp/{ports[i]}", "--threads", str(threads)]
-        argv += ["--wait-peers", str(len(modes)), "--checkpoint-every", "3600"]
+        args = ["--quiet", "--no-nat", "--swarm", str(root / "swarm.json"), "--status-port", "0"]
+        args += ["--listen", f"/ip4/127.0.0.1/tcp/{ports[i]}", "--threads", str(threads)]
+        args += ["--wait-peers", str(len(modes)), "--checkpoint-every", "3600"]
         if i:
-            argv += ["--bootstrap", entry]
-        with open(d / "stderr.log", "wb") as err:
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT))
+            args += ["--bootstrap", entry]
+        env = {adversary.ENV: mode} if mode is not None else {}
+        nodes.append(Daemon(d, d / "stderr.log", *args, env=env, loopback=False))
         if i == 0:  # the others bootstrap from it: wait until it listens (its daemon file)
-            wait_for(d / "daemon.json", procs[0])
+            nodes[0].daemon(timeout=90)
+    procs = [n.p for n in nodes]
     honest = [p for p, m in zip(procs, modes, strict=True) if m is None]
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
@@ -185,14 +182,6 @@ def exclusion_lag(line: str, history: list[dict], members: int) -> int | None:
         if rounds[r] < members:
             return lag
     return None
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the first daemon did not start: {(path.parent / 'stderr.log').read_text()[-2000:]}")
-        time.sleep(0.2)
 
 
 def screening_seconds(peers: int, trials: int = 20) -> float:
@@ -426,58 +415,54 @@ def main() -> None:
     scoring = scoring_seconds(n, samples, args.batch_size, specs["robust"].verification.score_batches)
     spot = spot_check_seconds(n, spot_samples, args.spot_check_steps, args.batch_size)
     harmful = [rounds_to_exclude[m] for m in modes if m in HARMFUL]
-    print(
-        json.dumps(
-            {
-                "daemons": n,
-                "adversaries": args.adversaries,
-                "model": "gpt-tiny",
-                "H": args.H,
-                "rounds": args.rounds,
-                "strikes_to_exclude": specs["robust"].verification.strikes,
-                "seeds": args.seeds,
-                "final_eval_loss_honest": {
-                    rule: [round(runs[f"{s}/honest/{rule}"]["loss"], 4) for s in seeds] for rule in specs
-                },
-                # The noise floor: per seed, the largest honest-only run's loss over the smallest's, minus 1.
-                "honest_run_spread": {
-                    rule: [
-                        round(max(r) / min(r) - 1, 4)
-                        for r in (runs[f"{s}/honest/{rule}"]["runs_loss"] for s in seeds)
-                        if all(math.isfinite(x) for x in r)
-                    ]
-                    for rule in specs
-                }
-                if args.honest_repeats > 1
-                else None,
-                "honest_repeats": max(args.honest_repeats, 1),
-                "loss_gap_vs_honest": loss_gap,
-                "loss_gap_by_seed": gaps_by_seed if args.seeds > 1 else None,
-                "worst_loss_gap": max((g for g in robust_gaps if g is not None), default=None)
-                if all(g is not None for g in robust_gaps)
-                else None,
-                "rounds_to_exclude": rounds_to_exclude,
-                "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
-                "honest_excluded": len(honest_excluded),
-                "exclusion_lag_rounds": exclusion_lag_rounds,
-                "max_exclusion_lag_rounds": max(
-                    (x for x in exclusion_lag_rounds.values() if x is not None), default=None
-                ),
-                "score_samples": samples,
-                "score_batches": specs["robust"].verification.score_batches,
-                "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),
-                "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
-                "scoring_ms_per_round": round(scoring * 1000, 2),
-                "round_s_at_h50": round(round_at_h50, 2),
-                "spot_check_steps": args.spot_check_steps,
-                "spot_check_samples": spot_samples if args.spot_check_steps else 0,
-                "spot_check_ms_per_round": round(spot * 1000, 2),
-                "spot_check_share_at_h50": float(f"{spot / round_at_h50:.3g}"),
-                "spot_flags": spot_flags,
-                "sybil_cost_ratio": sybil_cost_ratio(),
-                "wall_s": round(time.monotonic() - t_start, 1),
+    emit(
+        {
+            "daemons": n,
+            "adversaries": args.adversaries,
+            "model": "gpt-tiny",
+            "H": args.H,
+            "rounds": args.rounds,
+            "strikes_to_exclude": specs["robust"].verification.strikes,
+            "seeds": args.seeds,
+            "final_eval_loss_honest": {
+                rule: [round(runs[f"{s}/honest/{rule}"]["loss"], 4) for s in seeds] for rule in specs
+            },
+            # The noise floor: per seed, the largest honest-only run's loss over the smallest's, minus 1.
+            "honest_run_spread": {
+                rule: [
+                    round(max(r) / min(r) - 1, 4)
+                    for r in (runs[f"{s}/honest/{rule}"]["runs_loss"] for s in seeds)
+                    if all(math.isfinite(x) for x in r)
+                ]
+                for rule in specs
             }
-        )
+            if args.honest_repeats > 1
+            else None,
+            "honest_repeats": max(args.honest_repeats, 1),
+            "loss_gap_vs_honest": loss_gap,
+            "loss_gap_by_seed": gaps_by_seed if args.seeds > 1 else None,
+            "worst_loss_gap": max((g for g in robust_gaps if g is not None), default=None)
+            if all(g is not None for g in robust_gaps)
+            else None,
+            "rounds_to_exclude": rounds_to_exclude,
+            "max_rounds_to_exclude": max(harmful) if harmful and all(r is not None for r in harmful) else None,
+            "honest_excluded": len(honest_excluded),
+            "exclusion_lag_rounds": exclusion_lag_rounds,
+            "max_exclusion_lag_rounds": max((x for x in exclusion_lag_rounds.values() if x is not None), default=None),
+            "score_samples": samples,
+            "score_batches": specs["robust"].verification.score_batches,
+            "verify_overhead": float(f"{(screening_seconds(n) + scoring) / round_at_h50:.3g}"),
+            "screening_ms_per_round": round(screening_seconds(n) * 1000, 2),
+            "scoring_ms_per_round": round(scoring * 1000, 2),
+            "round_s_at_h50": round(round_at_h50, 2),
+            "spot_check_steps": args.spot_check_steps,
+            "spot_check_samples": spot_samples if args.spot_check_steps else 0,
+            "spot_check_ms_per_round": round(spot * 1000, 2),
+            "spot_check_share_at_h50": float(f"{spot / round_at_h50:.3g}"),
+            "spot_flags": spot_flags,
+            "sybil_cost_ratio": sybil_cost_ratio(),
+            "wall_s": round(time.monotonic() - t_start, 1),
+        }
     )
 
 
