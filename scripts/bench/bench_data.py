@@ -12,7 +12,7 @@ corpus as documents, 200 to 3,000 characters each). One JSON object on the last 
   for the slower of two tokenizers (`tokens_per_s_by_tokenizer`): UTF-8 bytes, and a byte-level
   BPE (4,096 ids, trained here with `tokenizers` on the built-in corpus, encoding one document
   at a time as the `Tokenizer` protocol does). `sample_tokens_per_s`: tokens per second of
-  `PackedDataset.batch` (the demo's batch, random access into the memmap): what the trainer
+  `PackedDataset.batch` (the demo's batch, positioned reads from the token cache): what the trainer
   waits on at every step once the cache exists. `restart_prepare_s`: a second `open_dataset` of
   the same files into the same cache (the slower tokenizer's) — what a restarted node spends on
   its data: the digest comes from the manifest (the files' samples, not their bytes), the cache is
