@@ -684,7 +684,17 @@ def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
         return 2
     except MeshtrainError as e:
         print(f"meshtrain: {e}", file=sys.stderr)
-        return _exit_code(e)
+        code = _exit_code(e)
+        if exit_at_once and code == 130:
+            # Stopped before it trained: nothing is owed to the data dir, and the interpreter's
+            # teardown would wait on a worker thread still preparing data (node/daemon.py).
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return code
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)
         return 130
