@@ -192,10 +192,7 @@ class DatasetFiles:
             if recorded is not None and recorded.get("files") == self._fingerprints(stats, recorded.get("files")):
                 return str(recorded["digest"])
             digest = self._full_digest(progress)
-            entries = [
-                {"name": n, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": _sample(f, st.st_size)}
-                for n, f, st in zip(self.names, self.files, stats, strict=True)
-            ]
+            entries = self._entries(stats)
             record = {"format": MANIFEST_FORMAT, "root": str(self.root), "digest": digest, "files": entries}
             write_atomic(manifest, json.dumps(record, indent=1).encode())
         return digest
@@ -212,6 +209,10 @@ class DatasetFiles:
                 st.st_mtime_ns,
             ):
                 return None
+        return self._entries(stats)
+
+    def _entries(self, stats: list[os.stat_result]) -> list[dict[str, Any]]:
+        """The manifest's entry of each file: its name, size, mtime_ns and sampled digest."""
         return [
             {"name": n, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": _sample(f, st.st_size)}
             for n, f, st in zip(self.names, self.files, stats, strict=True)

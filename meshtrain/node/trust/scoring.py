@@ -176,17 +176,17 @@ def scratch_model(model: torch.nn.Module, names: Sequence[str]) -> torch.nn.Modu
 
 def _overlaps(
     params: dict[str, torch.Tensor], names: list[str], part: tuple[int, int]
-) -> Iterator[tuple[torch.Tensor, int, int, int]]:
-    """(flat view of the parameter, its [lo, hi) within it, where that starts in the part) for
-    every parameter of `names` (in flattening order) that part [a, b) of their flat vector covers."""
+) -> Iterator[tuple[str, int, int, int]]:
+    """(parameter name, its [lo, hi) within the flattened parameter, where that starts in the part)
+    for every parameter of `names` (in flattening order) that part [a, b) of their flat vector covers."""
     a, b = part
     pos = 0
     for n in names:
-        t = params[n]
-        lo, hi = max(a, pos), min(b, pos + t.numel())
+        numel = params[n].numel()
+        lo, hi = max(a, pos), min(b, pos + numel)
         if lo < hi:
-            yield t.view(-1), lo - pos, hi - pos, lo - a
-        pos += t.numel()
+            yield n, lo - pos, hi - pos, lo - a
+        pos += numel
 
 
 def score_round(
@@ -210,13 +210,10 @@ def score_round(
     with torch.no_grad():
         device = next(iter(batches.values()))[0][0].device
         params = {n: t.to(device) for n, t in phi.items()}
-        a, b = part
-        pos = 0
-        for n in names:  # the part's parameters get their own copy: φ itself is never written
-            if max(a, pos) < min(b, pos + params[n].numel()):
-                params[n] = params[n].clone()
-            pos += params[n].numel()
-        views = list(_overlaps(params, names, part))
+        spans = list(_overlaps(params, names, part))
+        for n, *_ in spans:  # the part's parameters get their own copy: φ itself is never written
+            params[n] = params[n].clone()
+        views = [(params[n].view(-1), lo, hi, at) for n, lo, hi, at in spans]
         saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
         agg_norm = float(aggregate.norm())
 
