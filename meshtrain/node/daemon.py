@@ -108,7 +108,7 @@ from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
-from meshtrain.transport.tensor_streams import TensorStreams
+from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
 
 if TYPE_CHECKING:
     from meshtrain.node.ranks.group import LocalRanks
@@ -320,7 +320,22 @@ class Node:
         )
         signed = self.signed = await self.spec_source.resolve(host)
         host.rpc.serve(SPEC_RPC, self.spec_source.serve)
-        streams = self.streams = await stack.enter_async_context(TensorStreams(host))
+        try:
+            streams = self.streams = await stack.enter_async_context(
+                TensorStreams(host, DataPlaneConfig(port=config.data_port))
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on data port {config.data_port} ({e.strerror or e}); pick another --data-port (0 = any)"
+            ) from None
+        if config.announce and not config.data_port:
+            log.warning(
+                kv(
+                    "the data plane listens on a random port that --announce does not cover; bulk tensors "
+                    "may take the slow libp2p path: set --data-port and open or forward it too",
+                    port=streams.port,
+                )
+            )
         spec = signed.spec
         pow_nonce = None
         if spec.admission.mode == "open" and spec.admission.pow_bits:  # minted once, kept in the data dir
@@ -592,6 +607,7 @@ class Node:
             "pid": os.getpid(),
             "peer_id": host.peer_id,
             "addrs": host.addrs,
+            "data_port": self.streams.port if self.streams is not None else None,
             "swarm_id": signed.swarm_id,
             "status_url": self.status_url,
             "token_file": str(self.data_dir / TOKEN_FILE),
@@ -603,6 +619,7 @@ class Node:
                 peer=host.peer_id,
                 swarm=signed.swarm_id,
                 addrs=",".join(host.addrs),
+                data_port=self.streams.port if self.streams is not None else None,
                 status=self.status_url,
             )
         )

@@ -60,6 +60,13 @@ class NodeConfig(BaseModel):
         default_factory=list,
         description="multiaddrs to advertise instead of the listen addresses (a public address behind port forwarding)",
     )
+    data_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the tensor data plane, where bulk tensors go direct; 0 = any free port. Behind a "
+        "firewall or a port forward, open it beside the libp2p port (the same number outside as inside)",
+    )
     bootstrap: list[str] = Field(
         default_factory=list,
         description="peers to dial at start; any meshtrain node is an entry to the DHT that lists swarms "
