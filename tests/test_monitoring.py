@@ -1,6 +1,7 @@
 """Monitoring as operators run it: a real Prometheus server scrapes two live nodes' `/metrics`, and
 every query of the shipped Grafana dashboard (docs/monitoring/grafana-dashboard.json) runs against
-it and returns series — so the dashboard cannot name a metric the nodes do not serve.
+it and returns series — so the dashboard cannot name a metric the nodes do not serve. One of the
+nodes also writes TensorBoard event files (`--tensorboard`), read back here record by record.
 
 Needs Debian's `prometheus` binary (`.ci/run` installs it as root); skipped, with the reason,
 where it is missing.
@@ -12,6 +13,7 @@ import json
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import time
 import urllib.parse
@@ -37,6 +39,23 @@ def test_the_dashboard_queries_only_metric_families_the_status_page_documents():
     families = {m for _, expr in dashboard_queries() for m in re.findall(r"meshtrain_[a-z_]+", expr)}
     documented = (ROOT / "docs" / "monitoring" / "README.md").read_text()
     assert families and all(f in documented for f in families), families
+
+
+def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under `logdir`: tag -> [(step, value)], in file order.
+    Event files are TFRecords (length, its CRC, an `Event` protobuf, its CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack_from("<Q", data, at)
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
 
 
 def free_port() -> int:
@@ -69,7 +88,7 @@ def wait_until(cond, timeout: float, what: str):
 def test_prometheus_scrapes_two_nodes_and_every_dashboard_query_returns_series(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     create_swarm(a, "--model", "gpt-tiny", "--steps", "0", "--H", "5", "--eval-every", "10")
-    nodes = [Daemon(a, tmp_path / "a.log")]
+    nodes = [Daemon(a, tmp_path / "a.log", "--tensorboard", str(tmp_path / "tb"))]
     prom = None
     try:
         addr = nodes[0].daemon()["addrs"][0]
@@ -119,3 +138,7 @@ def test_prometheus_scrapes_two_nodes_and_every_dashboard_query_returns_series(t
             n.interrupt()
         for n in nodes:
             n.wait(60)
+    written = scalars(tmp_path / "tb")
+    losses = written["loss/train"]
+    assert len(losses) >= 2 and [s for s, _ in losses] == sorted({s for s, _ in losses}), losses
+    assert written["loss/held_out"] and written["swarm/round"][-1][1] >= 1 and written["bytes/sent"][-1][1] > 0

@@ -97,6 +97,7 @@ from meshtrain.node.state.run_state import RunState
 from meshtrain.node.status.client import DAEMON_FILE, TOKEN_FILE, write_daemon_file
 from meshtrain.node.status.document import round_status, status_document
 from meshtrain.node.status.server import StatusServer
+from meshtrain.node.status.tensorboard import TensorBoardLog
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.node.training_run import NodeResult, TrainingRun, run_pipeline_peer
 from meshtrain.node.trust import adversary
@@ -600,6 +601,8 @@ class Node:
                 f" ({e.strerror or e}); pick another --status-port (0 = any)"
             ) from None
         self.status_url = srv.url
+        if self.config.tensorboard is not None:
+            await stack.enter_async_context(TensorBoardLog(self.snapshot, self.config.tensorboard))
 
     def _write_daemon_file(self, host: Host, signed: SignedSpec) -> None:
         """daemon.json: how `meshtrain node status/stop` find us (node/status/client.py)."""

@@ -85,6 +85,11 @@ class NodeConfig(BaseModel):
     status_port: int = Field(
         7070, ge=0, le=65535, description="port of the status page; 0 = any free port (written to daemon.json)"
     )
+    tensorboard: Path | None = Field(
+        None,
+        description="also write the training's scalars (loss, held-out loss, rounds, bytes) as TensorBoard "
+        "event files into this directory (needs the tensorboardX package)",
+    )
     checkpoint_every: float = Field(
         60.0, gt=0, description="seconds between background checkpoints (one is also written at shutdown)"
     )
