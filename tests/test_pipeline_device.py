@@ -11,10 +11,13 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 
+import meshtrain
+from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT
 from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.runtime import PipelineRuntime
 from meshtrain.pipeline.stages import StageReplica, reference_gradients
+from meshtrain.transport.identity import Identity
 
 from .conftest import start_peers
 from .test_devices import NO_CUDA
@@ -114,3 +117,18 @@ async def test_a_bf16_pipeline_of_peers_sends_bf16_hops_and_learns(name):
         assert sent == 6 * 2 * 6  # per microbatch: 0 -> 1 -> 2 -> 0 forward, 0 -> 2 -> 1 -> 0 backward
         assert sum(rt.stats["hop_bytes"] for rt in rts) == sent * 2 * math.prod(HOP_SHAPE)
         assert all(p.device == device for rt in rts for p in rt.replica.params)
+
+
+async def test_a_pipeline_peer_of_several_local_ranks_is_refused_in_one_line(tmp_path):
+    """A stage peer is one process on one device: rank 0 of a multi-rank peer (`local`, here a
+    stand-in: the refusal comes before the ranks are used) ends with a one-line `ConfigError`
+    saying why and what to run instead."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", pipeline="skippipe", stages=2, steps=2)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path))
+    config = meshtrain.NodeConfig(
+        data_dir=tmp_path, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, nproc_per_node=2, device="cpu"
+    )
+    node = meshtrain.Node(config, spec=signed, local=object())
+    with pytest.raises(ConfigError, match="one process on one device") as e:
+        await node.run()
+    assert "\n" not in str(e.value) and "--device cuda:i" in str(e.value)
