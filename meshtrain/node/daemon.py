@@ -458,10 +458,15 @@ class Node:
     ) -> NodeResult:
         """A pipeline swarm (node/stages/peer.py): no swarm-wide collective, `Trainer` or
         `RunState`: the peer holds one stage, runs it in epochs and checkpoints it."""
-        if self._user_loop or self._model is not None or self._outer_factory is not None or self.local is not None:
+        if self.local is not None:  # why: node/stages/peer.py, "Devices and precision"
+            raise ConfigError(
+                "a pipeline swarm's peer is one process on one device (--nproc-per-node 1): a stage's "
+                "replicas already are its data parallelism, so run one node per GPU (--device cuda:i) instead"
+            )
+        if self._user_loop or self._model is not None or self._outer_factory is not None:
             raise ConfigError(
                 "a pipeline swarm trains the spec's built-in GPT inside the node: no user loop, "
-                "model or optimizer hooks, or local ranks"
+                "or model or optimizer hooks"
             )
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
