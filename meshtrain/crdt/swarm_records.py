@@ -26,8 +26,8 @@ merges them: config and membership first, as a `keep` gate reads them — swarm_
 
 Liveness without wall clocks (`Freshness`). A heartbeat's timestamp comes from its writer's
 clock, which may be minutes off ours (a home machine without NTP, a VM after a suspend): judged
-by `timestamp + lease` against our clock, a peer more than a lease behind was never live for the
-others, one far ahead stayed live long after it died, and nothing said why. Instead each reader
+by `timestamp + lease` against our clock (as before), a peer more than a lease behind or more
+than 30 s ahead was never live for the others, and nothing said why. Instead each reader
 dates every owner's latest record on its *own* monotonic clock, when it arrives:
 - a record its owner handed us itself (gossip it published, an anti-entropy exchange with it,
   or our own write) is dated now: gossip brings it within a hop or two of its writing, and an

@@ -47,7 +47,8 @@ record on the owner's own clock), and a peer is live while its latest membership
 younger than its lease and it has not left. A peer whose clock is minutes off is as live as any
 other; `age(crdt, peer)` says how old a peer's record is by our clock (the node's "is it training
 now"). Peers agree on who is live up to the time a heartbeat takes to spread, not to the
-millisecond: rounds are agreed by their own protocol (collective/), not by equal snapshots.
+millisecond; a round's candidates already differed by connection (node/presence.py), and its
+coordinator protocol settles them (collective/allreduce.py).
 
 Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
 so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
