@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -160,3 +161,6 @@ def test_daemons_a_minute_behind_and_ten_minutes_ahead_train_every_round_and_mea
     got = skewed_swarm(tmp_path, [0, -60, 600], rounds=2)
     assert got["excluded"] == 0 and got["rounds_missed"] == 0, got
     assert got["max_offset_error_s"] <= 1.0, got
+    # the unshifted daemon warned once about each of the two, naming it
+    warnings = [ln for ln in Path(got["logs"][0]).read_text().splitlines() if "peer clock is off ours" in ln]
+    assert len(warnings) == 2 and {w.split("peer=")[1].split()[0] for w in warnings} == set(got["peers"][1:])

@@ -16,7 +16,7 @@ count. A peer's estimate is the sample with the shortest round trip among its la
 congested exchange is passed over). The exchange is its own one-round-trip RPC: no RPC of the
 daemon already visits every peer (anti-entropy talks to one random peer at a time). The live
 members we are connected to are sampled, at most `MAX_CONCURRENT` at once; estimates of peers
-that are no longer live are dropped.
+that are no longer live or connected are dropped.
 
 An offset beyond `WARN_OFFSET_S` is logged once per peer at WARNING, naming the peer and the
 offset. The node's status document shows each peer's `clock_offset_s` (`meshtrain node status`,
@@ -25,8 +25,8 @@ offset. The node's status document shows each peer's `clock_offset_s` (`meshtrai
 Wire: `clock/now` {} -> {"t": float, our wall clock in seconds since the epoch}.
 
 Failures. A peer that does not answer within `SAMPLE_TIMEOUT`, or answers something that is not
-a finite time, gives no sample (logged at DEBUG); its earlier estimate stands until it is no
-longer live. A peer may lie about its clock: the offset is shown, never acted on.
+a finite time, gives no sample (logged at DEBUG); its earlier estimate stands while it is live
+and connected. A peer may lie about its clock: the offset is shown, never acted on.
 
 Not here: liveness (crdt/), the skew tolerance of signed records (clock.py), choosing whom we are
 connected to (node/presence.py).

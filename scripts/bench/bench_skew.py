@@ -19,6 +19,7 @@ One JSON object on the last line:
 - `max_offset_error_s`: the largest |measured − applied| clock offset, every daemon measuring
   every other (`clock_offset_s` in its status; applied: the difference of the two shifts).
 - `offsets`: what the first daemon measured, peer -> seconds; `shifts`, `rounds`, `wall_s`.
+(`skewed_swarm` also returns the daemons' `peers` and `logs`.)
 
 tests/test_skew.py runs `skewed_swarm` with three daemons (0, −60 s, +10 min: every daemon
 sees a peer a minute behind or ahead, and one ten minutes ahead).
@@ -121,6 +122,7 @@ def skewed_swarm(work: Path, shifts: list[int], rounds: int, h: int = 10, timeou
         "shifts": shifts,
         "rounds": rounds,
         "wall_s": round(time.monotonic() - t0, 1),
+        "peers": ids,
         "logs": [str(p) for p in logs],
     }
 
@@ -135,7 +137,8 @@ def main() -> None:
         sys.exit("bench_skew needs libfaketime: apt-get install faketime")
     with tempfile.TemporaryDirectory() as tmp:
         result = skewed_swarm(Path(tmp), [int(s) for s in args.shifts.split(",")], args.rounds, args.H)
-    result.pop("logs")
+    for key in ("peers", "logs"):  # where this run's daemons were: gone with their directory
+        result.pop(key)
     emit(result)
 
 
