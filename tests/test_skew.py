@@ -12,11 +12,17 @@ other's offsets.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+import urllib.request
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +31,7 @@ from meshtrain.crdt.entries import SignedEntry
 from meshtrain.crdt.swarm_records import MEMBERSHIP, Freshness
 from meshtrain.crdt.types import LWWRegister, now_ms
 from meshtrain.node.clock_offsets import ClockOffsets, offset_from_exchange
+from meshtrain.node.status.server import StatusServer
 from meshtrain.transport.host import Host
 from meshtrain.transport.identity import Identity
 from scripts.bench.bench_skew import faketime_library, skewed_swarm
@@ -131,6 +138,48 @@ async def test_peers_a_minute_behind_a_minute_ahead_and_ten_minutes_ahead_are_li
     assert not joiner.is_live(behind.peer_id_str)
     late.merge_entries(MEMBERSHIP, [record(behind, now_ms() - 60_000 + 3_000)], "gossip", behind.peer_id_str)
     assert joiner.is_live(behind.peer_id_str)
+
+
+async def test_node_status_and_metrics_show_each_peers_clock_offset(tmp_path):
+    peer = {
+        "peer_id": "12D3KooWskewed",
+        "addr": "/ip4/127.0.0.1/tcp/4001",
+        "connection": "direct",
+        "role": "trainer",
+        "step": 5,
+        "loss": None,
+        "last_seen_s": 1.0,
+        "clock_offset_s": 60.004,
+        "reachability": "public",
+        "strikes": 0,
+    }
+    doc = {
+        "node": {"peer_id": "12D3KooWme", "swarm": "ms01", "state": "training", "started": 0.0, "uptime_s": 1e12},
+        "training": {
+            "step": 5,
+            "round": 1,
+            "loss": None,
+            "eval_loss": None,
+            "optimizer": "diloco",
+            "samples_per_s": 0.0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+        },
+        "peers": [peer],
+    }
+    async with StatusServer(lambda: doc, port=0, token="t0k3n", on_stop=lambda: None) as srv:
+        (tmp_path / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "status_url": srv.url}))
+        human = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "meshtrain.node.cli", "node", "status", "--data-dir", str(tmp_path)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        )
+        metrics = await trio.to_thread.run_sync(lambda: urllib.request.urlopen(f"{srv.url}/metrics").read().decode())
+    assert "clock +60.0 s" in human.stdout, human.stderr
+    assert 'meshtrain_peer_clock_offset_seconds{peer="12D3KooWskewed"} 60.004' in metrics
 
 
 def test_ntp_offset_and_round_trip_from_four_timestamps():
