@@ -10,10 +10,9 @@ merges them: config and membership first, as a `keep` gate reads them — swarm_
 - **membership** — one signed record per peer (an `LWWRegister` read per owner: each owner's
   latest entry is its record, and only its key can sign it): heartbeat time, a lease (how long
   the heartbeat vouches for the peer), addresses, role, capabilities, connection type, and a
-  `left` flag; `peer_info` reads it as a `PeerInfo`. A peer is *live* while `heartbeat + lease`
-  has not passed (and the heartbeat is not more than the allowed clock skew in the future) and it
-  has not left (`PeerInfo.is_live`): a pure function of the record and a reference time.
-  Heartbeat times come from each writer's clock: clocks must agree to well within the lease.
+  `left` flag; `peer_info` reads it as a `PeerInfo`. A peer is *live* while it has not left and
+  the reader's own monotonic clock says its latest record was written less than a lease ago
+  (`Freshness`, below: no peer's wall clock is trusted for it).
 - **progress** — per-peer record {step, samples, outer_round, and `phi`: the digests of the
   outer parameters φ after the peer's last few rounds, `[[round, digest], ...]`} (same per-owner
   register; `PeerProgress`). Every peer of a DiLoCo-family swarm must hold the same φ after the
@@ -24,6 +23,29 @@ merges them: config and membership first, as a `keep` gate reads them — swarm_
   the format and rules; which strikes count is node policy, node/trust/strikes.py).
 - **config** — an `LWWMap` that only the swarm owner's key may write; everyone else's entries are
   rejected on every peer (`CrdtSpec.writers`).
+
+Liveness without wall clocks (`Freshness`). A heartbeat's timestamp comes from its writer's
+clock, which may be minutes off ours (a home machine without NTP, a VM after a suspend): judged
+by `timestamp + lease` against our clock (as before), a peer more than a lease behind or more
+than 30 s ahead was never live for the others, and nothing said why. Instead each reader
+dates every owner's latest record on its *own* monotonic clock, when it arrives:
+- a record its owner handed us itself (gossip it published, an anti-entropy exchange with it,
+  or our own write) is dated now: gossip brings it within a hop or two of its writing, and an
+  owner answering an exchange is alive (its record is at most one heartbeat interval old);
+- a newer record relayed by someone else (anti-entropy, a re-publish) is dated from the
+  previous record we dated, by the difference of the two timestamps — both on the owner's clock,
+  so its offset cancels — and never later than its arrival;
+- the first record of an owner that reaches us relayed (we just started, recovered the swarm's
+  state, or the owner is new) has nothing to be dated from but its timestamp against our wall
+  clock: a peer whose clock is far behind looks stale until its next heartbeat reaches us from
+  it (one heartbeat interval), one far ahead looks fresh for one lease at most;
+- a record we already hold, or an older one, arriving again changes nothing: a heartbeat
+  relayed late vouches for at most one lease after the record it replaced, never for ever.
+So liveness is a pure function of the arrivals a reader saw and its clock, the same rule on
+every peer; two peers agree on who is live up to the time a heartbeat takes to spread, not
+exactly (`SwarmView.membership_snapshot`). The same dating says how old a peer's progress is
+(`SwarmView.age`: is it training *now*). Each peer's clock offset is measured by the node
+(node/clock_offsets.py) and shown, never needed.
 
 Why per-owner records rather than an LWWMap keyed by peer id: in a map anyone may write any key,
 so a hostile peer could overwrite another's heartbeat; an owner's entry can only be signed by
@@ -88,14 +110,10 @@ class PeerInfo:
     role: str
     capabilities: dict[str, Any]
     connection: str
-    last_heartbeat_ms: int
+    last_heartbeat_ms: int  # on the peer's own clock: shown, not compared with ours (`Freshness`)
     lease_ms: int
     left: bool
     seq: int  # the record's entry seq: grows across the peer's restarts
-
-    def is_live(self, now: int, max_skew_ms: int) -> bool:
-        beat = self.last_heartbeat_ms
-        return not self.left and beat <= now + max_skew_ms and now <= beat + self.lease_ms
 
 
 @dataclass(frozen=True)
@@ -104,7 +122,7 @@ class PeerProgress:
     step: int
     samples: int
     outer_round: int
-    updated_ms: int
+    updated_ms: int  # on the peer's clock (`SwarmView.age` says how old it is on ours)
     phi: tuple[tuple[int, bytes], ...] = ()  # (outer round, φ digest) after the last rounds
 
     def phi_at(self, outer_round: int) -> bytes | None:
@@ -117,6 +135,46 @@ class PeerMetrics:
     peer_id: str
     values: dict[str, float]
     updated_ms: int
+
+
+@dataclass(frozen=True)
+class Heard:
+    """The latest record of one owner we hold: its seq, its timestamp (the owner's clock, ms) and
+    when it was written as our monotonic clock dates it (`Freshness`)."""
+
+    seq: int
+    stamp_ms: int
+    written_at: float
+
+
+class Freshness:
+    """How old each owner's latest record of one CRDT is, on the reader's monotonic clock
+    (module docstring, "Liveness without wall clocks"). A pure state machine: the caller passes
+    every accepted entry (`heard`) with the times, and asks `age`.
+    """
+
+    def __init__(self) -> None:
+        self._heard: dict[str, Heard] = {}
+
+    def heard(self, entry: SignedEntry, *, now: float, wall_now_ms: int, from_owner: bool) -> None:
+        """An entry of this CRDT was accepted at our monotonic `now` (`wall_now_ms`: our wall
+        clock then); `from_owner`: its owner handed it to us (gossip, an exchange, our write)."""
+        held = self._heard.get(entry.owner)
+        if held is not None and entry.seq <= held.seq:
+            return  # a record we hold (or an older one) relayed again: no news of its owner
+        stamp = entry.body[0]
+        if from_owner:
+            written = now
+        elif held is not None:  # both timestamps on the owner's clock: its offset cancels
+            written = min(now, max(held.written_at, held.written_at + (stamp - held.stamp_ms) / 1000))
+        else:  # first sight, relayed: only our wall clock to date it by; never in the future
+            written = now - max(0.0, (wall_now_ms - stamp) / 1000)
+        self._heard[entry.owner] = Heard(entry.seq, stamp, written)
+
+    def age(self, owner: str, now: float) -> float | None:
+        """Seconds since `owner`'s latest record was written, by our clock (None: none heard)."""
+        held = self._heard.get(owner)
+        return None if held is None else now - held.written_at
 
 
 # --- record rules (the same on every peer: a malformed record is rejected everywhere) ------------

@@ -40,9 +40,15 @@ run-time revocation that reached them later), those peers keep it and the others
 their fingerprints of that CRDT differ for good, so each exchange between them sends digests and
 that one entry again (bounded: one entry per such owner and CRDT).
 
-Liveness (`PeerInfo.is_live`) depends only on the records and a reference time, so
-`membership_snapshot(now_ms)` gives the same sorted peer list on every peer that holds the same
-state — pass the same reference time (e.g. a round's scheduled start) when peers must agree.
+Liveness does not trust wall clocks: the view dates every accepted membership, progress, metrics
+and strikes record on our own monotonic clock as it arrives (`Freshness`, swarm_records.py: a
+record its owner handed us is dated now; a relayed one is dated from the owner's previous
+record on the owner's own clock), and a peer is live while its latest membership record is
+younger than its lease and it has not left. A peer whose clock is minutes off is as live as any
+other; `age(crdt, peer)` says how old a peer's record is by our clock (the node's "is it training
+now"). Peers agree on who is live up to the time a heartbeat takes to spread, not to the
+millisecond; a round's candidates already differed by connection (node/presence.py), and its
+coordinator protocol settles them (collective/allreduce.py).
 
 Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
 so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
@@ -83,6 +89,7 @@ what the config keys mean (node).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, cast
@@ -104,6 +111,7 @@ from meshtrain.crdt.swarm_records import (
     MIN_LEASE_MS,
     PROGRESS,
     STRIKES,
+    Freshness,
     PeerInfo,
     PeerMetrics,
     PeerProgress,
@@ -124,7 +132,6 @@ __all__ = [
     "CONFIG",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_LEAVE_TIMEOUT",
-    "DEFAULT_MAX_CLOCK_SKEW",
     "DEFAULT_MAX_HEARTBEAT_INTERVAL",
     "DEFAULT_SWARM_HEARTBEAT_RATE",
     "DEFAULT_TTL",
@@ -158,7 +165,6 @@ DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
 DEFAULT_MAX_HEARTBEAT_INTERVAL = 300.0  # the log-N bound holds up to ~3,500 peers (docstring)
 DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm, up to LOG_RATE_FROM peers
 LOG_RATE_FROM = 16  # above this many live peers the swarm's heartbeat rate grows with log N
-DEFAULT_MAX_CLOCK_SKEW = 30.0
 DEFAULT_LEAVE_TIMEOUT = 2.0
 
 MAX_REFUSED_SHOWN = 32  # refused membership records remembered for `ignored_peers`
@@ -202,7 +208,6 @@ class SwarmView(Service):
       interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
       keep the swarm at about `swarm_heartbeat_rate · max(1, log₁₆ N)` heartbeats per second
       (module docstring, `heartbeat_interval_for`).
-    - `max_clock_skew`: seconds a heartbeat may lie in the future and still count.
     - `recover_timeout`: how long entering the view waits to pull the swarm's state (and our own
       earlier records, after a restart) before the first heartbeat.
     - `admit`: the swarm's admission rule, `(PeerInfo) -> bool` (node/trust/admission.py); a peer it
@@ -231,7 +236,6 @@ class SwarmView(Service):
         ttl: float = DEFAULT_TTL,
         max_heartbeat_interval: float = DEFAULT_MAX_HEARTBEAT_INTERVAL,
         swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
-        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         recover_timeout: float = 5.0,
         admit: Callable[[PeerInfo], bool] | None = None,
         keep: Callable[[str, dict[str, Any]], bool] | None = None,
@@ -257,7 +261,6 @@ class SwarmView(Service):
         self.max_heartbeat_interval = max_heartbeat_interval
         self.swarm_heartbeat_rate = swarm_heartbeat_rate
         self.ttl = ttl
-        self.max_skew_ms = int(max_clock_skew * 1000)
         self.recover_timeout = recover_timeout
         self.admit = admit
         self.keep = keep
@@ -280,6 +283,12 @@ class SwarmView(Service):
         self._rewrite = trio.Event()  # set when our records must be written again at once
         self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
+        # When each owner's latest record was written, by our monotonic clock (liveness, `age`);
+        # records held before we subscribed are dated as first seen, relayed.
+        self._fresh = {name: Freshness() for name in (MEMBERSHIP, *sorted(MEMBER_RECORDS))}
+        for name, fresh in self._fresh.items():
+            for entry in replica.crdt(name).entries():
+                fresh.heard(entry, now=time.monotonic(), wall_now_ms=now_ms(), from_owner=entry.owner == self.me)
         replica.on_change(self._on_change)
         if keep is not None:
             # A record refused for want of its owner's membership record is tried again once that arrives.
@@ -355,7 +364,18 @@ class SwarmView(Service):
         )
 
     def _live_count(self) -> int:
-        return sum(1 for p in self.peers() if p.is_live(now_ms(), self.max_skew_ms))
+        at = time.monotonic()
+        return sum(1 for p in self.peers() if self._is_live(p, at))
+
+    def _is_live(self, peer: PeerInfo, at: float) -> bool:
+        age = self._fresh[MEMBERSHIP].age(peer.peer_id, at)
+        return not peer.left and age is not None and age <= peer.lease_ms / 1000
+
+    def age(self, crdt: str, peer_id: str, at: float | None = None) -> float | None:
+        """Seconds since `peer_id` wrote its latest record of `crdt` (membership, progress,
+        metrics, strikes), by our monotonic clock at `at` (`time.monotonic()`; default: now) —
+        never by the peer's wall clock (module docstring, "Liveness"). None: no record of it."""
+        return self._fresh[crdt].age(peer_id, time.monotonic() if at is None else at)
 
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
         lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
@@ -422,14 +442,14 @@ class SwarmView(Service):
     def _records(self) -> list[PeerInfo]:
         return [peer_info(entry) for entry in self.replica.crdt(MEMBERSHIP).entries()]
 
-    def live_peers(self, now: int | None = None) -> list[PeerInfo]:
-        """Peers whose lease covers `now` (ms since the epoch; default: now) and that have not
-        left, sorted by peer id."""
-        at = now_ms() if now is None else now
-        return [p for p in self.peers() if p.is_live(at, self.max_skew_ms)]
+    def live_peers(self, *, at: float | None = None) -> list[PeerInfo]:
+        """Peers that have not left and whose latest membership record is younger than its
+        lease at `at` (our `time.monotonic()`; default: now), sorted by peer id."""
+        when = time.monotonic() if at is None else at
+        return [p for p in self.peers() if self._is_live(p, when)]
 
-    def is_live(self, peer_id: str, now: int | None = None) -> bool:
-        return any(p.peer_id == peer_id for p in self.live_peers(now))
+    def is_live(self, peer_id: str, *, at: float | None = None) -> bool:
+        return any(p.peer_id == peer_id for p in self.live_peers(at=at))
 
     async def wait_live(self, peer_id: str, timeout: float) -> bool:
         """Whether `peer_id` has (or within `timeout` seconds gets) a live membership record: a
@@ -443,10 +463,10 @@ class SwarmView(Service):
             return True
         return False
 
-    def membership_snapshot(self, now: int | None = None) -> list[str]:
-        """Sorted ids of the live peers at `now`: identical on peers with identical state and
-        the same `now` (the all-reduce's `membership(round_id)` callback)."""
-        return [p.peer_id for p in self.live_peers(now)]
+    def membership_snapshot(self, *, at: float | None = None) -> list[str]:
+        """Sorted ids of the live peers at `at` (our `time.monotonic()`; default: now). Peers
+        that heard the same heartbeats agree on it, up to the time a heartbeat takes to spread."""
+        return [p.peer_id for p in self.live_peers(at=at)]
 
     # --- progress and metrics -------------------------------------------------------------------
 
@@ -625,6 +645,12 @@ class SwarmView(Service):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _on_change(self, event: ChangeEvent) -> None:
+        fresh = self._fresh.get(event.crdt)
+        if fresh is not None:
+            now, wall = time.monotonic(), now_ms()
+            for entry in event.entries:
+                # Handed over by its writer (gossip's publisher, the exchange's partner, us): dated now.
+                fresh.heard(entry, now=now, wall_now_ms=wall, from_owner=entry.owner == event.peer)
         if event.crdt in (MEMBERSHIP, CONFIG):  # the config may admit a peer (node/trust/admission.py)
             changed, self._members_changed = self._members_changed, trio.Event()
             changed.set()

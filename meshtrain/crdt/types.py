@@ -18,7 +18,9 @@ since the epoch chosen by the writer, ties go to the larger peer id, so every re
 Without an explicit `timestamp`, a write takes max(now, the current winner's timestamp + 1), so a
 write made after seeing a value supersedes it even if the writer's clock is behind. A writer with
 a clock far in the future wins until real time catches up; that is inherent to LWW, and the
-`writers` allow-list is the defence where it matters. Not here: I/O and verification policy
+`writers` allow-list is the defence where it matters. Nothing compares these timestamps with
+the reader's clock: the swarm's liveness dates records on the reader's own monotonic clock
+(swarm_records.py, `Freshness`). Not here: I/O and verification policy
 beyond the allow-list (`replica`).
 """
 

@@ -26,6 +26,13 @@ Design (after hivemind's DHT values with subkeys, but signed by default).
   forged, expired, dated further ahead than `max_ttl + clock_skew`, oversized (per value, per
   key, subkeys per key), malformed, or signed for another swarm/key is an `InvalidRecord` with
   a short machine-readable `reason`.
+- Clocks. An expiry is a time on its writer's clock, read on ours. A writer ahead of us by up to
+  `CLOCK_SKEW_S` (clock.py, five minutes: the one tolerance for peers' clocks) is never refused
+  as "future"; its records live that much longer here. A writer behind us by Δ has its records
+  expire Δ early here (a peer more than a minute behind is missing from discovery's 60 s
+  announcements, and found through the swarm's membership instead, which does not depend on
+  clocks: crdt/swarm_records.py). Tolerating that too would keep every dead writer's records for
+  five more minutes on every node.
 
 Not here: networking (`kademlia.py`, `routing.py`), what the swarm's announcements mean
 (`discovery.py`).
@@ -40,6 +47,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from meshtrain.clock import CLOCK_SKEW_S
 from meshtrain.errors import MeshtrainError
 from meshtrain.transport.framing import WireError, packb, packb_canonical, unpackb
 from meshtrain.transport.identity import Identity, verify
@@ -52,7 +60,7 @@ DEFAULT_MAX_KEY_BYTES = 512 << 10  # all entries of one key (an RPC frame is cap
 DEFAULT_MAX_SUBKEYS = 1024
 DEFAULT_MAX_KEYS = 100_000  # keys one node stores for others
 DEFAULT_MAX_TTL = 3600.0  # seconds a record may live
-DEFAULT_CLOCK_SKEW = 30.0  # how far ahead of our clock a peer's clock may be
+DEFAULT_CLOCK_SKEW = CLOCK_SKEW_S  # how far ahead of our clock a peer's clock may be (clock.py)
 MAX_KEY_CHARS = 256
 MAX_SUBKEY_CHARS = 128
 MAX_OWNER_CHARS = 128

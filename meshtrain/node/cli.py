@@ -435,7 +435,9 @@ def _node_status(args: argparse.Namespace) -> int:
     print(f"{len(st['peers'])} live peers:")
     for p in st["peers"]:
         struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""
-        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}{struck}")
+        offset = p.get("clock_offset_s")
+        clock = f"  clock {offset:+.1f} s" if offset is not None else ""
+        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}{struck}{clock}")
     return 0
 
 

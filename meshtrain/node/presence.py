@@ -40,11 +40,17 @@ connection (DCUtR). Then it answers, from the view and the host:
                                *now*, not a restarted peer's record from its last life (a
                                trainer's record is rewritten every heartbeat while its node's
                                phase is "training", even while it waits inside a round:
-                               `keep_progress_live`, a `Phase` listener)
+                               `keep_progress_live`, a `Phase` listener). Fresh by our own
+                               clock (`SwarmView.age`), never by the peer's: a peer whose clock
+                               is minutes off trains and donates like any other
     swarm_step(), front_step() the furthest step a peer training now reports (any / connected)
     is_member(peer)            a live membership record (any role), waiting `MEMBER_WAIT` for one
                                on its way: the data plane's and the state donor's admission rule
     relay_candidates()         whom a private node reserves a relay slot on
+
+Clock offsets (node/clock_offsets.py). Presence also enters `ClockOffsets`, which measures the
+offset of every live member we are connected to (NTP's exchange) for the status document and
+warns once about a peer more than a few seconds off; nothing here depends on it.
 
 Finding the swarm again (node/state/address_book.py). The re-dial loop also notes the view's live
 trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
@@ -75,7 +81,7 @@ import trio
 
 from meshtrain.backoff import Backoff
 from meshtrain.crdt.replica import Replica
-from meshtrain.crdt.swarm_view import PeerInfo, PeerProgress, SwarmView, swarm_specs
+from meshtrain.crdt.swarm_view import PROGRESS, PeerInfo, PeerProgress, SwarmView, swarm_specs
 from meshtrain.crdt.types import now_ms
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -85,6 +91,7 @@ from meshtrain.dht.swarm_index import DEFAULT_ADVERT_TTL, publish_advert
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.node.clock_offsets import ClockOffsets
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
 from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
@@ -141,6 +148,7 @@ class PeerPresence(Service):
         self.dht: Dht | None = None
         self.data_dir = data_dir
         self.strikes: StrikeBook | None = None  # set once entered
+        self.clock: ClockOffsets | None = None  # set once entered
         self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/state/address_book.py
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
         # Address-book peers dialled before we met the swarm: when to dial each next, and its
@@ -190,6 +198,7 @@ class PeerPresence(Service):
         strikes = self.strikes = StrikeBook(view, spec, admitted=self.admission.admits_reporter, data_dir=self.data_dir)
         strikes.load()
         self.admission.strikes = strikes
+        self.clock = await stack.enter_async_context(ClockOffsets(host, self._connected_members))
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():
             view.set_config(spec=self.signed.to_wire())
         self._nursery = await stack.enter_async_context(trio.open_nursery())
@@ -233,6 +242,11 @@ class PeerPresence(Service):
         older than `PROGRESS_FRESH_BEATS` as "not training")."""
         self._view().progress_live = node_state == "training"
 
+    def _connected_members(self) -> list[str]:
+        """Live members other than us that we are connected to (whose clocks we measure)."""
+        host = self.host
+        return [p.peer_id for p in self._view().live_peers() if p.peer_id != self.me and host.is_connected(p.peer_id)]
+
     def trainers(self) -> list[str]:
         """Live trainers per the replicated membership, us included (connected or not)."""
         return [p.peer_id for p in self._view().live_peers() if p.role == "trainer"]
@@ -253,9 +267,14 @@ class PeerPresence(Service):
         restarted, its record left over from its last life — does not count: after the last
         training peer died, restarted nodes waited on each other's stale records for minutes."""
         view = self._view()
-        horizon = now_ms() - int((PROGRESS_FRESH_BEATS * view.current_interval() + 5.0) * 1000)
+        horizon = PROGRESS_FRESH_BEATS * view.current_interval() + 5.0
         peers = set(self.candidates() if connected else self.trainers()) - {self.me}
-        return {p: pr for p, pr in view.progress().items() if p in peers and pr.updated_ms >= horizon}
+        at = time.monotonic()
+        return {
+            p: pr
+            for p, pr in view.progress().items()
+            if p in peers and (age := view.age(PROGRESS, p, at)) is not None and age <= horizon
+        }
 
     def swarm_step(self) -> int | None:
         """The furthest step a peer training now reports, or None if nobody trains."""

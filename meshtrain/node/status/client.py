@@ -51,8 +51,10 @@ The status document (`Node.snapshot()`):
                 null), waiting (what the node waits for now, in words, or null), refused
                 ({reason: count}: requests refused to peers, and CRDT records this node would not
                 store — crdt-not-admitted, crdt-not-a-member)
-    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, reachability, strikes}] (and
-                stage: the stage a pipeline swarm's peer announces, or null)
+    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, clock_offset_s,
+                reachability, strikes}] (and stage: the stage a pipeline swarm's peer announces,
+                or null); last_seen_s: age of its latest heartbeat by our clock; clock_offset_s:
+                its wall clock minus ours, measured (node/clock_offsets.py), null until measured
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
                 reachability: what the peer announces ("public", "relayed": private behind a
                 relay reservation, "private", "unknown"; "direct" from a node without NAT

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import meshtrain
 from meshtrain.collective import SwarmCollective
-from meshtrain.crdt.swarm_view import SwarmView
+from meshtrain.crdt.swarm_view import MEMBERSHIP, SwarmView
 from meshtrain.node.phase import Phase
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import device_label
@@ -214,8 +214,11 @@ def status_document(node: Node) -> dict[str, Any]:
     standing = node.presence.standing() if node.presence is not None and view is not None else {}
     if view is not None and host is not None:
         progress, metrics = view.progress(), view.metrics()
-        for p in view.live_peers():
+        clock = node.presence.clock if node.presence is not None else None
+        at = time.monotonic()
+        for p in view.live_peers(at=at):
             pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
+            offset = clock.offset(p.peer_id) if clock is not None else None
             peers.append(
                 {
                     "peer_id": p.peer_id,
@@ -224,7 +227,9 @@ def status_document(node: Node) -> dict[str, Any]:
                     "role": p.role,
                     "step": pr.step if pr else 0,
                     "loss": me.values.get("loss") if me else None,
-                    "last_seen_s": max(0.0, now - p.last_heartbeat_ms / 1000),
+                    # by our clock: the peer's own may be minutes off (crdt/swarm_records.py)
+                    "last_seen_s": max(0.0, view.age(MEMBERSHIP, p.peer_id, at) or 0.0),
+                    "clock_offset_s": None if offset is None else round(offset, 3),
                     "reachability": p.connection,
                     "strikes": standing[p.peer_id].rounds if p.peer_id in standing else 0,
                 }

@@ -72,6 +72,15 @@ class _Collector:
         for p in st["peers"]:
             steps.add_metric([p["peer_id"], p["connection"], p["reachability"]], p["step"])
         yield steps
+        offsets = GaugeMetricFamily(
+            "meshtrain_peer_clock_offset_seconds",
+            "each live peer's wall clock minus ours, measured (NTP-style; absent until measured)",
+            labels=["peer"],
+        )
+        for p in st["peers"]:
+            if p.get("clock_offset_s") is not None:
+                offsets.add_metric([p["peer_id"]], p["clock_offset_s"])
+        yield offsets
         refused = CounterMetricFamily(
             "meshtrain_refused_requests",
             "requests refused to peers (not-a-member, round-out-of-window, too-many-pending, ...)",
