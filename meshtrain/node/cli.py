@@ -21,8 +21,9 @@ runtime failures: 1).
 
 `node status` and `node stop` must answer in well under a second on a machine whose cores are
 busy training, so their path imports only the standard library and the small `meshtrain.errors`,
-`meshtrain.log` and `meshtrain.node.status.client` modules: everything else (the config model, torch,
-libp2p, trio) is imported inside the command that needs it (`tests/test_node_cli.py` checks).
+`meshtrain.log` and `meshtrain.node.status.client` modules, their error paths too (no node running):
+everything else (the config model, torch, libp2p, trio) is imported inside the command that needs
+it (`tests/test_node_cli.py` checks both paths).
 A foreground `node start` shows what the node does (`meshtrain.node.status.console`) unless `--quiet`.
 """
 
@@ -640,9 +641,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(err: MeshtrainError) -> int:
     """1 for an error; 130, as for any interrupt, for a node stopped before it trained."""
-    from meshtrain.node.phase import StoppedWhileStarting
-
-    return 130 if isinstance(err, StoppedWhileStarting) else 1
+    # Only a node that started can have been stopped while starting, and it imported the phase
+    # module: looked up, not imported, so `node stop` / `status` with no node running stay light
+    # (importing it would load trio for an error that cannot be one of its own).
+    phase = sys.modules.get("meshtrain.node.phase")
+    return 130 if phase is not None and isinstance(err, phase.StoppedWhileStarting) else 1
 
 
 def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:
