@@ -24,6 +24,7 @@ import pytest
 import torch
 import trio
 
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.status.server import StatusServer
 
@@ -362,6 +363,16 @@ def test_status_and_stop_with_no_node_running_fail_in_one_line_and_stay_light(tm
         for action in ("status", "stop"):
             out = cli_probe("node", action, "--data-dir", str(data_dir))
             assert out == {"code": 1, "heavy": []}, (data_dir.name, action, out)
+
+
+def test_swarm_create_help_shows_the_default_a_swarm_created_without_flags_gets(capsys):
+    from meshtrain.node.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["swarm", "create", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert SwarmSpec().aggregation.rule == "trimmed_mean"  # an open diloco swarm: the field's own default is mean
+    assert "else mean (default trimmed_mean)" in text and "(default mean)" not in text
 
 
 def test_status_and_stop_find_the_data_dir_as_node_start_does(tmp_path, monkeypatch):

@@ -90,7 +90,7 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
-    from meshtrain.node.spec.swarm import FLAT_KEYS, field_of
+    from meshtrain.node.spec.swarm import FLAT_KEYS, default_of, field_of
 
     for name in FLAT_KEYS:  # the flat names: a flag per field of every section
         info = field_of(name)
@@ -112,7 +112,7 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
             dest=f"spec_{name}",
             type=kind,
             default=None,
-            help=f"{info.description or name} (default {info.default})",
+            help=f"{info.description or name} (default {default_of(name)})",  # of a spec given no keys
         )
 
 

@@ -45,7 +45,8 @@ it takes the nested form (`{"name": ..., "outer": {"H": 10}}`, the `meshtrain.sw
 no top-level field or a section's value is not a mapping. Python callers (tests, scripts, the
 demo) build specs with flat keys this way; `SwarmSpec.flat()` is the flat form of a spec.
 `parse_spec` validates an untrusted dict into a checked spec (a one-line `ConfigError`, naming the
-key as the input named it).
+key as the input named it). `default_of` is a key's value in a spec given no keys — the
+cross-section defaults applied —, the default the flags' help and docs/configuration.md show.
 
 A spec that names a py: optimizer is checked with `OuterOptimizer`'s own values: a spec is parsed
 (from the network, too) before and without loading the code it names (optim/spec_section.py).
@@ -57,6 +58,7 @@ Not here: the spec's signature, the swarm id, the wire and file form (v1 flat, v
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -76,7 +78,17 @@ from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.spec_section import PipelineSection
 from meshtrain.spec_section import SpecSection
 
-__all__ = ["FLAT_KEYS", "OPTIMIZERS", "SECTIONS", "SwarmSpec", "field_of", "is_flat", "nested_form", "parse_spec"]
+__all__ = [
+    "FLAT_KEYS",
+    "OPTIMIZERS",
+    "SECTIONS",
+    "SwarmSpec",
+    "default_of",
+    "field_of",
+    "is_flat",
+    "nested_form",
+    "parse_spec",
+]
 
 
 class SwarmSpec(BaseModel):
@@ -229,6 +241,20 @@ def field_of(key: str) -> FieldInfo:
     """The field a flat key names (`FLAT_KEYS`): its type, default, bounds and help text."""
     section, field = FLAT_KEYS[key]
     return (SwarmSpec if section is None else SECTIONS[section]).model_fields[field]
+
+
+def default_of(key: str) -> Any:
+    """The value flat key `key` has in a spec that gives no keys (`SwarmSpec()`): its field's
+    default, or the one another section decides (an open diloco swarm's aggregation is
+    trimmed_mean, not the field's mean) — what `swarm create --help` shows."""
+    section, field = FLAT_KEYS[key]
+    spec = _spec_of_no_keys()
+    return getattr(spec if section is None else getattr(spec, section), field)
+
+
+@cache
+def _spec_of_no_keys() -> SwarmSpec:
+    return SwarmSpec()
 
 
 def is_flat(data: Mapping[Any, Any]) -> bool:
