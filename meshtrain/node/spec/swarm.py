@@ -43,7 +43,10 @@ keys is the spec's validation itself (`SwarmSpec(...)`, `SwarmSpec.model_validat
 it takes the nested form (`{"name": ..., "outer": {"H": 10}}`, the `meshtrain.swarm/2` wire form,
 `model_dump()`), or the flat form (`{"H": 10}`: every key by its flat name) — flat when a key is
 no top-level field or a section's value is not a mapping. Python callers (tests, scripts, the
-demo) build specs with flat keys this way; `SwarmSpec.flat()` is the flat form of a spec.
+demo) build specs with flat keys this way; `SwarmSpec.flat()` is the flat form of a spec. Keys a
+section added since the signed form was fixed appear in `model_dump()` and `flat()` only where
+they say something, and a signed document lacking one reads it as the behaviour before the key
+(`parse_spec(..., signed=True)`; meshtrain/spec_section.py).
 `parse_spec` validates an untrusted dict into a checked spec (a one-line `ConfigError`, naming the
 key as the input named it). `default_of` is a key's value in a spec given no keys — the
 cross-section defaults applied —, the default the flags' help and docs/configuration.md show.
@@ -76,7 +79,7 @@ from meshtrain.node.trust.spec_sections import AdmissionSection, VerificationSec
 from meshtrain.optim.spec_section import OPTIMIZERS, OuterSection, declared
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.spec_section import PipelineSection
-from meshtrain.spec_section import SpecSection
+from meshtrain.spec_section import SIGNED_BEFORE, SpecSection
 
 __all__ = [
     "FLAT_KEYS",
@@ -199,10 +202,13 @@ class SwarmSpec(BaseModel):
         return GroupPlan(group_size=self.outer.group_size, seed=self.seed, period=self.outer.H)
 
     def flat(self) -> dict[str, Any]:
-        """The flat form: every field by its flat name (`FLAT_KEYS`), as a v1 spec file held it."""
+        """The flat form: every field by its flat name (`FLAT_KEYS`), as a v1 spec file held it —
+        a key added since only where it says something (`model_dump()`, meshtrain/spec_section.py)."""
         dump = self.model_dump()
         return {
-            key: dump[field] if section is None else dump[section][field] for key, (section, field) in FLAT_KEYS.items()
+            key: dump[field] if section is None else dump[section][field]
+            for key, (section, field) in FLAT_KEYS.items()
+            if section is None or field in dump[section]
         }
 
 
@@ -254,7 +260,7 @@ def default_of(key: str) -> Any:
 
 @cache
 def _spec_of_no_keys() -> SwarmSpec:
-    return SwarmSpec()
+    return SwarmSpec.model_validate({})
 
 
 def is_flat(data: Mapping[Any, Any]) -> bool:
@@ -337,12 +343,16 @@ def _tokenizer_for_the_data(nested: dict[Any, Any]) -> None:
     _default(nested, "model", "tokenizer", "bytes")
 
 
-def parse_spec(data: Mapping[str, Any], *, form: Literal["flat", "nested"] | None = None) -> SwarmSpec:
+def parse_spec(
+    data: Mapping[str, Any], *, form: Literal["flat", "nested"] | None = None, signed: bool = False
+) -> SwarmSpec:
     """`data`, nested or flat (the module docstring; `form` None: `is_flat` tells, else as
     `form` says — a signed spec's format does), as a checked spec; a one-line `ConfigError`
-    naming the key as `data` named it."""
+    naming the key as `data` named it. signed: `data` is a signed document, as its owner signed
+    it (a key added since that it lacks reads as the behaviour before the key: spec_section.py)."""
     flat = is_flat(data) if form is None else form == "flat"
     try:
-        return SwarmSpec.model_validate(nested_form(data, flat=flat)).check()
+        context = {SIGNED_BEFORE: True} if signed else None
+        return SwarmSpec.model_validate(nested_form(data, flat=flat), context=context).check()
     except ValidationError as e:
         raise one_line_error(e, "swarm spec", shown_as=_FLAT_NAME_OF if flat else None) from None
