@@ -9,8 +9,17 @@ without loading the code it names. The section satisfies `OuterSpec`, what `from
 
 Its rules (`check`): the optimizer's own, which its class declares (`check_spec`: Streaming
 DiLoCo's schedule — H, fragments, delay; eager needs a delay —, dp's H = 1, SparseLoCo's
-k <= chunk), and `group_size` (0, >= 2, and only for optimizers whose rounds may run in groups). Rules that also read other sections (dp and fp16, spot-checks, robust
-aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
+k <= chunk), `noloco_outer` only for noloco, `error_feedback = false` only where there is error
+feedback to turn off (codec topk, an optimizer that takes it), and `group_size` (0, >= 2, and
+only for optimizers whose rounds may run in groups). Rules that also read other sections (dp and
+fp16, spot-checks, robust aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
+
+Keys added since the signed form was fixed (`added_keys`, meshtrain/spec_section.py):
+`error_feedback` (codec topk keeps error feedback, β = `error_decay`, unless it says false) and
+`noloco_outer` (NoLoCo reads outer_lr and outer_momentum as its β and μ; set when a noloco spec
+written now gives either a value other than its default — optim/noloco.py says why it is a key).
+Each is written only where it acts, and a signed spec without it runs as it did before the key:
+topk without error feedback, NoLoCo with its own β and μ.
 
 Not here: building the optimizer from the spec (node/spec/outer.py), the algorithms (this package).
 """
