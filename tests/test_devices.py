@@ -74,7 +74,8 @@ async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_t
     assert x.device == y.device == device and x.shape == (8, t.context)
     assert all(s["exp_avg"].device == device for s in t.inner.state.values())
     assert all(phi.device.type == "cpu" and phi.dtype == torch.float32 for phi in t.outer.outer_params.values())
-    assert all(phi.is_pinned() == (device.type == "cuda") for phi in t.outer.outer_params.values())
+    if device.type == "cuda":  # pinned, so the copies to and from the device can be non-blocking
+        assert all(phi.is_pinned() for phi in t.outer.outer_params.values())
     state = t.checkpoint_state()
     assert all(v.device.type == "cpu" for v in state["model"].values())
     resumed = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device=device)
