@@ -5,7 +5,8 @@
 #
 # 1. the environment: the GPU, torch and its CUDA, and whether meshtrain's dependencies import;
 # 2. the `cuda`-marked tests (tests/test_devices.py, tests/test_multi_rank.py: the trainer on
-#    cuda, bf16 autocast, the outer state fp32 on the host);
+#    cuda, bf16 autocast, the outer state fp32 on the host; tests/test_pipeline_device.py: pipeline
+#    stages on cuda in bf16, their hops, a 3-peer bf16 pipeline learning — a few seconds);
 # 3. scripts/bench/bench_trainer.py --quick --skip-multi-rank, whose trainer phase also runs on
 #    cuda where torch sees one (gpu_samples_per_s, gpu_trainer_overhead).
 # Its last line is one JSON object: {"cuda", "gpu", "torch", "deps_missing", "tests", "bench_trainer"}.
@@ -41,7 +42,7 @@ cat "$LOG/env.json"
 tests='{"skipped": "dependencies missing"}'
 bench='null'
 if "$PY" -c 'import json,sys; sys.exit(1 if json.load(open(sys.argv[1]))["deps_missing"] else 0)' "$LOG/env.json"; then
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_multi_rank.py 2>&1 | tee "$LOG/tests.txt" | tail -20
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/test_multi_rank.py tests/test_pipeline_device.py 2>&1 | tee "$LOG/tests.txt" | tail -20
     tests=$("$PY" - "$LOG/tests.txt" <<'EOF'
 import json, re, sys
 text = open(sys.argv[1]).read()

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshtrain.data import dataset_digest, open_dataset, resolve_dataset
+from meshtrain.data import dataset_digest, documents, open_dataset, resolve_dataset
 from meshtrain.data.cache import is_held_out
 from meshtrain.errors import ConfigError
 from meshtrain.models import Vocab
@@ -86,6 +86,21 @@ def test_text_file_without_eos_is_the_file_itself(tmp_path):
     ds = open_dataset(tmp_path / "t.txt", BYTES, tmp_path / "cache", held_out=1e-12)
     assert bytes(stream(ds)) == text.encode()
     assert ds.meta["train_documents"] == 3  # paragraphs, blank lines kept with the one before
+
+
+def test_a_text_file_without_blank_lines_is_tokenised_in_bounded_batches(tmp_path, monkeypatch):
+    """Paragraphs cut at MAX_DOCUMENT_CHARS must not pile up into one batch the size of the
+    corpus (a 1 GiB file of single lines was one batch: in memory whole, no progress until done)."""
+    monkeypatch.setattr(documents, "MAX_DOCUMENT_CHARS", 1000)
+    monkeypatch.setattr(documents, "BATCH_CHARS", 20_000)
+    text = "".join(f"line {i} of a file without blank lines\n" for i in range(4000))  # ~160 kB
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    batches = list(documents.document_batches(resolve_dataset(path)))
+    assert len(batches) >= 8 and all(sum(map(len, b)) <= 20_000 + 1000 for b in batches)
+    assert "".join(d for b in batches for d in b) == text
+    ds = open_dataset(path, BYTES, tmp_path / "cache", held_out=1e-12)
+    assert bytes(stream(ds)) == text.encode()
 
 
 def test_directory_of_jsonl_files_in_sorted_order_skipping_hidden(tmp_path):

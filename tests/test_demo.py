@@ -1,6 +1,8 @@
 """`meshtrain demo --quick`: the README's main job, CI-sized — four real node processes on
 loopback form a swarm, train with DiLoCo, and the demo writes its plot and summary and exits 0.
-And the demo's flags: `--optimizer` offers the built-in optimizers the demo can run."""
+The four-node run is the installed package's: a wheel built from this checkout, installed in a
+fresh venv outside it (package data, entry point, no import from the checkout's tests/ or
+scripts/). And the demo's flags: `--optimizer` offers the built-in optimizers the demo can run."""
 
 from __future__ import annotations
 
@@ -19,11 +21,44 @@ from meshtrain.optim import BUILTIN_OPTIMIZERS
 from .conftest import ROOT
 
 
-def run_demo(out: Path, *args: str) -> subprocess.CompletedProcess:
-    """`meshtrain demo --quick --plain --out <out> <args>`, which must exit 0."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A venv outside the checkout with meshtrain installed from a wheel built from it: the venv's
+    `bin/`. Its dependencies come from this venv's site-packages, listed in a .pth file (so nothing
+    is downloaded); that directory's own .pth files — the checkout's editable install — are not
+    processed, so `import meshtrain` can only find the wheel's."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT], check=True)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "dependencies.pth").write_text("".join(p + "\n" for p in sys.path if p.endswith("site-packages")))
+    wheel = next((tmp / "dist").glob("meshtrain-*.whl"))
+    subprocess.run([*pip, "--python", venv / "bin" / "python", "install", "--no-deps", wheel], check=True)
+    return venv / "bin"
+
+
+def test_the_wheel_holds_the_package_and_its_data_and_runs_outside_the_checkout(installed, tmp_path):
+    probe = (
+        "import json, meshtrain, meshtrain.node.spec.config as c, meshtrain.node.status.server as s\n"
+        "from importlib.resources import files\n"
+        "print(json.dumps([meshtrain.__file__, files('meshtrain.node.status').joinpath('dashboard.html').is_file(),"
+        " files('meshtrain.node.spec').joinpath('node.toml').is_file()]))"
+    )
+    r = subprocess.run([installed / "python", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    where, dashboard, defaults = json.loads(r.stdout)
+    assert where.startswith(str(installed.parent)) and dashboard and defaults, r.stdout + r.stderr
+    assert subprocess.run([installed / "meshtrain", "--version"], capture_output=True, cwd=tmp_path).returncode == 0
+
+
+def run_demo(out: Path, *args: str, bin_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """`meshtrain demo --quick --plain --out <out> <args>`, which must exit 0: this checkout's, or
+    the one installed in `bin_dir`, run from outside the checkout."""
+    command = [str(bin_dir / "meshtrain")] if bin_dir else [sys.executable, "-m", "meshtrain.node.cli"]
     r = subprocess.run(
-        [sys.executable, "-m", "meshtrain.node.cli", "demo", "--quick", "--plain", "--out", str(out), *args],
-        cwd=ROOT,
+        [*command, "demo", "--quick", "--plain", "--out", str(out), *args],
+        cwd=out.parent if bin_dir else ROOT,
         capture_output=True,
         text=True,
         timeout=280,
@@ -41,9 +76,9 @@ def test_demo_offers_every_builtin_optimizer_but_dp_whose_round_is_one_step():
 
 
 @pytest.mark.slow
-def test_demo_quick_trains_a_four_node_swarm(tmp_path):
+def test_demo_quick_trains_a_four_node_swarm(tmp_path, installed):
     out = tmp_path / "demo"
-    r = run_demo(out, "--steps", "40")  # two rounds at the quick run's H = 20
+    r = run_demo(out, "--steps", "40", bin_dir=installed)  # two rounds at the quick run's H = 20
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 4 and summary["nodes_finished"] == 4 and not summary["interrupted"]
     assert all(n >= 1 for n in summary["rounds"]), summary  # every node took part in outer rounds

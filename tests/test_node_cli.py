@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -176,15 +177,42 @@ def test_alone_then_resume_from_checkpoint_bit_exactly(tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow
 def test_second_node_joins_by_address_and_both_agree(tmp_path):
+    """...and both move their tensors over the data ports they were given (`--data-port`: the
+    port a firewall or a port forward opens), never over the libp2p fallback."""
     a, b = tmp_path / "a", tmp_path / "b"
     create(a, "--model", "gpt-tiny", "--steps", "60", "--H", "10", "--eval-every", "0")
     la, lb = tmp_path / "a.log", tmp_path / "b.log"
-    pa = start("--data-dir", str(a), "--wait-peers", "2", log=la)
+    port_a, port_b = free_port(), free_port()
+    pa = start("--data-dir", str(a), "--wait-peers", "2", "--data-port", str(port_a), log=la)
     info = wait_daemon(a, pa, la)
-    pb = start("--data-dir", str(b), "--join", info["addrs"][0], "--wait-peers", "2", log=lb)
+    pb = start(
+        "--data-dir", str(b), "--join", info["addrs"][0], "--wait-peers", "2", "--data-port", str(port_b), log=lb
+    )
+    assert (info["data_port"], wait_daemon(b, pb, lb)["data_port"]) == (port_a, port_b)
+    taken = cli(
+        "node",
+        "start",
+        *LOOPBACK,
+        "--data-dir",
+        str(tmp_path / "c"),
+        "--join",
+        info["addrs"][0],
+        "--data-port",
+        str(port_a),
+    )  # a's: taken
+    assert taken.returncode == 2 and f"cannot listen on data port {port_a}" in taken.stderr, taken.stderr
+    assert "Traceback" not in taken.stderr
     ra, rb = finish(pa, la), finish(pb, lb)
+    for log in (la, lb):
+        assert "no direct data path" not in log.read_text()
     assert ra["step"] == rb["step"] == 60 and ra["rounds"] == rb["rounds"] == 6
     assert (b / "swarm.json").read_text() == (a / "swarm.json").read_text()
     pa_, pb_ = phi(a), phi(b)

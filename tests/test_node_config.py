@@ -81,6 +81,8 @@ FLAG_VALUES: dict[str, object] = {
     "name": "lab-1",
     "listen": ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"],
     "announce": ["/ip4/1.2.3.4/tcp/4001"],
+    "data_port": 4002,
+    "tensorboard": Path("/tmp/tb"),
     "bootstrap": ["/ip4/1.2.3.4/tcp/4002"],
     "swarm_key": "ab" * 32,
     "status_host": "0.0.0.0",

@@ -176,3 +176,18 @@ def test_the_activation_codec_spec_key_is_checked_and_reaches_the_cli() -> None:
         parse_spec({"activation_codec": "int8"})
     args = build_parser().parse_args(["swarm", "create", "--activation-codec", "bf16"])
     assert args.spec_activation_codec == "bf16"
+
+
+def test_a_bf16_pipeline_sends_bf16_hops_unless_told_and_fp16_is_refused() -> None:
+    """A pipeline trains in fp32 or bf16: under bf16 its hops default to bf16 (pinned in the spec,
+    so a re-read spec keeps them), a named codec stays; fp16 is one line naming bf16."""
+    base = {"pipeline": "skippipe", "stages": 3, "model": "gpt-small"}
+    spec = parse_spec(base | {"precision": "bf16"})
+    assert spec.pipeline.activation_codec == "bf16"
+    assert parse_spec(spec.model_dump()) == spec
+    assert parse_spec(base | {"precision": "bf16", "activation_codec": "none"}).pipeline.activation_codec == "none"
+    assert parse_spec(base).pipeline.activation_codec == "none"
+    assert parse_spec({"precision": "bf16"}).pipeline.activation_codec == "none"  # no pipeline, no hops
+    with pytest.raises(ConfigError, match="fp32 or bf16, not fp16") as e:
+        parse_spec(base | {"precision": "fp16"})
+    assert "\n" not in str(e.value)

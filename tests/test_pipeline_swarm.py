@@ -62,13 +62,13 @@ async def wait_for(predicate, timeout: float = 60.0) -> None:
 
 @asynccontextmanager
 async def three_daemons(
-    tmp_path: Path, spec: meshtrain.SwarmSpec, timeout: float = 120
+    tmp_path: Path, spec: meshtrain.SwarmSpec, timeout: float = 120, **config: Any
 ) -> AsyncIterator[tuple[dict[str, meshtrain.Node], dict[str, meshtrain.NodeResult]]]:
-    """Nodes a (the spec's owner, waiting for 3 peers), b and c (joining a's address), running:
-    yields (nodes, results) by name while they run; on leaving, every node's run has returned
-    (`results`)."""
+    """Nodes a (the spec's owner, waiting for 3 peers), b and c (joining a's address), running,
+    each with the node `config` given: yields (nodes, results) by name while they run; on
+    leaving, every node's run has returned (`results`)."""
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
-    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3), spec=signed)}
+    nodes = {"a": meshtrain.Node(node_config(tmp_path, "a", wait_peers=3, **config), spec=signed)}
     results: dict[str, meshtrain.NodeResult] = {}
 
     async def run(name: str, node: meshtrain.Node) -> None:
@@ -79,7 +79,7 @@ async def three_daemons(
             nursery.start_soon(run, "a", nodes["a"])
             await wait_for(lambda: nodes["a"].view is not None)
             for name in "bc":
-                nodes[name] = meshtrain.Node(node_config(tmp_path, name), join=nodes["a"].host.addrs[0])
+                nodes[name] = meshtrain.Node(node_config(tmp_path, name, **config), join=nodes["a"].host.addrs[0])
                 nursery.start_soon(run, name, nodes[name])
             yield nodes, results
 
@@ -237,21 +237,34 @@ async def test_export_on_a_later_stages_peer_assembles_the_whole_model(tmp_path,
     assert torch.isfinite(logits).all()
 
 
-async def test_a_swarm_with_int8_activation_hops_trains_and_its_replicas_stay_identical(tmp_path):
-    """A spec with `activation_codec = "int8"`: three daemons (two origins on stage 0, one peer on
-    stage 1) send every activation and gradient hop int8-encoded. They train to the last step, the
-    loss stays finite and falls, and the two stage-0 replicas end with the same bits."""
-    async with three_daemons(tmp_path, pipeline_spec(steps=16, activation_codec="int8")) as (nodes, results):
+@pytest.mark.parametrize(
+    ("spec", "codec"),
+    [
+        (pipeline_spec(steps=16, activation_codec="int8"), "int8"),
+        (pipeline_spec(steps=10, precision="bf16"), "bf16"),  # bf16 stages send bf16 hops by default
+    ],
+    ids=["int8-hops", "bf16-stages"],
+)
+async def test_a_swarm_with_compressed_hops_trains_and_its_replicas_stay_identical(tmp_path, spec, codec):
+    """Three daemons (two origins on stage 0, one peer on stage 1), each given its device as the
+    node's `--device` (the CPU here), send every activation and gradient hop encoded with the
+    spec's codec: int8 where the spec names it; bf16 where the spec's precision is bf16 (the stages
+    compute under bf16 autocast). They train to the last step, the loss stays finite and falls,
+    and the two stage-0 replicas end with the same bits."""
+    async with three_daemons(tmp_path, spec, device="cpu") as (nodes, results):
         pass
-    assert {n: r.step for n, r in results.items()} == {"a": 16, "b": 16, "c": 16}, results
-    assert all(n.pipeline.status()["activation_codec"] == "int8" for n in nodes.values())
+    steps = spec.steps
+    assert {n: r.step for n, r in results.items()} == {"a": steps, "b": steps, "c": steps}, results
+    status = {n: node.pipeline.status() for n, node in nodes.items()}
+    assert all(s["activation_codec"] == codec and s["device"] == "cpu" for s in status.values()), status
+    assert all(s["precision"] == spec.model.precision for s in status.values()), status
     finals = {n: final_stage(tmp_path, n) for n in nodes}
     assert sorted(s for s, _, _ in finals.values()) == [0, 0, 1], finals
     replicas = {digest for stage, _, digest in finals.values() if stage == 0}
     assert len(replicas) == 1, finals
     origin = next(n for n in nodes if finals[n][0] == 0)
     losses = [h["loss"] for h in nodes[origin].pipeline.trainer.info.history]
-    assert len(losses) == 16 and all(x is not None and math.isfinite(x) for x in losses), losses
+    assert len(losses) == steps and all(x is not None and math.isfinite(x) for x in losses), losses
     assert sum(losses[-3:]) < sum(losses[:3]), losses
 
 

@@ -16,6 +16,7 @@ import trio
 
 from meshtrain.transport.data_channel import payload_digest
 from meshtrain.transport.framing import FramedStream, StreamClosed, packb, unpackb
+from meshtrain.transport.host import HostConfig
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import (
     FALLBACK_PROTOCOL,
@@ -74,6 +75,32 @@ async def test_tensor_dict_round_trip_is_bit_exact(direct):
         assert report.path == got.path == ("direct" if direct else "libp2p")
         assert_bit_exact(src, got.tensors)
         assert got.digest == report.digest == payload_digest(src)
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+@pytest.mark.parametrize(
+    "listen", [["/ip6/::1/tcp/0"], ["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"]], ids=["ipv6", "dual-stack"]
+)
+async def test_ipv6_peers_move_tensors_on_the_direct_data_plane(listen):
+    """Over IPv6 the data plane is dialled at the IP of the libp2p connection (py-libp2p reported
+    none for IPv6 before transport/libp2p_patches.py); it listens on one port on every listen IP."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, host_config=HostConfig(listen=listen))
+        for addr in listen:
+            ip = addr.split("/")[2]
+            with socket.create_connection((ip, a.ts.port), timeout=5):
+                pass  # accepted: the data plane listens there
+        report, received = await exchange(b, a, "w", {"w": torch.arange(1000.0)})
+        assert received.path == "direct" and torch.equal(received.tensors["w"], torch.arange(1000.0))
 
 
 async def test_receive_into_preallocated_buffers(pair):

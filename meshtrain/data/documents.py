@@ -25,7 +25,11 @@ from pathlib import Path
 from meshtrain.data.files import DatasetFiles
 from meshtrain.errors import ConfigError
 
-BATCH_DOCUMENTS = 1024  # documents handed to the tokenizer at once
+BATCH_DOCUMENTS = 1024  # documents handed to the tokenizer at once...
+# ...or fewer, once they hold this many characters: a text file without blank lines is cut into
+# 1 MiB paragraphs, and 1,024 of them would be a whole 1 GiB corpus in one batch — in memory at
+# once, and no progress to report until it is all tokenised.
+BATCH_CHARS = 8 << 20
 MAX_DOCUMENT_CHARS = 1 << 20  # a text paragraph is cut here (bounded memory for one-line files)
 
 
@@ -87,7 +91,7 @@ def _stream(files: DatasetFiles, field: str, cache_dir: Path | None) -> Iterator
 def _paragraphs(stream: Iterator[dict[str, list]]) -> Iterator[list[str]]:
     docs: list[str] = []
     lines: list[str] = []
-    size = 0
+    size = batch_chars = 0  # the paragraph's and the finished documents' characters
     after_blank = False
     for batch in stream:
         for line in batch["text"]:
@@ -95,13 +99,14 @@ def _paragraphs(stream: Iterator[dict[str, list]]) -> Iterator[list[str]]:
             if (after_blank and not blank) or size + len(line) > MAX_DOCUMENT_CHARS:
                 if lines:
                     docs.append("".join(lines))
+                    batch_chars += size
+                    if len(docs) >= BATCH_DOCUMENTS or batch_chars >= BATCH_CHARS:
+                        yield docs
+                        docs, batch_chars = [], 0
                 lines, size = [], 0
             lines.append(line)
             size += len(line)
             after_blank = blank
-        if len(docs) >= BATCH_DOCUMENTS:
-            yield docs
-            docs = []
     if lines:
         docs.append("".join(lines))
     if docs:

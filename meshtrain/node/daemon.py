@@ -97,6 +97,7 @@ from meshtrain.node.state.run_state import RunState
 from meshtrain.node.status.client import DAEMON_FILE, TOKEN_FILE, write_daemon_file
 from meshtrain.node.status.document import round_status, status_document
 from meshtrain.node.status.server import StatusServer
+from meshtrain.node.status.tensorboard import TensorBoardLog
 from meshtrain.node.trainer import OuterFactory, TrainedState, Trainer
 from meshtrain.node.training_run import NodeResult, TrainingRun, run_pipeline_peer
 from meshtrain.node.trust import adversary
@@ -108,7 +109,7 @@ from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
-from meshtrain.transport.tensor_streams import TensorStreams
+from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
 
 if TYPE_CHECKING:
     from meshtrain.node.ranks.group import LocalRanks
@@ -320,7 +321,22 @@ class Node:
         )
         signed = self.signed = await self.spec_source.resolve(host)
         host.rpc.serve(SPEC_RPC, self.spec_source.serve)
-        streams = self.streams = await stack.enter_async_context(TensorStreams(host))
+        try:
+            streams = self.streams = await stack.enter_async_context(
+                TensorStreams(host, DataPlaneConfig(port=config.data_port))
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on data port {config.data_port} ({e.strerror or e}); pick another --data-port (0 = any)"
+            ) from None
+        if config.announce and not config.data_port:
+            log.warning(
+                kv(
+                    "the data plane listens on a random port that --announce does not cover; bulk tensors "
+                    "may take the slow libp2p path: set --data-port and open or forward it too",
+                    port=streams.port,
+                )
+            )
         spec = signed.spec
         pow_nonce = None
         if spec.admission.mode == "open" and spec.admission.pow_bits:  # minted once, kept in the data dir
@@ -442,10 +458,15 @@ class Node:
     ) -> NodeResult:
         """A pipeline swarm (node/stages/peer.py): no swarm-wide collective, `Trainer` or
         `RunState`: the peer holds one stage, runs it in epochs and checkpoints it."""
-        if self._user_loop or self._model is not None or self._outer_factory is not None or self.local is not None:
+        if self.local is not None:  # why: node/stages/peer.py, "Devices and precision"
+            raise ConfigError(
+                "a pipeline swarm's peer is one process on one device (--nproc-per-node 1): a stage's "
+                "replicas already are its data parallelism, so run one node per GPU (--device cuda:i) instead"
+            )
+        if self._user_loop or self._model is not None or self._outer_factory is not None:
             raise ConfigError(
                 "a pipeline swarm trains the spec's built-in GPT inside the node: no user loop, "
-                "model or optimizer hooks, or local ranks"
+                "or model or optimizer hooks"
             )
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
@@ -585,6 +606,8 @@ class Node:
                 f" ({e.strerror or e}); pick another --status-port (0 = any)"
             ) from None
         self.status_url = srv.url
+        if self.config.tensorboard is not None:
+            await stack.enter_async_context(TensorBoardLog(self.snapshot, self.config.tensorboard))
 
     def _write_daemon_file(self, host: Host, signed: SignedSpec) -> None:
         """daemon.json: how `meshtrain node status/stop` find us (node/status/client.py)."""
@@ -592,6 +615,7 @@ class Node:
             "pid": os.getpid(),
             "peer_id": host.peer_id,
             "addrs": host.addrs,
+            "data_port": self.streams.port if self.streams is not None else None,
             "swarm_id": signed.swarm_id,
             "status_url": self.status_url,
             "token_file": str(self.data_dir / TOKEN_FILE),
@@ -603,6 +627,7 @@ class Node:
                 peer=host.peer_id,
                 swarm=signed.swarm_id,
                 addrs=",".join(host.addrs),
+                data_port=self.streams.port if self.streams is not None else None,
                 status=self.status_url,
             )
         )

@@ -14,7 +14,8 @@ attempts the origins commit are summed.
 
 Replica sync (`sync_gradients`, the default; `finish`): at the end of an iteration the replicas of
 each stage all-reduce their gradient sums and microbatch counts (`SwarmCollective`, bit-identical
-on all contributors) and every replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
+on all contributors; summed on the stage's device, copied to the host for the all-reduce and back)
+and every replica steps its optimizer with sum / count — synchronous data parallelism per stage, as in the
 SkipPipe reference, chosen over a DiLoCo-style outer step because replicas then stay bit-identical
 every iteration (a microbatch may be re-routed to any replica, so replicas must be interchangeable),
 and a stage's gradients (one stage of a model) are small enough to all-reduce every iteration.
@@ -414,10 +415,12 @@ class IterationWorker:
             sorted(p for p, s in placement.items() if s == self.stage and (p == self.me or p not in dead))
         )
         if self.sync_gradients and len(self.replica_group) > 1:
-            tensors = {f"g{i}": t for i, t in enumerate(total)} | {"count": n}
+            # The collective sees host tensors only: the stage's gradient crosses to the host and
+            # back once per iteration (a no-op on the CPU).
+            tensors = {f"g{i}": t.to("cpu") for i, t in enumerate(total)} | {"count": n}
             try:
                 res = await self.collective.all_reduce(RoundRequest(tensors, st.it, f"{self.run.run}/s{self.stage}"))
-                total = [res.tensors[f"g{i}"] for i in range(len(total))]
+                total = [res.tensors[f"g{i}"].to(self.replica.device) for i in range(len(total))]
                 n = res.tensors["count"]
                 await self.account_sync(res.bytes_sent)
             except CollectiveError as e:

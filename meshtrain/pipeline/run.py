@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS, HopCodec
+from meshtrain.pipeline.hop_codec import ACTIVATION_CODECS
 from meshtrain.pipeline.scheduler import (
     PipelineProblem,
     Schedule,
@@ -61,10 +61,6 @@ class PipelineRun:
             raise PipelineError(
                 f"activation_codec must be one of {', '.join(ACTIVATION_CODECS)}, got {self.activation_codec!r}"
             )
-
-    @property
-    def hop_codec(self) -> HopCodec:
-        return HopCodec(self.activation_codec)
 
     def schedule(self, dead: frozenset[str] = frozenset()) -> Schedule:
         """The schedule of an iteration, without the peers in `dead`."""

@@ -20,7 +20,8 @@ digest-checked, back-pressured):
   `pp/<run>/<it>/<mb>/<att>/<kind>/<pos>`, and answers; the sender then sends. The payload is
   `hop_codec.py`'s (its whole story): with codec "none" the float32 tensor itself ("h"), else the
   codec's parts (e.g. int8: codes and per-block absmax, ~1/4 of the bytes); the sender encodes
-  and the receiver decodes in a worker thread.
+  and the receiver decodes in a worker thread. The codec is also the device's edge: a stage's
+  tensors live on its peer's device (`StageReplica.device`), the wire sees host tensors only.
   `route` = [origin, hop 1, ..., hop L]: position p ≤ L is route[p]; L + 1 (forward) and 0
   (backward) are the origin. A source route, so a re-planned attempt needs no state elsewhere.
 - `pipeline/abandon` {run, it, mb, floor}: from the origin: attempts of `mb` below `floor` are void
@@ -99,6 +100,7 @@ from meshtrain.pipeline.hop import (
     sender_of,
     shape_of,
 )
+from meshtrain.pipeline.hop_codec import HopCodec
 from meshtrain.pipeline.iteration import (
     DeadPeers,
     IterationReport,
@@ -246,7 +248,8 @@ class PipelineRuntime(Service):
 
     host, streams: this peer's libp2p host and data plane; every peer of the run must be
         connected to every other (liveness is read from those connections).
-    replica: the stage this peer holds (`run.problem.placement[host.peer_id]` must match).
+    replica: the stage this peer holds (`run.problem.placement[host.peer_id]` must match); hops
+        arrive on its `device` and leave it through the hop codec (`hop_codec.py`).
     run: the shared `PipelineRun`.
     data: (iteration, microbatch) -> (token ids, targets), each [microbatch_size, context];
         called on origins only. Must be a pure function so a re-run attempt sees the same data.
@@ -294,7 +297,7 @@ class PipelineRuntime(Service):
         self.replica = replica
         self.run = run
         self.links = links
-        self.hop_codec = run.hop_codec
+        self.hop_codec = HopCodec(run.activation_codec, replica.device)  # the host edge of every hop
         self.me = me
         self.stage = replica.index
         self.current = 0
@@ -426,9 +429,9 @@ class PipelineRuntime(Service):
         to = at(hop.route, hop.pos)
         codec = self.hop_codec
         try:
-            payload = (
-                codec.encode(tensor) if codec.codec is None else await trio.to_thread.run_sync(codec.encode, tensor)
-            )
+            # Off the event loop unless it is no work: on a GPU the copy to the host waits for the
+            # stage's queued kernels.
+            payload = codec.encode(tensor) if codec.inline else await trio.to_thread.run_sync(codec.encode, tensor)
         except CodecError as e:
             # Non-finite (or, fp16, out of range): nothing the next stage could use. Tell the
             # origin, as the next stage would have on refusing it.
@@ -553,7 +556,7 @@ class PipelineRuntime(Service):
         if hop.att < st.floor.get(hop.mb, 0) or st.it < self.current:
             return
         try:
-            if codec.codec is None:
+            if codec.inline:
                 h = codec.decode(got.tensors, hop.shape)
             else:
                 h = await trio.to_thread.run_sync(codec.decode, got.tensors, hop.shape)

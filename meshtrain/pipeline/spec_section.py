@@ -2,6 +2,8 @@
 stages train (the spec's sections: meshtrain/spec_section.py).
 
 Its rules (`check`): a pipeline needs 2+ stages, and `activation_codec` only applies to one.
+Which precisions a pipeline trains in (fp32, bf16) and the bf16 hops of a bf16 pipeline are rules
+across sections: node/spec/swarm.py's.
 Which models a pipeline can cut, in how many stages, and where (`stage_cut`, cut.py) depend on the
 model section, so `SwarmSpec` checks them (node/spec/swarm.py) and `SignedSpec.create` pins the cut.
 
@@ -40,7 +42,8 @@ class PipelineSection(SpecSection):
     activation_codec: str = Field(
         "none",
         description="pipeline: how activations and their gradients are compressed on every hop between "
-        "stage peers: none | fp16 | bf16 | int8 | int4 | fp4 (pipeline/hop_codec.py). Its own key, not "
+        "stage peers: none | fp16 | bf16 | int8 | int4 | fp4 (pipeline/hop_codec.py; unless given, bf16 under "
+        "precision bf16, whose stages compute in bf16 already). Its own key, not "
         "codec: codec compresses outer-optimizer pseudo-gradients, which tolerate coarser codes (fp4) than "
         "activations, whose error every later stage sees; top-k is not offered (no error feedback per hop)",
     )

@@ -23,6 +23,17 @@ between peers; this module is the compute one peer does on what arrives, with no
 - `stage_state` / `load_stage_states` move a stage's weights by their model-level names, e.g. to
   assemble the trained model for evaluation (`omission.py`).
 
+Devices and precision. A replica computes on the `device` it is given (a `torch.device`, the
+CPU by default: the same code runs on CUDA): its stage's modules move there — the rest of the
+locally built model stays where it was built, untouched — and so do the tapes, the per-microbatch
+gradients and the optimizer's state; token ids, targets and arriving tensors are moved there as
+a visit starts (the hop codec, `hop_codec.py`, brings hops from the host once). `compute_dtype`
+(bf16 for the spec's precision bf16; None: fp32) runs every forward under `torch.autocast`, as
+the data-parallel trainer does (node/ranks/devices.py `Precision`): the weights stay fp32 masters,
+autocast lowers only the matmuls, the backward runs in the dtypes the forward recorded, and the
+parameter gradients come out fp32. A gradient arriving for a forward whose output was bf16 is
+cast to it. fp16 is not offered: its loss scaling would need every stage to agree to skip a step.
+
 Replicas of a stage start bit-identical (`GPT(config, seed)` is a pure function of its inputs, a
 pretrained model's weights are its files) and stay so because they apply the same averaged
 gradient with the same optimizer state.
@@ -81,6 +92,8 @@ class StageReplica:
     lr, weight_decay, betas: AdamW on this stage's parameters (SkipPipe trains with Adam).
     clip: max gradient norm of this stage per update (None = no clipping).
     cut: the blocks of stages 1..S-1 (None: the balanced cut; pipeline/cut.py).
+    device: where this stage's modules, tapes, gradients and optimizer state live (default: CPU).
+    compute_dtype: the autocast dtype of every forward (torch.bfloat16), or None for fp32.
 
     Compute methods are synchronous torch code; call them from a worker thread.
     """
@@ -96,6 +109,8 @@ class StageReplica:
         betas: tuple[float, float] = DEFAULT_BETAS,
         clip: float | None = DEFAULT_CLIP,
         cut: Sequence[range] | None = None,
+        device: torch.device | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.staged = staged(model)
         stages = self.staged.stages(n_stages, cut)
@@ -105,6 +120,9 @@ class StageReplica:
         self.n_stages = n_stages
         self.index = index
         self.stage = stages[index]
+        self.device = device if device is not None else torch.device("cpu")
+        self.compute_dtype = compute_dtype
+        self.stage.module.to(self.device)  # in place: the model's own parameters, now on the device
         named = dict(model.named_parameters())
         self.names: tuple[str, ...] = self.stage.parameter_names
         self.params: list[nn.Parameter] = [named[n] for n in self.names]
@@ -125,16 +143,15 @@ class StageReplica:
     def embed(self, idx: torch.Tensor) -> Tape:
         """Stage 0 forward: token ids [B, T] -> activations [B, T, d] (kept for the backward)."""
         self._need(ends=True, what="embed")
-        self.staged.check_input(idx)
-        with torch.enable_grad():
-            return Tape(None, self._end("embed")(idx))
+        self.staged.check_input(idx)  # on the host: on a GPU the range check would be a sync
+        with torch.enable_grad(), self._autocast():
+            return Tape(None, self._end("embed")(idx.to(self.device)))
 
     def forward(self, h: torch.Tensor) -> Tape:
         """Block-stage forward: h [B, T, d] -> this stage's blocks applied in order."""
         self._need(ends=False, what="run blocks")
-        self._check_activation(h)
-        x = h.detach().requires_grad_(True)
-        with torch.enable_grad():
+        x = self._activation(h).requires_grad_(True)
+        with torch.enable_grad(), self._autocast():
             return Tape(x, self.stage.module(x))
 
     def head(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
@@ -142,12 +159,12 @@ class StageReplica:
         backward through the head at once (nothing waits in between). Returns (loss, gradient for
         the last hop's output, this stage's parameter gradients)."""
         self._need(ends=True, what="compute the loss")
-        self._check_activation(h)
         if tuple(targets.shape) != tuple(h.shape[:2]):
             raise StageError(f"targets {tuple(targets.shape)} do not match activations {tuple(h.shape)}")
-        x = h.detach().requires_grad_(True)
+        x = self._activation(h).requires_grad_(True)
         with torch.enable_grad():
-            loss = self._end("head")(x, targets).loss
+            with self._autocast():  # the forward only: the backward follows the forward's dtypes
+                loss = self._end("head")(x, targets.to(self.device)).loss
             grads = torch.autograd.grad(loss, [x, *self.params], allow_unused=True)
         return float(loss.detach()), grads[0], self._dense(grads[1:])
 
@@ -160,6 +177,7 @@ class StageReplica:
                 f"{tuple(tape.output.shape)} it is for"
             )
         wrt = ([tape.inputs] if tape.inputs is not None else []) + self.params
+        grad_output = grad_output.to(self.device, tape.output.dtype)  # fp32 from the wire; bf16 if the output was
         with torch.enable_grad():
             grads = torch.autograd.grad(tape.output, wrt, grad_output, allow_unused=True)
         if tape.inputs is None:
@@ -179,7 +197,7 @@ class StageReplica:
         for p, g in zip(self.params, grads, strict=True):
             if g.shape != p.shape:
                 raise StageError(f"gradient of shape {tuple(g.shape)} for a parameter of {tuple(p.shape)}")
-            p.grad = g.detach().clone()
+            p.grad = g.detach().to(p.device, copy=True)
         limit = self.clip if self.clip is not None else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
         self.optimizer.step()
@@ -189,8 +207,8 @@ class StageReplica:
     # -- state -----------------------------------------------------------------------------------
 
     def stage_state(self) -> dict[str, torch.Tensor]:
-        """This stage's weights by model-level name (copies)."""
-        return {n: p.detach().clone() for n, p in zip(self.names, self.params, strict=True)}
+        """This stage's weights by model-level name (copies, on the host)."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.params, strict=True)}
 
     def grads_by_name(self, grads: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, grads, strict=True))
@@ -206,12 +224,19 @@ class StageReplica:
         (`PipelineStage`, models/gpt.py)."""
         return cast(nn.ModuleDict, self.stage.module)[name]
 
-    def _check_activation(self, h: torch.Tensor) -> None:
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        """Arriving activations `h`, checked, detached and on this stage's device."""
         d, context = self.staged.d_model, self.staged.context
         if h.dim() != 3 or h.shape[2] != d or h.shape[1] > context or h.dtype != torch.float32:
             raise StageError(f"activations must be float32 [batch, ≤{context}, {d}], got {h.dtype} {tuple(h.shape)}")
-        if not bool(torch.isfinite(h).all()):
+        x = h.detach().to(self.device)
+        if not bool(torch.isfinite(x).all()):
             raise StageError("activations contain NaN or infinity")
+        return x
+
+    def _autocast(self) -> torch.autocast:
+        """The forward's precision: autocast to `compute_dtype`, or off (fp32)."""
+        return torch.autocast(self.device.type, self.compute_dtype, enabled=self.compute_dtype is not None)
 
     def _dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]

@@ -104,7 +104,7 @@ class DataPlaneConfig:
     reconnect_attempts: int = 3
     handshake_timeout: float = 10.0
     direct: bool = True  # False: always use the libp2p fallback
-    listen_ip: str | None = None  # default: the host's first listen IP
+    listen_ip: str | None = None  # default: every IP the host listens on (IPv4 and IPv6), one port
     port: int = 0
     # Early senders waiting for their receive (see "Limits" above for why these numbers).
     max_pending_per_peer: int = 64

@@ -17,6 +17,12 @@ bounded by `FRAME_WRITE_LIMIT` so a peer that stops reading cannot hold a cancel
 forever (then the connection is closed: it is as good as dead, and a half-written frame would
 desynchronise it anyway). Waiting for the lock stays cancellable, as nothing is encrypted yet.
 Upstream's proper fix is the same shield inside `_write_frame`.
+
+**No remote address on IPv6** (`TrioTCPStream.get_remote_address`). It accepts only a 2-tuple from
+`getpeername()`, and an IPv6 socket returns four (host, port, flowinfo, scope id), so every IPv6
+connection reports no address. The data plane dials the peer's IP as our libp2p connection sees
+it (`Host.remote_ip`), so two peers on IPv6 sent their tensors over the slow libp2p fallback.
+The fix reads the first two fields of either family. Upstream's: `len(remote_addr) >= 2`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import trio
+from libp2p.io import trio as _io_trio
 from libp2p.io.exceptions import IOException
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
@@ -44,6 +51,17 @@ async def _write_frame_whole(self: _yamux.Yamux, data: bytes) -> None:
     await trio.lowlevel.checkpoint()
 
 
+def _remote_address_any_family(self: _io_trio.TrioTCPStream) -> tuple[str, int] | None:
+    if self._cached_remote_address is None:
+        try:
+            addr = self.stream.socket.getpeername()
+        except (AttributeError, OSError):  # no socket, or closed: no address, as upstream
+            return None
+        if isinstance(addr, tuple) and len(addr) >= 2:  # IPv4 (host, port); IPv6 adds flowinfo, scope id
+            self._cached_remote_address = (str(addr[0]), int(addr[1]))
+    return self._cached_remote_address
+
+
 def apply() -> None:
     """Install the workarounds (idempotent)."""
     global _applied
@@ -52,4 +70,5 @@ def apply() -> None:
     if not hasattr(_yamux.Yamux, "_write_frame"):  # a py-libp2p without the method: nothing to fix here
         raise RuntimeError("py-libp2p's Yamux has no _write_frame; re-check meshtrain/transport/libp2p_patches.py")
     _yamux.Yamux._write_frame = _write_frame_whole  # type: ignore[method-assign]  # the patch itself
+    _io_trio.TrioTCPStream.get_remote_address = _remote_address_any_family  # type: ignore[method-assign]
     _applied = True

@@ -229,16 +229,21 @@ class TensorStreams(Service):
 
     async def _start(self, stack: AsyncExitStack) -> None:
         # The listener first: if it cannot open, nothing else has started.
-        ip = self.config.listen_ip or _first_ip(self.host.config.listen)
-        self._listeners = await trio.open_tcp_listeners(self.config.port, host=ip)
+        # One port on every IP the host listens on (IPv4 and IPv6 alike): the peer dials the IP its
+        # libp2p connection to us goes to.
+        ips = [self.config.listen_ip] if self.config.listen_ip else listen_ips(self.host.config.listen)
         stack.push_async_callback(self._close_listeners)
-        self.port = self._listeners[0].socket.getsockname()[1]
+        port = self.config.port
+        for ip in ips:
+            self._listeners = [*self._listeners, *await trio.open_tcp_listeners(port, host=ip)]
+            port = self._listeners[0].socket.getsockname()[1]
+        self.port = port
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         self.inbox.nursery = self._nursery
         self._nursery.start_soon(trio.serve_listeners, self._serve_tcp, self._listeners)
         self.host.rpc.serve(SESSION_RPC, self._open_session)
         self.host.set_stream_handler(FALLBACK_PROTOCOL, self._serve_fallback)
-        log.info(kv("data plane listening", ip=ip, port=self.port))
+        log.info(kv("data plane listening", ips=",".join(ips), port=self.port))
 
     async def _stop(self) -> None:
         assert self._nursery is not None  # lifecycle misuse, not peer input
@@ -609,9 +614,11 @@ def _error_text(msg: Any) -> str:
     return "malformed error"
 
 
-def _first_ip(listen: Any) -> str:
+def listen_ips(listen: Any) -> list[str]:
+    """The distinct IPs of the /ip4 and /ip6 addresses among `listen`, in order; loopback if none."""
+    ips = []
     for a in listen:
         parts = str(a).split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            return parts[2]
-    return "127.0.0.1"
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips:
+            ips.append(parts[2])
+    return ips or ["127.0.0.1"]

@@ -67,14 +67,6 @@ import copy
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import ConfigError
 from meshtrain.optim.schedule import RoundSchedule
@@ -100,6 +92,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -
     """`model` under FSDP2 over the peer's `world_size` ranks (in place; returned): every module
     held in a ModuleList is a unit, children before parents, then the root. Its shards end on
     `device`."""
+    # torch.distributed's FSDP, DTensor and checkpoint modules are imported where they are used:
+    # together they take half a second (sympy), and every daemon imports this module.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(device.type, (world_size,))
     units = [m for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
     for unit in reversed(units):  # pre-order reversed: a nested unit is sharded before its parent
@@ -190,10 +187,6 @@ def clock_of(outer: Any) -> dict[str, Any]:
     return {"inner_steps": outer.inner_steps, "rounds": outer.rounds, "merges": outer.pending_merges()}
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-
-
 class ShardedModel:
     """One local rank's FSDP side: the sharded model, and on rank 0 the host replica and the
     inner-state snapshot (module docstring). `pull`, `push`, `gather_inner` and `load_inner`
@@ -213,17 +206,24 @@ class ShardedModel:
 
     def pull(self) -> None:
         """θ from the shards into rank 0's replica."""
-        full = get_model_state_dict(self.model, options=_FULL)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.replica is not None:
             self.replica.load_state_dict(full)
 
     def push(self) -> None:
         """θ from rank 0's replica into every rank's shards."""
         full = self.replica.state_dict() if self.replica is not None else {}
-        set_model_state_dict(self.model, full, options=_FROM_RANK0)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, full, options=options)
 
     def gather_inner(self, optimizer: Any, step: int) -> None:
         """The inner optimizer's state, whole, into rank 0's snapshot (taken at `step`)."""
+        from torch.distributed.tensor import DTensor
+
         full = _map_tensors(optimizer.state_dict(), lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
         if self.replica is not None:
             self.inner_state = _map_tensors(full, lambda t: t.detach().to("cpu", copy=True))
@@ -231,6 +231,8 @@ class ShardedModel:
 
     def load_inner(self, optimizer: Any, full: dict[str, Any]) -> None:
         """Every rank cuts its shard out of a whole inner state (all ranks hold `full`)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         params = list(self.model.parameters())
         body = full.get("optimizer", full)  # a GradScaler's wrapper (devices.ScaledInner) or the optimizer's own
         state = {}

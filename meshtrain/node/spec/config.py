@@ -60,6 +60,13 @@ class NodeConfig(BaseModel):
         default_factory=list,
         description="multiaddrs to advertise instead of the listen addresses (a public address behind port forwarding)",
     )
+    data_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the tensor data plane, where bulk tensors go direct; 0 = any free port. Behind a "
+        "firewall or a port forward, open it beside the libp2p port (the same number outside as inside)",
+    )
     bootstrap: list[str] = Field(
         default_factory=list,
         description="peers to dial at start; any meshtrain node is an entry to the DHT that lists swarms "
@@ -77,6 +84,11 @@ class NodeConfig(BaseModel):
     )
     status_port: int = Field(
         7070, ge=0, le=65535, description="port of the status page; 0 = any free port (written to daemon.json)"
+    )
+    tensorboard: Path | None = Field(
+        None,
+        description="also write the training's scalars (loss, held-out loss, rounds, bytes) as TensorBoard "
+        "event files into this directory (needs the tensorboardX package)",
     )
     checkpoint_every: float = Field(
         60.0, gt=0, description="seconds between background checkpoints (one is also written at shutdown)"

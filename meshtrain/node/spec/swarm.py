@@ -26,9 +26,11 @@ own fields (`SpecSection.check`); the rules across sections are here:
 - a spot-check needs diloco and at most H steps (still tested by the optimizer's name, like dp's
   precision rule: no other optimizer's class has anything to declare there);
 - a pipeline cuts a built-in GPT or an hf: / hf-config: model of a family models/staged.py
-  knows, in fp32, where `pipeline.stage_cut` says (pipeline/cut.py); `check` checks what it can
-  without reading files, and the architecture and layer count of an hf model are checked where the
-  cut is pinned (`SignedSpec.create`).
+  knows, in fp32 or bf16 (fp16's loss scaling would need every stage to agree to skip a step),
+  where `pipeline.stage_cut` says (pipeline/cut.py); `check` checks what it can without reading
+  files, and the architecture and layer count of an hf model are checked where the cut is pinned
+  (`SignedSpec.create`); a bf16 pipeline's hops are bf16 unless the spec names an
+  `activation_codec` (its stages compute in bf16 already: half the bytes a hop).
 
 `SwarmSpec.aggregation_options` (the one place the spec reaches the collective's
 `AllReduceConfig`) and `SwarmSpec.group_plan` (collective/groups.py) read several sections.
@@ -135,7 +137,12 @@ class SwarmSpec(BaseModel):
         if not isinstance(data, Mapping):
             return data
         nested = nested_form(data)
-        for default in (_defaults_of_the_optimizer, _robust_in_open_swarms, _tokenizer_for_the_data):
+        for default in (
+            _defaults_of_the_optimizer,
+            _robust_in_open_swarms,
+            _tokenizer_for_the_data,
+            _bf16_hops_for_bf16_pipelines,
+        ):
             default(nested)
         return nested
 
@@ -171,15 +178,18 @@ class SwarmSpec(BaseModel):
 
     def _check_pipeline(self) -> None:
         """A pipeline swarm: stages of a built-in GPT or an hf: / hf-config: model
-        (models/staged.py), in fp32, cut as `stage_cut` says (if pinned). Without reading files: an
+        (models/staged.py), in fp32 or bf16, cut as `stage_cut` says (if pinned). Without reading files: an
         hf model's architecture and layer count are checked where the cut is pinned
         (`SignedSpec.create`)."""
         source, stages = self.model.source, self.pipeline.stages
         kind = parse_model_source(source).kind
         if kind not in ("builtin", "hf", "hf-config"):
             raise ConfigError(f"swarm spec: pipeline swarms cut {PIPELINE_MODELS}, not {source}")
-        if self.model.precision != "fp32":
-            raise ConfigError("swarm spec: pipeline swarms train in fp32 (precision fp32)")
+        if self.model.precision == "fp16":
+            raise ConfigError(
+                "swarm spec: pipeline swarms train in fp32 or bf16, not fp16 (its loss scaling would need "
+                "every stage to agree to skip a step): use --precision bf16"
+            )
         n_layer = PRESETS[source]().n_layer if kind == "builtin" else None
         if n_layer is not None and not 2 <= stages <= n_layer + 1:
             raise ConfigError(f"swarm spec: {source} has {n_layer} blocks: 2..{n_layer + 1} stages, not {stages}")
@@ -341,6 +351,14 @@ def _tokenizer_for_the_data(nested: dict[Any, Any]) -> None:
             "tokenizer chars needs the whole text for its alphabet; a file dataset is streamed: use bytes or hf:<dir>"
         )
     _default(nested, "model", "tokenizer", "bytes")
+
+
+def _bf16_hops_for_bf16_pipelines(nested: dict[Any, Any]) -> None:
+    """A pipeline whose stages compute in bf16 sends its hops in bf16 (half float32's bytes) unless
+    the spec names an activation codec (pipeline/hop_codec.py)."""
+    pipeline = _given(nested, "pipeline", "kind") or "none"
+    if pipeline != "none" and _given(nested, "model", "precision") == "bf16":
+        _default(nested, "pipeline", "activation_codec", "bf16")
 
 
 def parse_spec(

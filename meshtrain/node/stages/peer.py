@@ -41,6 +41,16 @@ outer optimizer per stage every H iterations over the runtime's collective
 Hops (the spec's `activation_codec`): every activation and gradient hop of the runtime is encoded
 with it (pipeline/hop_codec.py), and the scheduler's link cost is that encoded size.
 
+Devices and precision. The stage trains on the node's `--device` (`resolve_device`, as a
+data-parallel peer's: "auto" takes CUDA, then MPS, then the CPU) in the spec's precision (fp32 or
+bf16 autocast; node/stages/trainer.py); its activations and gradients cross to the host at the hop
+codec and to the collective at the replica sync, nowhere else. The announced forward time is
+measured there too, in that precision: on the device when the whole model's weights fit in half
+its free memory, else on the host (a model cut because no one device holds it is timed slower
+than it runs; placement only compares peers). A stage peer is one process on one device; several
+local ranks (`--nproc-per-node`) are refused (the daemon), since a stage's replicas already are
+data parallelism: a machine with N GPUs runs N stage peers, one per `--device cuda:i`.
+
 Late joiners, moved peers, refills (node/stages/handover.py decides, node/stages/state.py moves). At the end of every epoch a peer
 publishes its stage's state under the stage's key in its `StateDonor` and announces the step as
 `offer`. A peer whose stage is fresh (it joined, or placement moved it) or whose state is behind
@@ -117,6 +127,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import resolve_context
 from meshtrain.node.phase import Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
+from meshtrain.node.ranks.devices import Precision, device_label, free_bytes, resolve_device, synchronize
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.stages.announce import PipelineAnnouncements
@@ -195,6 +206,7 @@ class PipelinePeer:
         self.lab = PipelineLab.load(config.pipeline_lab) if config.pipeline_lab else None
         self.traffic: dict[str, dict[str, int]] = {"hop_bytes_to": {}, "sync_bytes_to": {}}  # ended epochs'
         self.corpus = load_data(spec, data_dir)
+        self.device = resolve_device(config.device)
         self.trainer: StageTrainer | None = None
         self.runtime: PipelineRuntime | None = None
         self.epoch: Epoch | None = None
@@ -272,11 +284,17 @@ class PipelinePeer:
         model = build_model(self.spec, self.corpus.vocab_size)
         T = resolve_context(model, self.spec.model.context, self.spec.model.source)
         x, y = self.corpus.batch(self.spec.data.batch_size, T, seed=self.spec.seed, peer="pipeline", step=0)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        free = free_bytes(self.device) if self.device.type != "cpu" else None
+        device = self.device if free is not None and 2 * weights <= free else torch.device("cpu")
+        model, x, y = model.to(device), x.to(device), y.to(device)
+        precision = Precision(self.spec.model.precision, device)
         times = []
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast():
             for _ in range(FORWARD_REPEATS):
                 t0 = time.perf_counter()
                 model(x, y)
+                synchronize(device)  # a GPU's forward is queued, not done, when the call returns
                 times.append(time.perf_counter() - t0)
         return float(f"{statistics.median(times):.3g}")
 
@@ -288,7 +306,7 @@ class PipelinePeer:
             log.warning(
                 kv("moving to another stage (its state is downloaded as the epoch starts)", frm=old.stage, to=stage)
             )
-        trainer = await trio.to_thread.run_sync(StageTrainer, self.spec, stage, self.corpus.vocab_size)
+        trainer = await trio.to_thread.run_sync(StageTrainer, self.spec, stage, self.corpus.vocab_size, self.device)
         if old is not None:  # the loss curve and byte counts go on across a move
             trainer.step, trainer.info.history = old.step, old.info.history
             trainer.bytes_sent, trainer.bytes_received = old.bytes_sent, old.bytes_received
@@ -564,7 +582,8 @@ class PipelinePeer:
 
     def status(self) -> dict[str, Any]:
         """The status document's `pipeline` section: our stage, the stage map (the running
-        epoch's, else what the members announce), the epoch and what we wait for."""
+        epoch's, else what the members announce), the device and precision our stage trains in,
+        the epoch and what we wait for."""
         S = self.spec.pipeline.stages
         if self.epoch is not None:
             placement = self.epoch.placement
@@ -579,6 +598,8 @@ class PipelinePeer:
             "stage_cut": self.spec.pipeline.stage_cut,
             "replica_sync": self.spec.pipeline.replica_sync,
             "activation_codec": self.spec.pipeline.activation_codec,
+            "device": device_label(self.device),
+            "precision": self.spec.model.precision,
             "epoch": self.epoch.key if self.epoch is not None else None,
             "epochs": self.epochs,
             "forward_s": self.forward_s,

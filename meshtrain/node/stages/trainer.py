@@ -12,6 +12,12 @@ the numbers the status page shows. It has the stage's state in three forms:
   entered with `OuterOptimizer.join`;
 - `weights_digest()`: blake3 of the weights (replicas compare it after a DiLoCo round).
 
+Devices and precision (node/ranks/devices.py, as the data-parallel trainer): the stage lives on
+`device` (the node's `--device`), which must hold its weights, gradients and AdamW state
+(`check_fits`, said before the stage moves there), and computes its forwards in the spec's
+precision (`Precision`: bf16 autocast, fp32 master weights; fp32). Every form of its state is host
+tensors: checkpoints load on any device, and downloads cross the data plane.
+
 `needs_state` is True while the stage holds θ0 without having been given the swarm's state: right
 at the swarm's step 0 only. Not here: when a stage is taken or its state fetched (pipeline_peer).
 """
@@ -27,6 +33,7 @@ import torch
 
 from meshtrain.models.sources import resolve_context
 from meshtrain.models.staged import staged
+from meshtrain.node.ranks.devices import Precision, check_fits, resolve_device, to_host
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.trainer import StepInfo, build_model
 from meshtrain.optim.outer import OuterStateError, StaleStateError
@@ -38,25 +45,32 @@ from meshtrain.transport.validate import is_int
 
 class StageTrainer:
     """This peer's stage: the (locally built, whole) model, its `StageReplica`, the optional
-    per-stage outer sync, the step counter and the numbers the status page shows."""
+    per-stage outer sync, the step counter and the numbers the status page shows.
 
-    def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int) -> None:
+    spec: the swarm's. stage: which stage. vocab_size: the tokenizer's.
+    device: where the stage trains (default: `resolve_device("auto")`, as the trainer's).
+    """
+
+    def __init__(self, spec: SwarmSpec, stage: int, vocab_size: int, device: torch.device | None = None) -> None:
         model = build_model(spec, vocab_size)
-        n_layer = staged(model).n_layer  # ConfigError for a model a pipeline cannot cut
+        cuttable = staged(model)  # ConfigError for a model a pipeline cannot cut
         self.spec = spec
         self.stage = stage
+        self.device = device if device is not None else resolve_device("auto")
         self.context = resolve_context(model, spec.model.context, spec.model.source)
-        cut = (
-            parse_stage_cut(spec.pipeline.stage_cut, spec.pipeline.stages, n_layer) if spec.pipeline.stage_cut else None
-        )
+        S = spec.pipeline.stages
+        cut = parse_stage_cut(spec.pipeline.stage_cut, S, cuttable.n_layer) if spec.pipeline.stage_cut else None
+        check_fits(cuttable.stages(S, cut)[stage].module, self.device)  # before the stage moves there
         self.replica = StageReplica(
             model,
-            spec.pipeline.stages,
+            S,
             stage,
             lr=spec.outer.inner_lr,
             weight_decay=spec.outer.weight_decay,
             clip=spec.outer.clip,
             cut=cut,
+            device=self.device,
+            compute_dtype=Precision(spec.model.precision, self.device).dtype,
         )
         self.sync: StageOuterSync | None = None
         self.step = 0
@@ -89,13 +103,13 @@ class StageTrainer:
     # -- state -----------------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """This stage's weights, AdamW state, outer state and step (copies; between iterations)."""
+        """This stage's weights, AdamW state, outer state and step (host copies; between iterations)."""
         r = self.replica
         state: dict[str, Any] = {
             "pipeline": {"stage": self.stage, "stages": self.spec.pipeline.stages, "cut": self.spec.pipeline.stage_cut},
             "step": self.step,
             "weights": r.stage_state(),
-            "adam": copy.deepcopy(r.optimizer.state_dict()),
+            "adam": to_host(r.optimizer.state_dict()),
             "loss": self.info.loss,
         }
         if self.sync is not None:
@@ -104,9 +118,9 @@ class StageTrainer:
 
     def donated_state(self) -> dict[str, Any]:
         """What a peer taking this stage over downloads from us (node/stages/state.py): every-step,
-        the weights and AdamW state; diloco / noloco, the outer state (φ and momentum). Copies."""
+        the weights and AdamW state; diloco / noloco, the outer state (φ and momentum). Host copies."""
         if self.sync is None:
-            return {"weights": self.replica.stage_state(), "adam": copy.deepcopy(self.replica.optimizer.state_dict())}
+            return {"weights": self.replica.stage_state(), "adam": to_host(self.replica.optimizer.state_dict())}
         return {"outer": self.sync.outer.state_dict(inner=False)}
 
     def enter_donated(self, state: dict[str, Any], *, at_step: int) -> None:

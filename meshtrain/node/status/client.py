@@ -61,7 +61,8 @@ The status document (`Node.snapshot()`):
     joined_from: how a late joiner got its state (donors, bytes, seconds) or null
     pipeline:   only in a pipeline swarm (node/stages/peer.py): mode, stages, stage (ours),
                 stage_map ([[peer ids] per stage]: the running epoch's, else as announced),
-                stage_cut, replica_sync, activation_codec, epoch (key or null), epochs,
+                stage_cut, replica_sync, activation_codec, device (ours, as `device` above),
+                precision, epoch (key or null), epochs,
                 forward_s, waiting, joined_from, backup ({stage, step} of the stage with one replica
                 we hold a copy of, node/stages/state.py Backups, or null), traffic,
                 export (the last `POST /export`'s progress: {state: running|done|failed, out,
