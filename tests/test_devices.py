@@ -51,8 +51,19 @@ def test_device_names_resolve_or_fail_in_one_line():
         load_node_config(None, overrides={"nproc_per_node": 0})
 
 
-async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_the_host():
-    device = torch.device("cpu")  # the parameter CUDA runs pass as cuda:N
+# The trainer on each device this machine has: on "cpu" θ and φ share the host, so the pseudo-gradient
+# takes its host path; on "cuda:0" (marked `cuda`: scripts/gpu_check.sh runs it) θ is on the device
+# and φ on the pinned host, the non-blocking copy path (optim/outer.py `pseudo_gradient`). No CPU
+# stand-in reaches that path with data: a `meta` θ has no values to copy back.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda:0", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_the_host(device):
+    device = torch.device(device)
     spec = SwarmSpec(model="gpt-tiny", H=5, eval_every=0, batch_size=8)
     t = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device=device)
     await train(t, 10)
@@ -63,8 +74,8 @@ async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_t
     assert x.device == y.device == device and x.shape == (8, t.context)
     assert all(s["exp_avg"].device == device for s in t.inner.state.values())
     assert all(phi.device.type == "cpu" and phi.dtype == torch.float32 for phi in t.outer.outer_params.values())
-    delta = t.outer.pseudo_gradient(list(t.outer.params))
-    assert all(d.device.type == "cpu" and d.dtype == torch.float32 for d in delta.values())
+    if device.type == "cuda":  # pinned, so the copies to and from the device can be non-blocking
+        assert all(phi.is_pinned() for phi in t.outer.outer_params.values())
     state = t.checkpoint_state()
     assert all(v.device.type == "cpu" for v in state["model"].values())
     resumed = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device=device)
@@ -72,6 +83,17 @@ async def test_model_batches_and_inner_state_on_the_device_outer_state_fp32_on_t
     assert resumed.step == 10 and all(
         torch.equal(a, b) for a, b in zip(t.model.parameters(), resumed.model.parameters(), strict=True)
     )
+    # Δ = φ − θ after three more inner steps, wherever θ is: the values the host computes, on the host.
+    for step in range(3):
+        x, y = t.batch(10 + step)
+        t.outer.zero_grad()
+        t.model(x, y).loss.backward()
+        t.inner.step()
+    delta = t.outer.pseudo_gradient(list(t.outer.params))
+    for n, theta in t.outer.params.items():
+        expected = t.outer.outer_params[n] - theta.detach().to("cpu", torch.float32)
+        assert delta[n].device.type == "cpu" and delta[n].dtype == torch.float32
+        assert torch.equal(delta[n], expected) and delta[n].abs().sum() > 0, n
 
 
 async def test_bf16_autocast_trains_with_fp32_master_weights_and_loss_falls():
@@ -88,13 +110,26 @@ async def test_bf16_autocast_trains_with_fp32_master_weights_and_loss_falls():
     assert t.evaluate() < before - 0.3
 
 
-async def test_fp16_scales_the_loss_and_checkpoints_the_scale():
+async def test_fp16_skips_a_step_whose_gradients_overflow_halves_the_scale_and_checkpoints_it():
     spec = SwarmSpec(model="gpt-tiny", H=5, eval_every=0, batch_size=4, precision="fp16")
     t = Trainer(spec, LocalSwarm(1).member(0), "peer-a", device="cpu")
-    assert t.precision.scaler is not None
-    await train(t, 5)
+    scaler = t.precision.scaler
+    assert scaler is not None
+    # A scale no fp16 gradient survives: the first step overflows.
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0**100, "_growth_tracker": 0})
+    theta = [p.detach().clone() for p in t.model.parameters()]
+    async with t.outer:
+        await trio.to_thread.run_sync(t.run, threading.Event(), 1, lambda _t: None)
+        assert scaler.get_scale() == 2.0**99  # backed off by half ...
+        assert not t.inner.state and all(  # ... and the inner step skipped: no Adam state, θ as it was
+            torch.equal(a, b) for a, b in zip(theta, t.model.parameters(), strict=True)
+        )
+        scaler.update(2.0**8)  # a scale the gradients fit: the next step is taken, at that scale
+        await trio.to_thread.run_sync(t.run, threading.Event(), 2, lambda _t: None)
+    assert scaler.get_scale() == 2.0**8 and t.inner.state
+    assert not all(torch.equal(a, b) for a, b in zip(theta, t.model.parameters(), strict=True))
     state = t.checkpoint_state()
-    assert "scaler" in state["outer"]["inner"] and state["outer"]["inner"]["scaler"]["scale"] > 0
+    assert state["outer"]["inner"]["scaler"]["scale"] == 2.0**8  # a resumed peer keeps the scale
     assert t.info.loss is not None and torch.isfinite(torch.tensor(t.info.loss))
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 import trio
 
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.status.server import StatusServer
 
@@ -379,6 +380,27 @@ async def test_status_and_stop_commands_import_neither_torch_nor_libp2p(tmp_path
         human = await trio.to_thread.run_sync(lambda: cli("node", "status", "--data-dir", str(tmp_path)))
     assert stopped == [1]
     assert "waiting: round 2: waiting for 1 peer" in human.stdout and "parity ok" in human.stdout
+
+
+def test_status_and_stop_with_no_node_running_fail_in_one_line_and_stay_light(tmp_path):
+    """The error paths too: no daemon.json, and one left by a node that died (pid gone)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "died").mkdir()
+    (tmp_path / "died" / "daemon.json").write_text(json.dumps({"pid": int(dead.stdout), "status_url": "http://x"}))
+    for data_dir in (tmp_path / "none", tmp_path / "died"):
+        for action in ("status", "stop"):
+            out = cli_probe("node", action, "--data-dir", str(data_dir))
+            assert out == {"code": 1, "heavy": []}, (data_dir.name, action, out)
+
+
+def test_swarm_create_help_shows_the_default_a_swarm_created_without_flags_gets(capsys):
+    from meshtrain.node.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["swarm", "create", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert SwarmSpec().aggregation.rule == "trimmed_mean"  # an open diloco swarm: the field's own default is mean
+    assert "else mean (default trimmed_mean)" in text and "(default mean)" not in text
 
 
 def test_status_and_stop_find_the_data_dir_as_node_start_does(tmp_path, monkeypatch):

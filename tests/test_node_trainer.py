@@ -61,15 +61,29 @@ async def test_a_user_model_through_the_python_api():
     assert t.info.eval_loss < before
 
 
-def test_hugging_face_config_builds_and_trains(tmp_path):
+def test_a_hugging_face_config_trains_on_two_peers_from_one_start_to_one_phi(tmp_path):
+    """Both peers build the same θ0 from the config file, train on their own data, and hold one
+    φ after every round (DiLoCo); the swarm's loss falls."""
     pytest.importorskip("transformers")
     cfg = tmp_path / "gpt2.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 32}))
     spec = SwarmSpec(model=f"hf-config:{cfg}", steps=10, H=5, eval_every=10, inner_lr=1e-2)
-    t = Trainer(spec, LocalSwarm(1).member(0), "p")
-    before = t.evaluate()
-    trio.run(train, t, 10)
-    assert t.context == 32 and t.info.eval_loss < before
+    swarm = LocalSwarm(2)
+    a, b = (Trainer(spec, swarm.member(i), f"peer-{i}") for i in range(2))
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    before = a.evaluate()
+
+    async def both() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(train, a, 10)
+            nursery.start_soon(train, b, 10)
+
+    trio.run(both)
+    assert a.context == 32 and a.outer.rounds == b.outer.rounds == 2
+    assert [r.contributors for r in a.outer.history] == [2, 2]  # each round averaged both peers
+    for n, phi in a.outer.outer_params.items():
+        assert torch.equal(phi, b.outer.outer_params[n]), n
+    assert a.info.eval_loss < before and b.info.eval_loss == pytest.approx(a.info.eval_loss)
 
 
 def test_spec_and_model_errors_are_clear(tmp_path):

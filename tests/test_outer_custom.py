@@ -1,26 +1,58 @@
-"""A user's own outer optimizer — docs/guide.md's `OuterSGD` and `OuterAdam` (tests/proc_trainer.py,
-under 30 lines together) — on a real multi-peer swarm: in-process trio hosts on loopback, every
-peer training in its own worker thread."""
+"""A user's own outer optimizer: docs/guide.md's `OuterSGD`, run as the guide's Python API block
+writes it (`outer.py`, named by a spec, built by the spec's `from_spec`); and `OuterSGD` and
+`OuterAdam` (tests/proc_trainer.py) on a real multi-peer swarm: in-process trio hosts on loopback,
+every peer training in its own worker thread."""
 
 from __future__ import annotations
 
 import copy
-import inspect
+import re
 from contextlib import AsyncExitStack
 
 import torch
 import trio
 
 from meshtrain.collective import AllReduceConfig, LocalSwarm
+from meshtrain.node.spec.outer import build_outer
+from meshtrain.node.spec.swarm import parse_spec
 
+from .conftest import ROOT
 from .proc_trainer import OuterAdam, OuterSGD
 from .test_allreduce import mesh
 from .test_outer_diloco import backward, eval_loss, tiny
 
 
-def test_the_readme_snippet_is_short():
-    lines = [ln for cls in (OuterSGD, OuterAdam) for ln in inspect.getsource(cls).splitlines() if ln.strip()]
-    assert len(lines) <= 30
+def the_guides_outer_py() -> str:
+    """The class of docs/guide.md's Python API block — its `outer.py, on every peer` — as that file."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "guide.md").read_text(), re.S)
+    block = next(b for b in blocks if "class OuterSGD(meshtrain.OuterOptimizer)" in b)
+    return "import meshtrain\n\n\n" + block[block.index("class OuterSGD") : block.index("\nspec = ")]
+
+
+async def test_the_guides_outer_optimizer_is_built_from_the_spec_and_at_lr_1_is_fedavg(tmp_path):
+    """What the guide says of it: a spec names it (`py:outer.py:OuterSGD`), `from_spec` reads the
+    spec's H and outer_lr (its `swarm create ... --outer-lr 0.8`), and `apply` gets the peers' mean
+    of φ − θ: at lr 1 a round leaves every peer at the mean of their weights (FedAvg)."""
+    (tmp_path / "outer.py").write_text(the_guides_outer_py())
+    given = {"model": "gpt-tiny", "optimizer": f"py:{tmp_path / 'outer.py'}:OuterSGD", "H": 2}
+    model = tiny()
+    assert build_outer(parse_spec({**given, "outer_lr": 0.8}), model, None, LocalSwarm(1).member(0)).lr == 0.8
+    spec, swarm = parse_spec({**given, "outer_lr": 1.0}), LocalSwarm(3)
+    models = [tiny() for _ in range(3)]
+    inners = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    outers = [build_outer(spec, m, None, swarm.member(i)) for i, m in enumerate(models)]
+    assert [(type(o).__name__, o.H, o.lr) for o in outers] == [("OuterSGD", 2, 1.0)] * 3
+    for step in range(2):
+        for i, m in enumerate(models):
+            backward(m, i, step)
+            inners[i].step()
+        local = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+        async with trio.open_nursery() as nursery:
+            for o in outers:
+                nursery.start_soon(o.astep)
+    assert outers[0].rounds == 1
+    for n, p in models[1].named_parameters():
+        torch.testing.assert_close(p.detach(), torch.stack([loc[n] for loc in local]).mean(0), atol=1e-6, rtol=0)
 
 
 async def train_on_hosts(make, steps: int, n: int = 3, lr: float = 0.1):

@@ -13,26 +13,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.errors import ConfigError
 from meshtrain.node.spec.signed import FORMAT, FORMAT_V1, SignedSpec, SpecError, swarm_id_of
-from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, parse_spec
+from meshtrain.node.spec.swarm import FLAT_KEYS, OPTIMIZERS, SECTIONS, SwarmSpec, default_of, parse_spec
 from meshtrain.transport.identity import Identity
 
 
-def older_document(tmp_path, dropped: tuple[str, ...]) -> dict:
-    """A v1 (flat) spec document as a meshtrain without the `dropped` keys signed it."""
+def older_document(tmp_path, dropped: tuple[str, ...], **given) -> dict:
+    """A v1 (flat) spec document as a meshtrain without the `dropped` keys signed it (`given`:
+    keys given; a value of the dropped keys' time overrides what this version writes)."""
     owner = Identity.load_or_create(tmp_path / "owner")
-    spec = SignedSpec.create(SwarmSpec(model="gpt-tiny", name="old"), owner).spec.flat()
+    spec = {**SignedSpec.create(SwarmSpec(model="gpt-tiny", name="old", **given), owner).spec.flat(), **given}
     for key in dropped:
-        del spec[key]
+        spec.pop(key, None)
     signature = owner.sign(SignedSpec.signed_message(spec, owner.peer_id_str))
     doc = {"spec": spec, "owner": owner.peer_id_str, "signature": signature.hex()}
     return json.loads(json.dumps({"format": FORMAT_V1, **doc}))  # as read from a file
 
 
-def document(tmp_path) -> dict:
+def document(tmp_path, **given) -> dict:
     """A v2 spec document, as `swarm create` writes it."""
     owner = Identity.load_or_create(tmp_path / "owner")
-    return json.loads(json.dumps(SignedSpec.create(SwarmSpec(model="gpt-tiny", name="new", H=7), owner).to_wire()))
+    spec = SwarmSpec(model="gpt-tiny", name="new", H=7, **given)
+    return json.loads(json.dumps(SignedSpec.create(spec, owner).to_wire()))
 
 
 def test_a_spec_signed_before_newer_keys_existed_verifies_keeps_its_id_and_is_passed_on_unchanged(tmp_path):
@@ -165,7 +168,9 @@ def test_the_flat_table_names_every_field_of_every_section_once():
     fields += [(section, field) for section, cls in SECTIONS.items() for field in cls.model_fields]
     assert sorted(FLAT_KEYS.values(), key=str) == sorted(fields, key=str)  # each once: a dict's keys are unique
     assert set(SECTIONS) == {"model", "data", "outer", "aggregation", "verification", "pipeline", "admission"}
-    assert len(FLAT_KEYS) == 60  # the flat spec's keys before the sections, every one kept
+    added = {key for key, (section, field) in FLAT_KEYS.items() if section and field in SECTIONS[section].added_keys}
+    assert added == {"noloco_outer", "error_feedback"}  # since the signed form was fixed: written where they act
+    assert len(FLAT_KEYS) - len(added) == 60  # the flat spec's keys before the sections, every one kept
 
 
 @settings(max_examples=60, deadline=None)
@@ -173,7 +178,59 @@ def test_the_flat_table_names_every_field_of_every_section_once():
 def test_any_flat_spec_and_its_nested_form_are_one_spec(keys):
     """Keys given flat (at their defaults) or in their sections give one spec; its flat form names
     every key once, by the name the flat spec gave it."""
-    flat = {key: SwarmSpec().flat()[key] for key in keys}
+    flat = {key: default_of(key) for key in keys}
     spec = SwarmSpec.model_validate(flat)
     assert SwarmSpec.model_validate(spec.model_dump()) == spec
-    assert set(spec.flat()) == set(FLAT_KEYS) and {k: spec.flat()[k] for k in flat} == flat
+    written = spec.flat()  # every key but the ones added since, which say nothing here
+    assert set(written) == set(FLAT_KEYS) - {"noloco_outer", "error_feedback"}
+    assert {k: written.get(k, default_of(k)) for k in flat} == flat
+
+
+def test_keys_added_since_are_signed_only_where_they_act():
+    for optimizer in OPTIMIZERS:  # a spec that leaves them alone is signed as before they existed
+        assert not {"noloco_outer", "error_feedback"} & set(SwarmSpec(optimizer=optimizer).model_dump()["outer"])
+    assert SwarmSpec(codec="topk").model_dump()["outer"]["error_feedback"] is True
+    assert SwarmSpec(codec="topk", error_feedback=False).flat()["error_feedback"] is False
+    assert "error_feedback" not in SwarmSpec(optimizer="noloco", codec="topk").flat()  # noloco takes none
+    noloco = SwarmSpec(optimizer="noloco", outer_lr=0.5).model_dump()["outer"]
+    assert (noloco["noloco_outer"], noloco["outer_lr"], noloco["outer_momentum"]) == (True, 0.5, 0.5)  # μ: its own
+    assert SwarmSpec(optimizer="noloco", outer_momentum=0.9, noloco_outer=True).outer.outer_momentum == 0.9
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"noloco_outer": True},
+        {"error_feedback": False},
+        {"codec": "int8", "error_feedback": False},
+        {"codec": "topk", "optimizer": "noloco", "error_feedback": False},
+        {"codec": "topk", "optimizer": "sparseloco", "error_feedback": False},
+    ],
+)
+def test_an_added_key_where_it_cannot_act_is_refused_in_one_line(bad):
+    with pytest.raises(ConfigError) as e:
+        parse_spec(bad)
+    assert "\n" not in str(e.value) and ("noloco_outer" in str(e.value) or "error_feedback" in str(e.value))
+
+
+def test_a_topk_spec_signed_before_error_feedback_existed_runs_without_it_and_keeps_its_id(tmp_path):
+    doc = older_document(tmp_path, ("error_feedback", "noloco_outer"), codec="topk")
+    signed = SignedSpec.from_wire(doc)
+    assert signed.swarm_id == swarm_id_of(doc["spec"], doc["owner"])
+    assert (signed.spec.outer.error_feedback, signed.spec.outer.topk_error_feedback) == (False, None)
+    assert parse_spec(signed.spec.model_dump()) == signed.spec  # as a node hands it to its local ranks
+    assert SignedSpec.from_wire(signed.to_wire()) == signed and "error_feedback" not in signed.to_wire()["spec"]
+    now = SignedSpec.from_wire(document(tmp_path, codec="topk"))  # written now: error feedback, signed
+    assert now.spec.outer.topk_error_feedback == 0.95 and now.signed["outer"]["error_feedback"] is True
+
+
+def test_a_noloco_spec_signed_before_noloco_outer_existed_runs_its_own_beta_and_mu(tmp_path):
+    # Its creator's --outer-lr 0.5 was ignored then, and the spec carries DiLoCo's outer_momentum 0.9.
+    old = {"optimizer": "noloco", "outer_lr": 0.5, "outer_momentum": 0.9}
+    doc = older_document(tmp_path, ("error_feedback", "noloco_outer"), **old)
+    signed = SignedSpec.from_wire(doc)
+    assert signed.swarm_id == swarm_id_of(doc["spec"], doc["owner"])
+    assert signed.spec.outer.noloco_outer is False
+    assert parse_spec(signed.spec.model_dump()) == signed.spec  # the dump says so, for a reader that infers
+    now = SignedSpec.from_wire(document(tmp_path, optimizer="noloco", outer_lr=0.5)).spec.outer  # written now
+    assert (now.noloco_outer, now.outer_lr, now.outer_momentum) == (True, 0.5, 0.5)

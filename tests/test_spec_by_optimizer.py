@@ -8,6 +8,10 @@ optimizer classes declare them now (optim/outer.py). A spec's fields are its swa
 form, so a change here splits swarms: regenerate the file only for a deliberate change of the
 spec format (`python -m tests.test_spec_by_optimizer > tests/spec_by_optimizer.json`).
 
+One case now means something else, deliberately (`NOW_HONOURED`): a noloco spec that gives outer_lr
+is a NoLoCo that honours it, under a new id; the document signed then still loads under its own
+id and trains as it did (`test_a_spec_signed_then_still_loads_with_its_id_and_fields_and_trains_as_it_did`).
+
 The fixture predates the spec's sections (format meshtrain.swarm/1): its `model_dump` is the flat
 form (`SwarmSpec.flat()`), and its id the one a v1 spec of those fields has, which every swarm
 created then keeps. A new spec is signed nested (v2, `model_dump()`): the same fields, moved into
@@ -24,6 +28,7 @@ import pytest
 import torch
 
 from meshtrain.collective import LocalSwarm
+from meshtrain.errors import ConfigError
 from meshtrain.node.spec.outer import build_outer
 from meshtrain.node.spec.signed import swarm_id_of
 from meshtrain.node.spec.swarm import OPTIMIZERS as SPEC_OPTIMIZERS
@@ -103,9 +108,42 @@ def test_the_fixture_covers_every_case():
     assert set(pinned()) == set(cases())
 
 
+# The one case a spec written now means something else: NoLoCo honours the outer_lr it gives (and
+# runs its own μ, 0.5), where it ignored it (optim/noloco.py) — a new swarm, under a new id.
+NOW_HONOURED = {"noloco given": {"noloco_outer": True, "outer_momentum": 0.5}}
+
+
 @pytest.mark.parametrize("name", sorted(cases()))
 def test_a_spec_naming_an_optimizer_keeps_its_fields_swarm_id_and_checks(name):
-    assert json.loads(json.dumps(described(cases()[name]))) == pinned()[name]
+    now, then = json.loads(json.dumps(described(cases()[name]))), pinned()[name]
+    if name in NOW_HONOURED:
+        assert now["model_dump"] == {**then["model_dump"], **NOW_HONOURED[name]}
+        assert now["swarm_id"] != then["swarm_id"]
+        now, then = ({k: v for k, v in d.items() if k not in ("model_dump", "swarm_id")} for d in (now, then))
+    assert now == then
+
+
+@pytest.mark.parametrize("name", sorted(cases()))
+def test_a_spec_signed_then_still_loads_with_its_id_and_fields_and_trains_as_it_did(name):
+    """Every pinned spec as the v1 document it was signed as: its id is its own, it parses (or is
+    refused) as then, to the fields it had, and NoLoCo keeps its own β and μ, whatever it says."""
+    then = pinned()[name]
+    body = then["model_dump"]
+    assert swarm_id_of(body, OWNER) == then["swarm_id"]
+    if then["check"] != "ok":
+        with pytest.raises(ConfigError):
+            parse_spec(body, form="flat", signed=True)
+        return
+    spec = parse_spec(body, form="flat", signed=True)
+    assert json.loads(json.dumps({k: v for k, v in spec.flat().items() if k in body})) == body
+    assert spec.outer.noloco_outer is False and set(spec.flat()) - set(body) <= {"noloco_outer"}
+    if spec.outer.optimizer == "noloco":
+        noloco = build_outer(
+            spec.model_copy(update={"model": SwarmSpec(model="gpt-tiny").model}),
+            *model_and_inner(),
+            LocalSwarm(1).member(0),
+        )
+        assert (noloco.lr, noloco.momentum) == (0.7, 0.5)
 
 
 @pytest.mark.parametrize("name", sorted(cases()))
@@ -119,10 +157,13 @@ def test_the_spec_accepts_exactly_the_registrys_names():
     assert SPEC_OPTIMIZERS == tuple(BUILTIN_OPTIMIZERS) == ("diloco", "streaming", "noloco", "sparseloco", "dp")
 
 
-def build(**given: Any) -> OuterOptimizer:
+def model_and_inner() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = tiny()
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return build_outer(parse_spec({"model": "gpt-tiny", **given}), model, inner, LocalSwarm(1).member(0))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def build(**given: Any) -> OuterOptimizer:
+    return build_outer(parse_spec({"model": "gpt-tiny", **given}), *model_and_inner(), LocalSwarm(1).member(0))
 
 
 def test_every_builtin_is_built_by_its_from_spec_with_the_spec_keys_it_reads():
@@ -135,12 +176,33 @@ def test_every_builtin_is_built_by_its_from_spec_with_the_spec_keys_it_reads():
     assert (streaming.eager, streaming.lr, streaming.codec) == (True, 0.6, "fp4")  # the spec's codec none: fp4
     assert build(optimizer="streaming", H=8, codec="int8").codec == "int8"
     noloco = build(optimizer="noloco", H=9, codec="fp16")
-    assert type(noloco) is NoLoCo and (noloco.H, noloco.codec) == (9, "fp16")
+    assert type(noloco) is NoLoCo and (noloco.H, noloco.codec, noloco.lr, noloco.momentum) == (9, "fp16", 0.7, 0.5)
+    noloco = build(optimizer="noloco", outer_lr=0.4)  # β the spec's, μ its own
+    assert (noloco.lr, noloco.momentum, noloco.gamma) == (0.4, 0.5, 0.7)
+    noloco = build(optimizer="noloco", outer_momentum=0.3)
+    assert (noloco.lr, noloco.momentum) == (0.7, 0.3)
+    noloco = build(optimizer="noloco", outer_momentum=0.9, noloco_outer=True)  # a default's value, said so
+    assert (noloco.lr, noloco.momentum) == (0.7, 0.9)
     sparse = build(optimizer="sparseloco", H=6, sparse_k=16, sparse_chunk=1024)
     assert type(sparse) is SparseLoCo
     assert (sparse.H, sparse.lr, sparse.error_feedback, sparse.sparse.k, sparse.sparse.chunk) == (6, 1.0, 0.9, 16, 1024)
     dp = build(optimizer="dp", codec="bf16")
     assert type(dp) is DataParallel and (dp.H, dp.codec) == (1, "bf16")
+
+
+def test_codec_topk_gets_error_feedback_unless_the_spec_turns_it_off():
+    for optimizer in ("diloco", "streaming", "dp", "py:tests/custom_outer.py:OuterSGD"):
+        given = {"optimizer": optimizer, "codec": "topk", **({"H": 8} if optimizer == "streaming" else {})}
+        outer = build(**given)
+        if outer.codec != "topk":  # a py: class whose from_spec does not read the codec: nothing to feed back
+            assert optimizer.startswith("py:") and outer.error_feedback is None
+            continue
+        assert outer.error_feedback == 0.95, optimizer  # β: the spec's error_decay
+        assert build(**given, error_decay=0.8).error_feedback == 0.8
+        assert build(**given, error_feedback=False).error_feedback is None
+    assert build(codec="int8").error_feedback is None
+    assert build(optimizer="noloco", codec="topk").error_feedback is None  # its exchange holds φ itself
+    assert build(optimizer="sparseloco").error_feedback == 0.9  # its own accumulator, as before
 
 
 def test_a_class_without_its_own_from_spec_is_built_with_the_specs_H():

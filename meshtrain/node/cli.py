@@ -21,8 +21,9 @@ runtime failures: 1).
 
 `node status` and `node stop` must answer in well under a second on a machine whose cores are
 busy training, so their path imports only the standard library and the small `meshtrain.errors`,
-`meshtrain.log` and `meshtrain.node.status.client` modules: everything else (the config model, torch,
-libp2p, trio) is imported inside the command that needs it (`tests/test_node_cli.py` checks).
+`meshtrain.log` and `meshtrain.node.status.client` modules, their error paths too (no node running):
+everything else (the config model, torch, libp2p, trio) is imported inside the command that needs
+it (`tests/test_node_cli.py` checks both paths).
 A foreground `node start` shows what the node does (`meshtrain.node.status.console`) unless `--quiet`.
 """
 
@@ -89,7 +90,7 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_flags(p: argparse.ArgumentParser) -> None:
-    from meshtrain.node.spec.swarm import FLAT_KEYS, field_of
+    from meshtrain.node.spec.swarm import FLAT_KEYS, default_of, field_of
 
     for name in FLAT_KEYS:  # the flat names: a flag per field of every section
         info = field_of(name)
@@ -111,7 +112,7 @@ def _spec_flags(p: argparse.ArgumentParser) -> None:
             dest=f"spec_{name}",
             type=kind,
             default=None,
-            help=f"{info.description or name} (default {info.default})",
+            help=f"{info.description or name} (default {default_of(name)})",  # of a spec given no keys
         )
 
 
@@ -642,9 +643,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_code(err: MeshtrainError) -> int:
     """1 for an error; 130, as for any interrupt, for a node stopped before it trained."""
-    from meshtrain.node.phase import StoppedWhileStarting
-
-    return 130 if isinstance(err, StoppedWhileStarting) else 1
+    # Only a node that started can have been stopped while starting, and it imported the phase
+    # module: looked up, not imported, so `node stop` / `status` with no node running stay light
+    # (importing it would load trio for an error that cannot be one of its own).
+    phase = sys.modules.get("meshtrain.node.phase")
+    return 130 if phase is not None and isinstance(err, phase.StoppedWhileStarting) else 1
 
 
 def _main(argv: list[str] | None, *, exit_at_once: bool = False) -> int:

@@ -27,12 +27,25 @@ Where we differ from the reference, and why:
   proceed alone, as an odd peer out does. Peers must agree on the round's membership to pair
   consistently; if they do not, a mismatched pair costs one deadline and both proceed alone.
 - Exchange: Δ and φ are sent together, 2|θ| each way with one peer, as in the paper. A codec
-  applies to both; keep "none" (or "fp16") — 4-bit φ would throw away the weights themselves.
+  applies to both; keep "none" (or "fp16") — 4-bit φ would throw away the weights themselves —
+  and it takes no error feedback (a residual of φ is no pseudo-gradient's): the spec's topk
+  `error_feedback` leaves it alone.
+
+The spec's outer_lr and outer_momentum are β and μ, the paper's meaning, where the spec says so
+(`outer.noloco_outer`, optim/spec_section.py); otherwise NoLoCo runs its own β 0.7 and μ 0.5. A
+spec written now that gives either key a value other than the field's default (outer_lr 0.7,
+DiLoCo's outer_momentum 0.9) gets `noloco_outer` set, and the other key NoLoCo's own value
+(`own_outer`): `--outer-lr 0.5` alone runs β 0.5 with μ 0.5. Why not just read them: every noloco spec
+signed before carries outer_momentum 0.9 — DiLoCo's default, written into every spec —, and its
+NoLoCo ran at μ 0.5 regardless; reading 0.9 now would change those swarms silently, and a spec
+cannot tell a 0.9 its creator typed from the default. So a signed spec without the key runs as
+it ran (its own β and μ, whatever outer_lr says), and NoLoCo at exactly 0.7 / 0.9 takes
+`noloco_outer = true` with them. γ is NoLoCo's own (0.7): no spec key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Self
 
 import numpy as np
@@ -77,6 +90,8 @@ class NoLoCo(OuterOptimizer):
     """
 
     replicas_identical = False  # each pair averages with its own partner: φ differs by design
+    # β and μ by their spec keys: what a spec that sets `noloco_outer` and not the key gets.
+    own_outer: ClassVar[Mapping[str, float]] = {"outer_lr": 0.7, "outer_momentum": 0.5}
     ungrouped_reason: ClassVar[str | None] = "it averages with one partner already"
     not_robust_reason: ClassVar[str | None] = "averages with one partner"
 
@@ -84,6 +99,10 @@ class NoLoCo(OuterOptimizer):
     def from_spec(
         cls, model: torch.nn.Module, inner: torch.optim.Optimizer | None, collective: Collective, spec: OuterSpec
     ) -> Self:
+        if spec.noloco_outer:  # the module docstring, "The spec's outer_lr and outer_momentum"
+            return cls(
+                model, inner, collective, H=spec.H, lr=spec.outer_lr, momentum=spec.outer_momentum, codec=spec.codec
+            )
         return cls(model, inner, collective, H=spec.H, codec=spec.codec)
 
     def __init__(
@@ -93,9 +112,9 @@ class NoLoCo(OuterOptimizer):
         collective: Collective,
         *,
         H: int = 50,
-        lr: float = 0.7,
+        lr: float = own_outer["outer_lr"],
         gamma: float = 0.7,
-        momentum: float = 0.5,
+        momentum: float = own_outer["outer_momentum"],
         group: str = "pair",
         codec: str = "none",
     ) -> None:

@@ -9,21 +9,34 @@ without loading the code it names. The section satisfies `OuterSpec`, what `from
 
 Its rules (`check`): the optimizer's own, which its class declares (`check_spec`: Streaming
 DiLoCo's schedule — H, fragments, delay; eager needs a delay —, dp's H = 1, SparseLoCo's
-k <= chunk), and `group_size` (0, >= 2, and only for optimizers whose rounds may run in groups). Rules that also read other sections (dp and fp16, spot-checks, robust
-aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
+k <= chunk), `noloco_outer` only for noloco, `error_feedback = false` only where there is error
+feedback to turn off (codec topk, an optimizer that takes it), and `group_size` (0, >= 2, and
+only for optimizers whose rounds may run in groups). Rules that also read other sections (dp and
+fp16, spot-checks, robust aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
+
+Keys added since the signed form was fixed (`added_keys`, meshtrain/spec_section.py):
+`error_feedback` (codec topk keeps error feedback, β = `error_decay`, unless it says false) and
+`noloco_outer` (NoLoCo reads outer_lr and outer_momentum as its β and μ; set when a noloco spec
+written now gives either a value other than its default — optim/noloco.py says why it is a key).
+Each is written only where it acts, and a signed spec without it runs as it did before the key:
+topk without error feedback, NoLoCo with its own β and μ.
 
 Not here: building the optimizer from the spec (node/spec/outer.py), the algorithms (this package).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshtrain.collective.compression import CODECS
 from meshtrain.errors import ConfigError
 from meshtrain.optim import BUILTIN_OPTIMIZERS, OuterOptimizer
+from meshtrain.optim.noloco import NoLoCo
 from meshtrain.pyref import PyRef
-from meshtrain.spec_section import SpecSection
+from meshtrain.spec_section import SpecSection, signed_before
 
 OPTIMIZERS = tuple(BUILTIN_OPTIMIZERS)  # built in; or py:<module>:<Class>
 
@@ -50,9 +63,21 @@ class OuterSection(SpecSection):
     inner_lr: float = Field(2e-3, gt=0, le=1, description="the inner AdamW's learning rate")
     weight_decay: float = Field(0.01, ge=0, le=1, description="the inner AdamW's weight decay")
     clip: float = Field(1.0, gt=0, description="gradient norm clip of every inner step")
-    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate (sparseloco: 1.0 unless given)")
+    outer_lr: float = Field(
+        0.7, gt=0, le=10, description="outer learning rate (sparseloco: 1.0 unless given; noloco: β, see noloco_outer)"
+    )
     outer_momentum: float = Field(
-        0.9, ge=0, lt=1, description="outer Nesterov momentum (diloco, streaming, a pipeline's replica sync)"
+        0.9,
+        ge=0,
+        lt=1,
+        description="outer Nesterov momentum (diloco, streaming, a pipeline's replica sync; noloco: its "
+        "heavy-ball μ, see noloco_outer)",
+    )
+    noloco_outer: bool = Field(
+        False,
+        description="NoLoCo: β is outer_lr and μ outer_momentum (true), or NoLoCo's own β 0.7 and μ 0.5 "
+        "(false). Set for you when a noloco spec gives either key a value other than its default (to run "
+        "NoLoCo at exactly 0.7 or 0.9, set it too); a noloco spec signed before this key existed ran its own",
     )
     codec: str = Field(
         "none",
@@ -74,10 +99,74 @@ class OuterSection(SpecSection):
     alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: merge weight")
     eager: bool = Field(False, description="Streaming DiLoCo: eager updates (arXiv 2502.12996)")
     error_decay: float = Field(
-        0.95, ge=0, le=1, description="SparseLoCo: β, the error-feedback decay (sparseloco: 0.9 unless given)"
+        0.95,
+        ge=0,
+        le=1,
+        description="β, the error-feedback decay: SparseLoCo's (sparseloco: 0.9 unless given) and codec topk's",
+    )
+    error_feedback: bool = Field(
+        True,
+        description="codec topk: error feedback, as SparseLoCo's — each peer keeps what top-k did not send "
+        "and adds it, decayed by error_decay, to its next round's pseudo-gradient (diloco, streaming, dp, "
+        "py:; noloco exchanges φ itself and takes none); false: none, as a topk spec signed before this key "
+        "existed ran",
     )
     sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk")
     sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
+
+    # Keys added since the signed form was fixed (meshtrain/spec_section.py): written where they act.
+    added_keys: ClassVar[tuple[str, ...]] = ("noloco_outer", "error_feedback")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _added_keys_as_the_spec_was_written(cls, data: Any, info: ValidationInfo) -> Any:
+        """A signed topk spec without `error_feedback` ran without it; one written now gets it (the
+        field's default). A noloco spec written now that gives `outer_lr` or `outer_momentum` a
+        value other than its default gets `noloco_outer` (NoLoCo honours them), and the key it does
+        not give NoLoCo's own value; a signed one without it ran NoLoCo's own (the field's default).
+        optim/noloco.py's docstring says why."""
+        if not isinstance(data, Mapping):
+            return data
+        if signed_before(info):
+            acts = cls._error_feedback_acts(data.get("codec"), data.get("optimizer", "diloco"))
+            return {"error_feedback": False, **data} if acts else data
+        if data.get("optimizer") != "noloco":
+            return data
+        reads = data.get("noloco_outer")
+        if reads is None and cls._sets_noloco_keys(data):
+            reads = True
+        if reads is True:  # the key it does not give: NoLoCo's own, written in
+            given = {key: value for key, value in data.items() if value is not None}
+            return {**NoLoCo.own_outer, **given, "noloco_outer": True}
+        return data
+
+    @staticmethod
+    def _error_feedback_acts(codec: object, optimizer: object) -> bool:
+        """Codec topk, for an optimizer that takes error feedback (not noloco, whose exchange holds
+        φ; not sparseloco, whose own accumulator it is)."""
+        return codec == "topk" and optimizer not in ("noloco", "sparseloco")
+
+    @classmethod
+    def _sets_noloco_keys(cls, values: Mapping[str, Any]) -> bool:
+        """Whether `values` give outer_lr or outer_momentum a value other than its default."""
+        return any(
+            values.get(key) is not None and values[key] != cls.model_fields[key].default
+            for key in ("outer_lr", "outer_momentum")
+        )
+
+    def writes(self, key: str) -> bool:
+        if key == "error_feedback":  # where it acts, its absence would read either way
+            return self._error_feedback_acts(self.codec, self.optimizer)
+        # noloco_outer: where it is set, or where a spec written now without it would set it.
+        return self.optimizer == "noloco" and (self.noloco_outer or self._sets_noloco_keys(self.__dict__))
+
+    @property
+    def topk_error_feedback(self) -> float | None:
+        """β of the error feedback the spec gives the codec (node/spec/outer.py applies it), or None:
+        codec topk with `error_feedback`, for an optimizer that takes it (`_error_feedback_acts`)."""
+        return (
+            self.error_decay if self.error_feedback and self._error_feedback_acts(self.codec, self.optimizer) else None
+        )
 
     @field_validator("optimizer")
     @classmethod
@@ -109,6 +198,13 @@ class OuterSection(SpecSection):
             self.declared.check_spec(self)
         except ValueError as e:
             raise ConfigError(f"swarm spec: {e}") from None
+        if self.noloco_outer and self.optimizer != "noloco":
+            raise ConfigError(f"swarm spec: noloco_outer applies to optimizer noloco, not {self.optimizer}")
+        if not self.error_feedback and not self._error_feedback_acts(self.codec, self.optimizer):
+            raise ConfigError(
+                "swarm spec: error_feedback false turns off codec topk's error feedback; this spec has none "
+                f"(codec {self.codec}, optimizer {self.optimizer}: diloco, streaming, dp and py: take it)"
+            )
         if self.group_size == 1:
             raise ConfigError(
                 "swarm spec: group_size must be 0 (automatic) or at least 2 (a group of one averages nothing)"

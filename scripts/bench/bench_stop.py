@@ -13,7 +13,10 @@ them, start of the process to its exit:
   `cli_startup_s_p50` starting Python and importing the CLI (the floor on a loaded machine);
 - `stop_s`: `meshtrain node stop` on node a (target: under 1 s); `stop_to_exit_s`: until node a's
   process has exited (it leaves the swarm and checkpoints in the background);
-- `stop_wait_s`: `meshtrain node stop --wait` on node b, which returns once b has exited.
+- `stop_wait_s`: `meshtrain node stop --wait` on node b, which returns once b has exited;
+- `status_no_node_s_p50`, `stop_no_node_s_p50`: both commands once no node runs (one line, exit
+  code 1), `--repeats` times, the cores still busy (target: under 0.3 s; they import nothing
+  heavy on that path either).
 
 It checks what it times: both stop commands exit 0, both nodes exit 0, print their JSON result
 last, hold a checkpoint at their final step and remove daemon.json (`clean_exits`, 2 of 2). One
@@ -103,6 +106,12 @@ def main() -> None:
         na.p.wait(timeout=120)
         stop_to_exit_s = time.monotonic() - t0
         stop_wait_s, rb = timed_cli("node", "stop", "--data-dir", str(b), "--wait")
+        no_node = {}  # both nodes gone, the cores still busy: the error path, as a user meets it
+        for action in ("status", "stop"):
+            runs = [timed_cli("node", action, "--data-dir", str(a)) for _ in range(args.repeats)]
+            if any(r.returncode != 1 or len(r.stderr.strip().splitlines()) != 1 for _, r in runs):
+                raise SystemExit(f"node {action} with no node running: not one line and exit code 1")
+            no_node[action] = statistics.median(dt for dt, _ in runs)
     finally:
         for p in busy:
             p.kill()
@@ -120,6 +129,8 @@ def main() -> None:
             "stop_s": round(stop_s, 3),
             "stop_to_exit_s": round(stop_to_exit_s, 3),
             "stop_wait_s": round(stop_wait_s, 3),
+            "status_no_node_s_p50": round(no_node["status"], 3),
+            "stop_no_node_s_p50": round(no_node["stop"], 3),
             "clean_exits": clean,
             "logs": str(tmp),
         }

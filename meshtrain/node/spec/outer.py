@@ -12,6 +12,14 @@ spec.outer)`: the spec's `outer` section (optim/spec_section.py), the fields an 
 which a py: class that does not define its own inherits, is `Class(model, inner, collective,
 H=outer.H)`.
 
+Error feedback: a spec whose codec is topk gets it (`OuterOptimizer.feed_back`, β = the spec's
+`error_decay`) unless it says `error_feedback = false` — top-k alone drops all but k of every
+chunk's values each round, for good; with it they wait in this peer's residual and go out later
+(SparseLoCo's accumulator, which that optimizer keeps itself). `build_outer` sets it on whatever
+`from_spec` built, built-in or py:, that exchanges through topk (`OuterSection.topk_error_feedback`
+says where: not noloco, whose exchange holds φ). A topk spec signed before the key existed lacks
+it and runs without, as it did (meshtrain/spec_section.py).
+
 Every peer runs the spec's optimizer, whoever builds it: the daemon's trainer, a
 `Node(outer_factory=...)` hook (it may instrument the algorithm — a subclass — but not swap it),
 or your own loop's optimizer over a `meshtrain.Swarm`. `check_matches` refuses anything else at
@@ -49,15 +57,19 @@ def build_outer(
     """The spec's outer optimizer over `model`, stepping `inner`."""
     cls = outer_class(spec)
     if spec.outer.optimizer in BUILTIN_OPTIMIZERS:
-        return cls.from_spec(model, inner, collective, spec.outer)
-    try:
         outer = cls.from_spec(model, inner, collective, spec.outer)
-    except TypeError as e:
-        raise ConfigError(
-            f"optimizer {spec.outer.optimizer}: cannot build it ({e}); a py: optimizer takes "
-            f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, outer)"
-        ) from None
-    check_matches(outer, spec)
+    else:
+        try:
+            outer = cls.from_spec(model, inner, collective, spec.outer)
+        except TypeError as e:
+            raise ConfigError(
+                f"optimizer {spec.outer.optimizer}: cannot build it ({e}); a py: optimizer takes "
+                f"(model, inner, collective, H=...) or defines from_spec(model, inner, collective, outer)"
+            ) from None
+        check_matches(outer, spec)
+    beta = spec.outer.topk_error_feedback
+    if beta is not None and outer.codec == "topk" and outer.error_feedback is None:
+        outer.error_feedback = beta  # the module docstring, "Error feedback"
     return outer
 
 

@@ -5,7 +5,8 @@ machine runs) and `SwarmSpec` (swarm.py: what the swarm trains, in sections each
 layer, meshtrain/spec_section.py) — with its help text in the field's `description`, its default
 and its bounds. `swarm create` builds its flags from the same fields (node/cli.py), one per flat
 key (swarm.py `FLAT_KEYS`); the page shows each spec key where a spec file holds it
-(`outer.H`) with the flag that sets it (`--H`). A hand-kept reference drifted from them; this one is rendered from them, so
+(`outer.H`) with the flag that sets it (`--H`) and, like the flag's help, the default a spec
+given no keys has (swarm.py `default_of`: an open swarm's aggregation is trimmed_mean). A hand-kept reference drifted from them; this one is rendered from them, so
 it cannot: `render()` returns the page, and tests/test_docs.py fails when the committed page
 differs from it.
 
@@ -33,7 +34,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, ENV_PREFIX, NodeConfig
-from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, field_of
+from meshtrain.node.spec.swarm import FLAT_KEYS, SECTIONS, SwarmSpec, default_of, field_of
 from meshtrain.optim import BUILTIN_OPTIMIZERS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -112,7 +113,7 @@ def render() -> str:
     for name in SwarmSpec.model_fields:
         if name not in SECTIONS:
             lines.append(
-                _row(name, _default(field_of(name)), _flag_cell(spec_flags.get(name)), _meaning(field_of(name)))
+                _row(name, _value(default_of(name)), _flag_cell(spec_flags.get(name)), _meaning(field_of(name)))
             )
     for name, section in SECTIONS.items():
         lines += [
@@ -127,7 +128,9 @@ def render() -> str:
         for field in section.model_fields:
             key = flat_of[(name, field)]
             info = field_of(key)
-            lines.append(_row(f"{name}.{field}", _default(info), _flag_cell(spec_flags.get(key)), _meaning(info)))
+            lines.append(
+                _row(f"{name}.{field}", _value(default_of(key)), _flag_cell(spec_flags.get(key)), _meaning(info))
+            )
     return "\n".join(lines) + "\n"
 
 

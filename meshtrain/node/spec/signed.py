@@ -6,7 +6,10 @@ addresses `swarm join` takes.
 
 where `spec` is the dict as its owner signed it (`SignedSpec.signed`), not as this version would
 write it: a spec signed by an older meshtrain lacks keys added since, which parse to their
-defaults, and still verifies, keeps its id and is passed on unchanged.
+defaults — or, where a key's default would change how such a swarm trains, to the behaviour before
+the key (`parse_spec(..., signed=True)`, meshtrain/spec_section.py) — and still verifies, keeps its
+id and is passed on unchanged. A key added since is signed only where it says something, so a
+spec that leaves it alone is signed as an older meshtrain would sign it.
 
 so the id names one spec *and* one owner: a peer cannot hand a joiner a different spec under the
 same id (the id would not match), nor re-sign someone else's spec as its own (the id would
@@ -161,7 +164,7 @@ class SignedSpec:
                 "a newer meshtrain created it; upgrade to join this swarm"
             )
         try:
-            spec = parse_spec(body, form="nested" if form == FORMAT else "flat")
+            spec = parse_spec(body, form="nested" if form == FORMAT else "flat", signed=True)
             signature = bytes.fromhex(sig)
         except (ConfigError, ValueError) as e:
             raise SpecError(f"invalid swarm spec: {e}") from None

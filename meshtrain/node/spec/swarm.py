@@ -45,9 +45,13 @@ keys is the spec's validation itself (`SwarmSpec(...)`, `SwarmSpec.model_validat
 it takes the nested form (`{"name": ..., "outer": {"H": 10}}`, the `meshtrain.swarm/2` wire form,
 `model_dump()`), or the flat form (`{"H": 10}`: every key by its flat name) — flat when a key is
 no top-level field or a section's value is not a mapping. Python callers (tests, scripts, the
-demo) build specs with flat keys this way; `SwarmSpec.flat()` is the flat form of a spec.
+demo) build specs with flat keys this way; `SwarmSpec.flat()` is the flat form of a spec. Keys a
+section added since the signed form was fixed appear in `model_dump()` and `flat()` only where
+they say something, and a signed document lacking one reads it as the behaviour before the key
+(`parse_spec(..., signed=True)`; meshtrain/spec_section.py).
 `parse_spec` validates an untrusted dict into a checked spec (a one-line `ConfigError`, naming the
-key as the input named it).
+key as the input named it). `default_of` is a key's value in a spec given no keys — the
+cross-section defaults applied —, the default the flags' help and docs/configuration.md show.
 
 A spec that names a py: optimizer is checked with `OuterOptimizer`'s own values: a spec is parsed
 (from the network, too) before and without loading the code it names (optim/spec_section.py).
@@ -59,6 +63,7 @@ Not here: the spec's signature, the swarm id, the wire and file form (v1 flat, v
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -76,9 +81,19 @@ from meshtrain.node.trust.spec_sections import AdmissionSection, VerificationSec
 from meshtrain.optim.spec_section import OPTIMIZERS, OuterSection, declared
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.spec_section import PipelineSection
-from meshtrain.spec_section import SpecSection
+from meshtrain.spec_section import SIGNED_BEFORE, SpecSection
 
-__all__ = ["FLAT_KEYS", "OPTIMIZERS", "SECTIONS", "SwarmSpec", "field_of", "is_flat", "nested_form", "parse_spec"]
+__all__ = [
+    "FLAT_KEYS",
+    "OPTIMIZERS",
+    "SECTIONS",
+    "SwarmSpec",
+    "default_of",
+    "field_of",
+    "is_flat",
+    "nested_form",
+    "parse_spec",
+]
 
 
 class SwarmSpec(BaseModel):
@@ -197,10 +212,13 @@ class SwarmSpec(BaseModel):
         return GroupPlan(group_size=self.outer.group_size, seed=self.seed, period=self.outer.H)
 
     def flat(self) -> dict[str, Any]:
-        """The flat form: every field by its flat name (`FLAT_KEYS`), as a v1 spec file held it."""
+        """The flat form: every field by its flat name (`FLAT_KEYS`), as a v1 spec file held it —
+        a key added since only where it says something (`model_dump()`, meshtrain/spec_section.py)."""
         dump = self.model_dump()
         return {
-            key: dump[field] if section is None else dump[section][field] for key, (section, field) in FLAT_KEYS.items()
+            key: dump[field] if section is None else dump[section][field]
+            for key, (section, field) in FLAT_KEYS.items()
+            if section is None or field in dump[section]
         }
 
 
@@ -239,6 +257,20 @@ def field_of(key: str) -> FieldInfo:
     """The field a flat key names (`FLAT_KEYS`): its type, default, bounds and help text."""
     section, field = FLAT_KEYS[key]
     return (SwarmSpec if section is None else SECTIONS[section]).model_fields[field]
+
+
+def default_of(key: str) -> Any:
+    """The value flat key `key` has in a spec that gives no keys (`SwarmSpec()`): its field's
+    default, or the one another section decides (an open diloco swarm's aggregation is
+    trimmed_mean, not the field's mean) — what `swarm create --help` shows."""
+    section, field = FLAT_KEYS[key]
+    spec = _spec_of_no_keys()
+    return getattr(spec if section is None else getattr(spec, section), field)
+
+
+@cache
+def _spec_of_no_keys() -> SwarmSpec:
+    return SwarmSpec.model_validate({})
 
 
 def is_flat(data: Mapping[Any, Any]) -> bool:
@@ -329,12 +361,16 @@ def _bf16_hops_for_bf16_pipelines(nested: dict[Any, Any]) -> None:
         _default(nested, "pipeline", "activation_codec", "bf16")
 
 
-def parse_spec(data: Mapping[str, Any], *, form: Literal["flat", "nested"] | None = None) -> SwarmSpec:
+def parse_spec(
+    data: Mapping[str, Any], *, form: Literal["flat", "nested"] | None = None, signed: bool = False
+) -> SwarmSpec:
     """`data`, nested or flat (the module docstring; `form` None: `is_flat` tells, else as
     `form` says — a signed spec's format does), as a checked spec; a one-line `ConfigError`
-    naming the key as `data` named it."""
+    naming the key as `data` named it. signed: `data` is a signed document, as its owner signed
+    it (a key added since that it lacks reads as the behaviour before the key: spec_section.py)."""
     flat = is_flat(data) if form is None else form == "flat"
     try:
-        return SwarmSpec.model_validate(nested_form(data, flat=flat)).check()
+        context = {SIGNED_BEFORE: True} if signed else None
+        return SwarmSpec.model_validate(nested_form(data, flat=flat), context=context).check()
     except ValidationError as e:
         raise one_line_error(e, "swarm spec", shown_as=_FLAT_NAME_OF if flat else None) from None
