@@ -7,9 +7,11 @@ read, verified and passed on as v1 with its id."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,7 +212,82 @@ def test_keys_added_since_are_signed_only_where_they_act():
 def test_an_added_key_where_it_cannot_act_is_refused_in_one_line(bad):
     with pytest.raises(ConfigError) as e:
         parse_spec(bad)
-    assert "\n" not in str(e.value) and ("noloco_outer" in str(e.value) or "error_feedback" in str(e.value))
+    # (sparseloco reads no codec at all: that is said first)
+    assert "\n" not in str(e.value) and any(k in str(e.value) for k in ("noloco_outer", "error_feedback", "codec"))
+
+
+@pytest.mark.parametrize(
+    "optimizer, key, value",
+    [
+        ("diloco", "fragments", 4),
+        ("diloco", "sparse_k", 8),
+        ("noloco", "eager", True),
+        ("sparseloco", "outer_momentum", 0.5),
+        ("sparseloco", "codec", "int8"),
+        ("dp", "outer_lr", 0.5),
+        ("dp", "alpha", 0.2),
+        ("streaming", "error_decay", 0.5),
+    ],
+)
+def test_a_key_the_optimizer_does_not_read_is_refused_when_written_and_kept_when_signed(optimizer, key, value):
+    flat = {"optimizer": optimizer, key: value}
+    with pytest.raises(ConfigError, match=f"{key} does nothing for optimizer {optimizer}") as e:
+        parse_spec(flat, form="flat")
+    assert "\n" not in str(e.value)
+    # A spec signed before the rule keeps loading, as it was signed (its id depends on it), and
+    # re-validating it (a follower rank, a reload) does not refuse it either.
+    loaded = parse_spec(flat, form="flat", signed=True)
+    assert getattr(loaded.outer, key) == value
+    assert SwarmSpec.model_validate(loaded.model_dump()) == loaded
+    with pytest.raises(ConfigError, match=f"{key} does nothing"):  # but it is not signed again
+        SignedSpec.create(loaded, Identity.generate())
+
+
+def test_every_outer_key_acts_on_the_optimizer_built_from_it_or_is_refused():
+    """Walks the outer keys each built-in optimizer reads: changing one changes the optimizer
+    the node builds from the spec (`build_outer`) — its attributes or its codec — so no key in
+    `spec_keys` is silently ignored; the keys outside it are refused (above)."""
+    from meshtrain.collective.local import LocalSwarm
+    from meshtrain.node.spec.outer import build_outer
+    from meshtrain.optim.spec_section import OPTIMIZER_KEYS
+
+    changed = {
+        "outer_lr": 0.3,
+        "outer_momentum": 0.2,
+        "codec": "int4",
+        "fragments": 4,
+        "delay": 2,
+        "alpha": 0.25,
+        "eager": True,
+        "error_decay": 0.5,
+        "sparse_k": 8,
+        "sparse_chunk": 512,
+    }
+    assert set(changed) == set(OPTIMIZER_KEYS)
+
+    def built(spec: SwarmSpec) -> dict:
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))  # 4 blocks: P up to 4
+        inner = torch.optim.AdamW(model.parameters())
+        outer = build_outer(spec, model, inner, LocalSwarm(1).add())
+        seen = {k: repr(v) for k, v in vars(outer).items() if isinstance(v, int | float | str | bool | tuple | list)}
+        # and settings held in dataclasses (the schedule's H, P, delay; SparseLoCo's chunk, k)
+        seen |= {k: repr(v) for k, v in vars(outer).items() if dataclasses.is_dataclass(v)}
+        for k, v in vars(outer).items():  # an outer torch optimizer holds lr and momentum
+            if isinstance(v, torch.optim.Optimizer) and v is not inner:
+                seen[k] = repr(v.defaults)
+        return seen
+
+    for optimizer in ("diloco", "streaming", "noloco", "sparseloco", "dp"):
+        base = SwarmSpec(optimizer=optimizer, H=1 if optimizer == "dp" else 8)
+        for key in sorted(base.outer.declared.spec_keys):
+            flat = {**base.flat(), key: changed[key]}
+            if optimizer == "noloco" and key == "codec":
+                continue  # NoLoCo's codec moves φ, not Δ: checked by its own tests
+            try:
+                spec = parse_spec(flat, form="flat")
+            except ConfigError as e:
+                pytest.fail(f"{optimizer}: {key}={changed[key]!r} is refused: {e}")
+            assert built(spec) != built(base), f"{optimizer} ignores {key}"
 
 
 def test_a_topk_spec_signed_before_error_feedback_existed_runs_without_it_and_keeps_its_id(tmp_path):

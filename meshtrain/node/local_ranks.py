@@ -233,7 +233,7 @@ def _follow(local: LocalRanks, config: NodeConfig) -> str:
     if not isinstance(msg, dict):
         return str(msg)
     trainer = Trainer(
-        parse_spec(msg["spec"]),
+        parse_spec(msg["spec"], signed=True),  # the swarm's own spec, as rank 0 loaded it
         local.collective(None),
         msg["peer_id"],
         local=local,

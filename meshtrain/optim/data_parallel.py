@@ -59,6 +59,8 @@ class DataParallel(OuterOptimizer):
     outer optimizer from a spec may pass it; a round is one step).
     """
 
+    spec_keys: ClassVar[frozenset[str] | None] = frozenset(("codec",))
+
     # A spec's H is 1 (gradients are all-reduced every step; the spec's check refuses another H).
     # Its screening is off unless the spec sets `screen_norm`: a single step's gradient of a small
     # batch is too noisy to judge (an honest peer's odd batch has a cosine of about 0 with the

@@ -22,7 +22,7 @@ never averaged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self
+from typing import ClassVar, Self
 
 import torch
 
@@ -38,6 +38,8 @@ class DiLoCo(OuterOptimizer):
         OpenDiLoCo; "fp4"/"int4" for 8× fewer bytes).
     fragments, delay, alpha: Streaming DiLoCo's schedule (`StreamingDiLoCo` sets them).
     """
+
+    spec_keys: ClassVar[frozenset[str] | None] = frozenset(("outer_lr", "outer_momentum", "codec"))
 
     dense_all_reduce = True  # the mean of every peer's Δ: a robust rule can combine them
 

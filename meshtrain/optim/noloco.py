@@ -89,6 +89,8 @@ class NoLoCo(OuterOptimizer):
     codec: compression of what is exchanged (module docstring: keep "none" or "fp16").
     """
 
+    spec_keys: ClassVar[frozenset[str] | None] = frozenset(("outer_lr", "outer_momentum", "codec"))
+
     replicas_identical = False  # each pair averages with its own partner: φ differs by design
     # β and μ by their spec keys: what a spec that sets `noloco_outer` and not the key gets.
     own_outer: ClassVar[Mapping[str, float]] = {"outer_lr": 0.7, "outer_momentum": 0.5}

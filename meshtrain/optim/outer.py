@@ -237,6 +237,10 @@ class OuterOptimizer(Service):
         otherwise; False: the mean unless the spec names a rule.
     `not_robust_reason` (default None: the spec may name a robust rule): why no robust aggregation
         rule can combine its exchange; a spec whose `aggregation` is not mean is refused with it.
+    `spec_keys` (default None: any): the keys of the spec's `outer` section its `from_spec` reads
+        beyond those every optimizer's trainer reads (`H`, the inner AdamW's, `group_size`); a spec
+        written now that gives another of `OPTIMIZER_KEYS` a value other than its default is
+        refused (it would do nothing). None for a `py:` class: its `from_spec` may read any.
     `check_spec(spec)` (default: nothing to check): the rules its hyper-parameters in the spec's
         `outer` section must keep (Streaming DiLoCo's schedule, dp's H = 1); a `ValueError` says
         which, and the spec is refused with it.
@@ -261,6 +265,7 @@ class OuterOptimizer(Service):
     ungrouped_reason: ClassVar[str | None] = None
     dense_all_reduce: ClassVar[bool] = False
     not_robust_reason: ClassVar[str | None] = None
+    spec_keys: ClassVar[frozenset[str] | None] = None
 
     @classmethod
     def check_spec(cls, spec: OuterSpec) -> None:

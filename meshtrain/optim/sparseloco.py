@@ -101,6 +101,8 @@ class SparseLoCo(OuterOptimizer):
         `vector_chunk` values (the reference code's "rate_1d"); None: as every other tensor.
     """
 
+    spec_keys: ClassVar[frozenset[str] | None] = frozenset(("outer_lr", "error_decay", "sparse_k", "sparse_chunk"))
+
     # A spec's outer lr and β are this class's (1.0 and 0.9: the module docstring's sweep), not the
     # spec fields' defaults (0.7, which DiLoCo's specs keep, and 0.95, which no other optimizer reads).
     spec_defaults: ClassVar[Mapping[str, Any]] = {"outer_lr": 1.0, "error_decay": 0.9}

@@ -7,7 +7,8 @@ docstring); `declared` is the class a spec is checked with. A spec that names a 
 checked with `OuterOptimizer`'s own values: a spec is parsed (from the network, too) before and
 without loading the code it names. The section satisfies `OuterSpec`, what `from_spec` reads.
 
-Its rules (`check`): the optimizer's own, which its class declares (`check_spec`: Streaming
+Its rules: a spec written now sets only the `OPTIMIZER_KEYS` its optimizer reads (`check_written`,
+from the class's `spec_keys`; any for a py: class); and (`check`) the optimizer's own, which its class declares (`check_spec`: Streaming
 DiLoCo's schedule — H, fragments, delay; eager needs a delay —, dp's H = 1, SparseLoCo's
 k <= chunk), `noloco_outer` only for noloco, `error_feedback = false` only where there is error
 feedback to turn off (codec topk, an optimizer that takes it), and `group_size` (0, >= 2, and
@@ -37,6 +38,22 @@ from meshtrain.optim import BUILTIN_OPTIMIZERS, OuterOptimizer
 from meshtrain.optim.noloco import NoLoCo
 from meshtrain.pyref import PyRef
 from meshtrain.spec_section import SpecSection, signed_before
+
+# Keys only some optimizers read (their class's `spec_keys`): a spec written now may set only those.
+# Every optimizer's trainer reads optimizer, H, inner_lr, weight_decay and clip; group_size,
+# error_feedback and noloco_outer have rules of their own (`OuterSection.check`).
+OPTIMIZER_KEYS = (
+    "outer_lr",
+    "outer_momentum",
+    "codec",
+    "fragments",
+    "delay",
+    "alpha",
+    "eager",
+    "error_decay",
+    "sparse_k",
+    "sparse_chunk",
+)
 
 OPTIMIZERS = tuple(BUILTIN_OPTIMIZERS)  # built in; or py:<module>:<Class>
 
@@ -153,6 +170,28 @@ class OuterSection(SpecSection):
             values.get(key) is not None and values[key] != cls.model_fields[key].default
             for key in ("outer_lr", "outer_momentum")
         )
+
+    def check_written(self) -> None:
+        """For a spec being written now (signed, or parsed from a file to be signed): it gives no
+        key its optimizer does not read (`spec_keys`) a value other than its default — it would do
+        nothing. A spec signed before this rule is never re-checked with it (its id depends on
+        what it says), so loading and re-validating a spec do not call this."""
+        reads = self.declared.spec_keys
+        if reads is None:
+            return
+        if self.topk_error_feedback is not None:
+            reads = reads | {"error_decay"}  # topk's error feedback decays by it
+        ignored = [
+            key
+            for key in OPTIMIZER_KEYS
+            if key not in reads and getattr(self, key) != type(self).model_fields[key].default
+        ]
+        if ignored:
+            raise ConfigError(
+                f"swarm spec: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} nothing for optimizer "
+                f"{self.optimizer} (it reads {', '.join(sorted(reads)) or 'none of them'}): leave "
+                f"{'it' if len(ignored) == 1 else 'them'} out"
+            )
 
     def writes(self, key: str) -> bool:
         if key == "error_feedback":  # where it acts, its absence would read either way

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Self
+from typing import ClassVar, Self
 
 import torch
 
@@ -107,6 +107,10 @@ class StreamingDiLoCo(DiLoCo):
 
     Training must run inside `async with outer:` when delay > 0 (the exchanges run in its nursery).
     """
+
+    spec_keys: ClassVar[frozenset[str] | None] = frozenset(
+        ("outer_lr", "outer_momentum", "codec", "fragments", "delay", "alpha", "eager")
+    )
 
     @classmethod
     def check_spec(cls, spec: OuterSpec) -> None:

@@ -119,6 +119,7 @@ class SignedSpec:
         one) if it names none — after
         checking that a pipeline can cut the model (`pipeline_layers`: a one-line ConfigError
         naming what it can) and that the cut fits its layers."""
+        spec.outer.check_written()  # a key its optimizer does not read: refused before it is signed
         pins: dict[str, dict[str, str | int]] = {"model": {}, "outer": {}, "pipeline": {}}
         if spec.pipeline.kind != "none":  # first: a model no pipeline can cut is the error to report
             n_layer = pipeline_layers(spec.model.source)

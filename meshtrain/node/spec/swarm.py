@@ -371,6 +371,9 @@ def parse_spec(
     flat = is_flat(data) if form is None else form == "flat"
     try:
         context = {SIGNED_BEFORE: True} if signed else None
-        return SwarmSpec.model_validate(nested_form(data, flat=flat), context=context).check()
+        spec = SwarmSpec.model_validate(nested_form(data, flat=flat), context=context).check()
     except ValidationError as e:
         raise one_line_error(e, "swarm spec", shown_as=_FLAT_NAME_OF if flat else None) from None
+    if not signed:
+        spec.outer.check_written()
+    return spec
