@@ -1,0 +1,58 @@
+"""`meshtrain.integrations.hf.MeshtrainCallback`: a `transformers.Trainer` script as a swarm peer.
+
+Two peers in separate processes run examples/hf_trainer.py (an ordinary Trainer script on a tiny
+LLaMA, plus the callback): both rounds have both contributors, both end with the same φ, the
+Trainer's logged loss fell, and `trainer.train()` returned. In process (no network): what cannot
+work is refused in one line, and each peer gets its own data order.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import Trainer, TrainingArguments
+
+from meshtrain.errors import ConfigError
+from meshtrain.integrations.hf import MeshtrainArguments, MeshtrainCallback
+from tests.example_peers import ROOT, loss_fell, run_two_peers
+
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_reach_one_phi_and_their_loss_falls(tmp_path):
+    common = [
+        *("--max_steps", "20", "--H", "10", "--listen", "/ip4/127.0.0.1/tcp/0", "--status_port", "0"),
+        *("--nat", "false", "--wait_peers", "2", "--report_to", "none", "--logging_steps", "5"),
+        *("--save_strategy", "no", "--learning_rate", "3e-3", "--per_device_train_batch_size", "8"),
+        *("--disable_tqdm", "true"),
+    ]
+    ra, rb = run_two_peers(
+        EXAMPLE,
+        ["--output_dir", str(tmp_path / "a"), "--create", *common],
+        ["--output_dir", str(tmp_path / "b"), *common, "--join"],
+        tmp_path,
+    )
+    assert ra["step"] == rb["step"] == 20 and ra["rounds"] == rb["rounds"] == 2
+    assert ra["contributors"] == rb["contributors"] == [2, 2]
+    assert ra["phi_digest"] == rb["phi_digest"]
+    assert loss_fell(ra["losses"]) and loss_fell(rb["losses"])
+    assert ra["losses"] != rb["losses"]  # each peer its own data order
+    assert (tmp_path / "a" / "meshtrain" / "checkpoints").is_dir()  # the swarm's, beside the Trainer's
+
+
+def test_what_cannot_work_is_refused_and_peers_shuffle_apart(tmp_path):
+    import torch
+
+    with pytest.raises(ConfigError, match="join or create, not both"):
+        MeshtrainCallback(MeshtrainArguments(join="/ip4/127.0.0.1/tcp/1", create=True))
+    model = torch.nn.Linear(2, 2)
+    args = TrainingArguments(output_dir=str(tmp_path / "x"), report_to="none", use_cpu=True)
+    with pytest.raises(ConfigError, match="set join=<peer address> or create=True"):
+        Trainer(model=model, args=args, callbacks=[MeshtrainCallback()])
+    seeds = []
+    for name in ("a", "b"):
+        args = TrainingArguments(output_dir=str(tmp_path / name), report_to="none", use_cpu=True)
+        Trainer(model=model, args=args, callbacks=[MeshtrainCallback(MeshtrainArguments(create=True))])
+        assert (tmp_path / name / "meshtrain").is_dir()  # the peer's data dir, under output_dir
+        seeds.append(args.data_seed)
+    assert None not in seeds and seeds[0] != seeds[1]
