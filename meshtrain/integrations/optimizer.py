@@ -79,7 +79,7 @@ class SwarmOptimizer(torch.optim.Optimizer):
         if world > 1:
             raise ConfigError(
                 f"SwarmOptimizer: this process is one of {world} ranks; a swarm peer here is one process "
-                f"(a multi-GPU peer is `meshtrain node start --nproc-per-node N`, or run one peer per rank)"
+                f"(a multi-GPU peer is `meshtrain node start --nproc-per-node N`; or start one peer per GPU, without torch.distributed)"
             )
         self.inner = inner
         self.swarm = swarm
