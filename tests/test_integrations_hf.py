@@ -2,8 +2,9 @@
 
 Two peers in separate processes run examples/hf_trainer.py (an ordinary Trainer script on a tiny
 LLaMA, plus the callback): both rounds have both contributors, both end with the same φ, the
-Trainer's logged loss fell, and `trainer.train()` returned. In process (no network): what cannot
-work is refused in one line, and each peer gets its own data order.
+Trainer's logged loss fell, and `trainer.train()` returned. In process: what cannot work is
+refused in one line, each peer gets its own data order, and a Trainer resumed from its output_dir
+continues the swarm's steps and rounds.
 """
 
 from __future__ import annotations
@@ -56,3 +57,49 @@ def test_what_cannot_work_is_refused_and_peers_shuffle_apart(tmp_path):
         assert (tmp_path / name / "meshtrain").is_dir()  # the peer's data dir, under output_dir
         seeds.append(args.data_seed)
     assert None not in seeds and seeds[0] != seeds[1]
+
+
+def test_a_trainer_resumed_from_its_output_dir_continues_the_swarms_rounds(tmp_path):
+    """A Trainer stopped at step 6 (its checkpoint-6 and the swarm's checkpoint in
+    output_dir/meshtrain) and started again with `resume_from_checkpoint`, rejoining the data
+    dir's swarm: the swarm's step and rounds go on from 6 and 2, not from 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step >= self.step:
+                control.should_training_stop = True
+
+    def trainer(mesh: MeshtrainArguments, *extra: TrainerCallback) -> tuple[Trainer, MeshtrainCallback]:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+        data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 32, (64, 16))]
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=12,
+            per_device_train_batch_size=4,
+            save_strategy="steps",
+            save_steps=6,
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+        )
+        callback = MeshtrainCallback(mesh)
+        t = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=[callback, *extra])
+        return t, callback
+
+    node = {"listen": "/ip4/127.0.0.1/tcp/0", "status_port": 0, "nat": False, "checkpoint_every": 3600}
+    first, cb1 = trainer(MeshtrainArguments(create=True, H=3, **node), StopAt(6))
+    first.train()
+    assert cb1.result is not None and cb1.result.step == 6 and cb1.result.rounds == 2
+    assert (tmp_path / "out" / "checkpoint-6").is_dir()
+    second, cb2 = trainer(MeshtrainArguments(**node))  # neither join nor create: the data dir's swarm
+    second.train(resume_from_checkpoint=True)
+    assert cb2.result is not None and cb2.result.step == 12 and cb2.result.rounds == 4
+    assert second.state.global_step == 12
