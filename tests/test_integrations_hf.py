@@ -57,6 +57,13 @@ def test_what_cannot_work_is_refused_and_peers_shuffle_apart(tmp_path):
         assert (tmp_path / name / "meshtrain").is_dir()  # the peer's data dir, under output_dir
         seeds.append(args.data_seed)
     assert None not in seeds and seeds[0] != seeds[1]
+    args = TrainingArguments(output_dir=str(tmp_path / "c"), report_to="none", use_cpu=True, max_steps=1)
+    data = [{"x": 0.0}]
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[MeshtrainCallback(MeshtrainArguments(create=True, H=0))]
+    )
+    with pytest.raises(ConfigError, match="swarm spec: H"):
+        trainer.train()
 
 
 def test_a_trainer_resumed_from_its_output_dir_continues_the_swarms_rounds(tmp_path):

@@ -63,7 +63,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.outer import build_outer
-from meshtrain.node.spec.swarm import SwarmSpec
+from meshtrain.node.spec.swarm import parse_spec
 from meshtrain.node.training_run import NodeResult
 from meshtrain.node.user_loop import Swarm
 from meshtrain.optim.outer import OuterOptimizer
@@ -145,7 +145,7 @@ class MeshtrainCallback(TrainerCallback):
         assert self.data_dir is not None  # on_init_end ran
         options = self.mesh.node_options()
         if self.mesh.create:
-            spec = SwarmSpec.model_validate(  # flat keys (node/spec/swarm.py)
+            spec = parse_spec(  # flat keys; a bad value is a one-line ConfigError
                 {
                     "name": self.mesh.name,
                     "model": "user",
@@ -155,7 +155,8 @@ class MeshtrainCallback(TrainerCallback):
                     "seed": args.seed,
                     "inner_lr": args.learning_rate,
                     "batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
-                }
+                },
+                form="flat",
             )
             self.swarm = Swarm.create(spec, data_dir=self.data_dir, **options)
         elif self.mesh.join:
