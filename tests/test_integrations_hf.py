@@ -14,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 from meshtrain.errors import ConfigError
 from meshtrain.integrations.hf import MeshtrainArguments, MeshtrainCallback
+from meshtrain.node.state.checkpoint import CheckpointStore
 from tests.example_peers import ROOT, loss_fell, run_two_peers
 
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
@@ -67,8 +68,8 @@ def test_what_cannot_work_is_refused_and_peers_shuffle_apart(tmp_path):
 
 
 def test_a_trainer_resumed_from_its_output_dir_continues_the_swarms_rounds(tmp_path):
-    """A Trainer stopped at step 6 (its checkpoint-6 and the swarm's checkpoint in
-    output_dir/meshtrain) and started again with `resume_from_checkpoint`, rejoining the data
+    """A Trainer stopped at step 6 (its checkpoint-3 and -6, and the swarm's checkpoints at the
+    same steps in output_dir/meshtrain) and started again with `resume_from_checkpoint`, rejoining the data
     dir's swarm: the swarm's step and rounds go on from 6 and 2, not from 0."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -92,7 +93,7 @@ def test_a_trainer_resumed_from_its_output_dir_continues_the_swarms_rounds(tmp_p
             max_steps=12,
             per_device_train_batch_size=4,
             save_strategy="steps",
-            save_steps=6,
+            save_steps=3,
             report_to="none",
             disable_tqdm=True,
             use_cpu=True,
@@ -106,6 +107,8 @@ def test_a_trainer_resumed_from_its_output_dir_continues_the_swarms_rounds(tmp_p
     first.train()
     assert cb1.result is not None and cb1.result.step == 6 and cb1.result.rounds == 2
     assert (tmp_path / "out" / "checkpoint-6").is_dir()
+    store = CheckpointStore(tmp_path / "out" / "meshtrain" / "checkpoints", readonly=True)
+    assert [store.load(p).step for p in store.list()] == [3, 6]  # at the Trainer's saves (and the end)
     second, cb2 = trainer(MeshtrainArguments(**node))  # neither join nor create: the data dir's swarm
     second.train(resume_from_checkpoint=True)
     assert cb2.result is not None and cb2.result.step == 12 and cb2.result.rounds == 4

@@ -37,10 +37,12 @@ Gradient accumulation does not conflict: the callback sees one step per optimize
 counts updates, and the spec's batch size (for a swarm this callback creates) is
 `per_device_train_batch_size × gradient_accumulation_steps`. Checkpoints: the Trainer's
 `checkpoint-N` keeps what it always keeps (model, inner optimizer, scheduler, its step); the
-swarm's checkpoints in the data dir keep θ, φ, the outer optimizer and the swarm's step, every
-`checkpoint_every` seconds and at the end. Resuming (`trainer.train(resume_from_checkpoint=...)`)
-restores the Trainer's part from `checkpoint-N`, then the first step restores the swarm's part
-from the data dir (or downloads it): the swarm's state is the newer and wins for θ.
+swarm's checkpoints in the data dir keep θ, φ, the outer optimizer and the swarm's step — one at
+each Trainer save (`on_save`: the same step as `checkpoint-N`, unless an exchange is in flight),
+every `checkpoint_every` seconds and at the end. Resuming (`trainer.train(resume_from_checkpoint=
+...)`) restores the Trainer's part from `checkpoint-N`, then the first step restores the swarm's
+part from the data dir's newest checkpoint (or downloads the swarm's state when the swarm has
+moved on): the swarm's state wins for θ.
 
 Failures, in one line (`ConfigError`, from the Trainer's constructor or `train()`): a Trainer
 with more than one process (`world_size` > 1: torchrun, DeepSpeed, FSDP — a multi-GPU peer is
@@ -171,6 +173,10 @@ class MeshtrainCallback(TrainerCallback):
         steps = self.swarm.spec.steps
         if steps and self.swarm.step >= steps:
             control.should_training_stop = True
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.swarm is not None:
+            self.swarm.save_checkpoint()  # the swarm's state at the step of the Trainer's checkpoint-N
 
     def on_log(
         self,
