@@ -15,9 +15,9 @@ One JSON object on the last line:
   run): what the callback and the node beside it cost per step. Timed from the end of a warm-up
   step (the swarm's join is in the warm-up) to the last step's end; trials alternate bare / with,
   and the median of the trials' paired ratios counts (the load drifts between trials, less within
-  one). Target <= 1.03. `hf_callback_overhead_cpu`: the same ratio in process CPU time per sample
-  (all threads: the node's network and status server included), steadier on a loaded machine and
-  an upper bound where cores are spare. `load_avg` is the 1-minute load average before and after.
+  one); torch runs `--threads` threads (1) in both. Target <= 1.03. `hf_callback_overhead_cpu`:
+  the same ratio in process CPU time per sample (all threads: the node's network and status
+  server included), steadier on a loaded machine and an upper bound where cores are spare. `load_avg` is the 1-minute load average before and after.
 - `wheel_demo_ok`, `prometheus_scraped`, `js_record_verified`: null here, with the reason in
   `not_measured` (issue 33's other items: not this benchmark's session).
 """
@@ -122,7 +122,10 @@ def _example() -> Any:
     return module
 
 
-def overhead(steps: int, trials: int) -> dict[str, Any]:
+def overhead(steps: int, trials: int, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)  # the same in both runs; 1: no OpenMP spinning against the load
     wall, cpu = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for t in range(trials):
@@ -143,14 +146,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="Trainer steps of the two-peer run")
     ap.add_argument("--H", type=int, default=10)
     ap.add_argument("--overhead-steps", type=int, default=60)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the overhead runs")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.overhead_steps, a.trials = 20, 15, 1
     load_before = os.getloadavg()[0]
     result: dict[str, Any] = {}
     result.update(two_peers(a.steps, a.H))
-    result.update(overhead(a.overhead_steps, a.trials))
+    result.update(overhead(a.overhead_steps, a.trials, a.threads))
     reason = "issue 33 item {}: another session's part, not measured here"
     result.update(
         {
