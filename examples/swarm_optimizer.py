@@ -65,21 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.default("bytes")
     model = tiny_llama(swarm.spec.seed)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    unwrapped = model
     if args.accelerate:
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=not torch.cuda.is_available())
         model, inner = accelerator.prepare(model, inner)  # prepare first, then wrap
-        model = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model)
     losses = []
     with swarm:
-        opt = meshtrain.SwarmOptimizer(inner, swarm, model=model)
+        opt = meshtrain.SwarmOptimizer(inner, swarm, model=unwrapped)  # the parameter names are the swarm's
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
         while swarm.step < swarm.spec.steps:
             x, _ = corpus.batch(
                 swarm.spec.data.batch_size, 64, seed=swarm.spec.seed, peer=swarm.peer_id, step=swarm.step
             )
-            x = x.to(next(model.parameters()).device)
+            x = x.to(next(unwrapped.parameters()).device)
             loss = model(input_ids=x, labels=x).loss  # HF shifts the labels itself
             loss.backward()
             opt.step()

@@ -13,8 +13,8 @@ One JSON object on the last line:
 - `hf_callback_overhead`: samples/s of the same Trainer (tiny LLaMA, same data, batch, optimizer)
   without the callback over samples/s with it, on a 1-peer swarm with no round due (H beyond the
   run): what the callback and the node beside it cost per step. Timed from the end of a warm-up
-  step (the swarm's join is in the warm-up) to the last step's end; trials alternate bare / with,
-  and the median of the trials' paired ratios counts (the load drifts between trials, less within
+  step (the swarm's join is in the warm-up) to the last step's end; a trial runs both, in turn
+  first (bare / with, then with / bare), and the median of the trials' paired ratios counts (the load drifts between trials, less within
   one); torch runs `--threads` threads (1) in both. Target <= 1.03. `hf_callback_overhead_cpu`:
   the same ratio in process CPU time per sample (all threads: the node's network and status
   server included), steadier on a loaded machine and an upper bound where cores are spare. `load_avg` is the 1-minute load average before and after.
@@ -129,8 +129,12 @@ def overhead(steps: int, trials: int, threads: int) -> dict[str, Any]:
     wall, cpu = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for t in range(trials):
-            bare = trainer_rate(steps, with_callback=False, data_dir=Path(tmp) / f"bare{t}")
-            mesh = trainer_rate(steps, with_callback=True, data_dir=Path(tmp) / f"mesh{t}")
+            runs = {}
+            for with_callback in (False, True) if t % 2 == 0 else (True, False):  # neither always first
+                runs[with_callback] = trainer_rate(
+                    steps, with_callback=with_callback, data_dir=Path(tmp) / f"{t}{with_callback}"
+                )
+            bare, mesh = runs[False], runs[True]
             wall.append(round(bare[0] / mesh[0], 4))
             cpu.append(round(bare[1] / mesh[1], 4))
     return {
