@@ -13,11 +13,12 @@ One JSON object on the last line:
 - `hf_callback_overhead`: samples/s of the same Trainer (tiny LLaMA, same data, batch, optimizer)
   without the callback over samples/s with it, on a 1-peer swarm with no round due (H beyond the
   run): what the callback and the node beside it cost per step. Timed from the end of a warm-up
-  step (the swarm's join is in the warm-up) to the last step's end; a trial runs both, in turn
-  first (bare / with, then with / bare), and the median of the trials' paired ratios counts (the load drifts between trials, less within
-  one); torch runs `--threads` threads (1) in both. Target <= 1.03. `hf_callback_overhead_cpu`:
-  the same ratio in process CPU time per sample (all threads: the node's network and status
-  server included), steadier on a loaded machine and an upper bound where cores are spare. `load_avg` is the 1-minute load average before and after.
+  step (the swarm's join is in the warm-up) to the last step's end; a trial runs both, taking
+  turns at going first, and the median of the trials' paired ratios counts (the load drifts
+  between trials, less within one); torch runs `--threads` threads (1) in both. Target <= 1.03.
+  `hf_callback_overhead_cpu`: the same ratio in process CPU time per sample (all threads: the
+  node's network and status server included), steadier on a loaded machine and an upper bound
+  where cores are spare. `load_avg` is the 1-minute load average before and after.
 - `wheel_demo_ok`, `prometheus_scraped`, `js_record_verified`: null here, with the reason in
   `not_measured` (issue 33's other items: not this benchmark's session).
 """
