@@ -28,9 +28,9 @@ step, then whatever round is due.
 
 - `state_dict()`/`load_state_dict()` are the outer optimizer's (φ, outer optimizer, step counter,
   and the inner optimizer's state), so code that saves "the optimizer" (Accelerate's
-  `save_state`, a `torch.save` of your own) saves all of it. The swarm's own checkpoint in its
-  data dir is what its first step resumes (or the swarm's state, downloaded when it has moved
-  on): `load_state_dict` puts state back before that first step, which then still wins.
+  `save_state`, a `torch.save` of your own) saves all of it. The first `step()` still joins the
+  swarm: the data dir's checkpoint, or the swarm's state when the swarm has moved on, replaces
+  what `load_state_dict` restored before it, if there is one.
 - Accelerate: prepare first, then wrap — `model, inner = accelerator.prepare(model, inner)`, then
   `SwarmOptimizer(inner, swarm, model=accelerator.unwrap_model(model))`. The prepared optimizer
   applies gradient scaling and, inside `accelerator.accumulate(model)`, steps only when the
