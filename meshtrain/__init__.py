@@ -8,9 +8,11 @@ The public API is small (docs/guide.md, "Python API"):
 - `OuterOptimizer` — the base class for your own outer optimizer; `DiLoCo`, `StreamingDiLoCo`,
   `NoLoCo`, `SparseLoCo` are built on it, and so is `DataParallel` (the synchronous baseline).
 - `Collective`, `ReduceResult` — what an outer optimizer talks to.
+- `SwarmOptimizer` — the swarm as a torch optimizer around yours (plain PyTorch, Accelerate, LR
+  schedulers); `meshtrain.integrations.hf.MeshtrainCallback` makes a `transformers.Trainer` a peer.
 
 Everything else lives in the layer subpackages `transport`, `dht`, `crdt`, `collective`, `optim`,
-`pipeline` and `node` (docs/architecture.md). Names are imported on first use, so `import
+`pipeline`, `node` and `integrations` (docs/architecture.md). Names are imported on first use, so `import
 meshtrain` (and `meshtrain --version`) stays fast.
 """
 
@@ -36,6 +38,7 @@ _EXPORTS = {
     "DataParallel": "meshtrain.optim.data_parallel",
     "Collective": "meshtrain.collective.contract",
     "ReduceResult": "meshtrain.collective.contract",
+    "SwarmOptimizer": "meshtrain.integrations.optimizer",
 }
 
 __all__ = ["__version__", *_EXPORTS]

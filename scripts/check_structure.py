@@ -27,7 +27,7 @@ PACKAGE = "meshtrain"
 
 # The stack (docs/architecture.md, "Layers"): a package may import its own layer and the layers
 # below it. The modules directly in meshtrain/ (errors, log, lifecycle, ...) are below them all.
-RANK = {"transport": 1, "crdt": 2, "dht": 2, "collective": 3, "optim": 4, "pipeline": 4, "node": 5}
+RANK = {"transport": 1, "crdt": 2, "dht": 2, "collective": 3, "optim": 4, "pipeline": 4, "node": 5, "integrations": 6}
 # Beside the stack: models/ and data/, which import only these, and which only BESIDE_USERS import.
 BESIDE = {"data": {"transport"}, "models": {"transport", "data"}}
 BESIDE_USERS = {"pipeline", "node"}

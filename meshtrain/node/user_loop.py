@@ -33,7 +33,7 @@ your thread. Its step hook runs at the start of every `step()`, in your thread:
 - when the outer optimizer lost step with the swarm (`needs_resync`: a missed round, or parity
   says we are in the minority), it downloads the swarm's state before the step goes on.
 `leave()` finishes an exchange in flight, saves a checkpoint, leaves the membership and stops
-the thread; it returns the `NodeResult`. Checkpoints hold your model's θ and the outer state
+the thread; it returns the `NodeResult`. `save_checkpoint()` writes one at once, between steps. Checkpoints hold your model's θ and the outer state
 (φ, outer optimizer, inner optimizer): `Swarm.open(data_dir)` then a new optimizer resumes them.
 
 Not here: your data and its position (a checkpoint records the step; resuming your loader at
@@ -156,6 +156,17 @@ class Swarm(ForwardingCollective):
         """Numbers for the status page and the swarm's metrics (optional; any thread)."""
         if self._loop is not None:
             self._loop.report(loss=loss, eval_loss=eval_loss)
+
+    def save_checkpoint(self) -> str | None:
+        """Write a checkpoint into the data dir now, between two steps, from the loop's thread (a
+        framework's own save, e.g. the Trainer's `checkpoint-N`, gets the swarm's beside it); its
+        path, or None before the first step or while an exchange is in flight (the periodic
+        checkpoint after it covers it)."""
+        loop, run_state = self._loop, self.node.run_state
+        if loop is None or not loop.begun or run_state is None or loop.outer.in_flight:
+            return None
+        path: str = self._call(run_state.save_final)
+        return path
 
     def leave(self) -> NodeResult | None:
         """Finish an exchange in flight, checkpoint, leave the swarm, stop the node (idempotent)."""

@@ -1,0 +1,181 @@
+"""Ecosystem benchmark (issue 33's measure): meshtrain inside the training scripts people have.
+
+    python scripts/bench/bench_ecosystem.py [--quick]
+
+One JSON object on the last line:
+
+- `hf_callback_phi_equal`, `hf_callback_loss_fell`: examples/hf_trainer.py (an ordinary
+  `transformers.Trainer` script on a tiny local LLaMA, plus `MeshtrainCallback`) run as two real
+  processes on loopback, one creating the swarm and one joining it: both end with the same φ digest
+  (true), and each one's logged loss fell (mean of its last quarter below its first: true). With
+  `hf_callback_rounds`, `hf_callback_contributors` (per round, as the creator saw them), the two
+  runs' final losses and `hf_callback_wall_s`.
+- `hf_callback_overhead`: samples/s of the same Trainer (tiny LLaMA, same data, batch, optimizer)
+  without the callback over samples/s with it, on a 1-peer swarm with no round due (H beyond the
+  run): what the callback and the node beside it cost per step. Timed from the end of a warm-up
+  step (the swarm's join is in the warm-up) to the last step's end; a trial runs both, taking
+  turns at going first, and the median of the trials' paired ratios counts (the load drifts
+  between trials, less within one); torch runs `--threads` threads (1) in both. Target <= 1.03.
+  `hf_callback_overhead_cpu`: the same ratio in process CPU time per sample (all threads: the
+  node's network and status server included), steadier on a loaded machine and an upper bound
+  where cores are spare. `load_avg` is the 1-minute load average before and after.
+- `wheel_demo_ok`, `prometheus_scraped`, `js_record_verified`: null here, with the reason in
+  `not_measured` (issue 33's other items: not this benchmark's session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench.harness import emit  # noqa: E402
+from tests.example_peers import loss_fell, run_two_peers  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+WARMUP = 5  # steps before timing starts: the swarm's join happens at the first
+
+
+def two_peers(steps: int, H: int) -> dict[str, Any]:
+    common = [
+        *("--max_steps", str(steps), "--H", str(H), "--listen", "/ip4/127.0.0.1/tcp/0", "--status_port", "0"),
+        *("--nat", "false", "--wait_peers", "2", "--report_to", "none", "--logging_steps", "5"),
+        *("--save_strategy", "no", "--learning_rate", "3e-3", "--per_device_train_batch_size", "8"),
+        *("--disable_tqdm", "true"),
+    ]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        ra, rb = run_two_peers(
+            EXAMPLE,
+            ["--output_dir", str(d / "a"), "--create", *common],
+            ["--output_dir", str(d / "b"), *common, "--join"],
+            d,
+        )
+    return {
+        "hf_callback_phi_equal": ra["phi_digest"] == rb["phi_digest"],
+        "hf_callback_loss_fell": loss_fell(ra["losses"]) and loss_fell(rb["losses"]),
+        "hf_callback_rounds": [ra["rounds"], rb["rounds"]],
+        "hf_callback_contributors": ra["contributors"],
+        "hf_callback_losses": {
+            "first": [ra["losses"][0], rb["losses"][0]],
+            "last": [ra["losses"][-1], rb["losses"][-1]],
+        },
+        "hf_callback_wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def trainer_rate(steps: int, *, with_callback: bool, data_dir: Path) -> tuple[float, float]:
+    """Samples per second of wall time and per second of process CPU time (all threads) of the
+    example's Trainer, from the end of step WARMUP to the end of step `steps`."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from meshtrain.integrations.hf import MeshtrainArguments, MeshtrainCallback
+
+    example = _example()
+
+    ends: list[tuple[float, float]] = []  # (wall, process CPU) at each step's end
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            ends.append((time.perf_counter(), time.process_time()))
+
+    args = TrainingArguments(
+        output_dir=str(data_dir),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        use_cpu=True,
+        data_seed=0,  # the same order in both runs
+    )
+    callbacks: list[Any] = [StepClock()]
+    if with_callback:
+        mesh = MeshtrainArguments(
+            create=True, H=10 * steps, listen="/ip4/127.0.0.1/tcp/0", status_port=0, nat=False, checkpoint_every=3600
+        )
+        callbacks.insert(0, MeshtrainCallback(mesh))
+    trainer = Trainer(model=example.tiny_llama(0), args=args, train_dataset=example.byte_text(), callbacks=callbacks)
+    trainer.train()
+    samples = 8 * (steps - WARMUP)
+    (w0, c0), (w1, c1) = ends[WARMUP - 1], ends[-1]
+    return samples / (w1 - w0), samples / (c1 - c0)
+
+
+def _example() -> Any:
+    """examples/hf_trainer.py as a module (its model and data; examples/ is no package)."""
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overhead(steps: int, trials: int, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)  # the same in both runs; 1: no OpenMP spinning against the load
+    wall, cpu = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in range(trials):
+            runs = {}
+            for with_callback in (False, True) if t % 2 == 0 else (True, False):  # neither always first
+                runs[with_callback] = trainer_rate(
+                    steps, with_callback=with_callback, data_dir=Path(tmp) / f"{t}{with_callback}"
+                )
+            bare, mesh = runs[False], runs[True]
+            wall.append(round(bare[0] / mesh[0], 4))
+            cpu.append(round(bare[1] / mesh[1], 4))
+    return {
+        "hf_callback_overhead": statistics.median(wall),
+        "hf_callback_overhead_cpu": statistics.median(cpu),
+        "hf_callback_overhead_trials": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="few steps: checks the machinery, not the numbers")
+    ap.add_argument("--steps", type=int, default=40, help="Trainer steps of the two-peer run")
+    ap.add_argument("--H", type=int, default=10)
+    ap.add_argument("--overhead-steps", type=int, default=60)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the overhead runs")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.overhead_steps, a.trials = 20, 15, 1
+    load_before = os.getloadavg()[0]
+    result: dict[str, Any] = {}
+    result.update(two_peers(a.steps, a.H))
+    result.update(overhead(a.overhead_steps, a.trials, a.threads))
+    reason = "issue 33 item {}: another session's part, not measured here"
+    result.update(
+        {
+            "wheel_demo_ok": None,
+            "prometheus_scraped": None,
+            "js_record_verified": None,
+            "not_measured": {
+                "wheel_demo_ok": reason.format(4),
+                "prometheus_scraped": reason.format(3),
+                "js_record_verified": reason.format(5),
+            },
+            "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        }
+    )
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
