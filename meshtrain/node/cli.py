@@ -289,12 +289,12 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | None) -> int:
+    config = node_config_of(args)  # first: a mistake in it is said before torch and libp2p load
     import trio
 
     from meshtrain.node.daemon import Node
     from meshtrain.node.spec.signed import SignedSpec
 
-    config = node_config_of(args)
     if args.log_level is None:
         configure(config.log_level)
     if config.nproc_per_node > 1:  # one peer, N local ranks: torch's elastic launcher runs them
