@@ -1,6 +1,7 @@
 """Memory benchmark: the bytes per parameter a peer holds beyond what training alone needs.
 
     python scripts/bench/bench_memory.py [--hidden 1024] [--layers 8] [--optimizers diloco,streaming,noloco,sparseloco]
+                                         [--score-samples 0]   # loss scoring off: its share of the figures
 
 A peer of a 1-8B model lives or dies by what the swarm adds to a bare training loop: φ, outer
 momentum, a round's pseudo-gradient and its codec buffers, loss scoring's and spot-checks' copies
@@ -188,12 +189,17 @@ class Sampler:
                         self.samples[p].append(kib)
 
 
-def run_nodes(work: Path, model: str, tokenizer: str, optimizer: str, steps: int) -> dict:
-    """Two daemons train `steps` steps; each one's steady RSS (median) and peak (KiB)."""
+def run_nodes(
+    work: Path, model: str, tokenizer: str, optimizer: str, steps: int, score_samples: int | None = None
+) -> dict:
+    """Two daemons train `steps` steps; each one's steady RSS (median) and peak (KiB).
+    `score_samples`: the spec's (None: its default; 0: loss scoring off)."""
     dirs = [work / f"p{i}" for i in range(2)]
     spec = ["--name", "memory", "--model", model, "--tokenizer", tokenizer, "--optimizer", optimizer]
     spec += ["--H", str(H), "--steps", str(steps), "--batch-size", str(BATCH), "--context", str(CONTEXT)]
     spec += ["--eval-every", "0", "--pow-bits", "0"]
+    if score_samples is not None:
+        spec += ["--score-samples", str(score_samples)]
     if optimizer == "streaming":
         spec += ["--fragments", "2", "--delay", "0"]
     create_swarm(dirs[0], *spec)
@@ -252,6 +258,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8, help="inner steps of each node run (H 2: steps/2 rounds)")
     ap.add_argument("--optimizers", default="diloco,streaming,noloco,sparseloco")
+    ap.add_argument(
+        "--score-samples",
+        type=int,
+        help="the spec's score_samples (default: its own; 0: loss scoring off, to see its share)",
+    )
     ap.add_argument("--bare", help=argparse.SUPPRESS)  # internal: the bare loop's process
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,7 +284,7 @@ def main() -> None:
         failed = False
         for optimizer in args.optimizers.split(","):
             try:
-                node = run_nodes(work / optimizer, model, tokenizer, optimizer, args.steps)
+                node = run_nodes(work / optimizer, model, tokenizer, optimizer, args.steps, args.score_samples)
             except RuntimeError as e:  # one optimizer's failure is reported, the others still measured
                 by_optimizer[optimizer] = {"error": str(e)}
                 failed = True
@@ -296,6 +307,7 @@ def main() -> None:
                     k: {kk.removesuffix("_kib"): round(vv / 1024, 1) for kk, vv in v.items() if kk.endswith("_kib")}
                     for k, v in raw.items()
                 },
+                "score_samples": args.score_samples,
                 "batch": BATCH,
                 "context": CONTEXT,
                 "H": H,
