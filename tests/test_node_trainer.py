@@ -14,6 +14,7 @@ from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
 from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.state.run_state import RunState
 from meshtrain.node.trainer import Trainer
 
 
@@ -44,6 +45,10 @@ async def test_resumed_trainer_continues_bit_exactly_and_draws_new_batches(tmp_p
     assert memory_of(state["outer"]["inner"]["state"]) == memory_of(first.inner.state)  # AdamW's moments
     outer_momentum = memory_of(first.outer.outer_optimizer.state)
     assert outer_momentum and memory_of(state["outer"]["outer_optimizer"]["state"]) == outer_momentum
+    # What the donor is handed to offer joiners is the same live memory (lent until the next round).
+    _, lent = RunState.donor_snapshot(first)
+    phi = {t.data_ptr() for t in first.outer.outer_params.values()}
+    assert phi | outer_momentum == {t.data_ptr() for t in lent.values() if t.numel()}
     store = CheckpointStore(tmp_path)
     store.save(state, step=first.step, round=first.outer.rounds)
     resumed = Trainer(spec, LocalSwarm(1).member(0), "peer-a")
