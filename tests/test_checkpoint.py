@@ -6,10 +6,12 @@ import json
 import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from meshtrain.allocator import release_freed_memory
 from meshtrain.node.state.checkpoint import CheckpointStore
 
 from .conftest import spawn
@@ -62,6 +64,38 @@ def test_keeps_only_newest(tmp_path):
     for s in range(4):
         store.save({"x": torch.tensor(s)}, step=s, round=0)
     assert [p.name for p in store.list()] == ["ckpt-000000002", "ckpt-000000003"]
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise LookupError(field)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
+def test_a_checkpoint_is_written_from_the_live_tensors_without_a_copy(tmp_path):
+    """The write takes no memory of the state's size: the process's peak RSS (reset first) grows
+    by less than the smallest tensor while 96 MiB of tensors are written and digested; a tied
+    tensor is written once and loads as one tensor under both names."""
+    release_freed_memory()  # as a node does: freed blocks leave RSS at once
+    mib32 = (32 << 20) // 4
+    weight = torch.randn(mib32)
+    state = {
+        "model": {"embed.weight": weight, "lm_head.weight": weight, "norm": torch.randn(mib32)},
+        "inner": {"exp_avg": torch.randn(mib32)},
+    }
+    store = CheckpointStore(tmp_path)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    before = _status_kib("VmRSS")
+    pending = store.write(state, step=7, round=1)
+    pending.commit()
+    grown_mib = (_status_kib("VmHWM") - before) / 1024
+    assert grown_mib < 16, f"peak RSS grew {grown_mib:.1f} MiB while writing 96 MiB of tensors"
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.step == 7
+    assert loaded.state["model"]["lm_head.weight"] is loaded.state["model"]["embed.weight"]
+    assert_state_equal(state, loaded.state)
 
 
 KILLS = 6  # each a fresh interpreter (~1.2 s of imports) killed 1.5-3 s in: ~20 s in all

@@ -13,6 +13,8 @@ import trio
 from meshtrain.collective import LocalSwarm
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.state.run_state import RunState
 from meshtrain.node.trainer import Trainer
 
 
@@ -21,15 +23,36 @@ async def train(t: Trainer, steps: int) -> None:
         await trio.to_thread.run_sync(t.run, threading.Event(), steps, lambda _t: None)
 
 
-async def test_resumed_trainer_continues_bit_exactly_and_draws_new_batches():
+def memory_of(optimizer_state: dict) -> set[int]:
+    """Where the tensors of a torch optimizer's per-parameter state live (their data pointers)."""
+    return {v.data_ptr() for s in optimizer_state.values() for v in s.values() if isinstance(v, torch.Tensor)}
+
+
+async def test_resumed_trainer_continues_bit_exactly_and_draws_new_batches(tmp_path):
     spec = SwarmSpec(model="gpt-tiny", steps=20, H=5, eval_every=0)
     straight = Trainer(spec, LocalSwarm(1).member(0), "peer-a")
     await train(straight, 20)
     first = Trainer(spec, LocalSwarm(1).member(0), "peer-a")
     await train(first, 10)
     state = first.checkpoint_state()
+    # The state to checkpoint is the live tensors, not copies (the memory budget): θ, φ, the
+    # outer momentum and AdamW's moments are the trainer's own objects.
+    live = first.model.state_dict()
+    for n, t in state["model"].items():
+        assert t.data_ptr() == live[n].data_ptr(), n
+    for n, t in state["outer"]["outer_params"].items():
+        assert t.data_ptr() == first.outer.outer_params[n].data_ptr(), n
+    assert memory_of(state["outer"]["inner"]["state"]) == memory_of(first.inner.state)  # AdamW's moments
+    outer_momentum = memory_of(first.outer.outer_optimizer.state)
+    assert outer_momentum and memory_of(state["outer"]["outer_optimizer"]["state"]) == outer_momentum
+    # What the donor is handed to offer joiners is the same live memory (lent until the next round).
+    _, lent = RunState.donor_snapshot(first)
+    phi = {t.data_ptr() for t in first.outer.outer_params.values()}
+    assert phi | outer_momentum == {t.data_ptr() for t in lent.values() if t.numel()}
+    store = CheckpointStore(tmp_path)
+    store.save(state, step=first.step, round=first.outer.rounds)
     resumed = Trainer(spec, LocalSwarm(1).member(0), "peer-a")
-    resumed.load_checkpoint(state)
+    resumed.load_checkpoint(store.load_latest().state)
     await train(resumed, 20)
     for (n, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), n

@@ -143,6 +143,48 @@ async def test_download_straddling_a_round_boundary_finishes_the_older_round():
         assert_same_state(state4, got)
 
 
+async def test_lent_state_is_copied_at_a_round_only_while_a_joiner_fetches_it():
+    """A lent snapshot costs no copy: one nobody fetches is dropped at `reclaim`; one a download
+    is using is copied then (copy-on-write) and the download finishes on the copy, bit-exact,
+    although the owner changes its tensors in place as soon as `reclaim` returns."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2, upload_limit=16 * MIB)
+        meta3, live = make_state(2 << 10, seed=1, round=3)
+        expected = {k: t.clone() for k, t in live.items()}
+        for d in donors:
+            d.publish(meta3, live, live=True)
+        for d in donors:  # a round nobody fetched: dropped, not copied
+            await d.reclaim()
+            assert d.rounds == [] and d.stats["bytes_copied"] == 0
+            d.publish(meta3, live, live=True)
+        meta4 = {**meta3, "round": 4}
+        first_chunk = trio.Event()
+
+        async def next_round_lands() -> None:
+            await first_chunk.wait()
+            for d in donors:
+                await d.reclaim()
+            for t in live.values():  # the owner's round changes its tensors in place
+                if t.numel() and t.dtype.is_floating_point:
+                    t.add_(1)
+            for d in donors:
+                d.publish(meta4, live, live=True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(next_round_lands)
+            got_meta, got = await fetch_state(
+                joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB, progress=lambda *_: first_chunk.set()
+            )
+        assert got_meta["round"] == 3
+        assert_same_state(expected, got)
+        total = sum(t.numel() * t.element_size() for t in live.values())
+        assert [d.stats["bytes_copied"] for d in donors] == [total, total]
+        assert donors[0].rounds == [4, 3]
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), chunk_bytes=128 * KIB)
+        assert got_meta["round"] == 4
+        assert_same_state(live, got)
+
+
 async def test_provider_is_polled_for_a_fresh_snapshot():
     async with AsyncExitStack() as stack:
         current = {"snap": make_state(256, round=1)}

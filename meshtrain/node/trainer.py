@@ -47,9 +47,11 @@ to rank 0 and a scatter of the new θ whenever a round is due; the ranks also ag
 such round, so rank 0's re-sync ends every rank's run at once.
 
 State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP the full
-state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the outer state without the inner optimizer: φ, outer optimizer, step
-counters) is what late joiners download — θ is φ after a round, and inner state is never shared
-(docs/algorithms.md).
+state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the
+outer state without the inner optimizer: φ, outer optimizer, step counters) is what late joiners
+download — θ is φ after a round, and inner state is never shared (docs/algorithms.md). Both are
+the live tensors, not copies (the memory budget, docs/guide.md): the node writes a checkpoint
+between two steps, and lends the donor state until the next round (node/state/run_state.py).
 """
 
 from __future__ import annotations
@@ -184,10 +186,12 @@ class TrainedState:
             del info.history[:-500]
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (host copies; call between steps)."""
+        """Everything to resume bit-exactly: the live tensors, not copies (device tensors come
+        to the host): consistent only between two steps, so write it before the next one
+        (`CheckpointStore.write`, node/state/run_state.py)."""
         return {
-            "model": to_host(self.model.state_dict()),
-            "outer": to_host(self.outer.state_dict(inner=True), copy=False),  # copies already
+            "model": to_host(self.model.state_dict(), copy=False),
+            "outer": to_host(self.outer.state_dict(inner=True, copy=False), copy=False),
             "eval_loss": self.info.eval_loss,
         }
 
@@ -200,8 +204,9 @@ class TrainedState:
             self.info.eval_loss = state.get("eval_loss")
 
     def donor_state(self) -> dict[str, Any]:
-        """What a late joiner needs: the outer state without the inner optimizer."""
-        return self.outer.state_dict(inner=False)
+        """What a late joiner needs: the outer state without the inner optimizer — the live
+        tensors, lent to the state donor until the next round (node/state/donor.py)."""
+        return self.outer.state_dict(inner=False, copy=False)
 
     def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
         self.outer.join(state, at_step=at_step)
@@ -428,7 +433,8 @@ class Trainer(TrainedState):
     # -- state (FSDP: node/ranks/sharding.py) ----------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything to resume bit-exactly (host copies; call between steps). Under FSDP (rank 0):
+        """Everything to resume bit-exactly (the live tensors: write them between two steps, as
+        `TrainedState.checkpoint_state` says). Under FSDP (rank 0):
         the replica's θ, the outer state and the whole inner state as of the last round or run
         end (node/ranks/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
         sharded = self.sharded
@@ -437,7 +443,7 @@ class Trainer(TrainedState):
         elif sharded.replica is None:
             raise RuntimeError("under FSDP only local rank 0 holds the peer's full state")
         else:
-            outer = self.outer.state_dict(inner=True)
+            outer = self.outer.state_dict(inner=True, copy=False)
             outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
             if sharded.inner_state is not None:
                 outer["inner"] = copy.deepcopy(sharded.inner_state)

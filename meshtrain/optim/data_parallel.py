@@ -38,8 +38,8 @@ steps a sharded inner optimizer itself: `inner` must be given).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from typing import Any, ClassVar, Self
 
 import torch
@@ -140,10 +140,10 @@ class DataParallel(OuterOptimizer):
 
     # -- state: the inner optimizer's is the swarm's ------------------------------------------
 
-    def state_dict(self, *, inner: bool = True) -> dict[str, Any]:
-        state = super().state_dict(inner=False)
+    def state_dict(self, *, inner: bool = True, copy: bool = True) -> dict[str, Any]:
+        state = super().state_dict(inner=False, copy=copy)
         assert self.inner is not None
-        state["inner"] = copy.deepcopy(self.inner.state_dict())
+        state["inner"] = deepcopy(self.inner.state_dict()) if copy else self.inner.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:

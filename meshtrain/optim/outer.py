@@ -35,7 +35,7 @@ steps, so the loop reads like ordinary torch.
 
 Devices. θ, its gradients and the inner optimizer live wherever the model is (a GPU); φ, the
 outer optimizer's state and every registered buffer live on the host in fp32 — pinned memory when
-CUDA is present — so the collective, checkpoints and state sync only ever see host tensors, and
+the model is on a CUDA device, never for a model on the CPU — so the collective, checkpoints and state sync only ever see host tensors, and
 GPU memory holds one copy of the model, not three. Δ = φ − θ is computed on the device (φ is
 copied up without blocking) and copied back to the host once per round, all tensors queued
 before one wait; with τ >= 1 that round's exchange then overlaps with the next inner steps
@@ -90,6 +90,14 @@ H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `R
 (optim/schedule.py), the one statement of them. Round ids: an exchange is the inner step s it is
 sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
 
+State lent out. `state_dict(copy=False)` hands out the live φ and outer state, no copy: a
+checkpoint written at once, or the node's state donor serving joiners (node/state/run_state.py)
+until the next round. They change in place only when a round completes (`apply`, `merge`) or a
+state is loaded, so `before_state_change` (async callables, run on the trio side by the driver
+of the round, before the round's `apply`) is where a borrower gives them back — copies them if
+it still needs them (copy-on-write) or stops reading them. `load_state_dict`/`join` are the
+caller's to announce (they run where the caller runs).
+
 Step hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
 caller's thread; a collective that `WatchesOptimizer` (`meshtrain.Swarm`, for a loop you write
 yourself) is told of the optimizer at the end of `__init__` and installs its hook there. With no
@@ -111,7 +119,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -328,6 +336,9 @@ class OuterOptimizer(Service):
         # Called with this optimizer at the start of every `step()`, in the caller's thread
         # (`meshtrain.Swarm` runs the swarm's side of a user's own loop there).
         self.step_hooks: list[Callable[[OuterOptimizer], None]] = []
+        # Awaited on the trio side before a round changes φ or the outer state in place (module
+        # docstring, "State lent out").
+        self.before_state_change: list[Callable[[], Awaitable[None]]] = []
         if isinstance(collective, WatchesOptimizer):
             collective.watch(self)
 
@@ -605,6 +616,8 @@ class OuterOptimizer(Service):
         waited = time.monotonic() - t0
         result = ex.result
         assert result is not None  # set before done
+        for hook in self.before_state_change:
+            yield RoundCall(hook)
         with torch.no_grad():
             self.apply(result, ex.names)
             self.merge(ex.names)
@@ -687,11 +700,16 @@ class OuterOptimizer(Service):
 
     # -- state ----------------------------------------------------------------------------------
 
-    def state_dict(self, *, inner: bool = True) -> dict[str, Any]:
+    def state_dict(self, *, inner: bool = True, copy: bool = True) -> dict[str, Any]:
         """Everything needed to continue: φ, the outer optimizer, registered buffers, counters,
-        and (with `inner`) the inner optimizer's state. Tensors are copies; bit-exact."""
+        and (with `inner`) the inner optimizer's state; bit-exact. Tensors are copies, or with
+        `copy=False` the live tensors themselves (no memory: for a checkpoint written at once, or
+        a state lent to joiners until the next round — `before_state_change`); the caller must
+        not write them. A subclass that overrides this takes `copy` too."""
         if self._pending:
             raise OuterStateError("an outer exchange is in flight; take state between rounds or after finish()")
+        same: Callable[[Any], Any] = _deep_copy if copy else _as_is
+        outer_optimizer = self.outer_optimizer
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "algorithm": type(self).__name__,
@@ -699,16 +717,14 @@ class OuterOptimizer(Service):
             "fragments": [list(f) for f in self.fragments],
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
-            "outer_params": {n: t.clone() for n, t in self.outer_params.items()},
-            "buffers": {k: {n: t.clone() for n, t in b.items()} for k, b in self._buffers.items()},
-            "outer_optimizer": (
-                copy.deepcopy(self.outer_optimizer.state_dict()) if self.outer_optimizer is not None else None
-            ),
+            "outer_params": same(dict(self.outer_params)),
+            "buffers": same({k: dict(b) for k, b in self._buffers.items()}),
+            "outer_optimizer": same(outer_optimizer.state_dict()) if outer_optimizer is not None else None,
         }
         if inner and self.inner is not None:
-            state["inner"] = copy.deepcopy(self.inner.state_dict())
+            state["inner"] = same(self.inner.state_dict())
         if inner and self.residual:  # this peer's error feedback: checkpoints only, never joiners
-            state["residual"] = {n: t.clone() for n, t in self.residual.items()}
+            state["residual"] = same(dict(self.residual))
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
@@ -809,13 +825,22 @@ class OuterOptimizer(Service):
 
 
 def _host_empty(t: torch.Tensor) -> torch.Tensor:
-    """A host fp32 tensor shaped like `t`: pinned when CUDA is present, so device copies into it
-    (and from it) can be non_blocking."""
-    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=torch.cuda.is_available())
+    """A host fp32 tensor shaped like `t`: pinned when `t` is on a CUDA device, so copies between
+    the two can be non_blocking (a model on the CPU pins nothing, CUDA present or not: pinned
+    memory is locked out of the kernel's reach)."""
+    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=t.is_cuda)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return _host_empty(t).copy_(t.detach())
+
+
+def _deep_copy(tree: Any) -> Any:
+    return copy.deepcopy(tree)
+
+
+def _as_is(tree: Any) -> Any:
+    return tree
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,17 +1,21 @@
 """Memory benchmark: the bytes per parameter a peer holds beyond what training alone needs.
 
     python scripts/bench/bench_memory.py [--hidden 1024] [--layers 8] [--optimizers diloco,streaming,noloco,sparseloco]
+                                         [--score-samples 0]   # loss scoring off: its share of the figures
 
 A peer of a 1-8B model lives or dies by what the swarm adds to a bare training loop: φ, outer
-momentum, the donor's snapshot, a round's pseudo-gradient and its codec buffers, loss scoring's and
-spot-checks' model copies, the checkpoint's copy of everything. This benchmark measures that
+momentum, a round's pseudo-gradient and its codec buffers, loss scoring's and spot-checks' copies
+of φ, and whatever the donor and the checkpoints hold (nothing by design: the donor lends the live
+φ and momentum, copying them only while a joiner fetches across a round; a checkpoint is written
+from the live tensors between two steps — docs/guide.md, "Memory"). This benchmark measures that
 addition on a LLaMA-family model of ~100 M parameters built here (`transformers`, random init from
 a config file: `hf-config:`; a byte-level BPE trained on the built-in corpus), on CPU, where the
 device *is* the host.
 
 Method, side by side on one machine:
 - **node**: two `meshtrain node start` daemons on loopback train the model together (H 2, batch 2,
-  context 64, a checkpoint every 3 s, an open swarm: loss scoring on, as its default). Every 0.1 s
+  context 64, a checkpoint every 3 s, an open swarm: loss scoring on, as its default; no joiner,
+  so the donor never copies). Every 0.1 s
   the script reads each daemon's `VmRSS` from /proc. Once both train, it resets the kernel's peak
   (`/proc/<pid>/clear_refs` 5, so model loading at start-up does not count) and reads `VmHWM` at
   the end: the peak of rounds and checkpoints. Steady = the median `VmRSS` while training.
@@ -22,7 +26,8 @@ Method, side by side on one machine:
   it is measured the same way with the built-in gpt-tiny (node minus bare, ~0.3 M parameters) and
   subtracted, so `host_bytes_per_param_*` = (node − bare − fixed) / parameters.
 
-Last line, one JSON object: `host_bytes_per_param_steady` and `host_bytes_per_param_peak` for
+Last line, one JSON object: `checkpoint_pause_s` (the longest a checkpoint paused training, from
+the daemons' logs: it is written from the live tensors on the training thread), `host_bytes_per_param_steady` and `host_bytes_per_param_peak` for
 DiLoCo (targets <= 16 and <= 24: the real-scale issue's budget), the same under `by_optimizer`
 for the others, `parameters`, the raw MiB figures, and `device_extra_bytes_per_param`: null here —
 on CPU the device's extra copies are part of the host figures above; a CUDA run
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -183,12 +189,17 @@ class Sampler:
                         self.samples[p].append(kib)
 
 
-def run_nodes(work: Path, model: str, tokenizer: str, optimizer: str, steps: int) -> dict:
-    """Two daemons train `steps` steps; each one's steady RSS (median) and peak (KiB)."""
+def run_nodes(
+    work: Path, model: str, tokenizer: str, optimizer: str, steps: int, score_samples: int | None = None
+) -> dict:
+    """Two daemons train `steps` steps; each one's steady RSS (median) and peak (KiB).
+    `score_samples`: the spec's (None: its default; 0: loss scoring off)."""
     dirs = [work / f"p{i}" for i in range(2)]
     spec = ["--name", "memory", "--model", model, "--tokenizer", tokenizer, "--optimizer", optimizer]
     spec += ["--H", str(H), "--steps", str(steps), "--batch-size", str(BATCH), "--context", str(CONTEXT)]
     spec += ["--eval-every", "0", "--pow-bits", "0"]
+    if score_samples is not None:
+        spec += ["--score-samples", str(score_samples)]
     if optimizer == "streaming":
         spec += ["--fragments", "2", "--delay", "0"]
     create_swarm(dirs[0], *spec)
@@ -222,16 +233,23 @@ def run_nodes(work: Path, model: str, tokenizer: str, optimizer: str, steps: int
             "steady_kib": max(statistics.median(sampler.samples[p]) for p in pids),
             "peak_kib": max(peaks.values()),
             "rounds": min(r.get("rounds", 0) for r in results if r is not None),
+            "checkpoint_pause_s": max(checkpoint_pauses(d.log) for d in nodes),
         }
     finally:
         for d in nodes:
             d.kill()
 
 
+def checkpoint_pauses(log: Path) -> float:
+    """The longest pause a checkpoint cost the training thread, from a daemon's log (0: none)."""
+    found = re.findall(r"training paused for a checkpoint .*?pause_s=([0-9.]+)", log.read_text(errors="replace"))
+    return max((float(x) for x in found), default=0.0)
+
+
 def per_param(node: dict, bare_: dict, fixed: dict, params: int) -> dict:
     steady = (node["steady_kib"] - bare_["steady_kib"] - fixed["steady_kib"]) * 1024 / params
     peak = (node["peak_kib"] - bare_["peak_kib"] - fixed["peak_kib"]) * 1024 / params
-    return {"steady": round(steady, 2), "peak": round(peak, 2)}
+    return {"steady": round(steady, 2), "peak": round(peak, 2), "checkpoint_pause_s": node["checkpoint_pause_s"]}
 
 
 def main() -> None:
@@ -240,6 +258,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8, help="inner steps of each node run (H 2: steps/2 rounds)")
     ap.add_argument("--optimizers", default="diloco,streaming,noloco,sparseloco")
+    ap.add_argument(
+        "--score-samples",
+        type=int,
+        help="the spec's score_samples (default: its own; 0: loss scoring off, to see its share)",
+    )
     ap.add_argument("--bare", help=argparse.SUPPRESS)  # internal: the bare loop's process
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,7 +284,7 @@ def main() -> None:
         failed = False
         for optimizer in args.optimizers.split(","):
             try:
-                node = run_nodes(work / optimizer, model, tokenizer, optimizer, args.steps)
+                node = run_nodes(work / optimizer, model, tokenizer, optimizer, args.steps, args.score_samples)
             except RuntimeError as e:  # one optimizer's failure is reported, the others still measured
                 by_optimizer[optimizer] = {"error": str(e)}
                 failed = True
@@ -274,6 +297,7 @@ def main() -> None:
                 "parameters": params,
                 "host_bytes_per_param_steady": diloco.get("steady"),
                 "host_bytes_per_param_peak": diloco.get("peak"),
+                "checkpoint_pause_s": diloco.get("checkpoint_pause_s"),
                 "targets": {"steady": TARGET_STEADY, "peak": TARGET_PEAK},
                 "targets_met": bool(diloco) and diloco["steady"] <= TARGET_STEADY and diloco["peak"] <= TARGET_PEAK,
                 "by_optimizer": by_optimizer,
@@ -283,6 +307,7 @@ def main() -> None:
                     k: {kk.removesuffix("_kib"): round(vv / 1024, 1) for kk, vv in v.items() if kk.endswith("_kib")}
                     for k, v in raw.items()
                 },
+                "score_samples": args.score_samples,
                 "batch": BATCH,
                 "context": CONTEXT,
                 "H": H,

@@ -1,13 +1,23 @@
 """Serving the swarm's state to late joiners: the donor side of the state sync (node/state/sync.py).
 
-Snapshots. After each outer round the node publishes `(meta, tensors)` (`StateDonor.publish`): an
-immutable snapshot — the caller hands over tensors it will not touch again
-(`OuterOptimizer.state_dict` already returns copies). Serving reads only published snapshots, so
-it never blocks or races training. The donor keeps the newest `keep` (default 2) per key, so a
-joiner whose download straddles a round boundary can finish the older one. Digests (the whole
-state's and each chunk's, for the chunk size a joiner asks) are computed once per snapshot and
-chunk size in a worker thread — never on the trainer's thread; the default size is hashed as
-soon as a snapshot is published, so the first joiner does not wait for it.
+Snapshots. After each outer round the node publishes `(meta, tensors)` (`StateDonor.publish`).
+Serving reads only published snapshots, so it never blocks or races training. The donor keeps
+the newest `keep` (default 2) per key, so a joiner whose download straddles a round boundary can
+finish the older one. Digests (the whole state's and each chunk's, for the chunk size a joiner
+asks) are computed once per snapshot and chunk size in a worker thread — never on the trainer's
+thread; the default size is hashed as soon as a snapshot is published, so the first joiner does
+not wait for it.
+
+Lent, not copied (copy-on-write). A snapshot is either handed over (the caller never touches its
+tensors again) or, with `publish(..., live=True)`, *lent*: the owner's live tensors (the node's φ
+and outer optimizer state, which change only when a round completes), at no memory cost. Before
+the owner changes them it awaits `reclaim()` (the outer optimizer's `before_state_change`, so
+the trainer waits for it): a lent snapshot that a joiner asked for within `FETCH_IDLE` seconds is
+copied then — its download finishes on the copy, under the same digests — and any other stops
+being offered (a joiner's next chunk request gets `unknown_state` and it fetches anew). `reclaim`
+returns once no hashing pass and no chunk send reads the owner's memory any more. So a peer
+holds no state of its own for joiners between rounds, and one copy only while a download
+straddles a round; a copy no joiner asked for within `FETCH_IDLE` is dropped at the next reclaim.
 
 Serving. `state/manifest` describes every snapshot offered under the key asked; `state/chunk`
 sends bytes `[i·C, (i+1)·C)` of a snapshot the joiner names by digest, as zero-copy slices over
@@ -23,13 +33,15 @@ Throttling: `StateDonor(upload_limit=bytes/s)` paces a donor's chunk sends (per 
 joiners), so a volunteer can cap what it donates, and benchmarks can model residential uplinks.
 
 Not here: the wire's names and limits and the flattened state (node/state/sync.py), downloading
-(node/state/fetch.py), when to publish (the node, after each outer round).
+(node/state/fetch.py), when to publish and reclaim (the node, node/state/run_state.py).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +80,31 @@ MANIFEST_HANDLER_TIMEOUT = 300.0  # a large state is hashed before the first man
 DONOR_SEND_TIMEOUT = 120.0
 MAX_SENDS_PER_PEER = MAX_PER_DONOR  # a joiner asking for more is misbehaving
 MAX_CONCURRENT_SENDS = 8  # per donor, over all joiners
+FETCH_IDLE = 30.0  # seconds: a lent snapshot a joiner asked for within this is copied at `reclaim`
+
+
+class _Readers:
+    """The chunk sends reading a snapshot's memory now; `drained()` returns once there are none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        if self.count == 0:
+            self._idle = trio.Event()
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
 
 
 @dataclass
@@ -77,6 +114,10 @@ class _Snapshot:
     meta: dict[str, Any]
     flat: FlatState
     source: Any = None  # what the provider returned, to notice a new one
+    live: bool = False  # its tensors are the owner's, lent until `reclaim` (module docstring)
+    copied: bool = False  # a lent snapshot copied at `reclaim` for a download in progress
+    used_at: float = -math.inf  # trio time of the last manifest or chunk request for it
+    readers: _Readers = field(default_factory=_Readers)
     lock: trio.Lock = field(default_factory=trio.Lock)
     _digests: dict[int, tuple[bytes, list[bytes]]] = field(default_factory=dict)
 
@@ -142,9 +183,11 @@ class StateDonor:
     send_timeout: how long one chunk send may take before the donor gives up on that joiner.
 
     Contract: the donor only reads published tensors; the caller must not modify them after
-    `publish` (hand over copies). Malformed or hostile requests get `RemoteError` with codes
+    `publish` (hand over copies), or for a lent snapshot (`publish(..., live=True)`) before
+    `await reclaim()` returned. Malformed or hostile requests get `RemoteError` with codes
     `bad_request`, `no_state`, `unknown_state`, `busy`, `send_failed`; nothing a peer sends can
-    raise out of a handler. `stats` and `bytes_served_to` count what was sent.
+    raise out of a handler. `stats` and `bytes_served_to` count what was sent (and `stats`
+    what lent state was copied).
     """
 
     def __init__(
@@ -177,6 +220,7 @@ class StateDonor:
             "bytes_served": 0,
             "requests_refused": 0,
             "sends_failed": 0,
+            "bytes_copied": 0,  # lent state copied at `reclaim` for a download straddling a round
         }
         self.bytes_served_to: dict[str, int] = {}
         host.rpc.serve(
@@ -199,12 +243,48 @@ class StateDonor:
         """Rounds currently offered, newest first."""
         return [s.round for s in self._snapshots]
 
-    def publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *, key: str = "") -> None:
+    def publish(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *, key: str = "", live: bool = False
+    ) -> None:
         """Offer a new snapshot. `meta` (msgpack-able, at most 1 MiB packed) may carry `round`
         and `step` (ints; otherwise a publish counter and 0). Tensors are taken as they are
-        (no copy when already contiguous CPU) and must not change afterwards. `key`: which of
-        this donor's states it is (node/state/sync.py, Keys)."""
-        self._publish(meta, tensors, source=None, key=key)
+        (no copy when already contiguous CPU) and must not change afterwards — or, with `live`,
+        not before the owner awaited `reclaim()` (module docstring, "Lent, not copied"). `key`:
+        which of this donor's states it is (node/state/sync.py, Keys)."""
+        self._publish(meta, tensors, source=None, key=key, live=live)
+
+    async def reclaim(self) -> None:
+        """The owner of the lent snapshots is about to change their tensors (trio thread): copy
+        each one a joiner asked for within `FETCH_IDLE` seconds, stop offering the others (and
+        copies no joiner asked for since), and return once nothing reads the owner's memory."""
+        now = trio.current_time()
+        lent: list[tuple[_Snapshot, bool]] = []
+        for key in ["", *self._keyed]:
+            offered = self._offered(key)
+            if not any(s.live or s.copied for s in offered):
+                continue
+            kept = []
+            for snap in offered:
+                fetched = now - snap.used_at < FETCH_IDLE
+                if snap.live:
+                    lent.append((snap, fetched))
+                if fetched or not (snap.live or snap.copied):
+                    kept.append(snap)
+            # At once, before any await: no new request finds what is no longer offered.
+            if key:
+                self._keyed[key] = kept
+            else:
+                self._snapshots = kept
+        for snap, fetched in lent:
+            readers = snap.readers
+            async with snap.lock:  # a hashing pass over the owner's memory ends first
+                if fetched:
+                    copy = await trio.to_thread.run_sync(snap.flat.copy)
+                    snap.flat, snap.readers = copy, _Readers()  # sends from now on read the copy
+                    self.stats["bytes_copied"] += copy.total
+                snap.live, snap.copied = False, fetched
+            await readers.drained()  # sends that took slices of the owner's memory
+            log.info(kv("lent state reclaimed", round=snap.round, copied=fetched))
 
     def keyed_rounds(self, key: str) -> list[int]:
         """Rounds offered under `key`, newest first."""
@@ -219,7 +299,9 @@ class StateDonor:
     def _offered(self, key: str) -> list[_Snapshot]:
         return self._snapshots if not key else self._keyed.get(key, [])
 
-    def _publish(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: Any, key: str = "") -> None:
+    def _publish(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: Any, key: str = "", live: bool = False
+    ) -> None:
         if not isinstance(meta, dict):
             raise TypeError("meta must be a dict")
         if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
@@ -232,7 +314,7 @@ class StateDonor:
         rnd = rnd if is_int(rnd) and rnd >= 0 else self._published
         step = step if is_int(step) and step >= 0 else 0
         ordered = contiguous_cpu({k: tensors[k] for k in sorted(tensors)})
-        snap = _Snapshot(rnd, step, meta, FlatState(ordered), source)
+        snap = _Snapshot(rnd, step, meta, FlatState(ordered), source, live=live)
         keep = [s for s in self._offered(key) if s.round != rnd][: self.keep - 1]
         if key:
             self._keyed[key] = [snap, *keep]
@@ -292,6 +374,7 @@ class StateDonor:
                     f"chunk_bytes {cb} makes more than {MAX_CHUNKS} "
                     f"chunks of a {snap.flat.total}-byte state; use larger chunks",
                 )
+            snap.used_at = trio.current_time()  # a joiner may fetch it now: keep it across a round
             offers.append(await snap.manifest(cb))
         reply = {"format": STATE_FORMAT, "snapshots": offers}
         if len(packb(reply)) > MAX_MANIFEST_BYTES:
@@ -332,15 +415,21 @@ class StateDonor:
         start, end = index * cb, min((index + 1) * cb, snap.flat.total)
         chunk_digest = digests[1][index]
         tag = f"state/{snap.round}/{index}/{fetch}"
+        snap.used_at = trio.current_time()
+
+        async def send() -> None:
+            # The readers of the memory the slices are taken from (`_send_chunk` takes them
+            # before its first await), so that `reclaim` waits for this send.
+            with snap.readers.reading():
+                await self._send_chunk(peer, tag, snap, start, end, chunk_digest)
+
         self._sending[peer] = self._sending.get(peer, 0) + 1
         try:
             async with self._limiter:
                 if self._pacer is not None:
-                    await self._pacer.pace(
-                        end - start, lambda: self._send_chunk(peer, tag, snap, start, end, chunk_digest)
-                    )
+                    await self._pacer.pace(end - start, send)
                 else:
-                    await self._send_chunk(peer, tag, snap, start, end, chunk_digest)
+                    await send()
         except TransferError as e:
             self.stats["sends_failed"] += 1
             raise RemoteError("send_failed", str(e)[:200]) from None

@@ -36,10 +36,19 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   partition), a pause with backoff (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before
   training into that round again.
 - `after_step(trainer)` runs between two steps in the trainer's thread: it records φ's digest,
+  writes a checkpoint every `checkpoint_every` seconds (never while an exchange is in flight),
   and hops onto the trio thread to report progress and metrics, publish a finished round's state
-  to joiners (`StateDonor`) and start a background checkpoint every `checkpoint_every` seconds
-  (one at a time; never while an exchange is in flight).
+  to joiners (`StateDonor`) and commit the checkpoint in the background (one at a time).
 - `save_final()`: the checkpoint written on a clean stop.
+
+Memory (the budget, docs/guide.md): nothing here copies the state. The state offered to joiners
+is the outer optimizer's live φ and outer state, lent to the donor (`publish(..., live=True)`)
+until the next round changes them: the optimizer's `before_state_change` awaits
+`StateDonor.reclaim` first, which copies the snapshot only if a joiner is fetching it; a
+download reclaims it before `join` overwrites φ. A checkpoint is written from the live tensors
+on the trainer's thread between two steps (`CheckpointStore.write`): training pauses for the
+write (`last_checkpoint["pause_s"]`; the bytes go to the page cache, ~20 B/param with AdamW),
+and digests, fsyncs and renames (`PendingCheckpoint.commit`) run in a worker thread after it.
 
 Not here: the checkpoint format (`node/state/checkpoint.py`), the download protocol and the donor's
 admission (`node/state/sync.py`), the parity rule (`node/state/parity.py`), who is in the swarm
@@ -63,7 +72,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.node.phase import NodeError, Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
-from meshtrain.node.state.checkpoint import CheckpointStore, flatten_state, unflatten_state
+from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, flatten_state, unflatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import fetch_state
 from meshtrain.node.state.parity import ParityMonitor, phi_digest, winning_digest
@@ -107,6 +116,7 @@ class RunState(Service):
         self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
         self.parity = ParityMonitor(presence.me, enabled=trainer.outer.replicas_identical)
         self.donor = StateDonor(presence.host, streams, upload_limit=config.donor_upload_mib * 2**20 or None)
+        trainer.outer.before_state_change.append(self.donor.reclaim)  # the lent state comes back first
         self.last_checkpoint: dict[str, Any] = {"last_step": None, "path": None, "saved_at": None}
         self.joined_from: dict[str, Any] | None = None  # how a late join got its state
         self.waiting: str | None = None
@@ -272,6 +282,7 @@ class RunState(Service):
         assert self.presence.view is not None
         reported = self.presence.view.progress()
         now = max([reported[d].step for d in donors if d in reported] or [state["inner_steps"]])
+        await self.donor.reclaim()  # `join` overwrites the φ lent to joiners
         try:
             trainer.join(state, at_step=max(now, state["inner_steps"]))
         except StaleStateError as e:
@@ -286,7 +297,7 @@ class RunState(Service):
         # the download handed joiners a state older than its own φ (they joined a round behind,
         # were refused as out of window, downloaded the old state again, and so on).
         self._published_round = trainer.outer.rounds
-        self.donor.publish(*self.donor_snapshot(trainer))
+        self.donor.publish(*self.donor_snapshot(trainer), live=True)
         self.record_phi()
         self.joined_from = {
             "donors": len(donors),
@@ -382,9 +393,10 @@ class RunState(Service):
 
     @staticmethod
     def donor_snapshot(trainer: TrainedState) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What our state donor offers joiners now: (meta, tensors) of the outer state (the
-        caller owns φ at that moment: the trainer's thread between steps, or the trio thread
-        while the trainer is stopped for a download)."""
+        """What our state donor offers joiners now: (meta, tensors) of the outer state, its live
+        tensors, to be lent (`publish(..., live=True)`; the caller owns φ at that moment: the
+        trainer's thread between steps, or the trio thread while the trainer is stopped for a
+        download)."""
         skeleton, tensors = flatten_state(trainer.donor_state())
         return {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}, tensors
 
@@ -409,8 +421,7 @@ class RunState(Service):
             and not outer.in_flight
         ):
             self._last_ckpt_time = time.monotonic()
-            state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/ranks/sharding.py)
-            checkpoint = (state, state["outer"]["inner_steps"], state["outer"]["rounds"])
+            checkpoint = self._write_checkpoint(trainer)
 
         def on_trio() -> None:
             view = self.presence.view
@@ -434,10 +445,10 @@ class RunState(Service):
                 }
             )
             if publish is not None:
-                self.donor.publish(*publish)
+                self.donor.publish(*publish, live=True)
             if checkpoint is not None and self._nursery is not None:
                 self._ckpt_busy = True
-                self._nursery.start_soon(self._write_checkpoint, *checkpoint)
+                self._nursery.start_soon(self._commit_checkpoint, *checkpoint)
 
         trio.from_thread.run_sync(on_trio, trio_token=self._token)
 
@@ -452,12 +463,31 @@ class RunState(Service):
         if self.parity.enabled and len(self.presence.trainers()) > 1:
             self.parity.solo_rounds += sum(r.contributors <= 1 for r in new)
 
-    async def _write_checkpoint(self, state: dict[str, Any], step: int, rnd: int) -> None:
+    def _write_checkpoint(self, trainer: TrainedState) -> tuple[PendingCheckpoint, float] | None:
+        """Write a checkpoint from the live state (the trainer's thread, between two steps: the
+        pause this costs is returned with it); None if the disk refused it."""
+        t0 = time.monotonic()
+        state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/ranks/sharding.py)
+        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]
         try:
-            ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
-            self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
+            pending = self.store.write(state, step=step, round=rnd)
         except OSError as e:
             log.warning(kv("checkpoint failed", step=step, error=str(e)))
+            return None
+        return pending, time.monotonic() - t0
+
+    async def _commit_checkpoint(self, pending: PendingCheckpoint, pause: float) -> None:
+        try:
+            ck = await trio.to_thread.run_sync(pending.commit)
+            self.last_checkpoint = {
+                "last_step": ck.step,
+                "path": str(ck.path),
+                "saved_at": time.time(),
+                "pause_s": round(pause, 3),
+            }
+            log.info(kv("training paused for a checkpoint", step=ck.step, pause_s=round(pause, 3)))
+        except OSError as e:
+            log.warning(kv("checkpoint failed", step=pending.step, error=str(e)))
         finally:
             self._ckpt_busy = False
 

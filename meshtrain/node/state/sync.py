@@ -9,9 +9,11 @@ nothing checks what arrives, so one peer announcing a high priority hands every 
 tensors. This protocol replaces that:
 
 1. **Snapshots** (node/state/donor.py, `StateDonor.publish`). After each outer round the node
-   publishes `(meta, tensors)`, an immutable snapshot; serving reads only published snapshots,
-   so it never blocks or races training. The donor keeps the newest two, so a joiner whose
-   download straddles a round boundary can finish the older one.
+   publishes `(meta, tensors)`, a snapshot that does not change while it is offered: its live φ
+   and outer state, lent without a copy until the next round changes them, and copied then only
+   if a joiner is fetching it (copy-on-write); serving reads only published snapshots, so it
+   never blocks or races training. The donor keeps the newest two, so a joiner whose download
+   straddles a round boundary can finish the older one.
 2. **Flattened state** (here: `FlatState`). The tensors sorted by name, their raw bytes
    concatenated: the state's digest is blake3 over that (= `payload_digest` of the sorted dict).
    A chunk is a fixed byte range `[i·C, min((i+1)·C, total))` of it — it may cut through or span
@@ -141,6 +143,10 @@ class FlatState:
         self.sizes = [len(v) for v in self.views]
         self.ends = list(itertools.accumulate(self.sizes))
         self.total = self.ends[-1] if self.ends else 0
+
+    def copy(self) -> FlatState:
+        """The same state in memory of its own (the donor's copy-on-write)."""
+        return FlatState({k: t.clone() for k, t in self.tensors.items()})
 
     def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """`(tensor index, byte offset in it, length)` of the non-empty pieces of `[start, end)`."""

@@ -128,7 +128,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -256,6 +256,13 @@ def scored_steps(round_id: int, H: int, score_batches: int) -> range:
     return range(max(round_id - min(score_batches, H), 0), max(round_id, 1))
 
 
+def queue_full(send: trio.MemorySendChannel[Any]) -> bool:
+    """Whether `send.send_nowait` would block now (its buffer full, no receiver waiting): asked
+    before a round's φ is copied for the queue, not after."""
+    stats = send.statistics()
+    return stats.current_buffer_used >= stats.max_buffer_size and not stats.tasks_waiting_receive
+
+
 class PhiSnapshot:
     """φ as a round started, copied at most once however many checks of the round ask (a
     model-sized memory copy on the trio thread). The trainer applies the round's result only
@@ -308,11 +315,11 @@ class LossScorer:
         names = list(outer.fragments[fragment])
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order (a sparse payload): nothing to score
-        try:
-            self._send.send_nowait((screening, names, phi()))
-        except trio.WouldBlock:
+        if queue_full(self._send):  # before φ is copied for it: a skipped round costs no memory
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))
+            return
+        self._send.send_nowait((screening, names, phi()))
 
     def batches(self, screening: RoundScreening) -> dict[str, list[Batch]]:
         """Each sampled peer's assigned batches of the round's last `score_batches` inner steps

@@ -116,7 +116,7 @@ from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import loss_of
-from meshtrain.node.trust.scoring import FRAGMENT_TAG, QUEUE, PhiSnapshot
+from meshtrain.node.trust.scoring import FRAGMENT_TAG, QUEUE, PhiSnapshot, queue_full
 from meshtrain.node.trust.strikes import SpotCheck, StrikeBook
 
 if TYPE_CHECKING:
@@ -243,12 +243,11 @@ class SpotChecker:
             return
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order: nothing to compare
-        queued = _Queued(dataclasses.replace(screening, samples=samples), names, phi())
-        try:
-            self._send.send_nowait(queued)
-        except trio.WouldBlock:
+        if queue_full(self._send):  # before φ is copied for it: a skipped round costs no memory
             self.skipped += 1
             log.info(kv("spot-checks behind; round skipped", round=screening.round_id))
+            return
+        self._send.send_nowait(_Queued(dataclasses.replace(screening, samples=samples), names, phi()))
 
     def batches(self, screening: RoundScreening, peer: str) -> list[Batch]:
         """`peer`'s assigned batches of the round's first `spot_check_steps` inner steps."""
