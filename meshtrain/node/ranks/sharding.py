@@ -98,7 +98,9 @@ shards at the next run. Evaluation of φ runs on rank 0's replica, on its host.
 Failures: as under DDP (node/local_ranks.py) — a rank that dies breaks the process group and
 every other rank's pending collective fails at once; a rank never waits on a round alone
 because the clock, not a message, says when rounds are; a save is ordered only where every
-rank is in an agreement.
+rank is in an agreement. A save or a load that DCP cannot do (a full disk, a shard file gone)
+fails on every rank alike, as a `CheckpointError` naming the directory: the peer stops with that
+line (a periodic checkpoint's failure is not survived as on one rank, where it is a warning).
 
 Not here: mixed DDP/FSDP meshes (HSDP), CPU offload of the shards, FSDP across machines, and
 sharding θ, φ and the outer state in the checkpoint file: those stay whole on rank 0's host.
@@ -106,11 +108,13 @@ sharding θ, φ and the outer state in the checkpoint file: those stay whole on 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +124,7 @@ import torch
 from meshtrain.durable import fsync_dir
 from meshtrain.errors import ConfigError
 from meshtrain.node.ranks.devices import ScaledInner
+from meshtrain.node.state.checkpoint import CheckpointError, CheckpointStore
 from meshtrain.optim.schedule import RoundSchedule
 
 SHARDINGS = ("ddp", "fsdp", "auto")
@@ -269,7 +274,8 @@ def save_inner_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
+    with _typed_errors(f"saving the inner optimizer state into {directory}"):
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
 
 
 def load_inner_shards(
@@ -285,7 +291,8 @@ def load_inner_shards(
     # move), and only where no gradient is set: a finished run leaves its last gradients.
     optimizer.zero_grad(set_to_none=True)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: what we ask of it
+    with warnings.catch_warnings(), _typed_errors(f"loading the inner optimizer state from {directory}"):
+        # DCP warns that it loads in one process: what we ask of it
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=directory, no_dist=not collective)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -379,8 +386,6 @@ class ShardedModel:
     def _prune(self) -> None:
         """Rank 0: delete the saves no checkpoint names (a checkpoint of step s names `inner-s`),
         but the newest ones, whose checkpoints may still be being written."""
-        from meshtrain.node.state.checkpoint import CheckpointStore
-
         named = {p.name.rsplit("-", 1)[-1] for p in CheckpointStore(self.checkpoints, readonly=True).list()}
         for d in self.checkpoints.glob(f"{INNER_DIR}*"):
             if d.name.rsplit("-", 1)[-1] not in named and d not in self.recent:
@@ -474,6 +479,21 @@ class ShardedModel:
         if self.local.is_gateway:
             self.save_now(optimizer, step)
         self.agree(optimizer, step, stop=True)
+
+
+@contextlib.contextmanager
+def _typed_errors(what: str) -> Iterator[None]:
+    """DCP's failures as a `CheckpointError` (DCP raises a BaseException, which would pass every
+    handler on its way; it raises it on every rank alike)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        ranks = ", ".join(str(r) for r in sorted(e.failures))
+        first = next(iter(e.failures.values()), None)
+        cause = f"{type(first[0]).__name__}: {first[0]}" if first is not None else "no cause given"
+        raise CheckpointError(f"{what} failed on rank(s) {ranks} ({str(cause).splitlines()[0][:200]})") from None
 
 
 def _optimizer_of(stepped: Any) -> torch.optim.Optimizer:
