@@ -204,46 +204,77 @@ def test_two_rank_fsdp_peer_trains_the_same_phi_as_a_single_rank_peer(tmp_path, 
     assert max_phi_difference(sharded, single) <= 1e-4
 
 
+def assert_saved_in_halves(directory: Path) -> None:
+    """The inner state of a 2-rank FSDP peer, as DCP saved it: each AdamW moment in two chunks,
+    one half of its rows each, written by two ranks (one file per rank) — so each rank held only
+    its shard, and the state was never gathered whole to save it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(directory).read_metadata()
+    files: dict[tuple[str, tuple[int, ...]], str] = {
+        (index.fqn, tuple(index.offset)): info.relative_path
+        for index, info in metadata.storage_data.items()
+        if index.offset is not None  # tensors; AdamW's step counts are saved as bytes
+    }
+    moments = {k: m for k, m in metadata.state_dict_metadata.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert moments, sorted(metadata.state_dict_metadata)[:5]
+    for key, meta in moments.items():
+        rows = meta.size[0]
+        assert [c.sizes[0] for c in meta.chunks] == [(rows + 1) // 2, rows // 2], (key, meta.chunks)
+        assert len({files[(key, tuple(c.offsets))] for c in meta.chunks}) == 2, key
+
+
 def test_fsdp_peer_resumes_its_checkpoint_with_another_rank_count(tmp_path):
-    """Two peers, each alone, train 20 steps in two runs of 10: one as 2 FSDP ranks then as one
-    rank, the other as one rank then as 2 FSDP ranks. Each resumes the other kind's checkpoint
-    (full state: θ, φ, outer and inner optimizer), so both end on the same φ — which they would
-    not if the inner optimizer's sharded moments were not gathered whole into the checkpoint,
-    or not cut into shards again on resume (a fresh AdamW moves φ by ~1e-3)."""
+    """Two peers, each alone, train 30 steps in runs of 10: one as 2 FSDP ranks, again as 2 FSDP
+    ranks, then as one rank; the other 20 steps as one rank, then 10 as 2 FSDP ranks. Each
+    resumes the other kind's checkpoint, and the first its own FSDP one (θ, φ and the outer
+    state in the checkpoint file, the inner optimizer's moments sharded beside it with DCP), so
+    both end on the same φ — which they would not if the sharded moments were not read back
+    (by 2 ranks, or whole by one) or not cut into shards from a single rank's checkpoint (a
+    fresh AdamW moves φ by ~1e-3)."""
     ident = Identity.load_or_create(tmp_path / "key")
-    spec_file = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, H=5, steps=20, batch_size=8), ident).save(
+    spec_file = SignedSpec.create(SwarmSpec(model="gpt-tiny", eval_every=0, H=5, steps=30, batch_size=8), ident).save(
         tmp_path / "swarm.json"
     )
-    fsdp = ("--nproc-per-node", "2", "--sharding", "fsdp")
+    # FSDP legs checkpoint at every report (every round here): every rank saves its shard in
+    # the middle of a run, not only at its end, and old saves are pruned with their checkpoints
+    fsdp = ("--nproc-per-node", "2", "--sharding", "fsdp", "--checkpoint-every", "0.01")
     single = ("--nproc-per-node", "1")
 
-    def both_legs(name: str, legs: tuple[tuple[str, ...], tuple[str, ...]]) -> dict:
+    def legs(name: str, *runs: tuple[int, tuple[str, ...]]) -> dict:
         data_dir = data_dirs(tmp_path / name, [tmp_path / "key" / "identity.key"])[0]
-        first = Proc(data_dir, "--swarm", str(spec_file), "--max-steps", "10", *legs[0])
-        try:
-            assert first.result(120)["step"] == 10
-        finally:
-            first.kill()
-        saved = CheckpointStore(data_dir / "checkpoints").load_latest()
-        assert saved.step == 10 and saved.state["outer"]["inner"]["state"], "the inner state is in the checkpoint"
-        again = Proc(data_dir, *legs[1])
-        try:
-            assert again.result(120)["step"] == 20
-        finally:
-            again.kill()
-        assert "resumed from checkpoint step=10" in again.log.read_text()
-        final = CheckpointStore(data_dir / "checkpoints").load_latest()
-        # the stop's own checkpoint, not an earlier periodic one (a stop that cancels a round in
-        # flight saves none: then φ would trail by that round)
-        assert final.step == 20, (name, final.step, again.log.read_text()[-3000:])
-        return final.state["outer"]["outer_params"]
+        store = CheckpointStore(data_dir / "checkpoints", readonly=True)
+        for i, (until, args) in enumerate(runs):
+            proc = Proc(data_dir, *(("--swarm", str(spec_file)) if i == 0 else ()), "--max-steps", str(until), *args)
+            try:
+                assert proc.result(120)["step"] == until
+            finally:
+                proc.kill()
+            if i:
+                assert f"resumed from checkpoint step={runs[i - 1][0]}" in proc.log.read_text()
+            saved = store.load_latest()
+            # the stop's own checkpoint, not an earlier periodic one (a stop that cancels a round
+            # in flight saves none: then φ would trail by that round)
+            assert saved is not None and saved.step == until, (name, saved and saved.step, proc.log.read_text()[-3000:])
+            if args == fsdp:
+                shards = saved.state["inner_shards"]
+                assert shards["step"] == until and "inner" not in saved.state["outer"]
+                assert_saved_in_halves(data_dir / "checkpoints" / shards["dir"])
+                # every kept checkpoint's save is there; older saves are pruned at the next save
+                # after the checkpoint store dropped the checkpoint that named them
+                named = {ck.step for p in store.list() if "inner_shards" in (ck := store.load(p)).state}
+                inner = {int(p.name.split("-")[1]) for p in (data_dir / "checkpoints").glob("inner-*")}
+                assert named <= inner and len(inner) <= len(named) + 1, (inner, named)
+            else:
+                assert saved.state["outer"]["inner"]["state"], "a single rank's inner state is in its checkpoint"
+        return saved.state["outer"]["outer_params"]
 
     # The two peers are independent (each alone in its own swarm, its own data dir): they run
     # side by side, each node process on one thread.
     with ThreadPoolExecutor(2) as pool:
         runs = [
-            pool.submit(both_legs, "fsdp-first", (fsdp, single)),
-            pool.submit(both_legs, "single-first", (single, fsdp)),
+            pool.submit(legs, "fsdp-first", (10, fsdp), (20, fsdp), (30, single)),
+            pool.submit(legs, "single-first", (20, single), (30, fsdp)),
         ]
         phi = [r.result() for r in runs]
     # 1e-4 held in every run but one: a full suite under load saw 1.65e-4 once, which two

@@ -10,9 +10,6 @@ spec is refused at once, with a message that says why; a late joiner downloads t
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,48 +21,21 @@ import meshtrain
 from meshtrain.errors import ConfigError
 from meshtrain.node.state.checkpoint import CheckpointStore
 
+from .example_peers import run_two_peers
+
 ROOT = Path(__file__).resolve().parents[1]
+
 EXAMPLE = ROOT / "examples" / "own_training_loop.py"
-
-
-def _start(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
-    )
-
-
-def _first_json(proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("{"):
-            return json.loads(line)
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"no address printed; log:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.slow
 def test_two_processes_train_a_tiny_llama_in_their_own_loops(tmp_path):
-    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
-    a = _start(
-        "--data-dir", str(tmp_path / "a"), "--create", "--steps", "30", "--H", "10", "--wait-peers", "2", log=a_log
+    ra, rb = run_two_peers(
+        EXAMPLE,
+        ["--data-dir", str(tmp_path / "a"), "--create", "--steps", "30", "--H", "10", "--wait-peers", "2"],
+        ["--data-dir", str(tmp_path / "b"), "--steps", "30", "--wait-peers", "2", "--join"],
+        tmp_path,
     )
-    try:
-        addr = _first_json(a, a_log)["addr"]
-        b = _start("--data-dir", str(tmp_path / "b"), "--join", addr, "--steps", "30", "--wait-peers", "2", log=b_log)
-        try:
-            outs = []
-            for p, log in ((a, a_log), (b, b_log)):
-                out, _ = p.communicate(timeout=300)
-                assert p.returncode == 0, log.read_text()[-4000:]
-                outs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]))
-        finally:
-            b.kill()
-    finally:
-        a.kill()
-    ra, rb = outs
     assert ra["step"] == rb["step"] == 30 and ra["rounds"] == rb["rounds"] == 3
     assert ra["contributors"] == rb["contributors"] == [2, 2, 2]
     assert ra["phi_digest"] == rb["phi_digest"]  # one φ: the all-reduce's promise, through your loop

@@ -61,7 +61,8 @@ which alone holds φ and the outer optimizer (over a host replica of the model) 
 round; the broadcast of the outcome becomes a scatter of the new θ's shards. The other ranks keep
 a clock of the round schedule instead of an outer optimizer, so every rank reaches each gather
 and scatter at the same step without a message, and rank 0's re-sync reaches them as a stop.
-Its checkpoints hold full state, so a peer resumes with another rank count or sharding.
+Its checkpoints hold θ and the outer state whole and the inner state in shards any rank count
+reads (DCP), so a peer resumes with another rank count or sharding.
 
 Not here: models handed in through the Python API (ranks 1..N-1 build the spec's model); several
 machines as one peer.

@@ -44,19 +44,21 @@ as `local_failure` and a stop, not a hang. Under FSDP (`sharded`, node/ranks/sha
 sharded instead of wrapped, the trainer steps the sharded inner optimizer itself, and the outer
 step (rank 0's optimizer on its host replica, a `RoundClock` elsewhere) is framed by a gather of θ
 to rank 0 and a scatter of the new θ whenever a round is due; the ranks also agree after each
-such round, so rank 0's re-sync ends every rank's run at once.
+such round and at evaluation steps — after every step rank 0 reports from — so rank 0's re-sync
+ends every rank's run at once, and a checkpoint rank 0 takes there can order every rank to save
+its shard of the inner state (`ShardedModel.agree`).
 
-State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP the full
-state as of the last round or run end, on rank 0) is what the node saves; `donor_state()` (the
-outer state without the inner optimizer: φ, outer optimizer, step counters) is what late joiners
-download — θ is φ after a round, and inner state is never shared (docs/algorithms.md). Both are
-the live tensors, not copies (the memory budget, docs/guide.md): the node writes a checkpoint
-between two steps, and lends the donor state until the next round (node/state/run_state.py).
+State: `checkpoint_state()` (model θ, outer state with the inner optimizer; under FSDP, on rank 0,
+θ and the outer state with the name of the DCP directory where every rank saved its shard of the
+inner state, node/ranks/sharding.py) is what the node saves; `donor_state()` (the outer state
+without the inner optimizer: φ, outer optimizer, step counters) is what late joiners download — θ
+is φ after a round, and inner state is never shared (docs/algorithms.md). Both are the live
+tensors, not copies (the memory budget, docs/guide.md): the node writes a checkpoint between two
+steps, and lends the donor state until the next round (node/state/run_state.py).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 import time
@@ -83,7 +85,7 @@ from meshtrain.node.ranks.devices import (
     resolve_device,
     to_host,
 )
-from meshtrain.node.ranks.sharding import RoundClock, ShardedModel
+from meshtrain.node.ranks.sharding import DCP_METADATA, InnerShards, RoundClock, ShardedModel, load_inner_shards
 from meshtrain.node.spec.config import default_data_dir
 from meshtrain.node.spec.outer import build_outer, check_matches
 from meshtrain.node.spec.swarm import SwarmSpec
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 DATA_CACHE = "datacache"  # the token caches of file datasets, under the data dir
+CHECKPOINTS = "checkpoints"  # the node's checkpoints, under the data dir (node/state/run_state.py)
 REPORT_EVERY = 10  # steps between loss reads, throughput updates, history points and after_step
 
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
@@ -253,13 +256,17 @@ class Trainer(TrainedState):
         )
         self.precision = Precision(spec.model.precision, self.device)
         self.corpus = corpus or load_data(spec, data_dir, on_progress)
+        # an FSDP peer's inner state is saved beside the checkpoints (node/ranks/sharding.py)
+        self.checkpoints = (Path(data_dir).expanduser() if data_dir is not None else default_data_dir()) / CHECKPOINTS
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.context = resolve_context(model, spec.model.context, "the model" if user_model else spec.model.source)
         # FSDP (node/ranks/sharding.py): the model is sharded over the local ranks; rank 0's outer
         # optimizer works on a host replica, the other ranks keep a RoundClock.
         self.sharded = (
-            ShardedModel(model, local) if local is not None and local.choose_sharding(model) == "fsdp" else None
+            ShardedModel(model, local, self.checkpoints)
+            if local is not None and local.choose_sharding(model) == "fsdp"
+            else None
         )
         if self.sharded is None:
             check_fits(model, self.device)  # a model that cannot fit is said before it moves there
@@ -365,6 +372,8 @@ class Trainer(TrainedState):
 
     def _fail(self, stop: threading.Event, e: BaseException) -> None:
         self.local_failure = f"a local rank of this peer failed ({str(e).splitlines()[0][:200]})"
+        if self.sharded is not None:
+            self.sharded.between_steps = False  # no collective can save anything now
         log.warning(kv("local rank group failed; stopping the peer", error=self.local_failure))
         stop.set()
 
@@ -382,10 +391,12 @@ class Trainer(TrainedState):
             if local is None:
                 if stop.is_set():
                     break
-            elif (agree or step % REPORT_EVERY == 0) and not local.keep_going(
-                stop.is_set() or (sharded is not None and outer.needs_resync)
-            ):
-                break
+            elif agree or step % REPORT_EVERY == 0:
+                if sharded is None:
+                    if not local.keep_going(stop.is_set()):
+                        break
+                elif not sharded.agree(self.stepped, step, stop.is_set() or outer.needs_resync):
+                    break
             agree = False
             # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
             # a round is due) ------------------------------------------------------------------
@@ -406,7 +417,10 @@ class Trainer(TrainedState):
                 outer.step()
             else:
                 self.stepped.step()
-                agree = sharded.advance(outer, self.stepped)
+                # after a round, and where rank 0 may report (so checkpoint), the ranks agree
+                agree = sharded.advance(outer, self.stepped) or bool(
+                    spec.data.eval_every and self.step % spec.data.eval_every == 0
+                )
             # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
             step = self.step
             if (
@@ -428,26 +442,37 @@ class Trainer(TrainedState):
             self.publish(step, value, rate, eval_loss)
             if not math.isfinite(value):
                 log.warning(kv("training loss is not finite", step=step))
+            if sharded is not None:
+                sharded.between_steps = True  # an agreement follows: a checkpoint can save the shards
             after_step(self)
 
     # -- state (FSDP: node/ranks/sharding.py) ----------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything to resume bit-exactly (the live tensors: write them between two steps, as
-        `TrainedState.checkpoint_state` says). Under FSDP (rank 0):
-        the replica's θ, the outer state and the whole inner state as of the last round or run
-        end (node/ranks/sharding.py) — the single-rank format, so any rank count or sharding resumes it."""
+        `TrainedState.checkpoint_state` says). Under FSDP (rank 0): the replica's θ, the outer
+        state, and the name of the directory beside the checkpoints where every rank saved its
+        shard of the inner state with DCP (`inner_shards`), all of one step: called between steps
+        in a run, every rank pulls θ and saves its shard now; between runs, the run end's save
+        stands (node/ranks/sharding.py). Any rank count or sharding resumes it (`load_checkpoint`)."""
         sharded = self.sharded
         if sharded is None:
             state = super().checkpoint_state()
         elif sharded.replica is None:
             raise RuntimeError("under FSDP only local rank 0 holds the peer's full state")
         else:
-            outer = self.outer.state_dict(inner=True, copy=False)
-            outer["inner_steps"] = sharded.snapshot_step  # φ and the outer state have not moved since
-            if sharded.inner_state is not None:
-                outer["inner"] = copy.deepcopy(sharded.inner_state)
+            if sharded.between_steps:
+                sharded.save_now(self.stepped, self.step)
+            outer = self.outer.state_dict(inner=True, copy=False)  # no inner state: rank 0's optimizer has none
+            # φ and the outer state have not moved since the replica's θ (a failed rank ends a
+            # run without the run end's pull: the checkpoint is then the last round's state)
+            outer["inner_steps"] = sharded.replica_step
             state = {"model": to_host(sharded.replica.state_dict()), "outer": outer, "eval_loss": self.info.eval_loss}
+            inner = sharded.inner_for_checkpoint()
+            if isinstance(inner, InnerShards):
+                state["inner_shards"] = {"dir": inner.directory.name, "step": inner.step, "scaler": inner.scaler}
+            elif inner is not None:  # resumed from a single-rank checkpoint, not trained since
+                outer["inner"] = inner
         # The data position: the next step's batch is `batch(step)`, a pure function of it.
         state["data"] = {
             "digest": self.corpus.digest,
@@ -484,20 +509,36 @@ class Trainer(TrainedState):
                         peer=self.peer_id,
                     )
                 )
+        shards = state.get("inner_shards")  # an FSDP peer's inner state, saved with DCP
+        saved = (
+            InnerShards(self.checkpoints / shards["dir"], int(shards["step"]), shards["scaler"])
+            if shards is not None
+            else None
+        )
+        if saved is not None and not (saved.directory / DCP_METADATA).is_file():
+            log.warning(
+                kv(
+                    "the checkpoint's inner optimizer state is missing; resuming with a fresh one",
+                    directory=str(saved.directory),
+                )
+            )
+            saved = None
         sharded = self.sharded
         if sharded is None:
             super().load_checkpoint(state)
+            if saved is not None:  # the whole state from the shards of any rank count, without a process group
+                load_inner_shards(self.model, self.inner, saved.directory, collective=False)
+                if saved.scaler is not None and self.precision.scaler is not None:
+                    self.precision.scaler.load_state_dict(saved.scaler)
             return
         (sharded.replica if sharded.replica is not None else self.model).load_state_dict(state["model"])
         self.outer.load_state_dict(state["outer"], inner=True)
-        sharded.inner_state = state["outer"].get("inner")
-        sharded.inner_to_load = sharded.inner_state is not None
-        sharded.snapshot_step = self.outer.inner_steps
+        sharded.resumed(saved if saved is not None else state["outer"].get("inner"), self.outer.inner_steps)
         with self.lock:
             self.info.step, self.info.rounds = self.step, self.outer.rounds
             self.info.eval_loss = state.get("eval_loss")
 
     def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
         super().join(state, at_step)
-        if self.sharded is not None:
-            self.sharded.snapshot_step = self.outer.inner_steps  # the inner state is kept
+        if self.sharded is not None:  # θ ← φ in the replica; the inner state is kept
+            self.sharded.replica_step = self.outer.inner_steps

@@ -43,7 +43,8 @@ class LocalRanks:
     each rank, from the launcher's environment).
 
     rank, world_size: local rank and number of ranks. device: this rank's device.
-    control: gloo group for rank 0's messages (state, go on / stop, done), and the pids at start.
+    control: gloo group for rank 0's messages (state, go on / stop, under FSDP "save the inner
+        state now", done), and the pids at start.
     outer: gloo group for the in-machine reduction of Δ and the broadcast of the outcome.
     sharding: the node config's "ddp", "fsdp" or "auto"; rank 0 settles it (`choose_sharding`)
         and the others take its choice with the spec.
@@ -160,6 +161,13 @@ class LocalRanks:
         flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
         dist.broadcast(flag, src=0, group=self.control)
         return not bool(flag[0])
+
+    def order(self, what: int | None, step: int) -> tuple[int, int]:
+        """Between two steps under FSDP, on every rank: rank 0 sends `what` (sharding's GO_ON,
+        STOP or SAVE_INNER) for `step`; the others (`what` None) receive rank 0's (order, step)."""
+        box = torch.tensor([0 if what is None else what, step], dtype=torch.int64)
+        dist.broadcast(box, src=0, group=self.control)
+        return int(box[0]), int(box[1])
 
     def finish(self, exit_now: bool = False) -> None:
         """Rank 0, once the node is done: the followers exit (`exit_now`: without a result)."""

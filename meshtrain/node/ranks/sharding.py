@@ -37,43 +37,104 @@ Design: a *gather-scatter peer* (the FSDP variant of the gateway-reduced peer).
   after-every-round) agreement.
 - State between runs: the replica is the peer's θ whenever training is not running. At every
   `Trainer.run` rank 0 sends the clock (step, rounds, exchanges in flight) and, after a resume,
-  the full inner state; then `push` puts the replica's θ into the shards and each rank cuts its
-  own shard of the inner state (`distribute_tensor`, no communication). At the end of a run,
-  and after every round, the ranks `pull` θ and gather the inner state (DTensor `full_tensor`)
-  to rank 0: its *snapshot*.
-- Checkpoints hold full state, in the single-rank format: the replica's θ, the outer state and
-  the snapshot's inner state (AdamW's state dict with whole tensors), taken where the snapshot
-  was (the last round or the end of a run: a periodic checkpoint of an FSDP peer is its state at
-  its last round). So a peer resumes with any rank count and any sharding — a 2-rank FSDP
-  checkpoint resumes as one rank, on DDP, or as 4 FSDP ranks, and the other way round.
+  the inner state to load; then `push` puts the replica's θ into the shards and each rank takes
+  its own shard of the inner state. At the end of a run the ranks `pull` θ to rank 0 and save
+  their shards of the inner state (below).
+- The inner state is never gathered. AdamW's moments stay DTensor shards, 1/N per rank, from
+  the run's start to its end; no round touches them.
 
-Costs. Rank 0's host holds θ (the replica), φ, the outer optimizer's state and the inner
-snapshot (2×): about 5× the fp32 model, plus what the outer optimizer keeps. Each round moves
-the model to rank 0 and back over the machine's links (and the inner state to rank 0 once), on
-top of the swarm's exchange. A late joiner's download and a resume land in the replica and reach
-the shards at the next run. Evaluation of φ runs on rank 0's replica, on its host.
+Checkpoints: θ and the outer state in rank 0's checkpoint file, the inner state sharded beside
+it with `torch.distributed.checkpoint` (DCP), all of one step.
+- Where: `<data_dir>/checkpoints/inner-<step>/`, one file per rank plus DCP's `.metadata`
+  (`save_inner_shards`: `get_optimizer_state_dict`, `dcp.save`). It is written as
+  `.tmp-inner-<step>` and renamed whole by rank 0 once every rank is done (DCP returns on every
+  rank after rank 0 wrote the metadata), so a kill -9 leaves no half save under the name; the
+  checkpoint store deletes `.tmp-*` at start. Rank 0's file names it (`inner_shards`: its
+  directory's name, its step, the GradScaler's state under fp16) instead of holding the state.
+- When: only when rank 0's node takes a checkpoint — its timer, `checkpoint_every` — and at a
+  run's end; not at every round (a 7B model's moments are 56 GB). The node takes a checkpoint
+  between two steps (`Trainer.checkpoint_state` from the run state's `after_step`), where the
+  others cannot know it wants one; but every place rank 0 reports from is followed, on every
+  rank, by an agreement (`agree`: after a round, every `REPORT_EVERY` steps, at evaluation
+  steps, at the run's end), and the agreement carries orders: before its verdict (go on /
+  stop) rank 0 may order "save the inner state of step s" (`save_now`, `LocalRanks.order`:
+  one int64 pair broadcast on the control group), and every rank then pulls θ to rank 0's
+  replica and writes its shard. So θ (the replica, just pulled), the outer state (φ does not
+  move between rounds) and the shards are all of step s, and the save is on disk before the
+  checkpoint file that names it is written. A step is saved at most once (the run end's save
+  is skipped when a checkpoint saved that step); nothing is saved before a run's first inner
+  step (a fresh AdamW has no state to save, and DCP would make one).
+- Between runs (the final checkpoint after the run end's save, after a download) no
+  collective can run: a checkpoint names the newest save. After a join (θ ← the swarm's φ, the
+  inner state kept, as on one rank) or a failed rank (the run ends without its pull: θ and the
+  outer state are then the last round's, and the data position goes back there) that save is
+  older than θ; it is linked (hard links, no bytes copied) under the checkpoint's step, so a
+  checkpoint of step s always names `inner-s`.
+- Pruning: at each save rank 0 deletes the `inner-<s>` that no kept checkpoint (`ckpt-<s>`)
+  names, except the newest two saves (the checkpoint of the one before the last may still be
+  being written). A save whose checkpoint was just dropped by the store therefore goes at the
+  next save: at most `keep_checkpoints` + 1 saves are on disk. A single-rank peer resuming an
+  FSDP peer's checkpoint leaves the old saves where they are.
+- Resume (`Trainer.load_checkpoint`), any topology: FSDP from a save, any rank count (every
+  rank reads its shard at the run's start, `load_inner_shards`; DCP reshards); one rank, or
+  DDP's rank 0, from a save, without a process group (`dcp.load(no_dist=True)`: whole
+  tensors); FSDP from a single-rank checkpoint (the whole inner state in the file: each rank
+  cuts its shard out of it, `load_inner`, no communication). A checkpoint whose save is gone
+  resumes θ and the outer state with a fresh inner optimizer, and says so.
+
+Costs, per parameter (fp32, AdamW). Each rank's device: θ, its gradient and the two moments,
+all sharded: 16/N bytes, plus one FSDP unit's gathered parameters while it computes. Rank 0's
+host: the replica's θ, φ and the outer optimizer's state — 12 bytes for DiLoCo with Nesterov
+momentum, more for what other outer optimizers keep — and, while a checkpoint is taken, the
+copies of those it writes (12 more). Nothing is gathered for the inner state, ever (it was 8 more bytes on
+rank 0's host, and a whole AdamW state materialised on every rank after every round). What is
+gathered when: θ to rank 0 (`pull`: `get_model_state_dict` all-gathers one tensor at a time
+and keeps the full copy on rank 0 only) before every round and at every checkpoint and run
+end; the new θ from rank 0 to every rank's shard (`push`) after every round and at a run's
+start. Each round moves the model to rank 0 and back over the machine's links, on top of the
+swarm's exchange. A late joiner's download and a resume land in the replica and reach the
+shards at the next run. Evaluation of φ runs on rank 0's replica, on its host.
 
 Failures: as under DDP (node/local_ranks.py) — a rank that dies breaks the process group and
 every other rank's pending collective fails at once; a rank never waits on a round alone
-because the clock, not a message, says when rounds are.
+because the clock, not a message, says when rounds are; a save is ordered only where every
+rank is in an agreement. A save or a load that DCP cannot do (a full disk, a shard file gone)
+fails on every rank alike, as a `CheckpointError` naming the directory: the peer stops with that
+line (a periodic checkpoint's failure is not survived as on one rank, where it is a warning).
 
 Not here: mixed DDP/FSDP meshes (HSDP), CPU offload of the shards, FSDP across machines, and
-sharded (rather than full) checkpoints: a full state on rank 0 must fit its host memory.
+sharding θ, φ and the outer state in the checkpoint file: those stay whole on rank 0's host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import shutil
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshtrain.durable import fsync_dir
 from meshtrain.errors import ConfigError
+from meshtrain.node.ranks.devices import ScaledInner
+from meshtrain.node.state.checkpoint import CheckpointError, CheckpointStore
 from meshtrain.optim.schedule import RoundSchedule
 
 SHARDINGS = ("ddp", "fsdp", "auto")
 AUTO_FSDP_FRACTION = 0.5  # of one device's memory; the rest is for activations
 TRAINING_BYTES_PER_PARAM = 16  # fp32 θ + its gradient + AdamW's exp_avg and exp_avg_sq
+INNER_DIR = "inner-"  # + the step: a checkpoint's inner state, saved with DCP beside it
+DCP_METADATA = ".metadata"  # DCP's index of a save, written last: a directory without it is incomplete
+PARTIAL = ".tmp-"  # a directory being written (the checkpoint store's prefix for its leftovers)
+KEEP_RECENT_SAVES = 2  # the newest saves are kept whatever: their checkpoints may be being written
+GO_ON, STOP, SAVE_INNER = 0, 1, 2  # rank 0's orders between two steps (LocalRanks.order)
 
 
 def choose_sharding(mode: str, model: torch.nn.Module, device: torch.device) -> str:
@@ -187,22 +248,77 @@ def clock_of(outer: Any) -> dict[str, Any]:
     return {"inner_steps": outer.inner_steps, "rounds": outer.rounds, "merges": outer.pending_merges()}
 
 
-class ShardedModel:
-    """One local rank's FSDP side: the sharded model, and on rank 0 the host replica and the
-    inner-state snapshot (module docstring). `pull`, `push`, `gather_inner` and `load_inner`
-    are collectives: every rank calls them at the same step.
+@dataclass(frozen=True)
+class InnerShards:
+    """An inner optimizer state saved with DCP: every rank's shard of AdamW's moments in
+    `directory` (`inner-<step>` beside the checkpoints), readable by any rank count or by a
+    single process (`load_inner_shards`).
 
-    model: the freshly built, unsharded model (sharded in place). local: this rank's group
-        (`rank_group.LocalRanks`, which imports this module).
+    directory: where the shards are. step: the inner step they are from. scaler: rank 0's
+        GradScaler state (fp16 runs), which is not sharded; None otherwise.
     """
 
-    def __init__(self, model: torch.nn.Module, local: Any) -> None:
+    directory: Path
+    step: int
+    scaler: dict[str, Any] | None = None
+
+
+def inner_dir(checkpoints: Path, step: int) -> Path:
+    """Where the inner state's shards for the checkpoint of `step` live."""
+    return checkpoints / f"{INNER_DIR}{step:09d}"
+
+
+def save_inner_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its own shard of `optimizer`'s state into `directory` (a collective:
+    DCP plans the files together and rank 0 writes the metadata last)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with _typed_errors(f"saving the inner optimizer state into {directory}"):
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
+
+
+def load_inner_shards(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, collective: bool
+) -> None:
+    """`optimizer`'s state from a DCP directory written by any number of ranks. `collective`:
+    every rank of a sharded model reads its own shard (DCP reshards); otherwise one process
+    reads whole tensors without a process group (a single rank, or rank 0 under DDP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict builds a fresh optimizer's state with a zero-lr step (θ does not
+    # move), and only where no gradient is set: a finished run leaves its last gradients.
+    optimizer.zero_grad(set_to_none=True)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings(), _typed_errors(f"loading the inner optimizer state from {directory}"):
+        # DCP warns that it loads in one process: what we ask of it
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=directory, no_dist=not collective)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+class ShardedModel:
+    """One local rank's FSDP side: the sharded model, and on rank 0 the host replica and the
+    record of where the inner state is saved (module docstring). `pull`, `push`, `agree`,
+    `begin`, `finish` and rank 0's `save_now` are collectives: every rank takes part at the
+    same step.
+
+    model: the freshly built, unsharded model (sharded in place). local: this rank's group
+        (`rank_group.LocalRanks`, which imports this module). checkpoints: the node's checkpoint
+        directory: the inner state's shards are saved beside the checkpoints (`inner_dir`).
+    """
+
+    def __init__(self, model: torch.nn.Module, local: Any, checkpoints: Path) -> None:
         self.local = local
+        self.checkpoints = checkpoints
         self.replica = copy.deepcopy(model).float().cpu() if local.is_gateway else None
         self.model = shard_model(model, local.device, local.world_size)
-        self.inner_state: dict[str, Any] | None = None  # rank 0: full inner state at `snapshot_step`
-        self.snapshot_step = 0
-        self.inner_to_load = False  # rank 0: a resumed inner state the shards have not got yet
+        self.replica_step = 0  # rank 0: the inner step the replica's θ is from
+        self.saved: InnerShards | None = None  # rank 0: the newest save of the inner state we hold
+        self.recent: deque[Path] = deque(maxlen=KEEP_RECENT_SAVES)  # rank 0: never pruned
+        self.to_load: InnerShards | dict[str, Any] | None = None  # rank 0: a resumed inner state the shards lack
+        self.between_steps = False  # rank 0: an agreement follows, where the others can take part in a save
 
     def pull(self) -> None:
         """θ from the shards into rank 0's replica."""
@@ -220,14 +336,107 @@ class ShardedModel:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, full, options=options)
 
-    def gather_inner(self, optimizer: Any, step: int) -> None:
-        """The inner optimizer's state, whole, into rank 0's snapshot (taken at `step`)."""
-        from torch.distributed.tensor import DTensor
+    # -- saving the inner state (module docstring: "Checkpoints") -------------------------------
 
-        full = _map_tensors(optimizer.state_dict(), lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
-        if self.replica is not None:
-            self.inner_state = _map_tensors(full, lambda t: t.detach().to("cpu", copy=True))
-            self.snapshot_step = step
+    def agree(self, optimizer: Any, step: int, stop: bool) -> bool:
+        """Every rank, between two steps: whether to go on (rank 0's `stop` decides). Before its
+        verdict rank 0 may order saves (`save_now`), which the others carry out here."""
+        self.between_steps = False
+        if self.local.is_gateway:
+            verdict, _ = self.local.order(STOP if stop else GO_ON, step)
+            return verdict == GO_ON
+        while True:
+            what, at = self.local.order(None, step)
+            if what != SAVE_INNER:
+                return what == GO_ON
+            if at != step:
+                raise RuntimeError(f"rank 0 saves the inner state of step {at}; this rank is at step {step}")
+            self._save(optimizer, step)
+
+    def save_now(self, optimizer: Any, step: int) -> None:
+        """Rank 0, between two steps before an agreement: every rank pulls θ into the replica and
+        saves its shard of the inner state — once a step, and not before the first step (a fresh
+        optimizer has no state, and DCP would make one)."""
+        if not _optimizer_of(optimizer).state or (
+            self.saved is not None and self.saved.step == step and self.saved.directory.is_dir()
+        ):
+            return
+        final = inner_dir(self.checkpoints, step)
+        for stale in (final, _partial(final)):  # a lost run's, which no checkpoint names
+            shutil.rmtree(stale, ignore_errors=True)
+        self.local.order(SAVE_INNER, step)
+        self._save(optimizer, step)
+
+    def _save(self, optimizer: Any, step: int) -> None:
+        self.pull()
+        final = inner_dir(self.checkpoints, step)
+        save_inner_shards(self.model, _optimizer_of(optimizer), _partial(final))
+        if self.replica is None:
+            return
+        self.replica_step = step
+        os.rename(_partial(final), final)  # DCP returns on every rank once rank 0 wrote the metadata
+        fsync_dir(self.checkpoints)
+        self._saved(InnerShards(final, step, _scaler_state(optimizer)))
+
+    def _saved(self, shards: InnerShards) -> None:
+        self.saved = shards
+        self.recent.append(shards.directory)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Rank 0: delete the saves no checkpoint names (a checkpoint of step s names `inner-s`),
+        but the newest ones, whose checkpoints may still be being written."""
+        named = {p.name.rsplit("-", 1)[-1] for p in CheckpointStore(self.checkpoints, readonly=True).list()}
+        for d in self.checkpoints.glob(f"{INNER_DIR}*"):
+            if d.name.rsplit("-", 1)[-1] not in named and d not in self.recent:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def inner_for_checkpoint(self) -> InnerShards | dict[str, Any] | None:
+        """Rank 0: the inner state a checkpoint of the replica's step names: its shards' directory
+        (`inner-<step>`: the one saved at that step, or the newest save linked under that name —
+        after a join or a failed rank the inner state is older than θ), a resumed whole state
+        the shards have not taken yet, or None (a fresh inner optimizer)."""
+        if isinstance(self.to_load, dict):
+            return self.to_load
+        saved = self.saved
+        if saved is None or saved.step == self.replica_step:
+            return saved
+        linked = InnerShards(inner_dir(self.checkpoints, self.replica_step), self.replica_step, saved.scaler)
+        _link_tree(saved.directory, linked.directory)
+        if self.to_load == saved:  # the same state: load it from the name that is kept
+            self.to_load = linked
+        self._saved(linked)
+        return linked
+
+    def resumed(self, inner: InnerShards | dict[str, Any] | None, step: int) -> None:
+        """Rank 0, after a checkpoint is loaded into the replica at `step`: the inner state it
+        names (shards, a whole state, or none) reaches the shards at the next run."""
+        self.replica_step = step
+        self.to_load = inner
+        self.saved = None
+        self.recent.clear()
+        if isinstance(inner, InnerShards):
+            self._saved(inner)
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def start_state(self, outer: Any) -> dict[str, Any]:
+        """Rank 0, at a run's start: what the others need (the clock; a resumed inner state)."""
+        inner, self.to_load = self.to_load, None
+        return {"clock": clock_of(outer), "inner": inner}
+
+    def begin(self, outer: Any, optimizer: Any, state: dict[str, Any]) -> None:
+        """Every rank, at a run's start, with rank 0's `start_state`."""
+        if isinstance(outer, RoundClock):
+            outer.load_clock(state["clock"])
+        self.push()
+        inner = state["inner"]
+        if isinstance(inner, InnerShards):
+            load_inner_shards(self.model, _optimizer_of(optimizer), inner.directory, collective=True)
+            if inner.scaler is not None and isinstance(optimizer, ScaledInner):
+                optimizer.scaler.load_state_dict(inner.scaler)
+        elif inner is not None:
+            self.load_inner(optimizer, inner)
 
     def load_inner(self, optimizer: Any, full: dict[str, Any]) -> None:
         """Every rank cuts its shard out of a whole inner state (all ranks hold `full`)."""
@@ -247,20 +456,6 @@ class ShardedModel:
         sharded = {**body, "state": state}
         optimizer.load_state_dict({**full, "optimizer": sharded} if "optimizer" in full else sharded)
 
-    def start_state(self, outer: Any) -> dict[str, Any]:
-        """Rank 0, at a run's start: what the others need (the clock; a resumed inner state)."""
-        inner = self.inner_state if self.inner_to_load else None
-        self.inner_to_load = False
-        return {"clock": clock_of(outer), "inner": inner}
-
-    def begin(self, outer: Any, optimizer: Any, state: dict[str, Any]) -> None:
-        """Every rank, at a run's start, with rank 0's `start_state`."""
-        if isinstance(outer, RoundClock):
-            outer.load_clock(state["clock"])
-        self.push()
-        if state["inner"] is not None:
-            self.load_inner(optimizer, state["inner"])
-
     def advance(self, outer: Any, optimizer: Any) -> bool:
         """After the inner step, on every rank: the outer step (rank 0's optimizer on the
         replica, a clock elsewhere), with a pull before it and a push after it when a round is
@@ -271,23 +466,60 @@ class ShardedModel:
             return False
         self.pull()
         outer.step()
+        self.replica_step = outer.inner_steps  # pulled θ, or the round's new θ
         if not merges and outer.delay:
             return False  # sent only: θ is unchanged until the merge
         self.push()
-        self.gather_inner(optimizer, outer.inner_steps)
         return True
 
     def finish(self, outer: Any, optimizer: Any) -> None:
-        """Every rank, at a run's end: θ and the inner state to rank 0."""
-        self.pull()
-        self.gather_inner(optimizer, outer.inner_steps)
+        """Every rank, at a run's end: the saves rank 0 ordered at the last step, then θ to rank
+        0's replica and the inner state saved (once a step: a checkpoint there saved it)."""
+        step = outer.inner_steps
+        if self.local.is_gateway:
+            self.save_now(optimizer, step)
+        self.agree(optimizer, step, stop=True)
 
 
-def _map_tensors(tree: Any, fn: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
+@contextlib.contextmanager
+def _typed_errors(what: str) -> Iterator[None]:
+    """DCP's failures as a `CheckpointError` (DCP raises a BaseException, which would pass every
+    handler on its way; it raises it on every rank alike)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        ranks = ", ".join(str(r) for r in sorted(e.failures))
+        first = next(iter(e.failures.values()), None)
+        cause = f"{type(first[0]).__name__}: {first[0]}" if first is not None else "no cause given"
+        raise CheckpointError(f"{what} failed on rank(s) {ranks} ({str(cause).splitlines()[0][:200]})") from None
+
+
+def _optimizer_of(stepped: Any) -> torch.optim.Optimizer:
+    """The inner optimizer itself, under its GradScaler wrapper if it has one (fp16)."""
+    return stepped.optimizer if isinstance(stepped, ScaledInner) else stepped
+
+
+def _scaler_state(stepped: Any) -> dict[str, Any] | None:
+    return stepped.scaler.state_dict() if isinstance(stepped, ScaledInner) else None
+
+
+def _partial(directory: Path) -> Path:
+    """Where `directory` is written before it is renamed into place (the checkpoint store deletes
+    these leftovers of a crash at start)."""
+    return directory.with_name(PARTIAL + directory.name)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`dst` as a copy of the directory `src` made of hard links (no bytes copied), whole or not
+    at all."""
+    partial = _partial(dst)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    for f in src.iterdir():
+        os.link(f, partial / f.name)
+    fsync_dir(partial)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(partial, dst)
+    fsync_dir(dst.parent)
