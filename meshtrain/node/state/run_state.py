@@ -467,7 +467,7 @@ class RunState(Service):
         """Write a checkpoint from the live state (the trainer's thread, between two steps: the
         pause this costs is returned with it); None if the disk refused it."""
         t0 = time.monotonic()
-        state = trainer.checkpoint_state()  # an FSDP peer's is its last round's (node/ranks/sharding.py)
+        state = trainer.checkpoint_state()  # an FSDP peer's ranks save their inner shards now (node/ranks/sharding.py)
         step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]
         try:
             pending = self.store.write(state, step=step, round=rnd)
@@ -494,7 +494,7 @@ class RunState(Service):
     async def save_final(self) -> str:
         """The checkpoint of a clean stop; its path."""
         state = self.trainer.checkpoint_state()
-        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]  # the state's own (FSDP: its last round)
+        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]  # the state's own (FSDP: the run end's save)
         ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
         self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
         return str(ck.path)
