@@ -494,7 +494,10 @@ class RunState(Service):
     async def save_final(self) -> str:
         """The checkpoint of a clean stop; its path."""
         state = self.trainer.checkpoint_state()
-        step, rnd = state["outer"]["inner_steps"], state["outer"]["rounds"]  # the state's own (FSDP: the run end's save)
+        step, rnd = (
+            state["outer"]["inner_steps"],
+            state["outer"]["rounds"],
+        )  # the state's own (FSDP: the run end's save)
         ck = await trio.to_thread.run_sync(lambda: self.store.save(state, step=step, round=rnd))
         self.last_checkpoint = {"last_step": step, "path": str(ck.path), "saved_at": time.time()}
         return str(ck.path)
