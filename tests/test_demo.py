@@ -7,6 +7,7 @@ scripts/). And the demo's flags: `--optimizer` offers the built-in optimizers th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,11 @@ from meshtrain.optim import BUILTIN_OPTIMIZERS
 from .conftest import ROOT
 
 
+def outside_the_checkout() -> dict[str, str]:
+    """The environment, without a PYTHONPATH that would put a checkout ahead of the wheel."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A venv outside the checkout with meshtrain installed from a wheel built from it: the venv's
@@ -29,13 +35,14 @@ def installed(tmp_path_factory) -> Path:
     processed, so `import meshtrain` can only find the wheel's."""
     tmp = tmp_path_factory.mktemp("wheel")
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT], check=True)
+    env = outside_the_checkout()  # else pip takes the checkout for an installed meshtrain
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", ROOT], check=True, env=env)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "dependencies.pth").write_text("".join(p + "\n" for p in sys.path if p.endswith("site-packages")))
     wheel = next((tmp / "dist").glob("meshtrain-*.whl"))
-    subprocess.run([*pip, "--python", venv / "bin" / "python", "install", "--no-deps", wheel], check=True)
+    subprocess.run([*pip, "--python", venv / "bin" / "python", "install", "--no-deps", wheel], check=True, env=env)
     return venv / "bin"
 
 
@@ -46,10 +53,16 @@ def test_the_wheel_holds_the_package_and_its_data_and_runs_outside_the_checkout(
         "print(json.dumps([meshtrain.__file__, files('meshtrain.node.status').joinpath('dashboard.html').is_file(),"
         " files('meshtrain.node.spec').joinpath('node.toml').is_file()]))"
     )
-    r = subprocess.run([installed / "python", "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run(
+        [installed / "python", "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=outside_the_checkout()
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
     where, dashboard, defaults = json.loads(r.stdout)
     assert where.startswith(str(installed.parent)) and dashboard and defaults, r.stdout + r.stderr
-    assert subprocess.run([installed / "meshtrain", "--version"], capture_output=True, cwd=tmp_path).returncode == 0
+    version = subprocess.run(
+        [installed / "meshtrain", "--version"], capture_output=True, cwd=tmp_path, env=outside_the_checkout()
+    )
+    assert version.returncode == 0
 
 
 def run_demo(out: Path, *args: str, bin_dir: Path | None = None) -> subprocess.CompletedProcess:
@@ -59,6 +72,7 @@ def run_demo(out: Path, *args: str, bin_dir: Path | None = None) -> subprocess.C
     r = subprocess.run(
         [*command, "demo", "--quick", "--plain", "--out", str(out), *args],
         cwd=out.parent if bin_dir else ROOT,
+        env=outside_the_checkout() if bin_dir else None,
         capture_output=True,
         text=True,
         timeout=280,
