@@ -8,8 +8,10 @@ once a few members were unreachable. A round never uses most of them: grouped ro
 Design. `ConnectionPlan.wanted` is a pure function of what the node knows — the live members,
 the trainers (the groups' roster), the round it is in, its DHT routing table — and answers the
 peers to keep, most wanted first:
-1. the round's group partners (`GroupPlan.partners`): never cut, the round needs every one;
-2. the next round's partners, dialled while this round runs so the next one does not wait;
+1. the group partners (`GroupPlan.partners`) of the rounds under way — the round and the one the
+   collective prepares ahead of it (outer_round.py, "Prepared rounds") —: never cut, a round
+   needs every one (closing a partner's connection drops it from the round's candidates);
+2. the next round's partners, dialled while these run so the next one does not wait;
 3. the `neighbours` members closest to us in the DHT's key space (XOR of our id), so lookups
    and the swarm's records stay reachable;
 4. a random sample of about `sample` members for gossip (membership, progress) and a connected
@@ -67,32 +69,40 @@ class ConnectionPlan:
     neighbours: int = DHT_NEIGHBOURS
 
     def wanted(
-        self, members: Sequence[str], trainers: Sequence[str], round_id: int, dht_peers: Sequence[str] = ()
+        self, members: Sequence[str], trainers: Sequence[str], rounds: Sequence[int], dht_peers: Sequence[str] = ()
     ) -> list[str]:
         """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
-        `max_peers`, else partners of `round_id` and the next round among `trainers`, DHT
-        neighbours and the gossip sample, cut at `max_peers` (this round's partners never)."""
+        `max_peers`, else the partners among `trainers` of the `rounds` under way (a round and the
+        one prepared ahead of it) and of the round after the last, DHT neighbours and the gossip
+        sample, cut at `max_peers` (partners of a round under way never: it needs them all)."""
         others = sorted(set(members) - {self.me})
         if len(others) <= self.max_peers:
             return others
         roster = sorted(set(trainers) - {self.me})
         grouping = self.grouping
-        now: tuple[str, ...] = tuple(roster)  # ungrouped: every round is the whole swarm
+        now: list[str] = list(roster)  # ungrouped: every round is the whole swarm
         ahead: tuple[str, ...] = ()
         if grouping is not None:
-            now = grouping.partners(roster, round_id, self.me)
-            ahead = grouping.partners(roster, round_id + grouping.period, self.me)
+            now = [p for r in rounds for p in grouping.partners(roster, r, self.me)]
+            ahead = grouping.partners(roster, max(rounds, default=0) + grouping.period, self.me)
+        now = list(dict.fromkeys(now))
         in_swarm, key = set(others), _id_hash(self.me)
         near = sorted((p for p in dht_peers if p in in_swarm), key=lambda p: xor_distance(key, p))[: self.neighbours]
-        sampled = [p for p in others if self._sampled(p, len(others))]
+        # Where the bound cuts the next round's partners or the sample, it cuts by the pair's hash,
+        # the same at both ends: by peer id, the lowest ids were kept by everyone (56 links at 256).
+        ahead = tuple(sorted(ahead, key=self._pair_hash))
+        sampled = sorted((p for p in others if self._sampled(p, len(others))), key=self._pair_hash)
         out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))
         return out[: max(self.max_peers, len(now))]
 
+    def _pair_hash(self, peer: str) -> int:
+        """A hash of the pair (me, peer): the same at both ends, uniform in [0, 2^64)."""
+        a, b = sorted((self.me, peer))
+        return int.from_bytes(hashlib.blake2b(f"{a}/{b}".encode(), digest_size=8).digest(), "big")
+
     def _sampled(self, peer: str, n: int) -> bool:
         """Whether the pair (me, peer) is in the gossip sample: the same answer at both ends."""
-        a, b = sorted((self.me, peer))
-        h = hashlib.blake2b(f"{a}/{b}".encode(), digest_size=8).digest()
-        return int.from_bytes(h, "big") < self.sample / n * 2**64
+        return self._pair_hash(peer) < self.sample / n * 2**64
 
 
 def _id_hash(peer: str) -> bytes:

@@ -32,15 +32,19 @@ spec, how many peers are live, the swarm's step, and their addresses as entry po
 Staying connected (node/connections.py), bounded. Every `CONNECT_INTERVAL` seconds, and at once
 when the collective first asks about a new round, one background task works out whom to keep
 (`ConnectionPlan.wanted`: everyone while the swarm has at most `max_peers` other members — the
-full mesh, as before —, else this round's group partners, the next round's, DHT neighbours and a
-gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
+full mesh, as before —, else the group partners of the rounds under way (never cut) and of the
+next round, DHT neighbours and a gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
 a few at once, an unreachable peer backing off exponentially), and asks NAT traversal to upgrade
-a relayed connection (DCUtR). "This round" is the last round the collective asked `candidates`
-about (before any, the swarm's step): the groups are a pure function of the trainers and the
-round (collective/groups.py), so the partners of the next round are dialled while this one runs.
+a relayed connection (DCUtR). The rounds under way are the `ROUNDS_UNDER_WAY` newest the
+collective asked `candidates` about (a round, and the next one whose join it prepares ahead;
+before any, the swarm's step): the groups are a pure function of the trainers and the round
+(collective/groups.py), so the partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus among those it does not
-want (a DHT lookup's, an inbound dial of a peer whose sample we are not in), never a syncing
-member's (it may be downloading from us): nothing else would close them — py-libp2p's idle
+want once they are `CLOSE_GRACE_S` old (a DHT lookup's, an inbound dial of a peer whose view
+differs: the query or RPC on it finishes first; closing at once made every lookup fail and
+py-libp2p churn), a peer not in the view after `STRANGER_GRACE_S` (a joiner fetching the spec),
+a syncing member never (it may be downloading the state from us). So the bound holds up to those
+graces and the joiners syncing. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
 kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound. Then it answers, from the view and the host:
@@ -123,6 +127,9 @@ ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the D
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
 REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
+ROUNDS_UNDER_WAY = 2  # the newest rounds asked about whose partners we keep: a round and the one prepared ahead
+CLOSE_GRACE_S = 10.0  # an unwanted trainer's connection is not closed over the bound before this
+STRANGER_GRACE_S = 30.0  # a connection of a peer not in the view is not closed over the bound before this
 
 
 class PeerPresence(Service):
@@ -169,8 +176,9 @@ class PeerPresence(Service):
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
         self.plan = ConnectionPlan(host.peer_id, max_peers=max_peers, grouping=signed.spec.group_plan())
         self.dialler: Dialler | None = None  # set once entered
-        self._round: int | None = None  # the last round the collective asked about
-        self._round_asked = trio.Event()  # set when it asks about a round of new partners
+        self._rounds: dict[int, int] = {}  # the rounds under way: round index -> a round id the collective asked about
+        self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
+        self._first_seen: dict[str, float] = {}  # connected peers: since when (we saw them connected)
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -275,11 +283,13 @@ class PeerPresence(Service):
         the re-dial loop brings it back, and it is a candidate again as soon as it is. Asked about
         a round (the collective's `membership(round_id)`), it also tells the re-dial loop the
         round we are in: a round of new group partners wakes it to dial them at once."""
-        if round_id is not None and round_id != self._round:
-            period = self.plan.grouping.period if self.plan.grouping is not None else 1
-            if self._round is None or round_id // period != self._round // period:
-                self._round_asked.set()
-            self._round = round_id
+        if round_id is not None:
+            index = round_id // (self.plan.grouping.period if self.plan.grouping is not None else 1)
+            if index not in self._rounds and (not self._rounds or index > min(self._rounds)):
+                self._rounds[index] = round_id
+                for old in sorted(self._rounds)[:-ROUNDS_UNDER_WAY]:
+                    del self._rounds[old]
+                self._wake.set()
         return [
             p.peer_id
             for p in self._view().live_peers()
@@ -435,9 +445,9 @@ class PeerPresence(Service):
         """The peers we keep connected now, most wanted first (`ConnectionPlan.wanted`)."""
         view = self._view()
         members = [p.peer_id for p in view.live_peers()]
-        round_id = self._round if self._round is not None else (self.swarm_step() or 0)
+        rounds = list(self._rounds.values()) or [self.swarm_step() or 0]
         dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
-        return self.plan.wanted(members, self.trainers(), round_id, dht_peers)
+        return self.plan.wanted(members, self.trainers(), rounds, dht_peers)
 
     def _dialled(self, peer: str, ok: bool) -> None:
         """A dial ended: a relayed connection is upgraded (DCUtR) in the background."""
@@ -453,7 +463,7 @@ class PeerPresence(Service):
         assert dht is not None  # entered before this task starts
         last_lookup = -math.inf
         while True:
-            self._round_asked = trio.Event()  # before the pass: a round asked during it wakes the next
+            self._wake = trio.Event()  # before the pass: a round asked during it wakes the next
             self.book.note(view.live_peers(), left=[p.peer_id for p in view.peers() if p.left])
             self.book.save()
             if not dht.routing_table_peers():
@@ -478,16 +488,27 @@ class PeerPresence(Service):
                         room -= 1
             await self._close_surplus(view, set(wanted))
             with trio.move_on_after(CONNECT_INTERVAL):
-                await self._round_asked.wait()
+                await self._wake.wait()
 
     async def _close_surplus(self, view: SwarmView, wanted: set[str]) -> None:
-        """While over `max_peers` connections, close those we do not want, syncing members excepted."""
+        """While over `max_peers` connections, close those we do not want once `CLOSE_GRACE_S` old
+        (a trainer's: a DHT query or an RPC on it finishes first) or `STRANGER_GRACE_S` (a peer not
+        in the view: a joiner fetching the spec), never a syncing member's (it may be downloading
+        the swarm's state from us)."""
         connected = self.host.connected_peers()
+        live = {p.peer_id: p.role for p in view.live_peers()}
+        now = time.monotonic()
+        self._first_seen = {p: self._first_seen.get(p, now) for p in connected}
         surplus = len(connected) - self.plan.max_peers
         if surplus <= 0:
             return
-        syncing = {p.peer_id for p in view.live_peers() if p.role != "trainer"}
-        unwanted = [p for p in connected if p not in wanted and p not in syncing]
+        unwanted = [
+            p
+            for p in connected
+            if p not in wanted
+            and live.get(p, "trainer") == "trainer"
+            and now - self._first_seen[p] > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
+        ]
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
             await self.host.disconnect(peer)
