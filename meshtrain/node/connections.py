@@ -95,6 +95,15 @@ class ConnectionPlan:
         out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))
         return out[: max(self.max_peers, len(now))]
 
+    def wanted_by(self, peer: str, trainers: Sequence[str], round_id: int) -> bool:
+        """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
+        rounds under way: then closing it would drop us from a round it runs, whatever ours is."""
+        if self.grouping is None:
+            return peer in trainers
+        roster = sorted(set(trainers) - {peer})
+        period = self.grouping.period
+        return any(self.me in self.grouping.partners(roster, r, peer) for r in (round_id, round_id + period))
+
     def _pair_hash(self, peer: str) -> int:
         """A hash of the pair (me, peer): the same at both ends, uniform in [0, 2^64)."""
         a, b = sorted((self.me, peer))

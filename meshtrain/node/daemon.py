@@ -407,6 +407,7 @@ class Node:
         )
         if presence.strikes is not None:
             collective.screening_listeners.append(presence.strikes.on_round)
+        presence.current_round = self._current_round  # whose partners presence keeps connected
         return collective
 
     async def _start_trainer(

@@ -35,16 +35,19 @@ when the collective first asks about a new round, one background task works out 
 full mesh, as before —, else the group partners of the rounds under way (never cut) and of the
 next round, DHT neighbours and a gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
 a few at once, an unreachable peer backing off exponentially), and asks NAT traversal to upgrade
-a relayed connection (DCUtR). The rounds under way are the `ROUNDS_UNDER_WAY` newest the
-collective asked `candidates` about (a round, and the next one whose join it prepares ahead;
-before any, the swarm's step): the groups are a pure function of the trainers and the round
-(collective/groups.py), so the partners of the round after are dialled while these run.
+a relayed connection (DCUtR). The rounds under way are ours (`current_round`, the node's step;
+before it trains, the swarm's) and the next, whose join the collective prepares ahead — not the
+rounds other peers' requests name, which a faster peer's prepared join sets ahead of ours —:
+the groups are a pure function of the trainers and the round (collective/groups.py), so the
+partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus among those it does not
 want once they are `CLOSE_GRACE_S` old (a DHT lookup's, an inbound dial of a peer whose view
 differs: the query or RPC on it finishes first; closing at once made every lookup fail and
 py-libp2p churn), a peer not in the view after `STRANGER_GRACE_S` (a joiner fetching the spec),
-a syncing member never (it may be downloading the state from us). So the bound holds up to those
-graces and the joiners syncing. Nothing else would close them — py-libp2p's idle
+a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
+under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
+needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
+the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
 kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound. Then it answers, from the view and the host:
@@ -90,6 +93,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -127,7 +131,6 @@ ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the D
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
 REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
-ROUNDS_UNDER_WAY = 2  # the newest rounds asked about whose partners we keep: a round and the one prepared ahead
 CLOSE_GRACE_S = 10.0  # an unwanted trainer's connection is not closed over the bound before this
 STRANGER_GRACE_S = 30.0  # a connection of a peer not in the view is not closed over the bound before this
 
@@ -176,7 +179,11 @@ class PeerPresence(Service):
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
         self.plan = ConnectionPlan(host.peer_id, max_peers=max_peers, grouping=signed.spec.group_plan())
         self.dialler: Dialler | None = None  # set once entered
-        self._rounds: dict[int, int] = {}  # the rounds under way: round index -> a round id the collective asked about
+        # Our round (round ids are steps: the collective's `current_round`), set by the node once
+        # it trains; None: the swarm's step stands in for it.
+        self.current_round: Callable[[], int | None] | None = None
+        self._period = self.plan.grouping.period if self.plan.grouping is not None else 1
+        self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
         self._first_seen: dict[str, float] = {}  # connected peers: since when (we saw them connected)
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
@@ -281,15 +288,11 @@ class PeerPresence(Service):
         """A round's candidates: live trainers we are connected to, and us. A peer whose connection
         closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
         the re-dial loop brings it back, and it is a candidate again as soon as it is. Asked about
-        a round (the collective's `membership(round_id)`), it also tells the re-dial loop the
-        round we are in: a round of new group partners wakes it to dial them at once."""
-        if round_id is not None:
-            index = round_id // (self.plan.grouping.period if self.plan.grouping is not None else 1)
-            if index not in self._rounds and (not self._rounds or index > min(self._rounds)):
-                self._rounds[index] = round_id
-                for old in sorted(self._rounds)[:-ROUNDS_UNDER_WAY]:
-                    del self._rounds[old]
-                self._wake.set()
+        a new round (the collective's `membership(round_id)`), it wakes the re-dial loop: a new
+        round has new group partners, to be dialled now rather than at the next pass."""
+        if round_id is not None and round_id // self._period > self._newest_asked:
+            self._newest_asked = round_id // self._period
+            self._wake.set()
         return [
             p.peer_id
             for p in self._view().live_peers()
@@ -445,7 +448,9 @@ class PeerPresence(Service):
         """The peers we keep connected now, most wanted first (`ConnectionPlan.wanted`)."""
         view = self._view()
         members = [p.peer_id for p in view.live_peers()]
-        rounds = list(self._rounds.values()) or [self.swarm_step() or 0]
+        ours = self.current_round() if self.current_round is not None else None
+        now = ours if ours is not None else (self.swarm_step() or 0)
+        rounds = [now, now + self._period]  # ours, and the one whose join is prepared ahead
         dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
         return self.plan.wanted(members, self.trainers(), rounds, dht_peers)
 
@@ -509,6 +514,10 @@ class PeerPresence(Service):
             and live.get(p, "trainer") == "trainer"
             and now - self._first_seen[p] > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
         ]
+        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
+            steps = {p: pr.step for p, pr in view.progress().items()}
+            trainers = self.trainers()
+            unwanted = [p for p in unwanted if p not in steps or not self.plan.wanted_by(p, trainers, steps[p])]
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
             await self.host.disconnect(peer)
