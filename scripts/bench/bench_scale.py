@@ -57,7 +57,8 @@ from 16 to 256 with 5 s rounds, 2.0 idle), `mixing_ok`
 (mixing_rounds ≤ d + 1 at every size), `all_rounds_complete` (every peer got a result in every
 round, none alone).
 
-256 peers on this machine (2 cores, shared with other work). The set-up fits: with `--rounds 2`
+256 peers on this machine (2 cores, shared with other work; runs from before the links came from
+`ConnectionPlan`, when each peer was linked to its groups' partners only). The set-up fits: with `--rounds 2`
 (3,840 links; a third round starts a new epoch on a new grid, 5,535 links) the hosts connected in
 143 and 199 s (two runs) with no failed dial, about 5.9k descriptors per worker (limit 20,000) and
 up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed in the set-up
