@@ -98,6 +98,7 @@ FLAG_VALUES: dict[str, object] = {
     "donor_upload_mib": 1.5,
     "uplink_mbit": 100.0,
     "max_steps": 40,
+    "max_peers": 8,
     "nat": False,
     "relay": False,
     "mdns": True,

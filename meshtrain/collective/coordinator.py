@@ -339,7 +339,9 @@ class Coordinator:
         stripes tapered as far as every member can (0 if one offered none: an older peer). Both
         travel with the group, so every member cuts the vector the same way."""
         offered = [r.tapers.get(p) for p in group]
-        taper = min(t for t in offered if t is not None) if None not in offered else 0
+        # An empty group (every peer that joined left our candidates) tapers nothing; its joiners
+        # are told they are late. min() of nothing raised here and ended the daemon.
+        taper = min((t for t in offered if t is not None), default=0) if None not in offered else 0
         return _Attempt(group, part_shares([r.uplinks.get(p) for p in group]), taper)
 
     async def join(

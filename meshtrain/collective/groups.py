@@ -49,6 +49,10 @@ with the majority that came; a peer that went elsewhere runs its round with whoe
 at the cost of one slow round; every group then agrees again from the next consistent snapshot.
 A peer that dies inside a group is the collective's ordinary failure (survivors retry).
 
+Who connects to whom. Because the groups are a pure function, a peer knows its partners of the
+next round before it starts (`GroupPlan.partners`): presence dials them ahead and keeps only a
+bounded set of connections (node/presence.py), not the full mesh a round never uses.
+
 Not here: running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
 what a group's mean means for an outer optimizer (optim/outer.py, "Grouped rounds": replicas in
 different groups hold different φ, so it adds a consensus term toward the group's mean φ, and the
@@ -177,6 +181,13 @@ class GroupPlan:
 
     def groups(self, members: Sequence[str], round_id: int) -> RoundGroups:
         return round_groups(members, round_id // self.period, self.group_size, self.seed)
+
+    def partners(self, members: Sequence[str], round_id: int, peer: str) -> tuple[str, ...]:
+        """The peers `peer` all-reduces with in round `round_id` (its group without it), computed
+        from `members` with `peer` among them, as the collective computes them: what presence
+        dials ahead of a round (node/presence.py)."""
+        groups = self.groups([*members, peer], round_id)
+        return tuple(p for p in groups.groups[groups.index_of(peer)] if p != peer)
 
     def tag(self, tag: str, groups: RoundGroups, peer: str) -> str:
         """The all-reduce tag of `peer`'s group: `tag` itself when the round is the whole swarm."""

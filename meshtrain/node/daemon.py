@@ -105,7 +105,7 @@ from meshtrain.node.trust.admission import allow_key, load_or_mint_pow
 from meshtrain.node.trust.scoring import LossScorer
 from meshtrain.node.trust.spot_check import SpotChecker
 from meshtrain.node.trust.verification import Verification
-from meshtrain.transport.host import Host, HostConfig
+from meshtrain.transport.host import Host, HostConfig, host_connection_cap
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
@@ -317,7 +317,15 @@ class Node:
         config = self.config
         identity = Identity.load_or_create(self.data_dir)
         host = self.host = await stack.enter_async_context(
-            Host(identity, HostConfig(listen=config.listen, swarm_key=config.swarm_key, announce=config.announce))
+            Host(
+                identity,
+                HostConfig(
+                    listen=config.listen,
+                    swarm_key=config.swarm_key,
+                    announce=config.announce,
+                    max_connections=host_connection_cap(config.max_peers),
+                ),
+            )
         )
         signed = self.signed = await self.spec_source.resolve(host)
         host.rpc.serve(SPEC_RPC, self.spec_source.serve)
@@ -351,6 +359,7 @@ class Node:
             connection="direct",
             pow_nonce=pow_nonce,
             data_dir=self.data_dir,
+            max_peers=config.max_peers,
         )
         if config.nat:  # before any peer connects, so every relayed peer can be punched
             self.nat = presence.nat = await stack.enter_async_context(
@@ -398,6 +407,7 @@ class Node:
         )
         if presence.strikes is not None:
             collective.screening_listeners.append(presence.strikes.on_round)
+        presence.current_round = self._current_round  # whose partners presence keeps connected
         return collective
 
     async def _start_trainer(

@@ -29,13 +29,33 @@ Advertising (dht/swarm_index.py). Unless the swarm is private, the owner and the
 store the swarm's advert in the DHT's swarm index every `ADVERT_INTERVAL` seconds: the signed
 spec, how many peers are live, the swarm's step, and their addresses as entry points.
 
-One background task re-dials every
-live member and every DHT-discovered peer we are not connected to, every `CONNECT_INTERVAL`
-seconds (a full mesh up to a few dozen peers), and asks NAT traversal to upgrade a relayed
-connection (DCUtR). Then it answers, from the view and the host:
+Staying connected (node/connections.py), bounded. Every `CONNECT_INTERVAL` seconds, and at once
+when the collective first asks about a new round, one background task works out whom to keep
+(`ConnectionPlan.wanted`: everyone while the swarm has at most `max_peers` other members — the
+full mesh, as before —, else the group partners of the rounds under way (never cut) and of the
+next round, DHT neighbours and a gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
+a few at once, an unreachable peer backing off exponentially), and asks NAT traversal to upgrade
+a relayed connection (DCUtR). The rounds under way are ours (`current_round`, the node's step;
+before it trains, the swarm's) and the next, whose join the collective prepares ahead — not the
+rounds other peers' requests name, which a faster peer's prepared join sets ahead of ours —:
+the groups are a pure function of the trainers and the round (collective/groups.py), so the
+partners of the round after are dialled while these run.
+While connected to more than `max_peers` peers, it closes the surplus among those it does not
+want once they are `CLOSE_GRACE_S` old (a DHT lookup's, an inbound dial of a peer whose view
+differs: the query or RPC on it finishes first; closing at once made every lookup fail and
+py-libp2p churn), a peer not in the view after `STRANGER_GRACE_S` (a joiner fetching the spec),
+a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
+under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
+needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
+the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
+pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
+kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
+dialled only while we have room under the bound. Then it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
     candidates(round)          a round's candidates: those trainers we are connected to, and us
-                               (a peer whose connection closed stops being waited for at once)
+                               (a peer whose connection closed stops being waited for at once);
+                               every partner of the round we could reach is among them, as its
+                               partners are dialled as soon as the round is asked about
     training_peers(connected)  trainers other than us whose progress record is fresh: they train
                                *now*, not a restarted peer's record from its last life (a
                                trainer's record is rewritten every heartbeat while its node's
@@ -55,15 +75,15 @@ warns once about a peer more than a few seconds off; nothing here depends on it.
 Finding the swarm again (node/state/address_book.py). The re-dial loop also notes the view's live
 trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
 list, and they are re-dialled with backoff until this life first reaches another trainer
-(`REJOIN_DIALS` failed dials in a row and a trainer is taken for gone). Until then,
+(`REJOIN_DIALS` failed dials in a row, the `Dialler`'s count, and a trainer is taken for gone). Until then,
 `cut_off()` says why the node must not train alone: its book names trainers seen within
 `REJOIN_HORIZON_S` that have not been taken for gone (`RunState.enter` waits on it). A restart
 whose only bootstrap address was dead trained — and committed rounds — alone before this.
 
 Failures. No bootstrap peer reachable: logged; the DHT is bootstrapped again with backoff while
 its routing table is empty, from the configured peers and the address book; with neither, the
-node runs alone until peers dial it. A DHT lookup or a dial failing is logged at INFO and tried
-again next interval.
+node runs alone until peers dial it. A DHT lookup failing is logged at INFO and tried again next
+interval; a dial failing is logged at INFO and tried again after its backoff (2 s doubling to 60 s).
 
 Not here: the CRDTs and their replication (`crdt/`), NAT traversal (`transport/nat.py`), the
 admission rules themselves (`node/trust/admission.py`), reading the swarm index (`node/spec/listing.py`).
@@ -73,6 +93,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -92,6 +113,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.clock_offsets import ClockOffsets
+from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
 from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
@@ -109,6 +131,8 @@ ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the D
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
 REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
+CLOSE_GRACE_S = 10.0  # an unwanted trainer's connection is not closed over the bound before this
+STRANGER_GRACE_S = 30.0  # a connection of a peer not in the view is not closed over the bound before this
 
 
 class PeerPresence(Service):
@@ -120,6 +144,7 @@ class PeerPresence(Service):
         in our membership record until NAT traversal knows better. pow_nonce: our proof of work
         for an open swarm (`admission.load_or_mint_pow`; None: minted on entry, in a thread).
         data_dir: where the swarm's strikes are kept across restarts (None: only in memory).
+        max_peers: the connections we keep (`ConnectionPlan`; a round's partners beyond it too).
     """
 
     def __init__(
@@ -133,6 +158,7 @@ class PeerPresence(Service):
         connection: str = "direct",
         pow_nonce: int | None = None,
         data_dir: Path | None = None,
+        max_peers: int = DEFAULT_MAX_PEERS,
     ) -> None:
         self.host = host
         self.signed = signed
@@ -151,9 +177,15 @@ class PeerPresence(Service):
         self.clock: ClockOffsets | None = None  # set once entered
         self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/state/address_book.py
         self.met_swarm = False  # connected to another trainer of the swarm, in this life
-        # Address-book peers dialled before we met the swarm: when to dial each next, and its
-        # backoff (whose `attempts` are its dials failed in a row).
-        self._book_dials: dict[str, tuple[float, Backoff]] = {}
+        self.plan = ConnectionPlan(host.peer_id, max_peers=max_peers, grouping=signed.spec.group_plan())
+        self.dialler: Dialler | None = None  # set once entered
+        # Our round (round ids are steps: the collective's `current_round`), set by the node once
+        # it trains; None: the swarm's step stands in for it.
+        self.current_round: Callable[[], int | None] | None = None
+        self._period = self.plan.grouping.period if self.plan.grouping is not None else 1
+        self._newest_asked = -1  # the newest round index the collective asked about
+        self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
+        self._first_seen: dict[str, float] = {}  # connected peers: since when (we saw them connected)
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -202,7 +234,8 @@ class PeerPresence(Service):
         if view.is_owner and view.config().get("spec") != self.signed.to_wire():
             view.set_config(spec=self.signed.to_wire())
         self._nursery = await stack.enter_async_context(trio.open_nursery())
-        self._nursery.start_soon(self._keep_connected, view, self.discovery)
+        self.dialler = Dialler(host, self._nursery, initial=CONNECT_INTERVAL, on_dialled=self._dialled)
+        self._nursery.start_soon(self._keep_connected, view, self.discovery, self.dialler)
         self._nursery.start_soon(strikes.keep_saved)
         if spec.admission.mode != "private":  # a private swarm's peers cannot be reached by strangers
             self._nursery.start_soon(self._advertise, view, dht)
@@ -251,10 +284,15 @@ class PeerPresence(Service):
         """Live trainers per the replicated membership, us included (connected or not)."""
         return [p.peer_id for p in self._view().live_peers() if p.role == "trainer"]
 
-    def candidates(self, _round: int = 0) -> list[str]:
+    def candidates(self, round_id: int | None = None) -> list[str]:
         """A round's candidates: live trainers we are connected to, and us. A peer whose connection
         closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
-        the re-dial loop brings it back, and it is a candidate again as soon as it is."""
+        the re-dial loop brings it back, and it is a candidate again as soon as it is. Asked about
+        a new round (the collective's `membership(round_id)`), it wakes the re-dial loop: a new
+        round has new group partners, to be dialled now rather than at the next pass."""
+        if round_id is not None and round_id // self._period > self._newest_asked:
+            self._newest_asked = round_id // self._period
+            self._wake.set()
         return [
             p.peer_id
             for p in self._view().live_peers()
@@ -337,8 +375,7 @@ class PeerPresence(Service):
         return [k.peer_id for k in self.book.fresh(REJOIN_HORIZON_S) if self._failed_dials(k.peer_id) < REJOIN_DIALS]
 
     def _failed_dials(self, peer: str) -> int:
-        dials = self._book_dials.get(peer)
-        return dials[1].attempts if dials is not None else 0
+        return self.dialler.failures(peer) if self.dialler is not None else 0
 
     def _meets_swarm(self) -> bool:
         """Whether this life has reached another trainer of the swarm (`met_swarm`, set once)."""
@@ -397,64 +434,90 @@ class PeerPresence(Service):
                 log.info(kv("DHT bootstrap failed again", retry_in_s=round(delay, 1), error=str(e)))
 
     def _book_peers_to_dial(self) -> dict[str, list[str]]:
-        """Until we meet the swarm, the known trainers whose backoff allows a dial now (past
-        `REJOIN_DIALS` failures they are taken for gone, but still tried, more slowly). Once we
-        met it, none: the view holds the live ones, and the book's dead entries (up to
-        `MAX_PEERS`, a 5 s dial each) must not hold up re-dialling the members."""
+        """Until we meet the swarm, the known trainers (past `REJOIN_DIALS` failures they are
+        taken for gone, but still tried, more slowly: the `Dialler`'s backoff). Once we met it,
+        none: the view holds the live ones, and the book's dead entries (up to `MAX_PEERS`)
+        would only take dial slots from the members."""
         if self._meets_swarm():
             return {}
-        now = time.monotonic()
-        return {
-            k.peer_id: k.dial_addrs()
-            for k in self.book.fresh(REJOIN_HORIZON_S)
-            if now >= self._book_dials.get(k.peer_id, (0.0, None))[0]
-        }
-
-    def _dialled_book_peer(self, peer: str, ok: bool) -> None:
-        if ok:
-            self._book_dials.pop(peer, None)
-            return
-        _, backoff = self._book_dials.get(peer, (0.0, Backoff(initial=CONNECT_INTERVAL, cap=30.0)))
-        self._book_dials[peer] = (time.monotonic() + backoff.next(), backoff)
+        return {k.peer_id: k.dial_addrs() for k in self.book.fresh(REJOIN_HORIZON_S)}
 
     # -- staying connected -----------------------------------------------------------------------
 
-    async def _keep_connected(self, view: SwarmView, discovery: Discovery) -> None:
-        """Dial every live member and discovered peer we are not connected to, and the address
-        book's trainers that the view does not hold (with backoff); keep the book up to date."""
+    def wanted(self) -> list[str]:
+        """The peers we keep connected now, most wanted first (`ConnectionPlan.wanted`)."""
+        view = self._view()
+        members = [p.peer_id for p in view.live_peers()]
+        ours = self.current_round() if self.current_round is not None else None
+        now = ours if ours is not None else (self.swarm_step() or 0)
+        rounds = [now, now + self._period]  # ours, and the one whose join is prepared ahead
+        dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
+        return self.plan.wanted(members, self.trainers(), rounds, dht_peers)
+
+    def _dialled(self, peer: str, ok: bool) -> None:
+        """A dial ended: a relayed connection is upgraded (DCUtR) in the background."""
+        if ok and self.nat is not None and self.host.connection_type(peer) == "relayed":
+            assert self._nursery is not None  # dials run in it
+            self._nursery.start_soon(self.nat.upgrade, peer)
+
+    async def _keep_connected(self, view: SwarmView, discovery: Discovery, dialler: Dialler) -> None:
+        """Dial the peers we want and are not connected to, and the address book's trainers that
+        the view does not hold; close the surplus over the bound; keep the book up to date."""
         host = self.host
         dht = self.dht
         assert dht is not None  # entered before this task starts
         last_lookup = -math.inf
         while True:
+            self._wake = trio.Event()  # before the pass: a round asked during it wakes the next
             self.book.note(view.live_peers(), left=[p.peer_id for p in view.peers() if p.left])
             self.book.save()
             if not dht.routing_table_peers():
                 await self._bootstrap(dht)
-            known = {p.peer_id: p.addrs for p in view.live_peers()}
-            from_book = {p: a for p, a in self._book_peers_to_dial().items() if p not in known}
-            known.update(from_book)
+            addrs = {p.peer_id: p.addrs for p in view.live_peers()}
+            wanted = self.wanted()
+            for peer in wanted:
+                dialler.dial(peer, addrs.get(peer, []))
+            for peer, book_addrs in self._book_peers_to_dial().items():
+                if peer not in addrs:
+                    dialler.dial(peer, book_addrs)
             if time.monotonic() - last_lookup > DISCOVERY_INTERVAL:
                 last_lookup = time.monotonic()
                 try:
-                    for a in await discovery.peers():
-                        known.setdefault(a.peer_id, a.addrs)
+                    found = await discovery.peers()
                 except MeshtrainError as e:
                     log.info(kv("discovery lookup failed", error=str(e)))
-            for peer, addrs in known.items():
-                if peer == self.me or host.is_connected(peer) or not addrs:
-                    continue
-                addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
-                ok = False
-                with trio.move_on_after(5):
-                    try:
-                        await host.connect(addr, timeout=5)
-                        ok = True
-                    except MeshtrainError as e:
-                        log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
-                if peer in from_book:
-                    self._dialled_book_peer(peer, ok)
-                if self.nat is not None and host.connection_type(peer) == "relayed":
-                    assert self._nursery is not None  # we run in it
-                    self._nursery.start_soon(self.nat.upgrade, peer)  # DCUtR, in the background
-            await trio.sleep(CONNECT_INTERVAL)
+                    found = []
+                room = self.plan.max_peers - len(host.connected_peers())
+                for a in found:  # not in the view yet: how a node that knows nobody finds the swarm
+                    if a.peer_id not in addrs and room > 0 and dialler.dial(a.peer_id, a.addrs):
+                        room -= 1
+            await self._close_surplus(view, set(wanted))
+            with trio.move_on_after(CONNECT_INTERVAL):
+                await self._wake.wait()
+
+    async def _close_surplus(self, view: SwarmView, wanted: set[str]) -> None:
+        """While over `max_peers` connections, close those we do not want once `CLOSE_GRACE_S` old
+        (a trainer's: a DHT query or an RPC on it finishes first) or `STRANGER_GRACE_S` (a peer not
+        in the view: a joiner fetching the spec), never a syncing member's (it may be downloading
+        the swarm's state from us)."""
+        connected = self.host.connected_peers()
+        live = {p.peer_id: p.role for p in view.live_peers()}
+        now = time.monotonic()
+        self._first_seen = {p: self._first_seen.get(p, now) for p in connected}
+        surplus = len(connected) - self.plan.max_peers
+        if surplus <= 0:
+            return
+        unwanted = [
+            p
+            for p in connected
+            if p not in wanted
+            and live.get(p, "trainer") == "trainer"
+            and now - self._first_seen[p] > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
+        ]
+        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
+            steps = {p: pr.step for p, pr in view.progress().items()}
+            trainers = self.trainers()
+            unwanted = [p for p in unwanted if p not in steps or not self.plan.wanted_by(p, trainers, steps[p])]
+        for peer in unwanted[:surplus]:
+            log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
+            await self.host.disconnect(peer)

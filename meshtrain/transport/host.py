@@ -10,6 +10,9 @@ Choices (measured, see docs/libp2p-notes.md):
 - **`max_connections_per_peer=1`**: otherwise every dial sleeps a 250 ms happy-eyeballs delay.
 - **No auto-dialling**: py-libp2p keeps dialling known peers toward 50 connections; we set the
   minimum to 0 so that only our own layers (DHT, membership, collectives) decide whom to dial.
+- **A hard cap, not the bound** (`max_connections`, 300 by default; a node's is
+  `host_connection_cap(max_peers)`): py-libp2p prunes at it whatever the connection carries, so
+  it sits well above what a node keeps; node/presence.py keeps and trims its own bound.
 - **Frame writes are made whole** (`libp2p_patches.py`): py-libp2p's yamux loses the connection
   when a task is cancelled while writing a frame, which our deadlines do routinely.
 - **Pipelined protocol selection** (`propose_stream`, what the RPC layer uses). py-libp2p's
@@ -110,6 +113,16 @@ class ProposedStream:
             raise StreamOpenError(f"the peer does not serve {self.protocol} (it answered {answer[:40]!r})")
 
 
+DEFAULT_MAX_CONNECTIONS = 300  # the host's hard cap: py-libp2p refuses and prunes beyond it
+
+
+def host_connection_cap(max_peers: int) -> int:
+    """The hard cap for a node that keeps `max_peers` connections (node/presence.py): well above
+    it, for inbound dials, DHT lookups and a round's partners beyond the bound, which presence
+    closes or keeps itself; the cap only stops a flood (py-libp2p prunes at it, wanted or not)."""
+    return max(DEFAULT_MAX_CONNECTIONS, 4 * max_peers)
+
+
 @dataclass(frozen=True)
 class HostConfig:
     """How a host listens and who may connect."""
@@ -117,7 +130,7 @@ class HostConfig:
     listen: Sequence[str] = DEFAULT_LISTEN
     swarm_key: str | None = None  # 64 hex chars: a private swarm; None: open
     announce: Sequence[str] = ()  # addresses to advertise instead of the listen addresses
-    max_connections: int = 300
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 """Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
 
-    python scripts/bench/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0]
+    python scripts/bench/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0] [--max-peers 32]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--gossip-round-s 5]
                                   [--gossip-stretch K | --gossip-stretch 256:8,...]
                                   [--out docs/bench/bench_scale_issue20.json]
@@ -57,7 +57,8 @@ from 16 to 256 with 5 s rounds, 2.0 idle), `mixing_ok`
 (mixing_rounds ≤ d + 1 at every size), `all_rounds_complete` (every peer got a result in every
 round, none alone).
 
-256 peers on this machine (2 cores, shared with other work). The set-up fits: with `--rounds 2`
+256 peers on this machine (2 cores, shared with other work; runs from before the links came from
+`ConnectionPlan`, when each peer was linked to its groups' partners only). The set-up fits: with `--rounds 2`
 (3,840 links; a third round starts a new epoch on a new grid, 5,535 links) the hosts connected in
 143 and 199 s (two runs) with no failed dial, about 5.9k descriptors per worker (limit 20,000) and
 up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed in the set-up
@@ -80,10 +81,17 @@ above), spread over `--procs` worker processes as trio tasks; this process only 
 (JSON lines, scripts/bench/crdt_phase.py's `Worker`). Each peer runs the real outer round: `DiLoCo`
 (lr 1, momentum 0, H 1) over the built-in `gpt-tiny` (~34k fp32 parameters, M ≈ 136 KiB) whose θ
 moves a little before each `astep()` — so a grouped round costs what it costs a node: the group's
-all-reduce of Δ and the consensus all-reduce of φ in fp16 (optim/outer.py, "Grouped rounds"). Each peer is
-connected (libp2p) to the peers its groups need in the rounds run — as a node dials the members
-it meets — not to all N. Deadlines are long (join 300 s): a round here is slow because the CPU is
-shared, not because a peer failed.
+all-reduce of Δ and the consensus all-reduce of φ in fp16 (optim/outer.py, "Grouped rounds"). Who
+is connected to whom is the daemon's own presence code: each peer's `ConnectionPlan.wanted`
+(node/connections.py — the group partners of the rounds under way and of the next, a mutual
+gossip sample, at most `--max-peers`; the full mesh up to that many), united over the rounds
+run (`presence_links`; no DHT here, so no DHT neighbours). The dialling itself is this script's
+(retried set-up, above), not the daemon's `Dialler`: all of a machine's peers opening every link
+in the same second would time out here, which says nothing about a swarm of machines.
+`max_connections_per_peer` is the largest number of links one peer has (its wants and the peers
+that want it; target ≤ 40 at 256), `presence_is_daemons` says the links come from that code.
+Deadlines are long (join 300 s): a round here is slow because the CPU is shared, not because a
+peer failed.
 
 Not here: links with real bandwidth and latency (scripts/bench/bench_wan.py), faults
 (tests/test_grouped_rounds.py).
@@ -106,6 +114,7 @@ sys.path.insert(0, str(ROOT))
 from scripts.bench.crdt_phase import Worker, ask, run_crdt_phase, serve_commands  # noqa: E402
 
 SEED = 20
+DEFAULT_MAX_PEERS = 32  # node/connections.py's (not imported at start-up: workers import lazily)
 DIALS_IN_FLIGHT = 16  # per worker process: libp2p dials (Noise + yamux handshakes) at once
 SESSIONS_IN_FLIGHT = 4  # per worker process: data-plane session RPCs at once
 SETUP_ATTEMPTS = 10  # tries per dial and per session before the set-up gives up
@@ -120,7 +129,25 @@ def _groups_plan(group_size: int):
 # --- coordinator ----------------------------------------------------------------------------------
 
 
-def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, Any]:
+def presence_links(ids: list[str], plan: Any, first: int, rounds: int, max_peers: int) -> set[tuple[int, int]]:
+    """The links the daemon's presence keeps while the rounds run (node/connections.py
+    `ConnectionPlan.wanted`, with the rounds under way as presence tracks them: the round and the
+    one before it, and the next one's partners ahead), as index pairs (a < b): each peer's wants
+    over the rounds, united, and a link either end wants. No DHT here, so no DHT neighbours."""
+    from meshtrain.node.connections import ConnectionPlan
+
+    index = {p: i for i, p in enumerate(ids)}
+    links: set[tuple[int, int]] = set()
+    for me in ids:
+        wants = ConnectionPlan(me, max_peers=max_peers, grouping=plan)
+        for r in range(first, first + rounds):
+            for peer in wants.wanted(ids, ids, [x for x in (r - 1, r) if x >= first]):
+                a, b = sorted((index[me], index[peer]))
+                links.add((a, b))
+    return links
+
+
+def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: int) -> dict[str, Any]:
     """N peers in `procs` workers run `rounds` grouped all-reduces; per-peer costs (module docstring)."""
     from meshtrain.collective.groups import epoch_length
     from meshtrain.transport.identity import Identity
@@ -131,17 +158,18 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int) -> dict[str, 
     ids = [Identity.from_seed(s).peer_id_str for s in seeds]
     parts = [list(range(n))[k * n // procs : (k + 1) * n // procs] for k in range(procs)]
     plan = _groups_plan(group_size)
-    index = {p: i for i, p in enumerate(ids)}
     grid = plan.groups(ids, 0)
     first = epoch_length(n, grid.sides)  # round ids start at an epoch's first round (ids are >= 1)
-    links: set[tuple[int, int]] = set()
-    for r in range(first, first + rounds):
-        for grp in plan.groups(ids, r).groups:
-            members = sorted(index[p] for p in grp)
-            links |= {(a, b) for a in members for b in members if a < b}
+    links = presence_links(ids, plan, first, rounds, max_peers)
+    degree = [0] * n
+    for a, b in links:
+        degree[a] += 1
+        degree[b] += 1
     workers = [Worker(Path(__file__).resolve()) for _ in parts]
     out: dict[str, Any] = {"peers": n, "processes": procs, "sides": list(grid.sides), "d": len(grid.sides)}
     out["epoch_rounds"] = epoch_length(n, grid.sides)
+    out["max_connections_per_peer"] = max(degree)
+    out["mean_connections_per_peer"] = round(sum(degree) / n, 1)
     out["max_group"] = max(len(g) for g in grid.groups)
     try:
         replies = ask(
@@ -263,6 +291,9 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
+    parser.add_argument(
+        "--max-peers", type=int, default=DEFAULT_MAX_PEERS, help="each peer's connection bound (NodeConfig.max_peers)"
+    )
     parser.add_argument("--gossip-sizes", default="16,32,64", help="sizes of the gossip phase ('' to skip)")
     parser.add_argument("--idle", type=float, default=8.0, help="seconds of gossip measured")
     parser.add_argument(
@@ -307,7 +338,7 @@ def main() -> None:
     gossip: dict[int, dict[str, Any]] = {}
     for kind, n in steps:
         if kind == "rounds":
-            scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size)
+            scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size, args.max_peers)
             print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
         else:
             k = args.gossip_stretch if isinstance(args.gossip_stretch, int) else args.gossip_stretch.get(n, 1)
@@ -323,7 +354,8 @@ def summarize(
     args: argparse.Namespace, scale: dict[int, dict[str, Any]], gossip: dict[int, dict[str, Any]], wall: float
 ) -> dict[str, Any]:
     """The result so far: every size's numbers and the summary keys over the sizes measured."""
-    result: dict[str, Any] = {"group_size": args.group_size, "cpu_cores": os.cpu_count()}
+    result: dict[str, Any] = {"group_size": args.group_size, "max_peers": args.max_peers, "cpu_cores": os.cpu_count()}
+    result["presence_is_daemons"] = True  # links: node/connections.py's ConnectionPlan, as a node's presence
     result["sizes"] = {str(n): v for n, v in scale.items()}
     result["gossip"] = {str(n): v for n, v in gossip.items()}
     if scale:
@@ -336,6 +368,7 @@ def summarize(
             v["mixing_rounds"] is not None and v["mixing_rounds"] <= v["d"] + 1 for v in scale.values()
         )
         result["all_rounds_complete"] = all(v["all_rounds_complete"] for v in scale.values())
+        result["max_connections_per_peer"] = max(v["max_connections_per_peer"] for v in scale.values())
     # A gossip size whose peers never all saw each other live (a starved machine) measured itself;
     # one that sent nothing idled for less than a heartbeat (--idle).
     valid = {n: v for n, v in gossip.items() if v["live_after"] == n and v["gossip_bytes_per_peer_s"] > 0}

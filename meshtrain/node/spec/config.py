@@ -103,6 +103,13 @@ class NodeConfig(BaseModel):
     wait_peers_timeout: float = Field(
         120.0, gt=0, description="seconds to wait for wait_peers before training with those there are"
     )
+    max_peers: int = Field(
+        32,
+        ge=2,
+        le=10_000,
+        description="connections to other peers this node keeps: the whole swarm up to this many, above it "
+        "its round's group partners (never cut), the next round's, DHT neighbours and a gossip sample",
+    )
     max_donors: int = Field(0, ge=0, le=1000, description="late join: download from at most this many peers (0 = all)")
     donor_upload_mib: float = Field(0.0, ge=0, description="cap on serving state to joiners, MiB/s (0 = none)")
     uplink_mbit: float = Field(

@@ -1,0 +1,190 @@
+"""Whom a node stays connected to, and dialling them: `ConnectionPlan` and `Dialler`.
+
+Problem. A swarm's node used to dial every live member, one after another, every 2 s with a 5 s
+timeout each: a full mesh, n − 1 connections per peer, and one re-dial pass that took minutes
+once a few members were unreachable. A round never uses most of them: grouped rounds
+(collective/groups.py) all-reduce within groups of at most 16 (automatic) above 32 peers.
+
+Design. `ConnectionPlan.wanted` is a pure function of what the node knows — the live members,
+the trainers (the groups' roster), the round it is in, its DHT routing table — and answers the
+peers to keep, most wanted first:
+1. the group partners (`GroupPlan.partners`) of the rounds under way — the round and the one the
+   collective prepares ahead of it (outer_round.py, "Prepared rounds") —: never cut, a round
+   needs every one (closing a partner's connection drops it from the round's candidates);
+2. the next round's partners, dialled while these run so the next one does not wait;
+3. the `neighbours` members closest to us in the DHT's key space (XOR of our id), so lookups
+   and the swarm's records stay reachable;
+4. a random sample of about `sample` members for gossip (membership, progress) and a connected
+   graph: a pair is in each other's sample when a hash of the pair (both ends compute the same)
+   falls under sample / (n − 1) — symmetric, so neither end closes what the other wants.
+The list is cut at `max_peers` (partners of the round excepted). A swarm of at most `max_peers`
+other members is wanted whole: the full mesh, as before, where it is cheap.
+
+`Dialler` dials concurrently, at most `in_flight` dials at once (a `trio.CapacityLimiter`), each
+with its timeout, in its owner's nursery; a peer whose dial failed waits before the next
+(`Backoff`, exponential with jitter, from `initial` to `cap`), and a dial that succeeds resets it.
+Its failure counts are what presence's address book reads ("taken for gone" after a few).
+
+Failures. A dial that fails is logged at INFO and backed off; nothing else waits for it.
+
+Not here: closing connections over the bound and when (node/presence.py), the groups themselves
+(collective/groups.py), the host's own hard cap (transport/host.py `HostConfig.max_connections`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from meshtrain.backoff import Backoff
+from meshtrain.collective.groups import GroupPlan
+from meshtrain.dht.routing import parse_peer_id, xor_distance
+from meshtrain.errors import MeshtrainError
+from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import Host
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_PEERS = 32  # connections a node keeps (not counting partners beyond it): NodeConfig.max_peers
+GOSSIP_SAMPLE = 8  # members a node keeps, on average, beside its partners: gossip's graph
+DHT_NEIGHBOURS = 4  # members closest to us in the DHT's key space that we keep
+DIALS_IN_FLIGHT = 8  # dials (Noise + yamux handshakes) at once
+DIAL_TIMEOUT = 5.0  # seconds one dial may take
+
+
+@dataclass(frozen=True)
+class ConnectionPlan:
+    """Which peers `me` keeps connected (module docstring). grouping: the spec's `GroupPlan` (None:
+    every round is the whole swarm — NoLoCo, pipelines —, so every trainer is a partner and the
+    bound does not cut them); max_peers: the bound; sample, neighbours: see the constants."""
+
+    me: str
+    max_peers: int = DEFAULT_MAX_PEERS
+    grouping: GroupPlan | None = None
+    sample: int = GOSSIP_SAMPLE
+    neighbours: int = DHT_NEIGHBOURS
+
+    def wanted(
+        self, members: Sequence[str], trainers: Sequence[str], rounds: Sequence[int], dht_peers: Sequence[str] = ()
+    ) -> list[str]:
+        """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
+        `max_peers`, else the partners among `trainers` of the `rounds` under way (a round and the
+        one prepared ahead of it) and of the round after the last, DHT neighbours and the gossip
+        sample, cut at `max_peers` (partners of a round under way never: it needs them all)."""
+        others = sorted(set(members) - {self.me})
+        if len(others) <= self.max_peers:
+            return others
+        roster = sorted(set(trainers) - {self.me})
+        grouping = self.grouping
+        now: list[str] = list(roster)  # ungrouped: every round is the whole swarm
+        ahead: tuple[str, ...] = ()
+        if grouping is not None:
+            now = [p for r in rounds for p in grouping.partners(roster, r, self.me)]
+            ahead = grouping.partners(roster, max(rounds, default=0) + grouping.period, self.me)
+        now = list(dict.fromkeys(now))
+        in_swarm, key = set(others), _id_hash(self.me)
+        near = sorted((p for p in dht_peers if p in in_swarm), key=lambda p: xor_distance(key, p))[: self.neighbours]
+        # Where the bound cuts the next round's partners or the sample, it cuts by the pair's hash,
+        # the same at both ends: by peer id, the lowest ids were kept by everyone (56 links at 256).
+        ahead = tuple(sorted(ahead, key=self._pair_hash))
+        sampled = sorted((p for p in others if self._sampled(p, len(others))), key=self._pair_hash)
+        out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))
+        return out[: max(self.max_peers, len(now))]
+
+    def wanted_by(self, peer: str, trainers: Sequence[str], round_id: int) -> bool:
+        """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
+        rounds under way: then closing it would drop us from a round it runs, whatever ours is."""
+        if self.grouping is None:
+            return peer in trainers
+        roster = sorted(set(trainers) - {peer})
+        period = self.grouping.period
+        return any(self.me in self.grouping.partners(roster, r, peer) for r in (round_id, round_id + period))
+
+    def _pair_hash(self, peer: str) -> int:
+        """A hash of the pair (me, peer): the same at both ends, uniform in [0, 2^64)."""
+        a, b = sorted((self.me, peer))
+        return int.from_bytes(hashlib.blake2b(f"{a}/{b}".encode(), digest_size=8).digest(), "big")
+
+    def _sampled(self, peer: str, n: int) -> bool:
+        """Whether the pair (me, peer) is in the gossip sample: the same answer at both ends."""
+        return self._pair_hash(peer) < self.sample / n * 2**64
+
+
+def _id_hash(peer: str) -> bytes:
+    """The DHT key of a peer id (what `xor_distance` measures from): sha256 of its bytes."""
+    return hashlib.sha256(parse_peer_id(peer).to_bytes()).digest()
+
+
+class Dialler:
+    """Dials peers in the background, concurrently and with backoff (module docstring).
+
+    host: whose connections. nursery: where dials run (the owner's: they end with it).
+    in_flight: dials at once. timeout: seconds per dial. initial, cap: the backoff of an
+    unreachable peer, seconds. on_dialled(peer, ok): told after every dial (inline, must not block).
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        nursery: trio.Nursery,
+        *,
+        in_flight: int = DIALS_IN_FLIGHT,
+        timeout: float = DIAL_TIMEOUT,
+        initial: float = 2.0,
+        cap: float = 60.0,
+        on_dialled: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.nursery = nursery
+        self.limiter = trio.CapacityLimiter(in_flight)
+        self.timeout = timeout
+        self.initial, self.cap = initial, cap
+        self.on_dialled = on_dialled
+        self.dials = 0  # dials started, for benchmarks and the curious
+        self._dialling: set[str] = set()
+        self._backoff: dict[str, tuple[float, Backoff]] = {}  # peer -> (not before, its backoff)
+
+    def ready(self, peer: str) -> bool:
+        """Whether `peer` may be dialled now: not connected, not being dialled, not backing off."""
+        if peer == self.host.peer_id or peer in self._dialling or self.host.is_connected(peer):
+            return False
+        return time.monotonic() >= self._backoff.get(peer, (0.0, None))[0]
+
+    def failures(self, peer: str) -> int:
+        """Dials of `peer` that failed in a row (0 after one succeeded)."""
+        entry = self._backoff.get(peer)
+        return entry[1].attempts if entry is not None else 0
+
+    def dial(self, peer: str, addrs: Sequence[str]) -> bool:
+        """Start dialling `peer` at its first address if `ready`; returns whether a dial started."""
+        if not addrs or not self.ready(peer):
+            return False
+        addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
+        self._dialling.add(peer)
+        self.dials += 1
+        self.nursery.start_soon(self._dial, peer, addr)
+        return True
+
+    async def _dial(self, peer: str, addr: str) -> None:
+        ok = False
+        try:
+            async with self.limiter:
+                with trio.move_on_after(self.timeout):
+                    try:
+                        await self.host.connect(addr, timeout=self.timeout)
+                        ok = True
+                    except MeshtrainError as e:
+                        log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+        finally:
+            self._dialling.discard(peer)
+        if ok:
+            self._backoff.pop(peer, None)
+        else:
+            _, backoff = self._backoff.get(peer, (0.0, Backoff(initial=self.initial, cap=self.cap)))
+            self._backoff[peer] = (time.monotonic() + backoff.next(), backoff)
+        if self.on_dialled is not None:
+            self.on_dialled(peer, ok)

@@ -1,0 +1,49 @@
+"""Whom a node keeps connected (node/connections.py `ConnectionPlan`), without a network: the full
+mesh while the swarm is small, and above the bound a set that holds every partner of this round
+and of the next, and does not grow with the swarm."""
+
+from __future__ import annotations
+
+from meshtrain.collective.groups import GroupPlan
+from meshtrain.node.connections import ConnectionPlan
+from meshtrain.transport.identity import Identity
+
+
+def peer_ids(n: int) -> list[str]:
+    return [Identity.from_seed(i.to_bytes(32, "big")).peer_id_str for i in range(1, n + 1)]
+
+
+IDS = peer_ids(256)
+
+
+def test_a_swarm_within_the_bound_is_the_full_mesh():
+    me, members = IDS[0], IDS[:33]
+    plan = ConnectionPlan(me, max_peers=32, grouping=GroupPlan(group_size=4, period=2))
+    assert sorted(plan.wanted(members, members, rounds=[8])) == sorted(members[1:])
+
+
+def test_a_large_swarm_keeps_the_partners_of_rounds_under_way_and_of_the_next_within_the_bound():
+    grouping = GroupPlan(group_size=0, seed=3, period=2)  # automatic: groups of 16 above 32 peers
+    sizes = {}
+    for me in IDS[:16]:
+        plan = ConnectionPlan(me, max_peers=32, grouping=grouping)
+        wanted = plan.wanted(IDS, IDS, rounds=[8, 10], dht_peers=IDS[100:140])
+        under_way = {*grouping.partners(IDS, 8, me), *grouping.partners(IDS, 10, me)}
+        ahead = set(grouping.partners(IDS, 12, me)) - under_way
+        assert under_way <= set(wanted) and me not in wanted
+        assert len(set(wanted) & ahead) == min(len(ahead), 32 - len(under_way))  # the next round: as room allows
+        sizes[me] = len(wanted)
+    assert max(sizes.values()) <= 32
+    # gossip samples are mutual: neither end of a sampled pair closes what the other wants
+    a, b = ConnectionPlan(IDS[0], max_peers=10_000), ConnectionPlan(IDS[1], max_peers=10_000)
+    assert a._sampled(IDS[1], 255) == b._sampled(IDS[0], 255)
+
+
+def test_this_rounds_partners_are_kept_even_beyond_the_bound_and_whole_swarm_rounds_keep_every_trainer():
+    members = IDS[:40]
+    grouped = ConnectionPlan(IDS[0], max_peers=3, grouping=GroupPlan(group_size=8))
+    wanted = grouped.wanted(members, members, rounds=[0])
+    partners = GroupPlan(group_size=8).partners(members, 0, IDS[0])
+    assert len(partners) > 3 and list(wanted) == list(partners)  # over the bound: the round needs them all
+    ungrouped = ConnectionPlan(IDS[0], max_peers=3, grouping=None)  # NoLoCo, pipelines
+    assert sorted(ungrouped.wanted(members, members[:20], rounds=[0])) == sorted(members[1:20])
