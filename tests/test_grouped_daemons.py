@@ -24,8 +24,8 @@ import pytest
 
 from meshtrain.collective.groups import round_groups
 from meshtrain.node.presence import CLOSE_GRACE_S
-from meshtrain.node.status.client import StatusError, fetch_status
 
+from .test_daemon_matrix import status
 from .test_node_cli import create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401
 
 pytestmark = [
@@ -42,13 +42,6 @@ pytestmark = [
 GROUP_SIZE = 3
 MAX_PEERS = 3
 SEED = 7
-
-
-def status(info: dict) -> dict | None:
-    try:
-        return fetch_status(info["status_url"])
-    except (OSError, StatusError):  # between states
-        return None
 
 
 def trainer_links(st: dict) -> int:

@@ -127,9 +127,18 @@ def test_prometheus_scrapes_two_nodes_and_every_dashboard_query_returns_series(t
         wait_until(both_nodes_past_a_round_and_an_evaluation, 120, "both nodes' rounds and held-out loss in Prometheus")
         steps = {s["metric"]["instance"]: float(s["value"][1]) for s in query(base, "meshtrain_step")}
         assert set(steps) == set(targets) and all(v > 0 for v in steps.values()), steps
-        time.sleep(2)  # sleep: rate() over the counters needs two scrapes after the first round
-        empty = [title for title, expr in dashboard_queries() if not query(base, expr)]
-        assert not empty, f"dashboard panels without series: {empty}"
+        # rate() over the counters needs two scrapes after the first round: wait until every
+        # panel has series, or name the ones that never get any
+        empty: list[str] = []
+
+        def every_panel_has_series() -> bool:
+            empty[:] = [title for title, expr in dashboard_queries() if not query(base, expr)]
+            return not empty
+
+        try:
+            wait_until(every_panel_has_series, 30, "every dashboard panel to have series")
+        except AssertionError:
+            raise AssertionError(f"dashboard panels without series: {empty}") from None
     finally:
         if prom is not None:
             prom.terminate()
