@@ -227,7 +227,11 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
         r = cli("node", "status", "--data-dir", str(a), "--json")
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
-        if len(st["peers"]) == 2 and st["training"]["step"] > 20:
+        # b lists as a's peer as soon as its host is up, before it prepared its model: wait
+        # until it trains too, or the SIGTERM below stops it before a step (exit 130, in CI).
+        rb = cli("node", "status", "--data-dir", str(b), "--json")
+        b_step = json.loads(rb.stdout)["training"]["step"] if rb.returncode == 0 else 0
+        if len(st["peers"]) == 2 and st["training"]["step"] > 20 and b_step > 0:
             break
         assert time.monotonic() < deadline, st
         time.sleep(0.5)  # sleep: poll interval

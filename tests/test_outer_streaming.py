@@ -12,6 +12,7 @@ import trio
 from meshtrain.collective import LocalSwarm
 from meshtrain.models import GPT, GPTConfig
 from meshtrain.optim import DiLoCo, OuterStateError, StreamingDiLoCo, strided_fragments
+from meshtrain.optim.outer import StaleStateError
 
 from .test_outer_diloco import CORPUS, backward, eval_loss, simulate, tiny
 
@@ -202,3 +203,39 @@ async def test_streaming_diloco_learns():
     with outers[0].outer_weights():
         after = eval_loss(models[0])
     assert after < before - 0.3
+
+
+async def test_a_joiner_whose_state_predates_an_exchange_in_flight_enters_before_it_and_takes_part():
+    """The swarm counts a joiner in from its download on, so the exchange the swarm sends next
+    waits for it; the swarm reports that send step but publishes no newer state while the
+    exchange overlaps training. The joiner enters a step before the send and takes part (weight
+    0) instead of refusing the state as a round old and leaving both sides waiting (CI: the
+    daemon matrix's streaming case)."""
+    swarm = LocalSwarm(2)
+    models = [tiny() for _ in range(2)]
+    outers = [StreamingDiLoCo(m, sgd_of(m), swarm.member(i), H=4, fragments=2, delay=1) for i, m in enumerate(models)]
+    joiner_model = tiny(seed=5)
+    async with outers[0], outers[1]:
+        await simulate(outers, models, 5)  # sends at 2 and 4, merged at 3 and 5: nothing in flight
+        state = outers[0].state_dict(inner=False)
+        joiner = StreamingDiLoCo(joiner_model, sgd_of(joiner_model), swarm.add(), H=4, fragments=2, delay=1)
+        assert state["inner_steps"] == 5 and outers[0].next_send_step(5) == 6
+        await simulate(outers, models, 1, start=5)  # step 6 sends; the round waits for the joiner
+        assert outers[0].in_flight
+        joiner.join(state, at_step=6)  # what the swarm reports now
+        assert joiner.inner_steps == 5
+        async with joiner:
+            await simulate([joiner], [joiner_model], 1, start=5)  # its step 6 joins the round
+            await simulate([*outers, joiner], [*models, joiner_model], 1, start=6)  # step 7 merges
+    assert [o.history[-1].contributors for o in (*outers, joiner)] == [2, 2, 2]  # weight 0
+    for n in outers[0].outer_params:
+        assert torch.equal(outers[0].outer_params[n], joiner.outer_params[n])
+    # Blocking rounds (τ = 0) report the send step only once its round is done: a state from
+    # before it is a round old.
+    diloco = DiLoCo(tiny(), None, LocalSwarm(1).member(0), H=4)
+    with pytest.raises(StaleStateError, match="cannot enter at step 4"):
+        diloco.join(DiLoCo(tiny(), None, LocalSwarm(1).member(0), H=4).state_dict(inner=False), at_step=4)
+
+
+def sgd_of(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05)

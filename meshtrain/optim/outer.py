@@ -760,10 +760,18 @@ class OuterOptimizer(Service):
         the last completed round, the swarm is inside the next one). We jump our step counter
         there, train the rest of the round and enter the swarm's next exchange with it — that
         exchange's outer update is the same on φ we hold, so our outer state stays identical.
-        It must lie in [state's step, state's step + H): beyond, the state is a round old."""
+        It must lie in [state's step, the next send step): beyond, the state is a round old —
+        except while that send's exchange overlaps the swarm's training (delay τ ≥ 1: the swarm
+        reports steps [send, send + τ) before it merges, and publishes no newer state). That
+        exchange may be waiting for us — the swarm expects a joiner at its next round — so we
+        enter a step before it and take part (weight 0); refusing left both sides waiting for
+        each other until the round's hard deadline, round after round (seen in CI)."""
         self.load_state_dict(state, inner=False)
         if at_step is not None:
-            if not self.inner_steps <= at_step < self.next_send_step(self.inner_steps):
+            send = self.next_send_step(self.inner_steps)
+            if self.delay >= 1 and send <= at_step < send + self.delay:
+                at_step = send - 1
+            if not self.inner_steps <= at_step < send:
                 raise StaleStateError(
                     f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
                     f"(an exchange happened in between): fetch a newer state"
