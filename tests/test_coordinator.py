@@ -336,3 +336,43 @@ async def test_a_coordinator_that_joins_its_own_round_late_still_forms_it(autoju
         await trio.testing.wait_all_tasks_blocked()  # b's join returns in its own task
         assert replies == {"a": Joined(0, ("a", "b")), "b": Joined(0, ("a", "b"))}
         nursery.cancel_scope.cancel()
+
+
+async def test_missing_peers_that_report_steps_past_the_round_are_not_waited_for(autojump_clock):
+    """A grouped swarm's peers run their rounds at other coordinators: around a late join, a
+    coordinator whose snapshot put two peers in its group waited out its hard deadline (3 × the
+    join timeout) alone while they formed their group elsewhere and moved on. Their progress
+    reports say so: a majority completes the round at once, and a minority is told it is late."""
+    steps: dict[str, int] = {"b": 7, "c": 7}  # as the swarm's progress records say
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", set()), CONFIG, lambda _round: ("a", "b", "c", "d", "e"), steps.get)
+        await nursery.start(c.run)
+        key = RoundKey(8, "", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key), trio.current_time())
+
+        for p in "ade":
+            nursery.start_soon(join, p)
+        await trio.sleep(5.0)  # sleep: virtual time: b and c are still at step 7, perhaps coming
+        assert replies == {}
+        steps.update(b=9, c=10)  # their next records: both past round 8
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review
+        assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("a", "d", "e")) for p in "ade"}
+        assert max(t for _, t in replies.values()) < CONFIG.join_timeout
+
+        key2 = RoundKey(10, "", "a")
+        replies.clear()
+
+        async def join2(p: str) -> None:
+            replies[p] = await c.join(p, key2)
+
+        steps.update(b=11, c=11, d=11, e=10)  # e may still come: its report is not past round 10
+        nursery.start_soon(join2, "a")
+        await trio.sleep(CONFIG.join_timeout + 1)  # sleep: virtual time: a minority waits on
+        assert replies == {}
+        steps["e"] = 12
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review
+        assert isinstance(replies["a"], Late) and replies["a"].passed
+        nursery.cancel_scope.cancel()

@@ -172,6 +172,9 @@ class SwarmCollective(Service):
     `roster(round_id)` — the swarm's members whether connected to us or not, so that one dropped
     connection does not reshuffle our groups (default: `membership`); each group all-reduces on
     its own, with its own coordinator and tag, among its members that `membership` holds.
+    `reported_step(peer)`, if given, is the inner step a peer last reported to the swarm (None:
+    unknown): a coordinator stops waiting for missing peers that report steps past its round
+    (coordinator.py).
 
     Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
     background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
@@ -188,6 +191,7 @@ class SwarmCollective(Service):
         current_round: Callable[[], int | None] | None = None,
         grouping: GroupPlan | None = None,
         roster: Callable[[int], Sequence[str]] | None = None,
+        reported_step: Callable[[str], int | None] | None = None,
     ) -> None:
         self.host = host
         self.streams = streams
@@ -204,7 +208,7 @@ class SwarmCollective(Service):
         self.echoes = EchoMemory(self.config.screen_echo)  # replay screening (echoes.py)
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
-        self._coord = Coordinator(host, self.config, self.group)
+        self._coord = Coordinator(host, self.config, self.group, reported_step)
         self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
         # when the link changes, 0: measured), or measured on our sends in a recent round.

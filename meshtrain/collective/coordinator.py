@@ -14,9 +14,13 @@ allreduce.py for how peers find it). Its job, per round key:
   round, prepared.py — is told it is `Late`, so an exclusion takes effect in the next group fixed;
 - **hand the round over** (`Moved`) to a lower-id candidate once one is connected (our view of
   membership was behind), or **end it** when nobody else will come: the missing peers joined a
-  later round here, or, asked where they are (`WHERE_RPC`, after `PROBE_AFTER`), are past this
-  round or in it at a coordinator we cannot reach. A majority that joined then completes the
-  round at once; a minority is told it is `Late` (passed, or elsewhere) and re-syncs;
+  later round here, report (in the swarm's replicated progress, `reported_step`) an inner step
+  past this round — a grouped swarm's peers run their rounds at other coordinators, so a late
+  join's snapshot mismatch left a coordinator waiting out its hard deadline for partners whose
+  group had formed elsewhere and moved on — or, asked where they are (`WHERE_RPC`, after
+  `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
+  that joined then completes the round at once; a minority is told it is `Late` (passed, or
+  elsewhere) and re-syncs;
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
   majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
   connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
@@ -118,12 +122,22 @@ class Coordinator:
     host: for connection state (`is_connected`) and the `WHERE_RPC` probe.
     config: deadlines and limits (`AllReduceConfig`).
     group: our own view of a round's candidates, `group(round_id)` → sorted ids, us included.
+    reported_step: optional `(peer) -> int | None`, the inner step a peer last reported to the
+        swarm (None: unknown); round ids are inner steps, so a missing peer reporting a step past
+        a round is not coming to it.
     Call `await nursery.start(coordinator.run)` before `join` (timers run in that nursery)."""
 
-    def __init__(self, host: Host, config: AllReduceConfig, group: Callable[[int], Sequence[str]]) -> None:
+    def __init__(
+        self,
+        host: Host,
+        config: AllReduceConfig,
+        group: Callable[[int], Sequence[str]],
+        reported_step: Callable[[str], int | None] | None = None,
+    ) -> None:
         self.host = host
         self.config = config
         self.group = group
+        self.reported_step = reported_step
         self.rounds: dict[RoundKey, _Round] = {}
         # (peer, series) -> the highest round id that peer joined here; a series is a key without
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
@@ -295,10 +309,19 @@ class Coordinator:
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
             self._nobody_else_coming(r, "the missing peers joined a later round here")
             return
+        if missing and all(p != self.peer_id and self._reported_past(p, round_id) for p in missing):
+            self._nobody_else_coming(r, "the missing peers report steps past this round")
+            return
         me = self.peer_id
         lower = [p for p in self.group(round_id) if p < me and p not in r.skipped and self.host.is_connected(p)]
         if lower:
             self._hand_over(r, lower[0], "a lower id is connected")
+
+    def _reported_past(self, peer: str, round_id: int) -> bool:
+        """Whether `peer` told the swarm it is at an inner step past round `round_id`: it ended
+        that round elsewhere (its report comes a step after its join to a round, wherever)."""
+        step = self.reported_step(peer) if self.reported_step is not None else None
+        return step is not None and step > round_id
 
     def _refresh_expected(self, r: _Round) -> None:
         """The peers the round waits for: our view's candidates now, and whoever joined."""

@@ -403,6 +403,7 @@ class Node:
                 # dropped connection does not reshuffle ours; candidates stay the connected ones.
                 grouping=signed.spec.group_plan(),
                 roster=lambda _round: presence.trainers(),
+                reported_step=presence.reported_step,
             )
         )
         if presence.strikes is not None:

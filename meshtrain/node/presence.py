@@ -305,19 +305,28 @@ class PeerPresence(Service):
         restarted, its record left over from its last life — does not count: after the last
         training peer died, restarted nodes waited on each other's stale records for minutes."""
         view = self._view()
-        horizon = PROGRESS_FRESH_BEATS * view.current_interval() + 5.0
         peers = set(self.candidates() if connected else self.trainers()) - {self.me}
         at = time.monotonic()
-        return {
-            p: pr
-            for p, pr in view.progress().items()
-            if p in peers and (age := view.age(PROGRESS, p, at)) is not None and age <= horizon
-        }
+        return {p: pr for p, pr in view.progress().items() if p in peers and self._fresh(view, p, at)}
+
+    @staticmethod
+    def _fresh(view: SwarmView, peer: str, at: float) -> bool:
+        """Whether `peer`'s progress record was refreshed within a few heartbeats (it trains now)."""
+        age = view.age(PROGRESS, peer, at)
+        return age is not None and age <= PROGRESS_FRESH_BEATS * view.current_interval() + 5.0
 
     def swarm_step(self) -> int | None:
         """The furthest step a peer training now reports, or None if nobody trains."""
         steps = [pr.step for pr in self.training_peers(connected=False).values()]
         return max(steps) if steps else None
+
+    def reported_step(self, peer: str) -> int | None:
+        """The inner step `peer` reports in the swarm's progress records while it trains (None:
+        no fresh record — a peer restarted from an older checkpoint must not be taken for past a
+        round by the record of its last life)."""
+        view = self._view()
+        record = view.progress().get(peer)
+        return record.step if record is not None and self._fresh(view, peer, time.monotonic()) else None
 
     def front_step(self) -> int | None:
         """The furthest step a connected peer training now reports (None: nobody)."""
