@@ -13,7 +13,11 @@ round's joins back 1.1 s.
 Design: `Contribution` starts the work in a worker thread (`start`, in the collective's
 nursery) as the round begins; the join goes out at once, and the data phase awaits `ready()`
 while it opens its connections. One flattening per round, not one per attempt: a retry reuses
-it. The flat vector is our own copy, so zeroing it never touches the caller's tensors.
+it. Input that already is one flat fp32 vector (flat.py `flat_view`: an outer optimizer's Δ,
+written into one buffer) is used as it is, not copied — at a 1-8B model's size that copy was
+4 bytes per parameter more at every round's peak; the collective only reads it, and the caller
+must not change it until the round returns. Non-finite input is replaced by zeros of our own,
+never zeroed in the caller's memory.
 
 Failures: an error in the worker (memory) is re-raised by `ready()` in the round that awaits it,
 never in the nursery that ran it.
@@ -25,15 +29,18 @@ import torch
 import trio
 
 from meshtrain.collective.contract import CollectiveError
-from meshtrain.collective.flat import all_finite, flatten_fp32
+from meshtrain.collective.flat import all_finite, flat_view, flatten_fp32
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
 
 
 def flatten_checked(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """`flatten_fp32(tensors)` (a fresh vector) and whether all of it is finite."""
-    flat = flatten_fp32(tensors)
+    """`tensors` as one flat fp32 vector (a view when they already are one, else a fresh copy:
+    read it, never write it) and whether all of it is finite."""
+    flat = flat_view(tensors)
+    if flat is None:
+        flat = flatten_fp32(tensors)
     return flat, all_finite(flat)
 
 
@@ -58,7 +65,7 @@ class Contribution:
             flat, finite = await trio.to_thread.run_sync(flatten_checked, self.tensors)
             if not finite:
                 log.warning(kv("allreduce input is not finite; contributing weight 0", round=self.round_id))
-                flat.zero_()
+                flat = torch.zeros_like(flat)  # not in place: it may be the caller's memory
                 self._weight = 0.0
             self._flat = flat
         except trio.Cancelled:

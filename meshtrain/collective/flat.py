@@ -33,6 +33,29 @@ def flatten_fp32(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
 
 
+def flat_view(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """`flatten_fp32(tensors)` without a copy when the dict already is one flat vector: fp32
+    tensors, each contiguous, lying back to back in one storage in dict order (an outer
+    optimizer's Δ, written into one buffer: optim/outer.py `pseudo_gradient`) — a 1-D view of
+    them; None otherwise (the caller flattens a copy)."""
+    if not tensors:
+        return None
+    ts = [t.detach() for t in tensors.values()]
+    first = ts[0]
+    storage = first.untyped_storage().data_ptr()
+    pos = first.storage_offset()
+    for t in ts:
+        if (
+            t.dtype != torch.float32
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != pos
+        ):
+            return None
+        pos += t.numel()
+    return first.as_strided((pos - first.storage_offset(),), (1,), first.storage_offset())
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of `x` is finite. One reduction pass: `aminmax` propagates NaN and
     keeps ±inf, ~25× faster than `isfinite(x).all()`, which first writes a bool per element

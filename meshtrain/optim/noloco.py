@@ -130,9 +130,15 @@ class NoLoCo(OuterOptimizer):
         self.velocity = self.register_buffers("velocity")  # δ
 
     def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Δ = φ − θ (the base class's sign) and φ itself: the group averages both."""
-        out = super().pseudo_gradient(names)
-        out.update({_PHI + n: self.outer_params[n].clone() for n in names})
+        """Δ = φ − θ (the base class's sign) and φ itself: the group averages both. Both lie in
+        one flat buffer, Δ first, so the collective sends it without another copy."""
+        flat = self.host_buffer(names, copies=2)
+        out = self.deltas_into(flat, names)
+        pos = flat.numel() // 2
+        for n in names:
+            phi = self.outer_params[n]
+            out[_PHI + n] = flat[pos : pos + phi.numel()].view(phi.shape).copy_(phi)
+            pos += phi.numel()
         return out
 
     async def communicate(

@@ -360,17 +360,33 @@ class OuterOptimizer(Service):
 
     def pseudo_gradient(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Δ = φ − θ for `names` (DiLoCo's sign: it points from where we went back to where we
-        started, so descending on it moves φ toward θ). Runs in the trainer's thread."""
-        out, device = {}, None
+        started, so descending on it moves φ toward θ). Runs in the trainer's thread.
+
+        The tensors are views of one flat fp32 host buffer, in `names` order: the collective
+        takes that as its flat input without copying it (collective/flat.py `flat_view`)."""
+        return self.deltas_into(self.host_buffer(names), names)
+
+    def host_buffer(self, names: Sequence[str], copies: int = 1) -> torch.Tensor:
+        """An uninitialised flat fp32 host vector for `copies` × the elements of `names` (pinned
+        when θ is on a CUDA device, so the copies into it are non_blocking)."""
+        pinned = any(self.params[n].is_cuda for n in names)
+        numel = sum(self.outer_params[n].numel() for n in names)
+        return torch.empty(copies * numel, dtype=torch.float32, device="cpu", pin_memory=pinned)
+
+    def deltas_into(self, flat: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Δ for `names`, written into the start of `flat` in order; the views, by name."""
+        out, device, pos = {}, None, 0
         for n in names:
             theta, phi = self.params[n].detach(), self.outer_params[n]
+            view = flat[pos : pos + phi.numel()].view(phi.shape)
+            pos += phi.numel()
             if theta.device == phi.device:
-                out[n] = phi - theta.to(torch.float32)
+                out[n] = torch.sub(phi, theta.to(torch.float32), out=view)
                 continue
             # On the device, then one copy to the (pinned) host per tensor, all queued before the
             # single wait below: the copies overlap with each other and with queued compute.
             delta = phi.to(theta.device, non_blocking=True) - theta.to(torch.float32)
-            out[n] = _host_empty(delta).copy_(delta, non_blocking=True)
+            out[n] = view.copy_(delta, non_blocking=True)
             device = theta.device
         if device is not None:
             _synchronize(device)

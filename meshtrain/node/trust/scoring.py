@@ -144,7 +144,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-QUEUE = 2  # rounds waiting to be scored; beyond that a round is skipped
+QUEUE = 1  # rounds waiting to be scored (besides the one being scored); beyond that a round is skipped: each holds a copy of φ
 FRAGMENT_TAG = re.compile(r"f(\d{1,6})")  # an ungrouped round's tag (optim/outer_round.py)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
