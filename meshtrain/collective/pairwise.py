@@ -42,8 +42,8 @@ async def average_pair(
         return ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {})
     try:
         c = get_codec(codec)
-        mine = {k: c.decode(c.encode(v), v.shape, torch.float32) for k, v in tensors.items()}
-        enc = {f"{k}|{part}": t for k, v in tensors.items() for part, t in c.encode(v).items()}
+        encoded = {k: c.encode(v) for k, v in tensors.items()}  # once: sent, and decoded as ours below
+        enc = {f"{k}|{part}": t for k, parts in encoded.items() for part, t in parts.items()}
     except CodecError as e:
         raise CollectiveError(f"cannot encode our input: {e}") from None
     numel = sum(v.numel() for v in tensors.values())
@@ -58,18 +58,28 @@ async def average_pair(
                     out["sent"] = (await streams.send(partner, base, enc)).nbytes
 
                 async def receive() -> None:
-                    out["got"] = await streams.receive(partner, base, max_bytes=8 * numel + (1 << 20))
+                    got = await streams.receive(partner, base, max_bytes=8 * numel + (1 << 20))
+                    out["got_bytes"], out["got_tensors"] = got.nbytes, got.tensors
 
                 nursery.start_soon(send)
                 nursery.start_soon(receive)
+            got_parts: dict[str, dict[str, torch.Tensor]] = {}
+            for key, t in out.pop("got_tensors").items():
+                name, part = key.split("|", 1)
+                got_parts.setdefault(name, {})[part] = t
             theirs = {}
             for k, v in tensors.items():
-                parts = {key.split("|", 1)[1]: t for key, t in out["got"].tensors.items() if key.split("|", 1)[0] == k}
-                theirs[k] = c.decode(parts, v.shape, torch.float32)
+                theirs[k] = c.decode(got_parts.pop(k, {}), v.shape, torch.float32)
             if not all(all_finite(t) for t in theirs.values()):
                 raise CodecError("partner sent non-finite values")
-            lo, hi = (mine, theirs) if me < partner else (theirs, mine)
-            result = {k: ((lo[k] + hi[k]) / 2).to(tensors[k].dtype) for k in tensors}
+            # The mean of the decoded pair, in the partner's decoded buffers: IEEE addition is
+            # commutative, so theirs + ours has the bits of ours + theirs and both peers agree;
+            # our decoded input exists one tensor at a time (NoLoCo's round held Δ and φ five
+            # times over, with every decode and the result made up front).
+            result = {}
+            for k in tensors:
+                ours = c.decode(encoded.pop(k), tensors[k].shape, torch.float32)
+                result[k] = theirs.pop(k).add_(ours).div_(2).to(tensors[k].dtype)
             digest = result_digest(result)
             async with trio.open_nursery() as nursery:
                 dig = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
@@ -88,4 +98,4 @@ async def average_pair(
         return ReduceResult(tensors, (me,), result_digest(tensors), 0, 0, {partner: str(e)[:200]})
     if not math.isfinite(float(sum(v.float().sum() for v in result.values()))):
         raise CollectiveError("non-finite pairwise result")
-    return ReduceResult(result, tuple(sorted((me, partner))), digest, out["sent"], out["got"].nbytes, {})
+    return ReduceResult(result, tuple(sorted((me, partner))), digest, out["sent"], out["got_bytes"], {})
