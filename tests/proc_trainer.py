@@ -3,6 +3,16 @@ inner AdamW and one outer optimizer, with torch in a worker thread (the threadin
 
     python tests/proc_trainer.py --method diloco --index I --steps S [--H 25] [...]
 
+Model and data: by default the char GPT (`--model`) on the built-in corpus (`Corpus.default()`).
+`--text-data DIR` trains what scripts/bench/bench_convergence.py --text wrote to DIR instead:
+`config.json` (a transformers config, built with fresh weights from `--seed` as an hf-config:
+model, `models.sources.build_model`; its max_position_embeddings is the context), `tokenizer.json`
+(a `tokenizers` BPE) and `tokens.pt` ({"train", "held_out", "source"}: token ids split by document
+in the parent, so the four peers do not each tokenise; `Corpus.from_parts`).
+
+Inner lr: constant, or with `--cosine` a cosine from lr down to lr/10 at the last step, after
+`--warmup W` steps of linear warm-up (lr·(s+1)/W at step s; W = 0: none).
+
 Methods: single (plain AdamW, no exchange), dp (gradients all-reduced every step), diloco,
 heavyball (DiLoCo without Nesterov), streaming (--eager: eager updates), noloco, sparseloco,
 custom (docs/guide.md's `OuterSGD`, below).
@@ -39,6 +49,8 @@ import trio
 from meshtrain.collective import AllReduceConfig, SwarmCollective
 from meshtrain.log import configure, get_logger, kv
 from meshtrain.models import GPT, Corpus, GPTConfig
+from meshtrain.models.sources import build_model, loss_of, resolve_context
+from meshtrain.models.tokenizers import load_tokenizer
 from meshtrain.optim import (
     DataParallel,
     DiLoCo,
@@ -184,12 +196,46 @@ def model_config(name: str, vocab_size: int) -> GPTConfig:
     return GPTConfig.small(vocab_size) if name == "small" else GPTConfig.tiny(vocab_size)
 
 
+def model_and_corpus(args: argparse.Namespace) -> tuple[torch.nn.Module, Corpus, int]:
+    """(model, corpus, context): the char GPT on the built-in corpus, or --text-data's LLaMA and
+    tokenised text (module docstring)."""
+    if not args.text_data:
+        corpus = Corpus.default()
+        config = model_config(args.model, corpus.vocab_size)
+        return GPT(config, seed=args.seed), corpus, config.context
+    tokenizer = load_tokenizer(f"hf:{args.text_data}/tokenizer.json")
+    parts = torch.load(f"{args.text_data}/tokens.pt")
+    model = build_model(f"hf-config:{args.text_data}/config.json", vocab_size=tokenizer.vocab_size, seed=args.seed)
+    context = resolve_context(model, 0)
+    corpus = Corpus.from_parts(parts["train"], parts["held_out"], tokenizer, parts["source"], context=context)
+    return model, corpus, context
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    """--cosine's multiplier of the inner lr at `step` (module docstring)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(step - warmup, steps - warmup) / max(steps - warmup, 1)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss over `batches` in eval mode (the mode restored after)."""
+    was_training = model.training
+    model.eval()
+    try:
+        losses = [loss_of(model(x, y)).item() for x, y in batches]
+    finally:
+        model.train(was_training)
+    return sum(losses) / len(losses)
+
+
 async def main(args: argparse.Namespace) -> None:
     configure()  # MESHTRAIN_LOG=INFO shows the rounds in each peer's log
     torch.set_num_threads(args.threads)
-    corpus = Corpus.default()
-    config = model_config(args.model, corpus.vocab_size)
-    evals = corpus.eval_batches(args.eval_batches, 32, config.context)
+    model, corpus, context = model_and_corpus(args)
+    evals = corpus.eval_batches(args.eval_batches, 32, context)
     cfg = AllReduceConfig(
         join_timeout=args.join_timeout, part_timeout=args.part_timeout, report_timeout=args.part_timeout
     )
@@ -209,13 +255,10 @@ async def main(args: argparse.Namespace) -> None:
         col = SwarmCollective(host, ts, membership, cfg)
         if args.victim_rank >= 0 and ids.index(me) == args.victim_rank:
             install_fault(ts, col, args.kill_at_step)
-        model = GPT(config, seed=args.seed)
         inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd)
-        # --cosine: inner lr decays from lr to lr/10 over the run (the reference codes use a schedule).
+        # --cosine: warm-up, then the inner lr decays from lr to lr/10 (the reference codes use a schedule).
         sched = (
-            torch.optim.lr_scheduler.LambdaLR(
-                inner, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
-            )
+            torch.optim.lr_scheduler.LambdaLR(inner, lambda s: lr_factor(s, args.steps, args.warmup))
             if args.cosine
             else None
         )
@@ -226,13 +269,13 @@ async def main(args: argparse.Namespace) -> None:
         def evaluate() -> float:
             if isinstance(outer, OuterOptimizer):
                 with outer.outer_weights():
-                    return model.evaluate(evals)
-            return model.evaluate(evals)
+                    return held_out_loss(model, evals)
+            return held_out_loss(model, evals)
 
         def train() -> None:
             for step in range(args.steps):
-                x, y = corpus.batch(args.batch, config.context, seed=args.data_seed, peer=args.index, step=step)
-                loss = model(x, y).loss
+                x, y = corpus.batch(args.batch, context, seed=args.data_seed, peer=args.index, step=step)
+                loss = loss_of(model(x, y))
                 inner.zero_grad(set_to_none=True)
                 loss.backward()
                 if outer is None:
@@ -323,6 +366,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--cosine", action="store_true")
+    p.add_argument("--warmup", type=int, default=0, help="--cosine's linear warm-up steps")
+    p.add_argument("--text-data", default="", help="a directory of bench_convergence.py --text (module docstring)")
     p.add_argument("--wd", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--outer-lr", type=float, default=0.7)

@@ -42,16 +42,19 @@ def corpus_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def train_bpe(out: Path, *, vocab_size: int = BPE_VOCAB, transformers_dir: bool = True) -> Path:
-    """A byte-level BPE with an <|endoftext|> token: `out/` in transformers' layout
-    (tokenizer.json + tokenizer_config.json), or only `out/tokenizer.json`."""
+def train_bpe(
+    out: Path, *, vocab_size: int = BPE_VOCAB, transformers_dir: bool = True, texts: list[str] | None = None
+) -> Path:
+    """A byte-level BPE with an <|endoftext|> token, trained on `texts` (default: the built-in
+    corpus text): `out/` in transformers' layout (tokenizer.json + tokenizer_config.json), or
+    only `out/tokenizer.json`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
-        [corpus_text()],
+        [corpus_text()] if texts is None else texts,
         trainers.BpeTrainer(
             vocab_size=vocab_size,
             special_tokens=["<|endoftext|>"],

@@ -21,6 +21,9 @@ never see the same window, only that their streams are independent.
 The last 10% of the tokens (by default) is held out; `eval_batches` reads fixed, evenly spaced
 windows of it, so every peer evaluates on the same batches.
 
+`from_parts(train, held_out, vocab)` takes token ids the caller has already split (by document,
+say, so no held-out document is ever trained on); held_out_start is then where `train` ends.
+
 Any `Tokenizer` (models/tokenizers.py: a Hugging Face BPE, say) may stand in for the vocabulary:
 `Corpus.default(tokenizer)`, `from_text(text, vocab=tokenizer)`, `from_file(path, tokenizer)`
 tokenise the whole text with it; the digest then covers the tokenizer's digest.
@@ -206,16 +209,40 @@ class Corpus:
         return cls.from_text(text, source, vocab, held_out_fraction=held_out_fraction, context=context)
 
     @classmethod
-    def _build(
-        cls, ids: torch.Tensor, vocab: Vocab | Tokenizer, source: str, held_out_fraction: float, context: int
+    def from_parts(
+        cls,
+        train: torch.Tensor,
+        held_out: torch.Tensor,
+        vocab: Vocab | Tokenizer,
+        source: str = "<parts>",
+        *,
+        context: int = DEFAULT_CONTEXT,
     ) -> Corpus:
-        if not is_number(held_out_fraction) or not 0.0 < held_out_fraction < 1.0:
+        """Token ids the caller has split (module docstring): `train` then `held_out`, 1-D, each
+        at least context + 1 tokens long (else a ConfigError that says which)."""
+        ids = torch.cat([train.reshape(-1).long(), held_out.reshape(-1).long()])
+        return cls._build(ids, vocab, source, None, context, held_out_start=train.numel())
+
+    @classmethod
+    def _build(
+        cls,
+        ids: torch.Tensor,
+        vocab: Vocab | Tokenizer,
+        source: str,
+        held_out_fraction: float | None,
+        context: int,
+        *,
+        held_out_start: int | None = None,
+    ) -> Corpus:
+        fraction = 0.0 if held_out_fraction is None else held_out_fraction  # None: from_parts' own split
+        if held_out_start is None and (not is_number(fraction) or not 0.0 < fraction < 1.0):
             raise ConfigError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
         check_positive("context", context)
         n = len(ids)
         if n == 0:
             raise ConfigError(f"corpus {source} is empty")
-        held_out_start = int(n * (1.0 - held_out_fraction))
+        if held_out_start is None:
+            held_out_start = int(n * (1.0 - fraction))
         shortest = min(held_out_start, n - held_out_start)
         if shortest < context + 1:
             raise ConfigError(
