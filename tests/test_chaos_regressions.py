@@ -158,16 +158,16 @@ async def _until(pred, timeout: float, what: str) -> None:
             await trio.sleep(0.1)  # sleep: poll interval
 
 
-async def _three_nodes(nursery, tmp_path, signed, factory) -> list[meshtrain.Node]:
+async def _three_nodes(nursery, tmp_path, signed, factory, **config) -> list[meshtrain.Node]:
     """a (the creator), b and c of `signed`'s swarm, c with the outer optimizer `factory` makes;
-    each waits for the three before training."""
+    each waits for the three before training. `config`: NodeConfig fields for all three."""
     spec = signed.spec
-    a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3), spec=signed)
+    a = meshtrain.Node(_config(tmp_path, "a", wait_peers=3, **config), spec=signed)
     nursery.start_soon(a.run)
     await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
-    b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3), join=a.host.addrs[0])
+    b = meshtrain.Node(_config(tmp_path, "b", wait_peers=3, **config), join=a.host.addrs[0])
     c = meshtrain.Node(
-        _config(tmp_path, "c", wait_peers=3),
+        _config(tmp_path, "c", wait_peers=3, **config),
         join=a.host.addrs[0],
         outer_factory=lambda m, i, col: factory(m, i, col, spec),
     )
@@ -239,7 +239,8 @@ async def test_a_peer_refused_a_round_publishes_no_digest_for_it_and_resyncs_at_
     spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     async with trio.open_nursery() as nursery:
-        nodes = a, b, c = await _three_nodes(nursery, tmp_path, signed, _refused_diloco(at_round=3))
+        # a and b wait for c in its refused round until the join deadline: keep it short.
+        nodes = a, b, c = await _three_nodes(nursery, tmp_path, signed, _refused_diloco(at_round=3), join_timeout=8.0)
         published: set[int] = set()  # every round c ever had a digest for in its progress record
 
         def c_resynced() -> bool:
