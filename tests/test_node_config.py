@@ -101,6 +101,8 @@ FLAG_VALUES: dict[str, object] = {
     "max_peers": 8,
     "nat": False,
     "relay": False,
+    "relay_reservations": 4,
+    "relay_circuit_mib": 64,
     "mdns": True,
     "upnp": False,
     "device": "cpu",
@@ -184,3 +186,20 @@ def test_flags_over_environment_over_toml_file_over_defaults(tmp_path, monkeypat
     assert (config.join_timeout, config.upnp) == (6.0, False)  # the environment over the file
     assert (config.wait_peers, config.listen) == (5, ["/ip4/127.0.0.1/tcp/13"])  # flags over all
     assert node_config_of(build_parser().parse_args(["node", "start", "--no-upnp", "--mdns"])).mdns is True
+
+
+def test_the_relay_quota_flags_reach_the_relay_and_default_to_its_own_limits(clean_environ):
+    """`--relay-reservations` and `--relay-circuit-mib` cap what a public node relays for others
+    (issue 32: any public node relayed 128 reservations and 16 GiB a circuit, with no say)."""
+    from meshtrain.node.daemon import relay_config_of
+    from meshtrain.transport.relay import RelayConfig
+
+    args = build_parser().parse_args(["node", "start", "--relay-reservations", "4", "--relay-circuit-mib", "64"])
+    limits = relay_config_of(node_config_of(args))
+    assert (limits.max_reservations, limits.circuit_bytes) == (4, 64 << 20)
+    assert limits.limits().max_reservations == 4 and limits.limits().data == 64 << 20  # what libp2p's relay enforces
+    default = relay_config_of(NodeConfig())
+    assert (default.max_reservations, default.circuit_bytes) == (
+        RelayConfig().max_reservations,
+        RelayConfig().circuit_bytes,
+    )

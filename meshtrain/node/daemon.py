@@ -109,6 +109,7 @@ from meshtrain.transport.host import Host, HostConfig, host_connection_cap
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.nat import NatConfig, NatTraversal
 from meshtrain.transport.reachability import ReachabilityError
+from meshtrain.transport.relay import RelayConfig
 from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
 
 if TYPE_CHECKING:
@@ -368,7 +369,9 @@ class Node:
                     streams,
                     relays=presence.relay_candidates,
                     config=NatConfig(
-                        serve_relay_when_public=config.relay, upnp=config.upnp and _beyond_loopback(config.listen)
+                        relay=relay_config_of(config),
+                        serve_relay_when_public=config.relay,
+                        upnp=config.upnp and _beyond_loopback(config.listen),
                     ),
                 )
             )
@@ -680,6 +683,11 @@ class Node:
     def round_status(self) -> dict[str, Any]:
         """The outer rounds as the status page shows them (`status_document.round_status`)."""
         return round_status(self)
+
+
+def relay_config_of(config: NodeConfig) -> RelayConfig:
+    """The relay limits a node's config asks for (`--relay-reservations`, `--relay-circuit-mib`)."""
+    return RelayConfig(max_reservations=config.relay_reservations, circuit_bytes=config.relay_circuit_mib << 20)
 
 
 def _beyond_loopback(listen: list[str]) -> bool:

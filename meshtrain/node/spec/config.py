@@ -132,6 +132,17 @@ class NodeConfig(BaseModel):
         "when private, hole punching of relayed peers",
     )
     relay: bool = Field(True, description="relay for private peers once a dial-back shows we are public")
+    # The relay's quota for what it gives others (transport/relay.py `RelayConfig`; the defaults
+    # are its own, sized for training through a relay: tests/test_node_config.py keeps them equal).
+    relay_reservations: int = Field(
+        128, ge=1, le=4096, description="as a relay: private peers that may hold a reservation on us at once"
+    )
+    relay_circuit_mib: int = Field(
+        16384,
+        ge=0,
+        description="as a relay: MiB one relayed connection may carry, both directions together, before it is "
+        "reset (0: unlimited; the peers reconnect for more)",
+    )
     mdns: bool = Field(
         False,
         description="find peers of this swarm on the LAN over mDNS (multicast): no bootstrap needed between "
