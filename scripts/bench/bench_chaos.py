@@ -2,7 +2,7 @@
 the swarm's invariants checked while it runs (what docs/guide.md promises under churn).
 
     python scripts/bench/bench_chaos.py [--minutes 10] [--nodes 5] [--seed 0] [--partition auto|off]
-                                  [--bootstrap one|all] [--out runs/chaos-...]
+                                  [--bootstrap one|all] [--skew SECONDS] [--out runs/chaos-...]
 
 What it does, as a new user's swarm would meet churn (spec defaults except the model, H and an
 endless run): `meshtrain swarm create --model gpt-tiny --H 20 --steps 0`, the creator starts with
@@ -14,6 +14,10 @@ or dead>`, i.e. resume, as a user who knows one peer would; `--bootstrap all` gi
 member's instead), or SIGSTOP one for 5–15 s, then SIGCONT. On loopback every node keeps one
 port across its lives, as a daemon keeps its configured one. At least `MIN_ACTIVE` nodes stay running and not stopped.
 After `--minutes` of chaos every node is stopped with SIGINT (as Ctrl-C), and checked.
+
+Skew (`--skew S`, Debian's libfaketime): node 1 runs every life with its wall clock shifted by S
+seconds (its monotonic clock true, as scripts/bench/bench_skew.py does), so the soak's invariants
+hold for a swarm with one drifting clock too; the summary says `"skew": {"node": 1, "seconds": S}`.
 
 Partition (root only, `ip netns` working, `--partition auto`): every node runs in its own network
 namespace of a `scripts.labs.natlab` lab (public hosts only: one bridge, no NAT, so no nft is needed),
@@ -103,6 +107,7 @@ if str(ROOT) not in sys.path:
 
 from meshtrain.node.state.checkpoint import CheckpointError, CheckpointStore  # noqa: E402
 from meshtrain.node.state.parity import winning_digest  # noqa: E402
+from scripts.bench.bench_skew import faketime_env, faketime_library  # noqa: E402
 
 ACTION_INTERVAL_S = (0.5, 8.0)
 STOP_DURATION_S = (5.0, 15.0)
@@ -145,6 +150,7 @@ class ChaosConfig:
     log_level: the nodes' log level (INFO: the logs are what a node engineer reads afterwards).
     bootstrap: what a restart is given: "one" random member's last address, alive or dead (a
                user's one bootstrap address), or "all" the running members' addresses.
+    skew:      seconds node `SKEWED_NODE`'s wall clock is shifted by, every life (0: none).
     """
 
     minutes: float = 10.0
@@ -156,7 +162,10 @@ class ChaosConfig:
     model: str = "gpt-tiny"
     log_level: str = "INFO"
     bootstrap: str = "one"
+    skew: int = 0
 
+
+SKEWED_NODE = 1  # the node whose clock `--skew` shifts (not the creator: its spec is signed at t0)
 
 # --------------------------------------------------------------------------- network
 
@@ -362,6 +371,8 @@ class NodeSlot:
         with open(self.log, "a") as f:
             f.write(f"=== chaos: node{self.i} life {len(self.lives)} ({kind}) at t={t:.1f}s: {' '.join(extra)}\n")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if self.i == SKEWED_NODE:
+            env.update(faketime_env(self.cfg.skew))
         argv = [sys.executable, "-m", "meshtrain.node.cli", "--log-level", self.cfg.log_level, *extra]
         with open(self.log, "a") as f:
             self.proc = self.net.spawn(
@@ -1197,6 +1208,7 @@ class Soak:
         out["rounds_withheld"] = sum(life.withheld for s in self.slots for life in s.lives)
         out["roundless_gap_over_round"] = out.get("max_roundless_gap_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
+        out["skew"] = {"node": SKEWED_NODE, "seconds": self.cfg.skew} if self.cfg.skew else None
         out["partition"] = (
             self.partition if self.partition else (self.net.partition_note if self.net else "skipped: no network")
         )
@@ -1284,10 +1296,15 @@ def main(argv: list[str] | None = None) -> int:
         default="one",
         help="a restart's bootstrap: one random member's address, alive or dead (default), or all running ones",
     )
+    ap.add_argument(
+        "--skew", type=int, default=0, help="shift node 1's wall clock by this many seconds (libfaketime; default 0)"
+    )
     ap.add_argument("--out", default=None, help="run dir (default runs/chaos-<UTC time>)")
     args = ap.parse_args(argv)
     if args.nodes < 3:
         ap.error("--nodes must be at least 3 (chaos keeps 2 running)")
+    if args.skew and faketime_library() is None:
+        ap.error("--skew needs libfaketime (apt-get install faketime)")
     out = Path(args.out) if args.out else ROOT / "runs" / time.strftime("chaos-%Y%m%d-%H%M%S", time.gmtime())
     print(f"chaos soak: run dir {out}", file=sys.stderr, flush=True)
     cfg = ChaosConfig(
@@ -1300,6 +1317,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         log_level=args.log_level,
         bootstrap=args.bootstrap,
+        skew=args.skew,
     )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind: the nodes and the lab are cleaned up
     result = run_soak(cfg)
