@@ -21,7 +21,9 @@ Design, per epoch of node/stages/peer.py (its module docstring tells the whole s
   replica offers our step (or at once if it is gone).
 - *Hand over* (`hand_over`, when stopping): the last replica of its stage, with enough peers left
   to refill it, keeps serving the stage for up to `HANDOVER_WAIT` seconds, until a peer has
-  downloaded it.
+  downloaded it. Its state is published as its epoch ends, which can come after the mover formed
+  the next epoch: a mover finding no state while such a former replica is still connected asks
+  again every `TAKE_RETRY` seconds for up to `HANDOVER_WAIT`.
 
 Failures: a failed download falls back as above; a failed backup is logged by StageStates and
 the backer keeps what it had. What is still lost is listed in node/stages/state.py.
@@ -51,6 +53,7 @@ log = get_logger(__name__)
 
 HANDOVER_WAIT = 20.0  # seconds a stopping last replica of its stage serves it for the peer moving there
 HANDOVER_POLL = 0.2  # seconds between two looks at whether it was served
+TAKE_RETRY = 1.0  # seconds between a mover's downloads while the stage's stopping last replica is still connected
 BACKUP_FINISH_WAIT = 10.0  # seconds a mover waits for its own backup of the stage it takes, in flight
 RECENT_EPOCHS = 4  # epochs whose backers count as such when a refill names where its state came from
 
@@ -143,9 +146,23 @@ class StageHandover:
         if not replicas:  # a backup of the stage we take may be in flight: ours, if we are its backer
             await self.states.finish_backup(stage, min(self.config.join_timeout, BACKUP_FINISH_WAIT))
         self.waiting = f"pipeline: downloading stage {stage}'s state ({len(replicas)} replica(s) offer step {base})"
+        # A last replica that is stopping publishes its state as its epoch ends, which may come
+        # after we formed the next epoch without it: while it is still connected, ask again for
+        # up to HANDOVER_WAIT (it serves that long) rather than start the stage from θ0 (seen in CI).
+        former = [p for p in left if self.last_placement.get(p) == stage]
+        deadline = trio.current_time() + (HANDOVER_WAIT if former else 0.0)
         try:
             recent = (backers(p, self.spec.pipeline.stages).get(stage) for p in self.recent_placements)
-            donated = await self.states.fetch(stage, replicas, peers, backer_peers={b for b in recent if b is not None})
+            backer_peers = {b for b in recent if b is not None}
+            while True:
+                donated = await self.states.fetch(stage, replicas, peers, backer_peers=backer_peers)
+                if (
+                    donated is not None
+                    or trio.current_time() >= deadline
+                    or not any(self.host.is_connected(p) for p in former)
+                ):
+                    break
+                await trio.sleep(TAKE_RETRY)
         finally:
             self.waiting = None
         why = "no peer holds it: its last replica is gone and this swarm keeps no shared checkpoints"
@@ -200,6 +217,6 @@ class StageHandover:
         try:
             with trio.move_on_after(HANDOVER_WAIT):
                 while self.states.donor.stats["chunks_served"] == served:
-                    await trio.sleep(HANDOVER_POLL)
+                    await trio.sleep(TAKE_RETRY)
         finally:
             self.waiting = None
