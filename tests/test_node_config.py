@@ -191,14 +191,13 @@ def test_flags_over_environment_over_toml_file_over_defaults(tmp_path, monkeypat
 def test_the_relay_quota_flags_reach_the_relay_and_default_to_its_own_limits(clean_environ):
     """`--relay-reservations` and `--relay-circuit-mib` cap what a public node relays for others
     (issue 32: any public node relayed 128 reservations and 16 GiB a circuit, with no say)."""
-    from meshtrain.node.daemon import relay_config_of
     from meshtrain.transport.relay import RelayConfig
 
     args = build_parser().parse_args(["node", "start", "--relay-reservations", "4", "--relay-circuit-mib", "64"])
-    limits = relay_config_of(node_config_of(args))
+    limits = RelayConfig(**node_config_of(args).relay_limits())  # as the daemon builds it
     assert (limits.max_reservations, limits.circuit_bytes) == (4, 64 << 20)
     assert limits.limits().max_reservations == 4 and limits.limits().data == 64 << 20  # what libp2p's relay enforces
-    default = relay_config_of(NodeConfig())
+    default = RelayConfig(**NodeConfig().relay_limits())
     assert (default.max_reservations, default.circuit_bytes) == (
         RelayConfig().max_reservations,
         RelayConfig().circuit_bytes,

@@ -369,7 +369,7 @@ class Node:
                     streams,
                     relays=presence.relay_candidates,
                     config=NatConfig(
-                        relay=relay_config_of(config),
+                        relay=RelayConfig(**config.relay_limits()),
                         serve_relay_when_public=config.relay,
                         upnp=config.upnp and _beyond_loopback(config.listen),
                     ),
@@ -683,11 +683,6 @@ class Node:
     def round_status(self) -> dict[str, Any]:
         """The outer rounds as the status page shows them (`status_document.round_status`)."""
         return round_status(self)
-
-
-def relay_config_of(config: NodeConfig) -> RelayConfig:
-    """The relay limits a node's config asks for (`--relay-reservations`, `--relay-circuit-mib`)."""
-    return RelayConfig(max_reservations=config.relay_reservations, circuit_bytes=config.relay_circuit_mib << 20)
 
 
 def _beyond_loopback(listen: list[str]) -> bool:

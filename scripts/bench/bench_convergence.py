@@ -658,10 +658,13 @@ def summarise_text(
         "sparseloco_bytes_ratio": (">=", 50),
         "int8_vs_fp32": ("<=", 0.005),
     }
-    summary["targets_met"] = {
-        k: (summary[k] >= v if op == ">=" else summary[k] <= v) for k, (op, v) in targets.items() if k in summary
-    }
+    summary["targets_met"] = targets_met(summary, targets)
     print(json.dumps(summary))
+
+
+def targets_met(summary: dict, targets: dict[str, tuple[str, float]]) -> dict[str, bool]:
+    """Each target (name -> (">=" or "<=", bound)) the summary has a figure for: met or not."""
+    return {k: (summary[k] >= v if op == ">=" else summary[k] <= v) for k, (op, v) in targets.items() if k in summary}
 
 
 def main() -> None:
@@ -790,9 +793,7 @@ def main() -> None:
         "sparseloco_vs_diloco": ("<=", 0.01),
         "sparseloco_bytes_ratio": (">=", 50),
     }
-    summary["targets_met"] = {
-        k: (summary[k] >= v if op == ">=" else summary[k] <= v) for k, (op, v) in targets.items() if k in summary
-    }
+    summary["targets_met"] = targets_met(summary, targets)
     print(json.dumps(summary))
 
 

@@ -29,7 +29,7 @@ import reprlib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -42,6 +42,13 @@ DEFAULT_CONFIG_FILE = Path(__file__).with_name("node.toml")  # shipped defaults 
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "meshtrain"
+
+
+class RelayQuota(TypedDict):
+    """What a relay gives others (transport/relay.py `RelayConfig`'s fields of the same names)."""
+
+    max_reservations: int
+    circuit_bytes: int
 
 
 class NodeConfig(BaseModel):
@@ -204,6 +211,10 @@ class NodeConfig(BaseModel):
     @classmethod
     def _level(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
+
+    def relay_limits(self) -> RelayQuota:
+        """The relay quota as transport/relay.py `RelayConfig`'s keyword arguments."""
+        return {"max_reservations": self.relay_reservations, "circuit_bytes": self.relay_circuit_mib << 20}
 
 
 # A bad value as an error shows it: bounded, so that hostile input (a list nested 5000 deep, a
