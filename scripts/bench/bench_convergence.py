@@ -89,6 +89,9 @@ Methods (4 peers each except single):
   noloco                NoLoCo, H=25, one random partner per round, μ 0.5, β = γ = 0.7
   sparseloco            SparseLoCo, H=25, top-64 of every 4096 (1.6 % density), β 0.9, outer lr 1
   diloco_int8, diloco_fp4   diloco_h25 with int8 / fp4 pseudo-gradients
+  ablations, run only when --methods names them (issue 34 item 4: why a method misses its paper's
+  ordering): diloco_h25_avg (diloco_h25 with outer SGD lr 1, no momentum: the peers' models
+  averaged every H) and diloco_h5 (DiLoCo at H 5)
 `--seeds 0,1` (the default; --quick: 0) runs the headline methods — single, dp, diloco_h25,
 streaming, noloco, sparseloco, and diloco_h100 (streaming's same-H baseline) — for every seed
 (model initialisation and data order), the others for the first seed only. The last stdout line
@@ -341,6 +344,8 @@ HELD_OUT_EVERY = 10  # a module is held out when the hash of its name is 0 mod t
 # Run for every seed of --seeds; the others run for the first seed only. diloco_h100 is the
 # same-H baseline of `streaming`, so it runs with it.
 HEADLINE = ("single", "dp", "diloco_h25", "diloco_h100", "streaming", "noloco", "sparseloco")
+# Run only when named in --methods (issue 34 item 4: why a method misses its paper's ordering).
+ABLATIONS = ("diloco_h25_avg", "diloco_h5")
 SKIPPED_PARTS = {"site-packages", "test", "tests", "idle_test", "pydoc_data"}
 
 
@@ -463,6 +468,9 @@ def text_methods(h25: int, h100: int) -> dict[str, tuple[int, list[str]]]:
         ),
         "diloco_int8": (4, [*diloco, "--codec", "int8"]),
         "diloco_fp4": (4, [*diloco, "--codec", "fp4"]),
+        # ablations: plain averaging of the peers' models every H (outer SGD lr 1, no momentum), and H 5
+        "diloco_h25_avg": (4, [*diloco, "--outer-lr", "1.0", "--outer-momentum", "0"]),
+        "diloco_h5": (4, ["--method", "diloco", "--H", str(max(1, h25 // 5))]),
     }
 
 
@@ -521,7 +529,7 @@ def text_main(args: argparse.Namespace) -> None:
     seeds = [int(x) for x in (args.seeds or ("0" if args.quick else "0,1")).split(",") if x]
     h25, h100 = (5, 20) if args.quick else (25, 100)
     table = text_methods(h25, h100)
-    chosen = [m for m in args.methods.split(",") if m] or list(table)
+    chosen = [m for m in args.methods.split(",") if m] or [m for m in table if m not in ABLATIONS]
     unknown = [m for m in chosen if m not in table]
     if unknown:
         raise SystemExit(f"unknown --text methods {unknown}; choose from {', '.join(table)}")
