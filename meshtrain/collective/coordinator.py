@@ -309,7 +309,9 @@ class Coordinator:
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
             self._nobody_else_coming(r, "the missing peers joined a later round here")
             return
-        if missing and all(p != self.peer_id and self._reported_past(p, round_id) for p in missing):
+        # Us too: our own trainer, re-synced past this round while we coordinated it, will not
+        # join it either (our peers' joins would wait out the hard deadline for us).
+        if missing and all(self._reported_past(p, round_id) for p in missing):
             self._nobody_else_coming(r, "the missing peers report steps past this round")
             return
         me = self.peer_id
