@@ -25,7 +25,6 @@ What it does not check, and why:
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -36,18 +35,7 @@ from meshtrain.collective.groups import round_groups
 from .test_daemon_matrix import status
 from .test_node_cli import create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401
 
-pytestmark = [
-    pytest.mark.slow,
-    # The roster now agrees (node/roster.py): every run got the joiner into groups that every
-    # daemon computes alike. Still flaky (the group check held in 2 of 4 runs): a coordinator that
-    # re-synced past a round keeps it open, waiting for its own join until the hard deadline (its
-    # probe returns when only it is missing: coordinator.py `_probe`), and a daemon then runs an
-    # occasional round alone. Run it where that is being fixed.
-    pytest.mark.skipif(
-        not os.environ.get("MESHTRAIN_GROUPED_DAEMONS"),
-        reason="a coordinator re-synced past its round waits for its own join: MESHTRAIN_GROUPED_DAEMONS=1 runs it",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 GROUP_SIZE = 3
 MAX_PEERS = 3

@@ -17,7 +17,8 @@ allreduce.py for how peers find it). Its job, per round key:
   later round here, report (in the swarm's replicated progress, `reported_step`) an inner step
   past this round — a grouped swarm's peers run their rounds at other coordinators, so a late
   join's snapshot mismatch left a coordinator waiting out its hard deadline for partners whose
-  group had formed elsewhere and moved on — or, asked where they are (`WHERE_RPC`, after
+  group had formed elsewhere and moved on; our own trainer counts alike, when it re-synced past a
+  round we still coordinate — or, asked where they are (`WHERE_RPC`, after
   `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
   that joined then completes the round at once; a minority is told it is `Late` (passed, or
   elsewhere) and re-syncs;
