@@ -376,3 +376,29 @@ async def test_missing_peers_that_report_steps_past_the_round_are_not_waited_for
         await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review
         assert isinstance(replies["a"], Late) and replies["a"].passed
         nursery.cancel_scope.cancel()
+
+
+async def test_a_coordinator_whose_own_trainer_moved_past_the_round_does_not_wait_for_itself(autojump_clock):
+    """A grouped swarm's coordinator re-synced past a round it coordinates: its own trainer will
+    never join that round, and the others' joins waited out the hard deadline (3 × the join
+    timeout) for it. Its own progress report says so, as the others' would: the majority that
+    joined completes the round at once."""
+    steps: dict[str, int] = {"a": 7}
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c"}), CONFIG, lambda _round: ("a", "b", "c"), steps.get)
+        await nursery.start(c.run)
+        key = RoundKey(8, "", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key), trio.current_time())
+
+        for p in "bc":
+            nursery.start_soon(join, p)
+        await trio.sleep(5.0)  # sleep: virtual time: a is at step 7, its join may still come
+        assert replies == {}
+        steps["a"] = 12  # a's trainer downloaded the swarm's state past round 8
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review
+        assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("b", "c")) for p in "bc"}
+        assert max(t for _, t in replies.values()) < CONFIG.join_timeout
+        nursery.cancel_scope.cancel()

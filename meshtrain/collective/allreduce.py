@@ -5,7 +5,7 @@ moment, with every survivor ending on bit-identical results, and no survivor wai
 than one deadline after a failure.
 
 **Group and attempts.** A round's candidate group comes from the membership snapshot
-(`membership(round_id)`). Its *coordinator* is the lowest peer id among them that answers — no
+(`membership(round_id)`; in grouped rounds, within our group of the round's roster, groups.py). Its *coordinator* is the lowest peer id among them that answers — no
 fixed leader: if it dies, peers fall back to the next lowest id and start over there. The
 coordinator collects joins (until all candidates joined, or `join_timeout`), fixes the group of
 attempt 0, and later decides each attempt's outcome. A peer that joins after the group was fixed
@@ -169,9 +169,11 @@ class SwarmCollective(Service):
     it). Call `all_reduce` with the same `round_id` and `tag` on every peer of the round.
     `current_round()`, if given, is the round this peer is at (for `round_window`; None: unknown).
     `grouping`, if given, splits each round into groups (collective/groups.py) computed from
-    `roster(round_id)` — the swarm's members whether connected to us or not, so that one dropped
-    connection does not reshuffle our groups (default: `membership`); each group all-reduces on
-    its own, with its own coordinator and tag, among its members that `membership` holds.
+    `roster(round_id)` — the round's roster: the swarm's members in by that round, whether
+    connected to us or not, so that one dropped connection does not reshuffle our groups, and the
+    same on every peer whenever their records arrived (groups.py, "Failures"; default:
+    `membership`); each group all-reduces on its own, with its own coordinator and tag, among its
+    members that `membership` holds. Call `all_reduce` only for rounds whose roster has us.
     `reported_step(peer)`, if given, is the inner step a peer last reported to the swarm (None:
     unknown): a coordinator stops waiting for missing peers that report steps past its round
     (coordinator.py).

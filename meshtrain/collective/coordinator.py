@@ -17,7 +17,8 @@ allreduce.py for how peers find it). Its job, per round key:
   later round here, report (in the swarm's replicated progress, `reported_step`) an inner step
   past this round — a grouped swarm's peers run their rounds at other coordinators, so a late
   join's snapshot mismatch left a coordinator waiting out its hard deadline for partners whose
-  group had formed elsewhere and moved on — or, asked where they are (`WHERE_RPC`, after
+  group had formed elsewhere and moved on; our own trainer counts alike, when it re-synced past a
+  round we still coordinate — or, asked where they are (`WHERE_RPC`, after
   `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
   that joined then completes the round at once; a minority is told it is `Late` (passed, or
   elsewhere) and re-syncs;
@@ -309,7 +310,9 @@ class Coordinator:
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
             self._nobody_else_coming(r, "the missing peers joined a later round here")
             return
-        if missing and all(p != self.peer_id and self._reported_past(p, round_id) for p in missing):
+        # Us too: our own trainer, re-synced past this round while we coordinated it, will not
+        # join it either (our peers' joins would wait out the hard deadline for us).
+        if missing and all(self._reported_past(p, round_id) for p in missing):
             self._nobody_else_coming(r, "the missing peers report steps past this round")
             return
         me = self.peer_id

@@ -9,7 +9,8 @@ peers sit in a d-dimensional grid and, in each round, average only with the peer
 their coordinates but one; the dimension rotates, so in d rounds every peer's update reaches
 every other (exactly the global mean on a full grid of equal weights).
 
-The design: a pure function of (spec, round, membership snapshot), agreed without a leader.
+The design: a pure function of (spec, round, roster), agreed without a leader (the roster of a
+round, and why not the membership as each peer has heard it: "Failures" below).
 - **Shape** (`grid_sides`). n peers, group size g: d = the fewest dimensions with g^d ≥ n, side
   k = the least integer with k^d ≥ n (so every group holds at most k ≤ g peers), and the top
   dimension (d−1) gets only as many layers as needed, ⌈n / k^(d−1)⌉. With n ≤ g it is one group:
@@ -28,7 +29,7 @@ The design: a pure function of (spec, round, membership snapshot), agreed withou
   rounds, and within d on a full grid (n = k^d, where the epoch has d rounds). Exactly d for
   every n is impossible: a grid whose every pair mixes in d rounds is a product set, i.e. full.
 - **Reshuffles.** The ranking is re-keyed every epoch, so a slow or faulty peer does not meet
-  the same partners forever, and a membership change re-keys it at once (the snapshot digest).
+  the same partners forever, and a roster change re-keys it at once (the snapshot digest).
 
 Why this and not the alternatives.
 - *Two-level* (groups all-reduce, then one leader per group all-reduces with the other leaders
@@ -42,18 +43,33 @@ Why this and not the alternatives.
   shared membership needed, but a DHT lookup per round and groups that depend on timing. Every
   meshtrain peer already holds the replicated membership, so the grid is computed, not found.
 
-Failures. Membership is eventually consistent: around a join or a leave two peers can compute
-their groups from different snapshots and disagree. The all-reduce tolerates it as it tolerates
-a late peer (its coordinator waits for the expected group until the join deadline, then fixes it
-with the majority that came; a peer that went elsewhere runs its round with whoever came to it),
-at the cost of one slow round; every group then agrees again from the next consistent snapshot.
-A peer that dies inside a group is the collective's ordinary failure (survivors retry).
+Failures. Membership is eventually consistent: a joiner's record reaches different peers seconds
+apart, and with rounds well under a second, peers that computed a round's groups from their own
+replicas disagreed for several rounds around every join (a coordinator held one round both as the
+whole swarm and as a group, each with part of the peers), and a minority waited out its hard join
+deadline at every disagreement. So the snapshot is not "the trainers this peer has heard of" but
+the *roster of the round*: a trainer's membership record says from which round id it is in the
+roster (`in_from`, crdt/swarm_records.py), and the roster of round r is the live trainers whose
+`in_from` falls in r's group round or earlier (`in_roster`, `GroupPlan.roster`) — a function of
+the round, not of when a record arrived. A joiner announces a round far enough ahead that its
+record has reached every peer first, and takes part in no round before it (node/roster.py says
+how far, and why in time rather than rounds). Peers that predate the field, and every trainer of
+an ungrouped swarm, are in from round 0, as before. What stays unagreed is a departure: a peer
+that dies drops out of the roster when its lease runs out on each peer (a clean leave when its
+record arrives), so peers can compute a round from different rosters then; a peer that re-syncs
+keeps its place (node/training_run.py), as leaving would regroup everyone. The all-reduce tolerates it as it tolerates a late peer (its coordinator waits for
+the expected group until the join deadline, stops waiting for peers that report steps past the
+round or answer that they are past it, and fixes it with the majority that came; a peer that
+went elsewhere runs its round with whoever came to it), at the cost of a slow round; every group
+then agrees again from the next consistent roster. A peer that dies inside a group is the
+collective's ordinary failure (survivors retry).
 
 Who connects to whom. Because the groups are a pure function, a peer knows its partners of the
 next round before it starts (`GroupPlan.partners`): presence dials them ahead and keeps only a
 bounded set of connections (node/presence.py), not the full mesh a round never uses.
 
-Not here: running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
+Not here: choosing a joiner's `in_from` and waiting for it (node/roster.py, node/state/run_state.py),
+running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
 what a group's mean means for an outer optimizer (optim/outer.py, "Grouped rounds": replicas in
 different groups hold different φ, so it adds a consensus term toward the group's mean φ, and the
 node's parity check is off while rounds are grouped, node/state/parity.py).
@@ -62,7 +78,7 @@ node's parity check is off while rounds are grouped, node/state/parity.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 AUTO_WHOLE_SWARM = 32  # group_size 0: the whole swarm is one group up to this many peers ...
@@ -122,6 +138,13 @@ def _coordinates(index: int, sides: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def in_roster(in_from: int, round_id: int, period: int = 1) -> bool:
+    """Whether a trainer in from round id `in_from` is in the roster of round `round_id`: from
+    `in_from`'s group round on (the round ids of one group round, `period` apart, share one
+    grouping, so a value inside a group round counts from that group round's start)."""
+    return in_from // period <= round_id // period
+
+
 @dataclass(frozen=True)
 class RoundGroups:
     """One round's partition of the membership. `groups` are sorted tuples of peer ids, ordered by
@@ -178,6 +201,15 @@ class GroupPlan:
         effective_group_size(1, self.group_size)  # validates
         if self.period < 1:
             raise ValueError(f"period must be >= 1, got {self.period}")
+
+    def splits(self, n: int) -> bool:
+        """Whether a round of n peers runs in groups smaller than the swarm."""
+        return n > effective_group_size(n, self.group_size)
+
+    def roster(self, in_from: Mapping[str, int], round_id: int) -> list[str]:
+        """The roster of round `round_id`, sorted: the trainers of `in_from` (peer id -> the round
+        id it is in from, module docstring "Failures") that are in by then."""
+        return sorted(p for p, r in in_from.items() if in_roster(r, round_id, self.period))
 
     def groups(self, members: Sequence[str], round_id: int) -> RoundGroups:
         return round_groups(members, round_id // self.period, self.group_size, self.seed)

@@ -54,18 +54,29 @@ that owner.
 Wire. A record entry's body is `[timestamp_ms, record]` (the register's timestamp: for membership,
 the heartbeat time), the record a msgpack map:
 
-    membership: {"addrs": [str, ...], "role": str, "caps": {...}, "conn": str,
+    membership: {"addrs": [str, ...], "role": str, "caps": {..., "in_from": int?}, "conn": str,
                  "lease": int ms, "left": bool}
     progress:   {"step": int, "samples": int, "round": int, "phi": [[round, digest], ...]?}
     metrics:    {name: number, ...}
     strikes:    {"strikes": [strike, ...], "caps": {...}} (crdt/strikes.py)
+
+The roster round (`in_from`, a trainer's membership record). Grouped rounds are a pure function
+of the round and the *roster*, the trainers (collective/groups.py); a trainer's record says from
+which round id on it is in the roster, the round its grouping counts it from (`PeerInfo.in_from`;
+node/roster.py picks it ahead, so that every peer holds the record before that round starts, and
+says why). It travels in the capabilities map rather than as a key of its own: a peer that
+predates it checks the record's keys exactly and would refuse a record with a new one, so two
+versions could not share a swarm; a capability it stores, spreads and ignores. Written only when
+it is not 0 (a record without it is in from round 0: a peer that predates it, a founder, any
+trainer of an ungrouped swarm), so those records are exactly what they were.
 
 Failures. Record bodies are checked (`check_membership`, `check_progress`, `check_metrics`,
 `check_strikes`: the same rules on every peer) before merging, so a malformed record is rejected
 everywhere, never half-read: exactly the keys above (metric names are free), labels of at most
 `MAX_LABEL_CHARS`, at most `MAX_ADDRS` addresses, `MAX_CAPABILITIES_BYTES` of capabilities,
 `MAX_METRICS` metrics and `MAX_PHI_DIGESTS` φ digests (rounds strictly increasing), counts in
-0..2**63-1, a lease in `MIN_LEASE_MS`..`MAX_LEASE_MS`. A bad record raises `CrdtError`.
+0..2**63-1 (a capabilities map's `in_from` too), a lease in `MIN_LEASE_MS`..`MAX_LEASE_MS`. A bad
+record raises `CrdtError`.
 
 Not here: writing, heartbeating and reading the records, admission and the replica's `keep` gate
 (swarm_view.py, `SwarmView`); gossip, anti-entropy and merging (`gossip.py`, `anti_entropy.py`,
@@ -99,6 +110,7 @@ MAX_METRICS = 32
 MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
+IN_FROM = "in_from"  # the membership capability that carries the round id a trainer is in the roster from
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,7 @@ class PeerInfo:
     lease_ms: int
     left: bool
     seq: int  # the record's entry seq: grows across the peer's restarts
+    in_from: int = 0  # the round id from which it is in the roster (module docstring; 0: from the start)
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,8 @@ def check_membership(entry: SignedEntry) -> None:
     require_label(rec["conn"], "connection type")
     if not isinstance(rec["caps"], dict) or len(packb(rec["caps"])) > MAX_CAPABILITIES_BYTES:
         raise CrdtError(f"caps must be a map of at most {MAX_CAPABILITIES_BYTES} encoded bytes")
+    if IN_FROM in rec["caps"]:
+        require_count(rec["caps"][IN_FROM], "in_from")
     if not isinstance(rec["left"], bool):
         raise CrdtError("left must be a bool")
 
@@ -278,14 +293,16 @@ def swarm_specs(swarm_owner: str) -> list[CrdtSpec]:
 def peer_info(entry: SignedEntry) -> PeerInfo:
     """The `PeerInfo` of a membership entry (one that passed `check_membership`)."""
     ts, rec = entry.body
+    caps = dict(rec["caps"])
     return PeerInfo(
         peer_id=entry.owner,
         addrs=tuple(rec["addrs"]),
         role=rec["role"],
-        capabilities=dict(rec["caps"]),
+        capabilities=caps,
         connection=rec["conn"],
         last_heartbeat_ms=ts,
         lease_ms=rec["lease"],
         left=rec["left"],
         seq=entry.seq,
+        in_from=caps.pop(IN_FROM, 0),
     )

@@ -101,6 +101,7 @@ from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, record_of
 from meshtrain.crdt.swarm_records import (
     CONFIG,
+    IN_FROM,
     MAX_ADDRS,
     MAX_CAPABILITIES_BYTES,
     MAX_LEASE_MS,
@@ -202,7 +203,9 @@ class SwarmView(Service):
     - `replica`: a `Replica` built with `swarm_specs(swarm_owner)` (checked on entry).
     - `swarm_owner`: the peer id whose key alone may write the config.
     - `role`, `capabilities`, `connection`: what this peer announces in its membership record
-      (`capabilities` is a small msgpack map, e.g. {"gpu": "A100", "vram_gib": 80}).
+      (`capabilities` is a small msgpack map, e.g. {"gpu": "A100", "vram_gib": 80}); so does the
+      attribute `in_from`, the round id from which a trainer is in the roster (0 by default:
+      swarm_records.py, "The roster round"), set like `role` and written with the next heartbeat.
     - `addrs`: addresses to announce (default: the host's).
     - `heartbeat_interval`, `ttl`: the shortest heartbeat interval and the lease at that
       interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
@@ -256,6 +259,8 @@ class SwarmView(Service):
         if len(packb(self.capabilities)) > MAX_CAPABILITIES_BYTES:
             raise CrdtError(f"capabilities must encode to at most {MAX_CAPABILITIES_BYTES} bytes")
         self.connection = require_label(connection, "connection type")
+        # The round id from which we are in the roster (swarm_records.py; node/roster.py sets it).
+        self.in_from = 0
         self._addrs = list(addrs) if addrs is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.max_heartbeat_interval = max_heartbeat_interval
@@ -382,7 +387,8 @@ class SwarmView(Service):
         record = {
             "addrs": list(self._addrs if self._addrs is not None else self.replica.host.addrs)[:MAX_ADDRS],
             "role": self.role,
-            "caps": self.capabilities,
+            # The roster round rides in the capabilities, and only when set (swarm_records.py).
+            "caps": {**self.capabilities, IN_FROM: self.in_from} if self.in_from else self.capabilities,
             "conn": self.connection,
             "lease": lease_ms,
             "left": left,

@@ -6,7 +6,8 @@ once a few members were unreachable. A round never uses most of them: grouped ro
 (collective/groups.py) all-reduce within groups of at most 16 (automatic) above 32 peers.
 
 Design. `ConnectionPlan.wanted` is a pure function of what the node knows — the live members,
-the trainers (the groups' roster), the round it is in, its DHT routing table — and answers the
+the trainers and the round each is in the roster from (a round's groups come from its roster,
+collective/groups.py "Failures"), the round it is in, its DHT routing table — and answers the
 peers to keep, most wanted first:
 1. the group partners (`GroupPlan.partners`) of the rounds under way — the round and the one the
    collective prepares ahead of it (outer_round.py, "Prepared rounds") —: never cut, a round
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -69,22 +70,30 @@ class ConnectionPlan:
     neighbours: int = DHT_NEIGHBOURS
 
     def wanted(
-        self, members: Sequence[str], trainers: Sequence[str], rounds: Sequence[int], dht_peers: Sequence[str] = ()
+        self,
+        members: Sequence[str],
+        trainers: Sequence[str],
+        rounds: Sequence[int],
+        dht_peers: Sequence[str] = (),
+        *,
+        in_from: Mapping[str, int] | None = None,
     ) -> list[str]:
         """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
         `max_peers`, else the partners among `trainers` of the `rounds` under way (a round and the
         one prepared ahead of it) and of the round after the last, DHT neighbours and the gossip
-        sample, cut at `max_peers` (partners of a round under way never: it needs them all)."""
+        sample, cut at `max_peers` (partners of a round under way never: it needs them all).
+        `in_from`: the round id each trainer (us too) is in the roster from (collective/groups.py,
+        "Failures"; absent: 0): a round's partners come from its roster, and we have none in a
+        round before ours."""
         others = sorted(set(members) - {self.me})
         if len(others) <= self.max_peers:
             return others
-        roster = sorted(set(trainers) - {self.me})
         grouping = self.grouping
-        now: list[str] = list(roster)  # ungrouped: every round is the whole swarm
+        now: list[str] = sorted(set(trainers) - {self.me})  # ungrouped: every round is the whole swarm
         ahead: tuple[str, ...] = ()
         if grouping is not None:
-            now = [p for r in rounds for p in grouping.partners(roster, r, self.me)]
-            ahead = grouping.partners(roster, max(rounds, default=0) + grouping.period, self.me)
+            now = [p for r in rounds for p in _partners(grouping, self.me, trainers, r, in_from)]
+            ahead = _partners(grouping, self.me, trainers, max(rounds, default=0) + grouping.period, in_from)
         now = list(dict.fromkeys(now))
         in_swarm, key = set(others), _id_hash(self.me)
         near = sorted((p for p in dht_peers if p in in_swarm), key=lambda p: xor_distance(key, p))[: self.neighbours]
@@ -95,14 +104,17 @@ class ConnectionPlan:
         out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))
         return out[: max(self.max_peers, len(now))]
 
-    def wanted_by(self, peer: str, trainers: Sequence[str], round_id: int) -> bool:
+    def wanted_by(
+        self, peer: str, trainers: Sequence[str], round_id: int, *, in_from: Mapping[str, int] | None = None
+    ) -> bool:
         """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
-        rounds under way: then closing it would drop us from a round it runs, whatever ours is."""
-        if self.grouping is None:
+        rounds under way: then closing it would drop us from a round it runs, whatever ours is.
+        `in_from` as for `wanted`."""
+        grouping = self.grouping
+        if grouping is None:
             return peer in trainers
-        roster = sorted(set(trainers) - {peer})
-        period = self.grouping.period
-        return any(self.me in self.grouping.partners(roster, r, peer) for r in (round_id, round_id + period))
+        rounds = (round_id, round_id + grouping.period)
+        return any(self.me in _partners(grouping, peer, trainers, r, in_from) for r in rounds)
 
     def _pair_hash(self, peer: str) -> int:
         """A hash of the pair (me, peer): the same at both ends, uniform in [0, 2^64)."""
@@ -112,6 +124,16 @@ class ConnectionPlan:
     def _sampled(self, peer: str, n: int) -> bool:
         """Whether the pair (me, peer) is in the gossip sample: the same answer at both ends."""
         return self._pair_hash(peer) < self.sample / n * 2**64
+
+
+def _partners(
+    grouping: GroupPlan, peer: str, trainers: Sequence[str], round_id: int, in_from: Mapping[str, int] | None
+) -> tuple[str, ...]:
+    """`peer`'s group partners in round `round_id`, from the round's roster; none if `peer` itself
+    is not in it yet."""
+    entries = {p: (in_from or {}).get(p, 0) for p in {*trainers, peer}}
+    roster = grouping.roster(entries, round_id)
+    return grouping.partners(roster, round_id, peer) if peer in roster else ()
 
 
 def _id_hash(peer: str) -> bytes:

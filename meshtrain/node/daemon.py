@@ -402,10 +402,11 @@ class Node:
                     **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                 ),
                 current_round=self._current_round,
-                # Grouped rounds (collective/groups.py): groups from every live trainer, so one
-                # dropped connection does not reshuffle ours; candidates stay the connected ones.
+                # Grouped rounds (collective/groups.py): groups from the round's roster (every live
+                # trainer in by then, node/roster.py), so one dropped connection does not reshuffle
+                # ours and a joiner is grouped alike everywhere; candidates stay the connected ones.
                 grouping=signed.spec.group_plan(),
-                roster=lambda _round: presence.trainers(),
+                roster=presence.roster,
                 reported_step=presence.reported_step,
             )
         )

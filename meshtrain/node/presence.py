@@ -38,7 +38,7 @@ a few at once, an unreachable peer backing off exponentially), and asks NAT trav
 a relayed connection (DCUtR). The rounds under way are ours (`current_round`, the node's step;
 before it trains, the swarm's) and the next, whose join the collective prepares ahead — not the
 rounds other peers' requests name, which a faster peer's prepared join sets ahead of ours —:
-the groups are a pure function of the trainers and the round (collective/groups.py), so the
+the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus among those it does not
 want once they are `CLOSE_GRACE_S` old (a DHT lookup's, an inbound dial of a peer whose view
@@ -52,10 +52,16 @@ pruning is off with its auto-connector (transport/host.py), so "left to idle out
 kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound. Then it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
-    candidates(round)          a round's candidates: those trainers we are connected to, and us
-                               (a peer whose connection closed stops being waited for at once);
-                               every partner of the round we could reach is among them, as its
-                               partners are dialled as soon as the round is asked about
+    roster(round)              the trainers in the round's roster (what its groups are computed
+                               from): those whose membership record's `in_from` falls in the
+                               round's group round or earlier — agreed by every peer that holds
+                               the records, whenever they arrived (node/roster.py)
+    enter_roster()             count as a trainer, in the roster from a round announced ahead
+                               where the swarm's rounds run in groups (else at once, as before)
+    candidates(round)          a round's candidates: the roster's trainers we are connected to,
+                               and us (a peer whose connection closed stops being waited for at
+                               once); every partner of the round we could reach is among them,
+                               as its partners are dialled as soon as the round is asked about
     training_peers(connected)  trainers other than us whose progress record is fresh: they train
                                *now*, not a restarted peer's record from its last life (a
                                trainer's record is rewritten every heartbeat while its node's
@@ -101,6 +107,7 @@ from typing import Any
 import trio
 
 from meshtrain.backoff import Backoff
+from meshtrain.collective.groups import in_roster
 from meshtrain.crdt.replica import Replica
 from meshtrain.crdt.swarm_view import PROGRESS, PeerInfo, PeerProgress, SwarmView, swarm_specs
 from meshtrain.crdt.types import now_ms
@@ -114,6 +121,16 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.clock_offsets import ClockOffsets
 from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler
+from meshtrain.node.phase import StopRequest
+from meshtrain.node.roster import (
+    LEAD_BEATS,
+    PACE_CHANGES,
+    PACE_POLL_S,
+    PACE_WINDOW_S,
+    StepPace,
+    entry_round,
+    lead_rounds,
+)
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
 from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
@@ -281,11 +298,23 @@ class PeerPresence(Service):
         return [p.peer_id for p in self._view().live_peers() if p.peer_id != self.me and host.is_connected(p.peer_id)]
 
     def trainers(self) -> list[str]:
-        """Live trainers per the replicated membership, us included (connected or not)."""
+        """Live trainers per the replicated membership, us included (connected or not), whether
+        in a round's roster yet or not (`roster`)."""
         return [p.peer_id for p in self._view().live_peers() if p.role == "trainer"]
 
+    def roster_entries(self) -> dict[str, int]:
+        """Live trainers, us included, -> the round id each is in the roster from (0: from the
+        start; node/roster.py)."""
+        return {p.peer_id: p.in_from for p in self._view().live_peers() if p.role == "trainer"}
+
+    def roster(self, round_id: int) -> list[str]:
+        """Round `round_id`'s roster, what its groups are computed from: the live trainers in by
+        then (`in_roster`, collective/groups.py "Failures"), connected to us or not."""
+        return sorted(p for p, r in self.roster_entries().items() if in_roster(r, round_id, self._period))
+
     def candidates(self, round_id: int | None = None) -> list[str]:
-        """A round's candidates: live trainers we are connected to, and us. A peer whose connection
+        """A round's candidates: live trainers we are connected to, and us — of round `round_id`'s
+        roster, if given (a joiner is expected from its round on). A peer whose connection
         closed (killed, partitioned) stops being waited for at once, not when its lease runs out;
         the re-dial loop brings it back, and it is a candidate again as soon as it is. Asked about
         a new round (the collective's `membership(round_id)`), it wakes the re-dial loop: a new
@@ -296,8 +325,53 @@ class PeerPresence(Service):
         return [
             p.peer_id
             for p in self._view().live_peers()
-            if p.role == "trainer" and (p.peer_id == self.me or self.host.is_connected(p.peer_id))
+            if p.role == "trainer"
+            and (p.peer_id == self.me or self.host.is_connected(p.peer_id))
+            and (round_id is None or in_roster(p.in_from, round_id, self._period))
         ]
+
+    def rounds_grouped(self) -> bool:
+        """Whether the swarm's rounds run in groups with us in, counting every live member (a
+        joiner still syncing too: it is a trainer soon). Then a trainer's entry into the roster is
+        announced ahead (`enter_roster`), and a re-sync keeps its place in it (node/training_run.py):
+        leaving it would regroup every peer's rounds, each when the record arrives."""
+        grouping = self.plan.grouping
+        members = {p.peer_id for p in self._view().live_peers()} | {self.me}
+        return grouping is not None and grouping.splits(len(members))
+
+    async def enter_roster(self, stop: StopRequest) -> int:
+        """Count as a trainer from now on, in the roster from a round every peer agrees on: where
+        the swarm's rounds run in groups once we are in (`rounds_grouped`), `LEAD_BEATS`
+        heartbeats ahead of the swarm's round at its pace (node/roster.py), else from round 0 at
+        once, as before; already a trainer, where we are. Returns the round id we are in from.
+        Peers then expect us in that round: the caller brings our state there
+        (node/state/run_state.py `download`)."""
+        view = self._view()
+        if view.role == "trainer":  # in already: a re-sync keeps its place (`rounds_grouped`)
+            return view.in_from
+        in_from = 0
+        if self.rounds_grouped() and self.swarm_step() is not None:
+            pace, start = StepPace(), trio.current_time()
+            pace.saw(start, self.swarm_step())
+            while pace.changes < PACE_CHANGES and trio.current_time() - start < PACE_WINDOW_S and not stop.is_set():
+                await trio.sleep(PACE_POLL_S)
+                pace.saw(trio.current_time(), self.swarm_step())
+            round_s = pace.round_seconds(trio.current_time() - start, self._period)
+            lead_s = LEAD_BEATS * view.current_interval()
+            step = self.swarm_step() or 0
+            in_from = entry_round(step, self._period, lead_rounds(lead_s, round_s))
+            log.info(
+                kv(
+                    "entering the roster ahead",
+                    in_from=in_from,
+                    swarm_step=step,
+                    round_s=round(round_s, 3),
+                    lead_s=round(lead_s, 1),
+                )
+            )
+        view.role, view.in_from = "trainer", in_from
+        view.heartbeat()
+        return in_from
 
     def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
         """Trainers other than us that train *now*: their progress record is fresh (a training
@@ -460,8 +534,11 @@ class PeerPresence(Service):
         ours = self.current_round() if self.current_round is not None else None
         now = ours if ours is not None else (self.swarm_step() or 0)
         rounds = [now, now + self._period]  # ours, and the one whose join is prepared ahead
+        entry = self._view().in_from
+        if entry > now:  # a joiner waiting for its roster round: its partners there (and donors)
+            rounds.append(entry)
         dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
-        return self.plan.wanted(members, self.trainers(), rounds, dht_peers)
+        return self.plan.wanted(members, self.trainers(), rounds, dht_peers, in_from=self.roster_entries())
 
     def _dialled(self, peer: str, ok: bool) -> None:
         """A dial ended: a relayed connection is upgraded (DCUtR) in the background."""
@@ -525,8 +602,10 @@ class PeerPresence(Service):
         ]
         if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
-            trainers = self.trainers()
-            unwanted = [p for p in unwanted if p not in steps or not self.plan.wanted_by(p, trainers, steps[p])]
+            trainers, entries = self.trainers(), self.roster_entries()
+            unwanted = [
+                p for p in unwanted if p not in steps or not self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
+            ]
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
             await self.host.disconnect(peer)

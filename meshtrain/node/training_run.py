@@ -27,7 +27,8 @@ finish (and its exchange: we leave after it). A round still in flight after
 written: the last periodic one stands.
 
 Out of step: a missed round (cut off, late for its group) makes the trainer's outer optimizer ask
-for a resync; we download the swarm's state again (as "syncing") rather than drift apart.
+for a resync; we download the swarm's state again (as "syncing", or where rounds run in groups
+as a trainer that keeps its place in the roster: node/roster.py) rather than drift apart.
 
 Not here: building and wiring the services, signals, the status server and daemon.json
 (node/daemon.py); which state we train on (node/state/run_state.py); the training loop
@@ -191,8 +192,13 @@ class TrainingRun:
         view, trainer = self.presence.view, run_state.trainer
         assert view is not None  # entered
         log.warning(kv("out of step with the swarm; downloading its state", step=trainer.step))
-        view.role = "syncing"
-        view.heartbeat()
+        if not self.presence.rounds_grouped():
+            # Out of the rounds while we download. Not where rounds run in groups: they are a
+            # function of the roster, and a trainer leaving it regroups every peer's rounds, each
+            # when our record arrives; we keep our place, and our group waits for us as for a
+            # late peer (collective/groups.py, "Failures").
+            view.role = "syncing"
+            view.heartbeat()
         await run_state.resync()
         view.role = "trainer"
         view.heartbeat()

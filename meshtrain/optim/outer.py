@@ -651,6 +651,7 @@ class OuterOptimizer(Service):
             ex.finished - ex.started,
             waited,
             ex.error,
+            tuple(sorted({*result.contributors, *result.excluded})),
         )
         self.history.append(report)
         return report

@@ -89,6 +89,7 @@ class RoundReport:
     seconds: float  # send to result
     waited: float  # how long the inner loop blocked on it
     error: str = ""  # why we proceeded alone, if we did
+    peers: tuple[str, ...] = ()  # who took part by id, sorted: the contributors and those excluded
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on o
 PARITY_INTERVAL = 0.5  # seconds between two parity checks against the swarm's φ digests
 RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
 RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
+ROSTER_POLL = 0.05  # seconds between two looks at the swarm's step while we wait for our roster round
 
 
 class RunState(Service):
@@ -206,9 +207,10 @@ class RunState(Service):
         # Count as a trainer from now on: peers then expect us at the next round, and every peer
         # (us included) picks that round's coordinator from the same set. Announcing only after
         # the download made a joiner with the lowest peer id wait as the "coordinator" of a
-        # round the others had already formed without it.
-        view.role = "trainer"
-        view.heartbeat()
+        # round the others had already formed without it. Where rounds run in groups, from a
+        # round announced ahead instead, so that every peer groups us alike (node/roster.py):
+        # we then take the state of the round before it, and our first exchange is that round.
+        in_from = await self.presence.enter_roster(self.stop)
         # Before replacing the state: end an exchange of ours that still runs, and withdraw the
         # joins prepared for the next ones (outer_round.py, "Prepared rounds"), which would hold
         # the others' round for our data until they expired.
@@ -219,6 +221,9 @@ class RunState(Service):
         orphaned_at = time.monotonic()
         try:
             while not self.stop.is_set():
+                if not self._reached_roster_round(in_from):
+                    await self.stop.sleep(ROSTER_POLL)
+                    continue
                 attempt += 1
                 if (reason := self.presence.not_admitted()) is not None:
                     # Excluded by strikes (or off the allowlist): the swarm's peers ignore us and
@@ -246,14 +251,27 @@ class RunState(Service):
                     await self._retry_later(backoff, "no connected peer is training yet")
                     continue
                 orphaned_at = time.monotonic()
-                if await self._fetch_from(donors, attempt, backoff):
+                if await self._fetch_from(donors, attempt, backoff, in_from):
                     return True
             return False
         finally:
             self.waiting = None
 
-    async def _fetch_from(self, donors: list[str], attempt: int, backoff: Backoff) -> bool:
-        """One download attempt; False (after a backoff) on a transient failure."""
+    def _reached_roster_round(self, in_from: int) -> bool:
+        """Whether the swarm has reached the group round before `in_from`, ours (node/roster.py):
+        its state is then the one our first exchange, in our round, starts from. Until then we
+        wait, saying so: a state from earlier would take us into rounds whose groups leave us out."""
+        period = self.presence.plan.grouping.period if self.presence.plan.grouping is not None else 1
+        step = self.presence.swarm_step()
+        if step is None or step >= in_from - period:  # nobody trains: the download's own rules apply
+            return True
+        self.waiting = f"entering the swarm's rounds at step {in_from} (announced ahead); the swarm is at step {step}"
+        return False
+
+    async def _fetch_from(self, donors: list[str], attempt: int, backoff: Backoff, in_from: int = 0) -> bool:
+        """One download attempt; False (after a backoff) on a transient failure, or at once when
+        the state is from before the round preceding ours (`in_from`: the donors had not ended
+        it yet)."""
         trainer, host = self.trainer, self.presence.host
         t0 = time.monotonic()
         last_log = 0.0
@@ -282,9 +300,17 @@ class RunState(Service):
         assert self.presence.view is not None
         reported = self.presence.view.progress()
         now = max([reported[d].step for d in donors if d in reported] or [state["inner_steps"]])
+        at_step = max(now, state["inner_steps"])
+        send = trainer.outer.next_send_step(state["inner_steps"])
+        if send < in_from:  # a round before ours would come first: the donors had not ended the one before ours
+            log.info(kv("downloaded state precedes our roster round; fetching again", send=send, in_from=in_from))
+            await self.stop.sleep(ROSTER_POLL)
+            return False
+        if send == in_from:  # our first round: the swarm may be in it already, waiting for us
+            at_step = min(at_step, send - 1)
         await self.donor.reclaim()  # `join` overwrites the φ lent to joiners
         try:
-            trainer.join(state, at_step=max(now, state["inner_steps"]))
+            trainer.join(state, at_step=at_step)
         except StaleStateError as e:
             await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False

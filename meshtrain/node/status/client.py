@@ -47,13 +47,17 @@ The status document (`Node.snapshot()`):
                 (node/trust/strikes.py), or null without strikes}
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
+                round_peers: [[round id, [peer id, ...]], ...] who took part in our newest
+                exchanges (in grouped rounds, our group; 1 peer: we proceeded alone),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
                 null), waiting (what the node waits for now, in words, or null), refused
                 ({reason: count}: requests refused to peers, and CRDT records this node would not
                 store — crdt-not-admitted, crdt-not-a-member)
-    peers:      [{peer_id, addr, connection, role, step, loss, last_seen_s, clock_offset_s,
-                reachability, strikes}] (and stage: the stage a pipeline swarm's peer announces,
-                or null); last_seen_s: age of its latest heartbeat by our clock; clock_offset_s:
+    peers:      [{peer_id, addr, connection, role, in_from, step, loss, last_seen_s,
+                clock_offset_s, reachability, strikes}] (and stage: the stage a pipeline swarm's
+                peer announces, or null); in_from: the round id (inner step) from which a trainer
+                is in the roster of grouped rounds (node/roster.py; 0: from the start);
+                last_seen_s: age of its latest heartbeat by our clock; clock_offset_s:
                 its wall clock minus ours, measured (node/clock_offsets.py), null until measured
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
                 reachability: what the peer announces ("public", "relayed": private behind a

@@ -36,6 +36,8 @@ from meshtrain.transport.tensor_streams import TensorStreams
 if TYPE_CHECKING:
     from meshtrain.node.ranks.group import LocalRanks
 
+ROUND_PEERS_SHOWN = 8  # exchanges whose peers `training.round_peers` lists (the newest)
+
 
 class Node(Protocol):
     """What the document reads of a `daemon.Node` (None: not started yet)."""
@@ -191,6 +193,8 @@ def status_document(node: Node) -> dict[str, Any]:
                 bytes_sent=st["bytes_sent"],
                 bytes_received=st["bytes_received"],
                 history=list(info.history),
+                # With whom our newest exchanges averaged (in grouped rounds, our group), by round id.
+                round_peers=[[r.step, list(r.peers)] for r in list(trainer.outer.history)[-ROUND_PEERS_SHOWN:]],
             )
         training["optimizer"] = trainer.spec.outer.optimizer
     pipeline = node.pipeline
@@ -225,6 +229,7 @@ def status_document(node: Node) -> dict[str, Any]:
                     "addr": p.addrs[0] if p.addrs else "",
                     "connection": ("self" if p.peer_id == host.peer_id else host.connection_type(p.peer_id) or "none"),
                     "role": p.role,
+                    "in_from": p.in_from,
                     "step": pr.step if pr else 0,
                     "loss": me.values.get("loss") if me else None,
                     # by our clock: the peer's own may be minutes off (crdt/swarm_records.py)
