@@ -108,8 +108,9 @@ them all) with its max − min over seeds in `spread`:
   fp4_vs_fp32, diloco_h100_vs_h25, diloco_bytes_ratio (dp / diloco_h25 bytes), streaming_peak_ratio
 and `plots`: two PNGs, held-out loss against samples (all peers') and final held-out loss against
 bytes sent per peer (log scale; the front a user picks a method from), under runs/ by default.
-Wall time: ~40 minutes on a quiet 2-core machine (an estimate from the inner step's cost; each
-method's step_s is in the output). `--text --quick`: a LLaMA of 0.23 M parameters (hidden 64,
+Wall time: 56 minutes on the 2-core machine with a test run beside it (~40 quiet, an estimate from
+the inner step's cost; each method's step_s is in the output); the losses do not depend on load
+(seed 0 repeated to the fourth decimal). Its figures and what they mean: docs/benchmarks.md. `--text --quick`: a LLaMA of 0.23 M parameters (hidden 64,
 vocab 512, context 32, batch 4), 40 steps, H 25 → 5 and 100 → 20, one seed: the machinery only.
 """
 
