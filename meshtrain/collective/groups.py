@@ -50,19 +50,19 @@ whole swarm and as a group, each with part of the peers), and a minority waited 
 deadline at every disagreement. So the snapshot is not "the trainers this peer has heard of" but
 the *roster of the round*: a trainer's membership record says from which round id it is in the
 roster (`in_from`, crdt/swarm_records.py), and the roster of round r is the live trainers whose
-`in_from` falls in r's group round or earlier (`in_roster`, `GroupPlan.roster`) — a function of
-the round, not of when a record arrived. A joiner announces a round far enough ahead that its
-record has reached every peer first, and takes part in no round before it (node/roster.py says
-how far, and why in time rather than rounds). Peers that predate the field, and every trainer of
-an ungrouped swarm, are in from round 0, as before. What stays unagreed is a departure: a peer
-that dies drops out of the roster when its lease runs out on each peer (a clean leave when its
-record arrives), so peers can compute a round from different rosters then; a peer that re-syncs
-keeps its place (node/training_run.py), as leaving would regroup everyone. The all-reduce tolerates it as it tolerates a late peer (its coordinator waits for
-the expected group until the join deadline, stops waiting for peers that report steps past the
-round or answer that they are past it, and fixes it with the majority that came; a peer that
-went elsewhere runs its round with whoever came to it), at the cost of a slow round; every group
-then agrees again from the next consistent roster. A peer that dies inside a group is the
-collective's ordinary failure (survivors retry).
+`in_from` falls in r's group round or earlier (`in_roster`, `GroupPlan.roster`) — a function of the
+round, not of when a record arrived. A joiner announces a round far enough ahead that its record
+has reached every peer first, and takes part in no round before it (node/roster.py says how far,
+and why in time rather than rounds). Peers that predate the field, and every trainer of an
+ungrouped swarm, are in from round 0, as before. What stays unagreed is a departure: a peer that
+dies drops out of the roster when its lease runs out on each peer (a clean leave when its record
+arrives), so peers can compute a round from different rosters then; a peer that re-syncs keeps its
+place (node/training_run.py), as leaving would regroup everyone. The all-reduce tolerates it as it
+tolerates a late peer (its coordinator waits for the expected group until the join deadline, stops
+waiting for peers that report steps past the round or answer that they are past it, and fixes it
+with the majority that came; a peer that went elsewhere runs its round with whoever came to it), at
+the cost of a slow round; every group then agrees again from the next consistent roster. A peer
+that dies inside a group is the collective's ordinary failure (survivors retry).
 
 Who connects to whom. Because the groups are a pure function, a peer knows its partners of the
 next round before it starts (`GroupPlan.partners`): presence dials them ahead and keeps only a
