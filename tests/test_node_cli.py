@@ -63,7 +63,17 @@ def no_daemon_outlives_its_test():
 def start(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshtrain.node.cli", "--log-level", "INFO", "node", "start", *LOOPBACK, *args],
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.node.cli",
+                "--log-level",
+                os.environ.get("MESHTRAIN_TEST_LOG", "INFO"),
+                "node",
+                "start",
+                *LOOPBACK,
+                *args,
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=err,

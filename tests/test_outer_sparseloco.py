@@ -314,6 +314,45 @@ async def test_the_sparse_gather_runs_through_every_wrapper_of_a_swarm_collectiv
             assert torch.equal(phi, outers[0].outer_params[n])
 
 
+async def test_a_gather_gives_up_on_a_peer_that_ended_the_round_without_us():
+    """Real hosts: the third peer ran round 7 alone (its view of the members left the others
+    out, as a peer's does for a joiner whose record has not reached it yet), then counts them in.
+    The other two, whose round 7 includes it, ask it where it is and give up on it within
+    seconds, not after their transfers' deadline (30 s here; CI saw such a round wait 20 s)."""
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, 3, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        views = [ids, ids, [ids[2]]]
+        config = AllReduceConfig(join_timeout=5, part_timeout=30)
+        cols = [
+            await stack.enter_async_context(SwarmCollective(p.host, p.ts, lambda r, i=i: views[i], config))
+            for i, p in enumerate(peers)
+        ]
+
+        def payload(i: int) -> dict[str, torch.Tensor]:
+            return {"v": torch.full((64,), float(i))}
+
+        alone = await cols[2].all_gather(payload(2), round_id=7, tag="t")
+        assert list(alone.payloads) == [ids[2]]
+        views[2] = ids  # its record of the others arrives
+        results = {}
+
+        async def gather(i: int) -> None:
+            results[i] = await cols[i].all_gather(payload(i), round_id=7, tag="t")
+
+        t0 = trio.current_time()
+        with trio.fail_after(25):
+            async with trio.open_nursery() as nursery:
+                for i in (0, 1):
+                    nursery.start_soon(gather, i)
+        took = trio.current_time() - t0
+    assert took < 15, took
+    for i in (0, 1):
+        assert sorted(results[i].payloads) == ids[:2]
+        assert results[i].excluded[ids[2]] == "it was past this round's exchange"
+        assert torch.equal(results[i].payloads[ids[1]]["v"], payload(1)["v"])
+
+
 @pytest.mark.slow
 def test_four_real_peers_hold_bit_identical_phi():
     from .conftest import tail

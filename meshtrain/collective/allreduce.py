@@ -114,6 +114,7 @@ from meshtrain.collective.protocol import (
     JOIN_RPC,
     NOT_A_MEMBER,
     OUT_OF_WINDOW,
+    PROBE_EVERY,
     REPORT_RPC,
     WATCH_RPC,
     WHERE_RPC,
@@ -138,8 +139,9 @@ from meshtrain.collective.sparse_gather import gather_over_streams
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError
+from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_streams import TensorStreams
+from meshtrain.transport.validate import Malformed
 
 log = get_logger(__name__)
 
@@ -626,6 +628,19 @@ class SwarmCollective(Service):
     ) -> GatherResult:
         """Every member's `payload` as sent (`GathersPayloads`): sparse_gather.py over our data plane."""
         return await gather_over_streams(self, payload, round_id=round_id, tag=tag, weight=weight)
+
+    async def where(self, peer: str, round_id: int, tag: str = "") -> WhereReply | None:
+        """Where `peer` is in the series of our round `round_id` of `tag` (`WHERE_RPC`, the question
+        a coordinator asks its missing peers): the round it is in and the last it ended. None when
+        it cannot tell — not connected, no answer in time, or it does not count us a member — so a
+        caller only ever gives up early on a peer's own word."""
+        if not self.host.is_connected(peer):
+            return None
+        request = WhereRequest(self._round_tag(round_id, tag), round_id)
+        try:
+            return WhereReply.parse(await self.host.rpc.call(peer, WHERE_RPC, request.to_wire(), timeout=PROBE_EVERY))
+        except (RpcError, Malformed):
+            return None
 
     async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
         return await average_pair(

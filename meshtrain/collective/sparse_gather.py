@@ -40,7 +40,16 @@ Where it runs. `all_gather(collective, ...)` asks the collective, which must `Ga
 
 Failures. A missing payload costs its deadline once (the transfers run concurrently), and the
 agreement all-reduce keeps the all-reduce's guarantees: a dead peer is dropped from it, a peer that
-is itself cut off gets `CollectiveError`. Not here: what the payloads mean, summing them.
+is itself cut off gets `CollectiveError`. A peer of our group that ended this round without us —
+its view of the round's members left us out (we had just joined or restarted), or it moved on
+while we were slow — neither claims our payload nor sends its own, and our transfers with it
+would wait out their deadline (20 s and more, seen in CI after a restart). So a transfer still
+open after `PROBE_AFTER` asks that peer where it is in the agreement's series
+(`SwarmCollective.where`, the WHERE RPC a coordinator asks its missing peers), every
+`PROBE_EVERY`, and gives up on it once it agrees on this round or a later one (its exchange is
+over: a restarted peer met its old self's partner already in the agreement, which waited for the
+restarted peer's join while that peer waited for a payload) or ended it: its payload is missing,
+as for a dead peer. Not here: what the payloads mean, summing them.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ import torch
 import trio
 
 from meshtrain.collective.contract import Collective, CollectiveError, GatherResult, GathersPayloads, RoundRequest
+from meshtrain.collective.protocol import PROBE_AFTER, PROBE_EVERY, WhereReply
 from meshtrain.log import get_logger, kv
 
 log = get_logger(__name__)
@@ -115,10 +125,28 @@ async def gather_over_streams(
             return
         got[peer], weights[peer] = dict(r.tensors), float(w)
 
+    async def watch(peer: str, scope: trio.CancelScope) -> None:
+        """Give up on `peer` once it says it is past this round (module docstring, "Failures")."""
+        await trio.sleep(PROBE_AFTER)
+        while not past_exchange(await collective.where(peer, round_id, f"{tag}/agree"), round_id):
+            await trio.sleep(PROBE_EVERY)
+        why[peer] = "it was past this round's exchange"
+        log.info(
+            kv("sparse gather: peer is past this round's exchange; not waiting for it", peer=peer[-8:], tag=wire_tag)
+        )
+        scope.cancel()
+
+    async def exchange(peer: str) -> None:
+        async with trio.open_nursery() as watching:
+            watching.start_soon(watch, peer, watching.cancel_scope)
+            async with trio.open_nursery() as transfers:
+                transfers.start_soon(send, peer)
+                transfers.start_soon(receive, peer)
+            watching.cancel_scope.cancel()
+
     async with trio.open_nursery() as nursery:
         for peer in others:
-            nursery.start_soon(send, peer)
-            nursery.start_soon(receive, peer)
+            nursery.start_soon(exchange, peer)
 
     # Agreement (module docstring): one all-reduce of [g, g², (have_j, h_j, h_j²) for j in group].
     g = _hash10(",".join(group).encode())
@@ -155,6 +183,13 @@ async def gather_over_streams(
         stats["received"] + agreed.bytes_received,
         excluded,
     )
+
+
+def past_exchange(where: WhereReply | None, round_id: int) -> bool:
+    """Whether a peer's answer to WHERE (about the agreement's series) puts it past the exchange of
+    round `round_id`: it agrees on that round (its exchange is over), or ended it, or is in a later
+    one. None (no answer) is not past."""
+    return where is not None and (where.round_id >= round_id or where.finished >= round_id)
 
 
 def _same_layout(theirs: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor]) -> bool:

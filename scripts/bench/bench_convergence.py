@@ -5,6 +5,7 @@ with 4 real peers on loopback.
         [--png runs/bench_convergence.png]
     python scripts/bench/bench_convergence.py --text [--quick] [--seeds 0,1] [--steps 300] [--methods a,b]
         [--png runs/bench_convergence_text_loss.png] [--png-bytes runs/bench_convergence_text_bytes.png]
+    python scripts/bench/bench_convergence.py --replot SUMMARY.json [--png ...] [--png-bytes ...]
 
 Two testbeds: the default trains the character GPT on the built-in corpus (below); `--text` trains
 a LLaMA on BPE-tokenised English prose (issue 34; "--text" at the end of this docstring).
@@ -605,28 +606,10 @@ def summarise_text(
         }
     loss_png = Path(args.png or ROOT / "runs" / "bench_convergence_text_loss.png")
     bytes_png = Path(args.png_bytes or ROOT / "runs" / "bench_convergence_text_bytes.png")
-    curves = {}
     for name in names:
         peers = methods_out[name]["peers"]
         mean = mean_curve([results[s][name]["curve"] for s in seeds if name in results[s]])
-        curves[name] = [(step * size.batch * peers, loss) for step, loss in mean]
-    plot_curves(
-        curves,
-        loss_png,
-        title=f"held-out loss (outer params), {steps} inner steps, mean of seeds {seeds}",
-        xlabel="samples (all peers)",
-    )
-    plot_curves(
-        {
-            name: [(m["bytes_sent_per_peer"], m["final_eval_loss"])]
-            for name, m in methods_out.items()
-            if m["bytes_sent_per_peer"] > 0
-        },
-        bytes_png,
-        title="final held-out loss",
-        xlabel="bytes sent per peer (log scale)",
-        log_x=True,
-    )
+        methods_out[name]["curve"] = [[step * size.batch * peers, round(loss, 4)] for step, loss in mean]
     keys = sorted({k for m in per_seed.values() for k in m if not k.startswith("recovery.")})
     summary: dict = {
         "text": True,
@@ -668,7 +651,35 @@ def summarise_text(
         "int8_vs_fp32": ("<=", 0.005),
     }
     summary["targets_met"] = targets_met(summary, targets)
+    plot_text(summary, loss_png, bytes_png)
     print(json.dumps(summary))
+
+
+def plot_text(summary: dict, loss_png: Path, bytes_png: Path) -> None:
+    """The two --text plots from a summary (a fresh one, or a saved one read back by --replot).
+
+    Loss against samples needs each method's mean curve, which summaries keep since issue 34's run;
+    a summary without curves gets only the bytes plot."""
+    methods_out = summary["methods"]
+    curves = {name: [tuple(p) for p in m["curve"]] for name, m in methods_out.items() if m.get("curve")}
+    if curves:
+        plot_curves(
+            curves,
+            loss_png,
+            title=f"held-out loss (outer params), {summary['steps']} inner steps, mean of seeds {summary['seeds']}",
+            xlabel="samples (all peers)",
+        )
+    plot_curves(
+        {
+            name: [(m["bytes_sent_per_peer"], m["final_eval_loss"])]
+            for name, m in methods_out.items()
+            if m["bytes_sent_per_peer"] > 0
+        },
+        bytes_png,
+        title="final held-out loss",
+        xlabel="bytes sent per peer (log scale)",
+        log_x=True,
+    )
 
 
 def targets_met(summary: dict, targets: dict[str, tuple[str, float]]) -> dict[str, bool]:
@@ -695,7 +706,24 @@ def main() -> None:
         action="store_true",
         help="inner lr decays to a tenth along a cosine (a testbed variant; the default is constant)",
     )
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="--text: redraw the plots from a saved last-line JSON (--png, --png-bytes) and run nothing",
+    )
     args = ap.parse_args()
+    if args.replot:
+        if not args.replot.is_file():
+            sys.exit(f"bench_convergence: no such file: {args.replot}")
+        summary = json.loads(args.replot.read_text())
+        plot_text(
+            summary,
+            Path(args.png or ROOT / "runs" / "bench_convergence_text_loss.png"),
+            Path(args.png_bytes or ROOT / "runs" / "bench_convergence_text_bytes.png"),
+        )
+        return
     if args.text:
         text_main(args)
         return
@@ -803,7 +831,35 @@ def main() -> None:
         "sparseloco_bytes_ratio": (">=", 50),
     }
     summary["targets_met"] = targets_met(summary, targets)
+    plot_text(summary, loss_png, bytes_png)
     print(json.dumps(summary))
+
+
+def plot_text(summary: dict, loss_png: Path, bytes_png: Path) -> None:
+    """The two --text plots from a summary (a fresh one, or a saved one read back by --replot).
+
+    Loss against samples needs each method's mean curve, which summaries keep since issue 34's run;
+    a summary without curves gets only the bytes plot."""
+    methods_out = summary["methods"]
+    curves = {name: [tuple(p) for p in m["curve"]] for name, m in methods_out.items() if m.get("curve")}
+    if curves:
+        plot_curves(
+            curves,
+            loss_png,
+            title=f"held-out loss (outer params), {summary['steps']} inner steps, mean of seeds {summary['seeds']}",
+            xlabel="samples (all peers)",
+        )
+    plot_curves(
+        {
+            name: [(m["bytes_sent_per_peer"], m["final_eval_loss"])]
+            for name, m in methods_out.items()
+            if m["bytes_sent_per_peer"] > 0
+        },
+        bytes_png,
+        title="final held-out loss",
+        xlabel="bytes sent per peer (log scale)",
+        log_x=True,
+    )
 
 
 if __name__ == "__main__":
