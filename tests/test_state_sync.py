@@ -24,6 +24,7 @@ from meshtrain.node.state.sync import (
     FlatState,
     NoAgreement,
     NoDonors,
+    OfferDeclined,
     StateSyncError,
     chunk_ranges,
 )
@@ -117,6 +118,31 @@ async def test_joiner_gets_bit_identical_state_and_uses_every_donor():
         assert not report.banned
         assert [t for _, t in seen] == [total] * len(seen)
         assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+
+async def test_a_state_declined_from_its_manifest_moves_no_bytes_and_the_next_agreed_one_is_asked():
+    """`accept` sees each agreed state's manifest (round, step) before a chunk is asked for: a
+    joiner that could not enter with a state (a round old) no longer downloads it whole to find
+    out — for a multi-GB state, on every retry until the swarm published a newer one."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2)
+        (meta, tensors), newer = make_state(512, seed=1, round=3), make_state(512, seed=2, round=4)
+        for d in donors:
+            d.publish({**meta, "step": 12}, tensors)
+            d.publish({**newer[0], "step": 16}, newer[1])
+        asked: list[tuple[int, int]] = []
+
+        def accept(offer):
+            asked.append((offer.round, offer.step))
+            return None if offer.step < 16 else f"step {offer.step} is a round old"
+
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), accept=accept, timeout=60)
+        assert asked == [(4, 16), (3, 12)] and got_meta["round"] == 3
+        assert_same_state(tensors, got)
+        served = [sum(d.bytes_served_to.values()) for d in donors]
+        with pytest.raises(OfferDeclined, match="step 16 is a round old"):
+            await fetch_state(joiner.host, joiner.ts, ids(donors), accept=lambda o: f"step {o.step} is a round old")
+        assert [sum(d.bytes_served_to.values()) for d in donors] == served  # not a byte more
 
 
 async def test_download_straddling_a_round_boundary_finishes_the_older_round():

@@ -188,6 +188,41 @@ async def test_resume_after_connection_cut_mid_transfer(pair):
     assert got["r"].digest == payload_digest(src)
 
 
+async def test_a_sender_that_starts_over_replaces_its_interrupted_transfer(pair):
+    """The sender's first transfer breaks mid-way and is kept for resuming (15 s); the sender
+    does not resume — it restarted, say — but sends the same receive again under a new transfer
+    id. The new transfer takes the receive at once (it was refused as unclaimed, and the receive
+    waited out the resume window for nothing: CI, a restarted peer's sparse-gather payload)."""
+    a, b = pair
+    first, second = {"w": torch.zeros(16 << 20 >> 2)}, {"w": torch.randn(16 << 20 >> 2)}
+    got = {}
+    async with trio.open_nursery() as nursery:
+
+        async def rx():
+            got["r"] = await b.ts.receive(a.id, "again", timeout=30)
+
+        nursery.start_soon(rx)
+        with trio.CancelScope() as first_send:
+
+            async def cut_once_started():
+                while not any(p.done > 0 for p in b.ts.inbox.partials.values()):
+                    await trio.sleep(0.001)  # sleep: poll interval
+                first_send.cancel()
+                for ch in list(b.ts.active):
+                    ch.framed.stream.socket.shutdown(socket.SHUT_RDWR)
+
+            nursery.start_soon(cut_once_started)
+            await a.ts.send(b.id, "again", first)
+        while any(p.active for p in b.ts.inbox.partials.values()):  # the receiver saw the cut
+            await trio.sleep(0.01)  # sleep: poll interval
+        assert b.ts.inbox.partials, "the first transfer is kept for resuming"
+        t0 = trio.current_time()
+        await a.ts.send(b.id, "again", second, timeout=10)
+    assert trio.current_time() - t0 < 5
+    assert torch.equal(got["r"].tensors["w"], second["w"])
+    assert not b.ts.inbox.partials
+
+
 async def test_receive_times_out_cleanly_without_sender(pair):
     a, b = pair
     with pytest.raises(TransferError, match="within"):

@@ -783,16 +783,11 @@ class OuterOptimizer(Service):
         exchange may be waiting for us — the swarm expects a joiner at its next round — so we
         enter a step before it and take part (weight 0); refusing left both sides waiting for
         each other until the round's hard deadline, round after round (seen in CI)."""
+        if at_step is not None:  # refused before anything changes: a stale state leaves ours as it was
+            self._check_state(state)
+            at_step = self.entry_step(int(state["inner_steps"]), at_step)
         self.load_state_dict(state, inner=False)
         if at_step is not None:
-            send = self.next_send_step(self.inner_steps)
-            if self.delay >= 1 and send <= at_step < send + self.delay:
-                at_step = send - 1
-            if not self.inner_steps <= at_step < send:
-                raise StaleStateError(
-                    f"state is from step {self.inner_steps}; cannot enter at step {at_step} "
-                    f"(an exchange happened in between): fetch a newer state"
-                )
             self.inner_steps = at_step
         with torch.no_grad():
             for n, p in self.params.items():
@@ -800,6 +795,20 @@ class OuterOptimizer(Service):
         self._joined_at = self.inner_steps
         self.needs_resync = False
         self.residual = {}  # error feedback starts afresh: no one's residual travels with a state
+
+    def entry_step(self, state_step: int, at_step: int) -> int:
+        """The step a joiner enters at with a state from inner step `state_step` while the swarm
+        is at `at_step` (`join`'s rule); `StaleStateError` if that state is a round old. A node
+        asks this of a state's manifest before downloading its bytes (node/state/run_state.py)."""
+        send = self.next_send_step(state_step)
+        if self.delay >= 1 and send <= at_step < send + self.delay:
+            at_step = send - 1
+        if not state_step <= at_step < send:
+            raise StaleStateError(
+                f"state is from step {state_step}; cannot enter at step {at_step} "
+                f"(an exchange happened in between): fetch a newer state"
+            )
+        return at_step
 
     def _check_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:

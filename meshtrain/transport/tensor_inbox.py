@@ -17,7 +17,8 @@ handshake or the fallback stream's authorization):
   away (bounded by our own `eager_bytes`; more than that ends the connection).
 - **Resume.** A transfer whose connection dropped is kept (`partials`) for `resume_window`; a
   HEADER with the same transfer id continues it from where it stopped. Not resumed in time,
-  its receive gets `PeerGone`.
+  its receive gets `PeerGone`. A HEADER for the same receive with another transfer id replaces
+  it at once: the sender started over (restarted, or gave up resuming).
 Every refusal is an ERROR frame with a code, counted in the data plane's `refused`.
 
 Not here: sessions, connections and the send side (tensor_streams.py); the wire (data_channel.py).
@@ -367,7 +368,7 @@ class Inbox:
         if self.abandoned.get(key, 0) > time.monotonic():
             return None
         slot = self.slots.get(key)
-        if slot is not None and slot.claimed:
+        if slot is not None and slot.claimed and not self._release_interrupted(peer, tag):
             return None
         if slot is None:  # an early sender: it must wait, if there is room
             waiting = self.waiting.get(peer, 0)
@@ -387,6 +388,17 @@ class Inbox:
         if not slot.registered.is_set() or slot.cancelled:
             return None
         return slot
+
+    def _release_interrupted(self, peer: str, tag: str) -> bool:
+        """A new transfer (another transfer id) for a receive that an interrupted one still holds
+        — its connection dropped, it is kept for `resume_window` — means the sender started over:
+        it restarted, or gave up resuming. The new transfer takes the receive; without this a
+        restarted peer's payload was refused as unclaimed while its old self's transfer held the
+        receive, and the round waited out its deadline (seen in CI). True if one was released."""
+        stale = [k for k, part in self.partials.items() if k[0] == peer and part.slot.tag == tag and not part.active]
+        for k in stale:
+            del self.partials[k]
+        return bool(stale)
 
     async def _wait_for_receive(self, ch: DataChannel, peer: str, slot: _Slot) -> bool:
         """Wait up to `claim_timeout` for `slot` to be registered, counted in `_waiting`.

@@ -3,7 +3,10 @@ state sync (node/state/sync.py).
 
 The vote. `fetch_state` asks every donor for its manifest (waiting for stragglers only a grace
 period once a majority answered) and ranks the states a quorum of them offers identically
-(default: a majority of those that answered): newest round first, then most donors.
+(default: a majority of those that answered): newest round first, then most donors. The caller
+may decline a state from its manifest (`accept`): a joiner asks whether it could enter with it
+before a byte moves — a multi-GB state a round old used to be downloaded whole, refused, and
+downloaded again on every retry until the swarm published a newer one.
 
 Chunks. Each agreeing donor gets `per_donor` workers (default 2 outstanding chunks) that pull
 chunk indices from one shared queue, so a fast donor takes more (work stealing). For chunk i the
@@ -64,6 +67,7 @@ from meshtrain.node.state.sync import (
     NoAgreement,
     NoDonors,
     Offer,
+    OfferDeclined,
     StateSyncError,
     chunk_ranges,
     parse_manifest,
@@ -133,6 +137,7 @@ async def fetch_state(
     max_bytes: int = DEFAULT_MAX_STATE_BYTES,
     report: FetchReport | None = None,
     key: str = "",
+    accept: Callable[[Offer], str | None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download the swarm's newest majority-agreed state from `donors` in parallel; returns
     `(meta, tensors)` exactly as published (tensors in name order), verified by digest. If every
@@ -151,8 +156,11 @@ async def fetch_state(
         that answered).
     report: a `FetchReport` to fill in (bytes per donor, banned donors, ...).
     key: which of the donors' states (node/state/sync.py, Keys; "" the default one).
-    Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `DonorsExhausted`, or a plain
-    `StateSyncError` when `timeout` runs out.
+    accept: `accept(offer)` → None to download an agreed state, or why not (from its manifest:
+        round, step, size), before any of its bytes move; declined, the next older agreed state
+        is asked, and `OfferDeclined` raised when none is taken.
+    Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `OfferDeclined`,
+    `DonorsExhausted`, or a plain `StateSyncError` when `timeout` runs out.
     """
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
@@ -174,6 +182,7 @@ async def fetch_state(
         max_bytes=max_bytes,
         report=report or FetchReport(),
         key=key,
+        accept=accept,
     )
     t0 = time.monotonic()
     try:
@@ -223,9 +232,10 @@ class _Fetch:
         max_bytes: int,
         report: FetchReport,
         key: str = "",
+        accept: Callable[[Offer], str | None] | None = None,
     ) -> None:
         self.host, self.streams, self.donors = host, streams, donors
-        self.key = key
+        self.key, self.accept = key, accept
         self.chunk_bytes, self.progress, self.per_donor = chunk_bytes, progress, per_donor
         self.chunk_timeout, self.manifest_timeout = chunk_timeout, manifest_timeout
         self.stall_timeout = stall_timeout
@@ -252,11 +262,15 @@ class _Fetch:
         ranked = await self._vote()
         r = self.report
         failed: Offer | None = None
+        declined: list[str] = []
         # The newest agreed state first; if all its donors fail, the next one that donors not
         # yet dropped offer (module docstring, Fallback).
         for offer, backers in ranked:
             donors = [d for d in backers if d not in r.banned]
             if not donors:  # every donor of this state already failed on a newer one
+                continue
+            if self.accept is not None and (why := self.accept(offer)) is not None:
+                declined.append(why)
                 continue
             if failed is not None:
                 r.abandoned.append(failed.round)
@@ -265,6 +279,8 @@ class _Fetch:
                 assert self.flat is not None  # set by `_download`
                 return offer.meta, self.flat.tensors
             failed = offer
+        if declined and failed is None:
+            raise OfferDeclined(declined[0])
         reasons = "; ".join(f"{d[-8:]}: {why}" for d, why in r.banned.items())
         tried = ", ".join(str(n) for n in [*r.abandoned, r.round])
         raise DonorsExhausted(

@@ -76,7 +76,7 @@ from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, 
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import fetch_state
 from meshtrain.node.state.parity import ParityMonitor, phi_digest, winning_digest
-from meshtrain.node.state.sync import StateSyncError
+from meshtrain.node.state.sync import Offer, OfferDeclined, StateSyncError
 from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer import OuterStateError, StaleStateError
 from meshtrain.optim.outer_round import RoundReport
@@ -127,6 +127,10 @@ class RunState(Service):
         self._token: trio.lowlevel.TrioToken | None = None
         self._resync_landing: tuple[int, int] | None = None  # (step, round) the last re-sync joined at
         self._resync_backoff = Backoff(initial=RESYNC_PAUSE, cap=RESYNC_PAUSE_CAP)
+        # Retries after a state declined from its manifest cost one small RPC per donor, and the
+        # swarm publishes its next state within a round: ask again soon (the download's own
+        # backoff, for failed downloads, grows to 30 s; CI saw a joiner wait out 26 s of it).
+        self._declined_backoff = Backoff(initial=0.2, cap=2.0)
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
 
     async def _start(self, stack: AsyncExitStack) -> None:
@@ -289,22 +293,60 @@ class RunState(Service):
                     )
                 )
 
+        def before_roster(state_step: int) -> bool:
+            """Whether a round before ours would come first with this state: the donors had not
+            ended the one before ours (node/roster.py)."""
+            return trainer.outer.next_send_step(state_step) < in_from
+
+        def entry(state_step: int) -> int:
+            """The step we enter at — the one the donors, the swarm we join, are at now — or
+            `StaleStateError` (`OuterOptimizer.entry_step`)."""
+            assert self.presence.view is not None
+            reported = self.presence.view.progress()
+            now = max([reported[d].step for d in donors if d in reported] or [state_step])
+            return trainer.outer.entry_step(state_step, max(now, state_step))
+
+        declined_for_roster = False
+
+        def accept(offer: Offer) -> str | None:
+            """Decline, from its manifest, a state we could not enter with (fetch.py, "The vote")."""
+            nonlocal declined_for_roster
+            if before_roster(offer.step):
+                declined_for_roster = True
+                return f"the offered state (step {offer.step}) precedes our roster round {in_from}"
+            try:
+                entry(offer.step)
+            except StaleStateError as e:
+                return f"the offered state is a round old: {e}"
+            return None
+
         self.waiting = f"state download from {len(donors)} peers (attempt {attempt})"
         try:
-            meta, tensors = await fetch_state(host, self.streams, donors, timeout=600.0, progress=progress)
+            meta, tensors = await fetch_state(
+                host, self.streams, donors, timeout=600.0, progress=progress, accept=accept
+            )
+        except OfferDeclined as e:
+            if declined_for_roster:  # the donors had not ended the round before ours yet
+                self.waiting = f"waiting for the swarm's state of the round before ours ({in_from}): {e}"
+                await self.stop.sleep(ROSTER_POLL)
+            else:  # the swarm is inside an exchange: its next state comes within a round
+                await self._retry_later(self._declined_backoff, str(e), attempt=attempt)
+            return False
         except StateSyncError as e:
             await self._retry_later(backoff, f"state download failed: {e}", attempt=attempt)
             return False
+        self._declined_backoff.reset()
         state = unflatten_state(meta["skeleton"], tensors)
-        # Enter at the step the donors — the swarm we join — are at now.
-        assert self.presence.view is not None
-        reported = self.presence.view.progress()
-        now = max([reported[d].step for d in donors if d in reported] or [state["inner_steps"]])
-        at_step = max(now, state["inner_steps"])
+        # The swarm may have moved on while the bytes came: the same questions again.
         send = trainer.outer.next_send_step(state["inner_steps"])
-        if send < in_from:  # a round before ours would come first: the donors had not ended the one before ours
+        if before_roster(state["inner_steps"]):
             log.info(kv("downloaded state precedes our roster round; fetching again", send=send, in_from=in_from))
             await self.stop.sleep(ROSTER_POLL)
+            return False
+        try:
+            at_step = entry(state["inner_steps"])
+        except StaleStateError as e:
+            await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False
         if send == in_from:  # our first round: the swarm may be in it already, waiting for us
             at_step = min(at_step, send - 1)

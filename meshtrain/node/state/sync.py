@@ -108,6 +108,12 @@ class NoAgreement(StateSyncError):
     """No snapshot is offered identically by a majority of the donors that answered."""
 
 
+class OfferDeclined(StateSyncError):
+    """Every agreed state was declined by the caller's `accept` from its manifest alone — before
+    a byte of it was fetched (a joiner that could not enter with it: a round old, or before its
+    roster round)."""
+
+
 class DonorsExhausted(StateSyncError):
     """Every donor of every agreed state failed (vanished, lied, stalled, timed out) before a
     download completed."""
