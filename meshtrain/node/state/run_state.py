@@ -19,7 +19,11 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
   that wait for it. Only a state that cannot fit this node (another model or optimizer) is fatal:
-  `NodeError`. The joined state is offered to joiners at
+  `NodeError`. A state we could not enter with — a round old (`OuterOptimizer.entry_step`), or
+  before our roster round — is declined from its manifest, before its bytes move (`fetch_state`'s
+  `accept`), and asked for again within 2 s (0.5 s while we wait for our roster round): a joiner
+  used to download a state a round old whole, refuse it, and back off up to 30 s, every time, while
+  the swarm waited in an exchange for it. The joined state is offered to joiners at
   once (a snapshot from before the download would hand them an older φ than ours).
 - `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
   record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
@@ -131,6 +135,10 @@ class RunState(Service):
         # swarm publishes its next state within a round: ask again soon (the download's own
         # backoff, for failed downloads, grows to 30 s; CI saw a joiner wait out 26 s of it).
         self._declined_backoff = Backoff(initial=0.2, cap=2.0)
+        # Waiting for the state of the round before our roster round: it comes when the swarm ends
+        # that round; from every 50 ms (our first round should not start late) to every 0.5 s (each
+        # ask is a manifest per donor: a chunk digest per 8 MiB, 64 KB for a 16 GB state).
+        self._roster_backoff = Backoff(initial=ROSTER_POLL, cap=0.5)
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
 
     async def _start(self, stack: AsyncExitStack) -> None:
@@ -328,7 +336,7 @@ class RunState(Service):
         except OfferDeclined as e:
             if declined_for_roster:  # the donors had not ended the round before ours yet
                 self.waiting = f"waiting for the swarm's state of the round before ours ({in_from}): {e}"
-                await self.stop.sleep(ROSTER_POLL)
+                await self.stop.sleep(self._roster_backoff.next())
             else:  # the swarm is inside an exchange: its next state comes within a round
                 await self._retry_later(self._declined_backoff, str(e), attempt=attempt)
             return False
@@ -336,6 +344,7 @@ class RunState(Service):
             await self._retry_later(backoff, f"state download failed: {e}", attempt=attempt)
             return False
         self._declined_backoff.reset()
+        self._roster_backoff.reset()
         state = unflatten_state(meta["skeleton"], tensors)
         # The swarm may have moved on while the bytes came: the same questions again.
         send = trainer.outer.next_send_step(state["inner_steps"])
