@@ -2,6 +2,10 @@
 
 py-libp2p logs noisily to the root logger (docs/libp2p-notes.md), so `configure` silences third-party
 loggers below WARNING unless asked for debug output, and routes ours through one formatter.
+py-libp2p also resets its own logger when it is first imported (level WARNING, no handler, not
+propagating): its errors then went to Python's last-resort handler as bare lines on stderr ("fail
+to upgrade mux for peer …", a seven-line "Failed to open stream" per failed dial) in every node's
+console. `quiet_third_party` undoes that; transport/host.py, where py-libp2p is imported, calls it.
 Use `get_logger(__name__)` and pass context as keyword arguments to `kv`:
 
     log.info(kv("allreduce done", round=3, peers=4, seconds=1.2))
@@ -76,7 +80,14 @@ def configure(level: str | int | None = None) -> None:
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("meshtrain").setLevel(level)
-    # py-libp2p logs every failed dial to a departed peer at ERROR: noise for users.
+    quiet_third_party()
+
+
+def quiet_third_party() -> None:
+    """Third-party loggers at CRITICAL (DEBUG with MESHTRAIN_LOG_LIBP2P=1), through the root
+    logger's handler. py-libp2p logs every failed dial to a departed peer at ERROR: noise for users."""
     third_party = logging.DEBUG if os.environ.get("MESHTRAIN_LOG_LIBP2P") else logging.CRITICAL
     for name in _NOISY:
-        logging.getLogger(name).setLevel(third_party)
+        logger = logging.getLogger(name)
+        logger.setLevel(third_party)
+        logger.propagate = True

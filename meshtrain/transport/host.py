@@ -68,7 +68,7 @@ from libp2p.utils import encode_delim, read_delim
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.lifecycle import Service
-from meshtrain.log import get_logger, kv
+from meshtrain.log import get_logger, kv, quiet_third_party
 from meshtrain.transport import libp2p_patches
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import Rpc, reset_quietly
@@ -76,6 +76,7 @@ from meshtrain.transport.rpc import stream_peer as stream_peer  # re-exported: i
 
 log = get_logger(__name__)
 libp2p_patches.apply()
+quiet_third_party()  # importing py-libp2p (above) reset its loggers to print bare lines (meshtrain/log.py)
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 DEFAULT_CONNECT_TIMEOUT = 10.0
