@@ -831,35 +831,7 @@ def main() -> None:
         "sparseloco_bytes_ratio": (">=", 50),
     }
     summary["targets_met"] = targets_met(summary, targets)
-    plot_text(summary, loss_png, bytes_png)
     print(json.dumps(summary))
-
-
-def plot_text(summary: dict, loss_png: Path, bytes_png: Path) -> None:
-    """The two --text plots from a summary (a fresh one, or a saved one read back by --replot).
-
-    Loss against samples needs each method's mean curve, which summaries keep since issue 34's run;
-    a summary without curves gets only the bytes plot."""
-    methods_out = summary["methods"]
-    curves = {name: [tuple(p) for p in m["curve"]] for name, m in methods_out.items() if m.get("curve")}
-    if curves:
-        plot_curves(
-            curves,
-            loss_png,
-            title=f"held-out loss (outer params), {summary['steps']} inner steps, mean of seeds {summary['seeds']}",
-            xlabel="samples (all peers)",
-        )
-    plot_curves(
-        {
-            name: [(m["bytes_sent_per_peer"], m["final_eval_loss"])]
-            for name, m in methods_out.items()
-            if m["bytes_sent_per_peer"] > 0
-        },
-        bytes_png,
-        title="final held-out loss",
-        xlabel="bytes sent per peer (log scale)",
-        log_x=True,
-    )
 
 
 if __name__ == "__main__":
