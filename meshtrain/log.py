@@ -22,6 +22,8 @@ from contextlib import AbstractContextManager
 
 _NOISY = ("libp2p", "multiaddr", "async_service", "trio", "asyncio", "urllib3")
 
+_third_party_level = logging.CRITICAL  # the least level of a _NOISY logger's line we write (`quiet_third_party`)
+
 # Entered around every log line written (see `set_emit_guard`); None: nothing to guard.
 _emit_guard: Callable[[], AbstractContextManager[None]] | None = None
 
@@ -60,6 +62,10 @@ class _Handler(logging.StreamHandler):
         pass
 
     def emit(self, record: logging.LogRecord) -> None:
+        # Third-party loggers that set their own level (py-libp2p's auto-connector: INFO) pass the
+        # level set on their parent: the bar is held here too (`quiet_third_party`).
+        if record.levelno < _third_party_level and record.name.partition(".")[0] in _NOISY:
+            return
         guard = _emit_guard
         with guard() if guard is not None else contextlib.nullcontext():
             super().emit(record)
@@ -86,8 +92,9 @@ def configure(level: str | int | None = None) -> None:
 def quiet_third_party() -> None:
     """Third-party loggers at CRITICAL (DEBUG with MESHTRAIN_LOG_LIBP2P=1), through the root
     logger's handler. py-libp2p logs every failed dial to a departed peer at ERROR: noise for users."""
-    third_party = logging.DEBUG if os.environ.get("MESHTRAIN_LOG_LIBP2P") else logging.CRITICAL
+    global _third_party_level
+    _third_party_level = logging.DEBUG if os.environ.get("MESHTRAIN_LOG_LIBP2P") else logging.CRITICAL
     for name in _NOISY:
         logger = logging.getLogger(name)
-        logger.setLevel(third_party)
+        logger.setLevel(_third_party_level)
         logger.propagate = True
