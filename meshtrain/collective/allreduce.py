@@ -99,7 +99,7 @@ from meshtrain.collective.contract import (
     sampled_peers,
 )
 from meshtrain.collective.contribution import Contribution
-from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.coordinator import Coordinator, ask_where
 from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
 from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.echoes import EchoMemory
@@ -114,7 +114,6 @@ from meshtrain.collective.protocol import (
     JOIN_RPC,
     NOT_A_MEMBER,
     OUT_OF_WINDOW,
-    PROBE_EVERY,
     REPORT_RPC,
     WATCH_RPC,
     WHERE_RPC,
@@ -139,9 +138,8 @@ from meshtrain.collective.sparse_gather import gather_over_streams
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError, RpcError
+from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import TensorStreams
-from meshtrain.transport.validate import Malformed
 
 log = get_logger(__name__)
 
@@ -636,11 +634,7 @@ class SwarmCollective(Service):
         caller only ever gives up early on a peer's own word."""
         if not self.host.is_connected(peer):
             return None
-        request = WhereRequest(self._round_tag(round_id, tag), round_id)
-        try:
-            return WhereReply.parse(await self.host.rpc.call(peer, WHERE_RPC, request.to_wire(), timeout=PROBE_EVERY))
-        except (RpcError, Malformed):
-            return None
+        return await ask_where(self.host, peer, self._round_tag(round_id, tag), round_id)
 
     async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
         return await average_pair(

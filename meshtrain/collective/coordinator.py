@@ -117,6 +117,15 @@ class _Round:
         return Late(self.passed, self.elsewhere)
 
 
+async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
+    """`peer`'s answer to WHERE about round `round_id` of series `tag` (the round it is in, the
+    last it ended), or None when it gives none in `PROBE_EVERY` (or none we can read)."""
+    with contextlib.suppress(RpcError, Malformed):
+        reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
+        return WhereReply.parse(reply)
+    return None
+
+
 class Coordinator:
     """State a coordinator keeps per round key.
 
@@ -227,11 +236,8 @@ class Coordinator:
         answers: dict[str, WhereReply] = {}
 
         async def ask(peer: str) -> None:
-            with contextlib.suppress(RpcError, Malformed):
-                reply = await self.host.rpc.call(
-                    peer, WHERE_RPC, WhereRequest(r.key.tag, round_id).to_wire(), timeout=PROBE_EVERY
-                )
-                answers[peer] = WhereReply.parse(reply)
+            if (where := await ask_where(self.host, peer, r.key.tag, round_id)) is not None:
+                answers[peer] = where
 
         async with trio.open_nursery() as nursery:
             for p in missing:
