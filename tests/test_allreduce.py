@@ -96,6 +96,9 @@ async def test_weighted_mean_and_zero_weight_peer():
         assert torch.allclose(results[0].tensors["w"], torch.full((10,), (1 * 1 + 2 * 3) / 4))
         assert peers[2].id not in results[0].contributors
         assert len({r.digest for r in results}) == 1
+        # ... but it took part: every result names it a member (a round it joined is not one its
+        # contributor took alone: node/state/parity.py, "Withheld and solo rounds")
+        assert {r.members for r in results} == {tuple(sorted(p.id for p in peers))}
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "fp4"])

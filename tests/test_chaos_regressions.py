@@ -400,6 +400,10 @@ def test_survivor_of_a_killed_peer_goes_on_within_seconds(tmp_path):
             # The old code waited three join deadlines (90 s) in silence; join_timeout is 30 s.
             assert time.monotonic() - killed_at < 25, la.read_text()[-3000:]
             time.sleep(0.2)  # sleep: poll interval
+        # Its rounds since are its own alone, but not solo: the only other trainer's connection
+        # closed, so nobody else holds a φ for them (node/state/parity.py, "Withheld and solo").
+        parity = _status(a)["training"]["parity"]
+        assert parity["alone_rounds"] >= 1 and parity["solo_rounds"] == 0, parity
         r = subprocess_stop(a)
         assert r.returncode == 0, r.stderr
         finish(pa, la)

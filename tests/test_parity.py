@@ -148,3 +148,10 @@ def test_backoff_grows_jittered_and_never_spins():
     assert waits[4] >= 4.0 and len({round(w, 6) for w in waits}) == len(waits)
     with pytest.raises(ValueError):
         Backoff(initial=0)
+
+
+def test_rounds_alone_are_solo_only_while_a_partner_trains_and_is_connected():
+    monitor = ParityMonitor("me")
+    assert monitor.completed_alone(3, []) is False  # partners killed or silent: ours is the only φ
+    assert monitor.completed_alone(2, ["peer-b"]) is True  # peer-b trains and is reachable: a fork
+    assert monitor.status()["alone_rounds"] == 5 and monitor.status()["solo_rounds"] == 2

@@ -563,7 +563,9 @@ class SwarmCollective(Service):
         if screening is not None:
             for listener in self.screening_listeners:
                 listener(screening)
-        return ReduceResult(result, contributors, digest, stats.sent, stats.received, excluded, screening)
+        return ReduceResult(
+            result, contributors, digest, stats.sent, stats.received, excluded, screening, tuple(sorted(group))
+        )
 
     async def _attempt(
         self, plan: AttemptPlan, contribution: Contribution

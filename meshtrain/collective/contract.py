@@ -195,6 +195,9 @@ class ReduceResult:
     bytes_received: int = 0
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it was dropped
     screening: RoundScreening | None = None  # robust all-reduces: what we flagged as a part's owner
+    # Everyone whose round this was, sorted: the contributors, those excluded, and those who took
+    # part with weight 0 (a joiner entering mid-exchange). Empty: not told (read `contributors`).
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -439,6 +439,7 @@ class OuterOptimizer(Service):
             result.bytes_sent + mean.bytes_sent,
             result.bytes_received + mean.bytes_received,
             {**mean.excluded, **result.excluded},
+            members=result.members,
         )
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
@@ -652,6 +653,7 @@ class OuterOptimizer(Service):
             waited,
             ex.error,
             tuple(sorted({*result.contributors, *result.excluded})),
+            set(result.members or result.contributors) <= {self.collective.peer_id},
         )
         self.history.append(report)
         return report

@@ -90,6 +90,7 @@ class RoundReport:
     waited: float  # how long the inner loop blocked on it
     error: str = ""  # why we proceeded alone, if we did
     peers: tuple[str, ...] = ()  # who took part by id, sorted: the contributors and those excluded
+    alone: bool = False  # nobody else took part: a group of one (after retries), or proceeding alone
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,9 @@ class SparseLoCo(OuterOptimizer):
                 n: torch.where(r.tensors[_MASK + n] > 0, r.tensors[n] / r.tensors[_MASK + n].clamp_min(1e-30), 0.0)
                 for n in names
             }
-            return ReduceResult(mean, r.contributors, r.digest, r.bytes_sent, r.bytes_received, dict(r.excluded))
+            return ReduceResult(
+                mean, r.contributors, r.digest, r.bytes_sent, r.bytes_received, dict(r.excluded), members=r.members
+            )
         gathered = await all_gather(self.collective, tensors, round_id=round_id, tag=tag, weight=weight)
         mean = await trio.to_thread.run_sync(self._aggregate, gathered, names)
         if gathered.excluded:
@@ -217,7 +219,13 @@ class SparseLoCo(OuterOptimizer):
                 )
             )
         return ReduceResult(
-            mean, gathered.contributors, b"", gathered.bytes_sent, gathered.bytes_received, dict(gathered.excluded)
+            mean,
+            gathered.contributors,
+            b"",
+            gathered.bytes_sent,
+            gathered.bytes_received,
+            dict(gathered.excluded),
+            members=tuple(sorted({*gathered.weights, *gathered.excluded})),
         )
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:

@@ -52,8 +52,13 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - rss_growth_mib: per node process that lived at least `RSS_MIN_LIFE_S`, RSS at its last sample
   minus RSS one minute after it started (the largest; per-process list in the summary). Under
   this much churn few processes live from minute 1 to the end, hence per process.
-- solo_rounds: rounds a node completed as the only contributor while other trainers were live in
-  its view (its status, `training.parity.solo_rounds`, summed over lives): a lineage of its own.
+- solo_rounds: rounds whose result was a node's own contribution alone while another trainer
+  still trained (a fresh progress record) and was connected to it (its status,
+  `training.parity.solo_rounds`, summed over lives): a lineage of its own beside a live one.
+  `alone_rounds`: all rounds whose result was its own alone while other trainers were in its view,
+  solo or not — most are rounds after the only partner was killed (its connection closed: nobody
+  else holds a φ for them) or went silent (SIGSTOP, a partition: node/state/parity.py says why a
+  lone survivor trains on).
   `rounds_withheld`: rounds a node proceeded alone in after a failed round; it publishes no φ
   for them and re-syncs at once (`parity.withheld`). `actions.restart_dead_bootstrap`: restarts
   whose only bootstrap address was dead.
@@ -127,6 +132,7 @@ LAB_PORT = 4001
 CLONE_NEWNET = 0x40000000
 LOG_PATTERNS = {
     "proceeding alone": "proceeding alone",
+    "completed alone": "outer round completed alone",
     "out of step": "out of step",
     "Traceback": "Traceback",
     "could not download": "could not download",
@@ -340,7 +346,8 @@ class Life:
     last_round: int | None = None
     round_times: list[tuple[float, int]] = field(default_factory=list)
     wait: tuple[str, float] | None = None  # (what, since)
-    solo_rounds: int = 0  # its status: rounds completed alone while other trainers were live
+    solo_rounds: int = 0  # its status: rounds alone while another trainer trained and was connected
+    alone_rounds: int = 0  # its status: rounds whose result was its own alone, other trainers in its view
     withheld: int = 0  # its status: rounds it proceeded alone in and published no φ for
 
 
@@ -590,6 +597,7 @@ class Monitor:
                 self.parity_status[str(parity["status"])] += 1
             if isinstance(parity, dict):
                 life.solo_rounds = max(life.solo_rounds, int(parity.get("solo_rounds") or 0))
+                life.alone_rounds = max(life.alone_rounds, int(parity.get("alone_rounds") or 0))
                 life.withheld = max(life.withheld, int(parity.get("withheld") or 0))
             waiting = tr.get("waiting")
             if waiting:
@@ -1206,6 +1214,7 @@ class Soak:
         out["solo_rounds"] = sum(x["solo_rounds"] for x in solo)
         out["solo_round_list"] = solo
         out["rounds_withheld"] = sum(life.withheld for s in self.slots for life in s.lives)
+        out["alone_rounds"] = sum(life.alone_rounds for s in self.slots for life in s.lives)
         out["roundless_gap_over_round"] = out.get("max_roundless_gap_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
         out["skew"] = {"node": SKEWED_NODE, "seconds": self.cfg.skew} if self.cfg.skew else None

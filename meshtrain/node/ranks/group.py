@@ -266,6 +266,7 @@ class LocalRanksCollective(ForwardingCollective):
                 0,
                 0,
                 dict(outcome["excluded"]),
+                members=tuple(outcome["members"]),
             )
         try:
             result = await exchange(unflatten(flat, tensors, list(tensors)))
@@ -283,6 +284,7 @@ class LocalRanksCollective(ForwardingCollective):
                 "contributors": list(result.contributors),
                 "digest": result.digest,
                 "excluded": dict(result.excluded),
+                "members": list(result.members),
                 "grouped": grouped,
             },
             mean,

@@ -530,15 +530,32 @@ class RunState(Service):
         trio.from_thread.run_sync(on_trio, trio_token=self._token)
 
     def _count_solo_rounds(self, history: Iterable[RoundReport]) -> None:
-        """Count the rounds completed since the last call that had us as their only contributor
-        while other trainers were live in our view (trio thread): a state of our own, a fork the
-        re-sync must repair (`ParityMonitor.solo_rounds`; the chaos soak sums them)."""
+        """Count the rounds completed since the last call whose result was our own contribution
+        alone while other trainers were in our view, and of them the solo ones — another trainer
+        trained and was connected to us: a φ of our own beside a live one, which the parity rule
+        must heal (trio thread; `ParityMonitor.completed_alone`; the chaos soak sums both)."""
         new = [r for r in history if (r.step, r.fragment) > self._last_report]
         if not new:
             return
         self._last_report = (new[-1].step, new[-1].fragment)
-        if self.parity.enabled and len(self.presence.trainers()) > 1:
-            self.parity.solo_rounds += sum(r.contributors <= 1 for r in new)
+        alone = [r for r in new if r.alone]
+        if not alone or not self.parity.enabled or len(self.presence.trainers()) <= 1:
+            return
+        partners = sorted(self.presence.training_peers(connected=True))
+        # A failed round's φ of our own is withheld and re-synced at once (`withhold`): not solo.
+        self.parity.alone_rounds += sum(bool(r.error) for r in alone)
+        formed = [r for r in alone if not r.error]  # a group of one (its failure is logged where it fails)
+        if not formed:
+            return
+        solo = self.parity.completed_alone(len(formed), partners)
+        (log.warning if solo else log.info)(
+            kv(
+                "outer round completed alone" + (" while peers train and are connected" if solo else ""),
+                step=formed[-1].step,
+                rounds=len(formed),
+                partners=",".join(p[-8:] for p in partners),
+            )
+        )
 
     def _write_checkpoint(self, trainer: TrainedState) -> tuple[PendingCheckpoint, float] | None:
         """Write a checkpoint from the live state (the trainer's thread, between two steps: the
