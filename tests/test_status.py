@@ -287,3 +287,23 @@ async def test_wait_for_exit_returns_once_the_endpoint_is_gone():
         with pytest.raises(StatusError, match="still running"):
             await trio.to_thread.run_sync(lambda: wait_for_exit(None, url, timeout=0.3))
     assert await trio.to_thread.run_sync(lambda: wait_for_exit(None, url, timeout=5)) < 5
+
+
+async def test_a_client_that_hangs_up_mid_answer_leaves_no_traceback(capfd):
+    """A poller that gives up (its own timeout) while a large answer is being written: the node
+    logs nothing of it — socketserver printed a BrokenPipeError traceback into a chaos soak's logs."""
+    big = {**snapshot(), "padding": "x" * 8_000_000}
+
+    def hang_up_after_asking(port: int) -> None:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+        s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.recv(1024)  # the answer has started
+        s.close()
+
+    async with StatusServer(lambda: big, port=0) as srv:
+        for _ in range(3):
+            await trio.to_thread.run_sync(hang_up_after_asking, srv.port)
+        assert (await trio.to_thread.run_sync(fetch_status, srv.url))["training"]["step"] == 10  # still serving
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err, err[-2000:]

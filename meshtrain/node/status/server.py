@@ -19,6 +19,7 @@ Not here: the client (`status.fetch_status`, `request_stop`), which must not imp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import json
@@ -251,7 +252,10 @@ class _Server:
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(self.timeout)
-        super().finish_request(request, client_address)  # type: ignore[misc]
+        # A client that hung up before its answer was written (a poller's own timeout) is its
+        # business, not the node's: socketserver would print a traceback into the node's log.
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            super().finish_request(request, client_address)  # type: ignore[misc]
 
     def current_snapshot(self) -> dict[str, Any]:
         """A fresh document from the trio thread if it answers within `FRESH_SNAPSHOT_WAIT`, else
