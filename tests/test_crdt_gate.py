@@ -124,6 +124,11 @@ async def test_a_non_members_records_are_neither_stored_nor_forwarded():
         )
         assert [p.peer_id for p in views[1].ignored_peers()] == [s.peer_id]  # named, not stored
         assert s.peer_id in owners(stranger, PROGRESS)  # its own replica keeps its own records
+        # One peer's record, as a coordinator asks it, is the whole map's entry (admitted or absent)
+        for v in (*views, stranger):
+            for peer in (*members, s.peer_id, *(i.peer_id_str for i in minted)):
+                assert v.progress_of(peer) == v.progress().get(peer), (v.me, peer)
+        assert views[0].progress_of(m1.peer_id) is not None and views[0].progress_of(s.peer_id) is None
 
 
 async def test_a_joiners_progress_that_arrives_before_its_membership_is_stored_once_it_is_a_member():

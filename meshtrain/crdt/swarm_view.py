@@ -196,6 +196,14 @@ class NotSwarmOwner(NotAWriter):
     """Only the swarm owner's key may change the run config."""
 
 
+def _progress(entry: SignedEntry) -> PeerProgress:
+    """A progress CRDT entry as the record it carries."""
+    _, body = entry.body
+    return PeerProgress(
+        entry.owner, body["step"], body["samples"], body["round"], entry.body[0], phi_digests(body.get("phi", []))
+    )
+
+
 class SwarmView(Service):
     """The swarm as this peer sees it: who is live, how far everyone is, and the run config.
 
@@ -550,17 +558,22 @@ class SwarmView(Service):
         """peer id -> its latest progress record (admitted peers only)."""
         admitted = self._admitted_ids()
         return {
-            e.owner: PeerProgress(
-                e.owner,
-                e.body[1]["step"],
-                e.body[1]["samples"],
-                e.body[1]["round"],
-                e.body[0],
-                phi_digests(e.body[1].get("phi", [])),
-            )
+            e.owner: _progress(e)
             for e in self.replica.crdt(PROGRESS).entries()
             if admitted is None or e.owner in admitted
         }
+
+    def progress_of(self, peer_id: str) -> PeerProgress | None:
+        """`peer_id`'s latest progress record if it is admitted (`progress()` for one peer: a
+        coordinator asks this for each missing peer at every review, so not O(members) each)."""
+        entry = self.replica.crdt(PROGRESS).entry(peer_id)
+        if entry is None:
+            return None
+        if self.admit is not None:
+            member = self.replica.crdt(MEMBERSHIP).entry(peer_id)
+            if member is None or not self.admit(peer_info(member)):
+                return None
+        return _progress(entry)
 
     def outer_round(self) -> int | None:
         """The highest outer round any peer has reported (None before any report)."""

@@ -399,7 +399,7 @@ class PeerPresence(Service):
         no fresh record — a peer restarted from an older checkpoint must not be taken for past a
         round by the record of its last life)."""
         view = self._view()
-        record = view.progress().get(peer)
+        record = view.progress_of(peer)
         return record.step if record is not None and self._fresh(view, peer, time.monotonic()) else None
 
     def front_step(self) -> int | None:
