@@ -152,6 +152,7 @@ def test_backoff_grows_jittered_and_never_spins():
 
 def test_rounds_alone_are_solo_only_while_a_partner_trains_and_is_connected():
     monitor = ParityMonitor("me")
-    assert monitor.completed_alone(3, []) is False  # partners killed or silent: ours is the only φ
-    assert monitor.completed_alone(2, ["peer-b"]) is True  # peer-b trains and is reachable: a fork
-    assert monitor.status()["alone_rounds"] == 5 and monitor.status()["solo_rounds"] == 2
+    assert monitor.completed_alone(3, 0, []) is False  # partners killed or silent: ours is the only φ
+    assert monitor.completed_alone(2, 0, ["peer-b"]) is True  # peer-b trains and is reachable: a fork
+    assert monitor.completed_alone(0, 4, ["peer-b"]) is False  # failed rounds: withheld, re-synced
+    assert monitor.status()["alone_rounds"] == 9 and monitor.status()["solo_rounds"] == 2

@@ -198,9 +198,9 @@ class NotSwarmOwner(NotAWriter):
 
 def _progress(entry: SignedEntry) -> PeerProgress:
     """A progress CRDT entry as the record it carries."""
-    _, body = entry.body
+    stamp_ms, body = entry.body
     return PeerProgress(
-        entry.owner, body["step"], body["samples"], body["round"], entry.body[0], phi_digests(body.get("phi", []))
+        entry.owner, body["step"], body["samples"], body["round"], stamp_ms, phi_digests(body.get("phi", []))
     )
 
 

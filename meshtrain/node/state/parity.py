@@ -47,11 +47,12 @@ coordinator refused its join or vanished) leaves a φ known not to be the swarm'
 published for it, and the peer re-syncs before its next round (`ParityMonitor.withhold`; a CI
 soak saw such a peer publish its own φ as a member's for two rounds). `alone_rounds` counts the
 rounds whose result was our own contribution alone while other trainers were in the membership,
-and `solo_rounds` those of them — not failed, so not withheld — in which another trainer still trained (a fresh progress record)
-and was connected to us: a peer that may hold a second φ for the same round, the fork the parity
-rule then heals. A round alone whose partners' connections closed (killed: most of a 10-minute
-soak's 79 rounds alone were such) or whose partners stopped training is not solo: nobody else holds a φ for it
-(a killed peer re-syncs when it comes back). A partner that went silent (SIGSTOP, a cut cable)
+and `solo_rounds` those of them — formed, not failed and withheld — in which another trainer
+still trained (a fresh progress record) and was connected to us: a peer that may hold a second φ
+for the same round, the fork the parity rule then heals. A round alone whose partners'
+connections closed (killed: most of a 10-minute soak's 79 rounds alone were such) or whose
+partners stopped training is not solo: nobody else holds a φ for it (a killed peer re-syncs when
+it comes back). A partner that went silent (SIGSTOP, a cut cable)
 is solo for as long as its progress stays fresh (~3 heartbeats), then gone for all we can tell:
 availability is chosen over a quorum — a lone survivor trains on, and when the silent side comes
 back the parity rule picks one lineage (`parity_split_rounds` in the chaos soak counts such
@@ -196,10 +197,8 @@ class ParityMonitor:
         self.resyncs = 0
         self.withheld = 0  # rounds whose digest we did not publish: we proceeded alone (`withhold`)
         self.withheld_round: int | None = None  # the newest of them
-        self.alone_rounds = (
-            0  # rounds whose φ is our own contribution alone, others in the membership (`completed_alone`)
-        )
-        self.solo_rounds = 0  # ... of them, while another trainer trained and was connected to us
+        self.alone_rounds = 0  # rounds whose φ is our own alone, others in the membership (`completed_alone`)
+        self.solo_rounds = 0  # ... of them formed (not failed), while a partner trained and was connected
         # Why the check is off for now ("" or None: it is on); the node wires grouped rounds here.
         self.paused_by: Callable[[], str] | None = None
 
@@ -221,17 +220,18 @@ class ParityMonitor:
             self.withheld_round = outer_round
             self.withheld += 1
 
-    def completed_alone(self, rounds: int, training_partners: Collection[str]) -> bool:
-        """We completed `rounds` rounds whose result was our own contribution alone while other
-        trainers were in the membership; `training_partners`: those of them that train now and
-        are connected to us. Returns whether the rounds count as solo (module docstring): with a
-        partner training and reachable, a second φ for the same rounds may exist; with none — its
-        connection closed (killed) or its progress gone stale (stopped, cut off) — ours is the only
-        one, for all we can tell from here."""
-        self.alone_rounds += rounds
-        if not training_partners:
+    def completed_alone(self, formed: int, failed: int, training_partners: Collection[str]) -> bool:
+        """We completed rounds whose result was our own contribution alone while other trainers
+        were in the membership: `formed` in a group of one, `failed` proceeding alone after a
+        failed round (withheld and re-synced: never solo); `training_partners`: the trainers that
+        train now and are connected to us. Returns whether the formed ones count as solo (module
+        docstring): with a partner training and reachable, a second φ for the same rounds may
+        exist; with none — its connection closed (killed) or its progress gone stale (stopped,
+        cut off) — ours is the only one, for all we can tell from here."""
+        self.alone_rounds += formed + failed
+        if not formed or not training_partners:
             return False
-        self.solo_rounds += rounds
+        self.solo_rounds += formed
         return True
 
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:

@@ -542,12 +542,10 @@ class RunState(Service):
         if not alone or not self.parity.enabled or len(self.presence.trainers()) <= 1:
             return
         partners = sorted(self.presence.training_peers(connected=True))
-        # A failed round's φ of our own is withheld and re-synced at once (`withhold`): not solo.
-        self.parity.alone_rounds += sum(bool(r.error) for r in alone)
-        formed = [r for r in alone if not r.error]  # a group of one (its failure is logged where it fails)
+        formed = [r for r in alone if not r.error]  # a group of one; a failure is logged where it fails
+        solo = self.parity.completed_alone(len(formed), len(alone) - len(formed), partners)
         if not formed:
             return
-        solo = self.parity.completed_alone(len(formed), partners)
         (log.warning if solo else log.info)(
             kv(
                 "outer round completed alone" + (" while peers train and are connected" if solo else ""),
