@@ -432,6 +432,21 @@ def test_status_and_stop_find_the_data_dir_as_node_start_does(tmp_path, monkeypa
         assert data_dir_of(args) == load_node_config(None, overrides={"data_dir": str(tmp_path / "flag")}).data_dir
 
 
+def test_a_node_logs_at_the_level_meshtrain_log_names_unless_its_own_setting_says_otherwise(tmp_path):
+    """MESHTRAIN_LOG sets every command's level (docs/guide.md), `node start`'s too: the config's
+    default (WARNING) once hid it, so a daemon ran quiet under MESHTRAIN_LOG=INFO."""
+    from meshtrain.node.spec.config import load_node_config
+
+    assert load_node_config(None, environ={}).log_level == "WARNING"
+    assert load_node_config(None, environ={"MESHTRAIN_LOG": "info"}).log_level == "INFO"
+    both = {"MESHTRAIN_LOG": "INFO", "MESHTRAIN_LOG_LEVEL": "DEBUG"}
+    assert load_node_config(None, environ=both).log_level == "DEBUG"
+    toml = tmp_path / "node.toml"
+    toml.write_text('log_level = "ERROR"\n')
+    assert load_node_config(toml, environ={"MESHTRAIN_LOG": "INFO"}).log_level == "INFO"  # the environment over a file
+    assert load_node_config(None, environ={"MESHTRAIN_LOG": "INFO"}, overrides={"log_level": "ERROR"}).log_level == "ERROR"
+
+
 @pytest.mark.slow
 def test_stop_returns_once_accepted_and_the_node_exits_cleanly_after_printing_its_rounds(tmp_path):
     d = tmp_path / "a"

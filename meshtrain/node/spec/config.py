@@ -238,7 +238,9 @@ def one_line_error(e: ValidationError, what: str, *, shown_as: Mapping[str, str]
 
 
 def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    # MESHTRAIN_LOG sets every command's level (log.py `configure`), the node's too; the field's
+    # own MESHTRAIN_LOG_LEVEL, read below, overrides it.
+    out: dict[str, Any] = {"log_level": environ["MESHTRAIN_LOG"]} if environ.get("MESHTRAIN_LOG") else {}
     for name, info in NodeConfig.model_fields.items():
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None:
