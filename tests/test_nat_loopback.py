@@ -48,6 +48,9 @@ async def test_loopback_peer_is_public_and_starts_relaying() -> None:
         assert report.public_addrs and report.public_addrs[0].startswith("/ip4/127.0.0.1/tcp/")
         assert nat_b.relay.serving and not nat_a.relay.serving
         assert announced == [("public", b.addrs)]
+        late: list[tuple[str, list[str]]] = []  # a listener registered after the verdict hears it at once
+        nat_b.on_announce(lambda conn, addrs: late.append((conn, addrs)))
+        assert late == [("public", b.addrs)]
 
 
 async def test_probe_without_servers_says_to_connect_first() -> None:
@@ -58,6 +61,25 @@ async def test_probe_without_servers_says_to_connect_first() -> None:
         with pytest.raises(ReachabilityError, match="connect to a bootstrap or relay"):
             await reach.probe()
         assert reach.status == "unknown"
+
+
+async def test_a_probe_nobody_answers_keeps_the_status_an_earlier_probe_concluded() -> None:
+    """No answer is no news: under load a second probe, refused by its servers' rate limit, once
+    turned a private node UNKNOWN, and its record lost its circuit addresses until the next probe."""
+    async with AsyncExitStack() as stack:
+        server = await stack.enter_async_context(Host(Identity.generate()))
+        await stack.enter_async_context(ReachabilityService(server, config=ReachabilityConfig(probe_interval=0)))
+        mute = await stack.enter_async_context(Host(Identity.generate()))  # serves no dial-back
+        asker = await stack.enter_async_context(Host(Identity.generate()))
+        reach = await stack.enter_async_context(ReachabilityService(asker, config=ReachabilityConfig(probe_interval=0)))
+        changes: list[str] = []
+        reach.on_change(lambda report: changes.append(report.status))
+        for h in (server, mute):
+            await asker.connect(h.addrs[0])
+        assert (await reach.probe([server.peer_id])).status == "public"
+        inconclusive = await reach.probe([mute.peer_id])
+        assert inconclusive.status == "public" and inconclusive.errors and reach.status == "public"
+        assert reach.observed_ip == "127.0.0.1" and changes == ["public"]
 
 
 async def test_tensors_reach_a_peer_through_its_relay() -> None:

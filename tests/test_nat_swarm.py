@@ -109,7 +109,10 @@ def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(
 
         def together(hosts, after: dict[str, int] | None = None, rounds: int = 0):
             """Every node of `hosts` sees exactly them live, has rounded `rounds` times past
-            `after`, and its φ check agrees with all of them (parity `ok`, agreeing = len(hosts))."""
+            `after`, its φ check agrees with all of them (parity `ok`, agreeing = len(hosts)) and,
+            past `after`, one of its newest rounds (`round_peers`) was theirs all: the same φ alone
+            is not enough (under load, the NAT peers once never met in a round and each
+            downloaded the public node's state every round, so their φ agreed)."""
 
             def check():
                 st = statuses(hosts)
@@ -121,6 +124,8 @@ def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(
                     if len(live) != len(hosts) or (after and s["training"]["round"] < after[h] + rounds):
                         return None
                     if parity.get("status") != "ok" or parity.get("agreeing") != len(hosts):
+                        return None
+                    if after and not any(len(peers) == len(hosts) for _, peers in s["training"]["round_peers"]):
                         return None
                 return st
 

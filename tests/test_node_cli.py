@@ -444,7 +444,9 @@ def test_a_node_logs_at_the_level_meshtrain_log_names_unless_its_own_setting_say
     toml = tmp_path / "node.toml"
     toml.write_text('log_level = "ERROR"\n')
     assert load_node_config(toml, environ={"MESHTRAIN_LOG": "INFO"}).log_level == "INFO"  # the environment over a file
-    assert load_node_config(None, environ={"MESHTRAIN_LOG": "INFO"}, overrides={"log_level": "ERROR"}).log_level == "ERROR"
+    assert (
+        load_node_config(None, environ={"MESHTRAIN_LOG": "INFO"}, overrides={"log_level": "ERROR"}).log_level == "ERROR"
+    )
 
 
 @pytest.mark.slow

@@ -390,10 +390,16 @@ class SwarmView(Service):
         never by the peer's wall clock (module docstring, "Liveness"). None: no record of it."""
         return self._fresh[crdt].age(peer_id, time.monotonic() if at is None else at)
 
+    @property
+    def announced_addrs(self) -> list[str]:
+        """The addresses our record names: those `set_connection` gave (a node behind NAT: its
+        circuit addresses), else the host's."""
+        return list(self._addrs if self._addrs is not None else self.replica.host.addrs)
+
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
         lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
         record = {
-            "addrs": list(self._addrs if self._addrs is not None else self.replica.host.addrs)[:MAX_ADDRS],
+            "addrs": self.announced_addrs[:MAX_ADDRS],
             "role": self.role,
             # The roster round rides in the capabilities, and only when set (swarm_records.py).
             "caps": {**self.capabilities, IN_FROM: self.in_from} if self.in_from else self.capabilities,

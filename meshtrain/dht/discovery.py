@@ -19,6 +19,7 @@ cannot be withdrawn before it expires; a shorter `ttl` makes departures visible 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from meshtrain.dht.records import DhtError, Record
 from meshtrain.errors import ConfigError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.host import parse_multiaddr, peer_id_of
+from meshtrain.transport.host import dialable_addrs, parse_multiaddr, peer_id_of
 
 log = get_logger(__name__)
 
@@ -115,26 +116,44 @@ class Discovery(Service):
     dht: a running `Dht` (one DHT serves every swarm).
     swarm_id: the swarm whose peers' key (`peers_key`) we announce under and read.
     config: `DiscoveryConfig`.
+    addrs: the addresses we announce, asked at each announcement (default: the host's own; a node
+        behind NAT announces its circuit addresses, which its listen addresses are not —
+        transport/nat.py `addrs`). Unspecified IPs (a listen address as bound: 0.0.0.0) are left
+        out: they name the reader's machine, never ours (transport/host.py `dialable_addrs`).
 
     Entering announces once (a failure is logged and retried every `retry_interval`) and starts
-    the refresh task; leaving stops it. Bootstrap the DHT first: a node that is still alone
-    announces only to itself until its next refresh.
+    the refresh task; leaving stops it. `readdress()` announces again at once (our addresses
+    changed). Bootstrap the DHT first: a node that is still alone announces only to itself until
+    its next refresh.
     """
 
-    def __init__(self, dht: Dht, swarm_id: str, config: DiscoveryConfig | None = None) -> None:
+    def __init__(
+        self,
+        dht: Dht,
+        swarm_id: str,
+        config: DiscoveryConfig | None = None,
+        *,
+        addrs: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self.dht = dht
         self.swarm_id = swarm_id
         self.config = config or DiscoveryConfig()
         self.key = peers_key(swarm_id)
+        self._addrs = addrs or (lambda: dht.host.addrs)
+        self._readdressed = trio.Event()
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         ok = await self._announce_logged()
         self._nursery.start_soon(self._refresh_loop, ok)
 
+    def readdress(self) -> None:
+        """Our addresses changed: announce them now, not at the next refresh."""
+        self._readdressed.set()
+
     def announcement_value(self) -> dict[str, Any]:
         return {
-            "addrs": self.dht.host.addrs[:MAX_ANNOUNCED_ADDRS],
+            "addrs": dialable_addrs(self._addrs(), self.dht.peer_id)[:MAX_ANNOUNCED_ADDRS],
             "role": self.config.role,
             "caps": dict(self.config.capabilities),
             "version": meshtrain.__version__,
@@ -167,5 +186,7 @@ class Discovery(Service):
 
     async def _refresh_loop(self, ok: bool) -> None:
         while True:
-            await trio.sleep(self.config.refresh_interval if ok else self.config.retry_interval)
+            with trio.move_on_after(self.config.refresh_interval if ok else self.config.retry_interval):
+                await self._readdressed.wait()
+            self._readdressed = trio.Event()
             ok = await self._announce_logged()

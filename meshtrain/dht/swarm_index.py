@@ -38,13 +38,14 @@ flood of junk adverts from many identities could crowd honest ones out of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.records import Record
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.host import parse_multiaddr, peer_id_of
+from meshtrain.transport.host import dialable_addrs, parse_multiaddr, peer_id_of
 from meshtrain.transport.validate import is_int
 
 log = get_logger(__name__)
@@ -112,15 +113,16 @@ async def publish_advert(
     proof: Any = None,
     ttl: float = DEFAULT_ADVERT_TTL,
     excluded: int = 0,
+    addrs: Sequence[str] | None = None,
 ) -> int:
-    """Store our advert for `swarm_id` (addresses: our host's, with /p2p/). Returns the number
-    of replicas; raises `DhtError` (none reachable) or `InvalidRecord` (e.g. oversized)."""
-    me = dht.peer_id
-    addrs = [a if "/p2p/" in a else f"{a}/p2p/{me}" for a in dht.host.addrs[:MAX_ADVERT_ADDRS]]
+    """Store our advert for `swarm_id`, naming `addrs` (default: our host's; behind NAT, our
+    circuit addresses), the dialable ones with /p2p/. Returns the number of replicas; raises
+    `DhtError` (none reachable) or `InvalidRecord` (e.g. oversized)."""
+    addrs = dialable_addrs(dht.host.addrs if addrs is None else addrs, dht.peer_id)[:MAX_ADVERT_ADDRS]
     value = {"swarm": swarm_id, "spec": spec, "peers": peers, "step": step, "addrs": addrs, "proof": proof}
     if excluded:
         value["excluded"] = excluded
-    return await dht.store(SWARMS_KEY, value, time.time() + ttl, subkey=advert_subkey(me, swarm_id))
+    return await dht.store(SWARMS_KEY, value, time.time() + ttl, subkey=advert_subkey(dht.peer_id, swarm_id))
 
 
 async def read_adverts(dht: Dht) -> list[SwarmAdvert]:

@@ -21,9 +21,11 @@ peers to keep, most wanted first:
 The list is cut at `max_peers` (partners of the round excepted). A swarm of at most `max_peers`
 other members is wanted whole: the full mesh, as before, where it is cheap.
 
-`Dialler` dials concurrently, at most `in_flight` dials at once (a `trio.CapacityLimiter`), each
-with its timeout, in its owner's nursery; a peer whose dial failed waits before the next
-(`Backoff`, exponential with jitter, from `initial` to `cap`), and a dial that succeeds resets it.
+`Dialler` dials concurrently, at most `in_flight` dials at once (a `trio.CapacityLimiter`), in
+its owner's nursery; a dial tries the peer's dialable addresses in turn (transport/host.py
+`dialable_addrs`), each with its timeout, until one connects. A peer whose dial failed waits
+before the next (`Backoff`, exponential with jitter, from `initial` to `cap`), and a dial that
+succeeds resets it.
 Its failure counts are what presence's address book reads ("taken for gone" after a few).
 
 Failures. A dial that fails is logged at INFO and backed off; nothing else waits for it.
@@ -46,7 +48,7 @@ from meshtrain.collective.groups import GroupPlan
 from meshtrain.dht.routing import parse_peer_id, xor_distance
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import Host, dialable_addrs
 
 log = get_logger(__name__)
 
@@ -182,25 +184,29 @@ class Dialler:
         return entry[1].attempts if entry is not None else 0
 
     def dial(self, peer: str, addrs: Sequence[str]) -> bool:
-        """Start dialling `peer` at its first address if `ready`; returns whether a dial started."""
-        if not addrs or not self.ready(peer):
+        """Start dialling `peer` if `ready`, at each of its `dialable_addrs` in turn until one
+        connects (a record may list a listen address no one else can use before its circuit
+        address); returns whether a dial started."""
+        dialable = dialable_addrs(addrs, peer)
+        if not dialable or not self.ready(peer):
             return False
-        addr = addrs[0] if "/p2p/" in addrs[0] else f"{addrs[0]}/p2p/{peer}"
         self._dialling.add(peer)
         self.dials += 1
-        self.nursery.start_soon(self._dial, peer, addr)
+        self.nursery.start_soon(self._dial, peer, dialable)
         return True
 
-    async def _dial(self, peer: str, addr: str) -> None:
+    async def _dial(self, peer: str, addrs: list[str]) -> None:
         ok = False
         try:
             async with self.limiter:
-                with trio.move_on_after(self.timeout):
-                    try:
-                        await self.host.connect(addr, timeout=self.timeout)
-                        ok = True
-                    except MeshtrainError as e:
-                        log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
+                for addr in addrs:
+                    with trio.move_on_after(self.timeout):
+                        try:
+                            await self.host.connect(addr, timeout=self.timeout)
+                            ok = True
+                            break
+                        except MeshtrainError as e:
+                            log.info(kv("peer unreachable", peer=peer[-8:], error=str(e)))
         finally:
             self._dialling.discard(peer)
         if ok:

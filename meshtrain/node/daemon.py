@@ -458,12 +458,11 @@ class Node:
 
     async def _announce_reachability(self, stack: AsyncExitStack, presence: PeerPresence) -> None:
         """With NAT traversal: announce how we are reached (public / relayed / private) and our
-        circuit addresses while private, in our membership record; probe as soon as we can."""
+        circuit addresses while private, in our membership record and DHT announcement; probe as
+        soon as we can."""
         if self.nat is None:
             return
-        view = presence.view
-        assert view is not None  # entered
-        self.nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))
+        self.nat.on_announce(presence.announce_connection)
         probes = await stack.enter_async_context(trio.open_nursery())
         stack.callback(probes.cancel_scope.cancel)
         probes.start_soon(self._first_probe, self.nat)

@@ -135,7 +135,7 @@ from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
 from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
 from meshtrain.node.trust.strikes import Standing, StrikeBook
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import Host, dialable_addrs
 from meshtrain.transport.nat import NatTraversal
 
 log = get_logger(__name__)
@@ -220,14 +220,16 @@ class PeerPresence(Service):
         if self.mdns:
 
             async def lan_peer(peer: str, addrs: list[str]) -> None:
-                if not host.is_connected(peer):
-                    await dht.bootstrap([f"{addrs[0]}/p2p/{peer}"])
+                if not host.is_connected(peer) and (dialable := dialable_addrs(addrs, peer)):
+                    await dht.bootstrap(dialable[:1])
 
             await stack.enter_async_context(LanDiscovery(host, swarm_id, lan_peer))
         self.book.load()
         stack.callback(self.book.save, force=True)
         await self._bootstrap(dht, first=True)
-        self.discovery = await stack.enter_async_context(Discovery(dht, swarm_id, DiscoveryConfig(role="trainer")))
+        self.discovery = await stack.enter_async_context(
+            Discovery(dht, swarm_id, DiscoveryConfig(role="trainer"), addrs=self.announced_addrs)
+        )
         replica = await stack.enter_async_context(Replica(host, swarm_id, swarm_specs(self.signed.owner)))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
         view = SwarmView(
@@ -417,10 +419,23 @@ class PeerPresence(Service):
         out = [a for a in self.bootstrap if "/p2p/" in a]
         if self.view is not None:
             for p in self.view.live_peers():
-                if p.connection == "public" and p.peer_id != self.me and p.addrs:
-                    a = p.addrs[0]
-                    out.append(a if "/p2p/" in a else f"{a}/p2p/{p.peer_id}")
+                if p.connection == "public" and p.peer_id != self.me:
+                    out.extend(dialable_addrs(p.addrs, p.peer_id)[:1])
         return list(dict.fromkeys(out))
+
+    # -- how we are reached ----------------------------------------------------------------------
+
+    def announced_addrs(self) -> list[str]:
+        """What we announce we are reached at (our membership record's addresses, which NAT
+        traversal keeps: circuit addresses while private), before the view: the host's."""
+        return self.view.announced_addrs if self.view is not None else self.host.addrs
+
+    def announce_connection(self, connection: str, addrs: list[str]) -> None:
+        """How we are reached changed (transport/nat.py `on_announce`): our record says so at once,
+        and so does our DHT announcement (whoever finds the swarm there dials what it names)."""
+        self._view().set_connection(connection, addrs)
+        if self.discovery is not None:
+            self.discovery.readdress()
 
     # -- advertising -----------------------------------------------------------------------------
 
@@ -445,6 +460,7 @@ class PeerPresence(Service):
                         step=max(steps, default=0),
                         proof=self.capabilities.get(POW_CAP),
                         excluded=sum(s.excluded for s in self.standing().values()),
+                        addrs=view.announced_addrs,
                     )
                 except DhtError as e:  # InvalidRecord included: an oversized spec stays unlisted
                     log.info(kv("swarm advert not stored", error=str(e)))
@@ -487,7 +503,7 @@ class PeerPresence(Service):
 
     def _rejoin_addrs(self) -> list[str]:
         """Addresses to bootstrap the DHT from: the configured ones, then one per known trainer."""
-        book = [k.dial_addrs()[0] for k in self.book.fresh(REJOIN_HORIZON_S)]
+        book = [a for k in self.book.fresh(REJOIN_HORIZON_S) for a in k.dial_addrs()[:1]]
         return list(dict.fromkeys([*self.bootstrap, *book]))
 
     async def _bootstrap(self, dht: Dht, *, first: bool = False) -> None:

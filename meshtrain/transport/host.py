@@ -45,6 +45,7 @@ DHT feeds its routing table from it), from the same notifee.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
@@ -61,10 +62,12 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISTREAM_PROTOCOL
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.utils import encode_delim, read_delim
+from multiaddr.utils import get_thin_waist_addresses
 
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.lifecycle import Service
@@ -163,6 +166,26 @@ def peer_id_of(addr: str | multiaddr.Multiaddr) -> str:
         raise ConfigError(f"{addr!s} has no /p2p/<peer id> part") from None
 
 
+def dialable_addrs(addrs: Iterable[str], peer: str) -> list[str]:
+    """`peer`'s addresses that another machine can dial, in their order, once each, each ending in
+    `/p2p/<peer>`. An unspecified IP (0.0.0.0, ::: a listen address announced as it was bound,
+    before a node knows how it is reached) names the dialler's own machine, never the peer's, so
+    it is left out; so is anything that does not parse."""
+    out: list[str] = []
+    for a in addrs:
+        try:
+            first = parse_multiaddr(a).items()[0]  # (protocol, value): where the address starts
+        except Exception:
+            continue
+        if first[0].name in ("ip4", "ip6") and ipaddress.ip_address(str(first[1])).is_unspecified:
+            continue
+        full = a if "/p2p/" in a else f"{a}/p2p/{peer}"
+        if full not in out:
+            out.append(full)
+    return out
+
+
+PEERSTORE_TTL = 120  # seconds: what py-libp2p's own connect() keeps a dialled peer's addresses for
 StreamHandler = Callable[[Any], Awaitable[None]]
 CONNECTION_RECHECK = 1.0  # waiters on connection state re-check this often even without an event
 
@@ -231,12 +254,20 @@ class Host(Service):
 
     @property
     def addrs(self) -> list[str]:
-        """Our dialable multiaddrs, each ending in `/p2p/<peer id>`."""
-        out = []
+        """Our dialable multiaddrs, each ending in `/p2p/<peer id>`: the announced ones, else the
+        listen addresses, an unspecified IP (0.0.0.0, ::) expanded into this machine's interface
+        addresses (py-libp2p reports it as bound, and a peer dialling it reaches its own machine)."""
+        out: list[str] = []
         for a in self.libp2p.get_addrs():
-            s = str(a)
-            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
-        return out
+            bare = str(a).split("/p2p/")[0]
+            proto, ip = a.items()[0]
+            if proto.name in ("ip4", "ip6") and ipaddress.ip_address(str(ip)).is_unspecified:
+                loopback = bare.replace(f"/{ip}/", "/127.0.0.1/" if proto.name == "ip4" else "/::1/", 1)
+                found = [str(m) for m in get_thin_waist_addresses(parse_multiaddr(bare))] or [loopback]
+            else:
+                found = [bare]
+            out.extend(f"{x}/p2p/{self.peer_id}" for x in found)
+        return list(dict.fromkeys(out))
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -283,6 +314,7 @@ class Host(Service):
                     "relay client: start a RelayService on it"
                 )
             return await self.circuit_dialer(str(maddr), timeout or self.config.connect_timeout)
+        self._dial_this_address(info)
         try:
             with trio.fail_after(timeout or self.config.connect_timeout):
                 await self.libp2p.connect(info)
@@ -296,6 +328,23 @@ class Host(Service):
         except Exception as e:
             raise ConnectError(f"could not connect to {addr!s}: {e}") from None
         return info.peer_id.to_base58()
+
+    def _dial_this_address(self, info: Any) -> None:
+        """Make py-libp2p's next dial of `info.peer_id` go to `info.addrs`. It dials one address per
+        transport (TCP: the first its peerstore holds for the peer, however old), and for 60 s
+        after every address of a peer failed it refuses every dial to it (its "negative cache"),
+        even at an address it never tried: a stale or unusable address learnt first kept a peer's
+        good one from ever being dialled (the NAT lab under load). So the address asked for goes
+        first, and the block is lifted: an explicit dial is its caller's decision (ours back off
+        on their own: node/connections.py); dials the library makes itself keep the block."""
+        store = self.libp2p.get_peerstore()
+        try:
+            known = [a for a in store.addrs(info.peer_id) if a not in info.addrs]
+        except PeerStoreError:
+            known = []
+        store.clear_addrs(info.peer_id)
+        store.add_addrs(info.peer_id, [*info.addrs, *known], PEERSTORE_TTL)
+        cast(Swarm, self.libp2p.get_network()).unblock_peer(info.peer_id)
 
     def is_connected(self, peer: str) -> bool:
         return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))

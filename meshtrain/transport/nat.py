@@ -12,7 +12,10 @@ otherwise re-implement:
 - **unknown** (nobody answered yet): announce our addresses, retry soon.
 
 `on_announce(callback)` hands every change to the membership layer, e.g.
-`nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))` with a `SwarmView`.
+`nat.on_announce(lambda conn, addrs: view.set_connection(conn, addrs))` with a `SwarmView`, and
+first, at once, what is known already: the node registers it after building its model, and under
+load a probe and a relay reservation can come first (the NAT lab: their one announcement went to
+nobody, and the node's record named its listen address for the rest of the run).
 Connecting to a peer at a circuit address (`host.connect`) and upgrading it (`upgrade`) are the
 caller's call, because only the caller knows whom it needs.
 
@@ -108,8 +111,11 @@ class NatTraversal(Service):
     # -- what we announce -----------------------------------------------------------------
 
     def on_announce(self, callback: Callable[[str, list[str]], None]) -> None:
-        """Call `callback(connection_type, addrs)` whenever either changes."""
+        """Call `callback(connection_type, addrs)` whenever either changes, and now, unless the
+        status is still unknown (nothing to announce yet)."""
         self._announce.append(callback)
+        if self.reachability.status != "unknown":
+            callback(self.connection_type, self.addrs)
 
     @property
     def connection_type(self) -> str:

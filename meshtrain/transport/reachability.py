@@ -18,8 +18,12 @@ its reachability asks a few peers it is directly connected to ("servers"); each 
 3. answers with the observed address and which ports answered.
 
 The asker is PUBLIC if at least one server reached it on a fresh connection, PRIVATE if every
-server that answered failed to, and UNKNOWN if none answered. The observed IPs in the answers are
-voted on (the most frequent wins): that is the address hole punching predicts our NAT mappings on.
+server that answered failed to, and UNKNOWN if none answered. A probe nobody answered is no news:
+it leaves a status an earlier probe concluded as it was (seen under load: a second probe right after
+the first was refused by its servers' rate limit, and the UNKNOWN that replaced PRIVATE withdrew
+the node's circuit addresses from its record until the next probe, so its peers dialled nothing
+useful). The observed IPs in the answers are voted on (the most frequent wins): that is the
+address hole punching predicts our NAT mappings on.
 
 What it does not do: choose relays (relay.py), punch holes (holepunch.py), UPnP, or IPv6.
 """
@@ -32,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import multiaddr
@@ -149,9 +153,10 @@ class ReachabilityService(Service):
              to). Peers that do not serve the RPC are skipped.
     config:  `ReachabilityConfig`.
 
-    `status` / `observed_ip` hold the latest probe's outcome; `on_change(callback)` runs a
-    callback (synchronously, with the new report) whenever the status or the observed IP changes.
-    `probe()` never raises for a single failing server; it returns UNKNOWN when nobody answered.
+    `status` / `observed_ip` hold the latest conclusive probe's outcome; `on_change(callback)`
+    runs a callback (synchronously, with the new report) whenever the status or the observed IP
+    changes. `probe()` never raises for a single failing server; when nobody answered it returns
+    the last conclusive report (with this probe's errors), UNKNOWN before the first.
     """
 
     def __init__(
@@ -253,6 +258,8 @@ class ReachabilityService(Service):
             for server in candidates[: self.config.max_servers]:
                 nursery.start_soon(ask, server)
         report = _decide(answers, errors)
+        if report.status == UNKNOWN and self.report.status != UNKNOWN:
+            report = replace(self.report, errors=report.errors)  # no news: the last conclusive one stands
         self._set(report)
         log.info(
             kv(

@@ -41,6 +41,7 @@ from meshtrain.crdt.swarm_view import PeerInfo
 from meshtrain.crdt.types import now_ms
 from meshtrain.durable import write_atomic
 from meshtrain.log import get_logger, kv
+from meshtrain.transport.host import dialable_addrs
 
 log = get_logger(__name__)
 
@@ -59,8 +60,8 @@ class KnownPeer:
     seen_ms: int
 
     def dial_addrs(self) -> list[str]:
-        """Its addresses as dialable multiaddrs (with `/p2p/<id>`)."""
-        return [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in self.addrs]
+        """Its addresses another machine can dial, with `/p2p/<id>` (transport/host.py)."""
+        return dialable_addrs(self.addrs, self.peer_id)
 
 
 class AddressBook:
