@@ -1,8 +1,9 @@
 """dht layer of meshtrain (see docs/architecture.md): signed, expiring records with subkeys,
 merged on the storing node (`records`), Kademlia lookups over py-libp2p's routing table
 (`routing`) with our own STORE/GET RPCs (`kademlia`; one DHT network serves every swarm), swarm
-discovery under `/meshtrain/<swarm>/peers` (`discovery`), and the swarm index under
-`/meshtrain/swarms` (`swarm_index`)."""
+discovery under `/meshtrain/<swarm>/peers` (`discovery`), the swarm index under
+`/meshtrain/swarms` (`swarm_index`), and each peer's announcement as a standard kad record other
+libp2p stacks read (`interop`)."""
 
 from meshtrain.dht.discovery import Announcement, Discovery, DiscoveryConfig, peers_key
 from meshtrain.dht.kademlia import NETWORK, BootstrapError, Dht, DhtConfig

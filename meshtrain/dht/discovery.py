@@ -7,6 +7,9 @@ re-announces every `refresh_interval` seconds, so a crashed node disappears with
 without anyone deleting it, and a node restarted with the same identity overwrites its old
 announcement (same subkey, later expiry) instead of appearing twice.
 
+The same announcement is also published, every `INTEROP_REFRESH_S` and whenever our addresses
+change, as a standard kad record that go- and js-libp2p peers can read and verify (interop.py).
+
 `peers()` reads the key and returns the live announcements that validate twice: as records
 (signature, expiry, owner — `records.py`) and as announcements (shape, sizes, addresses that
 name their owner). A malformed one is skipped and logged, never raised.
@@ -27,6 +30,7 @@ from typing import Any
 import trio
 
 import meshtrain
+from meshtrain.dht.interop import peer_key, seal
 from meshtrain.dht.kademlia import Dht
 from meshtrain.dht.records import DhtError, Record
 from meshtrain.errors import ConfigError
@@ -39,6 +43,8 @@ log = get_logger(__name__)
 DEFAULT_TTL = 60.0
 DEFAULT_REFRESH_INTERVAL = 20.0
 DEFAULT_RETRY_INTERVAL = 2.0
+INTEROP_TTL_S = 600.0  # the kad record for other stacks (interop.py) lives this long,
+INTEROP_REFRESH_S = 300.0  # is published again this often, and at once when our addresses change
 MAX_ANNOUNCED_ADDRS = 16
 MAX_ROLE_CHARS = 64
 MAX_VERSION_CHARS = 64
@@ -141,6 +147,7 @@ class Discovery(Service):
         self.key = peers_key(swarm_id)
         self._addrs = addrs or (lambda: dht.host.addrs)
         self._readdressed = trio.Event()
+        self._interop_sent: tuple[float, tuple[str, ...]] | None = None  # (next due, monotonic; addrs)
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._nursery = await stack.enter_async_context(trio.open_nursery())
@@ -162,7 +169,31 @@ class Discovery(Service):
     async def announce(self) -> int:
         """Store our announcement now; returns the number of replicas. Raises `DhtError`."""
         expiry = time.time() + self.config.ttl
-        return await self.dht.store(self.key, self.announcement_value(), expiry, subkey=self.dht.peer_id)
+        value = self.announcement_value()
+        replicas = await self.dht.store(self.key, value, expiry, subkey=self.dht.peer_id)
+        addrs = tuple(value["addrs"])
+        due = self._interop_sent is None or self._interop_sent[1] != addrs or time.monotonic() > self._interop_sent[0]
+        if due and self._nursery is not None:  # running: in the background, not holding up our own
+            self._interop_sent = (time.monotonic() + INTEROP_REFRESH_S, addrs)
+            self._nursery.start_soon(self.announce_to_other_stacks, value)
+        return replicas
+
+    async def announce_to_other_stacks(self, value: dict[str, Any]) -> None:
+        """Publish announcement `value` as a standard kad record (interop.py) for go- or
+        js-libp2p peers; a failure is logged only (our own peers find us through `announce`)."""
+        sealed = seal(
+            self.dht.host.identity.libp2p_key_pair.private_key,
+            self.swarm_id,
+            self.dht.peer_id,
+            value["addrs"],
+            role=value["role"],
+            version=value["version"],
+            ttl=INTEROP_TTL_S,
+        )
+        try:
+            await self.dht.put_interop(peer_key(self.swarm_id, self.dht.peer_id), sealed)
+        except DhtError as e:
+            log.info(kv("kad record for other stacks not stored", error=str(e)))
 
     async def peers(self) -> list[Announcement]:
         """The swarm's live, validated announcements (ours included), sorted by peer id."""

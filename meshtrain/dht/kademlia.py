@@ -15,8 +15,10 @@ What py-libp2p 0.8.1's kad-dht can and cannot do (read from `libp2p/kad_dht/`, `
   storing node's (24 h from receipt, served up to 48 h), not the writer's. Its value store
   accepts up to 50,000 records of up to 1 MiB from anyone unless a strict validator is set.
 - So we use kad-dht for its routing table and `find_peer` (`routing.py`: the key space, the
-  lookup's bookkeeping, dead and suspect peers). Its value store is closed: a strict validator
-  that refuses every PUT_VALUE.
+  lookup's bookkeeping, dead and suspect peers). Its value store is closed to everything but one
+  namespace: a strict validator that refuses every PUT_VALUE outside `/meshtrain/`, where each
+  peer's announcement is also published for other libp2p stacks to read (interop.py,
+  `put_interop` / `get_interop`).
 - STORE and GET are meshtrain RPCs (`dht/find`, `dht/store`), one protocol file: this one.
 
 Design.
@@ -76,9 +78,12 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.records.utils import InvalidRecordType
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
 
+from meshtrain.dht.interop import NAMESPACE as INTEROP_NAMESPACE
+from meshtrain.dht.interop import InteropValidator, InvalidInteropRecord, PeerAnnouncement, open_record
 from meshtrain.dht.records import (
     DhtError,
     InvalidRecord,
@@ -231,8 +236,9 @@ class Dht(Service):
         self.kad = KadDHT(
             host.libp2p,
             DHTMode.SERVER,
-            # strict and empty: every PUT_VALUE is refused, kad's own value store stays empty
-            validator=NamespacedValidator({}, strict_validation=True),
+            # strict: a PUT_VALUE outside our namespace is refused, inside it must be a peer's
+            # own signed announcement (interop.py)
+            validator=NamespacedValidator({INTEROP_NAMESPACE: InteropValidator()}, strict_validation=True),
             validator_changed=True,
             strict_validation=True,
         )
@@ -365,6 +371,31 @@ class Dht(Service):
                 if missing:
                     nursery.start_soon(self._repair, peer, key, missing)
         return state
+
+    async def put_interop(self, key: str, value: bytes) -> None:
+        """Publish `value` (interop.py `seal`) under `key` with kad's PUT_VALUE to the closest
+        peers, for other libp2p stacks to read; bounded by `lookup_timeout` + `rpc_timeout`.
+        Raises `DhtError` when it does not validate (kad's own refusal, raised before a send)."""
+        self._require_open()
+        try:
+            with trio.move_on_after(self.config.lookup_timeout + self.config.rpc_timeout):
+                await self.kad.put_value(key, value)
+        except (InvalidRecordType, ValueError) as e:
+            raise DhtError(f"kad refused the record for {key!r}: {e}") from None
+
+    async def get_interop(self, key: str) -> PeerAnnouncement | None:
+        """The newest valid announcement under `key` that kad's GET_VALUE finds (ours first);
+        None if none is found within `lookup_timeout` + `rpc_timeout`."""
+        self._require_open()
+        value = None
+        with trio.move_on_after(self.config.lookup_timeout + self.config.rpc_timeout):
+            value = await self.kad.get_value(key)
+        if value is None:
+            return None
+        try:
+            return open_record(key, value)
+        except InvalidInteropRecord:
+            return None
 
     async def find_peer(self, peer_id: str) -> list[str]:
         """Addresses of `peer_id` from the peerstore or a kad lookup; [] if unknown."""

@@ -19,8 +19,14 @@ One JSON object on the last line:
   `hf_callback_overhead_cpu`: the same ratio in process CPU time per sample (all threads: the
   node's network and status server included), steadier on a loaded machine and an upper bound
   where cores are spare. `load_avg` is the 1-minute load average before and after.
-- `wheel_demo_ok`, `prometheus_scraped`, `js_record_verified`: null here, with the reason in
-  `not_measured` (issue 33's other items: not this benchmark's session).
+- `js_record_verified`: a js-libp2p peer (tests/js, npm packages installed in a temp folder)
+  fetched a meshtrain node's peer record with kad GET_VALUE through another node and verified it
+  in JavaScript, in every one of `--js-trials` runs; `js_record_latency_ms_p50` is the median of
+  the reader's own timing (dial done to record verified), `js_record_wall_s_p50` the median of
+  the whole Node.js process. "skipped: why" where Node.js or the npm registry is not there.
+- `wheel_demo_ok`, `prometheus_scraped`: the outcome of the test that does exactly that
+  (tests/test_demo.py's wheel test, tests/test_monitoring.py's Prometheus test), run here by
+  pytest: true, false, or "skipped: why".
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -145,6 +152,63 @@ def overhead(steps: int, trials: int, threads: int) -> dict[str, Any]:
     }
 
 
+WHEEL_TEST = "tests/test_demo.py::test_the_wheel_holds_the_package_and_its_data_and_runs_outside_the_checkout"
+PROMETHEUS_TEST = "tests/test_monitoring.py::test_prometheus_scrapes_two_nodes_and_every_dashboard_query_returns_series"
+
+
+def pytest_outcome(node_id: str) -> bool | str:
+    """Run one test with pytest: True (passed), False (failed), or "skipped: why"."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", node_id],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode == 0 and "skipped" in done.stdout.splitlines()[-1]:
+        why = next((line for line in done.stdout.splitlines() if line.startswith("SKIPPED")), "")
+        return f"skipped: {why.split(': ', 1)[-1]}"
+    return done.returncode == 0
+
+
+def js_record(trials: int) -> dict[str, Any]:
+    """Issue 33 item 5: a js-libp2p peer reads and verifies a meshtrain peer record (module docstring)."""
+    import trio
+
+    from meshtrain.dht import Discovery, DiscoveryConfig
+    from meshtrain.dht.interop import peer_key
+    from tests.js_interop import install_js, js_get
+    from tests.test_dht import SWARM, swarm_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        if (why := install_js(where)) is not None:
+            return {"js_record_verified": f"skipped: {why}"}
+
+        async def run() -> tuple[list[bool], list[float], list[float]]:
+            async with swarm_of(3) as swarm:
+                announcer = swarm.nodes[2]
+                async with Discovery(announcer, SWARM, DiscoveryConfig(role="trainer", ttl=10, refresh_interval=2)):
+                    key = peer_key(SWARM, announcer.peer_id)
+                    with trio.fail_after(30):
+                        while await swarm.nodes[0].get_interop(key) is None:
+                            await trio.sleep(0.2)
+                    ok, latency, wall = [], [], []
+                    for _ in range(trials):
+                        got, seconds = await js_get(where, swarm.nodes[0].host.addrs[0], key)
+                        ok.append(bool(got["verified"]) and got["record"]["peer"] == announcer.peer_id)
+                        latency.append(got.get("latency_ms", float("nan")))
+                        wall.append(seconds)
+                    return ok, latency, wall
+
+        ok, latency, wall = trio.run(run)
+    return {
+        "js_record_verified": all(ok),
+        "js_record_trials": len(ok),
+        "js_record_latency_ms_p50": statistics.median(latency),
+        "js_record_wall_s_p50": round(statistics.median(wall), 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few steps: checks the machinery, not the numbers")
@@ -153,6 +217,7 @@ def main() -> None:
     ap.add_argument("--overhead-steps", type=int, default=60)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the overhead runs")
+    ap.add_argument("--js-trials", type=int, default=5, help="runs of the js-libp2p record reader")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.overhead_steps, a.trials = 20, 15, 1
@@ -160,20 +225,10 @@ def main() -> None:
     result: dict[str, Any] = {}
     result.update(two_peers(a.steps, a.H))
     result.update(overhead(a.overhead_steps, a.trials, a.threads))
-    reason = "issue 33 item {}: another session's part, not measured here"
-    result.update(
-        {
-            "wheel_demo_ok": None,
-            "prometheus_scraped": None,
-            "js_record_verified": None,
-            "not_measured": {
-                "wheel_demo_ok": reason.format(4),
-                "prometheus_scraped": reason.format(3),
-                "js_record_verified": reason.format(5),
-            },
-            "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        }
-    )
+    result.update(js_record(a.js_trials))
+    result["wheel_demo_ok"] = pytest_outcome(WHEEL_TEST)
+    result["prometheus_scraped"] = pytest_outcome(PROMETHEUS_TEST)
+    result["load_avg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     emit(result)
 
 
