@@ -210,6 +210,7 @@ class SwarmCollective(Service):
         self.echoes = EchoMemory(self.config.screen_echo)  # replay screening (echoes.py)
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
+        self._reported_step = reported_step
         self._coord = Coordinator(host, self.config, self.group, reported_step)
         self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
@@ -639,6 +640,13 @@ class SwarmCollective(Service):
         return await ask_where(self.host, peer, self._round_tag(round_id, tag), round_id)
 
     async def average_with(self, partner: str | None, request: RoundRequest) -> ReduceResult:
+        """NoLoCo's pairwise step (pairwise.py); a partner that reports a step past this round and
+        its overlap (the swarm's progress records) is not waited for."""
+
+        def partner_past() -> bool:
+            step = self._reported_step(partner) if self._reported_step is not None and partner else None
+            return step is not None and step > request.round_id + request.overlap
+
         return await average_pair(
             self.streams,
             self.peer_id,
@@ -649,4 +657,5 @@ class SwarmCollective(Service):
             codec=request.codec,
             timeout=self.config.part_timeout,
             min_bandwidth=self.config.min_bandwidth,
+            partner_past=partner_past,
         )

@@ -148,6 +148,9 @@ class RoundRequest:
     codec: how the tensors travel, one of compression.py's `CODECS`.
     weight: our share of a weighted mean, finite and >= 0; 0 takes part and contributes nothing
         (a joiner's round). `average_with` does not use it: a pair's mean is unweighted.
+    overlap: inner steps the caller trains on while this exchange runs (an outer optimizer's
+        τ, `delay`): a peer that reports a step past `round_id + overlap` has ended the round,
+        and `average_with` stops waiting for such a partner.
 
     The fields are checked here, once, when the request is built: `ValueError` naming the field.
     Compared by identity (the tensors have no equality that answers a bool).
@@ -158,6 +161,7 @@ class RoundRequest:
     tag: str = ""
     codec: str = "none"
     weight: float = 1.0
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, dict) or not all(
@@ -182,6 +186,8 @@ class RoundRequest:
             raise ValueError(f"RoundRequest.codec must be one of {', '.join(CODECS)}; got {self.codec!r}")
         if not is_number(self.weight) or not math.isfinite(self.weight) or self.weight < 0:
             raise ValueError(f"RoundRequest.weight must be finite and >= 0, got {self.weight!r}")
+        if not is_int(self.overlap) or self.overlap < 0:
+            raise ValueError(f"RoundRequest.overlap must be an int >= 0, got {self.overlap!r}")
 
 
 @dataclass(frozen=True)

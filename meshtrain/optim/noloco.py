@@ -144,7 +144,7 @@ class NoLoCo(OuterOptimizer):
     async def communicate(
         self, tensors: dict[str, torch.Tensor], *, round_id: int, tag: str, weight: float
     ) -> ReduceResult:
-        request = RoundRequest(tensors, round_id, tag, self.codec)
+        request = RoundRequest(tensors, round_id, tag, self.codec, overlap=self.delay)
         if self.group == "all":
             return await self.collective.all_reduce(request)
         me = self.collective.peer_id
