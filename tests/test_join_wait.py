@@ -78,3 +78,44 @@ async def test_peers_waiting_at_a_coordinator_excluded_meanwhile_form_the_round_
             assert r.contributors == (ids[1], ids[2])
             assert torch.equal(r.tensors["w"], expected["w"])
         assert results[1].digest == results[2].digest
+
+
+async def test_a_coordinator_out_of_the_candidates_but_still_present_keeps_the_joins():
+    """A restarted coordinator's new record says "syncing" for a moment, and can reach the others
+    after they joined it at its old one: it is out of their round's candidates, yet it holds
+    their joins, counts them and runs the round. Leaving it (as for an excluded one) made a peer
+    finish the round alone while the coordinator waited 20 s for its data and then finished it
+    alone too: two φ for one round (tests/test_daemon_matrix.py, [py])."""
+    config = AllReduceConfig(join_timeout=20, part_timeout=20)
+    async with AsyncExitStack() as stack:
+        peers = await connected_peers(stack, 3)
+        ids = [p.id for p in peers]
+        theirs = list(ids)  # peers 1 and 2's view; the coordinator's own stays whole
+        present = set(ids)
+        cols = [
+            SwarmCollective(peers[0].host, peers[0].ts, lambda _r: list(ids), config),
+            *(
+                SwarmCollective(p.host, p.ts, lambda _r: list(theirs), config, present=present.__contains__)
+                for p in peers[1:]
+            ),
+        ]
+        tensors = [{"w": torch.full((1000,), float(i))} for i in range(3)]
+        results = [None] * 3
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+
+                async def one(i: int) -> None:
+                    results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=7, tag="f0"))
+
+                for i in (1, 2):
+                    nursery.start_soon(one, i)
+                at_lowest = RoundKey(7, "f0", ids[0])
+                while cols[0].coordinator.local.joined(at_lowest) != {ids[1], ids[2]}:  # both joins are in ...
+                    await trio.sleep(0.02)  # sleep: poll interval
+                theirs.remove(ids[0])  # ... when its "syncing" record reaches them
+                await trio.sleep(3 * join_wait.GONE_S)  # sleep: longer than a coordinator may be gone
+                nursery.start_soon(one, 0)  # its own trainer comes back into the round
+        expected = exact_mean(tensors)
+        assert all(r.contributors == tuple(sorted(ids)) for r in results), [r.contributors for r in results]
+        assert all(torch.equal(r.tensors["w"], expected["w"]) for r in results)
+        assert len({r.digest for r in results}) == 1

@@ -176,7 +176,10 @@ class SwarmCollective(Service):
     members that `membership` holds. Call `all_reduce` only for rounds whose roster has us.
     `reported_step(peer)`, if given, is the inner step a peer last reported to the swarm (None:
     unknown): a coordinator stops waiting for missing peers that report steps past its round
-    (coordinator.py).
+    (coordinator.py). `present(peer)`, if given, says whether a peer is still in the swarm in
+    any role (live, admitted, connected): a coordinator that left the round's candidates but is
+    present (a restarted peer whose new "syncing" record reached us after we joined it at its old
+    one) keeps our join (join_wait.py).
 
     Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
     background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
@@ -194,8 +197,10 @@ class SwarmCollective(Service):
         grouping: GroupPlan | None = None,
         roster: Callable[[int], Sequence[str]] | None = None,
         reported_step: Callable[[str], int | None] | None = None,
+        present: Callable[[str], bool] | None = None,
     ) -> None:
         self.host = host
+        self.present = present
         self.streams = streams
         self.membership = membership
         self.config = config or AllReduceConfig()
@@ -456,6 +461,11 @@ class SwarmCollective(Service):
                     raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
                 dead.add(coordinator)
 
+    def _still_coordinates(self, coordinator: str, round_id: int) -> bool:
+        """Whether a coordinator holding our join still counts (join_wait.py): one of the round's
+        candidates, or still present in the swarm (`present`)."""
+        return coordinator in self.membership(round_id) or (self.present is not None and self.present(coordinator))
+
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
@@ -465,7 +475,9 @@ class SwarmCollective(Service):
         else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
             joined = await await_join_reply(
-                lambda: self._joined(join), lambda: coordinator in self.membership(key.round_id), await self._running()
+                lambda: self._joined(join),
+                lambda: self._still_coordinates(coordinator, key.round_id),
+                await self._running(),
             )
         if joined is None:
             raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")

@@ -19,6 +19,13 @@ waiting for our data.
 
 Wire. Nothing: it only stops waiting.
 
+What "left" means. Out of the round's candidates *and* no longer present in the swarm, where the
+collective knows (`SwarmCollective(present=...)`: live, admitted, connected, any role). A
+restarted coordinator re-enters as "syncing" for a moment; its new record can reach us after we
+joined it at its old one, and it keeps our join and counts us: a daemon test saw a peer leave
+such a round, finish it alone, and the coordinator wait 20 s for its data and then finish it
+alone too — two φ for one round. An excluded peer (strikes) or one that left is not present.
+
 Failures. A connection that closes makes the wait fail by itself (the RPC ends) before the
 watcher sees anything. A coordinator that drops out of our view and returns within `GONE_S` is
 kept. One that drops out for longer while the others still follow it loses us to the next

@@ -408,6 +408,7 @@ class Node:
                 grouping=signed.spec.group_plan(),
                 roster=presence.roster,
                 reported_step=presence.reported_step,
+                present=presence.present,
             )
         )
         if presence.strikes is not None:

@@ -299,6 +299,11 @@ class PeerPresence(Service):
         host = self.host
         return [p.peer_id for p in self._view().live_peers() if p.peer_id != self.me and host.is_connected(p.peer_id)]
 
+    def present(self, peer: str) -> bool:
+        """Whether `peer` is still in the swarm, in any role: a live, admitted membership record
+        (strikes exclude) and a connection to us (collective/join_wait.py)."""
+        return self.host.is_connected(peer) and self._view().is_live(peer)
+
     def trainers(self) -> list[str]:
         """Live trainers per the replicated membership, us included (connected or not), whether
         in a round's roster yet or not (`roster`)."""
