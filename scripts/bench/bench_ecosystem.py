@@ -164,8 +164,9 @@ def pytest_outcome(node_id: str) -> bool | str:
         capture_output=True,
         text=True,
     )
-    if done.returncode == 0 and "skipped" in done.stdout.splitlines()[-1]:
-        why = next((line for line in done.stdout.splitlines() if line.startswith("SKIPPED")), "")
+    lines = done.stdout.splitlines()
+    if done.returncode == 0 and lines and "skipped" in lines[-1]:
+        why = next((line for line in lines if line.startswith("SKIPPED")), "")
         return f"skipped: {why.split(': ', 1)[-1]}"
     return done.returncode == 0
 
