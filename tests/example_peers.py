@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,10 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_peer(script: Path, args: list[str], log: Path) -> subprocess.Popen[str]:
+def start_peer(script: Path, args: list[str], log: Path, launcher: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """`script` with `args` (`launcher`: what runs it, e.g. torchrun's module and flags)."""
     return subprocess.Popen(
-        [sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+        [sys.executable, *launcher, str(script), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        start_new_session=True,  # `stop_peer` ends it with whatever it started (torchrun's ranks)
     )
+
+
+def stop_peer(proc: subprocess.Popen[str]) -> None:
+    """Kill `proc` and its process group (idempotent)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def first_json(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> dict:
@@ -31,14 +47,16 @@ def first_json(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> 
     raise AssertionError(f"no address printed; log:\n{log.read_text()[-3000:]}")
 
 
-def run_two_peers(script: Path, create: list[str], join: list[str], tmp_path: Path) -> tuple[dict, dict]:
+def run_two_peers(
+    script: Path, create: list[str], join: list[str], tmp_path: Path, join_launcher: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """(the creator's result, the joiner's result); the creator's address is appended to `join`
-    (which ends with the script's join flag)."""
+    (which ends with the script's join flag); `join_launcher` runs the joiner (`start_peer`)."""
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = start_peer(script, create, a_log)
     try:
         addr = first_json(a, a_log)["addr"]
-        b = start_peer(script, [*join, addr], b_log)
+        b = start_peer(script, [*join, addr], b_log, join_launcher)
         try:
             outs = []
             for p, log in ((a, a_log), (b, b_log)):
@@ -46,9 +64,9 @@ def run_two_peers(script: Path, create: list[str], join: list[str], tmp_path: Pa
                 assert p.returncode == 0, log.read_text()[-4000:]
                 outs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1]))
         finally:
-            b.kill()
+            stop_peer(b)
     finally:
-        a.kill()
+        stop_peer(a)
     return outs[0], outs[1]
 
 

@@ -77,6 +77,21 @@ def test_an_optimizer_other_than_the_spec_says_is_refused_and_a_resume_continues
         assert all(torch.equal(opt2.outer_params[n], phi[n]) for n in phi)
 
 
+def test_a_swarm_left_before_any_optimizer_was_built_returns_at_once(tmp_path):
+    """A script that fails between `Swarm.create` and its optimizer (here: a refused one) leaves
+    through `with`: the node stops at once, nothing is saved, `leave()` returns None."""
+    spec = meshtrain.SwarmSpec(name="own", model="user", optimizer="diloco", H=5, batch_size=4)
+    opts = {"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "nat": False}
+    model = _tiny()
+    swarm = meshtrain.Swarm.create(spec, data_dir=tmp_path / "d", **opts)
+    with pytest.raises(ConfigError, match="spec says diloco"), swarm:
+        meshtrain.NoLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm, H=5)
+    t0 = time.monotonic()
+    assert swarm.leave() is None  # idempotent, after the `with` left
+    assert time.monotonic() - t0 < 1.0
+    assert CheckpointStore(tmp_path / "d" / "checkpoints").load_latest() is None
+
+
 def test_a_late_joiner_downloads_the_swarms_state_at_its_first_step(tmp_path):
     """Swarm b joins a swarm whose only peer has trained past its first rounds: b's first step
     downloads the state (φ, outer optimizer, step counter) from a, as a daemon would."""

@@ -36,15 +36,21 @@ step, then whatever round is due.
   applies gradient scaling and, inside `accelerator.accumulate(model)`, steps only when the
   gradients are synced; a `step()` while they are not (`gradient_state.sync_gradients` False)
   is a micro-step: it steps nothing and counts no inner step, so H counts updates.
+- torchrun: one peer per machine, rank 0 the gateway. Every rank builds its `SwarmOptimizer`
+  over the same (unwrapped) model under DDP; rank 0 passes the `Swarm` it joined, the others
+  None. The machine's Δ is reduced across the ranks, rank 0 exchanges it with the swarm, and
+  every rank applies the same outcome; the state rank 0 joins or re-downloads reaches the
+  others at the start of the step (integrations/ranks.py). `spec`, `swarm_step` and `peer_id`
+  answer on every rank; ranks 1..N-1 call `close()` after their last step.
 
 Failures. A spec this optimizer cannot serve, another `SwarmOptimizer` on the same swarm, or a
-process that is one rank of several (`torch.distributed` with world size > 1) is a one-line
-`ConfigError` at construction. Round failures are the outer optimizer's (optim/outer.py: a round
-without the swarm proceeds alone and resyncs).
+multi-rank script that hands the swarm to the wrong rank (or a sharded model, or SparseLoCo
+across ranks) is a one-line `ConfigError` at construction. Round failures are the outer
+optimizer's (optim/outer.py: a round without the swarm proceeds alone and resyncs).
 
-Not here: multi-rank peers (a multi-GPU peer is `meshtrain node start --nproc-per-node N`, whose
-rank 0 is the peer: node/local_ranks.py), data order (`swarm.step` after the first `step()` is the
-swarm's step: position your loader with it), the HF Trainer (hf.py).
+Not here: data order (`swarm_step` after the first `step()` is the swarm's step: position your
+loader with it), the HF Trainer (hf.py), FSDP-sharded models (the daemon's
+`meshtrain node start --nproc-per-node N --sharding fsdp`, node/local_ranks.py).
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ from typing import Any
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.integrations.ranks import RankPeer
 from meshtrain.node.spec.outer import build_outer
+from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.user_loop import Swarm
 from meshtrain.optim.outer import OuterOptimizer
 
@@ -71,19 +79,40 @@ class SwarmOptimizer(torch.optim.Optimizer):
     `swarm.step` is the swarm's inner step once the first `step()` joined it.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, swarm: Swarm, *, model: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, swarm: Swarm | None, *, model: torch.nn.Module) -> None:
         # No `super().__init__`: the parameters, their groups and their state are the inner
         # optimizer's (the properties below), not a copy a scheduler would update in vain.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        world = torch.distributed.get_world_size() if distributed else 1
-        if world > 1:
-            raise ConfigError(
-                f"SwarmOptimizer: this process is one of {world} ranks; a swarm peer here is one process "
-                f"(a multi-GPU peer is `meshtrain node start --nproc-per-node N`; or start one peer per GPU, without torch.distributed)"
-            )
         self.inner = inner
         self.swarm = swarm
-        self.outer: OuterOptimizer = build_outer(swarm.spec, model, inner, swarm)
+        self.ranks: RankPeer | None = None
+        if distributed and torch.distributed.get_world_size() > 1:
+            self.ranks = RankPeer(inner, swarm, model)  # rank 0 the gateway (integrations/ranks.py)
+            self.outer: OuterOptimizer = self.ranks.outer
+            self.spec: SwarmSpec = self.ranks.spec
+        elif swarm is None:
+            raise ConfigError("SwarmOptimizer: pass the Swarm this process is a peer of (None only on ranks 1..N-1)")
+        else:
+            self.outer = build_outer(swarm.spec, model, inner, swarm)
+            self.spec = swarm.spec
+
+    @property
+    def swarm_step(self) -> int:
+        """The swarm's inner step this peer is at, on every rank (after the first `step()` joined
+        the swarm: position your data with it)."""
+        return self.outer.inner_steps
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id, on every rank (the swarm's data assignment names it)."""
+        return self.outer.collective.peer_id
+
+    def close(self) -> None:
+        """Ranks 1..N-1 of a torchrun script: end this rank's part (its exchange in flight, its
+        trio loop), after the last `step()`. Rank 0 and a single process leave with the Swarm;
+        for them it does nothing."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- what torch (and schedulers) read of an optimizer: the inner one's -------------------------
 

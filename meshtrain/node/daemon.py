@@ -84,7 +84,7 @@ from meshtrain.dht.discovery import Discovery
 from meshtrain.durable import write_atomic
 from meshtrain.errors import ConfigError, meshtrain_error_in
 from meshtrain.log import get_logger, kv
-from meshtrain.node.phase import NodeError, Phase, StoppedWhileStarting, StopRequest
+from meshtrain.node.phase import NodeError, Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import resolve_device
 from meshtrain.node.spec.config import NodeConfig
@@ -427,7 +427,11 @@ class Node:
         """Our `Trainer` over the collective (through the local ranks, if any), with loss scoring
         and spot-checks of sampled contributions; in loop mode, the user's loop's optimizer."""
         if self._user_loop:
-            await self._adopt.wait()
+            # Until the user's loop builds its optimizer over the swarm, or leaves without one
+            # (a script that failed before its first step: `Swarm.leave` must not wait forever).
+            await self._stop.before_stop(
+                self._adopt.wait, "left before an optimizer was built over the swarm; nothing was trained"
+            )
             assert self._adopted is not None  # set with the event
             self.trainer = self._adopted
             return self._adopted
@@ -559,21 +563,13 @@ class Node:
             trainer = await trio.to_thread.run_sync(build, on_progress)
             self._say_waiting(None)
             return trainer
-        built: list[Trainer] = []
-        async with trio.open_nursery() as nursery:
-
-            async def cancel_on_stop() -> None:
-                await self._stop.requested.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(cancel_on_stop)
+        trainer = await self._stop.before_stop(
             # trio-typing's stubs predate abandon_on_cancel (trio >= 0.23)
-            built.append(await trio.to_thread.run_sync(build, on_progress, abandon_on_cancel=True))  # type: ignore[call-arg]
-            nursery.cancel_scope.cancel()
-        if not built:
-            raise StoppedWhileStarting("stopped while preparing the model and data; nothing was trained")
+            lambda: trio.to_thread.run_sync(build, on_progress, abandon_on_cancel=True),  # type: ignore[call-arg]
+            "stopped while preparing the model and data; nothing was trained",
+        )
         self._say_waiting(None)
-        return built[0]
+        return trainer
 
     async def _watch_signals(self) -> None:
         signalled = False  # a stop for another reason (a failed local rank) is not a first signal

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
 from meshtrain.errors import MeshtrainError
+
+T = TypeVar("T")
 
 STATE_LOG = 8  # the status document keeps this many recent states
 
@@ -78,3 +81,20 @@ class StopRequest:
         """Sleep, or return early when a stop is requested."""
         with trio.move_on_after(seconds):
             await self.requested.wait()
+
+    async def before_stop(self, start: Callable[[], Awaitable[T]], why: str) -> T:
+        """`await start()`, a step of start-up, cancelled by a stop: its result, or
+        `StoppedWhileStarting(why)` when the stop came first."""
+        done: list[T] = []
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_stop() -> None:
+                await self.requested.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_on_stop)
+            done.append(await start())
+            nursery.cancel_scope.cancel()
+        if not done:
+            raise StoppedWhileStarting(why)
+        return done[0]

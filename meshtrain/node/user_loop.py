@@ -53,9 +53,10 @@ import trio
 
 from meshtrain.collective.contract import Collective
 from meshtrain.collective.forwarding import ForwardingCollective
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import ConfigError, MeshtrainError, meshtrain_error_in
 from meshtrain.log import get_logger
 from meshtrain.node.daemon import Node, NodeResult
+from meshtrain.node.phase import StoppedWhileStarting
 from meshtrain.node.spec.config import NodeConfig, load_node_config
 from meshtrain.node.spec.outer import check_matches
 from meshtrain.node.spec.signed import SignedSpec
@@ -169,12 +170,13 @@ class Swarm(ForwardingCollective):
         return path
 
     def leave(self) -> NodeResult | None:
-        """Finish an exchange in flight, checkpoint, leave the swarm, stop the node (idempotent)."""
+        """Finish an exchange in flight, checkpoint, leave the swarm, stop the node (idempotent).
+        None if no optimizer was ever built over the swarm (nothing was trained)."""
         if not self._done.is_set():
             self.node.stop()
             self._done.wait()
         self._thread.join(10)
-        if self._error is not None and not isinstance(self._error, KeyboardInterrupt):
+        if self._error is not None and not isinstance(self._error, KeyboardInterrupt | StoppedWhileStarting):
             raise self._error
         return self._result
 
@@ -231,6 +233,8 @@ class Swarm(ForwardingCollective):
 
         try:
             trio.run(main)
+        except BaseExceptionGroup as eg:  # our nursery's: what ended the node, as itself
+            self._error = meshtrain_error_in(eg) or eg
         except BaseException as e:  # noqa: BLE001 - handed to the user's thread
             self._error = e
         finally:

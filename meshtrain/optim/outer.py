@@ -320,6 +320,7 @@ class OuterOptimizer(Service):
         self.inner_steps = 0  # the swarm's step counter (a joiner loads it)
         self.rounds = 0  # exchanges completed (all fragments)
         self.needs_resync = False
+        self.state_loads = 0  # states loaded so far (`load_state_dict`, and `join` through it)
         self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps)
         self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
@@ -770,6 +771,7 @@ class OuterOptimizer(Service):
             }
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
+        self.state_loads += 1
 
     def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:
         """Late joiner: take the swarm's outer state from a peer's `state_dict`, set θ ← φ, keep a

@@ -19,6 +19,10 @@ One JSON object on the last line:
   `hf_callback_overhead_cpu`: the same ratio in process CPU time per sample (all threads: the
   node's network and status server included), steadier on a loaded machine and an upper bound
   where cores are spare. `load_avg` is the 1-minute load average before and after.
+- `torchrun_phi_equal`: examples/swarm_optimizer.py as two peers, the joiner launched with
+  `torchrun --nproc-per-node 2` (DDP on gloo, rank 0 the gateway through `SwarmOptimizer`): every
+  round had two contributors (the two ranks are one peer) and the creator's φ digest equals both
+  ranks' (true). With `torchrun_contributors` and `torchrun_wall_s`.
 - `js_record_verified`: a js-libp2p peer (tests/js, npm packages installed in a temp folder)
   fetched a meshtrain node's peer record with kad GET_VALUE through another node and verified it
   in JavaScript, in every one of `--js-trials` runs; `js_record_latency_ms_p50` is the median of
@@ -78,6 +82,29 @@ def two_peers(steps: int, H: int) -> dict[str, Any]:
             "last": [ra["losses"][-1], rb["losses"][-1]],
         },
         "hf_callback_wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def torchrun_peer(steps: int, H: int) -> dict[str, Any]:
+    """Issue 33 item 2: a torchrun script's two ranks as one peer (module docstring)."""
+    example = ROOT / "examples" / "swarm_optimizer.py"
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    common = ["--steps", str(steps), "--wait-peers", "2"]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        ra, rb = run_two_peers(
+            example,
+            ["--data-dir", str(d / "a"), "--create", "--H", str(H), *common],
+            ["--data-dir", str(d / "b"), *common, "--join"],
+            d,
+            join_launcher=torchrun,
+        )
+    return {
+        "torchrun_phi_equal": rb["rank_digests"] == [ra["phi_digest"]] * 2 and set(ra["contributors"]) == {2},
+        "torchrun_contributors": ra["contributors"],
+        "torchrun_loss_fell": loss_fell(ra["losses"]) and loss_fell(rb["losses"]),
+        "torchrun_wall_s": round(time.monotonic() - t0, 1),
     }
 
 
@@ -226,6 +253,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     result.update(two_peers(a.steps, a.H))
     result.update(overhead(a.overhead_steps, a.trials, a.threads))
+    result.update(torchrun_peer(a.steps, a.H))
     result.update(js_record(a.js_trials))
     result["wheel_demo_ok"] = pytest_outcome(WHEEL_TEST)
     result["prometheus_scraped"] = pytest_outcome(PROMETHEUS_TEST)

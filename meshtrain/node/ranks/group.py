@@ -72,10 +72,19 @@ class LocalRanks:
         control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
         outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
         local = cls(rank, world, device, control, outer, config.sharding)
-        pids: list[Any] = [None] * world
-        dist.all_gather_object(pids, os.getpid(), group=control)
-        local.pids = [int(p) for p in pids]
+        local.pids = [int(p) for p in local.gather(os.getpid())]
         return local
+
+    @classmethod
+    def attach(cls, device: torch.device) -> LocalRanks:
+        """The ranks of a script that initialised torch.distributed itself (torchrun with
+        `meshtrain.SwarmOptimizer`, integrations/ranks.py): its default group's ranks, rank 0 the
+        gateway, under DDP (every rank holds the whole model). Every rank calls it, in the same order
+        as its other collective calls: it makes the two gloo groups."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
+        return cls(rank, world, device, control, outer, "ddp")
 
     @property
     def is_gateway(self) -> bool:
@@ -155,6 +164,25 @@ class LocalRanks:
         if sharded is not None:
             sharded.begin(trainer.outer, trainer.stepped, msg["state"])
         return int(msg["until"])
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the others pass None): one pickled broadcast on the control
+        group."""
+        return self._broadcast(obj, self.control)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, by rank, on every rank (the control group)."""
+        objs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.control)
+        return objs
+
+    def share_if(self, obj: Any) -> Any:
+        """`share`, for a call made every step: rank 0 passes None when it has nothing to send, and
+        then the step costs one 4-byte broadcast, not a pickled object. None on every rank, or
+        rank 0's `obj`."""
+        flag = torch.tensor([0 if obj is None else 1], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.control)
+        return self.share(obj) if flag[0] else None
 
     def keep_going(self, stop: bool) -> bool:
         """Every REPORT_EVERY steps, on every rank: go on unless rank 0 stops."""
