@@ -46,7 +46,7 @@ moved on): the swarm's state wins for θ.
 
 Failures, in one line (`ConfigError`, from the Trainer's constructor or `train()`): a Trainer
 with more than one process (`world_size` > 1: torchrun, DeepSpeed, FSDP — a multi-GPU peer is
-`meshtrain node start --nproc-per-node N`), `join` and `create` both set, neither with no swarm
+`meshtrain.SwarmOptimizer` in a torchrun script, or `meshtrain node start --nproc-per-node N`), `join` and `create` both set, neither with no swarm
 in the data dir, a spec the Trainer's model cannot serve (another optimizer than the spec's is
 impossible here: the callback builds the spec's). A Trainer that raises leaves the swarm with the
 process (the swarm's checkpoint from before stands).
@@ -124,7 +124,8 @@ class MeshtrainCallback(TrainerCallback):
         if args.world_size > 1:
             raise ConfigError(
                 f"MeshtrainCallback: this Trainer runs {args.world_size} processes; a swarm peer here is one "
-                f"process (a multi-GPU peer is `meshtrain node start --nproc-per-node N`)"
+                f"process (a multi-GPU peer: `meshtrain.SwarmOptimizer` in a torchrun script, or "
+                f"`meshtrain node start --nproc-per-node N`)"
             )
         self.data_dir = Path(self.mesh.data_dir or Path(args.output_dir or ".") / DATA_DIR)
         if not self.mesh.join and not self.mesh.create and not (self.data_dir / "swarm.json").exists():
