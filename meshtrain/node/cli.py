@@ -195,7 +195,9 @@ def _node_status(args: argparse.Namespace) -> int:
         struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""
         offset = p.get("clock_offset_s")
         clock = f"  clock {offset:+.1f} s" if offset is not None else ""
-        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}{struck}{clock}")
+        # tensors over libp2p: its data port did not answer (a firewall, a NAT): say so
+        slow = "  tensors over libp2p" if p.get("data_path") == "libp2p" else ""
+        print(f"  {p['peer_id'][-12:]}  step {p['step']:>6}  {p['connection']:<8} {p['addr']}{struck}{clock}{slow}")
     return 0
 
 

@@ -202,6 +202,7 @@ class TensorStreams(Service):
         self._sessions: dict[bytes, _Session] = {}  # server side: sid -> session
         self._client_sessions: dict[str, tuple[bytes, bytes, str, int]] = {}  # peer -> sid, key, ip, port
         self._no_direct_until: dict[str, float] = {}
+        self.paths: dict[str, str] = {}  # peer -> the path of the newest connection we dialled to it
         self._idle: dict[str, list[DataChannel]] = {}
         self._bulk: dict[str, list[DataChannel]] = {}  # idle connections of transfers >= bulk_bytes
         self._nursery: trio.Nursery | None = None
@@ -416,7 +417,9 @@ class TensorStreams(Service):
         self.stats["connections_opened"] += 1
         if self.config.direct and self._no_direct_until.get(peer, 0) < time.monotonic():
             try:
-                return await self._dial_direct(peer)
+                ch = await self._dial_direct(peer)
+                self.paths[peer] = ch.path
+                return ch
             except RpcError as e:
                 if isinstance(e, RemoteError) and e.code == NOT_A_MEMBER:
                     raise TransferRefused(f"{peer} does not admit us to its data plane: {e}") from None
@@ -430,6 +433,7 @@ class TensorStreams(Service):
             stream = await self.host.open_stream(peer, FALLBACK_PROTOCOL)
         except StreamOpenError as e:
             raise PeerGone(str(e)) from None
+        self.paths[peer] = "libp2p"
         return DataChannel(FramedStream(stream, max_frame=MAX_CHUNK + 64), "libp2p", None)
 
     async def _dial_direct(self, peer: str) -> DataChannel:

@@ -53,13 +53,16 @@ The status document (`Node.snapshot()`):
                 null), waiting (what the node waits for now, in words, or null), refused
                 ({reason: count}: requests refused to peers, and CRDT records this node would not
                 store — crdt-not-admitted, crdt-not-a-member)
-    peers:      [{peer_id, addr, connection, role, in_from, step, loss, last_seen_s,
+    peers:      [{peer_id, addr, connection, data_path, role, in_from, step, loss, last_seen_s,
                 clock_offset_s, reachability, strikes}] (and stage: the stage a pipeline swarm's
                 peer announces, or null); in_from: the round id (inner step) from which a trainer
                 is in the roster of grouped rounds (node/roster.py; 0: from the start);
                 last_seen_s: age of its latest heartbeat by our clock; clock_offset_s:
                 its wall clock minus ours, measured (node/clock_offsets.py), null until measured
                 connection: how *we* reach that peer ("direct", "relayed", "none"; "self");
+                data_path: how our newest tensor connection to it went: "direct" (its data
+                port, or a hole punched to it) or "libp2p" (the fallback: its data port did not
+                answer us — a firewall, a NAT), null before we sent it anything
                 reachability: what the peer announces ("public", "relayed": private behind a
                 relay reservation, "private", "unknown"; "direct" from a node without NAT
                 traversal). node.reachability is ours, in the same terms.

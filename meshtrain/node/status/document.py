@@ -219,6 +219,7 @@ def status_document(node: Node) -> dict[str, Any]:
     if view is not None and host is not None:
         progress, metrics = view.progress(), view.metrics()
         clock = node.presence.clock if node.presence is not None else None
+        paths = node.streams.paths if node.streams is not None else {}
         at = time.monotonic()
         for p in view.live_peers(at=at):
             pr, me = progress.get(p.peer_id), metrics.get(p.peer_id)
@@ -228,6 +229,7 @@ def status_document(node: Node) -> dict[str, Any]:
                     "peer_id": p.peer_id,
                     "addr": p.addrs[0] if p.addrs else "",
                     "connection": ("self" if p.peer_id == host.peer_id else host.connection_type(p.peer_id) or "none"),
+                    "data_path": paths.get(p.peer_id),
                     "role": p.role,
                     "in_from": p.in_from,
                     "step": pr.step if pr else 0,
