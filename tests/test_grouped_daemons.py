@@ -32,6 +32,7 @@ import time
 import pytest
 
 from meshtrain.collective.groups import round_groups
+from meshtrain.optim.outer import JOIN_WARMUP_STEPS
 
 from .test_daemon_matrix import status
 from .test_node_cli import create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401
@@ -43,7 +44,12 @@ pytestmark = [
     # full suite run it failed once: the first five daemons, started slowly under the suite's load,
     # joined one by one into rounds already grouped, and rounds around each join ended with "the
     # other peers have moved" and re-syncs, chained across the groups, until the test's wait ran
-    # out. Run it where that is being fixed.
+    # out. Run it where that is being fixed. Stop 46, beside a loaded suite run: 3 of 3 failed.
+    # Once, the creator (which had trained 272 steps alone while the others started) was
+    # excluded by strikes: the four joiners' fresh AdamW made its Δ the outlier (norm ratios
+    # 0.09-0.25; a joiner now sits out at least JOIN_WARMUP_STEPS, optim/outer.py). Twice after
+    # that fix, nobody was excluded, and a round of a group of 2 was averaged alone by one of
+    # its members (its round_peers held only itself): the chained re-syncs above.
     pytest.mark.skipif(
         not os.environ.get("MESHTRAIN_GROUPED_DAEMONS"),
         reason="grouped rounds re-sync in chains while daemons join one by one: MESHTRAIN_GROUPED_DAEMONS=1 runs it",
@@ -94,11 +100,13 @@ def test_a_grouped_swarm_takes_a_late_joiner_into_rounds_every_daemon_groups_ali
         return {step // H: peers for step, peers in st["training"]["round_peers"]}
 
     def checked_rounds(sts: list[dict]) -> list[int]:
-        """The newest two rounds after the joiner's first (where it contributes weight 0, so its
-        partners' reports leave it out) that every daemon's newest exchanges list."""
+        """The newest two rounds after the joiner's weight-0 ones (its first, and as many more as
+        `JOIN_WARMUP_STEPS` of its own take: its partners' reports leave it out of those) that
+        every daemon's newest exchanges list."""
         first = entered(sts[5]).get(ids[5])
         rounds = set.intersection(*(set(averaged(s)) for s in sts))
-        return [] if first is None else sorted(r for r in rounds if r > first)[-2:]
+        warm = -(-JOIN_WARMUP_STEPS // H)
+        return [] if first is None else sorted(r for r in rounds if r > first + warm)[-2:]
 
     sts = until("six daemons with two rounds in common", 6, lambda sts: len(checked_rounds(sts)) == 2)
     for r in checked_rounds(sts):

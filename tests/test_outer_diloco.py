@@ -18,6 +18,7 @@ from meshtrain.optim import (
     DiLoCo,
     OuterStateError,
 )
+from meshtrain.optim.outer import JOIN_WARMUP_STEPS
 
 from .test_allreduce import mesh
 
@@ -194,8 +195,10 @@ async def test_joiner_contributes_weight_zero_and_gets_identical_outer_state():
         strict=True,
     ):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
-    await simulate([*outers, joiner], [*models, joiner_model], 3, start=6)  # a full H of its own
-    assert joiner.history[-1].contributors == 3
+    await simulate([*outers, joiner], [*models, joiner_model], 3, start=6)  # a full H of its own...
+    assert joiner.history[-1].contributors == 2  # ...but its fresh AdamW is still warming up
+    await simulate([*outers, joiner], [*models, joiner_model], 15, start=9)  # step 24: 20 steps of its own
+    assert JOIN_WARMUP_STEPS == 20 and [r.contributors for r in joiner.history][-2:] == [2, 3]
 
 
 async def test_peer_cut_off_proceeds_alone_and_asks_for_resync():

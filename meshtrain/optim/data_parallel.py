@@ -68,6 +68,7 @@ class DataParallel(OuterOptimizer):
     # and excluded within 30 steps).
     spec_defaults: ClassVar[Mapping[str, Any]] = {"H": 1, "screen_norm": 0.0}
     ungrouped_reason: ClassVar[str | None] = "its replicas must stay identical every step"
+    join_warmup_steps = 0  # a joiner downloads the inner state too: it contributes from its first step
     dense_all_reduce = True  # the mean of every peer's gradient: a robust rule can combine them
 
     @classmethod

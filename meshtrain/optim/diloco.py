@@ -15,7 +15,7 @@ momentum 0 gives plain outer SGD (lr 1: FedAvg). The outer state (φ and the mom
 identical on every peer because every peer applies the same bit-identical Δ (the collective's
 contract); it is part of `state_dict` for checkpoints and late joiners. A round that loses a peer
 averages over the survivors (the collective does that); a joiner contributes weight 0 for its
-first H steps (`OuterOptimizer.join`). The inner optimizer's state persists across rounds and is
+first H steps, and at least `JOIN_WARMUP_STEPS` (`OuterOptimizer.join`). The inner optimizer's state persists across rounds and is
 never averaged.
 """
 

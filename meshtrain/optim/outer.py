@@ -66,9 +66,11 @@ imports `BUILTIN_OPTIMIZERS`.
 
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
-docs/algorithms.md). Until it has done a full H steps of its own it contributes weight 0 to every
-all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still receives the average, so its
-φ and outer state stay identical to everyone else's.
+docs/algorithms.md). Until it has done a full H steps of its own, and at least
+`JOIN_WARMUP_STEPS` (a fresh inner optimizer's first steps are larger than a trained one's: in a
+short round they would make the veterans the outliers that screening flags), it contributes
+weight 0 to every all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still
+receives the average, so its φ and outer state stay identical to everyone else's.
 
 The round logic. `_advance` is one inner step's rounds as a generator with no I/O inside: it
 decides what is due, does the tensor work inline (Δ, error feedback; for a merge the outer update
@@ -165,6 +167,15 @@ log = get_logger(__name__)
 
 STATE_FORMAT = "meshtrain.outer/1"
 HISTORY_LENGTH = 4096  # round reports kept in memory
+# A joiner's weight-0 period lasts at least this many inner steps, even where H is shorter. Its
+# inner optimizer is fresh, and a fresh AdamW's first steps are larger than a trained one's (its
+# second moment lacks the larger gradients of earlier training that a veteran's still holds):
+# on gpt-tiny at step 272 (scripts/studies/joiner_step_sizes.py), a veteran's Δ over 2 steps was
+# 0.33-0.43 of a fresh joiner's per fifth of the model, 0.51-0.61 at 10 steps, 0.65-0.82 at 20. In a
+# short round the joiners' Δ is then several times the veteran's, and a robust swarm's screening
+# flags the veteran, the outlier among fresh joiners: a grouped daemon swarm of H = 2 saw its
+# creator excluded by strikes when four daemons joined it (norm ratios 0.09-0.25).
+JOIN_WARMUP_STEPS = 20
 
 
 class OuterStateError(MeshtrainError):
@@ -231,6 +242,9 @@ class OuterOptimizer(Service):
     `replicas_identical` (default True): every peer holds the same φ after the
     same round, which the node checks continuously (node/state/parity.py). An optimizer whose replicas
     differ by design (NoLoCo's pairwise gossip) sets it False.
+    `join_warmup_steps` (default `JOIN_WARMUP_STEPS`): a joiner's weight-0 period lasts at least
+    this many of its own inner steps (and at least H): its inner optimizer starts fresh. An
+    optimizer whose joiner downloads the inner state too (dp) sets 0.
 
     What a swarm spec that names the optimizer may say (node/spec/swarm.py reads these of the
     built-in classes; a spec naming a `py:` class is checked before, and without, its code being
@@ -269,6 +283,7 @@ class OuterOptimizer(Service):
     """
 
     replicas_identical = True
+    join_warmup_steps: ClassVar[int] = JOIN_WARMUP_STEPS
     spec_defaults: ClassVar[Mapping[str, Any]] = {}
     ungrouped_reason: ClassVar[str | None] = None
     dense_all_reduce: ClassVar[bool] = False
@@ -321,7 +336,7 @@ class OuterOptimizer(Service):
         self.rounds = 0  # exchanges completed (all fragments)
         self.needs_resync = False
         self.state_loads = 0  # states loaded so far (`load_state_dict`, and `join` through it)
-        self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps)
+        self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps, >= JOIN_WARMUP_STEPS)
         self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
         self._preparation = RoundPreparation(self.schedule)
@@ -588,7 +603,7 @@ class OuterOptimizer(Service):
             yield from self._prepare_next(step)
         for p in sends:
             names = self.fragments[p]
-            ready = self._joined_at is None or step - self._joined_at >= self.H
+            ready = self._joined_at is None or step - self._joined_at >= max(self.H, self.join_warmup_steps)
             with torch.no_grad():
                 tensors = self.pseudo_gradient(names)
                 if self.error_feedback is not None and ready:
