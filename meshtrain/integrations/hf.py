@@ -46,10 +46,11 @@ moved on): the swarm's state wins for θ.
 
 Failures, in one line (`ConfigError`, from the Trainer's constructor or `train()`): a Trainer
 with more than one process (`world_size` > 1: torchrun, DeepSpeed, FSDP — a multi-GPU peer is
-`meshtrain.SwarmOptimizer` in a torchrun script, or `meshtrain node start --nproc-per-node N`), `join` and `create` both set, neither with no swarm
-in the data dir, a spec the Trainer's model cannot serve (another optimizer than the spec's is
-impossible here: the callback builds the spec's). A Trainer that raises leaves the swarm with the
-process (the swarm's checkpoint from before stands).
+`meshtrain.SwarmOptimizer` in a torchrun script, or `meshtrain node start --nproc-per-node N`),
+`join` and `create` both set, neither with no swarm in the data dir, a spec the Trainer's model
+cannot serve (another optimizer than the spec's is impossible here: the callback builds the
+spec's). A Trainer that raises leaves the swarm with the process (the swarm's checkpoint from
+before stands).
 
 Not here: the swarm itself (node/user_loop.py), your own loop (optimizer.py `SwarmOptimizer`).
 """
