@@ -15,17 +15,15 @@ All three train together and hold one φ: the fallback is slower, never wrong.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from .conftest import require_natlab
+from .test_nat_swarm import create_swarm, daemon_json, meshtrain, node_status, wait_for
 
 pytestmark = [pytest.mark.nat, pytest.mark.slow]
 
@@ -48,10 +46,6 @@ table inet meshtrain_fw {{
 """
 
 
-def meshtrain(*args: str) -> list[str]:
-    return [sys.executable, "-m", "meshtrain.node.cli", *args]
-
-
 @pytest.mark.timeout(420)
 def test_data_port_through_a_firewall_goes_direct_and_a_closed_one_falls_back(tmp_path):
     require_natlab()
@@ -64,24 +58,16 @@ def test_data_port_through_a_firewall_goes_direct_and_a_closed_one_falls_back(tm
     with NatLab([], public_hosts=len(HOSTS)) as lab:
         for h in HOSTS:
             lab.call(h, ["nft", "-f", "-"], input=firewall(OPEN[h]))
-        made = subprocess.run(
-            meshtrain(
-                "swarm", "create", "--data-dir", str(dirs["pub0"]), "--model", "gpt-tiny", "--steps", "0", "--H", "5"
-            ),
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            timeout=120,
-        )
-        assert made.returncode == 0, made.stderr
+        create_swarm(dirs["pub0"], env, "--H", "5")
         ip0 = lab.public_addr("pub0")
         start = ["node", "start", "--data-dir", str(dirs["pub0"]), "--listen", "/ip4/0.0.0.0/tcp/4001"]
         start += ["--announce", f"/ip4/{ip0}/tcp/4001", "--data-port", "4002", "--wait-peers", "3"]
         with open(logs["pub0"], "w") as err:
             procs["pub0"] = lab.run("pub0", meshtrain(*start), stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
         try:
-            info = wait_for("pub0's daemon.json", lambda: daemon_json(dirs["pub0"], procs["pub0"], logs), 90, logs)
+            info = wait_for(
+                "pub0's daemon.json", lambda: daemon_json(dirs["pub0"], procs["pub0"], logs["pub0"]), 90, logs
+            )
             address = f"/ip4/{ip0}/tcp/4001/p2p/{info['peer_id']}"
             for h in HOSTS[1:]:
                 join = ["swarm", "join", address, "--data-dir", str(dirs[h]), "--wait-peers", "3"]
@@ -134,32 +120,3 @@ def test_data_port_through_a_firewall_goes_direct_and_a_closed_one_falls_back(tm
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-
-
-def node_status(lab, host: str, data_dir: Path) -> dict | None:
-    r = lab.call(host, meshtrain("node", "status", "--data-dir", str(data_dir), "--json"), timeout=30, check=False)
-    if r.returncode != 0:
-        return None
-    try:
-        return json.loads(r.stdout)
-    except ValueError:
-        return None
-
-
-def daemon_json(data_dir: Path, proc: subprocess.Popen, logs: dict[str, Path]) -> dict | None:
-    assert proc.poll() is None, f"the node exited with {proc.returncode}:\n{logs['pub0'].read_text()[-3000:]}"
-    try:
-        return json.loads((data_dir / "daemon.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def wait_for(what: str, check, timeout: float, logs: dict[str, Path]):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(1.0)  # sleep: poll interval
-    tails = "\n".join(f"--- {h}\n{p.read_text()[-2500:]}" for h, p in logs.items() if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")

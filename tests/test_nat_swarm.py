@@ -48,6 +48,19 @@ def node_status(lab, host: str, data_dir: Path) -> dict | None:
         return None
 
 
+def create_swarm(data_dir: Path, env: dict[str, str], *flags: str) -> None:
+    """`meshtrain swarm create` of a gpt-tiny swarm that runs until stopped, in `data_dir`."""
+    made = subprocess.run(
+        meshtrain("swarm", "create", "--data-dir", str(data_dir), "--model", "gpt-tiny", "--steps", "0", *flags),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+
+
 def wait_for(what: str, check, timeout: float, logs: dict[str, Path]):
     """Poll `check()` until it returns something truthy; fail with every node's log tail."""
     deadline = time.monotonic() + timeout
@@ -72,23 +85,13 @@ def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(
     with NatLab(["cone", "cone", "symmetric"], public_hosts=1) as lab:
         public_ip = lab.public_addr("pub0")
         # Machine A, reachable at its public address: create the swarm and run it.
-        made = subprocess.run(
-            meshtrain(
-                "swarm", "create", "--data-dir", str(dirs["pub0"]), "--model", "gpt-tiny", "--steps", "0", "--H", "10"
-            ),
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            timeout=120,
-        )
-        assert made.returncode == 0, made.stderr
+        create_swarm(dirs["pub0"], env, "--H", "10")
         start = ["node", "start", "--data-dir", str(dirs["pub0"]), "--listen", "/ip4/0.0.0.0/tcp/4001"]
         start += ["--announce", f"/ip4/{public_ip}/tcp/4001"]
         with open(logs["pub0"], "w") as err:
             procs["pub0"] = lab.run("pub0", meshtrain(*start), stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
         info = wait_for(
-            "the public node's daemon.json", lambda: _daemon_json(dirs["pub0"], procs["pub0"], logs["pub0"]), 90, logs
+            "the public node's daemon.json", lambda: daemon_json(dirs["pub0"], procs["pub0"], logs["pub0"]), 90, logs
         )
         address = f"/ip4/{public_ip}/tcp/4001/p2p/{info['peer_id']}"
         # The others, each behind its home's NAT: one command.
@@ -193,7 +196,7 @@ def test_daemons_behind_cone_and_symmetric_nats_train_and_survive_a_killed_peer(
                 procs[h].kill()
 
 
-def _daemon_json(data_dir: Path, proc: subprocess.Popen, log: Path) -> dict | None:
+def daemon_json(data_dir: Path, proc: subprocess.Popen, log: Path) -> dict | None:
     assert proc.poll() is None, f"the node exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
     try:
         return json.loads((data_dir / "daemon.json").read_text())
