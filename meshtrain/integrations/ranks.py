@@ -5,7 +5,7 @@
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     opt = meshtrain.SwarmOptimizer(torch.optim.AdamW(model.parameters()), swarm, model=model)
     while opt.swarm_step < opt.spec.steps: ...           # ddp's forward, backward, opt.step()
-    opt.close(); swarm and swarm.leave()
+    opt.close()                                          # then, on rank 0: swarm.leave()
 
 Problem. A multi-GPU training script already runs N processes under torchrun, DDP keeping their
 replicas equal. The swarm wants one peer per machine, not N: one membership, one exchange of the
