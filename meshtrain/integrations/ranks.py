@@ -28,7 +28,10 @@ own step hook, rank 0 sends its whole state (θ, φ, the outer and inner optimiz
 the others when it may have changed — the first step, a step that began needing a re-sync, or
 any step after a state was loaded (`OuterOptimizer.state_loads`) — and a 4-byte "nothing" flag
 otherwise. The others load it before their inner step: the first step's gradients (DDP-averaged,
-equal on every rank) then land on the same joined state everywhere.
+equal on every rank) then land on the same joined state everywhere. The first step sends even
+when nothing was loaded: a rank whose optimizer was built before DDP synced θ holds its own φ.
+The state travels as one pickled object (as the daemon's ranks' start does): a peak of about
+its size again on each rank while it does.
 
 Failures. Everything is a collective call of every rank, in the same order, as torch.distributed
 wants: a rank that dies leaves the others blocked in a gloo call until its timeout (30 min, as

@@ -69,9 +69,7 @@ class LocalRanks:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=LOCAL_GROUP_TIMEOUT)
-        control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
-        outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
-        local = cls(rank, world, device, control, outer, config.sharding)
+        local = cls._with_groups(rank, world, device, config.sharding)
         local.pids = [int(p) for p in local.gather(os.getpid())]
         return local
 
@@ -81,10 +79,14 @@ class LocalRanks:
         `meshtrain.SwarmOptimizer`, integrations/ranks.py): its default group's ranks, rank 0 the
         gateway, under DDP (every rank holds the whole model). Every rank calls it, in the same order
         as its other collective calls: it makes the two gloo groups."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+        return cls._with_groups(dist.get_rank(), dist.get_world_size(), device, "ddp")
+
+    @classmethod
+    def _with_groups(cls, rank: int, world: int, device: torch.device, sharding: str) -> LocalRanks:
+        """Our two gloo groups (a collective call of every rank), and this rank's place."""
         control = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
         outer = dist.new_group(backend="gloo", timeout=LOCAL_GROUP_TIMEOUT)
-        return cls(rank, world, device, control, outer, "ddp")
+        return cls(rank, world, device, control, outer, sharding)
 
     @property
     def is_gateway(self) -> bool:
