@@ -292,3 +292,29 @@ def test_the_scratch_model_holds_no_parameter_memory_and_scores_as_a_full_copy_d
         for p in garbage.parameters():
             p.fill_(float("nan"))
     assert score_round(garbage, sim.phi, sim.names, part, samples, agg, batches) == lean
+
+
+def test_a_users_hugging_face_model_loaded_as_transformers_loads_it_is_scored_on_its_scratch_copy(tmp_path) -> None:
+    """A Python-API user's model is loaded however they load it: transformers >= 5.25's
+    `from_pretrained` swaps in the Hub's kernels by default, and such a model re-kernelizes on a
+    train/eval switch for its parameters' device — the scratch copy's meta device, which no kernel
+    supports. The scorer sets the eval flags itself: it scores as a full copy does."""
+    transformers = pytest.importorskip("transformers")
+    from meshtrain.models.sources import HFCausalLM
+
+    from .tiny_hf import BPE_VOCAB, save_tiny_llama
+
+    save_tiny_llama(tmp_path / "llama")
+    model = HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama")).train())
+    names = [n for n, _ in model.named_parameters()]
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    total = sum(t.numel() for t in phi.values())
+    gen = torch.Generator().manual_seed(0)
+    samples = {p: torch.randn(total // 2, generator=gen) * 1e-3 for p in ("a", "b")}
+    agg = (samples["a"] + samples["b"]) / 2
+    tokens = torch.randint(0, BPE_VOCAB, (2, 9), generator=gen)
+    batches = {p: [(tokens[:, :-1], tokens[:, 1:])] for p in samples}
+    part = (0, total // 2)
+    lean = score_round(scratch_model(model, names), phi, names, part, samples, agg, batches)
+    assert lean == score_round(copy.deepcopy(model), phi, names, part, samples, agg, batches)
+    assert len(lean) == 2

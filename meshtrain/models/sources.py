@@ -8,7 +8,8 @@ Sources (`parse_model_source`):
     hf:<dir>                           a pretrained Hugging Face causal LM on disk:
                                        `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)`,
                                        fp32 master weights, in training mode (dropout on, as
-                                       the config says); never downloaded
+                                       the config says); never downloaded, and without the Hub's
+                                       kernels (`use_kernels=False`, below)
     hf-config:<config.json>            a Hugging Face causal LM with fresh weights from a config
                                        (its `model_type` picks the class), built under the spec's
                                        seed so every peer builds the same θ0; its vocab_size is
@@ -212,7 +213,16 @@ def _pretrained(src: ModelSource, vocab_size: int) -> torch.nn.Module:
         # fp32 master weights whatever the files' dtype (bf16 -> fp32 is exact). In training mode,
         # as every other source builds its model: from_pretrained returns it in eval mode, so the
         # model's dropout would act only after the first evaluation had switched it back.
-        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).float().train()
+        # Without the Hub's kernels, which transformers >= 5.25 swaps in by default: they are code
+        # fetched from the Hub at run time (some with trust_remote_code), they differ by device, so
+        # a CUDA peer and a CPU peer would compute different functions of the same θ (loss scoring
+        # and spot checks compare peers), and a kernelized model re-kernelizes on every train/eval
+        # switch, which fails on the scoring's meta-device copy.
+        inner = (
+            transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_kernels=False)
+            .float()
+            .train()
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model {src.value}: cannot load it: {str(e).splitlines()[0][:300]}") from None
     rows = inner.get_input_embeddings().num_embeddings

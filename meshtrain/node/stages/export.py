@@ -334,7 +334,9 @@ def load_assembled(
             # tensor): read back by from_pretrained, which converts them in again.
             from transformers import AutoModelForCausalLM
 
-            written = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "model"), local_files_only=True)
+            written = AutoModelForCausalLM.from_pretrained(
+                str(Path(tmp) / "model"), local_files_only=True, use_kernels=False
+            )
             model.inner.load_state_dict(written.state_dict())
         else:
             load_model(model, str(Path(tmp) / "model" / "model.safetensors"))

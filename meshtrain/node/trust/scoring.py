@@ -159,6 +159,15 @@ def _loss(forward: Callable[[Batch], object], batches: Sequence[Batch]) -> float
     return total / len(batches)
 
 
+def eval_flags(model: torch.nn.Module) -> None:
+    """`model.eval()` without the model's own `train()` overrides: sets every module's `training`
+    flag. A user's Hugging Face model loaded with the Hub's kernels (transformers >= 5.25 does so
+    by default) re-kernelizes on a mode switch, for the device its parameters are on: the
+    `scratch_model`'s meta device, which no kernel supports."""
+    for module in model.modules():
+        module.training = False
+
+
 def scratch_model(model: torch.nn.Module, names: Sequence[str]) -> torch.nn.Module:
     """A copy of `model` whose parameters `names` (φ's: the outer optimizer's) hold no memory —
     on the meta device — to run with φ's tensors passed in (`score_round`, functional_call).
@@ -228,7 +237,7 @@ def score_round(
                 for (flat, lo, hi, _), orig in zip(views, saved, strict=True):
                     flat[lo:hi].copy_(orig)
 
-        model.eval()
+        eval_flags(model)
         scores = []
         for peer in sorted(samples):
             x, own_batches = samples[peer], batches[peer]
