@@ -60,7 +60,7 @@ def no_daemon_outlives_its_test():
         proc.wait()
 
 
-def start(*args: str, log: Path) -> subprocess.Popen:
+def start(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [
@@ -78,7 +78,7 @@ def start(*args: str, log: Path) -> subprocess.Popen:
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})),
         )
     STARTED.append(proc)
     return proc

@@ -127,14 +127,19 @@ async def test_nesterov_outer_step_matches_hand_computation():
         assert outer.outer_params["weight"].item() == pytest.approx(phi, abs=1e-6)
 
 
-async def test_two_peers_average_pseudo_gradients_then_step():
-    """Δ = mean_i(φ − θ_i) over the peers, then the same Nesterov step on every peer."""
+def scalar_peers(**outer: float) -> tuple[list[torch.nn.Linear], list[DiLoCo]]:
+    """Two peers of a one-weight model (φ = θ = 2, no inner optimizer) and their DiLoCo (`outer`)."""
     swarm = LocalSwarm(2)
     models = [torch.nn.Linear(1, 1, bias=False) for _ in range(2)]
     for m in models:
         with torch.no_grad():
             m.weight.fill_(2.0)
-    outers = [DiLoCo(m, None, swarm.member(i), H=1, lr=0.5, momentum=0.5) for i, m in enumerate(models)]
+    return models, [DiLoCo(m, None, swarm.member(i), **outer) for i, m in enumerate(models)]  # type: ignore[arg-type]
+
+
+async def test_two_peers_average_pseudo_gradients_then_step():
+    """Δ = mean_i(φ − θ_i) over the peers, then the same Nesterov step on every peer."""
+    models, outers = scalar_peers(H=1, lr=0.5, momentum=0.5)
     with torch.no_grad():
         models[0].weight.fill_(1.0)  # Δ_0 = 1
         models[1].weight.fill_(1.5)  # Δ_1 = 0.5
@@ -295,3 +300,31 @@ async def test_diloco_on_real_hosts_trains_in_worker_threads_with_identical_oute
             assert torch.equal(outers[0].outer_params[n], outers[2].outer_params[n])
         assert outers[0].rounds == 6 and outers[0].bytes_sent > 0
         assert all(r.contributors == 3 for r in outers[1].history)
+
+
+async def test_a_peer_that_skips_steps_to_keep_the_swarms_pace_weighs_the_share_it_trained():
+    """pace "swarm" (optim/outer.py, "Swarm pace"): peer 1 skips 3 of a round's 4 steps — the
+    round still runs at step 4 for both — and its Δ weighs 1/4 in the mean; the next round, all
+    trained, weighs 1 again. φ stays identical on both."""
+    models, outers = scalar_peers(H=4, lr=1.0, momentum=0.0)
+
+    async def peer(i: int, skips: int, theta: float) -> None:
+        with torch.no_grad():
+            models[i].weight.fill_(theta)
+        for s in range(4):
+            await (outers[i].askip() if s < skips else outers[i].astep())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peer, 0, 0, 1.0)  # Δ_0 = 1, weight 1
+        nursery.start_soon(peer, 1, 3, 1.8)  # Δ_1 = 0.2, weight 1/4
+    expected = 2.0 - (1.0 * 1.0 + 0.25 * 0.2) / 1.25
+    for m, o in zip(models, outers, strict=True):
+        assert m.weight.item() == pytest.approx(expected, abs=1e-6)
+        assert o.inner_steps == 4 and o.rounds == 1
+    assert outers[1].skipped_steps == 3 and outers[0].skipped_steps == 0
+    assert outers[1].stats()["skipped_steps"] == 3
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peer, 0, 0, expected - 0.4)  # Δ 0.4 and 0.2, both weight 1
+        nursery.start_soon(peer, 1, 0, expected - 0.2)
+    for m in models:
+        assert m.weight.item() == pytest.approx(expected - 0.3, abs=1e-6)

@@ -171,7 +171,11 @@ def test_the_flat_table_names_every_field_of_every_section_once():
     assert sorted(FLAT_KEYS.values(), key=str) == sorted(fields, key=str)  # each once: a dict's keys are unique
     assert set(SECTIONS) == {"model", "data", "outer", "aggregation", "verification", "pipeline", "admission"}
     added = {key for key, (section, field) in FLAT_KEYS.items() if section and field in SECTIONS[section].added_keys}
-    assert added == {"noloco_outer", "error_feedback"}  # since the signed form was fixed: written where they act
+    assert added == {
+        "noloco_outer",
+        "error_feedback",
+        "pace",
+    }  # since the signed form was fixed: written where they act
     assert len(FLAT_KEYS) - len(added) == 60  # the flat spec's keys before the sections, every one kept
 
 
@@ -184,19 +188,25 @@ def test_any_flat_spec_and_its_nested_form_are_one_spec(keys):
     spec = SwarmSpec.model_validate(flat)
     assert SwarmSpec.model_validate(spec.model_dump()) == spec
     written = spec.flat()  # every key but the ones added since, which say nothing here
-    assert set(written) == set(FLAT_KEYS) - {"noloco_outer", "error_feedback"}
+    assert set(written) == set(FLAT_KEYS) - {"noloco_outer", "error_feedback", "pace"}
     assert {k: written.get(k, default_of(k)) for k in flat} == flat
 
 
 def test_keys_added_since_are_signed_only_where_they_act():
     for optimizer in OPTIMIZERS:  # a spec that leaves them alone is signed as before they existed
-        assert not {"noloco_outer", "error_feedback"} & set(SwarmSpec(optimizer=optimizer).model_dump()["outer"])
+        assert not {"noloco_outer", "error_feedback", "pace"} & set(
+            SwarmSpec(optimizer=optimizer).model_dump()["outer"]
+        )
     assert SwarmSpec(codec="topk").model_dump()["outer"]["error_feedback"] is True
     assert SwarmSpec(codec="topk", error_feedback=False).flat()["error_feedback"] is False
     assert "error_feedback" not in SwarmSpec(optimizer="noloco", codec="topk").flat()  # noloco takes none
     noloco = SwarmSpec(optimizer="noloco", outer_lr=0.5).model_dump()["outer"]
     assert (noloco["noloco_outer"], noloco["outer_lr"], noloco["outer_momentum"]) == (True, 0.5, 0.5)  # μ: its own
     assert SwarmSpec(optimizer="noloco", outer_momentum=0.9, noloco_outer=True).outer.outer_momentum == 0.9
+    for optimizer in ("diloco", "streaming"):  # pace "swarm" is signed; a swarm of it has another id
+        paced = SwarmSpec(optimizer=optimizer, pace="swarm")
+        assert paced.model_dump()["outer"]["pace"] == "swarm" and paced.flat()["pace"] == "swarm"
+        assert paced.model_dump() != SwarmSpec(optimizer=optimizer).model_dump()
 
 
 @pytest.mark.parametrize(
@@ -207,13 +217,19 @@ def test_keys_added_since_are_signed_only_where_they_act():
         {"codec": "int8", "error_feedback": False},
         {"codec": "topk", "optimizer": "noloco", "error_feedback": False},
         {"codec": "topk", "optimizer": "sparseloco", "error_feedback": False},
+        {"optimizer": "noloco", "pace": "swarm"},
+        {"optimizer": "sparseloco", "pace": "swarm"},
+        {"optimizer": "dp", "pace": "swarm"},
+        {"pace": "fastest"},
     ],
 )
 def test_an_added_key_where_it_cannot_act_is_refused_in_one_line(bad):
     with pytest.raises(ConfigError) as e:
         parse_spec(bad)
     # (sparseloco reads no codec at all: that is said first)
-    assert "\n" not in str(e.value) and any(k in str(e.value) for k in ("noloco_outer", "error_feedback", "codec"))
+    assert "\n" not in str(e.value) and any(
+        k in str(e.value) for k in ("noloco_outer", "error_feedback", "codec", "pace")
+    )
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,7 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
                 "peer_id": result.peer_id,
                 "step": result.step,
                 "rounds": result.rounds,
+                "skipped_steps": result.skipped_steps,
                 "eval_loss": result.eval_loss,
                 "checkpoint": result.checkpoint,
             }
@@ -167,6 +168,10 @@ def _node_status(args: argparse.Namespace) -> int:
         print(
             f"phi round {t.get('phi_round')}  digest {str(t['phi_digest'])[:16]}  "
             f"parity {parity.get('status', 'unchecked')}"
+        )
+    if t.get("skipped_steps"):  # the spec's pace "swarm": steps skipped to keep up with the swarm
+        print(
+            f"skipped {t['skipped_steps']} steps to keep the swarm's pace  waited {t['round_wait_s']:.0f} s on rounds"
         )
     if t.get("waiting"):
         print(f"waiting: {t['waiting']}")

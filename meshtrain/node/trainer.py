@@ -27,6 +27,11 @@ The spec's `precision` wraps the forward pass in autocast ("bf16", "fp16"; fp16 
 loss through a `GradScaler` the outer optimizer steps as "the inner optimizer", `ScaledInner`).
 Evaluation runs in the same precision as training.
 
+Pace (the spec's `pace` "swarm", node/pace.py). With `pace` set, a single-rank peer behind the
+swarm (`pace(step)`, the node's `SwarmPace.behind`) skips steps (`OuterOptimizer.skip`: the counter and the
+rounds advance, the batch is not trained) until it is back within it; the throughput counts the
+steps trained.
+
 The hot path. An inner step is the user's own loop — batch, forward, backward, clip, optimizer
 step — plus a step counter: `outer.step()` returns at once when no round is due. Everything else
 runs every `REPORT_EVERY` steps, when a round completed, or at the last step: reading the loss
@@ -141,6 +146,7 @@ class StepInfo:
     loss: float | None = None
     eval_loss: float | None = None
     samples_per_s: float = 0.0
+    steps_per_s: float = 0.0  # the step counter's pace while not waiting on rounds, skips included (node/pace.py)
     rounds: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -164,12 +170,14 @@ class TrainedState:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def publish(self, step: int, value: float | None, rate: float, eval_loss: float | None) -> None:
+    def publish(
+        self, step: int, value: float | None, rate: float, eval_loss: float | None, steps_per_s: float = 0.0
+    ) -> None:
         """Record a step's numbers for the status page (the training thread, every few steps)."""
         with self.lock:
             info = self.info
             info.step, info.loss, info.rounds = step, value, self.outer.rounds
-            info.samples_per_s = rate
+            info.samples_per_s, info.steps_per_s = rate, steps_per_s
             if eval_loss is not None:
                 info.eval_loss = eval_loss
             st = self.outer.stats()
@@ -308,6 +316,9 @@ class Trainer(TrainedState):
         self.info = StepInfo()
         self.lock = threading.Lock()  # guards `info` (written by the trainer thread)
         self.local_failure: str | None = None
+        # Whether to skip the next step, given ours (node/pace.py `SwarmPace.behind`), set where the
+        # spec's pace is "swarm": a single-rank peer behind the swarm skips steps (`_loop`).
+        self.pace: Callable[[int], bool] | None = None
 
     @property
     def num_parameters(self) -> int:
@@ -383,6 +394,9 @@ class Trainer(TrainedState):
         autocast = self.precision.autocast
         params = list(self.model.parameters())
         t_last, step_last, rounds_last = time.monotonic(), self.step, outer.rounds
+        skipped_last, waited_last = outer.skipped_steps, outer.comm_wait_seconds
+        # The swarm's pace (node/pace.py): a single-rank peer behind it skips steps.
+        pace = self.pace if local is None and sharded is None else None
         loss = None
         agree = True  # local ranks agree whether to go on: first, every REPORT_EVERY steps, after an FSDP round
         # Under FSDP only rank 0 knows it must re-sync: it says so as a stop, so all ranks end together.
@@ -398,29 +412,32 @@ class Trainer(TrainedState):
                 elif not sharded.agree(self.stepped, step, stop.is_set() or outer.needs_resync):
                     break
             agree = False
-            # -- the inner step: the user's loop and a counter (outer.step() is a counter unless
-            # a round is due) ------------------------------------------------------------------
-            x, y = self.batch(step)
-            with autocast():
-                loss = loss_of(model(x, y))
-            if sharded is None:
-                outer.zero_grad()
+            if pace is not None and pace(step):
+                outer.skip()  # behind the swarm: this step's batch is not trained (node/pace.py)
             else:
-                self.inner.zero_grad()
-            if scaler is None:
-                loss.backward()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(self.inner)
-            torch.nn.utils.clip_grad_norm_(params, spec.outer.clip)
-            if sharded is None:
-                outer.step()
-            else:
-                self.stepped.step()
-                # after a round, and where rank 0 may report (so checkpoint), the ranks agree
-                agree = sharded.advance(outer, self.stepped) or bool(
-                    spec.data.eval_every and self.step % spec.data.eval_every == 0
-                )
+                # -- the inner step: the user's loop and a counter (outer.step() is a counter
+                # unless a round is due) ---------------------------------------------------------
+                x, y = self.batch(step)
+                with autocast():
+                    loss = loss_of(model(x, y))
+                if sharded is None:
+                    outer.zero_grad()
+                else:
+                    self.inner.zero_grad()
+                if scaler is None:
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(self.inner)
+                torch.nn.utils.clip_grad_norm_(params, spec.outer.clip)
+                if sharded is None:
+                    outer.step()
+                else:
+                    self.stepped.step()
+                    # after a round, and where rank 0 may report (so checkpoint), the ranks agree
+                    agree = sharded.advance(outer, self.stepped) or bool(
+                        spec.data.eval_every and self.step % spec.data.eval_every == 0
+                    )
             # -- reporting, every REPORT_EVERY steps or after a round -----------------------------
             step = self.step
             if (
@@ -431,16 +448,19 @@ class Trainer(TrainedState):
             ):
                 continue
             rounds_last = outer.rounds
-            value = float(loss.detach())
+            value = float(loss.detach()) if loss is not None else None
             now = time.monotonic()
-            rate = spec.data.batch_size * (step - step_last) / max(now - t_last, 1e-9)
-            t_last, step_last = now, step
+            trained = step - step_last - (outer.skipped_steps - skipped_last)  # samples trained, not skipped
+            rate = spec.data.batch_size * trained / max(now - t_last, 1e-9)
+            busy = now - t_last - (outer.comm_wait_seconds - waited_last)  # not waiting on rounds
+            pace_rate = (step - step_last) / busy if busy > 0 else 0.0
+            t_last, step_last, skipped_last, waited_last = now, step, outer.skipped_steps, outer.comm_wait_seconds
             eval_loss = None
             if spec.data.eval_every and step % spec.data.eval_every == 0 and (local is None or local.is_gateway):
                 eval_loss = self.evaluate()
                 t_last = time.monotonic()  # evaluation is not training throughput
-            self.publish(step, value, rate, eval_loss)
-            if not math.isfinite(value):
+            self.publish(step, value, rate, eval_loss, pace_rate)
+            if value is not None and not math.isfinite(value):
                 log.warning(kv("training loss is not finite", step=step))
             if sharded is not None:
                 sharded.between_steps = True  # an agreement follows: a checkpoint can save the shards

@@ -48,6 +48,7 @@ import trio
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.durable import write_atomic
 from meshtrain.log import get_logger, kv
+from meshtrain.node.pace import SwarmPace
 from meshtrain.node.phase import Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
@@ -72,6 +73,7 @@ class NodeResult:
     eval_loss: float | None
     checkpoint: str | None
     stopped_early: bool
+    skipped_steps: int = 0  # steps skipped to keep the swarm's pace (the spec's pace "swarm", node/pace.py)
 
 
 class TrainingRun:
@@ -120,13 +122,19 @@ class TrainingRun:
             async with trio.open_nursery() as nursery:
 
                 async def train() -> None:
-                    while True:
-                        await trio.to_thread.run_sync(trainer.run, stop.flag, until, run_state.after_step)
-                        if stop.is_set() or not trainer.outer.needs_resync:
-                            break
-                        # We missed a round (cut off, or late for its group): our outer state
-                        # differs from the swarm's. Download it again rather than drift apart.
-                        await self.resync()
+                    async with trio.open_nursery() as pacing:
+                        if trainer.spec.outer.pace == "swarm":
+                            pace = SwarmPace(presence, trainer)
+                            trainer.pace = pace.behind
+                            pacing.start_soon(pace.run)
+                        while True:
+                            await trio.to_thread.run_sync(trainer.run, stop.flag, until, run_state.after_step)
+                            if stop.is_set() or not trainer.outer.needs_resync:
+                                break
+                            # We missed a round (cut off, or late for its group): our outer state
+                            # differs from the swarm's. Download it again rather than drift apart.
+                            await self.resync()
+                        pacing.cancel_scope.cancel()
                     stop.requested.set()
 
                 nursery.start_soon(train)
@@ -257,6 +265,7 @@ class TrainingRun:
             trainer.info.eval_loss,
             path or run_state.last_checkpoint.get("path"),
             stopped_early,
+            trainer.outer.skipped_steps,
         )
 
 

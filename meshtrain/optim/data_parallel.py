@@ -67,6 +67,7 @@ class DataParallel(OuterOptimizer):
     # others' and 2-4x their norm: flagged in about 1 round in 5 by both other owners at batch 4,
     # and excluded within 30 steps).
     spec_defaults: ClassVar[Mapping[str, Any]] = {"H": 1, "screen_norm": 0.0}
+    unpaced_reason: ClassVar[str | None] = "every step is a round: a skipped step would be a round without the peer"
     ungrouped_reason: ClassVar[str | None] = "its replicas must stay identical every step"
     join_warmup_steps = 0  # a joiner downloads the inner state too: it contributes from its first step
     dense_all_reduce = True  # the mean of every peer's gradient: a robust rule can combine them

@@ -94,6 +94,7 @@ class NoLoCo(OuterOptimizer):
     replicas_identical = False  # each pair averages with its own partner: φ differs by design
     # β and μ by their spec keys: what a spec that sets `noloco_outer` and not the key gets.
     own_outer: ClassVar[Mapping[str, float]] = {"outer_lr": 0.7, "outer_momentum": 0.5}
+    unpaced_reason: ClassVar[str | None] = "its pairwise average weighs both partners alike, whatever each trained"
     ungrouped_reason: ClassVar[str | None] = "it averages with one partner already"
     not_robust_reason: ClassVar[str | None] = "averages with one partner"
 

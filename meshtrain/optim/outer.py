@@ -92,6 +92,17 @@ H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `R
 (optim/schedule.py), the one statement of them. Round ids: an exchange is the inner step s it is
 sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
 
+Swarm pace (the spec's `pace`). A peer that is behind the swarm — a slower GPU — may `skip()`
+inner steps instead of training them: the step counter and the round logic advance as `step()`
+advances them, without an inner step, so the peer reaches the swarm's round when the others do
+instead of holding it (or missing it and re-syncing). Each fragment's exchange then carries the
+share of its H steps the peer trained as its weight (a joiner's weight-0 period still rules): the
+mean weighs each peer's Δ by its samples, hivemind's `target_batch_size` in DiLoCo's terms. A
+robust rule (trimmed or clipped mean) takes every weighted contribution alike: weights are each
+peer's own claim, which strangers' contributions must not be scaled by. Who decides to skip, and
+when, is the caller's (node/pace.py). An optimizer whose exchange does not weigh contributions,
+or where a skipped step is a round (dp), says so in `unpaced_reason`.
+
 State lent out. `state_dict(copy=False)` hands out the live φ and outer state, no copy: a
 checkpoint written at once, or the node's state donor serving joiners (node/state/run_state.py)
 until the next round. They change in place only when a round completes (`apply`, `merge`) or a
@@ -259,6 +270,8 @@ class OuterOptimizer(Service):
         otherwise; False: the mean unless the spec names a rule.
     `not_robust_reason` (default None: the spec may name a robust rule): why no robust aggregation
         rule can combine its exchange; a spec whose `aggregation` is not mean is refused with it.
+    `unpaced_reason` (default None: a slow peer may skip steps, the spec's `pace` "swarm"): why
+        its peers must train every step; a spec with pace "swarm" is refused with it.
     `spec_keys` (default None: any): the keys of the spec's `outer` section its `from_spec` reads
         beyond those every optimizer's trainer reads (`H`, the inner AdamW's, `group_size`); a spec
         written now that gives another of `OPTIMIZER_KEYS` a value other than its default is
@@ -288,6 +301,7 @@ class OuterOptimizer(Service):
     ungrouped_reason: ClassVar[str | None] = None
     dense_all_reduce: ClassVar[bool] = False
     not_robust_reason: ClassVar[str | None] = None
+    unpaced_reason: ClassVar[str | None] = None
     spec_keys: ClassVar[frozenset[str] | None] = None
 
     @classmethod
@@ -338,6 +352,8 @@ class OuterOptimizer(Service):
         self.state_loads = 0  # states loaded so far (`load_state_dict`, and `join` through it)
         self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps, >= JOIN_WARMUP_STEPS)
         self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
+        self.skipped_steps = 0  # steps skipped to keep the swarm's pace (`skip`), in this process
+        self._skipped: dict[int, int] = {}  # fragment -> steps skipped since its last send
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
         self._preparation = RoundPreparation(self.schedule)
         self.bytes_sent = 0
@@ -542,6 +558,16 @@ class OuterOptimizer(Service):
             self.inner.step()
         return await self._bridge.run_async(self._advance())
 
+    def skip(self) -> list[RoundReport]:
+        """Advance one inner step without training it, to keep the swarm's pace (module
+        docstring, "Swarm pace"): the rounds due run as at `step()`; the step's batch is not
+        trained, and the fragments' next exchanges weigh one step less. From a worker thread."""
+        return self._bridge.run_from_thread(self._advance(trained=False))
+
+    async def askip(self) -> list[RoundReport]:
+        """`skip()` for code running in trio."""
+        return await self._bridge.run_async(self._advance(trained=False))
+
     def finish(self) -> list[RoundReport]:
         """Wait for exchanges still in flight and merge them (end of training; from a thread)."""
         return self._bridge.run_from_thread(self._flush())
@@ -589,11 +615,16 @@ class OuterOptimizer(Service):
 
     # -- the round logic (module docstring, "The round logic") ---------------------------------
 
-    def _advance(self) -> RoundLogic:
+    def _advance(self, trained: bool = True) -> RoundLogic:
         """The round logic for one inner step, as a generator that yields the async calls it
-        needs: the bridge runs them on the trio side (from a thread or inline)."""
+        needs: the bridge runs them on the trio side (from a thread or inline). `trained`: False
+        for a step skipped to keep the swarm's pace (`skip`)."""
         self.inner_steps += 1
         step = self.inner_steps
+        if not trained:
+            self.skipped_steps += 1
+            for p in range(len(self.fragments)):
+                self._skipped[p] = self._skipped.get(p, 0) + 1
         self._preparation.step_began()
         merges, sends = self.due(step)
         reports = []
@@ -608,7 +639,9 @@ class OuterOptimizer(Service):
                 tensors = self.pseudo_gradient(names)
                 if self.error_feedback is not None and ready:
                     tensors = self.feed_back(tensors, names)
-            ex = Exchange(p, step, tuple(names), tensors, 1.0 if ready else 0.0, self.schedule.merge_step(step))
+            # the share of the fragment's H steps trained (all of them unless some were skipped)
+            weight = max(0.0, 1.0 - self._skipped.pop(p, 0) / self.H) if ready else 0.0
+            ex = Exchange(p, step, tuple(names), tensors, weight, self.schedule.merge_step(step))
             if self.delay == 0:
                 yield RoundCall(self._exchange, (ex,))
                 reports.append((yield from self._complete(ex)))
@@ -731,6 +764,7 @@ class OuterOptimizer(Service):
             "peak_bytes_per_sync": self.peak_bytes_per_sync,
             "comm_wait_seconds": self.comm_wait_seconds,
             "needs_resync": self.needs_resync,
+            "skipped_steps": self.skipped_steps,
         }
 
     # -- state ----------------------------------------------------------------------------------
@@ -786,6 +820,7 @@ class OuterOptimizer(Service):
             }
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
+        self._skipped = {}  # the loaded state's rounds are whole
         self.state_loads += 1
 
     def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:

@@ -106,6 +106,7 @@ class SparseLoCo(OuterOptimizer):
     # A spec's outer lr and β are this class's (1.0 and 0.9: the module docstring's sweep), not the
     # spec fields' defaults (0.7, which DiLoCo's specs keep, and 0.95, which no other optimizer reads).
     spec_defaults: ClassVar[Mapping[str, Any]] = {"outer_lr": 1.0, "error_decay": 0.9}
+    unpaced_reason: ClassVar[str | None] = "its sparse gather weighs every payload alike, whatever each peer trained"
     ungrouped_reason: ClassVar[str | None] = (
         "its sparse exchange has no consensus term (a dense one would cost 50x its payload)"
     )

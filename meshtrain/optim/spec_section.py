@@ -16,8 +16,8 @@ only for optimizers whose rounds may run in groups). Rules that also read other 
 fp16, spot-checks, robust aggregation) are `SwarmSpec`'s (node/spec/swarm.py).
 
 Keys added since the signed form was fixed (`added_keys`, meshtrain/spec_section.py):
-`error_feedback` (codec topk keeps error feedback, β = `error_decay`, unless it says false) and
-`noloco_outer` (NoLoCo reads outer_lr and outer_momentum as its β and μ; set when a noloco spec
+`pace` (written only where it is "swarm"), `error_feedback` (codec topk keeps error feedback,
+β = `error_decay`, unless it says false) and `noloco_outer` (NoLoCo reads outer_lr and outer_momentum as its β and μ; set when a noloco spec
 written now gives either a value other than its default — optim/noloco.py says why it is a key).
 Each is written only where it acts, and a signed spec without it runs as it did before the key:
 topk without error feedback, NoLoCo with its own β and μ.
@@ -28,7 +28,7 @@ Not here: building the optimizer from the spec (node/spec/outer.py), the algorit
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -128,11 +128,17 @@ class OuterSection(SpecSection):
         "py:; noloco exchanges φ itself and takes none); false: none, as a topk spec signed before this key "
         "existed ran",
     )
+    pace: Literal["steps", "swarm"] = Field(
+        "steps",
+        description="steps: every peer trains every inner step, and a round waits for the slowest (up to the "
+        "collective's join_timeout); swarm: a peer behind the swarm's median step skips steps to keep up, and "
+        "its Δ weighs the share of the round it trained (optim/outer.py, node/pace.py). diloco, streaming, py:",
+    )
     sparse_k: int = Field(64, ge=1, description="SparseLoCo: values kept per chunk")
     sparse_chunk: int = Field(4096, ge=1, le=1 << 20, description="SparseLoCo: values per chunk")
 
     # Keys added since the signed form was fixed (meshtrain/spec_section.py): written where they act.
-    added_keys: ClassVar[tuple[str, ...]] = ("noloco_outer", "error_feedback")
+    added_keys: ClassVar[tuple[str, ...]] = ("noloco_outer", "error_feedback", "pace")
 
     @model_validator(mode="before")
     @classmethod
@@ -194,6 +200,8 @@ class OuterSection(SpecSection):
             )
 
     def writes(self, key: str) -> bool:
+        if key == "pace":  # written where it is not the default, so no older swarm's id changes
+            return self.pace != "steps"
         if key == "error_feedback":  # where it acts, its absence would read either way
             return self._error_feedback_acts(self.codec, self.optimizer)
         # noloco_outer: where it is set, or where a spec written now without it would set it.
@@ -243,6 +251,11 @@ class OuterSection(SpecSection):
             raise ConfigError(
                 "swarm spec: error_feedback false turns off codec topk's error feedback; this spec has none "
                 f"(codec {self.codec}, optimizer {self.optimizer}: diloco, streaming, dp and py: take it)"
+            )
+        if self.pace != "steps" and self.declared.unpaced_reason:
+            raise ConfigError(
+                f"swarm spec: pace {self.pace} does not apply to {self.optimizer}: {self.declared.unpaced_reason} "
+                "(leave pace steps)"
             )
         if self.group_size == 1:
             raise ConfigError(

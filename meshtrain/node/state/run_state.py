@@ -517,6 +517,7 @@ class RunState(Service):
                         ("loss", info.loss),
                         ("eval_loss", info.eval_loss),
                         ("samples_per_s", info.samples_per_s),
+                        ("steps_per_s", info.steps_per_s),
                     )
                     if v is not None and math.isfinite(v)
                 }

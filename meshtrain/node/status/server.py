@@ -53,6 +53,9 @@ class _Collector:
         yield _gauge("meshtrain_step", "inner steps this node has trained", t["step"])
         yield _gauge("meshtrain_round", "outer rounds this node has completed", t["round"])
         yield _gauge("meshtrain_samples_per_second", "training throughput", t["samples_per_s"])
+        yield _gauge(
+            "meshtrain_skipped_steps", "inner steps skipped to keep the swarm's pace", t.get("skipped_steps", 0)
+        )
         yield _gauge("meshtrain_uptime_seconds", "seconds since the node started", n["uptime_s"])
         device = GaugeMetricFamily(
             "meshtrain_device_info", "the device this node trains on (value 1)", labels=["device", "local_ranks"]
