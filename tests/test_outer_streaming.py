@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 
 import pytest
 import torch
@@ -239,3 +240,39 @@ async def test_a_joiner_whose_state_predates_an_exchange_in_flight_enters_before
 
 def sgd_of(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+async def test_a_streaming_peer_that_skips_steps_weighs_each_fragment_by_the_share_it_trained():
+    """pace "swarm" with Streaming DiLoCo (H 4, P 2, τ 1, lossless, lr 1, μ 0, α 0): peer 1 skips
+    steps 1-3. Fragment 1, sent at step 2, trained 0 of its 2 steps: weight 0, peer 0's Δ alone;
+    fragment 0, sent at step 4, 1 of 4: weight 1/4. Both peers hold the same φ throughout."""
+    swarm = LocalSwarm(2)
+    models = [TwoBlocks(), TwoBlocks()]
+    outers = [
+        StreamingDiLoCo(
+            m, None, swarm.member(i), H=4, fragments=2, delay=1, alpha=0.0, codec="none", lr=1.0, momentum=0.0
+        )
+        for i, m in enumerate(models)
+    ]
+    theta = {0: (0.5, 0.6), 1: (0.9, 0.2)}  # what each peer's inner steps reached, from φ = (1, 1)
+
+    async def peer(i: int) -> None:
+        for step in range(1, 6):
+            if i == 1 and step <= 3:
+                await outers[i].askip()
+            else:
+                if step in (1, 4):
+                    models[i].set(*theta[i])
+                await outers[i].astep()
+
+    async with AsyncExitStack() as stack:
+        for o in outers:
+            await stack.enter_async_context(o)
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(peer, i)
+    phis = [tuple(o.outer_params[f"blocks.{p}.weight"].item() for p in (0, 1)) for o in outers]
+    assert phis[0] == phis[1]
+    # fragment 1 (merged at 3): peer 0's Δ = 1 − 0.6 alone; fragment 0 (merged at 5): (1·0.5 + 0.25·0.1) / 1.25
+    assert phis[0] == pytest.approx((1 - (0.5 + 0.25 * 0.1) / 1.25, 0.6), abs=1e-6)
+    assert outers[1].skipped_steps == 3 and [r.contributors for r in outers[0].history] == [1, 2]

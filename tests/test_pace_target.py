@@ -61,3 +61,14 @@ def test_one_peer_reporting_any_step_moves_the_target_no_further_than_the_honest
     peers = [PeerPace(s, t, 0.0, cap(s)) for s in honest]
     target = pace_of([*peers, PeerPace(lie, t, 0.0, cap(lie))]).target()
     assert target is not None and min(honest) <= target <= max(cap(s) for s in honest)
+
+
+def test_a_peer_looks_ahead_by_its_own_step_time():
+    """The others move 10 steps a second from step 10; our trained step took 0.3 s. Before the
+    next, we look 0.3 s ahead, where they will be at 16: from 11 that is SLACK or more behind
+    (skip), from 15 it is not (train)."""
+    t = 1000.0
+    pace = pace_of([PeerPace(10, t, 10.0, 50), PeerPace(10, t, 10.0, 50)])
+    assert not pace.behind(10, at=t)  # no step time yet: they are at 10, so are we
+    assert pace.behind(11, at=t + 0.3)  # that step took 0.3 s: at t + 0.6 they are at 16
+    assert not pace.behind(15, at=t + 0.3)

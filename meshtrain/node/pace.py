@@ -10,18 +10,18 @@ Design. Rounds stay at the swarm's steps (round ids, the schedule, fragments and
 unchanged); what changes is that a step may be skipped. `SwarmPace` runs beside the trainer
 (node/training_run.py): every `TICK_S` it reports our live step into our progress record (it goes
 out with the next heartbeat — also while we wait inside a round, where our step is the round's)
-and reads the others'. The trainer (node/trainer.py) skips a step instead of training it while it
-is `SLACK` or more steps behind `target()`, or short of the round most of the others report
-waiting at (`behind`; `OuterOptimizer.skip`), so it reaches each round
-about when the others do. Its Δ then weighs the share of the round it trained (optim/outer.py,
-"Swarm pace"); it is never re-synced for being slow. A peer no slower than the median never skips.
+and reads the others'. The trainer (node/trainer.py) skips a step instead of training it while,
+by the time the step would be done (our own step time), it would be `SLACK` or more steps behind
+`target()`, or while it is short of the round most of the others report waiting at (`behind`;
+`OuterOptimizer.skip`), so it reaches each round about when the others do. Its Δ then weighs the
+share of the round it trained (optim/outer.py, "Swarm pace"); it is never re-synced for being
+slow. A peer no slower than the median never skips.
 
 The target. A record is up to a heartbeat old (3 s) when it arrives, so each other peer's step is
 carried forward from when it was written (`SwarmView.age`, by our clock) at the rate the peer
 reports (its `steps_per_s` metric: how fast its step counter moves while it does not wait on a
-round, node/trainer.py), but never past the next step at
-which it sends — where it waits for us, the round needing us too; a peer already at a send step
-stays there. `target()` is the median (the lower one) of those estimates, worked out when the
+round, node/trainer.py), but never past the next step at which it sends — where it waits for us,
+the round needing us too; a peer already at a send step stays there. `target()` is the median (the lower one) of those estimates, worked out when the
 trainer asks: a slow peer skips toward where the others are now, not where they were a heartbeat
 ago, and arrives at the round with them. Why the median of the others, not the front: a faster
 minority does not make the rest skip, and one peer reporting a step far ahead (a bug, or a liar)
@@ -82,14 +82,17 @@ class SwarmPace:
         self.presence, self.trainer = presence, trainer
         self._peers: tuple[PeerPace, ...] = ()  # replaced whole each tick: read from the trainer's thread
         self._skipping = False
+        self._step_s = 0.0  # our own trained step's duration, smoothed (`behind`, the trainer's thread)
+        self._trained_from: float | None = None  # when the step `behind` last let train began
 
     def update(self, peers: list[PeerPace]) -> None:
         """The other training peers' paces, as their latest records say (`run`, every tick)."""
         self._peers = tuple(peers)
 
-    def target(self) -> int | None:
-        """The median of the other training peers' estimated steps now (None: nobody else trains)."""
-        peers, t = self._peers, time.monotonic()
+    def target(self, at: float | None = None) -> int | None:
+        """The median of the other training peers' estimated steps at monotonic time `at` (default:
+        now); None: nobody else trains."""
+        peers, t = self._peers, time.monotonic() if at is None else at
         return statistics.median_low([p.now(t) for p in peers]) if peers else None
 
     def waiting_at(self) -> int | None:
@@ -99,15 +102,24 @@ class SwarmPace:
         at = [p.step for p in peers if p.step == p.cap]
         return statistics.median_low(at) if peers and 2 * len(at) > len(peers) else None
 
-    def behind(self, step: int) -> bool:
-        """Whether the trainer, about to train step `step` + 1, should skip it instead: it is
-        `SLACK` steps behind the target, or the others wait for it at a round it has not reached.
-        Called from the trainer's thread before every step."""
-        target = self.target()
-        if target is None:
-            return False
+    def behind(self, step: int, at: float | None = None) -> bool:
+        """Whether the trainer, about to train step `step` + 1, should skip it instead: by the time
+        that step would be done (our own step time, measured here), it would still be `SLACK`
+        steps behind the target, or the others wait for it at a round it has not reached.
+        Called from the trainer's thread before every step; `at`: the monotonic time (default: now)."""
+        t = time.monotonic() if at is None else at
+        if self._trained_from is not None:  # the previous call trained a step: how long it took
+            took = t - self._trained_from
+            # a step that ran a round counts no more than 3 ordinary ones
+            took = min(took, 3 * self._step_s) if self._step_s else took
+            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
+        target = self.target(t + self._step_s)
         waiting = self.waiting_at()
-        return target - step >= SLACK or (waiting is not None and step < waiting and target >= waiting)
+        skip = target is not None and (
+            target - step >= SLACK or (waiting is not None and step < waiting and target >= waiting)
+        )
+        self._trained_from = None if skip else t
+        return skip
 
     async def run(self) -> None:
         view = self.presence.view
@@ -128,7 +140,7 @@ class SwarmPace:
                 peers.append(PeerPace(step, t - age, rate if math.isfinite(rate) and rate > 0 else 0.0, cap))
             self.update(peers)
             target = self.target()
-            behind = self.behind(trainer.step)
+            behind = target is not None and target - trainer.step >= SLACK
             if behind != self._skipping:
                 self._skipping = behind
                 log.info(

@@ -95,9 +95,9 @@ sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
 Swarm pace (the spec's `pace`). A peer that is behind the swarm — a slower GPU — may `skip()`
 inner steps instead of training them: the step counter and the round logic advance as `step()`
 advances them, without an inner step, so the peer reaches the swarm's round when the others do
-instead of holding it (or missing it and re-syncing). Each fragment's exchange then carries the
-share of its H steps the peer trained as its weight (a joiner's weight-0 period still rules): the
-mean weighs each peer's Δ by its samples, hivemind's `target_batch_size` in DiLoCo's terms. A
+instead of holding it (or missing it and re-syncing). Each fragment's exchange then carries as its
+weight the share of the steps since the fragment's last send (H, except for the first) that the
+peer trained (a joiner's weight-0 period still rules): the mean weighs each peer's Δ by its samples, hivemind's `target_batch_size` in DiLoCo's terms. A
 robust rule (trimmed or clipped mean) takes every weighted contribution alike: weights are each
 peer's own claim, which strangers' contributions must not be scaled by. Who decides to skip, and
 when, is the caller's (node/pace.py). An optimizer whose exchange does not weigh contributions,
@@ -354,6 +354,8 @@ class OuterOptimizer(Service):
         self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
         self.skipped_steps = 0  # steps skipped to keep the swarm's pace (`skip`), in this process
         self._skipped: dict[int, int] = {}  # fragment -> steps skipped since its last send
+        self._sent_at: dict[int, int] = {}  # fragment -> the step of its last send (else `_counted_from`)
+        self._counted_from = 0  # the step this process's count of steps per exchange starts at
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
         self._preparation = RoundPreparation(self.schedule)
         self.bytes_sent = 0
@@ -639,8 +641,11 @@ class OuterOptimizer(Service):
                 tensors = self.pseudo_gradient(names)
                 if self.error_feedback is not None and ready:
                     tensors = self.feed_back(tensors, names)
-            # the share of the fragment's H steps trained (all of them unless some were skipped)
-            weight = max(0.0, 1.0 - self._skipped.pop(p, 0) / self.H) if ready else 0.0
+            # the share of the fragment's steps since its last send that were trained (all, unless
+            # some were skipped: module docstring, "Swarm pace")
+            elapsed = step - self._sent_at.get(p, self._counted_from)
+            weight = max(0.0, 1.0 - self._skipped.pop(p, 0) / max(elapsed, 1)) if ready else 0.0
+            self._sent_at[p] = step
             ex = Exchange(p, step, tuple(names), tensors, weight, self.schedule.merge_step(step))
             if self.delay == 0:
                 yield RoundCall(self._exchange, (ex,))
@@ -820,7 +825,7 @@ class OuterOptimizer(Service):
             }
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
-        self._skipped = {}  # the loaded state's rounds are whole
+        self._skipped, self._sent_at, self._counted_from = {}, {}, self.inner_steps  # counted afresh
         self.state_loads += 1
 
     def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:
@@ -842,7 +847,7 @@ class OuterOptimizer(Service):
             at_step = self.entry_step(int(state["inner_steps"]), at_step)
         self.load_state_dict(state, inner=False)
         if at_step is not None:
-            self.inner_steps = at_step
+            self.inner_steps = self._counted_from = at_step
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self.outer_params[n])
