@@ -21,13 +21,14 @@ The target. A record is up to a heartbeat old (3 s) when it arrives, so each oth
 carried forward from when it was written (`SwarmView.age`, by our clock) at the rate the peer
 reports (its `steps_per_s` metric: how fast its step counter moves while it does not wait on a
 round, node/trainer.py), but never past the next step at which it sends — where it waits for us,
-the round needing us too; a peer already at a send step stays there. `target()` is the median (the lower one) of those estimates, worked out when the
-trainer asks: a slow peer skips toward where the others are now, not where they were a heartbeat
-ago, and arrives at the round with them. Why the median of the others, not the front: a faster
-minority does not make the rest skip, and one peer reporting a step far ahead (a bug, or a liar)
-moves the target only if it is the only other peer — and never past a round. `SLACK` keeps a
-peer just as fast from skipping on the estimates' jitter. `scripts/bench/bench_hetero.py` measures
-what the fast peers still wait.
+the round needing us too; a peer already at a send step stays there. `target()` is the median
+(the lower one) of those estimates, worked out when the trainer asks, and the trainer asks it for
+the moment its next step would end (its own step time, smoothed): a slow peer skips toward where
+the others will be, not where they were a heartbeat ago, and arrives at the round with them. Why
+the median of the others, not the front: a faster minority does not make the rest skip, and one
+peer reporting a step far ahead (a bug, or a liar) moves the target only if it is the only other
+peer — and never past a round. `SLACK` keeps a peer just as fast from skipping on the estimates'
+jitter. `scripts/bench/bench_hetero.py` measures what the fast peers still wait.
 
 Failures: no other peer trains now (a solo swarm, everyone else syncing) → no target → every
 step is trained. A stale record is not a target (`PeerPresence.training_peers`: fresh ones only).
@@ -76,7 +77,7 @@ class SwarmPace:
 
     presence: the node's (entered). trainer: the run's; its live step is reported as ours, and its
     outer optimizer's schedule says where each peer's next round is.
-    `run` in a nursery for the training run's lifetime; `target()` from any thread."""
+    `run` in a nursery for the training run's lifetime; `behind` from the trainer's thread."""
 
     def __init__(self, presence: PeerPresence, trainer: TrainedState) -> None:
         self.presence, self.trainer = presence, trainer

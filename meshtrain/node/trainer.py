@@ -28,9 +28,10 @@ loss through a `GradScaler` the outer optimizer steps as "the inner optimizer", 
 Evaluation runs in the same precision as training.
 
 Pace (the spec's `pace` "swarm", node/pace.py). With `pace` set, a single-rank peer behind the
-swarm (`pace(step)`, the node's `SwarmPace.behind`) skips steps (`OuterOptimizer.skip`: the counter and the
-rounds advance, the batch is not trained) until it is back within it; the throughput counts the
-steps trained.
+swarm (`pace(step)`, the node's `SwarmPace.behind`) skips steps (`OuterOptimizer.skip`: the counter
+and the rounds advance, the batch is not trained) until it is back within it; the throughput
+counts the steps trained, and `steps_per_s` (the others' estimate of our pace) the counter's
+speed outside round waits.
 
 The hot path. An inner step is the user's own loop — batch, forward, backward, clip, optimizer
 step — plus a step counter: `outer.step()` returns at once when no round is due. Everything else

@@ -97,10 +97,11 @@ inner steps instead of training them: the step counter and the round logic advan
 advances them, without an inner step, so the peer reaches the swarm's round when the others do
 instead of holding it (or missing it and re-syncing). Each fragment's exchange then carries as its
 weight the share of the steps since the fragment's last send (H, except for the first) that the
-peer trained (a joiner's weight-0 period still rules): the mean weighs each peer's Δ by its samples, hivemind's `target_batch_size` in DiLoCo's terms. A
-robust rule (trimmed or clipped mean) takes every weighted contribution alike: weights are each
-peer's own claim, which strangers' contributions must not be scaled by. Who decides to skip, and
-when, is the caller's (node/pace.py). An optimizer whose exchange does not weigh contributions,
+peer trained (a joiner's weight-0 period still rules): the mean weighs each peer's Δ by its
+samples, hivemind's `target_batch_size` in DiLoCo's terms. A robust rule (trimmed or clipped mean)
+takes every weighted contribution alike: weights are each peer's own claim, which strangers'
+contributions must not be scaled by. Who decides to skip, and when, is the caller's
+(node/pace.py). An optimizer whose exchange does not weigh contributions,
 or where a skipped step is a round (dp), says so in `unpaced_reason`.
 
 State lent out. `state_dict(copy=False)` hands out the live φ and outer state, no copy: a
