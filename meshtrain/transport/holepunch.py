@@ -33,6 +33,11 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
    `connect_timeout`, and the data plane falls back to libp2p streams (through the relay if the
    libp2p connection is relayed) — tensor_streams then retries the direct path after a minute.
 
+Families. The punch's sockets are of the IP version of the peer's direct libp2p connection (else,
+relayed, of our observed public IP): IPv4 or IPv6 alike; `punch_addr` takes a unicast address
+of either. Only IPv4 runs behind NATs in the lab (scripts/labs/natlab/); IPv6 is tested between
+public peers on loopback (tests/test_ipv6.py), where the server answers "listen".
+
 Not here: deciding reachability (reachability.py), reservations and circuits (relay.py), and
 UPnP (off: the lab has no gateway that offers it; py-libp2p's miniupnpc path is untested here).
 """
@@ -95,7 +100,9 @@ class _Pending:
     created: float
 
 
-def _check_addr(value: Any) -> tuple[str, int]:
+def punch_addr(value: Any) -> tuple[str, int]:
+    """A peer's `[ip, port]` from the punch RPC: a unicast IPv4 or IPv6 address and a TCP port, or
+    `RemoteError` MALFORMED. The punch's sockets take the family of the IP."""
     if not (
         isinstance(value, list)
         and len(value) == 2
@@ -108,13 +115,22 @@ def _check_addr(value: Any) -> tuple[str, int]:
         ip = ipaddress.ip_address(value[0])
     except ValueError:
         raise RemoteError(MALFORMED, "addr ip is not an IP address") from None
-    if ip.version != 4 or ip.is_unspecified or ip.is_multicast:
-        raise RemoteError(MALFORMED, "addr must be a unicast IPv4 address")
+    if ip.is_unspecified or ip.is_multicast:
+        raise RemoteError(MALFORMED, "addr must be a unicast IP address")
     return str(ip), value[1]
 
 
+def ip_version(ip: str | None) -> int | None:
+    """4 or 6 for an IP address, None for none (or not an IP)."""
+    try:
+        return ipaddress.ip_address(ip).version if ip else None
+    except ValueError:
+        return None
+
+
 async def _bound_socket(ip: str) -> trio.socket.SocketType:
-    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ip_version(ip) == 6 else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     await sock.bind((ip, 0))
     return sock
@@ -156,28 +172,49 @@ class DataPlanePunch:
         host.rpc.serve(PUNCH_RPC, self._serve, handler_timeout=config.connect_timeout + 10)
         streams.direct_opener = self.open
 
-    def _local_ip(self) -> str:
-        return self.streams.config.listen_ip or _first_ip(self.host)
+    def _version(self, peer: str) -> int:
+        """The IP version a punch with `peer` uses: its direct libp2p connection's, else (a relayed
+        one) our observed public IP's, else 4. Both ends' sockets are of that family."""
+        return ip_version(self.host.remote_ip(peer)) or ip_version(self.reachability.observed_ip) or 4
+
+    def _local_ip(self, version: int) -> str:
+        """The IP our punch sockets bind: the data plane's listen IP or the host's first listen IP
+        of that version, else any."""
+        listen = self.streams.config.listen_ip
+        if listen and ip_version(listen) == version:
+            return listen
+        return first_ip(self.host, version)
 
     def _public(self) -> bool:
         return self.reachability.status == PUBLIC
 
-    def _my_ip(self) -> str:
-        return self.reachability.observed_ip or self._local_ip()
+    def _my_ip(self, version: int) -> str:
+        """The IP we name for ourselves: the observed public one (behind a NAT, what the NAT
+        maps us to), else our own address of that version."""
+        observed = self.reachability.observed_ip
+        if observed and ip_version(observed) == version:
+            return observed
+        local = self._local_ip(version)
+        if not ipaddress.ip_address(local).is_unspecified:
+            return local
+        return first_ip(self.host, version, announced=True)
 
     # -- client ---------------------------------------------------------------------------
 
     async def open(self, peer: str) -> tuple[trio.SocketStream, bytes, bytes] | None:
         """Open a data-plane TCP connection to `peer`; None means "dial its port as usual"
         (the peer does not speak this RPC). Raises `PunchFailed` when no direct path exists."""
-        sock = await _bound_socket(self._local_ip())
+        version = self._version(peer)
+        sock = await _bound_socket(self._local_ip(version))
         close_sock = True  # until the punch (`_go`) owns it
         port = sock.getsockname()[1]
         try:
             t0 = time.monotonic()
             try:
                 reply = await self.host.rpc.call(
-                    peer, PUNCH_RPC, {"op": "prepare", "addr": [self._my_ip(), port], "public": self._public()}
+                    peer,
+                    PUNCH_RPC,
+                    {"op": "prepare", "addr": [self._my_ip(version), port], "public": self._public()},
                 )
             except RpcUnavailable:  # an older peer without this RPC (or gone: the plain path says)
                 return None
@@ -189,7 +226,7 @@ class DataPlanePunch:
             if not (isinstance(sid, bytes) and isinstance(key, bytes) and len(key) == 32):
                 raise PunchFailed("malformed punch reply")
             try:
-                remote = _check_addr(reply["addr"])
+                remote = punch_addr(reply["addr"])
             except RemoteError as e:
                 raise PunchFailed(f"malformed punch reply: {e}") from None
             if reply["mode"] == "listen":  # a public peer: dial its data-plane port
@@ -262,7 +299,8 @@ class DataPlanePunch:
         raise RemoteError(MALFORMED, "unknown op")
 
     async def _prepare(self, peer: str, req: dict) -> dict:
-        remote = _check_addr(req["addr"])
+        remote = punch_addr(req["addr"])
+        version = ip_version(remote[0]) or 4  # the client's family is the punch's
         if not await self.streams.admits(peer):  # data-plane sessions are for members only
             raise RemoteError(NOT_A_MEMBER, "only members of this swarm may open a data-plane session")
         sid, key = self.streams.new_session(peer)
@@ -273,7 +311,7 @@ class DataPlanePunch:
                 "sid": sid,
                 "key": key,
                 "public": True,
-                "addr": [self._my_ip(), int(self.streams.port or 0)],
+                "addr": [self._my_ip(version), int(self.streams.port or 0)],
             }
         now = time.monotonic()
         for t, p in list(self._pending.items()):
@@ -282,7 +320,7 @@ class DataPlanePunch:
                 del self._pending[t]
         if sum(1 for p in self._pending.values() if p.peer == peer) >= MAX_PENDING_PER_PEER:
             raise RemoteError("busy", "too many punches in flight")
-        sock = await _bound_socket(self._local_ip())
+        sock = await _bound_socket(self._local_ip(version))
         token = os.urandom(16)
         delay = self.config.public_first_margin if req["public"] is True else 0.0
         self._pending[token] = _Pending(peer, sock, remote, delay, now)
@@ -292,7 +330,7 @@ class DataPlanePunch:
             "key": key,
             "token": token,
             "public": False,
-            "addr": [self._my_ip(), sock.getsockname()[1]],
+            "addr": [self._my_ip(version), sock.getsockname()[1]],
         }
 
     async def _run_go(self, peer: str, req: dict) -> dict:
@@ -313,12 +351,16 @@ class DataPlanePunch:
         return {"ok": True}
 
 
-def _first_ip(host: Host) -> str:
-    for a in host.config.listen:
-        parts = str(a).split("/")
-        if len(parts) > 2 and parts[1] == "ip4":
+def first_ip(host: Host, version: int, *, announced: bool = False) -> str:
+    """The host's first listen IP of IP `version` (`announced`: of its dialable addresses, an
+    unspecified listen IP expanded), else the unspecified address of that version."""
+    addrs = host.addrs if announced else [str(a) for a in host.config.listen]
+    proto = "ip6" if version == 6 else "ip4"
+    for a in addrs:
+        parts = a.split("/")
+        if len(parts) > 2 and parts[1] == proto:
             return parts[2]
-    return "0.0.0.0"
+    return "::" if version == 6 else "0.0.0.0"
 
 
 class HolePunchService(Service):

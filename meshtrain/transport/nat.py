@@ -136,7 +136,10 @@ class NatTraversal(Service):
             return self.relay.circuit_addrs
         if self.reachability.status == PUBLIC and self.reachability.report.observed_ip:
             ip = self.reachability.report.observed_ip
-            seen = [f"/ip4/{ip}/tcp/{port}/p2p/{self.host.peer_id}" for port in tcp_listen_ports(self.host)]
+            family = "ip6" if ":" in ip else "ip4"  # the ports of listen addresses of the IP's version
+            seen = [
+                f"/{family}/{ip}/tcp/{port}/p2p/{self.host.peer_id}" for port in tcp_listen_ports(self.host, family)
+            ]
             return list(dict.fromkeys([*seen, *self.host.addrs]))
         return self.host.addrs
 

@@ -106,12 +106,13 @@ class ReachabilityReport:
     at: float = field(default_factory=time.monotonic)
 
 
-def tcp_listen_ports(host: Host) -> list[int]:
-    """The TCP ports our libp2p host listens on (not relay addresses)."""
+def tcp_listen_ports(host: Host, family: str | None = None) -> list[int]:
+    """The TCP ports our libp2p host listens on (not relay addresses); `family` ("ip4", "ip6"):
+    only those of listen addresses of that IP version."""
     ports: list[int] = []
     for a in host.libp2p.get_transport_addrs():
         s = str(a)
-        if "/p2p-circuit" in s:
+        if "/p2p-circuit" in s or (family is not None and not s.startswith(f"/{family}/")):
             continue
         try:
             port = int(multiaddr.Multiaddr(s).value_for_protocol("tcp"))
