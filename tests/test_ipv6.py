@@ -5,7 +5,6 @@ tensors went over the libp2p fallback."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -14,19 +13,11 @@ import torch
 from meshtrain.node.status.client import fetch_status
 
 from .test_node_cli import create, finish, phi, start, wait_daemon
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
+from .test_tensor_streams import has_ipv6_loopback
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_two_daemons_on_the_ipv6_loopback_train_with_their_tensors_direct(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     create(a, "--model", "gpt-tiny", "--steps", "60", "--H", "10", "--eval-every", "0")
