@@ -8,9 +8,10 @@ it; DiLoCo variants close them on samples or wall time.
 
 Design. Rounds stay at the swarm's steps (round ids, the schedule, fragments and joiners are
 unchanged); what changes is that a step may be skipped. `SwarmPace` runs beside the trainer
-(node/training_run.py): every `TICK_S` it reports our live step into our progress record (it goes
-out with the next heartbeat — also while we wait inside a round, where our step is the round's)
-and reads the others'. The trainer (node/trainer.py) skips a step instead of training it while,
+(node/training_run.py): every `TICK_S` it reports our live step into our progress record while the
+node trains (it goes out with the next heartbeat — also while we wait inside a round, where our
+step is the round's; not while we re-sync, when a fresh record would say we train) and reads the
+others'. The trainer (node/trainer.py) skips a step instead of training it while,
 by the time the step would be done (our own step time), it would be `SLACK` or more steps behind
 `target()`, or while it is short of the round most of the others report waiting at (`behind`;
 `OuterOptimizer.skip`), so it reaches each round about when the others do. Its Δ then weighs the
@@ -128,7 +129,8 @@ class SwarmPace:
         trainer = self.trainer
         batch = trainer.spec.data.batch_size
         while True:
-            view.report_progress(step=trainer.step, samples=trainer.step * batch)
+            if view.progress_live:  # training (not re-syncing): a fresh record says we train now
+                view.report_progress(step=trainer.step, samples=trainer.step * batch)
             t = time.monotonic()
             metrics = view.metrics()
             peers = []
