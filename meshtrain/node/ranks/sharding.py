@@ -182,6 +182,8 @@ class RoundClock:
         self.rounds = 0
         self.needs_resync = False  # rank 0's decides: it stops the group's run
         self.history: tuple = ()  # the rounds' reports are rank 0's optimizer's: none here
+        self.skipped_steps = 0  # a multi-rank peer trains every step (node/pace.py)
+        self.comm_wait_seconds = 0.0  # rank 0's optimizer waits on the rounds
         self._merges: dict[int, int] = {}  # fragment -> the step it is merged at
 
     @property
@@ -233,7 +235,14 @@ class RoundClock:
         self._merges.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps, "rounds": self.rounds, "bytes_sent": 0, "bytes_received": 0}
+        return {
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "comm_wait_seconds": self.comm_wait_seconds,
+            "skipped_steps": self.skipped_steps,
+        }
 
 
 def schedule_of(outer: Any) -> dict[str, int]:
