@@ -192,8 +192,8 @@ def status_document(node: Node) -> dict[str, Any]:
                 loss=info.loss,
                 eval_loss=info.eval_loss,
                 samples_per_s=info.samples_per_s,
-                skipped_steps=st["skipped_steps"],  # to keep the swarm's pace (node/pace.py)
-                round_wait_s=round(st["comm_wait_seconds"], 3),  # training waited on rounds
+                skipped_steps=st.get("skipped_steps", 0),  # to keep the swarm's pace (node/pace.py)
+                round_wait_s=round(st.get("comm_wait_seconds", 0.0), 3),  # training waited on rounds
                 bytes_sent=st["bytes_sent"],
                 bytes_received=st["bytes_received"],
                 history=list(info.history),
