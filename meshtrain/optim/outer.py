@@ -354,9 +354,10 @@ class OuterOptimizer(Service):
         self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps, >= JOIN_WARMUP_STEPS)
         self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
         self.skipped_steps = 0  # steps skipped to keep the swarm's pace (`skip`), in this process
-        self._skipped: dict[int, int] = {}  # fragment -> steps skipped since its last send
-        self._sent_at: dict[int, int] = {}  # fragment -> the step of its last send (else `_counted_from`)
-        self._counted_from = 0  # the step this process's count of steps per exchange starts at
+        # fragment -> (inner step, skipped_steps) at its last send; before one, `_counted_from`
+        # (where this process, or the last state loaded, began counting)
+        self._sent_at: dict[int, tuple[int, int]] = {}
+        self._counted_from = (0, 0)
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
         self._preparation = RoundPreparation(self.schedule)
         self.bytes_sent = 0
@@ -626,8 +627,6 @@ class OuterOptimizer(Service):
         step = self.inner_steps
         if not trained:
             self.skipped_steps += 1
-            for p in range(len(self.fragments)):
-                self._skipped[p] = self._skipped.get(p, 0) + 1
         self._preparation.step_began()
         merges, sends = self.due(step)
         reports = []
@@ -644,9 +643,10 @@ class OuterOptimizer(Service):
                     tensors = self.feed_back(tensors, names)
             # the share of the fragment's steps since its last send that were trained (all, unless
             # some were skipped: module docstring, "Swarm pace")
-            elapsed = step - self._sent_at.get(p, self._counted_from)
-            weight = max(0.0, 1.0 - self._skipped.pop(p, 0) / max(elapsed, 1)) if ready else 0.0
-            self._sent_at[p] = step
+            since_step, since_skipped = self._sent_at.get(p, self._counted_from)
+            skipped = self.skipped_steps - since_skipped
+            weight = max(0.0, 1.0 - skipped / max(step - since_step, 1)) if ready else 0.0
+            self._sent_at[p] = (step, self.skipped_steps)
             ex = Exchange(p, step, tuple(names), tensors, weight, self.schedule.merge_step(step))
             if self.delay == 0:
                 yield RoundCall(self._exchange, (ex,))
@@ -826,7 +826,7 @@ class OuterOptimizer(Service):
             }
         self.inner_steps = int(state["inner_steps"])
         self.rounds = int(state["rounds"])
-        self._skipped, self._sent_at, self._counted_from = {}, {}, self.inner_steps  # counted afresh
+        self._sent_at, self._counted_from = {}, (self.inner_steps, self.skipped_steps)  # counted afresh
         self.state_loads += 1
 
     def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:
@@ -848,7 +848,8 @@ class OuterOptimizer(Service):
             at_step = self.entry_step(int(state["inner_steps"]), at_step)
         self.load_state_dict(state, inner=False)
         if at_step is not None:
-            self.inner_steps = self._counted_from = at_step
+            self.inner_steps = at_step
+            self._counted_from = (at_step, self.skipped_steps)
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self.outer_params[n])
