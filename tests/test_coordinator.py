@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.protocol import (
     DONE,
     FAIL,
@@ -402,3 +403,71 @@ async def test_a_coordinator_whose_own_trainer_moved_past_the_round_does_not_wai
         assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("b", "c")) for p in "bc"}
         assert max(t for _, t in replies.values()) < CONFIG.join_timeout
         nursery.cancel_scope.cancel()
+
+
+async def test_a_coordinator_whose_own_trainer_entered_a_later_round_of_the_series_does_not_wait_for_itself(
+    autojump_clock,
+):
+    """Seen in a grouped swarm of daemons: a's trainer gave up on round 8 (it went on alone and
+    re-synced) and entered round 10, while a's coordinator held round 8 of a group of a and b,
+    joined by b, waiting for a: 45 s, the hard deadline. a's progress record said step 8, not past
+    the round; what a's trainer entered says it (own_rounds.py). A minority (b alone of two) is
+    then told the round has passed and re-syncs, at the next review."""
+    own = OwnRounds()
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b"}), CONFIG, lambda _round: ("a", "b"), {"a": 8}.get, own)
+        await nursery.start(c.run)
+        key = RoundKey(8, "f0~g1.0", "a")
+        replies: dict = {}
+
+        async def join() -> None:
+            replies["b"] = (await c.join("b", key), trio.current_time())
+
+        nursery.start_soon(join)
+        await trio.sleep(5.0)  # sleep: virtual time: a's trainer may still come to round 8
+        assert replies == {}
+        own.enter(10, "f0~g0.1")  # a's trainer, in another group of round 10's grid
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review
+        reply, at = replies["b"]
+        assert isinstance(reply, Late) and reply.passed
+        assert at < CONFIG.join_timeout
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_follow_up_exchange_expects_only_the_peers_its_first_exchange_committed(autojump_clock):
+    """A grouped round's consensus term is a second exchange among the peers the round's Δ
+    exchange committed (`RoundRequest.among`). Expected as the whole group {a, b, c}, it waited
+    for c, which had left the Δ exchange and was re-syncing: the group of a and b is fixed as soon
+    as both joined — not at the join deadline — once a's own trainer entered it among {a, b}."""
+    own = OwnRounds()
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c"}), CONFIG, lambda _round: ("a", "b", "c"), None, own)
+        await nursery.start(c.run)
+        key = RoundKey(8, "f0.phi~g1.0", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key), trio.current_time())
+
+        nursery.start_soon(join, "b")  # b's join comes first: a's trainer is still in its Δ exchange
+        await trio.sleep(1.0)  # sleep: virtual time
+        own.enter(8, "f0.phi~g1.0", ("a", "b"))
+        nursery.start_soon(join, "a")
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the next review at most
+        assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("a", "b")) for p in "ab"}
+        assert max(t for _, t in replies.values()) < 1.0 + CONFIG.liveness_interval + 0.2
+        nursery.cancel_scope.cancel()
+
+
+def test_own_rounds_past_follows_the_series_and_what_it_follows_up():
+    own = OwnRounds()
+    assert not own.past(RoundKey(8, "f0", "a"))
+    own.enter(10, "f0~g0.1")
+    assert own.past(RoundKey(8, "f0~g1.0", "z")) and own.past(RoundKey(8, "f0.phi~g1.1", "z"))
+    assert not own.past(RoundKey(10, "f0~g0.1", "z"))  # the round it is in
+    assert not own.past(RoundKey(8, "f1", "z")) and not own.past(RoundKey(8, "f10", "z"))
+    assert own.among(RoundKey(10, "f0~g0.1", "z")) is None
+    own.enter(10, "f0.phi~g0.1", ("a", "b"))
+    assert own.among(RoundKey(10, "f0.phi~g0.1", "z")) == {"a", "b"}
+    assert not own.past(RoundKey(10, "f0.phi~g0.1", "z"))

@@ -5,7 +5,7 @@ and of the next, and does not grow with the swarm."""
 from __future__ import annotations
 
 from meshtrain.collective.groups import GroupPlan
-from meshtrain.node.connections import ConnectionPlan
+from meshtrain.node.connections import ConnectionPlan, UnwantedSince
 from meshtrain.transport.identity import Identity
 
 
@@ -47,3 +47,23 @@ def test_this_rounds_partners_are_kept_even_beyond_the_bound_and_whole_swarm_rou
     assert len(partners) > 3 and list(wanted) == list(partners)  # over the bound: the round needs them all
     ungrouped = ConnectionPlan(IDS[0], max_peers=3, grouping=None)  # NoLoCo, pipelines
     assert sorted(ungrouped.wanted(members, members[:20], rounds=[0])) == sorted(members[1:20])
+
+
+def test_a_connection_counts_as_unwanted_from_when_it_was_last_wanted_not_from_when_it_opened():
+    """Presence closes a connection over the bound once it has gone unwanted for a grace. Counted
+    from when the connection opened, an old connection to a partner of a round two rounds ahead
+    was closed the moment it left the plan, and had to be re-dialled within one round."""
+    a, b, c = IDS[:3]
+    unwanted = UnwantedSince()
+    unwanted.note([a, b], wanted={a, b}, now=0.0)
+    unwanted.note([a, b], wanted={a, b}, now=58.0)  # b, connected for a minute, wanted at 58 s
+    unwanted.note([a, b, c], wanted={a}, now=60.0)  # ... and no longer at 60 s; c just connected
+    assert unwanted.seconds(a, 61.0) == 1.0 and unwanted.seconds(b, 61.0) == 3.0
+    assert unwanted.seconds(c, 61.0) == 1.0  # never wanted: counted from when it was first seen
+    unwanted.note([a, b, c], wanted={a}, now=75.0)
+    assert unwanted.seconds(b, 75.0) == 17.0
+    unwanted.wanted_now({b, "not connected"}, now=75.0)  # b's own round needs us after all
+    assert unwanted.seconds(b, 75.0) == 0.0 and unwanted.seconds("not connected", 80.0) == 0.0
+    unwanted.note([a], wanted={a}, now=80.0)  # b and c closed: forgotten
+    unwanted.note([a, b], wanted=set(), now=90.0)
+    assert unwanted.seconds(b, 90.0) == 0.0 and unwanted.seconds(a, 90.0) == 10.0

@@ -106,6 +106,7 @@ from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.join_wait import await_join_reply
+from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.protocol import (
@@ -216,7 +217,8 @@ class SwarmCollective(Service):
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._reported_step = reported_step
-        self._coord = Coordinator(host, self.config, self.group, reported_step)
+        self.own = OwnRounds()  # what our trainer entered, for our coordinator (own_rounds.py)
+        self._coord = Coordinator(host, self.config, self.group, reported_step, self.own)
         self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
         # when the link changes, 0: measured), or measured on our sends in a recent round.
@@ -416,6 +418,7 @@ class SwarmCollective(Service):
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
         tag = self._round_tag(round_id, request.tag)
+        self.own.enter(round_id, tag, request.among)
         try:
             return await self._all_reduce(contribution, tag, request.codec)
         finally:
@@ -427,7 +430,7 @@ class SwarmCollective(Service):
 
     async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
         round_id = contribution.round_id
-        candidates = list(self.group(round_id))
+        candidates = self._candidates(round_id, tag)
         dead: set[str] = set()
         while True:
             live = [p for p in candidates if p not in dead]
@@ -446,7 +449,7 @@ class SwarmCollective(Service):
                 ) from None
             except _Moved as e:
                 # Our view was behind: take the fresh membership (it now has the newcomer).
-                candidates = sorted(set(self.group(round_id)) | {str(e)})
+                candidates = sorted(set(self._candidates(round_id, tag)) | {str(e)})
                 log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
             except CoordinatorLost as e:
                 log.info(
@@ -460,6 +463,13 @@ class SwarmCollective(Service):
                 if coordinator == self.peer_id:
                     raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
                 dead.add(coordinator)
+
+    def _candidates(self, round_id: int, tag: str) -> list[str]:
+        """The peers we expect in our exchange `round_id` under `tag`: `group`, cut to a follow-up's
+        peers (`RoundRequest.among`, own_rounds.py), sorted."""
+        among = self.own.among(RoundKey(round_id, tag, self.peer_id))
+        group = self.group(round_id)
+        return sorted(group if among is None else set(group) & among)
 
     def _still_coordinates(self, coordinator: str, round_id: int) -> bool:
         """Whether a coordinator holding our join still counts (join_wait.py): one of the round's

@@ -151,6 +151,12 @@ class RoundRequest:
     overlap: inner steps the caller trains on while this exchange runs (an outer optimizer's
         τ, `delay`): a peer that reports a step past `round_id + overlap` has ended the round,
         and `average_with` stops waiting for such a partner.
+    among: empty, or the peers (us among them) this exchange runs among: a follow-up exchange
+        of a round whose first exchange already fixed who took part (`ReduceResult.members`, the
+        same on every member) — the grouped round's consensus term (optim/outer.py). Its
+        expected group is the round's group cut to these peers, on the joiner's side and at a
+        coordinator whose own trainer asked the same, so nobody waits for a peer that left the
+        round's first exchange (it is re-syncing, or went on alone). `average_with` ignores it.
 
     The fields are checked here, once, when the request is built: `ValueError` naming the field.
     Compared by identity (the tensors have no equality that answers a bool).
@@ -162,6 +168,7 @@ class RoundRequest:
     codec: str = "none"
     weight: float = 1.0
     overlap: int = 0
+    among: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, dict) or not all(
@@ -188,6 +195,8 @@ class RoundRequest:
             raise ValueError(f"RoundRequest.weight must be finite and >= 0, got {self.weight!r}")
         if not is_int(self.overlap) or self.overlap < 0:
             raise ValueError(f"RoundRequest.overlap must be an int >= 0, got {self.overlap!r}")
+        if not isinstance(self.among, tuple) or not all(isinstance(p, str) for p in self.among):
+            raise ValueError(f"RoundRequest.among must be a tuple of peer ids, got {self.among!r}")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ allreduce.py for how peers find it). Its job, per round key:
   majority in (up to `hard_join_factor` × the deadline while only a minority joined), then fix
   the group of attempt 0 — and its parts' shares, from the rates the members joined with
   (shares.py; a retry's survivors get theirs from the same rates). The expected set is always
-  our own `group(round_id)` view, refreshed while waiting and at every join — never a joiner's
-  claim — so a peer that left is no longer waited for, and one that came into view since the round
+  our own `group(round_id)` view (a follow-up exchange's cut to the peers our own trainer
+  entered it among: `OwnRounds.among`), refreshed while waiting and at every join — never a
+  joiner's claim — so a peer that left is no longer waited for, and one that came into view since the round
   opened is. The group itself is fixed from those who joined *and* are still candidates: a peer
   excluded (by the swarm's strikes) or gone after its join came in — a join sent ahead of the
   round, prepared.py — is told it is `Late`, so an exclusion takes effect in the next group fixed;
@@ -18,7 +19,8 @@ allreduce.py for how peers find it). Its job, per round key:
   past this round — a grouped swarm's peers run their rounds at other coordinators, so a late
   join's snapshot mismatch left a coordinator waiting out its hard deadline for partners whose
   group had formed elsewhere and moved on; our own trainer counts alike, when it re-synced past a
-  round we still coordinate — or, asked where they are (`WHERE_RPC`, after
+  round we still coordinate or entered a later round of the series (`OwnRounds.past`,
+  own_rounds.py) — or, asked where they are (`WHERE_RPC`, after
   `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
   that joined then completes the round at once; a minority is told it is `Late` (passed, or
   elsewhere) and re-syncs;
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.protocol import (
     FAIL_GRACE,
     JOIN_QUIET,
@@ -135,6 +138,7 @@ class Coordinator:
     reported_step: optional `(peer) -> int | None`, the inner step a peer last reported to the
         swarm (None: unknown); round ids are inner steps, so a missing peer reporting a step past
         a round is not coming to it.
+    own: what our own trainer entered (own_rounds.py), kept by the collective it joins through.
     Call `await nursery.start(coordinator.run)` before `join` (timers run in that nursery)."""
 
     def __init__(
@@ -143,11 +147,13 @@ class Coordinator:
         config: AllReduceConfig,
         group: Callable[[int], Sequence[str]],
         reported_step: Callable[[str], int | None] | None = None,
+        own: OwnRounds | None = None,
     ) -> None:
         self.host = host
         self.config = config
         self.group = group
         self.reported_step = reported_step
+        self.own = own or OwnRounds()
         self.rounds: dict[RoundKey, _Round] = {}
         # (peer, series) -> the highest round id that peer joined here; a series is a key without
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
@@ -183,7 +189,7 @@ class Coordinator:
         r = self.rounds.get(key)
         if r is None:
             # The candidates come from our own view of membership, never from a joiner's message.
-            r = _Round(key, frozenset(self.group(key.round_id)), trio.current_time())
+            r = _Round(key, self._candidates(key), trio.current_time())
             self.rounds[key] = r
             self._start_soon(self._fix_group_later, r)
             for old in list(self.rounds)[:-ROUNDS_KEPT]:
@@ -318,23 +324,35 @@ class Coordinator:
             return
         # Us too: our own trainer, re-synced past this round while we coordinated it, will not
         # join it either (our peers' joins would wait out the hard deadline for us).
-        if missing and all(self._reported_past(p, round_id) for p in missing):
+        if missing and all(self._reported_past(p, r.key) for p in missing):
             self._nobody_else_coming(r, "the missing peers report steps past this round")
             return
         me = self.peer_id
-        lower = [p for p in self.group(round_id) if p < me and p not in r.skipped and self.host.is_connected(p)]
+        lower = [
+            p for p in sorted(self._candidates(r.key)) if p < me and p not in r.skipped and self.host.is_connected(p)
+        ]
         if lower:
             self._hand_over(r, lower[0], "a lower id is connected")
 
-    def _reported_past(self, peer: str, round_id: int) -> bool:
-        """Whether `peer` told the swarm it is at an inner step past round `round_id`: it ended
-        that round elsewhere (its report comes a step after its join to a round, wherever)."""
+    def _reported_past(self, peer: str, key: RoundKey) -> bool:
+        """Whether `peer` told the swarm it is at an inner step past round `key`: it ended that
+        round elsewhere (its report comes a step after its join to a round, wherever). For our
+        own trainer we know more: whether it entered a later round of the series (own_rounds.py)."""
+        if peer == self.peer_id and self.own.past(key):
+            return True
         step = self.reported_step(peer) if self.reported_step is not None else None
-        return step is not None and step > round_id
+        return step is not None and step > key.round_id
+
+    def _candidates(self, key: RoundKey) -> frozenset[str]:
+        """Round `key`'s candidates in our view: `group`, cut to a follow-up's peers where our own
+        trainer entered the round as one (`OwnRounds.among`)."""
+        group = frozenset(self.group(key.round_id))
+        among = self.own.among(key)
+        return group if among is None else group & among
 
     def _refresh_expected(self, r: _Round) -> None:
         """The peers the round waits for: our view's candidates now, and whoever joined."""
-        r.expected = frozenset(self.group(r.key.round_id)) | frozenset(r.joins)
+        r.expected = self._candidates(r.key) | frozenset(r.joins)
 
     def _hand_over(self, r: _Round, to: str, why: str) -> None:
         """Everyone who joined here is told to start the round again at `to`."""
@@ -351,7 +369,7 @@ class Coordinator:
         is late rather than taken in: a strike that landed while the next round was forming must
         not wait a round more to take effect."""
         if not r.group_fixed.is_set():
-            candidates = set(self.group(r.key.round_id)) | {self.peer_id}
+            candidates = set(self._candidates(r.key)) | {self.peer_id}
             group = tuple(sorted(p for p in r.joins if p in candidates))
             if left := sorted(set(r.joins) - candidates):
                 log.info(

@@ -138,6 +138,28 @@ def _partners(
     return grouping.partners(roster, round_id, peer) if peer in roster else ()
 
 
+class UnwantedSince:
+    """Since when each connection has gone unwanted: presence closes a connection over the bound
+    only once it has not been wanted for a grace (node/presence.py), not once it is that old —
+    an old connection to a partner of a round two rounds ahead, closed the moment it left the
+    plan, had to be re-dialled within the one round before it was wanted again."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}  # connected peer -> when last wanted (else when first seen)
+
+    def note(self, connected: Sequence[str], wanted: set[str], now: float) -> None:
+        """A pass of the connection loop: these are connected, these wanted, at `now`."""
+        self._since = {p: now if p in wanted else self._since.get(p, now) for p in connected}
+
+    def wanted_now(self, peers: set[str], now: float) -> None:
+        """These were found wanted after all (a peer whose own round needs us)."""
+        self._since.update(dict.fromkeys(peers & self._since.keys(), now))
+
+    def seconds(self, peer: str, now: float) -> float:
+        """How long `peer`'s connection has gone unwanted (0: not seen connected)."""
+        return now - self._since.get(peer, now)
+
+
 def _id_hash(peer: str) -> bytes:
     """The DHT key of a peer id (what `xor_distance` measures from): sha256 of its bytes."""
     return hashlib.sha256(parse_peer_id(peer).to_bytes()).digest()

@@ -40,11 +40,14 @@ before it trains, the swarm's) and the next, whose join the collective prepares 
 rounds other peers' requests name, which a faster peer's prepared join sets ahead of ours —:
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
-While connected to more than `max_peers` peers, it closes the surplus among those it does not
-want once they are `CLOSE_GRACE_S` old (a DHT lookup's, an inbound dial of a peer whose view
-differs: the query or RPC on it finishes first; closing at once made every lookup fail and
-py-libp2p churn), a peer not in the view after `STRANGER_GRACE_S` (a joiner fetching the spec),
-a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
+While connected to more than `max_peers` peers, it closes the surplus among those it has not
+wanted for `CLOSE_GRACE_S` (a DHT lookup's, an inbound dial of a peer whose view differs: the
+query or RPC on it finishes first; closing at once made every lookup fail and py-libp2p churn.
+And a partner of a round two rounds ahead is wanted again a round before it: closed then — an
+old connection the moment it stopped being wanted — it must be re-dialled within one round, and
+where rounds take under a second under load it was not, so the round ran without it: a partner
+whose connection is closed is no candidate, node/presence.py `candidates`), a peer not in the
+view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
 under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
 needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
 the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
@@ -120,7 +123,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.clock_offsets import ClockOffsets
-from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler
+from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, UnwantedSince
 from meshtrain.node.phase import StopRequest
 from meshtrain.node.roster import (
     LEAD_BEATS,
@@ -202,7 +205,7 @@ class PeerPresence(Service):
         self._period = self.plan.grouping.period if self.plan.grouping is not None else 1
         self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
-        self._first_seen: dict[str, float] = {}  # connected peers: since when (we saw them connected)
+        self._unwanted = UnwantedSince()  # what `_close_surplus` may close
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -603,14 +606,15 @@ class PeerPresence(Service):
                 await self._wake.wait()
 
     async def _close_surplus(self, view: SwarmView, wanted: set[str]) -> None:
-        """While over `max_peers` connections, close those we do not want once `CLOSE_GRACE_S` old
-        (a trainer's: a DHT query or an RPC on it finishes first) or `STRANGER_GRACE_S` (a peer not
-        in the view: a joiner fetching the spec), never a syncing member's (it may be downloading
-        the swarm's state from us)."""
+        """While over `max_peers` connections, close those we have not wanted for `CLOSE_GRACE_S`
+        (a trainer's: a DHT query or an RPC on it finishes first, and a partner of a round a few
+        rounds ahead is not closed just before that round) or `STRANGER_GRACE_S` (a peer not in the
+        view: a joiner fetching the spec), never a syncing member's (it may be downloading the
+        swarm's state from us)."""
         connected = self.host.connected_peers()
         live = {p.peer_id: p.role for p in view.live_peers()}
         now = time.monotonic()
-        self._first_seen = {p: self._first_seen.get(p, now) for p in connected}
+        self._unwanted.note(connected, wanted, now)
         surplus = len(connected) - self.plan.max_peers
         if surplus <= 0:
             return
@@ -619,14 +623,16 @@ class PeerPresence(Service):
             for p in connected
             if p not in wanted
             and live.get(p, "trainer") == "trainer"
-            and now - self._first_seen[p] > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
+            and self._unwanted.seconds(p, now) > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
         ]
         if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
             trainers, entries = self.trainers(), self.roster_entries()
-            unwanted = [
-                p for p in unwanted if p not in steps or not self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
-            ]
+            needs_us = {
+                p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
+            }
+            self._unwanted.wanted_now(needs_us, now)
+            unwanted = [p for p in unwanted if p not in needs_us]
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
             await self.host.disconnect(peer)

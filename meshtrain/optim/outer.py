@@ -50,8 +50,9 @@ different groups the round before, so their φ already differ. Averaging Δ alon
 the group, in fp16, and hands `apply` the pseudo-gradient against the group's mean local model,
 Δ̄ + (φ_i − φ̄) = φ_i − mean θ: NoLoCo's consensus term (docs/algorithms.md) with γ = β, Moshpit's
 averaging of the models. With outer lr 1 and momentum 0 it is FedAvg within each group. Cost:
-one more all-reduce of half the bytes (fp16) in a grouped round; if it fails, the round keeps Δ̄
-alone. A subclass that overrides `communicate` (SparseLoCo) does without.
+one more all-reduce of half the bytes (fp16) in a grouped round, among the peers the Δ exchange
+committed (`RoundRequest.among`: one that left it is not waited for); if it fails, the round
+keeps Δ̄ alone. A subclass that overrides `communicate` (SparseLoCo) does without.
 
 Built from a swarm spec. The node builds every outer optimizer a spec names, built-in or a
 `py:` class of the swarm's own, with `Class.from_spec(model, inner, collective, spec)` (node/spec/
@@ -461,9 +462,14 @@ class OuterOptimizer(Service):
         """`result` (the group's Δ̄) plus φ_i − φ̄, φ̄ averaged over the group in fp16. φ of these
         names is not written while their exchange is in flight (only `apply` writes it)."""
         names = list(result.tensors)
+        if len(result.members) == 1:
+            return result  # the group's first exchange was ours alone: φ̄ = φ_i, no term
         phi = {n: self.outer_params[n] for n in names}
         try:
-            mean = await self.collective.all_reduce(RoundRequest(phi, round_id, f"{tag}.phi", "fp16"))
+            # Among the peers the Δ exchange committed, the same on each of them: a member that
+            # left it (re-syncing, or gone on alone) is not waited for (collective/own_rounds.py).
+            request = RoundRequest(phi, round_id, f"{tag}.phi", "fp16", among=result.members)
+            mean = await self.collective.all_reduce(request)
         except CollectiveError as e:
             log.info(kv("grouped round without the consensus term", round=round_id, error=str(e)[:200]))
             return result
@@ -707,7 +713,7 @@ class OuterOptimizer(Service):
             ex.finished - ex.started,
             waited,
             ex.error,
-            tuple(sorted({*result.contributors, *result.excluded})),
+            tuple(sorted({*(result.members or result.contributors), *result.excluded})),
             set(result.members or result.contributors) <= {self.collective.peer_id},
         )
         self.history.append(report)

@@ -89,7 +89,9 @@ class RoundReport:
     seconds: float  # send to result
     waited: float  # how long the inner loop blocked on it
     error: str = ""  # why we proceeded alone, if we did
-    peers: tuple[str, ...] = ()  # who took part by id, sorted: the contributors and those excluded
+    # Who took part by id, sorted: the round's members (weight-0 ones too: a joiner, or a peer
+    # back from a re-sync, in its warm-up) and those excluded.
+    peers: tuple[str, ...] = ()
     alone: bool = False  # nobody else took part: a group of one (after retries), or proceeding alone
 
 

@@ -48,7 +48,8 @@ The status document (`Node.snapshot()`):
     training:   step, round, loss, eval_loss, optimizer, samples_per_s, bytes_sent, bytes_received,
                 history: [{step, t, loss, eval_loss, ...}] (the last 500 points),
                 round_peers: [[round id, [peer id, ...]], ...] who took part in our newest
-                exchanges (in grouped rounds, our group; 1 peer: we proceeded alone),
+                exchanges, weight-0 members too (in grouped rounds, our group; 1 peer: we
+                proceeded alone),
                 phi_round, phi_digest, phi_history, parity ({status: ok|minority|unchecked, ...} or
                 null), waiting (what the node waits for now, in words, or null), refused
                 ({reason: count}: requests refused to peers, and CRDT records this node would not

@@ -1,0 +1,69 @@
+"""What this peer's own trainer asked of its collective, as the peer's coordinator must know it.
+
+The problem. A peer's coordinator serves every peer's joins, its own trainer's among them, and
+judges who is still coming to a round it holds. Two facts only our own trainer knows were missing
+from that judgement, and each left a grouped swarm's rounds waiting out their hard join deadline
+(3 × the join timeout, 45 s by default) in tests/test_grouped_daemons.py:
+- **Our trainer went past the round.** It gave up on its round elsewhere (proceeded alone,
+  re-synced) and entered a later round of the same series, while its coordinator still held a
+  round it was expected in — joined by a partner, waiting for us. Other peers tell a coordinator
+  where they are through their progress records and the WHERE probe; our own trainer's progress
+  reaches us no sooner than theirs, and the probe asks only others.
+- **A follow-up exchange among fewer peers.** A grouped round's consensus term (optim/outer.py)
+  is a second exchange of the same round among the peers the first one committed
+  (`RoundRequest.among`). Expected as the round's whole group, it waited for a member that had
+  left the first exchange, and that peer never came: it was re-syncing.
+
+The design. The collective records, as its trainer enters each exchange (`enter`), the newest
+round of each tag's series and a follow-up's peers; the coordinator asks `past` (our trainer
+entered a later round of the key's series, or of the series it follows up: an exchange "f0.phi"
+follows "f0") and `among` (the peers a follow-up's round key is cut to). Both are our own
+trainer's calls, never a remote peer's claim, so they cannot be used to cut a round short.
+
+Failures. A coordinator whose own trainer has not reached a follow-up yet expects the round's
+whole group until it does (its next review, a liveness interval later, cuts it), as before this.
+What is not here: other peers' positions (coordinator.py: the progress records, the WHERE probe).
+"""
+
+from __future__ import annotations
+
+from meshtrain.collective.groups import GROUP_TAG
+from meshtrain.collective.protocol import RoundKey
+
+KEPT = 64  # follow-ups remembered (a few per round: one per fragment)
+
+
+def tag_series(tag: str) -> str:
+    """A round tag without its group suffix (collective/groups.py `GroupPlan.tag`): the series its
+    rounds belong to, whatever group each round puts us in."""
+    return tag.split(GROUP_TAG, 1)[0]
+
+
+class OwnRounds:
+    """Our trainer's exchanges: the newest round per series, and the peers of each follow-up."""
+
+    def __init__(self) -> None:
+        self._newest: dict[str, int] = {}  # series -> the newest round id our trainer entered
+        self._among: dict[tuple[int, str], frozenset[str]] = {}  # (round id, tag) -> a follow-up's peers
+
+    def enter(self, round_id: int, tag: str, among: tuple[str, ...] = ()) -> None:
+        """Our trainer enters exchange `round_id` under `tag` (with its group suffix), among
+        `among` when it is a follow-up (empty: the round's group)."""
+        series = tag_series(tag)
+        self._newest[series] = max(self._newest.get(series, -1), round_id)
+        if among:
+            self._among[(round_id, tag)] = frozenset(among)
+            for old in list(self._among)[:-KEPT]:
+                del self._among[old]
+
+    def among(self, key: RoundKey) -> frozenset[str] | None:
+        """The peers round `key` is cut to (a follow-up our trainer entered), or None."""
+        return self._among.get((key.round_id, key.tag))
+
+    def past(self, key: RoundKey) -> bool:
+        """Whether our trainer entered a later round of `key`'s series, or of a series `key`'s
+        follows up ("f0" for "f0.phi"): it will not come to round `key`."""
+        series = tag_series(key.tag)
+        return any(
+            newest > key.round_id for s, newest in self._newest.items() if series == s or series.startswith(s + ".")
+        )
