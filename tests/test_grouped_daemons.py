@@ -8,7 +8,9 @@ late through the first one's address. It announces the round from which it is in
 ahead (node/roster.py), so every daemon computes each round's groups from the same trainers: after
 its first round every daemon averaged exactly with its group of `round_groups` (the trainers, the
 round index, the spec's seed), as each one's status lists who took part in its newest exchanges
-(`round_peers`), and every daemon holds the same roster for those rounds.
+(`round_peers`), and every daemon holds the same roster for those rounds. Parity is "unchecked"
+while rounds run in groups; once three daemons leave, the three left are one group, and parity
+resumes: checked, "ok", one φ digest.
 
 What it does not check, and why:
 - φ digests. The consensus term (optim/outer.py, "Grouped rounds") makes a group's φ its members'
@@ -108,7 +110,26 @@ def test_a_grouped_swarm_takes_a_late_joiner_into_rounds_every_daemon_groups_ali
         groups = round_groups(ids, r, GROUP_SIZE, SEED)
         for peer, s in zip(ids, sts, strict=True):
             assert averaged(s)[r] == list(groups.groups[groups.index_of(peer)]), (r, peer, averaged(s)[r], groups)
-    for p in procs:
+    # Parity is paused while rounds run in groups (each group applies its own mean) ...
+    assert {s["training"]["parity"]["status"] for s in sts} == {"unchecked"}, [s["training"]["parity"] for s in sts]
+
+    # ... and resumes once they no longer do: three daemons leave (a clean stop), the other three
+    # are a swarm of group_size, one group, and their φ agree again (the minority re-syncs).
+    for p in procs[3:]:
         p.send_signal(signal.SIGINT)
-    for p, log in zip(procs, logs, strict=True):
+    for p, log in zip(procs[3:], logs[3:], strict=True):
+        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+    def agree(sts: list[dict]) -> bool:
+        """Parity checked and ok on each, and one φ digest for a round all three hold."""
+        if {s["training"]["parity"]["status"] for s in sts} != {"ok"}:
+            return False
+        held = [dict(s["training"]["phi_history"]) for s in sts]
+        common = set.intersection(*(set(h) for h in held))
+        return bool(common) and len({h[max(common)] for h in held}) == 1
+
+    until("the three left to check parity and agree", 3, agree, timeout=90.0)
+    for p in procs[:3]:
+        p.send_signal(signal.SIGINT)
+    for p, log in zip(procs[:3], logs[:3], strict=True):
         assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
