@@ -66,6 +66,74 @@ def test_keeps_only_newest(tmp_path):
     assert [p.name for p in store.list()] == ["ckpt-000000002", "ckpt-000000003"]
 
 
+def test_a_state_larger_than_a_shard_is_written_in_shards_that_load_back_bit_exact(tmp_path):
+    """A 7B model's checkpoint is ~140 GB: it goes to disk in shards (huggingface_hub's split),
+    each with its digest in the manifest; a corrupt shard fails the checkpoint, and the previous
+    one is loaded instead."""
+    store = CheckpointStore(tmp_path, shard_bytes=4096)  # 1 KiB tensors: several per shard
+    weight = torch.randn(256)
+    state = {
+        "model": {"embed": weight, "head": weight, "big": torch.randn(3000), "empty": torch.zeros(0)},
+        "inner": [torch.randn(256).bfloat16() for _ in range(8)],
+        "step": 9,
+    }
+    first = store.save(state, step=9, round=4)
+    files = sorted(p.name for p in first.path.glob("tensors*.safetensors"))
+    assert len(files) >= 3 and all(f.startswith("tensors-0000") for f in files), files
+    manifest = json.loads((first.path / "manifest.json").read_text())
+    assert manifest["format"] == 2 and sorted(manifest["tensor_files"]) == files
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.digest == first.digest
+    assert_state_equal(state, loaded.state)
+    assert loaded.state["model"]["head"] is loaded.state["model"]["embed"]
+
+    second = store.save(state, step=10, round=5)
+    shard = second.path / files[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert store.load_latest().step == 9
+
+
+def test_a_checkpoint_of_the_first_format_still_loads(tmp_path):
+    """Format 1 (one tensor file, `tensors_blake3`), as every checkpoint before shards was."""
+    from safetensors.torch import save_file
+
+    from meshtrain.node.state.checkpoint import file_digest, flatten_state
+    from meshtrain.transport.framing import packb
+
+    state = state_at(3)
+    folder = tmp_path / "ckpt-000000003"
+    folder.mkdir()
+    skeleton, tensors = flatten_state(state)
+    save_file(tensors, str(folder / "tensors.safetensors"))
+    (folder / "state.msgpack").write_bytes(packb(skeleton))
+    manifest = {
+        "format": 1,
+        "step": 3,
+        "round": 1,
+        "tensors_blake3": file_digest(folder / "tensors.safetensors"),
+        "state_blake3": file_digest(folder / "state.msgpack"),
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    loaded = CheckpointStore(tmp_path, readonly=True).load_latest()
+    assert loaded is not None and loaded.step == 3 and loaded.digest == manifest["tensors_blake3"]
+    assert_state_equal(state, loaded.state)
+
+
+@pytest.mark.parametrize(
+    "tensor_files", [{}, {"../x.safetensors": "ab"}, {"state.msgpack": "ab"}, ["tensors.safetensors"], {"a": 1}]
+)
+def test_a_manifest_naming_files_outside_the_checkpoint_is_a_bad_checkpoint(tmp_path, tensor_files):
+    store = CheckpointStore(tmp_path)
+    store.save(state_at(1), step=1, round=0)
+    newest = store.save(state_at(2), step=2, round=0)
+    manifest = json.loads((newest.path / "manifest.json").read_text())
+    manifest["tensor_files"] = tensor_files
+    (newest.path / "manifest.json").write_text(json.dumps(manifest))
+    assert store.load_latest().step == 1
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):

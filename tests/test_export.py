@@ -100,6 +100,27 @@ def test_builtin_gpt_exports_phi_not_theta_and_samples(tmp_path):
     assert r.returncode == 0 and r.stdout == "The " + greedy + "\n", r.stderr
 
 
+def test_a_model_past_the_shard_size_exports_in_shards_with_the_hubs_index(tmp_path, monkeypatch):
+    """Weights past `EXPORT_SHARD_SIZE` (5 GB; here 64 KB) go out in shards with
+    model.safetensors.index.json, as the Hugging Face Hub lays a model out; they load back whole."""
+    from huggingface_hub import load_torch_model
+
+    import meshtrain.node.export as export
+
+    trainer = trained_node(tmp_path / "d", SwarmSpec(model="gpt-tiny", H=2, steps=2, eval_every=0, batch_size=4), 2)
+    monkeypatch.setattr(export, "EXPORT_SHARD_SIZE", 64 << 10)
+    export_model(tmp_path / "d", tmp_path / "out")
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert not (out / "model.safetensors").exists()
+    model = GPT(GPTConfig(**json.loads((out / "config.json").read_text())["gpt_config"]))
+    load_torch_model(model, out)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), trainer.outer.outer_params[n]), n
+
+
 def test_py_factory_round_trips_through_export(tmp_path):
     source = tmp_path / "mymodel.py"
     source.write_text(FACTORY)

@@ -10,16 +10,18 @@ Export (`export_model`), into a new directory (written beside it, renamed into p
 complete, so a crash leaves no half export):
 
     hf: and hf-config: models   the Hugging Face model's own `save_pretrained` (config.json,
-                                model.safetensors) and the tokenizer's (a bare tokenizers
+                                model.safetensors, or shards of at most 5 GB and
+                                model.safetensors.index.json) and the tokenizer's (a bare tokenizers
                                 tokenizer.json is wrapped in `PreTrainedTokenizerFast`), so
                                 `AutoModelForCausalLM.from_pretrained(out)` and
                                 `AutoTokenizer.from_pretrained(out)` load it
-    built-in GPTs               model.safetensors (`safetensors.torch.save_model`: the tied
-                                embedding once) and config.json: {"meshtrain_model": preset,
-                                "gpt_config": GPTConfig fields}; load with
-                                `load_model(GPT(GPTConfig(**gpt_config)), out/model.safetensors)`
-    py: models                  model.safetensors and config.json naming the factory and its
-                                source digest (rebuild with the factory, then `load_model`)
+    built-in GPTs               model.safetensors (`huggingface_hub.save_torch_model`: the tied
+                                embedding once; shards and model.safetensors.index.json past
+                                5 GB, the Hub's layout) and config.json: {"meshtrain_model":
+                                preset, "gpt_config": GPTConfig fields}; load with
+                                `huggingface_hub.load_torch_model(GPT(GPTConfig(**gpt_config)), out)`
+    py: models                  the same weights and config.json naming the factory and its
+                                source digest (rebuild with the factory, then `load_torch_model`)
 
 Every export also holds `meshtrain_export.json`: swarm id, step, round, model, tokenizer, their
 digests and the context; and a chars or bytes tokenizer as `meshtrain_tokenizer.json`.
@@ -76,6 +78,7 @@ from meshtrain.node.trainer import build_model, load_data
 SPEC_FILE = "swarm.json"  # as the daemon writes it
 EXPORT_INFO = "meshtrain_export.json"
 TOKENIZER_NOTE = "meshtrain_tokenizer.json"
+EXPORT_SHARD_SIZE = "5GB"  # an export's weight files hold at most this each (the Hugging Face Hub's convention)
 
 
 @dataclass(frozen=True)
@@ -173,13 +176,13 @@ def _save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 
 def _save_model(trained: Trained, out: Path) -> None:
-    from safetensors.torch import save_model
+    from huggingface_hub import save_torch_model
 
     model, spec = trained.model, trained.signed.spec
     if isinstance(model, HFCausalLM):
-        model.inner.save_pretrained(str(out))
+        model.inner.save_pretrained(str(out), max_shard_size=EXPORT_SHARD_SIZE)
         return
-    save_model(model, str(out / "model.safetensors"))
+    save_torch_model(model, out, max_shard_size=EXPORT_SHARD_SIZE)
     if isinstance(model, GPT):
         config = {"meshtrain_model": spec.model.source, "gpt_config": dataclasses.asdict(model.config)}
     else:

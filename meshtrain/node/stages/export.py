@@ -321,7 +321,7 @@ def load_assembled(
     into a temporary directory beside the data dir, read back, removed. Its errors."""
     import tempfile
 
-    from safetensors.torch import load_model
+    from huggingface_hub import load_torch_model
 
     signed = load_spec(data_dir)
     with tempfile.TemporaryDirectory(prefix=".assembled-", dir=Path(data_dir).expanduser()) as tmp:
@@ -339,7 +339,7 @@ def load_assembled(
             )
             model.inner.load_state_dict(written.state_dict())
         else:
-            load_model(model, str(Path(tmp) / "model" / "model.safetensors"))
+            load_torch_model(model, Path(tmp) / "model")
     model.eval()
     return Trained(signed, int(info["step"]), 0, model, tokenizer, int(info["context"]))
 

@@ -3,10 +3,19 @@
 Layout under the node's checkpoint directory:
 
     ckpt-000001200/                one checkpoint, complete or absent
-        tensors.safetensors        every tensor (model, outer and inner optimizer state)
+        tensors.safetensors        every tensor (model, outer and inner optimizer state), or
+        tensors-00001-of-00004.safetensors ...   in shards of at most `shard_bytes` (2 GiB)
         state.msgpack              the rest of the state: nested dicts/lists with tensor refs
-        manifest.json              step, round, blake3 digest of both files, format version
+        manifest.json              step, round, blake3 digest of every file, format version
     LATEST                         the name of the newest complete checkpoint
+
+Shards. A 7B model's checkpoint (θ, φ, outer momentum, AdamW: ~20 B/param) is 140 GB; as one
+file it is one digest to wait for, one file no tool copies in parts, and past some filesystems'
+limits. So the tensors go into shards of at most `shard_bytes`, split as the Hugging Face Hub
+splits a model (`huggingface_hub.split_torch_state_dict_into_shards`, the same file-name pattern;
+a tensor larger than a shard is a shard of its own), each with its own digest in the manifest. A
+state that fits one shard is one `tensors.safetensors`, as before. Format 2 lists the files;
+format 1 checkpoints (one tensor file) still load.
 
 Why this shape: a checkpoint is written into `.tmp-<name>-<pid>-<n>` and fsynced (files, then
 directory), then renamed to its final name (atomic on POSIX), then `LATEST` is replaced by the
@@ -44,6 +53,7 @@ from typing import Any
 
 import blake3
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from meshtrain.durable import fsync_dir, fsync_file, write_atomic
@@ -53,7 +63,8 @@ from meshtrain.transport.framing import packb, unpackb
 
 log = get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 1: one tensor file (`tensors_blake3`); 2: `tensor_files`, shards (module docstring)
+READABLE_FORMATS = (1, 2)
 LATEST = "LATEST"
 _TENSOR_REF = "__tensor__"
 
@@ -68,7 +79,7 @@ class Checkpoint:
     step: int
     round: int
     state: dict[str, Any]
-    digest: str  # blake3 of the tensor file: what peers compare
+    digest: str  # blake3 of the tensor file (of the shards' digests, for several): for the log
 
 
 @dataclass
@@ -122,9 +133,19 @@ def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 _DIGEST_BUFFER = 4 << 20
+SHARD_BYTES = 2 << 30  # a checkpoint's tensor files hold at most this many bytes each (module docstring)
+TENSOR_FILES = "tensors{suffix}.safetensors"  # the shards' names (huggingface_hub's pattern)
+STATE_FILE = "state.msgpack"
 
 
-def _file_digest(path: Path) -> str:
+def tensor_digest(files: dict[str, str]) -> str:
+    """One digest for a checkpoint's tensor files (file -> blake3): the file's own for one."""
+    if len(files) == 1:
+        return next(iter(files.values()))
+    return blake3.blake3("\n".join(f"{f} {d}" for f, d in sorted(files.items())).encode()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
     """blake3 of a file, read through one reused buffer (a checkpoint is as large as the state;
     reading it must not cost memory either)."""
     h = blake3.blake3()
@@ -147,16 +168,17 @@ class PendingCheckpoint:
         self.store, self.tmp, self.name, self.state, self.step, self.round = store, tmp, name, state, step, round
 
     def commit(self) -> Checkpoint:
-        """Digest both files, write the manifest, fsync, rename into place, point `LATEST` at it,
+        """Digest every file, write the manifest, fsync, rename into place, point `LATEST` at it,
         prune the oldest."""
         tmp, final = self.tmp, self.store.dir / self.name
         try:
+            files = {f.name: file_digest(f) for f in sorted(tmp.glob("tensors*.safetensors"))}
             manifest = {
                 "format": FORMAT,
                 "step": self.step,
                 "round": self.round,
-                "tensors_blake3": _file_digest(tmp / "tensors.safetensors"),
-                "state_blake3": _file_digest(tmp / "state.msgpack"),
+                "tensor_files": files,
+                "state_blake3": file_digest(tmp / STATE_FILE),
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             for f in tmp.iterdir():
@@ -173,7 +195,7 @@ class PendingCheckpoint:
             self.abandon()
             raise
         log.info(kv("checkpoint saved", step=self.step, round=self.round, path=str(final)))
-        return Checkpoint(final, self.step, self.round, self.state, manifest["tensors_blake3"])
+        return Checkpoint(final, self.step, self.round, self.state, tensor_digest(files))
 
     def abandon(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -184,9 +206,17 @@ class CheckpointStore:
     load (export, sample: a running node may be saving into the directory, so nothing is created
     or cleaned up)."""
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 3, *, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep: int = 3,
+        *,
+        readonly: bool = False,
+        shard_bytes: int = SHARD_BYTES,
+    ) -> None:
         self.dir = Path(directory)
         self.keep = max(1, keep)
+        self.shard_bytes = shard_bytes
         if readonly:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +237,14 @@ class CheckpointStore:
         tmp.mkdir()
         try:
             skeleton, tensors = flatten_state(state)
-            save_file(tensors, str(tmp / "tensors.safetensors"))
-            (tmp / "state.msgpack").write_bytes(packb(skeleton))
+            split = split_torch_state_dict_into_shards(
+                tensors, filename_pattern=TENSOR_FILES, max_shard_size=self.shard_bytes
+            )
+            for file, names in split.filename_to_tensors.items():
+                save_file({n: tensors[n] for n in names}, str(tmp / file))
+            if not tensors:  # a state without tensors still has its (empty) tensor file
+                save_file({}, str(tmp / TENSOR_FILES.format(suffix="")))
+            (tmp / STATE_FILE).write_bytes(packb(skeleton))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -227,19 +263,23 @@ class CheckpointStore:
         path = Path(path)
         try:
             manifest = json.loads((path / "manifest.json").read_text())
-            if manifest.get("format") != FORMAT:
+            if manifest.get("format") not in READABLE_FORMATS:
                 raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')}")
-            if _file_digest(path / "tensors.safetensors") != manifest["tensors_blake3"]:
-                raise CheckpointError(f"{path}: tensor file digest mismatch (corrupt)")
-            if _file_digest(path / "state.msgpack") != manifest["state_blake3"]:
+            files = _tensor_files(manifest)
+            for file, digest in files.items():
+                if file_digest(path / file) != digest:
+                    raise CheckpointError(f"{path}: tensor file {file} digest mismatch (corrupt)")
+            if file_digest(path / STATE_FILE) != manifest["state_blake3"]:
                 raise CheckpointError(f"{path}: state file digest mismatch (corrupt)")
-            tensors = load_file(str(path / "tensors.safetensors"))
-            state = _join_tensors(unpackb((path / "state.msgpack").read_bytes(), max_size=1 << 30), tensors)
+            tensors: dict[str, torch.Tensor] = {}
+            for file in files:
+                tensors.update(load_file(str(path / file)))
+            state = _join_tensors(unpackb((path / STATE_FILE).read_bytes(), max_size=1 << 30), tensors)
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, MeshtrainError) as e:
             raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
-        return Checkpoint(path, int(manifest["step"]), int(manifest["round"]), state, manifest["tensors_blake3"])
+        return Checkpoint(path, int(manifest["step"]), int(manifest["round"]), state, tensor_digest(files))
 
     def load_latest(self) -> Checkpoint | None:
         """The newest checkpoint that verifies; None if there is none at all."""
@@ -257,6 +297,23 @@ class CheckpointStore:
             except CheckpointError as e:
                 log.warning(kv("skipping bad checkpoint", path=str(path), error=str(e)))
         return None
+
+
+def _tensor_files(manifest: dict[str, Any]) -> dict[str, str]:
+    """A manifest's tensor files -> their digests: format 2 lists them, format 1 had one."""
+    if manifest["format"] == 1:
+        return {TENSOR_FILES.format(suffix=""): manifest["tensors_blake3"]}
+    files = manifest["tensor_files"]
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(
+            isinstance(f, str) and isinstance(d, str) and f == Path(f).name and f.endswith(".safetensors")
+            for f, d in files.items()
+        )
+    ):
+        raise CheckpointError(f"a manifest's tensor_files must name files of the checkpoint, got {files!r}")
+    return files
 
 
 def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
