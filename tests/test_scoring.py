@@ -436,7 +436,7 @@ async def test_a_round_is_scored_on_the_live_phi_before_its_result_changes_it(ru
             assert (t is live.phi[n]) == (n not in in_part)  # φ's own tensors: no snapshot
     [scores] = live.filed
     assert {s.peer: s for s in scores} == {s.peer: s for s in live.expected} and len(scores) == len(live.batches)
-    assert live.scorer.scored == 1 and live.scorer.skipped == 0
+    assert live.scorer.scored == 1 and live.scorer.skipped == 0 and live.scorer.waited > 0  # the result waited
 
 
 async def test_a_round_that_would_wait_too_long_cuts_its_scoring_short(run, monkeypatch) -> None:
