@@ -59,8 +59,9 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
     monkeypatch.setattr(run_state, "ENTER_WAIT", 1.0)  # a fresh swarm: nobody to wait for
     # The swarm trains until every honest peer has excluded the adversary, has run at least
     # `rounds` rounds, and has completed a round without it (`struck_out`), then stops. A fixed step
-    # count was load-sensitive: on a loaded machine loss scoring skips the rounds it falls more
-    # than `QUEUE` behind on (node/trust/scoring.py), and strikes travel by anti-entropy (~1.5 s)
+    # count was load-sensitive: on a loaded machine loss scoring cuts short the rounds whose result
+    # it would hold back past `WAIT_SHARE` of the round (node/trust/scoring.py; it skipped rounds it
+    # fell behind on before), and strikes travel by anti-entropy (~1.5 s)
     # until the first gossip mesh forms, so the third strike could land after the last round. How
     # many rounds exclusion takes is scripts/bench/bench_adversarial.py's measure, not this test's.
     spec = meshtrain.SwarmSpec(
@@ -156,6 +157,7 @@ async def test_an_adversary_is_struck_out_and_no_honest_peer_is_excluded(
         # and other data by a quorum, and no honest peer, is tests/test_scoring.py's.
         assert all(n.scorer is not None and n.scorer.scored > 0 for n in honest)
         assert doc["node"]["admission"]["loss_scoring"]["scored"] > 0
+        assert doc["node"]["admission"]["loss_scoring"]["waited_s"] >= 0  # how long results waited for it
     if spot:  # every owner spot-checked rounds, and spot strikes made most of the replay's counted rounds
         # (norm screening could still flag it in a round: then not by spot). replay-phi's spot
         # verdicts count only past its passes (3 rounds later): by then its round-1 update has

@@ -127,6 +127,30 @@ async def test_nesterov_outer_step_matches_hand_computation():
         assert outer.outer_params["weight"].item() == pytest.approx(phi, abs=1e-6)
 
 
+async def test_a_step_that_runs_a_round_drops_the_spent_gradients_before_it():
+    """optim/outer.py, "Memory": after the inner step of a step that runs a round the gradients are
+    None before the round's Δ is taken (they would be held beside the round's buffers); on the
+    other steps they stay as the loop left them. Training is unchanged: `zero_grad()` and the
+    next backward make new ones."""
+    swarm = LocalSwarm(1)
+    model = tiny()
+    seen: list[bool] = []
+
+    class Watching(DiLoCo):
+        def pseudo_gradient(self, names):
+            seen.append(all(p.grad is None for p in self.model.parameters()))
+            return super().pseudo_gradient(names)
+
+    outer = Watching(model, sgd(model), swarm.member(0), H=3)
+    kept = []
+    for step in range(6):
+        backward(model, 0, step)
+        await outer.astep()
+        kept.append(all(p.grad is not None for p in model.parameters()))
+    assert seen == [True, True]  # rounds at steps 3 and 6
+    assert kept == [True, True, False, True, True, False]
+
+
 def scalar_peers(**outer: float) -> tuple[list[torch.nn.Linear], list[DiLoCo]]:
     """Two peers of a one-weight model (φ = θ = 2, no inner optimizer) and their DiLoCo (`outer`)."""
     swarm = LocalSwarm(2)

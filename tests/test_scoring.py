@@ -10,14 +10,17 @@ from __future__ import annotations
 import copy
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.collective.allreduce import AllReduceConfig
-from meshtrain.collective.contract import sampled_peers
+from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32, part_bounds
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import LOSS, Strike
@@ -25,6 +28,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import Corpus
 from meshtrain.models.sources import build_model
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
+from meshtrain.node.trust import scoring
 from meshtrain.node.trust.scoring import score_round, scored_steps, scratch_model
 from meshtrain.node.trust.strikes import excluded_at, loss_flagged, quorum
 
@@ -318,3 +322,140 @@ def test_a_users_hugging_face_model_loaded_as_transformers_loads_it_is_scored_on
     lean = score_round(scratch_model(model, names), phi, names, part, samples, agg, batches)
     assert lean == score_round(copy.deepcopy(model), phi, names, part, samples, agg, batches)
     assert len(lean) == 2
+
+
+class LiveRound:
+    """One owner's round of `run`'s last φ as the node scores it: a `LossScorer` over a stand-in
+    trainer whose outer optimizer holds φ (`phi`, live) and awaits `before_state_change` before it
+    would change it; every forward pass the scorer runs is recorded (`forwards`: the tensors it ran
+    with, and whether φ had been released then)."""
+
+    def __init__(self, run: Run, monkeypatch) -> None:
+        sim, updates = run.sim, run.updates
+        self.phi = {n: t.clone() for n, t in sim.phi.items()}
+        self.outer = SimpleNamespace(
+            outer_params=self.phi, fragments=[tuple(sim.names)], needs_resync=False, before_state_change=[]
+        )
+        spec = SwarmSpec(model="gpt-tiny", H=H, batch_size=BATCH, score_samples=4)
+        trainer = SimpleNamespace(
+            spec=spec,
+            model=sim.model,
+            outer=self.outer,
+            corpus=sim.corpus,
+            context=CONTEXT,
+            precision=SimpleNamespace(autocast=None),
+        )
+        self.filed: list[list] = []
+        self.filed_event = trio.Event()
+
+        def on_scores(screening, scores) -> None:
+            self.filed.append(scores)
+            self.filed_event.set()
+
+        self.scorer = scoring.LossScorer(trainer, SimpleNamespace(on_scores=on_scores))
+        group = (*HONEST, "replay")
+        agg = torch.stack([updates[p] for p in group]).sort(dim=0).values[1:-1].mean(dim=0)
+        bounds = part_bounds(agg.numel(), len(group))
+        self.part = (bounds[0], bounds[1])  # p0's, the owner's
+        a, b = self.part
+        digest = b"\x07" * 32
+        self.screening = RoundScreening(
+            (ROUNDS - 1) * H,
+            "f0",
+            group,
+            digest,
+            part=self.part,
+            samples={p: updates[p][a:b] for p in group if p != "p0"},
+            aggregate=agg[a:b],
+        )
+        chosen = [p for p in sampled_peers(group, digest, spec.verification.score_samples) if p != "p0"]
+        self.batches = {
+            p: [sim.batch(p, s) for s in scored_steps(self.screening.round_id, H, spec.verification.score_batches)]
+            for p in chosen
+        }
+        # The scores as they were computed before: on a copy of φ taken as the round committed.
+        self.expected = score_round(
+            scratch_model(sim.model, sim.names),
+            {n: t.clone() for n, t in self.phi.items()},
+            sim.names,
+            self.part,
+            {p: updates[p][a:b] for p in chosen},
+            agg[a:b],
+            self.batches,
+        )
+        self.forwards: list[tuple[dict[str, torch.Tensor], bool]] = []
+        self.released = False
+        real = scoring.functional_call
+
+        def spy(model, params, args):
+            self.forwards.append((dict(params), self.released))
+            return real(model, params, args)
+
+        monkeypatch.setattr(scoring, "functional_call", spy)
+
+    async def apply(self) -> None:
+        """What the outer optimizer does after the collective returned: its hooks, then φ changes
+        (to garbage: a forward pass that still read it would score garbage)."""
+        for hook in self.outer.before_state_change:
+            await hook()
+        self.released = True
+        with torch.no_grad():
+            for t in self.phi.values():
+                t.fill_(float("nan"))
+
+
+async def test_a_round_is_scored_on_the_live_phi_before_its_result_changes_it(run, monkeypatch) -> None:
+    """No copy of φ: every forward pass runs on the outer optimizer's own φ tensors (the part's
+    parameters excepted: a working copy of those alone), φ is never written, and the round's
+    result waits (`before_state_change`) until the scoring is done. The scores are the ones a
+    copy of φ taken at the round's commit gave."""
+    monkeypatch.setattr(scoring, "WAIT_SHARE", 1e9)  # never cut short here
+    live = LiveRound(run, monkeypatch)
+    before = {n: t.clone() for n, t in live.phi.items()}
+    starts = torch.tensor([0] + [t.numel() for t in live.phi.values()]).cumsum(0).tolist()
+    in_part = {
+        n
+        for n, lo, hi in zip(live.phi, starts[:-1], starts[1:], strict=True)
+        if lo < live.part[1] and hi > live.part[0]
+    }
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(live.scorer.run)
+            await trio.testing.wait_all_tasks_blocked()  # it waits for rounds
+            live.scorer.on_round(live.screening)
+            # Scoring runs in its worker thread; φ is what the round started from until it is done.
+            assert all(torch.equal(live.phi[n], before[n]) for n in before)
+            await live.apply()
+            await live.filed_event.wait()
+            nursery.cancel_scope.cancel()
+    assert len(live.forwards) == 3 * sum(len(b) for b in live.batches.values())
+    assert 0 < len(in_part) < len(live.phi)
+    for params, released in live.forwards:
+        assert not released  # the result changed φ only after the last forward pass
+        for n, t in params.items():
+            assert (t is live.phi[n]) == (n not in in_part)  # φ's own tensors: no snapshot
+    [scores] = live.filed
+    assert {s.peer: s for s in scores} == {s.peer: s for s in live.expected} and len(scores) == len(live.batches)
+    assert live.scorer.scored == 1 and live.scorer.skipped == 0 and live.scorer.waited > 0  # the result waited
+
+
+async def test_a_round_that_would_wait_too_long_cuts_its_scoring_short(run, monkeypatch) -> None:
+    """Past `WAIT_SHARE` of the round's length the scoring stops at its next forward pass: once the
+    hook returns nothing reads φ, and the peers scored by then keep their scores."""
+    monkeypatch.setattr(scoring, "WAIT_SHARE", 0.0)
+    live = LiveRound(run, monkeypatch)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(live.scorer.run)
+            await trio.testing.wait_all_tasks_blocked()  # it waits for rounds
+            live.scorer.on_round(live.screening)
+            await trio.testing.wait_all_tasks_blocked()  # the worker has begun
+            await live.apply()
+            await live.filed_event.wait()
+            nursery.cancel_scope.cancel()
+    assert not any(released for _, released in live.forwards)
+    assert len(live.forwards) < 3 * sum(len(b) for b in live.batches.values())
+    [scores] = live.filed
+    expected = {s.peer: s for s in live.expected}
+    assert all(expected[s.peer] == s for s in scores)
+    assert live.scorer.scored == 0 and live.scorer.skipped == 1

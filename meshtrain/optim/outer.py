@@ -113,6 +113,13 @@ of the round, before the round's `apply`) is where a borrower gives them back â€
 it still needs them (copy-on-write) or stops reading them. `load_state_dict`/`join` are the
 caller's to announce (they run where the caller runs).
 
+Memory. A round's buffers (Î”, the collective's, the averaged result) live while the model's
+gradients would otherwise still be held: the inner step has spent them, and the loop's next
+`zero_grad`/backward replaces them. So on a step that runs a round (sends or merges an exchange)
+`step()` drops them after the inner step (`p.grad = None`, as `zero_grad()` leaves them): a
+round's peak is 4 B/param (fp32 gradients) lower than with them held (scripts/bench/bench_memory.py,
+docs/benchmarks.md "Memory"). A loop that reads gradients after `step()` finds None on those steps.
+
 Step hooks. `step_hooks` are called with the optimizer at the start of every `step()`, in the
 caller's thread; a collective that `WatchesOptimizer` (`meshtrain.Swarm`, for a loop you write
 yourself) is told of the optimizer at the end of `__init__` and installs its hook there. With no
@@ -558,15 +565,23 @@ class OuterOptimizer(Service):
         (not from the trio thread: use `astep` there). Returns the exchanges completed."""
         for hook in self.step_hooks:
             hook(self)
-        if self.inner is not None:
-            self.inner.step()
+        self._inner_step()
         return self._bridge.run_from_thread(self._advance())
 
     async def astep(self) -> list[RoundReport]:
         """`step()` for code running in trio (tensor work runs inline in the trio thread)."""
-        if self.inner is not None:
-            self.inner.step()
+        self._inner_step()
         return await self._bridge.run_async(self._advance())
+
+    def _inner_step(self) -> None:
+        """The inner optimizer's step; before a step that runs a round, its gradients are dropped
+        (module docstring, "Memory")."""
+        if self.inner is None:
+            return
+        self.inner.step()
+        merges, sends = self.due(self.inner_steps + 1)
+        if merges or sends:
+            self.inner.zero_grad(set_to_none=True)
 
     def skip(self) -> list[RoundReport]:
         """Advance one inner step without training it, to keep the swarm's pace (module

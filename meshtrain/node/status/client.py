@@ -41,7 +41,8 @@ The status document (`Node.snapshot()`):
                 it, excluded: bool, by_loss / by_spot / by_echo: how many of those rounds loss
                 scoring's / spot-checks' / replay screening's strikes counted in}} for every peer
                 with verified strikes,
-                loss_scoring and spot_check: {scored | checked, skipped} rounds as an owner, or
+                loss_scoring and spot_check: {scored | checked, skipped} rounds as an owner
+                (loss_scoring also waited_s: how long rounds' results waited for it), or
                 null when off, other_phi: {passed, filed} loss and spot verdicts on peers that held
                 another φ than ours, passed over within `lineage_passes` and filed past them
                 (node/trust/strikes.py), or null without strikes}

@@ -118,8 +118,13 @@ def admission_status(node: Node) -> dict[str, Any]:
             }
             for p, s in presence.standing().items()
         },
-        # Loss scoring (node/trust/scoring.py): rounds this peer scored as an owner, and skipped (behind).
-        "loss_scoring": {"scored": node.scorer.scored, "skipped": node.scorer.skipped} if node.scorer else None,
+        # Loss scoring (node/trust/scoring.py): rounds this peer scored as an owner, skipped or cut short,
+        # and the seconds rounds' results waited for it.
+        "loss_scoring": (
+            {"scored": node.scorer.scored, "skipped": node.scorer.skipped, "waited_s": round(node.scorer.waited, 3)}
+            if node.scorer
+            else None
+        ),
         # Replay spot-checks (node/trust/spot_check.py): rounds this peer checked as an owner, and skipped.
         "spot_check": {"checked": spot.checked, "skipped": spot.skipped} if (spot := node.spot_checker) else None,
         # Loss and spot verdicts on peers holding another φ: passed over, and filed past the passes.

@@ -17,9 +17,14 @@ Design. In a robust round the owner of part p holds every peer's contribution Δ
   and hands them over with the round's `RoundScreening` (`samples`, `part`, `aggregate`); it
   stays model-agnostic.
 - **Measure** (`score_round`, in a worker thread: the trio loop never runs a forward pass). φ is
-  the outer parameters the round started from, the same on every peer; the listener snapshots it
-  before the round's result is applied (the trainer thread applies it only after the collective
-  returned, optim/outer.py). For a sampled peer i, on its batches of the round's last
+  the outer parameters the round started from, the same on every peer: the outer optimizer's live
+  φ, read in place, never copied. The listener starts the scoring as the round commits, before the
+  round's result is applied (the trainer applies it only after the collective returned,
+  optim/outer.py), and the result waits for it: `LossScorer.release` is one of the optimizer's
+  `before_state_change` hooks, which returns once the scoring no longer reads φ (within a bound,
+  "Costs"). Only the parameters our part covers get a working copy, written with φ − Δ and
+  restored from φ (φ itself is never written: a checkpoint or a joiner may read it meanwhile).
+  For a sampled peer i, on its batches of the round's last
   b = `spec.verification.score_batches` inner steps (steps r − b .. r − 1 of round r, all H if fewer,
   `scored_steps`: the last it trained, so the ones its update fits best), L the mean of the
   per-batch losses (for batches of one size the loss on their concatenation, with one batch's
@@ -71,21 +76,37 @@ lazy peer (its last 2 of H steps) or a half-lazy one (its last 5) was flagged by
 most 2 of 48 rounds at any b.
 
 Costs. Per round and owner: 3 forward passes (no gradients) of b batches per sampled peer, not
-per group member, in a worker thread beside training; a copy of the model, made once, and of φ
-per scored round (on the trio thread, a memory copy, one for both checks when spot-checks run too:
-up to QUEUE + 1 of them alive); the collective keeps one more copy of its part's contributions
-until the round commits. With the default 2 samples and 4 batches that is 24 forwards against H
-training steps (forward + backward, ~3 forwards each) per round, about 8 training steps' compute: measured (gpt-tiny, batch 8, one thread, CPU time) 20–21 ms against a
-3.7–4.1 ms training step, ~11 % of a round's compute at H = 50 and ~1 % at H = 500 (b = 1:
-5.8 ms, ~3 % at H = 50; b = 2 halves the default's). In scripts/bench/bench_adversarial.py's runs
-(before `score_batches`, b = 1, 5 samples) scoring took 15 ms against a 3.4 s round at H = 50,
-whose time is mostly not compute. Nothing extra crosses the wire.
+per group member, in a worker thread, on the round's path: the round's result waits for them (in
+a blocking round, DiLoCo's, training waits there already; with a delay τ >= 1 they first overlap
+the τ inner steps before the merge). With the default 2 samples and 4 batches that is 24 forwards
+against H training steps (forward + backward, ~3 forwards each) per round, about 8 training
+steps' compute: measured (gpt-tiny, batch 8, one thread, CPU time) 20–21 ms against a 3.7–4.1 ms
+training step, ~11 % of a round's compute at H = 50 and ~1 % at H = 500 (b = 1: 5.8 ms, ~3 % at
+H = 50; b = 2 halves the default's). In scripts/bench/bench_adversarial.py's runs (before
+`score_batches`, b = 1, 5 samples) scoring took 15 ms against a 3.4 s round at H = 50, whose time
+is mostly not compute. Beside training (the design before this one) the forwards took the same
+compute from a busy device; waiting for them loses only the overlap a device with room to spare
+gave. A round waits at most `WAIT_SHARE` (0.5) of its own length (the time since φ last changed):
+past that the scoring stops at its next forward pass, the peers scored by then keep their scores,
+and the round counts as skipped (logged; status `loss_scoring.skipped`); the sampled peers are
+scored in an order the round's digest rotates (`rotated`), so a round cut short leaves out other
+peers in the next. So a large model, or many samples and batches against a short H, cost at most
+a third of the swarm's time, and score fewer peers per round. Memory: no copy of φ (the design
+before held one per queued round, on the trio thread: 4 B/param, up to two alive); while a round
+is scored, a working copy of our part's parameters (4/n B/param in a group of n) and one forward
+pass's activations; the collective keeps the sampled peers' contributions to our part and the
+aggregate's slice until the scoring is done; the `scratch_model`, made once, holds no parameter
+memory. Measured with scripts/bench/bench_memory.py (103 M parameters, two peers, H 2:
+docs/benchmarks.md, "Memory"): DiLoCo's figures fell from 19.7 / 31.5 B/param (steady / peak)
+to 12.3 / 25.6 with it. Nothing extra crosses the wire.
 
 Failures and limits. A round we did not hold the committed result of, a grouped round (its
 members' φ differ), a tag that is not a plain fragment ("f<p>"), an optimizer whose exchanged
 tensors are not the fragment's Δ in order (SparseLoCo's sparse payload: sizes differ, checked), a
-peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. If
-scoring falls behind by more than `QUEUE` rounds, rounds are skipped (logged). With error
+peer with local ranks, or a node that must re-sync (its φ is not the swarm's) scores nothing. A
+round whose scoring would hold its result back longer than `WAIT_SHARE` of the round is cut short
+("Costs"). φ changes only in a round's `apply` (after the hook) and when a state is loaded
+(`join`, `load_state_dict`), which the node does between rounds, when nothing is scored. With error
 feedback (SparseLoCo's) what is scored is the compressed accumulator, the update actually applied.
 A spec signed before `score_batches` existed reads as the default (4) on nodes that know the key
 and scores one batch on older ones; their strikes count alike (the rule and its re-check do not
@@ -126,9 +147,10 @@ import copy
 import dataclasses
 import math
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -144,17 +166,24 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-QUEUE = 1  # rounds waiting to be scored (besides the one being scored); beyond that a round is skipped: each holds a copy of φ
+WAIT_SHARE = 0.5  # a round waits for its scoring at most this share of its own length (module docstring, "Costs")
 FRAGMENT_TAG = re.compile(r"f(\d{1,6})")  # an ungrouped round's tag (optim/outer_round.py)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _loss(forward: Callable[[Batch], object], batches: Sequence[Batch]) -> float:
+class _Stopped(Exception):
+    """`score_round`'s `stop` said so between two forward passes."""
+
+
+def _loss(forward: Callable[[Batch], object], batches: Sequence[Batch], stop: Callable[[], bool]) -> float:
     """The mean of the losses `forward` gives on `batches`: for batches of one size (the spec's),
-    the loss on their concatenation, with one batch's activations alive at a time."""
+    the loss on their concatenation, with one batch's activations alive at a time. `_Stopped`
+    before a batch once `stop()` is true."""
     total = 0.0
     for batch in batches:
+        if stop():
+            raise _Stopped
         total += float(loss_of(forward(batch)).float())
     return total / len(batches)
 
@@ -207,44 +236,55 @@ def score_round(
     aggregate: torch.Tensor,
     batches: dict[str, Sequence[Batch]],
     autocast: Callable[[], AbstractContextManager] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[LossScore]:
     """Score each sampled peer's contribution `samples[peer]` to part `part` (the [a, b) slice
     of `names`' parameters flattened in order) against the round's `aggregate` of that slice, on
-    the peer's batches `batches[peer]` (at least one; the mean loss over them, module docstring).
-    `model` runs with φ (`phi`, by name) passed in (`torch.func.functional_call`): a
-    `scratch_model` of no parameter memory, or any model of those names, whose own parameters are
-    neither read nor written. φ is only read: the parameters the part covers are copied (1/n of the
-    model), the others are φ's own tensors (on the batches' device: no copy on the host).
+    the peer's batches `batches[peer]` (at least one; the mean loss over them, module docstring),
+    in the order of `samples`. `model` runs with φ (`phi`, by name) passed in
+    (`torch.func.functional_call`): a `scratch_model` of no parameter memory, or any model of those
+    names, whose own parameters are neither read nor written. φ is only read — it may be the outer
+    optimizer's live φ, which must not change until this returns: the parameters the part covers
+    get one working copy (1/n of the model), written with φ − Δ and restored from φ itself; the
+    others are φ's own tensors (on the batches' device: no copy on the host). `stop`: asked
+    before each forward pass; once true, the scores of the peers finished so far are returned.
     Runs in a worker thread."""
+    stopped = stop if stop is not None else lambda: False
     with torch.no_grad():
         device = next(iter(batches.values()))[0][0].device
         params = {n: t.to(device) for n, t in phi.items()}
         spans = list(_overlaps(params, names, part))
-        for n, *_ in spans:  # the part's parameters get their own copy: φ itself is never written
-            params[n] = params[n].clone()
-        views = [(params[n].view(-1), lo, hi, at) for n, lo, hi, at in spans]
-        saved = [flat[lo:hi].clone() for flat, lo, hi, _ in views]
+        # (the working copy's flat view, φ's, the span within them, where it starts in the part)
+        views = []
+        for n, lo, hi, at in spans:  # the part's parameters get a working copy: φ itself is never written
+            source = params[n]
+            params[n] = source.clone()
+            views.append((params[n].view(-1), source.view(-1), lo, hi, at))
         agg_norm = float(aggregate.norm())
 
         def loss_at(update: torch.Tensor | None, peer_batches: Sequence[Batch]) -> float:
             if update is not None:
-                for (flat, lo, hi, at), orig in zip(views, saved, strict=True):
-                    flat[lo:hi].copy_(orig - update[at : at + hi - lo].to(orig.device, orig.dtype))
+                for flat, source, lo, hi, at in views:
+                    torch.sub(source[lo:hi], update[at : at + hi - lo].to(flat.device, flat.dtype), out=flat[lo:hi])
             try:
                 with autocast() if autocast is not None else contextlib.nullcontext():
-                    return _loss(lambda batch: functional_call(model, params, batch), peer_batches)
+                    return _loss(lambda batch: functional_call(model, params, batch), peer_batches, stopped)
             finally:
-                for (flat, lo, hi, _), orig in zip(views, saved, strict=True):
-                    flat[lo:hi].copy_(orig)
+                if update is not None:
+                    for flat, source, lo, hi, _ in views:
+                        flat[lo:hi].copy_(source[lo:hi])
 
         eval_flags(model)
         scores = []
-        for peer in sorted(samples):
-            x, own_batches = samples[peer], batches[peer]
-            base = loss_at(None, own_batches)
-            if not math.isfinite(base) or base <= 0:
-                continue
-            own, agg = loss_at(x, own_batches), loss_at(aggregate, own_batches)
+        for peer, x in samples.items():
+            own_batches = batches[peer]
+            try:
+                base = loss_at(None, own_batches)
+                if not math.isfinite(base) or base <= 0:
+                    continue
+                own, agg = loss_at(x, own_batches), loss_at(aggregate, own_batches)
+            except _Stopped:
+                break
             norm = float(x.norm())
             cosine = float(x @ aggregate) / max(norm * agg_norm, 1e-30)
             scores.append(
@@ -265,27 +305,24 @@ def scored_steps(round_id: int, H: int, score_batches: int) -> range:
     return range(max(round_id - min(score_batches, H), 0), max(round_id, 1))
 
 
-def queue_full(send: trio.MemorySendChannel[Any]) -> bool:
-    """Whether `send.send_nowait` would block now (its buffer full, no receiver waiting): asked
-    before a round's φ is copied for the queue, not after."""
-    stats = send.statistics()
-    return stats.current_buffer_used >= stats.max_buffer_size and not stats.tasks_waiting_receive
+def rotated(peers: Sequence[str], digest: bytes) -> list[str]:
+    """`peers` (sorted) rotated by the round's committed `digest`: the order a round's sampled
+    peers are scored in, so a round cut short leaves out different peers from round to round."""
+    start = int.from_bytes(digest[:4], "big") % len(peers) if peers and digest else 0
+    return [*peers[start:], *peers[:start]]
 
 
-class PhiSnapshot:
-    """φ as a round started, copied at most once however many checks of the round ask (a
-    model-sized memory copy on the trio thread). The trainer applies the round's result only
-    after the collective returned (optim/outer.py), so a screening listener still sees the φ the
-    round started from. The copy is only read afterwards, by each check's worker thread."""
+@dataclasses.dataclass
+class _Scoring:
+    """A round being scored from the live φ: its screening (samples: the scorer's only, in the
+    order they are scored), the fragment's parameter names; `stop` tells the worker to end at its
+    next forward pass, `done` is set once it no longer reads φ (scored, stopped or never begun)."""
 
-    def __init__(self, outer_params: dict[str, torch.Tensor]) -> None:
-        self._params = outer_params
-        self._copy: dict[str, torch.Tensor] | None = None
-
-    def __call__(self) -> dict[str, torch.Tensor]:
-        if self._copy is None:
-            self._copy = {n: t.detach().clone() for n, t in self._params.items()}
-        return self._copy
+    screening: RoundScreening
+    names: list[str]
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    begun: bool = False  # `run` took it
 
 
 class LossScorer:
@@ -293,8 +330,9 @@ class LossScorer:
     files what breaks the rule as loss strikes in `book` (module docstring).
 
     trainer: the node's trainer (its corpus, context and spec draw the peers' batches; its outer
-    optimizer holds φ and the fragments; its model gives the `scratch_model`, of no parameter
-    memory, that φ runs in).
+    optimizer holds φ — read live, never copied: `release` is one of its `before_state_change`
+    hooks — and the fragments; its model gives the `scratch_model`, of no parameter memory, that φ
+    runs in).
     book: the node's `StrikeBook`. `Verification` hands it each screened round (`on_round`, after
     the book's listener); run `run` in a nursery for the node's lifetime."""
 
@@ -302,13 +340,18 @@ class LossScorer:
         self.trainer, self.book, self.spec = trainer, book, trainer.spec
         self.model = scratch_model(trainer.model, list(trainer.outer.outer_params))
         self.device = next(trainer.model.parameters()).device  # where the batches go
-        self._send, self._receive = trio.open_memory_channel[tuple](QUEUE)
+        self._send, self._receive = trio.open_memory_channel[_Scoring](1)
+        self._current: _Scoring | None = None  # the round whose scoring reads the live φ
+        self._running = False  # `run` is running: it takes what `on_round` starts
+        self._since = trio.current_time()  # when φ last changed: the round's length so far
         self.scored = 0  # rounds scored (status)
-        self.skipped = 0  # rounds skipped because scoring was behind
+        self.skipped = 0  # rounds skipped, or cut short before every sampled peer was scored
+        self.waited = 0.0  # seconds rounds waited for their scoring (`release`)
+        trainer.outer.before_state_change.append(self.release)
 
-    def on_round(self, screening: RoundScreening, phi: PhiSnapshot) -> None:
-        """Called for each screened round (trio thread, must not block): queue it with φ, copied
-        once for the round's checks (`phi`, node/trust/verification.py)."""
+    def on_round(self, screening: RoundScreening) -> None:
+        """Called for each screened round (trio thread, must not block): start scoring it on the
+        live φ, which the round's result changes only after `release` (module docstring)."""
         outer = self.trainer.outer
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if not screening.samples or screening.aggregate is None or match is None or outer.needs_resync:
@@ -318,17 +361,38 @@ class LossScorer:
             return
         # The collective keeps the larger of loss scoring's and spot-checks' samples (SwarmSpec.kept_samples).
         chosen = sampled_peers(screening.group, screening.digest, self.spec.verification.score_samples)
-        screening = dataclasses.replace(screening, samples={p: x for p, x in screening.samples.items() if p in chosen})
+        order = rotated([p for p in chosen if p in screening.samples], screening.digest)
+        screening = dataclasses.replace(screening, samples={p: screening.samples[p] for p in order})
         if not screening.samples:
             return
         names = list(outer.fragments[fragment])
         if screening.part[1] > sum(outer.outer_params[n].numel() for n in names):
             return  # not the fragment's Δ in order (a sparse payload): nothing to score
-        if queue_full(self._send):  # before φ is copied for it: a skipped round costs no memory
+        if self._current is not None:  # an earlier round not yet released (one round is in flight at a time)
             self.skipped += 1
             log.info(kv("loss scoring behind; round skipped", round=screening.round_id))
             return
-        self._send.send_nowait((screening, names, phi()))
+        self._current = _Scoring(screening, names)
+        self._send.send_nowait(self._current)
+
+    async def release(self) -> None:
+        """The outer optimizer's `before_state_change` hook (trio side, before a round's result
+        changes φ): wait until the round being scored no longer reads φ — at most `WAIT_SHARE` of
+        the round's length, then its scoring stops at the next forward pass (the peers scored by
+        then keep their scores)."""
+        current, self._current = self._current, None
+        if current is not None and not current.done.is_set():
+            t0 = trio.current_time()
+            with trio.move_on_after(WAIT_SHARE * (t0 - self._since) if self._running else 0):
+                await current.done.wait()
+            if not current.done.is_set():
+                current.stop.set()
+                if not current.begun:  # `run` never took it (not running): nothing reads φ
+                    current.done.set()
+                log.info(kv("loss scoring cut short: the round waited long enough", round=current.screening.round_id))
+                await current.done.wait()
+            self.waited += trio.current_time() - t0
+        self._since = trio.current_time()
 
     def batches(self, screening: RoundScreening) -> dict[str, list[Batch]]:
         """Each sampled peer's assigned batches of the round's last `score_batches` inner steps
@@ -342,21 +406,43 @@ class LossScorer:
                 out[peer].append((x.to(device), y.to(device)))
         return out
 
+    def score(self, scoring: _Scoring) -> list[LossScore]:
+        """Score one round on the live φ (a worker thread)."""
+        s = scoring.screening
+        assert s.aggregate is not None  # on_round starts none without one
+        return score_round(
+            self.model,
+            self.trainer.outer.outer_params,
+            scoring.names,
+            s.part,
+            s.samples,
+            s.aggregate,
+            self.batches(s),
+            self.trainer.precision.autocast,
+            scoring.stop.is_set,
+        )
+
     async def run(self) -> None:
-        """Score queued rounds one at a time, off the trio thread; file the verdicts."""
-        async for screening, names, phi in self._receive:
-            scores = await trio.to_thread.run_sync(
-                lambda s=screening, n=names, p=phi: score_round(
-                    self.model,
-                    p,
-                    n,
-                    s.part,
-                    s.samples,
-                    s.aggregate,
-                    self.batches(s),
-                    self.trainer.precision.autocast,
-                )
-            )
-            self.scored += 1
-            log.debug(kv("loss scored", round=screening.round_id, scores=len(scores)))
-            self.book.on_scores(screening, scores)
+        """Score rounds one at a time, off the trio thread; file the verdicts."""
+        self._running = True
+        try:
+            await self._score_rounds()
+        finally:
+            self._running = False
+
+    async def _score_rounds(self) -> None:
+        async for scoring in self._receive:
+            scoring.begun = True
+            try:
+                if scoring.stop.is_set():  # released before it began: a round the optimizer already moved past
+                    self.skipped += 1
+                    continue
+                scores = await trio.to_thread.run_sync(self.score, scoring)
+            finally:
+                scoring.done.set()
+            if scoring.stop.is_set():  # cut short: the peers after the last score went unscored
+                self.skipped += 1
+            else:
+                self.scored += 1
+            log.debug(kv("loss scored", round=scoring.screening.round_id, scores=len(scores)))
+            self.book.on_scores(scoring.screening, scores)

@@ -17,7 +17,7 @@ Design. Loss scoring's machinery, with a recomputation instead of a forward pass
   (`SwarmSpec.kept_samples`; a ranking's prefix holds the smaller) and hands them over with the
   round's `RoundScreening`.
 - **Recompute** (`recompute_update`, in a worker thread: the trio loop never runs compute). The
-  owner of part p puts φ (snapshotted before the round is applied, as loss scoring does) into a
+  owner of part p puts φ (copied as the round commits, before its result is applied) into a
   scratch copy of the model and runs k = `spec.verification.spot_check_steps` inner steps of the spec's inner
   optimizer (AdamW, `inner_lr`, `weight_decay`, `clip`) on the sampled peer's batches of steps
   r − H .. r − H + k − 1 of round r: its first k, the only ones that start from a point every
@@ -107,7 +107,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -116,7 +116,7 @@ from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import loss_of
-from meshtrain.node.trust.scoring import FRAGMENT_TAG, QUEUE, PhiSnapshot, queue_full
+from meshtrain.node.trust.scoring import FRAGMENT_TAG
 from meshtrain.node.trust.strikes import SpotCheck, StrikeBook
 
 if TYPE_CHECKING:
@@ -124,7 +124,16 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+QUEUE = 1  # rounds waiting to be checked (besides the one being checked); beyond that a round is skipped: each holds a copy of φ
+
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def queue_full(send: trio.MemorySendChannel[Any]) -> bool:
+    """Whether `send.send_nowait` would block now (its buffer full, no receiver waiting): asked
+    before a round's φ is copied for the queue, not after."""
+    stats = send.statistics()
+    return stats.current_buffer_used >= stats.max_buffer_size and not stats.tasks_waiting_receive
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -222,9 +231,10 @@ class SpotChecker:
         self.skipped = 0  # rounds skipped because checks were behind
         self.seconds = 0.0  # worker time spent recomputing (the benchmark's cost)
 
-    def on_round(self, screening: RoundScreening, phi: PhiSnapshot) -> None:
-        """Called for each screened round (trio thread, must not block): queue it with φ, copied
-        once for the round's checks (`phi`, node/trust/verification.py)."""
+    def on_round(self, screening: RoundScreening) -> None:
+        """Called for each screened round (trio thread, must not block): queue it with a copy of
+        φ as the round started (the round's result is applied only after the collective returned,
+        optim/outer.py, so the listener still sees that φ)."""
         outer, spec = self.trainer.outer, self.spec
         match = FRAGMENT_TAG.fullmatch(screening.tag)
         if (
@@ -247,7 +257,8 @@ class SpotChecker:
             self.skipped += 1
             log.info(kv("spot-checks behind; round skipped", round=screening.round_id))
             return
-        self._send.send_nowait(_Queued(dataclasses.replace(screening, samples=samples), names, phi()))
+        phi = {n: t.detach().clone() for n, t in outer.outer_params.items()}
+        self._send.send_nowait(_Queued(dataclasses.replace(screening, samples=samples), names, phi))
 
     def batches(self, screening: RoundScreening, peer: str) -> list[Batch]:
         """`peer`'s assigned batches of the round's first `spot_check_steps` inner steps."""
