@@ -161,6 +161,28 @@ def test_the_recomputation_is_the_trainers_own_steps_when_the_state_is_fresh() -
     assert check.match == pytest.approx(1.0) and not spot_flagged(check.match, check.ref, SPEC)
 
 
+def test_the_recomputation_trains_a_copy_of_phi_through_a_model_of_no_parameter_memory() -> None:
+    """A spot-checker holds no model copy for the node's life (4 bytes per parameter): its model's
+    parameters are on the meta device, each check trains a working copy of φ through it, and φ
+    is left as it was; the result is the deep copy's, bit for bit."""
+    from meshtrain.node.trust.scoring import scratch_model
+
+    torch.manual_seed(0)
+    corpus = Corpus.default("chars")
+    model = build_model("gpt-tiny", vocab_size=corpus.vocab_size, seed=0, context=CONTEXT)
+    names = [n for n, _ in model.named_parameters()]
+    phi = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = {n: t.clone() for n, t in phi.items()}
+    scratch = scratch_model(model, names)
+    assert all(p.device.type == "meta" for p in scratch.parameters())
+    batches = [corpus.batch(BATCH, CONTEXT, seed=0, peer="p0", step=s) for s in range(3)]
+    knobs = {"lr": SPEC.outer.inner_lr, "weight_decay": SPEC.outer.weight_decay, "clip": SPEC.outer.clip}
+    update = recompute_update(scratch, phi, names, batches, **knobs)
+    assert torch.equal(update, recompute_update(copy.deepcopy(model), phi, names, batches, **knobs))
+    assert all(torch.equal(phi[n], before[n]) for n in names)
+    assert all(p.device.type == "meta" for p in scratch.parameters())
+
+
 def test_the_spec_keys_and_the_sample() -> None:
     assert SwarmSpec(model="gpt-tiny").verification.spot_check_steps == 0  # off by default
     spec = SwarmSpec(model="gpt-tiny", spot_check_steps=5, spot_check_samples=3, score_samples=2)

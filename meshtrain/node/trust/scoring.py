@@ -188,13 +188,13 @@ def _loss(forward: Callable[[Batch], object], batches: Sequence[Batch], stop: Ca
     return total / len(batches)
 
 
-def eval_flags(model: torch.nn.Module) -> None:
-    """`model.eval()` without the model's own `train()` overrides: sets every module's `training`
-    flag. A user's Hugging Face model loaded with the Hub's kernels (transformers >= 5.25 does so
-    by default) re-kernelizes on a mode switch, for the device its parameters are on: the
+def set_training_flags(model: torch.nn.Module, training: bool) -> None:
+    """`model.train(training)` without the model's own `train()` overrides: sets every module's
+    `training` flag. A user's Hugging Face model loaded with the Hub's kernels (transformers >= 5.25
+    does so by default) re-kernelizes on a mode switch, for the device its parameters are on: the
     `scratch_model`'s meta device, which no kernel supports."""
     for module in model.modules():
-        module.training = False
+        module.training = training
 
 
 def scratch_model(model: torch.nn.Module, names: Sequence[str]) -> torch.nn.Module:
@@ -274,7 +274,7 @@ def score_round(
                     for flat, source, lo, hi, _ in views:
                         flat[lo:hi].copy_(source[lo:hi])
 
-        eval_flags(model)
+        set_training_flags(model, False)
         scores = []
         for peer, x in samples.items():
             own_batches = batches[peer]

@@ -17,8 +17,9 @@ Design. Loss scoring's machinery, with a recomputation instead of a forward pass
   (`SwarmSpec.kept_samples`; a ranking's prefix holds the smaller) and hands them over with the
   round's `RoundScreening`.
 - **Recompute** (`recompute_update`, in a worker thread: the trio loop never runs compute). The
-  owner of part p puts φ (copied as the round commits, before its result is applied) into a
-  scratch copy of the model and runs k = `spec.verification.spot_check_steps` inner steps of the spec's inner
+  owner of part p trains a working copy of φ (φ copied as the round commits, before its result is
+  applied) through a `scratch_model` of no parameter memory (`torch.func.functional_call`) and
+  runs k = `spec.verification.spot_check_steps` inner steps of the spec's inner
   optimizer (AdamW, `inner_lr`, `weight_decay`, `clip`) on the sampled peer's batches of steps
   r − H .. r − H + k − 1 of round r: its first k, the only ones that start from a point every
   peer knows. Δ_v = φ − θ_v.
@@ -66,9 +67,10 @@ of its part-checks in rounds 2–6, 38 % in rounds 2–9).
 Costs. Per round and owner: k training steps (forward + backward + optimizer step) of one batch
 per sampled peer, in a worker thread beside training: with k = H and one sample, as much compute
 as the round's own training, so about half a peer's throughput (every owner recomputes the same
-sampled peer, once each); k = H/10 costs a tenth. Memory: a scratch copy of the model (made
-once) and an AdamW state while recomputing; φ per queued round (on the trio thread, a memory
-copy: up to QUEUE + 1 rounds alive). Nothing extra crosses the wire. Measured in
+sampled peer, once each); k = H/10 costs a tenth. Memory: φ per queued round (on the trio thread,
+a memory copy: up to QUEUE + 1 rounds alive), and while recomputing a working copy of it with its
+gradients and AdamW state; no model copy for the node's life (a deep copy was, until the
+real-scale issue: 4 bytes per parameter). Nothing extra crosses the wire. Measured in
 scripts/bench/bench_adversarial.py (`--spot-check-steps`, docs/bench/bench_adversarial_spotcheck_issue21.json):
 one owner's checks of 4 peers on 10 steps of gpt-tiny took 262 ms on one thread (~6.5 ms a
 recomputed step, what a training step costs), 6 % of the benchmark's contended round at H = 50
@@ -103,7 +105,6 @@ can still strike anyone (as with screening).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -111,12 +112,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
+from torch.func import functional_call
 
 from meshtrain.collective.contract import RoundScreening, sampled_peers
 from meshtrain.collective.flat import flatten_fp32
 from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import loss_of
-from meshtrain.node.trust.scoring import FRAGMENT_TAG
+from meshtrain.node.trust.scoring import FRAGMENT_TAG, scratch_model, set_training_flags
 from meshtrain.node.trust.strikes import SpotCheck, StrikeBook
 
 if TYPE_CHECKING:
@@ -153,18 +155,18 @@ def recompute_update(
 ) -> torch.Tensor:
     """Δ_v = φ − θ_v, flat fp32 over `names` in order, after one AdamW step (`lr`,
     `weight_decay`, gradients clipped to `clip`) per batch of `batches` from φ (`phi`, by name).
-    `model` is a scratch copy: its parameters are overwritten; the optimizer is fresh (module
-    docstring). Runs in a worker thread."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, t in phi.items():
-            params[n].copy_(t)
+    `model` runs with the parameters passed in (`torch.func.functional_call`): a `scratch_model`
+    of no parameter memory, or any model of those names, whose own parameters are neither read nor
+    written. The trained parameters are a working copy of φ's (on the batches' device), dropped
+    on return; φ is only read. The optimizer is fresh (module docstring). Runs in a worker thread."""
+    device = batches[0][0].device if batches else torch.device("cpu")
+    params = {n: t.detach().to(device, copy=True).requires_grad_(n in names) for n, t in phi.items()}
     trained = [params[n] for n in names]
     opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
-    model.train()
+    set_training_flags(model, True)
     for x, y in batches:
         with autocast() if autocast is not None else contextlib.nullcontext():
-            out = model(x, y)
+            out = functional_call(model, params, (x, y))
             loss = loss_of(out)
         opt.zero_grad(set_to_none=True)
         loss.float().backward()
@@ -219,13 +221,16 @@ class SpotChecker:
     and files what breaks the rule as spot strikes in `book` (module docstring).
 
     trainer: the node's trainer (its corpus, context and spec draw the peers' batches; its outer
-    optimizer holds φ; its model is copied once as the scratch model). book: the node's
+    optimizer holds φ; its model gives the `scratch_model`, of no parameter memory, that the
+    working copy of φ trains in). book: the node's
     `StrikeBook`. `Verification` hands it each screened round (`on_round`, after the book's
     listener); run `run` in a nursery for the node's lifetime."""
 
     def __init__(self, trainer: Trainer, book: StrikeBook) -> None:
         self.trainer, self.book, self.spec = trainer, book, trainer.spec
-        self.model = copy.deepcopy(trainer.model)
+        # φ's parameters on the meta device: each check trains a working copy of φ through it.
+        self.model = scratch_model(trainer.model, list(trainer.outer.outer_params))
+        self.device = next(trainer.model.parameters()).device  # where the batches go
         self._send, self._receive = trio.open_memory_channel[_Queued](QUEUE)
         self.checked = 0  # rounds checked (status)
         self.skipped = 0  # rounds skipped because checks were behind
@@ -263,7 +268,7 @@ class SpotChecker:
     def batches(self, screening: RoundScreening, peer: str) -> list[Batch]:
         """`peer`'s assigned batches of the round's first `spot_check_steps` inner steps."""
         t, spec = self.trainer, self.spec
-        device = next(self.model.parameters()).device
+        device = self.device
         first = screening.round_id - spec.outer.H
         out = []
         for step in range(first, first + spec.verification.spot_check_steps):
