@@ -399,16 +399,20 @@ class Trainer(TrainedState):
         # The swarm's pace (node/pace.py): a single-rank peer behind it skips steps.
         pace = self.pace if local is None and sharded is None else None
         loss = None
-        agree = True  # local ranks agree whether to go on: first, every REPORT_EVERY steps, after an FSDP round
-        # Under FSDP only rank 0 knows it must re-sync: it says so as a stop, so all ranks end together.
-        while (until == 0 or self.step < until) and (sharded is not None or not outer.needs_resync):
+        agree = True  # local ranks agree whether to go on: first, every REPORT_EVERY steps, around rounds
+        # With local ranks only rank 0 may know it must re-sync (its node's parity check or the
+        # swarm's front says so, node/state/run_state.py): it says so as a stop at the next
+        # agreement, so all ranks end the run together. Leaving the loop on its own flag, rank 0
+        # began the next run's broadcast while rank 1 waited in `keep_going`'s: gloo aborted rank 1
+        # (a collective of 8 bytes against 4; tests/test_multi_rank.py, the restarted peer).
+        while (until == 0 or self.step < until) and (local is not None or not outer.needs_resync):
             step = self.step
             if local is None:
                 if stop.is_set():
                     break
-            elif agree or step % REPORT_EVERY == 0:
-                if sharded is None:
-                    if not local.keep_going(stop.is_set()):
+            elif agree or step % REPORT_EVERY == 0 or (sharded is None and any(outer.due(outer.inner_steps + 1))):
+                if sharded is None:  # before a round, too: a peer to re-sync must not run it
+                    if not local.keep_going(stop.is_set() or outer.needs_resync):
                         break
                 elif not sharded.agree(self.stepped, step, stop.is_set() or outer.needs_resync):
                     break
@@ -432,7 +436,8 @@ class Trainer(TrainedState):
                     scaler.unscale_(self.inner)
                 torch.nn.utils.clip_grad_norm_(params, spec.outer.clip)
                 if sharded is None:
-                    outer.step()
+                    # after a round the ranks agree (a failed one leaves every rank to re-sync)
+                    agree = bool(outer.step()) and local is not None
                 else:
                     self.stepped.step()
                     # after a round, and where rank 0 may report (so checkpoint), the ranks agree
