@@ -440,8 +440,8 @@ class LossScorer:
                 scores = await trio.to_thread.run_sync(self.score, scoring)
             finally:
                 scoring.done.set()
-            if scoring.stop.is_set():  # cut short: the peers after the last score went unscored
-                self.skipped += 1
+            if scoring.stop.is_set() and len(scores) < len(scoring.screening.samples):
+                self.skipped += 1  # cut short: the peers after the last score went unscored
             else:
                 self.scored += 1
             log.debug(kv("loss scored", round=scoring.screening.round_id, scores=len(scores)))
