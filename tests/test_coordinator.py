@@ -29,6 +29,8 @@ from meshtrain.collective.protocol import (
     Report,
     Retry,
     RoundKey,
+    WhereReply,
+    WhereRequest,
     parse_join_reply,
     parse_outcome,
 )
@@ -44,11 +46,25 @@ class FakeRpc:
         raise RpcUnavailable(f"{peer} is not there")
 
 
+class WhereRpc:
+    """Peers answer a probe with where they are (`positions`: peer -> its WHERE reply)."""
+
+    def __init__(self, positions: dict[str, WhereReply]) -> None:
+        self.positions = positions
+        self.asked: list[tuple[str, WhereRequest]] = []
+
+    async def call(self, peer, name, request, *, timeout):
+        self.asked.append((peer, WhereRequest.parse(request)))
+        if peer not in self.positions:
+            raise RpcUnavailable(f"{peer} is not there")
+        return self.positions[peer].to_wire()
+
+
 class FakeHost:
-    def __init__(self, peer_id: str, connected: set[str]) -> None:
+    def __init__(self, peer_id: str, connected: set[str], rpc: FakeRpc | WhereRpc | None = None) -> None:
         self.peer_id = peer_id
         self.connected = connected
-        self.rpc = FakeRpc()
+        self.rpc = rpc or FakeRpc()
 
     def is_connected(self, peer: str) -> bool:
         return peer in self.connected
@@ -308,8 +324,13 @@ async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
 
 
 def test_join_replies_and_round_keys_round_trip_and_refuse_garbage():
-    for reply in (Joined(0, ("a", "b")), Moved("a"), Late(True, None), Late(False, "z")):
+    for reply in (Joined(0, ("a", "b")), Moved("a"), Late(True, None), Late(False, "z"), Late(regroup=True)):
         assert parse_join_reply(reply.to_wire()) == reply
+    assert Late(regroup=True).to_wire()["late"] is True  # an older peer reads it as Late: it proceeds alone
+    for where in (WhereReply(8, "a", 6, "f0~g1.1"), WhereReply(-1, None, 7)):
+        assert WhereReply.parse(where.to_wire()) == where
+    assert WhereReply.parse({"round": 8, "coordinator": "a", "finished": 6, "tag": 5}).tag is None
+    assert WhereReply.parse({"round": 8, "coordinator": "a", "finished": 6, "tag": "t" * 5000}).tag is None
     key = RoundKey(12, "f/1", "peer")
     assert RoundKey.parse(key.wire, to="peer") == key
     from meshtrain.transport.validate import Malformed
@@ -471,3 +492,67 @@ def test_own_rounds_past_follows_the_series_and_what_it_follows_up():
     own.enter(10, "f0.phi~g0.1", ("a", "b"))
     assert own.among(RoundKey(10, "f0.phi~g0.1", "z")) == {"a", "b"}
     assert not own.past(RoundKey(10, "f0.phi~g0.1", "z"))
+
+
+async def test_a_round_its_peers_grouped_differently_is_regrouped_after_a_probe(autojump_clock):
+    """Seen in a grouped swarm of daemons after three of six left: each of the three left had
+    counted a different departed peer still in the roster when it entered round 8, so each
+    joined another group's tag of the round at the same coordinator, and every round waited out
+    its hard deadline (3 × the join timeout) for peers that were in the round under another tag.
+    The probe finds them there (WHERE answers for the series, with the tag): everyone who joined
+    is told to regroup at once, and a join under the old tag opens a fresh round."""
+    rpc = WhereRpc({"c": WhereReply(8, "a", 6, "f0~g1.1")})  # c is in round 8 under another group's tag
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+        await nursery.start(c.run)
+        key = RoundKey(8, "f0~g1.0", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key), trio.current_time())
+
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "a")
+        await trio.sleep(PROBE_AFTER + CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the first probe
+        assert {p: r for p, (r, _) in replies.items()} == {"a": Late(regroup=True), "b": Late(regroup=True)}
+        assert ("c", WhereRequest("f0~g1.0", 8)) in rpc.asked
+        assert c.joined(key) == frozenset()  # forgotten: a join under this key opens a fresh round
+        rpc.positions["c"] = WhereReply(8, "a", 6, "f0~g1.0")  # views agree now: c regrouped into ours
+        replies.clear()
+        for p in "abc":
+            nursery.start_soon(join, p)
+        await trio.testing.wait_all_tasks_blocked()
+        assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("a", "b", "c")) for p in "abc"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_coordinator_whose_own_trainer_is_in_another_grouping_of_the_round_regroups_it(autojump_clock):
+    """The same disagreement with our own trainer: it entered round 8 under another group's tag,
+    so the round b joined here under ours will not see it; told at the first probe."""
+    own = OwnRounds()
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b"}), CONFIG, lambda _round: ("a", "b"), None, own)
+        await nursery.start(c.run)
+        key = RoundKey(8, "f0~g1.0", "a")
+        replies: dict = {}
+
+        async def join() -> None:
+            replies["b"] = (await c.join("b", key), trio.current_time())
+
+        own.enter(8, "f0~g1.2")
+        nursery.start_soon(join)
+        await trio.sleep(PROBE_AFTER + CONFIG.liveness_interval + 0.1)  # sleep: virtual time: the first probe
+        reply, at = replies["b"]
+        assert reply == Late(regroup=True) and at <= PROBE_AFTER + CONFIG.liveness_interval
+        nursery.cancel_scope.cancel()
+
+
+def test_own_rounds_entered_as_names_the_newest_tag_of_the_round():
+    own = OwnRounds()
+    assert own.entered_as(RoundKey(8, "f0~g1.0", "a")) is None
+    own.enter(8, "f0~g1.2")
+    assert own.entered_as(RoundKey(8, "f0~g1.0", "a")) == "f0~g1.2"
+    assert own.entered_as(RoundKey(8, "f0.phi~g1.0", "a")) is None  # another series
+    own.enter(8, "f0")  # regrouped: the whole swarm
+    assert own.entered_as(RoundKey(8, "f0~g1.0", "a")) == "f0"
+    assert own.entered_as(RoundKey(6, "f0", "a")) is None

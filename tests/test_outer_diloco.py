@@ -352,3 +352,35 @@ async def test_a_peer_that_skips_steps_to_keep_the_swarms_pace_weighs_the_share_
         nursery.start_soon(peer, 1, 0, expected - 0.2)
     for m in models:
         assert m.weight.item() == pytest.approx(expected - 0.3, abs=1e-6)
+
+
+async def test_blocked_on_names_what_the_training_thread_waits_on_and_for_how_long():
+    """A node's status says what its trainer waits on (node/status/document.py): the round logic's
+    call that blocks the training thread now — here a `before_state_change` hook held open, then
+    nothing once it returns."""
+    _, models, outers = workers(1, lambda m, o, c: DiLoCo(m, o, c, H=2))
+    outer, model = outers[0], models[0]
+    held = trio.Event()
+
+    class Donor:  # a hook as the node's donor registers one: a bound method, named by its qualname
+        async def reclaim(self) -> None:
+            await held.wait()
+
+    outer.before_state_change.append(Donor().reclaim)
+    assert outer.blocked_on() is None
+
+    def train() -> None:
+        for step in range(2):
+            backward(model, 0, step)
+            outer.step()
+
+    async with outer, trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, train)
+        while (blocked := outer.blocked_on()) is None or "reclaim" not in blocked[0]:
+            await trio.sleep(0.01)  # sleep: the training thread reaches the round
+        assert blocked[0].endswith("Donor.reclaim") and blocked[1] >= 0
+        await trio.sleep(0.05)  # sleep: time passes while it waits
+        later = outer.blocked_on()
+        assert later is not None and later[0] == blocked[0] and later[1] >= blocked[1] + 0.04
+        held.set()
+    assert outer.blocked_on() is None and outer.rounds == 1

@@ -23,7 +23,10 @@ A coordinator still missing peers after `PROBE_AFTER` asks them where they are (
 dropped connection can hide the lowest id from its membership while the others still follow it,
 and without asking it would wait out the hard join deadline alone. Peers already past the round
 count as passed; peers in it at a lower-id coordinator make it hand over there, or, if that
-coordinator cannot be reached, end the round at once (`CollectiveError`). hivemind forms groups through
+coordinator cannot be reached, end the round at once (`CollectiveError`); peers in it under
+another group's tag (their view of the roster differed from ours when they entered it) make it
+tell its joiners to regroup: each computes its group anew and joins again (coordinator.py,
+"Groups that disagree"). hivemind forms groups through
 DHT matchmaking and PCCL through a master; a per-round, replaceable coordinator gives PCCL's
 clean attempt semantics without a node the swarm cannot lose. A join may be sent ahead of its
 round's data (`prepare`, prepared.py), saving the round a join round trip. SparseLoCo's payloads
@@ -82,6 +85,7 @@ limits and `parse`, is protocol.py. The public names
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -106,7 +110,7 @@ from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.join_wait import await_join_reply
-from meshtrain.collective.own_rounds import OwnRounds
+from meshtrain.collective.own_rounds import OwnRounds, tag_series
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.protocol import (
@@ -144,6 +148,10 @@ from meshtrain.transport.tensor_streams import TensorStreams
 
 log = get_logger(__name__)
 
+# A round whose peers keep grouping it differently (their views of its roster disagree) is
+# regrouped at most this many times, a probe interval or so each (coordinator.py), then given up on.
+MAX_REGROUPS = 8
+
 # Public names of the all-reduce, importable from here (they live in protocol.py).
 __all__ = [
     "JOIN_RPC",
@@ -161,6 +169,10 @@ __all__ = [
 
 class _Moved(Exception):
     """The coordinator handed the round to a lower-id candidate: re-read the membership, go there."""
+
+
+class _Regroup(Exception):
+    """The round's peers computed its groups differently: compute ours again, join anew."""
 
 
 class SwarmCollective(Service):
@@ -228,9 +240,10 @@ class SwarmCollective(Service):
         self.stripe_taper: int | None = STRIPE_TAPER
         self._entering = trio.Lock()  # one start, whether entered or started on first use
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
-        # Where this peer is in each tag's series of rounds, for coordinators probing (WHERE_RPC):
-        # tag -> (round id, coordinator) of the round under way, and tag -> the last round ended.
-        self._position: dict[str, tuple[int, str]] = {}
+        # Where this peer is in each series of rounds (a tag without its group suffix), for
+        # coordinators probing (WHERE_RPC): series -> (round id, coordinator, tag) of the round
+        # under way, and series -> the last round ended.
+        self._position: dict[str, tuple[int, str, str]] = {}
         self._finished: dict[str, int] = {}
         self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave)  # sent ahead (prepared.py)
         long = self.config.join_timeout + 120
@@ -374,8 +387,9 @@ class SwarmCollective(Service):
     async def _rpc_where(self, peer: str, req: Any) -> dict[str, Any]:
         where = WhereRequest.parse(req)
         await self._require_member(peer, where.round_id, wait=False)
-        at, coordinator = self._position.get(where.tag, (-1, None))
-        return WhereReply(at, coordinator, self._finished.get(where.tag, -1)).to_wire()
+        series = tag_series(where.tag)
+        at, coordinator, tag = self._position.get(series, (-1, None, None))
+        return WhereReply(at, coordinator, self._finished.get(series, -1), tag).to_wire()
 
     def waiting_for(self) -> str | None:
         """What a round of ours waits for right now, in words (for `/status`), or None."""
@@ -417,15 +431,27 @@ class SwarmCollective(Service):
         contribution = Contribution(request.tensors, request.weight, round_id)
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
-        tag = self._round_tag(round_id, request.tag)
-        self.own.enter(round_id, tag, request.among)
+        series = tag_series(request.tag)
         try:
-            return await self._all_reduce(contribution, tag, request.codec)
+            for regroups in itertools.count():
+                # Our group of the round, from our view of its roster now (computed anew when the
+                # round's peers found they had grouped it differently: coordinator.py).
+                tag = self._round_tag(round_id, request.tag)
+                self.own.enter(round_id, tag, request.among)
+                try:
+                    return await self._all_reduce(contribution, tag, request.codec)
+                except _Regroup as e:
+                    if regroups >= MAX_REGROUPS:
+                        raise CollectiveError(
+                            f"round {round_id}: its peers still group it differently after {regroups} regroups ({e})"
+                        ) from None
+                    log.info(kv("allreduce regrouping round", round=round_id, tag=tag, why=str(e)))
+            raise AssertionError("unreachable")  # the loop returns or raises
         finally:
             self._waiting = None
-            self._position.pop(tag, None)
-            self._finished[tag] = max(self._finished.get(tag, -1), round_id)
-            for old in list(self._finished)[:-256]:  # bounded: tags are few, but not ours to trust
+            self._position.pop(series, None)
+            self._finished[series] = max(self._finished.get(series, -1), round_id)
+            for old in list(self._finished)[:-256]:  # bounded: series are few, but not ours to trust
                 del self._finished[old]
 
     async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
@@ -437,7 +463,7 @@ class SwarmCollective(Service):
             if not live:  # every candidate we tried is gone or handed over in a loop
                 raise CollectiveError(f"round {round_id}: no coordinator left to join")
             coordinator = live[0]
-            self._position[tag] = (round_id, coordinator)
+            self._position[tag_series(tag)] = (round_id, coordinator, tag)
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.
@@ -498,6 +524,8 @@ class SwarmCollective(Service):
                 raise _Moved(joined.to)
             raise CollectiveError(f"{key}: coordinator handed the round to a higher id; proceed alone")
         if isinstance(joined, Late):
+            if joined.regroup:
+                raise _Regroup(f"{key}: the coordinator found the round's peers in other groups of it")
             if joined.elsewhere is not None:
                 raise CollectiveError(
                     f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "

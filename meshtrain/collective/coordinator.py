@@ -24,11 +24,28 @@ allreduce.py for how peers find it). Its job, per round key:
   `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
   that joined then completes the round at once; a minority is told it is `Late` (passed, or
   elsewhere) and re-syncs;
+- **regroup a round its peers grouped differently** ("Groups that disagree", below);
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
   majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
   connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
   the survivors after a failure (who goes is `_decide_failure`'s rule), `Abort` after
   `max_attempts`.
+
+Groups that disagree. A grouped round's tag names the group (collective/groups.py: "f0~g1.2"),
+computed from each peer's view of the round's roster (node/roster.py). Joins are announced ahead,
+so every view agrees on them; departures are not: for a few seconds after peers leave, each
+survivor may still count a different one of them, compute other groups and join the round under
+another group's tag — at the same coordinator or another. Each of those rounds then waited for
+peers that were in the round under a sibling tag: the hard deadline, 90 s by default, after
+which everyone proceeded alone and re-synced (tests/test_grouped_daemons.py, three of six
+daemons leaving). The probe finds them: a WHERE reply is about the series (the tag without its
+group suffix) and names the tag the peer is in, and our own trainer's is in `OwnRounds`. A
+missing peer in this round under another tag ends it with `Late(regroup=True)`: everyone who
+joined computes its group again from its view now and joins anew (allreduce.py, at most
+`MAX_REGROUPS` times); the round is forgotten here, so a join under its old tag opens a fresh
+round, which probes again. Views converge within a heartbeat or two, so a departure costs a
+round a probe interval (`PROBE_AFTER`) or two instead of the hard deadline. A peer that
+predates `regroup` reads the reply as Late and proceeds alone, as it always did.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -105,6 +122,7 @@ class _Round:
     elsewhere: str | None = None  # the missing peers are in this round at a coordinator we cannot reach
     skipped: set[str] = field(default_factory=set)  # lower ids joiners gave up on (never hand over to them)
     passed: bool = False  # the missing peers already joined a later round: nobody else will come
+    regroup: bool = False  # the missing peers are in this round under another grouping of it
     last_wait_log: float = 0.0
     joins: dict[str, float] = field(default_factory=dict)
     uplinks: dict[str, float | None] = field(default_factory=dict)  # each joiner's rate, bytes/s
@@ -117,7 +135,7 @@ class _Round:
         return self.expected - set(self.joins)
 
     def ended_without_us(self) -> Late:
-        return Late(self.passed, self.elsewhere)
+        return Late(self.passed, self.elsewhere, regroup=self.regroup)
 
 
 async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
@@ -236,6 +254,10 @@ class Coordinator:
         makes us hand the round over there — or, if our joiners already failed to reach that
         coordinator (`skipped`), end the round at once: the swarm's round is one we cannot join."""
         me, round_id = self.peer_id, r.key.round_id
+        ours = self.own.entered_as(r.key) if me in r.missing else None
+        if ours is not None and ours != r.key.tag:
+            self._regroup(r, {me: ours})
+            return
         if not r.missing - {me}:
             return  # only we have not joined yet (a slow start): our own join completes the group
         missing = sorted(p for p in r.missing if p != me and self.host.is_connected(p))
@@ -252,11 +274,17 @@ class Coordinator:
             return
         elsewhere: dict[str, str] = {}
         passed: set[str] = set()
+        regrouped: dict[str, str] = {}
         for p, a in answers.items():
-            if a.finished >= round_id or a.round_id > round_id:
+            if a.round_id == round_id and a.tag is not None and a.tag != r.key.tag:
+                regrouped[p] = a.tag
+            elif a.finished >= round_id or a.round_id > round_id:
                 passed.add(p)
             elif a.round_id == round_id and a.coordinator is not None and a.coordinator < me:
                 elsewhere[p] = a.coordinator
+        if regrouped:
+            self._regroup(r, regrouped)
+            return
         reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped)
         accounted = set(elsewhere) | passed >= r.missing - {me}
         if accounted and not elsewhere:
@@ -354,6 +382,24 @@ class Coordinator:
         """The peers the round waits for: our view's candidates now, and whoever joined."""
         r.expected = self._candidates(r.key) | frozenset(r.joins)
 
+    def _regroup(self, r: _Round, tags: dict[str, str]) -> None:
+        """Missing peers are in this round under other tags (`tags`: peer -> its tag): they
+        computed the round's groups from another roster. Everyone who joined here is told to
+        compute their group again and join anew ("Groups that disagree"); a join under this key
+        from now on opens a fresh round, which waits and probes again."""
+        r.regroup = True
+        r.group_fixed.set()
+        if self.rounds.get(r.key) is r:
+            del self.rounds[r.key]
+        log.info(
+            kv(
+                "allreduce groups disagree; regrouping",
+                key=r.key,
+                joined=",".join(p[-8:] for p in sorted(r.joins)),
+                elsewhere=",".join(f"{p[-8:]}:{t}" for p, t in sorted(tags.items())),
+            )
+        )
+
     def _hand_over(self, r: _Round, to: str, why: str) -> None:
         """Everyone who joined here is told to start the round again at `to`."""
         r.moved = to
@@ -425,7 +471,7 @@ class Coordinator:
         await r.group_fixed.wait()
         if r.moved:
             return Moved(r.moved)
-        if r.passed or r.elsewhere:
+        if r.passed or r.elsewhere or r.regroup:
             return r.ended_without_us()
         if peer not in r.attempts[0].group:
             return Late(detailed=False)

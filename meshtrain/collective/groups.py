@@ -61,7 +61,11 @@ place (node/training_run.py), as leaving would regroup everyone. The all-reduce 
 tolerates a late peer (its coordinator waits for the expected group until the join deadline, stops
 waiting for peers that report steps past the round or answer that they are past it, and fixes it
 with the majority that came; a peer that went elsewhere runs its round with whoever came to it), at
-the cost of a slow round; every group then agrees again from the next consistent roster. A peer
+the cost of a slow round; every group then agrees again from the next consistent roster. Where
+the disagreement put every survivor under another group's tag of the same round (each still
+counting a different departed peer), nobody came to anyone: the coordinator's probe finds its
+missing peers in the round under other tags and has everyone regroup from their views then
+(coordinator.py, "Groups that disagree"). A peer
 that dies inside a group is the collective's ordinary failure (survivors retry).
 
 Who connects to whom. Because the groups are a pure function, a peer knows its partners of the

@@ -44,6 +44,7 @@ class OwnRounds:
 
     def __init__(self) -> None:
         self._newest: dict[str, int] = {}  # series -> the newest round id our trainer entered
+        self._entered: dict[str, tuple[int, str]] = {}  # series -> (round id, tag) of its newest entry
         self._among: dict[tuple[int, str], frozenset[str]] = {}  # (round id, tag) -> a follow-up's peers
 
     def enter(self, round_id: int, tag: str, among: tuple[str, ...] = ()) -> None:
@@ -51,6 +52,7 @@ class OwnRounds:
         `among` when it is a follow-up (empty: the round's group)."""
         series = tag_series(tag)
         self._newest[series] = max(self._newest.get(series, -1), round_id)
+        self._entered[series] = (round_id, tag)  # a regrouped round is entered again, under its new tag
         if among:
             self._among[(round_id, tag)] = frozenset(among)
             for old in list(self._among)[:-KEPT]:
@@ -59,6 +61,12 @@ class OwnRounds:
     def among(self, key: RoundKey) -> frozenset[str] | None:
         """The peers round `key` is cut to (a follow-up our trainer entered), or None."""
         return self._among.get((key.round_id, key.tag))
+
+    def entered_as(self, key: RoundKey) -> str | None:
+        """The tag under which our trainer entered round `key`'s round id of its series most
+        recently (another group's, when our groups differ from the coordinator's), or None."""
+        entered = self._entered.get(tag_series(key.tag))
+        return entered[1] if entered is not None and entered[0] == key.round_id else None
 
     def past(self, key: RoundKey) -> bool:
         """Whether our trainer entered a later round of `key`'s series, or of a series `key`'s

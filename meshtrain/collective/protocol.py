@@ -13,17 +13,21 @@ Wire (compatible with the first version, so mixed versions of this code interope
                {"attempt": 0, "group": [...], ["shares": [...]], ["taper"]}
                                                                   Joined: you are in attempt 0
                {"moved": peer}                                    Moved: start again at `peer`
-               {"late": true, "passed": bool, "elsewhere": peer}  Late: not in this round
+               {"late": true, "passed": bool, "elsewhere": peer, ["regroup": true]}
+                                                                  Late: not in this round
     REPORT_RPC {"key", "attempt", "status", "digest", "suspects", "rejected", "evidence"}
                                                                 -> the attempt's Outcome
     WATCH_RPC  {"key", "attempt"}                               -> the attempt's Outcome:
                {"commit": digest, "group", "holders", "resync", "unconfirmed", "rejected"}
                {"retry": attempt, "group", "excluded", ["shares"], ["taper"]}
                {"abort": why}
-    WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished"}
+    WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished", ["tag"]}
 
-Fields in [brackets] were added later (for bandwidth-weighted parts) and are optional both
-ways: `uplink` is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
+Fields in [brackets] were added later and are optional both ways. `regroup` (a Late the
+coordinator sends when the round's peers computed its groups differently, coordinator.py "Groups
+that disagree") reads as a plain Late to a peer that predates it, which proceeds alone as it
+always did; WHERE's `tag` is the tag (with its group suffix) of the round under way in the asked
+tag's series (the reply is about the series, whatever group the peer is in). `uplink` (for bandwidth-weighted parts) is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
 member of `group`, shares.py) size the attempt's parts; without them every part is equal. A
 coordinator sends shares only when every member sent an uplink — so every member understands
 them — and a peer that ignores them (an old one) is then never in the group. Likewise `taper`
@@ -67,6 +71,7 @@ PROBE_AFTER = 2.0  # a coordinator still missing peers this long asks them where
 PROBE_EVERY = 2.0  # ... and again this often
 FAIL_GRACE = 1.0  # after the first failure report, wait this long for the others' accounts
 MAX_KEY_CHARS = 1024  # a round key longer than this is refused
+MAX_TAG_CHARS = MAX_KEY_CHARS  # ... and a tag in a WHERE reply (read as "unknown")
 MAX_PEER_LIST = 4096  # lists of peer ids from a peer are cut to this many
 MAX_TAPER = 8  # a stripe taper above this (last stripe 1/256 of a stripe) is malformed
 MAX_UPLINK = 1e12  # bytes/s: a joiner's uplink above this (8 Tbit/s) is malformed
@@ -304,25 +309,31 @@ class WhereRequest:
 
 @dataclass(frozen=True)
 class WhereReply:
-    """Where a peer is in a tag's series of rounds: the round under way (-1: none) and its
-    coordinator, and the last round it finished (-1: none)."""
+    """Where a peer is in a tag's series of rounds (the tag without its group suffix): the round
+    under way (-1: none), its coordinator and its tag (None: an older peer, which answers for the
+    exact tag asked), and the last round it finished (-1: none)."""
 
     round_id: int
     coordinator: str | None
     finished: int
+    tag: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round_id, "coordinator": self.coordinator, "finished": self.finished}
+        wire: dict[str, Any] = {"round": self.round_id, "coordinator": self.coordinator, "finished": self.finished}
+        if self.tag is not None:
+            wire["tag"] = self.tag
+        return wire
 
     @classmethod
     def parse(cls, value: Any) -> WhereReply:
         """Lenient, as the prober always was: a field of the wrong type reads as "unknown"."""
         rep = require_map(value, what="where reply")
-        at, coordinator, finished = rep.get("round"), rep.get("coordinator"), rep.get("finished")
+        at, coordinator, finished, tag = rep.get("round"), rep.get("coordinator"), rep.get("finished"), rep.get("tag")
         return cls(
             at if is_int(at) else -1,
             coordinator if isinstance(coordinator, str) else None,
             finished if is_int(finished) else -1,
+            tag if isinstance(tag, str) and len(tag) <= MAX_TAG_CHARS else None,
         )
 
 
@@ -356,16 +367,22 @@ class Moved:
 @dataclass(frozen=True)
 class Late:
     """We are not in this round: the group was fixed without us; `passed`: the others are past
-    it; `elsewhere`: they are in it at a coordinator this one cannot reach."""
+    it; `elsewhere`: they are in it at a coordinator this one cannot reach; `regroup`: the
+    round's peers computed its groups differently (their views of the roster differed), so
+    compute our group again and join anew (coordinator.py, "Groups that disagree")."""
 
     passed: bool = False
     elsewhere: str | None = None
     detailed: bool = True  # the first version's plain `{"late": true}` had no detail
+    regroup: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         if not self.detailed:
             return {"late": True}
-        return {"late": True, "passed": self.passed, "elsewhere": self.elsewhere}
+        wire: dict[str, Any] = {"late": True, "passed": self.passed, "elsewhere": self.elsewhere}
+        if self.regroup:
+            wire["regroup"] = True
+        return wire
 
 
 JoinReply = Joined | Moved | Late
@@ -404,7 +421,11 @@ def parse_join_reply(value: Any) -> JoinReply:
         return Moved(require_str(rep["moved"], "moved"))
     if rep.get("late"):
         elsewhere = rep.get("elsewhere")
-        return Late(bool(rep.get("passed")), elsewhere if isinstance(elsewhere, str) else None)
+        return Late(
+            bool(rep.get("passed")),
+            elsewhere if isinstance(elsewhere, str) else None,
+            regroup=rep.get("regroup") is True,
+        )
     attempt = require_int(rep.get("attempt"), "attempt", 0)
     group = tuple(str(p) for p in require_list(rep.get("group"), "group", max_len=MAX_PEER_LIST))
     return Joined(attempt, group, parse_shares(rep.get("shares"), len(group)), parse_taper(rep.get("taper")))

@@ -223,6 +223,9 @@ class Exchange:
     error: str = ""
     finished: float = 0.0
 
+    def describe(self) -> str:
+        return f"the exchange of step {self.step}" + (f", fragment {self.fragment}" if self.fragment else "")
+
 
 class OuterSpec(Protocol):
     """The fields of a swarm spec's `outer` section (`OuterSection`, optim/spec_section.py) that the
@@ -670,7 +673,7 @@ class OuterOptimizer(Service):
             self._sent_at[p] = (step, self.skipped_steps)
             ex = Exchange(p, step, tuple(names), tensors, weight, self.schedule.merge_step(step))
             if self.delay == 0:
-                yield RoundCall(self._exchange, (ex,))
+                yield RoundCall(self._exchange, (ex,), what=ex.describe())
                 reports.append((yield from self._complete(ex)))
             else:
                 self._pending[p] = ex
@@ -705,7 +708,7 @@ class OuterOptimizer(Service):
     def _complete(self, ex: Exchange) -> Generator[RoundCall, Any, RoundReport]:
         t0 = time.monotonic()
         if not ex.done.is_set():
-            yield RoundCall(ex.done.wait)
+            yield RoundCall(ex.done.wait, what=ex.describe())
         waited = time.monotonic() - t0
         result = ex.result
         assert result is not None  # set before done
@@ -793,6 +796,12 @@ class OuterOptimizer(Service):
             "needs_resync": self.needs_resync,
             "skipped_steps": self.skipped_steps,
         }
+
+    def blocked_on(self) -> tuple[str, float] | None:
+        """What the caller's training thread waits on in `step()` now, in words, and for how many
+        seconds; None when it does not wait (any thread: status pages)."""
+        awaiting = self._bridge.awaiting
+        return None if awaiting is None else (awaiting[0], time.monotonic() - awaiting[1])
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ import time
 from collections.abc import Callable, Generator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -102,6 +103,13 @@ class RoundCall:
     fn: Callable[..., Any]
     args: tuple[Any, ...] = ()
     spawn: bool = False  # start in the bridge's nursery instead of awaiting
+    what: str = ""  # what the caller waits on, in words (`TrioBridge.awaiting`); default: fn's name
+
+    def describe(self) -> str:
+        if self.what:
+            return self.what
+        fn = self.fn.func if isinstance(self.fn, partial) else self.fn
+        return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 RoundLogic = Generator[RoundCall, Any, list[RoundReport]]
@@ -118,6 +126,9 @@ class TrioBridge(Service):
         self.owner = owner
         self.delay = delay
         self._token: trio.lowlevel.TrioToken | None = None
+        # What the caller's thread waits on now, and since when (time.monotonic()): a call that
+        # blocks it, or None. Read from any thread (a status page: "the trainer waits on ...").
+        self.awaiting: tuple[str, float] | None = None
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -138,8 +149,12 @@ class TrioBridge(Service):
             check_not_in_trio_thread()
             if call.spawn:
                 value = trio.from_thread.run_sync(self._spawn, call, **kw)
-            else:
+                continue
+            self.awaiting = (call.describe(), time.monotonic())
+            try:
                 value = trio.from_thread.run(call.fn, *call.args, **kw)
+            finally:
+                self.awaiting = None
 
     async def run_async(self, logic: RoundLogic) -> list[RoundReport]:
         """Run `logic` inline in the trio thread; its reports."""
@@ -153,8 +168,12 @@ class TrioBridge(Service):
             if call.spawn:
                 self._spawn(call)
                 value = None
-            else:
+                continue
+            self.awaiting = (call.describe(), time.monotonic())
+            try:
                 value = await call.fn(*call.args)
+            finally:
+                self.awaiting = None
 
     def _spawn(self, call: RoundCall) -> None:
         if self._nursery is None:

@@ -36,6 +36,9 @@ from meshtrain.transport.tensor_streams import TensorStreams
 if TYPE_CHECKING:
     from meshtrain.node.ranks.group import LocalRanks
 
+# The trainer's thread blocked this long on one call of its round logic is shown as what the node
+# waits for, when nothing more specific is (a round's own wait is: "waiting for 1 of 3 peers").
+TRAINER_BLOCKED_SHOWN_S = 10.0
 ROUND_PEERS_SHOWN = 8  # exchanges whose peers `training.round_peers` lists (the newest)
 
 
@@ -75,6 +78,15 @@ class Node(Protocol):
     def joined_from(self) -> dict[str, Any] | None: ...
 
 
+def trainer_blocked(node: Node) -> str | None:
+    """What the training thread has waited on for over `TRAINER_BLOCKED_SHOWN_S` in its outer
+    optimizer's round logic (an exchange, a hook before φ changes), in words; else None."""
+    blocked = node.trainer.outer.blocked_on() if node.trainer is not None else None
+    if blocked is None or blocked[1] < TRAINER_BLOCKED_SHOWN_S:
+        return None
+    return f"training waits on {blocked[0]} ({blocked[1]:.0f} s)"
+
+
 def round_status(node: Node) -> dict[str, Any]:
     """The outer rounds as the status page shows them: `phi_round`, `phi_digest` (hex),
     `phi_history` ([[round, digest hex], ...], newest last), `parity` (this peer's standing
@@ -87,6 +99,7 @@ def round_status(node: Node) -> dict[str, Any]:
         or (node.run_state.waiting if node.run_state is not None else None)
         or (node.pipeline.waiting if node.pipeline is not None else None)
         or (node.collective.waiting_for() if node.collective is not None else None)
+        or trainer_blocked(node)
     )
     return {
         "phi_round": history[-1][0] if history else None,
