@@ -221,3 +221,61 @@ def test_grouped_round_survives_a_peer_killed_mid_reduce():
                 assert contributors == list(grp)
             contribs = [inputs(index_of[p], r, NUMEL) for p in contributors]
             assert rows[0]["digest"] == result_digest(exact_mean(contribs)).hex()
+
+
+def disagreeing_plan(ids: list[str], departed: list[str], round_id: int) -> GroupPlan:
+    """A plan under which peer i, counting `departed[i]` in the roster, groups `round_id` with
+    another real peer that groups it otherwise: every round waits for a peer in a sibling round."""
+    for seed in range(1000):
+        plan = GroupPlan(group_size=3, seed=seed, period=1)
+        mine = []
+        for i, p in enumerate(ids):
+            groups = plan.groups(sorted([*ids, departed[i]]), round_id)
+            mine.append(frozenset(groups.groups[groups.index_of(p)]) & set(ids))
+        if all(len(g) > 1 for g in mine) and len(set(mine)) == len(ids):
+            return plan
+    raise AssertionError("no seed groups the round that way")
+
+
+async def test_peers_that_grouped_a_round_differently_regroup_and_average_together():
+    """Three of six daemons left: for a few seconds each survivor still counted a different one of
+    them in the round's roster, computed other groups and entered the round under another group's
+    tag, and each waited out the hard join deadline (3 × 30 s) for the others. Here each peer's
+    roster holds its own departed peer until the views converge a second in, and each groups the
+    round with a partner that groups it otherwise: the coordinators' probes find the partners
+    under sibling tags, everyone regroups from the converged view, and the round is one group of
+    three, its exact mean, long before the join deadline."""
+    async with AsyncExitStack() as stack:
+        peers = sorted(await start_peers(stack, 3, full_mesh=True), key=lambda p: p.id)
+        ids = [p.id for p in peers]
+        departed = [f"{p.id[:-1]}{'XYZ'[i]}" for i, p in enumerate(peers)]  # one each, never connected
+        round_id = 4
+        plan = disagreeing_plan(ids, departed, round_id)
+        converged = trio.Event()
+
+        def roster(i: int):
+            return lambda r: sorted(ids) if converged.is_set() else sorted([*ids, departed[i]])
+
+        config = AllReduceConfig(join_timeout=30.0)
+        cols = [
+            await stack.enter_async_context(
+                SwarmCollective(p.host, p.ts, lambda r: ids, config, grouping=plan, roster=roster(i))
+            )
+            for i, p in enumerate(peers)
+        ]
+        tensors = [{"w": torch.randn(64) * (i + 1)} for i in range(3)]
+
+        async def converge() -> None:
+            await trio.sleep(1.0)  # sleep: the departures' records arrive a second in
+            converged.set()
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(converge)
+            results = await run_all(cols, tensors, round_id=round_id, tag="f0")
+        took = trio.current_time() - t0
+        mean = exact_mean(tensors)
+        for r in results:
+            assert r.contributors == tuple(ids)
+            assert r.digest == result_digest(mean)
+        assert took < config.join_timeout / 2, took
