@@ -556,3 +556,13 @@ def test_own_rounds_entered_as_names_the_newest_tag_of_the_round():
     own.enter(8, "f0")  # regrouped: the whole swarm
     assert own.entered_as(RoundKey(8, "f0~g1.0", "a")) == "f0"
     assert own.entered_as(RoundKey(6, "f0", "a")) is None
+
+
+def test_own_rounds_answer_where_about_the_series_whatever_group_asks():
+    own = OwnRounds()
+    assert own.where("f0~g1.0") == WhereReply(-1, None, -1, None)
+    own.at(RoundKey(8, "f0~g1.2", "c"))
+    assert own.where("f0~g1.0") == WhereReply(8, "c", -1, "f0~g1.2")  # asked with another group's tag
+    assert own.where("f0.phi~g1.0") == WhereReply(-1, None, -1, None)  # another series
+    own.ended(8, "f0~g1.2")
+    assert own.where("f0") == WhereReply(-1, None, 8, None)

@@ -110,7 +110,7 @@ from meshtrain.collective.echoes import EchoMemory
 from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
 from meshtrain.collective.groups import GroupPlan, RoundGroups
 from meshtrain.collective.join_wait import await_join_reply
-from meshtrain.collective.own_rounds import OwnRounds, tag_series
+from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.protocol import (
@@ -240,11 +240,6 @@ class SwarmCollective(Service):
         self.stripe_taper: int | None = STRIPE_TAPER
         self._entering = trio.Lock()  # one start, whether entered or started on first use
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
-        # Where this peer is in each series of rounds (a tag without its group suffix), for
-        # coordinators probing (WHERE_RPC): series -> (round id, coordinator, tag) of the round
-        # under way, and series -> the last round ended.
-        self._position: dict[str, tuple[int, str, str]] = {}
-        self._finished: dict[str, int] = {}
         self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave)  # sent ahead (prepared.py)
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
@@ -387,9 +382,7 @@ class SwarmCollective(Service):
     async def _rpc_where(self, peer: str, req: Any) -> dict[str, Any]:
         where = WhereRequest.parse(req)
         await self._require_member(peer, where.round_id, wait=False)
-        series = tag_series(where.tag)
-        at, coordinator, tag = self._position.get(series, (-1, None, None))
-        return WhereReply(at, coordinator, self._finished.get(series, -1), tag).to_wire()
+        return self.own.where(where.tag).to_wire()
 
     def waiting_for(self) -> str | None:
         """What a round of ours waits for right now, in words (for `/status`), or None."""
@@ -431,7 +424,6 @@ class SwarmCollective(Service):
         contribution = Contribution(request.tensors, request.weight, round_id)
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
-        series = tag_series(request.tag)
         try:
             for regroups in itertools.count():
                 # Our group of the round, from our view of its roster now (computed anew when the
@@ -449,10 +441,7 @@ class SwarmCollective(Service):
             raise AssertionError("unreachable")  # the loop returns or raises
         finally:
             self._waiting = None
-            self._position.pop(series, None)
-            self._finished[series] = max(self._finished.get(series, -1), round_id)
-            for old in list(self._finished)[:-256]:  # bounded: series are few, but not ours to trust
-                del self._finished[old]
+            self.own.ended(round_id, request.tag)
 
     async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
         round_id = contribution.round_id
@@ -463,7 +452,7 @@ class SwarmCollective(Service):
             if not live:  # every candidate we tried is gone or handed over in a loop
                 raise CollectiveError(f"round {round_id}: no coordinator left to join")
             coordinator = live[0]
-            self._position[tag_series(tag)] = (round_id, coordinator, tag)
+            self.own.at(RoundKey(round_id, tag, coordinator))
             try:
                 # A safety net over the per-step deadlines: however the round misbehaves, the
                 # caller gets an error and proceeds (alone) instead of waiting forever.

@@ -17,8 +17,13 @@ from that judgement, and each left a grouped swarm's rounds waiting out their ha
 The design. The collective records, as its trainer enters each exchange (`enter`), the newest
 round of each tag's series and a follow-up's peers; the coordinator asks `past` (our trainer
 entered a later round of the key's series, or of the series it follows up: an exchange "f0.phi"
-follows "f0") and `among` (the peers a follow-up's round key is cut to). Both are our own
-trainer's calls, never a remote peer's claim, so they cannot be used to cut a round short.
+follows "f0"), `among` (the peers a follow-up's round key is cut to) and `entered_as` (the tag
+our trainer entered a round under: another group's when our groups and the coordinator's
+disagree, coordinator.py "Groups that disagree"). All are our own trainer's calls, never a remote
+peer's claim, so they cannot be used to cut a round short. The same record answers other
+coordinators' WHERE probes (`at`, `ended`, `where`): the round of each series our trainer is in,
+at which coordinator and under which tag, and the last it ended — about the series, whatever
+group's tag the prober asks with.
 
 Failures. A coordinator whose own trainer has not reached a follow-up yet expects the round's
 whole group until it does (its next review, a liveness interval later, cuts it), as before this.
@@ -28,9 +33,10 @@ What is not here: other peers' positions (coordinator.py: the progress records, 
 from __future__ import annotations
 
 from meshtrain.collective.groups import GROUP_TAG
-from meshtrain.collective.protocol import RoundKey
+from meshtrain.collective.protocol import RoundKey, WhereReply
 
 KEPT = 64  # follow-ups remembered (a few per round: one per fragment)
+SERIES_KEPT = 256  # series whose last ended round is remembered (few, but not ours to trust)
 
 
 def tag_series(tag: str) -> str:
@@ -45,6 +51,10 @@ class OwnRounds:
     def __init__(self) -> None:
         self._newest: dict[str, int] = {}  # series -> the newest round id our trainer entered
         self._entered: dict[str, tuple[int, str]] = {}  # series -> (round id, tag) of its newest entry
+        # For other coordinators' probes (WHERE_RPC): series -> (round id, coordinator, tag) of the
+        # exchange under way, and series -> the last round ended.
+        self._position: dict[str, tuple[int, str, str]] = {}
+        self._finished: dict[str, int] = {}
         self._among: dict[tuple[int, str], frozenset[str]] = {}  # (round id, tag) -> a follow-up's peers
 
     def enter(self, round_id: int, tag: str, among: tuple[str, ...] = ()) -> None:
@@ -57,6 +67,25 @@ class OwnRounds:
             self._among[(round_id, tag)] = frozenset(among)
             for old in list(self._among)[:-KEPT]:
                 del self._among[old]
+
+    def at(self, key: RoundKey) -> None:
+        """Our trainer's exchange of `key`'s series is now round `key` at its coordinator."""
+        self._position[tag_series(key.tag)] = (key.round_id, key.coordinator, key.tag)
+
+    def ended(self, round_id: int, tag: str) -> None:
+        """Our trainer's exchange `round_id` under `tag` ended (whatever its outcome)."""
+        series = tag_series(tag)
+        self._position.pop(series, None)
+        self._finished[series] = max(self._finished.get(series, -1), round_id)
+        for old in list(self._finished)[:-SERIES_KEPT]:
+            del self._finished[old]
+
+    def where(self, tag: str) -> WhereReply:
+        """Where our trainer is in `tag`'s series, whatever group's tag it asks with: the answer
+        to a coordinator's WHERE probe (coordinator.py)."""
+        series = tag_series(tag)
+        at, coordinator, entered = self._position.get(series, (-1, None, None))
+        return WhereReply(at, coordinator, self._finished.get(series, -1), entered)
 
     def among(self, key: RoundKey) -> frozenset[str] | None:
         """The peers round `key` is cut to (a follow-up our trainer entered), or None."""
