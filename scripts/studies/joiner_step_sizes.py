@@ -12,6 +12,15 @@ against the median norm: a ratio outside [1/4, 4] is flagged, collective/contrac
 `screening_rule`). After each round the joiner's θ is reset to the veteran's, so only the
 optimizers differ. Last line: one JSON object, the veteran's Δ norm over the joiner's per round
 and fifth, with the joiner's inner steps at the round's end.
+
+With `--outer-lr` (e.g. 0.7, the spec's default, and `--outer-momentum 0.9`) the veteran trains
+as a swarm's creator does before anyone joins: DiLoCo rounds alone every H steps (Nesterov SGD on
+its own Δ, θ reset to φ), and each compared round applies the two peers' mean Δ the same way.
+Measured at --veteran-steps 318 --H 2 (a grouped daemon swarm's creator when its joiners' warm-up
+ended, tests/test_grouped_daemons.py): per fifth, 0.08–0.23 of the joiner's Δ at 20 joiner
+steps, 0.12–0.44 at 40, 0.42–0.82 at 120, 0.26–0.86 at 240 — under the screen's 1/4 for tens of
+steps past `JOIN_WARMUP_STEPS`, and far from 1 for hundreds; without outer steps, 0.62–0.82 at 20
+and 0.82–1.22 from 40 on. The outer steps' jumps inflate the veteran's AdamW second moments.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ def main() -> None:
     ap.add_argument("--veteran-steps", type=int, default=272)
     ap.add_argument("--H", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--outer-lr", type=float, default=0.0, help="DiLoCo's outer lr (0: no outer steps)")
+    ap.add_argument("--outer-momentum", type=float, default=0.0, help="its Nesterov momentum")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -56,25 +67,46 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
 
-    def delta_by_part(model: torch.nn.Module, opt: torch.optim.Optimizer, start: int, peer: str) -> torch.Tensor:
-        phi = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    def flat(model: torch.nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+    def load_flat(model: torch.nn.Module, vector: torch.Tensor) -> None:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())  # its own memory
+
+    momentum = torch.zeros(0)
+
+    def outer_step(phi: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """φ after DiLoCo's outer step on `delta` (torch's Nesterov SGD with grad = Δ)."""
+        nonlocal momentum
+        momentum = delta.clone() if not momentum.numel() else a.outer_momentum * momentum + delta
+        return phi - a.outer_lr * (delta + a.outer_momentum * momentum)
+
+    def delta_of(model: torch.nn.Module, opt: torch.optim.Optimizer, phi: torch.Tensor, start: int, peer: str):
+        load_flat(model, phi)
         for s in range(start, start + a.H):
             train(model, opt, s, peer)
-        delta = phi - torch.cat([p.detach().flatten() for p in model.parameters()])
-        return torch.stack([c.norm() for c in delta.chunk(PARTS)])
+        return phi - flat(model)
 
     vet_opt = adamw(veteran)
+    phi = flat(veteran)
     for s in range(a.veteran_steps):
         train(veteran, vet_opt, s, "veteran")
+        if a.outer_lr and (s + 1) % a.H == 0:  # a round alone
+            phi = outer_step(phi, phi - flat(veteran))
+            load_flat(veteran, phi)
+    phi = flat(veteran)
     joiner = copy.deepcopy(veteran)
     joiner_opt = adamw(joiner)
     rows = []
     for r in range(a.rounds):
         start = a.veteran_steps + r * a.H
-        joined = delta_by_part(joiner, joiner_opt, start, "joiner")
-        held = delta_by_part(veteran, vet_opt, start, "veteran")
-        joiner.load_state_dict(veteran.state_dict())
-        ratios = [round(float(x), 3) for x in held / joined]
+        joined = delta_of(joiner, joiner_opt, phi, start, "joiner")
+        held = delta_of(veteran, vet_opt, phi, start, "veteran")
+        phi = outer_step(phi, (held + joined) / 2) if a.outer_lr else flat(veteran)
+        ratios = [
+            round(float(x.norm() / y.norm()), 3) for x, y in zip(held.chunk(PARTS), joined.chunk(PARTS), strict=True)
+        ]
         rows.append({"joiner_steps": (r + 1) * a.H, "veteran_over_joiner": ratios})
         print(f"joiner steps {(r + 1) * a.H:>3}: veteran's Δ norm over the joiner's, per fifth {ratios}", flush=True)
     print(json.dumps({"veteran_steps": a.veteran_steps, "H": a.H, "parts": PARTS, "rounds": rows}))
