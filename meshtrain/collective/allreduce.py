@@ -85,7 +85,6 @@ limits and `parse`, is protocol.py. The public names
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -424,8 +423,9 @@ class SwarmCollective(Service):
         contribution = Contribution(request.tensors, request.weight, round_id)
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
+        regroups = 0
         try:
-            for regroups in itertools.count():
+            while True:
                 # Our group of the round, from our view of its roster now (computed anew when the
                 # round's peers found they had grouped it differently: coordinator.py).
                 tag = self._round_tag(round_id, request.tag)
@@ -437,8 +437,8 @@ class SwarmCollective(Service):
                         raise CollectiveError(
                             f"round {round_id}: its peers still group it differently after {regroups} regroups ({e})"
                         ) from None
+                    regroups += 1
                     log.info(kv("allreduce regrouping round", round=round_id, tag=tag, why=str(e)))
-            raise AssertionError("unreachable")  # the loop returns or raises
         finally:
             self._waiting = None
             self.own.ended(round_id, request.tag)

@@ -27,10 +27,11 @@ Fields in [brackets] were added later and are optional both ways. `regroup` (a L
 coordinator sends when the round's peers computed its groups differently, coordinator.py "Groups
 that disagree") reads as a plain Late to a peer that predates it, which proceeds alone as it
 always did; WHERE's `tag` is the tag (with its group suffix) of the round under way in the asked
-tag's series (the reply is about the series, whatever group the peer is in). `uplink` (for bandwidth-weighted parts) is the joiner's link rate in bytes/s, and `shares` (one non-negative integer per
-member of `group`, shares.py) size the attempt's parts; without them every part is equal. A
-coordinator sends shares only when every member sent an uplink — so every member understands
-them — and a peer that ignores them (an old one) is then never in the group. Likewise `taper`
+tag's series (the reply is about the series, whatever group the peer is in). `uplink` (for
+bandwidth-weighted parts) is the joiner's link rate in bytes/s, and `shares` (one non-negative
+integer per member of `group`, shares.py) size the attempt's parts; without them every part is
+equal. A coordinator sends shares only when every member sent an uplink — so every member
+understands them — and a peer that ignores them (an old one) is then never in the group. Likewise `taper`
 (added to bring the all-reduce to its link bound): in a join, how many shrinking last stripes per
 part this peer can cut (flat.py `STRIPE_TAPER`); in a group, how many every member cuts this
 attempt — sent only when every member's join offered a taper (the smallest offered), so a group

@@ -63,8 +63,8 @@ and the state an optimizer keeps (`OuterOptimizer`, outer.py); the schedule's fo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
-from contextlib import AsyncExitStack
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -150,11 +150,8 @@ class TrioBridge(Service):
             if call.spawn:
                 value = trio.from_thread.run_sync(self._spawn, call, **kw)
                 continue
-            self.awaiting = (call.describe(), time.monotonic())
-            try:
+            with self._awaiting(call):
                 value = trio.from_thread.run(call.fn, *call.args, **kw)
-            finally:
-                self.awaiting = None
 
     async def run_async(self, logic: RoundLogic) -> list[RoundReport]:
         """Run `logic` inline in the trio thread; its reports."""
@@ -169,11 +166,17 @@ class TrioBridge(Service):
                 self._spawn(call)
                 value = None
                 continue
-            self.awaiting = (call.describe(), time.monotonic())
-            try:
+            with self._awaiting(call):
                 value = await call.fn(*call.args)
-            finally:
-                self.awaiting = None
+
+    @contextmanager
+    def _awaiting(self, call: RoundCall) -> Iterator[None]:
+        """The caller waits on `call` meanwhile (`awaiting`)."""
+        self.awaiting = (call.describe(), time.monotonic())
+        try:
+            yield
+        finally:
+            self.awaiting = None
 
     def _spawn(self, call: RoundCall) -> None:
         if self._nursery is None:

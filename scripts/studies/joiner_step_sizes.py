@@ -17,10 +17,12 @@ With `--outer-lr` (e.g. 0.7, the spec's default, and `--outer-momentum 0.9`) the
 as a swarm's creator does before anyone joins: DiLoCo rounds alone every H steps (Nesterov SGD on
 its own Δ, θ reset to φ), and each compared round applies the two peers' mean Δ the same way.
 Measured at --veteran-steps 318 --H 2 (a grouped daemon swarm's creator when its joiners' warm-up
-ended, tests/test_grouped_daemons.py): per fifth, 0.08–0.23 of the joiner's Δ at 20 joiner
-steps, 0.12–0.44 at 40, 0.42–0.82 at 120, 0.26–0.86 at 240 — under the screen's 1/4 for tens of
-steps past `JOIN_WARMUP_STEPS`, and far from 1 for hundreds; without outer steps, 0.62–0.82 at 20
-and 0.82–1.22 from 40 on. The outer steps' jumps inflate the veteran's AdamW second moments.
+ended, tests/test_grouped_daemons.py): per fifth, 0.13–0.43 of the joiner's Δ at 20 joiner
+steps, 0.38–0.63 at 40, 0.36–0.79 at 120, 0.23–0.81 at 240 — under the screen's 1/4 in most
+fifths at the end of `JOIN_WARMUP_STEPS`, and far from 1 for hundreds of steps; without outer
+steps, 0.62–0.82 at 20 and 0.82–1.22 from 40 on. The outer steps' jumps inflate the veteran's
+AdamW second moments. (A lone DiLoCo at outer lr 0.7 is chaotic: a hand-written Nesterov step,
+equal up to rounding, gave 0.08–0.23 at 20 and 0.12–0.44 at 40.)
 """
 
 from __future__ import annotations
@@ -68,19 +70,27 @@ def main() -> None:
         opt.zero_grad()
 
     def flat(model: torch.nn.Module) -> torch.Tensor:
-        return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
     def load_flat(model: torch.nn.Module, vector: torch.Tensor) -> None:
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())  # its own memory
 
-    momentum = torch.zeros(0)
+    phi_param = torch.nn.Parameter(flat(veteran).clone())
+    outer = (
+        torch.optim.SGD([phi_param], lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
+        if a.outer_lr
+        else None
+    )
 
     def outer_step(phi: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """φ after DiLoCo's outer step on `delta` (torch's Nesterov SGD with grad = Δ)."""
-        nonlocal momentum
-        momentum = delta.clone() if not momentum.numel() else a.outer_momentum * momentum + delta
-        return phi - a.outer_lr * (delta + a.outer_momentum * momentum)
+        """φ after DiLoCo's outer step on `delta`: SGD (Nesterov) with grad = Δ, as optim/diloco.py."""
+        assert outer is not None
+        with torch.no_grad():
+            phi_param.copy_(phi)
+        phi_param.grad = delta
+        outer.step()
+        return phi_param.detach().clone()
 
     def delta_of(model: torch.nn.Module, opt: torch.optim.Optimizer, phi: torch.Tensor, start: int, peer: str):
         load_flat(model, phi)
