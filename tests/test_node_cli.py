@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -247,6 +248,10 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
         time.sleep(0.5)  # sleep: poll interval
     human = cli("node", "status", "--data-dir", str(a))
     assert human.returncode == 0 and "2 live peers" in human.stdout
+    # The connection bound (node/presence.py) and what a holds: b, with room to spare.
+    assert re.search(r"connected to [1-9]\d* \(bound 32\)", human.stdout), human.stdout
+    conns = json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["node"]["connections"]
+    assert conns["max_peers"] == 32 and conns["connections"] >= 1 and conns["wanted"] >= 1, conns
     # SIGTERM on b: it leaves (a sees it gone at once, not after a lease), checkpoints, exits 0.
     t0 = time.monotonic()
     pb.send_signal(signal.SIGTERM)

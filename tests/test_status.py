@@ -58,6 +58,7 @@ def snapshot() -> dict:
             "state": "training",
             "listen": [],
             "reachability": "public",
+            "connections": {"connections": 5, "max_peers": 4, "wanted": 4, "unwanted": 1},
         },
         "training": {
             "step": 10,
@@ -101,6 +102,8 @@ async def test_status_metrics_and_dashboard_are_served():
         assert "meshtrain_eval_loss" not in fams  # unknown yet: absent, not a made-up 0
         assert fams["meshtrain_bytes_sent"].samples[0].value == 4096
         assert fams["meshtrain_live_peers"].samples[0].value == 2
+        assert fams["meshtrain_connections"].samples[0].value == 5
+        assert fams["meshtrain_max_peers"].samples[0].value == 4
         by_peer = {s.labels["peer"]: s for s in fams["meshtrain_peer_step"].samples}
         assert by_peer["12D3KooWpeer1"].value == 11 and by_peer["12D3KooWpeer1"].labels["connection"] == "relay"
         refused = {

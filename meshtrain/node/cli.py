@@ -195,7 +195,11 @@ def _node_status(args: argparse.Namespace) -> int:
                 f"  loss/spot verdicts on peers holding another φ: {other['passed']} passed over, "
                 f"{other['filed']} filed past the passes"
             )
-    print(f"{len(st['peers'])} live peers:")
+    conns = n.get("connections") or {}
+    over = conns.get("connections", 0) - conns.get("max_peers", 0)
+    held = f", {conns.get('unwanted', 0)} kept past the plan" if over > 0 else ""
+    bound = f", connected to {conns.get('connections', 0)} (bound {conns.get('max_peers')}{held})" if conns else ""
+    print(f"{len(st['peers'])} live peers{bound}:")
     for p in st["peers"]:
         struck = f"  strikes {p['strikes']}" if p.get("strikes") else ""
         offset = p.get("clock_offset_s")

@@ -206,6 +206,7 @@ class PeerPresence(Service):
         self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
         self._unwanted = UnwantedSince()  # what `_close_surplus` may close
+        self._last_wanted: frozenset[str] = frozenset()  # the plan of the connection loop's last pass
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -564,6 +565,20 @@ class PeerPresence(Service):
         dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
         return self.plan.wanted(members, self.trainers(), rounds, dht_peers, in_from=self.roster_entries())
 
+    def connection_counts(self) -> dict[str, int]:
+        """What the status document shows of the bound: `connections` (every libp2p connection
+        the host holds: members, relays, DHT strangers), `max_peers`, `wanted` (the plan's size at
+        the connection loop's last pass: at most the bound, or the partners of the rounds under
+        way where they are more) and `unwanted` (connected, not in that plan: kept for a grace,
+        a syncing member, a peer whose round needs us, or while we are under the bound)."""
+        connected = set(self.host.connected_peers())
+        return {
+            "connections": len(connected),
+            "max_peers": self.plan.max_peers,
+            "wanted": len(self._last_wanted),
+            "unwanted": len(connected - self._last_wanted),
+        }
+
     def _dialled(self, peer: str, ok: bool) -> None:
         """A dial ended: a relayed connection is upgraded (DCUtR) in the background."""
         if ok and self.nat is not None and self.host.connection_type(peer) == "relayed":
@@ -585,6 +600,7 @@ class PeerPresence(Service):
                 await self._bootstrap(dht)
             addrs = {p.peer_id: p.addrs for p in view.live_peers()}
             wanted = self.wanted()
+            self._last_wanted = frozenset(wanted)
             for peer in wanted:
                 dialler.dial(peer, addrs.get(peer, []))
             for peer, book_addrs in self._book_peers_to_dial().items():

@@ -186,6 +186,10 @@ def status_document(node: Node) -> dict[str, Any]:
         "sharding": node.local.sharding if node.local is not None else "none",
         "local_rank_pids": node.local.pids if node.local is not None else [os.getpid()],
         "admission": admission_status(node),
+        # node/presence.py's bound on connections, and what it holds now
+        "connections": node.presence.connection_counts()
+        if node.presence is not None and node.view is not None
+        else {"connections": 0, "max_peers": node.config.max_peers, "wanted": 0, "unwanted": 0},
     }
     training: dict[str, Any] = {
         "step": 0,
