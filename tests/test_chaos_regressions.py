@@ -326,6 +326,12 @@ async def test_a_joiner_offers_the_state_it_downloaded_at_once(tmp_path):
         joined_round = b.trainer.outer.rounds  # b trains its first round of 40 steps from here
         assert joined_round >= 2
         assert joined_round in b.run_state.donor.rounds, (joined_round, b.run_state.donor.rounds)
+        # b's fresh AdamW was seeded with a's moments (optim/inner_moments.py): its step count
+        # carries a's steps before the state b downloaded, beside b's own since.
+        with b.trainer.lock:
+            own = b.trainer.outer.inner_steps - b.joined_from["step"]
+            adam_steps = {int(s["step"]) for s in b.trainer.outer.inner.state.values()}
+        assert len(adam_steps) == 1 and adam_steps.pop() - own >= 2 * spec.outer.H, (adam_steps, own)
         a.stop()
         b.stop()
 

@@ -28,6 +28,7 @@ from meshtrain.node.state.sync import (
     StateSyncError,
     chunk_ranges,
 )
+from meshtrain.optim.inner_moments import InnerMoments
 from meshtrain.transport.data_channel import payload_digest
 from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_layout import byte_views
@@ -118,6 +119,29 @@ async def test_joiner_gets_bit_identical_state_and_uses_every_donor():
         assert not report.banned
         assert [t for _, t in seen] == [total] * len(seen)
         assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+
+async def test_the_donors_inner_moments_come_beside_the_vote_as_their_median():
+    """Each donor describes its own inner optimizer (optim/inner_moments.py) beside its manifest:
+    the descriptions differ, yet the donors still agree on the state, and the joiner's report
+    holds their median, a lying donor's description kept inside the honest range."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 4)
+        meta, tensors = make_state(256 << 10)
+        described = [
+            InnerMoments(100, {"w": 1.0}),
+            InnerMoments(110, {"w": 2.0}),
+            InnerMoments(1, {"w": 1e6}),  # a liar
+            None,  # a donor that predates the description, or whose optimizer is not Adam's
+        ]
+        for d, moments in zip(donors, described, strict=True):
+            d.inner_moments = moments
+            d.publish(meta, tensors)
+        report = FetchReport()
+        got_meta, got = await fetch_state(joiner.host, joiner.ts, ids(donors), report=report, timeout=60)
+        assert got_meta == meta and len(report.agreeing) == 4
+        assert_same_state(tensors, got)
+        assert report.inner_moments == InnerMoments(100, {"w": 2.0})  # the median of 1, 2 and the liar's
 
 
 async def test_a_state_declined_from_its_manifest_moves_no_bytes_and_the_next_agreed_one_is_asked():

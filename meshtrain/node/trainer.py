@@ -96,6 +96,7 @@ from meshtrain.node.spec.config import default_data_dir
 from meshtrain.node.spec.outer import build_outer, check_matches
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.optim import OuterOptimizer
+from meshtrain.optim.inner_moments import InnerMoments
 
 if TYPE_CHECKING:
     from meshtrain.node.ranks.group import LocalRanks
@@ -220,8 +221,8 @@ class TrainedState:
         tensors, lent to the state donor until the next round (node/state/donor.py)."""
         return self.outer.state_dict(inner=False, copy=False)
 
-    def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
-        self.outer.join(state, at_step=at_step)
+    def join(self, state: dict[str, Any], at_step: int | None = None, moments: InnerMoments | None = None) -> None:
+        self.outer.join(state, at_step=at_step, moments=moments)
         with self.lock:
             self.info.step, self.info.rounds = self.step, self.outer.rounds
 
@@ -564,7 +565,7 @@ class Trainer(TrainedState):
             self.info.step, self.info.rounds = self.step, self.outer.rounds
             self.info.eval_loss = state.get("eval_loss")
 
-    def join(self, state: dict[str, Any], at_step: int | None = None) -> None:
-        super().join(state, at_step)
+    def join(self, state: dict[str, Any], at_step: int | None = None, moments: InnerMoments | None = None) -> None:
+        super().join(state, at_step, moments)
         if self.sharded is not None:  # θ ← φ in the replica; the inner state is kept
             self.sharded.replica_step = self.outer.inner_steps

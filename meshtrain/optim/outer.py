@@ -67,7 +67,9 @@ imports `BUILTIN_OPTIMIZERS`.
 
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
-docs/algorithms.md). Until it has done a full H steps of its own, and at least
+docs/algorithms.md) — but seeded, where its caller passes the donors' `moments`, with their mean
+second moments and step count, so its steps start at the swarm's scale (optim/inner_moments.py).
+Until it has done a full H steps of its own, and at least
 `JOIN_WARMUP_STEPS` (a fresh inner optimizer's first steps are larger than a trained one's: in a
 short round they would make the veterans the outliers that screening flags), it contributes
 weight 0 to every all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still
@@ -162,6 +164,7 @@ from meshtrain.collective.contract import (
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.optim.inner_moments import InnerMoments
 from meshtrain.optim.outer_round import (
     RoundCall,
     RoundLogic,
@@ -194,7 +197,10 @@ HISTORY_LENGTH = 4096  # round reports kept in memory
 # 0.33-0.43 of a fresh joiner's per fifth of the model, 0.51-0.61 at 10 steps, 0.65-0.82 at 20. In a
 # short round the joiners' Δ is then several times the veteran's, and a robust swarm's screening
 # flags the veteran, the outlier among fresh joiners: a grouped daemon swarm of H = 2 saw its
-# creator excluded by strikes when four daemons joined it (norm ratios 0.09-0.25).
+# creator excluded by strikes when four daemons joined it (norm ratios 0.09-0.25). A creator that
+# ran DiLoCo rounds alone is further off (0.13-0.43 at 20 steps): a node now seeds its joiner's
+# AdamW with the donors' second moments (optim/inner_moments.py: 0.77-1.04 at 20 steps), and
+# the warm-up stays for what seeding leaves out (first moments, per-coordinate spread).
 JOIN_WARMUP_STEPS = 20
 
 
@@ -859,9 +865,15 @@ class OuterOptimizer(Service):
         self._sent_at, self._counted_from = {}, (self.inner_steps, self.skipped_steps)  # counted afresh
         self.state_loads += 1
 
-    def join(self, state: dict[str, Any], *, at_step: int | None = None) -> None:
+    def inner_moments(self) -> InnerMoments | None:
+        """Our inner optimizer described for joiners (optim/inner_moments.py); None where it keeps
+        no Adam moments. Call between steps (the trainer's thread, or while it is stopped)."""
+        return InnerMoments.of(self.inner, self.params)
+
+    def join(self, state: dict[str, Any], *, at_step: int | None = None, moments: InnerMoments | None = None) -> None:
         """Late joiner: take the swarm's outer state from a peer's `state_dict`, set θ ← φ, keep a
-        fresh inner optimizer, and contribute weight 0 until H steps of our own are done.
+        fresh inner optimizer — its moments seeded from the donors' `moments` where it has none yet
+        (optim/inner_moments.py) —, and contribute weight 0 until H steps of our own are done.
 
         `at_step`: the swarm's inner step now, if it is already past the state's (the state is
         the last completed round, the swarm is inside the next one). We jump our step counter
@@ -884,6 +896,8 @@ class OuterOptimizer(Service):
             for n, p in self.params.items():
                 p.copy_(self.outer_params[n])
         self._joined_at = self.inner_steps
+        if moments is not None:
+            moments.seed(self.inner, self.params)
         self.needs_resync = False
         self.residual = {}  # error feedback starts afresh: no one's residual travels with a state
 

@@ -21,7 +21,10 @@ ended, tests/test_grouped_daemons.py): per fifth, 0.13–0.43 of the joiner's Δ
 steps, 0.38–0.63 at 40, 0.36–0.79 at 120, 0.23–0.81 at 240 — under the screen's 1/4 in most
 fifths at the end of `JOIN_WARMUP_STEPS`, and far from 1 for hundreds of steps; without outer
 steps, 0.62–0.82 at 20 and 0.82–1.22 from 40 on. The outer steps' jumps inflate the veteran's
-AdamW second moments. (A lone DiLoCo at outer lr 0.7 is chaotic: a hand-written Nesterov step,
+AdamW second moments. What a joiner does about it (`--joiner-state`, same run, 60 rounds): seeded
+with the veteran's mean second moment per tensor and its step count, as a node now seeds it
+(optim/inner_moments.py), 0.77–1.04 at 20, 0.86–2.0 at 40, 0.82–1.13 at 80, 0.97–1.29 at 120;
+with a copy of the veteran's whole AdamW state, 0.90–0.99, 0.90–1.02, 1.03–1.04, 1.03–1.11. (A lone DiLoCo at outer lr 0.7 is chaotic: a hand-written Nesterov step,
 equal up to rounding, gave 0.08–0.23 at 20 and 0.12–0.44 at 40.)
 """
 
@@ -51,6 +54,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--outer-lr", type=float, default=0.0, help="DiLoCo's outer lr (0: no outer steps)")
     ap.add_argument("--outer-momentum", type=float, default=0.0, help="its Nesterov momentum")
+    ap.add_argument(
+        "--joiner-state",
+        choices=("fresh", "copied", "moments"),
+        default="fresh",
+        help="the joiner's AdamW: fresh (as join leaves it today), copied (the veteran's whole state, "
+        "8 B/param more to download), moments (only each tensor's mean second moment and the step "
+        "count: two numbers a tensor; first moments start at 0)",
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -108,6 +119,16 @@ def main() -> None:
     phi = flat(veteran)
     joiner = copy.deepcopy(veteran)
     joiner_opt = adamw(joiner)
+    if a.joiner_state == "copied":
+        joiner_opt.load_state_dict(copy.deepcopy(vet_opt.state_dict()))
+    elif a.joiner_state == "moments":
+        for jp, vp in zip(joiner.parameters(), veteran.parameters(), strict=True):
+            v = vet_opt.state[vp]
+            joiner_opt.state[jp] = {
+                "step": v["step"].clone(),
+                "exp_avg": torch.zeros_like(jp),
+                "exp_avg_sq": torch.full_like(jp, float(v["exp_avg_sq"].mean())),
+            }
     rows = []
     for r in range(a.rounds):
         start = a.veteran_steps + r * a.H

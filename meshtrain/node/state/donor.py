@@ -29,6 +29,11 @@ which the node ties to membership). A stranger asking for chunks it never receiv
 otherwise hold a donor's send slots (8, 4 per identity) for the send timeout (found by
 `scripts/fuzz_protocols.py`); it gets `not-a-member` instead.
 
+Beside the snapshots, a manifest reply for the default key describes this peer's own inner
+optimizer (`inner_moments`, optim/inner_moments.py: a mean second moment per parameter tensor and
+the step count), which a joiner seeds its fresh inner optimizer with. It is no part of any
+snapshot's identity — every donor's differ — and is left out where it would not fit the reply.
+
 Throttling: `StateDonor(upload_limit=bytes/s)` paces a donor's chunk sends (per chunk, across all
 joiners), so a volunteer can cap what it donates, and benchmarks can model residential uplinks.
 
@@ -66,6 +71,7 @@ from meshtrain.node.state.sync import (
     FlatState,
     chunk_count,
 )
+from meshtrain.optim.inner_moments import InnerMoments
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError
@@ -210,6 +216,9 @@ class StateDonor:
         self._snapshots: list[_Snapshot] = []  # key "": newest first; replaced, never mutated in place
         self._keyed: dict[str, list[_Snapshot]] = {}  # other keys, the same way
         self._published = 0
+        # Our own inner optimizer's moments (optim/inner_moments.py), set by the node with each
+        # publish: described beside the snapshots of the default key, no part of their identity.
+        self.inner_moments: InnerMoments | None = None
         self._sending: dict[str, int] = {}
         self._limiter = trio.CapacityLimiter(MAX_CONCURRENT_SENDS)
         self._pacer: _Pacer | None = None
@@ -376,9 +385,13 @@ class StateDonor:
                 )
             snap.used_at = trio.current_time()  # a joiner may fetch it now: keep it across a round
             offers.append(await snap.manifest(cb))
-        reply = {"format": STATE_FORMAT, "snapshots": offers}
+        reply: dict[str, Any] = {"format": STATE_FORMAT, "snapshots": offers}
         if len(packb(reply)) > MAX_MANIFEST_BYTES:
             raise self._refuse("bad_request", "the manifest is too large for one reply; use larger chunks")
+        if not key and self.inner_moments is not None:
+            described = {**reply, "inner_moments": self.inner_moments.to_wire()}
+            if len(packb(described)) <= MAX_MANIFEST_BYTES:  # else the joiner's inner state starts fresh
+                reply = described
         self.stats["manifests_served"] += 1
         return reply
 

@@ -35,6 +35,11 @@ after SIGSTOP) may still write one more frame into the buffers it was given. Int
 nobody reads any more that is harmless; into the destination it would silently corrupt a chunk
 that another donor already delivered and we verified. The copy costs one memcpy per byte.
 
+Beside the vote. A donor's manifest reply may describe its own inner optimizer's moments
+(optim/inner_moments.py); they are no part of any state's identity (every donor's differ). The
+report carries their median over the donors of the state downloaded (`FetchReport.inner_moments`),
+for the joiner's fresh inner optimizer.
+
 Not here: the wire and the manifest's validation (node/state/sync.py), serving
 (node/state/donor.py), choosing donors and entering the state (the node).
 """
@@ -72,6 +77,7 @@ from meshtrain.node.state.sync import (
     chunk_ranges,
     parse_manifest,
 )
+from meshtrain.optim.inner_moments import InnerMoments
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.tensor_layout import allocate, byte_views
@@ -116,6 +122,9 @@ class FetchReport:
     # Rounds given up on, newest first, because all their donors failed: `round` is then an older
     # agreed state (module docstring, Fallback).
     abandoned: list[int] = field(default_factory=list)
+    # The agreeing donors' inner optimizer moments, their median (optim/inner_moments.py): what
+    # the joiner seeds a fresh inner optimizer with; None where no donor described its own.
+    inner_moments: InnerMoments | None = None
 
 
 Progress = Callable[[int, int], Any]
@@ -253,6 +262,7 @@ class _Fetch:
         self._changed = trio.Event()
         self.offer: Offer | None = None
         self.flat: FlatState | None = None
+        self._moments: dict[str, InnerMoments] = {}  # donor -> the moments its manifest described
 
     async def run(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if not self.donors:
@@ -298,6 +308,7 @@ class _Fetch:
             offer.total,
             list(donors),
         )
+        r.inner_moments = InnerMoments.median([self._moments[d] for d in donors if d in self._moments])
         self.offer = offer
         self.flat = FlatState(allocate(list(offer.specs)))
         self.chunks = [
@@ -375,6 +386,8 @@ class _Fetch:
                 return
             try:
                 offers[donor] = parse_manifest(reply, self.chunk_bytes, self.max_bytes)
+                if (moments := InnerMoments.from_wire(reply.get("inner_moments"))) is not None:
+                    self._moments[donor] = moments  # beside the vote: every donor's are its own
             except StateSyncError as e:  # a malformed answer is an answer: it can only hurt a liar
                 failures[donor] = f"malformed manifest: {e}"
                 offers[donor] = []

@@ -78,7 +78,7 @@ from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, flatten_state, unflatten_state
 from meshtrain.node.state.donor import StateDonor
-from meshtrain.node.state.fetch import fetch_state
+from meshtrain.node.state.fetch import FetchReport, fetch_state
 from meshtrain.node.state.parity import ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.state.sync import Offer, OfferDeclined, StateSyncError
 from meshtrain.node.trainer import TrainedState
@@ -329,9 +329,10 @@ class RunState(Service):
             return None
 
         self.waiting = f"state download from {len(donors)} peers (attempt {attempt})"
+        report = FetchReport()
         try:
             meta, tensors = await fetch_state(
-                host, self.streams, donors, timeout=600.0, progress=progress, accept=accept
+                host, self.streams, donors, timeout=600.0, progress=progress, accept=accept, report=report
             )
         except OfferDeclined as e:
             if declined_for_roster:  # the donors had not ended the round before ours yet
@@ -361,7 +362,8 @@ class RunState(Service):
             at_step = min(at_step, send - 1)
         await self.donor.reclaim()  # `join` overwrites the φ lent to joiners
         try:
-            trainer.join(state, at_step=at_step)
+            # A fresh inner optimizer starts at the donors' scale (optim/inner_moments.py).
+            trainer.join(state, at_step=at_step, moments=report.inner_moments)
         except StaleStateError as e:
             await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False
@@ -374,6 +376,7 @@ class RunState(Service):
         # the download handed joiners a state older than its own φ (they joined a round behind,
         # were refused as out of window, downloaded the old state again, and so on).
         self._published_round = trainer.outer.rounds
+        self.donor.inner_moments = trainer.outer.inner_moments()
         self.donor.publish(*self.donor_snapshot(trainer), live=True)
         self.record_phi()
         self.joined_from = {
@@ -489,9 +492,11 @@ class RunState(Service):
         ):
             self.record_phi()  # φ is ours between steps, even with a fragment in flight
         phi = list(parity.history) if parity.enabled else None
+        moments = None
         if outer.rounds != self._published_round and not outer.in_flight:
             self._published_round = outer.rounds
             publish = self.donor_snapshot(trainer)
+            moments = outer.inner_moments()  # described to joiners beside it (optim/inner_moments.py)
         if (
             time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
             and not self._ckpt_busy
@@ -523,6 +528,7 @@ class RunState(Service):
                 }
             )
             if publish is not None:
+                self.donor.inner_moments = moments
                 self.donor.publish(*publish, live=True)
             if checkpoint is not None and self._nursery is not None:
                 self._ckpt_busy = True
