@@ -26,16 +26,22 @@ pytestmark = pytest.mark.nat
 OBSERVER_PORT = 7000
 RENDEZVOUS_PORT = 7001
 
-# One program, several roles (first argument). Every role prints JSON lines on stdout.
+# One program, several roles (first argument; "-6" before it: IPv6 sockets, for
+# tests/test_natlab_v6.py). Every role prints JSON lines on stdout.
 PROBE = r'''
 import json, select, socket, sys, threading, time
 
+FAMILY, ANY = socket.AF_INET, "0.0.0.0"
+if sys.argv[1] == "-6":
+    FAMILY, ANY = socket.AF_INET6, "::"
+    del sys.argv[1]
+
 def bound(port=0):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = socket.socket(FAMILY, socket.SOCK_STREAM)
     # Both options, as libp2p does, so a listener and outbound sockets share one local port.
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind(("0.0.0.0", port))
+    s.bind((ANY, port))
     return s
 
 def out(**kw):
@@ -90,7 +96,7 @@ def mapped_listener(local_port, observer_addr):
     out(accepted=accepted)
 
 def dial(target, timeout):
-    s = socket.socket(); s.settimeout(float(timeout))
+    s = socket.socket(FAMILY); s.settimeout(float(timeout))
     try:
         s.connect(hostport(target)); out(result="connected")
     except socket.timeout:

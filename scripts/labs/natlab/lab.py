@@ -13,8 +13,9 @@ Topology (one lab; every box is its own network namespace, named `natlab-<id>-<o
 
 198.18.0.0/15 is the benchmarking range and 10/8 is private: no lab address can collide with a
 real destination, and nothing is routed out of the lab (no namespace has a link outside it; the
-veth pairs are created directly inside lab namespaces, never in the caller's namespace). The lab
-is IPv4-only (IPv6 is disabled on lab links so nothing bypasses the NAT via link-local addresses).
+veth pairs are created directly inside lab namespaces, never in the caller's namespace). By default
+the lab is IPv4-only (IPv6 is disabled on lab links so nothing bypasses the NAT via link-local
+addresses).
 
 NAT variants, applied with nft on each router's WAN leg:
 - `cone`: masquerade, which on Linux preserves the source port when it can, so the mapping is
@@ -30,9 +31,31 @@ NAT variants, applied with nft on each router's WAN leg:
   here, and the reason punching fails through plain SNAT too. Two SYNs that leave within one
   one-way delay of each other both meet their own mapping and connect (rare; seen in CI).
 
+IPv6 (`NatLab(..., ipv6=True)`; the IPv4 above is unchanged, the lab becomes dual stack). What a
+home router does with IPv6 is usually not NAT but a stateful firewall: every host has a global
+address, and the router forwards what its hosts open and drops what the internet opens. So:
+
+    pub0 2001:db8::10 ──┐                    ┌── r0 2001:db8::100 │ 2001:db8:1::1 ── h0 2001:db8:1::10
+    pub1 2001:db8::11 ──┼── br0 (same L2) ───┤                    │
+                        │  2001:db8::/64     └── r2 2001:db8::102 │ fd00:3::1 ── h2 fd00:3::10 (nat66)
+
+2001:db8::/32 is the documentation prefix. Home i's LAN is 2001:db8:(i+1)::/64 (its own, even
+with `same_lan_subnet`), and everything on the internet bridge routes it via router i, as a
+provider routes a customer's prefix. Per home, `HomeSpec.v6` picks the router's IPv6 policy, with
+nft (table ip6 natlab6) on its WAN leg:
+- `firewall` (default): no NAT, a host is seen at its own address; inbound `ct state new` is
+  dropped, to the LAN (forward) and to the router (input); established/related and the router's
+  neighbour discovery get in — RFC 6092's "simple security". TCP simultaneous open works, as
+  through `cone`.
+- `nat66`: masquerade onto the router's WAN address from a unique local LAN (fd00:(i+1)::/64,
+  routed nowhere), same inbound drop: the IPv6 twin of `cone`.
+Addresses are static and usable at once: DAD, router advertisements and SLAAC are off in every
+lab namespace, and lab bridges do no MLD snooping (there is no querier). Link-local addresses
+remain, as neighbour discovery needs them; they reach no further than one link.
+
 What it does not do: delay or loss emulation — this kernel has no `sch_netem` ("Specified qdisc
-kind is unknown"); only rate limits (`tbf`) are offered, see `NatLab.throttle`. No IPv6, no
-UPnP/NAT-PMP, no hairpinning.
+kind is unknown"); only rate limits (`tbf`) are offered, see `NatLab.throttle`. No UPnP/NAT-PMP,
+no hairpinning, no IPv6-only homes (an IPv6 lab is dual stack), no DHCPv6/prefix delegation.
 
 Use it as a context manager (the lab is removed on exit, on error and on Ctrl-C):
 
@@ -40,7 +63,10 @@ Use it as a context manager (the lab is removed on exit, on error and on Ctrl-C)
         srv = lab.run("pub0", [sys.executable, "server.py"])
         out = lab.call("h0", [sys.executable, "client.py", lab.public_addr("pub0")])
 
-or by hand: `python -m scripts.labs.natlab.lab up|down|status` (run `--help`). Needs root (or
+    with NatLab(["cone", HomeSpec("cone", v6="nat66")], ipv6=True) as lab:
+        lab.addr6("h0"), lab.public_addr6("h1")  # 2001:db8:1::10, 2001:db8::101
+
+or by hand: `python -m scripts.labs.natlab.lab up [--ipv6]|down|status` (run `--help`). Needs root (or
 CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and nftables.
 """
 
@@ -49,6 +75,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -64,6 +91,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 NAT_VARIANTS = ("cone", "symmetric", "plain_snat")
+V6_POLICIES = ("firewall", "nat66")  # what a home router does with IPv6 (NatLab(ipv6=True))
 
 NETNS_PREFIX = "natlab-"
 # Owner tag for labs made by the CLI: they outlive the process that built them on purpose.
@@ -75,6 +103,12 @@ ROUTER_BASE = 100  # home i's router gets 198.18.0.(100 + i) on its WAN leg
 MAX_PUBLIC_HOSTS = 80
 MAX_HOMES = 150
 MAX_HOSTS_PER_HOME = 200
+
+# IPv6 (NatLab(ipv6=True)): the documentation prefix 2001:db8::/32. The host part mirrors the
+# IPv4 last octet written as hex digits: pub0 2001:db8::10, r1's WAN 2001:db8::101.
+INTERNET6_PREFIX = "2001:db8::"  # /64 on the internet bridge
+HOME6_FIREWALL_PREFIX = "2001:db8:{home}::"  # home i's global /64 (home = i + 1), routed to its router
+HOME6_NAT66_PREFIX = "fd00:{home}::"  # a NAT66 home's unique local /64, routed nowhere
 
 COMMAND_TIMEOUT_S = 30.0  # any single ip/nft/tc command
 PROCESS_STOP_GRACE_S = 2.0  # SIGTERM → SIGKILL for processes still running at teardown
@@ -96,10 +130,13 @@ class HomeSpec:
 
     nat:   one of NAT_VARIANTS.
     hosts: logical names of the hosts on the LAN; empty means the default naming of `NatLab`.
+    v6:    one of V6_POLICIES, what the router does with IPv6 when the lab has it (`ipv6=True`):
+           "firewall" (global addresses, stateful inbound filter, no NAT) or "nat66".
     """
 
     nat: str
     hosts: tuple[str, ...] = ()
+    v6: str = "firewall"
 
 
 @dataclass(frozen=True)
@@ -117,6 +154,9 @@ class LabHost:
     router:      logical name of the router in front of a private host, else None.
     nat:         the NAT variant in front of (or, for a router, on) this host, else None.
     lan_addr:    a router's LAN address (the default gateway of its hosts), else None.
+    addr6, public_addr6, lan_addr6: the same three for IPv6 in a lab with `ipv6=True` (else
+                 None). Behind a "firewall" router a host's `public_addr6` is its own `addr6`.
+    v6:          the IPv6 policy in front of (or, for a router, on) this host, else None.
     """
 
     name: str
@@ -128,6 +168,10 @@ class LabHost:
     router: str | None = None
     nat: str | None = None
     lan_addr: str | None = None
+    addr6: str | None = None
+    public_addr6: str | None = None
+    lan_addr6: str | None = None
+    v6: str | None = None
 
 
 @dataclass
@@ -349,6 +393,38 @@ def _nft_ruleset(variant: str, wan_if: str, wan_addr: str) -> str:
     return "\n".join(rules) + "\n"
 
 
+def _nft_ruleset6(policy: str, wan_if: str) -> str:
+    """The router's IPv6 ruleset (a table of our own, family ip6) for one of V6_POLICIES.
+
+    Both policies keep what a home router's IPv6 firewall keeps (RFC 6092): nothing from the
+    internet that would open a new connection gets in, to the LAN (forward) or to the router
+    (input); established/related traffic does (ICMPv6 errors, e.g. packet-too-big, are related).
+    The router answers neighbour discovery on its WAN leg, else nobody there could reach it.
+    "nat66" adds a masquerade on the WAN leg (port-preserving, like the IPv4 `cone`).
+    """
+    if policy not in V6_POLICIES:
+        raise ValueError(f"unknown IPv6 policy {policy!r}; choose from {V6_POLICIES}")
+    rules = ["table ip6 natlab6 {"]
+    if policy == "nat66":
+        rules += [
+            "  chain postrouting {",
+            "    type nat hook postrouting priority srcnat; policy accept;",
+            f'    oifname "{wan_if}" masquerade',
+            "  }",
+        ]
+    for chain, hook in (("forward_in", "forward"), ("input_in", "input")):
+        rules += [
+            f"  chain {chain} {{",
+            f"    type filter hook {hook} priority filter; policy accept;",
+            f'    iifname "{wan_if}" ct state established,related accept',
+        ]
+        if hook == "input":
+            rules.append(f'    iifname "{wan_if}" icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} accept')
+        rules += [f'    iifname "{wan_if}" drop', "  }"]
+    rules.append("}")
+    return "\n".join(rules) + "\n"
+
+
 @dataclass
 class _Plan:
     """What `NatLab.up` will build: hosts with their addresses, links, router variants."""
@@ -393,7 +469,12 @@ class NamespaceLab:
     `run()` started (and anything else left inside the lab's namespaces) and removes every
     namespace; it also runs at interpreter exit if the caller forgot. Commands run inside a
     namespace share the caller's filesystem (same venv, same files), only the network differs.
+
+    `ipv6`: False (the default) disables IPv6 on every lab link (`lo` keeps ::1); a subclass that
+    sets it True before `up()` gets IPv6 with static addresses only (no DAD, no SLAAC, no RAs).
     """
+
+    ipv6 = False
 
     def __init__(self, *, lab_id: str | None = None, owner: str | None = None) -> None:
         self.lab_id = lab_id or secrets.token_hex(3)
@@ -518,8 +599,16 @@ class NamespaceLab:
     def _add_netns(self, name: str) -> None:
         run_command(["ip", "netns", "add", name])
         self._created.append(name)
-        # IPv4 only: no IPv6 on lab links (lo keeps ::1), so no link-local path around a NAT.
-        write_sysctl(name, "net.ipv6.conf.default.disable_ipv6", 1)
+        if self.ipv6:
+            # Addresses usable the moment they are set (no "tentative" during DAD; `nodad` on
+            # each address says so again), and none but ours: no router advertisements, no SLAAC.
+            # Link-local addresses stay (neighbour discovery uses them); they reach one link only.
+            keys = ("accept_dad", "accept_ra", "autoconf")
+            script = "; ".join(f"echo 0 > /proc/sys/net/ipv6/conf/{c}/{k}" for c in ("all", "default") for k in keys)
+            run_command(in_netns(name, "sh", "-c", script))
+        else:
+            # IPv4 only: no IPv6 on lab links (lo keeps ::1), so no link-local path around a NAT.
+            write_sysctl(name, "net.ipv6.conf.default.disable_ipv6", 1)
         run_command(["ip", "-n", name, "link", "set", "lo", "up"])
 
 
@@ -534,6 +623,10 @@ class NatLab(NamespaceLab):
     same_lan_subnet: give every home the same LAN (10.1.0.0/24), as real homes do — useful to
                      check that peers do not dial a private address that exists on their own LAN.
                      Default: home i uses 10.{i+1}.0.0/24.
+    ipv6:            dual stack: besides the IPv4 above (unchanged), every host gets an IPv6
+                     address on 2001:db8::/32, routers forward IPv6 and apply their home's
+                     `HomeSpec.v6` policy (default "firewall": no NAT, new inbound connections
+                     dropped). Default False: no IPv6 on any lab link.
     lab_id, owner:   see `NamespaceLab`, whose lifecycle contract this lab follows.
     """
 
@@ -544,10 +637,12 @@ class NatLab(NamespaceLab):
         public_hosts: int | Sequence[str] = 1,
         hosts_per_home: int = 1,
         same_lan_subnet: bool = False,
+        ipv6: bool = False,
         lab_id: str | None = None,
         owner: str | None = None,
     ) -> None:
         super().__init__(lab_id=lab_id, owner=owner)
+        self.ipv6 = ipv6
         self.homes = [v if isinstance(v, HomeSpec) else HomeSpec(nat=v) for v in variants]
         if isinstance(public_hosts, int):
             self.public_names = [f"pub{k}" for k in range(public_hosts)]
@@ -573,6 +668,20 @@ class NatLab(NamespaceLab):
         """The address the internet sees for this host (its router's WAN address if NATed)."""
         return self.host(host).public_addr
 
+    def addr6(self, host: str) -> str:
+        """The host's own IPv6 address (global, or unique local behind NAT66); needs `ipv6=True`."""
+        return self._v6(self.host(host).addr6, host)
+
+    def public_addr6(self, host: str) -> str:
+        """The IPv6 address the internet sees for this host: its own behind a "firewall" router,
+        the router's WAN address behind "nat66"; needs `ipv6=True`."""
+        return self._v6(self.host(host).public_addr6, host)
+
+    def _v6(self, addr: str | None, host: str) -> str:
+        if addr is None:
+            raise LabError(f"{host} has no IPv6 address: build the lab with NatLab(..., ipv6=True)")
+        return addr
+
     def nat_ruleset(self, router: str) -> str:
         """`nft list ruleset` inside a router, for debugging."""
         return run_command(in_netns(self.netns(router), "nft", "list", "ruleset")).stdout
@@ -586,6 +695,8 @@ class NatLab(NamespaceLab):
                 extra += f" via {h.router} public {h.public_addr}"
             if h.lan_addr:
                 extra += f" lan {h.lan_addr}"
+            if h.addr6:
+                extra += f" v6 {h.addr6}" + (f" ({h.v6})" if h.v6 else "")
             lines.append(f"  {h.name:<10} {h.role:<8} {h.addr:<15} {h.netns}{extra}")
         return "\n".join(lines)
 
@@ -637,6 +748,8 @@ class NatLab(NamespaceLab):
         for home in self.homes:
             if home.nat not in NAT_VARIANTS:
                 raise ValueError(f"unknown NAT variant {home.nat!r}; choose from {NAT_VARIANTS}")
+            if home.v6 not in V6_POLICIES:
+                raise ValueError(f"unknown IPv6 policy {home.v6!r}; choose from {V6_POLICIES}")
             if len(home.hosts) > MAX_HOSTS_PER_HOME:
                 raise ValueError(f"at most {MAX_HOSTS_PER_HOME} hosts per home")
 
@@ -652,11 +765,15 @@ class NatLab(NamespaceLab):
             plan.hosts[h.name] = h
             plan.links[h.name] = link
 
+        v6 = self.ipv6
         for k, name in enumerate(self.public_names):
             addr = f"{INTERNET_PREFIX}.{PUBLIC_HOST_BASE + k}"
+            addr6 = f"{INTERNET6_PREFIX}{PUBLIC_HOST_BASE + k}" if v6 else None
             ns = self._netns_name(name)
             add(
-                LabHost(name=name, role="public", netns=ns, addr=addr, public_addr=addr),
+                LabHost(
+                    name=name, role="public", netns=ns, addr=addr, public_addr=addr, addr6=addr6, public_addr6=addr6
+                ),
                 _Link(host_end=(ns, "eth0"), upstream_end=(inet, f"p{k}")),
             )
         for i, home in enumerate(self.homes):
@@ -664,6 +781,11 @@ class NatLab(NamespaceLab):
             lan_net = "10.1.0" if self.same_lan_subnet else f"10.{i + 1}.0"
             router = f"r{i}"
             rns = self._netns_name(router)
+            wan6 = f"{INTERNET6_PREFIX}{ROUTER_BASE + i}" if v6 else None
+            # Every firewall home has its own global prefix, as real ones do (same_lan_subnet
+            # applies to IPv4 and to NAT66's unique local prefixes).
+            lan6_home = 1 if self.same_lan_subnet and home.v6 == "nat66" else i + 1
+            lan6 = (HOME6_NAT66_PREFIX if home.v6 == "nat66" else HOME6_FIREWALL_PREFIX).format(home=lan6_home)
             add(
                 LabHost(
                     name=router,
@@ -674,6 +796,10 @@ class NatLab(NamespaceLab):
                     home=i,
                     nat=home.nat,
                     lan_addr=f"{lan_net}.1",
+                    addr6=wan6,
+                    public_addr6=wan6,
+                    lan_addr6=f"{lan6}1" if v6 else None,
+                    v6=home.v6 if v6 else None,
                 ),
                 _Link(host_end=(rns, "wan"), upstream_end=(inet, f"w{i}")),
             )
@@ -682,6 +808,7 @@ class NatLab(NamespaceLab):
             )
             for j, name in enumerate(names):
                 ns = self._netns_name(name)
+                addr6 = f"{lan6}{10 + j}" if v6 else None
                 add(
                     LabHost(
                         name=name,
@@ -692,6 +819,9 @@ class NatLab(NamespaceLab):
                         home=i,
                         router=router,
                         nat=home.nat,
+                        addr6=addr6,
+                        public_addr6=addr6 if home.v6 == "firewall" else wan6,
+                        v6=home.v6 if v6 else None,
                     ),
                     _Link(host_end=(ns, "eth0"), upstream_end=(rns, f"l{j}")),
                 )
@@ -709,12 +839,14 @@ class NatLab(NamespaceLab):
     def _build_plan(self, plan: _Plan) -> None:
         inet = self.internet_netns
         self._add_netns(inet)
-        run_command(["ip", "-n", inet, "link", "add", "name", "br0", "type", "bridge"])
+        run_command(["ip", "-n", inet, "link", "add", "name", "br0", "type", "bridge", *self._bridge_options()])
         run_command(["ip", "-n", inet, "link", "set", "br0", "up"])
         for h in plan.hosts.values():
             self._add_netns(h.netns)
             if h.role == "router":
-                run_command(["ip", "-n", h.netns, "link", "add", "name", "lan", "type", "bridge"])
+                run_command(
+                    ["ip", "-n", h.netns, "link", "add", "name", "lan", "type", "bridge", *self._bridge_options()]
+                )
                 run_command(["ip", "-n", h.netns, "addr", "add", f"{h.lan_addr}/24", "dev", "lan"])
                 run_command(["ip", "-n", h.netns, "link", "set", "lan", "up"])
                 write_sysctl(h.netns, "net.ipv4.ip_forward", 1)
@@ -730,6 +862,40 @@ class NatLab(NamespaceLab):
             if h.role == "router":
                 ruleset = _nft_ruleset(h.nat or "", "wan", h.addr)
                 run_command(in_netns(h.netns, "nft", "-f", "-"), input=ruleset)
+        if self.ipv6:
+            self._build_ipv6(plan)
+
+    def _bridge_options(self) -> list[str]:
+        # With IPv6, no MLD snooping: the lab has no multicast querier, and neighbour discovery
+        # (solicited-node multicast) must never depend on a snooping table's timers.
+        return ["mcast_snooping", "0"] if self.ipv6 else []
+
+    def _build_ipv6(self, plan: _Plan) -> None:
+        """IPv6 on the IPv4 lab just built: addresses, routes, forwarding, the routers' policies.
+
+        The internet bridge is one flat /64; everything on it (public hosts, routers) gets a
+        route to each "firewall" home's /64 via that home's router, as a provider routes a
+        customer's delegated prefix. NAT66 homes' unique local prefixes are routed nowhere.
+        """
+        homes = [
+            (str(ipaddress.ip_network(f"{h.lan_addr6}/64", strict=False)), h.addr6, h.name)
+            for h in plan.hosts.values()
+            if h.role == "router" and h.v6 == "firewall"
+        ]
+        for h in plan.hosts.values():
+            netns, ifname = plan.links[h.name].host_end
+            cmds = [f"address add {h.addr6}/64 dev {ifname} nodad"]
+            if h.role == "router":
+                cmds.append(f"address add {h.lan_addr6}/64 dev lan nodad")
+            if h.role == "private":
+                cmds.append(f"route add default via {plan.hosts[h.router or ''].lan_addr6}")
+            else:
+                cmds += [f"route add {prefix} via {wan6}" for prefix, wan6, router in homes if router != h.name]
+            run_command(["ip", "-n", netns, "-batch", "-"], input="\n".join(cmds) + "\n")
+        for h in plan.hosts.values():
+            if h.role == "router":
+                write_sysctl(h.netns, "net.ipv6.conf.all.forwarding", 1)
+                run_command(in_netns(h.netns, "nft", "-f", "-"), input=_nft_ruleset6(h.v6 or "", "wan"))
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -758,12 +924,13 @@ def _status() -> int:
         )
         print(f"lab {lab_id}: {len(names)} namespaces, {state}")
         for name in sorted(names):
-            proc = run_command(["ip", "-j", "-n", name, "-4", "addr", "show"], check=False)
+            proc = run_command(["ip", "-j", "-n", name, "addr", "show"], check=False)
             addrs = []
             with contextlib.suppress(ValueError):
                 for iface in json.loads(proc.stdout or "[]"):
                     for a in iface.get("addr_info", []):
-                        if iface.get("ifname") != "lo":
+                        # IPv4, and the global IPv6 of an `--ipv6` lab (IPv6 is off elsewhere)
+                        if iface.get("ifname") != "lo" and a.get("scope") != "link":
                             addrs.append(f"{iface['ifname']}={a['local']}")
             print(f"  {name:<40} {' '.join(addrs)}")
     return 0
@@ -784,6 +951,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up.add_argument("--public", type=int, default=2, help="number of public hosts")
     p_up.add_argument("--hosts-per-home", type=int, default=1)
     p_up.add_argument("--same-lan-subnet", action="store_true")
+    p_up.add_argument("--ipv6", action="store_true", help="dual stack: IPv6 on 2001:db8::/32 as well")
+    p_up.add_argument(
+        "--v6", default="firewall", choices=V6_POLICIES, help="with --ipv6: every home router's IPv6 policy"
+    )
     p_down = sub.add_parser("down", help="remove labs")
     p_down.add_argument("lab_ids", nargs="*", help="lab ids to remove")
     p_down.add_argument("--all", action="store_true", help="remove every lab except those owned by a live process")
@@ -796,12 +967,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status()
         if args.cmd == "up":
             check_support()
-            variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+            variants = [HomeSpec(nat=v.strip(), v6=args.v6) for v in args.variants.split(",") if v.strip()]
             lab = NatLab(
                 variants,
                 public_hosts=args.public,
                 hosts_per_home=args.hosts_per_home,
                 same_lan_subnet=args.same_lan_subnet,
+                ipv6=args.ipv6,
                 owner=MANUAL_OWNER,
             )
             keep_up(lab)
