@@ -1,6 +1,6 @@
 """A meshtrain peer with the whole NAT traversal stack, run inside a NAT-lab namespace.
 
-    ip netns exec <ns> python tests/proc_nat_peer.py --listen 10.1.0.10 [--serve-relay]
+    ip netns exec <ns> python tests/proc_nat_peer.py --listen 10.1.0.10|2001:db8:1::10 [--serve-relay]
         [--relay-json '{"circuit_bytes": 1048576}'] [--no-data-plane]
 
 It prints {"ready": true, "peer": id, "addrs": [...]} and then reads one JSON command per line on
@@ -19,7 +19,8 @@ JSON line carrying the same "id": {"id": 3, "ok": true, ...} or {"id": 3, "ok": 
     recv         peer tag [timeout]        the matching receive
     allreduce    peers round mib [stripe_bytes] [uplink_mbit]  one SwarmCollective.all_reduce of
                                            seeded tensors (uplink_mbit: our configured link rate
-                                           from now on, 0: measured); "uplink_measured_mbit"
+                                           from now on, 0: measured); "uplink_measured_mbit",
+                                           "paths" (libp2p), "data_paths" (our tensors')
     relay_stats                            the relay's counters (bytes relayed, limit resets)
     lan                                    peers heard over mDNS (--mdns SWARM) and our link to each
     upnp         [deadline]                map our libp2p and data-plane ports on the LAN's gateway
@@ -201,15 +202,18 @@ class Peer:
             "contributors": list(res.contributors),
             "excluded": dict(res.excluded),
             "paths": {p: self.host.connection_type(p) for p in peers if p != self.host.peer_id},
+            # how our tensors went to each: the path of the newest data-plane connection we opened
+            "data_paths": {p: self.ts.paths.get(p) for p in peers if p != self.host.peer_id},
         }
 
 
 async def main(args: argparse.Namespace) -> None:
     configure(args.log)
     relay_cfg = RelayConfig(serve=args.serve_relay, **json.loads(args.relay_json or "{}"))
+    family = "ip6" if ":" in args.listen else "ip4"
     async with AsyncExitStack() as stack:
         host = await stack.enter_async_context(
-            Host(Identity.generate(), HostConfig(listen=[f"/ip4/{args.listen}/tcp/{args.port}"]))
+            Host(Identity.generate(), HostConfig(listen=[f"/{family}/{args.listen}/tcp/{args.port}"]))
         )
         ts = None
         if args.data_plane:

@@ -35,6 +35,8 @@ class LabPeer:
     serve_relay: relay for others (public hosts). relay: RelayConfig fields as a dict.
     log_path:    where the peer's stderr goes (read it when a test fails).
     mdns:        a swarm id: discover peers of that swarm on the LAN over mDNS.
+    ipv6:        listen on the host's IPv6 address (`NatLab(ipv6=True)`) instead of its IPv4 one:
+                 the peer then speaks IPv6 only, to relays and peers alike.
     """
 
     def __init__(
@@ -49,12 +51,16 @@ class LabPeer:
         log_level: str = "INFO",
         port: int = 4001,
         mdns: str = "",
+        ipv6: bool = False,
         wait: bool = True,
     ) -> None:
         self.lab, self.name = lab, host
         self.first_probe: dict[str, Any] | None = None  # a test's record of an early probe
         self.log_path = log_path or os.devnull
-        argv = [sys.executable, PEER_SCRIPT, "--listen", lab.addr(host), "--port", str(port), "--log", log_level]
+        listen = lab.host(host).addr6 if ipv6 else lab.addr(host)
+        if not listen:
+            raise LabPeerError(f"{host} has no IPv6 address: build the lab with ipv6=True")
+        argv = [sys.executable, PEER_SCRIPT, "--listen", listen, "--port", str(port), "--log", log_level]
         if serve_relay:
             argv.append("--serve-relay")
         if relay:
