@@ -35,8 +35,11 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
 
 Families. The punch's sockets are of the IP version of the peer's direct libp2p connection (else,
 relayed, of our observed public IP): IPv4 or IPv6 alike; `punch_addr` takes a unicast address
-of either. Only IPv4 runs behind NATs in the lab (scripts/labs/natlab/); IPv6 is tested between
-public peers on loopback (tests/test_ipv6.py), where the server answers "listen".
+of either. IPv6 is tested between public peers on loopback (tests/test_ipv6.py), where the server
+answers "listen", and in the NAT lab's IPv6 homes (scripts/labs/natlab/, `ipv6=True`): behind a
+home router's stateful IPv6 firewall there is no mapping to predict — each end names its own
+global address — but inbound SYNs are dropped as by a cone NAT, so both mechanisms punch
+(tests/test_nat_traversal_v6.py); behind NAT66 the same as behind an IPv4 cone NAT.
 
 Not here: deciding reachability (reachability.py), reservations and circuits (relay.py), and
 UPnP (off: the lab has no gateway that offers it; py-libp2p's miniupnpc path is untested here).

@@ -25,7 +25,12 @@ the node's circuit addresses from its record until the next probe, so its peers 
 useful). The observed IPs in the answers are voted on (the most frequent wins): that is the
 address hole punching predicts our NAT mappings on.
 
-What it does not do: choose relays (relay.py), punch holes (holepunch.py), UPnP, or IPv6.
+Families: the dial-back goes over the family the request came in on, and the observed IP is
+IPv4 or IPv6 alike (identify's, before a probe concludes, too). Behind an IPv6 home router's
+stateful firewall a peer is observed at its own global address and still found PRIVATE: the
+NAT lab's `ipv6=True` homes (tests/test_nat_traversal_v6.py).
+
+What it does not do: choose relays (relay.py), punch holes (holepunch.py), UPnP.
 """
 
 from __future__ import annotations
@@ -123,6 +128,26 @@ def tcp_listen_ports(host: Host, family: str | None = None) -> list[int]:
     return ports
 
 
+def identify_observed_ips(host: Host) -> list[str]:
+    """The IPs (v4 and v6) at which peers told us, over identify, that they see us; first seen
+    first. Before this read /ip6/ too, a peer speaking only IPv6 that had not concluded a probe
+    named no address for itself in a data-plane punch ("addr must be a unicast IP address"), and
+    its tensors went over libp2p (tests/test_nat_traversal_v6.py)."""
+    manager = getattr(host.libp2p, "_observed_addr_manager", None)
+    if manager is None:
+        return []
+    try:
+        observed = [str(a) for a in manager.addrs(min_observers=1)]
+    except Exception:  # py-libp2p's bookkeeping: no observation is no news
+        return []
+    ips: list[str] = []
+    for a in observed:
+        parts = a.split("/")  # "/ip4/<ip>/tcp/<port>..." or "/ip6/<ip>/..."
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips:
+            ips.append(parts[2])
+    return ips
+
+
 async def _fresh_handshake(host: Host, maddr: multiaddr.Multiaddr, peer: ID) -> None:
     """Dial `maddr` on a new TCP connection and complete the security handshake with `peer`.
 
@@ -182,19 +207,12 @@ class ReachabilityService(Service):
 
     @property
     def observed_ip(self) -> str | None:
-        """Our public IP as the voted dial-back answers saw it, else as identify saw it."""
+        """Our public IP as the voted dial-back answers saw it, else as identify saw it (an IPv4
+        address first, else an IPv6 one: a peer that speaks only IPv6 has only those)."""
         if self.report.observed_ip:
             return self.report.observed_ip
-        manager = getattr(self.host.libp2p, "_observed_addr_manager", None)
-        if manager is not None:
-            try:
-                for a in manager.addrs(min_observers=1):
-                    ip = multiaddr.Multiaddr(str(a)).value_for_protocol("ip4")
-                    if ip:
-                        return str(ip)
-            except Exception:
-                pass
-        return None
+        seen = identify_observed_ips(self.host)
+        return next((ip for ip in seen if ":" not in ip), None) or next(iter(seen), None)
 
     def on_change(self, callback: Callable[[ReachabilityReport], None]) -> None:
         self._callbacks.append(callback)
