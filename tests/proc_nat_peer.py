@@ -1,6 +1,6 @@
 """A meshtrain peer with the whole NAT traversal stack, run inside a NAT-lab namespace.
 
-    ip netns exec <ns> python tests/proc_nat_peer.py --listen 10.1.0.10|2001:db8:1::10 [--serve-relay]
+    ip netns exec <ns> python tests/proc_nat_peer.py --listen 10.1.0.10 [--listen 2001:db8:1::10] [--serve-relay]
         [--relay-json '{"circuit_bytes": 1048576}'] [--no-data-plane]
 
 It prints {"ready": true, "peer": id, "addrs": [...]} and then reads one JSON command per line on
@@ -210,11 +210,9 @@ class Peer:
 async def main(args: argparse.Namespace) -> None:
     configure(args.log)
     relay_cfg = RelayConfig(serve=args.serve_relay, **json.loads(args.relay_json or "{}"))
-    family = "ip6" if ":" in args.listen else "ip4"
+    listen = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{args.port}" for ip in args.listen]
     async with AsyncExitStack() as stack:
-        host = await stack.enter_async_context(
-            Host(Identity.generate(), HostConfig(listen=[f"/{family}/{args.listen}/tcp/{args.port}"]))
-        )
+        host = await stack.enter_async_context(Host(Identity.generate(), HostConfig(listen=listen)))
         ts = None
         if args.data_plane:
             ts = await stack.enter_async_context(TensorStreams(host, DataPlaneConfig()))
@@ -253,7 +251,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--listen", required=True)
+    p.add_argument("--listen", required=True, action="append", help="an IPv4 or IPv6 address; twice: dual stack")
     p.add_argument("--port", type=int, default=4001)
     p.add_argument("--serve-relay", action="store_true")
     p.add_argument("--relay-json", default="")

@@ -35,8 +35,8 @@ class LabPeer:
     serve_relay: relay for others (public hosts). relay: RelayConfig fields as a dict.
     log_path:    where the peer's stderr goes (read it when a test fails).
     mdns:        a swarm id: discover peers of that swarm on the LAN over mDNS.
-    ipv6:        listen on the host's IPv6 address (`NatLab(ipv6=True)`) instead of its IPv4 one:
-                 the peer then speaks IPv6 only, to relays and peers alike.
+    ipv6:        False: listen on the host's IPv4 address; True: on its IPv6 address instead
+                 (`NatLab(ipv6=True)`), the peer then speaks IPv6 only; "dual": on both.
     """
 
     def __init__(
@@ -51,16 +51,20 @@ class LabPeer:
         log_level: str = "INFO",
         port: int = 4001,
         mdns: str = "",
-        ipv6: bool = False,
+        ipv6: bool | str = False,
         wait: bool = True,
     ) -> None:
         self.lab, self.name = lab, host
         self.first_probe: dict[str, Any] | None = None  # a test's record of an early probe
         self.log_path = log_path or os.devnull
-        listen = lab.host(host).addr6 if ipv6 else lab.addr(host)
-        if not listen:
+        if ipv6 not in (False, True, "dual"):
+            raise ValueError(f"ipv6 must be False, True or 'dual', not {ipv6!r}")
+        addr6 = lab.host(host).addr6
+        if ipv6 and not addr6:
             raise LabPeerError(f"{host} has no IPv6 address: build the lab with ipv6=True")
-        argv = [sys.executable, PEER_SCRIPT, "--listen", listen, "--port", str(port), "--log", log_level]
+        listen = {False: [lab.addr(host)], True: [addr6], "dual": [lab.addr(host), addr6]}[ipv6]
+        argv = [sys.executable, PEER_SCRIPT, *(a for ip in listen for a in ("--listen", ip))]
+        argv += ["--port", str(port), "--log", log_level]
         if serve_relay:
             argv.append("--serve-relay")
         if relay:
@@ -94,6 +98,14 @@ class LabPeer:
     @property
     def addr(self) -> str:
         return self.addrs[0]
+
+    def addr_in(self, family: str) -> str:
+        """Our first address of `family` ("ip4" or "ip6"): a dual-stack peer has one of each,
+        in no fixed order."""
+        for a in self.addrs:
+            if a.startswith(f"/{family}/"):
+                return a
+        raise LabPeerError(f"peer {self.name} has no /{family}/ address: {self.addrs}")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None  # we asked for a pipe
@@ -143,9 +155,11 @@ class LabPeer:
     def call(self, cmd: str, *, timeout: float = 60.0, check: bool = True, **fields: Any) -> dict:
         return self.result(self.submit(cmd, **fields), timeout, check)
 
-    def circuit(self, relay: LabPeer) -> str:
-        """Our address through `relay` (valid once we hold a reservation there)."""
-        return f"{relay.addr}/p2p-circuit/p2p/{self.peer_id}"
+    def circuit(self, relay: LabPeer, family: str | None = None) -> str:
+        """Our address through `relay` (valid once we hold a reservation there); `family`:
+        through the relay's address of that family."""
+        via = relay.addr_in(family) if family else relay.addr
+        return f"{via}/p2p-circuit/p2p/{self.peer_id}"
 
     def close(self) -> None:
         if self.proc.poll() is None:
