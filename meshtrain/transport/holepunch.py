@@ -33,9 +33,17 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
    `connect_timeout`, and the data plane falls back to libp2p streams (through the relay if the
    libp2p connection is relayed) — tensor_streams then retries the direct path after a minute.
 
-Families. The punch's sockets are of the IP version of the peer's direct libp2p connection (else,
-relayed, of our observed public IP): IPv4 or IPv6 alike; `punch_addr` takes a unicast address
-of either. IPv6 is tested between public peers on loopback (tests/test_ipv6.py), where the server
+Families. The punch's sockets are of the IP version of the peer's direct libp2p connection: IPv4
+or IPv6 alike; `punch_addr` takes a unicast address of either. Over a relayed connection the
+family is a choice, and the client tries, in order: IPv6 when both ends may have a routable IPv6
+address (ours among our addresses; the peer's among those identify told us, or identify has not
+told us yet — a server without one answers `NO_ADDRESS` at once), then the family of our observed
+public IP (else IPv4); a failed attempt moves on to the next. IPv6 goes
+first because a home router's IPv6 is usually a stateful firewall with no mapping to predict,
+punchable where the same home's IPv4 NAT may be symmetric — seen in the NAT lab: dual-stack
+peers behind symmetric IPv4 NATs went over libp2p until the punch tried IPv6. The price, where
+IPv6 is announced but filtered harder than a stateful firewall, is one `connect_timeout` per
+attempt (tensor_streams retries the direct path once a minute). IPv6 is tested between public peers on loopback (tests/test_ipv6.py), where the server
 answers "listen", and in the NAT lab's IPv6 homes (scripts/labs/natlab/, `ipv6=True`): behind a
 home router's stateful IPv6 firewall there is no mapping to predict — each end names its own
 global address — but inbound SYNs are dropped as by a cone NAT, so both mechanisms punch
@@ -72,6 +80,7 @@ from meshtrain.transport.validate import MALFORMED, require_map
 log = get_logger(__name__)
 
 PUNCH_RPC = "dataplane-punch"
+NO_ADDRESS = "no_address"  # the server has no address of the client's IP version
 DEFAULT_CONNECT_TIMEOUT = 4.0  # covers the kernel's SYN retransmit at 1 s and 3 s
 DEFAULT_PUBLIC_FIRST_MARGIN = 0.25  # the NATed end's extra wait when the other end is public
 DEFAULT_UPGRADE_TIMEOUT = 30.0  # DCUtR: 3 rounds of up to 5 s + 2 s pauses, plus the exchange
@@ -175,10 +184,24 @@ class DataPlanePunch:
         host.rpc.serve(PUNCH_RPC, self._serve, handler_timeout=config.connect_timeout + 10)
         streams.direct_opener = self.open
 
-    def _version(self, peer: str) -> int:
-        """The IP version a punch with `peer` uses: its direct libp2p connection's, else (a relayed
-        one) our observed public IP's, else 4. Both ends' sockets are of that family."""
-        return ip_version(self.host.remote_ip(peer)) or ip_version(self.reachability.observed_ip) or 4
+    def _versions(self, peer: str) -> list[int]:
+        """The IP versions to punch with `peer`, in the order tried (module docstring,
+        "Families"): its direct libp2p connection's; relayed, 6 first where both ends may have a
+        routable IPv6 address, then our observed public IP's version, else 4."""
+        direct = ip_version(self.host.remote_ip(peer))
+        if direct:
+            return [direct]
+        versions = [ip_version(self.reachability.observed_ip) or 4]
+        mine = [a.split("/")[2] for a in self.host.addrs if a.startswith("/ip6/")]
+        # The peer's addresses arrive by identify, which may not have run yet on a fresh relayed
+        # connection: unknown, IPv6 is tried (a peer without it answers NO_ADDRESS at once);
+        # known without a routable IPv6 address, it is not.
+        theirs = self.host.known_ips(peer)
+        they_may = not theirs or any(map(routable_ipv6, theirs))
+        if versions != [6] and any(map(routable_ipv6, mine)) and they_may:
+            versions.insert(0, 6)
+        log.debug(kv("data plane punch versions", peer=peer, versions=versions, mine=mine, theirs=theirs))
+        return versions
 
     def _local_ip(self, version: int) -> str:
         """The IP our punch sockets bind: the data plane's listen IP or the host's first listen IP
@@ -192,11 +215,11 @@ class DataPlanePunch:
         return self.reachability.status == PUBLIC
 
     def _my_ip(self, version: int) -> str:
-        """The IP we name for ourselves: the observed public one (behind a NAT, what the NAT
-        maps us to), else our own address of that version."""
-        observed = self.reachability.observed_ip
-        if observed and ip_version(observed) == version:
-            return observed
+        """The IP we name for ourselves: the observed public one of that version (behind a NAT,
+        what the NAT maps us to), else our own address of that version."""
+        for observed in self.reachability.observed_ips():
+            if ip_version(observed) == version:
+                return observed
         local = self._local_ip(version)
         if not ipaddress.ip_address(local).is_unspecified:
             return local
@@ -205,9 +228,20 @@ class DataPlanePunch:
     # -- client ---------------------------------------------------------------------------
 
     async def open(self, peer: str) -> tuple[trio.SocketStream, bytes, bytes] | None:
-        """Open a data-plane TCP connection to `peer`; None means "dial its port as usual"
-        (the peer does not speak this RPC). Raises `PunchFailed` when no direct path exists."""
-        version = self._version(peer)
+        """Open a data-plane TCP connection to `peer`, trying each IP version `_versions` names;
+        None means "dial its port as usual" (the peer does not speak this RPC). Raises
+        `PunchFailed` (the last version's) when no direct path exists."""
+        versions = self._versions(peer)
+        for version in versions[:-1]:
+            try:
+                return await self._open(peer, version)
+            except PunchFailed as e:
+                log.info(
+                    kv("data plane punch failed, trying the next IP version", peer=peer, version=version, error=str(e))
+                )
+        return await self._open(peer, versions[-1])
+
+    async def _open(self, peer: str, version: int) -> tuple[trio.SocketStream, bytes, bytes] | None:
         sock = await _bound_socket(self._local_ip(version))
         close_sock = True  # until the punch (`_go`) owns it
         port = sock.getsockname()[1]
@@ -306,6 +340,8 @@ class DataPlanePunch:
         version = ip_version(remote[0]) or 4  # the client's family is the punch's
         if not await self.streams.admits(peer):  # data-plane sessions are for members only
             raise RemoteError(NOT_A_MEMBER, "only members of this swarm may open a data-plane session")
+        if ipaddress.ip_address(self._my_ip(version)).is_unspecified:  # e.g. IPv6 asked, IPv4 only here
+            raise RemoteError(NO_ADDRESS, f"no IPv{version} address here to punch from")
         sid, key = self.streams.new_session(peer)
         if self.reachability.status != PRIVATE:  # public, or not known to be behind a NAT
             self.stats["listen"] += 1
@@ -352,6 +388,18 @@ class DataPlanePunch:
         self.stats["punched"] += 1
         self.streams.adopt_connection(stream)
         return {"ok": True}
+
+
+def routable_ipv6(ip: str) -> bool:
+    """An IPv6 address another host could reach us at: not loopback, link-local, unspecified or
+    multicast (documentation and unique local addresses count: the NAT lab uses them)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    return addr.version == 6 and not (
+        addr.is_loopback or addr.is_link_local or addr.is_unspecified or addr.is_multicast
+    )
 
 
 def first_ip(host: Host, version: int, *, announced: bool = False) -> str:

@@ -394,6 +394,16 @@ class Host(Service):
         addr = self.remote_addr(peer)
         return addr[0] if addr else None
 
+    def known_ips(self, peer: str) -> list[str]:
+        """The IPs of `peer`'s direct (non-circuit) addresses in our peerstore: what it told us
+        over identify (relayed, too) or what we dialled; empty if none."""
+        try:
+            addrs = [str(a) for a in self.libp2p.get_peerstore().addrs(ID.from_base58(peer))]
+        except (PeerStoreError, ValueError):
+            return []
+        ips = [a.split("/")[2] for a in addrs if "/p2p-circuit" not in a and a.split("/")[1:2] in (["ip4"], ["ip6"])]
+        return list(dict.fromkeys(ips))
+
     def remote_addr(self, peer: str) -> tuple[str, int] | None:
         """(ip, port) of `peer`'s end of our direct connection to it, if any.
 

@@ -23,6 +23,16 @@ Upstream's proper fix is the same shield inside `_write_frame`.
 connection reports no address. The data plane dials the peer's IP as our libp2p connection sees
 it (`Host.remote_ip`), so two peers on IPv6 sent their tensors over the slow libp2p fallback.
 The fix reads the first two fields of either family. Upstream's: `len(remote_addr) >= 2`.
+
+**DCUtR dials every family from one source address** (`DCUtRProtocol._perform_hole_punch`). It
+binds each hole-punch dial to our listen address, as it must (the SYN has to leave from the port
+the peer expects), but picks the *first* listen address for all of them, so a dual-stack peer
+dials the other's IPv6 address from an IPv4 source or the reverse: that dial fails at once, and
+only one side's SYN of the pair is ever sent. Seen in the NAT lab (`ipv6=True`): two dual-stack
+peers behind symmetric IPv4 NATs and IPv6 firewalls never went direct, though both dialled each
+other's global IPv6 address — one from the wrong family. The fix, in `_dial_peer`: a source of
+the other family is swapped for our listen address of the dialled address's family (no source
+if we have none). Upstream's: choose the source per address. (tests/test_nat_traversal_v6.py)
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import contextlib
 import trio
 from libp2p.io import trio as _io_trio
 from libp2p.io.exceptions import IOException
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
 FRAME_WRITE_LIMIT = 30.0  # seconds one shielded frame write may take before the connection is closed
@@ -62,6 +73,44 @@ def _remote_address_any_family(self: _io_trio.TrioTCPStream) -> tuple[str, int] 
     return self._cached_remote_address
 
 
+_dcutr_dial_peer = DCUtRProtocol._dial_peer
+
+
+def _family(ip: str) -> int:
+    return 6 if ":" in ip else 4
+
+
+def _source_of_family(host: object, family: int) -> tuple[str, int] | None:
+    """Our first TCP listen address of IP `family` as (ip, port), or None."""
+    try:
+        addrs = [str(a) for a in host.get_addrs()]  # type: ignore[attr-defined]  # py-libp2p's IHost
+    except Exception:
+        return None
+    for a in addrs:
+        parts = a.split("/")  # "/ip6/<ip>/tcp/<port>/p2p/<id>"
+        if "/p2p-circuit" not in a and len(parts) > 4 and parts[1] == f"ip{family}" and parts[3] == "tcp":
+            try:
+                return parts[2], int(parts[4])
+            except ValueError:
+                continue
+    return None
+
+
+async def _dial_peer_from_same_family(
+    self: DCUtRProtocol,
+    peer_id: object,
+    addr: object,
+    source: tuple[str, int] | None = None,
+    as_responder: bool = False,
+) -> None:
+    parts = str(addr).split("/")
+    if source is not None and len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        family = 6 if parts[1] == "ip6" else 4
+        if _family(source[0]) != family:
+            source = _source_of_family(self.host, family)
+    await _dcutr_dial_peer(self, peer_id, addr, source, as_responder)  # type: ignore[arg-type]
+
+
 def apply() -> None:
     """Install the workarounds (idempotent)."""
     global _applied
@@ -71,4 +120,5 @@ def apply() -> None:
         raise RuntimeError("py-libp2p's Yamux has no _write_frame; re-check meshtrain/transport/libp2p_patches.py")
     _yamux.Yamux._write_frame = _write_frame_whole  # type: ignore[method-assign]  # the patch itself
     _io_trio.TrioTCPStream.get_remote_address = _remote_address_any_family  # type: ignore[method-assign]
+    DCUtRProtocol._dial_peer = _dial_peer_from_same_family  # type: ignore[method-assign]
     _applied = True

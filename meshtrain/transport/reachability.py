@@ -214,6 +214,12 @@ class ReachabilityService(Service):
         seen = identify_observed_ips(self.host)
         return next((ip for ip in seen if ":" not in ip), None) or next(iter(seen), None)
 
+    def observed_ips(self) -> list[str]:
+        """Every public IP we know of for ourselves, best first: the voted probe answer's, then
+        identify's (a dual-stack peer is seen at one IP per family)."""
+        ips = [self.report.observed_ip] if self.report.observed_ip else []
+        return list(dict.fromkeys([*ips, *identify_observed_ips(self.host)]))
+
     def on_change(self, callback: Callable[[ReachabilityReport], None]) -> None:
         self._callbacks.append(callback)
 
