@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -219,3 +219,27 @@ def require_natlab() -> None:
     except LabUnavailable as e:
         pytest.skip(f"NAT lab unavailable: {e}")
     cleanup_stale()
+
+
+def natlab_root_state() -> dict[str, str]:
+    """What the caller's namespace looks like (IPv6 routes too: a lab with `ipv6=True` must not
+    touch them either); a NAT lab must leave it exactly so."""
+    from scripts.labs.natlab.lab import run_command
+
+    links = run_command(["ip", "-o", "link"]).stdout
+    names = sorted(line.split(":")[1].strip() for line in links.splitlines())
+    return {
+        "links": "\n".join(names),
+        "routes": run_command(["ip", "route"]).stdout,
+        "routes6": run_command(["ip", "-6", "route"], check=False).stdout,
+        "nft": run_command(["nft", "list", "ruleset"]).stdout,
+    }
+
+
+@pytest.fixture(scope="module")
+def root_untouched() -> Iterator[None]:
+    """Skips without a NAT lab; fails the module whose labs changed the caller's namespace."""
+    require_natlab()
+    before = natlab_root_state()
+    yield
+    assert natlab_root_state() == before, "the NAT lab changed the root namespace"

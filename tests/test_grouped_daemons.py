@@ -3,7 +3,8 @@
 collective/groups.py designs it.
 
 Five daemons (groups of at most 3, so every round runs in groups; 12 daemons with groups of 4, as
-issue 32 asks, do not fit the 2-core CI machine beside the rest of the suite) train; a sixth joins
+issue 32 asks, do not fit the 2-core CI machine beside the rest of the suite: they run in
+scripts/bench/bench_grouped_swarm.py, which also reads every daemon's connections) train; a sixth joins
 late through the first one's address. It announces the round from which it is in the roster,
 ahead (node/roster.py), so every daemon computes each round's groups from the same trainers: after
 its first round every daemon averaged exactly with its group of `round_groups` (the trainers, the
@@ -22,7 +23,8 @@ What it does not check, and why:
   average, and presence keeps the partners of its rounds under way and of its neighbours' (a round
   apart) beyond the bound: with sub-second rounds every daemon is connected to nearly all the
   others (~70% of samples over 3, measured). The bound itself is tested where it holds:
-  tests/test_presence_plan.py (the plan), scripts/bench/bench_scale.py (hundreds of peers).
+  tests/test_presence_plan.py (the plan), scripts/bench/bench_scale.py (hundreds of peers), and
+  measured with real daemons in scripts/bench/bench_grouped_swarm.py (`node.connections`).
 """
 
 from __future__ import annotations

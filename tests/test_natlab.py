@@ -19,8 +19,6 @@ import pytest
 
 from scripts.labs.natlab.lab import NatLab, list_labs, run_command
 
-from .conftest import require_natlab
-
 pytestmark = pytest.mark.nat
 
 OBSERVER_PORT = 7000
@@ -166,25 +164,6 @@ globals()[sys.argv[1]](*sys.argv[2:])
 
 HOMES = ["cone", "cone", "symmetric", "symmetric", "plain_snat", "plain_snat"]
 CONE_A, CONE_B, SYM_A, SYM_B, PLAIN, PLAIN_B = "h0", "h1", "h2", "h3", "h4", "h5"
-
-
-def _root_state() -> dict[str, str]:
-    """What the caller's namespace looks like; a lab must leave it exactly so."""
-    links = run_command(["ip", "-o", "link"]).stdout
-    names = sorted(line.split(":")[1].strip() for line in links.splitlines())
-    return {
-        "links": "\n".join(names),
-        "routes": run_command(["ip", "route"]).stdout,
-        "nft": run_command(["nft", "list", "ruleset"]).stdout,
-    }
-
-
-@pytest.fixture(scope="module")
-def root_untouched() -> Iterator[None]:
-    require_natlab()
-    before = _root_state()
-    yield
-    assert _root_state() == before, "the NAT lab changed the root namespace"
 
 
 @pytest.fixture

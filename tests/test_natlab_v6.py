@@ -18,35 +18,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.labs.natlab.lab import HomeSpec, LabError, NatLab, list_labs, run_command
+from scripts.labs.natlab.lab import HomeSpec, LabError, NatLab, list_labs
 
-from .conftest import require_natlab
-from .test_natlab import OBSERVER_PORT, RENDEZVOUS_PORT, finish, probe, read_json_line, start_probe, start_server
+from .test_natlab import (
+    OBSERVER_PORT,
+    RENDEZVOUS_PORT,
+    finish,
+    probe,
+    read_json_line,
+    start_probe,
+    start_server,
+)
 
 pytestmark = pytest.mark.nat
 
 # h0, h1: homes with an IPv6 firewall (and an IPv4 cone NAT); h2: a NAT66 home.
 HOMES = [HomeSpec("cone"), HomeSpec("cone"), HomeSpec("cone", v6="nat66")]
 FW_A, FW_B, NAT66 = "h0", "h1", "h2"
-
-
-def _root_state() -> dict[str, str]:
-    """What the caller's namespace looks like, both families; a lab must leave it exactly so."""
-    links = run_command(["ip", "-o", "link"]).stdout
-    return {
-        "links": "\n".join(sorted(line.split(":")[1].strip() for line in links.splitlines())),
-        "routes": run_command(["ip", "route"]).stdout,
-        "routes6": run_command(["ip", "-6", "route"], check=False).stdout,
-        "nft": run_command(["nft", "list", "ruleset"]).stdout,
-    }
-
-
-@pytest.fixture(scope="module")
-def root_untouched() -> Iterator[None]:
-    require_natlab()
-    before = _root_state()
-    yield
-    assert _root_state() == before, "the IPv6 NAT lab changed the root namespace"
 
 
 @pytest.fixture
