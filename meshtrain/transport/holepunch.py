@@ -33,20 +33,20 @@ Two mechanisms, one job — a direct path between two peers behind NATs:
    `connect_timeout`, and the data plane falls back to libp2p streams (through the relay if the
    libp2p connection is relayed) — tensor_streams then retries the direct path after a minute.
 
-Families. The punch's sockets are of the IP version of the peer's direct libp2p connection: IPv4
-or IPv6 alike; `punch_addr` takes a unicast address of either. Over a relayed connection the
-family is a choice, and the client tries, in order: IPv6 when both ends may have a routable IPv6
-address (ours among our addresses; the peer's among those identify told us, or identify has not
-told us yet — a server without one answers `NO_ADDRESS` at once), then the family of our observed
-public IP (else IPv4); a failed attempt moves on to the next. IPv6 goes
-first because a home router's IPv6 is usually a stateful firewall with no mapping to predict,
-punchable where the same home's IPv4 NAT may be symmetric — seen in the NAT lab: dual-stack
-peers behind symmetric IPv4 NATs went over libp2p until the punch tried IPv6. The price, where
-IPv6 is announced but filtered harder than a stateful firewall, is one `connect_timeout` per
-attempt (tensor_streams retries the direct path once a minute). IPv6 is tested between public peers on loopback (tests/test_ipv6.py), where the server
-answers "listen", and in the NAT lab's IPv6 homes (scripts/labs/natlab/, `ipv6=True`): behind a
-home router's stateful IPv6 firewall there is no mapping to predict — each end names its own
-global address — but inbound SYNs are dropped as by a cone NAT, so both mechanisms punch
+Families. The punch's sockets are of the IP version of the peer's direct libp2p connection: IPv4 or
+IPv6 alike; `punch_addr` takes a unicast address of either. Over a relayed connection the family is
+a choice, and the client tries, in order: IPv6 when both ends may have a routable IPv6 address
+(ours among our addresses; the peer's among those identify told us, or identify has not told us yet
+— a server without one answers `NO_ADDRESS` at once), then the family of our observed public IP
+(else IPv4); a failed attempt moves on to the next. IPv6 goes first because a home router's IPv6 is
+usually a stateful firewall with no mapping to predict, punchable where the same home's IPv4 NAT
+may be symmetric — seen in the NAT lab: dual-stack peers behind symmetric IPv4 NATs went over
+libp2p until the punch tried IPv6. The price, where IPv6 is announced but filtered harder than a
+stateful firewall, is one `connect_timeout` per attempt (tensor_streams retries the direct path
+once a minute). IPv6 is tested between public peers on loopback (tests/test_ipv6.py), where the
+server answers "listen", and in the NAT lab's IPv6 homes (scripts/labs/natlab/, `ipv6=True`):
+behind a home router's stateful IPv6 firewall there is no mapping to predict — each end names its
+own global address — but inbound SYNs are dropped as by a cone NAT, so both mechanisms punch
 (tests/test_nat_traversal_v6.py); behind NAT66 the same as behind an IPv4 cone NAT.
 
 Not here: deciding reachability (reachability.py), reservations and circuits (relay.py), and

@@ -38,8 +38,9 @@ Wire. `state/manifest` request `{chunk_bytes, key?}`, reply `{format: "meshtrain
 snapshots: [{round, step, total, chunk_bytes, digest, chunks, layout, meta}], inner_moments?}`
 (snapshots newest first, at most 8; `inner_moments`, for the default key: the donor's own inner
 optimizer described, optim/inner_moments.py — outside every snapshot's identity, as each donor's
-differ, and ignored by joiners that predate it); `state/chunk` request `{digest, chunk_bytes, index, fetch}`, reply `{sent}`, the bytes
-themselves sent over the data plane under the tag `state/<round>/<index>/<fetch>`. Refusals are
+differ, and ignored by joiners that predate it); `state/chunk` request `{digest, chunk_bytes,
+index, fetch}`, reply `{sent}`, the bytes themselves sent over the data plane under the tag
+`state/<round>/<index>/<fetch>`. Refusals are
 `RemoteError`s: `bad_request`, `no_state`, `unknown_state`, `busy`, `send_failed`, `not-a-member`.
 
 Keys: a donor may serve several states side by side, each under a key (`publish(..., key=)`,
