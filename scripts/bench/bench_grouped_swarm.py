@@ -51,7 +51,17 @@ def averaged(st: dict, H: int) -> dict[int, list[str]]:
     return {step // H: peers for step, peers in st["training"]["round_peers"]}
 
 
-def run(work: Path, *, daemons: int, group_size: int, max_peers: int, H: int, step_s: float, minutes: float) -> dict:
+def run(
+    work: Path,
+    *,
+    daemons: int,
+    group_size: int,
+    max_peers: int,
+    H: int,
+    step_s: float,
+    minutes: float,
+    log_level: str = "INFO",
+) -> dict:
     from meshtrain.collective.groups import round_groups
 
     create_swarm(
@@ -61,8 +71,9 @@ def run(work: Path, *, daemons: int, group_size: int, max_peers: int, H: int, st
     )  # fmt: skip
     env = {"SLOWED_MODEL_SLEEP_S": str(step_s)}
     bound = ("--max-peers", str(max_peers))
+    kw = {"env": env, "log_level": log_level}
     t0 = time.monotonic()
-    nodes = [Daemon(work / "n0", work / "n0.log", *bound, env=env)]
+    nodes = [Daemon(work / "n0", work / "n0.log", *bound, **kw)]
     join = ("--join", nodes[0].daemon()["addrs"][0])
 
     def all_train(k: int) -> list[dict] | None:
@@ -73,11 +84,11 @@ def run(work: Path, *, daemons: int, group_size: int, max_peers: int, H: int, st
     # at once on two cores starve each other (and the one donor) past the joins' deadlines.
     for first in range(1, daemons, WAVE):
         wave = range(first, min(first + WAVE, daemons))
-        nodes += [Daemon(work / f"n{i}", work / f"n{i}.log", *join, *bound, env=env) for i in wave]
+        nodes += [Daemon(work / f"n{i}", work / f"n{i}.log", *join, *bound, **kw) for i in wave]
         k = len(nodes)
         wait_for(lambda k=k: all_train(k), 300, f"{k} daemons training")
     start_s = time.monotonic() - t0
-    nodes.append(Daemon(work / f"n{daemons}", work / f"n{daemons}.log", *join, *bound, env=env))
+    nodes.append(Daemon(work / f"n{daemons}", work / f"n{daemons}.log", *join, *bound, **kw))
     wait_for(lambda: all_train(daemons + 1), 300, "the late joiner training")
     ids = [n.daemon()["peer_id"] for n in nodes]
     reads: list[list[dict]] = [[] for _ in nodes]  # per daemon: its connection counts, read by read
@@ -154,6 +165,7 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.1, help="each training step's sleep (the model's)")
     ap.add_argument("--minutes", type=float, default=3.0, help="how long to read the daemons after the joiner trains")
+    ap.add_argument("--log-level", default="INFO", help="the daemons' (DEBUG: presence's closes and dials too)")
     ap.add_argument("--keep", help="a folder to keep the daemons' data and logs in (default: a temporary one)")
     args = ap.parse_args()
     kw = dict(
@@ -163,6 +175,7 @@ def main() -> None:
         H=args.H,
         step_s=args.step_s,
         minutes=args.minutes,
+        log_level=args.log_level,
     )
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,13 @@ class Daemon:
     stderr appended to `log`. `loopback=False` leaves the listen flags to `args`."""
 
     def __init__(
-        self, data_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None, loopback: bool = True
+        self,
+        data_dir: Path,
+        log: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        loopback: bool = True,
+        log_level: str = "INFO",
     ) -> None:
         self.dir, self.log = data_dir, log
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
@@ -78,7 +84,7 @@ class Daemon:
                     "-m",
                     "meshtrain.node.cli",
                     "--log-level",
-                    "INFO",
+                    log_level,
                     "node",
                     "start",
                     "--data-dir",
