@@ -25,7 +25,7 @@ What it does not check, and why:
   others (~70% of samples over 3, measured). The bound itself is tested where it holds:
   tests/test_presence_plan.py (the plan), scripts/bench/bench_scale.py (hundreds of peers); what
   real daemons hold is measured by scripts/bench/bench_grouped_swarm.py (`node.connections`: over
-  the bound, as one end closes what the other still wants and dials again; docs/benchmarks.md).
+  the bound, closed connections being opened again; docs/benchmarks.md).
 """
 
 from __future__ import annotations
