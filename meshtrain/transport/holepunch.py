@@ -71,7 +71,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import Host, addr_ips
 from meshtrain.transport.reachability import PRIVATE, PUBLIC, ReachabilityService
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
 from meshtrain.transport.tensor_streams import NOT_A_MEMBER, HandshakeError, TensorStreams
@@ -192,7 +192,7 @@ class DataPlanePunch:
         if direct:
             return [direct]
         versions = [ip_version(self.reachability.observed_ip) or 4]
-        mine = [a.split("/")[2] for a in self.host.addrs if a.startswith("/ip6/")]
+        mine = addr_ips(self.host.addrs)  # routable_ipv6 below keeps the IPv6 ones
         # The peer's addresses arrive by identify, which may not have run yet on a fresh relayed
         # connection: unknown, IPv6 is tried (a peer without it answers NO_ADDRESS at once);
         # known without a routable IPv6 address, it is not.

@@ -166,6 +166,17 @@ def peer_id_of(addr: str | multiaddr.Multiaddr) -> str:
         raise ConfigError(f"{addr!s} has no /p2p/<peer id> part") from None
 
 
+def addr_ips(addrs: Iterable[Any]) -> list[str]:
+    """The distinct IPs of the direct /ip4 and /ip6 addresses among `addrs` (circuit addresses
+    left out: their IP is the relay's), in order."""
+    ips: list[str] = []
+    for a in map(str, addrs):
+        parts = a.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and "/p2p-circuit" not in a and parts[2] not in ips:
+            ips.append(parts[2])
+    return ips
+
+
 def dialable_addrs(addrs: Iterable[str], peer: str) -> list[str]:
     """`peer`'s addresses that another machine can dial, in their order, once each, each ending in
     `/p2p/<peer>`. An unspecified IP (0.0.0.0, ::: a listen address announced as it was bound,
@@ -398,11 +409,9 @@ class Host(Service):
         """The IPs of `peer`'s direct (non-circuit) addresses in our peerstore: what it told us
         over identify (relayed, too) or what we dialled; empty if none."""
         try:
-            addrs = [str(a) for a in self.libp2p.get_peerstore().addrs(ID.from_base58(peer))]
+            return addr_ips(self.libp2p.get_peerstore().addrs(ID.from_base58(peer)))
         except (PeerStoreError, ValueError):
             return []
-        ips = [a.split("/")[2] for a in addrs if "/p2p-circuit" not in a and a.split("/")[1:2] in (["ip4"], ["ip6"])]
-        return list(dict.fromkeys(ips))
 
     def remote_addr(self, peer: str) -> tuple[str, int] | None:
         """(ip, port) of `peer`'s end of our direct connection to it, if any.

@@ -54,7 +54,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
-from meshtrain.transport.host import Host
+from meshtrain.transport.host import Host, addr_ips
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.validate import MALFORMED, require_map
 
@@ -137,15 +137,9 @@ def identify_observed_ips(host: Host) -> list[str]:
     if manager is None:
         return []
     try:
-        observed = [str(a) for a in manager.addrs(min_observers=1)]
+        return addr_ips(manager.addrs(min_observers=1))
     except Exception:  # py-libp2p's bookkeeping: no observation is no news
         return []
-    ips: list[str] = []
-    for a in observed:
-        parts = a.split("/")  # "/ip4/<ip>/tcp/<port>..." or "/ip6/<ip>/..."
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips:
-            ips.append(parts[2])
-    return ips
 
 
 async def _fresh_handshake(host: Host, maddr: multiaddr.Multiaddr, peer: ID) -> None:

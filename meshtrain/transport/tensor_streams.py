@@ -139,7 +139,7 @@ from meshtrain.transport.framing import (
     MalformedMessage,
     WireError,
 )
-from meshtrain.transport.host import Host, StreamOpenError
+from meshtrain.transport.host import Host, StreamOpenError, addr_ips
 from meshtrain.transport.rpc import RemoteError, RpcError, stream_peer
 from meshtrain.transport.tensor_inbox import Inbox
 from meshtrain.transport.tensor_layout import (
@@ -620,9 +620,4 @@ def _error_text(msg: Any) -> str:
 
 def listen_ips(listen: Any) -> list[str]:
     """The distinct IPs of the /ip4 and /ip6 addresses among `listen`, in order; loopback if none."""
-    ips = []
-    for a in listen:
-        parts = str(a).split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips:
-            ips.append(parts[2])
-    return ips or ["127.0.0.1"]
+    return addr_ips(listen) or ["127.0.0.1"]
