@@ -26,7 +26,9 @@ from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
 from tests.failure_reports import SPAWNED_LOGS, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401 (hooks)
 
 ROOT = Path(__file__).resolve().parent.parent
-configure("WARNING")
+# In-process peers log at WARNING; `MESHTRAIN_TEST_LOG=DEBUG pytest -s ...` shows a flaky test's
+# protocol steps (how the regroup loop of test_grouped_rounds was found).
+configure(os.environ.get("MESHTRAIN_TEST_LOG", "WARNING"))
 
 # A trio test is cancelled from inside its own run this long before pytest-timeout would stop it.
 # pytest-timeout raises into trio's event loop, which leaves the run half torn down: every later
@@ -130,11 +132,14 @@ async def start_peers(
     dp: DataPlaneConfig | None = None,
     streams: bool = True,
     full_mesh: bool = False,
+    identities: list[Identity] | None = None,
 ) -> list[Peer]:
-    """`n` running peers, each connected to the first — or, with `full_mesh`, to every other."""
+    """`n` running peers, each connected to the first — or, with `full_mesh`, to every other;
+    with fresh identities, or `identities` (a test whose plan depends on the peer ids)."""
     peers = []
-    for _ in range(n):
-        host = await stack.enter_async_context(Host(Identity.generate(), host_config))
+    for i in range(n):
+        identity = identities[i] if identities is not None else Identity.generate()
+        host = await stack.enter_async_context(Host(identity, host_config))
         ts = await stack.enter_async_context(TensorStreams(host, dp)) if streams else None
         peers.append(Peer(host, ts))
     for i, p in enumerate(peers):

@@ -231,11 +231,16 @@ async def test_a_joiner_whose_state_predates_an_exchange_in_flight_enters_before
     assert [o.history[-1].contributors for o in (*outers, joiner)] == [2, 2, 2]  # weight 0
     for n in outers[0].outer_params:
         assert torch.equal(outers[0].outer_params[n], joiner.outer_params[n])
-    # Blocking rounds (τ = 0) report the send step only once its round is done: a state from
-    # before it is a round old.
+    # Blocking rounds (τ = 0) count the send step as they enter its exchange and publish no
+    # newer state until it ends: a swarm at the send step is in that exchange, which a joiner
+    # enters a step before it; a step past it, the state is a round old.
     diloco = DiLoCo(tiny(), None, LocalSwarm(1).member(0), H=4)
-    with pytest.raises(StaleStateError, match="cannot enter at step 4"):
-        diloco.join(DiLoCo(tiny(), None, LocalSwarm(1).member(0), H=4).state_dict(inner=False), at_step=4)
+    fresh = DiLoCo(tiny(), None, LocalSwarm(1).member(0), H=4).state_dict(inner=False)
+    assert diloco.entry_step(0, 4) == 3
+    with pytest.raises(StaleStateError, match="cannot enter at step 5"):
+        diloco.join(fresh, at_step=5)
+    diloco.join(fresh, at_step=4)
+    assert diloco.inner_steps == 3
 
 
 def sgd_of(model: torch.nn.Module) -> torch.optim.Optimizer:

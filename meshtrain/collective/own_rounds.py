@@ -16,10 +16,13 @@ from that judgement, and each left a grouped swarm's rounds waiting out their ha
 
 The design. The collective records, as its trainer enters each exchange (`enter`), the newest
 round of each tag's series and a follow-up's peers; the coordinator asks `past` (our trainer
-entered a later round of the key's series, or of the series it follows up: an exchange "f0.phi"
-follows "f0"), `among` (the peers a follow-up's round key is cut to) and `entered_as` (the tag
-our trainer entered a round under: another group's when our groups and the coordinator's
-disagree, coordinator.py "Groups that disagree"). All are our own trainer's calls, never a remote
+ended the key's round, or entered a later round of the key's series or of the series it follows
+up: an exchange "f0.phi" follows "f0"), `among` (the peers a follow-up's round key is cut to)
+and `entered_as` (the tag our trainer is in a round under: another group's when our groups and
+the coordinator's disagree, coordinator.py "Groups that disagree"; none once the round ended).
+A round that our partner and we completed under our tag, while a peer that grouped it otherwise
+waits here under its own, is past for us, not a reason to regroup: seen in CI, where the two
+regrouped until `MAX_REGROUPS` ran out. All are our own trainer's calls, never a remote
 peer's claim, so they cannot be used to cut a round short. The same record answers other
 coordinators' WHERE probes (`at`, `ended`, `where`): the round of each series our trainer is in,
 at which coordinator and under which tag, and the last it ended — about the series, whatever
@@ -49,7 +52,7 @@ class OwnRounds:
     """Our trainer's exchanges: the newest round per series, and the peers of each follow-up."""
 
     def __init__(self) -> None:
-        self._newest: dict[str, int] = {}  # series -> the newest round id our trainer entered
+        self._newest: dict[str, int] = {}  # series -> the round id our trainer entered last
         self._entered: dict[str, tuple[int, str]] = {}  # series -> (round id, tag) of its newest entry
         # For other coordinators' probes (WHERE_RPC): series -> (round id, coordinator, tag) of the
         # exchange under way, and series -> the last round ended.
@@ -61,7 +64,12 @@ class OwnRounds:
         """Our trainer enters exchange `round_id` under `tag` (with its group suffix), among
         `among` when it is a follow-up (empty: the round's group)."""
         series = tag_series(tag)
-        self._newest[series] = max(self._newest.get(series, -1), round_id)
+        # The round we are in now, not the furthest: a re-sync may take our trainer back into a
+        # round it ended (it proceeded alone, and the swarm is still in that round), which it
+        # neither passed nor ended any more.
+        self._newest[series] = round_id
+        if self._finished.get(series, -1) >= round_id:
+            self._finished[series] = round_id - 1
         self._entered[series] = (round_id, tag)  # a regrouped round is entered again, under its new tag
         if among:
             self._among[(round_id, tag)] = frozenset(among)
@@ -76,6 +84,8 @@ class OwnRounds:
         """Our trainer's exchange `round_id` under `tag` ended (whatever its outcome)."""
         series = tag_series(tag)
         self._position.pop(series, None)
+        if self._entered.get(series, (None,))[0] == round_id:
+            del self._entered[series]  # under no tag now: a coordinator's probe must not regroup for it
         self._finished[series] = max(self._finished.get(series, -1), round_id)
         for old in list(self._finished)[:-SERIES_KEPT]:
             del self._finished[old]
@@ -92,15 +102,19 @@ class OwnRounds:
         return self._among.get((key.round_id, key.tag))
 
     def entered_as(self, key: RoundKey) -> str | None:
-        """The tag under which our trainer entered round `key`'s round id of its series most
-        recently (another group's, when our groups differ from the coordinator's), or None."""
+        """The tag under which our trainer is in round `key`'s round id of its series (another
+        group's, when our groups differ from the coordinator's), or None: not entered, or ended."""
         entered = self._entered.get(tag_series(key.tag))
         return entered[1] if entered is not None and entered[0] == key.round_id else None
 
     def past(self, key: RoundKey) -> bool:
-        """Whether our trainer entered a later round of `key`'s series, or of a series `key`'s
-        follows up ("f0" for "f0.phi"): it will not come to round `key`."""
+        """Whether our trainer ended round `key` of its series (under whichever group's tag), or
+        entered a later round of its series or of a series `key`'s follows up ("f0" for "f0.phi"):
+        it will not come to round `key`. The follow-up itself comes after the round it follows ends,
+        so only `key`'s own series' ended rounds count."""
         series = tag_series(key.tag)
+        if self._finished.get(series, -1) >= key.round_id:
+            return True
         return any(
             newest > key.round_id for s, newest in self._newest.items() if series == s or series.startswith(s + ".")
         )

@@ -880,11 +880,16 @@ class OuterOptimizer(Service):
         there, train the rest of the round and enter the swarm's next exchange with it — that
         exchange's outer update is the same on φ we hold, so our outer state stays identical.
         It must lie in [state's step, the next send step): beyond, the state is a round old —
-        except while that send's exchange overlaps the swarm's training (delay τ ≥ 1: the swarm
-        reports steps [send, send + τ) before it merges, and publishes no newer state). That
-        exchange may be waiting for us — the swarm expects a joiner at its next round — so we
-        enter a step before it and take part (weight 0); refusing left both sides waiting for
-        each other until the round's hard deadline, round after round (seen in CI)."""
+        except while the swarm is in that send's exchange: a peer counts the send step as it
+        enters the exchange and publishes no newer state until it ends, and with delay τ ≥ 1 the
+        exchange overlaps its training (it reports steps [send, send + max(τ, 1))). That exchange
+        may be waiting for us — the swarm expects a joiner at its next round, and a member that
+        re-syncs is still one of the round's peers — so we enter a step before it and take part
+        (weight 0). Refusing left both sides waiting for each other until the round's hard
+        deadline (seen in CI: with τ ≥ 1 round after round; with τ = 0 two of three peers
+        re-syncing, each refused the state from before the round the third waited in, for 90 s).
+        A state offered just before its donor publishes the round's result takes us into a round
+        that has ended: we are told so and re-sync, as after any missed round."""
         if at_step is not None:  # refused before anything changes: a stale state leaves ours as it was
             self._check_state(state)
             at_step = self.entry_step(int(state["inner_steps"]), at_step)
@@ -906,7 +911,7 @@ class OuterOptimizer(Service):
         is at `at_step` (`join`'s rule); `StaleStateError` if that state is a round old. A node
         asks this of a state's manifest before downloading its bytes (node/state/run_state.py)."""
         send = self.next_send_step(state_step)
-        if self.delay >= 1 and send <= at_step < send + self.delay:
+        if send <= at_step < send + max(self.delay, 1):  # the swarm is in that exchange (`join`)
             at_step = send - 1
         if not state_step <= at_step < send:
             raise StaleStateError(
