@@ -44,7 +44,10 @@ missing peer in this round under another tag ends it with `Late(regroup=True)`: 
 joined computes its group again from its view now and joins anew (allreduce.py, at most
 `MAX_REGROUPS` times); the round is forgotten here, so a join under its old tag opens a fresh
 round, which probes again. Views converge within a heartbeat or two, so a departure costs a
-round a probe interval (`PROBE_AFTER`) or two instead of the hard deadline. A peer that
+round a probe interval (`PROBE_AFTER`) or two instead of the hard deadline. Two peers whose
+groups agreed may form the round before that, under their tag; once our trainer ended it, it is
+past for us, under no tag (own_rounds.py), and a peer still waiting here under another tag is
+told the round has passed and re-syncs — not regrouped until `MAX_REGROUPS` runs out (CI). A peer that
 predates `regroup` reads the reply as Late and proceeds alone, as it always did.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
