@@ -46,6 +46,7 @@ DHT feeds its routing table from it), from the same notifee.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
@@ -431,6 +432,13 @@ class Host(Service):
 
     # -- streams ---------------------------------------------------------------------------
 
+    def _note_stream_dial(self, pid: ID, protocol: str) -> None:
+        """A stream to a peer we are not connected to dials it (py-libp2p, from the peerstore's
+        addresses): logged at DEBUG by protocol, to tell which layer opens connections that the
+        node's bound then closes (node/presence.py)."""
+        if log.isEnabledFor(logging.DEBUG) and not self.libp2p.get_network().connections.get(pid):
+            log.debug(kv("stream dials", peer=pid.to_base58()[-8:], protocol=protocol))
+
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         self.libp2p.set_stream_handler(TProtocol(protocol), handler)
 
@@ -440,6 +448,7 @@ class Host(Service):
             pid = ID.from_base58(peer)
         except Exception:
             raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
+        self._note_stream_dial(pid, protocol)
         try:
             with trio.fail_after(timeout or DEFAULT_STREAM_OPEN_TIMEOUT):
                 return await self.libp2p.new_stream(pid, [TProtocol(protocol)])
@@ -457,6 +466,7 @@ class Host(Service):
         except Exception:
             raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
         stream = None
+        self._note_stream_dial(pid, protocol)
         try:
             with trio.fail_after(timeout or DEFAULT_STREAM_OPEN_TIMEOUT):
                 stream = await self.libp2p.get_network().new_stream(pid)
