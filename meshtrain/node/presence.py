@@ -53,7 +53,19 @@ needs us in its round, and closing it stalled both (its round waits for us, ours
 the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
 kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
-dialled only while we have room under the bound. Then it answers, from the view and the host:
+dialled only while we have room under the bound.
+
+Discovery, sparingly. Every node announces itself under the swarm's one DHT key and reads it
+back, and a lookup of that key dials its closest peers: the same few for every node. Read every
+15 s and announced every 20 s, that was the bulk of the connections the bound then closed (13
+daemons, bound 6: 65–113 closes per daemon in 4 minutes, and a node over its bound at 93% of
+reads, docs/benchmarks.md), and at hundreds of daemons it would give the key's holders a
+connection from every node. Once the view holds other live members, their gossip brings every
+newcomer's membership record, addresses included; the DHT read is then for swarms that never
+met (two halves started apart), every `DISCOVERY_SETTLED_INTERVAL`, and every
+`DISCOVERY_INTERVAL` only while the view holds nobody else (a node that knows nobody finds the
+swarm that way). Our announcement, for newcomers, is refreshed every `ANNOUNCE_REFRESH_S` and
+lives `ANNOUNCE_TTL_S`: a dead node's lingers that long, which costs a newcomer a failed dial. Then it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
     roster(round)              the trainers in the round's roster (what its groups are computed
                                from): those whose membership record's `in_from` falls in the
@@ -144,7 +156,10 @@ from meshtrain.transport.nat import NatTraversal
 log = get_logger(__name__)
 
 CONNECT_INTERVAL = 2.0  # seconds between two passes of re-dialling
-DISCOVERY_INTERVAL = 15.0  # seconds between two DHT lookups of the swarm's peers
+DISCOVERY_INTERVAL = 15.0  # seconds between two DHT lookups of the swarm's peers while the view holds nobody else
+DISCOVERY_SETTLED_INTERVAL = 120.0  # ... once it holds other live members (their gossip brings newcomers)
+ANNOUNCE_REFRESH_S = 60.0  # seconds between two announcements of ours under the swarm's key
+ANNOUNCE_TTL_S = 180.0  # an announcement's lifetime (a dead node's lingers this long for newcomers)
 PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
 MEMBER_WAIT = 3.0  # a request from a peer not yet in our membership waits this long for its record
 ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the DHT's swarm index
@@ -232,7 +247,12 @@ class PeerPresence(Service):
         stack.callback(self.book.save, force=True)
         await self._bootstrap(dht, first=True)
         self.discovery = await stack.enter_async_context(
-            Discovery(dht, swarm_id, DiscoveryConfig(role="trainer"), addrs=self.announced_addrs)
+            Discovery(
+                dht,
+                swarm_id,
+                DiscoveryConfig(role="trainer", ttl=ANNOUNCE_TTL_S, refresh_interval=ANNOUNCE_REFRESH_S),
+                addrs=self.announced_addrs,
+            )
         )
         replica = await stack.enter_async_context(Replica(host, swarm_id, swarm_specs(self.signed.owner)))
         # Alone (the first node of a swarm), there is nothing to recover: do not wait for it.
@@ -606,7 +626,8 @@ class PeerPresence(Service):
             for peer, book_addrs in self._book_peers_to_dial().items():
                 if peer not in addrs:
                     dialler.dial(peer, book_addrs)
-            if time.monotonic() - last_lookup > DISCOVERY_INTERVAL:
+            alone = not addrs.keys() - {host.peer_id}
+            if time.monotonic() - last_lookup > (DISCOVERY_INTERVAL if alone else DISCOVERY_SETTLED_INTERVAL):
                 last_lookup = time.monotonic()
                 try:
                     found = await discovery.peers()
