@@ -198,6 +198,7 @@ def _node_status(args: argparse.Namespace) -> int:
     conns = n.get("connections") or {}
     over = conns.get("connections", 0) - conns.get("max_peers", 0)
     held = f", {conns.get('unwanted', 0)} kept past the plan" if over > 0 else ""
+    held += f", {conns['closed']} closed over it so far" if conns.get("closed") else ""
     bound = f", connected to {conns.get('connections', 0)} (bound {conns.get('max_peers')}{held})" if conns else ""
     print(f"{len(st['peers'])} live peers{bound}:")
     for p in st["peers"]:

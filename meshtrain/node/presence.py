@@ -221,6 +221,7 @@ class PeerPresence(Service):
         self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
         self._unwanted = UnwantedSince()  # what `_close_surplus` may close
+        self.closed_over_bound = 0  # connections `_close_surplus` closed since start (the churn)
         self._last_wanted: frozenset[str] = frozenset()  # the plan of the connection loop's last pass
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
@@ -589,14 +590,17 @@ class PeerPresence(Service):
         """What the status document shows of the bound: `connections` (every libp2p connection
         the host holds: members, relays, DHT strangers), `max_peers`, `wanted` (the plan's size at
         the connection loop's last pass: at most the bound, or the partners of the rounds under
-        way where they are more) and `unwanted` (connected, not in that plan: kept for a grace,
-        a syncing member, a peer whose round needs us, or while we are under the bound)."""
+        way where they are more), `unwanted` (connected, not in that plan: kept for a grace,
+        a syncing member, a peer whose round needs us, or while we are under the bound) and
+        `closed` (connections closed over the bound since start: a count that keeps growing
+        means connections that something else reopens)."""
         connected = set(self.host.connected_peers())
         return {
             "connections": len(connected),
             "max_peers": self.plan.max_peers,
             "wanted": len(self._last_wanted),
             "unwanted": len(connected - self._last_wanted),
+            "closed": self.closed_over_bound,
         }
 
     def _dialled(self, peer: str, ok: bool) -> None:
@@ -672,4 +676,5 @@ class PeerPresence(Service):
             unwanted = [p for p in unwanted if p not in needs_us]
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
+            self.closed_over_bound += 1
             await self.host.disconnect(peer)

@@ -15,6 +15,8 @@ Measured (last-line JSON):
   `over_bound_fraction`: the share of reads above the bound; `over_bound_s_max`: the longest
   stretch one daemon stayed above it (consecutive reads); `wanted_max`: the largest plan;
   `connections_growth_cap`: the daemons' count minus one (a full mesh), for scale;
+  `closes_per_min`: connections a daemon closed over the bound per minute (median over daemons;
+  `node.connections.closed`), the churn of connections that something else reopens;
 - `groups_ok`: for the newest rounds every daemon lists, each daemon averaged with exactly its
   group of `round_groups` (the trainers, the round, the spec's seed); `rounds_checked`;
 - `joiner_rounds`: rounds the late joiner averaged in with partners;
@@ -144,6 +146,17 @@ def run(
         "over_bound_s_max": round(over_s, 1),
         "wanted_max": max((r["wanted"] for rs in reads for r in rs), default=0),
         "unwanted_max": max((r["unwanted"] for rs in reads for r in rs), default=0),
+        # connections closed over the bound per daemon and minute, while measured (the churn)
+        "closes_per_min": round(
+            statistics.median(
+                (rs[-1].get("closed", 0) - rs[0].get("closed", 0)) / max((rs[-1]["t"] - rs[0]["t"]) / 60, 1e-9)
+                for rs in reads
+                if len(rs) >= 2
+            ),
+            1,
+        )
+        if any(len(rs) >= 2 for rs in reads)
+        else None,
         "connections_growth_cap": daemons,
         "groups_ok": groups_ok,
         "rounds_checked": rounds,

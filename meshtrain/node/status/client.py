@@ -36,7 +36,8 @@ The status document (`Node.snapshot()`):
                 connections: {connections (libp2p connections the host holds), max_peers (the
                 bound node/presence.py keeps them to), wanted (how many peers its plan keeps now),
                 unwanted (connected but outside the plan: kept for a grace, a syncing member, a
-                peer whose round needs us, or because we are under the bound)},
+                peer whose round needs us, or because we are under the bound), closed
+                (connections closed over the bound since start)},
                 admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
                 ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
                 null, ignored: peer ids whose membership records this node ignores (they fail

@@ -72,6 +72,9 @@ class _Collector:
         conns = n.get("connections") or {}
         yield _gauge("meshtrain_connections", "libp2p connections this node holds", conns.get("connections", 0))
         yield _gauge("meshtrain_max_peers", "the connection bound this node keeps to", conns.get("max_peers", 0))
+        closed = CounterMetricFamily("meshtrain_connections_closed", "connections closed over the bound since start")
+        closed.add_metric([], conns.get("closed", 0))
+        yield closed
         yield _gauge("meshtrain_live_peers", "live peers in the swarm view (this node included)", len(st["peers"]))
         steps = GaugeMetricFamily(
             "meshtrain_peer_step", "each live peer's reported step", labels=["peer", "connection", "reachability"]
