@@ -1,11 +1,21 @@
 """Whom a node keeps connected (node/connections.py `ConnectionPlan`), without a network: the full
 mesh while the swarm is small, and above the bound a set that holds every partner of this round
-and of the next, and does not grow with the swarm."""
+and of the next, and does not grow with the swarm; and how often it reads the swarm's DHT key
+(`DiscoveryPace`)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from meshtrain.collective.groups import GroupPlan
-from meshtrain.node.connections import ConnectionPlan, UnwantedSince
+from meshtrain.node.connections import (
+    DISCOVERY_AFTER_LOSS_S,
+    DISCOVERY_INTERVAL,
+    DISCOVERY_SETTLED_INTERVAL,
+    ConnectionPlan,
+    DiscoveryPace,
+    UnwantedSince,
+)
 from meshtrain.transport.identity import Identity
 
 
@@ -67,3 +77,41 @@ def test_a_connection_counts_as_unwanted_from_when_it_was_last_wanted_not_from_w
     unwanted.note([a], wanted={a}, now=80.0)  # b and c closed: forgotten
     unwanted.note([a, b], wanted=set(), now=90.0)
     assert unwanted.seconds(b, 90.0) == 0.0 and unwanted.seconds(a, 90.0) == 10.0
+
+
+def reads(pace: DiscoveryPace, me: str, live_at, left_at=lambda t: set(), until: float = 900.0) -> list[float]:
+    """The times (one connection-loop pass a second) at which `pace` reads the swarm's key."""
+    return [float(t) for t in range(int(until)) if pace.due(me, live_at(t), left_at(t), float(t))]
+
+
+def test_the_swarm_key_is_read_often_only_while_looking_for_the_swarm():
+    """Read every 15 s and announced every 20 s, one key's lookups dialled its same few holders
+    from every node: most of the connections the bound closed. A node that holds no other member
+    reads it every DISCOVERY_INTERVAL; once the view holds members, every
+    DISCOVERY_SETTLED_INTERVAL."""
+    me, others = IDS[0], set(IDS[1:5])
+    alone = reads(DiscoveryPace(), me, lambda t: {me})
+    assert alone[0] == 0.0 and all(b - a <= DISCOVERY_INTERVAL + 1 for a, b in pairwise(alone))
+    settled = reads(DiscoveryPace(), me, lambda t: {me} if t < 30 else {me} | others)
+    later = [t for t in settled if t >= 30]
+    assert later and all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(later))
+    assert len(later) <= 900 / DISCOVERY_SETTLED_INTERVAL
+
+
+def test_a_member_whose_lease_ran_out_is_looked_for_a_while_and_one_that_left_is_not():
+    """It may be behind a partition: once that heals, its announcement is how the halves meet
+    again (the view no longer holds it), so the key is read every DISCOVERY_INTERVAL for
+    DISCOVERY_AFTER_LOSS_S after. A member that left cleanly is not looked for."""
+    me, others = IDS[0], set(IDS[1:5])
+    gone = IDS[4]
+
+    def live(t: float) -> set[str]:
+        return {me} | (others if t < 200 else others - {gone})
+
+    lost = reads(DiscoveryPace(), me, live)
+    after = [t for t in lost if 200 <= t < 200 + DISCOVERY_AFTER_LOSS_S]
+    assert after[0] - 200 <= DISCOVERY_INTERVAL + 1 and len(after) >= DISCOVERY_AFTER_LOSS_S / (DISCOVERY_INTERVAL + 1)
+    tail = [t for t in lost if t >= 200 + DISCOVERY_AFTER_LOSS_S]
+    assert all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(tail))
+    left = reads(DiscoveryPace(), me, live, left_at=lambda t: {gone} if t >= 200 else set())
+    assert all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(left[1:]))  # after the first, at 0

@@ -28,6 +28,9 @@ before the next (`Backoff`, exponential with jitter, from `initial` to `cap`), a
 succeeds resets it.
 Its failure counts are what presence's address book reads ("taken for gone" after a few).
 
+`DiscoveryPace` says when the connection loop reads the swarm's DHT key again: often only while
+the node is looking for its swarm (node/presence.py, "Discovery, sparingly").
+
 Failures. A dial that fails is logged at INFO and backed off; nothing else waits for it.
 
 Not here: closing connections over the bound and when (node/presence.py), the groups themselves
@@ -37,6 +40,7 @@ Not here: closing connections over the bound and when (node/presence.py), the gr
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +61,9 @@ GOSSIP_SAMPLE = 8  # members a node keeps, on average, beside its partners: goss
 DHT_NEIGHBOURS = 4  # members closest to us in the DHT's key space that we keep
 DIALS_IN_FLIGHT = 8  # dials (Noise + yamux handshakes) at once
 DIAL_TIMEOUT = 5.0  # seconds one dial may take
+DISCOVERY_INTERVAL = 15.0  # seconds between two DHT reads of the swarm's key while the view holds nobody else
+DISCOVERY_SETTLED_INTERVAL = 120.0  # ... once it holds other live members (their gossip brings newcomers)
+DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long after a live member dropped out
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,31 @@ class UnwantedSince:
     def seconds(self, peer: str, now: float) -> float:
         """How long `peer`'s connection has gone unwanted (0: not seen connected)."""
         return now - self._since.get(peer, now)
+
+
+class DiscoveryPace:
+    """When to read the swarm's DHT key again (node/presence.py, "Discovery, sparingly"): every
+    `DISCOVERY_INTERVAL` while the view holds nobody else or for `DISCOVERY_AFTER_LOSS_S` after a
+    live member's lease ran out (not one that left: it may be behind a partition, and its
+    announcement is how we find it once the partition heals), else every
+    `DISCOVERY_SETTLED_INTERVAL`: the members' gossip brings every newcomer."""
+
+    def __init__(self) -> None:
+        self._last_read = -math.inf
+        self._lost_at = -math.inf
+        self._live: set[str] = set()
+
+    def due(self, me: str, live: set[str], left: set[str], now: float) -> bool:
+        """A pass of the connection loop with these `live` members (us included or not) and these
+        that `left` cleanly, at `now`: whether to read the key now (then counted as read)."""
+        if self._live - live - left:
+            self._lost_at = now
+        self._live = set(live)
+        searching = not live - {me} or now - self._lost_at < DISCOVERY_AFTER_LOSS_S
+        if now - self._last_read <= (DISCOVERY_INTERVAL if searching else DISCOVERY_SETTLED_INTERVAL):
+            return False
+        self._last_read = now
+        return True
 
 
 def _id_hash(peer: str) -> bytes:

@@ -62,13 +62,15 @@ daemons, bound 6: 65–113 closes per daemon in 4 minutes, and a node over its b
 reads, docs/benchmarks.md), and at hundreds of daemons it would give the key's holders a
 connection from every node. Once the view holds other live members, their gossip brings every
 newcomer's membership record, addresses included; the DHT read is then for swarms that never
-met (two halves started apart), every `DISCOVERY_SETTLED_INTERVAL`, and every
-`DISCOVERY_INTERVAL` only while the view holds nobody else (a node that knows nobody finds the
-swarm that way) or for `DISCOVERY_AFTER_LOSS_S` after a live member's lease ran out (not one that left): it
-may be behind a partition, and once the partition heals its announcement is how we find it
-again (the view no longer holds it, and the address book is only dialled until we meet the
-swarm). Our announcement, for newcomers, is refreshed every `ANNOUNCE_REFRESH_S` and
-lives `ANNOUNCE_TTL_S`: a dead node's lingers that long, which costs a newcomer a failed dial. Then it answers, from the view and the host:
+met (two halves started apart), every 120 s, and every 15 s only while the view holds nobody
+else (a node that knows nobody finds the swarm that way) or for 5 minutes after a live member's
+lease ran out (not one that left): it may be behind a partition, and once the partition heals
+its announcement is how we find it again (the view no longer holds it, and the address book is
+dialled only until we meet the swarm): `DiscoveryPace`, node/connections.py. Our announcement,
+for newcomers, is refreshed every `ANNOUNCE_REFRESH_S` and lives `ANNOUNCE_TTL_S`: a dead node's
+lingers that long, which costs a newcomer a failed dial.
+
+What it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
     roster(round)              the trainers in the round's roster (what its groups are computed
                                from): those whose membership record's `in_from` falls in the
@@ -115,7 +117,6 @@ admission rules themselves (`node/trust/admission.py`), reading the swarm index 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -138,7 +139,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.clock_offsets import ClockOffsets
-from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, UnwantedSince
+from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, DiscoveryPace, UnwantedSince
 from meshtrain.node.phase import StopRequest
 from meshtrain.node.roster import (
     LEAD_BEATS,
@@ -159,9 +160,6 @@ from meshtrain.transport.nat import NatTraversal
 log = get_logger(__name__)
 
 CONNECT_INTERVAL = 2.0  # seconds between two passes of re-dialling
-DISCOVERY_INTERVAL = 15.0  # seconds between two DHT lookups of the swarm's peers while the view holds nobody else
-DISCOVERY_SETTLED_INTERVAL = 120.0  # ... once it holds other live members (their gossip brings newcomers)
-DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long after a live member dropped out
 ANNOUNCE_REFRESH_S = 60.0  # seconds between two announcements of ours under the swarm's key
 ANNOUNCE_TTL_S = 180.0  # an announcement's lifetime (a dead node's lingers this long for newcomers)
 PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
@@ -619,8 +617,7 @@ class PeerPresence(Service):
         host = self.host
         dht = self.dht
         assert dht is not None  # entered before this task starts
-        last_lookup = lost_at = -math.inf
-        live_before: set[str] = set()
+        pace = DiscoveryPace()
         while True:
             self._wake = trio.Event()  # before the pass: a round asked during it wakes the next
             left = {p.peer_id for p in view.peers() if p.left}
@@ -636,12 +633,7 @@ class PeerPresence(Service):
             for peer, book_addrs in self._book_peers_to_dial().items():
                 if peer not in addrs:
                     dialler.dial(peer, book_addrs)
-            if live_before - addrs.keys() - left:  # died — or behind a partition: find them again
-                lost_at = time.monotonic()
-            live_before = set(addrs)
-            searching = not addrs.keys() - {host.peer_id} or time.monotonic() - lost_at < DISCOVERY_AFTER_LOSS_S
-            if time.monotonic() - last_lookup > (DISCOVERY_INTERVAL if searching else DISCOVERY_SETTLED_INTERVAL):
-                last_lookup = time.monotonic()
+            if pace.due(host.peer_id, set(addrs), left, time.monotonic()):
                 try:
                     found = await discovery.peers()
                 except MeshtrainError as e:
