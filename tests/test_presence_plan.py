@@ -37,7 +37,7 @@ def test_a_large_swarm_keeps_the_partners_of_rounds_under_way_and_of_the_next_wi
     sizes = {}
     for me in IDS[:16]:
         plan = ConnectionPlan(me, max_peers=32, grouping=grouping)
-        wanted = plan.wanted(IDS, IDS, rounds=[8, 10], dht_peers=IDS[100:140])
+        wanted = plan.wanted(IDS, IDS, rounds=[8, 10])
         under_way = {*grouping.partners(IDS, 8, me), *grouping.partners(IDS, 10, me)}
         ahead = set(grouping.partners(IDS, 12, me)) - under_way
         assert under_way <= set(wanted) and me not in wanted
@@ -115,3 +115,21 @@ def test_a_member_whose_lease_ran_out_is_looked_for_a_while_and_one_that_left_is
     assert all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(tail))
     left = reads(DiscoveryPace(), me, live, left_at=lambda t: {gone} if t >= 200 else set())
     assert all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(left[1:]))  # after the first, at 0
+
+
+def test_dht_neighbours_are_kept_at_both_ends_of_the_pair():
+    """Nearness in the DHT's key space is not symmetric: b among a's nearest members does not put
+    a among b's. Planned from its routing table alone, a kept b and b did not: over its bound, b
+    closed what a dialled again seconds later. Each end keeps a peer whose plan counts it near."""
+    members = IDS[:100]
+    grouping = GroupPlan(group_size=4, period=2)
+    plans = {p: ConnectionPlan(p, max_peers=8, grouping=grouping, sample=0) for p in members}
+    near = {p: plans[p].wanted(members, [], rounds=[8]) for p in members}  # no trainers: neighbours only
+    assert all(len(n) == plans[p].neighbours for p, n in near.items())
+    one_sided = 0
+    for a in members:
+        for b in members:
+            if a != b:
+                assert plans[b].wanted_by(a, [], None, members=members) == (b in near[a]), (a, b)
+                one_sided += b in near[a] and a not in near[b]
+    assert one_sided > 0  # the asymmetry the rule is for is there to be covered

@@ -14,7 +14,10 @@ peers to keep, most wanted first:
    needs every one (closing a partner's connection drops it from the round's candidates);
 2. the next round's partners, dialled while these run so the next one does not wait;
 3. the `neighbours` members closest to us in the DHT's key space (XOR of our id), so lookups
-   and the swarm's records stay reachable;
+   and the swarm's records stay reachable. Nearness is not symmetric (b may be among a's nearest
+   while a is not among b's), so each end also keeps a peer that counts it among its own
+   nearest members (`wanted_by`): computed from the routing table, a's plan kept b and b's did
+   not, and b closed what a dialled again a few seconds later;
 4. a random sample of about `sample` members for gossip (membership, progress) and a connected
    graph: a pair is in each other's sample when a hash of the pair (both ends compute the same)
    falls under sample / (n − 1) — symmetric, so neither end closes what the other wants.
@@ -83,14 +86,14 @@ class ConnectionPlan:
         members: Sequence[str],
         trainers: Sequence[str],
         rounds: Sequence[int],
-        dht_peers: Sequence[str] = (),
         *,
         in_from: Mapping[str, int] | None = None,
     ) -> list[str]:
         """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
         `max_peers`, else the partners among `trainers` of the `rounds` under way (a round and the
-        one prepared ahead of it) and of the round after the last, DHT neighbours and the gossip
-        sample, cut at `max_peers` (partners of a round under way never: it needs them all).
+        one prepared ahead of it) and of the round after the last, the DHT neighbours among the
+        members and the gossip sample, cut at `max_peers` (partners of a round under way never:
+        it needs them all).
         `in_from`: the round id each trainer (us too) is in the roster from (collective/groups.py,
         "Failures"; absent: 0): a round's partners come from its roster, and we have none in a
         round before ours."""
@@ -104,8 +107,7 @@ class ConnectionPlan:
             now = [p for r in rounds for p in _partners(grouping, self.me, trainers, r, in_from)]
             ahead = _partners(grouping, self.me, trainers, max(rounds, default=0) + grouping.period, in_from)
         now = list(dict.fromkeys(now))
-        in_swarm, key = set(others), _id_hash(self.me)
-        near = sorted((p for p in dht_peers if p in in_swarm), key=lambda p: xor_distance(key, p))[: self.neighbours]
+        near = self._nearest(self.me, others)
         # Where the bound cuts the next round's partners or the sample, it cuts by the pair's hash,
         # the same at both ends: by peer id, the lowest ids were kept by everyone (56 links at 256).
         ahead = tuple(sorted(ahead, key=self._pair_hash))
@@ -114,16 +116,35 @@ class ConnectionPlan:
         return out[: max(self.max_peers, len(now))]
 
     def wanted_by(
-        self, peer: str, trainers: Sequence[str], round_id: int, *, in_from: Mapping[str, int] | None = None
+        self,
+        peer: str,
+        trainers: Sequence[str],
+        round_id: int | None,
+        *,
+        in_from: Mapping[str, int] | None = None,
+        members: Sequence[str] = (),
     ) -> bool:
-        """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
-        rounds under way: then closing it would drop us from a round it runs, whatever ours is.
-        `in_from` as for `wanted`."""
+        """Whether `peer` keeps us, so that closing its connection would only have it dialled again:
+        it counts us among its DHT neighbours (of `members`), or, in round `round_id` (its
+        reported step; None: unknown), has us among the partners of its rounds under way — then
+        closing it would drop us from a round it runs, whatever ours is. `in_from` as for
+        `wanted`."""
+        if members and self.me in self._nearest(peer, sorted({*members, self.me} - {peer})):
+            return True
         grouping = self.grouping
+        if round_id is None:
+            return False
         if grouping is None:
             return peer in trainers
         rounds = (round_id, round_id + grouping.period)
         return any(self.me in _partners(grouping, peer, trainers, r, in_from) for r in rounds)
+
+    def _nearest(self, peer: str, others: Sequence[str]) -> list[str]:
+        """`peer`'s `neighbours` nearest of `others` in the DHT's key space."""
+        if not self.neighbours:
+            return []
+        key = _id_hash(peer)
+        return sorted(others, key=lambda p: xor_distance(key, p))[: self.neighbours]
 
     def _pair_hash(self, peer: str) -> int:
         """A hash of the pair (me, peer): the same at both ends, uniform in [0, 2^64)."""

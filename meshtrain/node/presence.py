@@ -585,8 +585,7 @@ class PeerPresence(Service):
         entry = self._view().in_from
         if entry > now:  # a joiner waiting for its roster round: its partners there (and donors)
             rounds.append(entry)
-        dht_peers = self.dht.routing_table_peers() if self.dht is not None else []
-        return self.plan.wanted(members, self.trainers(), rounds, dht_peers, in_from=self.roster_entries())
+        return self.plan.wanted(members, self.trainers(), rounds, in_from=self.roster_entries())
 
     def connection_counts(self) -> dict[str, int]:
         """What the status document shows of the bound: `connections` (every libp2p connection
@@ -667,11 +666,11 @@ class PeerPresence(Service):
             and live.get(p, "trainer") == "trainer"
             and self._unwanted.seconds(p, now) > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
         ]
-        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
+        if unwanted:  # a peer a few rounds from ours may need us in its round, or near it: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
-            trainers, entries = self.trainers(), self.roster_entries()
+            trainers, entries, members = self.trainers(), self.roster_entries(), sorted(live)
             needs_us = {
-                p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
+                p for p in unwanted if self.plan.wanted_by(p, trainers, steps.get(p), in_from=entries, members=members)
             }
             self._unwanted.wanted_now(needs_us, now)
             unwanted = [p for p in unwanted if p not in needs_us]
