@@ -117,19 +117,22 @@ def test_a_member_whose_lease_ran_out_is_looked_for_a_while_and_one_that_left_is
     assert all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(left[1:]))  # after the first, at 0
 
 
-def test_dht_neighbours_are_kept_at_both_ends_of_the_pair():
-    """Nearness in the DHT's key space is not symmetric: b among a's nearest members does not put
-    a among b's. Planned from its routing table alone, a kept b and b did not: over its bound, b
-    closed what a dialled again seconds later. Each end keeps a peer whose plan counts it near."""
-    members = IDS[:100]
-    grouping = GroupPlan(group_size=4, period=2)
-    plans = {p: ConnectionPlan(p, max_peers=8, grouping=grouping, sample=0) for p in members}
-    near = {p: plans[p].wanted(members, [], rounds=[8]) for p in members}  # no trainers: neighbours only
-    assert all(len(n) == plans[p].neighbours for p, n in near.items())
+def test_a_pair_is_kept_at_both_ends_or_at_neither():
+    """One end's wish is not the pair's: DHT nearness is one-sided and the cut at the bound falls
+    elsewhere at each end. Where a kept b and b did not, b closed the connection over its bound
+    and a dialled it again seconds later (65 to 113 closes per daemon in 4 minutes, 13 daemons,
+    bound 6). Each end keeps what both wishes keep, within the bound, partners of the round
+    under way always."""
+    members = IDS[:64]
+    grouping = GroupPlan(group_size=4, seed=3, period=2)
+    plans = {p: ConnectionPlan(p, max_peers=12, grouping=grouping) for p in members}
+    wanted = {p: set(plan.wanted(members, members, rounds=[8, 10])) for p, plan in plans.items()}
     one_sided = 0
     for a in members:
-        for b in members:
-            if a != b:
-                assert plans[b].wanted_by(a, [], None, members=members) == (b in near[a]), (a, b)
-                one_sided += b in near[a] and a not in near[b]
-    assert one_sided > 0  # the asymmetry the rule is for is there to be covered
+        wish = plans[a].wish(members, members, rounds=[8, 10])
+        assert set(wish.partners) <= wanted[a] <= set(wish.all()) and len(wanted[a]) <= 12
+        for b in wish.rest:
+            b_wish = plans[b].wish(members, members, rounds=[8, 10]).all()
+            one_sided += a not in b_wish
+            assert (b in wanted[a]) == (a in wanted[b]) == (a in b_wish), (a, b)
+    assert one_sided > 0  # the one-sided wishes the rule is for are there to be covered

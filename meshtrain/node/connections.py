@@ -14,15 +14,20 @@ peers to keep, most wanted first:
    needs every one (closing a partner's connection drops it from the round's candidates);
 2. the next round's partners, dialled while these run so the next one does not wait;
 3. the `neighbours` members closest to us in the DHT's key space (XOR of our id), so lookups
-   and the swarm's records stay reachable. Nearness is not symmetric (b may be among a's nearest
-   while a is not among b's), so each end also keeps a peer that counts it among its own
-   nearest members (`wanted_by`): computed from the routing table, a's plan kept b and b's did
-   not, and b closed what a dialled again a few seconds later;
+   and the swarm's records stay reachable;
 4. a random sample of about `sample` members for gossip (membership, progress) and a connected
    graph: a pair is in each other's sample when a hash of the pair (both ends compute the same)
    falls under sample / (n − 1) — symmetric, so neither end closes what the other wants.
-The list is cut at `max_peers` (partners of the round excepted). A swarm of at most `max_peers`
-other members is wanted whole: the full mesh, as before, where it is cheap.
+That list is one end's wish (`wish`), cut at `max_peers` (partners of the round excepted). Of
+its DHT neighbours and sample, a pair is kept only where both ends' wishes keep it (`wanted`;
+each end computes the other's from the same view): nearness is one-sided (b among a's nearest,
+a not among b's) and the cut falls elsewhere at each end (a fuller group ahead leaves less room
+for the sample), and where one end kept a peer the other did not, the other closed the
+connection over its bound and the first dialled it again seconds later — 65 to 113 closes per
+daemon in 4 minutes in a 13-daemon swarm with a bound of 6 (docs/benchmarks.md). Partners are
+kept as wished; the other end keeps a peer whose rounds under way or next have it as a partner
+(`wanted_by`), over its bound if need be. A swarm of at most `max_peers` other
+members is wanted whole: the full mesh, as before, where it is cheap.
 
 `Dialler` dials concurrently, at most `in_flight` dials at once (a `trio.CapacityLimiter`), in
 its owner's nursery; a dial tries the peer's dialable addresses in turn (transport/host.py
@@ -46,7 +51,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -70,6 +75,18 @@ DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long
 
 
 @dataclass(frozen=True)
+class Wish:
+    """One end's wish (`ConnectionPlan.wish`): `partners` of the rounds under way and of the next,
+    then the `rest` (DHT neighbours, gossip sample), kept only where the other end wishes it too."""
+
+    partners: list[str]
+    rest: list[str]
+
+    def all(self) -> list[str]:
+        return [*self.partners, *self.rest]
+
+
+@dataclass(frozen=True)
 class ConnectionPlan:
     """Which peers `me` keeps connected (module docstring). grouping: the spec's `GroupPlan` (None:
     every round is the whole swarm — NoLoCo, pipelines —, so every trainer is a partner and the
@@ -90,16 +107,39 @@ class ConnectionPlan:
         in_from: Mapping[str, int] | None = None,
     ) -> list[str]:
         """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
-        `max_peers`, else the partners among `trainers` of the `rounds` under way (a round and the
-        one prepared ahead of it) and of the round after the last, the DHT neighbours among the
-        members and the gossip sample, cut at `max_peers` (partners of a round under way never:
-        it needs them all).
+        `max_peers`, else our wish (`wish`): the partners among `trainers` of the `rounds` under
+        way (a round and the one prepared ahead of it) and of the round after the last, then of the
+        DHT neighbours and the gossip sample those whose own wish — computed here from the same
+        view — keeps us too: such a pair is kept at both ends or at neither, so neither end dials
+        what the other closes. Never more than `max_peers`, but for the partners of a round under
+        way (it needs them all).
         `in_from`: the round id each trainer (us too) is in the roster from (collective/groups.py,
         "Failures"; absent: 0): a round's partners come from its roster, and we have none in a
         round before ours."""
         others = sorted(set(members) - {self.me})
         if len(others) <= self.max_peers:
             return others
+        mine = self.wish(others, trainers, rounds, in_from=in_from)
+        everyone = [self.me, *others]
+        mutual = [
+            p
+            for p in mine.rest
+            if self.me in replace(self, me=p).wish(everyone, trainers, rounds, in_from=in_from).all()
+        ]
+        return [*mine.partners, *mutual]
+
+    def wish(
+        self,
+        members: Sequence[str],
+        trainers: Sequence[str],
+        rounds: Sequence[int],
+        *,
+        in_from: Mapping[str, int] | None = None,
+    ) -> Wish:
+        """The peers this end would keep, one end's wish (`wanted` keeps the pair's): the partners
+        of the rounds under way (never cut) and of the round after the last, the DHT neighbours
+        among the members and the gossip sample, most wanted first, cut at `max_peers`."""
+        others = sorted(set(members) - {self.me})
         grouping = self.grouping
         now: list[str] = sorted(set(trainers) - {self.me})  # ungrouped: every round is the whole swarm
         ahead: tuple[str, ...] = ()
@@ -112,31 +152,21 @@ class ConnectionPlan:
         # the same at both ends: by peer id, the lowest ids were kept by everyone (56 links at 256).
         ahead = tuple(sorted(ahead, key=self._pair_hash))
         sampled = sorted((p for p in others if self._sampled(p, len(others))), key=self._pair_hash)
-        out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))
-        return out[: max(self.max_peers, len(now))]
+        out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))[: max(self.max_peers, len(now))]
+        partners = [p for p in out if p in now or p in ahead]
+        return Wish(partners, [p for p in out if p not in partners])
 
     def wanted_by(
-        self,
-        peer: str,
-        trainers: Sequence[str],
-        round_id: int | None,
-        *,
-        in_from: Mapping[str, int] | None = None,
-        members: Sequence[str] = (),
+        self, peer: str, trainers: Sequence[str], round_id: int, *, in_from: Mapping[str, int] | None = None
     ) -> bool:
-        """Whether `peer` keeps us, so that closing its connection would only have it dialled again:
-        it counts us among its DHT neighbours (of `members`), or, in round `round_id` (its
-        reported step; None: unknown), has us among the partners of its rounds under way — then
-        closing it would drop us from a round it runs, whatever ours is. `in_from` as for
-        `wanted`."""
-        if members and self.me in self._nearest(peer, sorted({*members, self.me} - {peer})):
-            return True
+        """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
+        rounds under way or of the next: then closing it would drop us from a round it runs,
+        whatever ours is (our rounds and its differ while one of us is a round or more ahead),
+        or have it dial us again for the next. `in_from` as for `wanted`."""
         grouping = self.grouping
-        if round_id is None:
-            return False
         if grouping is None:
             return peer in trainers
-        rounds = (round_id, round_id + grouping.period)
+        rounds = (round_id, round_id + grouping.period, round_id + 2 * grouping.period)  # and the next
         return any(self.me in _partners(grouping, peer, trainers, r, in_from) for r in rounds)
 
     def _nearest(self, peer: str, others: Sequence[str]) -> list[str]:

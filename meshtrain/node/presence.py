@@ -666,11 +666,11 @@ class PeerPresence(Service):
             and live.get(p, "trainer") == "trainer"
             and self._unwanted.seconds(p, now) > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
         ]
-        if unwanted:  # a peer a few rounds from ours may need us in its round, or near it: it keeps us
+        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
-            trainers, entries, members = self.trainers(), self.roster_entries(), sorted(live)
+            trainers, entries = self.trainers(), self.roster_entries()
             needs_us = {
-                p for p in unwanted if self.plan.wanted_by(p, trainers, steps.get(p), in_from=entries, members=members)
+                p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
             }
             self._unwanted.wanted_now(needs_us, now)
             unwanted = [p for p in unwanted if p not in needs_us]
