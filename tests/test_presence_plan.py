@@ -77,6 +77,10 @@ def test_a_connection_counts_as_unwanted_from_when_it_was_last_wanted_not_from_w
     unwanted.note([a], wanted={a}, now=80.0)  # b and c closed: forgotten
     unwanted.note([a, b], wanted=set(), now=90.0)
     assert unwanted.seconds(b, 90.0) == 0.0 and unwanted.seconds(a, 90.0) == 10.0
+    # b's connection closed and opened again between two passes: unwanted from its opening
+    unwanted.opened(b, now=99.0)
+    unwanted.note([a, b], wanted=set(), now=100.0)
+    assert unwanted.seconds(b, 100.0) == 1.0 and unwanted.seconds(a, 100.0) == 20.0
 
 
 def reads(pace: DiscoveryPace, me: str, live_at, left_at=lambda t: set(), until: float = 900.0) -> list[float]:

@@ -209,6 +209,10 @@ class UnwantedSince:
         """A pass of the connection loop: these are connected, these wanted, at `now`."""
         self._since = {p: now if p in wanted else self._since.get(p, now) for p in connected}
 
+    def opened(self, peer: str, now: float) -> None:
+        """A connection to `peer` opened now (a new one, whatever we thought of its last)."""
+        self._since[peer] = now
+
     def wanted_now(self, peers: set[str], now: float) -> None:
         """These were found wanted after all (a peer whose own round needs us)."""
         self._since.update(dict.fromkeys(peers & self._since.keys(), now))

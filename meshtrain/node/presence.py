@@ -238,6 +238,9 @@ class PeerPresence(Service):
             if self.pow_nonce is None:
                 self.pow_nonce = await trio.to_thread.run_sync(mint_pow, swarm_id, self.me, spec.admission.pow_bits)
             self.capabilities[POW_CAP] = self.pow_nonce
+        # A connection opened again counts as unwanted from now, not from when its last one went
+        # unwanted: else one reopened between two passes was closed at once, its query unanswered.
+        stack.callback(host.on_connected(lambda peer: self._unwanted.opened(peer, time.monotonic())))
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
 
