@@ -564,27 +564,33 @@ def test_own_rounds_answer_where_about_the_series_whatever_group_asks():
     own.at(RoundKey(8, "f0~g1.2", "c"))
     assert own.where("f0~g1.0") == WhereReply(8, "c", -1, "f0~g1.2")  # asked with another group's tag
     assert own.where("f0.phi~g1.0") == WhereReply(-1, None, -1, None)  # another series
-    own.ended(8, "f0~g1.2")
+    own.ended(8, "f0~g1.2", completed=True)
     assert own.where("f0") == WhereReply(-1, None, 8, None)
 
 
-def test_own_rounds_an_ended_round_is_past_and_a_re_sync_back_into_it_is_not():
+def test_own_rounds_a_completed_round_is_past_and_a_failed_one_is_not():
     """Seen in CI: our trainer completed round 8 with a partner under its group's tag while a
     third peer, grouping it otherwise, waited at our coordinator under another; `entered_as`
     still named our tag, so the coordinator regrouped the third peer's round until
-    `MAX_REGROUPS` ran out. An ended round is past, under no tag. A re-sync may take the trainer
-    back into a round it ended (it proceeded alone; the swarm still waits in that round): then it
-    is in that round again, neither past nor ended."""
+    `MAX_REGROUPS` ran out. A completed round is past, under no tag. A failed one is under no tag
+    either, but not past: the trainer re-syncs and, the swarm still in that round, enters it
+    again (seen in a loaded run: every member of a swarm had failed round 1280, and each, counted
+    past by the others as it re-entered, was told the round had passed, for five minutes)."""
     own = OwnRounds()
     key = RoundKey(8, "f0~g1.0", "a")
     own.enter(8, "f0~g1.1")
     assert not own.past(key) and own.entered_as(key) == "f0~g1.1"
-    own.ended(8, "f0")
+    own.ended(8, "f0", completed=False)  # proceeded alone
+    assert not own.past(key) and own.entered_as(key) is None
+    assert own.where("f0") == WhereReply(-1, None, -1, None)  # not in it, not past it
+    own.enter(8, "f0~g1.0")  # re-synced to the state before round 8, which the swarm is still in
+    assert not own.past(key) and own.entered_as(key) == "f0~g1.0"
+    own.ended(8, "f0", completed=True)
     assert own.past(key) and own.entered_as(key) is None
+    assert own.where("f0") == WhereReply(-1, None, 8, None)
     assert not own.past(RoundKey(8, "f0.phi~g1.0", "a"))  # the follow-up comes after the round ends
     assert not own.past(RoundKey(9, "f0", "a"))
     own.enter(10, "f0")
-    own.ended(10, "f0")
-    own.enter(8, "f0~g1.0")  # re-synced to the state before round 8, which the swarm is still in
-    assert not own.past(key) and own.entered_as(key) == "f0~g1.0"
-    assert own.where("f0") == WhereReply(-1, None, 7, None)  # not at a coordinator yet; 8 not ended
+    own.ended(10, "f0", completed=True)
+    own.enter(8, "f0~g1.0")  # back before round 8 (a re-sync to an older state)
+    assert not own.past(key) and own.where("f0") == WhereReply(-1, None, 7, None)

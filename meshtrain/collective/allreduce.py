@@ -424,6 +424,7 @@ class SwarmCollective(Service):
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
         regroups = 0
+        completed = False
         try:
             while True:
                 # Our group of the round, from our view of its roster now (computed anew when the
@@ -431,7 +432,9 @@ class SwarmCollective(Service):
                 tag = self._round_tag(round_id, request.tag)
                 self.own.enter(round_id, tag, request.among)
                 try:
-                    return await self._all_reduce(contribution, tag, request.codec)
+                    result = await self._all_reduce(contribution, tag, request.codec)
+                    completed = True
+                    return result
                 except _Regroup as e:
                     if regroups >= MAX_REGROUPS:
                         raise CollectiveError(
@@ -441,7 +444,7 @@ class SwarmCollective(Service):
                     log.info(kv("allreduce regrouping round", round=round_id, tag=tag, why=str(e)))
         finally:
             self._waiting = None
-            self.own.ended(round_id, request.tag)
+            self.own.ended(round_id, request.tag, completed=completed)
 
     async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
         round_id = contribution.round_id

@@ -22,10 +22,15 @@ and `entered_as` (the tag our trainer is in a round under: another group's when 
 the coordinator's disagree, coordinator.py "Groups that disagree"; none once the round ended).
 A round that our partner and we completed under our tag, while a peer that grouped it otherwise
 waits here under its own, is past for us, not a reason to regroup: seen in CI, where the two
-regrouped until `MAX_REGROUPS` ran out. All are our own trainer's calls, never a remote
+regrouped until `MAX_REGROUPS` ran out. A round our trainer failed (it proceeded alone) is not
+past, for us or for a prober (`where`'s last ended round counts completed rounds only): it
+re-syncs and, while the swarm is still in that round, enters it again (optim/outer.py
+`entry_step`). Counted as past, a swarm whose members had all failed one round told each other
+so as each re-entered it, and none ever completed it (seen in a loaded run of
+tests/test_nat_swarm.py). All are our own trainer's calls, never a remote
 peer's claim, so they cannot be used to cut a round short. The same record answers other
 coordinators' WHERE probes (`at`, `ended`, `where`): the round of each series our trainer is in,
-at which coordinator and under which tag, and the last it ended — about the series, whatever
+at which coordinator and under which tag, and the last it completed — about the series, whatever
 group's tag the prober asks with.
 
 Failures. A coordinator whose own trainer has not reached a follow-up yet expects the round's
@@ -80,12 +85,16 @@ class OwnRounds:
         """Our trainer's exchange of `key`'s series is now round `key` at its coordinator."""
         self._position[tag_series(key.tag)] = (key.round_id, key.coordinator, key.tag)
 
-    def ended(self, round_id: int, tag: str) -> None:
-        """Our trainer's exchange `round_id` under `tag` ended (whatever its outcome)."""
+    def ended(self, round_id: int, tag: str, *, completed: bool) -> None:
+        """Our trainer's exchange `round_id` under `tag` ended: `completed` (it has the round's
+        result: past it for good) or failed (it proceeds alone and re-syncs — into that round
+        again when the swarm is still in it: not past it)."""
         series = tag_series(tag)
         self._position.pop(series, None)
         if self._entered.get(series, (None,))[0] == round_id:
             del self._entered[series]  # under no tag now: a coordinator's probe must not regroup for it
+        if not completed:
+            return
         self._finished[series] = max(self._finished.get(series, -1), round_id)
         for old in list(self._finished)[:-SERIES_KEPT]:
             del self._finished[old]
@@ -108,10 +117,11 @@ class OwnRounds:
         return entered[1] if entered is not None and entered[0] == key.round_id else None
 
     def past(self, key: RoundKey) -> bool:
-        """Whether our trainer ended round `key` of its series (under whichever group's tag), or
-        entered a later round of its series or of a series `key`'s follows up ("f0" for "f0.phi"):
-        it will not come to round `key`. The follow-up itself comes after the round it follows ends,
-        so only `key`'s own series' ended rounds count."""
+        """Whether our trainer completed round `key` of its series (under whichever group's tag),
+        or entered a later round of its series or of a series `key`'s follows up ("f0" for
+        "f0.phi"): it will not come to round `key`. The follow-up itself comes after the round it
+        follows ends, so only `key`'s own series' completed rounds count; a failed round does not
+        (the trainer re-syncs, and with the swarm still in that round, enters it again)."""
         series = tag_series(key.tag)
         if self._finished.get(series, -1) >= key.round_id:
             return True
