@@ -424,7 +424,7 @@ class SwarmCollective(Service):
         contribution.start(await self._running())
         self._latest_round = max(self._latest_round or round_id, round_id)
         regroups = 0
-        completed = False
+        result: ReduceResult | None = None  # the round completed for us (own_rounds.py `ended`)
         try:
             while True:
                 # Our group of the round, from our view of its roster now (computed anew when the
@@ -432,9 +432,7 @@ class SwarmCollective(Service):
                 tag = self._round_tag(round_id, request.tag)
                 self.own.enter(round_id, tag, request.among)
                 try:
-                    result = await self._all_reduce(contribution, tag, request.codec)
-                    completed = True
-                    return result
+                    return (result := await self._all_reduce(contribution, tag, request.codec))
                 except _Regroup as e:
                     if regroups >= MAX_REGROUPS:
                         raise CollectiveError(
@@ -444,7 +442,7 @@ class SwarmCollective(Service):
                     log.info(kv("allreduce regrouping round", round=round_id, tag=tag, why=str(e)))
         finally:
             self._waiting = None
-            self.own.ended(round_id, request.tag, completed=completed)
+            self.own.ended(round_id, request.tag, completed=result is not None)
 
     async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
         round_id = contribution.round_id
