@@ -672,6 +672,9 @@ class PeerPresence(Service):
         if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
             trainers, entries = self.trainers(), self.roster_entries()
+            for p, entry in entries.items():  # a joiner waiting for its roster round dials its partners there
+                if entry > steps.get(p, 0):
+                    steps[p] = entry
             needs_us = {
                 p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
             }
