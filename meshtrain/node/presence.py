@@ -639,11 +639,12 @@ class PeerPresence(Service):
             addrs = {p.peer_id: p.addrs for p in view.live_peers()}
             wanted = self.wanted()
             self._last_wanted = frozenset(wanted)
-            for peer in wanted:
-                dialler.dial(peer, addrs.get(peer, []))
+            for rank, peer in enumerate(wanted):  # DEBUG: who dials whom, and why (the churn's census)
+                if dialler.dial(peer, addrs.get(peer, [])):
+                    log.debug(kv("dialling", peer=peer[-8:], why="plan", rank=rank))
             for peer, book_addrs in self._book_peers_to_dial().items():
-                if peer not in addrs:
-                    dialler.dial(peer, book_addrs)
+                if peer not in addrs and dialler.dial(peer, book_addrs):
+                    log.debug(kv("dialling", peer=peer[-8:], why="address book"))
             if pace.due(host.peer_id, set(addrs), left, time.monotonic()):
                 try:
                     found = await discovery.peers()
@@ -653,6 +654,7 @@ class PeerPresence(Service):
                 room = self.plan.max_peers - len(host.connected_peers())
                 for a in found:  # not in the view yet: how a node that knows nobody finds the swarm
                     if a.peer_id not in addrs and room > 0 and dialler.dial(a.peer_id, a.addrs):
+                        log.debug(kv("dialling", peer=a.peer_id[-8:], why="discovery"))
                         room -= 1
             await self._close_surplus(view, set(wanted))
             with trio.move_on_after(CONNECT_INTERVAL):
