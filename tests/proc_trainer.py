@@ -13,6 +13,9 @@ in the parent, so the four peers do not each tokenise; `Corpus.from_parts`).
 Inner lr: constant, or with `--cosine` a cosine from lr down to lr/10 at the last step, after
 `--warmup W` steps of linear warm-up (lr·(s+1)/W at step s; W = 0: none).
 
+`--init FILE`: start from these weights (what `--save-phi` wrote: a name -> tensor dict of the
+model's parameters) instead of fresh ones: bench_convergence.py --text --warm-start.
+
 Methods: single (plain AdamW, no exchange), dp (gradients all-reduced every step), diloco,
 heavyball (DiLoCo without Nesterov), streaming (--eager: eager updates), noloco, sparseloco,
 custom (docs/guide.md's `OuterSGD`, below).
@@ -211,6 +214,17 @@ def model_and_corpus(args: argparse.Namespace) -> tuple[torch.nn.Module, Corpus,
     return model, corpus, context
 
 
+@torch.no_grad()
+def load_parameters(model: torch.nn.Module, path: str) -> None:
+    """Copy `--init`'s tensors into `model`'s parameters of the same names; every one must be there."""
+    saved = torch.load(path)
+    params = dict(model.named_parameters())
+    if saved.keys() != params.keys():
+        raise SystemExit(f"--init {path}: its tensors are not this model's parameters")
+    for name, p in params.items():
+        p.copy_(saved[name])
+
+
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """--cosine's multiplier of the inner lr at `step` (module docstring)."""
     if step < warmup:
@@ -235,6 +249,8 @@ async def main(args: argparse.Namespace) -> None:
     configure()  # MESHTRAIN_LOG=INFO shows the rounds in each peer's log
     torch.set_num_threads(args.threads)
     model, corpus, context = model_and_corpus(args)
+    if args.init:
+        load_parameters(model, args.init)
     evals = corpus.eval_batches(args.eval_batches, 32, context)
     cfg = AllReduceConfig(
         join_timeout=args.join_timeout, part_timeout=args.part_timeout, report_timeout=args.part_timeout
@@ -396,6 +412,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=10)
     p.add_argument("--part-timeout", type=float, default=5)
     p.add_argument("--save-phi", default="")
+    p.add_argument("--init", default="", help="start from these weights (a --save-phi file)")
     p.add_argument("--listen", default="", help="IP to listen on (a lab namespace's address)")
     p.add_argument("--linger", type=float, default=1.0)
     return p

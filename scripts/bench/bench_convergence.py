@@ -4,6 +4,7 @@ with 4 real peers on loopback.
     python scripts/bench/bench_convergence.py [--quick] [--steps 2000] [--methods a,b] [--seed 0]
         [--png runs/bench_convergence.png]
     python scripts/bench/bench_convergence.py --text [--quick] [--seeds 0,1] [--steps 300] [--methods a,b]
+        [--warm-start STEPS]
         [--png runs/bench_convergence_text_loss.png] [--png-bytes runs/bench_convergence_text_bytes.png]
     python scripts/bench/bench_convergence.py --replot SUMMARY.json [--png ...] [--png-bytes ...]
 
@@ -79,6 +80,11 @@ papers'. Built once per run into a temporary directory the peers read:
              cosine from 2e-3 down to 2e-4 at the last step. (DiLoCo's paper: lr 4e-4, 1000
              warm-up steps of ~88k, on 150 M+ models; lr and warm-up are scaled to a 5 M model
              and 300 steps, not tuned per method.)
+  warm start `--warm-start N` (default 0: every method from fresh weights): first, for each seed,
+             one peer trains N steps (the same schedule over N steps, its own draw of the
+             training windows) and every method of that seed starts from its weights, with fresh
+             inner moments and its schedule from the start: the DiLoCo paper's runs start from a
+             pretrained model. Recovery is then measured from the same start for all.
   eval       every 60 steps and at the end, 6 fixed batches of 32 held-out windows (~12k tokens),
              on the outer parameters φ, mean over the peers; perplexity = exp(loss) per BPE token.
 Methods (4 peers each except single):
@@ -192,7 +198,11 @@ def methods(steps: int) -> dict[str, tuple[int, list[str]]]:
     }
 
 
-def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: float) -> dict:
+def run_method(
+    name: str, n: int, extra: list[str], common: list[str], timeout: float, keep_phi: Path | None = None
+) -> dict:
+    """One method's run: `n` trainer processes (tests/proc_trainer.py); `keep_phi`: where to keep
+    the first peer's final weights (the warm start's)."""
     logs = []
     phi_files = []
     procs = []
@@ -267,6 +277,8 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
         }
         if n > 1:
             out["cross_replica_std"] = cross_replica_std(phi_files)
+        if keep_phi is not None:
+            shutil.copyfile(phi_files[0], keep_phi)
         return out
     finally:
         for p in procs:
@@ -280,13 +292,15 @@ def run_method(name: str, n: int, extra: list[str], common: list[str], timeout: 
             Path(f).unlink(missing_ok=True)
 
 
-def run_with_retry(name: str, n: int, extra: list[str], common: list[str], timeout: float) -> dict:
+def run_with_retry(
+    name: str, n: int, extra: list[str], common: list[str], timeout: float, keep_phi: Path | None = None
+) -> dict:
     """`run_method`, retried twice on a start-up failure (a peer not ready on a loaded machine);
     one progress line on stderr."""
     t0 = time.monotonic()
     for attempt in range(3):
         try:
-            r = run_method(name, n, extra, common, timeout)
+            r = run_method(name, n, extra, common, timeout, keep_phi)
             break
         except (RuntimeError, ValueError) as e:
             if attempt == 2 or "timed out" in str(e):
@@ -542,13 +556,20 @@ def text_main(args: argparse.Namespace) -> None:
         data = build_text_data(work, size)
         print(json.dumps({"data": data, "build_s": round(time.monotonic() - t_start, 1)}), file=sys.stderr, flush=True)
         results: dict[int, dict[str, dict]] = {}
+        warm_starts: dict[int, dict] = {}
         for seed in seeds:
+            init: list[str] = []
+            if args.warm_start:
+                weights = work / f"warm-{seed}.pt"
+                warm_starts[seed] = warm_start(weights, seed, args.warm_start, size, args.quick, args.timeout)
+                init = ["--init", str(weights)]
             common = [
                 *("--steps", str(steps), "--batch", str(size.batch), "--lr", str(TEXT_LR), "--wd", str(TEXT_WD)),
                 *("--clip", "1.0", "--cosine", "--warmup", str(warmup), "--eval-every", str(eval_every)),
                 *("--eval-batches", "2" if args.quick else "6", "--threads", "1", "--join-timeout", "60"),
                 *("--part-timeout", "30", "--linger", "2", "--seed", str(seed), "--data-seed", str(seed)),
                 *("--text-data", str(work)),
+                *init,
             ]
             results[seed] = {}
             for name in chosen:
@@ -564,7 +585,27 @@ def text_main(args: argparse.Namespace) -> None:
             print(f"kept {work} (a run failed)", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
+    data = {**data, **({"warm_start": warm_starts} if warm_starts else {})}
     summarise_text(args, results, data, steps, eval_every, warmup, size, (h25, h100), time.monotonic() - t_start)
+
+
+def warm_start(weights: Path, seed: int, steps: int, size: TextSize, quick: bool, timeout: float | None) -> dict:
+    """--warm-start: one peer trains a fresh model (seed `seed`) for `steps` steps with the methods'
+    schedule over its own length (linear warm-up, cosine to lr/10), on its own draw of the training
+    text (data seed 10,000 + seed, not the methods'), and every method of this seed starts from its
+    weights, with fresh inner moments and its schedule from the start — the DiLoCo paper's protocol
+    (its runs start from a model pretrained on the same data). Returns the file and its held-out
+    loss (the weights go to `weights`, beside the tokenised text the peers read)."""
+    work = weights.parent
+    warmup = max(1, round(steps * TEXT_WARMUP_FRACTION))
+    args = [
+        *("--steps", str(steps), "--batch", str(size.batch), "--lr", str(TEXT_LR), "--wd", str(TEXT_WD)),
+        *("--clip", "1.0", "--cosine", "--warmup", str(warmup), "--eval-every", "0"),
+        *("--eval-batches", "2" if quick else "6", "--threads", "1"),
+        *("--seed", str(seed), "--data-seed", str(10_000 + seed), "--text-data", str(work)),
+    ]
+    r = run_with_retry(f"warm-start@{seed}", 1, ["--method", "single"], args, timeout or 1800.0, keep_phi=weights)
+    return {"steps": steps, "final_eval_loss": round(r["final_eval_loss"], 4)}
 
 
 def summarise_text(
@@ -705,6 +746,13 @@ def main() -> None:
         "--cosine",
         action="store_true",
         help="inner lr decays to a tenth along a cosine (a testbed variant; the default is constant)",
+    )
+    ap.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="--text: every method starts from one peer's model trained this many steps (0: from scratch)",
     )
     ap.add_argument(
         "--replot",
