@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from meshtrain.models import Corpus
 
@@ -81,3 +82,21 @@ def test_sparseloco_sweep_prints_one_json_line_with_paired_gaps():
         pairs = zip(c["gap_per_seed"], c["per_seed"], out["diloco"]["per_seed"], strict=True)
         assert all(abs(g - (s / d - 1)) < 1e-3 for g, s, d in pairs)  # paired: the same seed's DiLoCo
     assert out["best"] in {"beta=0.9", "vector_k=8,range=3"}
+
+
+def test_a_trainer_started_from_saved_weights_holds_them_and_refuses_another_models(tmp_path):
+    """tests/proc_trainer.py --init (bench_convergence.py --text --warm-start): every parameter
+    of the saved model, none of the fresh one's; a file of another model's tensors is refused."""
+    from meshtrain.models import GPT
+
+    from .proc_trainer import load_parameters, model_config
+
+    config = model_config("tiny", Corpus.default().vocab_size)
+    trained, fresh = GPT(config, seed=1), GPT(config, seed=2)
+    torch.save({n: p.detach().clone() for n, p in trained.named_parameters()}, tmp_path / "warm.pt")
+    load_parameters(fresh, str(tmp_path / "warm.pt"))
+    for (name, a), (_, b) in zip(trained.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    torch.save({"other.weight": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="not this model's parameters"):
+        load_parameters(fresh, str(tmp_path / "other.pt"))
