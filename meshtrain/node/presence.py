@@ -683,6 +683,7 @@ class PeerPresence(Service):
         if unwanted:  # a peer whose own plan keeps us dials us again: we keep it too
             steps = {p: pr.step for p, pr in view.progress().items()}
             members, trainers, entries = list(live), self.trainers(), self.roster_entries()
+            steps |= {p: e for p, e in entries.items() if e > 0 and p not in steps}  # a joiner not training yet
             needs_us = {
                 p
                 for p in unwanted
