@@ -32,9 +32,8 @@ spec, how many peers are live, the swarm's step, and their addresses as entry po
 Staying connected (node/connections.py), bounded. Every `CONNECT_INTERVAL` seconds, and at once
 when the collective first asks about a new round, one background task works out whom to keep
 (`ConnectionPlan.wanted`: everyone while the swarm has at most `max_peers` other members — the
-full mesh, as before —, else the group partners of the rounds under way (never cut), and those
-of the next round, DHT neighbours and a gossip sample that both ends keep, at most `max_peers`),
-dials those we are not connected to concurrently (`Dialler`:
+full mesh, as before —, else the group partners of the rounds under way (never cut) and of the
+next round, DHT neighbours and a gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
 a few at once, an unreachable peer backing off exponentially), and asks NAT traversal to upgrade
 a relayed connection (DCUtR). The rounds under way are ours (`current_round`, the node's step;
 before it trains, the swarm's) and the next, whose join the collective prepares ahead — not the
@@ -48,13 +47,10 @@ And a partner of a round two rounds ahead is wanted again a round before it: clo
 old connection the moment it stopped being wanted — it must be re-dialled within one round, and
 where rounds take under a second under load it was not, so the round ran without it: a partner
 whose connection is closed is no candidate, node/presence.py `candidates`), a peer not in the
-view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be
-downloading the state from us), nor a trainer whose own plan keeps us, computed from our view and
-the step it reports (`ConnectionPlan.wanted_by`): a peer a round ahead or behind ours still needs
-us in its round, and closing it stalled both (its round waits for us, ours for nobody) — but only
-what its plan keeps: kept for every partner of its next three rounds, a peer held 43 connections at
-256 members where every plan kept 32. So the bound holds up to those graces, joiners syncing and
-peers out of step. Nothing else would close them — py-libp2p's idle
+view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
+under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
+needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
+the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
 kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound.
@@ -587,17 +583,12 @@ class PeerPresence(Service):
         view = self._view()
         members = [p.peer_id for p in view.live_peers()]
         ours = self.current_round() if self.current_round is not None else None
-        rounds = self._rounds_under_way(ours if ours is not None else (self.swarm_step() or 0), view.in_from)
+        now = ours if ours is not None else (self.swarm_step() or 0)
+        rounds = [now, now + self._period]  # ours, and the one whose join is prepared ahead
+        entry = self._view().in_from
+        if entry > now:  # a joiner waiting for its roster round: its partners there (and donors)
+            rounds.append(entry)
         return self.plan.wanted(members, self.trainers(), rounds, in_from=self.roster_entries())
-
-    def _rounds_under_way(self, round_id: int, in_from: int) -> list[int]:
-        """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
-        its round, the one whose join is prepared ahead, and — a joiner waiting for its roster
-        round — that round (its partners there, and donors)."""
-        rounds = [round_id, round_id + self._period]
-        if in_from > round_id:
-            rounds.append(in_from)
-        return rounds
 
     def connection_counts(self) -> dict[str, int]:
         """What the status document shows of the bound: `connections` (every libp2p connection
@@ -680,17 +671,14 @@ class PeerPresence(Service):
             and live.get(p, "trainer") == "trainer"
             and self._unwanted.seconds(p, now) > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
         ]
-        if unwanted:  # a peer whose own plan keeps us dials us again: we keep it too
+        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
             steps = {p: pr.step for p, pr in view.progress().items()}
-            members, trainers, entries = list(live), self.trainers(), self.roster_entries()
-            steps |= {p: e for p, e in entries.items() if e > 0 and p not in steps}  # a joiner not training yet
+            trainers, entries = self.trainers(), self.roster_entries()
+            for p, entry in entries.items():  # a joiner waiting for its roster round dials its partners there
+                if entry > steps.get(p, 0):
+                    steps[p] = entry
             needs_us = {
-                p
-                for p in unwanted
-                if p in steps
-                and self.plan.wanted_by(
-                    p, members, trainers, self._rounds_under_way(steps[p], entries.get(p, 0)), in_from=entries
-                )
+                p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
             }
             self._unwanted.wanted_now(needs_us, now)
             unwanted = [p for p in unwanted if p not in needs_us]
