@@ -216,13 +216,13 @@ def model_and_corpus(args: argparse.Namespace) -> tuple[torch.nn.Module, Corpus,
 
 @torch.no_grad()
 def load_parameters(model: torch.nn.Module, path: str) -> None:
-    """Copy `--init`'s tensors into `model`'s parameters of the same names; every one must be there."""
+    """Load `--init`'s tensors into `model`'s parameters of the same names; every one must be there
+    (buffers, which --save-phi does not write, stay as built)."""
     saved = torch.load(path)
-    params = dict(model.named_parameters())
-    if saved.keys() != params.keys():
+    params = {name for name, _ in model.named_parameters()}
+    if saved.keys() != params:
         raise SystemExit(f"--init {path}: its tensors are not this model's parameters")
-    for name, p in params.items():
-        p.copy_(saved[name])
+    model.load_state_dict(saved, strict=False)
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:

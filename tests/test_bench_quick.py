@@ -94,6 +94,7 @@ def test_a_trainer_started_from_saved_weights_holds_them_and_refuses_another_mod
     config = model_config("tiny", Corpus.default().vocab_size)
     trained, fresh = GPT(config, seed=1), GPT(config, seed=2)
     torch.save({n: p.detach().clone() for n, p in trained.named_parameters()}, tmp_path / "warm.pt")
+    assert not all(torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True))
     load_parameters(fresh, str(tmp_path / "warm.pt"))
     for (name, a), (_, b) in zip(trained.named_parameters(), fresh.named_parameters(), strict=True):
         assert torch.equal(a, b), name

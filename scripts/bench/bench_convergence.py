@@ -594,8 +594,8 @@ def warm_start(weights: Path, seed: int, steps: int, size: TextSize, quick: bool
     schedule over its own length (linear warm-up, cosine to lr/10), on its own draw of the training
     text (data seed 10,000 + seed, not the methods'), and every method of this seed starts from its
     weights, with fresh inner moments and its schedule from the start — the DiLoCo paper's protocol
-    (its runs start from a model pretrained on the same data). Returns the file and its held-out
-    loss (the weights go to `weights`, beside the tokenised text the peers read)."""
+    (its runs start from a model pretrained on the same data). Writes the weights to `weights`
+    (beside the tokenised text the peers read); returns the steps and the held-out loss."""
     work = weights.parent
     warmup = max(1, round(steps * TEXT_WARMUP_FRACTION))
     args = [
