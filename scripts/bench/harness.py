@@ -5,7 +5,9 @@ A benchmark of real daemons (bench_node, bench_stop, bench_trainer, ...) drives 
 would: through the CLI, in their own processes, on loopback. `Daemon` is one such process: its
 data dir, its log (stderr), the stdout whose last JSON line is the node's result. Every helper
 raises `RuntimeError` naming the log to read when a node does not start or exits early, so a
-benchmark's failure says where to look.
+benchmark's failure says where to look. A daemon still running when the benchmark's process
+exits — a `wait_for` that timed out, any exception — is killed then (`atexit`), so a failed run
+leaves no daemons loading the machine for the next one.
 
 Run as scripts (`python scripts/bench/bench_x.py`), the benchmarks import this module by its
 package path (`scripts.bench.harness`), which needs the repository root on `sys.path`: each
@@ -14,6 +16,7 @@ benchmark inserts `ROOT` before importing it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -29,6 +32,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1"]
 
 T = TypeVar("T")
+_running: list[Daemon] = []  # every Daemon started, for the exit handler
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for d in _running:
+        d.kill()
 
 
 def cli(*args: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:
@@ -98,6 +108,7 @@ class Daemon:
                 stderr=err,
                 text=True,
             )
+        _running.append(self)
 
     def daemon(self, timeout: float = 120) -> dict:
         """The node's daemon.json (pid, peer id, addresses, status url) once it is up."""
