@@ -140,3 +140,18 @@ def test_a_pair_is_kept_at_both_ends_or_at_neither():
             one_sided += a not in b_wish
             assert (b in wanted[a]) == (a in wanted[b]) == (a in b_wish), (a, b)
     assert one_sided > 0  # the one-sided wishes the rule is for are there to be covered
+
+
+def test_a_former_partner_is_told_from_a_connection_someone_else_opened():
+    """Presence closes a past round's partner sooner (its round has ended) than a connection it
+    never wanted (a DHT query's, a peer whose view differs: theirs must finish first)."""
+    a, b, c = IDS[:3]
+    unwanted = UnwantedSince()
+    unwanted.note([a, b], wanted={a, b}, now=0.0)  # b: a partner of this round
+    unwanted.note([a, b, c], wanted={a}, now=2.0)  # the round ended; c dialled us
+    assert unwanted.was_wanted(b) and not unwanted.was_wanted(c)
+    unwanted.opened(b, now=3.0)  # b's connection closed and b dialled us again: not ours
+    assert not unwanted.was_wanted(b)
+    unwanted.note([a, c], wanted={a, c}, now=4.0)
+    unwanted.note([a], wanted={a}, now=6.0)  # c disconnected: forgotten, not a former partner
+    assert not unwanted.was_wanted(c) and unwanted.was_wanted(a)

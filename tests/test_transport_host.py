@@ -8,11 +8,13 @@ import random
 import stat
 import struct
 from contextlib import AsyncExitStack
+from functools import partial
 
 import pytest
 import trio
 
 from meshtrain.errors import ConfigError
+from meshtrain.transport import one_off
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import ConnectError, Host, HostConfig, ProposedStream, StreamOpenError
 from meshtrain.transport.identity import Identity, IdentityError, public_key_of, verify
@@ -308,3 +310,79 @@ async def test_host_does_not_auto_dial_known_peers():
         await b.host.libp2p.get_network().auto_connector.maybe_connect()  # what its timer runs
         await trio.sleep(0.5)  # sleep: time for an auto-dial if there were one (below: none)
         assert not b.host.is_connected(a.id)
+
+
+# -- one-off connections (transport/one_off.py) ---------------------------------------------------
+
+
+async def _known_not_connected(stack: AsyncExitStack) -> tuple[Host, Host]:
+    """Two hosts serving `echo`; the first knows the second's address but is not connected."""
+    b, a = await start_peers(stack, 2, streams=False)  # the second dialled the first: it knows its address
+    await _serve_echo(b.host)
+    await a.host.disconnect(b.id)
+    with trio.fail_after(10):
+        await a.host.wait_until(lambda: not a.host.is_connected(b.id))
+    return a.host, b.host
+
+
+async def test_a_connection_dialled_for_one_query_is_hung_up_after_it_unless_kept():
+    async with AsyncExitStack() as stack:
+        a, b = await _known_not_connected(stack)
+        a.one_off.keep = lambda peer: False
+        dialled: list[str] = []
+        stack.callback(a.on_connected(dialled.append))
+        async with a.one_off.use(b.peer_id):  # the query dials b
+            assert (await a.rpc.call(b.peer_id, "echo", 1))["echo"] == 1
+        assert a.is_connected(b.peer_id) and a.one_off.in_use() == 1  # it lingers...
+        async with a.one_off.use(b.peer_id):  # ...so a store that follows its lookup reuses it
+            assert (await a.rpc.call(b.peer_id, "echo", 2))["echo"] == 2
+        assert dialled == [b.peer_id]
+        with trio.fail_after(10):
+            await a.wait_until(lambda: not a.is_connected(b.peer_id))
+        assert a.one_off.closed == 1 and a.one_off.in_use() == 0
+
+
+async def test_a_one_off_connection_the_policy_keeps_stays():
+    async with AsyncExitStack() as stack:
+        a, b = await _known_not_connected(stack)  # the default policy keeps every connection
+        async with a.one_off.use(b.peer_id):
+            await a.rpc.call(b.peer_id, "echo", 1)
+        with trio.move_on_after(one_off.LINGER_S + 1):  # past the linger: nothing closes it
+            await a.wait_until(lambda: not a.is_connected(b.peer_id))
+        assert a.is_connected(b.peer_id) and a.one_off.closed == 0
+
+
+async def test_a_query_on_a_connection_that_was_open_before_never_closes_it():
+    async with AsyncExitStack() as stack:
+        peers = await start_peers(stack, 2, streams=False)
+        a, b = peers[0].host, peers[1].host
+        await _serve_echo(b)
+        a.one_off.keep = lambda peer: False
+        async with a.one_off.use(b.peer_id):
+            await a.rpc.call(b.peer_id, "echo", 1)
+        with trio.move_on_after(one_off.LINGER_S + 1):
+            await a.wait_until(lambda: not a.is_connected(b.peer_id))
+        assert a.is_connected(b.peer_id) and a.one_off.closed == 0
+
+
+async def test_a_one_off_connection_with_a_stream_still_open_is_closed_only_after_it():
+    """Something else (a membership exchange) opened a stream on it: that stream finishes first."""
+    async with AsyncExitStack() as stack:
+        a, b = await _known_not_connected(stack)
+        a.one_off.keep = lambda peer: False
+        async with a.one_off.use(b.peer_id):
+            await a.rpc.call(b.peer_id, "echo", 1)
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+                slow = partial(a.rpc.call, b.peer_id, "echo", "slow", timeout=one_off.LINGER_S + 2)
+                nursery.start_soon(_expect_timeout, slow)
+                with trio.move_on_after(one_off.LINGER_S + 1):  # the linger ends while it runs
+                    await a.wait_until(lambda: not a.is_connected(b.peer_id))
+                assert a.is_connected(b.peer_id) and a.one_off.closed == 0
+            await a.wait_until(lambda: not a.is_connected(b.peer_id))  # closed once it is done
+        assert a.one_off.closed == 1
+
+
+async def _expect_timeout(call) -> None:
+    with pytest.raises(RpcTimeout):
+        await call()

@@ -35,6 +35,10 @@ Design.
 - **Store**: sign, validate locally, look the key up, send the record to the `replication`
   closest peers that answered (ourselves included when we are among them). Each storing node
   validates and merges (`RecordStore`). Returns how many replicas accepted it.
+- **Connections**: a query to a peer we are not connected to dials it; that connection is
+  one-off (transport/one_off.py): hung up a moment after the lookup or store unless the node's
+  policy keeps it (node/presence.py: a peer its plan wants), so lookups do not leave
+  connections behind for the bound to close.
 - **Get**: the union (merge) of our local entries and every valid record the lookup saw;
   records that fail validation are dropped and logged with the peer that sent them. Replicas
   among the closest that lacked an entry are repaired in the background (read repair), which
@@ -474,13 +478,14 @@ class Dht(Service):
         reply: _FindReply | None = None
         started = time.monotonic()
         try:
-            raw = await self.host.rpc.call(
-                peer,
-                FIND_RPC,
-                {"swarm": self.network, "target": target, "key": key},
-                timeout=self.config.rpc_timeout,
-                max_response=limits.max_key_bytes + RPC_OVERHEAD,
-            )
+            async with self.host.one_off.use(peer):  # a peer dialled for this is hung up after it
+                raw = await self.host.rpc.call(
+                    peer,
+                    FIND_RPC,
+                    {"swarm": self.network, "target": target, "key": key},
+                    timeout=self.config.rpc_timeout,
+                    max_response=limits.max_key_bytes + RPC_OVERHEAD,
+                )
             reply = self._parse_find_reply(peer, key, raw)
         except RemoteError as e:
             log.info(kv("dht find refused", peer=peer, error=e))
@@ -523,12 +528,13 @@ class Dht(Service):
         """`dht/store` to one peer: per-record results (None = accepted), or None if it failed."""
         started = time.monotonic()
         try:
-            raw = await self.host.rpc.call(
-                peer,
-                STORE_RPC,
-                {"swarm": self.network, "key": key, "records": [r.to_wire() for r in records]},
-                timeout=self.config.rpc_timeout,
-            )
+            async with self.host.one_off.use(peer):
+                raw = await self.host.rpc.call(
+                    peer,
+                    STORE_RPC,
+                    {"swarm": self.network, "key": key, "records": [r.to_wire() for r in records]},
+                    timeout=self.config.rpc_timeout,
+                )
             results = require_map(raw, "results", error=MalformedMessage)["results"]
             if not isinstance(results, list) or len(results) != len(records):
                 raise MalformedMessage("results must list one entry per record")

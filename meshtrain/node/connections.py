@@ -204,14 +204,23 @@ class UnwantedSince:
 
     def __init__(self) -> None:
         self._since: dict[str, float] = {}  # connected peer -> when last wanted (else when first seen)
+        self._was_wanted: set[str] = set()  # connected peers the plan wanted at some pass since they connected
 
     def note(self, connected: Sequence[str], wanted: set[str], now: float) -> None:
         """A pass of the connection loop: these are connected, these wanted, at `now`."""
         self._since = {p: now if p in wanted else self._since.get(p, now) for p in connected}
+        self._was_wanted = (self._was_wanted | set(wanted)) & self._since.keys()
 
     def opened(self, peer: str, now: float) -> None:
         """A connection to `peer` opened now (a new one, whatever we thought of its last)."""
         self._since[peer] = now
+        self._was_wanted.discard(peer)
+
+    def was_wanted(self, peer: str) -> bool:
+        """Whether the plan wanted `peer` at some pass since its connection opened: a partner of
+        a round that has ended, not a connection someone else opened (a DHT query, a peer whose
+        view differs), whose query or RPC must finish first."""
+        return peer in self._was_wanted
 
     def wanted_now(self, peers: set[str], now: float) -> None:
         """These were found wanted after all (a peer whose own round needs us)."""

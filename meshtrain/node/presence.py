@@ -41,18 +41,21 @@ rounds other peers' requests name, which a faster peer's prepared join sets ahea
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus among those it has not
-wanted for `CLOSE_GRACE_S` (a DHT lookup's, an inbound dial of a peer whose view differs: the
-query or RPC on it finishes first; closing at once made every lookup fail and py-libp2p churn.
-And a partner of a round two rounds ahead is wanted again a round before it: closed then — an
-old connection the moment it stopped being wanted — it must be re-dialled within one round, and
-where rounds take under a second under load it was not, so the round ran without it: a partner
-whose connection is closed is no candidate, node/presence.py `candidates`), a peer not in the
+wanted for a grace (`_close_grace`): `FORMER_GRACE_S` for a past round's partner (the plan
+wanted it while connected; its round has ended), `CLOSE_GRACE_S` for a connection someone else
+opened (an inbound dial of a peer whose view differs: its query or RPC finishes first; closing
+at once made every lookup fail and py-libp2p churn. The grace counts from when the connection
+was last wanted, not from when it opened: a partner of a round two rounds ahead is wanted again a
+round before it, and where rounds take under a second it is still held then), a peer not in the
 view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
 under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
 needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
 the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
-kept until the host's hard cap. A peer discovered through the DHT but not yet in the view is
+kept until the host's hard cap. A connection one of our DHT queries dialled is hung up a moment
+after the query unless `keeps_connection` says the bound would keep it (transport/one_off.py):
+every node's lookups of the swarm's key dial the same few peers, and held for the other end's
+grace those connections kept nodes over their bound most of the time. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound.
 
 Discovery, sparingly. Every node announces itself under the swarm's one DHT key and reads it
@@ -117,6 +120,7 @@ admission rules themselves (`node/trust/admission.py`), reading the swarm index 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -169,6 +173,7 @@ ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
 REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
 CLOSE_GRACE_S = 10.0  # an unwanted trainer's connection is not closed over the bound before this
+FORMER_GRACE_S = CONNECT_INTERVAL  # ... nor one the plan wanted before (a past round's partner) before this
 STRANGER_GRACE_S = 30.0  # a connection of a peer not in the view is not closed over the bound before this
 
 
@@ -241,6 +246,9 @@ class PeerPresence(Service):
         # A connection opened again counts as unwanted from now, not from when its last one went
         # unwanted: else one reopened between two passes was closed at once, its query unanswered.
         stack.callback(host.on_connected(lambda peer: self._unwanted.opened(peer, time.monotonic())))
+        # A connection a DHT query dialled is hung up after it unless we keep it (transport/one_off.py).
+        host.one_off.keep = self.keeps_connection
+        stack.callback(setattr, host.one_off, "keep", lambda peer: True)
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
 
@@ -597,7 +605,8 @@ class PeerPresence(Service):
         way where they are more), `unwanted` (connected, not in that plan: kept for a grace,
         a syncing member, a peer whose round needs us, or while we are under the bound) and
         `closed` (connections closed over the bound since start: a count that keeps growing
-        means connections that something else reopens)."""
+        means connections that something else reopens) and `one_off_closed` (those a DHT query
+        dialled and we hung up after it, transport/one_off.py)."""
         connected = set(self.host.connected_peers())
         return {
             "connections": len(connected),
@@ -605,6 +614,7 @@ class PeerPresence(Service):
             "wanted": len(self._last_wanted),
             "unwanted": len(connected - self._last_wanted),
             "closed": self.closed_over_bound,
+            "one_off_closed": self.host.one_off.closed,
         }
 
     def _dialled(self, peer: str, ok: bool) -> None:
@@ -651,6 +661,37 @@ class PeerPresence(Service):
             with trio.move_on_after(CONNECT_INTERVAL):
                 await self._wake.wait()
 
+    def _needing_us(self, view: SwarmView, peers: list[str]) -> set[str]:
+        """Those of `peers` whose rounds under way (by the step they report, or a joiner's roster
+        round) have us as a partner (`ConnectionPlan.wanted_by`)."""
+        steps = {p: pr.step for p, pr in view.progress().items()}
+        trainers, entries = self.trainers(), self.roster_entries()
+        for p, entry in entries.items():  # a joiner waiting for its roster round dials its partners there
+            if entry > steps.get(p, 0):
+                steps[p] = entry
+        return {p for p in peers if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)}
+
+    def keeps_connection(self, peer: str) -> bool:
+        """Whether a connection a DHT query dialled to `peer` stays open after it
+        (transport/one_off.py): for a peer the bound would not close — one the plan wants, a
+        syncing member, a peer whose round needs us —, and every one before the view is entered
+        (the DHT's bootstrap: nothing to judge by yet). Not merely because we hold fewer than
+        `max_peers`: the other end may not, and would close it only after its grace."""
+        view = self.view
+        if view is None or peer in self._last_wanted:
+            return True
+        role = {p.peer_id: p.role for p in view.live_peers()}.get(peer)
+        return (role is not None and role != "trainer") or bool(self._needing_us(view, [peer]))
+
+    def _close_grace(self, peer: str, live: dict[str, str]) -> float:
+        """How long a connection over the bound goes unwanted before it is closed: a former
+        partner's `FORMER_GRACE_S` (its round has ended; one that still needs us is kept by
+        `_needing_us`), a connection someone else opened `CLOSE_GRACE_S` (their query first), a
+        peer not in the view `STRANGER_GRACE_S`."""
+        if peer not in live:
+            return STRANGER_GRACE_S
+        return FORMER_GRACE_S if self._unwanted.was_wanted(peer) else CLOSE_GRACE_S
+
     async def _close_surplus(self, view: SwarmView, wanted: set[str]) -> None:
         """While over `max_peers` connections, close those we have not wanted for `CLOSE_GRACE_S`
         (a trainer's: a DHT query or an RPC on it finishes first, and a partner of a round a few
@@ -669,19 +710,30 @@ class PeerPresence(Service):
             for p in connected
             if p not in wanted
             and live.get(p, "trainer") == "trainer"
-            and self._unwanted.seconds(p, now) > (CLOSE_GRACE_S if p in live else STRANGER_GRACE_S)
+            and self._unwanted.seconds(p, now) > self._close_grace(p, live)
         ]
+        needs_us: set[str] = set()
         if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
-            steps = {p: pr.step for p, pr in view.progress().items()}
-            trainers, entries = self.trainers(), self.roster_entries()
-            for p, entry in entries.items():  # a joiner waiting for its roster round dials its partners there
-                if entry > steps.get(p, 0):
-                    steps[p] = entry
-            needs_us = {
-                p for p in unwanted if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)
-            }
+            needs_us = self._needing_us(view, unwanted)
             self._unwanted.wanted_now(needs_us, now)
             unwanted = [p for p in unwanted if p not in needs_us]
+        if log.isEnabledFor(logging.DEBUG):  # the census of what holds a node over its bound
+            kept = [p for p in connected if p not in wanted and p not in unwanted]
+            log.debug(
+                kv(
+                    "over the bound",
+                    held=len(connected),
+                    wanted=len(wanted & set(connected)),
+                    needs_us=len(needs_us),
+                    syncing=sum(live.get(p, "trainer") != "trainer" for p in kept),
+                    graced=",".join(
+                        f"{p[-8:]}:{'former' if self._unwanted.was_wanted(p) else 'other'}:{self._unwanted.seconds(p, now):.0f}"
+                        for p in kept
+                        if p not in needs_us and live.get(p, "trainer") == "trainer"
+                    ),
+                    closing=len(unwanted[:surplus]),
+                )
+            )
         for peer in unwanted[:surplus]:
             log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
             self.closed_over_bound += 1

@@ -75,6 +75,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv, quiet_third_party
 from meshtrain.transport import libp2p_patches
 from meshtrain.transport.identity import Identity
+from meshtrain.transport.one_off import OneOffConnections
 from meshtrain.transport.rpc import Rpc, reset_quietly
 from meshtrain.transport.rpc import stream_peer as stream_peer  # re-exported: it lived here
 
@@ -199,6 +200,9 @@ def dialable_addrs(addrs: Iterable[str], peer: str) -> list[str]:
 
 PEERSTORE_TTL = 120  # seconds: what py-libp2p's own connect() keeps a dialled peer's addresses for
 StreamHandler = Callable[[Any], Awaitable[None]]
+# Streams a connection carries for its whole life, not a use of it (`Host.streams_in_use`):
+# gossipsub's (crdt/gossip.py), identify's and ping's.
+STANDING_PROTOCOLS = ("/meshsub/", "/ipfs/id/", "/ipfs/ping/")
 CONNECTION_RECHECK = 1.0  # waiters on connection state re-check this often even without an event
 
 
@@ -259,6 +263,7 @@ class Host(Service):
         self._changed = trio.Event()  # set (and replaced) whenever a connection opens or closes
         self._events = _ConnectionEvents(self)
         self._on_connected: list[Callable[[str], None]] = []
+        self.one_off = OneOffConnections(self)  # connections dialled for one query (one_off.py)
 
     @property
     def peer_id(self) -> str:
@@ -360,6 +365,14 @@ class Host(Service):
 
     def is_connected(self, peer: str) -> bool:
         return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))
+
+    def streams_in_use(self, peer: str) -> int:
+        """How many streams are open on our connections to `peer`, but for those a connection
+        carries for its whole life (`STANDING_PROTOCOLS`: gossipsub's, opened on every new one)."""
+        conns = self.libp2p.get_network().connections.get(ID.from_base58(peer), [])
+        return sum(
+            not str(s.get_protocol() or "").startswith(STANDING_PROTOCOLS) for c in conns for s in c.get_streams()
+        )
 
     def on_connected(self, listener: Callable[[str], None]) -> Callable[[], None]:
         """Call `listener(peer_id)` on every new connection (on the trio thread; it must not

@@ -189,7 +189,14 @@ def status_document(node: Node) -> dict[str, Any]:
         # node/presence.py's bound on connections, and what it holds now
         "connections": node.presence.connection_counts()
         if node.presence is not None and node.view is not None
-        else {"connections": 0, "max_peers": node.config.max_peers, "wanted": 0, "unwanted": 0, "closed": 0},
+        else {
+            "connections": 0,
+            "max_peers": node.config.max_peers,
+            "wanted": 0,
+            "unwanted": 0,
+            "closed": 0,
+            "one_off_closed": 0,
+        },
     }
     training: dict[str, Any] = {
         "step": 0,
