@@ -34,19 +34,43 @@ def test_a_swarm_within_the_bound_is_the_full_mesh():
 
 def test_a_large_swarm_keeps_the_partners_of_rounds_under_way_and_of_the_next_within_the_bound():
     grouping = GroupPlan(group_size=0, seed=3, period=2)  # automatic: groups of 16 above 32 peers
-    sizes = {}
+    plans = {p: ConnectionPlan(p, max_peers=32, grouping=grouping) for p in IDS}
+    wanted = {p: set(plan.wanted(IDS, IDS, rounds=[8, 10])) for p, plan in plans.items()}
     for me in IDS[:16]:
-        plan = ConnectionPlan(me, max_peers=32, grouping=grouping)
-        wanted = plan.wanted(IDS, IDS, rounds=[8, 10])
         under_way = {*grouping.partners(IDS, 8, me), *grouping.partners(IDS, 10, me)}
         ahead = set(grouping.partners(IDS, 12, me)) - under_way
-        assert under_way <= set(wanted) and me not in wanted
-        assert len(set(wanted) & ahead) == min(len(ahead), 32 - len(under_way))  # the next round: as room allows
-        sizes[me] = len(wanted)
-    assert max(sizes.values()) <= 32
+        assert under_way <= wanted[me] and me not in wanted[me] and len(wanted[me]) <= 32
+        assert all(me in wanted[b] for b in wanted[me] & ahead)  # the next round's: where both ends keep them
+    # what one peer holds is its plan and the plans that keep it: within the bound too (every
+    # partner of three rounds, kept for the other end whatever its plan, was 43 of 256)
+    held = {me: wanted[me] | {p for p in IDS if me in wanted[p]} for me in IDS}
+    assert max(len(h) for h in held.values()) <= 32
     # gossip samples are mutual: neither end of a sampled pair closes what the other wants
     a, b = ConnectionPlan(IDS[0], max_peers=10_000), ConnectionPlan(IDS[1], max_peers=10_000)
     assert a._sampled(IDS[1], 255) == b._sampled(IDS[0], 255)
+
+
+def test_the_next_rounds_partners_are_kept_where_there_is_room_at_both_ends():
+    members = IDS[:64]
+    grouping = GroupPlan(group_size=4, seed=3, period=2)
+    plans = {p: ConnectionPlan(p, max_peers=32, grouping=grouping) for p in members}
+    for me in members[:8]:
+        ahead = set(grouping.partners(members, 12, me))
+        assert ahead <= set(plans[me].wanted(members, members, rounds=[8, 10]))
+
+
+def test_a_peer_is_kept_where_its_own_plan_keeps_us_as_it_reports_its_round():
+    """`wanted_by`: the other end's plan, computed here from the round it reports. A peer a round
+    ahead keeps the partners of its rounds, not of ours: closed, it would dial them again."""
+    members = IDS[:64]
+    grouping = GroupPlan(group_size=4, seed=3, period=2)
+    plans = {p: ConnectionPlan(p, max_peers=8, grouping=grouping, sample=0, neighbours=0) for p in members}
+    me = members[0]
+    for peer in members[1:]:
+        its_plan = plans[peer].wanted(members, members, rounds=[10, 12])
+        assert plans[me].wanted_by(peer, members, members, [10, 12]) == (me in its_plan)
+    ahead_of_us = [p for p in members if me in grouping.partners(members, 12, p) and p != me]
+    assert ahead_of_us and all(plans[me].wanted_by(p, members, members, [10, 12]) for p in ahead_of_us)
 
 
 def test_this_rounds_partners_are_kept_even_beyond_the_bound_and_whole_swarm_rounds_keep_every_trainer():
@@ -152,6 +176,8 @@ def test_a_former_partner_is_told_from_a_connection_someone_else_opened():
     assert unwanted.was_wanted(b) and not unwanted.was_wanted(c)
     unwanted.opened(b, now=3.0)  # b's connection closed and b dialled us again: not ours
     assert not unwanted.was_wanted(b)
+    unwanted.wanted_now({c}, now=3.5)  # c's own plan keeps us: its round's partner
+    assert unwanted.was_wanted(c)
     unwanted.note([a, c], wanted={a, c}, now=4.0)
     unwanted.note([a], wanted={a}, now=6.0)  # c disconnected: forgotten, not a former partner
     assert not unwanted.was_wanted(c) and unwanted.was_wanted(a)

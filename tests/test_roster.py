@@ -188,10 +188,12 @@ def test_a_joiner_has_no_partners_before_its_round_and_its_partners_from_then_on
     assert now.wanted(ids, ids, [40], in_from=in_from) == list(partners)
     # the others group round 38 without the joiner, whatever they know of it
     others = ConnectionPlan(me, max_peers=1, grouping=grouping, sample=0, neighbours=0)
-    assert not others.wanted_by(joiner, ids, 36, in_from=in_from)
+    waiting = [36, 38, 40]  # the joiner's rounds under way at step 36: 36, 38, and its roster round
+    assert me not in partners and not others.wanted_by(joiner, ids, ids, waiting, in_from=in_from)
     # while it waits for round 40 it dials its partners there: they keep it (presence judges a
-    # joiner by its roster round, not by its step; closed, it was dialled again every 12 s)
+    # joiner by its roster round too, not by its step alone; closed, it was dialled again every 12 s)
     assert all(
-        ConnectionPlan(p, max_peers=1, grouping=grouping).wanted_by(joiner, ids, 40, in_from=in_from) for p in partners
+        ConnectionPlan(p, max_peers=1, grouping=grouping).wanted_by(joiner, ids, ids, waiting, in_from=in_from)
+        for p in partners
     )
     assert others.wanted(ids, ids, [38], in_from=in_from) == list(grouping.partners(ids[:11], 38, me))

@@ -58,7 +58,7 @@ def snapshot() -> dict:
             "state": "training",
             "listen": [],
             "reachability": "public",
-            "connections": {"connections": 5, "max_peers": 4, "wanted": 4, "unwanted": 1, "closed": 7},
+            "connections": {"connections": 5, "max_peers": 4, "wanted": 4, "unwanted": 1, "closed": 7, "one_off_closed": 3},
         },
         "training": {
             "step": 10,
@@ -105,6 +105,7 @@ async def test_status_metrics_and_dashboard_are_served():
         assert fams["meshtrain_connections"].samples[0].value == 5
         assert fams["meshtrain_max_peers"].samples[0].value == 4
         assert fams["meshtrain_connections_closed"].samples[0].value == 7
+        assert fams["meshtrain_one_off_connections_closed"].samples[0].value == 3
         by_peer = {s.labels["peer"]: s for s in fams["meshtrain_peer_step"].samples}
         assert by_peer["12D3KooWpeer1"].value == 11 and by_peer["12D3KooWpeer1"].labels["connection"] == "relay"
         refused = {

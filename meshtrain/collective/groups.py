@@ -81,6 +81,7 @@ node's parity check is off while rounds are grouped, node/state/parity.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,12 +174,18 @@ class RoundGroups:
 def round_groups(members: Sequence[str], round_index: int, group_size: int, seed: int = 0) -> RoundGroups:
     """The groups of round `round_index` among `members` (any order, duplicates ignored): the same
     on every peer that passes the same members, round and spec (module docstring)."""
-    peers = sorted(set(members))
+    return _round_groups(tuple(sorted(set(members))), round_index, group_size, seed)
+
+
+@functools.lru_cache(maxsize=256)
+def _round_groups(peers: tuple[str, ...], round_index: int, group_size: int, seed: int) -> RoundGroups:
+    """`round_groups` of sorted, distinct `peers`, cached: presence computes the partners of three
+    rounds for every member whose wish it weighs (node/connections.py), from the same roster."""
     n = len(peers)
     sides = grid_sides(n, effective_group_size(n, group_size))
     d = len(sides)
     if d == 1:
-        return RoundGroups(round_index, 0, sides, (tuple(peers),) if peers else ())
+        return RoundGroups(round_index, 0, sides, (peers,) if peers else ())
     epoch, step = divmod(round_index, epoch_length(n, sides))
     dim = round_dimension(step, d)
     snapshot = hashlib.blake2b("\n".join(peers).encode(), digest_size=16).digest()

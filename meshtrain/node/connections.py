@@ -12,22 +12,24 @@ peers to keep, most wanted first:
 1. the group partners (`GroupPlan.partners`) of the rounds under way — the round and the one the
    collective prepares ahead of it (outer_round.py, "Prepared rounds") —: never cut, a round
    needs every one (closing a partner's connection drops it from the round's candidates);
-2. the next round's partners, dialled while these run so the next one does not wait;
+2. the partners of the round after those, dialled while these run so it does not wait;
 3. the `neighbours` members closest to us in the DHT's key space (XOR of our id), so lookups
    and the swarm's records stay reachable;
 4. a random sample of about `sample` members for gossip (membership, progress) and a connected
    graph: a pair is in each other's sample when a hash of the pair (both ends compute the same)
    falls under sample / (n − 1) — symmetric, so neither end closes what the other wants.
-That list is one end's wish (`wish`), cut at `max_peers` (partners of the round excepted). Of
-its DHT neighbours and sample, a pair is kept only where both ends' wishes keep it (`wanted`;
+That list is one end's wish (`wish`), cut at `max_peers` (partners of the rounds under way
+excepted). Of the rest (2–4), a pair is kept only where both ends' wishes keep it (`wanted`;
 each end computes the other's from the same view): nearness is one-sided (b among a's nearest,
-a not among b's) and the cut falls elsewhere at each end (a fuller group ahead leaves less room
-for the sample), and where one end kept a peer the other did not, the other closed the
-connection over its bound and the first dialled it again seconds later — 65 to 113 closes per
-daemon in 4 minutes in a 13-daemon swarm with a bound of 6 (docs/benchmarks.md). Partners are
-kept as wished; the other end keeps a peer whose rounds under way or next have it as a partner
-(`wanted_by`), over its bound if need be. A swarm of at most `max_peers` other
-members is wanted whole: the full mesh, as before, where it is cheap.
+a not among b's) and the cut falls elsewhere at each end (room for 2 of a next round's 15
+partners at 256 members, a different 2 at each end), and where one end kept a peer the other did
+not, the other closed the connection over its bound and the first dialled it again seconds later
+— 65 to 113 closes per daemon in 4 minutes in a 13-daemon swarm with a bound of 6
+(docs/benchmarks.md). The partners of the rounds under way are kept as wished. The other end
+keeps what our plan keeps, as far as its view tells (`wanted_by`: our plan computed there, from
+the round we report), over its bound if need be: it had kept every partner of our next three
+rounds, 43 connections per peer at 256 members where the plans kept at most 32. A swarm of at
+most `max_peers` other members is wanted whole: the full mesh, as before, where it is cheap.
 
 `Dialler` dials concurrently, at most `in_flight` dials at once (a `trio.CapacityLimiter`), in
 its owner's nursery; a dial tries the peer's dialable addresses in turn (transport/host.py
@@ -47,6 +49,7 @@ Not here: closing connections over the bound and when (node/presence.py), the gr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -76,8 +79,9 @@ DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long
 
 @dataclass(frozen=True)
 class Wish:
-    """One end's wish (`ConnectionPlan.wish`): `partners` of the rounds under way and of the next,
-    then the `rest` (DHT neighbours, gossip sample), kept only where the other end wishes it too."""
+    """One end's wish (`ConnectionPlan.wish`): the `partners` of the rounds under way, then the
+    `rest` (the next round's partners, DHT neighbours, gossip sample), kept only where the other
+    end wishes it too."""
 
     partners: list[str]
     rest: list[str]
@@ -108,11 +112,11 @@ class ConnectionPlan:
     ) -> list[str]:
         """Peers to keep connected, most wanted first: all `members` (live, any role) when at most
         `max_peers`, else our wish (`wish`): the partners among `trainers` of the `rounds` under
-        way (a round and the one prepared ahead of it) and of the round after the last, then of the
-        DHT neighbours and the gossip sample those whose own wish — computed here from the same
-        view — keeps us too: such a pair is kept at both ends or at neither, so neither end dials
-        what the other closes. Never more than `max_peers`, but for the partners of a round under
-        way (it needs them all).
+        way (a round and the one prepared ahead of it), then of the round after the last's
+        partners, the DHT neighbours and the gossip sample those whose own wish — computed here
+        from the same view — keeps us too: such a pair is kept at both ends or at neither, so
+        neither end dials what the other closes. Never more than `max_peers`, but for the
+        partners of a round under way (it needs them all).
         `in_from`: the round id each trainer (us too) is in the roster from (collective/groups.py,
         "Failures"; absent: 0): a round's partners come from its roster, and we have none in a
         round before ours."""
@@ -137,8 +141,9 @@ class ConnectionPlan:
         in_from: Mapping[str, int] | None = None,
     ) -> Wish:
         """The peers this end would keep, one end's wish (`wanted` keeps the pair's): the partners
-        of the rounds under way (never cut) and of the round after the last, the DHT neighbours
-        among the members and the gossip sample, most wanted first, cut at `max_peers`."""
+        of the rounds under way (never cut), then those of the round after the last, the DHT
+        neighbours among the members and the gossip sample, most wanted first, cut at
+        `max_peers`."""
         others = sorted(set(members) - {self.me})
         grouping = self.grouping
         now: list[str] = sorted(set(trainers) - {self.me})  # ungrouped: every round is the whole swarm
@@ -153,21 +158,23 @@ class ConnectionPlan:
         ahead = tuple(sorted(ahead, key=self._pair_hash))
         sampled = sorted((p for p in others if self._sampled(p, len(others))), key=self._pair_hash)
         out = list(dict.fromkeys([*now, *ahead, *near, *sampled]))[: max(self.max_peers, len(now))]
-        partners = [p for p in out if p in now or p in ahead]
-        return Wish(partners, [p for p in out if p not in partners])
+        return Wish(now, out[len(now) :])
 
     def wanted_by(
-        self, peer: str, trainers: Sequence[str], round_id: int, *, in_from: Mapping[str, int] | None = None
+        self,
+        peer: str,
+        members: Sequence[str],
+        trainers: Sequence[str],
+        rounds: Sequence[int],
+        *,
+        in_from: Mapping[str, int] | None = None,
     ) -> bool:
-        """Whether `peer`, in round `round_id` (its reported step), has us among the partners of its
-        rounds under way or of the next: then closing it would drop us from a round it runs,
-        whatever ours is (our rounds and its differ while one of us is a round or more ahead),
-        or have it dial us again for the next. `in_from` as for `wanted`."""
-        grouping = self.grouping
-        if grouping is None:
-            return peer in trainers
-        rounds = (round_id, round_id + grouping.period, round_id + 2 * grouping.period)  # and the next
-        return any(self.me in _partners(grouping, peer, trainers, r, in_from) for r in rounds)
+        """Whether `peer`'s own plan keeps us, computed from our view with `peer`'s `rounds` under
+        way (its reported step's, as its presence computes its own): then it dials us when we
+        close it, and closing it may drop us from a round it runs, whatever ours is (our rounds
+        and its differ while one of us is a round or more ahead). `members`, `trainers` and
+        `in_from` as for `wanted`."""
+        return self.me in replace(self, me=peer).wanted([self.me, *members], trainers, rounds, in_from=in_from)
 
     def _nearest(self, peer: str, others: Sequence[str]) -> list[str]:
         """`peer`'s `neighbours` nearest of `others` in the DHT's key space."""
@@ -217,14 +224,17 @@ class UnwantedSince:
         self._was_wanted.discard(peer)
 
     def was_wanted(self, peer: str) -> bool:
-        """Whether the plan wanted `peer` at some pass since its connection opened: a partner of
-        a round that has ended, not a connection someone else opened (a DHT query, a peer whose
-        view differs), whose query or RPC must finish first."""
+        """Whether `peer` was wanted (by our plan, or by its own that keeps us: `wanted_now`) at
+        some pass since its connection opened: a partner of a round that has ended, not a
+        connection someone else opened (a DHT query, a peer whose view differs), whose query or
+        RPC must finish first."""
         return peer in self._was_wanted
 
     def wanted_now(self, peers: set[str], now: float) -> None:
-        """These were found wanted after all (a peer whose own round needs us)."""
-        self._since.update(dict.fromkeys(peers & self._since.keys(), now))
+        """These were found wanted after all (a peer whose own plan keeps us): wanted, as by ours."""
+        found = peers & self._since.keys()
+        self._since.update(dict.fromkeys(found, now))
+        self._was_wanted |= found
 
     def seconds(self, peer: str, now: float) -> float:
         """How long `peer`'s connection has gone unwanted (0: not seen connected)."""
@@ -256,8 +266,10 @@ class DiscoveryPace:
         return True
 
 
+@functools.lru_cache(maxsize=4096)
 def _id_hash(peer: str) -> bytes:
-    """The DHT key of a peer id (what `xor_distance` measures from): sha256 of its bytes."""
+    """The DHT key of a peer id (what `xor_distance` measures from): sha256 of its bytes (cached:
+    a pass computes every member's wish, and so every member's nearest)."""
     return hashlib.sha256(parse_peer_id(peer).to_bytes()).digest()
 
 

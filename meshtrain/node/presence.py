@@ -32,8 +32,9 @@ spec, how many peers are live, the swarm's step, and their addresses as entry po
 Staying connected (node/connections.py), bounded. Every `CONNECT_INTERVAL` seconds, and at once
 when the collective first asks about a new round, one background task works out whom to keep
 (`ConnectionPlan.wanted`: everyone while the swarm has at most `max_peers` other members — the
-full mesh, as before —, else the group partners of the rounds under way (never cut) and of the
-next round, DHT neighbours and a gossip sample, at most `max_peers`), dials those we are not connected to concurrently (`Dialler`:
+full mesh, as before —, else the group partners of the rounds under way (never cut), and those
+of the next round, DHT neighbours and a gossip sample that both ends keep, at most `max_peers`),
+dials those we are not connected to concurrently (`Dialler`:
 a few at once, an unreachable peer backing off exponentially), and asks NAT traversal to upgrade
 a relayed connection (DCUtR). The rounds under way are ours (`current_round`, the node's step;
 before it trains, the swarm's) and the next, whose join the collective prepares ahead — not the
@@ -47,10 +48,13 @@ opened (an inbound dial of a peer whose view differs: its query or RPC finishes 
 at once made every lookup fail and py-libp2p churn. The grace counts from when the connection
 was last wanted, not from when it opened: a partner of a round two rounds ahead is wanted again a
 round before it, and where rounds take under a second it is still held then), a peer not in the
-view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be downloading the state from us), nor a trainer whose own rounds
-under way (by the step it reports) have us as a partner: a peer rounds ahead or behind ours still
-needs us in its round, and closing it stalled both (its round waits for us, ours for nobody). So
-the bound holds up to those graces, joiners syncing and peers out of step. Nothing else would close them — py-libp2p's idle
+view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be
+downloading the state from us), nor a trainer whose own plan keeps us, computed from our view and
+the step it reports (`ConnectionPlan.wanted_by`): a peer a round ahead or behind ours still needs
+us in its round, and closing it stalled both (its round waits for us, ours for nobody) — but only
+what its plan keeps: kept for every partner of its next three rounds, a peer held 43 connections at
+256 members where every plan kept 32. So the bound holds up to those graces, joiners syncing and
+peers out of step. Nothing else would close them — py-libp2p's idle
 pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
 kept until the host's hard cap. A connection one of our DHT queries dialled is hung up a moment
 after the query unless `keeps_connection` says the bound would keep it (transport/one_off.py):
@@ -591,12 +595,17 @@ class PeerPresence(Service):
         view = self._view()
         members = [p.peer_id for p in view.live_peers()]
         ours = self.current_round() if self.current_round is not None else None
-        now = ours if ours is not None else (self.swarm_step() or 0)
-        rounds = [now, now + self._period]  # ours, and the one whose join is prepared ahead
-        entry = self._view().in_from
-        if entry > now:  # a joiner waiting for its roster round: its partners there (and donors)
-            rounds.append(entry)
+        rounds = self._rounds_under_way(ours if ours is not None else (self.swarm_step() or 0), view.in_from)
         return self.plan.wanted(members, self.trainers(), rounds, in_from=self.roster_entries())
+
+    def _rounds_under_way(self, round_id: int, in_from: int) -> list[int]:
+        """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
+        its round, the one whose join is prepared ahead, and — a joiner waiting for its roster
+        round — that round (its partners there, and donors)."""
+        rounds = [round_id, round_id + self._period]
+        if in_from > round_id:
+            rounds.append(in_from)
+        return rounds
 
     def connection_counts(self) -> dict[str, int]:
         """What the status document shows of the bound: `connections` (every libp2p connection
@@ -662,14 +671,21 @@ class PeerPresence(Service):
                 await self._wake.wait()
 
     def _needing_us(self, view: SwarmView, peers: list[str]) -> set[str]:
-        """Those of `peers` whose rounds under way (by the step they report, or a joiner's roster
-        round) have us as a partner (`ConnectionPlan.wanted_by`)."""
+        """Those of `peers` whose own plan keeps us (`ConnectionPlan.wanted_by`), computed from our
+        view with the rounds under way at the step each reports (a joiner not training yet: its
+        roster round). Such a peer dials us again when we close it, and may need us in its round."""
         steps = {p: pr.step for p, pr in view.progress().items()}
+        members = [p.peer_id for p in view.live_peers()]
         trainers, entries = self.trainers(), self.roster_entries()
-        for p, entry in entries.items():  # a joiner waiting for its roster round dials its partners there
-            if entry > steps.get(p, 0):
-                steps[p] = entry
-        return {p for p in peers if p in steps and self.plan.wanted_by(p, trainers, steps[p], in_from=entries)}
+        steps |= {p: e for p, e in entries.items() if e > 0 and p not in steps}  # a joiner not training yet
+        return {
+            p
+            for p in peers
+            if p in steps
+            and self.plan.wanted_by(
+                p, members, trainers, self._rounds_under_way(steps[p], entries.get(p, 0)), in_from=entries
+            )
+        }
 
     def keeps_connection(self, peer: str) -> bool:
         """Whether a connection a DHT query dialled to `peer` stays open after it

@@ -83,9 +83,11 @@ above), spread over `--procs` worker processes as trio tasks; this process only 
 moves a little before each `astep()` — so a grouped round costs what it costs a node: the group's
 all-reduce of Δ and the consensus all-reduce of φ in fp16 (optim/outer.py, "Grouped rounds"). Who
 is connected to whom is the daemon's own presence code: each peer's `ConnectionPlan.wanted`
-(node/connections.py — the group partners of the rounds under way and of the next, a mutual
-gossip sample, at most `--max-peers`; the full mesh up to that many), united over the rounds
-run (`presence_links`; no DHT here, so no DHT neighbours). The dialling itself is this script's
+(node/connections.py — the group partners of the rounds under way, then the next round's
+partners and a gossip sample where both ends keep them, at most `--max-peers`; the full mesh up
+to that many), united over the rounds run (`presence_links`; no DHT here, so no DHT neighbours).
+A link either end's plan wants is a link both hold: presence keeps a peer whose own plan keeps it
+(`ConnectionPlan.wanted_by`). The dialling itself is this script's
 (retried set-up, above), not the daemon's `Dialler`: all of a machine's peers opening every link
 in the same second would time out here, which says nothing about a swarm of machines.
 `max_connections_per_peer` is the largest number of links one peer has (its wants and the peers

@@ -37,7 +37,8 @@ The status document (`Node.snapshot()`):
                 bound node/presence.py keeps them to), wanted (how many peers its plan keeps now),
                 unwanted (connected but outside the plan: kept for a grace, a syncing member, a
                 peer whose round needs us, or because we are under the bound), closed
-                (connections closed over the bound since start)},
+                (connections closed over the bound since start), one_off_closed (connections a
+                DHT query dialled and hung up after it, transport/one_off.py)},
                 admission: {rule: open|allowlist|private, not_admitted: why the swarm's peers
                 ignore this node (no-proof-of-work, not-on-allowlist, excluded-by-strikes) or
                 null, ignored: peer ids whose membership records this node ignores (they fail

@@ -75,6 +75,11 @@ class _Collector:
         closed = CounterMetricFamily("meshtrain_connections_closed", "connections closed over the bound since start")
         closed.add_metric([], conns.get("closed", 0))
         yield closed
+        one_off = CounterMetricFamily(
+            "meshtrain_one_off_connections_closed", "connections a DHT query dialled, hung up after it"
+        )
+        one_off.add_metric([], conns.get("one_off_closed", 0))
+        yield one_off
         yield _gauge("meshtrain_live_peers", "live peers in the swarm view (this node included)", len(st["peers"]))
         steps = GaugeMetricFamily(
             "meshtrain_peer_step", "each live peer's reported step", labels=["peer", "connection", "reachability"]
