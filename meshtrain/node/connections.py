@@ -54,6 +54,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 import trio
@@ -213,7 +214,7 @@ class UnwantedSince:
         self._since: dict[str, float] = {}  # connected peer -> when last wanted (else when first seen)
         self._was_wanted: set[str] = set()  # connected peers the plan wanted at some pass since they connected
 
-    def note(self, connected: Sequence[str], wanted: set[str], now: float) -> None:
+    def note(self, connected: Sequence[str], wanted: AbstractSet[str], now: float) -> None:
         """A pass of the connection loop: these are connected, these wanted, at `now`."""
         self._since = {p: now if p in wanted else self._since.get(p, now) for p in connected}
         self._was_wanted = (self._was_wanted | set(wanted)) & self._since.keys()

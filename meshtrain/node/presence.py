@@ -41,25 +41,15 @@ before it trains, the swarm's) and the next, whose join the collective prepares 
 rounds other peers' requests name, which a faster peer's prepared join sets ahead of ours —:
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
-While connected to more than `max_peers` peers, it closes the surplus among those it has not
-wanted for a grace (`_close_grace`): `FORMER_GRACE_S` for a past round's partner (the plan
-wanted it while connected; its round has ended), `CLOSE_GRACE_S` for a connection someone else
-opened (an inbound dial of a peer whose view differs: its query or RPC finishes first; closing
-at once made every lookup fail and py-libp2p churn. The grace counts from when the connection
-was last wanted, not from when it opened: a partner of a round two rounds ahead is wanted again a
-round before it, and where rounds take under a second it is still held then), a peer not in the
-view after `STRANGER_GRACE_S` (a joiner fetching the spec), a syncing member never (it may be
-downloading the state from us), nor a trainer whose own plan keeps us, computed from our view and
-the step it reports (`ConnectionPlan.wanted_by`): a peer a round ahead or behind ours still needs
-us in its round, and closing it stalled both (its round waits for us, ours for nobody) — but only
-what its plan keeps: kept for every partner of its next three rounds, a peer held 43 connections at
-256 members where every plan kept 32. So the bound holds up to those graces, joiners syncing and
-peers out of step. Nothing else would close them — py-libp2p's idle
-pruning is off with its auto-connector (transport/host.py), so "left to idle out" would mean
-kept until the host's hard cap. A connection one of our DHT queries dialled is hung up a moment
-after the query unless `keeps_connection` says the bound would keep it (transport/one_off.py):
-every node's lookups of the swarm's key dial the same few peers, and held for the other end's
-grace those connections kept nodes over their bound most of the time. A peer discovered through the DHT but not yet in the view is
+While connected to more than `max_peers` peers, it closes the surplus that nothing keeps once
+each has gone unwanted for its grace — 2 s for a past round's partner, 10 s for a connection
+someone else opened, 30 s for a peer not in the view —, never a syncing member's nor that of a
+peer whose own plan keeps us; a connection one of our DHT queries dialled is hung up a moment
+after the query unless the bound would keep it (node/bound.py `ConnectionBound`, which tells why
+each rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing
+and peers out of step. Nothing else would close them — py-libp2p's idle pruning is off with its
+auto-connector (transport/host.py), so "left to idle out" would mean kept until the host's hard
+cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound.
 
 Discovery, sparingly. Every node announces itself under the swarm's one DHT key and reads it
@@ -124,7 +114,6 @@ admission rules themselves (`node/trust/admission.py`), reading the swarm index 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -146,8 +135,9 @@ from meshtrain.dht.swarm_index import DEFAULT_ADVERT_TTL, publish_advert
 from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
+from meshtrain.node.bound import ConnectionBound
 from meshtrain.node.clock_offsets import ClockOffsets
-from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, DiscoveryPace, UnwantedSince
+from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, DiscoveryPace
 from meshtrain.node.phase import StopRequest
 from meshtrain.node.roster import (
     LEAD_BEATS,
@@ -176,9 +166,6 @@ ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the D
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
 REJOIN_HORIZON_S = 300.0  # a trainer of our address book seen live this recently may still be there
 REJOIN_DIALS = 3  # ... until this many dials of it failed in a row (then it is taken for gone)
-CLOSE_GRACE_S = 10.0  # an unwanted trainer's connection is not closed over the bound before this
-FORMER_GRACE_S = CONNECT_INTERVAL  # ... nor one the plan wanted before (a past round's partner) before this
-STRANGER_GRACE_S = 30.0  # a connection of a peer not in the view is not closed over the bound before this
 
 
 class PeerPresence(Service):
@@ -231,9 +218,7 @@ class PeerPresence(Service):
         self._period = self.plan.grouping.period if self.plan.grouping is not None else 1
         self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
-        self._unwanted = UnwantedSince()  # what `_close_surplus` may close
-        self.closed_over_bound = 0  # connections `_close_surplus` closed since start (the churn)
-        self._last_wanted: frozenset[str] = frozenset()  # the plan of the connection loop's last pass
+        self.bound = ConnectionBound(self.host, self.plan, self.trainers, self.roster_entries)  # node/bound.py
         self._dht_backoff = Backoff(initial=1.0, cap=30.0)
         self._next_bootstrap = 0.0
 
@@ -247,11 +232,9 @@ class PeerPresence(Service):
             if self.pow_nonce is None:
                 self.pow_nonce = await trio.to_thread.run_sync(mint_pow, swarm_id, self.me, spec.admission.pow_bits)
             self.capabilities[POW_CAP] = self.pow_nonce
-        # A connection opened again counts as unwanted from now, not from when its last one went
-        # unwanted: else one reopened between two passes was closed at once, its query unanswered.
-        stack.callback(host.on_connected(lambda peer: self._unwanted.opened(peer, time.monotonic())))
+        stack.callback(host.on_connected(self.bound.opened))
         # A connection a DHT query dialled is hung up after it unless we keep it (transport/one_off.py).
-        host.one_off.keep = self.keeps_connection
+        host.one_off.keep = lambda peer: self.bound.keeps(self.view, peer)
         stack.callback(setattr, host.one_off, "keep", lambda peer: True)
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
@@ -595,36 +578,12 @@ class PeerPresence(Service):
         view = self._view()
         members = [p.peer_id for p in view.live_peers()]
         ours = self.current_round() if self.current_round is not None else None
-        rounds = self._rounds_under_way(ours if ours is not None else (self.swarm_step() or 0), view.in_from)
+        rounds = self.bound.rounds_under_way(ours if ours is not None else (self.swarm_step() or 0), view.in_from)
         return self.plan.wanted(members, self.trainers(), rounds, in_from=self.roster_entries())
 
-    def _rounds_under_way(self, round_id: int, in_from: int) -> list[int]:
-        """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
-        its round, the one whose join is prepared ahead, and — a joiner waiting for its roster
-        round — that round (its partners there, and donors)."""
-        rounds = [round_id, round_id + self._period]
-        if in_from > round_id:
-            rounds.append(in_from)
-        return rounds
-
     def connection_counts(self) -> dict[str, int]:
-        """What the status document shows of the bound: `connections` (every libp2p connection
-        the host holds: members, relays, DHT strangers), `max_peers`, `wanted` (the plan's size at
-        the connection loop's last pass: at most the bound, or the partners of the rounds under
-        way where they are more), `unwanted` (connected, not in that plan: kept for a grace,
-        a syncing member, a peer whose round needs us, or while we are under the bound) and
-        `closed` (connections closed over the bound since start: a count that keeps growing
-        means connections that something else reopens) and `one_off_closed` (those a DHT query
-        dialled and we hung up after it, transport/one_off.py)."""
-        connected = set(self.host.connected_peers())
-        return {
-            "connections": len(connected),
-            "max_peers": self.plan.max_peers,
-            "wanted": len(self._last_wanted),
-            "unwanted": len(connected - self._last_wanted),
-            "closed": self.closed_over_bound,
-            "one_off_closed": self.host.one_off.closed,
-        }
+        """What the status document shows of the bound (node/bound.py `ConnectionBound.counts`)."""
+        return self.bound.counts()
 
     def _dialled(self, peer: str, ok: bool) -> None:
         """A dial ended: a relayed connection is upgraded (DCUtR) in the background."""
@@ -648,7 +607,6 @@ class PeerPresence(Service):
                 await self._bootstrap(dht)
             addrs = {p.peer_id: p.addrs for p in view.live_peers()}
             wanted = self.wanted()
-            self._last_wanted = frozenset(wanted)
             for rank, peer in enumerate(wanted):  # DEBUG: who dials whom, and why (the churn's census)
                 if dialler.dial(peer, addrs.get(peer, [])):
                     log.debug(kv("dialling", peer=peer[-8:], why="plan", rank=rank))
@@ -666,91 +624,6 @@ class PeerPresence(Service):
                     if a.peer_id not in addrs and room > 0 and dialler.dial(a.peer_id, a.addrs):
                         log.debug(kv("dialling", peer=a.peer_id[-8:], why="discovery"))
                         room -= 1
-            await self._close_surplus(view, set(wanted))
+            await self.bound.close_surplus(view, wanted)
             with trio.move_on_after(CONNECT_INTERVAL):
                 await self._wake.wait()
-
-    def _needing_us(self, view: SwarmView, peers: list[str]) -> set[str]:
-        """Those of `peers` whose own plan keeps us (`ConnectionPlan.wanted_by`), computed from our
-        view with the rounds under way at the step each reports (a joiner not training yet: its
-        roster round). Such a peer dials us again when we close it, and may need us in its round."""
-        steps = {p: pr.step for p, pr in view.progress().items()}
-        members = [p.peer_id for p in view.live_peers()]
-        trainers, entries = self.trainers(), self.roster_entries()
-        steps |= {p: e for p, e in entries.items() if e > 0 and p not in steps}  # a joiner not training yet
-        return {
-            p
-            for p in peers
-            if p in steps
-            and self.plan.wanted_by(
-                p, members, trainers, self._rounds_under_way(steps[p], entries.get(p, 0)), in_from=entries
-            )
-        }
-
-    def keeps_connection(self, peer: str) -> bool:
-        """Whether a connection a DHT query dialled to `peer` stays open after it
-        (transport/one_off.py): for a peer the bound would not close — one the plan wants, a
-        syncing member, a peer whose round needs us —, and every one before the view is entered
-        (the DHT's bootstrap: nothing to judge by yet). Not merely because we hold fewer than
-        `max_peers`: the other end may not, and would close it only after its grace."""
-        view = self.view
-        if view is None or peer in self._last_wanted:
-            return True
-        role = {p.peer_id: p.role for p in view.live_peers()}.get(peer)
-        return (role is not None and role != "trainer") or bool(self._needing_us(view, [peer]))
-
-    def _close_grace(self, peer: str, live: dict[str, str]) -> float:
-        """How long a connection over the bound goes unwanted before it is closed: a former
-        partner's `FORMER_GRACE_S` (its round has ended; one that still needs us is kept by
-        `_needing_us`), a connection someone else opened `CLOSE_GRACE_S` (their query first), a
-        peer not in the view `STRANGER_GRACE_S`."""
-        if peer not in live:
-            return STRANGER_GRACE_S
-        return FORMER_GRACE_S if self._unwanted.was_wanted(peer) else CLOSE_GRACE_S
-
-    async def _close_surplus(self, view: SwarmView, wanted: set[str]) -> None:
-        """While over `max_peers` connections, close those we have not wanted for `CLOSE_GRACE_S`
-        (a trainer's: a DHT query or an RPC on it finishes first, and a partner of a round a few
-        rounds ahead is not closed just before that round) or `STRANGER_GRACE_S` (a peer not in the
-        view: a joiner fetching the spec), never a syncing member's (it may be downloading the
-        swarm's state from us)."""
-        connected = self.host.connected_peers()
-        live = {p.peer_id: p.role for p in view.live_peers()}
-        now = time.monotonic()
-        self._unwanted.note(connected, wanted, now)
-        surplus = len(connected) - self.plan.max_peers
-        if surplus <= 0:
-            return
-        unwanted = [
-            p
-            for p in connected
-            if p not in wanted
-            and live.get(p, "trainer") == "trainer"
-            and self._unwanted.seconds(p, now) > self._close_grace(p, live)
-        ]
-        needs_us: set[str] = set()
-        if unwanted:  # a peer a few rounds from ours may need us in its round: it keeps us
-            needs_us = self._needing_us(view, unwanted)
-            self._unwanted.wanted_now(needs_us, now)
-            unwanted = [p for p in unwanted if p not in needs_us]
-        if log.isEnabledFor(logging.DEBUG):  # the census of what holds a node over its bound
-            kept = [p for p in connected if p not in wanted and p not in unwanted]
-            log.debug(
-                kv(
-                    "over the bound",
-                    held=len(connected),
-                    wanted=len(wanted & set(connected)),
-                    needs_us=len(needs_us),
-                    syncing=sum(live.get(p, "trainer") != "trainer" for p in kept),
-                    graced=",".join(
-                        f"{p[-8:]}:{'former' if self._unwanted.was_wanted(p) else 'other'}:{self._unwanted.seconds(p, now):.0f}"
-                        for p in kept
-                        if p not in needs_us and live.get(p, "trainer") == "trainer"
-                    ),
-                    closing=len(unwanted[:surplus]),
-                )
-            )
-        for peer in unwanted[:surplus]:
-            log.debug(kv("closing a connection over the bound", peer=peer[-8:], max_peers=self.plan.max_peers))
-            self.closed_over_bound += 1
-            await self.host.disconnect(peer)

@@ -5,7 +5,7 @@ not connected to dials it. Every node of a swarm announces itself under the swar
 the same few peers near that key are dialled by every node, every announcement: with 13 daemons
 bound to 6 connections each, those dials were the bulk of the connections the bound then had to
 close (`dht/find`: 229 of the 234 streams that dialled a peer in 5 minutes; docs/benchmarks.md
-"Grouped daemons"). Closed by the bound only after its grace (node/presence.py `CLOSE_GRACE_S`),
+"Grouped daemons"). Closed by the bound only after its grace (node/bound.py `CLOSE_GRACE_S`),
 each held a connection for ~10 s, so a node sat over its bound most of the time, and at hundreds
 of daemons the key's holders would hold a connection from everyone.
 
@@ -14,7 +14,7 @@ picks: every connection opened while it runs is one of its uses). The first use 
 connected to marks the connection it opens as one-off. When the last use of it ends, the
 connection lingers `LINGER_S` (a store follows its lookup within milliseconds and reuses it),
 then is closed unless:
-- `keep(peer)` says otherwise: the node's policy (node/presence.py: a peer its plan wants, a
+- `keep(peer)` says otherwise: the node's policy (node/bound.py: a peer its plan wants, a
   syncing member, a peer whose round needs us, or while it holds no more than its bound); the
   default keeps every connection, so without a policy nothing changes;
 - a stream is still open on it after `MAX_LINGERS` lingers (something else — a membership
@@ -37,16 +37,26 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from meshtrain.log import get_logger, kv
 
-if TYPE_CHECKING:
-    from meshtrain.transport.host import Host
-
 log = get_logger(__name__)
+
+
+class Connections(Protocol):
+    """What one-off connections need of the host (transport/host.py `Host`, which holds them)."""
+
+    @property
+    def nursery(self) -> trio.Nursery | None: ...
+    def is_connected(self, peer: str) -> bool: ...
+    def connected_peers(self) -> list[str]: ...
+    def streams_in_use(self, peer: str) -> int: ...
+    def on_connected(self, listener: Callable[[str], None]) -> Callable[[], None]: ...
+    async def disconnect(self, peer: str) -> None: ...
+
 
 LINGER_S = 1.0  # a one-off connection outlives its last query this long before it is closed,
 MAX_LINGERS = 10  # and lingers again while another stream is open on it, this many times at most
@@ -61,7 +71,7 @@ class _Use:
 class OneOffConnections:
     """The one-off connections of `host` (module docstring); `closed` counts those hung up."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Connections) -> None:
         self.host = host
         self.keep: Callable[[str], bool] = lambda peer: True
         self.closed = 0
