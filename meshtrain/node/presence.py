@@ -45,8 +45,8 @@ While connected to more than `max_peers` peers, it closes the surplus that nothi
 each has gone unwanted for its grace — 2 s for a past round's partner, 10 s for a connection
 someone else opened, 30 s for a peer not in the view —, never a syncing member's nor that of a
 peer whose own plan keeps us; a connection one of our DHT queries dialled is hung up a moment
-after the query unless the bound would keep it (node/bound.py `ConnectionBound`, which tells why
-each rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing
+after the query unless the bound would keep it or it goes to a bootstrap peer (a private node's
+relay) (node/bound.py `ConnectionBound`, which tells why each rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing
 and peers out of step. Nothing else would close them — py-libp2p's idle pruning is off with its
 auto-connector (transport/host.py), so "left to idle out" would mean kept until the host's hard
 cap. A peer discovered through the DHT but not yet in the view is
@@ -152,7 +152,7 @@ from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
 from meshtrain.node.trust.admission import POW_CAP, Admission, mint_pow
 from meshtrain.node.trust.strikes import Standing, StrikeBook
-from meshtrain.transport.host import Host, dialable_addrs
+from meshtrain.transport.host import Host, dialable_addrs, peer_id_of
 from meshtrain.transport.nat import NatTraversal
 
 log = get_logger(__name__)
@@ -234,7 +234,9 @@ class PeerPresence(Service):
             self.capabilities[POW_CAP] = self.pow_nonce
         stack.callback(host.on_connected(self.bound.opened))
         # A connection a DHT query dialled is hung up after it unless we keep it (transport/one_off.py).
-        host.one_off.keep = lambda peer: self.bound.keeps(self.view, peer)
+        # Our bootstrap peers stay: a private node reserves its relay slots on them.
+        relays = {peer_id_of(a) for a in self.relay_candidates()}
+        host.one_off.keep = lambda peer: peer in relays or self.bound.keeps(self.view, peer)
         stack.callback(setattr, host.one_off, "keep", lambda peer: True)
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:
