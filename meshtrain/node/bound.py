@@ -27,8 +27,9 @@ it is still held then.
 
 `keeps(peer)` is the host's policy for one-off connections (transport/one_off.py): a connection
 one of our DHT queries dialled stays only for a peer the bound would not close — planned,
-syncing, needing us —, and every one before the view is entered (nothing to judge by yet). Not
-because we hold fewer than `max_peers`: the other end may not.
+syncing, needing us —, and every one before the connection loop's first plan (nothing to judge
+by yet: closed then, a pipeline swarm's first hops lost their connections). Not because we hold
+fewer than `max_peers`: the other end may not.
 
 What it shows (`counts`, the status document's `node.connections`): connections, the bound, the
 plan's size, those held outside it, closes over the bound since start (one that keeps climbing
@@ -74,6 +75,7 @@ class ConnectionBound:
         self.unwanted = UnwantedSince()
         self.closed = 0  # connections closed over the bound since start (the churn)
         self.last_wanted: frozenset[str] = frozenset()  # the plan at the connection loop's last pass
+        self.planned = False  # whether the loop has made a plan yet (before it, keep every connection)
 
     def rounds_under_way(self, round_id: int, in_from: int) -> list[int]:
         """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
@@ -107,7 +109,7 @@ class ConnectionBound:
     def keeps(self, view: SwarmView | None, peer: str) -> bool:
         """Whether a connection a DHT query dialled to `peer` stays open after it (module
         docstring)."""
-        if view is None or peer in self.last_wanted:
+        if view is None or not self.planned or peer in self.last_wanted:
             return True
         role = {p.peer_id: p.role for p in view.live_peers()}.get(peer)
         return (role is not None and role != "trainer") or bool(self.needing_us(view, [peer]))
@@ -121,7 +123,7 @@ class ConnectionBound:
     async def close_surplus(self, view: SwarmView, wanted: list[str]) -> None:
         """A pass of the connection loop with this plan: while over `max_peers` connections,
         close those past their grace that nothing keeps (module docstring)."""
-        self.last_wanted = frozenset(wanted)
+        self.last_wanted, self.planned = frozenset(wanted), True
         connected = self.host.connected_peers()
         live = {p.peer_id: p.role for p in view.live_peers()}
         now = time.monotonic()
