@@ -58,7 +58,14 @@ def snapshot() -> dict:
             "state": "training",
             "listen": [],
             "reachability": "public",
-            "connections": {"connections": 5, "max_peers": 4, "wanted": 4, "unwanted": 1, "closed": 7, "one_off_closed": 3},
+            "connections": {
+                "connections": 5,
+                "max_peers": 4,
+                "wanted": 4,
+                "unwanted": 1,
+                "closed": 7,
+                "one_off_closed": 3,
+            },
         },
         "training": {
             "step": 10,

@@ -386,17 +386,3 @@ async def test_a_one_off_connection_with_a_stream_still_open_is_closed_only_afte
 async def _expect_timeout(call) -> None:
     with pytest.raises(RpcTimeout):
         await call()
-
-
-async def test_connections_a_library_query_opens_are_one_off_too():
-    """kad's own PUT_VALUE dials peers we do not pick: what opens while it runs is one-off."""
-    async with AsyncExitStack() as stack:
-        a, b = await _known_not_connected(stack)
-        c = (await start_peers(stack, 1, streams=False))[0].host
-        await c.connect(a.addrs[0])  # connected before: not the query's
-        a.one_off.keep = lambda peer: False
-        async with a.one_off.during():
-            await a.connect(b.addrs[0])  # as kad's lookup dials the peers nearest a key
-        with trio.fail_after(10):
-            await a.wait_until(lambda: not a.is_connected(b.peer_id))
-        assert a.is_connected(c.peer_id) and a.one_off.closed == 1

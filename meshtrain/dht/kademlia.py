@@ -38,9 +38,10 @@ Design.
 - **Connections**: a query to a peer we are not connected to dials it; that connection is
   one-off (transport/one_off.py): hung up a moment after the lookup or store unless the node's
   policy keeps it (node/presence.py: a peer its plan wants), so lookups do not leave
-  connections behind for the bound to close. So are those kad's own PUT_VALUE and GET_VALUE
-  (`put_interop`, `get_interop`) open. py-libp2p's routing-table upkeep (a random lookup every
-  10 minutes, a ping of up to 5 stale peers every 5) still dials on its own.
+  connections behind for the bound to close. Those kad's own PUT_VALUE and GET_VALUE open
+  (`put_interop`, every 5 minutes) and py-libp2p's routing-table upkeep (a random lookup every
+  10 minutes, a ping of up to 5 stale peers every 5) are not: the host cannot tell which of the
+  connections opened meanwhile are theirs (counting every one closed a joiner's).
 - **Get**: the union (merge) of our local entries and every valid record the lookup saw;
   records that fail validation are dropped and logged with the peer that sent them. Replicas
   among the closest that lacked an entry are repaired in the background (read repair), which
@@ -383,10 +384,9 @@ class Dht(Service):
         peers, for other libp2p stacks to read; bounded by `lookup_timeout` + `rpc_timeout`.
         Raises `DhtError` when it does not validate (kad's own refusal, raised before a send)."""
         self._require_open()
-        try:  # kad's lookup dials the peers nearest the key: one-off connections
+        try:
             with trio.move_on_after(self.config.lookup_timeout + self.config.rpc_timeout):
-                async with self.host.one_off.during():
-                    await self.kad.put_value(key, value)
+                await self.kad.put_value(key, value)
         except (InvalidRecordType, ValueError) as e:
             raise DhtError(f"kad refused the record for {key!r}: {e}") from None
 
@@ -396,8 +396,7 @@ class Dht(Service):
         self._require_open()
         value = None
         with trio.move_on_after(self.config.lookup_timeout + self.config.rpc_timeout):
-            async with self.host.one_off.during():
-                value = await self.kad.get_value(key)
+            value = await self.kad.get_value(key)
         if value is None:
             return None
         try:

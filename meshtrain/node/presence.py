@@ -42,8 +42,7 @@ rounds other peers' requests name, which a faster peer's prepared join sets ahea
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus that nothing keeps once
-each has gone unwanted for its grace — 2 s for a past round's partner, 10 s for a connection
-someone else opened, 30 s for a peer not in the view —, never a syncing member's nor that of a
+each has gone unwanted for its grace — 10 s for a trainer, 30 s for a peer not in the view —, never a syncing member's nor that of a
 peer whose own plan keeps us; a connection one of our DHT queries dialled is hung up a moment
 after the query unless the bound would keep it or it goes to a bootstrap peer (a private node's
 relay) (node/bound.py `ConnectionBound`, which tells why each rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing
@@ -236,7 +235,7 @@ class PeerPresence(Service):
         # A connection a DHT query dialled is hung up after it unless we keep it (transport/one_off.py).
         # Our bootstrap peers stay: a private node reserves its relay slots on them.
         relays = {peer_id_of(a) for a in self.relay_candidates()}
-        host.one_off.keep = lambda peer: peer in relays or self.bound.keeps(self.view, peer)
+        host.one_off.keep = lambda peer: peer in relays or self.bound.keeps(self.view, peer, self.wanted)
         stack.callback(setattr, host.one_off, "keep", lambda peer: True)
         dht = self.dht = await stack.enter_async_context(Dht(host))
         if self.mdns:

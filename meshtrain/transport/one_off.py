@@ -9,8 +9,7 @@ close (`dht/find`: 229 of the 234 streams that dialled a peer in 5 minutes; docs
 each held a connection for ~10 s, so a node sat over its bound most of the time, and at hundreds
 of daemons the key's holders would hold a connection from everyone.
 
-Design. `OneOffConnections.use(peer)` wraps one query (`during()` one whose peers a library
-picks: every connection opened while it runs is one of its uses). The first use of a peer we are not
+Design. `OneOffConnections.use(peer)` wraps one query. The first use of a peer we are not
 connected to marks the connection it opens as one-off. When the last use of it ends, the
 connection lingers `LINGER_S` (a store follows its lookup within milliseconds and reuses it),
 then is closed unless:
@@ -52,9 +51,7 @@ class Connections(Protocol):
     @property
     def nursery(self) -> trio.Nursery | None: ...
     def is_connected(self, peer: str) -> bool: ...
-    def connected_peers(self) -> list[str]: ...
     def streams_in_use(self, peer: str) -> int: ...
-    def on_connected(self, listener: Callable[[str], None]) -> Callable[[], None]: ...
     async def disconnect(self, peer: str) -> None: ...
 
 
@@ -96,31 +93,6 @@ class OneOffConnections:
             yield
         finally:
             self._release(peer, use)
-
-    @asynccontextmanager
-    async def during(self) -> AsyncIterator[None]:
-        """A query whose peers we do not pick (py-libp2p's kad PUT_VALUE, dht/kademlia.py
-        `put_interop`): every connection opened while it runs, to a peer we were not connected to
-        when it began, is one of its uses. One another part opened meanwhile is counted too; the
-        policy keeps what the node wants."""
-        before = set(self.host.connected_peers())
-        opened: list[tuple[str, _Use]] = []
-
-        def connected(peer: str) -> None:
-            if peer in before or any(p == peer for p, _ in opened):
-                return
-            use = self._uses.setdefault(peer, _Use())
-            use.users += 1
-            use.generation += 1
-            opened.append((peer, use))
-
-        stop = self.host.on_connected(connected)
-        try:
-            yield
-        finally:
-            stop()
-            for peer, use in opened:
-                self._release(peer, use)
 
     def _release(self, peer: str, use: _Use) -> None:
         use.users -= 1
