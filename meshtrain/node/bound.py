@@ -9,12 +9,13 @@ partner it is about to need; kept, the node sits over its bound.
 Design. `ConnectionBound` is presence's (node/presence.py): every pass of its connection loop
 `close_surplus` is told the plan, and while the host holds more than `max_peers` connections it
 closes those not wanted for a grace (`grace`):
-- `FORMER_GRACE_S` for a past round's partner: wanted while connected, by our plan or by the
-  peer's own that kept us (`UnwantedSince.was_wanted`); its round has ended (10 s for now, as
-  the next: 2 s closed partners needed again two sub-second rounds later);
-- `CLOSE_GRACE_S` (10 s) for a connection someone else opened: an inbound dial of a peer whose
-  view differs, whose query or RPC finishes first (closing at once made every lookup fail and
-  py-libp2p churn);
+- `CLOSE_GRACE_S` (10 s) for a trainer: a connection someone else opened (an inbound dial of a
+  peer whose view differs, whose query or RPC finishes first: closing at once made every lookup
+  fail and py-libp2p churn) and a past round's partner alike. A 2 s grace for past partners held
+  the bound better at 25 s rounds, but where rounds take under a second it closed a partner
+  needed again two rounds later, which then averaged alone (tests/test_grouped_daemons.py): a
+  shorter one waits for a grace that follows the round's length. The census still tells the two
+  apart (`UnwantedSince.was_wanted`);
 - `STRANGER_GRACE_S` (30 s) for a peer not in the view (a joiner fetching the spec);
 never a syncing member's (it may be downloading the state from us), nor a trainer whose own plan
 keeps us (`needing_us`: `ConnectionPlan.wanted_by`, computed from our view with the rounds under
@@ -57,12 +58,7 @@ from meshtrain.transport.host import Host
 
 log = get_logger(__name__)
 
-CLOSE_GRACE_S = 10.0  # a connection someone else opened is not closed over the bound before this,
-# one that was wanted while connected (a past round's partner) before this: 2 s held the bound
-# better at 25 s rounds, but where rounds take under a second it closed a partner needed again two
-# rounds later, which then averaged alone (tests/test_grouped_daemons.py); until the grace follows
-# the round's length, it is the same as the other.
-FORMER_GRACE_S = CLOSE_GRACE_S
+CLOSE_GRACE_S = 10.0  # a trainer's connection is not closed over the bound before this,
 STRANGER_GRACE_S = 30.0  # a peer's not in the view before this
 
 
@@ -126,9 +122,7 @@ class ConnectionBound:
 
     def grace(self, peer: str, live: dict[str, str]) -> float:
         """How long `peer`'s connection goes unwanted before it is closed over the bound."""
-        if peer not in live:
-            return STRANGER_GRACE_S
-        return FORMER_GRACE_S if self.unwanted.was_wanted(peer) else CLOSE_GRACE_S
+        return CLOSE_GRACE_S if peer in live else STRANGER_GRACE_S
 
     async def close_surplus(self, view: SwarmView, wanted: list[str]) -> None:
         """A pass of the connection loop with this plan: while over `max_peers` connections,

@@ -42,11 +42,12 @@ rounds other peers' requests name, which a faster peer's prepared join sets ahea
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus that nothing keeps once
-each has gone unwanted for its grace — 10 s for a trainer, 30 s for a peer not in the view —, never a syncing member's nor that of a
-peer whose own plan keeps us; a connection one of our DHT queries dialled is hung up a moment
-after the query unless the bound would keep it or it goes to a bootstrap peer (a private node's
-relay) (node/bound.py `ConnectionBound`, which tells why each rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing
-and peers out of step. Nothing else would close them — py-libp2p's idle pruning is off with its
+each has gone unwanted for its grace — 10 s for a trainer, 30 s for a peer not in the view —,
+never a syncing member's nor that of a peer whose own plan keeps us; a connection one of our DHT
+queries dialled is hung up a moment after the query unless the bound would keep it or it goes to
+a bootstrap peer (a private node's relay) (node/bound.py `ConnectionBound`, which tells why each
+rule is there; transport/one_off.py). So the bound holds up to those graces, joiners syncing and
+peers out of step. Nothing else would close them — py-libp2p's idle pruning is off with its
 auto-connector (transport/host.py), so "left to idle out" would mean kept until the host's hard
 cap. A peer discovered through the DHT but not yet in the view is
 dialled only while we have room under the bound.
