@@ -12,7 +12,9 @@ from functools import partial
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
+from meshtrain.crdt.gossip import start_gossipsub
 from meshtrain.errors import ConfigError
 from meshtrain.transport import one_off
 from meshtrain.transport.framing import packb
@@ -310,6 +312,26 @@ async def test_host_does_not_auto_dial_known_peers():
         await b.host.libp2p.get_network().auto_connector.maybe_connect()  # what its timer runs
         await trio.sleep(0.5)  # sleep: time for an auto-dial if there were one (below: none)
         assert not b.host.is_connected(a.id)
+
+
+async def test_pubsub_never_dials_a_peer_whose_connection_closed():
+    """libp2p_patches.py: pubsub's stream retry, run after the connection closed (as its retry
+    task does when a pubsub stream dies while the connection is closing), does not dial the peer
+    back — py-libp2p 0.8.1's `new_stream` would."""
+    async with AsyncExitStack() as stack:
+        (a,), (b,) = await start_peers(stack, 1, streams=False), await start_peers(stack, 1, streams=False)
+        pubsubs = [await start_gossipsub(stack, p.host, (6, 4, 12), 1) for p in (a, b)]
+        await b.host.connect(a.host.addrs[0])  # pubsub registers a peer when a connection opens
+        with trio.fail_after(10):
+            await b.host.wait_until(lambda: ID.from_base58(a.id) in pubsubs[1].peers)
+        await b.host.disconnect(a.id)
+        with trio.fail_after(10):
+            await b.host.wait_until(lambda: not b.host.is_connected(a.id) and not a.host.is_connected(b.id))
+        await pubsubs[1]._handle_new_peer_with_retry(ID.from_base58(a.id), 1.0)
+        assert not b.host.is_connected(a.id)
+        await b.host.connect(a.host.addrs[0])  # a new connection registers the peer again
+        with trio.fail_after(10):
+            await b.host.wait_until(lambda: ID.from_base58(a.id) in pubsubs[1].peers)
 
 
 # -- one-off connections (transport/one_off.py) ---------------------------------------------------

@@ -33,6 +33,17 @@ peers behind symmetric IPv4 NATs and IPv6 firewalls never went direct, though bo
 other's global IPv6 address — one from the wrong family. The fix, in `_dial_peer`: a source of
 the other family is swapped for our listen address of the dialled address's family (no source
 if we have none). Upstream's: choose the source per address. (tests/test_nat_traversal_v6.py)
+
+**Pubsub dials a peer whose connection just closed** (`Pubsub._handle_new_peer`). When a peer's
+pubsub stream dies while its connection is closing, py-libp2p still counts the peer connected
+(the muxer is not marked closed yet) and schedules a retry that opens a new pubsub stream with
+`host.new_stream` — which, the connection gone by then, *dials the peer*. A connection the node
+closed over its bound (node/bound.py) or a DHT query's one-off connection (transport/one_off.py)
+came straight back that way (issue 32's census, 13 daemons: a dial from
+`_peer_stream_retry_task` a few times a minute). Gossipsub here never needs its own dials:
+pubsub registers every peer when a connection opens. The fix: no pubsub stream to a peer with
+no connection (`_handle_new_peer` returns; the next connection's notifee registers the peer).
+Upstream's: open the stream on the live connection, never through a dial.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import contextlib
 import trio
 from libp2p.io import trio as _io_trio
 from libp2p.io.exceptions import IOException
+from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
@@ -111,6 +123,15 @@ async def _dial_peer_from_same_family(
     await _dcutr_dial_peer(self, peer_id, addr, source, as_responder)  # type: ignore[arg-type]
 
 
+_pubsub_handle_new_peer = Pubsub._handle_new_peer
+
+
+async def _pubsub_stream_only_if_connected(self: Pubsub, peer_id: object) -> None:
+    if not self.host.get_network().get_connections(peer_id):  # type: ignore[arg-type]
+        return  # closed meanwhile: never dial for pubsub (module docstring)
+    await _pubsub_handle_new_peer(self, peer_id)  # type: ignore[arg-type]
+
+
 def apply() -> None:
     """Install the workarounds (idempotent)."""
     global _applied
@@ -121,4 +142,5 @@ def apply() -> None:
     _yamux.Yamux._write_frame = _write_frame_whole  # type: ignore[method-assign]  # the patch itself
     _io_trio.TrioTCPStream.get_remote_address = _remote_address_any_family  # type: ignore[method-assign]
     DCUtRProtocol._dial_peer = _dial_peer_from_same_family  # type: ignore[method-assign]
+    Pubsub._handle_new_peer = _pubsub_stream_only_if_connected  # type: ignore[method-assign]
     _applied = True
