@@ -334,6 +334,25 @@ async def test_discovery_lists_live_peers_and_forgets_dead_ones() -> None:
         assert peers_key(SWARM) == "/meshtrain/test-swarm/peers"
 
 
+async def test_a_refresh_left_to_others_lets_the_announcement_expire_until_readdressed() -> None:
+    """`refresh_needed` (node/presence.py leaves most refreshes to others in a large swarm): a
+    node whose refreshes are skipped vanishes from the key once its announcement expires, and
+    announces at once when its addresses change."""
+    async with AsyncExitStack() as stack:
+        nodes = (await stack.enter_async_context(swarm_of(3))).nodes
+        reader = await stack.enter_async_context(Discovery(nodes[0], SWARM, FAST))
+        quiet = await stack.enter_async_context(Discovery(nodes[1], SWARM, FAST, refresh_needed=lambda: False))
+        assert nodes[1].peer_id in [p.peer_id for p in await reader.peers()]  # the first one is made
+        with trio.fail_after(FAST.ttl + 3):
+            while nodes[1].peer_id in [p.peer_id for p in await reader.peers()]:
+                await trio.sleep(0.2)  # sleep: poll interval
+        assert quiet.skipped >= 2 and nodes[0].peer_id in [p.peer_id for p in await reader.peers()]
+        quiet.readdress()
+        with trio.fail_after(5):
+            while nodes[1].peer_id not in [p.peer_id for p in await reader.peers()]:
+                await trio.sleep(0.1)  # sleep: poll interval
+
+
 async def test_a_restarted_node_reannounces_under_the_same_subkey() -> None:
     async with AsyncExitStack() as stack:
         nodes = (await stack.enter_async_context(swarm_of(3))).nodes

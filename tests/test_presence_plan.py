@@ -5,16 +5,20 @@ and of the next, and does not grow with the swarm; and how often it reads the sw
 
 from __future__ import annotations
 
+import random
 from itertools import pairwise
 
 from meshtrain.collective.groups import GroupPlan
+from meshtrain.node.bound import CLOSE_GRACE_S, FORMER_GRACE_S, STRANGER_GRACE_S, ConnectionBound
 from meshtrain.node.connections import (
+    ANNOUNCERS,
     DISCOVERY_AFTER_LOSS_S,
     DISCOVERY_INTERVAL,
     DISCOVERY_SETTLED_INTERVAL,
     ConnectionPlan,
     DiscoveryPace,
     UnwantedSince,
+    refreshes_announcement,
 )
 from meshtrain.transport.identity import Identity
 
@@ -105,6 +109,44 @@ def test_a_connection_counts_as_unwanted_from_when_it_was_last_wanted_not_from_w
     unwanted.opened(b, now=99.0)
     unwanted.note([a, b], wanted=set(), now=100.0)
     assert unwanted.seconds(b, 100.0) == 1.0 and unwanted.seconds(a, 100.0) == 20.0
+
+
+def test_a_past_partner_closes_sooner_only_where_rounds_outlast_the_grace():
+    """node/bound.py: a past round's partner gets `FORMER_GRACE_S` once the swarm's rounds (its
+    front step, watched) last `CLOSE_GRACE_S` or more; where they are shorter, or not yet seen,
+    and for a connection someone else opened, the full grace; a peer not in the view, its own."""
+    me, partner, stranger_trainer, outsider = IDS[:4]
+    plan = ConnectionPlan(me, max_peers=3, grouping=GroupPlan(group_size=3, period=40))
+    bound = ConnectionBound(None, plan, lambda: [], dict)  # type: ignore[arg-type]  # grace needs no host
+    live = {me: "trainer", partner: "trainer", stranger_trainer: "trainer"}
+    bound.unwanted.note([partner, stranger_trainer], wanted={partner}, now=0.0)  # a partner, then not
+    bound.unwanted.note([partner, stranger_trainer], wanted=set(), now=1.0)
+    assert bound.round_seconds() is None  # the step not yet seen to move twice
+    assert bound.grace(partner, live) == CLOSE_GRACE_S
+    for t, step in [(0.0, 0), (0.5, 40), (1.0, 80), (1.5, 120)]:  # sub-second rounds
+        bound.pace.saw(t, step)
+    assert bound.round_seconds() == 0.5 and bound.grace(partner, live) == CLOSE_GRACE_S
+    for t, step in [(30.0, 160), (55.0, 200), (80.0, 240), (105.0, 280), (130.0, 320)]:  # 25 s rounds
+        bound.pace.saw(t, step)
+    assert bound.round_seconds() is not None and bound.round_seconds() >= CLOSE_GRACE_S
+    assert bound.grace(partner, live) == FORMER_GRACE_S
+    assert bound.grace(stranger_trainer, live) == CLOSE_GRACE_S  # never our partner: its query finishes first
+    assert bound.grace(outsider, live) == STRANGER_GRACE_S
+    for t, step in enumerate(range(360, 360 + 40 * 20, 40), start=131):  # rounds of a second again
+        bound.pace.saw(float(t), step)
+    assert bound.round_seconds() == 1.0 and bound.grace(partner, live) == CLOSE_GRACE_S
+
+
+def test_about_four_members_refresh_their_announcement_per_interval_at_any_size():
+    """node/connections.py `refreshes_announcement`: every member of a small swarm, about
+    `ANNOUNCERS` of a large one (the key holds some dozen live announcements, its holders get
+    a few stores a minute instead of one per member)."""
+    rng = random.Random(5)
+    assert all(refreshes_announcement(n, rng.random()) for n in range(1, ANNOUNCERS + 1) for _ in range(100))
+    for members in (13, 64, 256):
+        intervals = 300
+        made = sum(refreshes_announcement(members, rng.random()) for _ in range(members * intervals))
+        assert abs(made / intervals - ANNOUNCERS) < 0.6, (members, made / intervals)
 
 
 def reads(pace: DiscoveryPace, me: str, live_at, left_at=lambda t: set(), until: float = 900.0) -> list[float]:

@@ -5,7 +5,9 @@ it, and the storing nodes merge everyone's announcements into one dictionary) an
 `{"addrs", "role", "caps", "version"}`. The record expires after `ttl` seconds and the node
 re-announces every `refresh_interval` seconds, so a crashed node disappears within `ttl`
 without anyone deleting it, and a node restarted with the same identity overwrites its old
-announcement (same subkey, later expiry) instead of appearing twice.
+announcement (same subkey, later expiry) instead of appearing twice. A caller may leave a
+refresh to others (`refresh_needed`): in a large swarm a newcomer needs a few live announcements,
+not every member's, and each refresh costs the key's holders a lookup and a store.
 
 The same announcement is also published, every `INTEROP_REFRESH_S` and whenever our addresses
 change, as a standard kad record that go- and js-libp2p peers can read and verify (interop.py).
@@ -126,6 +128,11 @@ class Discovery(Service):
         behind NAT announces its circuit addresses, which its listen addresses are not —
         transport/nat.py `addrs`). Unspecified IPs (a listen address as bound: 0.0.0.0) are left
         out: they name the reader's machine, never ours (transport/host.py `dialable_addrs`).
+    refresh_needed: asked at each due refresh, whether to make it (default: always). A node of a
+        large swarm leaves most refreshes to the others (node/presence.py, "Discovery,
+        sparingly"): every announcement is a lookup and a store at the key's few holders. The
+        first announcement, one after `readdress()` and a retry after a failed one are always
+        made; a skipped refresh still publishes the kad record for other stacks when that is due.
 
     Entering announces once (a failure is logged and retried every `retry_interval`) and starts
     the refresh task; leaving stops it. `readdress()` announces again at once (our addresses
@@ -140,12 +147,15 @@ class Discovery(Service):
         config: DiscoveryConfig | None = None,
         *,
         addrs: Callable[[], Sequence[str]] | None = None,
+        refresh_needed: Callable[[], bool] | None = None,
     ) -> None:
         self.dht = dht
         self.swarm_id = swarm_id
         self.config = config or DiscoveryConfig()
         self.key = peers_key(swarm_id)
         self._addrs = addrs or (lambda: dht.host.addrs)
+        self._refresh_needed = refresh_needed or (lambda: True)
+        self.skipped = 0  # due refreshes left to others (`refresh_needed`)
         self._readdressed = trio.Event()
         self._interop_sent: tuple[float, tuple[str, ...]] | None = None  # (next due, monotonic; addrs)
 
@@ -171,12 +181,17 @@ class Discovery(Service):
         expiry = time.time() + self.config.ttl
         value = self.announcement_value()
         replicas = await self.dht.store(self.key, value, expiry, subkey=self.dht.peer_id)
+        self._to_other_stacks_when_due(value)
+        return replicas
+
+    def _to_other_stacks_when_due(self, value: dict[str, Any]) -> None:
+        """Publish `value` for other stacks if it is due (every `INTEROP_REFRESH_S`, and at once
+        when our addresses changed), in the background: it does not hold up our own."""
         addrs = tuple(value["addrs"])
         due = self._interop_sent is None or self._interop_sent[1] != addrs or time.monotonic() > self._interop_sent[0]
-        if due and self._nursery is not None:  # running: in the background, not holding up our own
+        if due and self._nursery is not None:
             self._interop_sent = (time.monotonic() + INTEROP_REFRESH_S, addrs)
             self._nursery.start_soon(self.announce_to_other_stacks, value)
-        return replicas
 
     async def announce_to_other_stacks(self, value: dict[str, Any]) -> None:
         """Publish announcement `value` as a standard kad record (interop.py) for go- or
@@ -217,7 +232,13 @@ class Discovery(Service):
 
     async def _refresh_loop(self, ok: bool) -> None:
         while True:
+            readdressed = False
             with trio.move_on_after(self.config.refresh_interval if ok else self.config.retry_interval):
                 await self._readdressed.wait()
+                readdressed = True
             self._readdressed = trio.Event()
+            if ok and not readdressed and not self._refresh_needed():
+                self.skipped += 1
+                self._to_other_stacks_when_due(self.announcement_value())
+                continue
             ok = await self._announce_logged()

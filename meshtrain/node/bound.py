@@ -11,11 +11,14 @@ Design. `ConnectionBound` is presence's (node/presence.py): every pass of its co
 closes those not wanted for a grace (`grace`):
 - `CLOSE_GRACE_S` (10 s) for a trainer: a connection someone else opened (an inbound dial of a
   peer whose view differs, whose query or RPC finishes first: closing at once made every lookup
-  fail and py-libp2p churn) and a past round's partner alike. A 2 s grace for past partners held
-  the bound better at 25 s rounds, but where rounds take under a second it closed a partner
-  needed again two rounds later, which then averaged alone (tests/test_grouped_daemons.py): a
-  shorter one waits for a grace that follows the round's length. The census still tells the two
-  apart (`UnwantedSince.was_wanted`);
+  fail and py-libp2p churn), and a past round's partner (`UnwantedSince.was_wanted`) while the
+  swarm's rounds are shorter than that grace;
+- `FORMER_GRACE_S` (2 s) for a past round's partner once rounds last `CLOSE_GRACE_S` or longer
+  (the swarm's pace as the front step moves, `StepPace`): a partner needed again is then in the
+  plan, and dialled, a whole round — at least that long — before its round. Past partners were
+  half of what held 13 daemons at 25 s rounds over their bound (the DEBUG census below). Where
+  rounds take under a second, a 2 s grace closed a partner needed again two rounds later, which
+  then averaged alone (tests/test_grouped_daemons.py): there the 10 s grace stays;
 - `STRANGER_GRACE_S` (30 s) for a peer not in the view (a joiner fetching the spec);
 never a syncing member's (it may be downloading the state from us), nor a trainer whose own plan
 keeps us (`needing_us`: `ConnectionPlan.wanted_by`, computed from our view with the rounds under
@@ -54,11 +57,13 @@ from collections.abc import Callable
 from meshtrain.crdt.swarm_view import SwarmView
 from meshtrain.log import get_logger, kv
 from meshtrain.node.connections import ConnectionPlan, UnwantedSince
+from meshtrain.node.roster import StepPace
 from meshtrain.transport.host import Host
 
 log = get_logger(__name__)
 
 CLOSE_GRACE_S = 10.0  # a trainer's connection is not closed over the bound before this,
+FORMER_GRACE_S = 2.0  # a past partner's, where rounds last CLOSE_GRACE_S or more, before this,
 STRANGER_GRACE_S = 30.0  # a peer's not in the view before this
 
 
@@ -80,6 +85,7 @@ class ConnectionBound:
         self.closed = 0  # connections closed over the bound since start (the churn)
         self.last_wanted: frozenset[str] = frozenset()  # the plan at the connection loop's last pass
         self.planned = False  # whether the loop has made a plan yet (before it, keep every connection)
+        self.pace = StepPace()  # the swarm's front step as the loop saw it move: its rounds' length
 
     def rounds_under_way(self, round_id: int, in_from: int) -> list[int]:
         """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
@@ -120,9 +126,19 @@ class ConnectionBound:
             return True  # the full mesh (every member wanted), or not a live trainer
         return peer in wanted() or bool(self.needing_us(view, [peer]))
 
+    def round_seconds(self) -> float | None:
+        """How long the swarm's rounds take, as the front step was seen to move (None: not yet
+        seen to move twice)."""
+        return self.pace.round_seconds(0.0, self.period) if self.pace.changes >= 2 else None
+
     def grace(self, peer: str, live: dict[str, str]) -> float:
         """How long `peer`'s connection goes unwanted before it is closed over the bound."""
-        return CLOSE_GRACE_S if peer in live else STRANGER_GRACE_S
+        if peer not in live:
+            return STRANGER_GRACE_S
+        round_s = self.round_seconds()
+        if self.unwanted.was_wanted(peer) and round_s is not None and round_s >= CLOSE_GRACE_S:
+            return FORMER_GRACE_S
+        return CLOSE_GRACE_S
 
     async def close_surplus(self, view: SwarmView, wanted: list[str]) -> None:
         """A pass of the connection loop with this plan: while over `max_peers` connections,
@@ -131,6 +147,7 @@ class ConnectionBound:
         connected = self.host.connected_peers()
         live = {p.peer_id: p.role for p in view.live_peers()}
         now = time.monotonic()
+        self.pace.saw(now, max((pr.step for pr in view.progress().values()), default=None))
         self.unwanted.note(connected, self.last_wanted, now)
         surplus = len(connected) - self.plan.max_peers
         if surplus <= 0:

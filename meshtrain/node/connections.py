@@ -76,6 +76,7 @@ DIAL_TIMEOUT = 5.0  # seconds one dial may take
 DISCOVERY_INTERVAL = 15.0  # seconds between two DHT reads of the swarm's key while the view holds nobody else
 DISCOVERY_SETTLED_INTERVAL = 120.0  # ... once it holds other live members (their gossip brings newcomers)
 DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long after a live member dropped out
+ANNOUNCERS = 4  # members of a larger swarm that refresh their announcement per interval, on average
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,15 @@ class UnwantedSince:
     def seconds(self, peer: str, now: float) -> float:
         """How long `peer`'s connection has gone unwanted (0: not seen connected)."""
         return now - self._since.get(peer, now)
+
+
+def refreshes_announcement(live_members: int, draw: float) -> bool:
+    """Whether a member of a swarm of `live_members` makes a due refresh of its announcement under
+    the swarm's DHT key, `draw` uniform in [0, 1) (node/presence.py, "Discovery, sparingly"): all
+    of them up to `ANNOUNCERS`, else each with chance `ANNOUNCERS / live_members`, so about
+    `ANNOUNCERS` refresh per interval whatever the swarm's size — a newcomer needs a few live
+    announcements, and each refresh is a lookup and a store at the key's few holders."""
+    return live_members <= ANNOUNCERS or draw < ANNOUNCERS / live_members
 
 
 class DiscoveryPace:

@@ -42,7 +42,8 @@ rounds other peers' requests name, which a faster peer's prepared join sets ahea
 the groups are a pure function of the round and its roster (collective/groups.py), so the
 partners of the round after are dialled while these run.
 While connected to more than `max_peers` peers, it closes the surplus that nothing keeps once
-each has gone unwanted for its grace — 10 s for a trainer, 30 s for a peer not in the view —,
+each has gone unwanted for its grace — 10 s for a trainer (2 s for a past partner where rounds
+last longer), 30 s for a peer not in the view —,
 never a syncing member's nor that of a peer whose own plan keeps us; a connection one of our DHT
 queries dialled is hung up a moment after the query unless the bound would keep it or it goes to
 a bootstrap peer (a private node's relay) (node/bound.py `ConnectionBound`, which tells why each
@@ -64,8 +65,13 @@ else (a node that knows nobody finds the swarm that way) or for 5 minutes after 
 lease ran out (not one that left): it may be behind a partition, and once the partition heals
 its announcement is how we find it again (the view no longer holds it, and the address book is
 dialled only until we meet the swarm): `DiscoveryPace`, node/connections.py. Our announcement,
-for newcomers, is refreshed every `ANNOUNCE_REFRESH_S` and lives `ANNOUNCE_TTL_S`: a dead node's
-lingers that long, which costs a newcomer a failed dial.
+for newcomers, lives `ANNOUNCE_TTL_S` (a dead node's lingers that long, which costs a newcomer a
+failed dial) and is due for a refresh every `ANNOUNCE_REFRESH_S`; in a swarm of more than
+`ANNOUNCERS` (4) live members each due refresh is made with chance 4 / members
+(`refreshes_announcement`), so the key holds a dozen or so live announcements at any size — a
+newcomer needs a few, its first dial brings the rest by gossip — and its holders get about four
+stores a minute instead of one per member (13 daemons: DHT queries' connections were two of the
+eight a node held over its bound of six, docs/benchmarks.md).
 
 What it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
@@ -114,6 +120,7 @@ admission rules themselves (`node/trust/admission.py`), reading the swarm index 
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -137,7 +144,13 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.node.bound import ConnectionBound
 from meshtrain.node.clock_offsets import ClockOffsets
-from meshtrain.node.connections import DEFAULT_MAX_PEERS, ConnectionPlan, Dialler, DiscoveryPace
+from meshtrain.node.connections import (
+    DEFAULT_MAX_PEERS,
+    ConnectionPlan,
+    Dialler,
+    DiscoveryPace,
+    refreshes_announcement,
+)
 from meshtrain.node.phase import StopRequest
 from meshtrain.node.roster import (
     LEAD_BEATS,
@@ -255,6 +268,7 @@ class PeerPresence(Service):
                 swarm_id,
                 DiscoveryConfig(role="trainer", ttl=ANNOUNCE_TTL_S, refresh_interval=ANNOUNCE_REFRESH_S),
                 addrs=self.announced_addrs,
+                refresh_needed=self._refreshes_announcement,
             )
         )
         replica = await stack.enter_async_context(Replica(host, swarm_id, swarm_specs(self.signed.owner)))
@@ -468,6 +482,11 @@ class PeerPresence(Service):
         self._view().set_connection(connection, addrs)
         if self.discovery is not None:
             self.discovery.readdress()
+
+    def _refreshes_announcement(self) -> bool:
+        """Whether this due refresh of our announcement is ours to make (`refreshes_announcement`)."""
+        live = len(self.view.live_peers()) if self.view is not None else 0
+        return refreshes_announcement(live, random.random())
 
     # -- advertising -----------------------------------------------------------------------------
 

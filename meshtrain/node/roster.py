@@ -59,6 +59,7 @@ groups (collective/groups.py), announcing and reading it (node/presence.py `ente
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 LEAD_BEATS = 2  # the lead: this many of the swarm's heartbeat intervals (module docstring)
@@ -67,6 +68,7 @@ MAX_LEAD_ROUNDS = 32  # ... nor more (module docstring, "Failures": the pace bef
 PACE_WINDOW_S = 2.0  # how long a joiner watches the swarm's step for its pace, at most
 PACE_CHANGES = 3  # ... or until it saw the step change this many times
 PACE_POLL_S = 0.05  # how often it looks
+PACE_SAMPLES = 16  # a pace keeps this many of the newest changes
 
 
 def lead_rounds(
@@ -92,7 +94,9 @@ class StepPace:
     caller passes each reading with its time). Progress records go out when a peer's round changes,
     so the step is seen to move about once a round."""
 
-    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, step) where it changed
+    # (time, step) where it changed: the newest `PACE_SAMPLES`, so a pace watched for days (the
+    # connection bound's, node/bound.py) follows the swarm's recent rounds in bounded memory
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PACE_SAMPLES))
 
     def saw(self, now: float, step: int | None) -> None:
         if step is not None and (not self.samples or step > self.samples[-1][1]):

@@ -23,7 +23,12 @@ Measured (last-line JSON):
 - `state_downloads`: "state downloaded" lines over all logs: the joiners' (one each, counting the
   twelve that joined the first) and the re-syncs of daemons left out of a round;
 - `median_round_s`, `wall_s`; `targets_met`: connections_max <= the bound, groups_ok, the joiner
-  in rounds.
+  in rounds;
+- with `--log-level DEBUG`, `over_bound_census`: what held the daemons over the bound while
+  measured, from presence's census line at every pass over it (node/bound.py): the passes, and
+  per pass the mean connections held, wanted by the plan, kept for a peer whose plan keeps us
+  (`needs_us`), a syncing member's, graced past partners (`past_partners`), graced connections
+  others opened (`others`), and closed at that pass.
 
 Usage: python scripts/bench/bench_grouped_swarm.py [--daemons 12] [--group-size 4] [--max-peers 6]
            [--H 20] [--step-s 0.1] [--minutes 3]
@@ -32,10 +37,12 @@ Usage: python scripts/bench/bench_grouped_swarm.py [--daemons 12] [--group-size 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +53,39 @@ from scripts.bench.harness import Daemon, create_swarm, emit, wait_for  # noqa: 
 SLOWED = ROOT / "scripts" / "bench" / "slowed_model.py"
 SEED = 7
 WAVE = 4  # daemons started at once
+
+
+CENSUS = re.compile(
+    r"^(\S+ \S+),\d+ DEBUG meshtrain\.node\.bound over the bound held=(\d+) wanted=(\d+) "
+    r"needs_us=(\d+) syncing=(\d+) graced=(\S*) closing=(\d+)"
+)
+
+
+def over_bound_census(logs: list[str], since: float, until: float) -> dict | None:
+    """The daemons' census lines between `since` and `until` (wall clock), summed up (module
+    docstring); None where the logs hold none (not DEBUG)."""
+    totals: dict[str, float] = dict.fromkeys(
+        ("held", "wanted", "needs_us", "syncing", "past_partners", "others", "closing"), 0.0
+    )
+    passes = 0
+    for log in logs:
+        for line in log.splitlines():
+            m = CENSUS.match(line)
+            if m is None:
+                continue
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            if not since <= t <= until:
+                continue
+            passes += 1
+            graced = [g.split(":") for g in m.group(6).split(",") if g]
+            for key, value in zip(("held", "wanted", "needs_us", "syncing"), m.groups()[1:5], strict=True):
+                totals[key] += int(value)
+            totals["past_partners"] += sum(kind == "former" for _, kind, _ in graced)
+            totals["others"] += sum(kind == "other" for _, kind, _ in graced)
+            totals["closing"] += int(m.group(7))
+    if not passes:
+        return None
+    return {"passes": passes} | {k: round(v / passes, 2) for k, v in totals.items()}
 
 
 def averaged(st: dict, H: int) -> dict[int, list[str]]:
@@ -95,6 +135,7 @@ def run(
     ids = [n.daemon()["peer_id"] for n in nodes]
     reads: list[list[dict]] = [[] for _ in nodes]  # per daemon: its connection counts, read by read
     newest: list[dict | None] = [None] * len(nodes)
+    measured_from = time.time()
     end = time.monotonic() + minutes * 60
     while time.monotonic() < end:
         for i, n in enumerate(nodes):
@@ -132,7 +173,9 @@ def run(
         for rs in reads
         if len(rs) >= 2 and rs[-1]["round"] > rs[0]["round"]
     ]
-    logs = "".join((work / f"n{i}.log").read_text(errors="replace") for i in range(len(nodes)))
+    measured_until = time.time()
+    texts = [(work / f"n{i}.log").read_text(errors="replace") for i in range(len(nodes))]
+    logs = "".join(texts)
     result = {
         "daemons": daemons + 1,
         "group_size": group_size,
@@ -167,6 +210,9 @@ def run(
         "start_s": round(start_s, 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }
+    census = over_bound_census(texts, measured_from, measured_until)
+    if census is not None:
+        result["over_bound_census"] = census
     return result
 
 
