@@ -4,8 +4,9 @@
 #
 #     scripts/stress_suite.sh [--no-load] N [pytest args...]
 #
-# Each run is `make test`'s command (.venv/bin/pytest -q -p no:cacheprovider --durations=15) plus
-# -rfE and the extra args, while `stress-ng --cpu 1` loads one core (--no-load: no stress-ng, for
+# Each run is the whole suite in one pytest process (.venv/bin/pytest -q -p no:cacheprovider
+# --durations=15; `make test` runs the same tests as two processes side by side) plus -rfE and
+# the extra args, while `stress-ng --cpu 1` loads one core (--no-load: no stress-ng, for
 # a run to compare with). Prints each run's summary line, failed test ids and wall time, and last
 # one JSON line:
 #     {"runs": N, "load": ..., "failures_per_run": [...], "wall_s": [...], "failed_tests": {id: runs}}
@@ -15,7 +16,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
