@@ -80,7 +80,6 @@ class ConnectionBound:
     ) -> None:
         self.host, self.plan = host, plan
         self.trainers, self.roster_entries = trainers, roster_entries
-        self.period = plan.grouping.period if plan.grouping is not None else 1
         self.unwanted = UnwantedSince()
         self.closed = 0  # connections closed over the bound since start (the churn)
         self.last_wanted: frozenset[str] = frozenset()  # the plan at the connection loop's last pass
@@ -91,7 +90,7 @@ class ConnectionBound:
         """The rounds a peer in `round_id`, in the roster from `in_from`, keeps its partners of:
         its round, the one whose join is prepared ahead, and — a joiner waiting for its roster
         round — that round (its partners there, and donors)."""
-        rounds = [round_id, round_id + self.period]
+        rounds = [round_id, round_id + self.plan.period]
         if in_from > round_id:
             rounds.append(in_from)
         return rounds
@@ -129,7 +128,7 @@ class ConnectionBound:
     def round_seconds(self) -> float | None:
         """How long the swarm's rounds take, as the front step was seen to move (None: not yet
         seen to move twice)."""
-        return self.pace.round_seconds(0.0, self.period) if self.pace.changes >= 2 else None
+        return self.pace.round_seconds(0.0, self.plan.period) if self.pace.changes >= 2 else None
 
     def grace(self, peer: str, live: dict[str, str]) -> float:
         """How long `peer`'s connection goes unwanted before it is closed over the bound."""

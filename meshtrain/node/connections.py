@@ -104,6 +104,11 @@ class ConnectionPlan:
     sample: int = GOSSIP_SAMPLE
     neighbours: int = DHT_NEIGHBOURS
 
+    @property
+    def period(self) -> int:
+        """Inner steps per group round (`GroupPlan.period`; 1 without grouping)."""
+        return self.grouping.period if self.grouping is not None else 1
+
     def wanted(
         self,
         members: Sequence[str],

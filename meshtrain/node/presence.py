@@ -228,7 +228,6 @@ class PeerPresence(Service):
         # Our round (round ids are steps: the collective's `current_round`), set by the node once
         # it trains; None: the swarm's step stands in for it.
         self.current_round: Callable[[], int | None] | None = None
-        self._period = self.plan.grouping.period if self.plan.grouping is not None else 1
         self._newest_asked = -1  # the newest round index the collective asked about
         self._wake = trio.Event()  # wakes the re-dial loop: a round of new partners
         self.bound = ConnectionBound(self.host, self.plan, self.trainers, self.roster_entries)  # node/bound.py
@@ -358,7 +357,7 @@ class PeerPresence(Service):
     def roster(self, round_id: int) -> list[str]:
         """Round `round_id`'s roster, what its groups are computed from: the live trainers in by
         then (`in_roster`, collective/groups.py "Failures"), connected to us or not."""
-        return sorted(p for p, r in self.roster_entries().items() if in_roster(r, round_id, self._period))
+        return sorted(p for p, r in self.roster_entries().items() if in_roster(r, round_id, self.plan.period))
 
     def candidates(self, round_id: int | None = None) -> list[str]:
         """A round's candidates: live trainers we are connected to, and us — of round `round_id`'s
@@ -367,15 +366,15 @@ class PeerPresence(Service):
         the re-dial loop brings it back, and it is a candidate again as soon as it is. Asked about
         a new round (the collective's `membership(round_id)`), it wakes the re-dial loop: a new
         round has new group partners, to be dialled now rather than at the next pass."""
-        if round_id is not None and round_id // self._period > self._newest_asked:
-            self._newest_asked = round_id // self._period
+        if round_id is not None and round_id // self.plan.period > self._newest_asked:
+            self._newest_asked = round_id // self.plan.period
             self._wake.set()
         return [
             p.peer_id
             for p in self._view().live_peers()
             if p.role == "trainer"
             and (p.peer_id == self.me or self.host.is_connected(p.peer_id))
-            and (round_id is None or in_roster(p.in_from, round_id, self._period))
+            and (round_id is None or in_roster(p.in_from, round_id, self.plan.period))
         ]
 
     def rounds_grouped(self) -> bool:
@@ -404,10 +403,10 @@ class PeerPresence(Service):
             while pace.changes < PACE_CHANGES and trio.current_time() - start < PACE_WINDOW_S and not stop.is_set():
                 await trio.sleep(PACE_POLL_S)
                 pace.saw(trio.current_time(), self.swarm_step())
-            round_s = pace.round_seconds(trio.current_time() - start, self._period)
+            round_s = pace.round_seconds(trio.current_time() - start, self.plan.period)
             lead_s = LEAD_BEATS * view.current_interval()
             step = self.swarm_step() or 0
-            in_from = entry_round(step, self._period, lead_rounds(lead_s, round_s))
+            in_from = entry_round(step, self.plan.period, lead_rounds(lead_s, round_s))
             log.info(
                 kv(
                     "entering the roster ahead",

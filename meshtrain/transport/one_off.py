@@ -13,8 +13,8 @@ Design. `OneOffConnections.use(peer)` wraps one query. The first use of a peer w
 connected to marks the connection it opens as one-off. When the last use of it ends, the
 connection lingers `LINGER_S` (a store follows its lookup within milliseconds and reuses it),
 then is closed unless:
-- `keep(peer)` says otherwise: the node's policy (node/bound.py: a peer its plan wants, a
-  syncing member, a peer whose round needs us, or while it holds no more than its bound); the
+- `keep(peer)` says otherwise: the node's policy (node/bound.py: a peer its plan wants, one
+  whose own plan keeps us, one that is not a live trainer, any in a swarm within the bound); the
   default keeps every connection, so without a policy nothing changes;
 - a stream is still open on it after `MAX_LINGERS` lingers (something else — a membership
   exchange, a clock reading — uses it; gossipsub's stream, which every connection carries for its
