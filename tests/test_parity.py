@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from meshtrain.backoff import Backoff
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS, PeerProgress
-from meshtrain.node.state.parity import MIN_SETTLE_S, ParityMonitor, judge, phi_digest, winning_digest
+from meshtrain.node.state.parity import MIN_SETTLE_S, AloneRounds, ParityMonitor, judge, phi_digest, winning_digest
+from meshtrain.optim.outer_round import RoundReport
 
 A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
 
@@ -156,3 +157,20 @@ def test_rounds_alone_are_solo_only_while_a_partner_trains_and_is_connected():
     assert monitor.completed_alone(2, 0, ["peer-b"]) is True  # peer-b trains and is reachable: a fork
     assert monitor.completed_alone(0, 4, ["peer-b"]) is False  # failed rounds: withheld, re-synced
     assert monitor.status()["alone_rounds"] == 9 and monitor.status()["solo_rounds"] == 2
+    # Retries shrank the group to us: the dropped partners were told, withhold and re-sync.
+    assert monitor.completed_alone(0, 0, ["peer-b"], survived=2) is False
+    status = monitor.status()
+    assert status["alone_rounds"] == 11 and status["solo_rounds"] == 2 and status["survived_rounds"] == 2
+
+
+def test_rounds_alone_are_sorted_by_how_they_came_to_be():
+    def report(step, peers, error=""):
+        return RoundReport(step, 0, 1, 0, 0, 0.1, 0.0, error=error, peers=peers, alone=True)
+
+    rounds = [
+        report(10, ("me",)),  # a group of one from the start
+        report(30, ("me", "peer-b")),  # peer-b was dropped by a retry: excluded, in `peers`
+        report(40, ("me",), error="refused by the coordinator"),  # failed: proceeded alone
+    ]
+    assert AloneRounds.of(rounds, "me") == AloneRounds(formed=1, survived=1, failed=1)
+    assert AloneRounds.of([], "me") == AloneRounds()

@@ -52,9 +52,11 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - rss_growth_mib: per node process that lived at least `RSS_MIN_LIFE_S`, RSS at its last sample
   minus RSS one minute after it started (the largest; per-process list in the summary). Under
   this much churn few processes live from minute 1 to the end, hence per process.
-- solo_rounds: rounds whose result was a node's own contribution alone while another trainer
-  still trained (a fresh progress record) and was connected to it (its status,
-  `training.parity.solo_rounds`, summed over lives): a lineage of its own beside a live one.
+- solo_rounds: rounds whose result was a node's own contribution alone, in a group of one from
+  the start, while another trainer still trained (a fresh progress record) and was connected to
+  it (its status, `training.parity.solo_rounds`, summed over lives): a lineage of its own beside a
+  live one. `survived_rounds`: rounds whose group retries shrank to the node — the partners the
+  round dropped were told it failed for them, withhold their φ and re-sync, so no second φ exists.
   `alone_rounds`: all rounds whose result was its own alone while other trainers were in its view,
   solo or not — most are rounds after the only partner was killed (its connection closed: nobody
   else holds a φ for them) or went silent (SIGSTOP, a partition: node/state/parity.py says why a
@@ -348,6 +350,7 @@ class Life:
     wait: tuple[str, float] | None = None  # (what, since)
     solo_rounds: int = 0  # its status: rounds alone while another trainer trained and was connected
     alone_rounds: int = 0  # its status: rounds whose result was its own alone, other trainers in its view
+    survived_rounds: int = 0  # its status: of them, rounds whose group retries shrank to it
     withheld: int = 0  # its status: rounds it proceeded alone in and published no φ for
 
 
@@ -598,6 +601,7 @@ class Monitor:
             if isinstance(parity, dict):
                 life.solo_rounds = max(life.solo_rounds, int(parity.get("solo_rounds") or 0))
                 life.alone_rounds = max(life.alone_rounds, int(parity.get("alone_rounds") or 0))
+                life.survived_rounds = max(life.survived_rounds, int(parity.get("survived_rounds") or 0))
                 life.withheld = max(life.withheld, int(parity.get("withheld") or 0))
             waiting = tr.get("waiting")
             if waiting:
@@ -1215,6 +1219,7 @@ class Soak:
         out["solo_round_list"] = solo
         out["rounds_withheld"] = sum(life.withheld for s in self.slots for life in s.lives)
         out["alone_rounds"] = sum(life.alone_rounds for s in self.slots for life in s.lives)
+        out["survived_rounds"] = sum(life.survived_rounds for s in self.slots for life in s.lives)
         out["roundless_gap_over_round"] = out.get("max_roundless_gap_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
         out["skew"] = {"node": SKEWED_NODE, "seconds": self.cfg.skew} if self.cfg.skew else None

@@ -47,9 +47,14 @@ coordinator refused its join or vanished) leaves a φ known not to be the swarm'
 published for it, and the peer re-syncs before its next round (`ParityMonitor.withhold`; a CI
 soak saw such a peer publish its own φ as a member's for two rounds). `alone_rounds` counts the
 rounds whose result was our own contribution alone while other trainers were in the membership,
-and `solo_rounds` those of them — formed, not failed and withheld — in which another trainer
-still trained (a fresh progress record) and was connected to us: a peer that may hold a second φ
-for the same round, the fork the parity rule then heals. A round alone whose partners'
+and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
+another trainer still trained (a fresh progress record) and was connected to us: a peer that may
+hold a second φ for the same round, the fork the parity rule then heals. A round whose group
+shrank to us by retries (`survived_rounds`: its other members left the attempt, or were dropped
+as silent) is not solo: the coordinator's decision dropped them, each is told the round failed
+for it (`CollectiveError`), proceeds alone, withholds its φ and re-syncs, so ours is the round's
+only φ — the collective surviving a vanished peer, as designed (a 30-minute soak's 8 "solo"
+rounds were all of this kind: the partner SIGSTOPped, or refused at another round and leaving). A round alone whose partners'
 connections closed (killed: most of a 10-minute soak's 79 rounds alone were such) or whose
 partners stopped training is not solo: nobody else holds a φ for it (a killed peer re-syncs when
 it comes back). A partner that went silent (SIGSTOP, a cut cable)
@@ -65,7 +70,7 @@ splits). The chaos soak sums all three counts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -73,12 +78,39 @@ import blake3
 import torch
 
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
+from meshtrain.optim.outer_round import RoundReport
 
 DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
 DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it ...
 MIN_SETTLE_S = 1.0  # ... or two rounds where rounds are shorter, but never less than this
 
 Digest = TypeVar("Digest", bytes, str)
+
+
+@dataclass(frozen=True)
+class AloneRounds:
+    """Rounds whose result was our own contribution alone, by how they came to be (module
+    docstring, "Withheld and solo rounds"): `formed` in a group of one from the start, `survived`
+    in a group whose other members the round dropped (retries left us alone), `failed`
+    proceeding alone after the round failed for us."""
+
+    formed: int = 0
+    survived: int = 0
+    failed: int = 0
+
+    @classmethod
+    def of(cls, rounds: Iterable[RoundReport], me: str) -> AloneRounds:
+        """Sort `rounds` (each alone: `RoundReport.alone`) by kind; `me`: our peer id. A round's
+        `peers` are its members and those it excluded, so any peer but us there was dropped."""
+        formed = survived = failed = 0
+        for r in rounds:
+            if r.error:
+                failed += 1
+            elif set(r.peers) <= {me}:
+                formed += 1
+            else:
+                survived += 1
+        return cls(formed, survived, failed)
 
 
 def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:
@@ -199,6 +231,7 @@ class ParityMonitor:
         self.withheld_round: int | None = None  # the newest of them
         self.alone_rounds = 0  # rounds whose φ is our own alone, others in the membership (`completed_alone`)
         self.solo_rounds = 0  # ... of them formed (not failed), while a partner trained and was connected
+        self.survived_rounds = 0  # ... of them whose group shrank to us: its other members were dropped
         # Why the check is off for now ("" or None: it is on); the node wires grouped rounds here.
         self.paused_by: Callable[[], str] | None = None
 
@@ -220,15 +253,18 @@ class ParityMonitor:
             self.withheld_round = outer_round
             self.withheld += 1
 
-    def completed_alone(self, formed: int, failed: int, training_partners: Collection[str]) -> bool:
+    def completed_alone(self, formed: int, failed: int, training_partners: Collection[str], survived: int = 0) -> bool:
         """We completed rounds whose result was our own contribution alone while other trainers
-        were in the membership: `formed` in a group of one, `failed` proceeding alone after a
-        failed round (withheld and re-synced: never solo); `training_partners`: the trainers that
-        train now and are connected to us. Returns whether the formed ones count as solo (module
-        docstring): with a partner training and reachable, a second φ for the same rounds may
-        exist; with none — its connection closed (killed) or its progress gone stale (stopped,
-        cut off) — ours is the only one, for all we can tell from here."""
-        self.alone_rounds += formed + failed
+        were in the membership: `formed` in a group of one, `survived` in a group whose other
+        members the round dropped (retries left us alone: each of them was told the round failed
+        for it, proceeds alone, withholds its φ and re-syncs — never solo), `failed` proceeding
+        alone after a failed round (withheld and re-synced: never solo); `training_partners`: the
+        trainers that train now and are connected to us. Returns whether the formed ones count as
+        solo (module docstring): with a partner training and reachable, a second φ for the same
+        rounds may exist; with none — its connection closed (killed) or its progress gone stale
+        (stopped, cut off) — ours is the only one, for all we can tell from here."""
+        self.alone_rounds += formed + survived + failed
+        self.survived_rounds += survived
         if not formed or not training_partners:
             return False
         self.solo_rounds += formed
@@ -262,4 +298,5 @@ class ParityMonitor:
         out["withheld"] = self.withheld
         out["alone_rounds"] = self.alone_rounds
         out["solo_rounds"] = self.solo_rounds
+        out["survived_rounds"] = self.survived_rounds
         return out

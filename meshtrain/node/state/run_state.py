@@ -31,8 +31,8 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   lineage of its own.
 - Parity (`node/state/parity.py`): after every round φ is hashed into our progress record — except
   after a round we proceeded alone in because it failed (`needs_resync` is set then): that φ is
-  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`) and
-  the re-sync follows before the next round. A watcher
+  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`), nor
+  its state to joiners, and the re-sync follows before the next round. A watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
   rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
   node's training loop then calls `resync()`: `download()`, and when that lands where the last
@@ -79,7 +79,7 @@ from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, flatten_state, unflatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import FetchReport, fetch_state
-from meshtrain.node.state.parity import ParityMonitor, phi_digest, winning_digest
+from meshtrain.node.state.parity import AloneRounds, ParityMonitor, phi_digest, winning_digest
 from meshtrain.node.state.sync import Offer, OfferDeclined, StateSyncError
 from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer import OuterStateError, StaleStateError
@@ -493,7 +493,13 @@ class RunState(Service):
             self.record_phi()  # φ is ours between steps, even with a fragment in flight
         phi = list(parity.history) if parity.enabled else None
         moments = None
-        if outer.rounds != self._published_round and not outer.in_flight:
+        # Not a state known not to be the swarm's (`needs_resync`: we proceeded alone after a
+        # failed round, or parity found us in the minority): a joiner that took it for the
+        # swarm's would enter a lineage of one, and its vote would stand against the swarm's
+        # state in every joiner's download until we re-sync (a soak saw a joiner's download fail
+        # for 20 s on "no state offered identically", round r by one donor and r + 1, our round
+        # alone, by us, while the swarm's next round waited for that joiner).
+        if outer.rounds != self._published_round and not outer.in_flight and not outer.needs_resync:
             self._published_round = outer.rounds
             publish = self.donor_snapshot(trainer)
             moments = outer.inner_moments()  # described to joiners beside it (optim/inner_moments.py)
@@ -549,15 +555,18 @@ class RunState(Service):
         if not alone or not self.parity.enabled or len(self.presence.trainers()) <= 1:
             return
         partners = sorted(self.presence.training_peers(connected=True))
-        formed = [r for r in alone if not r.error]  # a group of one; a failure is logged where it fails
-        solo = self.parity.completed_alone(len(formed), len(alone) - len(formed), partners)
-        if not formed:
+        me = self.presence.me
+        kinds = AloneRounds.of(alone, me)
+        solo = self.parity.completed_alone(kinds.formed, kinds.failed, partners, kinds.survived)
+        completed = [r for r in alone if not r.error]  # a failure is logged where it fails
+        if not completed:
             return
         (log.warning if solo else log.info)(
             kv(
                 "outer round completed alone" + (" while peers train and are connected" if solo else ""),
-                step=formed[-1].step,
-                rounds=len(formed),
+                step=completed[-1].step,
+                rounds=len(completed),
+                dropped=",".join(sorted(p[-8:] for r in completed for p in r.peers if p != me)),
                 partners=",".join(p[-8:] for p in partners),
             )
         )
