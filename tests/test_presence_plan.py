@@ -15,6 +15,7 @@ from meshtrain.node.connections import (
     DISCOVERY_AFTER_LOSS_S,
     DISCOVERY_INTERVAL,
     DISCOVERY_SETTLED_INTERVAL,
+    KEY_READERS,
     ConnectionPlan,
     DiscoveryPace,
     UnwantedSince,
@@ -166,6 +167,33 @@ def test_the_swarm_key_is_read_often_only_while_looking_for_the_swarm():
     later = [t for t in settled if t >= 30]
     assert later and all(b - a > DISCOVERY_SETTLED_INTERVAL for a, b in pairwise(later))
     assert len(later) <= 900 / DISCOVERY_SETTLED_INTERVAL
+
+
+def test_about_four_members_read_the_swarm_key_per_interval_and_a_node_alone_always_reads():
+    """`DiscoveryPace` with real draws: at 13, 64 and 256 live members, settled and after a loss,
+    about `KEY_READERS` of them make each due read — not one lookup per member at the key's few
+    holders (13 daemons: DHT queries' connections kept nodes over their bound) — while a node
+    whose view holds nobody else reads at every due time."""
+    rng = random.Random(7)
+    for members in (13, 64, 256):
+        live = set(IDS[:members])
+        for interval, lose_one in ((DISCOVERY_SETTLED_INTERVAL, False), (DISCOVERY_INTERVAL, True)):
+            # Every one a due read (after a loss, within DISCOVERY_AFTER_LOSS_S of it).
+            times = [
+                k * (interval + 1) for k in range(1, 41) if not lose_one or k * (interval + 1) < DISCOVERY_AFTER_LOSS_S
+            ]
+            made = 0
+            for me in IDS[1:members]:
+                pace = DiscoveryPace()
+                pace.due(me, live, set(), 0.0)  # the first read, at start: always made
+                now_live = live - {IDS[0]} if lose_one else live  # a lease ran out: looking for it
+                made += sum(pace.due(me, now_live, set(), float(t), rng.random()) for t in times)
+            per_interval = made / len(times)
+            assert abs(per_interval - KEY_READERS) < 0.8, (members, interval, per_interval)
+    me = IDS[0]
+    pace = DiscoveryPace()
+    made = [t for t in range(900) if pace.due(me, {me}, set(), float(t), 0.99)]
+    assert made[0] == 0 and all(b - a <= DISCOVERY_INTERVAL + 1 for a, b in pairwise(made))
 
 
 def test_a_member_whose_lease_ran_out_is_looked_for_a_while_and_one_that_left_is_not():

@@ -17,7 +17,14 @@ from meshtrain.crdt import CrdtError, Replica, SwarmView, swarm_specs
 from meshtrain.crdt.swarm_records import IN_FROM, INT64_MAX, MEMBERSHIP, check_membership, peer_info
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.connections import ConnectionPlan
-from meshtrain.node.roster import MAX_LEAD_ROUNDS, MIN_LEAD_ROUNDS, StepPace, entry_round, lead_rounds
+from meshtrain.node.roster import (
+    MAX_LEAD_ROUNDS,
+    MIN_LEAD_ROUNDS,
+    StepPace,
+    entry_round,
+    lead_rounds,
+    reported_round_seconds,
+)
 from meshtrain.transport.identity import Identity
 
 from .test_crdt_replica import SWARM, start_hosts
@@ -109,6 +116,22 @@ def test_the_pace_is_measured_between_changes_and_bounded_below_without_two():
     assert pace.round_seconds(2.0, period=2) == pytest.approx((1.7 - 0.5) * 2 / 6)
     pace.saw(1.9, None)  # nobody trains for a moment: nothing to learn
     assert pace.changes == 3
+
+
+def test_rounds_longer_than_the_watch_are_bounded_by_the_step_rate_peers_report():
+    """A 2 s watch of 25 s rounds (a benchmark's: 40 steps of 0.5 s, 5 s of rounds' waits) sees
+    no change, a lower bound of 2 s, and a 6.5 s lead counted as 4 rounds where 2 cover it; the
+    median reported step rate reads a round as 20 s (its waits left out: still short of 25), and
+    the lead as the floor."""
+    watched = StepPace()
+    watched.saw(0.0, 400)
+    lower = watched.round_seconds(2.0, period=40)
+    reported = reported_round_seconds([2.0, 2.1, 1.9, float("nan"), 0.0, -1.0], period=40)
+    assert lower == 2.0 and reported == pytest.approx(20.0)
+    assert lead_rounds(6.5, lower) == 4 and lead_rounds(6.5, max(lower, reported)) == MIN_LEAD_ROUNDS
+    assert reported_round_seconds([], period=40) is None
+    assert reported_round_seconds([float("inf"), 0.0], period=40) is None
+    assert reported_round_seconds([1.0, 4.0], period=8) == 8.0  # the lower median: the slower peer
 
 
 # --- the record's field ---------------------------------------------------------------------------

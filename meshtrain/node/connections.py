@@ -77,6 +77,7 @@ DISCOVERY_INTERVAL = 15.0  # seconds between two DHT reads of the swarm's key wh
 DISCOVERY_SETTLED_INTERVAL = 120.0  # ... once it holds other live members (their gossip brings newcomers)
 DISCOVERY_AFTER_LOSS_S = 300.0  # ... but every DISCOVERY_INTERVAL for this long after a live member dropped out
 ANNOUNCERS = 4  # members of a larger swarm that refresh their announcement per interval, on average
+KEY_READERS = 4  # ... and that make a due read of the swarm's key while the view holds others
 
 
 @dataclass(frozen=True)
@@ -248,13 +249,19 @@ class UnwantedSince:
         return now - self._since.get(peer, now)
 
 
+def takes_turn(live_members: int, draw: float, few: int) -> bool:
+    """Whether a member of a swarm of `live_members`, `draw` uniform in [0, 1), does its share of
+    a chore a `few` members per interval are enough for: all of them up to `few`, else each with
+    chance `few / live_members`, so about `few` per interval whatever the swarm's size."""
+    return live_members <= few or draw < few / live_members
+
+
 def refreshes_announcement(live_members: int, draw: float) -> bool:
-    """Whether a member of a swarm of `live_members` makes a due refresh of its announcement under
-    the swarm's DHT key, `draw` uniform in [0, 1) (node/presence.py, "Discovery, sparingly"): all
-    of them up to `ANNOUNCERS`, else each with chance `ANNOUNCERS / live_members`, so about
-    `ANNOUNCERS` refresh per interval whatever the swarm's size — a newcomer needs a few live
-    announcements, and each refresh is a lookup and a store at the key's few holders."""
-    return live_members <= ANNOUNCERS or draw < ANNOUNCERS / live_members
+    """Whether a member makes a due refresh of its announcement under the swarm's DHT key
+    (node/presence.py, "Discovery, sparingly"): about `ANNOUNCERS` per interval (`takes_turn`) —
+    a newcomer needs a few live announcements, and each refresh is a lookup and a store at the
+    key's few holders."""
+    return takes_turn(live_members, draw, ANNOUNCERS)
 
 
 class DiscoveryPace:
@@ -262,24 +269,29 @@ class DiscoveryPace:
     `DISCOVERY_INTERVAL` while the view holds nobody else or for `DISCOVERY_AFTER_LOSS_S` after a
     live member's lease ran out (not one that left: it may be behind a partition, and its
     announcement is how we find it once the partition heals), else every
-    `DISCOVERY_SETTLED_INTERVAL`: the members' gossip brings every newcomer."""
+    `DISCOVERY_SETTLED_INTERVAL`: the members' gossip brings every newcomer. While the view holds
+    others, about `KEY_READERS` of the swarm's members make each due read (`takes_turn`): what one
+    finds (a half of the swarm it never met, a member back from a partition) it dials, and the
+    CRDT sync over that connection brings it to everyone; a node alone always reads."""
 
     def __init__(self) -> None:
         self._last_read = -math.inf
         self._lost_at = -math.inf
         self._live: set[str] = set()
 
-    def due(self, me: str, live: set[str], left: set[str], now: float) -> bool:
+    def due(self, me: str, live: set[str], left: set[str], now: float, draw: float = 0.0) -> bool:
         """A pass of the connection loop with these `live` members (us included or not) and these
-        that `left` cleanly, at `now`: whether to read the key now (then counted as read)."""
+        that `left` cleanly, at `now`: whether to read the key now (a due read, made or left to
+        others by `draw`, uniform in [0, 1), counts as read; 0 always reads)."""
         if self._live - live - left:
             self._lost_at = now
         self._live = set(live)
-        searching = not live - {me} or now - self._lost_at < DISCOVERY_AFTER_LOSS_S
+        alone = not live - {me}
+        searching = alone or now - self._lost_at < DISCOVERY_AFTER_LOSS_S
         if now - self._last_read <= (DISCOVERY_INTERVAL if searching else DISCOVERY_SETTLED_INTERVAL):
             return False
         self._last_read = now
-        return True
+        return alone or takes_turn(len(live | {me}), draw, KEY_READERS)
 
 
 @functools.lru_cache(maxsize=4096)

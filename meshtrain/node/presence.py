@@ -71,7 +71,9 @@ failed dial) and is due for a refresh every `ANNOUNCE_REFRESH_S`; in a swarm of 
 (`refreshes_announcement`), so the key holds a dozen or so live announcements at any size — a
 newcomer needs a few, its first dial brings the rest by gossip — and its holders get about four
 stores a minute instead of one per member (13 daemons: DHT queries' connections were two of the
-eight a node held over its bound of six, docs/benchmarks.md).
+eight a node held over its bound of six, docs/benchmarks.md). Reads alike: while the view holds
+others, about `KEY_READERS` (4) members make each due read (`DiscoveryPace`); what one finds it
+dials, and the CRDT sync over that connection brings it to everyone. A node alone always reads.
 
 What it answers, from the view and the host:
     trainers()                 live members whose role is "trainer", us included
@@ -160,6 +162,7 @@ from meshtrain.node.roster import (
     StepPace,
     entry_round,
     lead_rounds,
+    reported_round_seconds,
 )
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.address_book import AddressBook
@@ -404,6 +407,9 @@ class PeerPresence(Service):
                 await trio.sleep(PACE_POLL_S)
                 pace.saw(trio.current_time(), self.swarm_step())
             round_s = pace.round_seconds(trio.current_time() - start, self.plan.period)
+            if pace.changes < 2:  # a lower bound only: rounds longer than the watch
+                reported = reported_round_seconds(self._reported_step_rates(), self.plan.period)
+                round_s = max(round_s, reported or 0.0)
             lead_s = LEAD_BEATS * view.current_interval()
             step = self.swarm_step() or 0
             in_from = entry_round(step, self.plan.period, lead_rounds(lead_s, round_s))
@@ -419,6 +425,17 @@ class PeerPresence(Service):
         view.role, view.in_from = "trainer", in_from
         view.heartbeat()
         return in_from
+
+    def _reported_step_rates(self) -> list[float]:
+        """The `steps_per_s` metric of every peer training now (node/pace.py reads the same)."""
+        metrics = self._view().metrics()
+        rates = []
+        for peer in self.training_peers(connected=False):
+            m = metrics.get(peer)
+            rate = m.values.get("steps_per_s") if m is not None else None
+            if isinstance(rate, int | float):
+                rates.append(float(rate))
+        return rates
 
     def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
         """Trainers other than us that train *now*: their progress record is fresh (a training
@@ -633,7 +650,7 @@ class PeerPresence(Service):
             for peer, book_addrs in self._book_peers_to_dial().items():
                 if peer not in addrs and dialler.dial(peer, book_addrs):
                     log.debug(kv("dialling", peer=peer[-8:], why="address book"))
-            if pace.due(host.peer_id, set(addrs), left, time.monotonic()):
+            if pace.due(host.peer_id, set(addrs), left, time.monotonic(), random.random()):
                 try:
                     found = await discovery.peers()
                 except MeshtrainError as e:

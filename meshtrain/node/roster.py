@@ -20,6 +20,9 @@ enough that its record has reached every peer before that round starts (`entry_r
   one), converted to rounds with the swarm's observed pace (`StepPace`: the swarm's furthest
   step, watched for up to `PACE_WINDOW_S`), in `MIN_LEAD_ROUNDS`..`MAX_LEAD_ROUNDS`. A fixed
   count of rounds would be milliseconds where rounds are fast and hours where they are slow.
+  Rounds longer than the watch leave only a lower bound (the watch's length); the step rate
+  the training peers report (`reported_round_seconds`) then bounds them better — a benchmark of
+  25 s rounds counted a 6.5 s lead as 7 rounds from a 2 s watch, and its joiner waited 3 minutes.
 - Until its round the joiner takes part in none: it waits, announced, and once the swarm reaches
   the round before its own takes the normal join path (node/state/run_state.py `download`,
   `OuterOptimizer.join`) with that round's state, so its first exchange is its round — entering a
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LEAD_BEATS = 2  # the lead: this many of the swarm's heartbeat intervals (module docstring)
@@ -79,6 +83,17 @@ def lead_rounds(
     if not round_s > 0 or lead_s / round_s >= max_rounds:  # NaN and rounds of ~no time included
         return max_rounds
     return max(min_rounds, math.ceil(lead_s / round_s))
+
+
+def reported_round_seconds(steps_per_s: Iterable[float], period: int) -> float | None:
+    """Seconds per group round (`period` inner steps) at the median of the step rates the
+    training peers report (their `steps_per_s` metric, node/trainer.py: how fast a step counter
+    moves while it does not wait on a round), or None with no usable rate. Rounds' waits are not
+    in it, so it reads rounds short: more lead rounds, never fewer, like a watch's lower bound."""
+    rates = sorted(r for r in steps_per_s if math.isfinite(r) and r > 0)
+    if not rates:
+        return None
+    return period / rates[(len(rates) - 1) // 2]
 
 
 def entry_round(swarm_step: int, period: int, rounds_ahead: int) -> int:

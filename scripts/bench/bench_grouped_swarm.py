@@ -19,7 +19,8 @@ Measured (last-line JSON):
   `node.connections.closed`), the churn of connections that something else reopens;
 - `groups_ok`: for the newest rounds every daemon lists, each daemon averaged with exactly its
   group of `round_groups` (the trainers, the round, the spec's seed); `rounds_checked`;
-- `joiner_rounds`: rounds the late joiner averaged in with partners;
+- `joiner_rounds`: rounds the late joiner averaged in with partners; `joiner_to_training_s`: from
+  its start to its first trained step (its roster round's lead included);
 - `state_downloads`: "state downloaded" lines over all logs: the joiners' (one each, counting the
   twelve that joined the first) and the re-syncs of daemons left out of a round;
 - `median_round_s`, `wall_s`; `targets_met`: connections_max <= the bound, groups_ok, the joiner
@@ -132,6 +133,7 @@ def run(
     start_s = time.monotonic() - t0
     nodes.append(Daemon(work / f"n{daemons}", work / f"n{daemons}.log", *join, *bound, **kw))
     wait_for(lambda: all_train(daemons + 1), 300, "the late joiner training")
+    joiner_s = time.monotonic() - t0 - start_s
     ids = [n.daemon()["peer_id"] for n in nodes]
     reads: list[list[dict]] = [[] for _ in nodes]  # per daemon: its connection counts, read by read
     newest: list[dict | None] = [None] * len(nodes)
@@ -204,6 +206,7 @@ def run(
         "groups_ok": groups_ok,
         "rounds_checked": rounds,
         "joiner_rounds": joiner_rounds,
+        "joiner_to_training_s": round(joiner_s, 1),
         "state_downloads": logs.count("state downloaded"),
         "median_round_s": round(statistics.median(per_round), 2) if per_round else None,
         "reads": len(counts),

@@ -54,7 +54,11 @@ shrank to us by retries (`survived_rounds`: its other members left the attempt, 
 as silent) is not solo: the coordinator's decision dropped them, each is told the round failed
 for it (`CollectiveError`), proceeds alone, withholds its φ and re-syncs, so ours is the round's
 only φ — the collective surviving a vanished peer, as designed (a 30-minute soak's 8 "solo"
-rounds were all of this kind: the partner SIGSTOPped, or refused at another round and leaving). A round alone whose partners'
+rounds were all of this kind: the partner SIGSTOPped, or refused at another round and leaving).
+One case stays open to it: a member that left our round by itself (its coordinator lost, or
+gone from its candidates: collective/join_wait.py) and completed the same round at another
+coordinator holds a second φ; the parity check sees the two digests and heals it, as for any
+split (the chaos soak counts those in `parity_split_rounds`). A round alone whose partners'
 connections closed (killed: most of a 10-minute soak's 79 rounds alone were such) or whose
 partners stopped training is not solo: nobody else holds a φ for it (a killed peer re-syncs when
 it comes back). A partner that went silent (SIGSTOP, a cut cable)
