@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from meshtrain.crdt import Replica, SwarmView, swarm_specs
 from meshtrain.crdt.entries import SignedEntry
-from meshtrain.crdt.swarm_records import MEMBERSHIP, Freshness
+from meshtrain.crdt.swarm_records import MEMBERSHIP, PAUSE_S, PULSE_S, Freshness, LoopPauses
+from meshtrain.crdt.swarm_view import open_swarm_view
 from meshtrain.crdt.types import LWWRegister, now_ms
 from meshtrain.node.clock_offsets import ClockOffsets, offset_from_exchange
 from meshtrain.node.status.server import StatusServer
@@ -104,14 +105,61 @@ def test_a_first_record_relayed_is_dated_by_its_timestamp_and_never_in_the_futur
     assert fresh.age(OWNER.peer_id_str, 52.0) == 0.0
 
 
+def test_a_pause_of_our_own_is_left_out_of_every_age():
+    """A soak's peer, SIGSTOPped 13 s inside a round it coordinated, resumed to find every other
+    trainer's lease run out and committed the round alone. Records reach us only while we run:
+    our own pause says nothing of anyone, and a peer that died meanwhile still runs out its lease
+    from where it stood when we stopped."""
+    pauses, now = LoopPauses(), 100.0
+    for _ in range(10):  # the loop notes every PULSE_S: no pause
+        now += PULSE_S
+        assert pauses.note(now) == 0.0
+    assert pauses.note(now + PAUSE_S) == 0.0  # a slow loop, not a pause
+    now += PAUSE_S
+    assert pauses.note(now - 1.0) == 0.0  # a clock read out of order moves nothing back
+    fresh = Freshness()
+    fresh.heard(entry(3, 1), now=now, wall_now_ms=1, from_owner=True)
+    now += 2.0
+    assert pauses.note(now) == 0.0
+    stopped = 13.0
+    now += stopped  # SIGSTOP: no note, no record
+    pause = pauses.note(now)
+    assert pause == pytest.approx(stopped - PULSE_S) and pauses.paused_s == pytest.approx(pause)
+    assert fresh.age(OWNER.peer_id_str, now) == pytest.approx(2.0 + stopped)  # judged across it: gone (lease 12 s)
+    fresh.pause(pause)
+    assert fresh.age(OWNER.peer_id_str, now) == pytest.approx(2.0 + PULSE_S)  # as we left it
+    assert fresh.age(OWNER.peer_id_str, now + 12.0) == pytest.approx(14.0 + PULSE_S)  # and it still ages
+
+
 WRITERS: dict[str, LWWRegister] = {}  # each identity's own register: its seqs grow
 
 
-def record(identity: Identity, stamp_ms: int) -> SignedEntry:
+def record(identity: Identity, stamp_ms: int, lease_ms: int = 12_000) -> SignedEntry:
     """`identity`'s next heartbeat, timestamped `stamp_ms` by its clock."""
-    value = {"addrs": [], "role": "trainer", "caps": {}, "conn": "direct", "lease": 12_000, "left": False}
+    value = {"addrs": [], "role": "trainer", "caps": {}, "conn": "direct", "lease": lease_ms, "left": False}
     register = WRITERS.setdefault(identity.peer_id_str, LWWRegister(SWARM, MEMBERSHIP))
     return register.set(identity, value, timestamp=stamp_ms)
+
+
+async def test_a_view_whose_loop_was_paused_past_a_lease_still_holds_its_peers_live():
+    """Two running views on loopback, leases of 2 s. The views' own pause (their loop blocked
+    past a lease, as a SIGSTOP or a suspended VM stops a process) is no evidence about a peer:
+    asked right after it — before any record buffered meanwhile could be read — the other is
+    still live, and it still runs out its lease after."""
+    async with AsyncExitStack() as stack:
+        a, b = await start_peers(stack, 2, streams=False)
+        views = [
+            await stack.enter_async_context(
+                open_swarm_view(p.host, SWARM, a.host.peer_id, heartbeat_interval=0.5, ttl=2.0)
+            )
+            for p in (a, b)
+        ]
+        with trio.fail_after(20):
+            while not views[0].is_live(b.id):
+                await trio.sleep(0.1)  # sleep: poll interval
+        time.sleep(PAUSE_S + 0.5)  # sleep: the loop's own pause is what is tested (blocked, no await)
+        assert views[0].is_live(b.id)  # judged across the pause, its age was 3.5 s of a 2 s lease
+        assert not views[0].is_live(b.id, at=time.monotonic() + 2.0)  # it still ages
 
 
 async def test_peers_a_minute_behind_a_minute_ahead_and_ten_minutes_ahead_are_live_while_they_beat():

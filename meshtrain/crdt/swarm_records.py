@@ -41,6 +41,9 @@ dates every owner's latest record on its *own* monotonic clock, when it arrives:
   it (one heartbeat interval), one far ahead looks fresh for one lease at most;
 - a record we already hold, or an older one, arriving again changes nothing: a heartbeat
   relayed late vouches for at most one lease after the record it replaced, never for ever.
+- a pause of the reader's own (SIGSTOP, a suspended VM, a starved loop: `LoopPauses`, noticed
+  as a gap in a loop that notes every `PULSE_S`) is left out of every age: no record could reach
+  it meanwhile, and judged across the pause every peer would look gone the moment it resumes.
 So liveness is a pure function of the arrivals a reader saw and its clock, the same rule on
 every peer; two peers agree on who is live up to the time a heartbeat takes to spread, not
 exactly (`SwarmView.membership_snapshot`). The same dating says how old a peer's progress is
@@ -85,7 +88,7 @@ Not here: writing, heartbeating and reading the records, admission and the repli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshtrain.crdt.entries import CrdtError, SignedEntry
@@ -188,6 +191,40 @@ class Freshness:
         """Seconds since `owner`'s latest record was written, by our clock (None: none heard)."""
         held = self._heard.get(owner)
         return None if held is None else now - held.written_at
+
+    def pause(self, seconds: float) -> None:
+        """Our own process did not run for `seconds` (`LoopPauses`): no record could reach us
+        meanwhile, so that time says nothing of anyone — every age leaves it out."""
+        self._heard = {o: replace(h, written_at=h.written_at + seconds) for o, h in self._heard.items()}
+
+
+PULSE_S = 0.5  # a reader's loop notes that it runs this often (`LoopPauses`) ...
+PAUSE_S = 3.0  # ... and a gap longer than this between two notes was a pause of ours
+
+
+class LoopPauses:
+    """The reader's own pauses: a gap in the notes of a loop that notes every `PULSE_S` (a
+    SIGSTOP, a suspended VM, a starved or blocked event loop). Records reach us only while we
+    run, so ages judged across a pause of ours would declare every peer gone the moment we
+    resume, before the records buffered meanwhile are read: a soak's peer, stopped 13 s inside
+    a round it coordinated, resumed to find every other trainer's lease run out, formed the
+    round as a group of one and committed it alone — a second φ (docs/benchmarks.md, "Chaos
+    soak"). `Freshness.pause` then leaves the pause out of every age; a peer that died while
+    we were stopped still runs out its lease, from where it stood when we stopped.
+    A pure state machine: the caller passes its monotonic clock at every note."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self.paused_s = 0.0  # the pauses noticed, in all
+
+    def note(self, now: float) -> float:
+        """Our loop runs at `now`: the seconds of a pause that ended since the last note (0: none)."""
+        last, self._last = self._last, max(now, self._last or now)
+        if last is None or now - last <= PAUSE_S:
+            return 0.0
+        pause = now - last - PULSE_S
+        self.paused_s += pause
+        return pause
 
 
 # --- record rules (the same on every peer: a malformed record is rejected everywhere) ------------

@@ -111,8 +111,10 @@ from meshtrain.crdt.swarm_records import (
     METRICS,
     MIN_LEASE_MS,
     PROGRESS,
+    PULSE_S,
     STRIKES,
     Freshness,
+    LoopPauses,
     PeerInfo,
     PeerMetrics,
     PeerProgress,
@@ -299,6 +301,8 @@ class SwarmView(Service):
         # When each owner's latest record was written, by our monotonic clock (liveness, `age`);
         # records held before we subscribed are dated as first seen, relayed.
         self._fresh = {name: Freshness() for name in (MEMBERSHIP, *sorted(MEMBER_RECORDS))}
+        self._pauses = LoopPauses()  # ours: left out of every age (noted while the view runs)
+        self._pulsing = False
         for name, fresh in self._fresh.items():
             for entry in replica.crdt(name).entries():
                 fresh.heard(entry, now=time.monotonic(), wall_now_ms=now_ms(), from_owner=entry.owner == self.me)
@@ -381,14 +385,34 @@ class SwarmView(Service):
         return sum(1 for p in self.peers() if self._is_live(p, at))
 
     def _is_live(self, peer: PeerInfo, at: float) -> bool:
+        self._note_running()
         age = self._fresh[MEMBERSHIP].age(peer.peer_id, at)
         return not peer.left and age is not None and age <= peer.lease_ms / 1000
 
     def age(self, crdt: str, peer_id: str, at: float | None = None) -> float | None:
         """Seconds since `peer_id` wrote its latest record of `crdt` (membership, progress,
         metrics, strikes), by our monotonic clock at `at` (`time.monotonic()`; default: now) —
-        never by the peer's wall clock (module docstring, "Liveness"). None: no record of it."""
+        never by the peer's wall clock (module docstring, "Liveness"), and never counting a
+        pause of our own (`LoopPauses`). None: no record of it."""
+        self._note_running()
         return self._fresh[crdt].age(peer_id, time.monotonic() if at is None else at)
+
+    def _note_running(self) -> None:
+        """Our loop runs now; a pause of ours that just ended is left out of every age (only while
+        the view runs: a view never entered has no loop of its own to pause)."""
+        if not self._pulsing:
+            return
+        pause = self._pauses.note(time.monotonic())
+        if pause:
+            for fresh in self._fresh.values():
+                fresh.pause(pause)
+            log.info(
+                kv(
+                    "this process was paused; its peers' ages leave the pause out",
+                    swarm=self.swarm_id,
+                    seconds=round(pause, 1),
+                )
+            )
 
     @property
     def announced_addrs(self) -> list[str]:
@@ -697,6 +721,16 @@ class SwarmView(Service):
                 self._metrics_dirty = True
             self._rewrite.set()
 
+    async def _pulse_loop(self) -> None:
+        """Note that our loop runs, every `PULSE_S` (`LoopPauses`: a gap is a pause of ours)."""
+        self._pulsing = True
+        try:
+            while True:
+                self._note_running()
+                await trio.sleep(PULSE_S)
+        finally:
+            self._pulsing = False
+
     async def _heartbeat_loop(self) -> None:
         while not self._left:
             with trio.move_on_after(self.current_interval()):
@@ -709,6 +743,7 @@ class SwarmView(Service):
         self.heartbeat()
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._heartbeat_loop)
+        self._nursery.start_soon(self._pulse_loop)
 
     async def __aexit__(self, *exc: object) -> bool | None:
         """Leave on a clean exit and on an error (`leave` is shielded and bounded by its
