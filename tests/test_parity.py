@@ -153,12 +153,12 @@ def test_backoff_grows_jittered_and_never_spins():
 
 def test_rounds_alone_are_solo_only_while_a_partner_trains_and_is_connected():
     monitor = ParityMonitor("me")
-    assert monitor.completed_alone(3, 0, []) is False  # partners killed or silent: ours is the only φ
-    assert monitor.completed_alone(2, 0, ["peer-b"]) is True  # peer-b trains and is reachable: a fork
-    assert monitor.completed_alone(0, 4, ["peer-b"]) is False  # failed rounds: withheld, re-synced
+    assert monitor.completed_alone(AloneRounds(formed=3), []) is False  # partners killed or silent: ours is the only φ
+    assert monitor.completed_alone(AloneRounds(formed=2), ["peer-b"]) is True  # peer-b trains and is reachable: a fork
+    assert monitor.completed_alone(AloneRounds(failed=4), ["peer-b"]) is False  # failed rounds: withheld, re-synced
     assert monitor.status()["alone_rounds"] == 9 and monitor.status()["solo_rounds"] == 2
     # Retries shrank the group to us: the dropped partners were told, withhold and re-sync.
-    assert monitor.completed_alone(0, 0, ["peer-b"], survived=2) is False
+    assert monitor.completed_alone(AloneRounds(survived=2), ["peer-b"]) is False
     status = monitor.status()
     assert status["alone_rounds"] == 11 and status["solo_rounds"] == 2 and status["survived_rounds"] == 2
 

@@ -257,21 +257,20 @@ class ParityMonitor:
             self.withheld_round = outer_round
             self.withheld += 1
 
-    def completed_alone(self, formed: int, failed: int, training_partners: Collection[str], survived: int = 0) -> bool:
-        """We completed rounds whose result was our own contribution alone while other trainers
-        were in the membership: `formed` in a group of one, `survived` in a group whose other
-        members the round dropped (retries left us alone: each of them was told the round failed
-        for it, proceeds alone, withholds its φ and re-syncs — never solo), `failed` proceeding
-        alone after a failed round (withheld and re-synced: never solo); `training_partners`: the
-        trainers that train now and are connected to us. Returns whether the formed ones count as
-        solo (module docstring): with a partner training and reachable, a second φ for the same
-        rounds may exist; with none — its connection closed (killed) or its progress gone stale
-        (stopped, cut off) — ours is the only one, for all we can tell from here."""
-        self.alone_rounds += formed + survived + failed
-        self.survived_rounds += survived
-        if not formed or not training_partners:
+    def completed_alone(self, rounds: AloneRounds, training_partners: Collection[str]) -> bool:
+        """We completed `rounds` whose result was our own contribution alone while other trainers
+        were in the membership (`AloneRounds`: formed, survived — the others the round dropped
+        were told it failed for them and re-sync — or failed, withheld and re-synced);
+        `training_partners`: the trainers that train now and are connected to us. Returns
+        whether the formed ones count as solo (module docstring): with a partner training and
+        reachable, a second φ for the same rounds may exist; with none — its connection closed
+        (killed) or its progress gone stale (stopped, cut off) — ours is the only one, for all
+        we can tell from here."""
+        self.alone_rounds += rounds.formed + rounds.survived + rounds.failed
+        self.survived_rounds += rounds.survived
+        if not rounds.formed or not training_partners:
             return False
-        self.solo_rounds += formed
+        self.solo_rounds += rounds.formed
         return True
 
     def check(self, others: Mapping[str, Sequence[tuple[int, bytes]]]) -> ParityVerdict:

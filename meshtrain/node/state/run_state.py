@@ -556,8 +556,7 @@ class RunState(Service):
             return
         partners = sorted(self.presence.training_peers(connected=True))
         me = self.presence.me
-        kinds = AloneRounds.of(alone, me)
-        solo = self.parity.completed_alone(kinds.formed, kinds.failed, partners, kinds.survived)
+        solo = self.parity.completed_alone(AloneRounds.of(alone, me), partners)
         completed = [r for r in alone if not r.error]  # a failure is logged where it fails
         if not completed:
             return
