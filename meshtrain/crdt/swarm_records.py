@@ -88,6 +88,7 @@ Not here: writing, heartbeating and reading the records, admission and the repli
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -151,6 +152,11 @@ class PeerMetrics:
     peer_id: str
     values: dict[str, float]
     updated_ms: int
+
+    def rate(self, name: str) -> float | None:
+        """Metric `name` if it is a rate this peer reported (a finite number above 0), else None."""
+        value = self.values.get(name)
+        return float(value) if is_number(value) and math.isfinite(value) and value > 0 else None
 
 
 @dataclass(frozen=True)

@@ -381,11 +381,11 @@ class SwarmView(Service):
         )
 
     def _live_count(self) -> int:
+        self._note_running()
         at = time.monotonic()
         return sum(1 for p in self.peers() if self._is_live(p, at))
 
     def _is_live(self, peer: PeerInfo, at: float) -> bool:
-        self._note_running()
         age = self._fresh[MEMBERSHIP].age(peer.peer_id, at)
         return not peer.left and age is not None and age <= peer.lease_ms / 1000
 
@@ -489,6 +489,7 @@ class SwarmView(Service):
     def live_peers(self, *, at: float | None = None) -> list[PeerInfo]:
         """Peers that have not left and whose latest membership record is younger than its
         lease at `at` (our `time.monotonic()`; default: now), sorted by peer id."""
+        self._note_running()  # once per read, before any age: not once per peer
         when = time.monotonic() if at is None else at
         return [p for p in self.peers() if self._is_live(p, when)]
 

@@ -41,7 +41,6 @@ step whatever the spec says.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -137,10 +136,10 @@ class SwarmPace:
             for peer, progress in self.presence.training_peers(connected=False).items():
                 age = view.age(PROGRESS, peer, t) or 0.0
                 m = metrics.get(peer)
-                rate = float(m.values.get("steps_per_s", 0.0)) if m is not None else 0.0
+                rate = (m.rate("steps_per_s") if m is not None else None) or 0.0
                 step = progress.step
                 cap = step if trainer.outer.sends_at(step) else trainer.outer.next_send_step(step)
-                peers.append(PeerPace(step, t - age, rate if math.isfinite(rate) and rate > 0 else 0.0, cap))
+                peers.append(PeerPace(step, t - age, rate, cap))
             self.update(peers)
             target = self.target()
             behind = target is not None and target - trainer.step >= SLACK

@@ -427,15 +427,10 @@ class PeerPresence(Service):
         return in_from
 
     def _reported_step_rates(self) -> list[float]:
-        """The `steps_per_s` metric of every peer training now (node/pace.py reads the same)."""
+        """The `steps_per_s` rate every peer training now reports (node/pace.py reads the same)."""
         metrics = self._view().metrics()
-        rates = []
-        for peer in self.training_peers(connected=False):
-            m = metrics.get(peer)
-            rate = m.values.get("steps_per_s") if m is not None else None
-            if isinstance(rate, int | float):
-                rates.append(float(rate))
-        return rates
+        rates = (metrics[p].rate("steps_per_s") for p in self.training_peers(connected=False) if p in metrics)
+        return [r for r in rates if r is not None]
 
     def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
         """Trainers other than us that train *now*: their progress record is fresh (a training
