@@ -594,3 +594,72 @@ def test_own_rounds_a_completed_round_is_past_and_a_failed_one_is_not():
     own.ended(10, "f0", completed=True)
     own.enter(8, "f0~g1.0")  # back before round 8 (a re-sync to an older state)
     assert not own.past(key) and own.where("f0") == WhereReply(-1, None, 7, None)
+
+
+def test_own_rounds_undo_what_a_re_sync_took_the_trainer_back_from_before_it_enters_again():
+    """Between a re-sync's download and the trainer's next entry, rounds it completed or entered
+    alone past the downloaded state are neither ended nor entered: a probe is told so at once."""
+    step = {"now": 500}
+    own = OwnRounds(lambda: step["now"])
+    own.enter(496, "f0")
+    own.ended(496, "f0", completed=True)  # a group of one
+    own.enter(500, "f0.phi")
+    own.at(RoundKey(500, "f0.phi", "a"))
+    assert own.past(RoundKey(496, "f0", "z")) and own.where("f0") == WhereReply(-1, None, 496, None)
+    assert own.entered_as(RoundKey(500, "f0.phi", "z")) == "f0.phi"
+    step["now"] = 495  # re-synced to the swarm's state, which is before round 496
+    assert not own.past(RoundKey(496, "f0", "z")) and not own.past(RoundKey(496, "f0.phi", "z"))
+    assert own.where("f0") == WhereReply(-1, None, 495, None)
+    assert own.where("f0.phi") == WhereReply(-1, None, -1, None)
+    assert own.entered_as(RoundKey(500, "f0.phi", "z")) is None
+    assert own.past(RoundKey(492, "f0", "z"))  # rounds of the state it holds stay ended
+    own.enter(496, "f0")
+    own.ended(496, "f0", completed=True)  # with the swarm this time
+    step["now"] = 497
+    assert own.past(RoundKey(496, "f0", "z")) and own.where("f0") == WhereReply(-1, None, 496, None)
+
+
+class OwnRoundsRpc:
+    """Peers answer a probe from their own `OwnRounds`, as `SwarmCollective._rpc_where` does."""
+
+    def __init__(self, owns: dict[str, OwnRounds]) -> None:
+        self.owns = owns
+
+    async def call(self, peer, name, request, *, timeout):
+        return self.owns[peer].where(WhereRequest.parse(request).tag).to_wire()
+
+
+@pytest.mark.parametrize("rewound", [True, False])
+async def test_a_peer_that_re_synced_back_before_a_round_it_completed_alone_is_waited_for(autojump_clock, rewound):
+    """Seen in a loaded CI run of tests/test_daemon_matrix.py: two peers had each completed round
+    496 alone and re-synced to the state before it. Each paused after its download (the swarm had
+    not moved) and, asked meanwhile by the other's coordinator, answered "finished 496" — its
+    record of the alone round was undone only at its next entry — so the round was ended as
+    passed, its coordinator re-synced and paused in turn, and no round formed for 90 s. A peer
+    whose trainer is back before the round is waited for, and the round forms when it comes."""
+    step = {"b": 500}
+    b = OwnRounds(lambda: step["b"])
+    b.enter(496, "f0")
+    b.ended(496, "f0", completed=True)
+    if rewound:
+        step["b"] = 495
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b"}, OwnRoundsRpc({"b": b})), CONFIG, lambda _round: ("a", "b"))
+        await nursery.start(c.run)
+        key = RoundKey(496, "f0", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key)
+
+        nursery.start_soon(join, "a")
+        await trio.sleep(PROBE_AFTER + 2 * CONFIG.liveness_interval + 0.1)  # sleep: virtual time: probes
+        if not rewound:  # b is past the round: nobody else is coming
+            assert isinstance(replies["a"], Late) and replies["a"].passed
+        else:
+            assert replies == {}
+            b.enter(496, "f0")  # b's pause ended: it comes
+            nursery.start_soon(join, "b")
+            await trio.testing.wait_all_tasks_blocked()
+            assert replies == {p: Joined(0, ("a", "b")) for p in "ab"}
+        nursery.cancel_scope.cancel()

@@ -191,7 +191,9 @@ class SwarmCollective(Service):
     (coordinator.py). `present(peer)`, if given, says whether a peer is still in the swarm in
     any role (live, admitted, connected): a coordinator that left the round's candidates but is
     present (a restarted peer whose new "syncing" record reached us after we joined it at its old
-    one) keeps our join (join_wait.py).
+    one) keeps our join (join_wait.py). `trainer_step()`, if given, is our trainer's inner step
+    now, whatever its phase (None: no trainer yet): rounds past it were undone by a re-sync, and
+    our coordinator and our answers to probes stop counting them (own_rounds.py).
 
     Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
     background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
@@ -210,6 +212,7 @@ class SwarmCollective(Service):
         roster: Callable[[int], Sequence[str]] | None = None,
         reported_step: Callable[[str], int | None] | None = None,
         present: Callable[[str], bool] | None = None,
+        trainer_step: Callable[[], int | None] | None = None,
     ) -> None:
         self.host = host
         self.present = present
@@ -228,7 +231,7 @@ class SwarmCollective(Service):
         self._latest_round: int | None = None  # the newest round we took part in
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._reported_step = reported_step
-        self.own = OwnRounds()  # what our trainer entered, for our coordinator (own_rounds.py)
+        self.own = OwnRounds(trainer_step)  # what our trainer entered, for our coordinator (own_rounds.py)
         self._coord = Coordinator(host, self.config, self.group, reported_step, self.own)
         self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it

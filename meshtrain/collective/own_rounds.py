@@ -27,7 +27,14 @@ past, for us or for a prober (`where`'s last ended round counts completed rounds
 re-syncs and, while the swarm is still in that round, enters it again (optim/outer.py
 `entry_step`). Counted as past, a swarm whose members had all failed one round told each other
 so as each re-entered it, and none ever completed it (seen in a loaded run of
-tests/test_nat_swarm.py). All are our own trainer's calls, never a remote
+tests/test_nat_swarm.py). A re-sync that takes our trainer back (`trainer_step`, its inner step
+now, is below a round we recorded: it downloaded the swarm's state from before rounds it had
+completed or entered alone) undoes those rounds here at once, not at its next entry: between the
+download and that entry lie the re-sync's pause and our partners' rounds, and a probe answered
+"finished" meanwhile made the coordinator of the very round we were coming back to end it as
+passed — two peers that had each completed a round alone then re-synced, paused and told each
+other so in turn, and no round formed again (a loaded CI run of tests/test_daemon_matrix.py).
+All are our own trainer's calls, never a remote
 peer's claim, so they cannot be used to cut a round short. The same record answers other
 coordinators' WHERE probes (`at`, `ended`, `where`): the round of each series our trainer is in,
 at which coordinator and under which tag, and the last it completed — about the series, whatever
@@ -39,6 +46,8 @@ What is not here: other peers' positions (coordinator.py: the progress records, 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from meshtrain.collective.groups import GROUP_TAG
 from meshtrain.collective.protocol import RoundKey, WhereReply
@@ -56,7 +65,10 @@ def tag_series(tag: str) -> str:
 class OwnRounds:
     """Our trainer's exchanges: the newest round per series, and the peers of each follow-up."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainer_step: Callable[[], int | None] | None = None) -> None:
+        # Our trainer's inner step now (None: unknown), whatever its phase; a round's id is the
+        # inner step it is sent at, so rounds past it are undone by a re-sync (`_follow_trainer`).
+        self._trainer_step = trainer_step
         self._newest: dict[str, int] = {}  # series -> the round id our trainer entered last
         self._entered: dict[str, tuple[int, str]] = {}  # series -> (round id, tag) of its newest entry
         # For other coordinators' probes (WHERE_RPC): series -> (round id, coordinator, tag) of the
@@ -102,6 +114,7 @@ class OwnRounds:
     def where(self, tag: str) -> WhereReply:
         """Where our trainer is in `tag`'s series, whatever group's tag it asks with: the answer
         to a coordinator's WHERE probe (coordinator.py)."""
+        self._follow_trainer()
         series = tag_series(tag)
         at, coordinator, entered = self._position.get(series, (-1, None, None))
         return WhereReply(at, coordinator, self._finished.get(series, -1), entered)
@@ -113,6 +126,7 @@ class OwnRounds:
     def entered_as(self, key: RoundKey) -> str | None:
         """The tag under which our trainer is in round `key`'s round id of its series (another
         group's, when our groups differ from the coordinator's), or None: not entered, or ended."""
+        self._follow_trainer()
         entered = self._entered.get(tag_series(key.tag))
         return entered[1] if entered is not None and entered[0] == key.round_id else None
 
@@ -122,9 +136,25 @@ class OwnRounds:
         "f0.phi"): it will not come to round `key`. The follow-up itself comes after the round it
         follows ends, so only `key`'s own series' completed rounds count; a failed round does not
         (the trainer re-syncs, and with the swarm still in that round, enters it again)."""
+        self._follow_trainer()
         series = tag_series(key.tag)
         if self._finished.get(series, -1) >= key.round_id:
             return True
         return any(
             newest > key.round_id for s, newest in self._newest.items() if series == s or series.startswith(s + ".")
         )
+
+    def _follow_trainer(self) -> None:
+        """Undo the rounds our trainer's state is now before (module docstring: a re-sync took it
+        back): not ended, not entered, not under way any more."""
+        step = self._trainer_step() if self._trainer_step is not None else None
+        if step is None:
+            return
+        for series, finished in self._finished.items():
+            self._finished[series] = min(finished, step)
+        for series in [s for s, newest in self._newest.items() if newest > step]:
+            del self._newest[series]
+        for series in [s for s, (round_id, _) in self._entered.items() if round_id > step]:
+            del self._entered[series]
+        for series in [s for s, (round_id, _, _) in self._position.items() if round_id > step]:
+            del self._position[series]

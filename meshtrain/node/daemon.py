@@ -409,6 +409,7 @@ class Node:
                 roster=presence.roster,
                 reported_step=presence.reported_step,
                 present=presence.present,
+                trainer_step=self._trainer_step,
             )
         )
         if presence.strikes is not None:
@@ -538,6 +539,10 @@ class Node:
         if self.trainer is None or self.state != "training":
             return None
         return self.trainer.step
+
+    def _trainer_step(self) -> int | None:
+        """Our trainer's step in any phase, unlike `_current_round` (collective/own_rounds.py)."""
+        return self.trainer.step if self.trainer is not None else None
 
     async def _prepare(self, build: Callable[[ProgressCallback], Trainer]) -> Trainer:
         """`build(on_progress)` the trainer — the model loaded, the dataset digested and tokenised:

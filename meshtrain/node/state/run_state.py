@@ -31,8 +31,8 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   lineage of its own.
 - Parity (`node/state/parity.py`): after every round φ is hashed into our progress record — except
   after a round we proceeded alone in because it failed (`needs_resync` is set then): that φ is
-  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`), nor
-  its state to joiners, and the re-sync follows before the next round. A watcher
+  known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`), and
+  the re-sync follows before the next round. A watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
   rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
   node's training loop then calls `resync()`: `download()`, and when that lands where the last
@@ -493,13 +493,13 @@ class RunState(Service):
             self.record_phi()  # φ is ours between steps, even with a fragment in flight
         phi = list(parity.history) if parity.enabled else None
         moments = None
-        # Not a state known not to be the swarm's (`needs_resync`: we proceeded alone after a
-        # failed round, or parity found us in the minority): a joiner that took it for the
-        # swarm's would enter a lineage of one, and its vote would stand against the swarm's
-        # state in every joiner's download until we re-sync (a soak saw a joiner's download fail
-        # for 20 s on "no state offered identically", round r by one donor and r + 1, our round
-        # alone, by us, while the swarm's next round waited for that joiner).
-        if outer.rounds != self._published_round and not outer.in_flight and not outer.needs_resync:
+        # Also while we `needs_resync` (we proceeded alone after a failed round, or parity found
+        # us in the minority), though that state may not be the swarm's: a joiner's vote then
+        # may disagree for a round (fetch.py), but withholding it left our offer a round old
+        # while we trained on, and where every trainer needed a re-sync — two peers that each
+        # went on alone — each downloaded the other's old state, entered behind, failed again,
+        # and no round formed for 90 s (tests/test_daemon_matrix.py, loaded CI runs).
+        if outer.rounds != self._published_round and not outer.in_flight:
             self._published_round = outer.rounds
             publish = self.donor_snapshot(trainer)
             moments = outer.inner_moments()  # described to joiners beside it (optim/inner_moments.py)
