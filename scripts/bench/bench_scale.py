@@ -13,7 +13,13 @@ collectives target). A design that scales keeps each *peer's* costs flat as N gr
 what is reported, at each size N:
 - `cpu_s_per_peer_round`: CPU time of every worker process during the rounds ÷ N ÷ rounds, over
   the rounds after the first (which also pays each process's one-time costs; it is reported as
-  `first_round_cpu_s_per_peer`). The libp2p connections and data-plane sessions to every partner
+  `first_round_cpu_s_per_peer`). Beside it, `idle_cpu_per_peer_s`: the same peers' CPU per second
+  over `IDLE_S` (10 s) connected and idle (libp2p's keep-alives, the data plane's sessions; the
+  lower of a window just before the rounds and one just after, `idle_cpu_per_peer_s_windows`:
+  each also pays for the tail of what came before it), and `cpu_s_per_peer_round_net`, the round's CPU less that idle rate ×
+  `round_s`: here a round at 256 peers lasts ~30 s because all peers share two cores, so costs
+  that accrue per second (constant per peer in a swarm of machines, whose rounds last minutes
+  anyway) are counted ~40 times more per round than at 16 peers (0.8 s rounds). The libp2p connections and data-plane sessions to every partner
   of the rounds run are opened before, outside the measurement (`connect_s`): all of one
   machine's peers opening their sessions in the same second would time out the 10 s session RPC
   here, which says nothing about a swarm of machines. The message and byte counts are over the
@@ -48,7 +54,7 @@ what is reported, at each size N:
   worker once connected: about 6 per link and worker at 256 peers; the soft limit is lifted to the
   hard one), `rss_mib_per_process` (the largest worker's peak) and `rss_mib_per_peer` (that × the
   processes ÷ N, each process's torch included).
-Summary: `cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
+Summary: `cpu_growth`, `net_cpu_growth`, `idle_cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
 `gossip_growth` (largest valid gossip size ÷ smallest; a size whose peers never all saw each other
 live measured a starved machine and is listed in `gossip_invalid_sizes`), `gossip_model_growth`
 (the records the swarm writes a second by the heartbeat and progress rules at the largest size ÷
@@ -120,6 +126,7 @@ DEFAULT_MAX_PEERS = 32  # node/connections.py's (not imported at start-up: worke
 DIALS_IN_FLIGHT = 16  # per worker process: libp2p dials (Noise + yamux handshakes) at once
 SESSIONS_IN_FLIGHT = 4  # per worker process: data-plane session RPCs at once
 SETUP_ATTEMPTS = 10  # tries per dial and per session before the set-up gives up
+IDLE_S = 10.0  # seconds the connected peers are measured idle, before the rounds
 
 
 def _groups_plan(group_size: int):
@@ -147,6 +154,12 @@ def presence_links(ids: list[str], plan: Any, first: int, rounds: int, max_peers
                 a, b = sorted((index[me], index[peer]))
                 links.add((a, b))
     return links
+
+
+def idle_cpu_per_peer_s(workers: list[Worker], n: int) -> float:
+    """CPU seconds a peer spends per second while connected and idle, over `IDLE_S`."""
+    idle = ask(workers, [{"cmd": "idle", "seconds": IDLE_S}] * len(workers), 300)
+    return sum(x["cpu"] for x in idle) / n / IDLE_S
 
 
 def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: int) -> dict[str, Any]:
@@ -202,6 +215,7 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: in
         out["dial_retries"] = sum(x["dial_retries"] for x in setup)
         out["session_retries"] = sum(x["session_retries"] for x in setup)
         out["fds_per_process"] = max(x["fds"] for x in setup)
+        idle_before = idle_cpu_per_peer_s(workers, n)
         per_round = []
         mixed_at = None
         rss = 0  # the largest worker's peak RSS, MiB
@@ -228,6 +242,16 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: in
         out["bytes_per_peer_round_over_m"] = round(sum(x["sent"] for x in steady) / n / len(steady) / m_bytes, 3)
         out["mixing_rounds"] = mixed_at
         out["round_s"] = round(sum(x["round_s"] for x in steady) / len(steady), 2)
+        # Idle before the rounds still pays for the set-up's tail (identify, late sessions), after
+        # them for the rounds' (background sends): the lower of the two is the links' own cost.
+        idle_after = idle_cpu_per_peer_s(workers, n)
+        idle_per_peer_s = min(idle_before, idle_after)
+        out["idle_cpu_per_peer_s_windows"] = [round(idle_before, 5), round(idle_after, 5)]
+        out["idle_cpu_per_peer_s"] = round(idle_per_peer_s, 5)
+        # What a round's own work costs a peer: its CPU less what its connections cost it idle
+        # for as long as the round lasted (module docstring).
+        net = out["cpu_s_per_peer_round"] - idle_per_peer_s * out["round_s"]
+        out["cpu_s_per_peer_round_net"] = round(max(net, 0.0), 4)
         out["all_rounds_complete"] = all(x["ok"] == n and x["alone"] == 0 for x in per_round)
         out["rss_mib_per_process"] = rss
         out["rss_mib_per_peer"] = round(rss * procs / n, 1)
@@ -364,6 +388,12 @@ def summarize(
         lo, hi = min(scale), max(scale)
         result["growth_sizes"] = [lo, hi]
         result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
+        result["net_cpu_growth"] = round(
+            scale[hi]["cpu_s_per_peer_round_net"] / max(scale[lo]["cpu_s_per_peer_round_net"], 1e-6), 2
+        )
+        result["idle_cpu_growth"] = round(
+            scale[hi]["idle_cpu_per_peer_s"] / max(scale[lo]["idle_cpu_per_peer_s"], 1e-6), 2
+        )
         result["msgs_growth"] = round(scale[hi]["msgs_per_peer_round"] / scale[lo]["msgs_per_peer_round"], 2)
         result["max_bytes_per_peer_round_over_m"] = max(v["bytes_per_peer_round_over_m"] for v in scale.values())
         result["mixing_ok"] = all(
@@ -548,6 +578,10 @@ async def _worker() -> None:
                 count(n["host"].rpc, "call")
                 count(n["streams"], "send")
             return {**setup, "fds": len(os.listdir("/proc/self/fd")), "rss_mib": _rss_mib()}
+        elif cmd == "idle":  # connected, collectives entered, no round: the links' own cost
+            cpu0 = time.process_time()
+            await trio.sleep(command["seconds"])  # sleep: the window measured
+            return {"cpu": time.process_time() - cpu0}
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
