@@ -69,7 +69,9 @@ round, none alone).
 143 and 199 s (two runs) with no failed dial, about 5.9k descriptors per worker (limit 20,000) and
 up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed in the set-up
 after 3 minutes kept no error; a dial or a session RPC failing on a starved machine was its only
-way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there.
+way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there;
+`BENCH_SCALE_PROFILE_DIR=dir` a cProfile of each worker's rounds (`worker-PID-rROUND.prof`; the
+CPU it reports then includes the profiler's).
 What does not fit is CPU: every round at 256 took 124-172 s of CPU (two all-reduces of 16 per
 peer, and the coordinators' reviews and probes for as long as a round lasts), and while other
 work kept the load average at 4-8 the workers got ~0.2 core each, so rounds took 3-6 minutes,
@@ -108,6 +110,7 @@ Not here: links with real bandwidth and latency (scripts/bench/bench_wan.py), fa
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import sys
@@ -585,10 +588,17 @@ async def _worker() -> None:
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
+            profile_dir = os.environ.get("BENCH_SCALE_PROFILE_DIR")
+            profiler = cProfile.Profile() if profile_dir else None
             cpu0 = time.process_time()
+            if profiler is not None:
+                profiler.enable()
             async with trio.open_nursery() as nursery:
                 for n in nodes.values():
                     nursery.start_soon(one_round, n, command["round"], result)
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(Path(str(profile_dir)) / f"worker-{os.getpid()}-r{command['round']}.prof")
             m_bytes = 4 * sum(p.numel() for p in next(iter(nodes.values()))["model"].parameters())
             return {
                 **result,
