@@ -13,13 +13,15 @@ collectives target). A design that scales keeps each *peer's* costs flat as N gr
 what is reported, at each size N:
 - `cpu_s_per_peer_round`: CPU time of every worker process during the rounds ÷ N ÷ rounds, over
   the rounds after the first (which also pays each process's one-time costs; it is reported as
-  `first_round_cpu_s_per_peer`). Beside it, `idle_cpu_per_peer_s`: the same peers' CPU per second
-  over `IDLE_S` (10 s) connected and idle (libp2p's keep-alives, the data plane's sessions; the
-  lower of a window just before the rounds and one just after, `idle_cpu_per_peer_s_windows`:
-  each also pays for the tail of what came before it), and `cpu_s_per_peer_round_net`, the round's CPU less that idle rate ×
-  `round_s`: here a round at 256 peers lasts ~30 s because all peers share two cores, so costs
-  that accrue per second (constant per peer in a swarm of machines, whose rounds last minutes
-  anyway) are counted ~40 times more per round than at 16 peers (0.8 s rounds). The libp2p connections and data-plane sessions to every partner
+  `first_round_cpu_s_per_peer`). Beside it, `idle_cpu_per_peer_s`: the same peers' CPU per
+  second over `IDLE_S` (10 s) connected and idle (libp2p's keep-alives and RTT pings, the data
+  plane's sessions; the lower of a window just before the rounds and one just after,
+  `idle_cpu_per_peer_s_windows`: each also pays for the tail of what came before it), and
+  `cpu_s_per_peer_round_net`, the round's CPU less that idle rate × `round_s`: here a round at
+  256 peers lasts ~30 s because all peers share two cores, so costs that accrue per second
+  (constant per peer in a swarm of machines, whose rounds last minutes anyway) are counted ~40
+  times more per round than at 16 peers (0.8 s rounds). The libp2p connections and data-plane
+  sessions to every partner
   of the rounds run are opened before, outside the measurement (`connect_s`): all of one
   machine's peers opening their sessions in the same second would time out the 10 s session RPC
   here, which says nothing about a swarm of machines. The message and byte counts are over the
@@ -54,7 +56,8 @@ what is reported, at each size N:
   worker once connected: about 6 per link and worker at 256 peers; the soft limit is lifted to the
   hard one), `rss_mib_per_process` (the largest worker's peak) and `rss_mib_per_peer` (that × the
   processes ÷ N, each process's torch included).
-Summary: `cpu_growth`, `net_cpu_growth`, `idle_cpu_growth` and `msgs_growth` (largest size ÷ smallest), `max_bytes_per_peer_round_over_m`,
+Summary: `cpu_growth`, `net_cpu_growth`, `idle_cpu_growth` and `msgs_growth` (largest size ÷
+smallest), `max_bytes_per_peer_round_over_m`,
 `gossip_growth` (largest valid gossip size ÷ smallest; a size whose peers never all saw each other
 live measured a starved machine and is listed in `gossip_invalid_sizes`), `gossip_model_growth`
 (the records the swarm writes a second by the heartbeat and progress rules at the largest size ÷
@@ -129,7 +132,7 @@ DEFAULT_MAX_PEERS = 32  # node/connections.py's (not imported at start-up: worke
 DIALS_IN_FLIGHT = 16  # per worker process: libp2p dials (Noise + yamux handshakes) at once
 SESSIONS_IN_FLIGHT = 4  # per worker process: data-plane session RPCs at once
 SETUP_ATTEMPTS = 10  # tries per dial and per session before the set-up gives up
-IDLE_S = 10.0  # seconds the connected peers are measured idle, before the rounds
+IDLE_S = 10.0  # seconds the connected peers are measured idle, before the rounds and after them
 
 
 def _groups_plan(group_size: int):
@@ -249,8 +252,8 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: in
         # them for the rounds' (background sends): the lower of the two is the links' own cost.
         idle_after = idle_cpu_per_peer_s(workers, n)
         idle_per_peer_s = min(idle_before, idle_after)
-        out["idle_cpu_per_peer_s_windows"] = [round(idle_before, 5), round(idle_after, 5)]
-        out["idle_cpu_per_peer_s"] = round(idle_per_peer_s, 5)
+        out["idle_cpu_per_peer_s_windows"] = [round(idle_before, 7), round(idle_after, 7)]
+        out["idle_cpu_per_peer_s"] = round(idle_per_peer_s, 7)  # ~1e-5 at 16 peers: keep digits for the ratio
         # What a round's own work costs a peer: its CPU less what its connections cost it idle
         # for as long as the round lasted (module docstring).
         net = out["cpu_s_per_peer_round"] - idle_per_peer_s * out["round_s"]
@@ -588,7 +591,7 @@ async def _worker() -> None:
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
-            profile_dir = os.environ.get("BENCH_SCALE_PROFILE_DIR")
+            profile_dir = os.environ.get("BENCH_SCALE_PROFILE_DIR", "")
             profiler = cProfile.Profile() if profile_dir else None
             cpu0 = time.process_time()
             if profiler is not None:
@@ -598,7 +601,7 @@ async def _worker() -> None:
                     nursery.start_soon(one_round, n, command["round"], result)
             if profiler is not None:
                 profiler.disable()
-                profiler.dump_stats(Path(str(profile_dir)) / f"worker-{os.getpid()}-r{command['round']}.prof")
+                profiler.dump_stats(Path(profile_dir) / f"worker-{os.getpid()}-r{command['round']}.prof")
             m_bytes = 4 * sum(p.numel() for p in next(iter(nodes.values()))["model"].parameters())
             return {
                 **result,
