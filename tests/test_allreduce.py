@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,12 +337,18 @@ NUMEL = 2 << 20  # 8 MiB of fp32 per peer
 
 
 def run_swarm(
-    fault: str, victim_rank: int, *extra: str, peers: int = N_PEERS, numel: int = NUMEL, rounds: int = 3
+    logs_dir: Path,
+    fault: str,
+    victim_rank: int,
+    *extra: str,
+    peers: int = N_PEERS,
+    numel: int = NUMEL,
+    rounds: int = 3,
 ) -> tuple[list[dict], dict[str, int], list[list[dict]]]:
     """`peers` tests/proc_allreduce.py processes run `rounds` rounds, the one at `victim_rank`
-    with `fault`; returns their hellos (with "stderr_tail" where a peer printed fewer rounds),
-    peer id -> index, and every peer's output lines."""
-    logs = [tempfile.mktemp(prefix=f"allreduce-peer{i}-", suffix=".log") for i in range(peers)]
+    with `fault`, each logging to `logs_dir`; returns their hellos (with "stderr_tail" where a
+    peer printed fewer rounds), peer id -> index, and every peer's output lines."""
+    logs = [str(logs_dir / f"allreduce-peer{i}.log") for i in range(peers)]
     procs = [
         spawn(
             "tests/proc_allreduce.py",
@@ -404,8 +410,9 @@ FAULT_PART_TIMEOUT = 2.0
 @pytest.mark.slow
 @pytest.mark.parametrize("victim_rank", [0, 2], ids=["coordinator", "member"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_survivors_agree_after_fault(fault, victim_rank):
+def test_survivors_agree_after_fault(fault, victim_rank, tmp_path):
     infos, index_of, outputs = run_swarm(
+        tmp_path,
         fault,
         victim_rank,
         "--join-timeout",
@@ -443,11 +450,11 @@ def test_survivors_agree_after_fault(fault, victim_rank):
 
 
 @pytest.mark.slow
-def test_hostile_huge_values_are_excluded_under_robust_aggregation():
+def test_hostile_huge_values_are_excluded_under_robust_aggregation(tmp_path):
     """A peer sending finite garbage (1e30) both as its contribution and, as owner, as its
     reduced part: trimmed mean drops the contribution, the owner check rejects the part, and the
     round is redone without it."""
-    infos, index_of, outputs = run_swarm("huge", 1, "--robust", "trimmed_mean")
+    infos, index_of, outputs = run_swarm(tmp_path, "huge", 1, "--robust", "trimmed_mean")
     ids = sorted(index_of)
     hostile = ids[1]
     rows = [

@@ -186,11 +186,12 @@ N_PEERS, GROUP_SIZE, NUMEL, ROUNDS = 6, 3, 1 << 16, 3
 
 
 @pytest.mark.slow
-def test_grouped_round_survives_a_peer_killed_mid_reduce():
+def test_grouped_round_survives_a_peer_killed_mid_reduce(tmp_path):
     # 6 peers in groups of at most 3: a full 3x2 grid, so round 1 (dimension 0) has two groups of
     # three. The victim dies 30 ms into its first send of round 1.
     victim_rank = 2
     infos, index_of, outputs = run_swarm(
+        tmp_path,
         "while_sending",
         victim_rank,
         "--group-size",

@@ -354,11 +354,12 @@ async def test_a_gather_gives_up_on_a_peer_that_ended_the_round_without_us():
 
 
 @pytest.mark.slow
-def test_four_real_peers_hold_bit_identical_phi():
+def test_four_real_peers_hold_bit_identical_phi(tmp_path):
     from .conftest import tail
     from .test_outer_swarm import run_swarm
 
     finals, logs = run_swarm(
+        tmp_path,
         "sparseloco",
         4,
         ["--steps", "20", "--H", "5", "--outer-lr", "1.0", "--sparse-chunk", "1024", "--sparse-k", "16"],
@@ -374,12 +375,13 @@ def test_four_real_peers_hold_bit_identical_phi():
 
 
 @pytest.mark.slow
-def test_peer_killed_mid_gather_is_excluded_or_included_by_every_survivor_alike():
+def test_peer_killed_mid_gather_is_excluded_or_included_by_every_survivor_alike(tmp_path):
     from .conftest import tail
     from .test_outer_swarm import run_swarm
 
     steps, kill_at = 30, 10
     finals, logs = run_swarm(
+        tmp_path,
         "sparseloco",
         4,
         [

@@ -4,18 +4,20 @@ middle of an outer round does not stop the others, and the survivors keep traini
 from __future__ import annotations
 
 import json
-import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from .conftest import spawn, start_swarm_processes, stop_processes, tail
 
 
-def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) -> tuple[list[dict], list[str]]:
-    """Start n trainers, connect them, run them; return each process's last JSON line (None if
-    it died) and the stderr log paths."""
-    logs = [tempfile.mkstemp(prefix=f"trainer{i}-", suffix=".log")[1] for i in range(n)]
+def run_swarm(
+    logs_dir: Path, method: str, n: int, extra: list[str], *, timeout: float = 120
+) -> tuple[list[dict], list[str]]:
+    """Start n trainers, connect them, run them, each logging to `logs_dir`; return each
+    process's last JSON line (None if it died) and the stderr log paths."""
+    logs = [str(logs_dir / f"trainer{i}.log") for i in range(n)]
     procs = [
         spawn(
             "tests/proc_trainer.py",
@@ -59,11 +61,14 @@ def run_swarm(method: str, n: int, extra: list[str], *, timeout: float = 120) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,n,H,kill_at", [("diloco", 3, 5, 10), ("streaming", 3, 10, 10), ("noloco", 4, 5, 10)])
-def test_peer_killed_mid_round_does_not_stop_the_others(method, n, H, kill_at):
+def test_peer_killed_mid_round_does_not_stop_the_others(method, n, H, kill_at, tmp_path):
     steps = 30
     t0 = time.monotonic()
     finals, logs = run_swarm(
-        method, n, ["--steps", str(steps), "--H", str(H), "--victim-rank", "1", "--kill-at-step", str(kill_at)]
+        tmp_path,
+        method,
+        n,
+        ["--steps", str(steps), "--H", str(H), "--victim-rank", "1", "--kill-at-step", str(kill_at)],
     )
     survivors = [f for f in finals if f is not None]
     assert len(survivors) == n - 1, "\n".join(tail(p) for p in logs)
