@@ -63,6 +63,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
+from meshtrain.transport.identity import parse_peer_id
 
 log = get_logger(__name__)
 
@@ -382,7 +383,7 @@ class Gossip(Service):
     async def _open_pubsub_stream(self, peer: str) -> None:
         pubsub = self.pubsub
         try:
-            ok = pubsub is not None and await pubsub.ensure_peer_stream(ID.from_base58(peer), timeout=5.0)
+            ok = pubsub is not None and await pubsub.ensure_peer_stream(parse_peer_id(peer), timeout=5.0)
         except Exception as e:
             log.debug(kv("gossip stream failed", peer=peer, error=repr(e)))
             ok = False

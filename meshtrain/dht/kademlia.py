@@ -109,7 +109,6 @@ from meshtrain.dht.routing import (
     Lookup,
     LookupResult,
     Routing,
-    parse_peer_id,
     routing_key,
     xor_distance,
 )
@@ -118,6 +117,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import ConnectError, Host, parse_multiaddr, peer_id_of
+from meshtrain.transport.identity import parse_peer_id
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.validate import MALFORMED, WRONG_SWARM, require_map
 

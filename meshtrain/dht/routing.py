@@ -51,7 +51,6 @@ what records mean (`records.py`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import math
 import time
@@ -60,12 +59,12 @@ from dataclasses import dataclass
 import multiaddr
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
-from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from meshtrain.dht.records import Record, Subkey
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
+from meshtrain.transport.identity import parse_peer_id
 
 log = get_logger(__name__)
 
@@ -78,13 +77,6 @@ LEARNED_ADDR_TTL = 600  # seconds a peer address learned from a find reply stays
 def routing_key(key: str) -> bytes:
     """The bytes whose SHA-256 places `key` in the Kademlia key space."""
     return key.encode()
-
-
-@functools.lru_cache(maxsize=8192)
-def parse_peer_id(peer: str) -> ID:
-    """`ID.from_base58`, cached: base58 in pure Python costs ~40 us and a lookup parses every
-    peer id of every reply (ValueError for a string that is not a peer id)."""
-    return ID.from_base58(peer)
 
 
 def xor_distance(target_hash: bytes, peer: str) -> int:

@@ -61,10 +61,11 @@ import trio
 
 from meshtrain.backoff import Backoff
 from meshtrain.collective.groups import GroupPlan
-from meshtrain.dht.routing import parse_peer_id, xor_distance
+from meshtrain.dht.routing import xor_distance
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host, dialable_addrs
+from meshtrain.transport.identity import parse_peer_id
 
 log = get_logger(__name__)
 

@@ -64,7 +64,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -72,6 +71,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host, addr_ips
+from meshtrain.transport.identity import parse_peer_id
 from meshtrain.transport.reachability import PRIVATE, PUBLIC, ReachabilityService
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcUnavailable
 from meshtrain.transport.tensor_streams import NOT_A_MEMBER, HandshakeError, TensorStreams
@@ -448,7 +448,7 @@ class HolePunchService(Service):
             return True
         try:
             with trio.move_on_after(timeout or self.config.upgrade_timeout):
-                await self.dcutr.initiate_hole_punch(ID.from_base58(peer))
+                await self.dcutr.initiate_hole_punch(parse_peer_id(peer))
         except Exception as e:  # the library logs and returns False for most failures
             log.info(kv("hole punch failed", peer=peer, error=repr(e)))
         return self.host.connection_type(peer) == "direct"

@@ -74,7 +74,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv, quiet_third_party
 from meshtrain.transport import libp2p_patches
-from meshtrain.transport.identity import Identity
+from meshtrain.transport.identity import Identity, parse_peer_id
 from meshtrain.transport.one_off import OneOffConnections
 from meshtrain.transport.rpc import Rpc, reset_quietly
 from meshtrain.transport.rpc import stream_peer as stream_peer  # re-exported: it lived here
@@ -364,12 +364,12 @@ class Host(Service):
         cast(Swarm, self.libp2p.get_network()).unblock_peer(info.peer_id)
 
     def is_connected(self, peer: str) -> bool:
-        return bool(self.libp2p.get_network().connections.get(ID.from_base58(peer)))
+        return bool(self.libp2p.get_network().connections.get(parse_peer_id(peer)))
 
     def streams_in_use(self, peer: str) -> int:
         """How many streams are open on our connections to `peer`, but for those a connection
         carries for its whole life (`STANDING_PROTOCOLS`: gossipsub's, opened on every new one)."""
-        conns = self.libp2p.get_network().connections.get(ID.from_base58(peer), [])
+        conns = self.libp2p.get_network().connections.get(parse_peer_id(peer), [])
         return sum(
             not str(s.get_protocol() or "").startswith(STANDING_PROTOCOLS) for c in conns for s in c.get_streams()
         )
@@ -403,14 +403,14 @@ class Host(Service):
 
     async def disconnect(self, peer: str) -> None:
         try:
-            await self.libp2p.disconnect(ID.from_base58(peer))
+            await self.libp2p.disconnect(parse_peer_id(peer))
         except Exception as e:
             log.debug(kv("disconnect failed", peer=peer, error=repr(e)))
 
     def connection_type(self, peer: str) -> str | None:
         """ "direct" if a live connection to `peer` runs over its own socket, "relayed" if we only
         reach it through a circuit relay, None if not connected."""
-        conns = self.libp2p.get_network().connections.get(ID.from_base58(peer), [])
+        conns = self.libp2p.get_network().connections.get(parse_peer_id(peer), [])
         kinds = {"relayed" if is_relayed_connection(c) else "direct" for c in conns}
         return "direct" if "direct" in kinds else ("relayed" if kinds else None)
 
@@ -423,7 +423,7 @@ class Host(Service):
         """The IPs of `peer`'s direct (non-circuit) addresses in our peerstore: what it told us
         over identify (relayed, too) or what we dialled; empty if none."""
         try:
-            return addr_ips(self.libp2p.get_peerstore().addrs(ID.from_base58(peer)))
+            return addr_ips(self.libp2p.get_peerstore().addrs(parse_peer_id(peer)))
         except (PeerStoreError, ValueError):
             return []
 
@@ -431,7 +431,7 @@ class Host(Service):
         """(ip, port) of `peer`'s end of our direct connection to it, if any.
 
         Relayed connections are skipped: their socket goes to the relay, not to the peer."""
-        for conn in self.libp2p.get_network().connections.get(ID.from_base58(peer), []):
+        for conn in self.libp2p.get_network().connections.get(parse_peer_id(peer), []):
             if is_relayed_connection(conn):
                 continue
             try:
@@ -458,7 +458,7 @@ class Host(Service):
     async def open_stream(self, peer: str, protocol: str, timeout: float | None = None) -> Any:
         """Open a stream for `protocol` to an already-known peer; raises `StreamOpenError`."""
         try:
-            pid = ID.from_base58(peer)
+            pid = parse_peer_id(peer)
         except Exception:
             raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
         self._note_stream_dial(pid, protocol)
@@ -475,7 +475,7 @@ class Host(Service):
         answer (module docstring: pipelined protocol selection); raises `StreamOpenError` if no
         stream can be opened. Write the request, then `confirm()` before reading."""
         try:
-            pid = ID.from_base58(peer)
+            pid = parse_peer_id(peer)
         except Exception:
             raise StreamOpenError(f"not a peer id: {peer!r:.60}") from None
         stream = None

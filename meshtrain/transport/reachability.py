@@ -55,6 +55,7 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import MalformedMessage
 from meshtrain.transport.host import Host, addr_ips
+from meshtrain.transport.identity import parse_peer_id
 from meshtrain.transport.rpc import RemoteError, RpcError
 from meshtrain.transport.validate import MALFORMED, require_map
 
@@ -333,7 +334,7 @@ class ReachabilityService(Service):
                 maddr = multiaddr.Multiaddr(f"/{proto}/{ip}/tcp/{port}")
                 try:
                     with trio.fail_after(self.config.dialback_timeout):
-                        await _fresh_handshake(self.host, maddr, ID.from_base58(peer))
+                        await _fresh_handshake(self.host, maddr, parse_peer_id(peer))
                     reached.append(str(maddr))
                 except Exception as e:  # unreachable, refused, wrong peer: all mean "not this one"
                     log.debug(kv("dial-back failed", peer=peer, addr=str(maddr), error=repr(e)))

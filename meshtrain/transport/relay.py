@@ -54,6 +54,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import ConnectError, Host, StreamOpenError, peer_id_of
+from meshtrain.transport.identity import parse_peer_id
 from meshtrain.transport.rpc import close_quietly, reset_quietly
 
 log = get_logger(__name__)
@@ -451,7 +452,7 @@ class RelayService(Service):
                     if self.host.is_connected(target):
                         return target
                     relay = await self.host.connect(relay_addr)
-                    msg = HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=ID.from_base58(target).to_bytes()))
+                    msg = HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=parse_peer_id(target).to_bytes()))
                     try:
                         resp, stream = await self._hop_exchange(relay, msg)
                     except RelayError as e:
@@ -465,7 +466,7 @@ class RelayService(Service):
                         addresses=[multiaddr.Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{target}")],
                     )
                     try:
-                        await self.host.libp2p.upgrade_outbound_connection(raw, ID.from_base58(target))
+                        await self.host.libp2p.upgrade_outbound_connection(raw, parse_peer_id(target))
                     except Exception as e:
                         await reset_quietly(stream)
                         raise ConnectError(f"relayed connection to {target} failed its handshake: {e}") from None
