@@ -13,7 +13,10 @@
 
 And one CI found later: 5. a peer stopped in the step that starts a round left the swarm first,
 waited for that round in vain and saved nothing
-(`test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_promptly`).
+(`test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_promptly`). And one a
+30-minute soak found: 6. a peer whose checkpoint was far ahead of a group left behind was refused
+by its coordinator, downloaded the group's old state and so pulled the whole swarm back 10,700
+steps (`test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group_catches_up`).
 
 Each failed on the code before the fix.
 """
@@ -381,6 +384,71 @@ async def test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_pr
     saved = CheckpointStore(tmp_path / "b" / "checkpoints").load_latest()
     assert saved is not None and saved.step == rb.step
     assert took < 8, took  # within STOP_GRACE: no round waited for in vain
+
+
+# --- 6. the front wins: a peer ahead of a group left behind keeps its state ----------------------
+
+
+async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group_catches_up(tmp_path):
+    """The soak's loss: every trainer of the swarm had died, the first to come back resumed an old
+    checkpoint and trained on it, and the peer holding the newest checkpoint, coming back later,
+    joined a round of theirs, was refused as out of the coordinator's round window, proceeded
+    alone and re-synced — downloading the old state. Now it keeps its own (it is the front), and
+    the group left behind re-syncs to it. `lo` (the lower id: it coordinates, and refuses) trains
+    a little with `hi` and stops; `hi` trains on alone well past the round window and stops; `lo`
+    comes back from its old checkpoint and trains; then `hi` comes back."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    names = sorted(("x", "y"), key=lambda n: Identity.load_or_create(tmp_path / n).peer_id_str)
+    lo_dir, hi_dir = names
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / lo_dir))
+    window = max(4 * spec.outer.H, 64)  # the daemon's round window, in steps (node/daemon.py)
+    async with trio.open_nursery() as nursery:
+        lo = meshtrain.Node(_config(tmp_path, lo_dir, wait_peers=2), spec=signed)
+        nursery.start_soon(lo.run)
+        await _until(lambda: lo.host is not None and lo.view is not None, 60, "lo up")
+        hi = meshtrain.Node(_config(tmp_path, hi_dir, wait_peers=2), join=lo.host.addrs[0])
+        nursery.start_soon(hi.run)
+        await _until(
+            lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 2 for n in (lo, hi)), 120, "2 rounds"
+        )
+        lo.stop()
+        old_step = lo.trainer.step
+        await _until(lambda: hi.trainer.step >= old_step + 2 * window, 120, "hi trains on alone")
+        hi.stop()
+    ahead = CheckpointStore(tmp_path / hi_dir / "checkpoints").load_latest()
+    behind = CheckpointStore(tmp_path / lo_dir / "checkpoints").load_latest()
+    assert ahead is not None and behind is not None and ahead.step > behind.step + window, (ahead, behind)
+    async with trio.open_nursery() as nursery:
+        lo = meshtrain.Node(_config(tmp_path, lo_dir))  # the group left behind: its old checkpoint
+        nursery.start_soon(lo.run)
+        await _until(lambda: lo.trainer is not None and lo.trainer.outer.rounds >= 3, 120, "lo trains its old state")
+        hi = meshtrain.Node(_config(tmp_path, hi_dir), join=lo.host.addrs[0])
+        nursery.start_soon(hi.run)
+        lowest_hi_step = [ahead.step]
+
+        def caught_up() -> bool:
+            if hi.trainer is not None and hi.trainer.step > 0:
+                lowest_hi_step[0] = min(lowest_hi_step[0], hi.trainer.step)
+            return lo.trainer.step >= ahead.step + 2 * spec.outer.H and hi.trainer is not None
+
+        await _until(caught_up, 120, "lo re-syncs to hi's state")
+        caught_up_at = hi.trainer.outer.rounds
+
+        def rounds_together() -> list[int]:
+            """Two rounds in a row after the catch-up whose φ both hold alike: rounds they
+            trained together (one downloaded round is alike trivially, two in a row are not)."""
+            h = [dict(n.parity.history) for n in (lo, hi)]
+            alike = {r for r in set(h[0]) & set(h[1]) if r > caught_up_at and h[0][r] == h[1][r]}
+            return sorted(r for r in alike if r - 1 in alike)
+
+        await _until(rounds_together, 60, "rounds trained together")
+        lo.stop()
+        hi.stop()
+    assert lowest_hi_step[0] >= ahead.step, (lowest_hi_step, ahead.step)  # hi was never pulled back
+    # It downloaded nothing older than its checkpoint (a re-sync after the two merged may fetch
+    # the merged swarm's state: a round that failed under load).
+    assert hi.joined_from is None or hi.joined_from["step"] >= ahead.step, hi.joined_from
+    assert lo.joined_from is not None and lo.joined_from["step"] >= ahead.step, lo.joined_from
 
 
 # --- 4. a killed peer does not stall the survivor --------------------------------------------------

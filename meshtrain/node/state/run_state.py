@@ -186,12 +186,24 @@ class RunState(Service):
                 kv("reached the swarm again" if self.presence.met_swarm else "no known trainer answered; going on")
             )
 
+    def behind_margin(self) -> int:
+        """Inner steps a trainer must be behind another to count as left behind (`BEHIND_ROUNDS`
+        rounds): the one margin of the front rule, for re-syncing to the front and for refusing
+        to download a state from behind it."""
+        return BEHIND_ROUNDS * self.trainer.spec.outer.H
+
     def donors(self) -> list[str]:
-        """Whom to download the swarm's state from: among the connected trainers, the holders of
-        the winning φ digest (the parity rule) at the newest round any of them published — so a
-        split round's two states never face each other in the download's vote, and a group left
-        behind (restarted from an old checkpoint) is not mistaken for the swarm."""
+        """Whom to download the swarm's state from: among the connected trainers at the front
+        (within `behind_margin` of the furthest step one reports), the holders of the winning φ
+        digest (the parity rule) at the newest round any of them published — so a split round's
+        two states never face each other in the download's vote, and a group left behind
+        (restarted from old checkpoints) is not mistaken for the swarm, even where it published
+        φ more recently than the front (whose rounds it refuses as out of its window, so the
+        front withholds its φ: a 30-minute soak saw the whole swarm pulled back 10,700 steps)."""
         progress = self.presence.training_peers(connected=True)
+        if progress:
+            front = max(pr.step for pr in progress.values())
+            progress = {p: pr for p, pr in progress.items() if pr.step + self.behind_margin() > front}
         donors = sorted(progress)
         newest: dict[int, dict[bytes, set[str]]] = {}
         for p in donors:
@@ -215,6 +227,8 @@ class RunState(Service):
         False if the node was stopped first (see the module docstring for the retry rule)."""
         trainer, view = self.trainer, self.presence.view
         assert view is not None  # the presence service is entered before us
+        if self._keep_front(self.donors()):
+            return True  # asked before we announce a download: the front stays a fresh trainer
         self.phase.set("syncing")
         # Count as a trainer from now on: peers then expect us at the next round, and every peer
         # (us included) picks that round's coordinator from the same set. Announcing only after
@@ -263,11 +277,35 @@ class RunState(Service):
                     await self._retry_later(backoff, "no connected peer is training yet")
                     continue
                 orphaned_at = time.monotonic()
+                if self._keep_front(donors):
+                    return True
                 if await self._fetch_from(donors, attempt, backoff, in_from):
                     return True
             return False
         finally:
             self.waiting = None
+
+    def _keep_front(self, donors: list[str]) -> bool:
+        """Whether our own state (a checkpoint resumed, or trained on) is `behind_margin` past
+        every step `donors` report: they are a group left behind, and downloading from them
+        would pull us — and through the front rule, the swarm — back to them (a 30-minute soak:
+        the peer holding the newest checkpoint, refused as out of the behind group's round
+        window, re-synced to its old state, 10,700 steps back). Then we train on ours, and they
+        re-sync to it (`_watch_parity`: a trainer `BEHIND_ROUNDS` ahead), as the front rule says."""
+        assert self.presence.view is not None
+        reported = self.presence.view.progress()
+        steps = [reported[d].step for d in donors if d in reported]
+        if not steps or self.trainer.step < max(steps) + self.behind_margin():
+            return False
+        log.warning(
+            kv(
+                "the swarm's trainers are behind our state; training on it (they re-sync to the front)",
+                step=self.trainer.step,
+                trainers_step=max(steps),
+            )
+        )
+        self.trainer.outer.needs_resync = False
+        return True
 
     def _reached_roster_round(self, in_from: int) -> bool:
         """Whether the swarm has reached the group round before `in_from`, ours (node/roster.py):
@@ -461,7 +499,7 @@ class RunState(Service):
                 trainer.outer.needs_resync = True
                 continue
             front = presence.front_step()
-            if front is not None and front >= trainer.step + BEHIND_ROUNDS * trainer.spec.outer.H:
+            if front is not None and front >= trainer.step + self.behind_margin():
                 # A group left behind (its members restarted from old checkpoints and found each
                 # other) completes rounds among itself that the swarm passed long ago; parity never
                 # compares them. Catch up with the front instead.
