@@ -12,9 +12,12 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   names (`PeerPresence.cut_off`: a restart whose bootstrap address is dead), wait, saying so,
   rather than train — and commit rounds — alone; wait up to `ENTER_WAIT` for the others'
   progress; download if a peer training now is past our next exchange.
-- `download()`: fetch the outer state from the parity winners (`donors()`) and join at their
-  step. It never gives up on a transient (no donor yet, donors that disagree, a state a round
-  old, a donor that vanished): it retries with a jittered `Backoff`, saying what it waits for,
+- `download()`: fetch the outer state from the parity winners (`donors()`, among the trainers at
+  the front: a group left behind is never one) and join at their step — unless our own state is
+  `BEHIND_ROUNDS` rounds past every trainer's (a checkpoint newer than theirs): then we are the
+  front and train on it, and they re-sync to us (the front rule, below). It never gives up on
+  a transient (no donor yet, donors that disagree, a state a round old, a donor that vanished):
+  it retries with a jittered `Backoff`, saying what it waits for,
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
@@ -34,7 +37,7 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`), and
   the re-sync follows before the next round. A watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
-  rounds behind the furthest connected peer, it sets the outer optimizer's `needs_resync`; the
+  rounds behind the furthest connected peer (the front rule: the furthest step wins), it sets the outer optimizer's `needs_resync`; the
   node's training loop then calls `resync()`: `download()`, and when that lands where the last
   re-sync did (the round we keep missing has not completed anywhere we can reach, e.g. during a
   partition), a pause with backoff (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before
