@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import sys
@@ -229,7 +230,9 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: in
             t0 = time.monotonic()
             reps = ask(workers, [{"cmd": "round", "round": r}] * len(parts), 1800)
             wall = time.monotonic() - t0
-            total = {k: sum(rep[k] for rep in reps) for k in ("cpu", "msgs", "sent", "ok", "failed", "alone", "mixed")}
+            total = {
+                k: sum(rep[k] for rep in reps) for k in ("cpu", "gc", "msgs", "sent", "ok", "failed", "alone", "mixed")
+            }
             rss = max(rss, *(rep["rss_mib"] for rep in reps))
             errors = [e for rep in reps for e in rep["errors"]][:3]
             per_round.append({"round": r, "round_s": round(wall, 2), **total, "errors": errors})
@@ -244,6 +247,7 @@ def rounds_phase(n: int, procs: int, rounds: int, group_size: int, max_peers: in
         steady = per_round[1:]
         out["cpu_s_per_peer_round"] = round(sum(x["cpu"] for x in steady) / n / len(steady), 4)
         out["first_round_cpu_s_per_peer"] = round(per_round[0]["cpu"] / n, 4)
+        out["gc_s_per_peer_round"] = round(sum(x["gc"] for x in steady) / n / len(steady), 4)
         out["msgs_per_peer_round"] = round(sum(x["msgs"] for x in steady) / n / len(steady), 2)
         out["bytes_per_peer_round_over_m"] = round(sum(x["sent"] for x in steady) / n / len(steady) / m_bytes, 3)
         out["mixing_rounds"] = mixed_at
@@ -320,7 +324,13 @@ def parse_stretch(value: str) -> dict[int, int] | int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64,256", help="sizes of the rounds phase ('' to skip)")
-    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--procs", type=int, default=4, help="worker processes of every size")
+    parser.add_argument(
+        "--peers-per-process",
+        type=int,
+        default=0,
+        help="rounds phase: as many workers as hold this many peers each, at every size (overrides --procs)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="outer rounds per size (>= 2; the first is not costed)")
     parser.add_argument("--group-size", type=int, default=0, help="the spec's group_size (0: automatic)")
     parser.add_argument(
@@ -370,7 +380,8 @@ def main() -> None:
     gossip: dict[int, dict[str, Any]] = {}
     for kind, n in steps:
         if kind == "rounds":
-            scale[n] = rounds_phase(n, args.procs, args.rounds, args.group_size, args.max_peers)
+            procs = -(-n // args.peers_per_process) if args.peers_per_process > 0 else args.procs
+            scale[n] = rounds_phase(n, procs, args.rounds, args.group_size, args.max_peers)
             print(json.dumps({"progress": kind, **{k: v for k, v in scale[n].items() if k != "per_round"}}), flush=True)
         else:
             k = args.gossip_stretch if isinstance(args.gossip_stretch, int) else args.gossip_stretch.get(n, 1)
@@ -387,6 +398,7 @@ def summarize(
 ) -> dict[str, Any]:
     """The result so far: every size's numbers and the summary keys over the sizes measured."""
     result: dict[str, Any] = {"group_size": args.group_size, "max_peers": args.max_peers, "cpu_cores": os.cpu_count()}
+    result["peers_per_process"] = args.peers_per_process or None
     result["presence_is_daemons"] = True  # links: node/connections.py's ConnectionPlan, as a node's presence
     result["sizes"] = {str(n): v for n, v in scale.items()}
     result["gossip"] = {str(n): v for n, v in gossip.items()}
@@ -394,6 +406,9 @@ def summarize(
         lo, hi = min(scale), max(scale)
         result["growth_sizes"] = [lo, hi]
         result["cpu_growth"] = round(scale[hi]["cpu_s_per_peer_round"] / scale[lo]["cpu_s_per_peer_round"], 2)
+        result["gc_share"] = {
+            str(n): round(v["gc_s_per_peer_round"] / v["cpu_s_per_peer_round"], 3) for n, v in scale.items()
+        }
         result["net_cpu_growth"] = round(
             scale[hi]["cpu_s_per_peer_round_net"] / max(scale[lo]["cpu_s_per_peer_round_net"], 1e-6), 2
         )
@@ -476,6 +491,15 @@ async def _worker() -> None:
     torch.set_num_threads(1)
     nodes: dict[int, dict[str, Any]] = {}
     counters = {"msgs": 0, "sent": 0}
+    gc_time = {"s": 0.0, "start": 0.0}  # the cyclic collector's time, per round (its callbacks)
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_time["start"] = time.process_time()
+        else:
+            gc_time["s"] += time.process_time() - gc_time["start"]
+
+    gc.callbacks.append(on_gc)
     setup = {"dial_retries": 0, "session_retries": 0}
 
     class TinyPeerModel(torch.nn.Module):
@@ -591,6 +615,7 @@ async def _worker() -> None:
         elif cmd == "round":
             result: dict[str, Any] = {"ok": 0, "failed": 0, "alone": 0, "mixed": 0, "errors": []}
             counters.update(msgs=0, sent=0)
+            gc_time["s"] = 0.0
             profile_dir = os.environ.get("BENCH_SCALE_PROFILE_DIR", "")
             profiler = cProfile.Profile() if profile_dir else None
             cpu0 = time.process_time()
@@ -607,6 +632,7 @@ async def _worker() -> None:
                 **result,
                 **counters,
                 "cpu": time.process_time() - cpu0,
+                "gc": gc_time["s"],
                 "m_bytes": m_bytes,
                 "rss_mib": _rss_mib(),
             }
