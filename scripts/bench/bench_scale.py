@@ -1,6 +1,7 @@
 """Scale benchmark: per-peer costs of grouped outer rounds and of membership gossip, 16 to 256 peers.
 
-    python scripts/bench/bench_scale.py [--sizes 16,64,256] [--procs 4] [--rounds 2] [--group-size 0] [--max-peers 32]
+    python scripts/bench/bench_scale.py [--sizes 16,64,256] [--procs 4 | --peers-per-process K] [--rounds 2]
+                                  [--group-size 0] [--max-peers 32]
                                   [--gossip-sizes 16,32,64] [--idle 8] [--gossip-round-s 5]
                                   [--gossip-stretch K | --gossip-stretch 256:8,...]
                                   [--out docs/bench/bench_scale_issue20.json]
@@ -26,6 +27,8 @@ what is reported, at each size N:
   machine's peers opening their sessions in the same second would time out the 10 s session RPC
   here, which says nothing about a swarm of machines. The message and byte counts are over the
   same rounds;
+- `gc_s_per_peer_round`: the part of that CPU spent in Python's cyclic garbage collector (its
+  `gc.callbacks`), and `gc_share` per size: ~20 % at 16 peers, ~18 % at 256 in one run;
 - `msgs_per_peer_round`: control RPCs (join, watch, report, where) plus data-plane tensor
   transfers a peer sends per round;
 - `bytes_per_peer_round_over_m`: data-plane bytes a peer sends per round ÷ M, the bytes of its own
@@ -74,7 +77,12 @@ up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed i
 after 3 minutes kept no error; a dial or a session RPC failing on a starved machine was its only
 way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there;
 `BENCH_SCALE_PROFILE_DIR=dir` a cProfile of each worker's rounds (`worker-PID-rROUND.prof`; the
-CPU it reports then includes the profiler's).
+CPU it reports then includes the profiler's). `--peers-per-process K` runs ceil(N / K) workers at
+every size instead of `--procs` (the same number of peers share a trio loop, a heap and an epoll
+set at 16 and at 256 peers): it tells a cost of packing 64 peers into one process from one of the
+swarm's size. At K = 16 it measured 0.069 → 0.263 CPU-s per peer-round from 16 to 256 (×3.8,
+above the ×2.4–3.6 of four workers): packing is not what grows. That run lost 10 of its 16
+workers after its second round (cause not found); 16 → 64 at K = 16 completes (×1.17).
 What does not fit is CPU: every round at 256 took 124-172 s of CPU (two all-reduces of 16 per
 peer, and the coordinators' reviews and probes for as long as a round lasts), and while other
 work kept the load average at 4-8 the workers got ~0.2 core each, so rounds took 3-6 minutes,

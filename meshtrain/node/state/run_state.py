@@ -13,9 +13,9 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   rather than train — and commit rounds — alone; wait up to `ENTER_WAIT` for the others'
   progress; download if a peer training now is past our next exchange.
 - `download()`: fetch the outer state from the parity winners (`donors()`, among the trainers at
-  the front: a group left behind is never one) and join at their step — unless our own state is
-  `BEHIND_ROUNDS` rounds past every trainer's (a checkpoint newer than theirs): then we are the
-  front and train on it, and they re-sync to us (the front rule, below). It never gives up on
+  the front: a group left behind is never one) and join at their step — unless our own state,
+  resumed from our checkpoint in this life, is `BEHIND_ROUNDS` rounds past every trainer's: then
+  we are the front and train on it, and they re-sync to us (the front rule, below). It never gives up on
   a transient (no donor yet, donors that disagree, a state a round old, a donor that vanished):
   it retries with a jittered `Backoff`, saying what it waits for,
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
@@ -143,6 +143,9 @@ class RunState(Service):
         # ask is a manifest per donor: a chunk digest per 8 MiB, 64 KB for a 16 GB state).
         self._roster_backoff = Backoff(initial=ROSTER_POLL, cap=0.5)
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
+        # Our state came from our own checkpoint in this life, not from a download: only such a
+        # state is kept over the trainers' as the front (`_keep_front`).
+        self.resumed = False
 
     async def _start(self, stack: AsyncExitStack) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -159,6 +162,7 @@ class RunState(Service):
             trainer.load_checkpoint(ckpt.state)
             self.last_checkpoint = {"last_step": ckpt.step, "path": str(ckpt.path), "saved_at": None}
             log.warning(kv("resumed from checkpoint", step=ckpt.step, digest=ckpt.digest[:16]))
+            self.resumed = True
         await self._wait_until_reached()
         view = presence.view
         with trio.move_on_after(ENTER_WAIT):  # let membership and progress from the others arrive
@@ -289,12 +293,16 @@ class RunState(Service):
             self.waiting = None
 
     def _keep_front(self, donors: list[str]) -> bool:
-        """Whether our own state (a checkpoint resumed, or trained on) is `behind_margin` past
-        every step `donors` report: they are a group left behind, and downloading from them
-        would pull us — and through the front rule, the swarm — back to them (a 30-minute soak:
-        the peer holding the newest checkpoint, refused as out of the behind group's round
-        window, re-synced to its old state, 10,700 steps back). Then we train on ours, and they
-        re-sync to it (`_watch_parity`: a trainer `BEHIND_ROUNDS` ahead), as the front rule says."""
+        """Whether our own state — resumed from our checkpoint in this life, and trained on since
+        without a download (`resumed`) — is `behind_margin` past every step `donors` report: they
+        are a group left behind, and downloading from them would pull us, and through the front
+        rule the swarm, back to them (a 30-minute soak: the peer holding the newest checkpoint,
+        refused as out of the behind group's round window, re-synced to its old state, 10,700
+        steps back). Then we train on ours, and they re-sync to it (`_watch_parity`: a trainer
+        `BEHIND_ROUNDS` ahead), as the front rule says. A peer that joined by download and went
+        on alone (cut off by a partition) is not the front this way: it re-syncs as before."""
+        if not self.resumed:
+            return False
         assert self.presence.view is not None
         reported = self.presence.view.progress()
         steps = [reported[d].step for d in donors if d in reported]
@@ -416,6 +424,7 @@ class RunState(Service):
         # Offer what we now hold at once: a donor that kept serving its snapshot from before
         # the download handed joiners a state older than its own φ (they joined a round behind,
         # were refused as out of window, downloaded the old state again, and so on).
+        self.resumed = False  # the swarm's lineage now, not our checkpoint's
         self._published_round = trainer.outer.rounds
         self.donor.inner_moments = trainer.outer.inner_moments()
         self.donor.publish(*self.donor_snapshot(trainer), live=True)
