@@ -15,10 +15,10 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
 - `download()`: fetch the outer state from the parity winners (`donors()`, among the trainers at
   the front: a group left behind is never one) and join at their step — unless our own state,
   resumed from our checkpoint in this life, is `BEHIND_ROUNDS` rounds past every trainer's: then
-  we are the front and train on it, and they re-sync to us (the front rule, below). It never gives up on
-  a transient (no donor yet, donors that disagree, a state a round old, a donor that vanished):
-  it retries with a jittered `Backoff`, saying what it waits for,
-  until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
+  we are the front and train on it, and they re-sync to us (the front rule, below). It never
+  gives up on a transient (no donor yet, donors that disagree, a state a round old, a donor that
+  vanished): it retries with a jittered `Backoff`, saying what it waits for, until it joins or
+  the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
   that wait for it. Only a state that cannot fit this node (another model or optimizer) is fatal:
@@ -37,11 +37,11 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   known not to be the swarm's, so no digest is published for it (`ParityMonitor.withheld`), and
   the re-sync follows before the next round. A watcher
   compares our digests with every peer that trains now. In the minority, or `BEHIND_ROUNDS`
-  rounds behind the furthest connected peer (the front rule: the furthest step wins), it sets the outer optimizer's `needs_resync`; the
-  node's training loop then calls `resync()`: `download()`, and when that lands where the last
-  re-sync did (the round we keep missing has not completed anywhere we can reach, e.g. during a
-  partition), a pause with backoff (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before
-  training into that round again.
+  rounds behind the furthest connected peer (the front rule: the furthest step wins), it sets
+  the outer optimizer's `needs_resync`; the node's training loop then calls `resync()`:
+  `download()`, and when that lands where the last re-sync did (the round we keep missing has
+  not completed anywhere we can reach, e.g. during a partition), a pause with backoff
+  (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before training into that round again.
 - `after_step(trainer)` runs between two steps in the trainer's thread: it records φ's digest,
   writes a checkpoint every `checkpoint_every` seconds (never while an exchange is in flight),
   and hops onto the trio thread to report progress and metrics, publish a finished round's state
