@@ -16,7 +16,9 @@ waited for that round in vain and saved nothing
 (`test_a_peer_stopped_in_the_step_that_starts_a_round_saves_its_state_promptly`). And one a
 30-minute soak found: 6. a peer whose checkpoint was far ahead of a group left behind was refused
 by its coordinator, downloaded the group's old state and so pulled the whole swarm back 10,700
-steps (`test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group_catches_up`).
+steps (`test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group_catches_up`); and
+7. a joiner downloaded a donor's state of a round that donor spent alone and published its digest
+beside the swarm's (`test_a_joiner_declines_a_donors_alone_round_that_the_swarm_holds_another_phi_for`).
 
 Each failed on the code before the fix.
 """
@@ -47,6 +49,7 @@ from meshtrain.collective.contract import CollectiveError, RoundRequest
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.state.parity import phi_digest
+from meshtrain.node.state.run_state import RunState
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import RemoteError
 
@@ -449,6 +452,67 @@ async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group
     # the merged swarm's state: a round that failed under load).
     assert hi.joined_from is None or hi.joined_from["step"] >= ahead.step, hi.joined_from
     assert lo.joined_from is not None and lo.joined_from["step"] >= ahead.step, lo.joined_from
+
+
+# --- 7. a joiner takes no donor's alone round for the swarm's ------------------------------------
+
+
+async def test_a_joiner_declines_a_donors_alone_round_that_the_swarm_holds_another_phi_for(tmp_path, caplog):
+    """The parity class a skewed 30-minute soak left: a joiner downloaded round 1,484 from the one
+    donor it saw, a round that donor had spent alone (its φ digest withheld, the state still
+    offered), and recorded that state's digest beside the swarm's for the same round. Now a donor
+    marks such a state (`phi_withheld`), and a joiner declines it while another trainer published
+    a φ for that round, and asks again. c is refused at round 3 and its re-sync held back (a slow
+    one), so its alone state stays on offer; d joins, seeing only c as a donor."""
+    caplog.set_level(logging.WARNING, logger="meshtrain.node.state.run_state")
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    d_id = Identity.load_or_create(tmp_path / "d").peer_id_str
+    release = trio.Event()
+    c_id: list[str] = []
+    only_c = RunState.donors
+
+    def donors(self: RunState) -> list[str]:  # d sees c alone as a donor, as the soak's joiner did
+        return c_id if self.presence.me == d_id else only_c(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunState, "donors", donors)
+        async with trio.open_nursery() as nursery:
+            nodes = a, b, c = await _three_nodes(
+                nursery, tmp_path, signed, _refused_diloco(at_round=3), join_timeout=4.0
+            )
+            await _until(lambda: c.run_state is not None, 60, "c up")
+            c_id.append(c.host.peer_id)
+            download = c.run_state.download
+
+            async def held_download() -> bool:  # c's re-sync after its alone round, held back
+                await release.wait()
+                return await download()
+
+            c.run_state.download = held_download
+            await _until(lambda: c.parity is not None and c.parity.withheld_round == 3, 120, "c's round alone")
+            await _until(lambda: all(3 in dict(n.parity.history) for n in (a, b)), 60, "a and b publish round 3")
+            d = meshtrain.Node(_config(tmp_path, "d"), join=a.host.addrs[0])
+            nursery.start_soon(d.run)
+
+            def declined() -> bool:
+                return any("spent alone" in r.getMessage() for r in caplog.records)
+
+            # Before the fix d joined here, with c's state of round 3.
+            await _until(lambda: declined() or d.joined_from is not None, 60, "d asks c for its state")
+            joined_from_c = d.joined_from
+            release.set()
+            await _until(lambda: d.joined_from is not None, 60, "d joins once c re-synced")
+            joined_at = d.trainer.outer.rounds
+            nodes = (a, b, c, d)
+            await _until(lambda: all(n.trainer.outer.rounds >= joined_at + 2 for n in nodes), 120, "rounds after")
+            histories = [dict(n.parity.history) for n in nodes]
+            for n in nodes:
+                n.stop()
+    # Every digest d published is the swarm's: a's for the same round.
+    for r, digest in histories[3].items():
+        assert r not in histories[0] or histories[0][r] == digest, (r, histories)
+    assert joined_from_c is None and declined(), joined_from_c  # it waited for c's re-sync
 
 
 # --- 4. a killed peer does not stall the survivor --------------------------------------------------

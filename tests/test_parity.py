@@ -174,3 +174,14 @@ def test_rounds_alone_are_sorted_by_how_they_came_to_be():
     ]
     assert AloneRounds.of(rounds, "me") == AloneRounds(formed=1, survived=1, failed=1)
     assert AloneRounds.of([], "me") == AloneRounds()
+
+
+def test_a_withheld_round_is_marked_until_a_digest_for_it_is_recorded():
+    m = ParityMonitor("me")
+    m.record(4, b"a" * 16)
+    m.withhold(5)  # we went on alone in round 5: our donor marks that state
+    assert m.is_withheld(5) and not m.is_withheld(4) and m.withheld == 1
+    m.record(5, b"b" * 16)  # a re-sync landed at round 5: the swarm's φ, published
+    assert not m.is_withheld(5) and m.withheld_round == 5 and m.withheld == 1
+    m.withhold(7)
+    assert not ParityMonitor("me", enabled=False).is_withheld(7) and m.is_withheld(7)

@@ -44,7 +44,10 @@ Invariants, measured from every node's `/status` (polled about once a second) an
   excluded: times with few nodes up — the harness always keeps `MIN_ACTIVE` processes running
   and not stopped, and a round among fewer peers is still a round. Also as a multiple of the
   median round time (`max_roundless_gap_rounds`; the median of per-node intervals between
-  consecutive rounds).
+  consecutive rounds). `max_roundless_gap_able_s` (`_rounds`, `roundless_gap_able_over_round`):
+  the same over the spans in which at least two nodes were able to make a round — each past its
+  first "training" status, not yet ended, not SIGSTOPped — the share of the gap a protocol can
+  close (the chaos may leave both active nodes restarting); `able_s`: how long that was.
 - corrupt_checkpoints: after the run, every checkpoint under every data dir is loaded and
   digest-checked with `CheckpointStore.load`.
 - restart_to_training_s_p50/_max: from a restart's spawn to the first status with
@@ -352,6 +355,7 @@ class Life:
     alone_rounds: int = 0  # its status: rounds whose result was its own alone, other trainers in its view
     survived_rounds: int = 0  # its status: of them, rounds whose group retries shrank to it
     withheld: int = 0  # its status: rounds it proceeded alone in and published no φ for
+    stops: list[list[float]] = field(default_factory=list)  # [SIGSTOP t, SIGCONT t] (harness clock)
 
 
 class NodeSlot:
@@ -931,6 +935,7 @@ class Soak:
             dur = self.rng.uniform(*STOP_DURATION_S)
             s.signal(signal.SIGSTOP)
             s.stopped_until = t + dur
+            s.life.stops.append([t, t + dur])  # type: ignore[union-attr]
             self.actions["stop"] += 1
             self.event("sigstop", node=s.i, life=s.life.gen, seconds=round(dur, 1))  # type: ignore[union-attr]
 
@@ -964,6 +969,8 @@ class Soak:
             if s.stopped_until is not None and t >= s.stopped_until:
                 s.signal(signal.SIGCONT)
                 s.stopped_until = None
+                if s.life is not None and s.life.stops:
+                    s.life.stops[-1][1] = t
                 self.event("sigcont", node=s.i)
 
     def maybe_partition(self, t: float, chaos_len: float) -> None:
@@ -1127,6 +1134,7 @@ class Soak:
                 if len(points) > 1
                 else (0.0, (events[0], events[0]))
             )
+        able = self.able_gap(events, median)
         in_window = []
         with contextlib.suppress(OSError):
             for line in (self.run / "events.jsonl").read_text().splitlines():
@@ -1140,6 +1148,52 @@ class Soak:
             "max_roundless_gap_rounds": round(gap / median, 1) if median else None,
             "max_roundless_gap_window_t": [round(window[0], 1), round(window[1], 1)],
             "events_around_max_gap": in_window[:30],
+            **able,
+        }
+
+    def able_gap(self, events: list[float], median: float | None) -> dict[str, Any]:
+        """The longest span without a round while at least two nodes were able to make one: each
+        training (its life past its first "training" status, not yet ended) and not SIGSTOPped.
+        `max_roundless_gap_s` also counts windows the chaos left with fewer (both active nodes
+        restarting, say), which no protocol can close; this one is the protocol's share.
+        Partitions are not excluded (a side of two or more can still make rounds)."""
+        assert self.chaos_start is not None and self.chaos_end is not None
+        changes: list[tuple[float, int]] = []
+        for slot in self.slots:
+            for life in slot.lives:
+                if life.training_at is None:
+                    continue
+                start, end = life.training_at, life.ended if life.ended is not None else self.chaos_end
+                for a, b in sorted(life.stops):  # training spans between the stops
+                    if a > start:
+                        changes += [(start, 1), (min(a, end), -1)]
+                    start = max(start, b)
+                if end > start:
+                    changes += [(start, 1), (end, -1)]
+        segments, count, opened = [], 0, None
+        for t, d in sorted(changes):
+            count += d
+            if count >= 2 and opened is None:
+                opened = t
+            elif count < 2 and opened is not None:
+                segments.append((opened, t))
+                opened = None
+        first = events[0] if events else self.chaos_end
+        best, window, able_s = 0.0, None, 0.0
+        for a, b in segments:
+            a, b = max(a, first), min(b, self.chaos_end)
+            if b <= a:
+                continue
+            able_s += b - a
+            points = [a, *(t for t in events if a < t < b), b]
+            for x, y in zip(points, points[1:], strict=False):
+                if y - x > best:
+                    best, window = y - x, (x, y)
+        return {
+            "max_roundless_gap_able_s": round(best, 1),
+            "max_roundless_gap_able_rounds": round(best / median, 1) if median else None,
+            "max_roundless_gap_able_window_t": [round(window[0], 1), round(window[1], 1)] if window else None,
+            "able_s": round(able_s, 1),
         }
 
     def restarts(self) -> dict[str, Any]:
@@ -1221,6 +1275,7 @@ class Soak:
         out["alone_rounds"] = sum(life.alone_rounds for s in self.slots for life in s.lives)
         out["survived_rounds"] = sum(life.survived_rounds for s in self.slots for life in s.lives)
         out["roundless_gap_over_round"] = out.get("max_roundless_gap_rounds")
+        out["roundless_gap_able_over_round"] = out.get("max_roundless_gap_able_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
         out["skew"] = {"node": SKEWED_NODE, "seconds": self.cfg.skew} if self.cfg.skew else None
         out["partition"] = (
@@ -1252,6 +1307,9 @@ class Soak:
             "roundless_gap_over_round": None
             if out["roundless_gap_over_round"] is None
             else out["roundless_gap_over_round"] <= 3,
+            "roundless_gap_able_over_round": None
+            if out.get("roundless_gap_able_over_round") is None
+            else out["roundless_gap_able_over_round"] <= 3,
             "rss_growth_mib": None if out.get("rss_growth_mib") is None else out["rss_growth_mib"] <= 20,
         }
         return out

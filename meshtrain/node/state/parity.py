@@ -45,7 +45,11 @@ verification's problem, not parity's).
 Withheld and solo rounds. A round a peer proceeded alone in because the round failed (a
 coordinator refused its join or vanished) leaves a φ known not to be the swarm's: no digest is
 published for it, and the peer re-syncs before its next round (`ParityMonitor.withhold`; a CI
-soak saw such a peer publish its own φ as a member's for two rounds). `alone_rounds` counts the
+soak saw such a peer publish its own φ as a member's for two rounds). Its state donor still offers
+that state, marked `phi_withheld` (where every trainer went on alone, offering nothing stalled
+them); a joiner declines it while another trainer published a φ for that round or a later one,
+and otherwise enters it withholding the digest too (`RunState._solo_offer`: a 30-minute soak saw a
+joiner record a donor's alone round beside the swarm's digest). `alone_rounds` counts the
 rounds whose result was our own contribution alone while other trainers were in the membership,
 and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
 another trainer still trained (a fresh progress record) and was connected to us: a peer that may
@@ -256,6 +260,13 @@ class ParityMonitor:
         if self.withheld_round != outer_round:
             self.withheld_round = outer_round
             self.withheld += 1
+
+    def is_withheld(self, outer_round: int) -> bool:
+        """Whether our φ after `outer_round` is one we withheld (`withhold`): our state donor
+        marks such a state when it offers it (`RunState.donor_snapshot`). Not once a digest was
+        recorded for that round since (a re-sync that landed there holds the swarm's φ)."""
+        recorded = bool(self.history) and self.history[-1][0] == outer_round
+        return self.enabled and self.withheld_round == outer_round and not recorded
 
     def completed_alone(self, rounds: AloneRounds, training_partners: Collection[str]) -> bool:
         """We completed `rounds` whose result was our own contribution alone while other trainers

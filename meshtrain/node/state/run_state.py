@@ -26,7 +26,9 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   before our roster round — is declined from its manifest, before its bytes move (`fetch_state`'s
   `accept`), and asked for again within 2 s (0.5 s while we wait for our roster round): a joiner
   used to download a state a round old whole, refuse it, and back off up to 30 s, every time, while
-  the swarm waited in an exchange for it. The joined state is offered to joiners at
+  the swarm waited in an exchange for it. So is a donor's state of a round it spent alone
+  (`PHI_WITHHELD`) while another trainer published a φ for that round (`_solo_offer`); entered
+  where nobody did, its digest is withheld by us too. The joined state is offered to joiners at
   once (a snapshot from before the download would hand them an older φ than ours).
 - `Phase` listeners: while the node trains, `PeerPresence.keep_progress_live` keeps our progress
   record fresh at every heartbeat, also while the trainer waits inside a round — else a joiner
@@ -97,6 +99,8 @@ ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on o
 PARITY_INTERVAL = 0.5  # seconds between two parity checks against the swarm's φ digests
 RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
 RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
+# In a donor's snapshot meta: its φ is its own, from a round it spent alone (digest withheld).
+PHI_WITHHELD = "phi_withheld"
 ROSTER_POLL = 0.05  # seconds between two looks at the swarm's step while we wait for our roster round
 
 
@@ -366,11 +370,14 @@ class RunState(Service):
         declined_for_roster = False
 
         def accept(offer: Offer) -> str | None:
-            """Decline, from its manifest, a state we could not enter with (fetch.py, "The vote")."""
+            """Decline, from its manifest, a state we could not enter with (fetch.py, "The vote"),
+            or one that is not the swarm's (`_solo_offer`)."""
             nonlocal declined_for_roster
             if before_roster(offer.step):
                 declined_for_roster = True
                 return f"the offered state (step {offer.step}) precedes our roster round {in_from}"
+            if (why := self._solo_offer(offer)) is not None:
+                return why
             try:
                 entry(offer.step)
             except StaleStateError as e:
@@ -421,14 +428,20 @@ class RunState(Service):
                 f"the swarm's state does not fit this node ({e}): every peer must run the "
                 f"same model and optimizer as the swarm spec says"
             ) from None
+        self.resumed = False  # the swarm's lineage now, not our checkpoint's
+        if meta.get(PHI_WITHHELD) is True:
+            # The donors' own φ of a round they spent alone, and nobody published another for it
+            # (`_solo_offer`): the lineage goes on from it, but no digest is ours to publish.
+            self.parity.withhold(trainer.outer.rounds)
+        else:
+            self.record_phi()
         # Offer what we now hold at once: a donor that kept serving its snapshot from before
         # the download handed joiners a state older than its own φ (they joined a round behind,
         # were refused as out of window, downloaded the old state again, and so on).
-        self.resumed = False  # the swarm's lineage now, not our checkpoint's
         self._published_round = trainer.outer.rounds
         self.donor.inner_moments = trainer.outer.inner_moments()
-        self.donor.publish(*self.donor_snapshot(trainer), live=True)
-        self.record_phi()
+        withheld = self.parity.is_withheld(trainer.outer.rounds)
+        self.donor.publish(*self.donor_snapshot(trainer, phi_withheld=withheld), live=True)
         self.joined_from = {
             "donors": len(donors),
             "seconds": time.monotonic() - t0,
@@ -439,6 +452,31 @@ class RunState(Service):
             kv("joined the swarm", step=trainer.step, donors=len(donors), seconds=round(self.joined_from["seconds"], 2))
         )
         return True
+
+    def _solo_offer(self, offer: Offer) -> str | None:
+        """Why an offered state is not the swarm's, or None. A donor offers its state after a
+        round it spent alone too (its φ withheld, `PHI_WITHHELD` in the meta; it re-syncs next):
+        where every trainer went on alone, a state that nobody offered left them downloading each
+        other's old ones (tests/test_daemon_matrix.py). But where another trainer published a φ
+        for that round or a later one, the swarm's lineage is there, not here: entering with the
+        donor's φ, we would record a second digest for its round (a 30-minute soak: a joiner
+        downloaded round 1,484 from the one donor it saw, a round that donor spent alone, and
+        parity re-synced it 3 s later), and average the next round from another φ than our
+        partners'. Declined, the download asks again within 2 s, when the donor has re-synced or
+        `donors()` names the holders of the swarm's φ."""
+        if offer.meta.get(PHI_WITHHELD) is not True:
+            return None
+        published = [
+            p
+            for p, pr in self.presence.training_peers(connected=False).items()
+            if pr.phi and pr.phi[-1][0] >= offer.round
+        ]
+        if not published:
+            return None  # the donors' lineage is the only one going on: enter it, withholding (above)
+        return (
+            f"the offered state (round {offer.round}) is one its donors spent alone (φ withheld), and "
+            f"{len(published)} trainers published a φ for round {offer.round} or later"
+        )
 
     async def resync(self) -> None:
         """We missed a round or drifted: download the swarm's state again. When that puts us back
@@ -522,13 +560,16 @@ class RunState(Service):
     # -- between steps, and checkpoints ----------------------------------------------------------
 
     @staticmethod
-    def donor_snapshot(trainer: TrainedState) -> tuple[dict[str, Any], dict[str, Any]]:
+    def donor_snapshot(trainer: TrainedState, *, phi_withheld: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """What our state donor offers joiners now: (meta, tensors) of the outer state, its live
         tensors, to be lent (`publish(..., live=True)`; the caller owns φ at that moment: the
         trainer's thread between steps, or the trio thread while the trainer is stopped for a
-        download)."""
+        download). `phi_withheld`: φ is ours alone, its digest withheld (`PHI_WITHHELD`)."""
         skeleton, tensors = flatten_state(trainer.donor_state())
-        return {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}, tensors
+        meta = {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}
+        if phi_withheld:
+            meta[PHI_WITHHELD] = True
+        return meta, tensors
 
     def after_step(self, trainer: TrainedState) -> None:
         """Between two steps, in the trainer's thread: report, publish, checkpoint."""
@@ -551,7 +592,7 @@ class RunState(Service):
         # and no round formed for 90 s (tests/test_daemon_matrix.py, loaded CI runs).
         if outer.rounds != self._published_round and not outer.in_flight:
             self._published_round = outer.rounds
-            publish = self.donor_snapshot(trainer)
+            publish = self.donor_snapshot(trainer, phi_withheld=parity.is_withheld(outer.rounds))
             moments = outer.inner_moments()  # described to joiners beside it (optim/inner_moments.py)
         if (
             time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
