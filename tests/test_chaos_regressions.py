@@ -48,8 +48,8 @@ from meshtrain.collective.allreduce import (
 from meshtrain.collective.contract import CollectiveError, RoundRequest
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.state.checkpoint import CheckpointStore
+from meshtrain.node.state.download import SwarmDownload
 from meshtrain.node.state.parity import phi_digest
-from meshtrain.node.state.run_state import RunState
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.rpc import RemoteError
 
@@ -464,32 +464,32 @@ async def test_a_joiner_declines_a_donors_alone_round_that_the_swarm_holds_anoth
     marks such a state (`phi_withheld`), and a joiner declines it while another trainer published
     a φ for that round, and asks again. c is refused at round 3 and its re-sync held back (a slow
     one), so its alone state stays on offer; d joins, seeing only c as a donor."""
-    caplog.set_level(logging.WARNING, logger="meshtrain.node.state.run_state")
+    caplog.set_level(logging.WARNING, logger="meshtrain.node.state.download")
     spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
     d_id = Identity.load_or_create(tmp_path / "d").peer_id_str
     release = trio.Event()
     c_id: list[str] = []
-    only_c = RunState.donors
+    only_c = SwarmDownload.donors
 
-    def donors(self: RunState) -> list[str]:  # d sees c alone as a donor, as the soak's joiner did
+    def donors(self: SwarmDownload) -> list[str]:  # d sees c alone as a donor, as the soak's joiner did
         return c_id if self.presence.me == d_id else only_c(self)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RunState, "donors", donors)
+        mp.setattr(SwarmDownload, "donors", donors)
         async with trio.open_nursery() as nursery:
             nodes = a, b, c = await _three_nodes(
                 nursery, tmp_path, signed, _refused_diloco(at_round=3), join_timeout=4.0
             )
             await _until(lambda: c.run_state is not None, 60, "c up")
             c_id.append(c.host.peer_id)
-            download = c.run_state.download
+            download = c.run_state.downloads.download
 
             async def held_download() -> bool:  # c's re-sync after its alone round, held back
                 await release.wait()
                 return await download()
 
-            c.run_state.download = held_download
+            c.run_state.downloads.download = held_download
             await _until(lambda: c.parity is not None and c.parity.withheld_round == 3, 120, "c's round alone")
             await _until(lambda: all(3 in dict(n.parity.history) for n in (a, b)), 60, "a and b publish round 3")
             d = meshtrain.Node(_config(tmp_path, "d"), join=a.host.addrs[0])

@@ -72,7 +72,7 @@ Who connects to whom. Because the groups are a pure function, a peer knows its p
 next round before it starts (`GroupPlan.partners`): presence dials them ahead and keeps only a
 bounded set of connections (node/presence.py), not the full mesh a round never uses.
 
-Not here: choosing a joiner's `in_from` and waiting for it (node/roster.py, node/state/run_state.py),
+Not here: choosing a joiner's `in_from` and waiting for it (node/roster.py, node/state/download.py),
 running a group's all-reduce (allreduce.py: `SwarmCollective` takes a `GroupPlan`), and
 what a group's mean means for an outer optimizer (optim/outer.py, "Grouped rounds": replicas in
 different groups hold different φ, so it adds a consensus term toward the group's mean φ, and the

@@ -10,7 +10,7 @@
           ─► remove daemon.json; exit 0
 
 Where each concern lives: who is in the swarm and staying connected — `node/presence.py`; which
-state we train on (resume, download, parity, donor publishing, checkpoints) — `node/state/run_state.py`;
+state we train on (resume, parity, donors, checkpoints) — `node/state/run_state.py`, `node/state/download.py`;
 the training loop — `node/trainer.py`; entering, stopping and finishing the run —
 `node/training_run.py`; the status document — `node/status/client.py`, its server —
 `node/status/server.py`; which swarm we run — `node/spec/resolve.py`. This module builds and
@@ -54,7 +54,7 @@ Chaos-proofing (what a churn soak of real daemons found, scripts/bench/bench_cha
   compares it with every live trainer's. In the minority — a split round, a round we spent
   alone — we log it, show it on `/status`, and re-sync from the majority's holders (RunState).
   Off while the spec's `group_size` has rounds run in groups (their replicas differ by design).
-- **Joins never give up on a transient** (RunState.download); only a state that cannot fit this
+- **Joins never give up on a transient** (SwarmDownload.download); only a state that cannot fit this
   node (another model or optimizer) ends the node, as a configuration error.
 - **What it waits for.** `round_status()["waiting"]` (on `/status` and the console) names the
   peers a round waits for, or the download in progress; the collective logs a round that still

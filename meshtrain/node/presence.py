@@ -395,7 +395,7 @@ class PeerPresence(Service):
         heartbeats ahead of the swarm's round at its pace (node/roster.py), else from round 0 at
         once, as before; already a trainer, where we are. Returns the round id we are in from.
         Peers then expect us in that round: the caller brings our state there
-        (node/state/run_state.py `download`)."""
+        (node/state/download.py `download`)."""
         view = self._view()
         if view.role == "trainer":  # in already: a re-sync keeps its place (`rounds_grouped`)
             return view.in_from

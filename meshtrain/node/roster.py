@@ -24,7 +24,7 @@ enough that its record has reached every peer before that round starts (`entry_r
   the training peers report (`reported_round_seconds`) then bounds them better — a benchmark of
   25 s rounds counted a 6.5 s lead as 7 rounds from a 2 s watch, and its joiner waited 3 minutes.
 - Until its round the joiner takes part in none: it waits, announced, and once the swarm reaches
-  the round before its own takes the normal join path (node/state/run_state.py `download`,
+  the round before its own takes the normal join path (node/state/download.py `download`,
   `OuterOptimizer.join`) with that round's state, so its first exchange is its round — entering a
   step before it if the swarm is in it already, waiting for the joiner. No second join protocol.
 - Only where it matters: when the swarm's rounds run in groups once the joiner is in, counting
@@ -56,7 +56,7 @@ as before, until its round.
 
 Not here: the record's field and its checks (crdt/swarm_records.py), the roster's rule and the
 groups (collective/groups.py), announcing and reading it (node/presence.py `enter_roster`,
-`roster`), the join itself (node/state/run_state.py).
+`roster`), the join itself (node/state/download.py).
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class TrainingRun:
             # late peer (collective/groups.py, "Failures").
             view.role = "syncing"
             view.heartbeat()
-        await run_state.resync()
+        await run_state.downloads.resync()
         view.role = "trainer"
         view.heartbeat()
         self.phase.set("training")

@@ -909,7 +909,7 @@ class OuterOptimizer(Service):
     def entry_step(self, state_step: int, at_step: int) -> int:
         """The step a joiner enters at with a state from inner step `state_step` while the swarm
         is at `at_step` (`join`'s rule); `StaleStateError` if that state is a round old. A node
-        asks this of a state's manifest before downloading its bytes (node/state/run_state.py)."""
+        asks this of a state's manifest before downloading its bytes (node/state/download.py)."""
         send = self.next_send_step(state_step)
         if send <= at_step < send + max(self.delay, 1):  # the swarm is in that exchange (`join`)
             at_step = send - 1

@@ -48,7 +48,7 @@ published for it, and the peer re-syncs before its next round (`ParityMonitor.wi
 soak saw such a peer publish its own φ as a member's for two rounds). Its state donor still offers
 that state, marked `phi_withheld` (where every trainer went on alone, offering nothing stalled
 them); a joiner declines it while another trainer published a φ for that round or a later one,
-and otherwise enters it withholding the digest too (`RunState._solo_offer`: a 30-minute soak saw a
+and otherwise enters it withholding the digest too (`SwarmDownload._solo_offer`: a 30-minute soak saw a
 joiner record a donor's alone round beside the swarm's digest). `alone_rounds` counts the
 rounds whose result was our own contribution alone while other trainers were in the membership,
 and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
@@ -88,6 +88,8 @@ import torch
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS
 from meshtrain.optim.outer_round import RoundReport
 
+# In a donor's snapshot meta: its φ is its own, from a round it spent alone (digest withheld).
+PHI_WITHHELD = "phi_withheld"
 DIGEST_BYTES = 16  # of blake3: plenty to tell states apart, small in every progress record
 DEFAULT_SETTLE_S = 3.0  # seconds a round's verdict waits for peers that have not reached it ...
 MIN_SETTLE_S = 1.0  # ... or two rounds where rounds are shorter, but never less than this
