@@ -19,6 +19,9 @@ by its coordinator, downloaded the group's old state and so pulled the whole swa
 steps (`test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group_catches_up`); and
 7. a joiner downloaded a donor's state of a round that donor spent alone and published its digest
 beside the swarm's (`test_a_joiner_declines_a_donors_alone_round_that_the_swarm_holds_another_phi_for`).
+And one the soaks' longest round-less stretches showed: 8. a SIGSTOPped peer was waited for until
+its lease ran out, or a data phase's deadline
+(`test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_runs_out`).
 
 Each failed on the code before the fix.
 """
@@ -555,6 +558,65 @@ def test_survivor_of_a_killed_peer_goes_on_within_seconds(tmp_path):
         finish(pa, la)
     finally:
         for p in (pa, pb):
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("stopped", ["coordinator", "member"])
+def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_runs_out(tmp_path, stopped):
+    """A SIGSTOPped peer keeps its connections and its membership until its lease runs out (12 s):
+    rounds waited that long for it (at its coordinator, or for its join), or, when its join was
+    already in, until the data phase's transfer deadline (20 s) — a 30-minute soak's longest
+    stretches without a round. Now its heartbeats stop and a probe goes unanswered: it is silent
+    (collective/probe.py), and the others go on without it — whether it coordinates the round
+    (the lowest id) or is a member. Once woken it trains again."""
+    dirs = [tmp_path / n for n in "abc"]
+    create(dirs[0], "--model", "gpt-tiny", "--steps", "0", "--H", "10")
+    logs = [tmp_path / f"{n}.log" for n in "abc"]
+    procs = [start("--data-dir", str(dirs[0]), "--wait-peers", "3", log=logs[0])]
+    try:
+        info = [wait_daemon(dirs[0], procs[0], logs[0])]
+        for d, lg in zip(dirs[1:], logs[1:], strict=True):
+            procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
+        info += [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs[1:], logs[1:], strict=True)]
+
+        def rounds(i: int) -> int:
+            return _status(dirs[i])["training"]["round"] or 0
+
+        deadline = time.monotonic() + 120
+        while min(rounds(i) for i in range(3)) < 3:
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.3)  # sleep: poll interval
+        order = sorted(range(3), key=lambda i: info[i]["peer_id"])
+        victim = order[0] if stopped == "coordinator" else order[-1]
+        survivors = [i for i in range(3) if i != victim]
+        os.kill(procs[victim].pid, signal.SIGSTOP)
+        stopped_at, start_round = time.monotonic(), max(rounds(i) for i in survivors)
+        try:
+            while min(rounds(i) for i in survivors) < start_round + 2:
+                assert time.monotonic() - stopped_at < 90, logs[survivors[0]].read_text()[-3000:]
+                time.sleep(0.2)  # sleep: poll interval
+            went_on_s = time.monotonic() - stopped_at
+        finally:
+            os.kill(procs[victim].pid, signal.SIGCONT)
+        said = "".join(logs[i].read_text() for i in survivors)
+        silent = [
+            m
+            for m in ("went silent", "fixing the group without silent peers", "peers silent during the attempt")
+            if m in said
+        ]
+        assert silent, (went_on_s, said[-3000:])
+        woken_round = max(rounds(i) for i in survivors)
+        deadline = time.monotonic() + 120
+        while rounds(victim) <= woken_round:  # it re-syncs and trains on with the others
+            assert time.monotonic() < deadline, logs[victim].read_text()[-3000:]
+            time.sleep(0.3)  # sleep: poll interval
+        for d in dirs:
+            assert subprocess_stop(d).returncode == 0
+        for p, lg in zip(procs, logs, strict=True):
+            finish(p, lg)
+    finally:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
 

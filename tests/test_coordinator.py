@@ -20,6 +20,7 @@ from meshtrain.collective.protocol import (
     JOIN_QUIET,
     NOT_A_MEMBER,
     PROBE_AFTER,
+    PROBE_EVERY,
     Abort,
     AllReduceConfig,
     Commit,
@@ -34,7 +35,7 @@ from meshtrain.collective.protocol import (
     parse_join_reply,
     parse_outcome,
 )
-from meshtrain.transport.rpc import RemoteError, RpcUnavailable
+from meshtrain.transport.rpc import RemoteError, RpcTimeout, RpcUnavailable
 
 CONFIG = AllReduceConfig(join_timeout=30.0, hard_join_factor=3.0, report_timeout=10.0, max_attempts=3)
 
@@ -58,6 +59,22 @@ class WhereRpc:
         if peer not in self.positions:
             raise RpcUnavailable(f"{peer} is not there")
         return self.positions[peer].to_wire()
+
+
+class SilentRpc(WhereRpc):
+    """As `WhereRpc`, and peers in `silent` never answer: the call times out (a SIGSTOPped
+    process keeps its connections open and says nothing)."""
+
+    def __init__(self, positions: dict[str, WhereReply], silent: set[str]) -> None:
+        super().__init__(positions)
+        self.silent = silent
+
+    async def call(self, peer, name, request, *, timeout):
+        if peer in self.silent:
+            self.asked.append((peer, WhereRequest.parse(request)))
+            await trio.sleep(timeout)
+            raise RpcTimeout(f"{peer} did not answer within {timeout} s")
+        return await super().call(peer, name, request, timeout=timeout)
 
 
 class FakeHost:
@@ -662,4 +679,74 @@ async def test_a_peer_that_re_synced_back_before_a_round_it_completed_alone_is_w
             nursery.start_soon(join, "b")
             await trio.testing.wait_all_tasks_blocked()
             assert replies == {p: Joined(0, ("a", "b")) for p in "ab"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_missing_peer_is_not_waited_for_once_a_probe_goes_unanswered(autojump_clock):
+    """A SIGSTOPped peer keeps its connections and its membership until its lease runs out (12 s):
+    the round waited for it that long, and a 30-minute soak of 0.6 s rounds lost most of its
+    round-less seconds so. The probe finds it silent (connected, no answer in `PROBE_EVERY`): a
+    majority that joined forms the round without it, and the next round does not wait for it at
+    all — until it speaks again (a join), when it is waited for as before."""
+    rpc = SilentRpc({}, silent={"d"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: ("a", "b", "c", "d"))
+        await nursery.start(c.run)
+        first = await join_all(c, RoundKey(7, "", "a"), ["a", "b", "c"])
+        assert {p: r for p, (r, _) in first.items()} == {p: Joined(0, ("a", "b", "c")) for p in "abc"}
+        at = max(t for _, t in first.values())
+        assert at <= PROBE_AFTER + 2 * PROBE_EVERY, at  # was the join deadline (30 s here)
+        assert ("d", WhereRequest("", 7)) in rpc.asked
+        start = trio.current_time()
+        second = await join_all(c, RoundKey(27, "", "a"), ["a", "b", "c"])
+        assert all(r == Joined(0, ("a", "b", "c")) for r, _ in second.values()), second
+        assert max(t for _, t in second.values()) - start <= CONFIG.liveness_interval + 1e-6
+        # d wakes up (SIGCONT) and joins the next round: heard from, it is waited for again.
+        rpc.silent.clear()
+        rpc.positions["d"] = WhereReply(67, "a", 47, None)  # ... and answers: in round 67, here
+        third = await join_all(c, RoundKey(47, "", "a"), ["a", "b", "c", "d"])
+        assert all(r == Joined(0, ("a", "b", "c", "d")) for r, _ in third.values()), third
+        replies: dict = {}
+
+        async def one(p: str) -> None:
+            replies[p] = await c.join(p, RoundKey(67, "", "a"))
+
+        for p in "abc":
+            nursery.start_soon(one, p)
+        await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: probes answered
+        assert not replies  # d is slow, not silent: the round waits for it
+        await c.join("d", RoundKey(67, "", "a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert replies == {p: Joined(0, ("a", "b", "c", "d")) for p in "abc"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lone_joiner_waits_for_a_silent_partner(autojump_clock):
+    """Two peers, one stopped: the other does not form rounds of one beside it (a solo round,
+    which the stopped partner may share later); it waits, as before, until the partner's lease
+    runs out or it speaks again."""
+    rpc = SilentRpc({}, silent={"b"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b"}, rpc), CONFIG, lambda _round: ("a", "b"))
+        await nursery.start(c.run)
+        reply = await c.join("a", RoundKey(7, "", "a"))
+        assert reply == Joined(0, ("a",))
+        assert trio.current_time() == pytest.approx(CONFIG.join_timeout * CONFIG.hard_join_factor)
+        assert ("b", WhereRequest("", 7)) in rpc.asked
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_answers_late_but_still_heartbeats_is_waited_for(autojump_clock):
+    """A live peer on a saturated link may answer a probe late; its heartbeats still arrive
+    (`quiet` false): it is not taken for silent, and the round waits for it as before."""
+    rpc = SilentRpc({}, silent={"d"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(
+            FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: ("a", "b", "c", "d"), quiet=lambda p: False
+        )
+        await nursery.start(c.run)
+        replies = await join_all(c, RoundKey(7, "", "a"), ["a", "b", "c"])
+        assert all(r == Joined(0, ("a", "b", "c")) for r, _ in replies.values()), replies
+        assert min(t for _, t in replies.values()) == pytest.approx(CONFIG.join_timeout + JOIN_QUIET)
+        assert ("d", WhereRequest("", 7)) in rpc.asked and not c.silent.marks
         nursery.cancel_scope.cancel()

@@ -102,7 +102,7 @@ from meshtrain.collective.contract import (
     sampled_peers,
 )
 from meshtrain.collective.contribution import Contribution
-from meshtrain.collective.coordinator import Coordinator, ask_where
+from meshtrain.collective.coordinator import Coordinator
 from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
 from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, AttemptStats, DataPhase, exception_leaves
 from meshtrain.collective.echoes import EchoMemory
@@ -112,6 +112,7 @@ from meshtrain.collective.join_wait import await_join_reply
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
+from meshtrain.collective.probe import ask_where, wait_silent
 from meshtrain.collective.protocol import (
     DONE,
     FAIL,
@@ -191,9 +192,11 @@ class SwarmCollective(Service):
     (coordinator.py). `present(peer)`, if given, says whether a peer is still in the swarm in
     any role (live, admitted, connected): a coordinator that left the round's candidates but is
     present (a restarted peer whose new "syncing" record reached us after we joined it at its old
-    one) keeps our join (join_wait.py). `trainer_step()`, if given, is our trainer's inner step
-    now, whatever its phase (None: no trainer yet): rounds past it were undone by a re-sync, and
-    our coordinator and our answers to probes stop counting them (own_rounds.py).
+    one) keeps our join (join_wait.py). `quiet(peer)`, if given, says whether a peer's heartbeats
+    stopped reaching us: with an unanswered probe, our coordinator and data phases stop waiting
+    for it (probe.py). `trainer_step()`, if given, is our trainer's inner step now, whatever its
+    phase (None: no trainer yet): rounds past it were undone by a re-sync, and our coordinator
+    and our answers to probes stop counting them (own_rounds.py).
 
     Lifetime: `async with SwarmCollective(...) as col:` owns the coordinator's timers and the
     background re-sync sends in the collective's own nursery, cancelled on leaving. Used without
@@ -212,10 +215,12 @@ class SwarmCollective(Service):
         roster: Callable[[int], Sequence[str]] | None = None,
         reported_step: Callable[[str], int | None] | None = None,
         present: Callable[[str], bool] | None = None,
+        quiet: Callable[[str], bool] | None = None,
         trainer_step: Callable[[], int | None] | None = None,
     ) -> None:
         self.host = host
         self.present = present
+        self.quiet = quiet
         self.streams = streams
         self.membership = membership
         self.config = config or AllReduceConfig()
@@ -232,7 +237,7 @@ class SwarmCollective(Service):
         self._waiting: str | None = None  # what our round waits for now (participant side)
         self._reported_step = reported_step
         self.own = OwnRounds(trainer_step)  # what our trainer entered, for our coordinator (own_rounds.py)
-        self._coord = Coordinator(host, self.config, self.group, reported_step, self.own)
+        self._coord = Coordinator(host, self.config, self.group, reported_step, self.own, quiet)
         self.coordinator = CoordinatorClient(host, self.config, self._coord, self._running)  # its RPCs
         # Our link rate for bandwidth-weighted parts (shares.py): configured (Mbit/s; change it
         # when the link changes, 0: measured), or measured on our sends in a recent round.
@@ -503,11 +508,20 @@ class SwarmCollective(Service):
             joined = await self._joined(join)
         else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
+            quiet, silent = self.quiet, [False]
+
+            async def went_silent() -> None:  # probe.py: stopped, or cut off
+                assert quiet is not None
+                silent[0] = bool(await wait_silent(self.host, lambda: [coordinator], key, quiet))
+
             joined = await await_join_reply(
                 lambda: self._joined(join),
                 lambda: self._still_coordinates(coordinator, key.round_id),
                 await self._running(),
+                went_silent if quiet is not None else None,
             )
+            if joined is None and silent[0]:
+                raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)")
         if joined is None:
             raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")
         self._waiting = None
@@ -616,7 +630,7 @@ class SwarmCollective(Service):
     ) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
         """Run one attempt's data phase while watching for the coordinator's decision."""
         key, attempt = plan.key, plan.attempt
-        phase = DataPhase(self.streams, self.host, self.config, plan, contribution, self.echoes)
+        phase = DataPhase(self.streams, self.host, self.config, plan, contribution, self.echoes, self.quiet)
         decided: list[Outcome] = []
         result: list[dict[str, torch.Tensor]] = []
         try:

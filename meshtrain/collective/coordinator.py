@@ -50,6 +50,12 @@ past for us, under no tag (own_rounds.py), and a peer still waiting here under a
 told the round has passed and re-syncs — not regrouped until `MAX_REGROUPS` runs out (CI). A peer that
 predates `regroup` reads the reply as Late and proceeds alone, as it always did.
 
+Silent peers (probe.py): a missing peer that leaves a probe unanswered while its heartbeats
+stopped is silent; once every missing peer is silent (or past the round), two or more joined and
+they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
+and the next rounds do so as soon as everyone else is in. A lone joiner keeps waiting: a round of
+one beside a stopped partner is a solo round (node/state/parity.py).
+
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
 `run` (the collective's, so their lifetime is the collective's). Time is only read through
@@ -61,13 +67,13 @@ Not here: the RPC handlers and their authentication (allreduce.py), the message 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from meshtrain.collective.own_rounds import OwnRounds
+from meshtrain.collective.probe import SilentPeers
 from meshtrain.collective.protocol import (
     FAIL_GRACE,
     JOIN_QUIET,
@@ -76,7 +82,6 @@ from meshtrain.collective.protocol import (
     PROBE_EVERY,
     UNKNOWN_ATTEMPT,
     WAIT_LOG_EVERY,
-    WHERE_RPC,
     Abort,
     AllReduceConfig,
     Commit,
@@ -89,13 +94,11 @@ from meshtrain.collective.protocol import (
     Retry,
     RoundKey,
     WhereReply,
-    WhereRequest,
 )
 from meshtrain.collective.shares import part_shares
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError, RpcError
-from meshtrain.transport.validate import Malformed
+from meshtrain.transport.rpc import RemoteError
 
 log = get_logger(__name__)
 
@@ -141,15 +144,6 @@ class _Round:
         return Late(self.passed, self.elsewhere, regroup=self.regroup)
 
 
-async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
-    """`peer`'s answer to WHERE about round `round_id` of series `tag` (the round it is in, the
-    last it ended), or None when it gives none in `PROBE_EVERY` (or none we can read)."""
-    with contextlib.suppress(RpcError, Malformed):
-        reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
-        return WhereReply.parse(reply)
-    return None
-
-
 class Coordinator:
     """State a coordinator keeps per round key.
 
@@ -160,6 +154,8 @@ class Coordinator:
         swarm (None: unknown); round ids are inner steps, so a missing peer reporting a step past
         a round is not coming to it.
     own: what our own trainer entered (own_rounds.py), kept by the collective it joins through.
+    quiet: optional `(peer) -> bool`, whether a peer's heartbeats stopped reaching us (None: not
+        known; an unanswered probe alone then makes a peer silent: "Silent peers").
     Call `await nursery.start(coordinator.run)` before `join` (timers run in that nursery)."""
 
     def __init__(
@@ -169,6 +165,7 @@ class Coordinator:
         group: Callable[[int], Sequence[str]],
         reported_step: Callable[[str], int | None] | None = None,
         own: OwnRounds | None = None,
+        quiet: Callable[[str], bool] | None = None,
     ) -> None:
         self.host = host
         self.config = config
@@ -179,6 +176,7 @@ class Coordinator:
         # (peer, series) -> the highest round id that peer joined here; a series is a key without
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
+        self.silent = SilentPeers(quiet)  # missing peers found silent (probe.py)
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -267,7 +265,7 @@ class Coordinator:
         answers: dict[str, WhereReply] = {}
 
         async def ask(peer: str) -> None:
-            if (where := await ask_where(self.host, peer, r.key.tag, round_id)) is not None:
+            if (where := await self.silent.probe(self.host, peer, r.key.tag, round_id)) is not None:
                 answers[peer] = where
 
         async with trio.open_nursery() as nursery:
@@ -300,6 +298,31 @@ class Coordinator:
                 "the missing peers are in this round at a coordinator we cannot reach",
                 elsewhere=min(elsewhere.values()),
             )
+        else:
+            self._without_silent(r, passed)
+
+    def _without_silent(self, r: _Round, passed: Collection[str] = ()) -> None:
+        """Fix the group without the missing peers once every one of them is silent (or past the
+        round), two or more peers joined and they are a majority of the peers not silent: a
+        stopped peer's membership stays live until its lease runs out (12 s), and the round would
+        wait for it that long. A lone joiner keeps waiting (a group of one beside a stopped
+        partner is a round alone that the partner may share later)."""
+        silent = self.silent.now()
+        missing = r.missing - {self.peer_id}
+        if not missing or not missing <= silent | set(passed) or not missing & silent:
+            return
+        if len(r.joins) < 2 or 2 * len(r.joins) <= len(r.expected - silent):
+            return
+        log.info(
+            kv(
+                "allreduce fixing the group without silent peers",
+                key=r.key,
+                silent=",".join(sorted(p[-8:] for p in missing & silent)),
+                joined=len(r.joins),
+                expected=len(r.expected),
+            )
+        )
+        self._fix_group(r)
 
     def _nobody_else_coming(self, r: _Round, why: str, elsewhere: str | None = None) -> None:
         """The missing peers will not join: a majority that did completes the round now (a peer
@@ -350,6 +373,10 @@ class Coordinator:
                 )
             )
         missing = r.missing
+        if missing and self.silent.marks:
+            self._without_silent(r)
+            if r.group_fixed.is_set():
+                return
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
             self._nobody_else_coming(r, "the missing peers joined a later round here")
             return
@@ -455,6 +482,7 @@ class Coordinator:
         the stripe taper it can cut up to (None: an older peer, none)."""
         r = self._round(key)
         r.skipped.update(skipped)
+        self.silent.heard(peer)
         series = (peer, key.series)
         self.latest[series] = max(self.latest.get(series, -1), key.round_id)
         if len(self.latest) > LATEST_KEPT:  # bounded: forget the oldest entries

@@ -69,9 +69,10 @@ scored depends on the committed digest (contract.py `sampled_peers`).
 
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
 size-scaled deadline, a peer whose connection dropped (the host's connection events wake us at
-once), or garbage — a contribution with NaN/inf or of the wrong size is dropped and its sender
-named in `stats.rejected`; a reduced part that does not decode, or (robust modes) is far outside
-our own contribution's range, is proof against its owner (`evidence=True`).
+once) or went silent (its heartbeats stopped and a probe went unanswered: probe.py), or garbage
+— a contribution with NaN/inf or of the wrong size is dropped and its sender named in
+`stats.rejected`; a reduced part that does not decode, or (robust modes) is far outside our own
+contribution's range, is proof against its owner (`evidence=True`).
 
 Wire: every stripe moves as one tensor_streams transfer, named by the attempt and its place:
 `ar/<round key>/<attempt>/rs/<part>/<stripe>` carries a contribution to the part's owner (meta
@@ -104,6 +105,7 @@ from meshtrain.collective.contract import CollectiveError, ContributionFlag, scr
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.echoes import Echo, EchoMemory, PartSketch
 from meshtrain.collective.flat import all_finite, part_bounds, stripe_bounds, unflatten
+from meshtrain.collective.probe import wait_silent
 from meshtrain.collective.protocol import AllReduceConfig, Joined, Retry, RoundKey
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.data_channel import Received, payload_digest
@@ -393,8 +395,10 @@ class DataPhase:
         plan: AttemptPlan,
         contribution: Contribution,
         echoes: EchoMemory | None = None,
+        quiet: Callable[[str], bool] | None = None,
     ) -> None:
         self.streams, self.host, self.config = streams, host, config
+        self.quiet = quiet
         self.plan, self.contribution = plan, contribution
         self.tensors = contribution.tensors
         # Our flat input and weight, set by `run` once the contribution is ready.
@@ -405,6 +409,7 @@ class DataPhase:
         # The result is assembled in place: every owner's part lands in its slice of `out`.
         self.out = torch.empty(contribution.numel)
         self.failed: set[str] = set()
+        self.failed_why = "peers disconnected during the attempt"
         self.stats = AttemptStats()
 
     async def run(self) -> dict[str, torch.Tensor]:
@@ -417,6 +422,8 @@ class DataPhase:
                 self.stats.zero_weight.add(self.plan.me)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
+                if self.quiet is not None:
+                    nursery.start_soon(self._watch_silence, nursery.cancel_scope)
                 await self.exchange()
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
@@ -433,7 +440,7 @@ class DataPhase:
                 ) from None
             raise
         if self.failed:
-            raise AttemptFailed(set(self.failed), "peers disconnected during the attempt")
+            raise AttemptFailed(set(self.failed), self.failed_why)
         return unflatten(self.out, self.tensors, list(self.tensors))
 
     async def connect_group(self) -> None:
@@ -692,4 +699,16 @@ class DataPhase:
         """Cancel the attempt as soon as a peer we depend on drops its connection."""
         gone = await self.host.wait_disconnected(self.plan.others)
         self.failed.update(gone)
+        scope.cancel()
+
+    async def _watch_silence(self, scope: trio.CancelScope) -> None:
+        """Cancel the attempt once a peer we depend on went silent (probe.py `wait_silent`): a
+        SIGSTOPped peer keeps its connections open, and the transfers to and from it waited out
+        their deadline, 20 s and more."""
+        assert self.quiet is not None
+        key = self.plan.key
+        others = self.plan.others
+        silent = await wait_silent(self.host, lambda: [p for p in others if p not in self.failed], key, self.quiet)
+        self.failed.update(silent)
+        self.failed_why = f"peers silent during the attempt: {', '.join(sorted(p[-8:] for p in silent))}"
         scope.cancel()

@@ -402,13 +402,13 @@ class Node:
                     **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                 ),
                 current_round=self._current_round,
-                # Grouped rounds (collective/groups.py): groups from the round's roster (every live
-                # trainer in by then, node/roster.py), so one dropped connection does not reshuffle
-                # ours and a joiner is grouped alike everywhere; candidates stay the connected ones.
+                # Grouped rounds (collective/groups.py): groups from the round's roster (node/roster.py),
+                # alike on every peer whatever connections drop; candidates stay the connected ones.
                 grouping=signed.spec.group_plan(),
                 roster=presence.roster,
                 reported_step=presence.reported_step,
                 present=presence.present,
+                quiet=presence.heartbeats_stopped,
                 trainer_step=self._trainer_step,
             )
         )

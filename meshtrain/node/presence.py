@@ -134,7 +134,7 @@ import trio
 from meshtrain.backoff import Backoff
 from meshtrain.collective.groups import in_roster
 from meshtrain.crdt.replica import Replica
-from meshtrain.crdt.swarm_view import PROGRESS, PeerInfo, PeerProgress, SwarmView, swarm_specs
+from meshtrain.crdt.swarm_view import MEMBERSHIP, PROGRESS, PeerInfo, PeerProgress, SwarmView, swarm_specs
 from meshtrain.crdt.types import now_ms
 from meshtrain.dht.discovery import Discovery, DiscoveryConfig
 from meshtrain.dht.kademlia import Dht
@@ -177,6 +177,7 @@ CONNECT_INTERVAL = 2.0  # seconds between two passes of re-dialling
 ANNOUNCE_REFRESH_S = 60.0  # seconds between two announcements of ours under the swarm's key
 ANNOUNCE_TTL_S = 180.0  # an announcement's lifetime (a dead node's lingers this long for newcomers)
 PROGRESS_FRESH_BEATS = 3  # a progress record older than this many heartbeat intervals (+5 s): not training
+QUIET_BEATS = 2  # no heartbeat from a peer for this many intervals (+1 s): it went quiet (`heartbeats_stopped`)
 MEMBER_WAIT = 3.0  # a request from a peer not yet in our membership waits this long for its record
 ADVERTISERS = 3  # peers of a swarm (the owner first) that advertise it in the DHT's swarm index
 ADVERT_INTERVAL = DEFAULT_ADVERT_TTL / 3  # seconds between two adverts
@@ -346,6 +347,15 @@ class PeerPresence(Service):
         """Whether `peer` is still in the swarm, in any role: a live, admitted membership record
         (strikes exclude) and a connection to us (collective/join_wait.py)."""
         return self.host.is_connected(peer) and self._view().is_live(peer)
+
+    def heartbeats_stopped(self, peer: str) -> bool:
+        """Whether `peer`'s heartbeats stopped reaching us: no membership record from it for
+        `QUIET_BEATS` heartbeat intervals (+1 s), by our monotonic clock, or none at all. With an
+        unanswered probe, a coordinator takes it for silent (collective/coordinator.py, "Silent
+        peers"): a live peer on a saturated link answers late, but its heartbeats still arrive."""
+        view = self._view()
+        age = view.age(MEMBERSHIP, peer)
+        return age is None or age > QUIET_BEATS * view.current_interval() + 1.0
 
     def trainers(self) -> list[str]:
         """Live trainers per the replicated membership, us included (connected or not), whether

@@ -1,0 +1,131 @@
+"""Asking a peer where it is in a round's series (`WHERE_RPC`), and telling a silent peer apart.
+
+Problem. A round waits for peers: a coordinator for the missing candidates' joins, a member for
+the other members' data. A SIGSTOPped peer (a laptop lid closed, a VM paused, a process stopped
+in a debugger) or one behind a cut cable keeps its connections open — nothing closes them — and
+its membership live until its lease runs out (12 s). A coordinator waited for it that long, and
+a data phase holding it (its join sent ahead, collective/prepared.py) waited out the transfer
+deadline, 20 s and more: at sub-second rounds, the longest stretches without a round in a
+30-minute chaos soak (docs/benchmarks.md, "Chaos soak"). A slow peer must still be waited for:
+its step may take longer, its link may be saturated.
+
+Design. Two signals, both needed, from two planes:
+- **The probe**: `WHERE_RPC` (the coordinator already asks missing peers where they are,
+  coordinator.py) with a `PROBE_EVERY` deadline. A live peer answers from its event loop at once,
+  whatever its trainer does; a stopped one says nothing (`probe_where` → True: the RPC timed out,
+  told apart from a refusal or an unreachable peer, False).
+- **Its heartbeats** (`quiet(peer)`, the node's `PeerPresence.heartbeats_stopped`): no
+  membership record from it for two heartbeat intervals (+1 s) by our monotonic clock. A live
+  peer on a saturated uplink may answer a probe late — a home link's buffers hold seconds of
+  data — but its small heartbeats still arrive.
+A peer whose probe timed out while its heartbeats stopped is *silent* (`SilentPeers`): for
+`SILENT_KEEP_S`, or until it is heard from (it joins a round, or answers a probe). Without
+`quiet` (a collective used without a node's presence) the probe alone decides.
+
+What each side does with it. The coordinator fixes a round's group without missing peers that are
+all silent (or past the round), provided two or more joined and they are a majority of the peers
+not silent (coordinator.py `_without_silent`), and later rounds do so as soon as everyone else
+is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
+(node/state/parity.py). A member in a data phase probes, from `PROBE_AFTER` on and every
+`PROBE_EVERY`, the peers it depends on whose heartbeats stopped, and fails the attempt with the
+silent ones as suspects (data_phase.py `_watch_silence`): the coordinator retries without them
+at once, as for a dropped connection. A member waiting for its join's reply probes the
+coordinator alike and, finding it silent, restarts the round at the next candidate, naming the
+silent one as skipped (join_wait.py; allreduce.py `CoordinatorLost`), where the others go too.
+
+Failures. A peer taken for silent that was only slow (its loop stalled for seconds while its
+heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
+any late peer — a download, at worst. A partition makes each side's peers silent to the other:
+each side with two or more goes on among itself, as it would once the leases ran out, and the
+parity rule picks one lineage when it heals.
+
+Wire: `WHERE_RPC` as it is (protocol.py); nothing new.
+Not here: the WHERE answer (own_rounds.py), what a coordinator does with the other answers
+(coordinator.py `_probe`), membership leases (crdt/swarm_view.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import trio
+
+from meshtrain.collective.protocol import PROBE_AFTER, PROBE_EVERY, WHERE_RPC, RoundKey, WhereReply, WhereRequest
+from meshtrain.transport.host import Host
+from meshtrain.transport.rpc import RpcError, RpcTimeout
+from meshtrain.transport.validate import Malformed
+
+SILENT_KEEP_S = 20.0  # a silent peer is taken for silent this long, unless heard from first
+
+
+async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
+    """`peer`'s answer to WHERE about round `round_id` of series `tag` (the round it is in, the
+    last it ended), or None when it gives none in `PROBE_EVERY` (or none we can read)."""
+    where = await probe_where(host, peer, tag, round_id)
+    return where if isinstance(where, WhereReply) else None
+
+
+async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | bool:
+    """As `ask_where`, telling apart the peer that said nothing in `PROBE_EVERY` (True: it may be
+    silent) from one whose answer failed otherwise (False: refused, unreachable, garbled)."""
+    try:
+        reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
+        return WhereReply.parse(reply)
+    except RpcTimeout:
+        return True
+    except (RpcError, Malformed):
+        return False
+
+
+async def wait_silent(
+    host: Host, peers: Callable[[], Iterable[str]], key: RoundKey, quiet: Callable[[str], bool]
+) -> set[str]:
+    """From `PROBE_AFTER` on, every `PROBE_EVERY`, probe those of `peers()` whose heartbeats
+    stopped (`quiet`); return the ones that said nothing (a data phase's watch, data_phase.py).
+    A wait shorter than `PROBE_AFTER` probes nobody."""
+
+    async def probe(peer: str, silent: set[str]) -> None:
+        if await probe_where(host, peer, key.tag, key.round_id) is True and quiet(peer):
+            silent.add(peer)
+
+    await trio.sleep(PROBE_AFTER)
+    while True:
+        silent: set[str] = set()
+        async with trio.open_nursery() as nursery:
+            for p in peers():
+                if quiet(p):
+                    nursery.start_soon(probe, p, silent)
+        if silent:
+            return silent
+        await trio.sleep(PROBE_EVERY)
+
+
+class SilentPeers:
+    """The peers taken for silent (module docstring). `quiet(peer)`: whether its heartbeats
+    stopped reaching us (None: not known, the probe alone decides). Time is trio's clock."""
+
+    def __init__(self, quiet: Callable[[str], bool] | None = None) -> None:
+        self.quiet = quiet
+        self.marks: dict[str, float] = {}  # peer -> when it was last found silent
+
+    async def probe(self, host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
+        """Ask `peer` where it is; mark it silent if it says nothing and its heartbeats stopped,
+        forget the mark if it answers."""
+        where = await probe_where(host, peer, tag, round_id)
+        if isinstance(where, WhereReply):
+            self.heard(peer)
+            return where
+        if where and (self.quiet is None or self.quiet(peer)):
+            self.marks[peer] = trio.current_time()
+        return None
+
+    def heard(self, peer: str) -> None:
+        """`peer` spoke (a join, an answer): it is not silent."""
+        self.marks.pop(peer, None)
+
+    def now(self) -> set[str]:
+        """The peers silent now: marks older than `SILENT_KEEP_S` lapse."""
+        at = trio.current_time()
+        for p in [p for p, t in self.marks.items() if at - t > SILENT_KEEP_S]:
+            del self.marks[p]
+        return set(self.marks)
