@@ -67,9 +67,8 @@ Invariants, measured from every node's `/status` (polled about once a second) an
   `rounds_withheld`: rounds a node proceeded alone in after a failed round; it publishes no φ
   for them and re-syncs at once (`parity.withheld`). `actions.restart_dead_bootstrap`: restarts
   whose only bootstrap address was dead.
-- Not measured here: clock skew (a node started with its clock shifted) needs liveness that does
-  not trust wall clocks first (a peer more than a lease behind is never live for the others);
-  exclusion lag needs a misbehaving peer, which `scripts/bench/bench_adversarial.py` runs.
+- Not measured here: exclusion lag needs a misbehaving peer, which
+  `scripts/bench/bench_adversarial.py` runs (clock skew is `--skew`, above).
 Also: action counts, rounds, `longest_wait` (the longest a node reported the same
 `training.waiting`), `max_behind_swarm_s` (the longest a training node stayed more than
 `BEHIND_ROUNDS` rounds behind the other training nodes: stalled, or training a lineage of its own),
@@ -77,7 +76,9 @@ Also: action counts, rounds, `longest_wait` (the longest a node reported the sam
 swarm's promise, even where the re-sync rule forgives it), `rounds_redone` (node lives that reported
 a round more than `REDO_GRACE_S` after the swarm's front had passed it by `BEHIND_ROUNDS`, with
 nobody further on: the front died and the swarm went back, re-training rounds with a second φ;
-their reports are kept out of the parity rule, which judges the swarm's front), `round_regressions`, `unclean_shutdowns`
+their reports are kept out of the parity rule, which judges the swarm's front; a front killed
+alone counts its rounds as passed when it dies: `Monitor.front_died`), `round_regressions`,
+`unclean_shutdowns`
 (a final SIGINT that did not exit 0), `log_findings` (counts and first occurrences, file:line, of
 worrying lines; `log_tracebacks`: what each top-level traceback raised) and the commit the nodes
 ran (`code`: the working tree is shared, and a restarted node imports what is on disk then).
@@ -623,6 +624,22 @@ class Monitor:
             else:
                 life.wait = None
 
+    def front_died(self, i: int, t: float, last_round: int | None) -> None:
+        """Node `i`, killed at `t`, was the swarm's front alone (its round at the high water, no
+        other node training within `BEHIND_ROUNDS` of it): the rounds it reached count as passed
+        from `t`, so a report of them `REDO_GRACE_S` later re-trains the dead front's rounds
+        (`rounds_redone`), not a second φ beside a live one. Without this, a front that died
+        fewer than `BEHIND_ROUNDS` rounds past a round left it to the parity rule: a 30-minute
+        soak counted four such redos as parity violations."""
+        with self.lock:
+            if last_round is None or last_round < self.high_water:
+                return
+            frontier = self._frontier(i, t)
+            if frontier is not None and frontier >= self.high_water - BEHIND_ROUNDS:
+                return
+            for r0 in range(max(0, self.high_water - BEHIND_ROUNDS), self.high_water + 1):
+                self.pass_time.setdefault(r0, t)
+
     def _frontier(self, i: int, t: float) -> int | None:
         """The highest round the other training nodes reported in the last few seconds."""
         others = [r for j, (t2, r, st) in self.latest.items() if j != i and st == "training" and t - t2 <= 3.0]
@@ -924,6 +941,7 @@ class Soak:
             s.signal(signal.SIGKILL)
             s.proc.wait()  # type: ignore[union-attr]
             s.life.ended = t  # type: ignore[union-attr]
+            self.monitor.front_died(s.i, t, s.life.last_round)  # type: ignore[union-attr]
             self.actions["kill"] += 1
             self.actions["kill_creator"] += s.i == 0
             self.event("sigkill", node=s.i, life=s.life.gen, state=self._state_of(s))  # type: ignore[union-attr]
