@@ -501,6 +501,27 @@ class SwarmCollective(Service):
         return coordinator in self.membership(round_id) or (self.present is not None and self.present(coordinator))
 
     async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
+        """One round at `join`'s coordinator — left for the next candidate (`CoordinatorLost`)
+        once that coordinator went silent, at any step of the round (probe.py)."""
+        key, coordinator, quiet = join.key, join.key.coordinator, self.quiet
+        if coordinator == self.peer_id or quiet is None:
+            return await self._round_at(join, contribution, codec)
+        round_scope, watching = trio.CancelScope(), trio.CancelScope()
+
+        async def watch() -> None:
+            with watching:
+                await wait_silent(self.host, lambda: [coordinator], key, quiet)
+                round_scope.cancel()
+
+        (await self._running()).start_soon(watch)
+        try:
+            with round_scope:
+                return await self._round_at(join, contribution, codec)
+        finally:
+            watching.cancel()
+        raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)")
+
+    async def _round_at(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
         key, coordinator = join.key, join.key.coordinator
         log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
         joined: JoinReply | None
@@ -508,20 +529,11 @@ class SwarmCollective(Service):
             joined = await self._joined(join)
         else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
             self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
-            quiet, silent = self.quiet, [False]
-
-            async def went_silent() -> None:  # probe.py: stopped, or cut off
-                assert quiet is not None
-                silent[0] = bool(await wait_silent(self.host, lambda: [coordinator], key, quiet))
-
             joined = await await_join_reply(
                 lambda: self._joined(join),
                 lambda: self._still_coordinates(coordinator, key.round_id),
                 await self._running(),
-                went_silent if quiet is not None else None,
             )
-            if joined is None and silent[0]:
-                raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)")
         if joined is None:
             raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")
         self._waiting = None

@@ -26,10 +26,6 @@ joined it at its old one, and it keeps our join and counts us: a daemon test saw
 such a round, finish it alone, and the coordinator wait 20 s for its data and then finish it
 alone too — two φ for one round. An excluded peer (strikes) or one that left is not present.
 
-A coordinator that went silent (SIGSTOPped, or cut off: its heartbeats stopped and it leaves a
-probe unanswered, probe.py) is left alike, within seconds rather than when its lease runs out:
-the caller passes `silent`, which returns once it is found so.
-
 Failures. A connection that closes makes the wait fail by itself (the RPC ends) before the
 watcher sees anything. A coordinator that drops out of our view and returns within `GONE_S` is
 kept. One that drops out for longer while the others still follow it loses us to the next
@@ -56,12 +52,10 @@ async def await_join_reply(
     reply: Callable[[], Awaitable[Reply]],
     is_candidate: Callable[[], bool],
     nursery: trio.Nursery,
-    silent: Callable[[], Awaitable[object]] | None = None,
 ) -> Reply | None:
-    """`await reply()`, or None once `is_candidate()` has been false for `GONE_S`, or once
-    `await silent()` returned (the coordinator went silent: probe.py) — the watchers run in
-    `nursery`, and end with the wait."""
-    waiting, watching, listening = trio.CancelScope(), trio.CancelScope(), trio.CancelScope()
+    """`await reply()`, or None once `is_candidate()` has been false for `GONE_S` (the watcher
+    runs in `nursery`, and ends with the wait)."""
+    waiting, watching = trio.CancelScope(), trio.CancelScope()
 
     async def watch() -> None:
         with watching:
@@ -76,19 +70,10 @@ async def await_join_reply(
                     waiting.cancel()
                     return
 
-    async def listen() -> None:
-        assert silent is not None
-        with listening:
-            await silent()
-            waiting.cancel()
-
     nursery.start_soon(watch)
-    if silent is not None:
-        nursery.start_soon(listen)
     try:
         with waiting:
             return await reply()
     finally:
         watching.cancel()
-        listening.cancel()
-    return None  # the wait was cancelled: the coordinator left the round's candidates, or went silent
+    return None  # the wait was cancelled: the coordinator left the round's candidates

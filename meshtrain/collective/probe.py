@@ -29,9 +29,11 @@ is in; a lone joiner keeps waiting, since a round of one beside a stopped partne
 (node/state/parity.py). A member in a data phase probes, from `PROBE_AFTER` on and every
 `PROBE_EVERY`, the peers it depends on whose heartbeats stopped, and fails the attempt with the
 silent ones as suspects (data_phase.py `_watch_silence`): the coordinator retries without them
-at once, as for a dropped connection. A member waiting for its join's reply probes the
-coordinator alike and, finding it silent, restarts the round at the next candidate, naming the
-silent one as skipped (join_wait.py; allreduce.py `CoordinatorLost`), where the others go too.
+at once, as for a dropped connection. A member probes its round's coordinator alike, at
+any step of the round (waiting for the group, in the data phase, waiting for the outcome: each is
+an RPC to it that would hang until its deadline) and, finding it silent, restarts the round at
+the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
+`CoordinatorLost`), where the others go too.
 
 Failures. A peer taken for silent that was only slow (its loop stalled for seconds while its
 heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
