@@ -427,7 +427,13 @@ async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group
     async with trio.open_nursery() as nursery:
         lo = meshtrain.Node(_config(tmp_path, lo_dir))  # the group left behind: its old checkpoint
         nursery.start_soon(lo.run)
-        await _until(lambda: lo.trainer is not None and lo.trainer.outer.rounds >= 3, 120, "lo trains its old state")
+        # Trains it: three rounds past its checkpoint's (whose rounds alone passed the old `>= 3`
+        # at once, and hi came up while lo was still entering: another race than this test's).
+        await _until(
+            lambda: lo.trainer is not None and lo.trainer.outer.rounds >= behind.round + 3,
+            120,
+            "lo trains its old state",
+        )
         hi = meshtrain.Node(_config(tmp_path, hi_dir), join=lo.host.addrs[0])
         nursery.start_soon(hi.run)
         lowest_hi_step = [ahead.step]

@@ -72,7 +72,7 @@ class SilentRpc(WhereRpc):
     async def call(self, peer, name, request, *, timeout):
         if peer in self.silent:
             self.asked.append((peer, WhereRequest.parse(request)))
-            await trio.sleep(timeout)
+            await trio.sleep(timeout)  # sleep: a silent peer: the caller waits out its deadline (virtual time)
             raise RpcTimeout(f"{peer} did not answer within {timeout} s")
         return await super().call(peer, name, request, timeout=timeout)
 
