@@ -20,19 +20,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/meshtrain demo
 
-# The suite runs as two pytest processes side by side: the tests that start processes or NAT labs
-# (markers `slow`, `nat`), one at a time as before, and the in-process tests beside them. Most of
-# the first's time is spent waiting on the daemons it starts (the whole suite in one process kept
-# the two cores ~60 % busy), so the second adds about the load scripts/stress_suite.sh proves the
-# suite against (a core kept busy), and the wall time is the first's. Each prints its summary; the
-# target fails if either fails, or the type check.
+# The suite runs on two pytest-xdist workers, a module at a time (tests/conftest.py hands out the
+# modules that start processes or NAT labs first). Most of a process test's time is spent waiting
+# on the daemons it starts, so two side by side keep the two cores about as busy as
+# scripts/stress_suite.sh proves the suite against; the type check runs beside them. The target
+# fails if the suite or the type check fails.
 test: $(STAMP)
 	@$(VENV)/bin/mypy > .typecheck.log 2>&1 & typecheck=$$!; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not nat" --durations=5 > .inprocess.log 2>&1 & inprocess=$$!; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "slow or nat" --durations=15; processes=$$?; \
-	wait $$inprocess; inproc=$$?; echo "--- in-process tests:"; cat .inprocess.log; rm -f .inprocess.log; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=20; tests=$$?; \
 	wait $$typecheck; types=$$?; cat .typecheck.log; rm -f .typecheck.log; \
-	test $$processes -eq 0 -a $$inproc -eq 0 -a $$types -eq 0
+	test $$tests -eq 0 -a $$types -eq 0
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not nat"
