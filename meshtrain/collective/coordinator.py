@@ -54,7 +54,8 @@ Silent peers (probe.py): a missing peer that leaves a probe unanswered while its
 stopped is silent; once every missing peer is silent (or past the round), two or more joined and
 they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
 and the next rounds do so as soon as everyone else is in. A lone joiner keeps waiting: a round of
-one beside a stopped partner is a solo round (node/state/parity.py).
+one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
+joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -306,19 +307,24 @@ class Coordinator:
         round), two or more peers joined and they are a majority of the peers not silent: a
         stopped peer's membership stays live until its lease runs out (12 s), and the round would
         wait for it that long. A lone joiner keeps waiting (a group of one beside a stopped
-        partner is a round alone that the partner may share later)."""
+        partner is a round alone that the partner may share later). Counted are the joins that
+        the group would take (still candidates), and our own trainer is waited for: it is not
+        silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
+        one — the one other joiner left beside a dead peer's join — a solo round."""
         silent = self.silent.now()
-        missing = r.missing - {self.peer_id}
-        if not missing or not missing <= silent | set(passed) or not missing & silent:
-            return
-        if len(r.joins) < 2 or 2 * len(r.joins) <= len(r.expected - silent):
+        missing = r.missing
+        if not missing <= silent | set(passed) or not missing & silent:
+            return  # our own trainer is never silent: while it has not joined, it is waited for
+        candidates = set(self._candidates(r.key)) | {self.peer_id}
+        joined = [p for p in r.joins if p in candidates]
+        if len(joined) < 2 or 2 * len(joined) <= len(r.expected - silent):
             return
         log.info(
             kv(
                 "allreduce fixing the group without silent peers",
                 key=r.key,
                 silent=",".join(sorted(p[-8:] for p in missing & silent)),
-                joined=len(r.joins),
+                joined=len(joined),
                 expected=len(r.expected),
             )
         )
