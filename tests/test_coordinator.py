@@ -220,6 +220,42 @@ async def test_round_is_handed_over_once_a_lower_id_candidate_is_connected(autoj
         nursery.cancel_scope.cancel()
 
 
+async def test_a_skipped_coordinator_that_answers_a_probe_takes_the_round(autojump_clock):
+    """c's joiner found a dead (killed) and came to b; a restarted with its id and coordinates
+    the same round, waiting for b and c. Seen in a 30-minute soak: both waited 10 s for each
+    other, then b's joiners proceeded alone. a answers b's probe from that round: it is back,
+    and b hands the round over to it."""
+    rpc = WhereRpc({"a": WhereReply(7, "a", 6, "")})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("b", {"a", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "b")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key, skipped=("a",)), trio.current_time())
+
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "c")
+        await trio.sleep(PROBE_AFTER + PROBE_EVERY + 1)  # sleep: virtual time: the probes run
+        assert ("a", WhereRequest("", 7)) in rpc.asked
+        assert {p: r for p, (r, _) in replies.items()} == {"b": Moved("a"), "c": Moved("a")}
+        del rpc.positions["a"]  # ... and one that does not answer stays skipped: the round goes on here
+        key2 = RoundKey(9, "", "b")
+        second = {}
+
+        async def join2(p: str) -> None:
+            second[p] = await c.join(p, key2, skipped=("a",))
+
+        nursery.start_soon(join2, "b")
+        nursery.start_soon(join2, "c")
+        await trio.sleep(PROBE_AFTER + PROBE_EVERY + 1)  # sleep: virtual time: the probes run
+        assert not any(isinstance(r, Moved) for r in second.values())
+        await trio.sleep(CONFIG.join_timeout * CONFIG.hard_join_factor)  # sleep: virtual time: past every deadline
+        assert second == {p: Joined(0, ("b", "c")) for p in "bc"}
+        nursery.cancel_scope.cancel()
+
+
 async def test_unanimous_reports_commit_and_a_minority_digest_must_resync(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b", "c"])

@@ -254,7 +254,11 @@ class Coordinator:
         it, and we would wait out the hard join deadline (3 × join_timeout) alone. A missing peer
         already past this round counts as passed; one in this round at a lower-id coordinator
         makes us hand the round over there — or, if our joiners already failed to reach that
-        coordinator (`skipped`), end the round at once: the swarm's round is one we cannot join."""
+        coordinator (`skipped`) and it does not answer us either, end the round at once: the
+        swarm's round is one we cannot join. A skipped coordinator that answers our probe is back
+        (a killed peer restarts with its id): a 30-minute soak saw two coordinators of one round
+        wait 10 s for each other's joiners, the higher one because its joiners had found the lower
+        one dead a few seconds before it restarted."""
         me, round_id = self.peer_id, r.key.round_id
         ours = self.own.entered_as(r.key) if me in r.missing else None
         if ours is not None and ours != r.key.tag:
@@ -287,7 +291,7 @@ class Coordinator:
         if regrouped:
             self._regroup(r, regrouped)
             return
-        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped)
+        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped or c in answers)
         accounted = set(elsewhere) | passed >= r.missing - {me}
         if accounted and not elsewhere:
             self._nobody_else_coming(r, "the missing peers are past this round")
