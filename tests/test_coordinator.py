@@ -362,6 +362,40 @@ async def test_the_last_member_leaving_aborts_the_attempt(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_round_of_one(autojump_clock):
+    """b leaves the attempt by itself (its coordinator went silent for it, or it moved to a lower
+    id) and may complete the round at another coordinator: seen in a 30-minute soak, a retried
+    round of one published a second φ for the round beside b's group's. The last member is told
+    the round failed (it withholds its φ and re-syncs); with two members left, the retry goes on."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        outcomes = {}
+
+        async def send(p: str, rep: Report) -> None:
+            outcomes[p] = await c.report(p, rep)
+
+        nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # leaving
+        nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(outcomes["a"], Abort) and "left the round" in outcomes["a"].why
+
+        three = await coordinator(nursery, "a", ["a", "b", "c"])
+        await join_all(three, key, ["a", "b", "c"])
+        outcomes.clear()
+
+        async def send3(p: str, rep: Report) -> None:
+            outcomes[p] = await three.report(p, rep)
+
+        nursery.start_soon(send3, "c", report(key, FAIL, suspects=("c",), evidence=True))
+        nursery.start_soon(send3, "a", report(key, FAIL, suspects=("c",)))
+        nursery.start_soon(send3, "b", report(key, FAIL, suspects=("c",)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes["a"] == outcomes["b"] == Retry(1, ("a", "b"), ("c",))
+        nursery.cancel_scope.cancel()
+
+
 async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b"])

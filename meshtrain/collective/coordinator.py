@@ -659,12 +659,22 @@ class Coordinator:
         self._retry(key, a, drop or set(blamed))
 
     def _retry(self, key: RoundKey, a: _Attempt, suspects: set[str]) -> None:
+        """Retry without `suspects`, or abort. A retry left with one member after another left by
+        itself (a self-accusing report: its coordinator went silent for it, or it moved to a lower
+        id) is aborted: the leaver may complete this round elsewhere, and a round of one would
+        publish a second φ for it (a 30-minute soak's parity violation at round 413). The last
+        member proceeds alone and withholds its φ, as for any failed round."""
         if a.decided.is_set():
             return
         r = self.rounds[key]
         survivors = tuple(p for p in a.group if p not in suspects)
+        left = [p for p in suspects if (rep := a.reports.get(p)) is not None and rep.failed and p in rep.suspects]
         if not survivors:
             a.outcome = Abort("no member left")
+        elif len(survivors) == 1 < len(a.group) and left:
+            a.outcome = Abort(
+                f"{','.join(sorted(p[-8:] for p in left))} left the round; a round of one is not the swarm's"
+            )
         elif len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
             a.outcome = Abort("too many failed attempts" if suspects else "no progress")
         else:
