@@ -14,6 +14,7 @@ import trio
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
 from meshtrain.collective.contract import CollectiveError, RoundRequest
 from meshtrain.collective.flat import result_digest
+from meshtrain.transport.identity import Identity
 
 from .conftest import spawn, start_peers, start_swarm_processes, stop_processes, tail
 from .proc_allreduce import inputs
@@ -239,6 +240,47 @@ async def test_peer_that_has_not_heard_of_a_lower_id_newcomer_hands_the_round_ov
         assert len({r.digest for r in results.values()}) == 1
         assert all(r.contributors == tuple(ids) for r in results.values())
         assert torch.equal(results[other.id].tensors["w"], torch.full((100,), 1.0))
+
+
+async def test_a_coordinator_found_gone_that_comes_back_takes_the_round_it_coordinates():
+    """The lowest id a was killed: the others found it unreachable and formed the round at b,
+    naming a as skipped. a restarts with its id and coordinates that round, waiting for them.
+    Seen in a 30-minute soak: each coordinator waited 10 s for the other's joiners, then b's
+    proceeded alone and re-synced. b's probe hears from a in that round: b hands over, and the
+    joiners that had given a up go back to it — one group of three, in seconds."""
+    identities = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id_str)
+    ids = [i.peer_id_str for i in identities]
+    config = AllReduceConfig(join_timeout=20.0)
+    tensors = [{"w": torch.full((64,), float(i))} for i in range(3)]
+    results: dict[int, object] = {}
+    async with AsyncExitStack() as stack:
+        b, c = await start_peers(stack, 2, full_mesh=True, identities=identities[1:])
+        cols = {i: SwarmCollective(p.host, p.ts, lambda r: ids, config) for i, p in ((1, b), (2, c))}  # a: gone
+        with trio.fail_after(15):  # inside the 20 s join deadline at which b would form the round
+            async with trio.open_nursery() as nursery:
+                for i in (1, 2):
+
+                    async def one(i=i):
+                        results[i] = await cols[i].all_reduce(RoundRequest(tensors[i], round_id=5, tag="f0"))
+
+                    nursery.start_soon(one)
+                while not (cols[1].waiting_for() and ids[1][-8:] in (cols[2].waiting_for() or "")):
+                    await trio.sleep(0.05)  # sleep: poll interval: both gave a up and wait at b
+
+                async def back():  # a is back, with its id
+                    async with AsyncExitStack() as its:
+                        (a,) = await start_peers(its, 1, identities=identities[:1])
+                        for q in (b, c):
+                            await a.host.connect(q.host.addrs[0])
+                        col = SwarmCollective(a.host, a.ts, lambda r: ids, config)
+                        results[0] = await col.all_reduce(RoundRequest(tensors[0], round_id=5, tag="f0"))
+                        while len(results) < 3:  # its host stays up until the others have the outcome
+                            await trio.sleep(0.05)  # sleep: poll interval
+
+                nursery.start_soon(back)
+    assert len({results[i].digest for i in range(3)}) == 1
+    assert all(results[i].contributors == tuple(ids) for i in range(3))
+    assert torch.equal(results[0].tensors["w"], torch.full((64,), 1.0))
 
 
 async def test_stale_coordinator_learns_the_swarm_moved_past_its_round():

@@ -220,6 +220,42 @@ async def test_round_is_handed_over_once_a_lower_id_candidate_is_connected(autoj
         nursery.cancel_scope.cancel()
 
 
+async def test_a_skipped_coordinator_that_answers_a_probe_takes_the_round(autojump_clock):
+    """c's joiner found a dead (killed) and came to b; a restarted with its id and coordinates
+    the same round, waiting for b and c. Seen in a 30-minute soak: both waited 10 s for each
+    other, then b's joiners proceeded alone. a answers b's probe from that round: it is back,
+    and b hands the round over to it."""
+    rpc = WhereRpc({"a": WhereReply(7, "a", 6, "")})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("b", {"a", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "b")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = (await c.join(p, key, skipped=("a",)), trio.current_time())
+
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "c")
+        await trio.sleep(PROBE_AFTER + PROBE_EVERY + 1)  # sleep: virtual time: the probes run
+        assert ("a", WhereRequest("", 7)) in rpc.asked
+        assert {p: r for p, (r, _) in replies.items()} == {"b": Moved("a"), "c": Moved("a")}
+        del rpc.positions["a"]  # ... and one that does not answer stays skipped: the round goes on here
+        key2 = RoundKey(9, "", "b")
+        second = {}
+
+        async def join2(p: str) -> None:
+            second[p] = await c.join(p, key2, skipped=("a",))
+
+        nursery.start_soon(join2, "b")
+        nursery.start_soon(join2, "c")
+        await trio.sleep(PROBE_AFTER + PROBE_EVERY + 1)  # sleep: virtual time: the probes run
+        assert not any(isinstance(r, Moved) for r in second.values())
+        await trio.sleep(CONFIG.join_timeout * CONFIG.hard_join_factor)  # sleep: virtual time: past every deadline
+        assert second == {p: Joined(0, ("b", "c")) for p in "bc"}
+        nursery.cancel_scope.cancel()
+
+
 async def test_unanimous_reports_commit_and_a_minority_digest_must_resync(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b", "c"])
@@ -323,6 +359,40 @@ async def test_the_last_member_leaving_aborts_the_attempt(autojump_clock):
         await join_all(c, key, ["a"])
         outcome = await c.report("a", report(key, FAIL, suspects=("a",), evidence=True))
         assert outcome == Abort("no member left")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_round_of_one(autojump_clock):
+    """b leaves the attempt by itself (its coordinator went silent for it, or it moved to a lower
+    id) and may complete the round at another coordinator: seen in a 30-minute soak, a retried
+    round of one published a second φ for the round beside b's group's. The last member is told
+    the round failed (it withholds its φ and re-syncs); with two members left, the retry goes on."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        outcomes = {}
+
+        async def send(p: str, rep: Report) -> None:
+            outcomes[p] = await c.report(p, rep)
+
+        nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # leaving
+        nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(outcomes["a"], Abort) and "left the round" in outcomes["a"].why
+
+        three = await coordinator(nursery, "a", ["a", "b", "c"])
+        await join_all(three, key, ["a", "b", "c"])
+        outcomes.clear()
+
+        async def send3(p: str, rep: Report) -> None:
+            outcomes[p] = await three.report(p, rep)
+
+        nursery.start_soon(send3, "c", report(key, FAIL, suspects=("c",), evidence=True))
+        nursery.start_soon(send3, "a", report(key, FAIL, suspects=("c",)))
+        nursery.start_soon(send3, "b", report(key, FAIL, suspects=("c",)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes["a"] == outcomes["b"] == Retry(1, ("a", "b"), ("c",))
         nursery.cancel_scope.cancel()
 
 
@@ -733,6 +803,59 @@ async def test_a_lone_joiner_waits_for_a_silent_partner(autojump_clock):
         assert reply == Joined(0, ("a",))
         assert trio.current_time() == pytest.approx(CONFIG.join_timeout * CONFIG.hard_join_factor)
         assert ("b", WhereRequest("", 7)) in rpc.asked
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_peer_does_not_make_a_group_of_one_while_our_own_trainer_is_coming(autojump_clock):
+    """Seen in a 30-minute soak: coordinator a's trainer was re-syncing, b and c had joined, d was
+    SIGSTOPped, and c was killed since. Two joins and d silent fixed the group — of b alone (c no
+    longer a candidate), a solo round — and a's trainer came 0.4 s later, to be told it was late.
+    Our own trainer is never silent: the group waits for it, and counts only joins it would take."""
+    members = ["a", "b", "c", "d"]
+    rpc = SilentRpc({}, silent={"d"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: tuple(sorted(members)))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key)
+
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "c")
+        await trio.testing.wait_all_tasks_blocked()
+        members.remove("c")  # killed: gone from the candidates, its join still in
+        await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d found silent
+        assert ("d", WhereRequest("", 7)) in rpc.asked
+        assert not replies  # b is not sent on alone
+        await join("a")
+        await trio.testing.wait_all_tasks_blocked()
+        assert replies["a"] == replies["b"] == Joined(0, ("a", "b"))
+        assert isinstance(replies["c"], Late)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_peer_does_not_make_a_group_of_one_of_joins_no_longer_candidates(autojump_clock):
+    """a and c joined, c was killed since, d is silent: a does not form a round of one beside d."""
+    members = ["a", "c", "d"]
+    rpc = SilentRpc({}, silent={"d"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"c", "d"}, rpc), CONFIG, lambda _round: tuple(sorted(members)))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "a")
+        replies: dict = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key)
+
+        nursery.start_soon(join, "c")
+        nursery.start_soon(join, "a")
+        await trio.testing.wait_all_tasks_blocked()
+        members.remove("c")
+        await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d found silent
+        assert ("d", WhereRequest("", 7)) in rpc.asked
+        assert not replies  # as a lone joiner beside a stopped partner: it waits
         nursery.cancel_scope.cancel()
 
 

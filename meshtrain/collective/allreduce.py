@@ -456,6 +456,7 @@ class SwarmCollective(Service):
         round_id = contribution.round_id
         candidates = self._candidates(round_id, tag)
         dead: set[str] = set()
+        revived: set[str] = set()  # dead coordinators a hand-over sent us back to (once each)
         while True:
             live = [p for p in candidates if p not in dead]
             if not live:  # every candidate we tried is gone or handed over in a loop
@@ -472,8 +473,18 @@ class SwarmCollective(Service):
                     f"round {round_id}: no outcome within {self.config.round_deadline(contribution.numel):.0f} s"
                 ) from None
             except _Moved as e:
-                # Our view was behind: take the fresh membership (it now has the newcomer).
-                candidates = sorted(set(self._candidates(round_id, tag)) | {str(e)})
+                # Our view was behind: take the fresh membership (it now has the newcomer). A
+                # coordinator we found gone may be back (restarted): the one handing over heard
+                # from it (coordinator.py `_probe`). A second time, we proceed alone.
+                to = str(e)
+                if to in dead:
+                    if to in revived:
+                        raise CollectiveError(
+                            f"round {round_id}: handed over again to {to[-8:]}, which we could not reach; proceed alone"
+                        ) from None
+                    dead.discard(to)
+                    revived.add(to)
+                candidates = sorted(set(self._candidates(round_id, tag)) | {to})
                 log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
             except CoordinatorLost as e:
                 log.info(

@@ -54,7 +54,8 @@ Silent peers (probe.py): a missing peer that leaves a probe unanswered while its
 stopped is silent; once every missing peer is silent (or past the round), two or more joined and
 they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
 and the next rounds do so as soon as everyone else is in. A lone joiner keeps waiting: a round of
-one beside a stopped partner is a solo round (node/state/parity.py).
+one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
+joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -253,7 +254,11 @@ class Coordinator:
         it, and we would wait out the hard join deadline (3 × join_timeout) alone. A missing peer
         already past this round counts as passed; one in this round at a lower-id coordinator
         makes us hand the round over there — or, if our joiners already failed to reach that
-        coordinator (`skipped`), end the round at once: the swarm's round is one we cannot join."""
+        coordinator (`skipped`) and it does not answer us either, end the round at once: the
+        swarm's round is one we cannot join. A skipped coordinator that answers our probe is back
+        (a killed peer restarts with its id): a 30-minute soak saw two coordinators of one round
+        wait 10 s for each other's joiners, the higher one because its joiners had found the lower
+        one dead a few seconds before it restarted."""
         me, round_id = self.peer_id, r.key.round_id
         ours = self.own.entered_as(r.key) if me in r.missing else None
         if ours is not None and ours != r.key.tag:
@@ -286,7 +291,7 @@ class Coordinator:
         if regrouped:
             self._regroup(r, regrouped)
             return
-        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped)
+        reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped or c in answers)
         accounted = set(elsewhere) | passed >= r.missing - {me}
         if accounted and not elsewhere:
             self._nobody_else_coming(r, "the missing peers are past this round")
@@ -306,19 +311,24 @@ class Coordinator:
         round), two or more peers joined and they are a majority of the peers not silent: a
         stopped peer's membership stays live until its lease runs out (12 s), and the round would
         wait for it that long. A lone joiner keeps waiting (a group of one beside a stopped
-        partner is a round alone that the partner may share later)."""
+        partner is a round alone that the partner may share later). Counted are the joins that
+        the group would take (still candidates), and our own trainer is waited for: it is not
+        silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
+        one — the one other joiner left beside a dead peer's join — a solo round."""
         silent = self.silent.now()
-        missing = r.missing - {self.peer_id}
-        if not missing or not missing <= silent | set(passed) or not missing & silent:
-            return
-        if len(r.joins) < 2 or 2 * len(r.joins) <= len(r.expected - silent):
+        missing = r.missing
+        if not missing <= silent | set(passed) or not missing & silent:
+            return  # our own trainer is never silent: while it has not joined, it is waited for
+        candidates = set(self._candidates(r.key)) | {self.peer_id}
+        joined = [p for p in r.joins if p in candidates]
+        if len(joined) < 2 or 2 * len(joined) <= len(r.expected - silent):
             return
         log.info(
             kv(
                 "allreduce fixing the group without silent peers",
                 key=r.key,
                 silent=",".join(sorted(p[-8:] for p in missing & silent)),
-                joined=len(r.joins),
+                joined=len(joined),
                 expected=len(r.expected),
             )
         )
@@ -649,12 +659,22 @@ class Coordinator:
         self._retry(key, a, drop or set(blamed))
 
     def _retry(self, key: RoundKey, a: _Attempt, suspects: set[str]) -> None:
+        """Retry without `suspects`, or abort. A retry left with one member after another left by
+        itself (a self-accusing report: its coordinator went silent for it, or it moved to a lower
+        id) is aborted: the leaver may complete this round elsewhere, and a round of one would
+        publish a second φ for it (a 30-minute soak's parity violation at round 413). The last
+        member proceeds alone and withholds its φ, as for any failed round."""
         if a.decided.is_set():
             return
         r = self.rounds[key]
         survivors = tuple(p for p in a.group if p not in suspects)
+        left = [p for p in suspects if (rep := a.reports.get(p)) is not None and rep.failed and p in rep.suspects]
         if not survivors:
             a.outcome = Abort("no member left")
+        elif len(survivors) == 1 < len(a.group) and left:
+            a.outcome = Abort(
+                f"{','.join(sorted(p[-8:] for p in left))} left the round; a round of one is not the swarm's"
+            )
         elif len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
             a.outcome = Abort("too many failed attempts" if suspects else "no progress")
         else:

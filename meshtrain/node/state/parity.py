@@ -54,15 +54,17 @@ rounds whose result was our own contribution alone while other trainers were in 
 and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
 another trainer still trained (a fresh progress record) and was connected to us: a peer that may
 hold a second φ for the same round, the fork the parity rule then heals. A round whose group
-shrank to us by retries (`survived_rounds`: its other members left the attempt, or were dropped
-as silent) is not solo: the coordinator's decision dropped them, each is told the round failed
+shrank to us by retries (`survived_rounds`: its other members were dropped as failed or
+silent) is not solo: the coordinator's decision dropped them, each is told the round failed
 for it (`CollectiveError`), proceeds alone, withholds its φ and re-syncs, so ours is the round's
 only φ — the collective surviving a vanished peer, as designed (a 30-minute soak's 8 "solo"
 rounds were all of this kind: the partner SIGSTOPped, or refused at another round and leaving).
-One case stays open to it: a member that left our round by itself (its coordinator lost, or
-gone from its candidates: collective/join_wait.py) and completed the same round at another
-coordinator holds a second φ; the parity check sees the two digests and heals it, as for any
-split (the chaos soak counts those in `parity_split_rounds`). A round alone whose partners'
+A member that left our round by itself (its coordinator lost, or gone from its candidates:
+collective/join_wait.py) may complete the same round at another coordinator: a retry that
+would leave one member after such a leaver is aborted instead (collective/coordinator.py
+`_retry`), so the last member withholds; with two or more left, their φ and the leaver's group's
+are a split that the parity check heals, as any other (the chaos soak counts those in
+`parity_split_rounds`). A round alone whose partners'
 connections closed (killed: most of a 10-minute soak's 79 rounds alone were such) or whose
 partners stopped training is not solo: nobody else holds a φ for it (a killed peer re-syncs when
 it comes back). A partner that went silent (SIGSTOP, a cut cable)
