@@ -806,28 +806,35 @@ async def test_a_lone_joiner_waits_for_a_silent_partner(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def beside_silent_d(nursery: trio.Nursery, members: list[str], joining: str, killed: str):
+    """Coordinator a of round 7 among `members`, d SIGSTOPped: `joining` join, then `killed` leaves
+    the candidates (its join still in), and d is found silent. Returns the replies by peer so far,
+    and `join(peer)`."""
+    rpc = SilentRpc({}, silent={"d"})
+    c = Coordinator(FakeHost("a", set(members) - {"a"}, rpc), CONFIG, lambda _round: tuple(sorted(members)))
+    await nursery.start(c.run)
+    key = RoundKey(7, "", "a")
+    replies: dict = {}
+
+    async def join(p: str) -> None:
+        replies[p] = await c.join(p, key)
+
+    for p in joining:
+        nursery.start_soon(join, p)
+    await trio.testing.wait_all_tasks_blocked()
+    members.remove(killed)
+    await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d found silent
+    assert ("d", WhereRequest("", 7)) in rpc.asked
+    return replies, join
+
+
 async def test_a_silent_peer_does_not_make_a_group_of_one_while_our_own_trainer_is_coming(autojump_clock):
     """Seen in a 30-minute soak: coordinator a's trainer was re-syncing, b and c had joined, d was
     SIGSTOPped, and c was killed since. Two joins and d silent fixed the group — of b alone (c no
     longer a candidate), a solo round — and a's trainer came 0.4 s later, to be told it was late.
     Our own trainer is never silent: the group waits for it, and counts only joins it would take."""
-    members = ["a", "b", "c", "d"]
-    rpc = SilentRpc({}, silent={"d"})
     async with trio.open_nursery() as nursery:
-        c = Coordinator(FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: tuple(sorted(members)))
-        await nursery.start(c.run)
-        key = RoundKey(7, "", "a")
-        replies: dict = {}
-
-        async def join(p: str) -> None:
-            replies[p] = await c.join(p, key)
-
-        nursery.start_soon(join, "b")
-        nursery.start_soon(join, "c")
-        await trio.testing.wait_all_tasks_blocked()
-        members.remove("c")  # killed: gone from the candidates, its join still in
-        await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d found silent
-        assert ("d", WhereRequest("", 7)) in rpc.asked
+        replies, join = await beside_silent_d(nursery, ["a", "b", "c", "d"], joining="bc", killed="c")
         assert not replies  # b is not sent on alone
         await join("a")
         await trio.testing.wait_all_tasks_blocked()
@@ -838,23 +845,8 @@ async def test_a_silent_peer_does_not_make_a_group_of_one_while_our_own_trainer_
 
 async def test_a_silent_peer_does_not_make_a_group_of_one_of_joins_no_longer_candidates(autojump_clock):
     """a and c joined, c was killed since, d is silent: a does not form a round of one beside d."""
-    members = ["a", "c", "d"]
-    rpc = SilentRpc({}, silent={"d"})
     async with trio.open_nursery() as nursery:
-        c = Coordinator(FakeHost("a", {"c", "d"}, rpc), CONFIG, lambda _round: tuple(sorted(members)))
-        await nursery.start(c.run)
-        key = RoundKey(7, "", "a")
-        replies: dict = {}
-
-        async def join(p: str) -> None:
-            replies[p] = await c.join(p, key)
-
-        nursery.start_soon(join, "c")
-        nursery.start_soon(join, "a")
-        await trio.testing.wait_all_tasks_blocked()
-        members.remove("c")
-        await trio.sleep(PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d found silent
-        assert ("d", WhereRequest("", 7)) in rpc.asked
+        replies, _ = await beside_silent_d(nursery, ["a", "c", "d"], joining="ca", killed="c")
         assert not replies  # as a lone joiner beside a stopped partner: it waits
         nursery.cancel_scope.cancel()
 
