@@ -27,7 +27,7 @@ demo: $(STAMP)
 # fails if the suite or the type check fails.
 test: $(STAMP)
 	@$(VENV)/bin/mypy > .typecheck.log 2>&1 & typecheck=$$!; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=20; tests=$$?; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=20; tests=$$?; \
 	wait $$typecheck; types=$$?; cat .typecheck.log; rm -f .typecheck.log; \
 	test $$tests -eq 0 -a $$types -eq 0
 

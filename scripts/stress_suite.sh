@@ -5,7 +5,7 @@
 #     scripts/stress_suite.sh [--no-load] N [pytest args...]
 #
 # Each run is the whole suite as `make test` runs it (.venv/bin/pytest -q -p no:cacheprovider
-# -n 2 --dist loadfile --durations=15: two xdist workers, a module at a time) plus -rfE and
+# -n 2 --dist loadfile --no-loadscope-reorder --durations=15: two xdist workers, a module at a time) plus -rfE and
 # the extra args, while `stress-ng --cpu 1` loads one core (--no-load: no stress-ng, for
 # a run to compare with). Prints each run's summary line, failed test ids and wall time, and last
 # one JSON line:
@@ -75,7 +75,7 @@ for ((i = 1; i <= runs; i++)); do
     log="$out/run$i.log"
     t0=$(date +%s.%N)
     rc=0
-    "$PYTEST" -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 -rfE "$@" >"$log" 2>&1 || rc=$?
+    "$PYTEST" -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -rfE "$@" >"$log" 2>&1 || rc=$?
     t1=$(date +%s.%N)
     wall=$("$PY" -c "print(round($t1 - $t0, 1))")
     echo "$wall" >"$out/run$i.wall"

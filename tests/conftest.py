@@ -99,10 +99,11 @@ def with_deadline(test, seconds: float):
     return guarded
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): a module is one
-# unit of work (its module-scoped fixtures are built once). The modules that start processes or
-# NAT labs go first, the short in-process ones fill the end: a long module started last would
-# leave one worker idle while the other runs it. Two NAT labs may run side by side: each lives in
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile
+# --no-loadscope-reorder`): a module is one unit of work (its module-scoped fixtures are built
+# once), handed out in the order below (xdist would otherwise start with the modules of most
+# tests). The modules that start processes or NAT labs go first, the short in-process ones fill
+# the end: a long module started last would leave one worker idle while the other runs it. Two NAT labs may run side by side: each lives in
 # namespaces of its own (every link and sysctl is made with `ip -n`), `cleanup_stale` removes only
 # labs whose owner process is gone, and `root_untouched` compares the root namespace, which no lab
 # touches. (`--dist loadgroup` would let the labs share one unit, but pytest-xdist 3.8 cannot
