@@ -396,6 +396,32 @@ async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_roun
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_joining_again_leaves_the_attempt_under_way_and_the_others_retry_at_once(autojump_clock):
+    """c's join was in when it gave the round up (its coordinator looked silent: SIGSTOPped), and
+    the group was fixed with it; c comes back and joins again. Seen in a 30-minute soak: a and b
+    then waited 18 s in the data phase for c's parts, which never came — c heartbeat all along,
+    so nothing took it for gone. Its second join counts as its leaving: the others retry now."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b", "c"])
+        outcomes = {}
+
+        async def watch(p: str) -> None:  # a and b transfer, watching for the coordinator's decision
+            outcomes[p] = (await c.watch(p, key, 0), trio.current_time())
+
+        nursery.start_soon(watch, "a")
+        nursery.start_soon(watch, "b")
+        await trio.sleep(5.0)  # sleep: virtual time: c's parts do not come, nobody has failed yet
+        assert outcomes == {}
+        rejoined = trio.current_time()
+        assert isinstance(await c.join("c", key), Late)  # c again: it is told it is late ...
+        await trio.sleep(FAIL_GRACE + 0.1)  # sleep: virtual time: ... and a and b hear the retry
+        assert {p: o for p, (o, _) in outcomes.items()} == {p: Retry(1, ("a", "b"), ("c",)) for p in "ab"}
+        assert max(t for _, t in outcomes.values()) - rejoined <= FAIL_GRACE + 1e-6
+        nursery.cancel_scope.cancel()
+
+
 async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b"])

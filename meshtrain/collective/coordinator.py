@@ -56,6 +56,9 @@ they are a majority of the peers not silent, the group is fixed without them (`_
 and the next rounds do so as soon as everyone else is in. A lone joiner keeps waiting: a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
 joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
+A member that left a round it thought silent while its join was in may come back to it (the
+coordinator was only stopped): a second join from a member of the attempt under way counts as its
+leaving that attempt (`_rejoined`), so the others retry without it at once.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -76,6 +79,7 @@ import trio
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.probe import SilentPeers
 from meshtrain.collective.protocol import (
+    FAIL,
     FAIL_GRACE,
     JOIN_QUIET,
     NOT_A_MEMBER,
@@ -499,6 +503,8 @@ class Coordinator:
             for old in list(self.latest)[:1024]:
                 del self.latest[old]
         if r.group_fixed.is_set():
+            if not r.moved:
+                self._rejoined(r, peer)
             return Moved(r.moved) if r.moved else r.ended_without_us()
         r.joins[peer] = trio.current_time()
         r.uplinks[peer] = uplink
@@ -518,6 +524,18 @@ class Coordinator:
             return Late(detailed=False)
         first = r.attempts[0]
         return Joined(0, first.group, first.shares, first.taper)
+
+    def _rejoined(self, r: _Round, peer: str) -> None:
+        """`peer`, a member of the attempt under way, joins the round again: it gave the round up
+        unheard (it left us for silent while its join was in, and came back) and will send that
+        attempt nothing. Count it as leaving — what its `leave` would have said — so the others
+        retry without it now, not at the transfer deadline: a 30-minute soak saw two members
+        wait 18 s in a data phase for such a peer, which heartbeat all along."""
+        a = r.attempts[-1] if r.attempts else None
+        if a is None or a.decided.is_set() or peer not in a.group or peer in a.reports:
+            return
+        log.info(kv("allreduce member joined again; leaving the attempt without it", key=r.key, peer=peer[-8:]))
+        self._record(peer, Report(r.key, len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
 
     def joined(self, key: RoundKey) -> frozenset[str]:
         """The peers whose joins of round `key` are in here so far (read-only; for status and
@@ -562,6 +580,13 @@ class Coordinator:
 
     async def report(self, peer: str, rep: Report) -> Outcome:
         a = self._member_attempt(peer, rep.key, rep.attempt)
+        self._record(peer, rep, a)
+        await a.decided.wait()
+        assert a.outcome is not None  # set before decided
+        return a.outcome
+
+    def _record(self, peer: str, rep: Report, a: _Attempt) -> None:
+        """Take `peer`'s report of attempt `a`, and decide once all are in, or set the timer."""
         if not a.decided.is_set():
             a.reports[peer] = Report(
                 rep.key,
@@ -583,9 +608,6 @@ class Coordinator:
             elif a.first_report is None and not failed:
                 a.first_report = trio.current_time()
                 self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
-        await a.decided.wait()
-        assert a.outcome is not None  # set before decided
-        return a.outcome
 
     async def _decide_later(
         self, key: RoundKey, a: _Attempt, delay: float, decide: Callable[[RoundKey, _Attempt], None]
