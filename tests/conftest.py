@@ -103,16 +103,16 @@ def with_deadline(test, seconds: float):
 # --no-loadscope-reorder`): a module is one unit of work (its module-scoped fixtures are built
 # once), handed out in the order below (xdist would otherwise start with the modules of most
 # tests). The modules that start processes or NAT labs go first, the short in-process ones fill
-# the end: a long module started last would leave one worker idle while the other runs it. Two NAT labs may run side by side: each lives in
-# namespaces of its own (every link and sysctl is made with `ip -n`), `cleanup_stale` removes only
-# labs whose owner process is gone, and `root_untouched` compares the root namespace, which no lab
-# touches. (`--dist loadgroup` would let the labs share one unit, but pytest-xdist 3.8 cannot
-# set a group in a test's id under pytest 9.2: the tests were handed out one by one.)
+# the end: a long module started last would leave one worker idle while the other runs it. Two
+# NAT labs may run side by side: each lives in namespaces of its own (every link and sysctl is
+# made with `ip -n`), `cleanup_stale` removes only labs whose owner process is gone, and
+# `root_untouched` compares the root namespace, which no lab touches. (`--dist loadgroup` would
+# let the labs share one unit, but pytest-xdist 3.8 cannot set a group in a test's id under
+# pytest 9.2: the tests were handed out one by one.)
 def starts_processes(item: pytest.Item) -> bool:
     return item.get_closest_marker("slow") is not None or item.get_closest_marker("nat") is not None
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     module = {item: item.nodeid.split("::", 1)[0] for item in items}
     first = {module[item] for item in items if starts_processes(item)}
