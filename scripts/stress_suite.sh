@@ -10,13 +10,14 @@
 # a run to compare with). Prints each run's summary line, failed test ids and wall time, and last
 # one JSON line:
 #     {"runs": N, "load": ..., "failures_per_run": [...], "wall_s": [...], "failed_tests": {id: runs}}
-# Each run's whole output stays in $STRESS_OUT (default: a new folder under /tmp). Ctrl-C stops
+# Each run's whole output stays in $STRESS_OUT (default: a new folder under /tmp), and each
+# failure's whole report is in runI.failures as soon as the test fails. Ctrl-C stops
 # it at once, SIGTERM after the run under way; stress-ng goes with it either way.
 # Exit status: 0 when every run passed, 1 when one failed, 2 for bad arguments.
 set -euo pipefail
 
 usage() {
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -75,7 +76,8 @@ for ((i = 1; i <= runs; i++)); do
     log="$out/run$i.log"
     t0=$(date +%s.%N)
     rc=0
-    "$PYTEST" -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -rfE "$@" >"$log" 2>&1 || rc=$?
+    MESHTRAIN_FAILURE_LOG="$out/run$i.failures" \
+        "$PYTEST" -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -rfE "$@" >"$log" 2>&1 || rc=$?
     t1=$(date +%s.%N)
     wall=$("$PY" -c "print(round($t1 - $t0, 1))")
     echo "$wall" >"$out/run$i.wall"

@@ -23,7 +23,12 @@ from meshtrain.log import configure
 from meshtrain.transport.host import Host, HostConfig
 from meshtrain.transport.identity import Identity
 from meshtrain.transport.tensor_streams import DataPlaneConfig, TensorStreams
-from tests.failure_reports import SPAWNED_LOGS, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401 (hooks)
+from tests.failure_reports import (  # noqa: F401 (hooks)
+    SPAWNED_LOGS,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # In-process peers log at WARNING; `MESHTRAIN_TEST_LOG=DEBUG pytest -s ...` shows a flaky test's

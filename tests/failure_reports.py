@@ -9,6 +9,12 @@ assertion and a line for each other leaf exception, and ends with the tails of t
 daemons wrote: those under the temp folders made since the test began, those its fixtures' values
 name, and every `spawn(..., stderr_path=)` of the test (conftest.py records them in
 `SPAWNED_LOGS`).
+
+A run of the whole suite prints its failures only at its end, an hour away on a loaded machine
+(and a backgrounded run ignores Ctrl-C). With `MESHTRAIN_FAILURE_LOG=path` set, each failed
+test's whole report — the message, the traceback, its sections (the daemon logs) — is appended to
+that file as it arrives, by the process that prints the summary (the xdist controller, or pytest
+itself without xdist). `scripts/stress_suite.sh` sets it per run.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ LOG_ATTRS = ("log_path", "log", "logs", "log_dir", "logdir", "run_dir", "out", "
 # Every `spawn(..., stderr_path=)` of this process: the logs of a test that keeps them in
 # tempfile's folder rather than under its tmp_path.
 SPAWNED_LOGS: list[Path] = []
+FAILURE_LOG_ENV = "MESHTRAIN_FAILURE_LOG"
 
 
 def leaf_exceptions(exc: BaseException) -> list[BaseException]:
@@ -261,6 +268,21 @@ def daemon_logs(item: pytest.Item) -> str:
             f"({len(rest)} more log files not shown: {', '.join(map(str, rest[:8]))}{' ...' if len(rest) > 8 else ''})"
         )
     return "\n".join(out)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get(FAILURE_LOG_ENV)
+    if not path or not report.failed or is_xdist_worker():
+        return
+    sections = "".join(f"\n----- {title}\n{text}" for title, text in report.sections)
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+        f.write(f"===== {report.nodeid} ({report.when}, {time.strftime('%H:%M:%S')})\n")
+        f.write(f"{report.longreprtext}{sections}\n\n")
+
+
+def is_xdist_worker() -> bool:
+    """In an xdist worker: its reports reach the controller, which writes them."""
+    return "PYTEST_XDIST_WORKER" in os.environ
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -81,7 +81,19 @@ def test_an_optimizer_trains_takes_a_late_joiner_and_survives_a_kill(optimizer, 
     text = logs[1].read_text()
     assert "resumed from checkpoint" in text or "joined the swarm" in text, text[-3000:]
 
-    docs = [status(i) for i in infos]
+    def in_step() -> list[dict] | None:
+        """Both statuses, once b's φ history shares a round with a's: b trains in the swarm's
+        rounds again. (Its first rounds back may be its own: on a loaded machine a, alone, ran
+        20 rounds ahead while b resumed and downloaded, and b re-synced once more.)"""
+        docs = [status(i) for i in infos]
+        if None in docs:
+            return None
+        if optimizer == "noloco":  # replicas differ by design: no digests to share
+            return docs
+        phis = [dict(st["training"]["phi_history"]) for st in docs]
+        return docs if set(phis[0]) & set(phis[1]) else None
+
+    docs = wait_for("a round whose φ both a and b hold", in_step)
     for p in procs:
         p.send_signal(signal.SIGINT)
     for p, log in zip(procs, logs, strict=True):

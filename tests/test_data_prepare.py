@@ -21,7 +21,7 @@ import torch
 from meshtrain.data import PackedDataset, Progress, dataset_digest, open_dataset, resolve_dataset
 from meshtrain.data import files as data_files
 from meshtrain.data.cache import PROGRESS, Split, build_token_cache
-from meshtrain.data.files import READS, SAMPLE_BYTES
+from meshtrain.data.files import ETA_AFTER_S, READS, SAMPLE_BYTES, ProgressMeter
 from meshtrain.errors import ConfigError
 
 from .test_node_cli import cli, create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401 — a fixture
@@ -146,6 +146,18 @@ def test_progress_reads_as_a_line_for_people():
     p = Progress("tokenising", "data/corpus.txt", 1_200_000_000, 4_000_000_000, eta_s=180.0)
     assert p.describe() == "tokenising data/corpus.txt, 1.2 of 4.0 GB (30 %), about 3 min left"
     assert Progress("digesting", "d", 0, 500).describe() == "digesting d, 0 of 500 B (0 %)"
+
+
+def test_a_finished_phase_says_nothing_is_left_however_long_it_took():
+    seen: list[str] = []
+    meter = ProgressMeter("tokenising", "d", 1000, callback=lambda p: seen.append(p.describe()))
+    meter.t0 -= 10 * ETA_AFTER_S  # a slow build: long enough for a measured rate
+    meter.advance(500)
+    meter.t_call = 0.0  # due for a callback
+    meter.advance(600)
+    meter.finish()
+    assert "left" in seen[0], seen
+    assert seen[-1] == "tokenising d, 1.0 of 1.0 kB (100 %)", seen
 
 
 KILLED_BUILD = """

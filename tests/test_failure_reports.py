@@ -160,6 +160,8 @@ def test_a_failing_inner_run_leads_with_its_assertion_and_shows_its_logs(pyteste
     spawn_log = pytester.path / "elsewhere" / "daemon.log"  # not under the inner run's basetemp
     spawn_log.parent.mkdir()
     monkeypatch.setenv("SPAWN_LOG", str(spawn_log))
+    failure_log = pytester.path / "failures.txt"
+    monkeypatch.setenv("MESHTRAIN_FAILURE_LOG", str(failure_log))
     result = pytester.runpytest("-rf", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=3, passed=1)
     out = result.stdout.str()
@@ -198,3 +200,12 @@ def test_a_failing_inner_run_leads_with_its_assertion_and_shows_its_logs(pyteste
     # A log that conftest's `spawn` wrote, wherever it is, is the test's that spawned it.
     assert f"==> {spawn_log} <== (its last 1 lines)\ndaemon: bind failed" in spawned
     assert "daemon: bind failed" not in out.replace(spawned, "")
+
+    # MESHTRAIN_FAILURE_LOG: each failure's whole report, written as it failed (stress_suite.sh).
+    written = failure_log.read_text()
+    assert [line.split(" (")[0] for line in written.splitlines() if line.startswith("===== ")] == [
+        "===== test_deep.py::test_deep",
+        "===== test_deep.py::test_later",
+        "===== test_deep.py::test_spawned",
+    ], written
+    assert "AssertionError: two peers where three were expected" in written and "daemon: bind failed" in written

@@ -11,6 +11,7 @@ import torch
 import trio
 
 from meshtrain.collective.allreduce import AllReduceConfig, SwarmCollective
+from meshtrain.collective.contract import RoundRequest
 from meshtrain.collective.protocol import RoundKey
 from meshtrain.optim import NoLoCo, SparseLoCo, StreamingDiLoCo
 
@@ -62,6 +63,39 @@ async def test_an_unused_prepared_join_is_withdrawn_and_the_round_goes_on_withou
         assert [r.contributors for r in results] == [(peers[0].id, peers[1].id)] * 2
         assert torch.equal(results[0].tensors["w"], torch.full((100,), 1.5))
         assert [c.prepared.withdrawn for c in cols] == [0, 0, 1]
+
+
+async def test_a_prepared_join_outlives_its_expiry_while_our_trainer_is_still_coming():
+    """A loaded machine slowed a peer's trainer past its prepared join's expiry: withdrawn as the
+    group formed, the join left its partner a round of one. While our trainer's step is still
+    before the round, the join is kept, and the slow peer's data joins the round late."""
+    config = AllReduceConfig(join_timeout=5, part_timeout=30)
+    async with AsyncExitStack() as stack:
+        peers, cols = await mesh(stack, 3, config)
+        ids = [p.id for p in peers]
+        step = [8]  # the slow peer's trainer: still before round 9
+        cols[2] = SwarmCollective(peers[2].host, peers[2].ts, lambda r: ids, config, trainer_step=lambda: step[0])
+        for col in cols:
+            col.prepared.slack = 0.3
+            await col.prepare(round_id=9, tag="f0", within=0.0)  # expires after 0.3 s
+        tensors = [{"w": torch.full((10,), float(i + 1))} for i in range(3)]
+        results: list = [None] * 3
+
+        async def slow_peer() -> None:
+            await trio.sleep(1.5)  # sleep: the trainer reaches the round five expiries late
+            step[0] = 9
+            results[2] = await cols[2].all_reduce(RoundRequest(tensors[2], round_id=9, tag="f0"))
+
+        async def quick_pair() -> None:
+            results[:2] = await run_all(cols[:2], tensors[:2], round_id=9, tag="f0")
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow_peer)
+                nursery.start_soon(quick_pair)
+        assert [r.contributors for r in results] == [tuple(ids)] * 3
+        assert torch.equal(results[0].tensors["w"], torch.full((10,), 2.0))
+        assert [(c.prepared.used, c.prepared.withdrawn) for c in cols] == [(0, 0), (1, 0), (1, 0)]
 
 
 async def test_an_unprepared_round_is_withdrawn_at_once():

@@ -247,7 +247,8 @@ class SwarmCollective(Service):
         self.stripe_taper: int | None = STRIPE_TAPER
         self._entering = trio.Lock()  # one start, whether entered or started on first use
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
-        self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave)  # sent ahead (prepared.py)
+        # joins sent ahead (prepared.py), kept while our trainer is still coming to their round
+        self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave, self.own.coming)
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)

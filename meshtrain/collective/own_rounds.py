@@ -144,6 +144,14 @@ class OwnRounds:
             newest > key.round_id for s, newest in self._newest.items() if series == s or series.startswith(s + ".")
         )
 
+    def coming(self, key: RoundKey) -> bool:
+        """Whether our trainer is still on its way to round `key`: its inner step is not past the
+        round's (a round's id is the step it is sent at) and it has not gone past the round
+        otherwise (`past`). False where our trainer's step is unknown. A join prepared for the
+        round is kept while this holds (prepared.py "Failures")."""
+        step = self._trainer_step() if self._trainer_step is not None else None
+        return step is not None and step <= key.round_id and not self.past(key)
+
     def _follow_trainer(self) -> None:
         """Undo the rounds our trainer's state is now before (module docstring: a re-sync took it
         back): not ended, not entered, not under way any more."""

@@ -33,8 +33,13 @@ for the coordinator, and in the data phase for slower peers, as before.
 Failures. `all_reduce` may never take a prepared join: the trainer re-synced to another step,
 the optimizer stopped, or the round began at another coordinator. The join would then keep us
 in a group that waits for our data until its part deadline. So an entry expires
-`2·within + EXPIRY_SLACK` seconds after it was prepared, and an `all_reduce` that starts the
-round under another key drops it. In both cases, if the coordinator had admitted us (`Joined`),
+`2·within + EXPIRY_SLACK` seconds after it was prepared — unless our trainer is still on its way
+to the round (`coming`: its step is not past the round's, OwnRounds in own_rounds.py), only
+slower than it expected; then the entry lives on, `EXPIRY_SLACK` at a time — and an
+`all_reduce` that starts the round under another key drops it. (A loaded test run saw a peer's
+trainer reach its round 5 s after the expiry: its join, withdrawn as the group formed, left its
+one partner a round of one, and both spent the round alone. A trainer that slow holds its group
+as a slow peer's data does, until the data phase's deadline.) In both cases, if the coordinator had admitted us (`Joined`),
 we withdraw: the self-accusing FAIL report that a peer leaving mid-round sends. The others then
 retry without us at once. (A dropped join whose group is not fixed yet is withdrawn when its
 reply comes.) A peer that exits altogether is seen to disconnect.
@@ -76,7 +81,8 @@ class PreparedJoins:
     """The joins this peer sent ahead of their rounds, by (round id, tag).
 
     send_join: sends one join and returns the coordinator's reply (raises as the round loop
-        expects). withdraw: the leaving report for (key, attempt), quiet on failure.
+        expects). withdraw: the leaving report for (key, attempt), quiet on failure. coming:
+        whether our trainer is still on its way to the key's round (keeps an entry past expiry).
     `slack`: seconds an entry outlives twice its expected wait (`EXPIRY_SLACK`).
     """
 
@@ -84,9 +90,11 @@ class PreparedJoins:
         self,
         send_join: Callable[[JoinRequest], Awaitable[JoinReply]],
         withdraw: Callable[[RoundKey, int], Awaitable[None]],
+        coming: Callable[[RoundKey], bool] = lambda key: False,
     ) -> None:
         self._send_join = send_join
         self._withdraw = withdraw
+        self._coming = coming
         self._entries: dict[tuple[int, str], PreparedJoin] = {}
         self.slack = EXPIRY_SLACK
         self.prepared = 0  # counters, for tests and logs
@@ -141,8 +149,13 @@ class PreparedJoins:
             entry.error = e
         finally:
             entry.done.set()
-        with trio.move_on_at(entry.expires):
-            await entry.claimed.wait()
+        while True:
+            with trio.move_on_at(entry.expires):
+                await entry.claimed.wait()
+            if entry.claimed.is_set() or not self._coming(entry.join.key):
+                break
+            entry.expires = trio.current_time() + self.slack  # our trainer is slow, not gone
+            log.debug(kv("allreduce prepared join kept: our trainer is still coming", key=entry.join.key))
         if entry.used:
             return
         key = entry.join.key

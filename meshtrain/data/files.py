@@ -150,7 +150,9 @@ class ProgressMeter:
 
     def progress(self, now: float) -> Progress:
         elapsed, moved = now - self.t0, self.done - self.started_at
-        eta = (self.total - self.done) * elapsed / moved if elapsed >= ETA_AFTER_S and moved > 0 else None
+        left = self.total - self.done
+        # done: nothing is left to estimate (not "about 1 s left" at 100 %, seen on a loaded machine)
+        eta = left * elapsed / moved if elapsed >= ETA_AFTER_S and moved > 0 and left > 0 else None
         return Progress(self.phase, self.dataset, self.done, self.total, None if eta is None else round(eta, 1))
 
 
