@@ -35,7 +35,11 @@ an RPC to it that would hang until its deadline) and, finding it silent, restart
 the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
 `CoordinatorLost`), where the others go too.
 
-Failures. A peer taken for silent that was only slow (its loop stalled for seconds while its
+Failures. Silence is judged by our own loop: a probe whose deadline fired more than `LATE_S`
+late proves nothing (our loop was starved, and the answer may be unread: `probe_where`), and it is
+probed again. A loaded test run saw three in-process peers, one loop between them, take their
+coordinator for silent: the member that left made its partner's round one of one, and neither
+published a φ for it. A peer taken for silent that was only slow (its loop stalled for seconds while its
 heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
 any late peer — a download, at worst. A partition makes each side's peers silent to the other:
 each side with two or more goes on among itself, as it would once the leases ran out, and the
@@ -58,6 +62,9 @@ from meshtrain.transport.rpc import RpcError, RpcTimeout
 from meshtrain.transport.validate import Malformed
 
 SILENT_KEEP_S = 20.0  # a silent peer is taken for silent this long, unless heard from first
+# A probe's deadline that fired this much late was ours: our loop was starved (a loaded machine;
+# in-process peers share one loop), and the peer's answer may be unread. Such a probe proves nothing.
+LATE_S = 0.5
 
 
 async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
@@ -69,12 +76,15 @@ async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereRepl
 
 async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | bool:
     """As `ask_where`, telling apart the peer that said nothing in `PROBE_EVERY` (True: it may be
-    silent) from one whose answer failed otherwise (False: refused, unreachable, garbled)."""
+    silent) from one whose answer failed otherwise (False: refused, unreachable, garbled), or
+    whose silence proves nothing: our own event loop ran `LATE_S` past the probe's deadline, so
+    an answer may be lying unread in our socket (False)."""
+    sent = trio.current_time()
     try:
         reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
         return WhereReply.parse(reply)
     except RpcTimeout:
-        return True
+        return trio.current_time() - sent - PROBE_EVERY <= LATE_S
     except (RpcError, Malformed):
         return False
 
