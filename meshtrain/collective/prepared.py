@@ -36,12 +36,12 @@ in a group that waits for our data until its part deadline. So an entry expires
 `2·within + EXPIRY_SLACK` seconds after it was prepared — unless our trainer is still on its way
 to the round (`coming`: its step is not past the round's, OwnRounds in own_rounds.py), only
 slower than it expected; then the entry lives on, `EXPIRY_SLACK` at a time — and an
-`all_reduce` that starts the round under another key drops it. (A loaded test run saw a peer's
-trainer reach its round 5 s after the expiry: its join, withdrawn as the group formed, left its
-one partner a round of one, and both spent the round alone. A trainer that slow holds its group
-as a slow peer's data does, until the data phase's deadline.) In both cases, if the coordinator had admitted us (`Joined`),
-we withdraw: the self-accusing FAIL report that a peer leaving mid-round sends. The others then
-retry without us at once. (A dropped join whose group is not fixed yet is withdrawn when its
+`all_reduce` that starts the round under another key drops it. (A trainer slowed past the expiry,
+on a loaded machine, had its join withdrawn just as the group formed: its one partner was left
+a round of one, and both spent the round alone — tests/test_prepared_rounds.py. A trainer that
+slow now holds its group as a slow peer's data does, until the data phase's deadline.) In both
+cases, if the coordinator had admitted us (`Joined`), we withdraw: the self-accusing FAIL report
+that a peer leaving mid-round sends. The others then retry without us at once. (A dropped join whose group is not fixed yet is withdrawn when its
 reply comes.) A peer that exits altogether is seen to disconnect.
 
 Not here: when to prepare (outer_round.py); the join RPC, the withdrawal report and the round

@@ -37,10 +37,10 @@ the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
 
 Failures. Silence is judged by our own loop: a probe whose deadline fired more than `LATE_S`
 late proves nothing (our loop was starved, and the answer may be unread: `probe_where`), and it is
-probed again. A loaded test run saw three in-process peers, one loop between them, take their
-coordinator for silent: the member that left made its partner's round one of one, and neither
-published a φ for it. A peer taken for silent that was only slow (its loop stalled for seconds while its
-heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
+probed again. (The likeliest reading of a loaded test run's failure: three in-process peers, one
+starved loop between them, took their coordinator for silent, and the member that left made its
+partner's round one of one.) A peer taken for silent that was only slow (its loop stalled for
+seconds while its heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
 any late peer — a download, at worst. A partition makes each side's peers silent to the other:
 each side with two or more goes on among itself, as it would once the leases ran out, and the
 parity rule picks one lineage when it heals.
