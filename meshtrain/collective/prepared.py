@@ -41,8 +41,9 @@ on a loaded machine, had its join withdrawn just as the group formed: its one pa
 a round of one, and both spent the round alone — tests/test_prepared_rounds.py. A trainer that
 slow now holds its group as a slow peer's data does, until the data phase's deadline.) In both
 cases, if the coordinator had admitted us (`Joined`), we withdraw: the self-accusing FAIL report
-that a peer leaving mid-round sends. The others then retry without us at once. (A dropped join whose group is not fixed yet is withdrawn when its
-reply comes.) A peer that exits altogether is seen to disconnect.
+that a peer leaving mid-round sends. The others then retry without us at once. (A dropped join
+whose group is not fixed yet is withdrawn when its reply comes.) A peer that exits altogether is
+seen to disconnect.
 
 Not here: when to prepare (outer_round.py); the join RPC, the withdrawal report and the round
 loop (allreduce.py).

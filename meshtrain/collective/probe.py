@@ -39,9 +39,11 @@ Failures. Silence is judged by our own loop: a probe whose deadline fired more t
 late proves nothing (our loop was starved, and the answer may be unread: `probe_where`), and it is
 probed again. (The likeliest reading of a loaded test run's failure: three in-process peers, one
 starved loop between them, took their coordinator for silent, and the member that left made its
-partner's round one of one.) A peer taken for silent that was only slow (its loop stalled for
-seconds while its heartbeats lagged too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as
-any late peer — a download, at worst. A partition makes each side's peers silent to the other:
+partner's round one of one.) A host whose own loop is late at every probe thus takes nobody for
+silent: stopped peers are then dropped when their leases run out, as before these rules. A peer
+taken for silent that was only slow (its loop stalled for seconds while its heartbeats lagged
+too) is late for the round: it proceeds alone, withholds its φ and re-syncs, as any late peer —
+a download, at worst. A partition makes each side's peers silent to the other:
 each side with two or more goes on among itself, as it would once the leases ran out, and the
 parity rule picks one lineage when it heals.
 
