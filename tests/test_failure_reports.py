@@ -162,6 +162,8 @@ def test_a_failing_inner_run_leads_with_its_assertion_and_shows_its_logs(pyteste
     monkeypatch.setenv("SPAWN_LOG", str(spawn_log))
     failure_log = pytester.path / "failures.txt"
     monkeypatch.setenv("MESHTRAIN_FAILURE_LOG", str(failure_log))
+    # The inner run prints its own summary, though this test may run in an xdist worker.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     result = pytester.runpytest("-rf", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=3, passed=1)
     out = result.stdout.str()
