@@ -90,11 +90,16 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
         with pytest.raises(RemoteError) as e:
             await stranger.host.rpc.call(coordinator, WHERE_RPC, {"tag": "f0", "round": 100}, timeout=5)
         assert e.value.code == "not-a-member"
-        # A member far from our round is refused too (it would pin a round nobody comes to).
-        with pytest.raises(RemoteError) as e:
-            await members[1].host.rpc.call(coordinator, JOIN_RPC, {"key": f"100000/f0/{coordinator}"}, timeout=5)
-        assert e.value.code == "round-out-of-window"
-        assert cols[0].refused == {"not-a-member": 3, "round-out-of-window": 1}
+        # A member far from our round is refused too (it would pin a round nobody comes to): far
+        # behind ours, it re-syncs; far ahead, we are the one left behind, and it goes to its next
+        # candidate (coordinator_client.py).
+        for round_id, code in ((10, "round-out-of-window"), (100000, "coordinator-behind")):
+            with pytest.raises(RemoteError) as e:
+                await members[1].host.rpc.call(
+                    coordinator, JOIN_RPC, {"key": f"{round_id}/f0/{coordinator}"}, timeout=5
+                )
+            assert e.value.code == code
+        assert cols[0].refused == {"not-a-member": 3, "round-out-of-window": 1, "coordinator-behind": 1}
 
         # The members' round is whole, and the stranger cannot report into or watch it.
         results = [None, None]

@@ -396,6 +396,128 @@ async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_roun
         nursery.cancel_scope.cancel()
 
 
+async def test_a_round_collecting_joins_across_our_own_pause_starts_again_without_those_who_left(autojump_clock):
+    """a, the lowest id, coordinates round 7; b and c joined, then a was stopped (SIGSTOP: the
+    clock jumps with nothing run). b took a for silent meanwhile and completed the round at the
+    next candidate; c still waits. a resumes and its own trainer joins: the round starts again —
+    c is told to join anew and does at once, b no longer counts — and, b having passed the
+    round, a and c (a majority) complete it. Before, a's join fixed the group of three at once,
+    a data phase waited for b, and the retry left a and c to commit beside b's φ; with c gone
+    too, a round of one (a 3-daemon run's second φ)."""
+    rpc = WhereRpc({"b": WhereReply(-1, None, 7)})  # b finished round 7 elsewhere
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+        await nursery.start(c.run)
+        key = RoundKey(7, "", "a")
+        replies: dict[str, list] = {"b": [], "c": []}
+        b_scope = trio.CancelScope()
+
+        async def join(p: str) -> None:
+            while True:
+                replies[p].append(reply := await c.join(p, key))
+                if not (isinstance(reply, Late) and reply.regroup):
+                    return
+
+        async def b_joins() -> None:
+            with b_scope:
+                await join("b")
+
+        nursery.start_soon(b_joins)
+        nursery.start_soon(join, "c")
+        await trio.sleep(1.0)
+        assert c.joined(key) == {"b", "c"}
+        b_scope.cancel()  # b leaves us for silent ...
+        autojump_clock.jump(12.0)  # ... while we are stopped for 12 s
+        resumed = trio.current_time()
+        buffered: list = []
+
+        async def b_joins_again() -> None:  # a join b sent while we were stopped, read only now
+            buffered.append(await c.join("b", key))
+
+        nursery.start_soon(b_joins_again)
+        ours = await c.join("a", key)
+        assert trio.current_time() - resumed <= PROBE_AFTER + 1.0  # b answered the probe: past the round
+        await trio.testing.wait_all_tasks_blocked()  # c's task has its reply
+        assert replies["c"][0] == Late(False, None, regroup=True)
+        assert ours == replies["c"][-1] == Joined(0, ("a", "c"))
+        assert replies["b"] == []  # b's join was cancelled, nothing came back to it
+        assert buffered == [Late(detailed=False)]  # asked where it is, b says it passed the round
+
+        # Alone: b and c both went on without us and passed the round. Our trainer is told the
+        # round passed (it re-syncs) rather than forming a group of one.
+        rpc.positions["c"] = WhereReply(-1, None, 8)
+        key8 = RoundKey(8, "", "a")
+        scopes = {p: trio.CancelScope() for p in "bc"}
+
+        async def gone(p: str) -> None:
+            with scopes[p]:
+                await c.join(p, key8)
+
+        for p in "bc":
+            nursery.start_soon(gone, p)
+        await trio.sleep(1.0)
+        for scope in scopes.values():
+            scope.cancel()
+        rpc.positions["b"] = WhereReply(-1, None, 8)
+        autojump_clock.jump(12.0)
+        assert await c.join("a", key8) == Late(True, None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_missing_peer_left_further_behind_than_the_round_window_is_not_waited_for(autojump_clock):
+    """b was stopped at round 40 while a and c went on to round 150 (the round window is 64): b
+    answers the probe from round 40, and must re-sync before it can join. a and c fix their
+    group after the probe rather than wait the join deadline (30 s) for it — a 3-daemon run's
+    survivors did, at every round until b re-synced. A peer one round behind is waited for, and
+    a lone joiner beside a peer left behind keeps waiting, as beside a silent one."""
+    config = AllReduceConfig(join_timeout=30.0, hard_join_factor=3.0, report_timeout=10.0, round_window=64)
+    for b_at, joiners, fixed_by in ((40, "ac", PROBE_AFTER + 1.0), (149, "ac", None), (40, "a", None)):
+        rpc = WhereRpc({"b": WhereReply(b_at, "b", b_at - 10), "c": WhereReply(150, "a", 140)})
+        async with trio.open_nursery() as nursery:
+            c = Coordinator(FakeHost("a", {"b", "c"}, rpc), config, lambda _round: ("a", "b", "c"))
+            await nursery.start(c.run)
+            key = RoundKey(150, "", "a")
+            replies: dict = {}
+
+            async def join(p: str, key: RoundKey = key, replies: dict = replies, c: Coordinator = c) -> None:
+                replies[p] = (await c.join(p, key), trio.current_time())
+
+            for p in joiners:
+                nursery.start_soon(join, p)
+            await trio.sleep(config.join_timeout - 1.0)
+            if fixed_by is None:
+                assert replies == {}, (b_at, joiners, replies)
+            else:
+                assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, ("a", "c")) for p in "ac"}
+                assert all(t <= fixed_by for _, t in replies.values()), replies
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_attempt_under_way_across_our_own_pause_is_aborted(autojump_clock):
+    """The group of three was fixed and b and c had reported done when a was stopped: they took
+    a for silent while waiting for the outcome and completed the round again at the next
+    candidate, without it (a 3-daemon run). a resumes: its own report (or the report deadline)
+    must not commit the attempt — b and c no longer hold its result — so it is aborted, and a
+    withholds its φ. Without a pause the same reports commit."""
+    digest = b"\x01" * 16
+    for paused in (True, False):
+        async with trio.open_nursery() as nursery:
+            c = await coordinator(nursery, "a", ["a", "b", "c"])
+            key = RoundKey(7, "", "a")
+            await join_all(c, key, ["a", "b", "c"])
+            for p in "bc":
+                nursery.start_soon(c.report, p, report(key, DONE, digest))
+            await trio.sleep(1.0)
+            if paused:
+                autojump_clock.jump(12.0)
+            outcome = await c.report("a", report(key, DONE, digest))
+            if paused:
+                assert isinstance(outcome, Abort) and "paused" in outcome.why, outcome
+            else:
+                assert isinstance(outcome, Commit) and outcome.holders == ("a", "b", "c"), outcome
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_member_joining_again_leaves_the_attempt_under_way_and_the_others_retry_at_once(autojump_clock):
     """c's join was in when it gave the round up (its coordinator looked silent: SIGSTOPped), and
     the group was fixed with it; c comes back and joins again. Seen in a 30-minute soak: a and b

@@ -114,6 +114,7 @@ from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
 from meshtrain.collective.probe import ask_where, wait_silent
 from meshtrain.collective.protocol import (
+    COORDINATOR_BEHIND,
     DONE,
     FAIL,
     JOIN_RPC,
@@ -154,6 +155,7 @@ MAX_REGROUPS = 8
 
 # Public names of the all-reduce, importable from here (they live in protocol.py).
 __all__ = [
+    "COORDINATOR_BEHIND",
     "JOIN_RPC",
     "NOT_A_MEMBER",
     "OUT_OF_WINDOW",
@@ -369,8 +371,15 @@ class SwarmCollective(Service):
         # starting, or downloading the swarm's state — when we cannot judge), else the newest
         # round we took part in.
         ref = self.current_round() if self.current_round is not None else self._latest_round
-        if window is not None and ref is not None and abs(round_id - ref) > window:
-            raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
+        if window is None or ref is None or abs(round_id - ref) <= window:
+            return
+        if round_id > ref:
+            # We are the one left behind (stopped while the swarm went on): the joiner goes to
+            # its next candidate rather than re-sync to us (protocol.py). A 3-daemon run saw the
+            # woken lowest id refuse its two peers, 11 rounds ahead, for 30 s, each refusal a
+            # round they spent alone.
+            raise self._refuse(COORDINATOR_BEHIND, f"round {round_id} is more than {window} ahead of ours ({ref})")
+        raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
 
     async def _rpc_join(self, peer: str, req: Any) -> dict[str, Any]:
         join = JoinRequest.parse(req, to=self.peer_id)
@@ -556,7 +565,9 @@ class SwarmCollective(Service):
             raise CollectiveError(f"{key}: coordinator handed the round to a higher id; proceed alone")
         if isinstance(joined, Late):
             if joined.regroup:
-                raise _Regroup(f"{key}: the coordinator found the round's peers in other groups of it")
+                raise _Regroup(
+                    f"{key}: the coordinator restarted the round (its peers grouped it differently, or it was paused)"
+                )
             if joined.elsewhere is not None:
                 raise CollectiveError(
                     f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "

@@ -53,12 +53,31 @@ predates `regroup` reads the reply as Late and proceeds alone, as it always did.
 Silent peers (probe.py): a missing peer that leaves a probe unanswered while its heartbeats
 stopped is silent; once every missing peer is silent (or past the round), two or more joined and
 they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
-and the next rounds do so as soon as everyone else is in. A lone joiner keeps waiting: a round of
+and the next rounds do so as soon as everyone else is in; a missing peer whose answer puts it
+further behind than the round window (`_left_behind`: stopped while the swarm went on; it must
+re-sync first) counts as silent here. A lone joiner keeps waiting: a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
 joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
 A member that left a round it thought silent while its join was in may come back to it (the
 coordinator was only stopped): a second join from a member of the attempt under way counts as its
 leaving that attempt (`_rejoined`), so the others retry without it at once.
+
+Our own pauses. A coordinator that was itself stopped (SIGSTOP, a suspended VM, a loop blocked
+for seconds) was silent to its members: those who noticed restarted the round at the next
+candidate and may complete it there. Their joins and reports are still here when we resume,
+and runs of three real daemons saw the lowest id, stopped 12 s, resume and either fix the group
+of three with its own trainer's late join (then wait out the data phase for the two who had
+gone, retry alone and commit) or commit an attempt whose reports were all in — each a second φ
+for a round the others had completed without it. A pulse every `PULSE_S` (crdt/swarm_records.py
+`LoopPauses`), noted again first thing on every path that decides (a join, a report, a timer),
+tells a pause of ours: a round still collecting joins with one from before it starts again —
+its joiners are told to join anew (`Late(regroup=True)`; those still waiting come back within a
+round trip, and one that left no longer counts; a join read in the first `WOKEN_S` after the
+pause may have been sent during it, so its joiner is asked where it is first) — and an attempt
+under way is aborted: its
+members that stayed withhold their φ and re-sync, as after any failed round. The price is one
+round where a pause was too short for anyone to leave (a member takes us for silent after two
+missed heartbeats and a probe, ~5 s at least).
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -77,7 +96,7 @@ from dataclasses import dataclass, field
 import trio
 
 from meshtrain.collective.own_rounds import OwnRounds
-from meshtrain.collective.probe import SilentPeers
+from meshtrain.collective.probe import SilentPeers, ask_where
 from meshtrain.collective.protocol import (
     FAIL,
     FAIL_GRACE,
@@ -101,6 +120,7 @@ from meshtrain.collective.protocol import (
     WhereReply,
 )
 from meshtrain.collective.shares import part_shares
+from meshtrain.crdt.swarm_records import PULSE_S, LoopPauses
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError
@@ -108,6 +128,7 @@ from meshtrain.transport.rpc import RemoteError
 log = get_logger(__name__)
 
 ROUNDS_KEPT = 16  # rounds remembered (older ones are forgotten)
+WOKEN_S = 3.0  # joins read this soon after a pause of ours are checked with their joiners ("Our own pauses")
 LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 
 
@@ -182,6 +203,8 @@ class Coordinator:
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
         self.silent = SilentPeers(quiet)  # missing peers found silent (probe.py)
+        self.pauses = LoopPauses()  # ours ("Our own pauses")
+        self.woke_at: float | None = None  # when the last pause of ours ended
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -198,7 +221,9 @@ class Coordinator:
             self._nursery = nursery
             task_status.started()
             try:
-                await trio.sleep_forever()
+                while True:  # our pulse: a gap in it is a pause of ours ("Our own pauses")
+                    self._note_running()
+                    await trio.sleep(PULSE_S)
             finally:
                 self._nursery = None
 
@@ -231,6 +256,7 @@ class Coordinator:
             nonlocal next_probe
             with trio.move_on_after(dt):
                 await r.group_fixed.wait()
+            self._note_running()
             self._review(r)
             if not r.group_fixed.is_set() and trio.current_time() >= next_probe:
                 await self._probe(r)
@@ -248,6 +274,7 @@ class Coordinator:
             while not r.group_fixed.is_set() and len(r.joins) != seen:
                 seen = len(r.joins)
                 await trio.sleep(JOIN_QUIET)
+        self._note_running()
         self._fix_group(r)
 
     async def _probe(self, r: _Round) -> None:
@@ -284,6 +311,7 @@ class Coordinator:
             return
         elsewhere: dict[str, str] = {}
         passed: set[str] = set()
+        behind: set[str] = set()
         regrouped: dict[str, str] = {}
         for p, a in answers.items():
             if a.round_id == round_id and a.tag is not None and a.tag != r.key.tag:
@@ -292,6 +320,8 @@ class Coordinator:
                 passed.add(p)
             elif a.round_id == round_id and a.coordinator is not None and a.coordinator < me:
                 elsewhere[p] = a.coordinator
+            elif self._left_behind(a, round_id):
+                behind.add(p)
         if regrouped:
             self._regroup(r, regrouped)
             return
@@ -308,9 +338,17 @@ class Coordinator:
                 elsewhere=min(elsewhere.values()),
             )
         else:
-            self._without_silent(r, passed)
+            self._without_silent(r, passed, behind)
 
-    def _without_silent(self, r: _Round, passed: Collection[str] = ()) -> None:
+    def _left_behind(self, where: WhereReply, round_id: int) -> bool:
+        """Whether a peer that says it is at `where` is further behind `round_id` than our round
+        window: stopped while the swarm went on, it re-syncs before it joins any round near
+        ours (allreduce.py refuses its joins as out of our window)."""
+        window = self.config.round_window
+        at = max(where.round_id, where.finished)
+        return window is not None and 0 <= at < round_id - window
+
+    def _without_silent(self, r: _Round, passed: Collection[str] = (), behind: Collection[str] = ()) -> None:
         """Fix the group without the missing peers once every one of them is silent (or past the
         round), two or more peers joined and they are a majority of the peers not silent: a
         stopped peer's membership stays live until its lease runs out (12 s), and the round would
@@ -318,20 +356,24 @@ class Coordinator:
         partner is a round alone that the partner may share later). Counted are the joins that
         the group would take (still candidates), and our own trainer is waited for: it is not
         silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
-        one — the one other joiner left beside a dead peer's join — a solo round."""
-        silent = self.silent.now()
+        one — the one other joiner left beside a dead peer's join — a solo round. A missing peer
+        `behind` (its answer puts it further behind than our round window: `_left_behind`) counts
+        as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
+        waited the join deadline (30 s) for their woken coordinator, 11 rounds behind."""
+        away = self.silent.now() | set(behind)
         missing = r.missing
-        if not missing <= silent | set(passed) or not missing & silent:
+        if not missing <= away | set(passed) or not missing & away:
             return  # our own trainer is never silent: while it has not joined, it is waited for
         candidates = set(self._candidates(r.key)) | {self.peer_id}
         joined = [p for p in r.joins if p in candidates]
-        if len(joined) < 2 or 2 * len(joined) <= len(r.expected - silent):
+        if len(joined) < 2 or 2 * len(joined) <= len(r.expected - away):
             return
         log.info(
             kv(
                 "allreduce fixing the group without silent peers",
                 key=r.key,
-                silent=",".join(sorted(p[-8:] for p in missing & silent)),
+                silent=",".join(sorted(p[-8:] for p in missing & away if p not in behind)),
+                behind=",".join(sorted(p[-8:] for p in missing & set(behind))),
                 joined=len(joined),
                 expected=len(r.expected),
             )
@@ -494,6 +536,9 @@ class Coordinator:
     ) -> JoinReply:
         """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown); `taper`:
         the stripe taper it can cut up to (None: an older peer, none)."""
+        self._note_running()
+        if not await self._still_joining(peer, key):
+            return Late(detailed=False)
         r = self._round(key)
         r.skipped.update(skipped)
         self.silent.heard(peer)
@@ -524,6 +569,69 @@ class Coordinator:
             return Late(detailed=False)
         first = r.attempts[0]
         return Joined(0, first.group, first.shares, first.taper)
+
+    def _note_running(self) -> None:
+        """Our loop runs now. After a pause of ours ("Our own pauses"): every round still
+        collecting joins with a join from before the pause starts again — those whose joiners
+        still wait join it anew at once (`Late(regroup=True)`), and a joiner that left us for
+        silent meanwhile is no longer counted in — and every attempt under way is aborted. Every
+        path that may decide (a join or report handler, a timer) notes first."""
+        now = trio.current_time()
+        pause = self.pauses.note(now)
+        if not pause:
+            return
+        began, self.woke_at = now - pause, now
+        for r in list(self.rounds.values()):
+            if not r.group_fixed.is_set():
+                stale = sorted(p for p, t in r.joins.items() if t < began)
+                if stale:
+                    self._restart_after_pause(r, stale, pause)
+            for i, a in enumerate(r.attempts):
+                if not a.decided.is_set():
+                    a.outcome = Abort(
+                        f"the coordinator was paused {pause:.0f} s; its members may have gone on without it"
+                    )
+                    a.decided.set()
+                    log.info(
+                        kv("allreduce attempt aborted: we were paused", key=r.key, attempt=i, paused_s=round(pause, 1))
+                    )
+
+    async def _still_joining(self, peer: str, key: RoundKey) -> bool:
+        """Whether `peer`'s join of `key` still stands. Just after a pause of ours
+        (`WOKEN_S`), a join may have been sent while we were stopped and read only now, by a
+        joiner that took us for silent since (a 3-daemon run: it completed the round at the next
+        candidate, and ours, formed with its join, became a round of one). So it is asked where
+        it is: a joiner that says it is in the round somewhere else, or past it, has hung up. One
+        not in the round yet (a join prepared ahead of it: prepared.py), or no answer, keeps the
+        join, as before."""
+        if self.woke_at is None or peer == self.peer_id or trio.current_time() - self.woke_at > WOKEN_S:
+            return True
+        where = await ask_where(self.host, peer, key.tag, key.round_id)
+        if where is None:
+            return True
+        past = where.finished >= key.round_id or where.round_id > key.round_id
+        elsewhere = where.round_id == key.round_id and where.coordinator not in (None, self.peer_id)
+        if not past and not elsewhere:
+            return True
+        log.info(kv("allreduce join read after our pause is stale", key=key, peer=peer[-8:], where=where))
+        return False
+
+    def _restart_after_pause(self, r: _Round, stale: list[str], pause: float) -> None:
+        """Round `r`'s joins in `stale` came before a pause of ours of `pause` s: told to join
+        anew (as a regroup: `Late(regroup=True)`), the joiners still waiting come back at once;
+        the round is forgotten here, so their joins open it afresh."""
+        r.regroup = True
+        r.group_fixed.set()
+        if self.rounds.get(r.key) is r:
+            del self.rounds[r.key]
+        log.info(
+            kv(
+                "allreduce round restarted: we were paused, and its joins from before may be stale",
+                key=r.key,
+                paused_s=round(pause, 1),
+                stale=",".join(p[-8:] for p in stale),
+            )
+        )
 
     def _rejoined(self, r: _Round, peer: str) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up
@@ -579,6 +687,7 @@ class Coordinator:
         return a.outcome
 
     async def report(self, peer: str, rep: Report) -> Outcome:
+        self._note_running()
         a = self._member_attempt(peer, rep.key, rep.attempt)
         self._record(peer, rep, a)
         await a.decided.wait()
@@ -613,6 +722,7 @@ class Coordinator:
         self, key: RoundKey, a: _Attempt, delay: float, decide: Callable[[RoundKey, _Attempt], None]
     ) -> None:
         await trio.sleep(delay)
+        self._note_running()
         if not a.decided.is_set() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
 

@@ -4,12 +4,13 @@ Problem. In every round a member joins, reports and watches at the round's coord
 either this peer (the local `Coordinator`: a plain call) or a remote peer, over an RPC that fails
 in three ways that call for three different answers:
 - the coordinator refuses us as a non-member or as out of its round window: its view of the swarm
-  does not hold us (yet), or it is far from our round, and joining another coordinator would
+  does not hold us (yet), or our round is far behind its own, and joining another coordinator would
   split the round, so we proceed alone and parity re-syncs us (`CollectiveError`);
 - it is connected but not ready (its collective is still starting): try again until the join
   deadline;
-- it is gone (no connection, past the deadline, or it answered garbage): restart the round at the
-  next candidate (`CoordinatorLost`).
+- it is gone (no connection, past the deadline, or it answered garbage), or it refuses us as too
+  far *ahead* of it (`coordinator-behind`: it was left behind, stopped while the swarm went on):
+  restart the round at the next candidate (`CoordinatorLost`).
 
 Design. `CoordinatorClient` makes each step one awaitable — `join`, `report`, `watch`, and
 `leave` (a FAIL report accusing ourselves, shielded and quiet, so the others retry without us at
@@ -115,6 +116,8 @@ class CoordinatorClient:
                     # Its view of the swarm does not hold us (yet), or it is far from our round:
                     # another coordinator would split the round. Proceed alone; parity re-syncs us.
                     raise CollectiveError(f"coordinator {coordinator[-8:]} refused us: {e}") from None
+                # Any other refusal — `coordinator-behind` among them: it is rounds behind ours,
+                # left behind while the swarm went on — sends us to the next candidate.
                 raise CoordinatorLost(f"coordinator {coordinator[-8:]} refused: {e}") from None
             except RpcError as e:
                 # A live connection means the coordinator is there but not ready (still starting

@@ -39,8 +39,11 @@ with an old peer cuts equal stripes, the old layout, and every member cuts alike
 
 A round key travels as the string `"{round_id}/{tag}/{coordinator}"` (peer ids hold no "/");
 `RoundKey` is its parsed form. Refusals are typed RPC errors: `not-a-member` (the sender is not
-a candidate of the round in our view of membership) and `round-out-of-window` (the round is too
-far from ours), besides `malformed` and `unknown_attempt`.
+a candidate of the round in our view of membership), `round-out-of-window` (the round is too
+far behind ours: the joiner re-syncs) and `coordinator-behind` (the round is too far ahead of
+ours: we are the one left behind — a coordinator stopped while the swarm went on — and the
+joiner goes to the next candidate instead, as if we had gone; an older peer reads it as any
+refusal and does the same), besides `malformed` and `unknown_attempt`.
 
 Not here: what the coordinator decides (coordinator.py), how a peer takes part (allreduce.py).
 """
@@ -65,6 +68,7 @@ from meshtrain.transport.validate import (
 JOIN_RPC, REPORT_RPC, WATCH_RPC = "allreduce/join", "allreduce/report", "allreduce/watch"
 WHERE_RPC = "allreduce/where"
 NOT_A_MEMBER, OUT_OF_WINDOW = "not-a-member", "round-out-of-window"  # typed refusals (RPC codes)
+COORDINATOR_BEHIND = "coordinator-behind"  # ... and the one that sends the joiner to the next candidate
 UNKNOWN_ATTEMPT = "unknown_attempt"
 JOIN_QUIET = 0.5  # after the join deadline, fix the group once no one joined for this long
 WAIT_LOG_EVERY = 5.0  # a round still waiting after this long says (again) what it waits for

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        # The message says what went wrong; where is for whoever debugs (DEBUG logs).
+        logging.getLogger("meshtrain.node.cli").debug("the error that ended the run", exc_info=eg)
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else _exit_code(err)
 
