@@ -591,8 +591,16 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
             procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
         info += [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs[1:], logs[1:], strict=True)]
 
+        # Every φ digest any of them publishes, by round: no two may differ (node/state/parity.py).
+        # A stopped coordinator once resumed and committed alone a round the others had completed
+        # without it (collective/coordinator.py, "Our own pauses").
+        published: dict[int, dict[str, set[int]]] = {}
+
         def rounds(i: int) -> int:
-            return _status(dirs[i])["training"]["round"] or 0
+            training = _status(dirs[i])["training"]
+            for r, digest in training.get("phi_history") or []:
+                published.setdefault(r, {}).setdefault(digest, set()).add(i)
+            return training["round"] or 0
 
         deadline = time.monotonic() + 120
         while min(rounds(i) for i in range(3)) < 3:
@@ -622,6 +630,10 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
         while rounds(victim) <= woken_round:  # it re-syncs and trains on with the others
             assert time.monotonic() < deadline, logs[victim].read_text()[-3000:]
             time.sleep(0.3)  # sleep: poll interval
+        for i in range(3):
+            rounds(i)
+        split = {r: {d[:12]: sorted(who) for d, who in held.items()} for r, held in published.items() if len(held) > 1}
+        assert not split, (split, logs[victim].read_text()[-3000:])
         for d in dirs:
             assert subprocess_stop(d).returncode == 0
         for p, lg in zip(procs, logs, strict=True):

@@ -424,7 +424,7 @@ async def test_a_round_collecting_joins_across_our_own_pause_starts_again_withou
 
         nursery.start_soon(b_joins)
         nursery.start_soon(join, "c")
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # sleep: virtual time (MockClock): the joins are in before the pause
         assert c.joined(key) == {"b", "c"}
         b_scope.cancel()  # b leaves us for silent ...
         autojump_clock.jump(12.0)  # ... while we are stopped for 12 s
@@ -455,7 +455,7 @@ async def test_a_round_collecting_joins_across_our_own_pause_starts_again_withou
 
         for p in "bc":
             nursery.start_soon(gone, p)
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # sleep: virtual time (MockClock): the joins are in before the pause
         for scope in scopes.values():
             scope.cancel()
         rpc.positions["b"] = WhereReply(-1, None, 8)
@@ -484,7 +484,7 @@ async def test_a_missing_peer_left_further_behind_than_the_round_window_is_not_w
 
             for p in joiners:
                 nursery.start_soon(join, p)
-            await trio.sleep(config.join_timeout - 1.0)
+            await trio.sleep(config.join_timeout - 1.0)  # sleep: virtual time, up to the join deadline
             if fixed_by is None:
                 assert replies == {}, (b_at, joiners, replies)
             else:
@@ -507,7 +507,7 @@ async def test_an_attempt_under_way_across_our_own_pause_is_aborted(autojump_clo
             await join_all(c, key, ["a", "b", "c"])
             for p in "bc":
                 nursery.start_soon(c.report, p, report(key, DONE, digest))
-            await trio.sleep(1.0)
+            await trio.sleep(1.0)  # sleep: virtual time (MockClock): the reports are in before the pause
             if paused:
                 autojump_clock.jump(12.0)
             outcome = await c.report("a", report(key, DONE, digest))
