@@ -407,10 +407,27 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        # The message says what went wrong; where is for whoever debugs (DEBUG logs).
-        logging.getLogger("meshtrain.node.cli").debug("the error that ended the run", exc_info=eg)
+        # The message says what went wrong; where it came from is for whoever debugs: at DEBUG,
+        # and at ERROR for a transport failure, never a user's mistake (a 30-minute soak's
+        # daemon ended "stream closed while writing" and nothing said from where).
+        logging.getLogger("meshtrain.node.cli").log(
+            logging.ERROR if _is_transport_failure(err) else logging.DEBUG, "the error that ended the run", exc_info=eg
+        )
         print(f"meshtrain: {'error: ' if isinstance(err, ConfigError) else ''}{err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else _exit_code(err)
+
+
+def _is_transport_failure(err: MeshtrainError) -> bool:
+    """A broken stream or transfer (transport/framing.py `WireError`, data_channel.py
+    `TransferError`): looked up, not imported, as in `_exit_code`."""
+    kinds = [
+        getattr(sys.modules.get(module), name, None)
+        for module, name in (
+            ("meshtrain.transport.framing", "WireError"),
+            ("meshtrain.transport.data_channel", "TransferError"),
+        )
+    ]
+    return any(isinstance(kind, type) and isinstance(err, kind) for kind in kinds)
 
 
 def _exit_code(err: MeshtrainError) -> int:
