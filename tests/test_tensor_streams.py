@@ -13,11 +13,14 @@ from functools import partial
 import pytest
 import torch
 import trio
+import trio.testing
 
-from meshtrain.transport.data_channel import payload_digest
+from meshtrain.transport.data_channel import ACCEPT, DATA, HEADER, MAX_CHUNK, DataChannel, payload_digest
 from meshtrain.transport.framing import FramedStream, StreamClosed, packb, unpackb
 from meshtrain.transport.host import HostConfig
 from meshtrain.transport.rpc import RemoteError
+from meshtrain.transport.tensor_inbox import Inbox
+from meshtrain.transport.tensor_layout import specs_of
 from meshtrain.transport.tensor_streams import (
     FALLBACK_PROTOCOL,
     MAGIC,
@@ -745,3 +748,46 @@ def test_bulk_bytes_must_not_be_negative():
     assert DataPlaneConfig(bulk_bytes=0).bulk_bytes == 0  # 0: one pool for all
     with pytest.raises(ValueError, match="bulk_bytes"):
         DataPlaneConfig(bulk_bytes=-1)
+
+
+async def test_a_receive_abandoned_on_a_connection_already_broken_ends_only_that_connection(autojump_clock):
+    """The receiver gave up on a transfer in flight (its round was aborted) while the sender's
+    connection had already broken: telling the sender "cancelled" fails to write. That failure
+    ends this connection's handler quietly; raised past its handlers, it ended a soak's daemon
+    ("stream closed while writing")."""
+    inbox = Inbox(DataPlaneConfig(), {}, {"bytes_received": 0, "handshake_failures": 0}, set())
+    ours, theirs = trio.testing.memory_stream_pair()
+    rx = DataChannel(FramedStream(ours, max_frame=MAX_CHUNK + 64), "libp2p", None)
+    tx = DataChannel(FramedStream(theirs, max_frame=MAX_CHUNK + 64), "libp2p", None)
+    src = {"w": torch.zeros(4096)}
+    header = {
+        "tag": "t",
+        "xfer": b"x" * 16,
+        "specs": [s.to_wire() for s in specs_of(src)],
+        "meta": {},
+        "digest": None,
+        "eager": False,
+    }
+    async with trio.open_nursery() as nursery:
+        inbox.nursery = nursery
+
+        async def gives_up() -> None:
+            with pytest.raises(TransferError):
+                await inbox.receive("p", "t", timeout=1.0)
+
+        nursery.start_soon(gives_up)
+        served = trio.Event()
+
+        async def serve() -> None:
+            await inbox.serve_channel(rx, "p")  # returns: the connection ended, the node did not
+            served.set()
+
+        nursery.start_soon(serve)
+        await tx.send_msg(HEADER, header)
+        await tx.recv_msg(ACCEPT)
+        await trio.sleep(2.0)  # sleep: virtual time (MockClock), past the receive's timeout
+        await tx.send(DATA, bytes(1024))
+        await theirs.aclose()  # the sender's side is gone before the receiver answers
+        with trio.fail_after(10):
+            await served.wait()
+        nursery.cancel_scope.cancel()

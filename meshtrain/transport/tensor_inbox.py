@@ -27,6 +27,7 @@ Not here: sessions, connections and the send side (tensor_streams.py); the wire 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ from meshtrain.transport.tensor_layout import (
 from meshtrain.transport.validate import require_map
 
 log = get_logger(__name__)
+
+
+# What ends a data-plane connection under a handler: the peer went, or the stream broke.
+CONNECTION_ENDED = (WireError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class _Abandoned(Exception):
@@ -201,9 +206,13 @@ class Inbox:
             self.stats["handshake_failures"] += 1
             log.info(kv("data-plane frame rejected", peer=peer, reason=str(e)))
         except _Abandoned:
-            with trio.move_on_after(1):  # tell the sender now rather than let it retry
+            # Tell the sender now rather than let it retry — unless its connection is gone too:
+            # raised here, past the handlers below, a broken write ended the whole node (a
+            # 30-minute soak's woken coordinator, "stream closed while writing", just after it
+            # aborted the round whose receives it abandoned).
+            with trio.move_on_after(1), contextlib.suppress(*CONNECTION_ENDED):
                 await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
-        except (WireError, LayoutError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        except (LayoutError, *CONNECTION_ENDED) as e:
             log.info(kv("data-plane connection ended", peer=peer, reason=repr(e)))
         except Exception as e:  # a connection handler must never take the node down
             log.warning(kv("data-plane handler failed", peer=peer, error=repr(e)))
