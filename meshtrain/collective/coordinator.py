@@ -473,18 +473,21 @@ class Coordinator:
         computed the round's groups from another roster. Everyone who joined here is told to
         compute their group again and join anew ("Groups that disagree"); a join under this key
         from now on opens a fresh round, which waits and probes again."""
+        self._restart(
+            r,
+            "allreduce groups disagree; regrouping",
+            joined=",".join(p[-8:] for p in sorted(r.joins)),
+            elsewhere=",".join(f"{p[-8:]}:{t}" for p, t in sorted(tags.items())),
+        )
+
+    def _restart(self, r: _Round, why: str, **fields: object) -> None:
+        """End round `r` for everyone who joined with `Late(regroup=True)`: each joins anew at
+        once, and the round is forgotten here, so their joins open it afresh. Logs `why`."""
         r.regroup = True
         r.group_fixed.set()
         if self.rounds.get(r.key) is r:
             del self.rounds[r.key]
-        log.info(
-            kv(
-                "allreduce groups disagree; regrouping",
-                key=r.key,
-                joined=",".join(p[-8:] for p in sorted(r.joins)),
-                elsewhere=",".join(f"{p[-8:]}:{t}" for p, t in sorted(tags.items())),
-            )
-        )
+        log.info(kv(why, key=r.key, **fields))
 
     def _hand_over(self, r: _Round, to: str, why: str) -> None:
         """Everyone who joined here is told to start the round again at `to`."""
@@ -585,7 +588,12 @@ class Coordinator:
             if not r.group_fixed.is_set():
                 stale = sorted(p for p, t in r.joins.items() if t < began)
                 if stale:
-                    self._restart_after_pause(r, stale, pause)
+                    self._restart(
+                        r,
+                        "allreduce round restarted: we were paused, and its joins from before may be stale",
+                        paused_s=round(pause, 1),
+                        stale=",".join(p[-8:] for p in stale),
+                    )
             for i, a in enumerate(r.attempts):
                 if not a.decided.is_set():
                     a.outcome = Abort(
@@ -615,23 +623,6 @@ class Coordinator:
             return True
         log.info(kv("allreduce join read after our pause is stale", key=key, peer=peer[-8:], where=where))
         return False
-
-    def _restart_after_pause(self, r: _Round, stale: list[str], pause: float) -> None:
-        """Round `r`'s joins in `stale` came before a pause of ours of `pause` s: told to join
-        anew (as a regroup: `Late(regroup=True)`), the joiners still waiting come back at once;
-        the round is forgotten here, so their joins open it afresh."""
-        r.regroup = True
-        r.group_fixed.set()
-        if self.rounds.get(r.key) is r:
-            del self.rounds[r.key]
-        log.info(
-            kv(
-                "allreduce round restarted: we were paused, and its joins from before may be stale",
-                key=r.key,
-                paused_s=round(pause, 1),
-                stale=",".join(p[-8:] for p in stale),
-            )
-        )
 
     def _rejoined(self, r: _Round, peer: str) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up
