@@ -27,9 +27,8 @@ Not here: sessions, connections and the send side (tensor_streams.py); the wire 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,7 +209,7 @@ class Inbox:
             # raised here, past the handlers below, a broken write ended the whole node (a
             # 30-minute soak's woken coordinator, "stream closed while writing", just after it
             # aborted the round whose receives it abandoned).
-            with trio.move_on_after(1), contextlib.suppress(*CONNECTION_ENDED):
+            with trio.move_on_after(1), suppress(*CONNECTION_ENDED):
                 await self._refuse_transfer(ch, "cancelled", "the receiver gave up")
         except (LayoutError, *CONNECTION_ENDED) as e:
             log.info(kv("data-plane connection ended", peer=peer, reason=repr(e)))
