@@ -55,7 +55,8 @@ stopped is silent; once every missing peer is silent (or past the round), two or
 they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
 and the next rounds do so as soon as everyone else is in; a missing peer whose answer puts it
 further behind than the round window (`_left_behind`: stopped while the swarm went on; it must
-re-sync first) counts as silent here. A lone joiner keeps waiting: a round of
+re-sync first) counts as silent here. A lone joiner keeps waiting (unless every missing peer is
+left behind: none of them can share the round later): a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
 joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
 A member that left a round it thought silent while its join was in may come back to it (the
@@ -359,14 +360,21 @@ class Coordinator:
         one — the one other joiner left beside a dead peer's join — a solo round. A missing peer
         `behind` (its answer puts it further behind than our round window: `_left_behind`) counts
         as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
-        waited the join deadline (30 s) for their woken coordinator, 11 rounds behind."""
+        waited the join deadline (30 s) for their woken coordinator, 11 rounds behind. Beside
+        partners that are all behind, a lone joiner fixes its group of one too: they cannot share
+        the round later, and CI saw the front peer of a swarm, coming back to a group left 100
+        rounds behind (refused as `coordinator-behind`, it coordinated its round itself), wait
+        out the hard join deadline (90 s) for them while they waited for its state."""
         away = self.silent.now() | set(behind)
         missing = r.missing
         if not missing <= away | set(passed) or not missing & away:
             return  # our own trainer is never silent: while it has not joined, it is waited for
         candidates = set(self._candidates(r.key)) | {self.peer_id}
         joined = [p for p in r.joins if p in candidates]
-        if len(joined) < 2 or 2 * len(joined) <= len(r.expected - away):
+        # A partner left behind cannot share this round later (it re-syncs first, to our state):
+        # beside only such partners, a lone joiner is not waited for either.
+        fewest = 1 if missing <= set(behind) | set(passed) else 2
+        if len(joined) < fewest or 2 * len(joined) <= len(r.expected - away):
             return
         log.info(
             kv(
