@@ -503,28 +503,46 @@ async def test_a_missing_peer_left_further_behind_than_the_round_window_is_not_w
             nursery.cancel_scope.cancel()
 
 
-async def test_an_attempt_under_way_across_our_own_pause_is_aborted(autojump_clock):
+async def test_an_attempt_under_way_across_our_own_pause_goes_on_only_if_its_members_stayed(autojump_clock):
     """The group of three was fixed and b and c had reported done when a was stopped: they took
     a for silent while waiting for the outcome and completed the round again at the next
     candidate, without it (a 3-daemon run). a resumes: its own report (or the report deadline)
-    must not commit the attempt — b and c no longer hold its result — so it is aborted, and a
-    withholds its φ. Without a pause the same reports commit."""
+    must not commit the attempt — b and c no longer hold its result — so it asks them where they
+    are first, and aborts when one went on (in the round elsewhere, past it, or silent); a
+    withholds its φ. When both say they are still in the round here (a pause too short for
+    anyone to leave: a loop blocked a few seconds), the same reports commit, a probe later.
+    Without a pause they commit at once, and nobody is asked."""
     digest = b"\x01" * 16
-    for paused in (True, False):
+    here = WhereReply(7, "a", 2)
+    cases = (
+        ("elsewhere", {"b": here, "c": WhereReply(7, "b", 2)}, Abort),
+        ("past", {"b": WhereReply(-1, None, 7), "c": here}, Abort),
+        ("silent", {"b": here}, Abort),
+        ("stayed", {"b": here, "c": here}, Commit),
+        ("no pause", {}, Commit),
+    )
+    for name, positions, expected in cases:
+        rpc = WhereRpc(positions)
         async with trio.open_nursery() as nursery:
-            c = await coordinator(nursery, "a", ["a", "b", "c"])
+            c = Coordinator(FakeHost("a", {"b", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+            await nursery.start(c.run)
             key = RoundKey(7, "", "a")
             await join_all(c, key, ["a", "b", "c"])
             for p in "bc":
                 nursery.start_soon(c.report, p, report(key, DONE, digest))
             await trio.sleep(1.0)  # sleep: virtual time (MockClock): the reports are in before the pause
-            if paused:
+            if name != "no pause":
                 autojump_clock.jump(12.0)
+            reported = trio.current_time()
             outcome = await c.report("a", report(key, DONE, digest))
-            if paused:
-                assert isinstance(outcome, Abort) and "paused" in outcome.why, outcome
+            assert isinstance(outcome, expected), (name, outcome)
+            if expected is Abort:
+                assert "paused" in outcome.why, outcome
             else:
-                assert isinstance(outcome, Commit) and outcome.holders == ("a", "b", "c"), outcome
+                assert outcome.holders == ("a", "b", "c"), outcome
+            asked = sorted(peer for peer, _ in rpc.asked)
+            assert asked == ([] if name == "no pause" else ["b", "c"]), (name, rpc.asked)
+            assert trio.current_time() - reported <= (0.0 if name == "no pause" else PROBE_EVERY), name
             nursery.cancel_scope.cancel()
 
 

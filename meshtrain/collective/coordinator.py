@@ -75,10 +75,14 @@ tells a pause of ours: a round still collecting joins with one from before it st
 its joiners are told to join anew (`Late(regroup=True)`; those still waiting come back within a
 round trip, and one that left no longer counts; a join read in the first `WOKEN_S` after the
 pause may have been sent during it, so its joiner is asked where it is first) — and an attempt
-under way is aborted: its
-members that stayed withhold their φ and re-sync, as after any failed round. The price is one
-round where a pause was too short for anyone to leave (a member takes us for silent after two
-missed heartbeats and a probe, ~5 s at least).
+under way is held (no report or deadline decides it) while its other members are asked where they
+are (`_confirm_members`): if every one says it is still in the round here, the attempt goes on;
+if one went on without us, is past the round or does not answer, it is aborted, and its members
+that stayed withhold their φ and re-sync, as after any failed round. A member that gave up on us
+mid-attempt also said so (a leave report, sent before it joins elsewhere), read when we resume.
+So a pause too short for anyone to leave (a member takes us for silent after two missed
+heartbeats and a probe, ~5 s at least; a loop blocked a few seconds by a large model's work)
+costs a probe of up to `PROBE_EVERY`, not the round and every member's re-sync.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -144,6 +148,10 @@ class _Attempt:
     decided: trio.Event = field(default_factory=trio.Event)
     first_report: float | None = None
     first_fail: float | None = None
+    held: bool = False  # no decision while its members are asked whether they stayed (a pause of ours)
+
+    def decidable(self) -> bool:
+        return not self.decided.is_set() and not self.held
 
 
 @dataclass
@@ -585,8 +593,9 @@ class Coordinator:
         """Our loop runs now. After a pause of ours ("Our own pauses"): every round still
         collecting joins with a join from before the pause starts again — those whose joiners
         still wait join it anew at once (`Late(regroup=True)`), and a joiner that left us for
-        silent meanwhile is no longer counted in — and every attempt under way is aborted. Every
-        path that may decide (a join or report handler, a timer) notes first."""
+        silent meanwhile is no longer counted in — and every attempt under way is held while its
+        members are asked whether they stayed (`_confirm_members`). Every path that may decide (a
+        join or report handler, a timer) notes first."""
         now = trio.current_time()
         pause = self.pauses.note(now)
         if not pause:
@@ -603,14 +612,65 @@ class Coordinator:
                         stale=",".join(p[-8:] for p in stale),
                     )
             for i, a in enumerate(r.attempts):
-                if not a.decided.is_set():
-                    a.outcome = Abort(
-                        f"the coordinator was paused {pause:.0f} s; its members may have gone on without it"
-                    )
-                    a.decided.set()
-                    log.info(
-                        kv("allreduce attempt aborted: we were paused", key=r.key, attempt=i, paused_s=round(pause, 1))
-                    )
+                if a.decidable():
+                    a.held = True
+                    self._start_soon(self._confirm_members, r, i, a, pause)
+
+    async def _confirm_members(self, r: _Round, i: int, a: _Attempt, pause: float) -> None:
+        """After a pause of ours, attempt `i` of `r` (held meanwhile: no report decides it) goes on
+        only if every other member says it is still in the round here; otherwise it is aborted —
+        one that took us for silent may complete the round at the next candidate, and a commit
+        here would be a second φ for the round (a 3-daemon run). No answer counts as gone. A
+        pause too short for anyone to leave (a loop blocked a few seconds at a large model's
+        scale) then costs a probe, not the round and everyone's re-sync."""
+        key, others = r.key, [p for p in a.group if p != self.peer_id]
+        answers: dict[str, WhereReply] = {}
+
+        async def ask(peer: str) -> None:
+            if (where := await ask_where(self.host, peer, key.tag, key.round_id)) is not None:
+                answers[peer] = where
+
+        async with trio.open_nursery() as nursery:
+            for p in others:
+                nursery.start_soon(ask, p)
+        a.held = False
+        if a.decided.is_set():
+            return
+        gone = sorted(p for p in others if p not in answers or not self._still_here(answers[p], key))
+        if gone:
+            a.outcome = Abort(f"the coordinator was paused {pause:.0f} s; {len(gone)} member(s) went on without it")
+            a.decided.set()
+            log.info(
+                kv(
+                    "allreduce attempt aborted: we were paused",
+                    key=key,
+                    attempt=i,
+                    paused_s=round(pause, 1),
+                    gone=",".join(p[-8:] for p in gone),
+                )
+            )
+            return
+        log.info(kv("allreduce attempt kept across our pause", key=key, attempt=i, paused_s=round(pause, 1)))
+        self._decide_if_due(key, a)
+
+    def _still_here(self, where: WhereReply, key: RoundKey) -> bool:
+        """Whether a member that says it is at `where` is still in round `key` here."""
+        return (
+            where.round_id == key.round_id
+            and where.coordinator == self.peer_id
+            and where.tag in (None, key.tag)
+            and where.finished < key.round_id
+        )
+
+    def _decide_if_due(self, key: RoundKey, a: _Attempt) -> None:
+        """Decide `a` now if its reports or deadlines would have while it was held."""
+        now, failed = trio.current_time(), any(rep.failed for rep in a.reports.values())
+        if set(a.reports) >= set(a.group):
+            self._decide_failure(key, a) if failed else self._conclude(key, a)
+        elif a.first_fail is not None and now >= a.first_fail + FAIL_GRACE:
+            self._decide_failure(key, a)
+        elif a.first_report is not None and not failed and now >= a.first_report + self.config.report_timeout:
+            self._conclude_when_due(key, a)
 
     async def _still_joining(self, peer: str, key: RoundKey) -> bool:
         """Whether `peer`'s join of `key` still stands. Just after a pause of ours
@@ -722,7 +782,7 @@ class Coordinator:
     ) -> None:
         await trio.sleep(delay)
         self._note_running()
-        if not a.decided.is_set() and not (decide != self._decide_failure and a.first_fail is not None):
+        if a.decidable() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
 
     def _conclude_when_due(self, key: RoundKey, a: _Attempt) -> None:
@@ -746,7 +806,7 @@ class Coordinator:
         until the report deadline), or when a majority of all reporters blame it (it stalls
         everyone) and it holds no proof itself. If none of that singles anyone out, everyone
         blamed goes, so a retry always makes progress."""
-        if a.decided.is_set():
+        if not a.decidable():
             return
         fails = {p: rep for p, rep in a.reports.items() if rep.failed}
         blamed: dict[str, set[str]] = {}
@@ -795,7 +855,7 @@ class Coordinator:
         id) is aborted: the leaver may complete this round elsewhere, and a round of one would
         publish a second φ for it (a 30-minute soak's parity violation at round 413). The last
         member proceeds alone and withholds its φ, as for any failed round."""
-        if a.decided.is_set():
+        if not a.decidable():
             return
         r = self.rounds[key]
         survivors = tuple(p for p in a.group if p not in suspects)
@@ -815,7 +875,7 @@ class Coordinator:
         a.decided.set()
 
     def _conclude(self, key: RoundKey, a: _Attempt) -> None:
-        if a.decided.is_set():
+        if not a.decidable():
             return
         done = {p: rep for p, rep in a.reports.items() if not rep.failed}
         missing = set(a.group) - set(a.reports)
