@@ -28,8 +28,8 @@ allreduce.py for how peers find it). Its job, per round key:
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
   majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
   connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
-  the survivors after a failure (who goes is `_decide_failure`'s rule), `Abort` after
-  `max_attempts`.
+  the survivors after a failure, `Abort` after `max_attempts` — the rules are attempt_rules.py's;
+  here are the timers that apply them (the failure grace, the report deadline).
 
 Groups that disagree. A grouped round's tag names the group (collective/groups.py: "f0~g1.2"),
 computed from each peer's view of the round's roster (node/roster.py). Joins are announced ahead,
@@ -100,6 +100,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from meshtrain.collective.attempt_rules import Attempt, commit_of, next_group, whom_to_drop
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.probe import SilentPeers, ask_where
 from meshtrain.collective.protocol import (
@@ -113,7 +114,6 @@ from meshtrain.collective.protocol import (
     WAIT_LOG_EVERY,
     Abort,
     AllReduceConfig,
-    Commit,
     Joined,
     JoinReply,
     Late,
@@ -138,23 +138,6 @@ LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 
 
 @dataclass
-class _Attempt:
-    group: tuple[str, ...]
-    shares: tuple[int, ...] = ()  # the members' part sizes (shares.py; empty: equal parts)
-    taper: int = 0  # how many of each part's last stripes shrink (flat.py `stripe_bounds`)
-    started: float = field(default_factory=trio.current_time)
-    reports: dict[str, Report] = field(default_factory=dict)
-    outcome: Outcome | None = None
-    decided: trio.Event = field(default_factory=trio.Event)
-    first_report: float | None = None
-    first_fail: float | None = None
-    held: bool = False  # no decision while its members are asked whether they stayed (a pause of ours)
-
-    def decidable(self) -> bool:
-        return not self.decided.is_set() and not self.held
-
-
-@dataclass
 class _Round:
     key: RoundKey
     expected: frozenset[str]
@@ -169,7 +152,7 @@ class _Round:
     uplinks: dict[str, float | None] = field(default_factory=dict)  # each joiner's rate, bytes/s
     tapers: dict[str, int | None] = field(default_factory=dict)  # each joiner's offered stripe taper
     group_fixed: trio.Event = field(default_factory=trio.Event)
-    attempts: list[_Attempt] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def missing(self) -> frozenset[str]:
@@ -535,7 +518,7 @@ class Coordinator:
             log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(group), expected=len(r.expected)))
 
     @staticmethod
-    def _new_attempt(r: _Round, group: tuple[str, ...]) -> _Attempt:
+    def _new_attempt(r: _Round, group: tuple[str, ...]) -> Attempt:
         """An attempt among `group`, its parts sized by the rates the members joined with and its
         stripes tapered as far as every member can (0 if one offered none: an older peer). Both
         travel with the group, so every member cuts the vector the same way."""
@@ -543,7 +526,7 @@ class Coordinator:
         # An empty group (every peer that joined left our candidates) tapers nothing; its joiners
         # are told they are late. min() of nothing raised here and ended the daemon.
         taper = min((t for t in offered if t is not None), default=0) if None not in offered else 0
-        return _Attempt(group, part_shares([r.uplinks.get(p) for p in group]), taper)
+        return Attempt(group, part_shares([r.uplinks.get(p) for p in group]), taper)
 
     async def join(
         self,
@@ -616,7 +599,7 @@ class Coordinator:
                     a.held = True
                     self._start_soon(self._confirm_members, r, i, a, pause)
 
-    async def _confirm_members(self, r: _Round, i: int, a: _Attempt, pause: float) -> None:
+    async def _confirm_members(self, r: _Round, i: int, a: Attempt, pause: float) -> None:
         """After a pause of ours, attempt `i` of `r` (held meanwhile: no report decides it) goes on
         only if every other member says it is still in the round here; otherwise it is aborted —
         one that took us for silent may complete the round at the next candidate, and a commit
@@ -662,14 +645,14 @@ class Coordinator:
             and where.finished < key.round_id
         )
 
-    def _decide_if_due(self, key: RoundKey, a: _Attempt) -> None:
+    def _decide_if_due(self, key: RoundKey, a: Attempt) -> None:
         """Decide `a` now if its reports or deadlines would have while it was held."""
-        now, failed = trio.current_time(), any(rep.failed for rep in a.reports.values())
-        if set(a.reports) >= set(a.group):
-            self._decide_failure(key, a) if failed else self._conclude(key, a)
+        now = trio.current_time()
+        if a.all_reported:
+            self._decide_failure(key, a) if a.failed else self._conclude(key, a)
         elif a.first_fail is not None and now >= a.first_fail + FAIL_GRACE:
             self._decide_failure(key, a)
-        elif a.first_report is not None and not failed and now >= a.first_report + self.config.report_timeout:
+        elif a.first_report is not None and not a.failed and now >= a.first_report + self.config.report_timeout:
             self._conclude_when_due(key, a)
 
     async def _still_joining(self, peer: str, key: RoundKey) -> bool:
@@ -727,13 +710,13 @@ class Coordinator:
 
     # -- attempts ----------------------------------------------------------------------------
 
-    def _attempt(self, key: RoundKey, attempt: int) -> _Attempt:
+    def _attempt(self, key: RoundKey, attempt: int) -> Attempt:
         r = self.rounds.get(key)
         if r is None or not r.group_fixed.is_set() or not 0 <= attempt < len(r.attempts):
             raise RemoteError(UNKNOWN_ATTEMPT, f"{key} attempt {attempt}")
         return r.attempts[attempt]
 
-    def _member_attempt(self, peer: str, key: RoundKey, attempt: int) -> _Attempt:
+    def _member_attempt(self, peer: str, key: RoundKey, attempt: int) -> Attempt:
         a = self._attempt(key, attempt)
         if peer not in a.group:
             raise RemoteError(NOT_A_MEMBER, f"{peer[-8:]} is not in the group of {key} attempt {attempt}")
@@ -753,145 +736,85 @@ class Coordinator:
         assert a.outcome is not None  # set before decided
         return a.outcome
 
-    def _record(self, peer: str, rep: Report, a: _Attempt) -> None:
+    def _record(self, peer: str, rep: Report, a: Attempt) -> None:
         """Take `peer`'s report of attempt `a`, and decide once all are in, or set the timer."""
         if not a.decided.is_set():
-            a.reports[peer] = Report(
-                rep.key,
-                rep.attempt,
-                rep.status,
-                rep.digest,
-                tuple(s for s in rep.suspects if s in a.group),
-                tuple(rep.rejected),
-                bool(rep.evidence),
-            )
-            failed = any(r.failed for r in a.reports.values())
-            if set(a.reports) >= set(a.group):
-                self._decide_failure(rep.key, a) if failed else self._conclude(rep.key, a)
+            a.take(peer, rep)
+            if a.all_reported:
+                self._decide_failure(rep.key, a) if a.failed else self._conclude(rep.key, a)
             elif rep.failed and a.first_fail is None:
                 # One failure cancels everyone's attempt, and the transfers it breaks make
                 # innocent peers look guilty: hear the others before choosing whom to drop.
                 a.first_fail = trio.current_time()
                 self._start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
-            elif a.first_report is None and not failed:
+            elif a.first_report is None and not a.failed:
                 a.first_report = trio.current_time()
                 self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
 
     async def _decide_later(
-        self, key: RoundKey, a: _Attempt, delay: float, decide: Callable[[RoundKey, _Attempt], None]
+        self, key: RoundKey, a: Attempt, delay: float, decide: Callable[[RoundKey, Attempt], None]
     ) -> None:
         await trio.sleep(delay)
         self._note_running()
         if a.decidable() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
 
-    def _conclude_when_due(self, key: RoundKey, a: _Attempt) -> None:
+    def _conclude_when_due(self, key: RoundKey, a: Attempt) -> None:
         """Commit at the report deadline — but with weighted parts (`a.shares`) members finish at
         different times by design (a slow peer still downloads the results after the fast ones
         are done), so members still connected get as long again as the first reporter took,
         rather than being left `unconfirmed` to fetch the whole result again over a slow link."""
         now, first = trio.current_time(), a.first_report or 0.0
-        working = [p for p in a.group if p not in a.reports and (p == self.peer_id or self.host.is_connected(p))]
+        working = [p for p in a.group if p not in a.reports and self._live(p)]
         if a.shares and working and now < first + max(self.config.report_timeout, first - a.started):
             self._start_soon(self._decide_later, key, a, 0.25, self._conclude_when_due)
             return
         self._conclude(key, a)
 
-    def _decide_failure(self, key: RoundKey, a: _Attempt) -> None:
-        """Choose whom to drop from the failure reports heard so far.
-
-        A peer goes when it accused itself (it is leaving), when a majority of the peers holding
-        proof blame it (garbage data: one liar cannot evict an honest peer), when it was blamed
-        and never reported (it is gone; one that is still connected and blamed by a minority gets
-        until the report deadline), or when a majority of all reporters blame it (it stalls
-        everyone) and it holds no proof itself. If none of that singles anyone out, everyone
-        blamed goes, so a retry always makes progress."""
+    def _decide_failure(self, key: RoundKey, a: Attempt) -> None:
+        """Drop whom the failure reports so far single out (attempt_rules.py `whom_to_drop`) and
+        retry, or hear a slow member first."""
         if not a.decidable():
             return
-        fails = {p: rep for p, rep in a.reports.items() if rep.failed}
-        blamed: dict[str, set[str]] = {}
-        proof: dict[str, set[str]] = {}
-        for p, rep in fails.items():
-            for s in rep.suspects:
-                blamed.setdefault(s, set()).add(p)
-                if rep.evidence:
-                    proof.setdefault(s, set()).add(p)
-        provers = {p for p, rep in fails.items() if rep.evidence}
-        silent = {s for s in blamed if s not in a.reports}
-        # A peer that a minority blames and that has not reported yet but is still connected is
-        # probably just slow to report (a busy CPU): hear it before dropping it, up to the report
-        # deadline. A killed peer is disconnected, and a staller is blamed by the majority.
-        slow = {
-            s
-            for s in silent
-            if 2 * len(blamed[s]) <= len(a.reports)
-            and s not in proof
-            and (s == self.peer_id or self.host.is_connected(s))
-        }
-        if slow and a.first_fail is not None and trio.current_time() - a.first_fail < self.config.report_timeout:
+        drop = whom_to_drop(a, live=self._live, now=trio.current_time(), report_timeout=self.config.report_timeout)
+        if drop is None:
             self._start_soon(self._decide_later, key, a, 0.25, self._decide_failure)
             return
-        drop = {s for s, who in proof.items() if s in who or 2 * len(who) > len(provers)}
-        drop |= silent
-        # Majority blame, except against a peer that holds proof: abandoning the attempt on
-        # evidence breaks everyone's transfers to it, so the others' blame is only the echo.
-        drop |= {s for s, who in blamed.items() if 2 * len(who) > len(a.reports) and s not in provers}
         log.info(
             kv(
                 "allreduce attempt failed",
                 key=key,
-                drop=",".join(sorted(x[-8:] for x in (drop or set(blamed)))),
-                reports=";".join(
-                    f"{p[-8:]}>{','.join(x[-8:] for x in rep.suspects)}{'!' if rep.evidence else ''}"
-                    for p, rep in sorted(fails.items())
-                ),
+                drop=",".join(sorted(x[-8:] for x in drop)),
+                reports=a.describe_failures(),
             )
         )
-        self._retry(key, a, drop or set(blamed))
+        self._retry(key, a, drop)
 
-    def _retry(self, key: RoundKey, a: _Attempt, suspects: set[str]) -> None:
-        """Retry without `suspects`, or abort. A retry left with one member after another left by
-        itself (a self-accusing report: its coordinator went silent for it, or it moved to a lower
-        id) is aborted: the leaver may complete this round elsewhere, and a round of one would
-        publish a second φ for it (a 30-minute soak's parity violation at round 413). The last
-        member proceeds alone and withholds its φ, as for any failed round."""
+    def _live(self, peer: str) -> bool:
+        """Whether `peer` may still report: us, or connected."""
+        return peer == self.peer_id or self.host.is_connected(peer)
+
+    def _retry(self, key: RoundKey, a: Attempt, suspects: set[str]) -> None:
+        """Retry without `suspects`, or abort (attempt_rules.py `next_group`)."""
         if not a.decidable():
             return
         r = self.rounds[key]
-        survivors = tuple(p for p in a.group if p not in suspects)
-        left = [p for p in suspects if (rep := a.reports.get(p)) is not None and rep.failed and p in rep.suspects]
-        if not survivors:
-            a.outcome = Abort("no member left")
-        elif len(survivors) == 1 < len(a.group) and left:
-            a.outcome = Abort(
-                f"{','.join(sorted(p[-8:] for p in left))} left the round; a round of one is not the swarm's"
-            )
-        elif len(r.attempts) >= self.config.max_attempts or len(survivors) == len(a.group):
-            a.outcome = Abort("too many failed attempts" if suspects else "no progress")
+        group = next_group(a, suspects, len(r.attempts), self.config.max_attempts)
+        if isinstance(group, Abort):
+            a.outcome = group
         else:
-            r.attempts.append(self._new_attempt(r, survivors))
+            r.attempts.append(self._new_attempt(r, group))
             nxt = r.attempts[-1]
-            a.outcome = Retry(len(r.attempts) - 1, survivors, tuple(sorted(suspects)), nxt.shares, nxt.taper)
+            a.outcome = Retry(len(r.attempts) - 1, group, tuple(sorted(suspects)), nxt.shares, nxt.taper)
         a.decided.set()
 
-    def _conclude(self, key: RoundKey, a: _Attempt) -> None:
+    def _conclude(self, key: RoundKey, a: Attempt) -> None:
+        """Commit the majority digest (attempt_rules.py `commit_of`); with no digest at all,
+        retry without the members that never reported."""
         if not a.decidable():
             return
-        done = {p: rep for p, rep in a.reports.items() if not rep.failed}
-        missing = set(a.group) - set(a.reports)
-        counts: dict[bytes, int] = {}
-        for rep in done.values():
-            if rep.digest is not None:  # a done report without a digest (Report.parse allows it) is no vote
-                counts[rep.digest] = counts.get(rep.digest, 0) + 1
-        if not counts:
-            return self._retry(key, a, missing)
-        best = max(counts.items(), key=lambda kv_: (kv_[1], kv_[0]))[0]
-        a.outcome = Commit(
-            digest=best,
-            group=a.group,
-            holders=tuple(sorted(p for p, rep in done.items() if rep.digest == best)),
-            resync=tuple(sorted(p for p, rep in done.items() if rep.digest != best)),
-            unconfirmed=tuple(sorted(missing)),
-            rejected=tuple(sorted({x for rep in done.values() for x in rep.rejected if x in a.group})),
-        )
+        commit = commit_of(a)
+        if commit is None:
+            return self._retry(key, a, set(a.group) - set(a.reports))
+        a.outcome = commit
         a.decided.set()
