@@ -54,7 +54,7 @@ Silent peers (probe.py): a missing peer that leaves a probe unanswered while its
 stopped is silent; once every missing peer is silent (or past the round), two or more joined and
 they are a majority of the peers not silent, the group is fixed without them (`_without_silent`),
 and the next rounds do so as soon as everyone else is in; a missing peer whose answer puts it
-further behind than the round window (`_left_behind`: stopped while the swarm went on; it must
+further behind than the round window (probe.py `Whereabouts`: stopped while the swarm went on; it must
 re-sync first) counts as silent here. A lone joiner keeps waiting (unless every missing peer is
 left behind: none of them can share the round later): a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
@@ -64,25 +64,11 @@ coordinator was only stopped): a second join from a member of the attempt under 
 leaving that attempt (`_rejoined`), so the others retry without it at once.
 
 Our own pauses. A coordinator that was itself stopped (SIGSTOP, a suspended VM, a loop blocked
-for seconds) was silent to its members: those who noticed restarted the round at the next
-candidate and may complete it there. Their joins and reports are still here when we resume,
-and runs of three real daemons saw the lowest id, stopped 12 s, resume and either fix the group
-of three with its own trainer's late join (then wait out the data phase for the two who had
-gone, retry alone and commit) or commit an attempt whose reports were all in — each a second φ
-for a round the others had completed without it. A pulse every `PULSE_S` (crdt/swarm_records.py
-`LoopPauses`), noted again first thing on every path that decides (a join, a report, a timer),
-tells a pause of ours: a round still collecting joins with one from before it starts again —
-its joiners are told to join anew (`Late(regroup=True)`; those still waiting come back within a
-round trip, and one that left no longer counts; a join read in the first `WOKEN_S` after the
-pause may have been sent during it, so its joiner is asked where it is first) — and an attempt
-under way is held (no report or deadline decides it) while its other members are asked where they
-are (`_confirm_members`): if every one says it is still in the round here, the attempt goes on;
-if one went on without us, is past the round or does not answer, it is aborted, and its members
-that stayed withhold their φ and re-sync, as after any failed round. A member that gave up on us
-mid-attempt also said so (a leave report, sent before it joins elsewhere), read when we resume.
-So a pause too short for anyone to leave (a member takes us for silent after two missed
-heartbeats and a probe, ~5 s at least; a loop blocked a few seconds by a large model's work)
-costs a probe of up to `PROBE_EVERY`, not the round and every member's re-sync.
+for seconds) was silent to its members, who may have completed the round without it since. After
+such a pause (own_pauses.py tells it, and tells whether joins and members still stand): a round
+still collecting joins with one from before it starts again (`Late(regroup=True)`), a join read
+just after it is checked with its joiner, and an attempt under way is held until its members say
+whether they stayed — it goes on if all did, else it is aborted.
 
 The coordinator is driven by calls (`join`, `report`, `watch`, from the RPC handlers and from
 its own participation) and by timers; the timers run in a nursery that the owner hands in with
@@ -101,8 +87,9 @@ from dataclasses import dataclass, field
 import trio
 
 from meshtrain.collective.attempt_rules import Attempt, commit_of, next_group, whom_to_drop
+from meshtrain.collective.own_pauses import OwnPauses
 from meshtrain.collective.own_rounds import OwnRounds
-from meshtrain.collective.probe import SilentPeers, ask_where
+from meshtrain.collective.probe import SilentPeers, Whereabouts
 from meshtrain.collective.protocol import (
     FAIL,
     FAIL_GRACE,
@@ -125,7 +112,7 @@ from meshtrain.collective.protocol import (
     WhereReply,
 )
 from meshtrain.collective.shares import part_shares
-from meshtrain.crdt.swarm_records import PULSE_S, LoopPauses
+from meshtrain.crdt.swarm_records import PULSE_S
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError
@@ -133,7 +120,6 @@ from meshtrain.transport.rpc import RemoteError
 log = get_logger(__name__)
 
 ROUNDS_KEPT = 16  # rounds remembered (older ones are forgotten)
-WOKEN_S = 3.0  # joins read this soon after a pause of ours are checked with their joiners ("Our own pauses")
 LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 
 
@@ -195,8 +181,7 @@ class Coordinator:
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
         self.silent = SilentPeers(quiet)  # missing peers found silent (probe.py)
-        self.pauses = LoopPauses()  # ours ("Our own pauses")
-        self.woke_at: float | None = None  # when the last pause of ours ended
+        self.pauses = OwnPauses(host)  # ours ("Our own pauses")
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -301,21 +286,10 @@ class Coordinator:
                 nursery.start_soon(ask, p)
         if r.group_fixed.is_set():
             return
-        elsewhere: dict[str, str] = {}
-        passed: set[str] = set()
-        behind: set[str] = set()
-        regrouped: dict[str, str] = {}
-        for p, a in answers.items():
-            if a.round_id == round_id and a.tag is not None and a.tag != r.key.tag:
-                regrouped[p] = a.tag
-            elif a.finished >= round_id or a.round_id > round_id:
-                passed.add(p)
-            elif a.round_id == round_id and a.coordinator is not None and a.coordinator < me:
-                elsewhere[p] = a.coordinator
-            elif self._left_behind(a, round_id):
-                behind.add(p)
-        if regrouped:
-            self._regroup(r, regrouped)
+        found = Whereabouts.of(answers, r.key, me, self.config.round_window)
+        elsewhere, passed = found.elsewhere, found.passed
+        if found.regrouped:
+            self._regroup(r, found.regrouped)
             return
         reachable = sorted(c for c in set(elsewhere.values()) if c not in r.skipped or c in answers)
         accounted = set(elsewhere) | passed >= r.missing - {me}
@@ -330,15 +304,7 @@ class Coordinator:
                 elsewhere=min(elsewhere.values()),
             )
         else:
-            self._without_silent(r, passed, behind)
-
-    def _left_behind(self, where: WhereReply, round_id: int) -> bool:
-        """Whether a peer that says it is at `where` is further behind `round_id` than our round
-        window: stopped while the swarm went on, it re-syncs before it joins any round near
-        ours (allreduce.py refuses its joins as out of our window)."""
-        window = self.config.round_window
-        at = max(where.round_id, where.finished)
-        return window is not None and 0 <= at < round_id - window
+            self._without_silent(r, passed, found.behind)
 
     def _without_silent(self, r: _Round, passed: Collection[str] = (), behind: Collection[str] = ()) -> None:
         """Fix the group without the missing peers once every one of them is silent (or past the
@@ -349,7 +315,7 @@ class Coordinator:
         the group would take (still candidates), and our own trainer is waited for: it is not
         silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
         one — the one other joiner left beside a dead peer's join — a solo round. A missing peer
-        `behind` (its answer puts it further behind than our round window: `_left_behind`) counts
+        `behind` (its answer puts it further behind than our round window: probe.py `Whereabouts`) counts
         as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
         waited the join deadline (30 s) for their woken coordinator, 11 rounds behind. Beside
         partners that are all behind, a lone joiner fixes its group of one too: they cannot share
@@ -539,7 +505,7 @@ class Coordinator:
         """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown); `taper`:
         the stripe taper it can cut up to (None: an older peer, none)."""
         self._note_running()
-        if not await self._still_joining(peer, key):
+        if not await self.pauses.join_stands(peer, key):
             return Late(detailed=False)
         r = self._round(key)
         r.skipped.update(skipped)
@@ -583,7 +549,7 @@ class Coordinator:
         pause = self.pauses.note(now)
         if not pause:
             return
-        began, self.woke_at = now - pause, now
+        began = now - pause
         for r in list(self.rounds.values()):
             if not r.group_fixed.is_set():
                 stale = sorted(p for p, t in r.joins.items() if t < began)
@@ -601,25 +567,14 @@ class Coordinator:
 
     async def _confirm_members(self, r: _Round, i: int, a: Attempt, pause: float) -> None:
         """After a pause of ours, attempt `i` of `r` (held meanwhile: no report decides it) goes on
-        only if every other member says it is still in the round here; otherwise it is aborted —
-        one that took us for silent may complete the round at the next candidate, and a commit
-        here would be a second φ for the round (a 3-daemon run). No answer counts as gone. A
-        pause too short for anyone to leave (a loop blocked a few seconds at a large model's
-        scale) then costs a probe, not the round and everyone's re-sync."""
-        key, others = r.key, [p for p in a.group if p != self.peer_id]
-        answers: dict[str, WhereReply] = {}
-
-        async def ask(peer: str) -> None:
-            if (where := await ask_where(self.host, peer, key.tag, key.round_id)) is not None:
-                answers[peer] = where
-
-        async with trio.open_nursery() as nursery:
-            for p in others:
-                nursery.start_soon(ask, p)
+        only if every other member says it stayed (own_pauses.py `gone_members`); otherwise it is
+        aborted — one that took us for silent may complete the round at the next candidate, and a
+        commit here would be a second φ for the round."""
+        key = r.key
+        gone = await self.pauses.gone_members(key, a.group)
         a.held = False
         if a.decided.is_set():
             return
-        gone = sorted(p for p in others if p not in answers or not self._still_here(answers[p], key))
         if gone:
             a.outcome = Abort(f"the coordinator was paused {pause:.0f} s; {len(gone)} member(s) went on without it")
             a.decided.set()
@@ -636,15 +591,6 @@ class Coordinator:
         log.info(kv("allreduce attempt kept across our pause", key=key, attempt=i, paused_s=round(pause, 1)))
         self._decide_if_due(key, a)
 
-    def _still_here(self, where: WhereReply, key: RoundKey) -> bool:
-        """Whether a member that says it is at `where` is still in round `key` here."""
-        return (
-            where.round_id == key.round_id
-            and where.coordinator == self.peer_id
-            and where.tag in (None, key.tag)
-            and where.finished < key.round_id
-        )
-
     def _decide_if_due(self, key: RoundKey, a: Attempt) -> None:
         """Decide `a` now if its reports or deadlines would have while it was held."""
         now = trio.current_time()
@@ -654,26 +600,6 @@ class Coordinator:
             self._decide_failure(key, a)
         elif a.first_report is not None and not a.failed and now >= a.first_report + self.config.report_timeout:
             self._conclude_when_due(key, a)
-
-    async def _still_joining(self, peer: str, key: RoundKey) -> bool:
-        """Whether `peer`'s join of `key` still stands. Just after a pause of ours
-        (`WOKEN_S`), a join may have been sent while we were stopped and read only now, by a
-        joiner that took us for silent since (a 3-daemon run: it completed the round at the next
-        candidate, and ours, formed with its join, became a round of one). So it is asked where
-        it is: a joiner that says it is in the round somewhere else, or past it, has hung up. One
-        not in the round yet (a join prepared ahead of it: prepared.py), or no answer, keeps the
-        join, as before."""
-        if self.woke_at is None or peer == self.peer_id or trio.current_time() - self.woke_at > WOKEN_S:
-            return True
-        where = await ask_where(self.host, peer, key.tag, key.round_id)
-        if where is None:
-            return True
-        past = where.finished >= key.round_id or where.round_id > key.round_id
-        elsewhere = where.round_id == key.round_id and where.coordinator not in (None, self.peer_id)
-        if not past and not elsewhere:
-            return True
-        log.info(kv("allreduce join read after our pause is stale", key=key, peer=peer[-8:], where=where))
-        return False
 
     def _rejoined(self, r: _Round, peer: str) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up

@@ -48,13 +48,17 @@ each side with two or more goes on among itself, as it would once the leases ran
 parity rule picks one lineage when it heals.
 
 Wire: `WHERE_RPC` as it is (protocol.py); nothing new.
-Not here: the WHERE answer (own_rounds.py), what a coordinator does with the other answers
+How a coordinator reads its missing peers' answers is `Whereabouts`: in this round under another
+group's tag (regroup), past it, in it at a lower-id coordinator (hand over), or further behind
+than the round window (left behind: it must re-sync before it can join).
+Not here: the WHERE answer (own_rounds.py), what a coordinator does with the answers
 (coordinator.py `_probe`), membership leases (crdt/swarm_view.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import trio
 
@@ -143,3 +147,30 @@ class SilentPeers:
         for p in [p for p, t in self.marks.items() if at - t > SILENT_KEEP_S]:
             del self.marks[p]
         return set(self.marks)
+
+
+@dataclass
+class Whereabouts:
+    """What a round's missing peers answered a coordinator's probe, peer by peer."""
+
+    regrouped: dict[str, str] = field(default_factory=dict)  # in this round under another tag (that tag)
+    passed: set[str] = field(default_factory=set)  # past this round
+    elsewhere: dict[str, str] = field(default_factory=dict)  # in it at a lower-id coordinator (that one)
+    behind: set[str] = field(default_factory=set)  # further behind than the round window
+
+    @classmethod
+    def of(cls, answers: Mapping[str, WhereReply], key: RoundKey, me: str, window: int | None) -> Whereabouts:
+        """Read `answers` for round `key` coordinated by `me`; `window`: our round window (None:
+        none). A peer left behind was stopped while the swarm went on: it re-syncs before it
+        joins any round near ours (allreduce.py refuses its joins as out of our window)."""
+        found = cls()
+        for p, a in answers.items():
+            if a.round_id == key.round_id and a.tag is not None and a.tag != key.tag:
+                found.regrouped[p] = a.tag
+            elif a.finished >= key.round_id or a.round_id > key.round_id:
+                found.passed.add(p)
+            elif a.round_id == key.round_id and a.coordinator is not None and a.coordinator < me:
+                found.elsewhere[p] = a.coordinator
+            elif window is not None and 0 <= max(a.round_id, a.finished) < key.round_id - window:
+                found.behind.add(p)
+        return found
