@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import tempfile
+import threading
+import time
 from contextlib import AsyncExitStack, suppress
 
 import pytest
@@ -475,15 +478,43 @@ async def test_an_int8_pipeline_trains_like_the_model_and_its_replicas_stay_iden
 
 
 class ProcSwarm:
-    """Pipeline peers in their own processes (tests/proc_pipeline_peer.py), driven over stdio."""
+    """Pipeline peers in their own processes (tests/proc_pipeline_peer.py), driven over stdio.
+    Their output lines are read by one thread each, so a run has a deadline of its own
+    (`RUN_DEADLINE_S`): a peer that hangs fails the test with every peer's log while the logs
+    still exist (the timeout of pytest-timeout fires after the log directory is gone)."""
+
+    RUN_DEADLINE_S = 100.0  # a run of three iterations takes 10–30 s, loaded
 
     def __init__(self, n: int, logdir: str) -> None:
         self.logs = [os.path.join(logdir, f"peer{i}.log") for i in range(n)]
         self.procs = [spawn("tests/proc_pipeline_peer.py", stderr_path=log) for log in self.logs]
         hello = [read_json(p) for p in self.procs]
         self.ids = [h["peer"] for h in hello]
+        self.lines: list[queue.Queue[str | None]] = [queue.Queue() for _ in self.procs]
+        for p, q in zip(self.procs, self.lines, strict=True):
+            threading.Thread(target=self._pump, args=(p, q), daemon=True).start()
         for p in self.procs:
             self.send(p, {"addrs": [h["addr"] for h in hello]})
+
+    @staticmethod
+    def _pump(proc, lines: queue.Queue[str | None]) -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # it exited
+
+    def _next(self, i: int, give_up: float) -> dict | None:
+        """Peer `i`'s next output line, None once it exited; fails the test at `give_up`."""
+        try:
+            line = self.lines[i].get(timeout=max(0.0, give_up - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"peer {i} said nothing more within the run's deadline\n{self.diag()}") from None
+        return None if line is None else json.loads(line)
+
+    def diag(self) -> str:
+        return "\n".join(
+            f"--- peer {i} ({pid[-8:]})\n{tail(log, 40)}"
+            for i, (pid, log) in enumerate(zip(self.ids, self.logs, strict=True))
+        )
 
     @staticmethod
     def send(proc, obj) -> None:
@@ -492,22 +523,23 @@ class ProcSwarm:
 
     def run(self, spec: dict) -> list[list[dict] | None]:
         """Run one spec on every peer; each peer's output lines, or None for a peer that died."""
+        give_up = time.monotonic() + self.RUN_DEADLINE_S
         for p in self.procs:
             self.send(p, spec)
-        for p in self.procs:
-            assert read_json(p) == {"ready": spec["run"]}
+        for i in range(len(self.procs)):
+            assert self._next(i, give_up) == {"ready": spec["run"]}
         for p in self.procs:
             self.send(p, "go")
-        out = []
-        for p in self.procs:
+        out: list[list[dict] | None] = []
+        for i in range(len(self.procs)):
             lines = []
             while True:
-                line = p.stdout.readline()
-                if not line:
+                line = self._next(i, give_up)
+                if line is None:
                     out.append(None)
                     break
-                lines.append(json.loads(line))
-                if "finished" in lines[-1]:
+                lines.append(line)
+                if "finished" in line:
                     out.append(lines)
                     break
         return out
