@@ -464,6 +464,31 @@ async def test_a_round_collecting_joins_across_our_own_pause_starts_again_withou
         nursery.cancel_scope.cancel()
 
 
+async def test_a_majority_that_joined_counts_only_joiners_still_candidates(autojump_clock):
+    """A 30-minute soak's solo round: a coordinated round 7 of three; b's join was in, b then left
+    our candidates (killed), and c, the only one missing, joined round 8 here (it is past 7). The
+    majority rule for a round nobody else will come to counted b's join: two of three fixed the
+    group — of a alone, b being no candidate — and a committed a round of one beside c's. Counted
+    are the joins the group would take: one of three is a minority, the round ends, and a is told
+    it passed (it re-syncs). With b still a candidate, a and b complete the round."""
+    for b_stays in (False, True):
+        async with trio.open_nursery() as nursery:
+            members = ["a", "b", "c"]
+            c, key, replies, join = await following(nursery, members)
+            nursery.start_soon(join, "b")
+            nursery.start_soon(c.join, "c", RoundKey(8, "", "a"))  # c is in round 8 here: past 7
+            await trio.testing.wait_all_tasks_blocked()
+            if not b_stays:
+                members.remove("b")
+            nursery.start_soon(join, "a")
+            await trio.sleep(1.0)  # sleep: virtual time (MockClock): a review of round 7 runs
+            if b_stays:
+                assert replies == {p: Joined(0, ("a", "b")) for p in "ab"}, replies
+            else:
+                assert replies == {"a": Late(True, None), "b": Late(True, None)}, replies
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_missing_peer_left_further_behind_than_the_round_window_is_not_waited_for(autojump_clock):
     """b was stopped at round 40 while a and c went on to round 150 (the round window is 64): b
     answers the probe from round 40, and must re-sync before it can join. a and c fix their

@@ -22,8 +22,8 @@ allreduce.py for how peers find it). Its job, per round key:
   round we still coordinate or entered a later round of the series (`OwnRounds.past`,
   own_rounds.py) — or, asked where they are (`WHERE_RPC`, after
   `PROBE_AFTER`), are past this round or in it at a coordinator we cannot reach. A majority
-  that joined then completes the round at once; a minority is told it is `Late` (passed, or
-  elsewhere) and re-syncs;
+  that joined (counting joiners still candidates) then completes the round at once; a minority
+  is told it is `Late` (passed, or elsewhere) and re-syncs;
 - **regroup a round its peers grouped differently** ("Groups that disagree", below);
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
   majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
@@ -348,14 +348,19 @@ class Coordinator:
     def _nobody_else_coming(self, r: _Round, why: str, elsewhere: str | None = None) -> None:
         """The missing peers will not join: a majority that did completes the round now (a peer
         that cancelled and moved on must not void the round for the rest); a minority — a stale
-        or cut-off coordinator, usually alone — ends it, and its members re-sync."""
-        if 2 * len(r.joins) > len(r.expected):
+        or cut-off coordinator, usually alone — ends it, and its members re-sync. Counted are the
+        joins the group would take (still candidates: `_fix_group`): a 30-minute soak's
+        coordinator counted a killed peer's join, fixed a group of itself alone and committed a
+        round of one beside the missing peer's."""
+        candidates = set(self._candidates(r.key)) | {self.peer_id}
+        joined = [p for p in r.joins if p in candidates]
+        if 2 * len(joined) > len(r.expected):
             log.info(
                 kv(
                     "allreduce fixing the group without the missing peers",
                     key=r.key,
                     why=why,
-                    joined=len(r.joins),
+                    joined=len(joined),
                     expected=len(r.expected),
                 )
             )
