@@ -528,6 +528,37 @@ async def test_a_missing_peer_left_further_behind_than_the_round_window_is_not_w
             nursery.cancel_scope.cancel()
 
 
+async def test_a_lone_joiner_does_not_wait_for_a_peer_behind_it_that_does_not_train(autojump_clock):
+    """The front peer a coordinates round 150 beside b, which answers from round 110: 40 rounds
+    behind, inside the round window (64), but it does not train (no fresh progress record:
+    `reported_step` is None) — it is re-syncing, and the state it waits for is a's, offered once
+    this round ends. a fixes its group of one at the probe; a loaded test run waited the hard join
+    deadline (90 s). A b that trains (it reports step 140) is coming: a waits."""
+    config = AllReduceConfig(join_timeout=30.0, hard_join_factor=3.0, report_timeout=10.0, round_window=64)
+    for b_step, fixed_by in ((None, PROBE_AFTER + 1.0), (140, None)):
+        rpc = WhereRpc({"b": WhereReply(-1, None, 110)})
+        async with trio.open_nursery() as nursery:
+            c = Coordinator(
+                FakeHost("a", {"b"}, rpc),
+                config,
+                lambda _round: ("a", "b"),
+                reported_step=lambda p, s=b_step: s if p == "b" else None,
+            )
+            await nursery.start(c.run)
+            start, replies = trio.current_time(), {}
+
+            async def join(c=c, replies=replies, start=start) -> None:
+                replies["a"] = (await c.join("a", RoundKey(150, "", "a")), trio.current_time() - start)
+
+            nursery.start_soon(join)
+            await trio.sleep(config.join_timeout - 1.0)  # sleep: virtual time, up to the join deadline
+            if fixed_by is None:
+                assert replies == {}, (b_step, replies)
+            else:
+                assert replies["a"][0] == Joined(0, ("a",)) and replies["a"][1] <= fixed_by, replies
+            nursery.cancel_scope.cancel()
+
+
 async def test_an_attempt_under_way_across_our_own_pause_goes_on_only_if_its_members_stayed(autojump_clock):
     """The group of three was fixed and b and c had reported done when a was stopped: they took
     a for silent while waiting for the outcome and completed the round again at the next

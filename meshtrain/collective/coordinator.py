@@ -288,6 +288,9 @@ class Coordinator:
             return
         found = Whereabouts.of(answers, r.key, me, self.config.round_window)
         elsewhere, passed = found.elsewhere, found.passed
+        behind = found.behind | {
+            p for p, a in answers.items() if p not in passed and p not in elsewhere and self._stuck_behind(p, a, r.key)
+        }
         if found.regrouped:
             self._regroup(r, found.regrouped)
             return
@@ -304,7 +307,17 @@ class Coordinator:
                 elsewhere=min(elsewhere.values()),
             )
         else:
-            self._without_silent(r, passed, found.behind)
+            self._without_silent(r, passed, behind)
+
+    def _stuck_behind(self, peer: str, where: WhereReply, key: RoundKey) -> bool:
+        """Whether a missing peer that says it is at `where` — behind round `key` — does not train
+        now (no fresh progress record: `reported_step` is None), so is not coming: it is fetching
+        a state, which may be ours, offered only once this round ends. A loaded test run's front
+        peer, refused by the group it had left behind (`coordinator-behind`), coordinated its round
+        and waited the hard join deadline (90 s) for the group's peer 35 rounds behind, which
+        re-synced in a loop, finding no donor, while it waited for that round to end."""
+        at = max(where.round_id, where.finished)
+        return 0 <= at < key.round_id and self.reported_step is not None and self.reported_step(peer) is None
 
     def _without_silent(self, r: _Round, passed: Collection[str] = (), behind: Collection[str] = ()) -> None:
         """Fix the group without the missing peers once every one of them is silent (or past the
@@ -315,7 +328,8 @@ class Coordinator:
         the group would take (still candidates), and our own trainer is waited for: it is not
         silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
         one — the one other joiner left beside a dead peer's join — a solo round. A missing peer
-        `behind` (its answer puts it further behind than our round window: probe.py `Whereabouts`) counts
+        `behind` (its answer puts it further behind than our round window: probe.py `Whereabouts`;
+        or behind us and not training: `_stuck_behind`) counts
         as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
         waited the join deadline (30 s) for their woken coordinator, 11 rounds behind. Beside
         partners that are all behind, a lone joiner fixes its group of one too: they cannot share
