@@ -644,6 +644,62 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
                 p.kill()
 
 
+def test_a_peer_woken_alone_publishes_no_phi_for_rounds_the_others_completed_while_it_was_stopped(tmp_path):
+    """A 30-minute DEBUG soak's parity violations: a peer SIGSTOPped 12 s woke to its partners
+    killed meanwhile and nobody else training, and completed alone, from its old state, the rounds
+    they had completed during the stop — publishing its own φ digest for each, beside theirs. Now a
+    round completed in a group of one within 30 s of our own pause, or one another trainer
+    published a φ for, keeps its digest unpublished (node/state/run_state.py
+    `_alone_beside_the_swarm`): no round holds two digests."""
+    dirs = [tmp_path / n for n in "abc"]
+    create(dirs[0], "--model", "gpt-tiny", "--steps", "0", "--H", "10")
+    logs = [tmp_path / f"{n}.log" for n in "abc"]
+    procs = [start("--data-dir", str(dirs[0]), "--wait-peers", "3", log=logs[0])]
+    try:
+        info = [wait_daemon(dirs[0], procs[0], logs[0])]
+        for d, lg in zip(dirs[1:], logs[1:], strict=True):
+            procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
+        info += [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs[1:], logs[1:], strict=True)]
+        published: dict[int, dict[str, set[int]]] = {}
+
+        def rounds(i: int) -> int:
+            training = _status(dirs[i])["training"]
+            for r, digest in training.get("phi_history") or []:
+                published.setdefault(r, {}).setdefault(digest, set()).add(i)
+            return training["round"] or 0
+
+        deadline = time.monotonic() + 120
+        while min(rounds(i) for i in range(3)) < 3:
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.3)  # sleep: poll interval
+        victim = max(range(3), key=lambda i: info[i]["peer_id"])  # a member, not the coordinator
+        others = [i for i in range(3) if i != victim]
+        os.kill(procs[victim].pid, signal.SIGSTOP)
+        try:
+            start_round = max(rounds(i) for i in others)
+            deadline = time.monotonic() + 60
+            while min(rounds(i) for i in others) < start_round + 3:  # they go on without it
+                assert time.monotonic() < deadline, logs[others[0]].read_text()[-3000:]
+                time.sleep(0.1)  # sleep: poll interval
+            for i in others:
+                procs[i].kill()
+                procs[i].wait()
+        finally:
+            os.kill(procs[victim].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # it trains on alone; every φ it publishes is recorded
+            rounds(victim)
+            time.sleep(0.2)  # sleep: poll interval
+        split = {r: {d[:12]: sorted(who) for d, who in held.items()} for r, held in published.items() if len(held) > 1}
+        assert not split, (split, logs[victim].read_text()[-3000:])
+        assert subprocess_stop(dirs[victim]).returncode == 0
+        finish(procs[victim], logs[victim])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def subprocess_stop(data_dir):
     from .test_node_cli import cli
 

@@ -302,6 +302,7 @@ class SwarmView(Service):
         # records held before we subscribed are dated as first seen, relayed.
         self._fresh = {name: Freshness() for name in (MEMBERSHIP, *sorted(MEMBER_RECORDS))}
         self._pauses = LoopPauses()  # ours: left out of every age (noted while the view runs)
+        self.woke_at: float | None = None  # when our last pause ended (monotonic; None: none yet)
         self._pulsing = False
         for name, fresh in self._fresh.items():
             for entry in replica.crdt(name).entries():
@@ -402,8 +403,10 @@ class SwarmView(Service):
         the view runs: a view never entered has no loop of its own to pause)."""
         if not self._pulsing:
             return
-        pause = self._pauses.note(time.monotonic())
+        now = time.monotonic()
+        pause = self._pauses.note(now)
         if pause:
+            self.woke_at = now
             for fresh in self._fresh.values():
                 fresh.pause(pause)
             log.info(

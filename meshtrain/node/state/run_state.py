@@ -78,6 +78,7 @@ log = get_logger(__name__)
 
 ENTER_WAIT = 10.0  # at start, how long to wait for the others' progress before training on our own state
 PARITY_INTERVAL = 0.5  # seconds between two parity checks against the swarm's φ digests
+PAUSE_ALONE_S = 30.0  # after a pause of ours, a round completed alone keeps its φ digest this long
 
 
 class RunState(Service):
@@ -113,6 +114,9 @@ class RunState(Service):
         self._ckpt_busy = False
         self._last_ckpt_time = time.monotonic()
         self._published_round = -1
+        # The newest round another trainer published a φ digest for (any record, fresh or not;
+        # updated on the trio thread, read by `record_phi` in the trainer's): -1 for none.
+        self.others_phi_round = -1
         self._token: trio.lowlevel.TrioToken | None = None
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
 
@@ -204,6 +208,23 @@ class RunState(Service):
             return
         self.parity.record(self.trainer.outer.rounds, phi_digest(self.trainer.outer.outer_params))
 
+    def _alone_beside_the_swarm(self) -> bool:
+        """Whether the round just completed in a group of one (trainer thread, between two steps)
+        may be a round the swarm completed without us, so that our φ for it is not published: another trainer published a φ for it
+        or a later one (`others_phi_round`, any record, even a dead peer's), or our own loop was
+        paused less than `PAUSE_ALONE_S` ago (our partners may have gone on meanwhile). A DEBUG
+        soak's peer, stopped 11 s, woke to its partner killed and nobody else training, and
+        published φ for five rounds that partner had completed with others during the stop."""
+        outer = self.trainer.outer
+        last = outer.history[-1] if outer.history else None
+        if last is None or not last.alone or last.error:
+            return False
+        if outer.rounds <= self.others_phi_round:
+            return True
+        view = self.presence.view
+        woke = view.woke_at if view is not None else None
+        return woke is not None and time.monotonic() - woke < PAUSE_ALONE_S
+
     async def _watch_parity(self) -> None:
         """Compare our φ digests with every peer training now, continuously; in the minority, or
         left behind, have the training loop re-sync from the swarm, and say so."""
@@ -264,7 +285,10 @@ class RunState(Service):
             and (not parity.history or parity.history[-1][0] != outer.rounds)
             and parity.withheld_round != outer.rounds
         ):
-            self.record_phi()  # φ is ours between steps, even with a fragment in flight
+            if self._alone_beside_the_swarm():
+                parity.withhold(outer.rounds)
+            else:
+                self.record_phi()  # φ is ours between steps, even with a fragment in flight
         phi = list(parity.history) if parity.enabled else None
         moments = None
         # Also while we `needs_resync` (we proceeded alone after a failed round, or parity found
@@ -289,6 +313,10 @@ class RunState(Service):
             view = self.presence.view
             assert view is not None
             self._count_solo_rounds(outer.history)
+            me = self.presence.me
+            self.others_phi_round = max(
+                (pr.phi[-1][0] for p, pr in view.progress().items() if p != me and pr.phi), default=-1
+            )
             view.report_progress(
                 step=trainer.step,
                 samples=trainer.step * trainer.spec.data.batch_size,
