@@ -71,7 +71,12 @@ it comes back). A partner that went silent (SIGSTOP, a cut cable)
 is solo for as long as its progress stays fresh (~3 heartbeats), then gone for all we can tell:
 availability is chosen over a quorum — a lone survivor trains on, and when the silent side comes
 back the parity rule picks one lineage (`parity_split_rounds` in the chaos soak counts such
-splits). The chaos soak sums all three counts.
+splits). But a round formed as a group of one is also withheld — not published, though not
+failed — when another trainer's record (any, a dead peer's too) holds a φ for that round or a
+later one, or within 30 s of a pause of our own (node/state/run_state.py
+`_alone_beside_the_swarm`): the swarm may have completed it without us. A DEBUG soak's peer,
+SIGSTOPped 12 s, woke to its partners killed and published its own φ for five rounds they had
+completed during the stop. The chaos soak sums all three counts.
 
 `judge` is a pure function of the records and a clock value, tested without a network
 (`tests/test_parity.py`); `ParityMonitor` keeps a node's own digests and its last verdict.
