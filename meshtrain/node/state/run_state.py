@@ -115,7 +115,7 @@ class RunState(Service):
         self._last_ckpt_time = time.monotonic()
         self._published_round = -1
         # The newest round another trainer published a φ digest for (any record, fresh or not;
-        # updated on the trio thread, read by `record_phi` in the trainer's): -1 for none.
+        # updated on the trio thread, read between steps in the trainer's): -1 for none.
         self.others_phi_round = -1
         self._token: trio.lowlevel.TrioToken | None = None
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
@@ -210,9 +210,10 @@ class RunState(Service):
 
     def _alone_beside_the_swarm(self) -> bool:
         """Whether the round just completed in a group of one (trainer thread, between two steps)
-        may be a round the swarm completed without us, so that our φ for it is not published: another trainer published a φ for it
-        or a later one (`others_phi_round`, any record, even a dead peer's), or our own loop was
-        paused less than `PAUSE_ALONE_S` ago (our partners may have gone on meanwhile). A DEBUG
+        may be a round the swarm completed without us, so that our φ for it is not published:
+        another trainer published a φ for it or a later one (`others_phi_round`, any record, even
+        a dead peer's), or our own loop was paused less than `PAUSE_ALONE_S` ago (our partners
+        may have gone on meanwhile). A DEBUG
         soak's peer, stopped 11 s, woke to its partner killed and nobody else training, and
         published φ for five rounds that partner had completed with others during the stop."""
         outer = self.trainer.outer
