@@ -573,6 +573,45 @@ def test_survivor_of_a_killed_peer_goes_on_within_seconds(tmp_path):
                 p.kill()
 
 
+class ThreeDaemons:
+    """Three gpt-tiny daemons (H = 10) in their own processes, the first the swarm's creator, and
+    every φ digest any of them publishes by round (`rounds` records them at each status poll)."""
+
+    def __init__(self, tmp_path) -> None:
+        self.dirs = [tmp_path / n for n in "abc"]
+        self.logs = [tmp_path / f"{n}.log" for n in "abc"]
+        self.procs: list = []
+        self.published: dict[int, dict[str, set[int]]] = {}
+
+    def start(self) -> list[dict]:
+        """Create the swarm, start the three, and return each one's start-up info."""
+        dirs, logs = self.dirs, self.logs
+        create(dirs[0], "--model", "gpt-tiny", "--steps", "0", "--H", "10")
+        self.procs.append(start("--data-dir", str(dirs[0]), "--wait-peers", "3", log=logs[0]))
+        info = [wait_daemon(dirs[0], self.procs[0], logs[0])]
+        for d, lg in zip(dirs[1:], logs[1:], strict=True):
+            self.procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
+        procs = self.procs[1:]
+        return info + [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs, logs[1:], strict=True)]
+
+    def rounds(self, i: int) -> int:
+        """Daemon `i`'s outer round now; the φ digests its status shows are recorded."""
+        training = _status(self.dirs[i])["training"]
+        for r, digest in training.get("phi_history") or []:
+            self.published.setdefault(r, {}).setdefault(digest, set()).add(i)
+        return training["round"] or 0
+
+    def until_all_reach(self, n: int) -> None:
+        deadline = time.monotonic() + 120
+        while min(self.rounds(i) for i in range(3)) < n:
+            assert time.monotonic() < deadline, self.logs[0].read_text()[-3000:]
+            time.sleep(0.3)  # sleep: poll interval
+
+    def split(self) -> dict[int, dict[str, list[int]]]:
+        """The rounds for which two digests were published: digest prefix -> who."""
+        return {r: {d[:12]: sorted(w) for d, w in held.items()} for r, held in self.published.items() if len(held) > 1}
+
+
 @pytest.mark.parametrize("stopped", ["coordinator", "member"])
 def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_runs_out(tmp_path, stopped):
     """A SIGSTOPped peer keeps its connections and its membership until its lease runs out (12 s):
@@ -581,31 +620,15 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
     stretches without a round. Now its heartbeats stop and a probe goes unanswered: it is silent
     (collective/probe.py), and the others go on without it — whether it coordinates the round
     (the lowest id) or is a member. Once woken it trains again."""
-    dirs = [tmp_path / n for n in "abc"]
-    create(dirs[0], "--model", "gpt-tiny", "--steps", "0", "--H", "10")
-    logs = [tmp_path / f"{n}.log" for n in "abc"]
-    procs = [start("--data-dir", str(dirs[0]), "--wait-peers", "3", log=logs[0])]
+    swarm = ThreeDaemons(tmp_path)
+    dirs, logs, procs, rounds = swarm.dirs, swarm.logs, swarm.procs, swarm.rounds
     try:
-        info = [wait_daemon(dirs[0], procs[0], logs[0])]
-        for d, lg in zip(dirs[1:], logs[1:], strict=True):
-            procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
-        info += [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs[1:], logs[1:], strict=True)]
+        info = swarm.start()
 
         # Every φ digest any of them publishes, by round: no two may differ (node/state/parity.py).
         # A stopped coordinator once resumed and committed alone a round the others had completed
         # without it (collective/coordinator.py, "Our own pauses").
-        published: dict[int, dict[str, set[int]]] = {}
-
-        def rounds(i: int) -> int:
-            training = _status(dirs[i])["training"]
-            for r, digest in training.get("phi_history") or []:
-                published.setdefault(r, {}).setdefault(digest, set()).add(i)
-            return training["round"] or 0
-
-        deadline = time.monotonic() + 120
-        while min(rounds(i) for i in range(3)) < 3:
-            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
-            time.sleep(0.3)  # sleep: poll interval
+        swarm.until_all_reach(3)
         order = sorted(range(3), key=lambda i: info[i]["peer_id"])
         victim = order[0] if stopped == "coordinator" else order[-1]
         survivors = [i for i in range(3) if i != victim]
@@ -632,7 +655,7 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
             time.sleep(0.3)  # sleep: poll interval
         for i in range(3):
             rounds(i)
-        split = {r: {d[:12]: sorted(who) for d, who in held.items()} for r, held in published.items() if len(held) > 1}
+        split = swarm.split()
         assert not split, (split, logs[victim].read_text()[-3000:])
         for d in dirs:
             assert subprocess_stop(d).returncode == 0
@@ -651,27 +674,11 @@ def test_a_peer_woken_alone_publishes_no_phi_for_rounds_the_others_completed_whi
     round completed in a group of one within 30 s of our own pause, or one another trainer
     published a φ for, keeps its digest unpublished (node/state/run_state.py
     `_alone_beside_the_swarm`): no round holds two digests."""
-    dirs = [tmp_path / n for n in "abc"]
-    create(dirs[0], "--model", "gpt-tiny", "--steps", "0", "--H", "10")
-    logs = [tmp_path / f"{n}.log" for n in "abc"]
-    procs = [start("--data-dir", str(dirs[0]), "--wait-peers", "3", log=logs[0])]
+    swarm = ThreeDaemons(tmp_path)
+    dirs, logs, procs, rounds = swarm.dirs, swarm.logs, swarm.procs, swarm.rounds
     try:
-        info = [wait_daemon(dirs[0], procs[0], logs[0])]
-        for d, lg in zip(dirs[1:], logs[1:], strict=True):
-            procs.append(start("--data-dir", str(d), "--join", info[0]["addrs"][0], log=lg))
-        info += [wait_daemon(d, p, lg) for d, p, lg in zip(dirs[1:], procs[1:], logs[1:], strict=True)]
-        published: dict[int, dict[str, set[int]]] = {}
-
-        def rounds(i: int) -> int:
-            training = _status(dirs[i])["training"]
-            for r, digest in training.get("phi_history") or []:
-                published.setdefault(r, {}).setdefault(digest, set()).add(i)
-            return training["round"] or 0
-
-        deadline = time.monotonic() + 120
-        while min(rounds(i) for i in range(3)) < 3:
-            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
-            time.sleep(0.3)  # sleep: poll interval
+        info = swarm.start()
+        swarm.until_all_reach(3)
         victim = max(range(3), key=lambda i: info[i]["peer_id"])  # a member, not the coordinator
         others = [i for i in range(3) if i != victim]
         os.kill(procs[victim].pid, signal.SIGSTOP)
@@ -690,7 +697,7 @@ def test_a_peer_woken_alone_publishes_no_phi_for_rounds_the_others_completed_whi
         while time.monotonic() < deadline:  # it trains on alone; every φ it publishes is recorded
             rounds(victim)
             time.sleep(0.2)  # sleep: poll interval
-        split = {r: {d[:12]: sorted(who) for d, who in held.items()} for r, held in published.items() if len(held) > 1}
+        split = swarm.split()
         assert not split, (split, logs[victim].read_text()[-3000:])
         assert subprocess_stop(dirs[victim]).returncode == 0
         finish(procs[victim], logs[victim])
