@@ -115,7 +115,8 @@ class RunState(Service):
         self._last_ckpt_time = time.monotonic()
         self._published_round = -1
         # The newest round another trainer published a φ digest for (any record, fresh or not;
-        # updated on the trio thread, read between steps in the trainer's): -1 for none.
+        # updated on the trio thread every `PARITY_INTERVAL`, read between steps in the trainer's):
+        # -1 for none.
         self.others_phi_round = -1
         self._token: trio.lowlevel.TrioToken | None = None
         self._last_report: tuple[int, int] = (-1, -1)  # (step, fragment) of the last round counted
@@ -226,6 +227,15 @@ class RunState(Service):
         woke = view.woke_at if view is not None else None
         return woke is not None and time.monotonic() - woke < PAUSE_ALONE_S
 
+    def _note_others_phi_round(self) -> None:
+        """`others_phi_round` from every progress record but ours, fresh or not (every
+        `PARITY_INTERVAL`, not every step: a record is parsed per peer)."""
+        view, me = self.presence.view, self.presence.me
+        if view is not None:
+            self.others_phi_round = max(
+                (pr.phi[-1][0] for p, pr in view.progress().items() if p != me and pr.phi), default=-1
+            )
+
     async def _watch_parity(self) -> None:
         """Compare our φ digests with every peer training now, continuously; in the minority, or
         left behind, have the training loop re-sync from the swarm, and say so."""
@@ -233,6 +243,7 @@ class RunState(Service):
         acted_on: int | None = None
         while True:
             await trio.sleep(PARITY_INTERVAL)
+            self._note_others_phi_round()
             if self.phase.value != "training" or not parity.enabled or trainer.outer.needs_resync:
                 continue
             others = {p: pr.phi for p, pr in presence.training_peers(connected=False).items()}
@@ -314,10 +325,6 @@ class RunState(Service):
             view = self.presence.view
             assert view is not None
             self._count_solo_rounds(outer.history)
-            me = self.presence.me
-            self.others_phi_round = max(
-                (pr.phi[-1][0] for p, pr in view.progress().items() if p != me and pr.phi), default=-1
-            )
             view.report_progress(
                 step=trainer.step,
                 samples=trainer.step * trainer.spec.data.batch_size,
