@@ -35,8 +35,11 @@ pytestmark = pytest.mark.slow
 class Proc:
     def __init__(self, data_dir: Path, *args: str, device: str = "cpu") -> None:
         self.dir, self.log = data_dir, data_dir.with_suffix(".log")
+        self.tmp = data_dir.with_suffix(".tmp")  # the peer's temp folder: empty again when it has exited
+        self.tmp.mkdir(parents=True, exist_ok=True)
         env = dict(
             os.environ,
+            TMPDIR=str(self.tmp),
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -90,7 +93,19 @@ class Proc:
         assert self.p.returncode == 0 and lines, (
             f"{self.dir.name}: rc {self.p.returncode}; log:\n{self.log.read_text()[-3000:]}"
         )
+        self.assert_left_no_temp_files()
         return json.loads(lines[-1])
+
+    def assert_left_no_temp_files(self) -> None:
+        """torch's elastic agent makes a log folder under the temp folder and never removes it: one
+        per start, until the node gave it one it removes itself. (torch's compile cache,
+        `torchinductor_<user>`, one per user and reused by every run, is not a leftover.)"""
+        left = sorted(
+            str(p.relative_to(self.tmp))
+            for p in self.tmp.rglob("*")
+            if not p.relative_to(self.tmp).parts[0].startswith("torchinductor_")
+        )
+        assert not left, f"{self.dir.name} left in its temp folder: {left}"
 
     def kill(self) -> None:
         if self.p.poll() is None:
@@ -342,6 +357,7 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
         ), err
         for pid in pids:  # no rank is left behind
             wait_for(lambda pid=pid: not _alive(pid), 10, f"rank process {pid} to exit")
+        peer.assert_left_no_temp_files()
         saved = CheckpointStore(dirs[0] / "checkpoints").load_latest()
         # The swarm saw the peer leave and trains on without it.
         wait_for(lambda: (s := other.status()) and len(s["peers"]) == 1, 30, "the other peer to see it leave")
@@ -392,6 +408,7 @@ def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
         assert peer.p.returncode == 0 and json.loads(out.splitlines()[-1]) == {"stopped": True, "signal": "SIGTERM"}
         for pid in pids:
             wait_for(lambda pid=pid: not _alive(pid), 5, f"rank process {pid} to exit")
+        peer.assert_left_no_temp_files()
     finally:
         peer.kill()
 

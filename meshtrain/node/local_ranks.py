@@ -74,6 +74,7 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,6 @@ log = get_logger(__name__)
 def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, log_level: str | None) -> dict:
     """Run this peer as `config.nproc_per_node` local ranks through torch's elastic launcher;
     returns rank 0's result (with every rank's peak RSS). A failed rank is a `LocalRankError`."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     n = config.nproc_per_node
     for rank in range(n):  # a device the machine lacks: one line now, not a hang in the rendezvous
         if resolve_device(config.device, rank).type == "mps":
@@ -112,7 +109,28 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
     # Ctrl-C reaches every process of the terminal: rank 0 stops the peer cleanly on it, the other
     # ranks ignore it, and so does the agent (passing it on would be rank 0's second signal, "exit
     # at once"); it then returns when the ranks have. SIGTERM to the agent is passed on to the ranks.
+    # What the launcher leaves in the temp folder goes in one folder of ours, removed when the
+    # launcher ends (a kill -9 of the launcher alone leaves it): the agent's log folder, which it
+    # would make under the system's temp folder and never remove, and the error file of a rank
+    # that was killed (torch.multiprocessing writes one per rank and removes it after a clean exit).
+    with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as scratch:
+        system_temp, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            return _launch(config, n, scratch, spec_path=spec_path, join=join, log_level=log_level)
+        finally:
+            tempfile.tempdir = system_temp
+
+
+def _launch(
+    config: NodeConfig, n: int, agent_logs: str, *, spec_path: str | None, join: str | None, log_level: str | None
+) -> dict:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     launch = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=n,
