@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.collective.aggregation import reduce_contributions, screen_contributions
 from meshtrain.collective.allreduce import AllReduceConfig
-from meshtrain.collective.data_phase import reduce_contributions, screen_contributions
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.strikes import Strike
 from meshtrain.node.spec.swarm import SwarmSpec

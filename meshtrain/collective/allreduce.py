@@ -59,11 +59,11 @@ peer that is itself cut off raises `CollectiveError`.
 
 **Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`): owners keep every
 contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
-values dropped (by default a quarter of the contributors, at least one: data_phase.py
+values dropped (by default a quarter of the contributors, at least one: aggregation.py
 `trim_count`), or after clipping each contribution to the median norm × `clip`. A contribution
 with NaN/inf or of the wrong size is rejected outright and its sender excluded and named in
 `ReduceResult.excluded`. With `screen_norm` set, each owner also screens its part's
-contributions (data_phase.py); every committed round's `RoundScreening` is in
+contributions (aggregation.py); every committed round's `RoundScreening` is in
 `ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
 With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
 loss scoring (contract.py `sampled_peers`, node/trust/scoring.py). With `screen_echo` as well, an owner

@@ -39,7 +39,7 @@ term.
 Screening (against peers that send scaled, flipped, random or replayed updates). In a robust
 all-reduce each part's owner sees every contribution to its part; it flags those whose norm is far
 outside the group's or whose direction disagrees with the robust aggregate (`ContributionFlag`,
-data_phase.py `screen_contributions`), and after the round commits those that repeat an earlier
+aggregation.py `screen_contributions`), and after the round commits those that repeat an earlier
 round's contribution or aggregate (echoes.py). The flags this peer raised as an owner come back in
 `ReduceResult.screening` (a `RoundScreening`: the round, its group, the committed digest), for the
 node to turn into signed strikes (node/trust/strikes.py). The wire does not change: owners already

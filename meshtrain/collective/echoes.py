@@ -2,7 +2,7 @@
 
 Problem. A peer that replays an old pseudo-gradient (its own, another peer's, or a round's
 aggregate) does no work and still points roughly the right way, so norm and direction screening
-(data_phase.py `screen_contributions`) pass it. Loss scoring (node/trust/scoring.py) catches it only
+(aggregation.py `screen_contributions`) pass it. Loss scoring (node/trust/scoring.py) catches it only
 once the swarm has moved far enough from the round it was computed in, and only for the few
 peers a round samples: in bench_adversarial.py's runs a replayer survived up to 6 rounds.
 

@@ -97,7 +97,7 @@ class AllReduceConfig:
     trim: int = 0  # trimmed_mean: values dropped at each end; 0: a quarter of the contributors (at least 1)
     clip: float = 2.0
     owner_check: float = 10.0  # robust modes: a reduced part this much larger than ours is garbage
-    # Screening (robust modes, 3+ contributors; data_phase.screen_contributions): an owner flags a
+    # Screening (robust modes, 3+ contributors; aggregation.py `screen_contributions`): an owner flags a
     # contribution whose norm is over screen_norm x the part's median norm or under its inverse
     # (0: no screening), or whose cosine with the robust aggregate is below screen_alignment x the
     # contributions' median cosine (0: no direction rule).

@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from meshtrain.collective.data_phase import screen_contributions  # noqa: E402
+from meshtrain.collective.aggregation import screen_contributions  # noqa: E402
 from meshtrain.collective.echoes import ECHO_ROUNDS, EchoMemory, PartSketch  # noqa: E402
 from meshtrain.collective.protocol import AllReduceConfig  # noqa: E402
 from meshtrain.models.sources import build_model  # noqa: E402
