@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +20,19 @@ from meshtrain.models import Corpus
 from .conftest import ROOT
 
 
-def last_json_line(script: str, *args: str, timeout: float) -> dict:
-    """Run scripts/<script> (a path under scripts/) with `args`; its last stdout line, parsed (it must exit 0)."""
+def last_json_line(script: str, *args: str, timeout: float, tmp: Path | None = None) -> dict:
+    """Run scripts/<script> (a path under scripts/) with `args`; its last stdout line, parsed (it
+    must exit 0). `tmp`: its temp folder (TMPDIR), which a run that passed must leave empty."""
+    env = dict(os.environ, TMPDIR=str(tmp)) if tmp is not None else None
+    if tmp is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(
-        [sys.executable, f"scripts/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, f"scripts/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    if tmp is not None:  # torch's compile cache (one per user, reused) is not a leftover
+        left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+        assert not left, f"{script} left in its temp folder: {left}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -44,6 +53,7 @@ def test_convergence_benchmark_quick(tmp_path):
             str(png),
         ],
         timeout=400,
+        tmp=tmp_path / "tmp",
     )
     diloco, streaming = out["methods"]["diloco_h25"], out["methods"]["streaming"]
     assert set(out["methods"]) == {"diloco_h25", "streaming"} and out["steps"] == 50

@@ -279,6 +279,8 @@ def run_method(
             out["cross_replica_std"] = cross_replica_std(phi_files)
         if keep_phi is not None:
             shutil.copyfile(phi_files[0], keep_phi)
+        for f in logs:  # kept only where a run failed: the errors above name them
+            Path(f).unlink(missing_ok=True)
         return out
     finally:
         for p in procs:
