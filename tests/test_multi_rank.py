@@ -382,13 +382,18 @@ def test_killing_a_non_gateway_rank_ends_the_peer_and_the_swarm_goes_on(tmp_path
                 proc.kill()
 
 
-STOP_DEADLINE = 10.0  # seconds from SIGTERM to the launcher to the whole peer's exit
+AGENT_CLOSE_S = 30.0  # the elastic agent's wait for ranks after passing SIGTERM on, before it kills them
+AGENT_KILLED = "Unable to shutdown process"  # what the agent logs as it kills a rank that outlived that wait
 
 
 def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
     """The node has started and waits for a peer that never comes: SIGTERM to the launcher ends
-    every rank within seconds (the elastic agent would otherwise wait 30 s for ranks that wait
-    for it to read their results)."""
+    every rank by itself (the elastic agent would otherwise wait 30 s for ranks that wait for it to
+    read their results, then kill them). What the stop does take is the ranks' start-up work still
+    under way — each rank's trainer is built in one piece (model, data), and rank 0's "done" reaches
+    a follower only once the follower's is built (py-spy, stop 59): ~3 s here, 11 s on a loaded
+    machine (a whole-suite run beside `stress-ng`) — so the bound is the agent's wait, and the sign
+    that the stop relied on it, the agent's kill, is looked for in the log."""
     spec_file, keys = setup_swarm(tmp_path, H=5, steps=0, batch_size=8)
     peer = Proc(
         data_dirs(tmp_path / "run", keys[:1])[0],
@@ -404,7 +409,9 @@ def test_sigterm_during_start_up_ends_the_peer_within_seconds(tmp_path):
         peer.p.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         out, _ = peer.p.communicate(timeout=60)
-        assert time.monotonic() - t0 < STOP_DEADLINE, f"took {time.monotonic() - t0:.1f} s"
+        took = time.monotonic() - t0
+        assert AGENT_KILLED not in peer.log.read_text(), peer.log.read_text()[-3000:]
+        assert took < AGENT_CLOSE_S, f"took {took:.1f} s"
         assert peer.p.returncode == 0 and json.loads(out.splitlines()[-1]) == {"stopped": True, "signal": "SIGTERM"}
         for pid in pids:
             wait_for(lambda pid=pid: not _alive(pid), 5, f"rank process {pid} to exit")
