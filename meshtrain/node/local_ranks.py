@@ -51,7 +51,11 @@ Failures.
   exit, reading no results (and kills them after 30 s) — while a rank that returns a result
   waits for it to be read. So rank 0, stopped cleanly by a SIGTERM (it leaves the swarm and
   saves a checkpoint), tells the others "done; exit at once", and every rank exits as soon as
-  its work is done: the peer ends within seconds, during start-up as during training.
+  its work is done: the peer ends within seconds, during start-up as during training. (During
+  start-up, once the trainer builds under way have finished: a rank builds its model and data in
+  one piece, and a follower reads "done" only after its build — ~3 s for a tiny model here, 11 s
+  on a loaded 2-core machine; a large model's load takes as long as it takes, up to the agent's
+  30 s, after which it kills the ranks.)
 - Process-group timeouts are long (`LOCAL_GROUP_TIMEOUT`: rank 0 may be downloading the swarm's
   state while the others wait); a dead rank is found by its closed connections, not by a timeout.
 
