@@ -25,13 +25,8 @@ from hypothesis import strategies as st
 
 from meshtrain.crdt import CrdtError, Replica, ReplicaConfig, SwarmView, swarm_specs
 from meshtrain.crdt.entries import SignedEntry, encode_entries
-from meshtrain.crdt.swarm_view import (
-    MEMBERSHIP,
-    METRICS,
-    PROGRESS,
-    REFUSED_NOT_A_MEMBER,
-    REFUSED_NOT_ADMITTED,
-)
+from meshtrain.crdt.record_gate import REFUSED_NOT_A_MEMBER, REFUSED_NOT_ADMITTED
+from meshtrain.crdt.swarm_view import MEMBERSHIP, METRICS, PROGRESS
 from meshtrain.crdt.types import LWWRegister, now_ms
 from meshtrain.transport.framing import packb
 from meshtrain.transport.identity import Identity

@@ -37,8 +37,9 @@ from meshtrain.crdt import (
 )
 from meshtrain.crdt.entries import encode_entries
 from meshtrain.crdt.gossip import decode_gossip, encode_gossip, split_batches
+from meshtrain.crdt.heartbeat_rate import heartbeat_interval_for
 from meshtrain.crdt.replica import EntryTooLarge
-from meshtrain.crdt.swarm_view import MEMBERSHIP, heartbeat_interval_for
+from meshtrain.crdt.swarm_view import MEMBERSHIP
 from meshtrain.crdt.types import now_ms
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host

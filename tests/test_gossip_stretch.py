@@ -10,8 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshtrain.crdt import ReplicaConfig
+from meshtrain.crdt.heartbeat_rate import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_TTL,
+    heartbeat_interval_for,
+    progress_gap_for,
+)
 from meshtrain.crdt.swarm_records import MAX_LEASE_MS
-from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for, progress_gap_for
 from scripts.bench.crdt_phase import run_crdt_phase, stretched, stretched_view
 
 

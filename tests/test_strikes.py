@@ -18,8 +18,9 @@ import trio
 
 from meshtrain import SignedSpec, SwarmSpec
 from meshtrain.collective.contract import ContributionFlag, RoundScreening
+from meshtrain.crdt.record_gate import REFUSED_NOT_A_MEMBER
 from meshtrain.crdt.strikes import ECHO, Strike
-from meshtrain.crdt.swarm_view import REFUSED_NOT_A_MEMBER, STRIKES
+from meshtrain.crdt.swarm_view import STRIKES
 from meshtrain.crdt.types import LWWRegister
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.trust.admission import EXCLUDED, pow_ok

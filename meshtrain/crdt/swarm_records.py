@@ -349,3 +349,11 @@ def peer_info(entry: SignedEntry) -> PeerInfo:
         seq=entry.seq,
         in_from=caps.pop(IN_FROM, 0),
     )
+
+
+def peer_progress(entry: SignedEntry) -> PeerProgress:
+    """The `PeerProgress` of a progress entry (one that passed its check)."""
+    stamp_ms, body = entry.body
+    return PeerProgress(
+        entry.owner, body["step"], body["samples"], body["round"], stamp_ms, phi_digests(body.get("phi", []))
+    )

@@ -17,28 +17,10 @@ allowlist, node/trust/admission.py): the view takes the rule as a filter (`admit
 question about peers — who is live, their progress and metrics — from admitted records only. A
 config change wakes `wait_live`, as it may admit a peer.
 
-Whose records are stored at all (`keep`: keep strangers honest). Counting only admitted
-records is not enough: identities are free, so a stranger could sign records with as many as it
-likes and every member would store and spread them. With a `keep` rule (the admission rule without
-verdicts that come and go, such as strikes), the view installs its gate on the replica it is
-built over (`Replica.install_gate`, replica.py; the gate reads that replica's CRDTs): a membership
-record that fails `keep` is refused (`crdt-not-admitted`), and so is a progress, metrics or strikes
-record whose owner holds no membership record that passes it (`crdt-not-a-member`) — the
-records only members write; a strikes record also passes on the capabilities it carries (the
-reporter's proof: kept strikes reload after a restart that left no membership record behind,
-crdt/strikes.py). Config has its own rule (only the owner writes it). Our own records are never
-refused. A joiner's progress may reach a peer before its membership record: it is refused then and
-taken when it comes again — with the owner's next write, or at the next anti-entropy exchange with
-any peer that holds it (its owner always does; anti-entropy compares digests, so a refused entry is
-offered again at every exchange, and the membership CRDT merges before the others in every
-message). Likewise a record refused for want of the owner's run-time allow (allowlist swarms) is
-taken once the allow has arrived. The last `MAX_REFUSED_SHOWN` refused membership records are
-remembered (not replicated) so that `ignored_peers` still names who was turned away. Without `keep`
-(the default) nothing is refused and a refused peer's records are kept and replicated but never
-counted. Failure: when `keep` turns a peer away for good after some peers stored a record of it (a
-run-time revocation that reached them later), those peers keep it and the others keep refusing it;
-their fingerprints of that CRDT differ for good, so each exchange between them sends digests and
-that one entry again (bounded: one entry per such owner and CRDT).
+Whose records are stored at all (`keep`): strangers' identities are free, so with a `keep` rule
+the view installs a gate on its replica (record_gate.py, its whole story) that refuses the
+membership records that fail it and the member-only records (progress, metrics, strikes) of
+owners without a membership record that passes it; `ignored_peers` names the latest refused.
 
 Liveness does not trust wall clocks: the view dates every accepted membership, progress, metrics
 and strikes record on our own monotonic clock as it arrives (`Freshness`, swarm_records.py: a
@@ -50,17 +32,8 @@ now"). Peers agree on who is live up to the time a heartbeat takes to spread, no
 millisecond; a round's candidates already differed by connection (node/presence.py), and its
 coordinator protocol settles them (collective/allreduce.py).
 
-Heartbeat rate. Every heartbeat is flooded to every peer (~1.5 ms of py-libp2p CPU per frame),
-so what a peer forwards follows the swarm's heartbeat rate, which `heartbeat_interval_for` keeps
-at `swarm_heartbeat_rate · max(1, log₁₆ N)` (4/s up to 16 live peers, 6 at 64, 8 at 256): the
-interval is max(`heartbeat_interval`, N / that) — 3 s up to 12 peers, 10.7 s at 64, 32 s at 256 —
-at most `max_heartbeat_interval` (300 s, reached near 3,500 peers; above, gossip grows with N).
-The lease scales with the interval (`ttl` at the shortest) and is in the signed record, so every
-reader judges a peer by the same numbers. The price is detection: a peer that dies without
-leaving stays live up to its lease (12 s up to 12 peers, 43 s at 64, 128 s at 256), while a clean
-`leave()` is seen at once and round candidates drop a closed connection at once (node/presence.py).
-Why not digests or sampling instead: every peer needs every live record once per lease to agree
-on one membership snapshot, so stretching the lease is the knob, and no wire format changes.
+Heartbeat rate: every heartbeat is flooded to every peer, so the interval stretches as the swarm
+grows (3 s up to 12 peers, 32 s at 256) and the lease with it (heartbeat_rate.py, its whole story).
 
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
 they go out with the next heartbeat, except an outer-round change, which is written at once —
@@ -96,7 +69,16 @@ from typing import Any, cast
 
 import trio
 
-from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value, verify_entry
+from meshtrain.crdt.entries import CrdtError, NotAWriter, SignedEntry, check_value
+from meshtrain.crdt.heartbeat_rate import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_MAX_HEARTBEAT_INTERVAL,
+    DEFAULT_SWARM_HEARTBEAT_RATE,
+    DEFAULT_TTL,
+    heartbeat_interval_for,
+    progress_gap_for,
+)
+from meshtrain.crdt.record_gate import MEMBER_RECORDS, RecordGate
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, record_of
 from meshtrain.crdt.swarm_records import (
@@ -119,6 +101,7 @@ from meshtrain.crdt.swarm_records import (
     PeerMetrics,
     PeerProgress,
     peer_info,
+    peer_progress,
     phi_digests,
     require_count,
     require_label,
@@ -133,28 +116,18 @@ from meshtrain.transport.validate import is_number
 
 __all__ = [
     "CONFIG",
-    "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_LEAVE_TIMEOUT",
-    "DEFAULT_MAX_HEARTBEAT_INTERVAL",
-    "DEFAULT_SWARM_HEARTBEAT_RATE",
-    "DEFAULT_TTL",
     "LIVE_RECHECK",
-    "LOG_RATE_FROM",
     "MAX_PHI_DIGESTS",
-    "MAX_REFUSED_SHOWN",
     "MEMBERSHIP",
-    "MEMBER_RECORDS",
     "METRICS",
     "NotSwarmOwner",
     "PROGRESS",
     "PeerInfo",
     "PeerMetrics",
     "PeerProgress",
-    "REFUSED_NOT_ADMITTED",
-    "REFUSED_NOT_A_MEMBER",
     "STRIKES",
     "SwarmView",
-    "heartbeat_interval_for",
     "open_swarm_view",
     "swarm_specs",
 ]
@@ -163,47 +136,11 @@ log = get_logger(__name__)
 
 LIVE_RECHECK = 0.5  # seconds: wait_live looks again this often without a membership change
 
-DEFAULT_HEARTBEAT_INTERVAL = 3.0
-DEFAULT_TTL = 12.0  # the lease at the shortest interval: four missed heartbeats
-DEFAULT_MAX_HEARTBEAT_INTERVAL = 300.0  # the log-N bound holds up to ~3,500 peers (docstring)
-DEFAULT_SWARM_HEARTBEAT_RATE = 4.0  # heartbeats per second, whole swarm, up to LOG_RATE_FROM peers
-LOG_RATE_FROM = 16  # above this many live peers the swarm's heartbeat rate grows with log N
 DEFAULT_LEAVE_TIMEOUT = 2.0
-
-MAX_REFUSED_SHOWN = 32  # refused membership records remembered for `ignored_peers`
-REFUSED_NOT_ADMITTED = "crdt-not-admitted"  # a membership record that fails `keep`
-REFUSED_NOT_A_MEMBER = "crdt-not-a-member"  # a member-only record of an owner without an admitted record
-MEMBER_RECORDS = frozenset({PROGRESS, METRICS, STRIKES})  # CRDTs only members write
-
-
-def heartbeat_interval_for(
-    live: int,
-    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-    swarm_heartbeat_rate: float = DEFAULT_SWARM_HEARTBEAT_RATE,
-    max_heartbeat_interval: float = DEFAULT_MAX_HEARTBEAT_INTERVAL,
-) -> float:
-    """Seconds between heartbeats among `live` live peers (module docstring, "Heartbeat rate")."""
-    rate = swarm_heartbeat_rate * max(1.0, math.log(max(live, 1), LOG_RATE_FROM))
-    return min(max_heartbeat_interval, max(heartbeat_interval, live / rate))
-
-
-def progress_gap_for(live: int, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, **rates: float) -> float:
-    """The least seconds between two progress writes of one peer among `live` live peers: the
-    heartbeat interval's stretch past its shortest (module docstring, "Progress"). `rates`: the
-    other arguments of `heartbeat_interval_for`."""
-    return max(0.0, heartbeat_interval_for(live, heartbeat_interval, **rates) - heartbeat_interval)
 
 
 class NotSwarmOwner(NotAWriter):
     """Only the swarm owner's key may change the run config."""
-
-
-def _progress(entry: SignedEntry) -> PeerProgress:
-    """A progress CRDT entry as the record it carries."""
-    stamp_ms, body = entry.body
-    return PeerProgress(
-        entry.owner, body["step"], body["samples"], body["round"], stamp_ms, phi_digests(body.get("phi", []))
-    )
 
 
 class SwarmView(Service):
@@ -279,7 +216,7 @@ class SwarmView(Service):
         self.recover_timeout = recover_timeout
         self.admit = admit
         self.keep = keep
-        self._refused: dict[str, PeerInfo] = {}  # the latest refused membership records, by owner
+        self._gate = RecordGate(replica, keep) if keep is not None else None
         self._left = False
         self._progress: dict[str, Any] = {"step": 0, "samples": 0, "round": 0}
         self._progress_dirty = False
@@ -308,9 +245,8 @@ class SwarmView(Service):
             for entry in replica.crdt(name).entries():
                 fresh.heard(entry, now=time.monotonic(), wall_now_ms=now_ms(), from_owner=entry.owner == self.me)
         replica.on_change(self._on_change)
-        if keep is not None:
-            # A record refused for want of its owner's membership record is tried again once that arrives.
-            replica.install_gate(self._gate, park_reasons={REFUSED_NOT_A_MEMBER})
+        if self._gate is not None:
+            self._gate.install()
 
     @property
     def swarm_id(self) -> str:
@@ -331,28 +267,6 @@ class SwarmView(Service):
                     f"the replica's CRDT {spec.name!r} is not the one swarm_specs("
                     f"{self.swarm_owner!r}) describes (type or writers differ)"
                 )
-
-    def _gate(self, name: str, entry: SignedEntry) -> str | None:
-        """The replica's gate (module docstring, "Whose records are stored at all")."""
-        keep = self.keep
-        if keep is None:
-            return None
-        if name == MEMBERSHIP:
-            info = peer_info(entry)
-            if keep(info.peer_id, info.capabilities):
-                return None
-            if verify_entry(self.replica.crdt(MEMBERSHIP).scope, entry):  # shown only if its owner signed it
-                self._refused.pop(entry.owner, None)
-                self._refused[entry.owner] = info
-                if len(self._refused) > MAX_REFUSED_SHOWN:
-                    del self._refused[next(iter(self._refused))]
-            return REFUSED_NOT_ADMITTED
-        if name in MEMBER_RECORDS:
-            if name == STRIKES and keep(entry.owner, record_of(entry).capabilities):
-                return None  # its own caps pass: kept strikes reload after a restart with no membership
-            held = self.replica.crdt(MEMBERSHIP).entry(entry.owner)
-            return None if held is not None and keep(held.owner, peer_info(held).capabilities) else REFUSED_NOT_A_MEMBER
-        return None
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -473,7 +387,9 @@ class SwarmView(Service):
         held = [] if admit is None else [p for p in self._records() if not admit(p)]
         ids = {p.peer_id for p in held}
         refused = [
-            p for o, p in self._refused.items() if o not in ids and self.replica.crdt(MEMBERSHIP).entry(o) is None
+            p
+            for p in (self._gate.refused() if self._gate is not None else [])
+            if p.peer_id not in ids and self.replica.crdt(MEMBERSHIP).entry(p.peer_id) is None
         ]
         return sorted([*held, *refused], key=lambda p: p.peer_id)
 
@@ -592,7 +508,7 @@ class SwarmView(Service):
         """peer id -> its latest progress record (admitted peers only)."""
         admitted = self._admitted_ids()
         return {
-            e.owner: _progress(e)
+            e.owner: peer_progress(e)
             for e in self.replica.crdt(PROGRESS).entries()
             if admitted is None or e.owner in admitted
         }
@@ -607,7 +523,7 @@ class SwarmView(Service):
             member = self.replica.crdt(MEMBERSHIP).entry(peer_id)
             if member is None or not self.admit(peer_info(member)):
                 return None
-        return _progress(entry)
+        return peer_progress(entry)
 
     def outer_round(self) -> int | None:
         """The highest outer round any peer has reported (None before any report)."""

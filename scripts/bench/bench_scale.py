@@ -292,7 +292,7 @@ def gossip_phase(
     at full speed fits in k times less CPU a second); the rates are multiplied back by k, to what
     a peer sends per second of the unstretched protocol. Same messages, same sizes, k times
     rarer: `--gossip-stretch` checks that at a size that fits both ways."""
-    from meshtrain.crdt.swarm_view import heartbeat_interval_for
+    from meshtrain.crdt.heartbeat_rate import heartbeat_interval_for
 
     idle_s = max(idle_s, intervals * heartbeat_interval_for(n)) * stretch
     out = run_crdt_phase(
@@ -445,7 +445,7 @@ def summarize(
     # record per heartbeat, and progress: one per progress gap where rounds are shorter than the
     # gap, else one per round plus the heartbeats' rewrites (a trainer's `progress_live`) that
     # find the last write a gap old (about 1 − gap/round of them).
-    from meshtrain.crdt.swarm_view import heartbeat_interval_for, progress_gap_for
+    from meshtrain.crdt.heartbeat_rate import heartbeat_interval_for, progress_gap_for
 
     def records_per_s(n: int) -> float:
         beat, gap, rnd = heartbeat_interval_for(n), progress_gap_for(n), args.gossip_round_s

@@ -167,7 +167,7 @@ def run_crdt_phase(
     number): every period of the gossip protocols is that many times longer (`stretched`), so the
     same swarm needs that many times less CPU a second; the rates measured are per stretched
     second, and the caller multiplies them back (bench_scale.py's gossip phase)."""
-    from meshtrain.crdt.swarm_view import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for
+    from meshtrain.crdt.heartbeat_rate import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TTL, heartbeat_interval_for
     from meshtrain.transport.identity import Identity
 
     if n < 4 or not 1 <= procs <= n:
@@ -392,13 +392,13 @@ def stretched_view(k: int) -> dict[str, float]:
     while that stays under the cap. The cap (300 s) is stretched as far as SwarmView's limit on
     leases allows (`MAX_LEASE_MS`: four intervals, so 900 s), so at 256 peers (32 s) the stretch
     is exact up to k = 28."""
-    from meshtrain.crdt.swarm_records import MAX_LEASE_MS
-    from meshtrain.crdt.swarm_view import (
+    from meshtrain.crdt.heartbeat_rate import (
         DEFAULT_HEARTBEAT_INTERVAL,
         DEFAULT_MAX_HEARTBEAT_INTERVAL,
         DEFAULT_SWARM_HEARTBEAT_RATE,
         DEFAULT_TTL,
     )
+    from meshtrain.crdt.swarm_records import MAX_LEASE_MS
 
     longest = MAX_LEASE_MS / 1000 * DEFAULT_HEARTBEAT_INTERVAL / DEFAULT_TTL
     return {
