@@ -17,10 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_peer(script: Path, args: list[str], log: Path, launcher: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    """`script` with `args` (`launcher`: what runs it, e.g. torchrun's module and flags)."""
+    """`script` with `args` (`launcher`: what runs it, e.g. torchrun's module and flags). Its temp
+    folder is beside `log`: torchrun leaves its log folder there, as it would in a user's /tmp."""
+    tmp = log.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         [sys.executable, *launcher, str(script), *args],
         cwd=ROOT,
+        env=dict(os.environ, TMPDIR=str(tmp)),
         stdout=subprocess.PIPE,
         stderr=log.open("w"),
         text=True,
