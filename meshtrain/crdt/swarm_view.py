@@ -215,7 +215,6 @@ class SwarmView(Service):
         self.ttl = ttl
         self.recover_timeout = recover_timeout
         self.admit = admit
-        self.keep = keep
         self._gate = RecordGate(replica, keep) if keep is not None else None
         self._left = False
         self._progress: dict[str, Any] = {"step": 0, "samples": 0, "round": 0}

@@ -120,13 +120,13 @@ def launch_peer(config: NodeConfig, *, spec_path: str | None, join: str | None, 
     with tempfile.TemporaryDirectory(prefix="meshtrain-ranks-") as scratch:
         system_temp, tempfile.tempdir = tempfile.tempdir, scratch
         try:
-            return _launch(config, n, scratch, spec_path=spec_path, join=join, log_level=log_level)
+            return _launch(config, scratch, spec_path=spec_path, join=join, log_level=log_level)
         finally:
             tempfile.tempdir = system_temp
 
 
 def _launch(
-    config: NodeConfig, n: int, agent_logs: str, *, spec_path: str | None, join: str | None, log_level: str | None
+    config: NodeConfig, agent_logs: str, *, spec_path: str | None, join: str | None, log_level: str | None
 ) -> dict:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -137,7 +137,7 @@ def _launch(
         logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=n,
+        nproc_per_node=config.nproc_per_node,
         run_id=f"meshtrain-{os.getpid()}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
