@@ -16,7 +16,8 @@ and inherits the outer-parameter snapshot φ (fp32), the codec, error feedback, 
 (de)serialisation (bit-exact, for checkpoints and late joiners) and the round logic that calls
 the hooks (the schedule: fragments and overlap; the handling of a failed exchange; byte
 accounting). It composes two parts of outer_round.py, each owning its state: the threading
-bridge (`TrioBridge`) and the timing of prepared rounds (`RoundPreparation`).
+bridge (`TrioBridge`) and the timing of prepared rounds (`RoundPreparation`); what a state must
+match to be loaded, and the host copies φ lives in, are outer_state.py's (`StateLayout`).
 
 How the training loop calls it. The outer optimizer *wraps* the inner one: it is what the loop
 steps, so the loop reads like ordinary torch.
@@ -134,8 +135,9 @@ proceeds alone — its own Δ is applied as a group of one — so training never
 download the swarm's state (`join`).
 
 Not here: how a round's calls reach the trio side, and when a round's group is formed ahead of it
-(outer_round.py); the schedule's formula and rules (schedule.py); which peers are in a round (the
-collective's membership), data, checkpoint files.
+(outer_round.py); the schedule's formula and rules (schedule.py); what a loaded state is checked
+against (outer_state.py); which peers are in a round (the collective's membership), data,
+checkpoint files.
 """
 
 from __future__ import annotations
@@ -145,12 +147,10 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, Protocol, Self
 
 import torch
-import trio
 
 from meshtrain.collective.contract import (
     Collective,
@@ -161,11 +161,11 @@ from meshtrain.collective.contract import (
     RoundRequest,
     WatchesOptimizer,
 )
-from meshtrain.errors import MeshtrainError
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.optim.inner_moments import InnerMoments
 from meshtrain.optim.outer_round import (
+    Exchange,
     RoundCall,
     RoundLogic,
     RoundPreparation,
@@ -173,8 +173,16 @@ from meshtrain.optim.outer_round import (
     TrioBridge,
     exchange_tag,
 )
+from meshtrain.optim.outer_state import (
+    STATE_FORMAT,
+    OuterStateError,
+    StaleStateError,
+    StateLayout,
+    fragment_partition,
+    host_copy,
+    synchronize,
+)
 from meshtrain.optim.schedule import RoundSchedule
-from meshtrain.transport.validate import is_int
 
 __all__ = [
     "HISTORY_LENGTH",
@@ -188,7 +196,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-STATE_FORMAT = "meshtrain.outer/1"
 HISTORY_LENGTH = 4096  # round reports kept in memory
 # A joiner's weight-0 period lasts at least this many inner steps, even where H is shorter. Its
 # inner optimizer is fresh, and a fresh AdamW's first steps are larger than a trained one's (its
@@ -202,35 +209,6 @@ HISTORY_LENGTH = 4096  # round reports kept in memory
 # AdamW with the donors' second moments (optim/inner_moments.py: 0.77-1.04 at 20 steps), and
 # the warm-up stays for what seeding leaves out (first moments, per-coordinate spread).
 JOIN_WARMUP_STEPS = 20
-
-
-class OuterStateError(MeshtrainError):
-    """A state dict cannot be produced or loaded (wrong algorithm, shapes, or an exchange in flight)."""
-
-
-class StaleStateError(OuterStateError):
-    """The state is fine but its moment has passed (a round old, or an exchange is in flight):
-    a transient — fetch a newer state, or try again after the exchange."""
-
-
-@dataclass
-class Exchange:
-    """One fragment's exchange, from its send at `step` to its merge at `merge_step`."""
-
-    fragment: int
-    step: int
-    names: tuple[str, ...]
-    tensors: dict[str, torch.Tensor]
-    weight: float
-    merge_step: int
-    started: float = field(default_factory=time.monotonic)
-    done: trio.Event = field(default_factory=trio.Event)
-    result: ReduceResult | None = None
-    error: str = ""
-    finished: float = 0.0
-
-    def describe(self) -> str:
-        return f"the exchange of step {self.step}" + (f", fragment {self.fragment}" if self.fragment else "")
 
 
 class OuterSpec(Protocol):
@@ -353,14 +331,14 @@ class OuterOptimizer(Service):
         self.params: dict[str, torch.nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        self.fragments = self._check_fragments(fragments)
+        self.fragments = fragment_partition(list(self.params), fragments)
         self.schedule = RoundSchedule(H, len(self.fragments), delay)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         self.alpha = float(alpha)
         # φ: the outer parameters, fp32 whatever the model's dtype ("accumulate in fp32"), on the
         # host whatever the model's device (module docstring, "Devices").
-        self.outer_params: dict[str, torch.Tensor] = {n: _host_copy(p) for n, p in self.params.items()}
+        self.outer_params: dict[str, torch.Tensor] = {n: host_copy(p) for n, p in self.params.items()}
         self._outer_optimizer: torch.optim.Optimizer | None = None
         self._outer_optimizer_built = False
         self._buffers: dict[str, dict[str, torch.Tensor]] = {}
@@ -442,7 +420,7 @@ class OuterOptimizer(Service):
             out[n] = view.copy_(delta, non_blocking=True)
             device = theta.device
         if device is not None:
-            _synchronize(device)
+            synchronize(device)
         return out
 
     async def communicate(
@@ -843,7 +821,7 @@ class OuterOptimizer(Service):
         model's parameters θ — restore those from the model checkpoint, or use `join`."""
         if self._pending:
             raise StaleStateError("cannot load state while an outer exchange is in flight")
-        self._check_state(state)
+        self.state_layout().check(state)
         with torch.no_grad():
             for n, t in state["outer_params"].items():
                 self.outer_params[n].copy_(t)
@@ -891,7 +869,7 @@ class OuterOptimizer(Service):
         A state offered just before its donor publishes the round's result takes us into a round
         that has ended: we are told so and re-sync, as after any missed round."""
         if at_step is not None:  # refused before anything changes: a stale state leaves ours as it was
-            self._check_state(state)
+            self.state_layout().check(state)
             at_step = self.entry_step(int(state["inner_steps"]), at_step)
         self.load_state_dict(state, inner=False)
         if at_step is not None:
@@ -920,63 +898,16 @@ class OuterOptimizer(Service):
             )
         return at_step
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise OuterStateError(f"not a {STATE_FORMAT} state dict")
-        if state.get("algorithm") != type(self).__name__:
-            raise OuterStateError(f"state is from {state.get('algorithm')!r}, this is {type(self).__name__}")
-        if state.get("H") != self.H or [list(f) for f in self.fragments] != state.get("fragments"):
-            raise OuterStateError(
-                "state was made with a different H or fragmentation; every peer of a swarm must use the same schedule"
-            )
-        phi = state.get("outer_params")
-        if not isinstance(phi, dict) or set(phi) != set(self.outer_params):
-            raise OuterStateError("state's parameter names differ from this model's")
-        for n, t in phi.items():
-            if not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape:
-                raise OuterStateError(f"state's {n} has the wrong shape")
-        buffers = state.get("buffers")
-        if not isinstance(buffers, dict) or set(buffers) != set(self._buffers):
-            raise OuterStateError("state's buffers differ from this optimizer's")
-        for k, b in buffers.items():
-            if (
-                not isinstance(b, dict)
-                or set(b) != set(self.outer_params)
-                or any(not isinstance(t, torch.Tensor) or t.shape != self.outer_params[n].shape for n, t in b.items())
-            ):
-                raise OuterStateError(f"state's buffer {k!r} does not match the parameters")
-        if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
-            raise OuterStateError("state's outer optimizer does not match this optimizer's")
-        for key in ("inner_steps", "rounds"):
-            if not is_int(state.get(key)) or state[key] < 0:
-                raise OuterStateError(f"state's {key} must be a non-negative integer")
-
-    def _check_fragments(self, fragments: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:
-        names = list(self.params)
-        if fragments is None:
-            return [tuple(names)]
-        out = [tuple(f) for f in fragments]
-        seen = [n for f in out for n in f]
-        if not out or any(not f for f in out):
-            raise ValueError("fragments must be non-empty lists of parameter names")
-        if len(seen) != len(set(seen)) or set(seen) != set(names):
-            missing, extra = set(names) - set(seen), set(seen) - set(names)
-            raise ValueError(
-                f"fragments must partition the trainable parameters exactly once "
-                f"(missing {sorted(missing)[:3]}, unknown {sorted(extra)[:3]})"
-            )
-        return out
-
-
-def _host_empty(t: torch.Tensor) -> torch.Tensor:
-    """A host fp32 tensor shaped like `t`: pinned when `t` is on a CUDA device, so copies between
-    the two can be non_blocking (a model on the CPU pins nothing, CUDA present or not: pinned
-    memory is locked out of the kernel's reach)."""
-    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=t.is_cuda)
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return _host_empty(t).copy_(t.detach())
+    def state_layout(self) -> StateLayout:
+        """What a state must match to be loaded here (optim/outer_state.py)."""
+        return StateLayout(
+            type(self).__name__,
+            self.H,
+            tuple(self.fragments),
+            {n: phi.shape for n, phi in self.outer_params.items()},
+            frozenset(self._buffers),
+            self.outer_optimizer is not None,
+        )
 
 
 def _deep_copy(tree: Any) -> Any:
@@ -985,10 +916,3 @@ def _deep_copy(tree: Any) -> Any:
 
 def _as_is(tree: Any) -> Any:
     return tree
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    elif device.type == "mps":
-        torch.mps.synchronize()

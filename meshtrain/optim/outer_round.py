@@ -20,7 +20,9 @@ The round logic itself (`OuterOptimizer._advance`, outer.py) is a generator with
 it decides what is due, does the tensor work inline and yields the async calls it needs
 (`RoundCall`); the bridge has two drivers that run those calls — `run_from_thread` for `step()`,
 `run_async` for `astep()`. One piece of logic, two ways of running it. A driver runs a call
-without reading what it carries. Every completed exchange becomes a `RoundReport`.
+without reading what it carries. A fragment's exchange, from its send to its merge, is an
+`Exchange` (its tensors, weight, result and the event its completion sets); every completed
+exchange becomes a `RoundReport`.
 
 Threading. `step()` is called from a worker thread (`trio.to_thread.run_sync`, or any thread if
 the optimizer was entered with `async with`, which records the trio token). The inner step and
@@ -65,12 +67,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import torch
 import trio
 
+from meshtrain.collective.contract import ReduceResult
 from meshtrain.lifecycle import Service
 from meshtrain.optim.schedule import RoundSchedule
 
@@ -94,6 +98,26 @@ class RoundReport:
     # back from a re-sync, in its warm-up) and those excluded.
     peers: tuple[str, ...] = ()
     alone: bool = False  # nobody else took part: a group of one (after retries), or proceeding alone
+
+
+@dataclass
+class Exchange:
+    """One fragment's exchange, from its send at `step` to its merge at `merge_step`."""
+
+    fragment: int
+    step: int
+    names: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+    weight: float
+    merge_step: int
+    started: float = field(default_factory=time.monotonic)
+    done: trio.Event = field(default_factory=trio.Event)
+    result: ReduceResult | None = None
+    error: str = ""
+    finished: float = 0.0
+
+    def describe(self) -> str:
+        return f"the exchange of step {self.step}" + (f", fragment {self.fragment}" if self.fragment else "")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 the swarm's invariants checked while it runs (what docs/guide.md promises under churn).
 
     python scripts/bench/bench_chaos.py [--minutes 10] [--nodes 5] [--seed 0] [--partition auto|off]
-                                  [--bootstrap one|all] [--skew SECONDS] [--out runs/chaos-...]
+                                  [--bootstrap one|all] [--skew SECONDS] [--spare NODE]
+                                  [--out runs/chaos-...]
 
 What it does, as a new user's swarm would meet churn (spec defaults except the model, H and an
 endless run): `meshtrain swarm create --model gpt-tiny --H 20 --steps 0`, the creator starts with
@@ -18,6 +19,10 @@ After `--minutes` of chaos every node is stopped with SIGINT (as Ctrl-C), and ch
 Skew (`--skew S`, Debian's libfaketime): node 1 runs every life with its wall clock shifted by S
 seconds (its monotonic clock true, as scripts/bench/bench_skew.py does), so the soak's invariants
 hold for a swarm with one drifting clock too; the summary says `"skew": {"node": 1, "seconds": S}`.
+
+Spare (`--spare I`): node I is never SIGKILLed (it is still SIGSTOPped and partitioned like the
+others), so one process lives the whole soak and `rss_growth_mib` measures a whole run's growth —
+under the full chaos no process lives `RSS_MIN_LIFE_S`. The summary says `"spare": I`.
 
 Partition (root only, `ip netns` working, `--partition auto`): every node runs in its own network
 namespace of a `scripts.labs.natlab` lab (public hosts only: one bridge, no NAT, so no nft is needed),
@@ -54,7 +59,8 @@ Invariants, measured from every node's `/status` (polled about once a second) an
   node.state == "training" (restarts killed again before that are counted, not timed).
 - rss_growth_mib: per node process that lived at least `RSS_MIN_LIFE_S`, RSS at its last sample
   minus RSS one minute after it started (the largest; per-process list in the summary). Under
-  this much churn few processes live from minute 1 to the end, hence per process.
+  this much churn few processes live from minute 1 to the end, hence per process; `--spare`
+  keeps one alive (above).
 - solo_rounds: rounds whose result was a node's own contribution alone, in a group of one from
   the start, while another trainer still trained (a fresh progress record) and was connected to
   it (its status, `training.parity.solo_rounds`, summed over lives): a lineage of its own beside a
@@ -163,6 +169,7 @@ class ChaosConfig:
     bootstrap: what a restart is given: "one" random member's last address, alive or dead (a
                user's one bootstrap address), or "all" the running members' addresses.
     skew:      seconds node `SKEWED_NODE`'s wall clock is shifted by, every life (0: none).
+    spare:     a node never SIGKILLed (None: any may be), so one process lives the whole soak.
     """
 
     minutes: float = 10.0
@@ -175,6 +182,7 @@ class ChaosConfig:
     log_level: str = "INFO"
     bootstrap: str = "one"
     skew: int = 0
+    spare: int | None = None
 
 
 SKEWED_NODE = 1  # the node whose clock `--skew` shifts (not the creator: its spec is signed at t0)
@@ -923,19 +931,22 @@ class Soak:
         anyone = any(o.running() and o.addr() for o in self.slots)
         dead = [s for s in self.slots if not s.running() and (anyone or (s.dir / "swarm.json").exists())]
         active = [s for s in self.slots if s.active()]
+        killable = [s for s in active if s.i != self.cfg.spare]
         choices = dict(ACTION_WEIGHTS)
         if not dead:
             choices.pop("restart")
         if len(active) <= MIN_ACTIVE:
             choices.pop("kill")
             choices.pop("stop")
+        elif not killable:
+            choices.pop("kill")
         if not choices:
             self.actions["skipped"] += 1
             return
         action = self.rng.choices(list(choices), weights=list(choices.values()))[0]
         t = self.now()
         if action == "kill":
-            s = self.rng.choice(active)
+            s = self.rng.choice(killable)
             s.ours = True
             s.life.end = "sigkill"  # type: ignore[union-attr]
             s.signal(signal.SIGKILL)
@@ -1296,6 +1307,7 @@ class Soak:
         out["roundless_gap_able_over_round"] = out.get("max_roundless_gap_able_rounds")
         out["actions"] = {k: int(v) for k, v in self.actions.items()}
         out["skew"] = {"node": SKEWED_NODE, "seconds": self.cfg.skew} if self.cfg.skew else None
+        out["spare"] = self.cfg.spare
         out["partition"] = (
             self.partition if self.partition else (self.net.partition_note if self.net else "skipped: no network")
         )
@@ -1389,12 +1401,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skew", type=int, default=0, help="shift node 1's wall clock by this many seconds (libfaketime; default 0)"
     )
+    ap.add_argument(
+        "--spare",
+        type=int,
+        default=None,
+        help="a node never SIGKILLed, so RSS growth covers a whole run (default none)",
+    )
     ap.add_argument("--out", default=None, help="run dir (default runs/chaos-<UTC time>)")
     args = ap.parse_args(argv)
     if args.nodes < 3:
         ap.error("--nodes must be at least 3 (chaos keeps 2 running)")
     if args.skew and faketime_library() is None:
         ap.error("--skew needs libfaketime (apt-get install faketime)")
+    if args.spare is not None and not 0 <= args.spare < args.nodes:
+        ap.error(f"--spare must be a node index in [0, {args.nodes})")
     out = Path(args.out) if args.out else ROOT / "runs" / time.strftime("chaos-%Y%m%d-%H%M%S", time.gmtime())
     print(f"chaos soak: run dir {out}", file=sys.stderr, flush=True)
     cfg = ChaosConfig(
@@ -1408,6 +1428,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         bootstrap=args.bootstrap,
         skew=args.skew,
+        spare=args.spare,
     )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind: the nodes and the lab are cleaned up
     result = run_soak(cfg)
