@@ -175,6 +175,7 @@ from meshtrain.optim.outer_round import (
 )
 from meshtrain.optim.outer_state import (
     STATE_FORMAT,
+    OptimizerLayout,
     OuterStateError,
     StaleStateError,
     StateLayout,
@@ -906,7 +907,7 @@ class OuterOptimizer(Service):
             tuple(self.fragments),
             {n: phi.shape for n, phi in self.outer_params.items()},
             frozenset(self._buffers),
-            self.outer_optimizer is not None,
+            None if self.outer_optimizer is None else OptimizerLayout.of(self.outer_optimizer),
         )
 
 

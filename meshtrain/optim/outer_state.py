@@ -12,12 +12,25 @@ Design.
     STATE_FORMAT        the format tag every state carries ("meshtrain.outer/1")
     StateLayout         what a state must match for one optimizer (`OuterOptimizer.state_layout`):
                         `check(state)` raises `OuterStateError` naming the first difference
+    OptimizerLayout     the part of it for the torch optimizer over φ (`outer_optimizer`): the
+                        same parameter groups over the same parameters, each hyper-parameter of
+                        the kind ours is (a finite number where ours is one: a donor's "x" or
+                        NaN learning rate loaded fine and failed, or poisoned φ, at the next outer
+                        step), and per-parameter state tensors shaped as their parameter or
+                        scalars (a momentum buffer of another shape loaded fine and failed at the
+                        next outer step). Hyper-parameters are not compared with ours: peers of
+                        one spec hold the same, and a state may carry keys another torch release
+                        added.
     fragment_partition  the fragments an optimizer is built with, checked to partition its
                         trainable parameters exactly once
     host_empty, host_copy, synchronize
                         φ and every registered buffer live on the host in fp32, pinned when the
                         model is on a CUDA device (outer.py, "Devices"); a device's queued copies
                         are waited for once
+
+What a state is checked for is its structure, not its values: φ is not scanned for NaN (a pass
+over a model's worth of memory at every join), nor compared with the swarm's beyond the state
+download's digest vote (node/state/fetch.py).
 
 Failures. `OuterStateError`: the state cannot be loaded here (another algorithm, schedule or model)
 — a different swarm's or a corrupt state, not worth retrying. `StaleStateError`, a subclass: the
@@ -30,9 +43,11 @@ files it is saved in (node/state/), how it travels to joiners (node/state/donor.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +56,7 @@ from meshtrain.transport.validate import is_int
 
 __all__ = [
     "STATE_FORMAT",
+    "OptimizerLayout",
     "OuterStateError",
     "StaleStateError",
     "StateLayout",
@@ -63,12 +79,144 @@ class StaleStateError(OuterStateError):
 
 
 @dataclass(frozen=True)
+class OptimizerLayout:
+    """What a torch optimizer's `state_dict()` must match to be loaded into ours: `groups`, per
+    parameter group its parameter indices and its other values (ours, for their kinds); `shapes`,
+    per parameter index its shape; `stepped`, per parameter index the state a step leaves (each
+    key's tensor shape, None for a value that is not a tensor), or None where that is unknown.
+
+    `stepped` comes from a twin of the optimizer over meta-device parameters (no memory), stepped
+    once: a loaded parameter's state is then empty (never stepped) or holds every key the twin's
+    does, shaped alike — a 0-d momentum buffer loads fine and fails at the next step, as does an
+    AdamW state without its `exp_avg`. An optimizer the twin cannot be built or stepped for (a
+    user's, whose constructor takes other arguments) is checked by the looser rule alone: each
+    state tensor shaped as its parameter or holding one value."""
+
+    groups: tuple[tuple[tuple[int, ...], Mapping[str, Any]], ...]
+    shapes: tuple[torch.Size, ...]
+    stepped: tuple[Mapping[str, torch.Size | None], ...] | None = None
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
+        """The layout of `optimizer`'s own state (its params in order: their indices in its state)."""
+        state = optimizer.state_dict()
+        groups = tuple(
+            (tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in state["param_groups"]
+        )
+        shapes = tuple(p.shape for g in optimizer.param_groups for p in g["params"])
+        return cls(groups, shapes, _stepped_twin(optimizer))
+
+    def check(self, state: Any) -> None:
+        """`OuterStateError` naming the first way `state` (a torch optimizer state dict) differs."""
+        if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+            raise OuterStateError("state's outer optimizer is not a torch optimizer state")
+        groups = state.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.groups):
+            raise OuterStateError("state's outer optimizer has other parameter groups than this optimizer's")
+        for group, (params, ours) in zip(groups, self.groups, strict=True):
+            indices = group.get("params") if isinstance(group, dict) else None
+            if not isinstance(indices, list) or not all(map(is_int, indices)) or indices != list(params):
+                raise OuterStateError("state's outer optimizer groups other parameters than this optimizer's")
+            for key, value in group.items():
+                if key != "params" and not _same_kind(value, ours.get(key, _ABSENT)):
+                    raise OuterStateError(f"state's outer optimizer {key!r} is {value!r}, not a value of its kind")
+        for index, per_param in state["state"].items():
+            if not is_int(index) or not 0 <= index < len(self.shapes) or not isinstance(per_param, dict):
+                raise OuterStateError("state's outer optimizer keeps state for a parameter this optimizer lacks")
+            stepped = self.stepped[index] if self.stepped is not None and per_param else {}
+            for key in stepped:
+                if key not in per_param:
+                    raise OuterStateError(f"state's outer optimizer lacks {key!r} of parameter {index}")
+            for key, value in per_param.items():
+                if key in stepped:
+                    shape = stepped[key]
+                    fits = _scalar(value) if shape is None else isinstance(value, torch.Tensor) and value.shape == shape
+                elif isinstance(value, torch.Tensor):
+                    fits = value.numel() == 1 or value.shape == self.shapes[index]
+                else:
+                    fits = _scalar(value)
+                if not isinstance(key, str) or not fits:
+                    raise OuterStateError(f"state's outer optimizer {key!r} of parameter {index} has the wrong shape")
+
+
+def _stepped_twin(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Size | None], ...] | None:
+    """Per parameter of `optimizer` (state index order), the state one step leaves, from a twin
+    over meta-device parameters with the same groups (`OptimizerLayout`); None if the twin cannot
+    be built or stepped."""
+    twins: list[torch.Tensor] = []
+    groups = []
+    for group in optimizer.param_groups:
+        params = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in group["params"]]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        twins.extend(params)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin: torch.optim.Optimizer = cast(Any, type(optimizer))(groups)
+            twin.step()
+    except Exception:  # noqa: BLE001 - any optimizer the twin does not suit: the looser rule
+        return None
+    return tuple(
+        {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in twin.state.get(p, {}).items()} for p in twins
+    )
+
+
+def _equal(value: Any, expected: Any) -> bool:
+    """`value == expected` for a plain value (a str, an int, lists of them) from an untrusted
+    state: of the same type at every level first (a tensor's `==` is elementwise, not a bool)."""
+    if isinstance(expected, list):
+        return (
+            isinstance(value, list)
+            and len(value) == len(expected)
+            and all(_equal(v, e) for v, e in zip(value, expected, strict=True))
+        )
+    return type(value) is type(expected) and value == expected
+
+
+_ABSENT = object()  # a hyper-parameter key our optimizer's groups lack (`_same_kind`)
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str) and _finite(value)
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and _finite(value)
+
+
+def _same_kind(value: Any, ours: Any) -> bool:
+    """Whether a loaded hyper-parameter `value` may stand where ours is `ours` (`_ABSENT`: a key
+    ours lacks, another torch release's): a finite number for a number, as many for a sequence of
+    them (Adam's betas), a tensor shaped as ours (a capturable optimizer's learning rate), a flag
+    or None for a flag or None, the same name for a name; for an absent key a flag, None or a
+    finite number."""
+    if _number(ours):
+        return _number(value)
+    if isinstance(ours, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == ours.shape
+    if isinstance(ours, list | tuple):
+        return isinstance(value, list | tuple) and len(value) == len(ours) and all(map(_number, value))
+    if ours is None or isinstance(ours, bool):
+        return value is None or isinstance(value, bool)
+    if ours is _ABSENT:
+        return value is None or isinstance(value, bool) or _number(value)
+    return isinstance(value, str) and value == ours
+
+
+@dataclass(frozen=True)
 class StateLayout:
     """What a state dict must match to be loaded into one optimizer.
 
     algorithm: the optimizer's class name. H, fragments: its schedule. shapes: φ's parameter names
     and shapes (every registered buffer is shaped alike). buffers: the registered buffers' names.
-    has_outer_optimizer: whether it keeps a torch optimizer over φ (whose state travels too).
+    outer_optimizer: the layout of its torch optimizer over φ (whose state travels too), None
+    where it keeps none.
     """
 
     algorithm: str
@@ -76,15 +224,15 @@ class StateLayout:
     fragments: tuple[tuple[str, ...], ...]
     shapes: Mapping[str, torch.Size]
     buffers: frozenset[str]
-    has_outer_optimizer: bool
+    outer_optimizer: OptimizerLayout | None
 
     def check(self, state: Any) -> None:
         """`OuterStateError` naming the first way `state` differs from this layout."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        if not isinstance(state, dict) or not _equal(state.get("format"), STATE_FORMAT):
             raise OuterStateError(f"not a {STATE_FORMAT} state dict")
-        if state.get("algorithm") != self.algorithm:
-            raise OuterStateError(f"state is from {state.get('algorithm')!r}, this is {self.algorithm}")
-        if state.get("H") != self.H or [list(f) for f in self.fragments] != state.get("fragments"):
+        if not _equal(state.get("algorithm"), self.algorithm):
+            raise OuterStateError(f"state is from {str(state.get('algorithm'))[:64]!r}, this is {self.algorithm}")
+        if not _equal(state.get("H"), self.H) or not _equal(state.get("fragments"), [list(f) for f in self.fragments]):
             raise OuterStateError(
                 "state was made with a different H or fragmentation; every peer of a swarm must use the same schedule"
             )
@@ -100,8 +248,10 @@ class StateLayout:
         for k, b in buffers.items():
             if not isinstance(b, dict) or set(b) != set(self.shapes) or not all(self._fits(n, t) for n, t in b.items()):
                 raise OuterStateError(f"state's buffer {k!r} does not match the parameters")
-        if self.has_outer_optimizer != (state.get("outer_optimizer") is not None):
+        if (self.outer_optimizer is None) != (state.get("outer_optimizer") is None):
             raise OuterStateError("state's outer optimizer does not match this optimizer's")
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.check(state["outer_optimizer"])
         for key in ("inner_steps", "rounds"):
             if not is_int(state.get(key)) or state[key] < 0:
                 raise OuterStateError(f"state's {key} must be a non-negative integer")

@@ -76,7 +76,7 @@ import trio
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.log import get_logger, kv
-from meshtrain.node.state.checkpoint import flatten_state, unflatten_state
+from meshtrain.node.state.checkpoint import MalformedStateError, flatten_state, unflatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import FetchReport, Progress, fetch_state
 from meshtrain.node.state.sync import StateSyncError
@@ -276,8 +276,8 @@ class StageStates:
             return None
         meta, tensors = self._backup_state
         try:  # copies: the trainer may adopt tensors (AdamW's state) that the donor still serves
-            state = unflatten_state(meta["skeleton"], {k: v.clone() for k, v in tensors.items()})
-        except (KeyError, TypeError, ValueError) as e:
+            state = unflatten_state(meta.get("skeleton"), {k: v.clone() for k, v in tensors.items()})
+        except MalformedStateError as e:
             log.warning(kv("our stage backup does not unflatten; ignored", stage=stage, error=str(e)[:200]))
             return None
         return DonatedState(stage, self.backup.step, state, (), False, 0.0, 0, from_backup=True)
@@ -363,8 +363,8 @@ class StageStates:
             reasons.append(f"from {who}: a state of another stage or replica sync")
             return None
         try:
-            state = unflatten_state(meta["skeleton"], tensors)
-        except (KeyError, TypeError, ValueError) as e:
+            state = unflatten_state(meta.get("skeleton"), tensors)
+        except MalformedStateError as e:
             log.warning(kv("a donated stage state does not unflatten; ignored", stage=stage, error=str(e)[:200]))
             reasons.append(f"from {who}: a state that does not unflatten")
             return None

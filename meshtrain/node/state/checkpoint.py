@@ -67,10 +67,16 @@ FORMAT = 2  # 1: one tensor file (`tensors_blake3`); 2: `tensor_files`, shards (
 READABLE_FORMATS = (1, 2)
 LATEST = "LATEST"
 _TENSOR_REF = "__tensor__"
+MAX_DEPTH = 32  # a state's nesting (an optimizer's state is 4 deep); a deeper skeleton is malformed
 
 
 class CheckpointError(MeshtrainError):
     """No usable checkpoint, or a checkpoint failed verification."""
+
+
+class MalformedStateError(CheckpointError):
+    """A skeleton that does not unflatten (`unflatten_state`): not `flatten_state`'s output — a
+    reference to a tensor it did not come with, a malformed dict, nesting past `MAX_DEPTH`."""
 
 
 @dataclass(frozen=True)
@@ -122,14 +128,29 @@ def _split_tensors(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], seen
     raise CheckpointError(f"cannot checkpoint a value of type {type(obj).__name__} at {prefix!r}")
 
 
-def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise MalformedStateError(f"the state nests deeper than {MAX_DEPTH} levels")
     if isinstance(obj, dict):
         if _TENSOR_REF in obj:
-            return tensors[obj[_TENSOR_REF]]
-        return {k: _join_tensors(v, tensors) for k, v in obj["__dict__"]}
+            ref = obj[_TENSOR_REF]
+            if len(obj) != 1 or not isinstance(ref, str) or ref not in tensors:
+                raise MalformedStateError(f"a reference to a tensor the state does not hold: {str(ref)[:64]!r}")
+            return tensors[ref]
+        items = obj.get("__dict__")
+        if len(obj) != 1 or not isinstance(items, list):
+            raise MalformedStateError("a dict that is not a state's")
+        out = {}
+        for item in items:
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str | int):
+                raise MalformedStateError("a dict entry that is not a [key, value] pair")
+            out[item[0]] = _join_tensors(item[1], tensors, depth + 1)
+        return out
     if isinstance(obj, list):
-        return [_join_tensors(v, tensors) for v in obj]
-    return obj
+        return [_join_tensors(v, tensors, depth + 1) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str | bytes):
+        return obj
+    raise MalformedStateError(f"a value of type {type(obj).__name__} in the state")
 
 
 _DIGEST_BUFFER = 4 << 20
@@ -324,5 +345,6 @@ def flatten_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `flatten_state`."""
+    """Inverse of `flatten_state`. `MalformedStateError` for a skeleton that is not its output (one
+    may come from a peer: node/state/download.py, node/stages/state.py)."""
     return _join_tensors(skeleton, tensors)

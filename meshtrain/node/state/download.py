@@ -48,7 +48,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.node.phase import NodeError, Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
-from meshtrain.node.state.checkpoint import unflatten_state
+from meshtrain.node.state.checkpoint import MalformedStateError, unflatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import FetchReport, fetch_state
 from meshtrain.node.state.parity import PHI_WITHHELD, winning_digest
@@ -313,7 +313,14 @@ class SwarmDownload:
             return False
         self._declined_backoff.reset()
         self._roster_backoff.reset()
-        state = unflatten_state(meta["skeleton"], tensors)
+        try:  # the vote's winner, or a lone donor: what it sent is checked before anything reads it
+            state = unflatten_state(meta.get("skeleton"), tensors)
+            trainer.outer.state_layout().check(state)
+        except MalformedStateError as e:
+            await self._retry_later(backoff, f"the downloaded state is malformed: {e}", attempt=attempt)
+            return False
+        except OuterStateError as e:
+            raise NodeError(self._misfit(e)) from None
         # The swarm may have moved on while the bytes came: the same questions again.
         send = trainer.outer.next_send_step(state["inner_steps"])
         if before_roster(state["inner_steps"]):
@@ -335,10 +342,7 @@ class SwarmDownload:
             await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False
         except OuterStateError as e:
-            raise NodeError(
-                f"the swarm's state does not fit this node ({e}): every peer must run the "
-                f"same model and optimizer as the swarm spec says"
-            ) from None
+            raise NodeError(self._misfit(e)) from None
         self.resumed = False  # the swarm's lineage now, not our checkpoint's
         # The donors' own φ of a round they spent alone, where nobody published another for it
         # (`_solo_offer`): the lineage goes on from it, but no digest is ours to publish.
@@ -398,6 +402,14 @@ class SwarmDownload:
         self.waiting = f"re-sync: the swarm is still at step {landed[0]}; trying its next round again in {delay:.1f} s"
         await self.stop.sleep(delay)
         self.waiting = None
+
+    @staticmethod
+    def _misfit(e: OuterStateError) -> str:
+        """What a node that cannot load the swarm's state says (it stops: nothing would change)."""
+        return (
+            f"the swarm's state does not fit this node ({e}): every peer must run the "
+            f"same model and optimizer as the swarm spec says"
+        )
 
     async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
         delay = backoff.next()
