@@ -106,27 +106,28 @@ class OptimizerLayout:
         shapes = tuple(p.shape for g in optimizer.param_groups for p in g["params"])
         return cls(groups, shapes, _stepped_twin(optimizer))
 
-    def check(self, state: Any) -> None:
-        """`OuterStateError` naming the first way `state` (a torch optimizer state dict) differs."""
+    def check(self, state: Any, what: str = "state's outer optimizer") -> None:
+        """`OuterStateError` naming the first way `state` (a torch optimizer state dict) differs;
+        `what` names the state in the message."""
         if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
-            raise OuterStateError("state's outer optimizer is not a torch optimizer state")
+            raise OuterStateError(f"{what} is not a torch optimizer state")
         groups = state.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.groups):
-            raise OuterStateError("state's outer optimizer has other parameter groups than this optimizer's")
+            raise OuterStateError(f"{what} has other parameter groups than this optimizer's")
         for group, (params, ours) in zip(groups, self.groups, strict=True):
             indices = group.get("params") if isinstance(group, dict) else None
             if not isinstance(indices, list) or not all(map(is_int, indices)) or indices != list(params):
-                raise OuterStateError("state's outer optimizer groups other parameters than this optimizer's")
+                raise OuterStateError(f"{what} groups other parameters than this optimizer's")
             for key, value in group.items():
                 if key != "params" and not _same_kind(value, ours.get(key, _ABSENT)):
-                    raise OuterStateError(f"state's outer optimizer {key!r} is {value!r}, not a value of its kind")
+                    raise OuterStateError(f"{what} {key!r} is {str(value)[:64]!r}, not a value of its kind")
         for index, per_param in state["state"].items():
             if not is_int(index) or not 0 <= index < len(self.shapes) or not isinstance(per_param, dict):
-                raise OuterStateError("state's outer optimizer keeps state for a parameter this optimizer lacks")
+                raise OuterStateError(f"{what} keeps state for a parameter this optimizer lacks")
             stepped = self.stepped[index] if self.stepped is not None and per_param else {}
             for key in stepped:
                 if key not in per_param:
-                    raise OuterStateError(f"state's outer optimizer lacks {key!r} of parameter {index}")
+                    raise OuterStateError(f"{what} lacks {key!r} of parameter {index}")
             for key, value in per_param.items():
                 if key in stepped:
                     shape = stepped[key]
@@ -136,7 +137,7 @@ class OptimizerLayout:
                 else:
                     fits = _scalar(value)
                 if not isinstance(key, str) or not fits:
-                    raise OuterStateError(f"state's outer optimizer {key!r} of parameter {index} has the wrong shape")
+                    raise OuterStateError(f"{what} {key!r} of parameter {index} has the wrong shape")
 
 
 def _stepped_twin(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Size | None], ...] | None:

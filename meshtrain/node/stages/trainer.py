@@ -37,6 +37,7 @@ from meshtrain.node.ranks.devices import Precision, check_fits, resolve_device, 
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.trainer import StepInfo, build_model
 from meshtrain.optim.outer import OuterStateError, StaleStateError
+from meshtrain.optim.outer_state import OptimizerLayout
 from meshtrain.pipeline.cut import parse_stage_cut
 from meshtrain.pipeline.replica_sync import StageOuterSync
 from meshtrain.pipeline.stages import StageReplica
@@ -140,6 +141,10 @@ class StageTrainer:
                 )
             ):
                 raise ValueError("the donated weights are not this stage's")
+            try:  # checked whole first: a state that loads may still fail at the next step
+                OptimizerLayout.of(r.optimizer).check(adam, "the donated AdamW state")
+            except OuterStateError as e:
+                raise ValueError(f"{e} (not this stage's)") from None
             saved = copy.deepcopy(r.optimizer.state_dict())
             try:
                 r.optimizer.load_state_dict(adam)
