@@ -152,6 +152,8 @@ def soak(tmp_path_factory) -> dict:
             str(SOAK_NODES),
             "--seed",
             "1",
+            "--spare",
+            str(SOAK_NODES - 1),
             "--out",
             str(out),
         ],
@@ -185,6 +187,18 @@ def test_no_node_exits_on_its_own_and_no_checkpoint_is_corrupt_under_chaos(soak)
     assert soak["join_failures"] == 0, _brief(soak)
     assert soak["corrupt_checkpoints"] == 0, _brief(soak)
     assert soak["checkpoints_checked"] >= 1, _brief(soak)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_spared_node_is_never_killed_so_one_process_lives_the_whole_soak(soak):
+    """`--spare`: the node whose process the soak measures memory growth over a whole run by."""
+    assert soak["spare"] == SOAK_NODES - 1
+    events = [json.loads(line) for line in (Path(soak["run_dir"]) / "events.jsonl").read_text().splitlines()]
+    killed = {e["node"] for e in events if e.get("event") == "sigkill"}
+    assert killed and soak["spare"] not in killed, _brief(soak)
+    of_spare = [e["event"] for e in events if e.get("node") == soak["spare"]]
+    assert of_spare.count("restart") <= of_spare.count("exited_on_its_own"), of_spare  # restarted only if it died
 
 
 @pytest.mark.slow
