@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from meshtrain.collective.local import LocalSwarm
 from meshtrain.node.state.checkpoint import MalformedStateError, flatten_state, unflatten_state
-from meshtrain.optim import DiLoCo, OuterOptimizer
+from meshtrain.optim import DataParallel, DiLoCo, OuterOptimizer
 from meshtrain.optim.outer_state import OuterStateError
 
 property_settings = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -213,3 +213,65 @@ def test_a_flattened_state_unflattens_to_itself_and_a_deep_one_is_malformed():
         unflatten_state(deep, {})
     with pytest.raises(MalformedStateError, match="does not hold"):
         unflatten_state({"__tensor__": "missing"}, flat)
+
+
+class Factored(torch.optim.Optimizer):
+    """A user's optimizer: its constructor needs `rank`, so no twin of it is built, and it keeps
+    state of its own shapes (a row and a column vector per tensor, as a factored moment would) and
+    a hyper-parameter that is a dict."""
+
+    def __init__(self, params, rank: int, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr, "rank": rank, "extra": {"decay": 0.5}})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["row"], state["col"] = torch.zeros(p.shape[0]), torch.zeros(p.shape[-1])
+                state["row"].add_(p.grad.reshape(p.shape[0], -1).mean(1))
+                state["col"].add_(p.grad.reshape(-1, p.shape[-1]).mean(0))
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class OuterFactored(OuterOptimizer):
+    def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return Factored(params, rank=2)
+
+
+def factored() -> OuterOptimizer:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    return OuterFactored(m, torch.optim.SGD(m.parameters(), lr=0.1), LocalSwarm(1).member(0), H=1)
+
+
+async def test_a_users_optimizer_of_its_own_shapes_loads_and_only_its_structure_is_checked():
+    good = await trained_state(factored)
+    assert good["outer_optimizer"]["state"][0]["col"].shape == (3,)  # neither param-shaped nor one value
+    joiner = factored()
+    joiner.join(copy.deepcopy(good))
+    await train_step(joiner)
+    state = copy.deepcopy(good)
+    put(state, ("outer_optimizer", "state", 0, "row"), [0.0, 0.0])
+    refused(factored(), state, "'row' of parameter 0")
+    state = copy.deepcopy(good)
+    put(state, ("outer_optimizer", "param_groups", 0, "extra"), "decay")
+    refused(factored(), state, "'extra'")
+
+
+async def test_a_dp_donors_inner_optimizer_state_is_checked_whole_too():
+    def dp() -> OuterOptimizer:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        return DataParallel(m, torch.optim.AdamW(m.parameters(), lr=0.01), LocalSwarm(1).member(0))
+
+    good = await trained_state(dp)
+    joiner = dp()
+    joiner.join(copy.deepcopy(good))
+    await train_step(joiner)
+    state = copy.deepcopy(good)
+    put(state, ("inner", "state", 0, "exp_avg"), torch.zeros(3, 2))
+    refused(dp(), state, "state's inner optimizer 'exp_avg' of parameter 0")

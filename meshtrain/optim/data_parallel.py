@@ -47,6 +47,7 @@ import torch
 from meshtrain.collective.contract import Collective, ReduceResult
 from meshtrain.errors import ConfigError
 from meshtrain.optim.outer import OuterOptimizer, OuterSpec, OuterStateError, RoundReport
+from meshtrain.optim.outer_state import OptimizerLayout
 
 
 class DataParallel(OuterOptimizer):
@@ -151,4 +152,7 @@ class DataParallel(OuterOptimizer):
     def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
         if not isinstance(state, dict) or "inner" not in state:
             raise OuterStateError("a DataParallel state carries the inner optimizer's state; this one has none")
+        assert self.inner is not None  # checked in __init__
+        # the swarm's, from a donor: checked whole before any of it loads (optim/outer_state.py)
+        OptimizerLayout.of(self.inner).check(state["inner"], "state's inner optimizer")
         super().load_state_dict(state, inner=True)

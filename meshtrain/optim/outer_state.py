@@ -16,9 +16,9 @@ Design.
                         same parameter groups over the same parameters, each hyper-parameter of
                         the kind ours is (a finite number where ours is one: a donor's "x" or
                         NaN learning rate loaded fine and failed, or poisoned φ, at the next outer
-                        step), and per-parameter state tensors shaped as their parameter or
-                        scalars (a momentum buffer of another shape loaded fine and failed at the
-                        next outer step). Hyper-parameters are not compared with ours: peers of
+                        step), and per-parameter state as a step of ours would leave it (a
+                        momentum buffer of another shape loaded fine and failed at the next outer
+                        step). Hyper-parameters are not compared with ours: peers of
                         one spec hold the same, and a state may carry keys another torch release
                         added.
     fragment_partition  the fragments an optimizer is built with, checked to partition its
@@ -88,9 +88,10 @@ class OptimizerLayout:
     `stepped` comes from a twin of the optimizer over meta-device parameters (no memory), stepped
     once: a loaded parameter's state is then empty (never stepped) or holds every key the twin's
     does, shaped alike — a 0-d momentum buffer loads fine and fails at the next step, as does an
-    AdamW state without its `exp_avg`. An optimizer the twin cannot be built or stepped for (a
-    user's, whose constructor takes other arguments) is checked by the looser rule alone: each
-    state tensor shaped as its parameter or holding one value."""
+    AdamW state without its `exp_avg`. For an optimizer the twin cannot be built or stepped for (a
+    user's, whose constructor takes other arguments, or one whose step needs real data), and for
+    keys its step does not make, only the structure is checked (tensors or plain values): such an
+    optimizer's state may be shaped in ways no rule here knows (factored or quantized moments)."""
 
     groups: tuple[tuple[tuple[int, ...], Mapping[str, Any]], ...]
     shapes: tuple[torch.Size, ...]
@@ -132,10 +133,8 @@ class OptimizerLayout:
                 if key in stepped:
                     shape = stepped[key]
                     fits = _scalar(value) if shape is None else isinstance(value, torch.Tensor) and value.shape == shape
-                elif isinstance(value, torch.Tensor):
-                    fits = value.numel() == 1 or value.shape == self.shapes[index]
-                else:
-                    fits = _scalar(value)
+                else:  # a key our step does not make (ignored by it), or an optimizer without a twin
+                    fits = isinstance(value, torch.Tensor) or _scalar(value)
                 if not isinstance(key, str) or not fits:
                     raise OuterStateError(f"{what} {key!r} of parameter {index} has the wrong shape")
 
@@ -196,18 +195,20 @@ def _same_kind(value: Any, ours: Any) -> bool:
     ours lacks, another torch release's): a finite number for a number, as many for a sequence of
     them (Adam's betas), a tensor shaped as ours (a capturable optimizer's learning rate), a flag
     or None for a flag or None, the same name for a name; for an absent key a flag, None or a
-    finite number."""
+    finite number; for anything else (a user's optimizer may keep any value) the same type."""
     if _number(ours):
         return _number(value)
     if isinstance(ours, torch.Tensor):
         return isinstance(value, torch.Tensor) and value.shape == ours.shape
-    if isinstance(ours, list | tuple):
+    if isinstance(ours, list | tuple) and all(map(_number, ours)):
         return isinstance(value, list | tuple) and len(value) == len(ours) and all(map(_number, value))
     if ours is None or isinstance(ours, bool):
         return value is None or isinstance(value, bool)
     if ours is _ABSENT:
         return value is None or isinstance(value, bool) or _number(value)
-    return isinstance(value, str) and value == ours
+    if isinstance(ours, str):
+        return isinstance(value, str) and value == ours
+    return isinstance(value, list | tuple) if isinstance(ours, list | tuple) else type(value) is type(ours)
 
 
 @dataclass(frozen=True)
