@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,7 +53,7 @@ from typing import Any, cast
 import torch
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.transport.validate import is_int
+from meshtrain.transport.validate import is_int, is_number
 
 __all__ = [
     "STATE_FORMAT",
@@ -104,8 +105,14 @@ class OptimizerLayout:
         groups = tuple(
             (tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in state["param_groups"]
         )
-        shapes = tuple(p.shape for g in optimizer.param_groups for p in g["params"])
-        return cls(groups, shapes, _stepped_twin(optimizer))
+        params = _params(optimizer)
+        shapes = tuple(p.shape for p in params)
+        # the twin once per optimizer and hyper-parameters: a join checks a state up to three times
+        key = repr((shapes, [p.dtype for p in params], groups))
+        cached = _TWINS.get(optimizer)
+        if cached is None or cached[0] != key:
+            cached = _TWINS[optimizer] = (key, _stepped_twin(optimizer))
+        return cls(groups, shapes, cached[1])
 
     def check(self, state: Any, what: str = "state's outer optimizer") -> None:
         """`OuterStateError` naming the first way `state` (a torch optimizer state dict) differs;
@@ -137,6 +144,13 @@ class OptimizerLayout:
                     fits = isinstance(value, torch.Tensor) or _scalar(value)
                 if not isinstance(key, str) or not fits:
                     raise OuterStateError(f"{what} {key!r} of parameter {index} has the wrong shape")
+
+
+_TWINS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _stepped_twin(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Size | None], ...] | None:
@@ -187,7 +201,7 @@ def _finite(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and _finite(value)
+    return is_number(value) and _finite(value)
 
 
 def _same_kind(value: Any, ours: Any) -> bool:
