@@ -16,7 +16,7 @@ Design. `SwarmDownload` does it for one node:
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
-  that wait for it. Only a state that cannot fit this node (another model or optimizer) is fatal:
+  that wait for it (its retries meanwhile never sleep past that deadline). Only a state that cannot fit this node (another model or optimizer) is fatal:
   `NodeError`. A state we could not enter with — a round old (`OuterOptimizer.entry_step`), or
   before our roster round — is declined from its manifest, before its bytes move (`fetch_state`'s
   `accept`), and asked for again within 2 s (0.5 s while we wait for our roster round): a joiner
@@ -166,7 +166,7 @@ class SwarmDownload:
             await trainer.outer.afinish()
         backoff = Backoff(initial=1.0, cap=30.0)
         attempt = 0
-        orphaned_at = time.monotonic()
+        orphaned_at = trio.current_time()  # trio's clock, the one the waits below sleep on
         try:
             while not self.stop.is_set():
                 if not self._reached_roster_round(in_from):
@@ -181,7 +181,7 @@ class SwarmDownload:
                     continue
                 donors = self.donors()
                 if not donors:
-                    if time.monotonic() - orphaned_at >= ORPHAN_WAIT:
+                    if trio.current_time() - orphaned_at >= ORPHAN_WAIT:
                         # Nobody trains (the last training peer died; everyone else is starting or
                         # syncing too): waiting for each other would stall the swarm for good.
                         # Train on our own state; parity and the front rule merge the lineages
@@ -196,9 +196,12 @@ class SwarmDownload:
                         trainer.outer.needs_resync = False
                         return True
                     self.waiting = "state download: waiting for a connected peer that trains"
-                    await self._retry_later(backoff, "no connected peer is training yet")
+                    # Never past the orphan deadline: a backoff grown to 23 s overslept it, and
+                    # the last peer of a swarm whose partner died sat 42 s idle instead of 20 s.
+                    left = ORPHAN_WAIT - (trio.current_time() - orphaned_at)
+                    await self._retry_later(backoff, "no connected peer is training yet", at_most=max(left, 0.05))
                     continue
-                orphaned_at = time.monotonic()
+                orphaned_at = trio.current_time()
                 if self._keep_front(donors):
                     return True
                 if await self._fetch_from(donors, attempt, backoff, in_from):
@@ -411,8 +414,10 @@ class SwarmDownload:
             f"same model and optimizer as the swarm spec says"
         )
 
-    async def _retry_later(self, backoff: Backoff, why: str, attempt: int | None = None) -> None:
-        delay = backoff.next()
+    async def _retry_later(
+        self, backoff: Backoff, why: str, attempt: int | None = None, at_most: float | None = None
+    ) -> None:
+        delay = backoff.next() if at_most is None else min(backoff.next(), at_most)
         log.warning(
             kv("cannot join the swarm yet; retrying", why=why[:300], attempt=attempt, retry_in_s=round(delay, 1))
         )
