@@ -16,12 +16,14 @@ Design. `SwarmDownload` does it for one node:
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
-  that wait for it (its retries meanwhile never sleep past that deadline). Only a state that cannot fit this node (another model or optimizer) is fatal:
-  `NodeError`. A state we could not enter with — a round old (`OuterOptimizer.entry_step`), or
-  before our roster round — is declined from its manifest, before its bytes move (`fetch_state`'s
-  `accept`), and asked for again within 2 s (0.5 s while we wait for our roster round): a joiner
-  used to download a state a round old whole, refuse it, and back off up to 30 s, every time,
-  while the swarm waited in an exchange for it. So is a donor's state of a round it spent alone
+  that wait for it (its retries meanwhile never sleep past that deadline). Only a state that
+  cannot fit this node (another model or optimizer) is fatal, `NodeError`, and only once it is
+  the swarm's (`MisfitDonors`: two donors agreed on it, or the one donor we reach sent it three
+  times); one donor's misfit is passed over. A state we could not enter with — a round old
+  (`OuterOptimizer.entry_step`), or before our roster round — is declined from its manifest,
+  before its bytes move (`fetch_state`'s `accept`), and asked for again within 2 s (0.5 s while
+  we wait for our roster round): a joiner used to download a state a round old whole, refuse
+  it, and back off up to 30 s, every time, while the swarm waited in an exchange for it. So is a donor's state of a round it spent alone
   (`PHI_WITHHELD`) while another trainer published a φ for that round (`_solo_offer`); entered
   where nobody did, its digest is withheld by us too. Once joined, `joined(withheld)` (the run
   state's) records or withholds φ's digest and offers the joined state to joiners at once (a
@@ -61,9 +63,33 @@ log = get_logger(__name__)
 
 BEHIND_ROUNDS = 3  # a connected trainer this many rounds ahead of us means we were left behind
 ORPHAN_WAIT = 20.0  # nobody training to download from for this long: train on our own state
+MISFIT_TRIES = 3  # a state that does not fit, from the one donor we can reach, this often: our config is wrong
 RESYNC_PAUSE = 0.5  # seconds: the first pause when a re-sync lands where the last one did
 RESYNC_PAUSE_CAP = 8.0  # ... doubling up to this (well inside a round's join deadline x 3)
 ROSTER_POLL = 0.05  # seconds between two looks at the swarm's step while we wait for our roster round
+
+
+class MisfitDonors:
+    """Donors whose downloaded state unflattened but did not fit our model or optimizer, and how
+    often. Two donors that agreed on such a state, or the one donor we can reach sending it
+    `MISFIT_TRIES` times, make it the swarm's (`is_the_swarms`): this node's model or optimizer is
+    not the spec's, and nothing would change. One donor's otherwise — a peer of another release,
+    or one that lies — is passed over while other donors remain (`prefer_others`), so that one
+    lying donor cannot stop every joiner that asks it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def record(self, senders: list[str]) -> bool:
+        """Count one misfit state sent by `senders` (the vote's agreeing donors); whether it is
+        the swarm's."""
+        for p in senders:
+            self.counts[p] = self.counts.get(p, 0) + 1
+        return len(senders) >= 2 or max((self.counts[p] for p in senders), default=0) >= MISFIT_TRIES
+
+    def prefer_others(self, donors: list[str]) -> list[str]:
+        """`donors` without those that sent a misfit state, unless that leaves none."""
+        return [p for p in donors if p not in self.counts] or donors
 
 
 class SwarmDownload:
@@ -98,6 +124,7 @@ class SwarmDownload:
         # state is kept over the trainers' as the front (`_keep_front`).
         self.resumed = False
         self._resync_landing: tuple[int, int] | None = None  # (step, round) the last re-sync joined at
+        self.misfits = MisfitDonors()
         self._resync_backoff = Backoff(initial=RESYNC_PAUSE, cap=RESYNC_PAUSE_CAP)
         # Retries after a state declined from its manifest cost one small RPC per donor, and the
         # swarm publishes its next state within a round: ask again soon (the download's own
@@ -138,6 +165,7 @@ class SwarmDownload:
             # an older round would offer the same state once they catch up, but not yet.
             holders = newest[max(newest)]
             donors = sorted(holders[winning_digest(holders)])
+        donors = self.misfits.prefer_others(donors)
         if not self.trainer.outer.replicas_identical:
             donors = donors[:1]  # NoLoCo replicas differ: take one peer's state whole
         elif self.config.max_donors:
@@ -323,7 +351,8 @@ class SwarmDownload:
             await self._retry_later(backoff, f"the downloaded state is malformed: {e}", attempt=attempt)
             return False
         except OuterStateError as e:
-            raise NodeError(self._misfit(e)) from None
+            await self._misfit_from(report.agreeing or donors, e, backoff, attempt)
+            return False
         # The swarm may have moved on while the bytes came: the same questions again.
         send = trainer.outer.next_send_step(state["inner_steps"])
         if before_roster(state["inner_steps"]):
@@ -345,7 +374,8 @@ class SwarmDownload:
             await self._retry_later(backoff, f"downloaded state is a round old: {e}", attempt=attempt)
             return False
         except OuterStateError as e:
-            raise NodeError(self._misfit(e)) from None
+            await self._misfit_from(report.agreeing or donors, e, backoff, attempt)
+            return False
         self.resumed = False  # the swarm's lineage now, not our checkpoint's
         # The donors' own φ of a round they spent alone, where nobody published another for it
         # (`_solo_offer`): the lineage goes on from it, but no digest is ours to publish.
@@ -406,12 +436,17 @@ class SwarmDownload:
         await self.stop.sleep(delay)
         self.waiting = None
 
-    @staticmethod
-    def _misfit(e: OuterStateError) -> str:
-        """What a node that cannot load the swarm's state says (it stops: nothing would change)."""
-        return (
-            f"the swarm's state does not fit this node ({e}): every peer must run the "
-            f"same model and optimizer as the swarm spec says"
+    async def _misfit_from(self, senders: list[str], e: OuterStateError, backoff: Backoff, attempt: int) -> None:
+        """A downloaded state that unflattens but does not fit our model or optimizer: the node
+        stops (`NodeError`, naming what differs) if it is the swarm's (`MisfitDonors`); else it
+        asks again, other donors first."""
+        if self.misfits.record(senders):
+            raise NodeError(
+                f"the swarm's state does not fit this node ({e}): every peer must run the "
+                f"same model and optimizer as the swarm spec says"
+            ) from None
+        await self._retry_later(
+            backoff, f"peer {senders[0][-8:]}'s state does not fit this node ({e}); asking others", attempt=attempt
         )
 
     async def _retry_later(
