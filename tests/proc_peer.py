@@ -7,6 +7,10 @@
         prints {"peer": id}; waits for "go" on stdin; prints {"sending": true} when it starts;
         sends; prints the same kind of result.
 
+    python tests/proc_peer.py silent --key DATA_DIR/identity.key
+        a host with that identity that answers connections and says nothing else (no DHT, no
+        swarm records): prints {"peer": id, "addr": multiaddr}; runs until stdin closes.
+
 The payload is deterministic (seeded), so both sides can compare digests.
 """
 
@@ -36,7 +40,16 @@ def say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
+async def silent(key: str) -> None:
+    async with Host(Identity.load(key)) as host:
+        say({"peer": host.peer_id, "addr": host.addrs[0]})
+        await trio.to_thread.run_sync(sys.stdin.read)
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.role == "silent":
+        await silent(args.key)
+        return
     cfg = DataPlaneConfig(direct=bool(args.direct), resume_window=args.resume_window)
     async with Host(Identity.generate()) as host, TensorStreams(host, cfg) as ts:
         if args.role == "receiver":
@@ -62,8 +75,9 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["receiver", "sender"])
+    p.add_argument("role", choices=["receiver", "sender", "silent"])
     p.add_argument("--to")
+    p.add_argument("--key")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--direct", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120)

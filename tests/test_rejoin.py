@@ -12,6 +12,7 @@ each is taken for gone (`PeerPresence.cut_off`). Each test failed on the code be
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
@@ -20,8 +21,9 @@ import pytest
 
 from meshtrain.node.state.address_book import BOOK_FILE
 from meshtrain.node.status.client import StatusError, fetch_status
-from meshtrain.transport.identity import Identity
+from meshtrain.transport.identity import KEY_FILE_NAME, Identity
 
+from .conftest import spawn
 from .test_node_cli import create, no_daemon_outlives_its_test, start, wait_daemon  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -138,5 +140,52 @@ def test_a_restart_whose_known_trainers_are_all_gone_trains_alone_after_a_few_di
     assert "not training alone: cut off from the swarm" in text, text[-3000:]
     assert "no known trainer answered; going on" in text, text[-3000:]
     assert waited < 60, waited
+    pb.send_signal(signal.SIGINT)
+    pb.wait(timeout=60)
+
+
+def test_a_restart_connected_to_a_known_trainer_that_sends_no_records_is_still_cut_off(tmp_path):
+    """A connection is not the swarm. A 5-minute soak's restart (no checkpoint yet) connected to
+    three peers in its DHT bootstrap; a partition cut them off before the replicated records
+    came, and the node, counting itself met and seeing nobody, trained from step 0 and published
+    φ for 52 rounds of a lineage of its own. Here the address book's one trainer answers the
+    restart's dial — a host with its identity — but sends no records: the restart stays cut off
+    rather than train alone, and goes on once that trainer is gone (its dials fail)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
+    pa = start("--data-dir", str(a), "--checkpoint-every", "1", log=la)
+    ia = wait_daemon(a, pa, la)
+    pb = start("--data-dir", str(b), "--join", ia["addrs"][0], "--checkpoint-every", "1", log=lb)
+    ib = wait_daemon(b, pb, lb)
+    wait_for(
+        "b to train with a in its address book",
+        lambda: (
+            status(ib)["node"]["state"] == "training"
+            and ia["peer_id"] in json.loads((b / BOOK_FILE).read_text())["peers"]
+            and list((b / "checkpoints").glob("*"))
+        ),
+    )
+    for p in (pb, pa):
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    (b / "daemon.json").unlink()  # the killed process's, left behind
+    silent = spawn("tests/proc_peer.py", "silent", "--key", str(a / KEY_FILE_NAME), stderr_path=str(tmp_path / "s.log"))
+    try:
+        hello = json.loads(silent.stdout.readline())
+        assert hello["peer"] == ia["peer_id"]
+        pb = start("--data-dir", str(b), "--bootstrap", hello["addr"], "--checkpoint-every", "1", log=lb)
+        ib = wait_daemon(b, pb, lb)
+        wait_for("b to say it is cut off", lambda: "not training alone: cut off" in lb.read_text())
+        wait_for(
+            "b to connect to the silent host", lambda: re.search(r"dht bootstrapped reached=[1-9]", lb.read_text())
+        )
+        time.sleep(5)  # sleep: what is tested is that b does not train meanwhile (it used to within a second)
+        assert status(ib)["node"]["state"] != "training", lb.read_text()[-3000:]
+    finally:
+        silent.stdin.close()  # the silent host exits: b's dials of a now fail
+        silent.wait(timeout=30)
+    wait_for("b to train alone once a is gone", lambda: status(ib)["node"]["state"] == "training", timeout=120)
+    assert "no known trainer answered; going on" in lb.read_text(), lb.read_text()[-3000:]
     pb.send_signal(signal.SIGINT)
     pb.wait(timeout=60)

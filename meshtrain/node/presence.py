@@ -105,8 +105,9 @@ warns once about a peer more than a few seconds off; nothing here depends on it.
 
 Finding the swarm again (node/state/address_book.py). The re-dial loop also notes the view's live
 trainers in the data dir's address book. On a restart their addresses join the DHT's bootstrap
-list, and they are re-dialled with backoff until this life first reaches another trainer
-(`REJOIN_DIALS` failed dials in a row, the `Dialler`'s count, and a trainer is taken for gone). Until then,
+list, and they are re-dialled with backoff until this life first reaches the swarm — a trainer it is
+connected to and holds the record of, not a connection alone (`_meets_swarm`) — or each is taken
+for gone (`REJOIN_DIALS` failed dials in a row, the `Dialler`'s count). Until then,
 `cut_off()` says why the node must not train alone: its book names trainers seen within
 `REJOIN_HORIZON_S` that have not been taken for gone (`RunState.enter` waits on it). A restart
 whose only bootstrap address was dead trained — and committed rounds — alone before this.
@@ -226,7 +227,7 @@ class PeerPresence(Service):
         self.strikes: StrikeBook | None = None  # set once entered
         self.clock: ClockOffsets | None = None  # set once entered
         self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/state/address_book.py
-        self.met_swarm = False  # connected to another trainer of the swarm, in this life
+        self.met_swarm = False  # reached the swarm in this life (`_meets_swarm`)
         self.plan = ConnectionPlan(host.peer_id, max_peers=max_peers, grouping=signed.spec.group_plan())
         self.dialler: Dialler | None = None  # set once entered
         # Our round (round ids are steps: the collective's `current_round`), set by the node once
@@ -549,10 +550,18 @@ class PeerPresence(Service):
         return self.dialler.failures(peer) if self.dialler is not None else 0
 
     def _meets_swarm(self) -> bool:
-        """Whether this life has reached another trainer of the swarm (`met_swarm`, set once)."""
+        """Whether this life has reached the swarm (`met_swarm`, set once): a trainer is a round
+        candidate, or a peer of our address book is connected and its membership record reached
+        us (it may be restarting too). A connection alone is not enough: a 5-minute soak's
+        restart connected to three peers in its DHT bootstrap, a partition cut them off before
+        the replicated records came, and the node, counting itself met and seeing nobody, trained
+        from step 0 and published φ for 52 rounds of a lineage of its own."""
         if not self.met_swarm:
             others = [p for p in self.candidates() if p != self.me]
-            self.met_swarm = bool(others) or any(self.host.is_connected(p) for p in self.book.peers)
+            live = {p.peer_id for p in self._view().live_peers()}
+            self.met_swarm = bool(others) or any(
+                p in live and self.host.is_connected(p) for p in self.book.peers if p != self.me
+            )
         return self.met_swarm
 
     def cut_off(self) -> str | None:

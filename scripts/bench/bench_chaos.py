@@ -85,7 +85,8 @@ nobody further on: the front died and the swarm went back, re-training rounds wi
 their reports are kept out of the parity rule, which judges the swarm's front; a front killed
 alone counts its rounds as passed when it dies: `Monitor.front_died`), `round_regressions`,
 `unclean_shutdowns`
-(a final SIGINT that did not exit 0), `log_findings` (counts and first occurrences, file:line, of
+(a final SIGINT that did not exit 0, or 130 from a life that had trained: the CLI exits 130 for
+a node stopped before it trained), `log_findings` (counts and first occurrences, file:line, of
 worrying lines; `log_tracebacks`: what each top-level traceback raised) and the commit the nodes
 ran (`code`: the working tree is shared, and a restarted node imports what is on disk then).
 
@@ -1079,7 +1080,9 @@ class Soak:
                 rc = "timeout"
             s.life.end = f"sigint -> {rc}"  # type: ignore[union-attr]
             s.life.ended = self.now()  # type: ignore[union-attr]
-            if rc != 0:
+            # 130 is the CLI's exit for a node stopped before it trained ("meshtrain: interrupted"):
+            # a clean stop of a life the harness restarted a moment before the end.
+            if rc != 0 and not (rc == 130 and s.life.training_at is None):  # type: ignore[union-attr]
                 unclean.append({"node": f"node{s.i}", "rc": rc, "log_tail": _tail_lines(s.log, s.life.log_line)[-8:]})  # type: ignore[union-attr]
         self.event("stopped", nodes=len(running), unclean=len(unclean))
         return {"stopped_at_end": len(running), "unclean_shutdowns": unclean}
