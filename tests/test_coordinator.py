@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.coordinator import OWN_TRAINER_WAIT, Coordinator
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.protocol import (
     DONE,
@@ -1072,6 +1072,46 @@ async def test_a_silent_peer_does_not_make_a_group_of_one_while_our_own_trainer_
         await trio.testing.wait_all_tasks_blocked()
         assert replies["a"] == replies["b"] == Joined(0, ("a", "b"))
         assert isinstance(replies["c"], Late)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("own_trains", [False, True])
+async def test_two_joiners_go_on_without_our_own_trainer_once_it_fetches_a_state(autojump_clock, own_trains):
+    """Seen in a 30-minute soak: coordinator a had just restarted (the lowest id: every round's
+    coordinator), announced itself, and its download failed for 18 s (its donors disagreed); b
+    and c had joined, d was left behind, and the round waited for a's trainer all that time. Not
+    training (no fresh progress record of this life), our own trainer counts as away once it has
+    kept the round waiting `OWN_TRAINER_WAIT`; while it trains, it is waited for as before."""
+    rpc = SilentRpc({}, silent={"d"})
+    steps = {"a": 7 if own_trains else None, "b": 7, "c": 7, "d": 7}
+    c = Coordinator(
+        FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: ("a", "b", "c", "d"), reported_step=steps.get
+    )
+    key = RoundKey(7, "", "a")
+    replies: dict = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.run)
+
+        answered: dict[str, float] = {}
+
+        async def join(p: str) -> None:
+            replies[p] = await c.join(p, key)
+            answered[p] = trio.current_time()
+
+        for p in "bc":
+            nursery.start_soon(join, p)
+        await trio.sleep(OWN_TRAINER_WAIT + PROBE_AFTER + 2 * PROBE_EVERY + 1)  # sleep: virtual time: d silent
+        if own_trains:
+            assert not replies  # a's trainer trains: it is coming, and waited for
+        else:
+            assert replies["b"] == replies["c"] == Joined(0, ("b", "c"))
+            assert answered["b"] >= OWN_TRAINER_WAIT  # not at once: a restart's download usually takes a second
+        await join("a")
+        await trio.testing.wait_all_tasks_blocked()
+        if own_trains:
+            assert replies["a"] == replies["b"] == Joined(0, ("a", "b", "c"))
+        else:
+            assert isinstance(replies["a"], Late)  # it re-syncs, and joins a later round
         nursery.cancel_scope.cancel()
 
 

@@ -58,7 +58,9 @@ further behind than the round window (probe.py `Whereabouts`: stopped while the 
 re-sync first) counts as silent here. A lone joiner keeps waiting (unless every missing peer is
 left behind: none of them can share the round later): a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
-joiners left our candidates since (killed) while our own trainer, never silent, had not joined yet.
+joiners left our candidates since (killed) while our own trainer, not silent, had not joined yet.
+Our own trainer is waited for while it trains; once it does not (it is fetching a state) and has
+kept the round waiting `OWN_TRAINER_WAIT`, it counts as away too (`_own_trainer_away`).
 A member that left a round it thought silent while its join was in may come back to it (the
 coordinator was only stopped): a second join from a member of the attempt under way counts as its
 leaving that attempt (`_rejoined`), so the others retry without it at once.
@@ -120,6 +122,9 @@ from meshtrain.transport.rpc import RemoteError
 log = get_logger(__name__)
 
 ROUNDS_KEPT = 16  # rounds remembered (older ones are forgotten)
+# Our own trainer, missing from a round it does not train for (fetching a state), is waited for
+# this long before two or more joiners go on without it (`_own_trainer_away`).
+OWN_TRAINER_WAIT = 5.0
 LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
 
 
@@ -325,9 +330,10 @@ class Coordinator:
         stopped peer's membership stays live until its lease runs out (12 s), and the round would
         wait for it that long. A lone joiner keeps waiting (a group of one beside a stopped
         partner is a round alone that the partner may share later). Counted are the joins that
-        the group would take (still candidates), and our own trainer is waited for: it is not
-        silent, and a 30-minute soak saw a coordinator whose trainer was re-syncing fix a group of
-        one — the one other joiner left beside a dead peer's join — a solo round. A missing peer
+        the group would take (still candidates), and our own trainer is waited for until it is
+        away (`_own_trainer_away`): it is not silent, and a 30-minute soak saw a coordinator whose
+        trainer was re-syncing fix a group of one — the one other joiner left beside a dead peer's
+        join — a solo round. A missing peer
         `behind` (its answer puts it further behind than our round window: probe.py `Whereabouts`;
         or behind us and not training: `_stuck_behind`) counts
         as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
@@ -336,10 +342,10 @@ class Coordinator:
         the round later, and CI saw the front peer of a swarm, coming back to a group left 100
         rounds behind (refused as `coordinator-behind`, it coordinated its round itself), wait
         out the hard join deadline (90 s) for them while they waited for its state."""
-        away = self.silent.now() | set(behind)
+        away = self.silent.now() | set(behind) | ({self.peer_id} if self._own_trainer_away(r) else set())
         missing = r.missing
         if not missing <= away | set(passed) or not missing & away:
-            return  # our own trainer is never silent: while it has not joined, it is waited for
+            return  # our own trainer is not silent: while it trains and has not joined, it is waited for
         candidates = set(self._candidates(r.key)) | {self.peer_id}
         joined = [p for p in r.joins if p in candidates]
         # A partner left behind cannot share this round later (it re-syncs first, to our state):
@@ -358,6 +364,18 @@ class Coordinator:
             )
         )
         self._fix_group(r)
+
+    def _own_trainer_away(self, r: _Round) -> bool:
+        """Whether our own trainer, missing from `r`, is not coming soon: it does not train now
+        (no fresh progress record of this life: `reported_step` is None — it is fetching a state)
+        and `r` has waited `OWN_TRAINER_WAIT` for it. Then it counts as away like a silent peer,
+        so two or more joiners that are a majority go on without it (never a group of one:
+        `_without_silent`). A 30-minute soak's restarted coordinator — the lowest id, so every
+        round's — announced itself and then failed its download for 18 s (its donors disagreed),
+        and the two trainers that had joined its round waited all that time."""
+        if self.peer_id not in r.missing or self.reported_step is None:
+            return False
+        return self.reported_step(self.peer_id) is None and trio.current_time() - r.created >= OWN_TRAINER_WAIT
 
     def _nobody_else_coming(self, r: _Round, why: str, elsewhere: str | None = None) -> None:
         """The missing peers will not join: a majority that did completes the round now (a peer

@@ -228,6 +228,7 @@ class PeerPresence(Service):
         self.clock: ClockOffsets | None = None  # set once entered
         self.book = AddressBook(data_dir, signed.swarm_id, host.peer_id)  # node/state/address_book.py
         self.met_swarm = False  # reached the swarm in this life (`_meets_swarm`)
+        self.started_ms = now_ms()  # this life's start, on our wall clock (our own records' clock)
         self.plan = ConnectionPlan(host.peer_id, max_peers=max_peers, grouping=signed.spec.group_plan())
         self.dialler: Dialler | None = None  # set once entered
         # Our round (round ids are steps: the collective's `current_round`), set by the node once
@@ -467,10 +468,15 @@ class PeerPresence(Service):
     def reported_step(self, peer: str) -> int | None:
         """The inner step `peer` reports in the swarm's progress records while it trains (None:
         no fresh record — a peer restarted from an older checkpoint must not be taken for past a
-        round by the record of its last life)."""
+        round by the record of its last life). Ours only once this life wrote it: held from our
+        last life, it is dated fresh when the view starts, and our coordinator would take our
+        trainer, fetching a state, for one that trains (collective/coordinator.py
+        `_own_trainer_away`)."""
         view = self._view()
         record = view.progress_of(peer)
-        return record.step if record is not None and self._fresh(view, peer, time.monotonic()) else None
+        if record is None or (peer == self.me and record.updated_ms < self.started_ms):
+            return None
+        return record.step if self._fresh(view, peer, time.monotonic()) else None
 
     def front_step(self) -> int | None:
         """The furthest step a connected peer training now reports (None: nobody)."""
