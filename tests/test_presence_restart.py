@@ -1,0 +1,40 @@
+"""What a restarted node's presence (node/presence.py) takes from its last life, with real hosts
+on loopback: its own progress record, handed back by a peer, is not a sign that this life trains.
+
+The coordinator waits for its own trainer while it trains (`reported_step` of ourselves: a fresh
+progress record) and goes on without it once it fetches a state (collective/coordinator.py
+`_own_trainer_away`). A record from our last life, replicated back to us by a peer, is dated
+fresh as it arrives; read as this life's, it made a restarted coordinator that was still
+downloading look like one that trains.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import trio
+
+from meshtrain.transport.identity import Identity
+
+from .test_strikes import presence, swarm_spec, until
+
+
+async def test_our_progress_record_from_a_last_life_is_not_this_lifes(tmp_path) -> None:
+    ids = [Identity.generate() for _ in range(2)]
+    signed = swarm_spec(ids[0])
+    async with AsyncExitStack() as outer:
+        b = await presence(outer, signed, ids[1], entry=None, data_dir=tmp_path / "b")
+        async with AsyncExitStack() as first_life:
+            a = await presence(first_life, signed, ids[0], entry=b.host.addrs[0], data_dir=tmp_path / "a")
+            assert a.view is not None
+            a.view.report_progress(step=40, outer_round=4)
+            await until(lambda: a.reported_step(a.me) == 40, "a's own record of this life")
+            await until(lambda: b.reported_step(a.me) == 40, "a's record to reach b")
+        await trio.sleep(0.05)  # sleep: the wall clock moves past the first life's last write (ms)
+        a = await presence(outer, signed, ids[0], entry=b.host.addrs[0], data_dir=tmp_path / "a")
+        assert a.view is not None
+        await until(lambda: (r := a.view.progress_of(a.me)) is not None and r.step == 40, "b to hand back a's record")
+        assert a.reported_step(a.me) is None  # fresh as it arrived, but not this life's
+        assert b.reported_step(a.me) == 40  # to others it is a's record as ever (`_fresh` judges it)
+        a.view.report_progress(step=44, outer_round=5)
+        await until(lambda: a.reported_step(a.me) == 44, "a's record of this life")
