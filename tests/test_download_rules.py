@@ -4,8 +4,7 @@ waits when nobody trains (`ORPHAN_WAIT`), and when a state that does not fit sto
 CI found it: the last peer of a two-peer swarm, its partner killed mid-round, re-synced, found no
 connected trainer to download from, and retried with its backoff: 0.7, 1.9, 2.6, 4.3, 9.2, then
 23.2 s, checked at 19 s, 1 s short of the 20 s rule, so it trained again after 42 s. The retries
-now never sleep past the deadline, and a node with nobody else live in its swarm (its partner
-left, or its lease ran out) does not wait at all.
+now never sleep past the deadline.
 
 A state that unflattens but does not fit our model or optimizer stopped the node at once, so one
 lying donor (or one of another release) made every joiner that asked it exit. Now it stops only
@@ -35,16 +34,12 @@ from meshtrain.optim.outer_state import OuterStateError
 
 
 class SwarmPresence:
-    """A swarm as the download sees it: admitted, no roster round to wait for, the connected
-    trainers' progress records `trainers` (none: nobody trains), and the live members `live`
-    (us, and by default one more that is starting or syncing)."""
+    """A swarm as the download sees it: admitted, no roster round to wait for, and the connected
+    trainers' progress records `trainers` (none: nobody trains)."""
 
-    me = "us"
-
-    def __init__(self, trainers: dict[str, PeerProgress] | None = None, live: tuple[str, ...] = ("us", "b")) -> None:
+    def __init__(self, trainers: dict[str, PeerProgress] | None = None) -> None:
         self.trainers = trainers or {}
-        self.live = live
-        self.view = SimpleNamespace(progress=dict, live_peers=lambda: [SimpleNamespace(peer_id=p) for p in self.live])
+        self.view = SimpleNamespace(progress=dict)
         self.plan = SimpleNamespace(grouping=None)
 
     async def enter_roster(self, stop: StopRequest) -> int:
@@ -88,16 +83,6 @@ async def test_a_lone_node_trains_on_its_own_state_once_the_orphan_wait_is_over(
     assert trainer.outer.needs_resync is False
     assert "nobody is training to download from; training on our own state" in caplog.text
     assert dl.waiting is None
-
-
-async def test_a_node_with_nobody_else_live_in_its_swarm_trains_on_its_own_state_at_once(autojump_clock, caplog):
-    """Its partner left (or its lease ran out): nobody could serve it, so it does not wait."""
-    caplog.set_level(logging.WARNING, logger=download_module.__name__)
-    dl, trainer = lone_download(StopRequest(), SwarmPresence(live=("us",)))
-    assert await dl.download() is True
-    assert trio.current_time() == 0.0
-    assert trainer.outer.needs_resync is False
-    assert "nobody else is in the swarm; training on our own state" in caplog.text
 
 
 async def test_a_stop_ends_the_orphan_wait_at_once(autojump_clock):

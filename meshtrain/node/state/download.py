@@ -16,8 +16,7 @@ Design. `SwarmDownload` does it for one node:
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
-  that wait for it (its retries meanwhile never sleep past that deadline); with nobody else live
-  in the swarm at all, at once. Only a state that
+  that wait for it (its retries meanwhile never sleep past that deadline). Only a state that
   cannot fit this node (another model or optimizer) is fatal, `NodeError`, and only once it is
   the swarm's (`MisfitDonors`: two donors agreed on it, or the one donor we reach sent it three
   times); one donor's misfit is passed over. A state we could not enter with — a round old
@@ -210,19 +209,17 @@ class SwarmDownload:
                     continue
                 donors = self.donors()
                 if not donors:
-                    alone = self._alone_in_swarm()
-                    if alone or trio.current_time() - orphaned_at >= ORPHAN_WAIT:
+                    if trio.current_time() - orphaned_at >= ORPHAN_WAIT:
                         # Nobody trains (the last training peer died; everyone else is starting or
                         # syncing too): waiting for each other would stall the swarm for good.
                         # Train on our own state; parity and the front rule merge the lineages
-                        # once peers train again (the furthest step wins). With nobody else in
-                        # the swarm at all (our partner left, or its lease ran out), at once:
-                        # nobody could serve us, and a CI run's survivor sat 20 s idle.
+                        # once peers train again (the furthest step wins). Not sooner where nobody
+                        # else is live: a peer that restarts a moment before has no record out yet
+                        # (a loaded test's partner, back from its newer checkpoint, was then left
+                        # behind by the very peer that should re-sync to it).
                         log.warning(
                             kv(
-                                "nobody else is in the swarm; training on our own state"
-                                if alone
-                                else "nobody is training to download from; training on our own state",
+                                "nobody is training to download from; training on our own state",
                                 step=trainer.step,
                                 round=trainer.outer.rounds,
                             )
@@ -243,12 +240,6 @@ class SwarmDownload:
             return False
         finally:
             self.waiting = None
-
-    def _alone_in_swarm(self) -> bool:
-        """Whether our view holds no live member but us: nobody is starting, syncing or training."""
-        view = self.presence.view
-        assert view is not None
-        return all(p.peer_id == self.presence.me for p in view.live_peers())
 
     def _keep_front(self, donors: list[str]) -> bool:
         """Whether our own state — resumed from our checkpoint in this life, and trained on since
