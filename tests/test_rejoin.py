@@ -109,9 +109,10 @@ def test_a_restart_whose_only_bootstrap_is_dead_rejoins_through_its_address_book
         p.wait(timeout=60)
 
 
-def test_a_restart_whose_known_trainers_are_all_gone_trains_alone_after_a_few_dials(tmp_path):
-    """The other side of the rule: when every trainer of the book is gone (their addresses refuse
-    the dial), the restarted node is alone in its swarm, not cut off from it, and trains on."""
+def two_then_both_killed(tmp_path):
+    """Daemons a (the swarm's creator) and b train together until b has a checkpoint and its
+    address book names a; then b is killed, and a after it (b's book still names a). Returns
+    (a's data dir, b's, b's log, a's start-up info)."""
     a, b = tmp_path / "a", tmp_path / "b"
     la, lb = tmp_path / "a.log", tmp_path / "b.log"
     create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
@@ -127,10 +128,17 @@ def test_a_restart_whose_known_trainers_are_all_gone_trains_alone_after_a_few_di
             and list((b / "checkpoints").glob("*"))
         ),
     )
-    for p in (pb, pa):  # b dies first: its book still names a, which then dies too
+    for p in (pb, pa):
         p.send_signal(signal.SIGKILL)
         p.wait()
     (b / "daemon.json").unlink()  # the killed process's, left behind
+    return a, b, lb, ia
+
+
+def test_a_restart_whose_known_trainers_are_all_gone_trains_alone_after_a_few_dials(tmp_path):
+    """The other side of the rule: when every trainer of the book is gone (their addresses refuse
+    the dial), the restarted node is alone in its swarm, not cut off from it, and trains on."""
+    a, b, lb, ia = two_then_both_killed(tmp_path)
     pb = start("--data-dir", str(b), "--checkpoint-every", "1", log=lb)
     ib = wait_daemon(b, pb, lb)
     t0 = time.monotonic()
@@ -151,25 +159,7 @@ def test_a_restart_connected_to_a_known_trainer_that_sends_no_records_is_still_c
     φ for 52 rounds of a lineage of its own. Here the address book's one trainer answers the
     restart's dial — a host with its identity — but sends no records: the restart stays cut off
     rather than train alone, and goes on once that trainer is gone (its dials fail)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    la, lb = tmp_path / "a.log", tmp_path / "b.log"
-    create(a, "--model", "gpt-tiny", "--steps", "0", "--H", "10", "--eval-every", "0")
-    pa = start("--data-dir", str(a), "--checkpoint-every", "1", log=la)
-    ia = wait_daemon(a, pa, la)
-    pb = start("--data-dir", str(b), "--join", ia["addrs"][0], "--checkpoint-every", "1", log=lb)
-    ib = wait_daemon(b, pb, lb)
-    wait_for(
-        "b to train with a in its address book",
-        lambda: (
-            status(ib)["node"]["state"] == "training"
-            and ia["peer_id"] in json.loads((b / BOOK_FILE).read_text())["peers"]
-            and list((b / "checkpoints").glob("*"))
-        ),
-    )
-    for p in (pb, pa):
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-    (b / "daemon.json").unlink()  # the killed process's, left behind
+    a, b, lb, ia = two_then_both_killed(tmp_path)
     silent = spawn("tests/proc_peer.py", "silent", "--key", str(a / KEY_FILE_NAME), stderr_path=str(tmp_path / "s.log"))
     try:
         hello = json.loads(silent.stdout.readline())
