@@ -23,11 +23,12 @@ Design. `SwarmDownload` does it for one node:
   (`OuterOptimizer.entry_step`), or before our roster round — is declined from its manifest,
   before its bytes move (`fetch_state`'s `accept`), and asked for again within 2 s (0.5 s while
   we wait for our roster round): a joiner used to download a state a round old whole, refuse
-  it, and back off up to 30 s, every time, while the swarm waited in an exchange for it. So is a donor's state of a round it spent alone
-  (`PHI_WITHHELD`) while another trainer published a φ for that round (`_solo_offer`); entered
-  where nobody did, its digest is withheld by us too. Once joined, `joined(withheld)` (the run
-  state's) records or withholds φ's digest and offers the joined state to joiners at once (a
-  snapshot from before the download would hand them an older φ than ours).
+  it, and back off up to 30 s, every time, while the swarm waited in an exchange for it. So is a
+  donor's state of a round it spent alone (`PHI_WITHHELD`) while another trainer published a φ
+  for that round (`_solo_offer`); entered where nobody did, its digest is withheld by us too.
+  Once joined, `joined(withheld)` (the run state's) records or withholds φ's digest and offers
+  the joined state to joiners at once (a snapshot from before the download would hand them an
+  older φ than ours).
 - `resync()`: `download()`, and when that lands where the last re-sync did (the round we keep
   missing has not completed anywhere we can reach, e.g. during a partition), a pause with backoff
   (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before training into that round again.
@@ -72,7 +73,7 @@ ROSTER_POLL = 0.05  # seconds between two looks at the swarm's step while we wai
 class MisfitDonors:
     """Donors whose downloaded state unflattened but did not fit our model or optimizer, and how
     often. Two donors that agreed on such a state, or the one donor we can reach sending it
-    `MISFIT_TRIES` times, make it the swarm's (`is_the_swarms`): this node's model or optimizer is
+    `MISFIT_TRIES` times, make it the swarm's (`record` says so): this node's model or optimizer is
     not the spec's, and nothing would change. One donor's otherwise — a peer of another release,
     or one that lies — is passed over while other donors remain (`prefer_others`), so that one
     lying donor cannot stop every joiner that asks it."""
