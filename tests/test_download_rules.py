@@ -37,10 +37,16 @@ class SwarmPresence:
     """A swarm as the download sees it: admitted, no roster round to wait for, and the connected
     trainers' progress records `trainers` (none: nobody trains)."""
 
+    me = "us"
+
     def __init__(self, trainers: dict[str, PeerProgress] | None = None) -> None:
         self.trainers = trainers or {}
         self.view = SimpleNamespace(progress=dict)
         self.plan = SimpleNamespace(grouping=None)
+
+    def candidates(self) -> list[str]:
+        """Us, and the connected trainers (their progress records aside)."""
+        return [self.me, *self.trainers]
 
     async def enter_roster(self, stop: StopRequest) -> int:
         return 0

@@ -16,7 +16,8 @@ Design. `SwarmDownload` does it for one node:
   until it joins or the node stops. While the swarm does not admit us (excluded by strikes, or
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
-  that wait for it (its retries meanwhile never sleep past that deadline). Only a state that
+  that wait for it (its retries meanwhile, while no other trainer is connected, never sleep past
+  that deadline). Only a state that
   cannot fit this node (another model or optimizer) is fatal, `NodeError`, and only once it is
   the swarm's (`MisfitDonors`: two donors agreed on it, or the one donor we reach sent it three
   times); one donor's misfit is passed over. A state we could not enter with — a round old
@@ -214,10 +215,7 @@ class SwarmDownload:
                         # Nobody trains (the last training peer died; everyone else is starting or
                         # syncing too): waiting for each other would stall the swarm for good.
                         # Train on our own state; parity and the front rule merge the lineages
-                        # once peers train again (the furthest step wins). Not sooner where nobody
-                        # else is live: a peer that restarts a moment before has no record out yet
-                        # (a loaded test's partner, back from its newer checkpoint, was then left
-                        # behind by the very peer that should re-sync to it).
+                        # once peers train again (the furthest step wins).
                         log.warning(
                             kv(
                                 "nobody is training to download from; training on our own state",
@@ -228,10 +226,17 @@ class SwarmDownload:
                         trainer.outer.needs_resync = False
                         return True
                     self.waiting = "state download: waiting for a connected peer that trains"
-                    # Never past the orphan deadline: a backoff grown to 23 s overslept it, and
-                    # the last peer of a swarm whose partner died sat 42 s idle instead of 20 s.
+                    # Alone among the connected trainers, never past the orphan deadline: a
+                    # backoff grown to 23 s overslept it, and the last peer of a swarm whose
+                    # partner died sat 42 s idle instead of 20 s. Beside a connected trainer whose
+                    # progress record has not come yet (back from a newer checkpoint, it will be
+                    # our donor) the backoff runs on: training on our own state at 20 s sharp, a
+                    # loaded suite run's peer left behind outran that trainer's checkpoint.
                     left = ORPHAN_WAIT - (trio.current_time() - orphaned_at)
-                    await self._retry_later(backoff, "no connected peer is training yet", at_most=max(left, 0.05))
+                    alone = all(p == self.presence.me for p in self.presence.candidates())
+                    await self._retry_later(
+                        backoff, "no connected peer is training yet", at_most=max(left, 0.05) if alone else None
+                    )
                     continue
                 orphaned_at = trio.current_time()
                 if self._keep_front(donors):
