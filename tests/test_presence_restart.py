@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 
-import trio
-
+from meshtrain.crdt.types import now_ms
 from meshtrain.transport.identity import Identity
 
 from .test_strikes import presence, swarm_spec, until
@@ -30,7 +29,9 @@ async def test_our_progress_record_from_a_last_life_is_not_this_lifes(tmp_path) 
             a.view.report_progress(step=40, outer_round=4)
             await until(lambda: a.reported_step(a.me) == 40, "a's own record of this life")
             await until(lambda: b.reported_step(a.me) == 40, "a's record to reach b")
-        await trio.sleep(0.05)  # sleep: the wall clock moves past the first life's last write (ms)
+            last_write = a.view.progress_of(a.me)
+            assert last_write is not None
+        await until(lambda: now_ms() > last_write.updated_ms, "the wall clock to pass the first life's last write")
         a = await presence(outer, signed, ids[0], entry=b.host.addrs[0], data_dir=tmp_path / "a")
         assert a.view is not None
         await until(lambda: (r := a.view.progress_of(a.me)) is not None and r.step == 40, "b to hand back a's record")

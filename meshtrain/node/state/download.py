@@ -17,19 +17,18 @@ Design. `SwarmDownload` does it for one node:
   off an allowlist) no peer serves us, so it asks none and says why, until we are admitted again.
   With nobody training for `ORPHAN_WAIT`, it trains on its own state rather than wait for peers
   that wait for it (its retries meanwhile, while no other trainer is connected, never sleep past
-  that deadline). Only a state that
-  cannot fit this node (another model or optimizer) is fatal, `NodeError`, and only once it is
-  the swarm's (`MisfitDonors`: two donors agreed on it, or the one donor we reach sent it three
-  times); one donor's misfit is passed over. A state we could not enter with — a round old
-  (`OuterOptimizer.entry_step`), or before our roster round — is declined from its manifest,
-  before its bytes move (`fetch_state`'s `accept`), and asked for again within 2 s (0.5 s while
-  we wait for our roster round): a joiner used to download a state a round old whole, refuse
-  it, and back off up to 30 s, every time, while the swarm waited in an exchange for it. So is a
-  donor's state of a round it spent alone (`PHI_WITHHELD`) while another trainer published a φ
-  for that round (`_solo_offer`); entered where nobody did, its digest is withheld by us too.
-  Once joined, `joined(withheld)` (the run state's) records or withholds φ's digest and offers
-  the joined state to joiners at once (a snapshot from before the download would hand them an
-  older φ than ours).
+  that deadline). Only a state that cannot fit this node (another model or optimizer) is fatal,
+  `NodeError`, and only once it is the swarm's (`MisfitDonors`: two donors agreed on it, or the
+  one donor we reach sent it three times); one donor's misfit is passed over. A state we could
+  not enter with — a round old (`OuterOptimizer.entry_step`), or before our roster round — is
+  declined from its manifest, before its bytes move (`fetch_state`'s `accept`), and asked for
+  again within 2 s (0.5 s while we wait for our roster round): a joiner used to download a state
+  a round old whole, refuse it, and back off up to 30 s, every time, while the swarm waited in an
+  exchange for it. So is a donor's state of a round it spent alone (`PHI_WITHHELD`) while another
+  trainer published a φ for that round (`_solo_offer`); entered where nobody did, its digest is
+  withheld by us too. Once joined, `joined(withheld)` (the run state's) records or withholds φ's
+  digest and offers the joined state to joiners at once (a snapshot from before the download
+  would hand them an older φ than ours).
 - `resync()`: `download()`, and when that lands where the last re-sync did (the round we keep
   missing has not completed anywhere we can reach, e.g. during a partition), a pause with backoff
   (`RESYNC_PAUSE` doubling to `RESYNC_PAUSE_CAP`) before training into that round again.
