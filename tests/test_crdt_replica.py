@@ -464,6 +464,24 @@ async def test_round_changes_are_written_at_once_at_most_once_per_gap_in_a_stret
             assert small[0].progress()[pair[0].peer_id].outer_round == r
 
 
+async def test_an_announced_step_is_written_at_once_and_handed_to_a_peer_before_the_writer_goes_on():
+    """A node that starts training announces its step: written at once (a plain step waits for
+    the next heartbeat), and `hand_out` has a connected peer hold it when it returns — a group
+    left behind trained 100 steps past a restarted trainer in the second gossip took to graft
+    the new connection (tests/test_chaos_regressions.py, the peer ahead)."""
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 2)
+        views = await start_views(stack, hosts, hosts[0].peer_id, heartbeat_interval=30.0, ttl=90.0)
+        me = hosts[1].peer_id
+        views[1].report_progress(step=10)
+        assert views[1].progress_of(me) is None  # a plain step: with the next heartbeat, 30 s away
+        views[1].report_progress(step=145, announce=True)
+        assert views[1].progress_of(me) is not None and views[1].progress_of(me).step == 145
+        assert await views[1].hand_out() == 1
+        theirs = views[0].progress_of(me)
+        assert theirs is not None and theirs.step == 145  # held by the peer as hand_out returns
+
+
 async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_ages():
     """A trainer held inside a round reports nothing new, yet trains: with `progress_live` its
     record is rewritten every heartbeat (a joiner then sees a donor); without, it ages."""

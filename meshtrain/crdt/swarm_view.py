@@ -36,7 +36,9 @@ Heartbeat rate: every heartbeat is flooded to every peer, so the interval stretc
 grows (3 s up to 12 peers, 32 s at 256) and the lease with it (heartbeat_rate.py, its whole story).
 
 Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
-they go out with the next heartbeat, except an outer-round change, which is written at once —
+they go out with the next heartbeat, except an outer-round change and the record a node writes as
+it starts training (`announce`: a restarted trainer's step, a heartbeat late, let a group left
+behind train past it at 100 steps a second), which are written at once —
 unless a progress record of ours went out less than `progress_gap()` ago (the interval's stretch
 past `heartbeat_interval`: 0 up to 12 peers, 1 s at 16, 7.7 s at 64, 29 s at 256); then it is
 written once the gap has passed. The gap bounds every progress write, the heartbeat's and
@@ -137,6 +139,7 @@ log = get_logger(__name__)
 LIVE_RECHECK = 0.5  # seconds: wait_live looks again this often without a membership change
 
 DEFAULT_LEAVE_TIMEOUT = 2.0
+HAND_OUT_TIMEOUT = 1.0  # `hand_out`: how long a write that must be seen at once may hold its writer
 
 
 class NotSwarmOwner(NotAWriter):
@@ -369,6 +372,15 @@ class SwarmView(Service):
             await self.replica.flush(timeout)
         log.info(kv("left swarm", swarm=self.swarm_id, peer=self.me))
 
+    async def hand_out(self, timeout: float = HAND_OUT_TIMEOUT, peers: int = 2) -> int:
+        """Hand our records to up to `peers` connected peers now (a gossip publish and
+        anti-entropy exchanges; they re-gossip what was new to them), for a write that must be
+        seen before we go on: gossip to a peer connected a moment ago waits for the mesh to graft
+        it, near a second on loopback. Returns how many peers confirmed within `timeout`."""
+        if self._left:
+            return 0
+        return await self.replica.flush(timeout, peers)
+
     @property
     def has_left(self) -> bool:
         return self._left
@@ -440,10 +452,12 @@ class SwarmView(Service):
         samples: int | None = None,
         outer_round: int | None = None,
         phi: list[tuple[int, bytes]] | None = None,
+        announce: bool = False,
     ) -> None:
         """Record our progress; it goes out with the next heartbeat, at once if the outer round
-        or the φ digests changed — or, within `progress_gap()` of our last progress write, once
-        that gap has passed. `phi`: (round, digest) of our last rounds, oldest first."""
+        or the φ digests changed or `announce` says so (we start training: peers must see our
+        step now, not a heartbeat later) — or, within `progress_gap()` of our last progress
+        write, once that gap has passed. `phi`: (round, digest) of our last rounds, oldest first."""
         new = dict(self._progress)
         for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
             if value is not None:
@@ -453,7 +467,7 @@ class SwarmView(Service):
         round_changed = new["round"] != self._progress["round"] or new.get("phi") != self._progress.get("phi")
         self._progress = new
         self._progress_dirty = True
-        if round_changed and not self._left:
+        if (round_changed or announce) and not self._left:
             wait = self._progress_at + self.progress_gap() - trio.current_time()
             if wait <= 0:
                 self._write_progress()

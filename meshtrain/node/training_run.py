@@ -171,6 +171,7 @@ class TrainingRun:
         view.role = "trainer"
         view.heartbeat()
         await self._wait_for_peers()
+        await self.run_state.announce_progress()
         self.phase.set("training")
 
     async def _wait_admitted(self) -> None:
@@ -210,6 +211,7 @@ class TrainingRun:
         await run_state.downloads.resync()
         view.role = "trainer"
         view.heartbeat()
+        await run_state.announce_progress()
         self.phase.set("training")
 
     async def serve_loop(self, trainer: TrainedState, entered: trio.Event) -> NodeResult:

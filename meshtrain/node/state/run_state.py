@@ -325,12 +325,7 @@ class RunState(Service):
             view = self.presence.view
             assert view is not None
             self._count_solo_rounds(outer.history)
-            view.report_progress(
-                step=trainer.step,
-                samples=trainer.step * trainer.spec.data.batch_size,
-                outer_round=outer.rounds,
-                phi=phi,
-            )
+            self.report_progress(phi)
             view.report_metrics(
                 {
                     k: v
@@ -351,6 +346,29 @@ class RunState(Service):
                 self._nursery.start_soon(self._commit_checkpoint, *checkpoint)
 
         trio.from_thread.run_sync(on_trio, trio_token=self._token)
+
+    def report_progress(self, phi: list[tuple[int, bytes]] | None, *, announce: bool = False) -> None:
+        """Our step, round and φ digests (`phi`) into the swarm's progress record (trio thread).
+        `announce`: we start training (entered, or re-synced) — written at once, the trainer not
+        stepping, so a peer left behind sees our step before it trains past it (the trainer's
+        first report comes after its first step, which may wait inside a round)."""
+        view, trainer = self.presence.view, self.trainer
+        assert view is not None  # entered
+        view.report_progress(
+            step=trainer.step,
+            samples=trainer.step * trainer.spec.data.batch_size,
+            outer_round=trainer.outer.rounds,
+            phi=phi,
+            announce=announce,
+        )
+
+    async def announce_progress(self) -> None:
+        """`report_progress(announce=True)` with our φ digests, while the trainer does not step,
+        handed to a few connected peers at once (`SwarmView.hand_out`): a peer that connected to
+        us as we started learns our step now, not when gossip grafts it, a second later."""
+        self.report_progress(list(self.parity.history) if self.parity.enabled else None, announce=True)
+        assert self.presence.view is not None  # entered
+        await self.presence.view.hand_out()
 
     def _count_solo_rounds(self, history: Iterable[RoundReport]) -> None:
         """Count the rounds completed since the last call whose result was our own contribution
