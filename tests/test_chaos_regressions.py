@@ -611,6 +611,15 @@ class ThreeDaemons:
         """The rounds for which two digests were published: digest prefix -> who."""
         return {r: {d[:12]: sorted(w) for d, w in held.items()} for r, held in self.published.items() if len(held) > 1}
 
+    def tell(self, victim: int, lines: int = 30) -> str:
+        """For a failure message: every daemon's last `lines` warnings (what it decided — rounds
+        alone, silences, re-syncs), the victim's marked; a victim's tail alone hid who split."""
+        out = []
+        for i, log_path in enumerate(self.logs):
+            said = [ln for ln in log_path.read_text(errors="replace").splitlines() if " WARNING " in ln]
+            out.append(f"--- daemon {i}{' (the victim)' if i == victim else ''}:\n" + "\n".join(said[-lines:]))
+        return "\n".join(out)
+
 
 @pytest.mark.parametrize("stopped", ["coordinator", "member"])
 def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_runs_out(tmp_path, stopped):
@@ -656,7 +665,7 @@ def test_a_stopped_peer_is_found_silent_rather_than_waited_for_until_its_lease_r
         for i in range(3):
             rounds(i)
         split = swarm.split()
-        assert not split, (split, logs[victim].read_text()[-3000:])
+        assert not split, (split, swarm.tell(victim))
         for d in dirs:
             assert subprocess_stop(d).returncode == 0
         for p, lg in zip(procs, logs, strict=True):
@@ -701,7 +710,7 @@ def test_a_peer_woken_alone_publishes_no_phi_for_rounds_the_others_completed_whi
             assert time.monotonic() < deadline, logs[victim].read_text()[-3000:]
             time.sleep(0.2)  # sleep: poll interval
         split = swarm.split()
-        assert not split, (split, logs[victim].read_text()[-3000:])
+        assert not split, (split, swarm.tell(victim))
         assert subprocess_stop(dirs[victim]).returncode == 0
         finish(procs[victim], logs[victim])
     finally:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.state.donor import StateDonor
-from meshtrain.node.state.fetch import FetchReport, fetch_state
+from meshtrain.node.state.fetch import MANIFEST_TIMEOUT, FetchReport, fetch_state
 from meshtrain.node.state.sync import (
     CHUNK_RPC,
     MANIFEST_RPC,
@@ -325,6 +325,31 @@ async def test_a_lone_donor_that_stalls_is_waited_for_not_dropped():
         )
         assert_same_state(tensors, got)
         assert donor.stalled and not report.banned, report.banned
+
+
+class SilentManifestDonor(StateDonor):
+    """Never answers a manifest request (as if SIGSTOPped before the vote)."""
+
+    async def _serve_manifest(self, peer, request):
+        await trio.sleep_forever()
+
+
+async def test_one_of_two_donors_that_never_answers_its_manifest_holds_the_vote_only_a_grace_period():
+    """A 10-minute soak's joiner waited 52 s for the manifest of one of its two donors (SIGSTOPped,
+    then killed): the vote waited for a majority — both of two — up to the 60 s manifest
+    timeout. Half of them answering, one with a state, starts the grace period (the stalled
+    donor's answer could only have tied the vote)."""
+    async with AsyncExitStack() as stack:
+        joiner, donors = await start_swarm(stack, 2, donor_cls=[StateDonor, SilentManifestDonor])
+        meta, tensors = make_state(256)
+        for d in donors:
+            d.publish(meta, tensors)
+        report = FetchReport()
+        t0 = trio.current_time()
+        _, got = await fetch_state(joiner.host, joiner.ts, ids(donors), report=report)
+        assert_same_state(tensors, got)
+        assert report.answered == [donors[0].host.peer_id], report.answered
+        assert trio.current_time() - t0 < MANIFEST_TIMEOUT / 4  # the grace (2 s here), not the timeout
 
 
 # -- liars and failures --------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 state sync (node/state/sync.py).
 
 The vote. `fetch_state` asks every donor for its manifest (waiting for stragglers only a grace
-period once a majority answered) and ranks the states a quorum of them offers identically
+period once half of them answered, one offering a state: of two donors, one SIGSTOPped held a
+soak's joiner for the whole 60 s manifest timeout — and its answer could only have tied) and ranks the states a quorum of them offers identically
 (default: a majority of those that answered): newest round first, then most donors. The caller
 may decline a state from its manifest (`accept`): a joiner asks whether it could enter with it
 before a byte moves — a multi-GB state a round old used to be downloaded whole, refused, and
@@ -392,14 +393,14 @@ class _Fetch:
                 failures[donor] = f"malformed manifest: {e}"
                 offers[donor] = []
 
-        # Wait for every donor, but once a majority of them answered, give the rest only a grace
+        # Wait for every donor, but once half of them answered, give the rest only a grace
         # period: one stalled donor must not hold the join for the whole manifest timeout.
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
             for d in self.donors:
                 nursery.start_soon(ask, d)
             while nursery.child_tasks:
-                if len(finished) > len(self.donors) // 2 and any(offers.values()):
+                if 2 * len(finished) >= len(self.donors) and any(offers.values()):
                     grace = max(VOTE_GRACE_SECONDS, 3 * (trio.current_time() - t0))
                     with trio.move_on_after(grace):
                         while nursery.child_tasks:
