@@ -162,7 +162,8 @@ def _diverging_diloco(at_round: int):
 
 def _config(tmp_path, name: str, **kw) -> meshtrain.NodeConfig:
     return meshtrain.NodeConfig(
-        data_dir=tmp_path / name, listen=["/ip4/127.0.0.1/tcp/0"], status_port=0, threads=1, checkpoint_every=3600, **kw
+        **{"listen": ["/ip4/127.0.0.1/tcp/0"], "status_port": 0, "threads": 1, "checkpoint_every": 3600, **kw},
+        data_dir=tmp_path / name,
     )
 
 
@@ -466,6 +467,53 @@ async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group
     # the merged swarm's state: a round that failed under load).
     assert hi.joined_from is None or hi.joined_from["step"] >= ahead.step, hi.joined_from
     assert lo.joined_from is not None and lo.joined_from["step"] >= ahead.step, lo.joined_from
+
+
+async def test_no_checkpoint_holds_a_round_proceeded_alone_in(tmp_path):
+    """CI's SparseLoCo daemon run: b proceeded alone in a round (the swarm had moved past it),
+    checkpointed that state 10 ms later, re-synced, and was killed; resumed, it published its
+    alone φ for the round, and a — the swarm — lost the parity vote of one against one and
+    re-synced to it. Now a state known not to be the swarm's (`needs_resync`, a withheld φ) is
+    never checkpointed. b's round fails once, as a coordinator's refusal would fail it; every
+    checkpoint b writes (as often as it may) holds a φ that a holds for the same round."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    often = {"checkpoint_every": 0.001}
+    failed_at: list[int] = []
+    written: list[tuple[int, int, bytes]] = []  # b's checkpoints as written: (step, round, φ digest)
+    async with trio.open_nursery() as nursery:
+        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=2, **often), spec=signed)
+        nursery.start_soon(a.run)
+        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
+        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=2, **often), join=a.host.addrs[0])
+        nursery.start_soon(b.run)
+        await _until(
+            lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 2 for n in (a, b)), 120, "2 rounds"
+        )
+        store, outer = b.run_state.store, b.trainer.outer
+        write, communicate = store.write, outer.communicate
+
+        def recorded(state, *, step, round):  # noqa: A002  (CheckpointStore.write's own name)
+            written.append((step, round, phi_digest(state["outer"]["outer_params"])))
+            return write(state, step=step, round=round)
+
+        async def fails_once(tensors, *, round_id, tag, weight):
+            if not failed_at:
+                failed_at.append(round_id)
+                raise CollectiveError(f"{round_id}/{tag}: injected: the other peers have moved past this round")
+            return await communicate(tensors, round_id=round_id, tag=tag, weight=weight)
+
+        store.write, outer.communicate = recorded, fails_once
+        await _until(lambda: failed_at and b.parity.withheld >= 1, 60, "b's round fails")
+        target = b.trainer.outer.rounds + 3
+        await _until(lambda: min(n.trainer.outer.rounds for n in (a, b)) >= target, 120, "3 rounds together again")
+        swarm_phi = dict(a.parity.history)
+        a.stop()
+        b.stop()
+    checked = [(step, r) for step, r, digest in written if r in swarm_phi]
+    assert len(checked) >= 3, (written, sorted(swarm_phi))
+    split = [(step, r) for step, r, digest in written if r in swarm_phi and digest != swarm_phi[r]]
+    assert not split, (split, failed_at)
 
 
 # --- 7. a joiner takes no donor's alone round for the swarm's ------------------------------------

@@ -30,7 +30,8 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   the outer optimizer's `needs_resync`; the node's training loop then calls
   `downloads.resync()`.
 - `after_step(trainer)` runs between two steps in the trainer's thread: it records φ's digest,
-  writes a checkpoint every `checkpoint_every` seconds (never while an exchange is in flight),
+  writes a checkpoint every `checkpoint_every` seconds (never while an exchange is in flight,
+  nor of a state known not to be the swarm's: a round proceeded alone in, a withheld φ),
   and hops onto the trio thread to report progress and metrics, publish a finished round's state
   to joiners (`StateDonor`) and commit the checkpoint in the background (one at a time).
 - `save_final()`: the checkpoint written on a clean stop.
@@ -209,6 +210,16 @@ class RunState(Service):
             return
         self.parity.record(self.trainer.outer.rounds, phi_digest(self.trainer.outer.outer_params))
 
+    def _state_may_be_the_swarms(self) -> bool:
+        """Whether our state may be checkpointed (trainer thread, between two steps): not after a
+        round we proceeded alone in (`needs_resync`) or whose φ we withheld — ours alone beside
+        the swarm's. Resumed after a crash, such a checkpoint had its φ published as the
+        swarm's: a CI run's SparseLoCo peer checkpointed the round it proceeded alone in 10 ms
+        before re-syncing, was killed, resumed it, and pulled its one partner — the swarm — to
+        it (a parity vote of one against one). The next checkpoint is written once re-synced."""
+        outer = self.trainer.outer
+        return not outer.needs_resync and not self.parity.is_withheld(outer.rounds)
+
     def _alone_beside_the_swarm(self) -> bool:
         """Whether the round just completed in a group of one (trainer thread, between two steps)
         may be a round the swarm completed without us, so that our φ for it is not published:
@@ -317,6 +328,7 @@ class RunState(Service):
             time.monotonic() - self._last_ckpt_time >= self.config.checkpoint_every
             and not self._ckpt_busy
             and not outer.in_flight
+            and self._state_may_be_the_swarms()
         ):
             self._last_ckpt_time = time.monotonic()
             checkpoint = self._write_checkpoint(trainer)
