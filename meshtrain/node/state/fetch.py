@@ -3,11 +3,12 @@ state sync (node/state/sync.py).
 
 The vote. `fetch_state` asks every donor for its manifest (waiting for stragglers only a grace
 period once half of them answered, one offering a state: of two donors, one SIGSTOPped held a
-soak's joiner for the whole 60 s manifest timeout — and its answer could only have tied) and ranks the states a quorum of them offers identically
-(default: a majority of those that answered): newest round first, then most donors. The caller
-may decline a state from its manifest (`accept`): a joiner asks whether it could enter with it
-before a byte moves — a multi-GB state a round old used to be downloaded whole, refused, and
-downloaded again on every retry until the swarm published a newer one.
+soak's joiner for the whole 60 s manifest timeout — and its answer could only have tied) and
+ranks the states a quorum of them offers identically (default: a majority of those that
+answered): newest round first, then most donors. The caller may decline a state from its
+manifest (`accept`): a joiner asks whether it could enter with it before a byte moves — a
+multi-GB state a round old used to be downloaded whole, refused, and downloaded again on every
+retry until the swarm published a newer one.
 
 Chunks. Each agreeing donor gets `per_donor` workers (default 2 outstanding chunks) that pull
 chunk indices from one shared queue, so a fast donor takes more (work stealing). For chunk i the
