@@ -516,6 +516,53 @@ async def test_no_checkpoint_holds_a_round_proceeded_alone_in(tmp_path):
     assert not split, (split, failed_at)
 
 
+async def test_a_clean_stop_right_after_a_round_proceeded_alone_in_checkpoints_nothing_of_it(tmp_path):
+    """The final save of a clean stop follows the periodic checkpoint's rule: b's round fails, and
+    b is stopped before its re-sync could come, so its state is its own alone; the checkpoint the
+    stop would write holds that φ, which b, resumed, would publish as the swarm's. Nothing is
+    written; the last periodic checkpoint stands and is what the run returns."""
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=5, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    failed_at: list[int] = []
+    saved: list[int] = []  # rounds of the checkpoints b's stop writes
+    results: dict[str, meshtrain.NodeResult] = {}
+    async with trio.open_nursery() as nursery:
+        a = meshtrain.Node(_config(tmp_path, "a", wait_peers=2), spec=signed)
+        nursery.start_soon(a.run)
+        await _until(lambda: a.host is not None and a.view is not None, 60, "a up")
+        b = meshtrain.Node(_config(tmp_path, "b", wait_peers=2, checkpoint_every=0.001), join=a.host.addrs[0])
+
+        async def run_b() -> None:
+            results["b"] = await b.run()
+
+        nursery.start_soon(run_b)
+        await _until(
+            lambda: all(n.trainer is not None and n.trainer.outer.rounds >= 2 for n in (a, b)), 120, "2 rounds"
+        )
+        store, outer = b.run_state.store, b.trainer.outer
+        save, communicate = store.save, outer.communicate
+
+        def recorded(state, *, step, round):  # noqa: A002  (CheckpointStore.save's own name)
+            saved.append(round)
+            return save(state, step=step, round=round)
+
+        async def fails_and_stops(tensors, *, round_id, tag, weight):
+            if failed_at:
+                return await communicate(tensors, round_id=round_id, tag=tag, weight=weight)
+            failed_at.append(outer.rounds + 1)  # the round b completes alone
+            b.stop()  # the trainer ends its run after this round: no re-sync comes before the stop
+            raise CollectiveError(f"{round_id}/{tag}: injected: the other peers have moved past this round")
+
+        store.save, outer.communicate = recorded, fails_and_stops
+        await _until(lambda: "b" in results, 120, "b stopped")
+        a.stop()
+    assert b.parity.is_withheld(failed_at[0]), (b.parity.withheld_round, failed_at)
+    assert saved == [], saved  # the stop wrote no checkpoint
+    last = CheckpointStore(tmp_path / "b" / "checkpoints").load_latest()
+    assert last is not None and last.round < failed_at[0], (last and last.round, failed_at)
+    assert results["b"].checkpoint == str(last.path), (results["b"].checkpoint, last.path)
+
+
 # --- 7. a joiner takes no donor's alone round for the swarm's ------------------------------------
 
 

@@ -161,8 +161,9 @@ class Swarm(ForwardingCollective):
     def save_checkpoint(self) -> str | None:
         """Write a checkpoint into the data dir now, between two steps, from the loop's thread (a
         framework's own save, e.g. the Trainer's `checkpoint-N`, gets the swarm's beside it); its
-        path, or None before the first step or while an exchange is in flight (the periodic
-        checkpoint after it covers it)."""
+        path, or None before the first step, while an exchange is in flight (the periodic
+        checkpoint after it covers it) or while the state is one we proceeded alone in after a
+        failed round, before its re-sync (`RunState.save_final`)."""
         loop, run_state = self._loop, self.node.run_state
         if loop is None or not loop.begun or run_state is None or loop.outer.in_flight:
             return None

@@ -34,7 +34,8 @@ Design. `RunState` is a `Service` over the trainer, `PeerPresence` and the data 
   nor of a state known not to be the swarm's: a round proceeded alone in, a withheld φ),
   and hops onto the trio thread to report progress and metrics, publish a finished round's state
   to joiners (`StateDonor`) and commit the checkpoint in the background (one at a time).
-- `save_final()`: the checkpoint written on a clean stop.
+- `save_final()`: the checkpoint written on a clean stop — not of a state known not to be the
+  swarm's either.
 
 Memory (the budget, docs/guide.md): nothing here copies the state. The state offered to joiners
 is the outer optimizer's live φ and outer state, lent to the donor (`publish(..., live=True)`)
@@ -438,8 +439,21 @@ class RunState(Service):
         finally:
             self._ckpt_busy = False
 
-    async def save_final(self) -> str:
-        """The checkpoint of a clean stop; its path."""
+    async def save_final(self) -> str | None:
+        """The checkpoint of a clean stop (or a user's `save_checkpoint`); its path. None where our
+        state is known not to be the swarm's (`_state_may_be_the_swarms`: a round proceeded alone
+        in, its re-sync cut short by the stop): resumed, such a checkpoint would publish its φ as
+        the swarm's, as a periodic one would have; the last periodic checkpoint stands."""
+        if not self._state_may_be_the_swarms():
+            log.warning(
+                kv(
+                    "no checkpoint of a state proceeded alone in (the re-sync did not come before the stop); "
+                    "the last periodic checkpoint stands",
+                    round=self.trainer.outer.rounds,
+                    checkpoint=self.last_checkpoint.get("path"),
+                )
+            )
+            return None
         state = self.trainer.checkpoint_state()
         step, rnd = (
             state["outer"]["inner_steps"],
