@@ -35,6 +35,7 @@ from meshtrain.crdt import (
     gossip_topic,
     swarm_specs,
 )
+from meshtrain.crdt.anti_entropy import RPC_DIGEST
 from meshtrain.crdt.entries import encode_entries
 from meshtrain.crdt.gossip import decode_gossip, encode_gossip, split_batches
 from meshtrain.crdt.heartbeat_rate import heartbeat_interval_for
@@ -480,6 +481,31 @@ async def test_an_announced_step_is_written_at_once_and_handed_to_a_peer_before_
         assert await views[1].hand_out() == 1
         theirs = views[0].progress_of(me)
         assert theirs is not None and theirs.step == 145  # held by the peer as hand_out returns
+
+
+async def test_a_hand_out_goes_to_the_peers_named_first_and_one_that_never_answers_holds_no_other():
+    """`hand_out(first=...)` hands our records to the named peers before any other, side by side:
+    peer 2 takes the digest request and never answers (a stopped process keeps its connections),
+    and peer 0, named after it, still holds our step when `hand_out` returns. One exchange after
+    the other, the silent peer took the whole second and peer 0 got nothing."""
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 4)
+        views = await start_views(stack, hosts, hosts[0].peer_id, heartbeat_interval=30.0, ttl=90.0)
+        answered = trio.Event()
+
+        async def never_answers(peer: str, request: object) -> dict:
+            answered.set()  # it was asked
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        hosts[2].rpc.serve(RPC_DIGEST, never_answers)
+        me = hosts[1].peer_id
+        views[1].report_progress(step=145, announce=True)
+        confirmed = await views[1].hand_out(peers=2, first=[hosts[2].peer_id, hosts[0].peer_id])
+        assert answered.is_set()  # the named silent peer was asked, first
+        assert confirmed == 1
+        theirs = views[0].progress_of(me)
+        assert theirs is not None and theirs.step == 145  # held by peer 0 as hand_out returns
 
 
 async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_ages():

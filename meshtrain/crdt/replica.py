@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -588,18 +588,28 @@ class Replica(Service):
         """Set once `recover` completed an exchange."""
         return self.anti_entropy.recovered
 
-    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2) -> int:
+    async def flush(self, timeout: float = DEFAULT_FLUSH_TIMEOUT, peers: int = 2, first: Sequence[str] = ()) -> int:
         """Publish pending gossip now and hand our state to up to `peers` connected peers by
-        anti-entropy (they re-gossip what was new to them). Returns how many peers confirmed.
-        For a clean shutdown: a gossip publish alone may still sit in a send queue when the
-        host closes."""
+        anti-entropy (they re-gossip what was new to them): those of `first` that are connected,
+        in its order, then others at random. Returns how many peers confirmed within `timeout`.
+        The exchanges run side by side: a peer that does not answer (stopped, its link cut)
+        holds none of the others. For a clean shutdown: a gossip publish alone may still sit in
+        a send queue when the host closes."""
         confirmed = 0
+
+        async def exchange(peer: str) -> None:
+            nonlocal confirmed
+            confirmed += await self.anti_entropy.exchange_with(peer)
+
         with trio.move_on_after(timeout):
             await self.gossip.publish_pending()
-            candidates = self.anti_entropy.candidate_peers()
-            random.shuffle(candidates)
-            for peer in candidates[:peers]:
-                confirmed += await self.anti_entropy.exchange_with(peer)
+            connected = self.anti_entropy.candidate_peers()
+            chosen = [p for p in dict.fromkeys(first) if p in connected][:peers]
+            rest = [p for p in connected if p not in chosen]
+            random.shuffle(rest)
+            async with trio.open_nursery() as nursery:
+                for peer in [*chosen, *rest][:peers]:
+                    nursery.start_soon(exchange, peer)
         return confirmed
 
     def _open_gossip_streams(self) -> None:

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, cast
 
@@ -372,14 +372,15 @@ class SwarmView(Service):
             await self.replica.flush(timeout)
         log.info(kv("left swarm", swarm=self.swarm_id, peer=self.me))
 
-    async def hand_out(self, timeout: float = HAND_OUT_TIMEOUT, peers: int = 2) -> int:
+    async def hand_out(self, timeout: float = HAND_OUT_TIMEOUT, peers: int = 2, first: Sequence[str] = ()) -> int:
         """Hand our records to up to `peers` connected peers now (a gossip publish and
-        anti-entropy exchanges; they re-gossip what was new to them), for a write that must be
-        seen before we go on: gossip to a peer connected a moment ago waits for the mesh to graft
-        it, near a second on loopback. Returns how many peers confirmed within `timeout`."""
+        anti-entropy exchanges, side by side; they re-gossip what was new to them), those of
+        `first` first — the peers whose view of us matters next —, for a write that must be seen
+        before we go on: gossip to a peer connected a moment ago waits for the mesh to graft it,
+        near a second on loopback. Returns how many peers confirmed within `timeout`."""
         if self._left:
             return 0
-        return await self.replica.flush(timeout, peers)
+        return await self.replica.flush(timeout, peers, first)
 
     @property
     def has_left(self) -> bool:
