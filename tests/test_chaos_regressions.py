@@ -413,7 +413,7 @@ async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group
     names = sorted(("x", "y"), key=lambda n: Identity.load_or_create(tmp_path / n).peer_id_str)
     lo_dir, hi_dir = names
     signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / lo_dir))
-    window = max(4 * spec.outer.H, 64)  # the daemon's round window, in steps (node/daemon.py)
+    window = spec.round_window()  # the daemon's round window, in steps
     async with trio.open_nursery() as nursery:
         lo = meshtrain.Node(_config(tmp_path, lo_dir, wait_peers=2), spec=signed)
         nursery.start_soon(lo.run)
@@ -463,6 +463,9 @@ async def test_a_peer_ahead_of_a_group_left_behind_keeps_its_state_and_the_group
         lo.stop()
         hi.stop()
     assert lowest_hi_step[0] >= ahead.step, (lowest_hi_step, ahead.step)  # hi was never pulled back
+    # hi's rounds alone beside lo, training and connected but behind them by more than the round
+    # window, are not solo: lo cannot share them before it re-syncs, so holds no φ for them.
+    assert hi.parity.alone_rounds >= 1 and hi.parity.solo_rounds == 0, (hi.parity.alone_rounds, hi.parity.solo_rounds)
     # It downloaded nothing older than its checkpoint (a re-sync after the two merged may fetch
     # the merged swarm's state: a round that failed under load).
     assert hi.joined_from is None or hi.joined_from["step"] >= ahead.step, hi.joined_from

@@ -398,7 +398,7 @@ class Node:
                     join_timeout=config.join_timeout,
                     part_timeout=config.part_timeout,
                     uplink_mbit=config.uplink_mbit,
-                    round_window=max(4 * signed.spec.outer.H, 64),
+                    round_window=signed.spec.round_window(),
                     **signed.spec.aggregation_options(),  # the spec's aggregation, for every all-reduce
                 ),
                 current_round=self._current_round,

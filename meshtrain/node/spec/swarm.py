@@ -203,6 +203,13 @@ class SwarmSpec(BaseModel):
         section's checks need (`VerificationSection.kept_samples`)."""
         return self.aggregation.options(self.verification.kept_samples)
 
+    def round_window(self) -> int:
+        """How far, in inner steps, a round may be from a peer's own step for the peer to take part
+        in it (the collective's `round_window`): a join further from a coordinator's step is
+        refused, and a peer further behind a round re-syncs before it can share it. Four rounds,
+        at least 64 steps."""
+        return max(4 * self.outer.H, 64)
+
     def group_plan(self) -> GroupPlan | None:
         """How the swarm's outer rounds are grouped (collective/groups.py), for the collective: the
         one place the spec's `group_size` reaches it. None where rounds are never grouped: the

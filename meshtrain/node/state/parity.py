@@ -52,8 +52,12 @@ and otherwise enters it withholding the digest too (`SwarmDownload._solo_offer`:
 joiner record a donor's alone round beside the swarm's digest). `alone_rounds` counts the
 rounds whose result was our own contribution alone while other trainers were in the membership,
 and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
-another trainer still trained (a fresh progress record) and was connected to us: a peer that may
-hold a second φ for the same round, the fork the parity rule then heals. A round whose group
+another trainer still trained (a fresh progress record), was connected to us and was within the
+round window of the round (`SwarmSpec.round_window`): a peer that may hold a second φ for the
+same round, the fork the parity rule then heals. A partner further behind is refused in the
+round and re-syncs before it can share it (a coordinator fixes its group without it:
+collective/coordinator.py `_without_silent`), so holds no φ for it; a 30-minute soak's one
+"solo" round was such, beside a peer 12 rounds behind that its coordinator had just refused. A round whose group
 shrank to us by retries (`survived_rounds`: its other members were dropped as failed or
 silent) is not solo: the coordinator's decision dropped them, each is told the round failed
 for it (`CollectiveError`), proceeds alone, withholds its φ and re-syncs, so ours is the round's
@@ -281,7 +285,8 @@ class ParityMonitor:
         """We completed `rounds` whose result was our own contribution alone while other trainers
         were in the membership (`AloneRounds`: formed, survived — the others the round dropped
         were told it failed for them and re-sync — or failed, withheld and re-synced);
-        `training_partners`: the trainers that train now and are connected to us. Returns
+        `training_partners`: the trainers that train now, are connected to us and are within the
+        round window of these rounds (module docstring). Returns
         whether the formed ones count as solo (module docstring): with a partner training and
         reachable, a second φ for the same rounds may exist; with none — its connection closed
         (killed) or its progress gone stale (stopped, cut off) — ours is the only one, for all

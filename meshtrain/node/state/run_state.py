@@ -399,7 +399,13 @@ class RunState(Service):
         alone = [r for r in new if r.alone]
         if not alone or not self.parity.enabled or len(self.presence.trainers()) <= 1:
             return
-        partners = sorted(self.presence.training_peers(connected=True))
+        # A partner further behind the rounds than the round window is refused in them (and a
+        # coordinator fixes its group without it: collective/coordinator.py `_without_silent`):
+        # it re-syncs before it can share them, so holds no φ of its own for them.
+        reach = min(r.step for r in alone) - self.trainer.spec.round_window()
+        training = self.presence.training_peers(connected=True)
+        partners = sorted(p for p, pr in training.items() if pr.step >= reach)
+        behind = sorted(p for p in training if p not in partners)
         me = self.presence.me
         solo = self.parity.completed_alone(AloneRounds.of(alone, me), partners)
         completed = [r for r in alone if not r.error]  # a failure is logged where it fails
@@ -412,6 +418,7 @@ class RunState(Service):
                 rounds=len(completed),
                 dropped=",".join(sorted(p[-8:] for r in completed for p in r.peers if p != me)),
                 partners=",".join(p[-8:] for p in partners),
+                behind=",".join(p[-8:] for p in behind),
             )
         )
 
