@@ -633,6 +633,40 @@ async def test_a_joiner_declines_a_donors_alone_round_that_the_swarm_holds_anoth
     assert joined_from_c is None and declined(), joined_from_c  # it waited for c's re-sync
 
 
+# --- 8. a joiner's vote: two donors of one state offer it alike --------------------------------
+
+
+async def test_a_donor_that_joined_offers_the_state_it_took_alike_and_the_next_joiner_agrees(tmp_path, caplog):
+    """A 30-minute soak's joiners failed 39 of 42 failed votes on one state offered as two: a
+    donor offered its state at its own step, and a peer that had joined — at the swarm's step,
+    past the round's —, resumed a checkpoint or published a few steps late offered the same φ at
+    another ("no state is offered identically by 2 of the 2 donors", the same round and digest
+    twice); one restarted coordinator's trainer failed its vote for 95 s, and its round waited.
+    Now a state is offered as of its last merge. a trains a round alone (H 2000), b joins from it
+    (downloading: a is past b's first exchange), c joins with both as donors: the two must agree
+    before the next round, 2000 steps on, could end the split."""
+    caplog.set_level(logging.WARNING, logger="meshtrain.node.state.download")
+    spec = meshtrain.SwarmSpec(model="gpt-tiny", steps=0, H=2000, eval_every=0)
+    signed = meshtrain.SignedSpec.create(spec, Identity.load_or_create(tmp_path / "a"))
+    async with trio.open_nursery() as nursery:
+        a = meshtrain.Node(_config(tmp_path, "a"), spec=signed)
+        nursery.start_soon(a.run)
+        await _until(lambda: a.trainer is not None and a.trainer.outer.rounds >= 1, 120, "a's first round")
+        b = meshtrain.Node(_config(tmp_path, "b"), join=a.host.addrs[0])
+        nursery.start_soon(b.run)
+        await _until(lambda: b.joined_from is not None and b.trainer.step > b.joined_from["step"], 60, "b joins")
+        rounds = a.trainer.outer.rounds
+        c = meshtrain.Node(_config(tmp_path, "c"), join=a.host.addrs[0])
+        nursery.start_soon(c.run)
+        await _until(lambda: c.joined_from is not None, 120, "c joins")
+        joined, rounds_then = dict(c.joined_from), a.trainer.outer.rounds
+        for n in (a, b, c):
+            n.stop()
+    split = [r.getMessage()[:300] for r in caplog.records if "offered identically" in r.getMessage()]
+    assert joined["donors"] == 2 and not split, (joined, split)
+    assert rounds_then == rounds  # c agreed on the state before a round could end the split
+
+
 # --- 4. a killed peer does not stall the survivor --------------------------------------------------
 
 

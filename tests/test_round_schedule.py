@@ -38,6 +38,17 @@ def test_a_fragment_is_merged_before_the_next_fragment_is_sent(s, step):
         assert s.merge_step(step) < s.next_send_step(step) or s.merge_step(step) == step
 
 
+@given(schedules(), st.integers(0, 200))
+def test_last_merge_step_is_the_latest_merge_at_or_before_the_step(s, step):
+    """The step an offered state dates from (node/state/run_state.py `donor_snapshot`): a merge
+    (or 0, the start), at or before `step`, with no merge after it up to `step`."""
+    merges = {s.merge_step(sent) for sent in range(1, step + 1) if s.sends_at(sent)}
+    last = s.last_merge_step(step)
+    assert last <= step
+    assert last == max((m for m in merges if m <= step), default=0)
+    assert last == 0 or last in merges
+
+
 def test_nothing_is_sent_at_step_zero():
     assert RoundSchedule(4).sends_at(0) == [] and RoundSchedule(4).sends_at(4) == [0]
 

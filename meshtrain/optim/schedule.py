@@ -69,3 +69,14 @@ class RoundSchedule:
     def merge_step(self, sent_at: int) -> int:
         """The inner step at which a fragment sent at `sent_at` is merged (= `sent_at` when blocking)."""
         return sent_at + self.delay
+
+    def last_merge_step(self, step: int) -> int:
+        """The latest inner step at or before `step` at which a fragment was merged (0: none yet).
+        Between two merges the outer state does not change: a state offered at any step of that
+        span is the state of this step (node/state/run_state.py `donor_snapshot`)."""
+        latest = 0
+        for off in self.offsets:
+            sent = step - self.delay - (step - self.delay - off) % self.H  # the latest send ≡ off, ≤ step - τ
+            if sent >= 1:
+                latest = max(latest, sent + self.delay)
+        return latest

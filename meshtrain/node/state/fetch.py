@@ -5,9 +5,12 @@ The vote. `fetch_state` asks every donor for its manifest (waiting for straggler
 period once half of them answered, one offering a state: of two donors, one SIGSTOPped held a
 soak's joiner for the whole 60 s manifest timeout — and its answer could only have tied) and
 ranks the states a quorum of them offers identically (default: a majority of those that
-answered): newest round first, then most donors. The caller may decline a state from its
-manifest (`accept`): a joiner asks whether it could enter with it before a byte moves — a
-multi-GB state a round old used to be downloaded whole, refused, and downloaded again on every
+answered): newest round first, then most donors. "Identically" is the whole manifest, step
+included: peers that hold one state offer it as of the step it dates from, its last merge
+(node/state/run_state.py `donor_snapshot`) — offered at each donor's own step, one state was two
+to the vote, and a 30-minute soak's joiners failed 39 votes so. The caller may decline a state
+from its manifest (`accept`): a joiner asks whether it could enter with it before a byte moves —
+a multi-GB state a round old used to be downloaded whole, refused, and downloaded again on every
 retry until the swarm published a newer one.
 
 Chunks. Each agreeing donor gets `per_donor` workers (default 2 outstanding chunks) that pull

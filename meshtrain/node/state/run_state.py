@@ -292,9 +292,19 @@ class RunState(Service):
         """What our state donor offers joiners now: (meta, tensors) of the outer state, its live
         tensors, to be lent (`publish(..., live=True)`; the caller owns φ at that moment: the
         trainer's thread between steps, or the trio thread while the trainer is stopped for a
-        download). `phi_withheld`: φ is ours alone, its digest withheld (`PHI_WITHHELD`)."""
-        skeleton, tensors = flatten_state(trainer.donor_state())
-        meta = {"skeleton": skeleton, "step": trainer.step, "round": trainer.outer.rounds}
+        download). `phi_withheld`: φ is ours alone, its digest withheld (`PHI_WITHHELD`).
+
+        The state is offered as of the step it dates from — its last merge
+        (`RoundSchedule.last_merge_step`) —, not the step we are at: every peer holding it then
+        offers it byte for byte alike, as a joiner's vote needs (node/state/fetch.py). Offered at
+        our own step, a peer that had joined (at the swarm's step, past the round's), resumed a
+        checkpoint or published a few steps late offered the same φ as a different state: a
+        30-minute soak's joiners failed 39 of their 42 failed votes so ("no state is offered
+        identically by 2 of the 2 donors", the same round and digest twice), one for 95 s."""
+        state = trainer.donor_state()
+        state["inner_steps"] = step = trainer.outer.schedule.last_merge_step(state["inner_steps"])
+        skeleton, tensors = flatten_state(state)
+        meta = {"skeleton": skeleton, "step": step, "round": trainer.outer.rounds}
         if phi_withheld:
             meta[PHI_WITHHELD] = True
         return meta, tensors
