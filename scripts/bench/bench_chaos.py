@@ -58,7 +58,8 @@ Invariants, measured from every node's `/status` (polled about once a second) an
 - restart_to_training_s_p50/_max: from a restart's spawn to the first status with
   node.state == "training" (restarts killed again before that are counted, not timed).
 - rss_growth_mib: per node process that lived at least `RSS_MIN_LIFE_S`, RSS at its last sample
-  minus RSS one minute after it started (the largest; per-process list in the summary). Under
+  minus RSS one minute after it started (the largest; per-process list in the summary, each
+  with its RSS about once a minute, `trace`). Under
   this much churn few processes live from minute 1 to the end, hence per process; `--spare`
   keeps one alive (above).
 - solo_rounds: rounds whose result was a node's own contribution alone, in a group of one from
@@ -482,6 +483,20 @@ def _raised(lines: list[str], start: int) -> str:
             found.append(m.group(1)[:200])
     inner = [x for x in found if not x.startswith(("ExceptionGroup", "BaseExceptionGroup"))]
     return (inner or found or ["?"])[-1 if inner else 0]
+
+
+def _per_minute(samples: list[tuple[float, float]], started: float) -> list[list[float]]:
+    """`samples` ((t, MiB), in time order) cut to the first sample of every minute of the life,
+    and the last, as [[t, MiB], ...] rounded."""
+    out: list[list[float]] = []
+    minute = -1
+    for t, mib in samples:
+        if int((t - started) // 60) > minute:
+            minute = int((t - started) // 60)
+            out.append([round(t, 1), round(mib, 1)])
+    if samples and out[-1][0] != round(samples[-1][0], 1):
+        out.append([round(samples[-1][0], 1), round(samples[-1][1], 1)])
+    return out
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -1263,6 +1278,9 @@ class Soak:
                         "to_t": round(life.rss[-1][0], 1),
                         "rss_mib_at_1min": round(base[1], 1),
                         "growth_mib": round(life.rss[-1][1] - base[1], 1),
+                        # RSS about once a minute: a steady climb (a leak) reads apart from a step
+                        # (a cache filled, an arena grown) that stays
+                        "trace": _per_minute(life.rss, life.started),
                     }
                 )
         longest = max((life.rss[-1][0] - life.started for s in self.slots for life in s.lives if life.rss), default=0.0)
