@@ -396,6 +396,29 @@ async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_roun
         nursery.cancel_scope.cancel()
 
 
+async def test_an_aborted_round_is_opened_afresh_by_the_next_join(autojump_clock):
+    """An aborted round committed nothing: its members re-sync to the state before it and join it
+    again. A 30-minute soak's coordinator answered those joins "after the group was formed" (the
+    aborted round's) for 19 s, each answer another re-sync to the same state; now the first of
+    them opens the round afresh and the group forms."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        outcomes = {}
+
+        async def send(p: str, rep: Report) -> None:
+            outcomes[p] = await c.report(p, rep)
+
+        nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # b leaves: a round of one
+        nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(outcomes["a"], Abort), outcomes
+        again = await join_all(c, key, ["a", "b"])
+        assert {p: reply for p, (reply, _) in again.items()} == {p: Joined(0, ("a", "b")) for p in "ab"}, again
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_round_collecting_joins_across_our_own_pause_starts_again_without_those_who_left(autojump_clock):
     """a, the lowest id, coordinates round 7; b and c joined, then a was stopped (SIGSTOP: the
     clock jumps with nothing run). b took a for silent meanwhile and completed the round at the

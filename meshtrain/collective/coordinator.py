@@ -29,7 +29,11 @@ allreduce.py for how peers find it). Its job, per round key:
   majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
   connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
   the survivors after a failure, `Abort` after `max_attempts` — the rules are attempt_rules.py's;
-  here are the timers that apply them (the failure grace, the report deadline).
+  here are the timers that apply them (the failure grace, the report deadline). An aborted round
+  committed nothing here: its members proceed alone, re-sync to the state before it and join it
+  again, and the first such join opens it afresh (a 30-minute soak's coordinator, its attempt
+  aborted after its own pause, answered their joins "after the group was formed" for 19 s — each
+  answer another re-sync to the same state).
 
 Groups that disagree. A grouped round's tag names the group (collective/groups.py: "f0~g1.2"),
 computed from each peer's view of the round's roster (node/roster.py). Joins are announced ahead,
@@ -148,6 +152,13 @@ class _Round:
     @property
     def missing(self) -> frozenset[str]:
         return self.expected - set(self.joins)
+
+    @property
+    def aborted(self) -> bool:
+        """Its last attempt was aborted: nobody committed the round here."""
+        return (
+            bool(self.attempts) and self.attempts[-1].decided.is_set() and isinstance(self.attempts[-1].outcome, Abort)
+        )
 
     def ended_without_us(self) -> Late:
         return Late(self.passed, self.elsewhere, regroup=self.regroup)
@@ -545,6 +556,10 @@ class Coordinator:
         if not await self.pauses.join_stands(peer, key):
             return Late(detailed=False)
         r = self._round(key)
+        if r.aborted:  # its members re-synced to the state before it and come back: a fresh round
+            del self.rounds[key]
+            r = self._round(key)
+            log.info(kv("allreduce round opened again after its attempt was aborted", key=key, peer=peer[-8:]))
         r.skipped.update(skipped)
         self.silent.heard(peer)
         series = (peer, key.series)
