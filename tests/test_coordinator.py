@@ -362,23 +362,30 @@ async def test_the_last_member_leaving_aborts_the_attempt(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def a_pair_that_b_leaves(nursery: trio.Nursery, key: RoundKey) -> tuple[dict, Coordinator]:
+    """Coordinator a of round `key` with a and b joined; b leaves the attempt (a FAIL report
+    accusing itself) as a reports the failure. Returns the outcomes by peer and the coordinator."""
+    c = await coordinator(nursery, "a", ["a", "b"])
+    await join_all(c, key, ["a", "b"])
+    outcomes: dict = {}
+
+    async def send(p: str, rep: Report) -> None:
+        outcomes[p] = await c.report(p, rep)
+
+    nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # leaving
+    nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
+    await trio.testing.wait_all_tasks_blocked()
+    return outcomes, c
+
+
 async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_round_of_one(autojump_clock):
     """b leaves the attempt by itself (its coordinator went silent for it, or it moved to a lower
     id) and may complete the round at another coordinator: seen in a 30-minute soak, a retried
     round of one published a second φ for the round beside b's group's. The last member is told
     the round failed (it withholds its φ and re-syncs); with two members left, the retry goes on."""
     async with trio.open_nursery() as nursery:
-        c = await coordinator(nursery, "a", ["a", "b"])
         key = RoundKey(7, "", "a")
-        await join_all(c, key, ["a", "b"])
-        outcomes = {}
-
-        async def send(p: str, rep: Report) -> None:
-            outcomes[p] = await c.report(p, rep)
-
-        nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # leaving
-        nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
-        await trio.testing.wait_all_tasks_blocked()
+        outcomes, _ = await a_pair_that_b_leaves(nursery, key)
         assert isinstance(outcomes["a"], Abort) and "left the round" in outcomes["a"].why
 
         three = await coordinator(nursery, "a", ["a", "b", "c"])
@@ -402,17 +409,8 @@ async def test_an_aborted_round_is_opened_afresh_by_the_next_join(autojump_clock
     aborted round's) for 19 s, each answer another re-sync to the same state; now the first of
     them opens the round afresh and the group forms."""
     async with trio.open_nursery() as nursery:
-        c = await coordinator(nursery, "a", ["a", "b"])
         key = RoundKey(7, "", "a")
-        await join_all(c, key, ["a", "b"])
-        outcomes = {}
-
-        async def send(p: str, rep: Report) -> None:
-            outcomes[p] = await c.report(p, rep)
-
-        nursery.start_soon(send, "b", report(key, FAIL, suspects=("b",), evidence=True))  # b leaves: a round of one
-        nursery.start_soon(send, "a", report(key, FAIL, suspects=("b",)))
-        await trio.testing.wait_all_tasks_blocked()
+        outcomes, c = await a_pair_that_b_leaves(nursery, key)
         assert isinstance(outcomes["a"], Abort), outcomes
         again = await join_all(c, key, ["a", "b"])
         assert {p: reply for p, (reply, _) in again.items()} == {p: Joined(0, ("a", "b")) for p in "ab"}, again
