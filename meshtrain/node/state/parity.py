@@ -45,42 +45,41 @@ verification's problem, not parity's).
 Withheld and solo rounds. A round a peer proceeded alone in because the round failed (a
 coordinator refused its join or vanished) leaves a φ known not to be the swarm's: no digest is
 published for it, and the peer re-syncs before its next round (`ParityMonitor.withhold`; a CI
-soak saw such a peer publish its own φ as a member's for two rounds). Its state donor still offers
-that state, marked `phi_withheld` (where every trainer went on alone, offering nothing stalled
-them); a joiner declines it while another trainer published a φ for that round or a later one,
-and otherwise enters it withholding the digest too (`SwarmDownload._solo_offer`: a 30-minute soak saw a
-joiner record a donor's alone round beside the swarm's digest). `alone_rounds` counts the
-rounds whose result was our own contribution alone while other trainers were in the membership,
-and `solo_rounds` those of them — formed as a group of one, not failed and withheld — in which
-another trainer still trained (a fresh progress record), was connected to us and was within the
-round window of the round (`SwarmSpec.round_window`): a peer that may hold a second φ for the
-same round, the fork the parity rule then heals. A partner further behind is refused in the
-round and re-syncs before it can share it (a coordinator fixes its group without it:
-collective/coordinator.py `_without_silent`), so holds no φ for it; a 30-minute soak's one
-"solo" round was such, beside a peer 12 rounds behind that its coordinator had just refused. A round whose group
-shrank to us by retries (`survived_rounds`: its other members were dropped as failed or
-silent) is not solo: the coordinator's decision dropped them, each is told the round failed
-for it (`CollectiveError`), proceeds alone, withholds its φ and re-syncs, so ours is the round's
-only φ — the collective surviving a vanished peer, as designed (a 30-minute soak's 8 "solo"
-rounds were all of this kind: the partner SIGSTOPped, or refused at another round and leaving).
-A member that left our round by itself (its coordinator lost, or gone from its candidates:
-collective/join_wait.py) may complete the same round at another coordinator: a retry that
-would leave one member after such a leaver is aborted instead (collective/coordinator.py
-`_retry`), so the last member withholds; with two or more left, their φ and the leaver's group's
-are a split that the parity check heals, as any other (the chaos soak counts those in
-`parity_split_rounds`). A round alone whose partners'
-connections closed (killed: most of a 10-minute soak's 79 rounds alone were such) or whose
-partners stopped training is not solo: nobody else holds a φ for it (a killed peer re-syncs when
-it comes back). A partner that went silent (SIGSTOP, a cut cable)
-is solo for as long as its progress stays fresh (~3 heartbeats), then gone for all we can tell:
-availability is chosen over a quorum — a lone survivor trains on, and when the silent side comes
-back the parity rule picks one lineage (`parity_split_rounds` in the chaos soak counts such
-splits). But a round formed as a group of one is also withheld — not published, though not
-failed — when another trainer's record (any, a dead peer's too) holds a φ for that round or a
-later one, or within 30 s of a pause of our own (node/state/run_state.py
-`_alone_beside_the_swarm`): the swarm may have completed it without us. A DEBUG soak's peer,
-SIGSTOPped 12 s, woke to its partners killed and published its own φ for five rounds they had
-completed during the stop. The chaos soak sums all three counts.
+soak saw such a peer publish its own φ as a member's for two rounds). Its state donor still
+offers that state, marked `phi_withheld` (where every trainer went on alone, offering nothing
+stalled them); a joiner declines it while another trainer published a φ for that round or a
+later one, and otherwise enters it withholding the digest too (`SwarmDownload._solo_offer`: a
+30-minute soak saw a joiner record a donor's alone round beside the swarm's digest).
+`alone_rounds` counts the rounds whose result was our own contribution alone while other
+trainers were in the membership, and `solo_rounds` those of them — formed as a group of one, not
+failed and withheld — in which another trainer still trained (a fresh progress record), was
+connected to us and was within the round window of the round (`SwarmSpec.round_window`): a peer
+that may hold a second φ for the same round, the fork the parity rule then heals. A partner
+further behind is refused in the round and re-syncs before it can share it (a coordinator fixes
+its group without it: collective/coordinator.py `_without_silent`), so holds no φ for it; a
+30-minute soak's one "solo" round was such, beside a peer 12 rounds behind that its coordinator
+had just refused. A round whose group shrank to us by retries (`survived_rounds`: its other
+members were dropped as failed or silent) is not solo: the coordinator's decision dropped them,
+each is told the round failed for it (`CollectiveError`), proceeds alone, withholds its φ and
+re-syncs, so ours is the round's only φ — the collective surviving a vanished peer, as designed
+(a 30-minute soak's 8 "solo" rounds were all of this kind: the partner SIGSTOPped, or refused at
+another round and leaving). A member that left our round by itself (its coordinator lost, or
+gone from its candidates: collective/join_wait.py) may complete the same round at another
+coordinator: a retry that would leave one member after such a leaver is aborted instead
+(collective/coordinator.py `_retry`), so the last member withholds; with two or more left, their
+φ and the leaver's group's are a split that the parity check heals, as any other (the chaos soak
+counts those in `parity_split_rounds`). A round alone whose partners' connections closed
+(killed: most of a 10-minute soak's 79 rounds alone were such) or whose partners stopped
+training is not solo: nobody else holds a φ for it (a killed peer re-syncs when it comes back).
+A partner that went silent (SIGSTOP, a cut cable) is solo for as long as its progress stays
+fresh (~3 heartbeats), then gone for all we can tell: availability is chosen over a quorum — a
+lone survivor trains on, and when the silent side comes back the parity rule picks one lineage
+(`parity_split_rounds` in the chaos soak counts such splits). But a round formed as a group of
+one is also withheld — not published, though not failed — when another trainer's record (any, a
+dead peer's too) holds a φ for that round or a later one, or within 30 s of a pause of our own
+(node/state/run_state.py `_alone_beside_the_swarm`): the swarm may have completed it without us.
+A DEBUG soak's peer, SIGSTOPped 12 s, woke to its partners killed and published its own φ for
+five rounds they had completed during the stop. The chaos soak sums all three counts.
 
 `judge` is a pure function of the records and a clock value, tested without a network
 (`tests/test_parity.py`); `ParityMonitor` keeps a node's own digests and its last verdict.
