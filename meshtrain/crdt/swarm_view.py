@@ -35,14 +35,13 @@ coordinator protocol settles them (collective/allreduce.py).
 Heartbeat rate: every heartbeat is flooded to every peer, so the interval stretches as the swarm
 grows (3 s up to 12 peers, 32 s at 256) and the lease with it (heartbeat_rate.py, its whole story).
 
-Progress and metrics are rate-limited: `report_progress`/`report_metrics` store the numbers and
-they go out with the next heartbeat, except an outer-round change and the record a node writes as
-it starts training (`announce`: a restarted trainer's step, a heartbeat late, let a group left
-behind train past it at 100 steps a second), which are written at once —
+Progress and metrics are rate-limited (own_reports.py, `OwnReports`, this peer's records and when
+they are written): they go out with the next heartbeat, except an outer-round change and the
+record a node writes as it starts training (`announce`: a restarted trainer's step, a heartbeat
+late, let a group left behind train past it at 100 steps a second), which are written at once —
 unless a progress record of ours went out less than `progress_gap()` ago (the interval's stretch
 past `heartbeat_interval`: 0 up to 12 peers, 1 s at 16, 7.7 s at 64, 29 s at 256); then it is
-written once the gap has passed. The gap bounds every progress write, the heartbeat's and
-`progress_live`'s rewrites included. Every peer's round ends flood a record to every peer, so
+written once the gap has passed. Every peer's round ends flood a record to every peer, so
 unbounded, a swarm of N peers with rounds of T seconds sends each peer N/T records a second,
 growing with N; bounded, each peer writes about one progress record per interval in a large
 swarm, and what every peer receives follows the heartbeat rate (log N). The price is freshness
@@ -63,7 +62,6 @@ what the config keys mean (node).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -80,6 +78,7 @@ from meshtrain.crdt.heartbeat_rate import (
     heartbeat_interval_for,
     progress_gap_for,
 )
+from meshtrain.crdt.own_reports import OwnReports
 from meshtrain.crdt.record_gate import MEMBER_RECORDS, RecordGate
 from meshtrain.crdt.replica import ChangeEvent, CrdtSpec, Replica, ReplicaConfig
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, record_of
@@ -89,7 +88,6 @@ from meshtrain.crdt.swarm_records import (
     MAX_ADDRS,
     MAX_CAPABILITIES_BYTES,
     MAX_LEASE_MS,
-    MAX_METRICS,
     MAX_PHI_DIGESTS,
     MEMBERSHIP,
     METRICS,
@@ -104,8 +102,6 @@ from meshtrain.crdt.swarm_records import (
     PeerProgress,
     peer_info,
     peer_progress,
-    phi_digests,
-    require_count,
     require_label,
     swarm_specs,
 )
@@ -114,7 +110,6 @@ from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
-from meshtrain.transport.validate import is_number
 
 __all__ = [
     "CONFIG",
@@ -220,20 +215,7 @@ class SwarmView(Service):
         self.admit = admit
         self._gate = RecordGate(replica, keep) if keep is not None else None
         self._left = False
-        self._progress: dict[str, Any] = {"step": 0, "samples": 0, "round": 0}
-        self._progress_dirty = False
-        self._progress_written = False
-        self._progress_at = -math.inf  # trio time of our last progress write
-        self._progress_deferred = False  # a round change waits for the gap (`_write_progress_after`)
-        # While True, our progress record is written at every heartbeat even without news: a
-        # trainer held in a round (waiting for a peer to join) trains all the same, and a joiner
-        # that reads a stale record as "not training" finds no donor while we wait for it.
-        self.progress_live = False
-        self._metrics: dict[str, float] = {}
-        self._metrics_dirty = False
-        self._strikes: list[Strike] = []  # ours, written in this process (merged with our record)
-        self._strikes_dirty = False
-        self._per_peer = MAX_STRIKES
+        self.reports = OwnReports(replica, self.capabilities, self.progress_gap)  # ours: progress, metrics, strikes
         self._rewrite = trio.Event()  # set when our records must be written again at once
         self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
@@ -277,9 +259,7 @@ class SwarmView(Service):
         if self._left:
             return None
         entry = self._write_membership(left=False)
-        if self.progress_live and self._progress_written:
-            self._progress_dirty = True
-        self._flush_reports()
+        self.reports.beat()
         return entry
 
     def current_interval(self) -> float:
@@ -366,7 +346,7 @@ class SwarmView(Service):
         """Leave the swarm cleanly: write `left`, stop heartbeating, hand the record to peers."""
         if self._left:
             return
-        self._left = True
+        self._left = self.reports.closed = True
         self._write_membership(left=True)
         with trio.CancelScope(shield=True):
             await self.replica.flush(timeout)
@@ -446,6 +426,17 @@ class SwarmView(Service):
 
     # --- progress and metrics -------------------------------------------------------------------
 
+    @property
+    def progress_live(self) -> bool:
+        """While True, our progress record is written at every heartbeat even without news: a
+        trainer held in a round (waiting for a peer to join) trains all the same, and a joiner
+        that reads a stale record as "not training" finds no donor while we wait for it."""
+        return self.reports.live
+
+    @progress_live.setter
+    def progress_live(self, live: bool) -> None:
+        self.reports.live = live
+
     def report_progress(
         self,
         *,
@@ -458,65 +449,13 @@ class SwarmView(Service):
         """Record our progress; it goes out with the next heartbeat, at once if the outer round
         or the φ digests changed or `announce` says so (we start training: peers must see our
         step now, not a heartbeat later) — or, within `progress_gap()` of our last progress
-        write, once that gap has passed. `phi`: (round, digest) of our last rounds, oldest first."""
-        new = dict(self._progress)
-        for key, value in (("step", step), ("samples", samples), ("round", outer_round)):
-            if value is not None:
-                new[key] = require_count(value, key)
-        if phi is not None:
-            new["phi"] = [list(p) for p in phi_digests(list(phi)[-MAX_PHI_DIGESTS:])]
-        round_changed = new["round"] != self._progress["round"] or new.get("phi") != self._progress.get("phi")
-        self._progress = new
-        self._progress_dirty = True
-        if (round_changed or announce) and not self._left:
-            wait = self._progress_at + self.progress_gap() - trio.current_time()
-            if wait <= 0:
-                self._write_progress()
-            elif not self._progress_deferred and self._nursery is not None:
-                self._progress_deferred = True
-                self._nursery.start_soon(self._write_progress_after, wait)
+        write, once that gap has passed (own_reports.py). `phi`: (round, digest) of our last
+        rounds, oldest first."""
+        self.reports.progress(step=step, samples=samples, outer_round=outer_round, phi=phi, announce=announce)
 
     def report_metrics(self, values: Mapping[str, float]) -> None:
         """Record our latest metrics (merged into the previous ones); sent with the next heartbeat."""
-        merged = {**self._metrics, **values}
-        if len(merged) > MAX_METRICS:
-            raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
-        for key, value in merged.items():
-            require_label(key, "a metric name")
-            if not is_number(value):
-                raise CrdtError(f"metric {key!r} must be a number")
-        self._metrics = merged
-        self._metrics_dirty = True
-
-    async def _write_progress_after(self, seconds: float) -> None:
-        await trio.sleep(seconds)
-        self._progress_deferred = False
-        if self._progress_dirty and not self._left:
-            self._write_progress()
-
-    def _write_progress(self) -> None:
-        rec = dict(self._progress)
-        ts = now_ms()
-        self.replica.write(PROGRESS, lambda c, me: c.set(me, rec, timestamp=ts))
-        self._progress_dirty = False
-        self._progress_written = True
-        self._progress_at = trio.current_time()
-
-    def _write_metrics(self) -> None:
-        rec = dict(self._metrics)
-        ts = now_ms()
-        self.replica.write(METRICS, lambda c, me: c.set(me, rec, timestamp=ts))
-        self._metrics_dirty = False
-
-    def _flush_reports(self) -> None:
-        # within the gap, the record went out less than an interval ago, and a change waits for
-        # its deferred write
-        if self._progress_dirty and trio.current_time() - self._progress_at >= self.progress_gap():
-            self._write_progress()
-        if self._metrics_dirty:
-            self._write_metrics()
-        if self._strikes_dirty:
-            self._write_strikes()
+        self.reports.metrics(values)
 
     def progress(self) -> dict[str, PeerProgress]:
         """peer id -> its latest progress record (admitted peers only)."""
@@ -562,32 +501,7 @@ class SwarmView(Service):
         """Add strikes we raised (as a part's owner) to our signed record, written at once. The
         record keeps each peer's latest `per_peer` strikes (node/trust/strikes.py passes a strikes
         window's worth: older ones count toward no exclusion), and the latest `MAX_STRIKES` in all."""
-        self._per_peer = max(1, per_peer)
-        for strike in strikes:
-            if strike.reporter != self.me:
-                raise CrdtError("we can only report our own strikes")
-            Strike.from_record(self.me, strike.to_record())  # the rules every peer applies
-            self._strikes.append(strike)
-        self._strikes_dirty = True
-        if not self._left:
-            self._write_strikes()
-
-    def _write_strikes(self) -> None:
-        """Our record: the strikes it holds (a previous incarnation's too) and ours from this
-        process, the latest `MAX_STRIKES` by round, one per (round, peer)."""
-        own = self.replica.crdt(STRIKES).entry(self.me)
-        merged = {(s.round_key, s.peer): s for s in (record_of(own).strikes if own is not None else ())}
-        merged.update({(s.round_key, s.peer): s for s in self._strikes})
-        by_peer: dict[str, list[Strike]] = {}
-        for strike in sorted(merged.values(), key=lambda s: (s.round_id, s.tag, s.peer)):
-            by_peer.setdefault(strike.peer, []).append(strike)
-        kept = [s for group in by_peer.values() for s in group[-self._per_peer :]]
-        latest = sorted(kept, key=lambda s: (s.round_id, s.tag, s.peer))[-MAX_STRIKES:]
-        self._strikes = [s for s in self._strikes if s in latest]
-        rec = {"strikes": [s.to_record() for s in latest], "caps": self.capabilities}
-        ts = now_ms()
-        self.replica.write(STRIKES, lambda c, me: c.set(me, rec, timestamp=ts))
-        self._strikes_dirty = False
+        self.reports.strikes(strikes, per_peer=per_peer)
 
     def strike_records(self) -> list[StrikeRecord]:
         """Every reporter's record, as replicated (unverified: node/trust/strikes.py decides what counts)."""
@@ -639,20 +553,7 @@ class SwarmView(Service):
             changed.set()
         # An entry of ours from a previous incarnation beat what we wrote since restarting (or
         # arrived before we wrote): write our records again on top of it.
-        if event.own_superseded and event.crdt in (MEMBERSHIP, PROGRESS, METRICS, STRIKES):
-            if event.crdt == PROGRESS and not self._progress_written:
-                return  # nothing reported in this process yet: the old record stands
-            if event.crdt == METRICS and not self._metrics:
-                return
-            if event.crdt == STRIKES:
-                if self._strikes:  # ours from this process go on top of the old record's
-                    self._strikes_dirty = True
-                    self._rewrite.set()
-                return
-            if event.crdt == PROGRESS:
-                self._progress_dirty = True
-            if event.crdt == METRICS:
-                self._metrics_dirty = True
+        if event.own_superseded and (event.crdt == MEMBERSHIP or self.reports.superseded(event.crdt)):
             self._rewrite.set()
 
     async def _pulse_loop(self) -> None:
@@ -675,7 +576,7 @@ class SwarmView(Service):
     async def _start(self, stack: AsyncExitStack) -> None:
         await self.replica.recover(self.recover_timeout)
         self.heartbeat()
-        self._nursery = await stack.enter_async_context(trio.open_nursery())
+        self._nursery = self.reports.nursery = await stack.enter_async_context(trio.open_nursery())
         self._nursery.start_soon(self._heartbeat_loop)
         self._nursery.start_soon(self._pulse_loop)
 
