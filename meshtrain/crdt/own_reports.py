@@ -35,17 +35,15 @@ from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.replica import Replica
 from meshtrain.crdt.strikes import MAX_STRIKES, Strike, record_of
 from meshtrain.crdt.swarm_records import (
-    MAX_METRICS,
     MAX_PHI_DIGESTS,
     METRICS,
     PROGRESS,
     STRIKES,
     phi_digests,
     require_count,
-    require_label,
+    require_metrics,
 )
 from meshtrain.crdt.types import now_ms
-from meshtrain.transport.validate import is_number
 
 
 class OwnReports:
@@ -104,12 +102,7 @@ class OwnReports:
     def metrics(self, values: Mapping[str, float]) -> None:
         """Record our latest metrics (merged into the previous ones); written at the next `beat`."""
         merged = {**self._metrics, **values}
-        if len(merged) > MAX_METRICS:
-            raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
-        for key, value in merged.items():
-            require_label(key, "a metric name")
-            if not is_number(value):
-                raise CrdtError(f"metric {key!r} must be a number")
+        require_metrics(merged)
         self._metrics = merged
         self._metrics_dirty = True
 

@@ -89,6 +89,7 @@ Not here: writing, heartbeating and reading the records, admission and the repli
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -312,7 +313,12 @@ def phi_digests(value: Any) -> tuple[tuple[int, bytes], ...]:
 
 
 def check_metrics(entry: SignedEntry) -> None:
-    rec = _record(entry)
+    require_metrics(_record(entry))
+
+
+def require_metrics(rec: Mapping[str, Any]) -> None:
+    """A metrics record's rule, for ours as we write it and anyone's as it arrives: at most
+    `MAX_METRICS` numbers under label names."""
     if len(rec) > MAX_METRICS:
         raise CrdtError(f"at most {MAX_METRICS} metrics per peer")
     for key, value in rec.items():
