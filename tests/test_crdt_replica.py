@@ -40,7 +40,8 @@ from meshtrain.crdt.entries import encode_entries
 from meshtrain.crdt.gossip import decode_gossip, encode_gossip, split_batches
 from meshtrain.crdt.heartbeat_rate import heartbeat_interval_for
 from meshtrain.crdt.replica import EntryTooLarge
-from meshtrain.crdt.swarm_view import MEMBERSHIP
+from meshtrain.crdt.strikes import Strike, record_of
+from meshtrain.crdt.swarm_view import MEMBERSHIP, STRIKES
 from meshtrain.crdt.types import now_ms
 from meshtrain.transport.framing import packb
 from meshtrain.transport.host import Host
@@ -506,6 +507,20 @@ async def test_a_hand_out_goes_to_the_peers_named_first_and_one_that_never_answe
         assert confirmed == 1
         theirs = views[0].progress_of(me)
         assert theirs is not None and theirs.step == 145  # held by peer 0 as hand_out returns
+
+
+async def test_our_strikes_record_carries_the_capabilities_our_membership_has_now():
+    """The strikes record carries our membership's capabilities (whoever counts a strike checks
+    the reporter's admission from it); a pipeline peer adds its stage to them after the view
+    started (node/stages/announce.py), and its strikes must carry that too."""
+    async with AsyncExitStack() as stack:
+        hosts = await start_hosts(stack, 3)
+        views = await start_views(stack, hosts, hosts[0].peer_id)
+        me, ids = hosts[0].peer_id, tuple(sorted(h.peer_id for h in hosts))
+        views[0].capabilities = {**views[0].capabilities, "pipeline": {"stage": 1}}
+        views[0].report_strikes([Strike(me, 20, "", hosts[1].peer_id, ids, b"\x01" * 32, ids.index(me), 9.0, -0.5)])
+        entry = views[0].replica.crdt(STRIKES).entry(me)
+        assert entry is not None and record_of(entry).capabilities == {"pipeline": {"stage": 1}}
 
 
 async def test_a_live_progress_record_stays_fresh_without_news_and_a_plain_one_ages():

@@ -50,10 +50,13 @@ class OwnReports:
     """This peer's progress, metrics and strikes records (module docstring).
 
     replica: where they are written. capabilities: what the strikes record carries beside the
-    strikes (the membership's, so the record gate keeps it). progress_gap: the least seconds
-    between two progress writes of ours, now (`SwarmView.progress_gap`)."""
+    strikes, now (the membership's, so the record gate keeps it; a pipeline peer adds its stage
+    later). progress_gap: the least seconds between two progress writes of ours, now
+    (`SwarmView.progress_gap`)."""
 
-    def __init__(self, replica: Replica, capabilities: Mapping[str, Any], progress_gap: Callable[[], float]) -> None:
+    def __init__(
+        self, replica: Replica, capabilities: Callable[[], Mapping[str, Any]], progress_gap: Callable[[], float]
+    ) -> None:
         self.replica = replica
         self.me = replica.me
         self.capabilities = capabilities
@@ -177,7 +180,7 @@ class OwnReports:
         kept = [s for group in by_peer.values() for s in group[-self._per_peer :]]
         latest = sorted(kept, key=lambda s: (s.round_id, s.tag, s.peer))[-MAX_STRIKES:]
         self._strikes = [s for s in self._strikes if s in latest]
-        rec = {"strikes": [s.to_record() for s in latest], "caps": self.capabilities}
+        rec = {"strikes": [s.to_record() for s in latest], "caps": self.capabilities()}
         ts = now_ms()
         self.replica.write(STRIKES, lambda c, me: c.set(me, rec, timestamp=ts))
         self._strikes_dirty = False

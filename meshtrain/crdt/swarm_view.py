@@ -215,7 +215,8 @@ class SwarmView(Service):
         self.admit = admit
         self._gate = RecordGate(replica, keep) if keep is not None else None
         self._left = False
-        self.reports = OwnReports(replica, self.capabilities, self.progress_gap)  # ours: progress, metrics, strikes
+        # Ours: progress, metrics and strikes (the strikes record carries our capabilities as they are then).
+        self.reports = OwnReports(replica, lambda: self.capabilities, self.progress_gap)
         self._rewrite = trio.Event()  # set when our records must be written again at once
         self._members_changed = trio.Event()  # set (and replaced) on every membership change
         self._check_replica()
