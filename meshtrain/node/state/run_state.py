@@ -388,14 +388,18 @@ class RunState(Service):
     async def announce_progress(self) -> None:
         """`report_progress(announce=True)` with our φ digests, while the trainer does not step,
         handed to a few connected peers at once (`SwarmView.hand_out`): a peer that connected to
-        us as we started learns our step now, not when gossip grafts it, a second later. The
-        lowest-id round candidates first: in rounds not grouped, the next round's coordinator,
-        which takes us into its group only once it counts us a trainer (a donor training alone,
-        its rounds 0.1 s apart, formed the next one without the joiner it had just served)."""
+        us as we started learns our step now, not when gossip grafts it, a second later. In
+        rounds not grouped, the lowest-id candidates first: the next round's coordinator, which
+        takes us into its group only once it counts us a trainer (a donor training alone, its
+        rounds 0.1 s apart, formed the next one without the joiner it had just served). Where
+        rounds run in groups, the lowest ids coordinate no group of ours, and every start in a
+        swarm of hundreds would land on the same two peers: random ones, as gossip picks."""
         self.report_progress(list(self.parity.history) if self.parity.enabled else None, announce=True)
         presence = self.presence
         assert presence.view is not None  # entered
-        await presence.view.hand_out(first=sorted(p for p in presence.candidates() if p != presence.me))
+        grouped = presence.rounds_grouped()
+        first = () if grouped else sorted(p for p in presence.candidates() if p != presence.me)
+        await presence.view.hand_out(first=first)
 
     def _count_solo_rounds(self, history: Iterable[RoundReport]) -> None:
         """Count the rounds completed since the last call whose result was our own contribution
