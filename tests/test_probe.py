@@ -1,17 +1,26 @@
 """The silence probe (collective/probe.py) over real hosts on loopback: a peer that leaves a WHERE
 probe unanswered may be silent — unless our own loop ran late past the probe's deadline, when the
-answer may be lying unread and the probe proves nothing."""
+answer may be lying unread and the probe proves nothing; and a data phase's watch over a member
+SIGSTOPped in its own process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from contextlib import AsyncExitStack
 
+import pytest
+import torch
 import trio
 
+from meshtrain.collective.contribution import Contribution
+from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, DataPhase
 from meshtrain.collective.probe import LATE_S, probe_where
-from meshtrain.collective.protocol import PROBE_EVERY, WHERE_RPC
+from meshtrain.collective.protocol import PROBE_EVERY, WHERE_RPC, AllReduceConfig, Joined, RoundKey
+from meshtrain.transport.identity import KEY_FILE_NAME, Identity
 
+from .conftest import read_json, spawn, start_peers
 from .test_allreduce import connected_peers
 
 
@@ -39,3 +48,36 @@ async def test_an_unanswered_probe_may_be_silence_but_not_when_our_own_loop_ran_
             await trio.sleep(0.1)  # sleep: the probe is out
             time.sleep(PROBE_EVERY + 2 * LATE_S)  # sleep: blocks our loop past the deadline, what is tested
         assert verdict == [False]
+
+
+async def test_a_member_stopped_before_the_attempt_connects_fails_it_for_silence_not_the_part_deadline(tmp_path):
+    """A 30-minute soak's retry waited 7 s on a member SIGSTOPped since the attempt before: the
+    data phase opens its connections first (a stopped process's kernel accepts what the process
+    never answers) and watched for silence only once they were open — after the part deadline
+    (20 s). The watch runs from the attempt's start: a member whose heartbeats stopped (`quiet`)
+    and that leaves a probe unanswered fails the attempt within seconds, named as the suspect."""
+    key = tmp_path / KEY_FILE_NAME
+    Identity.generate().save(key)
+    proc = spawn("tests/proc_peer.py", "silent", "--key", str(key), stderr_path=str(tmp_path / "silent.log"))
+    try:
+        hello = read_json(proc)
+        async with AsyncExitStack() as stack:
+            (us,) = await start_peers(stack, 1)
+            await us.host.connect(hello["addr"])
+            os.kill(proc.pid, signal.SIGSTOP)
+            config = AllReduceConfig()
+            group = (us.id, hello["peer"])
+            plan = AttemptPlan.of(RoundKey(7, "outer", us.id), Joined(0, group), us.id, 1024, config, "none")
+            contribution = Contribution({"w": torch.ones(1024)}, 1.0, 7)
+            t0 = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                contribution.start(nursery)
+                phase = DataPhase(us.ts, us.host, config, plan, contribution, quiet=lambda p: True)
+                with pytest.raises(AttemptFailed, match="silent") as failed:
+                    await phase.run()
+            assert failed.value.suspects == {hello["peer"]}
+            assert trio.current_time() - t0 < config.part_timeout / 2  # a probe's round, not the deadline
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()

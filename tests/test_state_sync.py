@@ -14,6 +14,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.collective.protocol import WHERE_RPC, WhereReply
 from meshtrain.errors import MeshtrainError
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.fetch import MANIFEST_TIMEOUT, FetchReport, fetch_state
@@ -350,6 +351,60 @@ async def test_one_of_two_donors_that_never_answers_its_manifest_holds_the_vote_
         assert_same_state(tensors, got)
         assert report.answered == [donors[0].host.peer_id], report.answered
         assert trio.current_time() - t0 < MANIFEST_TIMEOUT / 4  # the grace (2 s here), not the timeout
+
+
+# -- silent donors (fetch.py, "Silence") ---------------------------------------------------------
+
+
+async def never_answers(sender: str, request: object) -> object:
+    """A WHERE handler that never answers: a SIGSTOPped peer, as its prober sees it."""
+    await trio.sleep_forever()
+
+
+async def answers_at_once(sender: str, request: object) -> object:
+    """A WHERE handler that answers from its loop at once: a live peer, whatever its transfers do."""
+    return WhereReply(-1, None, -1).to_wire()
+
+
+async def test_a_lone_donor_gone_silent_is_dropped_at_once_in_the_vote_and_mid_download():
+    """A 30-minute soak's joiner sat 24 s in a download whose one donor was stopped or cut off
+    (until it was killed): with one donor the stall rule waits for a second, and the timeouts are
+    60 s. A donor whose heartbeats stopped (`quiet`) and that leaves a probe unanswered is silent:
+    dropped within a few seconds, before its manifest (the vote fails) or mid-download (the
+    download fails), and the node asks again from the members live now."""
+    for donor_cls, raises, limit in [(SilentManifestDonor, NoDonors, 10.0), (StalledDonor, DonorsExhausted, 10.0)]:
+        async with AsyncExitStack() as stack:
+            joiner, (donor,) = await start_swarm(stack, 1, donor_cls=donor_cls)
+            donor.host.rpc.serve(WHERE_RPC, never_answers)
+            donor.publish(*make_state(256))
+            report = FetchReport()
+            t0 = trio.current_time()
+            with pytest.raises(raises, match="silent"):
+                await fetch_state(joiner.host, joiner.ts, [donor.host.peer_id], report=report, quiet=lambda p: True)
+            assert trio.current_time() - t0 < limit  # PROBE_AFTER + a probe, not the 60 s timeouts
+            assert "silent" in report.banned[donor.host.peer_id], report.banned
+
+
+async def test_a_donor_that_answers_its_probe_is_waited_for_however_quiet_its_heartbeats():
+    """Silence needs both signals: a donor whose heartbeats lag (a saturated uplink) but whose
+    loop answers the probe is only slow — its 5 s stall on a chunk is waited out, not dropped."""
+
+    class LongStallingDonor(StallingDonor):
+        async def _send_chunk(self, peer, tag, snap, start, end, chunk_digest):
+            if not self.stalled:
+                self.stalled = True
+                await trio.sleep(5)  # sleep: the stall, longer than a probe's round, is what is tested
+            await StateDonor._send_chunk(self, peer, tag, snap, start, end, chunk_digest)
+
+    async with AsyncExitStack() as stack:
+        joiner, (donor,) = await start_swarm(stack, 1, donor_cls=LongStallingDonor)
+        donor.host.rpc.serve(WHERE_RPC, answers_at_once)
+        meta, tensors = make_state(256)
+        donor.publish(meta, tensors)
+        report = FetchReport()
+        _, got = await fetch_state(joiner.host, joiner.ts, [donor.host.peer_id], report=report, quiet=lambda p: True)
+        assert_same_state(tensors, got)
+        assert donor.stalled and not report.banned, report.banned
 
 
 # -- liars and failures --------------------------------------------------------------------------

@@ -531,7 +531,7 @@ class SwarmCollective(Service):
 
         async def watch() -> None:
             with watching:
-                await wait_silent(self.host, lambda: [coordinator], key, quiet)
+                await wait_silent(self.host, lambda: [coordinator], quiet, key)
                 round_scope.cancel()
 
         (await self._running()).start_soon(watch)

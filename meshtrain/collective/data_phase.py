@@ -67,7 +67,9 @@ scored depends on the committed digest (contract.py `sampled_peers`).
 
 Failures become `AttemptFailed` with the peers we suspect: a transfer that broke or missed its
 size-scaled deadline, a peer whose connection dropped (the host's connection events wake us at
-once) or went silent (its heartbeats stopped and a probe went unanswered: probe.py), or garbage
+once) or went silent (its heartbeats stopped and a probe went unanswered: probe.py — watched
+from the attempt's start, connecting included: a stopped peer's kernel accepts a connection its
+process never answers), or garbage
 — a contribution with NaN/inf or of the wrong size is dropped and its sender named in
 `stats.rejected`; a reduced part that does not decode, or (robust modes) is far outside our own
 contribution's range, is proof against its owner (`evidence=True`).
@@ -83,7 +85,8 @@ every member derives the same ones, and so the same transfer names and sizes), t
 deadline and our scatter slots; a value, built and checked before the attempt starts. A
 `Transfer` is one stripe's movement to a peer (name, tensors, meta, digest). `DataPhase` is one
 object per attempt, over its plan: `run` = connect (while our input is flattened and checked:
-contribution.py), then `exchange` (both phases), under a liveness watch.
+contribution.py), then `exchange` (both phases), under a liveness watch (a silence watch
+over both).
 
 Not here: who is in the group and what happens after a failure (coordinator.py), the round's
 control messages (protocol.py).
@@ -328,17 +331,22 @@ class DataPhase:
     async def run(self) -> dict[str, torch.Tensor]:
         """The attempt's result, in the caller's names, shapes and dtypes; or `AttemptFailed`."""
         try:
-            async with trio.open_nursery() as nursery:  # the input is prepared while we connect
-                nursery.start_soon(self.connect_group)
-                self.flat, self.weight = await self.contribution.ready()
-            if self.weight == 0:
-                self.stats.zero_weight.add(self.plan.me)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
+            # Silence is watched from the start: connecting to a SIGSTOPped member hangs in the
+            # session handshake (its kernel accepts, its process never answers) until the part
+            # deadline — a soak's retry waited 7 s so, its member stopped since the attempt before.
+            async with trio.open_nursery() as watched:
                 if self.quiet is not None:
-                    nursery.start_soon(self._watch_silence, nursery.cancel_scope)
-                await self.exchange()
-                nursery.cancel_scope.cancel()
+                    watched.start_soon(self._watch_silence, watched.cancel_scope)
+                async with trio.open_nursery() as nursery:  # the input is prepared while we connect
+                    nursery.start_soon(self.connect_group)
+                    self.flat, self.weight = await self.contribution.ready()
+                if self.weight == 0:
+                    self.stats.zero_weight.add(self.plan.me)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_liveness, nursery.cancel_scope)
+                    await self.exchange()
+                    nursery.cancel_scope.cancel()
+                watched.cancel_scope.cancel()
         except BaseExceptionGroup as eg:
             leaves = list(exception_leaves(eg))
             for e in leaves:
@@ -621,7 +629,7 @@ class DataPhase:
         assert self.quiet is not None
         key = self.plan.key
         others = self.plan.others
-        silent = await wait_silent(self.host, lambda: [p for p in others if p not in self.failed], key, self.quiet)
+        silent = await wait_silent(self.host, lambda: [p for p in others if p not in self.failed], self.quiet, key)
         self.failed.update(silent)
         self.failed_why = f"peers silent during the attempt: {', '.join(sorted(p[-8:] for p in silent))}"
         scope.cancel()

@@ -28,8 +28,10 @@ not silent (coordinator.py `_without_silent`), and later rounds do so as soon as
 is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
 (node/state/parity.py). A member in a data phase probes, from `PROBE_AFTER` on and every
 `PROBE_EVERY`, the peers it depends on whose heartbeats stopped, and fails the attempt with the
-silent ones as suspects (data_phase.py `_watch_silence`): the coordinator retries without them
-at once, as for a dropped connection. A member probes its round's coordinator alike, at
+silent ones as suspects (data_phase.py `_watch_silence`, from the attempt's start: connecting to
+a stopped peer hangs too): the coordinator retries without them at once, as for a dropped
+connection. A joiner's state download drops a silent donor alike (node/state/fetch.py,
+"Silence"; the probe's answer is not read there, only whether one comes). A member probes its round's coordinator alike, at
 any step of the round (waiting for the group, in the data phase, waiting for the outcome: each is
 an RPC to it that would hang until its deadline) and, finding it silent, restarts the round at
 the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
@@ -96,14 +98,17 @@ async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereRe
 
 
 async def wait_silent(
-    host: Host, peers: Callable[[], Iterable[str]], key: RoundKey, quiet: Callable[[str], bool]
+    host: Host, peers: Callable[[], Iterable[str]], quiet: Callable[[str], bool], key: RoundKey | None = None
 ) -> set[str]:
     """From `PROBE_AFTER` on, every `PROBE_EVERY`, probe those of `peers()` whose heartbeats
-    stopped (`quiet`); return the ones that said nothing (a data phase's watch, data_phase.py).
-    A wait shorter than `PROBE_AFTER` probes nobody."""
+    stopped (`quiet`); return the ones that said nothing (a data phase's watch, data_phase.py; a
+    state download's, node/state/fetch.py). `key`: the round the probe asks about (None: none —
+    the answer does not matter then, only whether one comes). A wait shorter than `PROBE_AFTER`
+    probes nobody."""
+    tag, round_id = (key.tag, key.round_id) if key is not None else ("", -1)
 
     async def probe(peer: str, silent: set[str]) -> None:
-        if await probe_where(host, peer, key.tag, key.round_id) is True and quiet(peer):
+        if await probe_where(host, peer, tag, round_id) is True and quiet(peer):
             silent.add(peer)
 
     await trio.sleep(PROBE_AFTER)

@@ -338,7 +338,14 @@ class SwarmDownload:
         report = FetchReport()
         try:
             meta, tensors = await fetch_state(
-                host, self.streams, donors, timeout=600.0, progress=progress, accept=accept, report=report
+                host,
+                self.streams,
+                donors,
+                timeout=600.0,
+                progress=progress,
+                accept=accept,
+                report=report,
+                quiet=self.presence.heartbeats_stopped,
             )
         except OfferDeclined as e:
             if declined_for_roster:  # the donors had not ended the round before ours yet

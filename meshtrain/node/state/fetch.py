@@ -26,6 +26,15 @@ delivers: then the chunk timeout decides). When the queue is empty an idle worke
 in flight far longer than usual (end game: one slow donor cannot hold the join hostage); the
 first verified copy wins. At the end the whole state's digest is checked against the agreed one.
 
+Silence. Given `quiet` (whether a donor's heartbeats stopped reaching us: the node's presence), a
+donor whose heartbeats stopped and that leaves a probe unanswered (collective/probe.py, the
+collective's own rule) is dropped at once — in the vote, and mid-download whether or not another
+donor delivers, where the stall rule waits for a second donor and the timeouts are 60 s. A
+30-minute soak's joiner sat 24 s in a download whose one donor was SIGSTOPped or cut off by a
+partition (its kernel accepts connections its process never answers), until it was killed; its
+round's coordinator waited for it meanwhile. With every donor dropped the download fails
+(`DonorsExhausted`, `NoDonors`) and the node asks again from the members live now.
+
 Fallback. If every donor of the chosen state is banned before it completes (a donor that answered
 the manifest and then failed every chunk because it was leaving; or all of them, when the chunks
 all verify but the whole state's digest does not: they agreed on an inconsistent manifest — a
@@ -56,13 +65,14 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import trio
 
+from meshtrain.collective.probe import wait_silent
 from meshtrain.log import get_logger, kv
 from meshtrain.node.state.sync import (
     CHUNK_RPC,
@@ -152,6 +162,7 @@ async def fetch_state(
     report: FetchReport | None = None,
     key: str = "",
     accept: Callable[[Offer], str | None] | None = None,
+    quiet: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download the swarm's newest majority-agreed state from `donors` in parallel; returns
     `(meta, tensors)` exactly as published (tensors in name order), verified by digest. If every
@@ -173,6 +184,9 @@ async def fetch_state(
     accept: `accept(offer)` → None to download an agreed state, or why not (from its manifest:
         round, step, size), before any of its bytes move; declined, the next older agreed state
         is asked, and `OfferDeclined` raised when none is taken.
+    quiet: `quiet(donor)` → whether its heartbeats stopped reaching us (the node's presence);
+        with it, a donor that also leaves a probe unanswered is silent and dropped at once, in
+        the vote or mid-download, whether or not another delivers (module docstring, Silence).
     Raises a `StateSyncError` subclass: `NoDonors`, `NoAgreement`, `OfferDeclined`,
     `DonorsExhausted`, or a plain `StateSyncError` when `timeout` runs out.
     """
@@ -197,6 +211,7 @@ async def fetch_state(
         report=report or FetchReport(),
         key=key,
         accept=accept,
+        quiet=quiet,
     )
     t0 = time.monotonic()
     try:
@@ -247,9 +262,10 @@ class _Fetch:
         report: FetchReport,
         key: str = "",
         accept: Callable[[Offer], str | None] | None = None,
+        quiet: Callable[[str], bool] | None = None,
     ) -> None:
         self.host, self.streams, self.donors = host, streams, donors
-        self.key, self.accept = key, accept
+        self.key, self.accept, self.quiet = key, accept, quiet
         self.chunk_bytes, self.progress, self.per_donor = chunk_bytes, progress, per_donor
         self.chunk_timeout, self.manifest_timeout = chunk_timeout, manifest_timeout
         self.stall_timeout = stall_timeout
@@ -336,6 +352,8 @@ class _Fetch:
         if self.chunks:
             async with trio.open_nursery() as watch:
                 watch.start_soon(self._watch_stalls, donors)
+                if self.quiet is not None:
+                    watch.start_soon(self._watch_silence, lambda: donors, self._cancel_attempts)
                 async with trio.open_nursery() as workers:
                     for donor in donors:
                         for _ in range(self.per_donor):
@@ -365,10 +383,14 @@ class _Fetch:
         failures: dict[str, str] = {}
 
         finished: list[str] = []
+        asking = {d: trio.CancelScope() for d in self.donors}  # cancelled when a donor is silent
 
         async def ask(donor: str) -> None:
             try:
-                await ask_one(donor)
+                with asking[donor]:
+                    await ask_one(donor)
+                if asking[donor].cancelled_caught:
+                    failures[donor] = self.report.banned.get(donor, "silent")
             finally:
                 finished.append(donor)
 
@@ -400,18 +422,23 @@ class _Fetch:
         # Wait for every donor, but once half of them answered, give the rest only a grace
         # period: one stalled donor must not hold the join for the whole manifest timeout.
         t0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for d in self.donors:
-                nursery.start_soon(ask, d)
-            while nursery.child_tasks:
-                if 2 * len(finished) >= len(self.donors) and any(offers.values()):
-                    grace = max(VOTE_GRACE_SECONDS, 3 * (trio.current_time() - t0))
-                    with trio.move_on_after(grace):
-                        while nursery.child_tasks:
-                            await trio.sleep(0.02)
-                    nursery.cancel_scope.cancel()
-                    break
-                await trio.sleep(0.02)
+        async with trio.open_nursery() as watch:
+            if self.quiet is not None:
+                unanswered = lambda: [d for d in self.donors if d not in finished]  # noqa: E731
+                watch.start_soon(self._watch_silence, unanswered, lambda d: asking[d].cancel())
+            async with trio.open_nursery() as nursery:
+                for d in self.donors:
+                    nursery.start_soon(ask, d)
+                while nursery.child_tasks:
+                    if 2 * len(finished) >= len(self.donors) and any(offers.values()):
+                        grace = max(VOTE_GRACE_SECONDS, 3 * (trio.current_time() - t0))
+                        with trio.move_on_after(grace):
+                            while nursery.child_tasks:
+                                await trio.sleep(0.02)
+                        nursery.cancel_scope.cancel()
+                        break
+                    await trio.sleep(0.02)
+            watch.cancel_scope.cancel()
         self.report.answered = sorted(offers)
         if not any(offers.values()):
             why = "; ".join(f"{d[-8:]}: {w}" for d, w in failures.items())
@@ -475,6 +502,22 @@ class _Fetch:
                 self._ban(donor, f"stalled: no chunk delivered for {now - since:.1f} s while others delivered")
                 for scope, _ in attempts[donor]:
                     scope.cancel()
+
+    async def _watch_silence(self, donors: Callable[[], Sequence[str]], cancel: Callable[[str], None]) -> None:
+        """Drop each donor that goes silent — its heartbeats stopped and a probe went unanswered
+        (collective/probe.py) — and `cancel` what waits on it (module docstring, Silence)."""
+        assert self.quiet is not None
+        while True:
+            live = lambda: [d for d in donors() if d not in self.report.banned]  # noqa: E731
+            for donor in await wait_silent(self.host, live, self.quiet):
+                self._ban(donor, "silent: its heartbeats stopped and it answered no probe")
+                cancel(donor)
+
+    def _cancel_attempts(self, donor: str) -> None:
+        """Cancel `donor`'s chunk transfers in flight: their chunks go back to the queue."""
+        for chunk in list(self.in_flight):
+            if (attempt := chunk.fetchers.get(donor)) is not None:
+                attempt[0].cancel()
 
     def _next_job(self, donor: str) -> _Chunk | None:
         while self.pending:
