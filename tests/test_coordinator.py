@@ -580,6 +580,54 @@ async def test_a_lone_joiner_does_not_wait_for_a_peer_behind_it_that_does_not_tr
             nursery.cancel_scope.cancel()
 
 
+async def test_a_peer_fetching_the_swarms_state_holds_a_round_only_a_short_wait(autojump_clock):
+    """a coordinates round 150 of a series whose rounds ended here before (130); b joined, c did
+    not: c answers from no round of this life and reports no progress — a restart or joiner
+    fetching the swarm's state. A 30-minute soak's round waited 12 s for such a peer (its download
+    hung on a stopped donor), and a joiner fetching a multi-GB state would hold every round the
+    join deadline (30 s) for minutes. a and b go on once the round waited `OWN_TRAINER_WAIT`. It
+    is waited for as before where c trains (it reports a step), at a swarm's start (no round ended
+    here yet: c is starting), and by a lone joiner (c may be fetching a's state)."""
+    fixed_by = OWN_TRAINER_WAIT + PROBE_EVERY + 1.0
+    cases = (
+        ("abc", None, True, fixed_by),
+        ("abc", 140, True, None),
+        ("abc", None, False, None),
+        ("ac", None, True, None),
+    )
+    for members, c_step, rounds_ended, fixed in cases:
+        own = OwnRounds()
+        if rounds_ended:
+            own.enter(130, "")
+            own.ended(130, "", completed=True)
+        rpc = WhereRpc({"c": WhereReply(-1, None, -1)})
+        async with trio.open_nursery() as nursery:
+            c = Coordinator(
+                FakeHost("a", set(members) - {"a"}, rpc),
+                CONFIG,
+                lambda _round, m=members: tuple(m),
+                reported_step=lambda p, s=c_step: s if p == "c" else 150,
+                own=own,
+            )
+            await nursery.start(c.run)
+            start, replies = trio.current_time(), {}
+            joiners = [p for p in members if p != "c"]
+
+            async def join(p: str, c=c, replies=replies, start=start) -> None:
+                replies[p] = (await c.join(p, RoundKey(150, "", "a")), trio.current_time() - start)
+
+            for p in joiners:
+                nursery.start_soon(join, p)
+            await trio.sleep(CONFIG.join_timeout - 1.0)  # sleep: virtual time, up to the join deadline
+            case = (members, c_step, rounds_ended)
+            if fixed is None:
+                assert replies == {}, (case, replies)
+            else:
+                assert {p: r for p, (r, _) in replies.items()} == {p: Joined(0, tuple(joiners)) for p in joiners}, case
+                assert all(OWN_TRAINER_WAIT <= t <= fixed for _, t in replies.values()), (case, replies)
+            nursery.cancel_scope.cancel()
+
+
 async def test_an_attempt_under_way_across_our_own_pause_goes_on_only_if_its_members_stayed(autojump_clock):
     """The group of three was fixed and b and c had reported done when a was stopped: they took
     a for silent while waiting for the outcome and completed the round again at the next

@@ -64,7 +64,10 @@ left behind: none of them can share the round later): a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
 joiners left our candidates since (killed) while our own trainer, not silent, had not joined yet.
 Our own trainer is waited for while it trains; once it does not (it is fetching a state) and has
-kept the round waiting `OWN_TRAINER_WAIT`, it counts as away too (`_own_trainer_away`).
+kept the round waiting `OWN_TRAINER_WAIT`, it counts as away too (`_own_trainer_away`), and so
+does, after the same wait, another missing peer fetching the swarm's state (it answers from no
+round of this life and does not train, after rounds ended here: `_fetching`) — except beside a
+lone joiner, whose state it may be fetching.
 A member that left a round it thought silent while its join was in may come back to it (the
 coordinator was only stopped): a second join from a member of the attempt under way counts as its
 leaving that attempt (`_rejoined`), so the others retry without it at once.
@@ -307,6 +310,7 @@ class Coordinator:
         behind = found.behind | {
             p for p, a in answers.items() if p not in passed and p not in elsewhere and self._stuck_behind(p, a, r.key)
         }
+        fetching = {p for p, a in answers.items() if p not in passed and p not in elsewhere and self._fetching(p, a, r)}
         if found.regrouped:
             self._regroup(r, found.regrouped)
             return
@@ -323,7 +327,7 @@ class Coordinator:
                 elsewhere=min(elsewhere.values()),
             )
         else:
-            self._without_silent(r, passed, behind)
+            self._without_silent(r, passed, behind, fetching)
 
     def _stuck_behind(self, peer: str, where: WhereReply, key: RoundKey) -> bool:
         """Whether a missing peer that says it is at `where` — behind round `key` — does not train
@@ -335,7 +339,29 @@ class Coordinator:
         at = max(where.round_id, where.finished)
         return 0 <= at < key.round_id and self.reported_step is not None and self.reported_step(peer) is None
 
-    def _without_silent(self, r: _Round, passed: Collection[str] = (), behind: Collection[str] = ()) -> None:
+    def _fetching(self, peer: str, where: WhereReply, r: _Round) -> bool:
+        """Whether a missing peer is fetching the swarm's state and not coming soon: it has had no
+        round in this life (it answers from none, -1), does not train (no fresh progress record:
+        `reported_step` is None), rounds of this series ended here before (so there is a state to
+        fetch: at a swarm's start such a peer is starting, and is waited for), and `r` has waited
+        `OWN_TRAINER_WAIT` for it — as long as our own trainer is waited for when it fetches
+        (`_own_trainer_away`). A 30-minute soak's round waited 12 s for a restarted peer whose
+        download hung on a stopped donor, and a joiner fetching a multi-GB state would hold
+        every round the join deadline (30 s) for minutes. A download done within the wait makes
+        the round; a later one finds the group fixed, and re-syncs to the round's state."""
+        if self.reported_step is None or max(where.round_id, where.finished) >= 0:
+            return False
+        if self.own.where(r.key.tag).finished < 0 or trio.current_time() - r.created < OWN_TRAINER_WAIT:
+            return False
+        return self.reported_step(peer) is None
+
+    def _without_silent(
+        self,
+        r: _Round,
+        passed: Collection[str] = (),
+        behind: Collection[str] = (),
+        fetching: Collection[str] = (),
+    ) -> None:
         """Fix the group without the missing peers once every one of them is silent (or past the
         round), two or more peers joined and they are a majority of the peers not silent: a
         stopped peer's membership stays live until its lease runs out (12 s), and the round would
@@ -352,8 +378,12 @@ class Coordinator:
         partners that are all behind, a lone joiner fixes its group of one too: they cannot share
         the round later, and CI saw the front peer of a swarm, coming back to a group left 100
         rounds behind (refused as `coordinator-behind`, it coordinated its round itself), wait
-        out the hard join deadline (90 s) for them while they waited for its state."""
-        away = self.silent.now() | set(behind) | ({self.peer_id} if self._own_trainer_away(r) else set())
+        out the hard join deadline (90 s) for them while they waited for its state. A missing peer
+        `fetching` the swarm's state (`_fetching`) counts as away too, but never leaves a lone
+        joiner a group of one: it joins the swarm at the state it fetches, which may be ours."""
+        away = (
+            self.silent.now() | set(behind) | set(fetching) | ({self.peer_id} if self._own_trainer_away(r) else set())
+        )
         missing = r.missing
         if not missing <= away | set(passed) or not missing & away:
             return  # our own trainer is not silent: while it trains and has not joined, it is waited for
@@ -368,8 +398,9 @@ class Coordinator:
             kv(
                 "allreduce fixing the group without silent peers",
                 key=r.key,
-                silent=",".join(sorted(p[-8:] for p in missing & away if p not in behind)),
+                silent=",".join(sorted(p[-8:] for p in missing & away if p not in behind and p not in fetching)),
                 behind=",".join(sorted(p[-8:] for p in missing & set(behind))),
+                fetching=",".join(sorted(p[-8:] for p in missing & set(fetching))),
                 joined=len(joined),
                 expected=len(r.expected),
             )
