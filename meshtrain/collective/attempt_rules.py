@@ -26,8 +26,8 @@ functions of it and of the clock, the same on every coordinator:
   attempts ran out, or nobody was dropped (no progress): then `Abort`, and every member proceeds
   alone and withholds its φ.
 
-Not here: the timers that call these rules, the hold after a pause of ours (coordinator.py), the
-messages (protocol.py).
+Not here: the timers that call these rules and the hold after a pause of ours
+(attempt_outcomes.py), the messages (protocol.py).
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ allreduce.py for how peers find it). Its job, per round key:
   is told it is `Late` (passed, or elsewhere) and re-syncs;
 - **regroup a round its peers grouped differently** ("Groups that disagree", below);
 - **decide each attempt** from the members' reports: `Commit` when everyone succeeded (the
-  majority digest wins; a minority digest is told to re-sync; with weighted parts a member still
-  connected gets as long again as the first reporter took: `_conclude_when_due`), `Retry` among
-  the survivors after a failure, `Abort` after `max_attempts` — the rules are attempt_rules.py's;
-  here are the timers that apply them (the failure grace, the report deadline). An aborted round
+  majority digest wins; a minority digest is told to re-sync), `Retry` among the survivors after
+  a failure, `Abort` after `max_attempts` — the rules are attempt_rules.py's, the timers that
+  apply them (the failure grace, the report deadline) attempt_outcomes.py's. An aborted round
   committed nothing here: its members proceed alone, re-sync to the state before it and join it
   again, and the first such join opens it afresh (a 30-minute soak's coordinator, its attempt
   aborted after its own pause, answered their joins "after the group was formed" for 19 s — each
@@ -66,8 +65,8 @@ joiners left our candidates since (killed) while our own trainer, not silent, ha
 Our own trainer is waited for while it trains; once it does not (it is fetching a state) and has
 kept the round waiting `OWN_TRAINER_WAIT`, it counts as away too (`_own_trainer_away`), and so
 does, after the same wait, another missing peer fetching the swarm's state (it answers from no
-round of this life and does not train, after rounds ended here: `_fetching`) — except beside a
-lone joiner, whose state it may be fetching.
+round of this life and does not train, after rounds ended here: probe.py `Whereabouts`) — except
+beside a lone joiner, whose state it may be fetching.
 A member that left a round it thought silent while its join was in may come back to it (the
 coordinator was only stopped): a second join from a member of the attempt under way counts as its
 leaving that attempt (`_rejoined`), so the others retry without it at once.
@@ -85,7 +84,7 @@ its own participation) and by timers; the timers run in a nursery that the owner
 `trio.current_time()`, so the state machine is tested with trio's `MockClock` without sleeping.
 
 Not here: the RPC handlers and their authentication (allreduce.py), the message formats
-(protocol.py), moving data (data_phase.py).
+(protocol.py), moving data (data_phase.py), deciding attempts on time (attempt_outcomes.py).
 """
 
 from __future__ import annotations
@@ -95,13 +94,13 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshtrain.collective.attempt_rules import Attempt, commit_of, next_group, whom_to_drop
+from meshtrain.collective.attempt_outcomes import AttemptOutcomes
+from meshtrain.collective.attempt_rules import Attempt
 from meshtrain.collective.own_pauses import OwnPauses
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.probe import SilentPeers, Whereabouts
 from meshtrain.collective.protocol import (
     FAIL,
-    FAIL_GRACE,
     JOIN_QUIET,
     NOT_A_MEMBER,
     PROBE_AFTER,
@@ -116,7 +115,6 @@ from meshtrain.collective.protocol import (
     Moved,
     Outcome,
     Report,
-    Retry,
     RoundKey,
     WhereReply,
 )
@@ -201,6 +199,7 @@ class Coordinator:
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
         self.silent = SilentPeers(quiet)  # missing peers found silent (probe.py)
         self.pauses = OwnPauses(host)  # ours ("Our own pauses")
+        self.outcomes = AttemptOutcomes(self, config, self.pauses)  # each attempt decided on time
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -218,12 +217,12 @@ class Coordinator:
             task_status.started()
             try:
                 while True:  # our pulse: a gap in it is a pause of ours ("Our own pauses")
-                    self._note_running()
+                    self.note_running()
                     await trio.sleep(PULSE_S)
             finally:
                 self._nursery = None
 
-    def _start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         if self._nursery is None:
             raise RuntimeError("the coordinator is not running: start `run` in a nursery first")
         self._nursery.start_soon(fn, *args)
@@ -236,7 +235,7 @@ class Coordinator:
             # The candidates come from our own view of membership, never from a joiner's message.
             r = _Round(key, self._candidates(key), trio.current_time())
             self.rounds[key] = r
-            self._start_soon(self._fix_group_later, r)
+            self.start_soon(self._fix_group_later, r)
             for old in list(self.rounds)[:-ROUNDS_KEPT]:
                 del self.rounds[old]
         return r
@@ -252,7 +251,7 @@ class Coordinator:
             nonlocal next_probe
             with trio.move_on_after(dt):
                 await r.group_fixed.wait()
-            self._note_running()
+            self.note_running()
             self._review(r)
             if not r.group_fixed.is_set() and trio.current_time() >= next_probe:
                 await self._probe(r)
@@ -270,7 +269,7 @@ class Coordinator:
             while not r.group_fixed.is_set() and len(r.joins) != seen:
                 seen = len(r.joins)
                 await trio.sleep(JOIN_QUIET)
-        self._note_running()
+        self.note_running()
         self._fix_group(r)
 
     async def _probe(self, r: _Round) -> None:
@@ -305,12 +304,17 @@ class Coordinator:
                 nursery.start_soon(ask, p)
         if r.group_fixed.is_set():
             return
-        found = Whereabouts.of(answers, r.key, me, self.config.round_window)
+        reported = self.reported_step
+        found = Whereabouts.of(
+            answers,
+            r.key,
+            me,
+            self.config.round_window,
+            trains=None if reported is None else (lambda p: reported(p) is not None),
+            rounds_ended=self.own.where(r.key.tag).finished >= 0,
+            waited=trio.current_time() - r.created >= OWN_TRAINER_WAIT,
+        )
         elsewhere, passed = found.elsewhere, found.passed
-        behind = found.behind | {
-            p for p, a in answers.items() if p not in passed and p not in elsewhere and self._stuck_behind(p, a, r.key)
-        }
-        fetching = {p for p, a in answers.items() if p not in passed and p not in elsewhere and self._fetching(p, a, r)}
         if found.regrouped:
             self._regroup(r, found.regrouped)
             return
@@ -327,33 +331,7 @@ class Coordinator:
                 elsewhere=min(elsewhere.values()),
             )
         else:
-            self._without_silent(r, passed, behind, fetching)
-
-    def _stuck_behind(self, peer: str, where: WhereReply, key: RoundKey) -> bool:
-        """Whether a missing peer that says it is at `where` — behind round `key` — does not train
-        now (no fresh progress record: `reported_step` is None), so is not coming: it is fetching
-        a state, which may be ours, offered only once this round ends. A loaded test run's front
-        peer, refused by the group it had left behind (`coordinator-behind`), coordinated its round
-        and waited the hard join deadline (90 s) for the group's peer 35 rounds behind, which
-        re-synced in a loop, finding no donor, while it waited for that round to end."""
-        at = max(where.round_id, where.finished)
-        return 0 <= at < key.round_id and self.reported_step is not None and self.reported_step(peer) is None
-
-    def _fetching(self, peer: str, where: WhereReply, r: _Round) -> bool:
-        """Whether a missing peer is fetching the swarm's state and not coming soon: it has had no
-        round in this life (it answers from none, -1), does not train (no fresh progress record:
-        `reported_step` is None), rounds of this series ended here before (so there is a state to
-        fetch: at a swarm's start such a peer is starting, and is waited for), and `r` has waited
-        `OWN_TRAINER_WAIT` for it — as long as our own trainer is waited for when it fetches
-        (`_own_trainer_away`). A 30-minute soak's round waited 12 s for a restarted peer whose
-        download hung on a stopped donor, and a joiner fetching a multi-GB state would hold
-        every round the join deadline (30 s) for minutes. A download done within the wait makes
-        the round; a later one finds the group fixed, and re-syncs to the round's state."""
-        if self.reported_step is None or max(where.round_id, where.finished) >= 0:
-            return False
-        if self.own.where(r.key.tag).finished < 0 or trio.current_time() - r.created < OWN_TRAINER_WAIT:
-            return False
-        return self.reported_step(peer) is None
+            self._without_silent(r, passed, found.behind, found.fetching)
 
     def _without_silent(
         self,
@@ -372,14 +350,14 @@ class Coordinator:
         trainer was re-syncing fix a group of one — the one other joiner left beside a dead peer's
         join — a solo round. A missing peer
         `behind` (its answer puts it further behind than our round window: probe.py `Whereabouts`;
-        or behind us and not training: `_stuck_behind`) counts
+        or behind us and not training) counts
         as a silent one: it must re-sync before it can join, and a 3-daemon run's two peers
         waited the join deadline (30 s) for their woken coordinator, 11 rounds behind. Beside
         partners that are all behind, a lone joiner fixes its group of one too: they cannot share
         the round later, and CI saw the front peer of a swarm, coming back to a group left 100
         rounds behind (refused as `coordinator-behind`, it coordinated its round itself), wait
         out the hard join deadline (90 s) for them while they waited for its state. A missing peer
-        `fetching` the swarm's state (`_fetching`) counts as away too, but never leaves a lone
+        `fetching` the swarm's state (probe.py `Whereabouts`) counts as away too, but never leaves a lone
         joiner a group of one: it joins the swarm at the state it fetches, which may be ours."""
         away = (
             self.silent.now() | set(behind) | set(fetching) | ({self.peer_id} if self._own_trainer_away(r) else set())
@@ -583,7 +561,7 @@ class Coordinator:
     ) -> JoinReply:
         """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown); `taper`:
         the stripe taper it can cut up to (None: an older peer, none)."""
-        self._note_running()
+        self.note_running()
         if not await self.pauses.join_stands(peer, key):
             return Late(detailed=False)
         r = self._round(key)
@@ -621,12 +599,12 @@ class Coordinator:
         first = r.attempts[0]
         return Joined(0, first.group, first.shares, first.taper)
 
-    def _note_running(self) -> None:
+    def note_running(self) -> None:
         """Our loop runs now. After a pause of ours ("Our own pauses"): every round still
         collecting joins with a join from before the pause starts again — those whose joiners
         still wait join it anew at once (`Late(regroup=True)`), and a joiner that left us for
         silent meanwhile is no longer counted in — and every attempt under way is held while its
-        members are asked whether they stayed (`_confirm_members`). Every path that may decide (a
+        members are asked whether they stayed (attempt_outcomes.py `confirm_members`). Every path that may decide (a
         join or report handler, a timer) notes first."""
         now = trio.current_time()
         pause = self.pauses.note(now)
@@ -646,43 +624,7 @@ class Coordinator:
             for i, a in enumerate(r.attempts):
                 if a.decidable():
                     a.held = True
-                    self._start_soon(self._confirm_members, r, i, a, pause)
-
-    async def _confirm_members(self, r: _Round, i: int, a: Attempt, pause: float) -> None:
-        """After a pause of ours, attempt `i` of `r` (held meanwhile: no report decides it) goes on
-        only if every other member says it stayed (own_pauses.py `gone_members`); otherwise it is
-        aborted — one that took us for silent may complete the round at the next candidate, and a
-        commit here would be a second φ for the round."""
-        key = r.key
-        gone = await self.pauses.gone_members(key, a.group)
-        a.held = False
-        if a.decided.is_set():
-            return
-        if gone:
-            a.outcome = Abort(f"the coordinator was paused {pause:.0f} s; {len(gone)} member(s) went on without it")
-            a.decided.set()
-            log.info(
-                kv(
-                    "allreduce attempt aborted: we were paused",
-                    key=key,
-                    attempt=i,
-                    paused_s=round(pause, 1),
-                    gone=",".join(p[-8:] for p in gone),
-                )
-            )
-            return
-        log.info(kv("allreduce attempt kept across our pause", key=key, attempt=i, paused_s=round(pause, 1)))
-        self._decide_if_due(key, a)
-
-    def _decide_if_due(self, key: RoundKey, a: Attempt) -> None:
-        """Decide `a` now if its reports or deadlines would have while it was held."""
-        now = trio.current_time()
-        if a.all_reported:
-            self._decide_failure(key, a) if a.failed else self._conclude(key, a)
-        elif a.first_fail is not None and now >= a.first_fail + FAIL_GRACE:
-            self._decide_failure(key, a)
-        elif a.first_report is not None and not a.failed and now >= a.first_report + self.config.report_timeout:
-            self._conclude_when_due(key, a)
+                    self.start_soon(self.outcomes.confirm_members, r.key, i, a, pause)
 
     def _rejoined(self, r: _Round, peer: str) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up
@@ -694,7 +636,7 @@ class Coordinator:
         if a is None or a.decided.is_set() or peer not in a.group or peer in a.reports:
             return
         log.info(kv("allreduce member joined again; leaving the attempt without it", key=r.key, peer=peer[-8:]))
-        self._record(peer, Report(r.key, len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
+        self.outcomes.record(peer, Report(r.key, len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
 
     def joined(self, key: RoundKey) -> frozenset[str]:
         """The peers whose joins of round `key` are in here so far (read-only; for status and
@@ -738,92 +680,21 @@ class Coordinator:
         return a.outcome
 
     async def report(self, peer: str, rep: Report) -> Outcome:
-        self._note_running()
+        self.note_running()
         a = self._member_attempt(peer, rep.key, rep.attempt)
-        self._record(peer, rep, a)
+        self.outcomes.record(peer, rep, a)
         await a.decided.wait()
         assert a.outcome is not None  # set before decided
         return a.outcome
 
-    def _record(self, peer: str, rep: Report, a: Attempt) -> None:
-        """Take `peer`'s report of attempt `a`, and decide once all are in, or set the timer."""
-        if not a.decided.is_set():
-            a.take(peer, rep)
-            if a.all_reported:
-                self._decide_failure(rep.key, a) if a.failed else self._conclude(rep.key, a)
-            elif rep.failed and a.first_fail is None:
-                # One failure cancels everyone's attempt, and the transfers it breaks make
-                # innocent peers look guilty: hear the others before choosing whom to drop.
-                a.first_fail = trio.current_time()
-                self._start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
-            elif a.first_report is None and not a.failed:
-                a.first_report = trio.current_time()
-                self._start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
-
-    async def _decide_later(
-        self, key: RoundKey, a: Attempt, delay: float, decide: Callable[[RoundKey, Attempt], None]
-    ) -> None:
-        await trio.sleep(delay)
-        self._note_running()
-        if a.decidable() and not (decide != self._decide_failure and a.first_fail is not None):
-            decide(key, a)
-
-    def _conclude_when_due(self, key: RoundKey, a: Attempt) -> None:
-        """Commit at the report deadline — but with weighted parts (`a.shares`) members finish at
-        different times by design (a slow peer still downloads the results after the fast ones
-        are done), so members still connected get as long again as the first reporter took,
-        rather than being left `unconfirmed` to fetch the whole result again over a slow link."""
-        now, first = trio.current_time(), a.first_report or 0.0
-        working = [p for p in a.group if p not in a.reports and self._live(p)]
-        if a.shares and working and now < first + max(self.config.report_timeout, first - a.started):
-            self._start_soon(self._decide_later, key, a, 0.25, self._conclude_when_due)
-            return
-        self._conclude(key, a)
-
-    def _decide_failure(self, key: RoundKey, a: Attempt) -> None:
-        """Drop whom the failure reports so far single out (attempt_rules.py `whom_to_drop`) and
-        retry, or hear a slow member first."""
-        if not a.decidable():
-            return
-        drop = whom_to_drop(a, live=self._live, now=trio.current_time(), report_timeout=self.config.report_timeout)
-        if drop is None:
-            self._start_soon(self._decide_later, key, a, 0.25, self._decide_failure)
-            return
-        log.info(
-            kv(
-                "allreduce attempt failed",
-                key=key,
-                drop=",".join(sorted(x[-8:] for x in drop)),
-                reports=a.describe_failures(),
-            )
-        )
-        self._retry(key, a, drop)
-
-    def _live(self, peer: str) -> bool:
+    def live(self, peer: str) -> bool:
         """Whether `peer` may still report: us, or connected."""
         return peer == self.peer_id or self.host.is_connected(peer)
 
-    def _retry(self, key: RoundKey, a: Attempt, suspects: set[str]) -> None:
-        """Retry without `suspects`, or abort (attempt_rules.py `next_group`)."""
-        if not a.decidable():
-            return
-        r = self.rounds[key]
-        group = next_group(a, suspects, len(r.attempts), self.config.max_attempts)
-        if isinstance(group, Abort):
-            a.outcome = group
-        else:
-            r.attempts.append(self._new_attempt(r, group))
-            nxt = r.attempts[-1]
-            a.outcome = Retry(len(r.attempts) - 1, group, tuple(sorted(suspects)), nxt.shares, nxt.taper)
-        a.decided.set()
+    def attempts_of(self, key: RoundKey) -> list[Attempt]:
+        """Round `key`'s attempts so far (the list itself: a retry appends to it)."""
+        return self.rounds[key].attempts
 
-    def _conclude(self, key: RoundKey, a: Attempt) -> None:
-        """Commit the majority digest (attempt_rules.py `commit_of`); with no digest at all,
-        retry without the members that never reported."""
-        if not a.decidable():
-            return
-        commit = commit_of(a)
-        if commit is None:
-            return self._retry(key, a, set(a.group) - set(a.reports))
-        a.outcome = commit
-        a.decided.set()
+    def attempt_among(self, key: RoundKey, group: Sequence[str]) -> Attempt:
+        """A new attempt of round `key` among `group` (`_new_attempt`)."""
+        return self._new_attempt(self.rounds[key], tuple(group))

@@ -11,7 +11,7 @@ fresh, though its sender may have hung up since.
 
 The design. A pulse every `PULSE_S` (crdt/swarm_records.py `LoopPauses`), noted again first thing
 on every path of the coordinator that decides (a join, a report, a timer), tells a pause of ours
-(`note`). The coordinator (coordinator.py `_note_running`) then restarts a round still collecting
+(`note`). The coordinator (coordinator.py `note_running`) then restarts a round still collecting
 joins with one from before the pause — its joiners are told to join anew (`Late(regroup=True)`;
 those still waiting come back within a round trip, and one that left no longer counts) — and
 holds every attempt under way: no report or deadline decides it while its other members are asked

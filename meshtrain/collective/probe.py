@@ -51,8 +51,9 @@ parity rule picks one lineage when it heals.
 
 Wire: `WHERE_RPC` as it is (protocol.py); nothing new.
 How a coordinator reads its missing peers' answers is `Whereabouts`: in this round under another
-group's tag (regroup), past it, in it at a lower-id coordinator (hand over), or further behind
-than the round window (left behind: it must re-sync before it can join).
+group's tag (regroup), past it, in it at a lower-id coordinator (hand over), left behind (further
+behind than the round window, or behind and not training: it must re-sync before it can join),
+or fetching the swarm's state (no round in this life, not training: not coming soon).
 Not here: the WHERE answer (own_rounds.py), what a coordinator does with the answers
 (coordinator.py `_probe`), membership leases (crdt/swarm_view.py).
 """
@@ -161,21 +162,55 @@ class Whereabouts:
     regrouped: dict[str, str] = field(default_factory=dict)  # in this round under another tag (that tag)
     passed: set[str] = field(default_factory=set)  # past this round
     elsewhere: dict[str, str] = field(default_factory=dict)  # in it at a lower-id coordinator (that one)
-    behind: set[str] = field(default_factory=set)  # further behind than the round window
+    behind: set[str] = field(default_factory=set)  # left behind: it re-syncs before it can join
+    fetching: set[str] = field(default_factory=set)  # fetching the swarm's state: not coming soon
 
     @classmethod
-    def of(cls, answers: Mapping[str, WhereReply], key: RoundKey, me: str, window: int | None) -> Whereabouts:
+    def of(
+        cls,
+        answers: Mapping[str, WhereReply],
+        key: RoundKey,
+        me: str,
+        window: int | None,
+        *,
+        trains: Callable[[str], bool] | None = None,
+        rounds_ended: bool = False,
+        waited: bool = False,
+    ) -> Whereabouts:
         """Read `answers` for round `key` coordinated by `me`; `window`: our round window (None:
-        none). A peer left behind was stopped while the swarm went on: it re-syncs before it
-        joins any round near ours (allreduce.py refuses its joins as out of our window)."""
+        none); `trains(peer)`: whether a peer trains now (a fresh progress record; None: not
+        known); `rounds_ended`: whether rounds of this series ended here before; `waited`:
+        whether the round has waited its short wait for a peer that is not coming soon
+        (coordinator.py `OWN_TRAINER_WAIT`).
+
+        Left behind (`behind`): a peer further behind than the round window (stopped while the
+        swarm went on: allreduce.py refuses its joins as out of our window), or behind this round
+        and not training — it is fetching a state, which may be ours, offered only once this
+        round ends (a loaded test run's front peer, refused by the group it had left behind,
+        coordinated its round and waited the hard join deadline, 90 s, for the group's peer 35
+        rounds behind, which re-synced in a loop, finding no donor, while it waited).
+
+        `fetching`: a peer that has had no round in this life (it answers from none, -1) and does
+        not train, where rounds ended here before — a restart or joiner fetching the swarm's
+        state (at a swarm's start such a peer is starting, and is waited for) — once the round
+        `waited`. A 30-minute soak's round waited 12 s for a restart whose download hung on a
+        stopped donor, and a joiner fetching a multi-GB state would hold every round the join
+        deadline (30 s) for minutes. A download done within the wait makes the round; a later
+        one finds the group fixed, and re-syncs to the round's state."""
         found = cls()
         for p, a in answers.items():
+            at = max(a.round_id, a.finished)
             if a.round_id == key.round_id and a.tag is not None and a.tag != key.tag:
                 found.regrouped[p] = a.tag
             elif a.finished >= key.round_id or a.round_id > key.round_id:
                 found.passed.add(p)
             elif a.round_id == key.round_id and a.coordinator is not None and a.coordinator < me:
                 found.elsewhere[p] = a.coordinator
-            elif window is not None and 0 <= max(a.round_id, a.finished) < key.round_id - window:
+            elif window is not None and 0 <= at < key.round_id - window:
                 found.behind.add(p)
+            elif trains is not None and not trains(p):
+                if 0 <= at < key.round_id:
+                    found.behind.add(p)
+                elif at < 0 and rounds_ended and waited:
+                    found.fetching.add(p)
         return found
