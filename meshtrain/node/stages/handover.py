@@ -77,7 +77,11 @@ class StageHandover:
         self.host = announcements.presence.host
         self.me = announcements.me
         self.states = StageStates(
-            self.host, streams, spec.pipeline.replica_sync, upload_limit=config.donor_upload_mib * 2**20 or None
+            self.host,
+            streams,
+            spec.pipeline.replica_sync,
+            upload_limit=config.donor_upload_mib * 2**20 or None,
+            quiet=announcements.presence.heartbeats_stopped,
         )
         self.joined_from: dict[str, Any] | None = None  # how we last took a stage's state
         self.recent_placements: deque[dict[str, int]] = deque(maxlen=RECENT_EPOCHS)  # the last epochs'

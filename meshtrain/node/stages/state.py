@@ -161,13 +161,22 @@ class StageStates:
     stages it held and the download of the stage it takes.
 
     host, streams: the node's. replica_sync: the spec's (what `identical` replicas mean).
-    upload_limit: the node's cap on serving state (bytes/s, None: none).
+    upload_limit: the node's cap on serving state (bytes/s, None: none). quiet: whether a peer's
+    heartbeats stopped reaching us (the node's presence): a download drops a donor gone silent
+    (node/state/fetch.py, "Silence").
     """
 
     def __init__(
-        self, host: Host, streams: TensorStreams, replica_sync: str, *, upload_limit: float | None = None
+        self,
+        host: Host,
+        streams: TensorStreams,
+        replica_sync: str,
+        *,
+        upload_limit: float | None = None,
+        quiet: Callable[[str], bool] | None = None,
     ) -> None:
         self.host = host
+        self.quiet = quiet
         self.streams = streams
         self.replica_sync = replica_sync
         self.donor = StateDonor(host, streams, upload_limit=upload_limit)
@@ -237,7 +246,13 @@ class StageStates:
         t0 = time.monotonic()
         try:
             meta, tensors = await fetch_state(
-                self.host, self.streams, [replica], key=stage_key(stage), timeout=FETCH_TIMEOUT, report=report
+                self.host,
+                self.streams,
+                [replica],
+                key=stage_key(stage),
+                timeout=FETCH_TIMEOUT,
+                report=report,
+                quiet=self.quiet,
             )
         except StateSyncError as e:
             log.warning(kv("stage backup failed", stage=stage, replica=replica, reason=str(e)[:300]))
@@ -352,6 +367,7 @@ class StageStates:
                 timeout=FETCH_TIMEOUT,
                 progress=progress,
                 report=report,
+                quiet=self.quiet,
             )
         except StateSyncError as e:
             log.warning(kv("stage state download failed", stage=stage, donors=len(donors), reason=str(e)[:300]))
