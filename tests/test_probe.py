@@ -16,8 +16,8 @@ import trio
 
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, DataPhase
-from meshtrain.collective.probe import LATE_S, probe_where
-from meshtrain.collective.protocol import PROBE_EVERY, WHERE_RPC, AllReduceConfig, Joined, RoundKey
+from meshtrain.collective.probe import LATE_S, Whereabouts, probe_where
+from meshtrain.collective.protocol import PROBE_EVERY, WHERE_RPC, AllReduceConfig, Joined, RoundKey, WhereReply
 from meshtrain.transport.identity import KEY_FILE_NAME, Identity
 
 from .conftest import read_json, spawn, start_peers
@@ -81,3 +81,36 @@ async def test_a_member_stopped_before_the_attempt_connects_fails_it_for_silence
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_whereabouts_read_each_missing_peers_answer_once():
+    """How a coordinator reads its missing peers' answers (probe.py `Whereabouts`): round 150 of
+    series "f0" at coordinator "m", round window 64; `trains` says who reports progress now."""
+    key = RoundKey(150, "f0", "m")
+    answers = {
+        "regrouped": WhereReply(150, "m", 140, "f0~g1.2"),
+        "passed": WhereReply(-1, None, 150),
+        "ahead": WhereReply(170, "m", 160),
+        "lower": WhereReply(150, "a", 140),
+        "stopped": WhereReply(40, "m", 30),  # further behind than the window
+        "resyncing": WhereReply(-1, None, 110),  # behind, inside the window, not training
+        "coming": WhereReply(-1, None, 130),  # behind, inside the window, training
+        "fetching": WhereReply(-1, None, -1),  # no round in this life, not training
+        "starting": WhereReply(-1, None, -1),  # the same, but training (its first steps)
+    }
+    trains = {"coming", "starting"}.__contains__
+    found = Whereabouts.of(answers, key, "m", 64, trains=trains, rounds_ended=True, waited=True)
+    assert found.regrouped == {"regrouped": "f0~g1.2"}
+    assert found.passed == {"passed", "ahead"}
+    assert found.elsewhere == {"lower": "a"}
+    assert found.behind == {"stopped", "resyncing"}
+    assert found.fetching == {"fetching"}
+    # At a swarm's start (no round ended here) or before the short wait, a peer with no round is
+    # starting, or may still make the round: not fetching. Without progress records, only the
+    # window tells.
+    for rounds_ended, waited in ((False, True), (True, False)):
+        assert not Whereabouts.of(
+            answers, key, "m", 64, trains=trains, rounds_ended=rounds_ended, waited=waited
+        ).fetching
+    bare = Whereabouts.of(answers, key, "m", 64)
+    assert bare.behind == {"stopped"} and not bare.fetching
