@@ -485,6 +485,49 @@ async def test_a_round_collecting_joins_across_our_own_pause_starts_again_withou
         nursery.cancel_scope.cancel()
 
 
+class RefusingRpc(WhereRpc):
+    """As `WhereRpc`, and peers in `refusing` refuse to answer: they do not count us a member."""
+
+    def __init__(self, positions: dict[str, WhereReply], refusing: set[str]) -> None:
+        super().__init__(positions)
+        self.refusing = refusing
+
+    async def call(self, peer, name, request, *, timeout):
+        if peer in self.refusing:
+            self.asked.append((peer, WhereRequest.parse(request)))
+            raise RemoteError(NOT_A_MEMBER, f"{peer} does not count us a member")
+        return await super().call(peer, name, request, timeout=timeout)
+
+
+async def test_a_join_read_after_our_pause_from_a_peer_that_no_longer_counts_us_a_member_is_stale(autojump_clock):
+    """A 30-minute soak: a, the lowest id, was stopped 13.6 s; b's join of round 7, sent just
+    after, was read when a resumed. b had left a for silent — and a's lease had run out in b's
+    view, so b refused a's question with `not-a-member`, which a read as no answer and kept the
+    join: it fixed the group {a, b} and its data phase waited 22 s for b's data. A joiner that no
+    longer counts us a member gave up on us: its join is stale (Late). One that does not answer
+    at all keeps its join, as before."""
+    for refusing, expected in (({"b"}, Late(detailed=False)), (set(), Joined(0, ("a", "b")))):
+        rpc = RefusingRpc({}, refusing) if refusing else SilentRpc({}, silent={"b"})
+        async with trio.open_nursery() as nursery:
+            c = Coordinator(FakeHost("a", {"b"}, rpc), CONFIG, lambda _round: ("a", "b"))
+            await nursery.start(c.run)
+            key = RoundKey(7, "", "a")
+            await trio.sleep(1.0)  # sleep: virtual time (MockClock): a runs before its pause
+            autojump_clock.jump(13.6)  # a is stopped; b's join arrives meanwhile, read only now
+            replies: dict = {}
+
+            async def join(p: str, c=c, replies=replies, key=key) -> None:
+                replies[p] = await c.join(p, key)
+
+            nursery.start_soon(join, "b")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(join, "a")
+            await trio.sleep(PROBE_EVERY + 1.0)  # sleep: virtual time, past the join's check
+            assert replies.get("b") == expected, (refusing, replies)
+            assert rpc.asked and rpc.asked[0][0] == "b"  # asked when its join was read
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_majority_that_joined_counts_only_joiners_still_candidates(autojump_clock):
     """A 30-minute soak's solo round: a coordinated round 7 of three; b's join was in, b then left
     our candidates (killed), and c, the only one missing, joined round 8 here (it is past 7). The

@@ -23,8 +23,9 @@ resume. So a pause too short for anyone to leave (a member takes us for silent a
 heartbeats and a probe, ~5 s at least; a loop blocked a few seconds by a large model's work) costs
 a probe of up to `PROBE_EVERY`, not the round and every member's re-sync. For `WOKEN_S` after a
 pause a join is checked with its joiner first (`join_stands`): one that says it is in the round at
-another coordinator, or past it, has hung up; one not in the round yet (a join prepared ahead of
-it: prepared.py), or no answer, keeps its join.
+another coordinator, or past it, has hung up, and so has one that refuses to answer because it no
+longer counts us a member (our lease ran out in its view while we were stopped: it gave up on us);
+one not in the round yet (a join prepared ahead of it: prepared.py), or no answer, keeps its join.
 
 Wire: only the WHERE probe (probe.py). Failures: a member's answer lost or late counts as gone
 (the attempt is aborted, as before this hold existed); a joiner's lost answer keeps its join.
@@ -37,8 +38,8 @@ from collections.abc import Sequence
 
 import trio
 
-from meshtrain.collective.probe import ask_where
-from meshtrain.collective.protocol import RoundKey, WhereReply
+from meshtrain.collective.probe import Refused, ask_where, probe_where
+from meshtrain.collective.protocol import NOT_A_MEMBER, RoundKey, WhereReply
 from meshtrain.crdt.swarm_records import LoopPauses
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -72,8 +73,14 @@ class OwnPauses:
         me = self.host.peer_id
         if self.woke_at is None or peer == me or trio.current_time() - self.woke_at > WOKEN_S:
             return True
-        where = await ask_where(self.host, peer, key.tag, key.round_id)
-        if where is None:
+        where = await probe_where(self.host, peer, key.tag, key.round_id)
+        if isinstance(where, Refused) and where.code == NOT_A_MEMBER:
+            # It no longer counts us a member — our lease ran out in its view while we were
+            # stopped — so it gave up on us as its coordinator: a 30-minute soak's coordinator
+            # kept such a join, fixed a group with it, and waited 22 s for the joiner's data.
+            log.info(kv("allreduce join read after our pause is stale", key=key, peer=peer[-8:], where="not a member"))
+            return False
+        if not isinstance(where, WhereReply):
             return True
         past = where.finished >= key.round_id or where.round_id > key.round_id
         elsewhere = where.round_id == key.round_id and where.coordinator not in (None, me)

@@ -67,7 +67,7 @@ import trio
 
 from meshtrain.collective.protocol import PROBE_AFTER, PROBE_EVERY, WHERE_RPC, RoundKey, WhereReply, WhereRequest
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RpcError, RpcTimeout
+from meshtrain.transport.rpc import RemoteError, RpcError, RpcTimeout
 from meshtrain.transport.validate import Malformed
 
 SILENT_KEEP_S = 20.0  # a silent peer is taken for silent this long, unless heard from first
@@ -83,17 +83,27 @@ async def ask_where(host: Host, peer: str, tag: str, round_id: int) -> WhereRepl
     return where if isinstance(where, WhereReply) else None
 
 
-async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | bool:
+@dataclass(frozen=True)
+class Refused:
+    """A peer's refusal to say where it is: its error code (`NOT_A_MEMBER`: it does not count us
+    a member of the round, so it is not waiting on us either — our lease ran out in its view)."""
+
+    code: str
+
+
+async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | Refused | bool:
     """As `ask_where`, telling apart the peer that said nothing in `PROBE_EVERY` (True: it may be
-    silent) from one whose answer failed otherwise (False: refused, unreachable, garbled), or
-    whose silence proves nothing: our own event loop ran `LATE_S` past the probe's deadline, so
-    an answer may be lying unread in our socket (False)."""
+    silent) from one that refused to answer (`Refused`) and one whose answer failed otherwise
+    (False: unreachable, garbled), or whose silence proves nothing: our own event loop ran
+    `LATE_S` past the probe's deadline, so an answer may be lying unread in our socket (False)."""
     sent = trio.current_time()
     try:
         reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
         return WhereReply.parse(reply)
     except RpcTimeout:
         return trio.current_time() - sent - PROBE_EVERY <= LATE_S
+    except RemoteError as e:
+        return Refused(e.code)
     except (RpcError, Malformed):
         return False
 
@@ -139,7 +149,7 @@ class SilentPeers:
         if isinstance(where, WhereReply):
             self.heard(peer)
             return where
-        if where and (self.quiet is None or self.quiet(peer)):
+        if where is True and (self.quiet is None or self.quiet(peer)):
             self.marks[peer] = trio.current_time()
         return None
 
