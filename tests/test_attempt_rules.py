@@ -60,14 +60,14 @@ def test_a_failure_drops_someone_blamed_and_every_member_that_left(a: Attempt, p
     assert gone <= drop  # blamed and never reported
 
 
-@given(attempts(), st.sets(st.sampled_from(PEERS)), st.integers(1, 4))
-def test_a_retry_always_shrinks_the_group_and_never_leaves_one_after_a_leaver(
-    a: Attempt, suspects: set[str], attempts_so_far: int
+@given(attempts(), st.sets(st.sampled_from(PEERS)), st.integers(1, 4), st.booleans())
+def test_a_retry_always_shrinks_the_group_and_never_leaves_one_after_a_leaver_or_beside_others(
+    a: Attempt, suspects: set[str], attempts_so_far: int, others_train: bool
 ) -> None:
-    group = next_group(a, suspects, attempts_so_far, max_attempts=3)
+    group = next_group(a, suspects, attempts_so_far, max_attempts=3, others_train=others_train)
     if isinstance(group, Abort):
         return
     assert set(group) < set(a.group) and not set(group) & suspects
     assert attempts_so_far < 3
     left = [p for p in suspects if (rep := a.reports.get(p)) is not None and rep.failed and p in rep.suspects]
-    assert not (len(group) == 1 and left)
+    assert not (len(group) == 1 and (left or others_train))

@@ -403,6 +403,36 @@ async def test_a_member_leaving_a_pair_aborts_the_round_rather_than_leave_a_roun
         nursery.cancel_scope.cancel()
 
 
+async def test_a_retry_of_one_beside_a_peer_that_trains_outside_the_round_aborts_it(autojump_clock):
+    """A 30-minute soak: a coordinated round 7 with b (c, restarting, was no candidate in a's view
+    yet); b went silent mid-attempt and the retry left a alone — while c, by then a trainer, had
+    committed round 7 among others at a lower-id coordinator. a's round of one published a second
+    φ (the parity rule healed it in 3 s). A retry of one while a candidate outside the group trains
+    aborts the round (a withholds its φ and re-syncs); where the peer outside does not train (it is
+    fetching a state, perhaps a's), the retry of one is the round's survivor, as before."""
+    for c_step, expected in ((7, Abort), (None, Retry)):
+        members = ["a", "b"]
+        async with trio.open_nursery() as nursery:
+            c = Coordinator(
+                FakeHost("a", {"b", "c"}),
+                CONFIG,
+                lambda _round, m=members: tuple(m),
+                reported_step=lambda p, s=c_step: s if p == "c" else 5,
+            )
+            await nursery.start(c.run)
+            key = RoundKey(7, "", "a")
+            await join_all(c, key, ["a", "b"])
+            members.append("c")  # c trains now (or fetches a state), outside the round's group
+            c.host.connected.discard("b")  # b went silent, then its connection closed
+            outcome = await c.report("a", report(key, FAIL, suspects=["b"]))
+            assert isinstance(outcome, expected), (c_step, outcome)
+            if expected is Retry:
+                assert outcome == Retry(1, ("a",), ("b",))
+            else:
+                assert "outside" in outcome.why
+            nursery.cancel_scope.cancel()
+
+
 async def test_an_aborted_round_is_opened_afresh_by_the_next_join(autojump_clock):
     """An aborted round committed nothing: its members re-sync to the state before it and join it
     again. A 30-minute soak's coordinator answered those joins "after the group was formed" (the

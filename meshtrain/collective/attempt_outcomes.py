@@ -66,6 +66,10 @@ class RoundsKeeper(Protocol):
         """A new attempt of round `key` among `group`, its parts sized for them."""
         ...
 
+    def others_train(self, key: RoundKey, group: Sequence[str]) -> bool:
+        """Whether candidates of round `key` outside `group` train now (a fresh progress record)."""
+        ...
+
 
 class AttemptOutcomes:
     """Decides the attempts of one coordinator's rounds from their members' reports, on time
@@ -171,7 +175,8 @@ class AttemptOutcomes:
         if not a.decidable():
             return
         attempts = self.keeper.attempts_of(key)
-        group = next_group(a, suspects, len(attempts), self.config.max_attempts)
+        others_train = self.keeper.others_train(key, a.group)
+        group = next_group(a, suspects, len(attempts), self.config.max_attempts, others_train)
         if isinstance(group, Abort):
             a.outcome = group
         else:

@@ -22,9 +22,14 @@ functions of it and of the clock, the same on every coordinator:
   out, everyone blamed goes, so a retry always makes progress.
 - `next_group`: the survivors retry, unless none is left, the retry would be a round of one
   after another member left by itself (the leaver may complete the round elsewhere, and a round
-  of one would publish a second φ for it: a 30-minute soak's parity violation at round 413), the
-  attempts ran out, or nobody was dropped (no progress): then `Abort`, and every member proceeds
-  alone and withholds its φ.
+  of one would publish a second φ for it: a 30-minute soak's parity violation at round 413), or
+  would be a round of one while peers outside the group train (they are in the round at another
+  coordinator, whose view had them when ours did not: a 30-minute soak's coordinator retried
+  alone beside two restarted trainers that had committed the round among themselves — two φ,
+  healed by the parity rule), the attempts ran out, or nobody was dropped (no progress): then
+  `Abort`, and every member proceeds alone and withholds its φ. Where nobody else trains, a
+  retry of one is the round's survivor, not a lineage of its own (the members dropped were told
+  the round failed for them).
 
 Not here: the timers that call these rules and the hold after a pause of ours
 (attempt_outcomes.py), the messages (protocol.py).
@@ -32,12 +37,13 @@ Not here: the timers that call these rules and the hold after a pause of ours
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import trio
 
 from meshtrain.collective.protocol import Abort, Commit, Outcome, Report
+from meshtrain.collective.shares import part_shares
 
 
 @dataclass
@@ -54,6 +60,19 @@ class Attempt:
     first_report: float | None = None
     first_fail: float | None = None
     held: bool = False  # no decision while its members are asked whether they stayed (a pause of ours)
+
+    @classmethod
+    def among(
+        cls, group: tuple[str, ...], uplinks: Mapping[str, float | None], tapers: Mapping[str, int | None]
+    ) -> Attempt:
+        """An attempt among `group`, its parts sized by the rates the members joined with
+        (`uplinks`, shares.py) and its stripes tapered as far as every member can (`tapers`; 0 if
+        one offered none: an older peer). Both travel with the group, so every member cuts the
+        vector the same way. An empty group (every peer that joined left the candidates) tapers
+        nothing; its joiners are told they are late (min() of nothing once ended the daemon)."""
+        offered = [tapers.get(p) for p in group]
+        taper = min((t for t in offered if t is not None), default=0) if None not in offered else 0
+        return cls(group, part_shares([uplinks.get(p) for p in group]), taper)
 
     def decidable(self) -> bool:
         return not self.decided.is_set() and not self.held
@@ -136,15 +155,20 @@ def whom_to_drop(a: Attempt, *, live: Callable[[str], bool], now: float, report_
     return drop or set(blamed)
 
 
-def next_group(a: Attempt, suspects: set[str], attempts: int, max_attempts: int) -> tuple[str, ...] | Abort:
+def next_group(
+    a: Attempt, suspects: set[str], attempts: int, max_attempts: int, others_train: bool = False
+) -> tuple[str, ...] | Abort:
     """The group of the retry after dropping `suspects` from `a` (the round's `attempts`-th), or
-    the `Abort` that ends the round instead."""
+    the `Abort` that ends the round instead. `others_train`: whether peers of the round's
+    candidates outside `a`'s group train now (the coordinator's view)."""
     survivors = tuple(p for p in a.group if p not in suspects)
     left = [p for p in suspects if (rep := a.reports.get(p)) is not None and rep.failed and p in rep.suspects]
     if not survivors:
         return Abort("no member left")
     if len(survivors) == 1 < len(a.group) and left:
         return Abort(f"{','.join(sorted(p[-8:] for p in left))} left the round; a round of one is not the swarm's")
+    if len(survivors) == 1 < len(a.group) and others_train:
+        return Abort("a round of one beside peers that train outside it is not the swarm's")
     if attempts >= max_attempts or len(survivors) == len(a.group):
         return Abort("too many failed attempts" if suspects else "no progress")
     return survivors

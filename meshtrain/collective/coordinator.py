@@ -118,7 +118,6 @@ from meshtrain.collective.protocol import (
     RoundKey,
     WhereReply,
 )
-from meshtrain.collective.shares import part_shares
 from meshtrain.crdt.swarm_records import PULSE_S
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
@@ -536,20 +535,9 @@ class Coordinator:
                         left=",".join(p[-8:] for p in left),
                     )
                 )
-            r.attempts.append(self._new_attempt(r, group))
+            r.attempts.append(Attempt.among(group, r.uplinks, r.tapers))
             r.group_fixed.set()
             log.debug(kv("allreduce group fixed", round=r.key.round_id, size=len(group), expected=len(r.expected)))
-
-    @staticmethod
-    def _new_attempt(r: _Round, group: tuple[str, ...]) -> Attempt:
-        """An attempt among `group`, its parts sized by the rates the members joined with and its
-        stripes tapered as far as every member can (0 if one offered none: an older peer). Both
-        travel with the group, so every member cuts the vector the same way."""
-        offered = [r.tapers.get(p) for p in group]
-        # An empty group (every peer that joined left our candidates) tapers nothing; its joiners
-        # are told they are late. min() of nothing raised here and ended the daemon.
-        taper = min((t for t in offered if t is not None), default=0) if None not in offered else 0
-        return Attempt(group, part_shares([r.uplinks.get(p) for p in group]), taper)
 
     async def join(
         self,
@@ -696,5 +684,15 @@ class Coordinator:
         return self.rounds[key].attempts
 
     def attempt_among(self, key: RoundKey, group: Sequence[str]) -> Attempt:
-        """A new attempt of round `key` among `group` (`_new_attempt`)."""
-        return self._new_attempt(self.rounds[key], tuple(group))
+        """A new attempt of round `key` among `group` (`Attempt.among`)."""
+        r = self.rounds[key]
+        return Attempt.among(tuple(group), r.uplinks, r.tapers)
+
+    def others_train(self, key: RoundKey, group: Sequence[str]) -> bool:
+        """Whether candidates of round `key` outside `group` train now (a fresh progress record;
+        unknown without `reported_step`: False). One fetching a state may be fetching ours."""
+        reported = self.reported_step
+        if reported is None:
+            return False
+        outside = set(self._candidates(key)) - set(group) - {self.peer_id}
+        return any(reported(p) is not None for p in outside)

@@ -66,7 +66,10 @@ re-syncs, so ours is the round's only φ — the collective surviving a vanished
 another round and leaving). A member that left our round by itself (its coordinator lost, or
 gone from its candidates: collective/join_wait.py) may complete the same round at another
 coordinator: a retry that would leave one member after such a leaver is aborted instead
-(collective/coordinator.py `_retry`), so the last member withholds; with two or more left, their
+(collective/attempt_rules.py `next_group`), so the last member withholds — and so is a retry
+that would leave one member while a peer outside the round's group trains (it may be in the
+round at a coordinator whose view had it when ours did not: a 30-minute soak's survived round
+was a second φ so); with two or more left, their
 φ and the leaver's group's are a split that the parity check heals, as any other (the chaos soak
 counts those in `parity_split_rounds`). A round alone whose partners' connections closed
 (killed: most of a 10-minute soak's 79 rounds alone were such) or whose partners stopped
