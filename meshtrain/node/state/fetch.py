@@ -424,7 +424,10 @@ class _Fetch:
         t0 = trio.current_time()
         async with trio.open_nursery() as watch:
             if self.quiet is not None:
-                unanswered = lambda: [d for d in self.donors if d not in finished]  # noqa: E731
+
+                def unanswered() -> list[str]:
+                    return [d for d in self.donors if d not in finished]
+
                 watch.start_soon(self._watch_silence, unanswered, lambda d: asking[d].cancel())
             async with trio.open_nursery() as nursery:
                 for d in self.donors:
@@ -507,8 +510,11 @@ class _Fetch:
         """Drop each donor that goes silent — its heartbeats stopped and a probe went unanswered
         (collective/probe.py) — and `cancel` what waits on it (module docstring, Silence)."""
         assert self.quiet is not None
+
+        def live() -> list[str]:
+            return [d for d in donors() if d not in self.report.banned]
+
         while True:
-            live = lambda: [d for d in donors() if d not in self.report.banned]  # noqa: E731
             for donor in await wait_silent(self.host, live, self.quiet):
                 self._ban(donor, "silent: its heartbeats stopped and it answered no probe")
                 cancel(donor)
