@@ -47,8 +47,9 @@ from the members' rates and announces the shares with the group, so all members 
 slow peer owns little or nothing (shares.py, as hivemind's load balancing sizes its parts).
 
 **Failures.** Every transfer has a deadline scaled to its size, and peers we are waiting on are
-watched for disconnection (the host's connection events), so a killed peer is noticed within a
-second and a stalled one within a deadline. A peer that sees a failure reports it to the coordinator, which at once declares the
+watched for disconnection (the host's connection events) and for silence (heartbeats stopped, a
+probe unanswered: probe.py), so a killed peer is noticed within a second, a stopped one within
+seconds, and a merely slow one at the deadline. A peer that sees a failure reports it to the coordinator, which at once declares the
 next attempt with the suspects removed; every peer watches for that decision while it transfers
 and abandons the attempt immediately. When all members report success, the coordinator commits
 if their digests agree; a minority digest is told to re-sync from a majority peer. If the
@@ -57,22 +58,16 @@ id; so do peers waiting for its group once it leaves the round's candidates whil
 (excluded by strikes, or gone from the swarm: join_wait.py), where the others form the round. A
 peer that is itself cut off raises `CollectiveError`.
 
-**Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`): owners keep every
-contribution of their part and combine them coordinate-wise with the `trim` largest and smallest
-values dropped (by default a quarter of the contributors, at least one: aggregation.py
-`trim_count`), or after clipping each contribution to the median norm × `clip`. A contribution
-with NaN/inf or of the wrong size is rejected outright and its sender excluded and named in
-`ReduceResult.excluded`. With `screen_norm` set, each owner also screens its part's
-contributions (aggregation.py); every committed round's `RoundScreening` is in
-`ReduceResult.screening` and handed to `screening_listeners` (the node files strikes from it).
-With `score_samples` it also carries the sampled peers' contributions to our part, for the node's
-loss scoring (contract.py `sampled_peers`, node/trust/scoring.py). With `screen_echo` as well, an owner
-drops from its part a contribution that repeats one of its recent rounds (echoes.py
-`EchoMemory`: the sender is excluded from the round like a sender of garbage) and flags it.
+**Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`, aggregation.py): owners
+combine their part's contributions coordinate-wise, dropping the extremes or clipping norms; a
+contribution with NaN/inf or of the wrong size is rejected and its sender named in
+`ReduceResult.excluded`. With `screen_norm`, every committed round's `RoundScreening` (flags;
+with `score_samples`, the sampled peers' contributions for loss scoring; with `screen_echo`,
+replays dropped: echoes.py) is in `ReduceResult.screening` and goes to `screening_listeners`.
 
 **Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
-(which authenticate every request against our own view of membership and refuse with typed
-codes) and the round loop above. The coordinator's state machine is coordinator.py, one
+(every request passes round_gate.py first: a member of the round, for a round near ours, or a
+typed refusal) and the round loop above. The coordinator's state machine is coordinator.py, one
 attempt's reduce-scatter and all-gather is data_phase.py (`AttemptPlan`, planned from the
 coordinator's layout before bytes move; `DataPhase`, which moves them), our input — flattened and
 checked for finiteness once per round, in a worker thread while the join goes out — is
@@ -139,12 +134,12 @@ from meshtrain.collective.protocol import (
     WhereReply,
     WhereRequest,
 )
+from meshtrain.collective.round_gate import RoundGate
 from meshtrain.collective.shares import egress_rate
 from meshtrain.collective.sparse_gather import gather_over_streams
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
 from meshtrain.transport.host import Host
-from meshtrain.transport.rpc import RemoteError
 from meshtrain.transport.tensor_streams import TensorStreams
 
 log = get_logger(__name__)
@@ -231,7 +226,8 @@ class SwarmCollective(Service):
         self.roster = roster or membership
         self.last_groups: RoundGroups | None = None  # the grouping of the newest round we computed
         self._groups_cache: dict[tuple[int, frozenset[str]], RoundGroups] = {}
-        self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
+        # Who may take part: members of the round, for a round near ours (round_gate.py).
+        self.gate = RoundGate(host.peer_id, self.config, membership, current_round, lambda: self._latest_round)
         # Called (inline, must not block) with each committed round's screening (contract.py).
         self.screening_listeners: list[Callable[[RoundScreening], None]] = []
         self.echoes = EchoMemory(self.config.screen_echo)  # replay screening (echoes.py)
@@ -260,6 +256,11 @@ class SwarmCollective(Service):
     @property
     def peer_id(self) -> str:
         return self.host.peer_id
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Requests refused, by RPC error code (for /metrics; round_gate.py)."""
+        return self.gate.refused
 
     @property
     def uplink(self) -> float | None:
@@ -341,50 +342,12 @@ class SwarmCollective(Service):
         finally:
             await Service.__aexit__(self, None, None, None)
 
-    # -- RPC handlers (coordinator role) -------------------------------------------------------
-    #
-    # Every request is authenticated against our own view of membership: only a candidate of the
-    # round (a member per `membership`, us included) may join, report, watch or ask where we are,
-    # and only for a round near the one we are at. A fresh identity that is not a member gets a
-    # typed `not-a-member` error and changes nothing — before this, a stranger could join a future
-    # round with itself as the expected group and void the real members' round.
-
-    def _refuse(self, code: str, text: str) -> RemoteError:
-        self.refused[code] = self.refused.get(code, 0) + 1
-        return RemoteError(code, text)
-
-    async def _require_member(self, peer: str, round_id: int, *, wait: bool = True) -> None:
-        """`peer` must be a candidate of `round_id`. A peer that just became a trainer may not be
-        in our replica of membership yet: wait up to `member_wait` for it to arrive."""
-        if peer == self.peer_id or peer in self.membership(round_id):
-            return
-        if wait:
-            with trio.move_on_after(self.config.member_wait):
-                while peer not in self.membership(round_id):
-                    await trio.sleep(0.1)
-                return
-        raise self._refuse(NOT_A_MEMBER, f"{peer[-8:]} is not a member of this swarm's round {round_id}")
-
-    def _check_window(self, round_id: int) -> None:
-        window = self.config.round_window
-        # Our own position: the caller's step counter (None while we are not in step ourselves —
-        # starting, or downloading the swarm's state — when we cannot judge), else the newest
-        # round we took part in.
-        ref = self.current_round() if self.current_round is not None else self._latest_round
-        if window is None or ref is None or abs(round_id - ref) <= window:
-            return
-        if round_id > ref:
-            # We are the one left behind (stopped while the swarm went on): the joiner goes to
-            # its next candidate rather than re-sync to us (protocol.py). A 3-daemon run saw the
-            # woken lowest id refuse its two peers, 11 rounds ahead, for 30 s, each refusal a
-            # round they spent alone.
-            raise self._refuse(COORDINATOR_BEHIND, f"round {round_id} is more than {window} ahead of ours ({ref})")
-        raise self._refuse(OUT_OF_WINDOW, f"round {round_id} is more than {window} from ours ({ref})")
+    # -- RPC handlers (coordinator role): each request passes the gate first (round_gate.py) --
 
     async def _rpc_join(self, peer: str, req: Any) -> dict[str, Any]:
         join = JoinRequest.parse(req, to=self.peer_id)
-        self._check_window(join.key.round_id)
-        await self._require_member(peer, join.key.round_id)
+        self.gate.check_window(join.key.round_id)
+        await self.gate.require_member(peer, join.key.round_id)
         await self._running()
         return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper)).to_wire()
 
@@ -398,7 +361,7 @@ class SwarmCollective(Service):
 
     async def _rpc_where(self, peer: str, req: Any) -> dict[str, Any]:
         where = WhereRequest.parse(req)
-        await self._require_member(peer, where.round_id, wait=False)
+        await self.gate.require_member(peer, where.round_id, wait=False)
         return self.own.where(where.tag).to_wire()
 
     def waiting_for(self) -> str | None:
