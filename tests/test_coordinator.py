@@ -63,15 +63,19 @@ class WhereRpc:
 
 class SilentRpc(WhereRpc):
     """As `WhereRpc`, and peers in `silent` never answer: the call times out (a SIGSTOPped
-    process keeps its connections open and says nothing)."""
+    process keeps its connections open and says nothing); peers in `refusing` refuse to answer
+    (they do not count us a member)."""
 
-    def __init__(self, positions: dict[str, WhereReply], silent: set[str]) -> None:
+    def __init__(self, positions: dict[str, WhereReply], silent: set[str], refusing: frozenset[str] = frozenset()):
         super().__init__(positions)
-        self.silent = silent
+        self.silent, self.refusing = silent, refusing
 
     async def call(self, peer, name, request, *, timeout):
-        if peer in self.silent:
+        if peer in self.silent or peer in self.refusing:
             self.asked.append((peer, WhereRequest.parse(request)))
+        if peer in self.refusing:
+            raise RemoteError(NOT_A_MEMBER, f"{peer} does not count us a member")
+        if peer in self.silent:
             await trio.sleep(timeout)  # sleep: a silent peer: the caller waits out its deadline (virtual time)
             raise RpcTimeout(f"{peer} did not answer within {timeout} s")
         return await super().call(peer, name, request, timeout=timeout)
@@ -515,20 +519,6 @@ async def test_a_round_collecting_joins_across_our_own_pause_starts_again_withou
         nursery.cancel_scope.cancel()
 
 
-class RefusingRpc(WhereRpc):
-    """As `WhereRpc`, and peers in `refusing` refuse to answer: they do not count us a member."""
-
-    def __init__(self, positions: dict[str, WhereReply], refusing: set[str]) -> None:
-        super().__init__(positions)
-        self.refusing = refusing
-
-    async def call(self, peer, name, request, *, timeout):
-        if peer in self.refusing:
-            self.asked.append((peer, WhereRequest.parse(request)))
-            raise RemoteError(NOT_A_MEMBER, f"{peer} does not count us a member")
-        return await super().call(peer, name, request, timeout=timeout)
-
-
 async def test_a_join_read_after_our_pause_from_a_peer_that_no_longer_counts_us_a_member_is_stale(autojump_clock):
     """A 30-minute soak: a, the lowest id, was stopped 13.6 s; b's join of round 7, sent just
     after, was read when a resumed. b had left a for silent — and a's lease had run out in b's
@@ -537,7 +527,7 @@ async def test_a_join_read_after_our_pause_from_a_peer_that_no_longer_counts_us_
     longer counts us a member gave up on us: its join is stale (Late). One that does not answer
     at all keeps its join, as before."""
     for refusing, expected in (({"b"}, Late(detailed=False)), (set(), Joined(0, ("a", "b")))):
-        rpc = RefusingRpc({}, refusing) if refusing else SilentRpc({}, silent={"b"})
+        rpc = SilentRpc({}, silent=set(), refusing=frozenset(refusing)) if refusing else SilentRpc({}, silent={"b"})
         async with trio.open_nursery() as nursery:
             c = Coordinator(FakeHost("a", {"b"}, rpc), CONFIG, lambda _round: ("a", "b"))
             await nursery.start(c.run)
