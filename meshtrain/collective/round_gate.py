@@ -8,7 +8,10 @@ drag a round it cannot share. Before this check, both happened.
 The design. Every request is authenticated against our own view of membership: only a candidate
 of the round (`membership(round_id)`, us included) may join, report, watch or ask where we are
 (`require_member`; a peer that just became a trainer may not be in our replica yet, so a join
-waits up to `member_wait` for its record). A join must also be for a round within `round_window`
+waits up to `member_wait` for its record). A probe that names no round (round -1: a state
+download asking only whether its donor answers, node/state/fetch.py "Silence") is checked
+against the round we are at — else every such probe of a live donor was refused and counted as
+a stranger's. A join must also be for a round within `round_window`
 of ours (`check_window`): our position is the caller's step counter (`current_round`; None while
 we are starting or downloading, when we cannot judge), else the newest round we took part in. A
 round too far ahead means *we* were left behind (stopped while the swarm went on): the joiner is
@@ -51,6 +54,10 @@ class RoundGate:
         self.membership, self.current_round, self.latest_round = membership, current_round, latest_round
         self.refused: dict[str, int] = {}  # requests refused, by RPC error code (for /metrics)
 
+    def _position(self) -> int | None:
+        """The round we are at: the caller's step counter, else the newest round we took part in."""
+        return self.current_round() if self.current_round is not None else self.latest_round()
+
     def refuse(self, code: str, text: str) -> RemoteError:
         """A typed refusal, counted."""
         self.refused[code] = self.refused.get(code, 0) + 1
@@ -59,6 +66,8 @@ class RoundGate:
     async def require_member(self, peer: str, round_id: int, *, wait: bool = True) -> None:
         """`peer` must be a candidate of `round_id`. A peer that just became a trainer may not be
         in our replica of membership yet: with `wait`, up to `member_wait` for it to arrive."""
+        if round_id < 0:  # a probe that names no round (a download's silence check): ours now
+            round_id = max(self._position() or 0, 0)
         if peer == self.peer_id or peer in self.membership(round_id):
             return
         if wait:
@@ -71,7 +80,7 @@ class RoundGate:
     def check_window(self, round_id: int) -> None:
         """A join of `round_id` must be within `round_window` of our own position."""
         window = self.config.round_window
-        ref = self.current_round() if self.current_round is not None else self.latest_round()
+        ref = self._position()
         if window is None or ref is None or abs(round_id - ref) <= window:
             return
         if round_id > ref:
