@@ -36,6 +36,7 @@ from meshtrain.transport.tensor_layout import byte_views
 from meshtrain.transport.tensor_streams import TransferError
 
 from .conftest import read_json, spawn, start_peers
+from .freezing_relay import FreezingRelay
 from .proc_donor import make_state
 
 KIB = 1024
@@ -405,6 +406,35 @@ async def test_a_donor_that_answers_its_probe_is_waited_for_however_quiet_its_he
         _, got = await fetch_state(joiner.host, joiner.ts, [donor.host.peer_id], report=report, quiet=lambda p: True)
         assert_same_state(tensors, got)
         assert donor.stalled and not report.banned, report.banned
+
+
+async def test_a_donor_behind_a_stalled_connection_is_asked_again_over_a_fresh_one():
+    """A 10-minute soak's re-sync waited 25 s for its one donor's manifest: the request went out
+    over a connection that a partition had stalled (TCP's backed-off retransmissions), while the
+    donor's heartbeats reached it through others' gossip — not quiet, so not silent. A donor that
+    leaves its manifest and a probe unanswered while its heartbeats arrive is behind a stalled
+    connection: it is closed, and the donor asked again over a fresh one (once)."""
+    async with AsyncExitStack() as stack:
+        joiner, (donor,) = await start_swarm(stack, 1)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
+        relay = FreezingRelay(int(donor.host.addrs[0].split("/tcp/")[1].split("/")[0]))
+        await nursery.start(relay.serve)
+        await joiner.host.disconnect(donor.host.peer_id)
+        await joiner.host.wait_until(lambda: not joiner.host.is_connected(donor.host.peer_id))
+        await joiner.host.connect(f"/ip4/127.0.0.1/tcp/{relay.port}/p2p/{donor.host.peer_id}")
+        assert relay.opened == 1
+        meta, tensors = make_state(256)
+        donor.publish(meta, tensors)
+        relay.freeze()
+        report = FetchReport()
+        t0 = trio.current_time()
+        _, got = await fetch_state(
+            joiner.host, joiner.ts, [donor.host.peer_id], report=report, quiet=lambda p: False, manifest_timeout=40
+        )
+        assert_same_state(tensors, got)
+        assert trio.current_time() - t0 < 15  # a probe's round and a fresh dial, not the 40 s timeout
+        assert not report.banned and report.answered == [donor.host.peer_id]
 
 
 # -- liars and failures --------------------------------------------------------------------------

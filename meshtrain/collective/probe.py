@@ -49,6 +49,17 @@ a download, at worst. A partition makes each side's peers silent to the other:
 each side with two or more goes on among itself, as it would once the leases ran out, and the
 parity rule picks one lineage when it heals.
 
+Stalled connections. The converse — a probe unanswered while the peer's heartbeats arrive —
+is a peer alive but deaf over *our* connection: after a partition heals, a connection it cut
+stays stalled for many seconds more (TCP's retransmission timer backed off while the path was
+dead; no reset ever came), while the peer's heartbeats reach us through others' gossip. A 10-minute
+soak's re-sync waited 25 s so for its one donor's manifest. `wait_stalled` finds such peers; a
+state download closes the connection and asks again over a fresh one, once per donor
+(node/state/fetch.py, "Silence"). A peer whose loop is starved (a hash in its event loop's
+thread) reads alike; for it the cost is a redial. The collective does not act on it: a round's
+data moves on the data plane's own connections, and a member deaf to a probe but heard in gossip
+is waited for, as before.
+
 Wire: `WHERE_RPC` as it is (protocol.py); nothing new.
 How a coordinator reads its missing peers' answers is `Whereabouts`: in this round under another
 group's tag (regroup), past it, in it at a lower-id coordinator (hand over), left behind (further
@@ -132,6 +143,14 @@ async def wait_silent(
         if silent:
             return silent
         await trio.sleep(PROBE_EVERY)
+
+
+async def wait_stalled(host: Host, peers: Callable[[], Iterable[str]], quiet: Callable[[str], bool]) -> set[str]:
+    """The other reading of an unanswered probe: from `PROBE_AFTER` on, every `PROBE_EVERY`,
+    probe those of `peers()` whose heartbeats still arrive (not `quiet`); return the ones that
+    said nothing. Alive, by its heartbeats, yet deaf over our connection: the connection is
+    stalled (module docstring, "Stalled connections"); a fresh one may well pass."""
+    return await wait_silent(host, peers, lambda p: not quiet(p))
 
 
 class SilentPeers:

@@ -44,6 +44,18 @@ came straight back that way (issue 32's census, 13 daemons: a dial from
 pubsub registers every peer when a connection opens. The fix: no pubsub stream to a peer with
 no connection (`_handle_new_peer` returns; the next connection's notifee registers the peer).
 Upstream's: open the stream on the live connection, never through a dial.
+
+**A stalled connection keeps getting every new stream** (`Swarm._best_connection`). With two
+connections to one peer, py-libp2p opens a new stream on the direct one with the most open
+streams (go-libp2p's `isBetterConn`), ties broken by object address. A connection that a
+partition stalled collects streams that never finish, so it wins every later choice: after a
+joiner found its donor deaf over the old connection and asked again over a fresh one
+(node/state/fetch.py, "Silence"), the donor answered — and then opened its data-plane session to
+the joiner on the old, stalled connection, which took its 10 s deadline and failed the chunk
+(tests/test_state_sync.py, a stalled connection through a freezing relay). The fix: direct
+first, then the *newest* connection (the swarm keeps them in the order they were added): the one
+whose handshake completed last is the best evidence of a path that works. Upstream's rule
+serves connection trimming, which keeps it; choosing where a new stream goes is another matter.
 """
 
 from __future__ import annotations
@@ -51,8 +63,11 @@ from __future__ import annotations
 import contextlib
 
 import trio
+from libp2p.abc import INetConn
+from libp2p.connection_types import ConnectionType
 from libp2p.io import trio as _io_trio
 from libp2p.io.exceptions import IOException
+from libp2p.network.swarm import Swarm
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.stream_muxer.yamux import yamux as _yamux
@@ -132,6 +147,18 @@ async def _pubsub_stream_only_if_connected(self: Pubsub, peer_id: object) -> Non
     await _pubsub_handle_new_peer(self, peer_id)  # type: ignore[arg-type]
 
 
+def _newest_direct_connection(self: Swarm, connections: list[INetConn]) -> INetConn:
+    """Direct before relayed, then the newest (module docstring); `connections` in age order."""
+
+    def direct(conn: INetConn) -> bool:
+        try:
+            return bool(conn.get_connection_type() == ConnectionType.DIRECT)
+        except Exception:
+            return True
+
+    return max(reversed(connections), key=direct)  # max keeps the first of equals: the newest
+
+
 def apply() -> None:
     """Install the workarounds (idempotent)."""
     global _applied
@@ -143,4 +170,5 @@ def apply() -> None:
     _io_trio.TrioTCPStream.get_remote_address = _remote_address_any_family  # type: ignore[method-assign]
     DCUtRProtocol._dial_peer = _dial_peer_from_same_family  # type: ignore[method-assign]
     Pubsub._handle_new_peer = _pubsub_stream_only_if_connected  # type: ignore[method-assign]
+    Swarm._best_connection = _newest_direct_connection  # type: ignore[method-assign]
     _applied = True

@@ -33,7 +33,12 @@ donor delivers, where the stall rule waits for a second donor and the timeouts a
 30-minute soak's joiner sat 24 s in a download whose one donor was SIGSTOPped or cut off by a
 partition (its kernel accepts connections its process never answers), until it was killed; its
 round's coordinator waited for it meanwhile. With every donor dropped the download fails
-(`DonorsExhausted`, `NoDonors`) and the node asks again from the members live now.
+(`DonorsExhausted`, `NoDonors`) and the node asks again from the members live now. The converse
+in the vote — a donor whose heartbeats arrive but that leaves its manifest and a probe unanswered
+— is behind a stalled connection (collective/probe.py, "Stalled connections": a 10-minute soak's
+re-sync waited 25 s so after a partition healed): the connection is closed and the donor asked
+again over a fresh one, once. Mid-download a stalled donor is left to the stall rule and the
+chunk timeout, as before (its chunks come over the data plane's own connection anyway).
 
 Fallback. If every donor of the chosen state is banned before it completes (a donor that answered
 the manifest and then failed every chunk because it was leaving; or all of them, when the chunks
@@ -72,7 +77,8 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.probe import wait_silent
+from meshtrain.collective.probe import wait_silent, wait_stalled
+from meshtrain.collective.protocol import PROBE_EVERY
 from meshtrain.log import get_logger, kv
 from meshtrain.node.state.sync import (
     CHUNK_RPC,
@@ -383,16 +389,29 @@ class _Fetch:
         failures: dict[str, str] = {}
 
         finished: list[str] = []
-        asking = {d: trio.CancelScope() for d in self.donors}  # cancelled when a donor is silent
+        asking = {d: trio.CancelScope() for d in self.donors}  # cancelled when a donor is silent ...
+        redialled: set[str] = set()  # ... or behind a stalled connection: asked again, once
 
         async def ask(donor: str) -> None:
             try:
-                with asking[donor]:
-                    await ask_one(donor)
-                if asking[donor].cancelled_caught:
-                    failures[donor] = self.report.banned.get(donor, "silent")
+                for fresh_connection in (False, True):
+                    with asking[donor]:
+                        await ask_one(donor)
+                    if not asking[donor].cancelled_caught:
+                        return
+                    if fresh_connection or donor in self.report.banned or donor not in redialled:
+                        failures[donor] = self.report.banned.get(donor, "silent")
+                        return
+                    asking[donor] = trio.CancelScope()
+                    with trio.move_on_after(PROBE_EVERY):
+                        await self.host.disconnect(donor)
             finally:
                 finished.append(donor)
+
+        def redial(donor: str) -> None:
+            log.info(kv("state donor's connection stalled; asking again over a fresh one", donor=donor))
+            redialled.add(donor)
+            asking[donor].cancel()
 
         async def ask_one(donor: str) -> None:
             try:
@@ -429,6 +448,7 @@ class _Fetch:
                     return [d for d in self.donors if d not in finished]
 
                 watch.start_soon(self._watch_silence, unanswered, lambda d: asking[d].cancel())
+                watch.start_soon(self._watch_stalled, lambda: [d for d in unanswered() if d not in redialled], redial)
             async with trio.open_nursery() as nursery:
                 for d in self.donors:
                     nursery.start_soon(ask, d)
@@ -518,6 +538,14 @@ class _Fetch:
             for donor in await wait_silent(self.host, live, self.quiet):
                 self._ban(donor, "silent: its heartbeats stopped and it answered no probe")
                 cancel(donor)
+
+    async def _watch_stalled(self, donors: Callable[[], Sequence[str]], redial: Callable[[str], None]) -> None:
+        """`redial` each donor whose heartbeats arrive but that leaves a probe unanswered: the
+        connection to it is stalled (collective/probe.py, "Stalled connections")."""
+        assert self.quiet is not None
+        while True:
+            for donor in await wait_stalled(self.host, donors, self.quiet):
+                redial(donor)
 
     def _cancel_attempts(self, donor: str) -> None:
         """Cancel `donor`'s chunk transfers in flight: their chunks go back to the queue."""
