@@ -196,7 +196,7 @@ class Coordinator:
         # (peer, series) -> the highest round id that peer joined here; a series is a key without
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
-        self.silent = SilentPeers(quiet)  # missing peers found silent (probe.py)
+        self.silent = SilentPeers(quiet, self.start_soon)  # missing peers found silent (probe.py)
         self.pauses = OwnPauses(host)  # ours ("Our own pauses")
         self.outcomes = AttemptOutcomes(self, config, self.pauses)  # each attempt decided on time
         self._nursery: trio.Nursery | None = None

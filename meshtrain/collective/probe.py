@@ -22,12 +22,28 @@ A peer whose probe timed out while its heartbeats stopped is *silent* (`SilentPe
 `SILENT_KEEP_S`, or until it is heard from (it joins a round, or answers a probe). Without
 `quiet` (a collective used without a node's presence) the probe alone decides.
 
+Sparse heartbeats. Heartbeats come every 3 s only in a swarm of up to 12 peers: the interval
+stretches with the swarm so that gossip stays O(log N) per peer (crdt/heartbeat_rate.py), to
+10.7 s at 64 peers and 32 s at 256, and "two intervals + 1 s" with it, to 22 s and 65 s. A
+stopped peer's last heartbeat then stays recent for longer than the deadlines it should cut
+short: in a large swarm a stopped partner held its group's round to the join deadline (30 s)
+or the part deadline (20 s) every time — silence was detected where it mattered least. So a
+peer whose heartbeats still arrive but that leaves a probe unanswered is asked again
+*patiently*: one probe given `QUIET_S` (7 s, the heartbeat rule's own window at 3 s beats),
+and left unanswered, it is silent all the same. A live peer on a saturated link answers within
+it, as its heartbeats would arrive within it; one whose loop is alive answers at once. The
+patient probe is one RPC per watched peer at a time — no background traffic, nothing that grows
+with the swarm — and where heartbeats are frequent the heartbeat rule fires first (the patient
+one starts only after a probe went unanswered while the heartbeats still arrived), so a small
+swarm's behaviour is unchanged but for a peer deaf over our connection while its heartbeats
+arrive (below), which is silent after `QUIET_S` rather than at the deadline.
+
 What each side does with it. The coordinator fixes a round's group without missing peers that are
 all silent (or past the round), provided two or more joined and they are a majority of the peers
 not silent (coordinator.py `_without_silent`), and later rounds do so as soon as everyone else
 is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
 (node/state/parity.py). A member in a data phase probes, from `PROBE_AFTER` on and every
-`PROBE_EVERY`, the peers it depends on whose heartbeats stopped, and fails the attempt with the
+`PROBE_EVERY`, the peers it depends on whose heartbeats stopped (the others patiently), and fails the attempt with the
 silent ones as suspects (data_phase.py `_watch_silence`, from the attempt's start: connecting to
 a stopped peer hangs too): the coordinator retries without them at once, as for a dropped
 connection. A joiner's state download drops a silent donor alike (node/state/fetch.py,
@@ -56,9 +72,8 @@ dead; no reset ever came), while the peer's heartbeats reach us through others' 
 soak's re-sync waited 25 s so for its one donor's manifest. `wait_stalled` finds such peers; a
 state download closes the connection and asks again over a fresh one, once per donor
 (node/state/fetch.py, "Silence"). A peer whose loop is starved (a hash in its event loop's
-thread) reads alike; for it the cost is a redial. The collective does not act on it: a round's
-data moves on the data plane's own connections, and a member deaf to a probe but heard in gossip
-is waited for, as before.
+thread) reads alike; for it the cost is a redial. The collective does not redial (a round's data
+moves on the data plane's own connections): a member deaf for `QUIET_S` is silent (above).
 
 Wire: `WHERE_RPC` as it is (protocol.py); nothing new.
 How a coordinator reads its missing peers' answers is `Whereabouts`: in this round under another
@@ -81,6 +96,10 @@ from meshtrain.transport.host import Host
 from meshtrain.transport.rpc import RemoteError, RpcError, RpcTimeout
 from meshtrain.transport.validate import Malformed
 
+# A peer whose heartbeats still arrive but that leaves one probe unanswered this long is silent
+# all the same: the heartbeat rule's own window where heartbeats come every 3 s (two of them + 1 s),
+# which it keeps wherever the swarm's heartbeats are sparser (module docstring, "Sparse heartbeats").
+QUIET_S = 7.0
 SILENT_KEEP_S = 20.0  # a silent peer is taken for silent this long, unless heard from first
 # A probe's deadline that fired this much late was ours: our loop was starved (a loaded machine;
 # in-process peers share one loop), and the peer's answer may be unread. Such a probe proves nothing.
@@ -102,17 +121,19 @@ class Refused:
     code: str
 
 
-async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereReply | Refused | bool:
-    """As `ask_where`, telling apart the peer that said nothing in `PROBE_EVERY` (True: it may be
+async def probe_where(
+    host: Host, peer: str, tag: str, round_id: int, *, timeout: float = PROBE_EVERY
+) -> WhereReply | Refused | bool:
+    """As `ask_where`, telling apart the peer that said nothing in `timeout` (True: it may be
     silent) from one that refused to answer (`Refused`) and one whose answer failed otherwise
     (False: unreachable, garbled), or whose silence proves nothing: our own event loop ran
     `LATE_S` past the probe's deadline, so an answer may be lying unread in our socket (False)."""
     sent = trio.current_time()
     try:
-        reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=PROBE_EVERY)
+        reply = await host.rpc.call(peer, WHERE_RPC, WhereRequest(tag, round_id).to_wire(), timeout=timeout)
         return WhereReply.parse(reply)
     except RpcTimeout:
-        return trio.current_time() - sent - PROBE_EVERY <= LATE_S
+        return trio.current_time() - sent - timeout <= LATE_S
     except RemoteError as e:
         return Refused(e.code)
     except (RpcError, Malformed):
@@ -122,55 +143,114 @@ async def probe_where(host: Host, peer: str, tag: str, round_id: int) -> WhereRe
 async def wait_silent(
     host: Host, peers: Callable[[], Iterable[str]], quiet: Callable[[str], bool], key: RoundKey | None = None
 ) -> set[str]:
-    """From `PROBE_AFTER` on, every `PROBE_EVERY`, probe those of `peers()` whose heartbeats
-    stopped (`quiet`); return the ones that said nothing (a data phase's watch, data_phase.py; a
-    state download's, node/state/fetch.py). `key`: the round the probe asks about (None: none —
-    the answer does not matter then, only whether one comes). A wait shorter than `PROBE_AFTER`
-    probes nobody."""
+    """From `PROBE_AFTER` on, watch `peers()` and return the ones that went silent (module
+    docstring): one whose heartbeats stopped (`quiet`) is probed every `PROBE_EVERY` and silent
+    once a probe goes unanswered; one whose heartbeats still arrive is probed patiently — one probe
+    at a time, each given `QUIET_S`, the next `PROBE_EVERY` after an answer — and silent once such
+    a probe goes unanswered. Used by a data phase's watch (data_phase.py), a member's watch on
+    its coordinator (allreduce.py) and a state download's (node/state/fetch.py). `key`: the round
+    the probe asks about (None: none — the answer does not matter then, only whether one comes).
+    A wait shorter than `PROBE_AFTER` probes nobody."""
     tag, round_id = (key.tag, key.round_id) if key is not None else ("", -1)
+    silent: set[str] = set()
+    found = trio.Event()
+    patient: set[str] = set()  # peers with a patient probe in flight
 
-    async def probe(peer: str, silent: set[str]) -> None:
+    def taken(peer: str) -> None:
+        silent.add(peer)
+        found.set()
+
+    async def probe(peer: str) -> None:
         if await probe_where(host, peer, tag, round_id) is True and quiet(peer):
-            silent.add(peer)
+            taken(peer)
+
+    async def probe_patiently(peer: str) -> None:
+        try:
+            if await probe_where(host, peer, tag, round_id, timeout=QUIET_S) is True:
+                taken(peer)
+                return
+            await trio.sleep(PROBE_EVERY)
+        finally:
+            patient.discard(peer)
 
     await trio.sleep(PROBE_AFTER)
-    while True:
-        silent: set[str] = set()
-        async with trio.open_nursery() as nursery:
-            for p in peers():
-                if quiet(p):
-                    nursery.start_soon(probe, p, silent)
-        if silent:
-            return silent
-        await trio.sleep(PROBE_EVERY)
+    async with trio.open_nursery() as patiently:
+        while not silent:
+            async with trio.open_nursery() as nursery:
+                for p in peers():
+                    if quiet(p):
+                        nursery.start_soon(probe, p)
+                    elif p not in patient:
+                        patient.add(p)
+                        patiently.start_soon(probe_patiently, p)
+            if not silent:
+                with trio.move_on_after(PROBE_EVERY):
+                    await found.wait()
+        patiently.cancel_scope.cancel()
+    return silent
 
 
 async def wait_stalled(host: Host, peers: Callable[[], Iterable[str]], quiet: Callable[[str], bool]) -> set[str]:
     """The other reading of an unanswered probe: from `PROBE_AFTER` on, every `PROBE_EVERY`,
     probe those of `peers()` whose heartbeats still arrive (not `quiet`); return the ones that
-    said nothing. Alive, by its heartbeats, yet deaf over our connection: the connection is
+    said nothing. Alive, by its heartbeats, yet deaf over our connection: the connection may be
     stalled (module docstring, "Stalled connections"); a fresh one may well pass."""
-    return await wait_silent(host, peers, lambda p: not quiet(p))
+
+    async def probe(peer: str, deaf: set[str]) -> None:
+        if await probe_where(host, peer, "", -1) is True and not quiet(peer):
+            deaf.add(peer)
+
+    await trio.sleep(PROBE_AFTER)
+    while True:
+        deaf: set[str] = set()
+        async with trio.open_nursery() as nursery:
+            for p in peers():
+                if not quiet(p):
+                    nursery.start_soon(probe, p, deaf)
+        if deaf:
+            return deaf
+        await trio.sleep(PROBE_EVERY)
 
 
 class SilentPeers:
     """The peers taken for silent (module docstring). `quiet(peer)`: whether its heartbeats
-    stopped reaching us (None: not known, the probe alone decides). Time is trio's clock."""
+    stopped reaching us (None: not known, the probe alone decides). `start_soon`: where a patient
+    probe of a peer whose heartbeats still arrive runs (None: such a peer is never taken for
+    silent). Time is trio's clock."""
 
-    def __init__(self, quiet: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self, quiet: Callable[[str], bool] | None = None, start_soon: Callable[..., None] | None = None
+    ) -> None:
         self.quiet = quiet
+        self.start_soon = start_soon
         self.marks: dict[str, float] = {}  # peer -> when it was last found silent
+        self.patient: set[str] = set()  # peers with a patient probe in flight
 
     async def probe(self, host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
         """Ask `peer` where it is; mark it silent if it says nothing and its heartbeats stopped,
-        forget the mark if it answers."""
+        forget the mark if it answers. If it says nothing while its heartbeats arrive, ask it
+        again patiently (`QUIET_S`), in the background: unanswered, it is marked all the same."""
         where = await probe_where(host, peer, tag, round_id)
         if isinstance(where, WhereReply):
             self.heard(peer)
             return where
-        if where is True and (self.quiet is None or self.quiet(peer)):
-            self.marks[peer] = trio.current_time()
+        if where is True:
+            if self.quiet is None or self.quiet(peer):
+                self.marks[peer] = trio.current_time()
+            elif self.start_soon is not None and peer not in self.patient:
+                self.patient.add(peer)
+                self.start_soon(self._probe_patiently, host, peer, tag, round_id)
         return None
+
+    async def _probe_patiently(self, host: Host, peer: str, tag: str, round_id: int) -> None:
+        try:
+            where = await probe_where(host, peer, tag, round_id, timeout=QUIET_S)
+            if where is True:
+                self.marks[peer] = trio.current_time()
+            elif isinstance(where, WhereReply):
+                self.heard(peer)
+        finally:
+            self.patient.discard(peer)
 
     def heard(self, peer: str) -> None:
         """`peer` spoke (a join, an answer): it is not silent."""
