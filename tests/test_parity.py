@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 from meshtrain.backoff import Backoff
 from meshtrain.crdt.entries import CrdtError
 from meshtrain.crdt.swarm_view import MAX_PHI_DIGESTS, PeerProgress
-from meshtrain.node.state.parity import MIN_SETTLE_S, AloneRounds, ParityMonitor, judge, phi_digest, winning_digest
+from meshtrain.node.state.parity import (
+    MIN_SETTLE_S,
+    AloneRounds,
+    BesideAlone,
+    ParityMonitor,
+    judge,
+    phi_digest,
+    winning_digest,
+)
 from meshtrain.optim.outer_round import RoundReport
 
 A, B, C, D = b"A" * 16, b"B" * 16, b"C" * 16, b"D" * 16
@@ -161,6 +169,27 @@ def test_rounds_alone_are_solo_only_while_a_partner_trains_and_is_connected():
     assert monitor.completed_alone(AloneRounds(survived=2), ["peer-b"]) is False
     status = monitor.status()
     assert status["alone_rounds"] == 11 and status["solo_rounds"] == 2 and status["survived_rounds"] == 2
+
+
+def test_a_trainer_that_carries_our_own_state_is_no_lineage_beside_our_round_alone():
+    """Rounds of 20 steps, window 80; we completed round 34800 alone. The trainers beside it:
+    a joiner that took our state of round 34780 20 ms before and has not trained past it
+    (stop 64's 30-minute soak: counted solo, though it was refused, withheld and re-synced);
+    one that took an older state of ours and trained on (it may hold a φ of its own now); one
+    that never took ours, in the round; one further behind than the window."""
+    steps = {"joiner": 34780, "older": 34790, "other": 34790, "far": 34700, "passed": 34810}
+    taken = {"joiner": 34780, "older": 34700, "passed": 34780}
+    beside = BesideAlone.of(steps, first=34800, window=80, period=20, taken=taken)
+    assert beside.ours == ("joiner",)
+    assert beside.behind == ("far",)
+    # "passed" took our state of the round before, but reports a step past the round: it
+    # completed the round without us, so may hold a φ of its own
+    assert beside.partners == ("older", "other", "passed")
+    monitor = ParityMonitor("me")
+    assert (
+        monitor.completed_alone(AloneRounds(formed=1), BesideAlone.of({"joiner": 34780}, 34800, 80, 20, taken).partners)
+        is False
+    )
 
 
 def test_rounds_alone_are_sorted_by_how_they_came_to_be():

@@ -118,6 +118,7 @@ async def test_joiner_gets_bit_identical_state_and_uses_every_donor():
         for d in donors:
             assert report.chunks_per_donor[d.host.peer_id] >= report.chunks // 6, report.chunks_per_donor
             assert d.bytes_served_to[joiner.id] >= report.bytes_per_donor[d.host.peer_id]
+            assert d.states_taken[joiner.id] == meta["step"]  # the joiner carries this donor's state
         assert not report.banned
         assert [t for _, t in seen] == [total] * len(seen)
         assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total

@@ -64,8 +64,10 @@ Invariants, measured from every node's `/status` (polled about once a second) an
   keeps one alive (above).
 - solo_rounds: rounds whose result was a node's own contribution alone, in a group of one from
   the start, while another trainer still trained (a fresh progress record), was connected to it
-  and was within the round window of the round (its status, `training.parity.solo_rounds`, summed
-  over lives): a lineage of its own beside a live one. A partner further behind re-syncs before
+  and was within the round window of the round, and did not carry the node's own state (it had
+  not just downloaded the node's state of the round before: node/state/parity.py `BesideAlone`)
+  (its status, `training.parity.solo_rounds`, summed over lives): a lineage of its own beside a
+  live one. A partner further behind re-syncs before
   it can share the round (node/state/parity.py). `survived_rounds`: rounds whose group retries shrank to the node — the partners the
   round dropped were told it failed for them, withhold their φ and re-sync, so no second φ exists.
   `alone_rounds`: all rounds whose result was its own alone while other trainers were in its view,

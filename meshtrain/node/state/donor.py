@@ -232,6 +232,9 @@ class StateDonor:
             "bytes_copied": 0,  # lent state copied at `reclaim` for a download straddling a round
         }
         self.bytes_served_to: dict[str, int] = {}
+        # peer -> the step of the newest of our states it fetched a chunk of (node/state/parity.py
+        # `BesideAlone`: a peer that carries our state is no lineage beside ours)
+        self.states_taken: dict[str, int] = {}
         host.rpc.serve(
             MANIFEST_RPC, self._serve_manifest, max_request=MAX_REQUEST_BYTES, handler_timeout=MANIFEST_HANDLER_TIMEOUT
         )
@@ -453,6 +456,7 @@ class StateDonor:
         self.stats["chunks_served"] += 1
         self.stats["bytes_served"] += end - start
         self.bytes_served_to[peer] = self.bytes_served_to.get(peer, 0) + end - start
+        self.states_taken[peer] = max(self.states_taken.get(peer, -1), snap.step)
         return {"sent": end - start}
 
     async def _send_chunk(

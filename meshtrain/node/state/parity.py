@@ -74,6 +74,13 @@ was a second φ so); with two or more left, their
 counts those in `parity_split_rounds`). A round alone whose partners' connections closed
 (killed: most of a 10-minute soak's 79 rounds alone were such) or whose partners stopped
 training is not solo: nobody else holds a φ for it (a killed peer re-syncs when it comes back).
+Nor is a round alone beside a trainer that carries our own state (`BesideAlone.ours`): it
+downloaded our state of the round before and has not passed the round since, so it can complete
+the round only with us (we are past it), in another group (whose members count as partners
+themselves) or alone (then withheld: the round ended beside us, who train outside it). A
+30-minute soak's only trainer, its rounds 0.1 s apart, completed its next round 20 ms after a
+restarted peer downloaded its state: counted solo, though the restart, refused, withheld and
+re-synced — it happened in most 30-minute soaks (stop 63's "benign solo class").
 A partner that went silent (SIGSTOP, a cut cable) is solo for as long as its progress stays
 fresh (~3 heartbeats), then gone for all we can tell: availability is chosen over a quorum — a
 lone survivor trains on, and when the silent side comes back the parity rule picks one lineage
@@ -134,6 +141,36 @@ class AloneRounds:
             else:
                 survived += 1
         return cls(formed, survived, failed)
+
+
+@dataclass(frozen=True)
+class BesideAlone:
+    """The trainers beside rounds we completed alone (`of`; module docstring, "Withheld and solo
+    rounds"): `partners` may hold a φ of their own for those rounds, `behind` cannot (further
+    behind than the round window: they re-sync first), `ours` carry our own state (they took it
+    from us for the round before and have not passed the round since)."""
+
+    partners: tuple[str, ...]
+    behind: tuple[str, ...]
+    ours: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, steps: Mapping[str, int], first: int, window: int, period: int, taken: Mapping[str, int]
+    ) -> BesideAlone:
+        """`steps`: the step each other trainer (training, connected to us) reports; `first`: the
+        first of the rounds alone (its round id, a step); `window`: the round window; `period`:
+        inner steps per round; `taken`: the step of the newest of our states each peer fetched
+        from us (node/state/donor.py `StateDonor.states_taken`)."""
+        partners, behind, ours = [], [], []
+        for peer, step in sorted(steps.items()):
+            if step < first - window:
+                behind.append(peer)
+            elif taken.get(peer, -1) >= first - period and step < first:
+                ours.append(peer)
+            else:
+                partners.append(peer)
+        return cls(tuple(partners), tuple(behind), tuple(ours))
 
 
 def phi_digest(outer_params: Mapping[str, torch.Tensor]) -> bytes:

@@ -71,7 +71,7 @@ from meshtrain.node.spec.config import NodeConfig
 from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, flatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.download import SwarmDownload
-from meshtrain.node.state.parity import PHI_WITHHELD, AloneRounds, ParityMonitor, phi_digest
+from meshtrain.node.state.parity import PHI_WITHHELD, AloneRounds, BesideAlone, ParityMonitor, phi_digest
 from meshtrain.node.trainer import TrainedState
 from meshtrain.optim.outer_round import RoundReport
 from meshtrain.transport.tensor_streams import TensorStreams
@@ -415,13 +415,19 @@ class RunState(Service):
             return
         # A partner further behind the rounds than the round window is refused in them (and a
         # coordinator fixes its group without it: collective/coordinator.py `_without_silent`):
-        # it re-syncs before it can share them, so holds no φ of its own for them.
-        reach = min(r.step for r in alone) - self.trainer.spec.round_window()
+        # it re-syncs before it can share them, so holds no φ of its own for them; nor does one
+        # that carries our own state (parity.py `BesideAlone`).
+        spec = self.trainer.spec
         training = self.presence.training_peers(connected=True)
-        partners = sorted(p for p, pr in training.items() if pr.step >= reach)
-        behind = sorted(p for p in training if p not in partners)
+        beside = BesideAlone.of(
+            {p: pr.step for p, pr in training.items()},
+            min(r.step for r in alone),
+            spec.round_window(),
+            spec.outer.H,
+            self.donor.states_taken,
+        )
         me = self.presence.me
-        solo = self.parity.completed_alone(AloneRounds.of(alone, me), partners)
+        solo = self.parity.completed_alone(AloneRounds.of(alone, me), beside.partners)
         completed = [r for r in alone if not r.error]  # a failure is logged where it fails
         if not completed:
             return
@@ -431,8 +437,9 @@ class RunState(Service):
                 step=completed[-1].step,
                 rounds=len(completed),
                 dropped=",".join(sorted(p[-8:] for r in completed for p in r.peers if p != me)),
-                partners=",".join(p[-8:] for p in partners),
-                behind=",".join(p[-8:] for p in behind),
+                partners=",".join(p[-8:] for p in beside.partners),
+                behind=",".join(p[-8:] for p in beside.behind),
+                ours=",".join(p[-8:] for p in beside.ours),
             )
         )
 
