@@ -170,6 +170,8 @@ async def test_a_state_declined_from_its_manifest_moves_no_bytes_and_the_next_ag
         with pytest.raises(OfferDeclined, match="step 16 is a round old"):
             await fetch_state(joiner.host, joiner.ts, ids(donors), accept=lambda o: f"step {o.step} is a round old")
         assert [sum(d.bytes_served_to.values()) for d in donors] == served  # not a byte more
+        # each donor knows the joiner asked for its newest state (it is fetching the swarm's state)
+        assert all(d.states_taken[joiner.id] == 16 for d in donors)
 
 
 async def test_download_straddling_a_round_boundary_finishes_the_older_round():

@@ -232,8 +232,9 @@ class StateDonor:
             "bytes_copied": 0,  # lent state copied at `reclaim` for a download straddling a round
         }
         self.bytes_served_to: dict[str, int] = {}
-        # peer -> the step of the newest of our states it fetched a chunk of (node/state/parity.py
-        # `BesideAlone`: a peer that carries our state is no lineage beside ours)
+        # peer -> the step of the newest of our states it asked for (a manifest: it is fetching
+        # the swarm's state) or fetched a chunk of (node/state/parity.py `BesideAlone`: a peer
+        # that carries, or is fetching, our state is no lineage beside ours)
         self.states_taken: dict[str, int] = {}
         host.rpc.serve(
             MANIFEST_RPC, self._serve_manifest, max_request=MAX_REQUEST_BYTES, handler_timeout=MANIFEST_HANDLER_TIMEOUT
@@ -396,6 +397,7 @@ class StateDonor:
             if len(packb(described)) <= MAX_MANIFEST_BYTES:  # else the joiner's inner state starts fresh
                 reply = described
         self.stats["manifests_served"] += 1
+        self._took(peer, max(snap.step for snap in snaps))
         return reply
 
     async def _serve_chunk(self, peer: str, request: Any) -> dict[str, Any]:
@@ -456,8 +458,11 @@ class StateDonor:
         self.stats["chunks_served"] += 1
         self.stats["bytes_served"] += end - start
         self.bytes_served_to[peer] = self.bytes_served_to.get(peer, 0) + end - start
-        self.states_taken[peer] = max(self.states_taken.get(peer, -1), snap.step)
+        self._took(peer, snap.step)
         return {"sent": end - start}
+
+    def _took(self, peer: str, step: int) -> None:
+        self.states_taken[peer] = max(self.states_taken.get(peer, -1), step)
 
     async def _send_chunk(
         self, peer: str, tag: str, snap: _Snapshot, start: int, end: int, chunk_digest: bytes

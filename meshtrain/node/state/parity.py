@@ -74,13 +74,15 @@ was a second φ so); with two or more left, their
 counts those in `parity_split_rounds`). A round alone whose partners' connections closed
 (killed: most of a 10-minute soak's 79 rounds alone were such) or whose partners stopped
 training is not solo: nobody else holds a φ for it (a killed peer re-syncs when it comes back).
-Nor is a round alone beside a trainer that carries our own state (`BesideAlone.ours`): it
-downloaded our state of the round before and has not passed the round since, so it can complete
-the round only with us (we are past it), in another group (whose members count as partners
-themselves) or alone (then withheld: the round ended beside us, who train outside it). A
-30-minute soak's only trainer, its rounds 0.1 s apart, completed its next round 20 ms after a
-restarted peer downloaded its state: counted solo, though the restart, refused, withheld and
-re-synced — it happened in most 30-minute soaks (stop 63's "benign solo class").
+Nor is a round alone beside a trainer that carries our own state, or is fetching it
+(`BesideAlone.ours`): it asked us for our state of the round before, or took it, and has not
+passed the round since, so it can complete the round only with us (we are past it), in another
+group (whose members count as partners themselves) or alone (then withheld: the round ended
+beside us, who train outside it). A 30-minute soak's only trainer, its rounds 0.1 s apart,
+completed its next round 20 ms after a restarted peer downloaded its state, and, in the same
+soak, another 60 ms before a restart's download of its state ended (the restart's progress
+record from its last life still fresh): both counted solo, though each restart, refused,
+withheld and re-synced — it happened in most 30-minute soaks (stop 63's "benign solo class").
 A partner that went silent (SIGSTOP, a cut cable) is solo for as long as its progress stays
 fresh (~3 heartbeats), then gone for all we can tell: availability is chosen over a quorum — a
 lone survivor trains on, and when the silent side comes back the parity rule picks one lineage
@@ -147,8 +149,9 @@ class AloneRounds:
 class BesideAlone:
     """The trainers beside rounds we completed alone (`of`; module docstring, "Withheld and solo
     rounds"): `partners` may hold a φ of their own for those rounds, `behind` cannot (further
-    behind than the round window: they re-sync first), `ours` carry our own state (they took it
-    from us for the round before and have not passed the round since)."""
+    behind than the round window: they re-sync first), `ours` carry our own state or are
+    fetching it (they asked us for our state of the round before, or took it, and have not
+    passed the round since)."""
 
     partners: tuple[str, ...]
     behind: tuple[str, ...]
@@ -160,8 +163,8 @@ class BesideAlone:
     ) -> BesideAlone:
         """`steps`: the step each other trainer (training, connected to us) reports; `first`: the
         first of the rounds alone (its round id, a step); `window`: the round window; `period`:
-        inner steps per round; `taken`: the step of the newest of our states each peer fetched
-        from us (node/state/donor.py `StateDonor.states_taken`)."""
+        inner steps per round; `taken`: the step of the newest of our states each peer asked us
+        for or fetched (node/state/donor.py `StateDonor.states_taken`)."""
         partners, behind, ours = [], [], []
         for peer, step in sorted(steps.items()):
             if step < first - window:
