@@ -11,8 +11,6 @@ partition heals. Real sockets, real kernels; the only user-space part is the cop
 
 from __future__ import annotations
 
-import itertools
-
 import trio
 
 
@@ -24,7 +22,6 @@ class FreezingRelay:
         self.port = 0
         self.opened = 0  # connections accepted so far
         self.frozen: set[int] = set()  # their numbers, from 0
-        self._numbers = itertools.count()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -37,8 +34,8 @@ class FreezingRelay:
         self.frozen.update(range(self.opened))
 
     async def _relay(self, client: trio.SocketStream) -> None:
-        number = next(self._numbers)
-        self.opened = number + 1
+        number = self.opened
+        self.opened += 1
         server = await trio.open_tcp_stream("127.0.0.1", self.target_port)
         async with client, server, trio.open_nursery() as nursery:
             nursery.start_soon(self._pump, number, client, server)

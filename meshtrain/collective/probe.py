@@ -160,10 +160,6 @@ async def wait_silent(
         silent.add(peer)
         found.set()
 
-    async def probe(peer: str) -> None:
-        if await probe_where(host, peer, tag, round_id) is True and quiet(peer):
-            taken(peer)
-
     async def probe_patiently(peer: str) -> None:
         try:
             if await probe_where(host, peer, tag, round_id, timeout=QUIET_S) is True:
@@ -176,13 +172,11 @@ async def wait_silent(
     await trio.sleep(PROBE_AFTER)
     async with trio.open_nursery() as patiently:
         while not silent:
-            async with trio.open_nursery() as nursery:
-                for p in peers():
-                    if quiet(p):
-                        nursery.start_soon(probe, p)
-                    elif p not in patient:
-                        patient.add(p)
-                        patiently.start_soon(probe_patiently, p)
+            for p in peers():
+                if not quiet(p) and p not in patient:
+                    patient.add(p)
+                    patiently.start_soon(probe_patiently, p)
+            silent |= await _unanswered(host, peers, quiet, tag, round_id)
             if not silent:
                 with trio.move_on_after(PROBE_EVERY):
                     await found.wait()
@@ -195,21 +189,28 @@ async def wait_stalled(host: Host, peers: Callable[[], Iterable[str]], quiet: Ca
     probe those of `peers()` whose heartbeats still arrive (not `quiet`); return the ones that
     said nothing. Alive, by its heartbeats, yet deaf over our connection: the connection may be
     stalled (module docstring, "Stalled connections"); a fresh one may well pass."""
-
-    async def probe(peer: str, deaf: set[str]) -> None:
-        if await probe_where(host, peer, "", -1) is True and not quiet(peer):
-            deaf.add(peer)
-
     await trio.sleep(PROBE_AFTER)
-    while True:
-        deaf: set[str] = set()
-        async with trio.open_nursery() as nursery:
-            for p in peers():
-                if not quiet(p):
-                    nursery.start_soon(probe, p, deaf)
-        if deaf:
-            return deaf
+    while not (deaf := await _unanswered(host, peers, lambda p: not quiet(p), "", -1)):
         await trio.sleep(PROBE_EVERY)
+    return deaf
+
+
+async def _unanswered(
+    host: Host, peers: Callable[[], Iterable[str]], which: Callable[[str], bool], tag: str, round_id: int
+) -> set[str]:
+    """One pass: probe those of `peers()` for which `which` holds, at once; return those that said
+    nothing in `PROBE_EVERY` (`probe_where` True) and for which `which` still holds then."""
+    found: set[str] = set()
+
+    async def probe(peer: str) -> None:
+        if await probe_where(host, peer, tag, round_id) is True and which(peer):
+            found.add(peer)
+
+    async with trio.open_nursery() as nursery:
+        for p in peers():
+            if which(p):
+                nursery.start_soon(probe, p)
+    return found
 
 
 class SilentPeers:
