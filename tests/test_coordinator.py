@@ -1306,8 +1306,8 @@ async def test_a_peer_that_heartbeats_but_answers_no_probe_for_quiet_s_is_silent
     still arrive but that leaves a patient probe unanswered for `QUIET_S` is silent all the same:
     the group is fixed without it then, not at the deadline."""
     fixed, c = await abc_joined_beside_d(SilentRpc({}, silent={"d"}), quiet=lambda p: False)
-    # the first probe (PROBE_AFTER) times out after PROBE_EVERY, the patient one after QUIET_S;
-    # the probe pass under way then ends a probe later, and acts on it — 12 s, not the 30 s
-    # deadline (scripts/bench/bench_silence.py measures it against real stopped processes)
-    assert fixed <= PROBE_AFTER + PROBE_EVERY + QUIET_S + PROBE_EVERY + CONFIG.liveness_interval
+    # the patient probe goes out with the first one (PROBE_AFTER) and times out after QUIET_S: 9 s,
+    # not the 30 s deadline, nor the 12 s of a patient probe sent only once the first one had
+    # timed out (scripts/bench/bench_silence.py measures it against real stopped processes)
+    assert fixed < PROBE_AFTER + PROBE_EVERY + QUIET_S
     assert set(c.silent.marks) == {"d"}

@@ -34,9 +34,10 @@ and left unanswered, it is silent all the same. A live peer on a saturated link 
 it, as its heartbeats would arrive within it; one whose loop is alive answers at once. The
 patient probe is one RPC per watched peer at a time — no background traffic, nothing that grows
 with the swarm — and where heartbeats are frequent the heartbeat rule fires first (the patient
-one starts only after a probe went unanswered while the heartbeats still arrived), so a small
-swarm's behaviour is unchanged but for a peer deaf over our connection while its heartbeats
-arrive (below), which is silent after `QUIET_S` rather than at the deadline.
+probe goes out with the first one, `PROBE_AFTER` into a wait, so its verdict comes 9 s in; the
+heartbeat rule's, 4–7 s after the stop), so a small swarm's behaviour is unchanged but for a
+peer deaf over our connection while its heartbeats arrive (below), which is silent after
+`QUIET_S` rather than at the deadline.
 
 What each side does with it. The coordinator fixes a round's group without missing peers that are
 all silent (or past the round), provided two or more joined and they are a majority of the peers
@@ -229,18 +230,18 @@ class SilentPeers:
 
     async def probe(self, host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
         """Ask `peer` where it is; mark it silent if it says nothing and its heartbeats stopped,
-        forget the mark if it answers. If it says nothing while its heartbeats arrive, ask it
-        again patiently (`QUIET_S`), in the background: unanswered, it is marked all the same."""
+        forget the mark if it answers. While its heartbeats arrive, ask it patiently too
+        (`QUIET_S`), in the background, from this first probe on (unless such a probe is out):
+        unanswered, it is marked all the same."""
+        if self.quiet is not None and self.start_soon is not None and peer not in self.patient and not self.quiet(peer):
+            self.patient.add(peer)
+            self.start_soon(self._probe_patiently, host, peer, tag, round_id)
         where = await probe_where(host, peer, tag, round_id)
         if isinstance(where, WhereReply):
             self.heard(peer)
             return where
-        if where is True:
-            if self.quiet is None or self.quiet(peer):
-                self.marks[peer] = trio.current_time()
-            elif self.start_soon is not None and peer not in self.patient:
-                self.patient.add(peer)
-                self.start_soon(self._probe_patiently, host, peer, tag, round_id)
+        if where is True and (self.quiet is None or self.quiet(peer)):
+            self.marks[peer] = trio.current_time()
         return None
 
     async def _probe_patiently(self, host: Host, peer: str, tag: str, round_id: int) -> None:

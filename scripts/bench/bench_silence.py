@@ -22,10 +22,11 @@ Here the last heartbeat arrived a fraction of an interval before the stop (trial
 peers. Two modes, side by side at each size: `patient` (the coordinator as it is) and
 `heartbeats_only` (its `SilentPeers` without the patient probe: how it was before).
 
-Targets: with the patient probe, `fixed_s` at most `PROBE_AFTER + 2 × PROBE_EVERY + QUIET_S`
-(13 s: one probe unanswered, the patient one, and the probe pass under way then, whose end the
-coordinator acts at; about 12 s measured) at every size (`targets_met`); before, it grows with
-the heartbeat interval up to the join deadline (30 s).
+Targets: with the patient probe, `fixed_s` at most `PROBE_AFTER + PROBE_EVERY + QUIET_S`
+(11 s: the patient probe goes out with the first one and is given `QUIET_S`, and the coordinator
+may act on it at the end of the probe pass under way then; 12 s before the patient probe went out
+with the first, stop 66) at every size (`targets_met`); before the patient probe, it grows with the
+heartbeat interval up to the join deadline (30 s).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from meshtrain.node.presence import QUIET_BEATS  # noqa: E402
 from meshtrain.transport.host import Host  # noqa: E402
 from meshtrain.transport.identity import Identity  # noqa: E402
 
-TARGET_S = PROBE_AFTER + 2 * PROBE_EVERY + QUIET_S
+TARGET_S = PROBE_AFTER + PROBE_EVERY + QUIET_S
 
 
 async def child() -> None:
