@@ -1,11 +1,16 @@
 """What a restarted node's presence (node/presence.py) takes from its last life, with real hosts
-on loopback: its own progress record, handed back by a peer, is not a sign that this life trains.
+on loopback: its progress record of the last life is not a sign that this life trains, to
+itself or to its peers.
 
 The coordinator waits for its own trainer while it trains (`reported_step` of ourselves: a fresh
 progress record) and goes on without it once it fetches a state (collective/coordinator.py
 `_own_trainer_away`). A record from our last life, replicated back to us by a peer, is dated
 fresh as it arrives; read as this life's, it made a restarted coordinator that was still
-downloading look like one that trains.
+downloading look like one that trains. To its peers the same record stayed fresh for a few
+heartbeats after the restart (it was rewritten every heartbeat while the peer trained): the
+only other trainer's round then counted as a solo round beside a live trainer (a 30-minute
+soak's fourth solo round, stop 64), and a coordinator took the restart for a peer about to join.
+The membership record of each life now says when it began (swarm_records.py, "A peer's life").
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ async def test_our_progress_record_from_a_last_life_is_not_this_lifes(tmp_path) 
         assert a.view is not None
         await until(lambda: (r := a.view.progress_of(a.me)) is not None and r.step == 40, "b to hand back a's record")
         assert a.reported_step(a.me) is None  # fresh as it arrived, but not this life's
-        assert b.reported_step(a.me) == 40  # to others it is a's record as ever (`_fresh` judges it)
+        await until(lambda: b.view.life_of(a.me) == a.started_ms, "a's membership record of this life to reach b")
+        assert b.reported_step(a.me) is None  # to b too: still fresh by b's clock, but of a's last life
+        assert a.me not in b.training_peers(connected=False)
         a.view.report_progress(step=44, outer_round=5)
         await until(lambda: a.reported_step(a.me) == 44, "a's record of this life")
+        await until(lambda: b.reported_step(a.me) == 44, "a's record of this life to reach b")
+        assert a.me in b.training_peers(connected=False)

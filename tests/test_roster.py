@@ -2,7 +2,8 @@
 roster from the round its membership record announces (`in_from`), so every peer computes a
 round's groups from the same trainers whenever the record reached it; the joiner picks that round
 a lead ahead, in time converted to rounds; the record's field is untrusted input, checked alike on
-every peer, and a record without it (a peer that predates it) is in from round 0."""
+every peer, and a record without it (a peer that predates it) is in from round 0. The record's
+other capability field, when the peer's life began (`life`), is checked and read alike."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from hypothesis import strategies as st
 
 from meshtrain.collective.groups import GroupPlan, in_roster
 from meshtrain.crdt import CrdtError, Replica, SwarmView, swarm_specs
-from meshtrain.crdt.swarm_records import IN_FROM, INT64_MAX, MEMBERSHIP, check_membership, peer_info
-from meshtrain.crdt.types import LWWRegister
+from meshtrain.crdt.swarm_records import IN_FROM, INT64_MAX, LIFE, MEMBERSHIP, check_membership, peer_info
+from meshtrain.crdt.types import LWWRegister, now_ms
 from meshtrain.node.connections import ConnectionPlan
 from meshtrain.node.roster import (
     MAX_LEAD_ROUNDS,
@@ -155,10 +156,19 @@ def test_a_records_roster_round_is_read_once_into_peer_info(in_from):
     assert info.capabilities == {"pow": 7}  # parsed out of the capabilities, not left in them
 
 
-def test_a_record_without_the_field_is_in_from_round_0():
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, INT64_MAX), st.integers(0, INT64_MAX))
+def test_a_records_life_is_read_once_into_peer_info_beside_its_roster_round(life, in_from):
+    entry = entry_with({"pow": 7, LIFE: life, IN_FROM: in_from})
+    check_membership(entry)
+    info = peer_info(entry)
+    assert (info.life_ms, info.in_from, info.capabilities) == (life, in_from, {"pow": 7})
+
+
+def test_a_record_without_the_fields_is_in_from_round_0_of_an_unknown_life():
     entry = entry_with({"pow": 7})
     check_membership(entry)
-    assert peer_info(entry).in_from == 0
+    assert (peer_info(entry).in_from, peer_info(entry).life_ms) == (0, 0)
 
 
 HOSTILE = st.one_of(  # what msgpack can carry, and a peer sign
@@ -173,11 +183,12 @@ HOSTILE = st.one_of(  # what msgpack can carry, and a peer sign
 )
 
 
+@pytest.mark.parametrize("field", [IN_FROM, LIFE])
 @settings(max_examples=300, deadline=None)
-@given(HOSTILE)
-def test_a_hostile_roster_round_refuses_the_record_cleanly(value):
-    with pytest.raises(CrdtError, match="in_from"):
-        check_membership(entry_with({IN_FROM: value}))
+@given(value=HOSTILE)
+def test_a_hostile_roster_round_or_life_refuses_the_record_cleanly(field, value):
+    with pytest.raises(CrdtError, match=field):
+        check_membership(entry_with({field: value}))
 
 
 async def test_the_view_writes_the_field_only_when_it_is_set():
@@ -195,6 +206,25 @@ async def test_the_view_writes_the_field_only_when_it_is_set():
         assert entry.body[1]["caps"] == {"gpu": "x", IN_FROM: 420}
         assert peer_info(entry).in_from == 420 and view.capabilities == {"gpu": "x"}
         assert [p.in_from for p in view.live_peers()] == [420]
+        view.life_ms = started = now_ms()
+        view.heartbeat()
+        assert replica.crdt(MEMBERSHIP).entry(view.me).body[1]["caps"] == {"gpu": "x", IN_FROM: 420, LIFE: started}
+        assert view.life_of(view.me) == started and view.life_of("12D3KooWnobody") == 0
+
+
+async def test_a_life_is_lowered_with_a_clock_set_back_before_it():
+    """A clock set back below the life's start would date every later record of ours before it
+    (of a last life, to every reader): the next heartbeat lowers the life to the clock."""
+    async with AsyncExitStack() as stack:
+        (host,) = await start_hosts(stack, 1)
+        replica = await stack.enter_async_context(Replica(host, SWARM, swarm_specs(host.peer_id)))
+        view = await stack.enter_async_context(SwarmView(replica, host.peer_id))
+        view.life_ms = now_ms() + 3_600_000  # as if our clock had just been set back an hour
+        view.heartbeat()
+        view.report_progress(step=1, outer_round=0, announce=True)
+        view.heartbeat()
+        progress = view.progress_of(view.me)
+        assert progress is not None and view.life_of(view.me) <= progress.updated_ms
 
 
 # --- whom a node connects to ----------------------------------------------------------------------

@@ -57,7 +57,7 @@ that owner.
 Wire. A record entry's body is `[timestamp_ms, record]` (the register's timestamp: for membership,
 the heartbeat time), the record a msgpack map:
 
-    membership: {"addrs": [str, ...], "role": str, "caps": {..., "in_from": int?}, "conn": str,
+    membership: {"addrs": [str, ...], "role": str, "caps": {..., "in_from": int?, "life": int?}, "conn": str,
                  "lease": int ms, "left": bool}
     progress:   {"step": int, "samples": int, "round": int, "phi": [[round, digest], ...]?}
     metrics:    {name: number, ...}
@@ -73,12 +73,21 @@ versions could not share a swarm; a capability it stores, spreads and ignores. W
 it is not 0 (a record without it is in from round 0: a peer that predates it, a founder, any
 trainer of an ungrouped swarm), so those records are exactly what they were.
 
+A peer's life (`life`, every membership record of a node). When this life of the peer began, in
+ms on its own clock (`PeerInfo.life_ms`): its other records dated before that were written in an
+earlier life — both dates are on its clock, so a skewed clock does not matter. A restarted peer's
+progress record from its last life reads as fresh for a few heartbeats more (it was rewritten
+every heartbeat while it trained); read as "it trains", it made a restart that was still starting
+or downloading a trainer beside whom another's round alone was a lineage of its own, and a round's
+coordinator wait for it as for one about to join (node/presence.py `training_peers`). In the
+capabilities map for the reason above; 0 (absent): not known, every record counts as this life's.
+
 Failures. Record bodies are checked (`check_membership`, `check_progress`, `check_metrics`,
 `check_strikes`: the same rules on every peer) before merging, so a malformed record is rejected
 everywhere, never half-read: exactly the keys above (metric names are free), labels of at most
 `MAX_LABEL_CHARS`, at most `MAX_ADDRS` addresses, `MAX_CAPABILITIES_BYTES` of capabilities,
 `MAX_METRICS` metrics and `MAX_PHI_DIGESTS` φ digests (rounds strictly increasing), counts in
-0..2**63-1 (a capabilities map's `in_from` too), a lease in `MIN_LEASE_MS`..`MAX_LEASE_MS`. A bad
+0..2**63-1 (a capabilities map's `in_from` and `life` too), a lease in `MIN_LEASE_MS`..`MAX_LEASE_MS`. A bad
 record raises `CrdtError`.
 
 Not here: writing, heartbeating and reading the records, admission and the replica's `keep` gate
@@ -116,6 +125,7 @@ MAX_PHI_DIGESTS = 8  # φ digests a progress record carries (the last rounds)
 MAX_DIGEST_BYTES = 64
 INT64_MAX = (1 << 63) - 1
 IN_FROM = "in_from"  # the membership capability that carries the round id a trainer is in the roster from
+LIFE = "life"  # the membership capability that carries when this life of the peer began (ms, its clock)
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,7 @@ class PeerInfo:
     left: bool
     seq: int  # the record's entry seq: grows across the peer's restarts
     in_from: int = 0  # the round id from which it is in the roster (module docstring; 0: from the start)
+    life_ms: int = 0  # when this life of the peer began, on its clock (module docstring; 0: not known)
 
 
 @dataclass(frozen=True)
@@ -279,8 +290,9 @@ def check_membership(entry: SignedEntry) -> None:
     require_label(rec["conn"], "connection type")
     if not isinstance(rec["caps"], dict) or len(packb(rec["caps"])) > MAX_CAPABILITIES_BYTES:
         raise CrdtError(f"caps must be a map of at most {MAX_CAPABILITIES_BYTES} encoded bytes")
-    if IN_FROM in rec["caps"]:
-        require_count(rec["caps"][IN_FROM], "in_from")
+    for key in (IN_FROM, LIFE):
+        if key in rec["caps"]:
+            require_count(rec["caps"][key], key)
     if not isinstance(rec["left"], bool):
         raise CrdtError("left must be a bool")
 
@@ -354,6 +366,7 @@ def peer_info(entry: SignedEntry) -> PeerInfo:
         left=rec["left"],
         seq=entry.seq,
         in_from=caps.pop(IN_FROM, 0),
+        life_ms=caps.pop(LIFE, 0),
     )
 
 

@@ -85,6 +85,7 @@ from meshtrain.crdt.strikes import MAX_STRIKES, Strike, StrikeRecord, record_of
 from meshtrain.crdt.swarm_records import (
     CONFIG,
     IN_FROM,
+    LIFE,
     MAX_ADDRS,
     MAX_CAPABILITIES_BYTES,
     MAX_LEASE_MS,
@@ -150,7 +151,9 @@ class SwarmView(Service):
     - `role`, `capabilities`, `connection`: what this peer announces in its membership record
       (`capabilities` is a small msgpack map, e.g. {"gpu": "A100", "vram_gib": 80}); so does the
       attribute `in_from`, the round id from which a trainer is in the roster (0 by default:
-      swarm_records.py, "The roster round"), set like `role` and written with the next heartbeat.
+      swarm_records.py, "The roster round"), set like `role` and written with the next heartbeat,
+      and the attribute `life_ms`, when this life of the peer began (swarm_records.py, "A peer's
+      life"; 0 by default: not said), lowered with our clock if the clock is set back before it.
     - `addrs`: addresses to announce (default: the host's).
     - `heartbeat_interval`, `ttl`: the shortest heartbeat interval and the lease at that
       interval (seconds); both stretch as the swarm grows, up to `max_heartbeat_interval`, to
@@ -206,6 +209,8 @@ class SwarmView(Service):
         self.connection = require_label(connection, "connection type")
         # The round id from which we are in the roster (swarm_records.py; node/roster.py sets it).
         self.in_from = 0
+        # When this life of ours began, ms on our clock (swarm_records.py, "A peer's life"; 0: not said).
+        self.life_ms = 0
         self._addrs = list(addrs) if addrs is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.max_heartbeat_interval = max_heartbeat_interval
@@ -322,16 +327,19 @@ class SwarmView(Service):
 
     def _write_membership(self, *, left: bool) -> SignedEntry | None:
         lease_ms = round(self.current_interval() * self.ttl / self.heartbeat_interval * 1000)
+        ts = now_ms()
+        if ts < self.life_ms:  # our clock was set back: our next records must not predate this life
+            self.life_ms = ts
+        # The roster round and our life ride in the capabilities, and only when set (swarm_records.py).
+        extra = {k: v for k, v in ((IN_FROM, self.in_from), (LIFE, self.life_ms)) if v}
         record = {
             "addrs": self.announced_addrs[:MAX_ADDRS],
             "role": self.role,
-            # The roster round rides in the capabilities, and only when set (swarm_records.py).
-            "caps": {**self.capabilities, IN_FROM: self.in_from} if self.in_from else self.capabilities,
+            "caps": {**self.capabilities, **extra} if extra else self.capabilities,
             "conn": self.connection,
             "lease": lease_ms,
             "left": left,
         }
-        ts = now_ms()
         return self.replica.write(MEMBERSHIP, lambda c, me: c.set(me, record, timestamp=ts))
 
     def set_connection(self, connection: str, addrs: Iterable[str] | None = None) -> None:
@@ -466,6 +474,12 @@ class SwarmView(Service):
             for e in self.replica.crdt(PROGRESS).entries()
             if admitted is None or e.owner in admitted
         }
+
+    def life_of(self, peer_id: str) -> int:
+        """When `peer_id`'s life began, ms on its clock, as its latest membership record says (0:
+        not said, or no record): a record of it dated before that is from an earlier life."""
+        entry = self.replica.crdt(MEMBERSHIP).entry(peer_id)
+        return 0 if entry is None else entry.body[1]["caps"].get(LIFE, 0)
 
     def progress_of(self, peer_id: str) -> PeerProgress | None:
         """`peer_id`'s latest progress record if it is admitted (`progress()` for one peer: a

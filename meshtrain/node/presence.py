@@ -288,6 +288,7 @@ class PeerPresence(Service):
             admit=self._admits,
             keep=self._keeps,
         )
+        view.life_ms = self.started_ms  # our records of a last life are then told apart (`training_peers`)
         # Before the view recovers the swarm's state: the gate reads the owner's run-time allows.
         self.admission.view = view
         self.view = await stack.enter_async_context(view)
@@ -448,17 +449,23 @@ class PeerPresence(Service):
 
     def training_peers(self, *, connected: bool) -> dict[str, PeerProgress]:
         """Trainers other than us that train *now*: their progress record is fresh (a training
-        node refreshes it every heartbeat). A trainer that is starting or downloading — perhaps
-        restarted, its record left over from its last life — does not count: after the last
-        training peer died, restarted nodes waited on each other's stale records for minutes."""
+        node refreshes it every heartbeat) and of this life. A trainer that is starting or
+        downloading — perhaps restarted, its record left over from its last life — does not
+        count: after the last training peer died, restarted nodes waited on each other's stale
+        records for minutes; and a record of a last life stays fresh for a few heartbeats after
+        the restart, when a round alone beside the restart was taken for a lineage of its own."""
         view = self._view()
         peers = set(self.candidates() if connected else self.trainers()) - {self.me}
         at = time.monotonic()
-        return {p: pr for p, pr in view.progress().items() if p in peers and self._fresh(view, p, at)}
+        return {p: pr for p, pr in view.progress().items() if p in peers and self._trains(view, pr, at)}
 
-    @staticmethod
-    def _fresh(view: SwarmView, peer: str, at: float) -> bool:
-        """Whether `peer`'s progress record was refreshed within a few heartbeats (it trains now)."""
+    def _trains(self, view: SwarmView, record: PeerProgress, at: float) -> bool:
+        """Whether `record` says its peer trains now: written in the peer's present life (its
+        membership record's `life_ms`, ours `started_ms`; swarm_records.py, "A peer's life") and
+        refreshed within a few heartbeats."""
+        peer = record.peer_id
+        if record.updated_ms < (self.started_ms if peer == self.me else view.life_of(peer)):
+            return False
         age = view.age(PROGRESS, peer, at)
         return age is not None and age <= PROGRESS_FRESH_BEATS * view.current_interval() + 5.0
 
@@ -469,16 +476,14 @@ class PeerPresence(Service):
 
     def reported_step(self, peer: str) -> int | None:
         """The inner step `peer` reports in the swarm's progress records while it trains (None:
-        no fresh record — a peer restarted from an older checkpoint must not be taken for past a
-        round by the record of its last life). Ours only once this life wrote it: held from our
-        last life, it is dated fresh when the view starts, and our coordinator would take our
+        no fresh record of its present life — a peer restarted from an older checkpoint must not
+        be taken for past a round by the record of its last life). Ours too: held from our last
+        life, it is dated fresh when the view starts, and our coordinator would take our
         trainer, fetching a state, for one that trains (collective/coordinator.py
         `_own_trainer_away`)."""
         view = self._view()
         record = view.progress_of(peer)
-        if record is None or (peer == self.me and record.updated_ms < self.started_ms):
-            return None
-        return record.step if self._fresh(view, peer, time.monotonic()) else None
+        return record.step if record is not None and self._trains(view, record, time.monotonic()) else None
 
     def front_step(self) -> int | None:
         """The furthest step a connected peer training now reports (None: nobody)."""

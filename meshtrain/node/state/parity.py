@@ -83,6 +83,10 @@ completed its next round 20 ms after a restarted peer downloaded its state, and,
 soak, another 60 ms before a restart's download of its state ended (the restart's progress
 record from its last life still fresh): both counted solo, though each restart, refused,
 withheld and re-synced — it happened in most 30-minute soaks (stop 63's "benign solo class").
+A restart that has not asked anyone for a state yet is no trainer at all: its membership record
+says when its life began, and its progress record of the last life, fresh for a few heartbeats
+more, no longer counts as training (node/presence.py `training_peers`; stop 64's fourth solo
+round was such a restart).
 A partner that went silent (SIGSTOP, a cut cable) is solo for as long as its progress stays
 fresh (~3 heartbeats), then gone for all we can tell: availability is chosen over a quorum — a
 lone survivor trains on, and when the silent side comes back the parity rule picks one lineage
