@@ -13,7 +13,7 @@ import trio.testing
 
 from meshtrain.collective.coordinator import OWN_TRAINER_WAIT, Coordinator
 from meshtrain.collective.own_rounds import OwnRounds
-from meshtrain.collective.probe import QUIET_S
+from meshtrain.collective.probe import QUIET_S, WATCH_EVERY
 from meshtrain.collective.protocol import (
     DONE,
     FAIL,
@@ -1289,14 +1289,15 @@ async def test_a_peer_that_answers_late_but_still_heartbeats_is_waited_for(autoj
     assert ("d", WhereRequest("", 7)) in rpc.asked and not c.silent.marks
 
 
-async def test_a_peer_asked_patiently_whose_heartbeats_then_stop_is_found_at_a_probes_pace(autojump_clock):
+async def test_a_peer_whose_heartbeats_stop_while_a_probe_is_out_is_silent_at_once(autojump_clock):
     """In a small swarm heartbeats tell sooner than a patient probe: d leaves the first probe
-    unanswered while its last heartbeat is still recent, and is asked patiently; its heartbeats
-    stop 5 s into the round, and the probe passes still ask it every 2 s — the group is fixed at
-    8 s, not when the patient probe runs out (11 s)."""
+    unanswered while its last heartbeat is still recent; its heartbeats stop 5 s into the round,
+    and the probe out since 2 s makes it silent then — the group is fixed at once (5.5 s), not at
+    the end of the next probe sent after its heartbeats stopped (8 s, until stop 66), nor when the
+    patient probe runs out (9 s)."""
     t0 = trio.current_time()
     fixed, _ = await abc_joined_beside_d(SilentRpc({}, silent={"d"}), quiet=lambda p: trio.current_time() - t0 > 5.0)
-    assert fixed <= PROBE_AFTER + 3 * PROBE_EVERY + CONFIG.liveness_interval
+    assert fixed <= 5.0 + WATCH_EVERY + 2 * CONFIG.liveness_interval
 
 
 async def test_a_peer_that_heartbeats_but_answers_no_probe_for_quiet_s_is_silent(autojump_clock):

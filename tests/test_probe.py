@@ -16,7 +16,7 @@ import trio
 
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, DataPhase
-from meshtrain.collective.probe import LATE_S, QUIET_S, Whereabouts, probe_where
+from meshtrain.collective.probe import LATE_S, QUIET_S, WATCH_EVERY, Whereabouts, probe_where, wait_silent
 from meshtrain.collective.protocol import (
     PROBE_AFTER,
     PROBE_EVERY,
@@ -56,6 +56,21 @@ async def test_an_unanswered_probe_may_be_silence_but_not_when_our_own_loop_ran_
             await trio.sleep(0.1)  # sleep: the probe is out
             time.sleep(PROBE_EVERY + 2 * LATE_S)  # sleep: blocks our loop past the deadline, what is tested
         assert verdict == [False]
+
+
+async def test_a_probe_out_before_the_heartbeats_stop_makes_the_peer_silent_as_they_stop():
+    """Silence is a probe unanswered for `PROBE_EVERY` and heartbeats stopped — in either order.
+    Until stop 66 only a probe sent once the heartbeats had stopped counted, so a peer stopped a
+    moment after its last heartbeat was found at the end of the next probe, up to 4 s after the
+    heartbeat rule (an H 100 soak's data phase: 9.4 s after the stop). Here the heartbeats stop
+    5 s into the watch, a probe having been out since 2 s: silent at 5 s and a look."""
+    async with AsyncExitStack() as stack:
+        us, them = await connected_peers(stack, 2)
+        them.host.rpc.serve(WHERE_RPC, stopped)
+        t0 = trio.current_time()
+        silent = await wait_silent(us.host, lambda: [them.id], lambda p: trio.current_time() - t0 > 5.0)
+        assert silent == {them.id}
+        assert trio.current_time() - t0 < 5.0 + WATCH_EVERY + LATE_S  # before: 8 s (a probe from 6 s)
 
 
 @pytest.mark.parametrize("heartbeats", ["stopped", "sparse"])

@@ -298,9 +298,16 @@ class Coordinator:
             if (where := await self.silent.probe(self.host, peer, r.key.tag, round_id)) is not None:
                 answers[peer] = where
 
+        async def cut_short(scope: trio.CancelScope) -> None:
+            await self.silent.next_mark()  # a peer found silent meanwhile: act on it now
+            scope.cancel()
+
         async with trio.open_nursery() as nursery:
-            for p in missing:
-                nursery.start_soon(ask, p)
+            nursery.start_soon(cut_short, nursery.cancel_scope)
+            async with trio.open_nursery() as asks:
+                for p in missing:
+                    asks.start_soon(ask, p)
+            nursery.cancel_scope.cancel()
         if r.group_fixed.is_set():
             return
         reported = self.reported_step

@@ -18,34 +18,39 @@ Design. Two signals, both needed, from two planes:
   membership record from it for two heartbeat intervals (+1 s) by our monotonic clock. A live
   peer on a saturated uplink may answer a probe late — a home link's buffers hold seconds of
   data — but its small heartbeats still arrive.
-A peer whose probe timed out while its heartbeats stopped is *silent* (`SilentPeers`): for
-`SILENT_KEEP_S`, or until it is heard from (it joins a round, or answers a probe). Without
-`quiet` (a collective used without a node's presence) the probe alone decides.
+A peer that leaves a probe unanswered for `PROBE_EVERY` while its heartbeats have stopped is
+*silent* (`SilentPeers`): for `SILENT_KEEP_S`, or until it is heard from (it joins a round, or
+answers a probe). Without `quiet` (a collective used without a node's presence) the probe alone
+decides. The probe need not have gone out after the heartbeats stopped: one out `PROBE_EVERY`
+unanswered looks at the peer's heartbeats every `WATCH_EVERY` from then on (`ask_patiently`),
+so the peer is silent as soon as they are found stopped — 4–7 s after a stop at 3 s beats.
+Until stop 66 a probe only counted if it was sent to a peer already quiet and timed out after
+that, up to 4 s later: a 10-minute soak's data phase took its member, stopped as the round
+began, for silent 9.4 s after the stop.
 
 Sparse heartbeats. Heartbeats come every 3 s only in a swarm of up to 12 peers: the interval
 stretches with the swarm so that gossip stays O(log N) per peer (crdt/heartbeat_rate.py), to
 10.7 s at 64 peers and 32 s at 256, and "two intervals + 1 s" with it, to 22 s and 65 s. A
 stopped peer's last heartbeat then stays recent for longer than the deadlines it should cut
 short: in a large swarm a stopped partner held its group's round to the join deadline (30 s)
-or the part deadline (20 s) every time — silence was detected where it mattered least. So a
-peer whose heartbeats still arrive but that leaves a probe unanswered is asked again
-*patiently*: one probe given `QUIET_S` (7 s, the heartbeat rule's own window at 3 s beats),
-and left unanswered, it is silent all the same. A live peer on a saturated link answers within
-it, as its heartbeats would arrive within it; one whose loop is alive answers at once. The
-patient probe is one RPC per watched peer at a time — no background traffic, nothing that grows
-with the swarm — and where heartbeats are frequent the heartbeat rule fires first (the patient
-probe goes out with the first one, `PROBE_AFTER` into a wait, so its verdict comes 9 s in; the
-heartbeat rule's, 4–7 s after the stop), so a small swarm's behaviour is unchanged but for a
-peer deaf over our connection while its heartbeats arrive (below), which is silent after
-`QUIET_S` rather than at the deadline.
+or the part deadline (20 s) every time — silence was detected where it mattered least. So every
+probe is *patient*: it is given `QUIET_S` (7 s, the heartbeat rule's own window at 3 s beats),
+and left unanswered that long, the peer is silent whatever its heartbeats. A live peer on a
+saturated link answers within it, as its heartbeats would arrive within it; one whose loop is
+alive answers at once. One probe per watched peer at a time, the next `PROBE_EVERY` after an
+answer — no background traffic, nothing that grows with the swarm. Where heartbeats are
+frequent the heartbeat rule decides first (4–7 s after a stop; the patient probe, sent
+`PROBE_AFTER` into a wait, 9 s in), so a small swarm's only change is a peer deaf over our
+connection while its heartbeats arrive (below), silent after `QUIET_S` rather than at the
+deadline.
 
 What each side does with it. The coordinator fixes a round's group without missing peers that are
 all silent (or past the round), provided two or more joined and they are a majority of the peers
 not silent (coordinator.py `_without_silent`), and later rounds do so as soon as everyone else
 is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
-(node/state/parity.py). A member in a data phase probes, from `PROBE_AFTER` on and every
-`PROBE_EVERY`, the peers it depends on whose heartbeats stopped (the others patiently), and fails the attempt with the
-silent ones as suspects (data_phase.py `_watch_silence`, from the attempt's start: connecting to
+(node/state/parity.py); it acts the moment a probe finds a peer silent (`SilentPeers.next_mark`),
+not at the end of the probe pass under way. A member in a data phase asks the peers it depends on,
+from `PROBE_AFTER` on (`wait_silent`), and fails the attempt with the silent ones as suspects (data_phase.py `_watch_silence`, from the attempt's start: connecting to
 a stopped peer hangs too): the coordinator retries without them at once, as for a dropped
 connection. A joiner's state download drops a silent donor alike (node/state/fetch.py,
 "Silence"; the probe's answer is not read there, only whether one comes). A member probes its round's coordinator alike, at
@@ -102,6 +107,7 @@ from meshtrain.transport.validate import Malformed
 # which it keeps wherever the swarm's heartbeats are sparser (module docstring, "Sparse heartbeats").
 QUIET_S = 7.0
 SILENT_KEEP_S = 20.0  # a silent peer is taken for silent this long, unless heard from first
+WATCH_EVERY = 0.25  # how often a patient probe looks at its peer's heartbeats, once PROBE_EVERY old
 # A probe's deadline that fired this much late was ours: our loop was starved (a loaded machine;
 # in-process peers share one loop), and the peer's answer may be unread. Such a probe proves nothing.
 LATE_S = 0.5
@@ -141,47 +147,80 @@ async def probe_where(
         return False
 
 
+async def ask_patiently(
+    host: Host, peer: str, tag: str, round_id: int, quiet: Callable[[str], bool] | None
+) -> WhereReply | Refused | bool:
+    """One patient probe of `peer` (module docstring): True — silent — once the probe is
+    `PROBE_EVERY` old unanswered while its heartbeats have stopped (`quiet`, looked at every
+    `WATCH_EVERY` from then on, at once when they stop; None: not known, the probe alone decides
+    at `PROBE_EVERY`), or unanswered after `QUIET_S` whatever its heartbeats; else
+    `probe_where`'s reading of its answer. A look our loop took `LATE_S` late proves nothing (an
+    answer may lie unread): the next one decides."""
+    verdict: WhereReply | Refused | bool | None = None
+
+    def decide(found: WhereReply | Refused | bool) -> None:
+        nonlocal verdict
+        if verdict is None:  # the first reading stands: the other task may already be awake
+            verdict = found
+        nursery.cancel_scope.cancel()
+
+    async def ask() -> None:
+        decide(await probe_where(host, peer, tag, round_id, timeout=QUIET_S))
+
+    async def watch() -> None:
+        due = trio.current_time() + PROBE_EVERY
+        while True:
+            await trio.sleep_until(due)
+            if trio.current_time() - due <= LATE_S and (quiet is None or quiet(peer)):
+                decide(True)
+                return
+            due = trio.current_time() + WATCH_EVERY
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        nursery.start_soon(watch)
+    assert verdict is not None
+    return verdict
+
+
 async def wait_silent(
     host: Host, peers: Callable[[], Iterable[str]], quiet: Callable[[str], bool], key: RoundKey | None = None
 ) -> set[str]:
     """From `PROBE_AFTER` on, watch `peers()` and return the ones that went silent (module
-    docstring): one whose heartbeats stopped (`quiet`) is probed every `PROBE_EVERY` and silent
-    once a probe goes unanswered; one whose heartbeats still arrive is probed patiently — one probe
-    at a time, each given `QUIET_S`, the next `PROBE_EVERY` after an answer — and silent once such
-    a probe goes unanswered. Used by a data phase's watch (data_phase.py), a member's watch on
-    its coordinator (allreduce.py) and a state download's (node/state/fetch.py). `key`: the round
+    docstring): each is asked patiently (`ask_patiently`), one probe at a time, the next
+    `PROBE_EVERY` after an answer; silent once a probe finds it so — `PROBE_EVERY` unanswered
+    with its heartbeats stopped, or `QUIET_S` unanswered. A peer that leaves `peers()` is no
+    longer asked. Used by a data phase's watch (data_phase.py), a member's watch on its
+    coordinator (allreduce.py) and a state download's (node/state/fetch.py). `key`: the round
     the probe asks about (None: none — the answer does not matter then, only whether one comes).
     A wait shorter than `PROBE_AFTER` probes nobody."""
     tag, round_id = (key.tag, key.round_id) if key is not None else ("", -1)
     silent: set[str] = set()
     found = trio.Event()
-    patient: set[str] = set()  # peers with a patient probe in flight
+    asking: set[str] = set()  # peers with a probe in flight or due
 
-    def taken(peer: str) -> None:
-        silent.add(peer)
-        found.set()
-
-    async def probe_patiently(peer: str) -> None:
+    async def watch(peer: str) -> None:
         try:
-            if await probe_where(host, peer, tag, round_id, timeout=QUIET_S) is True:
-                taken(peer)
-                return
-            await trio.sleep(PROBE_EVERY)
+            while peer in set(peers()):
+                if await ask_patiently(host, peer, tag, round_id, quiet) is True:
+                    if peer in set(peers()):
+                        silent.add(peer)
+                        found.set()
+                    return
+                await trio.sleep(PROBE_EVERY)
         finally:
-            patient.discard(peer)
+            asking.discard(peer)
 
     await trio.sleep(PROBE_AFTER)
-    async with trio.open_nursery() as patiently:
+    async with trio.open_nursery() as nursery:
         while not silent:
             for p in peers():
-                if not quiet(p) and p not in patient:
-                    patient.add(p)
-                    patiently.start_soon(probe_patiently, p)
-            silent |= await _unanswered(host, peers, quiet, tag, round_id)
-            if not silent:
-                with trio.move_on_after(PROBE_EVERY):
-                    await found.wait()
-        patiently.cancel_scope.cancel()
+                if p not in asking:
+                    asking.add(p)
+                    nursery.start_soon(watch, p)
+            with trio.move_on_after(PROBE_EVERY):  # then look at `peers()` again
+                await found.wait()
+        nursery.cancel_scope.cancel()
     return silent
 
 
@@ -216,9 +255,10 @@ async def _unanswered(
 
 class SilentPeers:
     """The peers taken for silent (module docstring). `quiet(peer)`: whether its heartbeats
-    stopped reaching us (None: not known, the probe alone decides). `start_soon`: where a patient
-    probe of a peer whose heartbeats still arrive runs (None: such a peer is never taken for
-    silent). Time is trio's clock."""
+    stopped reaching us (None: not known, the probe alone decides). `start_soon`: where the
+    patient probes run (None: none — the coordinator's own probe decides, and a peer whose
+    heartbeats still arrive is never taken for silent: how it was before them). Time is trio's
+    clock."""
 
     def __init__(
         self, quiet: Callable[[str], bool] | None = None, start_soon: Callable[..., None] | None = None
@@ -227,32 +267,42 @@ class SilentPeers:
         self.start_soon = start_soon
         self.marks: dict[str, float] = {}  # peer -> when it was last found silent
         self.patient: set[str] = set()  # peers with a patient probe in flight
+        self._marked = trio.Event()  # set (and replaced) when a patient probe marks a peer
 
     async def probe(self, host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
-        """Ask `peer` where it is; mark it silent if it says nothing and its heartbeats stopped,
-        forget the mark if it answers. While its heartbeats arrive, ask it patiently too
-        (`QUIET_S`), in the background, from this first probe on (unless such a probe is out):
-        unanswered, it is marked all the same."""
-        if self.quiet is not None and self.start_soon is not None and peer not in self.patient and not self.quiet(peer):
+        """Ask `peer` where it is, within `PROBE_EVERY` (the coordinator reads the answer); forget
+        its mark if it answers. Whether it is silent, a patient probe decides (`ask_patiently`,
+        in the background, from this first probe on, one at a time per peer); without
+        `start_soon`, this probe: unanswered while its heartbeats stopped, it is marked."""
+        if self.start_soon is not None and peer not in self.patient:
             self.patient.add(peer)
             self.start_soon(self._probe_patiently, host, peer, tag, round_id)
         where = await probe_where(host, peer, tag, round_id)
         if isinstance(where, WhereReply):
             self.heard(peer)
             return where
-        if where is True and (self.quiet is None or self.quiet(peer)):
+        if where is True and self.start_soon is None and (self.quiet is None or self.quiet(peer)):
             self.marks[peer] = trio.current_time()
         return None
 
     async def _probe_patiently(self, host: Host, peer: str, tag: str, round_id: int) -> None:
         try:
-            where = await probe_where(host, peer, tag, round_id, timeout=QUIET_S)
+            where = await ask_patiently(host, peer, tag, round_id, self.quiet)
             if where is True:
                 self.marks[peer] = trio.current_time()
+                self.marked()
             elif isinstance(where, WhereReply):
                 self.heard(peer)
         finally:
             self.patient.discard(peer)
+
+    def marked(self) -> None:
+        self._marked.set()
+        self._marked = trio.Event()
+
+    async def next_mark(self) -> None:
+        """Return once a patient probe marks a peer (the coordinator acts on it at once)."""
+        await self._marked.wait()
 
     def heard(self, peer: str) -> None:
         """`peer` spoke (a join, an answer): it is not silent."""
