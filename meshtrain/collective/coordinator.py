@@ -116,7 +116,6 @@ from meshtrain.collective.protocol import (
     Outcome,
     Report,
     RoundKey,
-    WhereReply,
 )
 from meshtrain.crdt.swarm_records import PULSE_S
 from meshtrain.log import get_logger, kv
@@ -292,22 +291,7 @@ class Coordinator:
         if not r.missing - {me}:
             return  # only we have not joined yet (a slow start): our own join completes the group
         missing = sorted(p for p in r.missing if p != me and self.host.is_connected(p))
-        answers: dict[str, WhereReply] = {}
-
-        async def ask(peer: str) -> None:
-            if (where := await self.silent.probe(self.host, peer, r.key.tag, round_id)) is not None:
-                answers[peer] = where
-
-        async def cut_short(scope: trio.CancelScope) -> None:
-            await self.silent.next_mark()  # a peer found silent meanwhile: act on it now
-            scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cut_short, nursery.cancel_scope)
-            async with trio.open_nursery() as asks:
-                for p in missing:
-                    asks.start_soon(ask, p)
-            nursery.cancel_scope.cancel()
+        answers = await self.silent.ask_all(self.host, missing, r.key.tag, round_id)
         if r.group_fixed.is_set():
             return
         reported = self.reported_step

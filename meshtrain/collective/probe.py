@@ -48,7 +48,7 @@ What each side does with it. The coordinator fixes a round's group without missi
 all silent (or past the round), provided two or more joined and they are a majority of the peers
 not silent (coordinator.py `_without_silent`), and later rounds do so as soon as everyone else
 is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
-(node/state/parity.py); it acts the moment a probe finds a peer silent (`SilentPeers.next_mark`),
+(node/state/parity.py); it acts the moment a probe finds a peer silent (`SilentPeers.ask_all`),
 not at the end of the probe pass under way. A member in a data phase asks the peers it depends on,
 from `PROBE_AFTER` on (`wait_silent`), and fails the attempt with the silent ones as suspects (data_phase.py `_watch_silence`, from the attempt's start: connecting to
 a stopped peer hangs too): the coordinator retries without them at once, as for a dropped
@@ -296,13 +296,31 @@ class SilentPeers:
         finally:
             self.patient.discard(peer)
 
+    async def ask_all(self, host: Host, peers: Iterable[str], tag: str, round_id: int) -> dict[str, WhereReply]:
+        """Ask each of `peers` where it is (`probe`), all at once; their answers — as many as came
+        before a patient probe marked a peer, if one did: the coordinator acts on that at once,
+        not at the end of this pass (the next pass asks again)."""
+        answers: dict[str, WhereReply] = {}
+
+        async def ask(peer: str) -> None:
+            if (where := await self.probe(host, peer, tag, round_id)) is not None:
+                answers[peer] = where
+
+        async def cut_short(scope: trio.CancelScope) -> None:
+            await self._marked.wait()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cut_short, nursery.cancel_scope)
+            async with trio.open_nursery() as asks:
+                for p in peers:
+                    asks.start_soon(ask, p)
+            nursery.cancel_scope.cancel()
+        return answers
+
     def marked(self) -> None:
         self._marked.set()
         self._marked = trio.Event()
-
-    async def next_mark(self) -> None:
-        """Return once a patient probe marks a peer (the coordinator acts on it at once)."""
-        await self._marked.wait()
 
     def heard(self, peer: str) -> None:
         """`peer` spoke (a join, an answer): it is not silent."""
