@@ -138,8 +138,10 @@ async def join_all(c: Coordinator, key: RoundKey, peers: list[str]) -> dict:
     return replies
 
 
-def report(key: RoundKey, status: str, digest: bytes | None = None, suspects=(), evidence=False) -> Report:
-    return Report(key, 0, status, digest, tuple(suspects), (), evidence)
+def report(
+    key: RoundKey, status: str, digest: bytes | None = None, suspects=(), evidence=False, attempt: int = 0
+) -> Report:
+    return Report(key, attempt, status, digest, tuple(suspects), (), evidence)
 
 
 async def test_group_is_fixed_at_once_when_every_candidate_joined(autojump_clock):
@@ -452,13 +454,27 @@ async def test_an_aborted_round_is_opened_afresh_by_the_next_join(autojump_clock
     """An aborted round committed nothing: its members re-sync to the state before it and join it
     again. A 30-minute soak's coordinator answered those joins "after the group was formed" (the
     aborted round's) for 19 s, each answer another re-sync to the same state; now the first of
-    them opens the round afresh and the group forms."""
+    them opens the round afresh and the group forms — under a new attempt id: each member refuses
+    the transfers of the attempt it abandoned for a while, by their tags, which name the attempt
+    (a soak's reopened round, its attempt numbered 0 again, had every transfer refused as
+    "unclaimed"). The new attempt is the one its members watch and report on."""
     async with trio.open_nursery() as nursery:
         key = RoundKey(7, "", "a")
         outcomes, c = await a_pair_that_b_leaves(nursery, key)
         assert isinstance(outcomes["a"], Abort), outcomes
         again = await join_all(c, key, ["a", "b"])
-        assert {p: reply for p, (reply, _) in again.items()} == {p: Joined(0, ("a", "b")) for p in "ab"}, again
+        assert {p: reply for p, (reply, _) in again.items()} == {p: Joined(1, ("a", "b")) for p in "ab"}, again
+        decided = {}
+
+        async def send(p: str) -> None:
+            decided[p] = await c.report(p, report(key, DONE, digest=b"d" * 32, attempt=1))
+
+        for p in "ab":
+            nursery.start_soon(send, p)
+        await trio.testing.wait_all_tasks_blocked()
+        assert all(isinstance(o, Commit) for o in decided.values()) and set(decided) == {"a", "b"}, decided
+        with pytest.raises(RemoteError, match="attempt 0"):  # the aborted attempt's id is not the new one's
+            await c.watch("a", key, 0)
         nursery.cancel_scope.cancel()
 
 
@@ -1266,17 +1282,31 @@ async def test_a_silent_peer_does_not_make_a_group_of_one_of_joins_no_longer_can
         nursery.cancel_scope.cancel()
 
 
-async def abc_joined_beside_d(rpc: SilentRpc, quiet) -> tuple[float, Coordinator]:
+async def abc_joined_beside_d(rpc: SilentRpc, quiet, found_silent: set[str] = frozenset()) -> tuple[float, Coordinator]:
     """a, b and c join round 7 of a coordinator at a that also expects d (`rpc` says how d answers
-    probes, `quiet` whether its heartbeats stopped); when the group of a, b, c was fixed."""
+    probes, `quiet` whether its heartbeats stopped; `found_silent`: peers this process found
+    silent elsewhere as the round opens); when the group of a, b, c was fixed."""
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
         c = Coordinator(FakeHost("a", {"b", "c", "d"}, rpc), CONFIG, lambda _round: ("a", "b", "c", "d"), quiet=quiet)
         await nursery.start(c.run)
+        c.silent.mark(found_silent)
         replies = await join_all(c, RoundKey(7, "", "a"), ["a", "b", "c"])
         assert all(r == Joined(0, ("a", "b", "c")) for r, _ in replies.values()), replies
         nursery.cancel_scope.cancel()
     return min(t for _, t in replies.values()) - t0, c
+
+
+async def test_a_peer_found_silent_elsewhere_in_this_process_is_not_probed_again_first(autojump_clock):
+    """Our own member found d silent — its watch on d as the round's coordinator, or its data
+    phase — by the same rule (probe.py), and now we coordinate the round d left: a soak's new
+    coordinator probed d afresh and fixed the group 4 s after its own member had found d silent
+    (PROBE_AFTER, then a probe PROBE_EVERY old). The verdict is ours already (`SilentPeers.mark`):
+    the group is fixed at the next review."""
+    alone, _ = await abc_joined_beside_d(SilentRpc({}, silent={"d"}), quiet=lambda p: True)
+    marked, c = await abc_joined_beside_d(SilentRpc({}, silent={"d"}), quiet=lambda p: True, found_silent={"d"})
+    assert alone >= PROBE_AFTER + PROBE_EVERY
+    assert marked <= 2 * CONFIG.liveness_interval and set(c.silent.marks) == {"d"}
 
 
 async def test_a_peer_that_answers_late_but_still_heartbeats_is_waited_for(autojump_clock):

@@ -494,7 +494,7 @@ class SwarmCollective(Service):
 
         async def watch() -> None:
             with watching:
-                await wait_silent(self.host, lambda: [coordinator], quiet, key)
+                self._coord.silent.mark(await wait_silent(self.host, lambda: [coordinator], quiet, key))
                 round_scope.cancel()
 
         (await self._running()).start_soon(watch)
@@ -655,6 +655,10 @@ class SwarmCollective(Service):
                                 why=str(e),
                             )
                         )
+                        if phase.silent:  # our verdict: our own coordinator's rounds go without them too
+                            self._coord.silent.mark(phase.silent)
+                        if key.coordinator in phase.silent:  # a report to it would hang: on to the next one
+                            raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)") from None
                         report = Report(
                             key,
                             attempt,

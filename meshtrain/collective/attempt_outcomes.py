@@ -66,6 +66,10 @@ class RoundsKeeper(Protocol):
         """A new attempt of round `key` among `group`, its parts sized for them."""
         ...
 
+    def attempt_id(self, key: RoundKey, index: int) -> int:
+        """The id of round `key`'s attempt at `index` of `attempts_of` (members name it so)."""
+        ...
+
     def others_train(self, key: RoundKey, group: Sequence[str]) -> bool:
         """Whether candidates of round `key` outside `group` train now (a fresh progress record)."""
         ...
@@ -182,7 +186,9 @@ class AttemptOutcomes:
         else:
             nxt = self.keeper.attempt_among(key, group)
             attempts.append(nxt)
-            a.outcome = Retry(len(attempts) - 1, group, tuple(sorted(suspects)), nxt.shares, nxt.taper)
+            a.outcome = Retry(
+                self.keeper.attempt_id(key, len(attempts) - 1), group, tuple(sorted(suspects)), nxt.shares, nxt.taper
+            )
         a.decided.set()
 
     def _conclude(self, key: RoundKey, a: Attempt) -> None:

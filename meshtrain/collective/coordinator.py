@@ -34,6 +34,11 @@ allreduce.py for how peers find it). Its job, per round key:
   aborted after its own pause, answered their joins "after the group was formed" for 19 s — each
   answer another re-sync to the same state).
 
+Attempt ids. A round opened again after an abort numbers its attempts on from the old round's
+(`_Round.base`): a member refuses for a while the transfers of an attempt it abandoned, by tag
+(transport/tensor_inbox.py), and a tag names the attempt — numbered 0 again, a soak's reopened
+round had every transfer refused, each member excluded in turn (stop 66: 3.5 s without a round).
+
 Groups that disagree. A grouped round's tag names the group (collective/groups.py: "f0~g1.2"),
 computed from each peer's view of the round's roster (node/roster.py). Joins are announced ahead,
 so every view agrees on them; departures are not: for a few seconds after peers leave, each
@@ -147,6 +152,7 @@ class _Round:
     tapers: dict[str, int | None] = field(default_factory=dict)  # each joiner's offered stripe taper
     group_fixed: trio.Event = field(default_factory=trio.Event)
     attempts: list[Attempt] = field(default_factory=list)
+    base: int = 0  # the id of its first attempt ("Attempt ids"); attempts[i] is attempt base + i
 
     @property
     def missing(self) -> frozenset[str]:
@@ -545,8 +551,9 @@ class Coordinator:
             return Late(detailed=False)
         r = self._round(key)
         if r.aborted:  # its members re-synced to the state before it and come back: a fresh round
-            del self.rounds[key]
+            aborted = self.rounds.pop(key)
             r = self._round(key)
+            r.base = aborted.base + len(aborted.attempts)
             log.info(kv("allreduce round opened again after its attempt was aborted", key=key, peer=peer[-8:]))
         r.skipped.update(skipped)
         self.silent.heard(peer)
@@ -576,7 +583,7 @@ class Coordinator:
         if peer not in r.attempts[0].group:
             return Late(detailed=False)
         first = r.attempts[0]
-        return Joined(0, first.group, first.shares, first.taper)
+        return Joined(r.base, first.group, first.shares, first.taper)
 
     def note_running(self) -> None:
         """Our loop runs now. After a pause of ours ("Our own pauses"): every round still
@@ -603,7 +610,7 @@ class Coordinator:
             for i, a in enumerate(r.attempts):
                 if a.decidable():
                     a.held = True
-                    self.start_soon(self.outcomes.confirm_members, r.key, i, a, pause)
+                    self.start_soon(self.outcomes.confirm_members, r.key, r.base + i, a, pause)
 
     def _rejoined(self, r: _Round, peer: str) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up
@@ -615,7 +622,7 @@ class Coordinator:
         if a is None or a.decided.is_set() or peer not in a.group or peer in a.reports:
             return
         log.info(kv("allreduce member joined again; leaving the attempt without it", key=r.key, peer=peer[-8:]))
-        self.outcomes.record(peer, Report(r.key, len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
+        self.outcomes.record(peer, Report(r.key, r.base + len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
 
     def joined(self, key: RoundKey) -> frozenset[str]:
         """The peers whose joins of round `key` are in here so far (read-only; for status and
@@ -642,9 +649,9 @@ class Coordinator:
 
     def _attempt(self, key: RoundKey, attempt: int) -> Attempt:
         r = self.rounds.get(key)
-        if r is None or not r.group_fixed.is_set() or not 0 <= attempt < len(r.attempts):
+        if r is None or not r.group_fixed.is_set() or not 0 <= attempt - r.base < len(r.attempts):
             raise RemoteError(UNKNOWN_ATTEMPT, f"{key} attempt {attempt}")
-        return r.attempts[attempt]
+        return r.attempts[attempt - r.base]
 
     def _member_attempt(self, peer: str, key: RoundKey, attempt: int) -> Attempt:
         a = self._attempt(key, attempt)
@@ -673,6 +680,10 @@ class Coordinator:
     def attempts_of(self, key: RoundKey) -> list[Attempt]:
         """Round `key`'s attempts so far (the list itself: a retry appends to it)."""
         return self.rounds[key].attempts
+
+    def attempt_id(self, key: RoundKey, index: int) -> int:
+        """The id of round `key`'s attempt at `index` of `attempts_of` ("Attempt ids")."""
+        return self.rounds[key].base + index
 
     def attempt_among(self, key: RoundKey, group: Sequence[str]) -> Attempt:
         """A new attempt of round `key` among `group` (`Attempt.among`)."""

@@ -326,6 +326,7 @@ class DataPhase:
         self.out = torch.empty(contribution.numel)
         self.failed: set[str] = set()
         self.failed_why = "peers disconnected during the attempt"
+        self.silent: set[str] = set()  # the peers our silence watch found silent (among `failed`)
         self.stats = AttemptStats()
 
     async def run(self) -> dict[str, torch.Tensor]:
@@ -631,5 +632,6 @@ class DataPhase:
         others = self.plan.others
         silent = await wait_silent(self.host, lambda: [p for p in others if p not in self.failed], self.quiet, key)
         self.failed.update(silent)
+        self.silent.update(silent)
         self.failed_why = f"peers silent during the attempt: {', '.join(sorted(p[-8:] for p in silent))}"
         scope.cancel()

@@ -57,7 +57,12 @@ connection. A joiner's state download drops a silent donor alike (node/state/fet
 any step of the round (waiting for the group, in the data phase, waiting for the outcome: each is
 an RPC to it that would hang until its deadline) and, finding it silent, restarts the round at
 the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
-`CoordinatorLost`), where the others go too.
+`CoordinatorLost`), where the others go too. A verdict is the whole process's: a member that
+finds a peer silent (its watch on its coordinator, its data phase) marks it for the rounds its
+own coordinator keeps (`SilentPeers.mark`) — the next candidate is a member of the round too, and
+probed the silent one afresh, 4 s more, before it fixed the group without it (a stop-66 soak) —
+and a data phase that finds the round's coordinator itself silent leaves for the next candidate
+at once, rather than report its failure to it and wait for its watch.
 
 Failures. Silence is judged by our own loop: a probe whose deadline fired more than `LATE_S`
 late proves nothing (our loop was starved, and the answer may be unread: `probe_where`), and it is
@@ -317,6 +322,14 @@ class SilentPeers:
                     asks.start_soon(ask, p)
             nursery.cancel_scope.cancel()
         return answers
+
+    def mark(self, peers: Iterable[str]) -> None:
+        """`peers` were found silent by the same rule elsewhere in this process (a member's watch
+        on its coordinator, a data phase's): take them for silent here too, at once."""
+        at = trio.current_time()
+        for p in peers:
+            self.marks[p] = at
+        self.marked()
 
     def marked(self) -> None:
         self._marked.set()
