@@ -234,28 +234,21 @@ async def wait_stalled(host: Host, peers: Callable[[], Iterable[str]], quiet: Ca
     probe those of `peers()` whose heartbeats still arrive (not `quiet`); return the ones that
     said nothing. Alive, by its heartbeats, yet deaf over our connection: the connection may be
     stalled (module docstring, "Stalled connections"); a fresh one may well pass."""
-    await trio.sleep(PROBE_AFTER)
-    while not (deaf := await _unanswered(host, peers, lambda p: not quiet(p), "", -1)):
-        await trio.sleep(PROBE_EVERY)
-    return deaf
-
-
-async def _unanswered(
-    host: Host, peers: Callable[[], Iterable[str]], which: Callable[[str], bool], tag: str, round_id: int
-) -> set[str]:
-    """One pass: probe those of `peers()` for which `which` holds, at once; return those that said
-    nothing in `PROBE_EVERY` (`probe_where` True) and for which `which` still holds then."""
-    found: set[str] = set()
+    deaf: set[str] = set()
 
     async def probe(peer: str) -> None:
-        if await probe_where(host, peer, tag, round_id) is True and which(peer):
-            found.add(peer)
+        if await probe_where(host, peer, "", -1) is True and not quiet(peer):
+            deaf.add(peer)
 
-    async with trio.open_nursery() as nursery:
-        for p in peers():
-            if which(p):
-                nursery.start_soon(probe, p)
-    return found
+    await trio.sleep(PROBE_AFTER)
+    while True:
+        async with trio.open_nursery() as nursery:  # one pass: each heartbeating peer at once
+            for p in peers():
+                if not quiet(p):
+                    nursery.start_soon(probe, p)
+        if deaf:
+            return deaf
+        await trio.sleep(PROBE_EVERY)
 
 
 class SilentPeers:
@@ -272,7 +265,7 @@ class SilentPeers:
         self.start_soon = start_soon
         self.marks: dict[str, float] = {}  # peer -> when it was last found silent
         self.patient: set[str] = set()  # peers with a patient probe in flight
-        self._marked = trio.Event()  # set (and replaced) when a patient probe marks a peer
+        self._marked = trio.Event()  # set (and replaced) when a peer is marked
 
     async def probe(self, host: Host, peer: str, tag: str, round_id: int) -> WhereReply | None:
         """Ask `peer` where it is, within `PROBE_EVERY` (the coordinator reads the answer); forget
@@ -294,8 +287,7 @@ class SilentPeers:
         try:
             where = await ask_patiently(host, peer, tag, round_id, self.quiet)
             if where is True:
-                self.marks[peer] = trio.current_time()
-                self.marked()
+                self.mark([peer])
             elif isinstance(where, WhereReply):
                 self.heard(peer)
         finally:
@@ -329,10 +321,7 @@ class SilentPeers:
         at = trio.current_time()
         for p in peers:
             self.marks[p] = at
-        self.marked()
-
-    def marked(self) -> None:
-        self._marked.set()
+        self._marked.set()  # wakes `ask_all`
         self._marked = trio.Event()
 
     def heard(self, peer: str) -> None:

@@ -479,7 +479,7 @@ class SwarmView(Service):
         """When `peer_id`'s life began, ms on its clock, as its latest membership record says (0:
         not said, or no record): a record of it dated before that is from an earlier life."""
         entry = self.replica.crdt(MEMBERSHIP).entry(peer_id)
-        return 0 if entry is None else entry.body[1]["caps"].get(LIFE, 0)
+        return 0 if entry is None else peer_info(entry).life_ms
 
     def progress_of(self, peer_id: str) -> PeerProgress | None:
         """`peer_id`'s latest progress record if it is admitted (`progress()` for one peer: a
