@@ -97,7 +97,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import meshtrain  # noqa: E402
-from meshtrain.collective.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC  # noqa: E402
+from meshtrain.collective.allreduce import JOIN_RPC, REPORT_RPC, WATCH_RPC, WHERE_RPC, WITHDRAW_RPC  # noqa: E402
 from meshtrain.collective.contract import CollectiveError, RoundRequest  # noqa: E402
 from meshtrain.crdt.anti_entropy import RPC_DIGEST, RPC_PULL  # noqa: E402
 from meshtrain.crdt.entries import EntryScope, SignedEntry, encode_entries, sign_entry  # noqa: E402
@@ -784,6 +784,13 @@ async def watch_real(ctx: Ctx, params: Any) -> str:
     return outcome
 
 
+async def withdraw_real(ctx: Ctx, params: Any) -> str:
+    (offset,) = params
+    sw = ctx.swarm
+    outcome, _ = await ctx.attacker.rpc(sw.coordinator, WITHDRAW_RPC, {"key": sw.key(sw.round_id(offset))})
+    return outcome
+
+
 async def where_real(ctx: Ctx, params: Any) -> str:
     offset, i = params
     sw = ctx.swarm
@@ -1290,6 +1297,8 @@ def families() -> list[Family]:
     )
     rpc(WATCH_RPC, {"key": key_text, "attempt": ints}, 4, 1)
     fam.append(Family(WATCH_RPC, "watch_real", st.tuples(st.integers(-3, 0), st.integers(-1, 3)), watch_real, 2, long))
+    rpc(WITHDRAW_RPC, {"key": key_text}, 2, 1)
+    fam.append(Family(WITHDRAW_RPC, "withdraw_real", st.tuples(st.integers(-3, 3)), withdraw_real, 1))
     rpc(WHERE_RPC, {"tag": any_text, "round": ints}, 3, 1)
     fam.append(Family(WHERE_RPC, "where_real", st.tuples(st.integers(-3, 3), st.integers(0, 5)), where_real, 1))
 

@@ -45,6 +45,7 @@ from meshtrain.collective.allreduce import (
     REPORT_RPC,
     WATCH_RPC,
     WHERE_RPC,
+    WITHDRAW_RPC,
     AllReduceConfig,
     SwarmCollective,
 )
@@ -124,6 +125,7 @@ async def test_stranger_cannot_join_report_or_watch_a_round():
                     },
                 ),
                 (WATCH_RPC, {"key": f"120/f0/{coordinator}", "attempt": 0}),
+                (WITHDRAW_RPC, {"key": f"120/f0/{coordinator}"}),
             ):
                 with pytest.raises(RemoteError) as e:
                     await stranger.host.rpc.call(coordinator, method, req, timeout=5)

@@ -787,6 +787,73 @@ async def test_a_member_joining_again_leaves_the_attempt_under_way_and_the_other
         nursery.cancel_scope.cancel()
 
 
+async def test_a_withdrawn_join_is_not_taken_into_the_group(autojump_clock):
+    """c joined and then stopped waiting for us (we left its round's candidates for a moment: a
+    restarted coordinator, join_wait.py) and withdrew. Seen in a 30-minute soak: the coordinator
+    fixed the group with c's join once the rest were in, its own trainer then "joined after the
+    group was formed" for 27 s while the attempt waited for c's data. Withdrawn, c is a missing
+    peer like any other: the group forms without it once it is no longer a candidate."""
+    members = ["a", "b", "c"]
+    async with trio.open_nursery() as nursery:
+        c, key, replies, join = await following(nursery, members)
+        nursery.start_soon(join, "b")
+        nursery.start_soon(join, "c")
+        await trio.sleep(1.0)  # sleep: virtual time: both joins are in
+        assert c.joined(key) == {"b", "c"}
+        c.withdraw("c", key)
+        assert c.joined(key) == {"b"}
+        nursery.start_soon(join, "a")  # our own trainer, back from its download
+        await trio.sleep(1.0)  # sleep: virtual time: its join is in, and c is still awaited
+        assert c.joined(key) == {"a", "b"} and "a" not in replies
+        members.remove("c")  # c left our candidates (it ran the round elsewhere, or left)
+        await trio.sleep(CONFIG.liveness_interval + 0.1)  # sleep: virtual time: one review of the round
+        assert replies["a"] == replies["b"] == Joined(0, ("a", "b"))
+        assert replies["c"] == Late(detailed=False)  # its old join's reply (the stream is gone by now)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_join_withdrawn_once_the_group_is_fixed_leaves_the_attempt_and_the_others_retry(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b", "c"])
+        outcomes = {}
+
+        async def watch(p: str) -> None:
+            outcomes[p] = await c.watch(p, key, 0)
+
+        nursery.start_soon(watch, "a")
+        nursery.start_soon(watch, "b")
+        await trio.sleep(1.0)  # sleep: virtual time: the attempt is under way
+        c.withdraw("c", key)  # its reply was on its way when it stopped waiting
+        await trio.sleep(FAIL_GRACE + 0.1)  # sleep: virtual time: the failure grace
+        assert outcomes == {p: Retry(1, ("a", "b"), ("c",)) for p in "ab"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_join_read_before_its_own_withdrawal_is_late_and_a_later_one_is_not(autojump_clock):
+    """A withdrawal can overtake its join (the join waits at the door for membership first)."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        read_at = trio.current_time()
+        await trio.sleep(1.0)  # sleep: virtual time: the join waits at the door ...
+        c.withdraw("b", key)  # ... and its withdrawal, sent 1 s after it, is handled first
+        assert await c.join("b", key, read_at=read_at) == Late(detailed=False)
+        assert c.joined(key) == frozenset()
+        await trio.sleep(1.0)  # sleep: virtual time: b comes back to the round
+        replies = {}
+
+        async def one(p: str) -> None:
+            replies[p] = await c.join(p, key, read_at=trio.current_time())
+
+        async with trio.open_nursery() as joins:
+            joins.start_soon(one, "a")
+            joins.start_soon(one, "b")
+        assert replies == {p: Joined(0, ("a", "b")) for p in "ab"}
+        nursery.cancel_scope.cancel()
+
+
 async def test_only_members_of_the_attempt_may_report_or_watch(autojump_clock):
     async with trio.open_nursery() as nursery:
         c = await coordinator(nursery, "a", ["a", "b"])

@@ -118,6 +118,7 @@ from meshtrain.collective.protocol import (
     REPORT_RPC,
     WATCH_RPC,
     WHERE_RPC,
+    WITHDRAW_RPC,
     Abort,
     AllReduceConfig,
     Commit,
@@ -133,6 +134,7 @@ from meshtrain.collective.protocol import (
     WatchRequest,
     WhereReply,
     WhereRequest,
+    Withdrawal,
 )
 from meshtrain.collective.round_gate import RoundGate
 from meshtrain.collective.shares import egress_rate
@@ -157,6 +159,7 @@ __all__ = [
     "REPORT_RPC",
     "WATCH_RPC",
     "WHERE_RPC",
+    "WITHDRAW_RPC",
     "AllReduceConfig",
     "CollectiveError",
     "ReduceResult",
@@ -252,6 +255,7 @@ class SwarmCollective(Service):
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
         host.rpc.serve(WATCH_RPC, self._rpc_watch, handler_timeout=long)
         host.rpc.serve(WHERE_RPC, self._rpc_where, handler_timeout=5.0)
+        host.rpc.serve(WITHDRAW_RPC, self._rpc_withdraw, handler_timeout=5.0)
 
     @property
     def peer_id(self) -> str:
@@ -345,11 +349,18 @@ class SwarmCollective(Service):
     # -- RPC handlers (coordinator role): each request passes the gate first (round_gate.py) --
 
     async def _rpc_join(self, peer: str, req: Any) -> dict[str, Any]:
+        read_at = trio.current_time()  # a withdrawal of this join may overtake it (coordinator.py)
         join = JoinRequest.parse(req, to=self.peer_id)
         self.gate.check_window(join.key.round_id)
         await self.gate.require_member(peer, join.key.round_id)
         await self._running()
-        return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper)).to_wire()
+        return (await self._coord.join(peer, join.key, join.skipped, join.uplink, join.taper, read_at)).to_wire()
+
+    async def _rpc_withdraw(self, peer: str, req: Any) -> dict[str, Any]:
+        key = Withdrawal.parse(req, to=self.peer_id).key
+        await self.gate.require_member(peer, key.round_id, wait=False)
+        self._coord.withdraw(peer, key)  # the sender's own join: nobody withdraws another's
+        return {}
 
     async def _rpc_report(self, peer: str, req: Any) -> dict[str, Any]:
         report = Report.parse(req, to=self.peer_id)
@@ -517,6 +528,7 @@ class SwarmCollective(Service):
                 lambda: self._joined(join),
                 lambda: self._still_coordinates(coordinator, key.round_id),
                 await self._running(),
+                lambda: self.coordinator.withdraw(key),
             )
         if joined is None:
             raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")

@@ -76,6 +76,17 @@ A member that left a round it thought silent while its join was in may come back
 coordinator was only stopped): a second join from a member of the attempt under way counts as its
 leaving that attempt (`_rejoined`), so the others retry without it at once.
 
+Withdrawn joins. A member that stops waiting for our reply to its join (we left its round's
+candidates, or went silent, for it: join_wait.py, allreduce.py; or its exchange was cancelled)
+tells us (`withdraw`, WITHDRAW_RPC). Before the group is fixed its join is dropped: it is
+elsewhere now, and a group fixed with it would wait for data that never comes (a 30-minute soak's
+restarted coordinator fixed a group with such a join, its own trainer away; the trainer, back, was
+told "joined after the group was formed" for 27 s while the attempt waited out its deadline). The
+peer, still a candidate, is then a missing one like any other (the probe finds where it is).
+After, it is the member's leaving, as a second join is. A withdrawal can overtake its join (a
+join waits at the door for membership or a pause check first), so it is remembered for a while
+(`WITHDRAWN_KEPT`), and a join of that key read before it is told it is late.
+
 Our own pauses. A coordinator that was itself stopped (SIGSTOP, a suspended VM, a loop blocked
 for seconds) was silent to its members, who may have completed the round without it since. After
 such a pause (own_pauses.py tells it, and tells whether joins and members still stand): a round
@@ -134,6 +145,7 @@ ROUNDS_KEPT = 16  # rounds remembered (older ones are forgotten)
 # this long before two or more joiners go on without it (`_own_trainer_away`).
 OWN_TRAINER_WAIT = 5.0
 LATEST_KEPT = 4096  # (peer, series) -> latest round entries remembered
+WITHDRAWN_KEPT = 1024  # (peer, key) -> withdrawal time entries remembered ("Withdrawn joins")
 
 
 @dataclass
@@ -201,6 +213,7 @@ class Coordinator:
         # (peer, series) -> the highest round id that peer joined here; a series is a key without
         # its round id (tag + coordinator), so it tells a stale round from the swarm's current one.
         self.latest: dict[tuple[str, tuple[str, str]], int] = {}
+        self.withdrawn: dict[tuple[str, RoundKey], float] = {}  # (peer, key) -> when ("Withdrawn joins")
         self.silent = SilentPeers(quiet, self.start_soon)  # missing peers found silent (probe.py)
         self.pauses = OwnPauses(host)  # ours ("Our own pauses")
         self.outcomes = AttemptOutcomes(self, config, self.pauses)  # each attempt decided on time
@@ -543,11 +556,15 @@ class Coordinator:
         skipped: Sequence[str] = (),
         uplink: float | None = None,
         taper: int | None = None,
+        read_at: float | None = None,
     ) -> JoinReply:
         """`peer` joins round `key`; `uplink`: its link rate in bytes/s (None: unknown); `taper`:
-        the stripe taper it can cut up to (None: an older peer, none)."""
+        the stripe taper it can cut up to (None: an older peer, none); `read_at`: when its request
+        was read (a join read before its own withdrawal is late: "Withdrawn joins")."""
         self.note_running()
         if not await self.pauses.join_stands(peer, key):
+            return Late(detailed=False)
+        if read_at is not None and self.withdrawn.get((peer, key), float("-inf")) >= read_at:
             return Late(detailed=False)
         r = self._round(key)
         if r.aborted:  # its members re-synced to the state before it and come back: a fresh round
@@ -612,17 +629,38 @@ class Coordinator:
                     a.held = True
                     self.start_soon(self.outcomes.confirm_members, r.key, r.base + i, a, pause)
 
-    def _rejoined(self, r: _Round, peer: str) -> None:
+    def _rejoined(
+        self, r: _Round, peer: str, why: str = "allreduce member joined again; leaving the attempt without it"
+    ) -> None:
         """`peer`, a member of the attempt under way, joins the round again: it gave the round up
         unheard (it left us for silent while its join was in, and came back) and will send that
         attempt nothing. Count it as leaving — what its `leave` would have said — so the others
         retry without it now, not at the transfer deadline: a 30-minute soak saw two members
-        wait 18 s in a data phase for such a peer, which heartbeat all along."""
+        wait 18 s in a data phase for such a peer, which heartbeat all along. A withdrawal that
+        comes once the group is fixed says the same (`withdraw`)."""
         a = r.attempts[-1] if r.attempts else None
         if a is None or a.decided.is_set() or peer not in a.group or peer in a.reports:
             return
-        log.info(kv("allreduce member joined again; leaving the attempt without it", key=r.key, peer=peer[-8:]))
+        log.info(kv(why, key=r.key, peer=peer[-8:]))
         self.outcomes.record(peer, Report(r.key, r.base + len(r.attempts) - 1, FAIL, None, (peer,), (), True), a)
+
+    def withdraw(self, peer: str, key: RoundKey) -> None:
+        """`peer` stopped waiting for our reply to its join of round `key` ("Withdrawn joins"):
+        before the group is fixed its join is dropped; after, it leaves the attempt under way."""
+        self.note_running()
+        self.withdrawn[(peer, key)] = trio.current_time()
+        if len(self.withdrawn) > WITHDRAWN_KEPT:  # bounded: forget the oldest entries
+            for old in list(self.withdrawn)[: WITHDRAWN_KEPT // 4]:
+                del self.withdrawn[old]
+        r = self.rounds.get(key)
+        if r is None or r.moved:
+            return
+        if r.group_fixed.is_set():
+            self._rejoined(r, peer, "allreduce member withdrew its join; leaving the attempt without it")
+        elif r.joins.pop(peer, None) is not None:
+            r.uplinks.pop(peer, None)
+            r.tapers.pop(peer, None)
+            log.info(kv("allreduce join withdrawn: the peer stopped waiting for us", key=key, peer=peer[-8:]))
 
     def joined(self, key: RoundKey) -> frozenset[str]:
         """The peers whose joins of round `key` are in here so far (read-only; for status and

@@ -12,9 +12,11 @@ in three ways that call for three different answers:
   far *ahead* of it (`coordinator-behind`: it was left behind, stopped while the swarm went on):
   restart the round at the next candidate (`CoordinatorLost`).
 
-Design. `CoordinatorClient` makes each step one awaitable — `join`, `report`, `watch`, and
-`leave` (a FAIL report accusing ourselves, shielded and quiet, so the others retry without us at
-once) — with those failures as the two exceptions above. Replies are parsed at the edge
+Design. `CoordinatorClient` makes each step one awaitable — `join`, `report`, `watch`, `leave`
+(a FAIL report accusing ourselves, shielded and quiet, so the others retry without us at once)
+and `withdraw` (our join no longer stands: we stopped waiting for its reply; quiet, and it waits
+for a stopped coordinator to wake up to read it, up to the join deadline: coordinator.py
+"Withdrawn joins") — with those failures as the two exceptions above. Replies are parsed at the edge
 (protocol.py `parse_join_reply`, `parse_outcome`). Waiting for the join's reply while the
 coordinator may leave the candidates is join_wait.py's.
 
@@ -39,6 +41,7 @@ from meshtrain.collective.protocol import (
     OUT_OF_WINDOW,
     REPORT_RPC,
     WATCH_RPC,
+    WITHDRAW_RPC,
     AllReduceConfig,
     JoinReply,
     JoinRequest,
@@ -46,6 +49,7 @@ from meshtrain.collective.protocol import (
     Report,
     RoundKey,
     WatchRequest,
+    Withdrawal,
     parse_join_reply,
     parse_outcome,
 )
@@ -85,6 +89,17 @@ class CoordinatorClient:
         the others retry without us at once; quiet if it cannot be told, and cancel-proof."""
         with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(CoordinatorLost, RpcError):
             await self.report(Report(key, attempt, FAIL, None, (self.host.peer_id,), (), True))
+
+    async def withdraw(self, key: RoundKey) -> None:
+        """Tell round `key`'s coordinator that our join no longer stands; quiet if it cannot be
+        told. Bounded by the join deadline: a coordinator that was stopped reads it on waking."""
+        if key.coordinator == self.host.peer_id:
+            self.local.withdraw(self.host.peer_id, key)
+            return
+        with contextlib.suppress(RpcError):
+            await self.host.rpc.call(
+                key.coordinator, WITHDRAW_RPC, Withdrawal(key).to_wire(), timeout=self.config.join_timeout
+            )
 
     async def report(self, report: Report) -> Outcome:
         if report.key.coordinator == self.host.peer_id:

@@ -13,11 +13,17 @@ Design. `await_join_reply` runs the wait beside a watcher that reads the round's
 `CHECK_S`. Once the coordinator has been missing from them for `GONE_S` (two checks, so one odd
 read of a moving view does not split a round), it cancels the wait and returns None; the round
 loop then restarts the round at the next live candidate, where the others are, as for a
-coordinator that died (`CoordinatorLost`: coordinator_client.py, allreduce.py). No message is
-sent to the old coordinator: it is out of the round's candidates, so nobody that counts it is
-waiting for our data.
+coordinator that died (`CoordinatorLost`: coordinator_client.py, allreduce.py).
 
-Wire. Nothing: it only stops waiting.
+Withdrawing. Whenever the wait ends without the reply — given up here, or cancelled from outside
+(the member found the coordinator silent, or its exchange was ended) — the join is withdrawn, in
+the background (`withdraw`: coordinator_client.py). Out of *our* candidates is not out of the
+coordinator's: a 30-minute soak's joiner gave up a restarted coordinator that did count it, and
+that coordinator fixed a group with the join 2 s later, its own trainer away — the trainer, back,
+was told "joined after the group was formed" for 27 s (coordinator.py "Withdrawn joins"). A
+wait that ends with an error (refused, or unreachable) withdraws nothing: no join is held.
+
+Wire. WITHDRAW_RPC (protocol.py) once the wait ends without a reply.
 
 What "left" means. Out of the round's candidates *and* no longer present in the swarm, where the
 collective knows (`SwarmCollective(present=...)`: live, admitted, connected, any role). A
@@ -37,6 +43,7 @@ Not here: who coordinates, joins and hand-overs (allreduce.py, coordinator.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -52,10 +59,13 @@ async def await_join_reply(
     reply: Callable[[], Awaitable[Reply]],
     is_candidate: Callable[[], bool],
     nursery: trio.Nursery,
+    withdraw: Callable[[], Awaitable[object]] | None = None,
 ) -> Reply | None:
     """`await reply()`, or None once `is_candidate()` has been false for `GONE_S` (the watcher
-    runs in `nursery`, and ends with the wait)."""
+    runs in `nursery`, and ends with the wait). Ended without the reply (None, or cancelled),
+    `withdraw()` runs in `nursery` ("Withdrawing")."""
     waiting, watching = trio.CancelScope(), trio.CancelScope()
+    replied = False
 
     async def watch() -> None:
         with watching:
@@ -73,7 +83,16 @@ async def await_join_reply(
     nursery.start_soon(watch)
     try:
         with waiting:
-            return await reply()
+            try:
+                got = await reply()
+            except Exception:
+                replied = True  # refused, or unreachable: no join is held there
+                raise
+            replied = True
+            return got
     finally:
         watching.cancel()
+        if not replied and withdraw is not None:
+            with contextlib.suppress(RuntimeError):  # the collective is closing: nobody to tell
+                nursery.start_soon(withdraw)
     return None  # the wait was cancelled: the coordinator left the round's candidates

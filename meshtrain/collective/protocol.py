@@ -1,6 +1,6 @@
 """The all-reduce's control protocol: its RPCs, refusal codes, deadlines and typed messages.
 
-The participant (allreduce.py) and the coordinator (coordinator.py) talk over four RPCs; bulk
+The participant (allreduce.py) and the coordinator (coordinator.py) talk over five RPCs; bulk
 data never goes through them (data_phase.py moves it over tensor streams). Every message is a
 frozen dataclass here, with `to_wire()` giving the msgpack map that travels and one `parse` per
 message that checks untrusted input and raises `Malformed` (which the RPC layer answers with
@@ -22,8 +22,12 @@ Wire (compatible with the first version, so mixed versions of this code interope
                {"retry": attempt, "group", "excluded", ["shares"], ["taper"]}
                {"abort": why}
     WHERE_RPC  {"tag", "round"}                                 -> {"round", "coordinator", "finished", ["tag"]}
+    WITHDRAW_RPC {"key"}                                        -> {}: our join of `key` no longer stands
 
-Fields in [brackets] were added later and are optional both ways. `regroup` (a Late the
+Fields in [brackets] were added later and are optional both ways. So was WITHDRAW_RPC (a member
+that stopped waiting for its join's reply says so: allreduce.py `withdraw_join`, coordinator.py
+`withdraw`); a coordinator that predates it refuses the unknown protocol, and the join it holds
+stays in its round, as it always did. `regroup` (a Late the
 coordinator sends when the round's peers computed its groups differently, coordinator.py "Groups
 that disagree") reads as a plain Late to a peer that predates it, which proceeds alone as it
 always did; WHERE's `tag` is the tag (with its group suffix) of the round under way in the asked
@@ -66,7 +70,7 @@ from meshtrain.transport.validate import (
 )
 
 JOIN_RPC, REPORT_RPC, WATCH_RPC = "allreduce/join", "allreduce/report", "allreduce/watch"
-WHERE_RPC = "allreduce/where"
+WHERE_RPC, WITHDRAW_RPC = "allreduce/where", "allreduce/withdraw"
 NOT_A_MEMBER, OUT_OF_WINDOW = "not-a-member", "round-out-of-window"  # typed refusals (RPC codes)
 COORDINATOR_BEHIND = "coordinator-behind"  # ... and the one that sends the joiner to the next candidate
 UNKNOWN_ATTEMPT = "unknown_attempt"
@@ -294,6 +298,20 @@ class WatchRequest:
         if not is_int(req["attempt"]):
             raise Malformed("bad watch")
         return cls(RoundKey.parse(req["key"], to=to), req["attempt"])
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """Our join of round `key` no longer stands: we stopped waiting for its reply."""
+
+    key: RoundKey
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key.wire}
+
+    @classmethod
+    def parse(cls, value: Any, *, to: str) -> Withdrawal:
+        return cls(RoundKey.parse(require_map(value, "key", what="withdrawal")["key"], to=to))
 
 
 @dataclass(frozen=True)
