@@ -565,6 +565,7 @@ class Coordinator:
         if not await self.pauses.join_stands(peer, key):
             return Late(detailed=False)
         if read_at is not None and self.withdrawn.get((peer, key), float("-inf")) >= read_at:
+            log.info(kv("allreduce join withdrawn before it was taken in", key=key, peer=peer[-8:]))
             return Late(detailed=False)
         r = self._round(key)
         if r.aborted:  # its members re-synced to the state before it and come back: a fresh round

@@ -52,7 +52,11 @@ Invariants, measured from every node's `/status` (polled about once a second) an
   consecutive rounds). `max_roundless_gap_able_s` (`_rounds`, `roundless_gap_able_over_round`):
   the same over the spans in which at least two nodes were able to make a round — each past its
   first "training" status, not yet ended, not SIGSTOPped — the share of the gap a protocol can
-  close (the chaos may leave both active nodes restarting); `able_s`: how long that was.
+  close (the chaos may leave both active nodes restarting); `able_s`: how long that was. The
+  spread of those gaps, since one maximum says little about the rest: `able_gaps_over_3_rounds`
+  (how many exceed 3 median rounds), `able_share_in_long_gaps` (the share of `able_s` they take),
+  `able_gaps_over_s` (how many exceed 2, 4, 6, 8, 10, 15, 20 s) and `longest_able_gaps` (the
+  eight longest, `[seconds, start t]`).
 - corrupt_checkpoints: after the run, every checkpoint under every data dir is loaded and
   digest-checked with `CheckpointStore.load`.
 - restart_to_training_s_p50/_max: from a restart's spawn to the first status with
@@ -1229,21 +1233,27 @@ class Soak:
                 segments.append((opened, t))
                 opened = None
         first = events[0] if events else self.chaos_end
-        best, window, able_s = 0.0, None, 0.0
+        gaps: list[tuple[float, float, float]] = []  # (seconds, from t, to t)
+        able_s = 0.0
         for a, b in segments:
             a, b = max(a, first), min(b, self.chaos_end)
             if b <= a:
                 continue
             able_s += b - a
             points = [a, *(t for t in events if a < t < b), b]
-            for x, y in zip(points, points[1:], strict=False):
-                if y - x > best:
-                    best, window = y - x, (x, y)
+            gaps += [(y - x, x, y) for x, y in zip(points, points[1:], strict=False)]
+        gaps.sort(reverse=True)
+        best, window = (gaps[0][0], gaps[0][1:]) if gaps else (0.0, None)
+        long = [g for g in gaps if median and g[0] > 3 * median]
         return {
             "max_roundless_gap_able_s": round(best, 1),
             "max_roundless_gap_able_rounds": round(best / median, 1) if median else None,
             "max_roundless_gap_able_window_t": [round(window[0], 1), round(window[1], 1)] if window else None,
             "able_s": round(able_s, 1),
+            "able_gaps_over_3_rounds": len(long),
+            "able_share_in_long_gaps": round(sum(g[0] for g in long) / able_s, 3) if able_s else None,
+            "able_gaps_over_s": {str(k): sum(1 for g in gaps if g[0] > k) for k in (2, 4, 6, 8, 10, 15, 20)},
+            "longest_able_gaps": [[round(g[0], 1), round(g[1], 1)] for g in gaps[:8]],
         }
 
     def restarts(self) -> dict[str, Any]:
