@@ -11,6 +11,8 @@ heartbeats after the restart (it was rewritten every heartbeat while the peer tr
 only other trainer's round then counted as a solo round beside a live trainer (a 30-minute
 soak's fourth solo round, stop 64), and a coordinator took the restart for a peer about to join.
 The membership record of each life now says when it began (swarm_records.py, "A peer's life").
+A restart connects to its peers before that record reaches them, though: until a progress record
+comes after the new connection, its last life's still count for nothing (`heard_since_connected`).
 """
 
 from __future__ import annotations
@@ -48,3 +50,28 @@ async def test_our_progress_record_from_a_last_life_is_not_this_lifes(tmp_path) 
         await until(lambda: a.reported_step(a.me) == 44, "a's record of this life")
         await until(lambda: b.reported_step(a.me) == 44, "a's record of this life to reach b")
         assert a.me in b.training_peers(connected=False)
+
+
+async def test_a_peer_connected_anew_has_not_been_heard_training_until_it_reports_again(tmp_path) -> None:
+    """Stop 67's 30-minute soak: a round alone was counted solo beside a partner killed 9 s
+    before — its restart's host had connected to us 1 s before the round ended, its new
+    membership record not yet here, so its last life's records (fresh, of that life) read as a
+    trainer's. Here a's connection to b closes and a new one opens, as a restart's would: the
+    records b holds from before say nothing about the process at the other end now."""
+    ids = [Identity.generate() for _ in range(2)]
+    signed = swarm_spec(ids[0])
+    async with AsyncExitStack() as outer:
+        b = await presence(outer, signed, ids[1], entry=None, data_dir=tmp_path / "b")
+        a = await presence(outer, signed, ids[0], entry=b.host.addrs[0], data_dir=tmp_path / "a")
+        assert a.view is not None
+        a.view.report_progress(step=40, outer_round=4)
+        await until(lambda: b.reported_step(a.me) == 40, "a's record to reach b")
+        assert a.me in b.training_peers(connected=True) and b.heard_since_connected(a.me)
+        await b.host.disconnect(a.me)
+        assert not b.heard_since_connected(a.me)
+        await a.host.connect(b.host.addrs[0])
+        await until(lambda: b.host.is_connected(a.me), "a new connection")
+        assert a.me in b.training_peers(connected=True)  # its records from before, still fresh ...
+        assert not b.heard_since_connected(a.me)  # ... but none heard over this connection
+        a.view.report_progress(step=44, outer_round=5)
+        await until(lambda: b.heard_since_connected(a.me) and b.reported_step(a.me) == 44, "a's next record")

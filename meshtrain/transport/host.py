@@ -40,7 +40,10 @@ peer at once (the all-reduce's data phase, the pipeline runtime) wait on it inst
 `is_connected` in sleep loops. py-libp2p removes a closed connection before it notifies (and a
 cancelled cleanup may never notify), so waiters also re-check every `CONNECTION_RECHECK` s.
 `on_connected(listener)` hands each new connection's peer id to the layers that want it (the
-DHT feeds its routing table from it), from the same notifee.
+DHT feeds its routing table from it), from the same notifee, and `connected_since(peer)` says
+when our connection to a peer opened: a process that connects anew may be the peer restarted,
+and what we heard from it before then may be its last life's (node/presence.py
+`heard_since_connected`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -216,11 +220,15 @@ class _ConnectionEvents(INotifee):
     async def connected(self, network: Any, conn: Any) -> None:
         peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
         if peer is not None:
+            self.host._connected_since.setdefault(peer.to_base58(), time.monotonic())
             for listener in list(self.host._on_connected):
                 listener(peer.to_base58())
         self.host._connections_changed()
 
     async def disconnected(self, network: Any, conn: Any) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is not None and not self.host.is_connected(peer.to_base58()):
+            self.host._connected_since.pop(peer.to_base58(), None)
         self.host._connections_changed()
 
     async def opened_stream(self, network: Any, stream: Any) -> None:
@@ -263,6 +271,7 @@ class Host(Service):
         self._changed = trio.Event()  # set (and replaced) whenever a connection opens or closes
         self._events = _ConnectionEvents(self)
         self._on_connected: list[Callable[[str], None]] = []
+        self._connected_since: dict[str, float] = {}  # peer -> when (monotonic) our connection to it opened
         self.one_off = OneOffConnections(self)  # connections dialled for one query (one_off.py)
 
     @property
@@ -373,6 +382,11 @@ class Host(Service):
         return sum(
             not str(s.get_protocol() or "").startswith(STANDING_PROTOCOLS) for c in conns for s in c.get_streams()
         )
+
+    def connected_since(self, peer: str) -> float | None:
+        """When (`time.monotonic()`) our connection to `peer` opened, kept while one stays open;
+        None: not connected (module docstring, "Connection events")."""
+        return self._connected_since.get(peer) if self.is_connected(peer) else None
 
     def on_connected(self, listener: Callable[[str], None]) -> Callable[[], None]:
         """Call `listener(peer_id)` on every new connection (on the trio thread; it must not

@@ -86,7 +86,10 @@ withheld and re-synced — it happened in most 30-minute soaks (stop 63's "benig
 A restart that has not asked anyone for a state yet is no trainer at all: its membership record
 says when its life began, and its progress record of the last life, fresh for a few heartbeats
 more, no longer counts as training (node/presence.py `training_peers`; stop 64's fourth solo
-round was such a restart).
+round was such a restart). Nor does a partner we have heard no progress from since our connection
+to it opened (node/presence.py `heard_since_connected`): a restart connects before its new
+membership record reaches us, and its last life's records, still fresh, then read as this
+life's (stop 67's solo round: a partner killed 9 s before, its restart connected for 1 s).
 A partner that went silent (SIGSTOP, a cut cable) is solo for as long as its progress stays
 fresh (~3 heartbeats), then gone for all we can tell: availability is chosen over a quorum — a
 lone survivor trains on, and when the silent side comes back the parity rule picks one lineage

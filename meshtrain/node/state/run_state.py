@@ -418,7 +418,10 @@ class RunState(Service):
         # it re-syncs before it can share them, so holds no φ of its own for them; nor does one
         # that carries our own state (parity.py `BesideAlone`).
         spec = self.trainer.spec
-        training = self.presence.training_peers(connected=True)
+        presence = self.presence
+        training = {
+            p: pr for p, pr in presence.training_peers(connected=True).items() if presence.heard_since_connected(p)
+        }
         beside = BesideAlone.of(
             {p: pr.step for p, pr in training.items()},
             min(r.step for r in alone),
