@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from meshtrain.collective.attempt_outcomes import POLL_S
 from meshtrain.collective.coordinator import OWN_TRAINER_WAIT, Coordinator
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.probe import QUIET_S, WATCH_EVERY
@@ -341,6 +342,52 @@ async def test_success_without_every_report_commits_at_the_report_deadline(autoj
         outcome = await c.report("a", report(key, DONE, b"x"))
         assert outcome == Commit(b"x", ("a", "b"), holders=("a",), unconfirmed=("b",))
         assert trio.current_time() == pytest.approx(CONFIG.report_timeout)
+        nursery.cancel_scope.cancel()
+
+
+async def test_success_commits_as_soon_as_the_members_yet_to_report_are_gone(autojump_clock):
+    """A 30-minute soak's round waited out the report deadline (10 s) for a member killed just
+    after its data phase, the two others done: a member whose connection closed cannot report."""
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b", "c"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b", "c"])
+        outcomes = {}
+
+        async def send(p: str) -> None:
+            outcomes[p] = (await c.report(p, report(key, DONE, b"x")), trio.current_time())
+
+        nursery.start_soon(send, "a")
+        nursery.start_soon(send, "b")
+        await trio.sleep(1.9)  # sleep: virtual time: c, connected, may still report
+        assert outcomes == {}
+        c.host.connected.discard("c")  # killed before its report
+        await trio.sleep(POLL_S + 0.01)  # sleep: virtual time: the next look at the members yet to report
+        assert set(outcomes) == {"a", "b"}
+        for outcome, t in outcomes.values():
+            assert outcome == Commit(b"x", ("a", "b", "c"), holders=("a", "b"), unconfirmed=("c",))
+            assert 1.9 < t <= 1.9 + POLL_S
+        nursery.cancel_scope.cancel()
+
+
+async def test_success_commits_as_soon_as_a_member_yet_to_report_is_found_silent(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        c = await coordinator(nursery, "a", ["a", "b"])
+        key = RoundKey(7, "", "a")
+        await join_all(c, key, ["a", "b"])
+        got = []
+
+        async def send() -> None:
+            got.append((await c.report("a", report(key, DONE, b"x")), trio.current_time()))
+
+        nursery.start_soon(send)
+        await trio.sleep(0.9)  # sleep: virtual time: b stopped, still connected
+        c.silent.mark(["b"])  # our own member's data phase found it silent (probe.py)
+        await trio.sleep(POLL_S + 0.01)  # sleep: virtual time: the next look at the members yet to report
+        assert len(got) == 1
+        outcome, t = got[0]
+        assert outcome == Commit(b"x", ("a", "b"), holders=("a",), unconfirmed=("b",))
+        assert 0.9 < t <= 0.9 + POLL_S
         nursery.cancel_scope.cancel()
 
 

@@ -6,8 +6,10 @@ survivors, `Abort` — as pure functions of the reports and the clock. Someone m
 the right moments: when the last report comes in, after a grace once the first failure came (one
 failure breaks everyone's transfers, so innocent peers look guilty until the others are heard:
 `FAIL_GRACE`), at the report deadline once the first success came (a killed member never
-reports) — and never while the attempt is held after a pause of our own, when a member that took
-us for silent may have completed the round elsewhere.
+reports) — or as soon as every member yet to report is gone (its connection closed, or found
+silent: a 30-minute soak's round waited out the 10 s deadline for a member killed just after its
+data phase, the two others done) — and never while the attempt is held after a pause of our own,
+when a member that took us for silent may have completed the round elsewhere.
 
 The design. `AttemptOutcomes` takes the reports (`record`) and runs the timers in the
 coordinator's nursery; each timer notes the coordinator's pulse before it decides (a pause of
@@ -47,7 +49,7 @@ class RoundsKeeper(Protocol):
     """What `AttemptOutcomes` needs of the coordinator that keeps the rounds."""
 
     def live(self, peer: str) -> bool:
-        """Whether `peer` may still report: us, or connected."""
+        """Whether `peer` may still report: us, or connected and not found silent."""
         ...
 
     def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
@@ -96,7 +98,7 @@ class AttemptOutcomes:
             self.keeper.start_soon(self._decide_later, rep.key, a, FAIL_GRACE, self._decide_failure)
         elif a.first_report is None and not a.failed:
             a.first_report = trio.current_time()
-            self.keeper.start_soon(self._decide_later, rep.key, a, self.config.report_timeout, self._conclude_when_due)
+            self.keeper.start_soon(self._await_reports, rep.key, a)
 
     def decide_if_due(self, key: RoundKey, a: Attempt) -> None:
         """Decide `a` now if its reports or deadlines would have while it was held."""
@@ -140,6 +142,30 @@ class AttemptOutcomes:
         self.keeper.note_running()
         if a.decidable() and not (decide != self._decide_failure and a.first_fail is not None):
             decide(key, a)
+
+    async def _await_reports(self, key: RoundKey, a: Attempt) -> None:
+        """After the first success report: conclude at the report deadline, or as soon as every
+        member yet to report is gone (not `live`: it cannot report any more)."""
+        assert a.first_report is not None  # set by `record` before this starts
+        deadline = a.first_report + self.config.report_timeout
+        while trio.current_time() < deadline:
+            await trio.sleep(min(POLL_S, max(deadline - trio.current_time(), 0.0)))
+            self.keeper.note_running()
+            if not a.decidable() or a.first_fail is not None:
+                return  # decided, held after a pause of ours, or a failure decides it
+            missing = [p for p in a.group if p not in a.reports]
+            if missing and not any(self.keeper.live(p) for p in missing):
+                log.info(
+                    kv(
+                        "allreduce committing without members gone before reporting",
+                        key=key,
+                        gone=",".join(p[-8:] for p in missing),
+                    )
+                )
+                self._conclude(key, a)
+                return
+        if a.decidable() and a.first_fail is None:
+            self._conclude_when_due(key, a)
 
     def _conclude_when_due(self, key: RoundKey, a: Attempt) -> None:
         """Commit at the report deadline — but with weighted parts (`a.shares`) members finish at

@@ -713,8 +713,8 @@ class Coordinator:
         return a.outcome
 
     def live(self, peer: str) -> bool:
-        """Whether `peer` may still report: us, or connected."""
-        return peer == self.peer_id or self.host.is_connected(peer)
+        """Whether `peer` may still report: us, or connected and not found silent (probe.py)."""
+        return peer == self.peer_id or (self.host.is_connected(peer) and peer not in self.silent.now())
 
     def attempts_of(self, key: RoundKey) -> list[Attempt]:
         """Round `key`'s attempts so far (the list itself: a retry appends to it)."""
