@@ -1311,6 +1311,21 @@ async def test_a_lone_joiner_waits_for_a_silent_partner(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_lone_joiner_beside_a_silent_partner_and_one_past_the_round_is_told_the_round_passed(autojump_clock):
+    """Stop 67's 30-minute soak: a restart entered round 7 just after b and c had completed it
+    (at another coordinator), and c was then SIGSTOPped. Waiting for c to share round 7 — what a
+    lone joiner beside a silent partner does — held it 11 s (the hard join deadline here, then a
+    round of one beside b's): b has the round, so nobody else can share it; a re-syncs."""
+    rpc = SilentRpc({"b": WhereReply(8, "b", 7)}, silent={"c"})
+    async with trio.open_nursery() as nursery:
+        c = Coordinator(FakeHost("a", {"b", "c"}, rpc), CONFIG, lambda _round: ("a", "b", "c"))
+        await nursery.start(c.run)
+        reply = await c.join("a", RoundKey(7, "", "a"))
+        assert reply == Late(True, None)
+        assert trio.current_time() <= PROBE_AFTER + QUIET_S + PROBE_EVERY + CONFIG.liveness_interval
+        nursery.cancel_scope.cancel()
+
+
 async def beside_silent_d(nursery: trio.Nursery, members: list[str], joining: str, killed: str):
     """Coordinator a of round 7 among `members`, d SIGSTOPped: `joining` join, then `killed` leaves
     the candidates (its join still in), and d is found silent. Returns the replies by peer so far,

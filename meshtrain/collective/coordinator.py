@@ -64,7 +64,8 @@ they are a majority of the peers not silent, the group is fixed without them (`_
 and the next rounds do so as soon as everyone else is in; a missing peer whose answer puts it
 further behind than the round window (probe.py `Whereabouts`: stopped while the swarm went on; it must
 re-sync first) counts as silent here. A lone joiner keeps waiting (unless every missing peer is
-left behind: none of them can share the round later): a round of
+left behind: none of them can share the round later; and where others passed the round and the
+rest are silent, the round is over for the swarm: the joiner is told so and re-syncs): a round of
 one beside a stopped partner is a solo round (node/state/parity.py), and so is a group whose other
 joiners left our candidates since (killed) while our own trainer, not silent, had not joined yet.
 Our own trainer is waited for while it trains; once it does not (it is fetching a state) and has
@@ -379,6 +380,14 @@ class Coordinator:
         # A partner left behind cannot share this round later (it re-syncs first, to our state):
         # beside only such partners, a lone joiner is not waited for either.
         fewest = 1 if missing <= set(behind) | set(passed) else 2
+        if len(joined) < fewest and missing & set(passed):
+            # Others passed the round, the rest are silent or away: the swarm has this round, and
+            # a lone joiner waiting for a silent partner would wait for a round nobody else can
+            # share — it re-syncs (a 30-minute soak's restart, entered at a round the two others
+            # had just completed, waited 11 s for a third, SIGSTOPped, at the round both others'
+            # next round waited at).
+            self._nobody_else_coming(r, "the others are past this round, the rest silent or away")
+            return
         if len(joined) < fewest or 2 * len(joined) <= len(r.expected - away):
             return
         log.info(
@@ -461,7 +470,10 @@ class Coordinator:
             )
         missing = r.missing
         if missing and self.silent.marks:
-            self._without_silent(r)
+            past = [
+                p for p in missing if self.latest.get((p, r.key.series), -1) > round_id or self._reported_past(p, r.key)
+            ]
+            self._without_silent(r, past)
             if r.group_fixed.is_set():
                 return
         if missing and all(self.latest.get((p, r.key.series), -1) > round_id for p in missing):
