@@ -139,6 +139,14 @@ async def join_all(c: Coordinator, key: RoundKey, peers: list[str]) -> dict:
     return replies
 
 
+async def formed(nursery: trio.Nursery, members: list[str]) -> tuple[Coordinator, RoundKey]:
+    """Coordinator "a" of round 7 among `members`, its group fixed with every one of them in."""
+    c = await coordinator(nursery, "a", members)
+    key = RoundKey(7, "", "a")
+    await join_all(c, key, members)
+    return c, key
+
+
 def report(
     key: RoundKey, status: str, digest: bytes | None = None, suspects=(), evidence=False, attempt: int = 0
 ) -> Report:
@@ -349,9 +357,7 @@ async def test_success_commits_as_soon_as_the_members_yet_to_report_are_gone(aut
     """A 30-minute soak's round waited out the report deadline (10 s) for a member killed just
     after its data phase, the two others done: a member whose connection closed cannot report."""
     async with trio.open_nursery() as nursery:
-        c = await coordinator(nursery, "a", ["a", "b", "c"])
-        key = RoundKey(7, "", "a")
-        await join_all(c, key, ["a", "b", "c"])
+        c, key = await formed(nursery, ["a", "b", "c"])
         outcomes = {}
 
         async def send(p: str) -> None:
@@ -372,9 +378,7 @@ async def test_success_commits_as_soon_as_the_members_yet_to_report_are_gone(aut
 
 async def test_success_commits_as_soon_as_a_member_yet_to_report_is_found_silent(autojump_clock):
     async with trio.open_nursery() as nursery:
-        c = await coordinator(nursery, "a", ["a", "b"])
-        key = RoundKey(7, "", "a")
-        await join_all(c, key, ["a", "b"])
+        c, key = await formed(nursery, ["a", "b"])
         got = []
 
         async def send() -> None:
@@ -861,9 +865,7 @@ async def test_a_withdrawn_join_is_not_taken_into_the_group(autojump_clock):
 
 async def test_a_join_withdrawn_once_the_group_is_fixed_leaves_the_attempt_and_the_others_retry(autojump_clock):
     async with trio.open_nursery() as nursery:
-        c = await coordinator(nursery, "a", ["a", "b", "c"])
-        key = RoundKey(7, "", "a")
-        await join_all(c, key, ["a", "b", "c"])
+        c, key = await formed(nursery, ["a", "b", "c"])
         outcomes = {}
 
         async def watch(p: str) -> None:

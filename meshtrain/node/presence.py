@@ -470,13 +470,9 @@ class PeerPresence(Service):
         return age is not None and age <= PROGRESS_FRESH_BEATS * view.current_interval() + 5.0
 
     def heard_since_connected(self, peer: str) -> bool:
-        """Whether `peer`'s latest progress record reached us after our connection to it opened
-        (False: not connected, or nothing heard since). A process that connects anew may be the
-        peer restarted, its last life's records still fresh while its new membership record has
-        not reached us yet: a 30-minute soak counted a round alone as solo beside a partner
-        killed 9 s before, whose restart had connected to us 1 s before the round ended."""
-        since = self.host.connected_since(peer)
-        now = time.monotonic()
+        """Whether `peer`'s latest progress record reached us after our connection to it opened:
+        a process connected anew may be the peer restarted (node/state/parity.py, solo rounds)."""
+        since, now = self.host.connected_since(peer), time.monotonic()
         age = self._view().age(PROGRESS, peer, now)
         return since is not None and age is not None and now - age >= since
 
