@@ -25,8 +25,8 @@ Wire (compatible with the first version, so mixed versions of this code interope
     WITHDRAW_RPC {"key"}                                        -> {}: our join of `key` no longer stands
 
 Fields in [brackets] were added later and are optional both ways. So was WITHDRAW_RPC (a member
-that stopped waiting for its join's reply says so: allreduce.py `withdraw_join`, coordinator.py
-`withdraw`); a coordinator that predates it refuses the unknown protocol, and the join it holds
+that stopped waiting for its join's reply says so: join_wait.py, coordinator.py "Withdrawn
+joins"); a coordinator that predates it refuses the unknown protocol, and the join it holds
 stays in its round, as it always did. `regroup` (a Late the
 coordinator sends when the round's peers computed its groups differently, coordinator.py "Groups
 that disagree") reads as a plain Late to a peer that predates it, which proceeds alone as it

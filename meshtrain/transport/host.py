@@ -220,7 +220,8 @@ class _ConnectionEvents(INotifee):
     async def connected(self, network: Any, conn: Any) -> None:
         peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
         if peer is not None:
-            self.host._connected_since.setdefault(peer.to_base58(), time.monotonic())
+            # every new connection restarts it: one whose close went unnoticed must not date a restart's
+            self.host._connected_since[peer.to_base58()] = time.monotonic()
             for listener in list(self.host._on_connected):
                 listener(peer.to_base58())
         self.host._connections_changed()
