@@ -136,10 +136,10 @@ class DataParallel(OuterOptimizer):
     def step(self) -> list[RoundReport]:
         for hook in self.step_hooks:
             hook(self)
-        return self._bridge.run_from_thread(self._advance())
+        return self._bridge.run_from_thread(self.exchanges.advance())
 
     async def astep(self) -> list[RoundReport]:
-        return await self._bridge.run_async(self._advance())
+        return await self._bridge.run_async(self.exchanges.advance())
 
     # -- state: the inner optimizer's is the swarm's ------------------------------------------
 

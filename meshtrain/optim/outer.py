@@ -14,10 +14,12 @@ those algorithms share, so an algorithm is a few hooks:
 
 and inherits the outer-parameter snapshot φ (fp32), the codec, error feedback, state
 (de)serialisation (bit-exact, for checkpoints and late joiners) and the round logic that calls
-the hooks (the schedule: fragments and overlap; the handling of a failed exchange; byte
-accounting). It composes two parts of outer_round.py, each owning its state: the threading
-bridge (`TrioBridge`) and the timing of prepared rounds (`RoundPreparation`); what a state must
-match to be loaded, and the host copies φ lives in, are outer_state.py's (`StateLayout`).
+the hooks (the schedule: fragments and overlap; weights; the handling of a failed exchange; byte
+accounting). It composes parts that each own their state and one job: the round logic
+(`Exchanges`, outer_exchanges.py), the threading bridge and the timing of prepared rounds
+(`TrioBridge`, `RoundPreparation`, outer_round.py) and the writing and loading of its state
+(`OuterState`, outer_state.py); the grouped rounds' consensus term and error feedback are
+functions of their own (group_consensus.py, error_feedback.py).
 
 How the training loop calls it. The outer optimizer *wraps* the inner one: it is what the loop
 steps, so the loop reads like ordinary torch.
@@ -43,17 +45,11 @@ before one wait; with τ >= 1 that round's exchange then overlaps with the next 
 (Streaming DiLoCo). The merge copies φ back into θ (host to device).
 
 Grouped rounds. When the collective runs a round in groups smaller than the swarm (`GroupsRounds`:
-a `SwarmCollective` with the spec's `group_size`, collective/groups.py), each group averages its
-own Δ, so peers of different groups move φ differently — and a group's members come from
-different groups the round before, so their φ already differ. Averaging Δ alone never pulls the
-φ_i back together (they random-walk apart: on a noisy quadratic, 64 peers in groups of 8 ended
-~16x further apart than with the term below). So the default `communicate` also averages φ in
-the group, in fp16, and hands `apply` the pseudo-gradient against the group's mean local model,
-Δ̄ + (φ_i − φ̄) = φ_i − mean θ: NoLoCo's consensus term (docs/algorithms.md) with γ = β, Moshpit's
-averaging of the models. With outer lr 1 and momentum 0 it is FedAvg within each group. Cost:
-one more all-reduce of half the bytes (fp16) in a grouped round, among the peers the Δ exchange
-committed (`RoundRequest.among`: one that left it is not waited for); if it fails, the round
-keeps Δ̄ alone. A subclass that overrides `communicate` (SparseLoCo) does without.
+a `SwarmCollective` with the spec's `group_size`, collective/groups.py), averaging Δ alone lets
+the groups' φ random-walk apart. So the default `communicate` also averages φ in the group, in
+fp16, and hands `apply` Δ̄ + (φ_i − φ̄) = φ_i − mean θ: NoLoCo's consensus term with γ = β, FedAvg
+within each group at outer lr 1 and momentum 0 (optim/group_consensus.py: the problem, the cost,
+what a failure leaves). A subclass that overrides `communicate` (SparseLoCo) does without.
 
 Built from a swarm spec. The node builds every outer optimizer a spec names, built-in or a
 `py:` class of the swarm's own, with `Class.from_spec(model, inner, collective, spec)` (node/spec/
@@ -69,44 +65,29 @@ imports `BUILTIN_OPTIMIZERS`.
 Late joiners. `join(state)` loads a peer's `state_dict` (φ, outer optimizer state, step counter),
 sets θ ← φ, and keeps the inner optimizer fresh (inner state is never averaged or shared,
 docs/algorithms.md) — but seeded, where its caller passes the donors' `moments`, with their mean
-second moments and step count, so its steps start at the swarm's scale (optim/inner_moments.py).
-Until it has done a full H steps of its own, and at least
-`JOIN_WARMUP_STEPS` (a fresh inner optimizer's first steps are larger than a trained one's: in a
-short round they would make the veterans the outliers that screening flags), it contributes
-weight 0 to every all-reduce (prime's live recovery: docs/algorithms.md, DiLoCo) but still
-receives the average, so its φ and outer state stay identical to everyone else's.
+second moments and step count, so its steps start at the swarm's scale (optim/inner_moments.py);
+with `at_step` it enters the round the swarm is in (outer_exchanges.py, "Joiners enter at a
+step"). Until it has done a full H steps of its own, and at least `JOIN_WARMUP_STEPS` (a fresh
+inner optimizer's first steps are larger than a trained one's: in a short round they would make
+the veterans the outliers that screening flags), it contributes weight 0 to every all-reduce
+(prime's live recovery: docs/algorithms.md, DiLoCo) but still receives the average, so its φ
+and outer state stay identical to everyone else's.
 
-The round logic. `_advance` is one inner step's rounds as a generator with no I/O inside: it
-decides what is due, does the tensor work inline (Δ, error feedback; for a merge the outer update
-and the merge) and yields the async calls it needs — the exchange (`_exchange`, which calls
-`communicate`), a wait for one in flight, a prepare — as `RoundCall`s, which the `TrioBridge`
-(outer_round.py) runs on the trio side: from the trainer's thread for `step()`, inline for
-`astep()`. So the pseudo-gradient goes from `pseudo_gradient` through `_exchange` and
-`communicate` straight into the collective's `RoundRequest`. Every completed exchange is counted
-(`rounds`, bytes, waits) and kept as a `RoundReport` in `history`.
-
-Schedule (Streaming DiLoCo, Douillard et al. 2025 §2; torchft `local_sgd.py`). The trainable
-parameters are split into P `fragments` (default: one, i.e. DiLoCo). Fragment p sends at inner
-steps s >= 1 with s ≡ p·H/P (mod H), so at most one fragment is in flight and the peak traffic
-is ~1/P of a full sync. With `delay` τ = 0 the round blocks: send, average, apply, merge. With
-τ >= 1 the exchange runs in the background (in the nursery `async with outer` opens) while τ
-more inner steps run, and the result is applied and merged at step s + τ — the only point where
-an inner step may wait on the network, and only if the exchange has not finished. Requires
-H % P == 0 and τ < H/P (ValueError otherwise): the rules and the formula are `RoundSchedule`'s
-(optim/schedule.py), the one statement of them. Round ids: an exchange is the inner step s it is
-sent at (`round_id=s`) and its fragment's tag (outer_round.py `exchange_tag`).
+The round logic and the schedule. Each `step()` runs that step's rounds: `Exchanges.advance`
+(outer_exchanges.py) decides what is due, does the tensor work and yields the async calls it
+needs, which the `TrioBridge` (outer_round.py) runs on the trio side. Fragment p of P is sent
+every H inner steps at its offset p·H/P, and with `delay` τ >= 1 merged τ steps later while the
+exchange overlaps training (Streaming DiLoCo; requires H % P == 0 and τ < H/P, `RoundSchedule`,
+optim/schedule.py). Every completed exchange is counted (`rounds`, bytes, waits) and kept as a
+`RoundReport` in `history`.
 
 Swarm pace (the spec's `pace`). A peer that is behind the swarm — a slower GPU — may `skip()`
 inner steps instead of training them: the step counter and the round logic advance as `step()`
 advances them, without an inner step, so the peer reaches the swarm's round when the others do
-instead of holding it (or missing it and re-syncing). Each fragment's exchange then carries as its
-weight the share of the steps since the fragment's last send (H, except for the first) that the
-peer trained (a joiner's weight-0 period still rules): the mean weighs each peer's Δ by its
-samples, hivemind's `target_batch_size` in DiLoCo's terms. A robust rule (trimmed or clipped mean)
-takes every weighted contribution alike: weights are each peer's own claim, which strangers'
-contributions must not be scaled by. Who decides to skip, and when, is the caller's
-(node/pace.py). An optimizer whose exchange does not weigh contributions,
-or where a skipped step is a round (dp), says so in `unpaced_reason`.
+instead of holding it (or missing it and re-syncing). Each fragment's exchange then weighs the
+share of the steps since its last send that the peer trained (outer_exchanges.py, "Weights").
+Who decides to skip, and when, is the caller's (node/pace.py). An optimizer whose exchange does
+not weigh contributions, or where a skipped step is a round (dp), says so in `unpaced_reason`.
 
 State lent out. `state_dict(copy=False)` hands out the live φ and outer state, no copy: a
 checkpoint written at once, or the node's state donor serving joiners (node/state/run_state.py)
@@ -134,27 +115,25 @@ proceeds alone — its own Δ is applied as a group of one — so training never
 `needs_resync` is set: its φ and outer state now differ from the swarm's, and the node should
 download the swarm's state (`join`).
 
-Not here: how a round's calls reach the trio side, and when a round's group is formed ahead of it
-(outer_round.py); the schedule's formula and rules (schedule.py); what a loaded state is checked
-against (outer_state.py); which peers are in a round (the collective's membership), data,
-checkpoint files.
+Not here: what is due at a step, an exchange's weight, and what completing one does
+(outer_exchanges.py); how a round's calls reach the trio side, and when a round's group is formed
+ahead of it (outer_round.py); the schedule's formula and rules (schedule.py); how a state is
+written, loaded and checked (outer_state.py); which peers are in a round (the collective's
+membership), data, checkpoint files.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
-from functools import partial
 from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
 from meshtrain.collective.contract import (
     Collective,
-    CollectiveError,
     GroupsRounds,
     PreparesRounds,
     ReduceResult,
@@ -162,20 +141,14 @@ from meshtrain.collective.contract import (
     WatchesOptimizer,
 )
 from meshtrain.lifecycle import Service
-from meshtrain.log import get_logger, kv
+from meshtrain.optim.error_feedback import codec_round_trip, feed_back_into
+from meshtrain.optim.group_consensus import group_consensus
 from meshtrain.optim.inner_moments import InnerMoments
-from meshtrain.optim.outer_round import (
-    Exchange,
-    RoundCall,
-    RoundLogic,
-    RoundPreparation,
-    RoundReport,
-    TrioBridge,
-    exchange_tag,
-)
+from meshtrain.optim.outer_exchanges import Exchanges
+from meshtrain.optim.outer_round import RoundReport, TrioBridge
 from meshtrain.optim.outer_state import (
     STATE_FORMAT,
-    OptimizerLayout,
+    OuterState,
     OuterStateError,
     StaleStateError,
     StateLayout,
@@ -187,6 +160,7 @@ from meshtrain.optim.schedule import RoundSchedule
 
 __all__ = [
     "HISTORY_LENGTH",
+    "JOIN_WARMUP_STEPS",
     "STATE_FORMAT",
     "OuterOptimizer",
     "OuterSpec",
@@ -194,8 +168,6 @@ __all__ = [
     "RoundReport",
     "StaleStateError",
 ]
-
-log = get_logger(__name__)
 
 HISTORY_LENGTH = 4096  # round reports kept in memory
 # A joiner's weight-0 period lasts at least this many inner steps, even where H is shorter. Its
@@ -342,20 +314,15 @@ class OuterOptimizer(Service):
         self.outer_params: dict[str, torch.Tensor] = {n: host_copy(p) for n, p in self.params.items()}
         self._outer_optimizer: torch.optim.Optimizer | None = None
         self._outer_optimizer_built = False
-        self._buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.outer_state = OuterState(self)  # writes and loads the state (optim/outer_state.py)
         self.inner_steps = 0  # the swarm's step counter (a joiner loads it)
         self.rounds = 0  # exchanges completed (all fragments)
         self.needs_resync = False
         self.state_loads = 0  # states loaded so far (`load_state_dict`, and `join` through it)
-        self._joined_at: int | None = None  # the inner step we joined at (weight 0 for H steps, >= JOIN_WARMUP_STEPS)
-        self._pending: dict[int, Exchange] = {}  # fragment -> its exchange in flight (delay >= 1)
         self.skipped_steps = 0  # steps skipped to keep the swarm's pace (`skip`), in this process
-        # fragment -> (inner step, skipped_steps) at its last send; before one, `_counted_from`
-        # (where this process, or the last state loaded, began counting)
-        self._sent_at: dict[int, tuple[int, int]] = {}
-        self._counted_from = (0, 0)
+        # the round logic, the exchanges in flight and a joiner's warm-up (optim/outer_exchanges.py)
+        self.exchanges = Exchanges(self, self.schedule)
         self._bridge = TrioBridge(type(self).__name__, self.schedule.delay)
-        self._preparation = RoundPreparation(self.schedule)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peak_bytes_per_sync = 0
@@ -454,30 +421,10 @@ class OuterOptimizer(Service):
         await self.collective.unprepare(round_id=round_id, tag=tag)
 
     async def with_group_consensus(self, result: ReduceResult, *, round_id: int, tag: str) -> ReduceResult:
-        """`result` (the group's Δ̄) plus φ_i − φ̄, φ̄ averaged over the group in fp16. φ of these
-        names is not written while their exchange is in flight (only `apply` writes it)."""
-        names = list(result.tensors)
-        if len(result.members) == 1:
-            return result  # the group's first exchange was ours alone: φ̄ = φ_i, no term
-        phi = {n: self.outer_params[n] for n in names}
-        try:
-            # Among the peers the Δ exchange committed, the same on each of them: a member that
-            # left it (re-syncing, or gone on alone) is not waited for (collective/own_rounds.py).
-            request = RoundRequest(phi, round_id, f"{tag}.phi", "fp16", among=result.members)
-            mean = await self.collective.all_reduce(request)
-        except CollectiveError as e:
-            log.info(kv("grouped round without the consensus term", round=round_id, error=str(e)[:200]))
-            return result
-        tensors = {n: result.tensors[n].to(torch.float32) + (phi[n] - mean.tensors[n]) for n in names}
-        return ReduceResult(
-            tensors,
-            result.contributors,
-            result.digest,
-            result.bytes_sent + mean.bytes_sent,
-            result.bytes_received + mean.bytes_received,
-            {**mean.excluded, **result.excluded},
-            members=result.members,
-        )
+        """`result` (the group's Δ̄) plus φ_i − φ̄, φ̄ averaged over the group in fp16
+        (optim/group_consensus.py). φ of these names is not written while their exchange is in
+        flight (only `apply` writes it)."""
+        return await group_consensus(self.collective, self.outer_params, result, round_id=round_id, tag=tag)
 
     def apply(self, result: ReduceResult, names: Sequence[str]) -> None:
         """Update φ[names] from the averaged `result`. Default: the outer optimizer's step with
@@ -501,44 +448,19 @@ class OuterOptimizer(Service):
             else:
                 p.lerp_(phi.to(p.device, p.dtype), 1.0 - self.alpha)
 
-    # -- error feedback --------------------------------------------------------------------------
-    #
-    # With `error_feedback = β` (a float in [0, 1]) each peer keeps an accumulator e per parameter
-    # and, at every send, does e ← β·e + Δ; ŝ = encode(e); e ← e − decode(ŝ), sending ŝ instead
-    # of Δ (β = 1: classic error feedback, Seide et al. 2014 / Karimireddy et al. 2019; β < 1:
-    # SparseLoCo's decayed accumulator, which replaces the outer momentum — docs/algorithms.md). e is
-    # this peer's own: saved by `state_dict(inner=True)` (checkpoints), never averaged, never in
-    # `state_dict(inner=False)` (what joiners download). A joiner's weight-0 exchanges skip it.
+    # -- error feedback (optim/error_feedback.py): `error_feedback = β`, e in `residual` ---------
 
     def compress(
         self, accumulated: dict[str, torch.Tensor], names: Sequence[str]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(what `communicate` sends, what it decodes to) for the accumulator e[names]. Default:
-        `self.codec` applied to each tensor whole; the decoded values are sent (the collective
-        encodes them again — exact for "none"/"fp16"/"bf16" after a cast codec; SparseLoCo
-        overrides this to send its sparse payload itself)."""
-        from meshtrain.collective.compression import get_codec
-
-        codec = get_codec(self.codec)
-        decoded = {n: codec.decode(codec.encode(t), t.shape, torch.float32) for n, t in accumulated.items()}
-        return decoded, decoded
+        `self.codec` applied to each tensor whole (`codec_round_trip`); SparseLoCo overrides this
+        to send its sparse payload itself."""
+        return codec_round_trip(self.codec, accumulated)
 
     def feed_back(self, delta: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """e ← β·e + Δ; (send, ŝ) = compress(e); e ← e − ŝ; returns `send`. Runs in the trainer's thread."""
-        if self.error_feedback is None:
-            raise ValueError("feed_back needs error feedback: set error_feedback = β, a float in [0, 1]")
-        beta = float(self.error_feedback)
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"error_feedback β must be in [0, 1], got {beta!r}")
-        for n in names:
-            e = self.residual.get(n)
-            if e is None:
-                e = self.residual[n] = torch.zeros_like(self.outer_params[n])
-            e.mul_(beta).add_(delta[n].to(torch.float32))
-        send, decoded = self.compress({n: self.residual[n] for n in names}, names)
-        for n in names:
-            self.residual[n].sub_(decoded[n])
-        return send
+        return feed_back_into(self.residual, self.error_feedback, delta, names, self.compress, self.outer_params)
 
     # -- the training loop ---------------------------------------------------------------------
 
@@ -554,12 +476,12 @@ class OuterOptimizer(Service):
         for hook in self.step_hooks:
             hook(self)
         self._inner_step()
-        return self._bridge.run_from_thread(self._advance())
+        return self._bridge.run_from_thread(self.exchanges.advance())
 
     async def astep(self) -> list[RoundReport]:
         """`step()` for code running in trio (tensor work runs inline in the trio thread)."""
         self._inner_step()
-        return await self._bridge.run_async(self._advance())
+        return await self._bridge.run_async(self.exchanges.advance())
 
     def _inner_step(self) -> None:
         """The inner optimizer's step; before a step that runs a round, its gradients are dropped
@@ -575,32 +497,32 @@ class OuterOptimizer(Service):
         """Advance one inner step without training it, to keep the swarm's pace (module
         docstring, "Swarm pace"): the rounds due run as at `step()`; the step's batch is not
         trained, and the fragments' next exchanges weigh one step less. From a worker thread."""
-        return self._bridge.run_from_thread(self._advance(trained=False))
+        return self._bridge.run_from_thread(self.exchanges.advance(trained=False))
 
     async def askip(self) -> list[RoundReport]:
         """`skip()` for code running in trio."""
-        return await self._bridge.run_async(self._advance(trained=False))
+        return await self._bridge.run_async(self.exchanges.advance(trained=False))
 
     def finish(self) -> list[RoundReport]:
         """Wait for exchanges still in flight and merge them (end of training; from a thread)."""
-        return self._bridge.run_from_thread(self._flush())
+        return self._bridge.run_from_thread(self.exchanges.flush())
 
     async def afinish(self) -> list[RoundReport]:
-        return await self._bridge.run_async(self._flush())
+        return await self._bridge.run_async(self.exchanges.flush())
 
     async def _start(self, stack: AsyncExitStack) -> None:
         # Leaving cancels exchanges still in flight (call `afinish()` first to keep them): the
         # bridge's nursery closes first, then they are forgotten.
-        stack.callback(self._pending.clear)
+        stack.callback(self.exchanges.pending.clear)
         await stack.enter_async_context(self._bridge)
 
     @property
     def in_flight(self) -> bool:
-        return bool(self._pending)
+        return self.exchanges.in_flight
 
     def pending_merges(self) -> dict[int, int]:
         """fragment -> the inner step at which its exchange in flight is merged."""
-        return {p: ex.merge_step for p, ex in self._pending.items()}
+        return {p: ex.merge_step for p, ex in self.exchanges.pending.items()}
 
     @property
     def H(self) -> int:
@@ -618,131 +540,12 @@ class OuterOptimizer(Service):
 
     def due(self, step: int) -> tuple[list[int], list[int]]:
         """(fragments to merge, fragments to send) at inner step `step`."""
-        merges = [p for p, ex in self._pending.items() if ex.merge_step <= step]
-        return sorted(merges), self.sends_at(step)
+        return self.exchanges.due(step)
 
     def sends_at(self, step: int) -> list[int]:
         """The fragments sent at inner step `step`: the schedule alone (safe to call from another
         thread while the trainer's runs, unlike `due`, which reads the exchanges in flight)."""
         return self.schedule.sends_at(step)
-
-    # -- the round logic (module docstring, "The round logic") ---------------------------------
-
-    def _advance(self, trained: bool = True) -> RoundLogic:
-        """The round logic for one inner step, as a generator that yields the async calls it
-        needs: the bridge runs them on the trio side (from a thread or inline). `trained`: False
-        for a step skipped to keep the swarm's pace (`skip`)."""
-        self.inner_steps += 1
-        step = self.inner_steps
-        if not trained:
-            self.skipped_steps += 1
-        self._preparation.step_began()
-        merges, sends = self.due(step)
-        reports = []
-        for p in merges:
-            reports.append((yield from self._complete(self._pending.pop(p))))
-        if not sends:  # a step after the last send: that round's join went out first
-            yield from self._prepare_next(step)
-        for p in sends:
-            names = self.fragments[p]
-            ready = self._joined_at is None or step - self._joined_at >= max(self.H, self.join_warmup_steps)
-            with torch.no_grad():
-                tensors = self.pseudo_gradient(names)
-                if self.error_feedback is not None and ready:
-                    tensors = self.feed_back(tensors, names)
-            # the share of the fragment's steps since its last send that were trained (all, unless
-            # some were skipped: module docstring, "Swarm pace")
-            since_step, since_skipped = self._sent_at.get(p, self._counted_from)
-            skipped = self.skipped_steps - since_skipped
-            weight = max(0.0, 1.0 - skipped / max(step - since_step, 1)) if ready else 0.0
-            self._sent_at[p] = (step, self.skipped_steps)
-            ex = Exchange(p, step, tuple(names), tensors, weight, self.schedule.merge_step(step))
-            if self.delay == 0:
-                yield RoundCall(self._exchange, (ex,), what=ex.describe())
-                reports.append((yield from self._complete(ex)))
-            else:
-                self._pending[p] = ex
-                yield RoundCall(self._exchange, (ex,), spawn=True)
-        self._preparation.step_ended()
-        return reports
-
-    def _prepare_next(self, step: int) -> Generator[RoundCall, Any, None]:
-        """Prepare the rounds of the next send step once they are due (outer_round.py,
-        "Prepared rounds")."""
-        if not self.prepares_rounds:
-            return
-        due = self._preparation.due(step)
-        if due is None:
-            return
-        nxt, within = due
-        for p in self.sends_at(nxt):
-            yield RoundCall(partial(self.prepare, round_id=nxt, tag=exchange_tag(p), within=within))
-
-    def _flush(self) -> RoundLogic:
-        reports = []
-        for p in sorted(self._pending):
-            reports.append((yield from self._complete(self._pending.pop(p))))
-        # Training ended: the exchanges prepared for a step it did not reach will not run.
-        unreached = self._preparation.unreached(self.inner_steps)
-        if unreached is not None:
-            for p in self.sends_at(unreached):
-                yield RoundCall(partial(self.unprepare, round_id=unreached, tag=exchange_tag(p)))
-            self._preparation.withdrawn(self.inner_steps)
-        return reports
-
-    def _complete(self, ex: Exchange) -> Generator[RoundCall, Any, RoundReport]:
-        t0 = time.monotonic()
-        if not ex.done.is_set():
-            yield RoundCall(ex.done.wait, what=ex.describe())
-        waited = time.monotonic() - t0
-        result = ex.result
-        assert result is not None  # set before done
-        for hook in self.before_state_change:
-            yield RoundCall(hook)
-        with torch.no_grad():
-            self.apply(result, ex.names)
-            self.merge(ex.names)
-        self.rounds += 1
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, result.bytes_sent)
-        self.comm_wait_seconds += waited + (ex.finished - ex.started if self.delay == 0 else 0.0)
-        report = RoundReport(
-            ex.step,
-            ex.fragment,
-            len(result.contributors),
-            result.bytes_sent,
-            result.bytes_received,
-            ex.finished - ex.started,
-            waited,
-            ex.error,
-            tuple(sorted({*(result.members or result.contributors), *result.excluded})),
-            set(result.members or result.contributors) <= {self.collective.peer_id},
-        )
-        self.history.append(report)
-        return report
-
-    async def _exchange(self, ex: Exchange) -> None:
-        """Run `communicate` for one exchange (trio side); on CollectiveError proceed alone."""
-        try:
-            ex.result = await self.communicate(
-                ex.tensors, round_id=ex.step, tag=exchange_tag(ex.fragment), weight=ex.weight
-            )
-        except CollectiveError as e:
-            log.warning(
-                kv(
-                    "outer round without the swarm; proceeding alone",
-                    step=ex.step,
-                    fragment=ex.fragment,
-                    error=str(e)[:200],
-                )
-            )
-            self.needs_resync = True
-            ex.error = str(e) or type(e).__name__
-            me = self.collective.peer_id
-            ex.result = ReduceResult(ex.tensors, (me,), b"", 0, 0, {})
-        ex.finished = time.monotonic()
-        ex.done.set()
 
     # -- state a subclass keeps (serialised with the rest) ------------------------------------
 
@@ -752,7 +555,7 @@ class OuterOptimizer(Service):
         """Per-parameter tensors (e.g. a momentum) that `state_dict` saves and `load_state_dict`
         restores bit-exactly. Returns the dict, keyed like `outer_params`."""
         buf = {n: init(phi) for n, phi in self.outer_params.items()}
-        self._buffers[name] = buf
+        self.outer_state.buffers[name] = buf
         return buf
 
     @contextmanager
@@ -788,7 +591,7 @@ class OuterOptimizer(Service):
         awaiting = self._bridge.awaiting
         return None if awaiting is None else (awaiting[0], time.monotonic() - awaiting[1])
 
-    # -- state ----------------------------------------------------------------------------------
+    # -- state (written and loaded by `OuterState`, optim/outer_state.py) -----------------------
 
     def state_dict(self, *, inner: bool = True, copy: bool = True) -> dict[str, Any]:
         """Everything needed to continue: φ, the outer optimizer, registered buffers, counters,
@@ -796,52 +599,13 @@ class OuterOptimizer(Service):
         `copy=False` the live tensors themselves (no memory: for a checkpoint written at once, or
         a state lent to joiners until the next round — `before_state_change`); the caller must
         not write them. A subclass that overrides this takes `copy` too."""
-        if self._pending:
-            raise OuterStateError("an outer exchange is in flight; take state between rounds or after finish()")
-        same: Callable[[Any], Any] = _deep_copy if copy else _as_is
-        outer_optimizer = self.outer_optimizer
-        state: dict[str, Any] = {
-            "format": STATE_FORMAT,
-            "algorithm": type(self).__name__,
-            "H": self.H,
-            "fragments": [list(f) for f in self.fragments],
-            "inner_steps": self.inner_steps,
-            "rounds": self.rounds,
-            "outer_params": same(dict(self.outer_params)),
-            "buffers": same({k: dict(b) for k, b in self._buffers.items()}),
-            "outer_optimizer": same(outer_optimizer.state_dict()) if outer_optimizer is not None else None,
-        }
-        if inner and self.inner is not None:
-            state["inner"] = same(self.inner.state_dict())
-        if inner and self.residual:  # this peer's error feedback: checkpoints only, never joiners
-            state["residual"] = same(dict(self.residual))
-        return state
+        return self.outer_state.write(inner=inner, copy=copy)
 
     def load_state_dict(self, state: dict[str, Any], *, inner: bool = True) -> None:
         """Restore `state_dict()` output (a checkpoint of this or another peer). Does not touch the
         model's parameters θ — restore those from the model checkpoint, or use `join`."""
-        if self._pending:
-            raise StaleStateError("cannot load state while an outer exchange is in flight")
-        self.state_layout().check(state)
-        with torch.no_grad():
-            for n, t in state["outer_params"].items():
-                self.outer_params[n].copy_(t)
-            for k, b in state["buffers"].items():
-                for n, t in b.items():
-                    self._buffers[k][n].copy_(t)
-        if self.outer_optimizer is not None:
-            self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
-        if inner and self.inner is not None and "inner" in state:
-            self.inner.load_state_dict(copy.deepcopy(state["inner"]))
-        if inner and isinstance(state.get("residual"), dict):
-            self.residual = {
-                n: t.to(torch.float32).clone()
-                for n, t in state["residual"].items()
-                if n in self.outer_params and isinstance(t, torch.Tensor) and t.shape == self.outer_params[n].shape
-            }
-        self.inner_steps = int(state["inner_steps"])
-        self.rounds = int(state["rounds"])
-        self._sent_at, self._counted_from = {}, (self.inner_steps, self.skipped_steps)  # counted afresh
+        self.outer_state.load(state, inner=inner)
+        self.exchanges.count_from(self.inner_steps, self.skipped_steps)  # weights counted afresh
         self.state_loads += 1
 
     def inner_moments(self) -> InnerMoments | None:
@@ -856,30 +620,19 @@ class OuterOptimizer(Service):
 
         `at_step`: the swarm's inner step now, if it is already past the state's (the state is
         the last completed round, the swarm is inside the next one). We jump our step counter
-        there, train the rest of the round and enter the swarm's next exchange with it — that
-        exchange's outer update is the same on φ we hold, so our outer state stays identical.
-        It must lie in [state's step, the next send step): beyond, the state is a round old —
-        except while the swarm is in that send's exchange: a peer counts the send step as it
-        enters the exchange and publishes no newer state until it ends, and with delay τ ≥ 1 the
-        exchange overlaps its training (it reports steps [send, send + max(τ, 1))). That exchange
-        may be waiting for us — the swarm expects a joiner at its next round, and a member that
-        re-syncs is still one of the round's peers — so we enter a step before it and take part
-        (weight 0). Refusing left both sides waiting for each other until the round's hard
-        deadline (seen in CI: with τ ≥ 1 round after round; with τ = 0 two of three peers
-        re-syncing, each refused the state from before the round the third waited in, for 90 s).
-        A state offered just before its donor publishes the round's result takes us into a round
-        that has ended: we are told so and re-sync, as after any missed round."""
+        there (`entry_step`: outer_exchanges.py, "Joiners enter at a step") and enter the swarm's
+        next exchange with it; `StaleStateError` if the state is a round old."""
         if at_step is not None:  # refused before anything changes: a stale state leaves ours as it was
             self.state_layout().check(state)
             at_step = self.entry_step(int(state["inner_steps"]), at_step)
         self.load_state_dict(state, inner=False)
         if at_step is not None:
             self.inner_steps = at_step
-            self._counted_from = (at_step, self.skipped_steps)
+            self.exchanges.count_from(at_step, self.skipped_steps)
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self.outer_params[n])
-        self._joined_at = self.inner_steps
+        self.exchanges.joined_at = self.inner_steps
         if moments is not None:
             moments.seed(self.inner, self.params)
         self.needs_resync = False
@@ -889,31 +642,8 @@ class OuterOptimizer(Service):
         """The step a joiner enters at with a state from inner step `state_step` while the swarm
         is at `at_step` (`join`'s rule); `StaleStateError` if that state is a round old. A node
         asks this of a state's manifest before downloading its bytes (node/state/download.py)."""
-        send = self.next_send_step(state_step)
-        if send <= at_step < send + max(self.delay, 1):  # the swarm is in that exchange (`join`)
-            at_step = send - 1
-        if not state_step <= at_step < send:
-            raise StaleStateError(
-                f"state is from step {state_step}; cannot enter at step {at_step} "
-                f"(an exchange happened in between): fetch a newer state"
-            )
-        return at_step
+        return self.exchanges.entry_step(state_step, at_step)
 
     def state_layout(self) -> StateLayout:
         """What a state must match to be loaded here (optim/outer_state.py)."""
-        return StateLayout(
-            type(self).__name__,
-            self.H,
-            tuple(self.fragments),
-            {n: phi.shape for n, phi in self.outer_params.items()},
-            frozenset(self._buffers),
-            None if self.outer_optimizer is None else OptimizerLayout.of(self.outer_optimizer),
-        )
-
-
-def _deep_copy(tree: Any) -> Any:
-    return copy.deepcopy(tree)
-
-
-def _as_is(tree: Any) -> Any:
-    return tree
+        return self.outer_state.layout()

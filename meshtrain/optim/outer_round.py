@@ -16,8 +16,8 @@ nothing of the optimizer's hooks:
                       are due to be prepared, and which prepared ones training did not reach
                       (the moving step time, the newest step prepared)
 
-The round logic itself (`OuterOptimizer._advance`, outer.py) is a generator with no I/O inside:
-it decides what is due, does the tensor work inline and yields the async calls it needs
+The round logic itself (`Exchanges.advance`, outer_exchanges.py) is a generator with no I/O
+inside: it decides what is due, does the tensor work inline and yields the async calls it needs
 (`RoundCall`); the bridge has two drivers that run those calls — `run_from_thread` for `step()`,
 `run_async` for `astep()`. One piece of logic, two ways of running it. A driver runs a call
 without reading what it carries. A fragment's exchange, from its send to its merge, is an
@@ -53,13 +53,14 @@ and the fragment (`tag="f<p>"`, `exchange_tag`): equal on every peer that follow
 step counter, and never reused.
 
 Failures. A call that raises ends the round logic with the error, in the caller's thread: the
-bridge does not catch (what a failed exchange means is the round logic's, outer.py "Failures").
-`step()` called in the trio thread is a RuntimeError that says to use `astep()`; an overlapping
-exchange spawned outside `async with outer` is a RuntimeError that says to enter it.
+bridge does not catch (what a failed exchange means is the round logic's, outer_exchanges.py
+"Failures"). `step()` called in the trio thread is a RuntimeError that says to use `astep()`; an
+overlapping exchange spawned outside `async with outer` is a RuntimeError that says to enter it.
 
-Not here: what a round computes, when it is due, what happens when this peer misses an exchange,
-and the state an optimizer keeps (`OuterOptimizer`, outer.py); the schedule's formula and rules
-(`RoundSchedule`, schedule.py); which peers are in a round (the collective's membership).
+Not here: what a round computes (`OuterOptimizer`'s hooks, outer.py), when it is due and what
+happens when this peer misses an exchange (`Exchanges`, outer_exchanges.py), the state an
+optimizer keeps (outer.py, outer_state.py); the schedule's formula and rules (`RoundSchedule`,
+schedule.py); which peers are in a round (the collective's membership).
 """
 
 from __future__ import annotations

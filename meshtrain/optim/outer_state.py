@@ -1,5 +1,5 @@
-"""An outer optimizer's state as it travels: the format, what a state must hold to be loaded, and
-the host copies φ lives in.
+"""An outer optimizer's state as it travels: how it is written and loaded, the format, what a
+state must hold to be loaded, and the host copies φ lives in.
 
 Problem. `OuterOptimizer.state_dict` (outer.py) is a peer's whole outer state — φ, the outer
 optimizer's state, registered buffers, the step counter — written into checkpoints and served to
@@ -9,6 +9,8 @@ the same schedule (H, fragmentation), the same parameter names and shapes, the s
 outer optimizer, and sane counters. One check says so, and names what differs.
 
 Design.
+    OuterState          writes an optimizer's state dict and loads one into it (`state_dict`,
+                        `load_state_dict`, outer.py), and keeps its registered buffers
     STATE_FORMAT        the format tag every state carries ("meshtrain.outer/1")
     StateLayout         what a state must match for one optimizer (`OuterOptimizer.state_layout`):
                         `check(state)` raises `OuterStateError` naming the first difference
@@ -28,6 +30,15 @@ Design.
                         model is on a CUDA device (outer.py, "Devices"); a device's queued copies
                         are waited for once
 
+Writing and loading. A state holds φ, the registered buffers and the outer optimizer's state
+(`OuterState.write`: copies, or with `copy=False` the live tensors, lent out: outer.py "State
+lent out"), the schedule it was made with, the counters (`inner_steps`, `rounds`) and, for a
+checkpoint (`inner`), the inner optimizer's state and this peer's error-feedback residual, which
+never travel to joiners. `load` checks the whole state first (`StateLayout`) and only then
+copies it into the optimizer's own tensors, bit-exactly; a residual whose shapes do not fit is
+dropped, not refused. Neither runs while an exchange is in flight: `OuterStateError` for
+`write`, `StaleStateError` for `load`.
+
 What a state is checked for is its structure, not its values: φ is not scanned for NaN (a pass
 over a model's worth of memory at every join), nor compared with the swarm's beyond the state
 download's digest vote (node/state/fetch.py).
@@ -37,18 +48,20 @@ Failures. `OuterStateError`: the state cannot be loaded here (another algorithm,
 state is fine but its moment has passed (a round old, or an exchange of ours is in flight) — fetch
 a newer one or try again after the exchange (node/state/download.py tells the two apart).
 
-Not here: writing and loading the state (`state_dict`, `load_state_dict`, `join`, outer.py), the
-files it is saved in (node/state/), how it travels to joiners (node/state/donor.py, sync.py).
+Not here: what loading a state does to the rest of the optimizer — the model's θ, the weights of
+its next exchanges, a joiner's warm-up (`load_state_dict`, `join`, outer.py) —, the files a state
+is saved in (node/state/), how it travels to joiners (node/state/donor.py, sync.py).
 """
 
 from __future__ import annotations
 
+import copy as copying
 import math
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -58,8 +71,10 @@ from meshtrain.transport.validate import is_int, is_number
 __all__ = [
     "STATE_FORMAT",
     "OptimizerLayout",
+    "OuterState",
     "OuterStateError",
     "StaleStateError",
+    "StateHolder",
     "StateLayout",
     "fragment_partition",
     "host_copy",
@@ -274,6 +289,102 @@ class StateLayout:
 
     def _fits(self, name: str, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.shape == self.shapes[name]
+
+
+class StateHolder(Protocol):
+    """What of an optimizer (`OuterOptimizer`, outer.py) its state is."""
+
+    outer_params: dict[str, torch.Tensor]
+    inner: torch.optim.Optimizer | None
+    residual: dict[str, torch.Tensor]
+    inner_steps: int
+    rounds: int
+
+    @property
+    def H(self) -> int: ...
+    @property
+    def fragments(self) -> list[tuple[str, ...]]: ...
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def in_flight(self) -> bool: ...
+
+
+class OuterState:
+    """Writes `owner`'s state dict and loads one into it (module docstring, "Writing and loading").
+
+    owner: the optimizer whose state it is. `buffers`: its registered per-parameter buffers by
+    name (`register_buffers`), saved and restored with the rest.
+    """
+
+    def __init__(self, owner: StateHolder) -> None:
+        self.owner = owner
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+
+    def write(self, *, inner: bool, copy: bool) -> dict[str, Any]:
+        """The state (`OuterOptimizer.state_dict`): tensors copied, or with `copy=False` the live ones."""
+        owner = self.owner
+        if owner.in_flight:
+            raise OuterStateError("an outer exchange is in flight; take state between rounds or after finish()")
+        same: Callable[[Any], Any] = copying.deepcopy if copy else _as_is
+        outer_optimizer = owner.outer_optimizer
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "algorithm": type(owner).__name__,
+            "H": owner.H,
+            "fragments": [list(f) for f in owner.fragments],
+            "inner_steps": owner.inner_steps,
+            "rounds": owner.rounds,
+            "outer_params": same(dict(owner.outer_params)),
+            "buffers": same({k: dict(b) for k, b in self.buffers.items()}),
+            "outer_optimizer": same(outer_optimizer.state_dict()) if outer_optimizer is not None else None,
+        }
+        if inner and owner.inner is not None:
+            state["inner"] = same(owner.inner.state_dict())
+        if inner and owner.residual:  # this peer's error feedback: checkpoints only, never joiners
+            state["residual"] = same(dict(owner.residual))
+        return state
+
+    def load(self, state: dict[str, Any], *, inner: bool) -> None:
+        """Check `state` whole, then copy it into the owner's tensors and counters."""
+        owner = self.owner
+        if owner.in_flight:
+            raise StaleStateError("cannot load state while an outer exchange is in flight")
+        self.layout().check(state)
+        with torch.no_grad():
+            for n, t in state["outer_params"].items():
+                owner.outer_params[n].copy_(t)
+            for k, b in state["buffers"].items():
+                for n, t in b.items():
+                    self.buffers[k][n].copy_(t)
+        if owner.outer_optimizer is not None:
+            owner.outer_optimizer.load_state_dict(copying.deepcopy(state["outer_optimizer"]))
+        if inner and owner.inner is not None and "inner" in state:
+            owner.inner.load_state_dict(copying.deepcopy(state["inner"]))
+        if inner and isinstance(state.get("residual"), dict):
+            owner.residual = {
+                n: t.to(torch.float32).clone()
+                for n, t in state["residual"].items()
+                if n in owner.outer_params and isinstance(t, torch.Tensor) and t.shape == owner.outer_params[n].shape
+            }
+        owner.inner_steps = int(state["inner_steps"])
+        owner.rounds = int(state["rounds"])
+
+    def layout(self) -> StateLayout:
+        """What a state must match to be loaded into the owner."""
+        owner = self.owner
+        return StateLayout(
+            type(owner).__name__,
+            owner.H,
+            tuple(owner.fragments),
+            {n: phi.shape for n, phi in owner.outer_params.items()},
+            frozenset(self.buffers),
+            None if owner.outer_optimizer is None else OptimizerLayout.of(owner.outer_optimizer),
+        )
+
+
+def _as_is(tree: Any) -> Any:
+    return tree
 
 
 def fragment_partition(names: Sequence[str], fragments: Sequence[Sequence[str]] | None) -> list[tuple[str, ...]]:

@@ -11,11 +11,11 @@ Rules (checked once, here; `ValueError` names the rule): H >= 1 and 1 <= P <= H 
 H % P == 0 (each fragment syncs once per H steps at its own offset), and 0 <= τ < H/P (a
 fragment's result is merged before the next fragment is sent).
 
-Who reads it: the outer optimizer's round logic (optim/outer.py) and its timing of prepared
-rounds (optim/outer_round.py `RoundPreparation`), a multi-GPU peer's
-non-gateway ranks that follow rank 0's rounds without an optimizer (node/ranks/sharding.py
-`RoundClock`), and the swarm spec, which rejects a schedule no peer could run before it is
-signed (node/spec/swarm.py). Not here: what a round computes or sends (optim/outer.py).
+Who reads it: the outer optimizer's round logic (optim/outer_exchanges.py) and its timing of
+prepared rounds (optim/outer_round.py `RoundPreparation`), a multi-GPU peer's non-gateway ranks
+that follow rank 0's rounds without an optimizer (node/ranks/sharding.py `RoundClock`), and the
+swarm spec, which rejects a schedule no peer could run before it is signed (node/spec/swarm.py).
+Not here: what a round computes or sends (optim/outer.py).
 """
 
 from __future__ import annotations
