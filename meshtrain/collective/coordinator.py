@@ -665,8 +665,8 @@ class Coordinator:
         if len(self.withdrawn) > WITHDRAWN_KEPT:  # bounded: forget the oldest entries
             for old in list(self.withdrawn)[: WITHDRAWN_KEPT // 4]:
                 del self.withdrawn[old]
-        r = self.rounds.get(key)
-        if r is None or r.moved:
+        r = self.rounds.get(key)  # a round handed over or restarted is no longer here
+        if r is None:
             return
         if r.group_fixed.is_set():
             self._rejoined(r, peer, "allreduce member withdrew its join; leaving the attempt without it")
