@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from meshtrain.collective.attempt_outcomes import POLL_S
-from meshtrain.collective.coordinator import OWN_TRAINER_WAIT, Coordinator
+from meshtrain.collective.coordinator import Coordinator
+from meshtrain.collective.missing_peers import OWN_TRAINER_WAIT
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.probe import QUIET_S, WATCH_EVERY
 from meshtrain.collective.protocol import (

@@ -3,7 +3,7 @@ on loopback: its progress record of the last life is not a sign that this life t
 itself or to its peers.
 
 The coordinator waits for its own trainer while it trains (`reported_step` of ourselves: a fresh
-progress record) and goes on without it once it fetches a state (collective/coordinator.py
+progress record) and goes on without it once it fetches a state (collective/missing_peers.py
 `_own_trainer_away`). A record from our last life, replicated back to us by a peer, is dated
 fresh as it arrives; read as this life's, it made a restarted coordinator that was still
 downloading look like one that trains. To its peers the same record stayed fresh for a few

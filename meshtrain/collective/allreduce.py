@@ -459,7 +459,7 @@ class SwarmCollective(Service):
             except _Moved as e:
                 # Our view was behind: take the fresh membership (it now has the newcomer). A
                 # coordinator we found gone may be back (restarted): the one handing over heard
-                # from it (coordinator.py `_probe`). A second time, we proceed alone.
+                # from it (missing_peers.py `MissingPeers.probe`). A second time, we proceed alone.
                 to = str(e)
                 if to in dead:
                     if to in revived:

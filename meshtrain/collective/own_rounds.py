@@ -42,7 +42,7 @@ group's tag the prober asks with.
 
 Failures. A coordinator whose own trainer has not reached a follow-up yet expects the round's
 whole group until it does (its next review, a liveness interval later, cuts it), as before this.
-What is not here: other peers' positions (coordinator.py: the progress records, the WHERE probe).
+What is not here: other peers' positions (coordinator.py: the progress records; missing_peers.py: the WHERE probe).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class OwnRounds:
 
     def where(self, tag: str) -> WhereReply:
         """Where our trainer is in `tag`'s series, whatever group's tag it asks with: the answer
-        to a coordinator's WHERE probe (coordinator.py)."""
+        to a coordinator's WHERE probe (missing_peers.py)."""
         self._follow_trainer()
         series = tag_series(tag)
         at, coordinator, entered = self._position.get(series, (-1, None, None))

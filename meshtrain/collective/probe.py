@@ -11,7 +11,7 @@ its step may take longer, its link may be saturated.
 
 Design. Two signals, both needed, from two planes:
 - **The probe**: `WHERE_RPC` (the coordinator already asks missing peers where they are,
-  coordinator.py) with a `PROBE_EVERY` deadline. A live peer answers from its event loop at once,
+  missing_peers.py) with a `PROBE_EVERY` deadline. A live peer answers from its event loop at once,
   whatever its trainer does; a stopped one says nothing (`probe_where` → True: the RPC timed out,
   told apart from a refusal or an unreachable peer, False).
 - **Its heartbeats** (`quiet(peer)`, the node's `PeerPresence.heartbeats_stopped`): no
@@ -46,7 +46,7 @@ deadline.
 
 What each side does with it. The coordinator fixes a round's group without missing peers that are
 all silent (or past the round), provided two or more joined and they are a majority of the peers
-not silent (coordinator.py `_without_silent`), and later rounds do so as soon as everyone else
+not silent (missing_peers.py `without_silent`), and later rounds do so as soon as everyone else
 is in; a lone joiner keeps waiting, since a round of one beside a stopped partner is a solo round
 (node/state/parity.py); it acts the moment a probe finds a peer silent (`SilentPeers.ask_all`),
 not at the end of the probe pass under way. A member in a data phase asks the peers it depends on,
@@ -92,7 +92,7 @@ group's tag (regroup), past it, in it at a lower-id coordinator (hand over), lef
 behind than the round window, or behind and not training: it must re-sync before it can join),
 or fetching the swarm's state (no round in this life, not training: not coming soon).
 Not here: the WHERE answer (own_rounds.py), what a coordinator does with the answers
-(coordinator.py `_probe`), membership leases (crdt/swarm_view.py).
+(missing_peers.py `MissingPeers.probe`), membership leases (crdt/swarm_view.py).
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class Whereabouts:
         none); `trains(peer)`: whether a peer trains now (a fresh progress record; None: not
         known); `rounds_ended`: whether rounds of this series ended here before; `waited`:
         whether the round has waited its short wait for a peer that is not coming soon
-        (coordinator.py `OWN_TRAINER_WAIT`).
+        (missing_peers.py `OWN_TRAINER_WAIT`).
 
         Left behind (`behind`): a peer further behind than the round window (stopped while the
         swarm went on: allreduce.py refuses its joins as out of our window), or behind this round

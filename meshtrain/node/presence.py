@@ -354,8 +354,8 @@ class PeerPresence(Service):
     def heartbeats_stopped(self, peer: str) -> bool:
         """Whether `peer`'s heartbeats stopped reaching us: no membership record from it for
         `QUIET_BEATS` heartbeat intervals (+1 s), by our monotonic clock, or none at all. With an
-        unanswered probe, a coordinator takes it for silent (collective/coordinator.py, "Silent
-        peers"): a live peer on a saturated link answers late, but its heartbeats still arrive.
+        unanswered probe, a coordinator takes it for silent (collective/missing_peers.py,
+        "Silent peers"): a live peer on a saturated link answers late, but its heartbeats still arrive.
         The interval stretches with the swarm (22 s at 64 peers, 65 s at 256 before it says
         quiet): there a patient probe decides (collective/probe.py, "Sparse heartbeats")."""
         view = self._view()
@@ -486,7 +486,7 @@ class PeerPresence(Service):
         no fresh record of its present life — a peer restarted from an older checkpoint must not
         be taken for past a round by the record of its last life). Ours too: held from our last
         life, it is dated fresh when the view starts, and our coordinator would take our
-        trainer, fetching a state, for one that trains (collective/coordinator.py
+        trainer, fetching a state, for one that trains (collective/missing_peers.py
         `_own_trainer_away`)."""
         view = self._view()
         record = view.progress_of(peer)

@@ -56,7 +56,7 @@ failed and withheld — in which another trainer still trained (a fresh progress
 connected to us and was within the round window of the round (`SwarmSpec.round_window`): a peer
 that may hold a second φ for the same round, the fork the parity rule then heals. A partner
 further behind is refused in the round and re-syncs before it can share it (a coordinator fixes
-its group without it: collective/coordinator.py `_without_silent`), so holds no φ for it; a
+its group without it: collective/missing_peers.py `without_silent`), so holds no φ for it; a
 30-minute soak's two "solo" rounds were such, beside peers 12 and 27 rounds behind that the
 coordinator had just left out. A round whose group shrank to us by retries (`survived_rounds`: its other
 members were dropped as failed or silent) is not solo: the coordinator's decision dropped them,

@@ -414,7 +414,7 @@ class RunState(Service):
         if not alone or not self.parity.enabled or len(self.presence.trainers()) <= 1:
             return
         # A partner further behind the rounds than the round window is refused in them (and a
-        # coordinator fixes its group without it: collective/coordinator.py `_without_silent`):
+        # coordinator fixes its group without it: collective/missing_peers.py `without_silent`):
         # it re-syncs before it can share them, so holds no φ of its own for them; nor does one
         # that carries our own state (parity.py `BesideAlone`).
         spec = self.trainer.spec
