@@ -131,7 +131,7 @@ async def test_non_finite_input_takes_part_with_weight_zero():
 
 async def test_a_member_cancelled_in_its_data_phase_tells_the_coordinator_it_leaves():
     """A member whose all_reduce is cancelled while its transfers run says so (a report naming
-    itself), so the others retry at once without it. The cancellation reaches `_run_round`
+    itself), so the others retry at once without it. The cancellation reaches `MemberRounds._run_round`
     wrapped in the data phase's nursery's exception group; a plain `except trio.Cancelled` missed
     it, the member left in silence, and the echo of its vanished receiver got an innocent peer
     dropped as well (seen in CI)."""

@@ -9,8 +9,9 @@ Public API:
 - `ForwardingCollective` — the base of a collective that wraps another, with every capability
   of the wrapped one (forwarding.py).
 - `SwarmCollective` / `AllReduceConfig` — the fault-tolerant all-reduce over a running host
-  (allreduce.py: the participant; coordinator.py: the per-round state machine; data_phase.py:
-  reduce-scatter and all-gather; protocol.py: its messages).
+  (allreduce.py: the participant; member_round.py: its side of a round; coordinator.py: the
+  per-round state machine; data_phase.py: reduce-scatter and all-gather; protocol.py: its
+  messages).
 - `GroupPlan` / `round_groups` — grouped rounds for large swarms (groups.py: Moshpit-style
   groups from the membership snapshot; `SwarmCollective(grouping=...)` runs each group's round).
 - `average_pair` — averaging with one partner (pairwise.py, NoLoCo's gossip step).

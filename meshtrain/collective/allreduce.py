@@ -49,14 +49,12 @@ slow peer owns little or nothing (shares.py, as hivemind's load balancing sizes 
 **Failures.** Every transfer has a deadline scaled to its size, and peers we are waiting on are
 watched for disconnection (the host's connection events) and for silence (heartbeats stopped, a
 probe unanswered: probe.py), so a killed peer is noticed within a second, a stopped one within
-seconds, and a merely slow one at the deadline. A peer that sees a failure reports it to the coordinator, which at once declares the
-next attempt with the suspects removed; every peer watches for that decision while it transfers
-and abandons the attempt immediately. When all members report success, the coordinator commits
-if their digests agree; a minority digest is told to re-sync from a majority peer. If the
-coordinator itself dies, its watchers see the RPC fail and restart the round with the next lowest
-id; so do peers waiting for its group once it leaves the round's candidates while still connected
-(excluded by strikes, or gone from the swarm: join_wait.py), where the others form the round. A
-peer that is itself cut off raises `CollectiveError`.
+seconds, and a merely slow one at the deadline. A failure reported to the coordinator makes it
+declare the next attempt without the suspects at once; members whose digest is in the minority
+re-sync from a holder of the committed one; members whose coordinator dies, goes silent or leaves
+the round's candidates restart the round at the next lowest id; a peer that is itself cut off
+raises `CollectiveError` (a member's side of each: member_round.py, "Attempts", "The commit",
+"Coordinator lost").
 
 **Robust aggregation** (`robust="trimmed_mean"` or `"clipped_mean"`, aggregation.py): owners
 combine their part's contributions coordinate-wise, dropping the extremes or clipping norms; a
@@ -65,16 +63,19 @@ contribution with NaN/inf or of the wrong size is rejected and its sender named 
 with `score_samples`, the sampled peers' contributions for loss scoring; with `screen_echo`,
 replays dropped: echoes.py) is in `ReduceResult.screening` and goes to `screening_listeners`.
 
-**Where the parts live.** This file is the participant: `SwarmCollective`, its RPC handlers
-(every request passes round_gate.py first: a member of the round, for a round near ours, or a
-typed refusal) and the round loop above. The coordinator's state machine is coordinator.py, one
-attempt's reduce-scatter and all-gather is data_phase.py (`AttemptPlan`, planned from the
-coordinator's layout before bytes move; `DataPhase`, which moves them), our input — flattened and
-checked for finiteness once per round, in a worker thread while the join goes out — is
-contribution.py, the member's control RPCs to the coordinator are coordinator_client.py (waiting
-for a join's reply, join_wait.py), joins sent ahead are prepared.py, the committed result's
-transfer to members without it is committed.py, and every control message, with its wire form,
-limits and `parse`, is protocol.py. The public names
+**Where the parts live.** This file is the participant's service: `SwarmCollective`, its RPC
+handlers (every request passes round_gate.py first: a member of the round, for a round near ours,
+or a typed refusal), our group of a round and its tag, joins sent ahead (`prepare`), and
+`all_reduce`'s entry, which computes our group anew when the round's peers grouped it differently
+(at most `MAX_REGROUPS` times). A member's side of one round — joining, hand-overs and restarts at
+the next coordinator, each attempt, the commit — is member_round.py (`MemberRounds`). The
+coordinator's state machine is coordinator.py, one attempt's reduce-scatter and all-gather is
+data_phase.py (`AttemptPlan`, planned from the coordinator's layout before bytes move; `DataPhase`,
+which moves them), our input — flattened and checked for finiteness once per round, in a worker
+thread while the join goes out — is contribution.py, the member's control RPCs to the coordinator
+are coordinator_client.py (waiting for a join's reply, join_wait.py), joins sent ahead are
+prepared.py, the committed result's transfer to members without it is committed.py, and every
+control message, with its wire form, limits and `parse`, is protocol.py. The public names
 (`SwarmCollective`, `AllReduceConfig`, the RPC names and refusal codes) are importable from here.
 """
 
@@ -87,31 +88,20 @@ from typing import Any
 import torch
 import trio
 
-from meshtrain.collective.committed import fetch_committed, send_committed
-from meshtrain.collective.contract import (
-    CollectiveError,
-    GatherResult,
-    ReduceResult,
-    RoundRequest,
-    RoundScreening,
-    sampled_peers,
-)
+from meshtrain.collective.contract import CollectiveError, GatherResult, ReduceResult, RoundRequest, RoundScreening
 from meshtrain.collective.contribution import Contribution
 from meshtrain.collective.coordinator import Coordinator
-from meshtrain.collective.coordinator_client import CoordinatorClient, CoordinatorLost
-from meshtrain.collective.data_phase import AttemptFailed, AttemptPlan, AttemptStats, DataPhase, exception_leaves
+from meshtrain.collective.coordinator_client import CoordinatorClient
 from meshtrain.collective.echoes import EchoMemory
-from meshtrain.collective.flat import STRIPE_TAPER, flat_slice, result_digest
+from meshtrain.collective.flat import STRIPE_TAPER
 from meshtrain.collective.groups import GroupPlan, RoundGroups
-from meshtrain.collective.join_wait import await_join_reply
+from meshtrain.collective.member_round import MemberRounds, Regroup
 from meshtrain.collective.own_rounds import OwnRounds
 from meshtrain.collective.pairwise import average_pair
 from meshtrain.collective.prepared import PreparedJoins
-from meshtrain.collective.probe import ask_where, wait_silent
+from meshtrain.collective.probe import ask_where
 from meshtrain.collective.protocol import (
     COORDINATOR_BEHIND,
-    DONE,
-    FAIL,
     JOIN_RPC,
     NOT_A_MEMBER,
     OUT_OF_WINDOW,
@@ -119,25 +109,15 @@ from meshtrain.collective.protocol import (
     WATCH_RPC,
     WHERE_RPC,
     WITHDRAW_RPC,
-    Abort,
     AllReduceConfig,
-    Commit,
-    Joined,
-    JoinReply,
     JoinRequest,
-    Late,
-    Moved,
-    Outcome,
     Report,
-    Retry,
-    RoundKey,
     WatchRequest,
     WhereReply,
     WhereRequest,
     Withdrawal,
 )
 from meshtrain.collective.round_gate import RoundGate
-from meshtrain.collective.shares import egress_rate
 from meshtrain.collective.sparse_gather import gather_over_streams
 from meshtrain.lifecycle import Service
 from meshtrain.log import get_logger, kv
@@ -165,14 +145,6 @@ __all__ = [
     "ReduceResult",
     "SwarmCollective",
 ]
-
-
-class _Moved(Exception):
-    """The coordinator handed the round to a lower-id candidate: re-read the membership, go there."""
-
-
-class _Regroup(Exception):
-    """The round's peers computed its groups differently: compute ours again, join anew."""
 
 
 class SwarmCollective(Service):
@@ -235,7 +207,6 @@ class SwarmCollective(Service):
         self.screening_listeners: list[Callable[[RoundScreening], None]] = []
         self.echoes = EchoMemory(self.config.screen_echo)  # replay screening (echoes.py)
         self._latest_round: int | None = None  # the newest round we took part in
-        self._waiting: str | None = None  # what our round waits for now (participant side)
         self._reported_step = reported_step
         self.own = OwnRounds(trainer_step)  # what our trainer entered, for our coordinator (own_rounds.py)
         self._coord = Coordinator(host, self.config, self.group, reported_step, self.own, quiet)
@@ -250,6 +221,8 @@ class SwarmCollective(Service):
         self._nested = 0  # entries while already running (they leave the lifetime as it is)
         # joins sent ahead (prepared.py), kept while our trainer is still coming to their round
         self.prepared = PreparedJoins(self.coordinator.join, self.coordinator.leave, self.own.coming)
+        # our side of each round: joining, restarts at the next coordinator, attempts (member_round.py)
+        self.member = MemberRounds(self, self._running, self._coord.silent)
         long = self.config.join_timeout + 120
         host.rpc.serve(JOIN_RPC, self._rpc_join, handler_timeout=long)
         host.rpc.serve(REPORT_RPC, self._rpc_report, handler_timeout=long)
@@ -377,12 +350,7 @@ class SwarmCollective(Service):
 
     def waiting_for(self) -> str | None:
         """What a round of ours waits for right now, in words (for `/status`), or None."""
-        return self._coord.waiting_for() or self._waiting
-
-    async def _joined(self, join: JoinRequest) -> JoinReply:
-        """The coordinator's reply to the round's join: the one sent ahead, or one sent now."""
-        prepared = await self.prepared.take(join)  # sent ahead by `prepare` (prepared.py), or now:
-        return prepared if prepared is not None else await self.coordinator.join(join)
+        return self._coord.waiting_for() or self.member.waiting
 
     # -- the collective ------------------------------------------------------------------------
 
@@ -391,11 +359,6 @@ class SwarmCollective(Service):
         grouping, groups = self.grouping, self.round_groups(round_id)
         return tag if grouping is None or groups is None else grouping.tag(tag, groups, self.peer_id)
 
-    def _join_request(self, round_id: int, tag: str, live: Sequence[str], dead: set[str]) -> JoinRequest:
-        """Our join of round `round_id` at `live[0]`, having given up on `dead`."""
-        key = RoundKey(round_id, tag, live[0])
-        return JoinRequest(key, tuple(live), tuple(sorted(dead)), self.uplink, self.stripe_taper)
-
     async def prepare(self, *, round_id: int, tag: str = "", within: float = 1.0) -> None:
         """Send round `round_id`'s first join now, in the background; the round is due in about
         `within` seconds. The `all_reduce` of that round then takes the reply (prepared.py). Not
@@ -403,7 +366,8 @@ class SwarmCollective(Service):
         tag = self._round_tag(round_id, tag)
         candidates = self.group(round_id)
         if candidates[0] != self.peer_id:  # a round already prepared is left as it is
-            self.prepared.prepare(self._join_request(round_id, tag, candidates, set()), within, await self._running())
+            join = self.member.join_request(round_id, tag, candidates, set())
+            self.prepared.prepare(join, within, await self._running())
 
     async def unprepare(self, *, round_id: int, tag: str = "") -> None:
         """Round `round_id` will not run here: withdraw its prepared join (prepared.py)."""
@@ -424,8 +388,8 @@ class SwarmCollective(Service):
                 tag = self._round_tag(round_id, request.tag)
                 self.own.enter(round_id, tag, request.among)
                 try:
-                    return (result := await self._all_reduce(contribution, tag, request.codec))
-                except _Regroup as e:
+                    return (result := await self.member.run(contribution, tag, request.codec))
+                except Regroup as e:
                     if regroups >= MAX_REGROUPS:
                         raise CollectiveError(
                             f"round {round_id}: its peers still group it differently after {regroups} regroups ({e})"
@@ -433,267 +397,8 @@ class SwarmCollective(Service):
                     regroups += 1
                     log.info(kv("allreduce regrouping round", round=round_id, tag=tag, why=str(e)))
         finally:
-            self._waiting = None
+            self.member.waiting = None
             self.own.ended(round_id, request.tag, completed=result is not None)
-
-    async def _all_reduce(self, contribution: Contribution, tag: str, codec: str) -> ReduceResult:
-        round_id = contribution.round_id
-        candidates = self._candidates(round_id, tag)
-        dead: set[str] = set()
-        revived: set[str] = set()  # dead coordinators a hand-over sent us back to (once each)
-        while True:
-            live = [p for p in candidates if p not in dead]
-            if not live:  # every candidate we tried is gone or handed over in a loop
-                raise CollectiveError(f"round {round_id}: no coordinator left to join")
-            coordinator = live[0]
-            self.own.at(RoundKey(round_id, tag, coordinator))
-            try:
-                # A safety net over the per-step deadlines: however the round misbehaves, the
-                # caller gets an error and proceeds (alone) instead of waiting forever.
-                with trio.fail_after(self.config.round_deadline(contribution.numel)):
-                    return await self._run_round(self._join_request(round_id, tag, live, dead), contribution, codec)
-            except trio.TooSlowError:
-                raise CollectiveError(
-                    f"round {round_id}: no outcome within {self.config.round_deadline(contribution.numel):.0f} s"
-                ) from None
-            except _Moved as e:
-                # Our view was behind: take the fresh membership (it now has the newcomer). A
-                # coordinator we found gone may be back (restarted): the one handing over heard
-                # from it (missing_peers.py `MissingPeers.probe`). A second time, we proceed alone.
-                to = str(e)
-                if to in dead:
-                    if to in revived:
-                        raise CollectiveError(
-                            f"round {round_id}: handed over again to {to[-8:]}, which we could not reach; proceed alone"
-                        ) from None
-                    dead.discard(to)
-                    revived.add(to)
-                candidates = sorted(set(self._candidates(round_id, tag)) | {to})
-                log.info(kv("allreduce coordinator moved, restarting round", round=round_id, to=str(e)[-8:]))
-            except CoordinatorLost as e:
-                log.info(
-                    kv(
-                        "allreduce coordinator lost, restarting round",
-                        round=round_id,
-                        coordinator=coordinator[-8:],
-                        reason=str(e),
-                    )
-                )
-                if coordinator == self.peer_id:
-                    raise CollectiveError(f"round {round_id}: lost contact with the swarm ({e})") from None
-                dead.add(coordinator)
-
-    def _candidates(self, round_id: int, tag: str) -> list[str]:
-        """The peers we expect in our exchange `round_id` under `tag`: `group`, cut to a follow-up's
-        peers (`RoundRequest.among`, own_rounds.py), sorted."""
-        among = self.own.among(RoundKey(round_id, tag, self.peer_id))
-        group = self.group(round_id)
-        return sorted(group if among is None else set(group) & among)
-
-    def _still_coordinates(self, coordinator: str, round_id: int) -> bool:
-        """Whether a coordinator holding our join still counts (join_wait.py): one of the round's
-        candidates, or still present in the swarm (`present`)."""
-        return coordinator in self.membership(round_id) or (self.present is not None and self.present(coordinator))
-
-    async def _run_round(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
-        """One round at `join`'s coordinator — left for the next candidate (`CoordinatorLost`)
-        once that coordinator went silent, at any step of the round (probe.py)."""
-        key, coordinator, quiet = join.key, join.key.coordinator, self.quiet
-        if coordinator == self.peer_id or quiet is None:
-            return await self._round_at(join, contribution, codec)
-        round_scope, watching = trio.CancelScope(), trio.CancelScope()
-
-        async def watch() -> None:
-            with watching:
-                self._coord.silent.mark(await wait_silent(self.host, lambda: [coordinator], quiet, key))
-                round_scope.cancel()
-
-        (await self._running()).start_soon(watch)
-        try:
-            with round_scope:
-                return await self._round_at(join, contribution, codec)
-        finally:
-            watching.cancel()
-        raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)")
-
-    async def _round_at(self, join: JoinRequest, contribution: Contribution, codec: str) -> ReduceResult:
-        key, coordinator = join.key, join.key.coordinator
-        log.debug(kv("allreduce join", key=key, expected=len(join.expected)))
-        joined: JoinReply | None
-        if coordinator == self.peer_id:
-            joined = await self._joined(join)
-        else:  # unless the coordinator leaves the round's candidates meanwhile (join_wait.py)
-            self._waiting = f"round {key.round_id}: waiting for coordinator {coordinator[-8:]} to form the group"
-            joined = await await_join_reply(
-                lambda: self._joined(join),
-                lambda: self._still_coordinates(coordinator, key.round_id),
-                await self._running(),
-                lambda: self.coordinator.withdraw(key),
-            )
-        if joined is None:
-            raise CoordinatorLost("it left the round's candidates (excluded, or left the swarm)")
-        self._waiting = None
-        log.debug(kv("allreduce joined", key=key, reply=type(joined).__name__))
-        if isinstance(joined, Moved):
-            if joined.to < coordinator:
-                raise _Moved(joined.to)
-            raise CollectiveError(f"{key}: coordinator handed the round to a higher id; proceed alone")
-        if isinstance(joined, Late):
-            if joined.regroup:
-                raise _Regroup(
-                    f"{key}: the coordinator restarted the round (its peers grouped it differently, or it was paused)"
-                )
-            if joined.elsewhere is not None:
-                raise CollectiveError(
-                    f"{key}: the others are in this round at {joined.elsewhere[-8:]}, "
-                    "which we cannot reach; proceed alone and re-sync"
-                )
-            if joined.passed:
-                raise CollectiveError(f"{key}: the other peers have moved past this round; re-sync")
-            raise CollectiveError(f"{key}: joined after the group was formed; wait for the next round")
-        layout: Joined | Retry = joined  # the attempt as the coordinator announced it
-        excluded: dict[str, str] = {}
-        while True:
-            if self.peer_id not in layout.group:
-                raise CollectiveError(f"{key}: this peer was excluded from the round")
-            plan = AttemptPlan.of(key, layout, self.peer_id, contribution.numel, self.config, codec, self.uplink)
-            try:
-                outcome, result, stats = await self._attempt(plan, contribution)
-            except* trio.Cancelled:
-                # We are leaving mid-round: say so, so the others retry at once instead of
-                # waiting out a deadline for our data — or blaming whoever our silence makes drop
-                # out next (seen in CI: an innocent peer excluded). `except*`: a cancellation
-                # that lands in the data phase's nursery arrives wrapped in an exception group.
-                await self.coordinator.leave(key, plan.attempt)
-                raise
-            if isinstance(outcome, Retry):
-                for p in outcome.excluded:
-                    excluded.setdefault(p, "failed during the round")
-                layout = outcome
-                log.info(kv("allreduce retry", key=key, attempt=outcome.attempt, group=len(outcome.group)))
-                continue
-            if isinstance(outcome, Abort):
-                raise CollectiveError(f"{key}: {outcome.why}")
-            return await self._commit(plan, outcome, result, stats, contribution.tensors, excluded)
-
-    async def _commit(
-        self,
-        plan: AttemptPlan,
-        outcome: Commit,
-        result: dict[str, torch.Tensor] | None,
-        stats: AttemptStats,
-        tensors: dict[str, torch.Tensor],
-        excluded: dict[str, str],
-    ) -> ReduceResult:
-        """Our result once the coordinator committed `outcome.digest`: fetched from a holder if
-        ours is missing or differs; sent to the peers that need it if we are the first holder."""
-        key, group = plan.key, plan.group
-        needy = [p for p in (*outcome.resync, *outcome.unconfirmed) if p != self.peer_id]
-        resync_tag = f"{plan.tag}/resync"
-        digest = stats.digest
-        if self.peer_id in outcome.resync or result is None:
-            if not outcome.holders:
-                raise CollectiveError(f"{key}: nobody holds the committed result")
-            result = await fetch_committed(self.streams, self.config, outcome.holders[0], resync_tag, tensors)
-            digest = result_digest(result)
-        elif outcome.holders and outcome.holders[0] == self.peer_id and needy:
-            nursery = await self._running()
-            for p in needy:
-                nursery.start_soon(send_committed, self.streams, self.config, p, resync_tag, result)
-        if digest != outcome.digest:
-            raise CollectiveError(f"{key}: result does not match the committed digest")
-        for p in outcome.rejected:
-            excluded.setdefault(p, stats.rejected.get(p, "sent an invalid contribution"))
-        contributors = tuple(p for p in group if p not in stats.zero_weight and p not in excluded)
-        # Screening (contract.py): what we flagged as a part's owner, with the round it belongs to.
-        flags = tuple(f for f in stats.flags if f.peer != self.peer_id)
-        if stats.sketch is not None and stats.digest == outcome.digest and result is not None:
-            # Replay screening (echoes.py): the committed round's part is remembered, and the
-            # echoes we dropped from it are flagged (rather than as a norm or direction flag).
-            self.echoes.remember(key.tag, stats.sketch)
-            echoed = {e.peer for e in stats.echoes}
-            part = group.index(self.peer_id)
-            flags = tuple(f for f in flags if f.peer not in echoed) + tuple(
-                stats.sketch.flag(e, part) for e in stats.echoes
-            )
-        stats.sketch = None
-        screening = None
-        if self.config.screen_norm:
-            samples, aggregate = {}, None
-            if stats.kept and stats.digest == outcome.digest and result is not None:
-                # Loss scoring (contract.py): the sampled peers' contributions to our part.
-                chosen = sampled_peers(group, digest, self.config.score_samples)
-                samples = {p: stats.kept[p] for p in chosen if p in stats.kept and p not in excluded}
-                a, b = stats.part
-                aggregate = flat_slice(result, a, b) if samples else None
-            stats.kept = {}
-            screening = RoundScreening(key.round_id, key.tag, group, digest, flags, stats.part, samples, aggregate)
-        if screening is not None:
-            for listener in self.screening_listeners:
-                listener(screening)
-        return ReduceResult(
-            result, contributors, digest, stats.sent, stats.received, excluded, screening, tuple(sorted(group))
-        )
-
-    async def _attempt(
-        self, plan: AttemptPlan, contribution: Contribution
-    ) -> tuple[Outcome, dict[str, torch.Tensor] | None, AttemptStats]:
-        """Run one attempt's data phase while watching for the coordinator's decision."""
-        key, attempt = plan.key, plan.attempt
-        phase = DataPhase(self.streams, self.host, self.config, plan, contribution, self.echoes, self.quiet)
-        decided: list[Outcome] = []
-        result: list[dict[str, torch.Tensor]] = []
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    decided.append(await self.coordinator.watch(key, attempt))
-                    nursery.cancel_scope.cancel()
-
-                async def work() -> None:
-                    try:
-                        out = await phase.run()
-                        phase.stats.digest = await trio.to_thread.run_sync(result_digest, out)
-                        result.append(out)
-                        self.measured_uplink = egress_rate(phase.stats.sends) or self.measured_uplink
-                        report = Report(key, attempt, DONE, phase.stats.digest, (), tuple(sorted(phase.stats.rejected)))
-                    except AttemptFailed as e:
-                        log.info(
-                            kv(
-                                "allreduce attempt failed",
-                                key=key,
-                                attempt=attempt,
-                                suspects=",".join(s[-8:] for s in e.suspects),
-                                why=str(e),
-                            )
-                        )
-                        if phase.silent:  # our verdict: our own coordinator's rounds go without them too
-                            self._coord.silent.mark(phase.silent)
-                        if key.coordinator in phase.silent:  # a report to it would hang: on to the next one
-                            raise CoordinatorLost("it went silent (no heartbeat, no answer to a probe)") from None
-                        report = Report(
-                            key,
-                            attempt,
-                            FAIL,
-                            None,
-                            tuple(sorted(e.suspects)),
-                            tuple(sorted(phase.stats.rejected)),
-                            e.evidence,
-                        )
-                    log.debug(kv("allreduce report", key=key, attempt=attempt, status=report.status))
-                    await self.coordinator.report(report)
-
-                nursery.start_soon(watch)
-                nursery.start_soon(work)
-        except BaseExceptionGroup as eg:
-            leaves = list(exception_leaves(eg))
-            for kind in (CollectiveError, CoordinatorLost):
-                for e in leaves:
-                    if isinstance(e, kind):
-                        raise e from None
-            raise
-        log.debug(kv("allreduce attempt decided", key=key, attempt=attempt, outcome=type(decided[0]).__name__))
-        return decided[0], (result[0] if result else None), phase.stats
 
     async def all_gather(
         self, payload: dict[str, torch.Tensor], *, round_id: int, tag: str = "", weight: float = 1.0

@@ -4,7 +4,7 @@ When the coordinator commits an attempt (coordinator.py), some members may not h
 their digest was in the minority (`Commit.resync`), or they did not report in time
 (`Commit.unconfirmed`). The first holder of the committed digest sends them the whole result
 over the data plane under the attempt's re-sync tag, and each of them receives it from that
-holder and checks the digest (allreduce.py `_commit`). Both transfers have the data plane's
+holder and checks the digest (member_round.py `MemberRounds._commit`). Both transfers have the data plane's
 deadline for their size. A send that fails is only logged: the peer may simply be gone. A fetch
 that fails means we cannot take part in the round (`CollectiveError`).
 """

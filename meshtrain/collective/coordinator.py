@@ -62,7 +62,7 @@ only stopped): a second join from a member of the attempt under way counts as it
 attempt (`_rejoined`), so the others retry without it at once.
 
 Withdrawn joins. A member that stops waiting for our reply to its join (we left its round's
-candidates, or went silent, for it: join_wait.py, allreduce.py; or its exchange was cancelled)
+candidates, or went silent, for it: join_wait.py, member_round.py; or its exchange was cancelled)
 tells us (`withdraw`, WITHDRAW_RPC). Before the group is fixed its join is dropped: it is elsewhere
 now, and a group fixed with it would wait for data that never comes (a 30-minute soak's restarted
 coordinator fixed a group with such a join, its own trainer away; the trainer, back, was told

@@ -20,7 +20,7 @@ for a stopped coordinator to wake up to read it, up to the join deadline: coordi
 (protocol.py `parse_join_reply`, `parse_outcome`). Waiting for the join's reply while the
 coordinator may leave the candidates is join_wait.py's.
 
-Not here: the round loop and its restarts (allreduce.py), the coordinator's state machine
+Not here: the round loop and its restarts (member_round.py), the coordinator's state machine
 (coordinator.py), the messages' wire forms and limits (protocol.py).
 """
 

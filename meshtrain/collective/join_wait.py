@@ -13,7 +13,7 @@ Design. `await_join_reply` runs the wait beside a watcher that reads the round's
 `CHECK_S`. Once the coordinator has been missing from them for `GONE_S` (two checks, so one odd
 read of a moving view does not split a round), it cancels the wait and returns None; the round
 loop then restarts the round at the next live candidate, where the others are, as for a
-coordinator that died (`CoordinatorLost`: coordinator_client.py, allreduce.py).
+coordinator that died (`CoordinatorLost`: coordinator_client.py, member_round.py).
 
 Withdrawing. Whenever the wait ends without the reply — given up here, or cancelled from outside
 (the member found the coordinator silent, or its exchange was ended) — the join is withdrawn, in
@@ -38,7 +38,7 @@ kept. One that drops out for longer while the others still follow it loses us to
 candidate, which then hands the round back (`Moved`, the coordinator's hand-over) once our view
 holds the lower id again.
 
-Not here: who coordinates, joins and hand-overs (allreduce.py, coordinator.py).
+Not here: who coordinates, joins and hand-overs (member_round.py, coordinator.py).
 """
 
 from __future__ import annotations

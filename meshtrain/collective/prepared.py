@@ -45,8 +45,8 @@ that a peer leaving mid-round sends. The others then retry without us at once. (
 whose group is not fixed yet is withdrawn when its reply comes.) A peer that exits altogether is
 seen to disconnect.
 
-Not here: when to prepare (outer_round.py); the join RPC, the withdrawal report and the round
-loop (allreduce.py).
+Not here: when to prepare (outer_round.py); the join RPC and the withdrawal report
+(coordinator_client.py); the round loop (member_round.py).
 """
 
 from __future__ import annotations

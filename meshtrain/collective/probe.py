@@ -56,7 +56,7 @@ connection. A joiner's state download drops a silent donor alike (node/state/fet
 "Silence"; the probe's answer is not read there, only whether one comes). A member probes its round's coordinator alike, at
 any step of the round (waiting for the group, in the data phase, waiting for the outcome: each is
 an RPC to it that would hang until its deadline) and, finding it silent, restarts the round at
-the next candidate, naming the silent one as skipped (allreduce.py `_run_round`,
+the next candidate, naming the silent one as skipped (member_round.py `MemberRounds._run_round`,
 `CoordinatorLost`), where the others go too. A verdict is the whole process's: a member that
 finds a peer silent (its watch on its coordinator, its data phase) marks it for the rounds its
 own coordinator keeps (`SilentPeers.mark`) — the next candidate is a member of the round too, and

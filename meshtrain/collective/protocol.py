@@ -1,7 +1,7 @@
 """The all-reduce's control protocol: its RPCs, refusal codes, deadlines and typed messages.
 
-The participant (allreduce.py) and the coordinator (coordinator.py) talk over five RPCs; bulk
-data never goes through them (data_phase.py moves it over tensor streams). Every message is a
+The participant (allreduce.py, member_round.py) and the coordinator (coordinator.py) talk over
+five RPCs; bulk data never goes through them (data_phase.py moves it over tensor streams). Every message is a
 frozen dataclass here, with `to_wire()` giving the msgpack map that travels and one `parse` per
 message that checks untrusted input and raises `Malformed` (which the RPC layer answers with
 the code `malformed`). Nothing outside this file reads a wire map.
@@ -49,7 +49,7 @@ ours: we are the one left behind — a coordinator stopped while the swarm went 
 joiner goes to the next candidate instead, as if we had gone; an older peer reads it as any
 refusal and does the same), besides `malformed` and `unknown_attempt`.
 
-Not here: what the coordinator decides (coordinator.py), how a peer takes part (allreduce.py).
+Not here: what the coordinator decides (coordinator.py), how a peer takes part (allreduce.py, member_round.py).
 """
 
 from __future__ import annotations

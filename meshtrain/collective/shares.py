@@ -31,8 +31,8 @@ the members sent with their joins, and announces the shares with the group (prot
 
 Where a member's rate comes from: its configured `uplink_mbit` (AllReduceConfig), else
 `egress_rate`, measured on its own sends in its last all-reduce that moved enough data
-(allreduce.py keeps it and sends it with the next join). A round with no measurement yet runs
-with equal parts.
+(member_round.py measures it, `SwarmCollective` keeps it, and it goes with the next join). A
+round with no measurement yet runs with equal parts.
 
 Not here: the bounds themselves (flat.py), sending the rates and shares (protocol.py,
 coordinator.py).
