@@ -164,6 +164,34 @@ def test_no_swarm_and_no_node_running_are_clear(tmp_path):
         assert r.returncode == 1 and "no node is running" in r.stderr, r.stderr
 
 
+def test_a_data_dir_holding_a_swarms_checkpoints_is_not_taken_by_another_swarm(tmp_path):
+    """Checkpoints carry no swarm id: a dir reused for another swarm would resume the first one's
+    state as the second's (found by a soak whose run dir held an earlier run's checkpoints: its
+    creator died on "state was made with a different H"). `swarm create` and `node start` refuse."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = create(a, "--model", "gpt-tiny", "--H", "10", "--steps", "0")
+    other = create(b, "--model", "gpt-tiny", "--H", "10", "--steps", "0")
+    CheckpointStore(a / "checkpoints").save({"w": torch.zeros(3)}, step=10, round=1)
+    spec = (a / "swarm.json").read_bytes()
+    assert create(a, "--model", "gpt-tiny", "--H", "10", "--steps", "0") == first  # the same swarm again: its dir
+
+    for args in (
+        ["swarm", "create", "--data-dir", str(a), "--model", "gpt-tiny", "--H", "20"],
+        ["node", "start", "--data-dir", str(a), "--swarm", str(b / "swarm.json"), *LOOPBACK],
+    ):
+        r = cli(*args)
+        errors = [line for line in r.stderr.splitlines() if "error" in line]
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"holds the checkpoints of swarm {first}" in errors[0] and "another --data-dir" in errors[0]
+        assert (a / "swarm.json").read_bytes() == spec  # nothing of the dir was overwritten
+    assert other in errors[0]
+
+    # A spec written elsewhere leaves the dir alone; with its checkpoints moved away, the dir is free.
+    assert cli("swarm", "create", "--data-dir", str(a), "--H", "20", "--out", str(tmp_path / "x.json")).returncode == 0
+    (a / "checkpoints").rename(tmp_path / "old-checkpoints")
+    assert create(a, "--model", "gpt-tiny", "--H", "20", "--steps", "0") != first
+
+
 @pytest.mark.slow
 def test_alone_then_resume_from_checkpoint_bit_exactly(tmp_path):
     d = tmp_path / "a"

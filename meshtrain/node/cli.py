@@ -232,6 +232,7 @@ def _node_stop(args: argparse.Namespace) -> int:
 
 def _swarm_create(args: argparse.Namespace) -> int:
     from meshtrain.node.spec.config import load_node_config
+    from meshtrain.node.spec.data_dir import SPEC_FILE, claim_data_dir
     from meshtrain.node.spec.signed import SignedSpec
     from meshtrain.node.spec.swarm import parse_spec
     from meshtrain.transport.identity import Identity
@@ -250,7 +251,9 @@ def _swarm_create(args: argparse.Namespace) -> int:
         spec = parse_spec({**values, "dataset_digest": digest}, form="flat")
     identity = Identity.load_or_create(config.data_dir)
     signed = SignedSpec.create(spec, identity)
-    out = signed.save(args.out or Path(config.data_dir).expanduser() / "swarm.json")
+    if args.out is None:  # the spec goes into the data dir, which `node start` then runs
+        claim_data_dir(config.data_dir, signed.swarm_id)
+    out = signed.save(args.out or Path(config.data_dir).expanduser() / SPEC_FILE)
     if not spec.model.context and signed.spec.model.context:
         from meshtrain.models.sources import capped_context
 

@@ -71,11 +71,11 @@ from meshtrain.models.tokenizers import (
     Tokenizer,
     load_tokenizer,
 )
+from meshtrain.node.spec.data_dir import CHECKPOINT_DIR, SPEC_FILE
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.trainer import build_model, load_data
 
-SPEC_FILE = "swarm.json"  # as the daemon writes it
 EXPORT_INFO = "meshtrain_export.json"
 TOKENIZER_NOTE = "meshtrain_tokenizer.json"
 EXPORT_SHARD_SIZE = "5GB"  # an export's weight files hold at most this each (the Hugging Face Hub's convention)
@@ -128,7 +128,7 @@ def load_trained(data_dir: str | os.PathLike[str]) -> Trained:
             f"{root} is a peer of a pipeline swarm: its checkpoints hold one stage; "
             "`meshtrain export` assembles the whole model (node/stages/export.py)"
         )
-    ckpt_dir = root / "checkpoints"
+    ckpt_dir = root / CHECKPOINT_DIR
     ckpt = CheckpointStore(ckpt_dir, readonly=True).load_latest() if ckpt_dir.is_dir() else None
     if ckpt is None:
         raise ConfigError(

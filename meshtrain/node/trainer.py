@@ -93,6 +93,7 @@ from meshtrain.node.ranks.devices import (
 )
 from meshtrain.node.ranks.sharding import DCP_METADATA, InnerShards, RoundClock, ShardedModel, load_inner_shards
 from meshtrain.node.spec.config import default_data_dir
+from meshtrain.node.spec.data_dir import CHECKPOINT_DIR
 from meshtrain.node.spec.outer import build_outer, check_matches
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.optim import OuterOptimizer
@@ -104,7 +105,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 DATA_CACHE = "datacache"  # the token caches of file datasets, under the data dir
-CHECKPOINTS = "checkpoints"  # the node's checkpoints, under the data dir (node/state/run_state.py)
 REPORT_EVERY = 10  # steps between loss reads, throughput updates, history points and after_step
 
 OuterFactory = Callable[[torch.nn.Module, torch.optim.Optimizer, Collective], OuterOptimizer]
@@ -267,7 +267,9 @@ class Trainer(TrainedState):
         self.precision = Precision(spec.model.precision, self.device)
         self.corpus = corpus or load_data(spec, data_dir, on_progress)
         # an FSDP peer's inner state is saved beside the checkpoints (node/ranks/sharding.py)
-        self.checkpoints = (Path(data_dir).expanduser() if data_dir is not None else default_data_dir()) / CHECKPOINTS
+        self.checkpoints = (
+            Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+        ) / CHECKPOINT_DIR
         user_model = model is not None
         model = model if model is not None else build_model(spec, self.corpus.vocab_size)
         self.context = resolve_context(model, spec.model.context, "the model" if user_model else spec.model.source)

@@ -15,7 +15,7 @@ Design. `SpecResolver.resolve(host)`, once, early in start-up:
 - neither: `data_dir/swarm.json`.
 Then: a private swarm needs its key; the local copies of the model and tokenizer files and a `py:`
 outer optimizer must be the swarm's (their digests are in the spec); a data dir of another swarm
-with checkpoints is refused; the spec is saved as `swarm.json`. `serve` answers other peers'
+with checkpoints is refused (node/spec/data_dir.py); the spec is saved as `swarm.json`. `serve` answers other peers'
 `SPEC_RPC` with it from then on.
 
 Failures. An entry peer that cannot be reached, or whose spec RPC is not up yet (starting,
@@ -44,6 +44,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import check_local_copy
 from meshtrain.node.phase import NodeError
 from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.data_dir import SPEC_FILE, claim_data_dir
 from meshtrain.node.spec.outer import check_copy as check_outer_copy
 from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec, SpecError, parse_join_address
 from meshtrain.transport.host import Host
@@ -51,7 +52,6 @@ from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcUnavailabl
 
 log = get_logger(__name__)
 
-SPEC_FILE = "swarm.json"
 SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
 
 
@@ -121,15 +121,8 @@ class SpecResolver:
             check_outer_copy(spec)
 
         await trio.to_thread.run_sync(check_copies)
-        existing = self.data_dir / SPEC_FILE
-        if existing.exists():
-            old = SignedSpec.load(existing)
-            if old.swarm_id != signed.swarm_id and (self.data_dir / "checkpoints").exists():
-                raise NodeError(
-                    f"{self.data_dir} holds swarm {old.swarm_id}, not {signed.swarm_id}; "
-                    f"use another --data-dir for another swarm"
-                )
-        signed.save(existing)
+        claim_data_dir(self.data_dir, signed.swarm_id)
+        signed.save(self.data_dir / SPEC_FILE)
         self.signed = signed
         return signed
 

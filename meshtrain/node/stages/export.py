@@ -73,6 +73,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.models.sources import HFCausalLM, resolve_context
 from meshtrain.models.staged import staged
 from meshtrain.node.export import Trained, check_export_target, load_spec, spec_tokenizer, write_export
+from meshtrain.node.spec.data_dir import CHECKPOINT_DIR
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.stages.peer import PipelinePeer
 from meshtrain.node.stages.trainer import checkpoint_stage
@@ -347,7 +348,7 @@ def load_assembled(
 def export_offline(data_dir: str | os.PathLike[str], out: Path, signed: SignedSpec) -> dict[str, Any]:
     """No daemon: assemble from the data dir's checkpoints, the newest of each stage, if they hold
     every stage; else ExportError naming the missing stages."""
-    store_dir = Path(data_dir).expanduser() / "checkpoints"
+    store_dir = Path(data_dir).expanduser() / CHECKPOINT_DIR
     newest: dict[int, tuple[int, dict[str, Any]]] = {}
     if store_dir.is_dir():
         store = CheckpointStore(store_dir, readonly=True)

@@ -129,6 +129,7 @@ from meshtrain.node.phase import Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import Precision, device_label, free_bytes, resolve_device, synchronize
 from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.data_dir import CHECKPOINT_DIR
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.stages.announce import PipelineAnnouncements
 from meshtrain.node.stages.handover import StageHandover
@@ -199,7 +200,7 @@ class PipelinePeer:
         self.config = config
         self.phase = phase
         self.stop = stop
-        self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.store = CheckpointStore(data_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints)
         self.announcements = PipelineAnnouncements(presence, spec.pipeline.stages)
         self.handover = StageHandover(spec, config, streams, self.announcements, stop)
         self.states = self.handover.states

@@ -68,6 +68,7 @@ from meshtrain.log import get_logger, kv
 from meshtrain.node.phase import Phase, StoppedWhileStarting, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.data_dir import CHECKPOINT_DIR
 from meshtrain.node.state.checkpoint import CheckpointStore, PendingCheckpoint, flatten_state
 from meshtrain.node.state.donor import StateDonor
 from meshtrain.node.state.download import SwarmDownload
@@ -104,7 +105,7 @@ class RunState(Service):
         self.config = config
         self.phase = phase
         self.stop = stop
-        self.store = CheckpointStore(data_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.store = CheckpointStore(data_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints)
         self.parity = ParityMonitor(presence.me, enabled=trainer.outer.replicas_identical)
         self.donor = StateDonor(presence.host, streams, upload_limit=config.donor_upload_mib * 2**20 or None)
         trainer.outer.before_state_change.append(self.donor.reclaim)  # the lent state comes back first

@@ -1,0 +1,46 @@
+"""A node's data dir belongs to one swarm.
+
+The problem. A data dir holds a swarm's spec (`swarm.json`) and the checkpoints a node resumes at
+start (`checkpoints/`). Checkpoints carry no swarm id, so a dir reused for another swarm — `swarm
+create` run again into it, or `node start --swarm <another spec>` — would resume the first swarm's
+state as the second's: its weights trained on as if they were the new swarm's, or, under another
+schedule, a start that fails on "state was made with a different H".
+
+Design. `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
+checkpoints beside a spec of another swarm (or a spec that does not read, whose checkpoints are
+nobody's we know), it refuses with a `ConfigError` that names both swarms and the fix. A dir
+without checkpoints is free to take: nothing in it would be resumed. `swarm create` and the
+node's start (node/spec/resolve.py) both call it, so the check is one.
+
+Not here: what is inside a checkpoint (node/state/checkpoint.py), the address book's own swarm
+check (node/state/address_book.py: it starts afresh, as addresses are cheap to learn again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from meshtrain.errors import ConfigError
+from meshtrain.node.spec.signed import SignedSpec, SpecError
+
+SPEC_FILE = "swarm.json"  # the spec a data dir runs (`node start` without one given)
+CHECKPOINT_DIR = "checkpoints"  # the node's checkpoints, under the data dir
+
+
+def claim_data_dir(data_dir: str | os.PathLike[str], swarm_id: str) -> None:
+    """`ConfigError` unless `data_dir` may hold swarm `swarm_id` (module docstring)."""
+    root = Path(data_dir).expanduser()
+    if not (root / SPEC_FILE).exists() or not (root / CHECKPOINT_DIR).exists():
+        return
+    try:
+        held: str | None = SignedSpec.from_wire(json.loads((root / SPEC_FILE).read_text())).swarm_id
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, SpecError):
+        held = None
+    if held != swarm_id:
+        whose = f"swarm {held}" if held else f"a swarm whose {SPEC_FILE} does not read"
+        raise ConfigError(
+            f"{root} holds the checkpoints of {whose}, not of {swarm_id}: use another --data-dir for "
+            f"another swarm (or move {root / CHECKPOINT_DIR} away to start this one afresh there)"
+        )
