@@ -32,6 +32,7 @@ from meshtrain.node.status.server import StatusServer
 
 from .conftest import ROOT
 
+PEER = "12D3KooWQJhGMCrxAi6BKyA5c1QxyJzTUYDSQxXbmaSqvR5YDMFx"  # a well-formed peer id nobody runs
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--threads", "1"]
 
 
@@ -162,6 +163,20 @@ def test_no_swarm_and_no_node_running_are_clear(tmp_path):
     for action in ("status", "stop"):
         r = cli("node", action, "--data-dir", str(tmp_path))
         assert r.returncode == 1 and "no node is running" in r.stderr, r.stderr
+
+
+def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    file, under_file = (tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "cannot make")
+    for args, (data_dir, needle) in (
+        (["swarm", "create"], file),
+        (["swarm", "create"], under_file),
+        (["node", "start", *LOOPBACK], file),
+        (["swarm", "join", "/ip4/127.0.0.1/tcp/9/p2p/" + PEER], under_file),
+    ):
+        r = cli(*args, "--data-dir", str(data_dir))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert needle in r.stderr.strip().splitlines()[-1] and str(data_dir) in r.stderr, r.stderr
 
 
 def test_a_data_dir_holding_a_swarms_checkpoints_is_not_taken_by_another_swarm(tmp_path):

@@ -232,7 +232,7 @@ def _node_stop(args: argparse.Namespace) -> int:
 
 def _swarm_create(args: argparse.Namespace) -> int:
     from meshtrain.node.spec.config import load_node_config
-    from meshtrain.node.spec.data_dir import SPEC_FILE, claim_data_dir
+    from meshtrain.node.spec.data_dir import SPEC_FILE, claim_data_dir, make_data_dir
     from meshtrain.node.spec.signed import SignedSpec
     from meshtrain.node.spec.swarm import parse_spec
     from meshtrain.transport.identity import Identity
@@ -249,7 +249,7 @@ def _swarm_create(args: argparse.Namespace) -> int:
 
         digest = dataset_digest(spec.data.dataset, spec.data.eval_dataset)
         spec = parse_spec({**values, "dataset_digest": digest}, form="flat")
-    identity = Identity.load_or_create(config.data_dir)
+    identity = Identity.load_or_create(make_data_dir(config.data_dir))
     signed = SignedSpec.create(spec, identity)
     if args.out is None:  # the spec goes into the data dir, which `node start` then runs
         claim_data_dir(config.data_dir, signed.swarm_id)

@@ -88,6 +88,7 @@ from meshtrain.node.phase import NodeError, Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import resolve_device
 from meshtrain.node.spec.config import NodeConfig
+from meshtrain.node.spec.data_dir import make_data_dir
 from meshtrain.node.spec.resolve import SpecResolver
 from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec
 from meshtrain.node.stages.export import PipelineExporter
@@ -271,7 +272,7 @@ class Node:
 
     async def _run(self) -> NodeResult:
         self._token = trio.lowlevel.current_trio_token()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_data_dir(self.data_dir)
         async with AsyncExitStack() as stack:
             # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
             # reach the node, which then stops as soon as it can (before its first step).

@@ -58,6 +58,7 @@ from meshtrain.log import get_logger
 from meshtrain.node.daemon import Node, NodeResult
 from meshtrain.node.phase import StoppedWhileStarting
 from meshtrain.node.spec.config import NodeConfig, load_node_config
+from meshtrain.node.spec.data_dir import make_data_dir
 from meshtrain.node.spec.outer import check_matches
 from meshtrain.node.spec.signed import SignedSpec
 from meshtrain.node.spec.swarm import SwarmSpec
@@ -107,8 +108,7 @@ class Swarm(ForwardingCollective):
         """Create a swarm with `spec`, signed with this data dir's identity (created if new)."""
         config = _config(data_dir, options)
         if isinstance(spec, SwarmSpec):
-            config.data_dir.mkdir(parents=True, exist_ok=True)
-            spec = SignedSpec.create(spec, Identity.load_or_create(config.data_dir))
+            spec = SignedSpec.create(spec, Identity.load_or_create(make_data_dir(config.data_dir)))
         return cls(config, spec=spec)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""A node's data dir belongs to one swarm.
+"""A node's data dir: made once, usable, and belonging to one swarm.
 
 The problem. A data dir holds a swarm's spec (`swarm.json`) and the checkpoints a node resumes at
 start (`checkpoints/`). Checkpoints carry no swarm id, so a dir reused for another swarm — `swarm
@@ -6,7 +6,10 @@ create` run again into it, or `node start --swarm <another spec>` — would resu
 state as the second's: its weights trained on as if they were the new swarm's, or, under another
 schedule, a start that fails on "state was made with a different H".
 
-Design. `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
+Design. `make_data_dir(dir)` creates it (with its parents) where a node, `swarm create` or
+`Swarm.create` first writes to it; a path that cannot be a data dir (a file in its place, a
+parent that does not exist on a read-only filesystem, a dir we may not write) is a one-line
+`ConfigError`, not an `OSError`'s traceback. `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
 checkpoints beside a spec of another swarm (or a spec that does not read, whose checkpoints are
 nobody's we know), it refuses with a `ConfigError` that names both swarms and the fix. A dir
 without checkpoints is free to take: nothing in it would be resumed. `swarm create` and the
@@ -27,6 +30,20 @@ from meshtrain.node.spec.signed import SignedSpec, SpecError
 
 SPEC_FILE = "swarm.json"  # the spec a data dir runs (`node start` without one given)
 CHECKPOINT_DIR = "checkpoints"  # the node's checkpoints, under the data dir
+
+
+def make_data_dir(data_dir: str | os.PathLike[str]) -> Path:
+    """`data_dir`, created if new; `ConfigError` where it cannot be a data dir (module docstring)."""
+    root = Path(data_dir).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"the data dir {root} is a file, not a directory (--data-dir chooses another)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make the data dir {root}: {e.strerror or e} (--data-dir chooses another)") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"the data dir {root} is not writable by this user (--data-dir chooses another)")
+    return root
 
 
 def claim_data_dir(data_dir: str | os.PathLike[str], swarm_id: str) -> None:
