@@ -179,6 +179,34 @@ def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(tmp_path):
         assert needle in r.stderr.strip().splitlines()[-1] and str(data_dir) in r.stderr, r.stderr
 
 
+@pytest.mark.slow
+def test_a_second_node_on_a_running_nodes_data_dir_is_refused_and_leaves_it_alone(tmp_path):
+    """Found by starting a node twice: the second took the same peer id, overwrote daemon.json and
+    control.token, and `node stop` could no longer reach the first, which trained on."""
+    d = tmp_path / "a"
+    create(d, "--model", "gpt-tiny", "--H", "10", "--steps", "0")
+    log = tmp_path / "a.log"
+    first = start("--data-dir", str(d), log=log)
+    info = wait_daemon(d, first, log)
+    files = {name: (d / name).read_bytes() for name in ("daemon.json", "control.token", "swarm.json")}
+    r = cli("node", "start", "--data-dir", str(d), *LOOPBACK)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"a node (pid {info['pid']}) already runs with the data dir {d}" in r.stderr.strip().splitlines()[-1]
+    assert {name: (d / name).read_bytes() for name in files} == files
+    assert cli("node", "stop", "--data-dir", str(d), "--wait").returncode == 0
+    assert first.wait(timeout=60) == 0
+    # The lock went with its node: the dir is free again (and after a kill -9 as well).
+    second = start("--data-dir", str(d), log=log)
+    assert wait_daemon(d, second, log)["pid"] == second.pid
+    second.kill()
+    second.wait()
+    third = start("--data-dir", str(d), log=log)
+    deadline = time.monotonic() + 60  # the killed node's daemon.json stays until the third's replaces it
+    while json.loads((d / "daemon.json").read_text())["pid"] != third.pid:
+        assert third.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)  # sleep: poll interval
+
+
 def test_a_data_dir_holding_a_swarms_checkpoints_is_not_taken_by_another_swarm(tmp_path):
     """Checkpoints carry no swarm id: a dir reused for another swarm would resume the first one's
     state as the second's (found by a soak whose run dir held an earlier run's checkpoints: its

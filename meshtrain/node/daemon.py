@@ -21,7 +21,8 @@ Files in `data_dir`: identity.key (0600), swarm.json (the signed spec), checkpoi
 daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/stop` find us),
 control.token (0600: the bearer token `node stop` must present), history.json (loss history),
 strikes.bin (the swarm's signed strikes, node/trust/strikes.py), admission.json (our proof of work),
-peers.json (the swarm's trainers we saw, to find them again after a restart: node/state/address_book.py).
+peers.json (the swarm's trainers we saw, to find them again after a restart: node/state/address_book.py),
+node.lock (flocked while we run: one node per data dir, of one swarm: node/spec/data_dir.py).
 
 Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the
@@ -88,7 +89,7 @@ from meshtrain.node.phase import NodeError, Phase, StopRequest
 from meshtrain.node.presence import PeerPresence
 from meshtrain.node.ranks.devices import resolve_device
 from meshtrain.node.spec.config import NodeConfig
-from meshtrain.node.spec.data_dir import make_data_dir
+from meshtrain.node.spec.data_dir import DataDirLock, make_data_dir
 from meshtrain.node.spec.resolve import SpecResolver
 from meshtrain.node.spec.signed import SPEC_RPC, JoinTarget, SignedSpec
 from meshtrain.node.stages.export import PipelineExporter
@@ -274,6 +275,7 @@ class Node:
         self._token = trio.lowlevel.current_trio_token()
         make_data_dir(self.data_dir)
         async with AsyncExitStack() as stack:
+            stack.enter_context(DataDirLock(self.data_dir))  # one node per data dir
             # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
             # reach the node, which then stops as soon as it can (before its first step).
             if not self._user_loop:

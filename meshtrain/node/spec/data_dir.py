@@ -1,4 +1,4 @@
-"""A node's data dir: made once, usable, and belonging to one swarm.
+"""A node's data dir: made once, usable, run by one node at a time, and belonging to one swarm.
 
 The problem. A data dir holds a swarm's spec (`swarm.json`) and the checkpoints a node resumes at
 start (`checkpoints/`). Checkpoints carry no swarm id, so a dir reused for another swarm — `swarm
@@ -9,18 +9,30 @@ schedule, a start that fails on "state was made with a different H".
 Design. `make_data_dir(dir)` creates it (with its parents) where a node, `swarm create` or
 `Swarm.create` first writes to it; a path that cannot be a data dir (a file in its place, a
 parent that does not exist on a read-only filesystem, a dir we may not write) is a one-line
-`ConfigError`, not an `OSError`'s traceback. `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
+`ConfigError`, not an `OSError`'s traceback.
+
+One node at a time. Two nodes on one dir would be one peer id twice in the swarm, write
+checkpoints into one directory, and the second would overwrite `daemon.json` and `control.token`,
+so `node stop` could no longer reach the first (found by starting a node twice). A running node
+holds `DataDirLock`: an exclusive `flock` on `node.lock`, which the kernel lets go when the
+process ends however it ends (`kill -9` included), so a stale lock cannot outlive its node; the
+file holds the holder's pid, which the refusal names. Local ranks other than 0 run no node and
+take no lock (node/local_ranks.py).
+
+`claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
 checkpoints beside a spec of another swarm (or a spec that does not read, whose checkpoints are
 nobody's we know), it refuses with a `ConfigError` that names both swarms and the fix. A dir
 without checkpoints is free to take: nothing in it would be resumed. `swarm create` and the
 node's start (node/spec/resolve.py) both call it, so the check is one.
 
-Not here: what is inside a checkpoint (node/state/checkpoint.py), the address book's own swarm
+Not here: locking the files themselves against other programs (`node export` reads a running
+node's checkpoints, which are written atomically: node/state/checkpoint.py); what is inside a checkpoint (node/state/checkpoint.py), the address book's own swarm
 check (node/state/address_book.py: it starts afresh, as addresses are cheap to learn again).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -30,6 +42,7 @@ from meshtrain.node.spec.signed import SignedSpec, SpecError
 
 SPEC_FILE = "swarm.json"  # the spec a data dir runs (`node start` without one given)
 CHECKPOINT_DIR = "checkpoints"  # the node's checkpoints, under the data dir
+LOCK_FILE = "node.lock"  # flocked by the node running on the dir; holds its pid
 
 
 def make_data_dir(data_dir: str | os.PathLike[str]) -> Path:
@@ -61,3 +74,34 @@ def claim_data_dir(data_dir: str | os.PathLike[str], swarm_id: str) -> None:
             f"{root} holds the checkpoints of {whose}, not of {swarm_id}: use another --data-dir for "
             f"another swarm (or move {root / CHECKPOINT_DIR} away to start this one afresh there)"
         )
+
+
+class DataDirLock:
+    """Held while a node runs on `data_dir` (a context manager): `ConfigError` naming the holder's
+    pid where another process holds it (module docstring)."""
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(data_dir).expanduser() / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self) -> DataDirLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            root = self.path.parent
+            raise ConfigError(
+                f"a node{f' (pid {holder})' if holder.isdigit() else ''} already runs with the data dir {root}: "
+                f"stop it (`meshtrain node stop --data-dir {root}`) or give this one another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing lets the flock go
+            self.fd = None
