@@ -26,6 +26,8 @@ import pytest
 import torch
 import trio
 
+from meshtrain.errors import ConfigError
+from meshtrain.node.spec.data_dir import DataDirLock
 from meshtrain.node.spec.swarm import SwarmSpec
 from meshtrain.node.state.checkpoint import CheckpointStore
 from meshtrain.node.status.server import StatusServer
@@ -177,6 +179,33 @@ def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(tmp_path):
         r = cli(*args, "--data-dir", str(data_dir))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert needle in r.stderr.strip().splitlines()[-1] and str(data_dir) in r.stderr, r.stderr
+
+
+def test_the_data_dir_lock_excludes_this_process_and_others_and_goes_with_its_holder(tmp_path):
+    probe = (
+        "import sys\nfrom meshtrain.errors import ConfigError\nfrom meshtrain.node.spec.data_dir import DataDirLock\n"
+        "try:\n    DataDirLock(sys.argv[1]).__enter__()\nexcept ConfigError as e:\n    sys.exit(str(e))\n"
+    )
+    with DataDirLock(tmp_path):
+        with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
+            DataDirLock(tmp_path).__enter__()  # a second Swarm of the Python API on the dir
+        r = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 1 and f"a node (pid {os.getpid()}) already runs" in r.stderr, r.stderr
+        # A child forked while we hold it (a data loader's worker) inherits the descriptor: it must
+        # not keep the lock once we let go (a flock would, past a killed node).
+        done_r, done_w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.read(done_r, 1)
+            os._exit(0)
+    try:
+        r = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(child, 0)
+    with DataDirLock(tmp_path):
+        pass
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ daemon.json (pid, peer id, addresses, status url: how `meshtrain node status/sto
 control.token (0600: the bearer token `node stop` must present), history.json (loss history),
 strikes.bin (the swarm's signed strikes, node/trust/strikes.py), admission.json (our proof of work),
 peers.json (the swarm's trainers we saw, to find them again after a restart: node/state/address_book.py),
-node.lock (flocked while we run: one node per data dir, of one swarm: node/spec/data_dir.py).
+node.lock (locked while we run: one node per data dir, of one swarm: node/spec/data_dir.py).
 
 Every all-reduce of the swarm (the optimizer's, and any other through `node.collective`) combines
 contributions by the spec's `aggregation` (mean, trimmed_mean, clipped_mean), set once here in the

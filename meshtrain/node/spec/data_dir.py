@@ -14,9 +14,13 @@ parent that does not exist on a read-only filesystem, a dir we may not write) is
 One node at a time. Two nodes on one dir would be one peer id twice in the swarm, write
 checkpoints into one directory, and the second would overwrite `daemon.json` and `control.token`,
 so `node stop` could no longer reach the first (found by starting a node twice). A running node
-holds `DataDirLock`: an exclusive `flock` on `node.lock`, which the kernel lets go when the
-process ends however it ends (`kill -9` included), so a stale lock cannot outlive its node; the
-file holds the holder's pid, which the refusal names. Local ranks other than 0 run no node and
+holds `DataDirLock`: an exclusive POSIX record lock (`lockf`) on `node.lock`, which the kernel
+lets go when the process ends however it ends (`kill -9` included), so a stale lock cannot outlive
+its node. Not `flock`: a child forked without exec (a data loader's worker, a tokenising pool)
+would share a `flock` and keep it past a killed node; a record lock belongs to the process alone.
+Record locks do not exclude their own process, so the lock also keeps the dirs this process holds
+(two `Swarm`s of the Python API on one dir). The file holds the holder's pid, which the refusal
+names. Local ranks other than 0 run no node and
 take no lock (node/local_ranks.py).
 
 `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
@@ -36,13 +40,14 @@ import fcntl
 import json
 import os
 from pathlib import Path
+from typing import ClassVar, NoReturn
 
 from meshtrain.errors import ConfigError
 from meshtrain.node.spec.signed import SignedSpec, SpecError
 
 SPEC_FILE = "swarm.json"  # the spec a data dir runs (`node start` without one given)
 CHECKPOINT_DIR = "checkpoints"  # the node's checkpoints, under the data dir
-LOCK_FILE = "node.lock"  # flocked by the node running on the dir; holds its pid
+LOCK_FILE = "node.lock"  # locked by the node running on the dir; holds its pid
 
 
 def make_data_dir(data_dir: str | os.PathLike[str]) -> Path:
@@ -80,28 +85,37 @@ class DataDirLock:
     """Held while a node runs on `data_dir` (a context manager): `ConfigError` naming the holder's
     pid where another process holds it (module docstring)."""
 
+    held: ClassVar[set[Path]] = set()  # the lock files this process holds
+
     def __init__(self, data_dir: str | os.PathLike[str]) -> None:
-        self.path = Path(data_dir).expanduser() / LOCK_FILE
+        self.path = (Path(data_dir).expanduser() / LOCK_FILE).resolve()
         self.fd: int | None = None
 
     def __enter__(self) -> DataDirLock:
+        if self.path in DataDirLock.held:
+            self._refuse(str(os.getpid()))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EAGAIN or EACCES: another process holds it
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
-            root = self.path.parent
-            raise ConfigError(
-                f"a node{f' (pid {holder})' if holder.isdigit() else ''} already runs with the data dir {root}: "
-                f"stop it (`meshtrain node stop --data-dir {root}`) or give this one another --data-dir"
-            ) from None
+            self._refuse(holder)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
+        DataDirLock.held.add(self.path)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing lets the flock go
+            DataDirLock.held.discard(self.path)
+            os.close(self.fd)  # closing our only descriptor of the file lets the lock go
             self.fd = None
+
+    def _refuse(self, holder: str) -> NoReturn:
+        root = self.path.parent
+        raise ConfigError(
+            f"a node{f' (pid {holder})' if holder.isdigit() else ''} already runs with the data dir {root}: "
+            f"stop it (`meshtrain node stop --data-dir {root}`) or give this one another --data-dir"
+        ) from None
