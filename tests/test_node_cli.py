@@ -138,6 +138,7 @@ def phi(data_dir: Path) -> dict[str, torch.Tensor]:
         (["swarm", "create", "--optimizer", "adamw"], {}, "optimizer"),
         (["swarm", "create", "--optimizer", "streaming", "--H", "30", "--fragments", "4"], {}, "multiple"),
         (["swarm", "join", "not-a-multiaddr"], {}, "multiaddr"),
+        (["swarm", "create", "--out", "/proc/no/swarm.json"], {}, "cannot write the swarm spec to /proc/no"),
         (["node", "frobnicate"], {}, "invalid choice"),
     ],
 )
@@ -258,8 +259,11 @@ def test_a_data_dir_holding_a_swarms_checkpoints_is_not_taken_by_another_swarm(t
         assert (a / "swarm.json").read_bytes() == spec  # nothing of the dir was overwritten
     assert other in errors[0]
 
-    # A spec written elsewhere leaves the dir alone; with its checkpoints moved away, the dir is free.
-    assert cli("swarm", "create", "--data-dir", str(a), "--H", "20", "--out", str(tmp_path / "x.json")).returncode == 0
+    # A spec written elsewhere (--out a directory: into it) leaves the dir alone; with its
+    # checkpoints moved away, the dir is free.
+    (tmp_path / "specs").mkdir()
+    assert cli("swarm", "create", "--data-dir", str(a), "--H", "20", "--out", str(tmp_path / "specs")).returncode == 0
+    assert (tmp_path / "specs" / "swarm.json").is_file()
     (a / "checkpoints").rename(tmp_path / "old-checkpoints")
     assert create(a, "--model", "gpt-tiny", "--H", "20", "--steps", "0") != first
 

@@ -253,7 +253,13 @@ def _swarm_create(args: argparse.Namespace) -> int:
     signed = SignedSpec.create(spec, identity)
     if args.out is None:  # the spec goes into the data dir, which `node start` then runs
         claim_data_dir(config.data_dir, signed.swarm_id)
-    out = signed.save(args.out or Path(config.data_dir).expanduser() / SPEC_FILE)
+    out = Path(args.out).expanduser() if args.out else Path(config.data_dir).expanduser() / SPEC_FILE
+    if out.is_dir():  # `--out somewhere/`: the spec goes in it, under the name a data dir gives it
+        out /= SPEC_FILE
+    try:
+        signed.save(out)
+    except OSError as e:
+        raise ConfigError(f"cannot write the swarm spec to {out}: {e.strerror or e}") from None
     if not spec.model.context and signed.spec.model.context:
         from meshtrain.models.sources import capped_context
 

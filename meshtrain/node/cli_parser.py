@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = swarm.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     create = ssub.add_parser("create", help="write a swarm spec signed by this node's key", more_args=_spec_flags)
     create.add_argument("--data-dir", help="whose key signs (default ~/.local/share/meshtrain)")
-    create.add_argument("--out", help="where to write the spec (default: <data dir>/swarm.json)")
+    create.add_argument(
+        "--out", help="where to write the spec (default: <data dir>/swarm.json; a directory: swarm.json in it)"
+    )
     create.add_argument(
         "--private",
         action="store_true",
