@@ -142,6 +142,12 @@ def test_py_factory_round_trips_through_export(tmp_path):
     for n, p in rebuilt.named_parameters():
         assert torch.equal(p.detach(), trainer.outer.outer_params[n]), n
     assert isinstance(generate(load_trained(tmp_path / "d"), "ab", max_new_tokens=5), str)
+    r = cli("export", "--data-dir", str(tmp_path / "d"), "--out", "/proc/no/out")  # a place nothing can be written
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == "meshtrain: error: cannot export into /proc/no/out: No such file or directory (--out chooses another)"
+    )
     # The factory's file changed after the swarm was created: export refuses, naming the model.
     source.write_text(FACTORY + "\n# edited\n")
     r = cli("export", "--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "out2"))

@@ -139,11 +139,13 @@ def phi(data_dir: Path) -> dict[str, torch.Tensor]:
         (["swarm", "create", "--optimizer", "streaming", "--H", "30", "--fragments", "4"], {}, "multiple"),
         (["swarm", "join", "not-a-multiaddr"], {}, "multiaddr"),
         (["swarm", "create", "--out", "/proc/no/swarm.json"], {}, "cannot write the swarm spec to /proc/no"),
+        (["demo", "--out", "/proc/no"], {}, "cannot make the demo's directory /proc/no"),
         (["node", "frobnicate"], {}, "invalid choice"),
     ],
 )
 def test_config_errors_are_one_line_with_exit_code_2(tmp_path, args, env, needle):
-    r = cli(*args, "--data-dir", str(tmp_path), env=env) if args[-1] != "frobnicate" else cli(*args)
+    takes_data_dir = args[0] in ("node", "swarm") and args[-1] != "frobnicate"
+    r = cli(*args, "--data-dir", str(tmp_path), env=env) if takes_data_dir else cli(*args, env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.node.spec.data_dir import make_writable_dir
 from meshtrain.node.status.client import DAEMON_FILE
 from meshtrain.optim import BUILTIN_OPTIMIZERS
 
@@ -241,7 +242,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "nodes").exists():
         shutil.rmtree(out / "nodes")
-    out.mkdir(parents=True, exist_ok=True)
+    make_writable_dir(out, "the demo's directory", "--out")
     swarm = _Swarm(out, args.nodes)
     created = subprocess.run(
         _cli(

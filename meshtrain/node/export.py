@@ -218,7 +218,10 @@ def write_export(trained: Trained, out: str | os.PathLike[str], extra: dict[str,
     spec = trained.signed.spec
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ConfigError(f"cannot export into {target}: {e.strerror or e} (--out chooses another)") from None
     try:
         _save_model(trained, tmp)
         _save_tokenizer(trained.tokenizer, tmp)

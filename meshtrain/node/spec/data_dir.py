@@ -52,15 +52,21 @@ LOCK_FILE = "node.lock"  # locked by the node running on the dir; holds its pid
 
 def make_data_dir(data_dir: str | os.PathLike[str]) -> Path:
     """`data_dir`, created if new; `ConfigError` where it cannot be a data dir (module docstring)."""
-    root = Path(data_dir).expanduser()
+    return make_writable_dir(data_dir, "the data dir", "--data-dir")
+
+
+def make_writable_dir(path: str | os.PathLike[str], what: str, flag: str) -> Path:
+    """`path`, created (with its parents) if new; a one-line `ConfigError` naming `what` it is and
+    the `flag` that chooses another where it cannot be made or written (a user's mistake)."""
+    root = Path(path).expanduser()
     if root.exists() and not root.is_dir():
-        raise ConfigError(f"the data dir {root} is a file, not a directory (--data-dir chooses another)")
+        raise ConfigError(f"{what} {root} is a file, not a directory ({flag} chooses another)")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot make the data dir {root}: {e.strerror or e} (--data-dir chooses another)") from None
+        raise ConfigError(f"cannot make {what} {root}: {e.strerror or e} ({flag} chooses another)") from None
     if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"the data dir {root} is not writable by this user (--data-dir chooses another)")
+        raise ConfigError(f"{what} {root} is not writable by this user ({flag} chooses another)")
     return root
 
 
