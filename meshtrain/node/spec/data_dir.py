@@ -99,7 +99,10 @@ class DataDirLock:
 
     def __enter__(self) -> DataDirLock:
         if self.path in DataDirLock.held:
-            self._refuse(str(os.getpid()))
+            raise ConfigError(
+                f"this process already runs a node with the data dir {self.path.parent} (a `Swarm` not yet "
+                f"left: `swarm.leave()`, or leave its `with swarm:` block, before opening the dir again)"
+            )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
