@@ -18,7 +18,7 @@ from meshtrain.dht.records import Record
 from meshtrain.dht.swarm_index import SWARMS_KEY, SwarmAdvert, advert_subkey
 from meshtrain.errors import ConfigError
 from meshtrain.node.cli import main
-from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, load_node_config
+from meshtrain.node.spec.config import DEFAULT_CONFIG_FILE, NodeConfig, load_node_config
 from meshtrain.node.spec.listing import format_table, pick_swarm, verify_adverts
 from meshtrain.node.spec.signed import SignedSpec, parse_join_address
 from meshtrain.node.spec.swarm import SwarmSpec, parse_spec
@@ -261,3 +261,47 @@ async def test_a_private_swarm_needs_its_key_and_the_flag_is_checked(tmp_path, c
         await Node(config, spec=private).run()
     assert main(["node", "start", "--data-dir", str(tmp_path / "n"), "--swarm-key", "not-hex"]) == 2
     assert "swarm_key: must be 64 hexadecimal characters" in capsys.readouterr().err
+
+
+async def test_a_joiner_that_cannot_reach_a_private_swarm_is_told_the_key_may_be_why(tmp_path) -> None:
+    """libp2p's private networks drop a handshake without the key, so to the joiner a private
+    peer looks absent: what start-up says while it waits, and on giving up, names the key."""
+    import os
+
+    import trio
+
+    from meshtrain.node.phase import NodeError
+    from meshtrain.node.spec.resolve import SpecResolver
+    from meshtrain.transport.host import Host, HostConfig
+
+    said: list[str | None] = []
+
+    class StopAfterTwoTries:
+        tries = 0
+
+        def is_set(self) -> bool:
+            return self.tries >= 2
+
+        async def sleep(self, seconds: float) -> None:
+            self.tries += 1
+
+    key = os.urandom(32).hex()
+    async with Host(Identity.generate(), HostConfig(swarm_key=key)) as private:
+        for ours, hint in (
+            (None, "without the swarm's key: --swarm-key"),
+            (os.urandom(32).hex(), "is our --swarm-key"),
+        ):
+            config = NodeConfig(data_dir=tmp_path / "j", listen=["/ip4/127.0.0.1/tcp/0"], swarm_key=ours)
+            resolver = SpecResolver(
+                config,
+                tmp_path / "j",
+                spec=None,
+                join=private.addrs[0],
+                stop=StopAfterTwoTries(),
+                on_waiting=said.append,
+            )
+            resolver.try_timeout = 2.0  # the dial may hang rather than fail: the other end ignores us
+            async with Host(Identity.generate(), HostConfig(swarm_key=ours)) as joiner:
+                with trio.fail_after(60), pytest.raises(NodeError, match=f"stopped before .* answered .*{hint}"):
+                    await resolver.fetch(joiner, None, [private.addrs[0]])
+            assert any(s is not None and hint in s for s in said), said

@@ -53,6 +53,7 @@ from meshtrain.transport.rpc import RemoteError, RpcProtocolError, RpcUnavailabl
 log = get_logger(__name__)
 
 SPEC_ATTEMPTS = 5  # a connected peer that serves no spec this many times over is not a meshtrain node
+SPEC_TRY_TIMEOUT = 15.0  # seconds for one try's connect, and for its spec RPC
 
 
 class Stop(Protocol):
@@ -85,6 +86,7 @@ class SpecResolver:
         self.stop = stop
         self.on_waiting = on_waiting
         self.signed: SignedSpec | None = None
+        self.try_timeout = SPEC_TRY_TIMEOUT
 
     async def resolve(self, host: Host) -> SignedSpec:
         """The swarm's spec, checked against this machine and saved in the data dir (module docstring)."""
@@ -138,13 +140,15 @@ class SpecResolver:
         backoff = Backoff(initial=2.0, cap=30.0)
         unavailable = attempt = 0
         error: MeshtrainError
+        unreached = False  # the last try did not connect at all (not a peer that serves no spec yet)
         try:
             while True:
                 addr = addrs[attempt % len(addrs)]
                 attempt += 1
                 try:
-                    peer = await host.connect(addr, timeout=15)
-                    return SignedSpec.from_wire(await host.rpc.call(peer, SPEC_RPC, {}, timeout=15), expect_id=want)
+                    peer = await host.connect(addr, timeout=self.try_timeout)
+                    reply = await host.rpc.call(peer, SPEC_RPC, {}, timeout=self.try_timeout)
+                    return SignedSpec.from_wire(reply, expect_id=want)
                 except (RemoteError, RpcProtocolError) as e:
                     raise NodeError(f"{addr} did not send a swarm spec ({e}); is it a meshtrain node?") from None
                 except SpecError as e:
@@ -153,9 +157,9 @@ class SpecResolver:
                     unavailable += 1
                     if unavailable >= SPEC_ATTEMPTS:
                         raise NodeError(f"{addr} serves no swarm spec ({e}); is it a meshtrain node?") from None
-                    error = e
+                    error, unreached = e, False
                 except MeshtrainError as e:  # cannot connect, a timeout: the peer may come back
-                    error = e
+                    error, unreached = e, True
                 delay = backoff.next()
                 log.warning(
                     kv(
@@ -165,12 +169,24 @@ class SpecResolver:
                         retry_in_s=round(delay, 1),
                     )
                 )
-                self.on_waiting(f"joining: waiting for {addr} to answer")
+                why = f" ({self.unreached_hint()})" if unreached else ""
+                self.on_waiting(f"joining: waiting for {addr} to answer{why}")
                 await self.stop.sleep(delay)
                 if self.stop.is_set():
-                    raise NodeError(f"stopped before {addr} answered")
+                    raise NodeError(f"stopped before {addr} answered{why}")
         finally:
             self.on_waiting(None)
+
+    def unreached_hint(self) -> str:
+        """Why a peer to join through may not connect: with libp2p's private networks a wrong or
+        missing swarm key looks to the dialler like a peer that is not there (the other end
+        drops the handshake), so the hint names both."""
+        if self.config.swarm_key is None:
+            return (
+                "is it running and reachable from here? A private swarm's peers also refuse a node "
+                "without the swarm's key: --swarm-key or MESHTRAIN_SWARM_KEY"
+            )
+        return "is it running and reachable from here, and is our --swarm-key that swarm's key?"
 
     async def find_swarm(self, target: JoinTarget) -> JoinTarget:
         """Look a swarm id or name up in the DHT's swarm index (through `config.bootstrap`)."""
