@@ -20,8 +20,9 @@ its node. Not `flock`: a child forked without exec (a data loader's worker, a to
 would share a `flock` and keep it past a killed node; a record lock belongs to the process alone.
 Record locks do not exclude their own process, so the lock also keeps the dirs this process holds
 (two `Swarm`s of the Python API on one dir). The file holds the holder's pid, which the refusal
-names. Local ranks other than 0 run no node and
-take no lock (node/local_ranks.py).
+names. A filesystem without record locks (some network or FUSE mounts: `ENOLCK`) runs the node
+unlocked and says so once. Local ranks other than 0 run no node and take no lock
+(node/local_ranks.py).
 
 `claim_data_dir(dir, swarm_id)` before a spec is written into a dir: where the dir holds
 checkpoints beside a spec of another swarm (or a spec that does not read, whose checkpoints are
@@ -30,12 +31,14 @@ without checkpoints is free to take: nothing in it would be resumed. `swarm crea
 node's start (node/spec/resolve.py) both call it, so the check is one.
 
 Not here: locking the files themselves against other programs (`node export` reads a running
-node's checkpoints, which are written atomically: node/state/checkpoint.py); what is inside a checkpoint (node/state/checkpoint.py), the address book's own swarm
-check (node/state/address_book.py: it starts afresh, as addresses are cheap to learn again).
+node's checkpoints, which are written atomically), what is inside a checkpoint (both
+node/state/checkpoint.py), the address book's own swarm check (node/state/address_book.py: it
+starts afresh, as addresses are cheap to learn again).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -43,7 +46,10 @@ from pathlib import Path
 from typing import ClassVar, NoReturn
 
 from meshtrain.errors import ConfigError
+from meshtrain.log import get_logger, kv
 from meshtrain.node.spec.signed import SignedSpec, SpecError
+
+log = get_logger(__name__)
 
 SPEC_FILE = "swarm.json"  # the spec a data dir runs (`node start` without one given)
 CHECKPOINT_DIR = "checkpoints"  # the node's checkpoints, under the data dir
@@ -106,10 +112,13 @@ class DataDirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # EAGAIN or EACCES: another process holds it
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            self._refuse(holder)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):  # ENOLCK: this filesystem has no locks
+                log.warning(kv("cannot lock the data dir; running without the lock", path=str(self.path), error=str(e)))
+            else:  # another process holds it
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                self._refuse(holder)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
