@@ -69,6 +69,23 @@ def test_bad_host_config_is_a_config_error():
         HostConfig(listen=("not a multiaddr",))
 
 
+async def test_a_listen_address_that_cannot_be_bound_is_a_config_error_not_a_silent_host():
+    """py-libp2p logs a failed bind at DEBUG and runs with no listener: a node on a port another
+    node holds started with no address at all (transport/host.py)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for listen in ([f"/ip4/127.0.0.1/tcp/{port}"], ["/ip4/127.0.0.1/tcp/0", f"/ip4/127.0.0.1/tcp/{port}"]):
+            with pytest.raises(ConfigError, match=f"cannot listen on /ip4/127.0.0.1/tcp/{port}: its port is in use"):
+                async with Host(Identity.generate(), HostConfig(listen=tuple(listen))):
+                    pass
+    async with Host(Identity.generate(), HostConfig(listen=(f"/ip4/127.0.0.1/tcp/{port}",))) as host:
+        assert host.addrs == [f"/ip4/127.0.0.1/tcp/{port}/p2p/{host.peer_id}"]  # free again: it binds
+
+
 async def test_hosts_connect_and_know_each_other():
     async with AsyncExitStack() as stack:
         a, b = await start_peers(stack, 2, streams=False)

@@ -26,6 +26,11 @@ Choices (measured, see docs/libp2p-notes.md):
   same messages in the same order, only not waited for (multistream-select's "lazy" mode, as
   rust-libp2p's `V1Lazy`) — so py-libp2p's own server side answers it as it is. A call to a peer
   that serves the protocol is then one round trip.
+- **A listen address that fails is an error.** py-libp2p's `Swarm.listen` logs a failed bind (a
+  port another program holds: a second node on one machine with the default 4001) at DEBUG and
+  runs on with no listener; the node then started with no address at all, unreachable and
+  silent about it. `Host` checks that every configured address got its listener and otherwise
+  raises a `ConfigError` naming them.
 - **Private swarms** use libp2p pnet (`swarm_key`, 32 bytes as 64 hex chars): a peer without the
   key cannot complete even the Noise handshake. py-libp2p implements pnet with Salsa20 and an
   8-byte nonce, which is *not* go-libp2p's XSalsa20 format, so closed swarms are py-only.
@@ -303,6 +308,13 @@ class Host(Service):
 
     async def _start(self, stack: AsyncExitStack) -> None:
         await stack.enter_async_context(self.libp2p.run([parse_multiaddr(a) for a in self.config.listen]))
+        listening = self.libp2p.get_network().listeners
+        failed = [str(a) for a in self.config.listen if str(parse_multiaddr(a)) not in listening]
+        if failed:
+            raise ConfigError(
+                f"cannot listen on {', '.join(failed)}: its port is in use (another node on this machine?) or it "
+                f"is not an address of this machine; pick another --listen (/tcp/0: any free port)"
+            )
         self._nursery = await stack.enter_async_context(trio.open_nursery())
         # On the way out the nursery is cancelled first, then this closes every connection,
         # then the nursery and the listener unwind.
