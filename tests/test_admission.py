@@ -282,7 +282,7 @@ async def test_a_joiner_that_cannot_reach_a_private_swarm_is_told_the_key_may_be
         def is_set(self) -> bool:
             return self.tries >= 2
 
-        async def sleep(self, seconds: float) -> None:
+        async def sleep(self, seconds: float) -> None:  # sleep: the backoff, counted and not slept
             self.tries += 1
 
     key = os.urandom(32).hex()
