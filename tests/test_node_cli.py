@@ -170,6 +170,27 @@ def test_no_swarm_and_no_node_running_are_clear(tmp_path):
         assert r.returncode == 1 and "no node is running" in r.stderr, r.stderr
 
 
+def test_a_port_another_program_holds_is_a_one_line_error_for_each_of_the_nodes_ports(tmp_path):
+    """Two nodes on one machine with the same ports: the libp2p one used to start the node with no
+    address at all (py-libp2p drops a failed bind in silence), the status one exited 1."""
+    create(tmp_path / "d", "--model", "gpt-tiny")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        for flags, needle in (
+            (["--listen", f"/ip4/127.0.0.1/tcp/{port}", "--status-port", "0"], "pick another --listen"),
+            (["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", port], "pick another --status-port"),
+            (
+                ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-port", "0", "--data-port", port],
+                "pick another --data-port",
+            ),
+        ):
+            r = cli("node", "start", "--data-dir", str(tmp_path / "d"), "--threads", "1", *flags)
+            last = r.stderr.strip().splitlines()[-1]
+            assert r.returncode == 2 and "Traceback" not in r.stderr and needle in last and port in last, r.stderr
+
+
 def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     file, under_file = (tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "cannot make")

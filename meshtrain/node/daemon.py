@@ -620,7 +620,7 @@ class Node:
                 )
             )
         except OSError as e:
-            raise NodeError(
+            raise ConfigError(
                 f"cannot serve the status page on {self.config.status_host}:{self.config.status_port}"
                 f" ({e.strerror or e}); pick another --status-port (0 = any)"
             ) from None
