@@ -273,9 +273,8 @@ class Node:
 
     async def _run(self) -> NodeResult:
         self._token = trio.lowlevel.current_trio_token()
-        make_data_dir(self.data_dir)
         async with AsyncExitStack() as stack:
-            stack.enter_context(DataDirLock(self.data_dir))  # one node per data dir
+            stack.enter_context(DataDirLock(make_data_dir(self.data_dir)))  # one node per data dir
             # Signals first: a Ctrl-C during start-up (imports, bootstrap, a state download) must
             # reach the node, which then stops as soon as it can (before its first step).
             if not self._user_loop:
@@ -640,16 +639,8 @@ class Node:
             "token_file": str(self.data_dir / TOKEN_FILE),
         }
         write_daemon_file(self.data_dir, info)
-        log.warning(
-            kv(
-                "node started",
-                peer=host.peer_id,
-                swarm=signed.swarm_id,
-                addrs=",".join(host.addrs),
-                data_port=self.streams.port if self.streams is not None else None,
-                status=self.status_url,
-            )
-        )
+        said = {"peer": host.peer_id, "swarm": signed.swarm_id, "addrs": ",".join(host.addrs)}
+        log.warning(kv("node started", **said, data_port=info["data_port"], status=self.status_url))
 
     # -- loop mode (meshtrain.Swarm: the user's loop trains) -------------------------------------
 
