@@ -20,10 +20,12 @@ with checkpoints is refused (node/spec/data_dir.py); the spec is saved as `swarm
 
 Failures. An entry peer that cannot be reached, or whose spec RPC is not up yet (starting,
 restarting, a loaded machine), is a transient: asked again with a backoff, saying so (the node's
-`startup_waiting`), until a stop. A peer that answers with anything but a valid spec, or still
+`startup_waiting`), until a stop. One that does not connect at all may also be a private swarm's
+peer dropping our handshake (no key, or another): the waiting line and the error at a stop say so
+(`unreached_hint`). A peer that answers with anything but a valid spec, or still
 serves none after `SPEC_ATTEMPTS` tries once connected, is not a meshtrain node of that swarm:
-`NodeError`. Bad input (a private swarm without its key, a foreign data dir) is a `ConfigError`
-or `NodeError` naming the fix.
+`NodeError`. Bad input (a private swarm's spec without its key, a foreign data dir) is a
+`ConfigError` naming the fix.
 
 Not here: verifying the spec's signature and swarm id (node/spec/signed.py), building anything
 from it (node/daemon.py composes the services).
