@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 from pathlib import Path
 from typing import ClassVar, NoReturn
 
 from meshtrain.errors import ConfigError
 from meshtrain.log import get_logger, kv
-from meshtrain.node.spec.signed import SignedSpec, SpecError
+from meshtrain.node.spec.signed import SignedSpec
 
 log = get_logger(__name__)
 
@@ -82,8 +81,8 @@ def claim_data_dir(data_dir: str | os.PathLike[str], swarm_id: str) -> None:
     if not (root / SPEC_FILE).exists() or not (root / CHECKPOINT_DIR).exists():
         return
     try:
-        held: str | None = SignedSpec.from_wire(json.loads((root / SPEC_FILE).read_text())).swarm_id
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, SpecError):
+        held: str | None = SignedSpec.load(root / SPEC_FILE).swarm_id
+    except ConfigError:  # a spec that does not read: whose checkpoints these are is unknown
         held = None
     if held != swarm_id:
         whose = f"swarm {held}" if held else f"a swarm whose {SPEC_FILE} does not read"
