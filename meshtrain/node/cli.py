@@ -83,19 +83,16 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
             raise
 
     result = trio.run(run)
-    print(
-        json.dumps(
-            {
-                "stopped": True,
-                "peer_id": result.peer_id,
-                "step": result.step,
-                "rounds": result.rounds,
-                "skipped_steps": result.skipped_steps,
-                "eval_loss": result.eval_loss,
-                "checkpoint": result.checkpoint,
-            }
-        ),
-        flush=True,
+    _print_result(
+        {
+            "stopped": True,
+            "peer_id": result.peer_id,
+            "step": result.step,
+            "rounds": result.rounds,
+            "skipped_steps": result.skipped_steps,
+            "eval_loss": result.eval_loss,
+            "checkpoint": result.checkpoint,
+        }
     )
     if args.exit_at_once:
         # Everything the node owes its data dir is on disk (checkpoint fsynced, daemon.json gone):
@@ -108,6 +105,16 @@ def _run_node(args: argparse.Namespace, *, join: str | None, spec_path: str | No
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    """The node's last line, on stdout — unless its terminal was closed (SIGHUP under nohup, or a
+    stop after the hang-up): the run ended well and its checkpoint is on disk, so that is not an
+    error; stdout then goes to /dev/null, or the interpreter's own flush at exit would fail."""
+    try:
+        print(json.dumps(result), flush=True)
+    except OSError:  # EIO from a hung-up terminal, EPIPE from a closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def data_dir_of(args: argparse.Namespace) -> Path:

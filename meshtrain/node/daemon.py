@@ -6,7 +6,8 @@
           ─► SwarmCollective ─► StatusServer ─► daemon.json
           ─► Trainer, built in a worker thread ("preparing") ─► RunState
           ─► the training run (node/training_run.py: enter, train, stop, checkpoint, leave) until
-             the spec's steps, `stop()` or SIGINT/SIGTERM (a second signal exits at once)
+             the spec's steps, `stop()` or SIGINT/SIGTERM/SIGHUP (a second signal exits at once;
+             SIGHUP — a closed terminal — is left alone where it is ignored, as under nohup)
           ─► remove daemon.json; exit 0
 
 Where each concern lives: who is in the swarm and staying connected — `node/presence.py`; which
@@ -580,7 +581,8 @@ class Node:
 
     async def _watch_signals(self) -> None:
         signalled = False  # a stop for another reason (a failed local rank) is not a first signal
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)  # nohup: keep on
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *hangup) as signals:
             async for sig in signals:
                 if signalled:
                     log.warning("second signal: exiting at once")
