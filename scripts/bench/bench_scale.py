@@ -77,7 +77,9 @@ up to 2.9-3.5 GB RSS per worker (~45 MB per peer). One earlier run that failed i
 after 3 minutes kept no error; a dial or a session RPC failing on a starved machine was its only
 way to fail, and both are now retried. `BENCH_SCALE_LOG_DIR=dir` keeps every worker's log there;
 `BENCH_SCALE_PROFILE_DIR=dir` a cProfile of each worker's rounds (`worker-PID-rROUND.prof`; the
-CPU it reports then includes the profiler's). `--peers-per-process K` runs ceil(N / K) workers at
+CPU it reports then includes the profiler's), timed by the process's CPU clock
+(`BENCH_SCALE_PROFILE_CLOCK=wall` for cProfile's default, wall time: on a saturated machine that
+charges a call for the time the worker was preempted during it). `--peers-per-process K` runs ceil(N / K) workers at
 every size instead of `--procs` (the same number of peers share a trio loop, a heap and an epoll
 set at 16 and at 256 peers): it tells a cost of packing 64 peers into one process from one of the
 swarm's size. At K = 16 it measured 0.069 → 0.263 CPU-s per peer-round from 16 to 256 (×3.8,
@@ -625,7 +627,8 @@ async def _worker() -> None:
             counters.update(msgs=0, sent=0)
             gc_time["s"] = 0.0
             profile_dir = os.environ.get("BENCH_SCALE_PROFILE_DIR", "")
-            profiler = cProfile.Profile() if profile_dir else None
+            clock = time.perf_counter if os.environ.get("BENCH_SCALE_PROFILE_CLOCK") == "wall" else time.process_time
+            profiler = cProfile.Profile(clock) if profile_dir else None
             cpu0 = time.process_time()
             if profiler is not None:
                 profiler.enable()
