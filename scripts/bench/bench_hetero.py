@@ -20,12 +20,13 @@ Measured, from each node's status page (polled) and result:
   the same number of samples trained (the swarm's, the slow peer's skipped steps not counted;
   interpolated between the homogeneous run's evaluations), target within 2 %.
 
-One pair of runs is a noisy comparison at 20 rounds (the slow peer's skipped steps fall where the
-two cores' timing puts them; three single runs read 0.967 to 1.007). `--repeats N` runs the
-homogeneous and hetero swarms N times, pair k with the swarm seed k (the same θ0 and data for both
-runs of a pair, and the same four identity keys, so the same peer ids and so the same batches at
-every step: the pair differs only in the slow peer's speed), and judges the targets on the pairs' means; `pairs` holds each pair's figures.
-`hetero_steps` runs once: it only shows what the default pace costs.
+A single pair of runs was a noisy comparison (three read 0.967 to 1.007), mostly because of the
+data: a peer's batches follow from (swarm seed, peer id, step), and every run made new peer ids.
+`--repeats N` runs the homogeneous and hetero swarms N times, pair k with the swarm seed k and the
+homogeneous run's four identity keys in the hetero run — the same θ0, peer ids and batches at
+every step, so a pair differs only in the slow peer's speed — and judges the targets on the pairs'
+means; `pairs` holds each pair's figures. `hetero_steps` runs once: it only shows what the
+default pace costs.
 
 Usage: python scripts/bench/bench_hetero.py [--rounds 20] [--H 30] [--step-s 0.1] [--repeats 1]
 """
