@@ -58,8 +58,9 @@ def start_on_a_terminal(data_dir: Path, *, ignore_hangup: bool) -> tuple[subproc
     def as_a_shell_would_start_it() -> None:
         os.setsid()  # its own session, with the pty as its controlling terminal
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        if ignore_hangup:  # what `nohup` does before it execs the command
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # What `nohup` does before it execs the command, or what a login shell leaves (the
+        # default) — whatever this test runs under: a suite started under nohup passes SIG_IGN on.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hangup else signal.SIG_DFL)
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshtrain.node.cli", "node", "start", "--data-dir", str(data_dir), *LOOPBACK],
