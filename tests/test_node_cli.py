@@ -393,6 +393,15 @@ def test_status_and_stop_through_the_cli_and_sigterm_leaves_cleanly(tmp_path):
     while len(json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["peers"]) != 1:
         assert time.monotonic() < deadline, "a still lists b after it left"
         time.sleep(0.2)  # sleep: poll interval
+    # a may have been in a round with b when b left: a round of one is not the swarm's, so a
+    # re-syncs and a stop before that ends keeps no checkpoint of the solo state (by design; seen
+    # in a suite run). Alone, a trains on its own state after the download's orphan wait (20 s,
+    # node/state/download.py `ORPHAN_WAIT`): wait for two rounds past b's leaving.
+    alone_at = json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["training"]["step"]
+    deadline = time.monotonic() + 90
+    while json.loads(cli("node", "status", "--data-dir", str(a), "--json").stdout)["training"]["step"] < alone_at + 20:
+        assert time.monotonic() < deadline, "a did not train on alone after b left"
+        time.sleep(0.3)  # sleep: poll interval
     # `node stop --wait` on a: returns once a has exited.
     r = cli("node", "stop", "--data-dir", str(a), "--wait")
     assert r.returncode == 0 and "the node has exited" in r.stdout, r.stderr
