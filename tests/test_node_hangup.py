@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,19 +41,42 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def drain(master: int, into: bytearray) -> None:
-    """Read the terminal as a terminal emulator would (a full pty would block the node's logging)."""
-    while True:
+class Terminal:
+    """The master end of a pty, read as a terminal emulator would (a full pty would block the
+    node's logging). `hang_up()` closes it — on the reading thread, which owns the descriptor: a
+    number closed under a thread still reading it may be reused by the next pipe this test opens."""
+
+    def __init__(self, master: int) -> None:
+        self.master = master
+        self.seen = bytearray()
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
         try:
-            chunk = os.read(master, 65536)
-        except OSError:  # the master end was closed by the test, or the node has gone
-            return
-        if not chunk:
-            return
-        into.extend(chunk)
+            while not self._closing.is_set():
+                if select.select([self.master], [], [], 0.1)[0]:
+                    try:
+                        chunk = os.read(self.master, 65536)
+                    except OSError:  # EIO: the node (the slave's last holder) has gone
+                        chunk = b""
+                    if not chunk:
+                        self._closing.wait()
+                        break
+                    self.seen.extend(chunk)
+        finally:
+            os.close(self.master)  # the terminal goes away: the kernel hangs up its session
+
+    def hang_up(self) -> None:
+        self._closing.set()
+        self._reader.join(timeout=10)
+
+    def text(self) -> str:
+        return bytes(self.seen[-3000:]).decode(errors="replace")
 
 
-def start_on_a_terminal(data_dir: Path, *, ignore_hangup: bool) -> tuple[subprocess.Popen, int, bytearray]:
+def start_on_a_terminal(data_dir: Path, *, ignore_hangup: bool) -> tuple[subprocess.Popen, Terminal]:
     master, slave = os.openpty()
 
     def as_a_shell_would_start_it() -> None:
@@ -72,9 +96,7 @@ def start_on_a_terminal(data_dir: Path, *, ignore_hangup: bool) -> tuple[subproc
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     os.close(slave)
-    seen = bytearray()
-    threading.Thread(target=drain, args=(master, seen), daemon=True).start()
-    return proc, master, seen
+    return proc, Terminal(master)
 
 
 def step_of(data_dir: Path) -> int:
@@ -82,11 +104,11 @@ def step_of(data_dir: Path) -> int:
     return json.loads(r.stdout)["training"]["step"] if r.returncode == 0 else -1
 
 
-def wait_for_step(data_dir: Path, proc: subprocess.Popen, seen: bytearray, above: int) -> int:
+def wait_for_step(data_dir: Path, proc: subprocess.Popen, terminal: Terminal, above: int) -> int:
     deadline = time.monotonic() + 90
     while (step := step_of(data_dir)) <= above:
-        assert proc.poll() is None, bytes(seen[-3000:]).decode(errors="replace")
-        assert time.monotonic() < deadline, bytes(seen[-3000:]).decode(errors="replace")
+        assert proc.poll() is None, terminal.text()
+        assert time.monotonic() < deadline, terminal.text()
         time.sleep(0.3)  # sleep: poll interval
     return step
 
@@ -97,22 +119,23 @@ def test_a_closed_terminal_stops_the_node_cleanly_unless_it_runs_under_nohup(tmp
     d = tmp_path / "a"
     r = cli("swarm", "create", "--data-dir", str(d), "--model", "gpt-tiny", "--steps", "0")
     assert r.returncode == 0, r.stderr
-    proc, master, seen = start_on_a_terminal(d, ignore_hangup=ignore_hangup)
+    proc, terminal = start_on_a_terminal(d, ignore_hangup=ignore_hangup)
     try:
-        step = wait_for_step(d, proc, seen, above=0)
-        assert b"\x1b[K" in seen  # the live status line was drawn on the terminal (redrawn in place)
-        os.close(master)  # the terminal goes away: the kernel hangs up its session
+        step = wait_for_step(d, proc, terminal, above=0)
+        assert b"\x1b[K" in terminal.seen  # the live status line was drawn on the terminal (redrawn in place)
+        terminal.hang_up()
         if ignore_hangup:
-            after = wait_for_step(d, proc, seen, above=step + 20)  # still training, writing to nobody
+            after = wait_for_step(d, proc, terminal, above=step + 20)  # still training, writing to nobody
             assert after > step and proc.poll() is None
             r = cli("node", "stop", "--data-dir", str(d), "--wait")
             assert r.returncode == 0, r.stdout + r.stderr
         rc = proc.wait(timeout=60)
     finally:
+        terminal.hang_up()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert rc == 0, (rc, bytes(seen[-3000:]).decode(errors="replace"))
+    assert rc == 0, (rc, terminal.text())
     latest = CheckpointStore(d / "checkpoints").load_latest()
     assert latest is not None and latest.step >= step  # its last step is on disk
     assert not (d / "daemon.json").exists()  # `node status` no longer finds a node that is gone

@@ -114,7 +114,9 @@ def _print_result(result: dict[str, Any]) -> None:
     try:
         print(json.dumps(result), flush=True)
     except OSError:  # EIO from a hung-up terminal, EPIPE from a closed pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def data_dir_of(args: argparse.Namespace) -> Path:

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -131,10 +132,6 @@ def loss_at_samples(evals: list[tuple[int, float]], samples: float, peers: int) 
         if s0 <= step <= s1:
             return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
     return evals[0][1] if step < evals[0][0] else evals[-1][1]
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def main() -> None:

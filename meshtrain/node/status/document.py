@@ -236,9 +236,8 @@ def status_document(node: Node) -> dict[str, Any]:
     training.update(round_status(node))
     if training.get("waiting") is None and node.state in ("starting", "preparing"):
         # What start-up waits for (rounds say it themselves through round_status).
-        if (
-            node.signed is None and node.join_address is not None and node.join_address.addr
-        ):  # until a failed try says more
+        # Fetching the spec from the join address, until a failed try says more.
+        if node.signed is None and node.join_address is not None and node.join_address.addr:
             training["waiting"] = f"fetching the swarm spec from {node.join_address.addr}"
         elif view is None:
             training["waiting"] = "connecting to the swarm (bootstrap peers, DHT, membership)"
